@@ -1,0 +1,44 @@
+# Pagoda: `make run` serves the default tiny model, `make test` runs the tests.
+# Both install first when needed; `make install` is idempotent and quick when nothing changed.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+TORCH_CPU_VERSION := 2.13.0
+
+.PHONY: install protos check-protos test run lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# A user with a GPU keeps the torch they have; without one, take the CPU build
+	@# (an unpinned torch would pull a multi-GB CUDA build).
+	@if ! $(PY) -c "import torch" 2>/dev/null; then \
+		if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch; \
+		else $(PIP) install -q torch==$(TORCH_CPU_VERSION); fi; \
+	fi
+	$(PIP) install -q -c requirements/constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+protos: $(STAMP)
+	$(PY) scripts/gen_protos.py --out services/pb
+
+check-protos: $(STAMP)
+	$(PY) scripts/gen_protos.py --check services/pb
+
+test: $(STAMP) check-protos
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q --durations=15 tests
+
+run: $(STAMP)
+	$(VENV)/bin/pagoda serve
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check . || true
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Pagoda scheduler_svc."""

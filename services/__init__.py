@@ -1,0 +1,1 @@
+"""Pagoda services."""

@@ -1,0 +1,228 @@
+from services.pb import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MicroBatch(_message.Message):
+    __slots__ = ("micro_batch_id", "stage_index", "seq_ids", "query_lens", "context_lens", "block_table_lens", "block_tables", "token_ids", "positions", "slot_mapping", "sampling", "trace_contexts", "block_copies", "released_seq_ids", "release_all_sequences", "hidden_states", "sent_ns")
+    MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_LENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_LENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_ALL_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    micro_batch_id: int
+    stage_index: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    query_lens: _containers.RepeatedScalarFieldContainer[int]
+    context_lens: _containers.RepeatedScalarFieldContainer[int]
+    block_table_lens: _containers.RepeatedScalarFieldContainer[int]
+    block_tables: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    slot_mapping: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _containers.RepeatedCompositeFieldContainer[SequenceSampling]
+    trace_contexts: _containers.RepeatedCompositeFieldContainer[_common_pb2.TraceContext]
+    block_copies: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockCopy]
+    released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    release_all_sequences: bool
+    hidden_states: _common_pb2.Tensor
+    sent_ns: int
+    def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., query_lens: _Optional[_Iterable[int]] = ..., context_lens: _Optional[_Iterable[int]] = ..., block_table_lens: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SequenceSampling, _Mapping]]] = ..., trace_contexts: _Optional[_Iterable[_Union[_common_pb2.TraceContext, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., release_all_sequences: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ...) -> None: ...
+
+class SequenceSampling(_message.Message):
+    __slots__ = ("sample", "params", "choice_index", "output_position", "entropy_seed", "eos_token_ids", "request_id")
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_SEED_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    sample: bool
+    params: _common_pb2.SamplingParams
+    choice_index: int
+    output_position: int
+    entropy_seed: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    request_id: str
+    def __init__(self, sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., choice_index: _Optional[int] = ..., output_position: _Optional[int] = ..., entropy_seed: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ForwardAck(_message.Message):
+    __slots__ = ("micro_batch_id", "received_ns")
+    MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
+    micro_batch_id: int
+    received_ns: int
+    def __init__(self, micro_batch_id: _Optional[int] = ..., received_ns: _Optional[int] = ...) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ("subscriber",)
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    subscriber: str
+    def __init__(self, subscriber: _Optional[str] = ...) -> None: ...
+
+class StageEvent(_message.Message):
+    __slots__ = ("stage_index", "epoch", "ready", "done")
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    stage_index: int
+    epoch: int
+    ready: StageLoadInfo
+    done: MicroBatchDone
+    def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., ready: _Optional[_Union[StageLoadInfo, _Mapping]] = ..., done: _Optional[_Union[MicroBatchDone, _Mapping]] = ...) -> None: ...
+
+class MicroBatchDone(_message.Message):
+    __slots__ = ("micro_batch_id", "error", "timing", "sampled", "num_block_copies_applied")
+    MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCK_COPIES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    micro_batch_id: int
+    error: _common_pb2.ErrorStatus
+    timing: StepTiming
+    sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    num_block_copies_applied: int
+    def __init__(self, micro_batch_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_block_copies_applied: _Optional[int] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("seq_id", "token_id", "logprobs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_id: int
+    logprobs: _common_pb2.TopLogprobs
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
+
+class StepTiming(_message.Message):
+    __slots__ = ("sent_ns", "received_ns", "compute_start_ns", "compute_end_ns", "forwarded_ns", "num_seqs", "num_tokens")
+    SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_START_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_END_NS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDED_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sent_ns: int
+    received_ns: int
+    compute_start_ns: int
+    compute_end_ns: int
+    forwarded_ns: int
+    num_seqs: int
+    num_tokens: int
+    def __init__(self, sent_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., compute_start_ns: _Optional[int] = ..., compute_end_ns: _Optional[int] = ..., forwarded_ns: _Optional[int] = ..., num_seqs: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class LoadInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageLoadInfo(_message.Message):
+    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "num_kv_blocks", "block_size", "dtype", "kv_cache_dtype", "model", "epoch", "max_num_batched_tokens", "hidden_size", "vocab_size", "max_message_bytes", "next_address", "num_threads", "device", "quantization")
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    stage_index: int
+    num_stages: int
+    layer_start: int
+    layer_end: int
+    num_layers: int
+    num_kv_blocks: int
+    block_size: int
+    dtype: _common_pb2.DType
+    kv_cache_dtype: _common_pb2.DType
+    model: str
+    epoch: int
+    max_num_batched_tokens: int
+    hidden_size: int
+    vocab_size: int
+    max_message_bytes: int
+    next_address: str
+    num_threads: int
+    device: str
+    quantization: str
+    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., kv_cache_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., next_address: _Optional[str] = ..., num_threads: _Optional[int] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+
+class StageStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageStats(_message.Message):
+    __slots__ = ("stage_index", "epoch", "busy_ns", "idle_ns", "num_micro_batches", "num_failed_micro_batches", "num_tokens", "num_in_flight", "peak_in_flight", "num_block_copies", "num_received_bytes", "num_sent_bytes", "uptime_ns")
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BUSY_NS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PEAK_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    stage_index: int
+    epoch: int
+    busy_ns: int
+    idle_ns: int
+    num_micro_batches: int
+    num_failed_micro_batches: int
+    num_tokens: int
+    num_in_flight: int
+    peak_in_flight: int
+    num_block_copies: int
+    num_received_bytes: int
+    num_sent_bytes: int
+    uptime_ns: int
+    def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., busy_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_failed_micro_batches: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_received_bytes: _Optional[int] = ..., num_sent_bytes: _Optional[int] = ..., uptime_ns: _Optional[int] = ...) -> None: ...
+
+class StageHealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageHealth(_message.Message):
+    __slots__ = ("status", "stage_index", "epoch", "downstream_connected")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    status: _common_pb2.HealthStatus
+    stage_index: int
+    epoch: int
+    downstream_connected: bool
+    def __init__(self, status: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., downstream_connected: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,69 @@
+"""Test-wide set-up: Triton's interpreter, thread counts, hypothesis profiles, shared models."""
+
+from __future__ import annotations
+
+import os
+
+# Triton runs on the CPU only through its interpreter, which must be chosen before anything
+# imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=True,
+    max_examples=50,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", deadline=None, max_examples=200)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tests share two cores with the services they start: one intra-op thread each."""
+    try:
+        import torch
+    except ImportError:  # torch-free test processes
+        yield
+        return
+    torch.set_num_threads(1)
+    yield
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """Makes (once per session) a tiny checkpoint for a spec: `model_factory(arch=...)`."""
+    from services.tiny_model import TinyModelSpec, make_tiny_model, spec_digest
+
+    made: dict[str, str] = {}
+
+    def make(**fields) -> str:
+        spec = TinyModelSpec(**fields)
+        key = spec_digest(spec)
+        if key not in made:
+            made[key] = str(make_tiny_model(tmp_path_factory.mktemp(f"model-{key}"), spec))
+        return made[key]
+
+    return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA; CI never has one, so they are skipped there."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,1 @@
+"""Pagoda worker_svc."""

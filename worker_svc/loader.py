@@ -1,0 +1,136 @@
+"""Loading one pipeline stage from a Hugging Face checkpoint directory (safetensors only).
+
+Reads only the tensors its stage needs, from a single `model.safetensors` or from shards
+listed in `model.safetensors.index.json`, casting to the configured dtype. Never unpickles:
+a directory holding only `pytorch_model.bin` is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from worker_svc.errors import CheckpointError
+from worker_svc.model import StageModel
+from worker_svc.model_config import DTYPE_NAMES, ModelConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def partition_layers(
+    num_layers: int, num_stages: int, partition: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
+    """Layer ranges `[start, end)` per stage: the explicit partition, or an even split.
+
+    With an even split the first `num_layers % num_stages` stages take one layer more.
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be at least 1, got {num_stages}")
+    if partition is None:
+        if num_stages > num_layers:
+            raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
+        base, extra = divmod(num_layers, num_stages)
+        partition = [base + (1 if i < extra else 0) for i in range(num_stages)]
+    partition = list(partition)
+    if len(partition) != num_stages or any(n < 1 for n in partition) or sum(partition) != num_layers:
+        raise ValueError(
+            f"layer partition {partition} must have {num_stages} positive counts summing to "
+            f"{num_layers}"
+        )
+    ranges, start = [], 0
+    for n in partition:
+        ranges.append((start, start + n))
+        start += n
+    return ranges
+
+
+def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype (float32 when it names none we serve)."""
+    if name == "auto":
+        name = config.torch_dtype if config.torch_dtype in DTYPE_NAMES else "float32"
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPE_NAMES)}; got {name!r}")
+    return TORCH_DTYPES[name]
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index: {exc}") from exc
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        with _open(single) as f:
+            return {name: single for name in f.keys()}
+    hint = " (pickled pytorch_model.bin is not loaded: convert it to safetensors)" if (
+        model_dir / "pytorch_model.bin"
+    ).exists() else ""
+    raise CheckpointError(
+        f"{model_dir}: no model.safetensors or model.safetensors.index.json found{hint}"
+    )
+
+
+def _open(path: Path):
+    if not path.is_file():
+        raise CheckpointError(f"{path}: safetensors file listed by the checkpoint is missing")
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"{path}: cannot be read as safetensors: {exc}") from exc
+
+
+def load_stage(
+    model_dir: str | Path,
+    stage: int = 0,
+    num_stages: int = 1,
+    partition: Sequence[int] | None = None,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+) -> StageModel:
+    """Build stage `stage` of `num_stages` and load exactly its tensors."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: checkpoint directory not found")
+    config = ModelConfig.from_dir(model_dir)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+    start, end = partition_layers(config.num_layers, num_stages, partition)[stage]
+    torch_dtype = resolve_dtype(dtype, config)
+    model = StageModel(
+        config, start, end, is_first=stage == 0, is_last=stage == num_stages - 1, device=device
+    )
+    expected = model.expected_tensors()
+    where = weight_files(model_dir)
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        if name not in where:
+            raise CheckpointError(
+                f"{model_dir}: tensor {name!r} is missing from the checkpoint "
+                f"(stage {stage} needs it for layers [{start}, {end}))"
+            )
+        by_file.setdefault(where[name], []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        with _open(path) as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(f"{path}: tensor {name!r} is missing from this file")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r} has shape {list(shape)}, "
+                        f"expected {list(expected[name])} from config.json"
+                    )
+                state[name] = f.get_tensor(name).to(device=device, dtype=torch_dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.eval()
+    return model

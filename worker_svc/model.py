@@ -1,0 +1,172 @@
+"""A Llama-family decoder, one pipeline stage's slice of it: layers `[start, end)`.
+
+    StageModel -> DecoderLayer -> Attention / MLP / RMSNorm
+
+The first stage embeds token ids; the last applies the final norm and the LM head (to
+the rows that are sampled only). Parameter names equal the checkpoint's tensor names
+(`model.layers.3.self_attn.q_proj.weight`), so loading is a name lookup.
+Shapes: `T` tokens in the flattened batch, `H` query heads, `Hkv` KV heads, `D` head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_svc.attention import AttentionBackend, AttentionMetadata
+from worker_svc.model_config import ModelConfig
+from worker_svc.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, as the reference does, then scale in the model dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_window
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.q_size, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
+        kv: tuple[torch.Tensor, torch.Tensor],  # pools [num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, *rope)
+        k_pool, v_pool = kv
+        backend.write_kv(k_pool, v_pool, k, v, metadata.slot_mapping)
+        out = backend.forward(q, k_pool, v_pool, metadata, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv, metadata, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class _Body(nn.Module):
+    """Holds what the checkpoint calls `model.*` for this stage."""
+
+    def __init__(self, config: ModelConfig, start: int, end: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if first or (last and config.tie_word_embeddings)
+            else None
+        )
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(start, end)})
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
+
+
+class StageModel(nn.Module):
+    """Layers `[start, end)` of the model; `is_first` embeds, `is_last` yields logits."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        start: int,
+        end: int,
+        is_first: bool,
+        is_last: bool,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) outside 0..{config.num_layers}")
+        self.config = config
+        self.start, self.end = start, end
+        self.is_first, self.is_last = is_first, is_last
+        # Weights come from the checkpoint (load_state_dict(assign=True)): build them on the
+        # meta device so that nothing is allocated or initialised twice.
+        with torch.device("meta"):
+            self.model = _Body(config, start, end, is_first, is_last)
+            self.lm_head = (
+                nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                if is_last and not config.tie_word_embeddings
+                else None
+            )
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.rotary.to(device)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.end - self.start
+
+    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint tensor name -> shape, for exactly what this stage loads."""
+        return {name: tuple(p.shape) for name, p in self.named_parameters()}
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        inputs: torch.Tensor,  # stage 0: token ids [T]; later stages: hidden [T, hidden]
+        positions: torch.Tensor,  # [T]
+        kv_pools: list[tuple[torch.Tensor, torch.Tensor]],  # one (K, V) per local layer
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,  # rows to sample, last stage only
+    ) -> torch.Tensor:
+        """Returns hidden states [T, hidden], or on the last stage logits [len(logits_indices), vocab]."""
+        body = self.model
+        h = body.embed_tokens(inputs) if self.is_first else inputs
+        rope = self.rotary.cos_sin(positions, h.dtype)
+        for local, layer in enumerate(body.layers.values()):
+            h = layer(h, rope, kv_pools[local], metadata, backend)
+        if not self.is_last:
+            return h
+        if logits_indices is not None:
+            h = h[logits_indices]
+        h = body.norm(h)
+        weight = body.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight)

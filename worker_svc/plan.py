@@ -1,0 +1,47 @@
+"""The micro-batch plan as a stage sees it: plain dataclasses, no protobuf, no torch.
+
+The gRPC layer converts `pagoda.v1` messages into these (`from_pb`) and back; model code
+never sees generated classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker_svc.sampler import SampleRow
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's share of a micro-batch: `num_tokens` new tokens at the end of its context.
+
+    The new tokens sit at positions `context_len - num_tokens ... context_len - 1`;
+    `slot_mapping[j]` is where token j's K/V goes, and `block_table` lists the blocks
+    holding positions `0 ... context_len - 1`.
+    """
+
+    seq_id: int
+    num_tokens: int
+    context_len: int
+    slot_mapping: tuple[int, ...]
+    block_table: tuple[int, ...]
+    token_ids: tuple[int, ...] = ()  # stage 0 only
+    sample: SampleRow | None = None  # last stage: sample the token after the last row
+
+    @property
+    def start_position(self) -> int:
+        return self.context_len - self.num_tokens
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """A micro-batch: sequences in a fixed order, block copies first, releases of sampler state."""
+
+    micro_batch_id: int
+    seqs: tuple[SeqChunk, ...]
+    block_copies: tuple[tuple[int, int], ...] = ()
+    released_seq_ids: tuple[int, ...] = field(default=())
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)

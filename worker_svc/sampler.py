@@ -1,0 +1,419 @@
+"""The last stage's sampler: masks, temperature, top-k, top-p, min-p, counter-based seeds, logprobs.
+
+Flow of one call, vectorised over the rows of a micro-batch, each row with its own parameters:
+
+    raw logits -> log_softmax (reported logprobs)
+               -> min_tokens masks (stop / EOS ids set to -inf)
+               -> greedy rows: argmax (ties: lowest id)
+               -> other rows: / temperature -> top-k -> top-p -> min-p -> exponential race
+
+Randomness is counter-based. A sampled row draws one uniform per vocabulary entry from a stateless
+32-bit integer hash of (seed, choice_index, output_position, token_id) and picks
+argmax_i (log p_i - log E_i) with E_i = -log U_i, i.e. argmax_i p_i / E_i with E_i ~ Exp(1):
+the winner of an exponential race, which is token i with probability p_i. Nothing else enters the
+draw, so a seeded choice gives the same token whatever batch or row it lands in, whatever the
+pipeline split, and after preemption and recompute. The hash uses only int64 shifts, xors, masks and
+products that stay below 2**63, so CPU and CUDA produce the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from worker_svc.errors import InvalidPlanError
+
+_MASK32 = 0xFFFFFFFF
+_MAX_SEED = 2**64 - 1
+_MAX_COUNTER = 2**32 - 1
+# Temperatures below this are treated as greedy (as vLLM does): dividing by them overflows float32.
+_GREEDY_TEMPERATURE = 1e-5
+# lowbias32 (Chris Wellons' hash prospector): a 32-bit bijection with good avalanche.
+_MIX_MUL_1 = 0x7FEB352D
+_MIX_MUL_2 = 0x846CA68B
+# Two independent lanes of 32 bits each give every (seed, choice, position) a 64-bit key.
+_LANE_IVS = (0x9E3779B9, 0x85EBCA77)
+# Turns 32 random bits into a uniform in (0, 1): (bits + 0.5) / 2**32, exact in float64.
+_INV_2_32 = 2.0**-32
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one choice of a request picks its next token.
+
+    Invariants: temperature >= 0 and finite (below 1e-5 means greedy); top_k None or 0 means off,
+    otherwise >= 1; 0 < top_p <= 1 (1 means off); 0 <= min_p <= 1 (0 means off); seed None or in
+    [0, 2**64 - 1]; num_logprobs None (none returned) or >= 0; min_tokens >= 0; stop and EOS ids are
+    non-negative. Stop and EOS ids are masked while fewer than min_tokens tokens have been generated;
+    with ignore_eos, EOS ids are not stops, so they are never masked.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    num_logprobs: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if (
+            not _is_real(self.temperature)
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 0):
+            raise ValueError(f"top_k must be None, 0 (off) or a positive int, got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
+            raise ValueError(f"seed must be None or an int in [0, 2**64 - 1], got {self.seed!r}")
+        if self.num_logprobs is not None and (
+            not _is_int(self.num_logprobs) or self.num_logprobs < 0
+        ):
+            raise ValueError(f"num_logprobs must be None or an int >= 0, got {self.num_logprobs!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        for name in ("stop_token_ids", "eos_token_ids"):
+            ids = getattr(self, name)
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+                raise ValueError(f"{name} must be a tuple of token ids, got {ids!r}")
+            ids = tuple(ids)
+            if not all(_is_int(i) and i >= 0 for i in ids):
+                raise ValueError(f"{name} must hold non-negative int token ids, got {ids!r}")
+            object.__setattr__(self, name, ids)  # normalise a list to a tuple; still immutable
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_TEMPERATURE
+
+    @property
+    def min_tokens_masked_ids(self) -> tuple[int, ...]:
+        """Ids that may not be sampled before min_tokens tokens exist: stops, and EOS unless ignored."""
+        if self.ignore_eos:
+            return self.stop_token_ids
+        return self.stop_token_ids + self.eos_token_ids
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One row of the logits to sample from: which sequence, with what parameters, at which step.
+
+    output_position counts the tokens this choice has generated so far, so it is the index of the
+    token being sampled. entropy_seed stands in for params.seed when that is None; the caller draws
+    it once per sequence (e.g. from os.urandom at admission) and keeps it across preemption.
+    """
+
+    seq_id: int
+    params: SamplingParams
+    choice_index: int
+    output_position: int
+    entropy_seed: int
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.seq_id):
+            raise ValueError(f"seq_id must be an int, got {self.seq_id!r}")
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(self.params).__name__}")
+        if not _is_int(self.choice_index) or not 0 <= self.choice_index <= _MAX_COUNTER:
+            raise ValueError(
+                f"choice_index must be an int in [0, 2**32 - 1], got {self.choice_index!r}"
+            )
+        if not _is_int(self.output_position) or not 0 <= self.output_position <= _MAX_COUNTER:
+            raise ValueError(
+                f"output_position must be an int in [0, 2**32 - 1], got {self.output_position!r}"
+            )
+        if not _is_int(self.entropy_seed) or not 0 <= self.entropy_seed <= _MAX_SEED:
+            raise ValueError(
+                f"entropy_seed must be an int in [0, 2**64 - 1], got {self.entropy_seed!r}"
+            )
+
+    @property
+    def effective_seed(self) -> int:
+        return self.entropy_seed if self.params.seed is None else self.params.seed
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """Per row, in row order: the sampled token, its logprob under the raw (unmodified) logits, and
+    the top-N raw logprobs as (token_id, logprob) sorted descending, or None where none were asked."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+@dataclass
+class SequenceSamplerState:
+    """What the sampler remembers about one sequence between steps, until it is released.
+
+    output_token_ids holds the tokens sampled for it since the state was created (for penalties).
+    key_prefix caches the hash lanes folded over (seed, choice_index) so that a step only folds in
+    its output position; key_source records which (seed, choice_index) they were folded from.
+    """
+
+    seq_id: int
+    output_token_ids: list[int] = field(default_factory=list)
+    key_source: tuple[int, int] | None = None
+    key_prefix: tuple[int, int] = (0, 0)
+
+
+class Sampler:
+    """Samples one token per row on the last stage and keeps per-sequence state.
+
+    State is created the first time a seq_id is sampled and dropped by release(); the caller releases
+    every sequence that finished or was preempted. A row's draw depends only on its
+    (seed, choice_index, output_position), never on the rest of the batch.
+    """
+
+    def __init__(self) -> None:
+        self._states: dict[int, SequenceSamplerState] = {}
+
+    @property
+    def num_live_states(self) -> int:
+        return len(self._states)
+
+    def state(self, seq_id: int) -> SequenceSamplerState | None:
+        return self._states.get(seq_id)
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """Drops the state of these sequences; ids without state (never sampled) are ignored."""
+        for seq_id in seq_ids:
+            self._states.pop(seq_id, None)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
+        """logits: [num_rows, vocab_size], any float dtype, on any device; one SampleRow per row."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise InvalidPlanError(
+                f"sampler got logits of shape {tuple(logits.shape)} for {len(rows)} rows"
+            )
+        seq_ids = [row.seq_id for row in rows]
+        if len(set(seq_ids)) != len(seq_ids):
+            repeated = sorted({seq_id for seq_id in seq_ids if seq_ids.count(seq_id) > 1})
+            raise InvalidPlanError(f"sequences appear twice in one sampling batch: {repeated}")
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
+
+        states = [self._state_for(row) for row in rows]
+        logits = logits.float()  # [num_rows, vocab]
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
+        masked = _apply_min_tokens_masks(logits, rows)
+        token_ids = masked.argmax(dim=-1)  # [num_rows]; greedy rows keep this (ties: lowest id)
+
+        sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if sampled:
+            keys = [_row_key(states[i], rows[i]) for i in sampled]
+            index = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+            drawn = _sample_filtered(
+                masked.index_select(0, index), [rows[i].params for i in sampled], keys
+            )
+            token_ids = token_ids.index_copy(0, index, drawn)
+
+        token_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [num_rows]
+        top_logprobs = _top_logprobs(raw_logprobs, rows)
+        token_list = token_ids.tolist()
+        for state, token_id in zip(states, token_list, strict=True):
+            state.output_token_ids.append(token_id)
+        return SamplerOutput(
+            token_ids=token_list, logprobs=token_logprobs.tolist(), top_logprobs=top_logprobs
+        )
+
+    def _state_for(self, row: SampleRow) -> SequenceSamplerState:
+        state = self._states.get(row.seq_id)
+        if state is None:
+            state = SequenceSamplerState(seq_id=row.seq_id)
+            self._states[row.seq_id] = state
+        return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks and filters
+
+
+def _apply_min_tokens_masks(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Sets stop (and EOS, unless ignored) ids to -inf in rows that have not reached min_tokens.
+
+    Ids beyond the vocabulary are skipped. A row that would be left with nothing to sample keeps
+    its logits unmasked rather than produce NaN.
+    """
+    vocab_size = logits.shape[1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    for i, row in enumerate(rows):
+        if row.output_position < row.params.min_tokens:
+            for token_id in row.params.min_tokens_masked_ids:
+                if token_id < vocab_size:
+                    row_index.append(i)
+                    token_index.append(token_id)
+    if not row_index:
+        return logits
+    masked = logits.clone()
+    masked[
+        torch.tensor(row_index, device=logits.device),
+        torch.tensor(token_index, device=logits.device),
+    ] = float("-inf")
+    nothing_left = torch.isneginf(masked).all(dim=-1, keepdim=True)  # [num_rows, 1]
+    return torch.where(nothing_left, logits, masked)
+
+
+def _sample_filtered(
+    logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[tuple[int, int]]
+) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p (vLLM's order), then the exponential race; [rows] token ids."""
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    scaled = logits / temperature  # [rows, vocab]
+
+    top_k = [min(p.top_k, vocab_size) if p.top_k else vocab_size for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
+        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
+        # p_i < min_p * p_max  <=>  x_i - x_max < log(min_p); renormalisation does not change it.
+        log_min_p = torch.tensor(
+            [math.log(m) if m > 0 else -math.inf for m in min_p], device=device
+        )
+        max_scaled = scaled.max(dim=-1, keepdim=True).values
+        scaled = scaled.masked_fill(scaled - max_scaled < log_min_p.unsqueeze(1), float("-inf"))
+
+    # argmax_i p_i / E_i == argmax_i (x_i - log E_i): softmax's normaliser is the same for all i.
+    log_exponential = _log_exponential_noise(keys, vocab_size, device)  # [rows, vocab]
+    return (scaled - log_exponential).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Keeps each row's k highest tokens, then the smallest prefix of those whose probability sums to
+    at least top_p (always the top token). Equal logits rank by lower id, so exactly k survive top-k."""
+    num_rows, vocab_size = scaled.shape
+    device = scaled.device
+    sorted_scaled, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)  # [rows, vocab]
+    rank = torch.arange(vocab_size, device=device).unsqueeze(0)  # [1, vocab]
+    keep_sorted = rank < torch.tensor(top_k, device=device).unsqueeze(1)  # [rows, vocab]
+    if any(p < 1.0 for p in top_p):
+        probs = torch.softmax(sorted_scaled.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # exclusive prefix sum; exactly 0 at rank 0
+        top_p_t = torch.tensor(top_p, device=device).unsqueeze(1)
+        # Rows with top_p == 1 skip the test, so float rounding in the cumsum cannot drop a token.
+        keep_sorted &= (mass_before < top_p_t) | (top_p_t >= 1.0)
+    keep = torch.empty_like(keep_sorted).scatter_(1, sorted_ids, keep_sorted)
+    return scaled.masked_fill(~keep, float("-inf"))
+
+
+def _top_logprobs(
+    raw_logprobs: torch.Tensor, rows: Sequence[SampleRow]
+) -> list[list[tuple[int, float]] | None]:
+    wanted = [row.params.num_logprobs for row in rows]
+    most = max((n for n in wanted if n is not None), default=0)
+    most = min(most, raw_logprobs.shape[1])
+    if most == 0:
+        return [None if n is None else [] for n in wanted]
+    values, ids = torch.topk(raw_logprobs, most, dim=-1, sorted=True)  # [rows, most]
+    values_list, ids_list = values.tolist(), ids.tolist()
+    return [
+        None if n is None else list(zip(ids_list[i][:n], values_list[i][:n], strict=True))
+        for i, n in enumerate(wanted)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Counter-based randomness
+
+
+def _mix32_int(x: int) -> int:
+    """lowbias32 on a Python int in [0, 2**32); the reference for _mix32."""
+    x ^= x >> 16
+    x = (x * _MIX_MUL_1) & _MASK32
+    x ^= x >> 15
+    x = (x * _MIX_MUL_2) & _MASK32
+    x ^= x >> 16
+    return x
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2**32 for int64 x in [0, 2**32), exactly: the constant is split in 16-bit
+    halves so every intermediate stays below 2**49 (no signed overflow on any device)."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 elementwise on int64 values in [0, 2**32). Shifts of non-negative values are
+    logical, so torch's arithmetic right shift is harmless here."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MIX_MUL_1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MIX_MUL_2)
+    return x ^ (x >> 16)
+
+
+def _key_prefix(seed: int, choice_index: int) -> tuple[int, int]:
+    words = (seed & _MASK32, seed >> 32, choice_index)
+    lanes = []
+    for lane in _LANE_IVS:
+        for word in words:
+            lane = _mix32_int(lane ^ word)
+        lanes.append(lane)
+    return lanes[0], lanes[1]
+
+
+def row_key(seed: int, choice_index: int, output_position: int) -> tuple[int, int]:
+    """The two 32-bit hash keys of one draw: each lane folds seed (as two 32-bit words),
+    choice_index and output_position through lowbias32 from its own starting value."""
+    prefix = _key_prefix(seed, choice_index)
+    return _mix32_int(prefix[0] ^ output_position), _mix32_int(prefix[1] ^ output_position)
+
+
+def _row_key(state: SequenceSamplerState, row: SampleRow) -> tuple[int, int]:
+    source = (row.effective_seed, row.choice_index)
+    if state.key_source != source:
+        state.key_source = source
+        state.key_prefix = _key_prefix(*source)
+    lane_a, lane_b = state.key_prefix
+    return _mix32_int(lane_a ^ row.output_position), _mix32_int(lane_b ^ row.output_position)
+
+
+def uniform_bits(
+    keys: Sequence[tuple[int, int]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """[rows, vocab] int64 in [0, 2**32): the random word of each (row key, token id).
+
+    bits = mix(mix(token_id ^ key_a) ^ key_b), a keyed two-round hash of the token id.
+    """
+    key_a = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=device).unsqueeze(1)
+    key_b = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=device).unsqueeze(1)
+    token_ids = torch.arange(vocab_size, dtype=torch.int64, device=device).unsqueeze(0)
+    return _mix32(_mix32(token_ids ^ key_a) ^ key_b)
+
+
+def _log_exponential_noise(
+    keys: Sequence[tuple[int, int]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """[rows, vocab] float32 log E with E = -log U ~ Exp(1), U = (bits + 0.5) / 2**32 in (0, 1).
+
+    Computed in float64 so that U keeps all 32 bits and never rounds to 0 or 1.
+    """
+    u = (uniform_bits(keys, vocab_size, device).double() + 0.5) * _INV_2_32
+    return torch.log(-torch.log(u)).float()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
