@@ -53,6 +53,59 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env(name: str, default=None, kind=str):
+    """Flag default from `PAGODA_<NAME>`, so a service can be configured by environment."""
+    import os
+
+    raw = os.environ.get(f"PAGODA_{name.upper().replace('-', '_')}")
+    return default if raw is None else kind(raw)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.logs import configure_logging
+    from worker_svc.config import WorkerConfig
+    from worker_svc.errors import CheckpointError
+    from worker_svc.server import serve
+
+    configure_logging(f"worker-{args.stage}")
+    try:
+        config = WorkerConfig(
+            model=args.model,
+            stage=args.stage,
+            num_stages=args.num_stages,
+            host=args.host,
+            port=args.port,
+            next_address=args.next,
+            num_kv_blocks=args.num_kv_blocks,
+            block_size=args.block_size,
+            layer_partition=args.layer_partition,
+            dtype=args.dtype,
+            device=args.device,
+            num_threads=args.num_threads,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            attention_backend=args.attention_backend,
+            quantization=args.quantization,
+        )
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    try:
+        asyncio.run(serve(config, ready_file=args.ready_file))
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagoda", description="Pagoda: an LLM inference server built as gRPC microservices."
@@ -66,6 +119,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing model folder")
     tiny_model.add_cli_arguments(p)
     p.set_defaults(func=_cmd_tiny_model, parser=p)
+
+    p = sub.add_parser("worker", help="serve one pipeline stage (pagoda.v1.StageWorker)")
+    p.add_argument("--model", default=_env("model"), required=_env("model") is None,
+                   help="checkpoint directory")
+    p.add_argument("--stage", type=int, default=_env("stage", 0, int))
+    p.add_argument("--num-stages", type=int, default=_env("num_stages", 1, int))
+    p.add_argument("--host", default=_env("host", "127.0.0.1"),
+                   help="address to bind (default loopback)")
+    p.add_argument("--port", type=int, default=_env("port", 0, int), help="0 picks a free port")
+    p.add_argument("--next", default=_env("next"), help="HOST:PORT of the next stage (not on the last)")
+    p.add_argument("--num-kv-blocks", type=int, default=_env("num_kv_blocks", 1024, int))
+    p.add_argument("--block-size", type=int, default=_env("block_size", 16, int))
+    p.add_argument("--layer-partition", type=_int_list, default=_env("layer_partition", None, _int_list),
+                   help="layers per stage, e.g. 3,5 (default: even split)")
+    p.add_argument("--dtype", default=_env("dtype", "auto"),
+                   choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=_env("device"), help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--num-threads", type=int, default=_env("num_threads", None, int),
+                   help="torch intra-op threads (default: cores / num-stages, at least 1)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 8192, int))
+    p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 256, int))
+    p.add_argument("--attention-backend", default=_env("attention_backend", "torch"))
+    p.add_argument("--quantization", default=_env("quantization"), choices=[None, "fp8"])
+    p.add_argument("--ready-file", help="write the bound port here once serving")
+    p.set_defaults(func=_cmd_worker, parser=p)
 
     p = sub.add_parser("serve", help="serve a model: the whole stack as local processes")
     p.add_argument("--model", help="checkpoint directory (default: the tiny model, made once)")

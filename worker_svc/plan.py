@@ -41,6 +41,7 @@ class StagePlan:
     seqs: tuple[SeqChunk, ...]
     block_copies: tuple[tuple[int, int], ...] = ()
     released_seq_ids: tuple[int, ...] = field(default=())
+    release_all: bool = False  # drop every sequence's sampler state (after a reset)
 
     @property
     def num_tokens(self) -> int:

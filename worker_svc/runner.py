@@ -139,8 +139,11 @@ class StageRunner:
     ) -> StageResult:
         self.validate(plan, hidden)
         started = time.perf_counter_ns()
-        if self.sampler is not None and plan.released_seq_ids:
-            self.sampler.release(plan.released_seq_ids)
+        if self.sampler is not None:
+            if plan.release_all:
+                self.sampler.release(list(self.sampler.live_seq_ids))
+            elif plan.released_seq_ids:
+                self.sampler.release(plan.released_seq_ids)
         self.kv_cache.copy_blocks(plan.block_copies)
         metadata, positions = self._metadata(plan)
         if self.model.is_first:

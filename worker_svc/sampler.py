@@ -184,6 +184,10 @@ class Sampler:
     def num_live_states(self) -> int:
         return len(self._states)
 
+    @property
+    def live_seq_ids(self) -> tuple[int, ...]:
+        return tuple(self._states)
+
     def state(self, seq_id: int) -> SequenceSamplerState | None:
         return self._states.get(seq_id)
 

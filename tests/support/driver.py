@@ -1,10 +1,13 @@
-"""A minimal stand-in for the scheduler, for tests of the model runtime: not production code.
+"""A minimal stand-in for the scheduler, for tests of the runtime and the stage workers.
 
-It admits sequences at given steps, forms flattened micro-batches that mix prefill chunks
-and decode tokens under a token budget (vLLM v1's rule: every sequence catches its
-computed tokens up to its known tokens), allocates blocks from a shuffled free list so
-that block tables are not contiguous, and pushes each plan through a chain of
-`StageRunner`s in one process, handing hidden states along.
+Not production code. `PlanBuilder` admits sequences at given steps and forms flattened
+micro-batches that mix prefill chunks and decode tokens under a token budget (vLLM v1's
+rule: every sequence catches its computed tokens up to its known tokens), never putting a
+sequence in two micro-batches in flight. Blocks come from a shuffled free list, so block
+tables are not contiguous, with reference counts so that forked sequences share blocks
+and a partial last block is copied (copy-on-write, carried out by the stages).
+`PipelineDriver` pushes plans through `StageRunner`s in one process, handing hidden states
+along; `support.grpc_driver` does the same over real worker processes.
 """
 
 from __future__ import annotations
@@ -50,45 +53,48 @@ class StepRecord:
         return kinds == {True, False}
 
 
-class PipelineDriver:
+Chunks = list[tuple[DriverSeq, int]]
+
+
+class PlanBuilder:
     def __init__(
         self,
-        runners: list[StageRunner],
+        block_size: int,
+        num_blocks: int,
         chunk_size: int | None = None,
         max_batched_tokens: int = 1 << 30,
         seed: int = 0,
     ) -> None:
-        self.runners = runners
-        self.block_size = runners[0].block_size
+        self.block_size = block_size
         self.chunk_size = chunk_size
         self.max_batched_tokens = max_batched_tokens
-        self.free_blocks = list(range(runners[0].num_blocks))
+        self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
+        self.refs: dict[int, int] = {}
+        self.seqs: list[DriverSeq] = []
         self.records: list[StepRecord] = []
+        self.step = 0
         self._next_mb = 0
         self._released: list[int] = []
+        self._copies: list[tuple[int, int]] = []
 
-    def run(self, seqs: list[DriverSeq], max_steps: int = 10_000) -> list[list[int]]:
-        step = 0
-        while not all(s.done for s in seqs):
-            if step >= max_steps:
-                raise RuntimeError("driver did not finish")
-            live = [s for s in seqs if s.arrival_step <= step and not s.done]
-            if live:
-                self._step(live)
-            step += 1
-            for s in seqs:
-                if s.done and s.blocks:
-                    self.free_blocks.extend(s.blocks)
-                    s.blocks = []
-                    self._released.append(s.seq_id)
-        return [s.outputs for s in seqs]
+    def add(self, seq: DriverSeq) -> None:
+        self.seqs.append(seq)
 
-    def _step(self, live: list[DriverSeq]) -> None:
+    @property
+    def all_done(self) -> bool:
+        return all(s.done for s in self.seqs)
+
+    def form_plan(self, busy: set[int] = frozenset()) -> tuple[StagePlan, Chunks] | None:
+        """The next micro-batch from sequences not in flight (`busy`), or None."""
+        live = [
+            s for s in self.seqs
+            if s.arrival_step <= self.step and not s.done and s.seq_id not in busy
+        ]
+        self.step += 1
         budget = self.max_batched_tokens
-        chunks: list[tuple[DriverSeq, int]] = []
-        # decodes first, then prefill chunks
-        for s in sorted(live, key=lambda s: s.num_computed < len(s.prompt)):
+        chunks: Chunks = []
+        for s in sorted(live, key=lambda s: s.num_computed < len(s.prompt)):  # decodes first
             want = len(s.tokens) - s.num_computed
             if s.num_computed < len(s.prompt) and self.chunk_size is not None:
                 want = min(want, self.chunk_size)
@@ -97,11 +103,15 @@ class PipelineDriver:
                 continue
             chunks.append((s, n))
             budget -= n
+        if not chunks:
+            return None
         plan_seqs = []
         for s, n in chunks:
             ctx = s.num_computed + n
             while len(s.blocks) * self.block_size < ctx:
-                s.blocks.append(self.free_blocks.pop())
+                block = self.free_blocks.pop()
+                self.refs[block] = 1
+                s.blocks.append(block)
             start = s.num_computed
             slots = tuple(
                 s.blocks[p // self.block_size] * self.block_size + p % self.block_size
@@ -109,45 +119,102 @@ class PipelineDriver:
             )
             sample = None
             if ctx == len(s.tokens):
-                sample = SampleRow(
-                    seq_id=s.seq_id,
-                    params=s.params,
-                    choice_index=s.choice_index,
-                    output_position=len(s.outputs),
-                    entropy_seed=s.seq_id,
-                )
+                sample = SampleRow(s.seq_id, s.params, s.choice_index, len(s.outputs), s.seq_id)
             plan_seqs.append(
-                SeqChunk(
-                    seq_id=s.seq_id,
-                    num_tokens=n,
-                    context_len=ctx,
-                    slot_mapping=slots,
-                    block_table=tuple(s.blocks),
-                    token_ids=tuple(s.tokens[start:ctx]),
-                    sample=sample,
-                )
+                SeqChunk(s.seq_id, n, ctx, slots, tuple(s.blocks), tuple(s.tokens[start:ctx]), sample)
             )
-        plan = StagePlan(self._next_mb, tuple(plan_seqs), released_seq_ids=tuple(self._released))
-        self._released = []
+        plan = StagePlan(
+            self._next_mb,
+            tuple(plan_seqs),
+            block_copies=tuple(self._copies),
+            released_seq_ids=tuple(self._released),
+        )
+        self._released, self._copies = [], []
         self._next_mb += 1
         self.records.append(
             StepRecord([(s.seq_id, n, s.num_computed < len(s.prompt)) for s, n in chunks])
         )
-        hidden = None
-        result = None
-        for runner in self.runners:
-            first = runner.model.is_first
-            stage_plan = plan if first else _without_tokens(plan)
-            result = runner.execute(stage_plan, hidden)
-            hidden = result.hidden
+        return plan, chunks
+
+    def complete(self, chunks: Chunks, seq_ids, token_ids) -> None:
+        """Apply a micro-batch's result: computed tokens advance, sampled tokens append."""
         by_id = {s.seq_id: s for s, _ in chunks}
         for s, n in chunks:
             s.num_computed += n
-        for seq_id, token in zip(result.sampled_seq_ids, result.sampled.token_ids, strict=True):
+        for seq_id, token in zip(seq_ids, token_ids, strict=True):
             by_id[seq_id].outputs.append(token)
+        for s, _ in chunks:
+            if s.done and s.blocks:
+                self._free(s)
+
+    def _free(self, s: DriverSeq) -> None:
+        for block in s.blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                del self.refs[block]
+                self.free_blocks.append(block)
+        s.blocks = []
+        self._released.append(s.seq_id)
+
+    def fork(self, parent: DriverSeq, child_id: int, choice_index: int = 1) -> DriverSeq:
+        """The child shares the parent's full blocks; a partial last block is copied."""
+        child = DriverSeq(
+            child_id, list(parent.prompt), parent.max_new_tokens, parent.params,
+            parent.arrival_step, choice_index, list(parent.outputs), parent.num_computed,
+            list(parent.blocks),
+        )
+        for block in child.blocks:
+            self.refs[block] += 1
+        if parent.num_computed % self.block_size and child.blocks:
+            src = child.blocks[-1]
+            dst = self.free_blocks.pop()
+            self.refs[src] -= 1
+            self.refs[dst] = 1
+            child.blocks[-1] = dst
+            self._copies.append((src, dst))
+        self.seqs.append(child)
+        return child
 
 
-def _without_tokens(plan: StagePlan) -> StagePlan:
+class PipelineDriver:
+    """Runs plans through in-process StageRunners, one micro-batch at a time."""
+
+    def __init__(
+        self,
+        runners: list[StageRunner],
+        chunk_size: int | None = None,
+        max_batched_tokens: int = 1 << 30,
+        seed: int = 0,
+    ) -> None:
+        self.runners = runners
+        self.builder = PlanBuilder(
+            runners[0].block_size, runners[0].num_blocks, chunk_size, max_batched_tokens, seed
+        )
+
+    @property
+    def records(self) -> list[StepRecord]:
+        return self.builder.records
+
+    def run(self, seqs: list[DriverSeq], max_steps: int = 10_000) -> list[list[int]]:
+        for s in seqs:
+            self.builder.add(s)
+        while not self.builder.all_done:
+            if self.builder.step >= max_steps:
+                raise RuntimeError("driver did not finish")
+            formed = self.builder.form_plan()
+            if formed is None:
+                continue
+            plan, chunks = formed
+            hidden, result = None, None
+            for runner in self.runners:
+                stage_plan = plan if runner.model.is_first else without_tokens(plan)
+                result = runner.execute(stage_plan, hidden)
+                hidden = result.hidden
+            self.builder.complete(chunks, result.sampled_seq_ids, result.sampled.token_ids)
+        return [s.outputs for s in seqs]
+
+
+def without_tokens(plan: StagePlan) -> StagePlan:
     """Later stages get hidden states, not token ids (as over the wire)."""
     seqs = tuple(
         SeqChunk(s.seq_id, s.num_tokens, s.context_len, s.slot_mapping, s.block_table, (), s.sample)

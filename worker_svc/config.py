@@ -1,0 +1,75 @@
+"""The stage worker's configuration: one frozen dataclass, validated at construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What `pagoda worker` was started with. Derived values are properties."""
+
+    model: str
+    stage: int = 0
+    num_stages: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    next_address: str | None = None
+    num_kv_blocks: int = 1024
+    block_size: int = 16
+    layer_partition: tuple[int, ...] | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    num_threads: int | None = None
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    attention_backend: str = "torch"
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stage < self.num_stages:
+            raise ValueError(f"stage: must be in [0, num_stages={self.num_stages}), got {self.stage}")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages: must be 1..8, got {self.num_stages}")
+        is_last = self.stage == self.num_stages - 1
+        if is_last and self.next_address:
+            raise ValueError("next_address: the last stage has no next stage")
+        if not is_last and not self.next_address:
+            raise ValueError(f"next_address: stage {self.stage} of {self.num_stages} needs --next")
+        for name in ("num_kv_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads: must be positive, got {self.num_threads}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def resolved_num_threads(self) -> int:
+        """Intra-op threads: the flag, else the machine's cores divided among the local stages."""
+        if self.num_threads is not None:
+            return self.num_threads
+        return max(1, (os.cpu_count() or 1) // self.num_stages)
+
+    def max_message_bytes(self, hidden_size: int) -> int:
+        """The largest micro-batch message this configuration allows, with headroom.
+
+        Hidden states of max_num_batched_tokens tokens in float32, plus per-token ids,
+        positions and slots, plus block tables of max_num_seqs sequences of full length.
+        """
+        per_token = hidden_size * 4 + 32
+        tables = self.max_num_seqs * 64 * 1024
+        return self.max_num_batched_tokens * per_token + tables + (4 << 20)

@@ -1,0 +1,376 @@
+"""The stage worker as a gRPC service (`pagoda.v1.StageWorker`).
+
+Data flows down the chain only: the upstream side (the scheduler for stage 0, stage K for
+stage K+1) opens one long-lived `Forward` stream of micro-batches; results go straight back
+on `Events` streams that the scheduler holds from every stage.
+
+Inside a stage three things overlap, each with one owner:
+- the `Forward` handler (event loop) receives and decodes the next micro-batch,
+- the compute loop runs plans in arrival order on one executor thread (torch),
+- the sender (event loop, not on the last stage) encodes and writes hidden states
+  downstream while the next micro-batch computes.
+A malformed plan fails that micro-batch only (an error event with a status code); the stage
+keeps serving. A broken downstream stream fails the micro-batches it could not take with
+UNAVAILABLE, and the sender reconnects for the next one (a restarted stage has a new epoch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from services.grpc_utils import aio_channel, create_aio_server, set_serving
+from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from worker_svc.config import WorkerConfig
+from worker_svc.convert import (
+    dtype_to_pb,
+    plan_from_pb,
+    sampled_to_pb,
+    tensor_from_pb,
+    tensor_to_pb,
+)
+from worker_svc.errors import InvalidPlanError
+from worker_svc.plan import StagePlan
+from worker_svc.runner import StageResult, StageRunner
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "pagoda.v1.StageWorker"
+
+
+@dataclass
+class _Work:
+    """One micro-batch on its way through this stage."""
+
+    mb: worker_pb2.MicroBatch
+    received_ns: int
+    plan: StagePlan | None = None
+    hidden: torch.Tensor | None = None
+    error: tuple[grpc.StatusCode, str] | None = None
+    result: StageResult | None = None
+    compute_start_ns: int = 0
+    compute_end_ns: int = 0
+
+
+class StageService(worker_pb2_grpc.StageWorkerServicer):
+    def __init__(self, config: WorkerConfig, runner: StageRunner) -> None:
+        self.config = config
+        self.runner = runner
+        self.epoch = secrets.randbits(63) | 1  # a new id per process start; never 0
+        self.started_ns = time.time_ns()
+        self.max_message_bytes = config.max_message_bytes(runner.model.config.hidden_size)
+        self._queue: asyncio.Queue[_Work] = asyncio.Queue(maxsize=64)
+        self._send_queue: asyncio.Queue[_Work] = asyncio.Queue(maxsize=64)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{config.stage}")
+        self._subscribers: set[asyncio.Queue] = set()
+        self._tasks: list[asyncio.Task] = []
+        self._channel: grpc.aio.Channel | None = None
+        self._call = None
+        self._ack_task: asyncio.Task | None = None
+        self.downstream_connected = False
+        # statistics
+        self.busy_ns = 0
+        self.num_micro_batches = 0
+        self.num_failed = 0
+        self.num_tokens = 0
+        self.num_in_flight = 0
+        self.peak_in_flight = 0
+        self.num_block_copies = 0
+        self.num_received_bytes = 0
+        self.num_sent_bytes = 0
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._compute_loop(), name="compute"))
+        if not self.config.is_last:
+            self._channel = aio_channel(self.config.next_address, self.max_message_bytes)
+            self._tasks.append(asyncio.create_task(self._sender_loop(), name="sender"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._ack_task:
+            self._ack_task.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- rpcs --------------------------------------------------------------------------
+
+    async def Forward(self, request_iterator, context):
+        async for mb in request_iterator:
+            work = _Work(mb=mb, received_ns=time.time_ns())
+            self.num_received_bytes += mb.ByteSize()
+            self.num_in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.num_in_flight)
+            self._decode(work)  # overlaps with the plan computing now
+            await self._queue.put(work)
+            yield worker_pb2.ForwardAck(micro_batch_id=mb.micro_batch_id, received_ns=work.received_ns)
+
+    async def Events(self, request, context):
+        queue: asyncio.Queue = asyncio.Queue(maxsize=100_000)
+        self._subscribers.add(queue)
+        log.info("events subscriber %r connected", request.subscriber or context.peer())
+        try:
+            yield worker_pb2.StageEvent(
+                stage_index=self.config.stage, epoch=self.epoch, ready=self.load_info()
+            )
+            while True:
+                yield await queue.get()
+        finally:
+            self._subscribers.discard(queue)
+
+    async def LoadInfo(self, request, context):
+        return self.load_info()
+
+    async def GetStats(self, request, context):
+        return self.stats()
+
+    async def Health(self, request, context):
+        return worker_pb2.StageHealth(
+            status=common_pb2.HEALTH_STATUS_SERVING,
+            stage_index=self.config.stage,
+            epoch=self.epoch,
+            downstream_connected=self.config.is_last or self.downstream_connected,
+        )
+
+    # --- views -------------------------------------------------------------------------
+
+    def load_info(self) -> worker_pb2.StageLoadInfo:
+        model, cfg = self.runner.model, self.config
+        return worker_pb2.StageLoadInfo(
+            stage_index=cfg.stage,
+            num_stages=cfg.num_stages,
+            layer_start=model.start,
+            layer_end=model.end,
+            num_layers=model.config.num_layers,
+            num_kv_blocks=self.runner.num_blocks,
+            block_size=self.runner.block_size,
+            dtype=dtype_to_pb(self.runner.dtype),
+            kv_cache_dtype=dtype_to_pb(self.runner.kv_cache.pools[0][0].dtype),
+            model=cfg.model,
+            epoch=self.epoch,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            hidden_size=model.config.hidden_size,
+            vocab_size=model.config.vocab_size,
+            max_message_bytes=self.max_message_bytes,
+            next_address=cfg.next_address or "",
+            num_threads=torch.get_num_threads(),
+            device=str(self.runner.device),
+            quantization=cfg.quantization or "",
+        )
+
+    def stats(self) -> worker_pb2.StageStats:
+        uptime = time.time_ns() - self.started_ns
+        return worker_pb2.StageStats(
+            stage_index=self.config.stage,
+            epoch=self.epoch,
+            busy_ns=self.busy_ns,
+            idle_ns=max(0, uptime - self.busy_ns),
+            num_micro_batches=self.num_micro_batches,
+            num_failed_micro_batches=self.num_failed,
+            num_tokens=self.num_tokens,
+            num_in_flight=self.num_in_flight,
+            peak_in_flight=self.peak_in_flight,
+            num_block_copies=self.num_block_copies,
+            num_received_bytes=self.num_received_bytes,
+            num_sent_bytes=self.num_sent_bytes,
+            uptime_ns=uptime,
+        )
+
+    # --- the pipeline inside a stage ---------------------------------------------------
+
+    def _decode(self, work: _Work) -> None:
+        mb, cfg = work.mb, self.config
+        try:
+            if mb.stage_index != cfg.stage:
+                raise InvalidPlanError(
+                    f"micro-batch {mb.micro_batch_id} is addressed to stage {mb.stage_index}, "
+                    f"this is stage {cfg.stage}"
+                )
+            num_tokens = sum(mb.query_lens)
+            if num_tokens > cfg.max_num_batched_tokens:
+                raise InvalidPlanError(
+                    f"micro-batch {mb.micro_batch_id} has {num_tokens} tokens, over this stage's "
+                    f"max_num_batched_tokens={cfg.max_num_batched_tokens}"
+                )
+            work.plan = plan_from_pb(mb, is_first=cfg.is_first)
+            if not cfg.is_first:
+                if not mb.HasField("hidden_states"):
+                    raise InvalidPlanError(f"micro-batch {mb.micro_batch_id}: no hidden states")
+                work.hidden = tensor_from_pb(mb.hidden_states)
+        except InvalidPlanError as exc:
+            work.error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _compute_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            work = await self._queue.get()
+            if work.error is None:
+                try:
+                    await loop.run_in_executor(self._executor, self._compute, work)
+                except InvalidPlanError as exc:
+                    work.error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                except Exception as exc:  # a bug: report it, keep serving
+                    log.exception("micro-batch %d failed", work.mb.micro_batch_id)
+                    work.error = (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            if work.error is None and not self.config.is_last:
+                await self._send_queue.put(work)
+            else:
+                self._finish(work)
+
+    def _compute(self, work: _Work) -> None:
+        """Runs on the executor thread: the only place this stage's tensors are touched."""
+        work.compute_start_ns = time.time_ns()
+        work.result = self.runner.execute(work.plan, work.hidden)
+        work.compute_end_ns = time.time_ns()
+        work.hidden = None
+
+    async def _sender_loop(self) -> None:
+        while True:
+            work = await self._send_queue.get()
+            mb = work.mb
+            mb.ClearField("token_ids")
+            tensor_to_pb(work.result.hidden, mb.hidden_states)
+            work.result.hidden = None
+            mb.stage_index = self.config.stage + 1
+            mb.sent_ns = time.time_ns()
+            size = mb.ByteSize()
+            if size > self.max_message_bytes:
+                work.error = (
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"micro-batch {mb.micro_batch_id} is {size} bytes, over the {self.max_message_bytes}-byte "
+                    "message limit: lower max_num_batched_tokens",
+                )
+            else:
+                try:
+                    call = await self._ensure_call()
+                    await call.write(mb)
+                    self.num_sent_bytes += size
+                except Exception as exc:  # noqa: BLE001 - any failure of the stream means the same
+                    self._drop_call()
+                    work.error = (
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"next stage at {self.config.next_address} is unavailable: {_describe(exc)}",
+                    )
+            self._finish(work)
+
+    async def _ensure_call(self):
+        if self._call is None:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout=5.0)
+            stub = worker_pb2_grpc.StageWorkerStub(self._channel)
+            self._call = stub.Forward()
+            self._ack_task = asyncio.create_task(self._read_acks(self._call), name="acks")
+            self.downstream_connected = True
+        return self._call
+
+    def _drop_call(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        self._call = None
+        self.downstream_connected = False
+
+    async def _read_acks(self, call) -> None:
+        try:
+            while True:
+                ack = await call.read()
+                if ack is grpc.aio.EOF:
+                    break
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            log.warning("stream to next stage %s broke: %s", self.config.next_address, _describe(exc))
+        except asyncio.CancelledError:
+            return
+        if self._call is call:
+            self._call = None
+            self.downstream_connected = False
+
+    def _finish(self, work: _Work) -> None:
+        done = worker_pb2.MicroBatchDone(micro_batch_id=work.mb.micro_batch_id)
+        timing = done.timing
+        timing.sent_ns = work.mb.sent_ns
+        timing.received_ns = work.received_ns
+        timing.compute_start_ns = work.compute_start_ns
+        timing.compute_end_ns = work.compute_end_ns
+        timing.forwarded_ns = time.time_ns()
+        timing.num_seqs = len(work.mb.seq_ids)
+        timing.num_tokens = sum(work.mb.query_lens)
+        if work.error is not None:
+            code, message = work.error
+            done.error.code = code.value[0]
+            done.error.message = message
+            self.num_failed += 1
+            log.warning("micro-batch %d failed: %s %s", work.mb.micro_batch_id, code.name, message)
+        else:
+            self.num_micro_batches += 1
+            self.num_tokens += timing.num_tokens
+            self.busy_ns += work.compute_end_ns - work.compute_start_ns
+            copies = len(work.plan.block_copies)
+            self.num_block_copies += copies
+            done.num_block_copies_applied = copies
+            if self.config.is_last and work.result.sampled is not None:
+                sampled_to_pb(work.result.sampled_seq_ids, work.result.sampled, done)
+        self.num_in_flight -= 1
+        self._emit(worker_pb2.StageEvent(stage_index=self.config.stage, epoch=self.epoch, done=done))
+
+    def _emit(self, event: worker_pb2.StageEvent) -> None:
+        for queue in list(self._subscribers):
+            try:
+                queue.put_nowait(event)
+            except asyncio.QueueFull:
+                log.error("dropping an events subscriber that stopped reading")
+                self._subscribers.discard(queue)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, asyncio.TimeoutError):
+        return "not reachable within 5 s"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def serve(config: WorkerConfig, ready_file: str | None = None) -> None:
+    """Load the stage, serve until SIGTERM/SIGINT, then stop cleanly."""
+    from worker_svc.loader import load_stage
+
+    torch.set_num_threads(config.resolved_num_threads)
+    model = load_stage(
+        config.model,
+        config.stage,
+        config.num_stages,
+        config.layer_partition,
+        config.dtype,
+        config.device or "cpu",
+    )
+    runner = StageRunner(model, config.num_kv_blocks, config.block_size, config.attention_backend)
+    service = StageService(config, runner)
+    server, port, health = create_aio_server(config.address, service.max_message_bytes)
+    worker_pb2_grpc.add_StageWorkerServicer_to_server(service, server)
+    await server.start()
+    await service.start()
+    await set_serving(health, SERVICE_NAME, True)
+    log.info(
+        "stage %d/%d serving layers [%d, %d) on %s:%d, epoch %d, %d threads, %d KV blocks of %d",
+        config.stage, config.num_stages, model.start, model.end, config.host, port,
+        service.epoch, torch.get_num_threads(), config.num_kv_blocks, config.block_size,
+    )
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(f"{port}\n")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stage %d stopping", config.stage)
+    await set_serving(health, SERVICE_NAME, False)
+    await server.stop(grace=2.0)
+    await service.stop()
