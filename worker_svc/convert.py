@@ -59,6 +59,22 @@ def tensor_from_pb(msg: common_pb2.Tensor) -> torch.Tensor:
     return flat.view(dtype).reshape(shape)
 
 
+_PARAMS_CACHE: dict[tuple[bytes, tuple[int, ...]], SamplingParams] = {}
+_PARAMS_CACHE_SIZE = 4096
+
+
+def cached_sampling_params(p: common_pb2.SamplingParams, eos_token_ids) -> SamplingParams:
+    """Sequences of one request send the same parameters every step: build them once."""
+    key = (p.SerializeToString(deterministic=True), tuple(eos_token_ids))
+    params = _PARAMS_CACHE.get(key)
+    if params is None:
+        params = sampling_params_from_pb(p, key[1])
+        if len(_PARAMS_CACHE) >= _PARAMS_CACHE_SIZE:
+            _PARAMS_CACHE.clear()
+        _PARAMS_CACHE[key] = params
+    return params
+
+
 def sampling_params_from_pb(p: common_pb2.SamplingParams, eos_token_ids) -> SamplingParams:
     if p.presence_penalty or p.frequency_penalty or (
         p.HasField("repetition_penalty") and p.repetition_penalty != 1.0
@@ -126,7 +142,7 @@ def plan_from_pb(mb: worker_pb2.MicroBatch, is_first: bool) -> StagePlan:
             try:
                 sample = SampleRow(
                     seq_id=seq_id,
-                    params=sampling_params_from_pb(s.params, s.eos_token_ids),
+                    params=cached_sampling_params(s.params, s.eos_token_ids),
                     choice_index=s.choice_index,
                     output_position=s.output_position,
                     entropy_seed=s.entropy_seed,

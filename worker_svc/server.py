@@ -50,13 +50,15 @@ class _Work:
     """One micro-batch on its way through this stage."""
 
     mb: worker_pb2.MicroBatch
-    received_ns: int
+    upstream_sent_ns: int
+    received_ns: int = 0
     plan: StagePlan | None = None
     hidden: torch.Tensor | None = None
     error: tuple[grpc.StatusCode, str] | None = None
     result: StageResult | None = None
     compute_start_ns: int = 0
     compute_end_ns: int = 0
+    forwarded_ns: int = 0
 
 
 class StageService(worker_pb2_grpc.StageWorkerServicer):
@@ -107,13 +109,15 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
 
     async def Forward(self, request_iterator, context):
         async for mb in request_iterator:
-            work = _Work(mb=mb, received_ns=time.time_ns())
+            arrived_ns = time.time_ns()
+            work = _Work(mb=mb, upstream_sent_ns=mb.sent_ns)
             self.num_received_bytes += mb.ByteSize()
             self.num_in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.num_in_flight)
             self._decode(work)  # overlaps with the plan computing now
+            work.received_ns = time.time_ns()
             await self._queue.put(work)
-            yield worker_pb2.ForwardAck(micro_batch_id=mb.micro_batch_id, received_ns=work.received_ns)
+            yield worker_pb2.ForwardAck(micro_batch_id=mb.micro_batch_id, received_ns=arrived_ns)
 
     async def Events(self, request, context):
         queue: asyncio.Queue = asyncio.Queue(maxsize=100_000)
@@ -254,6 +258,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 try:
                     call = await self._ensure_call()
                     await call.write(mb)
+                    work.forwarded_ns = time.time_ns()
                     self.num_sent_bytes += size
                 except Exception as exc:  # noqa: BLE001 - any failure of the stream means the same
                     self._drop_call()
@@ -265,7 +270,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
 
     async def _ensure_call(self):
         if self._call is None:
-            await asyncio.wait_for(self._channel.channel_ready(), timeout=5.0)
+            await asyncio.wait_for(self._channel.channel_ready(), timeout=2.0)
             stub = worker_pb2_grpc.StageWorkerStub(self._channel)
             self._call = stub.Forward()
             self._ack_task = asyncio.create_task(self._read_acks(self._call), name="acks")
@@ -295,11 +300,11 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
     def _finish(self, work: _Work) -> None:
         done = worker_pb2.MicroBatchDone(micro_batch_id=work.mb.micro_batch_id)
         timing = done.timing
-        timing.sent_ns = work.mb.sent_ns
+        timing.sent_ns = work.upstream_sent_ns
         timing.received_ns = work.received_ns
         timing.compute_start_ns = work.compute_start_ns
         timing.compute_end_ns = work.compute_end_ns
-        timing.forwarded_ns = time.time_ns()
+        timing.forwarded_ns = work.forwarded_ns
         timing.num_seqs = len(work.mb.seq_ids)
         timing.num_tokens = sum(work.mb.query_lens)
         if work.error is not None:
@@ -333,7 +338,7 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     if isinstance(exc, asyncio.TimeoutError):
-        return "not reachable within 5 s"
+        return "not reachable within 2 s"
     return f"{type(exc).__name__}: {exc}"
 
 
