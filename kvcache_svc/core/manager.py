@@ -1,0 +1,465 @@
+"""`KVCacheManager`: per-sequence block tables over a `BlockPool` and a `PrefixCache`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from kvcache_svc.core.block_pool import BlockPool
+from kvcache_svc.core.errors import IntegrityError, SequenceNotFound
+from kvcache_svc.core.prefix_cache import (
+    ROOT_KEY,
+    TOKEN_BYTES,
+    CachedBlock,
+    HashFn,
+    PrefixCache,
+    hash_block,
+    unpack_token_ids,
+)
+from kvcache_svc.core.sequence import MicroBatchRecord, SequenceState
+from kvcache_svc.core.stats import (
+    KVCacheStats,
+    SequenceBlockStats,
+    count_extents,
+    external_fragmentation,
+    internal_fragmentation,
+    prefix_hit_rate,
+)
+from kvcache_svc.core.types import (
+    Allocated,
+    BlockCopy,
+    Fork,
+    NoBlocks,
+    StepInput,
+    StepOutput,
+)
+from kvcache_svc.core.validation import ValidAppend, ValidNewSequence, validate_step
+
+
+class KVCacheManager:
+    """Paged KV accounting: block tables, prefix caching, copy-on-write and the step.
+
+    Owns a `BlockPool` (ref counts, free extents, best-fit) and a `PrefixCache` (hash-chain
+    index, LRU of evictable blocks); one caller owns it (no locks). Invariants, checked by
+    `check_integrity()`: a block's ref count is the number of tables holding it; every block
+    is exactly one of used, free or evictable; a sequence has `ceil(num_tokens /
+    block_size)` blocks.
+
+    Allocation takes free blocks first (best-fit) and evicts cached blocks, least recently
+    used first, only when no free block is left. New sequences must leave
+    `watermark_blocks` blocks available (admission control); appends to running sequences
+    may use everything.
+
+    A prompt hit in full (its length a multiple of `block_size`, every block cached) is
+    capped at `len(prompt) - 1` computed tokens, so the last token is computed again for its
+    logits: the last cached block is copied into a fresh block (reported in `copies`) and
+    only its last slot is written, so the cached original is never written to.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = True,
+        hash_fn: HashFn = hash_block,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self._pool = BlockPool(num_blocks)
+        self._block_size = block_size
+        self._watermark_blocks = int(watermark * num_blocks)
+        self._enable_prefix_caching = enable_prefix_caching
+        self._cache = PrefixCache(hash_fn)
+        self._seqs: dict[int, SequenceState] = {}
+        self._in_flight: dict[int, MicroBatchRecord] = {}
+        self._num_prefix_queries = 0
+        self._num_prefix_hits = 0
+        self._num_prefix_query_tokens = 0
+        self._num_prefix_hit_tokens = 0
+        self._num_evictions = 0
+        self._num_copy_on_write = 0
+        self._num_resets = 0
+
+    # ---- configuration and queries -------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def watermark_blocks(self) -> int:
+        return self._watermark_blocks
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._enable_prefix_caching
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation can have now: free plus evictable."""
+        return self._pool.num_free_blocks + self._cache.num_evictable_blocks
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` more blocks can be had and still leave the watermark."""
+        return self.num_available_blocks - num_blocks >= self._watermark_blocks
+
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def seq_ids(self) -> tuple[int, ...]:
+        return tuple(self._seqs)
+
+    def block_table(self, seq_id: int) -> tuple[int, ...]:
+        return tuple(self._get(seq_id).block_ids)
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self._get(seq_id).num_tokens
+
+    def ref_count(self, block_id: int) -> int:
+        return self._pool.ref_count(block_id)
+
+    def cached_token_ids(self, block_id: int) -> tuple[int, ...] | None:
+        """The tokens a cached block holds, or None if it is not in the prefix cache."""
+        entry = self._cache.entry(block_id)
+        return None if entry is None else unpack_token_ids(entry.token_bytes)
+
+    def evictable_block_ids(self) -> tuple[int, ...]:
+        """Cached blocks nobody holds, in eviction order (least recently used first)."""
+        return self._cache.evictable_block_ids()
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        """`(start, length)` of the free (uncached) extents, by start."""
+        return self._pool.free_extents()
+
+    def in_flight_micro_batch_ids(self) -> tuple[int, ...]:
+        return tuple(self._in_flight)
+
+    def _get(self, seq_id: int) -> SequenceState:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise SequenceNotFound(seq_id)
+        return seq
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self, step_input: StepInput) -> StepOutput:
+        """Apply one plan's bookkeeping (see `StepInput` for the order).
+
+        Raises `SequenceNotFound` / `InvalidStepError` with the state unchanged; a sequence
+        short of blocks gets `NoBlocks` and is left as it was, the others are applied.
+        """
+        valid = validate_step(
+            step_input,
+            {seq_id: seq.num_tokens for seq_id, seq in self._seqs.items()},
+            self._in_flight,
+            self._pool.num_blocks * self._block_size,
+        )
+        for micro_batch_id in valid.failed_micro_batch_ids:
+            for seq in self._in_flight.pop(micro_batch_id).seqs:
+                seq.cacheable = False
+        for micro_batch_id in valid.completed_micro_batch_ids:
+            self._complete(self._in_flight.pop(micro_batch_id))
+        for seq_id in valid.frees:
+            self._free(self._seqs.pop(seq_id))
+        for parent_seq_id, child_seq_id in valid.forks:
+            parent = self._seqs[parent_seq_id]
+            for block_id in parent.block_ids:
+                self._pool.incref(block_id)
+            self._seqs[child_seq_id] = parent.copy(child_seq_id)
+
+        # validation made sure a step that writes names its micro-batch
+        micro_batch = MicroBatchRecord()
+        results: dict[int, Allocated | NoBlocks] = {}
+        for append in valid.appends:
+            results[append.seq_id] = self._append(append, micro_batch)
+        for new in valid.new_sequences:
+            results[new.seq_id] = self._add(new, micro_batch)
+        if valid.micro_batch_id is not None:
+            self._in_flight[valid.micro_batch_id] = micro_batch
+        copies = [c for r in results.values() if isinstance(r, Allocated) for c in r.copies]
+        self._num_copy_on_write += len(copies)
+        return StepOutput(results=results, copies=tuple(copies))
+
+    def free(self, seq_id: int) -> None:
+        self.step(StepInput(frees=(seq_id,)))
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        self.step(StepInput(forks=(Fork(parent_seq_id, child_seq_id),)))
+
+    def complete(self, micro_batch_ids: Iterable[int]) -> None:
+        """The micro-batches finished: the full blocks they wrote become findable."""
+        self.step(StepInput(completed_micro_batch_ids=tuple(micro_batch_ids)))
+
+    def fail(self, micro_batch_ids: Iterable[int]) -> None:
+        """The micro-batches failed: nothing they wrote becomes findable, nor anything the
+        sequences that wrote in them write later (free or reset those sequences)."""
+        self.step(StepInput(failed_micro_batch_ids=tuple(micro_batch_ids)))
+
+    def reset(self) -> None:
+        """Forget every sequence, cached block and micro-batch (the workers lost their KV).
+        Cumulative counters are kept."""
+        self._pool = BlockPool(self._pool.num_blocks)
+        self._cache.clear()
+        self._seqs.clear()
+        self._in_flight.clear()
+        self._num_resets += 1
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def _allocate(self, num_blocks: int) -> list[int]:
+        """Free blocks best-fit first, then evicted ones (LRU); the caller checked supply."""
+        from_pool = min(num_blocks, self._pool.num_free_blocks)
+        block_ids = self._pool.allocate(from_pool)
+        for _ in range(num_blocks - from_pool):
+            block_id = self._cache.evict()
+            self._pool.acquire_parked(block_id)
+            block_ids.append(block_id)
+        self._num_evictions += num_blocks - from_pool
+        return block_ids
+
+    def _free(self, seq: SequenceState) -> None:
+        released: list[int] = []
+        for block_id in reversed(seq.block_ids):  # the tail is evicted before the head
+            if self._pool.decref(block_id) == 0:
+                if self._cache.is_cached(block_id):
+                    self._cache.park(block_id)
+                else:
+                    released.append(block_id)
+        self._pool.release(released)
+
+    def _complete(self, micro_batch: MicroBatchRecord) -> None:
+        for seq, block_id, generation, entry in micro_batch.filled:
+            if (
+                seq.cacheable
+                and self._pool.ref_count(block_id) > 0
+                and self._pool.generation(block_id) == generation
+            ):
+                self._cache.register(block_id, entry)
+
+    def _append(self, append: ValidAppend, micro_batch: MicroBatchRecord) -> Allocated | NoBlocks:
+        seq = self._seqs[append.seq_id]
+        bs = self._block_size
+        start = seq.num_tokens
+        copy_on_write = start % bs != 0 and self._pool.ref_count(seq.block_ids[-1]) > 1
+        num_new_blocks = -(-(start + append.num_tokens) // bs) - len(seq.block_ids)
+        num_needed = num_new_blocks + copy_on_write
+        num_available = self.num_available_blocks
+        if num_needed > num_available:
+            return NoBlocks(append.seq_id, num_needed, num_available)
+        new_block_ids = self._allocate(num_needed)
+        copies: tuple[BlockCopy, ...] = ()
+        if copy_on_write:
+            src = seq.block_ids[-1]
+            dst = new_block_ids.pop(0)
+            seq.block_ids[-1] = dst
+            self._pool.decref(src)  # still held by the sharers
+            copies = (BlockCopy(src, dst),)
+        slot_mapping = self._write(
+            seq, append.token_bytes, append.num_tokens, new_block_ids, micro_batch
+        )
+        return Allocated(append.seq_id, tuple(seq.block_ids), slot_mapping, start, copies)
+
+    def _add(self, new: ValidNewSequence, micro_batch: MicroBatchRecord) -> Allocated | NoBlocks:
+        bs = self._block_size
+        hits = (
+            self._cache.lookup(new.namespace, new.token_bytes, bs)
+            if self._enable_prefix_caching
+            else []
+        )
+        whole_prompt_hit = bool(hits) and len(hits) * bs == new.num_tokens
+        num_computed = new.num_tokens - 1 if whole_prompt_hit else len(hits) * bs
+        num_new_tokens = new.num_tokens - num_computed
+        if new.max_num_new_tokens is not None:
+            num_new_tokens = min(num_new_tokens, new.max_num_new_tokens)
+        num_shared = len(hits) - whole_prompt_hit
+        num_new_blocks = -(-(num_computed + num_new_tokens) // bs) - num_shared
+        # evictable hits stop being available once this sequence holds them
+        num_taken = sum(1 for hit in hits if self._cache.is_evictable(hit.block_id))
+        num_available = max(0, self.num_available_blocks - num_taken - self._watermark_blocks)
+        if num_new_blocks > num_available:
+            return NoBlocks(new.seq_id, num_new_blocks, num_available)
+
+        for hit in hits:
+            if self._cache.is_evictable(hit.block_id):
+                self._cache.unpark(hit.block_id)
+            self._pool.incref(hit.block_id)
+        new_block_ids = self._allocate(num_new_blocks)
+        seq = SequenceState(new.seq_id, new.namespace)
+        seq.block_ids = [hit.block_id for hit in hits[:num_shared]]
+        copies: tuple[BlockCopy, ...] = ()
+        if whole_prompt_hit:
+            # the last cached block was held through the allocation so it could not be
+            # evicted into it; the copy gets the recomputed last token, never the original
+            src = hits[-1].block_id
+            dst = new_block_ids.pop(0)
+            seq.block_ids.append(dst)
+            if self._pool.decref(src) == 0:
+                self._cache.park(src)
+            copies = (BlockCopy(src, dst),)
+            seq.last_full_key = hits[-2].key if len(hits) > 1 else ROOT_KEY
+            seq.partial_token_bytes = new.token_bytes[
+                num_shared * bs * TOKEN_BYTES : num_computed * TOKEN_BYTES
+            ]
+        elif hits:
+            seq.last_full_key = hits[-1].key
+        seq.num_tokens = num_computed
+        self._seqs[new.seq_id] = seq
+        token_bytes = new.token_bytes[
+            num_computed * TOKEN_BYTES : (num_computed + num_new_tokens) * TOKEN_BYTES
+        ]
+        slot_mapping = self._write(seq, token_bytes, num_new_tokens, new_block_ids, micro_batch)
+
+        if self._enable_prefix_caching:
+            self._num_prefix_queries += 1
+            self._num_prefix_hits += num_computed > 0
+            self._num_prefix_query_tokens += new.num_tokens
+            self._num_prefix_hit_tokens += num_computed
+        return Allocated(new.seq_id, tuple(seq.block_ids), slot_mapping, num_computed, copies)
+
+    def _write(
+        self,
+        seq: SequenceState,
+        token_bytes: bytes,
+        num_tokens: int,
+        new_block_ids: list[int],
+        micro_batch: MicroBatchRecord,
+    ) -> tuple[int, ...]:
+        """Give `seq` slots for `num_tokens` more tokens (in `new_block_ids` past its last
+        block) and key the blocks they fill; returns the tokens' slots."""
+        bs = self._block_size
+        blocks = seq.block_ids
+        blocks.extend(new_block_ids)
+        start, end = seq.num_tokens, seq.num_tokens + num_tokens
+        slots: list[int] = []
+        pos = start
+        while pos < end:
+            index, offset = divmod(pos, bs)
+            count = min(bs - offset, end - pos)
+            base = blocks[index] * bs + offset
+            slots.extend(range(base, base + count))
+            pos += count
+        seq.num_tokens = end
+        micro_batch.seqs.append(seq)
+
+        if self._enable_prefix_caching:
+            data = seq.partial_token_bytes + token_bytes
+            stride = bs * TOKEN_BYTES
+            num_full = len(data) // stride
+            first_index = start // bs
+            for j in range(num_full):
+                block_tokens = data[j * stride : (j + 1) * stride]
+                key = self._cache.key_of(seq.last_full_key, seq.namespace, block_tokens)
+                if seq.cacheable:
+                    block_id = blocks[first_index + j]
+                    micro_batch.filled.append(
+                        (
+                            seq,
+                            block_id,
+                            self._pool.generation(block_id),
+                            CachedBlock(key, seq.last_full_key, seq.namespace, block_tokens),
+                        )
+                    )
+                seq.last_full_key = key
+            seq.partial_token_bytes = data[num_full * stride :]
+        return tuple(slots)
+
+    # ---- statistics and integrity --------------------------------------------------------
+
+    def sequence_stats(self) -> tuple[SequenceBlockStats, ...]:
+        """The per-sequence block distribution."""
+        return tuple(
+            SequenceBlockStats(
+                seq_id=seq.seq_id,
+                num_tokens=seq.num_tokens,
+                num_blocks=len(seq.block_ids),
+                num_extents=count_extents(seq.block_ids),
+                num_shared_blocks=sum(1 for b in seq.block_ids if self._pool.ref_count(b) > 1),
+            )
+            for seq in self._seqs.values()
+        )
+
+    def stats(self) -> KVCacheStats:
+        bs = self._block_size
+        num_free = self._pool.num_free_blocks
+        num_evictable = self._cache.num_evictable_blocks
+        num_used = self._pool.num_blocks - num_free - num_evictable
+        # only a last block can be partial, and sharers of a partial block fill it equally
+        partial_fill = {
+            seq.block_ids[-1]: seq.num_tokens % bs
+            for seq in self._seqs.values()
+            if seq.num_tokens % bs
+        }
+        num_empty_slots = sum(bs - fill for fill in partial_fill.values())
+        largest = self._pool.largest_free_extent
+        return KVCacheStats(
+            num_blocks=self._pool.num_blocks,
+            block_size=bs,
+            num_used_blocks=num_used,
+            num_free_blocks=num_free,
+            num_evictable_blocks=num_evictable,
+            num_cached_blocks=self._cache.num_cached_blocks,
+            watermark_blocks=self._watermark_blocks,
+            num_sequences=len(self._seqs),
+            num_used_slots=num_used * bs - num_empty_slots,
+            num_free_extents=self._pool.num_free_extents,
+            largest_free_extent=largest,
+            internal_fragmentation=internal_fragmentation(num_empty_slots, num_used, bs),
+            external_fragmentation=external_fragmentation(largest, num_free),
+            num_prefix_queries=self._num_prefix_queries,
+            num_prefix_hits=self._num_prefix_hits,
+            num_prefix_query_tokens=self._num_prefix_query_tokens,
+            num_prefix_hit_tokens=self._num_prefix_hit_tokens,
+            prefix_hit_rate=prefix_hit_rate(
+                self._num_prefix_hit_tokens, self._num_prefix_query_tokens
+            ),
+            num_evictions=self._num_evictions,
+            num_copy_on_write=self._num_copy_on_write,
+            num_resets=self._num_resets,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise `IntegrityError` unless: each block's ref count equals the number of tables
+        holding it; every block is exactly one of used (ref > 0), free (in an extent) or
+        evictable (cached, ref 0, in the LRU) — so used + free + evictable == total; the
+        extents and the prefix index are consistent; each table fits its token count."""
+        self._pool.check_integrity()
+        self._cache.check_integrity(self._pool.ref_count)
+        bs = self._block_size
+        holders: Counter[int] = Counter()
+        for seq_id, seq in self._seqs.items():
+            if len(seq.block_ids) != -(-seq.num_tokens // bs):
+                raise IntegrityError(
+                    f"sequence {seq_id}: {len(seq.block_ids)} blocks for {seq.num_tokens} tokens"
+                )
+            if len(set(seq.block_ids)) != len(seq.block_ids):
+                raise IntegrityError(f"sequence {seq_id} holds a block twice")
+            if self._enable_prefix_caching and (
+                len(seq.partial_token_bytes) != (seq.num_tokens % bs) * TOKEN_BYTES
+            ):
+                raise IntegrityError(f"sequence {seq_id}: partial block tokens out of step")
+            holders.update(seq.block_ids)
+        num_used = 0
+        for block_id in range(self._pool.num_blocks):
+            ref = self._pool.ref_count(block_id)
+            if ref != holders.get(block_id, 0):
+                raise IntegrityError(
+                    f"block {block_id}: ref count {ref}, held by {holders.get(block_id, 0)}"
+                )
+            states = (ref > 0) + self._pool.is_free(block_id) + self._cache.is_evictable(block_id)
+            if states != 1:
+                raise IntegrityError(
+                    f"block {block_id}: ref {ref}, free {self._pool.is_free(block_id)}, "
+                    f"evictable {self._cache.is_evictable(block_id)}"
+                )
+            num_used += ref > 0
+        total = num_used + self._pool.num_free_blocks + self._cache.num_evictable_blocks
+        if total != self._pool.num_blocks:
+            raise IntegrityError(f"used + free + evictable = {total} != {self._pool.num_blocks}")

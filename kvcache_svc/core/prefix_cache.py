@@ -1,0 +1,177 @@
+"""Hash-chain keys of full blocks, the prefix-cache index and the LRU of evictable blocks."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from kvcache_svc.core.errors import IntegrityError
+
+TOKEN_BYTES = 8  # token ids are keyed as little-endian int64
+ROOT_KEY = bytes(32)  # the parent key of a sequence's first block
+
+HashFn = Callable[[bytes, str | None, bytes], bytes]
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64s. Raises TypeError / OverflowError on non-int64s."""
+    packed = array("q", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_token_ids(token_bytes: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(token_bytes) // TOKEN_BYTES}q", token_bytes)
+
+
+def _namespace_bytes(namespace: str | None) -> bytes:
+    # length-prefixed, and None distinct from "", so no two (namespace, tokens) pairs alias
+    if namespace is None:
+        return b"\x00"
+    encoded = namespace.encode()
+    return b"\x01" + struct.pack("<I", len(encoded)) + encoded
+
+
+def hash_block(parent_key: bytes, namespace: str | None, token_bytes: bytes) -> bytes:
+    """The key of a full block: SHA-256 of (parent key, namespace, the block's tokens)."""
+    digest = hashlib.sha256(parent_key)
+    digest.update(_namespace_bytes(namespace))
+    digest.update(token_bytes)
+    return digest.digest()
+
+
+class CachedBlock(NamedTuple):
+    """What a cached block holds: its key and the exact input that key was hashed from."""
+
+    key: bytes
+    parent_key: bytes
+    namespace: str | None
+    token_bytes: bytes
+
+    def matches(self, parent_key: bytes, namespace: str | None, token_bytes: bytes) -> bool:
+        return (
+            self.token_bytes == token_bytes
+            and self.parent_key == parent_key
+            and self.namespace == namespace
+        )
+
+
+class PrefixHit(NamedTuple):
+    block_id: int
+    key: bytes
+
+
+class PrefixCache:
+    """Index of full, computed blocks by hash-chain key, and the LRU of evictable ones.
+
+    Invariants: `key -> block` and `block -> CachedBlock` are inverse maps; a block is
+    *evictable* when it is cached and nobody holds it, and exactly the evictable blocks are
+    in the LRU, least recently used first. The manager parks a cached block in the LRU when
+    its last holder lets go — a sequence's blocks last to first, so a sequence's tail is
+    evicted before its head, which more sequences share — and unparks it on a prefix hit.
+
+    A hit requires the stored block's own hash input (parent key, namespace, tokens) to equal
+    the query's, so even a colliding hash never returns a block holding other tokens; the
+    first block registered under a key keeps it.
+    """
+
+    def __init__(self, hash_fn: HashFn = hash_block) -> None:
+        self._hash_fn = hash_fn
+        self._block_by_key: dict[bytes, int] = {}
+        self._entry_by_block: dict[int, CachedBlock] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._entry_by_block)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._lru)
+
+    def key_of(self, parent_key: bytes, namespace: str | None, token_bytes: bytes) -> bytes:
+        return self._hash_fn(parent_key, namespace, token_bytes)
+
+    def lookup(self, namespace: str | None, token_bytes: bytes, block_size: int) -> list[PrefixHit]:
+        """The cached blocks of the longest cached prefix of `token_bytes` (full blocks only)."""
+        stride = block_size * TOKEN_BYTES
+        hits: list[PrefixHit] = []
+        parent_key = ROOT_KEY
+        for start in range(0, len(token_bytes) - stride + 1, stride):
+            block_tokens = token_bytes[start : start + stride]
+            key = self._hash_fn(parent_key, namespace, block_tokens)
+            block_id = self._block_by_key.get(key)
+            if block_id is None:
+                break
+            if not self._entry_by_block[block_id].matches(parent_key, namespace, block_tokens):
+                break  # a hash collision: a miss, never wrong tokens
+            hits.append(PrefixHit(block_id, key))
+            parent_key = key
+        return hits
+
+    def register(self, block_id: int, entry: CachedBlock) -> bool:
+        """Make a computed full block findable; False if its key (or the block) is taken."""
+        if entry.key in self._block_by_key or block_id in self._entry_by_block:
+            return False
+        self._block_by_key[entry.key] = block_id
+        self._entry_by_block[block_id] = entry
+        return True
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._entry_by_block
+
+    def entry(self, block_id: int) -> CachedBlock | None:
+        return self._entry_by_block.get(block_id)
+
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._lru
+
+    def park(self, block_id: int) -> None:
+        """A cached block nobody holds becomes evictable, most recently used."""
+        if block_id not in self._entry_by_block:
+            raise ValueError(f"block {block_id} is not cached")
+        self._lru[block_id] = None
+
+    def unpark(self, block_id: int) -> None:
+        del self._lru[block_id]
+
+    def evict(self) -> int:
+        """Forget the least recently used evictable block and return its id (still parked)."""
+        block_id, _ = self._lru.popitem(last=False)
+        entry = self._entry_by_block.pop(block_id)
+        del self._block_by_key[entry.key]
+        return block_id
+
+    def evictable_block_ids(self) -> tuple[int, ...]:
+        """Evictable blocks, next to be evicted first."""
+        return tuple(self._lru)
+
+    def clear(self) -> None:
+        self._block_by_key.clear()
+        self._entry_by_block.clear()
+        self._lru.clear()
+
+    def check_integrity(self, ref_count: Callable[[int], int]) -> None:
+        """Maps are inverse, keys match their hash input, and the LRU holds exactly the
+        cached blocks with ref count 0. Raises `IntegrityError`."""
+        if len(self._block_by_key) != len(self._entry_by_block):
+            raise IntegrityError("key index and block index differ in size")
+        for block_id, entry in self._entry_by_block.items():
+            if self._block_by_key.get(entry.key) != block_id:
+                raise IntegrityError(f"cached block {block_id} not indexed by its key")
+            if entry.key != self._hash_fn(entry.parent_key, entry.namespace, entry.token_bytes):
+                raise IntegrityError(f"cached block {block_id} key is not its hash")
+            if (ref_count(block_id) == 0) != (block_id in self._lru):
+                raise IntegrityError(
+                    f"cached block {block_id}: ref count {ref_count(block_id)}, "
+                    f"{'in' if block_id in self._lru else 'not in'} the LRU"
+                )
+        for block_id in self._lru:
+            if block_id not in self._entry_by_block:
+                raise IntegrityError(f"evictable block {block_id} is not cached")

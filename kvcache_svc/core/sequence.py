@@ -1,0 +1,54 @@
+"""Per-sequence table state and the record of what a micro-batch in flight wrote."""
+
+from __future__ import annotations
+
+from kvcache_svc.core.prefix_cache import ROOT_KEY, CachedBlock
+
+
+class SequenceState:
+    """One sequence's table: `len(block_ids) == ceil(num_tokens / block_size)`.
+
+    With prefix caching, `last_full_key` is the chain key of its last full block and
+    `partial_token_bytes` the tokens of its partial last block (empty when it has none).
+    `cacheable` turns False for good once it wrote in a failed micro-batch: its later
+    blocks' KV attended to garbage.
+    """
+
+    __slots__ = (
+        "seq_id",
+        "namespace",
+        "block_ids",
+        "num_tokens",
+        "last_full_key",
+        "partial_token_bytes",
+        "cacheable",
+    )
+
+    def __init__(self, seq_id: int, namespace: str | None) -> None:
+        self.seq_id = seq_id
+        self.namespace = namespace
+        self.block_ids: list[int] = []
+        self.num_tokens = 0
+        self.last_full_key = ROOT_KEY
+        self.partial_token_bytes = b""
+        self.cacheable = True
+
+    def copy(self, seq_id: int) -> SequenceState:
+        child = SequenceState(seq_id, self.namespace)
+        child.block_ids = list(self.block_ids)
+        child.num_tokens = self.num_tokens
+        child.last_full_key = self.last_full_key
+        child.partial_token_bytes = self.partial_token_bytes
+        child.cacheable = self.cacheable
+        return child
+
+
+class MicroBatchRecord:
+    """What a micro-batch in flight wrote: blocks it filled (to cache on completion, if the
+    block still belongs to the same allocation) and the sequences it wrote."""
+
+    __slots__ = ("filled", "seqs")
+
+    def __init__(self) -> None:
+        self.filled: list[tuple[SequenceState, int, int, CachedBlock]] = []
+        self.seqs: list[SequenceState] = []

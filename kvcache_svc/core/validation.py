@@ -1,0 +1,175 @@
+"""Whole-step validation: every check runs before anything is applied, and nothing mutates."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvcache_svc.core.errors import InvalidStepError, SequenceNotFound
+from kvcache_svc.core.types import StepInput
+
+MAX_ID = 2**64 - 1  # ids travel as uint64
+
+
+class ValidNewSequence(NamedTuple):
+    seq_id: int
+    token_bytes: bytes
+    num_tokens: int
+    namespace: str | None
+    max_num_new_tokens: int | None
+
+
+class ValidAppend(NamedTuple):
+    seq_id: int
+    token_bytes: bytes
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ValidStep:
+    """A step that passed validation, with token ids already packed for hashing."""
+
+    failed_micro_batch_ids: tuple[int, ...]
+    completed_micro_batch_ids: tuple[int, ...]
+    frees: tuple[int, ...]
+    forks: tuple[tuple[int, int], ...]
+    appends: tuple[ValidAppend, ...]
+    new_sequences: tuple[ValidNewSequence, ...]
+    micro_batch_id: int | None
+
+
+def _check_id(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ID:
+        raise InvalidStepError(f"{what} must be an integer in [0, 2**64), got {value!r}")
+    return value
+
+
+def _check_unique(ids: Sequence[int], what: str) -> None:
+    if len(set(ids)) != len(ids):
+        raise InvalidStepError(f"duplicate {what}")
+
+
+def _pack(token_ids: object, what: str) -> tuple[bytes, int]:
+    # any sequence of ints: lists, tuples, ranges, protobuf repeated fields, numpy arrays
+    if isinstance(token_ids, str | bytes | bytearray | memoryview | Mapping) or not hasattr(
+        token_ids, "__getitem__"
+    ):
+        raise InvalidStepError(f"{what}: token ids must be a sequence of ints")
+    try:
+        packed = array("q", token_ids)  # type: ignore[arg-type]
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise InvalidStepError(f"{what}: token ids must be int64s ({exc})") from None
+    if not packed:
+        raise InvalidStepError(f"{what}: no token ids")
+    if min(packed) < 0:
+        raise InvalidStepError(f"{what}: negative token id")
+    if sys.byteorder != "little":  # keys hash little-endian int64s, as pack_token_ids does
+        packed.byteswap()
+    return packed.tobytes(), len(packed)
+
+
+def validate_step(
+    step: StepInput,
+    seq_num_tokens: Mapping[int, int],
+    in_flight_micro_batch_ids: Collection[int],
+    max_tokens_per_sequence: int,
+) -> ValidStep:
+    """Check `step` against the current state (`seq_num_tokens`: live sequences and their
+    lengths). Raises `SequenceNotFound` or `InvalidStepError`; reads, never writes."""
+    failed = tuple(_check_id(m, "failed micro-batch id") for m in step.failed_micro_batch_ids)
+    completed = tuple(
+        _check_id(m, "completed micro-batch id") for m in step.completed_micro_batch_ids
+    )
+    _check_unique(failed + completed, "micro-batch id in completed/failed")
+    for m in failed + completed:
+        if m not in in_flight_micro_batch_ids:
+            raise InvalidStepError(f"micro-batch {m} is not in flight")
+    micro_batch_id = step.micro_batch_id
+    if micro_batch_id is not None:
+        _check_id(micro_batch_id, "micro_batch_id")
+        if micro_batch_id in in_flight_micro_batch_ids and micro_batch_id not in failed + completed:
+            raise InvalidStepError(f"micro-batch {micro_batch_id} is already in flight")
+    elif step.appends or step.new_sequences:
+        raise InvalidStepError("a step that writes tokens needs a micro_batch_id")
+
+    frees = tuple(_check_id(s, "freed seq_id") for s in step.frees)
+    _check_unique(frees, "seq_id in frees")
+    for seq_id in frees:
+        if seq_id not in seq_num_tokens:
+            raise SequenceNotFound(seq_id, "cannot free it")
+    freed = set(frees)
+
+    forks: list[tuple[int, int]] = []
+    child_lengths: dict[int, int] = {}
+    for fork in step.forks:
+        parent = _check_id(fork.parent_seq_id, "fork parent_seq_id")
+        child = _check_id(fork.child_seq_id, "fork child_seq_id")
+        if parent in child_lengths:
+            raise InvalidStepError(f"fork parent {parent} is forked in the same step")
+        if parent not in seq_num_tokens:
+            raise SequenceNotFound(parent, "cannot fork it")
+        if parent in freed:
+            raise InvalidStepError(f"sequence {parent} is freed and forked in one step")
+        if child in seq_num_tokens or child in child_lengths:
+            raise InvalidStepError(f"fork child {child} already exists")
+        child_lengths[child] = seq_num_tokens[parent]
+        forks.append((parent, child))
+
+    new_sequences: list[ValidNewSequence] = []
+    new_ids: set[int] = set()
+    for new in step.new_sequences:
+        seq_id = _check_id(new.seq_id, "new seq_id")
+        if seq_id in seq_num_tokens or seq_id in child_lengths or seq_id in new_ids:
+            raise InvalidStepError(f"new sequence {seq_id} already exists")
+        new_ids.add(seq_id)
+        token_bytes, num_tokens = _pack(new.token_ids, f"new sequence {seq_id}")
+        if num_tokens > max_tokens_per_sequence:
+            raise InvalidStepError(
+                f"new sequence {seq_id}: {num_tokens} tokens exceed the pool's "
+                f"{max_tokens_per_sequence}"
+            )
+        if new.namespace is not None and not isinstance(new.namespace, str):
+            raise InvalidStepError(f"new sequence {seq_id}: namespace must be a string")
+        max_new = new.max_num_new_tokens
+        if max_new is not None and (
+            isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1
+        ):
+            raise InvalidStepError(f"new sequence {seq_id}: max_num_new_tokens must be >= 1")
+        new_sequences.append(
+            ValidNewSequence(seq_id, token_bytes, num_tokens, new.namespace, max_new)
+        )
+
+    appends: list[ValidAppend] = []
+    appended: set[int] = set()
+    for append in step.appends:
+        seq_id = _check_id(append.seq_id, "appended seq_id")
+        if seq_id in appended:
+            raise InvalidStepError(f"sequence {seq_id} appended twice")
+        appended.add(seq_id)
+        if seq_id in new_ids:
+            raise InvalidStepError(f"sequence {seq_id} is new and appended in one step")
+        if seq_id in freed:
+            raise InvalidStepError(f"sequence {seq_id} is freed and appended in one step")
+        length = seq_num_tokens.get(seq_id, child_lengths.get(seq_id))
+        if length is None:
+            raise SequenceNotFound(seq_id, "cannot append to it")
+        token_bytes, num_tokens = _pack(append.token_ids, f"append to {seq_id}")
+        if length + num_tokens > max_tokens_per_sequence:
+            raise InvalidStepError(
+                f"sequence {seq_id}: {length + num_tokens} tokens exceed the pool's "
+                f"{max_tokens_per_sequence}"
+            )
+        appends.append(ValidAppend(seq_id, token_bytes, num_tokens))
+
+    return ValidStep(
+        failed_micro_batch_ids=failed,
+        completed_micro_batch_ids=completed,
+        frees=frees,
+        forks=tuple(forks),
+        appends=tuple(appends),
+        new_sequences=tuple(new_sequences),
+        micro_batch_id=micro_batch_id,
+    )
