@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers per stage, e.g. 3,5 (default: even split)")
     p.add_argument("--dtype", default=_env("dtype", "auto"),
                    choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=_env("device"), help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--device", default=_env("device"), help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--num-threads", type=int, default=_env("num_threads", None, int),
                    help="torch intra-op threads (default: cores / num-stages, at least 1)")
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 8192, int))

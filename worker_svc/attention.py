@@ -126,8 +126,18 @@ def _mask(
     return mask
 
 
+BACKEND_NAMES = ("torch", "triton")
+
+
 def get_backend(name: str) -> AttentionBackend:
-    """The attention backend named by configuration (`torch`; `triton` comes with the GPU path)."""
+    """The attention backend named by configuration: `torch` (reference, CPU) or `triton` (GPU)."""
     if name == "torch":
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch")
+    if name == "triton":
+        # Imported only when chosen: importing triton fixes interpreter vs compiled mode.
+        try:
+            from worker_svc.triton_attention import TritonAttentionBackend
+        except ImportError as exc:
+            raise ValueError(f"attention backend 'triton' needs the triton package: {exc}") from exc
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKEND_NAMES)}")

@@ -8,6 +8,7 @@ a directory holding only `pytorch_model.bin` is refused.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from safetensors import safe_open
 from worker_svc.errors import CheckpointError
 from worker_svc.model import StageModel
 from worker_svc.model_config import DTYPE_NAMES, ModelConfig
+from worker_svc.quantization import check_quantization, quantize_model, weight_bytes
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,8 +98,14 @@ def load_stage(
     partition: Sequence[int] | None = None,
     dtype: str = "auto",
     device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> StageModel:
-    """Build stage `stage` of `num_stages` and load exactly its tensors."""
+    """Build stage `stage` of `num_stages` and load exactly its tensors.
+
+    `quantization="fp8"` quantizes the linear layers' weights once they are loaded (see
+    worker_svc/quantization.py); the stage's weight bytes are logged either way.
+    """
+    check_quantization(quantization)
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: checkpoint directory not found")
@@ -132,5 +142,13 @@ def load_stage(
                     )
                 state[name] = f.get_tensor(name).to(device=device, dtype=torch_dtype)
     model.load_state_dict(state, strict=True, assign=True)
+    del state
     model.eval()
+    if quantization is not None:
+        quantize_model(model, quantization)
+    log.info(
+        "stage %d of %d: layers [%d, %d), %s weights%s: %d bytes",
+        stage, num_stages, start, end, torch_dtype, f" ({quantization})" if quantization else "",
+        weight_bytes(model),
+    )  # fmt: skip
     return model

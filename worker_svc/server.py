@@ -344,16 +344,19 @@ def _describe(exc: BaseException) -> str:
 
 async def serve(config: WorkerConfig, ready_file: str | None = None) -> None:
     """Load the stage, serve until SIGTERM/SIGINT, then stop cleanly."""
+    from worker_svc.device import resolve_device
     from worker_svc.loader import load_stage
 
     torch.set_num_threads(config.resolved_num_threads)
+    device = resolve_device(config.device)
     model = load_stage(
         config.model,
         config.stage,
         config.num_stages,
         config.layer_partition,
         config.dtype,
-        config.device or "cpu",
+        device,
+        quantization=config.quantization,
     )
     runner = StageRunner(model, config.num_kv_blocks, config.block_size, config.attention_backend)
     service = StageService(config, runner)
