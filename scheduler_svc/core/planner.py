@@ -1,0 +1,619 @@
+"""The planner: which tokens of which sequences go into the next micro-batch.
+
+One plan is two halves around one KV-service round trip:
+
+    proposal = planner.propose()            # decodes first, then prefill chunks, then admissions
+    output = await kv.step(proposal.step_input)
+    micro_batch = planner.finalize(proposal, output)
+
+`propose` never changes the planner's state; `finalize` applies the KV service's answers:
+allocated sequences join the micro-batch, a decode that got no block preempts the
+lowest-ranked running request by recompute (its blocks are freed in the next step, it waits
+again ahead of its peers), a new request that got no block stays queued. Results come back
+through `on_result` / `on_failure`. A sequence is never in two micro-batches in flight.
+
+Budgets: `max_num_batched_tokens` bounds each micro-batch; `max_num_seqs` bounds all running
+sequences together; `microbatch_size` ("auto" or an int) caps sequences per micro-batch, with
+"auto" spreading the running sequences evenly over the micro-batches in flight.
+
+n > 1: the first choice prefills the prompt but its last token; then the other choices are
+forked from it (sharing every block; the partial last one is copied on write by the KV
+service) and each computes the last prompt token itself, sampling with its own index.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvcache_svc.core.types import (
+    Allocated,
+    Append,
+    Fork,
+    NewSequence,
+    NoBlocks,
+    StepInput,
+    StepOutput,
+)
+from scheduler_svc.core.queue import WaitingQueue
+from scheduler_svc.core.request import FinishReason, Request, RequestState, Sequence
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    max_in_flight: int = 1
+    microbatch_size: str | int = "auto"
+    max_model_len: int = 4096
+    namespace: str | None = None  # the model: prefixes are shared only within one
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens: must be positive")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs: must be positive")
+        if self.max_in_flight < 1:
+            raise ValueError("max_in_flight: must be positive")
+        if self.microbatch_size != "auto" and (
+            not isinstance(self.microbatch_size, int) or self.microbatch_size < 1
+        ):
+            raise ValueError(f"microbatch_size: must be 'auto' or a positive int, got {self.microbatch_size!r}")
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a micro-batch: tokens `start ... start + num_tokens - 1`."""
+
+    seq: Sequence
+    start: int
+    token_ids: list[int]
+    slot_mapping: tuple[int, ...]
+    block_table: tuple[int, ...]
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class MicroBatch:
+    micro_batch_id: int
+    seqs: list[ScheduledSeq]
+    block_copies: list[tuple[int, int]]
+    released_seq_ids: list[int]
+    release_all: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclass
+class Proposal:
+    """What `propose` asks the KV service for; `finalize` reads the answers against it."""
+
+    step_input: StepInput
+    micro_batch_id: int | None
+    appends: list[Sequence] = field(default_factory=list)
+    forks: list[tuple[Sequence, list[Sequence]]] = field(default_factory=list)
+    # (sequence, the id it gets in the KV service): a sequence that comes back after its
+    # blocks were freed takes a fresh id, so that a free and its return never share a step
+    admits: list[tuple[Request, list[tuple[Sequence, int]]]] = field(default_factory=list)
+    readmits: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    @property
+    def has_work(self) -> bool:
+        return self.micro_batch_id is not None
+
+
+@dataclass
+class SeqUpdate:
+    """New output of one sequence after a micro-batch: for streaming to the client."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    new_logprobs: list
+    finished: bool
+
+
+class Planner:
+    """Owns the running set, the waiting queue's admissions and what is in flight."""
+
+    def __init__(self, config: PlannerConfig, queue: WaitingQueue) -> None:
+        self.config = config
+        self.queue = queue
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.in_flight: dict[int, MicroBatch] = {}
+        self._busy: set[int] = set()
+        self._seqs: dict[int, Sequence] = {}
+        self._next_seq_id = 1
+        self._next_mb_id = 1
+        self._admission_counter = 0
+        self._rank: dict[str, tuple] = {}
+        self._pending_frees: list[int] = []
+        self._pending_released: list[int] = []
+        self._pending_completed: list[int] = []
+        self._pending_failed: list[int] = []
+        self._release_all = False
+        self.decisions: list[dict] = []  # for scheduler tracing; drained by the engine
+        self.num_preemptions = 0
+
+    # --- requests in ---------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a new request (QueueFull propagates)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already live")
+        self.queue.push(request)
+        self.requests[request.request_id] = request
+        self._trace("queued", request, prompt_tokens=len(request.prompt))
+
+    def abort(self, request_id: str, now: float = 0.0) -> Request | None:
+        """Abort a live request: out of the queue, or its sequences freed. None if unknown/ended."""
+        request = self.requests.get(request_id)
+        if request is None or not request.state.is_live:
+            return None
+        if request in self.queue:
+            self.queue.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        for seq in request.sequences:
+            self._drop_kv(seq)
+            if seq.finish_reason is None:
+                seq.finish_reason = FinishReason.ABORT
+        if request.state == RequestState.PREEMPTED:
+            request.transition(RequestState.WAITING, now)
+        request.transition(RequestState.ABORTED, now)
+        request.finished_s = now
+        del self.requests[request_id]
+        self._trace("aborted", request)
+        return request
+
+    # --- planning ------------------------------------------------------------------------
+
+    @property
+    def has_pending_kv_work(self) -> bool:
+        return bool(self._pending_frees or self._pending_completed or self._pending_failed)
+
+    def has_schedulable(self) -> bool:
+        if len(self.queue):
+            return True
+        return any(
+            not s.is_finished and s.seq_id not in self._busy
+            for r in self.running
+            for s in r.sequences
+        ) or any(len(r.sequences) < r.options.n and not self._fork_blocked(r) for r in self.running)
+
+    def _seq_cap(self) -> int:
+        if isinstance(self.config.microbatch_size, int):
+            return self.config.microbatch_size
+        live = sum(len(r.live_sequences) for r in self.running) + len(self.queue)
+        return max(1, math.ceil(live / self.config.max_in_flight))
+
+    def propose(self) -> Proposal:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        seq_cap = self._seq_cap()
+        n_seqs = 0
+        appends: list[Append] = []
+        new_sequences: list[NewSequence] = []
+        forks: list[Fork] = []
+        proposal = Proposal(StepInput(), None)
+
+        def chunk_of(remaining: int) -> int:
+            if remaining <= budget:
+                return remaining
+            return budget if cfg.enable_chunked_prefill else 0
+
+        # 1. decodes, then 2. prefill chunks of running sequences (rank order)
+        for phase_prefill in (False, True):
+            for request in self.running:
+                for seq in request.sequences:
+                    if (
+                        seq.is_finished or not seq.has_kv or seq.seq_id in self._busy
+                        or seq.is_prefill != phase_prefill or n_seqs >= seq_cap or budget <= 0
+                    ):
+                        continue
+                    remaining = self._target(seq) - seq.num_computed
+                    if remaining <= 0:
+                        continue
+                    n = chunk_of(remaining)
+                    if n <= 0:
+                        continue
+                    appends.append(Append(seq.seq_id, seq.tokens(seq.num_computed, seq.num_computed + n)))
+                    proposal.appends.append(seq)
+                    budget -= n
+                    n_seqs += 1
+        # 3. forks of n > 1 requests whose first choice has prefilled all but the last prompt token
+        for request in self.running:
+            if len(request.sequences) >= request.options.n or self._fork_blocked(request):
+                continue
+            k = request.options.n - len(request.sequences)
+            if budget < k + 1 or n_seqs + k + 1 > max(seq_cap, k + 1) or not self._room_for(k):
+                continue
+            parent = request.sequences[0]
+            children = [self._new_sequence(request, len(request.sequences) + i) for i in range(k)]
+            last = len(request.prompt) - 1
+            for child in children:
+                forks.append(Fork(parent.seq_id, child.seq_id))
+                appends.append(Append(child.seq_id, [request.prompt[last]]))
+            appends.append(Append(parent.seq_id, [request.prompt[last]]))
+            proposal.forks.append((parent, children))
+            budget -= k + 1
+            n_seqs += k + 1
+        # 4. running sequences that lost their KV (a partly re-admitted request)
+        for request in self.running:
+            for seq in request.sequences:
+                if seq.is_finished or seq.has_kv or seq.seq_id in self._busy or n_seqs >= seq_cap:
+                    continue
+                tokens = seq.all_tokens()[: self._target(seq)]
+                n = chunk_of(len(tokens))
+                if n <= 0:
+                    continue
+                new_id = self._take_seq_id()
+                new_sequences.append(NewSequence(new_id, tokens, cfg.namespace, n))
+                proposal.readmits.append((seq, new_id))
+                budget -= n
+                n_seqs += 1
+        # 5. admissions, in the queue's order, while blocks and budgets allow
+        num_running_seqs = sum(len(r.live_sequences) for r in self.running)
+        for request in self.queue.ordered(limit=64):
+            if budget <= 0 or n_seqs >= seq_cap:
+                break
+            seqs = request.live_sequences if request.sequences else None
+            if seqs is None:  # first admission: one sequence, or n when the prompt is one token
+                count = request.options.n if len(request.prompt) == 1 else 1
+            else:
+                count = len(seqs)
+            if num_running_seqs + count > cfg.max_num_seqs or n_seqs + count > max(seq_cap, count):
+                break
+            planned: list[tuple[Sequence | None, list[int], int]] = []
+            cost = 0
+            for i in range(count):
+                if seqs is None:
+                    tokens = list(request.prompt)
+                    if request.options.n > 1 and len(request.prompt) > 1:
+                        tokens = tokens[:-1]  # the choices fork before the last prompt token
+                else:
+                    tokens = seqs[i].all_tokens()[: self._target(seqs[i])]
+                n = chunk_of(len(tokens)) if cost == 0 else (len(tokens) if len(tokens) <= budget - cost else 0)
+                if n <= 0:
+                    break
+                planned.append((None if seqs is None else seqs[i], tokens, n))
+                cost += n
+            if len(planned) < count:
+                break
+            admitted: list[tuple[Sequence, int]] = []
+            for existing, tokens, n in planned:
+                seq = existing or self._new_sequence(request, len(admitted))
+                new_id = seq.seq_id if existing is None else self._take_seq_id()
+                new_sequences.append(NewSequence(new_id, tokens, cfg.namespace, n))
+                admitted.append((seq, new_id))
+            proposal.admits.append((request, admitted))
+            budget -= cost
+            n_seqs += count
+            num_running_seqs += count
+        has_tokens = bool(appends or new_sequences)
+        mb_id = self._next_mb_id if has_tokens else None
+        proposal.micro_batch_id = mb_id
+        proposal.step_input = StepInput(
+            new_sequences=tuple(new_sequences),
+            appends=tuple(appends),
+            forks=tuple(forks),
+            frees=tuple(self._pending_frees),
+            completed_micro_batch_ids=tuple(self._pending_completed),
+            failed_micro_batch_ids=tuple(self._pending_failed),
+            micro_batch_id=mb_id,
+        )
+        return proposal
+
+    def finalize(self, proposal: Proposal, output: StepOutput, now: float = 0.0) -> MicroBatch | None:
+        """Apply the KV service's answers; returns the micro-batch to dispatch, or None."""
+        step = proposal.step_input
+        applied_frees = set(step.frees)
+        self._pending_frees = [s for s in self._pending_frees if s not in applied_frees]
+        self._pending_completed = [m for m in self._pending_completed if m not in step.completed_micro_batch_ids]
+        self._pending_failed = [m for m in self._pending_failed if m not in step.failed_micro_batch_ids]
+        if proposal.micro_batch_id is None:
+            return None
+        self._next_mb_id += 1
+        mb_id = proposal.micro_batch_id
+        scheduled: dict[int, tuple[Sequence, Allocated]] = {}
+        preempt: list[Request] = []
+        starving: list[Sequence] = []
+
+        for parent, children in proposal.forks:
+            for child in children:
+                parent.request.sequences.append(child)
+                self._register(child)
+                child.has_kv = True
+                child.num_computed = parent.num_computed
+        for seq in proposal.appends + [s for _, ch in proposal.forks for s in ch] + [
+            p for p, _ in proposal.forks
+        ]:
+            result = output.results.get(seq.seq_id)
+            if isinstance(result, Allocated):
+                scheduled[seq.seq_id] = (seq, result)
+            elif isinstance(result, NoBlocks) and not seq.is_prefill:
+                starving.append(seq)
+        for seq, new_id in proposal.readmits:
+            result = output.results.get(new_id)
+            if isinstance(result, Allocated):
+                self._renumber(seq, new_id)
+                seq.has_kv = True
+                scheduled[seq.seq_id] = (seq, result)
+        blocked = False
+        for request, seqs in proposal.admits:
+            results = [output.results.get(new_id) for _, new_id in seqs]
+            if blocked or not any(isinstance(r, Allocated) for r in results):
+                blocked = True
+                for (_, new_id), r in zip(seqs, results, strict=True):
+                    if isinstance(r, Allocated):  # allocated after an earlier refusal: give it back
+                        self._pending_frees.append(new_id)
+                continue
+            self._admit(request, now)
+            for (s, new_id), r in zip(seqs, results, strict=True):
+                if s not in request.sequences:
+                    request.sequences.append(s)
+                if isinstance(r, Allocated):
+                    self._renumber(s, new_id)
+                    s.has_kv = True
+                    if not request.num_preemptions:
+                        request.num_cached_tokens += r.num_computed_tokens
+                    scheduled[s.seq_id] = (s, r)
+        # decodes that got no block: preempt the lowest-ranked running request by recompute
+        for seq in starving:
+            if seq.request not in self.running:
+                continue  # already preempted in this round
+            victim = self._pick_victim(exclude=seq.request, scheduled=scheduled)
+            if victim is None:
+                continue  # nothing to preempt now: it waits for blocks a finishing request frees
+            preempt.append(victim)
+            for s in victim.sequences:
+                scheduled.pop(s.seq_id, None)
+            self._preempt(victim, now)
+
+        mb = MicroBatch(mb_id, [], list(output.copies), self._pending_released, self._release_all)
+        self._pending_released, self._release_all = [], False
+        for seq, result in scheduled.values():
+            start = result.num_computed_tokens
+            n = len(result.slot_mapping)
+            seq.num_computed = start  # a prefix hit: these tokens are already there
+            seq.block_table = result.block_ids
+            end = start + n
+            sample = end == self._target(seq) and end == seq.num_tokens
+            mb.seqs.append(
+                ScheduledSeq(seq, start, seq.tokens(start, end), result.slot_mapping, result.block_ids, sample)
+            )
+            self._busy.add(seq.seq_id)
+            if seq.request.first_scheduled_s is None:
+                seq.request.first_scheduled_s = now
+        if not mb.seqs:
+            # the KV service holds this id in flight even with nothing written
+            self._pending_completed.append(mb_id)
+            if mb.released_seq_ids or mb.release_all:
+                self._pending_released = mb.released_seq_ids + self._pending_released
+                self._release_all = self._release_all or mb.release_all
+            return None
+        self.in_flight[mb_id] = mb
+        self._trace(
+            "micro_batch", None, micro_batch_id=mb_id, num_tokens=mb.num_tokens,
+            seqs=[[s.seq.seq_id, s.start, s.num_tokens] for s in mb.seqs],
+        )
+        return mb
+
+    # --- results in ----------------------------------------------------------------------
+
+    def on_result(self, mb_id: int, sampled: list[tuple[int, int, object]], now: float = 0.0) -> list[SeqUpdate]:
+        """A micro-batch came back: computed tokens advance, sampled tokens append, finishes."""
+        mb = self.in_flight.pop(mb_id)
+        self._pending_completed.append(mb_id)
+        by_id: dict[int, list[tuple[int, object]]] = {}
+        for seq_id, token, logprob in sampled:
+            by_id.setdefault(seq_id, []).append((token, logprob))
+        updates = []
+        for s in mb.seqs:
+            seq = s.seq
+            self._busy.discard(seq.seq_id)
+            request = seq.request
+            if not request.state.is_live or not seq.has_kv or seq.is_finished:
+                continue  # aborted or preempted while in flight
+            seq.num_computed = s.context_len
+            new_tokens, new_logprobs = [], []
+            for token, logprob in by_id.get(seq.seq_id, []):
+                seq.output.append(token)
+                seq.logprobs.append(logprob)
+                new_tokens.append(token)
+                new_logprobs.append(logprob)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    seq.finish_reason = reason
+                    if reason == FinishReason.STOP:
+                        seq.stop_token_id = token
+                    break
+            if new_tokens and request.state == RequestState.PREFILLING:
+                request.transition(RequestState.DECODING, now)
+            if seq.is_finished:
+                self._drop_kv(seq)
+            if new_tokens or seq.is_finished:
+                updates.append(SeqUpdate(seq, new_tokens, new_logprobs, seq.is_finished))
+            if request.all_finished and request.state == RequestState.DECODING:
+                request.transition(RequestState.FINISHED, now)
+                request.finished_s = now
+                self.running.remove(request)
+                del self.requests[request.request_id]
+                self._trace("finished", request, output_tokens=request.num_output_tokens)
+        return updates
+
+    def on_failure(self, mb_id: int, now: float = 0.0) -> list[Request]:
+        """A micro-batch failed on some stage: its requests are preempted (recomputed later)."""
+        mb = self.in_flight.pop(mb_id, None)
+        if mb is None:
+            return []
+        self._pending_failed.append(mb_id)
+        hit: list[Request] = []
+        for s in mb.seqs:
+            self._busy.discard(s.seq.seq_id)
+            request = s.seq.request
+            if request in self.running and request not in hit:
+                hit.append(request)
+        for request in hit:
+            self._preempt(request, now)
+        return hit
+
+    def reset_all(self, now: float = 0.0) -> list[Request]:
+        """A stage or the KV service failed: everything running is preempted, KV state forgotten.
+
+        The caller resets the KV service; results of micro-batches in flight are dropped.
+        """
+        self.in_flight.clear()
+        self._busy.clear()
+        self._pending_frees.clear()
+        self._pending_completed.clear()
+        self._pending_failed.clear()
+        self._pending_released.clear()
+        self._release_all = True
+        hit = list(self.running)
+        for request in hit:
+            self._preempt(request, now, free=False)
+        return hit
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _target(self, seq: Sequence) -> int:
+        """How far a sequence may compute now: all known tokens, but a parent awaiting its fork
+        stops before the last prompt token."""
+        request = seq.request
+        if len(request.sequences) < request.options.n and len(request.prompt) > 1:
+            return len(request.prompt) - 1
+        return seq.num_tokens
+
+    def _fork_blocked(self, request: Request) -> bool:
+        parent = request.sequences[0] if request.sequences else None
+        return (
+            parent is None or not parent.has_kv or parent.seq_id in self._busy
+            or parent.num_computed != len(request.prompt) - 1 or len(request.prompt) == 1
+        )
+
+    def _room_for(self, k: int) -> bool:
+        return sum(len(r.live_sequences) for r in self.running) + k <= self.config.max_num_seqs
+
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        """A new choice, not yet attached to its request (finalize attaches it)."""
+        return Sequence(self._take_seq_id(), request, index, entropy_seed=_entropy(request, index))
+
+    def _register(self, seq: Sequence) -> None:
+        self._seqs[seq.seq_id] = seq
+
+    def _take_seq_id(self) -> int:
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        return seq_id
+
+    def _renumber(self, seq: Sequence, new_id: int) -> None:
+        if self._seqs.get(seq.seq_id) is seq:
+            del self._seqs[seq.seq_id]
+        seq.seq_id = new_id
+        self._seqs[new_id] = seq
+
+    def _admit(self, request: Request, now: float) -> None:
+        self.queue.admit(request)
+        request.transition(RequestState.PREFILLING, now)
+        self.running.append(request)
+        self._admission_counter += 1
+        self._rank[request.request_id] = (
+            request.priority if self.queue.policy == "priority" else 0,
+            self._admission_counter,
+        )
+        self._trace("admitted", request, preemptions=request.num_preemptions)
+
+    def _pick_victim(self, exclude: Request, scheduled: dict) -> Request | None:
+        """The lowest-ranked running request with nothing in flight (the starving one last)."""
+        candidates = [
+            r for r in self.running
+            if r is not exclude and not any(s.seq_id in self._busy for s in r.sequences)
+        ]
+        if not candidates:
+            candidates = [exclude] if not any(s.seq_id in self._busy for s in exclude.sequences) else []
+        if not candidates:
+            return None
+        return max(candidates, key=lambda r: self._rank[r.request_id])
+
+    def _preempt(self, request: Request, now: float, free: bool = True) -> None:
+        for seq in request.sequences:
+            if free:
+                self._drop_kv(seq)
+            else:
+                seq.has_kv = False
+                seq.block_table = ()
+            seq.num_computed = 0
+            self._busy.discard(seq.seq_id)
+        if request.sequences and len(request.sequences) < request.options.n:
+            # preempted before its fork: the first choice restarts, the fork comes again
+            del request.sequences[1:]
+        self.running.remove(request)
+        request.transition(RequestState.PREEMPTED, now)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._trace("preempted", request, output_tokens=request.num_output_tokens)
+        request.transition(RequestState.WAITING, now)
+        self.queue.push(request)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        if seq.has_kv:
+            self._pending_frees.append(seq.seq_id)
+            self._pending_released.append(seq.seq_id)
+        seq.has_kv = False
+        seq.block_table = ()
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        options = seq.request.options
+        if len(seq.output) > options.min_tokens:  # stops are masked before min_tokens
+            if token in options.stop_token_ids:
+                return FinishReason.STOP
+            if not options.ignore_eos and token in seq.request.eos_token_ids:
+                return FinishReason.STOP
+        if len(seq.output) >= options.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _trace(self, kind: str, request: Request | None, **fields) -> None:
+        entry = {"event": kind}
+        if request is not None:
+            entry["request_id"] = request.request_id
+            entry["tenant"] = request.tenant
+        entry.update(fields)
+        self.decisions.append(entry)
+
+    # --- views ---------------------------------------------------------------------------
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(r.live_sequences) for r in self.running)
+
+    def seq(self, seq_id: int) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def check_integrity(self) -> None:
+        for request in self.running:
+            assert request.state in (RequestState.PREFILLING, RequestState.DECODING), request.state
+            assert request not in self.queue
+        busy = {s.seq.seq_id for mb in self.in_flight.values() for s in mb.seqs}
+        assert busy == self._busy, (busy, self._busy)
+        self.queue.check_integrity()
+
+
+def _entropy(request: Request, index: int) -> int:
+    """A per-choice random stream for unseeded sampling, stable across preemption."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"{request.request_id}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
