@@ -1,0 +1,184 @@
+"""Chat templates: a model's Jinja template rendered in a sandbox, as transformers renders it.
+
+Chat templates come with checkpoints, so they are untrusted code: they run in jinja2's
+`ImmutableSandboxedEnvironment` and see only plain JSON-like data (dicts, lists, strings,
+numbers), never the caller's objects. The environment is the one transformers builds
+(`transformers.utils.chat_template_utils._cached_compile_jinja_template`): `trim_blocks`,
+`lstrip_blocks`, the `loopcontrols` extension, a `{% generation %}` block (rendered as its
+body: Pagoda does not need the assistant mask it exists for), the globals
+`raise_exception`, `strftime_now`, `dict` and `namespace`, and a `tojson` filter that
+does not escape HTML and keeps non-ASCII characters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = ["ChatTemplateError", "compile_chat_template", "normalize_messages", "plain_data"]
+
+# Names a message's reasoning is passed under; transformers fills all of them from any one,
+# because templates read different ones (`reasoning_content` is the common one, gpt-oss reads
+# `thinking`).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that does not compile, or that refuses the conversation it is given
+    (`raise_exception(...)` in the template, e.g. "roles must alternate"): the caller's input
+    or the model's files are at fault, not Pagoda."""
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks assistant text with it to
+    build a training mask; rendering needs only the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(
+            lineno)
+
+    def _render_body(self, caller: Any) -> str:
+        return caller()
+
+
+class _TemplateDict:
+    """`dict(...)` for templates without handing them the `dict` type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja2's `namespace()` refusing underscore names, which could reach CPython internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja2's signature trick
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes on a namespace, "
+                f"got {name!r}")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja2's own tojson escapes HTML characters (<, >, &, ') and would change the prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
+    return datetime.now().strftime(format)
+
+
+def _make_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+def compile_chat_template(source: str, *, origin: str) -> jinja2.Template:
+    """The compiled template; `origin` (a file name) goes into the error of one that does not
+    compile."""
+    try:
+        return _make_environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"{origin}: chat template does not compile: {e.message} "
+                                f"(template line {e.lineno})") from e
+
+
+def render_chat_template(template: jinja2.Template, variables: Mapping[str, Any]) -> str:
+    """Renders with `variables`. Any error while rendering (the template's own
+    `raise_exception`, a sandbox violation, or a TypeError from an operation on messages of
+    an unexpected shape) becomes a ChatTemplateError: the conversation does not suit the
+    template."""
+    try:
+        return template.render(**variables)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"chat template: {e}") from e
+    except Exception as e:  # the template is data, not Pagoda's code: whatever it raises
+        raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from e
+
+
+def plain_data(value: Any) -> Any:
+    """A copy of `value` made only of JSON types (what a sandboxed template may touch):
+    dataclasses and pydantic models become dicts, str/int/float subclasses their base types,
+    anything else an inert `<TypeName>` placeholder, as transformers does."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {plain_data(key): plain_data(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [plain_data(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(plain_data(item) for item in value)
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return plain_data(value.item())  # np.bool_(False) must not become a truthy string
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):  # pydantic, e.g. the openai package's
+        return plain_data(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Messages as the template should see them: plain dicts, keys whose value is None dropped
+    (OpenAI clients send `content: null` or `tool_calls: null`, which many templates render as
+    the text "None"), reasoning under each of its names. Raises ValueError on an empty
+    conversation or a message that is not a mapping."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages: must be a list of messages, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages: the conversation is empty")
+    normalized = []
+    for i, message in enumerate(plain_data(list(messages))):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}]: must be a mapping with 'role' and 'content', "
+                             f"got {message!r}")
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        normalized.append(message)
+    return normalized
