@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 
 from kvcache_svc.core.block_pool import BlockPool
 from kvcache_svc.core.errors import IntegrityError, SequenceNotFound
@@ -34,6 +34,28 @@ from kvcache_svc.core.types import (
     StepOutput,
 )
 from kvcache_svc.core.validation import ValidAppend, ValidNewSequence, validate_step
+
+
+class _NumTokensView(Mapping[int, int]):
+    """Live sequences' token counts, read through: validation reads a few entries per step,
+    so copying all of them (O(live sequences) per step) would dominate small steps."""
+
+    __slots__ = ("_seqs",)
+
+    def __init__(self, seqs: dict[int, SequenceState]) -> None:
+        self._seqs = seqs
+
+    def __getitem__(self, seq_id: int) -> int:
+        return self._seqs[seq_id].num_tokens
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._seqs)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
 
 
 class KVCacheManager:
@@ -107,6 +129,11 @@ class KVCacheManager:
         """Blocks an allocation can have now: free plus evictable."""
         return self._pool.num_free_blocks + self._cache.num_evictable_blocks
 
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks nobody holds (evicted LRU first when no free block is left)."""
+        return self._cache.num_evictable_blocks
+
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether `num_blocks` more blocks can be had and still leave the watermark."""
         return self.num_available_blocks - num_blocks >= self._watermark_blocks
@@ -158,7 +185,7 @@ class KVCacheManager:
         """
         valid = validate_step(
             step_input,
-            {seq_id: seq.num_tokens for seq_id, seq in self._seqs.items()},
+            _NumTokensView(self._seqs),
             self._in_flight,
             self._pool.num_blocks * self._block_size,
         )

@@ -77,8 +77,8 @@ class KVCacheServicer:
     """
 
     def Step(self, request, context):
-        """One batched call per scheduler plan: completions, frees, forks, new sequences and
-        appends, applied in that order. The whole request is validated before anything is
+        """One batched call per scheduler plan: failed and completed micro-batches, frees, forks,
+        appends and new sequences, applied in that order. The whole request is validated before anything is
         applied: an unknown sequence -> NOT_FOUND; duplicate or reused sequence ids, negative or
         absurd counts -> INVALID_ARGUMENT; either way nothing changes. Running short of blocks
         is not an error but a per-sequence outcome (ALLOCATION_STATUS_NO_BLOCKS).
@@ -109,8 +109,8 @@ class KVCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reset(self, request, context):
-        """Drops every sequence and, unless asked to keep it, the prefix cache: used after a stage
-        failure, when the workers' KV contents can no longer be trusted.
+        """Drops every sequence, every micro-batch in flight and the prefix cache: used after a
+        stage failure, when the workers' KV contents can no longer be trusted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,61 @@
+"""The KV-cache service's configuration: one frozen dataclass, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.grpc_utils import DEFAULT_MAX_MESSAGE_BYTES
+
+MAX_NUM_BLOCKS = 2**32 - 1  # block ids travel as uint32
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """What `pagoda kvcache` was started with. Derived values are properties.
+
+    `num_blocks` and `block_size` must match every stage worker's (`--num-kv-blocks`,
+    `--block-size`): the KV service decides which block holds which tokens, the workers hold
+    the blocks. `watermark` is the fraction of blocks a new sequence must leave available.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+    host: str = "127.0.0.1"
+    port: int = 0
+    # run `check_integrity()` once no mutating call came for this long; 0 turns it off
+    integrity_check_idle_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_blocks <= MAX_NUM_BLOCKS:
+            raise ValueError(f"num_blocks: must be in [1, 2**32), got {self.num_blocks}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be positive, got {self.block_size}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark: must be in [0, 1), got {self.watermark}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        if self.integrity_check_idle_s < 0:
+            raise ValueError(
+                f"integrity_check_idle_s: must be >= 0, got {self.integrity_check_idle_s}"
+            )
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest message the service takes or sends, with headroom.
+
+        A Step can carry every slot of the pool twice over (prompt token ids in, at most 5
+        bytes each; slots out, at most 10 bytes each, plus block ids), and Stats with
+        sequences lists every table; 24 bytes per slot plus 4 MiB covers both, and never
+        less than the default.
+        """
+        return max(DEFAULT_MAX_MESSAGE_BYTES, 24 * self.num_slots + (4 << 20))

@@ -1,0 +1,286 @@
+"""The KV-cache manager as a gRPC service (`pagoda.v1.KVCache`).
+
+A thin servicer: decode -> `KVCacheManager` -> encode. The servicer owns its one manager;
+every call runs on the event loop and the core is synchronous, so calls never interleave
+and need no locks. Caller errors map to status codes (`SequenceNotFound` -> NOT_FOUND,
+`InvalidStepError` -> INVALID_ARGUMENT) with nothing applied; running short of blocks is a
+per-sequence NO_BLOCKS result, not an error.
+
+When no mutating call came for `integrity_check_idle_s` (and after every Reset) the
+manager's `check_integrity()` runs. It is linear in the pool (about 200 ms at 100k blocks)
+and holds the event loop, so the idle time it waits for is also at least ten times its
+last duration: a call arriving mid-check waits at most a tenth of the idle time before it.
+
+If the check fails, or a call fails on a bug, the bookkeeping can no longer be trusted:
+the error is logged, health turns NOT_SERVING and Step, Fork and Free answer UNAVAILABLE
+until a Reset, which is what a scheduler does when the KV service fails (preempt
+everything, reset, go on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+import time
+from typing import NoReturn
+
+import grpc
+from grpc_health.v1 import health
+
+from kvcache_svc.config import KVCacheConfig
+from kvcache_svc.convert import (
+    SEQ_ID_METADATA_KEY,
+    capacity_to_pb,
+    forks_from_pb,
+    stats_to_pb,
+    status_code_of,
+    step_input_from_pb,
+    step_output_to_pb,
+)
+from kvcache_svc.core import (
+    InvalidStepError,
+    KVCacheError,
+    KVCacheManager,
+    SequenceNotFound,
+    StepInput,
+)
+from services.grpc_utils import create_aio_server, set_serving
+from services.pb import kvcache_pb2, kvcache_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "pagoda.v1.KVCache"
+
+
+async def _abort_for(context: grpc.aio.ServicerContext, exc: KVCacheError) -> NoReturn:
+    metadata = ()
+    if isinstance(exc, SequenceNotFound):
+        metadata = ((SEQ_ID_METADATA_KEY, str(exc.seq_id)),)
+    await context.abort(status_code_of(exc), str(exc), trailing_metadata=metadata)
+    raise AssertionError("unreachable")  # abort raises
+
+
+class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
+    """`pagoda.v1.KVCache` over one `KVCacheManager`, which this servicer owns.
+
+    `epoch` is drawn at construction (a new one per process start). `broken` is None while
+    the bookkeeping is trusted, else why it is not; only a Reset clears it.
+    """
+
+    def __init__(
+        self, config: KVCacheConfig, health_servicer: health.aio.HealthServicer | None = None
+    ) -> None:
+        self.config = config
+        self.manager = KVCacheManager(
+            config.num_blocks,
+            config.block_size,
+            watermark=config.watermark,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.epoch = secrets.randbits(63) | 1  # never 0
+        self.broken: str | None = None
+        self.num_steps = 0
+        self.num_peak_used_blocks = 0
+        self.num_integrity_checks = 0
+        self.last_integrity_check_s = 0.0
+        self._health = health_servicer
+        self._changed_since_check = False
+        self._last_change_s = time.monotonic()
+        self._checker: asyncio.Task | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Report SERVING and start the idle integrity checks."""
+        if self.config.integrity_check_idle_s > 0:
+            self._checker = asyncio.create_task(self._idle_checks(), name="integrity-check")
+        await self._set_serving(True)
+
+    async def stop(self) -> None:
+        await self._set_serving(False)
+        if self._checker is not None:
+            self._checker.cancel()
+            try:
+                await self._checker
+            except asyncio.CancelledError:
+                pass
+            self._checker = None
+
+    async def _set_serving(self, serving: bool) -> None:
+        if self._health is not None:
+            await set_serving(self._health, SERVICE_NAME, serving)
+
+    async def _idle_checks(self) -> None:
+        while True:
+            idle_s = max(self.config.integrity_check_idle_s, 10 * self.last_integrity_check_s)
+            await asyncio.sleep(idle_s / 2)
+            if self._changed_since_check and time.monotonic() - self._last_change_s >= idle_s:
+                await self.check_integrity()
+
+    async def check_integrity(self) -> bool:
+        """Run the manager's invariant check now; on failure mark the service broken."""
+        self._changed_since_check = False
+        self.num_integrity_checks += 1
+        start = time.perf_counter()
+        try:
+            self.manager.check_integrity()
+        except Exception as exc:  # IntegrityError, or a bug in the check itself
+            await self._mark_broken(f"integrity check failed: {exc}")
+            return False
+        finally:
+            self.last_integrity_check_s = time.perf_counter() - start
+        log.debug("integrity check passed in %.1f ms", 1e3 * self.last_integrity_check_s)
+        return True
+
+    async def _mark_broken(self, reason: str) -> None:
+        if self.broken is None:
+            log.error("KV bookkeeping cannot be trusted until a Reset: %s", reason)
+            self.broken = reason
+            await self._set_serving(False)
+
+    def _changed(self) -> None:
+        self._changed_since_check = True
+        self._last_change_s = time.monotonic()
+        num_used = self.manager.num_blocks - self.manager.num_available_blocks
+        self.num_peak_used_blocks = max(self.num_peak_used_blocks, num_used)
+
+    def _capacity(self) -> kvcache_pb2.KVCapacity:
+        m = self.manager
+        return capacity_to_pb(m.num_blocks, m.num_available_blocks, m.num_evictable_blocks)
+
+    async def _apply(self, context: grpc.aio.ServicerContext, method: str, step: StepInput):
+        """Run a validated-whole core step; errors become status codes, nothing applied."""
+        if self.broken is not None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"KV state not trusted, Reset it: {self.broken}"
+            )
+        try:
+            output = self.manager.step(step)
+        except KVCacheError as exc:
+            await _abort_for(context, exc)
+        except Exception as exc:  # a bug: the state may be half-applied
+            log.exception("%s failed on a bug", method)
+            await self._mark_broken(f"{method} raised {type(exc).__name__}: {exc}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}")
+        self._changed()
+        return output
+
+    # ---- rpcs ----------------------------------------------------------------------------
+
+    async def Step(self, request: kvcache_pb2.StepRequest, context) -> kvcache_pb2.StepResponse:
+        try:
+            step = step_input_from_pb(request)
+            if request.watermark_blocks not in (0, self.manager.watermark_blocks):
+                raise InvalidStepError(
+                    f"watermark_blocks {request.watermark_blocks}: only the service's own "
+                    f"({self.manager.watermark_blocks}) is supported"
+                )
+        except KVCacheError as exc:
+            await _abort_for(context, exc)
+        output = await self._apply(context, "Step", step)
+        self.num_steps += 1
+        return step_output_to_pb(step, output, self.manager.block_size, self._capacity())
+
+    async def Fork(self, request: kvcache_pb2.ForkRequest, context) -> kvcache_pb2.ForkResponse:
+        await self._apply(context, "Fork", StepInput(forks=forks_from_pb(request.forks)))
+        return kvcache_pb2.ForkResponse(capacity=self._capacity())
+
+    async def Free(self, request: kvcache_pb2.FreeRequest, context) -> kvcache_pb2.FreeResponse:
+        num_available = self.manager.num_available_blocks
+        await self._apply(context, "Free", StepInput(frees=tuple(request.seq_ids)))
+        # frees only drop references, so every block that became available was released
+        return kvcache_pb2.FreeResponse(
+            num_released_blocks=self.manager.num_available_blocks - num_available,
+            capacity=self._capacity(),
+        )
+
+    async def Stats(self, request: kvcache_pb2.KVStatsRequest, context) -> kvcache_pb2.KVCacheStats:
+        m = self.manager
+        stats = m.stats()
+        sequences = (
+            [(s, m.block_table(s.seq_id)) for s in m.sequence_stats()]
+            if request.include_sequences
+            else []
+        )
+        reply = stats_to_pb(
+            stats,
+            epoch=self.epoch,
+            num_peak_used_blocks=self.num_peak_used_blocks,
+            num_steps=self.num_steps,
+            enable_prefix_caching=m.enable_prefix_caching,
+            sequences=sequences,
+        )
+        if request.reset_peak:
+            self.num_peak_used_blocks = stats.num_used_blocks
+        return reply
+
+    async def Reset(self, request: kvcache_pb2.ResetRequest, context) -> kvcache_pb2.ResetResponse:
+        if request.keep_prefix_cache:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "keep_prefix_cache is not supported"
+            )
+        num_dropped = len(self.manager.seq_ids())
+        self.manager.reset()
+        was_broken = self.broken
+        self.broken = None
+        if await self.check_integrity():
+            if was_broken is not None:
+                log.info("KV state reset after: %s; serving again", was_broken)
+                await self._set_serving(True)
+        return kvcache_pb2.ResetResponse(
+            num_dropped_sequences=num_dropped, capacity=self._capacity()
+        )
+
+    async def CheckCapacity(
+        self, request: kvcache_pb2.CheckCapacityRequest, context
+    ) -> kvcache_pb2.CheckCapacityResponse:
+        m = self.manager
+        if request.watermark_blocks == 0:
+            can_allocate = m.can_allocate(request.num_blocks)
+        else:
+            can_allocate = m.num_available_blocks - request.num_blocks >= request.watermark_blocks
+        return kvcache_pb2.CheckCapacityResponse(
+            can_allocate=can_allocate, capacity=self._capacity()
+        )
+
+    async def SubscribeEvents(self, request: kvcache_pb2.SubscribeEventsRequest, context):
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "SubscribeEvents is reserved and not built yet"
+        )
+
+
+def create_server(
+    config: KVCacheConfig,
+) -> tuple[grpc.aio.Server, int, KVCacheService]:
+    """A grpc.aio server (not started) bound to `config.address` (port 0 picks one), with the
+    servicer and the health service; call inside the event loop that will run it, then
+    `await server.start()` and `await service.start()`."""
+    server, port, health_servicer = create_aio_server(config.address, config.max_message_bytes)
+    service = KVCacheService(config, health_servicer)
+    kvcache_pb2_grpc.add_KVCacheServicer_to_server(service, server)
+    return server, port, service
+
+
+async def serve(config: KVCacheConfig, ready_file: str | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then stop cleanly."""
+    server, port, service = create_server(config)
+    await server.start()
+    await service.start()
+    log.info(
+        "KV cache serving on %s:%d, epoch %d: %d blocks of %d, watermark %d blocks, "
+        "prefix caching %s",
+        config.host, port, service.epoch, config.num_blocks, config.block_size,
+        service.manager.watermark_blocks, "on" if config.enable_prefix_caching else "off",
+    )
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(f"{port}\n")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("KV cache stopping")
+    await service.stop()
+    await server.stop(grace=2.0)
