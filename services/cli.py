@@ -106,6 +106,141 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_kvcache(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvcache_svc.config import KVCacheConfig
+    from kvcache_svc.server import serve
+    from services.logs import configure_logging
+
+    configure_logging("kvcache")
+    try:
+        config = KVCacheConfig(
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            watermark=args.watermark,
+            enable_prefix_caching=args.enable_prefix_caching,
+            host=args.host,
+            port=args.port,
+        )
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    asyncio.run(serve(config, ready_file=args.ready_file))
+    return 0
+
+
+def _bool(text: str) -> bool:
+    return text.lower() in ("1", "true", "yes", "on")
+
+
+def _tenant_weights(text: str) -> dict[str, float]:
+    """`a=3,b=1` -> {"a": 3.0, "b": 1.0}"""
+    out = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        name, _, weight = part.partition("=")
+        try:
+            out[name] = float(weight)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected tenant=weight pairs, got {part!r}") from exc
+    return out
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Every scheduler setting of the design, as a kebab-case flag with a PAGODA_* default."""
+    p.add_argument("--pipeline-parallel-size", type=int, default=_env("pipeline_parallel_size", 1, int))
+    p.add_argument("--tensor-parallel-size", type=int, default=_env("tensor_parallel_size", 1, int))
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=_env("async_scheduling", True, _bool))
+    p.add_argument("--scheduler-policy", choices=["fcfs", "priority", "hybrid"],
+                   default=_env("scheduler_policy", "fcfs"))
+    p.add_argument("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 2048, int))
+    p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 256, int))
+    p.add_argument("--microbatch-size", default=_env("microbatch_size", "auto"))
+    p.add_argument("--block-size", type=int, default=_env("block_size", 16, int))
+    p.add_argument("--num-kv-blocks", type=int, default=_env("num_kv_blocks", 1024, int))
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=_env("enable_chunked_prefill", True, _bool))
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_env("enable_prefix_caching", True, _bool))
+    p.add_argument("--preemption-mode", choices=["recompute"], default=_env("preemption_mode", "recompute"))
+    p.add_argument("--scheduler-timeout-ms", type=int, default=_env("scheduler_timeout_ms", 50, int))
+    p.add_argument("--max-model-len", type=int, default=_env("max_model_len", None, int),
+                   help="default: the model's max_position_embeddings")
+    p.add_argument("--tenant-weights", type=_tenant_weights, default=_env("tenant_weights", {}, _tenant_weights),
+                   help="weighted fair queuing, e.g. a=3,b=1")
+    p.add_argument("--enforce-tenants", action="store_true", default=_env("enforce_tenants", False, _bool))
+    p.add_argument("--aging-rate", type=float, default=_env("aging_rate", 0.0, float))
+    p.add_argument("--max-queue-len", type=int, default=_env("max_queue_len", 10_000, int))
+    p.add_argument("--recovery-timeout-s", type=float, default=_env("recovery_timeout_s", 60.0, float))
+
+
+def scheduler_config_from_args(args: argparse.Namespace, model: str):
+    import os
+
+    from scheduler_svc.config import SchedulerConfig
+
+    max_model_len = args.max_model_len
+    if max_model_len is None:
+        try:
+            config = json.loads((Path(model) / "config.json").read_text())
+            max_model_len = int(config.get("max_position_embeddings", 4096))
+        except (OSError, ValueError):
+            max_model_len = 4096
+    trace_file = None
+    if os.environ.get("PAGODA_TRACE_SCHEDULER") == "1":
+        trace_file = os.environ.get("PAGODA_TRACE_FILE") or "pagoda-scheduler-trace.jsonl"
+    microbatch = args.microbatch_size
+    return SchedulerConfig(
+        model=model,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        async_scheduling=args.async_scheduling,
+        scheduler_policy=args.scheduler_policy,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        microbatch_size=microbatch if microbatch == "auto" else int(microbatch),
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        scheduler_timeout_ms=args.scheduler_timeout_ms,
+        max_model_len=max_model_len,
+        tenant_weights=args.tenant_weights,
+        enforce_tenants=args.enforce_tenants,
+        aging_rate=args.aging_rate,
+        max_queue_len=args.max_queue_len,
+        recovery_timeout_s=args.recovery_timeout_s,
+        trace_file=trace_file,
+    )
+
+
+def _cmd_scheduler(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from scheduler_svc.server import serve
+    from services.logs import configure_logging
+
+    configure_logging("scheduler")
+    stages = [a for a in (args.stages or "").split(",") if a]
+    if not stages:
+        args.parser.error("--stages: at least one HOST:PORT is needed")
+    try:
+        config = scheduler_config_from_args(args, args.model)
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    if len(stages) != config.pipeline_parallel_size:
+        if args.pipeline_parallel_size == 1:
+            from dataclasses import replace
+
+            config = replace(config, pipeline_parallel_size=len(stages))
+        else:
+            args.parser.error(f"--stages lists {len(stages)} stages, --pipeline-parallel-size is "
+                              f"{config.pipeline_parallel_size}")
+    asyncio.run(serve(config, args.host, args.port, args.kvcache, stages, ready_file=args.ready_file))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagoda", description="Pagoda: an LLM inference server built as gRPC microservices."
@@ -144,6 +279,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default=_env("quantization"), choices=[None, "fp8"])
     p.add_argument("--ready-file", help="write the bound port here once serving")
     p.set_defaults(func=_cmd_worker, parser=p)
+
+    p = sub.add_parser("kvcache", help="serve the KV-cache manager (pagoda.v1.KVCache)")
+    p.add_argument("--host", default=_env("host", "127.0.0.1"),
+                   help="address to bind (default loopback)")
+    p.add_argument("--port", type=int, default=_env("port", 0, int), help="0 picks a free port")
+    p.add_argument("--num-blocks", type=int, default=_env("num_kv_blocks", 1024, int),
+                   help="KV blocks in the pool: the workers' --num-kv-blocks")
+    p.add_argument("--block-size", type=int, default=_env("block_size", 16, int),
+                   help="slots per block: the workers' --block-size")
+    p.add_argument("--watermark", type=float, default=_env("watermark", 0.01, float),
+                   help="fraction of blocks a new sequence must leave free")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=_env("enable_prefix_caching", True, _bool),
+                   help="turn the prefix cache off")
+    p.add_argument("--ready-file", help="write the bound port here once serving")
+    p.set_defaults(func=_cmd_kvcache, parser=p)
+
+    p = sub.add_parser("scheduler", help="serve the scheduler (pagoda.v1.Scheduler)")
+    p.add_argument("--model", default=_env("model"), required=_env("model") is None,
+                   help="checkpoint directory (for its tokenizer's EOS ids and max length)")
+    p.add_argument("--host", default=_env("host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=_env("port", 0, int))
+    p.add_argument("--kvcache", default=_env("kvcache"), required=_env("kvcache") is None,
+                   help="HOST:PORT of the KV-cache service")
+    p.add_argument("--stages", default=_env("stages"), required=_env("stages") is None,
+                   help="HOST:PORT of every stage worker, in order, comma-separated")
+    p.add_argument("--ready-file", help="write the bound port here once serving")
+    add_engine_arguments(p)
+    p.set_defaults(func=_cmd_scheduler, parser=p)
 
     p = sub.add_parser("serve", help="serve a model: the whole stack as local processes")
     p.add_argument("--model", help="checkpoint directory (default: the tiny model, made once)")

@@ -102,3 +102,103 @@ def stop_all(processes: Sequence[ServiceProcess], grace_s: float = 5.0) -> None:
     """Stop in reverse start order."""
     for p in reversed(processes):
         p.stop(grace_s)
+
+
+@dataclass
+class Stack:
+    """The backend as local processes: KV service, stage workers, scheduler (gateway later)."""
+
+    kvcache: ServiceProcess
+    workers: list[ServiceProcess]
+    scheduler: ServiceProcess
+
+    @property
+    def processes(self) -> list[ServiceProcess]:
+        return [self.kvcache, *self.workers, self.scheduler]
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.scheduler.health_address
+
+    def supervise_once(self, max_restarts: int = 3, timeout_s: float = 90.0) -> list[str]:
+        """Restart any service that died (bounded retries); returns the names restarted."""
+        restarted = []
+        for p in self.processes:
+            if not p.alive:
+                if p.restarts >= max_restarts:
+                    raise RuntimeError(f"{p.name} died {p.restarts + 1} times; giving up")
+                p.restarts += 1
+                p.start()
+                p.wait_healthy(timeout_s)
+                restarted.append(p.name)
+        return restarted
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        stop_all(self.processes, grace_s)
+
+
+def start_stack(
+    model_dir: str,
+    num_stages: int = 2,
+    num_kv_blocks: int = 1024,
+    block_size: int = 16,
+    log_dir: Path | None = None,
+    host: str = "127.0.0.1",
+    scheduler_args: Sequence[str] = (),
+    worker_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    threads_per_worker: int | None = None,
+    timeout_s: float = 120.0,
+) -> Stack:
+    """Start KV service, `num_stages` workers and the scheduler on free loopback ports.
+
+    Workers get `threads_per_worker` torch threads each (default: the cores divided among
+    them, at least 1), so that local stages do not oversubscribe the machine.
+    """
+    env = dict(env or {})
+    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // num_stages)
+
+    def log(name: str) -> Path | None:
+        return (log_dir / f"{name}.log") if log_dir else None
+
+    kv_port = free_port(host)
+    kv = ServiceProcess(
+        "kvcache",
+        pagoda_command("kvcache", "--host", host, "--port", str(kv_port), "--num-blocks",
+                       str(num_kv_blocks), "--block-size", str(block_size)),
+        f"{host}:{kv_port}", env=env, log_path=log("kvcache"),
+    )
+    ports = [free_port(host) for _ in range(num_stages)]
+    workers = []
+    for k in range(num_stages):
+        args = ["worker", "--model", model_dir, "--stage", str(k), "--num-stages", str(num_stages),
+                "--host", host, "--port", str(ports[k]), "--num-kv-blocks", str(num_kv_blocks),
+                "--block-size", str(block_size), "--num-threads", str(threads), *worker_args]
+        if k < num_stages - 1:
+            args += ["--next", f"{host}:{ports[k + 1]}"]
+        workers.append(ServiceProcess(f"worker-{k}", pagoda_command(*args), f"{host}:{ports[k]}",
+                                      env=env, log_path=log(f"worker-{k}")))
+    sched_port = free_port(host)
+    scheduler = ServiceProcess(
+        "scheduler",
+        pagoda_command(
+            "scheduler", "--model", model_dir, "--host", host, "--port", str(sched_port),
+            "--kvcache", f"{host}:{kv_port}", "--stages", ",".join(w.health_address for w in workers),
+            "--pipeline-parallel-size", str(num_stages), "--num-kv-blocks", str(num_kv_blocks),
+            "--block-size", str(block_size), *scheduler_args,
+        ),
+        f"{host}:{sched_port}", env=env, log_path=log("scheduler"),
+    )
+    stack = Stack(kv, workers, scheduler)
+    try:
+        for p in [kv, *reversed(workers)]:
+            p.start()
+        for p in [kv, *workers]:
+            p.wait_healthy(timeout_s)
+        scheduler.start()
+        scheduler.wait_healthy(timeout_s)
+    except Exception:
+        for p in stack.processes:
+            p.kill()
+        raise
+    return stack

@@ -46,3 +46,12 @@ class StagePlan:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
+
+
+def without_tokens(plan: StagePlan) -> StagePlan:
+    """The plan as a later stage receives it: hidden states instead of token ids."""
+    seqs = tuple(
+        SeqChunk(s.seq_id, s.num_tokens, s.context_len, s.slot_mapping, s.block_table, (), s.sample)
+        for s in plan.seqs
+    )
+    return StagePlan(plan.micro_batch_id, seqs, plan.block_copies, plan.released_seq_ids, plan.release_all)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from worker_svc.plan import SeqChunk, StagePlan
+from worker_svc.plan import SeqChunk, StagePlan, without_tokens  # noqa: F401
 from worker_svc.runner import StageRunner
 from worker_svc.sampler import SampleRow, SamplingParams
 
@@ -212,12 +212,3 @@ class PipelineDriver:
                 hidden = result.hidden
             self.builder.complete(chunks, result.sampled_seq_ids, result.sampled.token_ids)
         return [s.outputs for s in seqs]
-
-
-def without_tokens(plan: StagePlan) -> StagePlan:
-    """Later stages get hidden states, not token ids (as over the wire)."""
-    seqs = tuple(
-        SeqChunk(s.seq_id, s.num_tokens, s.context_len, s.slot_mapping, s.block_table, (), s.sample)
-        for s in plan.seqs
-    )
-    return StagePlan(plan.micro_batch_id, seqs, plan.block_copies, plan.released_seq_ids)

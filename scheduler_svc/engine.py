@@ -1,0 +1,512 @@
+"""The scheduler's event loop: requests in, micro-batches out, results back, failures handled.
+
+One asyncio task owns the planner. It reacts to events — a request arrives or is aborted,
+a micro-batch result or error comes back, a stage goes down — and plans the next
+micro-batch while others execute (`async_scheduling`), so no stage waits on planning, on
+the KV service's round trip or on the network. With `async_scheduling=False` it plans,
+runs, waits and repeats, for comparison.
+
+Transports carry micro-batches to the stages: over gRPC (`scheduler_svc.transport`) or to
+in-process stage runners (`services.local_engine`); the KV client is in-process or gRPC.
+The scheduling code is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvcache_svc.core.types import StepOutput
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.core.planner import MicroBatch, Planner, PlannerConfig, SeqUpdate
+from scheduler_svc.core.queue import QueueFull, WaitingQueue
+from scheduler_svc.core.request import FinishReason, Request, RequestState
+
+log = logging.getLogger(__name__)
+
+
+# --- what transports report -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """A stage as it reported itself (LoadInfo) when its event stream opened."""
+
+    stage_index: int
+    num_stages: int
+    epoch: int
+    layer_start: int
+    layer_end: int
+    num_layers: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    address: str = ""
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    stage_index: int
+    received_ns: int
+    compute_start_ns: int
+    compute_end_ns: int
+
+
+@dataclass(frozen=True)
+class ResultEvent:
+    micro_batch_id: int
+    sampled: list  # [(seq_id, token_id, logprob info)]
+    timings: tuple[StageTiming, ...] = ()
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    micro_batch_id: int
+    stage_index: int
+    code: str  # a grpc.StatusCode name
+    message: str
+
+
+@dataclass(frozen=True)
+class StageDownEvent:
+    stage_index: int
+    message: str
+
+
+class StageTransport(Protocol):
+    """Carries micro-batches down the pipeline and reports results as events."""
+
+    async def connect(self, on_event: Callable[[object], None], timeout_s: float) -> list[StageInfo]:
+        """(Re)connect to every stage; returns their LoadInfo once all are ready."""
+
+    async def submit(self, mb: MicroBatch) -> None: ...
+
+    async def stage_stats(self) -> list[dict]: ...
+
+    async def close(self) -> None: ...
+
+
+class KVClient(Protocol):
+    async def step(self, step_input) -> StepOutput: ...
+
+    async def reset(self) -> None: ...
+
+    async def stats(self): ...
+
+
+class ServiceUnavailable(Exception):
+    """The pipeline or the KV service is down and did not come back in time."""
+
+
+# --- what clients receive -------------------------------------------------------------
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    token_ids: list[int]
+    logprobs: list
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    deltas: list[ChoiceDelta]
+    finished: bool = False
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    error: tuple[str, str] | None = None  # (grpc status name, message)
+    timeline: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class _Live:
+    request: Request
+    outputs: asyncio.Queue
+    failures: int = 0
+    timeline: list[dict] = field(default_factory=list)
+
+
+class Engine:
+    """Owns a Planner; one asyncio task runs the loop."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVClient,
+        transport: StageTransport,
+        eos_token_ids: tuple[int, ...] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.transport = transport
+        self.eos_token_ids = eos_token_ids
+        self.clock = clock
+        queue = WaitingQueue(
+            config.scheduler_policy, config.tenant_weights, aging_rate=config.aging_rate,
+            max_len=config.max_queue_len,
+        )
+        self.planner = Planner(
+            PlannerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                max_in_flight=config.max_in_flight,
+                microbatch_size=config.microbatch_size,
+                max_model_len=config.max_model_len,
+                namespace=config.model or None,
+            ),
+            queue,
+        )
+        self.stages: list[StageInfo] = []
+        self.healthy = False
+        self.health_detail = "starting"
+        self._live: dict[str, _Live] = {}
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._trace_file = open(config.trace_file, "a") if config.trace_file else None  # noqa: SIM115
+        self._unhealthy_since: float | None = None
+        self.started_s = clock()
+        # statistics
+        self.num_micro_batches = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_recoveries = 0
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._connect()
+        self._task = asyncio.create_task(self._loop(), name="scheduler-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for live in list(self._live.values()):
+            self._fail(live, "UNAVAILABLE", "the scheduler is shutting down")
+        await self.transport.close()
+        if self._trace_file:
+            self._trace_file.close()
+
+    async def _connect(self) -> None:
+        self.stages = await self.transport.connect(self._events.put_nowait, timeout_s=30.0)
+        self._check_capacity()
+        self.healthy = True
+        self.health_detail = "serving"
+        self._unhealthy_since = None
+
+    def _check_capacity(self) -> None:
+        """One source of capacity: every stage must agree with the KV service and the config."""
+        cfg = self.config
+        for info in self.stages:
+            if info.block_size != cfg.block_size or (
+                cfg.num_kv_blocks is not None and info.num_kv_blocks != cfg.num_kv_blocks
+            ):
+                raise ValueError(
+                    f"stage {info.stage_index} has {info.num_kv_blocks} KV blocks of {info.block_size}; "
+                    f"the scheduler and KV service use {cfg.num_kv_blocks} of {cfg.block_size}"
+                )
+            if info.num_stages != len(self.stages):
+                raise ValueError(f"stage {info.stage_index} was started as one of {info.num_stages} stages")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.stages[-1].vocab_size if self.stages else 0
+
+    # --- the public surface ----------------------------------------------------------------
+
+    def submit(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Queue a request; iterate the result for its outputs. Raises QueueFull, ValueError."""
+        request.eos_token_ids = request.eos_token_ids or self.eos_token_ids
+        request.arrival_s = self.clock()
+        if request.request_id in self._live:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.planner.add(request)  # QueueFull propagates, nothing changed
+        live = _Live(request, asyncio.Queue())
+        self._live[request.request_id] = live
+        self.num_prompt_tokens += len(request.prompt)
+        self._wake()
+        return self._outputs(live)
+
+    async def _outputs(self, live: _Live) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                out = await live.outputs.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            # the consumer went away (client cancelled): abort what is still running
+            if live.request.state.is_live:
+                self.abort(live.request.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        live = self._live.get(request_id)
+        if live is None:
+            return False
+        request = self.planner.abort(request_id, self.clock())
+        self._live.pop(request_id, None)
+        if request is not None:
+            self.num_aborted += 1
+            self._emit_trace({"event": "aborted", "request_id": request_id})
+            live.outputs.put_nowait(self._final(live, error=None, aborted=True))
+        self._wake()
+        return request is not None
+
+    def _wake(self) -> None:
+        self._events.put_nowait(None)
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        timeout = self.config.scheduler_timeout_ms / 1000
+        while True:
+            try:
+                await self._dispatch()
+                try:
+                    event = await asyncio.wait_for(self._events.get(), timeout)
+                except TimeoutError:
+                    event = None
+                self._handle(event)
+                while not self._events.empty():
+                    self._handle(self._events.get_nowait())
+                if not self.healthy:
+                    await self._recover()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: log it and keep serving what can be served
+                log.exception("scheduler loop error")
+                await asyncio.sleep(timeout)
+
+    async def _dispatch(self) -> None:
+        planner = self.planner
+        while self.healthy and len(planner.in_flight) < self.config.max_in_flight:
+            if not planner.has_schedulable() and not planner.has_pending_kv_work:
+                return
+            proposal = planner.propose()
+            try:
+                output = await self.kv.step(proposal.step_input)
+            except Exception as exc:  # the KV service is down (or refused a step: a bug)
+                log.error("KV step failed: %s", exc)
+                self._mark_unhealthy(f"KV service: {exc}")
+                return
+            mb = planner.finalize(proposal, output, self.clock())
+            self._drain_decisions()
+            if mb is None:
+                if not proposal.has_work or not planner.has_schedulable():
+                    return
+                if not planner.in_flight:
+                    return  # nothing fits now; a result or an event will change that
+                return
+            self.num_micro_batches += 1
+            self._emit_trace({
+                "event": "dispatched", "micro_batch_id": mb.micro_batch_id,
+                "num_tokens": mb.num_tokens, "in_flight": len(planner.in_flight),
+                "t": self.clock(),
+            })
+            for s in mb.seqs:
+                live = self._live.get(s.seq.request.request_id)
+                if live is not None and live.request.debug_timeline:
+                    live.timeline.append({
+                        "name": "scheduled", "micro_batch_id": mb.micro_batch_id,
+                        "choice_index": s.seq.index, "num_tokens": s.num_tokens,
+                        "ts_s": self.clock(),
+                    })
+            try:
+                await self.transport.submit(mb)
+            except Exception as exc:
+                log.error("submitting micro-batch %d failed: %s", mb.micro_batch_id, exc)
+                self._mark_unhealthy(f"stage 0: {exc}")
+                return
+
+    def _handle(self, event) -> None:
+        if event is None:
+            return
+        now = self.clock()
+        if isinstance(event, ResultEvent):
+            if event.micro_batch_id not in self.planner.in_flight:
+                return  # from before a reset
+            self._emit_trace({"event": "result", "micro_batch_id": event.micro_batch_id, "t": now})
+            updates = self.planner.on_result(event.micro_batch_id, event.sampled, now)
+            self._record_timings(event)
+            self._deliver(updates)
+            self._drain_decisions()
+        elif isinstance(event, ErrorEvent):
+            if event.micro_batch_id not in self.planner.in_flight:
+                return
+            log.warning("micro-batch %d failed on stage %d: %s %s", event.micro_batch_id,
+                        event.stage_index, event.code, event.message)
+            if event.code == "UNAVAILABLE":
+                self._mark_unhealthy(f"stage {event.stage_index}: {event.message}")
+                return
+            for request in self.planner.on_failure(event.micro_batch_id, now):
+                live = self._live.get(request.request_id)
+                if live is None:
+                    continue
+                live.failures += 1
+                if live.failures >= self.config.max_request_failures:
+                    self.planner.abort(request.request_id, now)
+                    self._live.pop(request.request_id, None)
+                    self._fail(live, "INTERNAL", f"stage {event.stage_index}: {event.code} {event.message}")
+            self._drain_decisions()
+        elif isinstance(event, StageDownEvent):
+            self._mark_unhealthy(f"stage {event.stage_index}: {event.message}")
+
+    def _deliver(self, updates: list[SeqUpdate]) -> None:
+        touched: dict[str, list[ChoiceDelta]] = {}
+        for u in updates:
+            seq = u.seq
+            delta = ChoiceDelta(
+                seq.index, u.new_token_ids, u.new_logprobs,
+                seq.finish_reason if u.finished else None,
+                seq.stop_token_id if u.finished else None,
+            )
+            touched.setdefault(seq.request.request_id, []).append(delta)
+            self.num_generated_tokens += len(u.new_token_ids)
+        for request_id, deltas in touched.items():
+            live = self._live.get(request_id)
+            if live is None:
+                continue
+            request = live.request
+            if request.state == RequestState.FINISHED:
+                self._live.pop(request_id, None)
+                self.num_finished += 1
+                out = self._final(live, error=None)
+                out.deltas = deltas
+                live.outputs.put_nowait(out)
+            else:
+                live.outputs.put_nowait(RequestOutput(request_id, deltas))
+
+    def _final(self, live: _Live, error: tuple[str, str] | None, aborted: bool = False) -> RequestOutput:
+        r = live.request
+        deltas = []
+        if aborted:
+            deltas = [ChoiceDelta(s.index, [], [], FinishReason.ABORT) for s in r.sequences
+                      if s.finish_reason in (None, FinishReason.ABORT)]
+        return RequestOutput(
+            r.request_id, deltas, finished=True,
+            num_prompt_tokens=len(r.prompt),
+            num_completion_tokens=r.num_output_tokens,
+            num_cached_tokens=r.num_cached_tokens,
+            num_preemptions=r.num_preemptions,
+            error=error,
+            timeline=self._timeline(live),
+        )
+
+    def _fail(self, live: _Live, code: str, message: str) -> None:
+        live.outputs.put_nowait(self._final(live, error=(code, message)))
+
+    def _record_timings(self, event: ResultEvent) -> None:
+        if not event.timings:
+            return
+        mb_id = event.micro_batch_id
+        for live in self._live.values():
+            if live.request.debug_timeline and any(
+                e.get("micro_batch_id") == mb_id for e in live.timeline
+            ):
+                for t in event.timings:
+                    live.timeline.append({
+                        "name": f"stage {t.stage_index}", "micro_batch_id": mb_id,
+                        "stage_index": t.stage_index, "start_ns": t.compute_start_ns,
+                        "end_ns": t.compute_end_ns,
+                    })
+
+    def _timeline(self, live: _Live) -> list[dict]:
+        if not live.request.debug_timeline:
+            return []
+        return list(live.timeline)
+
+    # --- failures ------------------------------------------------------------------------
+
+    def _mark_unhealthy(self, detail: str) -> None:
+        if self.healthy:
+            log.warning("pipeline unhealthy: %s; preempting everything running", detail)
+        self.healthy = False
+        self.health_detail = detail
+        if self._unhealthy_since is None:
+            self._unhealthy_since = self.clock()
+        hit = self.planner.reset_all(self.clock())
+        self._drain_decisions()
+        self._emit_trace({"event": "reset", "reason": detail, "preempted": [r.request_id for r in hit]})
+
+    async def _recover(self) -> None:
+        """Wait until the chain and the KV service answer again (new epochs), then continue."""
+        while not self.healthy:
+            waited = self.clock() - (self._unhealthy_since or self.clock())
+            if waited > self.config.recovery_timeout_s:
+                for live in list(self._live.values()):
+                    self.planner.abort(live.request.request_id, self.clock())
+                    self._live.pop(live.request.request_id, None)
+                    self._fail(live, "UNAVAILABLE", f"pipeline unavailable: {self.health_detail}")
+                self._unhealthy_since = self.clock()
+            try:
+                await self.kv.reset()
+                await self._connect()
+                self.num_recoveries += 1
+                log.info("pipeline healthy again (epochs %s)", [s.epoch for s in self.stages])
+                self._emit_trace({"event": "recovered", "epochs": [s.epoch for s in self.stages]})
+            except Exception as exc:  # not yet
+                self.health_detail = f"recovering: {exc}"
+                await asyncio.sleep(0.5)
+        # events from before the reset are stale
+        while not self._events.empty():
+            event = self._events.get_nowait()
+            if isinstance(event, StageDownEvent):
+                continue
+
+    # --- tracing and stats --------------------------------------------------------------------
+
+    def _drain_decisions(self) -> None:
+        if not self.planner.decisions:
+            return
+        if self._trace_file:
+            now = self.clock()
+            for d in self.planner.decisions:
+                d.setdefault("t", now)
+                self._trace_file.write(json.dumps(d) + "\n")
+            self._trace_file.flush()
+        self.planner.decisions.clear()
+
+    def _emit_trace(self, entry: dict) -> None:
+        if self._trace_file:
+            entry.setdefault("t", self.clock())
+            self._trace_file.write(json.dumps(entry) + "\n")
+            self._trace_file.flush()
+
+    def summary(self) -> dict:
+        planner = self.planner
+        return {
+            "num_waiting": len(planner.queue),
+            "num_running": len(planner.running),
+            "num_preempted": sum(1 for r in planner.queue.ordered() if r.num_preemptions),
+            "num_preemptions": planner.num_preemptions,
+            "num_in_flight": len(planner.in_flight),
+            "queue_by_tenant": planner.queue.depth_by_tenant(),
+            "served_tokens_by_tenant": planner.queue.served_tokens_by_tenant(),
+            "num_micro_batches": self.num_micro_batches,
+            "num_finished": self.num_finished,
+            "num_aborted": self.num_aborted,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "healthy": self.healthy,
+            "health_detail": self.health_detail,
+        }
+
+
+def is_queue_full(exc: BaseException) -> bool:
+    return isinstance(exc, QueueFull)

@@ -1,0 +1,314 @@
+"""The scheduler as a gRPC service (`pagoda.v1.Scheduler`): the gateway's one door.
+
+A thin servicer: validate -> convert -> call the engine -> convert. Bad input gets
+INVALID_ARGUMENT naming the field, a full queue RESOURCE_EXHAUSTED; a client that cancels
+its Generate stream aborts the request (and so frees its blocks). GetStats carries the
+stages' and the KV service's statistics, so the gateway never reaches past the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+import time
+import uuid
+
+import grpc
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.core.queue import QueueFull
+from scheduler_svc.core.request import FinishReason, Request, RequestState, SamplingOptions
+from scheduler_svc.engine import Engine, RequestOutput
+from services.grpc_utils import create_aio_server, set_serving
+from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "pagoda.v1.Scheduler"
+
+_FINISH = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+_STATE = {
+    RequestState.WAITING: common_pb2.REQUEST_STATE_WAITING,
+    RequestState.PREFILLING: common_pb2.REQUEST_STATE_PREFILLING,
+    RequestState.DECODING: common_pb2.REQUEST_STATE_DECODING,
+    RequestState.PREEMPTED: common_pb2.REQUEST_STATE_PREEMPTED,
+    RequestState.FINISHED: common_pb2.REQUEST_STATE_FINISHED,
+    RequestState.ABORTED: common_pb2.REQUEST_STATE_ABORTED,
+}
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig, vocab_size: int) -> Request:
+    """Validate a GenerateRequest whole; raises InvalidRequest naming the field."""
+    prompt = tuple(msg.prompt_token_ids)
+    if not prompt:
+        raise InvalidRequest("prompt_token_ids: the prompt is empty")
+    if vocab_size and max(prompt) >= vocab_size:
+        raise InvalidRequest(f"prompt_token_ids: token id {max(prompt)} is outside the vocabulary of {vocab_size}")
+    p = msg.sampling_params
+    if p.presence_penalty or p.frequency_penalty or (p.HasField("repetition_penalty") and p.repetition_penalty != 1.0):
+        raise InvalidRequest("sampling_params: presence/frequency/repetition penalties are not supported yet")
+    if p.HasField("prompt_logprobs"):
+        raise InvalidRequest("sampling_params.prompt_logprobs: prompt logprobs are not supported yet")
+    if len(prompt) >= config.max_model_len:
+        raise InvalidRequest(
+            f"prompt_token_ids: {len(prompt)} tokens leave no room under max_model_len={config.max_model_len}"
+        )
+    room = config.max_model_len - len(prompt)
+    max_tokens = p.max_tokens if p.HasField("max_tokens") else room
+    if max_tokens > room:
+        raise InvalidRequest(
+            f"sampling_params.max_tokens: {len(prompt)} prompt tokens + {max_tokens} exceed "
+            f"max_model_len={config.max_model_len}"
+        )
+    if not config.enable_chunked_prefill and len(prompt) > config.max_num_batched_tokens:
+        raise InvalidRequest(
+            f"prompt_token_ids: {len(prompt)} tokens exceed max_num_batched_tokens="
+            f"{config.max_num_batched_tokens} without chunked prefill"
+        )
+    tenant = msg.tenant
+    if config.enforce_tenants and tenant not in config.tenant_weights:
+        raise InvalidRequest(f"tenant: unknown tenant {tenant!r}")
+    try:
+        options = SamplingOptions(
+            n=p.n or 1,
+            max_tokens=max_tokens,
+            min_tokens=p.min_tokens,
+            temperature=p.temperature if p.HasField("temperature") else 1.0,
+            top_p=p.top_p if p.HasField("top_p") else 1.0,
+            top_k=p.top_k,
+            min_p=p.min_p,
+            seed=p.seed if p.HasField("seed") else None,
+            logprobs=p.logprobs if p.HasField("logprobs") else None,
+            stop_token_ids=tuple(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
+        )
+    except ValueError as exc:
+        raise InvalidRequest(f"sampling_params.{exc}") from exc
+    if options.n > config.max_num_seqs:
+        raise InvalidRequest(f"sampling_params.n: {options.n} exceeds max_num_seqs={config.max_num_seqs}")
+    return Request(
+        request_id=msg.request_id or uuid.uuid4().hex,
+        prompt=prompt,
+        options=options,
+        arrival_s=0.0,
+        tenant=tenant,
+        priority=msg.priority,
+        debug_timeline=msg.debug_timeline,
+        trace_context=msg.trace_context.traceparent if msg.HasField("trace_context") else "",
+    )
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, engine: Engine, kv_address: str = "in-process") -> None:
+        self.engine = engine
+        self.kv_address = kv_address
+        self.epoch = secrets.randbits(63) | 1
+        self.started_ns = time.time_ns()
+
+    async def Generate(self, request, context):
+        try:
+            req = request_from_pb(request, self.engine.config, self.engine.vocab_size)
+            stream = self.engine.submit(req)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:  # a duplicate request id
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
+        try:
+            async for out in stream:
+                if out.error is not None:
+                    code, message = out.error
+                    await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), message)
+                for msg in self._responses(req, out):
+                    yield msg
+        finally:
+            await stream.aclose()  # a cancelled client aborts the request here
+
+    def _responses(self, req: Request, out: RequestOutput):
+        deltas = out.deltas or ([] if not out.finished else [])
+        if out.finished and not deltas:
+            deltas = []
+        msgs = []
+        for d in deltas:
+            msg = scheduler_pb2.GenerateResponse(request_id=req.request_id, index=d.index)
+            msg.token_ids.extend(d.token_ids)
+            for lp in d.logprobs:
+                if lp is not None:
+                    msg.logprobs.add().CopyFrom(lp)
+            if d.finish_reason is not None:
+                msg.finish_reason = _FINISH[d.finish_reason]
+                if d.stop_token_id is not None:
+                    msg.stop_token_id = d.stop_token_id
+            msgs.append(msg)
+        if out.finished:
+            if not msgs:
+                msgs.append(scheduler_pb2.GenerateResponse(request_id=req.request_id))
+            last = msgs[-1]
+            last.usage.num_prompt_tokens = out.num_prompt_tokens
+            last.usage.num_completion_tokens = out.num_completion_tokens
+            last.usage.num_cached_tokens = out.num_cached_tokens
+            last.usage.num_preemptions = out.num_preemptions
+            for e in out.timeline:
+                ev = last.timeline.add(name=e["name"], category="scheduler")
+                if "stage_index" in e:
+                    ev.stage_index = e["stage_index"]
+                    ev.start_ns, ev.end_ns = e["start_ns"], e["end_ns"]
+                if "micro_batch_id" in e:
+                    ev.micro_batch_id = e["micro_batch_id"]
+                if "num_tokens" in e:
+                    ev.num_tokens = e["num_tokens"]
+        return msgs
+
+    async def Abort(self, request, context):
+        return scheduler_pb2.AbortResponse(aborted=self.engine.abort(request.request_id))
+
+    async def GetStats(self, request, context):
+        engine, cfg = self.engine, self.engine.config
+        s = engine.summary()
+        resp = scheduler_pb2.GetStatsResponse(
+            health=common_pb2.HEALTH_STATUS_SERVING if s["healthy"] else common_pb2.HEALTH_STATUS_NOT_SERVING,
+            health_detail=s["health_detail"],
+            epoch=self.epoch,
+            uptime_ns=time.time_ns() - self.started_ns,
+            num_waiting=s["num_waiting"],
+            num_running=s["num_running"],
+            num_preempted=s["num_preempted"],
+            num_preemptions=s["num_preemptions"],
+            num_finished_requests=s["num_finished"],
+            num_aborted_requests=s["num_aborted"],
+            num_prompt_tokens=s["num_prompt_tokens"],
+            num_generated_tokens=s["num_generated_tokens"],
+            num_micro_batches=s["num_micro_batches"],
+            num_in_flight=s["num_in_flight"],
+            kv_address=self.kv_address,
+        )
+        c = resp.config
+        c.model, c.pipeline_parallel_size, c.async_scheduling = cfg.model, cfg.pipeline_parallel_size, cfg.async_scheduling
+        c.scheduler_policy, c.max_num_batched_tokens, c.max_num_seqs = cfg.scheduler_policy, cfg.max_num_batched_tokens, cfg.max_num_seqs
+        c.microbatch_size, c.enable_chunked_prefill = str(cfg.microbatch_size), cfg.enable_chunked_prefill
+        c.enable_prefix_caching, c.preemption_mode, c.block_size = cfg.enable_prefix_caching, cfg.preemption_mode, cfg.block_size
+        c.num_kv_blocks, c.max_model_len, c.scheduler_timeout_ms = cfg.num_kv_blocks or 0, cfg.max_model_len, cfg.scheduler_timeout_ms
+        tenants = set(s["queue_by_tenant"]) | set(cfg.tenant_weights)
+        for tenant in sorted(tenants):
+            resp.tenants.add(
+                tenant=tenant, num_waiting=s["queue_by_tenant"].get(tenant, 0),
+                num_running=sum(1 for r in engine.planner.running if r.tenant == tenant),
+                num_served_tokens=s["served_tokens_by_tenant"].get(tenant, 0),
+                weight=cfg.tenant_weights.get(tenant, 1.0),
+            )
+        for st in await engine.transport.stage_stats():
+            ps = resp.stages.add(stage_index=st["stage_index"], address=st["address"])
+            ps.health = common_pb2.HEALTH_STATUS_SERVING if st["healthy"] else common_pb2.HEALTH_STATUS_NOT_SERVING
+            stats = st.get("stats")
+            if stats is not None:
+                ps.stats.CopyFrom(stats)
+                total = stats.busy_ns + stats.idle_ns
+                ps.busy_fraction = stats.busy_ns / total if total else 0.0
+                ps.num_in_flight = stats.num_in_flight
+            elif "busy_ns" in st:
+                uptime = resp.uptime_ns or 1
+                ps.busy_fraction = min(1.0, st["busy_ns"] / uptime)
+            if st["stage_index"] < len(engine.stages):
+                info = engine.stages[st["stage_index"]]
+                li = ps.load_info
+                li.stage_index, li.num_stages, li.epoch = info.stage_index, info.num_stages, info.epoch
+                li.layer_start, li.layer_end, li.num_layers = info.layer_start, info.layer_end, info.num_layers
+                li.num_kv_blocks, li.block_size, li.vocab_size = info.num_kv_blocks, info.block_size, info.vocab_size
+        try:
+            resp.kv_cache.CopyFrom(
+                await asyncio.wait_for(engine.kv.stats_message(request.include_kv_sequences), 2.0)
+            )
+            resp.kv_health = common_pb2.HEALTH_STATUS_SERVING
+        except Exception as exc:  # the KV service is down: say so, don't fail the call
+            resp.kv_health = common_pb2.HEALTH_STATUS_NOT_SERVING
+            resp.health_detail += f"; KV service: {exc}"
+        if request.include_requests:
+            for r in list(engine.planner.requests.values()):
+                resp.requests.add(
+                    request_id=r.request_id, state=_STATE[r.state], tenant=r.tenant, priority=r.priority,
+                    num_prompt_tokens=len(r.prompt), num_output_tokens=r.num_output_tokens,
+                    num_preemptions=r.num_preemptions,
+                )
+        return resp
+
+
+async def serve(
+    config: SchedulerConfig,
+    host: str,
+    port: int,
+    kv_address: str,
+    stage_addresses: list[str],
+    ready_file: str | None = None,
+    startup_timeout_s: float = 120.0,
+) -> None:
+    from kvcache_svc.client import GrpcKVCacheClient
+    from scheduler_svc.transport import GrpcStageTransport
+    from services.text import Tokenizer
+
+    eos = Tokenizer(config.model).eos_token_ids if config.model else ()
+    kv = GrpcKVCacheClient(kv_address)
+    transport = GrpcStageTransport(stage_addresses)
+    engine = Engine(config, kv, transport, eos_token_ids=tuple(eos))
+    service = SchedulerService(engine, kv_address)
+    server, bound, health = create_aio_server(f"{host}:{port}")
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
+    await server.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while True:
+        try:
+            await kv.wait_ready(5.0)
+            kv_stats = await kv.stats()
+            if (kv_stats.num_blocks, kv_stats.block_size) != (config.num_kv_blocks or kv_stats.num_blocks, config.block_size):
+                raise ValueError(
+                    f"the KV service has {kv_stats.num_blocks} blocks of {kv_stats.block_size}, "
+                    f"the scheduler was told {config.num_kv_blocks} of {config.block_size}"
+                )
+            if config.num_kv_blocks is None:
+                from dataclasses import replace
+
+                engine.config = replace(config, num_kv_blocks=kv_stats.num_blocks)
+            await engine.start()
+            break
+        except ValueError:
+            raise
+        except Exception as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pipeline not ready after {startup_timeout_s}s: {exc}") from exc
+            log.info("waiting for the KV service and stages: %s", exc)
+            await asyncio.sleep(1.0)
+    await set_serving(health, SERVICE_NAME, True)
+    log.info("scheduler serving on %s:%d (stages %s, KV %s)", host, bound, stage_addresses, kv_address)
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(f"{bound}\n")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    health_task = asyncio.create_task(_track_health(engine, health, stop))
+    await stop.wait()
+    health_task.cancel()
+    await set_serving(health, SERVICE_NAME, False)
+    await server.stop(grace=5.0)
+    await engine.stop()
+    await kv.close()
+
+
+async def _track_health(engine: Engine, health, stop: asyncio.Event) -> None:
+    serving = True
+    while not stop.is_set():
+        if engine.healthy != serving:
+            serving = engine.healthy
+            await set_serving(health, SERVICE_NAME, serving)
+        await asyncio.sleep(0.5)

@@ -1,0 +1,207 @@
+"""The scheduler's gRPC transport to the pipeline.
+
+One long-lived `Forward` stream into stage 0 carries micro-batches; one `Events` stream
+from every stage brings results straight back (the last stage's sampled tokens, any
+stage's errors and timings). No stage dials the scheduler: a broken events stream tells the
+scheduler at once which stage is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from scheduler_svc.core.planner import MicroBatch
+from scheduler_svc.engine import ErrorEvent, ResultEvent, StageDownEvent, StageInfo, StageTiming
+from services.grpc_utils import aio_channel
+from services.pb import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def micro_batch_to_pb(mb: MicroBatch) -> worker_pb2.MicroBatch:
+    """Flatten a planned micro-batch into the wire format the stages read."""
+    msg = worker_pb2.MicroBatch(micro_batch_id=mb.micro_batch_id, stage_index=0)
+    for s in mb.seqs:
+        seq, request = s.seq, s.seq.request
+        msg.seq_ids.append(seq.seq_id)
+        msg.query_lens.append(s.num_tokens)
+        msg.context_lens.append(s.context_len)
+        msg.block_table_lens.append(len(s.block_table))
+        msg.block_tables.extend(s.block_table)
+        msg.token_ids.extend(s.token_ids)
+        msg.slot_mapping.extend(s.slot_mapping)
+        entry = msg.sampling.add()
+        if request.trace_context:
+            msg.trace_contexts.add(traceparent=request.trace_context)
+        else:
+            msg.trace_contexts.add()
+        if s.sample:
+            o = request.options
+            entry.sample = True
+            entry.choice_index = seq.index
+            entry.output_position = len(seq.output)
+            entry.entropy_seed = seq.entropy_seed
+            entry.request_id = request.request_id
+            entry.eos_token_ids.extend(request.eos_token_ids)
+            p = entry.params
+            p.temperature = o.temperature
+            p.top_p = o.top_p
+            p.top_k = o.top_k
+            p.min_p = o.min_p
+            if o.seed is not None:
+                p.seed = o.seed
+            if o.logprobs is not None:
+                p.logprobs = o.logprobs
+            p.min_tokens = o.min_tokens
+            p.stop_token_ids.extend(o.stop_token_ids)
+            p.ignore_eos = o.ignore_eos
+    for src, dst in mb.block_copies:
+        msg.block_copies.add(src_block_id=src, dst_block_id=dst)
+    msg.released_seq_ids.extend(mb.released_seq_ids)
+    msg.release_all_sequences = mb.release_all
+    return msg
+
+
+def _info(address: str, li: worker_pb2.StageLoadInfo) -> StageInfo:
+    return StageInfo(
+        stage_index=li.stage_index, num_stages=li.num_stages, epoch=li.epoch,
+        layer_start=li.layer_start, layer_end=li.layer_end, num_layers=li.num_layers,
+        num_kv_blocks=li.num_kv_blocks, block_size=li.block_size, vocab_size=li.vocab_size,
+        address=address,
+    )
+
+
+class GrpcStageTransport:
+    def __init__(self, addresses: list[str], max_message_bytes: int = 256 << 20) -> None:
+        if not addresses:
+            raise ValueError("stages: at least one stage address is needed")
+        self.addresses = addresses
+        self.max_message_bytes = max_message_bytes
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[worker_pb2_grpc.StageWorkerStub] = []
+        self._tasks: list[asyncio.Task] = []
+        self._forward = None
+        self._timings: dict[int, list[StageTiming]] = {}
+        self.infos: list[StageInfo] = []
+
+    async def connect(self, on_event: Callable[[object], None], timeout_s: float = 30.0) -> list[StageInfo]:
+        await self.close()
+        self._channels = [aio_channel(a, self.max_message_bytes) for a in self.addresses]
+        self._stubs = [worker_pb2_grpc.StageWorkerStub(c) for c in self._channels]
+        ready: list[asyncio.Future] = [asyncio.get_running_loop().create_future() for _ in self.addresses]
+        for i in range(len(self.addresses)):
+            self._tasks.append(asyncio.create_task(self._read_events(i, on_event, ready[i])))
+        try:
+            infos = await asyncio.wait_for(asyncio.gather(*ready), timeout_s)
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
+            await self.close()
+            raise ConnectionError(f"stages not ready: {exc}") from exc
+        self._check_chain(infos)
+        self.infos = infos
+        self._forward = self._stubs[0].Forward()
+        self._tasks.append(asyncio.create_task(self._drain_acks(self._forward, on_event)))
+        return infos
+
+    def _check_chain(self, infos: list[StageInfo]) -> None:
+        n = len(self.addresses)
+        expected_start = 0
+        for i, info in enumerate(infos):
+            if info.stage_index != i or info.num_stages != n:
+                raise ValueError(
+                    f"{self.addresses[i]} is stage {info.stage_index} of {info.num_stages}, "
+                    f"expected stage {i} of {n}"
+                )
+            if info.layer_start != expected_start:
+                raise ValueError(f"stage {i} starts at layer {info.layer_start}, expected {expected_start}")
+            expected_start = info.layer_end
+        if expected_start != infos[-1].num_layers:
+            raise ValueError(f"the stages cover layers up to {expected_start} of {infos[-1].num_layers}")
+
+    async def _read_events(self, index: int, on_event, ready: asyncio.Future) -> None:
+        last = index == len(self.addresses) - 1
+        try:
+            stream = self._stubs[index].Events(
+                worker_pb2.EventsRequest(subscriber="scheduler"), wait_for_ready=False
+            )
+            async for event in stream:
+                if event.HasField("ready"):
+                    if not ready.done():
+                        ready.set_result(_info(self.addresses[index], event.ready))
+                    continue
+                done = event.done
+                mb_id = done.micro_batch_id
+                if done.HasField("error") and done.error.code:
+                    code = grpc.StatusCode.UNKNOWN.name
+                    for c in grpc.StatusCode:
+                        if c.value[0] == done.error.code:
+                            code = c.name
+                    self._timings.pop(mb_id, None)
+                    on_event(ErrorEvent(mb_id, index, code, done.error.message))
+                    continue
+                t = done.timing
+                self._timings.setdefault(mb_id, []).append(
+                    StageTiming(index, t.received_ns, t.compute_start_ns, t.compute_end_ns)
+                )
+                if last:
+                    sampled = [
+                        (s.seq_id, s.token_id, s.logprobs if s.HasField("logprobs") else None)
+                        for s in done.sampled
+                    ]
+                    on_event(ResultEvent(mb_id, sampled, tuple(self._timings.pop(mb_id, ()))))
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            if not ready.done():
+                ready.set_exception(exc)
+                return
+            on_event(StageDownEvent(index, f"{exc.code().name}: {exc.details()}"))
+            return
+        if not ready.done():
+            ready.set_exception(ConnectionError(f"stage {index} closed its event stream"))
+        else:
+            on_event(StageDownEvent(index, "event stream ended"))
+
+    async def _drain_acks(self, call, on_event) -> None:
+        try:
+            async for _ in call:
+                pass
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                on_event(StageDownEvent(0, f"forward stream: {exc.code().name}: {exc.details()}"))
+
+    async def submit(self, mb: MicroBatch) -> None:
+        if self._forward is None:
+            raise ConnectionError("not connected")
+        await self._forward.write(micro_batch_to_pb(mb))
+
+    async def stage_stats(self) -> list[dict]:
+        out = []
+        for i, stub in enumerate(self._stubs):
+            try:
+                s = await stub.GetStats(worker_pb2.StageStatsRequest(), timeout=2.0)
+                out.append({"stage_index": i, "address": self.addresses[i], "healthy": True, "stats": s})
+            except grpc.aio.AioRpcError as exc:
+                out.append({"stage_index": i, "address": self.addresses[i], "healthy": False,
+                            "error": f"{exc.code().name}: {exc.details()}"})
+        return out
+
+    async def close(self) -> None:
+        if self._forward is not None:
+            self._forward.cancel()
+            self._forward = None
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        for channel in self._channels:
+            await channel.close()
+        self._channels, self._stubs = [], []

@@ -1,0 +1,239 @@
+"""The in-process engine: the scheduler's engine driving in-process stage runners and the
+in-process KV manager, with no gRPC at all.
+
+One process, for offline batch generation from Python (`LLM.generate`, as users of vLLM's
+offline `LLM` class expect) and as the baseline that prices the microservice boundaries.
+The transports differ; the scheduling code is the one in `scheduler_svc.engine`.
+It lives in `services/` so that `scheduler_svc` never imports `worker_svc` or torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvcache_svc.client import InProcessKVCacheClient
+from kvcache_svc.core import KVCacheManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.core.planner import MicroBatch
+from scheduler_svc.core.request import Request, SamplingOptions
+from scheduler_svc.engine import (
+    Engine,
+    ErrorEvent,
+    RequestOutput,
+    ResultEvent,
+    StageInfo,
+    StageTiming,
+)
+
+
+def micro_batch_to_plan(mb: MicroBatch):
+    """The scheduler's micro-batch as the stages' domain plan (no protobuf in between)."""
+    from worker_svc.plan import SeqChunk, StagePlan
+    from worker_svc.sampler import SampleRow, SamplingParams
+
+    seqs = []
+    for s in mb.seqs:
+        seq, request = s.seq, s.seq.request
+        row = None
+        if s.sample:
+            o = request.options
+            params = SamplingParams(
+                temperature=o.temperature, top_k=o.top_k or None, top_p=o.top_p, min_p=o.min_p,
+                seed=o.seed, num_logprobs=o.logprobs, min_tokens=o.min_tokens,
+                stop_token_ids=o.stop_token_ids, eos_token_ids=request.eos_token_ids,
+                ignore_eos=o.ignore_eos,
+            )
+            row = SampleRow(seq.seq_id, params, seq.index, len(seq.output), seq.entropy_seed)
+        seqs.append(SeqChunk(seq.seq_id, s.num_tokens, s.context_len, s.slot_mapping,
+                             s.block_table, tuple(s.token_ids), row))
+    return StagePlan(mb.micro_batch_id, tuple(seqs), tuple(mb.block_copies),
+                     tuple(mb.released_seq_ids), mb.release_all)
+
+
+class LocalStageTransport:
+    """Runs every stage's runner in turn on one worker thread, micro-batches in order."""
+
+    def __init__(self, runners: list) -> None:
+        self.runners = runners
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-stages")
+        self._on_event: Callable[[object], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.busy_ns = [0] * len(runners)
+
+    async def connect(self, on_event, timeout_s: float = 30.0) -> list[StageInfo]:
+        self._on_event = on_event
+        self._loop = asyncio.get_running_loop()
+        n = len(self.runners)
+        return [
+            StageInfo(
+                stage_index=i, num_stages=n, epoch=1, layer_start=r.model.start,
+                layer_end=r.model.end, num_layers=r.model.config.num_layers,
+                num_kv_blocks=r.num_blocks, block_size=r.block_size,
+                vocab_size=r.model.config.vocab_size, address="in-process",
+            )
+            for i, r in enumerate(self.runners)
+        ]
+
+    async def submit(self, mb: MicroBatch) -> None:
+        plan = micro_batch_to_plan(mb)
+        self._executor.submit(self._run, plan)
+
+    def _run(self, plan) -> None:
+        from worker_svc.plan import without_tokens
+
+        hidden, result, timings = None, None, []
+        try:
+            for i, runner in enumerate(self.runners):
+                stage_plan = plan if i == 0 else without_tokens(plan)
+                result = runner.execute(stage_plan, hidden)
+                hidden = result.hidden
+                self.busy_ns[i] += result.compute_ns
+                timings.append(StageTiming(i, 0, 0, result.compute_ns))
+            sampled = [
+                (seq_id, token, None)
+                for seq_id, token in zip(result.sampled_seq_ids, result.sampled.token_ids, strict=True)
+            ]
+            event = ResultEvent(plan.micro_batch_id, sampled, tuple(timings))
+        except ValueError as exc:  # InvalidPlanError: a scheduler bug, reported like a stage would
+            event = ErrorEvent(plan.micro_batch_id, len(timings), "INVALID_ARGUMENT", str(exc))
+        except Exception as exc:
+            event = ErrorEvent(plan.micro_batch_id, len(timings), "INTERNAL", f"{type(exc).__name__}: {exc}")
+        self._loop.call_soon_threadsafe(self._on_event, event)
+
+    async def stage_stats(self) -> list[dict]:
+        return [{"stage_index": i, "address": "in-process", "healthy": True, "busy_ns": b}
+                for i, b in enumerate(self.busy_ns)]
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=False)
+
+
+def build_local_engine(
+    model_dir: str,
+    config: SchedulerConfig,
+    num_kv_blocks: int = 1024,
+    dtype: str = "auto",
+    device: str | None = None,
+    attention_backend: str = "torch",
+) -> Engine:
+    """Every part in this process: KV manager, scheduler engine, stage runners."""
+    from worker_svc.device import resolve_device
+    from worker_svc.loader import load_stage
+    from worker_svc.model_config import ModelConfig
+    from worker_svc.runner import StageRunner
+
+    n = config.pipeline_parallel_size
+    dev = resolve_device(device)
+    runners = [
+        StageRunner(load_stage(model_dir, k, n, dtype=dtype, device=dev), num_kv_blocks,
+                    config.block_size, attention_backend)
+        for k in range(n)
+    ]
+    kv = InProcessKVCacheClient(
+        KVCacheManager(num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+    )
+    model_config = ModelConfig.from_dir(model_dir)
+    return Engine(config, kv, LocalStageTransport(runners), eos_token_ids=model_config.eos_token_ids)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class LLM:
+    """Offline batch generation in one process, as vLLM's `LLM` class offers it.
+
+        llm = LLM("/models/tiny")
+        outs = llm.generate(["Hello"], SamplingOptions(max_tokens=16, temperature=0))
+    """
+
+    def __init__(self, model: str, **config_fields) -> None:
+        num_kv_blocks = config_fields.pop("num_kv_blocks", 1024)
+        dtype = config_fields.pop("dtype", "auto")
+        device = config_fields.pop("device", None)
+        self.model = model
+        self.config = SchedulerConfig(model=model, num_kv_blocks=num_kv_blocks, **config_fields)
+        self._engine_args = (num_kv_blocks, dtype, device)
+        self._tokenizer = None
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from services.text import Tokenizer
+
+            self._tokenizer = Tokenizer(self.model)
+        return self._tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+        sampling: SamplingOptions | Sequence[SamplingOptions] | None = None,
+        detokenize: bool = True,
+    ) -> list[GenerationOutput]:
+        """Outputs in the order of `prompts` (text, or lists of token ids)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        token_prompts = [
+            self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts
+        ]
+        if sampling is None or isinstance(sampling, SamplingOptions):
+            sampling = [sampling or SamplingOptions()] * len(token_prompts)
+        return asyncio.run(self._generate(token_prompts, list(sampling), detokenize))
+
+    async def _generate(self, prompts, sampling, detokenize: bool) -> list[GenerationOutput]:
+        engine = build_local_engine(self.model, self.config, *self._engine_args)
+        await engine.start()
+        try:
+            requests = [
+                Request(f"offline-{next(self._ids)}-{uuid.uuid4().hex[:8]}", tuple(p), s, arrival_s=0.0)
+                for p, s in zip(prompts, sampling, strict=True)
+            ]
+            streams = [engine.submit(r) for r in requests]
+            results = await asyncio.gather(*(_collect(s) for s in streams))
+        finally:
+            await engine.stop()
+        outputs = []
+        for request, (choices, final) in zip(requests, results, strict=True):
+            if final.error is not None:
+                raise RuntimeError(f"request {request.request_id} failed: {final.error[1]}")
+            completions = []
+            for index in sorted(choices):
+                ids, reason = choices[index]
+                text = self.tokenizer.decode(ids) if detokenize else None
+                completions.append(CompletionOutput(index, ids, text, reason))
+            outputs.append(GenerationOutput(request.request_id, list(request.prompt), completions,
+                                            final.num_cached_tokens, final.num_preemptions))
+        return outputs
+
+
+async def _collect(stream) -> tuple[dict[int, tuple[list[int], str | None]], RequestOutput]:
+    choices: dict[int, tuple[list[int], str | None]] = {}
+    final = None
+    async for out in stream:
+        for d in out.deltas:
+            ids, reason = choices.get(d.index, ([], None))
+            ids.extend(d.token_ids)
+            if d.finish_reason is not None:
+                reason = d.finish_reason.value
+            choices[d.index] = (ids, reason)
+        final = out
+    return choices, final

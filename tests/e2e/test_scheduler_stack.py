@@ -1,0 +1,195 @@
+"""End to end through real processes: scheduler, KV service and 2 stage workers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import grpc
+import pytest
+import torch
+from support.reference import HFReference
+
+from services.grpc_utils import aio_channel
+from services.launcher import start_stack
+from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+NUM_KV_BLOCKS = 96  # of 16 slots: too few for 64 requests at once, so preemption happens
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_factory):
+    return model_factory(arch="llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return HFReference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("stack-logs")
+    trace = logs / "trace.jsonl"
+    s = start_stack(
+        model_dir, num_stages=2, num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, log_dir=logs,
+        scheduler_args=("--max-num-batched-tokens", "256", "--max-num-seqs", "32"),
+        env={"PAGODA_TRACE_SCHEDULER": "1", "PAGODA_TRACE_FILE": str(trace)},
+        threads_per_worker=1,
+    )
+    s.trace_path = trace
+    yield s
+    s.stop()
+
+
+def workload(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = rng.choice([1, 2, 5, 16, 17, 40, 90, 150, 300])
+        out.append((torch.randint(5, 512, (length,), generator=g).tolist(), rng.randint(4, 24)))
+    return out
+
+
+async def generate(stub, prompt, max_tokens, **params):
+    req = scheduler_pb2.GenerateRequest(prompt_token_ids=prompt)
+    req.sampling_params.max_tokens = max_tokens
+    req.sampling_params.temperature = params.pop("temperature", 0.0)
+    req.sampling_params.ignore_eos = params.pop("ignore_eos", True)
+    for k, v in params.items():
+        setattr(req.sampling_params, k, v)
+    tokens: dict[int, list[int]] = {}
+    last = None
+    async for resp in stub.Generate(req):
+        tokens.setdefault(resp.index, []).extend(resp.token_ids)
+        last = resp
+    return tokens, last
+
+
+async def stats(address, include_kv_sequences=False):
+    async with aio_channel(address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        return await stub.GetStats(scheduler_pb2.GetStatsRequest(include_kv_sequences=include_kv_sequences))
+
+
+def run_many(address, work):
+    async def go():
+        async with aio_channel(address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            return await asyncio.gather(*(generate(stub, p, m) for p, m in work))
+
+    return asyncio.run(go())
+
+
+def test_64_concurrent_requests_equal_transformers_with_preemption(stack, reference):
+    work = workload(64)
+    results = run_many(stack.scheduler_address, work)
+    diverged = 0
+    for (prompt, max_tokens), (tokens, last) in zip(work, results, strict=True):
+        assert len(tokens[0]) == max_tokens
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert last.usage.num_prompt_tokens == len(prompt)
+        diverged += reference.compare(prompt, tokens[0]).tie_divergences > 0
+    assert diverged <= len(work) // 8
+    s = asyncio.run(stats(stack.scheduler_address))
+    assert s.num_preemptions > 0
+    events = [json.loads(line) for line in stack.trace_path.read_text().splitlines()]
+    assert any(e["event"] == "preempted" for e in events)
+    assert s.kv_cache.num_used_blocks == 0
+    assert all(st.busy_fraction > 0 for st in s.stages) and len(s.stages) == 2
+
+
+def test_abort_by_cancel_frees_blocks_and_spares_others(stack, reference):
+    prompt_long = workload(1, seed=9)[0][0]
+    other_prompt, other_max = [11, 12, 13, 14, 15], 20
+
+    async def go():
+        async with aio_channel(stack.scheduler_address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            req = scheduler_pb2.GenerateRequest(prompt_token_ids=prompt_long)
+            req.sampling_params.max_tokens = 2000
+            req.sampling_params.temperature = 0.0
+            req.sampling_params.ignore_eos = True
+            call = stub.Generate(req)
+            other = asyncio.create_task(generate(stub, other_prompt, other_max))
+            got = 0
+            async for resp in call:
+                got += len(resp.token_ids)
+                if got >= 5:
+                    break
+            mid = await stats(stack.scheduler_address)
+            call.cancel()
+            tokens, _ = await other
+            for _ in range(50):
+                after = await stats(stack.scheduler_address)
+                if after.kv_cache.num_used_blocks == 0:
+                    break
+                await asyncio.sleep(0.1)
+            return mid, after, tokens
+
+    mid, after, tokens = asyncio.run(go())
+    assert mid.kv_cache.num_used_blocks > 0
+    assert after.kv_cache.num_used_blocks == 0
+    assert after.num_aborted_requests >= 1
+    assert reference.compare(other_prompt, tokens[0]).tie_divergences == 0
+
+
+def test_bad_input_gets_invalid_argument(stack):
+    async def go():
+        async with aio_channel(stack.scheduler_address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            outcomes = []
+            for prompt, params in [
+                ([], {}),
+                ([5] * 10, {"max_tokens": 5000}),
+                ([5], {"top_p": 0.0}),
+                ([5], {"temperature": -1.0}),
+                ([99999], {}),
+            ]:
+                try:
+                    await generate(stub, prompt, params.pop("max_tokens", 4), **params)
+                    outcomes.append(None)
+                except grpc.aio.AioRpcError as exc:
+                    outcomes.append((exc.code(), exc.details()))
+            return outcomes
+
+    outcomes = asyncio.run(go())
+    for outcome, field in zip(outcomes, ["prompt_token_ids", "max_tokens", "top_p", "temperature",
+                                         "prompt_token_ids"], strict=True):
+        assert outcome is not None and outcome[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in outcome[1]
+
+
+def test_killed_worker_restarted_loses_no_request(stack, reference):
+    work = [(p, 150) for p, _ in workload(16, seed=5)]
+
+    async def go():
+        async with aio_channel(stack.scheduler_address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            tasks = [asyncio.create_task(generate(stub, p, m)) for p, m in work]
+            for _ in range(100):  # kill once generation is under way
+                await asyncio.sleep(0.05)
+                if (await stats(stack.scheduler_address)).num_generated_tokens > 200:
+                    break
+            stack.workers[1].kill()
+            await asyncio.to_thread(stack.supervise_once)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 240)
+
+    before = asyncio.run(stats(stack.scheduler_address)).num_finished_requests
+    results = asyncio.run(go())
+    diverged = 0
+    for (prompt, max_tokens), (tokens, _) in zip(work, results, strict=True):
+        assert len(tokens[0]) == max_tokens
+        diverged += reference.compare(prompt, tokens[0]).tie_divergences > 0
+    assert diverged <= 2
+    events = [json.loads(line) for line in stack.trace_path.read_text().splitlines()]
+    resets = [e for e in events if e["event"] == "reset"]
+    assert resets and resets[-1]["preempted"], "the kill should have caught requests running"
+    assert any(e["event"] == "recovered" for e in events)
+    s = asyncio.run(stats(stack.scheduler_address))
+    assert s.num_finished_requests - before == len(work)
+    assert s.kv_cache.num_used_blocks == 0
+    assert s.stages[1].load_info.epoch != 0
