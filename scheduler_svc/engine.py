@@ -255,10 +255,19 @@ class Engine:
             if live.request.state.is_live:
                 self.abort(live.request.request_id)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Abort a request, or with `index` end just that choice (a stop string matched)."""
         live = self._live.get(request_id)
         if live is None:
             return False
+        if index is not None and live.request.options.n > 1:
+            finished = self.planner.finish_choice(request_id, index, self.clock())
+            if finished is not None:
+                self._live.pop(request_id, None)
+                self.num_finished += 1
+                live.outputs.put_nowait(self._final(live, error=None))
+            self._wake()
+            return True
         request = self.planner.abort(request_id, self.clock())
         self._live.pop(request_id, None)
         if request is not None:

@@ -171,7 +171,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return msgs
 
     async def Abort(self, request, context):
-        return scheduler_pb2.AbortResponse(aborted=self.engine.abort(request.request_id))
+        index = request.index if request.HasField("index") else None
+        return scheduler_pb2.AbortResponse(aborted=self.engine.abort(request.request_id, index))
 
     async def GetStats(self, request, context):
         engine, cfg = self.engine, self.engine.config

@@ -177,6 +177,29 @@ class Planner:
         self._trace("aborted", request)
         return request
 
+    def finish_choice(self, request_id: str, index: int, now: float = 0.0) -> Request | None:
+        """End one choice early (the gateway found a stop string in its text).
+
+        Returns the request when that finished it as a whole (FINISHED), else None.
+        """
+        request = self.requests.get(request_id)
+        if request is None or not request.state.is_live:
+            return None
+        seq = next((s for s in request.sequences if s.index == index), None)
+        if seq is None or seq.is_finished:
+            return None
+        seq.finish_reason = FinishReason.STOP
+        self._drop_kv(seq)
+        self._trace("choice_stopped", request, index=index)
+        if request.all_finished and request.state == RequestState.DECODING:
+            request.transition(RequestState.FINISHED, now)
+            request.finished_s = now
+            self.running.remove(request)
+            del self.requests[request_id]
+            self._trace("finished", request, output_tokens=request.num_output_tokens)
+            return request
+        return None
+
     # --- planning ------------------------------------------------------------------------
 
     @property

@@ -1,0 +1,68 @@
+"""The scheduler's edge: GenerateRequest validation and the queue bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.core.queue import QueueFull, WaitingQueue
+from scheduler_svc.core.request import Request, SamplingOptions
+from scheduler_svc.server import InvalidRequest, request_from_pb
+from services.pb import scheduler_pb2
+
+CONFIG = SchedulerConfig(max_model_len=64, tenant_weights={"gold": 3.0, "free": 1.0}, enforce_tenants=True)
+
+
+def msg(prompt=(5, 6, 7), tenant="gold", **params):
+    m = scheduler_pb2.GenerateRequest(prompt_token_ids=list(prompt), tenant=tenant)
+    for k, v in params.items():
+        if isinstance(v, list):
+            getattr(m.sampling_params, k).extend(v)
+        else:
+            setattr(m.sampling_params, k, v)
+    return m
+
+
+@pytest.mark.parametrize(
+    ("request_msg", "field"),
+    [
+        (msg(prompt=()), "prompt_token_ids"),
+        (msg(prompt=(5, 600)), "prompt_token_ids"),
+        (msg(prompt=[5] * 64), "prompt_token_ids"),
+        (msg(max_tokens=62), "max_tokens"),
+        (msg(tenant="nobody"), "tenant"),
+        (msg(top_p=0.0), "top_p"),
+        (msg(top_p=1.5), "top_p"),
+        (msg(temperature=-0.5), "temperature"),
+        (msg(min_p=2.0), "min_p"),
+        (msg(max_tokens=4, min_tokens=5), "min_tokens"),
+        (msg(logprobs=50), "logprobs"),
+        (msg(presence_penalty=0.5), "penalties"),
+        (msg(prompt_logprobs=1), "prompt_logprobs"),
+        (msg(n=1000), "sampling_params.n"),
+    ],
+)
+def test_bad_requests_name_the_field(request_msg, field):
+    with pytest.raises(InvalidRequest, match=field):
+        request_from_pb(request_msg, CONFIG, vocab_size=512)
+
+
+def test_a_good_request_converts():
+    r = request_from_pb(msg(max_tokens=10, temperature=0.5, seed=3, stop_token_ids=[9]), CONFIG, 512)
+    assert r.prompt == (5, 6, 7) and r.tenant == "gold"
+    assert r.options.max_tokens == 10 and r.options.seed == 3 and r.options.stop_token_ids == (9,)
+    default = request_from_pb(msg(), CONFIG, 512)
+    assert default.options.max_tokens == 64 - 3  # the rest of the context
+
+
+def test_queue_bound_is_resource_exhausted():
+    q = WaitingQueue("fcfs", max_len=2)
+    for i in range(2):
+        q.push(Request(f"r{i}", (5,), SamplingOptions(), float(i)))
+    with pytest.raises(QueueFull):
+        q.push(Request("r2", (5,), SamplingOptions(), 2.0))
+
+
+def test_tensor_parallel_is_refused_clearly():
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        SchedulerConfig(tensor_parallel_size=2)
