@@ -27,6 +27,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.planner import MicroBatch, Planner, PlannerConfig, SeqUpdate
 from scheduler_svc.core.queue import QueueFull, WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestState
+from scheduler_svc.metrics import SchedulerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,12 @@ class RequestOutput:
 class _Live:
     request: Request
     outputs: asyncio.Queue
+    arrival_ns: int = 0
     failures: int = 0
     timeline: list[dict] = field(default_factory=list)
+    scheduled: bool = False
+    first_token_s: float | None = None
+    last_token_s: dict[int, float] = field(default_factory=dict)
 
 
 class Engine:
@@ -147,8 +152,12 @@ class Engine:
         transport: StageTransport,
         eos_token_ids: tuple[int, ...] = (),
         clock: Callable[[], float] = time.monotonic,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics or SchedulerMetrics(config.model)
+        self._dispatched_ns: dict[int, int] = {}
+        self._seen_preemptions = 0
         self.kv = kv
         self.transport = transport
         self.eos_token_ids = eos_token_ids
@@ -237,9 +246,10 @@ class Engine:
         if request.request_id in self._live:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.planner.add(request)  # QueueFull propagates, nothing changed
-        live = _Live(request, asyncio.Queue())
+        live = _Live(request, asyncio.Queue(), arrival_ns=time.time_ns())
         self._live[request.request_id] = live
         self.num_prompt_tokens += len(request.prompt)
+        self.metrics.on_arrival(len(request.prompt))
         self._wake()
         return self._outputs(live)
 
@@ -272,6 +282,7 @@ class Engine:
         self._live.pop(request_id, None)
         if request is not None:
             self.num_aborted += 1
+            self.metrics.on_finished("abort", self.clock() - request.arrival_s)
             self._emit_trace({"event": "aborted", "request_id": request_id})
             live.outputs.put_nowait(self._final(live, error=None, aborted=True))
         self._wake()
@@ -323,6 +334,10 @@ class Engine:
                     return  # nothing fits now; a result or an event will change that
                 return
             self.num_micro_batches += 1
+            self.metrics.on_micro_batch(mb.num_tokens)
+            self._note_preemptions()
+            now_ns = time.time_ns()
+            self._dispatched_ns[mb.micro_batch_id] = now_ns
             self._emit_trace({
                 "event": "dispatched", "micro_batch_id": mb.micro_batch_id,
                 "num_tokens": mb.num_tokens, "in_flight": len(planner.in_flight),
@@ -330,11 +345,19 @@ class Engine:
             })
             for s in mb.seqs:
                 live = self._live.get(s.seq.request.request_id)
-                if live is not None and live.request.debug_timeline:
+                if live is None:
+                    continue
+                if not live.scheduled:
+                    live.scheduled = True
+                    self.metrics.on_scheduled(self.clock() - live.request.arrival_s)
+                    if live.request.debug_timeline:
+                        live.timeline.append({"name": "queued", "category": "scheduler",
+                                              "start_ns": live.arrival_ns, "end_ns": now_ns})
+                if live.request.debug_timeline:
                     live.timeline.append({
-                        "name": "scheduled", "micro_batch_id": mb.micro_batch_id,
+                        "name": "step", "category": "scheduler", "micro_batch_id": mb.micro_batch_id,
                         "choice_index": s.seq.index, "num_tokens": s.num_tokens,
-                        "ts_s": self.clock(),
+                        "start_ns": now_ns, "end_ns": 0,
                     })
             try:
                 await self.transport.submit(mb)
@@ -352,7 +375,7 @@ class Engine:
                 return  # from before a reset
             self._emit_trace({"event": "result", "micro_batch_id": event.micro_batch_id, "t": now})
             updates = self.planner.on_result(event.micro_batch_id, event.sampled, now)
-            self._record_timings(event)
+            self._record_timings(event, time.time_ns())
             self._deliver(updates)
             self._drain_decisions()
         elif isinstance(event, ErrorEvent):
@@ -387,6 +410,17 @@ class Engine:
             )
             touched.setdefault(seq.request.request_id, []).append(delta)
             self.num_generated_tokens += len(u.new_token_ids)
+            live = self._live.get(seq.request.request_id)
+            if live is not None and u.new_token_ids:
+                now = self.clock()
+                self.metrics.on_tokens(len(u.new_token_ids))
+                if live.first_token_s is None:
+                    live.first_token_s = now
+                    self.metrics.on_first_token(now - seq.request.arrival_s)
+                previous = live.last_token_s.get(seq.index)
+                if previous is not None:
+                    self.metrics.on_inter_token(now - previous)
+                live.last_token_s[seq.index] = now
         for request_id, deltas in touched.items():
             live = self._live.get(request_id)
             if live is None:
@@ -395,6 +429,8 @@ class Engine:
             if request.state == RequestState.FINISHED:
                 self._live.pop(request_id, None)
                 self.num_finished += 1
+                reason = request.sequences[0].finish_reason
+                self.metrics.on_finished(reason.value if reason else "stop", self.clock() - request.arrival_s)
                 out = self._final(live, error=None)
                 out.deltas = deltas
                 live.outputs.put_nowait(out)
@@ -420,20 +456,30 @@ class Engine:
     def _fail(self, live: _Live, code: str, message: str) -> None:
         live.outputs.put_nowait(self._final(live, error=(code, message)))
 
-    def _record_timings(self, event: ResultEvent) -> None:
-        if not event.timings:
-            return
+    def _record_timings(self, event: ResultEvent, now_ns: int) -> None:
         mb_id = event.micro_batch_id
+        self._dispatched_ns.pop(mb_id, None)
         for live in self._live.values():
-            if live.request.debug_timeline and any(
-                e.get("micro_batch_id") == mb_id for e in live.timeline
-            ):
-                for t in event.timings:
+            if not live.request.debug_timeline:
+                continue
+            steps = [e for e in live.timeline if e.get("micro_batch_id") == mb_id and e["name"] == "step"]
+            if not steps:
+                continue
+            for e in steps:
+                e["end_ns"] = now_ns
+            for t in event.timings:
+                if t.compute_start_ns:
                     live.timeline.append({
-                        "name": f"stage {t.stage_index}", "micro_batch_id": mb_id,
-                        "stage_index": t.stage_index, "start_ns": t.compute_start_ns,
-                        "end_ns": t.compute_end_ns,
+                        "name": f"stage {t.stage_index} compute", "category": "stage",
+                        "micro_batch_id": mb_id, "stage_index": t.stage_index,
+                        "start_ns": t.compute_start_ns, "end_ns": t.compute_end_ns,
                     })
+
+    def _note_preemptions(self) -> None:
+        delta = self.planner.num_preemptions - self._seen_preemptions
+        if delta:
+            self.metrics.on_preempted(delta)
+            self._seen_preemptions = self.planner.num_preemptions
 
     def _timeline(self, live: _Live) -> list[dict]:
         if not live.request.debug_timeline:

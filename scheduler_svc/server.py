@@ -160,12 +160,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             last.usage.num_cached_tokens = out.num_cached_tokens
             last.usage.num_preemptions = out.num_preemptions
             for e in out.timeline:
-                ev = last.timeline.add(name=e["name"], category="scheduler")
+                ev = last.timeline.add(name=e["name"], category=e.get("category", "scheduler"),
+                                       start_ns=e.get("start_ns", 0), end_ns=e.get("end_ns", 0))
                 if "stage_index" in e:
                     ev.stage_index = e["stage_index"]
-                    ev.start_ns, ev.end_ns = e["start_ns"], e["end_ns"]
                 if "micro_batch_id" in e:
                     ev.micro_batch_id = e["micro_batch_id"]
+                if "choice_index" in e:
+                    ev.choice_index = e["choice_index"]
                 if "num_tokens" in e:
                     ev.num_tokens = e["num_tokens"]
         return msgs
@@ -252,6 +254,7 @@ async def serve(
     stage_addresses: list[str],
     ready_file: str | None = None,
     startup_timeout_s: float = 120.0,
+    metrics_port: int | None = None,
 ) -> None:
     from kvcache_svc.client import GrpcKVCacheClient
     from scheduler_svc.transport import GrpcStageTransport
@@ -297,13 +300,35 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    health_task = asyncio.create_task(_track_health(engine, health, stop))
+    tasks = [asyncio.create_task(_track_health(engine, health, stop))]
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=host, registry=engine.metrics.registry)
+        tasks.append(asyncio.create_task(_refresh_metrics(engine, stop)))
+        log.info("metrics on http://%s:%d/metrics", host, metrics_port)
     await stop.wait()
-    health_task.cancel()
+    for task in tasks:
+        task.cancel()
     await set_serving(health, SERVICE_NAME, False)
     await server.stop(grace=5.0)
     await engine.stop()
     await kv.close()
+
+
+async def _refresh_metrics(engine: Engine, stop: asyncio.Event, period_s: float = 1.0) -> None:
+    """Gauges read from the engine, the KV service and the stages, once a period."""
+    while not stop.is_set():
+        try:
+            kv_stats = await asyncio.wait_for(engine.kv.stats(), 2.0)
+        except Exception:  # the KV service is down: keep the last values
+            kv_stats = None
+        try:
+            stage_stats = await engine.transport.stage_stats()
+        except Exception:
+            stage_stats = []
+        engine.metrics.refresh(engine.summary(), kv_stats, stage_stats)
+        await asyncio.sleep(period_s)
 
 
 async def _track_health(engine: Engine, health, stop: asyncio.Event) -> None:

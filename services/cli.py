@@ -30,27 +30,9 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from services import tiny_model
+    from services import serve
 
-    model_dir = Path(args.model) if args.model else tiny_model.default_model_dir()
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        print(f"error: {model_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
-        return 2
-    config = json.loads(config_path.read_text())
-    print(
-        "pagoda serve: would serve\n"
-        f"  model:      {model_dir}\n"
-        f"  arch:       {', '.join(config.get('architectures', []))}, "
-        f"{config.get('num_hidden_layers')} layers, hidden {config.get('hidden_size')}, "
-        f"vocab {config.get('vocab_size')}\n"
-        f"  pipeline:   {args.pipeline_parallel_size} stage(s)\n"
-        f"  REST:       http://{args.host}:{args.port}/v1 (OpenAI-compatible)\n"
-        f"  gRPC:       {args.host}:{args.grpc_port} (pagoda.v1.Generation)\n"
-        "The services themselves (gateway, scheduler, KV cache, stage workers) land with the\n"
-        "issues that follow the foundation; see docs/plan.md."
-    )
-    return 0
+    return serve.run(args)
 
 
 def _env(name: str, default=None, kind=str):
@@ -237,7 +219,8 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         else:
             args.parser.error(f"--stages lists {len(stages)} stages, --pipeline-parallel-size is "
                               f"{config.pipeline_parallel_size}")
-    asyncio.run(serve(config, args.host, args.port, args.kvcache, stages, ready_file=args.ready_file))
+    asyncio.run(serve(config, args.host, args.port, args.kvcache, stages, ready_file=args.ready_file,
+                      metrics_port=args.metrics_port))
     return 0
 
 
@@ -305,17 +288,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of the KV-cache service")
     p.add_argument("--stages", default=_env("stages"), required=_env("stages") is None,
                    help="HOST:PORT of every stage worker, in order, comma-separated")
+    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None, int),
+                   help="serve Prometheus metrics on this port (off by default)")
     p.add_argument("--ready-file", help="write the bound port here once serving")
     add_engine_arguments(p)
     p.set_defaults(func=_cmd_scheduler, parser=p)
 
     p = sub.add_parser("serve", help="serve a model: the whole stack as local processes")
-    p.add_argument("--model", help="checkpoint directory (default: the tiny model, made once)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--pipeline-parallel-size", type=int, default=1)
-    p.set_defaults(func=_cmd_serve)
+    from services import serve
+
+    serve.add_arguments(p, _env)
+    add_engine_arguments(p)
+    p.set_defaults(func=_cmd_serve, parser=p)
     return parser
 
 

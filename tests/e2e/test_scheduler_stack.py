@@ -12,7 +12,7 @@ import torch
 from support.reference import HFReference
 
 from services.grpc_utils import aio_channel
-from services.launcher import start_stack
+from services.launcher import free_port, start_stack
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 NUM_KV_BLOCKS = 96  # of 16 slots: too few for 64 requests at once, so preemption happens
@@ -33,13 +33,16 @@ def reference(model_dir):
 def stack(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("stack-logs")
     trace = logs / "trace.jsonl"
+    metrics_port = free_port()
     s = start_stack(
         model_dir, num_stages=2, num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, log_dir=logs,
-        scheduler_args=("--max-num-batched-tokens", "256", "--max-num-seqs", "32"),
+        scheduler_args=("--max-num-batched-tokens", "256", "--max-num-seqs", "32",
+                        "--metrics-port", str(metrics_port)),
         env={"PAGODA_TRACE_SCHEDULER": "1", "PAGODA_TRACE_FILE": str(trace)},
         threads_per_worker=1,
     )
     s.trace_path = trace
+    s.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield s
     s.stop()
 
@@ -193,3 +196,36 @@ def test_killed_worker_restarted_loses_no_request(stack, reference):
     assert s.num_finished_requests - before == len(work)
     assert s.kv_cache.num_used_blocks == 0
     assert s.stages[1].load_info.epoch != 0
+
+
+def scrape(url: str) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            values[key] = sample.value
+    return values
+
+
+def test_metrics_move_as_requests_flow(stack):
+    import time
+
+    before = scrape(stack.metrics_url)
+    work = workload(6, seed=11)
+    run_many(stack.scheduler_address, work)
+    time.sleep(1.5)  # gauges refresh once a second
+    after = scrape(stack.metrics_url)
+    generated = sum(m for _, m in work)
+    assert after["pagoda:generation_tokens_total"] - before.get("pagoda:generation_tokens_total", 0) == generated
+    assert after["pagoda:prompt_tokens_total"] - before.get("pagoda:prompt_tokens_total", 0) == sum(len(p) for p, _ in work)
+    assert after["pagoda:request_success_total{finished_reason=length}"] - before.get(
+        "pagoda:request_success_total{finished_reason=length}", 0) == len(work)
+    assert after["pagoda:time_to_first_token_seconds_count"] > before.get("pagoda:time_to_first_token_seconds_count", 0)
+    assert after["pagoda:e2e_request_latency_seconds_count"] >= len(work)
+    assert after["pagoda:stage_busy_seconds{stage=1}"] > 0
+    assert "pagoda:kv_cache_usage_perc" in after

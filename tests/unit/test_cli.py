@@ -30,8 +30,21 @@ def test_tiny_model_command(tmp_path):
     assert bad.returncode == 2 and "num_heads" in bad.stderr
 
 
-def test_serve_makes_the_default_model_and_says_what_it_serves(tmp_path):
-    done = pagoda("serve", env={"PAGODA_CACHE_DIR": str(tmp_path)})
-    assert done.returncode == 0, done.stderr
-    assert "LlamaForCausalLM" in done.stdout and str(tmp_path) in done.stdout
-    assert list(tmp_path.glob("models/*/config.json"))
+def test_serve_refuses_a_directory_without_a_checkpoint(tmp_path):
+    done = pagoda("serve", "--model", str(tmp_path))
+    assert done.returncode == 2 and "no config.json" in done.stderr
+
+
+def test_serve_passes_engine_settings_to_the_scheduler():
+    from services.cli import build_parser
+    from services.serve import engine_flags
+
+    args = build_parser().parse_args(
+        ["serve", "--no-async-scheduling", "--max-num-seqs", "7", "--tenant-weights", "a=3,b=1",
+         "--scheduler-policy", "hybrid"]
+    )
+    flags = engine_flags(args)
+    assert "--no-async-scheduling" in flags and flags[flags.index("--max-num-seqs") + 1] == "7"
+    assert flags[flags.index("--tenant-weights") + 1] == "a=3.0,b=1.0"
+    sched = build_parser().parse_args(["scheduler", "--model", "m", "--kvcache", "x:1", "--stages", "y:2", *flags])
+    assert sched.async_scheduling is False and sched.max_num_seqs == 7 and sched.scheduler_policy == "hybrid"

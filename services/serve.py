@@ -1,0 +1,154 @@
+"""`pagoda serve`: the whole stack as local processes, supervised.
+
+KV service, N stage workers, scheduler and gateway, each its own process on loopback
+ports (the gateway on the host asked for), with one block count and size for the KV service
+and every worker. It waits until all are healthy, prints where to send requests, restarts a
+service that dies (bounded retries; the scheduler recovers the requests it holds), and on
+Ctrl-C or SIGTERM stops the gateway first (it stops taking requests and lets in-flight ones
+finish within the grace period), then the rest, leaving no orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from services.launcher import ServiceProcess, free_port, pagoda_command, start_stack, stop_all
+
+# engine flags that `start_stack` passes itself
+_OWN_FLAGS = {"pipeline_parallel_size", "num_kv_blocks", "block_size"}
+ENGINE_FLAGS = (
+    "tensor_parallel_size", "async_scheduling", "scheduler_policy", "max_num_batched_tokens",
+    "max_num_seqs", "microbatch_size", "enable_chunked_prefill", "enable_prefix_caching",
+    "preemption_mode", "scheduler_timeout_ms", "max_model_len", "tenant_weights",
+    "enforce_tenants", "aging_rate", "max_queue_len", "recovery_timeout_s",
+)
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine settings of `pagoda serve` as `pagoda scheduler` flags."""
+    out: list[str] = []
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if name == "enforce_tenants":
+                if value:
+                    out.append(flag)
+            else:
+                out.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, dict):
+            if value:
+                out += [flag, ",".join(f"{k}={v}" for k, v in value.items())]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from services import tiny_model
+
+    model_dir = str(Path(args.model).resolve()) if args.model else str(tiny_model.default_model_dir())
+    if not (Path(model_dir) / "config.json").is_file():
+        print(f"error: {model_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    log_dir = Path(args.log_dir or Path.home() / ".cache" / "pagoda" / "logs" / time.strftime("%Y%m%d-%H%M%S"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    n = args.pipeline_parallel_size
+    threads = args.num_threads or max(1, (os.cpu_count() or 1) // n)
+    print(f"pagoda serve: starting {n} stage(s), KV service, scheduler and gateway for {model_dir}")
+    print(f"  logs: {log_dir}")
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        stack = start_stack(
+            model_dir, num_stages=n, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+            log_dir=log_dir, scheduler_args=engine_flags(args), threads_per_worker=threads,
+            worker_args=(["--dtype", args.dtype] if args.dtype else []),
+        )
+    except Exception as exc:
+        print(f"error: the stack did not start: {exc}", file=sys.stderr)
+        return 1
+    grpc_port = args.grpc_port
+    gateway_args = [
+        "gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(grpc_port),
+        "--scheduler", stack.scheduler_address, "--model", model_dir,
+    ]
+    if args.served_model_name:
+        gateway_args += ["--served-model-name", args.served_model_name]
+    if args.api_keys_file:
+        gateway_args += ["--api-keys-file", args.api_keys_file]
+    gateway = ServiceProcess("gateway", pagoda_command(*gateway_args), f"127.0.0.1:{grpc_port}",
+                             log_path=log_dir / "gateway.log")
+    processes = [*stack.processes, gateway]
+    try:
+        gateway.start()
+        gateway.wait_healthy(120)
+    except Exception as exc:
+        print(f"error: the gateway did not start: {exc}", file=sys.stderr)
+        stop_all(processes, args.grace_period)
+        return 1
+    shown_host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
+    print(
+        "pagoda serve: ready\n"
+        f"  OpenAI-compatible REST: http://{shown_host}:{args.port}/v1  (docs: /docs, health: /health)\n"
+        f"  gRPC (pagoda.v1.Generation): {shown_host}:{grpc_port}\n"
+        f"  try: curl http://{shown_host}:{args.port}/v1/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{args.served_model_name or Path(model_dir).name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+        flush=True,
+    )
+    try:
+        while not stopping:
+            time.sleep(0.5)
+            try:
+                for name in stack.supervise_once(max_restarts=args.max_restarts):
+                    print(f"pagoda serve: restarted {name}", flush=True)
+                if not gateway.alive:
+                    if gateway.restarts >= args.max_restarts:
+                        raise RuntimeError("the gateway keeps dying")
+                    gateway.restarts += 1
+                    gateway.start()
+                    gateway.wait_healthy(120)
+                    print("pagoda serve: restarted gateway", flush=True)
+            except Exception as exc:
+                print(f"pagoda serve: giving up: {exc}", file=sys.stderr)
+                stop_all(processes, args.grace_period)
+                return 1
+    finally:
+        if stopping:
+            print("pagoda serve: stopping (in-flight requests get "
+                  f"{args.grace_period:.0f}s to finish)", flush=True)
+        # the gateway first: it stops taking requests and drains; then the backend
+        gateway.stop(args.grace_period)
+        stop_all(stack.processes, args.grace_period)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser, env) -> None:
+    p.add_argument("--model", default=env("model"), help="checkpoint directory (default: the tiny model)")
+    p.add_argument("--host", default=env("host", "127.0.0.1"), help="the gateway's bind address")
+    p.add_argument("--port", type=int, default=env("port", 8000, int))
+    p.add_argument("--grpc-port", type=int, default=env("grpc_port", 50051, int))
+    p.add_argument("--served-model-name", default=env("served_model_name"))
+    p.add_argument("--api-keys-file", default=env("api_keys_file"))
+    p.add_argument("--dtype", default=env("dtype"), choices=[None, "auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--num-threads", type=int, default=env("num_threads", None, int),
+                   help="torch threads per stage (default: cores / stages)")
+    p.add_argument("--log-dir", default=env("log_dir"))
+    p.add_argument("--grace-period", type=float, default=env("grace_period", 30.0, float))
+    p.add_argument("--max-restarts", type=int, default=env("max_restarts", 3, int))
+
+
+__all__ = ["add_arguments", "engine_flags", "free_port", "run"]
