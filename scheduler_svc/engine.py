@@ -28,6 +28,7 @@ from scheduler_svc.core.planner import MicroBatch, Planner, PlannerConfig, SeqUp
 from scheduler_svc.core.queue import QueueFull, WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestState
 from scheduler_svc.metrics import SchedulerMetrics
+from services import telemetry
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,8 @@ class _Live:
     scheduled: bool = False
     first_token_s: float | None = None
     last_token_s: dict[int, float] = field(default_factory=dict)
+    span: object | None = None  # the request's OpenTelemetry span, when tracing is on
+    step_spans: dict[int, int] = field(default_factory=dict)  # micro_batch_id -> start ns
 
 
 class Engine:
@@ -158,6 +161,9 @@ class Engine:
         self.metrics = metrics or SchedulerMetrics(config.model)
         self._dispatched_ns: dict[int, int] = {}
         self._seen_preemptions = 0
+        self._tracing = telemetry.enabled()
+        self._mb_seqs: dict[int, list[str]] = {}
+        self._tracer = telemetry.tracer("pagoda.scheduler")
         self.kv = kv
         self.transport = transport
         self.eos_token_ids = eos_token_ids
@@ -247,6 +253,15 @@ class Engine:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.planner.add(request)  # QueueFull propagates, nothing changed
         live = _Live(request, asyncio.Queue(), arrival_ns=time.time_ns())
+        if self._tracing:
+            live.span = self._tracer.start_span(
+                "scheduler.request", context=telemetry.context_from(request.trace_context),
+                start_time=live.arrival_ns,
+                attributes={"pagoda.request_id": request.request_id,
+                            "pagoda.num_prompt_tokens": len(request.prompt), "pagoda.n": request.options.n},
+            )
+            # the stages' spans hang under the scheduler's span of the request
+            request.trace_context = telemetry.traceparent_of(live.span)
         self._live[request.request_id] = live
         self.num_prompt_tokens += len(request.prompt)
         self.metrics.on_arrival(len(request.prompt))
@@ -338,6 +353,8 @@ class Engine:
             self._note_preemptions()
             now_ns = time.time_ns()
             self._dispatched_ns[mb.micro_batch_id] = now_ns
+            if self._tracing:
+                self._mb_seqs[mb.micro_batch_id] = list({s.seq.request.request_id for s in mb.seqs})
             self._emit_trace({
                 "event": "dispatched", "micro_batch_id": mb.micro_batch_id,
                 "num_tokens": mb.num_tokens, "in_flight": len(planner.in_flight),
@@ -347,9 +364,13 @@ class Engine:
                 live = self._live.get(s.seq.request.request_id)
                 if live is None:
                     continue
+                if live.span is not None:
+                    live.step_spans[mb.micro_batch_id] = now_ns
                 if not live.scheduled:
                     live.scheduled = True
                     self.metrics.on_scheduled(self.clock() - live.request.arrival_s)
+                    if live.span is not None:
+                        self._child_span(live, "scheduler.queued", live.arrival_ns, now_ns, {})
                     if live.request.debug_timeline:
                         live.timeline.append({"name": "queued", "category": "scheduler",
                                               "start_ns": live.arrival_ns, "end_ns": now_ns})
@@ -439,6 +460,7 @@ class Engine:
 
     def _final(self, live: _Live, error: tuple[str, str] | None, aborted: bool = False) -> RequestOutput:
         r = live.request
+        self._end_span(live, "aborted" if aborted else ("error" if error else "finished"))
         deltas = []
         if aborted:
             deltas = [ChoiceDelta(s.index, [], [], FinishReason.ABORT) for s in r.sequences
@@ -456,9 +478,29 @@ class Engine:
     def _fail(self, live: _Live, code: str, message: str) -> None:
         live.outputs.put_nowait(self._final(live, error=(code, message)))
 
+    def _child_span(self, live: _Live, name: str, start_ns: int, end_ns: int, attributes: dict) -> None:
+        from opentelemetry import trace
+
+        span = self._tracer.start_span(name, context=trace.set_span_in_context(live.span),
+                                       start_time=start_ns, attributes=attributes)
+        span.end(end_time=end_ns)
+
+    def _end_span(self, live: _Live, outcome: str) -> None:
+        if live.span is not None:
+            live.span.set_attribute("pagoda.outcome", outcome)
+            live.span.set_attribute("pagoda.num_output_tokens", live.request.num_output_tokens)
+            live.span.end()
+            live.span = None
+
     def _record_timings(self, event: ResultEvent, now_ns: int) -> None:
         mb_id = event.micro_batch_id
         self._dispatched_ns.pop(mb_id, None)
+        if self._tracing:
+            for s in self._mb_seqs.pop(mb_id, ()):
+                live = self._live.get(s)
+                if live is not None and live.span is not None and mb_id in live.step_spans:
+                    self._child_span(live, "scheduler.step", live.step_spans.pop(mb_id), now_ns,
+                                     {"pagoda.micro_batch_id": mb_id})
         for live in self._live.values():
             if not live.request.debug_timeline:
                 continue

@@ -118,6 +118,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Generate(self, request, context):
         try:
             req = request_from_pb(request, self.engine.config, self.engine.vocab_size)
+            if not req.trace_context:  # per-request calls may carry it in metadata instead
+                req.trace_context = dict(context.invocation_metadata() or ()).get("traceparent", "")
             stream = self.engine.submit(req)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -258,8 +260,10 @@ async def serve(
 ) -> None:
     from kvcache_svc.client import GrpcKVCacheClient
     from scheduler_svc.transport import GrpcStageTransport
+    from services import telemetry
     from services.text import Tokenizer
 
+    telemetry.setup_tracing("scheduler")
     eos = Tokenizer(config.model).eos_token_ids if config.model else ()
     kv = GrpcKVCacheClient(kv_address)
     transport = GrpcStageTransport(stage_addresses)

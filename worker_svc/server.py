@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from services import telemetry
 from services.grpc_utils import aio_channel, create_aio_server, set_serving
 from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc.config import WorkerConfig
@@ -77,6 +78,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self._call = None
         self._ack_task: asyncio.Task | None = None
         self.downstream_connected = False
+        self._tracing = telemetry.enabled()
+        self._tracer = telemetry.tracer("pagoda.worker")
         # statistics
         self.busy_ns = 0
         self.num_micro_batches = 0
@@ -322,8 +325,24 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             done.num_block_copies_applied = copies
             if self.config.is_last and work.result.sampled is not None:
                 sampled_to_pb(work.result.sampled_seq_ids, work.result.sampled, done)
+            if self._tracing:
+                self._trace_spans(work)
         self.num_in_flight -= 1
         self._emit(worker_pb2.StageEvent(stage_index=self.config.stage, epoch=self.epoch, done=done))
+
+    def _trace_spans(self, work: _Work) -> None:
+        """One span per traced sequence of the micro-batch, under its request's scheduler span."""
+        mb = work.mb
+        for seq_id, tc in zip(mb.seq_ids, mb.trace_contexts, strict=False):
+            parent = telemetry.context_from(tc.traceparent)
+            if parent is None:
+                continue
+            span = self._tracer.start_span(
+                f"stage{self.config.stage}.compute", context=parent, start_time=work.compute_start_ns,
+                attributes={"pagoda.stage": self.config.stage, "pagoda.micro_batch_id": mb.micro_batch_id,
+                            "pagoda.seq_id": seq_id, "pagoda.num_tokens": sum(mb.query_lens)},
+            )
+            span.end(end_time=work.compute_end_ns)
 
     def _emit(self, event: worker_pb2.StageEvent) -> None:
         for queue in list(self._subscribers):
@@ -347,6 +366,7 @@ async def serve(config: WorkerConfig, ready_file: str | None = None) -> None:
     from worker_svc.device import resolve_device
     from worker_svc.loader import load_stage
 
+    telemetry.setup_tracing(f"worker-{config.stage}")
     torch.set_num_threads(config.resolved_num_threads)
     device = resolve_device(config.device)
     model = load_stage(

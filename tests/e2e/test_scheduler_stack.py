@@ -38,11 +38,13 @@ def stack(model_dir, tmp_path_factory):
         model_dir, num_stages=2, num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, log_dir=logs,
         scheduler_args=("--max-num-batched-tokens", "256", "--max-num-seqs", "32",
                         "--metrics-port", str(metrics_port)),
-        env={"PAGODA_TRACE_SCHEDULER": "1", "PAGODA_TRACE_FILE": str(trace)},
+        env={"PAGODA_TRACE_SCHEDULER": "1", "PAGODA_TRACE_FILE": str(trace),
+             "PAGODA_SPANS_FILE": str(logs / "spans.jsonl")},
         threads_per_worker=1,
     )
     s.trace_path = trace
     s.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    s.spans_path = logs / "spans.jsonl"
     yield s
     s.stop()
 
@@ -229,3 +231,47 @@ def test_metrics_move_as_requests_flow(stack):
     assert after["pagoda:e2e_request_latency_seconds_count"] >= len(work)
     assert after["pagoda:stage_busy_seconds{stage=1}"] > 0
     assert "pagoda:kv_cache_usage_perc" in after
+
+
+def test_trace_links_caller_scheduler_and_both_stages(stack):
+    """The caller's span (a gateway's, here the test's own tracer) parents the whole request."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from services.telemetry import traceparent_of
+
+    caller = TracerProvider().get_tracer("test-gateway")
+    span = caller.start_span("gateway.request")
+    traceparent = traceparent_of(span)
+    trace_id = f"{span.get_span_context().trace_id:032x}"
+
+    async def go():
+        async with aio_channel(stack.scheduler_address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            req = scheduler_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7, 8, 9])
+            req.sampling_params.max_tokens = 4
+            req.sampling_params.ignore_eos = True
+            req.trace_context.traceparent = traceparent
+            async for _ in stub.Generate(req):
+                pass
+
+    asyncio.run(go())
+    span.end()
+    spans = []
+    for _ in range(50):
+        spans = [json.loads(line) for line in stack.spans_path.read_text().splitlines()]
+        spans = [sp for sp in spans if sp["trace_id"] == trace_id]
+        if {"scheduler.request", "stage0.compute", "stage1.compute"} <= {sp["name"] for sp in spans}:
+            break
+        import time
+
+        time.sleep(0.1)
+    by_name = {}
+    for sp in spans:
+        by_name.setdefault(sp["name"], []).append(sp)
+    root = by_name["scheduler.request"][0]
+    assert root["parent_span_id"] == f"{span.get_span_context().span_id:016x}"
+    assert {sp["service"] for sp in spans} >= {"scheduler", "worker-0", "worker-1"}
+    for name in ("stage0.compute", "stage1.compute", "scheduler.step"):
+        assert by_name[name], name
+    assert all(sp["parent_span_id"] == root["span_id"] for sp in by_name["stage0.compute"])
+    assert len(by_name["stage1.compute"]) >= 4  # a prefill and a step per further token
