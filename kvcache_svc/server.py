@@ -262,11 +262,39 @@ def create_server(
     return server, port, service
 
 
-async def serve(config: KVCacheConfig, ready_file: str | None = None) -> None:
+def metric_samples(service: KVCacheService):
+    """Prometheus samples (services.metrics.Sample) read at scrape time."""
+    st = service.manager.stats()
+    return [
+        ("pagoda:kv_cache_total_blocks", "KV blocks in the pool.", "gauge", st.num_blocks),
+        ("pagoda:kv_cache_used_blocks", "KV blocks in use.", "gauge", st.num_used_blocks),
+        ("pagoda:kv_cache_free_blocks", "KV blocks free (evictable cached ones included).", "gauge",
+         st.num_free_blocks + st.num_evictable_blocks),
+        ("pagoda:kv_cache_cached_blocks", "KV blocks holding a cached prefix.", "gauge", st.num_cached_blocks),
+        ("pagoda:kv_cache_usage_perc", "Fraction of KV blocks in use.", "gauge",
+         st.num_used_blocks / max(1, st.num_blocks)),
+        ("pagoda:kv_cache_internal_fragmentation", "Empty slots in used blocks over their slots.", "gauge",
+         st.internal_fragmentation),
+        ("pagoda:kv_cache_external_fragmentation", "1 - largest free extent / free blocks.", "gauge",
+         st.external_fragmentation),
+        ("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter",
+         st.num_prefix_query_tokens),
+        ("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter", st.num_prefix_hit_tokens),
+        ("pagoda:kv_cache_evictions", "Cached blocks evicted.", "counter", st.num_evictions),
+        ("pagoda:kv_cache_copy_on_writes", "Blocks copied on write.", "counter", st.num_copy_on_write),
+        ("pagoda:kv_cache_sequences", "Sequences holding blocks.", "gauge", st.num_sequences),
+    ]
+
+
+async def serve(config: KVCacheConfig, ready_file: str | None = None, metrics_port: int | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then stop cleanly."""
     server, port, service = create_server(config)
     await server.start()
     await service.start()
+    if metrics_port is not None:
+        from services.metrics import serve_metrics
+
+        serve_metrics(metrics_port, config.host, lambda: metric_samples(service), {"service": "kvcache"})
     log.info(
         "KV cache serving on %s:%d, epoch %d: %d blocks of %d, watermark %d blocks, "
         "prefix caching %s",

@@ -81,7 +81,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     except ValueError as exc:
         args.parser.error(str(exc))
     try:
-        asyncio.run(serve(config, ready_file=args.ready_file))
+        asyncio.run(serve(config, ready_file=args.ready_file, metrics_port=args.metrics_port))
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -107,7 +107,7 @@ def _cmd_kvcache(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         args.parser.error(str(exc))
-    asyncio.run(serve(config, ready_file=args.ready_file))
+    asyncio.run(serve(config, ready_file=args.ready_file, metrics_port=args.metrics_port))
     return 0
 
 
@@ -260,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 256, int))
     p.add_argument("--attention-backend", default=_env("attention_backend", "torch"))
     p.add_argument("--quantization", default=_env("quantization"), choices=[None, "fp8"])
+    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None, int),
+                   help="serve Prometheus metrics on this port (off by default)")
     p.add_argument("--ready-file", help="write the bound port here once serving")
     p.set_defaults(func=_cmd_worker, parser=p)
 
@@ -276,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=_env("enable_prefix_caching", True, _bool),
                    help="turn the prefix cache off")
+    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None, int),
+                   help="serve Prometheus metrics on this port (off by default)")
     p.add_argument("--ready-file", help="write the bound port here once serving")
     p.set_defaults(func=_cmd_kvcache, parser=p)
 

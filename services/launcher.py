@@ -111,6 +111,7 @@ class Stack:
     kvcache: ServiceProcess
     workers: list[ServiceProcess]
     scheduler: ServiceProcess
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # service name -> /metrics URL
 
     @property
     def processes(self) -> list[ServiceProcess]:
@@ -149,6 +150,7 @@ def start_stack(
     env: dict[str, str] | None = None,
     threads_per_worker: int | None = None,
     timeout_s: float = 120.0,
+    metrics: bool = False,
 ) -> Stack:
     """Start KV service, `num_stages` workers and the scheduler on free loopback ports.
 
@@ -157,6 +159,15 @@ def start_stack(
     """
     env = dict(env or {})
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // num_stages)
+    metrics_urls: dict[str, str] = {}
+
+    def metrics_flag(name: str) -> list[str]:
+        """`--metrics-port P` on a fresh port when metrics are asked for."""
+        if not metrics:
+            return []
+        port = free_port(host)
+        metrics_urls[name] = f"http://{host}:{port}/metrics"
+        return ["--metrics-port", str(port)]
 
     def log(name: str) -> Path | None:
         return (log_dir / f"{name}.log") if log_dir else None
@@ -165,7 +176,7 @@ def start_stack(
     kv = ServiceProcess(
         "kvcache",
         pagoda_command("kvcache", "--host", host, "--port", str(kv_port), "--num-blocks",
-                       str(num_kv_blocks), "--block-size", str(block_size)),
+                       str(num_kv_blocks), "--block-size", str(block_size), *metrics_flag("kvcache")),
         f"{host}:{kv_port}", env=env, log_path=log("kvcache"),
     )
     ports = [free_port(host) for _ in range(num_stages)]
@@ -173,7 +184,8 @@ def start_stack(
     for k in range(num_stages):
         args = ["worker", "--model", model_dir, "--stage", str(k), "--num-stages", str(num_stages),
                 "--host", host, "--port", str(ports[k]), "--num-kv-blocks", str(num_kv_blocks),
-                "--block-size", str(block_size), "--num-threads", str(threads), *worker_args]
+                "--block-size", str(block_size), "--num-threads", str(threads), *worker_args,
+                *metrics_flag(f"worker-{k}")]
         if k < num_stages - 1:
             args += ["--next", f"{host}:{ports[k + 1]}"]
         workers.append(ServiceProcess(f"worker-{k}", pagoda_command(*args), f"{host}:{ports[k]}",
@@ -185,11 +197,11 @@ def start_stack(
             "scheduler", "--model", model_dir, "--host", host, "--port", str(sched_port),
             "--kvcache", f"{host}:{kv_port}", "--stages", ",".join(w.health_address for w in workers),
             "--pipeline-parallel-size", str(num_stages), "--num-kv-blocks", str(num_kv_blocks),
-            "--block-size", str(block_size), *scheduler_args,
+            "--block-size", str(block_size), *scheduler_args, *metrics_flag("scheduler"),
         ),
         f"{host}:{sched_port}", env=env, log_path=log("scheduler"),
     )
-    stack = Stack(kv, workers, scheduler)
+    stack = Stack(kv, workers, scheduler, metrics_urls)
     try:
         for p in [kv, *reversed(workers)]:
             p.start()

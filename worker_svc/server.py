@@ -344,6 +344,22 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             )
             span.end(end_time=work.compute_end_ns)
 
+    def metric_samples(self):
+        """Prometheus samples (services.metrics.Sample) read at scrape time."""
+        uptime = time.time_ns() - self.started_ns
+        return [
+            ("pagoda:stage_busy_seconds", "Seconds this stage spent computing.", "counter", self.busy_ns / 1e9),
+            ("pagoda:stage_idle_seconds", "Seconds this stage was not computing.", "counter",
+             max(0, uptime - self.busy_ns) / 1e9),
+            ("pagoda:stage_micro_batches", "Micro-batches computed.", "counter", self.num_micro_batches),
+            ("pagoda:stage_failed_micro_batches", "Micro-batches failed.", "counter", self.num_failed),
+            ("pagoda:stage_tokens", "Tokens computed.", "counter", self.num_tokens),
+            ("pagoda:stage_micro_batches_in_flight", "Received, not yet done.", "gauge", self.num_in_flight),
+            ("pagoda:stage_block_copies", "KV block copies applied.", "counter", self.num_block_copies),
+            ("pagoda:stage_received_bytes", "Bytes received.", "counter", self.num_received_bytes),
+            ("pagoda:stage_sent_bytes", "Bytes sent downstream.", "counter", self.num_sent_bytes),
+        ]
+
     def _emit(self, event: worker_pb2.StageEvent) -> None:
         for queue in list(self._subscribers):
             try:
@@ -361,7 +377,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def serve(config: WorkerConfig, ready_file: str | None = None) -> None:
+async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_port: int | None = None) -> None:
     """Load the stage, serve until SIGTERM/SIGINT, then stop cleanly."""
     from worker_svc.device import resolve_device
     from worker_svc.loader import load_stage
@@ -385,6 +401,10 @@ async def serve(config: WorkerConfig, ready_file: str | None = None) -> None:
     await server.start()
     await service.start()
     await set_serving(health, SERVICE_NAME, True)
+    if metrics_port is not None:
+        from services.metrics import serve_metrics
+
+        serve_metrics(metrics_port, config.host, service.metric_samples, {"stage": str(config.stage)})
     log.info(
         "stage %d/%d serving layers [%d, %d) on %s:%d, epoch %d, %d threads, %d KV blocks of %d",
         config.stage, config.num_stages, model.start, model.end, config.host, port,

@@ -12,7 +12,7 @@ import torch
 from support.reference import HFReference
 
 from services.grpc_utils import aio_channel
-from services.launcher import free_port, start_stack
+from services.launcher import start_stack
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 NUM_KV_BLOCKS = 96  # of 16 slots: too few for 64 requests at once, so preemption happens
@@ -33,17 +33,15 @@ def reference(model_dir):
 def stack(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("stack-logs")
     trace = logs / "trace.jsonl"
-    metrics_port = free_port()
     s = start_stack(
         model_dir, num_stages=2, num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, log_dir=logs,
-        scheduler_args=("--max-num-batched-tokens", "256", "--max-num-seqs", "32",
-                        "--metrics-port", str(metrics_port)),
+        scheduler_args=("--max-num-batched-tokens", "256", "--max-num-seqs", "32"), metrics=True,
         env={"PAGODA_TRACE_SCHEDULER": "1", "PAGODA_TRACE_FILE": str(trace),
              "PAGODA_SPANS_FILE": str(logs / "spans.jsonl")},
         threads_per_worker=1,
     )
     s.trace_path = trace
-    s.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    s.metrics_url = s.metrics_urls["scheduler"]
     s.spans_path = logs / "spans.jsonl"
     yield s
     s.stop()
@@ -231,6 +229,12 @@ def test_metrics_move_as_requests_flow(stack):
     assert after["pagoda:e2e_request_latency_seconds_count"] >= len(work)
     assert after["pagoda:stage_busy_seconds{stage=1}"] > 0
     assert "pagoda:kv_cache_usage_perc" in after
+    # every service has its own metrics
+    stage = scrape(stack.metrics_urls["worker-1"])
+    assert stage["pagoda:stage_tokens_total{stage=1}"] > 0 and stage["pagoda:stage_busy_seconds_total{stage=1}"] > 0
+    kv = scrape(stack.metrics_urls["kvcache"])
+    assert kv["pagoda:kv_cache_total_blocks{service=kvcache}"] == NUM_KV_BLOCKS
+    assert kv["pagoda:prefix_cache_queries_total{service=kvcache}"] > 0
 
 
 def test_trace_links_caller_scheduler_and_both_stages(stack):
