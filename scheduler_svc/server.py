@@ -265,7 +265,15 @@ async def serve(
 
     telemetry.setup_tracing("scheduler")
     eos = Tokenizer(config.model).eos_token_ids if config.model else ()
-    kv = GrpcKVCacheClient(kv_address)
+    if kv_address == "in-process":  # the embedded KV manager: one process less
+        from kvcache_svc.client import InProcessKVCacheClient
+        from kvcache_svc.core import KVCacheManager
+
+        kv = InProcessKVCacheClient(KVCacheManager(
+            config.num_kv_blocks or 1024, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+        ))
+    else:
+        kv = GrpcKVCacheClient(kv_address)
     transport = GrpcStageTransport(stage_addresses)
     engine = Engine(config, kv, transport, eos_token_ids=tuple(eos))
     service = SchedulerService(engine, kv_address)
@@ -275,7 +283,8 @@ async def serve(
     deadline = time.monotonic() + startup_timeout_s
     while True:
         try:
-            await kv.wait_ready(5.0)
+            if hasattr(kv, "wait_ready"):
+                await kv.wait_ready(5.0)
             kv_stats = await kv.stats()
             if (kv_stats.num_blocks, kv_stats.block_size) != (config.num_kv_blocks or kv_stats.num_blocks, config.block_size):
                 raise ValueError(

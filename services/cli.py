@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=_env("host", "127.0.0.1"))
     p.add_argument("--port", type=int, default=_env("port", 0, int))
     p.add_argument("--kvcache", default=_env("kvcache"), required=_env("kvcache") is None,
-                   help="HOST:PORT of the KV-cache service")
+                   help="HOST:PORT of the KV-cache service, or 'in-process' to embed the KV manager")
     p.add_argument("--stages", default=_env("stages"), required=_env("stages") is None,
                    help="HOST:PORT of every stage worker, in order, comma-separated")
     p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None, int),
