@@ -87,6 +87,7 @@ class GrpcStageTransport:
         self._tasks: list[asyncio.Task] = []
         self._forward = None
         self._timings: dict[int, list[StageTiming]] = {}
+        self._last_done = 0  # results come back in micro-batch order
         self.infos: list[StageInfo] = []
 
     async def connect(self, on_event: Callable[[object], None], timeout_s: float = 30.0) -> list[StageInfo]:
@@ -144,15 +145,20 @@ class GrpcStageTransport:
                     on_event(ErrorEvent(mb_id, index, code, done.error.message))
                     continue
                 t = done.timing
+                if mb_id <= self._last_done:
+                    continue  # an earlier stage's timing that came after the result: too late
                 self._timings.setdefault(mb_id, []).append(
                     StageTiming(index, t.received_ns, t.compute_start_ns, t.compute_end_ns)
                 )
                 if last:
+                    self._last_done = max(self._last_done, mb_id)
                     sampled = [
                         (s.seq_id, s.token_id, s.logprobs if s.HasField("logprobs") else None)
                         for s in done.sampled
                     ]
                     on_event(ResultEvent(mb_id, sampled, tuple(self._timings.pop(mb_id, ()))))
+                    for stale in [k for k in self._timings if k < mb_id]:
+                        del self._timings[stale]
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:

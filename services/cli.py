@@ -224,6 +224,47 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gateway.config import GatewayConfig, load_api_keys
+    from gateway.server import serve
+    from services.logs import configure_logging
+
+    configure_logging("gateway")
+    max_model_len = args.max_model_len
+    if max_model_len is None:
+        try:
+            model_config = json.loads((Path(args.model) / "config.json").read_text())
+            max_model_len = int(model_config.get("max_position_embeddings", 4096))
+        except (OSError, ValueError):
+            max_model_len = 4096
+    try:
+        config = GatewayConfig(
+            model=args.model,
+            scheduler_address=args.scheduler,
+            served_model_name=args.served_model_name or "",
+            host=args.host,
+            port=args.port,
+            grpc_port=args.grpc_port,
+            api_keys=load_api_keys(args.api_keys_file) if args.api_keys_file else {},
+            max_body_bytes=args.max_body_bytes,
+            max_model_len=max_model_len,
+            grace_period_s=args.grace_period,
+        )
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    try:
+        asyncio.run(serve(config))
+    except ValueError as exc:  # the model directory has no usable tokenizer
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagoda", description="Pagoda: an LLM inference server built as gRPC microservices."
@@ -297,6 +338,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", help="write the bound port here once serving")
     add_engine_arguments(p)
     p.set_defaults(func=_cmd_scheduler, parser=p)
+
+    p = sub.add_parser("gateway", help="serve the REST (OpenAI-compatible) and gRPC front door")
+    p.add_argument("--model", default=_env("model"), required=_env("model") is None,
+                   help="checkpoint directory (its tokenizer, chat template and max length)")
+    p.add_argument("--scheduler", default=_env("scheduler"), required=_env("scheduler") is None,
+                   help="HOST:PORT of the scheduler")
+    p.add_argument("--served-model-name", default=_env("served_model_name"),
+                   help="the name clients send as `model` (default: the model directory's name)")
+    p.add_argument("--host", default=_env("host", "127.0.0.1"),
+                   help="address to bind (default loopback; beyond it API keys are required)")
+    p.add_argument("--port", type=int, default=_env("port", 8000, int), help="REST port")
+    p.add_argument("--grpc-port", type=int, default=_env("grpc_port", 50051, int),
+                   help="gRPC port (pagoda.v1.Generation, health, reflection)")
+    p.add_argument("--api-keys-file", default=_env("api_keys_file"),
+                   help='JSON {"<key>": {"tenant": "...", "priority": 0}}; without it, no keys')
+    p.add_argument("--max-model-len", type=int, default=_env("max_model_len", None, int),
+                   help="default: the model's max_position_embeddings")
+    p.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", 4 * 1024 * 1024, int))
+    p.add_argument("--grace-period", type=float, default=_env("grace_period", 30.0, float),
+                   help="seconds in-flight requests get to finish on SIGTERM")
+    p.set_defaults(func=_cmd_gateway, parser=p)
 
     p = sub.add_parser("serve", help="serve a model: the whole stack as local processes")
     from services import serve

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         stack = start_stack(
             model_dir, num_stages=n, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
             log_dir=log_dir, scheduler_args=engine_flags(args), threads_per_worker=threads,
-            worker_args=(["--dtype", args.dtype] if args.dtype else []),
+            worker_args=(["--dtype", args.dtype] if args.dtype else []), metrics=args.metrics,
         )
     except Exception as exc:
         print(f"error: the stack did not start: {exc}", file=sys.stderr)
@@ -88,6 +88,12 @@ def run(args: argparse.Namespace) -> int:
     ]
     if args.served_model_name:
         gateway_args += ["--served-model-name", args.served_model_name]
+    if args.max_model_len:
+        gateway_args += ["--max-model-len", str(args.max_model_len)]
+    if args.max_body_bytes:
+        gateway_args += ["--max-body-bytes", str(args.max_body_bytes)]
+    # the gateway drains within the grace period; it is killed only well after that
+    gateway_args += ["--grace-period", str(args.grace_period)]
     if args.api_keys_file:
         gateway_args += ["--api-keys-file", args.api_keys_file]
     gateway = ServiceProcess("gateway", pagoda_command(*gateway_args), f"127.0.0.1:{grpc_port}",
@@ -100,6 +106,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: the gateway did not start: {exc}", file=sys.stderr)
         stop_all(processes, args.grace_period)
         return 1
+    if args.ready_file:
+        import json
+
+        Path(args.ready_file).write_text(json.dumps({
+            "gateway": {"host": args.host, "port": args.port, "grpc_port": grpc_port},
+            "scheduler": stack.scheduler_address,
+            "kvcache": stack.kvcache.health_address,
+            "workers": [w.health_address for w in stack.workers],
+            "metrics": stack.metrics_urls,
+            "logs": str(log_dir),
+            "model": model_dir,
+        }, indent=2))
     shown_host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
     print(
         "pagoda serve: ready\n"
@@ -131,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
             print("pagoda serve: stopping (in-flight requests get "
                   f"{args.grace_period:.0f}s to finish)", flush=True)
         # the gateway first: it stops taking requests and drains; then the backend
-        gateway.stop(args.grace_period)
-        stop_all(stack.processes, args.grace_period)
+        gateway.stop(args.grace_period + 10)
+        stop_all(stack.processes, 10)
     return 0
 
 
@@ -146,7 +164,11 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--dtype", default=env("dtype"), choices=[None, "auto", "float32", "bfloat16", "float16"])
     p.add_argument("--num-threads", type=int, default=env("num_threads", None, int),
                    help="torch threads per stage (default: cores / stages)")
+    p.add_argument("--max-body-bytes", type=int, default=env("max_body_bytes", None, int))
+    p.add_argument("--metrics", action="store_true", default=env("metrics", False, lambda v: v == "1"),
+                   help="serve Prometheus metrics from the KV service, stages and scheduler too")
     p.add_argument("--log-dir", default=env("log_dir"))
+    p.add_argument("--ready-file", help="write the services' addresses here (JSON) once ready")
     p.add_argument("--grace-period", type=float, default=env("grace_period", 30.0, float))
     p.add_argument("--max-restarts", type=int, default=env("max_restarts", 3, int))
 

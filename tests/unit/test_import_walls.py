@@ -11,7 +11,7 @@ import pytest
 @pytest.mark.parametrize(
     "module",
     ["scheduler_svc.server", "scheduler_svc.transport", "kvcache_svc.server", "services.text",
-     "services.launcher", "services.cli"],
+     "services.launcher", "services.cli", "gateway.app", "gateway.server"],
 )
 def test_does_not_import_torch(module):
     code = f"import sys, {module}; bad = [m for m in ('torch', 'transformers', 'worker_svc') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"

@@ -15,11 +15,11 @@ from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescript
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 
-from services.pb import common_pb2, kvcache_pb2, scheduler_pb2, worker_pb2
+from services.pb import common_pb2, gateway_pb2, kvcache_pb2, scheduler_pb2, worker_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PB_DIR = REPO_ROOT / "services" / "pb"
-MODULES = (common_pb2, kvcache_pb2, scheduler_pb2, worker_pb2)
+MODULES = (common_pb2, gateway_pb2, kvcache_pb2, scheduler_pb2, worker_pb2)
 
 
 def _load_gen_protos() -> ModuleType:
@@ -84,7 +84,7 @@ def test_generation_is_deterministic_and_flat(tmp_path: Path) -> None:
     gen_protos.generate(second)
     assert names == sorted(
         f"{stem}{suffix}"
-        for stem in ("common", "kvcache", "scheduler", "worker")
+        for stem in ("common", "gateway", "kvcache", "scheduler", "worker")
         for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
     )
     for name in names:
@@ -269,6 +269,11 @@ def test_the_six_request_states_and_finish_reasons() -> None:
 
 # method name -> (client streams, server streams)
 EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = {
+    (gateway_pb2, "Generation"): {
+        "Generate": (False, True),
+        "Chat": (False, True),
+        "ListModels": (False, False),
+    },
     (scheduler_pb2, "Scheduler"): {
         "Generate": (False, True),
         "Abort": (False, False),
@@ -303,9 +308,10 @@ def test_services_have_the_methods_the_system_needs(key: tuple[ModuleType, str])
 
 
 def test_services_generate_stubs_and_servicers() -> None:
-    from services.pb import kvcache_pb2_grpc, scheduler_pb2_grpc, worker_pb2_grpc
+    from services.pb import gateway_pb2_grpc, kvcache_pb2_grpc, scheduler_pb2_grpc, worker_pb2_grpc
 
     for grpc_module, name in (
+        (gateway_pb2_grpc, "Generation"),
         (scheduler_pb2_grpc, "Scheduler"),
         (kvcache_pb2_grpc, "KVCache"),
         (worker_pb2_grpc, "StageWorker"),

@@ -1,0 +1,306 @@
+"""The REST API: OpenAI-compatible completions and chat (with SSE streaming), `/generate`,
+health, metrics and the KV memory monitor, as one FastAPI app over a `TextGenerator`.
+
+    POST /v1/completions        prompt(s) -> text; stream: true for server-sent events
+    POST /v1/chat/completions   messages through the model's chat template -> text
+    GET  /v1/models             the served model
+    POST /generate              one prompt -> text, and its timeline as a Chrome trace
+    GET  /health                200 only when the scheduler reports the whole chain serving
+    GET  /metrics               Prometheus (pagoda:*)
+    GET  /debug/memory          the KV service's statistics, through the scheduler
+
+Bad input is refused (400, naming the field) before anything reaches the scheduler. A
+client that goes away mid-request cancels it: the cancellation reaches the scheduler call,
+which aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway import openai_format as fmt
+from gateway import streaming, validation
+from gateway.config import ApiKey, GatewayConfig
+from gateway.core import (
+    ChoiceDelta,
+    GenerationError,
+    GenerationParams,
+    TextGenerator,
+    Usage,
+)
+from gateway.errors import ApiError, error_body, from_validation_errors, status_for
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import GatewayMiddleware
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    GenerateRequest,
+)
+from gateway.timeline import Span, chrome_trace
+
+log = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request; `param` names the field."},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
+    413: {"model": ErrorResponse, "description": "Body over the size limit."},
+    429: {"model": ErrorResponse, "description": "The scheduler's queue is full; retry later."},
+    503: {"model": ErrorResponse, "description": "The backend is down or the server is draining."},
+}
+_STREAMING = {200: {"description": "JSON, or server-sent events with `stream: true`.",
+                    "content": {"application/json": {}, "text/event-stream": {}}}}
+
+
+class Gateway:
+    """What the routes share. `draining` is set on shutdown: new generation requests get 503
+    while those in flight finish."""
+
+    def __init__(self, config: GatewayConfig, generator: TextGenerator) -> None:
+        self.config = config
+        self.generator = generator
+        self.tokenizer = generator.tokenizer
+        self.limits = validation.ModelLimits.load(config, self.tokenizer)
+        self.metrics = GatewayMetrics(config.model_name)
+        self.created = int(time.time())
+        self.draining = False
+
+    def admit(self) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another replica",
+                           code="shutting_down")
+
+    async def generation(self, request_id: str, prompts: Sequence[list[int]],
+                         params: GenerationParams, traceparent: str) -> AsyncIterator[streaming.Item]:
+        """Every prompt's stream merged, with the request's metrics. Closing it (or
+        cancelling its consumer) cancels every scheduler call."""
+        timer = self.metrics.request()
+        in_flight = self.metrics.in_flight.labels(self.config.model_name)
+        in_flight.inc()
+        usage = Usage()
+        try:
+            ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+            streams = [self.generator.generate(p, params, rid, traceparent) for p, rid in zip(prompts, ids, strict=True)]
+            async with contextlib.aclosing(streaming.merged(streams)) as merged:
+                async for i, item in merged:
+                    if isinstance(item, ChoiceDelta):
+                        timer.on_tokens((i, item.index), len(item.token_ids))
+                        if item.finish_reason is not None:
+                            timer.on_choice_finished(item.finish_reason)
+                    else:
+                        streaming.add_usage(usage, item.usage)
+                    yield i, item
+            timer.on_finished(usage.prompt_tokens, usage.completion_tokens)
+        finally:
+            in_flight.dec()
+
+
+def _api_key(request: Request) -> ApiKey | None:
+    return getattr(request.state, "api_key", None)
+
+
+def create_app(config: GatewayConfig, generator: TextGenerator) -> FastAPI:
+    """The REST API over `generator`. The app's `state.gateway` is the shared `Gateway`."""
+    gw = Gateway(config, generator)
+    app = FastAPI(
+        title="Pagoda", version="0.1.0",
+        summary="OpenAI-compatible LLM serving: completions, chat, streaming, health and metrics.",
+    )
+    app.state.gateway = gw
+    app.add_middleware(GatewayMiddleware, api_keys=config.api_keys,
+                       max_body_bytes=config.max_body_bytes, on_refused=gw.metrics.error)
+    _add_error_handlers(app, gw)
+
+    @app.get("/v1/models", tags=["OpenAI"], responses={401: _ERRORS[401]})
+    async def list_models() -> dict[str, Any]:
+        """The served model, as OpenAI lists models."""
+        return {"object": "list", "data": [_model_card(gw)]}
+
+    @app.get("/v1/models/{model}", tags=["OpenAI"],
+             responses={401: _ERRORS[401], 404: {"model": ErrorResponse, "description": "No such model."}})
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        if model != gw.limits.name:
+            raise ApiError(404, f"model: the model {model!r} does not exist", "model", "model_not_found")
+        return _model_card(gw)
+
+    @app.post("/v1/completions", tags=["OpenAI"], responses={**_STREAMING, **_ERRORS})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Text completions of one or more prompts (strings or token ids); `n` choices each."""
+        gw.admit()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request.state.request_id = request_id
+        validation.check_model(body.model, gw.limits)
+        prompts = await asyncio.to_thread(validation.completion_prompts, body, gw.tokenizer, gw.limits, config)
+        params = validation.completion_params(body, prompts, gw.limits, config, _api_key(request))
+        items = gw.generation(request_id, prompts, params, request.headers.get("traceparent", ""))
+        model, created = gw.limits.name, int(time.time())
+        want_logprobs = body.logprobs is not None
+        if body.stream:
+            first = await streaming.first_item(request, items)
+            return streaming.EventStream(streaming.completion_events(
+                request_id, created, model, first, items, body.n, want_logprobs,
+                body.return_token_ids, body.stream_options, sum(map(len, prompts))), items, request_id)
+        choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
+        payload = fmt.completion_response(request_id, created, model, choices, usage, want_logprobs,
+                                          prompts if body.return_token_ids else None)
+        return JSONResponse(payload, headers={"X-Request-Id": request_id})
+
+    @app.post("/v1/chat/completions", tags=["OpenAI"], responses={**_STREAMING, **_ERRORS})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """A conversation's next message, through the model's chat template."""
+        gw.admit()
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request.state.request_id = request_id
+        validation.check_model(body.model, gw.limits)
+        prompt = await asyncio.to_thread(validation.chat_prompt, body, gw.tokenizer, gw.limits)
+        params = validation.chat_params(body, prompt, gw.limits, config, _api_key(request))
+        items = gw.generation(request_id, [prompt], params, request.headers.get("traceparent", ""))
+        model, created = gw.limits.name, int(time.time())
+        if body.stream:
+            first = await streaming.first_item(request, items)
+            return streaming.EventStream(streaming.chat_events(
+                request_id, created, model, first, items, body.n, body.logprobs,
+                body.return_token_ids, body.stream_options, len(prompt)), items, request_id)
+        choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
+        payload = fmt.chat_response(request_id, created, model, choices, usage, body.logprobs,
+                                    prompt if body.return_token_ids else None)
+        return JSONResponse(payload, headers={"X-Request-Id": request_id})
+
+    @app.post("/generate", tags=["Pagoda"], responses=_ERRORS)
+    async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
+        """One prompt, one choice: the text and its token ids, and with `debug_timeline`
+        the request's timeline as Chrome trace-event JSON (open it in Perfetto)."""
+        start_ns = time.time_ns()
+        gw.admit()
+        request_id = f"gen-{uuid.uuid4().hex}"
+        request.state.request_id = request_id
+        prompt = await asyncio.to_thread(validation.generate_prompt, body, gw.tokenizer, gw.limits)
+        params = validation.generate_params(body, prompt, gw.limits, _api_key(request))
+        tokenized_ns = time.time_ns()
+        items = gw.generation(request_id, [prompt], params, request.headers.get("traceparent", ""))
+        choices, usage, finished = await streaming.guarded(request, items, streaming.collect(items, 1))
+        end_ns = time.time_ns()
+        choice = choices[0]
+        payload: dict[str, Any] = {
+            "id": request_id, "model": gw.limits.name, "text": choice.text,
+            "token_ids": choice.token_ids, "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason, "usage": fmt.usage_body(usage),
+        }
+        if body.debug_timeline:
+            spans = [Span("request", start_ns, end_ns, {"prompt_tokens": len(prompt)}),
+                     Span("tokenize", start_ns, tokenized_ns)]
+            timeline = finished[0].timeline if finished else []
+            payload["timeline"] = chrome_trace(request_id, timeline, spans)
+        return JSONResponse(payload, headers={"X-Request-Id": request_id})
+
+    @app.get("/health", tags=["Operations"],
+             responses={503: {"description": "Some part of the chain is not serving."}})
+    async def health() -> JSONResponse:
+        """Ready only when the scheduler reports every stage and the KV service serving."""
+        if gw.draining:
+            return JSONResponse({"status": "draining", "detail": "the server is shutting down"}, 503)
+        serving, detail = await generator.health()
+        if not serving:
+            return JSONResponse({"status": "unavailable", "detail": detail}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", tags=["Operations"], response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    async def metrics() -> Response:
+        """Prometheus text: requests by finish reason, tokens, TTFT, inter-token and
+        end-to-end latency (`pagoda:*`, after vLLM's `vllm:*`)."""
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/memory", tags=["Operations"], responses={401: _ERRORS[401], 503: _ERRORS[503]})
+    async def debug_memory(include_sequences: bool = False) -> dict[str, Any]:
+        """The KV service's statistics as the scheduler last read them: used, free and
+        cached blocks, peak, fragmentation, prefix hits (and per-sequence layouts)."""
+        try:
+            stats = await generator.stats(include_kv_sequences=include_sequences)
+        except grpc.aio.AioRpcError as exc:
+            raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
+        return {"kv_address": stats.kv_address, "kv_health": _enum_name(stats.kv_health),
+                "kv_cache": _plain(stats.kv_cache)}
+
+    return app
+
+
+def _model_card(gw: Gateway) -> dict[str, Any]:
+    return {"id": gw.limits.name, "object": "model", "created": gw.created, "owned_by": "pagoda",
+            "root": gw.config.model, "max_model_len": gw.limits.max_model_len}
+
+
+def _enum_name(value: int) -> str:
+    from services.pb import common_pb2
+
+    return common_pb2.HealthStatus.Name(value)
+
+
+def _plain(message: Any) -> dict[str, Any]:
+    """A protobuf message as JSON-ready values (64-bit integers stay numbers)."""
+    out: dict[str, Any] = {}
+    for fd in message.DESCRIPTOR.fields:
+        value = getattr(message, fd.name)
+        if fd.message_type is not None:
+            out[fd.name] = [_plain(v) for v in value] if fd.is_repeated else _plain(value)
+        elif fd.is_repeated:
+            out[fd.name] = list(value)
+        else:
+            out[fd.name] = value
+    return out
+
+
+def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
+    def respond(request: Request, status: int, body: dict[str, Any]) -> JSONResponse:
+        gw.metrics.error(status)
+        headers = {}
+        request_id = getattr(request.state, "request_id", None)
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = from_validation_errors(exc.errors(), request.headers.get("content-type", ""))
+        return respond(request, err.status, err.body())
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return respond(request, exc.status, exc.body())
+
+    @app.exception_handler(GenerationError)
+    async def on_generation_error(request: Request, exc: GenerationError) -> JSONResponse:
+        status = status_for(exc.code)
+        request_id = getattr(request.state, "request_id", "-")
+        if status >= 500:
+            log.error("request %s: scheduler %s: %s", request_id, exc.code.name, exc.message)
+        message = exc.message if status != 500 else f"internal error (request {request_id})"
+        return respond(request, status, error_body(status, message, None, exc.code.name.lower()))
+
+    @app.exception_handler(streaming.ClientGone)
+    async def on_client_gone(request: Request, exc: streaming.ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return respond(request, exc.status_code, error_body(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+        request_id = getattr(request.state, "request_id", "-")
+        log.exception("request %s: unexpected error", request_id)
+        return respond(request, 500, error_body(500, f"internal error (request {request_id})",
+                                                None, "internal_error"))

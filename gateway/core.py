@@ -1,0 +1,275 @@
+"""The gateway's core: text in, token ids to the scheduler, text deltas back out.
+
+Both front doors — the OpenAI-compatible REST API and the public gRPC `Generation` API —
+go through `TextGenerator`: it tokenizes (or applies the chat template), calls
+`Scheduler.Generate`, detokenizes each choice incrementally (never splitting a multi-byte
+character), finds stop strings across token boundaries and, as soon as one matches, aborts
+that choice downstream. It speaks only the scheduler's protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.grpc_utils import aio_channel
+from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.text import TextOutputProcessor, Tokenizer
+
+log = logging.getLogger(__name__)
+
+_FINISH_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+class GenerationError(Exception):
+    """The scheduler refused or failed a request: carries its gRPC status for the HTTP mapping."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A request's sampling and routing, already validated by the front door."""
+
+    max_tokens: int | None = None  # None: the rest of the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    priority: int = 0
+    tenant: str = ""
+    debug_timeline: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class ChoiceDelta:
+    """New text of one choice; `finish_reason` set on its last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Finished:
+    """The end of a request's stream."""
+
+    usage: Usage
+    timeline: list = field(default_factory=list)
+
+
+class TextGenerator:
+    """The gateway's one client of the scheduler, shared by every request of one event loop
+    (REST and gRPC alike). Its channel opens on first use and closes with `close`."""
+
+    def __init__(self, scheduler_address: str, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self.scheduler_address = scheduler_address
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
+        self._background: set[asyncio.Task] = set()
+
+    def _connect(self) -> scheduler_pb2_grpc.SchedulerStub:
+        if self._stub is None:
+            self._channel = aio_channel(self.scheduler_address)
+            self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel, self._stub = None, None
+
+    async def stats(self, include_kv_sequences: bool = False, timeout_s: float = 2.0):
+        return await self._connect().GetStats(
+            scheduler_pb2.GetStatsRequest(include_kv_sequences=include_kv_sequences), timeout=timeout_s
+        )
+
+    async def health(self, timeout_s: float = 2.0) -> tuple[bool, str]:
+        """(serving, why not): the whole chain as the scheduler reports it. Serving only when
+        the scheduler says SERVING and so does its view of the KV service."""
+        try:
+            stats = await self.stats(timeout_s=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return False, f"scheduler {self.scheduler_address}: {exc.code().name}: {exc.details()}"
+        if stats.health != common_pb2.HEALTH_STATUS_SERVING:
+            return False, stats.health_detail or "the scheduler is not serving"
+        if stats.kv_health != common_pb2.HEALTH_STATUS_SERVING:
+            return False, stats.health_detail or "the KV service is not serving"
+        return True, ""
+
+    async def abort(self, request_id: str, index: int | None = None) -> None:
+        req = scheduler_pb2.AbortRequest(request_id=request_id)
+        if index is not None:
+            req.index = index
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._connect().Abort(req, timeout=2.0)
+
+    def _request(self, request_id: str, prompt_ids: Sequence[int], p: GenerationParams,
+                 traceparent: str = "") -> scheduler_pb2.GenerateRequest:
+        req = scheduler_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=list(prompt_ids), priority=p.priority,
+            tenant=p.tenant, debug_timeline=p.debug_timeline, arrival_time_ns=time.time_ns(),
+        )
+        if traceparent:
+            req.trace_context.traceparent = traceparent
+        sp = req.sampling_params
+        sp.n = p.n
+        sp.temperature = p.temperature
+        sp.top_p = p.top_p
+        sp.top_k = p.top_k
+        sp.min_p = p.min_p
+        if p.seed is not None:
+            sp.seed = p.seed
+        if p.max_tokens is not None:
+            sp.max_tokens = p.max_tokens
+        sp.min_tokens = p.min_tokens
+        sp.stop_token_ids.extend(p.stop_token_ids)
+        sp.ignore_eos = p.ignore_eos
+        if p.logprobs is not None:
+            sp.logprobs = p.logprobs
+        return req
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: GenerationParams,
+        request_id: str | None = None,
+        traceparent: str = "",
+    ) -> AsyncIterator[ChoiceDelta | Finished]:
+        """Stream text deltas per choice, then one `Finished`. Raises GenerationError.
+
+        Closing the iterator early (a client that went away) cancels the scheduler call,
+        which aborts the request downstream and frees its blocks.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        stub = self._connect()
+        call = stub.Generate(self._request(request_id, prompt_ids, params, traceparent))
+        processors: dict[int, TextOutputProcessor] = {}
+        done: set[int] = set()
+        completion_tokens: dict[int, int] = {}
+        try:
+            async for resp in call:
+                index = resp.index
+                if index not in done:
+                    proc = processors.get(index)
+                    if proc is None:
+                        proc = processors[index] = TextOutputProcessor(
+                            self.tokenizer, stop=params.stop,
+                            skip_special_tokens=params.skip_special_tokens,
+                            include_stop_str_in_output=params.include_stop_str_in_output,
+                            prompt_token_ids=list(prompt_ids),
+                        )
+                    delta = self._choice_delta(resp, proc, params)
+                    completion_tokens[index] = completion_tokens.get(index, 0) + len(resp.token_ids)
+                    if delta is not None:
+                        if delta.finish_reason is not None:
+                            done.add(index)
+                            if resp.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED \
+                                    and params.n > 1 and len(done) < params.n:
+                                # a stop string matched: end this choice downstream now
+                                self._in_background(self.abort(request_id, index))
+                        yield delta
+                if resp.HasField("usage"):
+                    yield self._finished(resp)
+                    return
+                if len(done) == params.n:
+                    # every choice ended at the gateway (stop strings): the finally below
+                    # cancels the call, which aborts what is left downstream
+                    yield Finished(Usage(len(prompt_ids), sum(completion_tokens.values())))
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
+        finally:
+            if not call.done():
+                call.cancel()  # the scheduler aborts the request and frees its blocks
+
+    def _choice_delta(self, resp, proc: TextOutputProcessor,
+                      params: GenerationParams) -> ChoiceDelta | None:
+        """The text one response adds to its choice; None when it adds nothing."""
+        token_ids = list(resp.token_ids)
+        logprobs = self._logprobs(resp, token_ids) if params.logprobs is not None else []
+        scheduler_reason = _FINISH_NAMES.get(resp.finish_reason)
+        if scheduler_reason is None:
+            delta = proc.push(token_ids)
+        else:
+            stop_id = resp.stop_token_id if resp.HasField("stop_token_id") else None
+            delta = proc.push(token_ids) if stop_id is None else proc.push(token_ids[:-1])
+            if not delta.finished:
+                tail = proc.finish(token_ids[-1:] if stop_id is not None else (), stop_token_id=stop_id)
+                delta = type(delta)(delta.text + tail.text, True, tail.finish_reason, tail.stop_reason)
+        if delta.finished:
+            reason = scheduler_reason if scheduler_reason in ("abort", "error") else delta.finish_reason
+            return ChoiceDelta(resp.index, delta.text, token_ids, logprobs, reason, delta.stop_reason)
+        if delta.text or token_ids:
+            return ChoiceDelta(resp.index, delta.text, token_ids, logprobs)
+        return None
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # held until done, so it is not collected mid-flight
+        task.add_done_callback(self._background.discard)
+
+    def _finished(self, resp) -> Finished:
+        u = resp.usage
+        return Finished(
+            Usage(u.num_prompt_tokens, u.num_completion_tokens, u.num_cached_tokens, u.num_preemptions),
+            list(resp.timeline),
+        )
+
+    def _logprobs(self, resp, token_ids: list[int]) -> list[TokenLogprob]:
+        out = []
+        for tid, lp in zip(token_ids, resp.logprobs, strict=False):
+            top = [(t.token_id, self.tokenizer.decode([t.token_id], skip_special_tokens=False), t.logprob)
+                   for t in lp.top]
+            out.append(TokenLogprob(tid, self.tokenizer.decode([tid], skip_special_tokens=False),
+                                    lp.sampled.logprob, top))
+        return out

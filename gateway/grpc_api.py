@@ -1,0 +1,332 @@
+"""The public gRPC API, `pagoda.v1.Generation`: text in, streamed text deltas out.
+
+A thin servicer over `TextGenerator`: authenticate -> validate -> convert -> generate ->
+convert. Bad input is refused here with INVALID_ARGUMENT naming the field (`field: reason`)
+and never reaches the scheduler; the scheduler's own refusals (`GenerationError`) pass
+through with their status code. A client that cancels its stream closes the generate
+iterator, which cancels the scheduler call and so aborts the request downstream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from gateway.config import ApiKey, GatewayConfig
+from gateway.core import ChoiceDelta, Finished, GenerationError, GenerationParams, TextGenerator
+from services.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+_FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+_NO_KEY = ApiKey()
+
+
+def add_generation_service(
+    server: grpc.aio.Server, generator: TextGenerator, config: GatewayConfig
+) -> list[str]:
+    """Registers the Generation servicer on `server`; returns the full names of the services
+    added, for the caller's reflection and health registration."""
+    gateway_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(generator, config), server)
+    return [SERVICE_NAME]
+
+
+class RequestError(Exception):
+    """A request refused at the gateway: the status code and the field it concerns."""
+
+    def __init__(self, code: grpc.StatusCode, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.code = code
+        self.field = field
+        self.message = f"{field}: {reason}"
+
+
+def _invalid(field: str, reason: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, field, reason)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask for: the model's and the gateway's bounds."""
+
+    vocab_size: int
+    max_model_len: int
+    max_n: int
+    max_logprobs: int
+
+
+def params_from_pb(
+    options: gateway_pb2.TextGenerationOptions, limits: Limits, key: ApiKey = _NO_KEY
+) -> GenerationParams:
+    """Validated generation parameters; RequestError naming the first bad field."""
+    sp = options.sampling_params
+    where = "options.sampling_params"
+    n = sp.n or 1
+    if n > limits.max_n:
+        raise _invalid(f"{where}.n", f"at most {limits.max_n}, got {n}")
+    temperature = sp.temperature if sp.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise _invalid(f"{where}.temperature", f"must be >= 0, got {temperature}")
+    top_p = sp.top_p if sp.HasField("top_p") else 1.0
+    if not 0 < top_p <= 1:  # NaN fails too
+        raise _invalid(f"{where}.top_p", f"must be in (0, 1], got {top_p}")
+    if not 0 <= sp.min_p <= 1:
+        raise _invalid(f"{where}.min_p", f"must be in [0, 1], got {sp.min_p}")
+    max_tokens = sp.max_tokens if sp.HasField("max_tokens") else None
+    if max_tokens is not None and max_tokens < 1:
+        raise _invalid(f"{where}.max_tokens", f"must be at least 1, got {max_tokens}")
+    if max_tokens is not None and sp.min_tokens > max_tokens:
+        raise _invalid(f"{where}.min_tokens",
+                       f"must not exceed max_tokens ({max_tokens}), got {sp.min_tokens}")
+    for i, token_id in enumerate(sp.stop_token_ids):
+        if token_id >= limits.vocab_size:
+            raise _invalid(f"{where}.stop_token_ids[{i}]",
+                           f"token id {token_id} is outside the vocabulary of {limits.vocab_size}")
+    logprobs = sp.logprobs if sp.HasField("logprobs") else None
+    if logprobs is not None and logprobs > limits.max_logprobs:
+        raise _invalid(f"{where}.logprobs", f"at most {limits.max_logprobs}, got {logprobs}")
+    if sp.presence_penalty != 0:
+        raise _invalid(f"{where}.presence_penalty", "penalties are not supported")
+    if sp.frequency_penalty != 0:
+        raise _invalid(f"{where}.frequency_penalty", "penalties are not supported")
+    if sp.HasField("repetition_penalty") and sp.repetition_penalty != 1:
+        raise _invalid(f"{where}.repetition_penalty", "penalties are not supported")
+    if sp.HasField("prompt_logprobs"):
+        raise _invalid(f"{where}.prompt_logprobs", "prompt log-probabilities are not supported")
+    for i, stop in enumerate(options.stop):
+        if not stop:
+            raise _invalid(f"options.stop[{i}]", "must not be empty")
+    return GenerationParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        seed=sp.seed if sp.HasField("seed") else None,
+        n=n,
+        stop=tuple(options.stop),
+        stop_token_ids=tuple(sp.stop_token_ids),
+        min_tokens=sp.min_tokens,
+        ignore_eos=sp.ignore_eos,
+        logprobs=logprobs,
+        # the key's class is a floor: a client cannot jump ahead of what its key allows
+        priority=max(options.priority, key.priority),
+        tenant=key.tenant,
+        debug_timeline=options.debug_timeline,
+        skip_special_tokens=(options.skip_special_tokens
+                             if options.HasField("skip_special_tokens") else True),
+        include_stop_str_in_output=options.include_stop_str_in_output,
+    )
+
+
+def check_length(field: str, num_prompt_tokens: int, params: GenerationParams,
+                 limits: Limits) -> None:
+    """The prompt, plus max_tokens when given, must fit in the model's context."""
+    if num_prompt_tokens >= limits.max_model_len:
+        raise _invalid(field, f"{num_prompt_tokens} tokens leave no room to generate within "
+                              f"max_model_len {limits.max_model_len}")
+    if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limits.max_model_len:
+        raise _invalid("options.sampling_params.max_tokens",
+                       f"{params.max_tokens} plus the prompt's {num_prompt_tokens} tokens exceed "
+                       f"max_model_len {limits.max_model_len}")
+
+
+def response_from_delta(request_id: str, delta: ChoiceDelta) -> gateway_pb2.TextGenerateResponse:
+    msg = gateway_pb2.TextGenerateResponse(request_id=request_id)
+    choice = msg.choices.add(index=delta.index, text=delta.text, token_ids=delta.token_ids)
+    for lp in delta.logprobs:
+        entry = choice.logprobs.add(token_id=lp.token_id, token=lp.token, logprob=lp.logprob)
+        for token_id, token, logprob in lp.top:
+            entry.top.add(token_id=token_id, token=token, logprob=logprob)
+    if delta.finish_reason is not None:
+        choice.finish_reason = _FINISH_REASONS.get(delta.finish_reason,
+                                                   common_pb2.FINISH_REASON_ERROR)
+    if isinstance(delta.stop_reason, str):
+        choice.stop_string = delta.stop_reason
+    elif isinstance(delta.stop_reason, int):
+        choice.stop_token_id = delta.stop_reason
+    return msg
+
+
+def _model_vocab_size(model_dir: Path, tokenizer_vocab_size: int) -> int:
+    """Token ids a prompt may hold: the model's embedding rows, which can exceed the
+    tokenizer's vocabulary (padded embeddings)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        return max(int(config.get("vocab_size") or 0), tokenizer_vocab_size)
+    except (OSError, ValueError, TypeError):
+        return tokenizer_vocab_size
+
+
+class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
+    """`pagoda.v1.Generation` on one `TextGenerator`. Holds no per-request state: each call
+    owns its generate iterator and closes it however the call ends."""
+
+    def __init__(self, generator: TextGenerator, config: GatewayConfig) -> None:
+        self.generator = generator
+        self.config = config
+        tokenizer = generator.tokenizer
+        self.model_name = config.model_name
+        self.limits = Limits(
+            vocab_size=_model_vocab_size(tokenizer.model_dir, tokenizer.vocab_size),
+            max_model_len=config.max_model_len,
+            max_n=config.max_n,
+            max_logprobs=config.max_logprobs,
+        )
+
+    # --- RPCs ------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: gateway_pb2.TextGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.TextGenerateResponse]:
+        try:
+            key = self._authenticate(context)
+            self._check_model(request.model)
+            params = params_from_pb(request.options, self.limits, key)
+            field, prompt_ids = self._prompt_ids(request)
+            check_length(field, len(prompt_ids), params, self.limits)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        async for msg in self._stream(prompt_ids, params, context):
+            yield msg
+
+    async def Chat(
+        self, request: gateway_pb2.ChatRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.TextGenerateResponse]:
+        try:
+            key = self._authenticate(context)
+            self._check_model(request.model)
+            params = params_from_pb(request.options, self.limits, key)
+            prompt_ids = self._chat_prompt_ids(request.messages)
+            check_length("messages", len(prompt_ids), params, self.limits)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        async for msg in self._stream(prompt_ids, params, context):
+            yield msg
+
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ListModelsResponse:
+        try:
+            self._authenticate(context)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelCard(
+            id=self.model_name, owned_by="pagoda", max_model_len=self.limits.max_model_len)])
+
+    # --- steps -----------------------------------------------------------------------------
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> ApiKey:
+        if not self.config.api_keys:
+            return _NO_KEY
+        metadata = dict(context.invocation_metadata() or ())
+        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization",
+                               "missing API key; send `authorization: Bearer <key>` metadata")
+        token = token.strip()
+        found = None
+        for candidate, grant in self.config.api_keys.items():  # constant time per key
+            if hmac.compare_digest(candidate.encode(), token.encode()):
+                found = grant
+        if found is None:
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization", "invalid API key")
+        return found
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, "model",
+                               f"{model!r} is not served here; this gateway serves "
+                               f"{self.model_name!r}")
+
+    def _prompt_ids(self, request: gateway_pb2.TextGenerateRequest) -> tuple[str, list[int]]:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            if not request.text:
+                raise _invalid("text", "must not be empty")
+            return "text", self.generator.tokenizer.encode(request.text)
+        if which == "token_ids":
+            ids = list(request.token_ids.ids)
+            if not ids:
+                raise _invalid("token_ids.ids", "must not be empty")
+            for i, token_id in enumerate(ids):
+                if token_id >= self.limits.vocab_size:
+                    raise _invalid(f"token_ids.ids[{i}]", f"token id {token_id} is outside the "
+                                                          f"vocabulary of {self.limits.vocab_size}")
+            return "token_ids.ids", ids
+        raise _invalid("prompt", "set one of text or token_ids")
+
+    def _chat_prompt_ids(self, messages: Sequence[gateway_pb2.ChatMessage]) -> list[int]:
+        if not messages:
+            raise _invalid("messages", "must not be empty")
+        conversation = []
+        for i, m in enumerate(messages):
+            if not m.role:
+                raise _invalid(f"messages[{i}].role", "must not be empty")
+            message = {"role": m.role, "content": m.content}
+            if m.name:
+                message["name"] = m.name
+            conversation.append(message)
+        try:
+            return self.generator.tokenizer.encode_chat(conversation)
+        except ValueError as exc:  # no template, or the template refused the conversation
+            raise _invalid("messages", str(exc)) from exc
+
+    async def _stream(
+        self, prompt_ids: list[int], params: GenerationParams, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.TextGenerateResponse]:
+        request_id = f"grpc-{uuid.uuid4().hex}"
+        metadata = dict(context.invocation_metadata() or ())
+        await context.send_initial_metadata((("x-request-id", request_id),))
+        events = self.generator.generate(prompt_ids, params, request_id,
+                                         str(metadata.get("traceparent", "")))
+        # A choice's last delta waits for the next event, so that when it is the request's
+        # last the usage rides on the same message.
+        held: gateway_pb2.TextGenerateResponse | None = None
+        try:
+            async with contextlib.aclosing(events):  # a cancelled call aborts downstream
+                async for event in events:
+                    if isinstance(event, Finished):
+                        msg = held or gateway_pb2.TextGenerateResponse(request_id=request_id)
+                        held = None
+                        u = event.usage
+                        msg.usage.CopyFrom(common_pb2.Usage(
+                            num_prompt_tokens=u.prompt_tokens,
+                            num_completion_tokens=u.completion_tokens,
+                            num_cached_tokens=u.cached_tokens,
+                            num_preemptions=u.preemptions,
+                        ))
+                        msg.timeline.extend(event.timeline)
+                        yield msg
+                        continue
+                    if held is not None:
+                        yield held
+                        held = None
+                    msg = response_from_delta(request_id, event)
+                    if event.finish_reason is None:
+                        yield msg
+                    else:
+                        held = msg
+            if held is not None:
+                yield held
+        except GenerationError as exc:
+            await context.abort(exc.code, exc.message)
+        except Exception:  # a bug: log it with the request id; the caller sees INTERNAL
+            log.exception("request %s failed", request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request {request_id})")

@@ -1,0 +1,122 @@
+"""What every HTTP request passes before the app sees it: the API key, then the body's size.
+
+A pure ASGI middleware, so that both checks happen before anything parses the body: a
+request without a valid key gets 401 and reaches nothing downstream; a body over the limit
+gets 413, whether its Content-Length says so or its bytes do (chunked uploads, or a header
+that lies). The app then receives the whole body in one message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gateway.config import ApiKey
+from gateway.errors import error_body
+
+# Readable without a key: probes, scrapers and the API's own description.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs",
+                        "/docs/oauth2-redirect", "/redoc"})
+
+Scope = dict[str, Any]
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class GatewayMiddleware:
+    """Authenticates (when keys are configured) and bounds the body.
+
+    The request's key grant, when there is one, is left in `request.state.api_key`.
+    """
+
+    def __init__(self, app: Any, api_keys: Mapping[str, ApiKey], max_body_bytes: int,
+                 on_refused: Callable[[int], None] | None = None) -> None:
+        self.app = app
+        # looked up by digest, so that no comparison of the secret itself leaks its length
+        # or prefix through timing
+        self._keys = {_digest(key): grant for key, grant in api_keys.items()}
+        self.max_body_bytes = max_body_bytes
+        self._on_refused = on_refused
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self._keys and scope["path"] not in OPEN_PATHS:
+            grant = self._authenticate(headers.get("authorization", ""))
+            if grant is None:
+                missing = not headers.get("authorization")
+                await self._refuse(send, 401, "no API key: send the header 'Authorization: Bearer "
+                                              "<key>'" if missing else "the API key is not valid",
+                                   "invalid_api_key", {"www-authenticate": "Bearer"})
+                return
+            scope.setdefault("state", {})["api_key"] = grant
+        declared = headers.get("content-length")
+        if declared is not None and not declared.isdigit():
+            await self._refuse(send, 400, "the Content-Length header is not a number",
+                               "invalid_content_length")
+            return
+        too_large = declared is not None and int(declared) > self.max_body_bytes
+        if too_large and (int(declared) > 2 * self.max_body_bytes
+                          or "100-continue" in headers.get("expect", "").lower()):
+            await self._refuse_size(send)  # before the client sends it (or most of it)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body: no one to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            too_large = too_large or size > self.max_body_bytes
+            if too_large:
+                # Nothing of it is kept. Up to another limit's worth is read and dropped
+                # before answering, so that a client still sending gets to read the 413
+                # instead of a connection reset; beyond that the connection is just closed.
+                chunks.clear()
+                if size > 2 * self.max_body_bytes:
+                    break
+            else:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        if too_large:
+            await self._refuse_size(send)
+            return
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # the body is done: what follows is the disconnect
+
+        await self.app(scope, replay, send)
+
+    def _authenticate(self, authorization: str) -> ApiKey | None:
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        return self._keys.get(_digest(token.strip()))
+
+    async def _refuse_size(self, send: Any) -> None:
+        await self._refuse(send, 413, f"the request body is larger than the limit of "
+                                      f"{self.max_body_bytes} bytes", "request_too_large")
+
+    async def _refuse(self, send: Any, status: int, message: str, code: str,
+                      extra_headers: Mapping[str, str] | None = None) -> None:
+        if self._on_refused is not None:
+            self._on_refused(status)
+        payload = json.dumps(error_body(status, message, None, code)).encode()
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(payload)).encode()),
+                   (b"connection", b"close")]
+        headers += [(k.encode(), v.encode()) for k, v in (extra_headers or {}).items()]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,164 @@
+"""Response bodies in OpenAI's shapes: completions, chat, their stream chunks, log-probabilities.
+
+Plain functions from the gateway's results (`ChoiceDelta`s accumulated into `ChoiceResult`s,
+`Usage`) to JSON-ready dicts. Choice indices are global: prompt `p` of a request with `n`
+choices per prompt owns indices `p*n ... p*n+n-1`, as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.core import ChoiceDelta, TokenLogprob, Usage
+
+# JSON has no infinities: a token of probability 0 gets this instead of -inf (as vLLM).
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class ChoiceResult:
+    """One choice accumulated from its deltas."""
+
+    index: int
+    prompt_index: int
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.texts.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def _lp(value: float) -> float:
+    return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else float(value)
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists, top alternatives as {token: logprob}
+    (the sampled token among them, as vLLM returns it)."""
+    offsets, tops = [], []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(lp.token)
+        top: dict[str, float] = {}
+        for _, token, value in lp.top:  # most likely first: where two tokens print the same
+            top.setdefault(token, _lp(value))  # (partial UTF-8 bytes), the likelier one stays
+        top.setdefault(lp.token, _lp(lp.logprob))
+        tops.append(top)
+    return {"tokens": [lp.token for lp in logprobs],
+            "token_logprobs": [_lp(lp.logprob) for lp in logprobs],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def _token_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    return {"content": [{**_token_entry(lp.token, lp.logprob),
+                         "top_logprobs": [_token_entry(t, v) for _, t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+def _extras(choice: dict[str, Any], stop_reason: str | int | None, token_ids: list[int] | None,
+            prompt_token_ids: list[int] | None) -> dict[str, Any]:
+    choice["stop_reason"] = stop_reason  # vLLM: the stop string or token id that matched
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = prompt_token_ids
+    return choice
+
+
+def completion_response(request_id: str, created: int, model: str, choices: list[ChoiceResult],
+                        usage: Usage, want_logprobs: bool,
+                        prompts: list[list[int]] | None) -> dict[str, Any]:
+    """`prompts` given: return_token_ids was asked."""
+    return {
+        "id": request_id, "object": "text_completion", "created": created, "model": model,
+        "choices": [_extras({"index": c.index, "text": c.text,
+                             "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
+                             "finish_reason": c.finish_reason},
+                            c.stop_reason, c.token_ids if prompts else None,
+                            prompts[c.prompt_index] if prompts else None)
+                    for c in choices],
+        "usage": usage_body(usage),
+    }
+
+
+def chat_response(request_id: str, created: int, model: str, choices: list[ChoiceResult],
+                  usage: Usage, want_logprobs: bool,
+                  prompt: list[int] | None) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [_extras({"index": c.index,
+                             "message": {"role": "assistant", "content": c.text},
+                             "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
+                             "finish_reason": c.finish_reason},
+                            c.stop_reason, c.token_ids if prompt is not None else None, None)
+                    for c in choices],
+        "usage": usage_body(usage),
+        **({"prompt_token_ids": prompt} if prompt is not None else {}),
+    }
+
+
+def completion_chunk(request_id: str, created: int, model: str, index: int, delta: ChoiceDelta,
+                     want_logprobs: bool, want_token_ids: bool, text_offset: int) -> dict[str, Any]:
+    choice = {"index": index, "text": delta.text,
+              "logprobs": completion_logprobs(delta.logprobs, text_offset) if want_logprobs else None,
+              "finish_reason": delta.finish_reason}
+    if delta.finish_reason is not None:
+        choice["stop_reason"] = delta.stop_reason
+    if want_token_ids:
+        choice["token_ids"] = delta.token_ids
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice]}
+
+
+def chat_chunk(request_id: str, created: int, model: str, index: int, delta: ChoiceDelta | None,
+               want_logprobs: bool, want_token_ids: bool) -> dict[str, Any]:
+    """`delta` None: the opening chunk of a choice, which carries the role."""
+    if delta is None:
+        choice: dict[str, Any] = {"index": index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}
+    else:
+        choice = {"index": index, "delta": {"content": delta.text} if delta.text else {},
+                  "logprobs": chat_logprobs(delta.logprobs) if want_logprobs else None,
+                  "finish_reason": delta.finish_reason}
+        if delta.finish_reason is not None:
+            choice["stop_reason"] = delta.stop_reason
+        if want_token_ids:
+            choice["token_ids"] = delta.token_ids
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [choice]}
+
+
+def usage_chunk(request_id: str, created: int, model: str, obj: str, usage: Usage) -> dict[str, Any]:
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage_body(usage)}
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
+                                                               allow_nan=False)
+    return f"data: {data}\n\n".encode()

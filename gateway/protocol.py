@@ -1,0 +1,186 @@
+"""The REST API's request bodies: OpenAI's completions and chat, plus vLLM's extra fields.
+
+Pydantic checks types and the bounds that need no context (strictly: `"16"` is not a
+number and `true` not an integer, as OpenAI's API has it); `gateway.validation` checks what
+depends on the model and the configuration. Fields the gateway cannot honour are declared
+anyway, so that a request that sets them is refused by name instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+MAX_STOP_STRINGS = 16
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+Prompt = str | list[str] | TokenIds | list[TokenIds]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_prompt(value: Any) -> Any:
+    """One clear error for a malformed prompt instead of one per member of the union."""
+    shape = ("must be a string, a list of strings, a list of token ids (non-negative integers) "
+             "or a list of such lists")
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"{shape}, got {type(value).__name__}")
+    if not value:
+        raise ValueError("must not be empty")
+    if all(isinstance(x, str) for x in value) or all(_is_token_id(x) for x in value):
+        return value
+    if all(isinstance(x, list) for x in value):
+        for i, ids in enumerate(value):
+            if not ids:
+                raise ValueError(f"[{i}]: must not be empty")
+            if not all(_is_token_id(t) for t in ids):
+                raise ValueError(f"[{i}]: token ids must be non-negative integers")
+        return value
+    raise ValueError(shape)
+
+
+def check_stop(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise ValueError("must be a string or a list of strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+    return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = Field(False, description="Send a last chunk with the usage (choices empty).")
+    continuous_usage_stats: bool = Field(False, description="vLLM: usage on every chunk.")
+
+
+class _SamplingFields(BaseModel):
+    """What completions, chat and /generate share."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    temperature: float | None = Field(1.0, ge=0.0, description="0 is greedy.")
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = Field(None, description="Stop strings, cut from the text.")
+    # vLLM's extras
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: TokenIds | None = None
+    priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX, description="Lower runs sooner.")
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # refused unless left at their defaults (penalties are not implemented)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        return check_stop(value)
+
+
+class _OpenAIFields(_SamplingFields):
+    model: str | None = Field(None, description="The served model's name; default: it.")
+    n: int = Field(1, ge=1, description="Choices per prompt.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    return_token_ids: bool = Field(False, description="vLLM: the prompt's and each choice's token ids.")
+    prompt_logprobs: int | None = Field(None, description="Refused: not supported.")
+
+
+class CompletionRequest(_OpenAIFields):
+    """`POST /v1/completions`."""
+
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1, description="null: the rest of the context.")
+    logprobs: int | None = Field(None, ge=0, description="Alternatives per token.")
+    echo: bool = Field(False, description="Refused: not supported.")
+    best_of: int | None = Field(None, ge=1, description="Only None or n.")
+    suffix: str | None = Field(None, description="Refused: not supported.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        return check_prompt(value)
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # templates may read more keys
+
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+class ChatCompletionRequest(_OpenAIFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated name of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[dict[str, Any]] | None = Field(None, description="Refused: no tool calling yet.")
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = Field(False, description="Refused: not supported.")
+
+
+class GenerateRequest(_SamplingFields):
+    """`POST /generate`: one prompt, one choice, the text back (and the timeline if asked)."""
+
+    prompt: str | TokenIds
+    max_tokens: int | None = Field(16, ge=1, description="null: the rest of the context.")
+    debug_timeline: bool = Field(False, description="Return the request's Chrome trace.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str) or (isinstance(value, list) and all(_is_token_id(x) for x in value)):
+            if not value:
+                raise ValueError("must not be empty")
+            return value
+        raise ValueError("must be a string or a list of token ids (non-negative integers)")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, "
+                                  "rate_limit_error or server_error")
+    param: str | None = Field(None, description="The request field the error is about.")
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every refusal and failure, as OpenAI shapes it."""
+
+    error: ErrorDetail

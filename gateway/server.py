@@ -1,0 +1,121 @@
+"""The gateway process: REST (uvicorn) and the public gRPC API in one asyncio loop.
+
+    REST   config.host:config.port        the FastAPI app of gateway.app
+    gRPC   config.host:config.grpc_port   pagoda.v1.Generation, grpc.health.v1, reflection
+
+The gRPC health status follows the chain's: SERVING only while the scheduler reports every
+stage and the KV service serving (what `GET /health` says), so a launcher's health probe
+waits for the whole stack. On SIGTERM or SIGINT the gateway stops taking requests (health
+NOT_SERVING, new requests 503, listeners closed), lets in-flight ones finish within the
+grace period, then cancels what is left (which aborts it downstream) and exits. A second
+signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator, Sequence
+
+import uvicorn
+from grpc_health.v1 import health
+from grpc_reflection.v1alpha import reflection
+
+from gateway.app import Gateway, create_app
+from gateway.config import GatewayConfig
+from gateway.core import TextGenerator
+from gateway.grpc_api import add_generation_service
+from services.grpc_utils import create_aio_server, set_serving
+from services.text import Tokenizer
+
+log = logging.getLogger(__name__)
+HEALTH_PERIOD_S = 1.0
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: `serve` owns SIGTERM and SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _track_health(generator: TextGenerator, servicer: health.aio.HealthServicer,
+                        names: Sequence[str], gateway: Gateway) -> None:
+    serving: bool | None = None
+    while True:
+        ok, detail = await generator.health()
+        ok = ok and not gateway.draining
+        if ok != serving:
+            serving = ok
+            for name in names:
+                await set_serving(servicer, name, ok)
+            if ok:
+                log.info("the chain is serving")
+            else:
+                log.warning("not serving: %s", detail or "draining")
+        await asyncio.sleep(HEALTH_PERIOD_S)
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Runs until SIGTERM or SIGINT, then drains. Raises ValueError when the model directory
+    holds no usable tokenizer, OSError when a port cannot be bound."""
+    tokenizer = Tokenizer(config.model)
+    generator = TextGenerator(config.scheduler_address, tokenizer, config.max_model_len)
+    app = create_app(config, generator)
+    gateway: Gateway = app.state.gateway
+
+    grpc_server, grpc_port, health_servicer = create_aio_server(f"{config.host}:{config.grpc_port}")
+    names = add_generation_service(grpc_server, generator, config)
+    reflection.enable_server_reflection(
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server)
+    await grpc_server.start()
+
+    rest = _Uvicorn(uvicorn.Config(
+        app, host=config.host, port=config.port, lifespan="off", log_config=None,
+        timeout_graceful_shutdown=max(1, round(config.grace_period_s)),
+        timeout_keep_alive=5,
+    ))
+    rest_task = asyncio.create_task(rest.serve(), name="uvicorn")
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second Ctrl-C: stop waiting for in-flight requests
+            log.warning("second signal: stopping now")
+            rest.force_exit = True
+            asyncio.ensure_future(grpc_server.stop(0))
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    health_task = asyncio.create_task(_track_health(generator, health_servicer, ["", *names], gateway))
+    stop_task = asyncio.create_task(stop.wait())
+    try:
+        while not rest.started and not rest_task.done():
+            await asyncio.sleep(0.05)
+        if rest.started:
+            log.info("gateway serving: REST http://%s:%d (model %r), gRPC %s:%d (%s), scheduler %s",
+                     config.host, config.port, config.model_name, config.host, grpc_port,
+                     ", ".join(names), config.scheduler_address)
+        await asyncio.wait({rest_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if rest_task.done() and not stop.is_set():
+            exc = rest_task.exception()
+            raise OSError(f"the REST server stopped: {exc!r}") if exc else OSError(
+                f"the REST server could not start on {config.host}:{config.port}")
+        log.info("draining: in-flight requests get %.0fs to finish", config.grace_period_s)
+        gateway.draining = True
+        for name in ["", *names]:
+            await set_serving(health_servicer, name, False)
+        rest.should_exit = True  # uvicorn closes its listeners and waits for its requests
+        await asyncio.gather(rest_task, grpc_server.stop(config.grace_period_s),
+                             return_exceptions=True)
+    finally:
+        for task in (health_task, stop_task, rest_task):
+            task.cancel()
+        await asyncio.gather(health_task, stop_task, rest_task, return_exceptions=True)
+        await grpc_server.stop(0)
+        await generator.close()
+        log.info("gateway stopped")

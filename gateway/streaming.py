@@ -1,0 +1,222 @@
+"""How results flow back to an HTTP client: every prompt's stream merged, collected into a
+whole response or sent as server-sent events, and cancelled when the client goes away.
+
+Cancellation is the invariant here: however a response ends — finished, failed, or the
+client gone before or during it — the iterators behind it are closed, which cancels their
+scheduler calls, which abort the requests and free their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from gateway import openai_format as fmt
+from gateway.core import ChoiceDelta, Finished, GenerationError, Usage
+from gateway.errors import error_body, status_for
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Item = tuple[int, ChoiceDelta | Finished]  # (prompt index, what its stream produced)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response: nobody is left to answer."""
+
+
+def add_usage(total: Usage, more: Usage) -> None:
+    total.prompt_tokens += more.prompt_tokens
+    total.completion_tokens += more.completion_tokens
+    total.cached_tokens += more.cached_tokens
+    total.preemptions += more.preemptions
+
+
+async def merged(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Items of several streams as they come, tagged with the stream's index. The first
+    error ends it; ending it (or cancelling its consumer) closes every stream."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    await queue.put((i, item))
+            await queue.put((i, end))
+        except Exception as exc:  # handed to the consumer, which raises it
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """`awaitable`'s result, or ClientGone (and `awaitable` cancelled) if the client leaves
+    first."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        raise ClientGone()
+    finally:
+        for task in (work, watch):
+            task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generators are closed however the response ends (even
+    before its body started), so that a client gone mid-stream cancels the generation
+    behind it at once."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], items: AsyncIterator[Item], request_id: str) -> None:
+        super().__init__(events, headers={"X-Request-Id": request_id, "Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no"})
+        self._closing = (events, items)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._closing:
+                await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def guarded(request: Request, items: AsyncIterator[Item], awaitable: Awaitable[T]) -> T:
+    """`awaitable` (which consumes `items`) unless the client leaves first; on any way out
+    but a result, `items` is closed, which cancels its scheduler calls."""
+    try:
+        return await unless_disconnected(request, awaitable)
+    except BaseException:
+        await items.aclose()  # type: ignore[attr-defined]
+        raise
+
+
+async def first_item(request: Request, items: AsyncIterator[Item]) -> Item:
+    """The first item, before the response starts, so that the scheduler's refusal becomes
+    the HTTP status."""
+    return await guarded(request, items, items.__anext__())
+
+
+def stream_error(request_id: str, exc: Exception) -> bytes:
+    if isinstance(exc, GenerationError):
+        status = status_for(exc.code)
+        body = error_body(status, exc.message, None, exc.code.name.lower())
+    else:
+        log.exception("request %s failed mid-stream", request_id)
+        body = error_body(500, f"internal error (request {request_id})", None, "internal_error")
+    return fmt.sse(body)
+
+
+async def collect(items: AsyncIterator[Item], n: int
+                   ) -> tuple[list[fmt.ChoiceResult], Usage, list[Finished]]:
+    """A whole request's choices (in index order), its usage and its `Finished` items."""
+    choices: dict[int, fmt.ChoiceResult] = {}
+    usage, finished = Usage(), []
+    async with contextlib.aclosing(items):
+        async for prompt_index, item in items:
+            if isinstance(item, ChoiceDelta):
+                index = prompt_index * n + item.index
+                choices.setdefault(index, fmt.ChoiceResult(index, prompt_index)).add(item)
+            else:
+                add_usage(usage, item.usage)
+                finished.append(item)
+    return [choices[i] for i in sorted(choices)], usage, finished
+
+
+async def _events(request_id: str, first: Item, items: AsyncIterator[Item], include_usage: bool,
+                  continuous_usage: bool, num_prompt_tokens: int, opening: list[dict[str, Any]],
+                  chunk: Callable[[int, ChoiceDelta], dict[str, Any] | None],
+                  final_usage: Callable[[Usage], dict[str, Any]]) -> AsyncIterator[bytes]:
+    """The SSE body shared by completions and chat: chunks as `chunk` makes them, then the
+    usage chunk if asked, then `[DONE]`. An error mid-stream is sent as an error event."""
+    usage, generated = Usage(), 0
+    try:
+        for payload in opening:
+            yield fmt.sse(payload)
+        item: Item | None = first
+        while item is not None:
+            prompt_index, x = item
+            if isinstance(x, ChoiceDelta):
+                generated += len(x.token_ids)
+                payload = chunk(prompt_index, x)
+                if payload is not None:
+                    if continuous_usage:
+                        payload["usage"] = fmt.usage_body(Usage(num_prompt_tokens, generated))
+                    yield fmt.sse(payload)
+            else:
+                add_usage(usage, x.usage)
+            item = await anext(items, None)
+        if include_usage:
+            yield fmt.sse(final_usage(usage))
+    except Exception as exc:  # the response has started: the error goes in the stream
+        yield stream_error(request_id, exc)
+    finally:
+        await items.aclose()  # type: ignore[attr-defined]
+    yield fmt.sse("[DONE]")
+
+
+def completion_events(request_id: str, created: int, model: str, first: Item,
+                       items: AsyncIterator[Item], n: int, want_logprobs: bool, want_token_ids: bool,
+                       options: Any, num_prompt_tokens: int) -> AsyncIterator[bytes]:
+    offsets: dict[int, int] = {}
+
+    def chunk(prompt_index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if not delta.text and delta.finish_reason is None and not (want_logprobs or want_token_ids):
+            return None  # text held back (a partial character or a possible stop string)
+        index = prompt_index * n + delta.index
+        payload = fmt.completion_chunk(request_id, created, model, index, delta, want_logprobs,
+                                       want_token_ids, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + len(delta.text)
+        return payload
+
+    return _events(request_id, first, items, bool(options and options.include_usage),
+                   bool(options and options.include_usage and options.continuous_usage_stats),
+                   num_prompt_tokens, [], chunk,
+                   lambda usage: fmt.usage_chunk(request_id, created, model, "text_completion", usage))
+
+
+def chat_events(request_id: str, created: int, model: str, first: Item, items: AsyncIterator[Item],
+                 n: int, want_logprobs: bool, want_token_ids: bool, options: Any,
+                 num_prompt_tokens: int) -> AsyncIterator[bytes]:
+    opening = [fmt.chat_chunk(request_id, created, model, i, None, False, False) for i in range(n)]
+
+    def chunk(prompt_index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if not delta.text and delta.finish_reason is None and not (want_logprobs or want_token_ids):
+            return None
+        return fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs,
+                              want_token_ids)
+
+    return _events(request_id, first, items, bool(options and options.include_usage),
+                   bool(options and options.include_usage and options.continuous_usage_stats),
+                   num_prompt_tokens, opening, chunk,
+                   lambda usage: fmt.usage_chunk(request_id, created, model, "chat.completion.chunk",
+                                                 usage))

@@ -1,0 +1,253 @@
+"""From a parsed request body to what the scheduler is asked: prompts as token ids and
+`GenerationParams`, or an `ApiError` (400) naming the field.
+
+Pure and synchronous: the model's limits (`ModelLimits`), the configuration and the
+tokenizer in, values out. Everything a request can get wrong is caught here, so that bad
+input never reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gateway.config import ApiKey, GatewayConfig
+from gateway.core import GenerationParams
+from gateway.errors import ApiError, invalid
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    _OpenAIFields,
+    _SamplingFields,
+)
+from services.text import Tokenizer
+
+UINT64 = 2**64
+# encode_chat's own arguments: a request's chat_template_kwargs may not set them
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "add_generation_prompt", "tools", "documents", "chat_template",
+    "add_special_tokens", "continue_final_message", "tokenize",
+})
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against: the served name, the context length, and the
+    model's vocabulary (its embedding rows, which may exceed the tokenizer's)."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+    @classmethod
+    def load(cls, config: GatewayConfig, tokenizer: Tokenizer) -> ModelLimits:
+        vocab_size = tokenizer.vocab_size
+        try:
+            model_config = json.loads((Path(config.model) / "config.json").read_text())
+            vocab_size = max(vocab_size, int(model_config.get("vocab_size") or 0))
+        except (OSError, ValueError, TypeError):
+            pass  # a tokenizer-only directory: the tokenizer's vocabulary is the bound
+        return cls(config.model_name, config.max_model_len, vocab_size)
+
+
+def check_model(requested: str | None, limits: ModelLimits) -> None:
+    if requested is not None and requested != limits.name:
+        raise ApiError(400, f"model: the model {requested!r} does not exist; this server "
+                            f"serves {limits.name!r} (see GET /v1/models)", "model",
+                       "model_not_found")
+
+
+# --- prompts -----------------------------------------------------------------------------
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits,
+                       config: GatewayConfig) -> list[list[int]]:
+    """Each prompt of a completions request as token ids (a string is tokenized with the
+    model's special tokens, as vLLM and transformers do)."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts = [tokenizer.encode(prompt)]
+    elif all(isinstance(x, str) for x in prompt):
+        prompts = [tokenizer.encode(x) for x in prompt]
+    elif all(isinstance(x, int) for x in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = [list(x) for x in prompt]
+    if len(prompts) > config.max_num_prompts:
+        raise invalid("prompt", f"at most {config.max_num_prompts} prompts per request, "
+                                f"got {len(prompts)}")
+    for i, ids in enumerate(prompts):
+        check_prompt_ids(ids, limits, "prompt", i if len(prompts) > 1 else None)
+    return prompts
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
+    """The conversation through the model's chat template, as token ids."""
+    messages = []
+    for i, message in enumerate(req.messages):
+        plain = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            texts = []
+            for j, part in enumerate(message.content):
+                if part.type != "text" or not isinstance(part.text, str):
+                    raise invalid(f"messages[{i}].content[{j}]",
+                                  f"only text parts are supported, got type {part.type!r}")
+                texts.append(part.text)
+            plain["content"] = "\n".join(texts)
+        messages.append(plain)
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise invalid("chat_template_kwargs", f"may not set {', '.join(reserved)}")
+    try:
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                    **kwargs)
+    except ValueError as exc:  # ChatTemplateError: no template, or the template refused
+        raise invalid("messages", str(exc)) from exc
+    check_prompt_ids(ids, limits, "messages")
+    return ids
+
+
+def generate_prompt(req: GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
+    ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+    check_prompt_ids(ids, limits, "prompt")
+    return ids
+
+
+def check_prompt_ids(ids: Sequence[int], limits: ModelLimits, param: str,
+                     index: int | None = None) -> None:
+    where = param if index is None else f"{param}[{index}]"
+    if not ids:
+        raise invalid(param, f"{'the prompt' if index is None else where} is empty after "
+                             "tokenization")
+    too_big = max(ids)
+    if too_big >= limits.vocab_size:
+        raise invalid(param, f"token id {too_big} is outside the vocabulary of "
+                             f"{limits.vocab_size} tokens")
+    if len(ids) >= limits.max_model_len:
+        raise invalid(param, f"this model's maximum context length is {limits.max_model_len} "
+                             f"tokens, but {'the prompt' if index is None else where} has "
+                             f"{len(ids)} (at least one token must be left to generate)",
+                      "context_length_exceeded")
+
+
+# --- sampling ----------------------------------------------------------------------------
+
+
+def _refuse_unsupported(req: _SamplingFields) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise invalid(name, "penalties are not supported yet; leave it at 0")
+    if req.repetition_penalty not in (None, 1.0):
+        raise invalid("repetition_penalty", "penalties are not supported yet; leave it at 1")
+    if req.logit_bias:
+        raise invalid("logit_bias", "not supported")
+    if isinstance(req, _OpenAIFields):
+        if req.prompt_logprobs is not None:
+            raise invalid("prompt_logprobs", "prompt log-probabilities are not supported")
+        if req.stream_options is not None and not req.stream:
+            raise invalid("stream_options", "only allowed with stream: true")
+
+
+def _max_tokens(value: int | None, prompts: Sequence[Sequence[int]], limits: ModelLimits,
+                param: str) -> int | None:
+    if value is None:
+        return None
+    longest = max(len(p) for p in prompts)
+    room = limits.max_model_len - longest
+    if value > room:
+        raise invalid(param, f"{longest} prompt tokens + {value} max tokens exceed this model's "
+                             f"maximum context length of {limits.max_model_len}; ask for at "
+                             f"most {room}", "context_length_exceeded")
+    return value
+
+
+def _sampling(req: _SamplingFields, limits: ModelLimits, max_tokens: int | None,
+              key: ApiKey | None) -> GenerationParams:
+    _refuse_unsupported(req)
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if any(not s for s in stop):
+        raise invalid("stop", "stop strings must not be empty")
+    stop_ids = tuple(req.stop_token_ids or ())
+    if stop_ids and max(stop_ids) >= limits.vocab_size:
+        raise invalid("stop_token_ids", f"token id {max(stop_ids)} is outside the vocabulary "
+                                        f"of {limits.vocab_size} tokens")
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        raise invalid("min_tokens", f"{req.min_tokens} is more than max_tokens={max_tokens}")
+    # An API key's priority class is a floor: a request may lower its own urgency (a larger
+    # number), never raise it above what its key grants.
+    priority = req.priority if key is None else max(req.priority, key.priority)
+    return GenerationParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(0, req.top_k or 0),
+        min_p=req.min_p or 0.0,
+        seed=None if req.seed is None else req.seed % UINT64,
+        stop=stop,
+        stop_token_ids=stop_ids,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        priority=priority,
+        tenant=key.tenant if key is not None else "",
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+
+
+def _check_n(n: int, config: GatewayConfig) -> None:
+    if n > config.max_n:
+        raise invalid("n", f"at most {config.max_n} choices per prompt, got {n}")
+
+
+def completion_params(req: CompletionRequest, prompts: Sequence[Sequence[int]],
+                      limits: ModelLimits, config: GatewayConfig,
+                      key: ApiKey | None = None) -> GenerationParams:
+    if req.echo:
+        raise invalid("echo", "echoing the prompt is not supported; leave echo false")
+    if req.suffix:
+        raise invalid("suffix", "not supported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise invalid("best_of", "not supported (only best_of == n)")
+    _check_n(req.n, config)
+    if req.logprobs is not None and req.logprobs > config.max_logprobs:
+        raise invalid("logprobs", f"at most {config.max_logprobs}, got {req.logprobs}")
+    params = _sampling(req, limits, _max_tokens(req.max_tokens, prompts, limits, "max_tokens"), key)
+    return _with(params, n=req.n, logprobs=req.logprobs)
+
+
+def chat_params(req: ChatCompletionRequest, prompt: Sequence[int], limits: ModelLimits,
+                config: GatewayConfig, key: ApiKey | None = None) -> GenerationParams:
+    if req.echo:
+        raise invalid("echo", "echoing the prompt is not supported; leave echo false")
+    if req.tools:
+        raise invalid("tools", "tool calling is not supported")
+    if req.tool_choice not in (None, "none"):
+        raise invalid("tool_choice", "tool calling is not supported")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise invalid("response_format", f"only type 'text' is supported, got "
+                                         f"{req.response_format.type!r}")
+    _check_n(req.n, config)
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        if req.top_logprobs > config.max_logprobs:
+            raise invalid("top_logprobs", f"at most {config.max_logprobs}, got {req.top_logprobs}")
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = _sampling(req, limits, _max_tokens(max_tokens, [prompt], limits, param), key)
+    return _with(params, n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+
+
+def generate_params(req: GenerateRequest, prompt: Sequence[int], limits: ModelLimits,
+                    key: ApiKey | None = None) -> GenerationParams:
+    params = _sampling(req, limits, _max_tokens(req.max_tokens, [prompt], limits, "max_tokens"), key)
+    return _with(params, debug_timeline=req.debug_timeline)
+
+
+def _with(params: GenerationParams, **changes: Any) -> GenerationParams:
+    return replace(params, **changes)

@@ -1,0 +1,389 @@
+"""The REST gateway end to end: `pagoda gateway` in front of a real stack (KV service, 2 stage
+workers, scheduler) on loopback, driven by the official `openai` client and plain HTTP.
+
+One stack and one gateway for the module; a second, small gateway (API keys) shares the
+stack and is also the one stopped with SIGTERM to check the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import openai
+import pytest
+from support.reference import HFReference
+
+from services.grpc_utils import aio_channel, check_health
+from services.launcher import ServiceProcess, free_port, pagoda_command
+from services.pb import kvcache_pb2, kvcache_pb2_grpc
+from services.text import Tokenizer
+
+NUM_KV_BLOCKS = 128
+BLOCK_SIZE = 16
+MAX_BODY_BYTES = 64 * 1024
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_factory):
+    return model_factory(arch="llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return Tokenizer(model_dir)
+
+
+def start_gateway(name, model_dir, scheduler_address, log_dir, *args):
+    port, grpc_port = free_port(), free_port()
+    gateway = ServiceProcess(
+        name,
+        pagoda_command("gateway", "--model", model_dir, "--scheduler", scheduler_address,
+                       "--port", str(port), "--grpc-port", str(grpc_port),
+                       "--max-model-len", str(MAX_MODEL_LEN), *args),
+        f"127.0.0.1:{grpc_port}", log_path=log_dir / f"{name}.log",
+    )
+    gateway.start()
+    gateway.wait_healthy(60)  # the gateway's gRPC health: SERVING once the chain is
+    gateway.port = port
+    return gateway
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    """`pagoda serve` with PP=2, as a user starts it: one command, every service a process."""
+    logs = tmp_path_factory.mktemp("gateway-stack-logs")
+    port, grpc_port = free_port(), free_port()
+    ready = logs / "ready.json"
+    serve = ServiceProcess(
+        "serve",
+        pagoda_command("serve", "--model", model_dir, "--port", str(port), "--grpc-port", str(grpc_port),
+                       "--pipeline-parallel-size", "2", "--num-kv-blocks", str(NUM_KV_BLOCKS),
+                       "--block-size", str(BLOCK_SIZE), "--num-threads", "1",
+                       "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny",
+                       "--max-body-bytes", str(MAX_BODY_BYTES), "--log-dir", str(logs),
+                       "--ready-file", str(ready)),
+        f"127.0.0.1:{grpc_port}", log_path=logs / "serve.log",
+    )
+    serve.start()
+    try:
+        serve.wait_healthy(180)
+        for _ in range(100):
+            if ready.exists():
+                break
+            time.sleep(0.1)
+        addresses = json.loads(ready.read_text())
+    except Exception:
+        serve.stop()
+        raise
+    gateway = SimpleNamespace(port=port, health_address=f"127.0.0.1:{grpc_port}")
+    s = SimpleNamespace(serve=serve, gateway=gateway, logs=logs, scheduler_address=addresses["scheduler"],
+                        kvcache=SimpleNamespace(health_address=addresses["kvcache"]))
+    yield s
+    serve.stop(60)
+    assert serve.process.returncode == 0, "pagoda serve should shut down cleanly"
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.gateway.port}/v1", api_key="none",
+                         max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return HFReference(model_dir)
+
+
+def call(port, method, path, body=None, headers=None, raw=False):
+    """(status, parsed JSON or text); `body` bytes are sent as they are."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    return resp.status, (text if raw else json.loads(text))
+
+
+def kv_stats(stack):
+    _, memory = call(stack.gateway.port, "GET", "/debug/memory")
+    return memory["kv_cache"]
+
+
+def reset_kv_peak(stack):
+    """The peak counts from now on (asked of the KV service itself: only tests reach past
+    the scheduler)."""
+
+    async def go():
+        async with aio_channel(stack.kvcache.health_address) as channel:
+            await kvcache_pb2_grpc.KVCacheStub(channel).Stats(kvcache_pb2.KVStatsRequest(reset_peak=True))
+
+    asyncio.run(go())
+
+
+def test_greedy_completions_equal_transformers(client, reference, tokenizer):
+    prompts = [[5, 17, 300, 42], list(range(30, 70)), tokenizer.encode("The quick brown fox")]
+    resp = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert resp.id.startswith("cmpl-") and len(resp.choices) == 3
+    for choice, prompt in zip(resp.choices, prompts, strict=True):
+        extra = choice.model_extra
+        assert extra["prompt_token_ids"] == prompt and len(extra["token_ids"]) == 12
+        assert choice.finish_reason == "length"
+        assert reference.compare(prompt, extra["token_ids"]).tie_divergences == 0
+        assert choice.text == tokenizer.decode(extra["token_ids"])
+    assert resp.usage.prompt_tokens == sum(map(len, prompts)) and resp.usage.completion_tokens == 36
+
+    scored = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=6, temperature=0,
+                                       logprobs=2, extra_body={"ignore_eos": True})
+    lp = scored.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert sampled <= 0 and abs(sampled - max(top.values())) < 1e-4  # greedy: the most likely
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert chat.id.startswith("chatcmpl-") and chat.choices[0].message.role == "assistant"
+    prompt = tokenizer.encode_chat(messages)
+    assert chat.model_extra["prompt_token_ids"] == prompt
+    assert reference.compare(prompt, chat.choices[0].model_extra["token_ids"]).tie_divergences == 0
+
+
+def test_chat_streaming_matches_the_whole_response_and_reports_usage(client):
+    args = dict(model="tiny", messages=[{"role": "user", "content": "Tell me"}], max_tokens=10,
+                temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+    stream = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    completion = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == completion.choices[0].text
+
+
+def test_seeds_reproduce_and_n2_choices_differ_and_share_the_prompt(client, stack):
+    prompt = list(range(100, 200))  # 100 tokens: 6 full blocks and a partial one
+    args = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=1.0, n=2, seed=1234,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    reset_kv_peak(stack)
+    first = client.completions.create(**args)
+    peak = kv_stats(stack)["num_peak_used_blocks"]
+    prompt_blocks = -(-len(prompt) // BLOCK_SIZE)
+    assert 0 < peak < 2 * prompt_blocks  # the two choices share the prompt's blocks
+    again = client.completions.create(**args)
+    texts = [c.model_extra["token_ids"] for c in first.choices]
+    assert texts == [c.model_extra["token_ids"] for c in again.choices]
+    assert texts[0] != texts[1]
+    other = client.completions.create(**{**args, "seed": 99})
+    assert [c.model_extra["token_ids"] for c in other.choices] != texts
+
+
+def _stop_spanning_two_tokens(tokenizer, token_ids):
+    """A 2-character stop string made of the last character of token k and the first of
+    token k+1, occurring first there; (stop, index in the text, k)."""
+    text = tokenizer.decode(token_ids)
+    for k in range(1, len(token_ids) - 6):
+        boundary = len(tokenizer.decode(token_ids[:k]))
+        if boundary < 1 or len(tokenizer.decode(token_ids[:k + 1])) <= boundary:
+            continue
+        stop = text[boundary - 1:boundary + 1]
+        if len(stop) == 2 and stop.isprintable() and "\ufffd" not in stop and text.find(stop) == boundary - 1 \
+                and tokenizer.decode(token_ids[:k]) == text[:boundary]:
+            return stop, boundary - 1, k
+    return None
+
+
+def test_stop_string_spanning_two_tokens(client, tokenizer):
+    for seed_prompt in ([11, 12, 13], [40, 41, 42, 43], [7, 300, 9], [200, 201]):
+        greedy = client.completions.create(model="tiny", prompt=seed_prompt, max_tokens=24, temperature=0,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True})
+        token_ids = greedy.choices[0].model_extra["token_ids"]
+        found = _stop_spanning_two_tokens(tokenizer, token_ids)
+        if found:
+            break
+    assert found, "no greedy output with a stop string across two tokens"
+    stop, at, _ = found
+    resp = client.completions.create(model="tiny", prompt=seed_prompt, max_tokens=24, temperature=0,
+                                     stop=[stop], extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+    assert choice.text == tokenizer.decode(token_ids)[:at]
+    assert resp.usage.completion_tokens < 24
+
+
+def test_generate_returns_text_and_a_chrome_trace(stack, tokenizer):
+    status, body = call(stack.gateway.port, "POST", "/generate",
+                        {"prompt": "Hi there", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                         "debug_timeline": True})
+    assert status == 200 and body["id"].startswith("gen-") and len(body["token_ids"]) == 5
+    assert body["text"] == tokenizer.decode(body["token_ids"])
+    events = body["timeline"]["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] > 0 for e in complete)
+    stages = {e["pid"] for e in complete if e["cat"] == "stage"}
+    # one process per pipeline stage; the last stage's compute is always there (stage 0's
+    # timing can reach the scheduler after the result it belongs to, and is then dropped)
+    assert 3 in stages and stages <= {2, 3}
+    assert {"request", "queued"} <= {e["name"] for e in complete}
+    status, plain = call(stack.gateway.port, "POST", "/generate", {"prompt": "Hi there", "max_tokens": 2})
+    assert status == 200 and "timeline" not in plain
+
+
+def test_health_models_metrics_and_reflection(stack):
+    port = stack.gateway.port
+    assert call(port, "GET", "/health") == (200, {"status": "ok"})
+    status, models = call(port, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
+    status, text = call(port, "GET", "/metrics", raw=True)
+    assert status == 200
+    for name in ("pagoda:request_success_total", "pagoda:prompt_tokens_total",
+                 "pagoda:generation_tokens_total", "pagoda:time_to_first_token_seconds_bucket",
+                 "pagoda:inter_token_latency_seconds_bucket", "pagoda:e2e_request_latency_seconds_bucket"):
+        assert name in text
+    status, openapi = call(port, "GET", "/openapi.json")
+    assert {"/v1/completions", "/v1/chat/completions", "/generate", "/health"} <= set(openapi["paths"])
+
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(stack.gateway.health_address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {"pagoda.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def _chunked(port, path, body: bytes):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", path, iter([body[i:i + 4096] for i in range(0, len(body), 4096)]),
+                 {"Content-Type": "application/json"}, encode_chunked=True)
+    resp = conn.getresponse()
+    out = resp.status, json.loads(resp.read())
+    conn.close()
+    return out
+
+
+LONG = list(range(5, 5 + MAX_MODEL_LEN))
+BAD = [
+    # (path, body, status, param): each refused with an OpenAI error object naming the field
+    ("/v1/completions", b'{"prompt": "a", ', 400, None),
+    ("/v1/completions", b"not json at all", 400, None),
+    ("/v1/completions", {"prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4o"}, 400, "model"),
+    ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a " * 2000}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 1000}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 2}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 400, "model"),
+    ("/generate", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/generate", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", json.dumps({"prompt": "a" * (MAX_BODY_BYTES + 10)}).encode(), 413, None),
+]
+
+
+def test_bad_input_gets_an_openai_error_naming_the_field(stack):
+    port = stack.gateway.port
+    failures = []
+    for path, body, status, param in BAD:
+        got_status, got = call(port, "POST", path, body)
+        error = got.get("error", {}) if isinstance(got, dict) else {}
+        if (got_status, error.get("param"), error.get("type")) != (status, param, "invalid_request_error") \
+                or not error.get("message"):
+            failures.append((path, str(body)[:80], got_status, got))
+    assert not failures, failures
+    status, body = _chunked(port, "/v1/completions",
+                            json.dumps({"prompt": "b" * (MAX_BODY_BYTES * 3 // 2)}).encode())
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    status, _ = call(port, "GET", "/health")
+    assert status == 200
+
+
+def _wait_used_blocks(stack, done, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not done(used := kv_stats(stack)["num_used_blocks"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return used
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_blocks(stack, stream):
+    conn = http.client.HTTPConnection("127.0.0.1", stack.gateway.port, timeout=60)
+    conn.request("POST", "/v1/completions",
+                 json.dumps({"prompt": list(range(10, 90)), "max_tokens": MAX_MODEL_LEN - 100,
+                             "ignore_eos": True, "stream": stream}),
+                 {"Content-Type": "application/json"})
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200
+        events = 0
+        while events < 5:
+            events += resp.fp.readline().startswith(b"data: ")
+    during = _wait_used_blocks(stack, lambda used: used > 0)
+    conn.sock.shutdown(2)
+    conn.close()
+    assert during > 0
+    assert _wait_used_blocks(stack, lambda used: used == 0) == 0
+
+
+def test_api_keys_and_a_graceful_drain(stack, model_dir, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-good": {"tenant": "team-a", "priority": 1}}))
+    gateway = start_gateway("gateway-keys", model_dir, stack.scheduler_address, stack.logs,
+                            "--api-keys-file", str(keys), "--grace-period", "20")
+    try:
+        base = f"http://127.0.0.1:{gateway.port}/v1"
+        for key in (None, "sk-wrong"):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            status, body = call(gateway.port, "POST", "/v1/completions", {"prompt": "a"}, headers)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=base, api_key="sk-good", max_retries=0, timeout=60)
+        assert good.completions.create(model=Path(model_dir).name, prompt="a", max_tokens=3).choices[0].finish_reason
+        assert call(gateway.port, "GET", "/health")[0] == 200  # no key needed
+
+        # SIGTERM mid-stream: the stream finishes, then the process exits; nothing new gets in
+        stream = good.completions.create(model=Path(model_dir).name, prompt="a", max_tokens=300, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+        first = next(iter(stream))
+        gateway.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while check_health(gateway.health_address, timeout_s=0.5) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not check_health(gateway.health_address, timeout_s=0.5)
+        assert gateway.process.poll() is None  # still draining: the stream is in flight
+        rest = list(stream)
+        assert first.choices and rest[-1].choices[0].finish_reason == "length"
+        assert gateway.process.wait(timeout=20) == 0
+        with pytest.raises(ConnectionRefusedError):
+            call(gateway.port, "GET", "/health")
+    finally:
+        gateway.stop()

@@ -1,0 +1,427 @@
+"""The REST gateway over a fake scheduler: validation, errors, API keys, body limits, formats.
+
+The app runs in-process (ASGI) over a `FakeGenerator` that records every call, so that a
+test can assert that a refused request never reached the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import grpc
+import httpx2 as httpx
+import pytest
+
+from gateway import streaming
+from gateway.app import create_app
+from gateway.config import ApiKey, GatewayConfig, load_api_keys
+from gateway.core import ChoiceDelta, Finished, GenerationError, TokenLogprob, Usage
+from gateway.errors import _param_from_loc, status_for
+from gateway.timeline import Span, chrome_trace
+from services.pb import common_pb2, scheduler_pb2
+from services.text import Tokenizer
+
+MAX_MODEL_LEN = 64
+
+
+class FakeGenerator:
+    """`TextGenerator`'s interface: two deltas per choice ("he", "llo"), then usage."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = MAX_MODEL_LEN
+        self.calls: list[tuple[list[int], object, str]] = []
+        self.error: GenerationError | None = None
+        self.error_mid_stream: GenerationError | None = None
+        self.healthy = (True, "")
+
+    async def generate(self, prompt_ids, params, request_id=None, traceparent=""):
+        self.calls.append((list(prompt_ids), params, request_id))
+        if self.error is not None:
+            raise self.error
+        for i in range(params.n):
+            lps = [TokenLogprob(1, "he", -0.5, [(1, "he", -0.5), (2, "x", -1.5)])] if params.logprobs is not None else []
+            yield ChoiceDelta(i, "he", [1], lps)
+            if self.error_mid_stream is not None:
+                raise self.error_mid_stream
+            yield ChoiceDelta(i, "llo", [2], lps, finish_reason="length")
+        yield Finished(Usage(len(prompt_ids), 2 * params.n))
+
+    async def health(self, timeout_s: float = 2.0):
+        return self.healthy
+
+    async def stats(self, include_kv_sequences: bool = False, timeout_s: float = 2.0):
+        resp = scheduler_pb2.GetStatsResponse(kv_address="kv:1", kv_health=common_pb2.HEALTH_STATUS_SERVING)
+        resp.kv_cache.num_total_blocks, resp.kv_cache.num_peak_used_blocks = 64, 3
+        resp.kv_cache.num_prefix_queries = 2**40  # 64-bit counters stay JSON numbers
+        return resp
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_factory):
+    return Tokenizer(model_factory(arch="llama"))
+
+
+def make_client(tokenizer, **config):
+    generator = FakeGenerator(tokenizer)
+    cfg = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
+                        served_model_name="tiny", max_model_len=MAX_MODEL_LEN, **config)
+    app = create_app(cfg, generator)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
+    return client, generator
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def post(client, path, body, headers=None):
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return await client.post(path, content=content,
+                             headers={"Content-Type": "application/json", **(headers or {})})
+
+
+LONG_PROMPT = list(range(5, 5 + MAX_MODEL_LEN))  # no room left to generate
+BAD = [
+    # (path, body, status, param)
+    ("/v1/completions", b'{"prompt": "a", ', 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, -2]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1], "a"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 400, "model"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "top_p": 1.01}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 17}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "stop": [1]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "a", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "a", "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages[0].content[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 80}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": MAX_MODEL_LEN}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo"),
+    ("/generate", {"prompt": ""}, 400, "prompt"),
+    ("/generate", {"prompt": "a", "debug_timeline": "yes"}, 400, "debug_timeline"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD)
+def test_bad_input_is_refused_before_the_scheduler(tokenizer, path, body, status, param):
+    async def go():
+        client, generator = make_client(tokenizer)
+        async with client:
+            resp = await post(client, path, body)
+        return resp, generator
+
+    resp, generator = run(go())
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"] and (param is None or error["message"].startswith(param.split("[")[0]))
+    assert generator.calls == []
+
+
+def test_wrong_content_type_says_so(tokenizer):
+    async def go():
+        client, _ = make_client(tokenizer)
+        async with client:
+            return await client.post("/v1/completions", content=b'{"prompt": "a"}',
+                                     headers={"Content-Type": "text/plain"})
+
+    resp = run(go())
+    assert resp.status_code == 400 and "Content-Type: application/json" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("code", "status"), [
+    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.NOT_FOUND, 404),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500),
+    (grpc.StatusCode.UNKNOWN, 500),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_scheduler_errors_map_to_http(tokenizer, code, status, stream):
+    async def go():
+        client, generator = make_client(tokenizer)
+        generator.error = GenerationError(code, "scheduler says no")
+        async with client:
+            return await post(client, "/v1/completions", {"prompt": "a", "stream": stream})
+
+    resp = run(go())
+    assert resp.status_code == status
+    error = resp.json()["error"]
+    assert error["code"] == code.name.lower()
+    assert ("scheduler says no" in error["message"]) == (status != 500)
+    assert resp.headers["x-request-id"].startswith("cmpl-")
+    assert status_for(code) == status
+
+
+def test_completions_number_choices_across_prompts(tokenizer):
+    async def go():
+        client, generator = make_client(tokenizer)
+        async with client:
+            resp = await post(client, "/v1/completions", {"prompt": [[5, 6], [7]], "n": 2, "logprobs": 1,
+                                                          "return_token_ids": True})
+        return resp, generator
+
+    resp, generator = run(go())
+    body = resp.json()
+    assert resp.status_code == 200 and body["id"].startswith("cmpl-") and body["model"] == "tiny"
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["prompt_token_ids"] for c in body["choices"]] == [[5, 6], [5, 6], [7], [7]]
+    assert all(c["text"] == "hello" and c["token_ids"] == [1, 2] for c in body["choices"])
+    assert body["choices"][0]["logprobs"]["tokens"] == ["he", "he"]
+    assert body["choices"][0]["logprobs"]["text_offset"] == [0, 2]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    ids = {c[2] for c in generator.calls}
+    assert len(ids) == 2 and all(i.startswith(body["id"]) for i in ids)
+
+
+def test_defaults_and_vllm_extras_reach_the_scheduler(tokenizer):
+    async def go():
+        client, generator = make_client(tokenizer)
+        async with client:
+            await post(client, "/v1/completions", {"prompt": "hi"})
+            await post(client, "/v1/completions", {
+                "prompt": "hi", "max_tokens": 5, "temperature": 0, "top_p": 0.5, "seed": -1,
+                "stop": "x", "top_k": -1, "min_p": 0.1, "min_tokens": 2, "ignore_eos": True,
+                "stop_token_ids": [3], "priority": -4, "user": "u"})
+            await post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        return generator
+
+    calls = run(go()).calls
+    default, extras, chat = (c[1] for c in calls)
+    assert default.max_tokens == 16 and default.temperature == 1.0 and default.n == 1
+    assert (extras.max_tokens, extras.temperature, extras.top_p, extras.seed, extras.stop) == (
+        5, 0.0, 0.5, 2**64 - 1, ("x",))
+    assert (extras.top_k, extras.min_p, extras.min_tokens, extras.ignore_eos) == (0, 0.1, 2, True)
+    assert extras.stop_token_ids == (3,) and extras.priority == -4
+    assert chat.max_tokens is None  # chat: the rest of the context
+    assert calls[2][0] == tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def _events(text: str) -> list:
+    assert text.endswith("data: [DONE]\n\n")
+    return [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+
+
+def test_streams_are_server_sent_events_with_usage(tokenizer):
+    async def go():
+        client, _ = make_client(tokenizer)
+        async with client:
+            a = await post(client, "/v1/completions", {"prompt": "a", "n": 2, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+            b = await post(client, "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "stream": True, "logprobs": True})
+        return a, b
+
+    a, b = run(go())
+    assert a.headers["content-type"].startswith("text/event-stream")
+    events = _events(a.text)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
+    texts = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {0: "hello", 1: "hello"}
+    chat = _events(b.text)
+    assert chat[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in chat) == "hello"
+    assert chat[-1]["choices"][0]["finish_reason"] == "length"
+    assert chat[1]["choices"][0]["logprobs"]["content"][0]["token"] == "he"
+    assert all("usage" not in e for e in chat)
+
+
+def test_api_keys_guard_everything_but_health_and_metrics(tokenizer):
+    keys = {"good-key": ApiKey(tenant="team-a", priority=2)}
+
+    async def go():
+        client, generator = make_client(tokenizer, api_keys=keys)
+        async with client:
+            missing = await post(client, "/v1/completions", b'{"not json')
+            wrong = await post(client, "/v1/completions", {"prompt": "a"}, {"Authorization": "Bearer nope"})
+            models = await client.get("/v1/models")
+            ok = await post(client, "/v1/completions", {"prompt": "a", "priority": 1},
+                            {"Authorization": "Bearer good-key"})
+            health = await client.get("/health")
+            metrics = await client.get("/metrics")
+        return missing, wrong, models, ok, health, metrics, generator
+
+    missing, wrong, models, ok, health, metrics, generator = run(go())
+    for resp in (missing, wrong, models):  # refused before the body is even parsed
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+    assert ok.status_code == 200 and health.status_code == 200 and metrics.status_code == 200
+    (_, params, _), = generator.calls
+    assert params.tenant == "team-a" and params.priority == 2  # the key's class is a floor
+
+
+def test_oversized_bodies_get_413(tokenizer):
+    async def go():
+        client, generator = make_client(tokenizer, max_body_bytes=2048)
+        big = json.dumps({"prompt": "a" * 4000}).encode()
+
+        async def chunks():
+            for i in range(0, len(big), 512):
+                yield big[i:i + 512]
+
+        async with client:
+            declared = await post(client, "/v1/completions", big)
+            streamed = await client.post("/v1/completions", content=chunks(),
+                                         headers={"Content-Type": "application/json"})
+        return declared, streamed, generator
+
+    declared, streamed, generator = run(go())
+    for resp in (declared, streamed):
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+    assert generator.calls == []
+
+
+def test_health_models_memory_metrics_and_openapi(tokenizer):
+    async def go():
+        client, generator = make_client(tokenizer)
+        async with client:
+            ok = await client.get("/health")
+            generator.healthy = (False, "stage 1 is down")
+            down = await client.get("/health")
+            models = await client.get("/v1/models")
+            memory = await client.get("/debug/memory")
+            await post(client, "/v1/completions", {"prompt": "a"})
+            await post(client, "/v1/completions", {"prompt": "a", "n": 0})
+            metrics = await client.get("/metrics")
+            openapi = await client.get("/openapi.json")
+        return ok, down, models, memory, metrics, openapi
+
+    ok, down, models, memory, metrics, openapi = run(go())
+    assert ok.status_code == 200 and down.status_code == 503 and "stage 1" in down.json()["detail"]
+    assert models.json()["data"][0]["id"] == "tiny"
+    kv = memory.json()["kv_cache"]
+    assert kv["num_peak_used_blocks"] == 3 and kv["num_prefix_queries"] == 2**40
+    text = metrics.text
+    for name in ("pagoda:request_success_total{finished_reason=\"length\"",
+                 "pagoda:prompt_tokens_total", "pagoda:generation_tokens_total",
+                 "pagoda:time_to_first_token_seconds_bucket", "pagoda:inter_token_latency_seconds_bucket",
+                 "pagoda:e2e_request_latency_seconds_bucket", "pagoda:request_errors_total"):
+        assert name.split("{")[0] in text, name
+    paths = openapi.json()["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health",
+                 "/metrics", "/debug/memory"):
+        assert path in paths
+
+
+def test_param_names_from_pydantic_locations():
+    assert _param_from_loc(("body", "temperature")) == "temperature"
+    assert _param_from_loc(("body", "messages", 0, "content", "list[TextContentPart]", 1)) == "messages[0].content"
+    assert _param_from_loc(("body", "prompt", "list[constrained-int]", 1)) == "prompt"
+    assert _param_from_loc(("body",)) is None
+
+
+def test_timeline_is_a_chrome_trace():
+    e = scheduler_pb2.GenerateResponse().timeline.add(name="stage 1 compute", category="stage",
+                                                      start_ns=2_000_000, end_ns=5_000_000, stage_index=1)
+    e.micro_batch_id = 7
+    step = scheduler_pb2.GenerateResponse().timeline.add(name="step", category="scheduler",
+                                                         start_ns=1_000_000, end_ns=0)  # never ended
+    trace = chrome_trace("gen-1", [e, step], [Span("request", 500_000, 6_000_000)])
+    complete = [t for t in trace["traceEvents"] if t["ph"] == "X"]
+    assert [t["name"] for t in complete] == ["request", "stage 1 compute"]
+    stage = complete[1]
+    assert (stage["ts"], stage["dur"], stage["pid"]) == (2000.0, 3000.0, 3)
+    assert stage["args"]["micro_batch_id"] == 7
+    names = {t["args"]["name"] for t in trace["traceEvents"] if t["name"] == "process_name"}
+    assert names == {"gateway", "stage 1"}
+
+
+def test_config_and_api_keys_file(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"k1": {"tenant": "a", "priority": 1}, "k2": {}}))
+    assert load_api_keys(path) == {"k1": ApiKey("a", 1), "k2": ApiKey()}
+    path.write_text(json.dumps({"k1": {"tenant": 3}}))
+    with pytest.raises(ValueError, match="tenant must be a string"):
+        load_api_keys(path)
+    with pytest.raises(ValueError, match="api_keys"):
+        GatewayConfig(model="m", scheduler_address="s:1", host="0.0.0.0")
+    assert GatewayConfig(model="/x/tiny", scheduler_address="s:1").model_name == "tiny"
+
+
+def test_the_gateway_imports_no_backend():
+    code = ("import sys, gateway.server; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'transformers', 'worker_svc', 'kvcache_svc', 'scheduler_svc')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ending_a_merged_stream_closes_every_stream():
+    closed = []
+
+    async def endless(i):
+        try:
+            while True:
+                yield i
+                await asyncio.sleep(0.001)
+        finally:
+            closed.append(i)
+
+    async def failing():
+        try:
+            yield "x"
+            raise GenerationError(grpc.StatusCode.UNAVAILABLE, "down")
+        finally:
+            closed.append("failing")
+
+    async def go():
+        merged = streaming.merged([endless(0), endless(1)])
+        got = {(await anext(merged))[0] for _ in range(6)}
+        await merged.aclose()
+        with pytest.raises(GenerationError):
+            async for _ in streaming.merged([endless(2), failing()]):
+                pass
+        return got
+
+    assert run(go()) == {0, 1}
+    assert sorted(map(str, closed)) == ["0", "1", "2", "failing"]
+
+
+def test_an_error_mid_stream_is_an_error_event(tokenizer):
+    async def go():
+        client, generator = make_client(tokenizer)
+        generator.error_mid_stream = GenerationError(grpc.StatusCode.UNAVAILABLE, "stage 0 is down")
+        async with client:
+            return await post(client, "/v1/completions", {"prompt": "a", "stream": True})
+
+    resp = run(go())
+    assert resp.status_code == 200  # the response had started
+    events = _events(resp.text)
+    assert events[0]["choices"][0]["text"] == "he"
+    assert events[-1]["error"]["code"] == "unavailable" and "stage 0" in events[-1]["error"]["message"]
