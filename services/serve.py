@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from services import tiny_model
 
     model_dir = str(Path(args.model).resolve()) if args.model else str(tiny_model.default_model_dir())
+    if not args.model and not args.served_model_name:
+        args.served_model_name = "tiny"  # the default model, by a name the README can use
     if not (Path(model_dir) / "config.json").is_file():
         print(f"error: {model_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
