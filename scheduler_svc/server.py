@@ -96,6 +96,16 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
         raise InvalidRequest(f"sampling_params.{exc}") from exc
     if options.n > config.max_num_seqs:
         raise InvalidRequest(f"sampling_params.n: {options.n} exceeds max_num_seqs={config.max_num_seqs}")
+    if config.num_kv_blocks:
+        bs = config.block_size
+        # the prompt's blocks are shared by the choices; each choice's output has its own
+        needed = -(-len(prompt) // bs) + options.n * (-(-options.max_tokens // bs) + 1)
+        if needed > config.num_kv_blocks:
+            raise InvalidRequest(
+                f"sampling_params.max_tokens: {len(prompt)} prompt tokens and {options.n} x "
+                f"{options.max_tokens} output tokens need up to {needed} KV blocks; the pool has "
+                f"{config.num_kv_blocks}"
+            )
     return Request(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt=prompt,

@@ -143,6 +143,10 @@ class Planner:
         self._pending_completed: list[int] = []
         self._pending_failed: list[int] = []
         self._release_all = False
+        # micro_batch_id -> sequences allocated in its step but left out of it (preempted or
+        # given back): their slots were never written, so the KV service must see them freed
+        # before it sees the micro-batch complete, or it would cache blocks holding garbage
+        self._completion_guard: dict[int, set[int]] = {}
         self.decisions: list[dict] = []  # for scheduler tracing; drained by the engine
         self.num_preemptions = 0
 
@@ -231,11 +235,6 @@ class Planner:
         forks: list[Fork] = []
         proposal = Proposal(StepInput(), None)
 
-        def chunk_of(remaining: int) -> int:
-            if remaining <= budget:
-                return remaining
-            return budget if cfg.enable_chunked_prefill else 0
-
         # 1. decodes, then 2. prefill chunks of running sequences (rank order)
         for phase_prefill in (False, True):
             for request in self.running:
@@ -248,9 +247,9 @@ class Planner:
                     remaining = self._target(seq) - seq.num_computed
                     if remaining <= 0:
                         continue
-                    n = chunk_of(remaining)
-                    if n <= 0:
-                        continue
+                    # an admitted sequence continues in chunks (only a recompute can need them
+                    # when chunked prefill is off: a fresh prompt is admitted whole)
+                    n = min(remaining, budget)
                     appends.append(Append(seq.seq_id, seq.tokens(seq.num_computed, seq.num_computed + n)))
                     proposal.appends.append(seq)
                     budget -= n
@@ -260,8 +259,8 @@ class Planner:
             if len(request.sequences) >= request.options.n or self._fork_blocked(request):
                 continue
             k = request.options.n - len(request.sequences)
-            if budget < k + 1 or n_seqs + k + 1 > max(seq_cap, k + 1) or not self._room_for(k):
-                continue
+            if budget < k + 1 or n_seqs + k + 1 > max(seq_cap, k + 1):
+                continue  # (its choices were counted against max_num_seqs at admission)
             parent = request.sequences[0]
             children = [self._new_sequence(request, len(request.sequences) + i) for i in range(k)]
             last = len(request.prompt) - 1
@@ -278,7 +277,7 @@ class Planner:
                 if seq.is_finished or seq.has_kv or seq.seq_id in self._busy or n_seqs >= seq_cap:
                     continue
                 tokens = seq.all_tokens()[: self._target(seq)]
-                n = chunk_of(len(tokens))
+                n = min(len(tokens), budget)  # a recompute: chunked whatever the setting
                 if n <= 0:
                     continue
                 new_id = self._take_seq_id()
@@ -287,7 +286,7 @@ class Planner:
                 budget -= n
                 n_seqs += 1
         # 5. admissions, in the queue's order, while blocks and budgets allow
-        num_running_seqs = sum(len(r.live_sequences) for r in self.running)
+        num_running_seqs = sum(_reserved(r) for r in self.running)
         for request in self.queue.ordered(limit=64):
             if budget <= 0 or n_seqs >= seq_cap:
                 break
@@ -296,7 +295,7 @@ class Planner:
                 count = request.options.n if len(request.prompt) == 1 else 1
             else:
                 count = len(seqs)
-            if num_running_seqs + count > cfg.max_num_seqs or n_seqs + count > max(seq_cap, count):
+            if num_running_seqs + _reserved(request) > cfg.max_num_seqs or n_seqs + count > max(seq_cap, count):
                 break
             planned: list[tuple[Sequence | None, list[int], int]] = []
             cost = 0
@@ -307,12 +306,22 @@ class Planner:
                         tokens = tokens[:-1]  # the choices fork before the last prompt token
                 else:
                     tokens = seqs[i].all_tokens()[: self._target(seqs[i])]
-                n = chunk_of(len(tokens)) if cost == 0 else (len(tokens) if len(tokens) <= budget - cost else 0)
+                remaining_budget = budget - cost
+                if len(tokens) <= remaining_budget:
+                    n = len(tokens)
+                elif cfg.enable_chunked_prefill or seqs is not None:
+                    # recomputing after preemption is chunked whatever the setting: prompt plus
+                    # output may have outgrown the budget, and it must come back
+                    n = remaining_budget
+                else:
+                    n = 0
                 if n <= 0:
                     break
                 planned.append((None if seqs is None else seqs[i], tokens, n))
                 cost += n
-            if len(planned) < count:
+            # a request's choices may come back a few at a time (the rest re-admit as budget
+            # allows); a fresh request's several one-token choices come together
+            if not planned or (seqs is None and len(planned) < count):
                 break
             admitted: list[tuple[Sequence, int]] = []
             for existing, tokens, n in planned:
@@ -323,7 +332,7 @@ class Planner:
             proposal.admits.append((request, admitted))
             budget -= cost
             n_seqs += count
-            num_running_seqs += count
+            num_running_seqs += _reserved(request)
         has_tokens = bool(appends or new_sequences)
         mb_id = self._next_mb_id if has_tokens else None
         proposal.micro_batch_id = mb_id
@@ -332,7 +341,10 @@ class Planner:
             appends=tuple(appends),
             forks=tuple(forks),
             frees=tuple(self._pending_frees),
-            completed_micro_batch_ids=tuple(self._pending_completed),
+            completed_micro_batch_ids=tuple(
+                m for m in self._pending_completed
+                if not (self._completion_guard.get(m) and self._completion_guard[m] & set(self._pending_frees))
+            ),
             failed_micro_batch_ids=tuple(self._pending_failed),
             micro_batch_id=mb_id,
         )
@@ -344,6 +356,8 @@ class Planner:
         applied_frees = set(step.frees)
         self._pending_frees = [s for s in self._pending_frees if s not in applied_frees]
         self._pending_completed = [m for m in self._pending_completed if m not in step.completed_micro_batch_ids]
+        for m in step.completed_micro_batch_ids:
+            self._completion_guard.pop(m, None)
         self._pending_failed = [m for m in self._pending_failed if m not in step.failed_micro_batch_ids]
         if proposal.micro_batch_id is None:
             return None
@@ -398,12 +412,17 @@ class Planner:
                 continue  # already preempted in this round
             victim = self._pick_victim(exclude=seq.request, scheduled=scheduled)
             if victim is None:
-                continue  # nothing to preempt now: it waits for blocks a finishing request frees
+                continue  # the victim is in flight: the starving sequence waits a round
             preempt.append(victim)
             for s in victim.sequences:
                 scheduled.pop(s.seq_id, None)
             self._preempt(victim, now)
 
+        discarded = {k for k, r in output.results.items() if isinstance(r, Allocated)} - {
+            seq.seq_id for seq, _ in scheduled.values()
+        }
+        if discarded:
+            self._completion_guard[mb_id] = discarded
         mb = MicroBatch(mb_id, [], list(output.copies), self._pending_released, self._release_all)
         self._pending_released, self._release_all = [], False
         for seq, result in scheduled.values():
@@ -499,6 +518,7 @@ class Planner:
         """
         self.in_flight.clear()
         self._busy.clear()
+        self._completion_guard.clear()
         self._pending_frees.clear()
         self._pending_completed.clear()
         self._pending_failed.clear()
@@ -526,9 +546,6 @@ class Planner:
             or parent.num_computed != len(request.prompt) - 1 or len(request.prompt) == 1
         )
 
-    def _room_for(self, k: int) -> bool:
-        return sum(len(r.live_sequences) for r in self.running) + k <= self.config.max_num_seqs
-
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         """A new choice, not yet attached to its request (finalize attaches it)."""
         return Sequence(self._take_seq_id(), request, index, entropy_seed=_entropy(request, index))
@@ -554,21 +571,23 @@ class Planner:
         self._admission_counter += 1
         self._rank[request.request_id] = (
             request.priority if self.queue.policy == "priority" else 0,
+            request.arrival_s,
             self._admission_counter,
         )
         self._trace("admitted", request, preemptions=request.num_preemptions)
 
     def _pick_victim(self, exclude: Request, scheduled: dict) -> Request | None:
-        """The lowest-ranked running request with nothing in flight (the starving one last)."""
-        candidates = [
-            r for r in self.running
-            if r is not exclude and not any(s.seq_id in self._busy for s in r.sequences)
-        ]
-        if not candidates:
-            candidates = [exclude] if not any(s.seq_id in self._busy for s in exclude.sequences) else []
-        if not candidates:
+        """The lowest-ranked running request — possibly the starving one itself — or None when
+        that one has work in flight (then the starving sequence waits a round).
+
+        Ranks follow arrival (and priority under the priority policy), as in vLLM: the oldest
+        request is never preempted for a newer one, so it always makes progress and
+        preemption cannot ping-pong between two requests.
+        """
+        victim = max(self.running, key=lambda r: self._rank[r.request_id])
+        if any(s.seq_id in self._busy for s in victim.sequences):
             return None
-        return max(candidates, key=lambda r: self._rank[r.request_id])
+        return victim
 
     def _preempt(self, request: Request, now: float, free: bool = True) -> None:
         for seq in request.sequences:
@@ -632,6 +651,12 @@ class Planner:
         busy = {s.seq.seq_id for mb in self.in_flight.values() for s in mb.seqs}
         assert busy == self._busy, (busy, self._busy)
         self.queue.check_integrity()
+
+
+def _reserved(request: Request) -> int:
+    """Sequence slots a request holds against max_num_seqs: all its unfinished choices,
+    forked or not yet, so that an admitted request can always fork."""
+    return request.options.n - sum(1 for s in request.sequences if s.is_finished)
 
 
 def _entropy(request: Request, index: int) -> int:

@@ -113,7 +113,7 @@ def test_abort_by_cancel_frees_blocks_and_spares_others(stack, reference):
         async with aio_channel(stack.scheduler_address) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             req = scheduler_pb2.GenerateRequest(prompt_token_ids=prompt_long)
-            req.sampling_params.max_tokens = 2000
+            req.sampling_params.max_tokens = 1000
             req.sampling_params.temperature = 0.0
             req.sampling_params.ignore_eos = True
             call = stub.Generate(req)

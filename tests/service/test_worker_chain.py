@@ -184,8 +184,15 @@ def test_killed_worker_is_seen_promptly_and_restart_shows_new_epoch(model_dir, t
             await driver.connect()
             try:
                 new_epoch = driver.stages[1].load_info.epoch
-                await driver.send(plan_to_pb(_plan(3, 3, [5, 6, 7], (4,))))
-                return new_epoch, await driver.next_result(30)
+                # stage 0 reconnects to its restarted neighbour within its backoff; a hand-off
+                # before that fails with UNAVAILABLE (the scheduler replans), so try a few times
+                for attempt in range(5):
+                    await driver.send(plan_to_pb(_plan(3 + attempt, 3 + attempt, [5, 6, 7], (4,))))
+                    result = await driver.next_result(30)
+                    if isinstance(result, worker_pb2.MicroBatchDone):
+                        break
+                    await asyncio.sleep(1.0)
+                return new_epoch, result
             finally:
                 await driver.close()
 

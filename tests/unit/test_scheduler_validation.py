@@ -55,6 +55,13 @@ def test_a_good_request_converts():
     assert default.options.max_tokens == 64 - 3  # the rest of the context
 
 
+def test_a_request_that_can_never_fit_in_kv_is_refused():
+    small = SchedulerConfig(max_model_len=4096, num_kv_blocks=8, block_size=16)
+    with pytest.raises(InvalidRequest, match="KV blocks"):
+        request_from_pb(msg(prompt=[5] * 100, tenant="", max_tokens=100), small, 512)
+    request_from_pb(msg(prompt=[5] * 50, tenant="", max_tokens=30), small, 512)
+
+
 def test_queue_bound_is_resource_exhausted():
     q = WaitingQueue("fcfs", max_len=2)
     for i in range(2):
