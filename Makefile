@@ -36,6 +36,10 @@ test: $(STAMP) check-protos
 run: $(STAMP)
 	$(VENV)/bin/pagoda serve
 
+# Benchmarks are never part of `make test`: a quick run of every comparison, under 10 minutes.
+bench: $(STAMP)
+	$(PY) -m services.cli bench --quick --plot --out bench/results
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check . || true

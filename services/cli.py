@@ -360,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.set_defaults(func=_cmd_gateway, parser=p)
 
+    p = sub.add_parser("bench", help="benchmarks against the baselines (JSON, Markdown, plots)")
+    from services import bench_cli
+
+    bench_cli.add_bench_arguments(p)
+    p.set_defaults(func=bench_cli.run_bench, parser=p)
+
     p = sub.add_parser("serve", help="serve a model: the whole stack as local processes")
     from services import serve
 

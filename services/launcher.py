@@ -147,6 +147,7 @@ def start_stack(
     host: str = "127.0.0.1",
     scheduler_args: Sequence[str] = (),
     worker_args: Sequence[str] = (),
+    kvcache_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     threads_per_worker: int | None = None,
     timeout_s: float = 120.0,
@@ -176,7 +177,8 @@ def start_stack(
     kv = ServiceProcess(
         "kvcache",
         pagoda_command("kvcache", "--host", host, "--port", str(kv_port), "--num-blocks",
-                       str(num_kv_blocks), "--block-size", str(block_size), *metrics_flag("kvcache")),
+                       str(num_kv_blocks), "--block-size", str(block_size), *kvcache_args,
+                       *metrics_flag("kvcache")),
         f"{host}:{kv_port}", env=env, log_path=log("kvcache"),
     )
     ports = [free_port(host) for _ in range(num_stages)]

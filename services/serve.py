@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
             model_dir, num_stages=n, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
             log_dir=log_dir, scheduler_args=engine_flags(args), threads_per_worker=threads,
             worker_args=(["--dtype", args.dtype] if args.dtype else []), metrics=args.metrics,
+            # one switch for both: the scheduler plans with it, the KV service caches with it
+            kvcache_args=([] if args.enable_prefix_caching else ["--no-prefix-caching"]),
         )
     except Exception as exc:
         print(f"error: the stack did not start: {exc}", file=sys.stderr)
