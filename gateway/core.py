@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services import telemetry
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.text import TextOutputProcessor, Tokenizer
@@ -110,6 +111,8 @@ class TextGenerator:
     (REST and gRPC alike). Its channel opens on first use and closes with `close`."""
 
     def __init__(self, scheduler_address: str, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self._tracing = telemetry.enabled()
+        self._tracer = telemetry.tracer("pagoda.gateway")
         self.scheduler_address = scheduler_address
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -192,7 +195,15 @@ class TextGenerator:
         """
         request_id = request_id or uuid.uuid4().hex
         stub = self._connect()
-        call = stub.Generate(self._request(request_id, prompt_ids, params, traceparent))
+        span = None
+        if self._tracing:  # the request's root span here; the scheduler's and stages' hang below
+            span = self._tracer.start_span(
+                "gateway.request", context=telemetry.context_from(traceparent),
+                attributes={"pagoda.request_id": request_id, "pagoda.num_prompt_tokens": len(prompt_ids)},
+            )
+            traceparent = telemetry.traceparent_of(span)
+        metadata = (("traceparent", traceparent),) if traceparent else None
+        call = stub.Generate(self._request(request_id, prompt_ids, params, traceparent), metadata=metadata)
         processors: dict[int, TextOutputProcessor] = {}
         done: set[int] = set()
         completion_tokens: dict[int, int] = {}
@@ -231,6 +242,8 @@ class TextGenerator:
         finally:
             if not call.done():
                 call.cancel()  # the scheduler aborts the request and frees its blocks
+            if span is not None:
+                span.end()
 
     def _choice_delta(self, resp, proc: TextOutputProcessor,
                       params: GenerationParams) -> ChoiceDelta | None:

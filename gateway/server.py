@@ -62,6 +62,9 @@ async def _track_health(generator: TextGenerator, servicer: health.aio.HealthSer
 async def serve(config: GatewayConfig) -> None:
     """Runs until SIGTERM or SIGINT, then drains. Raises ValueError when the model directory
     holds no usable tokenizer, OSError when a port cannot be bound."""
+    from services import telemetry
+
+    telemetry.setup_tracing("gateway")  # before the generator: it checks once whether tracing is on
     tokenizer = Tokenizer(config.model)
     generator = TextGenerator(config.scheduler_address, tokenizer, config.max_model_len)
     app = create_app(config, generator)

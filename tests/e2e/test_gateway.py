@@ -71,6 +71,7 @@ def stack(model_dir, tmp_path_factory):
                        "--max-body-bytes", str(MAX_BODY_BYTES), "--log-dir", str(logs),
                        "--ready-file", str(ready)),
         f"127.0.0.1:{grpc_port}", log_path=logs / "serve.log",
+        env={"PAGODA_SPANS_FILE": str(logs / "spans.jsonl")},  # every service writes its spans
     )
     serve.start()
     try:
@@ -387,3 +388,28 @@ def test_api_keys_and_a_graceful_drain(stack, model_dir, tmp_path):
             call(gateway.port, "GET", "/health")
     finally:
         gateway.stop()
+
+
+def test_one_trace_links_gateway_scheduler_and_both_stages(stack, client):
+    """OpenTelemetry: the gateway's span is the root; the scheduler's and each stage's hang under it."""
+    client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    path = stack.logs / "spans.jsonl"
+    for _ in range(50):
+        spans = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        roots = [sp for sp in spans if sp["name"] == "gateway.request"]
+        if roots:
+            trace_id = roots[-1]["trace_id"]
+            mine = [sp for sp in spans if sp["trace_id"] == trace_id]
+            if {"gateway", "scheduler", "worker-0", "worker-1"} <= {sp["service"] for sp in mine}:
+                break
+        time.sleep(0.1)
+    root = roots[-1]
+    by_name = {}
+    for sp in mine:
+        by_name.setdefault(sp["name"], []).append(sp)
+    # (the root's own parent is the client's span when its HTTP request carried a traceparent)
+    assert by_name["scheduler.request"][0]["parent_span_id"] == root["span_id"]
+    sched_id = by_name["scheduler.request"][0]["span_id"]
+    for name in ("stage0.compute", "stage1.compute"):
+        assert by_name[name] and all(sp["parent_span_id"] == sched_id for sp in by_name[name])
