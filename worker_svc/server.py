@@ -229,10 +229,12 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 except Exception as exc:  # a bug: report it, keep serving
                     log.exception("micro-batch %d failed", work.mb.micro_batch_id)
                     work.error = (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            # the result goes back to the scheduler as soon as compute ends, before the
+            # hand-off downstream, so that it reaches the scheduler ahead of the later stages'
+            # (a failed hand-off is reported afterwards as an error for the micro-batch)
+            self._finish(work)
             if work.error is None and not self.config.is_last:
                 await self._send_queue.put(work)
-            else:
-                self._finish(work)
 
     def _compute(self, work: _Work) -> None:
         """Runs on the executor thread: the only place this stage's tensors are touched."""
@@ -269,7 +271,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                         grpc.StatusCode.UNAVAILABLE,
                         f"next stage at {self.config.next_address} is unavailable: {_describe(exc)}",
                     )
-            self._finish(work)
+            if work.error is not None:
+                self._report_forward_failure(work)
 
     async def _ensure_call(self):
         if self._call is None:
@@ -299,6 +302,15 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         if self._call is call:
             self._call = None
             self.downstream_connected = False
+
+    def _report_forward_failure(self, work: _Work) -> None:
+        code, message = work.error
+        done = worker_pb2.MicroBatchDone(micro_batch_id=work.mb.micro_batch_id)
+        done.error.code = code.value[0]
+        done.error.message = message
+        self.num_failed += 1
+        log.warning("micro-batch %d not handed on: %s %s", work.mb.micro_batch_id, code.name, message)
+        self._emit(worker_pb2.StageEvent(stage_index=self.config.stage, epoch=self.epoch, done=done))
 
     def _finish(self, work: _Work) -> None:
         done = worker_pb2.MicroBatchDone(micro_batch_id=work.mb.micro_batch_id)
