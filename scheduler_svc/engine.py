@@ -178,6 +178,7 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 max_in_flight=config.max_in_flight,
+                pipeline_parallel_size=config.pipeline_parallel_size,
                 microbatch_size=config.microbatch_size,
                 max_model_len=config.max_model_len,
                 namespace=config.model or None,
@@ -200,6 +201,8 @@ class Engine:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_recoveries = 0
+        self.active_ns = 0  # wall time with at least one live request: the stages' chance to work
+        self._tick_ns = time.monotonic_ns()
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -252,6 +255,7 @@ class Engine:
         if request.request_id in self._live:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.planner.add(request)  # QueueFull propagates, nothing changed
+        self.update_active_time()  # the time before this arrival counts as idle if nothing was live
         live = _Live(request, asyncio.Queue(), arrival_ns=time.time_ns())
         if self._tracing:
             live.span = self._tracer.start_span(
@@ -308,9 +312,16 @@ class Engine:
 
     # --- the loop ----------------------------------------------------------------------------
 
+    def update_active_time(self) -> None:
+        now = time.monotonic_ns()
+        if self._live:
+            self.active_ns += now - self._tick_ns
+        self._tick_ns = now
+
     async def _loop(self) -> None:
         timeout = self.config.scheduler_timeout_ms / 1000
         while True:
+            self.update_active_time()
             try:
                 await self._dispatch()
                 try:

@@ -231,6 +231,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 total = stats.busy_ns + stats.idle_ns
                 ps.busy_fraction = stats.busy_ns / total if total else 0.0
                 ps.num_in_flight = stats.num_in_flight
+                # the bubble: time requests were live but this stage was not computing
+                engine.update_active_time()
+                ps.bubble_ns = max(0, engine.active_ns - stats.busy_ns)
             elif "busy_ns" in st:
                 uptime = resp.uptime_ns or 1
                 ps.busy_fraction = min(1.0, st["busy_ns"] / uptime)

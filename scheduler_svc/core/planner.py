@@ -45,6 +45,7 @@ class PlannerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     max_in_flight: int = 1
+    pipeline_parallel_size: int = 1
     microbatch_size: str | int = "auto"
     max_model_len: int = 4096
     namespace: str | None = None  # the model: prefixes are shared only within one
@@ -222,8 +223,12 @@ class Planner:
     def _seq_cap(self) -> int:
         if isinstance(self.config.microbatch_size, int):
             return self.config.microbatch_size
+        # "auto": the running sequences spread evenly over the stages, so that each stage has a
+        # micro-batch to work on; with one stage, no split (a second micro-batch in flight then
+        # carries only what the first could not: splitting would just double per-step overhead)
         live = sum(len(r.live_sequences) for r in self.running) + len(self.queue)
-        return max(1, math.ceil(live / self.config.max_in_flight))
+        ways = min(self.config.max_in_flight, self.config.pipeline_parallel_size)
+        return max(1, math.ceil(live / ways))
 
     def propose(self) -> Proposal:
         cfg = self.config

@@ -103,6 +103,7 @@ def test_64_concurrent_requests_equal_transformers_with_preemption(stack, refere
     assert any(e["event"] == "preempted" for e in events)
     assert s.kv_cache.num_used_blocks == 0
     assert all(st.busy_fraction > 0 for st in s.stages) and len(s.stages) == 2
+    assert all(0 < st.bubble_ns for st in s.stages)
 
 
 def test_abort_by_cancel_frees_blocks_and_spares_others(stack, reference):
