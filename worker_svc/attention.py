@@ -90,7 +90,15 @@ class TorchAttentionBackend:
         group = num_heads // num_kv_heads
         out = torch.empty_like(q)
         starts = metadata.query_start_loc_list
+        decodes = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+        batched: set[int] = set()
+        if len(decodes) > 1 and self._batch_decodes(decodes, metadata, num_kv_heads * head_dim):
+            # single-token rows in one batched computation, padded to the longest context
+            self._decode_batch(q, k_pool, v_pool, metadata, decodes, scale, sliding_window, out)
+            batched = set(decodes)
         for i, ctx in enumerate(metadata.context_lens_list):
+            if i in batched:
+                continue
             q_start, q_end = starts[i], starts[i + 1]
             num_new = q_end - q_start
             num_blocks = -(-ctx // block_size)
@@ -110,6 +118,41 @@ class TorchAttentionBackend:
             )
             out[q_start:q_end] = o.transpose(0, 1)
         return out
+
+    # Measured on CPU (one thread): batching single-token rows halves a decode step where the
+    # per-sequence loop's fixed cost dominates (tiny models: 3.0 vs 6.5 ms for 16 sequences),
+    # but costs more than it saves once each sequence's K/V is large (25M model, 200-token
+    # contexts: 80 vs 48 ms), where the fused SDPA kernel per sequence wins.
+    BATCH_DECODE_MAX_ELEMENTS = 16_384  # max context x num_kv_heads x head_dim
+
+    def _batch_decodes(self, rows, metadata, kv_width: int) -> bool:
+        max_ctx = max(metadata.context_lens_list[i] for i in rows)
+        return max_ctx * kv_width <= self.BATCH_DECODE_MAX_ELEMENTS
+
+    def _decode_batch(self, q, k_pool, v_pool, metadata, rows, scale, sliding_window, out) -> None:
+        """Single-token rows together: gather each one's blocks, mask the padding, two matmuls."""
+        block_size, num_kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
+        group = q.shape[1] // num_kv_heads
+        n = len(rows)
+        ctx_list = [metadata.context_lens_list[i] for i in rows]
+        max_ctx = max(ctx_list)
+        max_blocks = -(-max_ctx // block_size)
+        index = torch.tensor(rows, dtype=torch.long, device=q.device)
+        tables = metadata.block_tables[index, :max_blocks]  # [S, max_blocks]; padding reads block 0
+        k = k_pool[tables].view(n, max_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx]
+        v = v_pool[tables].view(n, max_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx]
+        token_rows = torch.tensor([metadata.query_start_loc_list[i] for i in rows], device=q.device)
+        qg = q[token_rows].view(n, num_kv_heads, group, head_dim)  # [S, Hkv, g, D]
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [S, Hkv, g, ctx]
+        ctx = torch.tensor(ctx_list, device=q.device)
+        pos = torch.arange(max_ctx, device=q.device)[None, :]
+        keep = pos < ctx[:, None]
+        if sliding_window is not None:
+            keep &= pos > (ctx[:, None] - 1 - sliding_window)
+        scores.masked_fill_(~keep[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        o = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [S, Hkv, g, D]
+        out[token_rows] = o.reshape(n, num_kv_heads * group, head_dim)
 
 
 def _mask(
