@@ -58,19 +58,25 @@ class SchedulerMetrics:
         self.stage_idle = Gauge("pagoda:stage_idle_seconds", "Seconds each stage waited.",
                                 labels + ["stage"], registry=r)
 
+        # the per-token paths use their labelled children directly
+        self._prompt_tokens = self.prompt_tokens.labels(model_name)
+        self._generation_tokens = self.generation_tokens.labels(model_name)
+        self._ttft = self.ttft.labels(model_name)
+        self._itl = self.itl.labels(model_name)
+
     # --- updated as requests flow -----------------------------------------------------------
 
     def on_arrival(self, num_prompt_tokens: int) -> None:
-        self.prompt_tokens.labels(self._model).inc(num_prompt_tokens)
+        self._prompt_tokens.inc(num_prompt_tokens)
 
     def on_tokens(self, num_tokens: int) -> None:
-        self.generation_tokens.labels(self._model).inc(num_tokens)
+        self._generation_tokens.inc(num_tokens)
 
     def on_first_token(self, seconds: float) -> None:
-        self.ttft.labels(self._model).observe(seconds)
+        self._ttft.observe(seconds)
 
     def on_inter_token(self, seconds: float) -> None:
-        self.itl.labels(self._model).observe(seconds)
+        self._itl.observe(seconds)
 
     def on_scheduled(self, queue_seconds: float) -> None:
         self.queue_time.labels(self._model).observe(queue_seconds)

@@ -10,6 +10,7 @@ It lives in `services/` so that `scheduler_svc` never imports `worker_svc` or to
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import uuid
 from collections.abc import Callable, Sequence
@@ -31,23 +32,29 @@ from scheduler_svc.engine import (
 )
 
 
+@functools.lru_cache(maxsize=4096)
+def _sampling_params(o: SamplingOptions, eos_token_ids: tuple[int, ...]):
+    """A request's parameters as the sampler takes them: built once, not per step."""
+    from worker_svc.sampler import SamplingParams
+
+    return SamplingParams(
+        temperature=o.temperature, top_k=o.top_k or None, top_p=o.top_p, min_p=o.min_p,
+        seed=o.seed, num_logprobs=o.logprobs, min_tokens=o.min_tokens,
+        stop_token_ids=o.stop_token_ids, eos_token_ids=eos_token_ids, ignore_eos=o.ignore_eos,
+    )
+
+
 def micro_batch_to_plan(mb: MicroBatch):
     """The scheduler's micro-batch as the stages' domain plan (no protobuf in between)."""
     from worker_svc.plan import SeqChunk, StagePlan
-    from worker_svc.sampler import SampleRow, SamplingParams
+    from worker_svc.sampler import SampleRow
 
     seqs = []
     for s in mb.seqs:
         seq, request = s.seq, s.seq.request
         row = None
         if s.sample:
-            o = request.options
-            params = SamplingParams(
-                temperature=o.temperature, top_k=o.top_k or None, top_p=o.top_p, min_p=o.min_p,
-                seed=o.seed, num_logprobs=o.logprobs, min_tokens=o.min_tokens,
-                stop_token_ids=o.stop_token_ids, eos_token_ids=request.eos_token_ids,
-                ignore_eos=o.ignore_eos,
-            )
+            params = _sampling_params(request.options, tuple(request.eos_token_ids))
             row = SampleRow(seq.seq_id, params, seq.index, len(seq.output), seq.entropy_seed)
         seqs.append(SeqChunk(seq.seq_id, s.num_tokens, s.context_len, s.slot_mapping,
                              s.block_table, tuple(s.token_ids), row))
