@@ -294,6 +294,7 @@ class Engine:
             if finished is not None:
                 self._live.pop(request_id, None)
                 self.num_finished += 1
+                self.metrics.on_finished("stop", self.clock() - finished.arrival_s)
                 live.outputs.put_nowait(self._final(live, error=None))
             self._wake()
             return True
@@ -415,6 +416,8 @@ class Engine:
                 return
             log.warning("micro-batch %d failed on stage %d: %s %s", event.micro_batch_id,
                         event.stage_index, event.code, event.message)
+            self._dispatched_ns.pop(event.micro_batch_id, None)
+            self._mb_seqs.pop(event.micro_batch_id, None)
             if event.code == "UNAVAILABLE":
                 self._mark_unhealthy(f"stage {event.stage_index}: {event.message}")
                 return
@@ -426,6 +429,8 @@ class Engine:
                 if live.failures >= self.config.max_request_failures:
                     self.planner.abort(request.request_id, now)
                     self._live.pop(request.request_id, None)
+                    self.num_aborted += 1
+                    self.metrics.on_finished("error", now - request.arrival_s)
                     self._fail(live, "INTERNAL", f"stage {event.stage_index}: {event.code} {event.message}")
             self._drain_decisions()
         elif isinstance(event, StageDownEvent):
@@ -549,6 +554,10 @@ class Engine:
         if self._unhealthy_since is None:
             self._unhealthy_since = self.clock()
         hit = self.planner.reset_all(self.clock())
+        self._dispatched_ns.clear()
+        self._mb_seqs.clear()
+        for live in self._live.values():
+            live.step_spans.clear()
         self._drain_decisions()
         self._emit_trace({"event": "reset", "reason": detail, "preempted": [r.request_id for r in hit]})
 
@@ -560,6 +569,8 @@ class Engine:
                 for live in list(self._live.values()):
                     self.planner.abort(live.request.request_id, self.clock())
                     self._live.pop(live.request.request_id, None)
+                    self.num_aborted += 1
+                    self.metrics.on_finished("error", self.clock() - live.request.arrival_s)
                     self._fail(live, "UNAVAILABLE", f"pipeline unavailable: {self.health_detail}")
                 self._unhealthy_since = self.clock()
             try:

@@ -73,6 +73,11 @@ class ScheduledSeq:
     slot_mapping: tuple[int, ...]
     block_table: tuple[int, ...]
     sample: bool
+    seq_id: int = -1  # the id it was scheduled under (a sequence re-admitted later gets another)
+
+    def __post_init__(self) -> None:
+        if self.seq_id < 0:
+            self.seq_id = self.seq.seq_id
 
     @property
     def num_tokens(self) -> int:
@@ -134,7 +139,6 @@ class Planner:
         self.requests: dict[str, Request] = {}
         self.in_flight: dict[int, MicroBatch] = {}
         self._busy: set[int] = set()
-        self._seqs: dict[int, Sequence] = {}
         self._next_seq_id = 1
         self._next_mb_id = 1
         self._admission_counter = 0
@@ -179,6 +183,7 @@ class Planner:
         request.transition(RequestState.ABORTED, now)
         request.finished_s = now
         del self.requests[request_id]
+        self._rank.pop(request_id, None)
         self._trace("aborted", request)
         return request
 
@@ -196,14 +201,23 @@ class Planner:
         seq.finish_reason = FinishReason.STOP
         self._drop_kv(seq)
         self._trace("choice_stopped", request, index=index)
-        if request.all_finished and request.state == RequestState.DECODING:
-            request.transition(RequestState.FINISHED, now)
-            request.finished_s = now
+        if not request.all_finished:
+            return None
+        if request in self.queue:
+            self.queue.remove(request)
+        if request in self.running:
             self.running.remove(request)
-            del self.requests[request_id]
-            self._trace("finished", request, output_tokens=request.num_output_tokens)
-            return request
-        return None
+        self._rank.pop(request_id, None)
+        del self.requests[request_id]
+        request.finished_s = now
+        if request.state == RequestState.DECODING:
+            request.transition(RequestState.FINISHED, now)
+        else:  # its last choices ended while it was waiting or recomputing
+            if request.state == RequestState.PREEMPTED:
+                request.transition(RequestState.WAITING, now)
+            request.transition(RequestState.ABORTED, now)
+        self._trace("finished", request, output_tokens=request.num_output_tokens)
+        return request
 
     # --- planning ------------------------------------------------------------------------
 
@@ -296,6 +310,8 @@ class Planner:
             if budget <= 0 or n_seqs >= seq_cap:
                 break
             seqs = request.live_sequences if request.sequences else None
+            if seqs == []:
+                continue  # every choice ended while it waited (finish_choice takes it out)
             if seqs is None:  # first admission: one sequence, or n when the prompt is one token
                 count = request.options.n if len(request.prompt) == 1 else 1
             else:
@@ -384,7 +400,9 @@ class Planner:
             result = output.results.get(seq.seq_id)
             if isinstance(result, Allocated):
                 scheduled[seq.seq_id] = (seq, result)
-            elif isinstance(result, NoBlocks) and not seq.is_prefill:
+            elif isinstance(result, NoBlocks):
+                # a decode or a prefill chunk: either way the lowest-ranked request (maybe this
+                # one) gives its blocks back, or two half-prefilled requests could wait forever
                 starving.append(seq)
         for seq, new_id in proposal.readmits:
             result = output.results.get(new_id)
@@ -469,10 +487,10 @@ class Planner:
         updates = []
         for s in mb.seqs:
             seq = s.seq
-            self._busy.discard(seq.seq_id)
+            self._busy.discard(s.seq_id)
             request = seq.request
-            if not request.state.is_live or not seq.has_kv or seq.is_finished:
-                continue  # aborted or preempted while in flight
+            if not request.state.is_live or not seq.has_kv or seq.is_finished or seq.seq_id != s.seq_id:
+                continue  # aborted or preempted while in flight (and maybe re-admitted since)
             seq.num_computed = s.context_len
             new_tokens, new_logprobs = [], []
             for token, logprob in by_id.get(seq.seq_id, []):
@@ -497,6 +515,7 @@ class Planner:
                 request.finished_s = now
                 self.running.remove(request)
                 del self.requests[request.request_id]
+                self._rank.pop(request.request_id, None)
                 self._trace("finished", request, output_tokens=request.num_output_tokens)
         return updates
 
@@ -508,8 +527,10 @@ class Planner:
         self._pending_failed.append(mb_id)
         hit: list[Request] = []
         for s in mb.seqs:
-            self._busy.discard(s.seq.seq_id)
+            self._busy.discard(s.seq_id)
             request = s.seq.request
+            if s.seq.seq_id != s.seq_id:
+                continue  # already preempted and re-admitted: this entry is stale
             if request in self.running and request not in hit:
                 hit.append(request)
         for request in hit:
@@ -556,7 +577,7 @@ class Planner:
         return Sequence(self._take_seq_id(), request, index, entropy_seed=_entropy(request, index))
 
     def _register(self, seq: Sequence) -> None:
-        self._seqs[seq.seq_id] = seq
+        """(Sequences are reached through their requests; nothing to index.)"""
 
     def _take_seq_id(self) -> int:
         seq_id = self._next_seq_id
@@ -564,10 +585,7 @@ class Planner:
         return seq_id
 
     def _renumber(self, seq: Sequence, new_id: int) -> None:
-        if self._seqs.get(seq.seq_id) is seq:
-            del self._seqs[seq.seq_id]
         seq.seq_id = new_id
-        self._seqs[new_id] = seq
 
     def _admit(self, request: Request, now: float) -> None:
         self.queue.admit(request)
@@ -602,11 +620,11 @@ class Planner:
                 seq.has_kv = False
                 seq.block_table = ()
             seq.num_computed = 0
-            self._busy.discard(seq.seq_id)
         if request.sequences and len(request.sequences) < request.options.n:
             # preempted before its fork: the first choice restarts, the fork comes again
             del request.sequences[1:]
         self.running.remove(request)
+        self._rank.pop(request.request_id, None)
         request.transition(RequestState.PREEMPTED, now)
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -646,14 +664,12 @@ class Planner:
     def num_running_seqs(self) -> int:
         return sum(len(r.live_sequences) for r in self.running)
 
-    def seq(self, seq_id: int) -> Sequence | None:
-        return self._seqs.get(seq_id)
 
     def check_integrity(self) -> None:
         for request in self.running:
             assert request.state in (RequestState.PREFILLING, RequestState.DECODING), request.state
             assert request not in self.queue
-        busy = {s.seq.seq_id for mb in self.in_flight.values() for s in mb.seqs}
+        busy = {s.seq_id for mb in self.in_flight.values() for s in mb.seqs}
         assert busy == self._busy, (busy, self._busy)
         self.queue.check_integrity()
 

@@ -296,3 +296,92 @@ def test_kv_contents_stay_right_under_preemption_with_prefix_caching():
                 assert seq.output == expected_output(r.prompt, r.options.max_tokens), (seed, r.request_id)
         assert sim.kv.stats().num_used_blocks == 0, seed
     assert preempted > 50
+
+
+# --- regressions found in review -----------------------------------------------------------
+
+
+def _plan(sim):
+    sim.now += 1
+    proposal = sim.planner.propose()
+    mb = sim.planner.finalize(proposal, sim.kv.step(proposal.step_input), sim.now)
+    if mb is not None:
+        sim.check_and_write_kv(mb)
+    return mb
+
+
+def _result(sim, mb):
+    sampled = [(s.seq.seq_id, next_token(s.seq.all_tokens()), None) for s in mb.seqs if s.sample]
+    return sim.planner.on_result(mb.micro_batch_id, sampled, sim.now)
+
+
+def test_two_half_prefilled_requests_do_not_deadlock():
+    """Two micro-batches in flight admit two long prompts that cannot both fit: the lower-ranked
+    one must give its blocks back rather than both waiting forever."""
+    sim = Sim(num_blocks=12, block_size=4, max_num_batched_tokens=16, max_num_seqs=4, max_in_flight=2)
+    a = sim.add("a", list(range(5, 45)), max_tokens=2)  # 40 tokens = 10 blocks each
+    b = sim.add("b", list(range(100, 140)), max_tokens=2)
+    in_flight = []
+    for _ in range(300):
+        while len(sim.planner.in_flight) < 2:
+            mb = _plan(sim)
+            if mb is None:
+                break
+            in_flight.append(mb)
+        if in_flight:
+            _result(sim, in_flight.pop(0))
+        elif not sim.planner.requests:
+            break
+        sim.planner.check_integrity()
+    assert a.state == b.state == RequestState.FINISHED
+    assert a.sequences[0].output == expected_output(a.prompt, 2)
+    assert b.sequences[0].output == expected_output(b.prompt, 2)
+
+
+def test_a_stale_result_after_failure_and_readmission_is_ignored():
+    sim = Sim(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8, max_in_flight=2,
+              pipeline_parallel_size=2, microbatch_size=1)
+    r = sim.add("r", list(range(5, 13)), max_tokens=20, n=2)
+    for _ in range(10):
+        mb = _plan(sim)
+        if mb:
+            _result(sim, mb)
+        if len(r.sequences) == 2 and all(len(s.output) >= 2 for s in r.sequences):
+            break
+    mb1, mb2 = _plan(sim), _plan(sim)  # one choice in each
+    assert sim.planner.on_failure(mb1.micro_batch_id, sim.now) == [r]
+    mb3 = _plan(sim)  # r comes back under new ids while mb2 is still in flight
+    assert mb3 is not None
+    assert _result(sim, mb2) == []  # mb2's entry is stale: nothing applied
+    sim.planner.check_integrity()
+    while sim.planner.requests:
+        for mb in list(sim.planner.in_flight.values()):
+            _result(sim, mb)
+        mb = _plan(sim)
+        if mb:
+            _result(sim, mb)
+    for seq in r.sequences:
+        assert seq.output == expected_output(r.prompt, 20)
+
+
+def test_stopping_every_choice_of_a_waiting_request_frees_the_queue():
+    sim = Sim(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+    r = sim.add("r", list(range(5, 13)), max_tokens=20, n=2)
+    for _ in range(4):
+        sim.step()
+    sim.planner.finish_choice("r", 0, sim.now)
+    sim.planner.reset_all(sim.now)  # a stage went down: r waits again
+    assert sim.planner.finish_choice("r", 1, sim.now) is r and not r.state.is_live
+    c = sim.add("c", [7, 8, 9], max_tokens=2)
+    sim.kv.reset()
+    sim.run()
+    assert c.state == RequestState.FINISHED and not sim.planner.requests and len(sim.planner.queue) == 0
+
+
+def test_no_state_is_left_behind():
+    sim = Sim(num_blocks=128, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    for i in range(30):
+        sim.add(f"r{i}", [5 + i, 6, 7, 8], max_tokens=3, n=1 + i % 2)
+    sim.run()
+    p = sim.planner
+    assert not p.requests and not p.running and not p._rank and not p._completion_guard and not p._busy
