@@ -25,7 +25,7 @@ from typing import Protocol
 from kvcache_svc.core.types import StepOutput
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.planner import MicroBatch, Planner, PlannerConfig, SeqUpdate
-from scheduler_svc.core.queue import QueueFull, WaitingQueue
+from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestState
 from scheduler_svc.metrics import SchedulerMetrics
 from services import telemetry
@@ -102,9 +102,6 @@ class KVClient(Protocol):
     async def stats(self): ...
 
 
-class ServiceUnavailable(Exception):
-    """The pipeline or the KV service is down and did not come back in time."""
-
 
 # --- what clients receive -------------------------------------------------------------
 
@@ -163,6 +160,7 @@ class Engine:
         self._seen_preemptions = 0
         self._tracing = telemetry.enabled()
         self._mb_seqs: dict[int, list[str]] = {}
+        self._timelines: set[str] = set()  # live requests that asked for a timeline
         self._tracer = telemetry.tracer("pagoda.scheduler")
         self.kv = kv
         self.transport = transport
@@ -267,6 +265,8 @@ class Engine:
             # the stages' spans hang under the scheduler's span of the request
             request.trace_context = telemetry.traceparent_of(live.span)
         self._live[request.request_id] = live
+        if request.debug_timeline:
+            self._timelines.add(request.request_id)
         self.num_prompt_tokens += len(request.prompt)
         self.metrics.on_arrival(len(request.prompt))
         self._wake()
@@ -355,11 +355,7 @@ class Engine:
             mb = planner.finalize(proposal, output, self.clock())
             self._drain_decisions()
             if mb is None:
-                if not proposal.has_work or not planner.has_schedulable():
-                    return
-                if not planner.in_flight:
-                    return  # nothing fits now; a result or an event will change that
-                return
+                return  # nothing fits now (or only housekeeping): a result or an event changes that
             self.num_micro_batches += 1
             self.metrics.on_micro_batch(mb.num_tokens)
             self._note_preemptions()
@@ -476,6 +472,7 @@ class Engine:
 
     def _final(self, live: _Live, error: tuple[str, str] | None, aborted: bool = False) -> RequestOutput:
         r = live.request
+        self._timelines.discard(r.request_id)
         self._end_span(live, "aborted" if aborted else ("error" if error else "finished"))
         deltas = []
         if aborted:
@@ -517,9 +514,7 @@ class Engine:
                 if live is not None and live.span is not None and mb_id in live.step_spans:
                     self._child_span(live, "scheduler.step", live.step_spans.pop(mb_id), now_ns,
                                      {"pagoda.micro_batch_id": mb_id})
-        for live in self._live.values():
-            if not live.request.debug_timeline:
-                continue
+        for live in [self._live[r] for r in self._timelines if r in self._live]:
             steps = [e for e in live.timeline if e.get("micro_batch_id") == mb_id and e["name"] == "step"]
             if not steps:
                 continue
@@ -626,6 +621,3 @@ class Engine:
             "health_detail": self.health_detail,
         }
 
-
-def is_queue_full(exc: BaseException) -> bool:
-    return isinstance(exc, QueueFull)

@@ -138,6 +138,33 @@ class Stack:
         stop_all(self.processes, grace_s)
 
 
+def worker_chain(
+    model_dir: str,
+    num_stages: int,
+    num_kv_blocks: int,
+    block_size: int,
+    host: str = "127.0.0.1",
+    threads: int = 1,
+    extra_args=lambda k: (),
+    env: dict[str, str] | None = None,
+    log_dir: Path | None = None,
+) -> list[ServiceProcess]:
+    """`pagoda worker` processes (not started) for stages 0..N-1, each pointing at the next."""
+    ports = [free_port(host) for _ in range(num_stages)]
+    workers = []
+    for k in range(num_stages):
+        args = ["worker", "--model", model_dir, "--stage", str(k), "--num-stages", str(num_stages),
+                "--host", host, "--port", str(ports[k]), "--num-kv-blocks", str(num_kv_blocks),
+                "--block-size", str(block_size), "--num-threads", str(threads), *extra_args(k)]
+        if k < num_stages - 1:
+            args += ["--next", f"{host}:{ports[k + 1]}"]
+        workers.append(ServiceProcess(
+            f"worker-{k}", pagoda_command(*args), f"{host}:{ports[k]}", env=dict(env or {}),
+            log_path=(log_dir / f"worker-{k}.log") if log_dir else None,
+        ))
+    return workers
+
+
 def start_stack(
     model_dir: str,
     num_stages: int = 2,
@@ -181,17 +208,10 @@ def start_stack(
                        *metrics_flag("kvcache")),
         f"{host}:{kv_port}", env=env, log_path=log("kvcache"),
     )
-    ports = [free_port(host) for _ in range(num_stages)]
-    workers = []
-    for k in range(num_stages):
-        args = ["worker", "--model", model_dir, "--stage", str(k), "--num-stages", str(num_stages),
-                "--host", host, "--port", str(ports[k]), "--num-kv-blocks", str(num_kv_blocks),
-                "--block-size", str(block_size), "--num-threads", str(threads), *worker_args,
-                *metrics_flag(f"worker-{k}")]
-        if k < num_stages - 1:
-            args += ["--next", f"{host}:{ports[k + 1]}"]
-        workers.append(ServiceProcess(f"worker-{k}", pagoda_command(*args), f"{host}:{ports[k]}",
-                                      env=env, log_path=log(f"worker-{k}")))
+    workers = worker_chain(
+        model_dir, num_stages, num_kv_blocks, block_size, host, threads,
+        extra_args=lambda k: [*worker_args, *metrics_flag(f"worker-{k}")], env=env, log_dir=log_dir,
+    )
     sched_port = free_port(host)
     scheduler = ServiceProcess(
         "scheduler",

@@ -391,7 +391,6 @@ class Planner:
         for parent, children in proposal.forks:
             for child in children:
                 parent.request.sequences.append(child)
-                self._register(child)
                 child.has_kv = True
                 child.num_computed = parent.num_computed
         for seq in proposal.appends + [s for _, ch in proposal.forks for s in ch] + [
@@ -575,9 +574,6 @@ class Planner:
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         """A new choice, not yet attached to its request (finalize attaches it)."""
         return Sequence(self._take_seq_id(), request, index, entropy_seed=_entropy(request, index))
-
-    def _register(self, seq: Sequence) -> None:
-        """(Sequences are reached through their requests; nothing to index.)"""
 
     def _take_seq_id(self) -> int:
         seq_id = self._next_seq_id

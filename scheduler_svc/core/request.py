@@ -109,7 +109,6 @@ class Sequence:
     has_kv: bool = False  # the KV service holds this sequence
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
-    num_emitted: int = 0  # output tokens already streamed to the client
 
     @property
     def num_tokens(self) -> int:

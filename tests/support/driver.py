@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from worker_svc.plan import SeqChunk, StagePlan, without_tokens  # noqa: F401
+from worker_svc.plan import SeqChunk, StagePlan, without_tokens
 from worker_svc.runner import StageRunner
 from worker_svc.sampler import SampleRow, SamplingParams
 
