@@ -417,3 +417,31 @@ def test_one_trace_links_gateway_scheduler_and_both_stages(stack, client):
     sched_id = by_name["scheduler.request"][0]["span_id"]
     for name in ("stage0.compute", "stage1.compute"):
         assert by_name[name] and all(sp["parent_span_id"] == sched_id for sp in by_name[name])
+
+
+def test_generated_grpc_client_against_the_served_gateway(stack, reference):
+    """The public gRPC API of the `pagoda serve` gateway, through a generated stub."""
+    from services.pb import gateway_pb2, gateway_pb2_grpc
+
+    prompt = [5, 17, 300, 42, 9, 11]
+
+    async def go():
+        async with aio_channel(stack.gateway.health_address) as channel:
+            stub = gateway_pb2_grpc.GenerationStub(channel)
+            req = gateway_pb2.TextGenerateRequest(model="tiny")
+            req.token_ids.ids.extend(prompt)
+            req.options.sampling_params.max_tokens = 10
+            req.options.sampling_params.temperature = 0.0
+            req.options.sampling_params.ignore_eos = True
+            ids, text, usage = [], "", None
+            async for msg in stub.Generate(req):
+                for delta in msg.choices:
+                    ids.extend(delta.token_ids)
+                    text += delta.text
+                if msg.HasField("usage"):
+                    usage = msg.usage
+            return ids, text, usage
+
+    ids, text, usage = asyncio.run(go())
+    assert len(ids) == 10 and usage.num_completion_tokens == 10
+    assert reference.compare(prompt, ids).tie_divergences == 0
