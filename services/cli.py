@@ -20,12 +20,27 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
         spec = tiny_model.spec_from_args(args)
     except ValueError as exc:
         args.parser.error(str(exc))
+    finish, trained = None, {}
+    if args.train_steps:
+        from services.tiny_train import TrainingRecipe, train_tiny_model
+
+        try:
+            recipe = TrainingRecipe(steps=args.train_steps, seed=spec.seed)
+        except ValueError as exc:
+            args.parser.error(f"--train-steps: {exc}")
+
+        def finish(path: Path) -> None:
+            trained.update(train_tiny_model(path, recipe))
+
     try:
-        out = tiny_model.make_tiny_model(args.out_dir, spec, overwrite=args.overwrite)
+        out = tiny_model.make_tiny_model(args.out_dir, spec, overwrite=args.overwrite, finish=finish)
     except FileExistsError as exc:
         print(f"error: {exc} (pass --overwrite to replace a model folder)", file=sys.stderr)
         return 1
-    print(f"wrote a {spec.arch} model with {spec.num_parameters:,} parameters to {out}")
+    how = (f"trained for {args.train_steps} steps (loss {trained['first_loss']:.2f} -> "
+           f"{trained['final_loss']:.2f}, held-out {trained['held_out_loss']:.2f})"
+           if trained else "random")
+    print(f"wrote a {spec.arch} model with {spec.num_parameters:,} parameters ({how}) to {out}")
     return 0
 
 
@@ -271,11 +286,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("tiny-model", help="write a small random Hugging Face checkpoint, offline")
+    p = sub.add_parser("tiny-model", help="write a small Hugging Face checkpoint (random or briefly trained), offline")
     p.add_argument("out_dir", type=Path, help="directory to write (created; replaced if it exists)")
     from services import tiny_model
 
     p.add_argument("--overwrite", action="store_true", help="replace an existing model folder")
+    p.add_argument("--train-steps", type=int, default=0, metavar="N",
+                   help="train the model for N steps on its tokenizer's text (needs torch; "
+                        "default 0: random weights)")
     tiny_model.add_cli_arguments(p)
     p.set_defaults(func=_cmd_tiny_model, parser=p)
 
@@ -299,7 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads (default: cores / num-stages, at least 1)")
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 8192, int))
     p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 256, int))
-    p.add_argument("--attention-backend", default=_env("attention_backend", "torch"))
+    p.add_argument("--attention-backend", default=_env("attention_backend"),
+                   choices=["torch", "triton"],
+                   help="default: triton on CUDA, torch (the reference) on the CPU")
     p.add_argument("--quantization", default=_env("quantization"), choices=[None, "fp8"])
     p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None, int),
                    help="serve Prometheus metrics on this port (off by default)")

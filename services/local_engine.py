@@ -126,16 +126,17 @@ def build_local_engine(
     num_kv_blocks: int = 1024,
     dtype: str = "auto",
     device: str | None = None,
-    attention_backend: str = "torch",
+    attention_backend: str | None = None,
 ) -> Engine:
     """Every part in this process: KV manager, scheduler engine, stage runners."""
-    from worker_svc.device import resolve_device
+    from worker_svc.device import default_attention_backend, resolve_device
     from worker_svc.loader import load_stage
     from worker_svc.model_config import ModelConfig
     from worker_svc.runner import StageRunner
 
     n = config.pipeline_parallel_size
     dev = resolve_device(device)
+    attention_backend = attention_backend or default_attention_backend(dev)
     runners = [
         StageRunner(load_stage(model_dir, k, n, dtype=dtype, device=dev), num_kv_blocks,
                     config.block_size, attention_backend)

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         stack = start_stack(
             model_dir, num_stages=n, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
             log_dir=log_dir, scheduler_args=engine_flags(args), threads_per_worker=threads,
-            worker_args=(["--dtype", args.dtype] if args.dtype else []), metrics=args.metrics,
+            worker_args=worker_flags(args), metrics=args.metrics,
             # one switch for both: the scheduler plans with it, the KV service caches with it
             kvcache_args=([] if args.enable_prefix_caching else ["--no-prefix-caching"]),
         )
@@ -158,6 +158,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """The stage workers' flags that `pagoda serve` passes through (every stage the same)."""
+    flags = []
+    for name in ("dtype", "device", "attention_backend", "quantization"):
+        value = getattr(args, name, None)
+        if value:
+            flags += [f"--{name.replace('_', '-')}", value]
+    return flags
+
+
 def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--model", default=env("model"), help="checkpoint directory (default: the tiny model)")
     p.add_argument("--host", default=env("host", "127.0.0.1"), help="the gateway's bind address")
@@ -166,6 +176,12 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--served-model-name", default=env("served_model_name"))
     p.add_argument("--api-keys-file", default=env("api_keys_file"))
     p.add_argument("--dtype", default=env("dtype"), choices=[None, "auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=env("device"),
+                   help="every stage's device: cpu, cuda or cuda:N (default: cuda when present)")
+    p.add_argument("--attention-backend", default=env("attention_backend"), choices=["torch", "triton"],
+                   help="default: triton on CUDA, torch on the CPU")
+    p.add_argument("--quantization", default=env("quantization"), choices=["fp8"],
+                   help="fp8: linear-layer weights in float8_e4m3fn, per-output-channel scales")
     p.add_argument("--num-threads", type=int, default=env("num_threads", None, int),
                    help="torch threads per stage (default: cores / stages)")
     p.add_argument("--max-body-bytes", type=int, default=env("max_body_bytes", None, int))
@@ -177,4 +193,4 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--max-restarts", type=int, default=env("max_restarts", 3, int))
 
 
-__all__ = ["add_arguments", "engine_flags", "free_port", "run"]
+__all__ = ["add_arguments", "engine_flags", "free_port", "run", "worker_flags"]

@@ -30,7 +30,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -230,8 +230,11 @@ PRESETS: dict[str, TinyModelSpec] = {"tiny": DEFAULT_SPEC, "25m": SPEC_25M}
 
 
 def make_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec = DEFAULT_SPEC, *,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, finish: Callable[[Path], object] | None = None) -> Path:
     """Write a checkpoint for `spec` into `out_dir` and return its path.
+
+    `finish`, if given, is called on the complete checkpoint before it is moved into place
+    (e.g. `services.tiny_train.train_tiny_model`, which replaces the random weights).
 
     The files are written into a temporary folder next to `out_dir` and renamed into place,
     so `out_dir` never holds a half-written model. An existing non-empty `out_dir` raises
@@ -248,6 +251,8 @@ def make_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec = DEFAU
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         _write_checkpoint(tmp_dir, spec)
+        if finish is not None:
+            finish(tmp_dir)
         os.chmod(tmp_dir, 0o755)  # mkdtemp's 0o700 would hide the model from other users
         if overwrite and _is_nonempty_dir(out_dir):
             old_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))

@@ -53,6 +53,14 @@ def model_factory(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def trained_model_dir(tmp_path_factory):
+    """A tiny model trained briefly on its tokenizer's text (support/trained.py), ~20 s."""
+    from support.trained import make_trained_model
+
+    return make_trained_model(tmp_path_factory.mktemp("trained") / "model")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA; CI never has one, so they are skipped there."""
     try:

@@ -391,7 +391,7 @@ def _describe(exc: BaseException) -> str:
 
 async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_port: int | None = None) -> None:
     """Load the stage, serve until SIGTERM/SIGINT, then stop cleanly."""
-    from worker_svc.device import resolve_device
+    from worker_svc.device import default_attention_backend, resolve_device
     from worker_svc.loader import load_stage
 
     telemetry.setup_tracing(f"worker-{config.stage}")
@@ -406,7 +406,8 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
         device,
         quantization=config.quantization,
     )
-    runner = StageRunner(model, config.num_kv_blocks, config.block_size, config.attention_backend)
+    backend = config.attention_backend or default_attention_backend(device)
+    runner = StageRunner(model, config.num_kv_blocks, config.block_size, backend)
     service = StageService(config, runner)
     server, port, health = create_aio_server(config.address, service.max_message_bytes)
     worker_pb2_grpc.add_StageWorkerServicer_to_server(service, server)

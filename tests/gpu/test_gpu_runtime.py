@@ -10,9 +10,12 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from unit.test_fp8 import QUALITY_SPEC, all_logits, fixed_prompts  # noqa: E402
+from support.logits import all_logits  # noqa: E402
+from support.trained import make_trained_model  # noqa: E402
+from unit.test_fp8 import QUALITY_SPEC, quality_figures  # noqa: E402
 
 from services.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
+from services.tiny_train import held_out_windows  # noqa: E402
 from worker_svc.device import check_dtype, default_attention_backend, resolve_device  # noqa: E402
 from worker_svc.loader import load_stage  # noqa: E402
 from worker_svc.quantization import Fp8Linear, scaled_mm_supported, weight_bytes  # noqa: E402
@@ -22,7 +25,8 @@ CUDA = torch.device("cuda", torch.cuda.current_device())
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("gpu-fp8"), TinyModelSpec(**QUALITY_SPEC))
+    # the trained model of tests/unit/test_fp8.py (this file runs without the conftest)
+    return make_trained_model(tmp_path_factory.mktemp("gpu-fp8") / "model")
 
 
 def test_resolve_device_on_cuda():
@@ -48,21 +52,23 @@ def test_fp8_linear_on_cuda_matches_dequantized():
     assert float((got - want).norm() / want.norm()) < 0.06
 
 
+def test_fp8_weight_bytes_on_cuda(tmp_path):
+    # the random model of tests/unit/test_fp8.py, whose linear layers hold most weights
+    model_dir = make_tiny_model(tmp_path / "random", TinyModelSpec(**QUALITY_SPEC))
+    reference = load_stage(model_dir, dtype="bfloat16", device=CUDA)
+    quantized = load_stage(model_dir, dtype="bfloat16", device=CUDA, quantization="fp8")
+    assert weight_bytes(quantized) <= 0.55 * weight_bytes(reference)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp8_model_on_cuda(model_dir, dtype):
     reference = load_stage(model_dir, dtype=dtype, device=CUDA)
     quantized = load_stage(model_dir, dtype=dtype, device=CUDA, quantization="fp8")
-    if dtype == "bfloat16":
-        assert weight_bytes(quantized) <= 0.55 * weight_bytes(reference)
-    seqs = fixed_prompts(reference.config.vocab_size)
+    seqs = held_out_windows(model_dir, 32, 64, seed=2024)
     want, got = all_logits(reference, seqs).cpu(), all_logits(quantized, seqs).cpu()
-    agree = want.argmax(-1) == got.argmax(-1)
-    top2 = want.topk(2, dim=-1).values
-    confident = (top2[..., 0] - top2[..., 1]) > 1.0
-    figures = (f"{dtype}, scaled_mm={scaled_mm_supported(CUDA) and dtype == 'bfloat16'}: agreement "
-               f"{float(agree.float().mean()):.3f}, {float(agree[confident].float().mean()):.3f} "
-               f"at margin > 1; max |logit error| {float((got - want).abs().max()):.3f}")  # fmt: skip
-    print(figures)
-    # CPU figures: 0.836 / 0.991; activations in FP8 as well cost some more
-    assert float(agree.float().mean()) >= 0.7, figures
-    assert float(agree[confident].float().mean()) >= 0.95, figures
+    figures = quality_figures(want, got)
+    figures["scaled_mm"] = scaled_mm_supported(CUDA) and dtype == "bfloat16"
+    print(dtype, figures)
+    # CPU figures: 0.988 (float32). With activations in FP8 as well (scaled_mm), a CPU
+    # emulation of the same arithmetic gives 0.976.
+    assert figures["agreement"] >= 0.95, figures

@@ -48,3 +48,18 @@ def test_serve_passes_engine_settings_to_the_scheduler():
     assert flags[flags.index("--tenant-weights") + 1] == "a=3.0,b=1.0"
     sched = build_parser().parse_args(["scheduler", "--model", "m", "--kvcache", "x:1", "--stages", "y:2", *flags])
     assert sched.async_scheduling is False and sched.max_num_seqs == 7 and sched.scheduler_policy == "hybrid"
+
+
+def test_serve_passes_device_settings_to_every_worker():
+    from services.cli import build_parser
+    from services.serve import worker_flags
+
+    args = build_parser().parse_args(
+        ["serve", "--dtype", "bfloat16", "--device", "cuda:1", "--quantization", "fp8",
+         "--attention-backend", "triton"]
+    )
+    flags = worker_flags(args)
+    worker = build_parser().parse_args(["worker", "--model", "m", *flags])
+    assert (worker.dtype, worker.device, worker.quantization, worker.attention_backend) == (
+        "bfloat16", "cuda:1", "fp8", "triton")
+    assert worker_flags(build_parser().parse_args(["serve"])) == []

@@ -34,3 +34,12 @@ def test_cuda_without_cuda_is_refused(name):
 def test_unsupported_dtype_is_refused():
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         check_dtype(torch.device("cpu"), torch.float64)
+
+
+def test_worker_attention_backend_is_chosen_by_configuration():
+    from worker_svc.config import WorkerConfig
+
+    assert WorkerConfig(model="m").attention_backend is None  # resolved per device at start
+    assert WorkerConfig(model="m", attention_backend="triton").attention_backend == "triton"
+    with pytest.raises(ValueError, match="attention_backend"):
+        WorkerConfig(model="m", attention_backend="flash")
