@@ -187,7 +187,9 @@ class Engine:
         self.healthy = False
         self.health_detail = "starting"
         self._live: dict[str, _Live] = {}
+        # None (a wake-up) or (generation, event) from the stage connection of that generation
         self._events: asyncio.Queue = asyncio.Queue()
+        self._generation = 0  # of the stage connection: one more for each connect attempt
         self._task: asyncio.Task | None = None
         self._trace_file = open(config.trace_file, "a") if config.trace_file else None  # noqa: SIM115
         self._unhealthy_since: float | None = None
@@ -220,7 +222,14 @@ class Engine:
             self._trace_file.close()
 
     async def _connect(self) -> None:
-        self.stages = await self.transport.connect(self._events.put_nowait, timeout_s=30.0)
+        # events are tagged with the attempt they come from: a later attempt makes them stale
+        self._generation += 1
+        generation = self._generation
+
+        def on_event(event: object) -> None:
+            self._events.put_nowait((generation, event))
+
+        self.stages = await self.transport.connect(on_event, timeout_s=30.0)
         self._check_capacity()
         self.healthy = True
         self.health_detail = "serving"
@@ -395,9 +404,12 @@ class Engine:
                 self._mark_unhealthy(f"stage 0: {exc}")
                 return
 
-    def _handle(self, event) -> None:
-        if event is None:
+    def _handle(self, item: tuple[int, object] | None) -> None:
+        if item is None:  # a wake-up
             return
+        generation, event = item
+        if generation != self._generation:
+            return  # from a stage connection that a reconnect replaced
         now = self.clock()
         if isinstance(event, ResultEvent):
             if event.micro_batch_id not in self.planner.in_flight:
@@ -557,7 +569,12 @@ class Engine:
         self._emit_trace({"event": "reset", "reason": detail, "preempted": [r.request_id for r in hit]})
 
     async def _recover(self) -> None:
-        """Wait until the chain and the KV service answer again (new epochs), then continue."""
+        """Wait until the chain and the KV service answer again (new epochs), then continue.
+
+        Events queued meanwhile are handled before anything is dispatched: those of older
+        connections and results of reset micro-batches are dropped, but the new connection's
+        (a stage that went down again) count, and recovery goes on.
+        """
         while not self.healthy:
             waited = self.clock() - (self._unhealthy_since or self.clock())
             if waited > self.config.recovery_timeout_s:
@@ -577,11 +594,9 @@ class Engine:
             except Exception as exc:  # not yet
                 self.health_detail = f"recovering: {exc}"
                 await asyncio.sleep(0.5)
-        # events from before the reset are stale
-        while not self._events.empty():
-            event = self._events.get_nowait()
-            if isinstance(event, StageDownEvent):
                 continue
+            while self.healthy and not self._events.empty():
+                self._handle(self._events.get_nowait())
 
     # --- tracing and stats --------------------------------------------------------------------
 

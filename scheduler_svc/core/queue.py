@@ -15,11 +15,21 @@ is `base + aging_rate * arrival_s`, fixed at push time, and lists stay sorted.
 
 A preempted request keeps its place ahead of its peers: it sorts before every request that
 was never preempted (within its tenant for `hybrid`).
+
+Tenant records are bounded (tenants are free-form strings). A tenant with nothing waiting
+whose finish tag is not ahead of the virtual time is forgotten: a fresh record starts at
+the virtual time, so it would rank the same. When nothing waits at all (the end of a busy
+period, as in start-time fair queuing) the virtual time moves up to the largest finish tag,
+so every record goes. Only if more than `max_idle_tenants` idle tenants are still ahead of
+the virtual time (a saturated queue fed by ever new names) is the one nearest to it
+forgotten early, which credits it at most its last request's cost over its weight.
+Served-token counters outlive the records of configured tenants (`tenant_weights`) only.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -38,11 +48,14 @@ class _Tenant:
     weight: float
     finish_tag: float = 0.0
     entries: list[tuple[tuple, int, Request]] = field(default_factory=list)  # sorted
-    served_tokens: int = 0
 
 
 class WaitingQueue:
-    """Requests waiting for admission, in service order. One owner; not thread-safe."""
+    """Requests waiting for admission, in service order. One owner; not thread-safe.
+
+    Invariants: every tenant record either holds waiting entries or is idle with its finish
+    tag ahead of the virtual time; at most `max_idle_tenants` records are idle.
+    """
 
     def __init__(
         self,
@@ -51,15 +64,23 @@ class WaitingQueue:
         default_weight: float = 1.0,
         aging_rate: float = 0.0,
         max_len: int = 100_000,
+        max_idle_tenants: int = 1024,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduler_policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if max_idle_tenants < 0:
+            raise ValueError(f"max_idle_tenants: must be >= 0, got {max_idle_tenants}")
         self.policy = policy
         self.tenant_weights = dict(tenant_weights or {})
         self.default_weight = default_weight
         self.aging_rate = aging_rate
         self.max_len = max_len
+        self.max_idle_tenants = max_idle_tenants
         self._tenants: dict[str, _Tenant] = {}
+        # (finish_tag, name) of tenants that went idle, smallest first; an entry whose tenant
+        # has waiting requests again or a newer finish tag is stale and skipped when popped
+        self._idle: list[tuple[float, str]] = []
+        self._served_tokens: dict[str, int] = {}
         self._where: dict[str, tuple[str, tuple, int]] = {}  # request_id -> (tenant, key, seq)
         self._counter = 0
         self._virtual_time = 0.0
@@ -104,26 +125,56 @@ class WaitingQueue:
 
     def remove(self, request: Request) -> bool:
         """Take a request out without charging its tenant (an abort). True if it was queued."""
-        where = self._where.pop(request.request_id, None)
-        if where is None:
+        tenant = self._take(request)
+        if tenant is None:
             return False
-        name, key, counter = where
-        entries = self._tenants[name].entries
-        i = bisect.bisect_left(entries, (key, counter), key=lambda e: (e[0], e[1]))
-        assert entries[i][2] is request
-        del entries[i]
+        self._settle(tenant)
         return True
 
     def admit(self, request: Request) -> None:
         """Take the request out for service and charge its tenant (virtual finish tag)."""
-        name = self._where[request.request_id][0]
-        self.remove(request)
-        tenant = self._tenants[name]
+        tenant = self._take(request)
+        if tenant is None:
+            raise KeyError(f"request {request.request_id} is not queued")
         cost = _cost(request)
         start = max(self._virtual_time, tenant.finish_tag)
         tenant.finish_tag = start + cost / tenant.weight
-        tenant.served_tokens += cost
+        self._served_tokens[tenant.name] = self._served_tokens.get(tenant.name, 0) + cost
         self._virtual_time = start
+        self._settle(tenant)
+
+    def _take(self, request: Request) -> _Tenant | None:
+        where = self._where.pop(request.request_id, None)
+        if where is None:
+            return None
+        name, key, counter = where
+        tenant = self._tenants[name]
+        i = bisect.bisect_left(tenant.entries, (key, counter), key=lambda e: (e[0], e[1]))
+        assert tenant.entries[i][2] is request
+        del tenant.entries[i]
+        return tenant
+
+    def _settle(self, tenant: _Tenant) -> None:
+        """Forget the tenant records that no longer change any ranking (see the module doc)."""
+        if not self._where:
+            # the end of a busy period: no history carries over, every record goes
+            self._virtual_time = max([self._virtual_time] + [t.finish_tag for t in self._tenants.values()])
+            for name in list(self._tenants):
+                self._forget(name)
+            self._idle.clear()
+            return
+        if not tenant.entries:
+            heapq.heappush(self._idle, (tenant.finish_tag, tenant.name))
+        while self._idle and (self._idle[0][0] <= self._virtual_time or len(self._idle) > self.max_idle_tenants):
+            finish_tag, name = heapq.heappop(self._idle)
+            idle = self._tenants.get(name)
+            if idle is not None and not idle.entries and idle.finish_tag == finish_tag:
+                self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        del self._tenants[name]
+        if name not in self.tenant_weights:
+            self._served_tokens.pop(name, None)
 
     def ordered(self, limit: int | None = None) -> list[Request]:
         """Up to `limit` requests in the order they would be admitted now (no change made)."""
@@ -159,7 +210,8 @@ class WaitingQueue:
         return depth
 
     def served_tokens_by_tenant(self) -> dict[str, int]:
-        return {name: t.served_tokens for name, t in self._tenants.items()}
+        """Tokens admitted per tenant: for ever for configured tenants, else while it has a record."""
+        return dict(self._served_tokens)
 
     def check_integrity(self) -> None:
         total = 0
@@ -169,7 +221,12 @@ class WaitingQueue:
             for key, counter, request in tenant.entries:
                 assert self._where[request.request_id] == (tenant.name, key, counter)
             total += len(tenant.entries)
+            assert tenant.entries or tenant.finish_tag > self._virtual_time, f"tenant {tenant.name!r} not pruned"
         assert total == len(self._where), "index and lists disagree"
+        num_idle = sum(1 for t in self._tenants.values() if not t.entries)
+        assert num_idle <= len(self._idle) <= self.max_idle_tenants, "idle tenants not bounded"
+        for name in self._served_tokens:
+            assert name in self._tenants or name in self.tenant_weights, f"served tokens of {name!r} kept"
 
 
 def _cost(request: Request) -> int:
