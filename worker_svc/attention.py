@@ -13,7 +13,7 @@ the same two methods (`write_kv`, `forward`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -30,6 +30,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
     query_start_loc_list: tuple[int, ...]
     context_lens_list: tuple[int, ...]
+    # what a backend derives from the layout once per step and reuses in every layer
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -57,10 +59,33 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """Single-token rows attended together: their K/V gathered into one padded batch."""
+
+    token_rows: torch.Tensor  # [n] rows of q / out
+    tables: torch.Tensor  # [n, blocks]: each row's blocks, padded (padding masked out)
+    max_ctx: int
+    keep: torch.Tensor | None  # [n, 1, 1, max_ctx] bool (True = attend); None: attend to all
+
+
 class TorchAttentionBackend:
-    """Plain torch paged attention: gathers each sequence's blocks and runs SDPA."""
+    """Plain torch paged attention, the reference and the CPU path.
+
+    Decode rows (one new token) go in groups, shortest contexts first: each group's blocks are
+    gathered into a padded [n, kv_heads, max_ctx, head_dim] batch and one SDPA call (GQA
+    without repeating K/V) attends over it, padding masked. A group holds at most
+    `DECODE_GROUP_MAX_ELEMENTS` padded K elements, so that its gathered K/V stay in cache.
+    Prefill chunks go one sequence at a time (causal within the chunk).
+    """
 
     name = "torch"
+
+    # Measured on CPU, one thread, float32 (64 decode rows): groups of <= 262,144 elements
+    # (1 MiB of K) run 1.3-2x faster than one SDPA call per sequence and 1.5x faster than
+    # one padded batch of all rows, from tiny (ctx 64, d 16) to 25M-model shapes (ctx 600,
+    # d 64): scripts/bench_attention.py.
+    DECODE_GROUP_MAX_ELEMENTS = 262_144  # rows x longest context x kv heads x head dim
 
     def write_kv(
         self,
@@ -87,72 +112,83 @@ class TorchAttentionBackend:
         # q: [num_tokens, num_heads, head_dim] -> out: same shape
         num_heads, head_dim = q.shape[1], q.shape[2]
         block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
-        group = num_heads // num_kv_heads
         out = torch.empty_like(q)
+        groups, prefills = self._plan(metadata, block_size, num_kv_heads * head_dim, sliding_window)
+        for g in groups:
+            n, blocks = g.tables.shape
+            k = k_pool[g.tables].view(n, blocks * block_size, num_kv_heads, head_dim)[:, :g.max_ctx]
+            v = v_pool[g.tables].view(n, blocks * block_size, num_kv_heads, head_dim)[:, :g.max_ctx]
+            o = F.scaled_dot_product_attention(
+                q[g.token_rows].unsqueeze(2),  # [n, heads, 1, d]
+                k.transpose(1, 2),  # [n, kv_heads, max_ctx, d]
+                v.transpose(1, 2),
+                attn_mask=g.keep,
+                scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )
+            out[g.token_rows] = o.squeeze(2)
         starts = metadata.query_start_loc_list
-        decodes = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
-        batched: set[int] = set()
-        if len(decodes) > 1 and self._batch_decodes(decodes, metadata, num_kv_heads * head_dim):
-            # single-token rows in one batched computation, padded to the longest context
-            self._decode_batch(q, k_pool, v_pool, metadata, decodes, scale, sliding_window, out)
-            batched = set(decodes)
-        for i, ctx in enumerate(metadata.context_lens_list):
-            if i in batched:
-                continue
+        for i in prefills:
+            ctx = metadata.context_lens_list[i]
             q_start, q_end = starts[i], starts[i + 1]
-            num_new = q_end - q_start
             num_blocks = -(-ctx // block_size)
             blocks = metadata.block_tables[i, :num_blocks]
             k = k_pool[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]  # [ctx, kv_heads, d]
             v = v_pool[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-            if group > 1:
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
-            mask = _mask(num_new, ctx, sliding_window, q.device)
             o = F.scaled_dot_product_attention(
                 q[q_start:q_end].transpose(0, 1),  # [heads, num_new, d]
                 k.transpose(0, 1),
                 v.transpose(0, 1),
-                attn_mask=mask,
+                attn_mask=_mask(q_end - q_start, ctx, sliding_window, q.device),
                 scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
             )
             out[q_start:q_end] = o.transpose(0, 1)
         return out
 
-    # Measured on CPU (one thread): batching single-token rows halves a decode step where the
-    # per-sequence loop's fixed cost dominates (tiny models: 3.0 vs 6.5 ms for 16 sequences),
-    # but costs more than it saves once each sequence's K/V is large (25M model, 200-token
-    # contexts: 80 vs 48 ms), where the fused SDPA kernel per sequence wins.
-    BATCH_DECODE_MAX_ELEMENTS = 16_384  # max context x num_kv_heads x head_dim
+    def _plan(self, metadata: AttentionMetadata, block_size: int, kv_width: int,
+              sliding_window: int | None) -> tuple[list[_DecodeGroup], list[int]]:
+        """The step's decode groups and prefill rows: made by the first layer, reused by the
+        others (every layer of a step has the same layout)."""
+        key = ("torch", block_size, kv_width, sliding_window)
+        planned = metadata.derived.get(key)
+        if planned is not None:
+            return planned
+        starts, ctx_lens = metadata.query_start_loc_list, metadata.context_lens_list
+        decodes, prefills = [], []
+        for i in range(metadata.num_seqs):
+            (decodes if starts[i + 1] - starts[i] == 1 else prefills).append(i)
+        decodes.sort(key=lambda i: ctx_lens[i])
+        groups, run = [], []
+        for i in decodes:  # ascending contexts: a group's longest is its last
+            if run and ctx_lens[i] * (len(run) + 1) * kv_width > self.DECODE_GROUP_MAX_ELEMENTS:
+                groups.append(self._group(run, metadata, block_size, sliding_window))
+                run = []
+            run.append(i)
+        if run:
+            groups.append(self._group(run, metadata, block_size, sliding_window))
+        metadata.derived[key] = (groups, prefills)
+        return groups, prefills
 
-    def _batch_decodes(self, rows, metadata, kv_width: int) -> bool:
-        max_ctx = max(metadata.context_lens_list[i] for i in rows)
-        return max_ctx * kv_width <= self.BATCH_DECODE_MAX_ELEMENTS
-
-    def _decode_batch(self, q, k_pool, v_pool, metadata, rows, scale, sliding_window, out) -> None:
-        """Single-token rows together: gather each one's blocks, mask the padding, two matmuls."""
-        block_size, num_kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
-        group = q.shape[1] // num_kv_heads
-        n = len(rows)
+    @staticmethod
+    def _group(rows: list[int], metadata: AttentionMetadata, block_size: int,
+               sliding_window: int | None) -> _DecodeGroup:
+        device = metadata.block_tables.device
         ctx_list = [metadata.context_lens_list[i] for i in rows]
-        max_ctx = max(ctx_list)
-        max_blocks = -(-max_ctx // block_size)
-        index = torch.tensor(rows, dtype=torch.long, device=q.device)
-        tables = metadata.block_tables[index, :max_blocks]  # [S, max_blocks]; padding reads block 0
-        k = k_pool[tables].view(n, max_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx]
-        v = v_pool[tables].view(n, max_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx]
-        token_rows = torch.tensor([metadata.query_start_loc_list[i] for i in rows], device=q.device)
-        qg = q[token_rows].view(n, num_kv_heads, group, head_dim)  # [S, Hkv, g, D]
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [S, Hkv, g, ctx]
-        ctx = torch.tensor(ctx_list, device=q.device)
-        pos = torch.arange(max_ctx, device=q.device)[None, :]
-        keep = pos < ctx[:, None]
-        if sliding_window is not None:
-            keep &= pos > (ctx[:, None] - 1 - sliding_window)
-        scores.masked_fill_(~keep[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        o = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [S, Hkv, g, D]
-        out[token_rows] = o.reshape(n, num_kv_heads * group, head_dim)
+        max_ctx = ctx_list[-1]
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        tables = metadata.block_tables[index, :-(-max_ctx // block_size)]
+        token_rows = torch.tensor([metadata.query_start_loc_list[i] for i in rows],
+                                  dtype=torch.long, device=device)
+        keep = None
+        if ctx_list[0] != max_ctx or (sliding_window is not None and max_ctx > sliding_window):
+            ctx = torch.tensor(ctx_list, device=device)[:, None]
+            pos = torch.arange(max_ctx, device=device)[None, :]
+            keep = pos < ctx
+            if sliding_window is not None:
+                keep &= pos > ctx - 1 - sliding_window
+            keep = keep[:, None, None, :]
+        return _DecodeGroup(token_rows, tables, max_ctx, keep)
 
 
 def _mask(

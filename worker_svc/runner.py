@@ -183,11 +183,13 @@ class StageRunner:
             starts.append(starts[-1] + s.num_tokens)
             positions.extend(range(s.start_position, s.context_len))
             slots.extend(s.slot_mapping)
-        max_blocks = max(-(-s.context_len // self.block_size) for s in plan.seqs)
-        table = torch.zeros((len(plan.seqs), max_blocks), dtype=torch.long)
-        for i, s in enumerate(plan.seqs):
-            n = -(-s.context_len // self.block_size)
-            table[i, :n] = torch.tensor(s.block_table[:n], dtype=torch.long)
+        bs = self.block_size
+        max_blocks = max(-(-s.context_len // bs) for s in plan.seqs)
+        rows = []
+        for s in plan.seqs:
+            n = -(-s.context_len // bs)
+            rows.append(list(s.block_table[:n]) + [0] * (max_blocks - n))  # padding: block 0
+        table = torch.tensor(rows, dtype=torch.long)
         context_lens = tuple(s.context_len for s in plan.seqs)
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
