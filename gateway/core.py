@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
 
@@ -43,6 +44,9 @@ class GenerationError(Exception):
         self.message = message
 
 
+MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """A request's sampling and routing, already validated by the front door."""
@@ -64,14 +68,37 @@ class GenerationParams:
     debug_timeline: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+class TopToken(NamedTuple):
+    """One of the likeliest tokens at a position. `token` is its decode on its own (U+FFFD where
+    it holds only part of a character, special tokens spelled out); `token_bytes` the bytes it
+    stands for, None where they are the UTF-8 of `token`."""
+
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes | None = None
 
 
 @dataclass
 class TokenLogprob:
+    """A generated token's log-probability and the likeliest alternatives, most likely first
+    (plain `(token_id, token, logprob)` tuples become `TopToken`s). `token` and `token_bytes`
+    as in `TopToken`."""
+
     token_id: int
     token: str
     logprob: float
-    top: list[tuple[int, str, float]] = field(default_factory=list)
+    top: list[TopToken] = field(default_factory=list)
+    token_bytes: bytes | None = None
+
+    def __post_init__(self) -> None:
+        self.top = [TopToken(*t) for t in self.top]
 
 
 @dataclass
@@ -179,6 +206,11 @@ class TextGenerator:
         sp.ignore_eos = p.ignore_eos
         if p.logprobs is not None:
             sp.logprobs = p.logprobs
+        sp.presence_penalty = p.presence_penalty
+        sp.frequency_penalty = p.frequency_penalty
+        if p.repetition_penalty != 1.0:
+            sp.repetition_penalty = p.repetition_penalty
+        sp.logit_bias.update(dict(p.logit_bias))
         return req
 
     async def generate(
@@ -281,8 +313,11 @@ class TextGenerator:
     def _logprobs(self, resp, token_ids: list[int]) -> list[TokenLogprob]:
         out = []
         for tid, lp in zip(token_ids, resp.logprobs, strict=False):
-            top = [(t.token_id, self.tokenizer.decode([t.token_id], skip_special_tokens=False), t.logprob)
-                   for t in lp.top]
-            out.append(TokenLogprob(tid, self.tokenizer.decode([tid], skip_special_tokens=False),
-                                    lp.sampled.logprob, top))
+            top = [TopToken(t.token_id, self._token_text(t.token_id), t.logprob,
+                            self.tokenizer.token_bytes(t.token_id)) for t in lp.top]
+            out.append(TokenLogprob(tid, self._token_text(tid), lp.sampled.logprob, top,
+                                    self.tokenizer.token_bytes(tid)))
         return out
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

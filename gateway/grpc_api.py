@@ -22,7 +22,14 @@ from pathlib import Path
 import grpc
 
 from gateway.config import ApiKey, GatewayConfig
-from gateway.core import ChoiceDelta, Finished, GenerationError, GenerationParams, TextGenerator
+from gateway.core import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    ChoiceDelta,
+    Finished,
+    GenerationError,
+    GenerationParams,
+    TextGenerator,
+)
 from services.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -101,12 +108,20 @@ def params_from_pb(
     logprobs = sp.logprobs if sp.HasField("logprobs") else None
     if logprobs is not None and logprobs > limits.max_logprobs:
         raise _invalid(f"{where}.logprobs", f"at most {limits.max_logprobs}, got {logprobs}")
-    if sp.presence_penalty != 0:
-        raise _invalid(f"{where}.presence_penalty", "penalties are not supported")
-    if sp.frequency_penalty != 0:
-        raise _invalid(f"{where}.frequency_penalty", "penalties are not supported")
-    if sp.HasField("repetition_penalty") and sp.repetition_penalty != 1:
-        raise _invalid(f"{where}.repetition_penalty", "penalties are not supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= getattr(sp, name) <= 2.0:
+            raise _invalid(f"{where}.{name}", f"must be in [-2, 2], got {getattr(sp, name)}")
+    repetition_penalty = sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0
+    if not 0.0 < repetition_penalty <= 2.0:
+        raise _invalid(f"{where}.repetition_penalty", f"must be in (0, 2], got {repetition_penalty}")
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _invalid(f"{where}.logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(sp.logit_bias)}")
+    for token_id, bias in sorted(sp.logit_bias.items()):
+        if token_id >= limits.vocab_size:
+            raise _invalid(f"{where}.logit_bias",
+                           f"token id {token_id} is outside the vocabulary of {limits.vocab_size}")
+        if not -100.0 <= bias <= 100.0:
+            raise _invalid(f"{where}.logit_bias", f"bias {bias} for token {token_id} is outside [-100, 100]")
     if sp.HasField("prompt_logprobs"):
         raise _invalid(f"{where}.prompt_logprobs", "prompt log-probabilities are not supported")
     for i, stop in enumerate(options.stop):
@@ -132,6 +147,10 @@ def params_from_pb(
         skip_special_tokens=(options.skip_special_tokens
                              if options.HasField("skip_special_tokens") else True),
         include_stop_str_in_output=options.include_stop_str_in_output,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        logit_bias=tuple(sorted(sp.logit_bias.items())),
     )
 
 
@@ -152,8 +171,8 @@ def response_from_delta(request_id: str, delta: ChoiceDelta) -> gateway_pb2.Text
     choice = msg.choices.add(index=delta.index, text=delta.text, token_ids=delta.token_ids)
     for lp in delta.logprobs:
         entry = choice.logprobs.add(token_id=lp.token_id, token=lp.token, logprob=lp.logprob)
-        for token_id, token, logprob in lp.top:
-            entry.top.add(token_id=token_id, token=token, logprob=logprob)
+        for t in lp.top:
+            entry.top.add(token_id=t.token_id, token=t.token, logprob=t.logprob)
     if delta.finish_reason is not None:
         choice.finish_reason = _FINISH_REASONS.get(delta.finish_reason,
                                                    common_pb2.FINISH_REASON_ERROR)

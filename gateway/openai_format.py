@@ -7,6 +7,7 @@ choices per prompt owns indices `p*n ... p*n+n-1`, as OpenAI numbers them.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from dataclasses import dataclass, field
@@ -52,30 +53,88 @@ def usage_body(usage: Usage) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+def token_label(token: str, token_bytes: bytes | None) -> str:
+    """A token as OpenAI shows it in log-probabilities: its own text (`token`, its decode) when
+    its bytes are valid UTF-8 on their own, else `bytes:` and a `\\xNN` escape per byte
+    ("bytes:\\xe2\\x80"). Tokens that hold part of a character all decode to U+FFFD; their
+    labels tell them apart. `token_bytes` None: the UTF-8 of `token`."""
+    if token_bytes is None:
+        return token
+    try:
+        token_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in token_bytes)
+    return token
+
+
+def _bytes(token: str, token_bytes: bytes | None) -> bytes:
+    return token.encode("utf-8") if token_bytes is None else token_bytes
+
+
+class TextOffsets:
+    """Where each token of one choice starts in the choice's text, in characters, as tokens
+    arrive (one per choice, kept across stream chunks so that they count as the whole response
+    does). A token that continues a character starts at that character; bytes that never form
+    one count as the single U+FFFD that decoding gives them."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._num_chars = 0
+
+    def advance(self, token_bytes: bytes) -> int:
+        """The offset of a token with these bytes, which then count as part of the text."""
+        pending, _ = self._decoder.getstate()
+        start = self._num_chars
+        if pending and token_bytes and not _continues(pending, token_bytes[:1]):
+            start += 1  # the unfinished character before it ends as one U+FFFD
+        self._num_chars += len(self._decoder.decode(token_bytes))
+        return start
+
+
+def _continues(pending: bytes, byte: bytes) -> bool:
+    """Whether `byte` continues the unfinished character `pending` (or finishes it)."""
+    try:
+        (pending + byte).decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.reason == "unexpected end of data"
+    return True
+
+
+def completion_logprobs(logprobs: list[TokenLogprob],
+                        offsets: TextOffsets | None = None) -> dict[str, Any]:
     """The legacy completions shape: parallel lists, top alternatives as {token: logprob}
-    (the sampled token among them, as vLLM returns it)."""
-    offsets, tops = [], []
+    (the sampled token among them, as vLLM returns it). Tokens as `token_label` shows them.
+    `offsets`: the choice's, where the text of `logprobs` continues earlier chunks."""
+    offsets = offsets if offsets is not None else TextOffsets()
+    text_offsets, tops = [], []
     for lp in logprobs:
-        offsets.append(text_offset)
-        text_offset += len(lp.token)
+        text_offsets.append(offsets.advance(_bytes(lp.token, lp.token_bytes)))
         top: dict[str, float] = {}
-        for _, token, value in lp.top:  # most likely first: where two tokens print the same
-            top.setdefault(token, _lp(value))  # (partial UTF-8 bytes), the likelier one stays
-        top.setdefault(lp.token, _lp(lp.logprob))
+        for token, token_bytes, value in [*((t.token, t.token_bytes, t.logprob) for t in lp.top),
+                                          (lp.token, lp.token_bytes, lp.logprob)]:
+            label, value = token_label(token, token_bytes), _lp(value)
+            # Distinct bytes give distinct labels, but distinct ids can still share them (the
+            # same string from different merges, a decoder that drops a leading space): a dict
+            # holds one, the likelier, as OpenAI's does.
+            if value > top.get(label, -math.inf):
+                top[label] = value
         tops.append(top)
-    return {"tokens": [lp.token for lp in logprobs],
+    return {"tokens": [token_label(lp.token, lp.token_bytes) for lp in logprobs],
             "token_logprobs": [_lp(lp.logprob) for lp in logprobs],
-            "top_logprobs": tops, "text_offset": offsets}
+            "top_logprobs": tops, "text_offset": text_offsets}
 
 
-def _token_entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}
+def _token_entry(token: str, token_bytes: bytes | None, logprob: float) -> dict[str, Any]:
+    return {"token": token_label(token, token_bytes), "logprob": _lp(logprob),
+            "bytes": list(_bytes(token, token_bytes))}
 
 
 def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
-    return {"content": [{**_token_entry(lp.token, lp.logprob),
-                         "top_logprobs": [_token_entry(t, v) for _, t, v in lp.top]}
+    """The chat shape: one entry per token, each (and each alternative) with its `bytes`, the
+    token's own bytes, which a client joins to rebuild characters split across tokens."""
+    return {"content": [{**_token_entry(lp.token, lp.token_bytes, lp.logprob),
+                         "top_logprobs": [_token_entry(t.token, t.token_bytes, t.logprob)
+                                          for t in lp.top]}
                         for lp in logprobs]}
 
 
@@ -122,9 +181,11 @@ def chat_response(request_id: str, created: int, model: str, choices: list[Choic
 
 
 def completion_chunk(request_id: str, created: int, model: str, index: int, delta: ChoiceDelta,
-                     want_logprobs: bool, want_token_ids: bool, text_offset: int) -> dict[str, Any]:
+                     want_logprobs: bool, want_token_ids: bool,
+                     offsets: TextOffsets) -> dict[str, Any]:
+    """`offsets`: the choice's, advanced past this chunk's tokens when logprobs are asked."""
     choice = {"index": index, "text": delta.text,
-              "logprobs": completion_logprobs(delta.logprobs, text_offset) if want_logprobs else None,
+              "logprobs": completion_logprobs(delta.logprobs, offsets) if want_logprobs else None,
               "finish_reason": delta.finish_reason}
     if delta.finish_reason is not None:
         choice["stop_reason"] = delta.stop_reason

@@ -80,11 +80,15 @@ class _SamplingFields(BaseModel):
     priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX, description="Lower runs sooner.")
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # refused unless left at their defaults (penalties are not implemented)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(
+        None, ge=-2.0, le=2.0, description="Subtracted once from each generated token's logit.")
+    frequency_penalty: float | None = Field(
+        None, ge=-2.0, le=2.0, description="Subtracted per occurrence in the output so far.")
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, le=2.0, description="vLLM/transformers: divides positive logits (multiplies "
+        "negative ones) of tokens in the prompt or output; 1 is off.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100]; at most 300.")
 
     @field_validator("stop", mode="before")
     @classmethod

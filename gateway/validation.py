@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import ApiKey, GatewayConfig
-from gateway.core import GenerationParams
+from gateway.core import MAX_LOGIT_BIAS_ENTRIES, GenerationParams
 from gateway.errors import ApiError, invalid
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -138,14 +138,30 @@ def check_prompt_ids(ids: Sequence[int], limits: ModelLimits, param: str,
 # --- sampling ----------------------------------------------------------------------------
 
 
+def _logit_bias(value: dict[str, float] | None, limits: ModelLimits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as strings) -> sorted (id, bias) pairs."""
+    if not value:
+        return ()
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}")
+    pairs = {}
+    for key, bias in value.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise invalid("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if not 0 <= token_id < limits.vocab_size:
+            raise invalid("logit_bias", f"token id {token_id} is outside the vocabulary of "
+                                        f"{limits.vocab_size} tokens")
+        if not -100.0 <= bias <= 100.0:
+            raise invalid("logit_bias", f"bias {bias} for token {token_id} is outside [-100, 100]")
+        if token_id in pairs:
+            raise invalid("logit_bias", f"token id {token_id} appears twice")
+        pairs[token_id] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
 def _refuse_unsupported(req: _SamplingFields) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise invalid(name, "penalties are not supported yet; leave it at 0")
-    if req.repetition_penalty not in (None, 1.0):
-        raise invalid("repetition_penalty", "penalties are not supported yet; leave it at 1")
-    if req.logit_bias:
-        raise invalid("logit_bias", "not supported")
     if isinstance(req, _OpenAIFields):
         if req.prompt_logprobs is not None:
             raise invalid("prompt_logprobs", "prompt log-probabilities are not supported")
@@ -196,6 +212,10 @@ def _sampling(req: _SamplingFields, limits: ModelLimits, max_tokens: int | None,
         tenant=key.tenant if key is not None else "",
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req.logit_bias, limits),
     )
 
 

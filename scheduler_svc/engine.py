@@ -26,7 +26,7 @@ from kvcache_svc.core.types import StepOutput
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.planner import MicroBatch, Planner, PlannerConfig, SeqUpdate
 from scheduler_svc.core.queue import WaitingQueue
-from scheduler_svc.core.request import FinishReason, Request, RequestState
+from scheduler_svc.core.request import FinishReason, Request, RequestState, kv_blocks_needed
 from scheduler_svc.metrics import SchedulerMetrics
 from services import telemetry
 
@@ -261,6 +261,13 @@ class Engine:
         request.arrival_s = self.clock()
         if request.request_id in self._live:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        o, config = request.options, self.config
+        needed = kv_blocks_needed(len(request.prompt), o.n, o.max_tokens, config.block_size)
+        if config.num_kv_blocks and needed > config.num_kv_blocks:
+            # it could never run: it would wait forever (the server refuses these at its edge)
+            raise ValueError(
+                f"max_tokens: {len(request.prompt)} prompt tokens and {o.n} x {o.max_tokens} "
+                f"output tokens need up to {needed} KV blocks; the pool has {config.num_kv_blocks}")
         self.planner.add(request)  # QueueFull propagates, nothing changed
         self.update_active_time()  # the time before this arrival counts as idle if nothing was live
         live = _Live(request, asyncio.Queue(), arrival_ns=time.time_ns())

@@ -19,7 +19,13 @@ import grpc
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.queue import QueueFull
-from scheduler_svc.core.request import FinishReason, Request, RequestState, SamplingOptions
+from scheduler_svc.core.request import (
+    FinishReason,
+    Request,
+    RequestState,
+    SamplingOptions,
+    kv_blocks_needed,
+)
 from scheduler_svc.engine import Engine, RequestOutput
 from services.grpc_utils import create_aio_server, set_serving
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -55,8 +61,9 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
     if vocab_size and max(prompt) >= vocab_size:
         raise InvalidRequest(f"prompt_token_ids: token id {max(prompt)} is outside the vocabulary of {vocab_size}")
     p = msg.sampling_params
-    if p.presence_penalty or p.frequency_penalty or (p.HasField("repetition_penalty") and p.repetition_penalty != 1.0):
-        raise InvalidRequest("sampling_params: presence/frequency/repetition penalties are not supported yet")
+    if vocab_size and p.logit_bias and max(p.logit_bias) >= vocab_size:
+        raise InvalidRequest(
+            f"sampling_params.logit_bias: token id {max(p.logit_bias)} is outside the vocabulary of {vocab_size}")
     if p.HasField("prompt_logprobs"):
         raise InvalidRequest("sampling_params.prompt_logprobs: prompt logprobs are not supported yet")
     if len(prompt) >= config.max_model_len:
@@ -91,6 +98,10 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
             logprobs=p.logprobs if p.HasField("logprobs") else None,
             stop_token_ids=tuple(p.stop_token_ids),
             ignore_eos=p.ignore_eos,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+            logit_bias=tuple(sorted(p.logit_bias.items())),
         )
     except ValueError as exc:
         raise InvalidRequest(f"sampling_params.{exc}") from exc
@@ -98,8 +109,7 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
         raise InvalidRequest(f"sampling_params.n: {options.n} exceeds max_num_seqs={config.max_num_seqs}")
     if config.num_kv_blocks:
         bs = config.block_size
-        # the prompt's blocks are shared by the choices; each choice's output has its own
-        needed = -(-len(prompt) // bs) + options.n * (-(-options.max_tokens // bs) + 1)
+        needed = kv_blocks_needed(len(prompt), options.n, options.max_tokens, bs)
         if needed > config.num_kv_blocks:
             raise InvalidRequest(
                 f"sampling_params.max_tokens: {len(prompt)} prompt tokens and {options.n} x "

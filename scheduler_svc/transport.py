@@ -60,6 +60,15 @@ def micro_batch_to_pb(mb: MicroBatch) -> worker_pb2.MicroBatch:
             p.min_tokens = o.min_tokens
             p.stop_token_ids.extend(o.stop_token_ids)
             p.ignore_eos = o.ignore_eos
+            p.presence_penalty = o.presence_penalty
+            p.frequency_penalty = o.frequency_penalty
+            if o.repetition_penalty != 1.0:
+                p.repetition_penalty = o.repetition_penalty
+            p.logit_bias.update(dict(o.logit_bias))
+            if s.history is not None:
+                entry.has_history = True
+                entry.history_prompt_token_ids.extend(s.history[0])
+                entry.history_output_token_ids.extend(s.history[1])
     for src, dst in mb.block_copies:
         msg.block_copies.add(src_block_id=src, dst_block_id=dst)
     msg.released_seq_ids.extend(mb.released_seq_ids)

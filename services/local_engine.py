@@ -41,6 +41,8 @@ def _sampling_params(o: SamplingOptions, eos_token_ids: tuple[int, ...]):
         temperature=o.temperature, top_k=o.top_k or None, top_p=o.top_p, min_p=o.min_p,
         seed=o.seed, num_logprobs=o.logprobs, min_tokens=o.min_tokens,
         stop_token_ids=o.stop_token_ids, eos_token_ids=eos_token_ids, ignore_eos=o.ignore_eos,
+        presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
+        repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias,
     )
 
 
@@ -55,7 +57,8 @@ def micro_batch_to_plan(mb: MicroBatch):
         row = None
         if s.sample:
             params = _sampling_params(request.options, tuple(request.eos_token_ids))
-            row = SampleRow(seq.seq_id, params, seq.index, len(seq.output), seq.entropy_seed)
+            row = SampleRow(seq.seq_id, params, seq.index, len(seq.output), seq.entropy_seed,
+                            s.history)
         seqs.append(SeqChunk(seq.seq_id, s.num_tokens, s.context_len, s.slot_mapping,
                              s.block_table, tuple(s.token_ids), row))
     return StagePlan(mb.micro_batch_id, tuple(seqs), tuple(mb.block_copies),

@@ -76,10 +76,6 @@ def cached_sampling_params(p: common_pb2.SamplingParams, eos_token_ids) -> Sampl
 
 
 def sampling_params_from_pb(p: common_pb2.SamplingParams, eos_token_ids) -> SamplingParams:
-    if p.presence_penalty or p.frequency_penalty or (
-        p.HasField("repetition_penalty") and p.repetition_penalty != 1.0
-    ):
-        raise InvalidPlanError("penalties are not supported yet")
     try:
         return SamplingParams(
             temperature=p.temperature if p.HasField("temperature") else 1.0,
@@ -92,6 +88,10 @@ def sampling_params_from_pb(p: common_pb2.SamplingParams, eos_token_ids) -> Samp
             stop_token_ids=tuple(p.stop_token_ids),
             eos_token_ids=tuple(eos_token_ids),
             ignore_eos=p.ignore_eos,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+            logit_bias=tuple(p.logit_bias.items()),
         )
     except ValueError as exc:
         raise InvalidPlanError(f"sampling parameters: {exc}") from exc
@@ -146,6 +146,8 @@ def plan_from_pb(mb: worker_pb2.MicroBatch, is_first: bool) -> StagePlan:
                     choice_index=s.choice_index,
                     output_position=s.output_position,
                     entropy_seed=s.entropy_seed,
+                    history=(tuple(s.history_prompt_token_ids), tuple(s.history_output_token_ids))
+                    if s.has_history else None,
                 )
             except ValueError as exc:
                 raise InvalidPlanError(f"micro-batch {mb_id}, sequence {seq_id}: {exc}") from exc
@@ -203,6 +205,15 @@ def plan_to_pb(plan: StagePlan, stage_index: int = 0) -> worker_pb2.MicroBatch:
             p.min_tokens = r.params.min_tokens
             p.stop_token_ids.extend(r.params.stop_token_ids)
             p.ignore_eos = r.params.ignore_eos
+            p.presence_penalty = r.params.presence_penalty
+            p.frequency_penalty = r.params.frequency_penalty
+            if r.params.repetition_penalty != 1.0:
+                p.repetition_penalty = r.params.repetition_penalty
+            p.logit_bias.update(dict(r.params.logit_bias))
+            if r.history is not None:
+                entry.has_history = True
+                entry.history_prompt_token_ids.extend(r.history[0])
+                entry.history_output_token_ids.extend(r.history[1])
     for src, dst in plan.block_copies:
         mb.block_copies.add(src_block_id=src, dst_block_id=dst)
     mb.released_seq_ids.extend(plan.released_seq_ids)

@@ -3,7 +3,10 @@
 Flow of one call, vectorised over the rows of a micro-batch, each row with its own parameters:
 
     raw logits -> log_softmax (reported logprobs)
+               -> logit bias (added)
                -> min_tokens masks (stop / EOS ids set to -inf)
+               -> penalties (vLLM's order: repetition over prompt + output, then frequency
+                  and presence over the output)
                -> greedy rows: argmax (ties: lowest id)
                -> other rows: / temperature -> top-k -> top-p -> min-p -> exponential race
 
@@ -61,6 +64,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
 
     def __post_init__(self) -> None:
         if (
@@ -93,6 +100,24 @@ class SamplingParams:
             object.__setattr__(self, name, ids)  # normalise a list to a tuple; still immutable
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        bias = tuple(sorted((int(t), float(b)) for t, b in dict(self.logit_bias).items()))
+        if len(bias) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token id twice")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
+            raise ValueError("logit_bias must map non-negative token ids to biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Penalties need the sequence's history (SampleRow.history on its first row)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     @property
     def is_greedy(self) -> bool:
@@ -113,6 +138,10 @@ class SampleRow:
     output_position counts the tokens this choice has generated so far, so it is the index of the
     token being sampled. entropy_seed stands in for params.seed when that is None; the caller draws
     it once per sequence (e.g. from os.urandom at admission) and keeps it across preemption.
+
+    history: (prompt token ids, output token ids so far) for a sequence whose params use
+    penalties, on its first row; it (re)starts the sampler's state of that sequence, whose
+    later outputs the sampler records itself.
     """
 
     seq_id: int
@@ -120,6 +149,7 @@ class SampleRow:
     choice_index: int
     output_position: int
     entropy_seed: int
+    history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.seq_id):
@@ -137,6 +167,11 @@ class SampleRow:
         if not _is_int(self.entropy_seed) or not 0 <= self.entropy_seed <= _MAX_SEED:
             raise ValueError(
                 f"entropy_seed must be an int in [0, 2**64 - 1], got {self.entropy_seed!r}"
+            )
+        if self.history is not None and len(self.history[1]) != self.output_position:
+            raise ValueError(
+                f"history holds {len(self.history[1])} output tokens at output_position "
+                f"{self.output_position}"
             )
 
     @property
@@ -158,13 +193,16 @@ class SamplerOutput:
 class SequenceSamplerState:
     """What the sampler remembers about one sequence between steps, until it is released.
 
-    output_token_ids holds the tokens sampled for it since the state was created (for penalties).
+    output_token_ids holds its output tokens: the history it was created with (if any) and
+    every token sampled for it since; prompt_token_ids the prompt's, when penalties need it.
     key_prefix caches the hash lanes folded over (seed, choice_index) so that a step only folds in
     its output position; key_source records which (seed, choice_index) they were folded from.
     """
 
     seq_id: int
     output_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: tuple[int, ...] = ()
+    has_history: bool = False
     key_source: tuple[int, int] | None = None
     key_prefix: tuple[int, int] = (0, 0)
 
@@ -209,10 +247,18 @@ class Sampler:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[], top_logprobs=[])
 
+        for row in rows:
+            state = self._states.get(row.seq_id)
+            if row.params.uses_penalties and row.history is None and (
+                    state is None or not state.has_history):
+                raise InvalidPlanError(
+                    f"sequence {row.seq_id}: penalties need its history on its first sampling row")
         states = [self._state_for(row) for row in rows]
         logits = logits.float()  # [num_rows, vocab]
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
-        masked = _apply_min_tokens_masks(logits, rows)
+        masked = _apply_logit_bias(logits, rows)
+        masked = _apply_min_tokens_masks(masked, rows)
+        masked = _apply_penalties(masked, rows, states)
         token_ids = masked.argmax(dim=-1)  # [num_rows]; greedy rows keep this (ties: lowest id)
 
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -238,11 +284,66 @@ class Sampler:
         if state is None:
             state = SequenceSamplerState(seq_id=row.seq_id)
             self._states[row.seq_id] = state
+        if row.history is not None:
+            state.prompt_token_ids = tuple(row.history[0])
+            state.output_token_ids = list(row.history[1])
+            state.has_history = True
         return state
 
 
 # ---------------------------------------------------------------------------------------------
 # Masks and filters
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Adds each row's logit bias (ids beyond the vocabulary are skipped)."""
+    vocab_size = logits.shape[1]
+    row_index, token_index, values = [], [], []
+    for i, row in enumerate(rows):
+        for token_id, bias in row.params.logit_bias:
+            if token_id < vocab_size:
+                row_index.append(i)
+                token_index.append(token_id)
+                values.append(bias)
+    if not row_index:
+        return logits
+    biased = logits.clone()
+    device = logits.device
+    biased.index_put_((torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)),
+                      torch.tensor(values, device=device), accumulate=True)
+    return biased
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow],
+                     states: Sequence[SequenceSamplerState]) -> torch.Tensor:
+    """vLLM's penalties. Repetition (tokens in the prompt or the output so far): a positive
+    logit is divided by the penalty, a negative one multiplied. Then, over the output only:
+    logit -= frequency_penalty * count + presence_penalty * (count > 0)."""
+    penalised = [i for i, row in enumerate(rows) if row.params.uses_penalties]
+    if not penalised:
+        return logits
+    vocab_size, device = logits.shape[1], logits.device
+    index = torch.tensor(penalised, dtype=torch.long, device=device)
+    sub = logits.index_select(0, index)  # [p, vocab]
+    counts = torch.zeros_like(sub)
+    seen = torch.zeros(sub.shape, dtype=torch.bool, device=device)
+    for j, i in enumerate(penalised):
+        output = [t for t in states[i].output_token_ids if t < vocab_size]
+        if output:
+            ids = torch.tensor(output, dtype=torch.long, device=device)
+            counts[j].index_add_(0, ids, torch.ones(len(output), device=device))
+        prompt = [t for t in states[i].prompt_token_ids if t < vocab_size]
+        if prompt and rows[i].params.repetition_penalty != 1.0:
+            seen[j, torch.tensor(prompt, dtype=torch.long, device=device)] = True
+    seen |= counts > 0
+    params = [rows[i].params for i in penalised]
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    penalty = torch.where(seen, repetition, torch.ones_like(repetition))
+    sub = torch.where(sub > 0, sub / penalty, sub * penalty)
+    sub = sub - frequency * counts - presence * (counts > 0).float()
+    return logits.index_copy(0, index, sub)
 
 
 def _apply_min_tokens_masks(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:

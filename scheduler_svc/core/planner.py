@@ -74,6 +74,9 @@ class ScheduledSeq:
     block_table: tuple[int, ...]
     sample: bool
     seq_id: int = -1  # the id it was scheduled under (a sequence re-admitted later gets another)
+    # (prompt, output so far) on the first sampling of a sequence id whose request uses
+    # penalties: the last stage's sampler starts its per-sequence history from it
+    history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.seq_id < 0:
@@ -454,9 +457,12 @@ class Planner:
             seq.block_table = result.block_ids
             end = start + n
             sample = end == self._target(seq) and end == seq.num_tokens
-            mb.seqs.append(
-                ScheduledSeq(seq, start, seq.tokens(start, end), result.slot_mapping, result.block_ids, sample)
-            )
+            scheduled = ScheduledSeq(seq, start, seq.tokens(start, end), result.slot_mapping,
+                                     result.block_ids, sample)
+            if sample and seq.request.options.uses_penalties and seq.history_seq_id != seq.seq_id:
+                scheduled.history = (seq.request.prompt, tuple(seq.output))
+                seq.history_seq_id = seq.seq_id
+            mb.seqs.append(scheduled)
             self._busy.add(seq.seq_id)
             if seq.request.first_scheduled_s is None:
                 seq.request.first_scheduled_s = now

@@ -52,6 +52,15 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
+MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI
+
+
+def kv_blocks_needed(prompt_len: int, n: int, max_tokens: int, block_size: int) -> int:
+    """The most KV blocks a request can hold at once: the prompt's (shared by its choices),
+    and each choice's output plus the copy of the prompt's partial last block."""
+    return -(-prompt_len // block_size) + n * (-(-max_tokens // block_size) + 1)
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """What the scheduler needs of a request's sampling: token-id rules plus what stages sample with.
@@ -70,6 +79,10 @@ class SamplingOptions:
     logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -92,6 +105,27 @@ class SamplingOptions:
             raise ValueError(f"logprobs: must be in [0, 20], got {self.logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: token ids must be non-negative")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}: must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty: must be in (0, 2], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias: a token id appears twice")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise ValueError(f"logit_bias: token id {token_id} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: bias {bias} for token {token_id} is outside [-100, 100]")
+
+    @property
+    def uses_penalties(self) -> bool:
+        """The stages' sampler then needs each sequence's history (prompt and output)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 @dataclass
@@ -109,6 +143,9 @@ class Sequence:
     has_kv: bool = False  # the KV service holds this sequence
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
+    # the seq id under which the last stage's sampler was sent this choice's history
+    # (penalties): a new id (re-admission) sends it again
+    history_seq_id: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -46,7 +46,7 @@ class MicroBatch(_message.Message):
     def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., query_lens: _Optional[_Iterable[int]] = ..., context_lens: _Optional[_Iterable[int]] = ..., block_table_lens: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SequenceSampling, _Mapping]]] = ..., trace_contexts: _Optional[_Iterable[_Union[_common_pb2.TraceContext, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., release_all_sequences: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ...) -> None: ...
 
 class SequenceSampling(_message.Message):
-    __slots__ = ("sample", "params", "choice_index", "output_position", "entropy_seed", "eos_token_ids", "request_id")
+    __slots__ = ("sample", "params", "choice_index", "output_position", "entropy_seed", "eos_token_ids", "request_id", "has_history", "history_prompt_token_ids", "history_output_token_ids")
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,9 @@ class SequenceSampling(_message.Message):
     ENTROPY_SEED_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     sample: bool
     params: _common_pb2.SamplingParams
     choice_index: int
@@ -61,7 +64,10 @@ class SequenceSampling(_message.Message):
     entropy_seed: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
-    def __init__(self, sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., choice_index: _Optional[int] = ..., output_position: _Optional[int] = ..., entropy_seed: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    has_history: bool
+    history_prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    history_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., choice_index: _Optional[int] = ..., output_position: _Optional[int] = ..., entropy_seed: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., has_history: _Optional[bool] = ..., history_prompt_token_ids: _Optional[_Iterable[int]] = ..., history_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardAck(_message.Message):
     __slots__ = ("micro_batch_id", "received_ns")

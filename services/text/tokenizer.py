@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, processors
+from tokenizers import AddedToken, decoders, processors
 
 from services.text.chat import (
     compile_chat_template,
@@ -32,6 +33,22 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers 5 writes the template here
 CHAT_TEMPLATES_DIR = "chat_templates"  # ... and further named ones here, one NAME.jinja each
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: a byte-level BPE vocabulary spells each
+    byte as one printable character, the byte's own code point where that prints, else 256, 257,
+    ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable},
+            **{chr(256 + n): b for n, b in enumerate(shifted)}}
+
+
+_BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+# How a byte-fallback vocabulary (SentencePiece, Llama 2) spells a byte it has no piece for.
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 # The named special tokens that transformers passes to every chat template (its
 # `special_tokens_map`), in its order.
@@ -72,6 +89,12 @@ def _token_ids(value: Any, *, origin: str, key: str) -> list[int]:
         raise ValueError(f"{origin}: {key} must be a token id or a list of token ids, "
                          f"got {value!r}")
     return values
+
+
+def _decoder_states(decoder: decoders.Decoder) -> list[dict[str, Any]]:
+    """The decoder's settings as tokenizer.json spells them; a Sequence's, each of its own."""
+    state = json.loads(decoder.__getstate__())
+    return state.get("decoders", [state]) if state.get("type") == "Sequence" else [state]
 
 
 def _added_token(spec: Any, *, origin: str) -> AddedToken:
@@ -195,9 +218,14 @@ class Tokenizer:
         if backend.post_processor is None:
             self._install_post_processor(backend, config, eos_token_id)
         self._backend = backend
+        added = backend.get_added_tokens_decoder()
         self._special_token_ids = frozenset(
-            token_id for token_id, token in backend.get_added_tokens_decoder().items()
-            if token.special)
+            token_id for token_id, token in added.items() if token.special)
+        self._added_token_bytes = {token_id: token.content.encode("utf-8")
+                                   for token_id, token in added.items()}
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        self._byte_fallback = backend.decoder is not None and "ByteFallback" in {
+            d.get("type") for d in _decoder_states(backend.decoder)}
 
         eos_ids = [eos_token_id] if eos_token_id is not None else []
         for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
@@ -308,6 +336,25 @@ class Tokenizer:
         """The text of `token_ids`. Bytes that do not form whole UTF-8 characters become
         U+FFFD; ids the tokenizer does not know are dropped (as `tokenizers` does)."""
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` stands for on its own: what it adds to a decoded text, before
+        the text is read as UTF-8. Unlike `decode([token_id])`, which gives U+FFFD for a token
+        that holds only part of a character, these are the token's real bytes: a byte-level
+        BPE's vocabulary entry read through GPT-2's byte alphabet, a byte-fallback `<0xNN>`
+        piece's byte; an added token's content. Other tokens (no bytes in their vocabulary
+        entry) give the UTF-8 of their decode; an unknown id gives b"" (decode drops it)."""
+        added = self._added_token_bytes.get(token_id)
+        if added is not None:
+            return added
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and all(c in _BYTE_LEVEL_ALPHABET for c in piece):
+            return bytes(_BYTE_LEVEL_ALPHABET[c] for c in piece)
+        if self._byte_fallback and (match := _BYTE_FALLBACK_PIECE.fullmatch(piece)):
+            return bytes([int(match[1], 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)

@@ -159,6 +159,32 @@ def test_greedy_completions_equal_transformers(client, reference, tokenizer):
     assert reference.compare(prompt, chat.choices[0].model_extra["token_ids"]).tie_divergences == 0
 
 
+def test_penalties_and_logit_bias_through_the_stack_equal_the_reference(client, reference, stack):
+    """OpenAI's presence/frequency penalties and logit_bias, vLLM's repetition_penalty, over
+    HTTP and gRPC to two stages: greedy output equals transformers' processed logits."""
+    from support.penalties import check_greedy
+
+    prompt = list(range(40, 60))
+    cases = [
+        {"frequency_penalty": 1.2, "presence_penalty": 0.3, "logit_bias": {"77": 4.0, "12": -100}},
+        {"extra_body": {"repetition_penalty": 1.4}},
+    ]
+    for case in cases:
+        extra = {"ignore_eos": True, "return_token_ids": True, **case.get("extra_body", {})}
+        kwargs = {k: v for k, v in case.items() if k != "extra_body"}
+        resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                         extra_body=extra, **kwargs)
+        got = resp.choices[0].model_extra["token_ids"]
+        assert len(got) == 16 and 12 not in got
+        check_greedy(reference.model, prompt, got, presence=case.get("presence_penalty", 0.0),
+                     frequency=case.get("frequency_penalty", 0.0),
+                     repetition=extra.get("repetition_penalty", 1.0),
+                     logit_bias={int(k): v for k, v in case.get("logit_bias", {}).items()})
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert plain.choices[0].model_extra["token_ids"] != got  # the penalty changed the output
+
+
 def test_chat_streaming_matches_the_whole_response_and_reports_usage(client):
     args = dict(model="tiny", messages=[{"role": "user", "content": "Tell me"}], max_tokens=10,
                 temperature=0, extra_body={"ignore_eos": True})
@@ -445,3 +471,46 @@ def test_generated_grpc_client_against_the_served_gateway(stack, reference):
     ids, text, usage = asyncio.run(go())
     assert len(ids) == 10 and usage.num_completion_tokens == 10
     assert reference.compare(prompt, ids).tie_divergences == 0
+
+
+def test_logprob_tokens_name_their_bytes_and_stream_as_whole(stack, tokenizer):
+    """Alternatives that decode to U+FFFD (parts of characters) keep their own keys, labelled
+    by their bytes; chat entries carry the bytes; streamed and whole responses agree."""
+    port, prompt = stack.gateway.port, [5, 17, 300, 42]  # under a block: no prefix hit
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 20,
+            "ignore_eos": True, "return_token_ids": True}
+    status, whole = call(port, "POST", "/v1/completions", body)
+    assert status == 200
+    lp, ids = whole["choices"][0]["logprobs"], whole["choices"][0]["token_ids"]
+    assert all(len(top) == 20 for top in lp["top_logprobs"])  # greedy: the sampled one among them
+    # positions offering several parts of characters: each once U+FFFD, one key for them all
+    assert any(sum(key.startswith("bytes:\\x") for key in top) >= 2 for top in lp["top_logprobs"])
+    assert lp["tokens"] == [_label(tokenizer.token_bytes(token_id)) for token_id in ids]
+    status, text = call(port, "POST", "/v1/completions", {**body, "stream": True}, raw=True)
+    assert status == 200
+    streamed = {key: [] for key in lp}
+    for event in text.split("\n\n"):
+        if event and event != "data: [DONE]":
+            for choice in json.loads(event[len("data: "):])["choices"]:
+                for key in streamed:
+                    streamed[key] += (choice["logprobs"] or {}).get(key, [])
+    assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
+    assert [list(top) for top in streamed["top_logprobs"]] == [list(top) for top in lp["top_logprobs"]]
+    assert streamed["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-5)
+
+    status, chat = call(port, "POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+        "temperature": 0, "logprobs": True, "top_logprobs": 20, "ignore_eos": True})
+    assert status == 200
+    for entry in chat["choices"][0]["logprobs"]["content"]:
+        assert all(e["token"] == _label(bytes(e["bytes"])) for e in [entry, *entry["top_logprobs"]])
+        assert len({e["token"] for e in entry["top_logprobs"]}) == 20
+
+
+def _label(raw: bytes) -> str:
+    """A token's text in OpenAI's log-probabilities: its text, or its bytes where they are not
+    UTF-8 on their own."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)

@@ -16,7 +16,9 @@ CONFIG = SchedulerConfig(max_model_len=64, tenant_weights={"gold": 3.0, "free": 
 def msg(prompt=(5, 6, 7), tenant="gold", **params):
     m = scheduler_pb2.GenerateRequest(prompt_token_ids=list(prompt), tenant=tenant)
     for k, v in params.items():
-        if isinstance(v, list):
+        if isinstance(v, dict):
+            getattr(m.sampling_params, k).update(v)
+        elif isinstance(v, list):
             getattr(m.sampling_params, k).extend(v)
         else:
             setattr(m.sampling_params, k, v)
@@ -37,7 +39,13 @@ def msg(prompt=(5, 6, 7), tenant="gold", **params):
         (msg(min_p=2.0), "min_p"),
         (msg(max_tokens=4, min_tokens=5), "min_tokens"),
         (msg(logprobs=50), "logprobs"),
-        (msg(presence_penalty=0.5), "penalties"),
+        (msg(presence_penalty=2.5), "sampling_params.presence_penalty"),
+        (msg(frequency_penalty=-3.0), "sampling_params.frequency_penalty"),
+        (msg(repetition_penalty=0.0), "sampling_params.repetition_penalty"),
+        (msg(repetition_penalty=2.5), "sampling_params.repetition_penalty"),
+        (msg(logit_bias={600: 1.0}), "sampling_params.logit_bias: token id 600"),
+        (msg(logit_bias={7: 101.0}), "sampling_params.logit_bias: bias 101"),
+        (msg(logit_bias={i: 1.0 for i in range(301)}), "sampling_params.logit_bias: at most 300"),
         (msg(prompt_logprobs=1), "prompt_logprobs"),
         (msg(n=1000), "sampling_params.n"),
     ],
@@ -53,6 +61,11 @@ def test_a_good_request_converts():
     assert r.options.max_tokens == 10 and r.options.seed == 3 and r.options.stop_token_ids == (9,)
     default = request_from_pb(msg(), CONFIG, 512)
     assert default.options.max_tokens == 64 - 3  # the rest of the context
+    assert not default.options.uses_penalties and default.options.logit_bias == ()
+    p = request_from_pb(msg(presence_penalty=0.5, repetition_penalty=1.25,
+                            logit_bias={9: -100.0, 7: 2.5}), CONFIG, 512).options
+    assert p.uses_penalties and p.presence_penalty == 0.5 and p.repetition_penalty == 1.25
+    assert p.frequency_penalty == 0.0 and p.logit_bias == ((7, 2.5), (9, -100.0))
 
 
 def test_a_request_that_can_never_fit_in_kv_is_refused():

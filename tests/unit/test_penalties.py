@@ -1,0 +1,203 @@
+"""Presence, frequency and repetition penalties and logit bias: the sampler against the
+definitions, and whole generations through the in-process engine against `transformers`
+(support/penalties.py), with batching, pipeline splits, n > 1 and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.penalties import check_greedy, processed
+
+from scheduler_svc.core.request import SamplingOptions
+from services.local_engine import LLM
+from worker_svc.errors import InvalidPlanError
+from worker_svc.sampler import (
+    Sampler,
+    SampleRow,
+    SamplingParams,
+    SequenceSamplerState,
+    _apply_logit_bias,
+    _apply_penalties,
+)
+
+VOCAB = 40
+CASES = [  # (presence, frequency, repetition, logit bias)
+    (0.0, 0.0, 1.0, {}),
+    (0.5, 0.0, 1.0, {}),
+    (0.0, 0.7, 1.0, {}),
+    (0.0, 0.0, 1.3, {}),
+    (-0.4, 1.1, 0.8, {3: 2.0, 7: -100.0}),
+    (2.0, -2.0, 2.0, {}),
+]
+
+
+def rows_and_states(g):
+    rows, states = [], []
+    for i, (presence, frequency, repetition, bias) in enumerate(CASES):
+        params = SamplingParams(temperature=0.0, presence_penalty=presence, frequency_penalty=frequency,
+                                repetition_penalty=repetition, logit_bias=tuple(bias.items()))
+        prompt = torch.randint(0, VOCAB, (5,), generator=g).tolist()
+        output = torch.randint(0, VOCAB, (i * 2,), generator=g).tolist()
+        rows.append(SampleRow(i, params, 0, len(output), 1, (tuple(prompt), tuple(output))))
+        states.append(SequenceSamplerState(i, list(output), tuple(prompt), True))
+    return rows, states
+
+
+def test_bias_and_penalties_follow_the_definitions():
+    g = torch.Generator().manual_seed(0)
+    rows, states = rows_and_states(g)
+    logits = torch.randn(len(rows), VOCAB, generator=g) * 3
+    got = _apply_penalties(_apply_logit_bias(logits, rows), rows, states)
+    for i, (presence, frequency, repetition, bias) in enumerate(CASES):
+        want = processed(logits[i], list(states[i].prompt_token_ids), states[i].output_token_ids,
+                         presence=presence, frequency=frequency, repetition=repetition, logit_bias=bias)
+        torch.testing.assert_close(got[i].double(), want, rtol=1e-6, atol=1e-5)
+
+
+def test_the_sampler_keeps_each_sequences_history():
+    g = torch.Generator().manual_seed(1)
+    rows, _ = rows_and_states(g)
+    sampler = Sampler()
+    history = {row.seq_id: (list(row.history[0]), list(row.history[1])) for row in rows}
+    for step in range(4):
+        logits = torch.randn(len(rows), VOCAB, generator=g) * 3
+        out = sampler.sample(logits, rows)
+        for i, (presence, frequency, repetition, bias) in enumerate(CASES):
+            prompt, output = history[i]
+            want = processed(logits[i], prompt, output, presence=presence, frequency=frequency,
+                             repetition=repetition, logit_bias=bias)
+            assert out.token_ids[i] == int(want.argmax()), (step, i)
+            # reported logprobs stay those of the raw logits
+            assert out.logprobs[i] == pytest.approx(
+                float(torch.log_softmax(logits[i], -1)[out.token_ids[i]]), abs=1e-6)
+            output.append(out.token_ids[i])
+        rows = [SampleRow(r.seq_id, r.params, 0, len(history[r.seq_id][1]), 1) for r in rows]
+    # a re-sent history (a re-admitted sequence) replaces the state
+    rows[1] = SampleRow(1, rows[1].params, 0, 1, 1, ((9,), (9,)))
+    sampler.sample(torch.zeros(len(rows), VOCAB), rows)
+    assert sampler.state(1).prompt_token_ids == (9,) and sampler.state(1).output_token_ids[:1] == [9]
+
+
+def test_penalties_without_history_are_refused():
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.5)
+    with pytest.raises(InvalidPlanError, match="history"):
+        Sampler().sample(torch.zeros(1, VOCAB), [SampleRow(4, params, 0, 0, 1)])
+    with pytest.raises(ValueError, match="history holds 1 output tokens at output_position 0"):
+        SampleRow(4, params, 0, 0, 1, ((1,), (2,)))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("repetition_penalty", 0.0),
+    ("repetition_penalty", 2.01), ("logit_bias", ((3, 100.5),)), ("logit_bias", ((3, 1.0), (3, 2.0))),
+])
+def test_bad_params_are_refused(field, value):
+    with pytest.raises(ValueError, match=field if field != "logit_bias" else "logit_bias"):
+        SamplingParams(**{field: value})
+
+
+# --- whole generations -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_factory):
+    return model_factory(arch="llama")
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+ENGINE_CASES = [
+    {},
+    {"repetition_penalty": 1.3},
+    {"frequency_penalty": 0.8},
+    {"presence_penalty": 1.5, "logit_bias": {11: 3.0, 12: -100.0}},
+    {"presence_penalty": -0.5, "frequency_penalty": 0.4, "repetition_penalty": 0.9},
+    {"logit_bias": {20: 5.0}},
+]
+
+
+def options(case, **more):
+    bias = tuple(sorted(case.get("logit_bias", {}).items()))
+    fields = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True, "logit_bias": bias,
+              **{k: v for k, v in case.items() if k != "logit_bias"}, **more}
+    return SamplingOptions(**fields)
+
+
+def reference_kwargs(case):
+    return {"presence": case.get("presence_penalty", 0.0), "frequency": case.get("frequency_penalty", 0.0),
+            "repetition": case.get("repetition_penalty", 1.0), "logit_bias": case.get("logit_bias")}
+
+
+@pytest.mark.parametrize(("pp", "num_kv_blocks"), [(1, 512), (2, 512), (1, 14)])
+def test_greedy_with_penalties_equals_transformers(model_dir, hf, pp, num_kv_blocks):
+    """Every case in one batch, twice over; with 14 blocks of 4 (one request at a time fits
+    for sure) the batch is preempted and recomputed, so the sampler's history is re-sent
+    under new sequence ids."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(5, 512, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 29, (2 * len(ENGINE_CASES),), generator=g)]
+    cases = ENGINE_CASES * 2
+    llm = LLM(model_dir, pipeline_parallel_size=pp, num_kv_blocks=num_kv_blocks, block_size=4,
+              max_num_batched_tokens=64)
+    outs = llm.generate(prompts, [options(c) for c in cases], detokenize=False)
+    for prompt, case, out in zip(prompts, cases, outs, strict=True):
+        got = out.outputs[0].token_ids
+        assert len(got) == 24
+        check_greedy(hf, prompt, got, **reference_kwargs(case))
+    if num_kv_blocks == 14:
+        assert sum(o.num_preemptions for o in outs) > 0
+    # the penalties changed something: repetition_penalty 1.3 differs from no penalty
+    plain = llm.generate(prompts[1:2], [options({})], detokenize=False)[0].outputs[0].token_ids
+    assert plain != outs[1].outputs[0].token_ids
+
+
+def test_n_choices_each_keep_their_own_history(model_dir, hf):
+    prompt = list(range(30, 50))
+    case = {"frequency_penalty": 1.0, "repetition_penalty": 1.2}
+    out = LLM(model_dir, num_kv_blocks=256).generate(
+        [prompt], [options(case, n=3, temperature=0.8, seed=5)], detokenize=False)[0]
+    assert len(out.outputs) == 3
+    # sampled choices, but every one was drawn from the penalised distribution: replaying the
+    # same seeds alone gives the same tokens
+    again = LLM(model_dir, num_kv_blocks=256).generate(
+        [prompt, prompt[:5]], [options(case, n=3, temperature=0.8, seed=5), options({})],
+        detokenize=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    greedy = LLM(model_dir, num_kv_blocks=256).generate(
+        [prompt], [options(case, n=2)], detokenize=False)[0]
+    for choice in greedy.outputs:
+        check_greedy(hf, prompt, choice.token_ids, **reference_kwargs(case))
+
+
+def test_a_request_that_can_never_fit_is_refused_not_left_waiting(model_dir):
+    llm = LLM(model_dir, num_kv_blocks=14, block_size=4)
+    with pytest.raises(ValueError, match="need up to 16 KV blocks; the pool has 14"):
+        llm.generate([list(range(5, 41))], [options({})], detokenize=False)
+
+
+def test_the_wire_carries_penalties_bias_and_history():
+    """The scheduler's MicroBatch message, read back by a stage: what the sampler gets."""
+    from scheduler_svc.core.planner import MicroBatch, ScheduledSeq
+    from scheduler_svc.core.request import Request, Sequence
+    from scheduler_svc.transport import micro_batch_to_pb
+    from worker_svc.convert import plan_from_pb
+
+    o = options({"presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.5,
+                 "logit_bias": {3: -100.0, 9: 2.5}})
+    request = Request("r", (5, 6, 7), o, 0.0, eos_token_ids=(1,))
+    seq = Sequence(11, request, 0, entropy_seed=99, output=[8, 8])
+    scheduled = ScheduledSeq(seq, 0, [5, 6, 7, 8, 8], (0, 1, 2, 3, 4), (0, 1), True,
+                             history=((5, 6, 7), (8, 8)))
+    plain = Sequence(12, Request("q", (5,), options({}), 0.0), 0, entropy_seed=1)
+    mb = MicroBatch(3, [scheduled, ScheduledSeq(plain, 0, [5], (8,), (2,), True)], [], [])
+    plan = plan_from_pb(micro_batch_to_pb(mb), is_first=True)
+    row, other = plan.seqs[0].sample, plan.seqs[1].sample
+    assert row.history == ((5, 6, 7), (8, 8)) and other.history is None
+    p = row.params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.5)
+    assert p.logit_bias == ((3, -100.0), (9, 2.5)) and p.uses_penalties
+    assert not other.params.uses_penalties and other.params.logit_bias == ()
