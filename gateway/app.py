@@ -4,6 +4,8 @@ health, metrics and the KV memory monitor, as one FastAPI app over a `TextGenera
     POST /v1/completions        prompt(s) -> text; stream: true for server-sent events
     POST /v1/chat/completions   messages through the model's chat template -> text
     GET  /v1/models             the served model
+    POST /tokenize              a text, or a conversation through the chat template -> token ids
+    POST /detokenize            token ids -> text (vLLM's extras; no scheduler call)
     POST /generate              one prompt -> text, and its timeline as a Chrome trace
     GET  /health                200 only when the scheduler reports the whole chain serving
     GET  /metrics               Prometheus (pagoda:*)
@@ -45,10 +47,15 @@ from gateway.errors import ApiError, error_body, from_validation_errors, status_
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayMiddleware
 from gateway.protocol import (
+    BODY_UNION_TAGS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     GenerateRequest,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from gateway.timeline import Span, chrome_trace
 
@@ -108,6 +115,15 @@ class Gateway:
             in_flight.dec()
 
 
+def _echo_texts(prompt: Any, prompts: Sequence[list[int]], tokenizer: Any) -> list[str]:
+    """Each prompt's text for `echo`: as sent when it was text, else its tokens decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+
+
 def _api_key(request: Request) -> ApiKey | None:
     return getattr(request.state, "api_key", None)
 
@@ -148,14 +164,17 @@ def create_app(config: GatewayConfig, generator: TextGenerator) -> FastAPI:
         items = gw.generation(request_id, prompts, params, request.headers.get("traceparent", ""))
         model, created = gw.limits.name, int(time.time())
         want_logprobs = body.logprobs is not None
+        echo_texts = _echo_texts(body.prompt, prompts, gw.tokenizer) if body.echo else None
         if body.stream:
             first = await streaming.first_item(request, items)
             return streaming.EventStream(streaming.completion_events(
                 request_id, created, model, first, items, body.n, want_logprobs,
-                body.return_token_ids, body.stream_options, sum(map(len, prompts))), items, request_id)
+                body.return_token_ids, body.stream_options, sum(map(len, prompts)), echo_texts),
+                items, request_id)
         choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
         payload = fmt.completion_response(request_id, created, model, choices, usage, want_logprobs,
-                                          prompts if body.return_token_ids else None)
+                                          prompts if body.return_token_ids else None, echo_texts,
+                                          body.prompt_logprobs is not None)
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
 
     @app.post("/v1/chat/completions", tags=["OpenAI"], responses={**_STREAMING, **_ERRORS})
@@ -176,8 +195,31 @@ def create_app(config: GatewayConfig, generator: TextGenerator) -> FastAPI:
                 body.return_token_ids, body.stream_options, len(prompt)), items, request_id)
         choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
         payload = fmt.chat_response(request_id, created, model, choices, usage, body.logprobs,
-                                    prompt if body.return_token_ids else None)
+                                    prompt if body.return_token_ids else None,
+                                    body.prompt_logprobs is not None)
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
+
+    @app.post("/tokenize", tags=["vLLM"], response_model_exclude_none=True,
+              responses={k: _ERRORS[k] for k in (400, 401, 413)})
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """A text's token ids as completions would send them (`prompt`), or a conversation's
+        as chat completions would (`messages`: the same chat template). No length limit:
+        compare `count` with `max_model_len`."""
+        validation.check_model(body.model, gw.limits)
+        ids = await asyncio.to_thread(validation.tokenize_ids, body, gw.tokenizer)
+        token_strs = None
+        if body.return_token_strs:
+            token_strs = [gw.tokenizer.id_to_token(i) or "" for i in ids]
+        return TokenizeResponse(count=len(ids), max_model_len=gw.limits.max_model_len, tokens=ids,
+                                token_strs=token_strs)
+
+    @app.post("/detokenize", tags=["vLLM"], responses={k: _ERRORS[k] for k in (400, 401, 413)})
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """Token ids back to text, special tokens included (as vLLM decodes them)."""
+        validation.check_model(body.model, gw.limits)
+        ids = validation.detokenize_ids(body, gw.limits)
+        text = await asyncio.to_thread(gw.tokenizer.decode, ids, skip_special_tokens=False)
+        return DetokenizeResponse(prompt=text)
 
     @app.post("/generate", tags=["Pagoda"], responses=_ERRORS)
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
@@ -263,6 +305,15 @@ def _plain(message: Any) -> dict[str, Any]:
     return out
 
 
+def _without_union_tag(error: dict[str, Any]) -> dict[str, Any]:
+    """('body', 'tokenize-chat', 'messages', 0) -> ('body', 'messages', 0): the tag of the
+    body's union member is not a field, and the error names the field."""
+    loc = tuple(error.get("loc", ()))
+    if loc[:1] == ("body",) and len(loc) > 1 and loc[1] in BODY_UNION_TAGS:
+        return {**error, "loc": loc[:1] + loc[2:]}
+    return error
+
+
 def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
     def respond(request: Request, status: int, body: dict[str, Any]) -> JSONResponse:
         gw.metrics.error(status)
@@ -274,7 +325,8 @@ def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = from_validation_errors(exc.errors(), request.headers.get("content-type", ""))
+        errors = [_without_union_tag(e) for e in exc.errors()]
+        err = from_validation_errors(errors, request.headers.get("content-type", ""))
         return respond(request, err.status, err.body())
 
     @app.exception_handler(ApiError)

@@ -72,6 +72,7 @@ class GenerationParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None  # score the prompt, with this many alternatives
 
 
 class TopToken(NamedTuple):
@@ -93,9 +94,10 @@ class TokenLogprob:
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing precedes it)
     top: list[TopToken] = field(default_factory=list)
     token_bytes: bytes | None = None
+    rank: int | None = None  # 1-based, where the scheduler sent it (prompt tokens)
 
     def __post_init__(self) -> None:
         self.top = [TopToken(*t) for t in self.top]
@@ -111,6 +113,9 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # on each choice's first delta when params.prompt_logprobs was set: one entry per prompt
+    # token, the first with logprob None (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -211,6 +216,8 @@ class TextGenerator:
         if p.repetition_penalty != 1.0:
             sp.repetition_penalty = p.repetition_penalty
         sp.logit_bias.update(dict(p.logit_bias))
+        if p.prompt_logprobs is not None:
+            sp.prompt_logprobs = p.prompt_logprobs
         return req
 
     async def generate(
@@ -239,8 +246,13 @@ class TextGenerator:
         processors: dict[int, TextOutputProcessor] = {}
         done: set[int] = set()
         completion_tokens: dict[int, int] = {}
+        prompt_logprobs = None  # from the first response; handed to each choice's first delta
         try:
             async for resp in call:
+                if resp.prompt_logprobs:
+                    head = TokenLogprob(prompt_ids[0], self._token_text(prompt_ids[0]), None,
+                                        token_bytes=self.tokenizer.token_bytes(prompt_ids[0]))
+                    prompt_logprobs = [head, *self._logprobs(resp.prompt_logprobs, prompt_ids[1:])]
                 index = resp.index
                 if index not in done:
                     proc = processors.get(index)
@@ -251,8 +263,12 @@ class TextGenerator:
                             include_stop_str_in_output=params.include_stop_str_in_output,
                             prompt_token_ids=list(prompt_ids),
                         )
+                    first = index not in completion_tokens
                     delta = self._choice_delta(resp, proc, params)
                     completion_tokens[index] = completion_tokens.get(index, 0) + len(resp.token_ids)
+                    if first and params.prompt_logprobs is not None:
+                        delta = delta or ChoiceDelta(index, "", [])
+                        delta.prompt_logprobs = prompt_logprobs
                     if delta is not None:
                         if delta.finish_reason is not None:
                             done.add(index)
@@ -281,7 +297,7 @@ class TextGenerator:
                       params: GenerationParams) -> ChoiceDelta | None:
         """The text one response adds to its choice; None when it adds nothing."""
         token_ids = list(resp.token_ids)
-        logprobs = self._logprobs(resp, token_ids) if params.logprobs is not None else []
+        logprobs = self._logprobs(resp.logprobs, token_ids) if params.logprobs is not None else []
         scheduler_reason = _FINISH_NAMES.get(resp.finish_reason)
         if scheduler_reason is None:
             delta = proc.push(token_ids)
@@ -310,13 +326,14 @@ class TextGenerator:
             list(resp.timeline),
         )
 
-    def _logprobs(self, resp, token_ids: list[int]) -> list[TokenLogprob]:
+    def _logprobs(self, entries, token_ids: Sequence[int]) -> list[TokenLogprob]:
+        """TopLogprobs messages of these tokens as the formatters take them."""
         out = []
-        for tid, lp in zip(token_ids, resp.logprobs, strict=False):
+        for tid, lp in zip(token_ids, entries, strict=False):
             top = [TopToken(t.token_id, self._token_text(t.token_id), t.logprob,
                             self.tokenizer.token_bytes(t.token_id)) for t in lp.top]
             out.append(TokenLogprob(tid, self._token_text(tid), lp.sampled.logprob, top,
-                                    self.tokenizer.token_bytes(tid)))
+                                    self.tokenizer.token_bytes(tid), lp.sampled.rank or None))
         return out
 
     def _token_text(self, token_id: int) -> str:

@@ -30,8 +30,11 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.texts.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
@@ -43,8 +46,33 @@ class ChoiceResult:
         return "".join(self.texts)
 
 
-def _lp(value: float) -> float:
+def _lp(value: float | None) -> float | None:
+    if value is None:
+        return None  # a prompt's first token
     return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else float(value)
+
+
+def prompt_logprobs_body(entries: list[TokenLogprob]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}}
+    for the prompt's token and the likeliest alternatives (ranks 1, 2, ...); None first."""
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        body = {str(t.token_id): {"logprob": _lp(t.logprob), "rank": rank, "decoded_token": t.token}
+                for rank, t in enumerate(e.top, start=1)}
+        body[str(e.token_id)] = {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": e.token}
+        out.append(body)
+    return out
+
+
+def echoed(delta: ChoiceDelta, prompt_text: str, with_logprobs: bool) -> ChoiceDelta:
+    """A choice's first delta with the prompt in front (`echo`): its text, and its tokens'
+    log-probabilities when asked (from the delta's prompt_logprobs)."""
+    logprobs = [*(delta.prompt_logprobs or []), *delta.logprobs] if with_logprobs else delta.logprobs
+    return ChoiceDelta(delta.index, prompt_text + delta.text, delta.token_ids, logprobs,
+                       delta.finish_reason, delta.stop_reason, delta.prompt_logprobs)
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -109,6 +137,9 @@ def completion_logprobs(logprobs: list[TokenLogprob],
     text_offsets, tops = [], []
     for lp in logprobs:
         text_offsets.append(offsets.advance(_bytes(lp.token, lp.token_bytes)))
+        if lp.logprob is None:  # an echoed prompt's first token: nothing to score it by
+            tops.append(None)
+            continue
         top: dict[str, float] = {}
         for token, token_bytes, value in [*((t.token, t.token_bytes, t.logprob) for t in lp.top),
                                           (lp.token, lp.token_bytes, lp.logprob)]:
@@ -150,24 +181,35 @@ def _extras(choice: dict[str, Any], stop_reason: str | int | None, token_ids: li
 
 def completion_response(request_id: str, created: int, model: str, choices: list[ChoiceResult],
                         usage: Usage, want_logprobs: bool,
-                        prompts: list[list[int]] | None) -> dict[str, Any]:
-    """`prompts` given: return_token_ids was asked."""
-    return {
-        "id": request_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [_extras({"index": c.index, "text": c.text,
-                             "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
-                             "finish_reason": c.finish_reason},
-                            c.stop_reason, c.token_ids if prompts else None,
-                            prompts[c.prompt_index] if prompts else None)
-                    for c in choices],
-        "usage": usage_body(usage),
-    }
+                        prompts: list[list[int]] | None, echo_texts: list[str] | None = None,
+                        want_prompt_logprobs: bool = False) -> dict[str, Any]:
+    """`prompts` given: return_token_ids was asked. `echo_texts` given (per prompt): echo,
+    the prompt's text (and its tokens' logprobs) before each choice's."""
+    out = []
+    for c in choices:
+        text, logprobs = c.text, c.logprobs
+        if echo_texts is not None:
+            text = echo_texts[c.prompt_index] + text
+            logprobs = [*(c.prompt_logprobs or []), *logprobs] if want_logprobs else logprobs
+        choice = _extras({"index": c.index, "text": text,
+                          "logprobs": completion_logprobs(logprobs) if want_logprobs else None,
+                          "finish_reason": c.finish_reason},
+                         c.stop_reason, c.token_ids if prompts else None,
+                         prompts[c.prompt_index] if prompts else None)
+        if want_prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprobs_body(c.prompt_logprobs or [])
+        out.append(choice)
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": out, "usage": usage_body(usage)}
 
 
 def chat_response(request_id: str, created: int, model: str, choices: list[ChoiceResult],
                   usage: Usage, want_logprobs: bool,
-                  prompt: list[int] | None) -> dict[str, Any]:
-    return {
+                  prompt: list[int] | None, want_prompt_logprobs: bool = False) -> dict[str, Any]:
+    extra = {}
+    if want_prompt_logprobs:  # vLLM: once for the request, beside the choices
+        extra["prompt_logprobs"] = prompt_logprobs_body(choices[0].prompt_logprobs or [] if choices else [])
+    return {**extra,
         "id": request_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [_extras({"index": c.index,
                              "message": {"role": "assistant", "content": c.text},

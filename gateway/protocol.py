@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 MAX_STOP_STRINGS = 16
@@ -103,7 +103,9 @@ class _OpenAIFields(_SamplingFields):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     return_token_ids: bool = Field(False, description="vLLM: the prompt's and each choice's token ids.")
-    prompt_logprobs: int | None = Field(None, description="Refused: not supported.")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, description="vLLM: each prompt token's log-probability given the ones before "
+        "it, with this many alternatives (not with stream). Served without the prefix cache.")
 
 
 class CompletionRequest(_OpenAIFields):
@@ -112,7 +114,8 @@ class CompletionRequest(_OpenAIFields):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=1, description="null: the rest of the context.")
     logprobs: int | None = Field(None, ge=0, description="Alternatives per token.")
-    echo: bool = Field(False, description="Refused: not supported.")
+    echo: bool = Field(False, description="The prompt before each choice's text (and, with "
+                       "logprobs, its tokens' log-probabilities, the first null).")
     best_of: int | None = Field(None, ge=1, description="Only None or n.")
     suffix: str | None = Field(None, description="Refused: not supported.")
 
@@ -174,6 +177,77 @@ class GenerateRequest(_SamplingFields):
                 raise ValueError("must not be empty")
             return value
         raise ValueError("must be a string or a list of token ids (non-negative integers)")
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """`POST /tokenize` of a text (vLLM's TokenizeCompletionRequest)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = Field(None, description="The served model's name; default: it.")
+    prompt: str
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's own special "
+                                                       "tokens (e.g. a BOS), as completions do.")
+    return_token_strs: bool = Field(False, description="Also return each token's vocabulary entry.")
+
+
+class TokenizeChatRequest(BaseModel):
+    """`POST /tokenize` of a conversation, through the chat template exactly as
+    `/v1/chat/completions` applies it (vLLM's TokenizeChatRequest)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = Field(None, description="The served model's name; default: it.")
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = Field(
+        None, description="null: as /v1/chat/completions (the BOS the tokenizer adds, unless the "
+        "template already wrote one); false: the rendered text alone; true: plus whatever the "
+        "tokenizer adds.")
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = Field(False, description="Also return each token's vocabulary entry.")
+    continue_final_message: bool = Field(False, description="Refused: not supported.")
+    chat_template: str | None = Field(None, description="Refused: the model's own template is used.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Refused: no tool calling yet.")
+
+
+# A discriminated union's tag shows in the location of its errors, after "body"; these tags
+# are not identifiers, so that they can never be mistaken for a field (the app drops them).
+BODY_UNION_TAGS = frozenset({"tokenize-prompt", "tokenize-chat"})
+
+
+def _tokenize_kind(value: Any) -> str:
+    """A body with `messages` is a conversation; anything else is checked as a text."""
+    is_chat = (isinstance(value, dict) and "messages" in value) or isinstance(value, TokenizeChatRequest)
+    return "tokenize-chat" if is_chat else "tokenize-prompt"
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("tokenize-prompt")]
+    | Annotated[TokenizeChatRequest, Tag("tokenize-chat")],
+    Discriminator(_tokenize_kind),
+]
+
+
+class TokenizeResponse(BaseModel):
+    count: int = Field(description="Number of tokens.")
+    max_model_len: int = Field(description="The model's context length, in tokens.")
+    tokens: list[int]
+    token_strs: list[str] | None = Field(None, description="With return_token_strs: each token's "
+                                                           "vocabulary entry.")
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize`: token ids back to text (special tokens kept, as vLLM does)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = Field(None, description="The served model's name; default: it.")
+    tokens: TokenIds
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorDetail(BaseModel):

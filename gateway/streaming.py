@@ -186,15 +186,19 @@ async def _events(request_id: str, first: Item, items: AsyncIterator[Item], incl
 
 def completion_events(request_id: str, created: int, model: str, first: Item,
                        items: AsyncIterator[Item], n: int, want_logprobs: bool, want_token_ids: bool,
-                       options: Any, num_prompt_tokens: int) -> AsyncIterator[bytes]:
+                       options: Any, num_prompt_tokens: int,
+                       echo_texts: list[str] | None = None) -> AsyncIterator[bytes]:
+    """`echo_texts` (per prompt): each choice's first chunk starts with its prompt."""
     # per choice: text offsets count every token so far, as the whole response's do (not the
     # text sent so far, which lags behind a held-back partial character or stop string)
     offsets: dict[int, fmt.TextOffsets] = {}
 
     def chunk(prompt_index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
+        index = prompt_index * n + delta.index
+        if echo_texts is not None and index not in offsets:
+            delta = fmt.echoed(delta, echo_texts[prompt_index], want_logprobs)
         if not delta.text and delta.finish_reason is None and not (want_logprobs or want_token_ids):
             return None  # text held back (a partial character or a possible stop string)
-        index = prompt_index * n + delta.index
         return fmt.completion_chunk(request_id, created, model, index, delta, want_logprobs,
                                     want_token_ids, offsets.setdefault(index, fmt.TextOffsets()))
 

@@ -1,5 +1,6 @@
 """From a parsed request body to what the scheduler is asked: prompts as token ids and
-`GenerationParams`, or an `ApiError` (400) naming the field.
+`GenerationParams` (for /tokenize and /detokenize, the ids themselves), or an `ApiError`
+(400) naming the field.
 
 Pure and synchronous: the model's limits (`ModelLimits`), the configuration and the
 tokenizer in, values out. Everything a request can get wrong is caught here, so that bad
@@ -19,8 +20,12 @@ from gateway.core import MAX_LOGIT_BIAS_ENTRIES, GenerationParams
 from gateway.errors import ApiError, invalid
 from gateway.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     _OpenAIFields,
     _SamplingFields,
 )
@@ -87,8 +92,17 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, limits: Mod
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
     """The conversation through the model's chat template, as token ids."""
-    messages = []
-    for i, message in enumerate(req.messages):
+    ids = _chat_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tokenizer)
+    check_prompt_ids(ids, limits, "messages")
+    return ids
+
+
+def _chat_ids(messages: Sequence[ChatMessage], add_generation_prompt: bool,
+              chat_template_kwargs: dict[str, Any] | None, tokenizer: Tokenizer,
+              add_special_tokens: bool | None = None) -> list[int]:
+    """What chat completions and /tokenize share: text parts joined, the template applied."""
+    plain_messages = []
+    for i, message in enumerate(messages):
         plain = message.model_dump(exclude_none=True)
         if isinstance(message.content, list):
             texts = []
@@ -98,18 +112,16 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelL
                                   f"only text parts are supported, got type {part.type!r}")
                 texts.append(part.text)
             plain["content"] = "\n".join(texts)
-        messages.append(plain)
-    kwargs = dict(req.chat_template_kwargs or {})
+        plain_messages.append(plain)
+    kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise invalid("chat_template_kwargs", f"may not set {', '.join(reserved)}")
     try:
-        ids = tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                    **kwargs)
+        return tokenizer.encode_chat(plain_messages, add_generation_prompt=add_generation_prompt,
+                                     add_special_tokens=add_special_tokens, **kwargs)
     except ValueError as exc:  # ChatTemplateError: no template, or the template refused
         raise invalid("messages", str(exc)) from exc
-    check_prompt_ids(ids, limits, "messages")
-    return ids
 
 
 def generate_prompt(req: GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
@@ -133,6 +145,31 @@ def check_prompt_ids(ids: Sequence[int], limits: ModelLimits, param: str,
                              f"tokens, but {'the prompt' if index is None else where} has "
                              f"{len(ids)} (at least one token must be left to generate)",
                       "context_length_exceeded")
+
+
+def tokenize_ids(req: TokenizeCompletionRequest | TokenizeChatRequest,
+                 tokenizer: Tokenizer) -> list[int]:
+    """`/tokenize`: a text as completions encode it, or a conversation as chat completions
+    render and encode it. Not bounded by the context length: the count is the answer."""
+    if isinstance(req, TokenizeCompletionRequest):
+        return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    if req.continue_final_message:
+        raise invalid("continue_final_message", "not supported; leave it false")
+    if req.chat_template is not None:
+        raise invalid("chat_template", "not supported: the model's own template is used")
+    if req.tools:
+        raise invalid("tools", "tool calling is not supported")
+    return _chat_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tokenizer,
+                     req.add_special_tokens)
+
+
+def detokenize_ids(req: DetokenizeRequest, limits: ModelLimits) -> list[int]:
+    """`/detokenize`'s ids, each inside the model's vocabulary."""
+    ids = list(req.tokens)
+    if ids and max(ids) >= limits.vocab_size:
+        raise invalid("tokens", f"token id {max(ids)} is outside the vocabulary of "
+                                f"{limits.vocab_size} tokens")
+    return ids
 
 
 # --- sampling ----------------------------------------------------------------------------
@@ -163,8 +200,8 @@ def _logit_bias(value: dict[str, float] | None, limits: ModelLimits) -> tuple[tu
 
 def _refuse_unsupported(req: _SamplingFields) -> None:
     if isinstance(req, _OpenAIFields):
-        if req.prompt_logprobs is not None:
-            raise invalid("prompt_logprobs", "prompt log-probabilities are not supported")
+        if req.prompt_logprobs is not None and req.stream:
+            raise invalid("prompt_logprobs", "not available with stream: true")
         if req.stream_options is not None and not req.stream:
             raise invalid("stream_options", "only allowed with stream: true")
 
@@ -227,8 +264,6 @@ def _check_n(n: int, config: GatewayConfig) -> None:
 def completion_params(req: CompletionRequest, prompts: Sequence[Sequence[int]],
                       limits: ModelLimits, config: GatewayConfig,
                       key: ApiKey | None = None) -> GenerationParams:
-    if req.echo:
-        raise invalid("echo", "echoing the prompt is not supported; leave echo false")
     if req.suffix:
         raise invalid("suffix", "not supported")
     if req.best_of is not None and req.best_of != req.n:
@@ -236,8 +271,17 @@ def completion_params(req: CompletionRequest, prompts: Sequence[Sequence[int]],
     _check_n(req.n, config)
     if req.logprobs is not None and req.logprobs > config.max_logprobs:
         raise invalid("logprobs", f"at most {config.max_logprobs}, got {req.logprobs}")
+    _check_prompt_logprobs(req.prompt_logprobs, config)
     params = _sampling(req, limits, _max_tokens(req.max_tokens, prompts, limits, "max_tokens"), key)
-    return _with(params, n=req.n, logprobs=req.logprobs)
+    # echo with logprobs reports the prompt's tokens too: scored with as many alternatives
+    wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    return _with(params, n=req.n, logprobs=req.logprobs,
+                 prompt_logprobs=max(wanted) if wanted else None)
+
+
+def _check_prompt_logprobs(value: int | None, config: GatewayConfig) -> None:
+    if value is not None and value > config.max_logprobs:
+        raise invalid("prompt_logprobs", f"at most {config.max_logprobs}, got {value}")
 
 
 def chat_params(req: ChatCompletionRequest, prompt: Sequence[int], limits: ModelLimits,
@@ -257,10 +301,17 @@ def chat_params(req: ChatCompletionRequest, prompt: Sequence[int], limits: Model
             raise invalid("top_logprobs", "needs logprobs: true")
         if req.top_logprobs > config.max_logprobs:
             raise invalid("top_logprobs", f"at most {config.max_logprobs}, got {req.top_logprobs}")
+    if req.max_completion_tokens is not None and req.max_tokens is not None \
+            and req.max_completion_tokens != req.max_tokens:
+        raise invalid("max_completion_tokens", f"{req.max_completion_tokens} differs from "
+                                               f"max_tokens={req.max_tokens}, its deprecated name; "
+                                               "send only max_completion_tokens")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    _check_prompt_logprobs(req.prompt_logprobs, config)
     params = _sampling(req, limits, _max_tokens(max_tokens, [prompt], limits, param), key)
-    return _with(params, n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    return _with(params, n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                 prompt_logprobs=req.prompt_logprobs)
 
 
 def generate_params(req: GenerateRequest, prompt: Sequence[int], limits: ModelLimits,

@@ -65,6 +65,8 @@ class ResultEvent:
     micro_batch_id: int
     sampled: list  # [(seq_id, token_id, logprob info)]
     timings: tuple[StageTiming, ...] = ()
+    # prompt scoring: [(seq_id, first_position, [(target, logprob, rank, [(id, logprob)])])]
+    prompt_logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,9 @@ class RequestOutput:
     num_preemptions: int = 0
     error: tuple[str, str] | None = None  # (grpc status name, message)
     timeline: list[dict] = field(default_factory=list)
+    # on the request's first output, when prompt_logprobs was asked: per prompt token after
+    # the first, (token id, logprob, rank, [(id, logprob) most likely first])
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -422,7 +427,8 @@ class Engine:
             if event.micro_batch_id not in self.planner.in_flight:
                 return  # from before a reset
             self._emit_trace({"event": "result", "micro_batch_id": event.micro_batch_id, "t": now})
-            updates = self.planner.on_result(event.micro_batch_id, event.sampled, now)
+            updates = self.planner.on_result(event.micro_batch_id, event.sampled, now,
+                                             event.prompt_logprobs)
             self._record_timings(event, time.time_ns())
             self._deliver(updates)
             self._drain_decisions()
@@ -485,9 +491,13 @@ class Engine:
                 self.metrics.on_finished(reason.value if reason else "stop", self.clock() - request.arrival_s)
                 out = self._final(live, error=None)
                 out.deltas = deltas
-                live.outputs.put_nowait(out)
             else:
-                live.outputs.put_nowait(RequestOutput(request_id, deltas))
+                out = RequestOutput(request_id, deltas)
+            if request.options.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                # complete by now: the prompt's last chunk precedes the first sampled token
+                out.prompt_logprobs = list(request.prompt_logprobs)
+                request.prompt_logprobs_sent = True
+            live.outputs.put_nowait(out)
 
     def _final(self, live: _Live, error: tuple[str, str] | None, aborted: bool = False) -> RequestOutput:
         r = live.request

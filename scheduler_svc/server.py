@@ -64,8 +64,6 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
     if vocab_size and p.logit_bias and max(p.logit_bias) >= vocab_size:
         raise InvalidRequest(
             f"sampling_params.logit_bias: token id {max(p.logit_bias)} is outside the vocabulary of {vocab_size}")
-    if p.HasField("prompt_logprobs"):
-        raise InvalidRequest("sampling_params.prompt_logprobs: prompt logprobs are not supported yet")
     if len(prompt) >= config.max_model_len:
         raise InvalidRequest(
             f"prompt_token_ids: {len(prompt)} tokens leave no room under max_model_len={config.max_model_len}"
@@ -102,6 +100,7 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
             logit_bias=tuple(sorted(p.logit_bias.items())),
+            prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         )
     except ValueError as exc:
         raise InvalidRequest(f"sampling_params.{exc}") from exc
@@ -173,6 +172,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if d.stop_token_id is not None:
                     msg.stop_token_id = d.stop_token_id
             msgs.append(msg)
+        if out.prompt_logprobs is not None:
+            if not msgs:
+                msgs.append(scheduler_pb2.GenerateResponse(request_id=req.request_id))
+            for token_id, logprob, rank, top in out.prompt_logprobs:
+                entry = msgs[0].prompt_logprobs.add()
+                entry.sampled.token_id, entry.sampled.logprob, entry.sampled.rank = token_id, logprob, rank
+                for r, (tid, lp) in enumerate(top, start=1):
+                    entry.top.add(token_id=tid, logprob=lp, rank=r)
         if out.finished:
             if not msgs:
                 msgs.append(scheduler_pb2.GenerateResponse(request_id=req.request_id))

@@ -40,6 +40,11 @@ def micro_batch_to_pb(mb: MicroBatch) -> worker_pb2.MicroBatch:
             msg.trace_contexts.add(traceparent=request.trace_context)
         else:
             msg.trace_contexts.add()
+        if s.prompt_scoring is not None:
+            first, targets, num_top = s.prompt_scoring
+            entry.prompt_targets.extend(targets)
+            entry.prompt_first_position = first
+            entry.prompt_num_top = num_top
         if s.sample:
             o = request.options
             entry.sample = True
@@ -165,7 +170,13 @@ class GrpcStageTransport:
                         (s.seq_id, s.token_id, s.logprobs if s.HasField("logprobs") else None)
                         for s in done.sampled
                     ]
-                    on_event(ResultEvent(mb_id, sampled, tuple(self._timings.pop(mb_id, ()))))
+                    prompt = tuple(
+                        (p.seq_id, p.first_position,
+                         [(x.sampled.token_id, x.sampled.logprob, x.sampled.rank,
+                           [(t.token_id, t.logprob) for t in x.top]) for x in p.positions])
+                        for p in done.prompt_logprobs
+                    )
+                    on_event(ResultEvent(mb_id, sampled, tuple(self._timings.pop(mb_id, ())), prompt))
                     for stale in [k for k in self._timings if k < mb_id]:
                         del self._timings[stale]
         except asyncio.CancelledError:

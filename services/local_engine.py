@@ -48,7 +48,7 @@ def _sampling_params(o: SamplingOptions, eos_token_ids: tuple[int, ...]):
 
 def micro_batch_to_plan(mb: MicroBatch):
     """The scheduler's micro-batch as the stages' domain plan (no protobuf in between)."""
-    from worker_svc.plan import SeqChunk, StagePlan
+    from worker_svc.plan import PromptScoring, SeqChunk, StagePlan
     from worker_svc.sampler import SampleRow
 
     seqs = []
@@ -59,8 +59,9 @@ def micro_batch_to_plan(mb: MicroBatch):
             params = _sampling_params(request.options, tuple(request.eos_token_ids))
             row = SampleRow(seq.seq_id, params, seq.index, len(seq.output), seq.entropy_seed,
                             s.history)
+        scoring = None if s.prompt_scoring is None else PromptScoring(*s.prompt_scoring)
         seqs.append(SeqChunk(seq.seq_id, s.num_tokens, s.context_len, s.slot_mapping,
-                             s.block_table, tuple(s.token_ids), row))
+                             s.block_table, tuple(s.token_ids), row, scoring))
     return StagePlan(mb.micro_batch_id, tuple(seqs), tuple(mb.block_copies),
                      tuple(mb.released_seq_ids), mb.release_all)
 
@@ -108,7 +109,8 @@ class LocalStageTransport:
                 (seq_id, token, None)
                 for seq_id, token in zip(result.sampled_seq_ids, result.sampled.token_ids, strict=True)
             ]
-            event = ResultEvent(plan.micro_batch_id, sampled, tuple(timings))
+            event = ResultEvent(plan.micro_batch_id, sampled, tuple(timings),
+                                tuple(result.prompt_logprobs))
         except ValueError as exc:  # InvalidPlanError: a scheduler bug, reported like a stage would
             event = ErrorEvent(plan.micro_batch_id, len(timings), "INVALID_ARGUMENT", str(exc))
         except Exception as exc:
@@ -167,6 +169,9 @@ class GenerationOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # with SamplingOptions.prompt_logprobs: per prompt token after the first,
+    # (token id, logprob, rank, [(id, logprob) most likely first])
+    prompt_logprobs: list | None = None
 
 
 class LLM:
@@ -232,14 +237,17 @@ class LLM:
                 text = self.tokenizer.decode(ids) if detokenize else None
                 completions.append(CompletionOutput(index, ids, text, reason))
             outputs.append(GenerationOutput(request.request_id, list(request.prompt), completions,
-                                            final.num_cached_tokens, final.num_preemptions))
+                                            final.num_cached_tokens, final.num_preemptions,
+                                            final.prompt_logprobs))
         return outputs
 
 
 async def _collect(stream) -> tuple[dict[int, tuple[list[int], str | None]], RequestOutput]:
     choices: dict[int, tuple[list[int], str | None]] = {}
-    final = None
+    final, prompt_logprobs = None, None
     async for out in stream:
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = out.prompt_logprobs
         for d in out.deltas:
             ids, reason = choices.get(d.index, ([], None))
             ids.extend(d.token_ids)
@@ -247,4 +255,6 @@ async def _collect(stream) -> tuple[dict[int, tuple[list[int], str | None]], Req
                 reason = d.finish_reason.value
             choices[d.index] = (ids, reason)
         final = out
+    if final is not None and final.prompt_logprobs is None:
+        final.prompt_logprobs = prompt_logprobs
     return choices, final

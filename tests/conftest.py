@@ -54,6 +54,15 @@ def model_factory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def hf_llama(model_factory):
+    """transformers' model of `model_factory(arch="llama")`, the reference, loaded once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_factory(arch="llama"), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def trained_model_dir(tmp_path_factory):
     """A tiny model trained briefly on its tokenizer's text (support/trained.py), ~20 s."""
     from support.trained import make_trained_model

@@ -9,7 +9,7 @@ import torch
 
 from services.pb import common_pb2, worker_pb2
 from worker_svc.errors import InvalidPlanError
-from worker_svc.plan import SeqChunk, StagePlan
+from worker_svc.plan import PromptScoring, SeqChunk, StagePlan
 from worker_svc.sampler import SamplerOutput, SampleRow, SamplingParams
 
 _TO_PB_DTYPE = {
@@ -151,6 +151,10 @@ def plan_from_pb(mb: worker_pb2.MicroBatch, is_first: bool) -> StagePlan:
                 )
             except ValueError as exc:
                 raise InvalidPlanError(f"micro-batch {mb_id}, sequence {seq_id}: {exc}") from exc
+        scoring = None
+        if mb.sampling and mb.sampling[i].prompt_targets:
+            s = mb.sampling[i]
+            scoring = PromptScoring(s.prompt_first_position, tuple(s.prompt_targets), s.prompt_num_top)
         seqs.append(
             SeqChunk(
                 seq_id=seq_id,
@@ -160,6 +164,7 @@ def plan_from_pb(mb: worker_pb2.MicroBatch, is_first: bool) -> StagePlan:
                 block_table=tuple(tables[tab : tab + tl]),
                 token_ids=tuple(tokens[tok : tok + q]) if is_first else (),
                 sample=sample,
+                prompt_scoring=scoring,
             )
         )
         tok += q
@@ -186,6 +191,10 @@ def plan_to_pb(plan: StagePlan, stage_index: int = 0) -> worker_pb2.MicroBatch:
         mb.positions.extend(range(s.start_position, s.context_len))
         mb.slot_mapping.extend(s.slot_mapping)
         entry = mb.sampling.add()
+        if s.prompt_scoring is not None:
+            entry.prompt_targets.extend(s.prompt_scoring.targets)
+            entry.prompt_first_position = s.prompt_scoring.first_position
+            entry.prompt_num_top = s.prompt_scoring.num_top
         if s.sample is not None:
             r = s.sample
             entry.sample = True
@@ -232,3 +241,14 @@ def sampled_to_pb(
         if top:
             for rank, (tid, lp) in enumerate(top, start=1):
                 entry.logprobs.top.add(token_id=tid, logprob=lp, rank=rank)
+
+
+def prompt_logprobs_to_pb(scored, done: worker_pb2.MicroBatchDone) -> None:
+    """StageResult.prompt_logprobs into MicroBatchDone.prompt_logprobs."""
+    for seq_id, first_position, positions in scored:
+        entry = done.prompt_logprobs.add(seq_id=seq_id, first_position=first_position)
+        for target, logprob, rank, top in positions:
+            position = entry.positions.add()
+            position.sampled.token_id, position.sampled.logprob, position.sampled.rank = target, logprob, rank
+            for r, (tid, lp) in enumerate(top, start=1):
+                position.top.add(token_id=tid, logprob=lp, rank=r)

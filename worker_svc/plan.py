@@ -12,6 +12,17 @@ from worker_svc.sampler import SampleRow
 
 
 @dataclass(frozen=True)
+class PromptScoring:
+    """Score prompt tokens among a chunk's new tokens (the last stage): the logits after
+    absolute position `first_position + j` give the log-probability of `targets[j]`, with
+    `num_top` most likely alternatives."""
+
+    first_position: int
+    targets: tuple[int, ...]
+    num_top: int = 0
+
+
+@dataclass(frozen=True)
 class SeqChunk:
     """One sequence's share of a micro-batch: `num_tokens` new tokens at the end of its context.
 
@@ -27,6 +38,7 @@ class SeqChunk:
     block_table: tuple[int, ...]
     token_ids: tuple[int, ...] = ()  # stage 0 only
     sample: SampleRow | None = None  # last stage: sample the token after the last row
+    prompt_scoring: PromptScoring | None = None  # last stage
 
     @property
     def start_position(self) -> int:
@@ -51,7 +63,8 @@ class StagePlan:
 def without_tokens(plan: StagePlan) -> StagePlan:
     """The plan as a later stage receives it: hidden states instead of token ids."""
     seqs = tuple(
-        SeqChunk(s.seq_id, s.num_tokens, s.context_len, s.slot_mapping, s.block_table, (), s.sample)
+        SeqChunk(s.seq_id, s.num_tokens, s.context_len, s.slot_mapping, s.block_table, (), s.sample,
+                 s.prompt_scoring)
         for s in plan.seqs
     )
     return StagePlan(plan.micro_batch_id, seqs, plan.block_copies, plan.released_seq_ids, plan.release_all)

@@ -9,7 +9,7 @@ tokens. It owns its tensors; callers run it from one thread.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,10 @@ from worker_svc.kv_cache import PagedKVCache
 from worker_svc.model import StageModel
 from worker_svc.plan import StagePlan
 from worker_svc.sampler import Sampler, SamplerOutput
+
+# one scored prompt position: (target token id, its logprob, its 1-based rank, alternatives)
+PositionLogprobs = tuple[int, float, int, list[tuple[int, float]]]
+MAX_PROMPT_NUM_TOP = 20
 
 
 @dataclass
@@ -30,6 +34,9 @@ class StageResult:
     sampled_seq_ids: tuple[int, ...] = ()
     sampled: SamplerOutput | None = None
     logits: torch.Tensor | None = None  # [len(sampled_seq_ids), vocab] when asked for
+    # last stage, prompt scoring: (seq_id, first_position, per position
+    # (target id, logprob, rank, [(id, logprob) most likely first]))
+    prompt_logprobs: list[tuple[int, int, list[PositionLogprobs]]] = field(default_factory=list)
     compute_ns: int = 0
 
 
@@ -111,6 +118,16 @@ class StageRunner:
                     )
             if s.sample is not None and s.sample.seq_id != s.seq_id:
                 raise InvalidPlanError(f"{where}: sampling row names sequence {s.sample.seq_id}")
+            p = s.prompt_scoring
+            if p is not None and (
+                    not p.targets or p.first_position < s.start_position
+                    or p.first_position + len(p.targets) > s.context_len
+                    or not 0 <= p.num_top <= MAX_PROMPT_NUM_TOP
+                    or any(not 0 <= t < config.vocab_size for t in p.targets)):
+                raise InvalidPlanError(
+                    f"{where}: prompt scoring of {len(p.targets)} targets from position "
+                    f"{p.first_position} (top {p.num_top}) does not fit its new tokens "
+                    f"{s.start_position}..{s.context_len - 1} and vocabulary")
             if self.model.is_first:
                 if len(s.token_ids) != s.num_tokens:
                     raise InvalidPlanError(
@@ -156,15 +173,23 @@ class StageRunner:
             result.hidden = self.model(inputs, positions, self.kv_cache.pools, metadata, self.backend)
         else:
             rows, ends, end = [], [], 0
+            scored, score_indices = [], []
             for s in plan.seqs:
+                if s.prompt_scoring is not None:
+                    offset = end + s.prompt_scoring.first_position - s.start_position
+                    scored.append(s)
+                    score_indices.extend(range(offset, offset + len(s.prompt_scoring.targets)))
                 end += s.num_tokens
                 if s.sample is not None:
                     rows.append(s)
                     ends.append(end - 1)
-            indices = torch.tensor(ends, dtype=torch.long, device=self.device)
+            indices = torch.tensor(ends + score_indices, dtype=torch.long, device=self.device)
             logits = self.model(
                 inputs, positions, self.kv_cache.pools, metadata, self.backend, logits_indices=indices
             )
+            if scored:
+                result.prompt_logprobs = _score_prompts(logits[len(rows):], scored)
+                logits = logits[: len(rows)]
             result.sampled_seq_ids = tuple(s.seq_id for s in rows)
             result.sampled = (
                 self.sampler.sample(logits, [s.sample for s in rows])
@@ -200,3 +225,27 @@ class StageRunner:
             context_lens_list=context_lens,
         )
         return metadata, torch.tensor(positions, dtype=torch.long, device=device)
+
+
+def _score_prompts(logits: torch.Tensor, scored) -> list[tuple[int, int, list[PositionLogprobs]]]:
+    """Log-probabilities (raw logits) of each scored chunk's targets, their ranks and the
+    most likely alternatives; `logits` rows are the chunks' scored positions, in order."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [positions, vocab]
+    targets = torch.tensor([t for s in scored for t in s.prompt_scoring.targets],
+                           dtype=torch.long, device=logits.device)
+    target_lp = logprobs.gather(1, targets[:, None])  # [positions, 1]
+    ranks = (logprobs > target_lp).sum(dim=-1) + 1
+    most = min(max(s.prompt_scoring.num_top for s in scored), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(most, dim=-1) if most else (logprobs[:, :0], targets[:, None][:, :0])
+    target_list, lp_list, rank_list = targets.tolist(), target_lp[:, 0].tolist(), ranks.tolist()
+    values_list, ids_list = top_values.tolist(), top_ids.tolist()
+    out, row = [], 0
+    for s in scored:
+        p = s.prompt_scoring
+        positions = []
+        for _ in p.targets:
+            top = list(zip(ids_list[row][:p.num_top], values_list[row][:p.num_top], strict=True))
+            positions.append((target_list[row], lp_list[row], rank_list[row], top))
+            row += 1
+        out.append((s.seq_id, p.first_position, positions))
+    return out

@@ -34,6 +34,7 @@ from worker_svc.config import WorkerConfig
 from worker_svc.convert import (
     dtype_to_pb,
     plan_from_pb,
+    prompt_logprobs_to_pb,
     sampled_to_pb,
     tensor_from_pb,
     tensor_to_pb,
@@ -337,6 +338,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             done.num_block_copies_applied = copies
             if self.config.is_last and work.result.sampled is not None:
                 sampled_to_pb(work.result.sampled_seq_ids, work.result.sampled, done)
+                prompt_logprobs_to_pb(work.result.prompt_logprobs, done)
             if self._tracing:
                 self._trace_spans(work)
         self.num_in_flight -= 1

@@ -77,6 +77,9 @@ class ScheduledSeq:
     # (prompt, output so far) on the first sampling of a sequence id whose request uses
     # penalties: the last stage's sampler starts its per-sequence history from it
     history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    # (first position, targets, alternatives): prompt positions whose logits score the next
+    # prompt token (SamplingOptions.prompt_logprobs), on the request's first choice
+    prompt_scoring: tuple[int, tuple[int, ...], int] | None = None
 
     def __post_init__(self) -> None:
         if self.seq_id < 0:
@@ -303,7 +306,7 @@ class Planner:
                 if n <= 0:
                     continue
                 new_id = self._take_seq_id()
-                new_sequences.append(NewSequence(new_id, tokens, cfg.namespace, n))
+                new_sequences.append(NewSequence(new_id, tokens, self._namespace(seq.request), n))
                 proposal.readmits.append((seq, new_id))
                 budget -= n
                 n_seqs += 1
@@ -351,7 +354,7 @@ class Planner:
             for existing, tokens, n in planned:
                 seq = existing or self._new_sequence(request, len(admitted))
                 new_id = seq.seq_id if existing is None else self._take_seq_id()
-                new_sequences.append(NewSequence(new_id, tokens, cfg.namespace, n))
+                new_sequences.append(NewSequence(new_id, tokens, self._namespace(seq.request), n))
                 admitted.append((seq, new_id))
             proposal.admits.append((request, admitted))
             budget -= cost
@@ -457,12 +460,20 @@ class Planner:
             seq.block_table = result.block_ids
             end = start + n
             sample = end == self._target(seq) and end == seq.num_tokens
-            scheduled = ScheduledSeq(seq, start, seq.tokens(start, end), result.slot_mapping,
-                                     result.block_ids, sample)
-            if sample and seq.request.options.uses_penalties and seq.history_seq_id != seq.seq_id:
-                scheduled.history = (seq.request.prompt, tuple(seq.output))
+            entry = ScheduledSeq(seq, start, seq.tokens(start, end), result.slot_mapping,
+                                 result.block_ids, sample)
+            request = seq.request
+            if sample and request.options.uses_penalties and seq.history_seq_id != seq.seq_id:
+                entry.history = (request.prompt, tuple(seq.output))
                 seq.history_seq_id = seq.seq_id
-            mb.seqs.append(scheduled)
+            if request.options.prompt_logprobs is not None and seq.index == 0:
+                # score the prompt positions of this chunk not scored yet (each predicts the next)
+                first = max(start, len(request.prompt_logprobs))
+                last = min(end, len(request.prompt) - 1)
+                if first < last:
+                    entry.prompt_scoring = (first, tuple(request.prompt[first + 1:last + 1]),
+                                            request.options.prompt_logprobs)
+            mb.seqs.append(entry)
             self._busy.add(seq.seq_id)
             if seq.request.first_scheduled_s is None:
                 seq.request.first_scheduled_s = now
@@ -482,13 +493,16 @@ class Planner:
 
     # --- results in ----------------------------------------------------------------------
 
-    def on_result(self, mb_id: int, sampled: list[tuple[int, int, object]], now: float = 0.0) -> list[SeqUpdate]:
-        """A micro-batch came back: computed tokens advance, sampled tokens append, finishes."""
+    def on_result(self, mb_id: int, sampled: list[tuple[int, int, object]], now: float = 0.0,
+                  prompt_logprobs=()) -> list[SeqUpdate]:
+        """A micro-batch came back: computed tokens advance, sampled tokens append, finishes;
+        scored prompt positions extend their request's prompt logprobs."""
         mb = self.in_flight.pop(mb_id)
         self._pending_completed.append(mb_id)
         by_id: dict[int, list[tuple[int, object]]] = {}
         for seq_id, token, logprob in sampled:
             by_id.setdefault(seq_id, []).append((token, logprob))
+        scored = {seq_id: (first, positions) for seq_id, first, positions in prompt_logprobs}
         updates = []
         for s in mb.seqs:
             seq = s.seq
@@ -497,6 +511,9 @@ class Planner:
             if not request.state.is_live or not seq.has_kv or seq.is_finished or seq.seq_id != s.seq_id:
                 continue  # aborted or preempted while in flight (and maybe re-admitted since)
             seq.num_computed = s.context_len
+            first, positions = scored.get(seq.seq_id, (-1, ()))
+            if positions and first == len(request.prompt_logprobs):
+                request.prompt_logprobs.extend(positions)
             new_tokens, new_logprobs = [], []
             for token, logprob in by_id.get(seq.seq_id, []):
                 seq.output.append(token)
@@ -561,6 +578,14 @@ class Planner:
         return hit
 
     # --- helpers -------------------------------------------------------------------------
+
+    def _namespace(self, request: Request) -> str | None:
+        """The prefix-cache namespace of a request's new sequences. A request that scores its
+        prompt needs every position computed, so its own (per admission) never hits."""
+        if request.options.prompt_logprobs is None:
+            return self.config.namespace
+        return (f"{self.config.namespace or ''}\x00prompt-logprobs\x00{request.request_id}"
+                f"\x00{request.num_preemptions}")
 
     def _target(self, seq: Sequence) -> int:
         """How far a sequence may compute now: all known tokens, but a parent awaiting its fork

@@ -83,6 +83,7 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    prompt_logprobs: int | None = None  # score the prompt, with this many alternatives
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -103,6 +104,8 @@ class SamplingOptions:
             raise ValueError(f"seed: must be in [0, 2**64), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs: must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs: must be in [0, 20], got {self.prompt_logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: token ids must be non-negative")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -196,6 +199,10 @@ class Request:
     first_scheduled_s: float | None = None
     finished_s: float | None = None
     history: list[tuple[RequestState, float]] = field(default_factory=list)
+    # with options.prompt_logprobs: per prompt position 0 .. len - 2, the next prompt token's
+    # (id, logprob, rank, [(id, logprob)]); filled as prefill chunks come back
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def transition(self, new: RequestState, now: float = 0.0) -> None:
         if new not in LEGAL_TRANSITIONS[self.state]:

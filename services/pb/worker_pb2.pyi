@@ -46,7 +46,7 @@ class MicroBatch(_message.Message):
     def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., query_lens: _Optional[_Iterable[int]] = ..., context_lens: _Optional[_Iterable[int]] = ..., block_table_lens: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SequenceSampling, _Mapping]]] = ..., trace_contexts: _Optional[_Iterable[_Union[_common_pb2.TraceContext, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., release_all_sequences: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ...) -> None: ...
 
 class SequenceSampling(_message.Message):
-    __slots__ = ("sample", "params", "choice_index", "output_position", "entropy_seed", "eos_token_ids", "request_id", "has_history", "history_prompt_token_ids", "history_output_token_ids")
+    __slots__ = ("sample", "params", "choice_index", "output_position", "entropy_seed", "eos_token_ids", "request_id", "has_history", "history_prompt_token_ids", "history_output_token_ids", "prompt_targets", "prompt_first_position", "prompt_num_top")
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,9 @@ class SequenceSampling(_message.Message):
     HAS_HISTORY_FIELD_NUMBER: _ClassVar[int]
     HISTORY_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NUM_TOP_FIELD_NUMBER: _ClassVar[int]
     sample: bool
     params: _common_pb2.SamplingParams
     choice_index: int
@@ -67,7 +70,10 @@ class SequenceSampling(_message.Message):
     has_history: bool
     history_prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     history_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., choice_index: _Optional[int] = ..., output_position: _Optional[int] = ..., entropy_seed: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., has_history: _Optional[bool] = ..., history_prompt_token_ids: _Optional[_Iterable[int]] = ..., history_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_targets: _containers.RepeatedScalarFieldContainer[int]
+    prompt_first_position: int
+    prompt_num_top: int
+    def __init__(self, sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., choice_index: _Optional[int] = ..., output_position: _Optional[int] = ..., entropy_seed: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., has_history: _Optional[bool] = ..., history_prompt_token_ids: _Optional[_Iterable[int]] = ..., history_output_token_ids: _Optional[_Iterable[int]] = ..., prompt_targets: _Optional[_Iterable[int]] = ..., prompt_first_position: _Optional[int] = ..., prompt_num_top: _Optional[int] = ...) -> None: ...
 
 class ForwardAck(_message.Message):
     __slots__ = ("micro_batch_id", "received_ns")
@@ -96,18 +102,30 @@ class StageEvent(_message.Message):
     def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., ready: _Optional[_Union[StageLoadInfo, _Mapping]] = ..., done: _Optional[_Union[MicroBatchDone, _Mapping]] = ...) -> None: ...
 
 class MicroBatchDone(_message.Message):
-    __slots__ = ("micro_batch_id", "error", "timing", "sampled", "num_block_copies_applied")
+    __slots__ = ("micro_batch_id", "error", "timing", "sampled", "num_block_copies_applied", "prompt_logprobs")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCK_COPIES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     micro_batch_id: int
     error: _common_pb2.ErrorStatus
     timing: StepTiming
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     num_block_copies_applied: int
-    def __init__(self, micro_batch_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_block_copies_applied: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, micro_batch_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_block_copies_applied: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("seq_id", "first_position", "positions")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    first_position: int
+    positions: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, seq_id: _Optional[int] = ..., first_position: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "logprobs")

@@ -328,8 +328,8 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "a", "n": 1000}, 400, "n"),
-    ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
-    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 2}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "a", "suffix": "b"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
      400, "max_tokens"),
@@ -514,3 +514,59 @@ def _label(raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def test_tokenize_is_what_chat_sends_and_detokenize_reverses_it(stack):
+    port, messages = stack.gateway.port, [{"role": "user", "content": "Hi there"}]
+    status, chat = call(port, "POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": messages, "max_completion_tokens": 2, "temperature": 0,
+        "return_token_ids": True})
+    assert status == 200 and chat["usage"]["completion_tokens"] <= 2
+    status, tokens = call(port, "POST", "/tokenize", {"model": "tiny", "messages": messages})
+    assert status == 200 and tokens["tokens"] == chat["prompt_token_ids"]
+    assert tokens["count"] == chat["usage"]["prompt_tokens"] and tokens["max_model_len"] == MAX_MODEL_LEN
+    status, text = call(port, "POST", "/detokenize", {"tokens": tokens["tokens"]})
+    assert status == 200 and text["prompt"].startswith("<|im_start|>user\nHi there")
+    status, error = call(port, "POST", "/detokenize", {"tokens": [10**6]})
+    assert status == 400 and error["error"]["param"] == "tokens"
+
+
+def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt(client, reference, tokenizer):
+    """What evaluation harnesses send (lm-eval's loglikelihood: echo, logprobs, max_tokens 1):
+    the prompt's tokens come back first with their log-probabilities, equal to transformers'."""
+    import torch
+
+    prompt = [5, 17, 300, 42, 99, 7, 256, 311, 40]
+    with torch.no_grad():
+        logits = reference.model(input_ids=torch.tensor([prompt])).logits[0].float()
+    want = torch.log_softmax(logits, -1)
+    resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+                                      echo=True, logprobs=2)
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        assert abs(lp.token_logprobs[i] - float(want[i - 1, prompt[i]])) < 1e-4
+        assert len(lp.top_logprobs[i]) >= 2
+    assert choice.text.startswith(tokenizer.decode(prompt, skip_special_tokens=False))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                         echo=True, logprobs=1, stream=True)
+    chunks = list(streamed)
+    text = "".join(c.choices[0].text for c in chunks)
+    tokens = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                      echo=True, logprobs=1)
+    assert text == whole.choices[0].text and tokens == whole.choices[0].logprobs.tokens
+
+    vllm = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                     extra_body={"prompt_logprobs": 3})
+    scored = vllm.choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(prompt)
+    for i in range(1, len(prompt)):
+        entry = scored[i][str(prompt[i])]
+        assert abs(entry["logprob"] - float(want[i - 1, prompt[i]])) < 1e-4 and entry["rank"] >= 1
+        assert len(scored[i]) >= 3
+    assert vllm.choices[0].text == client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, temperature=0).choices[0].text  # echo off

@@ -113,8 +113,9 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "a", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "a", "echo": True}, 400, "echo"),
-    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
@@ -429,3 +430,23 @@ def test_an_error_mid_stream_is_an_error_event(tokenizer):
     events = _events(resp.text)
     assert events[0]["choices"][0]["text"] == "he"
     assert events[-1]["error"]["code"] == "unavailable" and "stage 0" in events[-1]["error"]["message"]
+
+
+def test_max_completion_tokens_is_chats_name_for_max_tokens(tokenizer):
+    hi = [{"role": "user", "content": "hi"}]
+
+    async def go():
+        client, generator = make_client(tokenizer)
+        async with client:
+            replies = [await post(client, "/v1/chat/completions", {"messages": hi, **limits})
+                       for limits in ({"max_completion_tokens": 7}, {"max_tokens": 5},
+                                      {"max_tokens": 6, "max_completion_tokens": 6},
+                                      {"max_tokens": 5, "max_completion_tokens": 9})]
+        return replies, generator
+
+    (new, old, same, differ), generator = run(go())
+    assert [r.status_code for r in (new, old, same)] == [200, 200, 200]
+    assert [params.max_tokens for _, params, _ in generator.calls] == [7, 5, 6]
+    assert differ.status_code == 400  # ... and never reached the scheduler
+    assert differ.json()["error"]["param"] == "max_completion_tokens"
+    assert "max_tokens=5" in differ.json()["error"]["message"]

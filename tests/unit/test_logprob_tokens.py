@@ -246,7 +246,7 @@ def test_completion_top_logprobs_keep_every_alternative(tok) -> None:
     for rank, token_id in enumerate(alternatives, 1):
         entry.top.add(token_id=token_id, logprob=-0.5 * rank, rank=rank)
     generator = TextGenerator("unused:1", tok, 64)
-    [lp] = generator._logprobs(resp, [sampled])
+    [lp] = generator._logprobs(resp.logprobs, [sampled])
     assert lp.token == "\ufffd" and lp.token_bytes == b"\x80"
     assert [t.token for t in lp.top] == ["\ufffd"] * 3 + ["a"]  # what a per-token decode gives
 

@@ -104,10 +104,8 @@ def model_dir(model_factory):
 
 
 @pytest.fixture(scope="module")
-def hf(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf(hf_llama):
+    return hf_llama
 
 
 ENGINE_CASES = [

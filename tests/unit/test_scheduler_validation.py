@@ -46,7 +46,7 @@ def msg(prompt=(5, 6, 7), tenant="gold", **params):
         (msg(logit_bias={600: 1.0}), "sampling_params.logit_bias: token id 600"),
         (msg(logit_bias={7: 101.0}), "sampling_params.logit_bias: bias 101"),
         (msg(logit_bias={i: 1.0 for i in range(301)}), "sampling_params.logit_bias: at most 300"),
-        (msg(prompt_logprobs=1), "prompt_logprobs"),
+        (msg(prompt_logprobs=21), "sampling_params.prompt_logprobs"),
         (msg(n=1000), "sampling_params.n"),
     ],
 )
