@@ -169,12 +169,12 @@ def create_app(config: GatewayConfig, generator: TextGenerator) -> FastAPI:
             first = await streaming.first_item(request, items)
             return streaming.EventStream(streaming.completion_events(
                 request_id, created, model, first, items, body.n, want_logprobs,
-                body.return_token_ids, body.stream_options, sum(map(len, prompts)), echo_texts),
-                items, request_id)
+                body.return_token_ids, body.stream_options, sum(map(len, prompts)), echo_texts,
+                body.logprobs), items, request_id)
         choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
         payload = fmt.completion_response(request_id, created, model, choices, usage, want_logprobs,
                                           prompts if body.return_token_ids else None, echo_texts,
-                                          body.prompt_logprobs is not None)
+                                          body.prompt_logprobs is not None, body.logprobs)
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
 
     @app.post("/v1/chat/completions", tags=["OpenAI"], responses={**_STREAMING, **_ERRORS})

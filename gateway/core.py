@@ -151,6 +151,7 @@ class TextGenerator:
         self._channel: grpc.aio.Channel | None = None
         self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
         self._background: set[asyncio.Task] = set()
+        self._tokens: dict[int, tuple[str, bytes]] = {}  # token id -> (text, bytes)
 
     def _connect(self) -> scheduler_pb2_grpc.SchedulerStub:
         if self._stub is None:
@@ -249,9 +250,10 @@ class TextGenerator:
         prompt_logprobs = None  # from the first response; handed to each choice's first delta
         try:
             async for resp in call:
-                if resp.prompt_logprobs:
-                    head = TokenLogprob(prompt_ids[0], self._token_text(prompt_ids[0]), None,
-                                        token_bytes=self.tokenizer.token_bytes(prompt_ids[0]))
+                if params.prompt_logprobs is not None and prompt_logprobs is None:
+                    # the first response carries them (none for a one-token prompt)
+                    text, token_bytes = self._token(prompt_ids[0])
+                    head = TokenLogprob(prompt_ids[0], text, None, token_bytes=token_bytes)
                     prompt_logprobs = [head, *self._logprobs(resp.prompt_logprobs, prompt_ids[1:])]
                 index = resp.index
                 if index not in done:
@@ -330,11 +332,26 @@ class TextGenerator:
         """TopLogprobs messages of these tokens as the formatters take them."""
         out = []
         for tid, lp in zip(token_ids, entries, strict=False):
-            top = [TopToken(t.token_id, self._token_text(t.token_id), t.logprob,
-                            self.tokenizer.token_bytes(t.token_id)) for t in lp.top]
-            out.append(TokenLogprob(tid, self._token_text(tid), lp.sampled.logprob, top,
-                                    self.tokenizer.token_bytes(tid), lp.sampled.rank or None))
+            top = [TopToken(t.token_id, self._token(t.token_id)[0], t.logprob,
+                            self._token(t.token_id)[1]) for t in lp.top]
+            text, token_bytes = self._token(tid)
+            out.append(TokenLogprob(tid, text, lp.sampled.logprob, top, token_bytes,
+                                    lp.sampled.rank or None))
         return out
 
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        """A token's text and bytes, decoded once (a scored prompt asks for thousands; the
+        cache holds at most the vocabulary). The text is its bytes when they are UTF-8 on
+        their own (a SentencePiece word keeps its leading space), else its lone decode."""
+        entry = self._tokens.get(token_id)
+        if entry is None:
+            raw = self.tokenizer.token_bytes(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            entry = self._tokens[token_id] = (text, raw)
+        return entry
+
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._token(token_id)[0]

@@ -67,10 +67,18 @@ def prompt_logprobs_body(entries: list[TokenLogprob]) -> list[dict[str, Any] | N
     return out
 
 
-def echoed(delta: ChoiceDelta, prompt_text: str, with_logprobs: bool) -> ChoiceDelta:
+def echo_logprobs(prompt_logprobs: list[TokenLogprob] | None, num_top: int) -> list[TokenLogprob]:
+    """An echoed prompt's entries with `num_top` alternatives each, as the generated tokens
+    have (the prompt may have been scored with more for `prompt_logprobs`)."""
+    return [TokenLogprob(e.token_id, e.token, e.logprob, e.top[:num_top], e.token_bytes, e.rank)
+            for e in prompt_logprobs or []]
+
+
+def echoed(delta: ChoiceDelta, prompt_text: str, num_top: int | None) -> ChoiceDelta:
     """A choice's first delta with the prompt in front (`echo`): its text, and its tokens'
-    log-probabilities when asked (from the delta's prompt_logprobs)."""
-    logprobs = [*(delta.prompt_logprobs or []), *delta.logprobs] if with_logprobs else delta.logprobs
+    log-probabilities when logprobs were asked (`num_top` alternatives)."""
+    logprobs = delta.logprobs if num_top is None else [
+        *echo_logprobs(delta.prompt_logprobs, num_top), *delta.logprobs]
     return ChoiceDelta(delta.index, prompt_text + delta.text, delta.token_ids, logprobs,
                        delta.finish_reason, delta.stop_reason, delta.prompt_logprobs)
 
@@ -182,7 +190,8 @@ def _extras(choice: dict[str, Any], stop_reason: str | int | None, token_ids: li
 def completion_response(request_id: str, created: int, model: str, choices: list[ChoiceResult],
                         usage: Usage, want_logprobs: bool,
                         prompts: list[list[int]] | None, echo_texts: list[str] | None = None,
-                        want_prompt_logprobs: bool = False) -> dict[str, Any]:
+                        want_prompt_logprobs: bool = False,
+                        num_top: int | None = None) -> dict[str, Any]:
     """`prompts` given: return_token_ids was asked. `echo_texts` given (per prompt): echo,
     the prompt's text (and its tokens' logprobs) before each choice's."""
     out = []
@@ -190,7 +199,8 @@ def completion_response(request_id: str, created: int, model: str, choices: list
         text, logprobs = c.text, c.logprobs
         if echo_texts is not None:
             text = echo_texts[c.prompt_index] + text
-            logprobs = [*(c.prompt_logprobs or []), *logprobs] if want_logprobs else logprobs
+            if want_logprobs:
+                logprobs = [*echo_logprobs(c.prompt_logprobs, num_top or 0), *logprobs]
         choice = _extras({"index": c.index, "text": text,
                           "logprobs": completion_logprobs(logprobs) if want_logprobs else None,
                           "finish_reason": c.finish_reason},

@@ -187,7 +187,8 @@ async def _events(request_id: str, first: Item, items: AsyncIterator[Item], incl
 def completion_events(request_id: str, created: int, model: str, first: Item,
                        items: AsyncIterator[Item], n: int, want_logprobs: bool, want_token_ids: bool,
                        options: Any, num_prompt_tokens: int,
-                       echo_texts: list[str] | None = None) -> AsyncIterator[bytes]:
+                       echo_texts: list[str] | None = None,
+                       num_top: int | None = None) -> AsyncIterator[bytes]:
     """`echo_texts` (per prompt): each choice's first chunk starts with its prompt."""
     # per choice: text offsets count every token so far, as the whole response's do (not the
     # text sent so far, which lags behind a held-back partial character or stop string)
@@ -196,7 +197,7 @@ def completion_events(request_id: str, created: int, model: str, first: Item,
     def chunk(prompt_index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
         index = prompt_index * n + delta.index
         if echo_texts is not None and index not in offsets:
-            delta = fmt.echoed(delta, echo_texts[prompt_index], want_logprobs)
+            delta = fmt.echoed(delta, echo_texts[prompt_index], num_top if want_logprobs else None)
         if not delta.text and delta.finish_reason is None and not (want_logprobs or want_token_ids):
             return None  # text held back (a partial character or a possible stop string)
         return fmt.completion_chunk(request_id, created, model, index, delta, want_logprobs,

@@ -227,18 +227,31 @@ class StageRunner:
         return metadata, torch.tensor(positions, dtype=torch.long, device=device)
 
 
+SCORE_ROWS_PER_SLICE = 256  # bounds the float32 [rows, vocab] temporaries of prompt scoring
+
+
 def _score_prompts(logits: torch.Tensor, scored) -> list[tuple[int, int, list[PositionLogprobs]]]:
     """Log-probabilities (raw logits) of each scored chunk's targets, their ranks and the
-    most likely alternatives; `logits` rows are the chunks' scored positions, in order."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [positions, vocab]
+    most likely alternatives; `logits` rows are the chunks' scored positions, in order.
+    Computed a slice of rows at a time, so a long chunk with a large vocabulary does not
+    hold [positions, vocab] float32 copies at once."""
     targets = torch.tensor([t for s in scored for t in s.prompt_scoring.targets],
                            dtype=torch.long, device=logits.device)
-    target_lp = logprobs.gather(1, targets[:, None])  # [positions, 1]
-    ranks = (logprobs > target_lp).sum(dim=-1) + 1
-    most = min(max(s.prompt_scoring.num_top for s in scored), logprobs.shape[1])
-    top_values, top_ids = logprobs.topk(most, dim=-1) if most else (logprobs[:, :0], targets[:, None][:, :0])
-    target_list, lp_list, rank_list = targets.tolist(), target_lp[:, 0].tolist(), ranks.tolist()
-    values_list, ids_list = top_values.tolist(), top_ids.tolist()
+    most = min(max(s.prompt_scoring.num_top for s in scored), logits.shape[1])
+    target_list, lp_list, rank_list, values_list, ids_list = targets.tolist(), [], [], [], []
+    for start in range(0, logits.shape[0], SCORE_ROWS_PER_SLICE):
+        part = slice(start, start + SCORE_ROWS_PER_SLICE)
+        logprobs = torch.log_softmax(logits[part].float(), dim=-1)  # [rows, vocab]
+        target_lp = logprobs.gather(1, targets[part, None])  # [rows, 1]
+        rank_list += ((logprobs > target_lp).sum(dim=-1) + 1).tolist()
+        lp_list += target_lp[:, 0].tolist()
+        if most:
+            values, ids = logprobs.topk(most, dim=-1)
+            values_list += values.tolist()
+            ids_list += ids.tolist()
+        else:
+            values_list += [[] for _ in range(logprobs.shape[0])]
+            ids_list += [[] for _ in range(logprobs.shape[0])]
     out, row = [], 0
     for s in scored:
         p = s.prompt_scoring

@@ -165,11 +165,23 @@ class WaitingQueue:
             return
         if not tenant.entries:
             heapq.heappush(self._idle, (tenant.finish_tag, tenant.name))
-        while self._idle and (self._idle[0][0] <= self._virtual_time or len(self._idle) > self.max_idle_tenants):
+        while self._idle and self._idle[0][0] <= self._virtual_time:
             finish_tag, name = heapq.heappop(self._idle)
-            idle = self._tenants.get(name)
-            if idle is not None and not idle.entries and idle.finish_tag == finish_tag:
+            if self._is_idle(name, finish_tag):
                 self._forget(name)
+        if len(self._idle) > self.max_idle_tenants:
+            # the heap also holds entries of tenants busy again (or idle with a later tag):
+            # drop those first, so that only more than max_idle_tenants real idle records
+            # make the oldest go
+            self._idle = [(f, n) for f, n in self._idle if self._is_idle(n, f)]
+            heapq.heapify(self._idle)
+            while len(self._idle) > self.max_idle_tenants:
+                self._forget(heapq.heappop(self._idle)[1])
+
+    def _is_idle(self, name: str, finish_tag: float) -> bool:
+        """Whether a heap entry still describes an idle record (nothing waiting, same tag)."""
+        tenant = self._tenants.get(name)
+        return tenant is not None and not tenant.entries and tenant.finish_tag == finish_tag
 
     def _forget(self, name: str) -> None:
         del self._tenants[name]

@@ -56,8 +56,11 @@ MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI
 
 
 def kv_blocks_needed(prompt_len: int, n: int, max_tokens: int, block_size: int) -> int:
-    """The most KV blocks a request can hold at once: the prompt's (shared by its choices),
-    and each choice's output plus the copy of the prompt's partial last block."""
+    """The most KV blocks a request can hold at once. One choice: its whole context. Several:
+    the prompt's blocks (shared), and each choice's output plus its copy of the prompt's
+    partial last block."""
+    if n == 1:
+        return -(-(prompt_len + max_tokens) // block_size)
     return -(-prompt_len // block_size) + n * (-(-max_tokens // block_size) + 1)
 
 

@@ -354,6 +354,9 @@ class Tokenizer:
             return bytes(_BYTE_LEVEL_ALPHABET[c] for c in piece)
         if self._byte_fallback and (match := _BYTE_FALLBACK_PIECE.fullmatch(piece)):
             return bytes([int(match[1], 16)])
+        if not self._byte_level and "\u2581" in piece:
+            # SentencePiece's word-start marker: a space a lone decode would strip
+            return piece.replace("\u2581", " ").encode("utf-8")
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def token_to_id(self, token: str) -> int | None:

@@ -570,3 +570,16 @@ def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt(client, referen
         assert len(scored[i]) >= 3
     assert vllm.choices[0].text == client.completions.create(
         model="tiny", prompt=prompt, max_tokens=2, temperature=0).choices[0].text  # echo off
+
+    # echoed prompt tokens carry as many alternatives as the generated ones (logprobs=1),
+    # even when prompt_logprobs asked for more
+    both = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+                                     echo=True, logprobs=1, extra_body={"prompt_logprobs": 5})
+    assert all(len(top) <= 2 for top in both.choices[0].logprobs.top_logprobs[1:])
+    assert len(both.choices[0].model_extra["prompt_logprobs"][1]) >= 5
+    # a one-token prompt: its token comes back, with nothing to score it by
+    one = client.completions.create(model="tiny", prompt=[65], max_tokens=1, temperature=0,
+                                    echo=True, logprobs=1, extra_body={"prompt_logprobs": 1})
+    lp = one.choices[0].logprobs
+    assert len(lp.tokens) == 2 and lp.token_logprobs[0] is None and lp.token_logprobs[1] is not None
+    assert one.choices[0].model_extra["prompt_logprobs"] == [None]

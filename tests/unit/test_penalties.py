@@ -165,6 +165,10 @@ def test_n_choices_each_keep_their_own_history(model_dir, hf):
         [prompt, prompt[:5]], [options(case, n=3, temperature=0.8, seed=5), options({})],
         detokenize=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    # ...and the penalties took part in the draws: the same seeds without them differ
+    unpenalised = LLM(model_dir, num_kv_blocks=256).generate(
+        [prompt], [options({}, n=3, temperature=0.8, seed=5)], detokenize=False)[0]
+    assert [c.token_ids for c in unpenalised.outputs] != [c.token_ids for c in out.outputs]
     greedy = LLM(model_dir, num_kv_blocks=256).generate(
         [prompt], [options(case, n=2)], detokenize=False)[0]
     for choice in greedy.outputs:
@@ -173,7 +177,7 @@ def test_n_choices_each_keep_their_own_history(model_dir, hf):
 
 def test_a_request_that_can_never_fit_is_refused_not_left_waiting(model_dir):
     llm = LLM(model_dir, num_kv_blocks=14, block_size=4)
-    with pytest.raises(ValueError, match="need up to 16 KV blocks; the pool has 14"):
+    with pytest.raises(ValueError, match="need up to 15 KV blocks; the pool has 14"):
         llm.generate([list(range(5, 41))], [options({})], detokenize=False)
 
 

@@ -127,3 +127,20 @@ def test_forgetting_tenants_changes_no_admission_order():
         num_pruned_steps += len(pruned._tenants) < len(reference._tenants)
     assert [r.request_id for r in pruned.ordered()] == [r.request_id for r in reference.ordered()]
     assert num_pruned_steps > 100
+
+
+def test_the_idle_bound_counts_only_idle_records():
+    """A tenant busy again leaves a stale entry in the idle heap: it must not count toward
+    max_idle_tenants (found in review: B was forgotten with only B and C idle)."""
+    q = WaitingQueue("hybrid", max_idle_tenants=2)
+    q.push(request("z", "Z"))  # keeps the queue from emptying
+    a1 = request("a1", "A", num_prompt_tokens=500)
+    q.push(a1)
+    q.admit(a1)  # A idle, far ahead of the virtual time
+    q.push(request("a2", "A"))  # A busy again: its heap entry is stale
+    for name in ("B", "C"):
+        r = request(f"{name.lower()}1", name, num_prompt_tokens=200)
+        q.push(r)
+        q.admit(r)
+        q.check_integrity()
+    assert {"B", "C"} <= set(q._tenants)  # both idle records kept: exactly two idle
