@@ -226,7 +226,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             kv_address=self.kv_address,
         )
         c = resp.config
-        c.model, c.pipeline_parallel_size, c.async_scheduling = cfg.model, cfg.pipeline_parallel_size, cfg.async_scheduling
+        c.model, c.pipeline_parallel_size, c.async_scheduling = cfg.model, cfg.pipeline_parallel_size, cfg.is_async
         c.scheduler_policy, c.max_num_batched_tokens, c.max_num_seqs = cfg.scheduler_policy, cfg.max_num_batched_tokens, cfg.max_num_seqs
         c.microbatch_size, c.enable_chunked_prefill = str(cfg.microbatch_size), cfg.enable_chunked_prefill
         c.enable_prefix_caching, c.preemption_mode, c.block_size = cfg.enable_prefix_caching, cfg.preemption_mode, cfg.block_size

@@ -286,7 +286,7 @@ async def local_run(model_dir: Path, arm: str, repeats: list[tuple[int, list[Wor
             cpu_s = {"engine": cpu_seconds() - cpu_before}
             busy_s = [(a - b) / 1e9 for b, a in zip(busy_before, engine.transport.busy_ns, strict=True)]
             results.append(RunResult(
-                path="in-process", arm=arm, repeat=repeat, async_scheduling=engine.config.async_scheduling,
+                path="in-process", arm=arm, repeat=repeat, async_scheduling=engine.config.is_async,
                 wall_s=wall_s, num_requests=len(work), num_output_tokens=sum(len(o) for o in outputs),
                 num_expected_output_tokens=sum(w.max_tokens for w in work),
                 stage_busy_s=busy_s, stage_busy_fraction=[b / wall_s for b in busy_s],

@@ -147,7 +147,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", type=int, default=_env("pipeline_parallel_size", 1, int))
     p.add_argument("--tensor-parallel-size", type=int, default=_env("tensor_parallel_size", 1, int))
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                   default=_env("async_scheduling", True, _bool))
+                   default=_env("async_scheduling", None, _bool),
+                   help="plan while micro-batches run (default: with more than one stage)")
     p.add_argument("--scheduler-policy", choices=["fcfs", "priority", "hybrid"],
                    default=_env("scheduler_policy", "fcfs"))
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 2048, int))

@@ -86,3 +86,11 @@ def test_queue_bound_is_resource_exhausted():
 def test_tensor_parallel_is_refused_clearly():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         SchedulerConfig(tensor_parallel_size=2)
+
+
+def test_async_scheduling_defaults_to_the_number_of_stages():
+    assert not SchedulerConfig().is_async and SchedulerConfig().max_in_flight == 1
+    assert SchedulerConfig(pipeline_parallel_size=2).is_async
+    assert SchedulerConfig(pipeline_parallel_size=3).max_in_flight == 3
+    assert SchedulerConfig(async_scheduling=True).max_in_flight == 2
+    assert not SchedulerConfig(pipeline_parallel_size=2, async_scheduling=False).is_async
