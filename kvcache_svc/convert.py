@@ -83,6 +83,7 @@ def _new_sequence_to_pb(new: NewSequence) -> kvcache_pb2.NewSequence:
         msg.namespace = new.namespace
     if new.max_num_new_tokens is not None:
         msg.max_num_new_tokens = new.max_num_new_tokens
+    msg.skip_prefix_cache = new.skip_prefix_cache
     return msg
 
 
@@ -111,11 +112,6 @@ def step_input_to_pb(step: StepInput) -> kvcache_pb2.StepRequest:
 
 
 def _new_sequence_from_pb(msg: kvcache_pb2.NewSequence) -> NewSequence:
-    if msg.skip_prefix_cache:
-        raise InvalidStepError(
-            f"new sequence {msg.seq_id}: skip_prefix_cache is not supported "
-            "(start the service with --no-prefix-caching instead)"
-        )
     return NewSequence(
         seq_id=msg.seq_id,
         token_ids=msg.token_ids,
@@ -123,6 +119,7 @@ def _new_sequence_from_pb(msg: kvcache_pb2.NewSequence) -> NewSequence:
         max_num_new_tokens=(
             msg.max_num_new_tokens if msg.HasField("max_num_new_tokens") else None
         ),
+        skip_prefix_cache=msg.skip_prefix_cache,
     )
 
 

@@ -298,7 +298,7 @@ class KVCacheManager:
         bs = self._block_size
         hits = (
             self._cache.lookup(new.namespace, new.token_bytes, bs)
-            if self._enable_prefix_caching
+            if self._enable_prefix_caching and not new.skip_prefix_cache
             else []
         )
         whole_prompt_hit = bool(hits) and len(hits) * bs == new.num_tokens
@@ -320,6 +320,7 @@ class KVCacheManager:
             self._pool.incref(hit.block_id)
         new_block_ids = self._allocate(num_new_blocks)
         seq = SequenceState(new.seq_id, new.namespace)
+        seq.cacheable = not new.skip_prefix_cache
         seq.block_ids = [hit.block_id for hit in hits[:num_shared]]
         copies: tuple[BlockCopy, ...] = ()
         if whole_prompt_hit:
@@ -344,7 +345,7 @@ class KVCacheManager:
         ]
         slot_mapping = self._write(seq, token_bytes, num_new_tokens, new_block_ids, micro_batch)
 
-        if self._enable_prefix_caching:
+        if self._enable_prefix_caching and not new.skip_prefix_cache:
             self._num_prefix_queries += 1
             self._num_prefix_hits += num_computed > 0
             self._num_prefix_query_tokens += new.num_tokens

@@ -26,6 +26,7 @@ class NewSequence:
     token_ids: Sequence[int]
     namespace: str | None = None  # model / adapter: prefixes are only shared within one
     max_num_new_tokens: int | None = None
+    skip_prefix_cache: bool = False  # no lookup, and its blocks (and its forks') never cached
 
 
 @dataclass(frozen=True, slots=True)

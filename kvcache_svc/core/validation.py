@@ -20,6 +20,7 @@ class ValidNewSequence(NamedTuple):
     num_tokens: int
     namespace: str | None
     max_num_new_tokens: int | None
+    skip_prefix_cache: bool = False
 
 
 class ValidAppend(NamedTuple):
@@ -138,8 +139,11 @@ def validate_step(
             isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1
         ):
             raise InvalidStepError(f"new sequence {seq_id}: max_num_new_tokens must be >= 1")
+        if not isinstance(new.skip_prefix_cache, bool):
+            raise InvalidStepError(f"new sequence {seq_id}: skip_prefix_cache must be a bool")
         new_sequences.append(
-            ValidNewSequence(seq_id, token_bytes, num_tokens, new.namespace, max_new)
+            ValidNewSequence(seq_id, token_bytes, num_tokens, new.namespace, max_new,
+                             new.skip_prefix_cache)
         )
 
     appends: list[ValidAppend] = []

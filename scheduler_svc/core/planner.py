@@ -306,7 +306,8 @@ class Planner:
                 if n <= 0:
                     continue
                 new_id = self._take_seq_id()
-                new_sequences.append(NewSequence(new_id, tokens, self._namespace(seq.request, new_id), n))
+                new_sequences.append(NewSequence(new_id, tokens, cfg.namespace, n,
+                                                 seq.request.options.prompt_logprobs is not None))
                 proposal.readmits.append((seq, new_id))
                 budget -= n
                 n_seqs += 1
@@ -354,7 +355,8 @@ class Planner:
             for existing, tokens, n in planned:
                 seq = existing or self._new_sequence(request, len(admitted))
                 new_id = seq.seq_id if existing is None else self._take_seq_id()
-                new_sequences.append(NewSequence(new_id, tokens, self._namespace(seq.request, new_id), n))
+                new_sequences.append(NewSequence(new_id, tokens, cfg.namespace, n,
+                                                 seq.request.options.prompt_logprobs is not None))
                 admitted.append((seq, new_id))
             proposal.admits.append((request, admitted))
             budget -= cost
@@ -578,15 +580,6 @@ class Planner:
         return hit
 
     # --- helpers -------------------------------------------------------------------------
-
-    def _namespace(self, request: Request, seq_id: int) -> str | None:
-        """The prefix-cache namespace of a new sequence. A request that scores its prompt
-        needs every position computed: each of its sequences gets a namespace of its own
-        (sequence ids are never reused while the KV service keeps its cache), which no
-        lookup can hit."""
-        if request.options.prompt_logprobs is None:
-            return self.config.namespace
-        return f"{self.config.namespace or ''}\x00prompt-logprobs\x00{seq_id}"
 
     def _target(self, seq: Sequence) -> int:
         """How far a sequence may compute now: all known tokens, but a parent awaiting its fork

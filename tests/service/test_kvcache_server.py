@@ -71,8 +71,6 @@ def test_status_codes_and_what_the_wire_does_not_support():
         assert (SEQ_ID_METADATA_KEY, "9") in tuple(exc_info.value.trailing_metadata())
 
         bad_requests = [
-            kvcache_pb2.StepRequest(new_sequences=[new_pb(2, 3, skip_prefix_cache=True)],
-                                    micro_batch_id=1),
             kvcache_pb2.StepRequest(
                 appends=[kvcache_pb2.AppendSlots(seq_id=1, token_ids=[1], num_new_tokens=4)],
                 micro_batch_id=1,

@@ -31,7 +31,8 @@ def plain(step: StepInput) -> StepInput:
     """Token ids as tuples, so decoded steps compare equal to what was encoded."""
     return StepInput(
         new_sequences=tuple(
-            NewSequence(n.seq_id, tuple(n.token_ids), n.namespace, n.max_num_new_tokens)
+            NewSequence(n.seq_id, tuple(n.token_ids), n.namespace, n.max_num_new_tokens,
+                        n.skip_prefix_cache)
             for n in step.new_sequences
         ),
         appends=tuple(Append(a.seq_id, tuple(a.token_ids)) for a in step.appends),
@@ -46,7 +47,7 @@ def plain(step: StepInput) -> StepInput:
 def test_a_step_round_trips_with_presence_and_fork_order():
     step = plain(StepInput(
         new_sequences=[NewSequence(5, (1, 2, 3), namespace="", max_num_new_tokens=2),
-                       NewSequence(6, (4,))],
+                       NewSequence(6, (4,)), NewSequence(12, (4, 5), skip_prefix_cache=True)],
         appends=[Append(1, (9, 8))],
         forks=[Fork(1, 2), Fork(1, 3), Fork(4, 7), Fork(1, 8)],
         frees=(10, 11),

@@ -30,8 +30,9 @@ def new(
     micro_batch_id: int,
     namespace: str | None = None,
     max_num_new_tokens: int | None = None,
+    skip_prefix_cache: bool = False,
 ) -> Allocated | NoBlocks:
-    seq = NewSequence(seq_id, token_ids, namespace, max_num_new_tokens)
+    seq = NewSequence(seq_id, token_ids, namespace, max_num_new_tokens, skip_prefix_cache)
     out = m.step(StepInput(new_sequences=[seq], micro_batch_id=micro_batch_id))
     m.check_integrity()
     return out.results[seq_id]
@@ -209,6 +210,28 @@ def test_prefix_caching_disabled() -> None:
     assert m.stats().num_cached_blocks == 0
     assert m.stats().num_prefix_queries == 0
     assert m.evictable_block_ids() == ()
+
+
+def test_a_sequence_that_skips_the_prefix_cache_neither_hits_nor_fills_it() -> None:
+    m = KVCacheManager(16, 4, watermark=0.0)
+    new(m, 1, list(range(8)), 0)
+    m.complete([0])
+    skipping = new(m, 2, list(range(8)), 1, skip_prefix_cache=True)
+    assert skipping.num_computed_tokens == 0 and len(skipping.slot_mapping) == 8  # computed whole
+    new(m, 3, list(range(100, 108)), 2, skip_prefix_cache=True)
+    m.complete([1, 2])
+    m.step(StepInput(forks=[Fork(3, 4)], appends=[Append(3, [108]), Append(4, [109])],
+                     micro_batch_id=3))
+    m.complete([3])
+    m.free(2)
+    m.free(3)
+    m.free(4)
+    m.check_integrity()
+    # only sequence 1's two blocks are cached; the skipping ones (and the fork) went back free
+    assert m.stats().num_cached_blocks == 2
+    assert new(m, 5, list(range(100, 108)), 4).num_computed_tokens == 0
+    assert new(m, 6, list(range(8)), 5).num_computed_tokens == 7  # a whole-prompt hit, capped
+    assert m.stats().num_prefix_queries == 3  # the skipping sequences did not look
 
 
 # ---- eviction ------------------------------------------------------------------------------
