@@ -22,8 +22,10 @@ products that stay below 2**63, so CPU and CUDA produce the same bits.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 
 import torch
 
@@ -197,6 +199,11 @@ class SequenceSamplerState:
     every token sampled for it since; prompt_token_ids the prompt's, when penalties need it.
     key_prefix caches the hash lanes folded over (seed, choice_index) so that a step only folds in
     its output position; key_source records which (seed, choice_index) they were folded from.
+
+    Invariants: output_token_counts == Counter(output_token_ids) and
+    prompt_token_id_set == set(prompt_token_ids), so a step's penalties cost the number of
+    distinct tokens, not the length of the history. Change the history only through
+    reset_history() and append_output(), which keep them.
     """
 
     seq_id: int
@@ -205,6 +212,24 @@ class SequenceSamplerState:
     has_history: bool = False
     key_source: tuple[int, int] | None = None
     key_prefix: tuple[int, int] = (0, 0)
+    output_token_counts: Counter[int] = field(init=False, repr=False)
+    prompt_token_id_set: frozenset[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.output_token_counts = Counter(self.output_token_ids)
+        self.prompt_token_id_set = frozenset(self.prompt_token_ids)
+
+    def reset_history(self, prompt_token_ids: Iterable[int], output_token_ids: Iterable[int]) -> None:
+        """(Re)starts the history, e.g. for a sequence re-admitted after preemption."""
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        self.output_token_ids = list(output_token_ids)
+        self.prompt_token_id_set = frozenset(self.prompt_token_ids)
+        self.output_token_counts = Counter(self.output_token_ids)
+        self.has_history = True
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.output_token_counts[token_id] += 1
 
 
 class Sampler:
@@ -274,7 +299,7 @@ class Sampler:
         top_logprobs = _top_logprobs(raw_logprobs, rows)
         token_list = token_ids.tolist()
         for state, token_id in zip(states, token_list, strict=True):
-            state.output_token_ids.append(token_id)
+            state.append_output(token_id)
         return SamplerOutput(
             token_ids=token_list, logprobs=token_logprobs.tolist(), top_logprobs=top_logprobs
         )
@@ -285,9 +310,7 @@ class Sampler:
             state = SequenceSamplerState(seq_id=row.seq_id)
             self._states[row.seq_id] = state
         if row.history is not None:
-            state.prompt_token_ids = tuple(row.history[0])
-            state.output_token_ids = list(row.history[1])
-            state.has_history = True
+            state.reset_history(*row.history)
         return state
 
 
@@ -318,32 +341,62 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow],
                      states: Sequence[SequenceSamplerState]) -> torch.Tensor:
     """vLLM's penalties. Repetition (tokens in the prompt or the output so far): a positive
     logit is divided by the penalty, a negative one multiplied. Then, over the output only:
-    logit -= frequency_penalty * count + presence_penalty * (count > 0)."""
+    logit -= frequency_penalty * count + presence_penalty * (count > 0).
+
+    The per-row token counts come from each state's running Counter and reach the device as one
+    flattened (row, token, count) table, the prompt tokens as one (row, token) table: host work
+    and copies scale with the distinct tokens of the penalised rows, not their histories.
+    """
     penalised = [i for i, row in enumerate(rows) if row.params.uses_penalties]
     if not penalised:
         return logits
     vocab_size, device = logits.shape[1], logits.device
     index = torch.tensor(penalised, dtype=torch.long, device=device)
     sub = logits.index_select(0, index)  # [p, vocab]
-    counts = torch.zeros_like(sub)
-    seen = torch.zeros(sub.shape, dtype=torch.bool, device=device)
-    for j, i in enumerate(penalised):
-        output = [t for t in states[i].output_token_ids if t < vocab_size]
-        if output:
-            ids = torch.tensor(output, dtype=torch.long, device=device)
-            counts[j].index_add_(0, ids, torch.ones(len(output), device=device))
-        prompt = [t for t in states[i].prompt_token_ids if t < vocab_size]
-        if prompt and rows[i].params.repetition_penalty != 1.0:
-            seen[j, torch.tensor(prompt, dtype=torch.long, device=device)] = True
-    seen |= counts > 0
     params = [rows[i].params for i in penalised]
-    repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+
+    output_counts = [states[i].output_token_counts for i in penalised]
+    table = _row_token_table(
+        [len(c) for c in output_counts],
+        chain.from_iterable(c.keys() for c in output_counts),
+        vocab_size,
+        chain.from_iterable(c.values() for c in output_counts),
+    ).to(device)  # [3, entries]: row, token id, count; each (row, token) at most once
+    counts = torch.zeros_like(sub)  # [p, vocab]
+    if table.shape[1]:
+        counts.index_put_((table[0], table[1]), table[2].to(counts.dtype))
+
+    # Only repetition reads the prompt, so rows without it skip their prompt tokens.
+    prompt_sets = [states[i].prompt_token_id_set if p.repetition_penalty != 1.0 else frozenset()
+                   for i, p in zip(penalised, params, strict=True)]
+    prompt = _row_token_table(
+        [len(t) for t in prompt_sets], chain.from_iterable(prompt_sets), vocab_size
+    ).to(device)  # [2, entries]: row, token id
+    seen = counts > 0  # [p, vocab]
+    if prompt.shape[1]:
+        seen.index_put_((prompt[0], prompt[1]), torch.ones((), dtype=torch.bool, device=device))
+
+    factors = torch.tensor(
+        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
+        device=device,
+    )  # [p, 3]
+    repetition, frequency, presence = factors[:, 0:1], factors[:, 1:2], factors[:, 2:3]
     penalty = torch.where(seen, repetition, torch.ones_like(repetition))
     sub = torch.where(sub > 0, sub / penalty, sub * penalty)
     sub = sub - frequency * counts - presence * (counts > 0).float()
     return logits.index_copy(0, index, sub)
+
+
+def _row_token_table(num_per_row: Sequence[int], token_ids: Iterable[int], vocab_size: int,
+                     *columns: Iterable[int]) -> torch.Tensor:
+    """[2 + len(columns), entries] int64 on the CPU: row index, token id, then the extra columns,
+    num_per_row[j] entries for row j in the order given; entries whose token id is outside the
+    vocabulary are dropped."""
+    row_ids = list(chain.from_iterable(repeat(j, n) for j, n in enumerate(num_per_row)))
+    table = torch.tensor([row_ids, list(token_ids), *(list(c) for c in columns)], dtype=torch.long)
+    if table.shape[1] and int(table[1].max()) >= vocab_size:
+        table = table[:, table[1] < vocab_size]
+    return table
 
 
 def _apply_min_tokens_masks(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:

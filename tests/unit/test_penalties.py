@@ -4,6 +4,8 @@ definitions, and whole generations through the in-process engine against `transf
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from support.penalties import check_greedy, processed
@@ -203,3 +205,64 @@ def test_the_wire_carries_penalties_bias_and_history():
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.5)
     assert p.logit_bias == ((3, -100.0), (9, 2.5)) and p.uses_penalties
     assert not other.params.uses_penalties and other.params.logit_bias == ()
+
+
+# --- running counts --------------------------------------------------------------------------
+
+
+def test_running_counts_follow_the_history_across_steps_and_a_reseed():
+    """The sampler's per-sequence counts and prompt set stay those of output_token_ids and
+    prompt_token_ids, whether a token was sampled, the state was seeded, or re-seeded."""
+    g = torch.Generator().manual_seed(2)
+    rows, _ = rows_and_states(g)
+    rows.append(SampleRow(99, SamplingParams(temperature=1.0, seed=4), 0, 0, 1))  # no penalties
+    sampler = Sampler()
+    expected = {row.seq_id: list(row.history[1]) if row.history else [] for row in rows}
+    for step in range(6):
+        if step == 3:  # re-admitted: a new history replaces the state
+            rows[2] = SampleRow(2, rows[2].params, 0, 5, 1, ((1, 2, 2, VOCAB + 1), (5, 5, 7, 5, 0)))
+            expected[2] = [5, 5, 7, 5, 0]
+        out = sampler.sample(torch.randn(len(rows), VOCAB, generator=g) * 3, rows)
+        for row, token in zip(rows, out.token_ids, strict=True):
+            expected[row.seq_id].append(token)
+            state = sampler.state(row.seq_id)
+            assert state.output_token_ids == expected[row.seq_id], (step, row.seq_id)
+            assert state.output_token_counts == Counter(state.output_token_ids), (step, row.seq_id)
+            assert state.prompt_token_id_set == set(state.prompt_token_ids), (step, row.seq_id)
+        rows = [SampleRow(r.seq_id, r.params, 0, len(expected[r.seq_id]), 1) for r in rows]
+    assert sampler.state(2).prompt_token_ids == (1, 2, 2, VOCAB + 1)
+    assert sampler.state(2).prompt_token_id_set == {1, 2, VOCAB + 1}
+
+
+def test_a_long_history_is_penalised_as_the_definitions_say():
+    """5,000 output tokens per row, some ids beyond the vocabulary (skipped): the whole
+    penalised row equals the definition at every step, and so does the greedy pick."""
+    g = torch.Generator().manual_seed(3)
+    rows, history = [], {}
+    for i, (presence, frequency, repetition, bias) in enumerate(CASES):
+        params = SamplingParams(temperature=0.0, presence_penalty=presence, frequency_penalty=frequency,
+                                repetition_penalty=repetition, logit_bias=tuple(bias.items()))
+        prompt = torch.randint(0, VOCAB + 4, (300,), generator=g).tolist()
+        output = torch.randint(0, VOCAB + 4, (5000,), generator=g).tolist()
+        rows.append(SampleRow(i, params, 0, len(output), 1, (tuple(prompt), tuple(output))))
+        history[i] = (prompt, output)
+    assert any(t >= VOCAB for _, output in history.values() for t in output)
+    sampler = Sampler()
+    for step in range(4):
+        logits = torch.randn(len(rows), VOCAB, generator=g) * 3
+        wants = []
+        for i, (presence, frequency, repetition, bias) in enumerate(CASES):
+            prompt, output = history[i]
+            wants.append(processed(logits[i], [t for t in prompt if t < VOCAB],
+                                   [t for t in output if t < VOCAB], presence=presence,
+                                   frequency=frequency, repetition=repetition, logit_bias=bias))
+        if step:  # the states the sampler has kept since the seeding step
+            states = [sampler.state(row.seq_id) for row in rows]
+            got = _apply_penalties(_apply_logit_bias(logits, rows), rows, states)
+            for i, want in enumerate(wants):
+                torch.testing.assert_close(got[i].double(), want, rtol=1e-6, atol=1e-4)
+        out = sampler.sample(logits, rows)
+        for i, want in enumerate(wants):
+            assert out.token_ids[i] == int(want.argmax()), (step, i)
+            history[i][1].append(out.token_ids[i])
+        rows = [SampleRow(r.seq_id, r.params, 0, len(history[r.seq_id][1]), 1) for r in rows]
