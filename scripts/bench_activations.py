@@ -27,9 +27,9 @@ From the `StepTiming` each stage reports (wall-clock ns, one clock: same machine
     wire           = stage-1 received - stage-1 sent         (serialize, write, loopback,
                                                               HTTP/2, protobuf parse)
 - s1 decode+queue  = stage-1 compute_start - stage-1 received (plan and tensor decode, queue)
-- s0 write returns = stage-0 forwarded - stage-1 sent        (when stage 0's `await write()`
-                                                              came back; can be after stage 1
-                                                              received the message)
+
+(Stages report a micro-batch as its compute ends, before the hand-off, so
+`StepTiming.forwarded_ns` is 0: the next stage's `sent_ns` carries the hand-off time.)
 
 Bytes per micro-batch are the MicroBatch bytes stage 0 sent downstream (its GetStats counter).
 This is a benchmark, not a test: it asserts nothing about the numbers.
@@ -257,7 +257,6 @@ def metrics(sample: Sample) -> dict[str, int]:
         "wire_ns": s1.received_ns - s1.sent_ns,
         "decode_queue_s1_ns": s1.compute_start_ns - s1.received_ns,
         "ship_to_compute_ns": s1.compute_start_ns - s0.compute_end_ns,
-        "write_returns_s0_ns": s0.forwarded_ns - s1.sent_ns,
         "driver_to_s0_ns": s0.received_ns - sample.driver_sent_ns,
     }
 
@@ -269,8 +268,6 @@ def timing_problems(sample: Sample) -> list[str]:
         for name in ("received_ns", "compute_start_ns", "compute_end_ns"):
             if getattr(t, name) == 0:
                 problems.append(f"stage {i}: {name} unset")
-        if i < NUM_STAGES - 1 and t.forwarded_ns == 0:
-            problems.append(f"stage {i}: forwarded_ns unset")
         if i > 0 and t.sent_ns == 0:
             problems.append(f"stage {i}: sent_ns unset")
     if sample.timings[0].sent_ns != sample.driver_sent_ns:
@@ -411,18 +408,17 @@ def markdown(report: dict) -> str:
         "Where the shipping time goes (ms, medians): encode = stage 0 hands hidden states from "
         "its compute thread to its sender and turns them into bytes; wire = serialize + write + loopback + protobuf parse (stage-0 sent_ns -> stage-1 "
         "received_ns); s1 decode+queue = stage-1 received -> compute start (plan and tensor "
-        "decode); ship->s1 compute = stage-0 compute end -> stage-1 compute start; s0 write "
-        "returns = when stage 0's awaited write came back (its forwarded_ns), after sent_ns.",
+        "decode); ship->s1 compute = stage-0 compute end -> stage-1 compute start.",
         "",
         "| model | shape | tokens | encode (s0) | wire | s1 decode+queue | ship->s1 compute "
-        "| s0 write returns | driver->s0 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| driver->s0 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["models"]:
         for run in r["runs"]:
             s = run["summary_ns"]
             cells = ("encode_s0_ns", "wire_ns", "decode_queue_s1_ns", "ship_to_compute_ns",
-                     "write_returns_s0_ns", "driver_to_s0_ns")
+                     "driver_to_s0_ns")
             lines.append(
                 f"| {r['model']} | {run['shape']} | {run['num_tokens']} | "
                 + " | ".join(fmt(s[c]["median"]) for c in cells) + " |"
