@@ -583,3 +583,18 @@ def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt(client, referen
     lp = one.choices[0].logprobs
     assert len(lp.tokens) == 2 and lp.token_logprobs[0] is None and lp.token_logprobs[1] is not None
     assert one.choices[0].model_extra["prompt_logprobs"] == [None]
+
+
+def test_chat_prompt_logprobs_score_the_templated_prompt(client, reference, tokenizer):
+    import torch
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                          temperature=0, extra_body={"prompt_logprobs": 1})
+    prompt = tokenizer.encode_chat(messages)
+    scored = chat.model_extra["prompt_logprobs"]
+    assert len(scored) == len(prompt) and scored[0] is None
+    with torch.no_grad():
+        want = torch.log_softmax(reference.model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+    for i in range(1, len(prompt)):
+        assert abs(scored[i][str(prompt[i])]["logprob"] - float(want[i - 1, prompt[i]])) < 1e-4
