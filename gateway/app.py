@@ -13,7 +13,9 @@ health, metrics and the KV memory monitor, as one FastAPI app over a `TextGenera
 
 Bad input is refused (400, naming the field) before anything reaches the scheduler. A
 client that goes away mid-request cancels it: the cancellation reaches the scheduler call,
-which aborts the request and frees its blocks.
+which aborts the request and frees its blocks. With rate limits configured (gateway.ratelimit),
+completions, chat and /generate are charged per API key once validated; a refusal is 429
+with OpenAI's `rate_limit_exceeded` error and a `Retry-After` header.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -57,6 +59,7 @@ from gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from gateway.ratelimit import RateLimiter, RateLimitExceeded, key_id, token_cost
 from gateway.timeline import Span, chrome_trace
 
 log = logging.getLogger(__name__)
@@ -65,7 +68,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request; `param` names the field."},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
     413: {"model": ErrorResponse, "description": "Body over the size limit."},
-    429: {"model": ErrorResponse, "description": "The scheduler's queue is full; retry later."},
+    429: {"model": ErrorResponse, "description": "A rate limit of the API key was reached "
+                                                 "(see `Retry-After`), or the scheduler's queue "
+                                                 "is full; retry later."},
     503: {"model": ErrorResponse, "description": "The backend is down or the server is draining."},
 }
 _STREAMING = {200: {"description": "JSON, or server-sent events with `stream: true`.",
@@ -74,9 +79,10 @@ _STREAMING = {200: {"description": "JSON, or server-sent events with `stream: tr
 
 class Gateway:
     """What the routes share. `draining` is set on shutdown: new generation requests get 503
-    while those in flight finish."""
+    while those in flight finish. `limiter` is None unless some rate limit is configured."""
 
-    def __init__(self, config: GatewayConfig, generator: TextGenerator) -> None:
+    def __init__(self, config: GatewayConfig, generator: TextGenerator,
+                 rate_limit_clock: Callable[[], float] | None = None) -> None:
         self.config = config
         self.generator = generator
         self.tokenizer = generator.tokenizer
@@ -84,11 +90,26 @@ class Gateway:
         self.metrics = GatewayMetrics(config.model_name)
         self.created = int(time.time())
         self.draining = False
+        self.limiter: RateLimiter | None = None
+        if config.rate_limits_enabled:
+            self.limiter = RateLimiter.create(config.default_rate_limit, config.redis_url,
+                                              self.metrics.registry, rate_limit_clock)
 
     def admit(self) -> None:
         if self.draining:
             raise ApiError(503, "the server is shutting down; retry on another replica",
                            code="shutting_down")
+
+    async def charge(self, request: Request, prompts: Sequence[Sequence[int]],
+                     params: GenerationParams) -> None:
+        """The request's rate-limit charge, once validated; RateLimitExceeded when refused."""
+        if self.limiter is None:
+            return
+        tokens = token_cost(map(len, prompts), params.max_tokens, params.n,
+                            self.limits.max_model_len)
+        grant = _api_key(request)
+        await self.limiter.admit(key_id(_bearer(request) if self.config.api_keys else None),
+                                 grant.rate_limit if grant is not None else None, tokens)
 
     async def generation(self, request_id: str, prompts: Sequence[list[int]],
                          params: GenerationParams, traceparent: str) -> AsyncIterator[streaming.Item]:
@@ -128,9 +149,16 @@ def _api_key(request: Request) -> ApiKey | None:
     return getattr(request.state, "api_key", None)
 
 
-def create_app(config: GatewayConfig, generator: TextGenerator) -> FastAPI:
-    """The REST API over `generator`. The app's `state.gateway` is the shared `Gateway`."""
-    gw = Gateway(config, generator)
+def _bearer(request: Request) -> str:
+    """The request's API key, which the middleware has already checked."""
+    return request.headers.get("authorization", "").strip().partition(" ")[2].strip()
+
+
+def create_app(config: GatewayConfig, generator: TextGenerator,
+               rate_limit_clock: Callable[[], float] | None = None) -> FastAPI:
+    """The REST API over `generator`. The app's `state.gateway` is the shared `Gateway`;
+    `rate_limit_clock` (seconds) replaces the rate limiter's clock in tests."""
+    gw = Gateway(config, generator, rate_limit_clock)
     app = FastAPI(
         title="Pagoda", version="0.1.0",
         summary="OpenAI-compatible LLM serving: completions, chat, streaming, health and metrics.",
@@ -161,6 +189,7 @@ def create_app(config: GatewayConfig, generator: TextGenerator) -> FastAPI:
         validation.check_model(body.model, gw.limits)
         prompts = await asyncio.to_thread(validation.completion_prompts, body, gw.tokenizer, gw.limits, config)
         params = validation.completion_params(body, prompts, gw.limits, config, _api_key(request))
+        await gw.charge(request, prompts, params)
         items = gw.generation(request_id, prompts, params, request.headers.get("traceparent", ""))
         model, created = gw.limits.name, int(time.time())
         want_logprobs = body.logprobs is not None
@@ -186,6 +215,7 @@ def create_app(config: GatewayConfig, generator: TextGenerator) -> FastAPI:
         validation.check_model(body.model, gw.limits)
         prompt = await asyncio.to_thread(validation.chat_prompt, body, gw.tokenizer, gw.limits)
         params = validation.chat_params(body, prompt, gw.limits, config, _api_key(request))
+        await gw.charge(request, [prompt], params)
         items = gw.generation(request_id, [prompt], params, request.headers.get("traceparent", ""))
         model, created = gw.limits.name, int(time.time())
         if body.stream:
@@ -231,6 +261,7 @@ def create_app(config: GatewayConfig, generator: TextGenerator) -> FastAPI:
         request.state.request_id = request_id
         prompt = await asyncio.to_thread(validation.generate_prompt, body, gw.tokenizer, gw.limits)
         params = validation.generate_params(body, prompt, gw.limits, _api_key(request))
+        await gw.charge(request, [prompt], params)
         tokenized_ns = time.time_ns()
         items = gw.generation(request_id, [prompt], params, request.headers.get("traceparent", ""))
         choices, usage, finished = await streaming.guarded(request, items, streaming.collect(items, 1))
@@ -315,9 +346,10 @@ def _without_union_tag(error: dict[str, Any]) -> dict[str, Any]:
 
 
 def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
-    def respond(request: Request, status: int, body: dict[str, Any]) -> JSONResponse:
+    def respond(request: Request, status: int, body: dict[str, Any],
+                headers: dict[str, str] | None = None) -> JSONResponse:
         gw.metrics.error(status)
-        headers = {}
+        headers = dict(headers or {})
         request_id = getattr(request.state, "request_id", None)
         if request_id:
             headers["X-Request-Id"] = request_id
@@ -332,6 +364,12 @@ def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
         return respond(request, exc.status, exc.body())
+
+    @app.exception_handler(RateLimitExceeded)
+    async def on_rate_limited(request: Request, exc: RateLimitExceeded) -> JSONResponse:
+        retry_after = exc.retry_after_header
+        return respond(request, 429, error_body(429, exc.message, None, "rate_limit_exceeded"),
+                       {"Retry-After": retry_after} if retry_after else None)
 
     @app.exception_handler(GenerationError)
     async def on_generation_error(request: Request, exc: GenerationError) -> JSONResponse:

@@ -8,13 +8,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.ratelimit import RateLimit
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_GRANT_FIELDS = {"tenant", "priority", "requests_per_minute", "tokens_per_minute"}
+
 
 @dataclass(frozen=True)
 class ApiKey:
-    """What a key grants: the tenant and priority class its requests run under."""
+    """What a key grants: the tenant and priority class its requests run under, and its own
+    rate limits (None: the gateway's default, --rate-limit-rpm / --rate-limit-tpm)."""
 
     tenant: str = ""
     priority: int = 0
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    def __post_init__(self) -> None:
+        self.rate_limit  # noqa: B018 - ValueError when a limit is not a positive integer
+
+    @property
+    def rate_limit(self) -> RateLimit:
+        return RateLimit(self.requests_per_minute, self.tokens_per_minute)
 
 
 @dataclass(frozen=True)
@@ -32,6 +47,11 @@ class GatewayConfig:
     max_logprobs: int = 20
     max_num_prompts: int = 256  # prompts in one completions request
     grace_period_s: float = 30.0  # in-flight requests' time to finish on SIGTERM
+    # Rate limits: the defaults for keys without their own (or for the one anonymous
+    # bucket without keys); None: not limited. redis_url: buckets shared across replicas.
+    rate_limit_rpm: int | None = None
+    rate_limit_tpm: int | None = None
+    redis_url: str = ""  # "": buckets in this process
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -47,6 +67,10 @@ class GatewayConfig:
         for key, grant in self.api_keys.items():
             if not isinstance(key, str) or not key or not isinstance(grant, ApiKey):
                 raise ValueError("api_keys: must map non-empty key strings to ApiKey")
+        RateLimit(self.rate_limit_rpm, self.rate_limit_tpm)  # ValueError when not positive
+        if self.redis_url and not self.redis_url.startswith(_REDIS_SCHEMES):
+            raise ValueError(f"redis_url: must start with one of {', '.join(_REDIS_SCHEMES)}, "
+                             f"got {self.redis_url!r}")
         if not self.api_keys and not _is_loopback(self.host):
             raise ValueError(
                 f"api_keys: binding {self.host} beyond loopback without API keys would open the "
@@ -58,13 +82,24 @@ class GatewayConfig:
         return bool(self.api_keys)
 
     @property
+    def default_rate_limit(self) -> RateLimit:
+        return RateLimit(self.rate_limit_rpm, self.rate_limit_tpm)
+
+    @property
+    def rate_limits_enabled(self) -> bool:
+        """Whether any limit applies; when none does the gateway builds no limiter at all."""
+        return self.default_rate_limit.enabled or any(
+            grant.rate_limit.enabled for grant in self.api_keys.values())
+
+    @property
     def model_name(self) -> str:
         """The name clients use in `model`: --served-model-name, else the directory's name."""
         return self.served_model_name or Path(self.model).name
 
 
 def load_api_keys(path: str | Path) -> dict[str, ApiKey]:
-    """`{"<key>": {"tenant": "team-a", "priority": 0}, ...}` from a JSON file; ValueError
+    """`{"<key>": {"tenant": "team-a", "priority": 0, "requests_per_minute": 60,
+    "tokens_per_minute": 100000}, ...}` from a JSON file (every field optional); ValueError
     naming the file and the entry when it is malformed."""
     try:
         raw = json.loads(Path(path).read_text())
@@ -80,12 +115,19 @@ def load_api_keys(path: str | Path) -> dict[str, ApiKey]:
             raise ValueError(f"{where}: a key must be a non-empty string without spaces")
         if grant is None:
             grant = {}
-        if not isinstance(grant, dict) or set(grant) - {"tenant", "priority"}:
-            raise ValueError(f"{where}: must be an object with only 'tenant' and 'priority'")
+        if not isinstance(grant, dict) or set(grant) - _GRANT_FIELDS:
+            raise ValueError(f"{where}: must be an object with only "
+                             f"{', '.join(repr(f) for f in sorted(_GRANT_FIELDS))}")
         tenant, priority = grant.get("tenant", ""), grant.get("priority", 0)
         if not isinstance(tenant, str) or isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"{where}: tenant must be a string and priority an integer")
-        keys[key] = ApiKey(tenant=tenant, priority=priority)
+        rpm, tpm = grant.get("requests_per_minute"), grant.get("tokens_per_minute")
+        try:
+            RateLimit(rpm, tpm)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+        keys[key] = ApiKey(tenant=tenant, priority=priority, requests_per_minute=rpm,
+                           tokens_per_minute=tpm)
     return keys
 
 

@@ -4,7 +4,10 @@ A thin servicer over `TextGenerator`: authenticate -> validate -> convert -> gen
 convert. Bad input is refused here with INVALID_ARGUMENT naming the field (`field: reason`)
 and never reaches the scheduler; the scheduler's own refusals (`GenerationError`) pass
 through with their status code. A client that cancels its stream closes the generate
-iterator, which cancels the scheduler call and so aborts the request downstream.
+iterator, which cancels the scheduler call and so aborts the request downstream. With rate
+limits configured, Generate and Chat are charged once validated (gateway.ratelimit); a
+refusal is RESOURCE_EXHAUSTED with the REST API's message and `retry-after` trailing metadata
+(seconds, when retrying can help).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from gateway.core import (
     GenerationParams,
     TextGenerator,
 )
+from gateway.ratelimit import ANONYMOUS, RateLimiter, RateLimitExceeded, key_id, token_cost
 from services.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -46,12 +50,24 @@ _NO_KEY = ApiKey()
 
 
 def add_generation_service(
-    server: grpc.aio.Server, generator: TextGenerator, config: GatewayConfig
+    server: grpc.aio.Server, generator: TextGenerator, config: GatewayConfig,
+    limiter: RateLimiter | None = None,
 ) -> list[str]:
     """Registers the Generation servicer on `server`; returns the full names of the services
-    added, for the caller's reflection and health registration."""
-    gateway_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(generator, config), server)
+    added, for the caller's reflection and health registration. `limiter`: the rate limiter
+    to share with the REST API (None: the servicer builds its own when limits are configured)."""
+    if limiter is None and config.rate_limits_enabled:
+        limiter = RateLimiter.create(config.default_rate_limit, config.redis_url)
+    gateway_pb2_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(generator, config, limiter), server)
     return [SERVICE_NAME]
+
+
+async def _abort_rate_limited(context: grpc.aio.ServicerContext,
+                              exc: RateLimitExceeded) -> None:
+    retry_after = exc.retry_after_header
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message,
+                        (("retry-after", retry_after),) if retry_after else ())
 
 
 class RequestError(Exception):
@@ -197,9 +213,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     """`pagoda.v1.Generation` on one `TextGenerator`. Holds no per-request state: each call
     owns its generate iterator and closes it however the call ends."""
 
-    def __init__(self, generator: TextGenerator, config: GatewayConfig) -> None:
+    def __init__(self, generator: TextGenerator, config: GatewayConfig,
+                 limiter: RateLimiter | None = None) -> None:
         self.generator = generator
         self.config = config
+        self.limiter = limiter
         tokenizer = generator.tokenizer
         self.model_name = config.model_name
         self.limits = Limits(
@@ -215,13 +233,16 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         self, request: gateway_pb2.TextGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.TextGenerateResponse]:
         try:
-            key = self._authenticate(context)
+            key, bucket = self._authenticate(context)
             self._check_model(request.model)
             params = params_from_pb(request.options, self.limits, key)
             field, prompt_ids = self._prompt_ids(request)
             check_length(field, len(prompt_ids), params, self.limits)
+            await self._charge(bucket, key, prompt_ids, params)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
+        except RateLimitExceeded as exc:
+            await _abort_rate_limited(context, exc)
         async for msg in self._stream(prompt_ids, params, context):
             yield msg
 
@@ -229,13 +250,16 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         self, request: gateway_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.TextGenerateResponse]:
         try:
-            key = self._authenticate(context)
+            key, bucket = self._authenticate(context)
             self._check_model(request.model)
             params = params_from_pb(request.options, self.limits, key)
             prompt_ids = self._chat_prompt_ids(request.messages)
             check_length("messages", len(prompt_ids), params, self.limits)
+            await self._charge(bucket, key, prompt_ids, params)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
+        except RateLimitExceeded as exc:
+            await _abort_rate_limited(context, exc)
         async for msg in self._stream(prompt_ids, params, context):
             yield msg
 
@@ -251,9 +275,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
 
     # --- steps -----------------------------------------------------------------------------
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> ApiKey:
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> tuple[ApiKey, str]:
+        """The key's grant and its rate-limit bucket (ANONYMOUS without keys)."""
         if not self.config.api_keys:
-            return _NO_KEY
+            return _NO_KEY, ANONYMOUS
         metadata = dict(context.invocation_metadata() or ())
         scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
@@ -266,7 +291,15 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                 found = grant
         if found is None:
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization", "invalid API key")
-        return found
+        return found, key_id(token)
+
+    async def _charge(self, bucket: str, key: ApiKey, prompt_ids: Sequence[int],
+                      params: GenerationParams) -> None:
+        if self.limiter is None:
+            return
+        tokens = token_cost([len(prompt_ids)], params.max_tokens, params.n,
+                            self.limits.max_model_len)
+        await self.limiter.admit(bucket, key.rate_limit, tokens)
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model_name:

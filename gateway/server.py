@@ -8,7 +8,7 @@ stage and the KV service serving (what `GET /health` says), so a launcher's heal
 waits for the whole stack. On SIGTERM or SIGINT the gateway stops taking requests (health
 NOT_SERVING, new requests 503, listeners closed), lets in-flight ones finish within the
 grace period, then cancels what is left (which aborts it downstream) and exits. A second
-signal stops at once.
+signal stops at once. REST and gRPC share one rate limiter, so a key's budget is one.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ async def serve(config: GatewayConfig) -> None:
     gateway: Gateway = app.state.gateway
 
     grpc_server, grpc_port, health_servicer = create_aio_server(f"{config.host}:{config.grpc_port}")
-    names = add_generation_service(grpc_server, generator, config)
+    names = add_generation_service(grpc_server, generator, config, gateway.limiter)
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server)
     await grpc_server.start()
@@ -99,6 +99,9 @@ async def serve(config: GatewayConfig) -> None:
     try:
         while not rest.started and not rest_task.done():
             await asyncio.sleep(0.05)
+        if rest.started and gateway.limiter is not None:
+            log.info("rate limits: default %s, buckets %s", config.default_rate_limit,
+                     "in Redis (shared by replicas)" if config.redis_url else "in this process")
         if rest.started:
             log.info("gateway serving: REST http://%s:%d (model %r), gRPC %s:%d (%s), scheduler %s",
                      config.host, config.port, config.model_name, config.host, grpc_port,
@@ -121,4 +124,6 @@ async def serve(config: GatewayConfig) -> None:
         await asyncio.gather(health_task, stop_task, rest_task, return_exceptions=True)
         await grpc_server.stop(0)
         await generator.close()
+        if gateway.limiter is not None:
+            await gateway.limiter.close()
         log.info("gateway stopped")

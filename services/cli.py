@@ -58,6 +58,19 @@ def _env(name: str, default=None, kind=str):
     return default if raw is None else kind(raw)
 
 
+def _optional_limit(text: str) -> int | None:
+    """A positive limit; "" (an unset PAGODA_* variable in compose) means none."""
+    if not text.strip():
+        return None
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -267,6 +280,9 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             max_model_len=max_model_len,
             grace_period_s=args.grace_period,
+            rate_limit_rpm=args.rate_limit_rpm,
+            rate_limit_tpm=args.rate_limit_tpm,
+            redis_url=args.redis_url or "",
         )
     except ValueError as exc:
         args.parser.error(str(exc))
@@ -379,6 +395,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", 4 * 1024 * 1024, int))
     p.add_argument("--grace-period", type=float, default=_env("grace_period", 30.0, float),
                    help="seconds in-flight requests get to finish on SIGTERM")
+    p.add_argument("--rate-limit-rpm", type=_optional_limit,
+                   default=_env("rate_limit_rpm", None, _optional_limit), metavar="N",
+                   help="requests per minute per API key without its own requests_per_minute "
+                        "(without keys: for all anonymous use); default: unlimited")
+    p.add_argument("--rate-limit-tpm", type=_optional_limit,
+                   default=_env("rate_limit_tpm", None, _optional_limit), metavar="N",
+                   help="tokens (prompt + max_tokens) per minute per API key without its own "
+                        "tokens_per_minute; default: unlimited")
+    p.add_argument("--redis-url", default=_env("redis_url"), metavar="URL",
+                   help="redis://host:port/db: keep rate-limit buckets in Redis, shared by every "
+                        "gateway replica using it (fails open when Redis is down); default: "
+                        "in this process")
     p.set_defaults(func=_cmd_gateway, parser=p)
 
     p = sub.add_parser("bench", help="benchmarks against the baselines (JSON, Markdown, plots)")

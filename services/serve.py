@@ -100,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
     gateway_args += ["--grace-period", str(args.grace_period)]
     if args.api_keys_file:
         gateway_args += ["--api-keys-file", args.api_keys_file]
+    for flag, value in (("--rate-limit-rpm", args.rate_limit_rpm),
+                        ("--rate-limit-tpm", args.rate_limit_tpm), ("--redis-url", args.redis_url)):
+        if value:
+            gateway_args += [flag, str(value)]
     gateway = ServiceProcess("gateway", pagoda_command(*gateway_args), f"127.0.0.1:{grpc_port}",
                              log_path=log_dir / "gateway.log")
     processes = [*stack.processes, gateway]
@@ -168,6 +172,11 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _limit(text: str) -> int | None:
+    """A rate limit as the gateway takes it ("": none); the gateway checks it is positive."""
+    return int(text) if text.strip() else None
+
+
 def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--model", default=env("model"), help="checkpoint directory (default: the tiny model)")
     p.add_argument("--host", default=env("host", "127.0.0.1"), help="the gateway's bind address")
@@ -175,6 +184,12 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--grpc-port", type=int, default=env("grpc_port", 50051, int))
     p.add_argument("--served-model-name", default=env("served_model_name"))
     p.add_argument("--api-keys-file", default=env("api_keys_file"))
+    p.add_argument("--rate-limit-rpm", type=_limit, default=env("rate_limit_rpm", None, _limit),
+                   help="requests per minute per API key (or for anonymous use) without its own")
+    p.add_argument("--rate-limit-tpm", type=_limit, default=env("rate_limit_tpm", None, _limit),
+                   help="tokens per minute per API key (or for anonymous use) without its own")
+    p.add_argument("--redis-url", default=env("redis_url"),
+                   help="keep rate-limit buckets in Redis, shared by gateway replicas")
     p.add_argument("--dtype", default=env("dtype"), choices=[None, "auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=env("device"),
                    help="every stage's device: cpu, cuda or cuda:N (default: cuda when present)")
