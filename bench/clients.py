@@ -202,7 +202,8 @@ class InProcessClient:
 def _config_dict(cfg) -> dict:
     return {
         "pipeline_parallel_size": int(cfg.pipeline_parallel_size),
-        "async_scheduling": bool(cfg.async_scheduling),  # the scheduler reports the effective mode
+        # the effective mode: the scheduler's GetStats reports it; a SchedulerConfig resolves it
+        "async_scheduling": bool(cfg.is_async if hasattr(cfg, "is_async") else cfg.async_scheduling),
         "enable_chunked_prefill": bool(cfg.enable_chunked_prefill),
         "enable_prefix_caching": bool(cfg.enable_prefix_caching),
         "max_num_batched_tokens": int(cfg.max_num_batched_tokens),

@@ -203,7 +203,7 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
         choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
         payload = fmt.completion_response(request_id, created, model, choices, usage, want_logprobs,
                                           prompts if body.return_token_ids else None, echo_texts,
-                                          body.prompt_logprobs is not None, body.logprobs)
+                                          body.prompt_logprobs, body.logprobs)
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
 
     @app.post("/v1/chat/completions", tags=["OpenAI"], responses={**_STREAMING, **_ERRORS})
@@ -226,7 +226,7 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
         choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
         payload = fmt.chat_response(request_id, created, model, choices, usage, body.logprobs,
                                     prompt if body.return_token_ids else None,
-                                    body.prompt_logprobs is not None)
+                                    body.prompt_logprobs)
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
 
     @app.post("/tokenize", tags=["vLLM"], response_model_exclude_none=True,

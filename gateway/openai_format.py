@@ -52,16 +52,17 @@ def _lp(value: float | None) -> float | None:
     return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else float(value)
 
 
-def prompt_logprobs_body(entries: list[TokenLogprob]) -> list[dict[str, Any] | None]:
+def prompt_logprobs_body(entries: list[TokenLogprob], num_top: int) -> list[dict[str, Any] | None]:
     """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}}
-    for the prompt's token and the likeliest alternatives (ranks 1, 2, ...); None first."""
+    for the prompt's token and its `num_top` likeliest alternatives (ranks 1, 2, ...; the
+    prompt may have been scored with more, for echo's logprobs); None first."""
     out: list[dict[str, Any] | None] = []
     for e in entries:
         if e.logprob is None:
             out.append(None)
             continue
         body = {str(t.token_id): {"logprob": _lp(t.logprob), "rank": rank, "decoded_token": t.token}
-                for rank, t in enumerate(e.top, start=1)}
+                for rank, t in enumerate(e.top[:num_top], start=1)}
         body[str(e.token_id)] = {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": e.token}
         out.append(body)
     return out
@@ -190,7 +191,7 @@ def _extras(choice: dict[str, Any], stop_reason: str | int | None, token_ids: li
 def completion_response(request_id: str, created: int, model: str, choices: list[ChoiceResult],
                         usage: Usage, want_logprobs: bool,
                         prompts: list[list[int]] | None, echo_texts: list[str] | None = None,
-                        want_prompt_logprobs: bool = False,
+                        prompt_logprobs: int | None = None,
                         num_top: int | None = None) -> dict[str, Any]:
     """`prompts` given: return_token_ids was asked. `echo_texts` given (per prompt): echo,
     the prompt's text (and its tokens' logprobs) before each choice's."""
@@ -206,8 +207,8 @@ def completion_response(request_id: str, created: int, model: str, choices: list
                           "finish_reason": c.finish_reason},
                          c.stop_reason, c.token_ids if prompts else None,
                          prompts[c.prompt_index] if prompts else None)
-        if want_prompt_logprobs:
-            choice["prompt_logprobs"] = prompt_logprobs_body(c.prompt_logprobs or [])
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_body(c.prompt_logprobs or [], prompt_logprobs)
         out.append(choice)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": out, "usage": usage_body(usage)}
@@ -215,10 +216,11 @@ def completion_response(request_id: str, created: int, model: str, choices: list
 
 def chat_response(request_id: str, created: int, model: str, choices: list[ChoiceResult],
                   usage: Usage, want_logprobs: bool,
-                  prompt: list[int] | None, want_prompt_logprobs: bool = False) -> dict[str, Any]:
+                  prompt: list[int] | None, prompt_logprobs: int | None = None) -> dict[str, Any]:
     extra = {}
-    if want_prompt_logprobs:  # vLLM: once for the request, beside the choices
-        extra["prompt_logprobs"] = prompt_logprobs_body(choices[0].prompt_logprobs or [] if choices else [])
+    if prompt_logprobs is not None:  # vLLM: once for the request, beside the choices
+        extra["prompt_logprobs"] = prompt_logprobs_body(
+            choices[0].prompt_logprobs or [] if choices else [], prompt_logprobs)
     return {**extra,
         "id": request_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [_extras({"index": c.index,

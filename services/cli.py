@@ -143,6 +143,16 @@ def _bool(text: str) -> bool:
     return text.lower() in ("1", "true", "yes", "on")
 
 
+def _bool_or_auto(text: str) -> bool | None:
+    """`PAGODA_ASYNC_SCHEDULING`: "" or "auto" -> None (decided by the stage count)."""
+    value = text.strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return _bool(value)
+    raise SystemExit(f"error: expected true, false or auto, got {text!r}")
+
+
 def _tenant_weights(text: str) -> dict[str, float]:
     """`a=3,b=1` -> {"a": 3.0, "b": 1.0}"""
     out = {}
@@ -160,7 +170,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", type=int, default=_env("pipeline_parallel_size", 1, int))
     p.add_argument("--tensor-parallel-size", type=int, default=_env("tensor_parallel_size", 1, int))
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                   default=_env("async_scheduling", None, _bool),
+                   default=_env("async_scheduling", None, _bool_or_auto),
                    help="plan while micro-batches run (default: with more than one stage)")
     p.add_argument("--scheduler-policy", choices=["fcfs", "priority", "hybrid"],
                    default=_env("scheduler_policy", "fcfs"))

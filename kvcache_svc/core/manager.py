@@ -310,7 +310,10 @@ class KVCacheManager:
         num_new_blocks = -(-(num_computed + num_new_tokens) // bs) - num_shared
         # evictable hits stop being available once this sequence holds them
         num_taken = sum(1 for hit in hits if self._cache.is_evictable(hit.block_id))
-        num_available = max(0, self.num_available_blocks - num_taken - self._watermark_blocks)
+        # the watermark keeps room for running sequences to grow; with none held, nothing can
+        # free blocks by waiting, and a request that fits the pool would wait for ever
+        watermark = self._watermark_blocks if self._seqs else 0
+        num_available = max(0, self.num_available_blocks - num_taken - watermark)
         if num_new_blocks > num_available:
             return NoBlocks(new.seq_id, num_new_blocks, num_available)
 

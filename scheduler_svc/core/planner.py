@@ -246,7 +246,8 @@ class Planner:
         # "auto": the running sequences spread evenly over the stages, so that each stage has a
         # micro-batch to work on; with one stage, no split (a second micro-batch in flight then
         # carries only what the first could not: splitting would just double per-step overhead)
-        live = sum(len(r.live_sequences) for r in self.running) + len(self.queue)
+        # (a request's choices not forked yet count: its fork must fit beside the others)
+        live = sum(_reserved(r) for r in self.running) + len(self.queue)
         ways = min(self.config.max_in_flight, self.config.pipeline_parallel_size)
         return max(1, math.ceil(live / ways))
 
@@ -307,7 +308,7 @@ class Planner:
                     continue
                 new_id = self._take_seq_id()
                 new_sequences.append(NewSequence(new_id, tokens, cfg.namespace, n,
-                                                 seq.request.options.prompt_logprobs is not None))
+                                                 _scores_prompt(seq)))
                 proposal.readmits.append((seq, new_id))
                 budget -= n
                 n_seqs += 1
@@ -356,7 +357,7 @@ class Planner:
                 seq = existing or self._new_sequence(request, len(admitted))
                 new_id = seq.seq_id if existing is None else self._take_seq_id()
                 new_sequences.append(NewSequence(new_id, tokens, cfg.namespace, n,
-                                                 seq.request.options.prompt_logprobs is not None))
+                                                 _scores_prompt(seq)))
                 admitted.append((seq, new_id))
             proposal.admits.append((request, admitted))
             budget -= cost
@@ -693,6 +694,14 @@ class Planner:
         busy = {s.seq_id for mb in self.in_flight.values() for s in mb.seqs}
         assert busy == self._busy, (busy, self._busy)
         self.queue.check_integrity()
+
+
+def _scores_prompt(seq: Sequence) -> bool:
+    """Whether this sequence still scores prompt positions (SamplingOptions.prompt_logprobs):
+    then every position must be computed, so it keeps out of the prefix cache."""
+    request = seq.request
+    return (request.options.prompt_logprobs is not None and seq.index == 0
+            and len(request.prompt_logprobs) < len(request.prompt) - 1)
 
 
 def _reserved(request: Request) -> int:

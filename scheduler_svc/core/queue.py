@@ -173,7 +173,7 @@ class WaitingQueue:
             # the heap also holds entries of tenants busy again (or idle with a later tag):
             # drop those first, so that only more than max_idle_tenants real idle records
             # make the oldest go
-            self._idle = [(f, n) for f, n in self._idle if self._is_idle(n, f)]
+            self._idle = list({(f, n) for f, n in self._idle if self._is_idle(n, f)})
             heapq.heapify(self._idle)
             while len(self._idle) > self.max_idle_tenants:
                 self._forget(heapq.heappop(self._idle)[1])

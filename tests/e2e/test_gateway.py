@@ -577,6 +577,11 @@ def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt(client, referen
                                      echo=True, logprobs=1, extra_body={"prompt_logprobs": 5})
     assert all(len(top) <= 2 for top in both.choices[0].logprobs.top_logprobs[1:])
     assert len(both.choices[0].model_extra["prompt_logprobs"][1]) >= 5
+    # ...and the other way round: prompt_logprobs=0 gives the prompt token alone
+    other = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+                                      echo=True, logprobs=5, extra_body={"prompt_logprobs": 0})
+    assert all(len(e) == 1 for e in other.choices[0].model_extra["prompt_logprobs"][1:])
+    assert len(other.choices[0].logprobs.top_logprobs[1]) >= 5
     # a one-token prompt: its token comes back, with nothing to score it by
     one = client.completions.create(model="tiny", prompt=[65], max_tokens=1, temperature=0,
                                     echo=True, logprobs=1, extra_body={"prompt_logprobs": 1})

@@ -63,3 +63,14 @@ def test_serve_passes_device_settings_to_every_worker():
     assert (worker.dtype, worker.device, worker.quantization, worker.attention_backend) == (
         "bfloat16", "cuda:1", "fp8", "triton")
     assert worker_flags(build_parser().parse_args(["serve"])) == []
+
+
+def test_async_scheduling_is_auto_unless_set():
+    from services.cli import _bool_or_auto, build_parser
+    from services.serve import engine_flags
+
+    assert engine_flags(build_parser().parse_args(["serve"])).count("--async-scheduling") == 0
+    assert "--no-async-scheduling" not in engine_flags(build_parser().parse_args(["serve"]))
+    assert [_bool_or_auto(v) for v in ("", "auto", "AUTO", "1", "off")] == [None, None, None, True, False]
+    done = pagoda("scheduler", "--help", env={"PAGODA_ASYNC_SCHEDULING": "sometimes"})
+    assert done.returncode != 0 and "true, false or auto" in done.stderr

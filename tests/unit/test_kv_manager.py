@@ -220,7 +220,8 @@ def test_a_sequence_that_skips_the_prefix_cache_neither_hits_nor_fills_it() -> N
     assert skipping.num_computed_tokens == 0 and len(skipping.slot_mapping) == 8  # computed whole
     new(m, 3, list(range(100, 108)), 2, skip_prefix_cache=True)
     m.complete([1, 2])
-    m.step(StepInput(forks=[Fork(3, 4)], appends=[Append(3, [108]), Append(4, [109])],
+    # the fork fills whole blocks of its own: still nothing cached
+    m.step(StepInput(forks=[Fork(3, 4)], appends=[Append(3, [108]), Append(4, list(range(200, 208)))],
                      micro_batch_id=3))
     m.complete([3])
     m.free(2)
@@ -230,8 +231,27 @@ def test_a_sequence_that_skips_the_prefix_cache_neither_hits_nor_fills_it() -> N
     # only sequence 1's two blocks are cached; the skipping ones (and the fork) went back free
     assert m.stats().num_cached_blocks == 2
     assert new(m, 5, list(range(100, 108)), 4).num_computed_tokens == 0
+    assert new(m, 7, list(range(100, 108)) + list(range(200, 208)), 6).num_computed_tokens == 0
     assert new(m, 6, list(range(8)), 5).num_computed_tokens == 7  # a whole-prompt hit, capped
-    assert m.stats().num_prefix_queries == 3  # the skipping sequences did not look
+    assert m.stats().num_prefix_queries == 4  # the skipping sequences did not look
+
+
+def test_a_request_that_fits_the_pool_exactly_is_admitted_when_nothing_else_is_held() -> None:
+    """The watermark keeps room for running sequences to grow; with none held it would only
+    make a request that fits the pool wait for ever (found in review)."""
+    m = KVCacheManager(100, 16, watermark=0.01)  # 1 watermark block
+    prompt = list(range(5, 5 + 1584))  # 99 blocks, and one block for 16 output tokens
+    assert isinstance(new(m, 1, prompt, 0), Allocated)
+    assert isinstance(append(m, 1, list(range(16)), 1), Allocated)  # the pool is full
+    m.complete([0, 1])
+    m.free(1)
+    # again, now a whole-prompt hit: 98 shared blocks plus a copy of the last one
+    again = new(m, 2, prompt, 2)
+    assert isinstance(again, Allocated) and again.num_computed_tokens == 1583
+    m.complete([2])
+    # with a sequence held, the watermark applies again
+    refused = new(m, 3, list(range(9000, 9016)), 3)
+    assert isinstance(refused, NoBlocks) and refused.num_free_blocks == 0
 
 
 # ---- eviction ------------------------------------------------------------------------------
@@ -373,12 +393,13 @@ def test_watermark_gates_new_sequences_not_appends() -> None:
     m = KVCacheManager(100, 4, watermark=0.1)
     assert m.watermark_blocks == 10
     assert m.can_allocate(90) and not m.can_allocate(91)
-    assert new(m, 1, [0] * (91 * 4), 0) == NoBlocks(1, 91, 90)
-    assert new(m, 1, [0] * (89 * 4 + 1), 1).block_ids == tuple(range(90))
+    assert new(m, 9, [7], 0).block_ids == (0,)  # something held: the watermark applies
+    assert new(m, 1, [0] * (90 * 4), 1) == NoBlocks(1, 90, 89)
+    assert new(m, 1, [0] * (88 * 4 + 1), 2).block_ids == tuple(range(1, 90))
     assert not m.can_allocate(1)
-    assert new(m, 2, [1], 2) == NoBlocks(2, 1, 0)
+    assert new(m, 2, [1], 3) == NoBlocks(2, 1, 0)
     # running sequences may dig into the reserve
-    assert isinstance(append(m, 1, [0] * 40, 3), Allocated)
+    assert isinstance(append(m, 1, [0] * 40, 4), Allocated)
     assert m.stats().num_free_blocks == 0
 
 

@@ -385,3 +385,18 @@ def test_no_state_is_left_behind():
     sim.run()
     p = sim.planner
     assert not p.requests and not p.running and not p._rank and not p._completion_guard and not p._busy
+
+
+def test_a_fork_does_not_wait_for_other_requests_to_finish():
+    """Found in review: with one stage and microbatch_size auto, the per-micro-batch cap
+    counted an n > 1 request as one sequence, so its fork waited until the other requests
+    stopped decoding."""
+    sim = Sim(num_blocks=256, block_size=4, max_num_batched_tokens=64)
+    others = [sim.add(f"d{i}", list(range(5 + i, 15 + i)), max_tokens=40) for i in range(4)]
+    for _ in range(3):
+        sim.step()  # the others prefill and decode
+    r = sim.add("n3", list(range(100, 112)), max_tokens=4, n=3)
+    for _ in range(6):
+        sim.step()
+    assert len(r.sequences) == 3  # forked while the others still decode
+    assert all(not o.all_finished for o in others)

@@ -134,3 +134,16 @@ def test_the_wire_carries_scoring_both_ways():
     p = done.prompt_logprobs[0]
     assert (p.seq_id, p.first_position, p.positions[0].sampled.rank) == (3, 0, 2)
     assert [(t.token_id, t.rank) for t in p.positions[0].top] == [(9, 1), (6, 2)]
+
+
+def test_only_a_sequence_still_scoring_keeps_out_of_the_prefix_cache():
+    from scheduler_svc.core.planner import _scores_prompt
+    from scheduler_svc.core.request import Sequence
+
+    request = Request("r", (5, 6, 7, 8), SamplingOptions(prompt_logprobs=1, n=2), 0.0)
+    first, second = Sequence(1, request, 0, entropy_seed=1), Sequence(2, request, 1, entropy_seed=2)
+    assert _scores_prompt(first) and not _scores_prompt(second)  # only choice 0 scores
+    request.prompt_logprobs.extend([(6, -1.0, 1, [])] * 3)
+    assert not _scores_prompt(first)  # done: a re-admission may use the cache again
+    plain = Request("q", (5, 6), SamplingOptions(), 0.0)
+    assert not _scores_prompt(Sequence(3, plain, 0, entropy_seed=1))

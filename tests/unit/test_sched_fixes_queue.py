@@ -144,3 +144,21 @@ def test_the_idle_bound_counts_only_idle_records():
         q.admit(r)
         q.check_integrity()
     assert {"B", "C"} <= set(q._tenants)  # both idle records kept: exactly two idle
+
+
+def test_an_aborted_request_does_not_count_its_idle_tenant_twice():
+    """Found in review: an idle tenant whose new request is removed was pushed into the idle
+    heap a second time and counted twice against max_idle_tenants."""
+    q = WaitingQueue("hybrid", max_idle_tenants=2)
+    q.push(request("z", "Z"))  # keeps the queue from emptying
+    a1 = request("a1", "A", num_prompt_tokens=100)
+    q.push(a1)
+    q.admit(a1)  # A idle, ahead of the virtual time
+    a2 = request("a2", "A")
+    q.push(a2)
+    q.remove(a2)  # an abort: A idle again, same tag
+    b1 = request("b1", "B", num_prompt_tokens=100)
+    q.push(b1)
+    q.admit(b1)
+    q.check_integrity()
+    assert {"A", "B"} <= set(q._tenants)  # two idle records: both kept
