@@ -26,7 +26,7 @@ class EngineSettings:
     over the pipeline stages (PP=1: all on one stage; PP=2: half each)."""
 
     pipeline_parallel_size: int = 1
-    async_scheduling: bool = True
+    async_scheduling: bool | None = None  # None: the server's default (async with several stages)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
@@ -41,6 +41,13 @@ class EngineSettings:
                              f"{self.pipeline_parallel_size} stages a thread")
 
     @property
+    def is_async(self) -> bool:
+        """The effective mode, as the scheduler resolves it."""
+        if self.async_scheduling is None:
+            return self.pipeline_parallel_size > 1
+        return self.async_scheduling
+
+    @property
     def threads_per_stage(self) -> int:
         return self.total_threads // self.pipeline_parallel_size
 
@@ -52,7 +59,7 @@ class EngineSettings:
             return f"--{name}" if on else f"--no-{name}"
 
         return [
-            flag("async-scheduling", self.async_scheduling),
+            *([] if self.async_scheduling is None else [flag("async-scheduling", self.async_scheduling)]),
             flag("enable-chunked-prefill", self.enable_chunked_prefill),
             flag("enable-prefix-caching", self.enable_prefix_caching),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
@@ -61,7 +68,7 @@ class EngineSettings:
 
     def describe(self) -> str:
         return (f"PP={self.pipeline_parallel_size} x {self.threads_per_stage} thread(s), "
-                f"{'async' if self.async_scheduling else 'sync'}, "
+                f"{'async' if self.is_async else 'sync'}, "
                 f"chunked prefill {'on' if self.enable_chunked_prefill else 'off'} "
                 f"(budget {self.max_num_batched_tokens}), "
                 f"prefix caching {'on' if self.enable_prefix_caching else 'off'}")

@@ -145,7 +145,7 @@ def _prefix(a: RunResult, b: RunResult) -> list[Check]:
 COMPARISONS: dict[str, ComparisonSpec] = {
     "a": ComparisonSpec("a", "Pagoda vs transformers static batching", "mixed", "pagoda", "transformers",
                         "output_tokens_per_s", _transformers),
-    "b": ComparisonSpec("b", "async vs sync scheduling", "mixed", "pagoda", "sync",
+    "b": ComparisonSpec("b", "async vs sync scheduling", "mixed", "async", "pagoda",
                         "output_tokens_per_s", _async),
     "c": ComparisonSpec("c", "PP=2 vs PP=1 (same total threads)", "mixed", "pp2", "pagoda",
                         "output_tokens_per_s", _pp),

@@ -217,7 +217,10 @@ class Runner:
         mixed_fixed = Workload("mixed", space, plan.shape, plan.seed, limit=n_mixed)
         other_arms: list[tuple[str, str, EngineSettings]] = []
         if "b" in comps:
-            other_arms.append(("b", "sync", base.with_(async_scheduling=False)))
+            # the base arm runs the default (sync with one stage, async with several): (b)
+            # measures the other mode against it
+            other = not base.is_async
+            other_arms.append(("b", "async" if other else "sync", base.with_(async_scheduling=other)))
         if "c" in comps:
             other_arms.append(("c", "pp2", base.with_(pipeline_parallel_size=2)))
         if "e" in comps:

@@ -35,12 +35,12 @@ def run(arm, duration=1.0, tokens=100, svc=None, workload="mixed", driver="http"
 
 
 def test_async_comparison_ratio_and_checks():
-    a = run("pagoda", duration=1.0, svc=services())
-    b = run("sync", duration=2.0, svc=services({"async_scheduling": False}, peak=1))
+    a = run("async", duration=1.0, svc=services())
+    b = run("pagoda", duration=2.0, svc=services({"async_scheduling": False}, peak=1))
     c = compare(COMPARISONS["b"], a, b)
     assert c.ratio == pytest.approx(2.0) and c.throughput_ratio == pytest.approx(2.0)
     assert c.ok, [k for k in c.checks if not k.ok]
-    same = compare(COMPARISONS["b"], a, run("sync", svc=services()))
+    same = compare(COMPARISONS["b"], a, run("pagoda", svc=services()))
     assert not same.ok
     assert [k.what for k in same.checks if not k.ok] == ["async flag differs", "micro-batches overlap only when async"]
 
@@ -75,11 +75,11 @@ def test_chunked_comparison_uses_long_decode_itl():
 
 def results_dict():
     m = ModelResults("tiny", "/models/tiny", 250_000)
-    a = run("pagoda", svc=services())
-    b = run("sync", duration=2.0, svc=services({"async_scheduling": False}, peak=1))
+    a = run("async", svc=services())
+    b = run("pagoda", duration=2.0, svc=services({"async_scheduling": False}, peak=1))
     hf = run("transformers", duration=0.5, driver="transformers", extra={"num_batches": 1}, mode="static-batch")
     m.runs = [a, b, hf]
-    m.comparisons = [compare(COMPARISONS["b"], a, b), compare(COMPARISONS["a"], a, hf)]
+    m.comparisons = [compare(COMPARISONS["b"], a, b), compare(COMPARISONS["a"], b, hf)]
     return {
         "meta": {"command": "pagoda bench --quick", "machine": {"cpu": "Test CPU", "usable_cores": 2,
                  "memory_gib": 8, "python": "3.11", "torch": "2"}, "started": "now", "elapsed_s": 12.0,
@@ -91,7 +91,7 @@ def results_dict():
 def test_markdown_has_the_comparison_table_and_every_run():
     md = render_markdown(results_dict(), ["bench/results/gantt_tiny.png"])
     assert "| tiny | (b) async vs sync scheduling | mixed |" in md
-    assert "**2.00x**" in md and "**0.50x**" in md
+    assert "**2.00x**" in md and "**0.25x**" in md
     assert md.count("| tiny/mixed/") == 3
     assert "static batches of 16" in md and "Test CPU, 2 usable core(s)" in md
     assert "`bench/results/gantt_tiny.png`" in md
