@@ -138,8 +138,9 @@ def params_from_pb(
                            f"token id {token_id} is outside the vocabulary of {limits.vocab_size}")
         if not -100.0 <= bias <= 100.0:
             raise _invalid(f"{where}.logit_bias", f"bias {bias} for token {token_id} is outside [-100, 100]")
-    if sp.HasField("prompt_logprobs"):
-        raise _invalid(f"{where}.prompt_logprobs", "prompt log-probabilities are not supported")
+    prompt_logprobs = sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and prompt_logprobs > limits.max_logprobs:
+        raise _invalid(f"{where}.prompt_logprobs", f"at most {limits.max_logprobs}, got {prompt_logprobs}")
     for i, stop in enumerate(options.stop):
         if not stop:
             raise _invalid(f"options.stop[{i}]", "must not be empty")
@@ -167,6 +168,7 @@ def params_from_pb(
         frequency_penalty=sp.frequency_penalty,
         repetition_penalty=repetition_penalty,
         logit_bias=tuple(sorted(sp.logit_bias.items())),
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -187,6 +189,10 @@ def response_from_delta(request_id: str, delta: ChoiceDelta) -> gateway_pb2.Text
     choice = msg.choices.add(index=delta.index, text=delta.text, token_ids=delta.token_ids)
     for lp in delta.logprobs:
         entry = choice.logprobs.add(token_id=lp.token_id, token=lp.token, logprob=lp.logprob)
+        for t in lp.top:
+            entry.top.add(token_id=t.token_id, token=t.token, logprob=t.logprob)
+    for lp in (delta.prompt_logprobs or [])[1:]:  # the first prompt token has none
+        entry = choice.prompt_logprobs.add(token_id=lp.token_id, token=lp.token, logprob=lp.logprob)
         for t in lp.top:
             entry.top.add(token_id=t.token_id, token=t.token, logprob=t.logprob)
     if delta.finish_reason is not None:

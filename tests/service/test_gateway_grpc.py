@@ -275,7 +275,7 @@ def test_bad_input_is_refused_naming_the_field(serve, stack):
         (text_request("hi", stop_token_ids=[10**6]), "options.sampling_params.stop_token_ids[0]"),
         (text_request("hi", presence_penalty=2.5), "options.sampling_params.presence_penalty"),
         (text_request("hi", repetition_penalty=3.0), "options.sampling_params.repetition_penalty"),
-        (text_request("hi", prompt_logprobs=1), "options.sampling_params.prompt_logprobs"),
+        (text_request("hi", prompt_logprobs=1000), "options.sampling_params.prompt_logprobs"),
         (text_request("hi", stop=["ok", ""]), "options.stop[1]"),
         (text_request(too_long, max_tokens=1), "token_ids.ids"),
         (gateway_pb2.ChatRequest(), "messages"),
@@ -403,3 +403,24 @@ def test_scheduler_errors_pass_through_with_their_code(serve):
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
         assert serve(scenario, scheduler_address=dead) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_prompt_logprobs_score_the_prompt(serve, reference):
+    import torch
+
+    prompt = [5, 17, 99, 260, 31, 7, 400, 12]
+
+    async def scenario(channel):
+        stub = gateway_pb2_grpc.GenerationStub(channel)
+        return await collect(stub.Generate(text_request(prompt, max_tokens=2, prompt_logprobs=2)))
+
+    (choices, messages) = serve(scenario)
+    firsts = [d for m in messages for d in m.choices if d.prompt_logprobs]
+    assert len(firsts) == 1
+    scored = firsts[0].prompt_logprobs
+    with torch.no_grad():
+        want = torch.log_softmax(reference.model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+    assert [e.token_id for e in scored] == prompt[1:]
+    for i, e in enumerate(scored):
+        assert e.logprob == pytest.approx(float(want[i, prompt[i + 1]]), abs=1e-4)
+        assert len(e.top) == 2 and e.top[0].logprob >= e.top[1].logprob
