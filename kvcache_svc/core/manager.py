@@ -385,19 +385,20 @@ class KVCacheManager:
             stride = bs * TOKEN_BYTES
             num_full = len(data) // stride
             first_index = start // bs
-            for j in range(num_full):
+            # a sequence out of the cache for good (skip_prefix_cache, or after a failed
+            # micro-batch) registers nothing: its blocks need no keys
+            for j in range(num_full if seq.cacheable else 0):
                 block_tokens = data[j * stride : (j + 1) * stride]
                 key = self._cache.key_of(seq.last_full_key, seq.namespace, block_tokens)
-                if seq.cacheable:
-                    block_id = blocks[first_index + j]
-                    micro_batch.filled.append(
-                        (
-                            seq,
-                            block_id,
-                            self._pool.generation(block_id),
-                            CachedBlock(key, seq.last_full_key, seq.namespace, block_tokens),
-                        )
+                block_id = blocks[first_index + j]
+                micro_batch.filled.append(
+                    (
+                        seq,
+                        block_id,
+                        self._pool.generation(block_id),
+                        CachedBlock(key, seq.last_full_key, seq.namespace, block_tokens),
                     )
+                )
                 seq.last_full_key = key
             seq.partial_token_bytes = data[num_full * stride :]
         return tuple(slots)
