@@ -105,9 +105,11 @@ class LocalStageTransport:
                 hidden = result.hidden
                 self.busy_ns[i] += result.compute_ns
                 timings.append(StageTiming(i, 0, 0, result.compute_ns))
-            sampled = [
-                (seq_id, token, None)
-                for seq_id, token in zip(result.sampled_seq_ids, result.sampled.token_ids, strict=True)
+            out = result.sampled
+            sampled = [  # logprob info, where asked: (the token's logprob, [(id, logprob)])
+                (seq_id, token, None if top is None else (logprob, top))
+                for seq_id, token, logprob, top in zip(
+                    result.sampled_seq_ids, out.token_ids, out.logprobs, out.top_logprobs, strict=True)
             ]
             event = ResultEvent(plan.micro_batch_id, sampled, tuple(timings),
                                 tuple(result.prompt_logprobs))
@@ -160,6 +162,8 @@ class CompletionOutput:
     token_ids: list[int]
     text: str | None
     finish_reason: str | None
+    # with SamplingOptions.logprobs: per token, (its logprob, [(id, logprob) most likely first])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -233,27 +237,31 @@ class LLM:
                 raise RuntimeError(f"request {request.request_id} failed: {final.error[1]}")
             completions = []
             for index in sorted(choices):
-                ids, reason = choices[index]
+                ids, reason, logprobs = choices[index]
                 text = self.tokenizer.decode(ids) if detokenize else None
-                completions.append(CompletionOutput(index, ids, text, reason))
+                completions.append(CompletionOutput(
+                    index, ids, text, reason,
+                    logprobs if request.options.logprobs is not None else None))
             outputs.append(GenerationOutput(request.request_id, list(request.prompt), completions,
                                             final.num_cached_tokens, final.num_preemptions,
                                             final.prompt_logprobs))
         return outputs
 
 
-async def _collect(stream) -> tuple[dict[int, tuple[list[int], str | None]], RequestOutput]:
-    choices: dict[int, tuple[list[int], str | None]] = {}
+async def _collect(stream) -> tuple[dict[int, tuple[list[int], str | None, list]], RequestOutput]:
+    """Per choice (token ids, finish reason, logprob infos), and the request's last output."""
+    choices: dict[int, tuple[list[int], str | None, list]] = {}
     final, prompt_logprobs = None, None
     async for out in stream:
         if out.prompt_logprobs is not None:
             prompt_logprobs = out.prompt_logprobs
         for d in out.deltas:
-            ids, reason = choices.get(d.index, ([], None))
+            ids, reason, logprobs = choices.get(d.index, ([], None, []))
             ids.extend(d.token_ids)
+            logprobs.extend(lp for lp in d.logprobs if lp is not None)
             if d.finish_reason is not None:
                 reason = d.finish_reason.value
-            choices[d.index] = (ids, reason)
+            choices[d.index] = (ids, reason, logprobs)
         final = out
     if final is not None and final.prompt_logprobs is None:
         final.prompt_logprobs = prompt_logprobs

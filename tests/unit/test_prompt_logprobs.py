@@ -147,3 +147,20 @@ def test_only_a_sequence_still_scoring_keeps_out_of_the_prefix_cache():
     assert not _scores_prompt(first)  # done: a re-admission may use the cache again
     plain = Request("q", (5, 6), SamplingOptions(), 0.0)
     assert not _scores_prompt(Sequence(3, plain, 0, entropy_seed=1))
+
+
+def test_offline_llm_returns_the_sampled_tokens_logprobs(model_dir, hf):
+    prompt = [5, 17, 99, 260, 31]
+    out = LLM(model_dir, num_kv_blocks=64).generate(
+        [prompt], [SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)],
+        detokenize=False)[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 4
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([prompt + out.token_ids])).logits[0].float()
+    for i, (token, (logprob, top)) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        want = torch.log_softmax(logits[len(prompt) - 1 + i], -1)
+        assert logprob == pytest.approx(float(want[token]), abs=1e-4)
+        assert len(top) == 3 and top[0][0] == token  # greedy: the most likely
+    plain = LLM(model_dir, num_kv_blocks=64).generate([prompt], SamplingOptions(max_tokens=2),
+                                                      detokenize=False)[0].outputs[0]
+    assert plain.logprobs is None
