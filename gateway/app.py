@@ -59,7 +59,7 @@ from gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from gateway.ratelimit import RateLimiter, RateLimitExceeded, key_id, token_cost
+from gateway.ratelimit import ANONYMOUS, RateLimiter, RateLimitExceeded, token_cost
 from gateway.timeline import Span, chrome_trace
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,9 @@ class Gateway:
         tokens = token_cost(map(len, prompts), params.max_tokens, params.n,
                             self.limits.max_model_len)
         grant = _api_key(request)
-        await self.limiter.admit(key_id(_bearer(request) if self.config.api_keys else None),
+        # the bucket of the key the middleware authenticated (never a header read again here)
+        bucket = getattr(request.state, "api_key_id", None) if self.config.api_keys else ANONYMOUS
+        await self.limiter.admit(bucket or ANONYMOUS,
                                  grant.rate_limit if grant is not None else None, tokens)
 
     async def generation(self, request_id: str, prompts: Sequence[list[int]],
@@ -147,11 +149,6 @@ def _echo_texts(prompt: Any, prompts: Sequence[list[int]], tokenizer: Any) -> li
 
 def _api_key(request: Request) -> ApiKey | None:
     return getattr(request.state, "api_key", None)
-
-
-def _bearer(request: Request) -> str:
-    """The request's API key, which the middleware has already checked."""
-    return request.headers.get("authorization", "").strip().partition(" ")[2].strip()
 
 
 def create_app(config: GatewayConfig, generator: TextGenerator,

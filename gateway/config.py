@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.ratelimit import RateLimit
+from gateway.ratelimit import RateLimit, redacted_url
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _GRANT_FIELDS = {"tenant", "priority", "requests_per_minute", "tokens_per_minute"}
@@ -70,7 +70,7 @@ class GatewayConfig:
         RateLimit(self.rate_limit_rpm, self.rate_limit_tpm)  # ValueError when not positive
         if self.redis_url and not self.redis_url.startswith(_REDIS_SCHEMES):
             raise ValueError(f"redis_url: must start with one of {', '.join(_REDIS_SCHEMES)}, "
-                             f"got {self.redis_url!r}")
+                             f"got {redacted_url(self.redis_url)!r}")
         if not self.api_keys and not _is_loopback(self.host):
             raise ValueError(
                 f"api_keys: binding {self.host} beyond loopback without API keys would open the "

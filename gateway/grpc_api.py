@@ -33,7 +33,14 @@ from gateway.core import (
     GenerationParams,
     TextGenerator,
 )
-from gateway.ratelimit import ANONYMOUS, RateLimiter, RateLimitExceeded, key_id, token_cost
+from gateway.ratelimit import (
+    ANONYMOUS,
+    RateLimiter,
+    RateLimitExceeded,
+    key_id,
+    key_salt,
+    token_cost,
+)
 from services.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -224,6 +231,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         self.generator = generator
         self.config = config
         self.limiter = limiter
+        self._key_salt: bytes | None = None  # keys the rate-limit bucket ids (key_salt)
         tokenizer = generator.tokenizer
         self.model_name = config.model_name
         self.limits = Limits(
@@ -297,7 +305,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                 found = grant
         if found is None:
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization", "invalid API key")
-        return found, key_id(token)
+        if self._key_salt is None:
+            self._key_salt = key_salt(self.config.api_keys)
+        return found, key_id(token, self._key_salt)
 
     async def _charge(self, bucket: str, key: ApiKey, prompt_ids: Sequence[int],
                       params: GenerationParams) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.config import ApiKey
 from gateway.errors import error_body
+from gateway.ratelimit import key_id, key_salt
 
 # Readable without a key: probes, scrapers and the API's own description.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs",
@@ -39,6 +40,7 @@ class GatewayMiddleware:
         # looked up by digest, so that no comparison of the secret itself leaks its length
         # or prefix through timing
         self._keys = {_digest(key): grant for key, grant in api_keys.items()}
+        self._salt = key_salt(api_keys)
         self.max_body_bytes = max_body_bytes
         self._on_refused = on_refused
 
@@ -48,6 +50,11 @@ class GatewayMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self._keys and scope["path"] not in OPEN_PATHS:
+            if sum(1 for k, _ in scope["headers"] if k.lower() == b"authorization") > 1:
+                # one key per request: two could authenticate one and be charged to another
+                await self._refuse(send, 400, "more than one Authorization header",
+                                   "invalid_request")
+                return
             grant = self._authenticate(headers.get("authorization", ""))
             if grant is None:
                 missing = not headers.get("authorization")
@@ -55,7 +62,10 @@ class GatewayMiddleware:
                                               "<key>'" if missing else "the API key is not valid",
                                    "invalid_api_key", {"www-authenticate": "Bearer"})
                 return
-            scope.setdefault("state", {})["api_key"] = grant
+            state = scope.setdefault("state", {})
+            state["api_key"] = grant
+            # the rate-limit bucket of the key that was authenticated
+            state["api_key_id"] = key_id(_token(headers.get("authorization", "")), self._salt)
         declared = headers.get("content-length")
         if declared is not None and not declared.isdigit():
             await self._refuse(send, 400, "the Content-Length header is not a number",
@@ -100,10 +110,8 @@ class GatewayMiddleware:
         await self.app(scope, replay, send)
 
     def _authenticate(self, authorization: str) -> ApiKey | None:
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return None
-        return self._keys.get(_digest(token.strip()))
+        token = _token(authorization)
+        return None if token is None else self._keys.get(_digest(token))
 
     async def _refuse_size(self, send: Any) -> None:
         await self._refuse(send, 413, f"the request body is larger than the limit of "
@@ -120,3 +128,11 @@ class GatewayMiddleware:
         headers += [(k.encode(), v.encode()) for k, v in (extra_headers or {}).items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
+
+
+def _token(authorization: str) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header; None when there is none."""
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import logging
 import math
 import time
@@ -123,12 +124,37 @@ def token_cost(prompt_lens: Iterable[int], max_tokens: int | None, n: int,
     return total
 
 
-def key_id(api_key: str | None) -> str:
-    """The bucket id of a raw API key (None: the anonymous bucket). A digest, so that the
-    key itself is kept nowhere, Redis included; the same on every replica."""
+def redacted_url(url: str) -> str:
+    """A Redis URL with its password (if any) replaced, fit for logs and error messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
+
+
+def key_salt(api_keys: Iterable[str]) -> bytes:
+    """A secret every replica loading the same keys file derives alike, keying `key_id`:
+    without the keys file, a stored id cannot be checked against guessed keys offline."""
+    digest = hashlib.sha256(b"pagoda-ratelimit-salt\0")
+    for key in sorted(api_keys):
+        digest.update(hashlib.sha256(key.encode()).digest())
+    return digest.digest()
+
+
+def key_id(api_key: str | None, salt: bytes = b"") -> str:
+    """The bucket id of a raw API key (None: the anonymous bucket): an HMAC keyed with
+    `salt` (`key_salt` of the configured keys), so that the key itself is kept nowhere,
+    Redis included; the same on every replica."""
     if api_key is None:
         return ANONYMOUS
-    return hashlib.sha256(b"pagoda-ratelimit\0" + api_key.encode()).hexdigest()[:32]
+    return hmac.new(b"pagoda-ratelimit\0" + salt, api_key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 # --- the bucket arithmetic ------------------------------------------------------------------
@@ -214,8 +240,8 @@ end
 if refused then return {0, waits[1], waits[2]} end
 for i = 1, 2 do
   if levels[i] then
-    redis.call('HSET', KEYS[i], 'level', tostring(levels[i] - tonumber(ARGV[3 + i])),
-               'ts', tostring(stamps[i]))
+    redis.call('HSET', KEYS[i], 'level', string.format('%.6f', levels[i] - tonumber(ARGV[3 + i])),
+               'ts', string.format('%.6f', stamps[i]))
     redis.call('PEXPIRE', KEYS[i], ARGV[6])
   end
 end
@@ -233,7 +259,9 @@ class RedisBuckets:
                  on_error: Callable[[], None] | None = None,
                  timeout_s: float = REDIS_TIMEOUT_S) -> None:
         import redis.asyncio as aioredis  # only with --redis-url
+        from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.exceptions import RedisError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
 
         self.url = url
         self.clock = clock
@@ -242,6 +270,7 @@ class RedisBuckets:
         self._script = self._client.register_script(_TAKE_LUA)  # EVALSHA, loading on a miss
         self._on_error = on_error
         self._errors = (RedisError, OSError, asyncio.TimeoutError)
+        self._unreachable = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
         self._skip_until = 0.0
         self._last_warning = -math.inf
 
@@ -277,8 +306,12 @@ class RedisBuckets:
             self._on_error()
         if now - self._last_warning >= WARN_EVERY_S:
             self._last_warning = now
-            log.warning("rate limits: Redis at %s failed (%r); serving without limits until it "
-                        "answers again", self.url, exc)
+            # a refused command (READONLY replica, NOPERM, OOM) will not heal by waiting: say so
+            unreachable = isinstance(exc, self._unreachable)
+            log.log(logging.WARNING if unreachable else logging.ERROR,
+                    "rate limits: Redis at %s %s (%r); serving without limits until it answers "
+                    "again", redacted_url(self.url),
+                    "is unreachable" if unreachable else "refused the rate-limit script", exc)
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -54,8 +54,14 @@ def _env(name: str, default=None, kind=str):
     """Flag default from `PAGODA_<NAME>`, so a service can be configured by environment."""
     import os
 
-    raw = os.environ.get(f"PAGODA_{name.upper().replace('-', '_')}")
-    return default if raw is None else kind(raw)
+    variable = f"PAGODA_{name.upper().replace('-', '_')}"
+    raw = os.environ.get(variable)
+    if raw is None:
+        return default
+    try:
+        return kind(raw)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise SystemExit(f"error: {variable}={raw!r}: {exc}") from None
 
 
 def _optional_limit(text: str) -> int | None:

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         gateway_args += ["--api-keys-file", args.api_keys_file]
     for flag, value in (("--rate-limit-rpm", args.rate_limit_rpm),
                         ("--rate-limit-tpm", args.rate_limit_tpm), ("--redis-url", args.redis_url)):
-        if value:
+        if value is not None and value != "":
             gateway_args += [flag, str(value)]
     gateway = ServiceProcess("gateway", pagoda_command(*gateway_args), f"127.0.0.1:{grpc_port}",
                              log_path=log_dir / "gateway.log")
@@ -173,8 +173,16 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _limit(text: str) -> int | None:
-    """A rate limit as the gateway takes it ("": none); the gateway checks it is positive."""
-    return int(text) if text.strip() else None
+    """A positive rate limit; "" (an unset PAGODA_* variable in compose) means none."""
+    if not text.strip():
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser, env) -> None:

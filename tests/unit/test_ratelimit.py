@@ -294,6 +294,29 @@ def test_one_key_limited_another_not(tokenizer):
     asyncio.run(main())
 
 
+def test_a_second_authorization_header_cannot_pick_another_bucket(tokenizer):
+    """Found in review: the middleware authenticated the last Authorization header and the
+    charge read the first, so junk first headers each got a fresh bucket."""
+    async def main():
+        client, _, _ = make_client(tokenizer, api_keys={"sk-a": ApiKey(requests_per_minute=1)})
+        async with client:
+            assert (await post(client, "/v1/completions", COMPLETION, "sk-a")).status_code == 200
+            assert (await post(client, "/v1/completions", COMPLETION, "sk-a")).status_code == 429
+            two = await client.post("/v1/completions", json=COMPLETION, headers=[
+                ("Authorization", "Bearer junk0"), ("Authorization", "Bearer sk-a")])
+            assert two.status_code == 400 and "more than one Authorization" in two.text
+
+    asyncio.run(main())
+
+
+def test_bucket_ids_are_keyed_by_the_configured_keys():
+    from gateway.ratelimit import key_salt
+
+    salt = key_salt(["sk-a", "sk-b"])
+    assert key_salt(["sk-b", "sk-a"]) == salt != key_salt(["sk-a"])
+    assert key_id("sk-a", salt) != key_id("sk-a") and len(key_id("sk-a", salt)) == 32
+
+
 def test_default_limits_apply_to_keys_without_their_own(tokenizer):
     async def main():
         keys = {"sk-a": ApiKey(), "sk-b": ApiKey(requests_per_minute=3)}
@@ -342,3 +365,29 @@ def test_grpc_resource_exhausted(tokenizer):
             await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_serve_refuses_a_zero_limit_and_bad_environment_values():
+    import subprocess
+    import sys
+
+    def pagoda(*args, env=None):
+        import os
+        return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, **(env or {})})
+
+    zero = pagoda("serve", "--rate-limit-rpm", "0")
+    assert zero.returncode == 2 and "positive integer" in zero.stderr
+    bad = pagoda("worker", "--help", env={"PAGODA_RATE_LIMIT_RPM": "0"})
+    assert bad.returncode != 0 and "PAGODA_RATE_LIMIT_RPM" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_redis_passwords_stay_out_of_messages():
+    from gateway.ratelimit import redacted_url
+
+    assert redacted_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert redacted_url("rediss://user:pw@host:1/2") == "rediss://user:***@host:1/2"
+    assert redacted_url("redis://redis:6379/0") == "redis://redis:6379/0"
+    with pytest.raises(ValueError) as exc:
+        GatewayConfig(model="m", scheduler_address="x:1", redis_url="http://:s3cret@h:1")
+    assert "s3cret" not in str(exc.value)
