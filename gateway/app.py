@@ -365,8 +365,11 @@ def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
     @app.exception_handler(RateLimitExceeded)
     async def on_rate_limited(request: Request, exc: RateLimitExceeded) -> JSONResponse:
         retry_after = exc.retry_after_header
+        # a request larger than its bucket never fits: tell clients (the openai SDK reads
+        # x-should-retry) not to retry it
+        headers = {"Retry-After": retry_after} if retry_after else {"x-should-retry": "false"}
         return respond(request, 429, error_body(429, exc.message, None, "rate_limit_exceeded"),
-                       {"Retry-After": retry_after} if retry_after else None)
+                       headers)
 
     @app.exception_handler(GenerationError)
     async def on_generation_error(request: Request, exc: GenerationError) -> JSONResponse:

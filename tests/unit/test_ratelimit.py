@@ -289,6 +289,7 @@ def test_one_key_limited_another_not(tokenizer):
             r = await post(client, "/v1/chat/completions",
                            {"messages": [{"role": "user", "content": "hi"}]}, "sk-small")
             assert r.status_code == 429 and "retry-after" not in r.headers
+            assert r.headers["x-should-retry"] == "false"
             assert "Request too large" in r.json()["error"]["message"]
 
     asyncio.run(main())
