@@ -384,12 +384,27 @@ def test_a_client_that_disconnects_frees_its_blocks(stack, stream):
     assert _wait_used_blocks(stack, lambda used: used == 0) == 0
 
 
-def test_api_keys_and_a_graceful_drain(stack, model_dir, tmp_path):
+def test_api_keys_rate_limits_in_redis_and_a_graceful_drain(stack, model_dir, tmp_path):
+    from support.redis_server import RedisServer
+
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"sk-good": {"tenant": "team-a", "priority": 1}}))
+    keys.write_text(json.dumps({"sk-good": {"tenant": "team-a", "priority": 1},
+                                "sk-limited": {"requests_per_minute": 1}}))
+    redis_server = RedisServer(tmp_path)
     gateway = start_gateway("gateway-keys", model_dir, stack.scheduler_address, stack.logs,
-                            "--api-keys-file", str(keys), "--grace-period", "20")
+                            "--api-keys-file", str(keys), "--grace-period", "20",
+                            "--redis-url", redis_server.url)
     try:
+        # a key's rate limit, its bucket in Redis (the process's own flags and keys file)
+        limited = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1",
+                                api_key="sk-limited", max_retries=0, timeout=60)
+        name = Path(model_dir).name
+        assert limited.completions.create(model=name, prompt="a", max_tokens=2).choices
+        with pytest.raises(openai.RateLimitError) as refused:
+            limited.completions.create(model=name, prompt="a", max_tokens=2)
+        assert int(refused.value.response.headers["retry-after"]) > 0
+        assert redis_server.client.keys("pagoda:ratelimit:*")
+
         base = f"http://127.0.0.1:{gateway.port}/v1"
         for key in (None, "sk-wrong"):
             headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -418,6 +433,7 @@ def test_api_keys_and_a_graceful_drain(stack, model_dir, tmp_path):
             call(gateway.port, "GET", "/health")
     finally:
         gateway.stop()
+        redis_server.stop()
 
 
 def test_one_trace_links_gateway_scheduler_and_both_stages(stack, client):
