@@ -29,7 +29,8 @@ Backends:
   asked (connection refused, timeout, any Redis error): a rate limiter outage must not take
   the API down. Each request so admitted is counted (`pagoda:rate_limit_fail_open`), a
   warning is logged at most every `WARN_EVERY_S` seconds, and after a failure Redis is not
-  asked again for `RETRY_AFTER_ERROR_S`, so that a dead Redis costs requests no timeout each.
+  asked again for `RETRY_AFTER_ERROR_S`; then one request at a time asks it (the others are
+  served meanwhile), so that a dead or hung Redis costs requests no timeout each.
 """
 
 from __future__ import annotations
@@ -272,6 +273,8 @@ class RedisBuckets:
         self._errors = (RedisError, OSError, asyncio.TimeoutError)
         self._unreachable = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
         self._skip_until = 0.0
+        self._failing = False  # from a failure until Redis answers again
+        self._probing = False  # a request is finding out whether Redis is back
         self._last_warning = -math.inf
 
     @staticmethod
@@ -280,10 +283,14 @@ class RedisBuckets:
 
     async def take(self, bucket: str, limit: RateLimit, costs: Mapping[str, int]) -> Decision:
         now = time.monotonic()
-        if now < self._skip_until:  # failing open: Redis failed a moment ago
+        # failing open: Redis failed a moment ago, or while it has not answered since, one
+        # request at a time finds out whether it is back (the others do not wait for it)
+        if now < self._skip_until or (self._failing and self._probing):
             if self._on_error is not None:
                 self._on_error()
             return Decision(True)
+        probe = self._failing
+        self._probing = self._probing or probe
         args: list[Any] = ["" if self.clock is None else repr(self.clock())]
         args += [limit.capacity(kind) or 0 for kind in KINDS]
         args += [costs[kind] for kind in KINDS]
@@ -293,6 +300,10 @@ class RedisBuckets:
         except self._errors as exc:
             self._failed(exc)
             return Decision(True)
+        finally:
+            if probe:
+                self._probing = False
+        self._failing = False
         if int(reply[0]) == 1:
             return Decision(True)
         waits = tuple((kind, float(w)) for kind, w in zip(KINDS, reply[1:], strict=True)
@@ -301,6 +312,7 @@ class RedisBuckets:
 
     def _failed(self, exc: BaseException) -> None:
         now = time.monotonic()
+        self._failing = True
         self._skip_until = now + RETRY_AFTER_ERROR_S
         if self._on_error is not None:
             self._on_error()

@@ -189,3 +189,33 @@ def test_redis_down_fails_open_and_counts(tmp_path, caplog):
         asyncio.run(main())
     finally:
         own.stop()
+
+
+def test_a_hung_redis_is_probed_by_one_request_at_a_time():
+    """A server that accepts connections and never answers: after the first failure, while
+    one request finds out whether Redis is back, the others are served without waiting."""
+    accepted = []
+
+    async def main():
+        async def hang(reader, writer):
+            accepted.append(writer)
+            await asyncio.sleep(30)
+
+        server = await asyncio.start_server(hang, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        lim = redis_limiter(f"redis://127.0.0.1:{port}/0", rpm=1)
+        try:
+            await lim.admit("k", None, 1)  # times out: fails open, Redis is failing
+            backend = lim.buckets
+            backend._skip_until = 0.0  # noqa: SLF001  (the skip window is over)
+            before = len(accepted)
+            await asyncio.gather(*(lim.admit("k", None, 1) for _ in range(20)))
+            assert len(accepted) - before <= 1  # one probe, not twenty
+            assert lim.fail_open._value.get() == 21
+        finally:
+            await lim.close()
+            server.close()
+            for writer in accepted:
+                writer.close()
+
+    asyncio.run(main())
