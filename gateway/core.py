@@ -23,6 +23,7 @@ import grpc
 from services import telemetry
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.sampling_pb import set_penalties
 from services.text import TextOutputProcessor, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -212,11 +213,8 @@ class TextGenerator:
         sp.ignore_eos = p.ignore_eos
         if p.logprobs is not None:
             sp.logprobs = p.logprobs
-        sp.presence_penalty = p.presence_penalty
-        sp.frequency_penalty = p.frequency_penalty
-        if p.repetition_penalty != 1.0:
-            sp.repetition_penalty = p.repetition_penalty
-        sp.logit_bias.update(dict(p.logit_bias))
+        set_penalties(sp, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                      p.logit_bias)
         if p.prompt_logprobs is not None:
             sp.prompt_logprobs = p.prompt_logprobs
         return req

@@ -29,6 +29,7 @@ from scheduler_svc.core.request import (
 from scheduler_svc.engine import Engine, RequestOutput
 from services.grpc_utils import create_aio_server, set_serving
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.sampling_pb import set_top_logprobs
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "pagoda.v1.Scheduler"
@@ -176,10 +177,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if not msgs:
                 msgs.append(scheduler_pb2.GenerateResponse(request_id=req.request_id))
             for token_id, logprob, rank, top in out.prompt_logprobs:
-                entry = msgs[0].prompt_logprobs.add()
-                entry.sampled.token_id, entry.sampled.logprob, entry.sampled.rank = token_id, logprob, rank
-                for r, (tid, lp) in enumerate(top, start=1):
-                    entry.top.add(token_id=tid, logprob=lp, rank=r)
+                set_top_logprobs(msgs[0].prompt_logprobs.add(), token_id, logprob, rank, top)
         if out.finished:
             if not msgs:
                 msgs.append(scheduler_pb2.GenerateResponse(request_id=req.request_id))

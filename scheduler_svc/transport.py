@@ -19,6 +19,7 @@ from scheduler_svc.core.planner import MicroBatch
 from scheduler_svc.engine import ErrorEvent, ResultEvent, StageDownEvent, StageInfo, StageTiming
 from services.grpc_utils import aio_channel
 from services.pb import worker_pb2, worker_pb2_grpc
+from services.sampling_pb import set_penalties
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,8 @@ def micro_batch_to_pb(mb: MicroBatch) -> worker_pb2.MicroBatch:
             p.min_tokens = o.min_tokens
             p.stop_token_ids.extend(o.stop_token_ids)
             p.ignore_eos = o.ignore_eos
-            p.presence_penalty = o.presence_penalty
-            p.frequency_penalty = o.frequency_penalty
-            if o.repetition_penalty != 1.0:
-                p.repetition_penalty = o.repetition_penalty
-            p.logit_bias.update(dict(o.logit_bias))
+            set_penalties(p, o.presence_penalty, o.frequency_penalty, o.repetition_penalty,
+                          o.logit_bias)
             if s.history is not None:
                 entry.has_history = True
                 entry.history_prompt_token_ids.extend(s.history[0])

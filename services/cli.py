@@ -64,7 +64,7 @@ def _env(name: str, default=None, kind=str):
         raise SystemExit(f"error: {variable}={raw!r}: {exc}") from None
 
 
-def _optional_limit(text: str) -> int | None:
+def optional_limit(text: str) -> int | None:
     """A positive limit; "" (an unset PAGODA_* variable in compose) means none."""
     if not text.strip():
         return None
@@ -411,12 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", 4 * 1024 * 1024, int))
     p.add_argument("--grace-period", type=float, default=_env("grace_period", 30.0, float),
                    help="seconds in-flight requests get to finish on SIGTERM")
-    p.add_argument("--rate-limit-rpm", type=_optional_limit,
-                   default=_env("rate_limit_rpm", None, _optional_limit), metavar="N",
+    p.add_argument("--rate-limit-rpm", type=optional_limit,
+                   default=_env("rate_limit_rpm", None, optional_limit), metavar="N",
                    help="requests per minute per API key without its own requests_per_minute "
                         "(without keys: for all anonymous use); default: unlimited")
-    p.add_argument("--rate-limit-tpm", type=_optional_limit,
-                   default=_env("rate_limit_tpm", None, _optional_limit), metavar="N",
+    p.add_argument("--rate-limit-tpm", type=optional_limit,
+                   default=_env("rate_limit_tpm", None, optional_limit), metavar="N",
                    help="tokens (prompt + max_tokens) per minute per API key without its own "
                         "tokens_per_minute; default: unlimited")
     p.add_argument("--redis-url", default=_env("redis_url"), metavar="URL",

@@ -172,29 +172,18 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _limit(text: str) -> int | None:
-    """A positive rate limit; "" (an unset PAGODA_* variable in compose) means none."""
-    if not text.strip():
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser, env) -> None:
+    from services.cli import optional_limit  # (loaded: it is what calls this)
+
     p.add_argument("--model", default=env("model"), help="checkpoint directory (default: the tiny model)")
     p.add_argument("--host", default=env("host", "127.0.0.1"), help="the gateway's bind address")
     p.add_argument("--port", type=int, default=env("port", 8000, int))
     p.add_argument("--grpc-port", type=int, default=env("grpc_port", 50051, int))
     p.add_argument("--served-model-name", default=env("served_model_name"))
     p.add_argument("--api-keys-file", default=env("api_keys_file"))
-    p.add_argument("--rate-limit-rpm", type=_limit, default=env("rate_limit_rpm", None, _limit),
+    p.add_argument("--rate-limit-rpm", type=optional_limit, default=env("rate_limit_rpm", None, optional_limit),
                    help="requests per minute per API key (or for anonymous use) without its own")
-    p.add_argument("--rate-limit-tpm", type=_limit, default=env("rate_limit_tpm", None, _limit),
+    p.add_argument("--rate-limit-tpm", type=optional_limit, default=env("rate_limit_tpm", None, optional_limit),
                    help="tokens per minute per API key (or for anonymous use) without its own")
     p.add_argument("--redis-url", default=env("redis_url"),
                    help="keep rate-limit buckets in Redis, shared by gateway replicas")

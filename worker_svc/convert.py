@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from services.pb import common_pb2, worker_pb2
+from services.sampling_pb import set_penalties, set_top_logprobs
 from worker_svc.errors import InvalidPlanError
 from worker_svc.plan import PromptScoring, SeqChunk, StagePlan
 from worker_svc.sampler import SamplerOutput, SampleRow, SamplingParams
@@ -214,11 +215,9 @@ def plan_to_pb(plan: StagePlan, stage_index: int = 0) -> worker_pb2.MicroBatch:
             p.min_tokens = r.params.min_tokens
             p.stop_token_ids.extend(r.params.stop_token_ids)
             p.ignore_eos = r.params.ignore_eos
-            p.presence_penalty = r.params.presence_penalty
-            p.frequency_penalty = r.params.frequency_penalty
-            if r.params.repetition_penalty != 1.0:
-                p.repetition_penalty = r.params.repetition_penalty
-            p.logit_bias.update(dict(r.params.logit_bias))
+            rp = r.params
+            set_penalties(p, rp.presence_penalty, rp.frequency_penalty, rp.repetition_penalty,
+                          rp.logit_bias)
             if r.history is not None:
                 entry.has_history = True
                 entry.history_prompt_token_ids.extend(r.history[0])
@@ -235,12 +234,8 @@ def sampled_to_pb(
 ) -> None:
     for i, seq_id in enumerate(seq_ids):
         entry = done.sampled.add(seq_id=seq_id, token_id=out.token_ids[i])
-        entry.logprobs.sampled.token_id = out.token_ids[i]
-        entry.logprobs.sampled.logprob = out.logprobs[i]
-        top = out.top_logprobs[i]
-        if top:
-            for rank, (tid, lp) in enumerate(top, start=1):
-                entry.logprobs.top.add(token_id=tid, logprob=lp, rank=rank)
+        # (rank 0: a sampled token's rank is not computed)
+        set_top_logprobs(entry.logprobs, out.token_ids[i], out.logprobs[i], 0, out.top_logprobs[i] or ())
 
 
 def prompt_logprobs_to_pb(scored, done: worker_pb2.MicroBatchDone) -> None:
@@ -248,7 +243,4 @@ def prompt_logprobs_to_pb(scored, done: worker_pb2.MicroBatchDone) -> None:
     for seq_id, first_position, positions in scored:
         entry = done.prompt_logprobs.add(seq_id=seq_id, first_position=first_position)
         for target, logprob, rank, top in positions:
-            position = entry.positions.add()
-            position.sampled.token_id, position.sampled.logprob, position.sampled.rank = target, logprob, rank
-            for r, (tid, lp) in enumerate(top, start=1):
-                position.top.add(token_id=tid, logprob=lp, rank=r)
+            set_top_logprobs(entry.positions.add(), target, logprob, rank, top)

@@ -469,7 +469,7 @@ class Planner:
             if sample and request.options.uses_penalties and seq.history_seq_id != seq.seq_id:
                 entry.history = (request.prompt, tuple(seq.output))
                 seq.history_seq_id = seq.seq_id
-            if request.options.prompt_logprobs is not None and seq.index == 0:
+            if _scores_prompt(seq):
                 # score the prompt positions of this chunk not scored yet (each predicts the next)
                 first = max(start, len(request.prompt_logprobs))
                 last = min(end, len(request.prompt) - 1)

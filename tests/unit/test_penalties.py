@@ -105,11 +105,6 @@ def model_dir(model_factory):
     return model_factory(arch="llama")
 
 
-@pytest.fixture(scope="module")
-def hf(hf_llama):
-    return hf_llama
-
-
 ENGINE_CASES = [
     {},
     {"repetition_penalty": 1.3},
@@ -133,7 +128,7 @@ def reference_kwargs(case):
 
 
 @pytest.mark.parametrize(("pp", "num_kv_blocks"), [(1, 512), (2, 512), (1, 14)])
-def test_greedy_with_penalties_equals_transformers(model_dir, hf, pp, num_kv_blocks):
+def test_greedy_with_penalties_equals_transformers(model_dir, hf_llama, pp, num_kv_blocks):
     """Every case in one batch, twice over; with 14 blocks of 4 (one request at a time fits
     for sure) the batch is preempted and recomputed, so the sampler's history is re-sent
     under new sequence ids."""
@@ -147,7 +142,7 @@ def test_greedy_with_penalties_equals_transformers(model_dir, hf, pp, num_kv_blo
     for prompt, case, out in zip(prompts, cases, outs, strict=True):
         got = out.outputs[0].token_ids
         assert len(got) == 24
-        check_greedy(hf, prompt, got, **reference_kwargs(case))
+        check_greedy(hf_llama, prompt, got, **reference_kwargs(case))
     if num_kv_blocks == 14:
         assert sum(o.num_preemptions for o in outs) > 0
     # the penalties changed something: repetition_penalty 1.3 differs from no penalty
@@ -155,7 +150,7 @@ def test_greedy_with_penalties_equals_transformers(model_dir, hf, pp, num_kv_blo
     assert plain != outs[1].outputs[0].token_ids
 
 
-def test_n_choices_each_keep_their_own_history(model_dir, hf):
+def test_n_choices_each_keep_their_own_history(model_dir, hf_llama):
     prompt = list(range(30, 50))
     case = {"frequency_penalty": 1.0, "repetition_penalty": 1.2}
     out = LLM(model_dir, num_kv_blocks=256).generate(
@@ -174,7 +169,7 @@ def test_n_choices_each_keep_their_own_history(model_dir, hf):
     greedy = LLM(model_dir, num_kv_blocks=256).generate(
         [prompt], [options(case, n=2)], detokenize=False)[0]
     for choice in greedy.outputs:
-        check_greedy(hf, prompt, choice.token_ids, **reference_kwargs(case))
+        check_greedy(hf_llama, prompt, choice.token_ids, **reference_kwargs(case))
 
 
 def test_a_request_that_can_never_fit_is_refused_not_left_waiting(model_dir):

@@ -21,16 +21,11 @@ def model_dir(model_factory):
     return model_factory(arch="llama")
 
 
-@pytest.fixture(scope="module")
-def hf(hf_llama):
-    return hf_llama
-
-
-def check(hf, prompt, got, num_top):
+def check(hf_llama, prompt, got, num_top):
     """got: per position 0 .. len - 2, (token id, logprob, rank, [(id, logprob)])."""
     assert got is not None and len(got) == len(prompt) - 1
     with torch.no_grad():
-        logprobs = torch.log_softmax(hf(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+        logprobs = torch.log_softmax(hf_llama(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
     for i, (token, logprob, rank, top) in enumerate(got):
         row = logprobs[i]
         assert token == prompt[i + 1]
@@ -51,18 +46,18 @@ def prompts(n, seed=3):
 
 
 @pytest.mark.parametrize(("pp", "budget"), [(1, 2048), (1, 7), (2, 16)])
-def test_prompt_logprobs_equal_transformers(model_dir, hf, pp, budget):
+def test_prompt_logprobs_equal_transformers(model_dir, hf_llama, pp, budget):
     ps = prompts(5) + [[7]]  # a one-token prompt has no positions to score
     opts = [SamplingOptions(max_tokens=3, temperature=0.0, prompt_logprobs=k) for k in (0, 1, 5, 20, 2, 3)]
     llm = LLM(model_dir, pipeline_parallel_size=pp, num_kv_blocks=256, max_num_batched_tokens=budget)
     outs = llm.generate(ps, opts, detokenize=False)
     for prompt, o, out in zip(ps, opts, outs, strict=True):
-        check(hf, prompt, out.prompt_logprobs, o.prompt_logprobs)
+        check(hf_llama, prompt, out.prompt_logprobs, o.prompt_logprobs)
     plain = llm.generate(ps[:1], [SamplingOptions(max_tokens=3, temperature=0.0)], detokenize=False)
     assert plain[0].prompt_logprobs is None
 
 
-def test_with_preemption_and_n(model_dir, hf):
+def test_with_preemption_and_n(model_dir, hf_llama):
     """A pool too small for all: requests are preempted mid-prefill and recomputed; each
     position is still reported once, and n = 3 choices share one prompt scoring."""
     ps = prompts(6, seed=4)
@@ -73,10 +68,10 @@ def test_with_preemption_and_n(model_dir, hf):
     assert sum(o.num_preemptions for o in outs) > 0
     assert len(outs[0].outputs) == 3
     for prompt, out in zip(ps, outs, strict=True):
-        check(hf, prompt, out.prompt_logprobs, 2)
+        check(hf_llama, prompt, out.prompt_logprobs, 2)
 
 
-def test_a_cached_prompt_is_still_scored_whole(model_dir, hf):
+def test_a_cached_prompt_is_still_scored_whole(model_dir, hf_llama):
     """The prefix cache holds the prompt from an earlier request; a request that scores its
     prompt computes every position anyway."""
     prompt = prompts(1, seed=5)[0] + list(range(100, 140))
@@ -97,7 +92,7 @@ def test_a_cached_prompt_is_still_scored_whole(model_dir, hf):
     first, second, third = asyncio.run(go())
     assert third.num_cached_tokens > 0  # the cache works for requests that do not score
     assert second.num_cached_tokens == 0
-    check(hf, prompt, second.prompt_logprobs, 1)
+    check(hf_llama, prompt, second.prompt_logprobs, 1)
 
 
 def test_malformed_scoring_is_refused(model_dir):
@@ -149,14 +144,14 @@ def test_only_a_sequence_still_scoring_keeps_out_of_the_prefix_cache():
     assert not _scores_prompt(Sequence(3, plain, 0, entropy_seed=1))
 
 
-def test_offline_llm_returns_the_sampled_tokens_logprobs(model_dir, hf):
+def test_offline_llm_returns_the_sampled_tokens_logprobs(model_dir, hf_llama):
     prompt = [5, 17, 99, 260, 31]
     out = LLM(model_dir, num_kv_blocks=64).generate(
         [prompt], [SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)],
         detokenize=False)[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == 4
     with torch.no_grad():
-        logits = hf(input_ids=torch.tensor([prompt + out.token_ids])).logits[0].float()
+        logits = hf_llama(input_ids=torch.tensor([prompt + out.token_ids])).logits[0].float()
     for i, (token, (logprob, top)) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
         want = torch.log_softmax(logits[len(prompt) - 1 + i], -1)
         assert logprob == pytest.approx(float(want[token]), abs=1e-4)
