@@ -24,11 +24,12 @@ from typing import Protocol
 
 from kvcache_svc.core.types import StepOutput
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.core.planner import MicroBatch, Planner, PlannerConfig, SeqUpdate
+from scheduler_svc.core.planner import Planner, PlannerConfig, SeqUpdate
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestState, kv_blocks_needed
 from scheduler_svc.metrics import SchedulerMetrics
 from services import telemetry
+from services.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -53,23 +54,6 @@ class StageInfo:
 
 
 @dataclass(frozen=True)
-class StageTiming:
-    stage_index: int
-    received_ns: int
-    compute_start_ns: int
-    compute_end_ns: int
-
-
-@dataclass(frozen=True)
-class ResultEvent:
-    micro_batch_id: int
-    sampled: list  # [(seq_id, token_id, logprob info)]
-    timings: tuple[StageTiming, ...] = ()
-    # prompt scoring: [(seq_id, first_position, [(target, logprob, rank, [(id, logprob)])])]
-    prompt_logprobs: tuple = ()
-
-
-@dataclass(frozen=True)
 class ErrorEvent:
     micro_batch_id: int
     stage_index: int
@@ -89,7 +73,8 @@ class StageTransport(Protocol):
     async def connect(self, on_event: Callable[[object], None], timeout_s: float) -> list[StageInfo]:
         """(Re)connect to every stage; returns their LoadInfo once all are ready."""
 
-    async def submit(self, mb: MicroBatch) -> None: ...
+    async def submit(self, plan: StepPlan) -> None:
+        """Send a step down the pipeline; its StepResult (or ErrorEvent) comes back as an event."""
 
     async def stage_stats(self) -> list[dict]: ...
 
@@ -185,6 +170,8 @@ class Engine:
                 microbatch_size=config.microbatch_size,
                 max_model_len=config.max_model_len,
                 namespace=config.model or None,
+                block_size=config.block_size,
+                async_decode=config.is_async and config.pipeline_parallel_size == 1,
             ),
             queue,
         )
@@ -410,7 +397,7 @@ class Engine:
                         "start_ns": now_ns, "end_ns": 0,
                     })
             try:
-                await self.transport.submit(mb)
+                await self.transport.submit(mb.plan)
             except Exception as exc:
                 log.error("submitting micro-batch %d failed: %s", mb.micro_batch_id, exc)
                 self._mark_unhealthy(f"stage 0: {exc}")
@@ -423,12 +410,11 @@ class Engine:
         if generation != self._generation:
             return  # from a stage connection that a reconnect replaced
         now = self.clock()
-        if isinstance(event, ResultEvent):
-            if event.micro_batch_id not in self.planner.in_flight:
+        if isinstance(event, StepResult):
+            if event.step_id not in self.planner.in_flight:
                 return  # from before a reset
-            self._emit_trace({"event": "result", "micro_batch_id": event.micro_batch_id, "t": now})
-            updates = self.planner.on_result(event.micro_batch_id, event.sampled, now,
-                                             event.prompt_logprobs)
+            self._emit_trace({"event": "result", "micro_batch_id": event.step_id, "t": now})
+            updates = self.planner.on_result(event.step_id, event.sampled, now, event.prompt_logprobs)
             self._record_timings(event, time.time_ns())
             self._deliver(updates)
             self._drain_decisions()
@@ -534,8 +520,8 @@ class Engine:
             live.span.end()
             live.span = None
 
-    def _record_timings(self, event: ResultEvent, now_ns: int) -> None:
-        mb_id = event.micro_batch_id
+    def _record_timings(self, event: StepResult, now_ns: int) -> None:
+        mb_id = event.step_id
         self._dispatched_ns.pop(mb_id, None)
         if self._tracing:
             for s in self._mb_seqs.pop(mb_id, ()):

@@ -165,9 +165,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for d in deltas:
             msg = scheduler_pb2.GenerateResponse(request_id=req.request_id, index=d.index)
             msg.token_ids.extend(d.token_ids)
-            for lp in d.logprobs:
-                if lp is not None:
-                    msg.logprobs.add().CopyFrom(lp)
+            for token_id, lp in zip(d.token_ids, d.logprobs, strict=True):
+                if lp is not None:  # (rank 0: a sampled token's rank is not computed)
+                    set_top_logprobs(msg.logprobs.add(), token_id, lp.logprob, 0, lp.top)
             if d.finish_reason is not None:
                 msg.finish_reason = _FINISH[d.finish_reason]
                 if d.stop_token_id is not None:

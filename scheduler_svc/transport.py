@@ -15,68 +15,13 @@ from collections.abc import Callable
 
 import grpc
 
-from scheduler_svc.core.planner import MicroBatch
-from scheduler_svc.engine import ErrorEvent, ResultEvent, StageDownEvent, StageInfo, StageTiming
+from scheduler_svc.engine import ErrorEvent, StageDownEvent, StageInfo
 from services.grpc_utils import aio_channel
 from services.pb import worker_pb2, worker_pb2_grpc
-from services.sampling_pb import set_penalties
+from services.step import StageTiming, StepPlan
+from services.step_codec import plan_to_pb, result_from_pb
 
 log = logging.getLogger(__name__)
-
-
-def micro_batch_to_pb(mb: MicroBatch) -> worker_pb2.MicroBatch:
-    """Flatten a planned micro-batch into the wire format the stages read."""
-    msg = worker_pb2.MicroBatch(micro_batch_id=mb.micro_batch_id, stage_index=0)
-    for s in mb.seqs:
-        seq, request = s.seq, s.seq.request
-        msg.seq_ids.append(seq.seq_id)
-        msg.query_lens.append(s.num_tokens)
-        msg.context_lens.append(s.context_len)
-        msg.block_table_lens.append(len(s.block_table))
-        msg.block_tables.extend(s.block_table)
-        msg.token_ids.extend(s.token_ids)
-        msg.slot_mapping.extend(s.slot_mapping)
-        entry = msg.sampling.add()
-        if request.trace_context:
-            msg.trace_contexts.add(traceparent=request.trace_context)
-        else:
-            msg.trace_contexts.add()
-        if s.prompt_scoring is not None:
-            first, targets, num_top = s.prompt_scoring
-            entry.prompt_targets.extend(targets)
-            entry.prompt_first_position = first
-            entry.prompt_num_top = num_top
-        if s.sample:
-            o = request.options
-            entry.sample = True
-            entry.choice_index = seq.index
-            entry.output_position = len(seq.output)
-            entry.entropy_seed = seq.entropy_seed
-            entry.request_id = request.request_id
-            entry.eos_token_ids.extend(request.eos_token_ids)
-            p = entry.params
-            p.temperature = o.temperature
-            p.top_p = o.top_p
-            p.top_k = o.top_k
-            p.min_p = o.min_p
-            if o.seed is not None:
-                p.seed = o.seed
-            if o.logprobs is not None:
-                p.logprobs = o.logprobs
-            p.min_tokens = o.min_tokens
-            p.stop_token_ids.extend(o.stop_token_ids)
-            p.ignore_eos = o.ignore_eos
-            set_penalties(p, o.presence_penalty, o.frequency_penalty, o.repetition_penalty,
-                          o.logit_bias)
-            if s.history is not None:
-                entry.has_history = True
-                entry.history_prompt_token_ids.extend(s.history[0])
-                entry.history_output_token_ids.extend(s.history[1])
-    for src, dst in mb.block_copies:
-        msg.block_copies.add(src_block_id=src, dst_block_id=dst)
-    msg.released_seq_ids.extend(mb.released_seq_ids)
-    msg.release_all_sequences = mb.release_all
-    return msg
 
 
 def _info(address: str, li: worker_pb2.StageLoadInfo) -> StageInfo:
@@ -164,17 +109,7 @@ class GrpcStageTransport:
                 )
                 if last:
                     self._last_done = max(self._last_done, mb_id)
-                    sampled = [
-                        (s.seq_id, s.token_id, s.logprobs if s.HasField("logprobs") else None)
-                        for s in done.sampled
-                    ]
-                    prompt = tuple(
-                        (p.seq_id, p.first_position,
-                         [(x.sampled.token_id, x.sampled.logprob, x.sampled.rank,
-                           [(t.token_id, t.logprob) for t in x.top]) for x in p.positions])
-                        for p in done.prompt_logprobs
-                    )
-                    on_event(ResultEvent(mb_id, sampled, tuple(self._timings.pop(mb_id, ())), prompt))
+                    on_event(result_from_pb(done, tuple(self._timings.pop(mb_id, ()))))
                     for stale in [k for k in self._timings if k < mb_id]:
                         del self._timings[stale]
         except asyncio.CancelledError:
@@ -200,10 +135,10 @@ class GrpcStageTransport:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 on_event(StageDownEvent(0, f"forward stream: {exc.code().name}: {exc.details()}"))
 
-    async def submit(self, mb: MicroBatch) -> None:
+    async def submit(self, plan: StepPlan) -> None:
         if self._forward is None:
             raise ConnectionError("not connected")
-        await self._forward.write(micro_batch_to_pb(mb))
+        await self._forward.write(plan_to_pb(plan))
 
     async def stage_stats(self) -> list[dict]:
         out = []

@@ -55,10 +55,10 @@ import torch
 from services.grpc_utils import aio_channel
 from services.launcher import ServiceProcess, free_port, pagoda_command, stop_all
 from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from services.step import NewSeq, StepPlan
+from services.step_codec import plan_to_pb
 from services.tiny_model import PRESETS, default_model_dir
-from worker_svc.convert import plan_to_pb
-from worker_svc.plan import SeqChunk, StagePlan
-from worker_svc.sampler import SampleRow, SamplingParams
+from worker_svc.sampler import SamplingParams
 
 SHAPES = ("prefill", "decode")
 GREEDY = SamplingParams(temperature=0.0)
@@ -160,12 +160,12 @@ class Driver:
         self._next_mb += 1
         return self._next_mb
 
-    async def run_one(self, plan: StagePlan, timeout_s: float = 120.0) -> Sample:
+    async def run_one(self, plan: StepPlan, timeout_s: float = 120.0) -> Sample:
         mb = plan_to_pb(plan)
-        sample = Sample(plan.micro_batch_id, time.time_ns())
+        sample = Sample(plan.step_id, time.time_ns())
         mb.sent_ns = sample.driver_sent_ns
         await self._forward.write(mb)
-        keys = [(i, plan.micro_batch_id) for i in range(len(self.stubs))]
+        keys = [(i, plan.step_id) for i in range(len(self.stubs))]
 
         def arrived() -> bool:
             return all(k in self._done for k in keys) or any(
@@ -178,7 +178,7 @@ class Driver:
             done = self._done.pop(k, None)
             if done is not None and done.HasField("error"):
                 raise RuntimeError(
-                    f"stage {i} failed micro-batch {plan.micro_batch_id}: "
+                    f"stage {i} failed micro-batch {plan.step_id}: "
                     f"{_code_name(done.error.code)} {done.error.message}"
                 )
             sample.timings.append(done.timing)
@@ -215,23 +215,22 @@ class PlanMaker:
         # ids >= 5 skip the special tokens
         return tuple(torch.randint(5, self.vocab_size, (n,), generator=self._gen).tolist())
 
-    def _seq(self, num_tokens: int, context_len: int, first_block: int) -> SeqChunk:
+    def _seq(self, num_tokens: int, context_len: int, first_block: int) -> NewSeq:
+        """A fresh sequence computing its last `num_tokens` of `context_len` (sent whole: a
+        decode shape at a given context with new ids each time, as the original benchmark)."""
         self._next_seq += 1
         bs = self.block_size
         table = tuple(range(first_block, first_block + -(-context_len // bs)))
-        start = context_len - num_tokens
-        slots = tuple(table[p // bs] * bs + p % bs for p in range(start, context_len))
-        sample = SampleRow(self._next_seq, GREEDY, 0, 0, self._next_seq)
-        return SeqChunk(self._next_seq, num_tokens, context_len, slots, table,
-                        self._tokens(num_tokens), sample)
+        return NewSeq(self._next_seq, self._tokens(context_len), context_len, context_len - num_tokens,
+                      num_tokens, table, GREEDY, 0, self._next_seq)
 
-    def make(self, micro_batch_id: int, shape: str, num_tokens: int) -> StagePlan:
+    def make(self, micro_batch_id: int, shape: str, num_tokens: int) -> StepPlan:
         if shape == "prefill":
             seqs = (self._seq(num_tokens, num_tokens, 0),)
         else:
             per_seq = -(-self.decode_context // self.block_size)
             seqs = tuple(self._seq(1, self.decode_context, i * per_seq) for i in range(num_tokens))
-        plan = StagePlan(micro_batch_id, seqs, released_seq_ids=self._previous)
+        plan = StepPlan(micro_batch_id, seqs, finished_seq_ids=self._previous)
         self._previous = tuple(s.seq_id for s in seqs)
         return plan
 

@@ -353,23 +353,18 @@ class GreedyBatch:
 
     def step(self, chunk: int, keep_logits: bool = False) -> int:
         """One forward pass over every sequence; returns the number of tokens it computed."""
-        from worker_svc.plan import SeqChunk, StagePlan
-        from worker_svc.sampler import SampleRow
+        from services.step import CachedSeq, NewSeq, StepPlan
 
-        bs, seqs = self.runner.block_size, []
+        new, cached = [], []
         for i, t in enumerate(self.tokens):
             n = min(len(t) - self.computed[i], chunk)
-            ctx = self.computed[i] + n
-            table = self.tables[i]
-            sample = None
-            if ctx == len(t):
-                sample = SampleRow(i, self.greedy, 0, len(t) - len(self.prompts[i]), i)
-            seqs.append(SeqChunk(
-                seq_id=i, num_tokens=n, context_len=ctx,
-                slot_mapping=tuple(table[p // bs] * bs + p % bs for p in range(self.computed[i], ctx)),
-                block_table=table, token_ids=tuple(t[self.computed[i]:ctx]), sample=sample))
-            self.computed[i] = ctx
-        result = self.runner.execute(StagePlan(self._step, tuple(seqs)), keep_logits=keep_logits)
+            if self.computed[i] == 0:  # sent whole once; the stage keeps its tokens and table
+                new.append(NewSeq(i, tuple(t), len(self.prompts[i]), 0, n, self.tables[i], self.greedy, 0, i))
+            else:
+                cached.append(CachedSeq(i, n, len(self.tables[i])))
+            self.computed[i] += n
+        plan = StepPlan(self._step, tuple(new), tuple(cached))
+        result = self.runner.execute(plan, keep_logits=keep_logits)
         self._step += 1
         for row, (seq_id, token) in enumerate(
             zip(result.sampled_seq_ids, result.sampled.token_ids, strict=True)
@@ -377,7 +372,7 @@ class GreedyBatch:
             self.tokens[seq_id].append(token)
             if keep_logits:
                 self.logits[seq_id].append(result.logits[row].float().cpu())
-        return sum(s.num_tokens for s in seqs)
+        return plan.num_tokens
 
 
 # --- part 2: transformers equivalence ------------------------------------------------------

@@ -10,7 +10,6 @@ It lives in `services/` so that `scheduler_svc` never imports `worker_svc` or to
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import uuid
 from collections.abc import Callable, Sequence
@@ -20,50 +19,9 @@ from dataclasses import dataclass
 from kvcache_svc.client import InProcessKVCacheClient
 from kvcache_svc.core import KVCacheManager
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.core.planner import MicroBatch
 from scheduler_svc.core.request import Request, SamplingOptions
-from scheduler_svc.engine import (
-    Engine,
-    ErrorEvent,
-    RequestOutput,
-    ResultEvent,
-    StageInfo,
-    StageTiming,
-)
-
-
-@functools.lru_cache(maxsize=4096)
-def _sampling_params(o: SamplingOptions, eos_token_ids: tuple[int, ...]):
-    """A request's parameters as the sampler takes them: built once, not per step."""
-    from worker_svc.sampler import SamplingParams
-
-    return SamplingParams(
-        temperature=o.temperature, top_k=o.top_k or None, top_p=o.top_p, min_p=o.min_p,
-        seed=o.seed, num_logprobs=o.logprobs, min_tokens=o.min_tokens,
-        stop_token_ids=o.stop_token_ids, eos_token_ids=eos_token_ids, ignore_eos=o.ignore_eos,
-        presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
-        repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias,
-    )
-
-
-def micro_batch_to_plan(mb: MicroBatch):
-    """The scheduler's micro-batch as the stages' domain plan (no protobuf in between)."""
-    from worker_svc.plan import PromptScoring, SeqChunk, StagePlan
-    from worker_svc.sampler import SampleRow
-
-    seqs = []
-    for s in mb.seqs:
-        seq, request = s.seq, s.seq.request
-        row = None
-        if s.sample:
-            params = _sampling_params(request.options, tuple(request.eos_token_ids))
-            row = SampleRow(seq.seq_id, params, seq.index, len(seq.output), seq.entropy_seed,
-                            s.history)
-        scoring = None if s.prompt_scoring is None else PromptScoring(*s.prompt_scoring)
-        seqs.append(SeqChunk(seq.seq_id, s.num_tokens, s.context_len, s.slot_mapping,
-                             s.block_table, tuple(s.token_ids), row, scoring))
-    return StagePlan(mb.micro_batch_id, tuple(seqs), tuple(mb.block_copies),
-                     tuple(mb.released_seq_ids), mb.release_all)
+from scheduler_svc.engine import Engine, ErrorEvent, RequestOutput, StageInfo
+from services.step import StageTiming, StepPlan
 
 
 class LocalStageTransport:
@@ -90,33 +48,22 @@ class LocalStageTransport:
             for i, r in enumerate(self.runners)
         ]
 
-    async def submit(self, mb: MicroBatch) -> None:
-        plan = micro_batch_to_plan(mb)
+    async def submit(self, plan: StepPlan) -> None:
         self._executor.submit(self._run, plan)
 
-    def _run(self, plan) -> None:
-        from worker_svc.plan import without_tokens
-
+    def _run(self, plan: StepPlan) -> None:
         hidden, result, timings = None, None, []
         try:
             for i, runner in enumerate(self.runners):
-                stage_plan = plan if i == 0 else without_tokens(plan)
-                result = runner.execute(stage_plan, hidden)
+                result = runner.execute(plan, hidden)
                 hidden = result.hidden
                 self.busy_ns[i] += result.compute_ns
                 timings.append(StageTiming(i, 0, 0, result.compute_ns))
-            out = result.sampled
-            sampled = [  # logprob info, where asked: (the token's logprob, [(id, logprob)])
-                (seq_id, token, None if top is None else (logprob, top))
-                for seq_id, token, logprob, top in zip(
-                    result.sampled_seq_ids, out.token_ids, out.logprobs, out.top_logprobs, strict=True)
-            ]
-            event = ResultEvent(plan.micro_batch_id, sampled, tuple(timings),
-                                tuple(result.prompt_logprobs))
+            event = result.step_result(tuple(timings))
         except ValueError as exc:  # InvalidPlanError: a scheduler bug, reported like a stage would
-            event = ErrorEvent(plan.micro_batch_id, len(timings), "INVALID_ARGUMENT", str(exc))
+            event = ErrorEvent(plan.step_id, len(timings), "INVALID_ARGUMENT", str(exc))
         except Exception as exc:
-            event = ErrorEvent(plan.micro_batch_id, len(timings), "INTERNAL", f"{type(exc).__name__}: {exc}")
+            event = ErrorEvent(plan.step_id, len(timings), "INTERNAL", f"{type(exc).__name__}: {exc}")
         self._loop.call_soon_threadsafe(self._on_event, event)
 
     async def stage_stats(self) -> list[dict]:

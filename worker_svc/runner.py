@@ -13,31 +13,49 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.step import (
+    PositionLogprobs,
+    SampledToken,
+    ScoredPrompt,
+    StageTiming,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 from worker_svc.attention import AttentionBackend, AttentionMetadata, get_backend
+from worker_svc.batch import PersistentBatch, Row, StageShape
 from worker_svc.errors import InvalidPlanError
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.model import StageModel
-from worker_svc.plan import StagePlan
-from worker_svc.sampler import Sampler, SamplerOutput
-
-# one scored prompt position: (target token id, its logprob, its 1-based rank, alternatives)
-PositionLogprobs = tuple[int, float, int, list[tuple[int, float]]]
-MAX_PROMPT_NUM_TOP = 20
+from worker_svc.sampler import Sampler, SamplerOutput, SampleRow
 
 
 @dataclass
 class StageResult:
     """What a stage hands on: hidden states (not last) or sampled tokens (last)."""
 
-    micro_batch_id: int
+    step_id: int
     hidden: torch.Tensor | None = None  # [num_tokens, hidden_size]
+    rows: list[Row] = field(default_factory=list)
     sampled_seq_ids: tuple[int, ...] = ()
     sampled: SamplerOutput | None = None
     logits: torch.Tensor | None = None  # [len(sampled_seq_ids), vocab] when asked for
-    # last stage, prompt scoring: (seq_id, first_position, per position
-    # (target id, logprob, rank, [(id, logprob) most likely first]))
-    prompt_logprobs: list[tuple[int, int, list[PositionLogprobs]]] = field(default_factory=list)
+    prompt_logprobs: list[ScoredPrompt] = field(default_factory=list)  # last stage
     compute_ns: int = 0
+
+    def sampled_tokens(self) -> tuple[SampledToken, ...]:
+        """The last stage's samples as the step contract's typed results."""
+        out = self.sampled
+        if out is None:
+            return ()
+        return tuple(
+            SampledToken(seq_id, token, None if top is None else TokenLogprobs(logprob, top))
+            for seq_id, token, logprob, top in zip(
+                self.sampled_seq_ids, out.token_ids, out.logprobs, out.top_logprobs, strict=True)
+        )
+
+    def step_result(self, timings: tuple[StageTiming, ...] = ()) -> StepResult:
+        return StepResult(self.step_id, self.sampled_tokens(), tuple(self.prompt_logprobs), timings)
 
 
 class StageRunner:
@@ -66,6 +84,10 @@ class StageRunner:
             self.device,
         )
         self.sampler = Sampler() if model.is_last else None
+        self.batch = PersistentBatch(StageShape(
+            is_first=model.is_first, is_last=model.is_last, num_blocks=num_blocks, block_size=block_size,
+            max_positions=config.max_position_embeddings, vocab_size=config.vocab_size,
+        ))
 
     @property
     def block_size(self) -> int:
@@ -75,152 +97,101 @@ class StageRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
-    def validate(self, plan: StagePlan, hidden: torch.Tensor | None) -> None:
+    def validate(self, plan: StepPlan, hidden: torch.Tensor | None) -> None:
         """Raise InvalidPlanError for anything malformed; changes nothing."""
-        config, bs, nb = self.model.config, self.block_size, self.num_blocks
-        if not plan.seqs:
-            raise InvalidPlanError(f"micro-batch {plan.micro_batch_id}: no sequences")
-        seen: set[int] = set()
-        for s in plan.seqs:
-            where = f"micro-batch {plan.micro_batch_id}, sequence {s.seq_id}"
-            if s.seq_id in seen:
-                raise InvalidPlanError(f"{where}: appears twice")
-            seen.add(s.seq_id)
-            if s.num_tokens < 1 or s.context_len < s.num_tokens:
-                raise InvalidPlanError(
-                    f"{where}: num_tokens={s.num_tokens}, context_len={s.context_len}: "
-                    "need 1 <= num_tokens <= context_len"
-                )
-            if s.context_len > config.max_position_embeddings:
-                raise InvalidPlanError(
-                    f"{where}: context_len {s.context_len} exceeds max_position_embeddings "
-                    f"{config.max_position_embeddings}"
-                )
-            if len(s.slot_mapping) != s.num_tokens:
-                raise InvalidPlanError(
-                    f"{where}: slot_mapping has {len(s.slot_mapping)} entries for {s.num_tokens} tokens"
-                )
-            needed_blocks = -(-s.context_len // bs)
-            if len(s.block_table) < needed_blocks:
-                raise InvalidPlanError(
-                    f"{where}: block_table has {len(s.block_table)} blocks, context needs {needed_blocks}"
-                )
-            bad = [b for b in s.block_table[:needed_blocks] if not 0 <= b < nb]
-            if bad:
-                raise InvalidPlanError(f"{where}: block id {bad[0]} out of range [0, {nb})")
-            for j, slot in enumerate(s.slot_mapping):
-                pos = s.start_position + j
-                expected = s.block_table[pos // bs] * bs + pos % bs
-                if slot != expected:
-                    raise InvalidPlanError(
-                        f"{where}: slot {slot} for position {pos} disagrees with the block table "
-                        f"(expected {expected}; slots must lie in [0, {self.kv_cache.num_slots}))"
-                    )
-            if s.sample is not None and s.sample.seq_id != s.seq_id:
-                raise InvalidPlanError(f"{where}: sampling row names sequence {s.sample.seq_id}")
-            p = s.prompt_scoring
-            if p is not None and (
-                    not p.targets or p.first_position < s.start_position
-                    or p.first_position + len(p.targets) > s.context_len
-                    or not 0 <= p.num_top <= MAX_PROMPT_NUM_TOP
-                    or any(not 0 <= t < config.vocab_size for t in p.targets)):
-                raise InvalidPlanError(
-                    f"{where}: prompt scoring of {len(p.targets)} targets from position "
-                    f"{p.first_position} (top {p.num_top}) does not fit its new tokens "
-                    f"{s.start_position}..{s.context_len - 1} and vocabulary")
-            if self.model.is_first:
-                if len(s.token_ids) != s.num_tokens:
-                    raise InvalidPlanError(
-                        f"{where}: {len(s.token_ids)} token ids for {s.num_tokens} tokens (stage 0 needs them)"
-                    )
-                if any(not 0 <= t < config.vocab_size for t in s.token_ids):
-                    raise InvalidPlanError(f"{where}: token id outside [0, {config.vocab_size})")
-        for src, dst in plan.block_copies:
-            if not (0 <= src < nb and 0 <= dst < nb) or src == dst:
-                raise InvalidPlanError(
-                    f"micro-batch {plan.micro_batch_id}: block copy {src}->{dst} invalid for {nb} blocks"
-                )
+        self.batch.validate(plan)
         if self.model.is_first:
             if hidden is not None:
-                raise InvalidPlanError(f"micro-batch {plan.micro_batch_id}: stage 0 takes token ids, not hidden states")
+                raise InvalidPlanError(f"step {plan.step_id}: stage 0 takes token ids, not hidden states")
         else:
-            want = (plan.num_tokens, config.hidden_size)
+            want = (plan.num_tokens, self.model.config.hidden_size)
             if hidden is None or tuple(hidden.shape) != want:
                 got = None if hidden is None else tuple(hidden.shape)
-                raise InvalidPlanError(
-                    f"micro-batch {plan.micro_batch_id}: hidden states of shape {got}, expected {want}"
-                )
+                raise InvalidPlanError(f"step {plan.step_id}: hidden states of shape {got}, expected {want}")
 
     def execute(
-        self, plan: StagePlan, hidden: torch.Tensor | None = None, keep_logits: bool = False
+        self, plan: StepPlan, hidden: torch.Tensor | None = None, keep_logits: bool = False
     ) -> StageResult:
+        """Validate the plan whole (against the persistent batch), apply it, run the layers."""
         self.validate(plan, hidden)
         started = time.perf_counter_ns()
         if self.sampler is not None:
-            if plan.release_all:
+            if plan.reset:
                 self.sampler.release(list(self.sampler.live_seq_ids))
-            elif plan.released_seq_ids:
-                self.sampler.release(plan.released_seq_ids)
+            elif plan.finished_seq_ids:
+                self.sampler.release(plan.finished_seq_ids)
+            if plan.new_seqs:  # sent whole: any state under these ids is stale
+                self.sampler.release([n.seq_id for n in plan.new_seqs])
+        rows = self.batch.apply(plan)
         self.kv_cache.copy_blocks(plan.block_copies)
-        metadata, positions = self._metadata(plan)
+        metadata, positions = self._metadata(rows)
         if self.model.is_first:
-            ids = [t for s in plan.seqs for t in s.token_ids]
+            ids = [t for r in rows for t in r.state.token_ids[r.start:r.context_len]]
             inputs = torch.tensor(ids, dtype=torch.long, device=self.device)
         else:
             inputs = hidden.to(device=self.device, dtype=self.dtype)
-        result = StageResult(plan.micro_batch_id)
+        result = StageResult(plan.step_id, rows=rows)
         if not self.model.is_last:
             result.hidden = self.model(inputs, positions, self.kv_cache.pools, metadata, self.backend)
         else:
-            rows, ends, end = [], [], 0
+            sampled, ends, end = [], [], 0
             scored, score_indices = [], []
-            for s in plan.seqs:
-                if s.prompt_scoring is not None:
-                    offset = end + s.prompt_scoring.first_position - s.start_position
-                    scored.append(s)
-                    score_indices.extend(range(offset, offset + len(s.prompt_scoring.targets)))
-                end += s.num_tokens
-                if s.sample is not None:
-                    rows.append(s)
+            for r in rows:
+                if r.prompt_scoring is not None:
+                    offset = end + r.prompt_scoring.first_position - r.start
+                    scored.append(r)
+                    score_indices.extend(range(offset, offset + len(r.prompt_scoring.targets)))
+                end += r.num_tokens
+                if r.sample:
+                    sampled.append(r)
                     ends.append(end - 1)
             indices = torch.tensor(ends + score_indices, dtype=torch.long, device=self.device)
             logits = self.model(
                 inputs, positions, self.kv_cache.pools, metadata, self.backend, logits_indices=indices
             )
             if scored:
-                result.prompt_logprobs = _score_prompts(logits[len(rows):], scored)
-                logits = logits[: len(rows)]
-            result.sampled_seq_ids = tuple(s.seq_id for s in rows)
+                result.prompt_logprobs = _score_prompts(logits[len(sampled):], scored)
+                logits = logits[: len(sampled)]
+            result.sampled_seq_ids = tuple(r.seq_id for r in sampled)
             result.sampled = (
-                self.sampler.sample(logits, [s.sample for s in rows])
-                if rows
+                self.sampler.sample(logits, [self._sample_row(r) for r in sampled])
+                if sampled
                 else SamplerOutput([], [], [])
             )
+            self.batch.record_sampled(rows, result.sampled.token_ids)
             if keep_logits:
                 result.logits = logits
         result.compute_ns = time.perf_counter_ns() - started
         return result
 
-    def _metadata(self, plan: StagePlan) -> tuple[AttentionMetadata, torch.Tensor]:
-        device = self.device
+    def _sample_row(self, row: Row) -> SampleRow:
+        s = row.state
+        history = None
+        if s.sampling.uses_penalties:
+            known = self.sampler.state(s.seq_id)
+            if known is None or not known.has_history:
+                history = (tuple(s.token_ids[: s.prompt_len]), tuple(s.token_ids[s.prompt_len:]))
+        return SampleRow(s.seq_id, s.sampling, s.choice_index, s.num_output_tokens, s.entropy_seed, history)
+
+    def _metadata(self, rows: list[Row]) -> tuple[AttentionMetadata, torch.Tensor]:
+        device, bs = self.device, self.block_size
         starts, positions, slots = [0], [], []
-        for s in plan.seqs:
-            starts.append(starts[-1] + s.num_tokens)
-            positions.extend(range(s.start_position, s.context_len))
-            slots.extend(s.slot_mapping)
-        bs = self.block_size
-        max_blocks = max(-(-s.context_len // bs) for s in plan.seqs)
-        rows = []
-        for s in plan.seqs:
-            n = -(-s.context_len // bs)
-            rows.append(list(s.block_table[:n]) + [0] * (max_blocks - n))  # padding: block 0
-        table = torch.tensor(rows, dtype=torch.long)
-        context_lens = tuple(s.context_len for s in plan.seqs)
+        max_blocks = max(-(-r.context_len // bs) for r in rows)
+        table_rows = []
+        for r in rows:
+            starts.append(starts[-1] + r.num_tokens)
+            span = range(r.start, r.context_len)
+            positions.extend(span)
+            blocks = r.state.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+            n = -(-r.context_len // bs)
+            table_rows.append(blocks[:n] + [0] * (max_blocks - n))  # padding: block 0
+        context_lens = tuple(r.context_len for r in rows)
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.long, device=device),
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
-            block_tables=table.to(device),
+            block_tables=torch.tensor(table_rows, dtype=torch.long).to(device),
             query_start_loc_list=tuple(starts),
             context_lens_list=context_lens,
         )
@@ -230,7 +201,7 @@ class StageRunner:
 SCORE_ROWS_PER_SLICE = 256  # bounds the float32 [rows, vocab] temporaries of prompt scoring
 
 
-def _score_prompts(logits: torch.Tensor, scored) -> list[tuple[int, int, list[PositionLogprobs]]]:
+def _score_prompts(logits: torch.Tensor, scored: list[Row]) -> list[ScoredPrompt]:
     """Log-probabilities (raw logits) of each scored chunk's targets, their ranks and the
     most likely alternatives; `logits` rows are the chunks' scored positions, in order.
     Computed a slice of rows at a time, so a long chunk with a large vocabulary does not
@@ -258,7 +229,7 @@ def _score_prompts(logits: torch.Tensor, scored) -> list[tuple[int, int, list[Po
         positions = []
         for _ in p.targets:
             top = list(zip(ids_list[row][:p.num_top], values_list[row][:p.num_top], strict=True))
-            positions.append((target_list[row], lp_list[row], rank_list[row], top))
+            positions.append(PositionLogprobs(target_list[row], lp_list[row], rank_list[row], top))
             row += 1
-        out.append((s.seq_id, p.first_position, positions))
+        out.append(ScoredPrompt(s.seq_id, p.first_position, tuple(positions)))
     return out

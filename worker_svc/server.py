@@ -30,17 +30,11 @@ import torch
 from services import telemetry
 from services.grpc_utils import aio_channel, create_aio_server, set_serving
 from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from services.step import StepPlan
+from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
 from worker_svc.config import WorkerConfig
-from worker_svc.convert import (
-    dtype_to_pb,
-    plan_from_pb,
-    prompt_logprobs_to_pb,
-    sampled_to_pb,
-    tensor_from_pb,
-    tensor_to_pb,
-)
+from worker_svc.convert import dtype_to_pb, tensor_from_pb, tensor_to_pb
 from worker_svc.errors import InvalidPlanError
-from worker_svc.plan import StagePlan
 from worker_svc.runner import StageResult, StageRunner
 
 log = logging.getLogger(__name__)
@@ -54,7 +48,7 @@ class _Work:
     mb: worker_pb2.MicroBatch
     upstream_sent_ns: int
     received_ns: int = 0
-    plan: StagePlan | None = None
+    plan: StepPlan | None = None
     hidden: torch.Tensor | None = None
     error: tuple[grpc.StatusCode, str] | None = None
     result: StageResult | None = None
@@ -204,13 +198,16 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                     f"micro-batch {mb.micro_batch_id} is addressed to stage {mb.stage_index}, "
                     f"this is stage {cfg.stage}"
                 )
-            num_tokens = sum(mb.query_lens)
+            try:
+                work.plan = plan_from_pb(mb)
+            except PlanDecodeError as exc:
+                raise InvalidPlanError(str(exc)) from None
+            num_tokens = work.plan.num_tokens
             if num_tokens > cfg.max_num_batched_tokens:
                 raise InvalidPlanError(
                     f"micro-batch {mb.micro_batch_id} has {num_tokens} tokens, over this stage's "
                     f"max_num_batched_tokens={cfg.max_num_batched_tokens}"
                 )
-            work.plan = plan_from_pb(mb, is_first=cfg.is_first)
             if not cfg.is_first:
                 if not mb.HasField("hidden_states"):
                     raise InvalidPlanError(f"micro-batch {mb.micro_batch_id}: no hidden states")
@@ -248,7 +245,6 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         while True:
             work = await self._send_queue.get()
             mb = work.mb
-            mb.ClearField("token_ids")
             tensor_to_pb(work.result.hidden, mb.hidden_states)
             work.result.hidden = None
             mb.stage_index = self.config.stage + 1
@@ -321,8 +317,9 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         timing.compute_start_ns = work.compute_start_ns
         timing.compute_end_ns = work.compute_end_ns
         timing.forwarded_ns = work.forwarded_ns
-        timing.num_seqs = len(work.mb.seq_ids)
-        timing.num_tokens = sum(work.mb.query_lens)
+        if work.plan is not None:
+            timing.num_seqs = work.plan.num_seqs
+            timing.num_tokens = work.plan.num_tokens
         if work.error is not None:
             code, message = work.error
             done.error.code = code.value[0]
@@ -337,8 +334,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             self.num_block_copies += copies
             done.num_block_copies_applied = copies
             if self.config.is_last and work.result.sampled is not None:
-                sampled_to_pb(work.result.sampled_seq_ids, work.result.sampled, done)
-                prompt_logprobs_to_pb(work.result.prompt_logprobs, done)
+                result_to_pb(work.result.step_result(), done)
             if self._tracing:
                 self._trace_spans(work)
         self.num_in_flight -= 1
@@ -346,15 +342,15 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
 
     def _trace_spans(self, work: _Work) -> None:
         """One span per traced sequence of the micro-batch, under its request's scheduler span."""
-        mb = work.mb
-        for seq_id, tc in zip(mb.seq_ids, mb.trace_contexts, strict=False):
-            parent = telemetry.context_from(tc.traceparent)
+        mb_id, num_tokens = work.mb.micro_batch_id, work.plan.num_tokens
+        for row in work.result.rows:
+            parent = telemetry.context_from(row.state.trace_context)
             if parent is None:
                 continue
             span = self._tracer.start_span(
                 f"stage{self.config.stage}.compute", context=parent, start_time=work.compute_start_ns,
-                attributes={"pagoda.stage": self.config.stage, "pagoda.micro_batch_id": mb.micro_batch_id,
-                            "pagoda.seq_id": seq_id, "pagoda.num_tokens": sum(mb.query_lens)},
+                attributes={"pagoda.stage": self.config.stage, "pagoda.micro_batch_id": mb_id,
+                            "pagoda.seq_id": row.seq_id, "pagoda.num_tokens": num_tokens},
             )
             span.end(end_time=work.compute_end_ns)
 

@@ -24,6 +24,7 @@ service) and each computes the last prompt token itself, sampling with its own i
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvcache_svc.core.types import (
@@ -36,7 +37,14 @@ from kvcache_svc.core.types import (
     StepOutput,
 )
 from scheduler_svc.core.queue import WaitingQueue
-from scheduler_svc.core.request import FinishReason, Request, RequestState, Sequence
+from scheduler_svc.core.request import (
+    FinishReason,
+    Request,
+    RequestState,
+    Sequence,
+    sampling_params,
+)
+from services.step import CachedSeq, NewSeq, PromptScoring, SampledToken, ScoredPrompt, StepPlan
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,10 @@ class PlannerConfig:
     microbatch_size: str | int = "auto"
     max_model_len: int = 4096
     namespace: str | None = None  # the model: prefixes are shared only within one
+    block_size: int = 16
+    # vLLM-style asynchronous scheduling (one stage): a decoding sequence is scheduled for
+    # step k+1 before step k's token is known; the stage feeds itself the token it sampled
+    async_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -63,31 +75,17 @@ class PlannerConfig:
             raise ValueError(f"microbatch_size: must be 'auto' or a positive int, got {self.microbatch_size!r}")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
-    """One sequence's share of a micro-batch: tokens `start ... start + num_tokens - 1`."""
+    """The planner's record of one sequence's share of a step in flight: tokens
+    `start ... start + num_tokens - 1`, under the id it was scheduled with (a sequence
+    re-admitted later gets another)."""
 
     seq: Sequence
+    seq_id: int
     start: int
-    token_ids: list[int]
-    slot_mapping: tuple[int, ...]
-    block_table: tuple[int, ...]
+    num_tokens: int
     sample: bool
-    seq_id: int = -1  # the id it was scheduled under (a sequence re-admitted later gets another)
-    # (prompt, output so far) on the first sampling of a sequence id whose request uses
-    # penalties: the last stage's sampler starts its per-sequence history from it
-    history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-    # (first position, targets, alternatives): prompt positions whose logits score the next
-    # prompt token (SamplingOptions.prompt_logprobs), on the request's first choice
-    prompt_scoring: tuple[int, tuple[int, ...], int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.seq_id < 0:
-            self.seq_id = self.seq.seq_id
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
     @property
     def context_len(self) -> int:
@@ -96,11 +94,14 @@ class ScheduledSeq:
 
 @dataclass
 class MicroBatch:
-    micro_batch_id: int
+    """A step in flight: the plan the stages were sent and the planner's record of it."""
+
+    plan: StepPlan
     seqs: list[ScheduledSeq]
-    block_copies: list[tuple[int, int]]
-    released_seq_ids: list[int]
-    release_all: bool = False
+
+    @property
+    def micro_batch_id(self) -> int:
+        return self.plan.step_id
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +120,11 @@ class Proposal:
     # blocks were freed takes a fresh id, so that a free and its return never share a step
     admits: list[tuple[Request, list[tuple[Sequence, int]]]] = field(default_factory=list)
     readmits: list[tuple[Sequence, int]] = field(default_factory=list)
+    # seq_id -> (start, num_tokens) the planner chose for a running sequence (the KV service's
+    # view of a sequence may lag its computed tokens by the placeholder steps in flight)
+    planned: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # decodes of sequences whose previous step is still in flight: (sequence, position)
+    speculative: list[tuple[Sequence, int]] = field(default_factory=list)
 
     @property
     def has_work(self) -> bool:
@@ -144,7 +150,9 @@ class Planner:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.in_flight: dict[int, MicroBatch] = {}
-        self._busy: set[int] = set()
+        # seq_id -> steps in flight holding it (two at most: a step and its placeholder step)
+        self._busy: dict[int, int] = {}
+        self._last_record: dict[int, ScheduledSeq] = {}  # seq_id -> its latest step in flight
         self._next_seq_id = 1
         self._next_mb_id = 1
         self._admission_counter = 0
@@ -153,13 +161,19 @@ class Planner:
         self._pending_released: list[int] = []
         self._pending_completed: list[int] = []
         self._pending_failed: list[int] = []
-        self._release_all = False
+        # the stages may hold state from an earlier scheduler: the first step resets it
+        self._release_all = True
+        # seq_id -> the block table the stages hold for it (they hold its state)
+        self._on_stages: dict[int, tuple[int, ...]] = {}
+        # with several stages, seq_id -> tokens the first stage knows (it does not sample)
+        self._stage_tokens: dict[int, int] | None = {} if config.pipeline_parallel_size > 1 else None
         # micro_batch_id -> sequences allocated in its step but left out of it (preempted or
         # given back): their slots were never written, so the KV service must see them freed
         # before it sees the micro-batch complete, or it would cache blocks holding garbage
         self._completion_guard: dict[int, set[int]] = {}
         self.decisions: list[dict] = []  # for scheduler tracing; drained by the engine
         self.num_preemptions = 0
+        self.num_placeholder_steps = 0  # sequence-steps scheduled before their input was known
 
     # --- requests in ---------------------------------------------------------------------
 
@@ -235,7 +249,7 @@ class Planner:
         if len(self.queue):
             return True
         return any(
-            not s.is_finished and s.seq_id not in self._busy
+            not s.is_finished and (s.seq_id not in self._busy or self._speculable(s))
             for r in self.running
             for s in r.sequences
         ) or any(len(r.sequences) < r.options.n and not self._fork_blocked(r) for r in self.running)
@@ -261,6 +275,17 @@ class Planner:
         forks: list[Fork] = []
         proposal = Proposal(StepInput(), None)
 
+        # 0. placeholder decodes: the step in flight samples the token this one computes
+        if cfg.async_decode:
+            for request in self.running:
+                for seq in request.sequences:
+                    if n_seqs >= seq_cap or budget <= 0 or not self._speculable(seq):
+                        continue
+                    if seq.kv_len < seq.num_tokens:  # the KV service learns known tokens late
+                        appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, seq.num_tokens)))
+                    proposal.speculative.append((seq, seq.num_tokens))
+                    budget -= 1
+                    n_seqs += 1
         # 1. decodes, then 2. prefill chunks of running sequences (rank order)
         for phase_prefill in (False, True):
             for request in self.running:
@@ -276,8 +301,10 @@ class Planner:
                     # an admitted sequence continues in chunks (only a recompute can need them
                     # when chunked prefill is off: a fresh prompt is admitted whole)
                     n = min(remaining, budget)
-                    appends.append(Append(seq.seq_id, seq.tokens(seq.num_computed, seq.num_computed + n)))
+                    start = seq.num_computed
+                    appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, start + n)))
                     proposal.appends.append(seq)
+                    proposal.planned[seq.seq_id] = (start, n)
                     budget -= n
                     n_seqs += 1
         # 3. forks of n > 1 requests whose first choice has prefilled all but the last prompt token
@@ -363,7 +390,7 @@ class Planner:
             budget -= cost
             n_seqs += count
             num_running_seqs += _reserved(request)
-        has_tokens = bool(appends or new_sequences)
+        has_tokens = bool(appends or new_sequences or proposal.speculative)
         mb_id = self._next_mb_id if has_tokens else None
         proposal.micro_batch_id = mb_id
         proposal.step_input = StepInput(
@@ -402,6 +429,7 @@ class Planner:
                 parent.request.sequences.append(child)
                 child.has_kv = True
                 child.num_computed = parent.num_computed
+                child.kv_len = parent.kv_len
         for seq in proposal.appends + [s for _, ch in proposal.forks for s in ch] + [
             p for p, _ in proposal.forks
         ]:
@@ -449,67 +477,118 @@ class Planner:
                 scheduled.pop(s.seq_id, None)
             self._preempt(victim, now)
 
+        speculative = [(seq, pos) for seq, pos in proposal.speculative
+                       if seq.has_kv and not seq.is_finished and self._busy.get(seq.seq_id) == 1
+                       and not isinstance(output.results.get(seq.seq_id), NoBlocks)]
         discarded = {k for k, r in output.results.items() if isinstance(r, Allocated)} - {
-            seq.seq_id for seq, _ in scheduled.values()
-        }
+            seq.seq_id for seq, _ in scheduled.values()} - {seq.seq_id for seq, _ in speculative}
         if discarded:
             self._completion_guard[mb_id] = discarded
-        mb = MicroBatch(mb_id, [], list(output.copies), self._pending_released, self._release_all)
-        self._pending_released, self._release_all = [], False
+        records: list[ScheduledSeq] = []
+        new_seqs: list[NewSeq] = []
+        cached_seqs: list[CachedSeq] = []
+        steps = []  # (sequence, start, num_tokens, samples)
         for seq, result in scheduled.values():
-            start = result.num_computed_tokens
-            n = len(result.slot_mapping)
+            # a sequence's own plan, or the KV service's for a new one (its prefix-cache hit)
+            start, n = proposal.planned.get(seq.seq_id) or (result.num_computed_tokens, len(result.slot_mapping))
+            seq.kv_len = result.num_computed_tokens + len(result.slot_mapping)
             seq.num_computed = start  # a prefix hit: these tokens are already there
             seq.block_table = result.block_ids
             end = start + n
-            sample = end == self._target(seq) and end == seq.num_tokens
-            entry = ScheduledSeq(seq, start, seq.tokens(start, end), result.slot_mapping,
-                                 result.block_ids, sample)
-            request = seq.request
-            if sample and request.options.uses_penalties and seq.history_seq_id != seq.seq_id:
-                entry.history = (request.prompt, tuple(seq.output))
-                seq.history_seq_id = seq.seq_id
-            if _scores_prompt(seq):
-                # score the prompt positions of this chunk not scored yet (each predicts the next)
-                first = max(start, len(request.prompt_logprobs))
-                last = min(end, len(request.prompt) - 1)
-                if first < last:
-                    entry.prompt_scoring = (first, tuple(request.prompt[first + 1:last + 1]),
-                                            request.options.prompt_logprobs)
-            mb.seqs.append(entry)
-            self._busy.add(seq.seq_id)
+            steps.append((seq, start, n, end == self._target(seq) and end == seq.num_tokens))
+        for seq, pos in speculative:  # computes the token its step in flight samples
+            result = output.results.get(seq.seq_id)
+            if isinstance(result, Allocated):
+                seq.kv_len = result.num_computed_tokens + len(result.slot_mapping)
+                seq.block_table = result.block_ids
+            steps.append((seq, pos, 1, True))
+            self.num_placeholder_steps += 1
+        for seq, start, n, sample in steps:
+            end = start + n
+            scoring = self._prompt_scoring(seq, start, end)
+            held = self._on_stages.get(seq.seq_id)
+            if held is None:
+                new_seqs.append(self._new_seq(seq, start, n, scoring))
+            else:
+                cached_seqs.append(self._cached_seq(seq, held, n, scoring))
+            self._on_stages[seq.seq_id] = seq.block_table
+            if self._stage_tokens is not None:
+                self._stage_tokens[seq.seq_id] = seq.num_tokens
+            record = ScheduledSeq(seq, seq.seq_id, start, n, sample)
+            records.append(record)
+            self._busy[seq.seq_id] = self._busy.get(seq.seq_id, 0) + 1
+            self._last_record[seq.seq_id] = record
             if seq.request.first_scheduled_s is None:
                 seq.request.first_scheduled_s = now
-        if not mb.seqs:
+        if not records:
             # the KV service holds this id in flight even with nothing written
             self._pending_completed.append(mb_id)
-            if mb.released_seq_ids or mb.release_all:
-                self._pending_released = mb.released_seq_ids + self._pending_released
-                self._release_all = self._release_all or mb.release_all
             return None
+        plan = StepPlan(mb_id, tuple(new_seqs), tuple(cached_seqs), tuple(self._pending_released),
+                        tuple(output.copies), self._release_all)
+        for seq_id in self._pending_released:
+            self._on_stages.pop(seq_id, None)
+            if self._stage_tokens is not None:
+                self._stage_tokens.pop(seq_id, None)
+        self._pending_released, self._release_all = [], False
+        mb = MicroBatch(plan, records)
         self.in_flight[mb_id] = mb
         self._trace(
             "micro_batch", None, micro_batch_id=mb_id, num_tokens=mb.num_tokens,
-            seqs=[[s.seq.seq_id, s.start, s.num_tokens] for s in mb.seqs],
+            seqs=[[s.seq_id, s.start, s.num_tokens] for s in records],
         )
         return mb
 
+    def _new_seq(self, seq: Sequence, start: int, n: int, scoring: PromptScoring | None) -> NewSeq:
+        request = seq.request
+        return NewSeq(
+            seq.seq_id, tuple(seq.all_tokens()), len(request.prompt), start, n, seq.block_table,
+            sampling_params(request.options, tuple(request.eos_token_ids)), seq.index,
+            seq.entropy_seed, request.request_id, request.trace_context, scoring,
+        )
+
+    def _cached_seq(self, seq: Sequence, held: tuple[int, ...], n: int,
+                    scoring: PromptScoring | None) -> CachedSeq:
+        table = seq.block_table
+        offset = len(held)
+        if table[:offset] != held:  # a block replaced (copy on write): resend from the first change
+            offset = 0
+            while offset < len(held) and offset < len(table) and held[offset] == table[offset]:
+                offset += 1
+        new_tokens: tuple[int, ...] = ()
+        if self._stage_tokens is not None:  # the first stage does not sample: send what it lacks
+            known = self._stage_tokens[seq.seq_id]
+            if known < seq.num_tokens:
+                new_tokens = tuple(seq.tokens(known, seq.num_tokens))
+        return CachedSeq(seq.seq_id, n, offset, table[offset:], new_tokens, scoring)
+
+    def _prompt_scoring(self, seq: Sequence, start: int, end: int) -> PromptScoring | None:
+        """The prompt positions of this chunk not scored yet (each predicts the next)."""
+        if not _scores_prompt(seq):
+            return None
+        request = seq.request
+        first = max(start, len(request.prompt_logprobs))
+        last = min(end, len(request.prompt) - 1)
+        if first >= last:
+            return None
+        return PromptScoring(first, tuple(request.prompt[first + 1:last + 1]), request.options.prompt_logprobs)
+
     # --- results in ----------------------------------------------------------------------
 
-    def on_result(self, mb_id: int, sampled: list[tuple[int, int, object]], now: float = 0.0,
-                  prompt_logprobs=()) -> list[SeqUpdate]:
+    def on_result(self, mb_id: int, sampled: Iterable[SampledToken], now: float = 0.0,
+                  prompt_logprobs: Iterable[ScoredPrompt] = ()) -> list[SeqUpdate]:
         """A micro-batch came back: computed tokens advance, sampled tokens append, finishes;
         scored prompt positions extend their request's prompt logprobs."""
         mb = self.in_flight.pop(mb_id)
         self._pending_completed.append(mb_id)
         by_id: dict[int, list[tuple[int, object]]] = {}
-        for seq_id, token, logprob in sampled:
-            by_id.setdefault(seq_id, []).append((token, logprob))
-        scored = {seq_id: (first, positions) for seq_id, first, positions in prompt_logprobs}
+        for s in sampled:
+            by_id.setdefault(s.seq_id, []).append((s.token_id, s.logprobs))
+        scored = {p.seq_id: (p.first_position, p.positions) for p in prompt_logprobs}
         updates = []
         for s in mb.seqs:
             seq = s.seq
-            self._busy.discard(s.seq_id)
+            self._release_busy(s)
             request = seq.request
             if not request.state.is_live or not seq.has_kv or seq.is_finished or seq.seq_id != s.seq_id:
                 continue  # aborted or preempted while in flight (and maybe re-admitted since)
@@ -552,7 +631,7 @@ class Planner:
         self._pending_failed.append(mb_id)
         hit: list[Request] = []
         for s in mb.seqs:
-            self._busy.discard(s.seq_id)
+            self._release_busy(s)
             request = s.seq.request
             if s.seq.seq_id != s.seq_id:
                 continue  # already preempted and re-admitted: this entry is stale
@@ -569,18 +648,47 @@ class Planner:
         """
         self.in_flight.clear()
         self._busy.clear()
+        self._last_record.clear()
         self._completion_guard.clear()
         self._pending_frees.clear()
         self._pending_completed.clear()
         self._pending_failed.clear()
         self._pending_released.clear()
         self._release_all = True
+        self._on_stages.clear()
+        if self._stage_tokens is not None:
+            self._stage_tokens.clear()
         hit = list(self.running)
         for request in hit:
             self._preempt(request, now, free=False)
         return hit
 
     # --- helpers -------------------------------------------------------------------------
+
+    def _release_busy(self, record: ScheduledSeq) -> None:
+        count = self._busy.get(record.seq_id, 0) - 1
+        if count > 0:
+            self._busy[record.seq_id] = count
+        else:
+            self._busy.pop(record.seq_id, None)
+        if self._last_record.get(record.seq_id) is record:
+            del self._last_record[record.seq_id]
+
+    def _speculable(self, seq: Sequence) -> bool:
+        """Whether a step may compute this sequence's next token before it is known: its one
+        step in flight samples that token, the token stays in the block it has, and that step
+        cannot be its last by length (a stop token is not foreseen: then one step is wasted
+        and its token never emitted)."""
+        if not self.config.async_decode or seq.is_finished or not seq.has_kv:
+            return False
+        record = self._last_record.get(seq.seq_id)
+        if record is None or self._busy.get(seq.seq_id) != 1 or not record.sample:
+            return False
+        pos = record.context_len
+        request = seq.request
+        return (pos == seq.num_tokens and pos < len(seq.block_table) * self.config.block_size
+                and len(seq.output) + 1 < request.options.max_tokens
+                and pos + 1 < self.config.max_model_len and self._target(seq) == seq.num_tokens)
 
     def _target(self, seq: Sequence) -> int:
         """How far a sequence may compute now: all known tokens, but a parent awaiting its fork
@@ -642,6 +750,7 @@ class Planner:
                 seq.has_kv = False
                 seq.block_table = ()
             seq.num_computed = 0
+            seq.kv_len = 0
         if request.sequences and len(request.sequences) < request.options.n:
             # preempted before its fork: the first choice restarts, the fork comes again
             del request.sequences[1:]
@@ -691,8 +800,12 @@ class Planner:
         for request in self.running:
             assert request.state in (RequestState.PREFILLING, RequestState.DECODING), request.state
             assert request not in self.queue
-        busy = {s.seq_id for mb in self.in_flight.values() for s in mb.seqs}
+        busy: dict[int, int] = {}
+        for mb in self.in_flight.values():
+            for s in mb.seqs:
+                busy[s.seq_id] = busy.get(s.seq_id, 0) + 1
         assert busy == self._busy, (busy, self._busy)
+        assert all(count <= 2 for count in busy.values()), busy
         self.queue.check_integrity()
 
 

@@ -14,7 +14,10 @@ output). Chunked prefill, prefix hits and recompute after preemption all fall ou
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
+
+from services.sampling import SamplingParams
 
 
 class RequestState(enum.Enum):
@@ -134,6 +137,19 @@ class SamplingOptions:
                 or self.repetition_penalty != 1.0)
 
 
+@functools.lru_cache(maxsize=4096)
+def sampling_params(o: SamplingOptions, eos_token_ids: tuple[int, ...]) -> SamplingParams:
+    """A request's options as the stages sample with them: built once per request, sent once
+    per sequence."""
+    return SamplingParams(
+        temperature=o.temperature, top_k=o.top_k or None, top_p=o.top_p, min_p=o.min_p,
+        seed=o.seed, num_logprobs=o.logprobs, min_tokens=o.min_tokens,
+        stop_token_ids=o.stop_token_ids, eos_token_ids=eos_token_ids, ignore_eos=o.ignore_eos,
+        presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
+        repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias,
+    )
+
+
 @dataclass
 class Sequence:
     """One choice of a request: its own output, KV blocks (held by the KV service) and progress."""
@@ -145,13 +161,13 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     num_computed: int = 0
+    # tokens the KV service was told of: behind num_computed by a placeholder step's token
+    # (async scheduling) until the next step tells it
+    kv_len: int = 0
     block_table: tuple[int, ...] = ()
     has_kv: bool = False  # the KV service holds this sequence
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
-    # the seq id under which the last stage's sampler was sent this choice's history
-    # (penalties): a new id (re-admission) sends it again
-    history_seq_id: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -8,72 +8,94 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MicroBatch(_message.Message):
-    __slots__ = ("micro_batch_id", "stage_index", "seq_ids", "query_lens", "context_lens", "block_table_lens", "block_tables", "token_ids", "positions", "slot_mapping", "sampling", "trace_contexts", "block_copies", "released_seq_ids", "release_all_sequences", "hidden_states", "sent_ns")
+    __slots__ = ("micro_batch_id", "stage_index", "block_copies", "finished_seq_ids", "reset", "hidden_states", "sent_ns", "new_seqs", "cached")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
-    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
-    QUERY_LENS_FIELD_NUMBER: _ClassVar[int]
-    CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_TABLE_LENS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    POSITIONS_FIELD_NUMBER: _ClassVar[int]
-    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    TRACE_CONTEXTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
-    RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_ALL_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     micro_batch_id: int
     stage_index: int
-    seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    query_lens: _containers.RepeatedScalarFieldContainer[int]
-    context_lens: _containers.RepeatedScalarFieldContainer[int]
-    block_table_lens: _containers.RepeatedScalarFieldContainer[int]
-    block_tables: _containers.RepeatedScalarFieldContainer[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    positions: _containers.RepeatedScalarFieldContainer[int]
-    slot_mapping: _containers.RepeatedScalarFieldContainer[int]
-    sampling: _containers.RepeatedCompositeFieldContainer[SequenceSampling]
-    trace_contexts: _containers.RepeatedCompositeFieldContainer[_common_pb2.TraceContext]
     block_copies: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockCopy]
-    released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    release_all_sequences: bool
+    finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    reset: bool
     hidden_states: _common_pb2.Tensor
     sent_ns: int
-    def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., query_lens: _Optional[_Iterable[int]] = ..., context_lens: _Optional[_Iterable[int]] = ..., block_table_lens: _Optional[_Iterable[int]] = ..., block_tables: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SequenceSampling, _Mapping]]] = ..., trace_contexts: _Optional[_Iterable[_Union[_common_pb2.TraceContext, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., release_all_sequences: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ...) -> None: ...
+    new_seqs: _containers.RepeatedCompositeFieldContainer[StageNewSequence]
+    cached: CachedSequences
+    def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[StageNewSequence, _Mapping]]] = ..., cached: _Optional[_Union[CachedSequences, _Mapping]] = ...) -> None: ...
 
-class SequenceSampling(_message.Message):
-    __slots__ = ("sample", "params", "choice_index", "output_position", "entropy_seed", "eos_token_ids", "request_id", "has_history", "history_prompt_token_ids", "history_output_token_ids", "prompt_targets", "prompt_first_position", "prompt_num_top")
-    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+class StageNewSequence(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed", "num_scheduled", "block_ids", "params", "eos_token_ids", "choice_index", "entropy_seed", "request_id", "traceparent", "prompt_scoring")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
-    CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_POSITION_FIELD_NUMBER: _ClassVar[int]
-    ENTROPY_SEED_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_SEED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    HAS_HISTORY_FIELD_NUMBER: _ClassVar[int]
-    HISTORY_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    HISTORY_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TARGETS_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_NUM_TOP_FIELD_NUMBER: _ClassVar[int]
-    sample: bool
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_SCORING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_len: int
+    num_computed: int
+    num_scheduled: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
-    choice_index: int
-    output_position: int
-    entropy_seed: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    choice_index: int
+    entropy_seed: int
     request_id: str
-    has_history: bool
-    history_prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    history_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    prompt_targets: _containers.RepeatedScalarFieldContainer[int]
-    prompt_first_position: int
-    prompt_num_top: int
-    def __init__(self, sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., choice_index: _Optional[int] = ..., output_position: _Optional[int] = ..., entropy_seed: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., has_history: _Optional[bool] = ..., history_prompt_token_ids: _Optional[_Iterable[int]] = ..., history_output_token_ids: _Optional[_Iterable[int]] = ..., prompt_targets: _Optional[_Iterable[int]] = ..., prompt_first_position: _Optional[int] = ..., prompt_num_top: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    prompt_scoring: PromptScoring
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., num_computed: _Optional[int] = ..., num_scheduled: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., choice_index: _Optional[int] = ..., entropy_seed: _Optional[int] = ..., request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., prompt_scoring: _Optional[_Union[PromptScoring, _Mapping]] = ...) -> None: ...
+
+class PromptScoring(_message.Message):
+    __slots__ = ("first_position", "targets", "num_top")
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    first_position: int
+    targets: _containers.RepeatedScalarFieldContainer[int]
+    num_top: int
+    def __init__(self, first_position: _Optional[int] = ..., targets: _Optional[_Iterable[int]] = ..., num_top: _Optional[int] = ...) -> None: ...
+
+class CachedSequences(_message.Message):
+    __slots__ = ("seq_ids", "num_scheduled", "block_offsets", "num_block_ids", "block_ids", "num_new_token_ids", "new_token_ids", "prompt_scoring")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_SCORING_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled: _containers.RepeatedScalarFieldContainer[int]
+    block_offsets: _containers.RepeatedScalarFieldContainer[int]
+    num_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_scoring: _containers.RepeatedCompositeFieldContainer[IndexedPromptScoring]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_new_token_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., prompt_scoring: _Optional[_Iterable[_Union[IndexedPromptScoring, _Mapping]]] = ...) -> None: ...
+
+class IndexedPromptScoring(_message.Message):
+    __slots__ = ("index", "scoring")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCORING_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    scoring: PromptScoring
+    def __init__(self, index: _Optional[int] = ..., scoring: _Optional[_Union[PromptScoring, _Mapping]] = ...) -> None: ...
 
 class ForwardAck(_message.Message):
     __slots__ = ("micro_batch_id", "received_ns")

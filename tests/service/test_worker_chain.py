@@ -14,9 +14,9 @@ from support.reference import HFReference
 from support.workers import start_chain
 
 from services.pb import worker_pb2
-from worker_svc.convert import plan_to_pb
-from worker_svc.plan import SeqChunk, StagePlan
-from worker_svc.sampler import SampleRow, SamplingParams
+from services.step import CachedSeq, NewSeq, StepPlan
+from services.step_codec import plan_to_pb
+from worker_svc.sampler import SamplingParams
 
 PROMPT_LENGTHS = (1, 3, 16, 17, 45, 100, 177, 300)
 NEW_TOKENS = 24
@@ -109,10 +109,8 @@ def test_fork_mid_block_continues_like_transformers(chain, reference):
     assert sum(applied) >= len(driver.stages)
 
 
-def _plan(mb_id: int, seq_id: int, tokens: list[int], blocks: tuple[int, ...]) -> StagePlan:
-    slots = tuple(blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(len(tokens)))
-    row = SampleRow(seq_id, GREEDY, 0, 0, 1)
-    return StagePlan(mb_id, (SeqChunk(seq_id, len(tokens), len(tokens), slots, blocks, tuple(tokens), row),))
+def _plan(mb_id: int, seq_id: int, tokens: list[int], blocks: tuple[int, ...]) -> StepPlan:
+    return StepPlan(mb_id, (NewSeq(seq_id, tuple(tokens), len(tokens), 0, len(tokens), blocks, GREEDY, 0, 1),))
 
 
 def test_malformed_plans_fail_alone(chain):
@@ -123,8 +121,8 @@ def test_malformed_plans_fail_alone(chain):
             results = []
             out_of_range = plan_to_pb(_plan(1000, 1, [5, 6, 7], (NUM_BLOCKS + 7,)))
             wrong_stage = plan_to_pb(_plan(1001, 1, [5, 6, 7], (1,)), stage_index=1)
-            ragged = plan_to_pb(_plan(1002, 1, [5, 6, 7], (1,)))
-            del ragged.slot_mapping[-1]
+            ragged = plan_to_pb(StepPlan(1002, cached_seqs=(CachedSeq(1, 1, 0),)))
+            del ragged.cached.num_scheduled[-1]
             too_many = plan_to_pb(_plan(1003, 1, [5] * 9000, tuple(range(9000 // 16 + 1))))
             for mb in (out_of_range, wrong_stage, ragged, too_many):
                 await driver.send(mb)
@@ -138,7 +136,7 @@ def test_malformed_plans_fail_alone(chain):
     *failures, ok = asyncio.run(go())
     for failure, expect in zip(
         failures,
-        ["block id 263 out of range", "addressed to stage 1", "2 slots for 3 tokens", "max_num_batched_tokens"],
+        ["block id 263 out of range", "addressed to stage 1", "cached columns differ in length", "max_num_batched_tokens"],
         strict=True,
     ):
         assert isinstance(failure, StageFailure) and failure.stage == 0

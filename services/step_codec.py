@@ -1,0 +1,200 @@
+"""The step contract (`services.step`) <-> `pagoda.v1` worker messages: its one codec.
+
+The scheduler's transport encodes plans and decodes results with it; a stage decodes plans
+and encodes results with it; test drivers use it too. Decoding checks the message's shape
+(columns of equal length, sampling parameters in range) and raises `PlanDecodeError`
+naming what is wrong; whether a plan fits a stage's state is the stage's check.
+"""
+
+from __future__ import annotations
+
+from services.pb import common_pb2, worker_pb2
+from services.sampling import SamplingParams
+from services.sampling_pb import set_penalties, set_top_logprobs
+from services.step import (
+    CachedSeq,
+    NewSeq,
+    PositionLogprobs,
+    PromptScoring,
+    SampledToken,
+    ScoredPrompt,
+    StageTiming,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+
+
+class PlanDecodeError(ValueError):
+    """A MicroBatch whose fields disagree with each other."""
+
+
+# --- sampling parameters ------------------------------------------------------------------
+
+
+def sampling_params_to_pb(p: SamplingParams, out: common_pb2.SamplingParams) -> None:
+    out.temperature = p.temperature
+    out.top_p = p.top_p
+    out.top_k = p.top_k or 0
+    out.min_p = p.min_p
+    if p.seed is not None:
+        out.seed = p.seed
+    if p.num_logprobs is not None:
+        out.logprobs = p.num_logprobs
+    out.min_tokens = p.min_tokens
+    out.stop_token_ids.extend(p.stop_token_ids)
+    out.ignore_eos = p.ignore_eos
+    set_penalties(out, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias)
+
+
+def sampling_params_from_pb(p: common_pb2.SamplingParams, eos_token_ids) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=p.temperature if p.HasField("temperature") else 1.0,
+            top_k=p.top_k or None,
+            top_p=p.top_p if p.HasField("top_p") else 1.0,
+            min_p=p.min_p,
+            seed=p.seed if p.HasField("seed") else None,
+            num_logprobs=p.logprobs if p.HasField("logprobs") else None,
+            min_tokens=p.min_tokens,
+            stop_token_ids=tuple(p.stop_token_ids),
+            eos_token_ids=tuple(eos_token_ids),
+            ignore_eos=p.ignore_eos,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+            logit_bias=tuple(p.logit_bias.items()),
+        )
+    except ValueError as exc:
+        raise PlanDecodeError(f"sampling parameters: {exc}") from exc
+
+
+# --- plans --------------------------------------------------------------------------------
+
+
+def _scoring_to_pb(s: PromptScoring, out: worker_pb2.PromptScoring) -> None:
+    out.first_position = s.first_position
+    out.targets.extend(s.targets)
+    out.num_top = s.num_top
+
+
+def _scoring_from_pb(m: worker_pb2.PromptScoring) -> PromptScoring:
+    return PromptScoring(m.first_position, tuple(m.targets), m.num_top)
+
+
+def plan_to_pb(plan: StepPlan, stage_index: int = 0) -> worker_pb2.MicroBatch:
+    msg = worker_pb2.MicroBatch(micro_batch_id=plan.step_id, stage_index=stage_index,
+                                finished_seq_ids=plan.finished_seq_ids, reset=plan.reset)
+    for src, dst in plan.block_copies:
+        msg.block_copies.add(src_block_id=src, dst_block_id=dst)
+    for n in plan.new_seqs:
+        m = msg.new_seqs.add(
+            seq_id=n.seq_id, token_ids=n.token_ids, prompt_len=n.prompt_len, num_computed=n.num_computed,
+            num_scheduled=n.num_scheduled, block_ids=n.block_ids, eos_token_ids=n.sampling.eos_token_ids,
+            choice_index=n.choice_index, entropy_seed=n.entropy_seed, request_id=n.request_id,
+            traceparent=n.trace_context,
+        )
+        sampling_params_to_pb(n.sampling, m.params)
+        if n.prompt_scoring is not None:
+            _scoring_to_pb(n.prompt_scoring, m.prompt_scoring)
+    if plan.cached_seqs:
+        c = msg.cached
+        cached = plan.cached_seqs
+        c.seq_ids.extend([s.seq_id for s in cached])
+        c.num_scheduled.extend([s.num_scheduled for s in cached])
+        c.block_offsets.extend([s.block_offset for s in cached])
+        c.num_block_ids.extend([len(s.block_ids) for s in cached])
+        for s in cached:
+            if s.block_ids:
+                c.block_ids.extend(s.block_ids)
+        if any(s.new_token_ids for s in cached):
+            c.num_new_token_ids.extend([len(s.new_token_ids) for s in cached])
+            for s in cached:
+                c.new_token_ids.extend(s.new_token_ids)
+        for i, s in enumerate(cached):
+            if s.prompt_scoring is not None:
+                _scoring_to_pb(s.prompt_scoring, c.prompt_scoring.add(index=i).scoring)
+    return msg
+
+
+def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
+    """Raises PlanDecodeError when the message's fields disagree."""
+    step = msg.micro_batch_id
+    new_seqs = []
+    for m in msg.new_seqs:
+        try:
+            sampling = sampling_params_from_pb(m.params, m.eos_token_ids)
+        except PlanDecodeError as exc:
+            raise PlanDecodeError(f"step {step}, sequence {m.seq_id}: {exc}") from None
+        new_seqs.append(NewSeq(
+            m.seq_id, tuple(m.token_ids), m.prompt_len, m.num_computed, m.num_scheduled,
+            tuple(m.block_ids), sampling, m.choice_index, m.entropy_seed, m.request_id, m.traceparent,
+            _scoring_from_pb(m.prompt_scoring) if m.HasField("prompt_scoring") else None,
+        ))
+    c = msg.cached
+    n = len(c.seq_ids)
+    if not (len(c.num_scheduled) == len(c.block_offsets) == len(c.num_block_ids) == n):
+        raise PlanDecodeError(
+            f"step {step}: cached columns differ in length (seq_ids {n}, num_scheduled "
+            f"{len(c.num_scheduled)}, block_offsets {len(c.block_offsets)}, num_block_ids {len(c.num_block_ids)})")
+    block_counts = list(c.num_block_ids)
+    if sum(block_counts) != len(c.block_ids):
+        raise PlanDecodeError(f"step {step}: num_block_ids sum to {sum(block_counts)}, block_ids holds {len(c.block_ids)}")
+    token_counts = list(c.num_new_token_ids)
+    if token_counts and len(token_counts) != n:
+        raise PlanDecodeError(f"step {step}: {len(token_counts)} num_new_token_ids for {n} cached sequences")
+    if sum(token_counts) != len(c.new_token_ids):
+        raise PlanDecodeError(
+            f"step {step}: num_new_token_ids sum to {sum(token_counts)}, new_token_ids holds {len(c.new_token_ids)}")
+    scoring: dict[int, PromptScoring] = {}
+    for entry in c.prompt_scoring:
+        if entry.index >= n or entry.index in scoring:
+            raise PlanDecodeError(f"step {step}: prompt scoring for cached index {entry.index} of {n}")
+        scoring[entry.index] = _scoring_from_pb(entry.scoring)
+    ids, blocks, tokens = list(c.seq_ids), list(c.block_ids), list(c.new_token_ids)
+    num_scheduled, offsets = list(c.num_scheduled), list(c.block_offsets)
+    cached = []
+    b = t = 0
+    for i in range(n):
+        nb = block_counts[i]
+        nt = token_counts[i] if token_counts else 0
+        cached.append(CachedSeq(ids[i], num_scheduled[i], offsets[i], tuple(blocks[b:b + nb]),
+                                tuple(tokens[t:t + nt]), scoring.get(i)))
+        b += nb
+        t += nt
+    return StepPlan(
+        step, tuple(new_seqs), tuple(cached), tuple(msg.finished_seq_ids),
+        tuple((x.src_block_id, x.dst_block_id) for x in msg.block_copies), msg.reset,
+    )
+
+
+# --- results ------------------------------------------------------------------------------
+
+
+def result_to_pb(result: StepResult, done: worker_pb2.MicroBatchDone) -> None:
+    """The last stage's samples and scored prompt positions into its MicroBatchDone."""
+    for s in result.sampled:
+        entry = done.sampled.add(seq_id=s.seq_id, token_id=s.token_id)
+        if s.logprobs is not None:  # (rank 0: a sampled token's rank is not computed)
+            set_top_logprobs(entry.logprobs, s.token_id, s.logprobs.logprob, 0, s.logprobs.top)
+    for p in result.prompt_logprobs:
+        entry = done.prompt_logprobs.add(seq_id=p.seq_id, first_position=p.first_position)
+        for pos in p.positions:
+            set_top_logprobs(entry.positions.add(), pos.token_id, pos.logprob, pos.rank, pos.top)
+
+
+def result_from_pb(done: worker_pb2.MicroBatchDone, timings: tuple[StageTiming, ...] = ()) -> StepResult:
+    sampled = tuple(
+        SampledToken(s.seq_id, s.token_id,
+                     TokenLogprobs(s.logprobs.sampled.logprob, [(t.token_id, t.logprob) for t in s.logprobs.top])
+                     if s.HasField("logprobs") else None)
+        for s in done.sampled
+    )
+    prompt = tuple(
+        ScoredPrompt(p.seq_id, p.first_position, tuple(
+            PositionLogprobs(x.sampled.token_id, x.sampled.logprob, x.sampled.rank,
+                             [(t.token_id, t.logprob) for t in x.top])
+            for x in p.positions))
+        for p in done.prompt_logprobs
+    )
+    return StepResult(done.micro_batch_id, sampled, prompt, timings)

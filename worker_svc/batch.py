@@ -1,0 +1,185 @@
+"""A stage's persistent batch: every sequence's state, kept across steps and updated by diffs.
+
+The scheduler sends a sequence whole once (`NewSeq`) and afterwards only what changed
+(`CachedSeq`); this is where a stage keeps the rest (vLLM's persistent batch). `apply`
+validates a whole `StepPlan` against the state before it changes anything, so a malformed
+plan fails alone and leaves the stage as it was.
+
+Invariants of each `SeqState`: `num_computed <= len(token_ids)` on the first and last stage
+(they hold every known token: the first stage from the plans, the last stage from the plans
+and its own samples); the block table covers positions `0 ... num_computed - 1`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.sampling import SamplingParams
+from services.step import PromptScoring, StepPlan
+from worker_svc.errors import InvalidPlanError
+
+MAX_PROMPT_NUM_TOP = 20
+
+
+@dataclass(slots=True)
+class SeqState:
+    seq_id: int
+    token_ids: list[int]
+    prompt_len: int
+    num_computed: int
+    block_ids: list[int]
+    sampling: SamplingParams
+    choice_index: int
+    entropy_seed: int
+    request_id: str = ""
+    trace_context: str = ""
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+@dataclass(slots=True)
+class Row:
+    """One sequence's share of a step: `num_tokens` tokens at positions `start ...`."""
+
+    state: SeqState
+    start: int
+    num_tokens: int
+    sample: bool
+    prompt_scoring: PromptScoring | None = None
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def seq_id(self) -> int:
+        return self.state.seq_id
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What a plan is checked against."""
+
+    is_first: bool
+    is_last: bool
+    num_blocks: int
+    block_size: int
+    max_positions: int
+    vocab_size: int
+
+
+class PersistentBatch:
+    """The sequences a stage holds, by id. Owned by the stage's compute thread."""
+
+    def __init__(self, shape: StageShape) -> None:
+        self.shape = shape
+        self.seqs: dict[int, SeqState] = {}
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def apply(self, plan: StepPlan) -> list[Row]:
+        """Validate the plan whole, then apply it; returns the step's rows in token order."""
+        self.validate(plan)
+        if plan.reset:
+            self.seqs.clear()
+        for seq_id in plan.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        shape, rows = self.shape, []
+        for n in plan.new_seqs:
+            state = SeqState(n.seq_id, list(n.token_ids), n.prompt_len, n.num_computed, list(n.block_ids),
+                             n.sampling, n.choice_index, n.entropy_seed, n.request_id, n.trace_context)
+            self.seqs[n.seq_id] = state
+            rows.append(self._row(state, n.num_scheduled, n.prompt_scoring))
+        for c in plan.cached_seqs:
+            state = self.seqs[c.seq_id]
+            if c.block_ids or c.block_offset < len(state.block_ids):
+                del state.block_ids[c.block_offset:]
+                state.block_ids.extend(c.block_ids)
+            if c.new_token_ids and not shape.is_last:
+                state.token_ids.extend(c.new_token_ids)
+            rows.append(self._row(state, c.num_scheduled, c.prompt_scoring))
+        return rows
+
+    def _row(self, state: SeqState, num_tokens: int, scoring: PromptScoring | None) -> Row:
+        start = state.num_computed
+        end = start + num_tokens
+        state.num_computed = end
+        return Row(state, start, num_tokens, self.shape.is_last and end == len(state.token_ids), scoring)
+
+    def record_sampled(self, rows: list[Row], token_ids: list[int]) -> None:
+        """The last stage appends what it sampled: the next step's input for these sequences."""
+        for row, token in zip((r for r in rows if r.sample), token_ids, strict=True):
+            row.state.token_ids.append(token)
+
+    # --- validation ----------------------------------------------------------------------
+
+    def validate(self, plan: StepPlan) -> None:
+        """Raise InvalidPlanError for anything malformed or inconsistent with the state."""
+        shape = self.shape
+        step = f"step {plan.step_id}"
+        if not plan.new_seqs and not plan.cached_seqs:
+            raise InvalidPlanError(f"{step}: no sequences")
+        held = set() if plan.reset else set(self.seqs)
+        held.difference_update(plan.finished_seq_ids)
+        seen: set[int] = set()
+        for n in plan.new_seqs:
+            where = f"{step}, sequence {n.seq_id}"
+            if n.seq_id in seen:
+                raise InvalidPlanError(f"{where}: appears twice")
+            seen.add(n.seq_id)
+            if not 0 <= n.prompt_len <= len(n.token_ids) or not n.prompt_len:
+                raise InvalidPlanError(f"{where}: prompt_len {n.prompt_len} with {len(n.token_ids)} tokens")
+            if shape.is_first and any(not 0 <= t < shape.vocab_size for t in n.token_ids):
+                raise InvalidPlanError(f"{where}: token id outside [0, {shape.vocab_size})")
+            self._check_step(where, n.num_computed, n.num_scheduled, len(n.token_ids), n.block_ids,
+                             n.prompt_scoring)
+        for c in plan.cached_seqs:
+            where = f"{step}, sequence {c.seq_id}"
+            if c.seq_id in seen:
+                raise InvalidPlanError(f"{where}: appears twice")
+            seen.add(c.seq_id)
+            if c.seq_id not in held:
+                raise InvalidPlanError(f"{where}: not held by this stage (send it as a new sequence)")
+            state = self.seqs[c.seq_id]
+            if not 0 <= c.block_offset <= len(state.block_ids):
+                raise InvalidPlanError(
+                    f"{where}: block_offset {c.block_offset} beyond its {len(state.block_ids)} blocks")
+            table = state.block_ids[: c.block_offset] + list(c.block_ids)
+            num_tokens = len(state.token_ids)
+            if not shape.is_last:
+                num_tokens += len(c.new_token_ids)
+                if shape.is_first and any(not 0 <= t < shape.vocab_size for t in c.new_token_ids):
+                    raise InvalidPlanError(f"{where}: token id outside [0, {shape.vocab_size})")
+            self._check_step(where, state.num_computed, c.num_scheduled, num_tokens, table, c.prompt_scoring)
+        for src, dst in plan.block_copies:
+            if not (0 <= src < shape.num_blocks and 0 <= dst < shape.num_blocks) or src == dst:
+                raise InvalidPlanError(f"{step}: block copy {src}->{dst} invalid for {shape.num_blocks} blocks")
+
+    def _check_step(self, where: str, start: int, num_tokens: int, num_known: int, table,
+                    scoring: PromptScoring | None) -> None:
+        shape = self.shape
+        end = start + num_tokens
+        if num_tokens < 1 or start < 0:
+            raise InvalidPlanError(f"{where}: {num_tokens} tokens from position {start}: need at least one")
+        if end > shape.max_positions:
+            raise InvalidPlanError(f"{where}: context {end} exceeds max_position_embeddings {shape.max_positions}")
+        if (shape.is_first or shape.is_last) and end > num_known:
+            raise InvalidPlanError(f"{where}: computes up to position {end - 1} but knows {num_known} tokens")
+        needed = -(-end // shape.block_size)
+        if len(table) < needed:
+            raise InvalidPlanError(f"{where}: block table has {len(table)} blocks, context needs {needed}")
+        for b in table[:needed]:
+            if not 0 <= b < shape.num_blocks:
+                raise InvalidPlanError(f"{where}: block id {b} out of range [0, {shape.num_blocks})")
+        if scoring is not None and (
+                not scoring.targets or scoring.first_position < start
+                or scoring.first_position + len(scoring.targets) > end
+                or not 0 <= scoring.num_top <= MAX_PROMPT_NUM_TOP
+                or any(not 0 <= t < shape.vocab_size for t in scoring.targets)):
+            raise InvalidPlanError(
+                f"{where}: prompt scoring of {len(scoring.targets)} targets from position "
+                f"{scoring.first_position} (top {scoring.num_top}) does not fit its new tokens "
+                f"{start}..{end - 1} and vocabulary")
