@@ -64,7 +64,7 @@ class _DecodeGroup:
     """Single-token rows attended together: their K/V gathered into one padded batch."""
 
     token_rows: torch.Tensor  # [n] rows of q / out
-    tables: torch.Tensor  # [n, blocks]: each row's blocks, padded (padding masked out)
+    tables: torch.Tensor  # [n * blocks]: each row's blocks, padded (padding masked out), flat
     max_ctx: int
     keep: torch.Tensor | None  # [n, 1, 1, max_ctx] bool (True = attend); None: attend to all
 
@@ -115,9 +115,12 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         groups, prefills = self._plan(metadata, block_size, num_kv_heads * head_dim, sliding_window)
         for g in groups:
-            n, blocks = g.tables.shape
-            k = k_pool[g.tables].view(n, blocks * block_size, num_kv_heads, head_dim)[:, :g.max_ctx]
-            v = v_pool[g.tables].view(n, blocks * block_size, num_kv_heads, head_dim)[:, :g.max_ctx]
+            # index_select over whole blocks: several times faster on CPU than advanced indexing
+            n = g.token_rows.shape[0]
+            blocks = g.tables.shape[0] // n
+            k = k_pool.index_select(0, g.tables).view(n, blocks * block_size, num_kv_heads, head_dim)
+            v = v_pool.index_select(0, g.tables).view(n, blocks * block_size, num_kv_heads, head_dim)
+            k, v = k[:, :g.max_ctx], v[:, :g.max_ctx]
             o = F.scaled_dot_product_attention(
                 q[g.token_rows].unsqueeze(2),  # [n, heads, 1, d]
                 k.transpose(1, 2),  # [n, kv_heads, max_ctx, d]
@@ -133,8 +136,8 @@ class TorchAttentionBackend:
             q_start, q_end = starts[i], starts[i + 1]
             num_blocks = -(-ctx // block_size)
             blocks = metadata.block_tables[i, :num_blocks]
-            k = k_pool[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]  # [ctx, kv_heads, d]
-            v = v_pool[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            k = k_pool.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx]  # [ctx, kv_heads, d]
+            v = v_pool.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx]
             o = F.scaled_dot_product_attention(
                 q[q_start:q_end].transpose(0, 1),  # [heads, num_new, d]
                 k.transpose(0, 1),
@@ -177,7 +180,7 @@ class TorchAttentionBackend:
         ctx_list = [metadata.context_lens_list[i] for i in rows]
         max_ctx = ctx_list[-1]
         index = torch.tensor(rows, dtype=torch.long, device=device)
-        tables = metadata.block_tables[index, :-(-max_ctx // block_size)]
+        tables = metadata.block_tables[index, :-(-max_ctx // block_size)].reshape(-1)
         token_rows = torch.tensor([metadata.query_start_loc_list[i] for i in rows],
                                   dtype=torch.long, device=device)
         keep = None
