@@ -3,36 +3,66 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 from scheduler_svc.core.queue import POLICIES
+
+SAME = object()  # EngineArg.cli_default: the field's own default
+
+
+@dataclass(frozen=True)
+class EngineArg:
+    """How an engine setting appears on the command line (vLLM's EngineArgs, in one place).
+
+    `pagoda scheduler` and `pagoda serve` get a `--kebab-case` flag per field that carries
+    one, with a `PAGODA_<NAME>` environment default; `pagoda serve` passes the same flags on
+    to its scheduler. `kind`: "int", "float", "str", "bool" (--x / --no-x), "auto_bool"
+    (--x / --no-x, unset = auto), "switch" (--x only), "weights" (a=3,b=1).
+    """
+
+    help: str
+    kind: str = "int"
+    choices: tuple[str, ...] | None = None
+    cli_default: object = SAME  # the flag's default when it differs from the field's
+    passed_by_serve: bool = True  # `pagoda serve` passes it on (else it sets it itself)
+
+
+def _arg(default, help: str, kind: str = "int", **kw):
+    meta = {"engine_arg": EngineArg(help, kind, **kw)}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     model: str = ""
-    pipeline_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    # None ("auto"): asynchronous with several stages, synchronous with one. With one stage,
-    # two micro-batches in flight split the running sequences and lose to one
-    # (`pagoda bench` (b): 0.68x on the 25M model, 0.84-0.99x on the tiny one).
-    async_scheduling: bool | None = None
-    scheduler_policy: str = "fcfs"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    microbatch_size: str | int = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # checked against the KV service and every stage
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    scheduler_timeout_ms: int = 50
-    max_model_len: int = 4096
-    tenant_weights: Mapping[str, float] = field(default_factory=dict)
-    enforce_tenants: bool = False
-    aging_rate: float = 0.0
-    max_queue_len: int = 10_000
-    recovery_timeout_s: float = 60.0
+    pipeline_parallel_size: int = _arg(1, "pipeline stages (1..8)", passed_by_serve=False)
+    tensor_parallel_size: int = _arg(1, "tensor parallelism inside a stage (only 1 is built)")
+    # None ("auto"): asynchronous. With one stage, a decoding sequence's next step is planned
+    # before its token is known (placeholder steps, docs/step-protocol.md): `pagoda serve`
+    # 1.13x the output tok/s and 0.69x the latency of synchronous (bench/vs_vllm.py)
+    async_scheduling: bool | None = _arg(
+        None, "plan the next step while one runs (default: on; see docs/step-protocol.md)", "auto_bool")
+    scheduler_policy: str = _arg("fcfs", "waiting-queue order", "str", choices=POLICIES)
+    max_num_batched_tokens: int = _arg(2048, "most tokens in one step")
+    max_num_seqs: int = _arg(256, "most sequences running at once")
+    microbatch_size: str | int = _arg("auto", "sequences per micro-batch: auto or a number", "str")
+    block_size: int = _arg(16, "KV slots per block", passed_by_serve=False)
+    # None: not checked against the KV service and the stages
+    num_kv_blocks: int | None = _arg(None, "KV blocks (as the KV service and every stage have)",
+                                     cli_default=1024, passed_by_serve=False)
+    enable_chunked_prefill: bool = _arg(True, "split long prompts over steps", "bool")
+    enable_prefix_caching: bool = _arg(True, "share KV blocks of common prefixes", "bool")
+    preemption_mode: str = _arg("recompute", "how a request gives its KV back", "str", choices=("recompute",))
+    scheduler_timeout_ms: int = _arg(50, "longest idle wait of the scheduler loop")
+    max_model_len: int = _arg(4096, "longest context (default: the model's max_position_embeddings)",
+                              cli_default=None)
+    tenant_weights: Mapping[str, float] = _arg({}, "weighted fair queuing, e.g. a=3,b=1", "weights")
+    enforce_tenants: bool = _arg(False, "refuse requests of tenants without a weight", "switch")
+    aging_rate: float = _arg(0.0, "priority gained per second of waiting", "float")
+    max_queue_len: int = _arg(10_000, "most requests waiting")
+    recovery_timeout_s: float = _arg(60.0, "how long requests wait for a failed pipeline", "float")
     max_request_failures: int = 3
     trace_file: str | None = None
 
@@ -67,9 +97,9 @@ class SchedulerConfig:
 
     @property
     def is_async(self) -> bool:
-        """Whether scheduling is asynchronous: as set, else with more than one stage."""
+        """Whether scheduling is asynchronous: as set, else yes."""
         if self.async_scheduling is None:
-            return self.pipeline_parallel_size > 1
+            return True
         return self.async_scheduling
 
     @property
@@ -78,3 +108,15 @@ class SchedulerConfig:
         if not self.is_async:
             return 1
         return max(2, self.pipeline_parallel_size)
+
+
+def engine_args() -> list[tuple[str, EngineArg, object]]:
+    """(field name, how it appears on the command line, the flag's default), in field order."""
+    out = []
+    for f in fields(SchedulerConfig):
+        arg = f.metadata.get("engine_arg")
+        if arg is None:
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()
+        out.append((f.name, arg, default if arg.cli_default is SAME else arg.cli_default))
+    return out

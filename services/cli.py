@@ -171,75 +171,43 @@ def _tenant_weights(text: str) -> dict[str, float]:
     return out
 
 
+_PARSERS = {"int": int, "float": float, "str": str, "bool": _bool, "switch": _bool,
+            "auto_bool": _bool_or_auto, "weights": _tenant_weights}
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Every scheduler setting of the design, as a kebab-case flag with a PAGODA_* default."""
-    p.add_argument("--pipeline-parallel-size", type=int, default=_env("pipeline_parallel_size", 1, int))
-    p.add_argument("--tensor-parallel-size", type=int, default=_env("tensor_parallel_size", 1, int))
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                   default=_env("async_scheduling", None, _bool_or_auto),
-                   help="plan while micro-batches run (default: with more than one stage)")
-    p.add_argument("--scheduler-policy", choices=["fcfs", "priority", "hybrid"],
-                   default=_env("scheduler_policy", "fcfs"))
-    p.add_argument("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 2048, int))
-    p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 256, int))
-    p.add_argument("--microbatch-size", default=_env("microbatch_size", "auto"))
-    p.add_argument("--block-size", type=int, default=_env("block_size", 16, int))
-    p.add_argument("--num-kv-blocks", type=int, default=_env("num_kv_blocks", 1024, int))
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=_env("enable_chunked_prefill", True, _bool))
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=_env("enable_prefix_caching", True, _bool))
-    p.add_argument("--preemption-mode", choices=["recompute"], default=_env("preemption_mode", "recompute"))
-    p.add_argument("--scheduler-timeout-ms", type=int, default=_env("scheduler_timeout_ms", 50, int))
-    p.add_argument("--max-model-len", type=int, default=_env("max_model_len", None, int),
-                   help="default: the model's max_position_embeddings")
-    p.add_argument("--tenant-weights", type=_tenant_weights, default=_env("tenant_weights", {}, _tenant_weights),
-                   help="weighted fair queuing, e.g. a=3,b=1")
-    p.add_argument("--enforce-tenants", action="store_true", default=_env("enforce_tenants", False, _bool))
-    p.add_argument("--aging-rate", type=float, default=_env("aging_rate", 0.0, float))
-    p.add_argument("--max-queue-len", type=int, default=_env("max_queue_len", 10_000, int))
-    p.add_argument("--recovery-timeout-s", type=float, default=_env("recovery_timeout_s", 60.0, float))
+    """Every engine setting (`SchedulerConfig`'s fields that carry an `EngineArg`) as a
+    kebab-case flag with a PAGODA_* default: generated, so the flag, the variable and the
+    field cannot drift apart."""
+    from scheduler_svc.config import engine_args
+
+    for name, arg, default in engine_args():
+        flag = "--" + name.replace("_", "-")
+        value = _env(name, default, _PARSERS[arg.kind])
+        if arg.kind in ("bool", "auto_bool"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=arg.help)
+        elif arg.kind == "switch":
+            p.add_argument(flag, action="store_true", default=value, help=arg.help)
+        else:
+            p.add_argument(flag, type=_PARSERS[arg.kind], choices=arg.choices, default=value, help=arg.help)
 
 
 def scheduler_config_from_args(args: argparse.Namespace, model: str):
     import os
 
-    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.config import SchedulerConfig, engine_args
 
-    max_model_len = args.max_model_len
-    if max_model_len is None:
+    settings = {name: getattr(args, name) for name, _, _ in engine_args()}
+    if settings["max_model_len"] is None:
         try:
             config = json.loads((Path(model) / "config.json").read_text())
-            max_model_len = int(config.get("max_position_embeddings", 4096))
+            settings["max_model_len"] = int(config.get("max_position_embeddings", 4096))
         except (OSError, ValueError):
-            max_model_len = 4096
+            settings["max_model_len"] = 4096
     trace_file = None
     if os.environ.get("PAGODA_TRACE_SCHEDULER") == "1":
         trace_file = os.environ.get("PAGODA_TRACE_FILE") or "pagoda-scheduler-trace.jsonl"
-    microbatch = args.microbatch_size
-    return SchedulerConfig(
-        model=model,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        tensor_parallel_size=args.tensor_parallel_size,
-        async_scheduling=args.async_scheduling,
-        scheduler_policy=args.scheduler_policy,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        microbatch_size=microbatch if microbatch == "auto" else int(microbatch),
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        scheduler_timeout_ms=args.scheduler_timeout_ms,
-        max_model_len=max_model_len,
-        tenant_weights=args.tenant_weights,
-        enforce_tenants=args.enforce_tenants,
-        aging_rate=args.aging_rate,
-        max_queue_len=args.max_queue_len,
-        recovery_timeout_s=args.recovery_timeout_s,
-        trace_file=trace_file,
-    )
+    return SchedulerConfig(model=model, trace_file=trace_file, **settings)
 
 
 def _cmd_scheduler(args: argparse.Namespace) -> int:

@@ -19,6 +19,16 @@ from pathlib import Path
 from services.grpc_utils import check_health
 
 
+def default_threads_per_stage(num_stages: int) -> int:
+    """Torch intra-op threads per local stage: the cores but one, divided among the stages.
+
+    One core is left to the scheduler, the gateway and the KV service (vLLM-cpu likewise
+    keeps a core for its front end): on 2 cores, a stage with 2 threads fighting those
+    processes served at 0.56x of one with 1 thread (`bench/vs_vllm.py`, docs/benchmarks.md).
+    """
+    return max(1, ((os.cpu_count() or 1) - 1) // num_stages)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the service binds it right after)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -182,11 +192,11 @@ def start_stack(
 ) -> Stack:
     """Start KV service, `num_stages` workers and the scheduler on free loopback ports.
 
-    Workers get `threads_per_worker` torch threads each (default: the cores divided among
-    them, at least 1), so that local stages do not oversubscribe the machine.
+    Workers get `threads_per_worker` torch threads each (default: the cores but one divided
+    among them, at least 1), so that local stages do not oversubscribe the machine.
     """
     env = dict(env or {})
-    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // num_stages)
+    threads = threads_per_worker or default_threads_per_stage(num_stages)
     metrics_urls: dict[str, str] = {}
 
     def metrics_flag(name: str) -> list[str]:

@@ -136,6 +136,9 @@ class LLM:
         num_kv_blocks = config_fields.pop("num_kv_blocks", 1024)
         dtype = config_fields.pop("dtype", "auto")
         device = config_fields.pop("device", None)
+        # one process: the stages' thread and the planner share the GIL, so planning ahead
+        # does not overlap compute here (in-process async measured 0.96x of sync)
+        config_fields.setdefault("async_scheduling", False)
         self.model = model
         self.config = SchedulerConfig(model=model, num_kv_blocks=num_kv_blocks, **config_fields)
         self._engine_args = (num_kv_blocks, dtype, device)

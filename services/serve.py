@@ -11,38 +11,37 @@ finish within the grace period), then the rest, leaving no orphans.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
 from pathlib import Path
 
-from services.launcher import ServiceProcess, free_port, pagoda_command, start_stack, stop_all
-
-# engine flags that `start_stack` passes itself
-_OWN_FLAGS = {"pipeline_parallel_size", "num_kv_blocks", "block_size"}
-ENGINE_FLAGS = (
-    "tensor_parallel_size", "async_scheduling", "scheduler_policy", "max_num_batched_tokens",
-    "max_num_seqs", "microbatch_size", "enable_chunked_prefill", "enable_prefix_caching",
-    "preemption_mode", "scheduler_timeout_ms", "max_model_len", "tenant_weights",
-    "enforce_tenants", "aging_rate", "max_queue_len", "recovery_timeout_s",
+from services.launcher import (
+    ServiceProcess,
+    default_threads_per_stage,
+    free_port,
+    pagoda_command,
+    start_stack,
+    stop_all,
 )
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine settings of `pagoda serve` as `pagoda scheduler` flags."""
+    """The engine settings of `pagoda serve` as `pagoda scheduler` flags (the ones that
+    `start_stack` does not pass itself), from the one definition (`EngineArg`)."""
+    from scheduler_svc.config import engine_args
+
     out: list[str] = []
-    for name in ENGINE_FLAGS:
+    for name, arg, _ in engine_args():
         value = getattr(args, name)
         flag = "--" + name.replace("_", "-")
-        if value is None:
+        if not arg.passed_by_serve or value is None:
             continue
-        if isinstance(value, bool):
-            if name == "enforce_tenants":
-                if value:
-                    out.append(flag)
-            else:
-                out.append(flag if value else "--no-" + name.replace("_", "-"))
+        if arg.kind == "switch":
+            if value:
+                out.append(flag)
+        elif isinstance(value, bool):
+            out.append(flag if value else "--no-" + name.replace("_", "-"))
         elif isinstance(value, dict):
             if value:
                 out += [flag, ",".join(f"{k}={v}" for k, v in value.items())]
@@ -63,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or Path.home() / ".cache" / "pagoda" / "logs" / time.strftime("%Y%m%d-%H%M%S"))
     log_dir.mkdir(parents=True, exist_ok=True)
     n = args.pipeline_parallel_size
-    threads = args.num_threads or max(1, (os.cpu_count() or 1) // n)
+    threads = args.num_threads or default_threads_per_stage(n)
     print(f"pagoda serve: starting {n} stage(s), KV service, scheduler and gateway for {model_dir}")
     print(f"  logs: {log_dir}")
     stopping = False
@@ -195,7 +194,7 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--quantization", default=env("quantization"), choices=["fp8"],
                    help="fp8: linear-layer weights in float8_e4m3fn, per-output-channel scales")
     p.add_argument("--num-threads", type=int, default=env("num_threads", None, int),
-                   help="torch threads per stage (default: cores / stages)")
+                   help="torch threads per stage (default: the cores but one, divided among the stages)")
     p.add_argument("--max-body-bytes", type=int, default=env("max_body_bytes", None, int))
     p.add_argument("--metrics", action="store_true", default=env("metrics", False, lambda v: v == "1"),
                    help="serve Prometheus metrics from the KV service, stages and scheduler too")

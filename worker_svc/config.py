@@ -61,10 +61,11 @@ class WorkerConfig:
 
     @property
     def resolved_num_threads(self) -> int:
-        """Intra-op threads: the flag, else the machine's cores divided among the local stages."""
+        """Intra-op threads: the flag, else the machine's cores but one (left to the scheduler,
+        gateway and KV service) divided among the local stages."""
         if self.num_threads is not None:
             return self.num_threads
-        return max(1, (os.cpu_count() or 1) // self.num_stages)
+        return max(1, ((os.cpu_count() or 1) - 1) // self.num_stages)
 
     def max_message_bytes(self, hidden_size: int) -> int:
         """The largest micro-batch message this configuration allows, with headroom.

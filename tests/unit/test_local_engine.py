@@ -131,3 +131,54 @@ def test_trace_shows_overlap_only_when_asynchronous(model_dir, tmp_path, async_s
         assert dispatched_before_previous_returned > 0
     else:
         assert dispatched_before_previous_returned == 0
+
+
+def test_one_stage_async_runs_the_next_step_on_the_stages_own_token(model_dir, reference, tmp_path):
+    """vLLM-style async scheduling with one stage: step k+1 of a decoding sequence is planned
+    and dispatched before step k's result reaches the scheduler, carrying no token for it
+    (the stage samples step k's token and feeds it to step k+1 itself); outputs stay exact."""
+    import json
+
+    trace = tmp_path / "trace.jsonl"
+    ps = prompts()[:4]
+    greedy = [SamplingOptions(max_tokens=20, temperature=0.0, ignore_eos=True)] * len(ps)
+    plans = []
+
+    async def go():
+        config = SchedulerConfig(block_size=16, num_kv_blocks=512, max_num_batched_tokens=512,
+                                 async_scheduling=True, trace_file=str(trace))
+        engine = build_local_engine(model_dir, config, num_kv_blocks=512)
+        submit = engine.transport.submit
+
+        async def spy(plan):
+            plans.append(plan)
+            await submit(plan)
+
+        engine.transport.submit = spy
+        await engine.start()
+        try:
+            streams = [engine.submit(Request(f"r{i}", tuple(p), o, 0.0))
+                       for i, (p, o) in enumerate(zip(ps, greedy, strict=True))]
+
+            async def collect(stream):
+                return [t async for out in stream for d in out.deltas for t in d.token_ids]
+
+            return await asyncio.gather(*(collect(s) for s in streams)), engine.planner.num_placeholder_steps
+        finally:
+            await engine.stop()
+
+    outputs, placeholders = asyncio.run(go())
+    for p, out in zip(ps, outputs, strict=True):
+        assert len(out) == 20 and reference.compare(p, out).tie_divergences == 0
+    assert placeholders >= 4 * 20 // 2
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    returned: set[int] = set()
+    ahead = 0
+    for e in events:
+        if e["event"] == "result":
+            returned.add(e["micro_batch_id"])
+        elif e["event"] == "dispatched" and e["micro_batch_id"] - 1 in {p.step_id for p in plans}:
+            ahead += e["micro_batch_id"] - 1 not in returned
+    assert ahead >= 10  # most steps were in the stage's hands before the previous one returned
+    decodes = [p for p in plans if p.cached_seqs and not p.new_seqs]
+    assert decodes and all(not c.new_token_ids for p in decodes for c in p.cached_seqs)

@@ -88,8 +88,10 @@ def test_tensor_parallel_is_refused_clearly():
         SchedulerConfig(tensor_parallel_size=2)
 
 
-def test_async_scheduling_defaults_to_the_number_of_stages():
-    assert not SchedulerConfig().is_async and SchedulerConfig().max_in_flight == 1
+def test_async_scheduling_is_on_by_default():
+    assert SchedulerConfig().is_async and SchedulerConfig().max_in_flight == 2
+    assert not SchedulerConfig(async_scheduling=False).is_async
+    assert SchedulerConfig(async_scheduling=False).max_in_flight == 1
     assert SchedulerConfig(pipeline_parallel_size=2).is_async
     assert SchedulerConfig(pipeline_parallel_size=3).max_in_flight == 3
     assert SchedulerConfig(async_scheduling=True).max_in_flight == 2
