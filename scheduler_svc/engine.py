@@ -32,6 +32,7 @@ from services import telemetry
 from services.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
+_NO_KV_CHANGES = StepOutput(results={}, copies=())
 
 
 # --- what transports report -----------------------------------------------------------
@@ -355,7 +356,8 @@ class Engine:
                 return
             proposal = planner.propose()
             try:
-                output = await self.kv.step(proposal.step_input)
+                # decodes inside their blocks only: no round trip (the KV service catches up later)
+                output = _NO_KV_CHANGES if proposal.skips_kv else await self.kv.step(proposal.step_input)
             except Exception as exc:  # the KV service is down (or refused a step: a bug)
                 log.error("KV step failed: %s", exc)
                 self._mark_unhealthy(f"KV service: {exc}")

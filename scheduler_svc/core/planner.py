@@ -125,6 +125,10 @@ class Proposal:
     planned: dict[int, tuple[int, int]] = field(default_factory=dict)
     # decodes of sequences whose previous step is still in flight: (sequence, position)
     speculative: list[tuple[Sequence, int]] = field(default_factory=list)
+    # decodes inside their last block: the KV service is told their tokens later
+    deferred: list[Sequence] = field(default_factory=list)
+    # nothing for the KV service this step: the caller skips its round trip
+    skips_kv: bool = False
 
     @property
     def has_work(self) -> bool:
@@ -153,6 +157,7 @@ class Planner:
         # seq_id -> steps in flight holding it (two at most: a step and its placeholder step)
         self._busy: dict[int, int] = {}
         self._last_record: dict[int, ScheduledSeq] = {}  # seq_id -> its latest step in flight
+        self._kv_steps: set[int] = set()  # steps the KV service recorded (not told done yet)
         self._next_seq_id = 1
         self._next_mb_id = 1
         self._admission_counter = 0
@@ -273,7 +278,7 @@ class Planner:
         appends: list[Append] = []
         new_sequences: list[NewSequence] = []
         forks: list[Fork] = []
-        proposal = Proposal(StepInput(), None)
+        proposal = Proposal(StepInput(), None)  # (an empty step: the KV service changes nothing)
 
         # 0. placeholder decodes: the step in flight samples the token this one computes
         if cfg.async_decode:
@@ -281,8 +286,6 @@ class Planner:
                 for seq in request.sequences:
                     if n_seqs >= seq_cap or budget <= 0 or not self._speculable(seq):
                         continue
-                    if seq.kv_len < seq.num_tokens:  # the KV service learns known tokens late
-                        appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, seq.num_tokens)))
                     proposal.speculative.append((seq, seq.num_tokens))
                     budget -= 1
                     n_seqs += 1
@@ -302,9 +305,15 @@ class Planner:
                     # when chunked prefill is off: a fresh prompt is admitted whole)
                     n = min(remaining, budget)
                     start = seq.num_computed
-                    appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, start + n)))
-                    proposal.appends.append(seq)
                     proposal.planned[seq.seq_id] = (start, n)
+                    if (n == 1 and start < len(seq.block_table) * cfg.block_size
+                            and self._target(seq) == seq.num_tokens):
+                        # its block has room: no KV round trip (never for a parent about to
+                        # fork: its children copy what the KV service knows of it)
+                        proposal.deferred.append(seq)
+                    else:  # the KV service catches up on every token it was not told yet
+                        appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, start + n)))
+                        proposal.appends.append(seq)
                     budget -= n
                     n_seqs += 1
         # 3. forks of n > 1 requests whose first choice has prefilled all but the last prompt token
@@ -390,9 +399,16 @@ class Planner:
             budget -= cost
             n_seqs += count
             num_running_seqs += _reserved(request)
-        has_tokens = bool(appends or new_sequences or proposal.speculative)
+        has_tokens = bool(appends or new_sequences or proposal.speculative or proposal.deferred)
         mb_id = self._next_mb_id if has_tokens else None
         proposal.micro_batch_id = mb_id
+        if not (appends or new_sequences or forks or self._pending_frees or self._pending_failed) and (
+                has_tokens or not self.has_pending_kv_work):
+            # decodes inside their blocks only: completions wait for the next call that is needed
+            proposal.skips_kv = True
+            return proposal
+        if mb_id is not None:
+            self._kv_steps.add(mb_id)
         proposal.step_input = StepInput(
             new_sequences=tuple(new_sequences),
             appends=tuple(appends),
@@ -478,8 +494,7 @@ class Planner:
             self._preempt(victim, now)
 
         speculative = [(seq, pos) for seq, pos in proposal.speculative
-                       if seq.has_kv and not seq.is_finished and self._busy.get(seq.seq_id) == 1
-                       and not isinstance(output.results.get(seq.seq_id), NoBlocks)]
+                       if seq.has_kv and not seq.is_finished and self._busy.get(seq.seq_id) == 1]
         discarded = {k for k, r in output.results.items() if isinstance(r, Allocated)} - {
             seq.seq_id for seq, _ in scheduled.values()} - {seq.seq_id for seq, _ in speculative}
         if discarded:
@@ -487,22 +502,26 @@ class Planner:
         records: list[ScheduledSeq] = []
         new_seqs: list[NewSeq] = []
         cached_seqs: list[CachedSeq] = []
-        steps = []  # (sequence, start, num_tokens, samples)
-        for seq, result in scheduled.values():
-            # a sequence's own plan, or the KV service's for a new one (its prefix-cache hit)
-            start, n = proposal.planned.get(seq.seq_id) or (result.num_computed_tokens, len(result.slot_mapping))
-            seq.kv_len = result.num_computed_tokens + len(result.slot_mapping)
-            seq.num_computed = start  # a prefix hit: these tokens are already there
-            seq.block_table = result.block_ids
+        # (sequence, start, num_tokens, samples), in planning order: placeholder decodes, the
+        # running sequences' decodes and chunks, then forks, re-admissions and admissions
+        steps = [(seq, pos, 1, True) for seq, pos in speculative]
+        self.num_placeholder_steps += len(speculative)
+        deferred = {s.seq_id: s for s in proposal.deferred if s.has_kv and not s.is_finished}
+        order = [i for i in proposal.planned if i in deferred or i in scheduled]
+        order += [i for i in scheduled if i not in proposal.planned]
+        for seq_id in order:
+            if seq_id in deferred:  # its block holds the token: the table is unchanged
+                seq = deferred[seq_id]
+                start, n = proposal.planned[seq_id]
+            else:
+                seq, result = scheduled[seq_id]
+                # a sequence's own plan, or the KV service's for a new one (its prefix-cache hit)
+                start, n = proposal.planned.get(seq_id) or (result.num_computed_tokens, len(result.slot_mapping))
+                seq.kv_len = result.num_computed_tokens + len(result.slot_mapping)
+                seq.num_computed = start  # a prefix hit: these tokens are already there
+                seq.block_table = result.block_ids
             end = start + n
             steps.append((seq, start, n, end == self._target(seq) and end == seq.num_tokens))
-        for seq, pos in speculative:  # computes the token its step in flight samples
-            result = output.results.get(seq.seq_id)
-            if isinstance(result, Allocated):
-                seq.kv_len = result.num_computed_tokens + len(result.slot_mapping)
-                seq.block_table = result.block_ids
-            steps.append((seq, pos, 1, True))
-            self.num_placeholder_steps += 1
         for seq, start, n, sample in steps:
             end = start + n
             scoring = self._prompt_scoring(seq, start, end)
@@ -522,7 +541,7 @@ class Planner:
                 seq.request.first_scheduled_s = now
         if not records:
             # the KV service holds this id in flight even with nothing written
-            self._pending_completed.append(mb_id)
+            self._complete_at_kv(mb_id)
             return None
         plan = StepPlan(mb_id, tuple(new_seqs), tuple(cached_seqs), tuple(self._pending_released),
                         tuple(output.copies), self._release_all)
@@ -580,7 +599,7 @@ class Planner:
         """A micro-batch came back: computed tokens advance, sampled tokens append, finishes;
         scored prompt positions extend their request's prompt logprobs."""
         mb = self.in_flight.pop(mb_id)
-        self._pending_completed.append(mb_id)
+        self._complete_at_kv(mb_id)
         by_id: dict[int, list[tuple[int, object]]] = {}
         for s in sampled:
             by_id.setdefault(s.seq_id, []).append((s.token_id, s.logprobs))
@@ -628,7 +647,9 @@ class Planner:
         mb = self.in_flight.pop(mb_id, None)
         if mb is None:
             return []
-        self._pending_failed.append(mb_id)
+        if mb_id in self._kv_steps:
+            self._kv_steps.discard(mb_id)
+            self._pending_failed.append(mb_id)
         hit: list[Request] = []
         for s in mb.seqs:
             self._release_busy(s)
@@ -649,6 +670,7 @@ class Planner:
         self.in_flight.clear()
         self._busy.clear()
         self._last_record.clear()
+        self._kv_steps.clear()
         self._completion_guard.clear()
         self._pending_frees.clear()
         self._pending_completed.clear()
@@ -664,6 +686,12 @@ class Planner:
         return hit
 
     # --- helpers -------------------------------------------------------------------------
+
+    def _complete_at_kv(self, mb_id: int) -> None:
+        """A step is done: the KV service hears of it, if it recorded it (made a call)."""
+        if mb_id in self._kv_steps:
+            self._kv_steps.discard(mb_id)
+            self._pending_completed.append(mb_id)
 
     def _release_busy(self, record: ScheduledSeq) -> None:
         count = self._busy.get(record.seq_id, 0) - 1

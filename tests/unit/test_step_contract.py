@@ -41,14 +41,17 @@ def _run_decodes(pp: int, num_requests: int = 8, prompt_len: int = 40, max_token
                                   presence_penalty=0.5, logit_bias=((7, 1.0),), stop_token_ids=(3, 4))
         planner.add(Request(f"r{i}", prompt, options, 0.0, eos_token_ids=(2,)))
     plans = []
+    kv_calls = []  # per step: whether the KV service was needed
     while planner.requests:
         proposal = planner.propose()
         mb = planner.finalize(proposal, kv.step(proposal.step_input))
         if mb is None:
             continue
+        kv_calls.append(not proposal.skips_kv)
         plans.append(mb.plan)
         sampled = [SampledToken(s.seq_id, 10 + rng.randrange(400)) for s in mb.seqs if s.sample]
         planner.on_result(mb.micro_batch_id, sampled)
+    _run_decodes.kv_calls = kv_calls
     return plans
 
 
@@ -131,3 +134,14 @@ def test_results_round_trip():
     result_to_pb(result, done)
     back = result_from_pb(worker_pb2.MicroBatchDone.FromString(done.SerializeToString()))
     assert back == result
+
+
+def test_a_decode_step_inside_its_blocks_needs_no_kv_round_trip():
+    plans = _run_decodes(pp=1)  # 8 prompts of 40 tokens: they cross block boundaries together
+    calls = _run_decodes.kv_calls
+    decodes = [i for i, p in enumerate(plans) if not p.new_seqs and all(c.num_scheduled == 1 for c in p.cached_seqs)]
+    with_kv = [i for i in decodes if calls[i]]
+    # a call only when the sequences cross into a new block (every 16 tokens)
+    assert len(with_kv) <= len(decodes) // 16 + 2, (len(with_kv), len(decodes))
+    for i in with_kv:
+        assert any(c.block_ids for c in plans[i].cached_seqs)
