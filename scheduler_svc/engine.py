@@ -285,6 +285,10 @@ class Engine:
         try:
             while True:
                 out = await live.outputs.get()
+                # a consumer that fell behind gets the steps it missed as one output, not one
+                # message per token
+                while not out.finished and not live.outputs.empty():
+                    out = _merge(out, live.outputs.get_nowait())
                 yield out
                 if out.finished:
                     return
@@ -641,3 +645,26 @@ class Engine:
             "health_detail": self.health_detail,
         }
 
+
+
+def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: each choice's tokens in order."""
+    by_index = {d.index: d for d in first.deltas}
+    for d in then.deltas:
+        mine = by_index.get(d.index)
+        if mine is None:
+            first.deltas.append(d)
+            by_index[d.index] = d
+            continue
+        mine.token_ids = mine.token_ids + d.token_ids
+        mine.logprobs = mine.logprobs + d.logprobs
+        if d.finish_reason is not None:
+            mine.finish_reason, mine.stop_token_id = d.finish_reason, d.stop_token_id
+    if first.prompt_logprobs is None:
+        first.prompt_logprobs = then.prompt_logprobs
+    if then.finished:
+        first.finished = True
+        first.num_prompt_tokens, first.num_completion_tokens = then.num_prompt_tokens, then.num_completion_tokens
+        first.num_cached_tokens, first.num_preemptions = then.num_cached_tokens, then.num_preemptions
+        first.error, first.timeline = then.error, then.timeline
+    return first

@@ -15,8 +15,8 @@ Arms: `local-*` drive `build_local_engine` (one process, stages run in turn on o
 `grpc-*` start the stack as real processes (`services.launcher.start_stack`: KV service,
 workers with one torch thread each, scheduler) and call `Scheduler.Generate`. `*-sync` and
 `*-async` set `async_scheduling`. For gRPC arms the bytes each stage received per decode
-step per sequence are read back from the stages' statistics (`num_received_bytes`), over a
-decode-only phase (the 64 requests' prompts are prefilled first, then the counters read).
+step per sequence are read back from the stages' statistics (`num_received_bytes`): the
+difference between two runs of the same cached prompts decoding 16 and 48 tokens.
 
 Not a test: numbers depend on the machine. Prints a table and writes JSON (`--out`).
 """
@@ -122,7 +122,8 @@ async def grpc_arm(model_dir: Path, pp: int, is_async: bool, concurrency: int, r
 
 
 async def _wire_bytes(stub, one, concurrency: int) -> list[float]:
-    """Bytes each stage received per sequence per decode step, over a decode-only phase."""
+    """Bytes each stage received per sequence per decode step: the difference between two
+    runs of the same (cached) prompts that differ only in how many tokens they decode."""
     from services.pb import scheduler_pb2
 
     async def received() -> list[int]:
@@ -130,13 +131,13 @@ async def _wire_bytes(stub, one, concurrency: int) -> list[float]:
         return [s.stats.num_received_bytes for s in stats.stages]
 
     batch = prompts(concurrency, seed=99)
-    # prefill (and the first token), then decode a fixed number of steps per sequence
-    await asyncio.gather(*(one(p, 1) for p in batch))
-    before = await received()
-    steps = 32
-    await asyncio.gather(*(one(p, steps + 1) for p in batch))  # prompt cached: ~1 prefill step
-    after = await received()
-    return [round((a - b) / (concurrency * steps), 1) for a, b in zip(after, before, strict=True)]
+    await asyncio.gather(*(one(p, 1) for p in batch))  # prefill once: later runs hit the cache
+    sizes = []
+    for steps in (16, 48):
+        before = await received()
+        await asyncio.gather(*(one(p, steps) for p in batch))
+        sizes.append([a - b for a, b in zip(await received(), before, strict=True)])
+    return [round((b - a) / (concurrency * 32), 1) for a, b in zip(*sizes, strict=True)]
 
 
 # --- loads -----------------------------------------------------------------------------

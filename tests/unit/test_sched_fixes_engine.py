@@ -117,3 +117,21 @@ def test_events_of_replaced_connections_and_failed_attempts_are_dropped():
     assert len(transport.callbacks) == 3
     assert engine.num_recoveries == 1 and kv.num_resets == 2
     assert engine.healthy and engine.health_detail == "serving"
+
+
+def test_outputs_a_consumer_missed_come_as_one():
+    """A slow consumer (the gateway) gets the steps it missed merged, tokens in order per
+    choice, the finish and the request's totals from the last."""
+    from scheduler_svc.core.request import FinishReason
+    from scheduler_svc.engine import ChoiceDelta, RequestOutput, _merge
+
+    first = RequestOutput("r", [ChoiceDelta(0, [5], [None]), ChoiceDelta(1, [7], [None])])
+    second = RequestOutput("r", [ChoiceDelta(1, [8], [None])], prompt_logprobs=[(5, -1.0, 1, [])])
+    last = RequestOutput("r", [ChoiceDelta(0, [6], [None], FinishReason.STOP, 6)], finished=True,
+                         num_prompt_tokens=3, num_completion_tokens=4)
+    out = _merge(_merge(first, second), last)
+    assert [(d.index, d.token_ids, d.finish_reason, d.stop_token_id) for d in out.deltas] == [
+        (0, [5, 6], FinishReason.STOP, 6), (1, [7, 8], None, None)]
+    assert out.finished and (out.num_prompt_tokens, out.num_completion_tokens) == (3, 4)
+    assert out.prompt_logprobs == [(5, -1.0, 1, [])]
+    assert len(out.deltas[0].logprobs) == 2
