@@ -283,12 +283,17 @@ class Engine:
 
     async def _outputs(self, live: _Live) -> AsyncIterator[RequestOutput]:
         try:
+            held: RequestOutput | None = None
             while True:
-                out = await live.outputs.get()
+                out, held = (held, None) if held is not None else (await live.outputs.get(), None)
                 # a consumer that fell behind gets the steps it missed as one output, not one
-                # message per token
+                # message per token (an error goes out on its own, after the tokens before it)
                 while not out.finished and not live.outputs.empty():
-                    out = _merge(out, live.outputs.get_nowait())
+                    later = live.outputs.get_nowait()
+                    if later.error is not None:
+                        held = later
+                        break
+                    out = _merge(out, later)
                 yield out
                 if out.finished:
                     return

@@ -440,15 +440,23 @@ class Planner:
         preempt: list[Request] = []
         starving: list[Sequence] = []
 
+        # an abort or a stop string may have ended sequences while the KV service answered:
+        # what it allocated for them is given back (the completion guard keeps the step's
+        # completion behind those frees), and they are not scheduled
+        forks = []
         for parent, children in proposal.forks:
-            for child in children:
-                parent.request.sequences.append(child)
-                child.has_kv = True
-                child.num_computed = parent.num_computed
-                child.kv_len = parent.kv_len
-        for seq in proposal.appends + [s for _, ch in proposal.forks for s in ch] + [
-            p for p, _ in proposal.forks
-        ]:
+            if parent.has_kv and not parent.is_finished and parent.request in self.running:
+                forks.append((parent, children))
+                for child in children:
+                    parent.request.sequences.append(child)
+                    child.has_kv = True
+                    child.num_computed = parent.num_computed
+                    child.kv_len = parent.kv_len
+            else:  # the KV service forked them: free them
+                self._pending_frees.extend(child.seq_id for child in children)
+        for seq in proposal.appends + [s for _, ch in forks for s in ch] + [p for p, _ in forks]:
+            if not seq.has_kv or seq.is_finished or seq.request not in self.running:
+                continue
             result = output.results.get(seq.seq_id)
             if isinstance(result, Allocated):
                 scheduled[seq.seq_id] = (seq, result)
@@ -458,15 +466,18 @@ class Planner:
                 starving.append(seq)
         for seq, new_id in proposal.readmits:
             result = output.results.get(new_id)
-            if isinstance(result, Allocated):
+            if isinstance(result, Allocated) and (seq.is_finished or seq.request not in self.running):
+                self._pending_frees.append(new_id)
+            elif isinstance(result, Allocated):
                 self._renumber(seq, new_id)
                 seq.has_kv = True
                 scheduled[seq.seq_id] = (seq, result)
         blocked = False
         for request, seqs in proposal.admits:
             results = [output.results.get(new_id) for _, new_id in seqs]
-            if blocked or not any(isinstance(r, Allocated) for r in results):
-                blocked = True
+            gone = request not in self.queue  # aborted (or its choices stopped) meanwhile
+            if gone or blocked or not any(isinstance(r, Allocated) for r in results):
+                blocked = blocked or not gone
                 for (_, new_id), r in zip(seqs, results, strict=True):
                     if isinstance(r, Allocated):  # allocated after an earlier refusal: give it back
                         self._pending_frees.append(new_id)
@@ -660,6 +671,19 @@ class Planner:
                 hit.append(request)
         for request in hit:
             self._preempt(request, now)
+        # a later step in flight that computes one of these sequences (a placeholder step) was
+        # planned on state the stages will not have: it fails too, and with it every request
+        # in it, so they are preempted now (not counted as their failure)
+        doomed = {s.seq_id for s in mb.seqs}
+        for later_id in sorted(i for i in self.in_flight if i > mb_id):
+            later = self.in_flight[later_id]
+            if not doomed & {s.seq_id for s in later.seqs}:
+                continue
+            doomed |= {s.seq_id for s in later.seqs}
+            for s in later.seqs:
+                request = s.seq.request
+                if s.seq.seq_id == s.seq_id and request in self.running:
+                    self._preempt(request, now)
         return hit
 
     def reset_all(self, now: float = 0.0) -> list[Request]:

@@ -17,6 +17,7 @@ from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestState, SamplingOptions
 from services.step import SampledToken
 from worker_svc.batch import PersistentBatch, StageShape
+from worker_svc.errors import InvalidPlanError
 
 
 def next_token(tokens: list[int]) -> int:
@@ -527,3 +528,99 @@ def test_async_decode_keeps_kv_right_under_preemption_prefix_caching_and_forks()
         preempted += sim.planner.num_preemptions > 0
         placeholders += sim.planner.num_placeholder_steps
     assert preempted >= 5 and placeholders > 1000
+
+
+# --- regressions found in the review of the step protocol (session 3) ----------------------
+
+
+def _drive_with_failures(sim, fail_steps, max_steps=400, fifo=None):
+    """Two steps in flight; the stage applies each plan as it arrives (rejecting what does not
+    fit its state); steps in `fail_steps` fail on the stage before applying. Returns the
+    requests each failure was charged to and the stage's rejections."""
+    pl = sim.planner
+    fifo, charged, rejected = list(fifo or []), [], []
+    for _ in range(max_steps):
+        if not pl.requests and not pl.has_pending_kv_work and not fifo:
+            return charged, rejected
+        while len(pl.in_flight) < 2:
+            mb = _plan_only(sim)
+            if mb is None:
+                break
+            samples = None
+            if mb.micro_batch_id not in fail_steps:
+                try:
+                    rows = sim.stage.apply(mb.plan)
+                except InvalidPlanError as exc:
+                    rejected.append(str(exc))
+                else:
+                    samples = [SampledToken(r.seq_id, next_token(r.state.token_ids)) for r in rows if r.sample]
+                    sim.stage.record_sampled(rows, [t.token_id for t in samples])
+            fifo.append((mb, samples))
+        if fifo:
+            mb, samples = fifo.pop(0)
+            if samples is None:
+                charged += [r.request_id for r in pl.on_failure(mb.micro_batch_id, sim.now)]
+            else:
+                pl.on_result(mb.micro_batch_id, samples, sim.now)
+        pl.check_integrity()
+    raise AssertionError("did not finish")
+
+
+def _plan_only(sim):
+    sim.now += 1
+    proposal = sim.planner.propose()
+    return sim.planner.finalize(proposal, sim.kv.step(proposal.step_input), sim.now)
+
+
+def test_a_failed_step_dooms_its_placeholder_step_without_charging_its_other_requests():
+    """Step 1 sends a whole and fails; step 2, a placeholder step on it that also admits b,
+    must fail at the stage too: both are preempted at once, only a is charged, and no later
+    step is rejected (before the fix every later step failed for ever)."""
+    sim = Sim(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_in_flight=2, async_decode=True)
+    a = sim.add("a", [5, 6, 7, 8, 9, 10], max_tokens=8)
+    first = _plan_only(sim)  # fails on the stage before applying
+    b = sim.add("b", [11, 12, 13, 14, 15], max_tokens=8)
+    charged, rejected = _drive_with_failures(sim, fail_steps={1}, fifo=[(first, None)])
+    assert charged == ["a"]
+    assert len(rejected) <= 1  # the placeholder step, which the planner already gave up on
+    for r in (a, b):
+        assert r.state == RequestState.FINISHED and r.sequences[0].output == expected_output(r.prompt, 8)
+    assert sim.kv.stats().num_used_blocks == 0
+
+
+def test_an_abort_while_the_kv_service_answers_leaves_nothing_behind():
+    """Aborts that land during the KV round trip: the aborted sequences are not scheduled (the
+    stage would reject a plan naming them both finished and computed), forked children of
+    an aborted request are freed, and an admission of one is given back."""
+    for victim, n in (("a", 1), ("c", 2)):
+        sim = Sim(num_blocks=64, block_size=4, max_num_batched_tokens=16)
+        b = sim.add("b", [100, 101, 102], max_tokens=20)
+        _result(sim, _plan(sim))
+        sim.add(victim, list(range(5, 45)) if n == 1 else [7, 8, 9, 10, 11, 12], max_tokens=4, n=n)
+        _result(sim, _plan(sim))
+        proposal = sim.planner.propose()
+        out = sim.kv.step(proposal.step_input)
+        sim.planner.abort(victim)  # lands during `await kv.step`
+        mb = sim.planner.finalize(proposal, out, sim.now)
+        if mb is not None:
+            sim.stage.apply(mb.plan)  # no rejection
+            assert victim not in {s.seq.request.request_id for s in mb.seqs}
+            sim.planner.on_result(mb.micro_batch_id, [], sim.now)
+        sim.planner.abort("b")
+        for _ in range(3):
+            pr = sim.planner.propose()
+            sim.planner.finalize(pr, sim.kv.step(pr.step_input), sim.now)
+        assert sim.kv.seq_ids() == () and sim.kv.stats().num_used_blocks == 0
+        assert b.state == RequestState.ABORTED
+    # an admission aborted during the round trip
+    sim = Sim(num_blocks=64, block_size=4, max_num_batched_tokens=32)
+    b = sim.add("b", [100, 101, 102, 103], max_tokens=20)
+    _result(sim, _plan(sim))
+    sim.add("a", list(range(5, 15)), max_tokens=4)
+    proposal = sim.planner.propose()
+    out = sim.kv.step(proposal.step_input)
+    sim.planner.abort("a")
+    mb = sim.planner.finalize(proposal, out, sim.now)  # raised KeyError before the fix
+    seq = b.sequences[0]
+    assert (seq.kv_len, seq.block_table) == (sim.kv.num_tokens(seq.seq_id), sim.kv.block_table(seq.seq_id))
+    assert mb is not None and {s.seq.request.request_id for s in mb.seqs} == {"b"}

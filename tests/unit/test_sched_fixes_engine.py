@@ -135,3 +135,24 @@ def test_outputs_a_consumer_missed_come_as_one():
     assert out.finished and (out.num_prompt_tokens, out.num_completion_tokens) == (3, 4)
     assert out.prompt_logprobs == [(5, -1.0, 1, [])]
     assert len(out.deltas[0].logprobs) == 2
+
+
+def test_an_error_is_not_merged_into_the_tokens_before_it():
+    """Found in review: merging tokens with a final error made the server drop the tokens."""
+    from scheduler_svc.core.request import Request, SamplingOptions
+    from scheduler_svc.engine import ChoiceDelta, Engine, RequestOutput, _Live
+
+    class Aborts:
+        def abort(self, request_id, index=None):
+            return False
+
+    async def go():
+        live = _Live(Request("r", (1,), SamplingOptions(), 0.0), asyncio.Queue())
+        live.outputs.put_nowait(RequestOutput("r", [ChoiceDelta(0, [11], [None])]))
+        live.outputs.put_nowait(RequestOutput("r", [ChoiceDelta(0, [12], [None])]))
+        live.outputs.put_nowait(RequestOutput("r", [], finished=True, error=("INTERNAL", "boom")))
+        return [out async for out in Engine._outputs(Aborts(), live)]
+
+    outs = asyncio.run(go())
+    assert [(o.deltas[0].token_ids if o.deltas else [], o.error) for o in outs] == [
+        ([11, 12], None), ([], ("INTERNAL", "boom"))]
