@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
             worker_args=worker_flags(args), metrics=args.metrics,
             # one switch for both: the scheduler plans with it, the KV service caches with it
             kvcache_args=([] if args.enable_prefix_caching else ["--no-prefix-caching"]),
+            pin_cpus=args.cpu_affinity,
         )
     except Exception as exc:
         print(f"error: the stack did not start: {exc}", file=sys.stderr)
@@ -104,7 +105,10 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value != "":
             gateway_args += [flag, str(value)]
     gateway = ServiceProcess("gateway", pagoda_command(*gateway_args), f"127.0.0.1:{grpc_port}",
-                             log_path=log_dir / "gateway.log")
+                             log_path=log_dir / "gateway.log", cpus=stack.service_cpus)
+    if stack.service_cpus is not None:
+        print(f"  cores: services {sorted(stack.service_cpus)}, stages "
+              f"{[sorted(w.cpus or ()) for w in stack.workers]} (--no-cpu-affinity to let them float)")
     processes = [*stack.processes, gateway]
     try:
         gateway.start()
@@ -195,6 +199,10 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
                    help="fp8: linear-layer weights in float8_e4m3fn, per-output-channel scales")
     p.add_argument("--num-threads", type=int, default=env("num_threads", None, int),
                    help="torch threads per stage (default: the cores but one, divided among the stages)")
+    p.add_argument("--cpu-affinity", action=argparse.BooleanOptionalAction,
+                   default=env("cpu_affinity", True, lambda v: v.strip().lower() in ("1", "true", "yes", "on")),
+                   help="pin each stage to cores of its own and the services to another, when the "
+                        "machine has enough (default: on)")
     p.add_argument("--max-body-bytes", type=int, default=env("max_body_bytes", None, int))
     p.add_argument("--metrics", action="store_true", default=env("metrics", False, lambda v: v == "1"),
                    help="serve Prometheus metrics from the KV service, stages and scheduler too")

@@ -74,3 +74,23 @@ def test_async_scheduling_is_auto_unless_set():
     assert [_bool_or_auto(v) for v in ("", "auto", "AUTO", "1", "off")] == [None, None, None, True, False]
     done = pagoda("scheduler", "--help", env={"PAGODA_ASYNC_SCHEDULING": "sometimes"})
     assert done.returncode != 0 and "true, false or auto" in done.stderr
+
+
+def test_stages_get_cores_of_their_own_when_the_machine_has_enough():
+    from services.launcher import cpu_plan, default_threads_per_stage
+
+    assert cpu_plan(1, 1, [0, 1]) == ({0}, [{1}])
+    assert cpu_plan(2, 1, [0, 1]) is None  # 2 stages and the services need 3 cores
+    assert cpu_plan(2, 3, range(8)) == ({0}, [{1, 2, 3}, {4, 5, 6}])
+    assert cpu_plan(1, 1, [4, 7]) == ({4}, [{7}])  # the cores this process may use
+    import os
+
+    n = os.cpu_count() or 1
+    assert default_threads_per_stage(1) == max(1, n - 1)
+
+
+def test_serve_pins_cores_unless_told_not_to():
+    from services.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).cpu_affinity is True
+    assert build_parser().parse_args(["serve", "--no-cpu-affinity"]).cpu_affinity is False
