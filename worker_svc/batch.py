@@ -122,8 +122,7 @@ class PersistentBatch:
         step = f"step {plan.step_id}"
         if not plan.new_seqs and not plan.cached_seqs:
             raise InvalidPlanError(f"{step}: no sequences")
-        held = set() if plan.reset else set(self.seqs)
-        held.difference_update(plan.finished_seq_ids)
+        finished = set(plan.finished_seq_ids)
         seen: set[int] = set()
         for n in plan.new_seqs:
             where = f"{step}, sequence {n.seq_id}"
@@ -134,32 +133,34 @@ class PersistentBatch:
                 raise InvalidPlanError(f"{where}: prompt_len {n.prompt_len} with {len(n.token_ids)} tokens")
             if shape.is_first and any(not 0 <= t < shape.vocab_size for t in n.token_ids):
                 raise InvalidPlanError(f"{where}: token id outside [0, {shape.vocab_size})")
-            self._check_step(where, n.num_computed, n.num_scheduled, len(n.token_ids), n.block_ids,
-                             n.prompt_scoring)
+            self._check_step(where, n.num_computed, n.num_scheduled, len(n.token_ids), len(n.block_ids),
+                             n.block_ids, n.prompt_scoring)
         for c in plan.cached_seqs:
             where = f"{step}, sequence {c.seq_id}"
             if c.seq_id in seen:
                 raise InvalidPlanError(f"{where}: appears twice")
             seen.add(c.seq_id)
-            if c.seq_id not in held:
+            state = None if plan.reset or c.seq_id in finished else self.seqs.get(c.seq_id)
+            if state is None:
                 raise InvalidPlanError(f"{where}: not held by this stage (send it as a new sequence)")
-            state = self.seqs[c.seq_id]
             if not 0 <= c.block_offset <= len(state.block_ids):
                 raise InvalidPlanError(
                     f"{where}: block_offset {c.block_offset} beyond its {len(state.block_ids)} blocks")
-            table = state.block_ids[: c.block_offset] + list(c.block_ids)
             num_tokens = len(state.token_ids)
             if not shape.is_last:
                 num_tokens += len(c.new_token_ids)
                 if shape.is_first and any(not 0 <= t < shape.vocab_size for t in c.new_token_ids):
                     raise InvalidPlanError(f"{where}: token id outside [0, {shape.vocab_size})")
-            self._check_step(where, state.num_computed, c.num_scheduled, num_tokens, table, c.prompt_scoring)
+            self._check_step(where, state.num_computed, c.num_scheduled, num_tokens,
+                             c.block_offset + len(c.block_ids), c.block_ids, c.prompt_scoring)
         for src, dst in plan.block_copies:
             if not (0 <= src < shape.num_blocks and 0 <= dst < shape.num_blocks) or src == dst:
                 raise InvalidPlanError(f"{step}: block copy {src}->{dst} invalid for {shape.num_blocks} blocks")
 
-    def _check_step(self, where: str, start: int, num_tokens: int, num_known: int, table,
-                    scoring: PromptScoring | None) -> None:
+    def _check_step(self, where: str, start: int, num_tokens: int, num_known: int, table_len: int,
+                    new_block_ids, scoring: PromptScoring | None) -> None:
+        """One sequence's step; `new_block_ids` are the ids received now (those held were
+        checked when they came), `table_len` the table's length after this step."""
         shape = self.shape
         end = start + num_tokens
         if num_tokens < 1 or start < 0:
@@ -169,9 +170,9 @@ class PersistentBatch:
         if (shape.is_first or shape.is_last) and end > num_known:
             raise InvalidPlanError(f"{where}: computes up to position {end - 1} but knows {num_known} tokens")
         needed = -(-end // shape.block_size)
-        if len(table) < needed:
-            raise InvalidPlanError(f"{where}: block table has {len(table)} blocks, context needs {needed}")
-        for b in table[:needed]:
+        if table_len < needed:
+            raise InvalidPlanError(f"{where}: block table has {table_len} blocks, context needs {needed}")
+        for b in new_block_ids:
             if not 0 <= b < shape.num_blocks:
                 raise InvalidPlanError(f"{where}: block id {b} out of range [0, {shape.num_blocks})")
         if scoring is not None and (

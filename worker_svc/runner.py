@@ -99,7 +99,10 @@ class StageRunner:
 
     def validate(self, plan: StepPlan, hidden: torch.Tensor | None) -> None:
         """Raise InvalidPlanError for anything malformed; changes nothing."""
+        self._check_inputs(plan, hidden)
         self.batch.validate(plan)
+
+    def _check_inputs(self, plan: StepPlan, hidden: torch.Tensor | None) -> None:
         if self.model.is_first:
             if hidden is not None:
                 raise InvalidPlanError(f"step {plan.step_id}: stage 0 takes token ids, not hidden states")
@@ -113,8 +116,9 @@ class StageRunner:
         self, plan: StepPlan, hidden: torch.Tensor | None = None, keep_logits: bool = False
     ) -> StageResult:
         """Validate the plan whole (against the persistent batch), apply it, run the layers."""
-        self.validate(plan, hidden)
+        self._check_inputs(plan, hidden)
         started = time.perf_counter_ns()
+        rows = self.batch.apply(plan)  # validates the plan whole before it changes anything
         if self.sampler is not None:
             if plan.reset:
                 self.sampler.release(list(self.sampler.live_seq_ids))
@@ -122,7 +126,6 @@ class StageRunner:
                 self.sampler.release(plan.finished_seq_ids)
             if plan.new_seqs:  # sent whole: any state under these ids is stale
                 self.sampler.release([n.seq_id for n in plan.new_seqs])
-        rows = self.batch.apply(plan)
         self.kv_cache.copy_blocks(plan.block_copies)
         metadata, positions = self._metadata(rows)
         if self.model.is_first:

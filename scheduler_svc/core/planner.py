@@ -581,7 +581,7 @@ class Planner:
                     scoring: PromptScoring | None) -> CachedSeq:
         table = seq.block_table
         offset = len(held)
-        if table[:offset] != held:  # a block replaced (copy on write): resend from the first change
+        if table is not held and table[:offset] != held:  # a block replaced: resend from there
             offset = 0
             while offset < len(held) and offset < len(table) and held[offset] == table[offset]:
                 offset += 1
