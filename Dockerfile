@@ -19,7 +19,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false
 
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+# A C compiler: the stage workers build their native CPU decode-attention kernel for the
+# host they run on at first start (worker_svc/cpu_kernels.py; without it they use torch).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
     && useradd --create-home --uid 10001 --user-group pagoda
 
 # Dependencies before the source, so that a code change does not reinstall them; the exact

@@ -319,8 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 8192, int))
     p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 256, int))
     p.add_argument("--attention-backend", default=_env("attention_backend"),
-                   choices=["torch", "triton"],
-                   help="default: triton on CUDA, torch (the reference) on the CPU")
+                   choices=["cpu", "torch", "triton"],
+                   help="default: triton on CUDA, cpu (a native decode kernel; torch prefill) on the "
+                        "CPU; torch: the reference")
     p.add_argument("--quantization", default=_env("quantization"), choices=[None, "fp8"])
     p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None, int),
                    help="serve Prometheus metrics on this port (off by default)")

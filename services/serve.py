@@ -193,8 +193,8 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--dtype", default=env("dtype"), choices=[None, "auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=env("device"),
                    help="every stage's device: cpu, cuda or cuda:N (default: cuda when present)")
-    p.add_argument("--attention-backend", default=env("attention_backend"), choices=["torch", "triton"],
-                   help="default: triton on CUDA, torch on the CPU")
+    p.add_argument("--attention-backend", default=env("attention_backend"), choices=["cpu", "torch", "triton"],
+                   help="default: triton on CUDA, cpu (a native decode kernel) on the CPU; torch: the reference")
     p.add_argument("--quantization", default=env("quantization"), choices=["fp8"],
                    help="fp8: linear-layer weights in float8_e4m3fn, per-output-channel scales")
     p.add_argument("--num-threads", type=int, default=env("num_threads", None, int),

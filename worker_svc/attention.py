@@ -7,8 +7,9 @@ step's (so the chunk attends causally within itself and fully over the cached co
 Its KV lives in the blocks `block_tables[i]`: token t of the sequence is in block
 `block_tables[i][t // block_size]`, offset `t % block_size`.
 
-`TorchAttentionBackend` is the reference and the CPU path; a Triton backend implements
-the same two methods (`write_kv`, `forward`).
+`TorchAttentionBackend` is the reference; `CpuAttentionBackend` (the CPU default) runs
+decode rows through a native kernel that reads the pools in place; the Triton backend (GPU)
+implements the same two methods (`write_kv`, `forward`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from worker_svc.config import ATTENTION_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,15 @@ class TorchAttentionBackend:
                 enable_gqa=num_heads != num_kv_heads,
             )
             out[g.token_rows] = o.squeeze(2)
+        self._prefill(q, k_pool, v_pool, metadata, prefills, scale, sliding_window, out)
+        return out
+
+    @staticmethod
+    def _prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, metadata: AttentionMetadata,
+                 prefills: list[int], scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+        """Rows with several new tokens, one sequence at a time (causal within the chunk)."""
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
         starts = metadata.query_start_loc_list
         for i in prefills:
             ctx = metadata.context_lens_list[i]
@@ -149,7 +161,6 @@ class TorchAttentionBackend:
                 enable_gqa=num_heads != num_kv_heads,
             )
             out[q_start:q_end] = o.transpose(0, 1)
-        return out
 
     def _plan(self, metadata: AttentionMetadata, block_size: int, kv_width: int,
               sliding_window: int | None) -> tuple[list[_DecodeGroup], list[int]]:
@@ -196,6 +207,74 @@ class TorchAttentionBackend:
         return _DecodeGroup(token_rows, tables, max_ctx, keep)
 
 
+@dataclass(frozen=True)
+class _DecodeRows:
+    """The step's decode rows as the native kernel takes them (made once, used by every layer)."""
+
+    rows: torch.Tensor  # [n] int64: each sequence's query row
+    tables: torch.Tensor  # [n, max_blocks] int64, contiguous
+    ctx_lens: torch.Tensor  # [n] int64
+    prefills: list[int]
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The CPU path: decode rows through the native paged kernel (`csrc/paged_decode.c`),
+    which reads K/V straight from the pools through the block tables, with no gathered
+    copy; prefill chunks as the torch backend computes them. Falls back to the torch
+    backend whole when the kernel is not available or the tensors are not float32 on the
+    CPU. A 64-sequence decode step of the anchor model (scripts/bench_attention.py):
+    see docs/benchmarks.md."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from worker_svc.cpu_kernels import paged_decode
+
+        self.kernel = paged_decode()
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        if (self.kernel is None or q.device.type != "cpu"
+                or not q.dtype == k_pool.dtype == v_pool.dtype == torch.float32):
+            return super().forward(q, k_pool, v_pool, metadata, scale, sliding_window)
+        decode = self._decode_rows(metadata)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        if decode.rows.shape[0]:
+            self.kernel(q, k_pool, v_pool, out, decode.rows, decode.tables, decode.ctx_lens, scale,
+                        sliding_window)
+        self._prefill(q, k_pool, v_pool, metadata, decode.prefills, scale, sliding_window, out)
+        return out
+
+    @staticmethod
+    def _decode_rows(metadata: AttentionMetadata) -> _DecodeRows:
+        planned = metadata.derived.get("cpu")
+        if planned is not None:
+            return planned
+        starts = metadata.query_start_loc_list
+        decodes, prefills = [], []
+        for i in range(metadata.num_seqs):
+            (decodes if starts[i + 1] - starts[i] == 1 else prefills).append(i)
+        if len(decodes) == metadata.num_seqs:  # all decodes: the step's own tensors
+            rows = metadata.query_start_loc[:-1].contiguous()
+            tables, ctx_lens = metadata.block_tables.contiguous(), metadata.context_lens.contiguous()
+        else:
+            index = torch.tensor(decodes, dtype=torch.long)
+            rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long)
+            tables = metadata.block_tables.index_select(0, index).contiguous()
+            ctx_lens = metadata.context_lens.index_select(0, index).contiguous()
+        planned = _DecodeRows(rows, tables, ctx_lens, prefills)
+        metadata.derived["cpu"] = planned
+        return planned
+
+
 def _mask(
     num_new: int, ctx: int, sliding_window: int | None, device: torch.device
 ) -> torch.Tensor | None:
@@ -210,13 +289,16 @@ def _mask(
     return mask
 
 
-BACKEND_NAMES = ("torch", "triton")
+BACKEND_NAMES = ATTENTION_BACKENDS
 
 
 def get_backend(name: str) -> AttentionBackend:
-    """The attention backend named by configuration: `torch` (reference, CPU) or `triton` (GPU)."""
+    """The attention backend named by configuration: `cpu` (native decode kernel, torch
+    prefill), `torch` (the reference) or `triton` (GPU)."""
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        return CpuAttentionBackend()
     if name == "triton":
         # Imported only when chosen: importing triton fixes interpreter vs compiled mode.
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+ATTENTION_BACKENDS = ("cpu", "torch", "triton")  # worker_svc.attention.get_backend
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -24,7 +26,7 @@ class WorkerConfig:
     num_threads: int | None = None
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
-    attention_backend: str | None = None  # None: triton on CUDA, torch on the CPU
+    attention_backend: str | None = None  # None: triton on CUDA, cpu (native decode kernel) on the CPU
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -42,8 +44,9 @@ class WorkerConfig:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads: must be positive, got {self.num_threads}")
-        if self.attention_backend not in (None, "torch", "triton"):
-            raise ValueError(f"attention_backend: must be torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
 

@@ -3,7 +3,7 @@
 `resolve_device` turns the configured name into a concrete `torch.device` (an explicit
 index for CUDA) or raises ValueError saying what is available; `check_dtype` refuses a
 dtype the device cannot compute in; `default_attention_backend` names the attention
-backend that suits the device (Triton kernels on CUDA, the torch reference on the CPU).
+backend that suits the device (Triton kernels on CUDA, the native decode kernel on the CPU).
 """
 
 from __future__ import annotations
@@ -51,5 +51,6 @@ def check_dtype(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def default_attention_backend(device: torch.device) -> str:
-    """The attention backend for a device: Triton kernels on CUDA, torch on the CPU."""
-    return "triton" if device.type == "cuda" else "torch"
+    """The attention backend for a device: Triton kernels on CUDA; on the CPU the native
+    decode kernel (`cpu`, which keeps the torch path when no C compiler is there)."""
+    return "triton" if device.type == "cuda" else "cpu"

@@ -13,7 +13,7 @@ def test_cpu_and_default():
     assert resolve_device(torch.device("cpu")) == torch.device("cpu")
     want = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device(None).type == want
-    assert default_attention_backend(torch.device("cpu")) == "torch"
+    assert default_attention_backend(torch.device("cpu")) == "cpu"
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         check_dtype(torch.device("cpu"), dtype)
 

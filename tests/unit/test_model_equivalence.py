@@ -3,7 +3,8 @@
 Eight prompts of 1 to 300 tokens, 32 new tokens each, arriving one step apart so that
 forward passes mix prefill chunks and decode tokens of several sequences, for: 1, 2 and 3
 stages (hidden states handed along in one process); block sizes 1, 16 and 32; prefill in
-one piece and in chunks of 7 tokens; each architecture family; scaled rotary embeddings.
+one piece and in chunks of 7 tokens; each architecture family; scaled rotary embeddings;
+the torch attention backend (the reference) and the native CPU decode kernel (`cpu`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ CASES = [
     ("llama3-rope", 2, 16, 7),
     ("llama-yarn", 1, 16, None),
 ]
+# the same with the CPU default backend (native decode kernel): every family, split, block size
+CPU_CASES = [
+    ("llama", 1, 16, None),
+    ("llama", 3, 1, 7),
+    ("mistral-window", 2, 1, None),
+    ("qwen2-tied", 1, 32, 7),
+    ("llama3-rope", 2, 16, 7),
+]
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +85,11 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(5, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def run_runtime(model_dir: str, num_stages: int, block_size: int, chunk: int | None, prompts):
+def run_runtime(model_dir: str, num_stages: int, block_size: int, chunk: int | None, prompts,
+                backend: str = "torch"):
     runners = [
         StageRunner(load_stage(model_dir, k, num_stages), num_blocks=1024 // block_size * 8,
-                    block_size=block_size)
+                    block_size=block_size, backend=backend)
         for k in range(num_stages)
     ]
     driver = PipelineDriver(runners, chunk_size=chunk, max_batched_tokens=512, seed=block_size)
@@ -90,11 +100,12 @@ def run_runtime(model_dir: str, num_stages: int, block_size: int, chunk: int | N
     return driver.run(seqs), driver
 
 
-@pytest.mark.parametrize(("model", "num_stages", "block_size", "chunk"), CASES)
-def test_greedy_equals_transformers(references, model, num_stages, block_size, chunk):
+@pytest.mark.parametrize(("model", "num_stages", "block_size", "chunk", "backend"),
+                         [(*c, "torch") for c in CASES] + [(*c, "cpu") for c in CPU_CASES])
+def test_greedy_equals_transformers(references, model, num_stages, block_size, chunk, backend):
     model_dir, ref = references(model)
     prompts = make_prompts(ref.model.config.vocab_size)
-    outputs, driver = run_runtime(model_dir, num_stages, block_size, chunk, prompts)
+    outputs, driver = run_runtime(model_dir, num_stages, block_size, chunk, prompts, backend)
 
     mixed = [r for r in driver.records if r.mixes_prefill_and_decode and len(r.entries) >= 3]
     assert mixed, "no forward pass held prefill and decode tokens of 3 or more sequences"

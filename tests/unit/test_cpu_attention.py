@@ -1,0 +1,90 @@
+"""The native CPU decode kernel (worker_svc/csrc/paged_decode.c) against attention written
+from the definition, and the `cpu` backend's fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_attention_paths import CHUNKS, layout, naive
+from worker_svc import cpu_kernels
+from worker_svc.attention import CpuAttentionBackend, get_backend
+
+kernel = cpu_kernels.paged_decode()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler: the cpu backend falls back to torch")
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "block_size"),
+                         [(4, 4, 16, 4), (4, 1, 16, 1), (8, 2, 64, 16), (6, 3, 8, 3)])
+def test_native_decode_and_prefill_equal_naive_attention(heads, kv_heads, d, block_size, window, threads):
+    torch.manual_seed(0)
+    num_blocks = 256
+    md, tables = layout(CHUNKS, block_size, num_blocks)
+    k_pool = torch.randn(num_blocks, block_size, kv_heads, d)
+    v_pool = torch.randn(num_blocks, block_size, kv_heads, d)
+    q = torch.randn(md.query_start_loc_list[-1], heads, d)
+    backend = get_backend("cpu")
+    assert backend.kernel is kernel
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = backend.forward(q, k_pool, v_pool, md, d**-0.5, window)
+        again = backend.forward(q, k_pool, v_pool, md, d**-0.5, window)  # the step's rows, reused
+    finally:
+        torch.set_num_threads(before)
+    assert md.derived["cpu"].prefills == [i for i, (_, n) in enumerate(CHUNKS) if n > 1]
+    want = naive(q, k_pool, v_pool, CHUNKS, tables, d**-0.5, window)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, again)
+
+
+@needs_kernel
+def test_all_decode_step_uses_the_steps_own_tensors_and_long_contexts():
+    torch.manual_seed(1)
+    chunks = [(ctx, 1) for ctx in (1, 2, 15, 16, 17, 300, 513)]
+    md, tables = layout(chunks, 16, 96)
+    k_pool, v_pool = torch.randn(96, 16, 2, 32), torch.randn(96, 16, 2, 32)
+    q = torch.randn(len(chunks), 4, 32)
+    got = CpuAttentionBackend().forward(q, k_pool, v_pool, md, 0.2, None)
+    torch.testing.assert_close(got.double(), naive(q, k_pool, v_pool, chunks, tables, 0.2, None),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_falls_back_to_torch_for_other_dtypes_and_without_the_kernel(monkeypatch):
+    torch.manual_seed(2)
+    md, tables = layout(CHUNKS, 4, 96)
+    k_pool, v_pool = torch.randn(96, 4, 2, 16), torch.randn(96, 4, 2, 16)
+    q = torch.randn(md.query_start_loc_list[-1], 4, 16)
+    want = naive(q, k_pool, v_pool, CHUNKS, tables, 0.25, None)
+    backend = CpuAttentionBackend()
+    got16 = backend.forward(q.half(), k_pool.half(), v_pool.half(), md, 0.25, None)
+    torch.testing.assert_close(got16.double(), want, rtol=2e-2, atol=2e-2)
+    assert "cpu" not in md.derived  # the torch path planned this step
+    backend.kernel = None
+    torch.testing.assert_close(backend.forward(q, k_pool, v_pool, md, 0.25, None).double(), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_by_environment_and_a_missing_compiler_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
+    cpu_kernels.paged_decode.cache_clear()
+    try:
+        assert cpu_kernels.paged_decode() is None
+    finally:
+        cpu_kernels.paged_decode.cache_clear()
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        cpu_kernels.build("no-such-cc")
+
+
+@needs_kernel
+def test_build_is_cached_by_content(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    first = cpu_kernels.build()
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left

@@ -1,0 +1,132 @@
+"""Native CPU kernels: built once with the system C compiler, loaded with ctypes.
+
+`paged_decode()` returns the decode-attention kernel of `csrc/paged_decode.c`, or None when
+it cannot be had (no C compiler, a failed build, `PAGODA_CPU_KERNELS=0`); the caller then
+keeps the torch path, which computes the same thing. The kernel is plain C (no Python or
+torch headers): it builds in about a second, into a cache folder keyed by the source, the
+flags, the compiler and the CPU's feature flags (it is built for the host's instruction
+set), and concurrent builds by several processes are safe (each writes its own file, then
+renames it into place).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c11", "-shared", "-fPIC")
+_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGODA_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGODA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda")
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def build(compiler: str | None = None) -> Path:
+    """The shared library for this host, built if not cached; raises RuntimeError on failure."""
+    cc = compiler or os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} not found)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), *CFLAGS, version, _cpu_flags()]).encode()).hexdigest()[:20]
+    target = cache_dir() / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class PagedDecodeKernel:
+    """ctypes binding of `pagoda_paged_decode_f32`; see csrc/paged_decode.c for the layouts."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fn = ctypes.CDLL(str(path)).pagoda_paged_decode_f32  # CDLL: the GIL is released during calls
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_PTR] * 7 + [_I64] * 8 + [_F32, _I64]
+        self._fn = fn
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
+                 rows: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
+                 window: int | None) -> None:
+        """Writes `out[rows[i]]` for every sequence i. All tensors contiguous on the CPU;
+        q, pools and out float32; rows, tables ([n, max_blocks]) and ctx_lens int64."""
+        num_seqs = rows.shape[0]
+        num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
+        args = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), rows.data_ptr(),
+                tables.data_ptr(), ctx_lens.data_ptr())
+        shape = (tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size, num_blocks)
+
+        def run(begin: int, end: int) -> None:
+            if self._fn(*args, begin, end, *shape, scale, window or 0) != 0:
+                raise MemoryError("paged decode attention: no memory for its scratch space")
+
+        threads = min(torch.get_num_threads(), num_seqs)
+        if threads <= 1:
+            run(0, num_seqs)
+            return
+        if self._pool is None or self._pool._max_workers < threads - 1:
+            self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="paged-decode")
+        bounds = [num_seqs * t // threads for t in range(threads + 1)]
+        futures = [self._pool.submit(run, bounds[t], bounds[t + 1]) for t in range(1, threads)]
+        run(bounds[0], bounds[1])
+        for f in futures:
+            f.result()
+
+
+@functools.cache
+def paged_decode() -> PagedDecodeKernel | None:
+    """The decode kernel, or None (logged once, with the reason) when it cannot be used."""
+    if not enabled():
+        log.info("native CPU kernels off (PAGODA_CPU_KERNELS=0): decode attention uses torch")
+        return None
+    try:
+        kernel = PagedDecodeKernel(build())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("native CPU decode attention unavailable, using torch: %s", exc)
+        return None
+    log.info("native CPU decode attention: %s", kernel.path)
+    return kernel

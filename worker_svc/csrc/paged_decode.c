@@ -1,0 +1,108 @@
+/* Paged attention for decode rows (one query token per sequence) on the CPU, float32.
+ *
+ * Reads each sequence's K and V straight from the paged pools through its block table:
+ * no gathered copy of the context is made (the torch path gathers it with index_select
+ * every layer, which costs more than the attention itself). Per sequence, in three passes
+ * over its context: every query head's score against each key (K read once, in order),
+ * the softmax, the weighted sum of values (V read once, in order).
+ *
+ * Layouts (all contiguous, row-major):
+ *   q, out       [num_rows, num_heads, head_dim]      (rows[i]: sequence i's query row)
+ *   k_pool/v_pool [num_blocks, block_size, num_kv_heads, head_dim]
+ *   tables       [num_seqs, max_blocks] block ids     ctx_lens [num_seqs] tokens in KV
+ * Query head h reads KV head h / (num_heads / num_kv_heads) (GQA). With window > 0 the
+ * sequence attends to its last `window` tokens only (keys at positions > ctx - 1 - window).
+ * Sequences [seq_begin, seq_end) are computed, so callers can split a batch over threads.
+ * Returns 0, or -1 when the scratch space cannot be allocated.
+ *
+ * Built by worker_svc/cpu_kernels.py with the system C compiler; no Python or torch headers.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int pagoda_paged_decode_f32(
+    const float *q, const float *k_pool, const float *v_pool, float *out,
+    const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
+    int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t num_blocks, float scale, int64_t window)
+{
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t kv_row = num_kv_heads * head_dim; /* floats between consecutive tokens */
+    const int64_t q_row_len = num_heads * head_dim;
+    int64_t longest = 0;
+    for (int64_t i = seq_begin; i < seq_end; i++)
+        if (ctx_lens[i] > longest) longest = ctx_lens[i];
+    /* scores[h * longest + t]; acc[h * head_dim + d] */
+    float *scores = malloc(sizeof(float) * (size_t)(num_heads * (longest > 0 ? longest : 1)));
+    float *acc = malloc(sizeof(float) * (size_t)q_row_len);
+    float *maxes = malloc(sizeof(float) * (size_t)num_heads);
+    if (!scores || !acc || !maxes) {
+        free(scores); free(acc); free(maxes);
+        return -1;
+    }
+    for (int64_t i = seq_begin; i < seq_end; i++) {
+        const int64_t ctx = ctx_lens[i];
+        const int64_t first = (window > 0 && ctx > window) ? ctx - window : 0;
+        const int64_t n = ctx - first;
+        const int64_t *table = tables + i * max_blocks;
+        const float *q_row = q + rows[i] * q_row_len;
+        for (int64_t h = 0; h < num_heads; h++) maxes[h] = -INFINITY;
+        /* pass 1: every head's score against each key; a token's keys (all KV heads) are
+           contiguous, so K is read once, in order, block by block */
+        for (int64_t b = first / block_size, t = first; t < ctx; b++) {
+            int64_t block = table[b];
+            if (block < 0 || block >= num_blocks) block = 0; /* validated upstream */
+            const int64_t end = (b + 1) * block_size < ctx ? (b + 1) * block_size : ctx;
+            const float *k = k_pool + (block * block_size + t - b * block_size) * kv_row;
+            for (; t < end; t++, k += kv_row) {
+                for (int64_t h = 0; h < num_heads; h++) {
+                    const float *qh = q_row + h * head_dim;
+                    const float *kh = k + (h / group) * head_dim;
+                    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                    for (int64_t d = 0; d < head_dim; d++) s += qh[d] * kh[d];
+                    s *= scale;
+                    scores[h * longest + (t - first)] = s;
+                    if (s > maxes[h]) maxes[h] = s;
+                }
+            }
+        }
+        /* pass 2: softmax over each head's scores */
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *sh = scores + h * longest;
+            const float m = maxes[h];
+            float sum = 0.0f;
+            for (int64_t t = 0; t < n; t++) {
+                const float e = expf(sh[t] - m);
+                sh[t] = e;
+                sum += e;
+            }
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma omp simd
+            for (int64_t t = 0; t < n; t++) sh[t] *= inv;
+        }
+        /* pass 3: the weighted sum of values, V read once, in order */
+        memset(acc, 0, sizeof(float) * (size_t)q_row_len);
+        for (int64_t b = first / block_size, t = first; t < ctx; b++) {
+            int64_t block = table[b];
+            if (block < 0 || block >= num_blocks) block = 0;
+            const int64_t end = (b + 1) * block_size < ctx ? (b + 1) * block_size : ctx;
+            const float *v = v_pool + (block * block_size + t - b * block_size) * kv_row;
+            for (; t < end; t++, v += kv_row) {
+                for (int64_t h = 0; h < num_heads; h++) {
+                    const float p = scores[h * longest + (t - first)];
+                    const float *vh = v + (h / group) * head_dim;
+                    float *a = acc + h * head_dim;
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * vh[d];
+                }
+            }
+        }
+        memcpy(out + rows[i] * q_row_len, acc, sizeof(float) * (size_t)q_row_len);
+    }
+    free(scores); free(acc); free(maxes);
+    return 0;
+}
