@@ -52,6 +52,9 @@ class StageInfo:
     block_size: int
     vocab_size: int
     address: str = ""
+    # the first stage gets each sampled token straight from the last (several stages): the
+    # plans carry no tokens and placeholder steps work at any pipeline size
+    feedback: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,9 @@ class StageTransport(Protocol):
 
     async def submit(self, plan: StepPlan) -> None:
         """Send a step down the pipeline; its StepResult (or ErrorEvent) comes back as an event."""
+
+    async def abandon(self, seq_ids: list[int]) -> None:
+        """With feedback: tell the first stage these sequences' awaited tokens will not come."""
 
     async def stage_stats(self) -> list[dict]: ...
 
@@ -172,7 +178,7 @@ class Engine:
                 max_model_len=config.max_model_len,
                 namespace=config.model or None,
                 block_size=config.block_size,
-                async_decode=config.is_async and config.pipeline_parallel_size == 1,
+                async_decode=config.is_async,
             ),
             queue,
         )
@@ -184,6 +190,7 @@ class Engine:
         self._events: asyncio.Queue = asyncio.Queue()
         self._generation = 0  # of the stage connection: one more for each connect attempt
         self._task: asyncio.Task | None = None
+        self._side_tasks: set[asyncio.Task] = set()
         self._trace_file = open(config.trace_file, "a") if config.trace_file else None  # noqa: SIM115
         self._unhealthy_since: float | None = None
         self.started_s = clock()
@@ -224,6 +231,7 @@ class Engine:
 
         self.stages = await self.transport.connect(on_event, timeout_s=30.0)
         self._check_capacity()
+        self.planner.set_feedback(self.stages[0].feedback)
         self.healthy = True
         self.health_detail = "serving"
         self._unhealthy_since = None
@@ -241,6 +249,28 @@ class Engine:
                 )
             if info.num_stages != len(self.stages):
                 raise ValueError(f"stage {info.stage_index} was started as one of {info.num_stages} stages")
+
+    def _background(self, coro) -> None:
+        """Run a call to a service without waiting for it; a failure is logged (the events
+        stream reports a stage that is gone)."""
+        task = asyncio.create_task(coro)
+        self._side_tasks.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._side_tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("%s", t.exception())
+
+        task.add_done_callback(done)
+
+    @property
+    def _max_in_flight(self) -> int:
+        """Steps in the pipeline at once: with placeholder steps (asynchronous, one stage or a
+        feedback stream) each stage's micro-batch has its next step queued behind it."""
+        cfg = self.config
+        if cfg.is_async and (cfg.pipeline_parallel_size == 1 or self.planner.feedback):
+            return 2 * cfg.pipeline_parallel_size
+        return cfg.max_in_flight
 
     @property
     def vocab_size(self) -> int:
@@ -360,7 +390,7 @@ class Engine:
 
     async def _dispatch(self) -> None:
         planner = self.planner
-        while self.healthy and len(planner.in_flight) < self.config.max_in_flight:
+        while self.healthy and len(planner.in_flight) < self._max_in_flight:
             if not planner.has_schedulable() and not planner.has_pending_kv_work:
                 return
             proposal = planner.propose()
@@ -439,6 +469,9 @@ class Engine:
             if event.code == "UNAVAILABLE":
                 self._mark_unhealthy(f"stage {event.stage_index}: {event.message}")
                 return
+            if self.planner.feedback:  # no token comes from this step: later steps must not wait
+                seq_ids = [s.seq_id for s in self.planner.in_flight[event.micro_batch_id].seqs]
+                self._background(self.transport.abandon(seq_ids))
             for request in self.planner.on_failure(event.micro_batch_id, now):
                 live = self._live.get(request.request_id)
                 if live is None:

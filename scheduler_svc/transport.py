@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 
@@ -24,12 +25,15 @@ from services.step_codec import plan_to_pb, result_from_pb
 log = logging.getLogger(__name__)
 
 
-def _info(address: str, li: worker_pb2.StageLoadInfo) -> StageInfo:
+FEEDBACK_WAIT_S = 5.0  # how long a connect waits for the last stage's feedback stream to open
+
+
+def _info(address: str, li: worker_pb2.StageLoadInfo, feedback: bool = False) -> StageInfo:
     return StageInfo(
         stage_index=li.stage_index, num_stages=li.num_stages, epoch=li.epoch,
         layer_start=li.layer_start, layer_end=li.layer_end, num_layers=li.num_layers,
         num_kv_blocks=li.num_kv_blocks, block_size=li.block_size, vocab_size=li.vocab_size,
-        address=address,
+        address=address, feedback=feedback,
     )
 
 
@@ -46,6 +50,7 @@ class GrpcStageTransport:
         self._timings: dict[int, list[StageTiming]] = {}
         self._last_done = 0  # results come back in micro-batch order
         self.infos: list[StageInfo] = []
+        self._last_load_info = worker_pb2.StageLoadInfo()
 
     async def connect(self, on_event: Callable[[object], None], timeout_s: float = 30.0) -> list[StageInfo]:
         await self.close()
@@ -60,6 +65,8 @@ class GrpcStageTransport:
             await self.close()
             raise ConnectionError(f"stages not ready: {exc}") from exc
         self._check_chain(infos)
+        if len(infos) > 1 and await self._feedback_open(infos):
+            infos = [replace(info, feedback=True) for info in infos]
         self.infos = infos
         self._forward = self._stubs[0].Forward()
         self._tasks.append(asyncio.create_task(self._drain_acks(self._forward, on_event)))
@@ -80,6 +87,30 @@ class GrpcStageTransport:
         if expected_start != infos[-1].num_layers:
             raise ValueError(f"the stages cover layers up to {expected_start} of {infos[-1].num_layers}")
 
+    async def _feedback_open(self, infos: list[StageInfo]) -> bool:
+        """Whether the last stage streams sampled tokens to this first stage (started with
+        --feedback pointing at it, and the stream open: waited for a few seconds at start)."""
+        last = self._last_load_info
+        if not last.feedback_address:
+            return False
+        deadline = asyncio.get_running_loop().time() + FEEDBACK_WAIT_S
+        while True:
+            first = await self._stubs[0].LoadInfo(worker_pb2.LoadInfoRequest(), timeout=2.0)
+            if first.epoch == infos[0].epoch and first.feedback_connected:
+                return True
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning("the last stage feeds %s, but no feedback stream is open on the first "
+                            "stage %s: the scheduler sends it the sampled tokens", last.feedback_address,
+                            self.addresses[0])
+                return False
+            await asyncio.sleep(0.05)
+
+    async def abandon(self, seq_ids: list[int]) -> None:
+        if not self._stubs or not self.infos:
+            return
+        request = worker_pb2.AbandonRequest(epoch=self.infos[0].epoch, seq_ids=seq_ids)
+        await self._stubs[0].Abandon(request, timeout=2.0)
+
     async def _read_events(self, index: int, on_event, ready: asyncio.Future) -> None:
         last = index == len(self.addresses) - 1
         try:
@@ -89,6 +120,8 @@ class GrpcStageTransport:
             async for event in stream:
                 if event.HasField("ready"):
                     if not ready.done():
+                        if last:
+                            self._last_load_info = event.ready
                         ready.set_result(_info(self.addresses[index], event.ready))
                     continue
                 done = event.done

@@ -101,6 +101,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             next_address=args.next,
+            feedback_address=args.feedback,
             num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size,
             layer_partition=args.layer_partition,
@@ -307,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to bind (default loopback)")
     p.add_argument("--port", type=int, default=_env("port", 0, int), help="0 picks a free port")
     p.add_argument("--next", default=_env("next"), help="HOST:PORT of the next stage (not on the last)")
+    p.add_argument("--feedback", default=_env("feedback"),
+                   help="last stage of several: HOST:PORT of the first stage, which then gets each "
+                        "sampled token straight from here, not through the scheduler")
     p.add_argument("--num-kv-blocks", type=int, default=_env("num_kv_blocks", 1024, int))
     p.add_argument("--block-size", type=int, default=_env("block_size", 16, int))
     p.add_argument("--layer-partition", type=_int_list, default=_env("layer_partition", None, _int_list),

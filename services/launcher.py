@@ -177,8 +177,10 @@ def worker_chain(
     extra_args=lambda k: (),
     env: dict[str, str] | None = None,
     log_dir: Path | None = None,
+    feedback: bool = True,
 ) -> list[ServiceProcess]:
-    """`pagoda worker` processes (not started) for stages 0..N-1, each pointing at the next."""
+    """`pagoda worker` processes (not started) for stages 0..N-1, each pointing at the next,
+    the last (with `feedback`) at the first for sampled tokens."""
     ports = [free_port(host) for _ in range(num_stages)]
     workers = []
     for k in range(num_stages):
@@ -187,6 +189,8 @@ def worker_chain(
                 "--block-size", str(block_size), "--num-threads", str(threads), *extra_args(k)]
         if k < num_stages - 1:
             args += ["--next", f"{host}:{ports[k + 1]}"]
+        elif num_stages > 1 and feedback:  # sampled tokens straight to the first stage
+            args += ["--feedback", f"{host}:{ports[0]}"]
         workers.append(ServiceProcess(
             f"worker-{k}", pagoda_command(*args), f"{host}:{ports[k]}", env=dict(env or {}),
             log_path=(log_dir / f"worker-{k}.log") if log_dir else None,

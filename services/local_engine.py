@@ -43,7 +43,7 @@ class LocalStageTransport:
                 stage_index=i, num_stages=n, epoch=1, layer_start=r.model.start,
                 layer_end=r.model.end, num_layers=r.model.config.num_layers,
                 num_kv_blocks=r.num_blocks, block_size=r.block_size,
-                vocab_size=r.model.config.vocab_size, address="in-process",
+                vocab_size=r.model.config.vocab_size, address="in-process", feedback=n > 1,
             )
             for i, r in enumerate(self.runners)
         ]
@@ -59,12 +59,19 @@ class LocalStageTransport:
                 hidden = result.hidden
                 self.busy_ns[i] += result.compute_ns
                 timings.append(StageTiming(i, 0, 0, result.compute_ns))
+            if len(self.runners) > 1 and result.sampled is not None:  # the last stage feeds the first
+                positions = [r.context_len for r in result.rows if r.sample]
+                self.runners[0].batch.feed(zip(result.sampled_seq_ids, positions, result.sampled.token_ids,
+                                               strict=True))
             event = result.step_result(tuple(timings))
         except ValueError as exc:  # InvalidPlanError: a scheduler bug, reported like a stage would
             event = ErrorEvent(plan.step_id, len(timings), "INVALID_ARGUMENT", str(exc))
         except Exception as exc:
             event = ErrorEvent(plan.step_id, len(timings), "INTERNAL", f"{type(exc).__name__}: {exc}")
         self._loop.call_soon_threadsafe(self._on_event, event)
+
+    async def abandon(self, seq_ids: list[int]) -> None:
+        """Nothing waits here: steps run one after another, a missing token fails the step."""
 
     async def stage_stats(self) -> list[dict]:
         return [{"stage_index": i, "address": "in-process", "healthy": True, "busy_ns": b}

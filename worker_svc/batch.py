@@ -12,6 +12,7 @@ and its own samples); the block table covers positions `0 ... num_computed - 1`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.sampling import SamplingParams
@@ -98,8 +99,9 @@ class PersistentBatch:
             if c.block_ids or c.block_offset < len(state.block_ids):
                 del state.block_ids[c.block_offset:]
                 state.block_ids.extend(c.block_ids)
-            if c.new_token_ids and not shape.is_last:
-                state.token_ids.extend(c.new_token_ids)
+            if c.new_token_ids and not shape.is_last:  # they end where this step ends
+                known = len(state.token_ids) - (state.num_computed + c.num_scheduled - len(c.new_token_ids))
+                state.token_ids.extend(c.new_token_ids[known:])  # (some may have come by feedback)
             rows.append(self._row(state, c.num_scheduled, c.prompt_scoring))
         return rows
 
@@ -108,6 +110,31 @@ class PersistentBatch:
         end = start + num_tokens
         state.num_computed = end
         return Row(state, start, num_tokens, self.shape.is_last and end == len(state.token_ids), scoring)
+
+    def awaiting(self, plan: StepPlan) -> set[int]:
+        """Sequences this step computes further than the tokens this stage knows: a
+        placeholder step's input, sampled by the last stage and not fed here yet."""
+        if plan.reset:
+            return set()
+        out = set()
+        for c in plan.cached_seqs:
+            state = self.seqs.get(c.seq_id)
+            if (state is not None and not c.new_token_ids
+                    and state.num_computed + c.num_scheduled > len(state.token_ids)):
+                out.add(c.seq_id)
+        return out - set(plan.finished_seq_ids)
+
+    def feed(self, tokens: Iterable[tuple[int, int, int]]) -> int:
+        """Appends (seq_id, position, token) sampled by the last stage where the token is the
+        next one this stage lacks; stale ones (a sequence since dropped, or a position it
+        knows) are ignored. Returns how many were appended."""
+        n = 0
+        for seq_id, position, token in tokens:
+            state = self.seqs.get(seq_id)
+            if state is not None and len(state.token_ids) == position and 0 <= token < self.shape.vocab_size:
+                state.token_ids.append(token)
+                n += 1
+        return n
 
     def record_sampled(self, rows: list[Row], token_ids: list[int]) -> None:
         """The last stage appends what it sampled: the next step's input for these sequences."""
@@ -147,10 +174,18 @@ class PersistentBatch:
                 raise InvalidPlanError(
                     f"{where}: block_offset {c.block_offset} beyond its {len(state.block_ids)} blocks")
             num_tokens = len(state.token_ids)
-            if not shape.is_last:
-                num_tokens += len(c.new_token_ids)
+            if c.new_token_ids and not shape.is_last:
                 if shape.is_first and any(not 0 <= t < shape.vocab_size for t in c.new_token_ids):
                     raise InvalidPlanError(f"{where}: token id outside [0, {shape.vocab_size})")
+                # a step's new tokens are the last it computes: positions end - len ... end - 1
+                end = state.num_computed + c.num_scheduled
+                first = end - len(c.new_token_ids)
+                if not 0 <= first <= num_tokens or (
+                        state.token_ids[first:end] != list(c.new_token_ids[:num_tokens - first])):
+                    raise InvalidPlanError(
+                        f"{where}: new tokens for positions {first}..{end - 1} do not continue the "
+                        f"{num_tokens} this stage knows")
+                num_tokens = max(num_tokens, end)
             self._check_step(where, state.num_computed, c.num_scheduled, num_tokens,
                              c.block_offset + len(c.block_ids), c.block_ids, c.prompt_scoring)
         for src, dst in plan.block_copies:

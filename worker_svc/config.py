@@ -18,6 +18,8 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     next_address: str | None = None
+    # last stage of several: the first stage's address, to stream sampled tokens to
+    feedback_address: str | None = None
     num_kv_blocks: int = 1024
     block_size: int = 16
     layer_partition: tuple[int, ...] | None = None
@@ -37,6 +39,8 @@ class WorkerConfig:
         is_last = self.stage == self.num_stages - 1
         if is_last and self.next_address:
             raise ValueError("next_address: the last stage has no next stage")
+        if self.feedback_address and (not is_last or self.num_stages == 1):
+            raise ValueError("feedback_address: only the last stage of several streams tokens to the first")
         if not is_last and not self.next_address:
             raise ValueError(f"next_address: stage {self.stage} of {self.num_stages} needs --next")
         for name in ("num_kv_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -9,6 +9,11 @@ Inside a stage three things overlap, each with one owner:
 - the compute loop runs plans in arrival order on one executor thread (torch),
 - the sender (event loop, not on the last stage) encodes and writes hidden states
   downstream while the next micro-batch computes.
+With several stages started with `--feedback` (on the last), the last stage streams each
+step's sampled tokens straight to the first (`Feedback`); the first stage's compute loop
+waits, before a step, until it knows every token the step computes (a placeholder step
+planned before its input was sampled), and fails it instead when the scheduler says that
+input will never come (`Abandon`) or resets the pipeline.
 A malformed plan fails that micro-batch only (an error event with a status code); the stage
 keeps serving. A broken downstream stream fails the micro-batches it could not take with
 UNAVAILABLE, and the sender reconnects for the next one (a restarted stage has a new epoch).
@@ -71,6 +76,14 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self._tasks: list[asyncio.Task] = []
         self._channel: grpc.aio.Channel | None = None
         self._call = None
+        # sampled-token feedback (the first stage receives it, the last stage sends it)
+        self._fed: list[tuple[int, int, int]] = []  # (seq_id, position, token) not applied yet
+        self._fed_event = asyncio.Event()
+        self._abandoned: set[int] = set()  # sequences whose awaited tokens will not come
+        self._resets_queued = 0  # reset plans received, not yet computed
+        self._feedback_streams = 0  # first stage: Feedback streams open now
+        self._feedback_queue: asyncio.Queue[worker_pb2.SampledFeedback] = asyncio.Queue(maxsize=1024)
+        self._feedback_channel: grpc.aio.Channel | None = None
         self._ack_task: asyncio.Task | None = None
         self.downstream_connected = False
         self._tracing = telemetry.enabled()
@@ -85,6 +98,9 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self.num_block_copies = 0
         self.num_received_bytes = 0
         self.num_sent_bytes = 0
+        self.num_fed_tokens = 0  # first stage: tokens that came by feedback, not in a plan
+        self.num_feedback_waits = 0  # first stage: steps that waited for a fed token
+        self.num_abandoned = 0  # first stage: steps failed because their input never came
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -93,6 +109,9 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         if not self.config.is_last:
             self._channel = aio_channel(self.config.next_address, self.max_message_bytes)
             self._tasks.append(asyncio.create_task(self._sender_loop(), name="sender"))
+        if self.config.feedback_address:
+            self._feedback_channel = aio_channel(self.config.feedback_address, self.max_message_bytes)
+            self._tasks.append(asyncio.create_task(self._feedback_loop(), name="feedback"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -101,6 +120,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             self._ack_task.cancel()
         if self._channel is not None:
             await self._channel.close()
+        if self._feedback_channel is not None:
+            await self._feedback_channel.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # --- rpcs --------------------------------------------------------------------------
@@ -114,8 +135,36 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             self.peak_in_flight = max(self.peak_in_flight, self.num_in_flight)
             self._decode(work)  # overlaps with the plan computing now
             work.received_ns = time.time_ns()
+            if work.plan is not None and work.plan.reset:
+                self._resets_queued += 1  # a step waiting for its tokens gives up (_await_inputs)
+                self._fed_event.set()
             await self._queue.put(work)
             yield worker_pb2.ForwardAck(micro_batch_id=mb.micro_batch_id, received_ns=arrived_ns)
+
+    async def Feedback(self, request_iterator, context):
+        """The last stage's sampled tokens (first stage): applied between steps."""
+        if not self.config.is_first or self.config.is_last:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "only the first stage of several takes sampled-token feedback")
+        self._feedback_streams += 1
+        log.info("feedback stream from %s connected", context.peer())
+        try:
+            async for fb in request_iterator:
+                if len(fb.seq_ids) != len(fb.positions) or len(fb.seq_ids) != len(fb.token_ids):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"feedback of step {fb.micro_batch_id}: columns of unequal length")
+                self._fed.extend(zip(fb.seq_ids, fb.positions, fb.token_ids, strict=True))
+                self._fed_event.set()
+        finally:
+            self._feedback_streams -= 1
+            self._fed_event.set()  # a step waiting for tokens from this stream gives up
+        return worker_pb2.FeedbackAck()
+
+    async def Abandon(self, request, context):
+        if request.epoch in (0, self.epoch):
+            self._abandoned.update(request.seq_ids)
+            self._fed_event.set()
+        return worker_pb2.AbandonReply()
 
     async def Events(self, request, context):
         queue: asyncio.Queue = asyncio.Queue(maxsize=100_000)
@@ -168,6 +217,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             num_threads=torch.get_num_threads(),
             device=str(self.runner.device),
             quantization=cfg.quantization or "",
+            feedback_address=cfg.feedback_address or "",
+            feedback_connected=self._feedback_streams > 0,
         )
 
     def stats(self) -> worker_pb2.StageStats:
@@ -185,6 +236,9 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             num_block_copies=self.num_block_copies,
             num_received_bytes=self.num_received_bytes,
             num_sent_bytes=self.num_sent_bytes,
+            num_fed_tokens=self.num_fed_tokens,
+            num_feedback_waits=self.num_feedback_waits,
+            num_abandoned=self.num_abandoned,
             uptime_ns=uptime,
         )
 
@@ -219,6 +273,18 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         loop = asyncio.get_running_loop()
         while True:
             work = await self._queue.get()
+            if work.error is None and self.config.is_first and not self.config.is_last:
+                why = await self._await_inputs(work.plan)
+                if why is not None:
+                    self.num_abandoned += 1
+                    work.error = (grpc.StatusCode.ABORTED, f"micro-batch {work.mb.micro_batch_id}: {why}")
+            if work.plan is not None:
+                if work.plan.reset:
+                    self._resets_queued -= 1
+                    self._abandoned.clear()
+                elif self._abandoned:  # dropped or sent whole: nothing awaited for them now
+                    self._abandoned.difference_update(work.plan.finished_seq_ids)
+                    self._abandoned.difference_update(n.seq_id for n in work.plan.new_seqs)
             if work.error is None:
                 try:
                     await loop.run_in_executor(self._executor, self._compute, work)
@@ -230,9 +296,82 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             # the result goes back to the scheduler as soon as compute ends, before the
             # hand-off downstream, so that it reaches the scheduler ahead of the later stages'
             # (a failed hand-off is reported afterwards as an error for the micro-batch)
+            if work.error is None and self.config.feedback_address:
+                self._send_feedback(work)  # before the scheduler hears of it: the next step waits
             self._finish(work)
             if work.error is None and not self.config.is_last:
                 await self._send_queue.put(work)
+
+    async def _await_inputs(self, plan: StepPlan) -> str | None:
+        """Wait until this stage knows every token the step computes (fed by the last stage);
+        None when it does, else why they will not come."""
+        batch, waited = self.runner.batch, False
+        while True:
+            if self._fed:
+                fed, self._fed = self._fed, []
+                self.num_fed_tokens += batch.feed(fed)
+            awaiting = batch.awaiting(plan)
+            if not awaiting:
+                self.num_feedback_waits += waited
+                return None
+            lost = awaiting & self._abandoned
+            if lost:
+                return f"its input tokens of sequences {sorted(lost)} will not come (their step failed)"
+            if self._resets_queued > (1 if plan.reset else 0):
+                return "the pipeline was reset before its input tokens came"
+            if not self._feedback_streams:
+                return "no feedback stream from the last stage is open to bring its input tokens"
+            waited = True
+            self._fed_event.clear()
+            await self._fed_event.wait()
+
+    async def _feedback_loop(self) -> None:
+        """Last stage: keep a Feedback stream open to the first stage (from start, so that
+        the scheduler finds it open) and write each step's sampled tokens to it; reconnect
+        when it breaks (tokens lost with it are the scheduler's to recover: the first stage
+        restarted, and its new epoch resets the pipeline)."""
+        stub = worker_pb2_grpc.StageWorkerStub(self._feedback_channel)
+        while True:
+            call = ended = None
+            try:
+                await asyncio.wait_for(self._feedback_channel.channel_ready(), timeout=2.0)
+                call = stub.Feedback()
+                await call.write(worker_pb2.SampledFeedback())  # opens the stream on the first stage
+                ended = asyncio.ensure_future(call)  # done only when the stream breaks
+                log.info("feedback stream to the first stage at %s open", self.config.feedback_address)
+                while True:
+                    get = asyncio.ensure_future(self._feedback_queue.get())
+                    await asyncio.wait({get, ended}, return_when=asyncio.FIRST_COMPLETED)
+                    if not get.done():
+                        get.cancel()
+                        break
+                    await call.write(get.result())
+                log.warning("feedback stream to %s ended: %s", self.config.feedback_address,
+                            _describe(ended.exception()) if ended.exception() else "closed")
+            except asyncio.CancelledError:
+                if call is not None:
+                    call.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure of the stream means the same
+                log.warning("feedback to the first stage at %s failed: %s", self.config.feedback_address,
+                            _describe(exc))
+            if call is not None:
+                call.cancel()
+            await asyncio.sleep(0.2)
+
+    def _send_feedback(self, work: _Work) -> None:
+        result = work.result
+        if result is None or result.sampled is None or not result.sampled_seq_ids:
+            return
+        fb = worker_pb2.SampledFeedback(micro_batch_id=work.mb.micro_batch_id)
+        fb.seq_ids.extend(result.sampled_seq_ids)
+        fb.positions.extend(r.context_len for r in result.rows if r.sample)
+        fb.token_ids.extend(result.sampled.token_ids)
+        try:
+            self._feedback_queue.put_nowait(fb)
+        except asyncio.QueueFull:
+            log.error("feedback queue full: the first stage at %s is not reading; dropping step %d's tokens",
+                      self.config.feedback_address, work.mb.micro_batch_id)
 
     def _compute(self, work: _Work) -> None:
         """Runs on the executor thread: the only place this stage's tensors are touched."""

@@ -58,8 +58,9 @@ class PlannerConfig:
     max_model_len: int = 4096
     namespace: str | None = None  # the model: prefixes are shared only within one
     block_size: int = 16
-    # vLLM-style asynchronous scheduling (one stage): a decoding sequence is scheduled for
-    # step k+1 before step k's token is known; the stage feeds itself the token it sampled
+    # vLLM-style asynchronous scheduling: a decoding sequence is scheduled for step k+1
+    # before step k's token is known; the stage feeds itself the token it sampled (one
+    # stage), or the last stage feeds the first (several stages: `Planner.set_feedback`)
     async_decode: bool = False
 
     def __post_init__(self) -> None:
@@ -170,8 +171,10 @@ class Planner:
         self._release_all = True
         # seq_id -> the block table the stages hold for it (they hold its state)
         self._on_stages: dict[int, tuple[int, ...]] = {}
-        # with several stages, seq_id -> tokens the first stage knows (it does not sample)
+        # with several stages, seq_id -> tokens the first stage knows (it does not sample);
+        # None when it learns them without the plans (one stage, or feedback)
         self._stage_tokens: dict[int, int] | None = {} if config.pipeline_parallel_size > 1 else None
+        self.feedback = False  # the last stage feeds the first its sampled tokens
         # micro_batch_id -> sequences allocated in its step but left out of it (preempted or
         # given back): their slots were never written, so the KV service must see them freed
         # before it sees the micro-batch complete, or it would cache blocks holding garbage
@@ -280,17 +283,19 @@ class Planner:
         forks: list[Fork] = []
         proposal = Proposal(StepInput(), None)  # (an empty step: the KV service changes nothing)
 
-        # 0. placeholder decodes: the step in flight samples the token this one computes
-        if cfg.async_decode:
-            for request in self.running:
-                for seq in request.sequences:
-                    if n_seqs >= seq_cap or budget <= 0 or not self._speculable(seq):
-                        continue
-                    proposal.speculative.append((seq, seq.num_tokens))
-                    budget -= 1
-                    n_seqs += 1
-        # 1. decodes, then 2. prefill chunks of running sequences (rank order)
+        # 1. decodes, then 2. placeholder decodes (the step in flight samples the token this
+        # one computes: after the sequences free now, so that with several stages a stage's
+        # next micro-batch is another group's, not one that waits for this group's tokens),
+        # then 3. prefill chunks of running sequences (rank order)
         for phase_prefill in (False, True):
+            if phase_prefill and cfg.async_decode:
+                for request in self.running:
+                    for seq in request.sequences:
+                        if n_seqs >= seq_cap or budget <= 0 or not self._speculable(seq):
+                            continue
+                        proposal.speculative.append((seq, seq.num_tokens))
+                        budget -= 1
+                        n_seqs += 1
             for request in self.running:
                 for seq in request.sequences:
                     if (
@@ -316,7 +321,7 @@ class Planner:
                         proposal.appends.append(seq)
                     budget -= n
                     n_seqs += 1
-        # 3. forks of n > 1 requests whose first choice has prefilled all but the last prompt token
+        # 4. forks of n > 1 requests whose first choice has prefilled all but the last prompt token
         for request in self.running:
             if len(request.sequences) >= request.options.n or self._fork_blocked(request):
                 continue
@@ -333,7 +338,7 @@ class Planner:
             proposal.forks.append((parent, children))
             budget -= k + 1
             n_seqs += k + 1
-        # 4. running sequences that lost their KV (a partly re-admitted request)
+        # 5. running sequences that lost their KV (a partly re-admitted request)
         for request in self.running:
             for seq in request.sequences:
                 if seq.is_finished or seq.has_kv or seq.seq_id in self._busy or n_seqs >= seq_cap:
@@ -348,7 +353,7 @@ class Planner:
                 proposal.readmits.append((seq, new_id))
                 budget -= n
                 n_seqs += 1
-        # 5. admissions, in the queue's order, while blocks and budgets allow
+        # 6. admissions, in the queue's order, while blocks and budgets allow
         num_running_seqs = sum(_reserved(r) for r in self.running)
         for request in self.queue.ordered(limit=64):
             if budget <= 0 or n_seqs >= seq_cap:
@@ -686,6 +691,16 @@ class Planner:
                     self._preempt(request, now)
         return hit
 
+    def set_feedback(self, on: bool) -> None:
+        """Whether the first of several stages gets sampled tokens from the last directly (set
+        at each connection to the stages, before anything is planned on it): then plans carry
+        no tokens and placeholder steps work at any pipeline size."""
+        if self.in_flight or self._on_stages:
+            raise RuntimeError("set_feedback: only before the stages hold any state")
+        several = self.config.pipeline_parallel_size > 1
+        self.feedback = on and several
+        self._stage_tokens = {} if several and not self.feedback else None
+
     def reset_all(self, now: float = 0.0) -> list[Request]:
         """A stage or the KV service failed: everything running is preempted, KV state forgotten.
 
@@ -733,6 +748,8 @@ class Planner:
         and its token never emitted)."""
         if not self.config.async_decode or seq.is_finished or not seq.has_kv:
             return False
+        if self.config.pipeline_parallel_size > 1 and not self.feedback:
+            return False  # the first stage would need the token in the plan
         record = self._last_record.get(seq.seq_id)
         if record is None or self._busy.get(seq.seq_id) != 1 or not record.sample:
             return False

@@ -25,49 +25,57 @@ _sym_db = _symbol_database.Default()
 from services.pb import common_pb2 as pagoda_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pagoda/v1/worker.proto\x12\tpagoda.v1\x1a\x16pagoda/v1/common.proto\"\xab\x03\n\nMicroBatch\x12\x16\n\x0emicro_batch_id\x18\x01 \x01(\x04\x12\x13\n\x0bstage_index\x18\x02 \x01(\r\x12*\n\x0c\x62lock_copies\x18\r \x03(\x0b\x32\x14.pagoda.v1.BlockCopy\x12\x18\n\x10\x66inished_seq_ids\x18\x0e \x03(\x04\x12\r\n\x05reset\x18\x0f \x01(\x08\x12(\n\rhidden_states\x18\x10 \x01(\x0b\x32\x11.pagoda.v1.Tensor\x12\x0f\n\x07sent_ns\x18\x11 \x01(\x03\x12-\n\x08new_seqs\x18\x12 \x03(\x0b\x32\x1b.pagoda.v1.StageNewSequence\x12*\n\x06\x63\x61\x63hed\x18\x13 \x01(\x0b\x32\x1a.pagoda.v1.CachedSequencesJ\x04\x08\x03\x10\rR\x07seq_idsR\nquery_lensR\x0c\x63ontext_lensR\x10\x62lock_table_lensR\x0c\x62lock_tablesR\ttoken_idsR\tpositionsR\x0cslot_mappingR\x08samplingR\x0etrace_contexts\"\xd2\x02\n\x10StageNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x14\n\x0cnum_computed\x18\x04 \x01(\r\x12\x15\n\rnum_scheduled\x18\x05 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12)\n\x06params\x18\x07 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x14\n\x0c\x63hoice_index\x18\t \x01(\r\x12\x14\n\x0c\x65ntropy_seed\x18\n \x01(\x04\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x13\n\x0btraceparent\x18\x0c \x01(\t\x12\x30\n\x0eprompt_scoring\x18\r \x01(\x0b\x32\x18.pagoda.v1.PromptScoring\"I\n\rPromptScoring\x12\x16\n\x0e\x66irst_position\x18\x01 \x01(\r\x12\x0f\n\x07targets\x18\x02 \x03(\r\x12\x0f\n\x07num_top\x18\x03 \x01(\r\"\xe5\x01\n\x0f\x43\x61\x63hedSequences\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x15\n\rnum_scheduled\x18\x02 \x03(\r\x12\x15\n\rblock_offsets\x18\x03 \x03(\r\x12\x15\n\rnum_block_ids\x18\x04 \x03(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x19\n\x11num_new_token_ids\x18\x06 \x03(\r\x12\x15\n\rnew_token_ids\x18\x07 \x03(\r\x12\x37\n\x0eprompt_scoring\x18\x08 \x03(\x0b\x32\x1f.pagoda.v1.IndexedPromptScoring\"P\n\x14IndexedPromptScoring\x12\r\n\x05index\x18\x01 \x01(\r\x12)\n\x07scoring\x18\x02 \x01(\x0b\x32\x18.pagoda.v1.PromptScoring\"9\n\nForwardAck\x12\x16\n\x0emicro_batch_id\x18\x01 \x01(\x04\x12\x13\n\x0breceived_ns\x18\x02 \x01(\x03\"#\n\rEventsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x8f\x01\n\nStageEvent\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12)\n\x05ready\x18\x03 \x01(\x0b\x32\x18.pagoda.v1.StageLoadInfoH\x00\x12)\n\x04\x64one\x18\x04 \x01(\x0b\x32\x19.pagoda.v1.MicroBatchDoneH\x00\x42\x07\n\x05\x65vent\"\xf6\x01\n\x0eMicroBatchDone\x12\x16\n\x0emicro_batch_id\x18\x01 \x01(\x04\x12%\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x16.pagoda.v1.ErrorStatus\x12%\n\x06timing\x18\x03 \x01(\x0b\x32\x15.pagoda.v1.StepTiming\x12(\n\x07sampled\x18\x04 \x03(\x0b\x32\x17.pagoda.v1.SampledToken\x12 \n\x18num_block_copies_applied\x18\x05 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x19.pagoda.v1.PromptLogprobs\"c\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12)\n\tpositions\x18\x03 \x03(\x0b\x32\x16.pagoda.v1.TopLogprobs\"Z\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12(\n\x08logprobs\x18\x03 \x01(\x0b\x32\x16.pagoda.v1.TopLogprobs\"\xa0\x01\n\nStepTiming\x12\x0f\n\x07sent_ns\x18\x01 \x01(\x03\x12\x13\n\x0breceived_ns\x18\x02 \x01(\x03\x12\x18\n\x10\x63ompute_start_ns\x18\x03 \x01(\x03\x12\x16\n\x0e\x63ompute_end_ns\x18\x04 \x01(\x03\x12\x14\n\x0c\x66orwarded_ns\x18\x05 \x01(\x03\x12\x10\n\x08num_seqs\x18\x06 \x01(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\"\x11\n\x0fLoadInfoRequest\"\xbd\x03\n\rStageLoadInfo\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x1f\n\x05\x64type\x18\x08 \x01(\x0e\x32\x10.pagoda.v1.DType\x12(\n\x0ekv_cache_dtype\x18\t \x01(\x0e\x32\x10.pagoda.v1.DType\x12\r\n\x05model\x18\n \x01(\t\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\x12\x13\n\x0bhidden_size\x18\r \x01(\r\x12\x12\n\nvocab_size\x18\x0e \x01(\r\x12\x19\n\x11max_message_bytes\x18\x0f \x01(\x04\x12\x14\n\x0cnext_address\x18\x10 \x01(\t\x12\x13\n\x0bnum_threads\x18\x11 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x12 \x01(\t\x12\x14\n\x0cquantization\x18\x13 \x01(\t\"\x13\n\x11StageStatsRequest\"\xb3\x02\n\nStageStats\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07\x62usy_ns\x18\x03 \x01(\x04\x12\x0f\n\x07idle_ns\x18\x04 \x01(\x04\x12\x19\n\x11num_micro_batches\x18\x05 \x01(\x04\x12 \n\x18num_failed_micro_batches\x18\x06 \x01(\x04\x12\x12\n\nnum_tokens\x18\x07 \x01(\x04\x12\x15\n\rnum_in_flight\x18\x08 \x01(\r\x12\x16\n\x0epeak_in_flight\x18\t \x01(\r\x12\x18\n\x10num_block_copies\x18\n \x01(\x04\x12\x1a\n\x12num_received_bytes\x18\x0b \x01(\x04\x12\x16\n\x0enum_sent_bytes\x18\x0c \x01(\x04\x12\x11\n\tuptime_ns\x18\r \x01(\x04\"\x14\n\x12StageHealthRequest\"x\n\x0bStageHealth\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.pagoda.v1.HealthStatus\x12\x13\n\x0bstage_index\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x1c\n\x14\x64ownstream_connected\x18\x04 \x01(\x08\x32\xcb\x02\n\x0bStageWorker\x12;\n\x07\x46orward\x12\x15.pagoda.v1.MicroBatch\x1a\x15.pagoda.v1.ForwardAck(\x01\x30\x01\x12;\n\x06\x45vents\x12\x18.pagoda.v1.EventsRequest\x1a\x15.pagoda.v1.StageEvent0\x01\x12@\n\x08LoadInfo\x12\x1a.pagoda.v1.LoadInfoRequest\x1a\x18.pagoda.v1.StageLoadInfo\x12?\n\x08GetStats\x12\x1c.pagoda.v1.StageStatsRequest\x1a\x15.pagoda.v1.StageStats\x12?\n\x06Health\x12\x1d.pagoda.v1.StageHealthRequest\x1a\x16.pagoda.v1.StageHealthb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pagoda/v1/worker.proto\x12\tpagoda.v1\x1a\x16pagoda/v1/common.proto\"`\n\x0fSampledFeedback\x12\x16\n\x0emicro_batch_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\tpositions\x18\x03 \x03(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\"\r\n\x0b\x46\x65\x65\x64\x62\x61\x63kAck\"0\n\x0e\x41\x62\x61ndonRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\"\x0e\n\x0c\x41\x62\x61ndonReply\"\xab\x03\n\nMicroBatch\x12\x16\n\x0emicro_batch_id\x18\x01 \x01(\x04\x12\x13\n\x0bstage_index\x18\x02 \x01(\r\x12*\n\x0c\x62lock_copies\x18\r \x03(\x0b\x32\x14.pagoda.v1.BlockCopy\x12\x18\n\x10\x66inished_seq_ids\x18\x0e \x03(\x04\x12\r\n\x05reset\x18\x0f \x01(\x08\x12(\n\rhidden_states\x18\x10 \x01(\x0b\x32\x11.pagoda.v1.Tensor\x12\x0f\n\x07sent_ns\x18\x11 \x01(\x03\x12-\n\x08new_seqs\x18\x12 \x03(\x0b\x32\x1b.pagoda.v1.StageNewSequence\x12*\n\x06\x63\x61\x63hed\x18\x13 \x01(\x0b\x32\x1a.pagoda.v1.CachedSequencesJ\x04\x08\x03\x10\rR\x07seq_idsR\nquery_lensR\x0c\x63ontext_lensR\x10\x62lock_table_lensR\x0c\x62lock_tablesR\ttoken_idsR\tpositionsR\x0cslot_mappingR\x08samplingR\x0etrace_contexts\"\xd2\x02\n\x10StageNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x14\n\x0cnum_computed\x18\x04 \x01(\r\x12\x15\n\rnum_scheduled\x18\x05 \x01(\r\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12)\n\x06params\x18\x07 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x14\n\x0c\x63hoice_index\x18\t \x01(\r\x12\x14\n\x0c\x65ntropy_seed\x18\n \x01(\x04\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x13\n\x0btraceparent\x18\x0c \x01(\t\x12\x30\n\x0eprompt_scoring\x18\r \x01(\x0b\x32\x18.pagoda.v1.PromptScoring\"I\n\rPromptScoring\x12\x16\n\x0e\x66irst_position\x18\x01 \x01(\r\x12\x0f\n\x07targets\x18\x02 \x03(\r\x12\x0f\n\x07num_top\x18\x03 \x01(\r\"\xe5\x01\n\x0f\x43\x61\x63hedSequences\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x15\n\rnum_scheduled\x18\x02 \x03(\r\x12\x15\n\rblock_offsets\x18\x03 \x03(\r\x12\x15\n\rnum_block_ids\x18\x04 \x03(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x19\n\x11num_new_token_ids\x18\x06 \x03(\r\x12\x15\n\rnew_token_ids\x18\x07 \x03(\r\x12\x37\n\x0eprompt_scoring\x18\x08 \x03(\x0b\x32\x1f.pagoda.v1.IndexedPromptScoring\"P\n\x14IndexedPromptScoring\x12\r\n\x05index\x18\x01 \x01(\r\x12)\n\x07scoring\x18\x02 \x01(\x0b\x32\x18.pagoda.v1.PromptScoring\"9\n\nForwardAck\x12\x16\n\x0emicro_batch_id\x18\x01 \x01(\x04\x12\x13\n\x0breceived_ns\x18\x02 \x01(\x03\"#\n\rEventsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x8f\x01\n\nStageEvent\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12)\n\x05ready\x18\x03 \x01(\x0b\x32\x18.pagoda.v1.StageLoadInfoH\x00\x12)\n\x04\x64one\x18\x04 \x01(\x0b\x32\x19.pagoda.v1.MicroBatchDoneH\x00\x42\x07\n\x05\x65vent\"\xf6\x01\n\x0eMicroBatchDone\x12\x16\n\x0emicro_batch_id\x18\x01 \x01(\x04\x12%\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x16.pagoda.v1.ErrorStatus\x12%\n\x06timing\x18\x03 \x01(\x0b\x32\x15.pagoda.v1.StepTiming\x12(\n\x07sampled\x18\x04 \x03(\x0b\x32\x17.pagoda.v1.SampledToken\x12 \n\x18num_block_copies_applied\x18\x05 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x19.pagoda.v1.PromptLogprobs\"c\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12)\n\tpositions\x18\x03 \x03(\x0b\x32\x16.pagoda.v1.TopLogprobs\"Z\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12(\n\x08logprobs\x18\x03 \x01(\x0b\x32\x16.pagoda.v1.TopLogprobs\"\xa0\x01\n\nStepTiming\x12\x0f\n\x07sent_ns\x18\x01 \x01(\x03\x12\x13\n\x0breceived_ns\x18\x02 \x01(\x03\x12\x18\n\x10\x63ompute_start_ns\x18\x03 \x01(\x03\x12\x16\n\x0e\x63ompute_end_ns\x18\x04 \x01(\x03\x12\x14\n\x0c\x66orwarded_ns\x18\x05 \x01(\x03\x12\x10\n\x08num_seqs\x18\x06 \x01(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\"\x11\n\x0fLoadInfoRequest\"\xf3\x03\n\rStageLoadInfo\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x1f\n\x05\x64type\x18\x08 \x01(\x0e\x32\x10.pagoda.v1.DType\x12(\n\x0ekv_cache_dtype\x18\t \x01(\x0e\x32\x10.pagoda.v1.DType\x12\r\n\x05model\x18\n \x01(\t\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\x12\x13\n\x0bhidden_size\x18\r \x01(\r\x12\x12\n\nvocab_size\x18\x0e \x01(\r\x12\x19\n\x11max_message_bytes\x18\x0f \x01(\x04\x12\x14\n\x0cnext_address\x18\x10 \x01(\t\x12\x13\n\x0bnum_threads\x18\x11 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x12 \x01(\t\x12\x14\n\x0cquantization\x18\x13 \x01(\t\x12\x18\n\x10\x66\x65\x65\x64\x62\x61\x63k_address\x18\x14 \x01(\t\x12\x1a\n\x12\x66\x65\x65\x64\x62\x61\x63k_connected\x18\x15 \x01(\x08\"\x13\n\x11StageStatsRequest\"\xfe\x02\n\nStageStats\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07\x62usy_ns\x18\x03 \x01(\x04\x12\x0f\n\x07idle_ns\x18\x04 \x01(\x04\x12\x19\n\x11num_micro_batches\x18\x05 \x01(\x04\x12 \n\x18num_failed_micro_batches\x18\x06 \x01(\x04\x12\x12\n\nnum_tokens\x18\x07 \x01(\x04\x12\x15\n\rnum_in_flight\x18\x08 \x01(\r\x12\x16\n\x0epeak_in_flight\x18\t \x01(\r\x12\x18\n\x10num_block_copies\x18\n \x01(\x04\x12\x1a\n\x12num_received_bytes\x18\x0b \x01(\x04\x12\x16\n\x0enum_sent_bytes\x18\x0c \x01(\x04\x12\x11\n\tuptime_ns\x18\r \x01(\x04\x12\x16\n\x0enum_fed_tokens\x18\x0e \x01(\x04\x12\x1a\n\x12num_feedback_waits\x18\x0f \x01(\x04\x12\x15\n\rnum_abandoned\x18\x10 \x01(\x04\"\x14\n\x12StageHealthRequest\"x\n\x0bStageHealth\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.pagoda.v1.HealthStatus\x12\x13\n\x0bstage_index\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x1c\n\x14\x64ownstream_connected\x18\x04 \x01(\x08\x32\xcc\x03\n\x0bStageWorker\x12;\n\x07\x46orward\x12\x15.pagoda.v1.MicroBatch\x1a\x15.pagoda.v1.ForwardAck(\x01\x30\x01\x12;\n\x06\x45vents\x12\x18.pagoda.v1.EventsRequest\x1a\x15.pagoda.v1.StageEvent0\x01\x12@\n\x08LoadInfo\x12\x1a.pagoda.v1.LoadInfoRequest\x1a\x18.pagoda.v1.StageLoadInfo\x12?\n\x08GetStats\x12\x1c.pagoda.v1.StageStatsRequest\x1a\x15.pagoda.v1.StageStats\x12?\n\x06Health\x12\x1d.pagoda.v1.StageHealthRequest\x1a\x16.pagoda.v1.StageHealth\x12@\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x1a.pagoda.v1.SampledFeedback\x1a\x16.pagoda.v1.FeedbackAck(\x01\x12=\n\x07\x41\x62\x61ndon\x12\x19.pagoda.v1.AbandonRequest\x1a\x17.pagoda.v1.AbandonReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagoda.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MICROBATCH']._serialized_start=62
-  _globals['_MICROBATCH']._serialized_end=489
-  _globals['_STAGENEWSEQUENCE']._serialized_start=492
-  _globals['_STAGENEWSEQUENCE']._serialized_end=830
-  _globals['_PROMPTSCORING']._serialized_start=832
-  _globals['_PROMPTSCORING']._serialized_end=905
-  _globals['_CACHEDSEQUENCES']._serialized_start=908
-  _globals['_CACHEDSEQUENCES']._serialized_end=1137
-  _globals['_INDEXEDPROMPTSCORING']._serialized_start=1139
-  _globals['_INDEXEDPROMPTSCORING']._serialized_end=1219
-  _globals['_FORWARDACK']._serialized_start=1221
-  _globals['_FORWARDACK']._serialized_end=1278
-  _globals['_EVENTSREQUEST']._serialized_start=1280
-  _globals['_EVENTSREQUEST']._serialized_end=1315
-  _globals['_STAGEEVENT']._serialized_start=1318
-  _globals['_STAGEEVENT']._serialized_end=1461
-  _globals['_MICROBATCHDONE']._serialized_start=1464
-  _globals['_MICROBATCHDONE']._serialized_end=1710
-  _globals['_PROMPTLOGPROBS']._serialized_start=1712
-  _globals['_PROMPTLOGPROBS']._serialized_end=1811
-  _globals['_SAMPLEDTOKEN']._serialized_start=1813
-  _globals['_SAMPLEDTOKEN']._serialized_end=1903
-  _globals['_STEPTIMING']._serialized_start=1906
-  _globals['_STEPTIMING']._serialized_end=2066
-  _globals['_LOADINFOREQUEST']._serialized_start=2068
-  _globals['_LOADINFOREQUEST']._serialized_end=2085
-  _globals['_STAGELOADINFO']._serialized_start=2088
-  _globals['_STAGELOADINFO']._serialized_end=2533
-  _globals['_STAGESTATSREQUEST']._serialized_start=2535
-  _globals['_STAGESTATSREQUEST']._serialized_end=2554
-  _globals['_STAGESTATS']._serialized_start=2557
-  _globals['_STAGESTATS']._serialized_end=2864
-  _globals['_STAGEHEALTHREQUEST']._serialized_start=2866
-  _globals['_STAGEHEALTHREQUEST']._serialized_end=2886
-  _globals['_STAGEHEALTH']._serialized_start=2888
-  _globals['_STAGEHEALTH']._serialized_end=3008
-  _globals['_STAGEWORKER']._serialized_start=3011
-  _globals['_STAGEWORKER']._serialized_end=3342
+  _globals['_SAMPLEDFEEDBACK']._serialized_start=61
+  _globals['_SAMPLEDFEEDBACK']._serialized_end=157
+  _globals['_FEEDBACKACK']._serialized_start=159
+  _globals['_FEEDBACKACK']._serialized_end=172
+  _globals['_ABANDONREQUEST']._serialized_start=174
+  _globals['_ABANDONREQUEST']._serialized_end=222
+  _globals['_ABANDONREPLY']._serialized_start=224
+  _globals['_ABANDONREPLY']._serialized_end=238
+  _globals['_MICROBATCH']._serialized_start=241
+  _globals['_MICROBATCH']._serialized_end=668
+  _globals['_STAGENEWSEQUENCE']._serialized_start=671
+  _globals['_STAGENEWSEQUENCE']._serialized_end=1009
+  _globals['_PROMPTSCORING']._serialized_start=1011
+  _globals['_PROMPTSCORING']._serialized_end=1084
+  _globals['_CACHEDSEQUENCES']._serialized_start=1087
+  _globals['_CACHEDSEQUENCES']._serialized_end=1316
+  _globals['_INDEXEDPROMPTSCORING']._serialized_start=1318
+  _globals['_INDEXEDPROMPTSCORING']._serialized_end=1398
+  _globals['_FORWARDACK']._serialized_start=1400
+  _globals['_FORWARDACK']._serialized_end=1457
+  _globals['_EVENTSREQUEST']._serialized_start=1459
+  _globals['_EVENTSREQUEST']._serialized_end=1494
+  _globals['_STAGEEVENT']._serialized_start=1497
+  _globals['_STAGEEVENT']._serialized_end=1640
+  _globals['_MICROBATCHDONE']._serialized_start=1643
+  _globals['_MICROBATCHDONE']._serialized_end=1889
+  _globals['_PROMPTLOGPROBS']._serialized_start=1891
+  _globals['_PROMPTLOGPROBS']._serialized_end=1990
+  _globals['_SAMPLEDTOKEN']._serialized_start=1992
+  _globals['_SAMPLEDTOKEN']._serialized_end=2082
+  _globals['_STEPTIMING']._serialized_start=2085
+  _globals['_STEPTIMING']._serialized_end=2245
+  _globals['_LOADINFOREQUEST']._serialized_start=2247
+  _globals['_LOADINFOREQUEST']._serialized_end=2264
+  _globals['_STAGELOADINFO']._serialized_start=2267
+  _globals['_STAGELOADINFO']._serialized_end=2766
+  _globals['_STAGESTATSREQUEST']._serialized_start=2768
+  _globals['_STAGESTATSREQUEST']._serialized_end=2787
+  _globals['_STAGESTATS']._serialized_start=2790
+  _globals['_STAGESTATS']._serialized_end=3172
+  _globals['_STAGEHEALTHREQUEST']._serialized_start=3174
+  _globals['_STAGEHEALTHREQUEST']._serialized_end=3194
+  _globals['_STAGEHEALTH']._serialized_start=3196
+  _globals['_STAGEHEALTH']._serialized_end=3316
+  _globals['_STAGEWORKER']._serialized_start=3319
+  _globals['_STAGEWORKER']._serialized_end=3779
 # @@protoc_insertion_point(module_scope)

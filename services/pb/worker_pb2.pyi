@@ -7,6 +7,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SampledFeedback(_message.Message):
+    __slots__ = ("micro_batch_id", "seq_ids", "positions", "token_ids")
+    MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    micro_batch_id: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, micro_batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FeedbackAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbandonRequest(_message.Message):
+    __slots__ = ("epoch", "seq_ids")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AbandonReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class MicroBatch(_message.Message):
     __slots__ = ("micro_batch_id", "stage_index", "block_copies", "finished_seq_ids", "reset", "hidden_states", "sent_ns", "new_seqs", "cached")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
@@ -182,7 +210,7 @@ class LoadInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageLoadInfo(_message.Message):
-    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "num_kv_blocks", "block_size", "dtype", "kv_cache_dtype", "model", "epoch", "max_num_batched_tokens", "hidden_size", "vocab_size", "max_message_bytes", "next_address", "num_threads", "device", "quantization")
+    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "num_kv_blocks", "block_size", "dtype", "kv_cache_dtype", "model", "epoch", "max_num_batched_tokens", "hidden_size", "vocab_size", "max_message_bytes", "next_address", "num_threads", "device", "quantization", "feedback_address", "feedback_connected")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +230,8 @@ class StageLoadInfo(_message.Message):
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     num_stages: int
     layer_start: int
@@ -221,14 +251,16 @@ class StageLoadInfo(_message.Message):
     num_threads: int
     device: str
     quantization: str
-    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., kv_cache_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., next_address: _Optional[str] = ..., num_threads: _Optional[int] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    feedback_address: str
+    feedback_connected: bool
+    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., kv_cache_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., next_address: _Optional[str] = ..., num_threads: _Optional[int] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., feedback_address: _Optional[str] = ..., feedback_connected: _Optional[bool] = ...) -> None: ...
 
 class StageStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("stage_index", "epoch", "busy_ns", "idle_ns", "num_micro_batches", "num_failed_micro_batches", "num_tokens", "num_in_flight", "peak_in_flight", "num_block_copies", "num_received_bytes", "num_sent_bytes", "uptime_ns")
+    __slots__ = ("stage_index", "epoch", "busy_ns", "idle_ns", "num_micro_batches", "num_failed_micro_batches", "num_tokens", "num_in_flight", "peak_in_flight", "num_block_copies", "num_received_bytes", "num_sent_bytes", "uptime_ns", "num_fed_tokens", "num_feedback_waits", "num_abandoned")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BUSY_NS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +274,9 @@ class StageStats(_message.Message):
     NUM_RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FEEDBACK_WAITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ABANDONED_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     epoch: int
     busy_ns: int
@@ -255,7 +290,10 @@ class StageStats(_message.Message):
     num_received_bytes: int
     num_sent_bytes: int
     uptime_ns: int
-    def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., busy_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_failed_micro_batches: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_received_bytes: _Optional[int] = ..., num_sent_bytes: _Optional[int] = ..., uptime_ns: _Optional[int] = ...) -> None: ...
+    num_fed_tokens: int
+    num_feedback_waits: int
+    num_abandoned: int
+    def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., busy_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_failed_micro_batches: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_received_bytes: _Optional[int] = ..., num_sent_bytes: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., num_fed_tokens: _Optional[int] = ..., num_feedback_waits: _Optional[int] = ..., num_abandoned: _Optional[int] = ...) -> None: ...
 
 class StageHealthRequest(_message.Message):
     __slots__ = ()

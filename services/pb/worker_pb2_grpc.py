@@ -60,6 +60,16 @@ class StageWorkerStub:
                 request_serializer=pagoda_dot_v1_dot_worker__pb2.StageHealthRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_worker__pb2.StageHealth.FromString,
                 _registered_method=True)
+        self.Feedback = channel.stream_unary(
+                '/pagoda.v1.StageWorker/Feedback',
+                request_serializer=pagoda_dot_v1_dot_worker__pb2.SampledFeedback.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_worker__pb2.FeedbackAck.FromString,
+                _registered_method=True)
+        self.Abandon = channel.unary_unary(
+                '/pagoda.v1.StageWorker/Abandon',
+                request_serializer=pagoda_dot_v1_dot_worker__pb2.AbandonRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_worker__pb2.AbandonReply.FromString,
+                _registered_method=True)
 
 
 class StageWorkerServicer:
@@ -105,6 +115,24 @@ class StageWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Feedback(self, request_iterator, context):
+        """Sampled-token feedback, on the first stage of several: one long-lived stream opened by
+        the last stage (started with --feedback), carrying each step's sampled tokens, so that
+        the first stage feeds a sequence's next step without a round trip through the
+        scheduler (whose plans then carry no tokens: vLLM-style asynchronous scheduling).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abandon(self, request, context):
+        """The scheduler, on the first stage: these sequences' awaited tokens will never come (the
+        step that samples them failed); steps waiting for them fail instead of waiting.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +160,16 @@ def add_StageWorkerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=pagoda_dot_v1_dot_worker__pb2.StageHealthRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_worker__pb2.StageHealth.SerializeToString,
+            ),
+            'Feedback': grpc.stream_unary_rpc_method_handler(
+                    servicer.Feedback,
+                    request_deserializer=pagoda_dot_v1_dot_worker__pb2.SampledFeedback.FromString,
+                    response_serializer=pagoda_dot_v1_dot_worker__pb2.FeedbackAck.SerializeToString,
+            ),
+            'Abandon': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abandon,
+                    request_deserializer=pagoda_dot_v1_dot_worker__pb2.AbandonRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_worker__pb2.AbandonReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +308,60 @@ class StageWorker:
             '/pagoda.v1.StageWorker/Health',
             pagoda_dot_v1_dot_worker__pb2.StageHealthRequest.SerializeToString,
             pagoda_dot_v1_dot_worker__pb2.StageHealth.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Feedback(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pagoda.v1.StageWorker/Feedback',
+            pagoda_dot_v1_dot_worker__pb2.SampledFeedback.SerializeToString,
+            pagoda_dot_v1_dot_worker__pb2.FeedbackAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abandon(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.StageWorker/Abandon',
+            pagoda_dot_v1_dot_worker__pb2.AbandonRequest.SerializeToString,
+            pagoda_dot_v1_dot_worker__pb2.AbandonReply.FromString,
             options,
             channel_credentials,
             insecure,

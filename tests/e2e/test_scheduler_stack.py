@@ -104,6 +104,11 @@ def test_64_concurrent_requests_equal_transformers_with_preemption(stack, refere
     assert s.kv_cache.num_used_blocks == 0
     assert all(st.busy_fraction > 0 for st in s.stages) and len(s.stages) == 2
     assert all(0 < st.bubble_ns for st in s.stages)
+    # asynchronous scheduling with two stages: the last stage fed the first its sampled
+    # tokens (the plans carried none), and steps were planned before their input existed
+    assert s.stages[0].load_info.feedback_connected
+    assert s.stages[0].stats.num_fed_tokens > 0 and s.stages[0].stats.num_feedback_waits > 0
+    assert s.stages[0].stats.num_failed_micro_batches == 0
 
 
 def test_abort_by_cancel_frees_blocks_and_spares_others(stack, reference):
@@ -167,36 +172,50 @@ def test_bad_input_gets_invalid_argument(stack):
         assert field in outcome[1]
 
 
-def test_killed_worker_restarted_loses_no_request(stack, reference):
-    work = [(p, 150) for p, _ in workload(16, seed=5)]
+@pytest.mark.parametrize("victim", [1, 0], ids=["last-stage", "first-stage"])
+def test_killed_worker_restarted_loses_no_request(stack, reference, victim):
+    """The last stage (its feedback stream reconnects) or the first (the feedback stream's
+    other end) killed mid-generation and restarted: every request completes, the same."""
+    work = [(p, 150) for p, _ in workload(16, seed=5 + victim)]
 
     async def go():
+        generated = (await stats(stack.scheduler_address)).num_generated_tokens
         async with aio_channel(stack.scheduler_address) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             tasks = [asyncio.create_task(generate(stub, p, m)) for p, m in work]
             for _ in range(100):  # kill once generation is under way
                 await asyncio.sleep(0.05)
-                if (await stats(stack.scheduler_address)).num_generated_tokens > 200:
+                if (await stats(stack.scheduler_address)).num_generated_tokens > generated + 200:
                     break
-            stack.workers[1].kill()
+            stack.workers[victim].kill()
             await asyncio.to_thread(stack.supervise_once)
             return await asyncio.wait_for(asyncio.gather(*tasks), 240)
 
     before = asyncio.run(stats(stack.scheduler_address)).num_finished_requests
+    num_events = len(stack.trace_path.read_text().splitlines())
     results = asyncio.run(go())
     diverged = 0
     for (prompt, max_tokens), (tokens, _) in zip(work, results, strict=True):
         assert len(tokens[0]) == max_tokens
         diverged += reference.compare(prompt, tokens[0]).tie_divergences > 0
     assert diverged <= 2
-    events = [json.loads(line) for line in stack.trace_path.read_text().splitlines()]
-    resets = [e for e in events if e["event"] == "reset"]
-    assert resets and resets[-1]["preempted"], "the kill should have caught requests running"
+    events = [json.loads(line) for line in stack.trace_path.read_text().splitlines()[num_events:]]
+    resets = [e for e in events if e["event"] == "reset"]  # (a stage's two streams: one or two)
+    assert resets and resets[0]["preempted"], "the kill should have caught requests running"
     assert any(e["event"] == "recovered" for e in events)
     s = asyncio.run(stats(stack.scheduler_address))
     assert s.num_finished_requests - before == len(work)
     assert s.kv_cache.num_used_blocks == 0
-    assert s.stages[1].load_info.epoch != 0
+    assert s.stages[victim].load_info.epoch != 0
+    # the pipeline came back with the feedback stream open again
+    assert asyncio.run(_feedback_resumes(stack.scheduler_address, work[0][0]))
+
+
+async def _feedback_resumes(address, prompt) -> bool:
+    before = (await stats(address)).stages[0].stats.num_fed_tokens
+    async with aio_channel(address) as channel:
+        await generate(scheduler_pb2_grpc.SchedulerStub(channel), prompt, 8)
+    return (await stats(address)).stages[0].stats.num_fed_tokens > before
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -133,10 +133,12 @@ def test_trace_shows_overlap_only_when_asynchronous(model_dir, tmp_path, async_s
         assert dispatched_before_previous_returned == 0
 
 
-def test_one_stage_async_runs_the_next_step_on_the_stages_own_token(model_dir, reference, tmp_path):
-    """vLLM-style async scheduling with one stage: step k+1 of a decoding sequence is planned
-    and dispatched before step k's result reaches the scheduler, carrying no token for it
-    (the stage samples step k's token and feeds it to step k+1 itself); outputs stay exact."""
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_async_runs_the_next_step_on_the_last_stages_own_token(model_dir, reference, tmp_path, pp):
+    """vLLM-style async scheduling: step k+1 of a decoding sequence is planned and dispatched
+    before step k's result reaches the scheduler, carrying no token for it (the last stage
+    samples step k's token and feeds it to step k+1 itself: the same stage with one, the
+    first stage with several); outputs stay exact."""
     import json
 
     trace = tmp_path / "trace.jsonl"
@@ -146,7 +148,7 @@ def test_one_stage_async_runs_the_next_step_on_the_stages_own_token(model_dir, r
 
     async def go():
         config = SchedulerConfig(block_size=16, num_kv_blocks=512, max_num_batched_tokens=512,
-                                 async_scheduling=True, trace_file=str(trace))
+                                 async_scheduling=True, trace_file=str(trace), pipeline_parallel_size=pp)
         engine = build_local_engine(model_dir, config, num_kv_blocks=512)
         submit = engine.transport.submit
 
@@ -163,6 +165,7 @@ def test_one_stage_async_runs_the_next_step_on_the_stages_own_token(model_dir, r
             async def collect(stream):
                 return [t async for out in stream for d in out.deltas for t in d.token_ids]
 
+            assert engine.planner.feedback == (pp > 1)
             return await asyncio.gather(*(collect(s) for s in streams)), engine.planner.num_placeholder_steps
         finally:
             await engine.stop()

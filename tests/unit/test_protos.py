@@ -294,6 +294,8 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
         "LoadInfo": (False, False),
         "GetStats": (False, False),
         "Health": (False, False),
+        "Feedback": (True, False),
+        "Abandon": (False, False),
     },
 }
 

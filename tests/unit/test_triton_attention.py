@@ -149,7 +149,7 @@ def test_forward_matches_reference(name):
 
 def test_backend_is_chosen_by_name():
     assert isinstance(get_backend("triton"), triton_attention.TritonAttentionBackend)
-    with pytest.raises(ValueError, match="available: torch, triton"):
+    with pytest.raises(ValueError, match="available: cpu, torch, triton"):
         get_backend("flash")
 
 
