@@ -89,12 +89,15 @@ def build_local_engine(
     device: str | None = None,
     attention_backend: str | None = None,
 ) -> Engine:
-    """Every part in this process: KV manager, scheduler engine, stage runners."""
+    """Every part in this process: KV manager, scheduler engine, stage runners (with the
+    stage processes' malloc settings: `worker_svc.cpu_kernels.keep_freed_memory`)."""
+    from worker_svc.cpu_kernels import keep_freed_memory
     from worker_svc.device import default_attention_backend, resolve_device
     from worker_svc.loader import load_stage
     from worker_svc.model_config import ModelConfig
     from worker_svc.runner import StageRunner
 
+    keep_freed_memory()
     n = config.pipeline_parallel_size
     dev = resolve_device(device)
     attention_backend = attention_backend or default_attention_backend(dev)

@@ -152,15 +152,20 @@ class TorchAttentionBackend:
             blocks = metadata.block_tables[i, :num_blocks]
             k = k_pool.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx]  # [ctx, kv_heads, d]
             v = v_pool.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx]
+            num_new = q_end - q_start
+            # a whole prompt in one chunk: plain causal attention, no mask to build. Batched
+            # (4-D) inputs: on CPU, SDPA runs its fused kernel only for those (1.8x faster)
+            causal = num_new == ctx and num_new > 1 and (sliding_window is None or ctx <= sliding_window)
             o = F.scaled_dot_product_attention(
-                q[q_start:q_end].transpose(0, 1),  # [heads, num_new, d]
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=_mask(q_end - q_start, ctx, sliding_window, q.device),
+                q[q_start:q_end].transpose(0, 1)[None],  # [1, heads, num_new, d]
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                attn_mask=None if causal else _mask(num_new, ctx, sliding_window, q.device),
+                is_causal=causal,
                 scale=scale,
                 enable_gqa=num_heads != num_kv_heads,
             )
-            out[q_start:q_end] = o.transpose(0, 1)
+            out[q_start:q_end] = o[0].transpose(0, 1)
 
     def _plan(self, metadata: AttentionMetadata, block_size: int, kv_width: int,
               sliding_window: int | None) -> tuple[list[_DecodeGroup], list[int]]:

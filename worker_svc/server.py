@@ -528,11 +528,13 @@ def _describe(exc: BaseException) -> str:
 
 async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_port: int | None = None) -> None:
     """Load the stage, serve until SIGTERM/SIGINT, then stop cleanly."""
+    from worker_svc.cpu_kernels import keep_freed_memory
     from worker_svc.device import default_attention_backend, resolve_device
     from worker_svc.loader import load_stage
 
     telemetry.setup_tracing(f"worker-{config.stage}")
     torch.set_num_threads(config.resolved_num_threads)
+    keep_freed_memory()
     device = resolve_device(config.device)
     model = load_stage(
         config.model,

@@ -88,3 +88,12 @@ def test_build_is_cached_by_content(monkeypatch, tmp_path):
     mtime = first.stat().st_mtime_ns
     assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
+
+
+def test_malloc_settings_apply_once_and_can_be_turned_off(monkeypatch):
+    cpu_kernels.keep_freed_memory.cache_clear()
+    monkeypatch.setenv("PAGODA_TUNE_MALLOC", "0")
+    assert cpu_kernels.keep_freed_memory() is False
+    cpu_kernels.keep_freed_memory.cache_clear()
+    monkeypatch.delenv("PAGODA_TUNE_MALLOC")
+    assert cpu_kernels.keep_freed_memory() is True  # glibc here
