@@ -26,7 +26,7 @@ class EngineSettings:
     over the pipeline stages (PP=1: all on one stage; PP=2: half each)."""
 
     pipeline_parallel_size: int = 1
-    async_scheduling: bool | None = None  # None: the server's default (async with several stages)
+    async_scheduling: bool | None = None  # None: the server's default (async)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
@@ -44,7 +44,7 @@ class EngineSettings:
     def is_async(self) -> bool:
         """The effective mode, as the scheduler resolves it."""
         if self.async_scheduling is None:
-            return self.pipeline_parallel_size > 1
+            return True  # SchedulerConfig.is_async
         return self.async_scheduling
 
     @property
