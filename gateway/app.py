@@ -105,7 +105,7 @@ class Gateway:
         """The request's rate-limit charge, once validated; RateLimitExceeded when refused."""
         if self.limiter is None:
             return
-        tokens = token_cost(map(len, prompts), params.max_tokens, params.n,
+        tokens = token_cost(map(len, prompts), params.sampling.max_tokens, params.sampling.n,
                             self.limits.max_model_len)
         grant = _api_key(request)
         # the bucket of the key the middleware authenticated (never a header read again here)

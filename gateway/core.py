@@ -23,7 +23,8 @@ import grpc
 from services import telemetry
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.sampling_pb import set_penalties
+from services.sampling import SamplingOptions
+from services.sampling_pb import options_to_pb
 from services.text import TextOutputProcessor, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -45,35 +46,19 @@ class GenerationError(Exception):
         self.message = message
 
 
-MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI
-
-
 @dataclass(frozen=True)
 class GenerationParams:
-    """A request's sampling and routing, already validated by the front door."""
+    """A request as the front doors validated it: its sampling, in the one type every layer
+    shares (`SamplingOptions`; `max_tokens` None = the rest of the context), and what only
+    the gateway acts on (stop strings, detokenization, routing)."""
 
-    max_tokens: int | None = None  # None: the rest of the context
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    n: int = 1
+    sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions(max_tokens=None))
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    logprobs: int | None = None
     priority: int = 0
     tenant: str = ""
     debug_timeline: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    prompt_logprobs: int | None = None  # score the prompt, with this many alternatives
 
 
 class TopToken(NamedTuple):
@@ -114,7 +99,7 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    # on each choice's first delta when params.prompt_logprobs was set: one entry per prompt
+    # on each choice's first delta when params.sampling.prompt_logprobs was set: one entry per prompt
     # token, the first with logprob None (nothing precedes it)
     prompt_logprobs: list[TokenLogprob] | None = None
 
@@ -198,25 +183,7 @@ class TextGenerator:
         )
         if traceparent:
             req.trace_context.traceparent = traceparent
-        sp = req.sampling_params
-        sp.n = p.n
-        sp.temperature = p.temperature
-        sp.top_p = p.top_p
-        sp.top_k = p.top_k
-        sp.min_p = p.min_p
-        if p.seed is not None:
-            sp.seed = p.seed
-        if p.max_tokens is not None:
-            sp.max_tokens = p.max_tokens
-        sp.min_tokens = p.min_tokens
-        sp.stop_token_ids.extend(p.stop_token_ids)
-        sp.ignore_eos = p.ignore_eos
-        if p.logprobs is not None:
-            sp.logprobs = p.logprobs
-        set_penalties(sp, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
-                      p.logit_bias)
-        if p.prompt_logprobs is not None:
-            sp.prompt_logprobs = p.prompt_logprobs
+        options_to_pb(p.sampling, req.sampling_params)
         return req
 
     async def generate(
@@ -248,7 +215,7 @@ class TextGenerator:
         prompt_logprobs = None  # from the first response; handed to each choice's first delta
         try:
             async for resp in call:
-                if params.prompt_logprobs is not None and prompt_logprobs is None:
+                if params.sampling.prompt_logprobs is not None and prompt_logprobs is None:
                     # the first response carries them (none for a one-token prompt)
                     text, token_bytes = self._token(prompt_ids[0])
                     head = TokenLogprob(prompt_ids[0], text, None, token_bytes=token_bytes)
@@ -266,21 +233,21 @@ class TextGenerator:
                     first = index not in completion_tokens
                     delta = self._choice_delta(resp, proc, params)
                     completion_tokens[index] = completion_tokens.get(index, 0) + len(resp.token_ids)
-                    if first and params.prompt_logprobs is not None:
+                    if first and params.sampling.prompt_logprobs is not None:
                         delta = delta or ChoiceDelta(index, "", [])
                         delta.prompt_logprobs = prompt_logprobs
                     if delta is not None:
                         if delta.finish_reason is not None:
                             done.add(index)
                             if resp.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED \
-                                    and params.n > 1 and len(done) < params.n:
+                                    and params.sampling.n > 1 and len(done) < params.sampling.n:
                                 # a stop string matched: end this choice downstream now
                                 self._in_background(self.abort(request_id, index))
                         yield delta
                 if resp.HasField("usage"):
                     yield self._finished(resp)
                     return
-                if len(done) == params.n:
+                if len(done) == params.sampling.n:
                     # every choice ended at the gateway (stop strings): the finally below
                     # cancels the call, which aborts what is left downstream
                     yield Finished(Usage(len(prompt_ids), sum(completion_tokens.values())))
@@ -297,7 +264,7 @@ class TextGenerator:
                       params: GenerationParams) -> ChoiceDelta | None:
         """The text one response adds to its choice; None when it adds nothing."""
         token_ids = list(resp.token_ids)
-        logprobs = self._logprobs(resp.logprobs, token_ids) if params.logprobs is not None else []
+        logprobs = self._logprobs(resp.logprobs, token_ids) if params.sampling.logprobs is not None else []
         scheduler_reason = _FINISH_NAMES.get(resp.finish_reason)
         if scheduler_reason is None:
             delta = proc.push(token_ids)

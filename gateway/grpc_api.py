@@ -16,7 +16,6 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ import grpc
 
 from gateway.config import ApiKey, GatewayConfig
 from gateway.core import (
-    MAX_LOGIT_BIAS_ENTRIES,
     ChoiceDelta,
     Finished,
     GenerationError,
@@ -42,6 +40,7 @@ from gateway.ratelimit import (
     token_cost,
 )
 from services.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.sampling_pb import options_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -104,66 +103,36 @@ class Limits:
 def params_from_pb(
     options: gateway_pb2.TextGenerationOptions, limits: Limits, key: ApiKey = _NO_KEY
 ) -> GenerationParams:
-    """Validated generation parameters; RequestError naming the first bad field."""
+    """Validated generation parameters; RequestError naming the first bad field. The
+    sampling fields are read by the codec every layer shares (`options_from_pb`); what is
+    checked here is the gateway's own policy (limits, vocabulary)."""
     sp = options.sampling_params
     where = "options.sampling_params"
-    n = sp.n or 1
-    if n > limits.max_n:
-        raise _invalid(f"{where}.n", f"at most {limits.max_n}, got {n}")
-    temperature = sp.temperature if sp.HasField("temperature") else 1.0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise _invalid(f"{where}.temperature", f"must be >= 0, got {temperature}")
-    top_p = sp.top_p if sp.HasField("top_p") else 1.0
-    if not 0 < top_p <= 1:  # NaN fails too
-        raise _invalid(f"{where}.top_p", f"must be in (0, 1], got {top_p}")
-    if not 0 <= sp.min_p <= 1:
-        raise _invalid(f"{where}.min_p", f"must be in [0, 1], got {sp.min_p}")
-    max_tokens = sp.max_tokens if sp.HasField("max_tokens") else None
-    if max_tokens is not None and max_tokens < 1:
-        raise _invalid(f"{where}.max_tokens", f"must be at least 1, got {max_tokens}")
-    if max_tokens is not None and sp.min_tokens > max_tokens:
-        raise _invalid(f"{where}.min_tokens",
-                       f"must not exceed max_tokens ({max_tokens}), got {sp.min_tokens}")
-    for i, token_id in enumerate(sp.stop_token_ids):
+    try:
+        sampling = options_from_pb(sp)
+    except ValueError as exc:
+        field, _, why = str(exc).partition(": ")
+        raise _invalid(f"{where}.{field}", why) from None
+    if sampling.n > limits.max_n:
+        raise _invalid(f"{where}.n", f"at most {limits.max_n}, got {sampling.n}")
+    for i, token_id in enumerate(sampling.stop_token_ids):
         if token_id >= limits.vocab_size:
             raise _invalid(f"{where}.stop_token_ids[{i}]",
                            f"token id {token_id} is outside the vocabulary of {limits.vocab_size}")
-    logprobs = sp.logprobs if sp.HasField("logprobs") else None
-    if logprobs is not None and logprobs > limits.max_logprobs:
-        raise _invalid(f"{where}.logprobs", f"at most {limits.max_logprobs}, got {logprobs}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not -2.0 <= getattr(sp, name) <= 2.0:
-            raise _invalid(f"{where}.{name}", f"must be in [-2, 2], got {getattr(sp, name)}")
-    repetition_penalty = sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0
-    if not 0.0 < repetition_penalty <= 2.0:
-        raise _invalid(f"{where}.repetition_penalty", f"must be in (0, 2], got {repetition_penalty}")
-    if len(sp.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise _invalid(f"{where}.logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(sp.logit_bias)}")
-    for token_id, bias in sorted(sp.logit_bias.items()):
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(sampling, name)
+        if value is not None and value > limits.max_logprobs:
+            raise _invalid(f"{where}.{name}", f"at most {limits.max_logprobs}, got {value}")
+    for token_id, _ in sampling.logit_bias:
         if token_id >= limits.vocab_size:
             raise _invalid(f"{where}.logit_bias",
                            f"token id {token_id} is outside the vocabulary of {limits.vocab_size}")
-        if not -100.0 <= bias <= 100.0:
-            raise _invalid(f"{where}.logit_bias", f"bias {bias} for token {token_id} is outside [-100, 100]")
-    prompt_logprobs = sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None
-    if prompt_logprobs is not None and prompt_logprobs > limits.max_logprobs:
-        raise _invalid(f"{where}.prompt_logprobs", f"at most {limits.max_logprobs}, got {prompt_logprobs}")
     for i, stop in enumerate(options.stop):
         if not stop:
             raise _invalid(f"options.stop[{i}]", "must not be empty")
     return GenerationParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        seed=sp.seed if sp.HasField("seed") else None,
-        n=n,
+        sampling=sampling,
         stop=tuple(options.stop),
-        stop_token_ids=tuple(sp.stop_token_ids),
-        min_tokens=sp.min_tokens,
-        ignore_eos=sp.ignore_eos,
-        logprobs=logprobs,
         # the key's class is a floor: a client cannot jump ahead of what its key allows
         priority=max(options.priority, key.priority),
         tenant=key.tenant,
@@ -171,11 +140,6 @@ def params_from_pb(
         skip_special_tokens=(options.skip_special_tokens
                              if options.HasField("skip_special_tokens") else True),
         include_stop_str_in_output=options.include_stop_str_in_output,
-        presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=repetition_penalty,
-        logit_bias=tuple(sorted(sp.logit_bias.items())),
-        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -185,9 +149,10 @@ def check_length(field: str, num_prompt_tokens: int, params: GenerationParams,
     if num_prompt_tokens >= limits.max_model_len:
         raise _invalid(field, f"{num_prompt_tokens} tokens leave no room to generate within "
                               f"max_model_len {limits.max_model_len}")
-    if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limits.max_model_len:
+    max_tokens = params.sampling.max_tokens
+    if max_tokens is not None and num_prompt_tokens + max_tokens > limits.max_model_len:
         raise _invalid("options.sampling_params.max_tokens",
-                       f"{params.max_tokens} plus the prompt's {num_prompt_tokens} tokens exceed "
+                       f"{max_tokens} plus the prompt's {num_prompt_tokens} tokens exceed "
                        f"max_model_len {limits.max_model_len}")
 
 
@@ -313,7 +278,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                       params: GenerationParams) -> None:
         if self.limiter is None:
             return
-        tokens = token_cost([len(prompt_ids)], params.max_tokens, params.n,
+        tokens = token_cost([len(prompt_ids)], params.sampling.max_tokens, params.sampling.n,
                             self.limits.max_model_len)
         await self.limiter.admit(bucket, key.rate_limit, tokens)
 

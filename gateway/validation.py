@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import ApiKey, GatewayConfig
-from gateway.core import MAX_LOGIT_BIAS_ENTRIES, GenerationParams
+from gateway.core import GenerationParams
 from gateway.errors import ApiError, invalid
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -29,6 +29,7 @@ from gateway.protocol import (
     _OpenAIFields,
     _SamplingFields,
 )
+from services.sampling import MAX_LOGIT_BIAS_ENTRIES, SamplingOptions
 from services.text import Tokenizer
 
 UINT64 = 2**64
@@ -220,7 +221,10 @@ def _max_tokens(value: int | None, prompts: Sequence[Sequence[int]], limits: Mod
 
 
 def _sampling(req: _SamplingFields, limits: ModelLimits, max_tokens: int | None,
-              key: ApiKey | None) -> GenerationParams:
+              key: ApiKey | None, **sampling: Any) -> GenerationParams:
+    """The request's sampling as the one type every layer shares (`SamplingOptions`, which
+    checks each value and names the field), plus what only the gateway acts on; `sampling`
+    sets the fields each endpoint spells its own way (n, logprobs, prompt_logprobs)."""
     _refuse_unsupported(req)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(not s for s in stop):
@@ -234,25 +238,33 @@ def _sampling(req: _SamplingFields, limits: ModelLimits, max_tokens: int | None,
     # An API key's priority class is a floor: a request may lower its own urgency (a larger
     # number), never raise it above what its key grants.
     priority = req.priority if key is None else max(req.priority, key.priority)
+    try:
+        options = SamplingOptions(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            min_p=req.min_p or 0.0,
+            seed=None if req.seed is None else req.seed % UINT64,
+            stop_token_ids=stop_ids,
+            min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias, limits),
+            **sampling,
+        )
+    except ValueError as exc:
+        field, _, why = str(exc).partition(": ")
+        raise invalid(field, why) from None
     return GenerationParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(0, req.top_k or 0),
-        min_p=req.min_p or 0.0,
-        seed=None if req.seed is None else req.seed % UINT64,
+        sampling=options,
         stop=stop,
-        stop_token_ids=stop_ids,
-        min_tokens=req.min_tokens,
-        ignore_eos=req.ignore_eos,
         priority=priority,
         tenant=key.tenant if key is not None else "",
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logit_bias=_logit_bias(req.logit_bias, limits),
     )
 
 
@@ -272,11 +284,10 @@ def completion_params(req: CompletionRequest, prompts: Sequence[Sequence[int]],
     if req.logprobs is not None and req.logprobs > config.max_logprobs:
         raise invalid("logprobs", f"at most {config.max_logprobs}, got {req.logprobs}")
     _check_prompt_logprobs(req.prompt_logprobs, config)
-    params = _sampling(req, limits, _max_tokens(req.max_tokens, prompts, limits, "max_tokens"), key)
     # echo with logprobs reports the prompt's tokens too: scored with as many alternatives
     wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
-    return _with(params, n=req.n, logprobs=req.logprobs,
-                 prompt_logprobs=max(wanted) if wanted else None)
+    return _sampling(req, limits, _max_tokens(req.max_tokens, prompts, limits, "max_tokens"), key,
+                     n=req.n, logprobs=req.logprobs, prompt_logprobs=max(wanted) if wanted else None)
 
 
 def _check_prompt_logprobs(value: int | None, config: GatewayConfig) -> None:
@@ -309,16 +320,12 @@ def chat_params(req: ChatCompletionRequest, prompt: Sequence[int], limits: Model
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_logprobs(req.prompt_logprobs, config)
-    params = _sampling(req, limits, _max_tokens(max_tokens, [prompt], limits, param), key)
-    return _with(params, n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                 prompt_logprobs=req.prompt_logprobs)
+    return _sampling(req, limits, _max_tokens(max_tokens, [prompt], limits, param), key,
+                     n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                     prompt_logprobs=req.prompt_logprobs)
 
 
 def generate_params(req: GenerateRequest, prompt: Sequence[int], limits: ModelLimits,
                     key: ApiKey | None = None) -> GenerationParams:
     params = _sampling(req, limits, _max_tokens(req.max_tokens, [prompt], limits, "max_tokens"), key)
-    return _with(params, debug_timeline=req.debug_timeline)
-
-
-def _with(params: GenerationParams, **changes: Any) -> GenerationParams:
-    return replace(params, **changes)
+    return replace(params, debug_timeline=req.debug_timeline)

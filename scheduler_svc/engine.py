@@ -284,7 +284,12 @@ class Engine:
         request.arrival_s = self.clock()
         if request.request_id in self._live:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        o, config = request.options, self.config
+        config = self.config
+        room = config.max_model_len - len(request.prompt)
+        if room < 1 or (request.options.max_tokens or 0) > room:
+            raise ValueError(f"max_tokens: {len(request.prompt)} prompt tokens + "
+                             f"{request.options.max_tokens} exceed max_model_len={config.max_model_len}")
+        request.options = o = request.options.resolve_max_tokens(room)  # None: the rest of the context
         needed = kv_blocks_needed(len(request.prompt), o.n, o.max_tokens, config.block_size)
         if config.num_kv_blocks and needed > config.num_kv_blocks:
             # it could never run: it would wait forever (the server refuses these at its edge)

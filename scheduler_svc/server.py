@@ -23,13 +23,12 @@ from scheduler_svc.core.request import (
     FinishReason,
     Request,
     RequestState,
-    SamplingOptions,
     kv_blocks_needed,
 )
 from scheduler_svc.engine import Engine, RequestOutput
 from services.grpc_utils import create_aio_server, set_serving
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.sampling_pb import set_top_logprobs
+from services.sampling_pb import options_from_pb, set_top_logprobs
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "pagoda.v1.Scheduler"
@@ -70,10 +69,9 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
             f"prompt_token_ids: {len(prompt)} tokens leave no room under max_model_len={config.max_model_len}"
         )
     room = config.max_model_len - len(prompt)
-    max_tokens = p.max_tokens if p.HasField("max_tokens") else room
-    if max_tokens > room:
+    if p.HasField("max_tokens") and p.max_tokens > room:
         raise InvalidRequest(
-            f"sampling_params.max_tokens: {len(prompt)} prompt tokens + {max_tokens} exceed "
+            f"sampling_params.max_tokens: {len(prompt)} prompt tokens + {p.max_tokens} exceed "
             f"max_model_len={config.max_model_len}"
         )
     if not config.enable_chunked_prefill and len(prompt) > config.max_num_batched_tokens:
@@ -85,24 +83,7 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
     if config.enforce_tenants and tenant not in config.tenant_weights:
         raise InvalidRequest(f"tenant: unknown tenant {tenant!r}")
     try:
-        options = SamplingOptions(
-            n=p.n or 1,
-            max_tokens=max_tokens,
-            min_tokens=p.min_tokens,
-            temperature=p.temperature if p.HasField("temperature") else 1.0,
-            top_p=p.top_p if p.HasField("top_p") else 1.0,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            seed=p.seed if p.HasField("seed") else None,
-            logprobs=p.logprobs if p.HasField("logprobs") else None,
-            stop_token_ids=tuple(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-            logit_bias=tuple(sorted(p.logit_bias.items())),
-            prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
-        )
+        options = options_from_pb(p).resolve_max_tokens(room)
     except ValueError as exc:
         raise InvalidRequest(f"sampling_params.{exc}") from exc
     if options.n > config.max_num_seqs:

@@ -1,14 +1,18 @@
-"""How one choice of a request samples: one torch-free type for every layer.
+"""Sampling, torch-free, one definition for every layer.
 
-The scheduler builds it once per request from the validated request; the stages' sampler
-applies it; the step codec (`services.step_codec`) carries it over the wire once per sequence.
+`SamplingOptions` is a request's sampling as a client asks for it (the gateway, the
+scheduler and the in-process `LLM` share it; `services.sampling_pb` is its codec);
+`SamplingParams` is how one choice of it samples, built once per request by
+`sampling_params`, carried to the stages once per sequence by the step codec
+(`services.step_codec`) and applied by their sampler.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _MAX_SEED = 2**64 - 1
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them overflows float32.
@@ -109,3 +113,99 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """A request's sampling, as every layer sees it: built and validated where a request
+    enters (the gateway from its REST and gRPC models, `LLM.generate` from the caller, the
+    scheduler from the wire, `services.sampling_pb.options_from_pb`), carried to the
+    scheduler as `pagoda.v1.SamplingParams` (`options_to_pb`), and turned into what each
+    choice samples with (`sampling_params`) once per request. Invalid values raise
+    `ValueError` naming the field first (`"top_p: must be in (0, 1], got 2"`).
+
+    `max_tokens` None means the rest of the context; the scheduler resolves it against
+    `max_model_len` when it admits the request (`resolve_max_tokens`).
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    prompt_logprobs: int | None = None  # score the prompt, with this many alternatives
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n: must be at least 1, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not (self.temperature >= 0.0) or self.temperature == float("inf"):
+            raise ValueError(f"temperature: must be >= 0 and finite, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed: must be in [0, 2**64), got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs: must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs: must be in [0, 20], got {self.prompt_logprobs}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids: token ids must be non-negative")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}: must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty: must be in (0, 2], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias: a token id appears twice")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise ValueError(f"logit_bias: token id {token_id} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: bias {bias} for token {token_id} is outside [-100, 100]")
+
+    def resolve_max_tokens(self, room: int) -> SamplingOptions:
+        """With `max_tokens` None: as many as `room` (the context left after the prompt)."""
+        return self if self.max_tokens is not None else replace(self, max_tokens=room)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """The stages' sampler then needs each sequence's history (prompt and output)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def sampling_params(o: SamplingOptions, eos_token_ids: tuple[int, ...]) -> SamplingParams:
+    """A request's options as the stages sample with them: built once per request, sent once
+    per sequence."""
+    return SamplingParams(
+        temperature=o.temperature, top_k=o.top_k or None, top_p=o.top_p, min_p=o.min_p,
+        seed=o.seed, num_logprobs=o.logprobs, min_tokens=o.min_tokens,
+        stop_token_ids=o.stop_token_ids, eos_token_ids=eos_token_ids, ignore_eos=o.ignore_eos,
+        presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
+        repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias,
+    )

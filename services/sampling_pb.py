@@ -1,10 +1,60 @@
-"""Writing the sampling fields every layer sends (`pagoda.v1.SamplingParams`, `TopLogprobs`):
-the gateway to the scheduler, the scheduler to the stages, a test driver to a stage. One
-place, so that the layers encode them alike."""
+"""The sampling fields on the wire (`pagoda.v1.SamplingParams`, `TopLogprobs`), one codec for
+every layer that sends or reads them: `SamplingOptions` <-> `pagoda.v1.SamplingParams` (the
+gateway's public gRPC API reads it, the gateway writes it to the scheduler, the scheduler
+reads it), the stages' per-sequence parameters (`services.step_codec`), logprob entries."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from services.sampling import SamplingOptions
+
+
+def options_to_pb(o: SamplingOptions, msg) -> None:
+    """A request's options into a `pagoda.v1.SamplingParams` message (unset = the default)."""
+    msg.n = o.n
+    msg.temperature = o.temperature
+    msg.top_p = o.top_p
+    msg.top_k = o.top_k
+    msg.min_p = o.min_p
+    if o.seed is not None:
+        msg.seed = o.seed
+    if o.max_tokens is not None:
+        msg.max_tokens = o.max_tokens
+    msg.min_tokens = o.min_tokens
+    msg.stop_token_ids.extend(o.stop_token_ids)
+    msg.ignore_eos = o.ignore_eos
+    if o.logprobs is not None:
+        msg.logprobs = o.logprobs
+    set_penalties(msg, o.presence_penalty, o.frequency_penalty, o.repetition_penalty, o.logit_bias)
+    if o.prompt_logprobs is not None:
+        msg.prompt_logprobs = o.prompt_logprobs
+
+
+def options_from_pb(msg) -> SamplingOptions:
+    """A `pagoda.v1.SamplingParams` message as options; ValueError naming the field (as
+    `SamplingOptions` does) when a value is invalid. An unset max_tokens stays None."""
+    def opt(name: str, default=None):
+        return getattr(msg, name) if msg.HasField(name) else default
+
+    return SamplingOptions(
+        n=msg.n or 1,
+        max_tokens=opt("max_tokens"),
+        min_tokens=msg.min_tokens,
+        temperature=opt("temperature", 1.0),
+        top_p=opt("top_p", 1.0),
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=opt("seed"),
+        logprobs=opt("logprobs"),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=opt("repetition_penalty", 1.0),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        prompt_logprobs=opt("prompt_logprobs"),
+    )
 
 
 def set_penalties(params, presence_penalty: float, frequency_penalty: float,

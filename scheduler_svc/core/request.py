@@ -14,10 +14,9 @@ output). Chunked prefill, prefix hits and recompute after preemption all fall ou
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass, field
 
-from services.sampling import SamplingParams
+from services.sampling import MAX_LOGIT_BIAS_ENTRIES, SamplingOptions, sampling_params  # noqa: F401 (re-exported)
 
 
 class RequestState(enum.Enum):
@@ -55,9 +54,6 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
-MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI
-
-
 def kv_blocks_needed(prompt_len: int, n: int, max_tokens: int, block_size: int) -> int:
     """The most KV blocks a request can hold at once. One choice: its whole context. Several:
     the prompt's blocks (shared), and each choice's output plus its copy of the prompt's
@@ -65,89 +61,6 @@ def kv_blocks_needed(prompt_len: int, n: int, max_tokens: int, block_size: int) 
     if n == 1:
         return -(-(prompt_len + max_tokens) // block_size)
     return -(-prompt_len // block_size) + n * (-(-max_tokens // block_size) + 1)
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """What the scheduler needs of a request's sampling: token-id rules plus what stages sample with.
-
-    Validated by the server edge (`ValueError` naming the field); the planner trusts it.
-    """
-
-    n: int = 1
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    logprobs: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
-    prompt_logprobs: int | None = None  # score the prompt, with this many alternatives
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n: must be at least 1, got {self.n}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if not (self.temperature >= 0.0) or self.temperature == float("inf"):
-            raise ValueError(f"temperature: must be >= 0 and finite, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed: must be in [0, 2**64), got {self.seed}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs: must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError(f"prompt_logprobs: must be in [0, 20], got {self.prompt_logprobs}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids: token ids must be non-negative")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name}: must be in [-2, 2], got {value}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty: must be in (0, 2], got {self.repetition_penalty}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
-        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
-            raise ValueError("logit_bias: a token id appears twice")
-        for token_id, bias in self.logit_bias:
-            if token_id < 0:
-                raise ValueError(f"logit_bias: token id {token_id} is negative")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias: bias {bias} for token {token_id} is outside [-100, 100]")
-
-    @property
-    def uses_penalties(self) -> bool:
-        """The stages' sampler then needs each sequence's history (prompt and output)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
-
-
-@functools.lru_cache(maxsize=4096)
-def sampling_params(o: SamplingOptions, eos_token_ids: tuple[int, ...]) -> SamplingParams:
-    """A request's options as the stages sample with them: built once per request, sent once
-    per sequence."""
-    return SamplingParams(
-        temperature=o.temperature, top_k=o.top_k or None, top_p=o.top_p, min_p=o.min_p,
-        seed=o.seed, num_logprobs=o.logprobs, min_tokens=o.min_tokens,
-        stop_token_ids=o.stop_token_ids, eos_token_ids=eos_token_ids, ignore_eos=o.ignore_eos,
-        presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
-        repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias,
-    )
 
 
 @dataclass

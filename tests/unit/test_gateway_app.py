@@ -42,13 +42,13 @@ class FakeGenerator:
         self.calls.append((list(prompt_ids), params, request_id))
         if self.error is not None:
             raise self.error
-        for i in range(params.n):
-            lps = [TokenLogprob(1, "he", -0.5, [(1, "he", -0.5), (2, "x", -1.5)])] if params.logprobs is not None else []
+        for i in range(params.sampling.n):
+            lps = [TokenLogprob(1, "he", -0.5, [(1, "he", -0.5), (2, "x", -1.5)])] if params.sampling.logprobs is not None else []
             yield ChoiceDelta(i, "he", [1], lps)
             if self.error_mid_stream is not None:
                 raise self.error_mid_stream
             yield ChoiceDelta(i, "llo", [2], lps, finish_reason="length")
-        yield Finished(Usage(len(prompt_ids), 2 * params.n))
+        yield Finished(Usage(len(prompt_ids), 2 * params.sampling.n))
 
     async def health(self, timeout_s: float = 2.0):
         return self.healthy
@@ -227,12 +227,13 @@ def test_defaults_and_vllm_extras_reach_the_scheduler(tokenizer):
 
     calls = run(go()).calls
     default, extras, chat = (c[1] for c in calls)
-    assert default.max_tokens == 16 and default.temperature == 1.0 and default.n == 1
-    assert (extras.max_tokens, extras.temperature, extras.top_p, extras.seed, extras.stop) == (
+    d, x = default.sampling, extras.sampling  # the one sampling type every layer shares
+    assert d.max_tokens == 16 and d.temperature == 1.0 and d.n == 1
+    assert (x.max_tokens, x.temperature, x.top_p, x.seed, extras.stop) == (
         5, 0.0, 0.5, 2**64 - 1, ("x",))
-    assert (extras.top_k, extras.min_p, extras.min_tokens, extras.ignore_eos) == (0, 0.1, 2, True)
-    assert extras.stop_token_ids == (3,) and extras.priority == -4
-    assert chat.max_tokens is None  # chat: the rest of the context
+    assert (x.top_k, x.min_p, x.min_tokens, x.ignore_eos) == (0, 0.1, 2, True)
+    assert x.stop_token_ids == (3,) and extras.priority == -4
+    assert chat.sampling.max_tokens is None  # chat: the rest of the context
     assert calls[2][0] == tokenizer.encode_chat([{"role": "user", "content": "hi"}])
 
 
@@ -446,7 +447,7 @@ def test_max_completion_tokens_is_chats_name_for_max_tokens(tokenizer):
 
     (new, old, same, differ), generator = run(go())
     assert [r.status_code for r in (new, old, same)] == [200, 200, 200]
-    assert [params.max_tokens for _, params, _ in generator.calls] == [7, 5, 6]
+    assert [params.sampling.max_tokens for _, params, _ in generator.calls] == [7, 5, 6]
     assert differ.status_code == 400  # ... and never reached the scheduler
     assert differ.json()["error"]["param"] == "max_completion_tokens"
     assert "max_tokens=5" in differ.json()["error"]["message"]

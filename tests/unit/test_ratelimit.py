@@ -196,9 +196,9 @@ class FakeGenerator:
 
     async def generate(self, prompt_ids, params, request_id=None, traceparent=""):
         self.calls += 1
-        for i in range(params.n):
+        for i in range(params.sampling.n):
             yield ChoiceDelta(i, "hi", [1], [], finish_reason="length")
-        yield Finished(Usage(len(prompt_ids), params.n))
+        yield Finished(Usage(len(prompt_ids), params.sampling.n))
 
     async def health(self, timeout_s: float = 2.0):
         return True, ""
