@@ -48,7 +48,8 @@ class GrpcStageTransport:
         self._tasks: list[asyncio.Task] = []
         self._forward = None
         self._timings: dict[int, list[StageTiming]] = {}
-        self._last_done = 0  # results come back in micro-batch order
+        self._in_flight: set[int] = set()  # steps sent on this connection, no outcome yet
+        self._last_sent = 0
         self.infos: list[StageInfo] = []
         self._last_load_info = worker_pb2.StageLoadInfo()
 
@@ -124,27 +125,7 @@ class GrpcStageTransport:
                             self._last_load_info = event.ready
                         ready.set_result(_info(self.addresses[index], event.ready))
                     continue
-                done = event.done
-                mb_id = done.micro_batch_id
-                if done.HasField("error") and done.error.code:
-                    code = grpc.StatusCode.UNKNOWN.name
-                    for c in grpc.StatusCode:
-                        if c.value[0] == done.error.code:
-                            code = c.name
-                    self._timings.pop(mb_id, None)
-                    on_event(ErrorEvent(mb_id, index, code, done.error.message))
-                    continue
-                t = done.timing
-                if mb_id <= self._last_done:
-                    continue  # an earlier stage's timing that came after the result: too late
-                self._timings.setdefault(mb_id, []).append(
-                    StageTiming(index, t.received_ns, t.compute_start_ns, t.compute_end_ns)
-                )
-                if last:
-                    self._last_done = max(self._last_done, mb_id)
-                    on_event(result_from_pb(done, tuple(self._timings.pop(mb_id, ()))))
-                    for stale in [k for k in self._timings if k < mb_id]:
-                        del self._timings[stale]
+                self._handle_done(index, event.done, on_event)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
@@ -157,6 +138,35 @@ class GrpcStageTransport:
             ready.set_exception(ConnectionError(f"stage {index} closed its event stream"))
         else:
             on_event(StageDownEvent(index, "event stream ended"))
+
+    def _handle_done(self, index: int, done: worker_pb2.MicroBatchDone, on_event) -> None:
+        """One stage's outcome of a step. Only steps this connection sent and that are still
+        in flight count: anything else (a stage's bug, a stale or forged id) is dropped, so
+        it cannot move the order of results on (issue 16: an id of 2**64 - 1 once made every
+        later result look too late)."""
+        mb_id = done.micro_batch_id
+        if mb_id not in self._in_flight:
+            if mb_id > self._last_sent:  # (an earlier step's late timing is dropped quietly)
+                log.warning("stage %d reported micro-batch %d, which was never sent: ignored", index, mb_id)
+            return
+        if done.HasField("error") and done.error.code:
+            code = grpc.StatusCode.UNKNOWN.name
+            for c in grpc.StatusCode:
+                if c.value[0] == done.error.code:
+                    code = c.name
+            self._timings.pop(mb_id, None)
+            self._in_flight.discard(mb_id)
+            on_event(ErrorEvent(mb_id, index, code, done.error.message))
+            return
+        t = done.timing
+        self._timings.setdefault(mb_id, []).append(
+            StageTiming(index, t.received_ns, t.compute_start_ns, t.compute_end_ns)
+        )
+        if index == len(self.addresses) - 1:
+            self._in_flight.discard(mb_id)
+            on_event(result_from_pb(done, tuple(self._timings.pop(mb_id, ()))))
+            for stale in [k for k in self._timings if k not in self._in_flight]:
+                del self._timings[stale]
 
     async def _drain_acks(self, call, on_event) -> None:
         try:
@@ -171,6 +181,8 @@ class GrpcStageTransport:
     async def submit(self, plan: StepPlan) -> None:
         if self._forward is None:
             raise ConnectionError("not connected")
+        self._in_flight.add(plan.step_id)
+        self._last_sent = max(self._last_sent, plan.step_id)
         await self._forward.write(plan_to_pb(plan))
 
     async def stage_stats(self) -> list[dict]:
@@ -185,6 +197,8 @@ class GrpcStageTransport:
         return out
 
     async def close(self) -> None:
+        self._in_flight.clear()
+        self._timings.clear()
         if self._forward is not None:
             self._forward.cancel()
             self._forward = None

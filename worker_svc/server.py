@@ -86,6 +86,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self._feedback_channel: grpc.aio.Channel | None = None
         self._ack_task: asyncio.Task | None = None
         self.downstream_connected = False
+        self.fatal: BaseException | None = None  # why the compute loop ended, if it did
+        self.on_fatal = None  # called then (serve(): the process exits, to be restarted)
         self._tracing = telemetry.enabled()
         self._tracer = telemetry.tracer("pagoda.worker")
         # statistics
@@ -187,7 +189,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
 
     async def Health(self, request, context):
         return worker_pb2.StageHealth(
-            status=common_pb2.HEALTH_STATUS_SERVING,
+            status=common_pb2.HEALTH_STATUS_NOT_SERVING if self.fatal else common_pb2.HEALTH_STATUS_SERVING,
             stage_index=self.config.stage,
             epoch=self.epoch,
             downstream_connected=self.config.is_last or self.downstream_connected,
@@ -253,10 +255,10 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                     f"this is stage {cfg.stage}"
                 )
             try:
-                work.plan = plan_from_pb(mb)
+                plan = plan_from_pb(mb)
             except PlanDecodeError as exc:
                 raise InvalidPlanError(str(exc)) from None
-            num_tokens = work.plan.num_tokens
+            num_tokens = plan.num_tokens
             if num_tokens > cfg.max_num_batched_tokens:
                 raise InvalidPlanError(
                     f"micro-batch {mb.micro_batch_id} has {num_tokens} tokens, over this stage's "
@@ -266,41 +268,69 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 if not mb.HasField("hidden_states"):
                     raise InvalidPlanError(f"micro-batch {mb.micro_batch_id}: no hidden states")
                 work.hidden = tensor_from_pb(mb.hidden_states)
+            work.plan = plan  # only a plan within limits is kept (its counts go into replies)
         except InvalidPlanError as exc:
             work.error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _compute_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            work = await self._queue.get()
-            if work.error is None and self.config.is_first and not self.config.is_last:
-                why = await self._await_inputs(work.plan)
-                if why is not None:
-                    self.num_abandoned += 1
-                    work.error = (grpc.StatusCode.ABORTED, f"micro-batch {work.mb.micro_batch_id}: {why}")
-            if work.plan is not None:
-                if work.plan.reset:
-                    self._resets_queued -= 1
-                    self._abandoned.clear()
-                elif self._abandoned:  # dropped or sent whole: nothing awaited for them now
-                    self._abandoned.difference_update(work.plan.finished_seq_ids)
-                    self._abandoned.difference_update(n.seq_id for n in work.plan.new_seqs)
-            if work.error is None:
+        """Runs plans in arrival order. Whatever one plan raises fails that plan alone (an
+        error event), never the loop; should the loop end anyway, the stage stops serving
+        (`fatal`: the process exits and its supervisor restarts it)."""
+        try:
+            while True:
+                work = await self._queue.get()
                 try:
-                    await loop.run_in_executor(self._executor, self._compute, work)
-                except InvalidPlanError as exc:
-                    work.error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                except Exception as exc:  # a bug: report it, keep serving
-                    log.exception("micro-batch %d failed", work.mb.micro_batch_id)
-                    work.error = (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-            # the result goes back to the scheduler as soon as compute ends, before the
-            # hand-off downstream, so that it reaches the scheduler ahead of the later stages'
-            # (a failed hand-off is reported afterwards as an error for the micro-batch)
-            if work.error is None and self.config.feedback_address:
-                self._send_feedback(work)  # before the scheduler hears of it: the next step waits
-            self._finish(work)
-            if work.error is None and not self.config.is_last:
-                await self._send_queue.put(work)
+                    await self._process(work)
+                except Exception as exc:  # a bug outside the model: this step fails, the loop goes on
+                    log.exception("micro-batch %d failed outside compute", work.mb.micro_batch_id)
+                    self._fail_alone(work, f"{type(exc).__name__}: {exc}")
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.critical("the compute loop died: %s", exc)
+            self.fatal = exc
+            if self.on_fatal is not None:
+                self.on_fatal()
+            raise
+
+    def _fail_alone(self, work: _Work, message: str) -> None:
+        done = worker_pb2.MicroBatchDone(micro_batch_id=work.mb.micro_batch_id)
+        done.error.code = grpc.StatusCode.INTERNAL.value[0]
+        done.error.message = message
+        self.num_failed += 1
+        self.num_in_flight = max(0, self.num_in_flight - 1)
+        self._emit(worker_pb2.StageEvent(stage_index=self.config.stage, epoch=self.epoch, done=done))
+
+    async def _process(self, work: _Work) -> None:
+        loop = asyncio.get_running_loop()
+        if work.error is None and self.config.is_first and not self.config.is_last:
+            why = await self._await_inputs(work.plan)
+            if why is not None:
+                self.num_abandoned += 1
+                work.error = (grpc.StatusCode.ABORTED, f"micro-batch {work.mb.micro_batch_id}: {why}")
+        if work.plan is not None:
+            if work.plan.reset:
+                self._resets_queued -= 1
+                self._abandoned.clear()
+            elif self._abandoned:  # dropped or sent whole: nothing awaited for them now
+                self._abandoned.difference_update(work.plan.finished_seq_ids)
+                self._abandoned.difference_update(n.seq_id for n in work.plan.new_seqs)
+        if work.error is None:
+            try:
+                await loop.run_in_executor(self._executor, self._compute, work)
+            except InvalidPlanError as exc:
+                work.error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except Exception as exc:  # a bug: report it, keep serving
+                log.exception("micro-batch %d failed", work.mb.micro_batch_id)
+                work.error = (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        # the result goes back to the scheduler as soon as compute ends, before the
+        # hand-off downstream, so that it reaches the scheduler ahead of the later stages'
+        # (a failed hand-off is reported afterwards as an error for the micro-batch)
+        if work.error is None and self.config.feedback_address:
+            self._send_feedback(work)  # before the scheduler hears of it: the next step waits
+        self._finish(work)
+        if work.error is None and not self.config.is_last:
+            await self._send_queue.put(work)
 
     async def _await_inputs(self, plan: StepPlan) -> str | None:
         """Wait until this stage knows every token the step computes (fed by the last stage);
@@ -569,8 +599,11 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    service.on_fatal = stop.set
     await stop.wait()
     log.info("stage %d stopping", config.stage)
     await set_serving(health, SERVICE_NAME, False)
     await server.stop(grace=2.0)
     await service.stop()
+    if service.fatal is not None:  # not serving any more: exit so that a supervisor restarts it
+        raise SystemExit(f"stage {config.stage}: the compute loop died: {service.fatal!r}")

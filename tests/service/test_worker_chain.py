@@ -124,7 +124,10 @@ def test_malformed_plans_fail_alone(chain):
             ragged = plan_to_pb(StepPlan(1002, cached_seqs=(CachedSeq(1, 1, 0),)))
             del ragged.cached.num_scheduled[-1]
             too_many = plan_to_pb(_plan(1003, 1, [5] * 9000, tuple(range(9000 // 16 + 1))))
-            for mb in (out_of_range, wrong_stage, ragged, too_many):
+            # counts past uint32 in the stage's reply (issue 16: this once killed the compute loop)
+            overflow = plan_to_pb(StepPlan(1005, cached_seqs=(
+                CachedSeq(1, 2**32 - 1, 0), CachedSeq(2, 2**32 - 1, 0))))
+            for mb in (out_of_range, wrong_stage, ragged, too_many, overflow):
                 await driver.send(mb)
                 results.append(await driver.next_result(30))
             await driver.send(plan_to_pb(_plan(1004, 2, [5, 6, 7], (4,))))
@@ -136,7 +139,8 @@ def test_malformed_plans_fail_alone(chain):
     *failures, ok = asyncio.run(go())
     for failure, expect in zip(
         failures,
-        ["block id 263 out of range", "addressed to stage 1", "cached columns differ in length", "max_num_batched_tokens"],
+        ["block id 263 out of range", "addressed to stage 1", "cached columns differ in length", "max_num_batched_tokens",
+         "max_num_batched_tokens"],
         strict=True,
     ):
         assert isinstance(failure, StageFailure) and failure.stage == 0

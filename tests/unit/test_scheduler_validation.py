@@ -96,3 +96,34 @@ def test_async_scheduling_is_on_by_default():
     assert SchedulerConfig(pipeline_parallel_size=3).max_in_flight == 3
     assert SchedulerConfig(async_scheduling=True).max_in_flight == 2
     assert not SchedulerConfig(pipeline_parallel_size=2, async_scheduling=False).is_async
+
+
+def test_the_transport_takes_results_only_of_steps_in_flight():
+    """Issue 16: a stage reporting a micro-batch id it was never sent (2**64 - 1) once made
+    every later real result look stale; now only steps sent and still in flight count."""
+    from scheduler_svc.engine import ErrorEvent
+    from scheduler_svc.transport import GrpcStageTransport
+    from services.pb import worker_pb2
+    from services.step import StepResult
+
+    transport = GrpcStageTransport(["a:1", "b:2"])
+    transport._in_flight |= {5, 6}
+    transport._last_sent = 6
+    events = []
+
+    def done(mb_id, error=None):
+        d = worker_pb2.MicroBatchDone(micro_batch_id=mb_id)
+        if error:
+            d.error.code, d.error.message = 3, error
+        return d
+
+    transport._handle_done(1, done(2**64 - 1), events.append)  # never sent
+    transport._handle_done(0, done(5), events.append)  # stage 0's timing
+    transport._handle_done(1, done(5), events.append)  # the result
+    transport._handle_done(0, done(5), events.append)  # a late duplicate
+    transport._handle_done(0, done(6, "bad"), events.append)
+    transport._handle_done(1, done(6), events.append)  # after its failure: nothing
+    assert [type(e) for e in events] == [StepResult, ErrorEvent]
+    assert events[0].step_id == 5 and [t.stage_index for t in events[0].timings] == [0, 1]
+    assert events[1].micro_batch_id == 6 and events[1].code == "INVALID_ARGUMENT"
+    assert not transport._in_flight and not transport._timings
