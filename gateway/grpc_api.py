@@ -31,6 +31,7 @@ from gateway.core import (
     GenerationParams,
     TextGenerator,
 )
+from gateway.protocol import stop_limits
 from gateway.ratelimit import (
     ANONYMOUS,
     RateLimiter,
@@ -127,6 +128,10 @@ def params_from_pb(
         if token_id >= limits.vocab_size:
             raise _invalid(f"{where}.logit_bias",
                            f"token id {token_id} is outside the vocabulary of {limits.vocab_size}")
+    try:
+        stop_limits(list(options.stop))
+    except ValueError as exc:
+        raise _invalid("options.stop", str(exc)) from None
     for i, stop in enumerate(options.stop):
         if not stop:
             raise _invalid(f"options.stop[{i}]", "must not be empty")

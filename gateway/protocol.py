@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 4096  # characters per stop string (REST and the public gRPC API alike)
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 Prompt = str | list[str] | TokenIds | list[TokenIds]
@@ -46,13 +47,22 @@ def check_prompt(value: Any) -> Any:
 
 
 def check_stop(value: Any) -> Any:
-    if value is None or isinstance(value, str):
+    if value is None:
         return value
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+    if not isinstance(value, str) and (
+            not isinstance(value, list) or not all(isinstance(s, str) for s in value)):
         raise ValueError("must be a string or a list of strings")
-    if len(value) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+    stop_limits([value] if isinstance(value, str) else value)
     return value
+
+
+def stop_limits(stops: list[str]) -> None:
+    """The limits on stop strings, for both front doors; ValueError saying which."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    for s in stops:
+        if len(s) > MAX_STOP_LENGTH:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_LENGTH} characters, got {len(s)}")
 
 
 class StreamOptions(BaseModel):

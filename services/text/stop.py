@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -36,8 +37,11 @@ class StopStringMatcher:
                 raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
         self._stops = stops
         self._include_stop = include_stop_str_in_output
-        self._max_held = max((len(s) for s in stops), default=1) - 1
-        self._proper_prefixes = frozenset(s[:i] for s in stops for i in range(1, len(s)))
+        # One Knuth-Morris-Pratt automaton per stop string: memory and time linear in the
+        # stop strings' and the text's lengths (a set of every prefix was quadratic: one
+        # stop string of 200,000 characters took gigabytes; issue 16).
+        self._failures = [_failure(s) for s in stops]
+        self._states = [0] * len(stops)  # per stop: longest prefix of it the text ends with
         self._held = ""
         self._matched: str | None = None
 
@@ -61,13 +65,29 @@ class StopStringMatcher:
         if self._matched is not None or not text:
             return StopMatch("", None)
         buffer = self._held + text
-        match = self._first_match(buffer)
-        if match is not None:
-            start, stop = match
-            self._held = ""
-            self._matched = stop
-            return StopMatch(buffer[:start + len(stop) if self._include_stop else start], stop)
-        num_held = self._num_held(buffer)
+        offset = len(self._held)  # the automata have read the held text already
+        stops, failures, states = self._stops, self._failures, self._states
+        for i in range(len(text)):
+            ch = text[i]
+            done: str | None = None
+            for k, stop in enumerate(stops):
+                state, failure = states[k], failures[k]
+                while state and stop[state] != ch:
+                    state = failure[state - 1]
+                if stop[state] == ch:
+                    state += 1
+                if state == len(stop):
+                    # ends here; of the stops ending at this character the longest starts first
+                    if done is None or len(stop) > len(done):
+                        done = stop
+                    state = failure[state - 1]
+                states[k] = state
+            if done is not None:
+                end = offset + i + 1
+                start = end - len(done)
+                self._held, self._matched = "", done
+                return StopMatch(buffer[:end if self._include_stop else start], done)
+        num_held = min(max(states, default=0), len(buffer))
         self._held = buffer[len(buffer) - num_held:]
         return StopMatch(buffer[:len(buffer) - num_held], None)
 
@@ -76,16 +96,16 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_match(self, buffer: str) -> tuple[int, str] | None:
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stops:
-            start = buffer.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
-                best = (start + len(stop), start, stop)
-        return None if best is None else (best[1], best[2])
 
-    def _num_held(self, buffer: str) -> int:
-        for n in range(min(self._max_held, len(buffer)), 0, -1):
-            if buffer[-n:] in self._proper_prefixes:
-                return n
-        return 0
+def _failure(s: str) -> array:
+    """KMP's failure function: out[i] = the longest proper prefix of s[:i + 1] that is also
+    its suffix (4 bytes per character)."""
+    out = array("i", bytes(4 * len(s)))
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = out[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        out[i] = k
+    return out

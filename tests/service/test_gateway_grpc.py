@@ -277,6 +277,8 @@ def test_bad_input_is_refused_naming_the_field(serve, stack):
         (text_request("hi", repetition_penalty=3.0), "options.sampling_params.repetition_penalty"),
         (text_request("hi", prompt_logprobs=1000), "options.sampling_params.prompt_logprobs"),
         (text_request("hi", stop=["ok", ""]), "options.stop[1]"),
+        (text_request("hi", stop=["ab" * 100_000]), "options.stop"),  # issue 16: both front doors
+        (text_request("hi", stop=["x"] * 10_000), "options.stop"),
         (text_request(too_long, max_tokens=1), "token_ids.ids"),
         (gateway_pb2.ChatRequest(), "messages"),
         (gateway_pb2.ChatRequest(messages=[gateway_pb2.ChatMessage(content="hi")]),

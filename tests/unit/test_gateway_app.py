@@ -110,6 +110,9 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "n": 17}, 400, "n"),
     ("/v1/completions", {"prompt": "a", "stop": [1]}, 400, "stop"),
     ("/v1/completions", {"prompt": "a", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "stop": ["ab" * 100_000]}, 400, "stop"),  # issue 16
+    ("/v1/completions", {"prompt": "a", "stop": "x" * 4097}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "stop": ["x"] * 17}, 400, "stop"),
     ("/v1/completions", {"prompt": "a", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "a", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from services.text import (
     ChatTemplateError,
     IncrementalDetokenizer,
+    StopMatch,
     StopStringMatcher,
     TextOutputProcessor,
     Tokenizer,
@@ -625,3 +626,20 @@ def test_output_processor_stop_token_text_and_stop_in_final_tokens(toks) -> None
     last = proc.finish(tok.encode(" two"))
     assert (last.text, last.finish_reason, last.stop_reason) == ("", "stop", "ne t")
     assert proc.text == "O"  # "ne" was held back since it may start the stop
+
+
+def test_a_long_stop_string_costs_memory_linear_in_its_length():
+    """Issue 16: every prefix of every stop string was kept (quadratic): one of 200,000
+    characters took gigabytes. The automaton holds a few entries per character."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        matcher = StopStringMatcher(["ab" * 100_000])
+        out = [matcher.push("ab" * 500), matcher.push("x"), matcher.push("ab" * 99_999), matcher.push("ab")]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 40 * 200_000  # bytes: 4 per character for the automaton, and the texts
+    assert out[0] == StopMatch("", None) and out[1].text == "ab" * 500 + "x"
+    assert out[3] == StopMatch("", "ab" * 100_000)  # matched at its last character
