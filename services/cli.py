@@ -414,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from services.launcher import die_with_parent
+
+    die_with_parent()  # a service `pagoda serve` started: it never outlives it
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -68,12 +68,21 @@ class ServiceProcess:
     process: subprocess.Popen | None = None
     restarts: int = 0
     cpus: set[int] | None = None  # cores it may run on (its threads inherit them); None: any
+    # killed by the kernel when the starting process dies, however it dies (`pagoda serve`:
+    # children never outlive the supervisor). Only for a starter whose starting thread
+    # lives as long as it does: the kernel ties this to the thread.
+    die_with_parent: bool = False
 
     def start(self) -> None:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        env = {**os.environ, **self.env}
+        if self.die_with_parent:
+            env[PARENT_ENV] = str(os.getpid())
+        else:
+            env.pop(PARENT_ENV, None)
         self.process = subprocess.Popen(
             list(self.command),
-            env={**os.environ, **self.env},
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -124,6 +133,26 @@ class ServiceProcess:
             return ""
         tail = self.log_path.read_text(errors="replace")[-2000:]
         return f"\n--- {self.log_path} (tail) ---\n{tail}"
+
+
+PARENT_ENV = "PAGODA_DIE_WITH_PARENT"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a service process started with `die_with_parent`: ask the kernel for SIGKILL when
+    the starter dies, and exit at once if it already has (it died before this ran)."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):
+        os._exit(1)
 
 
 def stop_all(processes: Sequence[ServiceProcess], grace_s: float = 5.0) -> None:
@@ -213,6 +242,7 @@ def start_stack(
     timeout_s: float = 120.0,
     metrics: bool = False,
     pin_cpus: bool = False,
+    die_with_parent: bool = False,
 ) -> Stack:
     """Start KV service, `num_stages` workers and the scheduler on free loopback ports.
 
@@ -266,6 +296,8 @@ def start_stack(
         kv.cpus = scheduler.cpus = plan[0]
         for worker, cpus in zip(workers, plan[1], strict=True):
             worker.cpus = cpus
+    for p in stack.processes:
+        p.die_with_parent = die_with_parent
     try:
         for p in [kv, *reversed(workers)]:
             p.start()

@@ -11,6 +11,7 @@ finish within the grace period), then the rest, leaving no orphans.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import time
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             # one switch for both: the scheduler plans with it, the KV service caches with it
             kvcache_args=([] if args.enable_prefix_caching else ["--no-prefix-caching"]),
             pin_cpus=args.cpu_affinity,
+            die_with_parent=True,  # none of them outlives this process, however it ends
         )
     except Exception as exc:
         print(f"error: the stack did not start: {exc}", file=sys.stderr)
@@ -105,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value != "":
             gateway_args += [flag, str(value)]
     gateway = ServiceProcess("gateway", pagoda_command(*gateway_args), f"127.0.0.1:{grpc_port}",
-                             log_path=log_dir / "gateway.log", cpus=stack.service_cpus)
+                             log_path=log_dir / "gateway.log", cpus=stack.service_cpus,
+                             die_with_parent=True)
     if stack.service_cpus is not None:
         print(f"  cores: services {sorted(stack.service_cpus)}, stages "
               f"{[sorted(w.cpus or ()) for w in stack.workers]} (--no-cpu-affinity to let them float)")
@@ -143,26 +146,31 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.5)
             try:
                 for name in stack.supervise_once(max_restarts=args.max_restarts):
-                    print(f"pagoda serve: restarted {name}", flush=True)
+                    _say(f"pagoda serve: restarted {name}")
                 if not gateway.alive:
                     if gateway.restarts >= args.max_restarts:
                         raise RuntimeError("the gateway keeps dying")
                     gateway.restarts += 1
                     gateway.start()
                     gateway.wait_healthy(120)
-                    print("pagoda serve: restarted gateway", flush=True)
+                    _say("pagoda serve: restarted gateway")
             except Exception as exc:
-                print(f"pagoda serve: giving up: {exc}", file=sys.stderr)
+                _say(f"pagoda serve: giving up: {exc}", file=sys.stderr)
                 stop_all(processes, args.grace_period)
                 return 1
     finally:
-        if stopping:
-            print("pagoda serve: stopping (in-flight requests get "
-                  f"{args.grace_period:.0f}s to finish)", flush=True)
+        if stopping:  # (a closed stdout, e.g. `| tee` gone with Ctrl-C, must not skip the shutdown)
+            _say(f"pagoda serve: stopping (in-flight requests get {args.grace_period:.0f}s to finish)")
         # the gateway first: it stops taking requests and drains; then the backend
         gateway.stop(args.grace_period + 10)
         stop_all(stack.processes, 10)
     return 0
+
+
+def _say(text: str, file=None) -> None:
+    """Print, unless the output is gone (a closed pipe): the supervisor's work goes on."""
+    with contextlib.suppress(OSError, ValueError):
+        print(text, file=file or sys.stdout, flush=True)
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
