@@ -70,7 +70,9 @@ async def serve(config: GatewayConfig) -> None:
     app = create_app(config, generator)
     gateway: Gateway = app.state.gateway
 
-    grpc_server, grpc_port, health_servicer = create_aio_server(f"{config.host}:{config.grpc_port}")
+    # one size limit for both front doors: a gRPC request may be as large as a REST body
+    grpc_server, grpc_port, health_servicer = create_aio_server(
+        f"{config.host}:{config.grpc_port}", max_receive_bytes=config.max_body_bytes)
     names = add_generation_service(grpc_server, generator, config, gateway.limiter)
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server)

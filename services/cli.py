@@ -381,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help='JSON {"<key>": {"tenant": "...", "priority": 0}}; without it, no keys')
     p.add_argument("--max-model-len", type=int, default=_env("max_model_len", None, int),
                    help="default: the model's max_position_embeddings")
-    p.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", 4 * 1024 * 1024, int))
+    p.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", 4 * 1024 * 1024, int),
+                   help="largest request body (REST) and request message (gRPC), bytes")
     p.add_argument("--grace-period", type=float, default=_env("grace_period", 30.0, float),
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--rate-limit-rpm", type=optional_limit,

@@ -27,10 +27,11 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
-def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                   max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes),
         ("grpc.keepalive_time_ms", 10_000),
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -40,14 +41,14 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
 
 
 def create_aio_server(
-    address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A grpc.aio server bound to `address` (port 0 picks one) with the standard health service.
 
     Returns the server (not started), the bound port, and the health servicer, whose
     overall status ("") starts NOT_SERVING; the caller sets SERVING once ready.
     """
-    server = grpc.aio.server(options=server_options(max_message_bytes))
+    server = grpc.aio.server(options=server_options(max_message_bytes, max_receive_bytes))
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")

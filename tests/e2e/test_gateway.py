@@ -299,6 +299,15 @@ def test_health_models_metrics_and_reflection(stack):
         names = {s.name for r in replies for s in r.list_services_response.service}
     assert {"pagoda.v1.Generation", "grpc.health.v1.Health"} <= names
 
+    # the public gRPC API takes no larger request than REST does (issue 16: it took 64 MiB)
+    from services.pb import gateway_pb2, gateway_pb2_grpc
+
+    with grpc.insecure_channel(stack.gateway.health_address) as channel:
+        stub = gateway_pb2_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(gateway_pb2.TextGenerateRequest(text="a" * (MAX_BODY_BYTES + 1)), timeout=30))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
 
 def _chunked(port, path, body: bytes):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
