@@ -40,6 +40,17 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.context_lens_list)
 
+    def split_rows(self) -> tuple[list[int], list[int]]:
+        """(sequences with one new token, sequences with several), in batch order; made
+        once per step and shared by every layer and backend."""
+        split = self.derived.get("split")
+        if split is None:
+            starts, decodes, prefills = self.query_start_loc_list, [], []
+            for i in range(self.num_seqs):
+                (decodes if starts[i + 1] - starts[i] == 1 else prefills).append(i)
+            split = self.derived["split"] = (decodes, prefills)
+        return split
+
 
 class AttentionBackend(Protocol):
     def write_kv(
@@ -175,11 +186,9 @@ class TorchAttentionBackend:
         planned = metadata.derived.get(key)
         if planned is not None:
             return planned
-        starts, ctx_lens = metadata.query_start_loc_list, metadata.context_lens_list
-        decodes, prefills = [], []
-        for i in range(metadata.num_seqs):
-            (decodes if starts[i + 1] - starts[i] == 1 else prefills).append(i)
-        decodes.sort(key=lambda i: ctx_lens[i])
+        ctx_lens = metadata.context_lens_list
+        decodes, prefills = metadata.split_rows()
+        decodes = sorted(decodes, key=lambda i: ctx_lens[i])
         groups, run = [], []
         for i in decodes:  # ascending contexts: a group's longest is its last
             if run and ctx_lens[i] * (len(run) + 1) * kv_width > self.DECODE_GROUP_MAX_ELEMENTS:
@@ -264,9 +273,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if planned is not None:
             return planned
         starts = metadata.query_start_loc_list
-        decodes, prefills = [], []
-        for i in range(metadata.num_seqs):
-            (decodes if starts[i + 1] - starts[i] == 1 else prefills).append(i)
+        decodes, prefills = metadata.split_rows()
         if len(decodes) == metadata.num_seqs:  # all decodes: the step's own tensors
             rows = metadata.query_start_loc[:-1].contiguous()
             tables, ctx_lens = metadata.block_tables.contiguous(), metadata.context_lens.contiguous()
