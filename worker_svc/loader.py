@@ -146,6 +146,7 @@ def load_stage(
     model.eval()
     if quantization is not None:
         quantize_model(model, quantization)
+    model.fuse_projections()
     log.info(
         "stage %d of %d: layers [%d, %d), %s weights%s: %d bytes",
         stage, num_stages, start, end, torch_dtype, f" ({quantization})" if quantization else "",

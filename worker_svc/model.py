@@ -16,7 +16,7 @@ from torch import nn
 
 from worker_svc.attention import AttentionBackend, AttentionMetadata
 from worker_svc.model_config import ModelConfig
-from worker_svc.rope import RotaryEmbedding, apply_rotary
+from worker_svc.rope import RotaryEmbedding, apply_rotary, rotate
 
 
 class RMSNorm(nn.Module):
@@ -26,12 +26,41 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, bit for bit the reference's result
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32, as the reference does, then scale in the model dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op, bit for bit the reference's result
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # Normalise in float32, as the reference does, then scale in the model dtype.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _fuse_linears(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One weight (and bias) for linears that read the same input, their outputs side by
+    side; each linear's own parameters become views into it, so the weights are held once
+    and keep their checkpoint names. None when any of them is not a plain `nn.Linear`
+    (a quantized one) or they do not agree on dtype, device and bias."""
+    if any(type(m) is not nn.Linear for m in linears):
+        return None
+    weights = [m.weight for m in linears]
+    biases = [m.bias for m in linears]
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1 or weights[0].is_meta:
+        return None
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    weight = torch.cat([w.detach() for w in weights])
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    start = 0
+    for m in linears:
+        end = start + m.out_features
+        m.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
 
 
 class Attention(nn.Module):
@@ -46,6 +75,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
 
     def forward(
         self,
@@ -56,14 +86,31 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
+        if self.qkv is not None:  # one product; q and k rotated together (adjacent columns)
+            weight, bias = self.qkv
+            qkv = F.linear(x, weight, bias)
+            qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
+            qk = rotate(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(q, k, *rope)
         k_pool, v_pool = kv
         backend.write_kv(k_pool, v_pool, k, v, metadata.slot_mapping)
         out = backend.forward(q, k_pool, v_pool, metadata, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        if self.qkv is not None:  # a plain linear: skip the module call
+            return F.linear(out, self.o_proj.weight)
+        return self.o_proj(out)
+
+    def fuse(self) -> bool:
+        """Compute q, k and v with one matrix product (see `_fuse_linears`)."""
+        if type(self.o_proj) is nn.Linear:
+            self.qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        return self.qkv is not None
 
 
 class MLP(nn.Module):
@@ -73,8 +120,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+        self.gate_up: torch.Tensor | None = None  # set by fuse()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate_up = F.linear(x, self.gate_up)
+            size = self.gate_proj.out_features
+            return F.linear(F.silu(gate_up[:, :size]) * gate_up[:, size:], self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse(self) -> bool:
+        """Compute gate and up with one matrix product (see `_fuse_linears`)."""
+        if type(self.down_proj) is not nn.Linear or self.gate_proj.bias is not None:
+            return False
+        fused = _fuse_linears(self.gate_proj, self.up_proj)
+        self.gate_up = None if fused is None else fused[0]
+        return self.gate_up is not None
 
 
 class DecoderLayer(nn.Module):
@@ -93,8 +154,11 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv, metadata, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Module calls cost more than a small decode step's arithmetic: call the forwards.
+        norm = self.input_layernorm
+        h = h + self.self_attn.forward(rms_norm(h, norm.weight, norm.eps), rope, kv, metadata, backend)
+        norm = self.post_attention_layernorm
+        return h + self.mlp.forward(rms_norm(h, norm.weight, norm.eps))
 
 
 class _Body(nn.Module):
@@ -149,6 +213,14 @@ class StageModel(nn.Module):
         """Checkpoint tensor name -> shape, for exactly what this stage loads."""
         return {name: tuple(p.shape) for name, p in self.named_parameters()}
 
+    def fuse_projections(self) -> int:
+        """Fuse each layer's q/k/v and gate/up products (after loading and any quantization;
+        layers with quantized linears keep theirs). Returns how many layers were fused."""
+        fused = 0
+        for layer in self.model.layers.values():
+            fused += int(layer.self_attn.fuse() & layer.mlp.fuse())
+        return fused
+
     @torch.inference_mode()
     def forward(
         self,
@@ -164,7 +236,7 @@ class StageModel(nn.Module):
         h = body.embed_tokens(inputs) if self.is_first else inputs
         rope = self.rotary.cos_sin(positions, h.dtype)
         for local, layer in enumerate(body.layers.values()):
-            h = layer(h, rope, kv_pools[local], metadata, backend)
+            h = layer.forward(h, rope, kv_pools[local], metadata, backend)
         if not self.is_last:
             return h
         if logits_indices is not None:

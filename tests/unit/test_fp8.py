@@ -94,6 +94,9 @@ def test_load_stage_stores_linear_weights_as_float8(model_dir):
             assert linear.weight.dtype == torch.float8_e4m3fn
             assert linear.weight_scale.dtype == torch.float32
     assert not any(isinstance(m, nn.Linear) for m in model.model.layers.modules())
+    # quantized products are not fused (the fused path is for plain linears)
+    assert all(layer.self_attn.qkv is None and layer.mlp.gate_up is None
+               for layer in model.model.layers.values())
     # kept in the model dtype: embeddings, norms, LM head
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.model.norm.weight.dtype == torch.bfloat16

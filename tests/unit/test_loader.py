@@ -176,3 +176,34 @@ def test_missing_config_field(model_dir):
     (model_dir / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="required field 'hidden_size' is missing"):
         load_stage(model_dir)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_loaded_stage_fuses_projections_and_holds_weights_once(model_factory, arch):
+    path = model_factory(arch=arch)
+    model = load_stage(path)
+    tensors = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(_tensors(f))
+    for name, p in model.named_parameters():  # names and values are the checkpoint's
+        assert torch.equal(p, tensors[name]), name
+    for layer in model.model.layers.values():
+        attn, mlp = layer.self_attn, layer.mlp
+        weight, bias = attn.qkv
+        assert attn.q_proj.weight.data_ptr() == weight.data_ptr()  # views: held once
+        assert attn.v_proj.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+        assert (bias is not None) == (arch == "qwen2")
+        assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_up.untyped_storage().data_ptr()
+
+    # the fused products compute what the separate ones compute
+    unfused = load_stage(path)
+    for layer in unfused.model.layers.values():
+        layer.self_attn.qkv, layer.mlp.gate_up = None, None
+    torch.manual_seed(0)
+    x = torch.randn(5, model.config.hidden_size)
+    with torch.inference_mode():
+        for a, b in zip(model.model.layers.values(), unfused.model.layers.values(), strict=True):
+            torch.testing.assert_close(a.mlp.forward(x), b.mlp.forward(x), rtol=1e-6, atol=1e-6)
+            qkv = torch.nn.functional.linear(x, *a.self_attn.qkv)
+            separate = torch.cat([b.self_attn.q_proj(x), b.self_attn.k_proj(x), b.self_attn.v_proj(x)], -1)
+            torch.testing.assert_close(qkv, separate, rtol=1e-6, atol=1e-6)
