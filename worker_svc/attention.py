@@ -259,13 +259,27 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 or not q.dtype == k_pool.dtype == v_pool.dtype == torch.float32):
             return super().forward(q, k_pool, v_pool, metadata, scale, sliding_window)
         decode = self._decode_rows(metadata)
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows may be apart, heads not
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype)
         if decode.rows.shape[0]:
             self.kernel(q, k_pool, v_pool, out, decode.rows, decode.tables, decode.ctx_lens, scale,
                         sliding_window)
         self._prefill(q, k_pool, v_pool, metadata, decode.prefills, scale, sliding_window, out)
         return out
+
+    def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> bool:
+        """Rotate q and k of the fused `qkv` rows in place and write K/V to the pools, in
+        one native call; False (nothing done) when the kernel or the layouts do not allow
+        it, and the caller does it with torch (worker_svc/model.py)."""
+        if (self.kernel is None or qkv.device.type != "cpu" or not qkv.is_contiguous()
+                or not qkv.dtype == cos.dtype == sin.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+                or not (cos.is_contiguous() and sin.is_contiguous() and slot_mapping.is_contiguous())
+                or cos.shape[-1] % 2):
+            return False
+        self.kernel.rope_write(qkv, cos, sin, slot_mapping, k_pool, v_pool, num_heads)
+        return True
 
     @staticmethod
     def _decode_rows(metadata: AttentionMetadata) -> _DecodeRows:

@@ -1,7 +1,8 @@
 """Native CPU kernels: built once with the system C compiler, loaded with ctypes; and the
 process's malloc settings for a stage (`keep_freed_memory`).
 
-`paged_decode()` returns the decode-attention kernel of `csrc/paged_decode.c`, or None when
+`paged_decode()` returns the paged-attention kernels of `csrc/paged_decode.c` (decode
+attention; the rotary embedding and K/V write before it), or None when
 it cannot be had (no C compiler, a failed build, `PAGODA_CPU_KERNELS=0`); the caller then
 keeps the torch path, which computes the same thing. The kernel is plain C (no Python or
 torch headers): it builds in about a second, into a cache folder keyed by the source, the
@@ -28,7 +29,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c11", "-shared", "-fPIC")
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-std=c11",
+          "-shared", "-fPIC")
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -80,25 +82,44 @@ def build(compiler: str | None = None) -> Path:
 
 
 class PagedDecodeKernel:
-    """ctypes binding of `pagoda_paged_decode_f32`; see csrc/paged_decode.c for the layouts."""
+    """ctypes bindings of `pagoda_paged_decode_f32` and `pagoda_rope_write_f32`; see
+    csrc/paged_decode.c for the layouts."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        fn = ctypes.CDLL(str(path)).pagoda_paged_decode_f32  # CDLL: the GIL is released during calls
+        lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released during calls
+        fn = lib.pagoda_paged_decode_f32
         fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR] * 7 + [_I64] * 8 + [_F32, _I64]
+        fn.argtypes = [_PTR] * 7 + [_I64] * 9 + [_F32, _I64]
         self._fn = fn
+        rope = lib.pagoda_rope_write_f32
+        rope.restype = None
+        rope.argtypes = [_PTR] * 6 + [_I64] * 6
+        self._rope = rope
         self._pool: ThreadPoolExecutor | None = None
+
+    def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                   k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:
+        """Rotates the q and k heads of `qkv` ([num_tokens, (num_heads + 2 * num_kv_heads) *
+        head_dim], contiguous) in place by `cos`/`sin` ([num_tokens, ..., head_dim]) and
+        writes each token's k and v into the pools' row `slots[t]`. All float32 (slots
+        int64), contiguous, on the CPU."""
+        num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
+        self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_pool.data_ptr(),
+                   v_pool.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, num_kv_heads, head_dim,
+                   num_blocks * block_size)
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                  rows: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
                  window: int | None) -> None:
-        """Writes `out[rows[i]]` for every sequence i. All tensors contiguous on the CPU;
-        q, pools and out float32; rows, tables ([n, max_blocks]) and ctx_lens int64."""
+        """Writes `out[rows[i]]` for every sequence i. All tensors on the CPU and contiguous,
+        but q's rows may be apart (q: [num_rows, num_heads, head_dim] with its heads
+        contiguous); q, pools and out float32; rows, tables ([n, max_blocks]) and ctx_lens
+        int64."""
         num_seqs = rows.shape[0]
         num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
         args = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), rows.data_ptr(),
-                tables.data_ptr(), ctx_lens.data_ptr())
+                tables.data_ptr(), ctx_lens.data_ptr(), q.stride(0))
         shape = (tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size, num_blocks)
 
         def run(begin: int, end: int) -> None:

@@ -86,20 +86,24 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        if self.qkv is not None:  # one product; q and k rotated together (adjacent columns)
+        k_pool, v_pool = kv
+        if self.qkv is not None:  # one product
             weight, bias = self.qkv
             qkv = F.linear(x, weight, bias)
-            qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
-            qk = rotate(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), *rope)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = qkv[:, : self.num_heads * self.head_dim].view(num_tokens, self.num_heads, self.head_dim)
+            native = getattr(backend, "rope_write", None)  # rotation and K/V write in one call
+            if native is None or not native(qkv, *rope, k_pool, v_pool, metadata.slot_mapping, self.num_heads):
+                qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim  # q, k rotated together
+                qk = rotate(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), *rope)
+                q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+                v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+                backend.write_kv(k_pool, v_pool, k, v, metadata.slot_mapping)
         else:
             q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
             v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
             q, k = apply_rotary(q, k, *rope)
-        k_pool, v_pool = kv
-        backend.write_kv(k_pool, v_pool, k, v, metadata.slot_mapping)
+            backend.write_kv(k_pool, v_pool, k, v, metadata.slot_mapping)
         out = backend.forward(q, k_pool, v_pool, metadata, self.scale, self.sliding_window)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         if self.qkv is not None:  # a plain linear: skip the module call

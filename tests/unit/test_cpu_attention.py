@@ -1,5 +1,5 @@
-"""The native CPU decode kernel (worker_svc/csrc/paged_decode.c) against attention written
-from the definition, and the `cpu` backend's fallbacks."""
+"""The native CPU kernels (worker_svc/csrc/paged_decode.c) against attention written from
+the definition and the torch rotary embedding, and the `cpu` backend's fallbacks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import torch
 
 from tests.unit.test_attention_paths import CHUNKS, layout, naive
 from worker_svc import cpu_kernels
-from worker_svc.attention import CpuAttentionBackend, get_backend
+from worker_svc.attention import CpuAttentionBackend, TorchAttentionBackend, get_backend
+from worker_svc.model_config import RopeConfig
+from worker_svc.rope import RotaryEmbedding, rotate
 
 kernel = cpu_kernels.paged_decode()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler: the cpu backend falls back to torch")
@@ -97,3 +99,51 @@ def test_malloc_settings_apply_once_and_can_be_turned_off(monkeypatch):
     cpu_kernels.keep_freed_memory.cache_clear()
     monkeypatch.delenv("PAGODA_TUNE_MALLOC")
     assert cpu_kernels.keep_freed_memory() is True  # glibc here
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(4, 4, 16), (8, 2, 64), (6, 3, 8)])
+def test_native_rotary_and_kv_write_equal_torch_bit_for_bit(heads, kv_heads, d):
+    """The fused q|k|v rows of a step: rotated in place and K/V written to the pools, as the
+    torch path does it (`rotate`, then `write_kv`), to the last bit."""
+    torch.manual_seed(3)
+    num_tokens, num_blocks, block_size = 9, 8, 4
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * d) * 3
+    positions = torch.tensor([0, 1, 2, 7, 30, 31, 500, 4000, 9])
+    rope = RotaryEmbedding(RopeConfig(), d, 8192).cos_sin(positions, torch.float32)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    pools = [torch.zeros(num_blocks, block_size, kv_heads, d) for _ in range(4)]
+
+    qk_size = (heads + kv_heads) * d
+    qk = rotate(qkv[:, :qk_size].view(num_tokens, -1, d), *rope)
+    v = qkv[:, qk_size:].view(num_tokens, kv_heads, d)
+    TorchAttentionBackend().write_kv(pools[0], pools[1], qk[:, heads:], v, slots)
+
+    native = qkv.clone()
+    assert CpuAttentionBackend().rope_write(native, *rope, pools[2], pools[3], slots, heads)
+    assert torch.equal(native[:, :qk_size], qk.reshape(num_tokens, -1))
+    assert torch.equal(native[:, qk_size:], qkv[:, qk_size:])  # v untouched
+    assert torch.equal(pools[2], pools[0]) and torch.equal(pools[3], pools[1])
+    assert pools[2].abs().sum() > 0
+
+    # declined (the caller then uses torch): other dtypes, rows not contiguous
+    backend = CpuAttentionBackend()
+    half = [p.half() for p in pools[2:]]
+    assert not backend.rope_write(qkv.half(), *(r.half() for r in rope), *half, slots, heads)
+    assert not backend.rope_write(qkv.t().contiguous().t(), *rope, pools[2], pools[3], slots, heads)
+
+
+@needs_kernel
+def test_decode_reads_query_rows_that_are_apart():
+    """q as the model hands it over: the q columns of the fused q|k|v rows (a view)."""
+    torch.manual_seed(4)
+    chunks = [(ctx, 1) for ctx in (1, 5, 16, 40)]
+    md, tables = layout(chunks, 4, 64)
+    k_pool, v_pool = torch.randn(64, 4, 2, 16), torch.randn(64, 4, 2, 16)
+    qkv = torch.randn(len(chunks), (4 + 2 * 2) * 16)
+    q = qkv[:, : 4 * 16].view(len(chunks), 4, 16)
+    assert not q.is_contiguous()
+    got = CpuAttentionBackend().forward(q, k_pool, v_pool, md, 0.25, None)
+    assert torch.equal(got, CpuAttentionBackend().forward(q.contiguous(), k_pool, v_pool, md, 0.25, None))
+    torch.testing.assert_close(got.double(), naive(q, k_pool, v_pool, chunks, tables, 0.25, None),
+                               rtol=1e-5, atol=1e-5)

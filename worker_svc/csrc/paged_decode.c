@@ -1,13 +1,16 @@
-/* Paged attention for decode rows (one query token per sequence) on the CPU, float32.
+/* Paged attention on the CPU, float32: the decode attention of single-token rows
+ * (pagoda_paged_decode_f32) and, before it in every layer, the rotary embedding of the new
+ * tokens' q and k with the write of their K/V into the pools (pagoda_rope_write_f32).
  *
- * Reads each sequence's K and V straight from the paged pools through its block table:
- * no gathered copy of the context is made (the torch path gathers it with index_select
- * every layer, which costs more than the attention itself). Per sequence, in three passes
- * over its context: every query head's score against each key (K read once, in order),
- * the softmax, the weighted sum of values (V read once, in order).
+ * Decode attention reads each sequence's K and V straight from the paged pools through its
+ * block table: no gathered copy of the context is made (the torch path gathers it with
+ * index_select every layer, which costs more than the attention itself). Per sequence, in
+ * three passes over its context: every query head's score against each key (K read once, in
+ * order), the softmax, the weighted sum of values (V read once, in order).
  *
- * Layouts (all contiguous, row-major):
- *   q, out       [num_rows, num_heads, head_dim]      (rows[i]: sequence i's query row)
+ * Layouts (row-major):
+ *   q            [num_rows, q_stride]: row r's heads at q + r * q_stride, [num_heads, head_dim]
+ *   out          [num_rows, num_heads, head_dim], contiguous (rows[i]: sequence i's row)
  *   k_pool/v_pool [num_blocks, block_size, num_kv_heads, head_dim]
  *   tables       [num_seqs, max_blocks] block ids     ctx_lens [num_seqs] tokens in KV
  * Query head h reads KV head h / (num_heads / num_kv_heads) (GQA). With window > 0 the
@@ -15,7 +18,8 @@
  * Sequences [seq_begin, seq_end) are computed, so callers can split a batch over threads.
  * Returns 0, or -1 when the scratch space cannot be allocated.
  *
- * Built by worker_svc/cpu_kernels.py with the system C compiler; no Python or torch headers.
+ * Built by worker_svc/cpu_kernels.py with the system C compiler (without FMA contraction,
+ * so that the rotation rounds as torch does); no Python or torch headers.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,7 +29,7 @@
 int pagoda_paged_decode_f32(
     const float *q, const float *k_pool, const float *v_pool, float *out,
     const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
-    int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
+    int64_t q_stride, int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
     int64_t num_blocks, float scale, int64_t window)
 {
@@ -48,7 +52,7 @@ int pagoda_paged_decode_f32(
         const int64_t first = (window > 0 && ctx > window) ? ctx - window : 0;
         const int64_t n = ctx - first;
         const int64_t *table = tables + i * max_blocks;
-        const float *q_row = q + rows[i] * q_row_len;
+        const float *q_row = q + rows[i] * q_stride;
         for (int64_t h = 0; h < num_heads; h++) maxes[h] = -INFINITY;
         /* pass 1: every head's score against each key; a token's keys (all KV heads) are
            contiguous, so K is read once, in order, block by block */
@@ -105,4 +109,40 @@ int pagoda_paged_decode_f32(
     }
     free(scores); free(acc); free(maxes);
     return 0;
+}
+
+/* The rotary embedding of a step's new tokens and the write of their K/V into the pools.
+ *   qkv      [num_tokens, row_stride]: per token its q heads, k heads and v heads side by
+ *            side ([num_heads + 2 * num_kv_heads, head_dim]); q and k are rotated in place
+ *   cos/sin  [num_tokens, head_dim]: each token's rotation (x * cos + rotate_half(x) * sin,
+ *            every product and sum rounded as torch rounds them)
+ *   slots    [num_tokens]: the pool row of each token's K/V (block * block_size + offset);
+ *            rows outside [0, num_slots) are skipped (validated upstream)
+ */
+void pagoda_rope_write_f32(
+    float *qkv, const float *cos, const float *sin, const int64_t *slots,
+    float *k_pool, float *v_pool, int64_t num_tokens, int64_t row_stride,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots)
+{
+    const int64_t half = head_dim / 2, kv_row = num_kv_heads * head_dim;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float *row = qkv + t * row_stride;
+        const float *c = cos + t * head_dim, *s = sin + t * head_dim;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {
+            float *x = row + h * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x[i], b = x[i + half];
+                const float lo = a * c[i] + (-b) * s[i];
+                const float hi = b * c[i + half] + a * s[i + half];
+                x[i] = lo;
+                x[i + half] = hi;
+            }
+        }
+        const int64_t slot = slots[t];
+        if (slot < 0 || slot >= num_slots) continue;
+        memcpy(k_pool + slot * kv_row, row + num_heads * head_dim, sizeof(float) * (size_t)kv_row);
+        memcpy(v_pool + slot * kv_row, row + (num_heads + num_kv_heads) * head_dim,
+               sizeof(float) * (size_t)kv_row);
+    }
 }
