@@ -99,7 +99,8 @@ def step_input_to_pb(step: StepInput) -> kvcache_pb2.StepRequest:
             new_sequences=[_new_sequence_to_pb(new) for new in step.new_sequences],
             appends=[
                 kvcache_pb2.AppendSlots(
-                    seq_id=a.seq_id, token_ids=a.token_ids, num_new_tokens=len(a.token_ids)
+                    seq_id=a.seq_id, token_ids=a.token_ids, num_new_tokens=len(a.token_ids),
+                    num_lookahead_slots=a.num_lookahead_slots,
                 )
                 for a in step.appends
             ],
@@ -129,7 +130,7 @@ def _append_from_pb(msg: kvcache_pb2.AppendSlots) -> Append:
             f"append to {msg.seq_id}: num_new_tokens {msg.num_new_tokens} is not the number "
             f"of token_ids ({len(msg.token_ids)})"
         )
-    return Append(seq_id=msg.seq_id, token_ids=msg.token_ids)
+    return Append(seq_id=msg.seq_id, token_ids=msg.token_ids, num_lookahead_slots=msg.num_lookahead_slots)
 
 
 def step_input_from_pb(request: kvcache_pb2.StepRequest) -> StepInput:

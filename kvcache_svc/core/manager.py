@@ -33,7 +33,12 @@ from kvcache_svc.core.types import (
     StepInput,
     StepOutput,
 )
-from kvcache_svc.core.validation import ValidAppend, ValidNewSequence, validate_step
+from kvcache_svc.core.validation import (
+    MAX_LOOKAHEAD_SLOTS,
+    ValidAppend,
+    ValidNewSequence,
+    validate_step,
+)
 
 
 class _NumTokensView(Mapping[int, int]):
@@ -65,7 +70,7 @@ class KVCacheManager:
     index, LRU of evictable blocks); one caller owns it (no locks). Invariants, checked by
     `check_integrity()`: a block's ref count is the number of tables holding it; every block
     is exactly one of used, free or evictable; a sequence has `ceil(num_tokens /
-    block_size)` blocks.
+    block_size)` blocks, and at most `MAX_LOOKAHEAD_SLOTS` slots' worth held ahead.
 
     Allocation takes free blocks first (best-fit) and evicts cached blocks, least recently
     used first, only when no free block is left. New sequences must leave
@@ -198,9 +203,10 @@ class KVCacheManager:
             self._free(self._seqs.pop(seq_id))
         for parent_seq_id, child_seq_id in valid.forks:
             parent = self._seqs[parent_seq_id]
-            for block_id in parent.block_ids:
+            shared = -(-parent.num_tokens // self._block_size)  # not the blocks held ahead
+            for block_id in parent.block_ids[:shared]:
                 self._pool.incref(block_id)
-            self._seqs[child_seq_id] = parent.copy(child_seq_id)
+            self._seqs[child_seq_id] = parent.copy(child_seq_id, shared)
 
         # validation made sure a step that writes names its micro-batch
         micro_batch = MicroBatchRecord()
@@ -275,8 +281,11 @@ class KVCacheManager:
         seq = self._seqs[append.seq_id]
         bs = self._block_size
         start = seq.num_tokens
-        copy_on_write = start % bs != 0 and self._pool.ref_count(seq.block_ids[-1]) > 1
-        num_new_blocks = -(-(start + append.num_tokens) // bs) - len(seq.block_ids)
+        # the partly filled block the tokens go into first (held ahead blocks are empty)
+        partial = start // bs if start % bs and append.num_tokens else None
+        copy_on_write = partial is not None and self._pool.ref_count(seq.block_ids[partial]) > 1
+        room = start + append.num_tokens + append.num_lookahead_slots
+        num_new_blocks = max(0, -(-room // bs) - len(seq.block_ids))
         num_needed = num_new_blocks + copy_on_write
         num_available = self.num_available_blocks
         if num_needed > num_available:
@@ -284,9 +293,9 @@ class KVCacheManager:
         new_block_ids = self._allocate(num_needed)
         copies: tuple[BlockCopy, ...] = ()
         if copy_on_write:
-            src = seq.block_ids[-1]
+            src = seq.block_ids[partial]
             dst = new_block_ids.pop(0)
-            seq.block_ids[-1] = dst
+            seq.block_ids[partial] = dst
             self._pool.decref(src)  # still held by the sharers
             copies = (BlockCopy(src, dst),)
         slot_mapping = self._write(
@@ -423,13 +432,15 @@ class KVCacheManager:
         num_free = self._pool.num_free_blocks
         num_evictable = self._cache.num_evictable_blocks
         num_used = self._pool.num_blocks - num_free - num_evictable
-        # only a last block can be partial, and sharers of a partial block fill it equally
+        # only a sequence's last block with tokens can be partial, and sharers of a partial
+        # block fill it equally; blocks held ahead (never shared) are empty
         partial_fill = {
-            seq.block_ids[-1]: seq.num_tokens % bs
+            seq.block_ids[seq.num_tokens // bs]: seq.num_tokens % bs
             for seq in self._seqs.values()
             if seq.num_tokens % bs
         }
-        num_empty_slots = sum(bs - fill for fill in partial_fill.values())
+        num_ahead = sum(len(seq.block_ids) - -(-seq.num_tokens // bs) for seq in self._seqs.values())
+        num_empty_slots = sum(bs - fill for fill in partial_fill.values()) + num_ahead * bs
         largest = self._pool.largest_free_extent
         return KVCacheStats(
             num_blocks=self._pool.num_blocks,
@@ -467,7 +478,7 @@ class KVCacheManager:
         bs = self._block_size
         holders: Counter[int] = Counter()
         for seq_id, seq in self._seqs.items():
-            if len(seq.block_ids) != -(-seq.num_tokens // bs):
+            if not -(-seq.num_tokens // bs) <= len(seq.block_ids) <= -(-(seq.num_tokens + MAX_LOOKAHEAD_SLOTS) // bs):
                 raise IntegrityError(
                     f"sequence {seq_id}: {len(seq.block_ids)} blocks for {seq.num_tokens} tokens"
                 )

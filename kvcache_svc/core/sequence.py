@@ -6,7 +6,8 @@ from kvcache_svc.core.prefix_cache import ROOT_KEY, CachedBlock
 
 
 class SequenceState:
-    """One sequence's table: `len(block_ids) == ceil(num_tokens / block_size)`.
+    """One sequence's table: `ceil(num_tokens / block_size)` blocks, and after them any
+    blocks held ahead for tokens not known yet (`Append.num_lookahead_slots`).
 
     With prefix caching, `last_full_key` is the chain key of its last full block and
     `partial_token_bytes` the tokens of its partial last block (empty when it has none).
@@ -33,9 +34,10 @@ class SequenceState:
         self.partial_token_bytes = b""
         self.cacheable = True
 
-    def copy(self, seq_id: int) -> SequenceState:
+    def copy(self, seq_id: int, num_blocks: int) -> SequenceState:
+        """A child sharing the first `num_blocks` blocks (those holding tokens)."""
         child = SequenceState(seq_id, self.namespace)
-        child.block_ids = list(self.block_ids)
+        child.block_ids = self.block_ids[:num_blocks]
         child.num_tokens = self.num_tokens
         child.last_full_key = self.last_full_key
         child.partial_token_bytes = self.partial_token_bytes

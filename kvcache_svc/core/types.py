@@ -31,10 +31,14 @@ class NewSequence:
 
 @dataclass(frozen=True, slots=True)
 class Append:
-    """Slots for `token_ids` at the end of an existing sequence (a decode token or a chunk)."""
+    """Slots for `token_ids` at the end of an existing sequence (a decode token or a chunk),
+    and room held for `num_lookahead_slots` tokens after them that are not known yet (an
+    asynchronous scheduler's placeholder step): their blocks are allocated now and later
+    appends fill them. With lookahead slots, `token_ids` may be empty."""
 
     seq_id: int
     token_ids: Sequence[int]
+    num_lookahead_slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)

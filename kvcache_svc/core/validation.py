@@ -27,6 +27,10 @@ class ValidAppend(NamedTuple):
     seq_id: int
     token_bytes: bytes
     num_tokens: int
+    num_lookahead_slots: int = 0
+
+
+MAX_LOOKAHEAD_SLOTS = 64  # room held past the known tokens of one sequence, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +57,7 @@ def _check_unique(ids: Sequence[int], what: str) -> None:
         raise InvalidStepError(f"duplicate {what}")
 
 
-def _pack(token_ids: object, what: str) -> tuple[bytes, int]:
+def _pack(token_ids: object, what: str, allow_empty: bool = False) -> tuple[bytes, int]:
     # any sequence of ints: lists, tuples, ranges, protobuf repeated fields, numpy arrays
     if isinstance(token_ids, str | bytes | bytearray | memoryview | Mapping) or not hasattr(
         token_ids, "__getitem__"
@@ -64,6 +68,8 @@ def _pack(token_ids: object, what: str) -> tuple[bytes, int]:
     except (TypeError, OverflowError, ValueError) as exc:
         raise InvalidStepError(f"{what}: token ids must be int64s ({exc})") from None
     if not packed:
+        if allow_empty:
+            return b"", 0
         raise InvalidStepError(f"{what}: no token ids")
     if min(packed) < 0:
         raise InvalidStepError(f"{what}: negative token id")
@@ -160,13 +166,17 @@ def validate_step(
         length = seq_num_tokens.get(seq_id, child_lengths.get(seq_id))
         if length is None:
             raise SequenceNotFound(seq_id, "cannot append to it")
-        token_bytes, num_tokens = _pack(append.token_ids, f"append to {seq_id}")
-        if length + num_tokens > max_tokens_per_sequence:
+        lookahead = append.num_lookahead_slots
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 0 <= lookahead <= MAX_LOOKAHEAD_SLOTS:
             raise InvalidStepError(
-                f"sequence {seq_id}: {length + num_tokens} tokens exceed the pool's "
+                f"append to {seq_id}: num_lookahead_slots must be in [0, {MAX_LOOKAHEAD_SLOTS}]")
+        token_bytes, num_tokens = _pack(append.token_ids, f"append to {seq_id}", allow_empty=lookahead > 0)
+        if length + num_tokens + lookahead > max_tokens_per_sequence:
+            raise InvalidStepError(
+                f"sequence {seq_id}: {length + num_tokens + lookahead} tokens exceed the pool's "
                 f"{max_tokens_per_sequence}"
             )
-        appends.append(ValidAppend(seq_id, token_bytes, num_tokens))
+        appends.append(ValidAppend(seq_id, token_bytes, num_tokens, lookahead))
 
     return ValidStep(
         failed_micro_batch_ids=failed,

@@ -126,6 +126,8 @@ class Proposal:
     planned: dict[int, tuple[int, int]] = field(default_factory=dict)
     # decodes of sequences whose previous step is still in flight: (sequence, position)
     speculative: list[tuple[Sequence, int]] = field(default_factory=list)
+    # those of them whose token needs a new block: the KV service holds one ahead for it
+    grown: list[Sequence] = field(default_factory=list)
     # decodes inside their last block: the KV service is told their tokens later
     deferred: list[Sequence] = field(default_factory=list)
     # nothing for the KV service this step: the caller skips its round trip
@@ -257,7 +259,7 @@ class Planner:
         if len(self.queue):
             return True
         return any(
-            not s.is_finished and (s.seq_id not in self._busy or self._speculable(s))
+            not s.is_finished and (s.seq_id not in self._busy or self._speculable(s, grow=True))
             for r in self.running
             for s in r.sequences
         ) or any(len(r.sequences) < r.options.n and not self._fork_blocked(r) for r in self.running)
@@ -291,8 +293,14 @@ class Planner:
             if phase_prefill and cfg.async_decode:
                 for request in self.running:
                     for seq in request.sequences:
-                        if n_seqs >= seq_cap or budget <= 0 or not self._speculable(seq):
+                        if n_seqs >= seq_cap or budget <= 0 or not self._speculable(seq, grow=True):
                             continue
+                        if seq.num_tokens == len(seq.block_table) * cfg.block_size:
+                            # its token starts a block: the KV service allocates it now, ahead
+                            # of the token (told later, with the tokens it was not told yet)
+                            appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, seq.num_tokens),
+                                                  num_lookahead_slots=1))
+                            proposal.grown.append(seq)
                         proposal.speculative.append((seq, seq.num_tokens))
                         budget -= 1
                         n_seqs += 1
@@ -509,8 +517,14 @@ class Planner:
                 scheduled.pop(s.seq_id, None)
             self._preempt(victim, now)
 
+        for seq in proposal.grown:  # placeholder decodes that asked for a block ahead
+            result = output.results.get(seq.seq_id)
+            if isinstance(result, Allocated) and seq.has_kv and not seq.is_finished:
+                seq.block_table = result.block_ids
+                seq.kv_len = result.num_computed_tokens + len(result.slot_mapping)
         speculative = [(seq, pos) for seq, pos in proposal.speculative
-                       if seq.has_kv and not seq.is_finished and self._busy.get(seq.seq_id) == 1]
+                       if seq.has_kv and not seq.is_finished and self._busy.get(seq.seq_id) == 1
+                       and pos < len(seq.block_table) * self.config.block_size]  # (no block: later)
         discarded = {k for k, r in output.results.items() if isinstance(r, Allocated)} - {
             seq.seq_id for seq, _ in scheduled.values()} - {seq.seq_id for seq, _ in speculative}
         if discarded:
@@ -741,11 +755,12 @@ class Planner:
         if self._last_record.get(record.seq_id) is record:
             del self._last_record[record.seq_id]
 
-    def _speculable(self, seq: Sequence) -> bool:
+    def _speculable(self, seq: Sequence, grow: bool = False) -> bool:
         """Whether a step may compute this sequence's next token before it is known: its one
-        step in flight samples that token, the token stays in the block it has, and that step
-        cannot be its last by length (a stop token is not foreseen: then one step is wasted
-        and its token never emitted)."""
+        step in flight samples that token, the token stays in the block it has (or, with
+        `grow`, starts the next one, which the KV service then holds ahead for it), and that
+        step cannot be its last by length (a stop token is not foreseen: then one step is
+        wasted and its token never emitted)."""
         if not self.config.async_decode or seq.is_finished or not seq.has_kv:
             return False
         if self.config.pipeline_parallel_size > 1 and not self.feedback:
@@ -755,7 +770,8 @@ class Planner:
             return False
         pos = record.context_len
         request = seq.request
-        return (pos == seq.num_tokens and pos < len(seq.block_table) * self.config.block_size
+        room = len(seq.block_table) * self.config.block_size
+        return (pos == seq.num_tokens and (pos < room or grow and pos == room)
                 and len(seq.output) + 1 < request.options.max_tokens
                 and pos + 1 < self.config.max_model_len and self._target(seq) == seq.num_tokens)
 

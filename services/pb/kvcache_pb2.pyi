@@ -52,14 +52,16 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ..., max_num_new_tokens: _Optional[int] = ..., skip_prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class AppendSlots(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_new_tokens")
+    __slots__ = ("seq_id", "token_ids", "num_new_tokens", "num_lookahead_slots")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_new_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ...) -> None: ...
+    num_lookahead_slots: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ...) -> None: ...
 
 class SequenceFork(_message.Message):
     __slots__ = ("parent_seq_id", "child_seq_ids")

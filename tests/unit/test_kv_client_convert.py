@@ -35,7 +35,7 @@ def plain(step: StepInput) -> StepInput:
                         n.skip_prefix_cache)
             for n in step.new_sequences
         ),
-        appends=tuple(Append(a.seq_id, tuple(a.token_ids)) for a in step.appends),
+        appends=tuple(Append(a.seq_id, tuple(a.token_ids), a.num_lookahead_slots) for a in step.appends),
         forks=tuple(step.forks),
         frees=tuple(step.frees),
         completed_micro_batch_ids=tuple(step.completed_micro_batch_ids),
@@ -48,7 +48,7 @@ def test_a_step_round_trips_with_presence_and_fork_order():
     step = plain(StepInput(
         new_sequences=[NewSequence(5, (1, 2, 3), namespace="", max_num_new_tokens=2),
                        NewSequence(6, (4,)), NewSequence(12, (4, 5), skip_prefix_cache=True)],
-        appends=[Append(1, (9, 8))],
+        appends=[Append(1, (9, 8)), Append(3, (), num_lookahead_slots=1), Append(4, (7,), 2)],
         forks=[Fork(1, 2), Fork(1, 3), Fork(4, 7), Fork(1, 8)],
         frees=(10, 11),
         completed_micro_batch_ids=(3,),

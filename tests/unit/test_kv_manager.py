@@ -506,3 +506,50 @@ def test_100k_blocks_1000_sequences_is_fast() -> None:
     assert m.stats().num_used_blocks == 0
     # well under a second on an idle core; the bound only catches a per-call scan of all blocks
     assert elapsed < 10.0, f"{elapsed:.2f} s"
+
+
+def test_lookahead_slots_hold_a_block_ahead_that_later_appends_fill() -> None:
+    """An asynchronous scheduler's placeholder step needs the slot of a token not known yet:
+    `num_lookahead_slots` allocates its block now (with or without tokens to record), later
+    appends fill it without a new block, forks do not share it, and stats count it empty."""
+    m = KVCacheManager(num_blocks=8, block_size=4)
+    first = new(m, 1, [1, 2, 3, 4], micro_batch_id=1)
+    assert len(first.block_ids) == 1
+    out = m.step(StepInput(appends=[Append(1, [], num_lookahead_slots=1)], micro_batch_id=2))
+    m.check_integrity()
+    held = out.results[1]
+    assert isinstance(held, Allocated) and held.slot_mapping == () and held.num_computed_tokens == 4
+    assert len(held.block_ids) == 2 and m.num_tokens(1) == 4
+    stats = m.stats()
+    assert stats.num_used_blocks == 2 and stats.num_used_slots == 4
+    # a fork shares only the blocks with tokens
+    m.step(StepInput(forks=[Fork(1, 2)]))
+    m.check_integrity()
+    assert m.block_table(2) == held.block_ids[:1]
+    # the held block takes the next tokens: no new block, no copy
+    out = m.step(StepInput(appends=[Append(1, [5, 6])], micro_batch_id=3))
+    m.check_integrity()
+    filled = out.results[1]
+    assert filled.block_ids == held.block_ids and out.copies == ()
+    assert filled.slot_mapping == (held.block_ids[1] * 4, held.block_ids[1] * 4 + 1)
+    # tokens and lookahead together: room for 6 + 2 + 3 = 11 tokens -> 3 blocks
+    out = m.step(StepInput(appends=[Append(1, [7, 8], num_lookahead_slots=3)], micro_batch_id=4))
+    m.check_integrity()
+    assert len(out.results[1].block_ids) == 3 and m.num_tokens(1) == 8
+    m.step(StepInput(frees=(1, 2), completed_micro_batch_ids=(1, 2, 3, 4)))
+    m.check_integrity()
+    assert m.stats().num_used_blocks == 0
+
+
+def test_lookahead_slots_are_validated() -> None:
+    m = KVCacheManager(num_blocks=8, block_size=4)
+    new(m, 1, [1, 2, 3], micro_batch_id=1)
+    for bad in (-1, 65, True, 1.5):
+        with pytest.raises(InvalidStepError, match="num_lookahead_slots"):
+            m.step(StepInput(appends=[Append(1, [4], num_lookahead_slots=bad)], micro_batch_id=2))
+    with pytest.raises(InvalidStepError, match="no token ids"):
+        m.step(StepInput(appends=[Append(1, [])], micro_batch_id=2))
+    with pytest.raises(InvalidStepError, match="exceed the pool"):
+        m.step(StepInput(appends=[Append(1, [], num_lookahead_slots=64)], micro_batch_id=2))
+    m.check_integrity()
+    assert m.num_tokens(1) == 3 and len(m.block_table(1)) == 1

@@ -202,10 +202,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         pending = self.pending_prompt[seq_id]
         # a decode's first token is this sequence's own, so forked relatives diverge
         token_ids = pending[: len(extra)] if pending else [100 + seq_id, *extra[1:]]
+        # room held ahead for tokens not known yet (an asynchronous scheduler's placeholder
+        # step), sometimes with no tokens at all
+        lookahead = data.draw(st.sampled_from([0, 0, 1, 3, BLOCK_SIZE + 1]))
+        if lookahead and data.draw(st.booleans()):
+            token_ids = []
         before = (self.m.block_table(seq_id), self.m.num_tokens(seq_id))
         micro_batch_id = self._new_micro_batch()
         out = self._step(
-            StepInput(appends=[Append(seq_id, token_ids)], micro_batch_id=micro_batch_id)
+            StepInput(appends=[Append(seq_id, token_ids, lookahead)], micro_batch_id=micro_batch_id)
         )
         self.in_flight.append((micro_batch_id, []))
         result = out.results[seq_id]
@@ -214,6 +219,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert (self.m.block_table(seq_id), self.m.num_tokens(seq_id)) == before
             return
         assert result.num_computed_tokens == len(self.tokens[seq_id])
+        if lookahead:
+            _record("lookahead")
+            room = len(self.tokens[seq_id]) + len(token_ids) + lookahead
+            assert len(result.block_ids) == max(len(before[0]), -(-room // BLOCK_SIZE))
         self._write(result, token_ids, micro_batch_id)
         self.tokens[seq_id].extend(token_ids)
         self.pending_prompt[seq_id] = pending[len(token_ids) :] if pending else []
@@ -373,5 +382,5 @@ class KVCacheMachine(RuleBasedStateMachine):
 def test_kv_cache_state_machine() -> None:
     EVENTS.clear()
     run_state_machine_as_test(KVCacheMachine, settings=KV_MACHINE_SETTINGS)
-    for name in ("prefix hit", "whole-prompt hit", "eviction", "copy-on-write", "no blocks"):
+    for name in ("prefix hit", "whole-prompt hit", "eviction", "copy-on-write", "no blocks", "lookahead"):
         assert EVENTS[name] > 0, (name, dict(EVENTS))
