@@ -495,6 +495,33 @@ def test_a_sequence_that_stops_wastes_at_most_one_step_and_never_emits_its_token
     assert sim.kv.stats().num_used_blocks == 0
 
 
+
+def test_placeholder_steps_cross_block_boundaries_with_a_block_held_ahead():
+    """With two steps in flight every decode of a lone sequence is planned before its input
+    token is known, also when that token starts a block (right after a prompt that fills its
+    blocks, and every block_size tokens after): the KV service holds the block ahead
+    (`num_lookahead_slots`) instead of the pipeline waiting for a result and a round trip."""
+    sim = Sim(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_in_flight=2, async_decode=True)
+    prompt = prompts(1, lo=8, hi=8, seed=5)[0]
+    r = sim.add("r", prompt, max_tokens=12)
+    kv_step = sim.kv.step
+    held_ahead = []
+    sim.kv.step = lambda step: (held_ahead.extend(a for a in step.appends if a.num_lookahead_slots), kv_step(step))[1]
+    emitted, in_flight = [], []
+    while sim.planner.requests or in_flight:
+        while len(sim.planner.in_flight) < 2:
+            mb = _plan(sim)
+            if mb is None:
+                break
+            in_flight.append(mb)
+        for update in _result(sim, in_flight.pop(0)):
+            emitted += update.new_token_ids
+    assert emitted == expected_output(prompt, 12) == r.sequences[0].output
+    assert sim.planner.num_placeholder_steps == 11  # every step after the prefill
+    assert [len(a.token_ids) for a in held_ahead] == [0, 4, 4]  # at positions 8, 12 and 16
+    sim.run()  # (the next plan frees it)
+    assert sim.kv.stats().num_used_blocks == 0
+
 def test_async_decode_keeps_kv_right_under_preemption_prefix_caching_and_forks():
     """The random check of the synchronous planner (stage state, KV contents, outputs), with
     placeholder steps in flight; stop tokens end some choices early."""
