@@ -82,8 +82,8 @@ def build(compiler: str | None = None) -> Path:
 
 
 class PagedDecodeKernel:
-    """ctypes bindings of `pagoda_paged_decode_f32` and `pagoda_rope_write_f32`; see
-    csrc/paged_decode.c for the layouts."""
+    """ctypes bindings of the library's kernels (`pagoda_paged_decode_f32`,
+    `pagoda_rope_write_f32`, `pagoda_argmax_f32`); see csrc/paged_decode.c for the layouts."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -96,7 +96,18 @@ class PagedDecodeKernel:
         rope.restype = None
         rope.argtypes = [_PTR] * 6 + [_I64] * 6
         self._rope = rope
+        argmax = lib.pagoda_argmax_f32
+        argmax.restype = None
+        argmax.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+        self._argmax = argmax
         self._pool: ThreadPoolExecutor | None = None
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """`x.argmax(dim=-1)` of a 2-D float32 CPU tensor whose rows are contiguous (the
+        lowest index on ties; NaN counted largest), as int64."""
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+        return out
 
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                    k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:

@@ -95,11 +95,12 @@ class SampleRow:
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    """Per row, in row order: the sampled token, its logprob under the raw (unmodified) logits, and
-    the top-N raw logprobs as (token_id, logprob) sorted descending, or None where none were asked."""
+    """Per row, in row order: the sampled token, its logprob under the raw (unmodified) logits
+    (None where the row asked for no logprobs: not computed), and the top-N raw logprobs as
+    (token_id, logprob) sorted descending, or None where none were asked."""
 
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
@@ -192,11 +193,10 @@ class Sampler:
                     f"sequence {row.seq_id}: penalties need its history on its first sampling row")
         states = [self._state_for(row) for row in rows]
         logits = logits.float()  # [num_rows, vocab]
-        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
         masked = _apply_logit_bias(logits, rows)
         masked = _apply_min_tokens_masks(masked, rows)
         masked = _apply_penalties(masked, rows, states)
-        token_ids = masked.argmax(dim=-1)  # [num_rows]; greedy rows keep this (ties: lowest id)
+        token_ids = _argmax(masked)  # [num_rows]; greedy rows keep this (ties: lowest id)
 
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if sampled:
@@ -207,14 +207,21 @@ class Sampler:
             )
             token_ids = token_ids.index_copy(0, index, drawn)
 
-        token_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [num_rows]
-        top_logprobs = _top_logprobs(raw_logprobs, rows)
         token_list = token_ids.tolist()
         for state, token_id in zip(states, token_list, strict=True):
             state.append_output(token_id)
-        return SamplerOutput(
-            token_ids=token_list, logprobs=token_logprobs.tolist(), top_logprobs=top_logprobs
-        )
+        # log-probabilities only for the rows that asked (a vocabulary-wide pass per row)
+        asking = [i for i, row in enumerate(rows) if row.params.num_logprobs is not None]
+        token_logprobs: list[float | None] = [None] * len(rows)
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * len(rows)
+        if asking:
+            index = torch.tensor(asking, dtype=torch.long, device=logits.device)
+            raw_logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)  # [asking, vocab]
+            picked = raw_logprobs.gather(1, token_ids.index_select(0, index).unsqueeze(1)).squeeze(1)
+            tops = _top_logprobs(raw_logprobs, [rows[i] for i in asking])
+            for i, logprob, top in zip(asking, picked.tolist(), tops, strict=True):
+                token_logprobs[i], top_logprobs[i] = logprob, top
+        return SamplerOutput(token_ids=token_list, logprobs=token_logprobs, top_logprobs=top_logprobs)
 
     def _state_for(self, row: SampleRow) -> SequenceSamplerState:
         state = self._states.get(row.seq_id)
@@ -381,6 +388,18 @@ def _apply_top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float
         keep_sorted &= (mass_before < top_p_t) | (top_p_t >= 1.0)
     keep = torch.empty_like(keep_sorted).scatter_(1, sorted_ids, keep_sorted)
     return scaled.masked_fill(~keep, float("-inf"))
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value, the lowest on ties (and NaN counted largest), as
+    `argmax` gives it; on the CPU in float32 through the native kernel when it is built (torch's
+    argmax does not vectorise: 0.55 ms for 64 x 8,192 against 0.05 ms)."""
+    from worker_svc.cpu_kernels import paged_decode
+
+    kernel = paged_decode() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if kernel is None or logits.shape[1] == 0:
+        return logits.argmax(dim=-1)
+    return kernel.argmax(logits.contiguous())
 
 
 def _top_logprobs(

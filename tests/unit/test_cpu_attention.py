@@ -147,3 +147,18 @@ def test_decode_reads_query_rows_that_are_apart():
     assert torch.equal(got, CpuAttentionBackend().forward(q.contiguous(), k_pool, v_pool, md, 0.25, None))
     torch.testing.assert_close(got.double(), naive(q, k_pool, v_pool, chunks, tables, 0.25, None),
                                rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_native_argmax_equals_torch_with_ties_nan_and_infinities():
+    torch.manual_seed(5)
+    x = torch.randn(9, 8192)
+    x[1, 100] = x[1, 7000] = x[1].max() + 1  # a tie: the lower index
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3, 5000] = float("nan")  # NaN counts as largest
+    x[3, 6000] = float("nan")
+    x[4, 8191] = float("inf")  # the last element
+    x[5, 31], x[5, 32] = 50.0, 50.0  # a tie across the 32-wide chunks
+    x[6] = 0.0  # all equal
+    for rows in (x, x[:, :37], x[:, :1], x[::2]):  # also short rows and rows apart
+        assert torch.equal(kernel.argmax(rows), rows.argmax(dim=-1))

@@ -37,7 +37,8 @@ def rows_and_states(g):
     rows, states = [], []
     for i, (presence, frequency, repetition, bias) in enumerate(CASES):
         params = SamplingParams(temperature=0.0, presence_penalty=presence, frequency_penalty=frequency,
-                                repetition_penalty=repetition, logit_bias=tuple(bias.items()))
+                                repetition_penalty=repetition, logit_bias=tuple(bias.items()),
+                                num_logprobs=0)  # the sampled token's logprob only
         prompt = torch.randint(0, VOCAB, (5,), generator=g).tolist()
         output = torch.randint(0, VOCAB, (i * 2,), generator=g).tolist()
         rows.append(SampleRow(i, params, 0, len(output), 1, (tuple(prompt), tuple(output))))
@@ -240,7 +241,8 @@ def test_a_long_history_is_penalised_as_the_definitions_say():
     rows, history = [], {}
     for i, (presence, frequency, repetition, bias) in enumerate(CASES):
         params = SamplingParams(temperature=0.0, presence_penalty=presence, frequency_penalty=frequency,
-                                repetition_penalty=repetition, logit_bias=tuple(bias.items()))
+                                repetition_penalty=repetition, logit_bias=tuple(bias.items()),
+                                num_logprobs=0)  # the sampled token's logprob only
         prompt = torch.randint(0, VOCAB + 4, (300,), generator=g).tolist()
         output = torch.randint(0, VOCAB + 4, (5000,), generator=g).tolist()
         rows.append(SampleRow(i, params, 0, len(output), 1, (tuple(prompt), tuple(output))))

@@ -146,3 +146,37 @@ void pagoda_rope_write_f32(
                sizeof(float) * (size_t)kv_row);
     }
 }
+
+/* Row-wise argmax of x [rows, cols] (row r at x + r * stride), as torch.argmax gives it: the
+ * first index of the largest value, or of the first NaN when a row has one (NaN counts as
+ * largest). A vectorised pass finds the maximum (and whether a NaN is there), then 32-wide chunks
+ * are compared to it until the first that holds it. */
+void pagoda_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * stride;
+        float m = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t i = 0; i < cols; i++) {
+            const float v = row[i];
+            m = v > m ? v : m;
+            nan |= v != v;
+        }
+        int64_t found = 0;
+        if (nan) {
+            while (row[found] == row[found]) found++;
+        } else {  /* 32-wide chunks compared at once, then the chunk that holds it */
+            int64_t b = 0;
+            for (; b + 32 <= cols; b += 32) {
+                int hit = 0;
+#pragma omp simd reduction(| : hit)
+                for (int64_t i = b; i < b + 32; i++) hit |= row[i] == m;
+                if (hit) break;
+            }
+            found = b;
+            while (found < cols - 1 && row[found] != m) found++;
+        }
+        out[r] = found;
+    }
+}
