@@ -1,9 +1,13 @@
 """docker-compose.yml, checked offline: no Docker engine runs where the tests do.
 
-`docker-compose config` (Debian's docker-compose 1.29, which .ci/run installs) validates the
-file and resolves its anchors and variables; each service's command must then be one that
-`pagoda` accepts, and the services must agree with one another: addresses name services and
-their ports, one KV layout everywhere, health probes on the right ports.
+The file is validated against the Compose Specification's JSON schema (the copy that
+`check-jsonschema`, installed by `make install`, carries: `--builtin-schema
+vendor.compose-spec`), and where `docker-compose` is installed also by `docker-compose config`.
+The services are read as Compose resolves them: YAML anchors and merge keys, then `${VAR}`
+interpolation with the file's defaults (`resolve`, checked against `docker-compose config`
+where it is installed). Each service's command must then be one that `pagoda` accepts, and
+the services must agree with one another: addresses name services and their ports, one KV
+layout everywhere, health probes on the right ports.
 """
 
 from __future__ import annotations
@@ -32,23 +36,65 @@ BACKEND = ("kvcache", "worker-0", "worker-1", "scheduler")
 MODEL_MOUNT = "/models/tiny"
 
 
+DOCKER_COMPOSE = shutil.which("docker-compose")
+needs_docker_compose = pytest.mark.skipif(
+    DOCKER_COMPOSE is None, reason="docker-compose is not installed (the schema check runs without it)")
+
+
+def _environment() -> dict[str, str]:
+    """The file's defaults, not whatever this shell exports."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PAGODA_")}
+
+
 def _docker_compose(*args: str) -> subprocess.CompletedProcess:
-    binary = shutil.which("docker-compose")
-    if binary is None:
-        pytest.fail("docker-compose is not installed: `apt-get install -y docker-compose` "
-                    "(.ci/run installs it)")
-    # the file's defaults, not whatever this shell exports
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGODA_")}
-    return subprocess.run([binary, "-f", str(COMPOSE_FILE), *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run([DOCKER_COMPOSE, "-f", str(COMPOSE_FILE), *args], cwd=REPO_ROOT,
+                          env=_environment(), capture_output=True, text=True, timeout=60)
+
+
+def _check_schema(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema",
+                           "vendor.compose-spec", str(path)], capture_output=True, text=True, timeout=120)
+
+
+_VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's variable substitution in one string: `$$`, `$VAR`, `${VAR}`, `${VAR:-default}`
+    (unset or empty), `${VAR-default}` (unset), `${VAR:?error}` and `${VAR?error}`."""
+
+    def one(match: re.Match) -> str:
+        if match["escaped"]:
+            return "$"
+        if match["named"]:
+            return env.get(match["named"], "")
+        body = match["braced"]
+        name, op, arg = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])(.*))?", body, re.S).groups()
+        value = env.get(name)
+        missing = value is None or (op is not None and op.startswith(":") and value == "")
+        if op and op.endswith("-"):
+            return interpolate(arg, env) if missing else value
+        if op and op.endswith("?") and missing:
+            raise ValueError(f"{name}: {arg or 'required'}")
+        return value or ""
+
+    return _VARIABLE.sub(one, value)
+
+
+def resolve(document: Any, env: dict[str, str]) -> Any:
+    """A loaded compose file (anchors and merge keys already applied by the YAML loader) with
+    every string value interpolated, as Compose reads it."""
+    if isinstance(document, dict):
+        return {key: resolve(value, env) for key, value in document.items()}
+    if isinstance(document, list):
+        return [resolve(value, env) for value in document]
+    return interpolate(document, env) if isinstance(document, str) else document
 
 
 @pytest.fixture(scope="module")
 def services() -> dict[str, dict[str, Any]]:
-    """The services as `docker-compose config` resolves them."""
-    done = _docker_compose("config")
-    assert done.returncode == 0, done.stderr
-    return yaml.safe_load(done.stdout)["services"]
+    """The services as Compose resolves them."""
+    return resolve(yaml.safe_load(COMPOSE_FILE.read_text()), _environment())["services"]
 
 
 def parse(service: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
@@ -81,9 +127,37 @@ def probe_address(service: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_the_file_is_valid() -> None:
-    done = _docker_compose("config", "-q")
+def test_the_file_follows_the_compose_specification(tmp_path) -> None:
+    done = _check_schema(COMPOSE_FILE)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # the check can fail: an unknown key, a port of the wrong type
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text("services:\n  a:\n    image: x\n    bogus: 1\n  b:\n    image: y\n    ports: {a: 1}\n")
+    done = _check_schema(bad)
+    assert done.returncode == 1 and "bogus" in done.stdout and "$.services.b.ports" in done.stdout, done.stdout
+
+
+def test_interpolation_follows_compose() -> None:
+    env = {"SET": "v", "EMPTY": ""}
+    cases = {"${SET}": "v", "$SET/x": "v/x", "${UNSET:-d}": "d", "${EMPTY:-d}": "d", "${EMPTY-d}": "",
+             "${UNSET-d}": "d", "$$SET": "$SET", "a${UNSET}b": "ab", "${SET:?no}": "v", "${UNSET:-a b}": "a b"}
+    for text, want in cases.items():
+        assert interpolate(text, env) == want, text
+    with pytest.raises(ValueError, match="UNSET: no"):
+        interpolate("${UNSET:?no}", env)
+
+
+@needs_docker_compose
+def test_docker_compose_reads_the_file_as_resolved_here(services) -> None:
+    done = _docker_compose("config")
     assert done.returncode == 0, done.stderr
+    theirs = yaml.safe_load(done.stdout)["services"]
+    assert set(theirs) == set(services)
+    for name, service in services.items():
+        assert [str(a) for a in theirs[name]["command"]] == [str(a) for a in service["command"]], name
+        env = {k: "" if v is None else str(v) for k, v in (theirs[name].get("environment") or {}).items()}
+        assert env == {k: str(v) for k, v in (service.get("environment") or {}).items()}, name
+        assert theirs[name].get("healthcheck", {}).get("test") == service.get("healthcheck", {}).get("test")
 
 
 def test_the_stack_has_every_service(services) -> None:
