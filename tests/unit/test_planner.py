@@ -353,6 +353,20 @@ def _result(sim, mb):
     return sim.planner.on_result(mb.micro_batch_id, sim.samples.pop(mb.micro_batch_id), sim.now)
 
 
+def _two_in_flight(sim):
+    """Run to the end with two steps in flight, oldest result first; the tokens emitted."""
+    emitted, in_flight = [], []
+    while sim.planner.requests or in_flight:
+        while len(sim.planner.in_flight) < 2:
+            mb = _plan(sim)
+            if mb is None:
+                break
+            in_flight.append(mb)
+        for update in _result(sim, in_flight.pop(0)):
+            emitted += update.new_token_ids
+    return emitted
+
+
 def test_two_half_prefilled_requests_do_not_deadlock():
     """Two micro-batches in flight admit two long prompts that cannot both fit: the lower-ranked
     one must give its blocks back rather than both waiting forever."""
@@ -477,23 +491,13 @@ def test_a_sequence_that_stops_wastes_at_most_one_step_and_never_emits_its_token
     prompt = prompts(1, lo=10, hi=10, seed=3)[0]
     stop = expected_output(prompt, 6)[3]  # the 4th token stops it
     r = sim.add("r", prompt, max_tokens=30, stop_token_ids=(stop,))
-    emitted = []
-    in_flight = []
-    while sim.planner.requests or in_flight:
-        while len(sim.planner.in_flight) < 2:
-            mb = _plan(sim)
-            if mb is None:
-                break
-            in_flight.append(mb)
-        for update in _result(sim, in_flight.pop(0)):
-            emitted += update.new_token_ids
+    emitted = _two_in_flight(sim)
     assert emitted == expected_output(prompt, 4) and r.sequences[0].output == emitted
     assert r.sequences[0].finish_reason == FinishReason.STOP
     steps = [s for mb in sim.batches_planned for s in mb.seqs]
     assert len([s for s in steps if s.sample]) == 4 + 1  # one placeholder step wasted
     sim.run()
     assert sim.kv.stats().num_used_blocks == 0
-
 
 
 def test_placeholder_steps_cross_block_boundaries_with_a_block_held_ahead():
@@ -507,20 +511,13 @@ def test_placeholder_steps_cross_block_boundaries_with_a_block_held_ahead():
     kv_step = sim.kv.step
     held_ahead = []
     sim.kv.step = lambda step: (held_ahead.extend(a for a in step.appends if a.num_lookahead_slots), kv_step(step))[1]
-    emitted, in_flight = [], []
-    while sim.planner.requests or in_flight:
-        while len(sim.planner.in_flight) < 2:
-            mb = _plan(sim)
-            if mb is None:
-                break
-            in_flight.append(mb)
-        for update in _result(sim, in_flight.pop(0)):
-            emitted += update.new_token_ids
+    emitted = _two_in_flight(sim)
     assert emitted == expected_output(prompt, 12) == r.sequences[0].output
     assert sim.planner.num_placeholder_steps == 11  # every step after the prefill
     assert [len(a.token_ids) for a in held_ahead] == [0, 4, 4]  # at positions 8, 12 and 16
     sim.run()  # (the next plan frees it)
     assert sim.kv.stats().num_used_blocks == 0
+
 
 def test_async_decode_keeps_kv_right_under_preemption_prefix_caching_and_forks():
     """The random check of the synchronous planner (stage state, KV contents, outputs), with
