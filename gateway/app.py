@@ -167,15 +167,15 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
 
     @app.get("/v1/models", tags=["OpenAI"], responses={401: _ERRORS[401]})
     async def list_models() -> dict[str, Any]:
-        """The served model, as OpenAI lists models."""
-        return {"object": "list", "data": [_model_card(gw)]}
+        """The served model, as OpenAI lists models: one entry per name it answers to."""
+        return {"object": "list", "data": [_model_card(gw, name) for name in gw.limits.names]}
 
-    @app.get("/v1/models/{model}", tags=["OpenAI"],
+    @app.get("/v1/models/{model:path}", tags=["OpenAI"],  # (names may be paths)
              responses={401: _ERRORS[401], 404: {"model": ErrorResponse, "description": "No such model."}})
     async def retrieve_model(model: str) -> dict[str, Any]:
-        if model != gw.limits.name:
+        if model not in gw.limits.names:
             raise ApiError(404, f"model: the model {model!r} does not exist", "model", "model_not_found")
-        return _model_card(gw)
+        return _model_card(gw, model)
 
     @app.post("/v1/completions", tags=["OpenAI"], responses={**_STREAMING, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -308,8 +308,8 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
     return app
 
 
-def _model_card(gw: Gateway) -> dict[str, Any]:
-    return {"id": gw.limits.name, "object": "model", "created": gw.created, "owned_by": "pagoda",
+def _model_card(gw: Gateway, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": gw.created, "owned_by": "pagoda",
             "root": gw.config.model, "max_model_len": gw.limits.max_model_len}
 
 

@@ -36,7 +36,9 @@ class ApiKey:
 class GatewayConfig:
     model: str  # checkpoint directory (tokenizer, chat template, max length)
     scheduler_address: str
-    served_model_name: str = ""  # default: the model directory's name
+    # the names clients may send as `model`, the first reported in responses (vLLM's
+    # --served-model-name); empty: the --model string, and the directory's name
+    served_model_names: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = 50051
@@ -64,6 +66,8 @@ class GatewayConfig:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.max_logprobs < 0 or self.grace_period_s < 0:
             raise ValueError("max_logprobs and grace_period_s: must not be negative")
+        if not all(isinstance(n, str) and n.strip() for n in self.served_model_names):
+            raise ValueError(f"served_model_names: each must be a non-empty string, got {self.served_model_names!r}")
         for key, grant in self.api_keys.items():
             if not isinstance(key, str) or not key or not isinstance(grant, ApiKey):
                 raise ValueError("api_keys: must map non-empty key strings to ApiKey")
@@ -92,9 +96,20 @@ class GatewayConfig:
             grant.rate_limit.enabled for grant in self.api_keys.values())
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names clients may send as `model`; the first is the one responses report."""
+        return self.served_model_names or default_model_names(self.model)
+
+    @property
     def model_name(self) -> str:
-        """The name clients use in `model`: --served-model-name, else the directory's name."""
-        return self.served_model_name or Path(self.model).name
+        return self.model_names[0]
+
+
+def default_model_names(model: str) -> tuple[str, ...]:
+    """As vLLM: a model is served under the exact `--model` string; Pagoda also accepts the
+    folder's name (`/models/qwen` -> ("/models/qwen", "qwen"))."""
+    folder = Path(model).name
+    return (model,) if not folder or folder == model else (model, folder)
 
 
 def load_api_keys(path: str | Path) -> dict[str, ApiKey]:

@@ -203,7 +203,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         self.limiter = limiter
         self._key_salt: bytes | None = None  # keys the rate-limit bucket ids (key_salt)
         tokenizer = generator.tokenizer
-        self.model_name = config.model_name
+        self.model_names = config.model_names
         self.limits = Limits(
             vocab_size=_model_vocab_size(tokenizer.model_dir, tokenizer.vocab_size),
             max_model_len=config.max_model_len,
@@ -255,7 +255,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelCard(
-            id=self.model_name, owned_by="pagoda", max_model_len=self.limits.max_model_len)])
+            id=name, owned_by="pagoda", max_model_len=self.limits.max_model_len) for name in self.model_names])
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -288,10 +288,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         await self.limiter.admit(bucket, key.rate_limit, tokens)
 
     def _check_model(self, model: str) -> None:
-        if model and model != self.model_name:
+        if model and model not in self.model_names:
             raise RequestError(grpc.StatusCode.NOT_FOUND, "model",
                                f"{model!r} is not served here; this gateway serves "
-                               f"{self.model_name!r}")
+                               + " or ".join(repr(n) for n in self.model_names))
 
     def _prompt_ids(self, request: gateway_pb2.TextGenerateRequest) -> tuple[str, list[int]]:
         which = request.WhichOneof("prompt")

@@ -45,9 +45,14 @@ class ModelLimits:
     """What a request is checked against: the served name, the context length, and the
     model's vocabulary (its embedding rows, which may exceed the tokenizer's)."""
 
-    name: str
+    name: str  # the served name responses report
     max_model_len: int
     vocab_size: int
+    names: tuple[str, ...] = ()  # every name a request may use (default: `name`)
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            object.__setattr__(self, "names", (self.name,))
 
     @classmethod
     def load(cls, config: GatewayConfig, tokenizer: Tokenizer) -> ModelLimits:
@@ -57,13 +62,14 @@ class ModelLimits:
             vocab_size = max(vocab_size, int(model_config.get("vocab_size") or 0))
         except (OSError, ValueError, TypeError):
             pass  # a tokenizer-only directory: the tokenizer's vocabulary is the bound
-        return cls(config.model_name, config.max_model_len, vocab_size)
+        return cls(config.model_name, config.max_model_len, vocab_size, config.model_names)
 
 
 def check_model(requested: str | None, limits: ModelLimits) -> None:
-    if requested is not None and requested != limits.name:
+    if requested is not None and requested not in limits.names:
+        served = " or ".join(repr(n) for n in limits.names)
         raise ApiError(400, f"model: the model {requested!r} does not exist; this server "
-                            f"serves {limits.name!r} (see GET /v1/models)", "model",
+                            f"serves {served} (see GET /v1/models)", "model",
                        "model_not_found")
 
 

@@ -50,6 +50,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve.run(args)
 
 
+def names(raw: str) -> list[str]:
+    """A list of names from one setting: separated by commas or whitespace."""
+    return [n for n in raw.replace(",", " ").split() if n]
+
+
 def _env(name: str, default=None, kind=str):
     """Flag default from `PAGODA_<NAME>`, so a service can be configured by environment."""
     import os
@@ -257,7 +262,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         config = GatewayConfig(
             model=args.model,
             scheduler_address=args.scheduler,
-            served_model_name=args.served_model_name or "",
+            served_model_names=tuple(args.served_model_name or ()),
             host=args.host,
             port=args.port,
             grpc_port=args.grpc_port,
@@ -370,8 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint directory (its tokenizer, chat template and max length)")
     p.add_argument("--scheduler", default=_env("scheduler"), required=_env("scheduler") is None,
                    help="HOST:PORT of the scheduler")
-    p.add_argument("--served-model-name", default=_env("served_model_name"),
-                   help="the name clients send as `model` (default: the model directory's name)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", default=_env("served_model_name", None, names),
+                   help="the names clients may send as `model`, the first reported in responses "
+                        "(default: the --model string, and the directory's name)")
     p.add_argument("--host", default=_env("host", "127.0.0.1"),
                    help="address to bind (default loopback; beyond it API keys are required)")
     p.add_argument("--port", type=int, default=_env("port", 8000, int), help="REST port")

@@ -52,11 +52,17 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gateway.config import default_model_names
     from services import tiny_model
 
+    if args.model_tag:
+        if args.model and args.model != args.model_tag:
+            print(f"error: two models given: {args.model_tag} and --model {args.model}", file=sys.stderr)
+            return 2
+        args.model = args.model_tag
     model_dir = str(Path(args.model).resolve()) if args.model else str(tiny_model.default_model_dir())
-    if not args.model and not args.served_model_name:
-        args.served_model_name = "tiny"  # the default model, by a name the README can use
+    if not args.served_model_name:  # as vLLM: the --model string as given (and the folder's name)
+        args.served_model_name = list(default_model_names(args.model)) if args.model else ["tiny"]
     if not (Path(model_dir) / "config.json").is_file():
         print(f"error: {model_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
@@ -92,8 +98,7 @@ def run(args: argparse.Namespace) -> int:
         "gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(grpc_port),
         "--scheduler", stack.scheduler_address, "--model", model_dir,
     ]
-    if args.served_model_name:
-        gateway_args += ["--served-model-name", args.served_model_name]
+    gateway_args += ["--served-model-name", *args.served_model_name]
     if args.max_model_len:
         gateway_args += ["--max-model-len", str(args.max_model_len)]
     if args.max_body_bytes:
@@ -138,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         f"  OpenAI-compatible REST: http://{shown_host}:{args.port}/v1  (docs: /docs, health: /health)\n"
         f"  gRPC (pagoda.v1.Generation): {shown_host}:{grpc_port}\n"
         f"  try: curl http://{shown_host}:{args.port}/v1/completions -H 'Content-Type: application/json' "
-        f"-d '{{\"model\": \"{args.served_model_name or Path(model_dir).name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+        f"-d '{{\"model\": \"{args.served_model_name[0]}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
         flush=True,
     )
     try:
@@ -184,13 +189,17 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser, env) -> None:
-    from services.cli import optional_limit  # (loaded: it is what calls this)
+    from services.cli import names, optional_limit  # (loaded: it is what calls this)
 
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="checkpoint directory, as in `vllm serve MODEL` (or --model)")
     p.add_argument("--model", default=env("model"), help="checkpoint directory (default: the tiny model)")
     p.add_argument("--host", default=env("host", "127.0.0.1"), help="the gateway's bind address")
     p.add_argument("--port", type=int, default=env("port", 8000, int))
     p.add_argument("--grpc-port", type=int, default=env("grpc_port", 50051, int))
-    p.add_argument("--served-model-name", default=env("served_model_name"))
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", default=env("served_model_name", None, names),
+                   help="the names clients may send as `model` (default: the --model string, and "
+                        "the directory's name)")
     p.add_argument("--api-keys-file", default=env("api_keys_file"))
     p.add_argument("--rate-limit-rpm", type=optional_limit, default=env("rate_limit_rpm", None, optional_limit),
                    help="requests per minute per API key (or for anonymous use) without its own")

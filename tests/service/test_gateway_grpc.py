@@ -70,7 +70,7 @@ def serve(stack, model_dir, tokenizer):
 
         async def main() -> T:
             config = GatewayConfig(model=model_dir, scheduler_address=address,
-                                   served_model_name="tiny", api_keys=api_keys or {})
+                                   served_model_names=("tiny",), api_keys=api_keys or {})
             generator = TextGenerator(address, tokenizer, max_model_len)
             server, port, health = create_aio_server("127.0.0.1:0")
             names = add_generation_service(server, generator, config)

@@ -143,7 +143,7 @@ def test_two_gateways_on_one_redis_share_a_keys_budget(url, model_factory):
 
     async def main():
         config = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
-                               served_model_name="tiny", max_model_len=64, redis_url=url,
+                               served_model_names=("tiny",), max_model_len=64, redis_url=url,
                                api_keys={"sk-a": ApiKey(requests_per_minute=2), "sk-b": ApiKey()})
         apps = [create_app(config, Generator()) for _ in range(2)]
         clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=app),

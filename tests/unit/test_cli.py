@@ -94,3 +94,17 @@ def test_serve_pins_cores_unless_told_not_to():
 
     assert build_parser().parse_args(["serve"]).cpu_affinity is True
     assert build_parser().parse_args(["serve", "--no-cpu-affinity"]).cpu_affinity is False
+
+
+def test_serve_takes_the_model_as_vllm_serve_does_and_several_served_names(monkeypatch, tmp_path):
+    from services.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "/models/qwen", "--served-model-name", "a", "b"])
+    assert args.model_tag == "/models/qwen" and args.served_model_name == ["a", "b"]
+    gateway = build_parser().parse_args(["gateway", "--model", "m", "--scheduler", "s:1",
+                                         "--served-model-name", "x", "y"])
+    assert gateway.served_model_name == ["x", "y"]
+    monkeypatch.setenv("PAGODA_SERVED_MODEL_NAME", "one, two")
+    assert build_parser().parse_args(["serve"]).served_model_name == ["one", "two"]
+    # one model, given once
+    assert main(["serve", str(tmp_path / "a"), "--model", str(tmp_path / "b")]) == 2

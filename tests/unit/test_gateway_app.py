@@ -67,8 +67,9 @@ def tokenizer(model_factory):
 
 def make_client(tokenizer, **config):
     generator = FakeGenerator(tokenizer)
+    config.setdefault("served_model_names", ("tiny",))
     cfg = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
-                        served_model_name="tiny", max_model_len=MAX_MODEL_LEN, **config)
+                        max_model_len=MAX_MODEL_LEN, **config)
     app = create_app(cfg, generator)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
     return client, generator
@@ -316,6 +317,32 @@ def test_oversized_bodies_get_413(tokenizer):
     assert generator.calls == []
 
 
+def test_the_model_is_served_under_the_model_string_as_vllm_does(tokenizer):
+    """No --served-model-name: clients send the --model string (what vLLM serves it as) or the
+    folder's name; /v1/models lists both and each can be retrieved (names may be paths)."""
+    path = str(tokenizer.model_dir)
+    folder = tokenizer.model_dir.name
+
+    async def go():
+        client, _ = make_client(tokenizer, served_model_names=())
+        async with client:
+            by_path = await post(client, "/v1/completions", {"prompt": "a", "model": path, "max_tokens": 2})
+            by_folder = await post(client, "/v1/chat/completions",
+                                   {"messages": [{"role": "user", "content": "a"}], "model": folder, "max_tokens": 2})
+            other = await post(client, "/v1/completions", {"prompt": "a", "model": "gpt-4"})
+            models = await client.get("/v1/models")
+            one = await client.get(f"/v1/models/{path}")
+            missing = await client.get("/v1/models/gpt-4")
+        return by_path, by_folder, other, models, one, missing
+
+    by_path, by_folder, other, models, one, missing = run(go())
+    assert by_path.status_code == 200 and by_path.json()["model"] == path
+    assert by_folder.status_code == 200 and by_folder.json()["model"] == path  # the first name
+    assert other.status_code == 400 and other.json()["error"]["param"] == "model"
+    assert [m["id"] for m in models.json()["data"]] == [path, folder]
+    assert one.status_code == 200 and one.json()["id"] == path and missing.status_code == 404
+
+
 def test_health_models_memory_metrics_and_openapi(tokenizer):
     async def go():
         client, generator = make_client(tokenizer)
@@ -380,7 +407,12 @@ def test_config_and_api_keys_file(tmp_path):
         load_api_keys(path)
     with pytest.raises(ValueError, match="api_keys"):
         GatewayConfig(model="m", scheduler_address="s:1", host="0.0.0.0")
-    assert GatewayConfig(model="/x/tiny", scheduler_address="s:1").model_name == "tiny"
+    # as vLLM: the --model string, and (Pagoda) the folder's name; or the names given
+    config = GatewayConfig(model="/x/tiny", scheduler_address="s:1")
+    assert config.model_names == ("/x/tiny", "tiny") and config.model_name == "/x/tiny"
+    assert GatewayConfig(model="tiny", scheduler_address="s:1").model_names == ("tiny",)
+    assert GatewayConfig(model="/x/tiny", scheduler_address="s:1",
+                         served_model_names=("a", "b")).model_names == ("a", "b")
 
 
 def test_the_gateway_imports_no_backend():

@@ -336,7 +336,7 @@ def _post_both(tok: Tokenizer, script, path: str, body: dict) -> tuple[dict, lis
     generator = TextGenerator("unused:1", tok, 256)
     generator._stub = _ScriptedScheduler(script)
     config = GatewayConfig(model=str(tok.model_dir), scheduler_address="unused:1",
-                           served_model_name="tiny", max_model_len=256)
+                           served_model_names=("tiny",), max_model_len=256)
     app = create_app(config, generator)
 
     async def go():

@@ -212,7 +212,7 @@ def tokenizer(model_factory):
 def make_client(tokenizer, **config):
     generator, clock = FakeGenerator(tokenizer), Clock()
     cfg = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
-                        served_model_name="tiny", max_model_len=MAX_MODEL_LEN, **config)
+                        served_model_names=("tiny",), max_model_len=MAX_MODEL_LEN, **config)
     app = create_app(cfg, generator, rate_limit_clock=clock)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
     return client, generator, clock
@@ -338,7 +338,7 @@ def test_grpc_resource_exhausted(tokenizer):
     async def main():
         generator, clock = FakeGenerator(tokenizer), Clock()
         config = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
-                               served_model_name="tiny", max_model_len=MAX_MODEL_LEN,
+                               served_model_names=("tiny",), max_model_len=MAX_MODEL_LEN,
                                api_keys={"sk-a": ApiKey(requests_per_minute=1)})
         lim = RateLimiter.create(config.default_rate_limit, clock=clock)
         server, port, _ = create_aio_server("127.0.0.1:0")
