@@ -287,6 +287,11 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
             return JSONResponse({"status": "unavailable", "detail": detail}, 503)
         return JSONResponse({"status": "ok"})
 
+    @app.get("/version", tags=["Operations"])
+    async def version() -> dict[str, str]:
+        """The server's version, as vLLM's `/version` reports its own."""
+        return {"version": _version()}
+
     @app.get("/metrics", tags=["Operations"], response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics() -> Response:
@@ -306,6 +311,15 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
                 "kv_cache": _plain(stats.kv_cache)}
 
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagoda")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
 
 
 def _model_card(gw: Gateway, name: str) -> dict[str, Any]:

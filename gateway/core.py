@@ -59,6 +59,9 @@ class GenerationParams:
     debug_timeline: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # max_tokens 0: the prompt is computed (and scored when asked); the one token the engine
+    # samples after it is not returned
+    prompt_only: bool = False
 
 
 class TopToken(NamedTuple):
@@ -232,7 +235,10 @@ class TextGenerator:
                         )
                     first = index not in completion_tokens
                     delta = self._choice_delta(resp, proc, params)
-                    completion_tokens[index] = completion_tokens.get(index, 0) + len(resp.token_ids)
+                    completion_tokens[index] = 0 if params.prompt_only else (
+                        completion_tokens.get(index, 0) + len(resp.token_ids))
+                    if params.prompt_only and delta is not None:  # nothing generated is returned
+                        delta = ChoiceDelta(index, "", [], [], "length" if delta.finish_reason else None)
                     if first and params.sampling.prompt_logprobs is not None:
                         delta = delta or ChoiceDelta(index, "", [])
                         delta.prompt_logprobs = prompt_logprobs
@@ -245,7 +251,10 @@ class TextGenerator:
                                 self._in_background(self.abort(request_id, index))
                         yield delta
                 if resp.HasField("usage"):
-                    yield self._finished(resp)
+                    finished = self._finished(resp)
+                    if params.prompt_only:
+                        finished.usage.completion_tokens = 0
+                    yield finished
                     return
                 if len(done) == params.sampling.n:
                     # every choice ended at the gateway (stop strings): the finally below

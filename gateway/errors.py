@@ -112,5 +112,6 @@ def from_validation_errors(errors: Iterable[Mapping[str, Any]], content_type: st
     if kind == "missing":
         return invalid(param, "this field is required", "missing_field")
     if kind == "extra_forbidden":
-        return invalid(param, "unknown field")
+        return invalid(param, "unknown field: this server does not support it (see /docs for "
+                              "the fields it takes)", "unsupported_field")
     return invalid(param, _message(first))

@@ -18,7 +18,7 @@ from gateway.errors import error_body
 from gateway.ratelimit import key_id, key_salt
 
 # Readable without a key: probes, scrapers and the API's own description.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs",
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs",
                         "/docs/oauth2-redirect", "/redoc"})
 
 Scope = dict[str, Any]

@@ -75,7 +75,8 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """What completions, chat and /generate share."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    # an unknown field (another server's extra, a misspelling) is a 400 naming it, never ignored
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
     temperature: float | None = Field(1.0, ge=0.0, description="0 is greedy.")
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
@@ -122,7 +123,9 @@ class CompletionRequest(_OpenAIFields):
     """`POST /v1/completions`."""
 
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, description="null: the rest of the context.")
+    max_tokens: int | None = Field(16, ge=0, description="null: the rest of the context; 0: "
+                                   "only the prompt (with echo and logprobs: scored, as "
+                                   "evaluation harnesses ask).")
     logprobs: int | None = Field(None, ge=0, description="Alternatives per token.")
     echo: bool = Field(False, description="The prompt before each choice's text (and, with "
                        "logprobs, its tokens' log-probabilities, the first null).")
@@ -192,7 +195,7 @@ class GenerateRequest(_SamplingFields):
 class TokenizeCompletionRequest(BaseModel):
     """`POST /tokenize` of a text (vLLM's TokenizeCompletionRequest)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = Field(None, description="The served model's name; default: it.")
     prompt: str
@@ -205,7 +208,7 @@ class TokenizeChatRequest(BaseModel):
     """`POST /tokenize` of a conversation, through the chat template exactly as
     `/v1/chat/completions` applies it (vLLM's TokenizeChatRequest)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = Field(None, description="The served model's name; default: it.")
     messages: list[ChatMessage] = Field(min_length=1)
@@ -250,7 +253,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     """`POST /detokenize`: token ids back to text (special tokens kept, as vLLM does)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = Field(None, description="The served model's name; default: it.")
     tokens: TokenIds

@@ -292,6 +292,12 @@ def completion_params(req: CompletionRequest, prompts: Sequence[Sequence[int]],
     _check_prompt_logprobs(req.prompt_logprobs, config)
     # echo with logprobs reports the prompt's tokens too: scored with as many alternatives
     wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    if req.max_tokens == 0:  # the prompt only: one token is computed after it, not returned
+        if req.min_tokens:
+            raise invalid("min_tokens", "must be 0 with max_tokens 0")
+        params = _sampling(req, limits, _max_tokens(1, prompts, limits, "max_tokens"), key, n=req.n,
+                           logprobs=req.logprobs, prompt_logprobs=max(wanted) if wanted else None)
+        return replace(params, prompt_only=True)
     return _sampling(req, limits, _max_tokens(req.max_tokens, prompts, limits, "max_tokens"), key,
                      n=req.n, logprobs=req.logprobs, prompt_logprobs=max(wanted) if wanted else None)
 

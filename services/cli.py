@@ -50,6 +50,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve.run(args)
 
 
+def _api_keys(args: argparse.Namespace) -> dict:
+    """The gateway's keys: --api-keys-file's grants, plus each --api-key with the defaults."""
+    from gateway.config import ApiKey, load_api_keys
+
+    keys = load_api_keys(args.api_keys_file) if args.api_keys_file else {}
+    for key in args.api_key or ():
+        keys.setdefault(key, ApiKey())
+    return keys
+
+
 def names(raw: str) -> list[str]:
     """A list of names from one setting: separated by commas or whitespace."""
     return [n for n in raw.replace(",", " ").split() if n]
@@ -246,7 +256,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 def _cmd_gateway(args: argparse.Namespace) -> int:
     import asyncio
 
-    from gateway.config import GatewayConfig, load_api_keys
+    from gateway.config import GatewayConfig
     from gateway.server import serve
     from services.logs import configure_logging
 
@@ -266,7 +276,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             grpc_port=args.grpc_port,
-            api_keys=load_api_keys(args.api_keys_file) if args.api_keys_file else {},
+            api_keys=_api_keys(args),
             max_body_bytes=args.max_body_bytes,
             max_model_len=max_model_len,
             grace_period_s=args.grace_period,
@@ -385,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gRPC port (pagoda.v1.Generation, health, reflection)")
     p.add_argument("--api-keys-file", default=_env("api_keys_file"),
                    help='JSON {"<key>": {"tenant": "...", "priority": 0}}; without it, no keys')
+    p.add_argument("--api-key", nargs="+", metavar="KEY", default=_env("api_key", None, names),
+                   help="keys clients send as `Authorization: Bearer KEY`, as vLLM's --api-key "
+                        "(default tenant and priority; beside --api-keys-file)")
     p.add_argument("--max-model-len", type=int, default=_env("max_model_len", None, int),
                    help="default: the model's max_position_embeddings")
     p.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", 4 * 1024 * 1024, int),

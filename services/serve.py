@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
             gateway_args += [flag, str(value)]
     gateway = ServiceProcess("gateway", pagoda_command(*gateway_args), f"127.0.0.1:{grpc_port}",
                              log_path=log_dir / "gateway.log", cpus=stack.service_cpus,
+                             # keys by environment, not on a command line others can read
+                             env={"PAGODA_API_KEY": " ".join(args.api_key)} if args.api_key else {},
                              die_with_parent=True)
     if stack.service_cpus is not None:
         print(f"  cores: services {sorted(stack.service_cpus)}, stages "
@@ -201,6 +203,8 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
                    help="the names clients may send as `model` (default: the --model string, and "
                         "the directory's name)")
     p.add_argument("--api-keys-file", default=env("api_keys_file"))
+    p.add_argument("--api-key", nargs="+", metavar="KEY",
+                   help="keys clients send as `Authorization: Bearer KEY` (as vLLM's --api-key)")
     p.add_argument("--rate-limit-rpm", type=optional_limit, default=env("rate_limit_rpm", None, optional_limit),
                    help="requests per minute per API key (or for anonymous use) without its own")
     p.add_argument("--rate-limit-tpm", type=optional_limit, default=env("rate_limit_tpm", None, optional_limit),

@@ -576,6 +576,17 @@ def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt(client, referen
     assert choice.text.startswith(tokenizer.decode(prompt, skip_special_tokens=False))
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
+    # max_tokens 0 (lm-eval's scoring request, as vLLM takes it): the prompt alone, scored
+    scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    only = scored.choices[0]
+    assert only.text == tokenizer.decode(prompt, skip_special_tokens=False)
+    assert only.logprobs.tokens == lp.tokens[: len(prompt)] and only.logprobs.token_logprobs[0] is None
+    assert only.logprobs.token_logprobs[1:] == lp.token_logprobs[1: len(prompt)]
+    assert only.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens == len(prompt)
+    empty = client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+    assert empty.choices[0].text == "" and empty.usage.completion_tokens == 0
+
     streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
                                          echo=True, logprobs=1, stream=True)
     chunks = list(streamed)

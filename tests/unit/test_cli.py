@@ -108,3 +108,20 @@ def test_serve_takes_the_model_as_vllm_serve_does_and_several_served_names(monke
     assert build_parser().parse_args(["serve"]).served_model_name == ["one", "two"]
     # one model, given once
     assert main(["serve", str(tmp_path / "a"), "--model", str(tmp_path / "b")]) == 2
+
+
+def test_api_keys_from_flags_as_vllm_and_from_the_keys_file(tmp_path, monkeypatch):
+    import json
+
+    from gateway.config import ApiKey
+    from services.cli import _api_keys, build_parser
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-file": {"tenant": "a", "priority": 2}}))
+    args = build_parser().parse_args(["gateway", "--model", "m", "--scheduler", "s:1", "--api-key", "sk-1",
+                                      "sk-file", "--api-keys-file", str(keys)])
+    assert _api_keys(args) == {"sk-file": ApiKey("a", 2), "sk-1": ApiKey()}  # the file's grant kept
+    monkeypatch.setenv("PAGODA_API_KEY", "sk-env")
+    args = build_parser().parse_args(["gateway", "--model", "m", "--scheduler", "s:1"])
+    assert _api_keys(args) == {"sk-env": ApiKey()}
+    assert build_parser().parse_args(["serve", "--api-key", "k"]).api_key == ["k"]

@@ -100,7 +100,11 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 400, "model"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0, "min_tokens": 1}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "a", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("/v1/completions", {"prompt": "a", "max_token": 5}, 400, "max_token"),  # a misspelling
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "guided_choice": ["x"]}, 400,
+     "guided_choice"),
     ("/v1/completions", {"prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "temperature": -0.5}, 400, "temperature"),
@@ -341,6 +345,17 @@ def test_the_model_is_served_under_the_model_string_as_vllm_does(tokenizer):
     assert other.status_code == 400 and other.json()["error"]["param"] == "model"
     assert [m["id"] for m in models.json()["data"]] == [path, folder]
     assert one.status_code == 200 and one.json()["id"] == path and missing.status_code == 404
+
+
+def test_version_is_open_as_vllms(tokenizer):
+    async def go():
+        client, _ = make_client(tokenizer, api_keys={"sk-a": ApiKey()})
+        async with client:
+            return await client.get("/version"), await client.get("/v1/models")
+
+    version, models = run(go())
+    assert version.status_code == 200 and version.json()["version"]
+    assert models.status_code == 401  # the API itself still needs a key
 
 
 def test_health_models_memory_metrics_and_openapi(tokenizer):
