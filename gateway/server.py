@@ -19,9 +19,10 @@ import logging
 import signal
 from collections.abc import Iterator, Sequence
 
+import grpc
 import uvicorn
 from grpc_health.v1 import health
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from gateway.app import Gateway, create_app
 from gateway.config import GatewayConfig
@@ -59,6 +60,25 @@ async def _track_health(generator: TextGenerator, servicer: health.aio.HealthSer
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def enable_reflection(service_names: list[str], server: grpc.aio.Server) -> None:
+    """Server reflection as `grpc.reflection.v1` (what grpcurl and current clients ask first)
+    and `v1alpha` (older ones). grpcio-reflection implements v1alpha only; the two versions'
+    messages are the same on the wire, so its servicer answers v1 too, registered under the
+    v1 name."""
+    names = [*service_names, reflection.SERVICE_NAME, REFLECTION_V1]
+    reflection.enable_server_reflection(names, server)
+    servicer = reflection.aio.ReflectionServicer(names)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString),
+    }),))
+
+
 async def serve(config: GatewayConfig) -> None:
     """Runs until SIGTERM or SIGINT, then drains. Raises ValueError when the model directory
     holds no usable tokenizer, OSError when a port cannot be bound."""
@@ -74,8 +94,7 @@ async def serve(config: GatewayConfig) -> None:
     grpc_server, grpc_port, health_servicer = create_aio_server(
         f"{config.host}:{config.grpc_port}", max_receive_bytes=config.max_body_bytes)
     names = add_generation_service(grpc_server, generator, config, gateway.limiter)
-    reflection.enable_server_reflection(
-        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server)
+    enable_reflection([*names, health.SERVICE_NAME], grpc_server)
     await grpc_server.start()
 
     rest = _Uvicorn(uvicorn.Config(

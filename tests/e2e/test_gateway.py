@@ -297,7 +297,17 @@ def test_health_models_metrics_and_reflection(stack):
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for r in replies for s in r.list_services_response.service}
-    assert {"pagoda.v1.Generation", "grpc.health.v1.Health"} <= names
+        # grpc.reflection.v1 answers too (grpcurl asks it first)
+        v1 = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                   request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                   response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                    reflection_pb2.ServerReflectionRequest(file_containing_symbol="pagoda.v1.Generation")]
+        v1_replies = list(v1(iter(requests), timeout=30))
+    assert {"pagoda.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert names == {s.name for s in v1_replies[0].list_services_response.service}
+    assert v1_replies[1].file_descriptor_response.file_descriptor_proto  # the service's .proto
 
     # the public gRPC API takes no larger request than REST does (issue 16: it took 64 MiB)
     from services.pb import gateway_pb2, gateway_pb2_grpc
@@ -330,7 +340,7 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "model": "gpt-4o"}, 400, "model"),
     ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
     ("/v1/completions", {"prompt": "a " * 2000}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "bogus_field": 1}, 400, "bogus_field"),
     ("/v1/completions", {"prompt": "a", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
