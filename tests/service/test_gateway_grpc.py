@@ -426,3 +426,32 @@ def test_prompt_logprobs_score_the_prompt(serve, reference):
     for i, e in enumerate(scored):
         assert e.logprob == pytest.approx(float(want[i, prompt[i + 1]]), abs=1e-4)
         assert len(e.top) == 2 and e.top[0].logprob >= e.top[1].logprob
+
+
+def test_tokenization_runs_off_the_event_loop(serve, tokenizer, monkeypatch):
+    """Issue 16, defect 4: a multi-megabyte text took seconds to tokenize on the event loop,
+    stalling every other call; prompts are tokenized in a worker thread."""
+    import threading
+
+    threads = []
+    for name in ("encode", "encode_chat"):
+        original = getattr(tokenizer, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            threads.append((_name, threading.current_thread()))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, name, spy)
+
+    async def scenario(channel):
+        stub = gateway_pb2_grpc.GenerationStub(channel)
+        await collect(stub.Generate(text_request("Hello there", max_tokens=2)))
+        await collect(stub.Chat(gateway_pb2.ChatRequest(
+            messages=[gateway_pb2.ChatMessage(role="user", content="Hi")],
+            options=gateway_pb2.TextGenerationOptions(sampling_params=common_pb2.SamplingParams(
+                temperature=0.0, max_tokens=2, ignore_eos=True)))))
+        return threading.current_thread()
+
+    loop_thread = serve(scenario)
+    assert {name for name, _ in threads} == {"encode", "encode_chat"}
+    assert all(thread is not loop_thread for _, thread in threads), threads
