@@ -24,17 +24,33 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def check_text(value: Any) -> Any:
+    """A string must be Unicode a tokenizer can encode: JSON's `\\ud800` escapes decode to a
+    lone surrogate, which is not (it reached the tokenizer and failed as a 500)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"not valid Unicode: a lone surrogate ({value[exc.start]!r}) at "
+                             f"character {exc.start}") from None
+    return value
+
+
 def check_prompt(value: Any) -> Any:
     """One clear error for a malformed prompt instead of one per member of the union."""
     shape = ("must be a string, a list of strings, a list of token ids (non-negative integers) "
              "or a list of such lists")
     if isinstance(value, str):
-        return value
+        return check_text(value)
     if not isinstance(value, list):
         raise ValueError(f"{shape}, got {type(value).__name__}")
     if not value:
         raise ValueError("must not be empty")
-    if all(isinstance(x, str) for x in value) or all(_is_token_id(x) for x in value):
+    if all(isinstance(x, str) for x in value):
+        for x in value:
+            check_text(x)
+        return value
+    if all(_is_token_id(x) for x in value):
         return value
     if all(isinstance(x, list) for x in value):
         for i, ids in enumerate(value):
@@ -53,6 +69,8 @@ def check_stop(value: Any) -> Any:
             not isinstance(value, list) or not all(isinstance(s, str) for s in value)):
         raise ValueError("must be a string or a list of strings")
     stop_limits([value] if isinstance(value, str) else value)
+    for s in [value] if isinstance(value, str) else value:
+        check_text(s)
     return value
 
 
@@ -144,6 +162,8 @@ class TextContentPart(BaseModel):
     type: str
     text: str | None = None
 
+    check_unicode = field_validator("text")(check_text)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")  # templates may read more keys
@@ -151,6 +171,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+
+    check_unicode = field_validator("role", "content", "name")(check_text)
 
 
 class ResponseFormat(BaseModel):
@@ -188,7 +210,7 @@ class GenerateRequest(_SamplingFields):
         if isinstance(value, str) or (isinstance(value, list) and all(_is_token_id(x) for x in value)):
             if not value:
                 raise ValueError("must not be empty")
-            return value
+            return check_text(value)
         raise ValueError("must be a string or a list of token ids (non-negative integers)")
 
 
@@ -201,6 +223,8 @@ class TokenizeCompletionRequest(BaseModel):
     prompt: str
     add_special_tokens: bool = Field(True, description="Add the tokenizer's own special "
                                                        "tokens (e.g. a BOS), as completions do.")
+
+    check_unicode = field_validator("prompt")(check_text)
     return_token_strs: bool = Field(False, description="Also return each token's vocabulary entry.")
 
 

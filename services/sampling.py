@@ -151,6 +151,12 @@ class SamplingOptions:
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"n: must be at least 1, got {self.n}")
+        for name in ("n", "max_tokens", "min_tokens", "top_k"):  # uint32 on the wire
+            value = getattr(self, name)
+            if value is not None and value >= 2**32:
+                raise ValueError(f"{name}: must be below 2**32, got {value}")
+        if any(t >= 2**32 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids: token ids must be below 2**32")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):

@@ -102,6 +102,16 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0, "min_tokens": 1}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "a", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    # issue 16, defect 7: these were 500s
+    ("/v1/completions", b'{"prompt": "\\ud800"}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "a\\udfffb"]}', 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stop": ["\ud800"]}, 400, "stop"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "messages[0].content"),
+    ("/generate", b'{"prompt": "\\ud800"}', 400, "prompt"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "top_k": 2**32}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": 2**32, "max_tokens": None}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "a", "max_token": 5}, 400, "max_token"),  # a misspelling
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "guided_choice": ["x"]}, 400,
      "guided_choice"),
