@@ -56,6 +56,37 @@ def pagoda_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
+class RestartBudget:
+    """When a service that died may be started again. Deaths count within a sliding
+    window (`window_s`), not over the server's life: more than `max_restarts` of them in the
+    window and the supervisor gives up; a long-lived server whose stage dies now and then
+    keeps going. The first death in the window restarts at once, each further one after a
+    backoff that doubles (1 s, 2 s, 4 s, ... at most 30 s), so a service that cannot start
+    does not spin."""
+
+    def __init__(self, max_restarts: int = 5, window_s: float = 300.0) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.deaths: list[float] = []  # monotonic times, within the window
+        self.died_at: float | None = None  # the death not restarted yet
+
+    def ready(self, now: float, name: str = "the service") -> bool:
+        """Notes a death (once); True when its restart is due. RuntimeError: too many deaths."""
+        if self.died_at is None:
+            self.died_at = now
+            self.deaths = [t for t in self.deaths if now - t < self.window_s] + [now]
+            if len(self.deaths) > self.max_restarts:
+                raise RuntimeError(f"{name} died {len(self.deaths)} times in {self.window_s:.0f} s; giving up")
+        return now - self.died_at >= self.backoff_s
+
+    @property
+    def backoff_s(self) -> float:
+        return 0.0 if len(self.deaths) <= 1 else min(30.0, 2.0 ** (len(self.deaths) - 2))
+
+    def restarted(self) -> None:
+        self.died_at = None
+
+
 @dataclass
 class ServiceProcess:
     """One service process: its command line, the gRPC address its health is checked at."""
@@ -67,6 +98,7 @@ class ServiceProcess:
     log_path: Path | None = None
     process: subprocess.Popen | None = None
     restarts: int = 0
+    budget: RestartBudget = field(default_factory=RestartBudget)
     cpus: set[int] | None = None  # cores it may run on (its threads inherit them); None: any
     # killed by the kernel when the starting process dies, however it dies (`pagoda serve`:
     # children never outlive the supervisor). Only for a starter whose starting thread
@@ -135,6 +167,17 @@ class ServiceProcess:
         return f"\n--- {self.log_path} (tail) ---\n{tail}"
 
 
+def restart_if_due(p: ServiceProcess, timeout_s: float = 90.0) -> bool:
+    """Start `p` again if it died and its restart budget says so; True when it did."""
+    if p.alive or not p.budget.ready(time.monotonic(), p.name):
+        return False
+    p.restarts += 1
+    p.start()
+    p.wait_healthy(timeout_s)
+    p.budget.restarted()
+    return True
+
+
 PARENT_ENV = "PAGODA_DIE_WITH_PARENT"
 _PR_SET_PDEATHSIG = 1
 
@@ -179,18 +222,10 @@ class Stack:
     def scheduler_address(self) -> str:
         return self.scheduler.health_address
 
-    def supervise_once(self, max_restarts: int = 3, timeout_s: float = 90.0) -> list[str]:
-        """Restart any service that died (bounded retries); returns the names restarted."""
-        restarted = []
-        for p in self.processes:
-            if not p.alive:
-                if p.restarts >= max_restarts:
-                    raise RuntimeError(f"{p.name} died {p.restarts + 1} times; giving up")
-                p.restarts += 1
-                p.start()
-                p.wait_healthy(timeout_s)
-                restarted.append(p.name)
-        return restarted
+    def supervise_once(self, timeout_s: float = 90.0) -> list[str]:
+        """Restart each service that died and whose restart is due (`RestartBudget`);
+        returns the names restarted. RuntimeError when one died too often."""
+        return [p.name for p in self.processes if restart_if_due(p, timeout_s)]
 
     def stop(self, grace_s: float = 5.0) -> None:
         stop_all(self.processes, grace_s)

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import time
 from pathlib import Path
 
 from services.launcher import (
+    RestartBudget,
     ServiceProcess,
     default_threads_per_stage,
     free_port,
     pagoda_command,
+    restart_if_due,
     start_stack,
     stop_all,
 )
@@ -120,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  cores: services {sorted(stack.service_cpus)}, stages "
               f"{[sorted(w.cpus or ()) for w in stack.workers]} (--no-cpu-affinity to let them float)")
     processes = [*stack.processes, gateway]
+    for p in processes:  # deaths counted in a sliding window, restarts backed off
+        p.budget = RestartBudget(args.max_restarts, args.restart_window)
     try:
         gateway.start()
         gateway.wait_healthy(120)
@@ -130,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
     if args.ready_file:
         import json
 
-        Path(args.ready_file).write_text(json.dumps({
+        ready = Path(args.ready_file)
+        partial = ready.with_name(ready.name + ".partial")
+        partial.write_text(json.dumps({
             "gateway": {"host": args.host, "port": args.port, "grpc_port": grpc_port},
             "scheduler": stack.scheduler_address,
             "kvcache": stack.kvcache.health_address,
@@ -139,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             "logs": str(log_dir),
             "model": model_dir,
         }, indent=2))
+        os.replace(partial, ready)  # whole or absent: a watcher never reads half of it
     shown_host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
     print(
         "pagoda serve: ready\n"
@@ -152,14 +160,9 @@ def run(args: argparse.Namespace) -> int:
         while not stopping:
             time.sleep(0.5)
             try:
-                for name in stack.supervise_once(max_restarts=args.max_restarts):
+                for name in stack.supervise_once():
                     _say(f"pagoda serve: restarted {name}")
-                if not gateway.alive:
-                    if gateway.restarts >= args.max_restarts:
-                        raise RuntimeError("the gateway keeps dying")
-                    gateway.restarts += 1
-                    gateway.start()
-                    gateway.wait_healthy(120)
+                if restart_if_due(gateway, 120):
                     _say("pagoda serve: restarted gateway")
             except Exception as exc:
                 _say(f"pagoda serve: giving up: {exc}", file=sys.stderr)
@@ -230,7 +233,11 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--log-dir", default=env("log_dir"))
     p.add_argument("--ready-file", help="write the services' addresses here (JSON) once ready")
     p.add_argument("--grace-period", type=float, default=env("grace_period", 30.0, float))
-    p.add_argument("--max-restarts", type=int, default=env("max_restarts", 3, int))
+    p.add_argument("--max-restarts", type=int, default=env("max_restarts", 5, int),
+                   help="deaths of one service within --restart-window after which serve gives up "
+                        "(restarts back off: at once, then 1 s, 2 s, ... 30 s)")
+    p.add_argument("--restart-window", type=float, default=env("restart_window", 300.0, float),
+                   help="seconds over which --max-restarts counts a service's deaths")
 
 
 __all__ = ["add_arguments", "engine_flags", "free_port", "run", "worker_flags"]

@@ -125,3 +125,29 @@ def test_api_keys_from_flags_as_vllm_and_from_the_keys_file(tmp_path, monkeypatc
     args = build_parser().parse_args(["gateway", "--model", "m", "--scheduler", "s:1"])
     assert _api_keys(args) == {"sk-env": ApiKey()}
     assert build_parser().parse_args(["serve", "--api-key", "k"]).api_key == ["k"]
+
+
+def test_restarts_are_counted_in_a_window_and_backed_off():
+    """Issue 16, defect 6: the supervisor gave up for good once a service had died 4 times in
+    the server's life. Deaths count within a sliding window; restarts back off."""
+    import pytest
+
+    from services.launcher import RestartBudget
+
+    budget = RestartBudget(max_restarts=3, window_s=100.0)
+    assert budget.ready(0.0)  # the first death: at once
+    budget.restarted()
+    assert not budget.ready(10.0) and budget.backoff_s == 1.0  # the second: after 1 s
+    assert budget.ready(11.0)
+    budget.restarted()
+    assert not budget.ready(20.0) and budget.backoff_s == 2.0 and budget.ready(22.0)
+    budget.restarted()
+    with pytest.raises(RuntimeError, match="died 4 times in 100 s"):
+        budget.ready(30.0)  # a fourth within the window
+    # a server that loses a service now and then keeps going
+    budget = RestartBudget(max_restarts=3, window_s=100.0)
+    for k in range(20):
+        budget.ready(k * 60.0)
+        assert budget.ready(k * 60.0 + 1.0)  # (two deaths in any 100 s: a 1 s backoff)
+        budget.restarted()
+    assert len(budget.deaths) == 2  # those within the last 100 s
