@@ -323,8 +323,9 @@ def _version() -> str:
 
 
 def _model_card(gw: Gateway, name: str) -> dict[str, Any]:
+    # root: the served name, not where the checkpoint lies on the server's disk
     return {"id": name, "object": "model", "created": gw.created, "owned_by": "pagoda",
-            "root": gw.config.model, "max_model_len": gw.limits.max_model_len}
+            "root": gw.limits.name, "max_model_len": gw.limits.max_model_len}
 
 
 def _enum_name(value: int) -> str:

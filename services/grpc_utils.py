@@ -7,10 +7,86 @@ seconds instead of when the next write fails.
 
 from __future__ import annotations
 
+import inspect
+import logging
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+log = logging.getLogger(__name__)
+
+
+class _Undecodable:
+    """What a request that cannot be parsed decodes to, so that its call can be refused."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class RefuseUndecodable(grpc.aio.ServerInterceptor):
+    """A request whose bytes are not a valid message of its method's type is refused with
+    INVALID_ARGUMENT and one log line (grpc's own handling answers UNKNOWN and logs an ERROR
+    traceback for every such call). Applies to every method of the server, streams too."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method, decode = handler_call_details.method, handler.request_deserializer
+
+        def safe_decode(data: bytes):
+            try:
+                return decode(data)
+            except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and its kin
+                return _Undecodable(f"{type(exc).__name__}: {exc}")
+
+        async def refuse(bad: _Undecodable, context) -> None:
+            log.warning("%s: refused an undecodable request (%s)", method, bad.reason)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid message for {method}: {bad.reason}")
+
+        async def checked(requests, context):
+            async for request in requests:
+                if isinstance(request, _Undecodable):
+                    await refuse(request, context)
+                yield request
+
+        async def unary_unary(request, context):
+            if isinstance(request, _Undecodable):
+                await refuse(request, context)
+            return await handler.unary_unary(request, context)
+
+        async def unary_stream(request, context):
+            if isinstance(request, _Undecodable):
+                await refuse(request, context)
+            async for response in _responses(handler.unary_stream(request, context)):
+                yield response
+
+        async def stream_unary(requests, context):
+            return await handler.stream_unary(checked(requests, context), context)
+
+        async def stream_stream(requests, context):
+            async for response in _responses(handler.stream_stream(checked(requests, context), context)):
+                yield response
+
+        wrapped = {"unary_unary": unary_unary, "unary_stream": unary_stream,
+                   "stream_unary": stream_unary, "stream_stream": stream_stream}
+        kind = next(name for name in wrapped if getattr(handler, name) is not None)
+        return handler._replace(request_deserializer=safe_decode, **{kind: wrapped[kind]})
+
+
+async def _responses(result):
+    """A streaming behaviour's responses: an async generator's, or none from a coroutine
+    that wrote them itself (`context.write`)."""
+    if inspect.isasyncgen(result):
+        async for response in result:
+            yield response
+    else:
+        await result
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -48,7 +124,8 @@ def create_aio_server(
     Returns the server (not started), the bound port, and the health servicer, whose
     overall status ("") starts NOT_SERVING; the caller sets SERVING once ready.
     """
-    server = grpc.aio.server(options=server_options(max_message_bytes, max_receive_bytes))
+    server = grpc.aio.server(options=server_options(max_message_bytes, max_receive_bytes),
+                             interceptors=[RefuseUndecodable()])
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")

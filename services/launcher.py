@@ -51,6 +51,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether `port` cannot be bound on `host` now (another process holds it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no holder
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def pagoda_command(*args: str) -> list[str]:
     """The `pagoda` CLI run by this interpreter (works without the console script on PATH)."""
     return [sys.executable, "-m", "services.cli", *args]

@@ -24,6 +24,7 @@ from services.launcher import (
     default_threads_per_stage,
     free_port,
     pagoda_command,
+    port_taken,
     restart_if_due,
     start_stack,
     stop_all,
@@ -69,6 +70,11 @@ def run(args: argparse.Namespace) -> int:
     if not (Path(model_dir) / "config.json").is_file():
         print(f"error: {model_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
+    for name, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
+        if port and port_taken(args.host, port):  # (it would start all, then die as the gateway)
+            print(f"error: {name} {port} is taken on {args.host}: stop what holds it or choose "
+                  f"another port", file=sys.stderr)
+            return 2
     log_dir = Path(args.log_dir or Path.home() / ".cache" / "pagoda" / "logs" / time.strftime("%Y%m%d-%H%M%S"))
     log_dir.mkdir(parents=True, exist_ok=True)
     n = args.pipeline_parallel_size

@@ -151,3 +151,19 @@ def test_restarts_are_counted_in_a_window_and_backed_off():
         assert budget.ready(k * 60.0 + 1.0)  # (two deaths in any 100 s: a 1 s backoff)
         budget.restarted()
     assert len(budget.deaths) == 2  # those within the last 100 s
+
+
+def test_serve_refuses_a_taken_port_naming_it(tmp_path, capsys):
+    """Issue 16, defect 11: a taken port gave `ready`, then "the gateway keeps dying"."""
+    import socket
+
+    from services.cli import main
+    from services.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert main(["serve", str(model), "--port", str(port), "--log-dir", str(tmp_path / "logs")]) == 2
+    assert f"--port {port} is taken" in capsys.readouterr().err

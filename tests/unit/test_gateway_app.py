@@ -386,6 +386,7 @@ def test_health_models_memory_metrics_and_openapi(tokenizer):
     ok, down, models, memory, metrics, openapi = run(go())
     assert ok.status_code == 200 and down.status_code == 503 and "stage 1" in down.json()["detail"]
     assert models.json()["data"][0]["id"] == "tiny"
+    assert models.json()["data"][0]["root"] == "tiny"  # not the checkpoint's path on disk
     kv = memory.json()["kv_cache"]
     assert kv["num_peak_used_blocks"] == 3 and kv["num_prefix_queries"] == 2**40
     text = metrics.text
