@@ -63,6 +63,19 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", type=Path, default=None, help="service logs (default: a temp folder)")
     p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
                    help="only render results.md (and plots with --plot) from a saved results.json")
+    serving = p.add_argument_group(
+        "any OpenAI-compatible server", "with --base-url: drive running servers (Pagoda, vLLM, ...) with the same "
+        "workload one after the other and compare them in one table (serving.json, serving.md in --out)")
+    serving.add_argument("--base-url", action="append", default=[], metavar="[LABEL=]URL",
+                         help="a server's root, e.g. pagoda=http://127.0.0.1:8000 (repeat for each server)")
+    serving.add_argument("--model", help="the served model name to send (with --base-url)")
+    serving.add_argument("--tokenizer", help="the model's folder, for prompt token ids (default: --model)")
+    serving.add_argument("--workload", default="mixed", help="short, long, mixed or shared-prefix (default: mixed)")
+    serving.add_argument("--num-requests", type=int, default=64, help="requests per server (default: 64)")
+    serving.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput's TTFT bound (default: 1000)")
+    serving.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput's TPOT bound (default: 100)")
+    serving.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                         help="ask for every max_tokens token (vLLM's extra; default: on)")
 
 
 def _import_bench():
@@ -142,6 +155,10 @@ def run_bench(args: argparse.Namespace) -> int:
     import shlex
 
     _import_bench()
+    if args.base_url:
+        from bench.serving import run
+
+        return run(args)
     from bench.arms import gateway_available
     from bench.report import comparison_rows, load_average, machine_info
     from bench.runner import Runner

@@ -649,3 +649,33 @@ def test_chat_prompt_logprobs_score_the_templated_prompt(client, reference, toke
         want = torch.log_softmax(reference.model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
     for i in range(1, len(prompt)):
         assert abs(scored[i][str(prompt[i])]["logprob"] - float(want[i - 1, prompt[i]])) < 1e-4
+
+
+def test_pagoda_bench_compares_two_openai_servers_in_one_table(stack, model_dir, tmp_path):
+    """`pagoda bench --base-url` drives any OpenAI-compatible server: here `pagoda serve`'s
+    gateway and a second gateway, in one command, into one table and serving.json."""
+    import subprocess
+
+    second = start_gateway("gateway-bench", model_dir, stack.scheduler_address, stack.logs,
+                           "--served-model-name", "tiny")
+    try:
+        done = subprocess.run(pagoda_command(
+            "bench", "--base-url", f"serve=http://127.0.0.1:{stack.gateway.port}",
+            "--base-url", f"second=http://127.0.0.1:{second.port}/v1", "--model", "tiny",
+            "--tokenizer", model_dir, "--workload", "short", "--num-requests", "6", "--concurrency", "3",
+            "--out", str(tmp_path)), capture_output=True, text=True, timeout=300)
+        wrong = subprocess.run(pagoda_command(
+            "bench", "--base-url", f"http://127.0.0.1:{second.port}", "--model", "nope", "--tokenizer",
+            model_dir, "--num-requests", "2", "--out", str(tmp_path / "wrong")),
+            capture_output=True, text=True, timeout=120)
+    finally:
+        second.stop()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "serving.json").read_text())
+    assert [s["label"] for s in result["servers"]] == ["serve", "second"]
+    for s in result["servers"]:
+        assert s["completed"] == 6 and s["failed"] == 0 and s["total_output_tokens"] == 6 * 4
+        assert s["output_throughput"] > 0 and s["median_ttft_ms"] > 0 and s["request_goodput"] > 0
+    assert "| serve |" in done.stdout and "| second |" in done.stdout
+    assert (tmp_path / "serving.md").read_text().count("| s") >= 2
+    assert wrong.returncode == 1 and "not 'nope'" in wrong.stderr
