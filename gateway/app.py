@@ -295,8 +295,14 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
     @app.get("/metrics", tags=["Operations"], response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics() -> Response:
-        """Prometheus text: requests by finish reason, tokens, TTFT, inter-token and
-        end-to-end latency (`pagoda:*`, after vLLM's `vllm:*`)."""
+        """Prometheus text, the one scrape target a dashboard needs (`pagoda:*`, after vLLM's
+        `vllm:*`): requests by finish reason, tokens, TTFT, inter-token, per-output-token and
+        end-to-end latency as clients see them, and the engine's running and waiting
+        requests, KV usage, prefix-cache and preemption counters (read from the scheduler)."""
+        try:
+            gw.metrics.engine.stats = await generator.stats(timeout_s=1.0)
+        except grpc.aio.AioRpcError:
+            gw.metrics.engine.stats = None
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/debug/memory", tags=["Operations"], responses={401: _ERRORS[401], 503: _ERRORS[503]})

@@ -257,8 +257,10 @@ class TextGenerator:
                     yield finished
                     return
                 if len(done) == params.sampling.n:
-                    # every choice ended at the gateway (stop strings): the finally below
-                    # cancels the call, which aborts what is left downstream
+                    # every choice ended at the gateway (stop strings): tell the scheduler so
+                    # (it counts a stop, as here, where a cancelled call counts an abort), then
+                    # the finally below cancels what is left
+                    await self.abort(request_id, index)
                     yield Finished(Usage(len(prompt_ids), sum(completion_tokens.values())))
                     return
         except grpc.aio.AioRpcError as exc:

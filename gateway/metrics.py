@@ -1,8 +1,10 @@
 """The gateway's Prometheus metrics, named after vLLM's API server's (`pagoda:` for `vllm:`).
 
 They measure what a client sees: from the HTTP request's arrival to its text, so they
-include queueing, tokenization and detokenization. The scheduler exports the same names for
-its own view (tell them apart by the scrape job). One registry per app, no global state.
+include queueing, tokenization and detokenization. The gateway's `/metrics` is the one
+scrape target a dashboard needs: it also carries the engine's figures (requests running
+and waiting, KV usage, prefix-cache counters, preemptions), read from the scheduler's
+`GetStats` at scrape time (`EngineView`). One registry per app, no global state.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -48,6 +51,11 @@ class GatewayMetrics:
                              labels, buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("pagoda:api_requests_in_flight",
                                "Generation requests the gateway is serving now.", labels, registry=r)
+        self.tpot = Histogram("pagoda:time_per_output_token_seconds",
+                              "Per request: (end - first token) / (generated tokens - 1).", labels,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.engine = EngineView(model_name)
+        r.register(self.engine)
 
     def request(self) -> RequestTimer:
         return RequestTimer(self)
@@ -85,8 +93,54 @@ class RequestTimer:
 
     def on_finished(self, prompt_tokens: int, completion_tokens: int) -> None:
         m, name = self.metrics, self.metrics.model_name
-        m.e2e.labels(name).observe(time.monotonic() - self.start_s)
+        now = time.monotonic()
+        m.e2e.labels(name).observe(now - self.start_s)
+        if self.first_token_s is not None and completion_tokens > 1:
+            m.tpot.labels(name).observe((now - self.first_token_s) / (completion_tokens - 1))
         m.prompt_tokens.labels(name).inc(prompt_tokens)
         m.generation_tokens.labels(name).inc(completion_tokens)
         m.request_prompt_tokens.labels(name).observe(prompt_tokens)
         m.request_generation_tokens.labels(name).observe(completion_tokens)
+
+
+class EngineView:
+    """The scheduler's figures as of its last `GetStats` (refreshed by the `/metrics` handler
+    before each scrape), under vLLM's metric names. Nothing is exported while the scheduler
+    has not answered (a scrape then shows `pagoda:engine_up 0`)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats = None  # scheduler_pb2.GetStatsResponse
+
+    def collect(self):
+        labels, value = ["model_name"], [self.model_name]
+        up = GaugeMetricFamily("pagoda:engine_up", "1 when the scheduler answered this scrape.", labels=labels)
+        up.add_metric(value, 0.0 if self.stats is None else 1.0)
+        yield up
+        s = self.stats
+        if s is None:
+            return
+
+        def gauge(name: str, doc: str, v: float):
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(value, v)
+            return family
+
+        def counter(name: str, doc: str, v: float):
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(value, v)
+            return family
+
+        kv = s.kv_cache
+        yield gauge("pagoda:num_requests_running", "Requests prefilling or decoding.", s.num_running)
+        yield gauge("pagoda:num_requests_waiting", "Requests waiting (preempted ones included).", s.num_waiting)
+        yield gauge("pagoda:num_requests_preempted", "Waiting requests that were preempted.", s.num_preempted)
+        yield gauge("pagoda:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+                    kv.num_used_blocks / kv.num_total_blocks if kv.num_total_blocks else 0.0)
+        yield gauge("pagoda:kv_cache_used_blocks", "KV blocks in use.", kv.num_used_blocks)
+        yield gauge("pagoda:kv_cache_cached_blocks", "KV blocks holding a cached prefix.", kv.num_cached_blocks)
+        yield counter("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      kv.num_prefix_query_tokens)
+        yield counter("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      kv.num_prefix_hit_tokens)
+        yield counter("pagoda:num_preemptions", "Requests preempted by recompute.", s.num_preemptions)

@@ -198,6 +198,7 @@ class Engine:
         self.num_micro_batches = 0
         self.num_finished = 0
         self.num_aborted = 0
+        self._stopping = False
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_recoveries = 0
@@ -212,7 +213,12 @@ class Engine:
 
     async def stop(self) -> None:
         if self._task is not None:
+            # the flag ends the loop even where a cancellation is lost: Python 3.11's
+            # asyncio.wait_for returns a result that arrived as it was cancelled, swallowing
+            # the cancellation (seen: stop() waiting for ever after an abort's wake-up)
+            self._stopping = True
             self._task.cancel()
+            self._wake()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for live in list(self._live.values()):
@@ -338,10 +344,20 @@ class Engine:
                 self.abort(live.request.request_id)
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
-        """Abort a request, or with `index` end just that choice (a stop string matched)."""
+        """Abort a request, or with `index` end just that choice (a stop string matched at the
+        gateway: counted as a stop, as the gateway counts it)."""
         live = self._live.get(request_id)
         if live is None:
             return False
+        if index is not None and live.request.options.n == 1:  # its one choice stopped
+            request = self.planner.abort(request_id, self.clock())
+            self._live.pop(request_id, None)
+            if request is not None:
+                self.num_finished += 1
+                self.metrics.on_finished("stop", self.clock() - request.arrival_s)
+                live.outputs.put_nowait(self._final(live, error=None))
+            self._wake()
+            return request is not None
         if index is not None and live.request.options.n > 1:
             finished = self.planner.finish_choice(request_id, index, self.clock())
             if finished is not None:
@@ -374,7 +390,7 @@ class Engine:
 
     async def _loop(self) -> None:
         timeout = self.config.scheduler_timeout_ms / 1000
-        while True:
+        while not self._stopping:
             self.update_active_time()
             try:
                 await self._dispatch()

@@ -47,10 +47,12 @@ class SchedulerMetrics:
         self.kv_cached = Gauge("pagoda:kv_cache_cached_blocks", "KV blocks holding a cached prefix.",
                                labels, registry=r)
         self.kv_usage = Gauge("pagoda:kv_cache_usage_perc", "Fraction of KV blocks in use.", labels, registry=r)
-        self.prefix_queries = Gauge("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                    labels, registry=r)
-        self.prefix_hits = Gauge("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                 labels, registry=r)
+        # counters, as vLLM's: advanced by what the KV service's totals grew since the last scrape
+        self.prefix_queries = Counter("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels, registry=r)
+        self.prefix_hits = Counter("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   labels, registry=r)
+        self._kv_totals = (0, 0)  # the KV service's (queries, hits) as last read
         self.prefix_hit_rate = Gauge("pagoda:prefix_cache_hit_rate", "Prefix-cache hit rate in tokens.",
                                      labels, registry=r)
         self.stage_busy = Gauge("pagoda:stage_busy_seconds", "Seconds each stage spent computing.",
@@ -105,8 +107,11 @@ class SchedulerMetrics:
             self.kv_free.labels(m).set(kv_stats.num_free_blocks + kv_stats.num_evictable_blocks)
             self.kv_cached.labels(m).set(kv_stats.num_cached_blocks)
             self.kv_usage.labels(m).set(kv_stats.num_used_blocks / max(1, kv_stats.num_blocks))
-            self.prefix_queries.labels(m).set(kv_stats.num_prefix_query_tokens)
-            self.prefix_hits.labels(m).set(kv_stats.num_prefix_hit_tokens)
+            totals = (kv_stats.num_prefix_query_tokens, kv_stats.num_prefix_hit_tokens)
+            for counter, now, before in zip((self.prefix_queries, self.prefix_hits), totals, self._kv_totals,
+                                            strict=True):
+                counter.labels(m).inc(now - before if now >= before else now)  # (a restarted KV service)
+            self._kv_totals = totals
             self.prefix_hit_rate.labels(m).set(kv_stats.prefix_hit_rate)
         for st in stage_stats or []:
             stats = st.get("stats")

@@ -249,6 +249,7 @@ def test_metrics_move_as_requests_flow(stack):
     assert after["pagoda:e2e_request_latency_seconds_count"] >= len(work)
     assert after["pagoda:stage_busy_seconds{stage=1}"] > 0
     assert "pagoda:kv_cache_usage_perc" in after
+    assert after["pagoda:prefix_cache_queries_total"] > before.get("pagoda:prefix_cache_queries_total", 0)  # a counter
     # every service has its own metrics
     stage = scrape(stack.metrics_urls["worker-1"])
     assert stage["pagoda:stage_tokens_total{stage=1}"] > 0 and stage["pagoda:stage_busy_seconds_total{stage=1}"] > 0

@@ -393,8 +393,15 @@ def test_health_models_memory_metrics_and_openapi(tokenizer):
     for name in ("pagoda:request_success_total{finished_reason=\"length\"",
                  "pagoda:prompt_tokens_total", "pagoda:generation_tokens_total",
                  "pagoda:time_to_first_token_seconds_bucket", "pagoda:inter_token_latency_seconds_bucket",
-                 "pagoda:e2e_request_latency_seconds_bucket", "pagoda:request_errors_total"):
+                 "pagoda:e2e_request_latency_seconds_bucket", "pagoda:request_errors_total",
+                 "pagoda:time_per_output_token_seconds_bucket",
+                 # the engine's figures, from the scheduler at scrape time: one scrape target
+                 "pagoda:engine_up", "pagoda:num_requests_running", "pagoda:num_requests_waiting",
+                 "pagoda:kv_cache_usage_perc", "pagoda:prefix_cache_queries_total",
+                 "pagoda:prefix_cache_hits_total", "pagoda:num_preemptions_total"):
         assert name.split("{")[0] in text, name
+    assert 'pagoda:engine_up{model_name="tiny"} 1.0' in text
+    assert 'pagoda:prefix_cache_queries_total{model_name="tiny"}' in text  # a counter, as vLLM's
     paths = openapi.json()["paths"]
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health",
                  "/metrics", "/debug/memory"):

@@ -185,3 +185,34 @@ def test_async_runs_the_next_step_on_the_last_stages_own_token(model_dir, refere
     assert ahead >= 10  # most steps were in the stage's hands before the previous one returned
     decodes = [p for p in plans if p.cached_seqs and not p.new_seqs]
     assert decodes and all(not c.new_token_ids for p in decodes for c in p.cached_seqs)
+
+
+def test_a_choice_ended_at_the_gateway_counts_as_a_stop(model_dir):
+    """A stop string matched at the gateway ends the choice with Abort(index): the scheduler
+    counts a stop, as the gateway does (a cancelled call counts an abort)."""
+    from scheduler_svc.metrics import SchedulerMetrics
+
+    async def go():
+        config = SchedulerConfig(block_size=16, num_kv_blocks=64)
+        engine = build_local_engine(model_dir, config, num_kv_blocks=64)
+        engine.metrics = metrics = SchedulerMetrics("m")
+        await engine.start()
+        try:
+            stopped = engine.submit(Request("s", (5, 6, 7), SamplingOptions(max_tokens=200, temperature=0), 0.0))
+            cancelled = engine.submit(Request("c", (5, 6, 8), SamplingOptions(max_tokens=200, temperature=0), 0.0))
+            await stopped.__anext__()
+            await cancelled.__anext__()
+            assert engine.abort("s", 0) and engine.abort("c")
+            async for _ in stopped:
+                pass
+            await cancelled.aclose()
+            return metrics, engine.summary()
+        finally:
+            # (this stop once waited for ever: Python 3.11's wait_for swallowed its cancel)
+            await engine.stop()
+
+    metrics, summary = asyncio.run(asyncio.wait_for(go(), 120))
+    count = metrics.request_success.labels("m", "stop")._value.get()
+    aborted = metrics.request_success.labels("m", "abort")._value.get()
+    assert (count, aborted) == (1, 1)
+    assert summary["num_aborted"] == 1
