@@ -127,9 +127,7 @@ class Gateway:
             async with contextlib.aclosing(streaming.merged(streams)) as merged:
                 async for i, item in merged:
                     if isinstance(item, ChoiceDelta):
-                        timer.on_tokens((i, item.index), len(item.token_ids))
-                        if item.finish_reason is not None:
-                            timer.on_choice_finished(item.finish_reason)
+                        timer.on_delta((i, item.index), len(item.token_ids), item.finish_reason)
                     else:
                         streaming.add_usage(usage, item.usage)
                     yield i, item

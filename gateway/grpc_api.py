@@ -32,6 +32,7 @@ from gateway.core import (
     GenerationParams,
     TextGenerator,
 )
+from gateway.metrics import GatewayMetrics
 from gateway.protocol import stop_limits
 from gateway.ratelimit import (
     ANONYMOUS,
@@ -59,15 +60,16 @@ _NO_KEY = ApiKey()
 
 def add_generation_service(
     server: grpc.aio.Server, generator: TextGenerator, config: GatewayConfig,
-    limiter: RateLimiter | None = None,
+    limiter: RateLimiter | None = None, metrics: GatewayMetrics | None = None,
 ) -> list[str]:
     """Registers the Generation servicer on `server`; returns the full names of the services
     added, for the caller's reflection and health registration. `limiter`: the rate limiter
-    to share with the REST API (None: the servicer builds its own when limits are configured)."""
+    to share with the REST API (None: the servicer builds its own when limits are configured);
+    `metrics`: the REST API's, so that gRPC traffic counts in the same figures."""
     if limiter is None and config.rate_limits_enabled:
         limiter = RateLimiter.create(config.default_rate_limit, config.redis_url)
     gateway_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(generator, config, limiter), server)
+        GenerationServicer(generator, config, limiter, metrics), server)
     return [SERVICE_NAME]
 
 
@@ -198,8 +200,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     owns its generate iterator and closes it however the call ends."""
 
     def __init__(self, generator: TextGenerator, config: GatewayConfig,
-                 limiter: RateLimiter | None = None) -> None:
+                 limiter: RateLimiter | None = None, metrics: GatewayMetrics | None = None) -> None:
         self.generator = generator
+        self.metrics = metrics
         self.config = config
         self.limiter = limiter
         self._key_salt: bytes | None = None  # keys the rate-limit bucket ids (key_salt)
@@ -336,12 +339,21 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         await context.send_initial_metadata((("x-request-id", request_id),))
         events = self.generator.generate(prompt_ids, params, request_id,
                                          str(metadata.get("traceparent", "")))
+        timer = self.metrics.request() if self.metrics is not None else None
+        in_flight = self.metrics.in_flight.labels(self.metrics.model_name) if self.metrics is not None else None
+        if in_flight is not None:
+            in_flight.inc()
         # A choice's last delta waits for the next event, so that when it is the request's
         # last the usage rides on the same message.
         held: gateway_pb2.TextGenerateResponse | None = None
         try:
             async with contextlib.aclosing(events):  # a cancelled call aborts downstream
                 async for event in events:
+                    if timer is not None:  # the same figures as REST requests
+                        if isinstance(event, Finished):
+                            timer.on_finished(event.usage.prompt_tokens, event.usage.completion_tokens)
+                        else:
+                            timer.on_delta((0, event.index), len(event.token_ids), event.finish_reason)
                     if isinstance(event, Finished):
                         msg = held or gateway_pb2.TextGenerateResponse(request_id=request_id)
                         held = None
@@ -370,3 +382,6 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         except Exception:  # a bug: log it with the request id; the caller sees INTERNAL
             log.exception("request %s failed", request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request {request_id})")
+        finally:
+            if in_flight is not None:
+                in_flight.dec()

@@ -87,6 +87,12 @@ class RequestTimer:
                 m.itl.labels(m.model_name).observe(per_token)
         self.last_token_s[choice] = now
 
+    def on_delta(self, choice: tuple[int, int], num_tokens: int, finish_reason: str | None) -> None:
+        """One choice's delta (REST and gRPC alike): its tokens, and its end if it ended."""
+        self.on_tokens(choice, num_tokens)
+        if finish_reason is not None:
+            self.on_choice_finished(finish_reason)
+
     def on_choice_finished(self, reason: str | None) -> None:
         m = self.metrics
         m.request_success.labels(m.model_name, reason or "unknown").inc()

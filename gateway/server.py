@@ -93,7 +93,7 @@ async def serve(config: GatewayConfig) -> None:
     # one size limit for both front doors: a gRPC request may be as large as a REST body
     grpc_server, grpc_port, health_servicer = create_aio_server(
         f"{config.host}:{config.grpc_port}", max_receive_bytes=config.max_body_bytes)
-    names = add_generation_service(grpc_server, generator, config, gateway.limiter)
+    names = add_generation_service(grpc_server, generator, config, gateway.limiter, gateway.metrics)
     enable_reflection([*names, health.SERVICE_NAME], grpc_server)
     await grpc_server.start()
 

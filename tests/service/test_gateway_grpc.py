@@ -65,7 +65,8 @@ def serve(stack, model_dir, tokenizer):
         "max_position_embeddings"]
 
     def run(scenario: Callable[[grpc.aio.Channel], Awaitable[T]],
-            api_keys: dict[str, ApiKey] | None = None, scheduler_address: str | None = None) -> T:
+            api_keys: dict[str, ApiKey] | None = None, scheduler_address: str | None = None,
+            metrics=None) -> T:
         address = scheduler_address or stack.scheduler_address
 
         async def main() -> T:
@@ -73,7 +74,7 @@ def serve(stack, model_dir, tokenizer):
                                    served_model_names=("tiny",), api_keys=api_keys or {})
             generator = TextGenerator(address, tokenizer, max_model_len)
             server, port, health = create_aio_server("127.0.0.1:0")
-            names = add_generation_service(server, generator, config)
+            names = add_generation_service(server, generator, config, metrics=metrics)
             reflection.enable_server_reflection(
                 [*names, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
             await server.start()
@@ -455,3 +456,23 @@ def test_tokenization_runs_off_the_event_loop(serve, tokenizer, monkeypatch):
     loop_thread = serve(scenario)
     assert {name for name, _ in threads} == {"encode", "encode_chat"}
     assert all(thread is not loop_thread for _, thread in threads), threads
+
+
+def test_grpc_requests_count_in_the_gateways_metrics(serve):
+    """REST and gRPC traffic in the same figures (issue 15): one Generate shows in the
+    request, token and latency metrics the REST API updates."""
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics("tiny")
+
+    async def scenario(channel):
+        await collect(gateway_pb2_grpc.GenerationStub(channel).Generate(text_request("Hello", max_tokens=5)))
+
+    serve(scenario, metrics=metrics)
+    text = generate_latest(metrics.registry).decode()
+    assert 'pagoda:request_success_total{finished_reason="length",model_name="tiny"} 1.0' in text
+    assert 'pagoda:generation_tokens_total{model_name="tiny"} 5.0' in text
+    assert 'pagoda:time_to_first_token_seconds_count{model_name="tiny"} 1.0' in text
+    assert 'pagoda:api_requests_in_flight{model_name="tiny"} 0.0' in text

@@ -161,7 +161,7 @@ def test_docker_compose_reads_the_file_as_resolved_here(services) -> None:
 
 
 def test_the_stack_has_every_service(services) -> None:
-    assert set(services) == {*PAGODA_SERVICES, "redis"}
+    assert set(services) == {*PAGODA_SERVICES, "redis", "prometheus"}
     for name in PAGODA_SERVICES:
         service = services[name]
         assert service["image"] == services["gateway"]["image"], name  # one image, built once
@@ -194,7 +194,11 @@ def test_the_backend_services_agree(services, monkeypatch, capsys) -> None:
 
 def test_the_gateway_is_the_only_published_service(services, monkeypatch, capsys) -> None:
     published = {name for name, s in services.items() if s.get("ports")}
-    assert published == {"gateway"}
+    assert published == {"gateway", "prometheus"}  # (Prometheus' UI, on the host's loopback)
+    for name in published:
+        for port in services[name]["ports"]:
+            host = port.get("host_ip") if isinstance(port, dict) else str(port).split(":")[0]
+            assert host == "127.0.0.1", (name, port)
     gateway = parse(services["gateway"], monkeypatch, capsys)
     scheduler = parse(services["scheduler"], monkeypatch, capsys)
     assert gateway.scheduler == f"scheduler:{scheduler.port}"
