@@ -299,7 +299,8 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
         requests, KV usage, prefix-cache and preemption counters (read from the scheduler)."""
         try:
             gw.metrics.engine.stats = await generator.stats(timeout_s=1.0)
-        except grpc.aio.AioRpcError:
+        except Exception as exc:  # noqa: BLE001 - a scrape never fails: the engine shows as down
+            log.debug("metrics: no statistics from the scheduler: %s", exc)
             gw.metrics.engine.stats = None
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
