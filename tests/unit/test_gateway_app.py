@@ -357,6 +357,23 @@ def test_the_model_is_served_under_the_model_string_as_vllm_does(tokenizer):
     assert one.status_code == 200 and one.json()["id"] == path and missing.status_code == 404
 
 
+def test_metrics_scrape_survives_a_scheduler_that_does_not_answer(tokenizer):
+    async def go():
+        client, generator = make_client(tokenizer)
+
+        async def down(*args, **kwargs):
+            raise GenerationError(grpc.StatusCode.UNAVAILABLE, "the scheduler is down")
+
+        generator.stats = down
+        async with client:
+            return await client.get("/metrics")
+
+    metrics = run(go())
+    assert metrics.status_code == 200
+    assert 'pagoda:engine_up{model_name="tiny"} 0.0' in metrics.text
+    assert "pagoda:num_requests_running" not in metrics.text  # no stale engine figures
+
+
 def test_version_is_open_as_vllms(tokenizer):
     async def go():
         client, _ = make_client(tokenizer, api_keys={"sk-a": ApiKey()})
