@@ -160,7 +160,8 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
     )
     app.state.gateway = gw
     app.add_middleware(GatewayMiddleware, api_keys=config.api_keys,
-                       max_body_bytes=config.max_body_bytes, on_refused=gw.metrics.error)
+                       max_body_bytes=config.max_body_bytes, on_refused=gw.metrics.error,
+                       metrics_require_key=config.metrics_require_key)
     _add_error_handlers(app, gw)
 
     @app.get("/v1/models", tags=["OpenAI"], responses={401: _ERRORS[401]})

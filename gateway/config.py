@@ -49,6 +49,7 @@ class GatewayConfig:
     max_logprobs: int = 20
     max_num_prompts: int = 256  # prompts in one completions request
     grace_period_s: float = 30.0  # in-flight requests' time to finish on SIGTERM
+    metrics_require_key: bool = False  # with API keys: /metrics needs one too (default: open)
     # Rate limits: the defaults for keys without their own (or for the one anonymous
     # bucket without keys); None: not limited. redis_url: buckets shared across replicas.
     rate_limit_rpm: int | None = None

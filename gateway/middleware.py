@@ -35,8 +35,9 @@ class GatewayMiddleware:
     """
 
     def __init__(self, app: Any, api_keys: Mapping[str, ApiKey], max_body_bytes: int,
-                 on_refused: Callable[[int], None] | None = None) -> None:
+                 on_refused: Callable[[int], None] | None = None, metrics_require_key: bool = False) -> None:
         self.app = app
+        self._open_paths = OPEN_PATHS - {"/metrics"} if metrics_require_key else OPEN_PATHS
         # looked up by digest, so that no comparison of the secret itself leaks its length
         # or prefix through timing
         self._keys = {_digest(key): grant for key, grant in api_keys.items()}
@@ -49,7 +50,7 @@ class GatewayMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self._keys and scope["path"] not in OPEN_PATHS:
+        if self._keys and scope["path"] not in self._open_paths:
             if sum(1 for k, _ in scope["headers"] if k.lower() == b"authorization") > 1:
                 # one key per request: two could authenticate one and be charged to another
                 await self._refuse(send, 400, "more than one Authorization header",

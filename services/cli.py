@@ -280,6 +280,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             max_model_len=max_model_len,
             grace_period_s=args.grace_period,
+            metrics_require_key=args.metrics_require_key,
             rate_limit_rpm=args.rate_limit_rpm,
             rate_limit_tpm=args.rate_limit_tpm,
             redis_url=args.redis_url or "",
@@ -395,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gRPC port (pagoda.v1.Generation, health, reflection)")
     p.add_argument("--api-keys-file", default=_env("api_keys_file"),
                    help='JSON {"<key>": {"tenant": "...", "priority": 0}}; without it, no keys')
+    p.add_argument("--metrics-require-key", action="store_true",
+                   default=_env("metrics_require_key", False, lambda v: v.strip().lower() in ("1", "true", "yes")),
+                   help="with API keys, /metrics needs one too (default: open to scrapers, as /health)")
     p.add_argument("--api-key", nargs="+", metavar="KEY", default=_env("api_key", None, names),
                    help="keys clients send as `Authorization: Bearer KEY`, as vLLM's --api-key "
                         "(default tenant and priority; beside --api-keys-file)")

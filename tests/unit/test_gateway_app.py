@@ -374,6 +374,18 @@ def test_metrics_scrape_survives_a_scheduler_that_does_not_answer(tokenizer):
     assert "pagoda:num_requests_running" not in metrics.text  # no stale engine figures
 
 
+def test_metrics_can_require_a_key(tokenizer):
+    """Issue 16, defect 11: /metrics is open to scrapers by default; a setting closes it."""
+    async def go(require):
+        client, _ = make_client(tokenizer, api_keys={"sk-a": ApiKey()}, metrics_require_key=require)
+        async with client:
+            return (await client.get("/metrics")).status_code, (await client.get(
+                "/metrics", headers={"Authorization": "Bearer sk-a"})).status_code
+
+    assert run(go(False)) == (200, 200)
+    assert run(go(True)) == (401, 200)
+
+
 def test_version_is_open_as_vllms(tokenizer):
     async def go():
         client, _ = make_client(tokenizer, api_keys={"sk-a": ApiKey()})
