@@ -55,22 +55,26 @@ def apply_chunk(record: RequestRecord, chunk: dict, now_s: float) -> None:
 class HttpClient:
     """Streams `POST {base_url}/v1/completions` with the prompt as token ids."""
 
-    def __init__(self, base_url: str, model: str, concurrency: int, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, model: str, concurrency: int, timeout_s: float = 600.0,
+                 ignore_eos: bool = True) -> None:
         import httpx2
 
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.ignore_eos = ignore_eos  # vLLM's extra: every max_tokens token is generated
         self._http = httpx2.AsyncClient(
             timeout=httpx2.Timeout(timeout_s),
             limits=httpx2.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4),
         )
 
     def body(self, req: BenchRequest) -> dict:
-        return {
+        body = {
             "model": self.model, "prompt": list(req.prompt_ids), "max_tokens": req.max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True},
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
         }
+        if self.ignore_eos:  # (left out otherwise: servers without vLLM's extras refuse it)
+            body["ignore_eos"] = True
+        return body
 
     async def send(self, req: BenchRequest, record: RequestRecord) -> None:
         try:

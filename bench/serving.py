@@ -90,10 +90,7 @@ class _Counted:
 
 async def measure(target: Target, model: str, requests: list[BenchRequest], concurrency: int,
                   ignore_eos: bool, slo_ttft_ms: float, slo_tpot_ms: float) -> dict[str, Any]:
-    client = HttpClient(target.base_url, model, concurrency)
-    if not ignore_eos:
-        body = client.body
-        client.body = lambda req: {k: v for k, v in body(req).items() if k != "ignore_eos"}
+    client = HttpClient(target.base_url, model, concurrency, ignore_eos=ignore_eos)
     try:
         listed = await client.get_json("/v1/models")
         names = [m.get("id") for m in listed.get("data", [])]

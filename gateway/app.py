@@ -117,11 +117,8 @@ class Gateway:
                          params: GenerationParams, traceparent: str) -> AsyncIterator[streaming.Item]:
         """Every prompt's stream merged, with the request's metrics. Closing it (or
         cancelling its consumer) cancels every scheduler call."""
-        timer = self.metrics.request()
-        in_flight = self.metrics.in_flight.labels(self.config.model_name)
-        in_flight.inc()
         usage = Usage()
-        try:
+        with self.metrics.serving() as timer:
             ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
             streams = [self.generator.generate(p, params, rid, traceparent) for p, rid in zip(prompts, ids, strict=True)]
             async with contextlib.aclosing(streaming.merged(streams)) as merged:
@@ -132,8 +129,6 @@ class Gateway:
                         streaming.add_usage(usage, item.usage)
                     yield i, item
             timer.on_finished(usage.prompt_tokens, usage.completion_tokens)
-        finally:
-            in_flight.dec()
 
 
 def _echo_texts(prompt: Any, prompts: Sequence[list[int]], tokenizer: Any) -> list[str]:

@@ -339,42 +339,40 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         await context.send_initial_metadata((("x-request-id", request_id),))
         events = self.generator.generate(prompt_ids, params, request_id,
                                          str(metadata.get("traceparent", "")))
-        timer = self.metrics.request() if self.metrics is not None else None
-        in_flight = self.metrics.in_flight.labels(self.metrics.model_name) if self.metrics is not None else None
-        if in_flight is not None:
-            in_flight.inc()
+        serving = self.metrics.serving() if self.metrics is not None else contextlib.nullcontext()
         # A choice's last delta waits for the next event, so that when it is the request's
         # last the usage rides on the same message.
         held: gateway_pb2.TextGenerateResponse | None = None
         try:
-            async with contextlib.aclosing(events):  # a cancelled call aborts downstream
-                async for event in events:
-                    if timer is not None:  # the same figures as REST requests
+            with serving as timer:
+                async with contextlib.aclosing(events):  # a cancelled call aborts downstream
+                    async for event in events:
+                        if timer is not None:  # the same figures as REST requests
+                            if isinstance(event, Finished):
+                                timer.on_finished(event.usage.prompt_tokens, event.usage.completion_tokens)
+                            else:
+                                timer.on_delta((0, event.index), len(event.token_ids), event.finish_reason)
                         if isinstance(event, Finished):
-                            timer.on_finished(event.usage.prompt_tokens, event.usage.completion_tokens)
+                            msg = held or gateway_pb2.TextGenerateResponse(request_id=request_id)
+                            held = None
+                            u = event.usage
+                            msg.usage.CopyFrom(common_pb2.Usage(
+                                num_prompt_tokens=u.prompt_tokens,
+                                num_completion_tokens=u.completion_tokens,
+                                num_cached_tokens=u.cached_tokens,
+                                num_preemptions=u.preemptions,
+                            ))
+                            msg.timeline.extend(event.timeline)
+                            yield msg
+                            continue
+                        if held is not None:
+                            yield held
+                            held = None
+                        msg = response_from_delta(request_id, event)
+                        if event.finish_reason is None:
+                            yield msg
                         else:
-                            timer.on_delta((0, event.index), len(event.token_ids), event.finish_reason)
-                    if isinstance(event, Finished):
-                        msg = held or gateway_pb2.TextGenerateResponse(request_id=request_id)
-                        held = None
-                        u = event.usage
-                        msg.usage.CopyFrom(common_pb2.Usage(
-                            num_prompt_tokens=u.prompt_tokens,
-                            num_completion_tokens=u.completion_tokens,
-                            num_cached_tokens=u.cached_tokens,
-                            num_preemptions=u.preemptions,
-                        ))
-                        msg.timeline.extend(event.timeline)
-                        yield msg
-                        continue
-                    if held is not None:
-                        yield held
-                        held = None
-                    msg = response_from_delta(request_id, event)
-                    if event.finish_reason is None:
-                        yield msg
-                    else:
-                        held = msg
+                            held = msg
             if held is not None:
                 yield held
         except GenerationError as exc:
@@ -382,6 +380,3 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         except Exception:  # a bug: log it with the request id; the caller sees INTERNAL
             log.exception("request %s failed", request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request {request_id})")
-        finally:
-            if in_flight is not None:
-                in_flight.dec()

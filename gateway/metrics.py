@@ -9,7 +9,9 @@ and waiting, KV usage, prefix-cache counters, preemptions), read from the schedu
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -59,6 +61,16 @@ class GatewayMetrics:
 
     def request(self) -> RequestTimer:
         return RequestTimer(self)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[RequestTimer]:
+        """One generation request (REST or gRPC): counted in flight while it runs; its timer."""
+        in_flight = self.in_flight.labels(self.model_name)
+        in_flight.inc()
+        try:
+            yield self.request()
+        finally:
+            in_flight.dec()
 
     def error(self, status: int) -> None:
         self.request_errors.labels(self.model_name, str(status)).inc()

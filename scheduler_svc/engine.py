@@ -349,15 +349,6 @@ class Engine:
         live = self._live.get(request_id)
         if live is None:
             return False
-        if index is not None and live.request.options.n == 1:  # its one choice stopped
-            request = self.planner.abort(request_id, self.clock())
-            self._live.pop(request_id, None)
-            if request is not None:
-                self.num_finished += 1
-                self.metrics.on_finished("stop", self.clock() - request.arrival_s)
-                live.outputs.put_nowait(self._final(live, error=None))
-            self._wake()
-            return request is not None
         if index is not None and live.request.options.n > 1:
             finished = self.planner.finish_choice(request_id, index, self.clock())
             if finished is not None:
@@ -367,13 +358,17 @@ class Engine:
                 live.outputs.put_nowait(self._final(live, error=None))
             self._wake()
             return True
+        stopped = index is not None  # the one choice of a request ended at the gateway
         request = self.planner.abort(request_id, self.clock())
         self._live.pop(request_id, None)
         if request is not None:
-            self.num_aborted += 1
-            self.metrics.on_finished("abort", self.clock() - request.arrival_s)
-            self._emit_trace({"event": "aborted", "request_id": request_id})
-            live.outputs.put_nowait(self._final(live, error=None, aborted=True))
+            if stopped:
+                self.num_finished += 1
+            else:
+                self.num_aborted += 1
+                self._emit_trace({"event": "aborted", "request_id": request_id})
+            self.metrics.on_finished("stop" if stopped else "abort", self.clock() - request.arrival_s)
+            live.outputs.put_nowait(self._final(live, error=None, aborted=not stopped))
         self._wake()
         return request is not None
 

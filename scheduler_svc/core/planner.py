@@ -259,7 +259,7 @@ class Planner:
         if len(self.queue):
             return True
         return any(
-            not s.is_finished and (s.seq_id not in self._busy or self._speculable(s, grow=True))
+            not s.is_finished and (s.seq_id not in self._busy or self._speculable(s))
             for r in self.running
             for s in r.sequences
         ) or any(len(r.sequences) < r.options.n and not self._fork_blocked(r) for r in self.running)
@@ -293,7 +293,7 @@ class Planner:
             if phase_prefill and cfg.async_decode:
                 for request in self.running:
                     for seq in request.sequences:
-                        if n_seqs >= seq_cap or budget <= 0 or not self._speculable(seq, grow=True):
+                        if n_seqs >= seq_cap or budget <= 0 or not self._speculable(seq):
                             continue
                         if seq.num_tokens == len(seq.block_table) * cfg.block_size:
                             # its token starts a block: the KV service allocates it now, ahead
@@ -755,12 +755,12 @@ class Planner:
         if self._last_record.get(record.seq_id) is record:
             del self._last_record[record.seq_id]
 
-    def _speculable(self, seq: Sequence, grow: bool = False) -> bool:
+    def _speculable(self, seq: Sequence) -> bool:
         """Whether a step may compute this sequence's next token before it is known: its one
-        step in flight samples that token, the token stays in the block it has (or, with
-        `grow`, starts the next one, which the KV service then holds ahead for it), and that
-        step cannot be its last by length (a stop token is not foreseen: then one step is
-        wasted and its token never emitted)."""
+        step in flight samples that token, the token fits the blocks it has or starts the next
+        one (which the KV service then holds ahead for it), and that step cannot be its last
+        by length (a stop token is not foreseen: then one step is wasted and its token never
+        emitted)."""
         if not self.config.async_decode or seq.is_finished or not seq.has_kv:
             return False
         if self.config.pipeline_parallel_size > 1 and not self.feedback:
@@ -770,8 +770,7 @@ class Planner:
             return False
         pos = record.context_len
         request = seq.request
-        room = len(seq.block_table) * self.config.block_size
-        return (pos == seq.num_tokens and (pos < room or grow and pos == room)
+        return (pos == seq.num_tokens and pos <= len(seq.block_table) * self.config.block_size
                 and len(seq.output) + 1 < request.options.max_tokens
                 and pos + 1 < self.config.max_model_len and self._target(seq) == seq.num_tokens)
 
