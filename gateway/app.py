@@ -213,11 +213,12 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
             first = await streaming.first_item(request, items)
             return streaming.EventStream(streaming.chat_events(
                 request_id, created, model, first, items, body.n, body.logprobs,
-                body.return_token_ids, body.stream_options, len(prompt)), items, request_id)
+                body.return_token_ids, body.stream_options, len(prompt), params.tool_calling),
+                items, request_id)
         choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
         payload = fmt.chat_response(request_id, created, model, choices, usage, body.logprobs,
                                     prompt if body.return_token_ids else None,
-                                    body.prompt_logprobs)
+                                    body.prompt_logprobs, params.tool_calling)
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
 
     @app.post("/tokenize", tags=["vLLM"], response_model_exclude_none=True,

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import grpc
 
+from gateway.tools import ToolCalling
 from services import telemetry
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -62,6 +63,8 @@ class GenerationParams:
     # max_tokens 0: the prompt is computed (and scored when asked); the one token the engine
     # samples after it is not returned
     prompt_only: bool = False
+    # chat with tools: how the output becomes tool calls (gateway.tools)
+    tool_calling: ToolCalling | None = None
 
 
 class TopToken(NamedTuple):

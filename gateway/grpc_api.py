@@ -42,6 +42,8 @@ from gateway.ratelimit import (
     key_salt,
     token_cost,
 )
+from services import grammar
+from services.grammar import GrammarError
 from services.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.sampling_pb import options_from_pb
 
@@ -119,6 +121,11 @@ def params_from_pb(
         raise _invalid(f"{where}.{field}", why) from None
     if sampling.n > limits.max_n:
         raise _invalid(f"{where}.n", f"at most {limits.max_n}, got {sampling.n}")
+    if sampling.structured is not None:
+        try:
+            grammar.check(sampling.structured)
+        except GrammarError as exc:
+            raise _invalid(f"{where}.structured_output.{sampling.structured.kind}", str(exc)) from None
     for i, token_id in enumerate(sampling.stop_token_ids):
         if token_id >= limits.vocab_size:
             raise _invalid(f"{where}.stop_token_ids[{i}]",

@@ -13,7 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway import tools
 from gateway.core import ChoiceDelta, TokenLogprob, Usage
+from gateway.tools import ToolCalling
 
 # JSON has no infinities: a token of probability 0 gets this instead of -inf (as vLLM).
 MIN_LOGPROB = -9999.0
@@ -216,7 +218,10 @@ def completion_response(request_id: str, created: int, model: str, choices: list
 
 def chat_response(request_id: str, created: int, model: str, choices: list[ChoiceResult],
                   usage: Usage, want_logprobs: bool,
-                  prompt: list[int] | None, prompt_logprobs: int | None = None) -> dict[str, Any]:
+                  prompt: list[int] | None, prompt_logprobs: int | None = None,
+                  calling: ToolCalling | None = None) -> dict[str, Any]:
+    """`calling`: the request forced tool calls (gateway.tools), so each choice's output is
+    returned as its calls."""
     extra = {}
     if prompt_logprobs is not None:  # vLLM: once for the request, beside the choices
         extra["prompt_logprobs"] = prompt_logprobs_body(
@@ -224,9 +229,9 @@ def chat_response(request_id: str, created: int, model: str, choices: list[Choic
     return {**extra,
         "id": request_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [_extras({"index": c.index,
-                             "message": {"role": "assistant", "content": c.text},
-                             "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
-                             "finish_reason": c.finish_reason},
+                             **dict(zip(("message", "finish_reason"),
+                                        tools.message(calling, c.text, c.finish_reason), strict=True)),
+                             "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None},
                             c.stop_reason, c.token_ids if prompt is not None else None, None)
                     for c in choices],
         "usage": usage_body(usage),

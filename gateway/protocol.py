@@ -8,7 +8,7 @@ anyway, so that a request that sets them is refused by name instead of being ign
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
@@ -125,6 +125,36 @@ class _SamplingFields(BaseModel):
         return check_stop(value)
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`, as OpenAI's API has it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="The JSON Schema the output follows.")
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced.")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json", description="A JSON Schema.")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="A Lark or GBNF grammar.")
+    json_object: bool | None = None
+
+
 class _OpenAIFields(_SamplingFields):
     model: str | None = Field(None, description="The served model's name; default: it.")
     n: int = Field(1, ge=1, description="Choices per prompt.")
@@ -135,6 +165,17 @@ class _OpenAIFields(_SamplingFields):
     prompt_logprobs: int | None = Field(
         None, ge=0, description="vLLM: each prompt token's log-probability given the ones before "
         "it, with this many alternatives (not with stream). Served without the prefix cache.")
+    # structured output (docs/structured-output.md): at most one of these
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI: text, json_object, or json_schema with its schema.")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM: one of json, regex, choice, grammar, json_object.")
+    guided_json: str | dict[str, Any] | None = Field(None, description="vLLM: a JSON Schema.")
+    guided_regex: str | None = Field(None, description="vLLM: a regular expression.")
+    guided_choice: list[str] | None = Field(None, description="vLLM: the output is one of these.")
+    guided_grammar: str | None = Field(None, description="vLLM: a Lark or GBNF grammar.")
+    guided_decoding_backend: str | None = Field(
+        None, description="vLLM: only 'auto', 'guidance' or 'llguidance' (what Pagoda uses).")
 
 
 class CompletionRequest(_OpenAIFields):
@@ -175,12 +216,6 @@ class ChatMessage(BaseModel):
     check_unicode = field_validator("role", "content", "name")(check_text)
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-
-
 class ChatCompletionRequest(_OpenAIFields):
     """`POST /v1/chat/completions`."""
 
@@ -189,9 +224,14 @@ class ChatCompletionRequest(_OpenAIFields):
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
-    tools: list[dict[str, Any]] | None = Field(None, description="Refused: no tool calling yet.")
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="Functions the model may call (given to the chat template); see tool_choice.")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="'none', 'required' (a list of calls), or {\"type\": \"function\", \"function\": "
+        "{\"name\": ...}}; 'auto' (the default with tools) is refused: no parser for the model's "
+        "tool-call syntax (docs/structured-output.md).")
+    parallel_tool_calls: bool = Field(True, description="With tool_choice 'required': false allows "
+                                                        "exactly one call.")
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = Field(False, description="Refused: not supported.")
@@ -245,7 +285,8 @@ class TokenizeChatRequest(BaseModel):
     return_token_strs: bool = Field(False, description="Also return each token's vocabulary entry.")
     continue_final_message: bool = Field(False, description="Refused: not supported.")
     chat_template: str | None = Field(None, description="Refused: the model's own template is used.")
-    tools: list[dict[str, Any]] | None = Field(None, description="Refused: no tool calling yet.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Given to the chat template, as "
+                                                                 "/v1/chat/completions does.")
 
 
 # A discriminated union's tag shows in the location of its errors, after "body"; these tags

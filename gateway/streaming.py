@@ -18,8 +18,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from gateway import openai_format as fmt
+from gateway import tools
 from gateway.core import ChoiceDelta, Finished, GenerationError, Usage
 from gateway.errors import error_body, status_for
+from gateway.tools import ToolCalling
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -211,14 +213,45 @@ def completion_events(request_id: str, created: int, model: str, first: Item,
 
 def chat_events(request_id: str, created: int, model: str, first: Item, items: AsyncIterator[Item],
                  n: int, want_logprobs: bool, want_token_ids: bool, options: Any,
-                 num_prompt_tokens: int) -> AsyncIterator[bytes]:
+                 num_prompt_tokens: int, calling: ToolCalling | None = None) -> AsyncIterator[bytes]:
+    """`calling` (forced tool calls): a named function's arguments stream as tool-call
+    deltas; "required" calls come in one chunk once a choice's output is complete."""
     opening = [fmt.chat_chunk(request_id, created, model, i, None, False, False) for i in range(n)]
+    held: dict[int, list[str]] = {}  # "required": each choice's output so far
 
     def chunk(prompt_index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if calling is not None:
+            return _tool_chunk(delta)
         if not delta.text and delta.finish_reason is None and not (want_logprobs or want_token_ids):
             return None
         return fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs,
                               want_token_ids)
+
+    def _tool_chunk(delta: ChoiceDelta) -> dict[str, Any] | None:
+        payload = fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs,
+                                 want_token_ids)
+        choice = payload["choices"][0]
+        if calling.name is not None:  # a named function: the text is its arguments
+            choice["delta"] = ({"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
+                               if delta.text else {})
+        else:
+            held.setdefault(delta.index, []).append(delta.text)
+            choice["delta"] = {}
+            if delta.finish_reason is not None:
+                message, choice["finish_reason"] = tools.message(
+                    calling, "".join(held.pop(delta.index)), delta.finish_reason)
+                choice["delta"] = {k: v for k, v in message.items() if k != "role" and v is not None}
+                for k, call in enumerate(choice["delta"].get("tool_calls", ())):
+                    call["index"] = k
+            elif not (want_logprobs or want_token_ids):
+                return None
+        return payload
+
+    if calling is not None and calling.name is not None:  # the call opens each choice
+        for payload in opening:
+            payload["choices"][0]["delta"] = {"role": "assistant", "content": None, "tool_calls": [{
+                "index": 0, "id": tools.call_id(), "type": "function",
+                "function": {"name": calling.name, "arguments": ""}}]}
 
     return _events(request_id, first, items, bool(options and options.include_usage),
                    bool(options and options.include_usage and options.continuous_usage_stats),

@@ -29,7 +29,9 @@ from gateway.protocol import (
     _OpenAIFields,
     _SamplingFields,
 )
-from services.sampling import MAX_LOGIT_BIAS_ENTRIES, SamplingOptions
+from gateway.tools import declared_tools, tool_calling
+from services import grammar
+from services.sampling import MAX_LOGIT_BIAS_ENTRIES, SamplingOptions, StructuredOutput
 from services.text import Tokenizer
 
 UINT64 = 2**64
@@ -99,14 +101,16 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, limits: Mod
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
     """The conversation through the model's chat template, as token ids."""
-    ids = _chat_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tokenizer)
+    ids = _chat_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tokenizer,
+                    tools=req.tools)
     check_prompt_ids(ids, limits, "messages")
     return ids
 
 
 def _chat_ids(messages: Sequence[ChatMessage], add_generation_prompt: bool,
               chat_template_kwargs: dict[str, Any] | None, tokenizer: Tokenizer,
-              add_special_tokens: bool | None = None) -> list[int]:
+              add_special_tokens: bool | None = None, tools: list[dict[str, Any]] | None = None
+              ) -> list[int]:
     """What chat completions and /tokenize share: text parts joined, the template applied."""
     plain_messages = []
     for i, message in enumerate(messages):
@@ -126,7 +130,8 @@ def _chat_ids(messages: Sequence[ChatMessage], add_generation_prompt: bool,
         raise invalid("chat_template_kwargs", f"may not set {', '.join(reserved)}")
     try:
         return tokenizer.encode_chat(plain_messages, add_generation_prompt=add_generation_prompt,
-                                     add_special_tokens=add_special_tokens, **kwargs)
+                                     tools=tools or None, add_special_tokens=add_special_tokens,
+                                     **kwargs)
     except ValueError as exc:  # ChatTemplateError: no template, or the template refused
         raise invalid("messages", str(exc)) from exc
 
@@ -165,9 +170,9 @@ def tokenize_ids(req: TokenizeCompletionRequest | TokenizeChatRequest,
     if req.chat_template is not None:
         raise invalid("chat_template", "not supported: the model's own template is used")
     if req.tools:
-        raise invalid("tools", "tool calling is not supported")
+        declared_tools(req.tools)
     return _chat_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tokenizer,
-                     req.add_special_tokens)
+                     req.add_special_tokens, req.tools)
 
 
 def detokenize_ids(req: DetokenizeRequest, limits: ModelLimits) -> list[int]:
@@ -203,6 +208,68 @@ def _logit_bias(value: dict[str, float] | None, limits: ModelLimits) -> tuple[tu
             raise invalid("logit_bias", f"token id {token_id} appears twice")
         pairs[token_id] = float(bias)
     return tuple(sorted(pairs.items()))
+
+
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
+
+
+def structured_output(req: _OpenAIFields) -> StructuredOutput | None:
+    """The request's structured output, from whichever of OpenAI's and vLLM's spellings it
+    used (at most one), compiled once to check it: a 400 naming the field otherwise."""
+    found: list[tuple[str, StructuredOutput]] = []
+
+    def make(param: str, kind: str, spec: Any = "", choices: Any = ()) -> None:
+        if kind == "json_schema" and isinstance(spec, dict):
+            spec = json.dumps(spec)
+        try:
+            found.append((param, StructuredOutput(kind, spec, tuple(choices))))
+        except ValueError as exc:
+            raise invalid(param, str(exc).partition(": ")[2]) from None
+
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            if rf.json_schema is not None:
+                raise invalid("response_format.json_schema", "only with type json_schema")
+            make("response_format", "json_object")
+        elif rf.json_schema is None:
+            raise invalid("response_format.json_schema", "type json_schema needs json_schema.schema")
+        else:
+            make("response_format.json_schema.schema", "json_schema", rf.json_schema.schema_)
+    so = req.structured_outputs
+    if so is not None:
+        for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                            ("grammar", so.grammar)):
+            if value is not None:
+                kind = {"json": "json_schema"}.get(name, name)
+                if name == "choice":
+                    make(f"structured_outputs.{name}", kind, choices=value)
+                else:
+                    make(f"structured_outputs.{name}", kind, value)
+        if so.json_object:
+            make("structured_outputs.json_object", "json_object")
+    if req.guided_json is not None:
+        make("guided_json", "json_schema", req.guided_json)
+    if req.guided_regex is not None:
+        make("guided_regex", "regex", req.guided_regex)
+    if req.guided_choice is not None:
+        make("guided_choice", "choice", choices=req.guided_choice)
+    if req.guided_grammar is not None:
+        make("guided_grammar", "grammar", req.guided_grammar)
+    backend = req.guided_decoding_backend
+    if backend is not None and backend not in GRAMMAR_BACKENDS:
+        raise invalid("guided_decoding_backend", f"{backend!r} is not available; Pagoda's structured "
+                                                 f"output runs on llguidance ({', '.join(GRAMMAR_BACKENDS)})")
+    if len(found) > 1:
+        raise invalid(found[1][0], f"only one structured output per request; {found[0][0]} is set too")
+    if not found:
+        return None
+    param, spec = found[0]
+    try:
+        grammar.check(spec)
+    except grammar.GrammarError as exc:
+        raise invalid(param, str(exc)) from None
+    return spec
 
 
 def _refuse_unsupported(req: _SamplingFields) -> None:
@@ -299,7 +366,8 @@ def completion_params(req: CompletionRequest, prompts: Sequence[Sequence[int]],
                            logprobs=req.logprobs, prompt_logprobs=max(wanted) if wanted else None)
         return replace(params, prompt_only=True)
     return _sampling(req, limits, _max_tokens(req.max_tokens, prompts, limits, "max_tokens"), key,
-                     n=req.n, logprobs=req.logprobs, prompt_logprobs=max(wanted) if wanted else None)
+                     n=req.n, logprobs=req.logprobs, prompt_logprobs=max(wanted) if wanted else None,
+                     structured=structured_output(req))
 
 
 def _check_prompt_logprobs(value: int | None, config: GatewayConfig) -> None:
@@ -311,13 +379,11 @@ def chat_params(req: ChatCompletionRequest, prompt: Sequence[int], limits: Model
                 config: GatewayConfig, key: ApiKey | None = None) -> GenerationParams:
     if req.echo:
         raise invalid("echo", "echoing the prompt is not supported; leave echo false")
-    if req.tools:
-        raise invalid("tools", "tool calling is not supported")
-    if req.tool_choice not in (None, "none"):
-        raise invalid("tool_choice", "tool calling is not supported")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise invalid("response_format", f"only type 'text' is supported, got "
-                                         f"{req.response_format.type!r}")
+    calling, tool_output = tool_calling(req.tools, req.tool_choice, req.parallel_tool_calls)
+    structured = structured_output(req)
+    if tool_output is not None and structured is not None:
+        raise invalid("tool_choice", "a tool call is already structured output; drop response_format "
+                                     "and the guided_* fields")
     _check_n(req.n, config)
     if req.top_logprobs is not None:
         if not req.logprobs:
@@ -332,9 +398,10 @@ def chat_params(req: ChatCompletionRequest, prompt: Sequence[int], limits: Model
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _check_prompt_logprobs(req.prompt_logprobs, config)
-    return _sampling(req, limits, _max_tokens(max_tokens, [prompt], limits, param), key,
-                     n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                     prompt_logprobs=req.prompt_logprobs)
+    params = _sampling(req, limits, _max_tokens(max_tokens, [prompt], limits, param), key,
+                       n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                       prompt_logprobs=req.prompt_logprobs, structured=structured or tool_output)
+    return replace(params, tool_calling=calling)
 
 
 def generate_params(req: GenerateRequest, prompt: Sequence[int], limits: ModelLimits,

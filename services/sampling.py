@@ -15,8 +15,50 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 _MAX_SEED = 2**64 - 1
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 65536  # a schema, regex or grammar's text (both front doors)
+MAX_CHOICES = 256
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them overflows float32.
 GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a choice may generate (structured output), applied by the last
+    stage's sampler as a token mask each step (`services.grammar` turns it into a grammar).
+
+    kind: "json_schema" (`spec`: a JSON Schema as JSON text), "json_object" (any JSON
+    object; `spec` empty), "regex" (`spec`: a regular expression the whole output matches),
+    "choice" (`choices`: the output is exactly one of them), "grammar" (`spec`: a Lark or
+    GBNF grammar). The text is bounded here (MAX_STRUCTURED_CHARS, MAX_CHOICES); whether it
+    compiles is checked where a request enters (`services.grammar.check`).
+    """
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured_output: kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                             f"got {self.kind!r}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_CHARS:
+            raise ValueError(f"structured_output: the {self.kind} may have at most "
+                             f"{MAX_STRUCTURED_CHARS} characters")
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if self.kind == "choice":
+            if not self.choices or len(self.choices) > MAX_CHOICES:
+                raise ValueError(f"structured_output: choice needs 1 to {MAX_CHOICES} strings, "
+                                 f"got {len(self.choices)}")
+            if not all(isinstance(c, str) and c for c in self.choices):
+                raise ValueError("structured_output: choices must be non-empty strings")
+            if sum(map(len, self.choices)) > MAX_STRUCTURED_CHARS:
+                raise ValueError(f"structured_output: choices may have at most "
+                                 f"{MAX_STRUCTURED_CHARS} characters together")
+        elif self.choices:
+            raise ValueError(f"structured_output: choices are only for kind 'choice', not {self.kind!r}")
+        elif self.kind != "json_object" and not self.spec:
+            raise ValueError(f"structured_output: the {self.kind} is empty")
 
 
 @dataclass(frozen=True)
@@ -44,8 +86,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
+    structured: StructuredOutput | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be None or StructuredOutput, got {self.structured!r}")
         if (
             not _is_real(self.temperature)
             or not math.isfinite(self.temperature)
@@ -94,6 +139,12 @@ class SamplingParams:
         """Penalties need the sequence's history (SampleRow.history on its first row)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_history(self) -> bool:
+        """Penalties and a grammar (whose state is rebuilt from the output so far) need the
+        sequence's history on its first sampling row."""
+        return self.uses_penalties or self.structured is not None
 
     @property
     def is_greedy(self) -> bool:
@@ -147,6 +198,7 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     prompt_logprobs: int | None = None  # score the prompt, with this many alternatives
+    structured: StructuredOutput | None = None  # structured output: a grammar to follow
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -213,5 +265,5 @@ def sampling_params(o: SamplingOptions, eos_token_ids: tuple[int, ...]) -> Sampl
         seed=o.seed, num_logprobs=o.logprobs, min_tokens=o.min_tokens,
         stop_token_ids=o.stop_token_ids, eos_token_ids=eos_token_ids, ignore_eos=o.ignore_eos,
         presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
-        repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias,
+        repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias, structured=o.structured,
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.sampling import SamplingOptions
+from services.sampling import SamplingOptions, StructuredOutput
 
 
 def options_to_pb(o: SamplingOptions, msg) -> None:
@@ -29,6 +29,7 @@ def options_to_pb(o: SamplingOptions, msg) -> None:
     set_penalties(msg, o.presence_penalty, o.frequency_penalty, o.repetition_penalty, o.logit_bias)
     if o.prompt_logprobs is not None:
         msg.prompt_logprobs = o.prompt_logprobs
+    structured_to_pb(o.structured, msg)
 
 
 def options_from_pb(msg) -> SamplingOptions:
@@ -54,7 +55,36 @@ def options_from_pb(msg) -> SamplingOptions:
         repetition_penalty=opt("repetition_penalty", 1.0),
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         prompt_logprobs=opt("prompt_logprobs"),
+        structured=structured_from_pb(msg),
     )
+
+
+def structured_to_pb(s: StructuredOutput | None, msg) -> None:
+    """A constraint into a `SamplingParams` message's `structured_output` (None: unset)."""
+    if s is None:
+        return
+    out = msg.structured_output
+    if s.kind == "json_object":
+        out.json_object = True
+    elif s.kind == "choice":
+        out.choice.choices.extend(s.choices)
+    else:
+        setattr(out, s.kind, s.spec)
+
+
+def structured_from_pb(msg) -> StructuredOutput | None:
+    """`SamplingParams.structured_output` as a constraint (ValueError naming what is wrong)."""
+    if not msg.HasField("structured_output"):
+        return None
+    out = msg.structured_output
+    kind = out.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object") if out.json_object else None
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(out.choice.choices))
+    return StructuredOutput(kind, getattr(out, kind))
 
 
 def set_penalties(params, presence_penalty: float, frequency_penalty: float,

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from services.pb import common_pb2, worker_pb2
 from services.sampling import SamplingParams
-from services.sampling_pb import set_penalties, set_top_logprobs
+from services.sampling_pb import (
+    set_penalties,
+    set_top_logprobs,
+    structured_from_pb,
+    structured_to_pb,
+)
 from services.step import (
     CachedSeq,
     NewSeq,
@@ -45,6 +50,7 @@ def sampling_params_to_pb(p: SamplingParams, out: common_pb2.SamplingParams) -> 
     out.stop_token_ids.extend(p.stop_token_ids)
     out.ignore_eos = p.ignore_eos
     set_penalties(out, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias)
+    structured_to_pb(p.structured, out)
 
 
 def sampling_params_from_pb(p: common_pb2.SamplingParams, eos_token_ids) -> SamplingParams:
@@ -64,6 +70,7 @@ def sampling_params_from_pb(p: common_pb2.SamplingParams, eos_token_ids) -> Samp
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
             logit_bias=tuple(p.logit_bias.items()),
+            structured=structured_from_pb(p),
         )
     except ValueError as exc:
         raise PlanDecodeError(f"sampling parameters: {exc}") from exc

@@ -83,7 +83,7 @@ def build(compiler: str | None = None) -> Path:
 
 class PagedDecodeKernel:
     """ctypes bindings of the library's kernels (`pagoda_paged_decode_f32`,
-    `pagoda_rope_write_f32`, `pagoda_argmax_f32`); see csrc/paged_decode.c for the layouts."""
+    `pagoda_rope_write_f32`, `pagoda_argmax_f32`, `pagoda_mask_f32`); see csrc/paged_decode.c for the layouts."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -100,6 +100,10 @@ class PagedDecodeKernel:
         argmax.restype = None
         argmax.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
         self._argmax = argmax
+        mask = lib.pagoda_mask_f32
+        mask.restype = None
+        mask.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64]
+        self._mask = mask
         self._pool: ThreadPoolExecutor | None = None
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,6 +112,12 @@ class PagedDecodeKernel:
         out = torch.empty(x.shape[0], dtype=torch.long)
         self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
         return out
+
+    def mask(self, x: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Sets `x[r, i]` to -inf in place wherever bit i % 32 of `bitmask[r, i // 32]` is 0;
+        x a 2-D float32 CPU tensor with contiguous rows, bitmask int32 [rows, ceil(cols / 32)]
+        contiguous."""
+        self._mask(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), bitmask.data_ptr(), bitmask.shape[1])
 
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                    k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:

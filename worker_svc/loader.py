@@ -117,6 +117,7 @@ def load_stage(
     model = StageModel(
         config, start, end, is_first=stage == 0, is_last=stage == num_stages - 1, device=device
     )
+    model.source_dir = str(model_dir)  # the checkpoint folder (its tokenizer: structured output)
     expected = model.expected_tensors()
     where = weight_files(model_dir)
     by_file: dict[Path, list[str]] = {}

@@ -197,6 +197,7 @@ class StageModel(nn.Module):
         self.config = config
         self.start, self.end = start, end
         self.is_first, self.is_last = is_first, is_last
+        self.source_dir: str | None = None  # the checkpoint folder, set by load_stage
         # Weights come from the checkpoint (load_state_dict(assign=True)): build them on the
         # meta device so that nothing is allocated or initialised twice.
         with torch.device("meta"):

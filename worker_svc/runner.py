@@ -28,6 +28,7 @@ from worker_svc.errors import InvalidPlanError
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.model import StageModel
 from worker_svc.sampler import Sampler, SamplerOutput, SampleRow
+from worker_svc.structured import GrammarBank
 
 
 @dataclass
@@ -83,7 +84,8 @@ class StageRunner:
             kv_dtype or self.dtype,
             self.device,
         )
-        self.sampler = Sampler() if model.is_last else None
+        self.sampler = (Sampler(GrammarBank(model.source_dir, config.vocab_size))
+                        if model.is_last else None)
         self.batch = PersistentBatch(StageShape(
             is_first=model.is_first, is_last=model.is_last, num_blocks=num_blocks, block_size=block_size,
             max_positions=config.max_position_embeddings, vocab_size=config.vocab_size,
@@ -170,7 +172,7 @@ class StageRunner:
     def _sample_row(self, row: Row) -> SampleRow:
         s = row.state
         history = None
-        if s.sampling.uses_penalties:
+        if s.sampling.needs_history:
             known = self.sampler.state(s.seq_id)
             if known is None or not known.has_history:
                 history = (tuple(s.token_ids[: s.prompt_len]), tuple(s.token_ids[s.prompt_len:]))

@@ -31,6 +31,7 @@ import torch
 
 from services.sampling import GREEDY_TEMPERATURE, SamplingParams
 from worker_svc.errors import InvalidPlanError
+from worker_svc.structured import GrammarBank
 
 _MASK32 = 0xFFFFFFFF
 _MAX_SEED = 2**64 - 1
@@ -54,8 +55,9 @@ class SampleRow:
     it once per sequence (e.g. from os.urandom at admission) and keeps it across preemption.
 
     history: (prompt token ids, output token ids so far) for a sequence whose params use
-    penalties, on its first row; it (re)starts the sampler's state of that sequence, whose
-    later outputs the sampler records itself.
+    penalties or structured output, on its first row; it (re)starts the sampler's state of
+    that sequence (its grammar's state is rebuilt from the output), whose later outputs the
+    sampler records itself.
     """
 
     seq_id: int
@@ -125,6 +127,7 @@ class SequenceSamplerState:
     has_history: bool = False
     key_source: tuple[int, int] | None = None
     key_prefix: tuple[int, int] = (0, 0)
+    matcher: object | None = None  # structured output: the grammar's state (llguidance)
     output_token_counts: Counter[int] = field(init=False, repr=False)
     prompt_token_id_set: frozenset[int] = field(init=False, repr=False)
 
@@ -153,8 +156,9 @@ class Sampler:
     (seed, choice_index, output_position), never on the rest of the batch.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, grammars: GrammarBank | None = None) -> None:
         self._states: dict[int, SequenceSamplerState] = {}
+        self.grammars = grammars  # structured output (None: refused)
 
     @property
     def num_live_states(self) -> int:
@@ -187,15 +191,21 @@ class Sampler:
 
         for row in rows:
             state = self._states.get(row.seq_id)
-            if row.params.uses_penalties and row.history is None and (
+            if row.params.needs_history and row.history is None and (
                     state is None or not state.has_history):
-                raise InvalidPlanError(
-                    f"sequence {row.seq_id}: penalties need its history on its first sampling row")
+                raise InvalidPlanError(f"sequence {row.seq_id}: penalties and structured output "
+                                       "need its history on its first sampling row")
+            if row.params.structured is not None and self.grammars is None:
+                raise InvalidPlanError(f"sequence {row.seq_id}: this stage has no structured output")
         states = [self._state_for(row) for row in rows]
         logits = logits.float()  # [num_rows, vocab]
         masked = _apply_logit_bias(logits, rows)
         masked = _apply_min_tokens_masks(masked, rows)
         masked = _apply_penalties(masked, rows, states)
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if constrained:
+            masked = self._apply_grammars(logits, masked, [rows[i] for i in constrained],
+                                          [states[i] for i in constrained], constrained)
         token_ids = _argmax(masked)  # [num_rows]; greedy rows keep this (ties: lowest id)
 
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -208,8 +218,11 @@ class Sampler:
             token_ids = token_ids.index_copy(0, index, drawn)
 
         token_list = token_ids.tolist()
-        for state, token_id in zip(states, token_list, strict=True):
+        for row, state, token_id in zip(rows, states, token_list, strict=True):
             state.append_output(token_id)
+            if state.matcher is not None and not GrammarBank.advance(
+                    state.matcher, token_id, row.params.eos_token_ids):
+                state.matcher = None  # cannot happen under the mask; never wedge the sequence
         # log-probabilities only for the rows that asked (a vocabulary-wide pass per row)
         asking = [i for i, row in enumerate(rows) if row.params.num_logprobs is not None]
         token_logprobs: list[float | None] = [None] * len(rows)
@@ -230,7 +243,26 @@ class Sampler:
             self._states[row.seq_id] = state
         if row.history is not None:
             state.reset_history(*row.history)
+            if row.params.structured is not None:
+                state.matcher = self.grammars.matcher(row.params.structured, row.history[1])
         return state
+
+    def _apply_grammars(self, logits: torch.Tensor, masked: torch.Tensor, rows: Sequence[SampleRow],
+                        states: Sequence[SequenceSamplerState], where: list[int]) -> torch.Tensor:
+        """Structured output: tokens a row's grammar does not allow go to -inf, last of the
+        masks. Where the grammar and the other masks leave nothing between them (its only way
+        on is EOS while min_tokens holds EOS back), the grammar wins."""
+        bitmask = self.grammars.bitmask([s.matcher for s in states], [r.params.eos_token_ids for r in rows],
+                                        logits.shape[1])
+        index = torch.tensor(where, dtype=torch.long, device=logits.device)
+        sub = masked.index_select(0, index)  # a copy: masked in place
+        self.grammars.apply(sub, bitmask)
+        stuck = torch.isneginf(sub).all(dim=1, keepdim=True)
+        if bool(stuck.any()):
+            unmasked = logits.index_select(0, index)
+            self.grammars.apply(unmasked, bitmask)
+            sub = torch.where(stuck, unmasked, sub)
+        return masked.index_copy(0, index, sub)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pagoda/v1/common.proto\x12\tpagoda.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.pagoda.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb8\x04\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x06\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.pagoda.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"u\n\x05Usage\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x1d\n\x15num_completion_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\r\"\xca\x02\n\rTimelineEvent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t\x12\x18\n\x0bstage_index\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08start_ns\x18\x04 \x01(\x03\x12\x0e\n\x06\x65nd_ns\x18\x05 \x01(\x03\x12\x1b\n\x0emicro_batch_id\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x19\n\x0c\x63hoice_index\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x08 \x01(\r\x12\x30\n\x04\x61rgs\x18\t \x03(\x0b\x32\".pagoda.v1.TimelineEvent.ArgsEntry\x1a+\n\tArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0e\n\x0c_stage_indexB\x11\n\x0f_micro_batch_idB\x0f\n\r_choice_index\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\"]\n\x0bTopLogprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"7\n\tBlockCopy\x12\x14\n\x0csrc_block_id\x18\x01 \x01(\r\x12\x14\n\x0c\x64st_block_id\x18\x02 \x01(\r\",\n\x0b\x45rrorStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t*\xdb\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x17\n\x13\x44TYPE_FLOAT8_E4M3FN\x10\x04\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x05\x12\x0f\n\x0b\x44TYPE_INT64\x10\x06\x12\x0f\n\x0b\x44TYPE_INT32\x10\x07\x12\x0e\n\nDTYPE_INT8\x10\x08\x12\x0f\n\x0b\x44TYPE_UINT8\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\n*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xd6\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATE_WAITING\x10\x01\x12\x1c\n\x18REQUEST_STATE_PREFILLING\x10\x02\x12\x1a\n\x16REQUEST_STATE_DECODING\x10\x03\x12\x1b\n\x17REQUEST_STATE_PREEMPTED\x10\x04\x12\x1a\n\x16REQUEST_STATE_FINISHED\x10\x05\x12\x19\n\x15REQUEST_STATE_ABORTED\x10\x06*\x83\x01\n\x0cHealthStatus\x12\x1d\n\x19HEALTH_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15HEALTH_STATUS_SERVING\x10\x01\x12\x1a\n\x16HEALTH_STATUS_STARTING\x10\x02\x12\x1d\n\x19HEALTH_STATUS_NOT_SERVING\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pagoda/v1/common.proto\x12\tpagoda.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.pagoda.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xf0\x04\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x06\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.pagoda.v1.SamplingParams.LogitBiasEntry\x12\x36\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1b.pagoda.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\x92\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.pagoda.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"u\n\x05Usage\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x1d\n\x15num_completion_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\r\"\xca\x02\n\rTimelineEvent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t\x12\x18\n\x0bstage_index\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08start_ns\x18\x04 \x01(\x03\x12\x0e\n\x06\x65nd_ns\x18\x05 \x01(\x03\x12\x1b\n\x0emicro_batch_id\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x19\n\x0c\x63hoice_index\x18\x07 \x01(\rH\x02\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x08 \x01(\r\x12\x30\n\x04\x61rgs\x18\t \x03(\x0b\x32\".pagoda.v1.TimelineEvent.ArgsEntry\x1a+\n\tArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0e\n\x0c_stage_indexB\x11\n\x0f_micro_batch_idB\x0f\n\r_choice_index\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\"]\n\x0bTopLogprobs\x12(\n\x07sampled\x18\x01 \x01(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"7\n\tBlockCopy\x12\x14\n\x0csrc_block_id\x18\x01 \x01(\r\x12\x14\n\x0c\x64st_block_id\x18\x02 \x01(\r\",\n\x0b\x45rrorStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t*\xdb\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x17\n\x13\x44TYPE_FLOAT8_E4M3FN\x10\x04\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x05\x12\x0f\n\x0b\x44TYPE_INT64\x10\x06\x12\x0f\n\x0b\x44TYPE_INT32\x10\x07\x12\x0e\n\nDTYPE_INT8\x10\x08\x12\x0f\n\x0b\x44TYPE_UINT8\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\n*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xd6\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATE_WAITING\x10\x01\x12\x1c\n\x18REQUEST_STATE_PREFILLING\x10\x02\x12\x1a\n\x16REQUEST_STATE_DECODING\x10\x03\x12\x1b\n\x17REQUEST_STATE_PREEMPTED\x10\x04\x12\x1a\n\x16REQUEST_STATE_FINISHED\x10\x05\x12\x19\n\x15REQUEST_STATE_ABORTED\x10\x06*\x83\x01\n\x0cHealthStatus\x12\x1d\n\x19HEALTH_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15HEALTH_STATUS_SERVING\x10\x01\x12\x1a\n\x16HEALTH_STATUS_STARTING\x10\x02\x12\x1d\n\x19HEALTH_STATUS_NOT_SERVING\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,34 +35,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TIMELINEEVENT_ARGSENTRY']._loaded_options = None
   _globals['_TIMELINEEVENT_ARGSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=1453
-  _globals['_DTYPE']._serialized_end=1672
-  _globals['_FINISHREASON']._serialized_start=1675
-  _globals['_FINISHREASON']._serialized_end=1820
-  _globals['_REQUESTSTATE']._serialized_start=1823
-  _globals['_REQUESTSTATE']._serialized_end=2037
-  _globals['_HEALTHSTATUS']._serialized_start=2040
-  _globals['_HEALTHSTATUS']._serialized_end=2171
+  _globals['_DTYPE']._serialized_start=1686
+  _globals['_DTYPE']._serialized_end=1905
+  _globals['_FINISHREASON']._serialized_start=1908
+  _globals['_FINISHREASON']._serialized_end=2053
+  _globals['_REQUESTSTATE']._serialized_start=2056
+  _globals['_REQUESTSTATE']._serialized_end=2270
+  _globals['_HEALTHSTATUS']._serialized_start=2273
+  _globals['_HEALTHSTATUS']._serialized_end=2404
   _globals['_TENSOR']._serialized_start=37
   _globals['_TENSOR']._serialized_end=107
   _globals['_SAMPLINGPARAMS']._serialized_start=110
-  _globals['_SAMPLINGPARAMS']._serialized_end=678
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=524
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=572
-  _globals['_USAGE']._serialized_start=680
-  _globals['_USAGE']._serialized_end=797
-  _globals['_TIMELINEEVENT']._serialized_start=800
-  _globals['_TIMELINEEVENT']._serialized_end=1130
-  _globals['_TIMELINEEVENT_ARGSENTRY']._serialized_start=1035
-  _globals['_TIMELINEEVENT_ARGSENTRY']._serialized_end=1078
-  _globals['_TOKENLOGPROB']._serialized_start=1132
-  _globals['_TOKENLOGPROB']._serialized_end=1195
-  _globals['_TOPLOGPROBS']._serialized_start=1197
-  _globals['_TOPLOGPROBS']._serialized_end=1290
-  _globals['_TRACECONTEXT']._serialized_start=1292
-  _globals['_TRACECONTEXT']._serialized_end=1347
-  _globals['_BLOCKCOPY']._serialized_start=1349
-  _globals['_BLOCKCOPY']._serialized_end=1404
-  _globals['_ERRORSTATUS']._serialized_start=1406
-  _globals['_ERRORSTATUS']._serialized_end=1450
+  _globals['_SAMPLINGPARAMS']._serialized_end=734
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=580
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=628
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=737
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=883
+  _globals['_CHOICES']._serialized_start=885
+  _globals['_CHOICES']._serialized_end=911
+  _globals['_USAGE']._serialized_start=913
+  _globals['_USAGE']._serialized_end=1030
+  _globals['_TIMELINEEVENT']._serialized_start=1033
+  _globals['_TIMELINEEVENT']._serialized_end=1363
+  _globals['_TIMELINEEVENT_ARGSENTRY']._serialized_start=1268
+  _globals['_TIMELINEEVENT_ARGSENTRY']._serialized_end=1311
+  _globals['_TOKENLOGPROB']._serialized_start=1365
+  _globals['_TOKENLOGPROB']._serialized_end=1428
+  _globals['_TOPLOGPROBS']._serialized_start=1430
+  _globals['_TOPLOGPROBS']._serialized_end=1523
+  _globals['_TRACECONTEXT']._serialized_start=1525
+  _globals['_TRACECONTEXT']._serialized_end=1580
+  _globals['_BLOCKCOPY']._serialized_start=1582
+  _globals['_BLOCKCOPY']._serialized_end=1637
+  _globals['_ERRORSTATUS']._serialized_start=1639
+  _globals['_ERRORSTATUS']._serialized_end=1683
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,7 @@ start in a fraction of a second and never hold a model library.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -296,6 +297,14 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int | None:
         return self._named_id("pad_token", self._backend)
+
+    def backend_json(self) -> str:
+        """The tokenizer as `tokenizers` serialises it (with the declared special tokens),
+        without padding or truncation: what a grammar library builds its token table from."""
+        backend = copy.copy(self._backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

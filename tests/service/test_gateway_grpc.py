@@ -476,3 +476,38 @@ def test_grpc_requests_count_in_the_gateways_metrics(serve):
     assert 'pagoda:generation_tokens_total{model_name="tiny"} 5.0' in text
     assert 'pagoda:time_to_first_token_seconds_count{model_name="tiny"} 1.0' in text
     assert 'pagoda:api_requests_in_flight{model_name="tiny"} 0.0' in text
+
+
+def test_structured_output_through_the_grpc_api(serve):
+    """`SamplingParams.structured_output` at the public gRPC API: a JSON schema and a choice
+    constrain the output; an invalid schema is INVALID_ARGUMENT naming the field."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+
+    def request(**kind):
+        req = text_request("Answer in JSON", max_tokens=60, ignore_eos=False)
+        for name, value in kind.items():
+            if name == "choice":
+                req.options.sampling_params.structured_output.choice.choices.extend(value)
+            else:
+                setattr(req.options.sampling_params.structured_output, name, value)
+        return req
+
+    async def scenario(channel):
+        stub = gateway_pb2_grpc.GenerationStub(channel)
+        as_json, _ = await collect(stub.Generate(request(json_schema=json.dumps(schema))))
+        picked, _ = await collect(stub.Generate(request(choice=["left", "right"])))
+        try:
+            await collect(stub.Generate(request(json_schema='{"type": 5}')))
+        except grpc.aio.AioRpcError as exc:
+            return as_json[0], picked[0], (exc.code(), exc.details())
+        return as_json[0], picked[0], None
+
+    as_json, picked, refused = serve(scenario)
+    value = json.loads(as_json.text)
+    assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 9 and isinstance(value["ok"], bool)
+    assert as_json.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert picked.text in ("left", "right")
+    assert refused is not None and refused[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling_params.structured_output.json_schema" in refused[1]

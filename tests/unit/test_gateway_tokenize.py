@@ -157,7 +157,7 @@ BAD = [
     ("/tokenize", {"messages": HI, "add_special_tokens": 0}, "add_special_tokens"),
     ("/tokenize", {"messages": HI, "continue_final_message": True}, "continue_final_message"),
     ("/tokenize", {"messages": HI, "chat_template": "{{ messages }}"}, "chat_template"),
-    ("/tokenize", {"messages": HI, "tools": [{"type": "function"}]}, "tools"),
+    ("/tokenize", {"messages": HI, "tools": [{"type": "function"}]}, "tools[0].function"),
     ("/tokenize", {"messages": HI, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ("/detokenize", b"[1]", None),
     ("/detokenize", {}, "tokens"),

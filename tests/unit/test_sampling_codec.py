@@ -9,7 +9,7 @@ import pytest
 from gateway.core import GenerationParams
 from scheduler_svc.core.request import SamplingOptions as SchedulerOptions
 from services.pb import common_pb2
-from services.sampling import SamplingOptions, sampling_params
+from services.sampling import SamplingOptions, StructuredOutput, sampling_params
 from services.sampling_pb import options_from_pb, options_to_pb
 
 CASES = [
@@ -19,6 +19,11 @@ CASES = [
                     seed=2**64 - 1, logprobs=0, stop_token_ids=(3, 9), ignore_eos=True,
                     presence_penalty=-2.0, frequency_penalty=1.5, repetition_penalty=0.5,
                     logit_bias=((1, -100.0), (7, 2.5)), prompt_logprobs=20),
+    SamplingOptions(structured=StructuredOutput("json_schema", '{"type": "object"}')),
+    SamplingOptions(structured=StructuredOutput("json_object")),
+    SamplingOptions(structured=StructuredOutput("regex", "[a-z]+")),
+    SamplingOptions(structured=StructuredOutput("choice", choices=("yes", "no"))),
+    SamplingOptions(structured=StructuredOutput("grammar", 'start: "a" | "b"')),
 ]
 
 

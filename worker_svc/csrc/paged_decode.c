@@ -151,6 +151,24 @@ void pagoda_rope_write_f32(
  * first index of the largest value, or of the first NaN when a row has one (NaN counts as
  * largest). A vectorised pass finds the maximum (and whether a NaN is there), then 32-wide chunks
  * are compared to it until the first that holds it. */
+/* Structured output: x[r][i] = -inf wherever bit i % 32 of mask[r * words + i / 32] is 0
+   (a grammar's token bitmask, llguidance's layout). */
+void pagoda_mask_f32(float *x, int64_t rows, int64_t cols, int64_t stride, const int32_t *mask,
+                     int64_t words)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = x + r * stride;
+        const uint32_t *m = (const uint32_t *)(mask + r * words);
+        for (int64_t w = 0; w < words; w++) {
+            const uint32_t bits = m[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            const int64_t end = (w + 1) * 32 < cols ? (w + 1) * 32 : cols;
+            for (int64_t i = w * 32; i < end; i++)
+                if (!((bits >> (i - w * 32)) & 1u)) row[i] = -INFINITY;
+        }
+    }
+}
+
 void pagoda_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out)
 {
     for (int64_t r = 0; r < rows; r++) {

@@ -1,0 +1,140 @@
+"""Tool calling in chat completions, on structured output (docs/structured-output.md).
+
+Pagoda has no parser for the tool-call syntax of a model's chat template, so it cannot tell
+a free-form answer from a call when the model chooses ("auto", OpenAI's default when tools
+are given): that is a 400 naming `tool_choice`, as vLLM answers without a tool parser. What
+works, for every model, is the calling the grammar guarantees:
+
+- `tool_choice: {"type": "function", "function": {"name": N}}` constrains the output to N's
+  `parameters` schema; the answer is one tool call whose `arguments` is the output
+  (streamed as argument deltas); finish_reason "stop", as OpenAI gives for a named call.
+- `tool_choice: "required"` constrains the output to a JSON array of one or more
+  `{"name": ..., "parameters": {...}}` objects, each a declared tool with its schema; the
+  answer is one tool call per entry (exactly one with `parallel_tool_calls: false`);
+  finish_reason "tool_calls". Streamed, the calls come in one chunk when the output is
+  complete.
+- `tool_choice: "none"` generates a plain message (the tools still reach the template).
+
+The tools are given to the chat template as `tools`, as transformers' templates expect.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import invalid
+from services.sampling import StructuredOutput
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_TOOLS = 128
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """How a chat request's output becomes tool calls: `name` for a named function, None
+    for "required" (a list of calls)."""
+
+    name: str | None
+    names: tuple[str, ...]
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.name is not None else "tool_calls"
+
+
+def declared_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Declared tools by name -> their parameters schema; a 400 naming the bad entry."""
+    if len(tools) > MAX_TOOLS:
+        raise invalid("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    out: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise invalid(f"{where}.type", "must be 'function'")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise invalid(f"{where}.function", "must be an object with a name")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise invalid(f"{where}.function.name", "must be 1-64 letters, digits, '_' or '-'")
+        if name in out:
+            raise invalid(f"{where}.function.name", f"{name!r} is declared twice")
+        parameters = function.get("parameters", EMPTY_PARAMETERS)
+        if not isinstance(parameters, dict):
+            raise invalid(f"{where}.function.parameters", "must be a JSON Schema object")
+        out[name] = parameters
+    return out
+
+
+def tool_calling(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = True
+                 ) -> tuple[ToolCalling | None, StructuredOutput | None]:
+    """What the request's `tools` and `tool_choice` ask: the calling mode and the output
+    constraint that guarantees it (None, None: a plain message); `parallel` False: one call."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise invalid("tool_choice", "needs tools")
+        return None, None
+    declared = declared_tools(tools)
+    if tool_choice == "none":
+        return None, None
+    if tool_choice is None or tool_choice == "auto":
+        raise invalid("tool_choice", "'auto' (the default with tools) needs a parser for this model's "
+                                     "tool-call syntax, which Pagoda does not have; send 'required' or "
+                                     "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if tool_choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, parameters in declared.items()]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({} if parallel else {"maxItems": 1})}
+        return ToolCalling(None, tuple(declared)), StructuredOutput("json_schema", json.dumps(schema))
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in declared:
+            raise invalid("tool_choice.function.name", f"{name!r} is not one of the tools "
+                                                       f"({', '.join(declared)})")
+        return ToolCalling(name, tuple(declared)), StructuredOutput("json_schema", json.dumps(declared[name]))
+    raise invalid("tool_choice", "must be 'none', 'auto', 'required' or "
+                                 "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_calls(calling: ToolCalling, text: str) -> list[dict[str, Any]] | None:
+    """The output as OpenAI tool calls; None when it is not a complete call (cut short by
+    max_tokens or a stop string): the caller then returns it as plain content."""
+    if calling.name is not None:
+        try:
+            json.loads(text)
+        except ValueError:
+            return None
+        return [_call(calling.name, text)]
+    try:
+        entries = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and e.get("name") in calling.names for e in entries):
+        return None
+    return [_call(e["name"], json.dumps(e.get("parameters", {}))) for e in entries]
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def message(calling: ToolCalling | None, text: str, finish_reason: str | None
+            ) -> tuple[dict[str, Any], str | None]:
+    """A choice's message and finish reason, with the output as tool calls when it is one."""
+    if calling is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    calls = tool_calls(calling, text) if finish_reason == "stop" else None
+    if calls is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": calls}, calling.finish_reason
