@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_CPU_VERSION := 2.13.0
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: install protos check-protos test run lint bench clean
+.PHONY: install protos check-protos test run lint bench clean browser
 
 install: $(STAMP)
 
@@ -37,7 +37,19 @@ protos: $(STAMP)
 check-protos: $(STAMP)
 	$(PY) scripts/gen_protos.py --check services/pb
 
-test: $(STAMP) check-protos
+# The dashboard's test drives a real headless Chromium (Playwright, from the package index,
+# pointed at the system's browser): Debian's chromium, installed here where apt can as root.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			echo "installing Debian's chromium (for the dashboard test)"; \
+			export DEBIAN_FRONTEND=noninteractive; \
+			apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
+				apt-get install -y -q chromium >/dev/null 2>&1; } || \
+				echo "chromium could not be installed: the dashboard test will be skipped"; \
+		else echo "no chromium, and no apt-get as root: the dashboard test will be skipped"; fi; }
+
+test: $(STAMP) check-protos browser
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=15 tests
 

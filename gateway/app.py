@@ -10,6 +10,7 @@ health, metrics and the KV memory monitor, as one FastAPI app over a `TextGenera
     GET  /health                200 only when the scheduler reports the whole chain serving
     GET  /metrics               Prometheus (pagoda:*)
     GET  /debug/memory          the KV service's statistics, through the scheduler
+    GET  /dashboard             the live dashboard (a page polling /dashboard/state)
 
 Bad input is refused (400, naming the field) before anything reaches the scheduler. A
 client that goes away mid-request cancels it: the cancellation reaches the scheduler call,
@@ -31,12 +32,12 @@ from typing import Any
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway import dashboard, streaming, validation
 from gateway import openai_format as fmt
-from gateway import streaming, validation
 from gateway.config import ApiKey, GatewayConfig
 from gateway.core import (
     ChoiceDelta,
@@ -312,6 +313,23 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
         return {"kv_address": stats.kv_address, "kv_health": _enum_name(stats.kv_health),
                 "kv_cache": _plain(stats.kv_cache)}
 
+    @app.get("/dashboard", tags=["Operations"], response_class=HTMLResponse)
+    async def dashboard_page() -> HTMLResponse:
+        """The live dashboard (docs/metrics.md): one page, no external assets, polling
+        /dashboard/state. With API keys on, the page asks for one (or takes `#key=...`)."""
+        return HTMLResponse(dashboard.page())
+
+    @app.get("/dashboard/state", tags=["Operations"], responses={401: _ERRORS[401], 503: _ERRORS[503]})
+    async def dashboard_state() -> dict[str, Any]:
+        """What the dashboard shows, as JSON: requests and queues by tenant and priority,
+        the KV block map, the stages' compute spans of the last seconds, token counters."""
+        try:
+            stats = await generator.stats(include_kv_sequences=True, include_requests=True,
+                                          include_timeline=True)
+        except grpc.aio.AioRpcError as exc:
+            raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
+        return dashboard.state(stats, gw.limits.name)
+
     return app
 
 
@@ -343,7 +361,7 @@ def _plain(message: Any) -> dict[str, Any]:
         value = getattr(message, fd.name)
         if fd.message_type is not None:
             out[fd.name] = [_plain(v) for v in value] if fd.is_repeated else _plain(value)
-        elif fd.is_repeated:
+        elif fd.is_repeated or isinstance(value, bytes):  # bytes: one number per byte
             out[fd.name] = list(value)
         else:
             out[fd.name] = value

@@ -156,9 +156,12 @@ class TextGenerator:
             await self._channel.close()
             self._channel, self._stub = None, None
 
-    async def stats(self, include_kv_sequences: bool = False, timeout_s: float = 2.0):
+    async def stats(self, include_kv_sequences: bool = False, timeout_s: float = 2.0,
+                    include_requests: bool = False, include_timeline: bool = False):
         return await self._connect().GetStats(
-            scheduler_pb2.GetStatsRequest(include_kv_sequences=include_kv_sequences), timeout=timeout_s
+            scheduler_pb2.GetStatsRequest(include_kv_sequences=include_kv_sequences,
+                                          include_requests=include_requests,
+                                          include_timeline=include_timeline), timeout=timeout_s
         )
 
     async def health(self, timeout_s: float = 2.0) -> tuple[bool, str]:

@@ -19,7 +19,7 @@ from gateway.ratelimit import key_id, key_salt
 
 # Readable without a key: probes, scrapers and the API's own description.
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs",
-                        "/docs/oauth2-redirect", "/redoc"})
+                        "/docs/oauth2-redirect", "/redoc", "/dashboard"})  # the page holds no data
 
 Scope = dict[str, Any]
 

@@ -171,9 +171,7 @@ class InProcessKVCacheClient(KVCacheClient):
 
     async def stats_message(self, include_sequences: bool = False) -> kvcache_pb2.KVCacheStats:
         m = self._manager
-        sequences = (
-            [(s, m.block_table(s.seq_id)) for s in m.sequence_stats()] if include_sequences else []
-        )
+        sequences, block_map = m.layout() if include_sequences else ([], b"")
         return stats_to_pb(
             m.stats(),
             epoch=self._epoch,
@@ -181,6 +179,7 @@ class InProcessKVCacheClient(KVCacheClient):
             num_steps=self._num_steps,
             enable_prefix_caching=m.enable_prefix_caching,
             sequences=sequences,
+            block_map=block_map,
         )
 
     async def reset(self) -> int:

@@ -262,8 +262,10 @@ def stats_to_pb(
     num_steps: int,
     enable_prefix_caching: bool,
     sequences: Iterable[tuple[SequenceBlockStats, Sequence[int]]] = (),
+    block_map: bytes = b"",
 ) -> kvcache_pb2.KVCacheStats:
-    """The memory monitor's message; `sequences` pairs each sequence's stats with its table."""
+    """The memory monitor's message; `sequences` pairs each sequence's stats with its table,
+    `block_map` is every block's state (both only in the detailed view)."""
     return kvcache_pb2.KVCacheStats(
         epoch=epoch,
         block_size=stats.block_size,
@@ -301,6 +303,7 @@ def stats_to_pb(
         num_free_extents=stats.num_free_extents,
         num_prefix_hits=stats.num_prefix_hits,
         num_resets=stats.num_resets,
+        block_map=block_map,
     )
 
 

@@ -198,11 +198,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
     async def Stats(self, request: kvcache_pb2.KVStatsRequest, context) -> kvcache_pb2.KVCacheStats:
         m = self.manager
         stats = m.stats()
-        sequences = (
-            [(s, m.block_table(s.seq_id)) for s in m.sequence_stats()]
-            if request.include_sequences
-            else []
-        )
+        sequences, block_map = m.layout() if request.include_sequences else ([], b"")
         reply = stats_to_pb(
             stats,
             epoch=self.epoch,
@@ -210,6 +206,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             num_steps=self.num_steps,
             enable_prefix_caching=m.enable_prefix_caching,
             sequences=sequences,
+            block_map=block_map,
         )
         if request.reset_peak:
             self.num_peak_used_blocks = stats.num_used_blocks

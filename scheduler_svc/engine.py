@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -31,6 +32,7 @@ from scheduler_svc.metrics import SchedulerMetrics
 from services import telemetry
 from services.step import StepPlan, StepResult
 
+RECENT_SPANS = 4096
 log = logging.getLogger(__name__)
 _NO_KV_CHANGES = StepOutput(results={}, copies=())
 
@@ -154,6 +156,9 @@ class Engine:
         self.config = config
         self.metrics = metrics or SchedulerMetrics(config.model)
         self._dispatched_ns: dict[int, int] = {}
+        # (stage index, micro-batch id, compute start ns, end ns) of the last steps: the
+        # pipeline's timeline for the dashboard (GetStats include_timeline)
+        self.recent_spans: deque[tuple[int, int, int, int]] = deque(maxlen=RECENT_SPANS)
         self._seen_preemptions = 0
         self._tracing = telemetry.enabled()
         self._mb_seqs: dict[int, list[str]] = {}
@@ -583,6 +588,9 @@ class Engine:
     def _record_timings(self, event: StepResult, now_ns: int) -> None:
         mb_id = event.step_id
         self._dispatched_ns.pop(mb_id, None)
+        for t in event.timings:
+            if t.compute_start_ns:
+                self.recent_spans.append((t.stage_index, mb_id, t.compute_start_ns, t.compute_end_ns))
         if self._tracing:
             for s in self._mb_seqs.pop(mb_id, ()):
                 live = self._live.get(s)

@@ -248,6 +248,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as exc:  # the KV service is down: say so, don't fail the call
             resp.kv_health = common_pb2.HEALTH_STATUS_NOT_SERVING
             resp.health_detail += f"; KV service: {exc}"
+        if request.include_timeline:
+            for stage_index, mb_id, start_ns, end_ns in list(engine.recent_spans):
+                resp.timeline.add(stage_index=stage_index, micro_batch_id=mb_id, start_ns=start_ns,
+                                  end_ns=end_ns)
+        resp.now_ns = time.time_ns()
         if request.include_requests:
             for r in list(engine.planner.requests.values()):
                 resp.requests.add(

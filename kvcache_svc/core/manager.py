@@ -414,6 +414,11 @@ class KVCacheManager:
 
     # ---- statistics and integrity --------------------------------------------------------
 
+    def layout(self) -> tuple[list[tuple[SequenceBlockStats, list[int]]], bytes]:
+        """Each live sequence's stats with its block table, and the state of every block
+        (`BlockPool.state_map`): the memory monitor's detailed view."""
+        return [(s, self.block_table(s.seq_id)) for s in self.sequence_stats()], self._pool.state_map()
+
     def sequence_stats(self) -> tuple[SequenceBlockStats, ...]:
         """The per-sequence block distribution."""
         return tuple(

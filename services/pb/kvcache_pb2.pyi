@@ -164,7 +164,7 @@ class SequenceBlocks(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_shared_blocks: _Optional[int] = ..., num_extents: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("epoch", "block_size", "num_total_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_evictable_blocks", "num_peak_used_blocks", "num_used_slots", "internal_fragmentation", "external_fragmentation", "largest_free_extent_blocks", "num_prefix_queries", "num_prefix_query_tokens", "num_prefix_hit_tokens", "prefix_hit_rate", "num_evictions", "num_copy_on_writes", "num_sequences", "enable_prefix_caching", "num_steps", "sequences", "watermark_blocks", "num_free_extents", "num_prefix_hits", "num_resets")
+    __slots__ = ("epoch", "block_size", "num_total_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_evictable_blocks", "num_peak_used_blocks", "num_used_slots", "internal_fragmentation", "external_fragmentation", "largest_free_extent_blocks", "num_prefix_queries", "num_prefix_query_tokens", "num_prefix_hit_tokens", "prefix_hit_rate", "num_evictions", "num_copy_on_writes", "num_sequences", "enable_prefix_caching", "num_steps", "sequences", "watermark_blocks", "num_free_extents", "num_prefix_hits", "num_resets", "block_map")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +191,7 @@ class KVCacheStats(_message.Message):
     NUM_FREE_EXTENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_RESETS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_MAP_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     block_size: int
     num_total_blocks: int
@@ -217,7 +218,8 @@ class KVCacheStats(_message.Message):
     num_free_extents: int
     num_prefix_hits: int
     num_resets: int
-    def __init__(self, epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_peak_used_blocks: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., external_fragmentation: _Optional[float] = ..., largest_free_extent_blocks: _Optional[int] = ..., num_prefix_queries: _Optional[int] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_evictions: _Optional[int] = ..., num_copy_on_writes: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_steps: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceBlocks, _Mapping]]] = ..., watermark_blocks: _Optional[int] = ..., num_free_extents: _Optional[int] = ..., num_prefix_hits: _Optional[int] = ..., num_resets: _Optional[int] = ...) -> None: ...
+    block_map: bytes
+    def __init__(self, epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_peak_used_blocks: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., external_fragmentation: _Optional[float] = ..., largest_free_extent_blocks: _Optional[int] = ..., num_prefix_queries: _Optional[int] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_evictions: _Optional[int] = ..., num_copy_on_writes: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_steps: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceBlocks, _Mapping]]] = ..., watermark_blocks: _Optional[int] = ..., num_free_extents: _Optional[int] = ..., num_prefix_hits: _Optional[int] = ..., num_resets: _Optional[int] = ..., block_map: _Optional[bytes] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("keep_prefix_cache",)

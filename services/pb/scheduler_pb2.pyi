@@ -68,12 +68,26 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ("include_kv_sequences", "include_requests")
+    __slots__ = ("include_kv_sequences", "include_requests", "include_timeline")
     INCLUDE_KV_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TIMELINE_FIELD_NUMBER: _ClassVar[int]
     include_kv_sequences: bool
     include_requests: bool
-    def __init__(self, include_kv_sequences: _Optional[bool] = ..., include_requests: _Optional[bool] = ...) -> None: ...
+    include_timeline: bool
+    def __init__(self, include_kv_sequences: _Optional[bool] = ..., include_requests: _Optional[bool] = ..., include_timeline: _Optional[bool] = ...) -> None: ...
+
+class StageSpan(_message.Message):
+    __slots__ = ("stage_index", "micro_batch_id", "start_ns", "end_ns")
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
+    stage_index: int
+    micro_batch_id: int
+    start_ns: int
+    end_ns: int
+    def __init__(self, stage_index: _Optional[int] = ..., micro_batch_id: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "num_waiting", "num_running", "num_served_tokens", "weight")
@@ -162,7 +176,7 @@ class RequestSummary(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.RequestState, str]] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., arrival_time_ns: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("health", "health_detail", "epoch", "uptime_ns", "config", "num_waiting", "num_running", "num_preempted", "tenants", "num_preemptions", "num_finished_requests", "num_aborted_requests", "num_prompt_tokens", "num_generated_tokens", "num_micro_batches", "num_in_flight", "stages", "kv_address", "kv_health", "kv_cache", "requests")
+    __slots__ = ("health", "health_detail", "epoch", "uptime_ns", "config", "num_waiting", "num_running", "num_preempted", "tenants", "num_preemptions", "num_finished_requests", "num_aborted_requests", "num_prompt_tokens", "num_generated_tokens", "num_micro_batches", "num_in_flight", "stages", "kv_address", "kv_health", "kv_cache", "requests", "timeline", "now_ns")
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     HEALTH_DETAIL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +198,8 @@ class GetStatsResponse(_message.Message):
     KV_HEALTH_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    NOW_NS_FIELD_NUMBER: _ClassVar[int]
     health: _common_pb2.HealthStatus
     health_detail: str
     epoch: int
@@ -205,4 +221,6 @@ class GetStatsResponse(_message.Message):
     kv_health: _common_pb2.HealthStatus
     kv_cache: _kvcache_pb2.KVCacheStats
     requests: _containers.RepeatedCompositeFieldContainer[RequestSummary]
-    def __init__(self, health: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., health_detail: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[PipelineStageStats, _Mapping]]] = ..., kv_address: _Optional[str] = ..., kv_health: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., kv_cache: _Optional[_Union[_kvcache_pb2.KVCacheStats, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestSummary, _Mapping]]] = ...) -> None: ...
+    timeline: _containers.RepeatedCompositeFieldContainer[StageSpan]
+    now_ns: int
+    def __init__(self, health: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., health_detail: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[PipelineStageStats, _Mapping]]] = ..., kv_address: _Optional[str] = ..., kv_health: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., kv_cache: _Optional[_Union[_kvcache_pb2.KVCacheStats, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestSummary, _Mapping]]] = ..., timeline: _Optional[_Iterable[_Union[StageSpan, _Mapping]]] = ..., now_ns: _Optional[int] = ...) -> None: ...

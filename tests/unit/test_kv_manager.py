@@ -442,9 +442,17 @@ def test_stats_on_a_hand_computed_case() -> None:
     assert stats.num_prefix_hit_tokens == 8
     assert stats.prefix_hit_rate == pytest.approx(8 / 27)
     assert {s.seq_id: s.num_shared_blocks for s in m.sequence_stats()} == {1: 2, 3: 0, 4: 2}
+    # the block map: 0, 1 shared by 1 and 4; 3, 4 (seq 3) and 5 (seq 1) used; seq 4's own two
+    # blocks (its 10th token and the next) taken best-fit from the free run (2, 1) then (6, ...)
+    layout, block_map = m.layout()
+    tables = {s.seq_id: table for s, table in layout}
+    assert list(block_map[:2]) == [2, 2] and block_map[3] == block_map[4] == block_map[5] == 1
+    assert sum(b == 1 for b in block_map) == len({b for t in tables.values() for b in t}) - 2
+    assert sum(b == 0 for b in block_map) == m.stats().num_free_blocks
 
     for seq_id in (1, 3, 4):
         m.free(seq_id)
+    assert list(m.layout()[1]).count(3) == 4  # the cached blocks, parked
     stats = m.stats()
     assert stats.num_used_blocks == 0
     assert stats.num_evictable_blocks == stats.num_cached_blocks == 4
