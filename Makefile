@@ -6,24 +6,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-TORCH_CPU_VERSION := 2.13.0
-TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
 .PHONY: install protos check-protos test run lint bench clean browser
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/constraints.txt
+$(STAMP): pyproject.toml requirements/constraints.txt scripts/install_torch.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@# A user with a GPU keeps the torch they have (or gets the default build); without one,
-	@# the CPU build: from PyTorch's CPU index where it can be reached (the public index's
-	@# Linux wheel would pull multi-GB CUDA packages), else from the indexes pip is given.
-	@if ! $(PY) -c "import torch" 2>/dev/null; then \
-		if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch; \
-		elif $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" 2>/dev/null; then \
-			$(PIP) install -q torch==$(TORCH_CPU_VERSION) --extra-index-url $(TORCH_CPU_INDEX); \
-		else $(PIP) install -q torch==$(TORCH_CPU_VERSION); fi; \
-	fi
+	@scripts/install_torch.sh $(PY)  # the CPU build without a GPU: no CUDA packages
 	@# triton comes with torch where torch brings it (CUDA builds): no pin may fight it
 	@if $(PY) -c "import triton" 2>/dev/null; then \
 		grep -v '^triton==' requirements/constraints.txt > $(VENV)/constraints.txt; \
