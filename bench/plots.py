@@ -63,6 +63,8 @@ def latency_distributions(model: dict, path: Path) -> Path | None:
     if not runs:
         return None
     plt = _plt()
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, key, title in ((axes[0], "ttft_ms", "time to first token"),
                            (axes[1], "itl_ms", "inter-token latency")):
@@ -73,6 +75,11 @@ def latency_distributions(model: dict, path: Path) -> Path | None:
             ys = [i / (len(q) - 1) for i in range(len(q))]
             ax.plot(q, ys, label=f"{r['workload']}/{r['arm']}")
         ax.set_xscale("log")
+        # plain numbers at 1, 2 and 5 of each decade: labelled minor ticks ("2x10^1") ran into
+        # each other
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of samples <= x")
         ax.set_title(f"{model['preset']}: {title}")
