@@ -5,6 +5,7 @@ sampler masking logits with llguidance matchers (`worker_svc.structured`)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def vocab(model_dir):
-    return json.loads((__import__("pathlib").Path(model_dir) / "config.json").read_text())["vocab_size"]
+    return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
 
 
 @pytest.mark.parametrize("spec", [
