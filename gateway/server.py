@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -41,6 +42,40 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+ALL_INTERFACES = ("0.0.0.0", "::", "")
+
+
+def rest_socket(host: str, port: int) -> socket.socket | None:
+    """The REST listener for "all interfaces" ("0.0.0.0", "::"): one dual-stack socket, IPv6
+    and IPv4, as gRPC binds the same host (uvicorn alone would bind IPv4 only for 0.0.0.0
+    and IPv6 only for ::). None for a specific address (uvicorn binds it), or where the
+    machine has no IPv6 (IPv4 then, as before)."""
+    if host not in ALL_INTERFACES:
+        return None
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    try:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("::", port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def grpc_address(host: str, port: int) -> str:
+    """gRPC's spelling of host:port: IPv6 addresses in brackets; all interfaces ("0.0.0.0",
+    "::") dual-stack, which is what gRPC binds for either."""
+    if host in ALL_INTERFACES:
+        return f"[::]:{port}"
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 async def _track_health(generator: TextGenerator, servicer: health.aio.HealthServicer,
@@ -92,7 +127,8 @@ async def serve(config: GatewayConfig) -> None:
 
     # one size limit for both front doors: a gRPC request may be as large as a REST body
     grpc_server, grpc_port, health_servicer = create_aio_server(
-        f"{config.host}:{config.grpc_port}", max_receive_bytes=config.max_body_bytes)
+        grpc_address(config.host, config.grpc_port), max_receive_bytes=config.max_body_bytes,
+        internal=False)  # the public API: API keys, not the stack's secret
     names = add_generation_service(grpc_server, generator, config, gateway.limiter, gateway.metrics)
     enable_reflection([*names, health.SERVICE_NAME], grpc_server)
     await grpc_server.start()
@@ -102,7 +138,8 @@ async def serve(config: GatewayConfig) -> None:
         timeout_graceful_shutdown=max(1, round(config.grace_period_s)),
         timeout_keep_alive=5,
     ))
-    rest_task = asyncio.create_task(rest.serve(), name="uvicorn")
+    sock = rest_socket(config.host, config.port)
+    rest_task = asyncio.create_task(rest.serve(sockets=[sock] if sock else None), name="uvicorn")
     stop = asyncio.Event()
 
     def on_signal() -> None:

@@ -7,13 +7,25 @@ seconds instead of when the next write fails.
 
 from __future__ import annotations
 
+import hmac
 import inspect
 import logging
+import os
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Service-to-service authentication: a shared secret every internal call carries
+INTERNAL_TOKEN_ENV = "PAGODA_INTERNAL_TOKEN"
+INTERNAL_TOKEN_HEADER = "x-pagoda-internal-token"
+_OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes need no secret
+
+
+def internal_token() -> str | None:
+    """The stack's shared secret (`PAGODA_INTERNAL_TOKEN`; `pagoda serve` makes one per run),
+    or None: internal services then take any caller (bind them to loopback only)."""
+    return os.environ.get(INTERNAL_TOKEN_ENV) or None
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +91,60 @@ class RefuseUndecodable(grpc.aio.ServerInterceptor):
         return handler._replace(request_deserializer=safe_decode, **{kind: wrapped[kind]})
 
 
+class RequireToken(grpc.aio.ServerInterceptor):
+    """Internal services refuse a call without the stack's secret (UNAUTHENTICATED, before
+    the request is even read), health checks excepted."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(_OPEN_METHODS):
+            return handler
+        sent = dict(handler_call_details.invocation_metadata or ()).get(INTERNAL_TOKEN_HEADER, "")
+        if hmac.compare_digest(sent.encode() if isinstance(sent, str) else sent, self._token):
+            return handler
+
+        async def refuse(request_or_requests, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"{method}: an internal service; calls need the stack's token "
+                                f"({INTERNAL_TOKEN_HEADER})")
+
+        async def refuse_stream(request_or_requests, context):
+            await refuse(request_or_requests, context)
+            yield  # pragma: no cover - never reached: abort raises
+
+        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+                    if getattr(handler, k) is not None)
+        return handler._replace(**{kind: refuse_stream if kind.endswith("_stream") else refuse})
+
+
+class _AddToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+                grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    """Every call of a channel carries the stack's secret."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def _details(self, details):
+        metadata = [*(details.metadata or ()), (INTERNAL_TOKEN_HEADER, self._token)]
+        return details._replace(metadata=grpc.aio.Metadata(*metadata))
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_unary(self, continuation, details, requests):
+        return await continuation(self._details(details), requests)
+
+    async def intercept_stream_stream(self, continuation, details, requests):
+        return await continuation(self._details(details), requests)
+
+
 async def _responses(result):
     """A streaming behaviour's responses: an async generator's, or none from a coroutine
     that wrote them itself (`context.write`)."""
@@ -117,15 +183,23 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 
 
 def create_aio_server(
-    address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None
+    address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None,
+    internal: bool = True,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A grpc.aio server bound to `address` (port 0 picks one) with the standard health service.
 
-    Returns the server (not started), the bound port, and the health servicer, whose
-    overall status ("") starts NOT_SERVING; the caller sets SERVING once ready.
+    `internal` (every service but the gateway's public API): calls need the stack's secret
+    when one is set (`internal_token`). Returns the server (not started), the bound port, and
+    the health servicer, whose overall status ("") starts NOT_SERVING; the caller sets
+    SERVING once ready.
     """
+    token = internal_token() if internal else None
+    interceptors = [RequireToken(token)] if token else []
+    if internal and not token and not address.startswith(("127.", "localhost", "[::1]", "::1")):
+        log.warning("%s: an internal service bound beyond loopback takes any caller; set %s on every "
+                    "service of the stack (pagoda serve makes one per run)", address, INTERNAL_TOKEN_ENV)
     server = grpc.aio.server(options=server_options(max_message_bytes, max_receive_bytes),
-                             interceptors=[RefuseUndecodable()])
+                             interceptors=[*interceptors, RefuseUndecodable()])
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")
@@ -143,7 +217,10 @@ async def set_serving(health_servicer: health.aio.HealthServicer, service: str, 
 
 
 def aio_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+    """A channel to an internal service: its calls carry the stack's secret when one is set."""
+    token = internal_token()
+    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
+                                     interceptors=[_AddToken(token)] if token else None)
 
 
 def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> bool:

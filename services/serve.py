@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import signal
 import sys
 import time
 from pathlib import Path
 
+from services.grpc_utils import INTERNAL_TOKEN_ENV
 from services.launcher import (
     RestartBudget,
     ServiceProcess,
@@ -75,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {name} {port} is taken on {args.host}: stop what holds it or choose "
                   f"another port", file=sys.stderr)
             return 2
+    # the stack's secret: every internal call carries it, so nothing else on the machine can
+    # drive the scheduler, the KV service or a stage (set it yourself to call them directly)
+    os.environ.setdefault(INTERNAL_TOKEN_ENV, secrets.token_urlsafe(32))
     log_dir = Path(args.log_dir or Path.home() / ".cache" / "pagoda" / "logs" / time.strftime("%Y%m%d-%H%M%S"))
     log_dir.mkdir(parents=True, exist_ok=True)
     n = args.pipeline_parallel_size
