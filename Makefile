@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install protos check-protos test run lint bench clean browser
+.PHONY: install protos check-protos test run lint bench clean browser chaos
 
 install: $(STAMP)
 
@@ -45,6 +45,11 @@ test: $(STAMP) check-protos browser
 
 run: $(STAMP)
 	$(VENV)/bin/pagoda serve
+
+# The chaos and fuzz suites' long profile (the quick one runs in `make test`): more requests,
+# more fuzz cases; each scenario prints its counts.
+chaos: $(STAMP) browser
+	PAGODA_CHAOS_PROFILE=long $(PY) -m pytest -q -s --durations=15 tests/chaos
 
 # Benchmarks are never part of `make test`: a quick run of every comparison, under 10 minutes.
 bench: $(STAMP)

@@ -29,6 +29,9 @@ from services.sampling_pb import options_to_pb
 from services.text import TextOutputProcessor, Tokenizer
 
 log = logging.getLogger(__name__)
+# how long a request that has streamed nothing waits for a restarting scheduler (pagoda
+# serve brings one back within a few seconds; a scheduler gone for good is a 503 after this)
+RETRY_UNAVAILABLE_S = 15.0
 
 _FINISH_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -134,7 +137,9 @@ class TextGenerator:
     """The gateway's one client of the scheduler, shared by every request of one event loop
     (REST and gRPC alike). Its channel opens on first use and closes with `close`."""
 
-    def __init__(self, scheduler_address: str, tokenizer: Tokenizer, max_model_len: int) -> None:
+    def __init__(self, scheduler_address: str, tokenizer: Tokenizer, max_model_len: int,
+                 retry_unavailable_s: float = RETRY_UNAVAILABLE_S) -> None:
+        self.retry_unavailable_s = retry_unavailable_s
         self._tracing = telemetry.enabled()
         self._tracer = telemetry.tracer("pagoda.gateway")
         self.scheduler_address = scheduler_address
@@ -217,13 +222,15 @@ class TextGenerator:
             )
             traceparent = telemetry.traceparent_of(span)
         metadata = (("traceparent", traceparent),) if traceparent else None
-        call = stub.Generate(self._request(request_id, prompt_ids, params, traceparent), metadata=metadata)
+        request = self._request(request_id, prompt_ids, params, traceparent)
+        calls: list[grpc.aio.UnaryStreamCall] = []
+        responses = self._responses(stub, request, metadata, calls)
         processors: dict[int, TextOutputProcessor] = {}
         done: set[int] = set()
         completion_tokens: dict[int, int] = {}
         prompt_logprobs = None  # from the first response; handed to each choice's first delta
         try:
-            async for resp in call:
+            async for resp in responses:
                 if params.sampling.prompt_logprobs is not None and prompt_logprobs is None:
                     # the first response carries them (none for a one-token prompt)
                     text, token_bytes = self._token(prompt_ids[0])
@@ -272,10 +279,41 @@ class TextGenerator:
         except grpc.aio.AioRpcError as exc:
             raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
         finally:
-            if not call.done():
-                call.cancel()  # the scheduler aborts the request and frees its blocks
+            await responses.aclose()
+            for call in calls:
+                if not call.done():
+                    call.cancel()  # the scheduler aborts the request and frees its blocks
             if span is not None:
                 span.end()
+
+    async def _responses(self, stub, request, metadata, calls: list) -> AsyncIterator:
+        """The scheduler's responses to `request`. A call that fails UNAVAILABLE before its
+        first response (the scheduler restarting: `pagoda serve` brings it back) is made
+        again, backing off, for up to `retry_unavailable_s`: a request that had streamed
+        nothing completes instead of failing. Once anything came, a failure is final (the
+        client has part of an answer), as is an unavailable pipeline behind a live scheduler."""
+        deadline, delay = None, 0.2
+        while True:
+            call = stub.Generate(request, metadata=metadata)
+            calls.append(call)
+            received = False
+            try:
+                async for resp in call:
+                    received = True
+                    yield resp
+                return
+            except grpc.aio.AioRpcError as exc:
+                details = exc.details() or ""
+                if received or exc.code() != grpc.StatusCode.UNAVAILABLE or "pipeline unavailable" in details:
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + self.retry_unavailable_s
+                if now + delay > deadline:
+                    raise
+                log.info("request %s: scheduler unavailable before anything streamed (%s); retrying",
+                         request.request_id, details)
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     def _choice_delta(self, resp, proc: TextOutputProcessor,
                       params: GenerationParams) -> ChoiceDelta | None:

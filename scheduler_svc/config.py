@@ -63,6 +63,8 @@ class SchedulerConfig:
     aging_rate: float = _arg(0.0, "priority gained per second of waiting", "float")
     max_queue_len: int = _arg(10_000, "most requests waiting")
     recovery_timeout_s: float = _arg(60.0, "how long requests wait for a failed pipeline", "float")
+    step_timeout_s: float = _arg(60.0, "a micro-batch still in flight after this long means a hung stage: "
+                                       "the pipeline is reset and recovered as after a failure", "float")
     max_request_failures: int = 3
     trace_file: str | None = None
 
@@ -82,6 +84,8 @@ class SchedulerConfig:
                      "max_model_len", "max_queue_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s: must be positive, got {self.step_timeout_s}")
         if self.microbatch_size != "auto":
             try:
                 size = int(self.microbatch_size)

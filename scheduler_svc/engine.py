@@ -213,6 +213,20 @@ class Engine:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        # A scheduler starts owning nothing: whatever the KV service and the stages hold
+        # belongs to a scheduler before it (one that died), so it is released now, not
+        # when a collision forces it (docs/architecture.md, "What a restart guarantees").
+        for attempt in range(60):  # the KV service may still be starting
+            try:
+                dropped = await self.kv.reset()
+                break
+            except Exception:  # noqa: BLE001 - unavailable yet: retried, then raised
+                if attempt == 59:
+                    raise
+                await asyncio.sleep(0.5)
+        if dropped:
+            log.warning("released %d sequences a previous scheduler left in the KV service", dropped)
+        self.planner.reset_all(self.clock())  # the first plan tells the stages to drop theirs
         await self._connect()
         self._task = asyncio.create_task(self._loop(), name="scheduler-loop")
 
@@ -401,6 +415,7 @@ class Engine:
                 self._handle(event)
                 while not self._events.empty():
                     self._handle(self._events.get_nowait())
+                self._check_step_deadline()
                 if not self.healthy:
                     await self._recover()
             except asyncio.CancelledError:
@@ -408,6 +423,18 @@ class Engine:
             except Exception:  # a bug: log it and keep serving what can be served
                 log.exception("scheduler loop error")
                 await asyncio.sleep(timeout)
+
+    def _check_step_deadline(self) -> None:
+        """A stage that neither answers nor breaks its stream (a hung process: SIGSTOP, a
+        livelock) would hold its micro-batches for ever: past `step_timeout_s` the
+        pipeline is failed and recovered like after a crash."""
+        if not self.healthy or not self._dispatched_ns:
+            return
+        mb_id, since_ns = min(self._dispatched_ns.items(), key=lambda kv: kv[1])
+        waited = (time.time_ns() - since_ns) / 1e9
+        if waited > self.config.step_timeout_s:
+            self._mark_unhealthy(f"step deadline: micro-batch {mb_id} in flight for {waited:.1f} s "
+                                 f"(over {self.config.step_timeout_s:g} s): a stage is hung")
 
     async def _dispatch(self) -> None:
         planner = self.planner

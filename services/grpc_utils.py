@@ -7,6 +7,8 @@ seconds instead of when the next write fails.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import inspect
 import logging
@@ -64,6 +66,7 @@ class RefuseUndecodable(grpc.aio.ServerInterceptor):
         async def checked(requests, context):
             async for request in requests:
                 if isinstance(request, _Undecodable):
+                    await drain_requests(requests)  # (see drain_requests)
                     await refuse(request, context)
                 yield request
 
@@ -108,6 +111,8 @@ class RequireToken(grpc.aio.ServerInterceptor):
             return handler
 
         async def refuse(request_or_requests, context):
+            if hasattr(request_or_requests, "__aiter__"):
+                await drain_requests(request_or_requests)  # (see drain_requests)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 f"{method}: an internal service; calls need the stack's token "
                                 f"({INTERNAL_TOKEN_HEADER})")
@@ -121,9 +126,9 @@ class RequireToken(grpc.aio.ServerInterceptor):
         return handler._replace(**{kind: refuse_stream if kind.endswith("_stream") else refuse})
 
 
-class _AddToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Every call of a channel carries the stack's secret."""
+class _TokenInterceptor:
+    """Every call of a channel carries the stack's secret (one subclass per call shape:
+    grpc.aio files an interceptor under the first shape it implements only)."""
 
     def __init__(self, token: str) -> None:
         self._token = token
@@ -132,17 +137,42 @@ class _AddToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClient
         metadata = [*(details.metadata or ()), (INTERNAL_TOKEN_HEADER, self._token)]
         return details._replace(metadata=grpc.aio.Metadata(*metadata))
 
+
+class _UnaryUnaryToken(_TokenInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _UnaryStreamToken(_TokenInterceptor, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _StreamUnaryToken(_TokenInterceptor, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, requests):
         return await continuation(self._details(details), requests)
 
+
+class _StreamStreamToken(_TokenInterceptor, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, requests):
         return await continuation(self._details(details), requests)
+
+
+def _token_interceptors(token: str) -> list:
+    return [cls(token) for cls in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)]
+
+
+async def drain_requests(requests, limit_s: float = 1.0) -> None:
+    """Reads what a client still sends on a stream the server is about to refuse (for at most
+    `limit_s`): a call that ends while its client is still writing or half-closing is
+    reported to that client as INTERNAL ("Internal error from Core") instead of the status
+    the server gave."""
+    async def consume() -> None:
+        async for _ in requests:
+            pass
+
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(consume(), limit_s)
 
 
 async def _responses(result):
@@ -220,7 +250,7 @@ def aio_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """A channel to an internal service: its calls carry the stack's secret when one is set."""
     token = internal_token()
     return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
-                                     interceptors=[_AddToken(token)] if token else None)
+                                     interceptors=_token_interceptors(token) if token else None)
 
 
 def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> bool:

@@ -33,7 +33,7 @@ import grpc
 import torch
 
 from services import telemetry
-from services.grpc_utils import aio_channel, create_aio_server, set_serving
+from services.grpc_utils import aio_channel, create_aio_server, drain_requests, set_serving
 from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.step import StepPlan
 from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
@@ -146,6 +146,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
     async def Feedback(self, request_iterator, context):
         """The last stage's sampled tokens (first stage): applied between steps."""
         if not self.config.is_first or self.config.is_last:
+            await drain_requests(request_iterator)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "only the first stage of several takes sampled-token feedback")
         self._feedback_streams += 1
@@ -153,6 +154,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         try:
             async for fb in request_iterator:
                 if len(fb.seq_ids) != len(fb.positions) or len(fb.seq_ids) != len(fb.token_ids):
+                    await drain_requests(request_iterator)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                         f"feedback of step {fb.micro_batch_id}: columns of unequal length")
                 self._fed.extend(zip(fb.seq_ids, fb.positions, fb.token_ids, strict=True))

@@ -72,7 +72,8 @@ def serve(stack, model_dir, tokenizer):
         async def main() -> T:
             config = GatewayConfig(model=model_dir, scheduler_address=address,
                                    served_model_names=("tiny",), api_keys=api_keys or {})
-            generator = TextGenerator(address, tokenizer, max_model_len)
+            # a scheduler that is down for good: UNAVAILABLE after a short wait for a restart
+            generator = TextGenerator(address, tokenizer, max_model_len, retry_unavailable_s=1.0)
             server, port, health = create_aio_server("127.0.0.1:0")
             names = add_generation_service(server, generator, config, metrics=metrics)
             reflection.enable_server_reflection(

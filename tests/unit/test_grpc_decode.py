@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from services.grpc_utils import create_aio_server, set_serving
+from services.grpc_utils import aio_channel, create_aio_server, set_serving
 
 GARBAGE = b"\xff\xff\xff\x07garbage"
 
@@ -24,7 +24,7 @@ def test_undecodable_requests_are_invalid_argument_in_one_log_line(caplog):
         await set_serving(health, "x", True)
         codes = {}
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            async with aio_channel(f"127.0.0.1:{port}") as channel:  # with the stack's secret
                 check = channel.unary_unary("/grpc.health.v1.Health/Check")
                 watch = channel.unary_stream("/grpc.health.v1.Health/Watch")
                 info = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")

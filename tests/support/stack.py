@@ -1,0 +1,108 @@
+"""A `pagoda serve` stack for tests that kill, stop and overload its processes: start it, find
+each service's process (they are restarted with new pids), read its KV statistics."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.launcher import ServiceProcess, free_port, pagoda_command
+
+
+@dataclass
+class Stack:
+    serve: ServiceProcess
+    port: int
+    grpc_port: int
+    logs: Path
+    ready: dict
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def service_pid(self, kind: str, stage: int | None = None) -> int:
+        """The live process of a service ("gateway", "scheduler", "kvcache", "worker")."""
+        for pid, argv in children(self.serve.process.pid).items():
+            if len(argv) > 3 and argv[1:3] == ["-m", "services.cli"] and argv[3] == kind:
+                if stage is None or f"--stage={stage}" in argv or _flag(argv, "--stage") == str(stage):
+                    return pid
+        raise LookupError(f"no {kind} process under pagoda serve ({self.serve.process.pid})")
+
+    def get(self, path: str, timeout: float = 10.0) -> dict:
+        return json.loads(urllib.request.urlopen(f"{self.url}{path}", timeout=timeout).read())
+
+    def kv_used_blocks(self) -> int:
+        return self.get("/debug/memory")["kv_cache"]["num_used_blocks"]
+
+    def wait_serving(self, timeout_s: float) -> float:
+        """Seconds until /health says ok (the whole chain serving)."""
+        start = time.time()
+        while time.time() - start < timeout_s:
+            try:
+                if urllib.request.urlopen(f"{self.url}/health", timeout=2).status == 200:
+                    return time.time() - start
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"not serving again within {timeout_s} s")
+
+    def stop(self) -> None:
+        self.serve.stop(60)
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv and argv.index(name) + 1 < len(argv) else None
+
+
+def children(parent: int) -> dict[int, list[str]]:
+    """Live child processes of `parent`: pid -> argv (from /proc)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == parent:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                out[int(entry.name)] = [a.decode() for a in argv if a]
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def start_serve(model_dir: str, log_dir: Path, *args: str, env: dict | None = None) -> Stack:
+    port, grpc_port = free_port(), free_port()
+    ready = log_dir / "ready.json"
+    serve = ServiceProcess(
+        "serve", pagoda_command("serve", model_dir, "--port", str(port), "--grpc-port", str(grpc_port),
+                                "--log-dir", str(log_dir), "--ready-file", str(ready), *args),
+        f"127.0.0.1:{grpc_port}", log_path=log_dir / "serve.log", env=env or {})
+    serve.start()
+    try:
+        serve.wait_healthy(180)
+        for _ in range(100):
+            if ready.exists():
+                break
+            time.sleep(0.1)
+        return Stack(serve, port, grpc_port, log_dir, json.loads(ready.read_text()))
+    except Exception:
+        serve.stop()
+        raise
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def profile() -> str:
+    """`PAGODA_CHAOS_PROFILE`: "quick" (make test) or "long" (make chaos)."""
+    return os.environ.get("PAGODA_CHAOS_PROFILE", "quick")
