@@ -43,7 +43,9 @@ needs_docker_compose = pytest.mark.skipif(
 
 def _environment() -> dict[str, str]:
     """The file's defaults, not whatever this shell exports."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PAGODA_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGODA_")}
+    env["PAGODA_INTERNAL_TOKEN"] = "compose-test-secret"  # required: the operator sets one
+    return env
 
 
 def _docker_compose(*args: str) -> subprocess.CompletedProcess:
@@ -247,3 +249,15 @@ def test_the_health_probe_works(services) -> None:
     down = subprocess.run([sys.executable, "-c", code.replace(address, f"127.0.0.1:{port}")],
                           cwd=REPO_ROOT, timeout=60, capture_output=True)
     assert (serving.returncode, down.returncode) == (0, 1)
+
+
+def test_every_pagoda_service_shares_the_internal_secret(services) -> None:
+    """Service-to-service authentication (docs/architecture.md): every Pagoda service gets
+    the stack's secret, and the file refuses to resolve without one."""
+    pagoda = [name for name, s in services.items() if s.get("image") == "pagoda:local"]
+    assert len(pagoda) >= 5
+    for name in pagoda:
+        assert services[name]["environment"]["PAGODA_INTERNAL_TOKEN"] == "compose-test-secret", name
+    env = {k: v for k, v in _environment().items() if k != "PAGODA_INTERNAL_TOKEN"}
+    with pytest.raises(ValueError, match="PAGODA_INTERNAL_TOKEN"):
+        resolve(yaml.safe_load(COMPOSE_FILE.read_text()), env)
