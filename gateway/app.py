@@ -63,6 +63,7 @@ from gateway.protocol import (
 from gateway.ratelimit import ANONYMOUS, RateLimiter, RateLimitExceeded, token_cost
 from gateway.timeline import Span, chrome_trace
 
+RETRY_AFTER_S = 1  # what a 429 for a full queue and a 503 tell clients to wait
 log = logging.getLogger(__name__)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -413,7 +414,10 @@ def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
         if status >= 500:
             log.error("request %s: scheduler %s: %s", request_id, exc.code.name, exc.message)
         message = exc.message if status != 500 else f"internal error (request {request_id})"
-        return respond(request, status, error_body(status, message, None, exc.code.name.lower()))
+        # a full queue (429) or a pipeline recovering (503): come back shortly, as clients
+        # (the openai SDK among them) retry when told
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+        return respond(request, status, error_body(status, message, None, exc.code.name.lower()), headers)
 
     @app.exception_handler(streaming.ClientGone)
     async def on_client_gone(request: Request, exc: streaming.ClientGone) -> Response:

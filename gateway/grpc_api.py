@@ -382,8 +382,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                             held = msg
             if held is not None:
                 yield held
-        except GenerationError as exc:
-            await context.abort(exc.code, exc.message)
+        except GenerationError as exc:  # a full queue or a recovering pipeline: come back soon
+            retry = exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+            await context.abort(exc.code, exc.message, (("retry-after", "1"),) if retry else ())
         except Exception:  # a bug: log it with the request id; the caller sees INTERNAL
             log.exception("request %s failed", request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request {request_id})")

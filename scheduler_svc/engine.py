@@ -321,7 +321,14 @@ class Engine:
             raise ValueError(
                 f"max_tokens: {len(request.prompt)} prompt tokens and {o.n} x {o.max_tokens} "
                 f"output tokens need up to {needed} KV blocks; the pool has {config.num_kv_blocks}")
-        self.planner.add(request)  # QueueFull propagates, nothing changed
+        displaced = self.planner.add(request)  # QueueFull propagates, nothing changed
+        if displaced is not None:
+            gone = self._live.pop(displaced.request_id, None)
+            if gone is not None:
+                self.num_aborted += 1
+                self.metrics.on_finished("abort", self.clock() - displaced.arrival_s)
+                self._fail(gone, "RESOURCE_EXHAUSTED", "the waiting queue is full: this request gave "
+                                                       "its place to a more urgent one; retry later")
         self.update_active_time()  # the time before this arrival counts as idle if nothing was live
         live = _Live(request, asyncio.Queue(), arrival_ns=time.time_ns())
         if self._tracing:

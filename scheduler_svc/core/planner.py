@@ -187,13 +187,19 @@ class Planner:
 
     # --- requests in ---------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
-        """Queue a new request (QueueFull propagates)."""
+    def add(self, request: Request) -> Request | None:
+        """Queue a new request (QueueFull propagates). With the queue full, a more urgent
+        request takes the place of the least urgent waiting one, which is returned (its
+        caller refuses it as if it had come to a full queue)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already live")
+        displaced = self.queue.displaceable(request)
+        if displaced is not None:
+            self.abort(displaced.request_id)
         self.queue.push(request)
         self.requests[request.request_id] = request
         self._trace("queued", request, prompt_tokens=len(request.prompt))
+        return displaced
 
     def abort(self, request_id: str, now: float = 0.0) -> Request | None:
         """Abort a live request: out of the queue, or its sequences freed. None if unknown/ended."""

@@ -123,6 +123,18 @@ class WaitingQueue:
         bisect.insort(tenant.entries, entry, key=lambda e: (e[0], e[1]))
         self._where[request.request_id] = (tenant.name, key, self._counter)
 
+    def displaceable(self, request: Request) -> Request | None:
+        """With the queue full under the priority policy: the least urgent fresh waiting
+        request, if `request` is more urgent than it (it then gives its place: a more
+        urgent client is never refused for a less urgent one). None otherwise."""
+        if self.policy != "priority" or len(self) < self.max_len or request.num_preemptions:
+            return None
+        entries = [e for t in self._tenants.values() for e in t.entries if not e[2].num_preemptions]
+        if not entries:
+            return None
+        worst = max(entries, key=lambda e: (e[0], e[1]))[2]
+        return worst if worst.priority > request.priority else None
+
     def remove(self, request: Request) -> bool:
         """Take a request out without charging its tenant (an abort). True if it was queued."""
         tenant = self._take(request)

@@ -20,6 +20,7 @@ class Stack:
     grpc_port: int
     logs: Path
     ready: dict
+    api_key: str | None = None  # sent with the stack's own reads when keys are on
 
     @property
     def url(self) -> str:
@@ -34,7 +35,9 @@ class Stack:
         raise LookupError(f"no {kind} process under pagoda serve ({self.serve.process.pid})")
 
     def get(self, path: str, timeout: float = 10.0) -> dict:
-        return json.loads(urllib.request.urlopen(f"{self.url}{path}", timeout=timeout).read())
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        request = urllib.request.Request(f"{self.url}{path}", headers=headers)
+        return json.loads(urllib.request.urlopen(request, timeout=timeout).read())
 
     def kv_used_blocks(self) -> int:
         return self.get("/debug/memory")["kv_cache"]["num_used_blocks"]

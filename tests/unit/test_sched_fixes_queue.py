@@ -162,3 +162,24 @@ def test_an_aborted_request_does_not_count_its_idle_tenant_twice():
     q.admit(b1)
     q.check_integrity()
     assert {"A", "B"} <= set(q._tenants)  # two idle records: both kept
+
+
+def test_a_full_priority_queue_lets_a_more_urgent_request_in():
+    """Overload (issue 16): the least urgent waiting request gives its place to a more urgent
+    one (it is refused as a full queue refuses); an equally or less urgent one is refused."""
+    import pytest
+
+    from scheduler_svc.core.queue import QueueFull
+
+    def _req(rid: str, priority: int) -> Request:
+        return Request(rid, (7,) * 8, SamplingOptions(max_tokens=8), 0.0, priority=priority)
+
+    q = WaitingQueue(policy="priority", max_len=2)
+    calm, lazy = _req("calm", priority=0), _req("lazy", priority=5)
+    q.push(calm)
+    q.push(lazy)
+    assert q.displaceable(_req("same", priority=5)) is None
+    with pytest.raises(QueueFull):
+        q.push(_req("same", priority=5))
+    assert q.displaceable(_req("urgent", priority=-3)) is lazy
+    assert WaitingQueue(policy="fcfs", max_len=1).displaceable(_req("x", priority=-9)) is None
