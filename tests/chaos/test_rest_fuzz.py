@@ -13,13 +13,14 @@ import pytest
 from support.stack import profile, start_serve
 
 BIG = 100 * 1024 * 1024
+MAX_BODY = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def stack(model_factory, tmp_path_factory):
     s = start_serve(model_factory(arch="llama"), tmp_path_factory.mktemp("chaos-rest"), "--num-kv-blocks", "256",
                     "--num-threads", "1", "--max-model-len", "512", "--served-model-name", "tiny",
-                    "--max-body-bytes", str(1024 * 1024))
+                    "--max-body-bytes", str(MAX_BODY))
     yield s
     s.stop()
 
@@ -80,7 +81,9 @@ def test_hand_corpus_of_nasty_inputs(stack):
     for path, body, param in CORPUS:
         status, raw = post(stack, path, body)
         seen.append(status)
-        assert status == -1 and len(body) == BIG or 400 <= status < 500, (path, body[:80], status, raw[:300])
+        # a body over the limit may be cut off while it is still being sent (the 413 and the
+        # closed connection race the upload); anything else is a 4xx
+        assert status == -1 and len(body) > MAX_BODY or 400 <= status < 500, (path, body[:80], status, raw[:300])
         if status > 0:
             error = json.loads(raw)["error"]
             assert error["message"], raw
@@ -94,18 +97,19 @@ def test_schemathesis_over_the_openapi(stack):
     """Every operation of the gateway's OpenAPI, with bodies generated from its schemas (valid
     and not): no 5xx, and each response conforms to the documented schema."""
     schemathesis = pytest.importorskip("schemathesis")
-    from hypothesis import HealthCheck, settings
+    from hypothesis import HealthCheck, given, settings
 
     schema = schemathesis.openapi.from_url(f"{stack.url}/openapi.json")
     examples = 20 if profile() == "quick" else 400
     failures = []
+    statuses: dict[int, int] = {}
     count = 0
     for result in schema.get_all_operations():
         operation = result.ok()
 
         @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
-        @schemathesis.given(case=operation.as_strategy())
+        @given(case=operation.as_strategy())
         def check(case):
             nonlocal count
             if case.body is not None and isinstance(case.body, dict):
@@ -114,14 +118,17 @@ def test_schemathesis_over_the_openapi(stack):
                     if isinstance(case.body.get("max_tokens"), int) else case.body.get("max_tokens")
             response = case.call(base_url=stack.url, timeout=60)
             count += 1
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
             if response.status_code >= 500:
                 failures.append((case.path, case.body, response.status_code, response.text[:300]))
+            elif response.status_code >= 400 and not response.json().get("error", {}).get("message"):
+                failures.append((case.path, case.body, response.status_code, "an error without a message"))
 
         check()
     deadline = time.time() + 20
     while stack.kv_used_blocks() and time.time() < deadline:
         time.sleep(0.2)
     print(f"\n[fuzz] schemathesis: {count} requests over {len(list(schema.get_all_operations()))} operations, "
-          f"{len(failures)} 5xx")
+          f"statuses {dict(sorted(statuses.items()))}, {len(failures)} failures")
     assert failures == [], failures[:5]
     assert stack.kv_used_blocks() == 0
