@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_PENDING_CALLS = 50_000  # calls a server holds before the application picks them up
 # Service-to-service authentication: a shared secret every internal call carries
 INTERNAL_TOKEN_ENV = "PAGODA_INTERNAL_TOKEN"
 INTERNAL_TOKEN_HEADER = "x-pagoda-internal-token"
@@ -209,6 +210,13 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.so_reuseport", 0),
+        # gRPC core cancels calls the application has not picked up yet once more than 1,000
+        # are pending and one waited 1 s: a burst of 2,000 streams lost ~150 of them as
+        # CANCELLED (issue 16, defect 5). Overload is the queue's to refuse (429 /
+        # RESOURCE_EXHAUSTED with Retry-After), not the transport's to cancel silently.
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
+        ("grpc.server_max_unrequested_time_in_server", 60),
     ]
 
 
