@@ -189,3 +189,43 @@ def test_overload_is_refused_fast_and_the_urgent_go_first(stack):
     while stack.kv_used_blocks() and time.time() < deadline:
         time.sleep(0.2)
     assert stack.kv_used_blocks() == 0
+
+
+def test_a_slow_consumer_stalls_nobody(stack):
+    """A client that stops reading its stream (a tiny receive window, nothing read for
+    seconds) does not hold up other requests, and the gateway's memory stays flat: what it
+    owes that client is bounded by the request's max_tokens."""
+    import socket
+
+    gateway = stack.service_pid("gateway")
+    rss_before = rss_bytes(gateway)
+    slow = []
+    for i in range(4):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", stack.port))
+        body = json.dumps({"model": "tiny", "prompt": f"slow {i}", "max_tokens": 400, "stream": True,
+                           "ignore_eos": True, "logprobs": 5})
+        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-batch\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        slow.append(s)  # never read while the others run
+    try:
+        started = time.time()
+        with ThreadPoolExecutor(8) as pool:
+            done = list(pool.map(lambda i: client(stack, "sk-urgent").completions.create(
+                model="tiny", prompt=f"normal {i}", max_tokens=16, extra_body={"ignore_eos": True}),
+                range(8)))
+        elapsed = time.time() - started
+        rss_after = rss_bytes(gateway)
+    finally:
+        for s in slow:
+            s.close()
+    print(f"\n[chaos] slow consumers: 4 streams unread, 8 other requests done in {elapsed:.1f} s; gateway RSS "
+          f"{rss_before >> 20} -> {rss_after >> 20} MB")
+    assert all(r.choices[0].finish_reason == "length" for r in done)
+    assert elapsed < 30
+    assert rss_after - rss_before < 200 * 1024**2
+    deadline = time.time() + 30
+    while stack.kv_used_blocks() and time.time() < deadline:  # the closed streams are aborted
+        time.sleep(0.2)
+    assert stack.kv_used_blocks() == 0
