@@ -32,6 +32,7 @@ from gateway.grpc_api import add_generation_service
 from services.grpc_utils import create_aio_server, set_serving
 from services.text import Tokenizer
 
+KEEP_ALIVE_S = 15  # seconds an idle REST connection stays open
 log = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 1.0
 
@@ -136,7 +137,10 @@ async def serve(config: GatewayConfig) -> None:
     rest = _Uvicorn(uvicorn.Config(
         app, host=config.host, port=config.port, lifespan="off", log_config=None,
         timeout_graceful_shutdown=max(1, round(config.grace_period_s)),
-        timeout_keep_alive=5,
+        # longer than clients keep an idle connection (httpx, under the openai SDK: 5 s), so
+        # a client never reuses one the server is closing at that moment (CI saw "Server
+        # disconnected without sending a response" with both at 5 s)
+        timeout_keep_alive=KEEP_ALIVE_S,
     ))
     sock = rest_socket(config.host, config.port)
     rest_task = asyncio.create_task(rest.serve(sockets=[sock] if sock else None), name="uvicorn")

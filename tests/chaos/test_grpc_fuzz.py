@@ -25,7 +25,7 @@ from services.grpc_utils import aio_channel
 from services.pb import gateway_pb2, kvcache_pb2, scheduler_pb2, worker_pb2
 
 SEED = int(os.environ.get("PAGODA_FUZZ_SEED", "1234"))
-PER_METHOD = 16 if profile() == "quick" else 400
+PER_METHOD = 16 if profile() == "quick" else 120
 CALL_TIMEOUT_S = 1.0  # a stream that waits (Events, a queued Generate) ends DEADLINE_EXCEEDED: fine
 BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 FD = _descriptor.FieldDescriptor

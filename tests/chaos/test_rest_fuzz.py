@@ -100,7 +100,7 @@ def test_schemathesis_over_the_openapi(stack):
     from hypothesis import HealthCheck, given, settings
 
     schema = schemathesis.openapi.from_url(f"{stack.url}/openapi.json")
-    examples = 20 if profile() == "quick" else 400
+    examples = 20 if profile() == "quick" else 200
     failures = []
     statuses: dict[int, int] = {}
     count = 0
