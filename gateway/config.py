@@ -49,6 +49,9 @@ class GatewayConfig:
     max_logprobs: int = 20
     max_num_prompts: int = 256  # prompts in one completions request
     grace_period_s: float = 30.0  # in-flight requests' time to finish on SIGTERM
+    # a streaming client that reads nothing for this long while what the gateway holds for
+    # it is full has its request aborted (finish reason "abort"); 0: never
+    stream_stall_timeout_s: float = 30.0
     metrics_require_key: bool = False  # with API keys: /metrics needs one too (default: open)
     # Rate limits: the defaults for keys without their own (or for the one anonymous
     # bucket without keys); None: not limited. redis_url: buckets shared across replicas.
@@ -65,8 +68,9 @@ class GatewayConfig:
         for name in ("max_model_len", "max_n", "max_num_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        if self.max_logprobs < 0 or self.grace_period_s < 0:
-            raise ValueError("max_logprobs and grace_period_s: must not be negative")
+        for name in ("max_logprobs", "grace_period_s", "stream_stall_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must not be negative, got {getattr(self, name)}")
         if not all(isinstance(n, str) and n.strip() for n in self.served_model_names):
             raise ValueError(f"served_model_names: each must be a non-empty string, got {self.served_model_names!r}")
         for key, grant in self.api_keys.items():

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import grpc
 
@@ -29,9 +29,15 @@ from services.sampling_pb import options_to_pb
 from services.text import TextOutputProcessor, Tokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # how long a request that has streamed nothing waits for a restarting scheduler (pagoda
 # serve brings one back within a few seconds; a scheduler gone for good is a 503 after this)
 RETRY_UNAVAILABLE_S = 15.0
+# a request's scheduler responses read ahead of its client: what the gateway holds for a
+# client that stops reading (beside the socket's own buffers), whatever max_tokens is
+READ_AHEAD = 64
+# how long a client may leave a full read-ahead untouched before its request is aborted
+STALL_TIMEOUT_S = 30.0
 
 _FINISH_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -48,6 +54,58 @@ class GenerationError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class ConsumerStalled(Exception):
+    """The client read nothing while its request's read-ahead stayed full for the stall
+    timeout: the request was aborted downstream (its blocks freed)."""
+
+
+_WAKE = object()
+
+
+async def read_ahead(source: AsyncIterator[T], capacity: int, stall_s: float) -> AsyncIterator[T]:
+    """`source`'s items, read into a buffer of at most `capacity` ahead of the consumer, so
+    that the consumer's pace, not the source's, decides how much is held. When the buffer
+    stays full for `stall_s` seconds (0: never) the source is closed at once (cancelling
+    the call behind it) and, once the consumer has taken what the buffer holds,
+    ConsumerStalled is raised. The source's own error is raised in its place in the order.
+    Closing this iterator closes the source."""
+    queue: asyncio.Queue = asyncio.Queue(capacity)
+    outcome: list[BaseException | None] = []  # set when the source is done: None, or why not
+
+    async def pump() -> None:
+        try:
+            async with contextlib.aclosing(source):
+                async for item in source:
+                    if queue.full() and stall_s:
+                        try:
+                            await asyncio.wait_for(queue.put(item), stall_s)
+                        except TimeoutError:
+                            outcome.append(ConsumerStalled())
+                            return  # leaving the block closes the source
+                    else:
+                        await queue.put(item)
+            outcome.append(None)
+        except Exception as exc:  # the consumer raises it after the items before it
+            outcome.append(exc)
+        finally:
+            if not queue.full():  # a consumer waiting on an empty queue wakes up
+                queue.put_nowait(_WAKE)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            if queue.empty() and outcome:
+                if outcome[0] is not None:
+                    raise outcome[0]
+                return
+            item = await queue.get()
+            if item is not _WAKE:
+                yield item
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 @dataclass(frozen=True)
@@ -138,8 +196,10 @@ class TextGenerator:
     (REST and gRPC alike). Its channel opens on first use and closes with `close`."""
 
     def __init__(self, scheduler_address: str, tokenizer: Tokenizer, max_model_len: int,
-                 retry_unavailable_s: float = RETRY_UNAVAILABLE_S) -> None:
+                 retry_unavailable_s: float = RETRY_UNAVAILABLE_S,
+                 stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.retry_unavailable_s = retry_unavailable_s
+        self.stall_timeout_s = stall_timeout_s
         self._tracing = telemetry.enabled()
         self._tracer = telemetry.tracer("pagoda.gateway")
         self.scheduler_address = scheduler_address
@@ -223,8 +283,9 @@ class TextGenerator:
             traceparent = telemetry.traceparent_of(span)
         metadata = (("traceparent", traceparent),) if traceparent else None
         request = self._request(request_id, prompt_ids, params, traceparent)
-        calls: list[grpc.aio.UnaryStreamCall] = []
-        responses = self._responses(stub, request, metadata, calls)
+        # read ahead of the client, within bounds: a client that stops reading for good is
+        # aborted with finish reason "abort" (what it owed is then final)
+        responses = read_ahead(self._responses(stub, request, metadata), READ_AHEAD, self.stall_timeout_s)
         processors: dict[int, TextOutputProcessor] = {}
         done: set[int] = set()
         completion_tokens: dict[int, int] = {}
@@ -276,26 +337,31 @@ class TextGenerator:
                     await self.abort(request_id, index)
                     yield Finished(Usage(len(prompt_ids), sum(completion_tokens.values())))
                     return
+        except ConsumerStalled:
+            log.warning("request %s: the client read nothing for %.0f s with %d responses waiting; "
+                        "aborted", request_id, self.stall_timeout_s, READ_AHEAD)
+            for index in range(params.sampling.n):
+                if index not in done:
+                    yield ChoiceDelta(index, "", [], [], "abort")
+            yield Finished(Usage(len(prompt_ids), sum(completion_tokens.values())))
         except grpc.aio.AioRpcError as exc:
             raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
         finally:
-            await responses.aclose()
-            for call in calls:
-                if not call.done():
-                    call.cancel()  # the scheduler aborts the request and frees its blocks
+            await responses.aclose()  # cancels the scheduler call, which aborts the request
             if span is not None:
                 span.end()
 
-    async def _responses(self, stub, request, metadata, calls: list) -> AsyncIterator:
-        """The scheduler's responses to `request`. A call that fails UNAVAILABLE before its
-        first response (the scheduler restarting: `pagoda serve` brings it back) is made
-        again, backing off, for up to `retry_unavailable_s`: a request that had streamed
-        nothing completes instead of failing. Once anything came, a failure is final (the
-        client has part of an answer), as is an unavailable pipeline behind a live scheduler."""
+    async def _responses(self, stub, request, metadata) -> AsyncIterator:
+        """The scheduler's responses to `request`; closing this iterator cancels the call
+        (the scheduler aborts the request and frees its blocks). A call that fails
+        UNAVAILABLE before its first response (the scheduler restarting: `pagoda serve`
+        brings it back) is made again, backing off, for up to `retry_unavailable_s`: a
+        request that had streamed nothing completes instead of failing. Once anything came,
+        a failure is final (the client has part of an answer), as is an unavailable pipeline
+        behind a live scheduler."""
         deadline, delay = None, 0.2
         while True:
             call = stub.Generate(request, metadata=metadata)
-            calls.append(call)
             received = False
             try:
                 async for resp in call:
@@ -314,6 +380,9 @@ class TextGenerator:
                          request.request_id, details)
                 await asyncio.sleep(delay)
                 delay = min(2.0, delay * 2)
+            finally:
+                if not call.done():
+                    call.cancel()
 
     def _choice_delta(self, resp, proc: TextOutputProcessor,
                       params: GenerationParams) -> ChoiceDelta | None:

@@ -33,6 +33,9 @@ from services.grpc_utils import create_aio_server, set_serving
 from services.text import Tokenizer
 
 KEEP_ALIVE_S = 15  # seconds an idle REST connection stays open
+# a REST connection's kernel send buffer (Linux doubles it for its bookkeeping): enough for
+# any token stream and a fast LAN, small enough that a stalled client holds little
+REST_SEND_BUFFER = 256 * 1024
 log = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 1.0
 
@@ -48,27 +51,40 @@ class _Uvicorn(uvicorn.Server):
 ALL_INTERFACES = ("0.0.0.0", "::", "")
 
 
-def rest_socket(host: str, port: int) -> socket.socket | None:
-    """The REST listener for "all interfaces" ("0.0.0.0", "::"): one dual-stack socket, IPv6
-    and IPv4, as gRPC binds the same host (uvicorn alone would bind IPv4 only for 0.0.0.0
-    and IPv6 only for ::). None for a specific address (uvicorn binds it), or where the
-    machine has no IPv6 (IPv4 then, as before)."""
-    if host not in ALL_INTERFACES:
-        return None
-    try:
-        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-    except OSError:
-        return None
-    try:
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("::", port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
+def rest_socket(host: str, port: int) -> socket.socket:
+    """The REST listener, bound and listening. "All interfaces" ("0.0.0.0", "::") is one
+    dual-stack socket, IPv6 and IPv4, as gRPC binds the same host (uvicorn alone would bind
+    IPv4 only for 0.0.0.0 and IPv6 only for ::), or IPv4 where the machine has no IPv6.
+
+    Each connection's kernel send buffer is capped at REST_SEND_BUFFER (accepted sockets
+    inherit it from the listener): what a client that stops reading holds in the kernel
+    stays bounded (autotuning would let it grow to tcp_wmem's maximum, 4 MiB by default),
+    and the gateway's read-ahead and stall timeout then see the client's real pace."""
+    if host in ALL_INTERFACES:
+        candidates = [(socket.AF_INET6, ("::", port), True), (socket.AF_INET, ("0.0.0.0", port), False)]
+    else:
+        candidates = [(family, address, False) for family, _, _, _, address in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)][:1]
+    for i, (family, address, dual_stack) in enumerate(candidates):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            if i + 1 < len(candidates):
+                continue  # no IPv6 here
+            raise
+        try:
+            if dual_stack:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, REST_SEND_BUFFER)
+            sock.bind(address)
+            sock.listen(2048)
+        except OSError:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        return sock
+    raise OSError(f"cannot bind {host}:{port}")  # (no candidates: getaddrinfo raises first)
 
 
 def grpc_address(host: str, port: int) -> str:
@@ -122,7 +138,8 @@ async def serve(config: GatewayConfig) -> None:
 
     telemetry.setup_tracing("gateway")  # before the generator: it checks once whether tracing is on
     tokenizer = Tokenizer(config.model)
-    generator = TextGenerator(config.scheduler_address, tokenizer, config.max_model_len)
+    generator = TextGenerator(config.scheduler_address, tokenizer, config.max_model_len,
+                              stall_timeout_s=config.stream_stall_timeout_s)
     app = create_app(config, generator)
     gateway: Gateway = app.state.gateway
 
@@ -142,8 +159,12 @@ async def serve(config: GatewayConfig) -> None:
         # disconnected without sending a response" with both at 5 s)
         timeout_keep_alive=KEEP_ALIVE_S,
     ))
-    sock = rest_socket(config.host, config.port)
-    rest_task = asyncio.create_task(rest.serve(sockets=[sock] if sock else None), name="uvicorn")
+    try:
+        sock = rest_socket(config.host, config.port)
+    except OSError as exc:
+        await grpc_server.stop(0)
+        raise OSError(f"cannot listen on {config.host}:{config.port} (REST): {exc.strerror or exc}") from exc
+    rest_task = asyncio.create_task(rest.serve(sockets=[sock]), name="uvicorn")
     stop = asyncio.Event()
 
     def on_signal() -> None:

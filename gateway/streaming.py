@@ -41,8 +41,10 @@ def add_usage(total: Usage, more: Usage) -> None:
 
 async def merged(streams: Sequence[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
     """Items of several streams as they come, tagged with the stream's index. The first
-    error ends it; ending it (or cancelling its consumer) closes every stream."""
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    error ends it; ending it (or cancelling its consumer) closes every stream. Each stream
+    is read only a few items ahead of the consumer (its own read-ahead bounds the rest), so
+    a client that stops reading holds the streams back instead of growing a queue here."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(4 * len(streams))
     end = object()
 
     async def pump(i: int, stream: AsyncIterator[Any]) -> None:

@@ -253,6 +253,10 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+STALL_HELP = ("a streaming client that reads nothing for this long, while the gateway holds all it "
+              "buffers for it, has its request aborted (finish reason \"abort\"); 0: never (default 30)")
+
+
 def _cmd_gateway(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -280,6 +284,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             max_model_len=max_model_len,
             grace_period_s=args.grace_period,
+            stream_stall_timeout_s=args.stream_stall_timeout,
             metrics_require_key=args.metrics_require_key,
             rate_limit_rpm=args.rate_limit_rpm,
             rate_limit_tpm=args.rate_limit_tpm,
@@ -408,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body (REST) and request message (gRPC), bytes")
     p.add_argument("--grace-period", type=float, default=_env("grace_period", 30.0, float),
                    help="seconds in-flight requests get to finish on SIGTERM")
+    p.add_argument("--stream-stall-timeout", type=float, default=_env("stream_stall_timeout", 30.0, float),
+                   metavar="SECONDS", help=STALL_HELP)
     p.add_argument("--rate-limit-rpm", type=optional_limit,
                    default=_env("rate_limit_rpm", None, optional_limit), metavar="N",
                    help="requests per minute per API key without its own requests_per_minute "

@@ -127,40 +127,48 @@ class RequireToken(grpc.aio.ServerInterceptor):
         return handler._replace(**{kind: refuse_stream if kind.endswith("_stream") else refuse})
 
 
-class _TokenInterceptor:
-    """Every call of a channel carries the stack's secret (one subclass per call shape:
-    grpc.aio files an interceptor under the first shape it implements only)."""
+class _WithToken:
+    """A multicallable whose calls carry the stack's secret, added to each call's metadata.
+    (Not a client interceptor: grpc.aio runs intercepted calls through Python tasks and
+    iterator wrappers, a cost on every streamed message of the step protocol.)"""
 
-    def __init__(self, token: str) -> None:
-        self._token = token
+    __slots__ = ("_call", "_pair")
 
-    def _details(self, details):
-        metadata = [*(details.metadata or ()), (INTERNAL_TOKEN_HEADER, self._token)]
-        return details._replace(metadata=grpc.aio.Metadata(*metadata))
+    def __init__(self, call, pair: tuple[str, str]) -> None:
+        self._call, self._pair = call, pair
 
-
-class _UnaryUnaryToken(_TokenInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+    def __call__(self, request=None, *args, metadata=None, **kwargs):
+        metadata = (*metadata, self._pair) if metadata else (self._pair,)
+        return self._call(request, *args, metadata=metadata, **kwargs)
 
 
-class _UnaryStreamToken(_TokenInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+class TokenChannel:
+    """A grpc.aio channel whose every call carries the stack's secret (stubs take it as a
+    channel: they ask it for their multicallables)."""
 
+    def __init__(self, channel: grpc.aio.Channel, token: str) -> None:
+        self._channel, self._pair = channel, (INTERNAL_TOKEN_HEADER, token)
 
-class _StreamUnaryToken(_TokenInterceptor, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, details, requests):
-        return await continuation(self._details(details), requests)
+    def unary_unary(self, *args, **kwargs):
+        return _WithToken(self._channel.unary_unary(*args, **kwargs), self._pair)
 
+    def unary_stream(self, *args, **kwargs):
+        return _WithToken(self._channel.unary_stream(*args, **kwargs), self._pair)
 
-class _StreamStreamToken(_TokenInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, details, requests):
-        return await continuation(self._details(details), requests)
+    def stream_unary(self, *args, **kwargs):
+        return _WithToken(self._channel.stream_unary(*args, **kwargs), self._pair)
 
+    def stream_stream(self, *args, **kwargs):
+        return _WithToken(self._channel.stream_stream(*args, **kwargs), self._pair)
 
-def _token_interceptors(token: str) -> list:
-    return [cls(token) for cls in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)]
+    def __getattr__(self, name: str):  # close, channel_ready, get_state, ...
+        return getattr(self._channel, name)
+
+    async def __aenter__(self) -> TokenChannel:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._channel.close()
 
 
 async def drain_requests(requests, limit_s: float = 1.0) -> None:
@@ -254,11 +262,11 @@ async def set_serving(health_servicer: health.aio.HealthServicer, service: str, 
     await health_servicer.set(service, status)
 
 
-def aio_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+def aio_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel | TokenChannel:
     """A channel to an internal service: its calls carry the stack's secret when one is set."""
     token = internal_token()
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
-                                     interceptors=_token_interceptors(token) if token else None)
+    channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+    return TokenChannel(channel, token) if token else channel
 
 
 def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> bool:

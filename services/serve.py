@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         gateway_args += ["--max-body-bytes", str(args.max_body_bytes)]
     # the gateway drains within the grace period; it is killed only well after that
     gateway_args += ["--grace-period", str(args.grace_period)]
+    gateway_args += ["--stream-stall-timeout", str(args.stream_stall_timeout)]
     if args.api_keys_file:
         gateway_args += ["--api-keys-file", args.api_keys_file]
     for flag, value in (("--rate-limit-rpm", args.rate_limit_rpm),
@@ -205,7 +206,7 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser, env) -> None:
-    from services.cli import names, optional_limit  # (loaded: it is what calls this)
+    from services.cli import STALL_HELP, names, optional_limit  # (loaded: it is what calls this)
 
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
                    help="checkpoint directory, as in `vllm serve MODEL` (or --model)")
@@ -244,6 +245,8 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--log-dir", default=env("log_dir"))
     p.add_argument("--ready-file", help="write the services' addresses here (JSON) once ready")
     p.add_argument("--grace-period", type=float, default=env("grace_period", 30.0, float))
+    p.add_argument("--stream-stall-timeout", type=float, default=env("stream_stall_timeout", 30.0, float),
+                   metavar="SECONDS", help=STALL_HELP)
     p.add_argument("--max-restarts", type=int, default=env("max_restarts", 5, int),
                    help="deaths of one service within --restart-window after which serve gives up "
                         "(restarts back off: at once, then 1 s, 2 s, ... 30 s)")

@@ -27,11 +27,12 @@ import openai
 import pytest
 from support.stack import profile, rss_bytes, start_serve
 
-from services.pb import gateway_pb2, gateway_pb2_grpc
+from services.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 STORM = 60 if profile() == "quick" else 300
 OVERLOAD_S = 6.0 if profile() == "quick" else 30.0
 MAX_NUM_SEQS, MAX_QUEUE = 4, 16
+STALL_S = 1.0  # --stream-stall-timeout: a client reading nothing this long is cut off
 RSS_BOUND = 2 * 1024**3  # per process: model, KV pool and buffers of this tiny stack
 KEYS = {"sk-batch": {"tenant": "batch", "priority": 10}, "sk-urgent": {"tenant": "urgent", "priority": -10}}
 
@@ -44,7 +45,8 @@ def stack(model_factory, tmp_path_factory):
     s = start_serve(model_factory(arch="llama"), logs, "--pipeline-parallel-size", "2", "--num-kv-blocks", "256",
                     "--num-threads", "1", "--max-model-len", "512", "--served-model-name", "tiny",
                     "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue-len", str(MAX_QUEUE),
-                    "--scheduler-policy", "priority", "--api-keys-file", str(keys))
+                    "--scheduler-policy", "priority", "--api-keys-file", str(keys),
+                    "--stream-stall-timeout", str(STALL_S))
     s.api_key = "sk-batch"
     yield s
     s.stop()
@@ -191,24 +193,45 @@ def test_overload_is_refused_fast_and_the_urgent_go_first(stack):
     assert stack.kv_used_blocks() == 0
 
 
-def test_a_slow_consumer_stalls_nobody(stack):
-    """A client that stops reading its stream (a tiny receive window, nothing read for
-    seconds) does not hold up other requests, and the gateway's memory stays flat: what it
-    owes that client is bounded by the request's max_tokens."""
+def _read_all(sock, timeout_s: float = 30.0) -> bytes:
+    sock.settimeout(timeout_s)
+    data = b""
+    while not data.endswith(b"data: [DONE]\n\n") and not data.endswith(b"0\r\n\r\n"):
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_a_slow_consumer_stalls_nobody_and_is_cut_off(stack):
+    """Clients that stop reading their streams (REST with a tiny receive window, gRPC with a
+    fixed flow-control window) hold up no other request, the gateway's memory stays flat (it
+    reads only a bounded window ahead of each client; a REST connection's kernel send buffer
+    is capped), and after --stream-stall-timeout their requests are aborted downstream,
+    blocks freed, while the connections are still open; a client that finally reads gets
+    what was buffered, then finish reason "abort" on every choice."""
     import socket
 
     gateway = stack.service_pid("gateway")
     rss_before = rss_bytes(gateway)
     slow = []
-    for i in range(4):
+    for i in range(2):  # 2 x 2 choices x 480 tokens with 20 alternatives each: ~850 KiB a request
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect(("127.0.0.1", stack.port))
-        body = json.dumps({"model": "tiny", "prompt": f"slow {i}", "max_tokens": 400, "stream": True,
-                           "ignore_eos": True, "logprobs": 5})
+        body = json.dumps({"model": "tiny", "prompt": f"slow {i}", "max_tokens": 480, "n": 2, "stream": True,
+                           "ignore_eos": True, "logprobs": 20})
         s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-batch\r\n"
                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
-        slow.append(s)  # never read while the others run
+        slow.append(s)  # not read until the end
+    channel = grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}", options=[("grpc.http2.bdp_probe", 0), ("grpc.use_local_subchannel_pool", 1)])
+    req = gateway_pb2.TextGenerateRequest(text="slow grpc")
+    req.options.sampling_params.max_tokens = 480
+    req.options.sampling_params.ignore_eos = True
+    req.options.sampling_params.logprobs = 20
+    slow_grpc = gateway_pb2_grpc.GenerationStub(channel).Generate(
+        req, metadata=(("authorization", "Bearer sk-batch"),))  # not read until the end
     try:
         started = time.time()
         with ThreadPoolExecutor(8) as pool:
@@ -217,15 +240,29 @@ def test_a_slow_consumer_stalls_nobody(stack):
                 range(8)))
         elapsed = time.time() - started
         rss_after = rss_bytes(gateway)
+        deadline = time.time() + 60
+        while stack.kv_used_blocks() and time.time() < deadline:  # aborted: nobody read them
+            time.sleep(0.2)
+        freed_after = time.time() - started
+        used = stack.kv_used_blocks()
+        bodies = [_read_all(s) for s in slow]
+        grpc_reasons = [c.finish_reason for m in slow_grpc for c in m.choices if c.finish_reason]
     finally:
         for s in slow:
             s.close()
-    print(f"\n[chaos] slow consumers: 4 streams unread, 8 other requests done in {elapsed:.1f} s; gateway RSS "
-          f"{rss_before >> 20} -> {rss_after >> 20} MB")
+        slow_grpc.cancel()
+        channel.close()
+    reasons = [[json.loads(line[6:])["choices"][0]["finish_reason"] for line in b.decode().split("\n")
+                if line.startswith("data: {") and '"finish_reason":null' not in line.replace(" ", "")]
+               for b in bodies]
+    print(f"\n[chaos] slow consumers: 2 REST (n=2) and 1 gRPC streams unread, 8 other requests done in "
+          f"{elapsed:.1f} s; gateway RSS {rss_before >> 20} -> {rss_after >> 20} MB; unread requests aborted, "
+          f"blocks freed after {freed_after:.1f} s; REST bodies {[len(b) >> 10 for b in bodies]} KiB, finish "
+          f"reasons {reasons}, gRPC {grpc_reasons}")
     assert all(r.choices[0].finish_reason == "length" for r in done)
     assert elapsed < 30
     assert rss_after - rss_before < 200 * 1024**2
-    deadline = time.time() + 30
-    while stack.kv_used_blocks() and time.time() < deadline:  # the closed streams are aborted
-        time.sleep(0.2)
-    assert stack.kv_used_blocks() == 0
+    assert used == 0
+    assert reasons == [["abort", "abort"]] * 2
+    assert all(b"data: [DONE]" in b for b in bodies)
+    assert grpc_reasons == [common_pb2.FINISH_REASON_ABORT]

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from gateway.server import grpc_address
+from gateway.server import REST_SEND_BUFFER, grpc_address, rest_socket
 from services.launcher import ServiceProcess, free_port, pagoda_command
 
 
@@ -80,3 +80,29 @@ def test_the_default_is_ipv4_loopback_on_both(model_dir, tmp_path):
 def test_grpc_addresses():
     assert grpc_address("0.0.0.0", 5) == grpc_address("::", 5) == "[::]:5"
     assert grpc_address("::1", 5) == "[::1]:5" and grpc_address("127.0.0.1", 5) == "127.0.0.1:5"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "0.0.0.0"])
+def test_rest_connections_have_a_bounded_kernel_send_buffer(host):
+    """A client that stops reading can hold at most this much in the kernel (slow consumers,
+    issue 16): accepted connections inherit the listener's capped SO_SNDBUF, where
+    autotuning would let them grow to tcp_wmem's maximum."""
+    listener = rest_socket(host, 0)
+    try:
+        listener.setblocking(True)
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            conn, _ = listener.accept()
+            with conn:
+                size = conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        assert 0 < size <= 2 * REST_SEND_BUFFER  # (Linux doubles what is set, for its bookkeeping)
+    finally:
+        listener.close()
+
+
+def test_a_taken_rest_port_is_refused():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        with pytest.raises(OSError):
+            rest_socket("127.0.0.1", holder.getsockname()[1])
