@@ -50,8 +50,10 @@ class SchedulerConfig:
     microbatch_size: str | int = _arg("auto", "sequences per micro-batch: auto or a number", "str")
     block_size: int = _arg(16, "KV slots per block", passed_by_serve=False)
     # None: not checked against the KV service and the stages
-    num_kv_blocks: int | None = _arg(None, "KV blocks (as the KV service and every stage have)",
-                                     cli_default=1024, passed_by_serve=False)
+    num_kv_blocks: int | None = _arg(
+        None, "KV blocks (default: the KV service's; `pagoda serve`: sized from "
+              "--gpu-memory-utilization or --kv-cache-memory when given, else 1024)",
+        cli_default=None, passed_by_serve=False)
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps", "bool")
     enable_prefix_caching: bool = _arg(True, "share KV blocks of common prefixes", "bool")
     preemption_mode: str = _arg("recompute", "how a request gives its KV back", "str", choices=("recompute",))

@@ -265,8 +265,10 @@ class Engine:
         """One source of capacity: every stage must agree with the KV service and the config."""
         cfg = self.config
         for info in self.stages:
+            # a stage may hold more blocks than the pool uses (pools sized from memory: the
+            # smallest stage's is the pool), never fewer
             if info.block_size != cfg.block_size or (
-                cfg.num_kv_blocks is not None and info.num_kv_blocks != cfg.num_kv_blocks
+                cfg.num_kv_blocks is not None and info.num_kv_blocks < cfg.num_kv_blocks
             ):
                 raise ValueError(
                     f"stage {info.stage_index} has {info.num_kv_blocks} KV blocks of {info.block_size}; "
@@ -327,6 +329,7 @@ class Engine:
             if gone is not None:
                 self.num_aborted += 1
                 self.metrics.on_finished("abort", self.clock() - displaced.arrival_s)
+                self._end_span(gone, "displaced")
                 self._fail(gone, "RESOURCE_EXHAUSTED", "the waiting queue is full: this request gave "
                                                        "its place to a more urgent one; retry later")
         self.update_active_time()  # the time before this arrival counts as idle if nothing was live

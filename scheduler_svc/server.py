@@ -26,6 +26,7 @@ from scheduler_svc.core.request import (
     kv_blocks_needed,
 )
 from scheduler_svc.engine import Engine, RequestOutput
+from services import grammar
 from services.grpc_utils import create_aio_server, set_serving
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.sampling_pb import options_from_pb, set_top_logprobs
@@ -109,6 +110,23 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
     )
 
 
+def kv_capacity_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
+    """What the pool holds, as vLLM logs it at start."""
+    tokens = num_blocks * block_size
+    return (f"KV cache: {num_blocks} blocks, {tokens} tokens, max concurrency "
+            f"{tokens / max_model_len:.2f}x at max_model_len {max_model_len}")
+
+
+def check_structured(structured) -> None:
+    """InvalidRequest naming the field when a structured-output constraint does not compile.
+    The gateway checks it at its doors; a direct caller's bad grammar must not reach a stage,
+    which would refuse the whole micro-batch it rides in."""
+    try:
+        grammar.check(structured)
+    except grammar.GrammarError as exc:
+        raise InvalidRequest(f"sampling_params.structured_output: {exc}") from exc
+
+
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, engine: Engine, kv_address: str = "in-process") -> None:
         self.engine = engine
@@ -117,8 +135,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.started_ns = time.time_ns()
 
     async def Generate(self, request, context):
+        if not self.engine.stages:  # (the gateway retries UNAVAILABLE before anything streamed)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the scheduler is starting: its stages are not connected yet; retry")
         try:
             req = request_from_pb(request, self.engine.config, self.engine.vocab_size)
+            if req.options.structured is not None:  # (a compile: off the event loop)
+                await asyncio.to_thread(check_structured, req.options.structured)
             if not req.trace_context:  # per-request calls may carry it in metadata instead
                 req.trace_context = dict(context.invocation_metadata() or ()).get("traceparent", "")
             stream = self.engine.submit(req)
@@ -321,6 +344,9 @@ async def serve(
             await asyncio.sleep(1.0)
     await set_serving(health, SERVICE_NAME, True)
     log.info("scheduler serving on %s:%d (stages %s, KV %s)", host, bound, stage_addresses, kv_address)
+    cfg = engine.config
+    if cfg.num_kv_blocks:
+        log.info("%s", kv_capacity_line(cfg.num_kv_blocks, cfg.block_size, cfg.max_model_len))
     if ready_file:
         with open(ready_file, "w") as f:
             f.write(f"{bound}\n")

@@ -79,17 +79,50 @@ def _env(name: str, default=None, kind=str):
         raise SystemExit(f"error: {variable}={raw!r}: {exc}") from None
 
 
-def optional_limit(text: str) -> int | None:
-    """A positive limit; "" (an unset PAGODA_* variable in compose) means none."""
+def _setting(text: str, convert, ok, expected: str):
+    """One optional setting's value: "" (an unset PAGODA_* variable in compose) means none;
+    otherwise `convert(text)`, which `ok` must accept."""
     if not text.strip():
         return None
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from exc
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from exc
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def optional_limit(text: str) -> int | None:
+    """A positive limit, or none."""
+    return _setting(text, int, lambda v: v >= 1, "a positive integer")
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def _bytes(text: str) -> int:
+    raw = text.strip().lower().replace(" ", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    if raw[len(number):] not in _BYTE_UNITS:
+        raise ValueError(f"unknown unit in {text!r}")
+    return int(float(number) * _BYTE_UNITS[raw[len(number):]])
+
+
+def byte_size(text: str) -> int | None:
+    """A size in bytes: 4294967296, 4GiB, 512MiB, 1.5GB; or none."""
+    return _setting(text, _bytes, lambda v: 1 <= v < 2**63, "a size such as 4GiB or 512MiB")
+
+
+def fraction(text: str) -> float | None:
+    """A fraction in (0, 1], or none."""
+    return _setting(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
+GPU_MEMORY_HELP = ("size the KV pool from memory: the fraction of the device's memory a stage may use (on "
+                   "the CPU, of the system's memory), weights and peak activations included (as vLLM)")
+KV_CACHE_MEMORY_HELP = "size the KV pool from memory: bytes for the pool itself, e.g. 4GiB (as vLLM-cpu's KV space)"
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -119,6 +152,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             feedback_address=args.feedback,
             num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory=args.kv_cache_memory,
             layer_partition=args.layer_partition,
             dtype=args.dtype,
             device=args.device,
@@ -135,6 +170,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except MemoryError as exc:  # no KV block fits in the memory setting
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -332,8 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--feedback", default=_env("feedback"),
                    help="last stage of several: HOST:PORT of the first stage, which then gets each "
                         "sampled token straight from here, not through the scheduler")
-    p.add_argument("--num-kv-blocks", type=int, default=_env("num_kv_blocks", 1024, int))
+    p.add_argument("--num-kv-blocks", type=int, default=_env("num_kv_blocks", None, int),
+                   help="blocks in the KV pool (default: sized from a memory setting below, else 1024)")
     p.add_argument("--block-size", type=int, default=_env("block_size", 16, int))
+    p.add_argument("--gpu-memory-utilization", type=fraction, metavar="F",
+                   default=_env("gpu_memory_utilization", None, fraction), help=GPU_MEMORY_HELP)
+    p.add_argument("--kv-cache-memory", type=byte_size, metavar="BYTES",
+                   default=_env("kv_cache_memory", None, byte_size), help=KV_CACHE_MEMORY_HELP)
     p.add_argument("--layer-partition", type=_int_list, default=_env("layer_partition", None, _int_list),
                    help="layers per stage, e.g. 3,5 (default: even split)")
     p.add_argument("--dtype", default=_env("dtype", "auto"),

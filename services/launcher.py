@@ -225,6 +225,7 @@ class Stack:
     scheduler: ServiceProcess
     metrics_urls: dict[str, str] = field(default_factory=dict)  # service name -> /metrics URL
     service_cpus: set[int] | None = None  # where the services run when stages are pinned
+    num_kv_blocks: int = 0  # the pool (sized from memory: the smallest stage's)
 
     @property
     def processes(self) -> list[ServiceProcess]:
@@ -246,7 +247,7 @@ class Stack:
 def worker_chain(
     model_dir: str,
     num_stages: int,
-    num_kv_blocks: int,
+    num_kv_blocks: int | None,
     block_size: int,
     host: str = "127.0.0.1",
     threads: int = 1,
@@ -256,12 +257,14 @@ def worker_chain(
     feedback: bool = True,
 ) -> list[ServiceProcess]:
     """`pagoda worker` processes (not started) for stages 0..N-1, each pointing at the next,
-    the last (with `feedback`) at the first for sampled tokens."""
+    the last (with `feedback`) at the first for sampled tokens. `num_kv_blocks` None: the
+    workers size their pools from a memory setting in `extra_args`."""
     ports = [free_port(host) for _ in range(num_stages)]
     workers = []
     for k in range(num_stages):
+        blocks = ["--num-kv-blocks", str(num_kv_blocks)] if num_kv_blocks is not None else []
         args = ["worker", "--model", model_dir, "--stage", str(k), "--num-stages", str(num_stages),
-                "--host", host, "--port", str(ports[k]), "--num-kv-blocks", str(num_kv_blocks),
+                "--host", host, "--port", str(ports[k]), *blocks,
                 "--block-size", str(block_size), "--num-threads", str(threads), *extra_args(k)]
         if k < num_stages - 1:
             args += ["--next", f"{host}:{ports[k + 1]}"]
@@ -274,10 +277,78 @@ def worker_chain(
     return workers
 
 
+@dataclass(frozen=True)
+class MemorySetting:
+    """How `start_stack` sizes the KV pool when it is given no block count (one of the two):
+    `gpu_memory_utilization`, the fraction of the machine's (device's) memory the stages of
+    this stack use together (each stage gets an equal share); `kv_cache_memory`, bytes for
+    each stage's pool. `max_model_len`: one sequence of it must fit, or the start fails."""
+
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory: int | None = None
+    max_model_len: int | None = None
+
+    def worker_args(self, num_stages: int) -> list[str]:
+        if self.kv_cache_memory is not None:
+            return ["--kv-cache-memory", str(self.kv_cache_memory)]
+        return ["--gpu-memory-utilization", repr(self.gpu_memory_utilization / num_stages)]
+
+
+def pool_from_stages(infos: Sequence, block_size: int, max_model_len: int, setting: MemorySetting,
+                     num_stages: int) -> int:
+    """The one pool: the smallest stage's (each reported its StageLoadInfo). ValueError saying
+    what would fit when one sequence of `max_model_len` does not."""
+    smallest = min(infos, key=lambda i: i.num_kv_blocks)
+    blocks = smallest.num_kv_blocks
+    needed = -(-max_model_len // block_size)
+    if blocks >= needed:
+        return blocks
+    if setting.kv_cache_memory is not None:
+        raise_to = f"--kv-cache-memory to at least {needed * smallest.kv_block_bytes} bytes"
+    else:
+        want = smallest.memory_baseline_bytes + smallest.activation_peak_bytes + needed * smallest.kv_block_bytes
+        raise_to = f"--gpu-memory-utilization to at least {want / smallest.memory_total_bytes * num_stages:.3f}"
+    raise ValueError(
+        f"KV cache: stage {smallest.stage_index}'s memory leaves room for {blocks} blocks ({blocks * block_size} "
+        f"tokens), but one sequence of max_model_len={max_model_len} needs {needed} blocks: raise {raise_to}, "
+        f"or lower --max-model-len to at most {blocks * block_size}")
+
+
+def _load_infos(workers: Sequence[ServiceProcess], env: dict[str, str]) -> list:
+    import grpc
+
+    from services.grpc_utils import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER
+    from services.pb import worker_pb2, worker_pb2_grpc
+
+    token = env.get(INTERNAL_TOKEN_ENV) or os.environ.get(INTERNAL_TOKEN_ENV)
+    metadata = ((INTERNAL_TOKEN_HEADER, token),) if token else None
+    infos = []
+    for w in workers:
+        with grpc.insecure_channel(w.health_address) as channel:
+            infos.append(worker_pb2_grpc.StageWorkerStub(channel).LoadInfo(
+                worker_pb2.LoadInfoRequest(), metadata=metadata, timeout=10))
+    return infos
+
+
+def _with_blocks(command: Sequence[str], memory_args: Sequence[str], blocks: int) -> list[str]:
+    command = list(command)
+    at = next(i for i in range(len(command)) if command[i:i + len(memory_args)] == list(memory_args))
+    return [*command[:at], "--num-kv-blocks", str(blocks), *command[at + len(memory_args):]]
+
+
+def model_max_len(model_dir: str) -> int:
+    import json
+
+    try:
+        return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 4096))
+    except (OSError, ValueError):
+        return 4096
+
+
 def start_stack(
     model_dir: str,
     num_stages: int = 2,
-    num_kv_blocks: int = 1024,
+    num_kv_blocks: int | None = 1024,
     block_size: int = 16,
     log_dir: Path | None = None,
     host: str = "127.0.0.1",
@@ -290,8 +361,12 @@ def start_stack(
     metrics: bool = False,
     pin_cpus: bool = False,
     die_with_parent: bool = False,
+    memory: MemorySetting | None = None,
 ) -> Stack:
     """Start KV service, `num_stages` workers and the scheduler on free loopback ports.
+
+    `num_kv_blocks` None: the workers size their pools from `memory` and start first; the
+    KV service and the scheduler then get the smallest stage's pool.
 
     Workers get `threads_per_worker` torch threads each (default: the cores but one divided
     among them, at least 1), so that local stages do not oversubscribe the machine; with
@@ -313,47 +388,75 @@ def start_stack(
     def log(name: str) -> Path | None:
         return (log_dir / f"{name}.log") if log_dir else None
 
-    kv_port = free_port(host)
-    kv = ServiceProcess(
-        "kvcache",
-        pagoda_command("kvcache", "--host", host, "--port", str(kv_port), "--num-blocks",
-                       str(num_kv_blocks), "--block-size", str(block_size), *kvcache_args,
-                       *metrics_flag("kvcache")),
-        f"{host}:{kv_port}", env=env, log_path=log("kvcache"),
-    )
+    if num_kv_blocks is None and memory is None:
+        raise ValueError("start_stack: give num_kv_blocks or a memory setting")
+    memory_args = memory.worker_args(num_stages) if num_kv_blocks is None else []
+    kv_port, sched_port = free_port(host), free_port(host)
     workers = worker_chain(
         model_dir, num_stages, num_kv_blocks, block_size, host, threads,
-        extra_args=lambda k: [*worker_args, *metrics_flag(f"worker-{k}")], env=env, log_dir=log_dir,
+        extra_args=lambda k: [*memory_args, *worker_args, *metrics_flag(f"worker-{k}")], env=env,
+        log_dir=log_dir,
     )
-    sched_port = free_port(host)
-    scheduler = ServiceProcess(
-        "scheduler",
-        pagoda_command(
-            "scheduler", "--model", model_dir, "--host", host, "--port", str(sched_port),
-            "--kvcache", f"{host}:{kv_port}", "--stages", ",".join(w.health_address for w in workers),
-            "--pipeline-parallel-size", str(num_stages), "--num-kv-blocks", str(num_kv_blocks),
-            "--block-size", str(block_size), *scheduler_args, *metrics_flag("scheduler"),
-        ),
-        f"{host}:{sched_port}", env=env, log_path=log("scheduler"),
-    )
-    stack = Stack(kv, workers, scheduler, metrics_urls)
+    kv_metrics, sched_metrics = metrics_flag("kvcache"), metrics_flag("scheduler")
+
+    def backend(blocks: int) -> tuple[ServiceProcess, ServiceProcess]:
+        kv = ServiceProcess(
+            "kvcache",
+            pagoda_command("kvcache", "--host", host, "--port", str(kv_port), "--num-blocks",
+                           str(blocks), "--block-size", str(block_size), *kvcache_args, *kv_metrics),
+            f"{host}:{kv_port}", env=env, log_path=log("kvcache"),
+        )
+        scheduler = ServiceProcess(
+            "scheduler",
+            pagoda_command(
+                "scheduler", "--model", model_dir, "--host", host, "--port", str(sched_port),
+                "--kvcache", f"{host}:{kv_port}", "--stages", ",".join(w.health_address for w in workers),
+                "--pipeline-parallel-size", str(num_stages), "--num-kv-blocks", str(blocks),
+                "--block-size", str(block_size), *scheduler_args, *sched_metrics,
+            ),
+            f"{host}:{sched_port}", env=env, log_path=log("scheduler"),
+        )
+        return kv, scheduler
+
     plan = cpu_plan(num_stages, threads) if pin_cpus else None
     if plan is not None:
-        stack.service_cpus = plan[0]
-        kv.cpus = scheduler.cpus = plan[0]
         for worker, cpus in zip(workers, plan[1], strict=True):
             worker.cpus = cpus
-    for p in stack.processes:
-        p.die_with_parent = die_with_parent
-    try:
-        for p in [kv, *reversed(workers)]:
+    started: list[ServiceProcess] = []
+
+    def start(processes: Sequence[ServiceProcess]) -> None:
+        for p in processes:
+            p.die_with_parent = die_with_parent
+            if plan is not None and p.name in ("kvcache", "scheduler"):
+                p.cpus = plan[0]
             p.start()
-        for p in [kv, *workers]:
-            p.wait_healthy(timeout_s)
-        scheduler.start()
+            started.append(p)
+
+    try:
+        if num_kv_blocks is None:  # the stages size their pools first; the smallest is the pool
+            start(list(reversed(workers)))
+            for w in workers:
+                w.wait_healthy(timeout_s)
+            num_kv_blocks = pool_from_stages(
+                _load_infos(workers, env), block_size, memory.max_model_len or model_max_len(model_dir),
+                memory, num_stages)
+            for w in workers:  # a restarted stage holds the pool's size, whatever memory is free then
+                w.command = _with_blocks(w.command, memory_args, num_kv_blocks)
+            kv, scheduler = backend(num_kv_blocks)
+            start([kv])
+            kv.wait_healthy(timeout_s)
+        else:
+            kv, scheduler = backend(num_kv_blocks)
+            start([kv, *reversed(workers)])
+            for p in [kv, *workers]:
+                p.wait_healthy(timeout_s)
+        start([scheduler])
         scheduler.wait_healthy(timeout_s)
     except Exception:
-        for p in stack.processes:
+        for p in started:
             p.kill()
         raise
+    stack = Stack(kv, workers, scheduler, metrics_urls, num_kv_blocks=num_kv_blocks)
+    if plan is not None:
+        stack.service_cpus = plan[0]
     return stack

@@ -21,16 +21,19 @@ from pathlib import Path
 
 from services.grpc_utils import INTERNAL_TOKEN_ENV
 from services.launcher import (
+    MemorySetting,
     RestartBudget,
     ServiceProcess,
     default_threads_per_stage,
     free_port,
+    model_max_len,
     pagoda_command,
     port_taken,
     restart_if_due,
     start_stack,
     stop_all,
 )
+from worker_svc.config import DEFAULT_NUM_KV_BLOCKS
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -94,9 +97,13 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    memory = None
+    if args.num_kv_blocks is None and (args.gpu_memory_utilization or args.kv_cache_memory):
+        memory = MemorySetting(args.gpu_memory_utilization, args.kv_cache_memory, args.max_model_len)
     try:
         stack = start_stack(
-            model_dir, num_stages=n, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+            model_dir, num_stages=n, block_size=args.block_size, memory=memory,
+            num_kv_blocks=None if memory else (args.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS),
             log_dir=log_dir, scheduler_args=engine_flags(args), threads_per_worker=threads,
             worker_args=worker_flags(args), metrics=args.metrics,
             # one switch for both: the scheduler plans with it, the KV service caches with it
@@ -131,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
                              # keys by environment, not on a command line others can read
                              env={"PAGODA_API_KEY": " ".join(args.api_key)} if args.api_key else {},
                              die_with_parent=True)
+    from scheduler_svc.server import kv_capacity_line
+
+    print(f"  {kv_capacity_line(stack.num_kv_blocks, args.block_size, args.max_model_len or model_max_len(model_dir))}"
+          + (" (sized from memory: the smallest stage's pool)" if memory else ""))
     if stack.service_cpus is not None:
         print(f"  cores: services {sorted(stack.service_cpus)}, stages "
               f"{[sorted(w.cpus or ()) for w in stack.workers]} (--no-cpu-affinity to let them float)")
@@ -206,7 +217,15 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser, env) -> None:
-    from services.cli import STALL_HELP, names, optional_limit  # (loaded: it is what calls this)
+    from services.cli import (  # (loaded: it is what calls this)
+        GPU_MEMORY_HELP,
+        KV_CACHE_MEMORY_HELP,
+        STALL_HELP,
+        byte_size,
+        fraction,
+        names,
+        optional_limit,
+    )
 
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
                    help="checkpoint directory, as in `vllm serve MODEL` (or --model)")
@@ -239,6 +258,12 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
                    default=env("cpu_affinity", True, lambda v: v.strip().lower() in ("1", "true", "yes", "on")),
                    help="pin each stage to cores of its own and the services to another, when the "
                         "machine has enough (default: on)")
+    p.add_argument("--gpu-memory-utilization", type=fraction, metavar="F",
+                   default=env("gpu_memory_utilization", None, fraction),
+                   help=GPU_MEMORY_HELP + "; the stages of this machine share it equally (without "
+                        "--num-kv-blocks)")
+    p.add_argument("--kv-cache-memory", type=byte_size, metavar="BYTES", default=env("kv_cache_memory", None, byte_size),
+                   help=KV_CACHE_MEMORY_HELP + ", for each stage (without --num-kv-blocks)")
     p.add_argument("--max-body-bytes", type=int, default=env("max_body_bytes", None, int))
     p.add_argument("--metrics", action="store_true", default=env("metrics", False, lambda v: v == "1"),
                    help="serve Prometheus metrics from the KV service, stages and scheduler too")

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")  # worker_svc.attention.get_backend
+DEFAULT_NUM_KV_BLOCKS = 1024
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,12 @@ class WorkerConfig:
     next_address: str | None = None
     # last stage of several: the first stage's address, to stream sampled tokens to
     feedback_address: str | None = None
-    num_kv_blocks: int = 1024
+    # the KV pool: this many blocks, or (None) sized from memory by one of the two settings
+    # after them (worker_svc.memory), or DEFAULT_NUM_KV_BLOCKS when neither is given
+    num_kv_blocks: int | None = None
     block_size: int = 16
+    gpu_memory_utilization: float | None = None  # of the device's memory (system memory on the CPU)
+    kv_cache_memory: int | None = None  # bytes for the KV pool itself
     layer_partition: tuple[int, ...] | None = None
     dtype: str = "auto"
     device: str | None = None
@@ -43,9 +48,13 @@ class WorkerConfig:
             raise ValueError("feedback_address: only the last stage of several streams tokens to the first")
         if not is_last and not self.next_address:
             raise ValueError(f"next_address: stage {self.stage} of {self.num_stages} needs --next")
-        for name in ("num_kv_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
+        for name in ("num_kv_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_memory_utilization is not None and self.kv_cache_memory is not None:
+            raise ValueError("gpu_memory_utilization and kv_cache_memory: give one of them")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads: must be positive, got {self.num_threads}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
@@ -53,6 +62,17 @@ class WorkerConfig:
                              f"got {self.attention_backend!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+
+    @property
+    def sized_from_memory(self) -> bool:
+        """The pool is sized from a memory setting (--num-kv-blocks overrides both)."""
+        return self.num_kv_blocks is None and (
+            self.gpu_memory_utilization is not None or self.kv_cache_memory is not None)
+
+    @property
+    def fixed_num_kv_blocks(self) -> int:
+        """The pool's size when not sized from memory."""
+        return self.num_kv_blocks if self.num_kv_blocks is not None else DEFAULT_NUM_KV_BLOCKS
 
     @property
     def is_first(self) -> bool:

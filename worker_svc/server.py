@@ -66,6 +66,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
     def __init__(self, config: WorkerConfig, runner: StageRunner) -> None:
         self.config = config
         self.runner = runner
+        self.kv_sizing = None  # worker_svc.memory.KVSizing when the pool was sized from memory
         self.epoch = secrets.randbits(63) | 1  # a new id per process start; never 0
         self.started_ns = time.time_ns()
         self.max_message_bytes = config.max_message_bytes(runner.model.config.hidden_size)
@@ -223,6 +224,12 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             quantization=cfg.quantization or "",
             feedback_address=cfg.feedback_address or "",
             feedback_connected=self._feedback_streams > 0,
+            kv_block_bytes=self.kv_sizing.block_bytes if self.kv_sizing else 0,
+            memory_total_bytes=self.kv_sizing.total_bytes if self.kv_sizing else 0,
+            memory_budget_bytes=self.kv_sizing.budget_bytes if self.kv_sizing else 0,
+            memory_baseline_bytes=self.kv_sizing.baseline_bytes if self.kv_sizing else 0,
+            weights_bytes=self.kv_sizing.weights_bytes if self.kv_sizing else 0,
+            activation_peak_bytes=self.kv_sizing.activation_bytes if self.kv_sizing else 0,
         )
 
     def stats(self) -> worker_pb2.StageStats:
@@ -578,8 +585,24 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
         quantization=config.quantization,
     )
     backend = config.attention_backend or default_attention_backend(device)
-    runner = StageRunner(model, config.num_kv_blocks, config.block_size, backend)
+    sizing = None
+    num_blocks = config.fixed_num_kv_blocks
+    if config.sized_from_memory:
+        from worker_svc.memory import size_kv_pool
+
+        sizing = size_kv_pool(model, config.block_size, backend, config.gpu_memory_utilization,
+                              config.kv_cache_memory, config.max_num_batched_tokens)
+        if sizing.num_blocks < 1:
+            floor = (sizing.baseline_bytes + sizing.activation_bytes + sizing.block_bytes) / max(1, sizing.total_bytes)
+            raise MemoryError(
+                f"stage {config.stage}: no KV block fits: {sizing.describe(config.block_size)}; "
+                + (f"--gpu-memory-utilization must be above {floor:.3f} for this stage"
+                   if sizing.total_bytes else f"--kv-cache-memory must be at least {sizing.block_bytes} bytes"))
+        num_blocks = sizing.num_blocks
+        log.info("stage %d KV cache: %s", config.stage, sizing.describe(config.block_size))
+    runner = StageRunner(model, num_blocks, config.block_size, backend)
     service = StageService(config, runner)
+    service.kv_sizing = sizing
     server, port, health = create_aio_server(config.address, service.max_message_bytes)
     worker_pb2_grpc.add_StageWorkerServicer_to_server(service, server)
     await server.start()
@@ -592,7 +615,7 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
     log.info(
         "stage %d/%d serving layers [%d, %d) on %s:%d, epoch %d, %d threads, %d KV blocks of %d",
         config.stage, config.num_stages, model.start, model.end, config.host, port,
-        service.epoch, torch.get_num_threads(), config.num_kv_blocks, config.block_size,
+        service.epoch, torch.get_num_threads(), num_blocks, config.block_size,
     )
     if ready_file:
         with open(ready_file, "w") as f:

@@ -63,7 +63,10 @@ async def generate(stub, prompt, max_tokens, **params):
     req.sampling_params.temperature = params.pop("temperature", 0.0)
     req.sampling_params.ignore_eos = params.pop("ignore_eos", True)
     for k, v in params.items():
-        setattr(req.sampling_params, k, v)
+        if hasattr(v, "CopyFrom"):
+            getattr(req.sampling_params, k).CopyFrom(v)
+        else:
+            setattr(req.sampling_params, k, v)
     tokens: dict[int, list[int]] = {}
     last = None
     async for resp in stub.Generate(req):
@@ -157,6 +160,10 @@ def test_bad_input_gets_invalid_argument(stack):
                 ([5], {"top_p": 0.0}),
                 ([5], {"temperature": -1.0}),
                 ([99999], {}),
+                # a grammar the gateway would have refused: refused here too, not sent to a
+                # stage (which would refuse the whole micro-batch: found by the gRPC fuzzer)
+                ([5], {"structured_output": common_pb2.StructuredOutput(json_schema="\u00a5 not json")}),
+                ([5], {"structured_output": common_pb2.StructuredOutput(regex="(unclosed")}),
             ]:
                 try:
                     await generate(stub, prompt, params.pop("max_tokens", 4), **params)
@@ -167,7 +174,8 @@ def test_bad_input_gets_invalid_argument(stack):
 
     outcomes = asyncio.run(go())
     for outcome, field in zip(outcomes, ["prompt_token_ids", "max_tokens", "top_p", "temperature",
-                                         "prompt_token_ids"], strict=True):
+                                         "prompt_token_ids", "structured_output", "structured_output"],
+                              strict=True):
         assert outcome is not None and outcome[0] == grpc.StatusCode.INVALID_ARGUMENT
         assert field in outcome[1]
 

@@ -65,3 +65,26 @@ def test_undecodable_requests_are_invalid_argument_in_one_log_line(caplog):
 async def _drain(call):
     async for _ in call:
         pass
+
+
+def test_a_service_is_not_serving_until_it_says_so():
+    """grpcio's health servicer starts "" as SERVING; a launcher probing it would take a
+    service that is still starting (a scheduler whose stages are not connected) for ready."""
+    async def main():
+        server, port, health = create_aio_server("127.0.0.1:0")
+        await server.start()
+        try:
+            async with aio_channel(f"127.0.0.1:{port}") as channel:
+                check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+                before = (await check(health_pb2.HealthCheckRequest(service=""), timeout=10)).status
+                await set_serving(health, "x", True)
+                after = (await check(health_pb2.HealthCheckRequest(service=""), timeout=10)).status
+            return before, after
+        finally:
+            await server.stop(0)
+
+    before, after = asyncio.run(main())
+    assert before == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert after == health_pb2.HealthCheckResponse.SERVING

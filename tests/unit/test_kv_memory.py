@@ -1,0 +1,84 @@
+"""KV pools sized from memory (issue 14): the arithmetic for a model of known size, the
+settings' parsing, and the refusal that says what would fit."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from services.cli import byte_size, fraction
+from services.launcher import MemorySetting, pool_from_stages
+from worker_svc.memory import blocks_that_fit, kv_block_bytes, size_kv_pool
+
+# the tiny model's shape (services.tiny_model defaults): 4 layers, hidden 64, 4 heads of 16,
+# 2 KV heads, SwiGLU 176, vocabulary 512, untied embeddings
+H, NH, KVH, HD, MLP, V = 64, 4, 2, 16, 176, 512
+PER_LAYER = H * NH * HD + 2 * H * KVH * HD + NH * HD * H + 3 * H * MLP + 2 * H  # q, k, v, o, MLP, norms
+
+
+def test_block_bytes_are_k_and_v_of_every_local_layer():
+    assert kv_block_bytes(2, 16, KVH, HD, torch.float32) == 2 * 2 * 16 * KVH * HD * 4 == 8192
+    assert kv_block_bytes(40, 16, 8, 128, torch.bfloat16) == 2 * 40 * 16 * 8 * 128 * 2
+
+
+def test_blocks_that_fit():
+    assert blocks_that_fit(1000, 300, 100, 64) == 9
+    assert blocks_that_fit(1000, 900, 200, 64) == 0
+
+
+@pytest.fixture(scope="module")
+def stages(model_factory):
+    from worker_svc.loader import load_stage
+
+    model_dir = model_factory(arch="llama")
+    return [load_stage(model_dir, k, 2, None, "float32", torch.device("cpu")) for k in (0, 1)]
+
+
+def test_a_pool_from_kv_cache_memory_is_that_many_bytes_of_blocks(stages):
+    s = size_kv_pool(stages[0], 16, "torch", None, 3 << 20, 256)
+    assert s.block_bytes == 8192 and s.num_blocks == (3 << 20) // 8192 == 384
+
+
+def test_a_pool_from_utilization_is_the_budget_less_what_is_held_and_the_peak(stages):
+    weights = {0: V * H + 2 * PER_LAYER, 1: 2 * PER_LAYER + H + V * H}  # embedding; final norm and lm_head
+    for k, stage in enumerate(stages):
+        s = size_kv_pool(stage, 16, "torch", 0.05, None, 512)
+        assert s.weights_bytes == 4 * weights[k]
+        assert s.budget_bytes == int(0.05 * s.total_bytes)
+        assert s.baseline_bytes >= s.weights_bytes and s.activation_bytes > 0
+        assert s.num_blocks == (s.budget_bytes - s.baseline_bytes - s.activation_bytes) // s.block_bytes > 0
+
+
+def test_the_parsers():
+    assert byte_size("4GiB") == 4 << 30 and byte_size("512MiB") == 512 << 20
+    assert byte_size("1.5GB") == 1_500_000_000 and byte_size("1048576") == 1 << 20 and byte_size("") is None
+    assert fraction("0.9") == 0.9 and fraction("") is None
+    for bad in ("4XB", "-1", "0", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            byte_size(bad)
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            fraction(bad)
+
+
+def _info(stage, blocks, total=8 << 30, baseline=512 << 20, activation=64 << 20):
+    return SimpleNamespace(stage_index=stage, num_kv_blocks=blocks, kv_block_bytes=1 << 20,
+                           memory_total_bytes=total, memory_baseline_bytes=baseline,
+                           activation_peak_bytes=activation)
+
+
+def test_the_pool_is_the_smallest_stage_and_a_shortfall_says_what_would_fit():
+    setting = MemorySetting(gpu_memory_utilization=0.5)
+    assert pool_from_stages([_info(0, 300), _info(1, 200)], 16, 2048, setting, 2) == 200
+    with pytest.raises(ValueError) as err:
+        pool_from_stages([_info(0, 300), _info(1, 100)], 16, 2048, setting, 2)
+    # 128 blocks needed: 512 MiB + 64 MiB + 128 MiB of 8 GiB, for each of 2 stages
+    want = (512 + 64 + 128) / 8192 * 2
+    assert "stage 1's memory leaves room for 100 blocks (1600 tokens)" in str(err.value)
+    assert f"--gpu-memory-utilization to at least {want:.3f}" in str(err.value)
+    assert "--max-model-len to at most 1600" in str(err.value)
+    with pytest.raises(ValueError, match=r"--kv-cache-memory to at least 134217728 bytes"):
+        pool_from_stages([_info(0, 100)], 16, 2048, MemorySetting(kv_cache_memory=100 << 20), 1)

@@ -1,0 +1,157 @@
+"""How many KV blocks a stage holds, from the memory it is given (issue 14), as vLLM sizes
+its pool:
+
+- `--kv-cache-memory BYTES`: the KV pool's own size (vLLM-cpu's KV-cache space): blocks =
+  BYTES // block bytes, nothing profiled.
+- `--gpu-memory-utilization F`: the stage may use F of its device's memory (of the system's
+  memory on the CPU). After the weights are loaded, the stage runs one dummy prefill of
+  `max_num_batched_tokens` tokens and measures its peak above what was in use before it;
+  the pool gets what is left: (F x total - in use - peak) // block bytes.
+
+"In use" is what the process holds after loading: on CUDA the device's used memory (its
+other tenants too, as vLLM counts them), on the CPU this process's resident set (weights,
+torch, Python). The peak is torch's allocator high-water mark on CUDA, the resident set's
+high-water mark (VmHWM, reset through /proc/self/clear_refs) on the CPU.
+
+The stage reports the figures in its LoadInfo; `pagoda serve` takes the smallest pool over
+the stages as the one KV capacity (the scheduler's and the KV service's).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """How a stage's pool was sized; every figure in bytes."""
+
+    num_blocks: int
+    block_bytes: int
+    total_bytes: int = 0  # the device's (the system's, on the CPU) memory; 0: not profiled
+    budget_bytes: int = 0  # what the stage may use in all: utilization x total
+    baseline_bytes: int = 0  # in use after loading, before the profile step
+    weights_bytes: int = 0  # the stage's parameters (part of the baseline)
+    activation_bytes: int = 0  # the profile step's peak above the baseline
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def describe(self, block_size: int) -> str:
+        mib = 1 << 20
+        head = f"{self.num_blocks} blocks ({self.num_blocks * block_size} tokens, {self.kv_bytes / mib:.1f} MiB)"
+        if not self.total_bytes:
+            return f"{head} from --kv-cache-memory"
+        return (f"{head}: {self.budget_bytes / mib:.0f} MiB of {self.total_bytes / mib:.0f} MiB, less "
+                f"{self.baseline_bytes / mib:.0f} MiB in use ({self.weights_bytes / mib:.1f} MiB weights) and "
+                f"{self.activation_bytes / mib:.1f} MiB peak activations")
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> int:
+    """One block of one stage: K and V, for every local layer."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def blocks_that_fit(budget_bytes: int, baseline_bytes: int, activation_bytes: int, block_bytes: int) -> int:
+    return max(0, (budget_bytes - baseline_bytes - activation_bytes) // block_bytes)
+
+
+def total_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_in_use(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
+    return _status_bytes("VmRSS")
+
+
+def peak_above(device: torch.device, fn: Callable[[], object]) -> int:
+    """How far memory rose above its level before `fn` while `fn` ran."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
+    before = _status_bytes("VmRSS")
+    try:  # resets VmHWM to the current resident set (Linux 4.0+)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        log.warning("cannot reset the peak resident set (/proc/self/clear_refs): the profile may overstate it")
+    fn()
+    return max(0, _status_bytes("VmHWM") - before)
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+def size_kv_pool(model, block_size: int, backend, utilization: float | None, kv_cache_bytes: int | None,
+                 max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None) -> KVSizing:
+    """The pool for `model` (a loaded stage) under one of the two settings."""
+    config = model.config
+    param = next(model.parameters())
+    block = kv_block_bytes(model.num_local_layers, block_size, config.num_kv_heads, config.head_dim,
+                           kv_dtype or param.dtype)
+    if kv_cache_bytes is not None:
+        return KVSizing(kv_cache_bytes // block, block)
+    assert utilization is not None
+    device = param.device
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    gc.collect()
+    baseline = memory_in_use(device)
+    tokens = max(1, min(max_num_batched_tokens, config.max_position_embeddings))
+    run = _profile_step(model, block_size, backend, tokens, kv_dtype)
+    activation = peak_above(device, run)
+    del run
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    total = total_memory(device)
+    budget = int(utilization * total)
+    return KVSizing(blocks_that_fit(budget, baseline, activation, block), block, total, budget, baseline,
+                    weights, activation)
+
+
+def _profile_step(model, block_size: int, backend, num_tokens: int, kv_dtype) -> Callable[[], object]:
+    """A dummy prefill of `num_tokens` tokens through the stage (one sequence), ready to run:
+    its small KV pool is allocated here, outside the measurement (it is part of the pool)."""
+    from services.sampling import SamplingParams
+    from services.step import NewSeq, StepPlan
+    from worker_svc.runner import StageRunner
+
+    num_blocks = -(-num_tokens // block_size)
+    runner = StageRunner(model, num_blocks, block_size, backend, kv_dtype)
+    vocab = model.config.vocab_size
+    plan = StepPlan(step_id=1, new_seqs=(NewSeq(
+        seq_id=1, token_ids=tuple(i % vocab for i in range(num_tokens)), prompt_len=num_tokens,
+        num_computed=0, num_scheduled=num_tokens, block_ids=tuple(range(num_blocks)),
+        sampling=SamplingParams()),))
+    hidden = None if model.is_first else torch.zeros(
+        num_tokens, model.config.hidden_size, dtype=next(model.parameters()).dtype,
+        device=next(model.parameters()).device)
+
+    def run() -> None:
+        with torch.inference_mode():
+            runner.execute(plan, hidden)
+
+    return run
