@@ -154,6 +154,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory=args.kv_cache_memory,
+            max_model_len=args.max_model_len,
             layer_partition=args.layer_partition,
             dtype=args.dtype,
             device=args.device,
@@ -377,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default=_env("gpu_memory_utilization", None, fraction), help=GPU_MEMORY_HELP)
     p.add_argument("--kv-cache-memory", type=byte_size, metavar="BYTES",
                    default=_env("kv_cache_memory", None, byte_size), help=KV_CACHE_MEMORY_HELP)
+    p.add_argument("--max-model-len", type=int, default=_env("max_model_len", None, int),
+                   help="the longest context: the memory profile counts what a prefill chunk there needs")
     p.add_argument("--layer-partition", type=_int_list, default=_env("layer_partition", None, _int_list),
                    help="layers per stage, e.g. 3,5 (default: even split)")
     p.add_argument("--dtype", default=_env("dtype", "auto"),

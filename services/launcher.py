@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.grpc_utils import check_health
@@ -291,7 +291,8 @@ class MemorySetting:
     def worker_args(self, num_stages: int) -> list[str]:
         if self.kv_cache_memory is not None:
             return ["--kv-cache-memory", str(self.kv_cache_memory)]
-        return ["--gpu-memory-utilization", repr(self.gpu_memory_utilization / num_stages)]
+        longest = ["--max-model-len", str(self.max_model_len)] if self.max_model_len else []
+        return ["--gpu-memory-utilization", repr(self.gpu_memory_utilization / num_stages), *longest]
 
 
 def pool_from_stages(infos: Sequence, block_size: int, max_model_len: int, setting: MemorySetting,
@@ -390,6 +391,8 @@ def start_stack(
 
     if num_kv_blocks is None and memory is None:
         raise ValueError("start_stack: give num_kv_blocks or a memory setting")
+    if num_kv_blocks is None and not memory.max_model_len:
+        memory = replace(memory, max_model_len=model_max_len(model_dir))
     memory_args = memory.worker_args(num_stages) if num_kv_blocks is None else []
     kv_port, sched_port = free_port(host), free_port(host)
     workers = worker_chain(
@@ -438,7 +441,7 @@ def start_stack(
             for w in workers:
                 w.wait_healthy(timeout_s)
             num_kv_blocks = pool_from_stages(
-                _load_infos(workers, env), block_size, memory.max_model_len or model_max_len(model_dir),
+                _load_infos(workers, env), block_size, memory.max_model_len,
                 memory, num_stages)
             for w in workers:  # a restarted stage holds the pool's size, whatever memory is free then
                 w.command = _with_blocks(w.command, memory_args, num_kv_blocks)

@@ -52,6 +52,9 @@ class AttentionMetadata:
         return split
 
 
+# the most a prefill chunk's attention mask may take (its queries go in tiles under it)
+MASK_BUDGET_BYTES = 64 << 20
+
 class AttentionBackend(Protocol):
     def write_kv(
         self,
@@ -167,16 +170,22 @@ class TorchAttentionBackend:
             # a whole prompt in one chunk: plain causal attention, no mask to build. Batched
             # (4-D) inputs: on CPU, SDPA runs its fused kernel only for those (1.8x faster)
             causal = num_new == ctx and num_new > 1 and (sliding_window is None or ctx <= sliding_window)
-            o = F.scaled_dot_product_attention(
-                q[q_start:q_end].transpose(0, 1)[None],  # [1, heads, num_new, d]
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                attn_mask=None if causal else _mask(num_new, ctx, sliding_window, q.device),
-                is_causal=causal,
-                scale=scale,
-                enable_gqa=num_heads != num_kv_heads,
-            )
-            out[q_start:q_end] = o[0].transpose(0, 1)
+            keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
+            # a chunk after others attends to the whole context through a [queries, ctx] mask:
+            # queries in tiles, so that the mask (and SDPA's use of it) stays within
+            # MASK_BUDGET_BYTES however long the context (a 2048-token chunk at 128K would need 1 GiB)
+            tile = num_new if causal else max(1, min(num_new, MASK_BUDGET_BYTES // (4 * ctx)))
+            for t in range(0, num_new, tile):
+                rows = min(tile, num_new - t)
+                o = F.scaled_dot_product_attention(
+                    q[q_start + t:q_start + t + rows].transpose(0, 1)[None],  # [1, heads, rows, d]
+                    keys, values,
+                    attn_mask=None if causal else _mask(rows, ctx, sliding_window, q.device, first=ctx - num_new + t),
+                    is_causal=causal,
+                    scale=scale,
+                    enable_gqa=num_heads != num_kv_heads,
+                )
+                out[q_start + t:q_start + t + rows] = o[0].transpose(0, 1)
 
     def _plan(self, metadata: AttentionMetadata, block_size: int, kv_width: int,
               sliding_window: int | None) -> tuple[list[_DecodeGroup], list[int]]:
@@ -302,12 +311,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 
 def _mask(
-    num_new: int, ctx: int, sliding_window: int | None, device: torch.device
+    num_new: int, ctx: int, sliding_window: int | None, device: torch.device, first: int | None = None
 ) -> torch.Tensor | None:
-    """Boolean [num_new, ctx] mask (True = attend): causal within the chunk, windowed if asked."""
-    if num_new == 1 and (sliding_window is None or ctx <= sliding_window):
+    """Boolean [num_new, ctx] mask (True = attend) for queries at positions `first ...`
+    (default: the context's last `num_new`): causal, windowed if asked."""
+    first = ctx - num_new if first is None else first
+    if num_new == 1 and first == ctx - 1 and (sliding_window is None or ctx <= sliding_window):
         return None
-    q_pos = torch.arange(ctx - num_new, ctx, device=device)[:, None]
+    q_pos = torch.arange(first, first + num_new, device=device)[:, None]
     k_pos = torch.arange(ctx, device=device)[None, :]
     mask = k_pos <= q_pos
     if sliding_window is not None:

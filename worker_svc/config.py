@@ -27,6 +27,7 @@ class WorkerConfig:
     block_size: int = 16
     gpu_memory_utilization: float | None = None  # of the device's memory (system memory on the CPU)
     kv_cache_memory: int | None = None  # bytes for the KV pool itself
+    max_model_len: int | None = None  # the longest context (counted in the memory profile)
     layer_partition: tuple[int, ...] | None = None
     dtype: str = "auto"
     device: str | None = None

@@ -6,7 +6,9 @@ its pool:
 - `--gpu-memory-utilization F`: the stage may use F of its device's memory (of the system's
   memory on the CPU). After the weights are loaded, the stage runs one dummy prefill of
   `max_num_batched_tokens` tokens and measures its peak above what was in use before it;
-  the pool gets what is left: (F x total - in use - peak) // block bytes.
+  the pool gets what is left: (F x total - in use - peak) // block bytes. Given the
+  longest context (`--max-model-len`), the peak also counts what a chunk late in such a
+  context adds (its K/V gathered, its mask tile: `context_extra_bytes`).
 
 "In use" is what the process holds after loading: on CUDA the device's used memory (its
 other tenants too, as vLLM counts them), on the CPU this process's resident set (weights,
@@ -89,6 +91,7 @@ def peak_above(device: torch.device, fn: Callable[[], object]) -> int:
         fn()
         torch.cuda.synchronize(device)
         return max(0, torch.cuda.max_memory_allocated(device) - before)
+    _give_back_freed_memory()  # else the step reuses freed heap pages and its peak looks like 0
     before = _status_bytes("VmRSS")
     try:  # resets VmHWM to the current resident set (Linux 4.0+)
         Path("/proc/self/clear_refs").write_text("5")
@@ -98,6 +101,18 @@ def peak_above(device: torch.device, fn: Callable[[], object]) -> int:
     return max(0, _status_bytes("VmHWM") - before)
 
 
+def _give_back_freed_memory() -> None:
+    """glibc's malloc_trim: free heap pages back to the system, so that what the profile step
+    allocates shows in the resident set (the stages keep freed memory otherwise:
+    worker_svc.cpu_kernels.keep_freed_memory)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the measurement may understate the peak
+        log.warning("cannot return freed memory to the system (malloc_trim): the profile may understate the peak")
+
+
 def _status_bytes(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(f"{key}:"):
@@ -105,9 +120,24 @@ def _status_bytes(key: str) -> int:
     raise OSError(f"/proc/self/status has no {key}")
 
 
+def context_extra_bytes(max_model_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+    """What a prefill chunk late in a long context needs beyond the profile step's (which has
+    no context), as an upper bound: one layer's K and V gathered for the whole context, SDPA's
+    contiguous copy of them and its expansion to every query head (grouped-query attention),
+    and the chunk's mask tile (boolean, and SDPA's float copy), which attention keeps under
+    its budget."""
+    from worker_svc.attention import MASK_BUDGET_BYTES
+
+    gathered = 2 * max_model_len * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return gathered * 2 + gathered * num_heads // num_kv_heads + MASK_BUDGET_BYTES + MASK_BUDGET_BYTES // 4
+
+
 def size_kv_pool(model, block_size: int, backend, utilization: float | None, kv_cache_bytes: int | None,
-                 max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None) -> KVSizing:
-    """The pool for `model` (a loaded stage) under one of the two settings."""
+                 max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None,
+                 max_model_len: int | None = None) -> KVSizing:
+    """The pool for `model` (a loaded stage) under one of the two settings. With
+    `max_model_len`, the activations also count what a chunk at that context adds."""
     config = model.config
     param = next(model.parameters())
     block = kv_block_bytes(model.num_local_layers, block_size, config.num_kv_heads, config.head_dim,
@@ -118,10 +148,15 @@ def size_kv_pool(model, block_size: int, backend, utilization: float | None, kv_
     device = param.device
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     gc.collect()
+    if device.type != "cuda":
+        _give_back_freed_memory()
     baseline = memory_in_use(device)
     tokens = max(1, min(max_num_batched_tokens, config.max_position_embeddings))
     run = _profile_step(model, block_size, backend, tokens, kv_dtype)
     activation = peak_above(device, run)
+    if max_model_len:
+        activation += context_extra_bytes(max_model_len, config.num_heads, config.num_kv_heads, config.head_dim,
+                                          kv_dtype or param.dtype)
     del run
     gc.collect()
     if device.type == "cuda":

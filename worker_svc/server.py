@@ -591,7 +591,8 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
         from worker_svc.memory import size_kv_pool
 
         sizing = size_kv_pool(model, config.block_size, backend, config.gpu_memory_utilization,
-                              config.kv_cache_memory, config.max_num_batched_tokens)
+                              config.kv_cache_memory, config.max_num_batched_tokens,
+                              max_model_len=config.max_model_len)
         if sizing.num_blocks < 1:
             floor = (sizing.baseline_bytes + sizing.activation_bytes + sizing.block_bytes) / max(1, sizing.total_bytes)
             raise MemoryError(

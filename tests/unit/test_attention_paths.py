@@ -80,3 +80,27 @@ def test_decode_groups_and_prefill_chunks_equal_naive_attention(heads, kv_heads,
     assert backend._plan(md, block_size, kv_heads * d, window)[0] is groups
     want = naive(q, k_pool, v_pool, CHUNKS, tables, d**-0.5, window)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("tile_rows", [1, 2, 5])
+def test_a_chunk_after_others_is_attended_in_query_tiles_under_the_mask_budget(monkeypatch, window, tile_rows):
+    """Long context (issue 14): a later chunk's [queries, context] mask is built for a tile of
+    queries at a time under MASK_BUDGET_BYTES; the tiles give the untiled result (to float
+    rounding: SDPA blocks the work by the queries it is given)."""
+    import worker_svc.attention as attention
+
+    torch.manual_seed(1)
+    chunks = [(21, 6), (40, 11), (9, 9)]
+    block_size, num_blocks, heads, kv_heads, d = 4, 96, 4, 2, 16
+    md, tables = layout(chunks, block_size, num_blocks)
+    k_pool = torch.randn(num_blocks, block_size, kv_heads, d)
+    v_pool = torch.randn(num_blocks, block_size, kv_heads, d)
+    q = torch.randn(md.query_start_loc_list[-1], heads, d)
+    whole = TorchAttentionBackend().forward(q, k_pool, v_pool, md, d**-0.5, window)
+    widest = max(c for c, n in chunks if n < c)
+    monkeypatch.setattr(attention, "MASK_BUDGET_BYTES", 4 * widest * tile_rows)
+    tiled = TorchAttentionBackend().forward(q, k_pool, v_pool, md, d**-0.5, window)
+    torch.testing.assert_close(tiled, whole, rtol=1e-6, atol=1e-6)
+    want = naive(q, k_pool, v_pool, chunks, tables, d**-0.5, window)
+    torch.testing.assert_close(tiled.double(), want, rtol=1e-5, atol=1e-5)

@@ -82,3 +82,13 @@ def test_the_pool_is_the_smallest_stage_and_a_shortfall_says_what_would_fit():
     assert "--max-model-len to at most 1600" in str(err.value)
     with pytest.raises(ValueError, match=r"--kv-cache-memory to at least 134217728 bytes"):
         pool_from_stages([_info(0, 100)], 16, 2048, MemorySetting(kv_cache_memory=100 << 20), 1)
+
+
+def test_the_profile_counts_what_a_chunk_late_in_a_long_context_adds():
+    from worker_svc.attention import MASK_BUDGET_BYTES
+    from worker_svc.memory import context_extra_bytes
+
+    gathered = 2 * 131072 * KVH * HD * 4  # one layer's K and V for the whole context, float32
+    # gathered, SDPA's copy, its expansion to every query head; the mask tile and its float copy
+    want = gathered * 2 + gathered * NH // KVH + MASK_BUDGET_BYTES * 5 // 4
+    assert context_extra_bytes(131072, NH, KVH, HD, torch.float32) == want
