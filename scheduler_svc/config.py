@@ -126,3 +126,10 @@ def engine_args() -> list[tuple[str, EngineArg, object]]:
         default = f.default if f.default is not MISSING else f.default_factory()
         out.append((f.name, arg, default if arg.cli_default is SAME else arg.cli_default))
     return out
+
+
+def kv_capacity_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
+    """What the pool holds, as vLLM logs it at start."""
+    tokens = num_blocks * block_size
+    return (f"KV cache: {num_blocks} blocks, {tokens} tokens, max concurrency "
+            f"{tokens / max_model_len:.2f}x at max_model_len {max_model_len}")

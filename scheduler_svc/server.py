@@ -17,7 +17,7 @@ import uuid
 
 import grpc
 
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.config import SchedulerConfig, kv_capacity_line
 from scheduler_svc.core.queue import QueueFull
 from scheduler_svc.core.request import (
     FinishReason,
@@ -108,13 +108,6 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
         debug_timeline=msg.debug_timeline,
         trace_context=msg.trace_context.traceparent if msg.HasField("trace_context") else "",
     )
-
-
-def kv_capacity_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
-    """What the pool holds, as vLLM logs it at start."""
-    tokens = num_blocks * block_size
-    return (f"KV cache: {num_blocks} blocks, {tokens} tokens, max concurrency "
-            f"{tokens / max_model_len:.2f}x at max_model_len {max_model_len}")
 
 
 def check_structured(structured) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.grpc_utils import INTERNAL_TOKEN_ENV, aio_channel  # noqa: E402
-from services.launcher import MemorySetting, _load_infos, start_stack  # noqa: E402
+from services.launcher import MemorySetting, stage_load_infos, start_stack  # noqa: E402
 from services.pb import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from services.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 
@@ -83,7 +83,7 @@ def main() -> int:
                         scheduler_args=("--max-model-len", str(max_len), "--max-num-batched-tokens", str(args.chunk)))
     startup = time.perf_counter() - t0
     try:
-        infos = _load_infos(stack.workers, {})
+        infos = stage_load_infos(stack.workers, {})
         pids = {p.name: p.process.pid for p in stack.processes}
         held = {}
 

@@ -7,7 +7,6 @@ services start fast.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -254,11 +253,9 @@ def scheduler_config_from_args(args: argparse.Namespace, model: str):
 
     settings = {name: getattr(args, name) for name, _, _ in engine_args()}
     if settings["max_model_len"] is None:
-        try:
-            config = json.loads((Path(model) / "config.json").read_text())
-            settings["max_model_len"] = int(config.get("max_position_embeddings", 4096))
-        except (OSError, ValueError):
-            settings["max_model_len"] = 4096
+        from services.launcher import model_max_len
+
+        settings["max_model_len"] = model_max_len(model)
     trace_file = None
     if os.environ.get("PAGODA_TRACE_SCHEDULER") == "1":
         trace_file = os.environ.get("PAGODA_TRACE_FILE") or "pagoda-scheduler-trace.jsonl"
@@ -304,13 +301,9 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     from services.logs import configure_logging
 
     configure_logging("gateway")
-    max_model_len = args.max_model_len
-    if max_model_len is None:
-        try:
-            model_config = json.loads((Path(args.model) / "config.json").read_text())
-            max_model_len = int(model_config.get("max_position_embeddings", 4096))
-        except (OSError, ValueError):
-            max_model_len = 4096
+    from services.launcher import model_max_len
+
+    max_model_len = args.max_model_len or model_max_len(args.model)
     try:
         config = GatewayConfig(
             model=args.model,

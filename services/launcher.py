@@ -315,7 +315,7 @@ def pool_from_stages(infos: Sequence, block_size: int, max_model_len: int, setti
         f"or lower --max-model-len to at most {blocks * block_size}")
 
 
-def _load_infos(workers: Sequence[ServiceProcess], env: dict[str, str]) -> list:
+def stage_load_infos(workers: Sequence[ServiceProcess], env: dict[str, str]) -> list:
     import grpc
 
     from services.grpc_utils import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER
@@ -338,6 +338,7 @@ def _with_blocks(command: Sequence[str], memory_args: Sequence[str], blocks: int
 
 
 def model_max_len(model_dir: str) -> int:
+    """The checkpoint's max_position_embeddings (4096 when config.json does not say)."""
     import json
 
     try:
@@ -441,7 +442,7 @@ def start_stack(
             for w in workers:
                 w.wait_healthy(timeout_s)
             num_kv_blocks = pool_from_stages(
-                _load_infos(workers, env), block_size, memory.max_model_len,
+                stage_load_infos(workers, env), block_size, memory.max_model_len,
                 memory, num_stages)
             for w in workers:  # a restarted stage holds the pool's size, whatever memory is free then
                 w.command = _with_blocks(w.command, memory_args, num_kv_blocks)

@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
                              # keys by environment, not on a command line others can read
                              env={"PAGODA_API_KEY": " ".join(args.api_key)} if args.api_key else {},
                              die_with_parent=True)
-    from scheduler_svc.server import kv_capacity_line
+    from scheduler_svc.config import kv_capacity_line
 
     print(f"  {kv_capacity_line(stack.num_kv_blocks, args.block_size, args.max_model_len or model_max_len(model_dir))}"
           + (" (sized from memory: the smallest stage's pool)" if memory else ""))

@@ -8,7 +8,7 @@ import asyncio
 import os
 
 from services.grpc_utils import aio_channel
-from services.launcher import MemorySetting, _load_infos, start_stack
+from services.launcher import MemorySetting, stage_load_infos, start_stack
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -19,7 +19,7 @@ def test_a_stack_sized_from_memory(model_factory, tmp_path):
                         log_dir=tmp_path, threads_per_worker=1,
                         memory=MemorySetting(gpu_memory_utilization=share, max_model_len=512))
     try:
-        infos = _load_infos(stack.workers, {})
+        infos = stage_load_infos(stack.workers, {})
         for info in infos:
             assert info.memory_total_bytes == total
             assert info.memory_budget_bytes == int(share / 2 * total)
