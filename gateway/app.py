@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -146,6 +147,15 @@ def _api_key(request: Request) -> ApiKey | None:
     return getattr(request.state, "api_key", None)
 
 
+SESSION_HEADER = "x-session-id"
+
+
+def _with_session(params: GenerationParams, body, request: Request) -> GenerationParams:
+    """Router mode's session affinity: the x-session-id header, else the body's `user`."""
+    session = request.headers.get(SESSION_HEADER) or body.user or ""
+    return dataclasses.replace(params, session=session[:256]) if session else params
+
+
 def create_app(config: GatewayConfig, generator: TextGenerator,
                rate_limit_clock: Callable[[], float] | None = None) -> FastAPI:
     """The REST API over `generator`. The app's `state.gateway` is the shared `Gateway`;
@@ -181,7 +191,8 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
         request.state.request_id = request_id
         validation.check_model(body.model, gw.limits)
         prompts = await asyncio.to_thread(validation.completion_prompts, body, gw.tokenizer, gw.limits, config)
-        params = validation.completion_params(body, prompts, gw.limits, config, _api_key(request))
+        params = _with_session(validation.completion_params(body, prompts, gw.limits, config, _api_key(request)),
+                               body, request)
         await gw.charge(request, prompts, params)
         items = gw.generation(request_id, prompts, params, request.headers.get("traceparent", ""))
         model, created = gw.limits.name, int(time.time())
@@ -207,7 +218,8 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
         request.state.request_id = request_id
         validation.check_model(body.model, gw.limits)
         prompt = await asyncio.to_thread(validation.chat_prompt, body, gw.tokenizer, gw.limits)
-        params = validation.chat_params(body, prompt, gw.limits, config, _api_key(request))
+        params = _with_session(validation.chat_params(body, prompt, gw.limits, config, _api_key(request)),
+                               body, request)
         await gw.charge(request, [prompt], params)
         items = gw.generation(request_id, [prompt], params, request.headers.get("traceparent", ""))
         model, created = gw.limits.name, int(time.time())
@@ -313,6 +325,19 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
             raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
         return {"kv_address": stats.kv_address, "kv_health": _enum_name(stats.kv_health),
                 "kv_cache": _plain(stats.kv_cache)}
+
+    @app.get("/debug/replicas", tags=["Operations"], responses={401: _ERRORS[401]})
+    async def debug_replicas() -> dict[str, Any]:
+        """Router mode (several schedulers): each replica's health, load and the requests
+        routed there, the routing policy, and how often it fell back to routing by load."""
+        rs = generator.replicas
+        if rs is None:
+            return {"routing": None, "replicas": [{"name": "r0", "address": generator.scheduler_address}]}
+        index = rs.index
+        return {"routing": rs.policy, "replicas": rs.describe(), "fallbacks": rs.num_fallbacks,
+                "retries": rs.num_retries,
+                "index": None if index is None else {"failing": index.failing, "lookups": index.num_lookups,
+                                                     "failures": index.num_failures}}
 
     @app.get("/dashboard", tags=["Operations"], response_class=HTMLResponse)
     async def dashboard_page() -> HTMLResponse:

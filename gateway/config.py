@@ -57,9 +57,18 @@ class GatewayConfig:
     # bucket without keys); None: not limited. redis_url: buckets shared across replicas.
     rate_limit_rpm: int | None = None
     rate_limit_tpm: int | None = None
-    redis_url: str = ""  # "": buckets in this process
+    redis_url: str = ""  # "": buckets in this process (and no prefix index: routing by load)
+    # several schedulers (scheduler_address "r0=HOST:PORT,r1=..."): how a request's replica is
+    # chosen (gateway/routing.py)
+    routing: str = "prefix"
 
     def __post_init__(self) -> None:
+        from gateway.replicas import parse_targets
+        from gateway.routing import POLICIES
+
+        parse_targets(self.scheduler_address)  # ValueError naming what is wrong
+        if self.routing not in POLICIES:
+            raise ValueError(f"routing: must be one of {', '.join(POLICIES)}, got {self.routing!r}")
         for name in ("port", "grpc_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name}: must be in [0, 65536), got {getattr(self, name)}")

@@ -20,6 +20,7 @@ from typing import NamedTuple, TypeVar
 
 import grpc
 
+from gateway.replicas import NoReplica, Replica, ReplicaSet, merge_stats, parse_targets
 from gateway.tools import ToolCalling
 from services import telemetry
 from services.grpc_utils import aio_channel
@@ -126,6 +127,9 @@ class GenerationParams:
     prompt_only: bool = False
     # chat with tools: how the output becomes tool calls (gateway.tools)
     tool_calling: ToolCalling | None = None
+    # routing across replicas: requests with one session key go to one replica (`user`, or
+    # the x-session-id header)
+    session: str = ""
 
 
 class TopToken(NamedTuple):
@@ -197,12 +201,17 @@ class TextGenerator:
 
     def __init__(self, scheduler_address: str, tokenizer: Tokenizer, max_model_len: int,
                  retry_unavailable_s: float = RETRY_UNAVAILABLE_S,
-                 stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
+                 stall_timeout_s: float = STALL_TIMEOUT_S, routing: str = "prefix",
+                 redis_url: str = "") -> None:
         self.retry_unavailable_s = retry_unavailable_s
         self.stall_timeout_s = stall_timeout_s
         self._tracing = telemetry.enabled()
         self._tracer = telemetry.tracer("pagoda.gateway")
-        self.scheduler_address = scheduler_address
+        targets = parse_targets(scheduler_address)
+        # several replicas: this gateway routes (gateway/replicas.py); one: it is that one's
+        self.replicas = ReplicaSet(targets, routing, redis_url) if len(targets) > 1 else None
+        self._placed: dict[str, Replica] = {}  # request id -> the replica it runs on
+        self.scheduler_address = targets[0][1] if self.replicas is None else scheduler_address
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._channel: grpc.aio.Channel | None = None
@@ -220,18 +229,40 @@ class TextGenerator:
         if self._channel is not None:
             await self._channel.close()
             self._channel, self._stub = None, None
+        if self.replicas is not None:
+            await self.replicas.close()
+
+    def start(self) -> None:
+        """In the event loop that serves: start watching the replicas (router mode)."""
+        if self.replicas is not None:
+            self.replicas.start()
 
     async def stats(self, include_kv_sequences: bool = False, timeout_s: float = 2.0,
                     include_requests: bool = False, include_timeline: bool = False):
-        return await self._connect().GetStats(
-            scheduler_pb2.GetStatsRequest(include_kv_sequences=include_kv_sequences,
-                                          include_requests=include_requests,
-                                          include_timeline=include_timeline), timeout=timeout_s
-        )
+        """The scheduler's statistics; in router mode the serving replicas' summed
+        (`merge_stats`)."""
+        request = scheduler_pb2.GetStatsRequest(include_kv_sequences=include_kv_sequences,
+                                                include_requests=include_requests,
+                                                include_timeline=include_timeline)
+        if self.replicas is None:
+            return await self._connect().GetStats(request, timeout=timeout_s)
+        live = self.replicas.healthy or self.replicas.replicas
+        replies = await asyncio.gather(*(r.connect().GetStats(request, timeout=timeout_s) for r in live),
+                                       return_exceptions=True)
+        got = [r for r in replies if not isinstance(r, BaseException)]
+        if not got:
+            raise next(r for r in replies if isinstance(r, BaseException))
+        return merge_stats(got)
 
     async def health(self, timeout_s: float = 2.0) -> tuple[bool, str]:
         """(serving, why not): the whole chain as the scheduler reports it. Serving only when
-        the scheduler says SERVING and so does its view of the KV service."""
+        the scheduler says SERVING and so does its view of the KV service. In router mode:
+        serving while one replica is (as last polled)."""
+        if self.replicas is not None:
+            if self.replicas.healthy:
+                return True, ""
+            return False, "no replica is serving: " + "; ".join(
+                f"{r.name} ({r.address}): {r.why_down}" for r in self.replicas.replicas)
         try:
             stats = await self.stats(timeout_s=timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -246,8 +277,15 @@ class TextGenerator:
         req = scheduler_pb2.AbortRequest(request_id=request_id)
         if index is not None:
             req.index = index
+        if self.replicas is None:
+            stub = self._connect()
+        else:
+            replica = self._placed.get(request_id)
+            if replica is None:
+                return
+            stub = replica.connect()
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await self._connect().Abort(req, timeout=2.0)
+            await stub.Abort(req, timeout=2.0)
 
     def _request(self, request_id: str, prompt_ids: Sequence[int], p: GenerationParams,
                  traceparent: str = "") -> scheduler_pb2.GenerateRequest:
@@ -273,7 +311,6 @@ class TextGenerator:
         which aborts the request downstream and frees its blocks.
         """
         request_id = request_id or uuid.uuid4().hex
-        stub = self._connect()
         span = None
         if self._tracing:  # the request's root span here; the scheduler's and stages' hang below
             span = self._tracer.start_span(
@@ -285,7 +322,8 @@ class TextGenerator:
         request = self._request(request_id, prompt_ids, params, traceparent)
         # read ahead of the client, within bounds: a client that stops reading for good is
         # aborted with finish reason "abort" (what it owed is then final)
-        responses = read_ahead(self._responses(stub, request, metadata), READ_AHEAD, self.stall_timeout_s)
+        responses = read_ahead(self._responses(request, metadata, params.session), READ_AHEAD,
+                               self.stall_timeout_s)
         processors: dict[int, TextOutputProcessor] = {}
         done: set[int] = set()
         completion_tokens: dict[int, int] = {}
@@ -351,26 +389,57 @@ class TextGenerator:
             if span is not None:
                 span.end()
 
-    async def _responses(self, stub, request, metadata) -> AsyncIterator:
+    async def _responses(self, request, metadata, session: str = "") -> AsyncIterator:
         """The scheduler's responses to `request`; closing this iterator cancels the call
         (the scheduler aborts the request and frees its blocks). A call that fails
         UNAVAILABLE before its first response (the scheduler restarting: `pagoda serve`
         brings it back) is made again, backing off, for up to `retry_unavailable_s`: a
         request that had streamed nothing completes instead of failing. Once anything came,
         a failure is final (the client has part of an answer), as is an unavailable pipeline
-        behind a live scheduler."""
+        behind a live scheduler. In router mode each attempt goes to the replica chosen
+        then; one that fails it so is drained, and the request goes at once to a replica
+        not tried yet (its pipeline being down included), waiting only when none is left."""
         deadline, delay = None, 0.2
+        tried: set[str] = set()
         while True:
+            replica = None
+            if self.replicas is None:
+                stub = self._connect()
+            else:
+                try:
+                    replica, _ = await self.replicas.pick(request.prompt_token_ids, session or None,
+                                                          frozenset(tried))
+                except NoReplica as exc:
+                    now = time.monotonic()
+                    deadline = deadline or now + self.retry_unavailable_s
+                    if now + delay > deadline:
+                        raise GenerationError(grpc.StatusCode.UNAVAILABLE, f"{exc}: {self._down()}") from None
+                    await asyncio.sleep(delay)
+                    delay = min(2.0, delay * 2)
+                    tried.clear()  # those the health poll saw come back may be tried again
+                    continue
+                stub = replica.connect()
+                self._placed[request.request_id] = replica
             call = stub.Generate(request, metadata=metadata)
             received = False
             try:
-                async for resp in call:
-                    received = True
-                    yield resp
+                with contextlib.nullcontext() if replica is None else self.replicas.in_flight(replica):
+                    async for resp in call:
+                        received = True
+                        yield resp
                 return
             except grpc.aio.AioRpcError as exc:
                 details = exc.details() or ""
-                if received or exc.code() != grpc.StatusCode.UNAVAILABLE or "pipeline unavailable" in details:
+                if received or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                if replica is not None:
+                    self.replicas.mark_down(replica, f"{exc.code().name}: {details}")
+                    tried.add(replica.name)
+                    self.replicas.num_retries += 1
+                    log.info("request %s: replica %s unavailable before anything streamed (%s); "
+                             "another is tried", request.request_id, replica.name, details)
+                    continue
+                if "pipeline unavailable" in details:
                     raise
                 now = time.monotonic()
                 deadline = deadline or now + self.retry_unavailable_s
@@ -383,6 +452,11 @@ class TextGenerator:
             finally:
                 if not call.done():
                     call.cancel()
+                if replica is not None and self._placed.get(request.request_id) is replica:
+                    del self._placed[request.request_id]
+
+    def _down(self) -> str:
+        return "; ".join(f"{r.name}: {r.why_down}" for r in self.replicas.replicas if not r.state.healthy)
 
     def _choice_delta(self, resp, proc: TextOutputProcessor,
                       params: GenerationParams) -> ChoiceDelta | None:

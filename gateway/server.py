@@ -139,7 +139,9 @@ async def serve(config: GatewayConfig) -> None:
     telemetry.setup_tracing("gateway")  # before the generator: it checks once whether tracing is on
     tokenizer = Tokenizer(config.model)
     generator = TextGenerator(config.scheduler_address, tokenizer, config.max_model_len,
-                              stall_timeout_s=config.stream_stall_timeout_s)
+                              stall_timeout_s=config.stream_stall_timeout_s, routing=config.routing,
+                              redis_url=config.redis_url)
+    generator.start()
     app = create_app(config, generator)
     gateway: Gateway = app.state.gateway
 
@@ -186,9 +188,11 @@ async def serve(config: GatewayConfig) -> None:
             log.info("rate limits: default %s, buckets %s", config.default_rate_limit,
                      "in Redis (shared by replicas)" if config.redis_url else "in this process")
         if rest.started:
-            log.info("gateway serving: REST http://%s:%d (model %r), gRPC %s:%d (%s), scheduler %s",
+            log.info("gateway serving: REST http://%s:%d (model %r), gRPC %s:%d (%s), scheduler %s%s",
                      config.host, config.port, config.model_name, config.host, grpc_port,
-                     ", ".join(names), config.scheduler_address)
+                     ", ".join(names), config.scheduler_address,
+                     f" (routing: {config.routing}{', prefix index in Redis' if config.redis_url else ''})"
+                     if generator.replicas is not None else "")
         await asyncio.wait({rest_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if rest_task.done() and not stop.is_set():
             exc = rest_task.exception()

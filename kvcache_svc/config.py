@@ -26,6 +26,12 @@ class KVCacheConfig:
     port: int = 0
     # run `check_integrity()` once no mutating call came for this long; 0 turns it off
     integrity_check_idle_s: float = 1.0
+    # KV events (kvcache_svc/events.py): how many are kept for subscribers that reconnect
+    events_kept: int = 65_536
+    # the prefix index in Redis for routers (kvcache_svc/publisher.py): this replica's name
+    # and where; "" keeps nothing in Redis
+    replica_id: str = "r0"
+    redis_url: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_blocks <= MAX_NUM_BLOCKS:
@@ -36,6 +42,12 @@ class KVCacheConfig:
             raise ValueError(f"watermark: must be in [0, 1), got {self.watermark}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        if self.events_kept < 1:
+            raise ValueError(f"events_kept: must be positive, got {self.events_kept}")
+        if not self.replica_id or any(c in self.replica_id for c in "{}:, \t"):
+            raise ValueError(f"replica_id: a name without braces, colons, commas or spaces, got {self.replica_id!r}")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url: must start with redis://, rediss:// or unix://")
         if self.integrity_check_idle_s < 0:
             raise ValueError(
                 f"integrity_check_idle_s: must be >= 0, got {self.integrity_check_idle_s}"

@@ -46,8 +46,10 @@ from kvcache_svc.core import (
     SequenceNotFound,
     StepInput,
 )
+from kvcache_svc.events import Event, EventLog, Gone, Removed, Stored, chains
 from services.grpc_utils import create_aio_server, set_serving
 from services.pb import kvcache_pb2, kvcache_pb2_grpc
+from services.prefix_hash import ROOT_KEY
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "pagoda.v1.KVCache"
@@ -72,13 +74,16 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         self, config: KVCacheConfig, health_servicer: health.aio.HealthServicer | None = None
     ) -> None:
         self.config = config
+        self.epoch = secrets.randbits(63) | 1  # never 0
+        self.events = EventLog(self.epoch, config.events_kept)  # KV events (kvcache_svc/events.py)
         self.manager = KVCacheManager(
             config.num_blocks,
             config.block_size,
             watermark=config.watermark,
             enable_prefix_caching=config.enable_prefix_caching,
+            listener=self.events,
         )
-        self.epoch = secrets.randbits(63) | 1  # never 0
+        self.publisher = None  # kvcache_svc.publisher.RedisPublisher with --redis-url
         self.broken: str | None = None
         self.num_steps = 0
         self.num_peak_used_blocks = 0
@@ -92,13 +97,25 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Report SERVING and start the idle integrity checks."""
+        """Report SERVING and start the idle integrity checks (and the Redis publisher)."""
         if self.config.integrity_check_idle_s > 0:
             self._checker = asyncio.create_task(self._idle_checks(), name="integrity-check")
+        if self.config.redis_url:
+            from kvcache_svc.publisher import RedisPublisher
+
+            self.publisher = RedisPublisher(self.config.redis_url, self.config.replica_id, self.events,
+                                            self.snapshot, self.config.block_size)
+            self.publisher.start()
         await self._set_serving(True)
+
+    def snapshot(self) -> list[Stored]:
+        """Every cached block as a one-block `Stored` (as of `events.last_sequence_number`)."""
+        return chains(self.manager.cached_blocks())
 
     async def stop(self) -> None:
         await self._set_serving(False)
+        if self.publisher is not None:
+            await self.publisher.stop()
         if self._checker is not None:
             self._checker.cancel()
             try:
@@ -140,6 +157,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             await self._set_serving(False)
 
     def _changed(self) -> None:
+        self.events.flush()
         self._changed_since_check = True
         self._last_change_s = time.monotonic()
         num_used = self.manager.num_blocks - self.manager.num_available_blocks
@@ -158,8 +176,10 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         try:
             output = self.manager.step(step)
         except KVCacheError as exc:
+            self.events.flush()  # (validated whole: nothing changed, nothing to tell)
             await _abort_for(context, exc)
         except Exception as exc:  # a bug: the state may be half-applied
+            self.events.flush()
             log.exception("%s failed on a bug", method)
             await self._mark_broken(f"{method} raised {type(exc).__name__}: {exc}")
             await context.abort(grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}")
@@ -219,6 +239,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             )
         num_dropped = len(self.manager.seq_ids())
         self.manager.reset()
+        self.events.flush()
         was_broken = self.broken
         self.broken = None
         if await self.check_integrity():
@@ -242,9 +263,57 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         )
 
     async def SubscribeEvents(self, request: kvcache_pb2.SubscribeEventsRequest, context):
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "SubscribeEvents is reserved and not built yet"
-        )
+        queue = self.events.subscribe()  # before the backlog is read: nothing falls between
+        try:
+            try:
+                backlog = self.events.since(request.after_sequence_number, request.epoch)
+            except Gone as exc:
+                await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+            last = request.after_sequence_number
+            for event in backlog:
+                yield event_to_pb(event, self.config.block_size)
+                last = event.sequence_number
+            while True:
+                event = await queue.get()
+                if event is None:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"this subscriber fell behind after event {last}: subscribe again "
+                                        "after it (or resynchronise from EventsSnapshot)")
+                if event.sequence_number > last:
+                    yield event_to_pb(event, self.config.block_size)
+                    last = event.sequence_number
+        finally:
+            self.events.unsubscribe(queue)
+
+    async def EventsSnapshot(self, request: kvcache_pb2.EventsSnapshotRequest, context):
+        reply = kvcache_pb2.EventsSnapshotResponse(
+            epoch=self.epoch, sequence_number=self.events.last_sequence_number,
+            block_size=self.config.block_size)
+        for stored in self.snapshot():
+            stored_to_pb(stored, self.config.block_size, reply.blocks.add())
+        return reply
+
+
+def stored_to_pb(stored: Stored, block_size: int, out: kvcache_pb2.BlocksStored) -> None:
+    out.block_keys.extend(stored.keys)
+    if stored.parent_key != ROOT_KEY:
+        out.parent_block_key = stored.parent_key
+    out.token_ids.extend(stored.token_ids)
+    out.block_size = block_size
+    if stored.namespace is not None:
+        out.namespace = stored.namespace
+
+
+def event_to_pb(event: Event, block_size: int) -> kvcache_pb2.KVEvent:
+    msg = kvcache_pb2.KVEvent(sequence_number=event.sequence_number, epoch=event.epoch)
+    change = event.change
+    if isinstance(change, Stored):
+        stored_to_pb(change, block_size, msg.blocks_stored)
+    elif isinstance(change, Removed):
+        msg.blocks_removed.block_keys.extend(change.keys)
+    else:
+        msg.all_blocks_cleared.SetInParent()
+    return msg
 
 
 def create_server(

@@ -38,7 +38,6 @@ def _arg(default, help: str, kind: str = "int", **kw):
 class SchedulerConfig:
     model: str = ""
     pipeline_parallel_size: int = _arg(1, "pipeline stages (1..8)", passed_by_serve=False)
-    tensor_parallel_size: int = _arg(1, "tensor parallelism inside a stage (only 1 is built)")
     # None ("auto"): asynchronous. With one stage, a decoding sequence's next step is planned
     # before its token is known (placeholder steps, docs/step-protocol.md): `pagoda serve`
     # 1.13x the output tok/s and 0.69x the latency of synchronous (bench/vs_vllm.py)
@@ -71,11 +70,6 @@ class SchedulerConfig:
     trace_file: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size: {self.tensor_parallel_size} is not supported yet "
-                "(only pipeline parallelism is built); use pipeline_parallel_size"
-            )
         if not 1 <= self.pipeline_parallel_size <= 8:
             raise ValueError(f"pipeline_parallel_size: must be 1..8, got {self.pipeline_parallel_size}")
         if self.scheduler_policy not in POLICIES:

@@ -70,7 +70,7 @@ def _env(name: str, default=None, kind=str):
 
     variable = f"PAGODA_{name.upper().replace('-', '_')}"
     raw = os.environ.get(variable)
-    if raw is None:
+    if raw is None or (raw == "" and kind is not str):  # set empty (compose's ${X:-}): unset
         return default
     try:
         return kind(raw)
@@ -122,6 +122,24 @@ def fraction(text: str) -> float | None:
 GPU_MEMORY_HELP = ("size the KV pool from memory: the fraction of the device's memory a stage may use (on "
                    "the CPU, of the system's memory), weights and peak activations included (as vLLM)")
 KV_CACHE_MEMORY_HELP = "size the KV pool from memory: bytes for the pool itself, e.g. 4GiB (as vLLM-cpu's KV space)"
+TENSOR_PARALLEL_HELP = ("processes per stage, each holding 1/T of every layer's attention heads, KV heads and "
+                        "MLP columns (torch.distributed: gloo on the CPU, NCCL on CUDA); T must divide them "
+                        "(default 1)")
+
+
+def check_tensor_parallel(model_dir: str, size: int) -> None:
+    """ValueError when `size` ranks cannot split the checkpoint's heads and MLP evenly (a
+    missing or unreadable checkpoint is left to the loader to report)."""
+    if size == 1:
+        return
+    from worker_svc.errors import CheckpointError
+    from worker_svc.model_config import ModelConfig
+
+    try:
+        config = ModelConfig.from_dir(model_dir)
+    except CheckpointError:
+        return
+    config.shard(size)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -162,7 +180,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             attention_backend=args.attention_backend,
             quantization=args.quantization,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
+        check_tensor_parallel(config.model, config.tensor_parallel_size)
     except ValueError as exc:
         args.parser.error(str(exc))
     try:
@@ -192,6 +212,9 @@ def _cmd_kvcache(args: argparse.Namespace) -> int:
             enable_prefix_caching=args.enable_prefix_caching,
             host=args.host,
             port=args.port,
+            events_kept=args.events_kept,
+            replica_id=args.replica_id,
+            redis_url=args.redis_url or "",
         )
     except ValueError as exc:
         args.parser.error(str(exc))
@@ -308,6 +331,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         config = GatewayConfig(
             model=args.model,
             scheduler_address=args.scheduler,
+            routing=args.routing,
             served_model_names=tuple(args.served_model_name or ()),
             host=args.host,
             port=args.port,
@@ -365,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="last stage of several: HOST:PORT of the first stage, which then gets each "
                         "sampled token straight from here, not through the scheduler")
     p.add_argument("--num-kv-blocks", type=int, default=_env("num_kv_blocks", None, int),
-                   help="blocks in the KV pool (default: sized from a memory setting below, else 1024)")
+                   help="blocks in the KV pool (default: sized from a memory setting below, else 1024; "
+                        "given with a memory setting, the stage checks at start that they fit in it)")
     p.add_argument("--block-size", type=int, default=_env("block_size", 16, int))
     p.add_argument("--gpu-memory-utilization", type=fraction, metavar="F",
                    default=_env("gpu_memory_utilization", None, fraction), help=GPU_MEMORY_HELP)
@@ -375,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the longest context: the memory profile counts what a prefill chunk there needs")
     p.add_argument("--layer-partition", type=_int_list, default=_env("layer_partition", None, _int_list),
                    help="layers per stage, e.g. 3,5 (default: even split)")
+    p.add_argument("--tensor-parallel-size", type=int, default=_env("tensor_parallel_size", 1, int),
+                   metavar="T", help=TENSOR_PARALLEL_HELP)
     p.add_argument("--dtype", default=_env("dtype", "auto"),
                    choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=_env("device"), help="cpu, cuda or cuda:N (default: cuda when present)")
@@ -405,6 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=_env("enable_prefix_caching", True, _bool),
                    help="turn the prefix cache off")
+    p.add_argument("--events-kept", type=int, default=_env("events_kept", 65_536, int),
+                   help="KV events kept for SubscribeEvents subscribers that reconnect")
+    p.add_argument("--replica-id", default=_env("replica_id", "r0"),
+                   help="this replica's name in the prefix index (routers: gateway --scheduler NAME=...)")
+    p.add_argument("--redis-url", default=_env("redis_url"),
+                   help="keep this replica's prefix-cache index in Redis for routers "
+                        "(kvcache_svc/publisher.py)")
     p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None, int),
                    help="serve Prometheus metrics on this port (off by default)")
     p.add_argument("--ready-file", help="write the bound port here once serving")
@@ -429,7 +463,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=_env("model"), required=_env("model") is None,
                    help="checkpoint directory (its tokenizer, chat template and max length)")
     p.add_argument("--scheduler", default=_env("scheduler"), required=_env("scheduler") is None,
-                   help="HOST:PORT of the scheduler")
+                   help="HOST:PORT of the scheduler; or several replicas' schedulers, "
+                        "NAME=HOST:PORT,NAME=HOST:PORT,... (the names their KV services publish "
+                        "as --replica-id), and this gateway routes among them")
+    p.add_argument("--routing", default=_env("routing", "prefix"), choices=["prefix", "least-loaded", "round-robin"],
+                   help="with several replicas: prefix (the replica holding most of the prompt's "
+                        "prefix, weighed against load; needs --redis-url, else by load), "
+                        "least-loaded or round-robin (default prefix)")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME", default=_env("served_model_name", None, names),
                    help="the names clients may send as `model`, the first reported in responses "
                         "(default: the --model string, and the directory's name)")
@@ -464,8 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens_per_minute; default: unlimited")
     p.add_argument("--redis-url", default=_env("redis_url"), metavar="URL",
                    help="redis://host:port/db: keep rate-limit buckets in Redis, shared by every "
-                        "gateway replica using it (fails open when Redis is down); default: "
-                        "in this process")
+                        "gateway replica using it (fails open when Redis is down; default: "
+                        "in this process), and read the replicas' prefix index there")
     p.set_defaults(func=_cmd_gateway, parser=p)
 
     p = sub.add_parser("bench", help="benchmarks against the baselines (JSON, Markdown, plots)")
@@ -473,6 +513,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_cli.add_bench_arguments(p)
     p.set_defaults(func=bench_cli.run_bench, parser=p)
+
+    p = sub.add_parser("simulate-routing",
+                       help="replay a shared-prefix workload against 4-128 simulated replicas per routing policy")
+    from services import simulate_routing
+
+    simulate_routing.add_arguments(p)
+    p.set_defaults(func=simulate_routing.run, parser=p)
+
+    p = sub.add_parser("k8s-manifests", help="Kubernetes manifests for N replicas (docs/deploy.md)")
+    from services import k8s
+
+    k8s.add_arguments(p)
+    p.set_defaults(func=k8s.run, parser=p)
 
     p = sub.add_parser("serve", help="serve a model: the whole stack as local processes")
     from services import serve

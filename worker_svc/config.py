@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")  # worker_svc.attention.get_backend
 DEFAULT_NUM_KV_BLOCKS = 1024
@@ -21,8 +22,9 @@ class WorkerConfig:
     next_address: str | None = None
     # last stage of several: the first stage's address, to stream sampled tokens to
     feedback_address: str | None = None
-    # the KV pool: this many blocks, or (None) sized from memory by one of the two settings
-    # after them (worker_svc.memory), or DEFAULT_NUM_KV_BLOCKS when neither is given
+    # the KV pool: this many blocks (checked against a memory setting when one is given too),
+    # or (None) sized from memory by one of the two settings after them (worker_svc.memory),
+    # or DEFAULT_NUM_KV_BLOCKS when neither is given
     num_kv_blocks: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float | None = None  # of the device's memory (system memory on the CPU)
@@ -36,6 +38,8 @@ class WorkerConfig:
     max_num_seqs: int = 256
     attention_backend: str | None = None  # None: triton on CUDA, cpu (native decode kernel) on the CPU
     quantization: str | None = None
+    # processes this stage runs on (worker_svc/tensor_parallel.py): heads and MLP columns split
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.num_stages:
@@ -56,6 +60,8 @@ class WorkerConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.gpu_memory_utilization is not None and self.kv_cache_memory is not None:
             raise ValueError("gpu_memory_utilization and kv_cache_memory: give one of them")
+        if not 1 <= self.tensor_parallel_size <= 8:
+            raise ValueError(f"tensor_parallel_size: must be 1..8, got {self.tensor_parallel_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads: must be positive, got {self.num_threads}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
@@ -67,8 +73,13 @@ class WorkerConfig:
     @property
     def sized_from_memory(self) -> bool:
         """The pool is sized from a memory setting (--num-kv-blocks overrides both)."""
-        return self.num_kv_blocks is None and (
-            self.gpu_memory_utilization is not None or self.kv_cache_memory is not None)
+        return self.num_kv_blocks is None and self.has_memory_setting
+
+    @property
+    def has_memory_setting(self) -> bool:
+        """A memory setting is given: it sizes the pool, or (with --num-kv-blocks, as where
+        the pool is fixed for every service, e.g. compose) the stage checks that many fit."""
+        return self.gpu_memory_utilization is not None or self.kv_cache_memory is not None
 
     @property
     def fixed_num_kv_blocks(self) -> int:
@@ -90,10 +101,22 @@ class WorkerConfig:
     @property
     def resolved_num_threads(self) -> int:
         """Intra-op threads: the flag, else the machine's cores but one (left to the scheduler,
-        gateway and KV service) divided among the local stages."""
+        gateway and KV service) divided among the local stages' processes (tensor-parallel
+        ranks each count)."""
         if self.num_threads is not None:
             return self.num_threads
-        return max(1, ((os.cpu_count() or 1) - 1) // self.num_stages)
+        return max(1, ((os.cpu_count() or 1) - 1) // (self.num_stages * self.tensor_parallel_size))
+
+    def to_json(self) -> str:
+        """The configuration as JSON (how a stage hands it to its tensor-parallel ranks)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        raw = json.loads(text)
+        if raw.get("layer_partition") is not None:
+            raw["layer_partition"] = tuple(raw["layer_partition"])
+        return cls(**raw)
 
     def max_message_bytes(self, hidden_size: int) -> int:
         """The largest micro-batch message this configuration allows, with headroom.

@@ -91,6 +91,19 @@ def _open(path: Path):
         raise CheckpointError(f"{path}: cannot be read as safetensors: {exc}") from exc
 
 
+# tensor parallelism: the dimension along which a rank takes its share of a tensor (rows of
+# the column-parallel q/k/v and gate/up projections and their biases, columns of the
+# row-parallel o_proj and down_proj); tensors not named here are replicated
+_SHARD_DIMS = {"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0,
+               "self_attn.o_proj": 1, "mlp.gate_proj": 0, "mlp.up_proj": 0, "mlp.down_proj": 1}
+
+
+def shard_dim(name: str) -> int | None:
+    """The dimension a tensor-parallel rank splits checkpoint tensor `name` along, or None."""
+    module = name.rsplit(".", 1)[0]
+    return next((d for suffix, d in _SHARD_DIMS.items() if module.endswith(suffix)), None)
+
+
 def load_stage(
     model_dir: str | Path,
     stage: int = 0,
@@ -99,10 +112,15 @@ def load_stage(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     quantization: str | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> StageModel:
     """Build stage `stage` of `num_stages` and load exactly its tensors.
 
-    `quantization="fp8"` quantizes the linear layers' weights once they are loaded (see
+    With `tp_size` > 1, rank `tp_rank`'s share of them (`ModelConfig.shard`): each split
+    tensor is read as a slice of the checkpoint's. Ranks other than 0 of the last stage hold
+    no final norm or LM head (rank 0 alone computes the logits). `quantization="fp8"`
+    quantizes the linear layers' weights once they are loaded (see
     worker_svc/quantization.py); the stage's weight bytes are logged either way.
     """
     check_quantization(quantization)
@@ -112,10 +130,13 @@ def load_stage(
     config = ModelConfig.from_dir(model_dir)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
     start, end = partition_layers(config.num_layers, num_stages, partition)[stage]
     torch_dtype = resolve_dtype(dtype, config)
     model = StageModel(
-        config, start, end, is_first=stage == 0, is_last=stage == num_stages - 1, device=device
+        config.shard(tp_size), start, end, is_first=stage == 0,
+        is_last=stage == num_stages - 1 and tp_rank == 0, device=device,
     )
     model.source_dir = str(model_dir)  # the checkpoint folder (its tokenizer: structured output)
     expected = model.expected_tensors()
@@ -135,13 +156,23 @@ def load_stage(
             for name in names:
                 if name not in present:
                     raise CheckpointError(f"{path}: tensor {name!r} is missing from this file")
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
+                part = f.get_slice(name)
+                shape, want = tuple(part.get_shape()), list(expected[name])
+                dim = shard_dim(name) if tp_size > 1 else None
+                if dim is not None:
+                    want[dim] *= tp_size
+                if shape != tuple(want):
                     raise CheckpointError(
                         f"{path}: tensor {name!r} has shape {list(shape)}, "
-                        f"expected {list(expected[name])} from config.json"
+                        f"expected {want} from config.json"
                     )
-                state[name] = f.get_tensor(name).to(device=device, dtype=torch_dtype)
+                if dim is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    size = expected[name][dim]
+                    rows = slice(tp_rank * size, (tp_rank + 1) * size)
+                    tensor = part[rows] if dim == 0 else part[:, rows]
+                state[name] = tensor.to(device=device, dtype=torch_dtype)
     model.load_state_dict(state, strict=True, assign=True)
     del state
     model.eval()
@@ -149,8 +180,8 @@ def load_stage(
         quantize_model(model, quantization)
     model.fuse_projections()
     log.info(
-        "stage %d of %d: layers [%d, %d), %s weights%s: %d bytes",
-        stage, num_stages, start, end, torch_dtype, f" ({quantization})" if quantization else "",
-        weight_bytes(model),
+        "stage %d of %d%s: layers [%d, %d), %s weights%s: %d bytes",
+        stage, num_stages, f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else "",
+        start, end, torch_dtype, f" ({quantization})" if quantization else "", weight_bytes(model),
     )  # fmt: skip
     return model

@@ -21,11 +21,12 @@ the stages as the one KV capacity (the scheduler's and the KV service's).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -70,9 +71,26 @@ def blocks_that_fit(budget_bytes: int, baseline_bytes: int, activation_bytes: in
 
 
 def total_memory(device: torch.device) -> int:
+    """The device's memory; on the CPU the system's, or the container's limit when lower
+    (a Kubernetes pod or a compose service with a memory limit: cgroup v2 or v1)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = cgroup_memory_limit()
+    return min(physical, limit) if limit else physical
+
+
+def cgroup_memory_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """This process's cgroup memory limit in bytes, None when there is none."""
+    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # v1 says "no limit" with a huge number
+            return int(text)
+        return None
+    return None
 
 
 def memory_in_use(device: torch.device) -> int:
@@ -133,19 +151,56 @@ def context_extra_bytes(max_model_len: int, num_heads: int, num_kv_heads: int, h
     return gathered * 2 + gathered * num_heads // num_kv_heads + MASK_BUDGET_BYTES + MASK_BUDGET_BYTES // 4
 
 
+def stage_pool(config, model, backend, group=None) -> tuple[int, KVSizing | None]:
+    """A stage's KV pool from its WorkerConfig: (blocks, how they were sized; None for a
+    fixed count). Tensor-parallel ranks (`group`) each size their own share and take the
+    smallest; the memory setting is the stage's, so each rank gets 1/T of it (on CUDA, where
+    each rank has a device of its own, F of that device). MemoryError when no block fits, or
+    when a block count given with a memory setting does not fit in it."""
+    if not config.has_memory_setting:
+        return config.fixed_num_kv_blocks, None
+    share = 1 if group is None else group.size
+    with contextlib.nullcontext() if group is None else group.local():
+        sizing = size_kv_pool(model, config.block_size, backend, config.gpu_memory_utilization,
+                              config.kv_cache_memory, config.max_num_batched_tokens,
+                              max_model_len=config.max_model_len, share=share)
+    blocks = sizing.num_blocks if group is None else group.min_over_ranks(sizing.num_blocks)
+    if blocks < 1:
+        floor = (sizing.baseline_bytes + sizing.activation_bytes + sizing.block_bytes) / max(1, sizing.total_bytes)
+        if sizing.total_bytes and share > 1 and next(model.parameters()).device.type != "cuda":
+            floor *= share
+        raise MemoryError(
+            f"stage {config.stage}: no KV block fits: {sizing.describe(config.block_size)}; "
+            + (f"--gpu-memory-utilization must be above {floor:.3f} for this stage"
+               if sizing.total_bytes else
+               f"--kv-cache-memory must be at least {sizing.block_bytes * share} bytes"))
+    log.info("stage %d KV cache: %s", config.stage, sizing.describe(config.block_size))
+    if config.num_kv_blocks is not None:  # the pool is fixed: it must fit
+        if config.num_kv_blocks > blocks:
+            raise MemoryError(
+                f"stage {config.stage}: --num-kv-blocks {config.num_kv_blocks} does not fit in its memory "
+                f"setting, which leaves room for {blocks} blocks: lower the pool or give the stage more memory")
+        return config.num_kv_blocks, replace(sizing, num_blocks=config.num_kv_blocks)
+    return blocks, sizing
+
+
 def size_kv_pool(model, block_size: int, backend, utilization: float | None, kv_cache_bytes: int | None,
                  max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None,
-                 max_model_len: int | None = None) -> KVSizing:
-    """The pool for `model` (a loaded stage) under one of the two settings. With
-    `max_model_len`, the activations also count what a chunk at that context adds."""
+                 max_model_len: int | None = None, share: int = 1) -> KVSizing:
+    """The pool for `model` (a loaded stage, or one tensor-parallel rank's share of it) under
+    one of the two settings. With `max_model_len`, the activations also count what a chunk at
+    that context adds. `share`: the stage's ranks; each gets 1/share of `kv_cache_bytes`, and
+    on the CPU (one memory for all of them) 1/share of the utilization's budget."""
     config = model.config
     param = next(model.parameters())
     block = kv_block_bytes(model.num_local_layers, block_size, config.num_kv_heads, config.head_dim,
                            kv_dtype or param.dtype)
     if kv_cache_bytes is not None:
-        return KVSizing(kv_cache_bytes // block, block)
+        return KVSizing(kv_cache_bytes // share // block, block)
     assert utilization is not None
     device = param.device
+    if device.type == "cuda":
+        share = 1
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     gc.collect()
     if device.type != "cuda":
@@ -162,7 +217,7 @@ def size_kv_pool(model, block_size: int, backend, utilization: float | None, kv_
     if device.type == "cuda":
         torch.cuda.empty_cache()
     total = total_memory(device)
-    budget = int(utilization * total)
+    budget = int(utilization * total / share)
     return KVSizing(blocks_that_fit(budget, baseline, activation, block), block, total, budget, baseline,
                     weights, activation)
 

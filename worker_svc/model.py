@@ -6,9 +6,14 @@ The first stage embeds token ids; the last applies the final norm and the LM hea
 the rows that are sampled only). Parameter names equal the checkpoint's tensor names
 (`model.layers.3.self_attn.q_proj.weight`), so loading is a name lookup.
 Shapes: `T` tokens in the flattened batch, `H` query heads, `Hkv` KV heads, `D` head dim.
+With tensor parallelism (worker_svc/tensor_parallel.py) a rank's model is built from its
+share of the config (`ModelConfig.shard`): H/t heads, Hkv/t KV heads, intermediate/t MLP
+columns; each layer sums the ranks' o_proj and down_proj outputs (`reduce`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -149,6 +154,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        # tensor parallelism: sums the ranks' partial outputs of o_proj and down_proj in
+        # place (each rank holds some heads and MLP columns); None on one rank
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -160,9 +168,11 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         # Module calls cost more than a small decode step's arithmetic: call the forwards.
         norm = self.input_layernorm
-        h = h + self.self_attn.forward(rms_norm(h, norm.weight, norm.eps), rope, kv, metadata, backend)
+        out = self.self_attn.forward(rms_norm(h, norm.weight, norm.eps), rope, kv, metadata, backend)
+        h = h + (out if self.reduce is None else self.reduce(out))
         norm = self.post_attention_layernorm
-        return h + self.mlp.forward(rms_norm(h, norm.weight, norm.eps))
+        out = self.mlp.forward(rms_norm(h, norm.weight, norm.eps))
+        return h + (out if self.reduce is None else self.reduce(out))
 
 
 class _Body(nn.Module):
@@ -217,6 +227,11 @@ class StageModel(nn.Module):
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Checkpoint tensor name -> shape, for exactly what this stage loads."""
         return {name: tuple(p.shape) for name, p in self.named_parameters()}
+
+    def set_reduce(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Tensor parallelism: the all-reduce each layer applies to its row-parallel outputs."""
+        for layer in self.model.layers.values():
+            layer.reduce = reduce
 
     def fuse_projections(self) -> int:
         """Fuse each layer's q/k/v and gate/up products (after loading and any quantization;

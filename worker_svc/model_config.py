@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,28 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def shard(self, tensor_parallel_size: int) -> ModelConfig:
+        """One tensor-parallel rank's share: its query heads, KV heads and MLP columns (every
+        rank the same count; hidden size, vocabulary and head size unchanged). ValueError
+        naming what does not divide: KV heads are split, never replicated, so a rank's query
+        heads always read KV heads it holds."""
+        t = tensor_parallel_size
+        if t < 1:
+            raise ValueError(f"tensor_parallel_size: must be positive, got {t}")
+        sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                 "intermediate_size": self.intermediate_size}
+        bad = [f"{name}={n}" for name, n in sizes.items() if n % t]
+        if bad:
+            fits = [d for d in range(1, self.num_kv_heads + 1)
+                    if all(n % d == 0 for n in sizes.values())]
+            raise ValueError(
+                f"tensor_parallel_size: {t} does not divide {', '.join(bad)} of this model; "
+                f"sizes that divide its heads, KV heads and MLP: {', '.join(map(str, fits))}")
+        if t == 1:
+            return self
+        return replace(self, num_heads=self.num_heads // t, num_kv_heads=self.num_kv_heads // t,
+                       intermediate_size=self.intermediate_size // t)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:

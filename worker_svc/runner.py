@@ -69,9 +69,13 @@ class StageRunner:
         block_size: int,
         backend: str | AttentionBackend = "torch",
         kv_dtype: torch.dtype | None = None,
+        tp=None,
     ) -> None:
         config = model.config
         self.model = model
+        # rank 0 of a tensor-parallel stage (worker_svc.tensor_parallel.TensorParallelGroup):
+        # each step's model inputs go to the other ranks first
+        self.tp = tp
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
@@ -137,7 +141,7 @@ class StageRunner:
             inputs = hidden.to(device=self.device, dtype=self.dtype)
         result = StageResult(plan.step_id, rows=rows)
         if not self.model.is_last:
-            result.hidden = self.model(inputs, positions, self.kv_cache.pools, metadata, self.backend)
+            result.hidden = self._run_model(plan, inputs, positions, metadata)
         else:
             sampled, ends, end = [], [], 0
             scored, score_indices = [], []
@@ -151,9 +155,7 @@ class StageRunner:
                     sampled.append(r)
                     ends.append(end - 1)
             indices = torch.tensor(ends + score_indices, dtype=torch.long, device=self.device)
-            logits = self.model(
-                inputs, positions, self.kv_cache.pools, metadata, self.backend, logits_indices=indices
-            )
+            logits = self._run_model(plan, inputs, positions, metadata, indices)
             if scored:
                 result.prompt_logprobs = _score_prompts(logits[len(sampled):], scored)
                 logits = logits[: len(sampled)]
@@ -168,6 +170,17 @@ class StageRunner:
                 result.logits = logits
         result.compute_ns = time.perf_counter_ns() - started
         return result
+
+    def _run_model(self, plan: StepPlan, inputs: torch.Tensor, positions: torch.Tensor,
+                   metadata: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        if self.tp is None:
+            return self.model(inputs, positions, self.kv_cache.pools, metadata, self.backend, logits_indices)
+        try:  # the other ranks run the same layers on the same inputs, in step
+            self.tp.send_step(plan.block_copies, inputs, positions, metadata)
+            return self.model(inputs, positions, self.kv_cache.pools, metadata, self.backend, logits_indices)
+        except BaseException as exc:  # the ranks are out of step now: the stage must restart
+            self.tp.abort(f"step {plan.step_id} failed among the ranks: {type(exc).__name__}: {exc}")
+            raise
 
     def _sample_row(self, row: Row) -> SampleRow:
         s = row.state

@@ -230,6 +230,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             memory_baseline_bytes=self.kv_sizing.baseline_bytes if self.kv_sizing else 0,
             weights_bytes=self.kv_sizing.weights_bytes if self.kv_sizing else 0,
             activation_peak_bytes=self.kv_sizing.activation_bytes if self.kv_sizing else 0,
+            tensor_parallel_size=cfg.tensor_parallel_size,
         )
 
     def stats(self) -> worker_pb2.StageStats:
@@ -575,6 +576,11 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
     torch.set_num_threads(config.resolved_num_threads)
     keep_freed_memory()
     device = resolve_device(config.device)
+    group = None
+    if config.tensor_parallel_size > 1:  # ranks 1..T-1 start now and load beside this one
+        from worker_svc.tensor_parallel import start_ranks
+
+        group = start_ranks(config, device)
     model = load_stage(
         config.model,
         config.stage,
@@ -583,25 +589,15 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
         config.dtype,
         device,
         quantization=config.quantization,
+        tp_size=config.tensor_parallel_size,
     )
+    if group is not None:
+        model.set_reduce(group.all_reduce)
     backend = config.attention_backend or default_attention_backend(device)
-    sizing = None
-    num_blocks = config.fixed_num_kv_blocks
-    if config.sized_from_memory:
-        from worker_svc.memory import size_kv_pool
+    from worker_svc.memory import stage_pool
 
-        sizing = size_kv_pool(model, config.block_size, backend, config.gpu_memory_utilization,
-                              config.kv_cache_memory, config.max_num_batched_tokens,
-                              max_model_len=config.max_model_len)
-        if sizing.num_blocks < 1:
-            floor = (sizing.baseline_bytes + sizing.activation_bytes + sizing.block_bytes) / max(1, sizing.total_bytes)
-            raise MemoryError(
-                f"stage {config.stage}: no KV block fits: {sizing.describe(config.block_size)}; "
-                + (f"--gpu-memory-utilization must be above {floor:.3f} for this stage"
-                   if sizing.total_bytes else f"--kv-cache-memory must be at least {sizing.block_bytes} bytes"))
-        num_blocks = sizing.num_blocks
-        log.info("stage %d KV cache: %s", config.stage, sizing.describe(config.block_size))
-    runner = StageRunner(model, num_blocks, config.block_size, backend)
+    num_blocks, sizing = stage_pool(config, model, backend, group)
+    runner = StageRunner(model, num_blocks, config.block_size, backend, tp=group)
     service = StageService(config, runner)
     service.kv_sizing = sizing
     server, port, health = create_aio_server(config.address, service.max_message_bytes)
@@ -614,9 +610,10 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
 
         serve_metrics(metrics_port, config.host, service.metric_samples, {"stage": str(config.stage)})
     log.info(
-        "stage %d/%d serving layers [%d, %d) on %s:%d, epoch %d, %d threads, %d KV blocks of %d",
+        "stage %d/%d serving layers [%d, %d) on %s:%d, epoch %d, %d threads, %d KV blocks of %d%s",
         config.stage, config.num_stages, model.start, model.end, config.host, port,
         service.epoch, torch.get_num_threads(), num_blocks, config.block_size,
+        f", tensor parallel x{config.tensor_parallel_size}" if group is not None else "",
     )
     if ready_file:
         with open(ready_file, "w") as f:
@@ -631,5 +628,7 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
     await set_serving(health, SERVICE_NAME, False)
     await server.stop(grace=2.0)
     await service.stop()
+    if group is not None:
+        group.stop()
     if service.fatal is not None:  # not serving any more: exit so that a supervisor restarts it
         raise SystemExit(f"stage {config.stage}: the compute loop died: {service.fatal!r}")

@@ -11,6 +11,7 @@ from kvcache_svc.core.prefix_cache import (
     ROOT_KEY,
     TOKEN_BYTES,
     CachedBlock,
+    CacheListener,
     HashFn,
     PrefixCache,
     hash_block,
@@ -91,6 +92,7 @@ class KVCacheManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
         hash_fn: HashFn = hash_block,
+        listener: CacheListener | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -100,7 +102,7 @@ class KVCacheManager:
         self._block_size = block_size
         self._watermark_blocks = int(watermark * num_blocks)
         self._enable_prefix_caching = enable_prefix_caching
-        self._cache = PrefixCache(hash_fn)
+        self._cache = PrefixCache(hash_fn, listener)
         self._seqs: dict[int, SequenceState] = {}
         self._in_flight: dict[int, MicroBatchRecord] = {}
         self._num_prefix_queries = 0
@@ -162,6 +164,10 @@ class KVCacheManager:
         """The tokens a cached block holds, or None if it is not in the prefix cache."""
         entry = self._cache.entry(block_id)
         return None if entry is None else unpack_token_ids(entry.token_bytes)
+
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every block in the prefix cache with its key's input (a KV-event snapshot)."""
+        return self._cache.entries()
 
     def evictable_block_ids(self) -> tuple[int, ...]:
         """Cached blocks nobody holds, in eviction order (least recently used first)."""

@@ -1,49 +1,32 @@
-"""Hash-chain keys of full blocks, the prefix-cache index and the LRU of evictable blocks."""
+"""Hash-chain keys of full blocks (services/prefix_hash.py), the prefix-cache index and the
+LRU of evictable blocks."""
 
 from __future__ import annotations
 
-import hashlib
-import struct
-import sys
-from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 from kvcache_svc.core.errors import IntegrityError
-
-TOKEN_BYTES = 8  # token ids are keyed as little-endian int64
-ROOT_KEY = bytes(32)  # the parent key of a sequence's first block
+from services.prefix_hash import (  # noqa: F401 - the chain is shared with routers
+    ROOT_KEY,
+    TOKEN_BYTES,
+    hash_block,
+    pack_token_ids,
+    unpack_token_ids,
+)
 
 HashFn = Callable[[bytes, str | None, bytes], bytes]
 
 
-def pack_token_ids(token_ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian int64s. Raises TypeError / OverflowError on non-int64s."""
-    packed = array("q", token_ids)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
+class CacheListener(Protocol):
+    """Told of every change to the cache's contents (kvcache_svc.events.EventLog)."""
 
+    def stored(self, key: bytes, parent_key: bytes, namespace: str | None, token_bytes: bytes) -> None: ...
 
-def unpack_token_ids(token_bytes: bytes) -> tuple[int, ...]:
-    return struct.unpack(f"<{len(token_bytes) // TOKEN_BYTES}q", token_bytes)
+    def removed(self, key: bytes) -> None: ...
 
-
-def _namespace_bytes(namespace: str | None) -> bytes:
-    # length-prefixed, and None distinct from "", so no two (namespace, tokens) pairs alias
-    if namespace is None:
-        return b"\x00"
-    encoded = namespace.encode()
-    return b"\x01" + struct.pack("<I", len(encoded)) + encoded
-
-
-def hash_block(parent_key: bytes, namespace: str | None, token_bytes: bytes) -> bytes:
-    """The key of a full block: SHA-256 of (parent key, namespace, the block's tokens)."""
-    digest = hashlib.sha256(parent_key)
-    digest.update(_namespace_bytes(namespace))
-    digest.update(token_bytes)
-    return digest.digest()
+    def cleared(self) -> None: ...
 
 
 class CachedBlock(NamedTuple):
@@ -81,8 +64,9 @@ class PrefixCache:
     first block registered under a key keeps it.
     """
 
-    def __init__(self, hash_fn: HashFn = hash_block) -> None:
+    def __init__(self, hash_fn: HashFn = hash_block, listener: CacheListener | None = None) -> None:
         self._hash_fn = hash_fn
+        self.listener = listener  # told what enters and leaves (KV events)
         self._block_by_key: dict[bytes, int] = {}
         self._entry_by_block: dict[int, CachedBlock] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -121,6 +105,8 @@ class PrefixCache:
             return False
         self._block_by_key[entry.key] = block_id
         self._entry_by_block[block_id] = entry
+        if self.listener is not None:
+            self.listener.stored(entry.key, entry.parent_key, entry.namespace, entry.token_bytes)
         return True
 
     def is_cached(self, block_id: int) -> bool:
@@ -146,16 +132,24 @@ class PrefixCache:
         block_id, _ = self._lru.popitem(last=False)
         entry = self._entry_by_block.pop(block_id)
         del self._block_by_key[entry.key]
+        if self.listener is not None:
+            self.listener.removed(entry.key)
         return block_id
 
     def evictable_block_ids(self) -> tuple[int, ...]:
         """Evictable blocks, next to be evicted first."""
         return tuple(self._lru)
 
+    def entries(self) -> list[CachedBlock]:
+        """Every cached block (a snapshot for KV-event subscribers)."""
+        return list(self._entry_by_block.values())
+
     def clear(self) -> None:
         self._block_by_key.clear()
         self._entry_by_block.clear()
         self._lru.clear()
+        if self.listener is not None:
+            self.listener.cleared()
 
     def check_integrity(self, ref_count: Callable[[int], int]) -> None:
         """Maps are inverse, keys match their hash input, and the LRU holds exactly the

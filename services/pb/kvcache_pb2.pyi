@@ -252,10 +252,28 @@ class CheckCapacityResponse(_message.Message):
     def __init__(self, can_allocate: _Optional[bool] = ..., capacity: _Optional[_Union[KVCapacity, _Mapping]] = ...) -> None: ...
 
 class SubscribeEventsRequest(_message.Message):
-    __slots__ = ("after_sequence_number",)
+    __slots__ = ("after_sequence_number", "epoch")
     AFTER_SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     after_sequence_number: int
-    def __init__(self, after_sequence_number: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, after_sequence_number: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class EventsSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EventsSnapshotResponse(_message.Message):
+    __slots__ = ("epoch", "sequence_number", "block_size", "blocks")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    sequence_number: int
+    block_size: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlocksStored]
+    def __init__(self, epoch: _Optional[int] = ..., sequence_number: _Optional[int] = ..., block_size: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlocksStored, _Mapping]]] = ...) -> None: ...
 
 class KVEvent(_message.Message):
     __slots__ = ("sequence_number", "epoch", "blocks_stored", "blocks_removed", "all_blocks_cleared")

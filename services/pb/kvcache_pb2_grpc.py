@@ -70,6 +70,11 @@ class KVCacheStub:
                 request_serializer=pagoda_dot_v1_dot_kvcache__pb2.SubscribeEventsRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_kvcache__pb2.KVEvent.FromString,
                 _registered_method=True)
+        self.EventsSnapshot = channel.unary_unary(
+                '/pagoda.v1.KVCache/EventsSnapshot',
+                request_serializer=pagoda_dot_v1_dot_kvcache__pb2.EventsSnapshotRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_kvcache__pb2.EventsSnapshotResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -124,8 +129,18 @@ class KVCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SubscribeEvents(self, request, context):
-        """Reserved for routing across replicas: a stream of prefix-cache changes. Answers
-        UNIMPLEMENTED until built.
+        """The prefix cache's changes as numbered events (KV events, for routing across
+        replicas): first those kept after the number asked for, then each as it happens.
+        OUT_OF_RANGE when some of the asked-for events are no longer kept or belong to another
+        epoch (resynchronise from EventsSnapshot); RESOURCE_EXHAUSTED when the subscriber fell
+        too far behind (subscribe again after its last number).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EventsSnapshot(self, request, context):
+        """Every block in the prefix cache now, and the last event number that state reflects.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,6 +183,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.SubscribeEvents,
                     request_deserializer=pagoda_dot_v1_dot_kvcache__pb2.SubscribeEventsRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_kvcache__pb2.KVEvent.SerializeToString,
+            ),
+            'EventsSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.EventsSnapshot,
+                    request_deserializer=pagoda_dot_v1_dot_kvcache__pb2.EventsSnapshotRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_kvcache__pb2.EventsSnapshotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -360,6 +380,33 @@ class KVCache:
             '/pagoda.v1.KVCache/SubscribeEvents',
             pagoda_dot_v1_dot_kvcache__pb2.SubscribeEventsRequest.SerializeToString,
             pagoda_dot_v1_dot_kvcache__pb2.KVEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EventsSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.KVCache/EventsSnapshot',
+            pagoda_dot_v1_dot_kvcache__pb2.EventsSnapshotRequest.SerializeToString,
+            pagoda_dot_v1_dot_kvcache__pb2.EventsSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

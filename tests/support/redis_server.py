@@ -31,11 +31,19 @@ class RedisServer:
     def __init__(self, tmp: Path) -> None:
         self.port = _free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.tmp = tmp
+        self.client = redis.Redis.from_url(self.url)
+        self._start()
+
+    def restart(self) -> None:
+        """Start it again on the same port (after it was stopped or killed), empty."""
+        self._start()
+
+    def _start(self) -> None:
         self.proc = subprocess.Popen(
             [_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(tmp)],
+             "--appendonly", "no", "--dir", str(self.tmp)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + 10
         while True:
             try:

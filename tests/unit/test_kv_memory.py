@@ -92,3 +92,36 @@ def test_the_profile_counts_what_a_chunk_late_in_a_long_context_adds():
     # gathered, SDPA's copy, its expansion to every query head; the mask tile and its float copy
     want = gathered * 2 + gathered * NH // KVH + MASK_BUDGET_BYTES * 5 // 4
     assert context_extra_bytes(131072, NH, KVH, HD, torch.float32) == want
+
+
+def test_a_fixed_pool_given_with_a_memory_setting_is_checked_against_it(stages, model_factory):
+    """As compose runs the stages: every service gets one PAGODA_NUM_KV_BLOCKS, and a memory
+    setting makes each stage check at start that those blocks fit."""
+    from worker_svc.config import WorkerConfig
+    from worker_svc.memory import stage_pool
+
+    model = stages[1]
+    block = kv_block_bytes(model.num_local_layers, 16, KVH, HD, torch.float32)
+    config = WorkerConfig(model=model_factory(arch="llama"), stage=1, num_stages=2, num_kv_blocks=40,
+                          kv_cache_memory=50 * block)
+    blocks, sizing = stage_pool(config, model, "torch")
+    assert blocks == sizing.num_blocks == 40
+    with pytest.raises(MemoryError, match="--num-kv-blocks 60 does not fit .* room for 50 blocks"):
+        stage_pool(WorkerConfig(model=config.model, stage=1, num_stages=2, num_kv_blocks=60,
+                                kv_cache_memory=50 * block), model, "torch")
+    assert stage_pool(WorkerConfig(model=config.model, stage=1, num_stages=2, num_kv_blocks=60), model,
+                      "torch") == (60, None)
+
+
+def test_a_container_memory_limit_caps_the_total(tmp_path):
+    from worker_svc.memory import cgroup_memory_limit
+
+    assert cgroup_memory_limit(tmp_path) is None  # no cgroup files: no limit
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cgroup_memory_limit(tmp_path) is None
+    (tmp_path / "memory.max").write_text(f"{8 << 30}\n")
+    assert cgroup_memory_limit(tmp_path) == 8 << 30
+    (tmp_path / "memory.max").unlink()
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1: none
+    assert cgroup_memory_limit(tmp_path) is None

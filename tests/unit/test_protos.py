@@ -287,6 +287,7 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
         "Reset": (False, False),
         "CheckCapacity": (False, False),
         "SubscribeEvents": (False, True),
+        "EventsSnapshot": (False, False),
     },
     (worker_pb2, "StageWorker"): {
         "Forward": (True, True),

@@ -83,11 +83,6 @@ def test_queue_bound_is_resource_exhausted():
         q.push(Request("r2", (5,), SamplingOptions(), 2.0))
 
 
-def test_tensor_parallel_is_refused_clearly():
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        SchedulerConfig(tensor_parallel_size=2)
-
-
 def test_async_scheduling_is_on_by_default():
     assert SchedulerConfig().is_async and SchedulerConfig().max_in_flight == 2
     assert not SchedulerConfig(async_scheduling=False).is_async

@@ -1,0 +1,234 @@
+"""The gateway as a router: several replicas (each a scheduler with its KV service and
+stages) behind one front door (issue 13).
+
+`pagoda gateway --scheduler r0=HOST:PORT,r1=HOST:PORT --routing prefix --redis-url URL`:
+each request goes to one replica, chosen by `gateway.routing.choose` from
+
+- each replica's health and load, from its scheduler's `GetStats` polled every `POLL_S`
+  (a replica that does not answer within `POLL_TIMEOUT_S`, or reports itself not serving,
+  is drained at once: nothing new goes there until it answers serving again), and this
+  gateway's own count of requests in flight there;
+- for `prefix`, how much of the prompt each replica holds in its prefix cache, from the
+  KV services' shared index in Redis (gateway/kv_index.py); without Redis, or while it is
+  unreachable, by load alone.
+
+A call that fails UNAVAILABLE before anything streamed (the replica died or is
+restarting) marks that replica down and is sent to another at once; each replica is tried
+once per request, after which the request waits for one to come back, as a single
+scheduler's requests do (`TextGenerator`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.descriptor import FieldDescriptor
+
+from gateway.routing import POLICIES, Choice, NoReplica, ReplicaState, choose
+from services.grpc_utils import aio_channel
+from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+POLL_TIMEOUT_S = 1.0
+
+
+def parse_targets(text: str) -> list[tuple[str, str]]:
+    """`HOST:PORT` (one replica, named r0) or `NAME=HOST:PORT,NAME=HOST:PORT,...`; names
+    default to r0, r1, ... by position. ValueError naming what is wrong."""
+    out: list[tuple[str, str]] = []
+    for i, item in enumerate(p.strip() for p in text.split(",")):
+        if not item:
+            raise ValueError(f"scheduler: empty address in {text!r}")
+        name, _, address = item.rpartition("=")
+        name = name or f"r{i}"
+        if ":" not in address:
+            raise ValueError(f"scheduler: {address!r} is not HOST:PORT")
+        if any(name == n for n, _ in out):
+            raise ValueError(f"scheduler: replica name {name!r} given twice")
+        out.append((name, address))
+    return out
+
+
+@dataclass
+class Replica:
+    """One replica as the router sees it."""
+
+    name: str
+    address: str
+    state: ReplicaState = field(init=False)
+    stub: scheduler_pb2_grpc.SchedulerStub | None = None
+    channel: grpc.aio.Channel | None = None
+    namespace: str | None = None  # its scheduler's model: the prefix cache's namespace
+    block_size: int = 16
+    num_blocks: int = 0  # its KV pool
+    last_stats: scheduler_pb2.GetStatsResponse | None = None
+    why_down: str = "not polled yet"
+    num_routed: int = 0
+
+    def __post_init__(self) -> None:
+        self.state = ReplicaState(self.name, healthy=False)
+
+    def connect(self) -> scheduler_pb2_grpc.SchedulerStub:
+        if self.stub is None:
+            self.channel = aio_channel(self.address)
+            self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        return self.stub
+
+
+class ReplicaSet:
+    """The replicas behind one gateway, their health and load, and the choice per request."""
+
+    def __init__(self, targets: Sequence[tuple[str, str]], policy: str = "prefix", redis_url: str = "") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"routing: must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.replicas = [Replica(name, address) for name, address in targets]
+        self.policy = policy
+        self.index = None
+        if redis_url and policy == "prefix":
+            from gateway.kv_index import KVIndex
+
+            self.index = KVIndex(redis_url)
+        self._turn = itertools.count()
+        self._task: asyncio.Task | None = None
+        self.num_fallbacks = 0  # prefix routing done by load (no index)
+        self.num_retries = 0  # requests sent to another replica after one failed them
+
+    def by_name(self, name: str) -> Replica:
+        return next(r for r in self.replicas if r.name == name)
+
+    # --- health and load ---------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._poll_forever(), name="replica-poll")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for r in self.replicas:
+            if r.channel is not None:
+                await r.channel.close()
+        if self.index is not None:
+            await self.index.close()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await self.poll()
+            await asyncio.sleep(POLL_S)
+
+    async def poll(self) -> None:
+        await asyncio.gather(*(self._poll(r) for r in self.replicas))
+
+    async def _poll(self, r: Replica) -> None:
+        try:
+            stats = await r.connect().GetStats(scheduler_pb2.GetStatsRequest(), timeout=POLL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            self.mark_down(r, f"{exc.code().name}: {exc.details()}")
+            return
+        s = r.state
+        serving = (stats.health == common_pb2.HEALTH_STATUS_SERVING
+                   and stats.kv_health == common_pb2.HEALTH_STATUS_SERVING)
+        if serving and not s.healthy:
+            log.info("replica %s at %s serving", r.name, r.address)
+        elif not serving:
+            self.mark_down(r, stats.health_detail or "not serving")
+        s.healthy = serving
+        s.waiting, s.running = stats.num_waiting, stats.num_running
+        kv = stats.kv_cache
+        s.kv_usage = kv.num_used_blocks / kv.num_total_blocks if kv.num_total_blocks else 0.0
+        r.num_blocks = kv.num_total_blocks
+        s.capacity = stats.config.max_num_seqs or s.capacity
+        r.namespace = stats.config.model or None
+        r.block_size = stats.config.block_size or r.block_size
+        r.last_stats = stats
+
+    def mark_down(self, r: Replica, why: str) -> None:
+        if r.state.healthy:
+            log.warning("replica %s at %s drained: %s", r.name, r.address, why)
+        r.state.healthy = False
+        r.why_down = why
+
+    @property
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state.healthy]
+
+    # --- choosing ----------------------------------------------------------------------
+
+    async def pick(self, prompt_ids: Sequence[int], session: str | None = None,
+                   exclude: frozenset[str] = frozenset()) -> tuple[Replica, Choice]:
+        """The replica for a request (NoReplica when none is healthy)."""
+        live = [r for r in self.replicas if r.state.healthy and r.name not in exclude]
+        cached, prompt_blocks = None, 0
+        if self.policy == "prefix" and not session and len(live) > 1:
+            found = None
+            if self.index is not None:
+                found = await self.index.cached_blocks([(r.name, r.namespace) for r in live], prompt_ids,
+                                                       live[0].block_size)
+            if found is None:
+                self.num_fallbacks += 1
+            else:
+                cached, prompt_blocks, sizes = found
+                for r in live:
+                    r.state.cache_fill = sizes[r.name] / r.num_blocks if r.num_blocks else 0.0
+        choice = choose(self.policy, [r.state for r in self.replicas], next(self._turn), cached,
+                        prompt_blocks, session, exclude)
+        replica = self.by_name(choice.name)
+        replica.num_routed += 1
+        return replica, choice
+
+    @contextlib.contextmanager
+    def in_flight(self, r: Replica):
+        r.state.in_flight += 1
+        try:
+            yield
+        finally:
+            r.state.in_flight -= 1
+
+    # --- views -------------------------------------------------------------------------
+
+    def describe(self) -> list[dict]:
+        return [{"name": r.name, "address": r.address, "healthy": r.state.healthy,
+                 "why_down": "" if r.state.healthy else r.why_down, "waiting": r.state.waiting,
+                 "running": r.state.running, "in_flight": r.state.in_flight,
+                 "kv_usage": round(r.state.kv_usage, 4), "routed": r.num_routed} for r in self.replicas]
+
+
+_SUMMED = (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_INT64)
+
+
+def _add_counts(into, other) -> None:
+    for f in into.DESCRIPTOR.fields:
+        if f.type in _SUMMED and not f.is_repeated and f.name != "epoch" \
+                and not f.name.endswith("_ns") and f.name not in ("block_size", "watermark_blocks"):
+            setattr(into, f.name, getattr(into, f.name) + getattr(other, f.name))
+
+
+def merge_stats(replies: Sequence[scheduler_pb2.GetStatsResponse]) -> scheduler_pb2.GetStatsResponse:
+    """Several replicas' statistics as one: counts and counters summed (the KV pool's too),
+    the prefix hit rate recomputed, serving when one replica is; the rest (configuration,
+    stages, timeline) is the first's."""
+    out = scheduler_pb2.GetStatsResponse()
+    out.CopyFrom(replies[0])
+    for other in replies[1:]:
+        _add_counts(out, other)
+        _add_counts(out.kv_cache, other.kv_cache)
+        out.tenants.extend(other.tenants)
+        out.requests.extend(other.requests)
+    kv = out.kv_cache
+    kv.prefix_hit_rate = kv.num_prefix_hit_tokens / kv.num_prefix_query_tokens if kv.num_prefix_query_tokens else 0.0
+    for name in ("health", "kv_health"):
+        if any(getattr(r, name) == common_pb2.HEALTH_STATUS_SERVING for r in replies):
+            setattr(out, name, common_pb2.HEALTH_STATUS_SERVING)
+    return out
+
+
+__all__ = ["NoReplica", "Replica", "ReplicaSet", "merge_stats", "parse_targets"]

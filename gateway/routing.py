@@ -1,0 +1,115 @@
+"""Which replica serves a request: the router's scoring, pure Python (issue 13).
+
+A replica is one scheduler with its KV service and stages. The gateway in router mode
+(`pagoda gateway --scheduler r0=HOST:PORT,r1=...`) calls `choose` for each request with
+what it knows of every replica: health and load from the replicas' stats (polled) and its
+own count of requests in flight there; for the `prefix` policy also how many of the
+prompt's leading full blocks each replica holds in its prefix cache (from the shared index
+in Redis, gateway/kv_index.py). `pagoda simulate-routing` replays workloads through this
+same function.
+
+Policies:
+- `prefix` (default): the lowest cost, where cost = the share of the prompt's blocks the
+  replica would have to compute (1 - cached / prompt blocks) + LOAD_WEIGHT x its load
+  (requests waiting and running over its batch capacity) + KV_WEIGHT x the share of its KV
+  pool in use + CACHE_WEIGHT x the share holding cached prefixes. A replica holding the
+  whole prefix wins until it is about one full batch busier than an idle one (NVIDIA
+  Dynamo's KV router weighs prefill blocks against active load the same way); a prefix no
+  replica holds goes where it evicts least, so the replicas' caches split the prefixes
+  between them instead of each holding all. Ties: lighter load, then rotation.
+- `least-loaded`: the lowest load; the fallback of `prefix` when the index cannot be read.
+- `round-robin`: each healthy replica in turn.
+
+Session affinity: a request with a session key (`user` in the body, or the
+`x-session-id` header) goes to the same healthy replica every time (rendezvous hashing:
+when a replica leaves, only its sessions move).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+POLICIES = ("prefix", "least-loaded", "round-robin")
+LOAD_WEIGHT = 1.0
+KV_WEIGHT = 0.25  # a nearly full KV pool preempts: a replica at 100% costs a quarter miss more
+CACHE_WEIGHT = 0.25  # a pool full of cached prefixes evicts some to take a new one
+
+
+class NoReplica(Exception):
+    """No healthy replica to send a request to."""
+
+
+@dataclass
+class ReplicaState:
+    """What the router knows of one replica."""
+
+    name: str
+    healthy: bool = True
+    waiting: int = 0  # from its last stats
+    running: int = 0
+    kv_usage: float = 0.0  # fraction of its KV blocks in use
+    capacity: int = 256  # its max_num_seqs
+    in_flight: int = 0  # requests this router sent there that have not ended
+    cache_fill: float = 0.0  # fraction of its KV pool holding cached prefix blocks
+
+    @property
+    def load(self) -> float:
+        """Requests there over its batch capacity (the router's own count when it is ahead of
+        the last stats)."""
+        return max(self.waiting + self.running, self.in_flight) / max(1, self.capacity)
+
+
+@dataclass(frozen=True)
+class Choice:
+    name: str
+    cached_blocks: int = 0  # of the prompt's full blocks, held there
+    cost: float = 0.0
+
+
+def rendezvous(key: str, names: Sequence[str]) -> str:
+    """The replica a session key maps to: the highest hash of (key, replica)."""
+    return max(names, key=lambda n: hashlib.blake2b(f"{key}\0{n}".encode(), digest_size=8).digest())
+
+
+def cost(replica: ReplicaState, cached_blocks: int, prompt_blocks: int) -> float:
+    miss = 1.0 - cached_blocks / prompt_blocks if prompt_blocks else 0.0
+    return miss + LOAD_WEIGHT * replica.load + KV_WEIGHT * replica.kv_usage + CACHE_WEIGHT * replica.cache_fill
+
+
+def choose(policy: str, replicas: Sequence[ReplicaState], turn: int = 0,
+           cached: Mapping[str, int] | None = None, prompt_blocks: int = 0,
+           session: str | None = None, exclude: frozenset[str] = frozenset()) -> Choice:
+    """The replica for one request. `turn`: a counter the caller advances per request
+    (rotation); `cached`: replica -> leading prompt blocks it holds (None: unknown, which
+    makes `prefix` act as `least-loaded`); `exclude`: replicas already tried for it.
+    NoReplica when none is healthy."""
+    if policy not in POLICIES:
+        raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    live = [r for r in replicas if r.healthy and r.name not in exclude]
+    if not live:
+        raise NoReplica("no healthy replica" + (" left to try" if exclude else ""))
+    rotated = live[turn % len(live):] + live[:turn % len(live)]
+    if session:
+        name = rendezvous(session, [r.name for r in live])
+        return Choice(name, (cached or {}).get(name, 0))
+    if policy == "round-robin":
+        return Choice(rotated[0].name, (cached or {}).get(rotated[0].name, 0))
+    if policy == "least-loaded" or cached is None:
+        best = min(rotated, key=lambda r: (r.load, r.kv_usage))
+        return Choice(best.name, 0, best.load)
+    scored = [(cost(r, cached.get(r.name, 0), prompt_blocks), r.load, i, r) for i, r in enumerate(rotated)]
+    c, _, _, best = min(scored, key=lambda s: s[:3])
+    return Choice(best.name, cached.get(best.name, 0), c)
+
+
+def leading_hits(flags: Sequence[bool]) -> int:
+    """How many of a prompt's blocks, from the first, a replica holds (a chain: a block is
+    usable only after all before it)."""
+    n = 0
+    for held in flags:
+        if not held:
+            break
+        n += 1
+    return n

@@ -1,0 +1,657 @@
+"""`pagoda k8s-manifests`: Kubernetes manifests for N replicas behind the gateway (issue 13).
+
+    pagoda k8s-manifests --replicas 4 --pipeline-parallel-size 2 --tensor-parallel-size 2 \\
+        --gpus --gpu-memory-utilization 0.9 > pagoda.yaml
+
+A replica is one scheduler with its KV service and a StatefulSet of pipeline-stage workers;
+the gateway Deployment, in router mode (`--scheduler r0=ADDR,r1=ADDR`), is the router: it
+picks a replica per request (gateway/routing.py) from the prefix index the KV services
+publish in Redis. The layout is docker-compose.yml's, one copy per replica:
+
+    pagoda-gateway (Deployment, Service :8000 http :50051 grpc, PDB)
+    pagoda-redis (Deployment, Service :6379)       prefix index, rate-limit buckets
+    pagoda-engine (ConfigMap)                      engine settings as PAGODA_* variables
+    per replica rN:
+      pagoda-rN-kvcache (Deployment, Service :50060)
+      pagoda-rN-scheduler (Deployment, Service :50052)
+      pagoda-rN-worker (StatefulSet of P stages, headless Service :50070):
+          stage K is pagoda-rN-worker-K.pagoda-rN-worker:50070
+    pagoda-backend (PDB over every replica's pods: one disrupted at a time)
+
+The operator creates the namespace, the Secrets (the internal token, the API keys) and the
+models' PersistentVolumeClaim; nothing secret is ever rendered. docs/deploy.md walks through
+it. Pure Python: no torch, no grpc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import posixpath
+import re
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KV_PORT = 50060
+SCHEDULER_PORT = 50052
+WORKER_PORT = 50070
+GATEWAY_HTTP_PORT = 8000
+GATEWAY_GRPC_PORT = 50051
+REDIS_PORT = 6379
+UID = 10001  # the image's user (Dockerfile)
+REDIS_UID = 999  # redis:7-alpine's redis user
+MODELS_MOUNT = "/models"
+API_KEYS_DIR = "/run/secrets/pagoda"
+API_KEYS_FILE = "api-keys.json"
+ENGINE_CONFIG = "pagoda-engine"
+REDIS = "pagoda-redis"
+GATEWAY = "pagoda-gateway"
+BACKEND_PDB = "pagoda-backend"
+ENGINE_CONFIG_HASH = "pagoda.dev/engine-config-hash"  # pods restart when the ConfigMap changes
+ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")  # gateway/routing.py's POLICIES
+COMPONENTS = ("gateway", "scheduler", "kvcache", "worker", "redis")
+NAME_LABEL, COMPONENT_LABEL, REPLICA_LABEL = (
+    "app.kubernetes.io/name", "app.kubernetes.io/component", "pagoda.dev/replica")
+# Flags the manifests set themselves, per component: not engine settings (--set).
+RESERVED_SETTINGS = frozenset({
+    "host", "port", "grpc_port", "model", "stage", "num_stages", "next", "feedback", "kvcache",
+    "stages", "scheduler", "pipeline_parallel_size", "tensor_parallel_size", "gpu_memory_utilization",
+    "num_kv_blocks", "num_blocks", "block_size", "redis_url", "replica_id", "routing", "api_keys_file",
+    "api_key", "internal_token", "device", "served_model_name", "ready_file"})
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_SETTING = re.compile(r"[a-z][a-z0-9_]*")
+_CPU = re.compile(r"(\d+(\.\d+)?|\d+m)")
+_MEMORY = re.compile(r"\d+(\.\d+)?([kMGTPE]|[KMGTPE]i)?")
+
+
+def _millicores(cpu: str) -> int:
+    return int(cpu[:-1]) if cpu.endswith("m") else int(float(cpu) * 1000)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """A container's requests: cpu ("4", "500m") and memory ("16Gi"); memory is its limit too."""
+
+    cpu: str
+    memory: str
+
+    def __post_init__(self) -> None:
+        if not _CPU.fullmatch(self.cpu) or _millicores(self.cpu) < 1:
+            raise ValueError(f"cpu: expected a quantity such as 4, 2.5 or 500m, got {self.cpu!r}")
+        if not _MEMORY.fullmatch(self.memory) or float(re.match(r"[\d.]+", self.memory)[0]) <= 0:
+            raise ValueError(f"memory: expected a quantity such as 16Gi or 512Mi, got {self.memory!r}")
+
+
+DEFAULT_REQUESTS = {
+    "gateway": Resources("1", "2Gi"),  # the tokenizer, detokenizing every stream
+    "scheduler": Resources("1", "2Gi"),
+    "kvcache": Resources("500m", "1Gi"),
+    "worker": Resources("4", "16Gi"),  # per stage pod, its tensor-parallel ranks included
+    "redis": Resources("100m", "256Mi"),
+}
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    """What to deploy. Every replica is the same: P stage pods of T processes each."""
+
+    replicas: int = 1
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None  # None: the pool is num_kv_blocks, unchecked
+    gpus: bool = False  # stage pods get nvidia.com/gpu: T and PAGODA_DEVICE=cuda
+    model_path: str = "/models/model"  # the checkpoint folder, inside the models volume
+    models_claim: str = "pagoda-models"
+    namespace: str = "pagoda"
+    image: str = "pagoda:local"
+    image_pull_policy: str = "IfNotPresent"
+    gateway_replicas: int = 2
+    gateway_service_type: str = "ClusterIP"
+    routing: str = "prefix"
+    served_model_names: tuple[str, ...] = ()
+    # the KV layout: one for the KV service, every stage and the scheduler of a replica
+    num_kv_blocks: int = 1024
+    block_size: int = 16
+    engine: Mapping[str, object] = field(default_factory=dict)  # other PAGODA_* settings
+    requests: Mapping[str, Resources] = field(default_factory=dict)  # over DEFAULT_REQUESTS
+    internal_token_secret: str = "pagoda-internal-token"
+    internal_token_key: str = "token"
+    api_keys_secret: str = "pagoda-api-keys"
+    api_keys_key: str = API_KEYS_FILE
+    redis_image: str = "redis:7-alpine"
+    shm_size: str = "1Gi"  # /dev/shm of a stage pod with T > 1 (NCCL, torch.distributed)
+    worker_startup_s: int = 1800  # how long a stage may take to load before it is restarted
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "pipeline_parallel_size", "tensor_parallel_size", "gateway_replicas",
+                     "num_kv_blocks", "block_size", "worker_startup_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.replicas > 100:
+            raise ValueError(f"replicas: at most 100 (names r0..r99), got {self.replicas}")
+        if self.pipeline_parallel_size > 8:  # SchedulerConfig's limit
+            raise ValueError(f"pipeline_parallel_size: must be 1..8, got {self.pipeline_parallel_size}")
+        f = self.gpu_memory_utilization
+        if f is not None and not (isinstance(f, (int, float)) and 0 < f <= 1):
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1] or None, got {f!r}")
+        path = self.model_path
+        if posixpath.normpath(path) != path or not path.startswith(MODELS_MOUNT + "/"):
+            raise ValueError(f"model_path: must be a normalized path under {MODELS_MOUNT}/ (the models "
+                             f"volume's mount), e.g. {MODELS_MOUNT}/Meta-Llama-3.1-8B-Instruct; got {path!r}")
+        for name in ("models_claim", "internal_token_secret", "api_keys_secret"):
+            if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", getattr(self, name)):
+                raise ValueError(f"{name}: must be a Kubernetes object name (lower case, digits, '-', '.'), "
+                                 f"got {getattr(self, name)!r}")
+        if not _DNS_LABEL.fullmatch(self.namespace) or len(self.namespace) > 63:
+            raise ValueError(f"namespace: must be a DNS label (lower case, digits, '-'), got {self.namespace!r}")
+        for name in ("internal_token_key", "api_keys_key"):
+            if not re.fullmatch(r"[-._a-zA-Z0-9]+", getattr(self, name)):
+                raise ValueError(f"{name}: must be a Secret key ([-._a-zA-Z0-9]+), got {getattr(self, name)!r}")
+        for name in ("image", "redis_image"):
+            if not getattr(self, name) or any(c.isspace() for c in getattr(self, name)):
+                raise ValueError(f"{name}: must be an image reference without spaces, got {getattr(self, name)!r}")
+        if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
+            raise ValueError(f"image_pull_policy: Always, IfNotPresent or Never, got {self.image_pull_policy!r}")
+        if self.gateway_service_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
+            raise ValueError("gateway_service_type: ClusterIP, NodePort or LoadBalancer, got "
+                             f"{self.gateway_service_type!r}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if any(not n or any(c.isspace() or c == "," for c in n) for n in self.served_model_names):
+            raise ValueError(f"served_model_names: names without spaces or commas, got {self.served_model_names!r}")
+        for name, value in self.engine.items():
+            if not _SETTING.fullmatch(name):
+                raise ValueError(f"engine setting {name!r}: expected a snake_case name such as max_num_seqs")
+            if name in RESERVED_SETTINGS:
+                raise ValueError(f"engine setting {name!r}: set by the manifests themselves; use its own "
+                                 "option (e.g. --num-kv-blocks, --tensor-parallel-size, --gpus)")
+            if value is None or isinstance(value, (dict, list, tuple)):
+                raise ValueError(f"engine setting {name!r}: expected a string, number or boolean, got {value!r}")
+        unknown = set(self.requests) - set(COMPONENTS)
+        if unknown:
+            raise ValueError(f"requests: unknown component(s) {', '.join(sorted(unknown))}; "
+                             f"expected {', '.join(COMPONENTS)}")
+        if not _MEMORY.fullmatch(self.shm_size):
+            raise ValueError(f"shm_size: expected a quantity such as 1Gi, got {self.shm_size!r}")
+
+    @property
+    def replica_names(self) -> list[str]:
+        return [f"r{i}" for i in range(self.replicas)]
+
+    def resources(self, component: str) -> Resources:
+        return self.requests.get(component, DEFAULT_REQUESTS[component])
+
+    @property
+    def worker_threads(self) -> int:
+        """torch threads per stage process: the stage pod's cores over its ranks (the worker's
+        own default divides the node's cores, not the pod's)."""
+        return max(1, _millicores(self.resources("worker").cpu) // 1000 // self.tensor_parallel_size)
+
+
+# --- names and addresses -------------------------------------------------------------------
+
+def kvcache_name(replica: str) -> str:
+    return f"pagoda-{replica}-kvcache"
+
+
+def scheduler_name(replica: str) -> str:
+    return f"pagoda-{replica}-scheduler"
+
+
+def worker_name(replica: str) -> str:
+    """The stage StatefulSet and its headless Service: pod K is stage K."""
+    return f"pagoda-{replica}-worker"
+
+
+def stage_address(replica: str, stage: int) -> str:
+    return f"{worker_name(replica)}-{stage}.{worker_name(replica)}:{WORKER_PORT}"
+
+
+def redis_url() -> str:
+    return f"redis://{REDIS}:{REDIS_PORT}/0"
+
+
+# --- each container's pagoda arguments ----------------------------------------------------
+
+def kvcache_args(options: K8sOptions, replica: str) -> list[str]:
+    return ["kvcache", "--host", "0.0.0.0", "--port", str(KV_PORT), "--replica-id", replica,
+            "--redis-url", redis_url()]
+
+
+def scheduler_args(options: K8sOptions, replica: str) -> list[str]:
+    stages = ",".join(stage_address(replica, k) for k in range(options.pipeline_parallel_size))
+    return ["scheduler", "--host", "0.0.0.0", "--port", str(SCHEDULER_PORT), "--model", options.model_path,
+            "--kvcache", f"{kvcache_name(replica)}:{KV_PORT}", "--stages", stages,
+            "--pipeline-parallel-size", str(options.pipeline_parallel_size)]
+
+
+def worker_args(options: K8sOptions, replica: str, stage: int) -> list[str]:
+    """What stage `stage`'s pod runs: the StatefulSet's shell command computes this from the
+    pod's ordinal (`worker_script`), since all its pods share one spec."""
+    n = options.pipeline_parallel_size
+    args = ["worker", "--host", "0.0.0.0", "--port", str(WORKER_PORT), "--model", options.model_path,
+            "--stage", str(stage), "--num-stages", str(n)]
+    if stage < n - 1:
+        args += ["--next", stage_address(replica, stage + 1)]
+    if n > 1 and stage == n - 1:  # the last of several streams sampled tokens to the first
+        args += ["--feedback", stage_address(replica, 0)]
+    return args
+
+
+def worker_script(options: K8sOptions, replica: str) -> str:
+    """/bin/sh: the stage index from the pod's ordinal (HOSTNAME pagoda-rN-worker-K), then
+    `pagoda worker` with --next and --feedback as `worker_args` gives them."""
+    n, name, port = options.pipeline_parallel_size, worker_name(replica), WORKER_PORT
+    lines = [
+        'stage="${HOSTNAME##*-}"',
+        'case "$stage" in ""|*[!0-9]*) echo "cannot read the stage from HOSTNAME=$HOSTNAME" >&2; exit 1;; esac',
+        f"set -- worker --host 0.0.0.0 --port {port} --model {shlex.quote(options.model_path)} "
+        f'--stage "$stage" --num-stages {n}',
+    ]
+    if n > 1:
+        lines += [
+            f'if [ "$stage" -lt {n - 1} ]; then set -- "$@" --next "{name}-$((stage + 1)).{name}:{port}"; fi',
+            f'if [ "$stage" -eq {n - 1} ]; then set -- "$@" --feedback "{name}-0.{name}:{port}"; fi',
+        ]
+    lines.append('exec pagoda "$@"')
+    return "\n".join(lines) + "\n"
+
+
+def gateway_args(options: K8sOptions) -> list[str]:
+    schedulers = ",".join(f"{r}={scheduler_name(r)}:{SCHEDULER_PORT}" for r in options.replica_names)
+    args = ["gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_HTTP_PORT), "--grpc-port", str(GATEWAY_GRPC_PORT),
+            "--model", options.model_path, "--scheduler", schedulers, "--routing", options.routing,
+            "--redis-url", redis_url(), "--api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
+    if options.served_model_names:
+        args += ["--served-model-name", *options.served_model_names]
+    return args
+
+
+# The scheduler's init container: compose's depends_on (service_healthy). A scheduler whose
+# pipeline is not up within its start timeout exits, so it starts once the stages have loaded.
+WAIT_FOR_HEALTH = """\
+import sys, time
+from services.grpc_utils import check_health
+pending = sys.argv[1:]
+while pending:
+    pending = [a for a in pending if not check_health(a, timeout_s=2)]
+    if pending:
+        print("waiting for " + ", ".join(pending), flush=True)
+        time.sleep(5)
+"""
+
+
+# --- manifests -----------------------------------------------------------------------------
+
+def _labels(component: str, replica: str | None = None) -> dict[str, str]:
+    labels = {NAME_LABEL: "pagoda", COMPONENT_LABEL: component}
+    if replica is not None:
+        labels[REPLICA_LABEL] = replica
+    return labels
+
+
+def _meta(options: K8sOptions, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": options.namespace,
+            "labels": {**labels, "app.kubernetes.io/managed-by": "pagoda-k8s-manifests"}}
+
+
+def _engine_config(options: K8sOptions) -> dict[str, Any]:
+    data = {"PAGODA_NUM_KV_BLOCKS": str(options.num_kv_blocks), "PAGODA_BLOCK_SIZE": str(options.block_size)}
+    for name, value in sorted(options.engine.items()):
+        data[f"PAGODA_{name.upper()}"] = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(options, ENGINE_CONFIG, {NAME_LABEL: "pagoda", COMPONENT_LABEL: "engine"}),
+            "data": data}
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def _pod_security(uid: int = UID) -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _resources(options: K8sOptions, component: str, gpus: int = 0) -> dict[str, Any]:
+    r = options.resources(component)
+    limits: dict[str, Any] = {"memory": r.memory}
+    if gpus:
+        limits["nvidia.com/gpu"] = gpus
+    return {"requests": {"cpu": r.cpu, "memory": r.memory}, "limits": limits}
+
+
+def _grpc_probe(port: int, period_s: int, failures: int) -> dict[str, Any]:
+    return {"grpc": {"port": port}, "periodSeconds": period_s, "timeoutSeconds": 3, "failureThreshold": failures}
+
+
+def _pagoda_env(options: K8sOptions) -> tuple[list[dict], list[dict]]:
+    """(env, envFrom) of every pagoda container: the shared secret, the engine settings."""
+    token = {"name": "PAGODA_INTERNAL_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": options.internal_token_secret, "key": options.internal_token_key}}}
+    return [token], [{"configMapRef": {"name": ENGINE_CONFIG}}]
+
+
+def _writable(with_models: bool, options: K8sOptions) -> tuple[list[dict], list[dict]]:
+    """(volumes, mounts): the root filesystem is read-only, so the caches (kernels built at
+    start, Hugging Face, triton) and temporary files go to emptyDirs; the models read-only."""
+    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "home", "emptyDir": {}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "home", "mountPath": "/home/pagoda"}]
+    if with_models:
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": options.models_claim,
+                                                                    "readOnly": True}})
+        mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def _pagoda_container(options: K8sOptions, name: str, component: str, port: int, *, args=None,
+                      command=None, mounts: list[dict], extra_env=(), gpus: int = 0) -> dict[str, Any]:
+    env, env_from = _pagoda_env(options)
+    container: dict[str, Any] = {"name": name, "image": options.image, "imagePullPolicy": options.image_pull_policy}
+    if command is not None:
+        container["command"] = command
+    if args is not None:
+        container["args"] = args  # the image's entrypoint is `pagoda`
+    container.update({
+        "ports": [{"name": "grpc", "containerPort": port}],
+        "env": [*env, *extra_env], "envFrom": env_from,
+        "resources": _resources(options, component, gpus),
+        "readinessProbe": _grpc_probe(port, 5, 3),
+        "livenessProbe": _grpc_probe(port, 10, 6),
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    })
+    return container
+
+
+def _pod_spec(containers: list[dict], volumes: list[dict], uid: int = UID, **extra) -> dict[str, Any]:
+    return {"automountServiceAccountToken": False,
+            "enableServiceLinks": False,  # else a Service's {NAME}_PORT variables could read as PAGODA_* flags
+            "securityContext": _pod_security(uid), **extra, "containers": containers, "volumes": volumes}
+
+
+def _deployment(options: K8sOptions, name: str, labels: dict[str, str], pod: dict, replicas: int,
+                strategy: dict, annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+    template_meta: dict[str, Any] = {"labels": dict(labels)}
+    if annotations:
+        template_meta["annotations"] = dict(annotations)
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(options, name, labels),
+            "spec": {"replicas": replicas, "strategy": dict(strategy), "selector": {"matchLabels": dict(labels)},
+                     "template": {"metadata": template_meta, "spec": pod}}}
+
+
+def _service(options: K8sOptions, name: str, labels: dict[str, str], ports: list[tuple[str, int]], *,
+             headless: bool = False, service_type: str = "ClusterIP", not_ready: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {"type": service_type}
+    if headless:
+        spec["clusterIP"] = "None"
+    if not_ready:  # internal: the caller's own health logic decides (e.g. a broken KV service
+        # must stay reachable for the scheduler's Reset), not the readiness probe
+        spec["publishNotReadyAddresses"] = True
+    spec["selector"] = dict(labels)
+    spec["ports"] = [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"} for n, p in ports]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(options, name, labels), "spec": spec}
+
+
+def _pdb(options: K8sOptions, name: str, selector: dict[str, Any], labels: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(options, name, labels),
+            "spec": {"maxUnavailable": 1, "selector": selector}}
+
+
+_SINGLETON = {"type": "Recreate"}  # never two schedulers (or KV services) of one replica at once
+
+
+def _kvcache(options: K8sOptions, replica: str) -> list[dict]:
+    labels = _labels("kvcache", replica)
+    volumes, mounts = _writable(False, options)
+    container = _pagoda_container(options, "kvcache", "kvcache", KV_PORT, args=kvcache_args(options, replica),
+                                  mounts=mounts)
+    pod = _pod_spec([container], volumes)
+    return [_deployment(options, kvcache_name(replica), labels, pod, 1, _SINGLETON),
+            _service(options, kvcache_name(replica), labels, [("grpc", KV_PORT)], not_ready=True)]
+
+
+def _scheduler(options: K8sOptions, replica: str) -> list[dict]:
+    labels = _labels("scheduler", replica)
+    volumes, mounts = _writable(True, options)
+    container = _pagoda_container(options, "scheduler", "scheduler", SCHEDULER_PORT,
+                                  args=scheduler_args(options, replica), mounts=mounts)
+    # its health follows the pipeline's: a stage restarting must not restart the scheduler too
+    container["livenessProbe"] = {"tcpSocket": {"port": SCHEDULER_PORT}, "periodSeconds": 10,
+                                  "timeoutSeconds": 3, "failureThreshold": 6}
+    container["startupProbe"] = {**container["livenessProbe"], "failureThreshold": 30}
+    backend = [f"{kvcache_name(replica)}:{KV_PORT}"] + [
+        stage_address(replica, k) for k in range(options.pipeline_parallel_size)]
+    wait = {"name": "wait-for-pipeline", "image": options.image, "imagePullPolicy": options.image_pull_policy,
+            "command": ["python", "-c", WAIT_FOR_HEALTH, *backend],
+            "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
+            "securityContext": _container_security(), "volumeMounts": [dict(mounts[0])]}
+    pod = _pod_spec([container], volumes, initContainers=[wait])
+    return [_deployment(options, scheduler_name(replica), labels, pod, 1, _SINGLETON),
+            _service(options, scheduler_name(replica), labels, [("grpc", SCHEDULER_PORT)], not_ready=True)]
+
+
+def _workers(options: K8sOptions, replica: str) -> list[dict]:
+    labels = _labels("worker", replica)
+    name, tp = worker_name(replica), options.tensor_parallel_size
+    volumes, mounts = _writable(True, options)
+    f = options.gpu_memory_utilization
+    env = [  # how each stage runs, here where the stages are defined (issue 14)
+        {"name": "PAGODA_TENSOR_PARALLEL_SIZE", "value": str(tp)},  # processes per stage pod
+        {"name": "PAGODA_GPU_MEMORY_UTILIZATION", "value": "" if f is None else str(f)},  # "": unset
+        {"name": "PAGODA_DEVICE", "value": "cuda" if options.gpus else "cpu"},
+    ]
+    if "num_threads" not in options.engine:
+        env.append({"name": "PAGODA_NUM_THREADS", "value": str(options.worker_threads)})
+    if tp > 1:  # the ranks' collectives (NCCL) need more than a container's 64 MiB /dev/shm
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": options.shm_size}})
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    container = _pagoda_container(options, "worker", "worker", WORKER_PORT,
+                                  command=["/bin/sh", "-c", worker_script(options, replica)], mounts=mounts,
+                                  extra_env=env, gpus=tp if options.gpus else 0)
+    # loading the model comes first: the liveness probe waits for this one
+    container["startupProbe"] = _grpc_probe(WORKER_PORT, 10, max(1, options.worker_startup_s // 10))
+    extra: dict[str, Any] = {}
+    if options.gpus:
+        extra["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    pod = _pod_spec([container], volumes, **extra)
+    statefulset = {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(options, name, labels),
+        "spec": {"serviceName": name, "replicas": options.pipeline_parallel_size,
+                 "podManagementPolicy": "Parallel",  # every stage loads at once; none waits for another
+                 "selector": {"matchLabels": dict(labels)},
+                 "template": {"metadata": {"labels": dict(labels)}, "spec": pod}}}
+    # headless, not-ready addresses published: a stage resolves its neighbours while they load
+    return [statefulset, _service(options, name, labels, [("grpc", WORKER_PORT)], headless=True, not_ready=True)]
+
+
+def _gateway(options: K8sOptions) -> list[dict]:
+    labels = _labels("gateway")
+    volumes, mounts = _writable(True, options)
+    volumes.append({"name": "api-keys", "secret": {
+        "secretName": options.api_keys_secret, "defaultMode": 0o440,
+        "items": [{"key": options.api_keys_key, "path": API_KEYS_FILE}]}})
+    mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+    container = _pagoda_container(options, "gateway", "gateway", GATEWAY_GRPC_PORT, args=gateway_args(options),
+                                  mounts=mounts)
+    container["ports"] = [{"name": "http", "containerPort": GATEWAY_HTTP_PORT},
+                          {"name": "grpc", "containerPort": GATEWAY_GRPC_PORT}]
+    # ready while it can serve (its health follows the replicas'); alive while its HTTP loop answers
+    container["livenessProbe"] = {"httpGet": {"path": "/version", "port": GATEWAY_HTTP_PORT},
+                                  "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 6}
+    container["startupProbe"] = {**container["livenessProbe"], "failureThreshold": 30}  # the tokenizer loads
+    # the endpoints go before the listeners close; then in-flight requests get --grace-period
+    container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", "5"]}}}
+    spread = [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+               "labelSelector": {"matchLabels": dict(labels)}}]
+    pod = _pod_spec([container], volumes, terminationGracePeriodSeconds=45, topologySpreadConstraints=spread)
+    scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(GATEWAY_HTTP_PORT),
+              "prometheus.io/path": "/metrics"}
+    rolling = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    return [_deployment(options, GATEWAY, labels, pod, options.gateway_replicas, rolling, scrape),
+            _service(options, GATEWAY, labels, [("http", GATEWAY_HTTP_PORT), ("grpc", GATEWAY_GRPC_PORT)],
+                     service_type=options.gateway_service_type),
+            _pdb(options, GATEWAY, {"matchLabels": dict(labels)}, labels)]
+
+
+def _redis(options: K8sOptions) -> list[dict]:
+    labels = _labels("redis")
+    container = {
+        "name": "redis", "image": options.redis_image, "imagePullPolicy": options.image_pull_policy,
+        "args": ["redis-server", "--save", "", "--appendonly", "no"],  # nothing to persist
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
+        "resources": _resources(options, "redis"),
+        "readinessProbe": {"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 5, "timeoutSeconds": 3},
+        "livenessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 10, "failureThreshold": 6},
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    pod = _pod_spec([container], [{"name": "data", "emptyDir": {}}], uid=REDIS_UID)
+    return [_deployment(options, REDIS, labels, pod, 1, _SINGLETON),
+            _service(options, REDIS, labels, [("redis", REDIS_PORT)])]
+
+
+def render(options: K8sOptions) -> list[dict[str, Any]]:
+    """Every manifest of the stack, in the order `kubectl apply` creates them."""
+    engine = _engine_config(options)
+    out = [engine, *_redis(options)]
+    for replica in options.replica_names:
+        out += _kvcache(options, replica) + _workers(options, replica) + _scheduler(options, replica)
+    out += _gateway(options)
+    # a process reads its environment once, at start: a changed setting must replace the pods
+    digest = hashlib.sha256(json.dumps(engine["data"], sort_keys=True).encode()).hexdigest()[:16]
+    for m in out:
+        if m["kind"] in ("Deployment", "StatefulSet") and m["metadata"]["name"] != REDIS:
+            m["spec"]["template"]["metadata"].setdefault("annotations", {})[ENGINE_CONFIG_HASH] = digest
+    # a replica is down while any of its pods is: evict one backend pod at a time, and none
+    # while a replica is already down (with one replica a drain still proceeds, one pod at a time)
+    backend = {"matchLabels": {NAME_LABEL: "pagoda"}, "matchExpressions": [
+        {"key": COMPONENT_LABEL, "operator": "In", "values": ["kvcache", "scheduler", "worker"]}]}
+    out.append(_pdb(options, BACKEND_PDB, backend, {NAME_LABEL: "pagoda", COMPONENT_LABEL: "backend"}))
+    return out
+
+
+def to_yaml(manifests: list[dict[str, Any]]) -> str:
+    """Multi-document YAML, keys in the order written, scripts as literal blocks."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: object) -> bool:  # no &id001 anchors: plain, greppable
+            return True
+
+    def text(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+    Dumper.add_representer(str, text)
+    return yaml.dump_all(manifests, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=100)
+
+
+# --- the command line ----------------------------------------------------------------------
+
+def _setting(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. max_num_seqs=64), got {text!r}")
+    return name.strip().replace("-", "_"), value
+
+
+def _requests(text: str) -> tuple[str, Resources]:
+    component, sep, rest = text.partition("=")
+    cpu, sep2, memory = rest.partition(",")
+    if not sep or not sep2:
+        raise argparse.ArgumentTypeError(f"expected COMPONENT=CPU,MEMORY (e.g. worker=8,32Gi), got {text!r}")
+    try:
+        return component.strip(), Resources(cpu.strip(), memory.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = K8sOptions()
+    p.add_argument("--replicas", type=int, default=d.replicas, metavar="N",
+                   help="replicas (a scheduler, a KV service and its stages each), named r0..rN-1")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size, metavar="P",
+                   help="stage pods per replica")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, metavar="T",
+                   help="processes per stage pod (with --gpus: T GPUs per stage pod)")
+    p.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                   help="fraction of a stage's device memory it may use; each stage checks at start "
+                        "that --num-kv-blocks fit in it (default: unset)")
+    p.add_argument("--gpus", action="store_true", help="stage pods ask for nvidia.com/gpu and run on CUDA")
+    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, metavar="N",
+                   help="KV blocks per stage pool, the same for the KV service, stages and scheduler")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="KV slots per block")
+    p.add_argument("--set", dest="engine", action="append", type=_setting, default=[], metavar="NAME=VALUE",
+                   help="another engine setting, as PAGODA_<NAME> in the ConfigMap (e.g. max_num_seqs=64, "
+                        "max_model_len=32768, dtype=bfloat16); repeatable")
+    p.add_argument("--model-path", default=d.model_path,
+                   help=f"the checkpoint folder inside the pods (the models volume is at {MODELS_MOUNT})")
+    p.add_argument("--models-claim", default=d.models_claim, help="the PersistentVolumeClaim holding the models")
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="the names clients send as `model` (default: the model path and folder name)")
+    p.add_argument("--namespace", "-n", default=d.namespace)
+    p.add_argument("--image", default=d.image, help="the Pagoda image (the Dockerfile's), pushed where nodes pull")
+    p.add_argument("--image-pull-policy", default=d.image_pull_policy, choices=["Always", "IfNotPresent", "Never"])
+    p.add_argument("--gateway-replicas", type=int, default=d.gateway_replicas, metavar="N")
+    p.add_argument("--gateway-service-type", default=d.gateway_service_type,
+                   choices=["ClusterIP", "NodePort", "LoadBalancer"])
+    p.add_argument("--routing", default=d.routing, choices=ROUTING_POLICIES,
+                   help="how the gateway picks a replica (default: prefix)")
+    p.add_argument("--requests", action="append", type=_requests, default=[], metavar="COMPONENT=CPU,MEMORY",
+                   help=f"a component's cpu and memory ({', '.join(COMPONENTS)}); memory is the limit "
+                        "too; repeatable, e.g. worker=8,32Gi")
+    p.add_argument("--internal-token-secret", default=d.internal_token_secret,
+                   help="the Secret holding PAGODA_INTERNAL_TOKEN under key 'token'")
+    p.add_argument("--api-keys-secret", default=d.api_keys_secret,
+                   help=f"the Secret holding the gateway's keys file under key '{API_KEYS_FILE}'")
+    p.add_argument("--worker-startup-timeout", type=int, default=d.worker_startup_s, metavar="SECONDS",
+                   help="how long a stage may take to load the model before it is restarted")
+    p.add_argument("--out", "-o", type=Path, help="write the YAML here (default: stdout)")
+
+
+def options_from_args(args: argparse.Namespace) -> K8sOptions:
+    return K8sOptions(
+        replicas=args.replicas, pipeline_parallel_size=args.pipeline_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        gpus=args.gpus, model_path=args.model_path, models_claim=args.models_claim, namespace=args.namespace,
+        image=args.image, image_pull_policy=args.image_pull_policy, gateway_replicas=args.gateway_replicas,
+        gateway_service_type=args.gateway_service_type, routing=args.routing,
+        served_model_names=tuple(args.served_model_name), num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size, engine=dict(args.engine), requests=dict(args.requests),
+        internal_token_secret=args.internal_token_secret, api_keys_secret=args.api_keys_secret,
+        worker_startup_s=args.worker_startup_timeout)
+
+
+def _header(options: K8sOptions) -> str:
+    f = options.gpu_memory_utilization
+    return (f"# Pagoda on Kubernetes (pagoda k8s-manifests; docs/deploy.md): {options.replicas} replica(s) of "
+            f"{options.pipeline_parallel_size} stage pod(s) x {options.tensor_parallel_size} process(es)"
+            f"{', GPUs' if options.gpus else ', CPU'}"
+            f"{f', gpu_memory_utilization {f}' if f is not None else ''}, in namespace {options.namespace}.\n"
+            f"# Create first: Secret {options.internal_token_secret} (key {options.internal_token_key}), "
+            f"Secret {options.api_keys_secret} (key {options.api_keys_key}), PVC {options.models_claim} "
+            f"(the checkpoint at {options.model_path}).\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        options = options_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    manifests = render(options)
+    text = _header(options) + to_yaml(manifests)
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        args.out.write_text(text)
+        print(f"wrote {len(manifests)} manifests to {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,692 @@
+"""`pagoda simulate-routing`: the router's policies against simulated replicas (issue 13).
+
+    pagoda simulate-routing --replicas 4,32,128 --json routing.json
+
+A discrete-event simulation in pure Python (no model, no torch, deterministic for a seed)
+that replays one synthetic multi-tenant workload through each routing policy of
+`gateway.routing` and prints, per (replicas, policy), the prefix-cache hit rate, the load
+imbalance, fairness across tenants, TTFT and latency, and throughput. Routing decisions
+are the real router's: `gateway.routing.choose` with `ReplicaState`s, fed as the gateway
+feeds it; block keys are `services.prefix_hash.block_keys`.
+
+The workload. `--tenants` tenants send `weight_t = skew^-t` of the traffic. The shared
+prefixes (system prompts, few-shot headers; `--prefixes-per-replica` x replicas of them,
+because a bigger fleet serves more applications, or a fixed `--prefixes`) are dealt to the
+tenants in turn; a tenant picks among its own with Zipf(`--zipf`) popularity. A prompt is a
+prefix (512-2048 tokens, random token ids, fixed per prefix) plus a suffix unique to the
+request (16-512 tokens); the output is 16-512 tokens; all uniform. Arrivals are Poisson at
+`--load` x the fleet's capacity, where capacity is what the replicas would sustain with no
+prefix cache at full batch (so `--load 0.8` is 80% of the cold capacity, and every cache
+hit makes a replica's share lighter than that).
+
+A replica is a continuous-batching engine stepped one iteration at a time: each step
+admits waiting requests FIFO while fewer than `--max-num-seqs` run and their KV blocks fit,
+gives every decoding request one token and spends the rest of `--max-batched-tokens` on
+prefill chunks, FIFO (chunked prefill, as vLLM v1), and takes
+`decode_step_ms + decode_ms_per_seq x decoding + prefill_ms_per_token x prefill tokens`
+(steps that only decode are advanced together up to the next arrival or finish: the same
+result in fewer events).
+Its KV pool has `--cache-blocks` blocks: a running request holds blocks for its whole
+prompt and output from admission (no preemption: admission waits for room); the full
+blocks of finished requests stay cached and evictable, least recently used first, tails
+before heads (the KV service's order), and a new request reuses its prompt's leading
+cached blocks (computing at least its last prompt token, as vLLM does).
+
+The router. Each replica's `ReplicaState` takes waiting, running and KV usage from stats
+polled every `--poll-ms` (stale between polls) and the router's own in-flight count
+(fresh), as gateway/replicas.py does. For `prefix` it gets the leading cached blocks per
+replica, and each replica's cache fill, from an index of block key -> replicas built from
+the replicas' cache events (Redis in gateway/kv_index.py): `--index exact` applies each
+event at once (a KV-event stream with no lag), `--index polled` at each stats poll.
+`session` (optional) is session affinity: `choose` with a per-user session key.
+
+Metrics, over the requests after the warm-up: the prefix hit rate is cached prompt tokens
+over prompt tokens (its ceiling, the shared prefixes' share of prompt tokens, is printed
+below the table); a replica's occupancy is its time-averaged number of requests, waiting
+or running (the load the router weighs), and the imbalance is max/mean and the coefficient
+of variation of occupancy across replicas; fairness is Jain's index over the tenants' mean
+slowdown, where a request's slowdown is its latency over the same request's alone on an
+idle replica with a cold cache (below 1 when it hits), with the worst tenant's mean in
+parentheses; TTFT and latency count from arrival, in simulated seconds; throughput is
+output tokens per simulated second.
+
+Simplifications: one engine step is one formula (no attention cost growing with context,
+no CUDA graphs, no stage pipelining); a request reserves KV for its whole output at
+admission, so nothing is preempted; one router, and it and the network add no time; all
+replicas are healthy and share one namespace; output blocks are never cached (no
+multi-turn); the prefix's block keys come from `block_keys` once per prefix (the hash
+chain makes them the same in every prompt that starts with it), and a request's blocks
+past its prefix, which no other prompt can share, are one cache entry of that many blocks,
+evicted whole, cached when it finishes and left out of the index (they can never hit); the
+first `--warmup` of the requests (cold caches) are simulated but not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import sys
+import time
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from gateway import routing
+from services.prefix_hash import block_keys
+
+SESSION = "session"  # session affinity: choose() with a session key per user
+
+
+class IntegrityError(RuntimeError):
+    """A simulated replica's block accounting broke: a bug in the simulator."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulation's settings; times in milliseconds, lengths in tokens (inclusive ranges)."""
+
+    requests_per_replica: int = 200
+    load: float = 0.8
+    tenants: int = 4
+    tenant_skew: float = 2.0
+    prefixes_per_replica: int = 16
+    prefixes: int | None = None  # fixed, instead of per replica
+    zipf: float = 1.0
+    users_per_tenant: int = 64
+    prefix_tokens: tuple[int, int] = (512, 2048)
+    suffix_tokens: tuple[int, int] = (16, 512)
+    output_tokens: tuple[int, int] = (16, 512)
+    block_size: int = 16
+    cache_blocks: int = 8192
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
+    prefill_ms_per_token: float = 0.1
+    decode_step_ms: float = 10.0
+    decode_ms_per_seq: float = 0.15
+    poll_ms: float = 500.0  # the gateway's POLL_S
+    index: str = "exact"
+    warmup: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_replica", "tenants", "prefixes_per_replica", "users_per_tenant",
+                     "block_size", "cache_blocks", "max_num_seqs", "max_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("prefix_tokens", "suffix_tokens", "output_tokens"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise ValueError(f"{name} must be a range 1 <= low <= high, got {low}-{high}")
+        if self.prefixes is not None and self.prefixes < self.tenants:
+            raise ValueError(f"prefixes ({self.prefixes}) must be at least tenants ({self.tenants})")
+        if not 0 < self.load:
+            raise ValueError(f"load must be positive, got {self.load}")
+        if not 0 <= self.warmup < 1:
+            raise ValueError(f"warmup must be in [0, 1), got {self.warmup}")
+        if min(self.prefill_ms_per_token, self.decode_step_ms, self.decode_ms_per_seq) < 0:
+            raise ValueError("step times must not be negative")
+        if self.poll_ms <= 0:
+            raise ValueError(f"poll_ms must be positive, got {self.poll_ms}")
+        if self.index not in ("exact", "polled"):
+            raise ValueError(f"index must be exact or polled, got {self.index!r}")
+        if self.max_seq_blocks > self.cache_blocks:
+            raise ValueError(f"the longest request needs {self.max_seq_blocks} KV blocks, "
+                             f"more than cache_blocks ({self.cache_blocks})")
+
+    @property
+    def max_seq_blocks(self) -> int:
+        longest = self.prefix_tokens[1] + self.suffix_tokens[1] + self.output_tokens[1]
+        return -(-longest // self.block_size)
+
+    def num_prefixes(self, num_replicas: int) -> int:
+        if self.prefixes is not None:
+            return self.prefixes
+        return max(self.tenants, self.prefixes_per_replica * num_replicas)
+
+    def ideal_s(self, prompt_tokens: int, output_tokens: int) -> float:
+        """Latency alone on an idle replica with a cold cache: the slowdown's denominator."""
+        chunks = -(-prompt_tokens // self.max_batched_tokens)
+        prefill_ms = chunks * self.decode_step_ms + prompt_tokens * self.prefill_ms_per_token
+        return (prefill_ms + (output_tokens - 1) * (self.decode_step_ms + self.decode_ms_per_seq)) / 1000
+
+    @property
+    def capacity_per_replica(self) -> float:
+        """Requests/s one replica sustains with no prefix cache, its batch as full as the KV
+        pool and max_num_seqs allow (every prefill token and every decode step paid)."""
+        mean = lambda r: (r[0] + r[1]) / 2  # noqa: E731
+        prompt, output = mean(self.prefix_tokens) + mean(self.suffix_tokens), mean(self.output_tokens)
+        batch = min(self.max_num_seqs, self.cache_blocks // math.ceil((prompt + output) / self.block_size))
+        decode_ms = output * (self.decode_step_ms / batch + self.decode_ms_per_seq)
+        return 1000 / (decode_ms + prompt * self.prefill_ms_per_token)
+
+
+@dataclass(slots=True)
+class Request:
+    id: int
+    tenant: int
+    user: int
+    arrival_s: float
+    prefix: int
+    prompt_tokens: int
+    output_tokens: int
+    prefix_blocks: int  # full blocks wholly inside the shared prefix: the only ones two prompts share
+    prompt_blocks: int  # full blocks of the whole prompt
+    cached_tokens: int = 0
+    first_token_s: float = 0.0
+    finish_s: float = 0.0
+    held_blocks: int = 0  # private KV blocks (not in the prefix cache) held while it runs
+    prefill_left: int = 0
+
+
+@dataclass
+class Workload:
+    """Requests in arrival order, and each shared prefix's token ids and block keys."""
+
+    requests: list[Request]
+    prefix_token_ids: list[array]
+    prefix_keys: list[list[bytes]]  # block_keys(prefix_token_ids[p]): every prompt's leading keys
+    num_replicas: int
+
+
+def _zipf_picker(n: int, s: float, rng: random.Random):
+    weights = [1 / (rank + 1) ** s for rank in range(n)]
+    cum, total = [], 0.0
+    for w in weights:
+        total += w
+        cum.append(total)
+    return lambda: rng.choices(range(n), cum_weights=cum)[0]
+
+
+def make_workload(config: SimConfig, num_replicas: int) -> Workload:
+    rng = random.Random(f"{config.seed}/{num_replicas}")
+    bs = config.block_size
+    num_prefixes = config.num_prefixes(num_replicas)
+    prefix_len = [rng.randint(*config.prefix_tokens) for _ in range(num_prefixes)]
+    token_ids = [array("H", rng.randbytes(2 * n)) for n in prefix_len]  # a 65,536-word vocabulary
+    prefix_keys = [block_keys(t, bs) for t in token_ids]
+    owned = [list(range(t, num_prefixes, config.tenants)) for t in range(config.tenants)]
+    pickers = [_zipf_picker(len(o), config.zipf, rng) for o in owned]
+    tenant_weights = [config.tenant_skew ** -t for t in range(config.tenants)]
+    rate = config.load * config.capacity_per_replica * num_replicas
+    now, requests = 0.0, []
+    for i in range(config.requests_per_replica * num_replicas):
+        now += rng.expovariate(rate)
+        tenant = rng.choices(range(config.tenants), weights=tenant_weights)[0]
+        prefix = owned[tenant][pickers[tenant]()]
+        prompt = prefix_len[prefix] + rng.randint(*config.suffix_tokens)
+        requests.append(Request(i, tenant, rng.randrange(config.users_per_tenant), now, prefix, prompt,
+                                rng.randint(*config.output_tokens), prefix_len[prefix] // bs, prompt // bs))
+    return Workload(requests, token_ids, prefix_keys, num_replicas)
+
+
+class Replica:
+    """One engine and its KV pool. Invariant: cached-in-use (`refs`) + private (`held`) +
+    evictable (`lru_blocks`) blocks never exceed `capacity`; a key is in `refs` or `lru`, not
+    both. `lru` maps a key to its number of blocks (1, or a request's unique tail), oldest first."""
+
+    def __init__(self, index: int, config: SimConfig,
+                 on_cache_change: Callable[[bytes, int, bool], None] | None) -> None:
+        self.index, self.config, self.on_cache_change = index, config, on_cache_change
+        self.capacity = config.cache_blocks
+        self.refs: dict[bytes, int] = {}
+        self.lru: OrderedDict[object, int] = OrderedDict()
+        self.lru_blocks = 0
+        self.held = 0
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.decoding: list[tuple[int, int, Request]] = []  # heap: (`steps` at its last token, id, it)
+        self.steps = 0  # steps done
+        self.stepping = False
+        self.plan: list[tuple[Request, int]] = []  # prefill chunks of the step under way
+        self.num_steps = 0  # steps planned, under way
+        self.step_s = 0.0  # each one's duration
+        self.step_start_s = 0.0
+        self.version = 0  # of the plan: a step-end event of an older one is stale
+        self.busy_s = 0.0
+        self.num_requests = 0
+        self.occupancy_s = 0.0  # summed time its requests spent here (Little: mean occupancy x time)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def kv_usage(self) -> float:
+        """Blocks in use over the pool, as the KV service's stats count them."""
+        return (len(self.refs) + self.held) / self.capacity
+
+    @property
+    def cache_fill(self) -> float:
+        """Blocks in the prefix cache (in use or evictable) over the pool, as the router
+        reads it from the index (the size of the replica's block set)."""
+        return (len(self.refs) + self.lru_blocks) / self.capacity
+
+    def check_integrity(self) -> None:
+        used = len(self.refs) + self.held + self.lru_blocks
+        if used > self.capacity or self.held < 0 or self.num_running > self.config.max_num_seqs:
+            raise IntegrityError(f"replica {self.index}: {used} blocks of {self.capacity}, "
+                                 f"{self.held} held, {self.num_running} running")
+        if self.lru_blocks != sum(self.lru.values()) or self.refs.keys() & self.lru.keys():
+            raise IntegrityError(f"replica {self.index}: the LRU's count is off or overlaps refs")
+        if min(self.refs.values(), default=1) < 1:
+            raise IntegrityError(f"replica {self.index}: a cached block in use by nobody")
+
+    def _make_room(self, blocks: int) -> None:
+        """Evict least recently used entries until `blocks` more fit."""
+        while len(self.refs) + self.held + self.lru_blocks + blocks > self.capacity:
+            key, n = self.lru.popitem(last=False)
+            self.lru_blocks -= n
+            if self.on_cache_change is not None and isinstance(key, bytes):
+                self.on_cache_change(key, self.index, False)
+
+    def _admit(self, request: Request, keys: list[bytes]) -> bool:
+        """Start `request` on its prompt's leading cached blocks if its blocks fit."""
+        refs, lru = self.refs, self.lru
+        hits = pinned = 0  # pinned: evictable now, not once it runs
+        for key in keys[:request.prefix_blocks]:
+            if key in lru:
+                pinned += 1
+            elif key not in refs:
+                break
+            hits += 1
+        total = -(-(request.prompt_tokens + request.output_tokens) // self.config.block_size)
+        if len(refs) + self.held + pinned + total - hits > self.capacity:
+            return False
+        for key in keys[:hits]:
+            if key in lru:
+                self.lru_blocks -= lru.pop(key)
+                refs[key] = 1
+            else:
+                refs[key] += 1
+        self._make_room(total - hits)
+        request.held_blocks = total - hits
+        self.held += request.held_blocks
+        request.cached_tokens = min(hits * self.config.block_size, request.prompt_tokens - 1)
+        request.prefill_left = request.prompt_tokens - request.cached_tokens
+        return True
+
+    def _prefilled(self, request: Request, keys: list[bytes]) -> None:
+        """Its prefix's full blocks join the cache (a block another request computed
+        meanwhile is shared, and its own copy freed)."""
+        refs, lru, announce = self.refs, self.lru, self.on_cache_change
+        computed = keys[request.cached_tokens // self.config.block_size:request.prefix_blocks]
+        for key in computed:
+            if key in lru:
+                self.lru_blocks -= lru.pop(key)
+                refs[key] = 1
+            elif key in refs:
+                refs[key] += 1
+            else:
+                refs[key] = 1
+                if announce is not None:
+                    announce(key, self.index, True)
+        request.held_blocks -= len(computed)
+        self.held -= len(computed)
+
+    def _finished(self, request: Request, keys: list[bytes]) -> None:
+        refs, lru = self.refs, self.lru
+        tail = request.prompt_blocks - request.prefix_blocks  # unique to it: one entry, evicted first
+        self.held -= request.held_blocks
+        if tail:
+            lru[("tail", request.id)] = tail
+            self.lru_blocks += tail
+        for key in reversed(keys[:request.prefix_blocks]):  # tails before heads, so heads outlive them
+            left = refs[key] - 1
+            if left:
+                refs[key] = left
+            else:
+                del refs[key]
+                lru[key] = 1
+                self.lru_blocks += 1
+
+    def start_step(self, now: float, keys_of) -> float | None:
+        """Admit what fits and plan the next steps; when they end, or None when idle.
+
+        Steps that only decode are planned together, up to the next request to finish: until
+        then nothing changes but the step count, unless a request arrives (`interrupt`)."""
+        while self.waiting and self.num_running < self.config.max_num_seqs:
+            if not self._admit(self.waiting[0], keys_of(self.waiting[0])):
+                break
+            self.prefilling.append(self.waiting.popleft())
+        budget = self.config.max_batched_tokens - len(self.decoding)
+        self.plan = []
+        for request in self.prefilling:
+            if budget <= 0:
+                break
+            chunk = min(budget, request.prefill_left)
+            self.plan.append((request, chunk))
+            budget -= chunk
+        if not self.plan and not self.decoding:
+            self.stepping = False
+            return None
+        c = self.config
+        self.step_s = (c.decode_step_ms + c.decode_ms_per_seq * len(self.decoding)
+                       + c.prefill_ms_per_token * sum(n for _, n in self.plan)) / 1000
+        self.num_steps = 1 if self.plan else self.decoding[0][0] - self.steps
+        self.step_start_s = now
+        self.stepping = True
+        self.version += 1
+        return now + self.num_steps * self.step_s
+
+    def interrupt(self, now: float) -> float | None:
+        """A request arrived: planned decode-only steps end after the one under way, so that
+        the next can admit it. The new end time, or None when it stands."""
+        if not self.stepping or self.num_steps == 1:
+            return None
+        num_steps = min(self.num_steps, int((now - self.step_start_s) / self.step_s) + 1)
+        if num_steps == self.num_steps:
+            return None
+        self.num_steps = num_steps
+        self.version += 1
+        return self.step_start_s + num_steps * self.step_s
+
+    def end_step(self, now: float, keys_of) -> list[Request]:
+        """The planned steps' tokens land; the requests they finished."""
+        self.steps += self.num_steps
+        self.busy_s += self.num_steps * self.step_s
+        done = []
+        while self.decoding and self.decoding[0][0] <= self.steps:
+            done.append(heapq.heappop(self.decoding)[2])
+        for request, chunk in self.plan:
+            request.prefill_left -= chunk
+            if request.prefill_left == 0:
+                self.prefilling.remove(request)
+                request.first_token_s = now
+                self._prefilled(request, keys_of(request))
+                if request.output_tokens == 1:
+                    done.append(request)
+                else:
+                    last = self.steps + request.output_tokens - 1
+                    heapq.heappush(self.decoding, (last, request.id, request))
+        for request in done:
+            request.finish_s = now
+            self.occupancy_s += now - request.arrival_s
+            self._finished(request, keys_of(request))
+        return done
+
+
+def simulate(policy: str, workload: Workload, config: SimConfig, check: bool = False) -> dict:
+    """Replay `workload` through `policy` (one of routing.POLICIES, or "session"); its metrics."""
+    n = workload.num_replicas
+    index: dict[bytes, set[int]] = {}
+    pending: list[tuple[bytes, int, bool]] = []
+
+    def apply(key: bytes, replica: int, cached: bool) -> None:
+        if cached:
+            index.setdefault(key, set()).add(replica)
+        else:
+            holders = index.get(key)
+            if holders is not None:
+                holders.discard(replica)
+                if not holders:
+                    del index[key]
+
+    index_live = policy == "prefix" and config.index == "exact"  # only `prefix` reads the index
+    index_follows = policy == "prefix" and config.index == "polled"
+
+    def defer(key: bytes, replica: int, cached: bool) -> None:
+        pending.append((key, replica, cached))
+
+    on_change = apply if index_live else defer if index_follows else None
+    replicas = [Replica(i, config, on_change) for i in range(n)]
+    states = [routing.ReplicaState(f"r{i}", capacity=config.max_num_seqs) for i in range(n)]
+    by_name = {s.name: i for i, s in enumerate(states)}
+    requests = [replace(r) for r in workload.requests]  # fresh per policy
+
+    def keys_of(request: Request) -> list[bytes]:
+        return workload.prefix_keys[request.prefix]
+
+    ARRIVAL, STEP, POLL = 0, 1, 2
+    # (time, order, kind, request or replica, the replica's plan version for STEP)
+    events = [(r.arrival_s, i, ARRIVAL, i, 0) for i, r in enumerate(requests)]
+    heapq.heapify(events)
+    seq = len(events)
+    heapq.heappush(events, (0.0, seq, POLL, 0, 0))
+    left = len(requests)
+    choose_policy = "prefix" if policy == SESSION else policy
+
+    def cached_blocks(request: Request) -> dict[str, int]:
+        keys = keys_of(request)[:request.prefix_blocks]
+        holders = index.get(keys[0], ()) if keys else ()
+        return {states[r].name: routing.leading_hits([r in index.get(k, ()) for k in keys]) for r in holders}
+
+    while events:
+        now, _, kind, what, version = heapq.heappop(events)
+        if kind == POLL:
+            if pending:
+                for event in pending:
+                    apply(*event)
+                pending.clear()
+            for replica, state in zip(replicas, states, strict=True):
+                state.waiting, state.running = len(replica.waiting), replica.num_running
+                state.kv_usage = replica.kv_usage
+                if index_follows:
+                    state.cache_fill = replica.cache_fill
+            if left:
+                seq += 1
+                heapq.heappush(events, (now + config.poll_ms / 1000, seq, POLL, 0, 0))
+            continue
+        if kind == ARRIVAL:
+            request = requests[what]
+            cached = cached_blocks(request) if policy == "prefix" else None
+            session = f"{request.tenant}/{request.user}" if policy == SESSION else None
+            choice = routing.choose(choose_policy, states, turn=request.id, cached=cached,
+                                    prompt_blocks=request.prompt_blocks, session=session)
+            target = by_name[choice.name]
+            states[target].in_flight += 1
+            replica = replicas[target]
+            replica.num_requests += 1
+            replica.waiting.append(request)
+            if replica.stepping:
+                end = replica.interrupt(now)
+                if end is not None:
+                    seq += 1
+                    heapq.heappush(events, (end, seq, STEP, target, replica.version))
+                continue
+        else:
+            replica = replicas[what]
+            if version != replica.version:
+                continue
+            done = replica.end_step(now, keys_of)
+            states[replica.index].in_flight -= len(done)
+            left -= len(done)
+        end = replica.start_step(now, keys_of)
+        if index_live:  # its cache changes only in steps
+            states[replica.index].cache_fill = replica.cache_fill
+        if check:
+            replica.check_integrity()
+        if end is not None:
+            seq += 1
+            heapq.heappush(events, (end, seq, STEP, replica.index, replica.version))
+    return measure(policy, requests, replicas, config)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of sorted `values`."""
+    return values[min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))]
+
+
+def jain(values: list[float]) -> float:
+    """Jain's fairness index: 1 when all equal, 1/n when one takes everything."""
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values)) if values and any(values) else 1.0
+
+
+def _spread(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    if not mean:
+        return 1.0, 0.0
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    return max(values) / mean, std / mean
+
+
+def measure(policy: str, requests: list[Request], replicas: list[Replica], config: SimConfig) -> dict:
+    measured = requests[int(len(requests) * config.warmup):]
+    prompt_tokens = sum(r.prompt_tokens for r in measured)
+    start, end = measured[0].arrival_s, max(r.finish_s for r in measured)
+    ttft = sorted(r.first_token_s - r.arrival_s for r in measured)
+    latency = sorted(r.finish_s - r.arrival_s for r in measured)
+    slowdown: dict[int, list[float]] = {}
+    for r in measured:
+        ideal_s = config.ideal_s(r.prompt_tokens, r.output_tokens)
+        slowdown.setdefault(r.tenant, []).append((r.finish_s - r.arrival_s) / ideal_s)
+    tenant_slowdown = [sum(v) / len(v) for _, v in sorted(slowdown.items())]
+    makespan = max(r.finish_s for r in requests)
+    occupancy_max, occupancy_cv = _spread([r.occupancy_s / makespan for r in replicas])
+    requests_max, requests_cv = _spread([float(r.num_requests) for r in replicas])
+    return {
+        "replicas": len(replicas), "policy": policy, "requests": len(requests), "measured": len(measured),
+        "hit_rate": sum(r.cached_tokens for r in measured) / prompt_tokens,
+        "shared_share": sum(r.prefix_blocks for r in measured) * config.block_size / prompt_tokens,
+        "occupancy_max_mean": occupancy_max, "occupancy_cv": occupancy_cv,
+        "requests_max_mean": requests_max, "requests_cv": requests_cv,
+        "busy_max_mean": _spread([r.busy_s for r in replicas])[0],
+        "jain_slowdown": jain(tenant_slowdown), "tenant_mean_slowdown": tenant_slowdown,
+        "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p99_s": percentile(ttft, 99),
+        "latency_mean_s": sum(latency) / len(latency), "latency_p99_s": percentile(latency, 99),
+        "output_tokens_per_s": sum(r.output_tokens for r in measured) / (end - start),
+        "requests_per_s": len(measured) / (end - start),
+    }
+
+
+HEADER = ("| replicas | policy | prefix hit rate | occupancy max/mean | occupancy CV "
+          "| Jain, tenants' slowdown (worst) | TTFT mean / p99 (s) | latency mean / p99 (s) "
+          "| output tok/s |\n"
+          "|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def table_row(m: dict) -> str:
+    return (f"| {m['replicas']} | {m['policy']} | {m['hit_rate']:.1%} | {m['occupancy_max_mean']:.2f} "
+            f"| {m['occupancy_cv']:.2f} | {m['jain_slowdown']:.3f} ({max(m['tenant_mean_slowdown']):.2f}) "
+            f"| {m['ttft_mean_s']:.2f} / {m['ttft_p99_s']:.2f} "
+            f"| {m['latency_mean_s']:.2f} / {m['latency_p99_s']:.2f} "
+            f"| {m['output_tokens_per_s']:,.0f} |")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    try:
+        return int(low), int(high or low)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH tokens, got {text!r}") from exc
+
+
+def _policies(text: str) -> list[str]:
+    names = [x for x in text.replace(",", " ").split() if x]
+    bad = [x for x in names if x not in (*routing.POLICIES, SESSION)]
+    if bad or not names:
+        known = ", ".join((*routing.POLICIES, SESSION))
+        raise argparse.ArgumentTypeError(f"policies are {known}, got {text!r}")
+    return names
+
+
+_OPTIONS = (  # flag, SimConfig field, type, help
+    ("--requests", "requests_per_replica", int, "requests per replica"),
+    ("--load", "load", float, "arrival rate over the fleet's capacity with no prefix cache"),
+    ("--tenants", "tenants", int, "tenants"),
+    ("--tenant-skew", "tenant_skew", float, "each tenant sends 1/skew of the traffic of the one before"),
+    ("--prefixes-per-replica", "prefixes_per_replica", int, "shared prefixes per replica in the fleet"),
+    ("--prefixes", "prefixes", int, "a fixed number of shared prefixes instead"),
+    ("--zipf", "zipf", float, "Zipf exponent of a tenant's prefixes' popularity"),
+    ("--users-per-tenant", "users_per_tenant", int, f"session keys per tenant, for {SESSION!r}"),
+    ("--prefix-tokens", "prefix_tokens", "range", "a shared prefix's length, uniform"),
+    ("--suffix-tokens", "suffix_tokens", "range", "a prompt's own suffix's length, uniform"),
+    ("--output-tokens", "output_tokens", "range", "output length, uniform"),
+    ("--block-size", "block_size", int, "tokens per KV block"),
+    ("--cache-blocks", "cache_blocks", int, "each replica's KV pool in blocks, running and cached"),
+    ("--max-num-seqs", "max_num_seqs", int, "each replica's batch capacity"),
+    ("--max-batched-tokens", "max_batched_tokens", int, "tokens per step, decode and prefill chunks"),
+    ("--prefill-ms-per-token", "prefill_ms_per_token", float, "step time per prefill token"),
+    ("--decode-step-ms", "decode_step_ms", float, "fixed time of a step"),
+    ("--decode-ms-per-seq", "decode_ms_per_seq", float, "step time per decoding request"),
+    ("--poll-ms", "poll_ms", float, "the router's stats poll interval, simulated"),
+    ("--warmup", "warmup", float, "the share of the first requests left out of the metrics"),
+    ("--seed", "seed", int, "the workload's random seed"),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    defaults = SimConfig()
+    p.add_argument("--replicas", type=_ints, default=[4, 32, 128],
+                   help="replica counts, comma-separated (default: 4,32,128)")
+    p.add_argument("--policies", type=_policies, default=list(routing.POLICIES),
+                   help=f"routing policies, comma-separated, of {', '.join(routing.POLICIES)} and "
+                        f"{SESSION} (default: {','.join(routing.POLICIES)})")
+    for flag, name, kind, text in _OPTIONS:
+        value = getattr(defaults, name)
+        shown = f"{value[0]}-{value[1]}" if isinstance(value, tuple) else value
+        p.add_argument(flag, type=_range if kind == "range" else kind, default=value, dest=name,
+                       help=f"{text} (default: {shown})")
+    p.add_argument("--index", choices=["exact", "polled"], default=defaults.index,
+                   help="the router's prefix index: each cache event at once, or at each stats poll "
+                        f"(default: {defaults.index})")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(**{k: v for k, v in vars(args).items() if k in SimConfig.__dataclass_fields__})
+
+
+def describe(config: SimConfig) -> str:
+    c = config
+    prefixes = c.prefixes or f"{c.prefixes_per_replica} per replica"
+    return (f"Simulated: {c.requests_per_replica} requests per replica, Poisson at {c.load:.0%} of the cold "
+            f"capacity ({c.capacity_per_replica:.2f} requests/s per replica); {c.tenants} tenants (skew "
+            f"{c.tenant_skew:g}), shared prefixes {prefixes} (Zipf {c.zipf:g}) of {c.prefix_tokens[0]}-"
+            f"{c.prefix_tokens[1]} tokens, suffixes {c.suffix_tokens[0]}-{c.suffix_tokens[1]}, outputs "
+            f"{c.output_tokens[0]}-{c.output_tokens[1]}; per replica {c.cache_blocks} KV blocks of "
+            f"{c.block_size}, max_num_seqs {c.max_num_seqs}, {c.max_batched_tokens} tokens per step, a step "
+            f"{c.decode_step_ms:g} ms + {c.decode_ms_per_seq:g} ms per decoding request + "
+            f"{c.prefill_ms_per_token:g} ms per prefill token; stats polled every {c.poll_ms:g} ms, "
+            f"{c.index} prefix index; first {c.warmup:.0%} of requests not measured; seed {c.seed}.")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    results, timings = [], {}
+    print(describe(config) + "\n")
+    print(HEADER)
+    for num_replicas in args.replicas:
+        started = time.perf_counter()
+        workload = make_workload(config, num_replicas)
+        for policy in args.policies:
+            metrics = simulate(policy, workload, config)
+            results.append(metrics)
+            print(table_row(metrics), flush=True)
+        timings[num_replicas] = time.perf_counter() - started
+    shared = {m["replicas"]: m["shared_share"] for m in results}
+    print("\nThe hit rate's ceiling, the shared prefixes' share of prompt tokens: "
+          + ", ".join(f"{share:.1%} ({n} replicas)" for n, share in shared.items()) + ".")
+    print("wall time: " + ", ".join(f"{n} replicas {s:.1f} s" for n, s in timings.items()), file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps({"config": asdict(config), "results": results,
+                                         "wall_s": {str(k): v for k, v in timings.items()}}, indent=2) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagoda simulate-routing", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,568 @@
+"""`pagoda k8s-manifests` (services/k8s.py), checked offline: no cluster runs where the tests do.
+
+Every manifest is validated against Kubernetes 1.30's schemas in strict mode (unknown
+fields fail; `kubernetes-validate`, installed by `make install`). Then the manifests must
+agree with one another and with `pagoda` itself, as tests/unit/test_compose.py checks the
+compose stack: every address names a Service that exists, with that port, reaching the
+right pods; Service and PodDisruptionBudget selectors select pods; one KV layout per
+replica; the probes on the ports the processes bind; every container's command is one
+that `pagoda`'s own parser accepts, with the environment the pod gives it (the stage
+workers' shell command is run, for each stage, with a stand-in `pagoda` that prints its
+arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import stat
+import subprocess
+import sys
+from contextlib import contextmanager
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from services import k8s
+from services.cli import build_parser
+
+KUBERNETES_VERSION = "1.30.0"
+CONFIGS = {
+    "one": k8s.K8sOptions(),
+    "four": k8s.K8sOptions(replicas=4, engine={"max_num_seqs": 64, "max_model_len": 8192,
+                                               "enable_prefix_caching": True}),
+    "four-pp2-tp2-gpus": k8s.K8sOptions(replicas=4, pipeline_parallel_size=2, tensor_parallel_size=2,
+                                        gpus=True, gpu_memory_utilization=0.9, num_kv_blocks=4096,
+                                        model_path="/models/Meta-Llama-3.1-8B-Instruct"),
+    "two-pp3": k8s.K8sOptions(replicas=2, pipeline_parallel_size=3, block_size=32, namespace="llm"),
+}
+SECRET = "<from a Secret>"
+GRPC_PORT_FLAG = {"kvcache": "--port", "scheduler": "--port", "worker": "--port", "gateway": "--grpc-port"}
+
+
+@pytest.fixture(params=sorted(CONFIGS), scope="module")
+def config(request) -> tuple[k8s.K8sOptions, list[dict[str, Any]]]:
+    """The options and their manifests, as `kubectl` reads them back from the YAML."""
+    options = CONFIGS[request.param]
+    manifests = k8s.render(options)
+    loaded = list(yaml.safe_load_all(k8s.to_yaml(manifests)))
+    assert loaded == manifests  # the YAML says what render built: no lost types or values
+    return options, loaded
+
+
+@pytest.fixture(scope="module")
+def fake_pagoda(tmp_path_factory) -> str:
+    """A directory with a `pagoda` that prints its arguments, NUL-separated."""
+    bin_dir = tmp_path_factory.mktemp("bin")
+    script = bin_dir / "pagoda"
+    script.write_text('#!/bin/sh\nfor a in "$@"; do printf \'%s\\0\' "$a"; done\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return str(bin_dir)
+
+
+# --- reading the manifests -----------------------------------------------------------------
+
+def by_kind(manifests: list[dict], kind: str) -> dict[str, dict]:
+    return {m["metadata"]["name"]: m for m in manifests if m["kind"] == kind}
+
+
+def workloads(manifests: list[dict]) -> list[dict]:
+    return [m for m in manifests if m["kind"] in ("Deployment", "StatefulSet")]
+
+
+def pod_labels(workload: dict) -> dict[str, str]:
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
+def main_container(workload: dict) -> dict:
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def component(workload: dict) -> str:
+    return pod_labels(workload)[k8s.COMPONENT_LABEL]
+
+
+def pagoda_workloads(manifests: list[dict]) -> list[dict]:
+    return [w for w in workloads(manifests) if component(w) != "redis"]
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A label selector (Service: a plain map; PDB: matchLabels and matchExpressions)."""
+    if "matchLabels" not in selector and "matchExpressions" not in selector:
+        selector = {"matchLabels": selector}
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] in ("In", "NotIn"), expr
+        inside = labels.get(expr["key"]) in expr["values"]
+        if inside != (expr["operator"] == "In"):
+            return False
+    return True
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def container_env(manifests: list[dict], container: dict) -> dict[str, str]:
+    """The environment a container starts with (envFrom first; env overrides)."""
+    config_maps = by_kind(manifests, "ConfigMap")
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(config_maps[source["configMapRef"]["name"]]["data"])
+    for var in container.get("env", []):
+        env[var["name"]] = var["value"] if "value" in var else SECRET
+    return env
+
+
+def run_worker_command(container: dict, pod_name: str, bin_dir: str) -> list[str]:
+    """What the stage pod `pod_name` runs: its container's command, with HOSTNAME set."""
+    done = subprocess.run(container["command"], env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOSTNAME": pod_name},
+                          capture_output=True, text=True, timeout=10)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split("\0")[:-1]
+
+
+def argv_of(manifests: list[dict], workload: dict, bin_dir: str) -> list[tuple[str, list[str]]]:
+    """(pod name, pagoda argv) of each pod of a workload."""
+    container = main_container(workload)
+    if workload["kind"] == "StatefulSet":
+        name = workload["metadata"]["name"]
+        return [(f"{name}-{k}", run_worker_command(container, f"{name}-{k}", bin_dir))
+                for k in range(workload["spec"]["replicas"])]
+    assert "command" not in container  # the image's entrypoint, `pagoda`, runs the args
+    return [(workload["metadata"]["name"], container["args"])]
+
+
+@contextmanager
+def environment(env: dict[str, str]):
+    """os.environ holding no PAGODA_* but `env` (the flags' defaults read it)."""
+    saved = dict(os.environ)
+    try:
+        for name in [n for n in os.environ if n.startswith("PAGODA_")]:
+            del os.environ[name]
+        os.environ.update(env)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def parse(argv: list[str], env: dict[str, str]) -> argparse.Namespace:
+    with environment(env):
+        return build_parser().parse_args(argv)
+
+
+def reached(manifests: list[dict], address: str) -> list[tuple[dict, int | None]]:
+    """The workloads (and the StatefulSet ordinal, if a pod is named) that HOST:PORT reaches
+    inside the namespace; fails unless it names a Service with that port whose target pods
+    listen there."""
+    host, _, port_text = address.rpartition(":")
+    port = int(port_text)
+    services = by_kind(manifests, "Service")
+    ordinal = None
+    if "." in host:  # POD.SERVICE: a StatefulSet pod through its headless Service
+        pod, service_name = host.split(".", 1)
+        service = services[service_name]
+        assert service["spec"].get("clusterIP") == "None", f"{address}: {service_name} is not headless"
+        (sts,) = [s for s in by_kind(manifests, "StatefulSet").values() if s["spec"]["serviceName"] == service_name]
+        prefix = sts["metadata"]["name"] + "-"
+        assert pod.startswith(prefix) and pod[len(prefix):].isdigit(), f"{address}: no pod {pod}"
+        ordinal = int(pod[len(prefix):])
+        assert ordinal < sts["spec"]["replicas"], f"{address}: {sts['metadata']['name']} has no pod {ordinal}"
+    else:
+        assert host in services, f"{address}: no Service {host}"
+        service = services[host]
+    (svc_port,) = [p for p in service["spec"]["ports"] if p["port"] == port] or [None]
+    assert svc_port is not None, f"{address}: Service {service['metadata']['name']} has no port {port}"
+    targets = [w for w in workloads(manifests) if selects(service["spec"]["selector"], pod_labels(w))]
+    assert targets, f"{address}: Service {service['metadata']['name']} selects no pods"
+    for w in targets:
+        ports = [p["containerPort"] for p in main_container(w)["ports"]]
+        assert svc_port["targetPort"] in ports, f"{address}: {w['metadata']['name']} does not listen there"
+    return [(w, ordinal) for w in targets]
+
+
+def reaches_one(manifests: list[dict], address: str, comp: str, replica: str | None,
+                ordinal: int | None = None) -> None:
+    ((workload, got_ordinal),) = reached(manifests, address)
+    labels = pod_labels(workload)
+    assert labels[k8s.COMPONENT_LABEL] == comp, f"{address} reaches {labels}, not a {comp}"
+    assert labels.get(k8s.REPLICA_LABEL) == replica, f"{address} reaches {labels}, not replica {replica}"
+    assert got_ordinal == ordinal, f"{address}: stage {got_ordinal}, expected {ordinal}"
+
+
+# --- the schema ----------------------------------------------------------------------------
+
+def test_every_manifest_validates_strictly(config):
+    options, manifests = config
+    for manifest in manifests:
+        kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
+
+
+def test_strict_validation_catches_an_unknown_field():
+    manifest = k8s.render(k8s.K8sOptions())[0]
+    manifest["metadata"]["label"] = {"typo": "x"}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
+
+
+def test_objects_are_named_labelled_and_namespaced(config):
+    options, manifests = config
+    keys = [(m["kind"], m["metadata"]["name"]) for m in manifests]
+    assert len(keys) == len(set(keys))
+    for m in manifests:
+        assert m["metadata"]["namespace"] == options.namespace
+        assert m["metadata"]["labels"][k8s.NAME_LABEL] == "pagoda"
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", m["metadata"]["name"])
+    assert not by_kind(manifests, "Secret"), "secrets are the operator's, never rendered"
+    for w in workloads(manifests):
+        labels = pod_labels(w)
+        assert labels[k8s.NAME_LABEL] == "pagoda" and labels[k8s.COMPONENT_LABEL] in k8s.COMPONENTS
+        assert (k8s.REPLICA_LABEL in labels) == (component(w) in ("kvcache", "scheduler", "worker"))
+        assert w["spec"]["selector"]["matchLabels"] == labels
+        if w["kind"] == "StatefulSet":  # its pods' names must be DNS labels, with a revision hash to spare
+            assert len(w["metadata"]["name"]) <= 52
+    expected = {"gateway": 1, "redis": 1, "kvcache": options.replicas, "scheduler": options.replicas,
+                "worker": options.replicas}
+    assert {c: sum(component(w) == c for w in workloads(manifests)) for c in expected} == expected
+    gateway = by_kind(manifests, "Deployment")[k8s.GATEWAY]
+    assert gateway["spec"]["replicas"] == options.gateway_replicas
+    for r in options.replica_names:
+        assert by_kind(manifests, "StatefulSet")[k8s.worker_name(r)]["spec"]["replicas"] == \
+            options.pipeline_parallel_size
+        for name in (k8s.kvcache_name(r), k8s.scheduler_name(r)):  # never two at once
+            assert by_kind(manifests, "Deployment")[name]["spec"] == {
+                **by_kind(manifests, "Deployment")[name]["spec"], "replicas": 1, "strategy": {"type": "Recreate"}}
+
+
+# --- selectors -----------------------------------------------------------------------------
+
+def test_every_service_selects_pods_that_listen_on_its_ports(config):
+    options, manifests = config
+    for service in by_kind(manifests, "Service").values():
+        targets = [w for w in workloads(manifests) if selects(service["spec"]["selector"], pod_labels(w))]
+        assert len(targets) == 1, f"Service {service['metadata']['name']} selects {len(targets)} workloads"
+        ports = {p["containerPort"] for p in main_container(targets[0])["ports"]}
+        for p in service["spec"]["ports"]:
+            assert p["targetPort"] == p["port"] and p["port"] in ports, (service["metadata"]["name"], p)
+    for sts in by_kind(manifests, "StatefulSet").values():
+        headless = by_kind(manifests, "Service")[sts["spec"]["serviceName"]]["spec"]
+        assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"  # no stage waits for another to be ready
+
+
+def test_disruption_budgets_select_existing_pods(config):
+    options, manifests = config
+    budgets = by_kind(manifests, "PodDisruptionBudget")
+    chosen = {name: {component(w) for w in workloads(manifests) if selects(pdb["spec"]["selector"], pod_labels(w))}
+              for name, pdb in budgets.items()}
+    assert chosen == {k8s.GATEWAY: {"gateway"}, k8s.BACKEND_PDB: {"kvcache", "scheduler", "worker"}}
+    backend = [w for w in workloads(manifests) if selects(budgets[k8s.BACKEND_PDB]["spec"]["selector"], pod_labels(w))]
+    assert len(backend) == 3 * options.replicas  # every replica's pods: at most one disrupted
+    assert all(pdb["spec"]["maxUnavailable"] == 1 for pdb in budgets.values())
+
+
+# --- addresses -----------------------------------------------------------------------------
+
+def test_every_address_names_a_service_with_that_port(config, fake_pagoda):
+    options, manifests = config
+    deployments, statefulsets = by_kind(manifests, "Deployment"), by_kind(manifests, "StatefulSet")
+    n = options.pipeline_parallel_size
+    for r in options.replica_names:
+        ((_, argv),) = argv_of(manifests, deployments[k8s.scheduler_name(r)], fake_pagoda)
+        reaches_one(manifests, flag(argv, "--kvcache"), "kvcache", r)
+        stages = flag(argv, "--stages").split(",")
+        assert len(stages) == n == int(flag(argv, "--pipeline-parallel-size"))
+        for k, address in enumerate(stages):
+            reaches_one(manifests, address, "worker", r, k)
+        init = deployments[k8s.scheduler_name(r)]["spec"]["template"]["spec"]["initContainers"]
+        waited = init[0]["command"][3:]  # python -c CODE ADDRESS...
+        assert waited == [flag(argv, "--kvcache"), *stages]
+        ((_, argv),) = argv_of(manifests, deployments[k8s.kvcache_name(r)], fake_pagoda)
+        assert flag(argv, "--replica-id") == r
+        reaches_one(manifests, flag(argv, "--redis-url").removeprefix("redis://").removesuffix("/0"), "redis", None)
+        for k, (pod, argv) in enumerate(argv_of(manifests, statefulsets[k8s.worker_name(r)], fake_pagoda)):
+            assert pod == f"{k8s.worker_name(r)}-{k}" and int(flag(argv, "--stage")) == k
+            if k < n - 1:
+                reaches_one(manifests, flag(argv, "--next"), "worker", r, k + 1)
+            else:
+                assert "--next" not in argv
+            if n > 1 and k == n - 1:
+                reaches_one(manifests, flag(argv, "--feedback"), "worker", r, 0)
+            else:
+                assert "--feedback" not in argv
+    ((_, argv),) = argv_of(manifests, deployments[k8s.GATEWAY], fake_pagoda)
+    routes = [part.split("=", 1) for part in flag(argv, "--scheduler").split(",")]
+    assert [name for name, _ in routes] == options.replica_names
+    for name, address in routes:
+        reaches_one(manifests, address, "scheduler", name)
+    reaches_one(manifests, flag(argv, "--redis-url").removeprefix("redis://").removesuffix("/0"), "redis", None)
+
+
+def test_the_worker_command_is_worker_args_for_every_stage(config, fake_pagoda):
+    options, manifests = config
+    for r in options.replica_names:
+        sts = by_kind(manifests, "StatefulSet")[k8s.worker_name(r)]
+        for k, (_, argv) in enumerate(argv_of(manifests, sts, fake_pagoda)):
+            assert argv == k8s.worker_args(options, r, k)
+
+
+def test_the_worker_command_refuses_a_hostname_without_an_ordinal(fake_pagoda):
+    (sts,) = by_kind(k8s.render(k8s.K8sOptions()), "StatefulSet").values()
+    done = subprocess.run(main_container(sts)["command"], env={"PATH": f"{fake_pagoda}:/usr/bin:/bin",
+                          "HOSTNAME": "pagoda-worker"}, capture_output=True, text=True, timeout=10)
+    assert done.returncode == 1 and "cannot read the stage" in done.stderr and done.stdout == ""
+
+
+# --- environment ---------------------------------------------------------------------------
+
+def test_one_kv_layout_per_replica(config):
+    options, manifests = config
+    layout = {"PAGODA_NUM_KV_BLOCKS": str(options.num_kv_blocks), "PAGODA_BLOCK_SIZE": str(options.block_size)}
+    for r in options.replica_names:
+        for w in pagoda_workloads(manifests):
+            if pod_labels(w).get(k8s.REPLICA_LABEL) == r:
+                env = container_env(manifests, main_container(w))
+                assert {name: env.get(name) for name in layout} == layout, w["metadata"]["name"]
+
+
+def test_the_stage_definitions_carry_tensor_parallel_size_and_memory_utilization(config):
+    options, manifests = config
+    f = options.gpu_memory_utilization
+    for sts in by_kind(manifests, "StatefulSet").values():
+        container = main_container(sts)
+        literal = {v["name"]: v.get("value") for v in container["env"]}  # in the StatefulSet itself
+        assert literal["PAGODA_TENSOR_PARALLEL_SIZE"] == str(options.tensor_parallel_size)
+        assert literal["PAGODA_GPU_MEMORY_UTILIZATION"] == ("" if f is None else str(f))
+        assert literal["PAGODA_DEVICE"] == ("cuda" if options.gpus else "cpu")
+        limits = container["resources"]["limits"]
+        assert limits.get("nvidia.com/gpu") == (options.tensor_parallel_size if options.gpus else None)
+        volumes = {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
+        assert ("shm" in volumes) == (options.tensor_parallel_size > 1)
+    for w in workloads(manifests):
+        if w["kind"] != "StatefulSet":
+            assert "nvidia.com/gpu" not in yaml.safe_dump(w), w["metadata"]["name"]
+
+
+def test_pods_restart_when_the_engine_settings_change():
+    def hashes(options: k8s.K8sOptions) -> set[str]:
+        return {w["spec"]["template"]["metadata"]["annotations"][k8s.ENGINE_CONFIG_HASH]
+                for w in pagoda_workloads(k8s.render(options))}
+
+    (before,) = hashes(k8s.K8sOptions(replicas=2))
+    assert hashes(k8s.K8sOptions(replicas=3)) == {before}
+    assert hashes(k8s.K8sOptions(replicas=2, engine={"max_num_seqs": 64})) != {before}
+    assert hashes(k8s.K8sOptions(replicas=2, num_kv_blocks=2048)) != {before}
+
+
+def test_every_pagoda_container_takes_the_internal_token_from_a_secret(config):
+    options, manifests = config
+    for w in pagoda_workloads(manifests):
+        (token,) = [v for v in main_container(w)["env"] if v["name"] == "PAGODA_INTERNAL_TOKEN"]
+        assert token == {"name": "PAGODA_INTERNAL_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": options.internal_token_secret, "key": options.internal_token_key}}}
+
+
+def test_the_models_and_the_api_keys_are_mounted_where_the_flags_point(config, fake_pagoda):
+    options, manifests = config
+    for w in pagoda_workloads(manifests):
+        pod = w["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m for m in main_container(w)["volumeMounts"]}
+        for _, argv in argv_of(manifests, w, fake_pagoda):
+            model = flag(argv, "--model")
+            if component(w) == "kvcache":
+                assert model is None and k8s.MODELS_MOUNT not in mounts
+                continue
+            assert model == options.model_path
+            mount = mounts[k8s.MODELS_MOUNT]
+            assert mount["readOnly"] is True
+            assert volumes[mount["name"]]["persistentVolumeClaim"] == {"claimName": options.models_claim,
+                                                                        "readOnly": True}
+    gateway = by_kind(manifests, "Deployment")[k8s.GATEWAY]
+    keys_file = flag(main_container(gateway)["args"], "--api-keys-file")
+    mount = {m["mountPath"]: m for m in main_container(gateway)["volumeMounts"]}[os.path.dirname(keys_file)]
+    (volume,) = [v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == options.api_keys_secret
+    assert volume["secret"]["items"] == [{"key": options.api_keys_key, "path": os.path.basename(keys_file)}]
+
+
+# --- probes and security -------------------------------------------------------------------
+
+def test_probes_are_grpc_health_on_the_service_ports(config, fake_pagoda):
+    options, manifests = config
+    for w in pagoda_workloads(manifests):
+        container, comp = main_container(w), component(w)
+        port = int(flag(argv_of(manifests, w, fake_pagoda)[0][1], GRPC_PORT_FLAG[comp]))
+        assert {"name": "grpc", "containerPort": port} in container["ports"]
+        assert container["readinessProbe"]["grpc"] == {"port": port}
+        live = container["livenessProbe"]
+        if comp in ("kvcache", "worker"):  # their health is their own
+            assert live["grpc"] == {"port": port}
+        elif comp == "scheduler":  # its health is the pipeline's: a stage restarting must not restart it
+            assert live["tcpSocket"] == {"port": port}
+        else:  # the gateway's follows the replicas'
+            assert live["httpGet"] == {"path": "/version", "port": int(flag(container["args"], "--port"))}
+        if comp == "worker":  # the model loads first
+            startup = container["startupProbe"]
+            assert startup["grpc"] == {"port": port}
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= options.worker_startup_s
+
+
+def test_pods_run_unprivileged(config):
+    options, manifests = config
+    for w in workloads(manifests):
+        pod = w["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == (k8s.UID if component(w) != "redis" else k8s.REDIS_UID)
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["enableServiceLinks"] is False  # no {SERVICE}_PORT variables to read as PAGODA_* flags
+        for container in pod["containers"] + pod.get("initContainers", []):
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+            assert container["resources"]["limits"]["memory"]
+        if component(w) != "redis":
+            writable = {m["mountPath"] for m in main_container(w)["volumeMounts"]}
+            assert {"/tmp", "/home/pagoda"} <= writable  # the kernel cache, Hugging Face's
+
+
+# --- the pagoda command lines --------------------------------------------------------------
+
+def test_the_scheduler_and_workers_parse_with_their_pods_environment(config, fake_pagoda):
+    options, manifests = config
+    f = options.gpu_memory_utilization
+    for w in pagoda_workloads(manifests):
+        comp = component(w)
+        if comp not in ("scheduler", "worker"):
+            continue
+        env = container_env(manifests, main_container(w))
+        for _, argv in argv_of(manifests, w, fake_pagoda):
+            args = parse(argv, env)
+            assert args.command == comp and args.host == "0.0.0.0"
+            assert (args.num_kv_blocks, args.block_size) == (options.num_kv_blocks, options.block_size)
+            for name, value in options.engine.items():
+                if hasattr(args, name):  # each reads the settings it has a flag for
+                    assert getattr(args, name) == value, name
+            if comp == "worker":
+                assert args.tensor_parallel_size == options.tensor_parallel_size
+                assert args.gpu_memory_utilization == f
+                assert args.num_stages == options.pipeline_parallel_size
+                assert args.device == ("cuda" if options.gpus else "cpu")
+                assert args.num_threads == options.worker_threads
+            else:
+                assert args.pipeline_parallel_size == options.pipeline_parallel_size
+
+
+def test_the_kv_service_parses(config, fake_pagoda):
+    """Needs `pagoda kvcache --replica-id --redis-url` (issue 13)."""
+    options, manifests = config
+    for r in options.replica_names:
+        w = by_kind(manifests, "Deployment")[k8s.kvcache_name(r)]
+        args = parse(main_container(w)["args"], container_env(manifests, main_container(w)))
+        assert (args.num_blocks, args.block_size) == (options.num_kv_blocks, options.block_size)
+        assert args.replica_id == r and args.redis_url == k8s.redis_url()
+
+
+def test_the_gateway_parses_in_router_mode(config):
+    """Needs `pagoda gateway --routing` and `--scheduler NAME=ADDR,...` (issue 13)."""
+    options, manifests = config
+    gateway = main_container(by_kind(manifests, "Deployment")[k8s.GATEWAY])
+    args = parse(gateway["args"], container_env(manifests, gateway))
+    assert args.routing == options.routing and args.redis_url == k8s.redis_url()
+    assert args.max_model_len == options.engine.get("max_model_len")
+
+
+def test_every_engine_setting_is_read_by_a_service():
+    """A `--set` name no service reads (a typo) would be silently ignored: each key of the
+    ConfigMap must change some subcommand's parsed arguments when its value does."""
+    minimal = {"kvcache": ["kvcache"], "worker": ["worker", "--model", "m"],
+               "scheduler": ["scheduler", "--model", "m", "--kvcache", "k:1", "--stages", "s:1"],
+               "gateway": ["gateway", "--model", "m", "--scheduler", "g:1"]}
+    options = CONFIGS["four"]
+    (config_map,) = by_kind(k8s.render(options), "ConfigMap").values()
+
+    def settings(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+        return {k: v for k, v in vars(parse(argv, env)).items() if k not in ("func", "parser")}
+
+    for name, value in config_map["data"].items():
+        other = {"true": "false", "false": "true"}.get(value) or (
+            str(int(value) + 1) if value.isdigit() else value + "x")  # another value: does it show?
+        changed = [c for c, argv in minimal.items() if settings(argv, {name: value}) != settings(argv, {name: other})]
+        assert changed, f"{name}={value}: read by no service"
+
+
+def test_the_renderer_is_pure_python():
+    code = ("import sys, services.k8s; bad = [m for m in ('torch', 'grpc', 'gateway', 'scheduler_svc') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_routing_policies_are_the_gateways():
+    from gateway.routing import POLICIES
+
+    assert k8s.ROUTING_POLICIES == POLICIES
+
+
+# --- options and the command line ----------------------------------------------------------
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"replicas": 0}, "replicas: must be a positive integer"),
+    ({"pipeline_parallel_size": 9}, "pipeline_parallel_size: must be 1..8"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization: must be in (0, 1]"),
+    ({"model_path": "/data/model"}, "model_path: must be a normalized path under /models/"),
+    ({"model_path": "/models/../etc"}, "model_path"),
+    ({"namespace": "Pagoda"}, "namespace: must be a DNS label"),
+    ({"routing": "random"}, "routing: must be one of prefix, least-loaded, round-robin"),
+    ({"engine": {"num_kv_blocks": 10}}, "set by the manifests themselves"),
+    ({"engine": {"Max-Num-Seqs": 1}}, "expected a snake_case name"),
+    ({"requests": {"router": k8s.Resources("1", "1Gi")}}, "unknown component(s) router"),
+    ({"image": "pagoda local"}, "image: must be an image reference"),
+])
+def test_bad_options_are_refused_with_the_field_named(fields, message):
+    with pytest.raises(ValueError) as caught:
+        k8s.K8sOptions(**fields)
+    assert message in str(caught.value)
+
+
+def test_resources_refuse_bad_quantities():
+    with pytest.raises(ValueError, match="cpu: expected a quantity"):
+        k8s.Resources("four", "1Gi")
+    with pytest.raises(ValueError, match="memory: expected a quantity"):
+        k8s.Resources("4", "16GB")
+
+
+def _cli(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pagoda k8s-manifests")
+    k8s.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_run_writes_the_manifests(tmp_path, capsys):
+    argv = ["--replicas", "4", "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2", "--gpus",
+            "--gpu-memory-utilization", "0.9", "--set", "max-num-seqs=64", "--requests", "worker=8,64Gi",
+            "--namespace", "llm"]
+    expected = k8s.render(k8s.K8sOptions(
+        replicas=4, pipeline_parallel_size=2, tensor_parallel_size=2, gpus=True, gpu_memory_utilization=0.9,
+        engine={"max_num_seqs": "64"}, requests={"worker": k8s.Resources("8", "64Gi")}, namespace="llm"))
+    assert k8s.run(_cli(argv)) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# Pagoda on Kubernetes")
+    assert list(yaml.safe_load_all(out)) == expected
+    assert k8s.run(_cli([*argv, "--out", str(tmp_path / "pagoda.yaml")])) == 0
+    assert list(yaml.safe_load_all((tmp_path / "pagoda.yaml").read_text())) == expected
+
+
+def test_run_refuses_bad_options(capsys):
+    assert k8s.run(_cli(["--set", "port=1"])) == 2
+    assert "error: engine setting 'port'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _cli(["--set", "max_num_seqs"])

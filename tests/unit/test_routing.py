@@ -1,0 +1,90 @@
+"""The router's choice (gateway/routing.py) and its parts: replica lists, the policies,
+session affinity, and several replicas' statistics summed (issue 13)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.replicas import merge_stats, parse_targets
+from gateway.routing import NoReplica, ReplicaState, choose, leading_hits, rendezvous
+from services.pb import common_pb2, scheduler_pb2
+
+
+def replicas(*loads, capacity=8):
+    return [ReplicaState(f"r{i}", running=n, capacity=capacity) for i, n in enumerate(loads)]
+
+
+def test_replica_lists():
+    assert parse_targets("10.0.0.1:5") == [("r0", "10.0.0.1:5")]
+    assert parse_targets("a=h:1, b=h:2") == [("a", "h:1"), ("b", "h:2")]
+    assert parse_targets("h:1,h:2") == [("r0", "h:1"), ("r1", "h:2")]
+    for bad, why in (("a=h:1,a=h:2", "given twice"), ("h:1,,h:2", "empty"), ("a=nohost", "HOST:PORT")):
+        with pytest.raises(ValueError, match=why):
+            parse_targets(bad)
+
+
+def test_prefix_prefers_the_replica_holding_the_prompt_until_it_is_a_batch_busier():
+    rs = replicas(3, 0)
+    assert choose("prefix", rs, cached={"r0": 10, "r1": 0}, prompt_blocks=10).name == "r0"
+    rs = replicas(12, 0)  # 1.5 batches busier: computing the prompt elsewhere is cheaper
+    assert choose("prefix", rs, cached={"r0": 10, "r1": 0}, prompt_blocks=10).name == "r1"
+    # a longer shared prefix beats a shorter one at equal load
+    assert choose("prefix", replicas(1, 1), cached={"r0": 2, "r1": 7}, prompt_blocks=10).name == "r1"
+
+
+def test_a_new_prefix_goes_where_it_evicts_least():
+    rs = replicas(0, 0)
+    rs[0].cache_fill = 0.6
+    assert choose("prefix", rs, cached={"r0": 0, "r1": 0}, prompt_blocks=10).name == "r1"
+
+
+def test_without_an_index_prefix_routes_by_load():
+    assert choose("prefix", replicas(5, 2, 4), cached=None).name == "r1"
+    assert choose("least-loaded", replicas(5, 2, 4)).name == "r1"
+
+
+def test_round_robin_turns_and_skips_what_is_down_or_tried():
+    rs = replicas(0, 0, 0)
+    assert [choose("round-robin", rs, turn=t).name for t in range(4)] == ["r0", "r1", "r2", "r0"]
+    rs[1].healthy = False
+    assert {choose("round-robin", rs, turn=t).name for t in range(4)} == {"r0", "r2"}
+    assert choose("round-robin", rs, exclude=frozenset({"r0"})).name == "r2"
+    with pytest.raises(NoReplica, match="left to try"):
+        choose("round-robin", rs, exclude=frozenset({"r0", "r2"}))
+    with pytest.raises(ValueError, match="routing policy"):
+        choose("random", rs)
+
+
+def test_sessions_stick_and_move_only_when_their_replica_leaves():
+    names = [f"r{i}" for i in range(8)]
+    placed = {f"user-{k}": rendezvous(f"user-{k}", names) for k in range(400)}
+    assert len(set(placed.values())) == 8  # spread over all
+    rs = [ReplicaState(n) for n in names]
+    for key, name in list(placed.items())[:20]:
+        assert choose("prefix", rs, session=key, cached={n: 0 for n in names}, prompt_blocks=4).name == name
+    rs[3].healthy = False
+    for key, name in placed.items():
+        now = choose("round-robin", rs, session=key).name
+        assert now == name or name == "r3"  # only r3's sessions moved
+
+
+def test_leading_hits_stop_at_the_first_miss():
+    assert leading_hits([True, True, False, True]) == 2
+    assert leading_hits([]) == 0
+
+
+def test_merged_statistics_sum_counts_and_recompute_the_hit_rate():
+    a = scheduler_pb2.GetStatsResponse(num_waiting=2, num_running=3, num_generated_tokens=100,
+                                       health=common_pb2.HEALTH_STATUS_NOT_SERVING)
+    a.kv_cache.num_total_blocks, a.kv_cache.num_used_blocks = 100, 10
+    a.kv_cache.num_prefix_query_tokens, a.kv_cache.num_prefix_hit_tokens = 100, 50
+    a.config.block_size = 16
+    b = scheduler_pb2.GetStatsResponse(num_waiting=1, num_running=1, num_generated_tokens=20,
+                                       health=common_pb2.HEALTH_STATUS_SERVING)
+    b.kv_cache.num_total_blocks, b.kv_cache.num_used_blocks = 100, 30
+    b.kv_cache.num_prefix_query_tokens, b.kv_cache.num_prefix_hit_tokens = 300, 50
+    m = merge_stats([a, b])
+    assert (m.num_waiting, m.num_running, m.num_generated_tokens) == (3, 4, 120)
+    assert (m.kv_cache.num_total_blocks, m.kv_cache.num_used_blocks) == (200, 40)
+    assert m.kv_cache.prefix_hit_rate == pytest.approx(0.25)
+    assert m.health == common_pb2.HEALTH_STATUS_SERVING and m.config.block_size == 16
