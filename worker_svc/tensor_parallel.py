@@ -11,8 +11,10 @@ states, positions, slot mapping, block table), and every rank runs its layers wi
 row-parallel outputs (o_proj, down_proj) summed by an all-reduce. Ranks other than 0 of the
 last stage stop after the layers: rank 0 alone computes logits and samples.
 
-Transport: torch.distributed, gloo on the CPU; on CUDA the all-reduces and hidden states
-go over NCCL and the step's integer layout over gloo. Two groups: the one that carries
+Transport: on the CPU, shared memory for what fits (worker_svc/shm_collectives.py: the
+all-reduces of decode-sized tensors and each step's inputs; gloo tells the others a step
+has come and carries what is larger); on CUDA the all-reduces and hidden states go over
+NCCL and the step's integer layout over gloo. Two groups: the one that carries
 plans waits as long as the stage may idle; the compute group's collectives time out after
 `COMPUTE_TIMEOUT` (peers run the same step, so only their imbalance is waited for).
 
@@ -82,13 +84,45 @@ class TensorParallelGroup:
         self._local = False
         self.processes: list[subprocess.Popen] = []  # rank 0: ranks 1..size-1
         self.stopping = False
+        self.shm = self._shared_memory() if device.type == "cpu" else None
+
+    def _shared_memory(self):
+        """The ranks' shared memory (worker_svc/shm_collectives.py), or None where any rank
+        cannot have it (then everything goes through gloo)."""
+        from worker_svc import shm_collectives
+
+        shm = None
+        try:
+            if self.rank == 0:  # created before the others learn where
+                if shm_collectives.available():
+                    shm = shm_collectives.ShmCollectives(0, self.size, shm_collectives.ShmCollectives.new_path(),
+                                                         create=True)
+                self.store.set("pagoda/tp-shm", shm.path if shm else "")
+            else:
+                path = self.store.get("pagoda/tp-shm").decode()
+                if path:
+                    shm = shm_collectives.ShmCollectives(self.rank, self.size, path, create=False)
+        except OSError as exc:
+            log.warning("tensor-parallel rank %d: no shared memory (%s): collectives over gloo", self.rank, exc)
+            if self.rank == 0:
+                self.store.set("pagoda/tp-shm", "")
+        try:
+            everyone = self.min_over_ranks(int(shm is not None))  # (also: every rank has mapped it)
+        finally:
+            if shm is not None and self.rank == 0:
+                shm.unlink()  # mapped by all, or given up: the file goes either way
+        return shm if everyone else None
 
     # --- collectives -----------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks, in place (a layer's row-parallel output)."""
+        """Sum over the ranks, in place (a layer's row-parallel output): through shared
+        memory when the tensor fits its slots, else over the compute group."""
         if not self._local:
-            dist.all_reduce(x, group=self.compute)
+            if self.shm is not None and self.shm.fits(x):
+                self.shm.all_reduce(x)
+            else:
+                dist.all_reduce(x, group=self.compute)
         return x
 
     @contextlib.contextmanager
@@ -113,14 +147,18 @@ class TensorParallelGroup:
         """Rank 0: hand one step's model inputs to the other ranks."""
         ids = inputs.dtype == torch.long
         tables = metadata.block_tables
-        header = torch.tensor([OP_STEP, positions.numel(), metadata.num_seqs, tables.shape[1],
-                               len(block_copies), int(ids), 0, 0], dtype=torch.long)
         parts = [torch.tensor(block_copies, dtype=torch.long).reshape(-1), positions,
                  metadata.slot_mapping, metadata.query_start_loc, metadata.context_lens, tables.reshape(-1)]
         if ids:
             parts.append(inputs)
         payload = torch.cat([p.to("cpu", torch.long) for p in parts])
+        # through shared memory when it fits: the others read it once the header comes
+        in_memory = self.shm is not None and self.shm.put([payload] if ids else [payload, inputs.contiguous()])
+        header = torch.tensor([OP_STEP, positions.numel(), metadata.num_seqs, tables.shape[1],
+                               len(block_copies), int(ids), int(in_memory), 0], dtype=torch.long)
         dist.broadcast(header, 0, group=self.ops)
+        if in_memory:
+            return
         dist.broadcast(payload, 0, group=self.ops)
         if not ids:
             dist.broadcast(inputs.contiguous(), 0, group=self.compute)
@@ -129,18 +167,26 @@ class TensorParallelGroup:
         """Ranks 1..: the next step's inputs (waits for it)."""
         header = torch.empty(_HEADER, dtype=torch.long)
         dist.broadcast(header, 0, group=self.ops)
-        op, tokens, seqs, width, copies, ids = header.tolist()[:6]
+        op, tokens, seqs, width, copies, ids, in_memory = header.tolist()[:7]
         if op != OP_STEP:
             raise RuntimeError(f"unknown tensor-parallel operation {op}")
         sizes = [2 * copies, tokens, tokens, seqs + 1, seqs, seqs * width] + ([tokens] if ids else [])
-        payload = torch.empty(sum(sizes), dtype=torch.long)
-        dist.broadcast(payload, 0, group=self.ops)
+        hidden = None
+        if in_memory:
+            shapes = [((sum(sizes),), torch.long)] + ([] if ids else [((tokens, hidden_size), dtype)])
+            payload, *rest = self.shm.get(shapes)
+            hidden = rest[0] if rest else None
+        else:
+            payload = torch.empty(sum(sizes), dtype=torch.long)
+            dist.broadcast(payload, 0, group=self.ops)
         pieces = list(payload.split(sizes))
         copy_pairs = pieces[0].view(-1, 2).tolist()
         device = self.device
         positions, slots, starts, lens, tables = (p.to(device) for p in pieces[1:6])
         if ids:
             inputs = pieces[6].to(device)
+        elif hidden is not None:
+            inputs = hidden.to(device)
         else:
             inputs = torch.empty(tokens, hidden_size, dtype=dtype, device=device)
             dist.broadcast(inputs, 0, group=self.compute)
