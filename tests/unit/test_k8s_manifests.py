@@ -566,3 +566,25 @@ def test_run_refuses_bad_options(capsys):
     assert "error: engine setting 'port'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _cli(["--set", "max_num_seqs"])
+
+
+@pytest.mark.parametrize("name,argv", [
+    ("pagoda-1-replica.yaml", ["--replicas", "1"]),
+    ("pagoda-4-replicas-pp2-tp2-gpu.yaml", ["--replicas", "4", "--pipeline-parallel-size", "2",
+                                           "--tensor-parallel-size", "2", "--gpus",
+                                           "--gpu-memory-utilization", "0.9"]),
+])
+def test_the_committed_examples_are_what_the_renderer_writes(tmp_path, name, argv):
+    """deploy/k8s/ holds two rendered examples for readers; they must not drift from the code."""
+    import argparse
+    from pathlib import Path
+
+    from services import k8s
+
+    parser = argparse.ArgumentParser()
+    k8s.add_arguments(parser)
+    out = tmp_path / name
+    assert k8s.run(parser.parse_args([*argv, "--out", str(out)])) == 0
+    committed = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / name
+    assert out.read_text() == committed.read_text(), (
+        f"re-render it: pagoda k8s-manifests {' '.join(argv)} --out deploy/k8s/{name}")
