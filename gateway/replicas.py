@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,10 +35,13 @@ from google.protobuf.descriptor import FieldDescriptor
 from gateway.routing import POLICIES, Choice, NoReplica, ReplicaState, choose
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.prefix_hash import block_keys
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
+PREFIX_WINDOW_S = 300.0  # how long a prefix sent out counts in its replica's share
+PREFIX_MEMORY = 4096
 POLL_TIMEOUT_S = 1.0
 
 
@@ -97,6 +102,9 @@ class ReplicaSet:
 
             self.index = KVIndex(redis_url)
         self._turn = itertools.count()
+        # the first block of each prompt sent out lately -> (replica, when): how the distinct
+        # prefixes spread over the replicas (a prefix nobody holds goes where fewer live)
+        self._prefixes: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._task: asyncio.Task | None = None
         self.num_fallbacks = 0  # prefix routing done by load (no index)
         self.num_retries = 0  # requests sent to another replica after one failed them
@@ -142,7 +150,7 @@ class ReplicaSet:
         elif not serving:
             self.mark_down(r, stats.health_detail or "not serving")
         s.healthy = serving
-        s.waiting, s.running = stats.num_waiting, stats.num_running
+        s.waiting, s.running, s.finished_since_poll = stats.num_waiting, stats.num_running, 0
         kv = stats.kv_cache
         s.kv_usage = kv.num_used_blocks / kv.num_total_blocks if kv.num_total_blocks else 0.0
         r.num_blocks = kv.num_total_blocks
@@ -179,11 +187,30 @@ class ReplicaSet:
                 cached, prompt_blocks, sizes = found
                 for r in live:
                     r.state.cache_fill = sizes[r.name] / r.num_blocks if r.num_blocks else 0.0
+        root = None
+        if self.policy == "prefix" and live and len(prompt_ids) >= live[0].block_size:
+            root = block_keys(prompt_ids[:live[0].block_size], live[0].block_size, live[0].namespace)[0]
+            self._spread(live)
         choice = choose(self.policy, [r.state for r in self.replicas], next(self._turn), cached,
                         prompt_blocks, session, exclude)
         replica = self.by_name(choice.name)
         replica.num_routed += 1
+        if root is not None:
+            self._prefixes[root] = (replica.name, time.monotonic())
+            self._prefixes.move_to_end(root)
         return replica, choice
+
+    def _spread(self, live: list[Replica]) -> None:
+        """Each live replica's share of the distinct prefixes sent out in the last
+        PREFIX_WINDOW_S (at most PREFIX_MEMORY of them)."""
+        now = time.monotonic()
+        while self._prefixes and (len(self._prefixes) > PREFIX_MEMORY
+                                  or now - next(iter(self._prefixes.values()))[1] > PREFIX_WINDOW_S):
+            self._prefixes.popitem(last=False)
+        counts = Counter(name for name, _ in self._prefixes.values())
+        total = max(1, len(self._prefixes))
+        for r in live:
+            r.state.prefix_share = counts.get(r.name, 0) / total
 
     @contextlib.contextmanager
     def in_flight(self, r: Replica):
@@ -192,6 +219,7 @@ class ReplicaSet:
             yield
         finally:
             r.state.in_flight -= 1
+            r.state.finished_since_poll += 1
 
     # --- views -------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ Policies:
 - `prefix` (default): the lowest cost, where cost = the share of the prompt's blocks the
   replica would have to compute (1 - cached / prompt blocks) + LOAD_WEIGHT x its load
   (requests waiting and running over its batch capacity) + KV_WEIGHT x the share of its KV
-  pool in use + CACHE_WEIGHT x the share holding cached prefixes. A replica holding the
+  pool in use + CACHE_WEIGHT x the share holding cached prefixes + SPREAD_WEIGHT x its
+  share of the distinct prefixes (first blocks) this router sent out lately. A replica holding the
   whole prefix wins until it is about one full batch busier than an idle one (NVIDIA
   Dynamo's KV router weighs prefill blocks against active load the same way); a prefix no
   replica holds goes where it evicts least, so the replicas' caches split the prefixes
@@ -34,6 +35,9 @@ from dataclasses import dataclass
 POLICIES = ("prefix", "least-loaded", "round-robin")
 LOAD_WEIGHT = 1.0
 KV_WEIGHT = 0.25  # a nearly full KV pool preempts: a replica at 100% costs a quarter miss more
+# the share of the prefixes this router sent out lately that went there: a prefix no replica
+# holds goes where fewer live (caches full of old prefixes all look alike)
+SPREAD_WEIGHT = 0.5
 CACHE_WEIGHT = 0.5  # a pool full of cached prefixes evicts to take a new one (0.5 beat 0.25 in the simulator)
 
 
@@ -52,13 +56,17 @@ class ReplicaState:
     kv_usage: float = 0.0  # fraction of its KV blocks in use
     capacity: int = 256  # its max_num_seqs
     in_flight: int = 0  # requests this router sent there that have not ended
+    finished_since_poll: int = 0  # of those, ended since its last stats were read
     cache_fill: float = 0.0  # fraction of its KV pool holding cached prefix blocks
+    prefix_share: float = 0.0  # of the distinct prefixes this router sent out lately, the share sent here
 
     @property
     def load(self) -> float:
-        """Requests there over its batch capacity (the router's own count when it is ahead of
-        the last stats)."""
-        return max(self.waiting + self.running, self.in_flight) / max(1, self.capacity)
+        """Requests there over its batch capacity: its last stats less what this router saw
+        end there since (stats are up to a poll old), or the router's own count when that is
+        higher."""
+        stale = max(0, self.waiting + self.running - self.finished_since_poll)
+        return max(stale, self.in_flight) / max(1, self.capacity)
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,8 @@ def rendezvous(key: str, names: Sequence[str]) -> str:
 
 def cost(replica: ReplicaState, cached_blocks: int, prompt_blocks: int) -> float:
     miss = 1.0 - cached_blocks / prompt_blocks if prompt_blocks else 0.0
-    return miss + LOAD_WEIGHT * replica.load + KV_WEIGHT * replica.kv_usage + CACHE_WEIGHT * replica.cache_fill
+    return (miss + LOAD_WEIGHT * replica.load + KV_WEIGHT * replica.kv_usage + CACHE_WEIGHT * replica.cache_fill
+            + SPREAD_WEIGHT * replica.prefix_share)
 
 
 def choose(policy: str, replicas: Sequence[ReplicaState], turn: int = 0,

@@ -189,8 +189,10 @@ def test_requests_complete_without_redis_and_prefix_routing_resumes(replicas, ro
             redis_server.client.exists(f"pagoda:kv:{{r{i}}}:alive") for i in range(2)):
         time.sleep(0.2)
     assert all(redis_server.client.scard(f"pagoda:kv:{{r{i}}}:blocks") > 0 for i in range(2))
-    # prefix routing again: one group's requests all go to the replica holding its prefix
-    group = prompts[0][:PREFIX_TOKENS]
+    # prefix routing again: a new prefix's requests all go to the replica that took the first
+    # (the groups above were routed by load, so both replicas may hold their prefixes)
+    group = workload(8)[0][:PREFIX_TOKENS]
+    time.sleep(1.2)  # past the router's pause after its last failed lookup (kv_index.RETRY_AFTER_S)
     before = {r["name"]: r["routed"] for r in replicas_view(port)}
     for i in range(4):
         assert complete(port, group + [7, 8, 9, i])[0] == "ok"
@@ -258,3 +260,33 @@ def test_serve_runs_replicas_behind_a_router_in_one_command(model_dir, tmp_path)
         stack.stop()
     time.sleep(1)
     assert not [p for p in pids if os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read()]
+
+
+def test_a_request_whose_replica_refuses_it_unstreamed_goes_to_another(model_dir, replicas):
+    """The retry path itself, made certain: the router believes a replica at a dead address
+    serving (as in the moment before its health poll notices), sends a request there first,
+    is refused UNAVAILABLE before anything streamed, drains it and sends the request to the
+    live replica, where it completes."""
+    import asyncio
+
+    from gateway.core import Finished, GenerationParams, TextGenerator
+    from services.sampling import SamplingOptions
+    from services.text import Tokenizer
+
+    dead = f"127.0.0.1:{free_port()}"
+    generator = TextGenerator(f"dead={dead},live={replicas[0].scheduler_address}", Tokenizer(model_dir), 1024,
+                              routing="round-robin")
+    for r in generator.replicas.replicas:
+        r.state.healthy = True  # not polled: the router's belief before the poll
+
+    async def go():
+        params = GenerationParams(sampling=SamplingOptions(max_tokens=3, temperature=0.0, ignore_eos=True))
+        items = [i async for i in generator.generate(workload(5)[0], params)]
+        await generator.close()
+        return items
+
+    items = asyncio.run(go())
+    assert isinstance(items[-1], Finished) and items[-1].usage.completion_tokens == 3
+    rs = generator.replicas
+    assert rs.num_retries == 1 and not rs.by_name("dead").state.healthy
+    assert rs.by_name("live").num_routed == 1

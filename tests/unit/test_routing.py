@@ -88,3 +88,22 @@ def test_merged_statistics_sum_counts_and_recompute_the_hit_rate():
     assert (m.kv_cache.num_total_blocks, m.kv_cache.num_used_blocks) == (200, 40)
     assert m.kv_cache.prefix_hit_rate == pytest.approx(0.25)
     assert m.health == common_pb2.HEALTH_STATUS_SERVING and m.config.block_size == 16
+
+
+def test_load_counts_what_ended_since_the_last_stats():
+    r = ReplicaState("r0", waiting=1, running=3, capacity=8)
+    assert r.load == 0.5
+    r.finished_since_poll = 3  # the router saw 3 of them end after the poll
+    assert r.load == 0.125
+    r.in_flight = 2  # its own count is fresher when higher
+    assert r.load == 0.25
+
+
+def test_a_new_prefix_goes_where_fewer_prefixes_live():
+    """Full caches all look alike: the share of the prefixes lately sent to each decides."""
+    rs = replicas(0, 0)
+    rs[0].cache_fill = rs[1].cache_fill = 0.95
+    rs[0].prefix_share, rs[1].prefix_share = 0.6, 0.4
+    assert choose("prefix", rs, cached={"r0": 0, "r1": 0}, prompt_blocks=32).name == "r1"
+    # ... while the replica holding the prefix still wins
+    assert choose("prefix", rs, cached={"r0": 32, "r1": 0}, prompt_blocks=32).name == "r0"
