@@ -1,4 +1,4 @@
-# Pagoda: `make run` serves the default tiny model, `make test` runs the tests.
+# Pagoda: `make run` serves SmolLM2-135M-Instruct (fetched once), `make test` runs the tests.
 # Both install first when needed; `make install` is idempotent and quick when nothing changed.
 SHELL := /bin/bash
 PYTHON ?= python3

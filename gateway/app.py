@@ -324,7 +324,11 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
         except grpc.aio.AioRpcError as exc:
             raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
         return {"kv_address": stats.kv_address, "kv_health": _enum_name(stats.kv_health),
-                "kv_cache": _plain(stats.kv_cache)}
+                "kv_cache": _plain(stats.kv_cache),
+                "stages": [{"stage_index": s.stage_index, "layers": [s.load_info.layer_start, s.load_info.layer_end],
+                            "weights_bytes": s.load_info.weights_bytes, "quantization": s.load_info.quantization,
+                            "kv_block_bytes": s.load_info.kv_block_bytes,
+                            "memory_budget_bytes": s.load_info.memory_budget_bytes} for s in stats.stages]}
 
     @app.get("/debug/replicas", tags=["Operations"], responses={401: _ERRORS[401]})
     async def debug_replicas() -> dict[str, Any]:

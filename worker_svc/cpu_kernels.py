@@ -55,22 +55,23 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def build(compiler: str | None = None) -> Path:
-    """The shared library for this host, built if not cached; raises RuntimeError on failure."""
+def build(compiler: str | None = None, source: Path = SOURCE) -> Path:
+    """The shared library of `source` (a C file under csrc/) for this host, built if not
+    cached (named by the source's stem and the key); raises RuntimeError on failure."""
     cc = compiler or os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), *CFLAGS, version, _cpu_flags()]).encode()).hexdigest()[:20]
-    target = cache_dir() / f"paged_decode-{key}.so"
+        "\0".join([source.read_text(), *CFLAGS, version, _cpu_flags()]).encode()).hexdigest()[:20]
+    target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
+        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")

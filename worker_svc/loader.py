@@ -16,8 +16,11 @@ import torch
 from safetensors import safe_open
 
 from worker_svc.errors import CheckpointError
+from worker_svc.gguf_checkpoint import GGUFCheckpoint, gguf_source
 from worker_svc.model import StageModel
 from worker_svc.model_config import DTYPE_NAMES, ModelConfig
+from worker_svc.packed import PackedEmbedding, PackedLinear
+from worker_svc.quant_kernels import dequantize
 from worker_svc.quantization import check_quantization, quantize_model, weight_bytes
 
 log = logging.getLogger(__name__)
@@ -127,6 +130,10 @@ def load_stage(
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: checkpoint directory not found")
+    gguf_file = gguf_source(model_dir)
+    if gguf_file is not None:
+        return load_gguf_stage(gguf_file, model_dir, stage, num_stages, partition, dtype, device,
+                               quantization, tp_rank, tp_size)
     config = ModelConfig.from_dir(model_dir)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
@@ -183,5 +190,98 @@ def load_stage(
         "stage %d of %d%s: layers [%d, %d), %s weights%s: %d bytes",
         stage, num_stages, f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else "",
         start, end, torch_dtype, f" ({quantization})" if quantization else "", weight_bytes(model),
+    )  # fmt: skip
+    return model
+
+
+def load_gguf_stage(
+    gguf_file: Path,
+    model_dir: Path,
+    stage: int = 0,
+    num_stages: int = 1,
+    partition: Sequence[int] | None = None,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    quantization: str | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> StageModel:
+    """Stage `stage` of a GGUF checkpoint (`model_dir` is its prepared folder: config.json
+    and tokenizer, see `GGUF_SOURCE_FILE`).
+
+    `dtype="auto"` keeps the file's own types: Q8_0/Q4_0/Q4_1 (and BF16) linear weights and
+    the token embedding stay packed (worker_svc/packed.py), norms and F32 tensors float32, F16
+    ones widened to float32; activations are float32. A float dtype dequantizes every tensor
+    to it at load (float32: the exact path, the weights `transformers` reads from the file).
+    """
+    config = ModelConfig.from_dir(model_dir)
+    ckpt = GGUFCheckpoint(gguf_file)
+    raw_config = ckpt.hf_config()
+    packed = dtype == "auto"
+    if packed and quantization is not None:
+        raise ValueError(f"quantization {quantization!r} needs float weights: pass --dtype with a GGUF file")
+    if packed and (device != "cpu" and torch.device(device).type != "cpu"):
+        raise ValueError("a GGUF file's packed types run on the CPU: pass --dtype bfloat16 or float32 for "
+                         f"device {device}")
+    if packed and tp_size > 1:
+        raise ValueError("tensor parallelism over a GGUF file's packed types is not supported: pass "
+                         "--dtype to serve it dequantized")
+    torch_dtype = torch.float32 if packed else resolve_dtype(dtype, config)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+    start, end = partition_layers(config.num_layers, num_stages, partition)[stage]
+    model = StageModel(
+        config.shard(tp_size), start, end, is_first=stage == 0,
+        is_last=stage == num_stages - 1 and tp_rank == 0, device=device,
+    )
+    model.source_dir = str(model_dir)
+    expected = model.expected_tensors()
+    state: dict[str, torch.Tensor] = {}
+    packed_modules: dict[str, tuple[str, torch.Tensor, int]] = {}  # module -> (qtype, data, in)
+    for name, want in expected.items():
+        if name == "lm_head.weight" and not ckpt.has(name):
+            raise CheckpointError(f"{gguf_file}: tensor 'output.weight' is missing (the model's "
+                                  "embeddings are not tied)")
+        t = ckpt.tensor(name, raw_config)
+        full = list(want)
+        dim = shard_dim(name) if tp_size > 1 else None
+        if dim is not None:
+            full[dim] *= tp_size
+        if t.shape != tuple(full):
+            raise CheckpointError(f"{gguf_file}: tensor {name!r} has shape {list(t.shape)}, expected "
+                                  f"{full} from the file's metadata")
+        module = name.rsplit(".", 1)[0]
+        if packed and name.endswith(".weight") and len(t.shape) == 2 and (t.packed or t.qtype == "BF16"):
+            packed_modules[module] = (t.qtype, t.data, t.shape[-1])
+            continue
+        tensor = t.data if not t.packed else dequantize(t.data, t.qtype, t.shape[-1]).view(t.shape)
+        if dim is not None:
+            size = want[dim]
+            rows = slice(tp_rank * size, (tp_rank + 1) * size)
+            tensor = tensor[rows] if dim == 0 else tensor[:, rows]
+        state[name] = tensor.to(device=device, dtype=torch_dtype).contiguous()
+    for module, (qtype, data, in_features) in packed_modules.items():
+        bias = state.pop(f"{module}.bias", None)
+        parent_name, _, child = module.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if child == "embed_tokens":
+            setattr(parent, child, PackedEmbedding(data, qtype, in_features))
+        else:
+            setattr(parent, child, PackedLinear(data, qtype, in_features, bias))
+    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left or unexpected:
+        raise CheckpointError(f"{gguf_file}: tensors not matched to the model: {left or unexpected}")
+    del state
+    model.eval()
+    if quantization is not None:
+        quantize_model(model, quantization)
+    model.fuse_projections()
+    kinds = sorted({q for q, _, _ in packed_modules.values()})
+    model.weight_format = f"gguf:{'/'.join(kinds)}" if kinds else ""
+    log.info(
+        "stage %d of %d: layers [%d, %d) of %s, %s: %d bytes",
+        stage, num_stages, start, end, gguf_file.name,
+        f"packed {'/'.join(kinds)} weights" if kinds else f"{torch_dtype} weights", weight_bytes(model),
     )  # fmt: skip
     return model

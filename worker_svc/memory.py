@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from worker_svc.quantization import weight_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -201,7 +203,7 @@ def size_kv_pool(model, block_size: int, backend, utilization: float | None, kv_
     device = param.device
     if device.type == "cuda":
         share = 1
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)  # packed buffers included, shared storage once
     gc.collect()
     if device.type != "cuda":
         _give_back_freed_memory()

@@ -21,6 +21,7 @@ from torch import nn
 
 from worker_svc.attention import AttentionBackend, AttentionMetadata
 from worker_svc.model_config import ModelConfig
+from worker_svc.packed import PackedEmbedding, PackedLinear
 from worker_svc.rope import RotaryEmbedding, apply_rotary, rotate
 
 
@@ -81,6 +82,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse()
+        self.qkv_packed: PackedLinear | None = None  # set by fuse() when q/k/v are packed
 
     def forward(
         self,
@@ -92,9 +94,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         k_pool, v_pool = kv
-        if self.qkv is not None:  # one product
-            weight, bias = self.qkv
-            qkv = F.linear(x, weight, bias)
+        if self.qkv is not None or self.qkv_packed is not None:  # one product
+            if self.qkv_packed is not None:
+                qkv = self.qkv_packed(x)
+            else:
+                weight, bias = self.qkv
+                qkv = F.linear(x, weight, bias)
             q = qkv[:, : self.num_heads * self.head_dim].view(num_tokens, self.num_heads, self.head_dim)
             native = getattr(backend, "rope_write", None)  # rotation and K/V write in one call
             if native is None or not native(qkv, *rope, k_pool, v_pool, metadata.slot_mapping, self.num_heads):
@@ -116,9 +121,14 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def fuse(self) -> bool:
-        """Compute q, k and v with one matrix product (see `_fuse_linears`)."""
+        """Compute q, k and v with one matrix product (see `_fuse_linears`; packed layers:
+        `PackedLinear.concat`)."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if all(isinstance(m, PackedLinear) for m in parts):
+            self.qkv_packed = PackedLinear.concat(parts)
+            return self.qkv_packed is not None
         if type(self.o_proj) is nn.Linear:
-            self.qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+            self.qkv = _fuse_linears(*parts)
         return self.qkv is not None
 
 
@@ -130,8 +140,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
         self.gate_up: torch.Tensor | None = None  # set by fuse()
+        self.gate_up_packed: PackedLinear | None = None  # set by fuse() when gate/up are packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_packed is not None:
+            gate_up = self.gate_up_packed(x)
+            size = self.gate_proj.out_features
+            return self.down_proj(F.silu(gate_up[:, :size]) * gate_up[:, size:])
         if self.gate_up is not None:
             gate_up = F.linear(x, self.gate_up)
             size = self.gate_proj.out_features
@@ -139,7 +154,11 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def fuse(self) -> bool:
-        """Compute gate and up with one matrix product (see `_fuse_linears`)."""
+        """Compute gate and up with one matrix product (see `_fuse_linears`; packed layers:
+        `PackedLinear.concat`)."""
+        if isinstance(self.gate_proj, PackedLinear) and isinstance(self.up_proj, PackedLinear):
+            self.gate_up_packed = PackedLinear.concat([self.gate_proj, self.up_proj])
+            return self.gate_up_packed is not None
         if type(self.down_proj) is not nn.Linear or self.gate_proj.bias is not None:
             return False
         fused = _fuse_linears(self.gate_proj, self.up_proj)
@@ -208,6 +227,7 @@ class StageModel(nn.Module):
         self.start, self.end = start, end
         self.is_first, self.is_last = is_first, is_last
         self.source_dir: str | None = None  # the checkpoint folder, set by load_stage
+        self.weight_format = ""  # packed weights' format ("gguf:Q4_1/Q8_0"), set by the loader
         # Weights come from the checkpoint (load_state_dict(assign=True)): build them on the
         # meta device so that nothing is allocated or initialised twice.
         with torch.device("meta"):
@@ -262,5 +282,8 @@ class StageModel(nn.Module):
         if logits_indices is not None:
             h = h[logits_indices]
         h = body.norm(h)
-        weight = body.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight)
+        if self.lm_head is not None:
+            return self.lm_head(h) if isinstance(self.lm_head, PackedLinear) else F.linear(h, self.lm_head.weight)
+        if isinstance(body.embed_tokens, PackedEmbedding):  # tied, packed
+            return body.embed_tokens.as_linear(h)
+        return F.linear(h, body.embed_tokens.weight)

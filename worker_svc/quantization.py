@@ -168,17 +168,22 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes held by a stage's weights: parameters and persistent buffers (FP8 weights and
-    their scales), each tensor counted once. Non-persistent buffers (rotary tables) are
-    derived state, not weights, and are left out."""
-    seen: set[int] = set()
+    their scales, packed GGUF rows), each storage counted once (fused projections are views
+    of one tensor). Non-persistent buffers (rotary tables) are derived state, not weights,
+    and are left out."""
+    seen: set[tuple[str, int]] = set()
     total = 0
     for module in model.modules():
         tensors = list(module._parameters.values()) + [
             b for name, b in module._buffers.items() if name not in module._non_persistent_buffers_set
         ]
         for t in tensors:
-            if t is None or id(t) in seen:
+            if t is None or t.is_meta:
                 continue
-            seen.add(id(t))
-            total += t.nbytes
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
     return total

@@ -40,6 +40,7 @@ from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
 from worker_svc.config import WorkerConfig
 from worker_svc.convert import dtype_to_pb, tensor_from_pb, tensor_to_pb
 from worker_svc.errors import InvalidPlanError
+from worker_svc.quantization import weight_bytes
 from worker_svc.runner import StageResult, StageRunner
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self.config = config
         self.runner = runner
         self.kv_sizing = None  # worker_svc.memory.KVSizing when the pool was sized from memory
+        self.weights_bytes = weight_bytes(runner.model)  # packed GGUF rows at their packed size
         self.epoch = secrets.randbits(63) | 1  # a new id per process start; never 0
         self.started_ns = time.time_ns()
         self.max_message_bytes = config.max_message_bytes(runner.model.config.hidden_size)
@@ -221,14 +223,14 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             next_address=cfg.next_address or "",
             num_threads=torch.get_num_threads(),
             device=str(self.runner.device),
-            quantization=cfg.quantization or "",
+            quantization=cfg.quantization or model.weight_format,
             feedback_address=cfg.feedback_address or "",
             feedback_connected=self._feedback_streams > 0,
             kv_block_bytes=self.kv_sizing.block_bytes if self.kv_sizing else 0,
             memory_total_bytes=self.kv_sizing.total_bytes if self.kv_sizing else 0,
             memory_budget_bytes=self.kv_sizing.budget_bytes if self.kv_sizing else 0,
             memory_baseline_bytes=self.kv_sizing.baseline_bytes if self.kv_sizing else 0,
-            weights_bytes=self.kv_sizing.weights_bytes if self.kv_sizing else 0,
+            weights_bytes=self.kv_sizing.weights_bytes if self.kv_sizing else self.weights_bytes,
             activation_peak_bytes=self.kv_sizing.activation_bytes if self.kv_sizing else 0,
             tensor_parallel_size=cfg.tensor_parallel_size,
         )

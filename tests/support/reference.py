@@ -22,10 +22,16 @@ class Comparison:
 
 
 class HFReference:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, gguf_file: str | Path | None = None) -> None:
+        """`gguf_file`: transformers reads (and dequantizes) that GGUF file instead."""
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        if gguf_file is not None:
+            gguf_file = Path(gguf_file)
+            self.model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
+                                                              dtype=torch.float32)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         self.model.eval()
         self._cache: dict[tuple[tuple[int, ...], int], tuple[list[int], list[torch.Tensor]]] = {}
 

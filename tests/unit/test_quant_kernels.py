@@ -1,0 +1,287 @@
+"""The native quantized and bfloat16 matmul kernels (worker_svc/quant_kernels.py,
+csrc/quant_matmul.c) against float64 references, on every ISA path this CPU runs (the AVX2
+and portable paths run on an AVX-512 host too); the pure-torch `dequantize` against gguf-py.
+
+Tolerances:
+- quantized weights vs float64 of the dequantized weights times the dequantized int8
+  activations (the kernel's own quantization, checked bit-exact against gguf-py's Q8_0):
+  |y - ref| <= 1e-5 * sum_k |x_k| |w_k|: the integer dots are exact, the per-block scales
+  and the float32 sum of K / 32 block terms round at ~1e-7 each;
+- the same vs the float32 activations: the rounding of x to int8 moves each element by at
+  most d_x / 2 of its block, so |y - ref| <= sum over blocks of d_x / 2 * sum |w| (+ 1e-5 *
+  the magnitude above);
+- bfloat16 weights vs float64 of the same bfloat16 values: 1e-5 * sum |x| |w| (float32
+  accumulation over at most ~40 terms a lane); with vdpbf16ps (x rounded to bfloat16,
+  relative error 2^-9) 2^-8 * sum |x| |w|.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from worker_svc import quant_kernels as qk
+
+gguf = pytest.importorskip("gguf")
+
+KERNELS = qk.quant_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="native kernels unavailable (no C compiler?)")
+
+QUANT_TOL = 1e-5
+BF16_TOL = 1e-5
+BF16_DOT_TOL = 2.0**-8
+NS = (1, 7, 33, 100)
+KS = (32, 96, 576)
+TS = (1, 3, 17, 64)
+
+
+@functools.cache
+def kernels(isa: str) -> qk.QuantKernels:
+    return qk.QuantKernels(KERNELS.path, isa=isa)
+
+
+def kernels_or_skip(isa: str) -> qk.QuantKernels:
+    if isa not in KERNELS.available:
+        pytest.skip(f"this CPU does not run the {isa} path (it runs {KERNELS.available})")
+    return kernels(isa)
+
+
+def ggml(qtype: str) -> gguf.GGMLQuantizationType:
+    return getattr(gguf.GGMLQuantizationType, qtype)
+
+
+@functools.cache
+def weights(qtype: str, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF blocks uint8 [N, row_bytes] and their float32 values per gguf-py."""
+    rng = np.random.default_rng(N * 1000 + K + len(qtype))
+    w = (rng.standard_normal((N, K)) * 0.1).astype(np.float32)
+    w[0, :32] = 0.0  # an all-zero block
+    blocks = gguf.quants.quantize(w, ggml(qtype))
+    return torch.from_numpy(blocks), torch.from_numpy(gguf.quants.dequantize(blocks, ggml(qtype)))
+
+
+def activations(T: int, K: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + T * 7 + K)
+    x = torch.randn(T, K, generator=g) * 2.0
+    if K >= 64:
+        x[0, 32:64] = 0.0  # an all-zero activation block
+    return x
+
+
+def dequantized_activations(k: qk.QuantKernels, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 q * d of the kernel's int8 activations, and d per element."""
+    q, d = k.quantize_activations(x)
+    T, K = x.shape
+    d_el = d.double().repeat_interleave(32, dim=1)
+    return q.double() * d_el, d_el
+
+
+@pytest.mark.parametrize("isa", qk.ISAS)
+@pytest.mark.parametrize("qtype", qk.BLOCK_TYPES)
+@pytest.mark.parametrize("N", NS)
+@pytest.mark.parametrize("K", KS)
+def test_quant_matmul_matches_float64(isa: str, qtype: str, N: int, K: int) -> None:
+    k = kernels_or_skip(isa)
+    blocks, w = weights(qtype, N, K)
+    for T in TS:
+        x = activations(T, K)
+        y = k.matmul(x, blocks, qtype)
+        assert y.shape == (T, N) and y.dtype == torch.float32
+        xq, d_el = dequantized_activations(k, x)
+        ref = xq @ w.double().T
+        mag = xq.abs() @ w.double().abs().T
+        err = (y.double() - ref).abs()
+        assert (err <= QUANT_TOL * mag).all(), f"T={T}: max err / mag {(err / mag.clamp_min(1e-300)).max():.3g}"
+        # against the float32 activations: the int8 rounding's bound
+        ref32 = x.double() @ w.double().T
+        bound = (d_el / 2 * 1.0001) @ w.double().abs().T + QUANT_TOL * (x.double().abs() @ w.double().abs().T)
+        assert ((y.double() - ref32).abs() <= bound).all(), f"T={T}"
+
+
+@pytest.mark.parametrize("isa", qk.ISAS)
+def test_activation_quantization_is_ggufs_q8_0(isa: str) -> None:
+    k = kernels_or_skip(isa)
+    x = activations(5, 256, seed=3)
+    x[1, :32] = torch.arange(32) * 0.5 - 8.0  # exact halves: rounding ties (away from zero)
+    x[2, :32] = 1e-30  # tiny values
+    x[3, 32:64] = -x[3, 32:64].abs()  # all negative
+    q, d = k.quantize_activations(x)
+    ref = gguf.quants.quantize(x.numpy(), ggml("Q8_0")).reshape(5, 8, 34)
+    assert np.array_equal(q.numpy().view(np.uint8).reshape(5, 8, 32), ref[..., 2:])
+    assert np.array_equal(d.numpy().astype(np.float16).view(np.uint8).reshape(5, 8, 2), ref[..., :2])
+
+
+@pytest.mark.parametrize("qtype", qk.BLOCK_TYPES)
+def test_dequantize_equals_gguf(qtype: str) -> None:
+    blocks, w = weights(qtype, 33, 576)
+    got = qk.dequantize(blocks, qtype, 576)
+    assert got.dtype == torch.float32 and torch.equal(got, w)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16"])
+def test_dequantize_plain_types(qtype: str) -> None:
+    w = torch.randn(3, 40)
+    dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[qtype]
+    raw = w.to(dtype).contiguous().view(torch.uint8)
+    assert torch.equal(qk.dequantize(raw, qtype, 40), w.to(dtype).float())
+
+
+@pytest.mark.parametrize("isa", qk.ISAS)
+@pytest.mark.parametrize("K", (1, 15, 16, 17, 100, 577))
+@pytest.mark.parametrize("N", NS)
+def test_bf16_matmul_matches_float64(isa: str, K: int, N: int) -> None:
+    k = kernels_or_skip(isa)
+    w = (torch.randn(N, K, generator=torch.Generator().manual_seed(N + K)) * 0.1).to(torch.bfloat16)
+    for T in TS:
+        x = activations(T, K, seed=1)
+        y = k.matmul_bf16(x, w)
+        ref = x.double() @ w.double().T
+        mag = x.double().abs() @ w.double().abs().T
+        assert ((y.double() - ref).abs() <= BF16_TOL * mag).all(), f"T={T}"
+
+
+@pytest.mark.parametrize("K", (17, 100, 577))
+def test_bf16_dot_path(K: int) -> None:
+    if not KERNELS.has_bf16_dot:
+        pytest.skip("this CPU lacks AVX-512 BF16")
+    k = qk.QuantKernels(KERNELS.path, bf16_dot=True)
+    w = (torch.randn(100, K) * 0.1).to(torch.bfloat16)
+    for T in TS:
+        x = activations(T, K, seed=2)
+        y = k.matmul_bf16(x, w)
+        ref = x.double() @ w.double().T
+        mag = x.double().abs() @ w.double().abs().T
+        assert ((y.double() - ref).abs() <= BF16_DOT_TOL * mag).all(), f"T={T}"
+        # exact for activations that are bfloat16 already
+        xb = x.to(torch.bfloat16).float()
+        refb = xb.double() @ w.double().T
+        assert ((y.double() - refb).abs() <= BF16_TOL * mag).all(), f"T={T}"
+
+
+@pytest.mark.parametrize("qtype", [*qk.BLOCK_TYPES, "bf16"])
+def test_result_does_not_depend_on_threads(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(qk, "MIN_MACS_PER_THREAD", 1)
+    K, N = 96, 101
+    x = activations(9, K)
+    if qtype == "bf16":
+        w = torch.randn(N, K).to(torch.bfloat16)
+        run = functools.partial(KERNELS.matmul_bf16, x, w)
+    else:
+        run = functools.partial(KERNELS.matmul, x, weights(qtype, N, K)[0], qtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(3)
+        assert torch.equal(run(), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_strided_rows_and_out() -> None:
+    blocks, w = weights("Q8_0", 7, 96)
+    big = activations(4, 160)
+    x = big[:, 32:128]  # rows 160 apart
+    out_big = torch.full((4, 10), 7.0)
+    out = out_big[:, 1:8]
+    y = KERNELS.matmul(x, blocks, "Q8_0", out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert torch.equal(y, KERNELS.matmul(x.contiguous(), blocks, "Q8_0"))
+    assert (out_big[:, 0] == 7.0).all() and (out_big[:, 8:] == 7.0).all()
+    wb = torch.randn(7, 96).to(torch.bfloat16)
+    assert torch.equal(KERNELS.matmul_bf16(x, wb), KERNELS.matmul_bf16(x.contiguous(), wb))
+
+
+def test_empty_shapes() -> None:
+    blocks, _ = weights("Q4_0", 7, 96)
+    assert KERNELS.matmul(torch.empty(0, 96), blocks, "Q4_0").shape == (0, 7)
+    assert KERNELS.matmul(torch.randn(2, 96), blocks[:0], "Q4_0").shape == (2, 0)
+    assert KERNELS.matmul_bf16(torch.empty(0, 5), torch.zeros(3, 5, dtype=torch.bfloat16)).shape == (0, 3)
+    for isa in KERNELS.available:  # K = 0: sums of nothing
+        assert torch.equal(KERNELS.matmul(torch.randn(2, 0), torch.empty(3, 0, dtype=torch.uint8), "Q8_0", isa=isa),
+                           torch.zeros(2, 3))
+        assert torch.equal(KERNELS.matmul_bf16(torch.randn(2, 0), torch.empty(3, 0, dtype=torch.bfloat16), isa=isa),
+                           torch.zeros(2, 3))
+
+
+def test_bad_arguments_raise_value_error() -> None:
+    blocks, _ = weights("Q8_0", 7, 96)
+    x = torch.randn(2, 96)
+    cases = [
+        ("qtype must be one of", lambda: KERNELS.matmul(x, blocks, "Q5_0")),
+        ("K must be a multiple of 32", lambda: KERNELS.matmul(torch.randn(2, 100), blocks, "Q8_0")),
+        ("bytes per row", lambda: KERNELS.matmul(x, blocks, "Q4_0")),
+        ("uint8", lambda: KERNELS.matmul(x, blocks.to(torch.int16), "Q8_0")),
+        ("float32", lambda: KERNELS.matmul(x.double(), blocks, "Q8_0")),
+        ("2-D", lambda: KERNELS.matmul(x[0], blocks, "Q8_0")),
+        ("contiguous rows", lambda: KERNELS.matmul(torch.randn(96, 2).T, blocks, "Q8_0")),
+        ("contiguous CPU", lambda: KERNELS.matmul(x, blocks.T.contiguous().T, "Q8_0")),
+        ("out must be", lambda: KERNELS.matmul(x, blocks, "Q8_0", out=torch.empty(2, 8))),
+        ("out must be", lambda: KERNELS.matmul(x, blocks, "Q8_0", out=torch.empty(2, 7, dtype=torch.float64))),
+        ("isa must be one of", lambda: KERNELS.matmul(x, blocks, "Q8_0", isa="sse2")),
+        ("isa must be one of", lambda: qk.QuantKernels(KERNELS.path, isa="neon")),
+        ("bfloat16 tensor", lambda: KERNELS.matmul_bf16(x, torch.zeros(3, 95, dtype=torch.bfloat16))),
+        ("bfloat16 tensor", lambda: KERNELS.matmul_bf16(x, torch.zeros(3, 96))),
+        ("float32", lambda: KERNELS.matmul_bf16(x.half(), torch.zeros(3, 96, dtype=torch.bfloat16))),
+        ("bytes per row", lambda: qk.dequantize(blocks, "Q8_0", 64)),
+        ("K must be a multiple of 32", lambda: KERNELS.quantize_activations(torch.randn(1, 40))),
+    ]
+    for message, call in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_select_isa() -> None:
+    full = ("avx512", "avx2", "scalar")
+    assert qk.select_isa(None, full) == "avx512"
+    assert qk.select_isa("", full) == "avx512"
+    assert qk.select_isa(" AVX2 ", full) == "avx2"
+    assert qk.select_isa("scalar", full) == "scalar"
+    assert qk.select_isa("neon", full) == "avx512"  # unknown: the best, logged
+    assert qk.select_isa("avx512", ("avx2", "scalar")) == "avx2"  # not on this CPU: the best
+
+
+def test_environment_selects_isa_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        monkeypatch.setenv(qk.ISA_ENV, "scalar")
+        qk.quant_kernels.cache_clear()
+        assert qk.quant_kernels().isa == "scalar"
+        monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
+        qk.quant_kernels.cache_clear()
+        assert qk.quant_kernels() is None and qk.available_isas() == ()
+    finally:
+        monkeypatch.undo()
+        qk.quant_kernels.cache_clear()
+    assert qk.quant_kernels() is not None
+
+
+def test_failed_build_gives_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("cc failed")
+
+    try:
+        monkeypatch.setattr(qk.cpu_kernels, "build", fail)
+        qk.quant_kernels.cache_clear()
+        assert qk.quant_kernels() is None
+    finally:
+        monkeypatch.undo()
+        qk.quant_kernels.cache_clear()
+    assert qk.quant_kernels() is not None
+
+
+def test_available_isas() -> None:
+    assert "scalar" in qk.available_isas()
+    assert KERNELS.isa in KERNELS.available
+    assert list(KERNELS.available) == [i for i in qk.ISAS if i in KERNELS.available]
+
+
+def test_ggml_types() -> None:
+    assert qk.GGML_TYPES["Q8_0"] == (8, 32, 34)
+    assert qk.GGML_TYPES["Q4_0"] == (2, 32, 18)
+    assert qk.GGML_TYPES["Q4_1"] == (3, 32, 20)
+    assert {name: v[0] for name, v in qk.GGML_TYPES.items() if v[1] == 1} == {"F32": 0, "F16": 1, "BF16": 30}
+    for name in qk.BLOCK_TYPES:
+        assert qk.GGML_TYPES[name][0] == int(ggml(name))

@@ -1,0 +1,253 @@
+"""GGUF checkpoints (llama.cpp's single-file format): the model's shape and its tensors.
+
+`GGUFCheckpoint(path)` reads the file's metadata with the `gguf` package (the file is
+memory-mapped; nothing is copied until a tensor is asked for) and answers in the terms the
+rest of the worker uses:
+
+- `hf_config()`: a `config.json`-shaped dict (what `ModelConfig.from_dict` reads), from the
+  `{arch}.*` keys llama.cpp writes; Llama, Mistral (written as `llama`) and Qwen2.
+- `tensor(name)`: the tensor a Hugging Face parameter name stands for, as a `GGUFTensor`:
+  block-quantized types (Q8_0, Q4_0, Q4_1) stay packed, `uint8 [rows, row_bytes]`; F32,
+  F16 and BF16 come as tensors of their type. llama.cpp's converter permutes the rows of
+  Llama's q and k projections (its rotary embedding pairs neighbouring elements, the Hugging
+  Face one pairs the halves of a head); the permutation is undone here on whole rows, which
+  for a packed matrix moves whole rows of blocks and changes no block.
+
+Layouts: a GGUF tensor's `shape` lists the fastest dimension first (`[in, out]` for a
+weight); `GGUFTensor.shape` is the torch order (`[out, in]`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker_svc.errors import CheckpointError
+
+# A GGUF file is served from a folder prepared for it (services/model_source.py): the
+# config.json and tokenizer files every service reads, and this file naming the GGUF whose
+# tensors the stages load.
+GGUF_SOURCE_FILE = "gguf_source.json"
+
+# GGUF `general.architecture` -> (config.json architectures[0], q/k rows permuted by the converter)
+GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "llama": ("LlamaForCausalLM", True),
+    "mistral": ("MistralForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+}
+# ggml type id -> (name, elements per block, bytes per block) of the types served packed
+PACKED_TYPES: dict[int, tuple[str, int, int]] = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20)}
+# ggml type id -> torch dtype of the types served as plain tensors
+PLAIN_TYPES: dict[int, torch.dtype] = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
+
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor name, or None (e.g. `rope_freqs`)."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    return None
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor as the worker holds it: `data` is packed `uint8 [rows, row_bytes]` when
+    `qtype` names a block format (Q8_0, Q4_0, Q4_1), else a tensor of `shape` and its dtype
+    (`qtype` then "F32", "F16" or "BF16")."""
+
+    name: str
+    qtype: str
+    shape: tuple[int, ...]  # torch order: [out, in] for a weight
+    data: torch.Tensor
+
+    @property
+    def packed(self) -> bool:
+        return self.qtype in ("Q8_0", "Q4_0", "Q4_1")
+
+
+class GGUFCheckpoint:
+    """A GGUF file's metadata and tensors (see the module docstring)."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf  # the reader of llama.cpp's project; imported only where a GGUF is served
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: GGUF file not found")
+        try:
+            self._reader = gguf.GGUFReader(str(self.path), "r")
+        except Exception as exc:  # the reader raises ValueError, struct errors, ...
+            raise CheckpointError(f"{self.path}: cannot be read as GGUF: {exc}") from exc
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        arch = self.field("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise CheckpointError(
+                f"{self.path}: general.architecture {arch!r} is not supported; "
+                f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+        self.architecture = str(arch)
+        self._by_hf = {n: g for g in self._tensors if (n := hf_name(g)) is not None}
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self._reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    def _need(self, key: str) -> Any:
+        value = self.field(key)
+        if value is None:
+            raise CheckpointError(f"{self.path}: required metadata field {key!r} is missing")
+        return value
+
+    def hf_config(self) -> dict[str, Any]:
+        """`config.json` for this file (see `ModelConfig.from_dict`)."""
+        a = self.architecture
+        hf_arch, _ = GGUF_ARCHITECTURES[a]
+        hidden = int(self._need(f"{a}.embedding_length"))
+        heads = int(self._need(f"{a}.attention.head_count"))
+        kv_heads = int(self.field(f"{a}.attention.head_count_kv", heads))
+        tokens = self.field("tokenizer.ggml.tokens")
+        vocab = self.field(f"{a}.vocab_size") or (len(tokens) if tokens is not None else None)
+        if vocab is None:
+            vocab = int(self._tensor_info("model.embed_tokens.weight").shape[1])
+        head_dim = int(self.field(f"{a}.attention.key_length") or hidden // heads)
+        if int(self.field(f"{a}.rope.dimension_count", head_dim)) != head_dim:
+            raise CheckpointError(f"{self.path}: {a}.rope.dimension_count other than the head size "
+                                  "(partial rotary) is not supported")
+        config: dict[str, Any] = {
+            "architectures": [hf_arch],
+            "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                           "Qwen2ForCausalLM": "qwen2"}[hf_arch],
+            "hidden_size": hidden,
+            "intermediate_size": int(self._need(f"{a}.feed_forward_length")),
+            "num_hidden_layers": int(self._need(f"{a}.block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "vocab_size": int(vocab),
+            "max_position_embeddings": int(self.field(f"{a}.context_length", 4096)),
+            "rms_norm_eps": float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "attention_bias": "blk.0.attn_q.bias" in self._tensors,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+        scaling = self.field(f"{a}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            if scaling != "linear":
+                raise CheckpointError(f"{self.path}: {a}.rope.scaling.type {scaling!r} is not supported")
+            config["rope_scaling"] = {"rope_type": "linear",
+                                      "factor": float(self._need(f"{a}.rope.scaling.factor"))}
+        window = self.field(f"{a}.attention.sliding_window")
+        if window:
+            config["sliding_window"] = int(window)
+        for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+                          ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+            value = self.field(name)
+            if value is not None:
+                config[key] = int(value)
+        return config
+
+    def _tensor_info(self, name: str):
+        gname = self._by_hf.get(name)
+        if gname is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the GGUF file")
+        return self._tensors[gname]
+
+    def has(self, name: str) -> bool:
+        return name in self._by_hf
+
+    def names(self) -> list[str]:
+        return list(self._by_hf)
+
+    def tensor_bytes(self) -> int:
+        """Bytes of all the file's tensors as stored."""
+        return sum(int(t.n_bytes) for t in self._tensors.values())
+
+    def tensor(self, name: str, config: dict[str, Any] | None = None) -> GGUFTensor:
+        """The tensor Hugging Face calls `name` (a copy, in the worker's own memory)."""
+        info = self._tensor_info(name)
+        tid = int(info.tensor_type)
+        shape = tuple(int(d) for d in reversed(info.shape.tolist()))
+        if tid in PACKED_TYPES:
+            qtype, block, block_bytes = PACKED_TYPES[tid]
+            if shape[-1] % block:
+                raise CheckpointError(f"{self.path}: tensor {info.name!r}: {shape[-1]} columns are not "
+                                      f"a multiple of {qtype}'s {block}-element block")
+            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            array = np.asarray(info.data, dtype=np.uint8).reshape(rows, shape[-1] // block * block_bytes)
+        elif tid in PLAIN_TYPES:
+            qtype = {0: "F32", 1: "F16", 30: "BF16"}[tid]
+            raw = np.asarray(info.data)
+            if tid == 30:  # stored as uint16 bits
+                raw = raw.view(np.uint16).view(np.int16)
+            array = raw.reshape(shape)
+        else:
+            raise CheckpointError(
+                f"{self.path}: tensor {info.name!r} has ggml type {info.tensor_type.name}; served "
+                f"types: F32, F16, BF16, Q8_0, Q4_0, Q4_1")
+        data = torch.from_numpy(np.array(array, copy=True))
+        if qtype == "BF16":
+            data = data.view(torch.bfloat16)
+        if self._permuted(name):
+            cfg = config or self.hf_config()
+            heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
+            data = unpermute_rows(data, heads)
+        return GGUFTensor(name=name, qtype=qtype, shape=shape, data=data)
+
+    def _permuted(self, name: str) -> bool:
+        return GGUF_ARCHITECTURES[self.architecture][1] and (
+            ".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
+
+
+def unpermute_rows(data: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (per head, rows [0, 2, 4, ...] then [1, 3, ...]
+    became pairs) on `data` whose first dimension is the rows (packed or not)."""
+    rows = data.shape[0]
+    half = rows // num_heads // 2
+    tail = data.shape[1:]
+    return data.reshape(num_heads, half, 2, *tail).transpose(1, 2).reshape(rows, *tail).contiguous()
+
+
+def gguf_source(model_dir: str | Path) -> Path | None:
+    """The GGUF file a prepared folder stands for (see GGUF_SOURCE_FILE), or None for a plain
+    checkpoint folder."""
+    path = Path(model_dir) / GGUF_SOURCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        source = Path(json.loads(path.read_text())["file"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: not a valid GGUF source record: {exc}") from exc
+    if not source.is_file():
+        raise CheckpointError(f"{path}: the GGUF file {source} it names is gone")
+    return source

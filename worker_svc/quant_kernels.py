@@ -1,0 +1,357 @@
+"""Matrix products with GGUF block-quantized weights (Q8_0, Q4_0, Q4_1) and with bfloat16
+weights on the CPU: native kernels (`csrc/quant_matmul.c`, built and loaded as
+`cpu_kernels` does) and a pure-torch `dequantize`, the fallback.
+
+Layouts. A weight matrix of N output rows and K inputs is uint8 [N, row_bytes], rows
+contiguous, each row K / 32 blocks of 32 weights along K, as GGUF stores them:
+
+    Q8_0 (type 8, 34 bytes): fp16 d, int8 q[32]             w[j] = d * q[j]
+    Q4_0 (type 2, 18 bytes): fp16 d, uint8 qs[16]           w[j] = d * ((qs[j] & 15) - 8),
+                                                            w[j + 16] = d * ((qs[j] >> 4) - 8)
+    Q4_1 (type 3, 20 bytes): fp16 d, fp16 m, uint8 qs[16]   w[j] = d * (qs[j] & 15) + m,
+                                                            w[j + 16] = d * (qs[j] >> 4) + m
+
+row_bytes = K / 32 * block bytes. bfloat16 weights are torch's bfloat16 [N, K].
+
+Methods. Quantized weights as llama.cpp computes them: the float32 activations x [T, K] are
+quantized per 32-block to int8 (d_x = amax / 127, q_x = round(x / d_x), bit-exact with
+gguf-py's Q8_0 quantization), then y[t, n] = sum over blocks of d_w * d_x * dot(q_w, q_x),
+the dot in integers (vpdpbusd with AVX-512 VNNI, vpmaddubsw + vpmaddwd with AVX2), plus
+Q4_1's m_w * d_x * sum(q_x). The result is exact for the quantized activations up to
+float32 rounding (measured: under 4e-7 of sum |x| |w|); against the float32 activations it
+differs by at most sum over blocks of d_x / 2 * sum |w| (the rounding of q_x; measured up
+to ~8e-3 of sum |x| |w|), as llama.cpp's results do.
+
+bfloat16 weights are widened to float32 and multiplied with the float32 x by FMA,
+accumulated in float32 (~1e-7 of sum |x| |w|): the default. `bf16_dot=True` uses AVX-512
+BF16's vdpbf16ps instead, on x rounded to bfloat16: twice the multiply-adds per
+instruction (prefill ~2x faster, decode the same: it is bound by memory either way) but an
+error of ~2e-3 of sum |x| |w| (x's rounding), which the float32 activations would not have.
+
+Register tiles of up to 4 rows x 4 tokens reuse every unpacked weight block for several
+tokens, and a group of rows runs through a chunk of tokens held in L2, so a prefill is not T
+separate matrix-vector products. Below 12 tokens (a decode step) the rows are streamed one
+at a time, in memory order, each read once. Rows are split over `torch.get_num_threads()`
+threads (in multiples of 4, so the result does not depend on the thread count) when there
+is at least MIN_MACS_PER_THREAD of work a thread; the C calls release the GIL.
+
+ISA paths: "avx512" (AVX-512 F/BW/DQ/VL + VNNI), "avx2" (AVX2 + FMA + F16C) and "scalar"
+(portable C), all compiled into one library and chosen per call, so the narrower paths run
+(and are tested) on a wider CPU. `quant_kernels()` picks the best the CPU runs unless
+PAGODA_CPU_ISA names one; `available_isas()` lists them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from worker_svc import cpu_kernels
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "quant_matmul.c"
+
+# name -> (ggml type id, elements per block, bytes per block)
+GGML_TYPES: dict[str, tuple[int, int, int]] = {
+    "F32": (0, 1, 4),
+    "F16": (1, 1, 2),
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q8_0": (8, 32, 34),
+    "BF16": (30, 1, 2),
+}
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+ISAS = ("avx512", "avx2", "scalar")  # best first
+ISA_ENV = "PAGODA_CPU_ISA"
+_ISA_IDS = {"scalar": 0, "avx2": 1, "avx512": 2}
+_ISA_AVX512_BF16 = 3
+_PLAIN_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# one thread per this many multiply-adds at least: below it a thread hand-off costs more
+MIN_MACS_PER_THREAD = 1 << 20
+
+_INT, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+
+
+def row_bytes(qtype: str, K: int) -> int:
+    """Bytes of one weight row of K inputs in `qtype`."""
+    _, block, size = GGML_TYPES[qtype]
+    return K // block * size
+
+
+def _check_activations(x: torch.Tensor, what: str = "x") -> tuple[int, int]:
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"{what} must be a 2-D float32 tensor [T, K], got "
+                         f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    T, K = x.shape
+    row_stride, col_stride = x.stride()
+    if not x.is_cpu or (col_stride != 1 and K > 1) or (row_stride < K and T > 1):
+        raise ValueError(f"{what} must be on the CPU with contiguous rows, got {x.device} "
+                         f"strides {x.stride()}")
+    return T, K
+
+
+def _check_block_weights(w: torch.Tensor, qtype: str, K: int) -> int:
+    if qtype not in BLOCK_TYPES:
+        raise ValueError(f"qtype must be one of {BLOCK_TYPES}, got {qtype!r}")
+    if K % 32:
+        raise ValueError(f"K must be a multiple of 32 for {qtype}, got {K}")
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.dim() != 2:
+        raise ValueError(f"w must be a 2-D uint8 tensor [N, row_bytes], got "
+                         f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+    if not w.is_cpu or not w.is_contiguous():
+        raise ValueError(f"w must be a contiguous CPU tensor, got {w.device} strides {w.stride()}")
+    if w.shape[1] != K // 32 * GGML_TYPES[qtype][2]:
+        raise ValueError(f"w has {w.shape[1]} bytes per row; {qtype} with K={K} has "
+                         f"{row_bytes(qtype, K)}")
+    return w.shape[0]
+
+
+def _check_out(out: torch.Tensor | None, T: int, N: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty(T, N, dtype=torch.float32)
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.shape != (T, N)
+            or not out.is_cpu or (N > 1 and out.stride(1) != 1)):
+        raise ValueError(f"out must be a float32 CPU tensor [{T}, {N}] with contiguous rows, got "
+                         f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
+    return out
+
+
+def dequantize(w: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
+    """The float32 [N, K] weights of `w` (uint8 [N, row_bytes] in GGUF layout), in torch
+    ops over all blocks at once; equal to `gguf.quants.dequantize`. Also takes F32, F16 and
+    BF16 rows (raw bytes)."""
+    if qtype in _PLAIN_DTYPES:
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.dim() != 2 \
+                or w.shape[1] != row_bytes(qtype, K):
+            raise ValueError(f"w must be uint8 [N, {row_bytes(qtype, K)}] for {qtype} with K={K}")
+        return w.contiguous().view(_PLAIN_DTYPES[qtype]).to(torch.float32)
+    N = _check_block_weights(w, qtype, K)
+    _, _, size = GGML_TYPES[qtype]
+    blocks = w.view(N, K // 32, size)  # [N, num_blocks, block bytes]
+    d = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32)  # [N, num_blocks, 1]
+    if qtype == "Q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)  # [N, num_blocks, 32]
+        return (q * d).view(N, K)
+    qs = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]  # [N, num_blocks, 16]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, num_blocks, 32]: low nibbles first
+    if qtype == "Q4_0":
+        return (d * (q.to(torch.int8) - 8).to(torch.float32)).view(N, K)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
+    return (d * q.to(torch.float32) + m).view(N, K)  # two roundings, as gguf-py's (d * q) + m
+
+
+def _split(total: int, parts: int, align: int) -> list[int]:
+    """Bounds of `parts` ranges over [0, total), each start a multiple of `align`."""
+    bounds = [min(total, total * i // parts // align * align) for i in range(parts)]
+    return [*bounds, total]
+
+
+class QuantKernels:
+    """ctypes bindings of `csrc/quant_matmul.c`. `isa` is the path calls take unless they
+    name one; it is always one of `available` (the paths this CPU runs, best first).
+    `bf16_dot`: whether `matmul_bf16` uses AVX-512 BF16's vdpbf16ps (x rounded to
+    bfloat16) instead of widening the weights to float32 (x kept float32)."""
+
+    def __init__(self, path: Path, isa: str | None = None, bf16_dot: bool = False) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released during calls
+        lib.pagoda_isa_supported.restype = _INT
+        lib.pagoda_isa_supported.argtypes = [_INT]
+        self.available = tuple(name for name in ISAS if lib.pagoda_isa_supported(_ISA_IDS[name]))
+        self.has_bf16_dot = bool(lib.pagoda_isa_supported(_ISA_AVX512_BF16))
+        if isa is None:
+            isa = self.available[0]
+        self.isa = self._check_isa(isa)
+        if bf16_dot and not self.has_bf16_dot:
+            raise ValueError("bf16_dot needs AVX-512 BF16, which this CPU lacks")
+        self.bf16_dot = bf16_dot
+        self._quantize = self._bind(lib.pagoda_q8_quantize, [_INT, _PTR, _I64, _I64, _I64, _I64] + [_PTR] * 4)
+        self._scratch_bytes = self._bind(lib.pagoda_quant_scratch_bytes, [_INT, _I64, _I64], _I64)
+        self._prepare = self._bind(lib.pagoda_quant_prepare, [_INT, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR])
+        self._qmm = self._bind(lib.pagoda_quant_matmul, [_INT, _INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR,
+                                                         _I64])
+        self._qmm_f32 = self._bind(lib.pagoda_quant_matmul_f32, [_INT, _INT, _PTR, _I64, _I64, _I64, _PTR, _I64,
+                                                                 _PTR, _I64, _PTR])
+        self._bmm = self._bind(lib.pagoda_bf16_matmul, [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64])
+        self._to_bf16 = self._bind(lib.pagoda_f32_to_bf16, [_PTR, _I64, _I64, _I64, _I64, _PTR])
+        self._bmm_dp = self._bind(lib.pagoda_bf16_matmul_dp, [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64])
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()  # each calling thread's scratch buffer
+
+    @staticmethod
+    def _bind(fn: ctypes._CFuncPtr, argtypes: list, restype: type = _INT) -> ctypes._CFuncPtr:
+        fn.argtypes = argtypes
+        fn.restype = restype
+        return fn
+
+    def _check_isa(self, isa: str | None) -> str:
+        isa = self.isa if isa is None else isa
+        if isa not in ISAS:
+            raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+        if isa not in self.available:
+            raise ValueError(f"this CPU does not run the {isa} path (it runs {self.available})")
+        return isa
+
+    def _parallel(self, run: Callable[[int, int], None], total: int, threads: int, align: int) -> None:
+        """run(begin, end) over [0, total) split into `threads` ranges, this thread taking the first."""
+        if threads <= 1:
+            run(0, total)
+            return
+        if self._pool is None or self._pool._max_workers < threads - 1:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="quant-matmul")
+        bounds = _split(total, threads, align)
+        futures = [self._pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+        run(bounds[0], bounds[1])
+        for f in futures:
+            f.result()
+
+    @staticmethod
+    def _threads(T: int, N: int, K: int) -> int:
+        return max(1, min(torch.get_num_threads(), (N + 3) // 4, T * N * K // MIN_MACS_PER_THREAD))
+
+    @staticmethod
+    def _raise(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what}: native kernel returned {rc}")
+
+    def quantize_activations(self, x: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 activations q [T, K] and their float32 block scales d [T, K / 32] that
+        `matmul` multiplies with (x ~ q * d per 32-block)."""
+        isa_id = _ISA_IDS[self._check_isa(isa)]
+        T, K = _check_activations(x)
+        if K % 32:
+            raise ValueError(f"K must be a multiple of 32, got {K}")
+        q = torch.empty(T, K, dtype=torch.int8)
+        d, s = torch.empty(T, K // 32), torch.empty(T, K // 32)
+        isum = torch.empty(T, K // 32, dtype=torch.int32)
+        self._raise(self._quantize(isa_id, x.data_ptr(), x.stride(0), K, 0, T, q.data_ptr(), d.data_ptr(),
+                                   isum.data_ptr(), s.data_ptr()), "quantize")
+        return q, d
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str, out: torch.Tensor | None = None,
+               isa: str | None = None) -> torch.Tensor:
+        """y = x @ dequantize(w, qtype, K).T, float32 [T, N] (written into `out` when
+        given): x float32 [T, K] (rows contiguous), w uint8 [N, row_bytes] GGUF blocks."""
+        isa_id = _ISA_IDS[self._check_isa(isa)]
+        T, K = _check_activations(x)
+        N = _check_block_weights(w, qtype, K)
+        out = _check_out(out, T, N)
+        if T == 0 or N == 0:
+            return out
+        type_id = GGML_TYPES[qtype][0]
+        scratch = self._scratch(self._scratch_bytes(isa_id, T, K))
+        threads = self._threads(T, N, K)
+        if threads <= 1:
+            self._raise(self._qmm_f32(isa_id, type_id, x.data_ptr(), x.stride(0), T, K, w.data_ptr(), N,
+                                      out.data_ptr(), out.stride(0), scratch), "matmul")
+            return out
+
+        def prepare(begin: int, end: int) -> None:
+            self._raise(self._prepare(isa_id, type_id, x.data_ptr(), x.stride(0), T, K, begin, end, scratch),
+                        "quantize")
+
+        def rows(begin: int, end: int) -> None:
+            self._raise(self._qmm(isa_id, type_id, scratch, T, K, w.data_ptr(), begin, end, out.data_ptr(),
+                                  out.stride(0)), "matmul")
+
+        self._parallel(prepare, T, min(threads, T), 1)
+        self._parallel(rows, N, threads, 4)
+        return out
+
+    def _scratch(self, n_bytes: int) -> int:
+        """The address of this thread's scratch buffer of at least n_bytes (64-byte aligned)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < n_bytes:
+            buf = self._local.buf = torch.empty(max(n_bytes, 1 << 16) + 64, dtype=torch.uint8)
+        return (buf.data_ptr() + 63) & ~63
+
+    def matmul_bf16(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                    isa: str | None = None) -> torch.Tensor:
+        """y = x @ w.T in float32 [T, N]: x float32 [T, K] (rows contiguous), w bfloat16
+        [N, K] contiguous; any K and N."""
+        isa = self._check_isa(isa)
+        T, K = _check_activations(x)
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != K:
+            raise ValueError(f"w must be a 2-D bfloat16 tensor [N, {K}], got "
+                             f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+        if not w.is_cpu or not w.is_contiguous():
+            raise ValueError(f"w must be a contiguous CPU tensor, got {w.device} strides {w.stride()}")
+        N = w.shape[0]
+        out = _check_out(out, T, N)
+        if T == 0 or N == 0:
+            return out
+        threads = self._threads(T, N, K)
+        if self.bf16_dot and isa == "avx512":
+            xb = torch.empty(T, K, dtype=torch.bfloat16)
+
+            def convert(begin: int, end: int) -> None:
+                self._raise(self._to_bf16(x.data_ptr(), x.stride(0), K, begin, end, xb.data_ptr()), "bf16")
+
+            def rows_dp(begin: int, end: int) -> None:
+                self._raise(self._bmm_dp(xb.data_ptr(), T, K, w.data_ptr(), begin, end, out.data_ptr(),
+                                         out.stride(0)), "matmul_bf16")
+
+            self._parallel(convert, T, min(threads, T), 1)
+            self._parallel(rows_dp, N, threads, 4)
+            return out
+        isa_id = _ISA_IDS[isa]
+
+        def rows(begin: int, end: int) -> None:
+            self._raise(self._bmm(isa_id, x.data_ptr(), x.stride(0), T, K, w.data_ptr(), begin, end,
+                                  out.data_ptr(), out.stride(0)), "matmul_bf16")
+
+        self._parallel(rows, N, threads, 4)
+        return out
+
+
+def select_isa(requested: str | None, available: tuple[str, ...]) -> str:
+    """The ISA path to use: `requested` (a PAGODA_CPU_ISA value) when the CPU runs it, else
+    the best available (logged when a request is not honoured)."""
+    name = (requested or "").strip().lower()
+    if not name:
+        return available[0]
+    if name not in ISAS:
+        log.warning("%s=%r is not one of %s: using %s", ISA_ENV, requested, ISAS, available[0])
+        return available[0]
+    if name not in available:
+        log.warning("%s=%s: this CPU runs only %s: using %s", ISA_ENV, name, available, available[0])
+        return available[0]
+    return name
+
+
+@functools.cache
+def quant_kernels() -> QuantKernels | None:
+    """The kernels (built once per process), or None (logged once, with the reason) when they
+    cannot be had: no C compiler, a failed build, or PAGODA_CPU_KERNELS=0."""
+    if not cpu_kernels.enabled():
+        log.info("native CPU kernels off (PAGODA_CPU_KERNELS=0): quantized matmuls use torch")
+        return None
+    try:
+        path = cpu_kernels.build(source=SOURCE)
+        kernels = QuantKernels(path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("native quantized matmul kernels unavailable, using torch: %s", exc)
+        return None
+    isa = select_isa(os.environ.get(ISA_ENV), kernels.available)
+    if isa != kernels.isa:
+        kernels = QuantKernels(path, isa)
+    log.info("native quantized matmul kernels (%s of %s): %s", kernels.isa, kernels.available, kernels.path)
+    return kernels
+
+
+def available_isas() -> tuple[str, ...]:
+    """The ISA paths this CPU runs, best first (empty without the native kernels)."""
+    kernels = quant_kernels()
+    return kernels.available if kernels is not None else ()
