@@ -57,6 +57,8 @@ class StageInfo:
     # the first stage gets each sampled token straight from the last (several stages): the
     # plans carry no tokens and placeholder steps work at any pipeline size
     feedback: bool = False
+    weights_bytes: int = 0  # the stage's weights as held (packed formats at their packed size)
+    quantization: str = ""  # its weight format when not plain ("fp8", "gguf:Q4_1/Q8_0", ...)
 
 
 @dataclass(frozen=True)

@@ -256,6 +256,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 li.layer_start, li.layer_end, li.num_layers = info.layer_start, info.layer_end, info.num_layers
                 li.num_kv_blocks, li.block_size, li.vocab_size = info.num_kv_blocks, info.block_size, info.vocab_size
                 li.feedback_connected = info.feedback and info.stage_index == 0  # in use by the scheduler
+                li.weights_bytes, li.quantization = info.weights_bytes, info.quantization
         try:
             resp.kv_cache.CopyFrom(
                 await asyncio.wait_for(engine.kv.stats_message(request.include_kv_sequences), 2.0)

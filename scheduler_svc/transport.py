@@ -33,7 +33,7 @@ def _info(address: str, li: worker_pb2.StageLoadInfo, feedback: bool = False) ->
         stage_index=li.stage_index, num_stages=li.num_stages, epoch=li.epoch,
         layer_start=li.layer_start, layer_end=li.layer_end, num_layers=li.num_layers,
         num_kv_blocks=li.num_kv_blocks, block_size=li.block_size, vocab_size=li.vocab_size,
-        address=address, feedback=feedback,
+        address=address, feedback=feedback, weights_bytes=li.weights_bytes, quantization=li.quantization,
     )
 
 

