@@ -153,9 +153,18 @@ def test_a_killed_rank_is_recovered_like_a_stage_failure(serve_stack, stage):
     worker = serve_stack.service_pid("worker", stage)
     (rank,) = ranks_of(worker)
     outcomes = run_all(serve_stack, during=lambda: os.kill(rank, signal.SIGKILL))
-    serve_stack.wait_serving(60)
     assert outcomes == baseline, "outputs differ from the undisturbed run"
-    restarted = serve_stack.service_pid("worker", stage)
+    # the requests may all have finished before rank 0 saw its rank die: wait for the restart
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            restarted = serve_stack.service_pid("worker", stage)
+        except LookupError:  # between the old process's exit and the new one's start
+            restarted = worker
+        if restarted != worker:
+            break
+        time.sleep(0.2)
     assert restarted != worker  # the stage was restarted whole
+    serve_stack.wait_serving(60)
     assert len(ranks_of(restarted)) == 1
     assert serve_stack.kv_used_blocks() == 0
