@@ -26,7 +26,7 @@ import os
 import torch
 
 from worker_svc.attention import AttentionMetadata
-from worker_svc.packed import PackedLinear
+from worker_svc.packed import BF16_GEMM_MIN_ROWS, PackedLinear
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,10 @@ class FusedDecoder:
         self._quant, self._paged = kernels, paged
         self._lib = _library()
         self._layers = list(model.model.layers.values())
+        # bfloat16 weights: at batch 64 the module path (oneDNN's bf16 GEMM above
+        # BF16_GEMM_MIN_ROWS rows) took 245 ms a step against 266 here; packed types gain
+        # at every batch (Q4_1: 325 ms against 354 at 64, 9 against 20 at 1)
+        self._bf16 = any(layer.self_attn.qkv_packed.qtype == "BF16" for layer in self._layers)
         self._table = None  # ctypes array of _Layer, rebuilt when the pools move
         self._pool_ptrs: tuple[int, ...] = ()
         self._scratch = torch.empty(0)
@@ -119,6 +123,8 @@ class FusedDecoder:
         """Whether this step can go through the native call: every row a decode, float32
         activations and pools, one torch thread."""
         decodes, _ = metadata.split_rows()
+        if self._bf16 and h.shape[0] > BF16_GEMM_MIN_ROWS:  # oneDNN's bf16 GEMM is faster there
+            return False
         return (len(decodes) == metadata.num_seqs == h.shape[0] and h.dtype == torch.float32
                 and kv_pools[0][0].dtype == torch.float32 and torch.get_num_threads() == 1)
 
