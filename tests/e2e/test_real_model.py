@@ -6,40 +6,18 @@ tokens; the openai SDK is the client."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 
 import pytest
 from support.reference import HFReference
-from support.stack import Stack
+from support.stack import start_serve
 
-from services.launcher import ServiceProcess, free_port, pagoda_command
 from services.model_source import DEFAULT_MODEL_NAME, prepare_gguf
-
-
-def _start(log_dir, *args: str) -> Stack:
-    port, grpc_port = free_port(), free_port()
-    ready = log_dir / "ready.json"
-    serve = ServiceProcess(
-        "serve", pagoda_command("serve", *args, "--port", str(port), "--grpc-port", str(grpc_port),
-                                "--log-dir", str(log_dir), "--ready-file", str(ready)),
-        f"127.0.0.1:{grpc_port}", log_path=log_dir / "serve.log")
-    serve.start()
-    try:
-        serve.wait_healthy(300)
-        for _ in range(100):
-            if ready.exists():
-                break
-            time.sleep(0.1)
-        return Stack(serve, port, grpc_port, log_dir, json.loads(ready.read_text()))
-    except Exception:
-        serve.stop()
-        raise
 
 
 @pytest.fixture(scope="module")
 def default_stack(real_gguf, tmp_path_factory):
-    stack = _start(tmp_path_factory.mktemp("default-serve"), "--num-kv-blocks", "256")
+    stack = start_serve(None, tmp_path_factory.mktemp("default-serve"), "--num-kv-blocks", "256", timeout_s=300)
     yield stack
     stack.stop()
 
@@ -73,8 +51,8 @@ def test_real_gguf_float32_pp2_equals_transformers(real_gguf, tmp_path_factory):
     tok = Tokenizer(prepare_gguf(real_gguf))
     prompt = tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": "Name three colours of the rainbow."}], add_generation_prompt=True))
-    stack = _start(tmp_path_factory.mktemp("f32-serve"), str(real_gguf), "--dtype", "float32",
-                   "--pipeline-parallel-size", "2", "--num-kv-blocks", "128")
+    stack = start_serve(str(real_gguf), tmp_path_factory.mktemp("f32-serve"), "--dtype", "float32",
+                        "--pipeline-parallel-size", "2", "--num-kv-blocks", "128", timeout_s=300)
     try:
         body = json.dumps({"model": str(real_gguf), "prompt": prompt, "max_tokens": 24, "temperature": 0,
                            "ignore_eos": True, "return_token_ids": True}).encode()
