@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.clients import parse_sse_line
 from bench.vs_vllm import (
     DEFAULT_ANCHOR,
     REPO_ROOT,
@@ -251,14 +252,11 @@ async def concurrent_streams(url: str, body_for: Any, texts: list[str], n_out: i
                     body = (await resp.aread()).decode(errors="replace")
                     raise RuntimeError(f"HTTP {resp.status_code}: {body[:300]}")
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    chunk = parse_sse_line(line)
+                    if chunk == "[DONE]":
                         break
-                    if not data:
+                    if chunk is None:
                         continue
-                    chunk = json.loads(data)
                     if chunk.get("error"):
                         raise RuntimeError(f"stream error: {chunk['error']}")
                     now = time.perf_counter()

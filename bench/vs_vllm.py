@@ -76,6 +76,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.clients import parse_sse_line
 from bench.machine import cpu_sample, foreign_cpu
 
 ARM_NAMES = ("vllm", "pagoda", "pagoda-pp2", "pagoda-tp2")
@@ -441,14 +442,11 @@ class Client:
                 text = (await resp.aread()).decode(errors="replace")
                 raise RuntimeError(f"HTTP {resp.status_code}: {text[:300]}")
             async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                chunk = parse_sse_line(line)
+                if chunk == "[DONE]":
                     break
-                if not data:
+                if chunk is None:
                     continue
-                chunk = json.loads(data)
                 if chunk.get("error"):
                     raise RuntimeError(f"stream error: {chunk['error']}")
                 now = time.perf_counter()
