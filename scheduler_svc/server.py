@@ -234,7 +234,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 num_served_tokens=s["served_tokens_by_tenant"].get(tenant, 0),
                 weight=cfg.tenant_weights.get(tenant, 1.0),
             )
-        for st in await engine.transport.stage_stats():
+        # the stages and the KV service are asked at once, each bounded well inside the
+        # gateway's 2 s deadline: a hung stage shows as not serving instead of a 504
+        kv_reply = asyncio.ensure_future(asyncio.wait_for(engine.kv.stats_message(request.include_kv_sequences), 1.5))
+        for st in await engine.transport.stage_stats(timeout_s=1.5):
             ps = resp.stages.add(stage_index=st["stage_index"], address=st["address"])
             ps.health = common_pb2.HEALTH_STATUS_SERVING if st["healthy"] else common_pb2.HEALTH_STATUS_NOT_SERVING
             stats = st.get("stats")
@@ -258,9 +261,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 li.feedback_connected = info.feedback and info.stage_index == 0  # in use by the scheduler
                 li.weights_bytes, li.quantization = info.weights_bytes, info.quantization
         try:
-            resp.kv_cache.CopyFrom(
-                await asyncio.wait_for(engine.kv.stats_message(request.include_kv_sequences), 2.0)
-            )
+            resp.kv_cache.CopyFrom(await kv_reply)
             resp.kv_health = common_pb2.HEALTH_STATUS_SERVING
         except Exception as exc:  # the KV service is down: say so, don't fail the call
             resp.kv_health = common_pb2.HEALTH_STATUS_NOT_SERVING

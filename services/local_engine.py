@@ -73,7 +73,7 @@ class LocalStageTransport:
     async def abandon(self, seq_ids: list[int]) -> None:
         """Nothing waits here: steps run one after another, a missing token fails the step."""
 
-    async def stage_stats(self) -> list[dict]:
+    async def stage_stats(self, timeout_s: float = 1.0) -> list[dict]:
         return [{"stage_index": i, "address": "in-process", "healthy": True, "busy_ns": b}
                 for i, b in enumerate(self.busy_ns)]
 

@@ -50,7 +50,7 @@ class ScriptedTransport:
     async def submit(self, mb) -> None:
         raise AssertionError("nothing should be dispatched")
 
-    async def stage_stats(self) -> list[dict]:
+    async def stage_stats(self, timeout_s: float = 1.0) -> list[dict]:
         return []
 
     async def close(self) -> None:
