@@ -11,6 +11,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from worker_svc.config import QUANTIZATION_METHODS
+
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     from services import tiny_model
@@ -438,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["cpu", "torch", "triton"],
                    help="default: triton on CUDA, cpu (a native decode kernel; torch prefill) on the "
                         "CPU; torch: the reference")
-    p.add_argument("--quantization", default=_env("quantization"), choices=[None, "fp8"])
+    p.add_argument("--quantization", default=_env("quantization"), choices=[None, *QUANTIZATION_METHODS])
     p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None, int),
                    help="serve Prometheus metrics on this port (off by default)")
     p.add_argument("--ready-file", help="write the bound port here once serving")

@@ -33,7 +33,7 @@ from services.launcher import (
     start_stack,
     stop_all,
 )
-from worker_svc.config import DEFAULT_NUM_KV_BLOCKS
+from worker_svc.config import DEFAULT_NUM_KV_BLOCKS, QUANTIZATION_METHODS
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -381,8 +381,9 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
                    help="every stage's device: cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--attention-backend", default=env("attention_backend"), choices=["cpu", "torch", "triton"],
                    help="default: triton on CUDA, cpu (a native decode kernel) on the CPU; torch: the reference")
-    p.add_argument("--quantization", default=env("quantization"), choices=["fp8"],
-                   help="fp8: linear-layer weights in float8_e4m3fn, per-output-channel scales")
+    p.add_argument("--quantization", default=env("quantization"), choices=list(QUANTIZATION_METHODS),
+                   help="fp8: linear-layer weights in float8_e4m3fn; int8 (CPU): int8 weights; both with "
+                        "one scale per output channel, quantized at load from any float checkpoint")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=env("tensor_parallel_size", 1, int),
                    metavar="T", help=TENSOR_PARALLEL_HELP)
     p.add_argument("--num-threads", type=int, default=env("num_threads", None, int),

@@ -7,6 +7,8 @@ import os
 from dataclasses import asdict, dataclass
 
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")  # worker_svc.attention.get_backend
+# load-time weight quantization (worker_svc/quantization.py)
+QUANTIZATION_METHODS = ("fp8", "int8")
 DEFAULT_NUM_KV_BLOCKS = 1024
 
 
@@ -67,6 +69,9 @@ class WorkerConfig:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
 

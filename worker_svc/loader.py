@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from worker_svc.errors import CheckpointError
 from worker_svc.gguf_checkpoint import GGUFCheckpoint, gguf_source
@@ -162,6 +163,7 @@ def load_stage(
         raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
     start, end = partition_layers(config.num_layers, num_stages, partition)[stage]
     torch_dtype = resolve_dtype(dtype, config, device)
+    load_dtype = _load_dtype(quantization, torch_dtype, device)
     model = StageModel(
         config.shard(tp_size), start, end, is_first=stage == 0,
         is_last=stage == num_stages - 1 and tp_rank == 0, device=device,
@@ -200,12 +202,11 @@ def load_stage(
                     size = expected[name][dim]
                     rows = slice(tp_rank * size, (tp_rank + 1) * size)
                     tensor = part[rows] if dim == 0 else part[:, rows]
-                state[name] = tensor.to(device=device, dtype=torch_dtype)
+                state[name] = tensor.to(device=device, dtype=load_dtype)
     model.load_state_dict(state, strict=True, assign=True)
     del state
     model.eval()
-    if quantization is not None:
-        quantize_model(model, quantization)
+    _quantize(model, quantization, torch_dtype)
     _pack_cpu_bfloat16(model, torch_dtype, device, quantization)
     model.fuse_projections()
     log.info(
@@ -249,6 +250,7 @@ def load_gguf_stage(
         raise ValueError("tensor parallelism over a GGUF file's packed types is not supported: pass "
                          "--dtype to serve it dequantized")
     torch_dtype = torch.float32 if packed else resolve_dtype(dtype, config, device)
+    load_dtype = _load_dtype(quantization, torch_dtype, device)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
     start, end = partition_layers(config.num_layers, num_stages, partition)[stage]
@@ -281,7 +283,7 @@ def load_gguf_stage(
             size = want[dim]
             rows = slice(tp_rank * size, (tp_rank + 1) * size)
             tensor = tensor[rows] if dim == 0 else tensor[:, rows]
-        state[name] = tensor.to(device=device, dtype=torch_dtype).contiguous()
+        state[name] = tensor.to(device=device, dtype=load_dtype).contiguous()
     for module, (qtype, data, in_features) in packed_modules.items():
         bias = state.pop(f"{module}.bias", None)
         parent_name, _, child = module.rpartition(".")
@@ -296,12 +298,12 @@ def load_gguf_stage(
         raise CheckpointError(f"{gguf_file}: tensors not matched to the model: {left or unexpected}")
     del state
     model.eval()
-    if quantization is not None:
-        quantize_model(model, quantization)
+    _quantize(model, quantization, torch_dtype)
     _pack_cpu_bfloat16(model, torch_dtype, device, quantization)
     model.fuse_projections()
     kinds = sorted({q for q, _, _ in packed_modules.values()})
-    model.weight_format = f"gguf:{'/'.join(kinds)}" if kinds else ""
+    if kinds:
+        model.weight_format = f"gguf:{'/'.join(kinds)}"
     log.info(
         "stage %d of %d: layers [%d, %d) of %s, %s: %d bytes",
         stage, num_stages, start, end, gguf_file.name,
@@ -310,13 +312,36 @@ def load_gguf_stage(
     return model
 
 
+def _load_dtype(quantization: str | None, dtype: torch.dtype, device) -> torch.dtype:
+    """The dtype tensors are read in: float32 for int8 (its rows are quantized from the
+    checkpoint's float32 values; the rest takes `dtype` after), else `dtype`."""
+    if quantization != "int8":
+        return dtype
+    if torch.device(device).type != "cpu":
+        raise ValueError("quantization int8 runs on the CPU's kernels only; use fp8 on CUDA")
+    return torch.float32
+
+
+def _quantize(model: StageModel, quantization: str | None, dtype: torch.dtype) -> None:
+    """`quantize_model`, then (int8, whose rows were quantized from float32 values) what is
+    left unquantized - embeddings, LM head, norms - cast to the stage's dtype."""
+    if quantization is None:
+        return
+    quantize_model(model, quantization)
+    if quantization == "int8":
+        model.weight_format = "int8-per-channel"
+        for owner in model.modules():
+            for leaf, param in list(owner.named_parameters(recurse=False)):
+                setattr(owner, leaf, nn.Parameter(param.detach().to(dtype), requires_grad=False))
+
+
 def _pack_cpu_bfloat16(model: StageModel, dtype: torch.dtype, device, quantization: str | None) -> None:
     """On the CPU, bfloat16 means bfloat16 weights with float32 activations (worker_svc/
     packed.pack_bfloat16): the native kernels widen each weight as they read it, so a decode
     step reads half of float32's bytes and computes in float32; oneDNN's bfloat16 GEMM takes
     the large prefill products. `PAGODA_PACKED_BF16=0` keeps torch's bfloat16 modules (bfloat16
     activations, as GPUs run it)."""
-    if (dtype != torch.bfloat16 or quantization is not None or torch.device(device).type != "cpu"
+    if (dtype != torch.bfloat16 or quantization not in (None, "int8") or torch.device(device).type != "cpu"
             or os.environ.get("PAGODA_PACKED_BF16", "1").strip().lower() in ("0", "false", "no", "off")):
         return
     pack_bfloat16(model)

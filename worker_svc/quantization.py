@@ -1,4 +1,14 @@
-"""Weight quantization at load time: `quantization="fp8"`.
+"""Weight quantization at load time: `quantization="fp8"` or `"int8"`.
+
+`int8` (CPU): weight-only int8 with one scale per output channel (`scale = amax(|row|) / 127`,
+rounded to float16), held in GGUF's Q8_0 block layout with every block of a row carrying
+the row's scale, so the native VNNI / AVX2 kernels of worker_svc/quant_kernels.py multiply it
+(activations quantized per 32-block to int16, or int8 with `PAGODA_PACKED_ACT_BITS=8`) and
+the one-call decode step serves it. The repeated scale costs 2 bytes per 32 weights (8.5
+bits a weight instead of 8). The same layers as fp8 are quantized; the LM head and the
+embeddings keep the model's dtype.
+
+fp8:
 
 Every linear layer of the decoder layers (q/k/v/o projections, gate/up/down of the MLP)
 has its weight stored as float8_e4m3fn with one float32 scale per output channel
@@ -26,7 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATION_METHODS = ("fp8",)
+from worker_svc.config import QUANTIZATION_METHODS
+from worker_svc.packed import PackedLinear
+
+INT8_MAX = 127
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row still gets a finite, positive scale
@@ -49,6 +62,25 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
     qweight = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return qweight, scale
+
+
+def quantize_int8_rows(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] float weight (in % 32 == 0) -> uint8 [out, in / 32 * 34]: Q8_0 blocks whose
+    scales are all the row's, `d = float16(amax(|row|) / 127)`, `q = round(w / d)` in
+    [-127, 127]. `dequantize(rows, "Q8_0", in)` gives back `q * d`. An all-zero row gets d = 1."""
+    w = weight.detach().float().cpu()
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"quantization int8: a layer's input size must be a multiple of 32, got {k}")
+    d = (w.abs().amax(dim=1) / INT8_MAX).to(torch.float16)
+    if torch.isinf(d).any():
+        raise ValueError("quantization int8: a weight row's scale overflows float16")
+    d = torch.where(d == 0, torch.ones_like(d), d)
+    q = (w / d.float()[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    blocks = torch.empty(n, k // 32, 34, dtype=torch.uint8)
+    blocks[:, :, :2] = d.view(torch.uint8).view(n, 1, 2)
+    blocks[:, :, 2:] = q.view(torch.uint8).view(n, k // 32, 32)
+    return blocks.view(n, -1)
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
@@ -154,6 +186,12 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     are replaced one at a time, so the peak memory is the unquantized model plus one layer.
     """
     check_quantization(method)
+    if method == "int8":
+        def convert(linear: nn.Linear) -> nn.Module:
+            bias = None if linear.bias is None else linear.bias.detach().float()
+            return PackedLinear(quantize_int8_rows(linear.weight), "Q8_0", linear.in_features, bias)
+    else:
+        convert = Fp8Linear.from_linear
     targets = [
         (name, module)
         for name, module in model.named_modules()
@@ -162,7 +200,7 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp8Linear.from_linear(linear))
+        setattr(parent, child, convert(linear))
     return model
 
 

@@ -223,7 +223,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             next_address=cfg.next_address or "",
             num_threads=torch.get_num_threads(),
             device=str(self.runner.device),
-            quantization=cfg.quantization or model.weight_format,
+            quantization=model.weight_format or cfg.quantization,
             feedback_address=cfg.feedback_address or "",
             feedback_connected=self._feedback_streams > 0,
             kv_block_bytes=self.kv_sizing.block_bytes if self.kv_sizing else 0,
