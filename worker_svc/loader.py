@@ -291,7 +291,9 @@ def load_gguf_stage(
         if child == "embed_tokens":
             setattr(parent, child, PackedEmbedding(data, qtype, in_features))
         else:
-            setattr(parent, child, PackedLinear(data, qtype, in_features, bias))
+            linear = PackedLinear(data, qtype, in_features, bias)
+            linear.float32_activations = child == "lm_head"  # the LM head's input stays float32
+            setattr(parent, child, linear)
     _, unexpected = model.load_state_dict(state, strict=False, assign=True)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left or unexpected:

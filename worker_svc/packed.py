@@ -17,6 +17,8 @@ their packed size; activations and outputs are float32.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +33,16 @@ PACKED_QTYPES = ("Q8_0", "Q4_0", "Q4_1")
 # greedy choice that bfloat16 weights changed came from rounding the head's input (same top
 # token as float32 at 97.9% of held-out positions with it rounded, 100% without)
 BF16_GEMM_MIN_ROWS = 16
+# Q8_0/Q4_0/Q4_1 weights: from this many rows a decoder layer's product dequantizes the
+# weights to bfloat16 (one native pass) and runs oneDNN's bfloat16 GEMM, ~1.8x the integer
+# kernels' rate on a prefill at the cost of bfloat16 activations there (see PACKED_GEMM_ENV);
+# below it (decode steps) the integer kernels read the packed blocks directly
+PACKED_GEMM_MIN_ROWS = int(os.environ.get("PAGODA_PACKED_GEMM_MIN_ROWS", "128"))
+PACKED_GEMM_ENV = "PAGODA_PACKED_PREFILL_GEMM"  # "0": prefills too on the integer kernels
+
+
+def _prefill_gemm() -> bool:
+    return os.environ.get(PACKED_GEMM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class PackedLinear(nn.Module):
@@ -47,7 +59,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("bias", None if bias is None else bias.float())
         self.kernels = quant_kernels()
-        self.float32_activations = False  # BF16: never round x to bfloat16 (the LM head)
+        self.float32_activations = False  # never round x to bfloat16 (the LM head)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -59,6 +71,10 @@ class PackedLinear(nn.Module):
         if self.qtype == "BF16" and x2.shape[0] > BF16_GEMM_MIN_ROWS and not (
                 self.float32_activations and self.kernels is not None):
             y = F.linear(x2.to(torch.bfloat16), self.qweight).float()  # oneDNN's bfloat16 GEMM
+        elif (self.kernels is not None and self.qtype != "BF16" and x2.shape[0] >= PACKED_GEMM_MIN_ROWS
+              and not self.float32_activations and _prefill_gemm()):
+            w = self.kernels.dequantize_bf16(self.qweight, self.qtype, self.in_features)
+            y = F.linear(x2.to(torch.bfloat16), w).float()
         elif self.kernels is not None:
             if self.qtype == "BF16":
                 y = self.kernels.matmul_bf16(x2, self.qweight)
@@ -104,6 +120,7 @@ class PackedEmbedding(nn.Module):
     def __init__(self, qweight: torch.Tensor, qtype: str, embedding_dim: int) -> None:
         super().__init__()
         self.linear = PackedLinear(qweight, qtype, embedding_dim)
+        self.linear.float32_activations = True  # used as a linear only as the tied LM head
         self.num_embeddings, self.embedding_dim = qweight.shape[0], embedding_dim
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -132,13 +149,11 @@ def pack_bfloat16(model: nn.Module) -> int:
         if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16:
             bias = None if module.bias is None else module.bias.detach().float()
             packed = PackedLinear(module.weight.detach(), "BF16", module.in_features, bias)
-            packed.float32_activations = child == "lm_head"
+            packed.float32_activations = child == "lm_head"  # the LM head's input stays float32
             setattr(parent, child, packed)
             count += 1
         elif type(module) is nn.Embedding and module.weight.dtype == torch.bfloat16:
-            embedding = PackedEmbedding(module.weight.detach(), "BF16", module.embedding_dim)
-            embedding.linear.float32_activations = True  # it is the LM head when tied
-            setattr(parent, child, embedding)
+            setattr(parent, child, PackedEmbedding(module.weight.detach(), "BF16", module.embedding_dim))
             count += 1
     for param_name, param in list(model.named_parameters()):
         if param.dtype == torch.bfloat16:  # the norms

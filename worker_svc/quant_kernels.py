@@ -229,6 +229,7 @@ class QuantKernels:
         self._bmm = self._bind(lib.pagoda_bf16_matmul, [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64])
         self._to_bf16 = self._bind(lib.pagoda_f32_to_bf16, [_PTR, _I64, _I64, _I64, _I64, _PTR])
         self._bmm_dp = self._bind(lib.pagoda_bf16_matmul_dp, [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64])
+        self._dequant_bf16 = self._bind(lib.pagoda_dequant_bf16, [_INT, _PTR, _I64, _I64, _I64, _PTR])
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()  # each calling thread's scratch buffer
 
@@ -345,6 +346,25 @@ class QuantKernels:
         if buf is None or buf.numel() < n_bytes:
             buf = self._local.buf = torch.empty(max(n_bytes, 1 << 16) + 64, dtype=torch.uint8)
         return (buf.data_ptr() + 63) & ~63
+
+    def dequantize_bf16(self, w: torch.Tensor, qtype: str, K: int, out: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        """The weights of `w` (uint8 [N, row_bytes], Q8_0/Q4_0/Q4_1) as bfloat16 [N, K]:
+        `dequantize(w, qtype, K)` rounded to bfloat16 (nearest even), bit for bit, in one
+        native pass (rows split over the threads). For a prefill's products on oneDNN's
+        bfloat16 GEMM (worker_svc/packed.py)."""
+        N = _check_block_weights(w, qtype, K)
+        if out is None:
+            out = torch.empty(N, K, dtype=torch.bfloat16)
+        elif out.dtype != torch.bfloat16 or tuple(out.shape) != (N, K) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous bfloat16 tensor [{N}, {K}]")
+        type_id = GGML_TYPES[qtype][0]
+
+        def rows(begin: int, end: int) -> None:
+            self._raise(self._dequant_bf16(type_id, w.data_ptr(), K, begin, end, out.data_ptr()), "dequantize")
+
+        self._parallel(rows, N, max(1, min(torch.get_num_threads(), N // 64)), 1)
+        return out
 
     def matmul_bf16(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                     isa: str | None = None) -> torch.Tensor:

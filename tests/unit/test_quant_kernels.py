@@ -183,6 +183,39 @@ def test_dequantize_equals_gguf(qtype: str) -> None:
     assert got.dtype == torch.float32 and torch.equal(got, w)
 
 
+@pytest.mark.parametrize("qtype", qk.BLOCK_TYPES)
+@pytest.mark.parametrize("threads", (1, 3))
+def test_native_dequantize_to_bf16_is_the_rounded_float32(qtype: str, threads: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    for N, K in ((1, 32), (33, 576), (200, 96)):
+        blocks, w = weights(qtype, N, K)
+        got = KERNELS.dequantize_bf16(blocks, qtype, K)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, w.to(torch.bfloat16)), (N, K)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        KERNELS.dequantize_bf16(blocks, qtype, 95)
+
+
+@pytest.mark.parametrize("qtype", qk.BLOCK_TYPES)
+def test_packed_prefill_gemm_matches_float64(qtype: str) -> None:
+    """A packed layer's product from PACKED_GEMM_MIN_ROWS rows: weights dequantized to
+    bfloat16, x rounded to bfloat16, oneDNN's GEMM accumulating in float32: within
+    2^-8 of sum |x| |w| of the float64 product of the file's weights (both roundings 2^-9)."""
+    from worker_svc.packed import PACKED_GEMM_MIN_ROWS, PackedLinear
+
+    N, K = 100, 576
+    blocks, w = weights(qtype, N, K)
+    layer = PackedLinear(blocks, qtype, K)
+    for T in (PACKED_GEMM_MIN_ROWS - 1, PACKED_GEMM_MIN_ROWS, 300):
+        x = activations(T, K, seed=4)
+        y = layer(x)
+        ref = x.double() @ w.double().T
+        mag = x.double().abs() @ w.double().abs().T
+        assert ((y.double() - ref).abs() <= 2.0**-8 * mag).all(), T
+        if T < PACKED_GEMM_MIN_ROWS:  # the integer kernels: int16 activations, far tighter
+            assert ((y.double() - ref).abs() <= 1e-4 * mag).all(), T
+
+
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16"])
 def test_dequantize_plain_types(qtype: str) -> None:
     w = torch.randn(3, 40)

@@ -1320,3 +1320,49 @@ int pagoda_bf16_matmul_dp(const uint16_t *xb, int64_t T, int64_t K, const uint16
     (void)xb; (void)T; (void)K; (void)w; (void)n_begin; (void)n_end; (void)y; (void)y_stride;
     return 0;
 }
+
+/* ---- dequantization to bfloat16 (a prefill's products on oneDNN's bfloat16 GEMM) ------- */
+
+static inline uint16_t f32_to_bf16_rne(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7F800000u) == 0x7F800000u) return (uint16_t)((u >> 16) | ((u & 0xFFFFu) ? 0x40u : 0u));
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Rows [n_begin, n_end) of w (uint8 [N, K / 32 * block bytes], GGUF blocks) as bfloat16
+   [N, K] in out: each weight computed in float32 as dequantize() does (Q8_0 d * q, Q4_0
+   d * (q - 8), Q4_1 d * q + m), then rounded to nearest even. Returns 0, -1 for a bad type. */
+int pagoda_dequant_bf16(int qtype, const uint8_t *w, int64_t K, int64_t n_begin, int64_t n_end, uint16_t *out)
+{
+    if (qtype != QT_Q8_0 && qtype != QT_Q4_0 && qtype != QT_Q4_1) return -1;
+    const int64_t nb = K / QK;
+    const int bb = block_bytes(qtype);
+    for (int64_t n = n_begin; n < n_end; n++) {
+        const uint8_t *row = w + n * nb * bb;
+        uint16_t *o = out + n * K;
+        for (int64_t b = 0; b < nb; b++, o += QK) {
+            const uint8_t *blk = row + b * bb;
+            const float d = f16_to_f32(ld16(blk));
+            float v[QK];
+            if (qtype == QT_Q8_0) {
+                for (int i = 0; i < QK; i++) v[i] = d * (float)(int8_t)blk[2 + i];
+            } else if (qtype == QT_Q4_0) {
+                for (int i = 0; i < QK / 2; i++) {
+                    v[i] = d * (float)((int)(blk[2 + i] & 0x0F) - 8);
+                    v[i + QK / 2] = d * (float)((int)(blk[2 + i] >> 4) - 8);
+                }
+            } else {
+                const float m = f16_to_f32(ld16(blk + 2));
+                for (int i = 0; i < QK / 2; i++) {
+                    v[i] = d * (float)(blk[4 + i] & 0x0F) + m;
+                    v[i + QK / 2] = d * (float)(blk[4 + i] >> 4) + m;
+                }
+            }
+            for (int i = 0; i < QK; i++) o[i] = f32_to_bf16_rne(v[i]);
+        }
+    }
+    return 0;
+}
