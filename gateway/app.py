@@ -328,6 +328,7 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
                 "stages": [{"stage_index": s.stage_index, "layers": [s.load_info.layer_start, s.load_info.layer_end],
                             "weights_bytes": s.load_info.weights_bytes, "quantization": s.load_info.quantization,
                             "kv_block_bytes": s.load_info.kv_block_bytes,
+                            "kv_cache_dtype": _dtype_name(s.load_info.kv_cache_dtype),
                             "memory_budget_bytes": s.load_info.memory_budget_bytes} for s in stats.stages]}
 
     @app.get("/debug/replicas", tags=["Operations"], responses={401: _ERRORS[401]})
@@ -382,6 +383,14 @@ def _enum_name(value: int) -> str:
     from services.pb import common_pb2
 
     return common_pb2.HealthStatus.Name(value)
+
+
+def _dtype_name(value: int) -> str:
+    """A DType as the flags name it ("float32", "bfloat16"); "" when the stage did not say."""
+    from services.pb import common_pb2
+
+    name = common_pb2.DType.Name(value) if value in common_pb2.DType.values() else ""
+    return {"DTYPE_FLOAT32": "float32", "DTYPE_BFLOAT16": "bfloat16", "DTYPE_FLOAT16": "float16"}.get(name, "")
 
 
 def _plain(message: Any) -> dict[str, Any]:

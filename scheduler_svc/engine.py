@@ -59,6 +59,9 @@ class StageInfo:
     feedback: bool = False
     weights_bytes: int = 0  # the stage's weights as held (packed formats at their packed size)
     quantization: str = ""  # its weight format when not plain ("fp8", "gguf:Q4_1/Q8_0", ...)
+    kv_block_bytes: int = 0  # one KV block over the stage's layers, at its pools' dtype
+    kv_cache_dtype: int = 0  # the pools' dtype (common_pb2.DType)
+    memory_budget_bytes: int = 0  # the memory setting's budget when the pool was sized from one
 
 
 @dataclass(frozen=True)

@@ -260,6 +260,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 li.num_kv_blocks, li.block_size, li.vocab_size = info.num_kv_blocks, info.block_size, info.vocab_size
                 li.feedback_connected = info.feedback and info.stage_index == 0  # in use by the scheduler
                 li.weights_bytes, li.quantization = info.weights_bytes, info.quantization
+                li.kv_block_bytes, li.kv_cache_dtype = info.kv_block_bytes, info.kv_cache_dtype
+                li.memory_budget_bytes = info.memory_budget_bytes
         try:
             resp.kv_cache.CopyFrom(await kv_reply)
             resp.kv_health = common_pb2.HEALTH_STATUS_SERVING

@@ -11,7 +11,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from worker_svc.config import QUANTIZATION_METHODS
+KV_CACHE_DTYPE_HELP = ("the KV pools' dtype: auto (the activations': float32 for GGUF and CPU bfloat16 "
+                       "stages), float32, or bfloat16 (half the bytes; CPU kernels)")
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -200,6 +201,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             attention_backend=args.attention_backend,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel_size=args.tensor_parallel_size,
         )
         check_tensor_parallel(config.model, config.tensor_parallel_size)
@@ -403,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the 2-D weights' format (default Q8_0; norms stay F32)")
     p.set_defaults(func=_cmd_export_gguf, parser=p)
 
+    from worker_svc.config import (  # (no torch: the settings only)
+        KV_CACHE_DTYPES,
+        QUANTIZATION_METHODS,
+    )
+
     p = sub.add_parser("worker", help="serve one pipeline stage (pagoda.v1.StageWorker)")
     p.add_argument("--model", default=_env("model"), required=_env("model") is None,
                    help="checkpoint directory")
@@ -441,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: triton on CUDA, cpu (a native decode kernel; torch prefill) on the "
                         "CPU; torch: the reference")
     p.add_argument("--quantization", default=_env("quantization"), choices=[None, *QUANTIZATION_METHODS])
+    p.add_argument("--kv-cache-dtype", default=_env("kv_cache_dtype", "auto"), choices=KV_CACHE_DTYPES,
+                   help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None, int),
                    help="serve Prometheus metrics on this port (off by default)")
     p.add_argument("--ready-file", help="write the bound port here once serving")

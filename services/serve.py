@@ -33,7 +33,7 @@ from services.launcher import (
     start_stack,
     stop_all,
 )
-from worker_svc.config import DEFAULT_NUM_KV_BLOCKS, QUANTIZATION_METHODS
+from worker_svc.config import DEFAULT_NUM_KV_BLOCKS, KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -331,7 +331,7 @@ def _say(text: str, file=None) -> None:
 def worker_flags(args: argparse.Namespace) -> list[str]:
     """The stage workers' flags that `pagoda serve` passes through (every stage the same)."""
     flags = []
-    for name in ("dtype", "device", "attention_backend", "quantization"):
+    for name in ("dtype", "device", "attention_backend", "quantization", "kv_cache_dtype"):
         value = getattr(args, name, None)
         if value:
             flags += [f"--{name.replace('_', '-')}", value]
@@ -341,6 +341,7 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser, env) -> None:
     from services.cli import (  # (loaded: it is what calls this)
         GPU_MEMORY_HELP,
+        KV_CACHE_DTYPE_HELP,
         KV_CACHE_MEMORY_HELP,
         STALL_HELP,
         TENSOR_PARALLEL_HELP,
@@ -384,6 +385,8 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--quantization", default=env("quantization"), choices=list(QUANTIZATION_METHODS),
                    help="fp8: linear-layer weights in float8_e4m3fn; int8 (CPU): int8 weights; both with "
                         "one scale per output channel, quantized at load from any float checkpoint")
+    p.add_argument("--kv-cache-dtype", default=env("kv_cache_dtype"), choices=KV_CACHE_DTYPES,
+                   help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=env("tensor_parallel_size", 1, int),
                    metavar="T", help=TENSOR_PARALLEL_HELP)
     p.add_argument("--num-threads", type=int, default=env("num_threads", None, int),

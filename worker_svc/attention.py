@@ -54,6 +54,9 @@ class AttentionMetadata:
 
 # the most a prefill chunk's attention mask may take (its queries go in tiles under it)
 MASK_BUDGET_BYTES = 64 << 20
+# the pool dtypes the native CPU kernels read and write under float32 activations
+# (`--kv-cache-dtype`: float32, or bfloat16 for half the bytes)
+KV_POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 class AttentionBackend(Protocol):
     def write_kv(
@@ -116,8 +119,8 @@ class TorchAttentionBackend:
     ) -> None:
         # pools: [num_blocks, block_size, num_kv_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
-        k_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-        v_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        k_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_pool.dtype))
+        v_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_pool.dtype))
 
     def forward(
         self,
@@ -139,7 +142,7 @@ class TorchAttentionBackend:
             blocks = g.tables.shape[0] // n
             k = k_pool.index_select(0, g.tables).view(n, blocks * block_size, num_kv_heads, head_dim)
             v = v_pool.index_select(0, g.tables).view(n, blocks * block_size, num_kv_heads, head_dim)
-            k, v = k[:, :g.max_ctx], v[:, :g.max_ctx]
+            k, v = k[:, :g.max_ctx].to(q.dtype), v[:, :g.max_ctx].to(q.dtype)  # a bfloat16 pool widens
             o = F.scaled_dot_product_attention(
                 q[g.token_rows].unsqueeze(2),  # [n, heads, 1, d]
                 k.transpose(1, 2),  # [n, kv_heads, max_ctx, d]
@@ -164,8 +167,8 @@ class TorchAttentionBackend:
             q_start, q_end = starts[i], starts[i + 1]
             num_blocks = -(-ctx // block_size)
             blocks = metadata.block_tables[i, :num_blocks]
-            k = k_pool.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx]  # [ctx, kv_heads, d]
-            v = v_pool.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx]
+            k = k_pool.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx].to(q.dtype)  # [ctx, kv_heads, d]
+            v = v_pool.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx].to(q.dtype)
             num_new = q_end - q_start
             # a whole prompt in one chunk: plain causal attention, no mask to build. Batched
             # (4-D) inputs: on CPU, SDPA runs its fused kernel only for those (1.8x faster)
@@ -264,8 +267,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        if (self.kernel is None or q.device.type != "cpu"
-                or not q.dtype == k_pool.dtype == v_pool.dtype == torch.float32):
+        if (self.kernel is None or q.device.type != "cpu" or q.dtype != torch.float32
+                or k_pool.dtype not in KV_POOL_DTYPES or v_pool.dtype != k_pool.dtype):
             return super().forward(q, k_pool, v_pool, metadata, scale, sliding_window)
         decode = self._decode_rows(metadata)
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows may be apart, heads not
@@ -283,7 +286,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         one native call; False (nothing done) when the kernel or the layouts do not allow
         it, and the caller does it with torch (worker_svc/model.py)."""
         if (self.kernel is None or qkv.device.type != "cpu" or not qkv.is_contiguous()
-                or not qkv.dtype == cos.dtype == sin.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+                or not qkv.dtype == cos.dtype == sin.dtype == torch.float32
+                or k_pool.dtype not in KV_POOL_DTYPES or v_pool.dtype != k_pool.dtype
                 or not (cos.is_contiguous() and sin.is_contiguous() and slot_mapping.is_contiguous())
                 or cos.shape[-1] % 2):
             return False

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")  # worker_svc.attention.get_backend
 # load-time weight quantization (worker_svc/quantization.py)
 QUANTIZATION_METHODS = ("fp8", "int8")
+# the KV pools' dtype (vLLM's --kv-cache-dtype): auto = the stage's activation dtype
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_NUM_KV_BLOCKS = 1024
 
 
@@ -40,6 +42,7 @@ class WorkerConfig:
     max_num_seqs: int = 256
     attention_backend: str | None = None  # None: triton on CUDA, cpu (native decode kernel) on the CPU
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     # processes this stage runs on (worker_svc/tensor_parallel.py): heads and MLP columns split
     tensor_parallel_size: int = 1
 
@@ -69,6 +72,9 @@ class WorkerConfig:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")

@@ -83,8 +83,8 @@ def build(compiler: str | None = None, source: Path = SOURCE) -> Path:
 
 
 class PagedDecodeKernel:
-    """ctypes bindings of the library's kernels (`pagoda_paged_decode_f32`,
-    `pagoda_rope_write_f32`, `pagoda_argmax_f32`, `pagoda_mask_f32`); see csrc/paged_decode.c for the layouts."""
+    """ctypes bindings of the library's kernels (`pagoda_paged_decode_f32` and `_bf16kv`,
+    `pagoda_rope_write_f32` and `_bf16kv`, `pagoda_argmax_f32`, `pagoda_mask_f32`); see csrc/paged_decode.c for the layouts."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -93,11 +93,16 @@ class PagedDecodeKernel:
         fn = lib.pagoda_paged_decode_f32
         fn.restype = ctypes.c_int
         fn.argtypes = [_PTR] * 7 + [_I64] * 9 + [_F32, _I64]
-        self._fn = fn
-        rope = lib.pagoda_rope_write_f32
-        rope.restype = None
-        rope.argtypes = [_PTR] * 6 + [_I64] * 6
-        self._rope = rope
+        fn_bf16 = lib.pagoda_paged_decode_bf16kv  # bfloat16 pools (--kv-cache-dtype bfloat16)
+        fn_bf16.restype = ctypes.c_int
+        fn_bf16.argtypes = fn.argtypes
+        self._fns = {torch.float32: fn, torch.bfloat16: fn_bf16}
+        self._ropes = {}
+        for dtype, name in ((torch.float32, "pagoda_rope_write_f32"), (torch.bfloat16, "pagoda_rope_write_bf16kv")):
+            rope = getattr(lib, name)
+            rope.restype = None
+            rope.argtypes = [_PTR] * 6 + [_I64] * 6
+            self._ropes[dtype] = rope
         argmax = lib.pagoda_argmax_f32
         argmax.restype = None
         argmax.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
@@ -126,9 +131,10 @@ class PagedDecodeKernel:
         """Rotates the q and k heads of `qkv` ([num_tokens, (num_heads + 2 * num_kv_heads) *
         head_dim], contiguous) in place by `cos`/`sin` ([num_tokens, ..., head_dim]) and
         writes each token's k and v into the pools' row `slots[t]`. All float32 (slots
-        int64), contiguous, on the CPU."""
+        int64) but the pools, float32 or bfloat16 (rounded to nearest even); contiguous, on
+        the CPU."""
         num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
-        self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_pool.data_ptr(),
+        self._ropes[k_pool.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_pool.data_ptr(),
                    v_pool.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, num_kv_heads, head_dim,
                    num_blocks * block_size)
 
@@ -137,16 +143,17 @@ class PagedDecodeKernel:
                  window: int | None) -> None:
         """Writes `out[rows[i]]` for every sequence i. All tensors on the CPU and contiguous,
         but q's rows may be apart (q: [num_rows, num_heads, head_dim] with its heads
-        contiguous); q, pools and out float32; rows, tables ([n, max_blocks]) and ctx_lens
-        int64."""
+        contiguous); q and out float32, the pools float32 or bfloat16; rows, tables ([n,
+        max_blocks]) and ctx_lens int64."""
         num_seqs = rows.shape[0]
+        fn = self._fns[k_pool.dtype]
         num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
         args = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), rows.data_ptr(),
                 tables.data_ptr(), ctx_lens.data_ptr(), q.stride(0))
         shape = (tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size, num_blocks)
 
         def run(begin: int, end: int) -> None:
-            if self._fn(*args, begin, end, *shape, scale, window or 0) != 0:
+            if fn(*args, begin, end, *shape, scale, window or 0) != 0:
                 raise MemoryError("paged decode attention: no memory for its scratch space")
 
         threads = min(torch.get_num_threads(), num_seqs)

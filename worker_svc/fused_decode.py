@@ -95,9 +95,11 @@ class FusedDecoder:
         self._scratch = torch.empty(0)
         self._qscratch = torch.empty(0, dtype=torch.uint8)
         fns = kernels.function_addresses()
-        self._kfns = (fns["quant_matmul_f32"], fns["bf16_matmul"],
-                      ctypes.cast(paged.lib.pagoda_rope_write_f32, _PTR).value,
-                      ctypes.cast(paged.lib.pagoda_paged_decode_f32, _PTR).value)
+        # the rope/K-V write and attention kernels by pool dtype (float32, or bfloat16 pools)
+        self._kfns = {dtype: (fns["quant_matmul_f32"], fns["bf16_matmul"],
+                              ctypes.cast(getattr(paged.lib, f"pagoda_rope_write_{suffix}"), _PTR).value,
+                              ctypes.cast(getattr(paged.lib, f"pagoda_paged_decode_{suffix}"), _PTR).value)
+                      for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16kv"))}
 
     @classmethod
     def for_model(cls, model) -> FusedDecoder | None:
@@ -121,12 +123,12 @@ class FusedDecoder:
     def applies(self, h: torch.Tensor, metadata: AttentionMetadata,
                 kv_pools: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether this step can go through the native call: every row a decode, float32
-        activations and pools, one torch thread."""
+        activations, float32 or bfloat16 pools, one torch thread."""
         decodes, _ = metadata.split_rows()
         if self._bf16 and h.shape[0] > BF16_GEMM_MIN_ROWS:  # oneDNN's bf16 GEMM is faster there
             return False
         return (len(decodes) == metadata.num_seqs == h.shape[0] and h.dtype == torch.float32
-                and kv_pools[0][0].dtype == torch.float32 and torch.get_num_threads() == 1)
+                and kv_pools[0][0].dtype in self._kfns and torch.get_num_threads() == 1)
 
     def _layer_table(self, kv_pools):
         ptrs = tuple(p.data_ptr() for kv in kv_pools for p in kv)
@@ -159,7 +161,7 @@ class FusedDecoder:
         qneed = self._quant.scratch_bytes(T, max(cfg.hidden_size, cfg.intermediate_size, cfg.q_size))
         if self._qscratch.numel() < qneed + 64:
             self._qscratch = torch.empty(qneed + 64, dtype=torch.uint8)
-        kernels = _Kernels(*self._kfns, self._quant.isa_id, self._quant.act_bits,
+        kernels = _Kernels(*self._kfns[kv_pools[0][0].dtype], self._quant.isa_id, self._quant.act_bits,
                            self._qscratch.data_ptr() + (-self._qscratch.data_ptr()) % 64)
         shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                        block_size, num_blocks, tables.shape[1], window or 0, cfg.rms_norm_eps,

@@ -153,6 +153,21 @@ def context_extra_bytes(max_model_len: int, num_heads: int, num_kv_heads: int, h
     return gathered * 2 + gathered * num_heads // num_kv_heads + MASK_BUDGET_BYTES + MASK_BUDGET_BYTES // 4
 
 
+def kv_pool_dtype(config, model) -> torch.dtype:
+    """The KV pools' dtype under `config.kv_cache_dtype`: auto = the stage's activation dtype
+    (float32 for packed and CPU bfloat16-weight stages). A dtype other than the activations'
+    is read and written by the CPU kernels only (ValueError on other devices)."""
+    activations = next(model.parameters()).dtype
+    if config.kv_cache_dtype == "auto":
+        return activations
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.kv_cache_dtype]
+    device = next(model.parameters()).device
+    if dtype != activations and device.type != "cpu":
+        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: the {activations} activations of a "
+                         f"{device.type} stage need their own dtype's pools (pass --kv-cache-dtype auto)")
+    return dtype
+
+
 def stage_pool(config, model, backend, group=None) -> tuple[int, KVSizing | None]:
     """A stage's KV pool from its WorkerConfig: (blocks, how they were sized; None for a
     fixed count). Tensor-parallel ranks (`group`) each size their own share and take the
@@ -165,7 +180,8 @@ def stage_pool(config, model, backend, group=None) -> tuple[int, KVSizing | None
     with contextlib.nullcontext() if group is None else group.local():
         sizing = size_kv_pool(model, config.block_size, backend, config.gpu_memory_utilization,
                               config.kv_cache_memory, config.max_num_batched_tokens,
-                              max_model_len=config.max_model_len, share=share)
+                              kv_dtype=kv_pool_dtype(config, model), max_model_len=config.max_model_len,
+                              share=share)
     blocks = sizing.num_blocks if group is None else group.min_over_ranks(sizing.num_blocks)
     if blocks < 1:
         floor = (sizing.baseline_bytes + sizing.activation_bytes + sizing.block_bytes) / max(1, sizing.total_bytes)

@@ -146,6 +146,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_packed is not None:
             gate_up = self.gate_up_packed(x)
+            kernels = self.gate_up_packed.kernels
+            if kernels is not None and gate_up.dim() == 2:  # one native pass (packed stages only)
+                return self.down_proj(kernels.silu_mul(gate_up))
             size = self.gate_proj.out_features
             return self.down_proj(F.silu(gate_up[:, :size]) * gate_up[:, size:])
         if self.gate_up is not None:

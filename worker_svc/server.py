@@ -226,7 +226,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             quantization=model.weight_format or cfg.quantization,
             feedback_address=cfg.feedback_address or "",
             feedback_connected=self._feedback_streams > 0,
-            kv_block_bytes=self.kv_sizing.block_bytes if self.kv_sizing else 0,
+            kv_block_bytes=self.runner.kv_cache.nbytes // self.runner.kv_cache.num_blocks,
             memory_total_bytes=self.kv_sizing.total_bytes if self.kv_sizing else 0,
             memory_budget_bytes=self.kv_sizing.budget_bytes if self.kv_sizing else 0,
             memory_baseline_bytes=self.kv_sizing.baseline_bytes if self.kv_sizing else 0,
@@ -596,10 +596,11 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
     if group is not None:
         model.set_reduce(group.all_reduce)
     backend = config.attention_backend or default_attention_backend(device)
-    from worker_svc.memory import stage_pool
+    from worker_svc.memory import kv_pool_dtype, stage_pool
 
     num_blocks, sizing = stage_pool(config, model, backend, group)
-    runner = StageRunner(model, num_blocks, config.block_size, backend, tp=group)
+    runner = StageRunner(model, num_blocks, config.block_size, backend, kv_dtype=kv_pool_dtype(config, model),
+                         tp=group)
     service = StageService(config, runner)
     service.kv_sizing = sizing
     server, port, health = create_aio_server(config.address, service.max_message_bytes)

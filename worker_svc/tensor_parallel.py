@@ -318,9 +318,11 @@ def follow(config: WorkerConfig, rank: int, store_port: int) -> None:
     backend = get_backend(backend_name)
     num_blocks, _ = stage_pool(config, model, backend, group)
     mc = model.config
+    from worker_svc.memory import kv_pool_dtype
+
     dtype = next(model.parameters()).dtype
     kv = PagedKVCache(model.num_local_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                      dtype, device)
+                      kv_pool_dtype(config, model), device)
     log.info("stage %d tensor-parallel rank %d of %d: %d heads, %d KV heads, %d KV blocks, %d threads",
              config.stage, rank, config.tensor_parallel_size, mc.num_heads, mc.num_kv_heads, num_blocks,
              torch.get_num_threads())

@@ -56,12 +56,12 @@ def test_serve_passes_device_settings_to_every_worker():
 
     args = build_parser().parse_args(
         ["serve", "--dtype", "bfloat16", "--device", "cuda:1", "--quantization", "fp8",
-         "--attention-backend", "triton"]
+         "--attention-backend", "triton", "--kv-cache-dtype", "bfloat16"]
     )
     flags = worker_flags(args)
     worker = build_parser().parse_args(["worker", "--model", "m", *flags])
-    assert (worker.dtype, worker.device, worker.quantization, worker.attention_backend) == (
-        "bfloat16", "cuda:1", "fp8", "triton")
+    assert (worker.dtype, worker.device, worker.quantization, worker.attention_backend, worker.kv_cache_dtype) == (
+        "bfloat16", "cuda:1", "fp8", "triton", "bfloat16")
     assert worker_flags(build_parser().parse_args(["serve"])) == []
 
 

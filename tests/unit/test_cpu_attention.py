@@ -162,3 +162,43 @@ def test_native_argmax_equals_torch_with_ties_nan_and_infinities():
     x[6] = 0.0  # all equal
     for rows in (x, x[:, :37], x[:, :1], x[::2]):  # also short rows and rows apart
         assert torch.equal(kernel.argmax(rows), rows.argmax(dim=-1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "block_size"), [(4, 4, 16, 4), (8, 2, 64, 16), (6, 3, 8, 3)])
+def test_bfloat16_pools_decode_as_their_widened_values(heads, kv_heads, d, block_size, window):
+    """`--kv-cache-dtype bfloat16`: float32 queries over bfloat16 pools (decode rows by the
+    native kernel, prefill rows by torch after widening) equal attention over the pools'
+    values widened to float32; the torch backend takes the same pools."""
+    torch.manual_seed(5)
+    md, tables = layout(CHUNKS, block_size, 256)
+    k_pool = torch.randn(256, block_size, kv_heads, d).bfloat16()
+    v_pool = torch.randn(256, block_size, kv_heads, d).bfloat16()
+    q = torch.randn(md.query_start_loc_list[-1], heads, d)
+    want = naive(q, k_pool.float(), v_pool.float(), CHUNKS, tables, d**-0.5, window)
+    got = CpuAttentionBackend().forward(q, k_pool, v_pool, md, d**-0.5, window)
+    assert "cpu" in md.derived  # the native path ran
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    md2, _ = layout(CHUNKS, block_size, 256)
+    torch.testing.assert_close(TorchAttentionBackend().forward(q, k_pool, v_pool, md2, d**-0.5, window).double(),
+                               want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_native_kv_write_into_bfloat16_pools_rounds_as_torch():
+    torch.manual_seed(6)
+    heads, kv_heads, d, num_tokens = 4, 2, 16, 7
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * d) * 3
+    qkv[0, heads * d] = float("nan")  # a NaN stays a NaN
+    rope = RotaryEmbedding(RopeConfig(), d, 8192).cos_sin(torch.arange(num_tokens), torch.float32)
+    slots = torch.randperm(32)[:num_tokens]
+    torch_pools = [torch.zeros(8, 4, kv_heads, d, dtype=torch.bfloat16) for _ in range(2)]
+    qk = rotate(qkv[:, :(heads + kv_heads) * d].view(num_tokens, -1, d), *rope)
+    TorchAttentionBackend().write_kv(*torch_pools, qk[:, heads:], qkv[:, (heads + kv_heads) * d:]
+                                     .view(num_tokens, kv_heads, d), slots)
+    native_pools = [torch.zeros_like(p) for p in torch_pools]
+    assert CpuAttentionBackend().rope_write(qkv.clone(), *rope, *native_pools, slots, heads)
+    for got, want in zip(native_pools, torch_pools, strict=True):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())

@@ -1,4 +1,4 @@
-/* Paged attention on the CPU, float32: the decode attention of single-token rows
+/* Paged attention on the CPU, float32 (K/V pools float32 or bfloat16: the _bf16kv entry points): the decode attention of single-token rows
  * (pagoda_paged_decode_f32) and, before it in every layer, the rotary embedding of the new
  * tokens' q and k with the write of their K/V into the pools (pagoda_rope_write_f32).
  *
@@ -26,12 +26,34 @@
 #include <stdlib.h>
 #include <string.h>
 
-int pagoda_paged_decode_f32(
-    const float *q, const float *k_pool, const float *v_pool, float *out,
+/* K/V element i of a pool: float32, or bfloat16 (widened exactly) when bf16 */
+static inline __attribute__((always_inline)) float kv_at(const void *pool, int64_t i, const int bf16)
+{
+    if (bf16) {
+        const uint32_t u = (uint32_t)((const uint16_t *)pool)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return ((const float *)pool)[i];
+}
+
+/* float32 -> bfloat16, round to nearest even (NaN kept a NaN), as torch's .to(bfloat16) */
+static inline __attribute__((always_inline)) uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7F800000u) == 0x7F800000u) return (uint16_t)((u >> 16) | ((u & 0xFFFFu) ? 0x40u : 0u));
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline __attribute__((always_inline)) int paged_decode(
+    const float *q, const void *k_pool, const void *v_pool, float *out,
     const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
     int64_t q_stride, int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t num_blocks, float scale, int64_t window)
+    int64_t num_blocks, float scale, int64_t window, const int bf16)
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t kv_row = num_kv_heads * head_dim; /* floats between consecutive tokens */
@@ -60,14 +82,14 @@ int pagoda_paged_decode_f32(
             int64_t block = table[b];
             if (block < 0 || block >= num_blocks) block = 0; /* validated upstream */
             const int64_t end = (b + 1) * block_size < ctx ? (b + 1) * block_size : ctx;
-            const float *k = k_pool + (block * block_size + t - b * block_size) * kv_row;
+            int64_t k = (block * block_size + t - b * block_size) * kv_row;
             for (; t < end; t++, k += kv_row) {
                 for (int64_t h = 0; h < num_heads; h++) {
                     const float *qh = q_row + h * head_dim;
-                    const float *kh = k + (h / group) * head_dim;
+                    const int64_t kh = k + (h / group) * head_dim;
                     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                    for (int64_t d = 0; d < head_dim; d++) s += qh[d] * kh[d];
+                    for (int64_t d = 0; d < head_dim; d++) s += qh[d] * kv_at(k_pool, kh + d, bf16);
                     s *= scale;
                     scores[h * longest + (t - first)] = s;
                     if (s > maxes[h]) maxes[h] = s;
@@ -94,14 +116,14 @@ int pagoda_paged_decode_f32(
             int64_t block = table[b];
             if (block < 0 || block >= num_blocks) block = 0;
             const int64_t end = (b + 1) * block_size < ctx ? (b + 1) * block_size : ctx;
-            const float *v = v_pool + (block * block_size + t - b * block_size) * kv_row;
+            int64_t v = (block * block_size + t - b * block_size) * kv_row;
             for (; t < end; t++, v += kv_row) {
                 for (int64_t h = 0; h < num_heads; h++) {
                     const float p = scores[h * longest + (t - first)];
-                    const float *vh = v + (h / group) * head_dim;
+                    const int64_t vh = v + (h / group) * head_dim;
                     float *a = acc + h * head_dim;
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * vh[d];
+                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * kv_at(v_pool, vh + d, bf16);
                 }
             }
         }
@@ -109,6 +131,29 @@ int pagoda_paged_decode_f32(
     }
     free(scores); free(acc); free(maxes);
     return 0;
+}
+
+int pagoda_paged_decode_f32(
+    const float *q, const float *k_pool, const float *v_pool, float *out,
+    const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
+    int64_t q_stride, int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t num_blocks, float scale, int64_t window)
+{
+    return paged_decode(q, k_pool, v_pool, out, rows, tables, ctx_lens, q_stride, seq_begin, seq_end, max_blocks,
+                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, 0);
+}
+
+/* The same over bfloat16 pools (each K/V element widened to float32 as it is read) */
+int pagoda_paged_decode_bf16kv(
+    const float *q, const uint16_t *k_pool, const uint16_t *v_pool, float *out,
+    const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
+    int64_t q_stride, int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t num_blocks, float scale, int64_t window)
+{
+    return paged_decode(q, k_pool, v_pool, out, rows, tables, ctx_lens, q_stride, seq_begin, seq_end, max_blocks,
+                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, 1);
 }
 
 /* The rotary embedding of a step's new tokens and the write of their K/V into the pools.
@@ -119,10 +164,10 @@ int pagoda_paged_decode_f32(
  *   slots    [num_tokens]: the pool row of each token's K/V (block * block_size + offset);
  *            rows outside [0, num_slots) are skipped (validated upstream)
  */
-void pagoda_rope_write_f32(
+static inline __attribute__((always_inline)) void rope_write(
     float *qkv, const float *cos, const float *sin, const int64_t *slots,
-    float *k_pool, float *v_pool, int64_t num_tokens, int64_t row_stride,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots)
+    void *k_pool, void *v_pool, int64_t num_tokens, int64_t row_stride,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, const int bf16)
 {
     const int64_t half = head_dim / 2, kv_row = num_kv_heads * head_dim;
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -141,10 +186,37 @@ void pagoda_rope_write_f32(
         }
         const int64_t slot = slots[t];
         if (slot < 0 || slot >= num_slots) continue;
-        memcpy(k_pool + slot * kv_row, row + num_heads * head_dim, sizeof(float) * (size_t)kv_row);
-        memcpy(v_pool + slot * kv_row, row + (num_heads + num_kv_heads) * head_dim,
-               sizeof(float) * (size_t)kv_row);
+        const float *k = row + num_heads * head_dim, *v = row + (num_heads + num_kv_heads) * head_dim;
+        if (bf16) {
+            uint16_t *kd = (uint16_t *)k_pool + slot * kv_row, *vd = (uint16_t *)v_pool + slot * kv_row;
+            for (int64_t i = 0; i < kv_row; i++) {
+                kd[i] = to_bf16(k[i]);
+                vd[i] = to_bf16(v[i]);
+            }
+        } else {
+            memcpy((float *)k_pool + slot * kv_row, k, sizeof(float) * (size_t)kv_row);
+            memcpy((float *)v_pool + slot * kv_row, v, sizeof(float) * (size_t)kv_row);
+        }
     }
+}
+
+void pagoda_rope_write_f32(
+    float *qkv, const float *cos, const float *sin, const int64_t *slots,
+    float *k_pool, float *v_pool, int64_t num_tokens, int64_t row_stride,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots)
+{
+    rope_write(qkv, cos, sin, slots, k_pool, v_pool, num_tokens, row_stride, num_heads, num_kv_heads, head_dim,
+               num_slots, 0);
+}
+
+/* The same writing bfloat16 pools (K/V rounded to nearest even) */
+void pagoda_rope_write_bf16kv(
+    float *qkv, const float *cos, const float *sin, const int64_t *slots,
+    uint16_t *k_pool, uint16_t *v_pool, int64_t num_tokens, int64_t row_stride,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots)
+{
+    rope_write(qkv, cos, sin, slots, k_pool, v_pool, num_tokens, row_stride, num_heads, num_kv_heads, head_dim,
+               num_slots, 1);
 }
 
 /* Row-wise argmax of x [rows, cols] (row r at x + r * stride), as torch.argmax gives it: the

@@ -1366,3 +1366,65 @@ int pagoda_dequant_bf16(int qtype, const uint8_t *w, int64_t K, int64_t n_begin,
     }
     return 0;
 }
+
+/* ---- silu(g) * u of a gate/up product (the MLP's activation on packed stages) ---------- */
+
+#if PAGODA_X86
+/* exp(x) for x in [-87.3, 88.7]: n = round(x log2 e), r = x - n ln 2 (two parts), e^r by a
+   degree-6 polynomial on [-ln2/2, ln2/2] (relative error < 2e-7), times 2^n by scalef */
+static TGT512F __m512 exp512(__m512 x)
+{
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.37f)), _mm512_set1_ps(-87.33f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static TGT512F void silu_mul_row512(const float *g, const float *u, int64_t I, float *out)
+{
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+    }
+    if (i < I) {
+        const __mmask16 m = (__mmask16)((1u << (I - i)) - 1u);
+        const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+}
+#endif
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, I + i] for rows [t_begin, t_end) of gu ([T, gu_stride]
+   float32, gate then up) into out ([T, I] float32). isa 2 (AVX-512): a polynomial exp within
+   ~3e-7 of expf's result relative; otherwise expf. Returns 0 or -2 (ISA not run here). */
+int pagoda_silu_mul(int isa, const float *gu, int64_t gu_stride, int64_t I, int64_t t_begin, int64_t t_end,
+                    float *out)
+{
+    if (!pagoda_isa_supported(isa)) return -2;
+    for (int64_t t = t_begin; t < t_end; t++) {
+        const float *g = gu + t * gu_stride, *u = g + I;
+        float *o = out + t * I;
+#if PAGODA_X86
+        if (isa >= ISA_AVX512) {
+            silu_mul_row512(g, u, I, o);
+            continue;
+        }
+#endif
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    return 0;
+}
