@@ -250,7 +250,7 @@ def worker_chain(
     num_kv_blocks: int | None,
     block_size: int,
     host: str = "127.0.0.1",
-    threads: int = 1,
+    threads: int | None = 1,
     extra_args=lambda k: (),
     env: dict[str, str] | None = None,
     log_dir: Path | None = None,
@@ -258,14 +258,16 @@ def worker_chain(
 ) -> list[ServiceProcess]:
     """`pagoda worker` processes (not started) for stages 0..N-1, each pointing at the next,
     the last (with `feedback`) at the first for sampled tokens. `num_kv_blocks` None: the
-    workers size their pools from a memory setting in `extra_args`."""
+    workers size their pools from a memory setting in `extra_args`. `threads` None: each
+    worker's own default (`WorkerConfig.resolved_num_threads` and `step_threads`)."""
     ports = [free_port(host) for _ in range(num_stages)]
     workers = []
     for k in range(num_stages):
         blocks = ["--num-kv-blocks", str(num_kv_blocks)] if num_kv_blocks is not None else []
         args = ["worker", "--model", model_dir, "--stage", str(k), "--num-stages", str(num_stages),
                 "--host", host, "--port", str(ports[k]), *blocks,
-                "--block-size", str(block_size), "--num-threads", str(threads), *extra_args(k)]
+                "--block-size", str(block_size),
+                *(["--num-threads", str(threads)] if threads is not None else []), *extra_args(k)]
         if k < num_stages - 1:
             args += ["--next", f"{host}:{ports[k + 1]}"]
         elif num_stages > 1 and feedback:  # sampled tokens straight to the first stage
@@ -380,6 +382,10 @@ def start_stack(
     env = dict(env or {})
     tp = tensor_parallel_size
     threads = threads_per_worker or default_threads_per_stage(num_stages * tp)
+    # no thread count given, one process a stage: each worker takes its default, whose large
+    # steps (prefill chunks) also use the services' core (WorkerConfig.step_threads); such a
+    # stage is not pinned to its own cores, the services still are
+    adaptive = threads_per_worker is None and tp == 1 and (os.cpu_count() or 1) // num_stages > threads
     tp_args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
     metrics_urls: dict[str, str] = {}
 
@@ -401,7 +407,7 @@ def start_stack(
     memory_args = memory.worker_args(num_stages) if num_kv_blocks is None else []
     kv_port, sched_port = free_port(host), free_port(host)
     workers = worker_chain(
-        model_dir, num_stages, num_kv_blocks, block_size, host, threads,
+        model_dir, num_stages, num_kv_blocks, block_size, host, None if adaptive else threads,
         extra_args=lambda k: [*memory_args, *tp_args, *worker_args, *metrics_flag(f"worker-{k}")], env=env,
         log_dir=log_dir,
     )
@@ -427,7 +433,7 @@ def start_stack(
         return kv, scheduler
 
     plan = cpu_plan(num_stages, threads * tp) if pin_cpus else None  # a stage's ranks split its cores
-    if plan is not None:
+    if plan is not None and not adaptive:
         for worker, cpus in zip(workers, plan[1], strict=True):
             worker.cpus = cpus
     started: list[ServiceProcess] = []

@@ -24,7 +24,6 @@ from services.launcher import (
     MemorySetting,
     RestartBudget,
     ServiceProcess,
-    default_threads_per_stage,
     free_port,
     model_max_len,
     pagoda_command,
@@ -99,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    threads = args.num_threads or default_threads_per_stage(n * tp)
     ranks = f" of {tp} tensor-parallel processes each" if tp > 1 else ""
     print(f"pagoda serve: starting {n} stage(s){ranks}, KV service, scheduler and gateway for {model_dir}")
     print(f"  logs: {log_dir}")
@@ -141,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                 model_dir, num_stages=n, block_size=args.block_size, memory=memory,
                 num_kv_blocks=None if memory else (args.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS),
                 log_dir=log_dir if replicas == 1 else log_dir / f"r{r}", scheduler_args=engine_flags(args),
-                threads_per_worker=threads, worker_args=worker_flags(args), metrics=args.metrics,
+                threads_per_worker=args.num_threads, worker_args=worker_flags(args), metrics=args.metrics,
                 kvcache_args=kv_args,
                 pin_cpus=args.cpu_affinity and replicas == 1, tensor_parallel_size=tp,
                 die_with_parent=True,  # none of them outlives this process, however it ends
@@ -391,7 +389,8 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
                    metavar="T", help=TENSOR_PARALLEL_HELP)
     p.add_argument("--num-threads", type=int, default=env("num_threads", None, int),
                    help="torch threads per stage process (default: the cores but one, divided among the "
-                        "stages' processes)")
+                        "stages' processes, and for steps of 128 tokens or more every core divided among "
+                        "the stages)")
     p.add_argument("--cpu-affinity", action=argparse.BooleanOptionalAction,
                    default=env("cpu_affinity", True, lambda v: v.strip().lower() in ("1", "true", "yes", "on")),
                    help="pin each stage to cores of its own and the services to another, when the "

@@ -118,6 +118,18 @@ class WorkerConfig:
             return self.num_threads
         return max(1, ((os.cpu_count() or 1) - 1) // (self.num_stages * self.tensor_parallel_size))
 
+    @property
+    def step_threads(self) -> tuple[int, int] | None:
+        """(small steps, large steps) threads (worker_svc/runner.LARGE_STEP_TOKENS), or None
+        for `resolved_num_threads` on every step: with no --num-threads and no tensor
+        parallelism, a large step (a prefill chunk) also takes the core left to the services,
+        which wait on it (2 cores, one stage: 1 and 2)."""
+        if self.num_threads is not None or self.tensor_parallel_size > 1:
+            return None
+        small = self.resolved_num_threads
+        large = max(small, (os.cpu_count() or 1) // self.num_stages)
+        return (small, large) if large > small else None
+
     def to_json(self) -> str:
         """The configuration as JSON (how a stage hands it to its tensor-parallel ranks)."""
         return json.dumps(asdict(self))

@@ -59,6 +59,14 @@ class StageResult:
         return StepResult(self.step_id, self.sampled_tokens(), tuple(self.prompt_logprobs), timings)
 
 
+# Steps of at least this many tokens (prefill chunks, large batches) may take more threads
+# than small ones (`StageRunner.step_threads`): on the real model at one core per thread, a
+# 2,048-token prefill ran 1.5x faster on two threads, while a decode step of one sequence ran
+# 1.75x faster on one (the one-call native decode step needs one thread; scripts and figures
+# in docs/benchmarks.md)
+LARGE_STEP_TOKENS = 128
+
+
 class StageRunner:
     """Executes micro-batch plans for layers `[model.start, model.end)`."""
 
@@ -76,6 +84,9 @@ class StageRunner:
         # rank 0 of a tensor-parallel stage (worker_svc.tensor_parallel.TensorParallelGroup):
         # each step's model inputs go to the other ranks first
         self.tp = tp
+        # (small, large): torch threads for steps under / from LARGE_STEP_TOKENS tokens
+        # (`set_step_threads`); None: the process's setting for every step
+        self.step_threads: tuple[int, int] | None = None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
@@ -174,6 +185,11 @@ class StageRunner:
     def _run_model(self, plan: StepPlan, inputs: torch.Tensor, positions: torch.Tensor,
                    metadata: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp is None:
+            if self.step_threads is not None:
+                small, large = self.step_threads
+                want = large if inputs.shape[0] >= LARGE_STEP_TOKENS else small
+                if torch.get_num_threads() != want:
+                    torch.set_num_threads(want)
             return self.model(inputs, positions, self.kv_cache.pools, metadata, self.backend, logits_indices)
         try:  # the other ranks run the same layers on the same inputs, in step
             self.tp.send_step(plan.block_copies, inputs, positions, metadata)

@@ -89,6 +89,45 @@ def test_stages_get_cores_of_their_own_when_the_machine_has_enough():
     assert default_threads_per_stage(1) == max(1, n - 1)
 
 
+def test_large_steps_take_the_services_core_unless_threads_are_given(monkeypatch, model_factory):
+    """With no --num-threads a stage runs small steps on the cores but one and steps of
+    LARGE_STEP_TOKENS tokens or more on all of them; a thread count given, or tensor
+    parallelism, fixes one count for every step."""
+    import torch
+
+    from services.sampling import SamplingParams
+    from services.step import CachedSeq, NewSeq, StepPlan
+    from worker_svc.config import WorkerConfig
+    from worker_svc.runner import LARGE_STEP_TOKENS
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert WorkerConfig(model="m").step_threads == (1, 2)
+    assert WorkerConfig(model="m", num_threads=1).step_threads is None
+    assert WorkerConfig(model="m", num_stages=2, next_address="x:1").step_threads is None  # 1 core each
+    assert WorkerConfig(model="m", tensor_parallel_size=2).step_threads is None
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert WorkerConfig(model="m", num_stages=2, next_address="x:1").step_threads == (7, 8)
+
+    from worker_svc.loader import load_stage
+    from worker_svc.runner import StageRunner
+
+    return_to = torch.get_num_threads()
+    try:
+        seen = []
+        runner = StageRunner(load_stage(model_factory()), 32, 16, "cpu")
+        runner.step_threads = (1, 2)
+        forward = runner.model.forward
+        runner.model.forward = lambda *a, **k: (seen.append(torch.get_num_threads()), forward(*a, **k))[1]
+        greedy = SamplingParams(temperature=0.0)
+        prompt = tuple(range(5, 5 + LARGE_STEP_TOKENS))
+        runner.execute(StepPlan(1, new_seqs=(NewSeq(0, prompt, len(prompt), 0, len(prompt), tuple(range(9)),
+                                                    greedy),)))
+        runner.execute(StepPlan(2, cached_seqs=(CachedSeq(0, 1, 9),)))
+        assert seen == [2, 1]
+    finally:
+        torch.set_num_threads(return_to)
+
+
 def test_serve_pins_cores_unless_told_not_to():
     from services.cli import build_parser
 
