@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -81,11 +82,10 @@ def prepare_gguf(path: str | os.PathLike[str]) -> Path:
     from worker_svc.gguf_checkpoint import GGUF_SOURCE_FILE, GGUFCheckpoint
 
     path = Path(path).resolve()
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache_root() / "gguf" / f"{path.stem}-{key}"
+    folder = cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}"
     if (folder / GGUF_SOURCE_FILE).is_file():
         return folder
+    prune_gguf_cache(folder.parent)
     ckpt = GGUFCheckpoint(path)
     config = ckpt.hf_config()
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ def prepare_gguf(path: str | os.PathLike[str]) -> Path:
             (tmp / "generation_config.json").write_text(json.dumps(
                 {"eos_token_id": config["eos_token_id"], "bos_token_id": config.get("bos_token_id")}) + "\n")
         (tmp / GGUF_SOURCE_FILE).write_text(json.dumps(
-            {"file": str(path), "size": stat.st_size, "tensor_bytes": ckpt.tensor_bytes()}) + "\n")
+            {"file": str(path), "size": path.stat().st_size, "tensor_bytes": ckpt.tensor_bytes()}) + "\n")
         try:
             os.rename(tmp, folder)
         except OSError:  # another process made it first
@@ -107,6 +107,39 @@ def prepare_gguf(path: str | os.PathLike[str]) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _file_key(path: Path) -> str:
+    stat = path.stat()
+    return hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+STALE_AFTER_S = 3600.0  # a prepared folder (or a half-written one) untouched this long may go
+
+
+def prune_gguf_cache(root: Path, now: float | None = None) -> list[Path]:
+    """Remove the prepared folders under `root` whose GGUF file is gone or has changed since
+    (a new folder is made for the new contents), and half-written ones, once untouched for
+    STALE_AFTER_S; returns what was removed. Without it the cache keeps a folder for every
+    file it ever served (every test run's temporary files)."""
+    from worker_svc.gguf_checkpoint import GGUF_SOURCE_FILE
+
+    now = time.time() if now is None else now
+    removed = []
+    for folder in root.iterdir() if root.is_dir() else ():
+        try:
+            if not folder.is_dir() or now - folder.stat().st_mtime < STALE_AFTER_S:
+                continue
+            record = folder / GGUF_SOURCE_FILE
+            if record.is_file():
+                source = Path(json.loads(record.read_text())["file"])
+                if source.is_file() and folder.name == f"{source.stem}-{_file_key(source)}":
+                    continue  # still what it stands for
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # an unreadable record: stale too
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
 
 
 def _write_tokenizer(path: Path, out: Path) -> None:

@@ -94,6 +94,34 @@ def test_packed_stage_holds_the_file_bytes(gguf_factory):
     assert held >= 0.9 * file_bytes  # counted, not skipped
 
 
+def test_stale_prepared_folders_are_pruned(gguf_factory, tmp_path, monkeypatch):
+    """The cache keeps a folder per file it served; one whose file is gone or changed goes
+    (once untouched for an hour), one still matching its file stays."""
+    import os
+    import shutil
+    import time
+
+    from services import model_source
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    kept, gone, changed = (tmp_path / f"{n}.gguf" for n in ("kept", "gone", "changed"))
+    for f in (kept, gone, changed):
+        shutil.copy(gguf_factory("Q8_0", arch="llama"), f)
+    folders = [prepare_gguf(f) for f in (kept, gone, changed)]
+    half = folders[0].parent / (folders[0].name + ".abc123")  # a write that died
+    half.mkdir()
+    gone.unlink()
+    os.utime(changed, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert model_source.prune_gguf_cache(folders[0].parent) == []  # all too young
+    old = time.time() - 2 * model_source.STALE_AFTER_S
+    for f in [*folders, half]:
+        os.utime(f, (old, old))
+    removed = model_source.prune_gguf_cache(folders[0].parent)
+    assert sorted(removed) == sorted([folders[1], folders[2], half])
+    assert folders[0].is_dir() and prepare_gguf(kept) == folders[0]
+    assert prepare_gguf(changed) != folders[2]  # prepared anew for the new contents
+
+
 def test_pipeline_stages_load_only_their_layers(gguf_factory):
     folder = prepare_gguf(gguf_factory("Q8_0", arch="llama", num_layers=4))
     first, last = load_stage(folder, 0, 2), load_stage(folder, 1, 2)
