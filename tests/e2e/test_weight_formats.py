@@ -6,7 +6,8 @@ block formats Q8_0 and Q4_1 held packed, and Q8_0 over bfloat16 KV pools
 tiny model (support/trained.py); each stack scores it with vLLM's `prompt_logprobs` (the
 prompt's positions through the paged KV and the stages' kernels), and the top token at
 every position is compared with the float32 model's, computed once in process. The stage
-statistics (`/debug/memory`) name the format each stage holds."""
+statistics (`/debug/memory`) name the format each stage holds. And the exact path: a GGUF
+file served with `--dtype float32` gives transformers' greedy tokens for the same file."""
 
 from __future__ import annotations
 
@@ -103,3 +104,29 @@ def test_the_formats_differ_from_float32_where_they_should(trained_model_dir, te
         for layer in ref.model.layers.values():
             layer.mlp.down_proj.weight.mul_(4.0)
     assert (all_logits(ref, text).argmax(-1) == want).float().mean() < 0.9
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_served_gguf_at_float32_equals_transformers(qtype, gguf_factory, tmp_path_factory):
+    """`pagoda serve file.gguf --dtype float32` on a tiny file the test converts itself:
+    transformers' greedy continuation of the same GGUF (tie rule as everywhere), at PP=2."""
+    from support.reference import HFReference
+
+    path = gguf_factory(qtype, arch="llama")
+    stack = start_serve(path, tmp_path_factory.mktemp(f"gguf-f32-{qtype}"), "--dtype", "float32",
+                        "--pipeline-parallel-size", "2", "--num-kv-blocks", "64")
+    prompts = [[5, 17, 300, 2], list(range(40, 73))]
+    try:
+        outs = []
+        for prompt in prompts:
+            body = json.dumps({"model": path, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                               "ignore_eos": True, "return_token_ids": True}).encode()
+            request = urllib.request.Request(f"{stack.url}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            outs.append(json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["token_ids"])
+    finally:
+        stack.stop()
+    ref = HFReference(None, gguf_file=path)
+    for prompt, tokens in zip(prompts, outs, strict=True):
+        assert len(tokens) == 12
+        ref.compare(prompt, tokens)
