@@ -1,13 +1,15 @@
 """Layers whose weights stay in a GGUF block format (Q8_0, Q4_0, Q4_1) or bfloat16.
 
 `PackedLinear` holds the packed rows (`uint8 [out, row_bytes]`, see
-worker_svc/quant_kernels.py for the block layouts) and multiplies in that form with the
-native kernels: activations quantized per 32-element block to int16 (default) or int8
-(llama.cpp's method, `PAGODA_PACKED_ACT_BITS=8`), integer dot products on the CPU's VNNI
-(or AVX2) units. int16 activations keep the products within ~3e-5 of float32 ones: on the
-real model's Q4_1 file the mean KL divergence from the file's float32 dequantization is
-5e-8 against llama.cpp's 2.7e-3 (bench/quality.py), and close greedy choices stay as float32
-makes them. Without the native kernels it dequantizes on the fly (float32 activations).
+worker_svc/quant_kernels.py for the block layouts). A product of at least
+`PACKED_GEMM_MIN_ROWS` rows (a prefill) dequantizes the weights to bfloat16 in one native
+pass and runs oneDNN's bfloat16 GEMM; smaller ones (decode steps) multiply in the packed
+form with the native kernels: activations quantized per 32-element block to int16
+(default) or int8 (llama.cpp's method, `PAGODA_PACKED_ACT_BITS=8`), integer dot products on
+the CPU's VNNI (or AVX2) units. int16 activations keep the products within ~3e-5 of float32
+ones. On the real model's Q4_1 file the mean KL divergence from the file's float32
+dequantization is 1.8e-4 with prefills on the bfloat16 GEMM (5e-8 with them on int16
+products, 1.5x slower) against llama.cpp's 2.7e-3 (bench/quality.py). Without the native kernels it dequantizes on the fly (float32 activations).
 `PackedEmbedding` dequantizes only the rows it looks up, and serves as the tied LM head
 (`as_linear`).
 
@@ -37,7 +39,7 @@ BF16_GEMM_MIN_ROWS = 16
 # weights to bfloat16 (one native pass) and runs oneDNN's bfloat16 GEMM, ~1.8x the integer
 # kernels' rate on a prefill at the cost of bfloat16 activations there (see PACKED_GEMM_ENV);
 # below it (decode steps) the integer kernels read the packed blocks directly
-PACKED_GEMM_MIN_ROWS = int(os.environ.get("PAGODA_PACKED_GEMM_MIN_ROWS", "128"))
+PACKED_GEMM_MIN_ROWS = 128
 PACKED_GEMM_ENV = "PAGODA_PACKED_PREFILL_GEMM"  # "0": prefills too on the integer kernels
 
 
