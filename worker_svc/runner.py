@@ -78,6 +78,7 @@ class StageRunner:
         backend: str | AttentionBackend = "torch",
         kv_dtype: torch.dtype | None = None,
         tp=None,
+        step_threads: tuple[int, int] | None = None,
     ) -> None:
         config = model.config
         self.model = model
@@ -85,8 +86,8 @@ class StageRunner:
         # each step's model inputs go to the other ranks first
         self.tp = tp
         # (small, large): torch threads for steps under / from LARGE_STEP_TOKENS tokens
-        # (`set_step_threads`); None: the process's setting for every step
-        self.step_threads: tuple[int, int] | None = None
+        # (WorkerConfig.step_threads); None: the process's setting for every step
+        self.step_threads = step_threads
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.backend = get_backend(backend) if isinstance(backend, str) else backend

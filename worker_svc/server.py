@@ -600,8 +600,7 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
 
     num_blocks, sizing = stage_pool(config, model, backend, group)
     runner = StageRunner(model, num_blocks, config.block_size, backend, kv_dtype=kv_pool_dtype(config, model),
-                         tp=group)
-    runner.step_threads = config.step_threads
+                         tp=group, step_threads=config.step_threads)
     service = StageService(config, runner)
     service.kv_sizing = sizing
     server, port, health = create_aio_server(config.address, service.max_message_bytes)

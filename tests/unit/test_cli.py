@@ -114,8 +114,7 @@ def test_large_steps_take_the_services_core_unless_threads_are_given(monkeypatch
     return_to = torch.get_num_threads()
     try:
         seen = []
-        runner = StageRunner(load_stage(model_factory()), 32, 16, "cpu")
-        runner.step_threads = (1, 2)
+        runner = StageRunner(load_stage(model_factory()), 32, 16, "cpu", step_threads=(1, 2))
         forward = runner.model.forward
         runner.model.forward = lambda *a, **k: (seen.append(torch.get_num_threads()), forward(*a, **k))[1]
         greedy = SamplingParams(temperature=0.0)
