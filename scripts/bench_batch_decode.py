@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,18 +68,11 @@ def torch_bf16_s(shapes: list[tuple[int, int]], batch: int) -> float:
     import torch.nn.functional as F
 
     total = 0.0
-    for (n, k), count in _counts(shapes).items():
+    for (n, k), count in Counter(shapes).items():
         x = torch.randn(batch, k).bfloat16()
         w = torch.randn(n, k).bfloat16()
         total += count * _timed(lambda x=x, w=w: F.linear(x, w))
     return total
-
-
-def _counts(shapes):
-    out: dict[tuple[int, int], int] = {}
-    for s in shapes:
-        out[s] = out.get(s, 0) + 1
-    return out
 
 
 def pagoda_step_s(model, batch: int, context: int, steps: int) -> float:

@@ -62,6 +62,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.float())
         self.kernels = quant_kernels()
         self.float32_activations = False  # never round x to bfloat16 (the LM head)
+        self.prefill_gemm = _prefill_gemm()  # read once here, not on every product
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -74,7 +75,7 @@ class PackedLinear(nn.Module):
                 self.float32_activations and self.kernels is not None):
             y = F.linear(x2.to(torch.bfloat16), self.qweight).float()  # oneDNN's bfloat16 GEMM
         elif (self.kernels is not None and self.qtype != "BF16" and x2.shape[0] >= PACKED_GEMM_MIN_ROWS
-              and not self.float32_activations and _prefill_gemm()):
+              and not self.float32_activations and self.prefill_gemm):
             w = self.kernels.dequantize_bf16(self.qweight, self.qtype, self.in_features)
             y = F.linear(x2.to(torch.bfloat16), w).float()
         elif self.kernels is not None:
