@@ -66,7 +66,6 @@ import platform
 import random
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -78,6 +77,7 @@ from typing import Any
 
 from bench.clients import parse_sse_line
 from bench.machine import cpu_sample, foreign_cpu
+from services.launcher import free_port
 
 ARM_NAMES = ("vllm", "pagoda", "pagoda-pp2", "pagoda-tp2")
 MODEL_NAME = "tiny"
@@ -88,13 +88,6 @@ DEFAULT_ANCHOR = Path(os.environ.get("PAGODA_ANCHOR", Path.home() / ".cache" / "
 
 
 # ---------------------------------------------------------------- processes
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 ProcKey = tuple[int, int]  # (pid, start time in clock ticks): a pid reused later is another key

@@ -7,6 +7,7 @@ Each service runs in its own process group, so stopping it stops whatever it sta
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,11 +45,41 @@ def cpu_plan(num_stages: int, threads_per_stage: int, cpus: Sequence[int] | None
     return set(available[:1]), stages
 
 
+_EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_CHOSEN_PORT = 10000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for bind(0) and outgoing connections."""
+    try:
+        return int(_EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the service binds it right after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free now, below the kernel's ephemeral range, not handed out before by this process.
+
+    The service binds it later (after other services have started), so it must not be a port
+    the kernel can give away meanwhile: a tensor-parallel stage's TCPStore and gloo pairs
+    bind(0), every outgoing connection takes an ephemeral port, and CI saw a scheduler's
+    port taken that way before it started. Ports below the ephemeral range are only ever
+    taken by an explicit bind.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    chooser = random.SystemRandom()  # a test's random.seed must not make two processes agree
+    if low - _LOWEST_CHOSEN_PORT >= 1000:
+        for _ in range(200):
+            port = chooser.randrange(_LOWEST_CHOSEN_PORT, low)
+            if port in _handed_out or port_taken(host, port):
+                continue
+            _handed_out.add(port)
+            return port
+    with socket.socket(family, socket.SOCK_STREAM) as s:  # no room below the range: the kernel's choice
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def port_taken(host: str, port: int) -> bool:

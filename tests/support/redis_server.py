@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import redis
+
+from services.launcher import free_port
 
 
 def _redis_server() -> str:
@@ -21,15 +22,9 @@ def _redis_server() -> str:
     return exe
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     def __init__(self, tmp: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.tmp = tmp
         self.client = redis.Redis.from_url(self.url)

@@ -205,3 +205,24 @@ def test_serve_refuses_a_taken_port_naming_it(tmp_path, capsys):
         port = holder.getsockname()[1]
         assert main(["serve", str(model), "--port", str(port), "--log-dir", str(tmp_path / "logs")]) == 2
     assert f"--port {port} is taken" in capsys.readouterr().err
+
+
+def test_free_ports_are_never_ones_the_kernel_hands_out_and_never_repeat():
+    """A port chosen now is bound by its service later, after others started: the kernel's
+    bind(0) (a TP stage's TCPStore, gloo) and outgoing connections must not be able to take it
+    meanwhile (CI saw a scheduler's port taken so)."""
+    import socket
+
+    from services.launcher import _ephemeral_low, free_port
+
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < _ephemeral_low() for p in ports)
+    taken = [socket.socket() for _ in range(50)]  # what bind(0) hands out meanwhile
+    try:
+        for s in taken:
+            s.bind(("127.0.0.1", 0))
+        assert not {s.getsockname()[1] for s in taken} & set(ports)
+    finally:
+        for s in taken:
+            s.close()
