@@ -37,13 +37,14 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 
 COPY README.md ./
 COPY services services
+COPY wiring wiring
 COPY gateway gateway
 COPY scheduler_svc scheduler_svc
 COPY kvcache_svc kvcache_svc
 COPY worker_svc worker_svc
 RUN pip install --no-deps . \
     && cd / && rm -rf /tmp/pagoda \
-    && python -c "import services.cli, gateway, scheduler_svc, kvcache_svc, worker_svc"
+    && python -c "import wiring.cli, gateway, scheduler_svc, kvcache_svc, worker_svc"
 
 USER pagoda
 WORKDIR /home/pagoda

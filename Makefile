@@ -53,7 +53,7 @@ chaos: $(STAMP) browser
 
 # Benchmarks are never part of `make test`: a quick run of every comparison, under 10 minutes.
 bench: $(STAMP)
-	$(PY) -m services.cli bench --quick --plot --out bench/results
+	$(PY) -m wiring.cli bench --quick --plot --out bench/results
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -1,9 +1,9 @@
 """The things a benchmark arm runs against: the full stack as processes, or the in-process engine.
 
-    StackArm      KV service, stage workers and scheduler (`services.launcher.start_stack`) plus
+    StackArm      KV service, stage workers and scheduler (`wiring.launcher.start_stack`) plus
                   a `pagoda gateway` process; load goes over HTTP to the gateway, counters are
                   read from the scheduler's GetStats
-    InProcessArm  `services.local_engine.build_local_engine` in this process: no gRPC, no HTTP
+    InProcessArm  `wiring.local_engine.build_local_engine` in this process: no gRPC, no HTTP
 
 Both are async context managers with a `client` (for `bench.load`) and `snapshot()`.
 """
@@ -77,7 +77,7 @@ class EngineSettings:
 def gateway_available() -> bool:
     """Whether this checkout's `pagoda` has a `gateway` subcommand."""
     try:
-        from services.cli import build_parser
+        from wiring.cli import build_parser
 
         parser = build_parser()
         sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
@@ -119,7 +119,7 @@ class StackArm:
             raise
 
     async def _start(self) -> None:
-        from services.launcher import ServiceProcess, free_port, pagoda_command, start_stack
+        from wiring.launcher import ServiceProcess, free_port, pagoda_command, start_stack
 
         t0 = time.perf_counter()
         s = self.settings
@@ -203,7 +203,7 @@ class InProcessArm:
         import torch
 
         from scheduler_svc.config import SchedulerConfig
-        from services.local_engine import build_local_engine
+        from wiring.local_engine import build_local_engine
 
         t0 = time.perf_counter()
         s = self.settings

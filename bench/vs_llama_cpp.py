@@ -12,7 +12,7 @@ its Q8_0 export when present), one after another, in one run:
     pagoda-serve `pagoda serve FILE.gguf` (its defaults: one stage on one core, the services on
                 the other), REST, streamed, the same prompt ids -> 128 tokens with `ignore_eos`:
                 decode tok/s = (tokens - 1) / (last chunk - first chunk), TTFT; same repeats
-    pagoda-inproc the in-process engine (`services.local_engine`, as `LLM(path)` builds it) at one
+    pagoda-inproc the in-process engine (`wiring.local_engine`, as `LLM(path)` builds it) at one
                 torch thread, in a subprocess: the same prompt ids -> 128 tokens; decode tok/s
                 from the arrival times of the token outputs, as for the server
     16 streams  (`--streams 16`, 0: skip) 16 streamed requests at once, a text prompt each (64
@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.clients import parse_sse_line
+from bench.machine import measure_bandwidth, run_json
 from bench.vs_vllm import (
     DEFAULT_ANCHOR,
     REPO_ROOT,
@@ -71,19 +72,7 @@ DEFAULT_Q4_1 = Path.home() / ".cache" / "pagoda" / "models" / "SmolLM2-135M-Inst
 DEFAULT_Q8_0 = DEFAULT_ANCHOR / "smol135.Q8_0.gguf"
 SERVED = "tiny"
 
-BANDWIDTH_SCRIPT = r"""
-import json, sys, time, torch
-torch.set_num_threads(1)
-mib = int(sys.argv[1])
-x = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32)
-x.sum()
-times = []
-for _ in range(7):
-    t0 = time.perf_counter(); x.sum(); times.append(time.perf_counter() - t0)
-nbytes = x.numel() * 4
-print(json.dumps({"bytes": nbytes, "times_s": times, "best_gb_s": nbytes / min(times) / 1e9,
-                  "median_gb_s": nbytes / sorted(times)[len(times) // 2] / 1e9}))
-"""
+
 
 LLAMA_SCRIPT = r"""
 import json, sys, time, statistics
@@ -127,8 +116,8 @@ import torch
 torch.set_num_threads(1)
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.request import Request, SamplingOptions
-from services.local_engine import build_local_engine
-from services.model_source import is_gguf, prepare_gguf
+from wiring.local_engine import build_local_engine
+from wiring.model_source import is_gguf, prepare_gguf
 cfg = json.loads(sys.argv[1])
 model = cfg["model"]
 if is_gguf(model):
@@ -171,23 +160,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-def run_json(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None,
-             cwd: Path = REPO_ROOT) -> dict[str, Any]:
-    """Run a script that prints one JSON object as its last stdout line."""
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=cwd)
-    if out.returncode != 0:
-        raise RuntimeError(f"exit {out.returncode}: {out.stderr[-1500:]}")
-    lines = [line for line in out.stdout.splitlines() if line.strip().startswith("{")]
-    if not lines:
-        raise RuntimeError(f"no JSON on stdout: {out.stdout[-500:]} {out.stderr[-1000:]}")
-    return json.loads(lines[-1])
-
-
-def measure_bandwidth(mib: int = 512) -> dict[str, Any]:
-    """One core's read bandwidth: a 1-thread torch sum over `mib` MiB of float32 (best of 7)."""
-    return run_json([sys.executable, "-c", BANDWIDTH_SCRIPT, str(mib)], 300)
 
 
 def prompts_for(seed: int, count: int, length: int) -> list[list[int]]:

@@ -76,8 +76,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.clients import parse_sse_line
-from bench.machine import cpu_sample, foreign_cpu
-from services.launcher import free_port
+from bench.machine import cpu_sample, foreign_cpu, measure_bandwidth
+from wiring.launcher import free_port
 
 ARM_NAMES = ("vllm", "pagoda", "pagoda-pp2", "pagoda-tp2")
 MODEL_NAME = "tiny"
@@ -857,8 +857,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_run = time.perf_counter()
     bandwidth: dict[str, Any] = {}
     if args.bandwidth:
-        from bench.vs_llama_cpp import measure_bandwidth
-
         bandwidth["start"] = measure_bandwidth()
         print(f"one-core bandwidth: {bandwidth['start']['best_gb_s']:.2f} GB/s", flush=True)
     results = [run_arm(arm, paths, spec, args) for arm in specs]

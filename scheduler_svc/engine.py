@@ -7,7 +7,7 @@ the KV service's round trip or on the network. With `async_scheduling=False` it 
 runs, waits and repeats, for comparison.
 
 Transports carry micro-batches to the stages: over gRPC (`scheduler_svc.transport`) or to
-in-process stage runners (`services.local_engine`); the KV client is in-process or gRPC.
+in-process stage runners (`wiring.local_engine`); the KV client is in-process or gRPC.
 The scheduling code is the same for all of them.
 """
 

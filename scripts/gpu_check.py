@@ -2,7 +2,7 @@
 
 Made for a prepared GPU image with its own python3 (torch, triton, transformers; pytest
 if present), no network and no project virtualenv: run from the repository root with
-`PYTHONPATH=.`. It imports only worker_svc and services/tiny_model.py (never generated
+`PYTHONPATH=.`. It imports only worker_svc and wiring/tiny_model.py (never generated
 gRPC code) and makes its models itself. Four parts, each in its own process with its own
 timeout; the figures go to a JSON file after every part (`$OUT/gpu_check.json` when OUT
 is set, else `./gpu_check.json`); the exit status is non-zero when any part failed.
@@ -381,7 +381,7 @@ class GreedyBatch:
 def part_hf_equivalence(smoke: bool) -> dict[str, Any]:
     import torch
 
-    from services.tiny_model import TinyModelSpec, make_tiny_model
+    from wiring.tiny_model import TinyModelSpec, make_tiny_model
     from worker_svc.loader import load_stage
     from worker_svc.runner import StageRunner
 
@@ -522,7 +522,7 @@ def part_attention_bench(smoke: bool) -> dict[str, Any]:
 def part_throughput(smoke: bool) -> dict[str, Any]:
     import torch
 
-    from services.tiny_model import TinyModelSpec, make_tiny_model
+    from wiring.tiny_model import TinyModelSpec, make_tiny_model
     from worker_svc.loader import load_stage
     from worker_svc.quantization import weight_bytes
     from worker_svc.runner import StageRunner

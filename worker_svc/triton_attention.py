@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from worker_svc.attention import AttentionMetadata
+from worker_svc.attention_metadata import AttentionMetadata
 
 # Context tokens per inner-loop step. 32 keeps a head-dim-128 program's K and V tiles, their
 # float32 copies and two pipeline stages well inside the shared memory of any CUDA GPU

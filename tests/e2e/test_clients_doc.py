@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import ServiceProcess, free_port, pagoda_command
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "clients.md"
 BLOCK = re.compile(r"<!-- run -->\n```(bash|python)\n(.*?)```", re.S)

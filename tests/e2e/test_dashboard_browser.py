@@ -20,7 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.launcher import ServiceProcess, free_port, pagoda_command
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 RESULTS = Path(os.environ.get("PAGODA_TEST_RESULTS", Path(__file__).resolve().parents[2] / "test-results"))

@@ -21,7 +21,7 @@ import pytest
 from support.reference import HFReference
 
 from services.grpc_utils import aio_channel, check_health
-from services.launcher import ServiceProcess, free_port, pagoda_command
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 from services.pb import kvcache_pb2, kvcache_pb2_grpc
 from services.text import Tokenizer
 

@@ -12,7 +12,7 @@ import pytest
 from support.reference import HFReference
 
 from services.grpc_utils import aio_channel
-from services.launcher import start_stack
+from wiring.launcher import start_stack
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
 
 PROMPT_LEN, NEW_TOKENS, BLOCK = 16384, 16, 16

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import PARENT_ENV
+from wiring.launcher import PARENT_ENV
 
 THIS_FILE = Path(__file__).resolve()
 REPO = THIS_FILE.parents[2]
@@ -170,7 +170,7 @@ class Service:
     def start(self, net: PrivateNetwork) -> None:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                net.command(self.name, sys.executable, "-m", "services.cli", *self.argv),
+                net.command(self.name, sys.executable, "-m", "wiring.cli", *self.argv),
                 env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     @property

@@ -12,7 +12,7 @@ import pytest
 from support.reference import HFReference
 from support.stack import start_serve
 
-from services.model_source import DEFAULT_MODEL_NAME, prepare_gguf
+from wiring.model_source import DEFAULT_MODEL_NAME, prepare_gguf
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import openai
 import pytest
 from support.redis_server import RedisServer
 
-from services.launcher import ServiceProcess, free_port, pagoda_command, start_stack
+from wiring.launcher import ServiceProcess, free_port, pagoda_command, start_stack
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
 
 PREFIX_TOKENS = 512

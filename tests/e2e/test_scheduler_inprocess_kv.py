@@ -8,7 +8,7 @@ from support.reference import HFReference
 from support.workers import start_chain
 
 from services.grpc_utils import aio_channel
-from services.launcher import ServiceProcess, free_port, pagoda_command
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
 
 

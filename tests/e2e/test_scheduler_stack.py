@@ -12,7 +12,7 @@ import torch
 from support.reference import HFReference
 
 from services.grpc_utils import aio_channel
-from services.launcher import start_stack
+from wiring.launcher import start_stack
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 NUM_KV_BLOCKS = 96  # of 16 slots: too few for 64 requests at once, so preemption happens

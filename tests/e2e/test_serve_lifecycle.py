@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import free_port
+from wiring.launcher import free_port
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def model_dir(model_factory):
 
 def _start(model_dir: str, tmp: Path, stdout) -> tuple[subprocess.Popen, list[int]]:
     ready = tmp / "ready.json"
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model_dir, "--port", str(free_port()),
+    cmd = [sys.executable, "-m", "wiring.cli", "serve", "--model", model_dir, "--port", str(free_port()),
            "--grpc-port", str(free_port()), "--num-kv-blocks", "64", "--num-threads", "1",
            "--grace-period", "1", "--log-dir", str(tmp / "logs"), "--ready-file", str(ready)]
     serve = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL, start_new_session=True)

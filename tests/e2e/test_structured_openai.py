@@ -19,7 +19,7 @@ import openai
 import pytest
 from support.schemas import SCHEMAS
 
-from services.launcher import ServiceProcess, free_port, pagoda_command
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 NUM_KV_BLOCKS = 40  # x 16 = 640 slots: a dozen requests of ~100 + 100 tokens must preempt
 BLOCK_SIZE = 16

@@ -20,7 +20,7 @@ import torch
 from support.logits import all_logits
 from support.stack import start_serve
 
-from services.tiny_train import held_out_windows
+from wiring.tiny_train import held_out_windows
 from worker_svc.loader import load_stage
 
 TEXT_WINDOWS, TEXT_LEN = 3, 160  # 160-row prefills: PACKED_GEMM_MIN_ROWS (128) and above
@@ -49,7 +49,7 @@ def float32_top(trained_model_dir, text):
 
 @pytest.fixture(scope="module")
 def gguf_files(trained_model_dir, tmp_path_factory):
-    from services.gguf_export import write_gguf
+    from wiring.gguf_export import write_gguf
 
     out = tmp_path_factory.mktemp("formats-gguf")
     return {q: str(write_gguf(trained_model_dir, out / f"trained-{q}.gguf", q)) for q in ("Q8_0", "Q4_1")}

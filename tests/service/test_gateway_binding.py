@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from gateway.server import REST_SEND_BUFFER, grpc_address, rest_socket
-from services.launcher import ServiceProcess, free_port, pagoda_command
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 
 def _has_ipv6() -> bool:

@@ -8,7 +8,7 @@ import asyncio
 import os
 
 from services.grpc_utils import aio_channel
-from services.launcher import MemorySetting, stage_load_infos, start_stack
+from wiring.launcher import MemorySetting, stage_load_infos, start_stack
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
 
 

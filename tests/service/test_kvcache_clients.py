@@ -34,7 +34,7 @@ from kvcache_svc.core import (
     StepOutput,
 )
 from kvcache_svc.server import create_server
-from services.launcher import ServiceProcess, free_port, pagoda_command
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 BS = 4  # block size of every test: small, so block boundaries are easy to hit
 KINDS = ("in-process", "grpc", "process")

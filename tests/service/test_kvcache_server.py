@@ -227,7 +227,7 @@ def test_the_server_module_does_not_import_torch():
 
 def test_kvcache_command_rejects_bad_flags():
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "kvcache", "--num-blocks", "8", "--watermark", "1"],
+        [sys.executable, "-m", "wiring.cli", "kvcache", "--num-blocks", "8", "--watermark", "1"],
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 2 and "watermark" in done.stderr

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from services.grpc_utils import INTERNAL_TOKEN_HEADER, check_health, internal_token
-from services.launcher import ServiceProcess, free_port, pagoda_command
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 from services.pb import scheduler_pb2
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.launcher import free_port
+from wiring.launcher import free_port
 
 
 def _redis_server() -> str:

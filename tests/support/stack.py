@@ -10,7 +10,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.launcher import ServiceProcess, free_port, pagoda_command
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Stack:
     def service_pid(self, kind: str, stage: int | None = None) -> int:
         """The live process of a service ("gateway", "scheduler", "kvcache", "worker")."""
         for pid, argv in children(self.serve.process.pid).items():
-            if len(argv) > 3 and argv[1:3] == ["-m", "services.cli"] and argv[3] == kind:
+            if len(argv) > 3 and argv[1:3] == ["-m", "wiring.cli"] and argv[3] == kind:
                 if stage is None or f"--stage={stage}" in argv or _flag(argv, "--stage") == str(stage):
                     return pid
         raise LookupError(f"no {kind} process under pagoda serve ({self.serve.process.pid})")

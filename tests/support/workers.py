@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.launcher import ServiceProcess, worker_chain
+from wiring.launcher import ServiceProcess, worker_chain
 
 
 def start_chain(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from support.logits import all_logits
 
-from services.tiny_train import held_out_windows
+from wiring.tiny_train import held_out_windows
 from worker_svc import packed
 from worker_svc.loader import load_stage
 from worker_svc.packed import PackedEmbedding, PackedLinear

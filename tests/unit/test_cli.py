@@ -10,7 +10,7 @@ import sys
 
 def pagoda(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "wiring.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -36,8 +36,8 @@ def test_serve_refuses_a_directory_without_a_checkpoint(tmp_path):
 
 
 def test_serve_passes_engine_settings_to_the_scheduler():
-    from services.cli import build_parser
-    from services.serve import engine_flags
+    from wiring.cli import build_parser
+    from wiring.serve import engine_flags
 
     args = build_parser().parse_args(
         ["serve", "--no-async-scheduling", "--max-num-seqs", "7", "--tenant-weights", "a=3,b=1",
@@ -51,8 +51,8 @@ def test_serve_passes_engine_settings_to_the_scheduler():
 
 
 def test_serve_passes_device_settings_to_every_worker():
-    from services.cli import build_parser
-    from services.serve import worker_flags
+    from wiring.cli import build_parser
+    from wiring.serve import worker_flags
 
     args = build_parser().parse_args(
         ["serve", "--dtype", "bfloat16", "--device", "cuda:1", "--quantization", "fp8",
@@ -66,8 +66,9 @@ def test_serve_passes_device_settings_to_every_worker():
 
 
 def test_async_scheduling_is_auto_unless_set():
-    from services.cli import _bool_or_auto, build_parser
-    from services.serve import engine_flags
+    from wiring.cli import build_parser
+    from wiring.flags import _bool_or_auto
+    from wiring.serve import engine_flags
 
     assert engine_flags(build_parser().parse_args(["serve"])).count("--async-scheduling") == 0
     assert "--no-async-scheduling" not in engine_flags(build_parser().parse_args(["serve"]))
@@ -77,7 +78,7 @@ def test_async_scheduling_is_auto_unless_set():
 
 
 def test_stages_get_cores_of_their_own_when_the_machine_has_enough():
-    from services.launcher import cpu_plan, default_threads_per_stage
+    from wiring.launcher import cpu_plan, default_threads_per_stage
 
     assert cpu_plan(1, 1, [0, 1]) == ({0}, [{1}])
     assert cpu_plan(2, 1, [0, 1]) is None  # 2 stages and the services need 3 cores
@@ -128,14 +129,14 @@ def test_large_steps_take_the_services_core_unless_threads_are_given(monkeypatch
 
 
 def test_serve_pins_cores_unless_told_not_to():
-    from services.cli import build_parser
+    from wiring.cli import build_parser
 
     assert build_parser().parse_args(["serve"]).cpu_affinity is True
     assert build_parser().parse_args(["serve", "--no-cpu-affinity"]).cpu_affinity is False
 
 
 def test_serve_takes_the_model_as_vllm_serve_does_and_several_served_names(monkeypatch, tmp_path):
-    from services.cli import build_parser, main
+    from wiring.cli import build_parser, main
 
     args = build_parser().parse_args(["serve", "/models/qwen", "--served-model-name", "a", "b"])
     assert args.model_tag == "/models/qwen" and args.served_model_name == ["a", "b"]
@@ -152,7 +153,7 @@ def test_api_keys_from_flags_as_vllm_and_from_the_keys_file(tmp_path, monkeypatc
     import json
 
     from gateway.config import ApiKey
-    from services.cli import _api_keys, build_parser
+    from wiring.cli import _api_keys, build_parser
 
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk-file": {"tenant": "a", "priority": 2}}))
@@ -170,7 +171,7 @@ def test_restarts_are_counted_in_a_window_and_backed_off():
     the server's life. Deaths count within a sliding window; restarts back off."""
     import pytest
 
-    from services.launcher import RestartBudget
+    from wiring.launcher import RestartBudget
 
     budget = RestartBudget(max_restarts=3, window_s=100.0)
     assert budget.ready(0.0)  # the first death: at once
@@ -195,8 +196,8 @@ def test_serve_refuses_a_taken_port_naming_it(tmp_path, capsys):
     """Issue 16, defect 11: a taken port gave `ready`, then "the gateway keeps dying"."""
     import socket
 
-    from services.cli import main
-    from services.tiny_model import make_tiny_model
+    from wiring.cli import main
+    from wiring.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m")
     with socket.socket() as holder:
@@ -213,7 +214,7 @@ def test_free_ports_are_never_ones_the_kernel_hands_out_and_never_repeat():
     meanwhile (CI saw a scheduler's port taken so)."""
     import socket
 
-    from services.launcher import _ephemeral_low, free_port
+    from wiring.launcher import _ephemeral_low, free_port
 
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)

@@ -5,7 +5,7 @@ only the weights differ), teacher-forced, next-token argmax at every position, o
 model families:
 
 - **Trained** (the bar): the `trained_model_dir` model (hidden 128, 4 layers, trained for 200
-  steps on CPython's pydoc text by `services.tiny_train`), on 32 held-out windows of 64
+  steps on CPython's pydoc text by `wiring.tiny_train`), on 32 held-out windows of 64
   tokens (2,048 decisions). Measured: top-1 agreement 0.988 (bfloat16 weights: 0.990), max
   |logit error| 0.12, RMS 0.013. Its decoder layers carry the prediction — with their
   outputs zeroed, top-1 agrees at only 22% of the positions — so the agreement is not
@@ -27,7 +27,7 @@ import torch
 from support.logits import all_logits
 from torch import nn
 
-from services.tiny_train import held_out_windows
+from wiring.tiny_train import held_out_windows
 from worker_svc.loader import load_stage
 from worker_svc.quantization import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_fp8, weight_bytes
 

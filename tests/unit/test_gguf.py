@@ -10,7 +10,7 @@ import pytest
 import torch
 from support.reference import HFReference
 
-from services.model_source import prepare_gguf
+from wiring.model_source import prepare_gguf
 from services.text.tokenizer import Tokenizer
 from worker_svc.errors import CheckpointError
 from worker_svc.gguf_checkpoint import GGUF_SOURCE_FILE, GGUFCheckpoint
@@ -101,7 +101,7 @@ def test_stale_prepared_folders_are_pruned(gguf_factory, tmp_path, monkeypatch):
     import shutil
     import time
 
-    from services import model_source
+    from wiring import model_source
 
     monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
     kept, gone, changed = (tmp_path / f"{n}.gguf" for n in ("kept", "gone", "changed"))
@@ -147,7 +147,7 @@ def test_unsupported_architecture_named(tmp_path):
 
 
 def _greedy(model: str, prompts: list[list[int]], max_tokens: int, **config) -> list[list[int]]:
-    from services.local_engine import LLM
+    from wiring.local_engine import LLM
     from services.sampling import SamplingOptions
 
     llm = LLM(model, **config)
@@ -170,7 +170,7 @@ def test_greedy_float32_equals_transformers_on_the_file(gguf_factory, qtype):
 def teacher_forced_top(model: str, ids: list[int], **config) -> list[int]:
     """The most likely next token at every prompt position, scored by the engine itself
     (`prompt_logprobs`: paged KV, the stage's kernels)."""
-    from services.local_engine import LLM
+    from wiring.local_engine import LLM
     from services.sampling import SamplingOptions
 
     out = LLM(model, **config).generate([ids], SamplingOptions(max_tokens=1, temperature=0.0,
@@ -181,7 +181,7 @@ def teacher_forced_top(model: str, ids: list[int], **config) -> list[int]:
 def test_packed_agrees_with_float32(trained_model_dir, tmp_path):
     """A trained tiny model (peaked logits) in Q8_0 and Q4_1, served packed: the top token
     under teacher forcing agrees with the float32 dequantization's on nearly every position."""
-    from services.gguf_export import write_gguf
+    from wiring.gguf_export import write_gguf
 
     tok = Tokenizer(trained_model_dir)
     ids = tok.encode(" ".join(CORPUS[:2] * 6))[:150]

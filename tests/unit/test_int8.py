@@ -11,7 +11,7 @@ from support.logits import all_logits
 from test_fp8 import quality_figures
 from torch import nn
 
-from services.tiny_train import held_out_windows
+from wiring.tiny_train import held_out_windows
 from worker_svc.loader import load_stage
 from worker_svc.packed import PackedLinear
 from worker_svc.quant_kernels import dequantize

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.cli import byte_size, fraction
-from services.launcher import MemorySetting, pool_from_stages
+from wiring.flags import byte_size, fraction
+from wiring.launcher import MemorySetting, pool_from_stages
 from worker_svc.memory import blocks_that_fit, kv_block_bytes, size_kv_pool
 
-# the tiny model's shape (services.tiny_model defaults): 4 layers, hidden 64, 4 heads of 16,
+# the tiny model's shape (wiring.tiny_model defaults): 4 layers, hidden 64, 4 heads of 16,
 # 2 KV heads, SwiGLU 176, vocabulary 512, untied embeddings
 H, NH, KVH, HD, MLP, V = 64, 4, 2, 16, 176, 512
 PER_LAYER = H * NH * HD + 2 * H * KVH * HD + NH * HD * H + 3 * H * MLP + 2 * H  # q, k, v, o, MLP, norms

@@ -10,7 +10,7 @@ from support.reference import HFReference
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.request import Request, SamplingOptions
-from services.local_engine import LLM, build_local_engine
+from wiring.local_engine import LLM, build_local_engine
 
 PROMPT_LENGTHS = (1, 3, 16, 17, 45, 100, 177, 300)
 

@@ -28,7 +28,7 @@ from gateway.grpc_api import response_from_delta
 from services.pb import common_pb2, scheduler_pb2
 from services.text import Tokenizer
 from services.text.tokenizer import _BYTE_LEVEL_ALPHABET
-from services.tiny_model import EOS_TOKEN, IM_END_TOKEN_ID, SPECIAL_TOKENS
+from wiring.tiny_model import EOS_TOKEN, IM_END_TOKEN_ID, SPECIAL_TOKENS
 
 ARCHS = ("llama", "qwen2")  # GPT-2's pre-tokenizer; Qwen2's split regex and NFC
 

@@ -11,7 +11,7 @@ import torch
 from support.penalties import check_greedy, processed
 
 from scheduler_svc.core.request import SamplingOptions
-from services.local_engine import LLM
+from wiring.local_engine import LLM
 from worker_svc.errors import InvalidPlanError
 from worker_svc.sampler import (
     Sampler,

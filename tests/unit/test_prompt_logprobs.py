@@ -11,7 +11,7 @@ import torch
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.request import Request, SamplingOptions
-from services.local_engine import LLM, _collect, build_local_engine
+from wiring.local_engine import LLM, _collect, build_local_engine
 from services.sampling import SamplingParams
 from services.step import NewSeq, PromptScoring, StepPlan
 from worker_svc.errors import InvalidPlanError

@@ -119,7 +119,7 @@ def test_llama_cpp_logits_line_up_with_pagoda_on_the_same_file(gguf_factory, tmp
     KV cache is float16, so they agree closely, not exactly)."""
     from pathlib import Path
 
-    from services.model_source import prepare_gguf
+    from wiring.model_source import prepare_gguf
     from worker_svc.loader import load_stage
 
     torch.set_num_threads(1)

@@ -173,7 +173,7 @@ def test_config_and_keys_file_carry_the_limits(tmp_path):
 
 
 def test_cli_flags_and_environment(monkeypatch):
-    from services.cli import build_parser
+    from wiring.cli import build_parser
 
     args = build_parser().parse_args(["gateway", "--model", "m", "--scheduler", "s:1",
                                       "--rate-limit-rpm", "60", "--redis-url", "redis://r:6379/0"])
@@ -374,7 +374,7 @@ def test_serve_refuses_a_zero_limit_and_bad_environment_values():
 
     def pagoda(*args, env=None):
         import os
-        return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "wiring.cli", *args], capture_output=True,
                               text=True, timeout=60, env={**os.environ, **(env or {})})
 
     zero = pagoda("serve", "--rate-limit-rpm", "0")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("services", "scheduler_svc", "worker_svc", "kvcache_svc", "gateway", "bench", "scripts", "tests")
+PACKAGES = ("services", "wiring", "scheduler_svc", "worker_svc", "kvcache_svc", "gateway", "bench", "scripts", "tests")
 UNSAFE_MODULES = {"pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle", "joblib"}
 
 
@@ -83,7 +83,7 @@ def test_the_scan_finds_what_it_looks_for(tmp_path):
 def test_services_bind_loopback_unless_told(command, required, monkeypatch):
     """Each service's listening address defaults to 127.0.0.1; a flag (or PAGODA_HOST) must
     ask for more."""
-    from services.cli import build_parser
+    from wiring.cli import build_parser
 
     for name in ("PAGODA_HOST", "PAGODA_MODEL", "PAGODA_KVCACHE", "PAGODA_STAGES", "PAGODA_SCHEDULER"):
         monkeypatch.delenv(name, raising=False)

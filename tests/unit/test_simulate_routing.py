@@ -1,5 +1,5 @@
 """`pagoda simulate-routing`: the router's policies against simulated replicas
-(services/simulate_routing.py), on a small shared-prefix workload that runs in seconds."""
+(bench/simulate_routing.py), on a small shared-prefix workload that runs in seconds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from gateway import routing
-from services import simulate_routing as sim
+from bench import simulate_routing as sim
 from services.prefix_hash import block_keys
 
 # short prompts, small KV pools: 8 prefixes per replica, more than one replica's pool holds

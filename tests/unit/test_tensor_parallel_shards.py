@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.launcher import pagoda_command
+from wiring.launcher import pagoda_command
 from worker_svc.config import WorkerConfig
 from worker_svc.loader import load_stage, shard_dim
 from worker_svc.memory import kv_block_bytes, size_kv_pool

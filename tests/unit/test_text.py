@@ -25,7 +25,7 @@ from services.text import (
     TextOutputProcessor,
     Tokenizer,
 )
-from services.tiny_model import (
+from wiring.tiny_model import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     IM_END_TOKEN_ID,

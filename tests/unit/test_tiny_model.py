@@ -1,4 +1,4 @@
-"""services.tiny_model: checkpoints that transformers loads, byte-identical for one spec."""
+"""wiring.tiny_model: checkpoints that transformers loads, byte-identical for one spec."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from services.tiny_model import (
+from wiring.tiny_model import (
     IM_END_TOKEN_ID,
     PRESETS,
     SPEC_25M,
@@ -66,9 +66,9 @@ def test_same_spec_gives_identical_bytes_even_in_another_process(tmp_path: Path)
     here = make_tiny_model(tmp_path / "here", spec)
     again = make_tiny_model(tmp_path / "again", spec)
     # Another process, another hash seed; it must also never import torch.
-    code = ("import sys, services.tiny_model as t; "
+    code = ("import sys, wiring.tiny_model as t; "
             f"t.make_tiny_model(sys.argv[1], t.TinyModelSpec(**{spec.to_dict()!r})); "
-            "assert 'torch' not in sys.modules, 'services.tiny_model imported torch'")
+            "assert 'torch' not in sys.modules, 'wiring.tiny_model imported torch'")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "there")], cwd=REPO_ROOT,
                    env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True)
     assert set(_file_bytes(here)) == FILES
@@ -77,7 +77,7 @@ def test_same_spec_gives_identical_bytes_even_in_another_process(tmp_path: Path)
 
 
 def test_importing_does_not_import_torch() -> None:
-    code = "import services.tiny_model, sys; assert 'torch' not in sys.modules"
+    code = "import wiring.tiny_model, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
 
 

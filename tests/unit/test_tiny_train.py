@@ -1,4 +1,4 @@
-"""`services.tiny_train`: a tiny checkpoint trained briefly on its tokenizer's text."""
+"""`wiring.tiny_train`: a tiny checkpoint trained briefly on its tokenizer's text."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from support.logits import all_logits
 
-from services.tiny_model import TinyModelSpec, make_tiny_model
-from services.tiny_train import TrainingRecipe, held_out_windows, text_token_ids, train_tiny_model
+from wiring.tiny_model import TinyModelSpec, make_tiny_model
+from wiring.tiny_train import TrainingRecipe, held_out_windows, text_token_ids, train_tiny_model
 from worker_svc.loader import load_stage
 
 
@@ -79,7 +79,7 @@ def test_sequence_longer_than_the_model_is_refused(tmp_path):
 
 def test_cli_train_steps(tmp_path):
     def pagoda(*args):
-        return subprocess.run([sys.executable, "-m", "services.cli", "tiny-model", *args],
+        return subprocess.run([sys.executable, "-m", "wiring.cli", "tiny-model", *args],
                               capture_output=True, text=True, timeout=120)
 
     done = pagoda(str(tmp_path / "m"), "--hidden-size", "32", "--num-layers", "1",

@@ -155,7 +155,7 @@ def test_backend_is_chosen_by_name():
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from services.tiny_model import TinyModelSpec, make_tiny_model
+    from wiring.tiny_model import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("triton-tiny"), TinyModelSpec(num_layers=2))
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.grpc_utils import check_health
+from services.process import PARENT_ENV
 
 
 def default_threads_per_stage(num_stages: int) -> int:
@@ -96,7 +97,7 @@ def port_taken(host: str, port: int) -> bool:
 
 def pagoda_command(*args: str) -> list[str]:
     """The `pagoda` CLI run by this interpreter (works without the console script on PATH)."""
-    return [sys.executable, "-m", "services.cli", *args]
+    return [sys.executable, "-m", "wiring.cli", *args]
 
 
 class RestartBudget:
@@ -219,26 +220,6 @@ def restart_if_due(p: ServiceProcess, timeout_s: float = 90.0) -> bool:
     p.wait_healthy(timeout_s)
     p.budget.restarted()
     return True
-
-
-PARENT_ENV = "PAGODA_DIE_WITH_PARENT"
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """In a service process started with `die_with_parent`: ask the kernel for SIGKILL when
-    the starter dies, and exit at once if it already has (it died before this ran)."""
-    parent = os.environ.get(PARENT_ENV)
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent):
-        os._exit(1)
 
 
 def stop_all(processes: Sequence[ServiceProcess], grace_s: float = 5.0) -> None:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from services.grpc_utils import INTERNAL_TOKEN_ENV
-from services.launcher import (
+from wiring.launcher import (
     MemorySetting,
     RestartBudget,
     ServiceProcess,
@@ -61,7 +61,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from gateway.config import default_model_names
-    from services.model_source import resolve_model
+    from wiring.model_source import resolve_model
 
     if args.model_tag:
         if args.model and args.model != args.model_tag:
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault(INTERNAL_TOKEN_ENV, secrets.token_urlsafe(32))
     log_dir = Path(args.log_dir or Path.home() / ".cache" / "pagoda" / "logs" / time.strftime("%Y%m%d-%H%M%S"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    from services.cli import check_tensor_parallel
+    from wiring.flags import check_tensor_parallel
 
     n, tp = args.pipeline_parallel_size, args.tensor_parallel_size
     try:
@@ -337,7 +337,7 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser, env) -> None:
-    from services.cli import (  # (loaded: it is what calls this)
+    from wiring.flags import (
         GPU_MEMORY_HELP,
         KV_CACHE_DTYPE_HELP,
         KV_CACHE_MEMORY_HELP,

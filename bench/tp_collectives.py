@@ -1,7 +1,7 @@
 """The all-reduce of two tensor-parallel ranks on one host: gloo over loopback against the
 ranks' shared memory (worker_svc/shm_collectives.py), in the same run.
 
-    .venv/bin/python scripts/bench_tp_collectives.py [--iters 2000] [--hidden 4096]
+    .venv/bin/python -m bench.tp_collectives [--iters 2000] [--hidden 4096]
 
 Starts two processes (one thread each), which reduce [rows, hidden] float32 tensors for rows
 in 1 and 64 (one decode token, a batch of 64) `--iters` times each way, and prints the

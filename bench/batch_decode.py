@@ -2,7 +2,7 @@
 rate on the same products, in one run (issue 24: "batch-64 decode at >= 50% of the bfloat16
 GEMM rate the bench measures for the same shapes with torch in the same run").
 
-    .venv/bin/python scripts/bench_batch_decode.py --model ~/.cache/pagoda/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+    .venv/bin/python -m bench.batch_decode --model ~/.cache/pagoda/models/SmolLM2-135M-Instruct.Q4_1.gguf \
         --model ~/.cache/pagoda-anchor/smol135 --batches 1,16,64 [--context 128] [--threads 1]
 
 Each model (a checkpoint folder or a GGUF file, served at `--dtype` auto: a GGUF's packed
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from services.model_source import prepare_gguf
+    from wiring.model_source import prepare_gguf
     from worker_svc.cpu_kernels import keep_freed_memory
     from worker_svc.loader import load_stage
 

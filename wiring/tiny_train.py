@@ -15,7 +15,7 @@ tensor names, and `training.json` records the recipe and the losses. The last
 `held_out_fraction` of the text is never trained on: `held_out_windows` draws evaluation
 prompts from it.
 
-This module needs torch and transformers; `services.tiny_model` stays torch-free and calls
+This module needs torch and transformers; `wiring.tiny_model` stays torch-free and calls
 it only through `make_tiny_model(..., finish=...)`.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from services.tiny_model import _training_text
+from wiring.tiny_model import _training_text
 
 
 @dataclasses.dataclass(frozen=True)

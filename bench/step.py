@@ -1,6 +1,6 @@
 """Benchmark: the cost of one step, in-process and over the gRPC stack (no gateway).
 
-    .venv/bin/python scripts/bench_step.py --arms local-sync,local-async,grpc-sync,grpc-async \
+    .venv/bin/python -m bench.step --arms local-sync,local-async,grpc-sync,grpc-async \
         --pp 1,2 --out /tmp/bench_step.json
 
 The anchor checkpoint of ../shared/anchors/vllm-cpu.md (7.4M-parameter Llama, float32) is
@@ -12,7 +12,7 @@ made once under `--model-dir`. Two loads, greedy with `ignore_eos`:
   to end, and time per output token after the first.
 
 Arms: `local-*` drive `build_local_engine` (one process, stages run in turn on one thread);
-`grpc-*` start the stack as real processes (`services.launcher.start_stack`: KV service,
+`grpc-*` start the stack as real processes (`wiring.launcher.start_stack`: KV service,
 workers with one torch thread each, scheduler) and call `Scheduler.Generate`. `*-sync` and
 `*-async` set `async_scheduling`. For gRPC arms the bytes each stage received per decode
 step per sequence are read back from the stages' statistics (`num_received_bytes`): the
@@ -43,7 +43,7 @@ PROMPT_LEN, OUTPUT_LEN = 128, 64
 def make_model(model_dir: Path) -> Path:
     if (model_dir / "config.json").exists():
         return model_dir
-    from services import tiny_model
+    from wiring import tiny_model
 
     spec = tiny_model.TinyModelSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4,
                                     vocab_size=8192)
@@ -64,7 +64,7 @@ async def local_arm(model_dir: Path, pp: int, is_async: bool, concurrency: int, 
 
     from scheduler_svc.config import SchedulerConfig
     from scheduler_svc.core.request import Request, SamplingOptions
-    from services.local_engine import build_local_engine
+    from wiring.local_engine import build_local_engine
 
     torch.set_num_threads(1)
     config = SchedulerConfig(model=str(model_dir), pipeline_parallel_size=pp, async_scheduling=is_async,
@@ -92,8 +92,8 @@ async def local_arm(model_dir: Path, pp: int, is_async: bool, concurrency: int, 
 
 async def grpc_arm(model_dir: Path, pp: int, is_async: bool, concurrency: int, repeats: int) -> dict:
     from services.grpc_utils import aio_channel
-    from services.launcher import start_stack
     from services.pb import scheduler_pb2, scheduler_pb2_grpc
+    from wiring.launcher import start_stack
 
     flag = "--async-scheduling" if is_async else "--no-async-scheduling"
     with tempfile.TemporaryDirectory() as logs:

@@ -93,7 +93,7 @@ def build_plan(args: argparse.Namespace):
     from bench.arms import cpu_count
     from bench.runner import ModelPlan, Plan
     from bench.workloads import FULL_SHAPE, QUICK_SHAPE
-    from services.tiny_model import PRESETS
+    from wiring.tiny_model import PRESETS
 
     unknown = [m for m in args.models if m not in PRESETS]
     if unknown:
@@ -125,8 +125,8 @@ def build_plan(args: argparse.Namespace):
 
 def _prepare_model(preset: str):
     from bench.workloads import token_space_of
-    from services import tiny_model
     from services.text import Tokenizer
+    from wiring import tiny_model
 
     spec = tiny_model.PRESETS[preset]
     model_dir = str(tiny_model.default_model_dir(spec=spec))
@@ -210,8 +210,7 @@ def run_bench(args: argparse.Namespace) -> int:
                  f"driven over {driver}.")
     results = {
         "meta": {
-            "command": "pagoda bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "bench"
-                                                   else sys.argv[1:]),
+            "command": "pagoda bench " + shlex.join(sys.argv[1:]),
             "machine": machine_info(), "started": started, "elapsed_s": time.perf_counter() - t0,
             "load_average_start": load_start, "load_average_end": load_average(),
             "driver": driver, "driver_note": driver_note, "total_threads": plan.total_threads,
@@ -232,7 +231,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m services.bench_cli ...`, until `pagoda bench` is wired into services/cli.py."""
+    """`pagoda bench ...` (which runs `python -m bench.cli ...`)."""
     p = argparse.ArgumentParser(prog="pagoda bench", description=__doc__.split("\n\n")[0])
     add_bench_arguments(p)
     return run_bench(p.parse_args(argv))

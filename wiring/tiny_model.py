@@ -234,7 +234,7 @@ def make_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec = DEFAU
     """Write a checkpoint for `spec` into `out_dir` and return its path.
 
     `finish`, if given, is called on the complete checkpoint before it is moved into place
-    (e.g. `services.tiny_train.train_tiny_model`, which replaces the random weights).
+    (e.g. `wiring.tiny_train.train_tiny_model`, which replaces the random weights).
 
     The files are written into a temporary folder next to `out_dir` and renamed into place,
     so `out_dir` never holds a half-written model. An existing non-empty `out_dir` raises

@@ -1,6 +1,6 @@
 """Benchmark the torch attention backend's decode path against the paths it replaced.
 
-    .venv/bin/python scripts/bench_attention.py [--threads 1] [--out /tmp/bench_attention.json]
+    .venv/bin/python -m bench.attention [--threads 1] [--out /tmp/bench_attention.json]
 
 One decode step of one layer (every row a single new token; K/V in a paged pool of blocks
 of 16 with the blocks shuffled), float32 on the CPU, for shapes from the tiny model to the
@@ -115,8 +115,8 @@ def engine_runs(repeats: int) -> list[dict]:
 
     from scheduler_svc.config import SchedulerConfig
     from scheduler_svc.core.request import Request, SamplingOptions
-    from services.local_engine import _collect, build_local_engine
-    from services.tiny_model import PRESETS, default_model_dir
+    from wiring.local_engine import _collect, build_local_engine
+    from wiring.tiny_model import PRESETS, default_model_dir
 
     async def run(model, backend, prompts):
         config = SchedulerConfig(model=model, num_kv_blocks=2048, async_scheduling=False,

@@ -146,9 +146,9 @@ class LLM:
         num_kv_blocks = config_fields.pop("num_kv_blocks", 1024)
         dtype = config_fields.pop("dtype", "auto")
         device = config_fields.pop("device", None)
-        from services.model_source import is_gguf, prepare_gguf
+        from wiring.model_source import is_gguf, prepare_gguf
 
-        if is_gguf(model):  # a GGUF file: its prepared folder (services/model_source.py)
+        if is_gguf(model):  # a GGUF file: its prepared folder (wiring/model_source.py)
             model = str(prepare_gguf(model))
         # one process: the stages' thread and the planner share the GIL, so planning ahead
         # does not overlap compute here (in-process async measured 0.96x of sync)

@@ -1,6 +1,6 @@
 """Benchmark: one decode step of a whole model, Pagoda's stage against `transformers`.
 
-    .venv/bin/python scripts/bench_decode_step.py --batches 1,16,64 [--context 200] \
+    .venv/bin/python -m bench.decode_step --batches 1,16,64 [--context 200] \
         [--model 25m] [--out /tmp/bench_decode_step.json]
 
 Same checkpoint (a `pagoda tiny-model` preset, made once under `$PAGODA_CACHE_DIR` or
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def model_dir(preset: str) -> Path:
-    from services.tiny_model import PRESETS, make_tiny_model
+    from wiring.tiny_model import PRESETS, make_tiny_model
 
     root = Path(os.environ.get("PAGODA_CACHE_DIR") or Path.home() / ".cache" / "pagoda")
     path = root / "bench-models" / preset

@@ -9,7 +9,7 @@ sizing predicts: the memory held after loading (weights, torch), the profile's p
 activations (with what a chunk at max_model_len adds), and the whole pool (resident from
 the start: it is allocated zeroed).
 
-    python scripts/bench_long_context.py --tokens 131072 --out bench/results/long_context.json
+    python -m bench.long_context --tokens 131072 --out bench/results/long_context.json
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.grpc_utils import INTERNAL_TOKEN_ENV, aio_channel  # noqa: E402
-from services.launcher import MemorySetting, stage_load_infos, start_stack  # noqa: E402
 from services.pb import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
-from services.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
+from wiring.launcher import MemorySetting, stage_load_infos, start_stack  # noqa: E402
+from wiring.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 
 ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 4096}

@@ -1,6 +1,6 @@
 """Benchmark: asynchronous against synchronous scheduling on the same workload.
 
-    .venv/bin/python scripts/bench_scheduler.py --out /tmp/bench_scheduler.json
+    .venv/bin/python -m bench.scheduler --out /tmp/bench_scheduler.json
 
 Two arms, `async_scheduling` on and off, both with pipeline parallelism 2, run the same
 fixed-seed workload: `--num-requests` requests (prompts of `--prompt-len` tokens, outputs of
@@ -8,7 +8,7 @@ fixed-seed workload: `--num-requests` requests (prompts of `--prompt-len` tokens
 `--concurrency` (each client sends its next request when its last one finished).
 
 - **gRPC** (the default path): the whole stack as real processes on loopback
-  (`services.launcher.start_stack`: KV service, 2 stage workers with one torch thread each,
+  (`wiring.launcher.start_stack`: KV service, 2 stage workers with one torch thread each,
   scheduler), one stack per arm, the sync one started with `--no-async-scheduling`. Both
   stacks are up for the whole run and the arms alternate (sync first on even repeats), so
   that drift in the machine's load falls on both. Each stack is warmed up first.
@@ -53,9 +53,9 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from services.grpc_utils import aio_channel  # noqa: E402
-from services.launcher import Stack, start_stack  # noqa: E402
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
-from services.tiny_model import PRESETS, default_model_dir  # noqa: E402
+from wiring.launcher import Stack, start_stack  # noqa: E402
+from wiring.tiny_model import PRESETS, default_model_dir  # noqa: E402
 
 NUM_STAGES = 2
 ARMS = ("sync", "async")
@@ -250,7 +250,7 @@ async def local_run(model_dir: Path, arm: str, repeats: list[tuple[int, list[Wor
                     warmup: list[Work], args: argparse.Namespace) -> list[RunResult]:
     from scheduler_svc.config import SchedulerConfig
     from scheduler_svc.core.request import Request, SamplingOptions
-    from services.local_engine import build_local_engine
+    from wiring.local_engine import build_local_engine
 
     config = SchedulerConfig(
         model=str(model_dir), pipeline_parallel_size=NUM_STAGES, async_scheduling=arm == "async",

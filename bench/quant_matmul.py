@@ -1,6 +1,6 @@
 """Micro-benchmark: the native quantized / bfloat16 matmul kernels against torch's F.linear.
 
-    .venv/bin/python scripts/bench_quant_matmul.py --threads 1 --tokens 1,16,64,128 \
+    .venv/bin/python -m bench.quant_matmul --threads 1 --tokens 1,16,64,128 \
         [--formats Q8_0,Q4_0,Q4_1,bf16,bf16dot,torch-f32,torch-bf16] [--isa avx2] [--act-bits 8,16] \
         [--json out.json]
 

@@ -1,6 +1,6 @@
 """Micro-benchmark: shipping activations between two pipeline stages, against their compute.
 
-    .venv/bin/python scripts/bench_activations.py --models tiny,25m --sizes 1,16,256 --reps 20 \
+    .venv/bin/python -m bench.activations --models tiny,25m --sizes 1,16,256 --reps 20 \
         --out /tmp/bench_activations.json
 
 For each model it starts a chain of two real `pagoda worker` processes on loopback (one torch
@@ -53,11 +53,11 @@ import grpc
 import torch
 
 from services.grpc_utils import aio_channel
-from services.launcher import ServiceProcess, free_port, pagoda_command, stop_all
 from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.step import NewSeq, StepPlan
 from services.step_codec import plan_to_pb
-from services.tiny_model import PRESETS, default_model_dir
+from wiring.launcher import ServiceProcess, free_port, pagoda_command, stop_all
+from wiring.tiny_model import PRESETS, default_model_dir
 from worker_svc.sampler import SamplingParams
 
 SHAPES = ("prefill", "decode")

@@ -1,6 +1,6 @@
 """Benchmark the KV-cache manager: fragmentation under churn and what a Step call costs.
 
-    .venv/bin/python scripts/bench_kvcache.py --out /tmp/bench_kvcache.json
+    .venv/bin/python -m bench.kvcache --out /tmp/bench_kvcache.json
 
 Three parts, each run in-process (`InProcessKVCacheClient`) and over gRPC
 (`GrpcKVCacheClient` against a real `pagoda kvcache` process on loopback), through the same
@@ -56,7 +56,7 @@ from kvcache_svc.core import (  # noqa: E402
     NoBlocks,
     StepInput,
 )
-from services.launcher import ServiceProcess, free_port, pagoda_command  # noqa: E402
+from wiring.launcher import ServiceProcess, free_port, pagoda_command  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_LEN = 4096
