@@ -170,6 +170,16 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
                        max_body_bytes=config.max_body_bytes, on_refused=gw.metrics.error,
                        metrics_require_key=config.metrics_require_key)
     _add_error_handlers(app, gw)
+    _add_openai_routes(app, gw)
+    _add_vllm_routes(app, gw)
+    _add_pagoda_routes(app, gw)
+    _add_operations_routes(app, gw)
+    _add_debug_routes(app, gw)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
+    """OpenAI's API: the models, completions and chat completions."""
 
     @app.get("/v1/models", tags=["OpenAI"], responses={401: _ERRORS[401]})
     async def list_models() -> dict[str, Any]:
@@ -190,8 +200,8 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
         request_id = f"cmpl-{uuid.uuid4().hex}"
         request.state.request_id = request_id
         validation.check_model(body.model, gw.limits)
-        prompts = await asyncio.to_thread(validation.completion_prompts, body, gw.tokenizer, gw.limits, config)
-        params = _with_session(validation.completion_params(body, prompts, gw.limits, config, _api_key(request)),
+        prompts = await asyncio.to_thread(validation.completion_prompts, body, gw.tokenizer, gw.limits, gw.config)
+        params = _with_session(validation.completion_params(body, prompts, gw.limits, gw.config, _api_key(request)),
                                body, request)
         await gw.charge(request, prompts, params)
         items = gw.generation(request_id, prompts, params, request.headers.get("traceparent", ""))
@@ -218,7 +228,7 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
         request.state.request_id = request_id
         validation.check_model(body.model, gw.limits)
         prompt = await asyncio.to_thread(validation.chat_prompt, body, gw.tokenizer, gw.limits)
-        params = _with_session(validation.chat_params(body, prompt, gw.limits, config, _api_key(request)),
+        params = _with_session(validation.chat_params(body, prompt, gw.limits, gw.config, _api_key(request)),
                                body, request)
         await gw.charge(request, [prompt], params)
         items = gw.generation(request_id, [prompt], params, request.headers.get("traceparent", ""))
@@ -234,6 +244,10 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
                                     prompt if body.return_token_ids else None,
                                     body.prompt_logprobs, params.tool_calling)
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
+
+
+def _add_vllm_routes(app: FastAPI, gw: Gateway) -> None:
+    """vLLM's extras: tokenize and detokenize (no scheduler call)."""
 
     @app.post("/tokenize", tags=["vLLM"], response_model_exclude_none=True,
               responses={k: _ERRORS[k] for k in (400, 401, 413)})
@@ -256,6 +270,10 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
         ids = validation.detokenize_ids(body, gw.limits)
         text = await asyncio.to_thread(gw.tokenizer.decode, ids, skip_special_tokens=False)
         return DetokenizeResponse(prompt=text)
+
+
+def _add_pagoda_routes(app: FastAPI, gw: Gateway) -> None:
+    """Pagoda's own: `/generate`, one prompt with its timeline."""
 
     @app.post("/generate", tags=["Pagoda"], responses=_ERRORS)
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
@@ -285,13 +303,17 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
             payload["timeline"] = chrome_trace(request_id, timeline, spans)
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
 
+
+def _add_operations_routes(app: FastAPI, gw: Gateway) -> None:
+    """What operators and probes ask: health, version and Prometheus metrics."""
+
     @app.get("/health", tags=["Operations"],
              responses={503: {"description": "Some part of the chain is not serving."}})
     async def health() -> JSONResponse:
         """Ready only when the scheduler reports every stage and the KV service serving."""
         if gw.draining:
             return JSONResponse({"status": "draining", "detail": "the server is shutting down"}, 503)
-        serving, detail = await generator.health()
+        serving, detail = await gw.generator.health()
         if not serving:
             return JSONResponse({"status": "unavailable", "detail": detail}, 503)
         return JSONResponse({"status": "ok"})
@@ -309,18 +331,23 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
         end-to-end latency as clients see them, and the engine's running and waiting
         requests, KV usage, prefix-cache and preemption counters (read from the scheduler)."""
         try:
-            gw.metrics.engine.stats = await generator.stats(timeout_s=1.0)
+            gw.metrics.engine.stats = await gw.generator.stats(timeout_s=1.0)
         except Exception as exc:  # noqa: BLE001 - a scrape never fails: the engine shows as down
             log.debug("metrics: no statistics from the scheduler: %s", exc)
             gw.metrics.engine.stats = None
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_debug_routes(app: FastAPI, gw: Gateway) -> None:
+    """What the scheduler and replicas hold, for people: the KV memory, the replicas and
+    the live dashboard."""
 
     @app.get("/debug/memory", tags=["Operations"], responses={401: _ERRORS[401], 503: _ERRORS[503]})
     async def debug_memory(include_sequences: bool = False) -> dict[str, Any]:
         """The KV service's statistics as the scheduler last read them: used, free and
         cached blocks, peak, fragmentation, prefix hits (and per-sequence layouts)."""
         try:
-            stats = await generator.stats(include_kv_sequences=include_sequences)
+            stats = await gw.generator.stats(include_kv_sequences=include_sequences)
         except grpc.aio.AioRpcError as exc:
             raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
         return {"kv_address": stats.kv_address, "kv_health": _enum_name(stats.kv_health),
@@ -335,9 +362,9 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
     async def debug_replicas() -> dict[str, Any]:
         """Router mode (several schedulers): each replica's health, load and the requests
         routed there, the routing policy, and how often it fell back to routing by load."""
-        rs = generator.replicas
+        rs = gw.generator.replicas
         if rs is None:
-            return {"routing": None, "replicas": [{"name": "r0", "address": generator.scheduler_address}]}
+            return {"routing": None, "replicas": [{"name": "r0", "address": gw.generator.scheduler_address}]}
         index = rs.index
         return {"routing": rs.policy, "replicas": rs.describe(), "fallbacks": rs.num_fallbacks,
                 "retries": rs.num_retries,
@@ -355,13 +382,11 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
         """What the dashboard shows, as JSON: requests and queues by tenant and priority,
         the KV block map, the stages' compute spans of the last seconds, token counters."""
         try:
-            stats = await generator.stats(include_kv_sequences=True, include_requests=True,
+            stats = await gw.generator.stats(include_kv_sequences=True, include_requests=True,
                                           include_timeline=True)
         except grpc.aio.AioRpcError as exc:
             raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
         return dashboard.state(stats, gw.limits.name)
-
-    return app
 
 
 def _version() -> str:

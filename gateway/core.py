@@ -16,14 +16,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
 from gateway.replicas import NoReplica, Replica, ReplicaSet, merge_stats, parse_targets
 from gateway.tools import ToolCalling
 from services import telemetry
-from services.grpc_utils import aio_channel
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.sampling import SamplingOptions
 from services.sampling_pb import options_to_pb
@@ -195,9 +194,49 @@ class Finished:
     timeline: list = field(default_factory=list)
 
 
+class _Backoff:
+    """Waits of 0.2 s doubling up to 2 s, for at most `limit_s` from the first."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.deadline: float | None = None
+        self.delay = 0.2
+
+    async def wait(self) -> bool:
+        """Sleep the next delay; False, without sleeping, when it would end past the limit."""
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + self.limit_s
+        if now + self.delay > self.deadline:
+            return False
+        await asyncio.sleep(self.delay)
+        self.delay = min(2.0, self.delay * 2)
+        return True
+
+
+@dataclass
+class _Choices:
+    """One request's choices as streamed so far: each one's detokenizer, the ended ones,
+    and how many tokens each generated."""
+
+    num_prompt_tokens: int
+    processors: dict[int, TextOutputProcessor] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+    # from the first response when asked; handed to each choice's first delta
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, sum(self.completion_tokens.values()))
+
+
 class TextGenerator:
     """The gateway's one client of the scheduler, shared by every request of one event loop
-    (REST and gRPC alike). Its channel opens on first use and closes with `close`."""
+    (REST and gRPC alike). Its channels open on first use and close with `close`.
+
+    The schedulers are a `ReplicaSet`: several replicas this gateway routes between, or
+    one scheduler as a set of one (gateway/replicas.py); either way a request goes through
+    the one retry loop of `_responses`."""
 
     def __init__(self, scheduler_address: str, tokenizer: Tokenizer, max_model_len: int,
                  retry_unavailable_s: float = RETRY_UNAVAILABLE_S,
@@ -208,34 +247,36 @@ class TextGenerator:
         self._tracing = telemetry.enabled()
         self._tracer = telemetry.tracer("pagoda.gateway")
         targets = parse_targets(scheduler_address)
-        # several replicas: this gateway routes (gateway/replicas.py); one: it is that one's
-        self.replicas = ReplicaSet(targets, routing, redis_url) if len(targets) > 1 else None
+        self._replicas = ReplicaSet(targets, routing, redis_url)
         self._placed: dict[str, Replica] = {}  # request id -> the replica it runs on
-        self.scheduler_address = targets[0][1] if self.replicas is None else scheduler_address
+        self.scheduler_address = scheduler_address if self._replicas.routes else targets[0][1]
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
         self._background: set[asyncio.Task] = set()
         self._tokens: dict[int, tuple[str, bytes]] = {}  # token id -> (text, bytes)
 
-    def _connect(self) -> scheduler_pb2_grpc.SchedulerStub:
-        if self._stub is None:
-            self._channel = aio_channel(self.scheduler_address)
-            self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        return self._stub
+    @property
+    def replicas(self) -> ReplicaSet | None:
+        """The replicas this gateway routes between (router mode); None with one scheduler
+        (a set of one: nothing to route)."""
+        return self._replicas if self._replicas.routes else None
+
+    @property
+    def _stub(self) -> scheduler_pb2_grpc.SchedulerStub | None:
+        """The scheduler's stub (a router's first replica's) once connected; tests put a
+        scripted one here."""
+        return self._replicas.replicas[0].stub
+
+    @_stub.setter
+    def _stub(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+        self._replicas.replicas[0].stub = stub
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel, self._stub = None, None
-        if self.replicas is not None:
-            await self.replicas.close()
+        await self._replicas.close()
 
     def start(self) -> None:
         """In the event loop that serves: start watching the replicas (router mode)."""
-        if self.replicas is not None:
-            self.replicas.start()
+        self._replicas.start()
 
     async def stats(self, include_kv_sequences: bool = False, timeout_s: float = 2.0,
                     include_requests: bool = False, include_timeline: bool = False):
@@ -244,9 +285,8 @@ class TextGenerator:
         request = scheduler_pb2.GetStatsRequest(include_kv_sequences=include_kv_sequences,
                                                 include_requests=include_requests,
                                                 include_timeline=include_timeline)
-        if self.replicas is None:
-            return await self._connect().GetStats(request, timeout=timeout_s)
-        live = self.replicas.healthy or self.replicas.replicas
+        # the replicas serving as last polled; all when none is, as in a set of one (never polled)
+        live = self._replicas.healthy or self._replicas.replicas
         replies = await asyncio.gather(*(r.connect().GetStats(request, timeout=timeout_s) for r in live),
                                        return_exceptions=True)
         got = [r for r in replies if not isinstance(r, BaseException)]
@@ -258,12 +298,12 @@ class TextGenerator:
         """(serving, why not): the whole chain as the scheduler reports it. Serving only when
         the scheduler says SERVING and so does its view of the KV service. In router mode:
         serving while one replica is (as last polled)."""
-        if self.replicas is not None:
-            if self.replicas.healthy:
+        if self._replicas.routes:
+            if self._replicas.healthy:
                 return True, ""
             return False, "no replica is serving: " + "; ".join(
-                f"{r.name} ({r.address}): {r.why_down}" for r in self.replicas.replicas)
-        try:
+                f"{r.name} ({r.address}): {r.why_down}" for r in self._replicas.replicas)
+        try:  # one scheduler, not polled: asked now
             stats = await self.stats(timeout_s=timeout_s)
         except grpc.aio.AioRpcError as exc:
             return False, f"scheduler {self.scheduler_address}: {exc.code().name}: {exc.details()}"
@@ -277,15 +317,13 @@ class TextGenerator:
         req = scheduler_pb2.AbortRequest(request_id=request_id)
         if index is not None:
             req.index = index
-        if self.replicas is None:
-            stub = self._connect()
-        else:
-            replica = self._placed.get(request_id)
-            if replica is None:
-                return
-            stub = replica.connect()
+        replica = self._placed.get(request_id)
+        if replica is None and not self._replicas.routes:
+            replica = self._replicas.replicas[0]  # one scheduler: where every request runs (or ran)
+        if replica is None:
+            return
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await stub.Abort(req, timeout=2.0)
+            await replica.connect().Abort(req, timeout=2.0)
 
     def _request(self, request_id: str, prompt_ids: Sequence[int], p: GenerationParams,
                  traceparent: str = "") -> scheduler_pb2.GenerateRequest:
@@ -311,77 +349,39 @@ class TextGenerator:
         which aborts the request downstream and frees its blocks.
         """
         request_id = request_id or uuid.uuid4().hex
-        span = None
-        if self._tracing:  # the request's root span here; the scheduler's and stages' hang below
-            span = self._tracer.start_span(
-                "gateway.request", context=telemetry.context_from(traceparent),
-                attributes={"pagoda.request_id": request_id, "pagoda.num_prompt_tokens": len(prompt_ids)},
-            )
-            traceparent = telemetry.traceparent_of(span)
+        span, traceparent = self._start_span(request_id, len(prompt_ids), traceparent)
         metadata = (("traceparent", traceparent),) if traceparent else None
         request = self._request(request_id, prompt_ids, params, traceparent)
         # read ahead of the client, within bounds: a client that stops reading for good is
         # aborted with finish reason "abort" (what it owed is then final)
         responses = read_ahead(self._responses(request, metadata, params.session), READ_AHEAD,
                                self.stall_timeout_s)
-        processors: dict[int, TextOutputProcessor] = {}
-        done: set[int] = set()
-        completion_tokens: dict[int, int] = {}
-        prompt_logprobs = None  # from the first response; handed to each choice's first delta
+        choices = _Choices(len(prompt_ids))
         try:
             async for resp in responses:
-                if params.sampling.prompt_logprobs is not None and prompt_logprobs is None:
-                    # the first response carries them (none for a one-token prompt)
-                    text, token_bytes = self._token(prompt_ids[0])
-                    head = TokenLogprob(prompt_ids[0], text, None, token_bytes=token_bytes)
-                    prompt_logprobs = [head, *self._logprobs(resp.prompt_logprobs, prompt_ids[1:])]
-                index = resp.index
-                if index not in done:
-                    proc = processors.get(index)
-                    if proc is None:
-                        proc = processors[index] = TextOutputProcessor(
-                            self.tokenizer, stop=params.stop,
-                            skip_special_tokens=params.skip_special_tokens,
-                            include_stop_str_in_output=params.include_stop_str_in_output,
-                            prompt_token_ids=list(prompt_ids),
-                        )
-                    first = index not in completion_tokens
-                    delta = self._choice_delta(resp, proc, params)
-                    completion_tokens[index] = 0 if params.prompt_only else (
-                        completion_tokens.get(index, 0) + len(resp.token_ids))
-                    if params.prompt_only and delta is not None:  # nothing generated is returned
-                        delta = ChoiceDelta(index, "", [], [], "length" if delta.finish_reason else None)
-                    if first and params.sampling.prompt_logprobs is not None:
-                        delta = delta or ChoiceDelta(index, "", [])
-                        delta.prompt_logprobs = prompt_logprobs
-                    if delta is not None:
-                        if delta.finish_reason is not None:
-                            done.add(index)
-                            if resp.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED \
-                                    and params.sampling.n > 1 and len(done) < params.sampling.n:
-                                # a stop string matched: end this choice downstream now
-                                self._in_background(self.abort(request_id, index))
-                        yield delta
+                delta = self._on_response(resp, request, params, choices)
+                if delta is not None:
+                    yield delta
                 if resp.HasField("usage"):
                     finished = self._finished(resp)
                     if params.prompt_only:
                         finished.usage.completion_tokens = 0
                     yield finished
                     return
-                if len(done) == params.sampling.n:
+                if len(choices.done) == params.sampling.n:
                     # every choice ended at the gateway (stop strings): tell the scheduler so
                     # (it counts a stop, as here, where a cancelled call counts an abort), then
                     # the finally below cancels what is left
-                    await self.abort(request_id, index)
-                    yield Finished(Usage(len(prompt_ids), sum(completion_tokens.values())))
+                    await self.abort(request_id, resp.index)
+                    yield Finished(choices.usage())
                     return
         except ConsumerStalled:
             log.warning("request %s: the client read nothing for %.0f s with %d responses waiting; "
                         "aborted", request_id, self.stall_timeout_s, READ_AHEAD)
             for index in range(params.sampling.n):
-                if index not in done:
+                if index not in choices.done:
                     yield ChoiceDelta(index, "", [], [], "abort")
-            yield Finished(Usage(len(prompt_ids), sum(completion_tokens.values())))
+            yield Finished(choices.usage())
         except grpc.aio.AioRpcError as exc:
             raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
         finally:
@@ -389,74 +389,113 @@ class TextGenerator:
             if span is not None:
                 span.end()
 
+    def _start_span(self, request_id: str, num_prompt_tokens: int, traceparent: str) -> tuple[Any, str]:
+        """(the request's root span, its traceparent) when tracing: the scheduler's and the
+        stages' spans hang below it. (None, `traceparent`) otherwise."""
+        if not self._tracing:
+            return None, traceparent
+        span = self._tracer.start_span(
+            "gateway.request", context=telemetry.context_from(traceparent),
+            attributes={"pagoda.request_id": request_id, "pagoda.num_prompt_tokens": num_prompt_tokens},
+        )
+        return span, telemetry.traceparent_of(span)
+
+    def _on_response(self, resp, request: scheduler_pb2.GenerateRequest, params: GenerationParams,
+                     choices: _Choices) -> ChoiceDelta | None:
+        """What one scheduler response adds to its choice (None: nothing, or the choice had
+        ended at the gateway). A choice that a stop string ends while others go on is
+        aborted downstream."""
+        prompt_ids = request.prompt_token_ids
+        if params.sampling.prompt_logprobs is not None and choices.prompt_logprobs is None:
+            # the first response carries them (none for a one-token prompt)
+            text, token_bytes = self._token(prompt_ids[0])
+            head = TokenLogprob(prompt_ids[0], text, None, token_bytes=token_bytes)
+            choices.prompt_logprobs = [head, *self._logprobs(resp.prompt_logprobs, prompt_ids[1:])]
+        index = resp.index
+        if index in choices.done:
+            return None
+        proc = choices.processors.get(index)
+        if proc is None:
+            proc = choices.processors[index] = TextOutputProcessor(
+                self.tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                prompt_token_ids=list(prompt_ids),
+            )
+        first = index not in choices.completion_tokens
+        delta = self._choice_delta(resp, proc, params)
+        choices.completion_tokens[index] = 0 if params.prompt_only else (
+            choices.completion_tokens.get(index, 0) + len(resp.token_ids))
+        if params.prompt_only and delta is not None:  # nothing generated is returned
+            delta = ChoiceDelta(index, "", [], [], "length" if delta.finish_reason else None)
+        if first and params.sampling.prompt_logprobs is not None:
+            delta = delta or ChoiceDelta(index, "", [])
+            delta.prompt_logprobs = choices.prompt_logprobs
+        if delta is not None and delta.finish_reason is not None:
+            choices.done.add(index)
+            if resp.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED \
+                    and params.sampling.n > 1 and len(choices.done) < params.sampling.n:
+                # a stop string matched: end this choice downstream now
+                self._in_background(self.abort(request.request_id, index))
+        return delta
+
     async def _responses(self, request, metadata, session: str = "") -> AsyncIterator:
         """The scheduler's responses to `request`; closing this iterator cancels the call
-        (the scheduler aborts the request and frees its blocks). A call that fails
-        UNAVAILABLE before its first response (the scheduler restarting: `pagoda serve`
-        brings it back) is made again, backing off, for up to `retry_unavailable_s`: a
-        request that had streamed nothing completes instead of failing. Once anything came,
-        a failure is final (the client has part of an answer), as is an unavailable pipeline
-        behind a live scheduler. In router mode each attempt goes to the replica chosen
-        then; one that fails it so is drained, and the request goes at once to a replica
-        not tried yet (its pipeline being down included), waiting only when none is left."""
-        deadline, delay = None, 0.2
+        (the scheduler aborts the request and frees its blocks). Each attempt goes to the
+        replica `ReplicaSet.pick` chooses then. A call that fails UNAVAILABLE before its
+        first response (the replica died or is restarting: `pagoda serve` brings it back)
+        drains that replica, and the request goes at once to one not tried yet (its pipeline
+        being down included); when none is left it waits, backing off, for up to
+        `retry_unavailable_s`: a request that had streamed nothing completes instead of
+        failing. With one scheduler (a set of one) that is: back off, then call it again.
+        Once anything came, a failure is final (the client has part of an answer), as is an
+        unavailable pipeline behind a lone scheduler that is up."""
+        backoff = _Backoff(self.retry_unavailable_s)
         tried: set[str] = set()
+        failure: grpc.aio.AioRpcError | None = None  # the last call's, failed UNAVAILABLE unstreamed
         while True:
-            replica = None
-            if self.replicas is None:
-                stub = self._connect()
-            else:
-                try:
-                    replica, _ = await self.replicas.pick(request.prompt_token_ids, session or None,
-                                                          frozenset(tried))
-                except NoReplica as exc:
-                    now = time.monotonic()
-                    deadline = deadline or now + self.retry_unavailable_s
-                    if now + delay > deadline:
-                        raise GenerationError(grpc.StatusCode.UNAVAILABLE, f"{exc}: {self._down()}") from None
-                    await asyncio.sleep(delay)
-                    delay = min(2.0, delay * 2)
-                    tried.clear()  # those the health poll saw come back may be tried again
-                    continue
-                stub = replica.connect()
-                self._placed[request.request_id] = replica
-            call = stub.Generate(request, metadata=metadata)
+            try:
+                replica, _ = await self._replicas.pick(request.prompt_token_ids, session or None,
+                                                       frozenset(tried))
+            except NoReplica as exc:
+                if not await backoff.wait():
+                    raise self._unavailable(exc, failure) from None
+                tried.clear()  # those the health poll saw come back (a set of one's: its one) again
+                continue
+            self._placed[request.request_id] = replica
+            call = replica.connect().Generate(request, metadata=metadata)
             received = False
             try:
-                with contextlib.nullcontext() if replica is None else self.replicas.in_flight(replica):
+                with self._replicas.in_flight(replica):
                     async for resp in call:
                         received = True
                         yield resp
                 return
             except grpc.aio.AioRpcError as exc:
                 details = exc.details() or ""
-                if received or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                if received or exc.code() != grpc.StatusCode.UNAVAILABLE \
+                        or ("pipeline unavailable" in details and not self._replicas.routes):
                     raise
-                if replica is not None:
-                    self.replicas.mark_down(replica, f"{exc.code().name}: {details}")
-                    tried.add(replica.name)
-                    self.replicas.num_retries += 1
-                    log.info("request %s: replica %s unavailable before anything streamed (%s); "
-                             "another is tried", request.request_id, replica.name, details)
-                    continue
-                if "pipeline unavailable" in details:
-                    raise
-                now = time.monotonic()
-                deadline = deadline or now + self.retry_unavailable_s
-                if now + delay > deadline:
-                    raise
-                log.info("request %s: scheduler unavailable before anything streamed (%s); retrying",
-                         request.request_id, details)
-                await asyncio.sleep(delay)
-                delay = min(2.0, delay * 2)
+                failure = exc
+                self._replicas.mark_down(replica, f"{exc.code().name}: {details}")
+                tried.add(replica.name)
+                self._replicas.num_retries += 1
+                log.info("request %s: replica %s (%s) unavailable before anything streamed (%s); "
+                         "retrying", request.request_id, replica.name, replica.address, details)
             finally:
                 if not call.done():
                     call.cancel()
-                if replica is not None and self._placed.get(request.request_id) is replica:
+                if self._placed.get(request.request_id) is replica:
                     del self._placed[request.request_id]
 
+    def _unavailable(self, exc: NoReplica, failure: grpc.aio.AioRpcError | None) -> GenerationError:
+        """Why a request that waited for a replica out fails: one scheduler's own error, or
+        the replicas' (each one's last reason)."""
+        if failure is not None and not self._replicas.routes:
+            return GenerationError(failure.code(), failure.details() or failure.code().name)
+        return GenerationError(grpc.StatusCode.UNAVAILABLE, f"{exc}: {self._down()}")
+
     def _down(self) -> str:
-        return "; ".join(f"{r.name}: {r.why_down}" for r in self.replicas.replicas if not r.state.healthy)
+        return "; ".join(f"{r.name}: {r.why_down}" for r in self._replicas.replicas if not r.state.healthy)
 
     def _choice_delta(self, resp, proc: TextOutputProcessor,
                       params: GenerationParams) -> ChoiceDelta | None:

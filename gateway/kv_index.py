@@ -19,17 +19,13 @@ import time
 from collections.abc import Sequence
 
 from gateway.routing import leading_hits
+from services.kv_index_schema import replica_keys
 from services.prefix_hash import block_keys
 
 log = logging.getLogger(__name__)
 
 MAX_BLOCKS = 512  # a prompt's leading blocks looked up (beyond them the scores barely differ)
 RETRY_AFTER_S = 1.0
-
-
-def _keys(replica: str) -> tuple[str, str]:
-    tag = f"pagoda:kv:{{{replica}}}"  # as kvcache_svc.publisher.redis_keys
-    return f"{tag}:blocks", f"{tag}:alive"
 
 
 class KVIndex:
@@ -63,7 +59,8 @@ class KVIndex:
         prompt_blocks = max((len(k) for k in by_namespace.values()), default=0)
         pipe = self._client.pipeline(transaction=False)
         for name, namespace in replicas:
-            blocks, alive = _keys(name)
+            keys = replica_keys(name)
+            blocks, alive = keys.blocks, keys.alive
             pipe.exists(alive)
             pipe.scard(blocks)
             if prompt_blocks:

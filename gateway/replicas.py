@@ -14,8 +14,12 @@ each request goes to one replica, chosen by `gateway.routing.choose` from
 
 A call that fails UNAVAILABLE before anything streamed (the replica died or is
 restarting) marks that replica down and is sent to another at once; each replica is tried
-once per request, after which the request waits for one to come back, as a single
-scheduler's requests do (`TextGenerator`).
+once per request, after which the request waits for one to come back (`TextGenerator`).
+
+One scheduler (`--scheduler HOST:PORT`) is a replica set of one: it routes nothing and is
+not polled (its calls say whether it serves, and `/health` asks it), so its one member is
+every request's choice until the request has tried it; a request it failed so backs off
+and tries it again through the same loop.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
 from gateway.routing import POLICIES, Choice, NoReplica, ReplicaState, choose
+from services.defaults import BLOCK_SIZE
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.prefix_hash import block_keys
@@ -72,7 +77,7 @@ class Replica:
     stub: scheduler_pb2_grpc.SchedulerStub | None = None
     channel: grpc.aio.Channel | None = None
     namespace: str | None = None  # its scheduler's model: the prefix cache's namespace
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     num_blocks: int = 0  # its KV pool
     last_stats: scheduler_pb2.GetStatsResponse | None = None
     why_down: str = "not polled yet"
@@ -89,15 +94,17 @@ class Replica:
 
 
 class ReplicaSet:
-    """The replicas behind one gateway, their health and load, and the choice per request."""
+    """The replicas behind one gateway, their health and load, and the choice per request.
+    A set of one (`routes` False) is neither polled nor routed: see the module's docstring."""
 
     def __init__(self, targets: Sequence[tuple[str, str]], policy: str = "prefix", redis_url: str = "") -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing: must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.replicas = [Replica(name, address) for name, address in targets]
+        self.routes = len(self.replicas) > 1
         self.policy = policy
         self.index = None
-        if redis_url and policy == "prefix":
+        if redis_url and policy == "prefix" and self.routes:
             from gateway.kv_index import KVIndex
 
             self.index = KVIndex(redis_url)
@@ -107,7 +114,7 @@ class ReplicaSet:
         self._prefixes: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._task: asyncio.Task | None = None
         self.num_fallbacks = 0  # prefix routing done by load (no index)
-        self.num_retries = 0  # requests sent to another replica after one failed them
+        self.num_retries = 0  # calls made again after one failed UNAVAILABLE before streaming
 
     def by_name(self, name: str) -> Replica:
         return next(r for r in self.replicas if r.name == name)
@@ -115,7 +122,8 @@ class ReplicaSet:
     # --- health and load ---------------------------------------------------------------
 
     def start(self) -> None:
-        if self._task is None:
+        """Poll the replicas' health and load (a set of one is not polled)."""
+        if self._task is None and self.routes:
             self._task = asyncio.get_running_loop().create_task(self._poll_forever(), name="replica-poll")
 
     async def close(self) -> None:
@@ -173,7 +181,14 @@ class ReplicaSet:
 
     async def pick(self, prompt_ids: Sequence[int], session: str | None = None,
                    exclude: frozenset[str] = frozenset()) -> tuple[Replica, Choice]:
-        """The replica for a request (NoReplica when none is healthy)."""
+        """The replica for a request (NoReplica when none is healthy). A set of one's member
+        is the choice, whatever its state, until the request has tried it."""
+        if not self.routes:
+            [only] = self.replicas
+            if only.name in exclude:
+                raise NoReplica("no replica left to try")
+            only.num_routed += 1
+            return only, Choice(only.name)
         live = [r for r in self.replicas if r.state.healthy and r.name not in exclude]
         cached, prompt_blocks = None, 0
         if self.policy == "prefix" and not session and len(live) > 1:
@@ -243,7 +258,9 @@ def _add_counts(into, other) -> None:
 def merge_stats(replies: Sequence[scheduler_pb2.GetStatsResponse]) -> scheduler_pb2.GetStatsResponse:
     """Several replicas' statistics as one: counts and counters summed (the KV pool's too),
     the prefix hit rate recomputed, serving when one replica is; the rest (configuration,
-    stages, timeline) is the first's."""
+    stages, timeline) is the first's. One reply is itself."""
+    if len(replies) == 1:
+        return replies[0]
     out = scheduler_pb2.GetStatsResponse()
     out.CopyFrom(replies[0])
     for other in replies[1:]:

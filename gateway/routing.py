@@ -32,7 +32,9 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-POLICIES = ("prefix", "least-loaded", "round-robin")
+from services.defaults import ROUTING_POLICIES
+
+POLICIES = ROUTING_POLICIES
 LOAD_WEIGHT = 1.0
 KV_WEIGHT = 0.25  # a nearly full KV pool preempts: a replica at 100% costs a quarter miss more
 # the share of the prefixes this router sent out lately that went there: a prefix no replica

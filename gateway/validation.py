@@ -24,6 +24,8 @@ from gateway.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
+    ResponseFormat,
+    StructuredOutputs,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     _OpenAIFields,
@@ -211,51 +213,14 @@ def _logit_bias(value: dict[str, float] | None, limits: ModelLimits) -> tuple[tu
 
 
 GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
+_Found = list[tuple[str, StructuredOutput]]  # (the field that set it, what it set), in field order
 
 
 def structured_output(req: _OpenAIFields) -> StructuredOutput | None:
     """The request's structured output, from whichever of OpenAI's and vLLM's spellings it
     used (at most one), compiled once to check it: a 400 naming the field otherwise."""
-    found: list[tuple[str, StructuredOutput]] = []
-
-    def make(param: str, kind: str, spec: Any = "", choices: Any = ()) -> None:
-        if kind == "json_schema" and isinstance(spec, dict):
-            spec = json.dumps(spec)
-        try:
-            found.append((param, StructuredOutput(kind, spec, tuple(choices))))
-        except ValueError as exc:
-            raise invalid(param, str(exc).partition(": ")[2]) from None
-
-    rf = req.response_format
-    if rf is not None and rf.type != "text":
-        if rf.type == "json_object":
-            if rf.json_schema is not None:
-                raise invalid("response_format.json_schema", "only with type json_schema")
-            make("response_format", "json_object")
-        elif rf.json_schema is None:
-            raise invalid("response_format.json_schema", "type json_schema needs json_schema.schema")
-        else:
-            make("response_format.json_schema.schema", "json_schema", rf.json_schema.schema_)
-    so = req.structured_outputs
-    if so is not None:
-        for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                            ("grammar", so.grammar)):
-            if value is not None:
-                kind = {"json": "json_schema"}.get(name, name)
-                if name == "choice":
-                    make(f"structured_outputs.{name}", kind, choices=value)
-                else:
-                    make(f"structured_outputs.{name}", kind, value)
-        if so.json_object:
-            make("structured_outputs.json_object", "json_object")
-    if req.guided_json is not None:
-        make("guided_json", "json_schema", req.guided_json)
-    if req.guided_regex is not None:
-        make("guided_regex", "regex", req.guided_regex)
-    if req.guided_choice is not None:
-        make("guided_choice", "choice", choices=req.guided_choice)
-    if req.guided_grammar is not None:
-        make("guided_grammar", "grammar", req.guided_grammar)
+    found = [*_from_response_format(req.response_format),
+             *_from_structured_outputs(req.structured_outputs), *_from_guided(req)]
     backend = req.guided_decoding_backend
     if backend is not None and backend not in GRAMMAR_BACKENDS:
         raise invalid("guided_decoding_backend", f"{backend!r} is not available; Pagoda's structured "
@@ -270,6 +235,62 @@ def structured_output(req: _OpenAIFields) -> StructuredOutput | None:
     except grammar.GrammarError as exc:
         raise invalid(param, str(exc)) from None
     return spec
+
+
+def _spec(param: str, kind: str, spec: Any = "", choices: Any = ()) -> tuple[str, StructuredOutput]:
+    """One field's structured output, as `StructuredOutput` checks it: a 400 naming `param`
+    otherwise. A JSON schema given as an object is sent as its JSON text."""
+    if kind == "json_schema" and isinstance(spec, dict):
+        spec = json.dumps(spec)
+    try:
+        return param, StructuredOutput(kind, spec, tuple(choices))
+    except ValueError as exc:
+        raise invalid(param, str(exc).partition(": ")[2]) from None
+
+
+def _from_response_format(rf: ResponseFormat | None) -> _Found:
+    """OpenAI's spelling: `response_format` (type text: none)."""
+    if rf is None or rf.type == "text":
+        return []
+    if rf.type == "json_object":
+        if rf.json_schema is not None:
+            raise invalid("response_format.json_schema", "only with type json_schema")
+        return [_spec("response_format", "json_object")]
+    if rf.json_schema is None:
+        raise invalid("response_format.json_schema", "type json_schema needs json_schema.schema")
+    return [_spec("response_format.json_schema.schema", "json_schema", rf.json_schema.schema_)]
+
+
+def _from_structured_outputs(so: StructuredOutputs | None) -> _Found:
+    """vLLM's spelling: `structured_outputs.{json, regex, choice, grammar, json_object}`."""
+    if so is None:
+        return []
+    found: _Found = []
+    for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                        ("grammar", so.grammar)):
+        if value is not None:
+            kind = {"json": "json_schema"}.get(name, name)
+            if name == "choice":
+                found.append(_spec(f"structured_outputs.{name}", kind, choices=value))
+            else:
+                found.append(_spec(f"structured_outputs.{name}", kind, value))
+    if so.json_object:
+        found.append(_spec("structured_outputs.json_object", "json_object"))
+    return found
+
+
+def _from_guided(req: _OpenAIFields) -> _Found:
+    """vLLM's older spelling: `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`."""
+    found: _Found = []
+    if req.guided_json is not None:
+        found.append(_spec("guided_json", "json_schema", req.guided_json))
+    if req.guided_regex is not None:
+        found.append(_spec("guided_regex", "regex", req.guided_regex))
+    if req.guided_choice is not None:
+        found.append(_spec("guided_choice", "choice", choices=req.guided_choice))
+    if req.guided_grammar is not None:
+        found.append(_spec("guided_grammar", "grammar", req.guided_grammar))
+    return found
 
 
 def _refuse_unsupported(req: _SamplingFields) -> None:

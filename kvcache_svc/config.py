@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.defaults import BLOCK_SIZE
 from services.grpc_utils import DEFAULT_MAX_MESSAGE_BYTES
 
 MAX_NUM_BLOCKS = 2**32 - 1  # block ids travel as uint32
@@ -19,7 +20,7 @@ class KVCacheConfig:
     """
 
     num_blocks: int
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     host: str = "127.0.0.1"

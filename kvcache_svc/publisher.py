@@ -1,16 +1,16 @@
 """A KV service's prefix cache, published to Redis for routers (issue 13).
 
 `pagoda kvcache --replica-id r0 --redis-url redis://...` runs this beside the service, in
-its process: it follows the service's KV events (kvcache_svc/events.py) and keeps, under
-keys of its own replica,
+its process: it follows the service's KV events (kvcache_svc/events.py) and keeps, under its
+own replica's keys (`services/kv_index_schema.py`),
 
-- `pagoda:kv:{r0}:blocks`: a set of the keys of every block in the replica's prefix cache
-  (the index a router asks: "how many of this prompt's leading blocks does r0 hold?");
-- `pagoda:kv:{r0}:events`: the events themselves, a stream trimmed to about
-  `STREAM_MAXLEN` entries (for other consumers, and to see what happened);
-- `pagoda:kv:{r0}:alive`: the heartbeat (`{"epoch", "sequence_number", "block_size"}`),
-  expiring `ALIVE_TTL_S` after the last one. The block set expires `INDEX_TTL_S` after the
-  last heartbeat: a replica that stops publishing drops out of the index by itself.
+- `blocks`: a set of the keys of every block in the replica's prefix cache (the index a router
+  asks: "how many of this prompt's leading blocks does r0 hold?");
+- `events`: the events themselves, a stream trimmed to about `STREAM_MAXLEN` entries (for
+  other consumers, and to see what happened);
+- `alive`: the heartbeat, expiring `ALIVE_TTL_S` after the last one. The block set expires
+  `INDEX_TTL_S` after the last heartbeat: a replica that stops publishing drops out of the
+  index by itself.
 
 Memory in Redis is bounded by the replica's cache size (one 32-byte member per cached
 block), the trimmed stream and the TTLs. Whenever the publisher (re)connects, or falls
@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from kvcache_svc.events import Cleared, Event, EventLog, Removed, Stored
+from services.kv_index_schema import replica_keys
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,6 @@ STREAM_MAXLEN = 10_000
 _CHUNK = 1024  # members per SADD
 
 
-def redis_keys(replica: str) -> dict[str, str]:
-    tag = f"pagoda:kv:{{{replica}}}"  # one hash slot per replica (Redis Cluster)
-    return {"blocks": f"{tag}:blocks", "events": f"{tag}:events", "alive": f"{tag}:alive"}
-
-
 class RedisPublisher:
     """Follows `log` and keeps this replica's index in Redis; reconnects for ever."""
 
@@ -50,7 +46,7 @@ class RedisPublisher:
         import redis.asyncio as aioredis
 
         self.replica = replica
-        self.keys = redis_keys(replica)
+        self.keys = replica_keys(replica)
         self._log = log_
         self._snapshot = snapshot
         self._block_size = block_size
@@ -101,9 +97,9 @@ class RedisPublisher:
         seq = self._log.last_sequence_number
         keys = [k for s in self._snapshot() for k in s.keys]
         pipe = self._client.pipeline(transaction=True)
-        pipe.delete(self.keys["blocks"])
+        pipe.delete(self.keys.blocks)
         for i in range(0, len(keys), _CHUNK):
-            pipe.sadd(self.keys["blocks"], *keys[i:i + _CHUNK])
+            pipe.sadd(self.keys.blocks, *keys[i:i + _CHUNK])
         self._heartbeat(pipe, seq)
         await pipe.execute()
         self.num_resyncs += 1
@@ -111,8 +107,8 @@ class RedisPublisher:
 
     def _heartbeat(self, pipe, seq: int) -> None:
         alive = json.dumps({"epoch": self._log.epoch, "sequence_number": seq, "block_size": self._block_size})
-        pipe.set(self.keys["alive"], alive, ex=ALIVE_TTL_S)
-        pipe.expire(self.keys["blocks"], INDEX_TTL_S)
+        pipe.set(self.keys.alive, alive, ex=ALIVE_TTL_S)
+        pipe.expire(self.keys.blocks, INDEX_TTL_S)
 
     async def _follow(self, queue: asyncio.Queue, synced: int) -> None:
         seq = synced
@@ -144,7 +140,7 @@ class RedisPublisher:
             self.num_published += len(batch)
 
     def _apply(self, pipe, event: Event) -> None:
-        change, blocks = event.change, self.keys["blocks"]
+        change, blocks = event.change, self.keys.blocks
         fields: dict[str, str | bytes] = {"seq": str(event.sequence_number), "epoch": str(event.epoch)}
         if isinstance(change, Stored):
             pipe.sadd(blocks, *change.keys)
@@ -156,4 +152,4 @@ class RedisPublisher:
         elif isinstance(change, Cleared):
             pipe.delete(blocks)
             fields.update(type="cleared")
-        pipe.xadd(self.keys["events"], fields, maxlen=STREAM_MAXLEN, approximate=True)
+        pipe.xadd(self.keys.events, fields, maxlen=STREAM_MAXLEN, approximate=True)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 
 from scheduler_svc.core.queue import POLICIES
+from services.defaults import BLOCK_SIZE
 
 SAME = object()  # EngineArg.cli_default: the field's own default
 
@@ -47,7 +48,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _arg(2048, "most tokens in one step")
     max_num_seqs: int = _arg(256, "most sequences running at once")
     microbatch_size: str | int = _arg("auto", "sequences per micro-batch: auto or a number", "str")
-    block_size: int = _arg(16, "KV slots per block", passed_by_serve=False)
+    block_size: int = _arg(BLOCK_SIZE, "KV slots per block", passed_by_serve=False)
     # None: not checked against the KV service and the stages
     num_kv_blocks: int | None = _arg(
         None, "KV blocks (default: the KV service's; `pagoda serve`: sized from "

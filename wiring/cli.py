@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.defaults import BLOCK_SIZE, ROUTING_POLICIES
 from wiring.flags import (
     GPU_MEMORY_HELP,
     KV_CACHE_DTYPE_HELP,
@@ -294,7 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagoda", description="Pagoda: an LLM inference server built as gRPC microservices."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_tiny_model_command(sub)
+    _add_export_gguf_command(sub)
+    _add_worker_command(sub)
+    _add_kvcache_command(sub)
+    _add_scheduler_command(sub)
+    _add_gateway_command(sub)
+    _add_tool_commands(sub)
+    _add_k8s_manifests_command(sub)
+    _add_serve_command(sub)
+    return parser
 
+
+def _add_tiny_model_command(sub) -> None:
     p = sub.add_parser("tiny-model", help="write a small Hugging Face checkpoint (random or briefly trained), offline")
     p.add_argument("out_dir", type=Path, help="directory to write (created; replaced if it exists)")
     from wiring import tiny_model
@@ -306,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny_model.add_cli_arguments(p)
     p.set_defaults(func=_cmd_tiny_model, parser=p)
 
+
+def _add_export_gguf_command(sub) -> None:
     p = sub.add_parser("export-gguf", help="write a GGUF file (Q8_0, Q4_0, Q4_1, BF16 or F32) from a checkpoint folder")
     p.add_argument("model_dir", type=Path, help="a Llama, Mistral or Qwen2 checkpoint folder (safetensors)")
     p.add_argument("out", type=Path, help="the .gguf file to write")
@@ -313,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the 2-D weights' format (default Q8_0; norms stay F32)")
     p.set_defaults(func=_cmd_export_gguf, parser=p)
 
+
+def _add_worker_command(sub) -> None:
     from worker_svc.config import (  # (no torch: the settings only)
         KV_CACHE_DTYPES,
         QUANTIZATION_METHODS,
@@ -333,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, default=env_default("num_kv_blocks", None, int),
                    help="blocks in the KV pool (default: sized from a memory setting below, else 1024; "
                         "given with a memory setting, the stage checks at start that they fit in it)")
-    p.add_argument("--block-size", type=int, default=env_default("block_size", 16, int))
+    p.add_argument("--block-size", type=int, default=env_default("block_size", BLOCK_SIZE, int))
     p.add_argument("--gpu-memory-utilization", type=fraction, metavar="F",
                    default=env_default("gpu_memory_utilization", None, fraction), help=GPU_MEMORY_HELP)
     p.add_argument("--kv-cache-memory", type=byte_size, metavar="BYTES",
@@ -363,13 +380,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", help="write the bound port here once serving")
     p.set_defaults(func=_cmd_worker, parser=p)
 
+
+def _add_kvcache_command(sub) -> None:
     p = sub.add_parser("kvcache", help="serve the KV-cache manager (pagoda.v1.KVCache)")
     p.add_argument("--host", default=env_default("host", "127.0.0.1"),
                    help="address to bind (default loopback)")
     p.add_argument("--port", type=int, default=env_default("port", 0, int), help="0 picks a free port")
-    p.add_argument("--num-blocks", type=int, default=env_default("num_kv_blocks", 1024, int),
-                   help="KV blocks in the pool: the workers' --num-kv-blocks")
-    p.add_argument("--block-size", type=int, default=env_default("block_size", 16, int),
+    # one flag name for the pool on every service (--num-blocks: the old spelling, kept working)
+    p.add_argument("--num-kv-blocks", "--num-blocks", dest="num_blocks", type=int,
+                   default=env_default("num_kv_blocks", 1024, int),
+                   help="KV blocks in the pool, as every stage's and the scheduler's --num-kv-blocks")
+    p.add_argument("--block-size", type=int, default=env_default("block_size", BLOCK_SIZE, int),
                    help="slots per block: the workers' --block-size")
     p.add_argument("--watermark", type=float, default=env_default("watermark", 0.01, float),
                    help="fraction of blocks a new sequence must leave free")
@@ -388,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", help="write the bound port here once serving")
     p.set_defaults(func=_cmd_kvcache, parser=p)
 
+
+def _add_scheduler_command(sub) -> None:
     p = sub.add_parser("scheduler", help="serve the scheduler (pagoda.v1.Scheduler)")
     p.add_argument("--model", default=env_default("model"), required=env_default("model") is None,
                    help="checkpoint directory (for its tokenizer's EOS ids and max length)")
@@ -403,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(p)
     p.set_defaults(func=_cmd_scheduler, parser=p)
 
+
+def _add_gateway_command(sub) -> None:
     p = sub.add_parser("gateway", help="serve the REST (OpenAI-compatible) and gRPC front door")
     p.add_argument("--model", default=env_default("model"), required=env_default("model") is None,
                    help="checkpoint directory (its tokenizer, chat template and max length)")
@@ -410,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of the scheduler; or several replicas' schedulers, "
                         "NAME=HOST:PORT,NAME=HOST:PORT,... (the names their KV services publish "
                         "as --replica-id), and this gateway routes among them")
-    p.add_argument("--routing", default=env_default("routing", "prefix"), choices=["prefix", "least-loaded", "round-robin"],
+    p.add_argument("--routing", default=env_default("routing", "prefix"), choices=ROUTING_POLICIES,
                    help="with several replicas: prefix (the replica holding most of the prompt's "
                         "prefix, weighed against load; needs --redis-url, else by load), "
                         "least-loaded or round-robin (default prefix)")
@@ -452,24 +477,29 @@ def build_parser() -> argparse.ArgumentParser:
                         "in this process), and read the replicas' prefix index there")
     p.set_defaults(func=_cmd_gateway, parser=p)
 
+
+def _add_tool_commands(sub) -> None:
     for name, (_, tool_help) in TOOLS.items():
         p = sub.add_parser(name, help=tool_help, add_help=False, prefix_chars="\0")
         p.add_argument("tool_args", nargs=argparse.REMAINDER)
         p.set_defaults(func=_cmd_tool, tool=name, parser=p)
 
+
+def _add_k8s_manifests_command(sub) -> None:
     p = sub.add_parser("k8s-manifests", help="Kubernetes manifests for N replicas (docs/deploy.md)")
     from wiring import k8s
 
     k8s.add_arguments(p)
     p.set_defaults(func=k8s.run, parser=p)
 
+
+def _add_serve_command(sub) -> None:
     p = sub.add_parser("serve", help="serve a model: the whole stack as local processes")
     from wiring import serve
 
     serve.add_arguments(p, env_default)
     add_engine_arguments(p)
     p.set_defaults(func=_cmd_serve, parser=p)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

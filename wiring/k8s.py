@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.defaults import BLOCK_SIZE, ROUTING_POLICIES
+
 KV_PORT = 50060
 SCHEDULER_PORT = 50052
 WORKER_PORT = 50070
@@ -53,7 +55,6 @@ REDIS = "pagoda-redis"
 GATEWAY = "pagoda-gateway"
 BACKEND_PDB = "pagoda-backend"
 ENGINE_CONFIG_HASH = "pagoda.dev/engine-config-hash"  # pods restart when the ConfigMap changes
-ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")  # gateway/routing.py's POLICIES
 COMPONENTS = ("gateway", "scheduler", "kvcache", "worker", "redis")
 NAME_LABEL, COMPONENT_LABEL, REPLICA_LABEL = (
     "app.kubernetes.io/name", "app.kubernetes.io/component", "pagoda.dev/replica")
@@ -117,7 +118,7 @@ class K8sOptions:
     served_model_names: tuple[str, ...] = ()
     # the KV layout: one for the KV service, every stage and the scheduler of a replica
     num_kv_blocks: int = 1024
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     engine: Mapping[str, object] = field(default_factory=dict)  # other PAGODA_* settings
     requests: Mapping[str, Resources] = field(default_factory=dict)  # over DEFAULT_REQUESTS
     internal_token_secret: str = "pagoda-internal-token"
@@ -129,6 +130,11 @@ class K8sOptions:
     worker_startup_s: int = 1800  # how long a stage may take to load before it is restarted
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_names()
+        self._check_choices()
+
+    def _check_sizes(self) -> None:
         for name in ("replicas", "pipeline_parallel_size", "tensor_parallel_size", "gateway_replicas",
                      "num_kv_blocks", "block_size", "worker_startup_s"):
             value = getattr(self, name)
@@ -141,6 +147,8 @@ class K8sOptions:
         f = self.gpu_memory_utilization
         if f is not None and not (isinstance(f, (int, float)) and 0 < f <= 1):
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1] or None, got {f!r}")
+
+    def _check_names(self) -> None:
         path = self.model_path
         if posixpath.normpath(path) != path or not path.startswith(MODELS_MOUNT + "/"):
             raise ValueError(f"model_path: must be a normalized path under {MODELS_MOUNT}/ (the models "
@@ -157,6 +165,8 @@ class K8sOptions:
         for name in ("image", "redis_image"):
             if not getattr(self, name) or any(c.isspace() for c in getattr(self, name)):
                 raise ValueError(f"{name}: must be an image reference without spaces, got {getattr(self, name)!r}")
+
+    def _check_choices(self) -> None:
         if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
             raise ValueError(f"image_pull_policy: Always, IfNotPresent or Never, got {self.image_pull_policy!r}")
         if self.gateway_service_type not in ("ClusterIP", "NodePort", "LoadBalancer"):

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from services.defaults import BLOCK_SIZE
 from services.grpc_utils import check_health
 from services.process import PARENT_ENV
 
@@ -365,7 +366,7 @@ def start_stack(
     model_dir: str,
     num_stages: int = 2,
     num_kv_blocks: int | None = 1024,
-    block_size: int = 16,
+    block_size: int = BLOCK_SIZE,
     log_dir: Path | None = None,
     host: str = "127.0.0.1",
     scheduler_args: Sequence[str] = (),
@@ -399,90 +400,133 @@ def start_stack(
     # stage is not pinned to its own cores, the services still are
     adaptive = threads_per_worker is None and tp == 1 and (os.cpu_count() or 1) // num_stages > threads
     tp_args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
-    metrics_urls: dict[str, str] = {}
-
-    def metrics_flag(name: str) -> list[str]:
-        """`--metrics-port P` on a fresh port when metrics are asked for."""
-        if not metrics:
-            return []
-        port = free_port(host)
-        metrics_urls[name] = f"http://{host}:{port}/metrics"
-        return ["--metrics-port", str(port)]
-
-    def log(name: str) -> Path | None:
-        return (log_dir / f"{name}.log") if log_dir else None
-
+    metrics_ports = _MetricsPorts(host, metrics)
     if num_kv_blocks is None and memory is None:
         raise ValueError("start_stack: give num_kv_blocks or a memory setting")
     if num_kv_blocks is None and not memory.max_model_len:
         memory = replace(memory, max_model_len=model_max_len(model_dir))
     memory_args = memory.worker_args(num_stages) if num_kv_blocks is None else []
-    kv_port, sched_port = free_port(host), free_port(host)
     workers = worker_chain(
         model_dir, num_stages, num_kv_blocks, block_size, host, None if adaptive else threads,
-        extra_args=lambda k: [*memory_args, *tp_args, *worker_args, *metrics_flag(f"worker-{k}")], env=env,
+        extra_args=lambda k: [*memory_args, *tp_args, *worker_args, *metrics_ports.flag(f"worker-{k}")], env=env,
         log_dir=log_dir,
     )
-    kv_metrics, sched_metrics = metrics_flag("kvcache"), metrics_flag("scheduler")
-
-    def backend(blocks: int) -> tuple[ServiceProcess, ServiceProcess]:
-        kv = ServiceProcess(
-            "kvcache",
-            pagoda_command("kvcache", "--host", host, "--port", str(kv_port), "--num-blocks",
-                           str(blocks), "--block-size", str(block_size), *kvcache_args, *kv_metrics),
-            f"{host}:{kv_port}", env=env, log_path=log("kvcache"),
-        )
-        scheduler = ServiceProcess(
-            "scheduler",
-            pagoda_command(
-                "scheduler", "--model", model_dir, "--host", host, "--port", str(sched_port),
-                "--kvcache", f"{host}:{kv_port}", "--stages", ",".join(w.health_address for w in workers),
-                "--pipeline-parallel-size", str(num_stages), "--num-kv-blocks", str(blocks),
-                "--block-size", str(block_size), *scheduler_args, *sched_metrics,
-            ),
-            f"{host}:{sched_port}", env=env, log_path=log("scheduler"),
-        )
-        return kv, scheduler
-
+    backend = _Backend(model_dir, host, block_size, num_stages, workers, env, log_dir, scheduler_args,
+                       kvcache_args, metrics_ports.flag("kvcache"), metrics_ports.flag("scheduler"))
     plan = cpu_plan(num_stages, threads * tp) if pin_cpus else None  # a stage's ranks split its cores
     if plan is not None and not adaptive:
         for worker, cpus in zip(workers, plan[1], strict=True):
             worker.cpus = cpus
-    started: list[ServiceProcess] = []
-
-    def start(processes: Sequence[ServiceProcess]) -> None:
-        for p in processes:
-            p.die_with_parent = die_with_parent
-            if plan is not None and p.name in ("kvcache", "scheduler"):
-                p.cpus = plan[0]
-            p.start()
-            started.append(p)
-
+    starter = _Starter(plan[0] if plan is not None else None, die_with_parent)
     try:
         if num_kv_blocks is None:  # the stages size their pools first; the smallest is the pool
-            start(list(reversed(workers)))
-            for w in workers:
-                w.wait_healthy(timeout_s)
-            num_kv_blocks = pool_from_stages(
-                stage_load_infos(workers, env), block_size, memory.max_model_len,
-                memory, num_stages)
-            for w in workers:  # a restarted stage holds the pool's size, whatever memory is free then
-                w.command = _with_blocks(w.command, memory_args, num_kv_blocks)
-            kv, scheduler = backend(num_kv_blocks)
-            start([kv])
+            starter.start(list(reversed(workers)))
+            num_kv_blocks = _pool_of_started_stages(workers, env, memory, memory_args, block_size, timeout_s)
+            kv, scheduler = backend.processes(num_kv_blocks)
+            starter.start([kv])
             kv.wait_healthy(timeout_s)
         else:
-            kv, scheduler = backend(num_kv_blocks)
-            start([kv, *reversed(workers)])
+            kv, scheduler = backend.processes(num_kv_blocks)
+            starter.start([kv, *reversed(workers)])
             for p in [kv, *workers]:
                 p.wait_healthy(timeout_s)
-        start([scheduler])
+        starter.start([scheduler])
         scheduler.wait_healthy(timeout_s)
     except Exception:
-        for p in started:
+        for p in starter.started:
             p.kill()
         raise
-    stack = Stack(kv, workers, scheduler, metrics_urls, num_kv_blocks=num_kv_blocks)
+    stack = Stack(kv, workers, scheduler, metrics_ports.urls, num_kv_blocks=num_kv_blocks)
     if plan is not None:
         stack.service_cpus = plan[0]
     return stack
+
+
+def _pool_of_started_stages(workers: list[ServiceProcess], env: dict[str, str], memory: MemorySetting,
+                            memory_args: list[str], block_size: int, timeout_s: float) -> int:
+    """The pool once every stage sized its own from memory: the smallest (each restarted
+    stage then holds that size, whatever memory is free then)."""
+    for w in workers:
+        w.wait_healthy(timeout_s)
+    blocks = pool_from_stages(stage_load_infos(workers, env), block_size, memory.max_model_len,
+                              memory, len(workers))
+    for w in workers:
+        w.command = _with_blocks(w.command, memory_args, blocks)
+    return blocks
+
+
+class _MetricsPorts:
+    """`--metrics-port P` on a fresh port per service when metrics are asked for."""
+
+    def __init__(self, host: str, enabled: bool) -> None:
+        self.host, self.enabled = host, enabled
+        self.urls: dict[str, str] = {}
+
+    def flag(self, name: str) -> list[str]:
+        if not self.enabled:
+            return []
+        port = free_port(self.host)
+        self.urls[name] = f"http://{self.host}:{port}/metrics"
+        return ["--metrics-port", str(port)]
+
+
+@dataclass
+class _Backend:
+    """The KV service and the scheduler of one stack, made once the pool's size is known."""
+
+    model_dir: str
+    host: str
+    block_size: int
+    num_stages: int
+    workers: list[ServiceProcess]
+    env: dict[str, str]
+    log_dir: Path | None
+    scheduler_args: Sequence[str]
+    kvcache_args: Sequence[str]
+    kv_metrics: list[str]
+    scheduler_metrics: list[str]
+
+    def __post_init__(self) -> None:
+        self.kv_port, self.scheduler_port = free_port(self.host), free_port(self.host)
+
+    def _log(self, name: str) -> Path | None:
+        return (self.log_dir / f"{name}.log") if self.log_dir else None
+
+    def processes(self, blocks: int) -> tuple[ServiceProcess, ServiceProcess]:
+        host = self.host
+        kv = ServiceProcess(
+            "kvcache",
+            pagoda_command("kvcache", "--host", host, "--port", str(self.kv_port), "--num-kv-blocks",
+                           str(blocks), "--block-size", str(self.block_size), *self.kvcache_args,
+                           *self.kv_metrics),
+            f"{host}:{self.kv_port}", env=self.env, log_path=self._log("kvcache"),
+        )
+        scheduler = ServiceProcess(
+            "scheduler",
+            pagoda_command(
+                "scheduler", "--model", self.model_dir, "--host", host, "--port", str(self.scheduler_port),
+                "--kvcache", f"{host}:{self.kv_port}",
+                "--stages", ",".join(w.health_address for w in self.workers),
+                "--pipeline-parallel-size", str(self.num_stages), "--num-kv-blocks", str(blocks),
+                "--block-size", str(self.block_size), *self.scheduler_args, *self.scheduler_metrics,
+            ),
+            f"{host}:{self.scheduler_port}", env=self.env, log_path=self._log("scheduler"),
+        )
+        return kv, scheduler
+
+
+class _Starter:
+    """Starts processes in order, the KV service and the scheduler on the services' cores,
+    and remembers what it started (to kill it when a later one fails)."""
+
+    def __init__(self, service_cpus: set[int] | None, die_with_parent: bool) -> None:
+        self.service_cpus, self.die_with_parent = service_cpus, die_with_parent
+        self.started: list[ServiceProcess] = []
+
+    def start(self, processes: Sequence[ServiceProcess]) -> None:
+        for p in processes:
+            p.die_with_parent = self.die_with_parent
+            if self.service_cpus is not None and p.name in ("kvcache", "scheduler"):
+                p.cpus = self.service_cpus
+            p.start()
+            self.started.append(p)

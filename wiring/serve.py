@@ -19,11 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+from services.defaults import ROUTING_POLICIES
 from services.grpc_utils import INTERNAL_TOKEN_ENV
 from wiring.launcher import (
     MemorySetting,
     RestartBudget,
     ServiceProcess,
+    Stack,
     free_port,
     model_max_len,
     pagoda_command,
@@ -59,76 +61,133 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    from gateway.config import default_model_names
-    from wiring.model_source import resolve_model
+class _Refused(Exception):
+    """`pagoda serve` cannot start as asked: the message is printed, the exit code is 2."""
 
-    if args.model_tag:
-        if args.model and args.model != args.model_tag:
-            print(f"error: two models given: {args.model_tag} and --model {args.model}", file=sys.stderr)
-            return 2
-        args.model = args.model_tag
-    try:  # a folder as given; a GGUF file's prepared folder; no model: the default one
-        folder, names = resolve_model(args.model, log=lambda line: print(line, flush=True))
-    except (ValueError, OSError) as exc:
+
+def run(args: argparse.Namespace) -> int:
+    """`pagoda serve`: check the settings, start the stack(s) and the gateway, supervise them
+    until SIGTERM/SIGINT, then stop them (the gateway first, so it drains)."""
+    try:
+        model_dir = _model_dir(args)
+        _check_start(args, model_dir)
+    except _Refused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    model_dir = str(folder)
-    if not args.served_model_name:  # as vLLM: the --model string as given (and the folder's name)
-        args.served_model_name = list(dict.fromkeys(names or default_model_names(args.model)))
-    if not (Path(model_dir) / "config.json").is_file():
-        print(f"error: {model_dir} is not a checkpoint directory (no config.json) or a GGUF file",
-              file=sys.stderr)
-        return 2
-    for name, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
-        if port and port_taken(args.host, port):  # (it would start all, then die as the gateway)
-            print(f"error: {name} {port} is taken on {args.host}: stop what holds it or choose "
-                  f"another port", file=sys.stderr)
-            return 2
     # the stack's secret: every internal call carries it, so nothing else on the machine can
     # drive the scheduler, the KV service or a stage (set it yourself to call them directly)
     os.environ.setdefault(INTERNAL_TOKEN_ENV, secrets.token_urlsafe(32))
     log_dir = Path(args.log_dir or Path.home() / ".cache" / "pagoda" / "logs" / time.strftime("%Y%m%d-%H%M%S"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    from wiring.flags import check_tensor_parallel
-
     n, tp = args.pipeline_parallel_size, args.tensor_parallel_size
-    try:
-        check_tensor_parallel(model_dir, tp)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     ranks = f" of {tp} tensor-parallel processes each" if tp > 1 else ""
     print(f"pagoda serve: starting {n} stage(s){ranks}, KV service, scheduler and gateway for {model_dir}")
     print(f"  logs: {log_dir}")
-    stopping = False
-
-    def on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = _StopFlag()
     memory = None
     if args.num_kv_blocks is None and (args.gpu_memory_utilization or args.kv_cache_memory):
         memory = MemorySetting(args.gpu_memory_utilization, args.kv_cache_memory, args.max_model_len)
-    replicas = args.replicas
-    if not 1 <= replicas <= 64:
-        print(f"error: --replicas must be 1..64, got {replicas}", file=sys.stderr)
-        return 2
-    for r in range(replicas if replicas > 1 else 0):
+    for r in range(args.replicas if args.replicas > 1 else 0):
         (log_dir / f"r{r}").mkdir(exist_ok=True)
-    redis = None
+    redis, redis_url = _prefix_index(args, log_dir)
+    try:
+        stacks = _start_stacks(args, model_dir, memory, log_dir, redis_url)
+    except Exception as exc:
+        print(f"error: the stack did not start: {exc}", file=sys.stderr)
+        if redis is not None:
+            redis.stop()
+        return 1
+    gateway = _gateway(args, model_dir, stacks, redis_url, log_dir)
+    _print_capacity(args, model_dir, stacks, memory)
+    processes = [*(p for s in stacks for p in s.processes), gateway]
+    for p in processes:  # deaths counted in a sliding window, restarts backed off
+        p.budget = RestartBudget(args.max_restarts, args.restart_window)
+    try:
+        gateway.start()
+        gateway.wait_healthy(120)
+    except Exception as exc:
+        print(f"error: the gateway did not start: {exc}", file=sys.stderr)
+        stop_all(processes, args.grace_period)
+        if redis is not None:
+            redis.stop()
+        return 1
+    if args.ready_file:
+        _write_ready_file(Path(args.ready_file), args, model_dir, stacks, redis_url, log_dir)
+    _print_ready(args)
+    return _supervise(args, stacks, gateway, redis, stop)
+
+
+def _model_dir(args: argparse.Namespace) -> str:
+    """The checkpoint folder to serve (a folder as given; a GGUF file's prepared folder; no
+    model: the default one); sets the served names as vLLM does when none are given."""
+    from gateway.config import default_model_names
+    from wiring.model_source import resolve_model
+
+    if args.model_tag:
+        if args.model and args.model != args.model_tag:
+            raise _Refused(f"two models given: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
+    try:
+        folder, names = resolve_model(args.model, log=lambda line: print(line, flush=True))
+    except (ValueError, OSError) as exc:
+        raise _Refused(str(exc)) from exc
+    model_dir = str(folder)
+    if not args.served_model_name:  # as vLLM: the --model string as given (and the folder's name)
+        args.served_model_name = list(dict.fromkeys(names or default_model_names(args.model)))
+    if not (Path(model_dir) / "config.json").is_file():
+        raise _Refused(f"{model_dir} is not a checkpoint directory (no config.json) or a GGUF file")
+    return model_dir
+
+
+def _check_start(args: argparse.Namespace, model_dir: str) -> None:
+    """What would make the stack die after starting, refused before anything starts."""
+    from wiring.flags import check_tensor_parallel
+
+    for name, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
+        if port and port_taken(args.host, port):  # (it would start all, then die as the gateway)
+            raise _Refused(f"{name} {port} is taken on {args.host}: stop what holds it or choose "
+                           f"another port")
+    try:
+        check_tensor_parallel(model_dir, args.tensor_parallel_size)
+    except ValueError as exc:
+        raise _Refused(str(exc)) from exc
+    if not 1 <= args.replicas <= 64:
+        raise _Refused(f"--replicas must be 1..64, got {args.replicas}")
+
+
+class _StopFlag:
+    """Set by SIGTERM or SIGINT: the supervising loop then stops the stack."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stopping = True
+
+
+def _prefix_index(args: argparse.Namespace, log_dir: Path) -> tuple[LocalRedis | None, str]:
+    """(the private redis-server started, the Redis URL the replicas publish to): several
+    replicas without --redis-url get a local one when redis-server is found."""
     redis_url = args.redis_url or ""
-    if replicas > 1 and not redis_url:  # the prefix index needs one: a private redis-server
-        redis = LocalRedis.start_if_found(log_dir)
-        if redis is None:
-            print("  no --redis-url and no redis-server found: replicas are routed by load only",
-                  file=sys.stderr)
-        else:
-            redis_url = redis.url
-            print(f"  prefix index: a local redis-server at {redis.url}")
-    stacks = []
+    if args.replicas == 1 or redis_url:
+        return None, redis_url
+    redis = LocalRedis.start_if_found(log_dir)
+    if redis is None:
+        print("  no --redis-url and no redis-server found: replicas are routed by load only",
+              file=sys.stderr)
+        return None, ""
+    print(f"  prefix index: a local redis-server at {redis.url}")
+    return redis, redis.url
+
+
+def _start_stacks(args: argparse.Namespace, model_dir: str, memory: MemorySetting | None,
+                  log_dir: Path, redis_url: str) -> list[Stack]:
+    """One stack (KV service, stages, scheduler) per replica; on a failure the ones started
+    are stopped and the error raised."""
+    replicas = args.replicas
+    stacks: list[Stack] = []
     try:
         for r in range(replicas):
             # one switch for both: the scheduler plans with it, the KV service caches with it
@@ -136,30 +195,31 @@ def run(args: argparse.Namespace) -> int:
             if replicas > 1:
                 kv_args += ["--replica-id", f"r{r}"] + (["--redis-url", redis_url] if redis_url else [])
             stacks.append(start_stack(
-                model_dir, num_stages=n, block_size=args.block_size, memory=memory,
+                model_dir, num_stages=args.pipeline_parallel_size, block_size=args.block_size, memory=memory,
                 num_kv_blocks=None if memory else (args.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS),
                 log_dir=log_dir if replicas == 1 else log_dir / f"r{r}", scheduler_args=engine_flags(args),
                 threads_per_worker=args.num_threads, worker_args=worker_flags(args), metrics=args.metrics,
                 kvcache_args=kv_args,
-                pin_cpus=args.cpu_affinity and replicas == 1, tensor_parallel_size=tp,
+                pin_cpus=args.cpu_affinity and replicas == 1, tensor_parallel_size=args.tensor_parallel_size,
                 die_with_parent=True,  # none of them outlives this process, however it ends
             ))
-    except Exception as exc:
-        print(f"error: the stack did not start: {exc}", file=sys.stderr)
+    except Exception:
         for started in stacks:
             started.stop()
-        if redis is not None:
-            redis.stop()
-        return 1
-    stack = stacks[0]
-    grpc_port = args.grpc_port
-    targets = (stack.scheduler_address if replicas == 1 else
+        raise
+    return stacks
+
+
+def _gateway(args: argparse.Namespace, model_dir: str, stacks: list[Stack], redis_url: str,
+             log_dir: Path) -> ServiceProcess:
+    """The gateway's process (not started), in front of every replica's scheduler."""
+    targets = (stacks[0].scheduler_address if args.replicas == 1 else
                ",".join(f"r{r}={s.scheduler_address}" for r, s in enumerate(stacks)))
     gateway_args = [
-        "gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(grpc_port),
+        "gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
         "--scheduler", targets, "--model", model_dir,
     ]
-    if replicas > 1:
+    if args.replicas > 1:
         gateway_args += ["--routing", args.routing]
     gateway_args += ["--served-model-name", *args.served_model_name]
     if args.max_model_len:
@@ -175,83 +235,95 @@ def run(args: argparse.Namespace) -> int:
                         ("--rate-limit-tpm", args.rate_limit_tpm), ("--redis-url", redis_url)):
         if value is not None and value != "":
             gateway_args += [flag, str(value)]
-    gateway = ServiceProcess("gateway", pagoda_command(*gateway_args), f"127.0.0.1:{grpc_port}",
-                             log_path=log_dir / "gateway.log", cpus=stack.service_cpus,
-                             # keys by environment, not on a command line others can read
-                             env={"PAGODA_API_KEY": " ".join(args.api_key)} if args.api_key else {},
-                             die_with_parent=True)
+    return ServiceProcess("gateway", pagoda_command(*gateway_args), f"127.0.0.1:{args.grpc_port}",
+                          log_path=log_dir / "gateway.log", cpus=stacks[0].service_cpus,
+                          # keys by environment, not on a command line others can read
+                          env={"PAGODA_API_KEY": " ".join(args.api_key)} if args.api_key else {},
+                          die_with_parent=True)
+
+
+def _print_capacity(args: argparse.Namespace, model_dir: str, stacks: list[Stack],
+                    memory: MemorySetting | None) -> None:
     from scheduler_svc.config import kv_capacity_line
 
+    stack = stacks[0]
     print(f"  {kv_capacity_line(stack.num_kv_blocks, args.block_size, args.max_model_len or model_max_len(model_dir))}"
           + (" (sized from memory: the smallest stage's pool)" if memory else "")
-          + (f", in each of {replicas} replicas (routing: {args.routing})" if replicas > 1 else ""))
+          + (f", in each of {args.replicas} replicas (routing: {args.routing})" if args.replicas > 1 else ""))
     if stack.service_cpus is not None:
         print(f"  cores: services {sorted(stack.service_cpus)}, stages "
               f"{[sorted(w.cpus or ()) for w in stack.workers]} (--no-cpu-affinity to let them float)")
-    processes = [*(p for s in stacks for p in s.processes), gateway]
-    for p in processes:  # deaths counted in a sliding window, restarts backed off
-        p.budget = RestartBudget(args.max_restarts, args.restart_window)
-    try:
-        gateway.start()
-        gateway.wait_healthy(120)
-    except Exception as exc:
-        print(f"error: the gateway did not start: {exc}", file=sys.stderr)
-        stop_all(processes, args.grace_period)
-        if redis is not None:
-            redis.stop()
-        return 1
-    if args.ready_file:
-        import json
 
-        ready = Path(args.ready_file)
-        partial = ready.with_name(ready.name + ".partial")
-        partial.write_text(json.dumps({
-            "gateway": {"host": args.host, "port": args.port, "grpc_port": grpc_port},
-            "scheduler": stack.scheduler_address,
-            "kvcache": stack.kvcache.health_address,
-            "workers": [w.health_address for w in stack.workers],
-            "replicas": [{"name": f"r{r}", "scheduler": s.scheduler_address, "kvcache": s.kvcache.health_address,
-                          "workers": [w.health_address for w in s.workers]} for r, s in enumerate(stacks)],
-            "redis": redis_url,
-            "metrics": stack.metrics_urls,
-            "logs": str(log_dir),
-            "model": model_dir,
-        }, indent=2))
-        os.replace(partial, ready)  # whole or absent: a watcher never reads half of it
+
+def _write_ready_file(ready: Path, args: argparse.Namespace, model_dir: str, stacks: list[Stack],
+                      redis_url: str, log_dir: Path) -> None:
+    """Where everything listens, as JSON, written whole or not at all (a watcher never reads
+    half of it)."""
+    import json
+
+    stack = stacks[0]
+    partial = ready.with_name(ready.name + ".partial")
+    partial.write_text(json.dumps({
+        "gateway": {"host": args.host, "port": args.port, "grpc_port": args.grpc_port},
+        "scheduler": stack.scheduler_address,
+        "kvcache": stack.kvcache.health_address,
+        "workers": [w.health_address for w in stack.workers],
+        "replicas": [{"name": f"r{r}", "scheduler": s.scheduler_address, "kvcache": s.kvcache.health_address,
+                      "workers": [w.health_address for w in s.workers]} for r, s in enumerate(stacks)],
+        "redis": redis_url,
+        "metrics": stack.metrics_urls,
+        "logs": str(log_dir),
+        "model": model_dir,
+    }, indent=2))
+    os.replace(partial, ready)
+
+
+def _print_ready(args: argparse.Namespace) -> None:
     shown_host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
     print(
         "pagoda serve: ready\n"
         f"  OpenAI-compatible REST: http://{shown_host}:{args.port}/v1  (docs: /docs, health: /health)\n"
-        f"  gRPC (pagoda.v1.Generation): {shown_host}:{grpc_port}\n"
+        f"  gRPC (pagoda.v1.Generation): {shown_host}:{args.grpc_port}\n"
         f"  try: curl http://{shown_host}:{args.port}/v1/completions -H 'Content-Type: application/json' "
         f"-d '{{\"model\": \"{args.served_model_name[0]}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
         flush=True,
     )
+
+
+def _supervise(args: argparse.Namespace, stacks: list[Stack], gateway: ServiceProcess,
+               redis: LocalRedis | None, stop: _StopFlag) -> int:
+    """Restart what dies (within its budget) until told to stop; then stop the gateway first
+    (it stops taking requests and drains), then the backend."""
+    processes = [*(p for s in stacks for p in s.processes), gateway]
     try:
-        while not stopping:
+        while not stop.stopping:
             time.sleep(0.5)
             try:
-                for r, s in enumerate(stacks):
-                    for name in s.supervise_once():
-                        _say(f"pagoda serve: restarted {name}" + (f" of replica r{r}" if replicas > 1 else ""))
-                if restart_if_due(gateway, 120):
-                    _say("pagoda serve: restarted gateway")
-                if redis is not None and redis.restart_if_dead():
-                    _say("pagoda serve: restarted redis-server (the KV services rewrite their index)")
+                _restart_what_died(args, stacks, gateway, redis)
             except Exception as exc:
                 _say(f"pagoda serve: giving up: {exc}", file=sys.stderr)
                 stop_all(processes, args.grace_period)
                 return 1
     finally:
-        if stopping:  # (a closed stdout, e.g. `| tee` gone with Ctrl-C, must not skip the shutdown)
+        if stop.stopping:  # (a closed stdout, e.g. `| tee` gone with Ctrl-C, must not skip the shutdown)
             _say(f"pagoda serve: stopping (in-flight requests get {args.grace_period:.0f}s to finish)")
-        # the gateway first: it stops taking requests and drains; then the backend
         gateway.stop(args.grace_period + 10)
         for s in stacks:
             stop_all(s.processes, 10)
         if redis is not None:
             redis.stop()
     return 0
+
+
+def _restart_what_died(args: argparse.Namespace, stacks: list[Stack], gateway: ServiceProcess,
+                       redis: LocalRedis | None) -> None:
+    for r, s in enumerate(stacks):
+        for name in s.supervise_once():
+            _say(f"pagoda serve: restarted {name}" + (f" of replica r{r}" if args.replicas > 1 else ""))
+    if restart_if_due(gateway, 120):
+        _say("pagoda serve: restarted gateway")
+    if redis is not None and redis.restart_if_dead():
+        _say("pagoda serve: restarted redis-server (the KV services rewrite their index)")
 
 
 class LocalRedis:
@@ -372,7 +444,7 @@ def add_arguments(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--replicas", type=int, default=env("replicas", 1, int),
                    help="run N replicas of the backend (KV service, stages, scheduler), the gateway "
                         "routing among them (default 1)")
-    p.add_argument("--routing", default=env("routing", "prefix"), choices=["prefix", "least-loaded", "round-robin"],
+    p.add_argument("--routing", default=env("routing", "prefix"), choices=ROUTING_POLICIES,
                    help="with --replicas: prefix (the replica holding most of the prompt, weighed "
                         "against load), least-loaded or round-robin (default prefix)")
     p.add_argument("--dtype", default=env("dtype"), choices=[None, "auto", "float32", "bfloat16", "float16"])

@@ -166,6 +166,10 @@ class TinyModelSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        self._check_shape()
+        self._check_embeddings_and_rope()
+
+    def _check_shape(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"arch: {self.arch!r} is not one of {sorted(ARCHS)}")
         if self.intermediate_size is None and _is_int(self.hidden_size):
@@ -189,6 +193,8 @@ class TinyModelSpec:
             raise ValueError(f"vocab_size: must be an int in [{MIN_VOCAB_SIZE}, {MAX_VOCAB_SIZE}]"
                              f" (256 bytes + {len(SPECIAL_TOKENS)} special tokens + merges the "
                              f"training text allows), got {self.vocab_size!r}")
+
+    def _check_embeddings_and_rope(self) -> None:
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(f"tie_word_embeddings: must be a bool, "
                              f"got {self.tie_word_embeddings!r}")

@@ -40,6 +40,7 @@ from kvcache_svc.core.validation import (
     ValidNewSequence,
     validate_step,
 )
+from services.defaults import BLOCK_SIZE
 
 
 class _NumTokensView(Mapping[int, int]):
@@ -87,7 +88,7 @@ class KVCacheManager:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         *,
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,

@@ -21,9 +21,9 @@ import pytest
 from support.reference import HFReference
 
 from services.grpc_utils import aio_channel, check_health
-from wiring.launcher import ServiceProcess, free_port, pagoda_command
 from services.pb import kvcache_pb2, kvcache_pb2_grpc
 from services.text import Tokenizer
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 NUM_KV_BLOCKS = 128
 BLOCK_SIZE = 16

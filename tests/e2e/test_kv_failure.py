@@ -18,8 +18,8 @@ import torch
 from support.reference import HFReference
 
 from services.grpc_utils import aio_channel
-from wiring.launcher import start_stack
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from wiring.launcher import start_stack
 
 NUM_KV_BLOCKS = 64  # of 16 slots: 8 requests of up to ~240 tokens do not all fit at once
 BLOCK_SIZE = 16

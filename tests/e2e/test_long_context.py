@@ -12,8 +12,8 @@ import pytest
 from support.reference import HFReference
 
 from services.grpc_utils import aio_channel
-from wiring.launcher import start_stack
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
+from wiring.launcher import start_stack
 
 PROMPT_LEN, NEW_TOKENS, BLOCK = 16384, 16, 16
 ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -26,8 +26,8 @@ import openai
 import pytest
 from support.redis_server import RedisServer
 
-from wiring.launcher import ServiceProcess, free_port, pagoda_command, start_stack
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
+from wiring.launcher import ServiceProcess, free_port, pagoda_command, start_stack
 
 PREFIX_TOKENS = 512
 GROUPS = 8

@@ -8,8 +8,8 @@ from support.reference import HFReference
 from support.workers import start_chain
 
 from services.grpc_utils import aio_channel
-from wiring.launcher import ServiceProcess, free_port, pagoda_command
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 
 def test_scheduler_with_in_process_kv(model_factory, tmp_path):

@@ -12,8 +12,8 @@ import torch
 from support.reference import HFReference
 
 from services.grpc_utils import aio_channel
-from wiring.launcher import start_stack
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from wiring.launcher import start_stack
 
 NUM_KV_BLOCKS = 96  # of 16 slots: too few for 64 requests at once, so preemption happens
 BLOCK_SIZE = 16

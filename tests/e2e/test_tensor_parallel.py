@@ -27,8 +27,8 @@ from support.reference import HFReference
 from support.stack import children, start_serve
 
 from services.grpc_utils import aio_channel
-from wiring.launcher import MemorySetting, pagoda_command, stage_load_infos, start_stack
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
+from wiring.launcher import MemorySetting, pagoda_command, stage_load_infos, start_stack
 from worker_svc.memory import kv_block_bytes
 from worker_svc.model_config import ModelConfig
 

@@ -25,9 +25,9 @@ from gateway.config import ApiKey, GatewayConfig
 from gateway.core import TextGenerator
 from gateway.grpc_api import SERVICE_NAME, add_generation_service
 from services.grpc_utils import aio_channel, create_aio_server, set_serving
-from wiring.launcher import start_stack
 from services.pb import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.text import Tokenizer
+from wiring.launcher import start_stack
 
 T = TypeVar("T")
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name

@@ -15,8 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.grpc_utils import INTERNAL_TOKEN_HEADER, aio_channel, internal_token
-from wiring.launcher import ServiceProcess, free_port, pagoda_command
 from services.pb import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import asyncio
 import os
 
 from services.grpc_utils import aio_channel
-from wiring.launcher import MemorySetting, stage_load_infos, start_stack
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
+from wiring.launcher import MemorySetting, stage_load_infos, start_stack
 
 
 def test_a_stack_sized_from_memory(model_factory, tmp_path):

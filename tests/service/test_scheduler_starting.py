@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from services.grpc_utils import INTERNAL_TOKEN_HEADER, check_health, internal_token
-from wiring.launcher import ServiceProcess, free_port, pagoda_command
 from services.pb import scheduler_pb2
+from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 
 def test_a_starting_scheduler_is_not_serving_and_refuses_unavailable(model_factory, tmp_path):

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
+from bench.cli import add_bench_arguments, build_plan
 from bench.compare import COMPARISONS, RunResult, compare, token_checks
 from bench.plots import gantt_window
 from bench.report import render_markdown
 from bench.runner import ModelResults
 from bench.stats import RequestRecord, ServiceMetrics, StageWindow, client_metrics
-from bench.cli import add_bench_arguments, build_plan
 
 
 def services(config=None, generated=100, hits=0, peak=2, stages=1):

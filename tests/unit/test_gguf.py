@@ -10,8 +10,8 @@ import pytest
 import torch
 from support.reference import HFReference
 
-from wiring.model_source import prepare_gguf
 from services.text.tokenizer import Tokenizer
+from wiring.model_source import prepare_gguf
 from worker_svc.errors import CheckpointError
 from worker_svc.gguf_checkpoint import GGUF_SOURCE_FILE, GGUFCheckpoint
 from worker_svc.loader import load_stage
@@ -147,8 +147,8 @@ def test_unsupported_architecture_named(tmp_path):
 
 
 def _greedy(model: str, prompts: list[list[int]], max_tokens: int, **config) -> list[list[int]]:
-    from wiring.local_engine import LLM
     from services.sampling import SamplingOptions
+    from wiring.local_engine import LLM
 
     llm = LLM(model, **config)
     outs = llm.generate(prompts, SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -170,8 +170,8 @@ def test_greedy_float32_equals_transformers_on_the_file(gguf_factory, qtype):
 def teacher_forced_top(model: str, ids: list[int], **config) -> list[int]:
     """The most likely next token at every prompt position, scored by the engine itself
     (`prompt_logprobs`: paged KV, the stage's kernels)."""
-    from wiring.local_engine import LLM
     from services.sampling import SamplingOptions
+    from wiring.local_engine import LLM
 
     out = LLM(model, **config).generate([ids], SamplingOptions(max_tokens=1, temperature=0.0,
                                                                prompt_logprobs=1))[0]

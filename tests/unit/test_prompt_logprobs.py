@@ -11,9 +11,9 @@ import torch
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.request import Request, SamplingOptions
-from wiring.local_engine import LLM, _collect, build_local_engine
 from services.sampling import SamplingParams
 from services.step import NewSeq, PromptScoring, StepPlan
+from wiring.local_engine import LLM, _collect, build_local_engine
 from worker_svc.errors import InvalidPlanError
 
 

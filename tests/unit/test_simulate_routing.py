@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from gateway import routing
 from bench import simulate_routing as sim
+from gateway import routing
 from services.prefix_hash import block_keys
 
 # short prompts, small KV pools: 8 prefixes per replica, more than one replica's pool holds
