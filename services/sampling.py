@@ -85,54 +85,16 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     structured: StructuredOutput | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be None or StructuredOutput, got {self.structured!r}")
-        if (
-            not _is_real(self.temperature)
-            or not math.isfinite(self.temperature)
-            or self.temperature < 0
-        ):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 0):
-            raise ValueError(f"top_k must be None, 0 (off) or a positive int, got {self.top_k!r}")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
-            raise ValueError(f"seed must be None or an int in [0, 2**64 - 1], got {self.seed!r}")
-        if self.num_logprobs is not None and (
-            not _is_int(self.num_logprobs) or self.num_logprobs < 0
-        ):
-            raise ValueError(f"num_logprobs must be None or an int >= 0, got {self.num_logprobs!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
-        for name in ("stop_token_ids", "eos_token_ids"):
-            ids = getattr(self, name)
-            if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-                raise ValueError(f"{name} must be a tuple of token ids, got {ids!r}")
-            ids = tuple(ids)
-            if not all(_is_int(i) and i >= 0 for i in ids):
-                raise ValueError(f"{name} must hold non-negative int token ids, got {ids!r}")
-            object.__setattr__(self, name, ids)  # normalise a list to a tuple; still immutable
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_real(value) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
-        bias = tuple(sorted((int(t), float(b)) for t, b in dict(self.logit_bias).items()))
-        if len(bias) != len(self.logit_bias):
-            raise ValueError("logit_bias names a token id twice")
-        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
-            raise ValueError("logit_bias must map non-negative token ids to biases in [-100, 100]")
-        object.__setattr__(self, "logit_bias", bias)
+        _check_shared_fields(self)
+        if self.num_logprobs is not None and (not _is_int(self.num_logprobs) or self.num_logprobs < 0):
+            raise ValueError(f"num_logprobs: must be None or an int >= 0, got {self.num_logprobs!r}")
+        object.__setattr__(self, "eos_token_ids", _token_ids("eos_token_ids", self.eos_token_ids))
 
     @property
     def uses_penalties(self) -> bool:
@@ -167,6 +129,58 @@ def _is_real(value: object) -> bool:
 
 
 MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI
+_WIRE_INT = 2**32  # counts and token ids travel as uint32
+
+# The fields a request's options and a choice's params share, checked by one rule each:
+# (name, what a value must satisfy, what the error says it must be).
+_SHARED_FIELD_RULES = (
+    ("temperature", lambda v: _is_real(v) and math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    ("top_p", lambda v: _is_real(v) and 0.0 < v <= 1.0, "in (0, 1]"),
+    ("top_k", lambda v: v is None or (_is_int(v) and 0 <= v < _WIRE_INT), ">= 0 (0 = off) and below 2**32"),
+    ("min_p", lambda v: _is_real(v) and 0.0 <= v <= 1.0, "in [0, 1]"),
+    ("seed", lambda v: v is None or (_is_int(v) and 0 <= v <= _MAX_SEED), "None or an int in [0, 2**64)"),
+    ("min_tokens", lambda v: _is_int(v) and 0 <= v < _WIRE_INT, "an int >= 0 and below 2**32"),
+    ("ignore_eos", lambda v: isinstance(v, bool), "a bool"),
+    ("presence_penalty", lambda v: _is_real(v) and -2.0 <= v <= 2.0, "in [-2, 2]"),
+    ("frequency_penalty", lambda v: _is_real(v) and -2.0 <= v <= 2.0, "in [-2, 2]"),
+    ("repetition_penalty", lambda v: _is_real(v) and 0.0 < v <= 2.0, "in (0, 2]"),
+)
+
+
+def _check_shared_fields(obj: SamplingOptions | SamplingParams) -> None:
+    """The one validation of what `SamplingOptions` and `SamplingParams` share; normalises
+    `stop_token_ids` to a tuple and `logit_bias` to sorted (id, bias) pairs. ValueError naming
+    the field first."""
+    for name, ok, expected in _SHARED_FIELD_RULES:
+        value = getattr(obj, name)
+        if not ok(value):
+            raise ValueError(f"{name}: must be {expected}, got {value!r}")
+    object.__setattr__(obj, "stop_token_ids", _token_ids("stop_token_ids", obj.stop_token_ids))
+    object.__setattr__(obj, "logit_bias", _logit_bias(obj.logit_bias))
+
+
+def _token_ids(name: str, ids: object) -> tuple[int, ...]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ValueError(f"{name}: must be a tuple of token ids, got {ids!r}")
+    ids = tuple(ids)
+    if not all(_is_int(i) and 0 <= i < _WIRE_INT for i in ids):
+        raise ValueError(f"{name}: token ids must be non-negative ints below 2**32, got {ids!r}")
+    return ids
+
+
+def _logit_bias(pairs: object) -> tuple[tuple[int, float], ...]:
+    pairs = tuple(pairs)
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(pairs)}")
+    bias = tuple(sorted((int(t), float(b)) for t, b in dict(pairs).items()))
+    if len(bias) != len(pairs):
+        raise ValueError("logit_bias: a token id appears twice")
+    for token_id, value in bias:
+        if token_id < 0:
+            raise ValueError(f"logit_bias: token id {token_id} is negative")
+        if not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias: bias {value} for token {token_id} is outside [-100, 100]")
+    return bias
 
 
 @dataclass(frozen=True)
@@ -201,49 +215,19 @@ class SamplingOptions:
     structured: StructuredOutput | None = None  # structured output: a grammar to follow
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n: must be at least 1, got {self.n}")
-        for name in ("n", "max_tokens", "min_tokens", "top_k"):  # uint32 on the wire
+        for name in ("n", "max_tokens"):
             value = getattr(self, name)
-            if value is not None and value >= 2**32:
-                raise ValueError(f"{name}: must be below 2**32, got {value}")
-        if any(t >= 2**32 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids: token ids must be below 2**32")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            if value is not None and not (_is_int(value) and 1 <= value < _WIRE_INT):
+                raise ValueError(f"{name}: must be at least 1 and below 2**32, got {value!r}")
+        if self.n is None:
+            raise ValueError("n: must be at least 1, got None")
+        _check_shared_fields(self)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if not (self.temperature >= 0.0) or self.temperature == float("inf"):
-            raise ValueError(f"temperature: must be >= 0 and finite, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed: must be in [0, 2**64), got {self.seed}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs: must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError(f"prompt_logprobs: must be in [0, 20], got {self.prompt_logprobs}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids: token ids must be non-negative")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name}: must be in [-2, 2], got {value}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty: must be in (0, 2], got {self.repetition_penalty}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
-        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
-            raise ValueError("logit_bias: a token id appears twice")
-        for token_id, bias in self.logit_bias:
-            if token_id < 0:
-                raise ValueError(f"logit_bias: token id {token_id} is negative")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias: bias {bias} for token {token_id} is outside [-100, 100]")
+            if value is not None and not (_is_int(value) and 0 <= value <= 20):
+                raise ValueError(f"{name}: must be in [0, 20], got {value!r}")
 
     def resolve_max_tokens(self, room: int) -> SamplingOptions:
         """With `max_tokens` None: as many as `room` (the context left after the prompt)."""

@@ -6,10 +6,11 @@ One plan is two halves around one KV-service round trip:
     output = await kv.step(proposal.step_input)
     micro_batch = planner.finalize(proposal, output)
 
-`propose` never changes the planner's state; `finalize` applies the KV service's answers:
-allocated sequences join the micro-batch, a decode that got no block preempts the
-lowest-ranked running request by recompute (its blocks are freed in the next step, it waits
-again ahead of its peers), a new request that got no block stays queued. Results come back
+`propose` never changes the planner's state (the sequence and micro-batch ids it uses are the
+next ones, which `finalize` takes); `finalize` applies the KV service's answers: allocated
+sequences join the micro-batch, a decode that got no block preempts the lowest-ranked running
+request by recompute (its blocks are freed in the next step, it waits again ahead of its
+peers), a new request that got no block stays queued. Results come back
 through `on_result` / `on_failure`. A sequence is never in two micro-batches in flight.
 
 Budgets: `max_num_batched_tokens` bounds each micro-batch; `max_num_seqs` bounds all running
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvcache_svc.core.types import (
     Allocated,
@@ -35,6 +36,16 @@ from kvcache_svc.core.types import (
     NoBlocks,
     StepInput,
     StepOutput,
+)
+from scheduler_svc.core.proposal import (
+    Admission,
+    AdmittedSeq,
+    Chunk,
+    Placeholder,
+    PlannedFork,
+    Proposal,
+    ProposalDraft,
+    Readmission,
 )
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import (
@@ -110,35 +121,6 @@ class MicroBatch:
 
 
 @dataclass
-class Proposal:
-    """What `propose` asks the KV service for; `finalize` reads the answers against it."""
-
-    step_input: StepInput
-    micro_batch_id: int | None
-    appends: list[Sequence] = field(default_factory=list)
-    forks: list[tuple[Sequence, list[Sequence]]] = field(default_factory=list)
-    # (sequence, the id it gets in the KV service): a sequence that comes back after its
-    # blocks were freed takes a fresh id, so that a free and its return never share a step
-    admits: list[tuple[Request, list[tuple[Sequence, int]]]] = field(default_factory=list)
-    readmits: list[tuple[Sequence, int]] = field(default_factory=list)
-    # seq_id -> (start, num_tokens) the planner chose for a running sequence (the KV service's
-    # view of a sequence may lag its computed tokens by the placeholder steps in flight)
-    planned: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # decodes of sequences whose previous step is still in flight: (sequence, position)
-    speculative: list[tuple[Sequence, int]] = field(default_factory=list)
-    # those of them whose token needs a new block: the KV service holds one ahead for it
-    grown: list[Sequence] = field(default_factory=list)
-    # decodes inside their last block: the KV service is told their tokens later
-    deferred: list[Sequence] = field(default_factory=list)
-    # nothing for the KV service this step: the caller skips its round trip
-    skips_kv: bool = False
-
-    @property
-    def has_work(self) -> bool:
-        return self.micro_batch_id is not None
-
-
-@dataclass
 class SeqUpdate:
     """New output of one sequence after a micro-batch: for streaming to the client."""
 
@@ -146,6 +128,12 @@ class SeqUpdate:
     new_token_ids: list[int]
     new_logprobs: list
     finished: bool
+
+
+# seq_id -> a sequence the KV service gave slots in this step, and those slots
+Allocations = dict[int, tuple[Sequence, Allocated]]
+# one sequence's share of a micro-batch being built: (sequence, start, num_tokens, samples)
+SeqStep = tuple[Sequence, int, int, bool]
 
 
 class Planner:
@@ -282,198 +270,237 @@ class Planner:
         return max(1, math.ceil(live / ways))
 
     def propose(self) -> Proposal:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        seq_cap = self._seq_cap()
-        n_seqs = 0
-        appends: list[Append] = []
-        new_sequences: list[NewSequence] = []
-        forks: list[Fork] = []
-        proposal = Proposal(StepInput(), None)  # (an empty step: the KV service changes nothing)
+        """Choose the next micro-batch's tokens and what to ask the KV service for them.
 
-        # 1. decodes, then 2. placeholder decodes (the step in flight samples the token this
-        # one computes: after the sequences free now, so that with several stages a stage's
-        # next micro-batch is another group's, not one that waits for this group's tokens),
-        # then 3. prefill chunks of running sequences (rank order)
-        for phase_prefill in (False, True):
-            if phase_prefill and cfg.async_decode:
-                for request in self.running:
-                    for seq in request.sequences:
-                        if n_seqs >= seq_cap or budget <= 0 or not self._speculable(seq):
-                            continue
-                        if seq.num_tokens == len(seq.block_table) * cfg.block_size:
-                            # its token starts a block: the KV service allocates it now, ahead
-                            # of the token (told later, with the tokens it was not told yet)
-                            appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, seq.num_tokens),
-                                                  num_lookahead_slots=1))
-                            proposal.grown.append(seq)
-                        proposal.speculative.append((seq, seq.num_tokens))
-                        budget -= 1
-                        n_seqs += 1
-            for request in self.running:
-                for seq in request.sequences:
-                    if (
-                        seq.is_finished or not seq.has_kv or seq.seq_id in self._busy
-                        or seq.is_prefill != phase_prefill or n_seqs >= seq_cap or budget <= 0
-                    ):
-                        continue
-                    remaining = self._target(seq) - seq.num_computed
-                    if remaining <= 0:
-                        continue
-                    # an admitted sequence continues in chunks (only a recompute can need them
-                    # when chunked prefill is off: a fresh prompt is admitted whole)
-                    n = min(remaining, budget)
-                    start = seq.num_computed
-                    proposal.planned[seq.seq_id] = (start, n)
-                    if (n == 1 and start < len(seq.block_table) * cfg.block_size
-                            and self._target(seq) == seq.num_tokens):
-                        # its block has room: no KV round trip (never for a parent about to
-                        # fork: its children copy what the KV service knows of it)
-                        proposal.deferred.append(seq)
-                    else:  # the KV service catches up on every token it was not told yet
-                        appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, start + n)))
-                        proposal.appends.append(seq)
-                    budget -= n
-                    n_seqs += 1
-        # 4. forks of n > 1 requests whose first choice has prefilled all but the last prompt token
+        Changes no state (the KV service's answer may not come, and the state may change while
+        it answers): the sequence and micro-batch ids it uses are the next ones, which
+        `finalize` takes. The order is the micro-batch's: decodes, then placeholder decodes
+        (after the sequences free now, so that with several stages a stage's next micro-batch
+        is another group's, not one that waits for this group's tokens), prefill chunks of
+        running sequences (rank order), forks, re-admissions, admissions.
+        """
+        draft = ProposalDraft(self.config.max_num_batched_tokens, self._seq_cap(), self._next_seq_id)
+        self._propose_running(draft, prefill=False)
+        if self.config.async_decode:
+            self._propose_placeholder_decodes(draft)
+        self._propose_running(draft, prefill=True)
+        self._propose_forks(draft)
+        self._propose_readmissions(draft)
+        self._propose_admissions(draft)
+        mb_id = self._next_mb_id if draft.has_tokens else None
+        if not (draft.appends or draft.new_sequences or draft.kv_forks or self._pending_frees
+                or self._pending_failed) and (draft.has_tokens or not self.has_pending_kv_work):
+            # decodes inside their blocks only: completions wait for the next call that is needed
+            return draft.proposal(StepInput(), mb_id, skips_kv=True)
+        step_input = StepInput(
+            new_sequences=tuple(draft.new_sequences),
+            appends=tuple(draft.appends),
+            forks=tuple(draft.kv_forks),
+            frees=tuple(self._pending_frees),
+            completed_micro_batch_ids=self._completions_to_send(),
+            failed_micro_batch_ids=tuple(self._pending_failed),
+            micro_batch_id=mb_id,
+        )
+        return draft.proposal(step_input, mb_id, skips_kv=False)
+
+    def _completions_to_send(self) -> tuple[int, ...]:
+        """Completed steps the KV service may hear of now: not one whose unwritten sequences
+        are still to be freed (it would cache blocks holding garbage)."""
+        frees = set(self._pending_frees)
+        return tuple(m for m in self._pending_completed
+                     if not (self._completion_guard.get(m) and self._completion_guard[m] & frees))
+
+    def _propose_running(self, draft: ProposalDraft, prefill: bool) -> None:
+        """Decodes (`prefill` False) or prefill chunks of running sequences that hold their KV
+        and have no step in flight. An admitted sequence continues in chunks (only a recompute
+        can need them when chunked prefill is off: a fresh prompt is admitted whole)."""
+        block_size = self.config.block_size
+        for request in self.running:
+            for seq in request.sequences:
+                if draft.is_full:
+                    return
+                if seq.is_finished or not seq.has_kv or seq.seq_id in self._busy or seq.is_prefill != prefill:
+                    continue
+                target = self._target(seq)
+                remaining = target - seq.num_computed
+                if remaining <= 0:
+                    continue
+                n = min(remaining, draft.budget)
+                start = seq.num_computed
+                # its block has room: no KV round trip (never for a parent about to fork: its
+                # children copy what the KV service knows of it)
+                deferred = n == 1 and start < len(seq.block_table) * block_size and target == seq.num_tokens
+                if not deferred:  # the KV service catches up on every token it was not told yet
+                    draft.appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, start + n)))
+                draft.chunks.append(Chunk(seq, start, n, deferred))
+                draft.spend(n, 1)
+
+    def _propose_placeholder_decodes(self, draft: ProposalDraft) -> None:
+        """Decodes of sequences whose one step in flight samples the token this one computes."""
+        block_size = self.config.block_size
+        for request in self.running:
+            for seq in request.sequences:
+                if draft.is_full:
+                    return
+                if not self._speculable(seq):
+                    continue
+                grows = seq.num_tokens == len(seq.block_table) * block_size
+                if grows:
+                    # its token starts a block: the KV service allocates it now, ahead of the
+                    # token (told later, with the tokens it was not told yet)
+                    draft.appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, seq.num_tokens),
+                                                num_lookahead_slots=1))
+                draft.placeholders.append(Placeholder(seq, seq.num_tokens, grows))
+                draft.spend(1, 1)
+
+    def _propose_forks(self, draft: ProposalDraft) -> None:
+        """Forks of n > 1 requests whose first choice has prefilled all but the last prompt
+        token: every choice then computes that token itself."""
         for request in self.running:
             if len(request.sequences) >= request.options.n or self._fork_blocked(request):
                 continue
             k = request.options.n - len(request.sequences)
-            if budget < k + 1 or n_seqs + k + 1 > max(seq_cap, k + 1):
+            if draft.budget < k + 1 or draft.num_seqs + k + 1 > max(draft.seq_cap, k + 1):
                 continue  # (its choices were counted against max_num_seqs at admission)
             parent = request.sequences[0]
-            children = [self._new_sequence(request, len(request.sequences) + i) for i in range(k)]
-            last = len(request.prompt) - 1
-            for child in children:
-                forks.append(Fork(parent.seq_id, child.seq_id))
-                appends.append(Append(child.seq_id, [request.prompt[last]]))
-            appends.append(Append(parent.seq_id, [request.prompt[last]]))
-            proposal.forks.append((parent, children))
-            budget -= k + 1
-            n_seqs += k + 1
-        # 5. running sequences that lost their KV (a partly re-admitted request)
+            last_token = request.prompt[len(request.prompt) - 1]
+            child_seq_ids = tuple(draft.take_seq_id() for _ in range(k))
+            for child_seq_id in child_seq_ids:
+                draft.kv_forks.append(Fork(parent.seq_id, child_seq_id))
+                draft.appends.append(Append(child_seq_id, [last_token]))
+            draft.appends.append(Append(parent.seq_id, [last_token]))
+            draft.forks.append(PlannedFork(parent, child_seq_ids, len(request.sequences)))
+            draft.spend(k + 1, k + 1)
+
+    def _propose_readmissions(self, draft: ProposalDraft) -> None:
+        """Running sequences that lost their KV (a partly re-admitted request): a recompute,
+        chunked whatever the setting."""
         for request in self.running:
             for seq in request.sequences:
-                if seq.is_finished or seq.has_kv or seq.seq_id in self._busy or n_seqs >= seq_cap:
+                if draft.num_seqs >= draft.seq_cap:
+                    return
+                if seq.is_finished or seq.has_kv or seq.seq_id in self._busy:
                     continue
                 tokens = seq.all_tokens()[: self._target(seq)]
-                n = min(len(tokens), budget)  # a recompute: chunked whatever the setting
+                n = min(len(tokens), draft.budget)
                 if n <= 0:
                     continue
-                new_id = self._take_seq_id()
-                new_sequences.append(NewSequence(new_id, tokens, cfg.namespace, n,
-                                                 _scores_prompt(seq)))
-                proposal.readmits.append((seq, new_id))
-                budget -= n
-                n_seqs += 1
-        # 6. admissions, in the queue's order, while blocks and budgets allow
-        num_running_seqs = sum(_reserved(r) for r in self.running)
+                new_seq_id = draft.take_seq_id()
+                draft.new_sequences.append(NewSequence(new_seq_id, tokens, self.config.namespace, n,
+                                                       _scores_prompt(seq)))
+                draft.readmissions.append(Readmission(seq, new_seq_id))
+                draft.spend(n, 1)
+
+    def _propose_admissions(self, draft: ProposalDraft) -> None:
+        """Waiting requests, in the queue's order, while the budgets allow; the first that does
+        not fit stops the rest (no overtaking)."""
+        num_reserved = sum(_reserved(r) for r in self.running)
         for request in self.queue.ordered(limit=64):
-            if budget <= 0 or n_seqs >= seq_cap:
-                break
+            if draft.is_full:
+                return
             seqs = request.live_sequences if request.sequences else None
             if seqs == []:
                 continue  # every choice ended while it waited (finish_choice takes it out)
-            if seqs is None:  # first admission: one sequence, or n when the prompt is one token
-                count = request.options.n if len(request.prompt) == 1 else 1
-            else:
+            if seqs is not None:
                 count = len(seqs)
-            if num_running_seqs + _reserved(request) > cfg.max_num_seqs or n_seqs + count > max(seq_cap, count):
-                break
-            planned: list[tuple[Sequence | None, list[int], int]] = []
-            cost = 0
-            for i in range(count):
-                if seqs is None:
-                    tokens = list(request.prompt)
-                    if request.options.n > 1 and len(request.prompt) > 1:
-                        tokens = tokens[:-1]  # the choices fork before the last prompt token
-                else:
-                    tokens = seqs[i].all_tokens()[: self._target(seqs[i])]
-                remaining_budget = budget - cost
-                if len(tokens) <= remaining_budget:
-                    n = len(tokens)
-                elif cfg.enable_chunked_prefill or seqs is not None:
-                    # recomputing after preemption is chunked whatever the setting: prompt plus
-                    # output may have outgrown the budget, and it must come back
-                    n = remaining_budget
-                else:
-                    n = 0
-                if n <= 0:
-                    break
-                planned.append((None if seqs is None else seqs[i], tokens, n))
-                cost += n
+            else:  # first admission: one sequence, or n when the prompt is one token
+                count = request.options.n if len(request.prompt) == 1 else 1
+            if (num_reserved + _reserved(request) > self.config.max_num_seqs
+                    or draft.num_seqs + count > max(draft.seq_cap, count)):
+                return
+            chunks = self._admission_chunks(request, seqs, count, draft.budget)
             # a request's choices may come back a few at a time (the rest re-admit as budget
             # allows); a fresh request's several one-token choices come together
-            if not planned or (seqs is None and len(planned) < count):
+            if not chunks or (seqs is None and len(chunks) < count):
+                return
+            admitted: list[AdmittedSeq] = []
+            for index, (existing, tokens, n) in enumerate(chunks):
+                seq_id = draft.take_seq_id()
+                scores = _scores_prompt(existing) if existing is not None else _scores_prompt_of(request, index)
+                draft.new_sequences.append(NewSequence(seq_id, tokens, self.config.namespace, n, scores))
+                admitted.append(AdmittedSeq(existing, seq_id, index))
+            draft.admissions.append(Admission(request, tuple(admitted)))
+            draft.spend(sum(n for _, _, n in chunks), count)
+            num_reserved += _reserved(request)
+
+    def _admission_chunks(self, request: Request, seqs: list[Sequence] | None, count: int,
+                          budget: int) -> list[tuple[Sequence | None, list[int], int]]:
+        """(existing sequence or None for a new choice, its tokens, how many to compute now)
+        for the choices of one admission that fit the budget, in order."""
+        chunks: list[tuple[Sequence | None, list[int], int]] = []
+        cost = 0
+        for i in range(count):
+            if seqs is None:
+                tokens = list(request.prompt)
+                if request.options.n > 1 and len(request.prompt) > 1:
+                    tokens = tokens[:-1]  # the choices fork before the last prompt token
+            else:
+                tokens = seqs[i].all_tokens()[: self._target(seqs[i])]
+            left = budget - cost
+            if len(tokens) <= left:
+                n = len(tokens)
+            elif self.config.enable_chunked_prefill or seqs is not None:
+                # recomputing after preemption is chunked whatever the setting: prompt plus
+                # output may have outgrown the budget, and it must come back
+                n = left
+            else:
+                n = 0
+            if n <= 0:
                 break
-            admitted: list[tuple[Sequence, int]] = []
-            for existing, tokens, n in planned:
-                seq = existing or self._new_sequence(request, len(admitted))
-                new_id = seq.seq_id if existing is None else self._take_seq_id()
-                new_sequences.append(NewSequence(new_id, tokens, cfg.namespace, n,
-                                                 _scores_prompt(seq)))
-                admitted.append((seq, new_id))
-            proposal.admits.append((request, admitted))
-            budget -= cost
-            n_seqs += count
-            num_running_seqs += _reserved(request)
-        has_tokens = bool(appends or new_sequences or proposal.speculative or proposal.deferred)
-        mb_id = self._next_mb_id if has_tokens else None
-        proposal.micro_batch_id = mb_id
-        if not (appends or new_sequences or forks or self._pending_frees or self._pending_failed) and (
-                has_tokens or not self.has_pending_kv_work):
-            # decodes inside their blocks only: completions wait for the next call that is needed
-            proposal.skips_kv = True
-            return proposal
-        if mb_id is not None:
-            self._kv_steps.add(mb_id)
-        proposal.step_input = StepInput(
-            new_sequences=tuple(new_sequences),
-            appends=tuple(appends),
-            forks=tuple(forks),
-            frees=tuple(self._pending_frees),
-            completed_micro_batch_ids=tuple(
-                m for m in self._pending_completed
-                if not (self._completion_guard.get(m) and self._completion_guard[m] & set(self._pending_frees))
-            ),
-            failed_micro_batch_ids=tuple(self._pending_failed),
-            micro_batch_id=mb_id,
-        )
-        return proposal
+            chunks.append((None if seqs is None else seqs[i], tokens, n))
+            cost += n
+        return chunks
 
     def finalize(self, proposal: Proposal, output: StepOutput, now: float = 0.0) -> MicroBatch | None:
-        """Apply the KV service's answers; returns the micro-batch to dispatch, or None."""
-        step = proposal.step_input
+        """Apply the KV service's answers; returns the micro-batch to dispatch, or None.
+
+        Three phases: the allocations are applied (sequences that ended meanwhile give theirs
+        back), the lowest-ranked requests are preempted for those that got no block, and the
+        plan is built from what is left.
+        """
+        self._take_ids(proposal)
+        self._settle_housekeeping(proposal.step_input)
+        if proposal.micro_batch_id is None:
+            return None
+        scheduled, starving = self._apply_allocations(proposal, output, now)
+        self._preempt_for_starving(starving, scheduled, now)
+        return self._build_micro_batch(proposal.micro_batch_id, proposal, output, scheduled, now)
+
+    def _take_ids(self, proposal: Proposal) -> None:
+        """The ids the proposal used are taken (a proposal is finalized once, in order)."""
+        mb_id = proposal.micro_batch_id
+        if proposal.seq_ids.start != self._next_seq_id or mb_id not in (None, self._next_mb_id):
+            raise RuntimeError("finalize: not the proposal made last (or finalized already)")
+        self._next_seq_id = proposal.seq_ids.stop
+        if mb_id is None:
+            return
+        self._next_mb_id += 1
+        if not proposal.skips_kv:
+            self._kv_steps.add(mb_id)  # the KV service recorded the step
+
+    def _settle_housekeeping(self, step: StepInput) -> None:
+        """The frees, completions and failures the KV service applied are no longer pending."""
         applied_frees = set(step.frees)
         self._pending_frees = [s for s in self._pending_frees if s not in applied_frees]
         self._pending_completed = [m for m in self._pending_completed if m not in step.completed_micro_batch_ids]
         for m in step.completed_micro_batch_ids:
             self._completion_guard.pop(m, None)
         self._pending_failed = [m for m in self._pending_failed if m not in step.failed_micro_batch_ids]
-        if proposal.micro_batch_id is None:
-            return None
-        self._next_mb_id += 1
-        mb_id = proposal.micro_batch_id
-        scheduled: dict[int, tuple[Sequence, Allocated]] = {}
-        preempt: list[Request] = []
-        starving: list[Sequence] = []
 
-        # an abort or a stop string may have ended sequences while the KV service answered:
-        # what it allocated for them is given back (the completion guard keeps the step's
-        # completion behind those frees), and they are not scheduled
-        forks = []
-        for parent, children in proposal.forks:
-            if parent.has_kv and not parent.is_finished and parent.request in self.running:
-                forks.append((parent, children))
-                for child in children:
-                    parent.request.sequences.append(child)
-                    child.has_kv = True
-                    child.num_computed = parent.num_computed
-                    child.kv_len = parent.kv_len
-            else:  # the KV service forked them: free them
-                self._pending_frees.extend(child.seq_id for child in children)
-        for seq in proposal.appends + [s for _, ch in forks for s in ch] + [p for p, _ in forks]:
+    # --- finalize, phase 1: the KV service's allocations ---------------------------------
+    # An abort or a stop string may have ended sequences while the KV service answered: what
+    # it allocated for them is given back (the completion guard keeps the step's completion
+    # behind those frees), and they are not scheduled.
+
+    def _apply_allocations(self, proposal: Proposal, output: StepOutput,
+                           now: float) -> tuple[Allocations, list[Sequence]]:
+        """Returns the allocated sequences (seq_id -> sequence and its slots) and those of the
+        running sequences that got no block."""
+        scheduled: Allocations = {}
+        forks = self._apply_forks(proposal)
+        starving: list[Sequence] = []
+        running = [c.seq for c in proposal.chunks if not c.deferred]
+        for seq in running + [s for _, ch in forks for s in ch] + [p for p, _ in forks]:
             if not seq.has_kv or seq.is_finished or seq.request not in self.running:
                 continue
             result = output.results.get(seq.seq_id)
@@ -483,98 +510,107 @@ class Planner:
                 # a decode or a prefill chunk: either way the lowest-ranked request (maybe this
                 # one) gives its blocks back, or two half-prefilled requests could wait forever
                 starving.append(seq)
-        for seq, new_id in proposal.readmits:
-            result = output.results.get(new_id)
+        self._apply_readmissions(proposal, output, scheduled)
+        self._apply_admissions(proposal, output, scheduled, now)
+        for p in proposal.placeholders:
+            if not p.grows:
+                continue
+            result = output.results.get(p.seq.seq_id)  # the block it asked for ahead
+            if isinstance(result, Allocated) and p.seq.has_kv and not p.seq.is_finished:
+                p.seq.block_table = result.block_ids
+                p.seq.kv_len = result.num_computed_tokens + len(result.slot_mapping)
+        return scheduled, starving
+
+    def _apply_forks(self, proposal: Proposal) -> list[tuple[Sequence, list[Sequence]]]:
+        """The forked choices join their requests; those of a parent that ended are freed."""
+        forks: list[tuple[Sequence, list[Sequence]]] = []
+        for planned in proposal.forks:
+            parent = planned.parent
+            request = parent.request
+            if not (parent.has_kv and not parent.is_finished and request in self.running):
+                self._pending_frees.extend(planned.child_seq_ids)  # the KV service forked them
+                continue
+            children = []
+            for i, child_seq_id in enumerate(planned.child_seq_ids):
+                child = _new_sequence(child_seq_id, request, planned.first_index + i)
+                request.sequences.append(child)
+                child.has_kv = True
+                child.num_computed = parent.num_computed
+                child.kv_len = parent.kv_len
+                children.append(child)
+            forks.append((parent, children))
+        return forks
+
+    def _apply_readmissions(self, proposal: Proposal, output: StepOutput,
+                            scheduled: Allocations) -> None:
+        for readmission in proposal.readmissions:
+            seq, new_seq_id = readmission.seq, readmission.new_seq_id
+            result = output.results.get(new_seq_id)
             if isinstance(result, Allocated) and (seq.is_finished or seq.request not in self.running):
-                self._pending_frees.append(new_id)
+                self._pending_frees.append(new_seq_id)
             elif isinstance(result, Allocated):
-                self._renumber(seq, new_id)
+                self._renumber(seq, new_seq_id)
                 seq.has_kv = True
                 scheduled[seq.seq_id] = (seq, result)
+
+    def _apply_admissions(self, proposal: Proposal, output: StepOutput,
+                          scheduled: Allocations, now: float) -> None:
+        """A request is admitted when any of its choices got blocks; after one that got none,
+        the later ones give theirs back (they must not overtake it)."""
         blocked = False
-        for request, seqs in proposal.admits:
-            results = [output.results.get(new_id) for _, new_id in seqs]
+        for admission in proposal.admissions:
+            request = admission.request
+            results = [output.results.get(a.seq_id) for a in admission.seqs]
             gone = request not in self.queue  # aborted (or its choices stopped) meanwhile
             if gone or blocked or not any(isinstance(r, Allocated) for r in results):
                 blocked = blocked or not gone
-                for (_, new_id), r in zip(seqs, results, strict=True):
-                    if isinstance(r, Allocated):  # allocated after an earlier refusal: give it back
-                        self._pending_frees.append(new_id)
+                self._pending_frees.extend(a.seq_id for a, r in zip(admission.seqs, results, strict=True)
+                                           if isinstance(r, Allocated))
                 continue
             self._admit(request, now)
-            for (s, new_id), r in zip(seqs, results, strict=True):
+            for a, r in zip(admission.seqs, results, strict=True):
+                s = a.existing or _new_sequence(a.seq_id, request, a.index)
                 if s not in request.sequences:
                     request.sequences.append(s)
                 if isinstance(r, Allocated):
-                    self._renumber(s, new_id)
+                    self._renumber(s, a.seq_id)
                     s.has_kv = True
                     if not request.num_preemptions:
                         request.num_cached_tokens += r.num_computed_tokens
                     scheduled[s.seq_id] = (s, r)
-        # decodes that got no block: preempt the lowest-ranked running request by recompute
+
+    # --- finalize, phase 2: preemption ---------------------------------------------------
+
+    def _preempt_for_starving(self, starving: list[Sequence], scheduled: Allocations, now: float) -> None:
+        """Sequences that got no block: the lowest-ranked running request is preempted by
+        recompute (its blocks are freed in the next step); it is not scheduled."""
         for seq in starving:
             if seq.request not in self.running:
                 continue  # already preempted in this round
             victim = self._pick_victim(exclude=seq.request, scheduled=scheduled)
             if victim is None:
                 continue  # the victim is in flight: the starving sequence waits a round
-            preempt.append(victim)
             for s in victim.sequences:
                 scheduled.pop(s.seq_id, None)
             self._preempt(victim, now)
 
-        for seq in proposal.grown:  # placeholder decodes that asked for a block ahead
-            result = output.results.get(seq.seq_id)
-            if isinstance(result, Allocated) and seq.has_kv and not seq.is_finished:
-                seq.block_table = result.block_ids
-                seq.kv_len = result.num_computed_tokens + len(result.slot_mapping)
-        speculative = [(seq, pos) for seq, pos in proposal.speculative
-                       if seq.has_kv and not seq.is_finished and self._busy.get(seq.seq_id) == 1
-                       and pos < len(seq.block_table) * self.config.block_size]  # (no block: later)
+    # --- finalize, phase 3: the plan -----------------------------------------------------
+
+    def _build_micro_batch(self, mb_id: int, proposal: Proposal, output: StepOutput, scheduled: Allocations,
+                           now: float) -> MicroBatch | None:
+        placeholders = [(p.seq, p.position) for p in proposal.placeholders
+                        if p.seq.has_kv and not p.seq.is_finished and self._busy.get(p.seq.seq_id) == 1
+                        and p.position < len(p.seq.block_table) * self.config.block_size]  # (no block: later)
         discarded = {k for k, r in output.results.items() if isinstance(r, Allocated)} - {
-            seq.seq_id for seq, _ in scheduled.values()} - {seq.seq_id for seq, _ in speculative}
+            seq.seq_id for seq, _ in scheduled.values()} - {seq.seq_id for seq, _ in placeholders}
         if discarded:
             self._completion_guard[mb_id] = discarded
-        records: list[ScheduledSeq] = []
-        new_seqs: list[NewSeq] = []
-        cached_seqs: list[CachedSeq] = []
         # (sequence, start, num_tokens, samples), in planning order: placeholder decodes, the
         # running sequences' decodes and chunks, then forks, re-admissions and admissions
-        steps = [(seq, pos, 1, True) for seq, pos in speculative]
-        self.num_placeholder_steps += len(speculative)
-        deferred = {s.seq_id: s for s in proposal.deferred if s.has_kv and not s.is_finished}
-        order = [i for i in proposal.planned if i in deferred or i in scheduled]
-        order += [i for i in scheduled if i not in proposal.planned]
-        for seq_id in order:
-            if seq_id in deferred:  # its block holds the token: the table is unchanged
-                seq = deferred[seq_id]
-                start, n = proposal.planned[seq_id]
-            else:
-                seq, result = scheduled[seq_id]
-                # a sequence's own plan, or the KV service's for a new one (its prefix-cache hit)
-                start, n = proposal.planned.get(seq_id) or (result.num_computed_tokens, len(result.slot_mapping))
-                seq.kv_len = result.num_computed_tokens + len(result.slot_mapping)
-                seq.num_computed = start  # a prefix hit: these tokens are already there
-                seq.block_table = result.block_ids
-            end = start + n
-            steps.append((seq, start, n, end == self._target(seq) and end == seq.num_tokens))
-        for seq, start, n, sample in steps:
-            end = start + n
-            scoring = self._prompt_scoring(seq, start, end)
-            held = self._on_stages.get(seq.seq_id)
-            if held is None:
-                new_seqs.append(self._new_seq(seq, start, n, scoring))
-            else:
-                cached_seqs.append(self._cached_seq(seq, held, n, scoring))
-            self._on_stages[seq.seq_id] = seq.block_table
-            if self._stage_tokens is not None:
-                self._stage_tokens[seq.seq_id] = seq.num_tokens
-            record = ScheduledSeq(seq, seq.seq_id, start, n, sample)
-            records.append(record)
-            self._busy[seq.seq_id] = self._busy.get(seq.seq_id, 0) + 1
-            self._last_record[seq.seq_id] = record
-            if seq.request.first_scheduled_s is None:
-                seq.request.first_scheduled_s = now
+        steps = [(seq, pos, 1, True) for seq, pos in placeholders]
+        self.num_placeholder_steps += len(placeholders)
+        steps += self._allocated_steps(proposal, scheduled)
+        records, new_seqs, cached_seqs = self._record_steps(steps, now)
         if not records:
             # the KV service holds this id in flight even with nothing written
             self._complete_at_kv(mb_id)
@@ -593,6 +629,57 @@ class Planner:
             seqs=[[s.seq_id, s.start, s.num_tokens] for s in records],
         )
         return mb
+
+    def _allocated_steps(self, proposal: Proposal, scheduled: Allocations) -> list[SeqStep]:
+        """The running sequences' chunks still live, then the new sequences that got slots;
+        each allocated one takes the block table and KV length the KV service gave it."""
+        planned = {c.seq.seq_id: c for c in proposal.chunks}
+        deferred = {c.seq.seq_id: c for c in proposal.chunks
+                    if c.deferred and c.seq.has_kv and not c.seq.is_finished}
+        order = [i for i in planned if i in deferred or i in scheduled]
+        order += [i for i in scheduled if i not in planned]
+        steps: list[SeqStep] = []
+        for seq_id in order:
+            chunk = deferred.get(seq_id)
+            if chunk is not None:  # its block holds the token: the table is unchanged
+                seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            else:
+                seq, result = scheduled[seq_id]
+                # a sequence's own plan, or the KV service's for a new one (its prefix-cache hit)
+                chunk = planned.get(seq_id)
+                start, n = ((chunk.start, chunk.num_tokens) if chunk is not None
+                            else (result.num_computed_tokens, len(result.slot_mapping)))
+                seq.kv_len = result.num_computed_tokens + len(result.slot_mapping)
+                seq.num_computed = start  # a prefix hit: these tokens are already there
+                seq.block_table = result.block_ids
+            end = start + n
+            steps.append((seq, start, n, end == self._target(seq) and end == seq.num_tokens))
+        return steps
+
+    def _record_steps(self, steps: list[SeqStep], now: float,
+                      ) -> tuple[list[ScheduledSeq], list[NewSeq], list[CachedSeq]]:
+        """Each step as the stages get it (whole, or what changed since the state they hold)
+        and as the planner records it in flight."""
+        records: list[ScheduledSeq] = []
+        new_seqs: list[NewSeq] = []
+        cached_seqs: list[CachedSeq] = []
+        for seq, start, n, sample in steps:
+            scoring = self._prompt_scoring(seq, start, start + n)
+            held = self._on_stages.get(seq.seq_id)
+            if held is None:
+                new_seqs.append(self._new_seq(seq, start, n, scoring))
+            else:
+                cached_seqs.append(self._cached_seq(seq, held, n, scoring))
+            self._on_stages[seq.seq_id] = seq.block_table
+            if self._stage_tokens is not None:
+                self._stage_tokens[seq.seq_id] = seq.num_tokens
+            record = ScheduledSeq(seq, seq.seq_id, start, n, sample)
+            records.append(record)
+            self._busy[seq.seq_id] = self._busy.get(seq.seq_id, 0) + 1
+            self._last_record[seq.seq_id] = record
+            if seq.request.first_scheduled_s is None:
+                seq.request.first_scheduled_s = now
+        return records, new_seqs, cached_seqs
 
     def _new_seq(self, seq: Sequence, start: int, n: int, scoring: PromptScoring | None) -> NewSeq:
         request = seq.request
@@ -795,15 +882,6 @@ class Planner:
             or parent.num_computed != len(request.prompt) - 1 or len(request.prompt) == 1
         )
 
-    def _new_sequence(self, request: Request, index: int) -> Sequence:
-        """A new choice, not yet attached to its request (finalize attaches it)."""
-        return Sequence(self._take_seq_id(), request, index, entropy_seed=_entropy(request, index))
-
-    def _take_seq_id(self) -> int:
-        seq_id = self._next_seq_id
-        self._next_seq_id += 1
-        return seq_id
-
     def _renumber(self, seq: Sequence, new_id: int) -> None:
         seq.seq_id = new_id
 
@@ -902,9 +980,18 @@ class Planner:
 def _scores_prompt(seq: Sequence) -> bool:
     """Whether this sequence still scores prompt positions (SamplingOptions.prompt_logprobs):
     then every position must be computed, so it keeps out of the prefix cache."""
-    request = seq.request
-    return (request.options.prompt_logprobs is not None and seq.index == 0
+    return _scores_prompt_of(seq.request, seq.index)
+
+
+def _scores_prompt_of(request: Request, index: int) -> bool:
+    """`_scores_prompt` for choice `index` of a request, made or not yet."""
+    return (request.options.prompt_logprobs is not None and index == 0
             and len(request.prompt_logprobs) < len(request.prompt) - 1)
+
+
+def _new_sequence(seq_id: int, request: Request, index: int) -> Sequence:
+    """A new choice, not yet attached to its request."""
+    return Sequence(seq_id, request, index, entropy_seed=_entropy(request, index))
 
 
 def _reserved(request: Request) -> int:
