@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 from collections.abc import Iterator, Sequence
 
@@ -29,7 +28,7 @@ from gateway.app import Gateway, create_app
 from gateway.config import GatewayConfig
 from gateway.core import TextGenerator
 from gateway.grpc_api import add_generation_service
-from services.grpc_utils import create_aio_server, set_serving
+from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
 from services.text import Tokenizer
 
 KEEP_ALIVE_S = 15  # seconds an idle REST connection stays open
@@ -153,48 +152,28 @@ async def serve(config: GatewayConfig) -> None:
     enable_reflection([*names, health.SERVICE_NAME], grpc_server)
     await grpc_server.start()
 
-    rest = _Uvicorn(uvicorn.Config(
-        app, host=config.host, port=config.port, lifespan="off", log_config=None,
-        timeout_graceful_shutdown=max(1, round(config.grace_period_s)),
-        # longer than clients keep an idle connection (httpx, under the openai SDK: 5 s), so
-        # a client never reuses one the server is closing at that moment (CI saw "Server
-        # disconnected without sending a response" with both at 5 s)
-        timeout_keep_alive=KEEP_ALIVE_S,
-    ))
+    rest = _rest_server(app, config)
     try:
         sock = rest_socket(config.host, config.port)
     except OSError as exc:
         await grpc_server.stop(0)
         raise OSError(f"cannot listen on {config.host}:{config.port} (REST): {exc.strerror or exc}") from exc
     rest_task = asyncio.create_task(rest.serve(sockets=[sock]), name="uvicorn")
-    stop = asyncio.Event()
 
-    def on_signal() -> None:
-        if stop.is_set():  # a second Ctrl-C: stop waiting for in-flight requests
-            log.warning("second signal: stopping now")
-            rest.force_exit = True
-            asyncio.ensure_future(grpc_server.stop(0))
-        stop.set()
+    def stop_now() -> None:  # a second Ctrl-C: stop waiting for in-flight requests
+        log.warning("second signal: stopping now")
+        rest.force_exit = True
+        asyncio.ensure_future(grpc_server.stop(0))
 
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    health_task = asyncio.create_task(_track_health(generator, health_servicer, ["", *names], gateway))
-    stop_task = asyncio.create_task(stop.wait())
-    try:
+    async def rest_started() -> None:
         while not rest.started and not rest_task.done():
             await asyncio.sleep(0.05)
-        if rest.started and gateway.limiter is not None:
-            log.info("rate limits: default %s, buckets %s", config.default_rate_limit,
-                     "in Redis (shared by replicas)" if config.redis_url else "in this process")
         if rest.started:
-            log.info("gateway serving: REST http://%s:%d (model %r), gRPC %s:%d (%s), scheduler %s%s",
-                     config.host, config.port, config.model_name, config.host, grpc_port,
-                     ", ".join(names), config.scheduler_address,
-                     f" (routing: {config.routing}{', prefix index in Redis' if config.redis_url else ''})"
-                     if generator.replicas is not None else "")
-        await asyncio.wait({rest_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-        if rest_task.done() and not stop.is_set():
+            _log_serving(config, gateway, generator, names, grpc_port)
+
+    health_task = asyncio.create_task(_track_health(generator, health_servicer, ["", *names], gateway))
+    try:
+        if not await serve_until_signalled(on_second_signal=stop_now, starting=rest_started(), until=rest_task):
             exc = rest_task.exception()
             raise OSError(f"the REST server stopped: {exc!r}") if exc else OSError(
                 f"the REST server could not start on {config.host}:{config.port}")
@@ -206,11 +185,34 @@ async def serve(config: GatewayConfig) -> None:
         await asyncio.gather(rest_task, grpc_server.stop(config.grace_period_s),
                              return_exceptions=True)
     finally:
-        for task in (health_task, stop_task, rest_task):
+        for task in (health_task, rest_task):
             task.cancel()
-        await asyncio.gather(health_task, stop_task, rest_task, return_exceptions=True)
+        await asyncio.gather(health_task, rest_task, return_exceptions=True)
         await grpc_server.stop(0)
         await generator.close()
         if gateway.limiter is not None:
             await gateway.limiter.close()
         log.info("gateway stopped")
+
+
+def _rest_server(app, config: GatewayConfig) -> _Uvicorn:
+    return _Uvicorn(uvicorn.Config(
+        app, host=config.host, port=config.port, lifespan="off", log_config=None,
+        timeout_graceful_shutdown=max(1, round(config.grace_period_s)),
+        # longer than clients keep an idle connection (httpx, under the openai SDK: 5 s), so
+        # a client never reuses one the server is closing at that moment (CI saw "Server
+        # disconnected without sending a response" with both at 5 s)
+        timeout_keep_alive=KEEP_ALIVE_S,
+    ))
+
+
+def _log_serving(config: GatewayConfig, gateway: Gateway, generator: TextGenerator, names: Sequence[str],
+                 grpc_port: int) -> None:
+    if gateway.limiter is not None:
+        log.info("rate limits: default %s, buckets %s", config.default_rate_limit,
+                 "in Redis (shared by replicas)" if config.redis_url else "in this process")
+    log.info("gateway serving: REST http://%s:%d (model %r), gRPC %s:%d (%s), scheduler %s%s",
+             config.host, config.port, config.model_name, config.host, grpc_port,
+             ", ".join(names), config.scheduler_address,
+             f" (routing: {config.routing}{', prefix index in Redis' if config.redis_url else ''})"
+             if generator.replicas is not None else "")

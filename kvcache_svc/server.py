@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import signal
 import time
 from typing import NoReturn
 
@@ -47,7 +46,7 @@ from kvcache_svc.core import (
     StepInput,
 )
 from kvcache_svc.events import Event, EventLog, Gone, Removed, Stored, chains
-from services.grpc_utils import create_aio_server, set_serving
+from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
 from services.pb import kvcache_pb2, kvcache_pb2_grpc
 from services.prefix_hash import ROOT_KEY
 
@@ -367,14 +366,7 @@ async def serve(config: KVCacheConfig, ready_file: str | None = None, metrics_po
         config.host, port, service.epoch, config.num_blocks, config.block_size,
         service.manager.watermark_blocks, "on" if config.enable_prefix_caching else "off",
     )
-    if ready_file:
-        with open(ready_file, "w") as f:
-            f.write(f"{port}\n")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await serve_until_signalled(port=port, ready_file=ready_file)
     log.info("KV cache stopping")
     await service.stop()
     await server.stop(grace=2.0)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import signal
 import time
 import uuid
+from dataclasses import replace
 
 import grpc
 
@@ -27,7 +27,7 @@ from scheduler_svc.core.request import (
 )
 from scheduler_svc.engine import Engine, RequestOutput
 from services import grammar
-from services.grpc_utils import create_aio_server, set_serving
+from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.sampling_pb import options_from_pb, set_top_logprobs
 
@@ -154,22 +154,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             await stream.aclose()  # a cancelled client aborts the request here
 
-    def _responses(self, req: Request, out: RequestOutput):
-        deltas = out.deltas or ([] if not out.finished else [])
-        if out.finished and not deltas:
-            deltas = []
-        msgs = []
-        for d in deltas:
-            msg = scheduler_pb2.GenerateResponse(request_id=req.request_id, index=d.index)
-            msg.token_ids.extend(d.token_ids)
-            for token_id, lp in zip(d.token_ids, d.logprobs, strict=True):
-                if lp is not None:  # (rank 0: a sampled token's rank is not computed)
-                    set_top_logprobs(msg.logprobs.add(), token_id, lp.logprob, 0, lp.top)
-            if d.finish_reason is not None:
-                msg.finish_reason = _FINISH[d.finish_reason]
-                if d.stop_token_id is not None:
-                    msg.stop_token_id = d.stop_token_id
-            msgs.append(msg)
+    def _responses(self, req: Request, out: RequestOutput) -> list[scheduler_pb2.GenerateResponse]:
+        """One engine output as responses: one per choice's delta; the prompt's logprobs ride
+        on the first, the usage and timeline of a finished request on the last (an empty
+        response carries them when there is no delta)."""
+        msgs = [_delta_to_pb(req.request_id, d) for d in out.deltas or []]
         if out.prompt_logprobs is not None:
             if not msgs:
                 msgs.append(scheduler_pb2.GenerateResponse(request_id=req.request_id))
@@ -178,22 +167,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if out.finished:
             if not msgs:
                 msgs.append(scheduler_pb2.GenerateResponse(request_id=req.request_id))
-            last = msgs[-1]
-            last.usage.num_prompt_tokens = out.num_prompt_tokens
-            last.usage.num_completion_tokens = out.num_completion_tokens
-            last.usage.num_cached_tokens = out.num_cached_tokens
-            last.usage.num_preemptions = out.num_preemptions
-            for e in out.timeline:
-                ev = last.timeline.add(name=e["name"], category=e.get("category", "scheduler"),
-                                       start_ns=e.get("start_ns", 0), end_ns=e.get("end_ns", 0))
-                if "stage_index" in e:
-                    ev.stage_index = e["stage_index"]
-                if "micro_batch_id" in e:
-                    ev.micro_batch_id = e["micro_batch_id"]
-                if "choice_index" in e:
-                    ev.choice_index = e["choice_index"]
-                if "num_tokens" in e:
-                    ev.num_tokens = e["num_tokens"]
+            _finish_to_pb(out, msgs[-1])
         return msgs
 
     async def Abort(self, request, context):
@@ -220,48 +194,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_in_flight=s["num_in_flight"],
             kv_address=self.kv_address,
         )
-        c = resp.config
-        c.model, c.pipeline_parallel_size, c.async_scheduling = cfg.model, cfg.pipeline_parallel_size, cfg.is_async
-        c.scheduler_policy, c.max_num_batched_tokens, c.max_num_seqs = cfg.scheduler_policy, cfg.max_num_batched_tokens, cfg.max_num_seqs
-        c.microbatch_size, c.enable_chunked_prefill = str(cfg.microbatch_size), cfg.enable_chunked_prefill
-        c.enable_prefix_caching, c.preemption_mode, c.block_size = cfg.enable_prefix_caching, cfg.preemption_mode, cfg.block_size
-        c.num_kv_blocks, c.max_model_len, c.scheduler_timeout_ms = cfg.num_kv_blocks or 0, cfg.max_model_len, cfg.scheduler_timeout_ms
-        tenants = set(s["queue_by_tenant"]) | set(cfg.tenant_weights)
-        for tenant in sorted(tenants):
-            resp.tenants.add(
-                tenant=tenant, num_waiting=s["queue_by_tenant"].get(tenant, 0),
-                num_running=sum(1 for r in engine.planner.running if r.tenant == tenant),
-                num_served_tokens=s["served_tokens_by_tenant"].get(tenant, 0),
-                weight=cfg.tenant_weights.get(tenant, 1.0),
-            )
+        _config_to_pb(cfg, resp.config)
+        _tenants_to_pb(engine, s, resp)
         # the stages and the KV service are asked at once, each bounded well inside the
         # gateway's 2 s deadline: a hung stage shows as not serving instead of a 504
         kv_reply = asyncio.ensure_future(asyncio.wait_for(engine.kv.stats_message(request.include_kv_sequences), 1.5))
         for st in await engine.transport.stage_stats(timeout_s=1.5):
-            ps = resp.stages.add(stage_index=st["stage_index"], address=st["address"])
-            ps.health = common_pb2.HEALTH_STATUS_SERVING if st["healthy"] else common_pb2.HEALTH_STATUS_NOT_SERVING
-            stats = st.get("stats")
-            if stats is not None:
-                ps.stats.CopyFrom(stats)
-                total = stats.busy_ns + stats.idle_ns
-                ps.busy_fraction = stats.busy_ns / total if total else 0.0
-                ps.num_in_flight = stats.num_in_flight
-                # the bubble: time requests were live but this stage was not computing
-                engine.update_active_time()
-                ps.bubble_ns = max(0, engine.active_ns - stats.busy_ns)
-            elif "busy_ns" in st:
-                uptime = resp.uptime_ns or 1
-                ps.busy_fraction = min(1.0, st["busy_ns"] / uptime)
-            if st["stage_index"] < len(engine.stages):
-                info = engine.stages[st["stage_index"]]
-                li = ps.load_info
-                li.stage_index, li.num_stages, li.epoch = info.stage_index, info.num_stages, info.epoch
-                li.layer_start, li.layer_end, li.num_layers = info.layer_start, info.layer_end, info.num_layers
-                li.num_kv_blocks, li.block_size, li.vocab_size = info.num_kv_blocks, info.block_size, info.vocab_size
-                li.feedback_connected = info.feedback and info.stage_index == 0  # in use by the scheduler
-                li.weights_bytes, li.quantization = info.weights_bytes, info.quantization
-                li.kv_block_bytes, li.kv_cache_dtype = info.kv_block_bytes, info.kv_cache_dtype
-                li.memory_budget_bytes = info.memory_budget_bytes
+            _stage_to_pb(engine, st, resp)
         try:
             resp.kv_cache.CopyFrom(await kv_reply)
             resp.kv_health = common_pb2.HEALTH_STATUS_SERVING
@@ -274,14 +213,94 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                   end_ns=end_ns)
         resp.now_ns = time.time_ns()
         if request.include_requests:
-            for r in list(engine.planner.requests.values()):
-                resp.requests.add(
-                    request_id=r.request_id, state=_STATE[r.state], tenant=r.tenant, priority=r.priority,
-                    num_prompt_tokens=len(r.prompt), num_output_tokens=r.num_output_tokens,
-                    num_preemptions=r.num_preemptions,
-                )
+            _requests_to_pb(engine, resp)
         return resp
 
+
+def _delta_to_pb(request_id: str, d) -> scheduler_pb2.GenerateResponse:
+    """One choice's new tokens (a `RequestOutput` delta) as a response."""
+    msg = scheduler_pb2.GenerateResponse(request_id=request_id, index=d.index)
+    msg.token_ids.extend(d.token_ids)
+    for token_id, lp in zip(d.token_ids, d.logprobs, strict=True):
+        if lp is not None:  # (rank 0: a sampled token's rank is not computed)
+            set_top_logprobs(msg.logprobs.add(), token_id, lp.logprob, 0, lp.top)
+    if d.finish_reason is not None:
+        msg.finish_reason = _FINISH[d.finish_reason]
+        if d.stop_token_id is not None:
+            msg.stop_token_id = d.stop_token_id
+    return msg
+
+
+def _finish_to_pb(out: RequestOutput, last: scheduler_pb2.GenerateResponse) -> None:
+    """A finished request's usage and timeline, on its last response."""
+    last.usage.num_prompt_tokens = out.num_prompt_tokens
+    last.usage.num_completion_tokens = out.num_completion_tokens
+    last.usage.num_cached_tokens = out.num_cached_tokens
+    last.usage.num_preemptions = out.num_preemptions
+    for e in out.timeline:
+        ev = last.timeline.add(name=e["name"], category=e.get("category", "scheduler"),
+                               start_ns=e.get("start_ns", 0), end_ns=e.get("end_ns", 0))
+        for field in ("stage_index", "micro_batch_id", "choice_index", "num_tokens"):
+            if field in e:
+                setattr(ev, field, e[field])
+
+
+def _config_to_pb(cfg: SchedulerConfig, c) -> None:
+    c.model, c.pipeline_parallel_size, c.async_scheduling = cfg.model, cfg.pipeline_parallel_size, cfg.is_async
+    c.scheduler_policy, c.max_num_batched_tokens, c.max_num_seqs = cfg.scheduler_policy, cfg.max_num_batched_tokens, cfg.max_num_seqs
+    c.microbatch_size, c.enable_chunked_prefill = str(cfg.microbatch_size), cfg.enable_chunked_prefill
+    c.enable_prefix_caching, c.preemption_mode, c.block_size = cfg.enable_prefix_caching, cfg.preemption_mode, cfg.block_size
+    c.num_kv_blocks, c.max_model_len, c.scheduler_timeout_ms = cfg.num_kv_blocks or 0, cfg.max_model_len, cfg.scheduler_timeout_ms
+
+
+def _tenants_to_pb(engine: Engine, s: dict, resp: scheduler_pb2.GetStatsResponse) -> None:
+    """Every tenant that is configured or has queued requests."""
+    cfg = engine.config
+    tenants = set(s["queue_by_tenant"]) | set(cfg.tenant_weights)
+    for tenant in sorted(tenants):
+        resp.tenants.add(
+            tenant=tenant, num_waiting=s["queue_by_tenant"].get(tenant, 0),
+            num_running=sum(1 for r in engine.planner.running if r.tenant == tenant),
+            num_served_tokens=s["served_tokens_by_tenant"].get(tenant, 0),
+            weight=cfg.tenant_weights.get(tenant, 1.0),
+        )
+
+
+def _stage_to_pb(engine: Engine, st: dict, resp: scheduler_pb2.GetStatsResponse) -> None:
+    """One stage's health, statistics and (once connected) what it loaded."""
+    ps = resp.stages.add(stage_index=st["stage_index"], address=st["address"])
+    ps.health = common_pb2.HEALTH_STATUS_SERVING if st["healthy"] else common_pb2.HEALTH_STATUS_NOT_SERVING
+    stats = st.get("stats")
+    if stats is not None:
+        ps.stats.CopyFrom(stats)
+        total = stats.busy_ns + stats.idle_ns
+        ps.busy_fraction = stats.busy_ns / total if total else 0.0
+        ps.num_in_flight = stats.num_in_flight
+        # the bubble: time requests were live but this stage was not computing
+        engine.update_active_time()
+        ps.bubble_ns = max(0, engine.active_ns - stats.busy_ns)
+    elif "busy_ns" in st:
+        uptime = resp.uptime_ns or 1
+        ps.busy_fraction = min(1.0, st["busy_ns"] / uptime)
+    if st["stage_index"] < len(engine.stages):
+        info = engine.stages[st["stage_index"]]
+        li = ps.load_info
+        li.stage_index, li.num_stages, li.epoch = info.stage_index, info.num_stages, info.epoch
+        li.layer_start, li.layer_end, li.num_layers = info.layer_start, info.layer_end, info.num_layers
+        li.num_kv_blocks, li.block_size, li.vocab_size = info.num_kv_blocks, info.block_size, info.vocab_size
+        li.feedback_connected = info.feedback and info.stage_index == 0  # in use by the scheduler
+        li.weights_bytes, li.quantization = info.weights_bytes, info.quantization
+        li.kv_block_bytes, li.kv_cache_dtype = info.kv_block_bytes, info.kv_cache_dtype
+        li.memory_budget_bytes = info.memory_budget_bytes
+
+
+def _requests_to_pb(engine: Engine, resp: scheduler_pb2.GetStatsResponse) -> None:
+    for r in list(engine.planner.requests.values()):
+        resp.requests.add(
+            request_id=r.request_id, state=_STATE[r.state], tenant=r.tenant, priority=r.priority,
+            num_prompt_tokens=len(r.prompt), num_output_tokens=r.num_output_tokens,
+            num_preemptions=r.num_preemptions,
+        )
 
 async def serve(
     config: SchedulerConfig,
@@ -293,28 +312,62 @@ async def serve(
     startup_timeout_s: float = 120.0,
     metrics_port: int | None = None,
 ) -> None:
-    from kvcache_svc.client import GrpcKVCacheClient
     from scheduler_svc.transport import GrpcStageTransport
     from services import telemetry
     from services.text import Tokenizer
 
     telemetry.setup_tracing("scheduler")
     eos = Tokenizer(config.model).eos_token_ids if config.model else ()
-    if kv_address == "in-process":  # the embedded KV manager: one process less
-        from kvcache_svc.client import InProcessKVCacheClient
-        from kvcache_svc.core import KVCacheManager
-
-        kv = InProcessKVCacheClient(KVCacheManager(
-            config.num_kv_blocks or 1024, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-        ))
-    else:
-        kv = GrpcKVCacheClient(kv_address)
+    kv = _kv_client(config, kv_address)
     transport = GrpcStageTransport(stage_addresses)
     engine = Engine(config, kv, transport, eos_token_ids=tuple(eos))
     service = SchedulerService(engine, kv_address)
     server, bound, health = create_aio_server(f"{host}:{port}")
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     await server.start()
+    await _start_pipeline(engine, kv, config, startup_timeout_s)
+    await set_serving(health, SERVICE_NAME, True)
+    log.info("scheduler serving on %s:%d (stages %s, KV %s)", host, bound, stage_addresses, kv_address)
+    cfg = engine.config
+    if cfg.num_kv_blocks:
+        log.info("%s", kv_capacity_line(cfg.num_kv_blocks, cfg.block_size, cfg.max_model_len))
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(_track_health(engine, health, stop))]
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=host, registry=engine.metrics.registry)
+        tasks.append(asyncio.create_task(_refresh_metrics(engine, stop)))
+        log.info("metrics on http://%s:%d/metrics", host, metrics_port)
+    await serve_until_signalled(port=bound, ready_file=ready_file, stop=stop)
+    for task in tasks:
+        task.cancel()
+    await set_serving(health, SERVICE_NAME, False)
+    await server.stop(grace=5.0)
+    await engine.stop()
+    await kv.close()
+
+
+def _kv_client(config: SchedulerConfig, kv_address: str):
+    """The KV service's client: the embedded KV manager for "in-process" (one process less),
+    else a gRPC client of the service at `kv_address`."""
+    if kv_address == "in-process":
+        from kvcache_svc.client import InProcessKVCacheClient
+        from kvcache_svc.core import KVCacheManager
+
+        return InProcessKVCacheClient(KVCacheManager(
+            config.num_kv_blocks or 1024, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+        ))
+    from kvcache_svc.client import GrpcKVCacheClient
+
+    return GrpcKVCacheClient(kv_address)
+
+
+async def _start_pipeline(engine: Engine, kv, config: SchedulerConfig, startup_timeout_s: float) -> None:
+    """Waits for the KV service and the stages, then starts the engine. A KV pool of another
+    shape than `config`'s is a ValueError at once; anything else is retried each second until
+    `startup_timeout_s` (then RuntimeError). With no configured pool size the engine takes the
+    KV service's."""
     deadline = time.monotonic() + startup_timeout_s
     while True:
         try:
@@ -327,11 +380,9 @@ async def serve(
                     f"the scheduler was told {config.num_kv_blocks} of {config.block_size}"
                 )
             if config.num_kv_blocks is None:
-                from dataclasses import replace
-
                 engine.config = replace(config, num_kv_blocks=kv_stats.num_blocks)
             await engine.start()
-            break
+            return
         except ValueError:
             raise
         except Exception as exc:
@@ -339,32 +390,6 @@ async def serve(
                 raise RuntimeError(f"pipeline not ready after {startup_timeout_s}s: {exc}") from exc
             log.info("waiting for the KV service and stages: %s", exc)
             await asyncio.sleep(1.0)
-    await set_serving(health, SERVICE_NAME, True)
-    log.info("scheduler serving on %s:%d (stages %s, KV %s)", host, bound, stage_addresses, kv_address)
-    cfg = engine.config
-    if cfg.num_kv_blocks:
-        log.info("%s", kv_capacity_line(cfg.num_kv_blocks, cfg.block_size, cfg.max_model_len))
-    if ready_file:
-        with open(ready_file, "w") as f:
-            f.write(f"{bound}\n")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(_track_health(engine, health, stop))]
-    if metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        start_http_server(metrics_port, addr=host, registry=engine.metrics.registry)
-        tasks.append(asyncio.create_task(_refresh_metrics(engine, stop)))
-        log.info("metrics on http://%s:%d/metrics", host, metrics_port)
-    await stop.wait()
-    for task in tasks:
-        task.cancel()
-    await set_serving(health, SERVICE_NAME, False)
-    await server.stop(grace=5.0)
-    await engine.stop()
-    await kv.close()
 
 
 async def _refresh_metrics(engine: Engine, stop: asyncio.Event, period_s: float = 1.0) -> None:

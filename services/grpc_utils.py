@@ -1,4 +1,5 @@
-"""gRPC bootstrap shared by every service: message limits, keepalive, health, servers, channels.
+"""gRPC bootstrap shared by every service: message limits, keepalive, health, servers, channels,
+and the end of every server's main (`serve_until_signalled`).
 
 The default 4 MB message cap is too small for activations, so every server and channel
 takes explicit send/receive limits; keepalive pings make a dead peer show up within
@@ -13,6 +14,8 @@ import hmac
 import inspect
 import logging
 import os
+import signal
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -51,48 +54,67 @@ class RefuseUndecodable(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        method, decode = handler_call_details.method, handler.request_deserializer
+        kind = _behaviour_kind(handler)
+        behaviour = _refusing_undecodable(kind, handler, handler_call_details.method)
+        return handler._replace(request_deserializer=_safe_decoder(handler.request_deserializer),
+                                **{kind: behaviour})
 
-        def safe_decode(data: bytes):
-            try:
-                return decode(data)
-            except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and its kin
-                return _Undecodable(f"{type(exc).__name__}: {exc}")
 
-        async def refuse(bad: _Undecodable, context) -> None:
-            log.warning("%s: refused an undecodable request (%s)", method, bad.reason)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request is not a valid message for {method}: {bad.reason}")
+_BEHAVIOUR_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 
-        async def checked(requests, context):
-            async for request in requests:
-                if isinstance(request, _Undecodable):
-                    await drain_requests(requests)  # (see drain_requests)
-                    await refuse(request, context)
-                yield request
 
-        async def unary_unary(request, context):
+def _behaviour_kind(handler: grpc.RpcMethodHandler) -> str:
+    """Which of a method handler's four behaviours it has."""
+    return next(kind for kind in _BEHAVIOUR_KINDS if getattr(handler, kind) is not None)
+
+
+def _safe_decoder(decode):
+    """`decode`, but a request that cannot be parsed decodes to `_Undecodable` instead of raising."""
+    def safe_decode(data: bytes):
+        try:
+            return decode(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and its kin
+            return _Undecodable(f"{type(exc).__name__}: {exc}")
+
+    return safe_decode
+
+
+def _refusing_undecodable(kind: str, handler: grpc.RpcMethodHandler, method: str):
+    """The handler's `kind` behaviour, refusing a request that decoded to `_Undecodable`
+    (on a stream: when it arrives) before it reaches the servicer."""
+    async def refuse(bad: _Undecodable, context) -> None:
+        log.warning("%s: refused an undecodable request (%s)", method, bad.reason)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request is not a valid message for {method}: {bad.reason}")
+
+    async def checked(requests, context):
+        async for request in requests:
             if isinstance(request, _Undecodable):
+                await drain_requests(requests)  # (see drain_requests)
                 await refuse(request, context)
-            return await handler.unary_unary(request, context)
+            yield request
 
-        async def unary_stream(request, context):
-            if isinstance(request, _Undecodable):
-                await refuse(request, context)
-            async for response in _responses(handler.unary_stream(request, context)):
-                yield response
+    async def unary_unary(request, context):
+        if isinstance(request, _Undecodable):
+            await refuse(request, context)
+        return await handler.unary_unary(request, context)
 
-        async def stream_unary(requests, context):
-            return await handler.stream_unary(checked(requests, context), context)
+    async def unary_stream(request, context):
+        if isinstance(request, _Undecodable):
+            await refuse(request, context)
+        async for response in _responses(handler.unary_stream(request, context)):
+            yield response
 
-        async def stream_stream(requests, context):
-            async for response in _responses(handler.stream_stream(checked(requests, context), context)):
-                yield response
+    async def stream_unary(requests, context):
+        return await handler.stream_unary(checked(requests, context), context)
 
-        wrapped = {"unary_unary": unary_unary, "unary_stream": unary_stream,
-                   "stream_unary": stream_unary, "stream_stream": stream_stream}
-        kind = next(name for name in wrapped if getattr(handler, name) is not None)
-        return handler._replace(request_deserializer=safe_decode, **{kind: wrapped[kind]})
+    async def stream_stream(requests, context):
+        async for response in _responses(handler.stream_stream(checked(requests, context), context)):
+            yield response
+
+    wrapped = {"unary_unary": unary_unary, "unary_stream": unary_stream,
+               "stream_unary": stream_unary, "stream_stream": stream_stream}
+    return wrapped[kind]
 
 
 class RequireToken(grpc.aio.ServerInterceptor):
@@ -122,8 +144,7 @@ class RequireToken(grpc.aio.ServerInterceptor):
             await refuse(request_or_requests, context)
             yield  # pragma: no cover - never reached: abort raises
 
-        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
-                    if getattr(handler, k) is not None)
+        kind = _behaviour_kind(handler)
         return handler._replace(**{kind: refuse_stream if kind.endswith("_stream") else refuse})
 
 
@@ -289,3 +310,62 @@ def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> boo
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
+
+
+SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def write_ready_file(path: str, port: int) -> None:
+    """`port` and a newline into `path`, whole or not at all: written beside it, then renamed
+    over it, so a watcher that polls for the file never reads half of it."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(partial, path)
+
+
+async def serve_until_signalled(
+    *,
+    port: int | None = None,
+    ready_file: str | None = None,
+    stop: asyncio.Event | None = None,
+    on_second_signal: Callable[[], None] | None = None,
+    starting: Awaitable[object] | None = None,
+    until: asyncio.Future | None = None,
+) -> bool:
+    """The end of every server's main, called once its server is started; the graceful stop
+    that follows is the caller's. In order:
+
+    - SIGTERM and SIGINT set `stop` (the caller's event, which it may also set itself, e.g.
+      on a fatal error; a new one when None). A signal that finds `stop` already set calls
+      `on_second_signal` when given (a second Ctrl-C: stop at once instead of draining).
+    - `starting` is awaited: what the server still waits for before it is ready.
+    - the bound `port` is written to `ready_file` when one is given (`write_ready_file`).
+    - it waits for `stop`, or for `until` to end (a task the serving depends on).
+
+    Returns True once stopped, False when `until` ended first (the serving failed)."""
+    if ready_file and port is None:
+        raise ValueError("serve_until_signalled: a ready_file needs the port to write into it")
+    stop = stop if stop is not None else asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set() and on_second_signal is not None:
+            on_second_signal()
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in SHUTDOWN_SIGNALS:
+        loop.add_signal_handler(sig, on_signal)
+    if starting is not None:
+        await starting
+    if ready_file:
+        write_ready_file(ready_file, port)
+    if until is None:
+        await stop.wait()
+        return True
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({stopped, until}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    return stop.is_set()

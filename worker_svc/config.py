@@ -47,6 +47,14 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        self._check_pipeline()
+        self._check_sizes()
+        self._check_choices()
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+
+    def _check_pipeline(self) -> None:
+        """This stage's place in the pipeline and the addresses that go with it."""
         if not 0 <= self.stage < self.num_stages:
             raise ValueError(f"stage: must be in [0, num_stages={self.num_stages}), got {self.stage}")
         if not 1 <= self.num_stages <= 8:
@@ -58,6 +66,9 @@ class WorkerConfig:
             raise ValueError("feedback_address: only the last stage of several streams tokens to the first")
         if not is_last and not self.next_address:
             raise ValueError(f"next_address: stage {self.stage} of {self.num_stages} needs --next")
+
+    def _check_sizes(self) -> None:
+        """Counts, memory settings and process and thread numbers."""
         for name in ("num_kv_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
@@ -69,6 +80,9 @@ class WorkerConfig:
             raise ValueError(f"tensor_parallel_size: must be 1..8, got {self.tensor_parallel_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads: must be positive, got {self.num_threads}")
+
+    def _check_choices(self) -> None:
+        """Settings that name one of a fixed set."""
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
@@ -78,8 +92,6 @@ class WorkerConfig:
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port: must be in [0, 65536), got {self.port}")
 
     @property
     def sized_from_memory(self) -> bool:

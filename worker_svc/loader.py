@@ -11,7 +11,7 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -170,16 +170,39 @@ def load_stage(
     )
     model.source_dir = str(model_dir)  # the checkpoint folder (its tokenizer: structured output)
     expected = model.expected_tensors()
+    by_file = _tensors_by_file(model_dir, expected, f"stage {stage} needs it for layers [{start}, {end})")
+    state = {name: tensor.to(device=device, dtype=load_dtype)
+             for name, tensor in _read_safetensors(by_file, expected, tp_rank, tp_size)}
+    model.load_state_dict(state, strict=True, assign=True)
+    del state
+    _finish_stage(model, quantization, torch_dtype, device)
+    log.info(
+        "stage %d of %d%s: layers [%d, %d), %s weights%s: %d bytes",
+        stage, num_stages, f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else "",
+        start, end, torch_dtype, f" ({quantization})" if quantization else "", weight_bytes(model),
+    )  # fmt: skip
+    return model
+
+
+def _tensors_by_file(model_dir: Path, expected: Mapping[str, Sequence[int]], needed_for: str) -> dict[Path, list[str]]:
+    """The safetensors files holding the `expected` tensors, and which of them each holds."""
     where = weight_files(model_dir)
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         if name not in where:
             raise CheckpointError(
-                f"{model_dir}: tensor {name!r} is missing from the checkpoint "
-                f"(stage {stage} needs it for layers [{start}, {end}))"
+                f"{model_dir}: tensor {name!r} is missing from the checkpoint ({needed_for})"
             )
         by_file.setdefault(where[name], []).append(name)
-    state: dict[str, torch.Tensor] = {}
+    return by_file
+
+
+def _read_safetensors(
+    by_file: Mapping[Path, list[str]], expected: Mapping[str, Sequence[int]], tp_rank: int, tp_size: int,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of `by_file` as the checkpoint holds it (rank `tp_rank`'s share of a split
+    one), after checking its shape against `expected` (the whole tensor's, for a split one);
+    each file is opened once."""
     for path, names in by_file.items():
         with _open(path) as f:
             present = set(f.keys())
@@ -187,34 +210,43 @@ def load_stage(
                 if name not in present:
                     raise CheckpointError(f"{path}: tensor {name!r} is missing from this file")
                 part = f.get_slice(name)
-                shape, want = tuple(part.get_shape()), list(expected[name])
-                dim = shard_dim(name) if tp_size > 1 else None
-                if dim is not None:
-                    want[dim] *= tp_size
-                if shape != tuple(want):
+                shape = tuple(part.get_shape())
+                dim, full = _full_shape(name, expected[name], tp_size)
+                if shape != tuple(full):
                     raise CheckpointError(
                         f"{path}: tensor {name!r} has shape {list(shape)}, "
-                        f"expected {want} from config.json"
+                        f"expected {full} from config.json"
                     )
                 if dim is None:
-                    tensor = f.get_tensor(name)
+                    yield name, f.get_tensor(name)
                 else:
-                    size = expected[name][dim]
-                    rows = slice(tp_rank * size, (tp_rank + 1) * size)
-                    tensor = part[rows] if dim == 0 else part[:, rows]
-                state[name] = tensor.to(device=device, dtype=load_dtype)
-    model.load_state_dict(state, strict=True, assign=True)
-    del state
+                    yield name, _rank_share(part, dim, expected[name][dim], tp_rank)
+
+
+def _full_shape(name: str, want: Sequence[int], tp_size: int) -> tuple[int | None, list[int]]:
+    """(the dimension tensor `name` is split along across `tp_size` ranks or None, the
+    checkpoint's whole shape of a tensor a rank holds as `want`)."""
+    full = list(want)
+    dim = shard_dim(name) if tp_size > 1 else None
+    if dim is not None:
+        full[dim] *= tp_size
+    return dim, full
+
+
+def _rank_share(tensor, dim: int, size: int, tp_rank: int):
+    """Rank `tp_rank`'s `size` rows (`dim` 0) or columns (`dim` 1) of `tensor` (a tensor or a
+    safetensors slice, which reads only them)."""
+    rows = slice(tp_rank * size, (tp_rank + 1) * size)
+    return tensor[rows] if dim == 0 else tensor[:, rows]
+
+
+def _finish_stage(model: StageModel, quantization: str | None, torch_dtype: torch.dtype, device) -> None:
+    """What every loaded stage goes through once its tensors are in: quantization, the CPU's
+    bfloat16 packing, fused projections."""
     model.eval()
     _quantize(model, quantization, torch_dtype)
     _pack_cpu_bfloat16(model, torch_dtype, device, quantization)
     model.fuse_projections()
-    log.info(
-        "stage %d of %d%s: layers [%d, %d), %s weights%s: %d bytes",
-        stage, num_stages, f", tensor-parallel rank {tp_rank} of {tp_size}" if tp_size > 1 else "",
-        start, end, torch_dtype, f" ({quantization})" if quantization else "", weight_bytes(model),
-    )  # fmt: skip
-    return model
 
 
 def load_gguf_stage(
@@ -241,14 +273,8 @@ def load_gguf_stage(
     ckpt = GGUFCheckpoint(gguf_file)
     raw_config = ckpt.hf_config()
     packed = dtype == "auto"
-    if packed and quantization is not None:
-        raise ValueError(f"quantization {quantization!r} needs float weights: pass --dtype with a GGUF file")
-    if packed and (device != "cpu" and torch.device(device).type != "cpu"):
-        raise ValueError("a GGUF file's packed types run on the CPU: pass --dtype bfloat16 or float32 for "
-                         f"device {device}")
-    if packed and tp_size > 1:
-        raise ValueError("tensor parallelism over a GGUF file's packed types is not supported: pass "
-                         "--dtype to serve it dequantized")
+    if packed:
+        _check_packed_gguf(quantization, device, tp_size)
     torch_dtype = torch.float32 if packed else resolve_dtype(dtype, config, device)
     load_dtype = _load_dtype(quantization, torch_dtype, device)
     if not 0 <= stage < num_stages:
@@ -259,31 +285,68 @@ def load_gguf_stage(
         is_last=stage == num_stages - 1 and tp_rank == 0, device=device,
     )
     model.source_dir = str(model_dir)
-    expected = model.expected_tensors()
     state: dict[str, torch.Tensor] = {}
     packed_modules: dict[str, tuple[str, torch.Tensor, int]] = {}  # module -> (qtype, data, in)
-    for name, want in expected.items():
-        if name == "lm_head.weight" and not ckpt.has(name):
-            raise CheckpointError(f"{gguf_file}: tensor 'output.weight' is missing (the model's "
-                                  "embeddings are not tied)")
-        t = ckpt.tensor(name, raw_config)
-        full = list(want)
-        dim = shard_dim(name) if tp_size > 1 else None
-        if dim is not None:
-            full[dim] *= tp_size
-        if t.shape != tuple(full):
-            raise CheckpointError(f"{gguf_file}: tensor {name!r} has shape {list(t.shape)}, expected "
-                                  f"{full} from the file's metadata")
-        module = name.rsplit(".", 1)[0]
+    for name, want in model.expected_tensors().items():
+        t = _gguf_tensor(ckpt, gguf_file, name, want, raw_config, tp_size)
         if packed and name.endswith(".weight") and len(t.shape) == 2 and (t.packed or t.qtype == "BF16"):
-            packed_modules[module] = (t.qtype, t.data, t.shape[-1])
+            packed_modules[name.rsplit(".", 1)[0]] = (t.qtype, t.data, t.shape[-1])
             continue
         tensor = t.data if not t.packed else dequantize(t.data, t.qtype, t.shape[-1]).view(t.shape)
+        dim = shard_dim(name) if tp_size > 1 else None
         if dim is not None:
-            size = want[dim]
-            rows = slice(tp_rank * size, (tp_rank + 1) * size)
-            tensor = tensor[rows] if dim == 0 else tensor[:, rows]
+            tensor = _rank_share(tensor, dim, want[dim], tp_rank)
         state[name] = tensor.to(device=device, dtype=load_dtype).contiguous()
+    _install_packed(model, packed_modules, state)
+    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left or unexpected:
+        raise CheckpointError(f"{gguf_file}: tensors not matched to the model: {left or unexpected}")
+    del state
+    _finish_stage(model, quantization, torch_dtype, device)
+    kinds = sorted({q for q, _, _ in packed_modules.values()})
+    if kinds:
+        model.weight_format = f"gguf:{'/'.join(kinds)}"
+    log.info(
+        "stage %d of %d: layers [%d, %d) of %s, %s: %d bytes",
+        stage, num_stages, start, end, gguf_file.name,
+        f"packed {'/'.join(kinds)} weights" if kinds else f"{torch_dtype} weights", weight_bytes(model),
+    )  # fmt: skip
+    return model
+
+
+def _check_packed_gguf(quantization: str | None, device: str | torch.device, tp_size: int) -> None:
+    """A GGUF file served in its own packed types (`dtype="auto"`): no load-time
+    quantization, the CPU only, no tensor parallelism."""
+    if quantization is not None:
+        raise ValueError(f"quantization {quantization!r} needs float weights: pass --dtype with a GGUF file")
+    if device != "cpu" and torch.device(device).type != "cpu":
+        raise ValueError("a GGUF file's packed types run on the CPU: pass --dtype bfloat16 or float32 for "
+                         f"device {device}")
+    if tp_size > 1:
+        raise ValueError("tensor parallelism over a GGUF file's packed types is not supported: pass "
+                         "--dtype to serve it dequantized")
+
+
+def _gguf_tensor(ckpt: GGUFCheckpoint, gguf_file: Path, name: str, want: Sequence[int], raw_config,
+                 tp_size: int):
+    """Checkpoint tensor `name` from the GGUF file, its shape checked against `want` (the
+    whole tensor's, for one split across `tp_size` ranks)."""
+    if name == "lm_head.weight" and not ckpt.has(name):
+        raise CheckpointError(f"{gguf_file}: tensor 'output.weight' is missing (the model's "
+                              "embeddings are not tied)")
+    t = ckpt.tensor(name, raw_config)
+    _, full = _full_shape(name, want, tp_size)
+    if t.shape != tuple(full):
+        raise CheckpointError(f"{gguf_file}: tensor {name!r} has shape {list(t.shape)}, expected "
+                              f"{full} from the file's metadata")
+    return t
+
+
+def _install_packed(model: StageModel, packed_modules: Mapping[str, tuple[str, torch.Tensor, int]],
+                    state: dict[str, torch.Tensor]) -> None:
+    """Replaces each packed module (module name -> (qtype, data, in_features)) of `model` with
+    its PackedEmbedding or PackedLinear, taking a linear layer's bias out of `state`."""
     for module, (qtype, data, in_features) in packed_modules.items():
         bias = state.pop(f"{module}.bias", None)
         parent_name, _, child = module.rpartition(".")
@@ -294,24 +357,6 @@ def load_gguf_stage(
             linear = PackedLinear(data, qtype, in_features, bias)
             linear.float32_activations = child == "lm_head"  # the LM head's input stays float32
             setattr(parent, child, linear)
-    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left or unexpected:
-        raise CheckpointError(f"{gguf_file}: tensors not matched to the model: {left or unexpected}")
-    del state
-    model.eval()
-    _quantize(model, quantization, torch_dtype)
-    _pack_cpu_bfloat16(model, torch_dtype, device, quantization)
-    model.fuse_projections()
-    kinds = sorted({q for q, _, _ in packed_modules.values()})
-    if kinds:
-        model.weight_format = f"gguf:{'/'.join(kinds)}"
-    log.info(
-        "stage %d of %d: layers [%d, %d) of %s, %s: %d bytes",
-        stage, num_stages, start, end, gguf_file.name,
-        f"packed {'/'.join(kinds)} weights" if kinds else f"{torch_dtype} weights", weight_bytes(model),
-    )  # fmt: skip
-    return model
 
 
 def _load_dtype(quantization: str | None, dtype: torch.dtype, device) -> torch.dtype:

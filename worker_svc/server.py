@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,7 +32,13 @@ import grpc
 import torch
 
 from services import telemetry
-from services.grpc_utils import aio_channel, create_aio_server, drain_requests, set_serving
+from services.grpc_utils import (
+    aio_channel,
+    create_aio_server,
+    drain_requests,
+    serve_until_signalled,
+    set_serving,
+)
 from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.step import StepPlan
 from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
@@ -618,15 +623,9 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
         service.epoch, torch.get_num_threads(), num_blocks, config.block_size,
         f", tensor parallel x{config.tensor_parallel_size}" if group is not None else "",
     )
-    if ready_file:
-        with open(ready_file, "w") as f:
-            f.write(f"{port}\n")
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     service.on_fatal = stop.set
-    await stop.wait()
+    await serve_until_signalled(port=port, ready_file=ready_file, stop=stop)
     log.info("stage %d stopping", config.stage)
     await set_serving(health, SERVICE_NAME, False)
     await server.stop(grace=2.0)

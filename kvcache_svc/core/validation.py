@@ -85,33 +85,79 @@ def validate_step(
     max_tokens_per_sequence: int,
 ) -> ValidStep:
     """Check `step` against the current state (`seq_num_tokens`: live sequences and their
-    lengths). Raises `SequenceNotFound` or `InvalidStepError`; reads, never writes."""
+    lengths). Raises `SequenceNotFound` or `InvalidStepError`; reads, never writes.
+
+    The parts are checked in the order a step applies them: micro-batches, frees, forks,
+    new sequences, appends; each later part sees what the earlier ones free or create."""
+    failed, completed, micro_batch_id = _validate_micro_batches(step, in_flight_micro_batch_ids)
+    frees = _validate_frees(step.frees, seq_num_tokens)
+    freed = set(frees)
+    forks, child_lengths = _validate_forks(step.forks, seq_num_tokens, freed)
+    new_sequences: list[ValidNewSequence] = []
+    new_ids: set[int] = set()
+    for new in step.new_sequences:
+        valid = _validate_new_sequence(new, seq_num_tokens, child_lengths, new_ids, max_tokens_per_sequence)
+        new_ids.add(valid.seq_id)
+        new_sequences.append(valid)
+    appends: list[ValidAppend] = []
+    appended: set[int] = set()
+    for append in step.appends:
+        valid_append = _validate_append(append, seq_num_tokens, child_lengths, appended, new_ids, freed,
+                                        max_tokens_per_sequence)
+        appended.add(valid_append.seq_id)
+        appends.append(valid_append)
+    return ValidStep(
+        failed_micro_batch_ids=failed,
+        completed_micro_batch_ids=completed,
+        frees=frees,
+        forks=forks,
+        appends=tuple(appends),
+        new_sequences=tuple(new_sequences),
+        micro_batch_id=micro_batch_id,
+    )
+
+
+def _validate_micro_batches(
+    step: StepInput, in_flight: Collection[int]
+) -> tuple[tuple[int, ...], tuple[int, ...], int | None]:
+    """(failed, completed, new micro-batch id): the ones ending must be in flight, once each;
+    the new one must not be (unless it ends in this step), and a step that writes tokens needs one."""
     failed = tuple(_check_id(m, "failed micro-batch id") for m in step.failed_micro_batch_ids)
     completed = tuple(
         _check_id(m, "completed micro-batch id") for m in step.completed_micro_batch_ids
     )
     _check_unique(failed + completed, "micro-batch id in completed/failed")
     for m in failed + completed:
-        if m not in in_flight_micro_batch_ids:
+        if m not in in_flight:
             raise InvalidStepError(f"micro-batch {m} is not in flight")
     micro_batch_id = step.micro_batch_id
     if micro_batch_id is not None:
         _check_id(micro_batch_id, "micro_batch_id")
-        if micro_batch_id in in_flight_micro_batch_ids and micro_batch_id not in failed + completed:
+        if micro_batch_id in in_flight and micro_batch_id not in failed + completed:
             raise InvalidStepError(f"micro-batch {micro_batch_id} is already in flight")
     elif step.appends or step.new_sequences:
         raise InvalidStepError("a step that writes tokens needs a micro_batch_id")
+    return failed, completed, micro_batch_id
 
-    frees = tuple(_check_id(s, "freed seq_id") for s in step.frees)
+
+def _validate_frees(seq_ids: Sequence[object], seq_num_tokens: Mapping[int, int]) -> tuple[int, ...]:
+    """Freed sequences: live, once each."""
+    frees = tuple(_check_id(s, "freed seq_id") for s in seq_ids)
     _check_unique(frees, "seq_id in frees")
     for seq_id in frees:
         if seq_id not in seq_num_tokens:
             raise SequenceNotFound(seq_id, "cannot free it")
-    freed = set(frees)
+    return frees
 
+
+def _validate_forks(
+    step_forks: Sequence, seq_num_tokens: Mapping[int, int], freed: Collection[int]
+) -> tuple[tuple[tuple[int, int], ...], dict[int, int]]:
+    """(forks as (parent, child), each child's length): a parent is live, not freed and not a
+    child of this step; a child is new."""
     forks: list[tuple[int, int]] = []
     child_lengths: dict[int, int] = {}
-    for fork in step.forks:
+    for fork in step_forks:
         parent = _check_id(fork.parent_seq_id, "fork parent_seq_id")
         child = _check_id(fork.child_seq_id, "fork child_seq_id")
         if parent in child_lengths:
@@ -124,66 +170,60 @@ def validate_step(
             raise InvalidStepError(f"fork child {child} already exists")
         child_lengths[child] = seq_num_tokens[parent]
         forks.append((parent, child))
+    return tuple(forks), child_lengths
 
-    new_sequences: list[ValidNewSequence] = []
-    new_ids: set[int] = set()
-    for new in step.new_sequences:
-        seq_id = _check_id(new.seq_id, "new seq_id")
-        if seq_id in seq_num_tokens or seq_id in child_lengths or seq_id in new_ids:
-            raise InvalidStepError(f"new sequence {seq_id} already exists")
-        new_ids.add(seq_id)
-        token_bytes, num_tokens = _pack(new.token_ids, f"new sequence {seq_id}")
-        if num_tokens > max_tokens_per_sequence:
-            raise InvalidStepError(
-                f"new sequence {seq_id}: {num_tokens} tokens exceed the pool's "
-                f"{max_tokens_per_sequence}"
-            )
-        if new.namespace is not None and not isinstance(new.namespace, str):
-            raise InvalidStepError(f"new sequence {seq_id}: namespace must be a string")
-        max_new = new.max_num_new_tokens
-        if max_new is not None and (
-            isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1
-        ):
-            raise InvalidStepError(f"new sequence {seq_id}: max_num_new_tokens must be >= 1")
-        if not isinstance(new.skip_prefix_cache, bool):
-            raise InvalidStepError(f"new sequence {seq_id}: skip_prefix_cache must be a bool")
-        new_sequences.append(
-            ValidNewSequence(seq_id, token_bytes, num_tokens, new.namespace, max_new,
-                             new.skip_prefix_cache)
+
+def _validate_new_sequence(
+    new, seq_num_tokens: Mapping[int, int], child_lengths: Mapping[int, int], new_ids: Collection[int],
+    max_tokens_per_sequence: int,
+) -> ValidNewSequence:
+    """One new sequence: an id no live, forked or earlier new sequence has, and a prompt the
+    pool can hold."""
+    seq_id = _check_id(new.seq_id, "new seq_id")
+    if seq_id in seq_num_tokens or seq_id in child_lengths or seq_id in new_ids:
+        raise InvalidStepError(f"new sequence {seq_id} already exists")
+    token_bytes, num_tokens = _pack(new.token_ids, f"new sequence {seq_id}")
+    if num_tokens > max_tokens_per_sequence:
+        raise InvalidStepError(
+            f"new sequence {seq_id}: {num_tokens} tokens exceed the pool's "
+            f"{max_tokens_per_sequence}"
         )
+    if new.namespace is not None and not isinstance(new.namespace, str):
+        raise InvalidStepError(f"new sequence {seq_id}: namespace must be a string")
+    max_new = new.max_num_new_tokens
+    if max_new is not None and (
+        isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1
+    ):
+        raise InvalidStepError(f"new sequence {seq_id}: max_num_new_tokens must be >= 1")
+    if not isinstance(new.skip_prefix_cache, bool):
+        raise InvalidStepError(f"new sequence {seq_id}: skip_prefix_cache must be a bool")
+    return ValidNewSequence(seq_id, token_bytes, num_tokens, new.namespace, max_new, new.skip_prefix_cache)
 
-    appends: list[ValidAppend] = []
-    appended: set[int] = set()
-    for append in step.appends:
-        seq_id = _check_id(append.seq_id, "appended seq_id")
-        if seq_id in appended:
-            raise InvalidStepError(f"sequence {seq_id} appended twice")
-        appended.add(seq_id)
-        if seq_id in new_ids:
-            raise InvalidStepError(f"sequence {seq_id} is new and appended in one step")
-        if seq_id in freed:
-            raise InvalidStepError(f"sequence {seq_id} is freed and appended in one step")
-        length = seq_num_tokens.get(seq_id, child_lengths.get(seq_id))
-        if length is None:
-            raise SequenceNotFound(seq_id, "cannot append to it")
-        lookahead = append.num_lookahead_slots
-        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 0 <= lookahead <= MAX_LOOKAHEAD_SLOTS:
-            raise InvalidStepError(
-                f"append to {seq_id}: num_lookahead_slots must be in [0, {MAX_LOOKAHEAD_SLOTS}]")
-        token_bytes, num_tokens = _pack(append.token_ids, f"append to {seq_id}", allow_empty=lookahead > 0)
-        if length + num_tokens + lookahead > max_tokens_per_sequence:
-            raise InvalidStepError(
-                f"sequence {seq_id}: {length + num_tokens + lookahead} tokens exceed the pool's "
-                f"{max_tokens_per_sequence}"
-            )
-        appends.append(ValidAppend(seq_id, token_bytes, num_tokens, lookahead))
 
-    return ValidStep(
-        failed_micro_batch_ids=failed,
-        completed_micro_batch_ids=completed,
-        frees=frees,
-        forks=tuple(forks),
-        appends=tuple(appends),
-        new_sequences=tuple(new_sequences),
-        micro_batch_id=micro_batch_id,
-    )
+def _validate_append(
+    append, seq_num_tokens: Mapping[int, int], child_lengths: Mapping[int, int], appended: Collection[int],
+    new_ids: Collection[int], freed: Collection[int], max_tokens_per_sequence: int,
+) -> ValidAppend:
+    """One append: to a live or forked sequence, once, not new or freed in this step, within
+    the lookahead limit and the pool's length."""
+    seq_id = _check_id(append.seq_id, "appended seq_id")
+    if seq_id in appended:
+        raise InvalidStepError(f"sequence {seq_id} appended twice")
+    if seq_id in new_ids:
+        raise InvalidStepError(f"sequence {seq_id} is new and appended in one step")
+    if seq_id in freed:
+        raise InvalidStepError(f"sequence {seq_id} is freed and appended in one step")
+    length = seq_num_tokens.get(seq_id, child_lengths.get(seq_id))
+    if length is None:
+        raise SequenceNotFound(seq_id, "cannot append to it")
+    lookahead = append.num_lookahead_slots
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 0 <= lookahead <= MAX_LOOKAHEAD_SLOTS:
+        raise InvalidStepError(
+            f"append to {seq_id}: num_lookahead_slots must be in [0, {MAX_LOOKAHEAD_SLOTS}]")
+    token_bytes, num_tokens = _pack(append.token_ids, f"append to {seq_id}", allow_empty=lookahead > 0)
+    if length + num_tokens + lookahead > max_tokens_per_sequence:
+        raise InvalidStepError(
+            f"sequence {seq_id}: {length + num_tokens + lookahead} tokens exceed the pool's "
+            f"{max_tokens_per_sequence}"
+        )
+    return ValidAppend(seq_id, token_bytes, num_tokens, lookahead)

@@ -55,6 +55,7 @@ from scheduler_svc.core.request import (
     Sequence,
     sampling_params,
 )
+from services.defaults import BLOCK_SIZE
 from services.step import CachedSeq, NewSeq, PromptScoring, SampledToken, ScoredPrompt, StepPlan
 
 
@@ -68,7 +69,7 @@ class PlannerConfig:
     microbatch_size: str | int = "auto"
     max_model_len: int = 4096
     namespace: str | None = None  # the model: prefixes are shared only within one
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     # vLLM-style asynchronous scheduling: a decoding sequence is scheduled for step k+1
     # before step k's token is known; the stage feeds itself the token it sampled (one
     # stage), or the last stage feeds the first (several stages: `Planner.set_feedback`)
