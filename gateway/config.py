@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.ratelimit import RateLimit, redacted_url
+from services.defaults import MAX_MODEL_LEN
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _GRANT_FIELDS = {"tenant", "priority", "requests_per_minute", "tokens_per_minute"}
@@ -44,7 +45,7 @@ class GatewayConfig:
     grpc_port: int = 50051
     api_keys: Mapping[str, ApiKey] = field(default_factory=dict)  # empty: no keys (loopback only)
     max_body_bytes: int = 4 * 1024 * 1024
-    max_model_len: int = 4096
+    max_model_len: int = MAX_MODEL_LEN
     max_n: int = 16
     max_logprobs: int = 20
     max_num_prompts: int = 256  # prompts in one completions request

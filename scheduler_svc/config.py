@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 
 from scheduler_svc.core.queue import POLICIES
-from services.defaults import BLOCK_SIZE
+from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS
 
 SAME = object()  # EngineArg.cli_default: the field's own default
 
@@ -45,20 +45,20 @@ class SchedulerConfig:
     async_scheduling: bool | None = _arg(
         None, "plan the next step while one runs (default: on; see docs/step-protocol.md)", "auto_bool")
     scheduler_policy: str = _arg("fcfs", "waiting-queue order", "str", choices=POLICIES)
-    max_num_batched_tokens: int = _arg(2048, "most tokens in one step")
+    max_num_batched_tokens: int = _arg(MAX_NUM_BATCHED_TOKENS, "most tokens in one step")
     max_num_seqs: int = _arg(256, "most sequences running at once")
     microbatch_size: str | int = _arg("auto", "sequences per micro-batch: auto or a number", "str")
     block_size: int = _arg(BLOCK_SIZE, "KV slots per block", passed_by_serve=False)
     # None: not checked against the KV service and the stages
     num_kv_blocks: int | None = _arg(
         None, "KV blocks (default: the KV service's; `pagoda serve`: sized from "
-              "--gpu-memory-utilization or --kv-cache-memory when given, else 1024)",
+              f"--gpu-memory-utilization or --kv-cache-memory when given, else {NUM_KV_BLOCKS})",
         cli_default=None, passed_by_serve=False)
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps", "bool")
     enable_prefix_caching: bool = _arg(True, "share KV blocks of common prefixes", "bool")
     preemption_mode: str = _arg("recompute", "how a request gives its KV back", "str", choices=("recompute",))
     scheduler_timeout_ms: int = _arg(50, "longest idle wait of the scheduler loop")
-    max_model_len: int = _arg(4096, "longest context (default: the model's max_position_embeddings)",
+    max_model_len: int = _arg(MAX_MODEL_LEN, "longest context (default: the model's max_position_embeddings)",
                               cli_default=None)
     tenant_weights: Mapping[str, float] = _arg({}, "weighted fair queuing, e.g. a=3,b=1", "weights")
     enforce_tenants: bool = _arg(False, "refuse requests of tenants without a weight", "switch")

@@ -10,3 +10,10 @@ from __future__ import annotations
 BLOCK_SIZE = 16
 # the gateway's policies for placing a request among replicas (gateway/routing.py)
 ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")
+# KV blocks in a pool when it is neither given nor sized from memory
+NUM_KV_BLOCKS = 1024
+# the most tokens in one step: the scheduler's budget and what a stage takes in one plan (its
+# message limit and memory profile); `pagoda serve` gives the stages the scheduler's value
+MAX_NUM_BATCHED_TOKENS = 2048
+# the longest context when neither --max-model-len nor the checkpoint's config.json says
+MAX_MODEL_LEN = 4096

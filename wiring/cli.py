@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.defaults import BLOCK_SIZE, ROUTING_POLICIES
+from services.defaults import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS, ROUTING_POLICIES
 from wiring.flags import (
     GPU_MEMORY_HELP,
     KV_CACHE_DTYPE_HELP,
@@ -348,7 +348,7 @@ def _add_worker_command(sub) -> None:
                    help="last stage of several: HOST:PORT of the first stage, which then gets each "
                         "sampled token straight from here, not through the scheduler")
     p.add_argument("--num-kv-blocks", type=int, default=env_default("num_kv_blocks", None, int),
-                   help="blocks in the KV pool (default: sized from a memory setting below, else 1024; "
+                   help=f"blocks in the KV pool (default: sized from a memory setting below, else {NUM_KV_BLOCKS}; "
                         "given with a memory setting, the stage checks at start that they fit in it)")
     p.add_argument("--block-size", type=int, default=env_default("block_size", BLOCK_SIZE, int))
     p.add_argument("--gpu-memory-utilization", type=fraction, metavar="F",
@@ -366,7 +366,7 @@ def _add_worker_command(sub) -> None:
     p.add_argument("--device", default=env_default("device"), help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--num-threads", type=int, default=env_default("num_threads", None, int),
                    help="torch intra-op threads (default: cores / num-stages, at least 1)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=env_default("max_num_batched_tokens", 8192, int))
+    p.add_argument("--max-num-batched-tokens", type=int, default=env_default("max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS, int))
     p.add_argument("--max-num-seqs", type=int, default=env_default("max_num_seqs", 256, int))
     p.add_argument("--attention-backend", default=env_default("attention_backend"),
                    choices=["cpu", "torch", "triton"],
@@ -388,7 +388,7 @@ def _add_kvcache_command(sub) -> None:
     p.add_argument("--port", type=int, default=env_default("port", 0, int), help="0 picks a free port")
     # one flag name for the pool on every service (--num-blocks: the old spelling, kept working)
     p.add_argument("--num-kv-blocks", "--num-blocks", dest="num_blocks", type=int,
-                   default=env_default("num_kv_blocks", 1024, int),
+                   default=env_default("num_kv_blocks", NUM_KV_BLOCKS, int),
                    help="KV blocks in the pool, as every stage's and the scheduler's --num-kv-blocks")
     p.add_argument("--block-size", type=int, default=env_default("block_size", BLOCK_SIZE, int),
                    help="slots per block: the workers' --block-size")

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.defaults import BLOCK_SIZE, ROUTING_POLICIES
+from services.defaults import BLOCK_SIZE, NUM_KV_BLOCKS, ROUTING_POLICIES
 
 KV_PORT = 50060
 SCHEDULER_PORT = 50052
@@ -117,7 +117,7 @@ class K8sOptions:
     routing: str = "prefix"
     served_model_names: tuple[str, ...] = ()
     # the KV layout: one for the KV service, every stage and the scheduler of a replica
-    num_kv_blocks: int = 1024
+    num_kv_blocks: int = NUM_KV_BLOCKS
     block_size: int = BLOCK_SIZE
     engine: Mapping[str, object] = field(default_factory=dict)  # other PAGODA_* settings
     requests: Mapping[str, Resources] = field(default_factory=dict)  # over DEFAULT_REQUESTS

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from services.defaults import BLOCK_SIZE
+from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN
 from services.grpc_utils import check_health
 from services.process import PARENT_ENV
 
@@ -353,13 +353,13 @@ def _with_blocks(command: Sequence[str], memory_args: Sequence[str], blocks: int
 
 
 def model_max_len(model_dir: str) -> int:
-    """The checkpoint's max_position_embeddings (4096 when config.json does not say)."""
+    """The checkpoint's max_position_embeddings (MAX_MODEL_LEN when config.json does not say)."""
     import json
 
     try:
-        return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 4096))
+        return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", MAX_MODEL_LEN))
     except (OSError, ValueError):
-        return 4096
+        return MAX_MODEL_LEN
 
 
 def start_stack(

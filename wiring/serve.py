@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.defaults import ROUTING_POLICIES
+from services.defaults import MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS, ROUTING_POLICIES
 from services.grpc_utils import INTERNAL_TOKEN_ENV
 from wiring.launcher import (
     MemorySetting,
@@ -34,7 +34,7 @@ from wiring.launcher import (
     start_stack,
     stop_all,
 )
-from worker_svc.config import DEFAULT_NUM_KV_BLOCKS, KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from worker_svc.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -196,7 +196,7 @@ def _start_stacks(args: argparse.Namespace, model_dir: str, memory: MemorySettin
                 kv_args += ["--replica-id", f"r{r}"] + (["--redis-url", redis_url] if redis_url else [])
             stacks.append(start_stack(
                 model_dir, num_stages=args.pipeline_parallel_size, block_size=args.block_size, memory=memory,
-                num_kv_blocks=None if memory else (args.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS),
+                num_kv_blocks=None if memory else (args.num_kv_blocks or NUM_KV_BLOCKS),
                 log_dir=log_dir if replicas == 1 else log_dir / f"r{r}", scheduler_args=engine_flags(args),
                 threads_per_worker=args.num_threads, worker_args=worker_flags(args), metrics=args.metrics,
                 kvcache_args=kv_args,
@@ -405,6 +405,9 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name, None)
         if value:
             flags += [f"--{name.replace('_', '-')}", value]
+    # a stage takes plans of up to the scheduler's budget (the default is one for both)
+    if getattr(args, "max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS) != MAX_NUM_BATCHED_TOKENS:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     return flags
 
 

@@ -6,12 +6,13 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from services.defaults import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS
+
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")  # worker_svc.attention.get_backend
 # load-time weight quantization (worker_svc/quantization.py)
 QUANTIZATION_METHODS = ("fp8", "int8")
 # the KV pools' dtype (vLLM's --kv-cache-dtype): auto = the stage's activation dtype
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
-DEFAULT_NUM_KV_BLOCKS = 1024
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,9 @@ class WorkerConfig:
     feedback_address: str | None = None
     # the KV pool: this many blocks (checked against a memory setting when one is given too),
     # or (None) sized from memory by one of the two settings after them (worker_svc.memory),
-    # or DEFAULT_NUM_KV_BLOCKS when neither is given
+    # or NUM_KV_BLOCKS when neither is given
     num_kv_blocks: int | None = None
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     gpu_memory_utilization: float | None = None  # of the device's memory (system memory on the CPU)
     kv_cache_memory: int | None = None  # bytes for the KV pool itself
     max_model_len: int | None = None  # the longest context (counted in the memory profile)
@@ -38,7 +39,7 @@ class WorkerConfig:
     dtype: str = "auto"
     device: str | None = None
     num_threads: int | None = None
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 256
     attention_backend: str | None = None  # None: triton on CUDA, cpu (native decode kernel) on the CPU
     quantization: str | None = None
@@ -107,7 +108,7 @@ class WorkerConfig:
     @property
     def fixed_num_kv_blocks(self) -> int:
         """The pool's size when not sized from memory."""
-        return self.num_kv_blocks if self.num_kv_blocks is not None else DEFAULT_NUM_KV_BLOCKS
+        return self.num_kv_blocks if self.num_kv_blocks is not None else NUM_KV_BLOCKS
 
     @property
     def is_first(self) -> bool:

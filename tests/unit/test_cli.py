@@ -65,6 +65,20 @@ def test_serve_passes_device_settings_to_every_worker():
     assert worker_flags(build_parser().parse_args(["serve"])) == []
 
 
+def test_serve_gives_the_stages_the_schedulers_token_budget():
+    """A stage refuses a plan over its max_num_batched_tokens: with one larger than the
+    default the scheduler's plans must still fit every stage."""
+    from scheduler_svc.config import SchedulerConfig
+    from worker_svc.config import WorkerConfig
+    from wiring.cli import build_parser
+    from wiring.serve import worker_flags
+
+    assert WorkerConfig(model="m").max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "16384"])
+    worker = build_parser().parse_args(["worker", "--model", "m", *worker_flags(args)])
+    assert worker.max_num_batched_tokens == 16384
+
+
 def test_async_scheduling_is_auto_unless_set():
     from wiring.cli import build_parser
     from wiring.flags import _bool_or_auto
