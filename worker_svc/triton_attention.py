@@ -135,6 +135,39 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_context(
+    acc, m_i, l_i, q, kv_start, kv_end, q_pos, k_pool_ptr, v_pool_ptr,
+    table_row_ptr, block_size, kv_head, stride_pool_slot, stride_pool_head,
+    sliding_window, scale_log2e, offs_d, d_mask,
+    TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over context positions [kv_start, kv_end), one TILE_N tile at a time."""
+    if INTERPRET:
+        # The interpreter's range() cannot take runtime bounds under numpy >= 2.3
+        # (scalars are 1-element arrays); a while loop works in both worlds, but only a
+        # for loop gets software-pipelined when compiled.
+        n_start = kv_start
+        while n_start < kv_end:
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, n_start, kv_end, q_pos, k_pool_ptr, v_pool_ptr,
+                table_row_ptr, block_size, kv_head, stride_pool_slot, stride_pool_head,
+                sliding_window, scale_log2e, offs_d, d_mask,
+                TILE_N, USE_WINDOW, DOT_PRECISION,
+            )  # fmt: skip
+            n_start += TILE_N
+    else:
+        for n_start in range(kv_start, kv_end, TILE_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, n_start, kv_end, q_pos, k_pool_ptr, v_pool_ptr,
+                table_row_ptr, block_size, kv_head, stride_pool_slot, stride_pool_head,
+                sliding_window, scale_log2e, offs_d, d_mask,
+                TILE_N, USE_WINDOW, DOT_PRECISION,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
 # Runtime values that vary from step to step are not specialised on, so that one compiled
 # kernel serves every batch of a model.
 @triton.jit(do_not_specialize=["num_seqs", "sliding_window", "stride_table_seq"])
@@ -199,27 +232,12 @@ def _paged_attention_kernel(
             first_pos = ctx - num_new + q_tile * BLOCK_Q
             kv_start = tl.maximum(first_pos - sliding_window + 1, 0) // TILE_N * TILE_N
         table_row_ptr = block_tables_ptr + seq * stride_table_seq
-        if INTERPRET:
-            # The interpreter's range() cannot take runtime bounds under numpy >= 2.3
-            # (scalars are 1-element arrays); a while loop works in both worlds, but only a
-            # for loop gets software-pipelined when compiled.
-            n_start = kv_start
-            while n_start < kv_end:
-                acc, m_i, l_i = _attend_tile(
-                    acc, m_i, l_i, q, n_start, kv_end, q_pos, k_pool_ptr, v_pool_ptr,
-                    table_row_ptr, block_size, kv_head, stride_pool_slot, stride_pool_head,
-                    sliding_window, scale_log2e, offs_d, d_mask,
-                    TILE_N, USE_WINDOW, DOT_PRECISION,
-                )  # fmt: skip
-                n_start += TILE_N
-        else:
-            for n_start in range(kv_start, kv_end, TILE_N):
-                acc, m_i, l_i = _attend_tile(
-                    acc, m_i, l_i, q, n_start, kv_end, q_pos, k_pool_ptr, v_pool_ptr,
-                    table_row_ptr, block_size, kv_head, stride_pool_slot, stride_pool_head,
-                    sliding_window, scale_log2e, offs_d, d_mask,
-                    TILE_N, USE_WINDOW, DOT_PRECISION,
-                )  # fmt: skip
+        acc, m_i, l_i = _attend_context(
+            acc, m_i, l_i, q, kv_start, kv_end, q_pos, k_pool_ptr, v_pool_ptr,
+            table_row_ptr, block_size, kv_head, stride_pool_slot, stride_pool_head,
+            sliding_window, scale_log2e, offs_d, d_mask,
+            TILE_N, USE_WINDOW, DOT_PRECISION, INTERPRET,
+        )  # fmt: skip
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (q_start + q_idx) * stride_o_tok + head * stride_o_head
         tl.store(
