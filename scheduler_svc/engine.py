@@ -9,13 +9,16 @@ runs, waits and repeats, for comparison.
 Transports carry micro-batches to the stages: over gRPC (`scheduler_svc.transport`) or to
 in-process stage runners (`wiring.local_engine`); the KV client is in-process or gRPC.
 The scheduling code is the same for all of them.
+
+What is recorded about the work (metrics, spans, per-request timelines, the scheduler trace
+file, the GetStats counts) is the `EngineObserver`'s (`scheduler_svc.observer`): the engine
+calls it at the points where things happen and carries none of it in its own flow.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -29,10 +32,9 @@ from scheduler_svc.core.planner import Planner, PlannerConfig, SeqUpdate
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestState, kv_blocks_needed
 from scheduler_svc.metrics import SchedulerMetrics
-from services import telemetry
+from scheduler_svc.observer import EngineObserver, Outcome
 from services.step import StepPlan, StepResult
 
-RECENT_SPANS = 4096
 log = logging.getLogger(__name__)
 _NO_KV_CHANGES = StepOutput(results={}, copies=())
 
@@ -103,7 +105,6 @@ class KVClient(Protocol):
     async def stats(self): ...
 
 
-
 # --- what clients receive -------------------------------------------------------------
 
 
@@ -136,14 +137,7 @@ class RequestOutput:
 class _Live:
     request: Request
     outputs: asyncio.Queue
-    arrival_ns: int = 0
-    failures: int = 0
-    timeline: list[dict] = field(default_factory=list)
-    scheduled: bool = False
-    first_token_s: float | None = None
-    last_token_s: dict[int, float] = field(default_factory=dict)
-    span: object | None = None  # the request's OpenTelemetry span, when tracing is on
-    step_spans: dict[int, int] = field(default_factory=dict)  # micro_batch_id -> start ns
+    failures: int = 0  # micro-batches of it that failed on a stage
 
 
 class Engine:
@@ -159,16 +153,7 @@ class Engine:
         metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.config = config
-        self.metrics = metrics or SchedulerMetrics(config.model)
-        self._dispatched_ns: dict[int, int] = {}
-        # (stage index, micro-batch id, compute start ns, end ns) of the last steps: the
-        # pipeline's timeline for the dashboard (GetStats include_timeline)
-        self.recent_spans: deque[tuple[int, int, int, int]] = deque(maxlen=RECENT_SPANS)
-        self._seen_preemptions = 0
-        self._tracing = telemetry.enabled()
-        self._mb_seqs: dict[int, list[str]] = {}
-        self._timelines: set[str] = set()  # live requests that asked for a timeline
-        self._tracer = telemetry.tracer("pagoda.scheduler")
+        self._dispatched_ns: dict[int, int] = {}  # micro-batches in flight -> when sent (wall ns)
         self.kv = kv
         self.transport = transport
         self.eos_token_ids = eos_token_ids
@@ -192,6 +177,8 @@ class Engine:
             ),
             queue,
         )
+        self.observer = EngineObserver(self.planner, metrics or SchedulerMetrics(config.model), clock,
+                                       config.trace_file)
         self.stages: list[StageInfo] = []
         self.healthy = False
         self.health_detail = "starting"
@@ -201,19 +188,9 @@ class Engine:
         self._generation = 0  # of the stage connection: one more for each connect attempt
         self._task: asyncio.Task | None = None
         self._side_tasks: set[asyncio.Task] = set()
-        self._trace_file = open(config.trace_file, "a") if config.trace_file else None  # noqa: SIM115
         self._unhealthy_since: float | None = None
         self.started_s = clock()
-        # statistics
-        self.num_micro_batches = 0
-        self.num_finished = 0
-        self.num_aborted = 0
         self._stopping = False
-        self.num_prompt_tokens = 0
-        self.num_generated_tokens = 0
-        self.num_recoveries = 0
-        self.active_ns = 0  # wall time with at least one live request: the stages' chance to work
-        self._tick_ns = time.monotonic_ns()
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -246,10 +223,9 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for live in list(self._live.values()):
-            self._fail(live, "UNAVAILABLE", "the scheduler is shutting down")
+            self._finish(live, None, "error", ("UNAVAILABLE", "the scheduler is shutting down"))
         await self.transport.close()
-        if self._trace_file:
-            self._trace_file.close()
+        self.observer.close()
 
     async def _connect(self) -> None:
         # events are tagged with the attempt they come from: a later attempt makes them stale
@@ -308,6 +284,34 @@ class Engine:
     def vocab_size(self) -> int:
         return self.stages[-1].vocab_size if self.stages else 0
 
+    # --- what the observer records, as the server and the benchmarks read it ---------------
+
+    @property
+    def metrics(self) -> SchedulerMetrics:
+        return self.observer.metrics
+
+    @metrics.setter
+    def metrics(self, metrics: SchedulerMetrics) -> None:
+        self.observer.metrics = metrics
+
+    @property
+    def recent_spans(self) -> deque[tuple[int, int, int, int]]:
+        """(stage index, micro-batch id, compute start ns, end ns) of the last steps."""
+        return self.observer.recent_spans
+
+    @property
+    def active_ns(self) -> int:
+        """Wall time with at least one live request: the stages' chance to work."""
+        return self.observer.active_ns
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.observer.num_micro_batches
+
+    @property
+    def num_recoveries(self) -> int:
+        return self.observer.num_recoveries
+
     # --- the public surface ----------------------------------------------------------------
 
     def submit(self, request: Request) -> AsyncIterator[RequestOutput]:
@@ -316,6 +320,23 @@ class Engine:
         request.arrival_s = self.clock()
         if request.request_id in self._live:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self._fit_to_context(request)
+        displaced = self.planner.add(request)  # QueueFull propagates, nothing changed
+        if displaced is not None:
+            gone = self._live.pop(displaced.request_id, None)
+            if gone is not None:
+                self._finish(gone, "abort", "displaced", (
+                    "RESOURCE_EXHAUSTED",
+                    "the waiting queue is full: this request gave its place to a more urgent one; retry later"))
+        self.update_active_time()  # the time before this arrival counts as idle if nothing was live
+        live = _Live(request, asyncio.Queue())
+        self._live[request.request_id] = live
+        self.observer.request_admitted(request)
+        self._wake()
+        return self._outputs(live)
+
+    def _fit_to_context(self, request: Request) -> None:
+        """Resolve the request's max_tokens to the context it has; ValueError if it could never run."""
         config = self.config
         room = config.max_model_len - len(request.prompt)
         if room < 1 or (request.options.max_tokens or 0) > room:
@@ -328,33 +349,6 @@ class Engine:
             raise ValueError(
                 f"max_tokens: {len(request.prompt)} prompt tokens and {o.n} x {o.max_tokens} "
                 f"output tokens need up to {needed} KV blocks; the pool has {config.num_kv_blocks}")
-        displaced = self.planner.add(request)  # QueueFull propagates, nothing changed
-        if displaced is not None:
-            gone = self._live.pop(displaced.request_id, None)
-            if gone is not None:
-                self.num_aborted += 1
-                self.metrics.on_finished("abort", self.clock() - displaced.arrival_s)
-                self._end_span(gone, "displaced")
-                self._fail(gone, "RESOURCE_EXHAUSTED", "the waiting queue is full: this request gave "
-                                                       "its place to a more urgent one; retry later")
-        self.update_active_time()  # the time before this arrival counts as idle if nothing was live
-        live = _Live(request, asyncio.Queue(), arrival_ns=time.time_ns())
-        if self._tracing:
-            live.span = self._tracer.start_span(
-                "scheduler.request", context=telemetry.context_from(request.trace_context),
-                start_time=live.arrival_ns,
-                attributes={"pagoda.request_id": request.request_id,
-                            "pagoda.num_prompt_tokens": len(request.prompt), "pagoda.n": request.options.n},
-            )
-            # the stages' spans hang under the scheduler's span of the request
-            request.trace_context = telemetry.traceparent_of(live.span)
-        self._live[request.request_id] = live
-        if request.debug_timeline:
-            self._timelines.add(request.request_id)
-        self.num_prompt_tokens += len(request.prompt)
-        self.metrics.on_arrival(len(request.prompt))
-        self._wake()
-        return self._outputs(live)
 
     async def _outputs(self, live: _Live) -> AsyncIterator[RequestOutput]:
         try:
@@ -384,25 +378,19 @@ class Engine:
         if live is None:
             return False
         if index is not None and live.request.options.n > 1:
-            finished = self.planner.finish_choice(request_id, index, self.clock())
-            if finished is not None:
+            if self.planner.finish_choice(request_id, index, self.clock()) is not None:
                 self._live.pop(request_id, None)
-                self.num_finished += 1
-                self.metrics.on_finished("stop", self.clock() - finished.arrival_s)
-                live.outputs.put_nowait(self._final(live, error=None))
+                self._finish(live, "stop", "finished")
             self._wake()
             return True
-        stopped = index is not None  # the one choice of a request ended at the gateway
         request = self.planner.abort(request_id, self.clock())
         self._live.pop(request_id, None)
-        if request is not None:
-            if stopped:
-                self.num_finished += 1
-            else:
-                self.num_aborted += 1
-                self._emit_trace({"event": "aborted", "request_id": request_id})
-            self.metrics.on_finished("stop" if stopped else "abort", self.clock() - request.arrival_s)
-            live.outputs.put_nowait(self._final(live, error=None, aborted=not stopped))
+        if request is None:
+            self.observer.request_forgotten(request_id)
+        elif index is not None:  # the one choice of a request ended at the gateway
+            self._finish(live, "stop", "finished")
+        else:
+            self._finish(live, "abort", "aborted")
         self._wake()
         return request is not None
 
@@ -412,10 +400,7 @@ class Engine:
     # --- the loop ----------------------------------------------------------------------------
 
     def update_active_time(self) -> None:
-        now = time.monotonic_ns()
-        if self._live:
-            self.active_ns += now - self._tick_ns
-        self._tick_ns = now
+        self.observer.mark_time(busy=bool(self._live))
 
     async def _loop(self) -> None:
         timeout = self.config.scheduler_timeout_ms / 1000
@@ -465,47 +450,15 @@ class Engine:
                 self._mark_unhealthy(f"KV service: {exc}")
                 return
             mb = planner.finalize(proposal, output, self.clock())
-            self._drain_decisions()
+            self.observer.micro_batch_planned(mb)
             if mb is None:
                 return  # nothing fits now (or only housekeeping): a result or an event changes that
-            self.num_micro_batches += 1
-            self.metrics.on_micro_batch(mb.num_tokens)
-            self._note_preemptions()
-            now_ns = time.time_ns()
-            self._dispatched_ns[mb.micro_batch_id] = now_ns
-            if self._tracing:
-                self._mb_seqs[mb.micro_batch_id] = list({s.seq.request.request_id for s in mb.seqs})
-            self._emit_trace({
-                "event": "dispatched", "micro_batch_id": mb.micro_batch_id,
-                "num_tokens": mb.num_tokens, "in_flight": len(planner.in_flight),
-                "t": self.clock(),
-            })
-            for s in mb.seqs:
-                live = self._live.get(s.seq.request.request_id)
-                if live is None:
-                    continue
-                if live.span is not None:
-                    live.step_spans[mb.micro_batch_id] = now_ns
-                if not live.scheduled:
-                    live.scheduled = True
-                    self.metrics.on_scheduled(self.clock() - live.request.arrival_s)
-                    if live.span is not None:
-                        self._child_span(live, "scheduler.queued", live.arrival_ns, now_ns, {})
-                    if live.request.debug_timeline:
-                        live.timeline.append({"name": "queued", "category": "scheduler",
-                                              "start_ns": live.arrival_ns, "end_ns": now_ns})
-                if live.request.debug_timeline:
-                    live.timeline.append({
-                        "name": "step", "category": "scheduler", "micro_batch_id": mb.micro_batch_id,
-                        "choice_index": s.seq.index, "num_tokens": s.num_tokens,
-                        "start_ns": now_ns, "end_ns": 0,
-                    })
+            self._dispatched_ns[mb.micro_batch_id] = time.time_ns()
             try:
                 await self.transport.submit(mb.plan)
             except Exception as exc:
                 log.error("submitting micro-batch %d failed: %s", mb.micro_batch_id, exc)
                 self._mark_unhealthy(f"stage 0: {exc}")
-                return
 
     def _handle(self, item: tuple[int, object] | None) -> None:
         if item is None:  # a wake-up
@@ -513,42 +466,48 @@ class Engine:
         generation, event = item
         if generation != self._generation:
             return  # from a stage connection that a reconnect replaced
-        now = self.clock()
         if isinstance(event, StepResult):
-            if event.step_id not in self.planner.in_flight:
-                return  # from before a reset
-            self._emit_trace({"event": "result", "micro_batch_id": event.step_id, "t": now})
-            updates = self.planner.on_result(event.step_id, event.sampled, now, event.prompt_logprobs)
-            self._record_timings(event, time.time_ns())
-            self._deliver(updates)
-            self._drain_decisions()
+            self._on_result(event)
         elif isinstance(event, ErrorEvent):
-            if event.micro_batch_id not in self.planner.in_flight:
-                return
-            log.warning("micro-batch %d failed on stage %d: %s %s", event.micro_batch_id,
-                        event.stage_index, event.code, event.message)
-            self._dispatched_ns.pop(event.micro_batch_id, None)
-            self._mb_seqs.pop(event.micro_batch_id, None)
-            if event.code == "UNAVAILABLE":
-                self._mark_unhealthy(f"stage {event.stage_index}: {event.message}")
-                return
-            if self.planner.feedback:  # no token comes from this step: later steps must not wait
-                seq_ids = [s.seq_id for s in self.planner.in_flight[event.micro_batch_id].seqs]
-                self._background(self.transport.abandon(seq_ids))
-            for request in self.planner.on_failure(event.micro_batch_id, now):
-                live = self._live.get(request.request_id)
-                if live is None:
-                    continue
-                live.failures += 1
-                if live.failures >= self.config.max_request_failures:
-                    self.planner.abort(request.request_id, now)
-                    self._live.pop(request.request_id, None)
-                    self.num_aborted += 1
-                    self.metrics.on_finished("error", now - request.arrival_s)
-                    self._fail(live, "INTERNAL", f"stage {event.stage_index}: {event.code} {event.message}")
-            self._drain_decisions()
+            self._on_error(event)
         elif isinstance(event, StageDownEvent):
             self._mark_unhealthy(f"stage {event.stage_index}: {event.message}")
+
+    def _on_result(self, event: StepResult) -> None:
+        if event.step_id not in self.planner.in_flight:
+            return  # from before a reset
+        now = self.clock()
+        self._dispatched_ns.pop(event.step_id, None)
+        updates = self.planner.on_result(event.step_id, event.sampled, now, event.prompt_logprobs)
+        self.observer.micro_batch_returned(event, now)
+        self._deliver(updates)
+
+    def _on_error(self, event: ErrorEvent) -> None:
+        """A micro-batch failed on a stage: its requests are recomputed, and one that failed
+        `max_request_failures` times ends with an error. A stage gone down resets everything."""
+        if event.micro_batch_id not in self.planner.in_flight:
+            return
+        log.warning("micro-batch %d failed on stage %d: %s %s", event.micro_batch_id,
+                    event.stage_index, event.code, event.message)
+        self._dispatched_ns.pop(event.micro_batch_id, None)
+        if event.code == "UNAVAILABLE":
+            self._mark_unhealthy(f"stage {event.stage_index}: {event.message}")
+            return
+        if self.planner.feedback:  # no token comes from this step: later steps must not wait
+            seq_ids = [s.seq_id for s in self.planner.in_flight[event.micro_batch_id].seqs]
+            self._background(self.transport.abandon(seq_ids))
+        now = self.clock()
+        for request in self.planner.on_failure(event.micro_batch_id, now):
+            live = self._live.get(request.request_id)
+            if live is None:
+                continue
+            live.failures += 1
+            if live.failures >= self.config.max_request_failures:
+                self.planner.abort(request.request_id, now)
+                self._live.pop(request.request_id, None)
+                self._finish(live, "error", "error",
+                             ("INTERNAL", f"stage {event.stage_index}: {event.code} {event.message}"))
+        self.observer.micro_batch_failed(event.micro_batch_id)
 
     def _deliver(self, updates: list[SeqUpdate]) -> None:
         touched: dict[str, list[ChoiceDelta]] = {}
@@ -560,18 +519,7 @@ class Engine:
                 seq.stop_token_id if u.finished else None,
             )
             touched.setdefault(seq.request.request_id, []).append(delta)
-            self.num_generated_tokens += len(u.new_token_ids)
-            live = self._live.get(seq.request.request_id)
-            if live is not None and u.new_token_ids:
-                now = self.clock()
-                self.metrics.on_tokens(len(u.new_token_ids))
-                if live.first_token_s is None:
-                    live.first_token_s = now
-                    self.metrics.on_first_token(now - seq.request.arrival_s)
-                previous = live.last_token_s.get(seq.index)
-                if previous is not None:
-                    self.metrics.on_inter_token(now - previous)
-                live.last_token_s[seq.index] = now
+            self.observer.tokens_delivered(u)
         for request_id, deltas in touched.items():
             live = self._live.get(request_id)
             if live is None:
@@ -579,10 +527,8 @@ class Engine:
             request = live.request
             if request.state == RequestState.FINISHED:
                 self._live.pop(request_id, None)
-                self.num_finished += 1
                 reason = request.sequences[0].finish_reason
-                self.metrics.on_finished(reason.value if reason else "stop", self.clock() - request.arrival_s)
-                out = self._final(live, error=None)
+                out = self._final(live, reason.value if reason else "stop", "finished")
                 out.deltas = deltas
             else:
                 out = RequestOutput(request_id, deltas)
@@ -592,12 +538,14 @@ class Engine:
                 request.prompt_logprobs_sent = True
             live.outputs.put_nowait(out)
 
-    def _final(self, live: _Live, error: tuple[str, str] | None, aborted: bool = False) -> RequestOutput:
+    def _final(self, live: _Live, reason: str | None, outcome: Outcome,
+               error: tuple[str, str] | None = None) -> RequestOutput:
+        """The request's last output. It ended with `outcome`, counted under finish `reason`
+        (None: not counted); an abort ends each choice still going with ABORT."""
         r = live.request
-        self._timelines.discard(r.request_id)
-        self._end_span(live, "aborted" if aborted else ("error" if error else "finished"))
+        timeline = self.observer.request_finished(r, reason, outcome)
         deltas = []
-        if aborted:
+        if outcome == "aborted":
             deltas = [ChoiceDelta(s.index, [], [], FinishReason.ABORT) for s in r.sequences
                       if s.finish_reason in (None, FinishReason.ABORT)]
         return RequestOutput(
@@ -607,62 +555,12 @@ class Engine:
             num_cached_tokens=r.num_cached_tokens,
             num_preemptions=r.num_preemptions,
             error=error,
-            timeline=self._timeline(live),
+            timeline=timeline,
         )
 
-    def _fail(self, live: _Live, code: str, message: str) -> None:
-        live.outputs.put_nowait(self._final(live, error=(code, message)))
-
-    def _child_span(self, live: _Live, name: str, start_ns: int, end_ns: int, attributes: dict) -> None:
-        from opentelemetry import trace
-
-        span = self._tracer.start_span(name, context=trace.set_span_in_context(live.span),
-                                       start_time=start_ns, attributes=attributes)
-        span.end(end_time=end_ns)
-
-    def _end_span(self, live: _Live, outcome: str) -> None:
-        if live.span is not None:
-            live.span.set_attribute("pagoda.outcome", outcome)
-            live.span.set_attribute("pagoda.num_output_tokens", live.request.num_output_tokens)
-            live.span.end()
-            live.span = None
-
-    def _record_timings(self, event: StepResult, now_ns: int) -> None:
-        mb_id = event.step_id
-        self._dispatched_ns.pop(mb_id, None)
-        for t in event.timings:
-            if t.compute_start_ns:
-                self.recent_spans.append((t.stage_index, mb_id, t.compute_start_ns, t.compute_end_ns))
-        if self._tracing:
-            for s in self._mb_seqs.pop(mb_id, ()):
-                live = self._live.get(s)
-                if live is not None and live.span is not None and mb_id in live.step_spans:
-                    self._child_span(live, "scheduler.step", live.step_spans.pop(mb_id), now_ns,
-                                     {"pagoda.micro_batch_id": mb_id})
-        for live in [self._live[r] for r in self._timelines if r in self._live]:
-            steps = [e for e in live.timeline if e.get("micro_batch_id") == mb_id and e["name"] == "step"]
-            if not steps:
-                continue
-            for e in steps:
-                e["end_ns"] = now_ns
-            for t in event.timings:
-                if t.compute_start_ns:
-                    live.timeline.append({
-                        "name": f"stage {t.stage_index} compute", "category": "stage",
-                        "micro_batch_id": mb_id, "stage_index": t.stage_index,
-                        "start_ns": t.compute_start_ns, "end_ns": t.compute_end_ns,
-                    })
-
-    def _note_preemptions(self) -> None:
-        delta = self.planner.num_preemptions - self._seen_preemptions
-        if delta:
-            self.metrics.on_preempted(delta)
-            self._seen_preemptions = self.planner.num_preemptions
-
-    def _timeline(self, live: _Live) -> list[dict]:
-        if not live.request.debug_timeline:
-            return []
-        return list(live.timeline)
+    def _finish(self, live: _Live, reason: str | None, outcome: Outcome,
+                error: tuple[str, str] | None = None) -> None:
+        live.outputs.put_nowait(self._final(live, reason, outcome, error))
 
     # --- failures ------------------------------------------------------------------------
 
@@ -675,11 +573,7 @@ class Engine:
             self._unhealthy_since = self.clock()
         hit = self.planner.reset_all(self.clock())
         self._dispatched_ns.clear()
-        self._mb_seqs.clear()
-        for live in self._live.values():
-            live.step_spans.clear()
-        self._drain_decisions()
-        self._emit_trace({"event": "reset", "reason": detail, "preempted": [r.request_id for r in hit]})
+        self.observer.pipeline_reset(detail, hit)
 
     async def _recover(self) -> None:
         """Wait until the chain and the KV service answer again (new epochs), then continue.
@@ -694,16 +588,14 @@ class Engine:
                 for live in list(self._live.values()):
                     self.planner.abort(live.request.request_id, self.clock())
                     self._live.pop(live.request.request_id, None)
-                    self.num_aborted += 1
-                    self.metrics.on_finished("error", self.clock() - live.request.arrival_s)
-                    self._fail(live, "UNAVAILABLE", f"pipeline unavailable: {self.health_detail}")
+                    self._finish(live, "error", "error",
+                                 ("UNAVAILABLE", f"pipeline unavailable: {self.health_detail}"))
                 self._unhealthy_since = self.clock()
             try:
                 await self.kv.reset()
                 await self._connect()
-                self.num_recoveries += 1
                 log.info("pipeline healthy again (epochs %s)", [s.epoch for s in self.stages])
-                self._emit_trace({"event": "recovered", "epochs": [s.epoch for s in self.stages]})
+                self.observer.pipeline_recovered([s.epoch for s in self.stages])
             except Exception as exc:  # not yet
                 self.health_detail = f"recovering: {exc}"
                 await asyncio.sleep(0.5)
@@ -711,27 +603,10 @@ class Engine:
             while self.healthy and not self._events.empty():
                 self._handle(self._events.get_nowait())
 
-    # --- tracing and stats --------------------------------------------------------------------
-
-    def _drain_decisions(self) -> None:
-        if not self.planner.decisions:
-            return
-        if self._trace_file:
-            now = self.clock()
-            for d in self.planner.decisions:
-                d.setdefault("t", now)
-                self._trace_file.write(json.dumps(d) + "\n")
-            self._trace_file.flush()
-        self.planner.decisions.clear()
-
-    def _emit_trace(self, entry: dict) -> None:
-        if self._trace_file:
-            entry.setdefault("t", self.clock())
-            self._trace_file.write(json.dumps(entry) + "\n")
-            self._trace_file.flush()
+    # --- stats --------------------------------------------------------------------------------
 
     def summary(self) -> dict:
-        planner = self.planner
+        planner, observer = self.planner, self.observer
         return {
             "num_waiting": len(planner.queue),
             "num_running": len(planner.running),
@@ -740,15 +615,14 @@ class Engine:
             "num_in_flight": len(planner.in_flight),
             "queue_by_tenant": planner.queue.depth_by_tenant(),
             "served_tokens_by_tenant": planner.queue.served_tokens_by_tenant(),
-            "num_micro_batches": self.num_micro_batches,
-            "num_finished": self.num_finished,
-            "num_aborted": self.num_aborted,
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_generated_tokens": self.num_generated_tokens,
+            "num_micro_batches": observer.num_micro_batches,
+            "num_finished": observer.num_finished,
+            "num_aborted": observer.num_aborted,
+            "num_prompt_tokens": observer.num_prompt_tokens,
+            "num_generated_tokens": observer.num_generated_tokens,
             "healthy": self.healthy,
             "health_detail": self.health_detail,
         }
-
 
 
 def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:

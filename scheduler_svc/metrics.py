@@ -1,8 +1,9 @@
 """Prometheus metrics of the scheduler, named after vLLM's (`pagoda:` for `vllm:`).
 
 So that existing vLLM dashboards adapt by a rename. Counters and histograms are updated by
-the engine as requests flow; gauges (queue depth, running, KV blocks) are read from the
-engine when scraped. One registry per engine, no global state.
+the engine's observer (`scheduler_svc.observer`) as requests flow; gauges (queue depth,
+running, KV blocks) are read from the engine when scraped. One registry per engine, no
+global state.
 """
 
 from __future__ import annotations
