@@ -13,6 +13,12 @@ request by recompute (its blocks are freed in the next step, it waits again ahea
 peers), a new request that got no block stays queued. Results come back
 through `on_result` / `on_failure`. A sequence is never in two micro-batches in flight.
 
+State: the planner owns the requests (running set, ranks, ids) and composes two pieces, each
+with its invariants and `check_integrity`: `InFlight` (in_flight.py: the micro-batches in
+flight, the sequences they hold, what the KV service is still to hear of them) and
+`StageView` (stage_view.py: what the stages hold of each sequence, what the next plan
+sends and releases).
+
 Budgets: `max_num_batched_tokens` bounds each micro-batch; `max_num_seqs` bounds all running
 sequences together; `microbatch_size` ("auto" or an int) caps sequences per micro-batch, with
 "auto" spreading the running sequences evenly over the micro-batches in flight.
@@ -37,6 +43,7 @@ from kvcache_svc.core.types import (
     StepInput,
     StepOutput,
 )
+from scheduler_svc.core.in_flight import InFlight, MicroBatch, ScheduledSeq
 from scheduler_svc.core.proposal import (
     Admission,
     AdmittedSeq,
@@ -53,21 +60,21 @@ from scheduler_svc.core.request import (
     Request,
     RequestState,
     Sequence,
-    sampling_params,
 )
-from services.defaults import BLOCK_SIZE
-from services.step import CachedSeq, NewSeq, PromptScoring, SampledToken, ScoredPrompt, StepPlan
+from scheduler_svc.core.stage_view import StageView, scores_prompt, scores_prompt_of
+from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS
+from services.step import CachedSeq, NewSeq, SampledToken, ScoredPrompt, StepPlan
 
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     max_in_flight: int = 1
     pipeline_parallel_size: int = 1
     microbatch_size: str | int = "auto"
-    max_model_len: int = 4096
+    max_model_len: int = MAX_MODEL_LEN
     namespace: str | None = None  # the model: prefixes are shared only within one
     block_size: int = BLOCK_SIZE
     # vLLM-style asynchronous scheduling: a decoding sequence is scheduled for step k+1
@@ -88,39 +95,6 @@ class PlannerConfig:
             raise ValueError(f"microbatch_size: must be 'auto' or a positive int, got {self.microbatch_size!r}")
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
-    """The planner's record of one sequence's share of a step in flight: tokens
-    `start ... start + num_tokens - 1`, under the id it was scheduled with (a sequence
-    re-admitted later gets another)."""
-
-    seq: Sequence
-    seq_id: int
-    start: int
-    num_tokens: int
-    sample: bool
-
-    @property
-    def context_len(self) -> int:
-        return self.start + self.num_tokens
-
-
-@dataclass
-class MicroBatch:
-    """A step in flight: the plan the stages were sent and the planner's record of it."""
-
-    plan: StepPlan
-    seqs: list[ScheduledSeq]
-
-    @property
-    def micro_batch_id(self) -> int:
-        return self.plan.step_id
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
-
-
 @dataclass
 class SeqUpdate:
     """New output of one sequence after a micro-batch: for streaming to the client."""
@@ -138,41 +112,41 @@ SeqStep = tuple[Sequence, int, int, bool]
 
 
 class Planner:
-    """Owns the running set, the waiting queue's admissions and what is in flight."""
+    """Owns the running set and the waiting queue's admissions; composes `InFlight` (what is
+    in flight, and what the KV service is to hear of it) and `StageView` (what the stages
+    hold of each sequence). A sequence's KV is dropped in both at once (`_drop_kv`)."""
 
     def __init__(self, config: PlannerConfig, queue: WaitingQueue) -> None:
         self.config = config
         self.queue = queue
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.in_flight: dict[int, MicroBatch] = {}
-        # seq_id -> steps in flight holding it (two at most: a step and its placeholder step)
-        self._busy: dict[int, int] = {}
-        self._last_record: dict[int, ScheduledSeq] = {}  # seq_id -> its latest step in flight
-        self._kv_steps: set[int] = set()  # steps the KV service recorded (not told done yet)
+        self._flight = InFlight()  # what is in flight, and what the KV service is to hear
+        # what the stages hold of each sequence (with several stages, the first does not
+        # sample: plans carry the tokens it lacks, unless the last stage feeds it)
+        self._stages = StageView(track_tokens=config.pipeline_parallel_size > 1)
         self._next_seq_id = 1
         self._next_mb_id = 1
         self._admission_counter = 0
         self._rank: dict[str, tuple] = {}
-        self._pending_frees: list[int] = []
-        self._pending_released: list[int] = []
-        self._pending_completed: list[int] = []
-        self._pending_failed: list[int] = []
-        # the stages may hold state from an earlier scheduler: the first step resets it
-        self._release_all = True
-        # seq_id -> the block table the stages hold for it (they hold its state)
-        self._on_stages: dict[int, tuple[int, ...]] = {}
-        # with several stages, seq_id -> tokens the first stage knows (it does not sample);
-        # None when it learns them without the plans (one stage, or feedback)
-        self._stage_tokens: dict[int, int] | None = {} if config.pipeline_parallel_size > 1 else None
         self.feedback = False  # the last stage feeds the first its sampled tokens
-        # micro_batch_id -> sequences allocated in its step but left out of it (preempted or
-        # given back): their slots were never written, so the KV service must see them freed
-        # before it sees the micro-batch complete, or it would cache blocks holding garbage
-        self._completion_guard: dict[int, set[int]] = {}
         self.decisions: list[dict] = []  # for scheduler tracing; drained by the engine
         self.num_preemptions = 0
         self.num_placeholder_steps = 0  # sequence-steps scheduled before their input was known
+
+    @property
+    def in_flight(self) -> dict[int, MicroBatch]:
+        """micro_batch_id -> the micro-batch in flight (read-only: `finalize`, `on_result` and
+        `on_failure` change it)."""
+        return self._flight.micro_batches
+
+    @property
+    def _busy(self) -> dict[int, int]:  # (read by tests)
+        return self._flight.busy
+
+    @property
+    def _completion_guard(self) -> dict[int, set[int]]:  # (read by tests)
+        return self._flight.completion_guard
 
     # --- requests in ---------------------------------------------------------------------
 
@@ -248,13 +222,13 @@ class Planner:
 
     @property
     def has_pending_kv_work(self) -> bool:
-        return bool(self._pending_frees or self._pending_completed or self._pending_failed)
+        return self._flight.has_pending_reports
 
     def has_schedulable(self) -> bool:
         if len(self.queue):
             return True
         return any(
-            not s.is_finished and (s.seq_id not in self._busy or self._speculable(s))
+            not s.is_finished and (not self._flight.is_busy(s.seq_id) or self._speculable(s))
             for r in self.running
             for s in r.sequences
         ) or any(len(r.sequences) < r.options.n and not self._fork_blocked(r) for r in self.running)
@@ -289,27 +263,21 @@ class Planner:
         self._propose_readmissions(draft)
         self._propose_admissions(draft)
         mb_id = self._next_mb_id if draft.has_tokens else None
-        if not (draft.appends or draft.new_sequences or draft.kv_forks or self._pending_frees
-                or self._pending_failed) and (draft.has_tokens or not self.has_pending_kv_work):
+        flight = self._flight
+        if not (draft.appends or draft.new_sequences or draft.kv_forks or flight.pending_frees
+                or flight.pending_failed) and (draft.has_tokens or not self.has_pending_kv_work):
             # decodes inside their blocks only: completions wait for the next call that is needed
             return draft.proposal(StepInput(), mb_id, skips_kv=True)
         step_input = StepInput(
             new_sequences=tuple(draft.new_sequences),
             appends=tuple(draft.appends),
             forks=tuple(draft.kv_forks),
-            frees=tuple(self._pending_frees),
-            completed_micro_batch_ids=self._completions_to_send(),
-            failed_micro_batch_ids=tuple(self._pending_failed),
+            frees=tuple(flight.pending_frees),
+            completed_micro_batch_ids=flight.completions_to_send(),
+            failed_micro_batch_ids=tuple(flight.pending_failed),
             micro_batch_id=mb_id,
         )
         return draft.proposal(step_input, mb_id, skips_kv=False)
-
-    def _completions_to_send(self) -> tuple[int, ...]:
-        """Completed steps the KV service may hear of now: not one whose unwritten sequences
-        are still to be freed (it would cache blocks holding garbage)."""
-        frees = set(self._pending_frees)
-        return tuple(m for m in self._pending_completed
-                     if not (self._completion_guard.get(m) and self._completion_guard[m] & frees))
 
     def _propose_running(self, draft: ProposalDraft, prefill: bool) -> None:
         """Decodes (`prefill` False) or prefill chunks of running sequences that hold their KV
@@ -320,7 +288,8 @@ class Planner:
             for seq in request.sequences:
                 if draft.is_full:
                     return
-                if seq.is_finished or not seq.has_kv or seq.seq_id in self._busy or seq.is_prefill != prefill:
+                if (seq.is_finished or not seq.has_kv or self._flight.is_busy(seq.seq_id)
+                        or seq.is_prefill != prefill):
                     continue
                 target = self._target(seq)
                 remaining = target - seq.num_computed
@@ -380,7 +349,7 @@ class Planner:
             for seq in request.sequences:
                 if draft.num_seqs >= draft.seq_cap:
                     return
-                if seq.is_finished or seq.has_kv or seq.seq_id in self._busy:
+                if seq.is_finished or seq.has_kv or self._flight.is_busy(seq.seq_id):
                     continue
                 tokens = seq.all_tokens()[: self._target(seq)]
                 n = min(len(tokens), draft.budget)
@@ -388,7 +357,7 @@ class Planner:
                     continue
                 new_seq_id = draft.take_seq_id()
                 draft.new_sequences.append(NewSequence(new_seq_id, tokens, self.config.namespace, n,
-                                                       _scores_prompt(seq)))
+                                                       scores_prompt(seq)))
                 draft.readmissions.append(Readmission(seq, new_seq_id))
                 draft.spend(n, 1)
 
@@ -417,7 +386,7 @@ class Planner:
             admitted: list[AdmittedSeq] = []
             for index, (existing, tokens, n) in enumerate(chunks):
                 seq_id = draft.take_seq_id()
-                scores = _scores_prompt(existing) if existing is not None else _scores_prompt_of(request, index)
+                scores = scores_prompt(existing) if existing is not None else scores_prompt_of(request, index)
                 draft.new_sequences.append(NewSequence(seq_id, tokens, self.config.namespace, n, scores))
                 admitted.append(AdmittedSeq(existing, seq_id, index))
             draft.admissions.append(Admission(request, tuple(admitted)))
@@ -460,7 +429,7 @@ class Planner:
         plan is built from what is left.
         """
         self._take_ids(proposal)
-        self._settle_housekeeping(proposal.step_input)
+        self._flight.settle(proposal.step_input)  # the reports it carried were applied
         if proposal.micro_batch_id is None:
             return None
         scheduled, starving = self._apply_allocations(proposal, output, now)
@@ -477,16 +446,7 @@ class Planner:
             return
         self._next_mb_id += 1
         if not proposal.skips_kv:
-            self._kv_steps.add(mb_id)  # the KV service recorded the step
-
-    def _settle_housekeeping(self, step: StepInput) -> None:
-        """The frees, completions and failures the KV service applied are no longer pending."""
-        applied_frees = set(step.frees)
-        self._pending_frees = [s for s in self._pending_frees if s not in applied_frees]
-        self._pending_completed = [m for m in self._pending_completed if m not in step.completed_micro_batch_ids]
-        for m in step.completed_micro_batch_ids:
-            self._completion_guard.pop(m, None)
-        self._pending_failed = [m for m in self._pending_failed if m not in step.failed_micro_batch_ids]
+            self._flight.kv_recorded(mb_id)
 
     # --- finalize, phase 1: the KV service's allocations ---------------------------------
     # An abort or a stop string may have ended sequences while the KV service answered: what
@@ -529,7 +489,7 @@ class Planner:
             parent = planned.parent
             request = parent.request
             if not (parent.has_kv and not parent.is_finished and request in self.running):
-                self._pending_frees.extend(planned.child_seq_ids)  # the KV service forked them
+                self._flight.free_at_kv(planned.child_seq_ids)  # the KV service forked them
                 continue
             children = []
             for i, child_seq_id in enumerate(planned.child_seq_ids):
@@ -548,7 +508,7 @@ class Planner:
             seq, new_seq_id = readmission.seq, readmission.new_seq_id
             result = output.results.get(new_seq_id)
             if isinstance(result, Allocated) and (seq.is_finished or seq.request not in self.running):
-                self._pending_frees.append(new_seq_id)
+                self._flight.free_at_kv((new_seq_id,))
             elif isinstance(result, Allocated):
                 self._renumber(seq, new_seq_id)
                 seq.has_kv = True
@@ -565,8 +525,8 @@ class Planner:
             gone = request not in self.queue  # aborted (or its choices stopped) meanwhile
             if gone or blocked or not any(isinstance(r, Allocated) for r in results):
                 blocked = blocked or not gone
-                self._pending_frees.extend(a.seq_id for a, r in zip(admission.seqs, results, strict=True)
-                                           if isinstance(r, Allocated))
+                self._flight.free_at_kv(a.seq_id for a, r in zip(admission.seqs, results, strict=True)
+                                        if isinstance(r, Allocated))
                 continue
             self._admit(request, now)
             for a, r in zip(admission.seqs, results, strict=True):
@@ -600,12 +560,11 @@ class Planner:
     def _build_micro_batch(self, mb_id: int, proposal: Proposal, output: StepOutput, scheduled: Allocations,
                            now: float) -> MicroBatch | None:
         placeholders = [(p.seq, p.position) for p in proposal.placeholders
-                        if p.seq.has_kv and not p.seq.is_finished and self._busy.get(p.seq.seq_id) == 1
+                        if p.seq.has_kv and not p.seq.is_finished and self._flight.num_steps(p.seq.seq_id) == 1
                         and p.position < len(p.seq.block_table) * self.config.block_size]  # (no block: later)
         discarded = {k for k, r in output.results.items() if isinstance(r, Allocated)} - {
             seq.seq_id for seq, _ in scheduled.values()} - {seq.seq_id for seq, _ in placeholders}
-        if discarded:
-            self._completion_guard[mb_id] = discarded
+        self._flight.guard(mb_id, discarded)
         # (sequence, start, num_tokens, samples), in planning order: placeholder decodes, the
         # running sequences' decodes and chunks, then forks, re-admissions and admissions
         steps = [(seq, pos, 1, True) for seq, pos in placeholders]
@@ -614,17 +573,11 @@ class Planner:
         records, new_seqs, cached_seqs = self._record_steps(steps, now)
         if not records:
             # the KV service holds this id in flight even with nothing written
-            self._complete_at_kv(mb_id)
+            self._flight.complete_at_kv(mb_id)
             return None
-        plan = StepPlan(mb_id, tuple(new_seqs), tuple(cached_seqs), tuple(self._pending_released),
-                        tuple(output.copies), self._release_all)
-        for seq_id in self._pending_released:
-            self._on_stages.pop(seq_id, None)
-            if self._stage_tokens is not None:
-                self._stage_tokens.pop(seq_id, None)
-        self._pending_released, self._release_all = [], False
-        mb = MicroBatch(plan, records)
-        self.in_flight[mb_id] = mb
+        released, release_all = self._stages.take_releases()
+        plan = StepPlan(mb_id, tuple(new_seqs), tuple(cached_seqs), released, tuple(output.copies), release_all)
+        mb = self._flight.dispatch(plan, records)
         self._trace(
             "micro_batch", None, micro_batch_id=mb_id, num_tokens=mb.num_tokens,
             seqs=[[s.seq_id, s.start, s.num_tokens] for s in records],
@@ -665,56 +618,15 @@ class Planner:
         new_seqs: list[NewSeq] = []
         cached_seqs: list[CachedSeq] = []
         for seq, start, n, sample in steps:
-            scoring = self._prompt_scoring(seq, start, start + n)
-            held = self._on_stages.get(seq.seq_id)
-            if held is None:
-                new_seqs.append(self._new_seq(seq, start, n, scoring))
+            entry = self._stages.send(seq, start, n)
+            if isinstance(entry, NewSeq):
+                new_seqs.append(entry)
             else:
-                cached_seqs.append(self._cached_seq(seq, held, n, scoring))
-            self._on_stages[seq.seq_id] = seq.block_table
-            if self._stage_tokens is not None:
-                self._stage_tokens[seq.seq_id] = seq.num_tokens
-            record = ScheduledSeq(seq, seq.seq_id, start, n, sample)
-            records.append(record)
-            self._busy[seq.seq_id] = self._busy.get(seq.seq_id, 0) + 1
-            self._last_record[seq.seq_id] = record
+                cached_seqs.append(entry)
+            records.append(self._flight.record(seq, start, n, sample))
             if seq.request.first_scheduled_s is None:
                 seq.request.first_scheduled_s = now
         return records, new_seqs, cached_seqs
-
-    def _new_seq(self, seq: Sequence, start: int, n: int, scoring: PromptScoring | None) -> NewSeq:
-        request = seq.request
-        return NewSeq(
-            seq.seq_id, tuple(seq.all_tokens()), len(request.prompt), start, n, seq.block_table,
-            sampling_params(request.options, tuple(request.eos_token_ids)), seq.index,
-            seq.entropy_seed, request.request_id, request.trace_context, scoring,
-        )
-
-    def _cached_seq(self, seq: Sequence, held: tuple[int, ...], n: int,
-                    scoring: PromptScoring | None) -> CachedSeq:
-        table = seq.block_table
-        offset = len(held)
-        if table is not held and table[:offset] != held:  # a block replaced: resend from there
-            offset = 0
-            while offset < len(held) and offset < len(table) and held[offset] == table[offset]:
-                offset += 1
-        new_tokens: tuple[int, ...] = ()
-        if self._stage_tokens is not None:  # the first stage does not sample: send what it lacks
-            known = self._stage_tokens[seq.seq_id]
-            if known < seq.num_tokens:
-                new_tokens = tuple(seq.tokens(known, seq.num_tokens))
-        return CachedSeq(seq.seq_id, n, offset, table[offset:], new_tokens, scoring)
-
-    def _prompt_scoring(self, seq: Sequence, start: int, end: int) -> PromptScoring | None:
-        """The prompt positions of this chunk not scored yet (each predicts the next)."""
-        if not _scores_prompt(seq):
-            return None
-        request = seq.request
-        first = max(start, len(request.prompt_logprobs))
-        last = min(end, len(request.prompt) - 1)
-        if first >= last:
-            return None
-        return PromptScoring(first, tuple(request.prompt[first + 1:last + 1]), request.options.prompt_logprobs)
 
     # --- results in ----------------------------------------------------------------------
 
@@ -722,8 +634,7 @@ class Planner:
                   prompt_logprobs: Iterable[ScoredPrompt] = ()) -> list[SeqUpdate]:
         """A micro-batch came back: computed tokens advance, sampled tokens append, finishes;
         scored prompt positions extend their request's prompt logprobs."""
-        mb = self.in_flight.pop(mb_id)
-        self._complete_at_kv(mb_id)
+        mb = self._flight.complete(mb_id)
         by_id: dict[int, list[tuple[int, object]]] = {}
         for s in sampled:
             by_id.setdefault(s.seq_id, []).append((s.token_id, s.logprobs))
@@ -731,7 +642,6 @@ class Planner:
         updates = []
         for s in mb.seqs:
             seq = s.seq
-            self._release_busy(s)
             request = seq.request
             if not request.state.is_live or not seq.has_kv or seq.is_finished or seq.seq_id != s.seq_id:
                 continue  # aborted or preempted while in flight (and maybe re-admitted since)
@@ -768,15 +678,12 @@ class Planner:
 
     def on_failure(self, mb_id: int, now: float = 0.0) -> list[Request]:
         """A micro-batch failed on some stage: its requests are preempted (recomputed later)."""
-        mb = self.in_flight.pop(mb_id, None)
-        if mb is None:
+        failed = self._flight.fail(mb_id)
+        if failed is None:
             return []
-        if mb_id in self._kv_steps:
-            self._kv_steps.discard(mb_id)
-            self._pending_failed.append(mb_id)
+        mb, doomed = failed
         hit: list[Request] = []
         for s in mb.seqs:
-            self._release_busy(s)
             request = s.seq.request
             if s.seq.seq_id != s.seq_id:
                 continue  # already preempted and re-admitted: this entry is stale
@@ -787,67 +694,35 @@ class Planner:
         # a later step in flight that computes one of these sequences (a placeholder step) was
         # planned on state the stages will not have: it fails too, and with it every request
         # in it, so they are preempted now (not counted as their failure)
-        doomed = {s.seq_id for s in mb.seqs}
-        for later_id in sorted(i for i in self.in_flight if i > mb_id):
-            later = self.in_flight[later_id]
-            if not doomed & {s.seq_id for s in later.seqs}:
-                continue
-            doomed |= {s.seq_id for s in later.seqs}
-            for s in later.seqs:
-                request = s.seq.request
-                if s.seq.seq_id == s.seq_id and request in self.running:
-                    self._preempt(request, now)
+        for s in doomed:
+            request = s.seq.request
+            if s.seq.seq_id == s.seq_id and request in self.running:
+                self._preempt(request, now)
         return hit
 
     def set_feedback(self, on: bool) -> None:
         """Whether the first of several stages gets sampled tokens from the last directly (set
         at each connection to the stages, before anything is planned on it): then plans carry
         no tokens and placeholder steps work at any pipeline size."""
-        if self.in_flight or self._on_stages:
+        if self._flight.micro_batches or self._stages.holds_any:
             raise RuntimeError("set_feedback: only before the stages hold any state")
         several = self.config.pipeline_parallel_size > 1
         self.feedback = on and several
-        self._stage_tokens = {} if several and not self.feedback else None
+        self._stages.track_tokens(several and not self.feedback)
 
     def reset_all(self, now: float = 0.0) -> list[Request]:
         """A stage or the KV service failed: everything running is preempted, KV state forgotten.
 
         The caller resets the KV service; results of micro-batches in flight are dropped.
         """
-        self.in_flight.clear()
-        self._busy.clear()
-        self._last_record.clear()
-        self._kv_steps.clear()
-        self._completion_guard.clear()
-        self._pending_frees.clear()
-        self._pending_completed.clear()
-        self._pending_failed.clear()
-        self._pending_released.clear()
-        self._release_all = True
-        self._on_stages.clear()
-        if self._stage_tokens is not None:
-            self._stage_tokens.clear()
+        self._flight.reset()
+        self._stages.reset()
         hit = list(self.running)
         for request in hit:
             self._preempt(request, now, free=False)
         return hit
 
     # --- helpers -------------------------------------------------------------------------
-
-    def _complete_at_kv(self, mb_id: int) -> None:
-        """A step is done: the KV service hears of it, if it recorded it (made a call)."""
-        if mb_id in self._kv_steps:
-            self._kv_steps.discard(mb_id)
-            self._pending_completed.append(mb_id)
-
-    def _release_busy(self, record: ScheduledSeq) -> None:
-        count = self._busy.get(record.seq_id, 0) - 1
-        if count > 0:
-            self._busy[record.seq_id] = count
-        else:
-            self._busy.pop(record.seq_id, None)
-        if self._last_record.get(record.seq_id) is record:
-            del self._last_record[record.seq_id]
 
     def _speculable(self, seq: Sequence) -> bool:
         """Whether a step may compute this sequence's next token before it is known: its one
@@ -859,8 +734,8 @@ class Planner:
             return False
         if self.config.pipeline_parallel_size > 1 and not self.feedback:
             return False  # the first stage would need the token in the plan
-        record = self._last_record.get(seq.seq_id)
-        if record is None or self._busy.get(seq.seq_id) != 1 or not record.sample:
+        record = self._flight.sole_record(seq.seq_id)
+        if record is None or not record.sample:
             return False
         pos = record.context_len
         request = seq.request
@@ -879,7 +754,7 @@ class Planner:
     def _fork_blocked(self, request: Request) -> bool:
         parent = request.sequences[0] if request.sequences else None
         return (
-            parent is None or not parent.has_kv or parent.seq_id in self._busy
+            parent is None or not parent.has_kv or self._flight.is_busy(parent.seq_id)
             or parent.num_computed != len(request.prompt) - 1 or len(request.prompt) == 1
         )
 
@@ -907,7 +782,7 @@ class Planner:
         preemption cannot ping-pong between two requests.
         """
         victim = max(self.running, key=lambda r: self._rank[r.request_id])
-        if any(s.seq_id in self._busy for s in victim.sequences):
+        if any(self._flight.is_busy(s.seq_id) for s in victim.sequences):
             return None
         return victim
 
@@ -934,8 +809,8 @@ class Planner:
 
     def _drop_kv(self, seq: Sequence) -> None:
         if seq.has_kv:
-            self._pending_frees.append(seq.seq_id)
-            self._pending_released.append(seq.seq_id)
+            self._flight.free_at_kv((seq.seq_id,))
+            self._stages.release(seq.seq_id)
         seq.has_kv = False
         seq.block_table = ()
 
@@ -969,25 +844,12 @@ class Planner:
         for request in self.running:
             assert request.state in (RequestState.PREFILLING, RequestState.DECODING), request.state
             assert request not in self.queue
-        busy: dict[int, int] = {}
-        for mb in self.in_flight.values():
-            for s in mb.seqs:
-                busy[s.seq_id] = busy.get(s.seq_id, 0) + 1
-        assert busy == self._busy, (busy, self._busy)
-        assert all(count <= 2 for count in busy.values()), busy
+        self._flight.check_integrity()
+        self._stages.check_integrity()
         self.queue.check_integrity()
 
 
-def _scores_prompt(seq: Sequence) -> bool:
-    """Whether this sequence still scores prompt positions (SamplingOptions.prompt_logprobs):
-    then every position must be computed, so it keeps out of the prefix cache."""
-    return _scores_prompt_of(seq.request, seq.index)
-
-
-def _scores_prompt_of(request: Request, index: int) -> bool:
-    """`_scores_prompt` for choice `index` of a request, made or not yet."""
-    return (request.options.prompt_logprobs is not None and index == 0
-            and len(request.prompt_logprobs) < len(request.prompt) - 1)
+_scores_prompt = scores_prompt  # its name before it moved (tests import it from here)
 
 
 def _new_sequence(seq_id: int, request: Request, index: int) -> Sequence:
