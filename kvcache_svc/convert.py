@@ -7,6 +7,8 @@ Where the wire and the core differ:
 - Block tables travel as deltas: an allocation carries `block_table_offset` (entries of the
   previous table that stay) and the block ids after them, so a decode step of a long
   sequence sends one block id at most, not its whole table. The receiver keeps the tables.
+- No slot mapping is on the wire: a token's slot follows from its sequence's table and its
+  position (`Allocated.slots`), and the stages derive it themselves.
 - Per-sequence copies are not on the wire: each copy's destination is a fresh block in the
   new block ids of exactly the allocation that needed it, which is how they are matched up.
 - `KVCacheStats.num_free_blocks` on the wire counts evictable blocks as free; the core's
@@ -194,10 +196,9 @@ def step_output_to_pb(
                 seq_id=seq_id,
                 status=kvcache_pb2.ALLOCATION_STATUS_OK,
                 num_computed_tokens=result.num_computed_tokens,
-                num_new_tokens=len(result.slot_mapping),
+                num_new_tokens=result.num_new_tokens,
                 block_table_offset=offset,
                 block_ids=result.block_ids[offset:],
-                slot_mapping=result.slot_mapping,
             )
         )
     return kvcache_pb2.StepResponse(
@@ -244,7 +245,7 @@ def step_output_from_pb(
         own = tuple(copy_by_dst[b] for b in new_ids if b in copy_by_dst)
         num_matched += len(own)
         results[seq_id] = Allocated(
-            seq_id, table, tuple(alloc.slot_mapping), alloc.num_computed_tokens, own
+            seq_id, table, alloc.num_new_tokens, alloc.num_computed_tokens, own
         )
     if num_matched != len(copies):
         raise BlockTableMismatch("a block copy belongs to no allocation")

@@ -305,10 +305,8 @@ class KVCacheManager:
             seq.block_ids[partial] = dst
             self._pool.decref(src)  # still held by the sharers
             copies = (BlockCopy(src, dst),)
-        slot_mapping = self._write(
-            seq, append.token_bytes, append.num_tokens, new_block_ids, micro_batch
-        )
-        return Allocated(append.seq_id, tuple(seq.block_ids), slot_mapping, start, copies)
+        self._write(seq, append.token_bytes, append.num_tokens, new_block_ids, micro_batch)
+        return Allocated(append.seq_id, tuple(seq.block_ids), append.num_tokens, start, copies)
 
     def _add(self, new: ValidNewSequence, micro_batch: MicroBatchRecord) -> Allocated | NoBlocks:
         bs = self._block_size
@@ -362,14 +360,14 @@ class KVCacheManager:
         token_bytes = new.token_bytes[
             num_computed * TOKEN_BYTES : (num_computed + num_new_tokens) * TOKEN_BYTES
         ]
-        slot_mapping = self._write(seq, token_bytes, num_new_tokens, new_block_ids, micro_batch)
+        self._write(seq, token_bytes, num_new_tokens, new_block_ids, micro_batch)
 
         if self._enable_prefix_caching and not new.skip_prefix_cache:
             self._num_prefix_queries += 1
             self._num_prefix_hits += num_computed > 0
             self._num_prefix_query_tokens += new.num_tokens
             self._num_prefix_hit_tokens += num_computed
-        return Allocated(new.seq_id, tuple(seq.block_ids), slot_mapping, num_computed, copies)
+        return Allocated(new.seq_id, tuple(seq.block_ids), num_new_tokens, num_computed, copies)
 
     def _write(
         self,
@@ -378,22 +376,14 @@ class KVCacheManager:
         num_tokens: int,
         new_block_ids: list[int],
         micro_batch: MicroBatchRecord,
-    ) -> tuple[int, ...]:
+    ) -> None:
         """Give `seq` slots for `num_tokens` more tokens (in `new_block_ids` past its last
-        block) and key the blocks they fill; returns the tokens' slots."""
+        block) and key the blocks they fill."""
         bs = self._block_size
         blocks = seq.block_ids
         blocks.extend(new_block_ids)
-        start, end = seq.num_tokens, seq.num_tokens + num_tokens
-        slots: list[int] = []
-        pos = start
-        while pos < end:
-            index, offset = divmod(pos, bs)
-            count = min(bs - offset, end - pos)
-            base = blocks[index] * bs + offset
-            slots.extend(range(base, base + count))
-            pos += count
-        seq.num_tokens = end
+        start = seq.num_tokens
+        seq.num_tokens = start + num_tokens
         micro_batch.seqs.append(seq)
 
         if self._enable_prefix_caching:
@@ -417,7 +407,6 @@ class KVCacheManager:
                 )
                 seq.last_full_key = key
             seq.partial_token_bytes = data[num_full * stride :]
-        return tuple(slots)
 
     # ---- statistics and integrity --------------------------------------------------------
 

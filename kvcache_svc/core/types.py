@@ -79,15 +79,23 @@ class Allocated(NamedTuple):
     """A sequence's slots for this step.
 
     This step's tokens are positions `num_computed_tokens ... num_computed_tokens +
-    len(slot_mapping) - 1`; `slot_mapping[j]` is where token j's K/V goes. For a new sequence
-    `num_computed_tokens` is its prefix-cache hit (tokens whose KV is already there).
+    num_new_tokens - 1`. For a new sequence `num_computed_tokens` is its prefix-cache hit
+    (tokens whose KV is already there). No slot mapping is carried: a token's slot follows
+    from the table and its position (`slots`), and the stages derive it themselves.
     """
 
     seq_id: int
     block_ids: tuple[int, ...]  # the whole block table after this step
-    slot_mapping: tuple[int, ...]
+    num_new_tokens: int
     num_computed_tokens: int
     copies: tuple[BlockCopy, ...]
+
+    def slots(self, block_size: int) -> tuple[int, ...]:
+        """Where this step's tokens' K/V go: position p is in slot `block_ids[p // block_size]
+        * block_size + p % block_size`."""
+        start = self.num_computed_tokens
+        return tuple(self.block_ids[p // block_size] * block_size + p % block_size
+                     for p in range(start, start + self.num_new_tokens))
 
 
 class NoBlocks(NamedTuple):

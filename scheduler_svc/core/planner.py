@@ -479,7 +479,7 @@ class Planner:
             result = output.results.get(p.seq.seq_id)  # the block it asked for ahead
             if isinstance(result, Allocated) and p.seq.has_kv and not p.seq.is_finished:
                 p.seq.block_table = result.block_ids
-                p.seq.kv_len = result.num_computed_tokens + len(result.slot_mapping)
+                p.seq.kv_len = result.num_computed_tokens + result.num_new_tokens
         return scheduled, starving
 
     def _apply_forks(self, proposal: Proposal) -> list[tuple[Sequence, list[Sequence]]]:
@@ -602,8 +602,8 @@ class Planner:
                 # a sequence's own plan, or the KV service's for a new one (its prefix-cache hit)
                 chunk = planned.get(seq_id)
                 start, n = ((chunk.start, chunk.num_tokens) if chunk is not None
-                            else (result.num_computed_tokens, len(result.slot_mapping)))
-                seq.kv_len = result.num_computed_tokens + len(result.slot_mapping)
+                            else (result.num_computed_tokens, result.num_new_tokens))
+                seq.kv_len = result.num_computed_tokens + result.num_new_tokens
                 seq.num_computed = start  # a prefix hit: these tokens are already there
                 seq.block_table = result.block_ids
             end = start + n
@@ -847,9 +847,41 @@ class Planner:
         self._flight.check_integrity()
         self._stages.check_integrity()
         self.queue.check_integrity()
+        for request in self.running:
+            for seq in request.sequences:
+                if seq.has_kv and not seq.is_finished and seq.block_table:
+                    record = self._flight.last_record.get(seq.seq_id)
+                    end = record.context_len if record is not None and record.seq is seq else seq.num_computed
+                    check_kv_lead(seq, end, self._stages.on_stages.get(seq.seq_id), self.config.block_size)
 
 
 _scores_prompt = scores_prompt  # its name before it moved (tests import it from here)
+
+
+def check_kv_lead(seq: Sequence, scheduled_end: int, held: tuple[int, ...] | None, block_size: int) -> None:
+    """How far the scheduler may run ahead of the KV service (deferred decodes and lookahead
+    slots, docs/step-protocol.md "KV bookkeeping"), checked for one live sequence between plans.
+
+    `seq.kv_len` tokens were told to the KV service and `seq.block_table` is its last answer;
+    `scheduled_end` is where the sequence's latest step (in flight or returned) ends; `held`
+    is the table the stages were last sent (None: not sent yet).
+
+    - the KV service is told only tokens that were scheduled: `kv_len <= scheduled_end`;
+    - every scheduled token has a slot (a deferred decode or placeholder step goes only where
+      the table has room): `scheduled_end <= len(block_table) * block_size`;
+    - the KV service holds at most one slot beyond the tokens it was told (a placeholder step's
+      lookahead block), and covers those: `ceil(kv_len / bs) <= len(block_table) <=
+      ceil((kv_len + 1) / bs)`; so the deferred tokens all lie in the last block;
+    - the stages hold that table, or all of it but a held-ahead block whose placeholder step
+      was dropped (its step before returned during the KV call): sent with the next step.
+    (A forked choice not allocated yet has no table here: it shares its parent's there.)
+    """
+    kv_len, num_blocks = seq.kv_len, len(seq.block_table)
+    where = f"sequence {seq.seq_id}: kv_len {kv_len}, scheduled to {scheduled_end}, {num_blocks} blocks"
+    assert kv_len <= scheduled_end <= num_blocks * block_size, where
+    assert -(-kv_len // block_size) <= num_blocks <= -(-(kv_len + 1) // block_size), where
+    assert held is None or held == seq.block_table or (
+        held == seq.block_table[:-1] and kv_len == len(held) * block_size), (where, held)
 
 
 def _new_sequence(seq_id: int, request: Request, index: int) -> Sequence:

@@ -72,14 +72,13 @@ class SequenceFork(_message.Message):
     def __init__(self, parent_seq_id: _Optional[int] = ..., child_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceAllocation(_message.Message):
-    __slots__ = ("seq_id", "status", "num_computed_tokens", "num_new_tokens", "block_table_offset", "block_ids", "slot_mapping", "num_needed_blocks", "num_free_blocks")
+    __slots__ = ("seq_id", "status", "num_computed_tokens", "num_new_tokens", "block_table_offset", "block_ids", "num_needed_blocks", "num_free_blocks")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     NUM_NEEDED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
@@ -88,10 +87,9 @@ class SequenceAllocation(_message.Message):
     num_new_tokens: int
     block_table_offset: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    slot_mapping: _containers.RepeatedScalarFieldContainer[int]
     num_needed_blocks: int
     num_free_blocks: int
-    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[AllocationStatus, str]] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., block_table_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., num_needed_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[AllocationStatus, str]] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., block_table_offset: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_needed_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
 
 class KVCapacity(_message.Message):
     __slots__ = ("num_total_blocks", "num_free_blocks", "num_evictable_blocks")

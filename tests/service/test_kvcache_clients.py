@@ -116,25 +116,25 @@ kinds = pytest.mark.parametrize("kind", KINDS)
 def test_new_sequence_and_appends_get_exact_blocks_and_slots(kind, tmp_path):
     async def body(c: KVCacheClient) -> None:
         out = await c.step(StepInput(new_sequences=[new(1, range(6))], micro_batch_id=1))
-        assert out.results == {1: Allocated(1, (0, 1), (0, 1, 2, 3, 4, 5), 0, ())}
+        assert out.results == {1: Allocated(1, (0, 1), 6, 0, ())}
         assert out.copies == ()
         # a second sequence lands best-fit right after the first
         out = await c.step(StepInput(new_sequences=[new(2, range(100, 103))], micro_batch_id=2))
-        assert out.results[2] == Allocated(2, (2,), (8, 9, 10), 0, ())
+        assert out.results[2] == Allocated(2, (2,), 3, 0, ())
         # decode: the partial block fills up first, then a new block comes from the free extent
         out = await c.step(
             StepInput(appends=[Append(1, [6, 7, 8])], completed_micro_batch_ids=[1, 2],
                       micro_batch_id=3)
         )
-        assert out.results == {1: Allocated(1, (0, 1, 3), (6, 7, 12), 6, ())}
+        assert out.results == {1: Allocated(1, (0, 1, 3), 3, 6, ())}
         # a chunked prefill: slots for 5 of 10 tokens, the rest comes as an append
         out = await c.step(
             StepInput(new_sequences=[new(3, range(200, 210), max_num_new_tokens=5)],
                       micro_batch_id=4)
         )
-        assert out.results[3] == Allocated(3, (4, 5), (16, 17, 18, 19, 20), 0, ())
+        assert out.results[3] == Allocated(3, (4, 5), 5, 0, ())
         out = await c.step(StepInput(appends=[Append(3, range(205, 210))], micro_batch_id=5))
-        assert out.results[3] == Allocated(3, (4, 5, 6), (21, 22, 23, 24, 25), 5, ())
+        assert out.results[3] == Allocated(3, (4, 5, 6), 5, 5, ())
         stats = await c.stats()
         assert (stats.num_used_blocks, stats.num_free_blocks, stats.num_sequences) == (7, 9, 3)
         assert stats.num_used_slots == 9 + 3 + 10
@@ -158,7 +158,7 @@ def test_prefix_hit_only_after_the_micro_batch_completes(kind, tmp_path):
         )
         hit = out.results[3]
         assert hit.num_computed_tokens == 8
-        assert hit.block_ids[:2] == (0, 1) and hit.slot_mapping == (24, 25)
+        assert hit.block_ids[:2] == (0, 1) and hit.slots(BS) == (24, 25)
         stats = await c.stats()
         assert (stats.num_prefix_queries, stats.num_prefix_hits) == (3, 1)
         assert (stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens) == (28, 8)
@@ -184,7 +184,7 @@ def test_whole_prompt_hit_recomputes_the_last_token_in_a_copy(kind, tmp_path):
             StepInput(new_sequences=[new(2, prompt)], completed_micro_batch_ids=[1],
                       micro_batch_id=2)
         )
-        assert out.results[2] == Allocated(2, (0, 2), (11,), 7, (BlockCopy(1, 2),))
+        assert out.results[2] == Allocated(2, (0, 2), 1, 7, (BlockCopy(1, 2),))
         assert out.copies == (BlockCopy(1, 2),)
 
     run(kind, tmp_path, body)
@@ -204,16 +204,16 @@ def test_fork_shares_blocks_and_append_copies_on_write(kind, tmp_path):
                       micro_batch_id=2)
         )
         assert out.results == {
-            2: Allocated(2, (0, 2), (10,), 6, (BlockCopy(1, 2),)),
-            3: Allocated(3, (0, 3), (14,), 6, (BlockCopy(1, 3),)),
-            1: Allocated(1, (0, 1), (6,), 6, ()),
+            2: Allocated(2, (0, 2), 1, 6, (BlockCopy(1, 2),)),
+            3: Allocated(3, (0, 3), 1, 6, (BlockCopy(1, 3),)),
+            1: Allocated(1, (0, 1), 1, 6, ()),
         }
         assert out.copies == (BlockCopy(1, 2), BlockCopy(1, 3))
         # a fork inside a step, its child appended in the same step
         out = await c.step(
             StepInput(forks=[Fork(1, 4)], appends=[Append(4, [5, 5, 5])], micro_batch_id=3)
         )
-        assert out.results == {4: Allocated(4, (0, 4, 5), (19, 20, 21), 7, (BlockCopy(1, 4),))}
+        assert out.results == {4: Allocated(4, (0, 4, 5), 3, 7, (BlockCopy(1, 4),))}
         stats = await c.stats()
         assert stats.num_copy_on_write == 3 and stats.num_sequences == 4
         message = await c.stats_message(include_sequences=True)
@@ -240,9 +240,9 @@ def test_no_blocks_is_a_per_sequence_result_and_the_others_apply(kind, tmp_path)
             )
         )
         assert out.results == {
-            1: Allocated(1, (0, 1, 2, 3, 4, 5), (20,), 20, ()),
+            1: Allocated(1, (0, 1, 2, 3, 4, 5), 1, 20, ()),
             2: NoBlocks(2, 4, 2),
-            3: Allocated(3, (6,), (24, 25, 26, 27), 0, ()),
+            3: Allocated(3, (6,), 4, 0, ()),
         }
         stats = await c.stats()
         assert (stats.num_sequences, stats.num_used_blocks, stats.num_free_blocks) == (2, 7, 1)
@@ -306,7 +306,7 @@ def test_invalid_steps_raise_and_change_nothing(kind, tmp_path):
         assert await state(c) == before
         # and the state still works
         out = await c.step(StepInput(appends=[Append(1, [6])], micro_batch_id=2))
-        assert out.results[1] == Allocated(1, (0, 2), (10,), 6, (BlockCopy(1, 2),))
+        assert out.results[1] == Allocated(1, (0, 2), 1, 6, (BlockCopy(1, 2),))
 
     run(kind, tmp_path, body)
 
@@ -330,7 +330,7 @@ def test_free_releases_blocks(kind, tmp_path):
             await c.free([1])
         # freed ids can be reused
         out = await c.step(StepInput(new_sequences=[new(1, [1])], micro_batch_id=2))
-        assert out.results[1] == Allocated(1, (0,), (0,), 0, ())
+        assert out.results[1] == Allocated(1, (0,), 1, 0, ())
 
     run(kind, tmp_path, body)
 
@@ -352,7 +352,7 @@ def test_reset_drops_everything_and_keeps_counters(kind, tmp_path):
         with pytest.raises(InvalidStepError):
             await c.step(StepInput(completed_micro_batch_ids=[2]))
         out = await c.step(StepInput(new_sequences=[new(1, range(8))], micro_batch_id=2))
-        assert out.results[1] == Allocated(1, (0, 1), tuple(range(8)), 0, ())
+        assert out.results[1] == Allocated(1, (0, 1), 8, 0, ())
         assert await c.reset() == 1
         assert await c.epoch() == epoch
 
@@ -367,7 +367,7 @@ def test_check_capacity_leaves_the_watermark(kind, tmp_path):
         out = await c.step(StepInput(new_sequences=[new(1, range(64)), new(2, range(4))],
                                      micro_batch_id=1))
         # 16 blocks for the first leaves 4; the second may take 1 more, leaving 3 >= 2
-        assert out.results[2] == Allocated(2, (16,), (64, 65, 66, 67), 0, ())
+        assert out.results[2] == Allocated(2, (16,), 4, 0, ())
         assert await c.check_capacity(1) and not await c.check_capacity(2)
         out = await c.step(StepInput(new_sequences=[new(3, range(8))], micro_batch_id=2))
         assert out.results[3] == NoBlocks(3, 2, 1)
@@ -431,7 +431,7 @@ async def scenario(c: KVCacheClient, seed: int, num_rounds: int = 60) -> list[ob
             result = out.results[new_seq.seq_id]
             if isinstance(result, Allocated):
                 live[new_seq.seq_id] = list(
-                    new_seq.token_ids[result.num_computed_tokens + len(result.slot_mapping):]
+                    new_seq.token_ids[result.num_computed_tokens + result.num_new_tokens:]
                 )
         for seq_id, result in out.results.items():
             if isinstance(result, NoBlocks) and seq_id in live:

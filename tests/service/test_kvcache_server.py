@@ -125,12 +125,12 @@ def test_block_tables_travel_as_deltas_and_capacity_comes_along():
             appends=[kvcache_pb2.AppendSlots(seq_id=1, token_ids=[8])], micro_batch_id=3))
         (alloc,) = reply.allocations
         assert (alloc.block_table_offset, list(alloc.block_ids)) == (3, [])
-        assert list(alloc.slot_mapping) == [15] and alloc.num_computed_tokens == 11
+        assert alloc.num_new_tokens == 1 and alloc.num_computed_tokens == 11
         reply = await stub.Step(kvcache_pb2.StepRequest(
             appends=[kvcache_pb2.AppendSlots(seq_id=1, token_ids=[9, 10])], micro_batch_id=4))
         (alloc,) = reply.allocations
         assert (alloc.block_table_offset, list(alloc.block_ids)) == (3, [4])
-        assert list(alloc.slot_mapping) == [16, 17] and alloc.num_computed_tokens == 12
+        assert alloc.num_new_tokens == 2 and alloc.num_computed_tokens == 12
 
         stats = await stub.Stats(kvcache_pb2.KVStatsRequest(include_sequences=True))
         assert [list(s.block_ids) for s in stats.sequences] == [[0, 1, 3, 4], [0, 1, 2]]

@@ -64,13 +64,13 @@ def snapshot(m: KVCacheManager) -> tuple[object, ...]:
 
 def test_new_sequence_slots_and_appends_interleaved() -> None:
     m = KVCacheManager(16, 4, watermark=0.0)
-    assert new(m, 1, [10, 11, 12], 0) == Allocated(1, (0,), (0, 1, 2), 0, ())
-    assert new(m, 2, [20, 21, 22, 23], 1) == Allocated(2, (1,), (4, 5, 6, 7), 0, ())
+    assert new(m, 1, [10, 11, 12], 0) == Allocated(1, (0,), 3, 0, ())
+    assert new(m, 2, [20, 21, 22, 23], 1) == Allocated(2, (1,), 4, 0, ())
     # position 3 fills block 0, position 4 opens block 2 (best-fit from the extent (2, 14))
-    assert append(m, 1, [13, 14], 2) == Allocated(1, (0, 2), (3, 8), 3, ())
+    assert append(m, 1, [13, 14], 2) == Allocated(1, (0, 2), 2, 3, ())
     # a prefill chunk over a block boundary
     assert append(m, 2, [24, 25, 26, 27, 28], 3) == Allocated(
-        2, (1, 3, 4), (12, 13, 14, 15, 16), 4, ()
+        2, (1, 3, 4), 5, 4, ()
     )
     assert m.num_tokens(2) == 9
     assert m.free_extents() == [(5, 11)]
@@ -79,12 +79,12 @@ def test_new_sequence_slots_and_appends_interleaved() -> None:
 def test_chunked_prefill_allocates_only_the_chunk() -> None:
     m = KVCacheManager(16, 4, watermark=0.0)
     prompt = list(range(10))
-    assert new(m, 1, prompt, 0, max_num_new_tokens=4) == Allocated(1, (0,), (0, 1, 2, 3), 0, ())
-    assert append(m, 1, prompt[4:], 1) == Allocated(1, (0, 1, 2), tuple(range(4, 10)), 4, ())
+    assert new(m, 1, prompt, 0, max_num_new_tokens=4) == Allocated(1, (0,), 4, 0, ())
+    assert append(m, 1, prompt[4:], 1) == Allocated(1, (0, 1, 2), 6, 4, ())
     m.complete([0, 1])
     # the lookup sees the whole prompt even when only one token is allocated
     result = new(m, 2, prompt, 2, max_num_new_tokens=1)
-    assert result == Allocated(2, (0, 1, 3), (12,), 8, ())
+    assert result == Allocated(2, (0, 1, 3), 1, 8, ())
 
 
 # ---- prefix caching ------------------------------------------------------------------------
@@ -96,7 +96,7 @@ def test_partial_prefix_hit_reuses_full_blocks() -> None:
     m.complete([0])
     assert [m.cached_token_ids(b) for b in (0, 1, 2)] == [(0, 1, 2, 3), (4, 5, 6, 7), None]
     result = new(m, 2, [*range(8), 50, 51, 52], 1)
-    assert result == Allocated(2, (0, 1, 3), (12, 13, 14), 8, ())
+    assert result == Allocated(2, (0, 1, 3), 3, 8, ())
     assert (m.ref_count(0), m.ref_count(1), m.ref_count(2), m.ref_count(3)) == (2, 2, 1, 1)
     # a prompt diverging inside block 1 reuses block 0 only
     assert new(m, 3, [0, 1, 2, 3, 4, 5, 9, 9], 2).num_computed_tokens == 4
@@ -136,7 +136,7 @@ def test_whole_prompt_hit_is_capped_and_copies_the_last_block() -> None:
     result = new(m, 2, list(range(8)), 1)
     # 7 tokens computed; the last token is computed again into a copy of block 1, so the
     # cached block 1 is never written
-    assert result == Allocated(2, (0, 2), (11,), 7, (BlockCopy(1, 2),))
+    assert result == Allocated(2, (0, 2), 1, 7, (BlockCopy(1, 2),))
     assert (m.ref_count(0), m.ref_count(1), m.ref_count(2)) == (2, 1, 1)
     m.complete([1])
     assert m.cached_token_ids(2) is None  # block 1 keeps the key
@@ -150,7 +150,7 @@ def test_whole_prompt_hit_on_evictable_blocks_parks_the_source_again() -> None:
     m.free(1)
     assert m.evictable_block_ids() == (0,)
     result = new(m, 2, list(range(4)), 1)
-    assert result == Allocated(2, (1,), (7,), 3, (BlockCopy(0, 1),))
+    assert result == Allocated(2, (1,), 1, 3, (BlockCopy(0, 1),))
     assert m.evictable_block_ids() == (0,)
     assert m.ref_count(0) == 0
 
@@ -217,7 +217,7 @@ def test_a_sequence_that_skips_the_prefix_cache_neither_hits_nor_fills_it() -> N
     new(m, 1, list(range(8)), 0)
     m.complete([0])
     skipping = new(m, 2, list(range(8)), 1, skip_prefix_cache=True)
-    assert skipping.num_computed_tokens == 0 and len(skipping.slot_mapping) == 8  # computed whole
+    assert skipping.num_computed_tokens == 0 and skipping.num_new_tokens == 8  # computed whole
     new(m, 3, list(range(100, 108)), 2, skip_prefix_cache=True)
     m.complete([1, 2])
     # the fork fills whole blocks of its own: still nothing cached
@@ -284,7 +284,7 @@ def test_lru_eviction_order_is_exact() -> None:
     assert m.stats().num_evictions == 2
 
     # a hit's blocks are held before allocating, so they are never evicted into the hit
-    assert new(m, 5, [5, 6, 7], 4) == Allocated(5, (2, 0), (0,), 2, ())
+    assert new(m, 5, [5, 6, 7], 4) == Allocated(5, (2, 0), 1, 2, ())
     assert m.evictable_block_ids() == ()
 
 
@@ -310,10 +310,10 @@ def test_fork_shares_blocks_and_append_copies_a_shared_partial_block() -> None:
     assert m.block_table(2) == (0, 1)
     assert (m.ref_count(0), m.ref_count(1)) == (2, 2)
     # the child writes into the shared partial block 1: it gets a copy first
-    assert append(m, 2, [60], 1) == Allocated(2, (0, 2), (10,), 6, (BlockCopy(1, 2),))
+    assert append(m, 2, [60], 1) == Allocated(2, (0, 2), 1, 6, (BlockCopy(1, 2),))
     assert (m.ref_count(0), m.ref_count(1), m.ref_count(2)) == (2, 1, 1)
     # the parent now holds block 1 alone: no copy
-    assert append(m, 1, [70], 2) == Allocated(1, (0, 1), (6,), 6, ())
+    assert append(m, 1, [70], 2) == Allocated(1, (0, 1), 1, 6, ())
     assert m.stats().num_copy_on_write == 1
 
 
@@ -330,7 +330,7 @@ def test_parent_and_children_appending_in_one_step_copy_once_per_extra_holder() 
     )
     m.check_integrity()
     assert out.copies == (BlockCopy(1, 2), BlockCopy(1, 3))
-    assert out.results[3] == Allocated(3, (0, 1), (5,), 5, ())
+    assert out.results[3] == Allocated(3, (0, 1), 1, 5, ())
     assert [m.block_table(s) for s in (1, 2, 3)] == [(0, 2), (0, 3), (0, 1)]
 
 
@@ -338,7 +338,7 @@ def test_fork_at_a_block_boundary_needs_no_copy() -> None:
     m = KVCacheManager(16, 4, watermark=0.0)
     new(m, 1, list(range(8)), 0)
     m.fork(1, 2)
-    assert append(m, 2, [8], 1) == Allocated(2, (0, 1, 2), (8,), 8, ())
+    assert append(m, 2, [8], 1) == Allocated(2, (0, 1, 2), 1, 8, ())
 
 
 def test_free_drops_references_and_unknown_free_is_not_found() -> None:
@@ -372,7 +372,7 @@ def test_no_blocks_leaves_that_sequence_unchanged_and_applies_the_others() -> No
     m.check_integrity()
     assert out.results == {
         1: NoBlocks(1, 2, 1),
-        2: Allocated(2, (2, 3), (6,), 2, ()),
+        2: Allocated(2, (2, 3), 1, 2, ()),
         3: NoBlocks(3, 1, 0),
     }
     assert (m.block_table(1), m.num_tokens(1)) == ((0, 1), 4)
@@ -526,7 +526,7 @@ def test_lookahead_slots_hold_a_block_ahead_that_later_appends_fill() -> None:
     out = m.step(StepInput(appends=[Append(1, [], num_lookahead_slots=1)], micro_batch_id=2))
     m.check_integrity()
     held = out.results[1]
-    assert isinstance(held, Allocated) and held.slot_mapping == () and held.num_computed_tokens == 4
+    assert isinstance(held, Allocated) and held.slots(4) == () and held.num_computed_tokens == 4
     assert len(held.block_ids) == 2 and m.num_tokens(1) == 4
     stats = m.stats()
     assert stats.num_used_blocks == 2 and stats.num_used_slots == 4
@@ -539,7 +539,7 @@ def test_lookahead_slots_hold_a_block_ahead_that_later_appends_fill() -> None:
     m.check_integrity()
     filled = out.results[1]
     assert filled.block_ids == held.block_ids and out.copies == ()
-    assert filled.slot_mapping == (held.block_ids[1] * 4, held.block_ids[1] * 4 + 1)
+    assert filled.slots(4) == (held.block_ids[1] * 4, held.block_ids[1] * 4 + 1)
     # tokens and lookahead together: room for 6 + 2 + 3 = 11 tokens -> 3 blocks
     out = m.step(StepInput(appends=[Append(1, [7, 8], num_lookahead_slots=3)], micro_batch_id=4))
     m.check_integrity()

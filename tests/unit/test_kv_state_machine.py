@@ -103,8 +103,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         return out
 
     def _write(self, result: Allocated, token_ids: list[int], micro_batch_id: int) -> None:
-        assert len(result.slot_mapping) == len(token_ids)
-        for slot, token in zip(result.slot_mapping, token_ids, strict=True):
+        assert result.num_new_tokens == len(token_ids)
+        for slot, token in zip(result.slots(BLOCK_SIZE), token_ids, strict=True):
             self.slots[slot] = (token, micro_batch_id)
 
     def _read(self, seq_id: int, position: int) -> int:
@@ -150,7 +150,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             for index in range(computed // BLOCK_SIZE):
                 block_tokens = prompt[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
                 assert self.m.cached_token_ids(result.block_ids[index]) == tuple(block_tokens)
-        num_new = len(result.slot_mapping)
+        num_new = result.num_new_tokens
         self._write(result, prompt[computed : computed + num_new], micro_batch_id)
         self.tokens[seq_id] = prompt[: computed + num_new]
         self.pending_prompt[seq_id] = prompt[computed + num_new :]

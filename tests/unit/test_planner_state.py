@@ -283,3 +283,57 @@ def test_both_pieces_hold_their_invariants_through_failures_and_resets(seed):
         planner.check_integrity()
         kv.check_integrity()
     assert not planner.requests and not planner.in_flight
+
+
+# --- how far the scheduler runs ahead of the KV service -------------------------------------
+
+
+def test_the_kv_lead_check_allows_deferred_decodes_and_one_lookahead_block():
+    from scheduler_svc.core.planner import check_kv_lead
+
+    seq = _seq(1, prompt=(5, 6, 7, 8, 9), block_table=(10, 11))
+    seq.kv_len = 5
+    check_kv_lead(seq, 5, (10, 11), 4)  # as told
+    check_kv_lead(seq, 8, (10, 11), 4)  # three deferred decodes fill the last block
+    seq.kv_len, seq.block_table = 8, (10, 11, 12)  # a placeholder step's block held ahead
+    check_kv_lead(seq, 9, (10, 11, 12), 4)
+    check_kv_lead(seq, 8, (10, 11), 4)  # its placeholder step was dropped: sent later
+
+
+@pytest.mark.parametrize("kv_len, end, table, held", [
+    (6, 5, (10, 11), (10, 11)),  # the KV service told a token never scheduled
+    (5, 9, (10, 11), (10, 11)),  # a deferred decode beyond the table
+    (4, 4, (10, 11, 12), (10, 11, 12)),  # more than one slot held ahead
+    (5, 5, (10,), (10,)),  # the table does not cover what the KV service was told
+    (5, 5, (10, 11), (10, 13)),  # the stages hold another table
+    (5, 5, (10, 11), (10,)),  # the stages miss a block with tokens
+])
+def test_the_kv_lead_check_catches(kv_len, end, table, held):
+    from scheduler_svc.core.planner import check_kv_lead
+
+    seq = _seq(1, prompt=(5, 6, 7, 8, 9), block_table=table)
+    seq.kv_len = kv_len
+    with pytest.raises(AssertionError):
+        check_kv_lead(seq, end, held, 4)
+
+
+def test_a_block_held_ahead_for_a_dropped_placeholder_step_goes_with_the_next_step():
+    """The step before returns while the KV service holds a block ahead for the placeholder
+    step after it: that step is dropped, and the stages get the block with the next step."""
+    kv = KVCacheManager(16, 4)
+    planner = Planner(PlannerConfig(block_size=4, async_decode=True, max_in_flight=2), WaitingQueue("fcfs"))
+    planner.add(Request("r", (5, 6, 7, 8), SamplingOptions(max_tokens=5), 0.0))
+    prefill = planner.finalize(proposal := planner.propose(), kv.step(proposal.step_input))
+    ahead = planner.propose()  # a placeholder decode whose token starts block 2
+    assert ahead.step_input.appends[0].num_lookahead_slots == 1
+    output = kv.step(ahead.step_input)
+    planner.on_result(prefill.micro_batch_id, [SampledToken(prefill.seqs[0].seq_id, 9)])
+    assert planner.finalize(ahead, output) is None  # dropped: its token is known now
+    planner.check_integrity()
+    (seq,) = planner.running[0].sequences
+    assert len(seq.block_table) == 2 and planner._stages.on_stages[seq.seq_id] == seq.block_table[:1]
+    decode = planner.propose()
+    assert decode.skips_kv  # deferred: the held block has room
+    mb = planner.finalize(decode, StepOutput(results={}, copies=()))
+    planner.check_integrity()
+    assert mb.plan.cached_seqs == (CachedSeq(seq.seq_id, 1, 1, seq.block_table[1:]),)
