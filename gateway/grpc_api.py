@@ -19,7 +19,6 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -43,6 +42,7 @@ from gateway.ratelimit import (
     token_cost,
 )
 from services import grammar
+from services.admission import AdmissionError, Limits, admit
 from services.grammar import GrammarError
 from services.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.sampling_pb import options_from_pb
@@ -96,22 +96,12 @@ def _invalid(field: str, reason: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, field, reason)
 
 
-@dataclass(frozen=True)
-class Limits:
-    """What a request may ask for: the model's and the gateway's bounds."""
-
-    vocab_size: int
-    max_model_len: int
-    max_n: int
-    max_logprobs: int
-
-
 def params_from_pb(
-    options: gateway_pb2.TextGenerationOptions, limits: Limits, key: ApiKey = _NO_KEY
+    options: gateway_pb2.TextGenerationOptions, key: ApiKey = _NO_KEY
 ) -> GenerationParams:
-    """Validated generation parameters; RequestError naming the first bad field. The
-    sampling fields are read by the codec every layer shares (`options_from_pb`); what is
-    checked here is the gateway's own policy (limits, vocabulary)."""
+    """Generation parameters read and checked on their own; RequestError naming the first bad
+    field. The sampling fields are read by the codec every layer shares (`options_from_pb`);
+    what depends on the prompt and the limits is `admit_prompt`'s."""
     sp = options.sampling_params
     where = "options.sampling_params"
     try:
@@ -119,25 +109,11 @@ def params_from_pb(
     except ValueError as exc:
         field, _, why = str(exc).partition(": ")
         raise _invalid(f"{where}.{field}", why) from None
-    if sampling.n > limits.max_n:
-        raise _invalid(f"{where}.n", f"at most {limits.max_n}, got {sampling.n}")
     if sampling.structured is not None:
         try:
             grammar.check(sampling.structured)
         except GrammarError as exc:
             raise _invalid(f"{where}.structured_output.{sampling.structured.kind}", str(exc)) from None
-    for i, token_id in enumerate(sampling.stop_token_ids):
-        if token_id >= limits.vocab_size:
-            raise _invalid(f"{where}.stop_token_ids[{i}]",
-                           f"token id {token_id} is outside the vocabulary of {limits.vocab_size}")
-    for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(sampling, name)
-        if value is not None and value > limits.max_logprobs:
-            raise _invalid(f"{where}.{name}", f"at most {limits.max_logprobs}, got {value}")
-    for token_id, _ in sampling.logit_bias:
-        if token_id >= limits.vocab_size:
-            raise _invalid(f"{where}.logit_bias",
-                           f"token id {token_id} is outside the vocabulary of {limits.vocab_size}")
     try:
         stop_limits(list(options.stop))
     except ValueError as exc:
@@ -158,17 +134,15 @@ def params_from_pb(
     )
 
 
-def check_length(field: str, num_prompt_tokens: int, params: GenerationParams,
-                 limits: Limits) -> None:
-    """The prompt, plus max_tokens when given, must fit in the model's context."""
-    if num_prompt_tokens >= limits.max_model_len:
-        raise _invalid(field, f"{num_prompt_tokens} tokens leave no room to generate within "
-                              f"max_model_len {limits.max_model_len}")
-    max_tokens = params.sampling.max_tokens
-    if max_tokens is not None and num_prompt_tokens + max_tokens > limits.max_model_len:
-        raise _invalid("options.sampling_params.max_tokens",
-                       f"{max_tokens} plus the prompt's {num_prompt_tokens} tokens exceed "
-                       f"max_model_len {limits.max_model_len}")
+def admit_prompt(field: str, num_prompt_tokens: int, params: GenerationParams, limits: Limits) -> None:
+    """The one admission check (`services.admission`): the prompt (`field`) and max_tokens
+    must fit in the model's context, n and logprobs within the gateway's bounds, token ids in
+    the vocabulary. The scheduler resolves an unset max_tokens."""
+    try:
+        admit(params.sampling, limits, num_prompt_tokens)
+    except AdmissionError as exc:
+        raise _invalid(field if exc.field == "prompt" else f"options.sampling_params.{exc.path}",
+                       exc.reason) from None
 
 
 def response_from_delta(request_id: str, delta: ChoiceDelta) -> gateway_pb2.TextGenerateResponse:
@@ -230,10 +204,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         try:
             key, bucket = self._authenticate(context)
             self._check_model(request.model)
-            params = params_from_pb(request.options, self.limits, key)
+            params = params_from_pb(request.options, key)
             # tokenizing a large text takes seconds: off the event loop (issue 16, defect 4)
             field, prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
-            check_length(field, len(prompt_ids), params, self.limits)
+            admit_prompt(field, len(prompt_ids), params, self.limits)
             await self._charge(bucket, key, prompt_ids, params)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
@@ -248,9 +222,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         try:
             key, bucket = self._authenticate(context)
             self._check_model(request.model)
-            params = params_from_pb(request.options, self.limits, key)
+            params = params_from_pb(request.options, key)
             prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, request.messages)
-            check_length("messages", len(prompt_ids), params, self.limits)
+            admit_prompt("messages", len(prompt_ids), params, self.limits)
             await self._charge(bucket, key, prompt_ids, params)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)

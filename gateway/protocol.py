@@ -1,8 +1,9 @@
 """The REST API's request bodies: OpenAI's completions and chat, plus vLLM's extra fields.
 
 Pydantic checks types and the bounds that need no context (strictly: `"16"` is not a
-number and `true` not an integer, as OpenAI's API has it); `gateway.validation` checks what
-depends on the model and the configuration. Fields the gateway cannot honour are declared
+number and `true` not an integer, as OpenAI's API has it), the sampling type's own bounds
+(`services.sampling.RANGES`) where a field means what the type's field does;
+`gateway.validation` checks what depends on the model and the configuration. Fields the gateway cannot honour are declared
 anyway, so that a request that sets them is refused by name instead of being ignored.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from services.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS_ENTRIES, RANGES
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 MAX_STOP_STRINGS = 16
@@ -96,28 +99,30 @@ class _SamplingFields(BaseModel):
     # an unknown field (another server's extra, a misspelling) is a 400 naming it, never ignored
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
-    temperature: float | None = Field(1.0, ge=0.0, description="0 is greedy.")
-    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    temperature: float | None = Field(1.0, **RANGES["temperature"].bounds, description="0 is greedy.")
+    top_p: float | None = Field(1.0, **RANGES["top_p"].bounds)
+    seed: int | None = Field(None, ge=-(2**63), lt=RANGES["seed"].lt, description="A negative seed "
+                             "wraps around to an unsigned one.")
     stop: str | list[str] | None = Field(None, description="Stop strings, cut from the text.")
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off.")
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    min_tokens: int = Field(0, ge=0)
+    top_k: int | None = Field(None, ge=-1, lt=RANGES["top_k"].lt, description="-1 or 0: off.")
+    min_p: float | None = Field(None, **RANGES["min_p"].bounds)
+    min_tokens: int = Field(0, **RANGES["min_tokens"].bounds)
     ignore_eos: bool = False
     stop_token_ids: TokenIds | None = None
     priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX, description="Lower runs sooner.")
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float | None = Field(
-        None, ge=-2.0, le=2.0, description="Subtracted once from each generated token's logit.")
+        None, **RANGES["presence_penalty"].bounds, description="Subtracted once from each generated token's logit.")
     frequency_penalty: float | None = Field(
-        None, ge=-2.0, le=2.0, description="Subtracted per occurrence in the output so far.")
+        None, **RANGES["frequency_penalty"].bounds, description="Subtracted per occurrence in the output so far.")
     repetition_penalty: float | None = Field(
-        None, gt=0.0, le=2.0, description="vLLM/transformers: divides positive logits (multiplies "
-        "negative ones) of tokens in the prompt or output; 1 is off.")
+        None, **RANGES["repetition_penalty"].bounds, description="vLLM/transformers: divides positive "
+        "logits (multiplies negative ones) of tokens in the prompt or output; 1 is off.")
     logit_bias: dict[str, float] | None = Field(
-        None, description="Token id (as a string) -> bias in [-100, 100]; at most 300.")
+        None, description=f"Token id (as a string) -> bias in [{LOGIT_BIAS_RANGE.ge:g}, "
+        f"{LOGIT_BIAS_RANGE.le:g}]; at most {MAX_LOGIT_BIAS_ENTRIES}.")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -157,13 +162,13 @@ class StructuredOutputs(BaseModel):
 
 class _OpenAIFields(_SamplingFields):
     model: str | None = Field(None, description="The served model's name; default: it.")
-    n: int = Field(1, ge=1, description="Choices per prompt.")
+    n: int = Field(1, **RANGES["n"].bounds, description="Choices per prompt.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     return_token_ids: bool = Field(False, description="vLLM: the prompt's and each choice's token ids.")
     prompt_logprobs: int | None = Field(
-        None, ge=0, description="vLLM: each prompt token's log-probability given the ones before "
+        None, **RANGES["prompt_logprobs"].bounds, description="vLLM: each prompt token's log-probability given the ones before "
         "it, with this many alternatives (not with stream). Served without the prefix cache.")
     # structured output (docs/structured-output.md): at most one of these
     response_format: ResponseFormat | None = Field(
@@ -182,10 +187,10 @@ class CompletionRequest(_OpenAIFields):
     """`POST /v1/completions`."""
 
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=0, description="null: the rest of the context; 0: "
-                                   "only the prompt (with echo and logprobs: scored, as "
-                                   "evaluation harnesses ask).")
-    logprobs: int | None = Field(None, ge=0, description="Alternatives per token.")
+    max_tokens: int | None = Field(16, ge=0, lt=RANGES["max_tokens"].lt,
+                                   description="null: the rest of the context; 0: only the prompt "
+                                   "(with echo and logprobs: scored, as evaluation harnesses ask).")
+    logprobs: int | None = Field(None, **RANGES["logprobs"].bounds, description="Alternatives per token.")
     echo: bool = Field(False, description="The prompt before each choice's text (and, with "
                        "logprobs, its tokens' log-probabilities, the first null).")
     best_of: int | None = Field(None, ge=1, description="Only None or n.")
@@ -220,10 +225,12 @@ class ChatCompletionRequest(_OpenAIFields):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated name of max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
+    max_tokens: int | None = Field(None, **RANGES["max_tokens"].bounds,
+                                   description="Deprecated name of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, **RANGES["max_tokens"].bounds,
+                                              description="Default: the rest of the context.")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, **RANGES["logprobs"].bounds)
     tools: list[dict[str, Any]] | None = Field(
         None, description="Functions the model may call (given to the chat template); see tool_choice.")
     tool_choice: str | dict[str, Any] | None = Field(
@@ -241,7 +248,7 @@ class GenerateRequest(_SamplingFields):
     """`POST /generate`: one prompt, one choice, the text back (and the timeline if asked)."""
 
     prompt: str | TokenIds
-    max_tokens: int | None = Field(16, ge=1, description="null: the rest of the context.")
+    max_tokens: int | None = Field(16, **RANGES["max_tokens"].bounds, description="null: the rest of the context.")
     debug_timeline: bool = Field(False, description="Return the request's Chrome trace.")
 
     @field_validator("prompt", mode="before")

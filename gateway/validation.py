@@ -33,7 +33,8 @@ from gateway.protocol import (
 )
 from gateway.tools import declared_tools, tool_calling
 from services import grammar
-from services.sampling import MAX_LOGIT_BIAS_ENTRIES, SamplingOptions, StructuredOutput
+from services.admission import AdmissionError, Limits, admit
+from services.sampling import SamplingOptions, StructuredOutput
 from services.text import Tokenizer
 
 UINT64 = 2**64
@@ -189,27 +190,16 @@ def detokenize_ids(req: DetokenizeRequest, limits: ModelLimits) -> list[int]:
 # --- sampling ----------------------------------------------------------------------------
 
 
-def _logit_bias(value: dict[str, float] | None, limits: ModelLimits) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias (token ids as strings) -> sorted (id, bias) pairs."""
-    if not value:
-        return ()
-    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-        raise invalid("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}")
-    pairs = {}
-    for key, bias in value.items():
+def _logit_bias(value: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as strings) -> (id, bias) pairs, which `SamplingOptions`
+    bounds and the admission check holds to the vocabulary."""
+    pairs = []
+    for key, bias in (value or {}).items():
         try:
-            token_id = int(key)
+            pairs.append((int(key), bias))
         except ValueError:
             raise invalid("logit_bias", f"keys must be token ids, got {key!r}") from None
-        if not 0 <= token_id < limits.vocab_size:
-            raise invalid("logit_bias", f"token id {token_id} is outside the vocabulary of "
-                                        f"{limits.vocab_size} tokens")
-        if not -100.0 <= bias <= 100.0:
-            raise invalid("logit_bias", f"bias {bias} for token {token_id} is outside [-100, 100]")
-        if token_id in pairs:
-            raise invalid("logit_bias", f"token id {token_id} appears twice")
-        pairs[token_id] = float(bias)
-    return tuple(sorted(pairs.items()))
+    return tuple(pairs)
 
 
 GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
@@ -301,57 +291,56 @@ def _refuse_unsupported(req: _SamplingFields) -> None:
             raise invalid("stream_options", "only allowed with stream: true")
 
 
-def _max_tokens(value: int | None, prompts: Sequence[Sequence[int]], limits: ModelLimits,
-                param: str) -> int | None:
-    if value is None:
-        return None
-    longest = max(len(p) for p in prompts)
-    room = limits.max_model_len - longest
-    if value > room:
-        raise invalid(param, f"{longest} prompt tokens + {value} max tokens exceed this model's "
-                             f"maximum context length of {limits.max_model_len}; ask for at "
-                             f"most {room}", "context_length_exceeded")
-    return value
+def _admit(options: SamplingOptions, prompts: Sequence[Sequence[int]], limits: ModelLimits,
+           config: GatewayConfig | None, names: dict[str, str]) -> None:
+    """The one admission check (`services.admission`): max_tokens within the context the
+    longest prompt leaves, n and logprobs within the configuration (`config`; None: the
+    endpoint has neither), token ids in the vocabulary. A 400 naming the field as the
+    endpoint spells it (`names`: a `SamplingOptions` field -> its parameter)."""
+    bounds = Limits(limits.max_model_len, limits.vocab_size,
+                    config.max_n if config else None, config.max_logprobs if config else None)
+    try:
+        admit(options, bounds, max(len(p) for p in prompts))
+    except AdmissionError as exc:
+        raise invalid(names.get(exc.field, exc.field), exc.reason,
+                      "context_length_exceeded" if exc.context_length else None) from None
 
 
-def _sampling(req: _SamplingFields, limits: ModelLimits, max_tokens: int | None,
-              key: ApiKey | None, **sampling: Any) -> GenerationParams:
+def _sampling(req: _SamplingFields, prompts: Sequence[Sequence[int]], limits: ModelLimits,
+              config: GatewayConfig | None, key: ApiKey | None, names: dict[str, str] | None = None,
+              **sampling: Any) -> GenerationParams:
     """The request's sampling as the one type every layer shares (`SamplingOptions`, which
-    checks each value and names the field), plus what only the gateway acts on; `sampling`
-    sets the fields each endpoint spells its own way (n, logprobs, prompt_logprobs)."""
+    checks each value and names the field), admitted (`_admit`), plus what only the gateway
+    acts on; `sampling` sets the fields each endpoint spells its own way (max_tokens, n,
+    logprobs, prompt_logprobs, structured), `names` how it names them."""
+    names = names or {}
     _refuse_unsupported(req)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(not s for s in stop):
         raise invalid("stop", "stop strings must not be empty")
-    stop_ids = tuple(req.stop_token_ids or ())
-    if stop_ids and max(stop_ids) >= limits.vocab_size:
-        raise invalid("stop_token_ids", f"token id {max(stop_ids)} is outside the vocabulary "
-                                        f"of {limits.vocab_size} tokens")
-    if max_tokens is not None and req.min_tokens > max_tokens:
-        raise invalid("min_tokens", f"{req.min_tokens} is more than max_tokens={max_tokens}")
     # An API key's priority class is a floor: a request may lower its own urgency (a larger
     # number), never raise it above what its key grants.
     priority = req.priority if key is None else max(req.priority, key.priority)
     try:
         options = SamplingOptions(
-            max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(0, req.top_k or 0),
             min_p=req.min_p or 0.0,
             seed=None if req.seed is None else req.seed % UINT64,
-            stop_token_ids=stop_ids,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
             min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=_logit_bias(req.logit_bias, limits),
+            logit_bias=_logit_bias(req.logit_bias),
             **sampling,
         )
     except ValueError as exc:
         field, _, why = str(exc).partition(": ")
-        raise invalid(field, why) from None
+        raise invalid(names.get(field, field), why) from None
+    _admit(options, prompts, limits, config, names)
     return GenerationParams(
         sampling=options,
         stop=stop,
@@ -362,11 +351,6 @@ def _sampling(req: _SamplingFields, limits: ModelLimits, max_tokens: int | None,
     )
 
 
-def _check_n(n: int, config: GatewayConfig) -> None:
-    if n > config.max_n:
-        raise invalid("n", f"at most {config.max_n} choices per prompt, got {n}")
-
-
 def completion_params(req: CompletionRequest, prompts: Sequence[Sequence[int]],
                       limits: ModelLimits, config: GatewayConfig,
                       key: ApiKey | None = None) -> GenerationParams:
@@ -374,26 +358,18 @@ def completion_params(req: CompletionRequest, prompts: Sequence[Sequence[int]],
         raise invalid("suffix", "not supported")
     if req.best_of is not None and req.best_of != req.n:
         raise invalid("best_of", "not supported (only best_of == n)")
-    _check_n(req.n, config)
-    if req.logprobs is not None and req.logprobs > config.max_logprobs:
-        raise invalid("logprobs", f"at most {config.max_logprobs}, got {req.logprobs}")
-    _check_prompt_logprobs(req.prompt_logprobs, config)
     # echo with logprobs reports the prompt's tokens too: scored with as many alternatives
     wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    prompt_logprobs = max(wanted) if wanted else None
     if req.max_tokens == 0:  # the prompt only: one token is computed after it, not returned
         if req.min_tokens:
             raise invalid("min_tokens", "must be 0 with max_tokens 0")
-        params = _sampling(req, limits, _max_tokens(1, prompts, limits, "max_tokens"), key, n=req.n,
-                           logprobs=req.logprobs, prompt_logprobs=max(wanted) if wanted else None)
+        params = _sampling(req, prompts, limits, config, key, max_tokens=1, n=req.n,
+                           logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
         return replace(params, prompt_only=True)
-    return _sampling(req, limits, _max_tokens(req.max_tokens, prompts, limits, "max_tokens"), key,
-                     n=req.n, logprobs=req.logprobs, prompt_logprobs=max(wanted) if wanted else None,
+    return _sampling(req, prompts, limits, config, key, max_tokens=req.max_tokens, n=req.n,
+                     logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                      structured=structured_output(req))
-
-
-def _check_prompt_logprobs(value: int | None, config: GatewayConfig) -> None:
-    if value is not None and value > config.max_logprobs:
-        raise invalid("prompt_logprobs", f"at most {config.max_logprobs}, got {value}")
 
 
 def chat_params(req: ChatCompletionRequest, prompt: Sequence[int], limits: ModelLimits,
@@ -405,12 +381,8 @@ def chat_params(req: ChatCompletionRequest, prompt: Sequence[int], limits: Model
     if tool_output is not None and structured is not None:
         raise invalid("tool_choice", "a tool call is already structured output; drop response_format "
                                      "and the guided_* fields")
-    _check_n(req.n, config)
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise invalid("top_logprobs", "needs logprobs: true")
-        if req.top_logprobs > config.max_logprobs:
-            raise invalid("top_logprobs", f"at most {config.max_logprobs}, got {req.top_logprobs}")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("top_logprobs", "needs logprobs: true")
     if req.max_completion_tokens is not None and req.max_tokens is not None \
             and req.max_completion_tokens != req.max_tokens:
         raise invalid("max_completion_tokens", f"{req.max_completion_tokens} differs from "
@@ -418,14 +390,13 @@ def chat_params(req: ChatCompletionRequest, prompt: Sequence[int], limits: Model
                                                "send only max_completion_tokens")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    _check_prompt_logprobs(req.prompt_logprobs, config)
-    params = _sampling(req, limits, _max_tokens(max_tokens, [prompt], limits, param), key,
-                       n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+    params = _sampling(req, [prompt], limits, config, key, {"max_tokens": param, "logprobs": "top_logprobs"},
+                       max_tokens=max_tokens, n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                        prompt_logprobs=req.prompt_logprobs, structured=structured or tool_output)
     return replace(params, tool_calling=calling)
 
 
 def generate_params(req: GenerateRequest, prompt: Sequence[int], limits: ModelLimits,
                     key: ApiKey | None = None) -> GenerationParams:
-    params = _sampling(req, limits, _max_tokens(req.max_tokens, [prompt], limits, "max_tokens"), key)
+    params = _sampling(req, [prompt], limits, None, key, max_tokens=req.max_tokens)
     return replace(params, debug_timeline=req.debug_timeline)

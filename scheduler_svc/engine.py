@@ -30,13 +30,22 @@ from kvcache_svc.core.types import StepOutput
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.planner import Planner, PlannerConfig, SeqUpdate
 from scheduler_svc.core.queue import WaitingQueue
-from scheduler_svc.core.request import FinishReason, Request, RequestState, kv_blocks_needed
+from scheduler_svc.core.request import FinishReason, Request, RequestState
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.observer import EngineObserver, Outcome
+from services.admission import Limits, admit
 from services.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 _NO_KV_CHANGES = StepOutput(results={}, copies=())
+
+
+def admission_limits(config: SchedulerConfig, vocab_size: int) -> Limits:
+    """What the scheduler admits a request against (`services.admission`), at its edge and in
+    `Engine.submit`: the context, the model's vocabulary (0 until a stage reports it: not
+    checked), max_num_seqs choices, the KV pool."""
+    return Limits(max_model_len=config.max_model_len, vocab_size=vocab_size, max_n=config.max_num_seqs,
+                  num_kv_blocks=config.num_kv_blocks or 0, block_size=config.block_size)
 
 
 # --- what transports report -----------------------------------------------------------
@@ -336,19 +345,11 @@ class Engine:
         return self._outputs(live)
 
     def _fit_to_context(self, request: Request) -> None:
-        """Resolve the request's max_tokens to the context it has; ValueError if it could never run."""
-        config = self.config
-        room = config.max_model_len - len(request.prompt)
-        if room < 1 or (request.options.max_tokens or 0) > room:
-            raise ValueError(f"max_tokens: {len(request.prompt)} prompt tokens + "
-                             f"{request.options.max_tokens} exceed max_model_len={config.max_model_len}")
-        request.options = o = request.options.resolve_max_tokens(room)  # None: the rest of the context
-        needed = kv_blocks_needed(len(request.prompt), o.n, o.max_tokens, config.block_size)
-        if config.num_kv_blocks and needed > config.num_kv_blocks:
-            # it could never run: it would wait forever (the server refuses these at its edge)
-            raise ValueError(
-                f"max_tokens: {len(request.prompt)} prompt tokens and {o.n} x {o.max_tokens} "
-                f"output tokens need up to {needed} KV blocks; the pool has {config.num_kv_blocks}")
+        """Admit the request's options (`services.admission`, as the server does at its edge),
+        resolving max_tokens to the context it has; AdmissionError (a ValueError) if it could
+        never run."""
+        request.options = admit(request.options, admission_limits(self.config, self.vocab_size),
+                                len(request.prompt))
 
     async def _outputs(self, live: _Live) -> AsyncIterator[RequestOutput]:
         try:

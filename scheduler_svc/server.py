@@ -19,14 +19,10 @@ import grpc
 
 from scheduler_svc.config import SchedulerConfig, kv_capacity_line
 from scheduler_svc.core.queue import QueueFull
-from scheduler_svc.core.request import (
-    FinishReason,
-    Request,
-    RequestState,
-    kv_blocks_needed,
-)
-from scheduler_svc.engine import Engine, RequestOutput
+from scheduler_svc.core.request import FinishReason, Request, RequestState
+from scheduler_svc.engine import Engine, RequestOutput, admission_limits
 from services import grammar
+from services.admission import AdmissionError, admit
 from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.sampling_pb import options_from_pb, set_top_logprobs
@@ -61,20 +57,6 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
         raise InvalidRequest("prompt_token_ids: the prompt is empty")
     if vocab_size and max(prompt) >= vocab_size:
         raise InvalidRequest(f"prompt_token_ids: token id {max(prompt)} is outside the vocabulary of {vocab_size}")
-    p = msg.sampling_params
-    if vocab_size and p.logit_bias and max(p.logit_bias) >= vocab_size:
-        raise InvalidRequest(
-            f"sampling_params.logit_bias: token id {max(p.logit_bias)} is outside the vocabulary of {vocab_size}")
-    if len(prompt) >= config.max_model_len:
-        raise InvalidRequest(
-            f"prompt_token_ids: {len(prompt)} tokens leave no room under max_model_len={config.max_model_len}"
-        )
-    room = config.max_model_len - len(prompt)
-    if p.HasField("max_tokens") and p.max_tokens > room:
-        raise InvalidRequest(
-            f"sampling_params.max_tokens: {len(prompt)} prompt tokens + {p.max_tokens} exceed "
-            f"max_model_len={config.max_model_len}"
-        )
     if not config.enable_chunked_prefill and len(prompt) > config.max_num_batched_tokens:
         raise InvalidRequest(
             f"prompt_token_ids: {len(prompt)} tokens exceed max_num_batched_tokens="
@@ -84,20 +66,12 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
     if config.enforce_tenants and tenant not in config.tenant_weights:
         raise InvalidRequest(f"tenant: unknown tenant {tenant!r}")
     try:
-        options = options_from_pb(p).resolve_max_tokens(room)
+        options = admit(options_from_pb(msg.sampling_params), admission_limits(config, vocab_size), len(prompt))
+    except AdmissionError as exc:
+        where = "prompt_token_ids" if exc.field == "prompt" else f"sampling_params.{exc.path}"
+        raise InvalidRequest(f"{where}: {exc.reason}") from exc
     except ValueError as exc:
         raise InvalidRequest(f"sampling_params.{exc}") from exc
-    if options.n > config.max_num_seqs:
-        raise InvalidRequest(f"sampling_params.n: {options.n} exceeds max_num_seqs={config.max_num_seqs}")
-    if config.num_kv_blocks:
-        bs = config.block_size
-        needed = kv_blocks_needed(len(prompt), options.n, options.max_tokens, bs)
-        if needed > config.num_kv_blocks:
-            raise InvalidRequest(
-                f"sampling_params.max_tokens: {len(prompt)} prompt tokens and {options.n} x "
-                f"{options.max_tokens} output tokens need up to {needed} KV blocks; the pool has "
-                f"{config.num_kv_blocks}"
-            )
     return Request(
         request_id=msg.request_id or uuid.uuid4().hex,
         prompt=prompt,

@@ -1,10 +1,11 @@
-"""Sampling, torch-free, one definition for every layer.
+"""Sampling, torch-free: one type for every layer.
 
-`SamplingOptions` is a request's sampling as a client asks for it (the gateway, the
-scheduler and the in-process `LLM` share it; `services.sampling_pb` is its codec);
-`SamplingParams` is how one choice of it samples, built once per request by
-`sampling_params`, carried to the stages once per sequence by the step codec
-(`services.step_codec`) and applied by their sampler.
+`SamplingOptions` is a request's sampling: built and checked where a request enters (the
+gateway's two front doors, `LLM.generate`, the scheduler reading the wire), carried on the
+wire by its one codec (`services.sampling_pb`), and admitted against the model's and the
+server's limits by one check (`services.admission`). `SamplingParams` is the view of it the
+stages sample with, derived once per request (`sampling_params`) with the model's EOS ids
+inside, and carried to them once per sequence by the same codec.
 """
 
 from __future__ import annotations
@@ -12,14 +13,17 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar
 
-_MAX_SEED = 2**64 - 1
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_CHARS = 65536  # a schema, regex or grammar's text (both front doors)
 MAX_CHOICES = 256
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them overflows float32.
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # alternatives per position a request may ask for (as OpenAI)
+MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI
+_WIRE_INT = 2**32  # counts and token ids travel as uint32
 
 
 @dataclass(frozen=True)
@@ -61,66 +65,8 @@ class StructuredOutput:
             raise ValueError(f"structured_output: the {self.kind} is empty")
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one choice of a request picks its next token.
-
-    Invariants: temperature >= 0 and finite (below 1e-5 means greedy); top_k None or 0 means off,
-    otherwise >= 1; 0 < top_p <= 1 (1 means off); 0 <= min_p <= 1 (0 means off); seed None or in
-    [0, 2**64 - 1]; num_logprobs None (none returned) or >= 0; min_tokens >= 0; stop and EOS ids are
-    non-negative. Stop and EOS ids are masked while fewer than min_tokens tokens have been generated;
-    with ignore_eos, EOS ids are not stops, so they are never masked.
-    """
-
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    num_logprobs: int | None = None
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    eos_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
-    structured: StructuredOutput | None = None  # a grammar the output must follow
-
-    def __post_init__(self) -> None:
-        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
-            raise ValueError(f"structured must be None or StructuredOutput, got {self.structured!r}")
-        _check_shared_fields(self)
-        if self.num_logprobs is not None and (not _is_int(self.num_logprobs) or self.num_logprobs < 0):
-            raise ValueError(f"num_logprobs: must be None or an int >= 0, got {self.num_logprobs!r}")
-        object.__setattr__(self, "eos_token_ids", _token_ids("eos_token_ids", self.eos_token_ids))
-
-    @property
-    def uses_penalties(self) -> bool:
-        """Penalties need the sequence's history (SampleRow.history on its first row)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
-
-    @property
-    def needs_history(self) -> bool:
-        """Penalties and a grammar (whose state is rebuilt from the output so far) need the
-        sequence's history on its first sampling row."""
-        return self.uses_penalties or self.structured is not None
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
-
-    @property
-    def min_tokens_masked_ids(self) -> tuple[int, ...]:
-        """Ids that may not be sampled before min_tokens tokens exist: stops, and EOS unless ignored."""
-        if self.ignore_eos:
-            return self.stop_token_ids
-        return self.stop_token_ids + self.eos_token_ids
-
-
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -128,42 +74,84 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI
-_WIRE_INT = 2**32  # counts and token ids travel as uint32
-
-# The fields a request's options and a choice's params share, checked by one rule each:
-# (name, what a value must satisfy, what the error says it must be).
-_SHARED_FIELD_RULES = (
-    ("temperature", lambda v: _is_real(v) and math.isfinite(v) and v >= 0, "a finite number >= 0"),
-    ("top_p", lambda v: _is_real(v) and 0.0 < v <= 1.0, "in (0, 1]"),
-    ("top_k", lambda v: v is None or (_is_int(v) and 0 <= v < _WIRE_INT), ">= 0 (0 = off) and below 2**32"),
-    ("min_p", lambda v: _is_real(v) and 0.0 <= v <= 1.0, "in [0, 1]"),
-    ("seed", lambda v: v is None or (_is_int(v) and 0 <= v <= _MAX_SEED), "None or an int in [0, 2**64)"),
-    ("min_tokens", lambda v: _is_int(v) and 0 <= v < _WIRE_INT, "an int >= 0 and below 2**32"),
-    ("ignore_eos", lambda v: isinstance(v, bool), "a bool"),
-    ("presence_penalty", lambda v: _is_real(v) and -2.0 <= v <= 2.0, "in [-2, 2]"),
-    ("frequency_penalty", lambda v: _is_real(v) and -2.0 <= v <= 2.0, "in [-2, 2]"),
-    ("repetition_penalty", lambda v: _is_real(v) and 0.0 < v <= 2.0, "in (0, 2]"),
-)
+def _number(x: float) -> str:
+    if is_int(x) and x >= 2**16 and x & (x - 1) == 0:
+        return f"2**{x.bit_length() - 1}"
+    return f"{x:g}"
 
 
-def _check_shared_fields(obj: SamplingOptions | SamplingParams) -> None:
-    """The one validation of what `SamplingOptions` and `SamplingParams` share; normalises
-    `stop_token_ids` to a tuple and `logit_bias` to sorted (id, bias) pairs. ValueError naming
-    the field first."""
-    for name, ok, expected in _SHARED_FIELD_RULES:
+@dataclass(frozen=True)
+class Range:
+    """The numbers one field may hold. The bounds are named as pydantic names them (`ge`, `gt`,
+    `le`, `lt`; None: unbounded), so that the REST model takes its bounds from here (`bounds`)."""
+
+    integer: bool = False  # an int (a bool is not one); otherwise any finite number
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def __contains__(self, value: object) -> bool:
+        if not (is_int(value) if self.integer else _is_real(value) and math.isfinite(value)):
+            return False
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    @property
+    def bounds(self) -> dict[str, float]:
+        """As keyword arguments to pydantic's `Field`."""
+        return {k: getattr(self, k) for k in ("ge", "gt", "le", "lt") if getattr(self, k) is not None}
+
+    def __str__(self) -> str:
+        """What a value must be, as an error says it: "an int in [0, 2**32)", "in (0, 1]"."""
+        low, high = (self.ge if self.gt is None else self.gt), (self.le if self.lt is None else self.lt)
+        if low is not None and high is not None:
+            interval = (f"in {'(' if self.gt is not None else '['}{_number(low)}, "
+                        f"{_number(high)}{')' if self.lt is not None else ']'}")
+            return f"an int {interval}" if self.integer else interval
+        kind = "an int" if self.integer else "a finite number"
+        if low is not None:
+            return f"{kind} {'>' if self.gt is not None else '>='} {_number(low)}"
+        return kind if high is None else f"{kind} {'<' if self.lt is not None else '<='} {_number(high)}"
+
+
+# What each number a request's sampling holds may be: one table for the type, its stage
+# view and the REST model's bounds.
+RANGES: dict[str, Range] = {
+    "n": Range(True, ge=1, lt=_WIRE_INT),
+    "max_tokens": Range(True, ge=1, lt=_WIRE_INT),
+    "min_tokens": Range(True, ge=0, lt=_WIRE_INT),
+    "temperature": Range(ge=0.0),
+    "top_p": Range(gt=0.0, le=1.0),
+    "top_k": Range(True, ge=0, lt=_WIRE_INT),  # 0: off
+    "min_p": Range(ge=0.0, le=1.0),
+    "seed": Range(True, ge=0, lt=2**64),
+    "logprobs": Range(True, ge=0, le=MAX_LOGPROBS),
+    "presence_penalty": Range(ge=-2.0, le=2.0),
+    "frequency_penalty": Range(ge=-2.0, le=2.0),
+    "repetition_penalty": Range(gt=0.0, le=2.0),
+    "prompt_logprobs": Range(True, ge=0, le=MAX_LOGPROBS),
+    "num_logprobs": Range(True, ge=0),  # a stage returns any number asked (at most its vocabulary)
+}
+_MAY_BE_NONE = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs", "num_logprobs"})
+LOGIT_BIAS_RANGE = Range(ge=-100.0, le=100.0)  # each token's bias
+
+
+def _check_ranges(obj: object, names: Iterable[str]) -> None:
+    for name in names:
         value = getattr(obj, name)
-        if not ok(value):
-            raise ValueError(f"{name}: must be {expected}, got {value!r}")
-    object.__setattr__(obj, "stop_token_ids", _token_ids("stop_token_ids", obj.stop_token_ids))
-    object.__setattr__(obj, "logit_bias", _logit_bias(obj.logit_bias))
+        if value is None and name in _MAY_BE_NONE:
+            continue
+        if value not in RANGES[name]:
+            none = "None or " if name in _MAY_BE_NONE else ""
+            raise ValueError(f"{name}: must be {none}{RANGES[name]}, got {value!r}")
 
 
 def _token_ids(name: str, ids: object) -> tuple[int, ...]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise ValueError(f"{name}: must be a tuple of token ids, got {ids!r}")
     ids = tuple(ids)
-    if not all(_is_int(i) and 0 <= i < _WIRE_INT for i in ids):
+    if not all(is_int(i) and 0 <= i < _WIRE_INT for i in ids):
         raise ValueError(f"{name}: token ids must be non-negative ints below 2**32, got {ids!r}")
     return ids
 
@@ -178,22 +166,24 @@ def _logit_bias(pairs: object) -> tuple[tuple[int, float], ...]:
     for token_id, value in bias:
         if token_id < 0:
             raise ValueError(f"logit_bias: token id {token_id} is negative")
-        if not -100.0 <= value <= 100.0:
-            raise ValueError(f"logit_bias: bias {value} for token {token_id} is outside [-100, 100]")
+        if value not in LOGIT_BIAS_RANGE:
+            raise ValueError(f"logit_bias: bias {value} for token {token_id} is outside "
+                             f"[{_number(LOGIT_BIAS_RANGE.ge)}, {_number(LOGIT_BIAS_RANGE.le)}]")
     return bias
 
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """A request's sampling, as every layer sees it: built and validated where a request
-    enters (the gateway from its REST and gRPC models, `LLM.generate` from the caller, the
-    scheduler from the wire, `services.sampling_pb.options_from_pb`), carried to the
-    scheduler as `pagoda.v1.SamplingParams` (`options_to_pb`), and turned into what each
-    choice samples with (`sampling_params`) once per request. Invalid values raise
-    `ValueError` naming the field first (`"top_p: must be in (0, 1], got 2"`).
+    """A request's sampling, as every layer sees it: built and checked where a request enters
+    (the gateway from its REST and gRPC models, `LLM.generate` from the caller, the scheduler
+    from the wire), carried to the scheduler as `pagoda.v1.SamplingParams`
+    (`services.sampling_pb`), admitted against the limits (`services.admission.admit`), and
+    turned into what each choice samples with (`sampling_params`) once per request. Invalid
+    values raise `ValueError` naming the field first (`"top_p: must be in (0, 1], got 2"`);
+    the bounds are `RANGES`.
 
     `max_tokens` None means the rest of the context; the scheduler resolves it against
-    `max_model_len` when it admits the request (`resolve_max_tokens`).
+    `max_model_len` when it admits the request (`resolve_max_tokens`). top_k 0 means off.
     """
 
     n: int = 1
@@ -214,20 +204,21 @@ class SamplingOptions:
     prompt_logprobs: int | None = None  # score the prompt, with this many alternatives
     structured: StructuredOutput | None = None  # structured output: a grammar to follow
 
+    # the numbers checked against RANGES, in this order
+    _RANGED: ClassVar[tuple[str, ...]] = (
+        "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs")
+
     def __post_init__(self) -> None:
-        for name in ("n", "max_tokens"):
-            value = getattr(self, name)
-            if value is not None and not (_is_int(value) and 1 <= value < _WIRE_INT):
-                raise ValueError(f"{name}: must be at least 1 and below 2**32, got {value!r}")
-        if self.n is None:
-            raise ValueError("n: must be at least 1, got None")
-        _check_shared_fields(self)
+        _check_ranges(self, self._RANGED)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured: must be None or a StructuredOutput, got {self.structured!r}")
+        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not (_is_int(value) and 0 <= value <= 20):
-                raise ValueError(f"{name}: must be in [0, 20], got {value!r}")
 
     def resolve_max_tokens(self, room: int) -> SamplingOptions:
         """With `max_tokens` None: as many as `room` (the context left after the prompt)."""
@@ -239,15 +230,64 @@ class SamplingOptions:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
+    @property
+    def needs_history(self) -> bool:
+        """Penalties and a grammar (whose state is rebuilt from the output so far) need the
+        sequence's history on its first sampling row."""
+        return self.uses_penalties or self.structured is not None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+# What only the scheduler acts on; the stages' view leaves them out (1, None, None there).
+_SCHEDULER_FIELDS = ("n", "max_tokens", "prompt_logprobs")
+# What one choice samples with, by its `SamplingOptions` name (logprobs is the view's num_logprobs).
+CHOICE_FIELDS = tuple(f.name for f in fields(SamplingOptions)
+                      if f.name not in (*_SCHEDULER_FIELDS, "logprobs"))
+
+
+@dataclass(frozen=True, init=False)
+class SamplingParams(SamplingOptions):
+    """How one choice of a request picks its next token: the stages' view of its request's
+    `SamplingOptions` (`sampling_params` derives it), the model's EOS ids inside. What only
+    the scheduler acts on is left out (n 1, max_tokens and prompt_logprobs None). The view
+    names logprobs `num_logprobs`: how many alternatives the last stage returns, any number
+    (its vocabulary bounds them; a request asks for at most MAX_LOGPROBS).
+
+    Stop and EOS ids are masked while fewer than min_tokens tokens have been generated; with
+    ignore_eos, EOS ids are not stops, so they are never masked. Built by keyword (or by
+    `sampling_params`), not by `dataclasses.replace`.
+    """
+
+    eos_token_ids: tuple[int, ...] = ()
+
+    _RANGED: ClassVar[tuple[str, ...]] = tuple(
+        "num_logprobs" if name == "logprobs" else name for name in SamplingOptions._RANGED)
+
+    def __init__(self, *, eos_token_ids: Iterable[int] = (), num_logprobs: int | None = None,
+                 **choice: Any) -> None:
+        """`choice`: any of CHOICE_FIELDS, by name; ValueError naming the field."""
+        object.__setattr__(self, "eos_token_ids", _token_ids("eos_token_ids", eos_token_ids))
+        super().__init__(n=1, max_tokens=None, logprobs=num_logprobs, prompt_logprobs=None, **choice)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """None: none returned; 0: the sampled token's only."""
+        return self.logprobs
+
+    @property
+    def min_tokens_masked_ids(self) -> tuple[int, ...]:
+        """Ids that may not be sampled before min_tokens tokens exist: stops, and EOS unless ignored."""
+        if self.ignore_eos:
+            return self.stop_token_ids
+        return self.stop_token_ids + self.eos_token_ids
+
 
 @functools.lru_cache(maxsize=4096)
-def sampling_params(o: SamplingOptions, eos_token_ids: tuple[int, ...]) -> SamplingParams:
-    """A request's options as the stages sample with them: built once per request, sent once
-    per sequence."""
-    return SamplingParams(
-        temperature=o.temperature, top_k=o.top_k or None, top_p=o.top_p, min_p=o.min_p,
-        seed=o.seed, num_logprobs=o.logprobs, min_tokens=o.min_tokens,
-        stop_token_ids=o.stop_token_ids, eos_token_ids=eos_token_ids, ignore_eos=o.ignore_eos,
-        presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
-        repetition_penalty=o.repetition_penalty, logit_bias=o.logit_bias, structured=o.structured,
-    )
+def sampling_params(options: SamplingOptions, eos_token_ids: tuple[int, ...]) -> SamplingParams:
+    """A request's options as the stages sample with them, the model's EOS ids inside: built
+    once per request, sent once per sequence."""
+    return SamplingParams(eos_token_ids=eos_token_ids, num_logprobs=options.logprobs,
+                          **{name: getattr(options, name) for name in CHOICE_FIELDS})

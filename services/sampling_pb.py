@@ -1,18 +1,23 @@
-"""The sampling fields on the wire (`pagoda.v1.SamplingParams`, `TopLogprobs`), one codec for
-every layer that sends or reads them: `SamplingOptions` <-> `pagoda.v1.SamplingParams` (the
+"""The sampling fields on the wire (`pagoda.v1.SamplingParams`, `TopLogprobs`): one codec for
+every layer that sends or reads them. A request's `SamplingOptions` <-> the message (the
 gateway's public gRPC API reads it, the gateway writes it to the scheduler, the scheduler
-reads it), the stages' per-sequence parameters (`services.step_codec`), logprob entries."""
+reads it); the stages' view of them, `SamplingParams`, rides in the same message, written by
+the same function and read by the same one (`params_from_pb`, with the model's EOS ids, which
+travel beside it). Logprob entries too."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
-from services.sampling import SamplingOptions, StructuredOutput
+from services.sampling import CHOICE_FIELDS, SamplingOptions, SamplingParams, StructuredOutput
 
 
 def options_to_pb(o: SamplingOptions, msg) -> None:
-    """A request's options into a `pagoda.v1.SamplingParams` message (unset = the default)."""
-    msg.n = o.n
+    """A request's options, or the stages' view of them, into a `pagoda.v1.SamplingParams`
+    message; a value at its default stays unset (n 1 is 0, which reads as 1)."""
+    if o.n != 1:
+        msg.n = o.n
     msg.temperature = o.temperature
     msg.top_p = o.top_p
     msg.top_k = o.top_k
@@ -26,19 +31,23 @@ def options_to_pb(o: SamplingOptions, msg) -> None:
     msg.ignore_eos = o.ignore_eos
     if o.logprobs is not None:
         msg.logprobs = o.logprobs
-    set_penalties(msg, o.presence_penalty, o.frequency_penalty, o.repetition_penalty, o.logit_bias)
+    msg.presence_penalty = o.presence_penalty
+    msg.frequency_penalty = o.frequency_penalty
+    if o.repetition_penalty != 1.0:  # (its absence means off)
+        msg.repetition_penalty = o.repetition_penalty
+    msg.logit_bias.update(dict(o.logit_bias))
     if o.prompt_logprobs is not None:
         msg.prompt_logprobs = o.prompt_logprobs
-    structured_to_pb(o.structured, msg)
+    _structured_to_pb(o.structured, msg)
 
 
-def options_from_pb(msg) -> SamplingOptions:
-    """A `pagoda.v1.SamplingParams` message as options; ValueError naming the field (as
-    `SamplingOptions` does) when a value is invalid. An unset max_tokens stays None."""
+def _fields_from_pb(msg) -> dict[str, Any]:
+    """Every field of the message by its `SamplingOptions` name; an unset one at its default
+    (an unset max_tokens stays None)."""
     def opt(name: str, default=None):
         return getattr(msg, name) if msg.HasField(name) else default
 
-    return SamplingOptions(
+    return dict(
         n=msg.n or 1,
         max_tokens=opt("max_tokens"),
         min_tokens=msg.min_tokens,
@@ -55,11 +64,25 @@ def options_from_pb(msg) -> SamplingOptions:
         repetition_penalty=opt("repetition_penalty", 1.0),
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         prompt_logprobs=opt("prompt_logprobs"),
-        structured=structured_from_pb(msg),
+        structured=_structured_from_pb(msg),
     )
 
 
-def structured_to_pb(s: StructuredOutput | None, msg) -> None:
+def options_from_pb(msg) -> SamplingOptions:
+    """A `pagoda.v1.SamplingParams` message as a request's options; ValueError naming the
+    field (as `SamplingOptions` does) when a value is invalid."""
+    return SamplingOptions(**_fields_from_pb(msg))
+
+
+def params_from_pb(msg, eos_token_ids: Iterable[int]) -> SamplingParams:
+    """A new sequence's message as the stages' view, with the model's EOS ids (which travel
+    beside it); what only the scheduler acts on is not read. ValueError naming the field."""
+    f = _fields_from_pb(msg)
+    return SamplingParams(eos_token_ids=tuple(eos_token_ids), num_logprobs=f["logprobs"],
+                          **{name: f[name] for name in CHOICE_FIELDS})
+
+
+def _structured_to_pb(s: StructuredOutput | None, msg) -> None:
     """A constraint into a `SamplingParams` message's `structured_output` (None: unset)."""
     if s is None:
         return
@@ -72,7 +95,7 @@ def structured_to_pb(s: StructuredOutput | None, msg) -> None:
         setattr(out, s.kind, s.spec)
 
 
-def structured_from_pb(msg) -> StructuredOutput | None:
+def _structured_from_pb(msg) -> StructuredOutput | None:
     """`SamplingParams.structured_output` as a constraint (ValueError naming what is wrong)."""
     if not msg.HasField("structured_output"):
         return None
@@ -85,17 +108,6 @@ def structured_from_pb(msg) -> StructuredOutput | None:
     if kind == "choice":
         return StructuredOutput("choice", choices=tuple(out.choice.choices))
     return StructuredOutput(kind, getattr(out, kind))
-
-
-def set_penalties(params, presence_penalty: float, frequency_penalty: float,
-                  repetition_penalty: float, logit_bias: Iterable[tuple[int, float]]) -> None:
-    """Penalties and logit bias into a `SamplingParams` message; repetition_penalty 1.0 (off)
-    stays unset, as the field's absence means."""
-    params.presence_penalty = presence_penalty
-    params.frequency_penalty = frequency_penalty
-    if repetition_penalty != 1.0:
-        params.repetition_penalty = repetition_penalty
-    params.logit_bias.update(dict(logit_bias))
 
 
 def set_top_logprobs(entry, token_id: int, logprob: float, rank: int,

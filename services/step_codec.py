@@ -1,21 +1,16 @@
 """The step contract (`services.step`) <-> `pagoda.v1` worker messages: its one codec.
 
 The scheduler's transport encodes plans and decodes results with it; a stage decodes plans
-and encodes results with it; test drivers use it too. Decoding checks the message's shape
-(columns of equal length, sampling parameters in range) and raises `PlanDecodeError`
-naming what is wrong; whether a plan fits a stage's state is the stage's check.
+and encodes results with it; test drivers use it too. A new sequence's sampling rides in the
+one sampling codec (`services.sampling_pb`). Decoding checks the message's shape (columns of
+equal length, sampling parameters in range) and raises `PlanDecodeError` naming what is
+wrong; whether a plan fits a stage's state is the stage's check.
 """
 
 from __future__ import annotations
 
-from services.pb import common_pb2, worker_pb2
-from services.sampling import SamplingParams
-from services.sampling_pb import (
-    set_penalties,
-    set_top_logprobs,
-    structured_from_pb,
-    structured_to_pb,
-)
+from services.pb import worker_pb2
+from services.sampling_pb import options_to_pb, params_from_pb, set_top_logprobs
 from services.step import (
     CachedSeq,
     NewSeq,
@@ -32,48 +27,6 @@ from services.step import (
 
 class PlanDecodeError(ValueError):
     """A MicroBatch whose fields disagree with each other."""
-
-
-# --- sampling parameters ------------------------------------------------------------------
-
-
-def sampling_params_to_pb(p: SamplingParams, out: common_pb2.SamplingParams) -> None:
-    out.temperature = p.temperature
-    out.top_p = p.top_p
-    out.top_k = p.top_k or 0
-    out.min_p = p.min_p
-    if p.seed is not None:
-        out.seed = p.seed
-    if p.num_logprobs is not None:
-        out.logprobs = p.num_logprobs
-    out.min_tokens = p.min_tokens
-    out.stop_token_ids.extend(p.stop_token_ids)
-    out.ignore_eos = p.ignore_eos
-    set_penalties(out, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias)
-    structured_to_pb(p.structured, out)
-
-
-def sampling_params_from_pb(p: common_pb2.SamplingParams, eos_token_ids) -> SamplingParams:
-    try:
-        return SamplingParams(
-            temperature=p.temperature if p.HasField("temperature") else 1.0,
-            top_k=p.top_k or None,
-            top_p=p.top_p if p.HasField("top_p") else 1.0,
-            min_p=p.min_p,
-            seed=p.seed if p.HasField("seed") else None,
-            num_logprobs=p.logprobs if p.HasField("logprobs") else None,
-            min_tokens=p.min_tokens,
-            stop_token_ids=tuple(p.stop_token_ids),
-            eos_token_ids=tuple(eos_token_ids),
-            ignore_eos=p.ignore_eos,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-            logit_bias=tuple(p.logit_bias.items()),
-            structured=structured_from_pb(p),
-        )
-    except ValueError as exc:
-        raise PlanDecodeError(f"sampling parameters: {exc}") from exc
 
 
 # --- plans --------------------------------------------------------------------------------
@@ -101,7 +54,7 @@ def plan_to_pb(plan: StepPlan, stage_index: int = 0) -> worker_pb2.MicroBatch:
             choice_index=n.choice_index, entropy_seed=n.entropy_seed, request_id=n.request_id,
             traceparent=n.trace_context,
         )
-        sampling_params_to_pb(n.sampling, m.params)
+        options_to_pb(n.sampling, m.params)  # (the view rides as its request's options do)
         if n.prompt_scoring is not None:
             _scoring_to_pb(n.prompt_scoring, m.prompt_scoring)
     if plan.cached_seqs:
@@ -130,9 +83,9 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
     new_seqs = []
     for m in msg.new_seqs:
         try:
-            sampling = sampling_params_from_pb(m.params, m.eos_token_ids)
-        except PlanDecodeError as exc:
-            raise PlanDecodeError(f"step {step}, sequence {m.seq_id}: {exc}") from None
+            sampling = params_from_pb(m.params, m.eos_token_ids)
+        except ValueError as exc:
+            raise PlanDecodeError(f"step {step}, sequence {m.seq_id}: sampling parameters: {exc}") from None
         new_seqs.append(NewSeq(
             m.seq_id, tuple(m.token_ids), m.prompt_len, m.num_computed, m.num_scheduled,
             tuple(m.block_ids), sampling, m.choice_index, m.entropy_seed, m.request_id, m.traceparent,

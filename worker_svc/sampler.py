@@ -29,7 +29,7 @@ from itertools import chain, repeat
 
 import torch
 
-from services.sampling import GREEDY_TEMPERATURE, SamplingParams
+from services.sampling import GREEDY_TEMPERATURE, SamplingParams, is_int
 from worker_svc.errors import InvalidPlanError
 from worker_svc.structured import GrammarBank
 
@@ -68,19 +68,19 @@ class SampleRow:
     history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.seq_id):
+        if not is_int(self.seq_id):
             raise ValueError(f"seq_id must be an int, got {self.seq_id!r}")
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(self.params).__name__}")
-        if not _is_int(self.choice_index) or not 0 <= self.choice_index <= _MAX_COUNTER:
+        if not is_int(self.choice_index) or not 0 <= self.choice_index <= _MAX_COUNTER:
             raise ValueError(
                 f"choice_index must be an int in [0, 2**32 - 1], got {self.choice_index!r}"
             )
-        if not _is_int(self.output_position) or not 0 <= self.output_position <= _MAX_COUNTER:
+        if not is_int(self.output_position) or not 0 <= self.output_position <= _MAX_COUNTER:
             raise ValueError(
                 f"output_position must be an int in [0, 2**32 - 1], got {self.output_position!r}"
             )
-        if not _is_int(self.entropy_seed) or not 0 <= self.entropy_seed <= _MAX_SEED:
+        if not is_int(self.entropy_seed) or not 0 <= self.entropy_seed <= _MAX_SEED:
             raise ValueError(
                 f"entropy_seed must be an int in [0, 2**64 - 1], got {self.entropy_seed!r}"
             )
@@ -530,11 +530,3 @@ def _log_exponential_noise(
     """
     u = (uniform_bits(keys, vocab_size, device).double() + 0.5) * _INV_2_32
     return torch.log(-torch.log(u)).float()
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

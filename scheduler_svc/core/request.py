@@ -54,15 +54,6 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
-def kv_blocks_needed(prompt_len: int, n: int, max_tokens: int, block_size: int) -> int:
-    """The most KV blocks a request can hold at once. One choice: its whole context. Several:
-    the prompt's blocks (shared), and each choice's output plus its copy of the prompt's
-    partial last block."""
-    if n == 1:
-        return -(-(prompt_len + max_tokens) // block_size)
-    return -(-prompt_len // block_size) + n * (-(-max_tokens // block_size) + 1)
-
-
 @dataclass
 class Sequence:
     """One choice of a request: its own output, KV blocks (held by the KV service) and progress."""

@@ -13,7 +13,8 @@ import torch
 from services.grammar import GrammarError, check
 from services.pb import common_pb2
 from services.sampling import MAX_CHOICES, MAX_STRUCTURED_CHARS, SamplingParams, StructuredOutput
-from services.step_codec import sampling_params_from_pb, sampling_params_to_pb
+from services.sampling_pb import options_to_pb as sampling_params_to_pb
+from services.sampling_pb import params_from_pb as sampling_params_from_pb
 from services.text import Tokenizer
 from worker_svc.sampler import Sampler, SampleRow
 from worker_svc.structured import GrammarBank
