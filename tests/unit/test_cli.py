@@ -69,9 +69,9 @@ def test_serve_gives_the_stages_the_schedulers_token_budget():
     """A stage refuses a plan over its max_num_batched_tokens: with one larger than the
     default the scheduler's plans must still fit every stage."""
     from scheduler_svc.config import SchedulerConfig
-    from worker_svc.config import WorkerConfig
     from wiring.cli import build_parser
     from wiring.serve import worker_flags
+    from worker_svc.config import WorkerConfig
 
     assert WorkerConfig(model="m").max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
     args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "16384"])

@@ -1,0 +1,52 @@
+"""The shape of the product code: no function a reader cannot hold at once.
+
+Past a screen (80 lines) a function is split into its phases (docs/STYLE: `KVCacheManager.step`
+-> `_add` / `_append` / `_write`). Branching is held by ruff's McCabe check (C901 at 15 in
+pyproject.toml, run by `make test`); length is held here. Read from the source, nothing run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("services", "wiring", "gateway", "scheduler_svc", "worker_svc", "kvcache_svc", "bench", "scripts")
+GENERATED = ("services/pb",)
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(root: Path = ROOT, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    found = []
+    for package in PRODUCT:
+        for path in sorted((root / package).rglob("*.py")):
+            relative = path.relative_to(root).as_posix()
+            if relative.startswith(GENERATED):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), relative)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                    lines = node.end_lineno - start + 1
+                    if lines > limit:
+                        found.append(f"{relative}:{node.lineno} {node.name}: {lines} lines")
+    return found
+
+
+def test_the_check_counts_a_long_function(tmp_path):
+    package = tmp_path / "services"
+    package.mkdir()
+    (package / "long.py").write_text("def f():\n" + "    x = 1\n" * 81)
+    (package / "short.py").write_text("def g():\n" + "    x = 1\n" * 79)
+    assert long_functions(tmp_path) == ["services/long.py:1 f: 82 lines"]
+
+
+def test_no_product_function_is_longer_than_a_screen():
+    assert long_functions() == []
+
+
+def test_ruff_checks_complexity_at_15():
+    import tomllib
+
+    lint = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]
+    assert "C901" in lint["select"]
+    assert lint["mccabe"]["max-complexity"] == 15
