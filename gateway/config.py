@@ -5,11 +5,14 @@ from __future__ import annotations
 import ipaddress
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from gateway.ratelimit import RateLimit, redacted_url
-from services.defaults import MAX_MODEL_LEN
+from services import settings as shared
+from services.defaults import MAX_MODEL_LEN, ROUTING_POLICIES
+from services.settings import Setting, uses
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _GRANT_FIELDS = {"tenant", "priority", "requests_per_minute", "tokens_per_minute"}
@@ -33,35 +36,59 @@ class ApiKey:
         return RateLimit(self.requests_per_minute, self.tokens_per_minute)
 
 
+_setting = partial(shared.declare, "gateway")
+_passed = partial(_setting, serve="pass")  # `pagoda serve` takes it and passes it to its gateway
+
+_STALL_HELP = ("a streaming client that reads nothing for this long, while the gateway holds all it "
+               "buffers for it, has its request aborted (finish reason \"abort\"); 0: never (default 30)")
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
-    model: str  # checkpoint directory (tokenizer, chat template, max length)
-    scheduler_address: str
-    # the names clients may send as `model`, the first reported in responses (vLLM's
-    # --served-model-name); empty: the --model string, and the directory's name
-    served_model_names: tuple[str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 8000
-    grpc_port: int = 50051
+    """What `pagoda gateway` was started with. Each field that is a setting carries its
+    declaration (services/settings.py): the flags are made from it."""
+
+    model: str = uses(shared.MODEL, MISSING)  # checkpoint directory (tokenizer, chat template, max length)
+    scheduler_address: str = _setting(
+        MISSING, "HOST:PORT of the scheduler; or several replicas' schedulers, NAME=HOST:PORT,NAME=HOST:PORT,... "
+                 "(the names their KV services publish as --replica-id), and this gateway routes among them",
+        name="scheduler", required=True)
+    # (vLLM's --served-model-name)
+    served_model_names: tuple[str, ...] = _passed(
+        (), "the names clients may send as `model`, the first reported in responses (default: the --model "
+            "string, and the directory's name)", "names", name="served_model_name", metavar="NAME",
+        flag_default=None)
+    host: str = uses(shared.HOST)
+    port: int = _passed(8000, "REST port", "int")
+    grpc_port: int = _passed(50051, "gRPC port (pagoda.v1.Generation, health, reflection)", "int")
     api_keys: Mapping[str, ApiKey] = field(default_factory=dict)  # empty: no keys (loopback only)
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_model_len: int = MAX_MODEL_LEN
+    max_body_bytes: int = _passed(4 * 1024 * 1024, "largest request body (REST) and request message (gRPC), "
+                                                   "bytes", "int")
+    max_model_len: int = uses(shared.MAX_MODEL_LEN, MAX_MODEL_LEN)
     max_n: int = 16
     max_logprobs: int = 20
     max_num_prompts: int = 256  # prompts in one completions request
-    grace_period_s: float = 30.0  # in-flight requests' time to finish on SIGTERM
-    # a streaming client that reads nothing for this long while what the gateway holds for
-    # it is full has its request aborted (finish reason "abort"); 0: never
-    stream_stall_timeout_s: float = 30.0
-    metrics_require_key: bool = False  # with API keys: /metrics needs one too (default: open)
+    grace_period_s: float = _passed(30.0, "seconds in-flight requests get to finish on SIGTERM", "float",
+                                    name="grace_period")
+    stream_stall_timeout_s: float = _passed(30.0, _STALL_HELP, "float", name="stream_stall_timeout",
+                                            metavar="SECONDS")
+    metrics_require_key: bool = _setting(
+        False, "with API keys, /metrics needs one too (default: open to scrapers, as /health)", "switch")
     # Rate limits: the defaults for keys without their own (or for the one anonymous
     # bucket without keys); None: not limited. redis_url: buckets shared across replicas.
-    rate_limit_rpm: int | None = None
-    rate_limit_tpm: int | None = None
-    redis_url: str = ""  # "": buckets in this process (and no prefix index: routing by load)
+    rate_limit_rpm: int | None = _passed(
+        None, "requests per minute per API key without its own requests_per_minute (without keys: for "
+              "all anonymous use); default: unlimited", "limit", metavar="N")
+    rate_limit_tpm: int | None = _passed(
+        None, "tokens (prompt + max_tokens) per minute per API key without its own tokens_per_minute; "
+              "default: unlimited", "limit", metavar="N")
+    redis_url: str = uses(shared.REDIS_URL, "")  # "": buckets in this process (and no prefix index: routing by load)
     # several schedulers (scheduler_address "r0=HOST:PORT,r1=..."): how a request's replica is
     # chosen (gateway/routing.py)
-    routing: str = "prefix"
+    routing: str = _passed(
+        "prefix", "with several replicas: prefix (the replica holding most of the prompt's prefix, weighed "
+                  "against load; needs --redis-url, else by load), least-loaded or round-robin (default "
+                  "prefix)", choices=ROUTING_POLICIES)
 
     def __post_init__(self) -> None:
         from gateway.replicas import parse_targets
@@ -118,6 +145,17 @@ class GatewayConfig:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+
+# what `pagoda gateway` takes besides its config's settings: the API keys, which become
+# `GatewayConfig.api_keys` (wiring/cli.py reads the file)
+API_KEYS_FILE = Setting("api_keys_file", 'JSON {"<key>": {"tenant": "...", "priority": 0}}; without it, no keys',
+                        owner="gateway", services=("gateway",), serve="pass")
+# (`pagoda serve` hands its keys to its gateway by environment, never on a command line)
+API_KEY = Setting("api_key", "keys clients send as `Authorization: Bearer KEY`, as vLLM's --api-key (default "
+                             "tenant and priority; beside --api-keys-file)", "names", metavar="KEY",
+                  owner="gateway", services=("gateway",), serve="own")
+SETTINGS = shared.settings_of(GatewayConfig, API_KEYS_FILE, API_KEY, shared.INTERNAL_TOKEN)
 
 
 def default_model_names(model: str) -> tuple[str, ...]:

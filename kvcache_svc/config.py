@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
-from services.defaults import BLOCK_SIZE
+from services import settings as shared
+from services.defaults import NUM_KV_BLOCKS
 from services.grpc_utils import DEFAULT_MAX_MESSAGE_BYTES
+from services.settings import uses
 
 MAX_NUM_BLOCKS = 2**32 - 1  # block ids travel as uint32
+
+_setting = partial(shared.declare, "kvcache")
 
 
 @dataclass(frozen=True)
@@ -17,22 +22,25 @@ class KVCacheConfig:
     `num_blocks` and `block_size` must match every stage worker's (`--num-kv-blocks`,
     `--block-size`): the KV service decides which block holds which tokens, the workers hold
     the blocks. `watermark` is the fraction of blocks a new sequence must leave available.
+    Each field that is a setting carries its declaration (services/settings.py).
     """
 
-    num_blocks: int
-    block_size: int = BLOCK_SIZE
-    watermark: float = 0.01
-    enable_prefix_caching: bool = True
-    host: str = "127.0.0.1"
-    port: int = 0
+    # the pool: the shared --num-kv-blocks (parsed as `num_blocks`, this field's older name)
+    num_blocks: int = uses(shared.NUM_KV_BLOCKS, NUM_KV_BLOCKS, dest="num_blocks")
+    block_size: int = uses(shared.BLOCK_SIZE)
+    watermark: float = _setting(0.01, "fraction of blocks a new sequence must leave free", "float")
+    enable_prefix_caching: bool = uses(shared.ENABLE_PREFIX_CACHING)
+    host: str = uses(shared.HOST)
+    port: int = uses(shared.PORT)
     # run `check_integrity()` once no mutating call came for this long; 0 turns it off
     integrity_check_idle_s: float = 1.0
     # KV events (kvcache_svc/events.py): how many are kept for subscribers that reconnect
-    events_kept: int = 65_536
+    events_kept: int = _setting(65_536, "KV events kept for SubscribeEvents subscribers that reconnect", "int")
     # the prefix index in Redis for routers (kvcache_svc/publisher.py): this replica's name
     # and where; "" keeps nothing in Redis
-    replica_id: str = "r0"
-    redis_url: str = ""
+    replica_id: str = _setting("r0", "this replica's name in the prefix index (routers: gateway "
+                                     "--scheduler NAME=...)")
+    redis_url: str = uses(shared.REDIS_URL, "")
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_blocks <= MAX_NUM_BLOCKS:
@@ -72,3 +80,7 @@ class KVCacheConfig:
         less than the default.
         """
         return max(DEFAULT_MAX_MESSAGE_BYTES, 24 * self.num_slots + (4 << 20))
+
+
+# what `pagoda kvcache` takes: the config's settings, then where it reports
+SETTINGS = shared.settings_of(KVCacheConfig, shared.METRICS_PORT, shared.READY_FILE, shared.INTERNAL_TOKEN)

