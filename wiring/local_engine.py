@@ -21,6 +21,7 @@ from kvcache_svc.core import KVCacheManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.request import Request, SamplingOptions
 from scheduler_svc.engine import Engine, ErrorEvent, RequestOutput, StageInfo
+from services.defaults import NUM_KV_BLOCKS
 from services.step import StageTiming, StepPlan
 
 
@@ -84,7 +85,7 @@ class LocalStageTransport:
 def build_local_engine(
     model_dir: str,
     config: SchedulerConfig,
-    num_kv_blocks: int = 1024,
+    num_kv_blocks: int = NUM_KV_BLOCKS,
     dtype: str = "auto",
     device: str | None = None,
     attention_backend: str | None = None,
@@ -143,7 +144,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **config_fields) -> None:
-        num_kv_blocks = config_fields.pop("num_kv_blocks", 1024)
+        num_kv_blocks = config_fields.pop("num_kv_blocks", NUM_KV_BLOCKS)
         dtype = config_fields.pop("dtype", "auto")
         device = config_fields.pop("device", None)
         from wiring.model_source import is_gguf, prepare_gguf
