@@ -13,6 +13,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench.runner import ModelResults, Plan
 
 QUICK_COMPARISONS = {"tiny": "a,b,c,d,e,f", "25m": "a,b,d"}
 
@@ -149,50 +153,34 @@ def _write(results: dict, out: Path, plot: bool, log) -> list[str]:
 
 def run_bench(args: argparse.Namespace) -> int:
     import asyncio
-    import dataclasses
-    import json
     import os
-    import shlex
 
     _import_bench()
     if args.base_url:
         from bench.serving import run
 
         return run(args)
-    from bench.arms import gateway_available
-    from bench.report import comparison_rows, load_average, machine_info
+    from bench.report import load_average
     from bench.runner import Runner
 
     def log(msg: str) -> None:
         print(msg, flush=True)
 
     if args.render is not None:
+        import json
+
         results = json.loads(args.render.read_text())
         _write(results, args.out, args.plot, log)
         return 0
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-            return 2
-    try:
-        plan = build_plan(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    plan = _checked_plan(args)
+    if plan is None:
         return 2
-    driver = args.driver
-    if driver == "auto":
-        driver = "http" if gateway_available() else "grpc"
-    plan = dataclasses.replace(plan, driver=driver)
-    driver_note = ("HTTP: the gateway's POST /v1/completions, streaming (SSE)" if driver == "http"
-                   else "gRPC straight to the scheduler's Generate (no gateway)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     started, t0 = time.strftime("%Y-%m-%d %H:%M:%S %Z"), time.perf_counter()
     load_start = load_average()
     log(f"pagoda bench: {'quick' if plan.quick else 'full'} run, models {', '.join(m.preset for m in plan.models)}, "
-        f"{plan.total_threads} torch thread(s) per arm, concurrency {plan.concurrency}, driver {driver}")
+        f"{plan.total_threads} torch thread(s) per arm, concurrency {plan.concurrency}, driver {plan.driver}")
     runner = Runner(plan, log=log, log_dir=args.log_dir)
     log(f"  service logs: {runner.log_dir}")
     try:
@@ -200,6 +188,45 @@ def run_bench(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    results = _results(plan, models, started, t0, load_start)
+    return _report(results, args, log)
+
+
+def _checked_plan(args: argparse.Namespace) -> Plan | None:
+    """The plan of `args` with its driver resolved; None (the error printed) when it cannot run."""
+    import dataclasses
+
+    from bench.arms import gateway_available
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return None
+    try:
+        plan = build_plan(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    driver = args.driver
+    if driver == "auto":
+        driver = "http" if gateway_available() else "grpc"
+    return dataclasses.replace(plan, driver=driver)
+
+
+def _results(plan: Plan, models: list[ModelResults], started: str, t0: float,
+             load_start: list[float] | None) -> dict:
+    """results.json: the run's metadata and notes, the plan and every model's runs."""
+    import dataclasses
+    import json
+    import shlex
+
+    from bench.report import load_average, machine_info
+
+    driver = plan.driver
+    driver_note = ("HTTP: the gateway's POST /v1/completions, streaming (SSE)" if driver == "http"
+                   else "gRPC straight to the scheduler's Generate (no gateway)")
     notes = []
     if plan.quick:
         notes.append(f"--quick: `long` generates {plan.shape.long_output} tokens (not 512) and `shared-prefix` "
@@ -208,7 +235,7 @@ def run_bench(args: argparse.Namespace) -> int:
                  "the default 2048 (off needs a budget that holds the longest prompt).")
     notes.append("(d) drives the in-process engine from this process with no HTTP or gRPC; the full stack is "
                  f"driven over {driver}.")
-    results = {
+    return {
         "meta": {
             "command": "pagoda bench " + shlex.join(sys.argv[1:]),
             "machine": machine_info(), "started": started, "elapsed_s": time.perf_counter() - t0,
@@ -219,6 +246,12 @@ def run_bench(args: argparse.Namespace) -> int:
         "plan": json.loads(json.dumps(dataclasses.asdict(plan), default=str)),
         "models": [m.to_dict() for m in models],
     }
+
+
+def _report(results: dict, args: argparse.Namespace, log) -> int:
+    """Write the results and print the comparisons; 3 when a comparison failed a check."""
+    from bench.report import comparison_rows
+
     _write(results, args.out, args.plot, log)
     log("")
     log("\n".join(comparison_rows(results)))

@@ -162,61 +162,90 @@ async def layout(client: KVCacheClient, lengths: Sequence[tuple[int, int]]) -> d
 # ---- 2. churn --------------------------------------------------------------------------------
 
 
+@dataclass
+class ChurnQueue:
+    """The scheduler's side of the churn run: the sequences waiting, running, to free in the
+    next step and preempted (readmitted a step after their free: ids are live until then)."""
+
+    known: dict[int, int]  # tokens to put in a new sequence
+    remaining: dict[int, int]  # output tokens still to append
+    waiting: deque[int]
+    running: set[int] = field(default_factory=set)
+    to_free: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @classmethod
+    def of(cls, lengths: Sequence[tuple[int, int]]) -> ChurnQueue:
+        return cls(known={i: p for i, (p, _) in enumerate(lengths)},
+                   remaining={i: o for i, (_, o) in enumerate(lengths)},
+                   waiting=deque(range(len(lengths))))
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.to_free or self.preempted)
+
+    def admit(self, max_batched_prefill_tokens: int, max_running: int) -> list[NewSequence]:
+        """New sequences from the head of the queue, while the budget and the batch hold them."""
+        news: list[NewSequence] = []
+        budget = max_batched_prefill_tokens
+        while self.waiting and len(self.running) + len(news) < max_running:
+            n = self.known[self.waiting[0]]
+            if news and n > budget:
+                break
+            seq_id = self.waiting.popleft()
+            news.append(NewSequence(seq_id, tokens(seq_id, n)))
+            budget -= n
+        return news
+
+    def settle(self, news: list[NewSequence], appends: list[Append], results: dict) -> bool:
+        """After a step: requeue the preempted and the new sequences that found no blocks;
+        preempt by recompute an append that found none, free the finished. Whether every new
+        sequence was admitted."""
+        self.waiting.extendleft(reversed(self.preempted))
+        self.to_free, self.preempted = [], []
+        readmit = []
+        for new in news:
+            if isinstance(results[new.seq_id], Allocated):
+                self.running.add(new.seq_id)
+            else:
+                readmit.append(new.seq_id)
+        self.waiting.extendleft(reversed(readmit))
+        for append in appends:
+            s = append.seq_id
+            if isinstance(results[s], NoBlocks):  # preempt by recompute
+                self.running.discard(s)
+                self.to_free.append(s)
+                self.preempted.append(s)
+                self.num_preempted += 1
+                continue
+            self.known[s] += 1
+            self.remaining[s] -= 1
+            if self.remaining[s] == 0:
+                self.running.discard(s)
+                self.to_free.append(s)
+        return not readmit
+
+
 async def churn(
     client: KVCacheClient,
     lengths: Sequence[tuple[int, int]],
     max_batched_prefill_tokens: int = 8192,
     max_running: int = 256,
 ) -> dict:
-    waiting: deque[int] = deque(range(len(lengths)))
-    known = {i: p for i, (p, _) in enumerate(lengths)}  # tokens to put in a new sequence
-    remaining = {i: o for i, (_, o) in enumerate(lengths)}
-    running: set[int] = set()
-    to_free: list[int] = []
-    preempted: list[int] = []  # readmitted a step after their free (ids are live until then)
+    queue = ChurnQueue.of(lengths)
     timer = StepTimer()
     samples: list[tuple[float, float, float, int, int, int]] = []
-    num_preempted = 0
     micro_batch_id, last_admission_step = 0, 0
-    while waiting or running or to_free or preempted:
+    while queue.busy():
         micro_batch_id += 1
-        appends = [Append(s, [1 + remaining[s] % 1000]) for s in sorted(running)]
-        news, budget = [], max_batched_prefill_tokens
-        while waiting and len(running) + len(news) < max_running:
-            n = known[waiting[0]]
-            if news and n > budget:
-                break
-            seq_id = waiting.popleft()
-            news.append(NewSequence(seq_id, tokens(seq_id, n)))
-            budget -= n
-        step = StepInput(new_sequences=news, appends=appends, frees=to_free,
+        appends = [Append(s, [1 + queue.remaining[s] % 1000]) for s in sorted(queue.running)]
+        news = queue.admit(max_batched_prefill_tokens, max_running)
+        step = StepInput(new_sequences=news, appends=appends, frees=queue.to_free,
                          completed_micro_batch_ids=[micro_batch_id - 1] if micro_batch_id > 1
                          else [], micro_batch_id=micro_batch_id)
         out = await timer.step(client, step)
-        waiting.extendleft(reversed(preempted))
-        to_free, preempted = [], []
-        readmit = []
-        for new in news:
-            if isinstance(out.results[new.seq_id], Allocated):
-                running.add(new.seq_id)
-            else:
-                readmit.append(new.seq_id)
-        waiting.extendleft(reversed(readmit))
-        if news and not readmit:
+        if queue.settle(news, appends, out.results) and news:
             last_admission_step = micro_batch_id
-        for append in appends:
-            s = append.seq_id
-            if isinstance(out.results[s], NoBlocks):  # preempt by recompute
-                running.discard(s)
-                to_free.append(s)
-                preempted.append(s)
-                num_preempted += 1
-                continue
-            known[s] += 1
-            remaining[s] -= 1
-            if remaining[s] == 0:
-                running.discard(s)
-                to_free.append(s)
         if micro_batch_id % 10 == 0:
             stats = await client.stats()
             seqs = await client.sequence_stats()
@@ -230,7 +259,7 @@ async def churn(
     final = await client.stats()
     return {
         "num_steps": micro_batch_id,
-        "num_preempted": num_preempted,
+        "num_preempted": queue.num_preempted,
         "last_admission_step": last_admission_step,
         "busy_internal_fragmentation": statistics.fmean(s[0] for s in busy),
         "busy_external_fragmentation": statistics.fmean(s[1] for s in busy),

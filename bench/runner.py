@@ -172,62 +172,14 @@ class Runner:
         plan, out = self.plan, ModelResults(mp.preset, model_dir, num_parameters)
         comps = set(mp.comparisons)
         base = EngineSettings(total_threads=plan.total_threads, num_kv_blocks=mp.num_kv_blocks)
-        mixed = Workload("mixed", space, plan.shape, plan.seed)
-        shared = Workload("shared-prefix", space, plan.shape, plan.seed)
-        n_mixed = n_shared = 0
-
-        def stack(name: str, settings: EngineSettings) -> StackArm:
-            return StackArm(model_dir, settings, self.log_dir / mp.preset / name, plan.driver, plan.concurrency)
-
+        n_shared = 0
         if "f" in comps:
-            # prefix caching off is the slow arm of (f): its 20 s fix the count, so that the fast
-            # arm, not the slow one, is the one that finishes early
-            settings = base.with_(enable_prefix_caching=False)
-            self.log(f"[{mp.preset}] prefix-off stack: {settings.describe()}")
-            async with stack("prefix-off", settings) as arm:
-                await self._warm_up(arm, space)
-                r = await self._measure(arm, mp.preset, "shared-prefix", "prefix-off", shared,
-                                        duration_s=plan.duration_s)
-                out.runs.append(r)
-                n_shared = r.num_requests
-
-        self.log(f"[{mp.preset}] base stack: {base.describe()}")
-        async with stack("pagoda", base) as arm:
-            await self._warm_up(arm, space)
-            r = await self._measure(arm, mp.preset, "mixed", "pagoda", mixed, duration_s=plan.duration_s)
-            out.runs.append(r)
-            n_mixed = r.num_requests
-            for c in mp.sweep:
-                if c == plan.concurrency:
-                    continue
-                out.runs.append(await self._measure(arm, mp.preset, "mixed", "pagoda", mixed, concurrency=c,
-                                                    duration_s=plan.sweep_duration_s, extra={"sweep": True}))
-            for load in mp.open_loop_loads:
-                rate = load * r.client.requests_per_s
-                n = max(1, math.ceil(rate * plan.open_loop_duration_s))
-                requests = Workload("mixed", space, plan.shape, plan.seed + 7, limit=n)
-                out.runs.append(await self._measure(arm, mp.preset, "mixed", f"pagoda@{load:.0%}", requests,
-                                                    rate=rate, extra={"load": load}))
-            if "f" in comps:
-                shared_fixed = Workload("shared-prefix", space, plan.shape, plan.seed, limit=n_shared)
-                out.runs.append(await self._measure(arm, mp.preset, "shared-prefix", "pagoda", shared_fixed))
-            if "c" not in comps and plan.gantt_s > 0 and out.gantt is None and mp is plan.models[0]:
-                out.gantt = await self._gantt(arm, space)
-
+            n_shared = await self._prefix_off_stack(mp, model_dir, space, base, out)
+        n_mixed = await self._base_stack(mp, model_dir, space, base, out, n_shared)
         mixed_fixed = Workload("mixed", space, plan.shape, plan.seed, limit=n_mixed)
-        other_arms: list[tuple[str, str, EngineSettings]] = []
-        if "b" in comps:
-            # the base arm runs the default (async): (b) measures the other mode against it
-            other = not base.is_async
-            other_arms.append(("b", "async" if other else "sync", base.with_(async_scheduling=other)))
-        if "c" in comps:
-            other_arms.append(("c", "pp2", base.with_(pipeline_parallel_size=2)))
-        if "e" in comps:
-            other_arms.append(("e", "chunked-on", base.with_(max_num_batched_tokens=plan.chunked_budget)))
-            other_arms.append(("e", "chunked-off", base.with_(enable_chunked_prefill=False)))
-        for key, name, settings in other_arms:
+        for key, name, settings in self._other_stacks(comps, base):
             self.log(f"[{mp.preset}] {name} stack: {settings.describe()}")
-            async with stack(name, settings) as arm:
+            async with self._stack(mp, model_dir, name, settings) as arm:
                 await self._warm_up(arm, space)
                 out.runs.append(await self._measure(arm, mp.preset, COMPARISONS[key].workload, name, mixed_fixed))
                 if name == "pp2" and plan.gantt_s > 0 and mp is plan.models[0]:
@@ -239,6 +191,85 @@ class Runner:
                 out.runs.append(await self._measure(arm, mp.preset, "mixed", "in-process", mixed_fixed))
         if "a" in comps:
             out.runs.append(await self._transformers(mp, model_dir, mixed_fixed))
+        self._compare(mp, base, out)
+        return out
+
+    def _stack(self, mp: ModelPlan, model_dir: str, name: str,
+               settings: EngineSettings) -> StackArm:
+        return StackArm(model_dir, settings, self.log_dir / mp.preset / name, self.plan.driver,
+                        self.plan.concurrency)
+
+    async def _prefix_off_stack(self, mp: ModelPlan, model_dir: str, space: TokenSpace,
+                                base: EngineSettings, out: ModelResults) -> int:
+        """(f)'s slow arm, prefix caching off: `shared-prefix` for duration_s; its request count.
+
+        Its 20 s fix the count, so that the fast arm, not the slow one, is the one that
+        finishes early."""
+        shared = Workload("shared-prefix", space, self.plan.shape, self.plan.seed)
+        settings = base.with_(enable_prefix_caching=False)
+        self.log(f"[{mp.preset}] prefix-off stack: {settings.describe()}")
+        async with self._stack(mp, model_dir, "prefix-off", settings) as arm:
+            await self._warm_up(arm, space)
+            r = await self._measure(arm, mp.preset, "shared-prefix", "prefix-off", shared,
+                                    duration_s=self.plan.duration_s)
+            out.runs.append(r)
+        return r.num_requests
+
+    async def _base_stack(self, mp: ModelPlan, model_dir: str, space: TokenSpace,
+                          base: EngineSettings, out: ModelResults, n_shared: int) -> int:
+        """The base arm: `mixed` for duration_s (its request count, returned, fixes every other
+        arm's), the concurrency sweep, the open-loop runs, (f)'s `shared-prefix` run of
+        `n_shared` requests, and the Gantt run when no PP=2 arm makes it."""
+        plan, comps = self.plan, set(mp.comparisons)
+        mixed = Workload("mixed", space, plan.shape, plan.seed)
+        self.log(f"[{mp.preset}] base stack: {base.describe()}")
+        async with self._stack(mp, model_dir, "pagoda", base) as arm:
+            await self._warm_up(arm, space)
+            r = await self._measure(arm, mp.preset, "mixed", "pagoda", mixed, duration_s=plan.duration_s)
+            out.runs.append(r)
+            await self._sweep_and_open_loop(arm, mp, space, mixed, r.client.requests_per_s, out)
+            if "f" in comps:
+                shared_fixed = Workload("shared-prefix", space, plan.shape, plan.seed, limit=n_shared)
+                out.runs.append(await self._measure(arm, mp.preset, "shared-prefix", "pagoda", shared_fixed))
+            if "c" not in comps and plan.gantt_s > 0 and out.gantt is None and mp is plan.models[0]:
+                out.gantt = await self._gantt(arm, space)
+        return r.num_requests
+
+    async def _sweep_and_open_loop(self, arm, mp: ModelPlan, space: TokenSpace, mixed: Workload,
+                                   requests_per_s: float, out: ModelResults) -> None:
+        """On the base stack: closed loops at the sweep's other concurrencies, then Poisson
+        arrivals at each load, a fraction of the closed loop's `requests_per_s`."""
+        plan = self.plan
+        for c in mp.sweep:
+            if c == plan.concurrency:
+                continue
+            out.runs.append(await self._measure(arm, mp.preset, "mixed", "pagoda", mixed, concurrency=c,
+                                                duration_s=plan.sweep_duration_s, extra={"sweep": True}))
+        for load in mp.open_loop_loads:
+            rate = load * requests_per_s
+            n = max(1, math.ceil(rate * plan.open_loop_duration_s))
+            requests = Workload("mixed", space, plan.shape, plan.seed + 7, limit=n)
+            out.runs.append(await self._measure(arm, mp.preset, "mixed", f"pagoda@{load:.0%}", requests,
+                                                rate=rate, extra={"load": load}))
+
+    def _other_stacks(self, comps: set[str],
+                      base: EngineSettings) -> list[tuple[str, str, EngineSettings]]:
+        """(comparison, arm name, settings) of each stack besides the base one and prefix-off."""
+        other_arms: list[tuple[str, str, EngineSettings]] = []
+        if "b" in comps:
+            # the base arm runs the default (async): (b) measures the other mode against it
+            other = not base.is_async
+            other_arms.append(("b", "async" if other else "sync", base.with_(async_scheduling=other)))
+        if "c" in comps:
+            other_arms.append(("c", "pp2", base.with_(pipeline_parallel_size=2)))
+        if "e" in comps:
+            budget = self.plan.chunked_budget
+            other_arms.append(("e", "chunked-on", base.with_(max_num_batched_tokens=budget)))
+            other_arms.append(("e", "chunked-off", base.with_(enable_chunked_prefill=False)))
+        return other_arms
+
+    def _compare(self, mp: ModelPlan, base: EngineSettings, out: ModelResults) -> None:
+        """Each of the model's comparisons, in its order, over the runs of its two arms."""
         for key in mp.comparisons:
             spec = COMPARISONS[key]
             if key == "b" and base.is_async:  # the base arm is the async one: sync is the other
@@ -248,7 +279,6 @@ class Runner:
                 out.notes.append(f"({key}) not compared: an arm is missing")
                 continue
             out.comparisons.append(compare(spec, a, b))
-        return out
 
     async def _transformers(self, mp: ModelPlan, model_dir: str, requests) -> RunResult:
         from bench.baseline import run_transformers

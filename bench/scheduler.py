@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from bench.stats import percentile  # noqa: E402
 from services.grpc_utils import aio_channel  # noqa: E402
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from wiring.launcher import Stack, start_stack  # noqa: E402
@@ -114,11 +115,6 @@ class RunResult:
         d["requests_per_s"] = self.requests_per_s
         d["output_tokens_per_s"] = self.output_tokens_per_s
         return d
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -193,7 +189,7 @@ async def grpc_run(stack: Stack, arm: str, repeat: int, work: list[Work], concur
         end_busy_fraction=[s.busy_fraction for s in after.stages],
         num_micro_batches=after.num_micro_batches - before.num_micro_batches,
         num_preemptions=after.num_preemptions - before.num_preemptions,
-        latency_p50_s=percentile(latencies, 0.5), latency_p90_s=percentile(latencies, 0.9),
+        latency_p50_s=percentile(latencies, 50), latency_p90_s=percentile(latencies, 90),
         cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_before},
         outputs=outputs,
     )
@@ -292,7 +288,7 @@ async def local_run(model_dir: Path, arm: str, repeats: list[tuple[int, list[Wor
                 stage_busy_s=busy_s, stage_busy_fraction=[b / wall_s for b in busy_s],
                 num_micro_batches=engine.num_micro_batches - mb_before,
                 num_preemptions=engine.planner.num_preemptions - preempt_before,
-                latency_p50_s=percentile(latencies, 0.5), latency_p90_s=percentile(latencies, 0.9),
+                latency_p50_s=percentile(latencies, 50), latency_p90_s=percentile(latencies, 90),
                 cpu_s=cpu_s, outputs=outputs,
             ))
             r = results[-1]
@@ -439,7 +435,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(checks)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="tiny-model preset")
@@ -464,7 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not (args.grpc or args.local):
         p.error("nothing to run: --no-grpc and --no-local")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(1)  # the in-process engine gets one torch thread, as each worker does
     log(f"making/loading model {args.model} ...")
     model_dir = default_model_dir(cache_dir=args.cache_dir, spec=PRESETS[args.model])
@@ -473,7 +473,29 @@ def main(argv: list[str] | None = None) -> int:
              for r in range(args.repeats)]
     warmup = workload(args.warmup_requests, args.prompt_len, args.output_len, vocab_size, args.seed + 1000)
 
-    report = {
+    report = report_head(args, model_dir, works)
+    t0 = time.perf_counter()
+    results: list[RunResult] = []
+    if args.grpc:
+        results += bench_grpc(model_dir, args, works, warmup)
+    if args.local:
+        results += bench_local(model_dir, args, works, warmup)
+    report["loadavg_end"] = os.getloadavg()
+    report["elapsed_s"] = time.perf_counter() - t0
+    report["runs"] = [r.to_json() for r in results]
+    report["summary"] = summarize(results)
+    problems = find_problems(results)
+    report["problems"] = problems
+    print_report(args, report)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {args.out}")
+    return 1 if problems else 0
+
+
+def report_head(args: argparse.Namespace, model_dir: Path, works: list[list[Work]]) -> dict:
+    """What the report says before the runs: the machine, the workload and the config."""
+    return {
         "machine": machine(),
         "loadavg_start": os.getloadavg(),
         "model": args.model, "model_dir": str(model_dir),
@@ -490,24 +512,20 @@ def main(argv: list[str] | None = None) -> int:
             "max_num_seqs": args.max_num_seqs, "torch_threads_per_stage": 1,
         },
     }
-    t0 = time.perf_counter()
-    results: list[RunResult] = []
-    if args.grpc:
-        results += bench_grpc(model_dir, args, works, warmup)
-    if args.local:
-        results += bench_local(model_dir, args, works, warmup)
-    report["loadavg_end"] = os.getloadavg()
-    report["elapsed_s"] = time.perf_counter() - t0
-    report["runs"] = [r.to_json() for r in results]
-    report["summary"] = summarize(results)
+
+
+def find_problems(results: list[RunResult]) -> list[str]:
+    """Runs short of their expected output tokens; arms whose async_scheduling flag is wrong."""
     bad = [r for r in results if r.num_output_tokens != r.num_expected_output_tokens]
     flags = {(r.arm, r.async_scheduling) for r in results}
     problems = [f"{r.path} {r.arm} repeat {r.repeat}: {r.num_output_tokens} output tokens, "
                 f"expected {r.num_expected_output_tokens}" for r in bad]
     problems += [f"the {arm} arm reports async_scheduling={flag}" for arm, flag in flags
                  if flag != (arm == "async")]
-    report["problems"] = problems
+    return problems
 
+
+def print_report(args: argparse.Namespace, report: dict) -> None:
     m = report["machine"]
     print(f"Model `{args.model}`, PP={NUM_STAGES}, 1 torch thread per stage; {args.num_requests} requests "
           f"(prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]} "
@@ -516,12 +534,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['loadavg_start'][0]:.2f} at start / {report['loadavg_end'][0]:.2f} at end; "
           f"{report['elapsed_s']:.0f} s in all.\n")
     print(markdown(report))
-    for problem in problems:
+    for problem in report["problems"]:
         print(f"PROBLEM: {problem}")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        log(f"wrote {args.out}")
-    return 1 if problems else 0
 
 
 if __name__ == "__main__":

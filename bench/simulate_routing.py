@@ -64,6 +64,7 @@ first `--warmup` of the requests (cold caches) are simulated but not measured.
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import json
 import math
@@ -76,8 +77,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from bench import stats
 from gateway import routing
 from services.prefix_hash import block_keys
+
+# the simulator reports nearest-rank percentiles: always one of the measured values
+percentile = functools.partial(stats.percentile, method="nearest-rank")
 
 SESSION = "session"  # session affinity: choose() with a session key per user
 
@@ -410,105 +415,148 @@ class Replica:
         return done
 
 
-def simulate(policy: str, workload: Workload, config: SimConfig, check: bool = False) -> dict:
-    """Replay `workload` through `policy` (one of routing.POLICIES, or "session"); its metrics."""
-    n = workload.num_replicas
-    index: dict[bytes, set[int]] = {}
-    pending: list[tuple[bytes, int, bool]] = []
+class _RouterIndex:
+    """The router's view of which replicas cache each block key. Only `prefix` reads it: with
+    `exact` it follows every change at once, with `polled` the changes wait for the next poll;
+    for the other policies the replicas report no changes (`listener` is None)."""
 
-    def apply(key: bytes, replica: int, cached: bool) -> None:
+    def __init__(self, policy: str, config: SimConfig) -> None:
+        self.holders: dict[bytes, set[int]] = {}
+        self.pending: list[tuple[bytes, int, bool]] = []
+        self.live = policy == "prefix" and config.index == "exact"
+        self.follows = policy == "prefix" and config.index == "polled"
+
+    def listener(self) -> Callable[[bytes, int, bool], None] | None:
+        return self.apply if self.live else self.defer if self.follows else None
+
+    def apply(self, key: bytes, replica: int, cached: bool) -> None:
         if cached:
-            index.setdefault(key, set()).add(replica)
+            self.holders.setdefault(key, set()).add(replica)
         else:
-            holders = index.get(key)
+            holders = self.holders.get(key)
             if holders is not None:
                 holders.discard(replica)
                 if not holders:
-                    del index[key]
+                    del self.holders[key]
 
-    index_live = policy == "prefix" and config.index == "exact"  # only `prefix` reads the index
-    index_follows = policy == "prefix" and config.index == "polled"
+    def defer(self, key: bytes, replica: int, cached: bool) -> None:
+        self.pending.append((key, replica, cached))
 
-    def defer(key: bytes, replica: int, cached: bool) -> None:
-        pending.append((key, replica, cached))
+    def flush(self) -> None:
+        """Apply the changes deferred since the last poll."""
+        for event in self.pending:
+            self.apply(*event)
+        self.pending.clear()
 
-    on_change = apply if index_live else defer if index_follows else None
-    replicas = [Replica(i, config, on_change) for i in range(n)]
-    states = [routing.ReplicaState(f"r{i}", capacity=config.max_num_seqs) for i in range(n)]
-    by_name = {s.name: i for i, s in enumerate(states)}
-    requests = [replace(r) for r in workload.requests]  # fresh per policy
+    def cached_blocks(self, keys: list[bytes],
+                      states: list[routing.ReplicaState]) -> dict[str, int]:
+        """Per replica holding the first of `keys`: how many of them it holds from the start."""
+        holders = self.holders.get(keys[0], ()) if keys else ()
+        return {states[r].name: routing.leading_hits([r in self.holders.get(k, ()) for k in keys])
+                for r in holders}
 
-    def keys_of(request: Request) -> list[bytes]:
-        return workload.prefix_keys[request.prefix]
 
-    ARRIVAL, STEP, POLL = 0, 1, 2
-    # (time, order, kind, request or replica, the replica's plan version for STEP)
-    events = [(r.arrival_s, i, ARRIVAL, i, 0) for i, r in enumerate(requests)]
-    heapq.heapify(events)
-    seq = len(events)
-    heapq.heappush(events, (0.0, seq, POLL, 0, 0))
-    left = len(requests)
-    choose_policy = "prefix" if policy == SESSION else policy
+ARRIVAL, STEP, POLL = 0, 1, 2  # the kinds of the simulation's events
 
-    def cached_blocks(request: Request) -> dict[str, int]:
-        keys = keys_of(request)[:request.prefix_blocks]
-        holders = index.get(keys[0], ()) if keys else ()
-        return {states[r].name: routing.leading_hits([r in index.get(k, ()) for k in keys]) for r in holders}
 
-    while events:
-        now, _, kind, what, version = heapq.heappop(events)
-        if kind == POLL:
-            if pending:
-                for event in pending:
-                    apply(*event)
-                pending.clear()
-            for replica, state in zip(replicas, states, strict=True):
-                state.waiting, state.running = len(replica.waiting), replica.num_running
-                state.kv_usage = replica.kv_usage
-                if index_follows:
-                    state.cache_fill = replica.cache_fill
-            if left:
-                seq += 1
-                heapq.heappush(events, (now + config.poll_ms / 1000, seq, POLL, 0, 0))
-            continue
-        if kind == ARRIVAL:
-            request = requests[what]
-            cached = cached_blocks(request) if policy == "prefix" else None
-            session = f"{request.tenant}/{request.user}" if policy == SESSION else None
-            choice = routing.choose(choose_policy, states, turn=request.id, cached=cached,
-                                    prompt_blocks=request.prompt_blocks, session=session)
-            target = by_name[choice.name]
-            states[target].in_flight += 1
-            replica = replicas[target]
-            replica.num_requests += 1
-            replica.waiting.append(request)
-            if replica.stepping:
-                end = replica.interrupt(now)
-                if end is not None:
-                    seq += 1
-                    heapq.heappush(events, (end, seq, STEP, target, replica.version))
+class _Simulation:
+    """One policy's replay of a workload: a queue of events (arrivals, the ends of the replicas'
+    steps, the router's polls of their load) over the replicas and the router's view of them
+    (`states`, as `routing.choose` reads them)."""
+
+    def __init__(self, policy: str, workload: Workload, config: SimConfig, check: bool) -> None:
+        n = workload.num_replicas
+        self.policy, self.workload, self.config, self.check = policy, workload, config, check
+        self.choose_policy = "prefix" if policy == SESSION else policy
+        self.index = _RouterIndex(policy, config)
+        self.replicas = [Replica(i, config, self.index.listener()) for i in range(n)]
+        self.states = [routing.ReplicaState(f"r{i}", capacity=config.max_num_seqs)
+                       for i in range(n)]
+        self.by_name = {s.name: i for i, s in enumerate(self.states)}
+        self.requests = [replace(r) for r in workload.requests]  # fresh per policy
+        # (time, order, kind, request or replica, the replica's plan version for STEP)
+        self.events = [(r.arrival_s, i, ARRIVAL, i, 0) for i, r in enumerate(self.requests)]
+        heapq.heapify(self.events)
+        self.seq = len(self.events)
+        heapq.heappush(self.events, (0.0, self.seq, POLL, 0, 0))
+        self.left = len(self.requests)
+
+    def keys_of(self, request: Request) -> list[bytes]:
+        return self.workload.prefix_keys[request.prefix]
+
+    def _push(self, time_s: float, kind: int, what: int, version: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (time_s, self.seq, kind, what, version))
+
+    def run(self) -> None:
+        while self.events:
+            now, _, kind, what, version = heapq.heappop(self.events)
+            if kind == POLL:
+                self._poll(now)
                 continue
-        else:
-            replica = replicas[what]
-            if version != replica.version:
-                continue
-            done = replica.end_step(now, keys_of)
-            states[replica.index].in_flight -= len(done)
-            left -= len(done)
-        end = replica.start_step(now, keys_of)
-        if index_live:  # its cache changes only in steps
-            states[replica.index].cache_fill = replica.cache_fill
-        if check:
+            if kind == ARRIVAL:
+                replica = self._arrive(now, what)
+            else:
+                replica = self._step_ended(now, what, version)
+            if replica is not None:
+                self._start_step(now, replica)
+
+    def _poll(self, now: float) -> None:
+        """The router reads every replica's load (and, with a polled index, the cache changes)."""
+        self.index.flush()
+        for replica, state in zip(self.replicas, self.states, strict=True):
+            state.waiting, state.running = len(replica.waiting), replica.num_running
+            state.kv_usage = replica.kv_usage
+            if self.index.follows:
+                state.cache_fill = replica.cache_fill
+        if self.left:
+            self._push(now + self.config.poll_ms / 1000, POLL, 0)
+
+    def _arrive(self, now: float, i: int) -> Replica | None:
+        """Route request `i`; its replica when that one is idle and must start a step."""
+        request = self.requests[i]
+        keys = self.keys_of(request)[:request.prefix_blocks]
+        cached = self.index.cached_blocks(keys, self.states) if self.policy == "prefix" else None
+        session = f"{request.tenant}/{request.user}" if self.policy == SESSION else None
+        choice = routing.choose(self.choose_policy, self.states, turn=request.id, cached=cached,
+                                prompt_blocks=request.prompt_blocks, session=session)
+        target = self.by_name[choice.name]
+        self.states[target].in_flight += 1
+        replica = self.replicas[target]
+        replica.num_requests += 1
+        replica.waiting.append(request)
+        if not replica.stepping:
+            return replica
+        end = replica.interrupt(now)
+        if end is not None:
+            self._push(end, STEP, target, replica.version)
+        return None
+
+    def _step_ended(self, now: float, i: int, version: int) -> Replica | None:
+        """Replica `i`'s steps end (unless replanned since): it, to start the next."""
+        replica = self.replicas[i]
+        if version != replica.version:
+            return None
+        done = replica.end_step(now, self.keys_of)
+        self.states[replica.index].in_flight -= len(done)
+        self.left -= len(done)
+        return replica
+
+    def _start_step(self, now: float, replica: Replica) -> None:
+        end = replica.start_step(now, self.keys_of)
+        if self.index.live:  # its cache changes only in steps
+            self.states[replica.index].cache_fill = replica.cache_fill
+        if self.check:
             replica.check_integrity()
         if end is not None:
-            seq += 1
-            heapq.heappush(events, (end, seq, STEP, replica.index, replica.version))
-    return measure(policy, requests, replicas, config)
+            self._push(end, STEP, replica.index, replica.version)
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile of sorted `values`."""
-    return values[min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))]
+def simulate(policy: str, workload: Workload, config: SimConfig, check: bool = False) -> dict:
+    """Replay `workload` through `policy` (one of routing.POLICIES, or "session"); its metrics."""
+    sim = _Simulation(policy, workload, config, check)
+    sim.run()
+    return measure(policy, sim.requests, sim.replicas, config)
 
 
 def jain(values: list[float]) -> float:

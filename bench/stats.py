@@ -15,14 +15,19 @@ from dataclasses import asdict, dataclass, field
 PERCENTILES = (50, 90, 99)
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation between order statistics
-    (numpy's default); None for no values."""
+def percentile(values: Sequence[float], q: float, method: str = "linear") -> float | None:
+    """The q-th percentile (0..100) of `values`; None for no values. `linear` interpolates
+    between order statistics (numpy's default); `nearest-rank` is the smallest value with at
+    least q% of the values at or below it (always one of the values)."""
     if not 0 <= q <= 100:
         raise ValueError(f"q: must be in [0, 100], got {q}")
     if not values:
         return None
     xs = sorted(values)
+    if method == "nearest-rank":
+        return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
+    if method != "linear":
+        raise ValueError(f"method: 'linear' or 'nearest-rank', got {method!r}")
     pos = (len(xs) - 1) * q / 100
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)

@@ -49,7 +49,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +64,11 @@ from bench.vs_vllm import (
     LoadSpec,
     Paths,
     Server,
+    ServerRun,
     free_port,
     git_state,
     make_server,
+    run_on_server,
 )
 
 DEFAULT_Q4_1 = Path.home() / ".cache" / "pagoda" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -266,23 +269,12 @@ def stream_texts(folder: Path, count: int, length: int, seed: int) -> list[str]:
     return [tok.decode(ids) for ids in prompts_for(seed, count, length)]
 
 
-def with_server(server: Server, timeout_s: float, work: Any) -> tuple[Any, float | None,
-                                                                     list[int], str | None]:
-    """Start, wait healthy, run `work(base_url)`, stop; (result, startup s, survivors, error)."""
-    result, startup, error = None, None, None
+def with_server(server: Server, work: Callable[[str], Any],
+                wait_healthy: Callable[[float], float] | None = None) -> ServerRun:
+    """`run_on_server` with this benchmark's 300 s to start and its progress lines."""
     print(f"  starting {server.name}: {shlex.join(server.cmd)}", flush=True)
-    try:
-        server.start()
-        startup = server.wait_healthy(timeout_s)
-        result = work(server.base_url)
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc or '(no message)'}"
-        print(f"  {server.name}: FAILED: {error[:500]}", flush=True)
-    finally:
-        survivors = server.stop()
-        print(f"  {server.name}: stopped; " + (f"ALIVE: {survivors}" if survivors
-                                                 else "no process left"), flush=True)
-    return result, startup, survivors, error
+    return run_on_server(server, 300, work, wait_healthy=wait_healthy, error_chars=500,
+                         alive_note="stopped; ALIVE")
 
 
 def llama_server(python: Path, model: Path, run_dir: Path) -> Server:
@@ -402,6 +394,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@dataclass(frozen=True)
+class Load:
+    """What every file's arms run: the prompt ids (1 warm-up + the repeats), the text prompts
+    of the concurrent streams (none: no such run) and the tokens to generate."""
+
+    prompts: list[list[int]]
+    texts: list[str]
+    n_out: int
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.run_dir.mkdir(parents=True, exist_ok=True)
@@ -415,109 +417,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     has_server = args.streams > 0 and llama_has_server(args.llama_python)
     texts = (stream_texts(args.tokenizer_dir, args.streams, args.prompt_len, args.seed + 1)
              if args.streams > 0 else [])
-    n_out = args.max_tokens
+    load = Load(prompts, texts, args.max_tokens)
     paths = Paths(DEFAULT_ANCHOR, args.run_dir.resolve(), args.tokenizer_dir)
-    files: list[dict[str, Any]] = []
-    for model in args.files:
-        name = model.stem.split(".")[-1].lower() if "." in model.stem else model.stem
-        f: dict[str, Any] = {"name": name, "path": str(model), "file_bytes": model.stat().st_size,
-                             "errors": {}, "notes": []}
-        files.append(f)
-        print(f"[{name}] {model}", flush=True)
-        if "llama" in args.arm_set:
-            try:
-                f["llama"] = run_llama(args.llama_python, model, prompts, n_out)
-                f["weight_bytes"] = f["llama"]["model_size_bytes"]
-                print(f"  llama.cpp: decode {f['llama']['decode_tok_s']:.1f} tok/s, prefill "
-                      f"{f['llama']['prefill_tok_s']:.0f} tok/s, "
-                      f"{f['weight_bytes']:,} tensor bytes", flush=True)
-            except Exception as exc:
-                f["errors"]["llama"] = f"{type(exc).__name__}: {exc}"
-                print(f"  llama.cpp: FAILED: {exc}", flush=True)
-        if "weight_bytes" not in f:
-            try:
-                from worker_svc.gguf_checkpoint import GGUFCheckpoint
-
-                f["weight_bytes"] = GGUFCheckpoint(model).tensor_bytes()
-            except Exception as exc:  # noqa: BLE001 - only the share needs it
-                f["notes"].append(f"no tensor bytes: {exc}")
-        if "pagoda-inproc" in args.arm_set:
-            try:
-                f["pagoda_inproc"] = run_inproc(model, prompts, n_out)
-                bad = [r["tokens"] for r in f["pagoda_inproc"]["runs"] if r["tokens"] != n_out]
-                if bad:
-                    f["notes"].append(f"pagoda-inproc output lengths {bad}, not {n_out}")
-                print(f"  pagoda in-process: decode {_f(f['pagoda_inproc']['decode_tok_s'])} tok/s",
-                      flush=True)
-            except Exception as exc:
-                f["errors"]["pagoda_inproc"] = f"{type(exc).__name__}: {exc}"
-                print(f"  pagoda in-process: FAILED: {exc}", flush=True)
-        if "pagoda-serve" in args.arm_set:
-            arm = ArmSpec("pagoda", model, None, f"pagoda-{name}")
-            server = make_server(arm, paths, shlex.split(args.pagoda_args), [])
-            f["pagoda_serve_command"] = server.cmd
-
-            def work(url: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
-                single = asyncio.run(pagoda_single(url, prompts, n_out))
-                streams = None
-                if texts:
-                    def body(text: str) -> dict[str, Any]:
-                        return {"model": SERVED, "prompt": text, "max_tokens": n_out,
-                                "temperature": 0.0, "ignore_eos": True, "stream": True,
-                                "stream_options": {"include_usage": True}}
-                    streams = asyncio.run(concurrent_streams(f"{url}/v1/completions", body,
-                                                             texts, n_out))
-                return single, streams
-
-            res, startup, survivors, error = with_server(server, 300, work)
-            f["pagoda_serve_startup_s"], f["pagoda_serve_survivors"] = startup, survivors
-            if error:
-                f["errors"]["pagoda_serve"] = error
-            if res:
-                f["pagoda_serve"], f["pagoda_serve_streams"] = res
-                if res[0]["length_mismatches"]:
-                    f["notes"].append(f"pagoda-serve lengths {res[0]['length_mismatches']}")
-                if res[1] and res[1]["length_mismatches"]:
-                    f["notes"].append(f"pagoda 16-stream lengths {res[1]['length_mismatches']}")
-                print(f"  pagoda serve: decode {_f(res[0]['decode_tok_s'])} tok/s; "
-                      + (f"{len(texts)} streams {res[1]['aggregate_tok_s']:.1f} tok/s"
-                         if res[1] else ""), flush=True)
-        if texts and "llama" in args.arm_set:
-            if not has_server:
-                f["notes"].append("llama-cpp-python [server] extra not installed: no llama.cpp "
-                                  "concurrent-stream run")
-            else:
-                srv = llama_server(args.llama_python, model, args.run_dir.resolve())
-                f["llama_server_command"] = srv.cmd
-
-                def lwork(url: str) -> dict[str, Any]:
-                    def body(text: str) -> dict[str, Any]:
-                        return {"model": SERVED, "prompt": text, "max_tokens": n_out,
-                                "min_tokens": n_out, "temperature": 0.0, "stream": True}
-                    return asyncio.run(concurrent_streams(f"{url}/v1/completions", body,
-                                                          texts, n_out))
-
-                srv.wait_healthy = lambda timeout_s, s=srv: health_wait_llama(s, timeout_s)  # type: ignore[method-assign]
-                res, startup, survivors, error = with_server(srv, 300, lwork)
-                f["llama_server_startup_s"], f["llama_server_survivors"] = startup, survivors
-                if error:
-                    f["errors"]["llama_streams"] = error
-                if res:
-                    f["llama_streams"] = res
-                    if res["length_mismatches"]:
-                        f["notes"].append(f"llama.cpp 16-stream lengths {res['length_mismatches']}")
-                    print(f"  llama.cpp server: {len(texts)} streams "
-                          f"{res['aggregate_tok_s']:.1f} tok/s", flush=True)
+    files = [run_file(model, args, paths, load, has_server) for model in args.files]
     print("bandwidth again ...", flush=True)
     bw_end = measure_bandwidth()
     bw = max(bw_start["best_gb_s"], bw_end["best_gb_s"])
     for f in files:
-        f["bw_share"] = {arm: share((f.get(arm) or {}).get("decode_tok_s"), f.get("weight_bytes"), bw)
-                         for arm in ("llama", "pagoda_serve", "pagoda_inproc")}
-        ref = (f.get("llama") or {}).get("decode_tok_s")
-        f["ratio_vs_llama_decode"] = {
-            arm: ((f.get(arm) or {}).get("decode_tok_s") or 0) / ref if ref else None
-            for arm in ("pagoda_serve", "pagoda_inproc")}
+        add_ratios(f, bw)
     text = table(files, bw)
     print()
     print(text)
@@ -526,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": [sys.executable, "-m", "bench.vs_llama_cpp", *(argv or sys.argv[1:])],
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "pagoda_source": git_state(REPO_ROOT),
-        "load": {"prompt_len": args.prompt_len, "max_tokens": n_out, "repeats": args.repeats,
+        "load": {"prompt_len": args.prompt_len, "max_tokens": load.n_out, "repeats": args.repeats,
                  "streams": args.streams, "seed": args.seed},
         "bandwidth": {"start": bw_start, "end": bw_end, "used_gb_s": bw},
         "files": files, "table": text,
@@ -535,6 +442,135 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 1 if any(f["errors"] for f in files) else 0
+
+
+def run_file(model: Path, args: argparse.Namespace, paths: Paths, load: Load,
+             has_server: bool) -> dict[str, Any]:
+    """Every arm of `args.arm_set` on one GGUF file, in turn; the file's record."""
+    name = model.stem.split(".")[-1].lower() if "." in model.stem else model.stem
+    f: dict[str, Any] = {"name": name, "path": str(model), "file_bytes": model.stat().st_size,
+                         "errors": {}, "notes": []}
+    print(f"[{name}] {model}", flush=True)
+    if "llama" in args.arm_set:
+        llama_arm(f, args.llama_python, model, load)
+    if "weight_bytes" not in f:
+        try:
+            from worker_svc.gguf_checkpoint import GGUFCheckpoint
+
+            f["weight_bytes"] = GGUFCheckpoint(model).tensor_bytes()
+        except Exception as exc:  # noqa: BLE001 - only the share needs it
+            f["notes"].append(f"no tensor bytes: {exc}")
+    if "pagoda-inproc" in args.arm_set:
+        inproc_arm(f, model, load)
+    if "pagoda-serve" in args.arm_set:
+        serve_arm(f, model, paths, shlex.split(args.pagoda_args), load)
+    if load.texts and "llama" in args.arm_set:
+        if not has_server:
+            f["notes"].append("llama-cpp-python [server] extra not installed: no llama.cpp "
+                              "concurrent-stream run")
+        else:
+            llama_streams_arm(f, args.llama_python, model, args.run_dir.resolve(), load)
+    return f
+
+
+def llama_arm(f: dict[str, Any], python: Path, model: Path, load: Load) -> None:
+    """llama-cpp-python, single stream: `f["llama"]` and the file's tensor bytes."""
+    try:
+        f["llama"] = run_llama(python, model, load.prompts, load.n_out)
+        f["weight_bytes"] = f["llama"]["model_size_bytes"]
+        print(f"  llama.cpp: decode {f['llama']['decode_tok_s']:.1f} tok/s, prefill "
+              f"{f['llama']['prefill_tok_s']:.0f} tok/s, "
+              f"{f['weight_bytes']:,} tensor bytes", flush=True)
+    except Exception as exc:
+        f["errors"]["llama"] = f"{type(exc).__name__}: {exc}"
+        print(f"  llama.cpp: FAILED: {exc}", flush=True)
+
+
+def inproc_arm(f: dict[str, Any], model: Path, load: Load) -> None:
+    """Pagoda's in-process engine, single stream: `f["pagoda_inproc"]`."""
+    n_out = load.n_out
+    try:
+        f["pagoda_inproc"] = run_inproc(model, load.prompts, n_out)
+        bad = [r["tokens"] for r in f["pagoda_inproc"]["runs"] if r["tokens"] != n_out]
+        if bad:
+            f["notes"].append(f"pagoda-inproc output lengths {bad}, not {n_out}")
+        print(f"  pagoda in-process: decode {_f(f['pagoda_inproc']['decode_tok_s'])} tok/s",
+              flush=True)
+    except Exception as exc:
+        f["errors"]["pagoda_inproc"] = f"{type(exc).__name__}: {exc}"
+        print(f"  pagoda in-process: FAILED: {exc}", flush=True)
+
+
+def serve_arm(f: dict[str, Any], model: Path, paths: Paths, pagoda_args: list[str],
+              load: Load) -> None:
+    """`pagoda serve`: the single stream, then the concurrent streams, on one server."""
+    arm = ArmSpec("pagoda", model, None, f"pagoda-{f['name']}")
+    server = make_server(arm, paths, pagoda_args, [])
+    f["pagoda_serve_command"] = server.cmd
+    n_out, texts = load.n_out, load.texts
+
+    def work(url: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        single = asyncio.run(pagoda_single(url, load.prompts, n_out))
+        streams = None
+        if texts:
+            def body(text: str) -> dict[str, Any]:
+                return {"model": SERVED, "prompt": text, "max_tokens": n_out,
+                        "temperature": 0.0, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}
+            streams = asyncio.run(concurrent_streams(f"{url}/v1/completions", body,
+                                                     texts, n_out))
+        return single, streams
+
+    run = with_server(server, work)
+    f["pagoda_serve_startup_s"], f["pagoda_serve_survivors"] = run.startup_s, run.survivors
+    if run.error:
+        f["errors"]["pagoda_serve"] = run.error
+    res = run.result
+    if res:
+        f["pagoda_serve"], f["pagoda_serve_streams"] = res
+        if res[0]["length_mismatches"]:
+            f["notes"].append(f"pagoda-serve lengths {res[0]['length_mismatches']}")
+        if res[1] and res[1]["length_mismatches"]:
+            f["notes"].append(f"pagoda 16-stream lengths {res[1]['length_mismatches']}")
+        print(f"  pagoda serve: decode {_f(res[0]['decode_tok_s'])} tok/s; "
+              + (f"{len(texts)} streams {res[1]['aggregate_tok_s']:.1f} tok/s"
+                 if res[1] else ""), flush=True)
+
+
+def llama_streams_arm(f: dict[str, Any], python: Path, model: Path, run_dir: Path,
+                      load: Load) -> None:
+    """llama-cpp-python's server, the concurrent streams: `f["llama_streams"]`."""
+    srv = llama_server(python, model, run_dir)
+    f["llama_server_command"] = srv.cmd
+    n_out, texts = load.n_out, load.texts
+
+    def work(url: str) -> dict[str, Any]:
+        def body(text: str) -> dict[str, Any]:
+            return {"model": SERVED, "prompt": text, "max_tokens": n_out,
+                    "min_tokens": n_out, "temperature": 0.0, "stream": True}
+        return asyncio.run(concurrent_streams(f"{url}/v1/completions", body, texts, n_out))
+
+    run = with_server(srv, work, wait_healthy=lambda timeout_s: health_wait_llama(srv, timeout_s))
+    f["llama_server_startup_s"], f["llama_server_survivors"] = run.startup_s, run.survivors
+    if run.error:
+        f["errors"]["llama_streams"] = run.error
+    res = run.result
+    if res:
+        f["llama_streams"] = res
+        if res["length_mismatches"]:
+            f["notes"].append(f"llama.cpp 16-stream lengths {res['length_mismatches']}")
+        print(f"  llama.cpp server: {len(texts)} streams "
+              f"{res['aggregate_tok_s']:.1f} tok/s", flush=True)
+
+
+def add_ratios(f: dict[str, Any], bw: float) -> None:
+    """Each arm's decode as a share of the bandwidth bound, and Pagoda's over llama.cpp's."""
+    f["bw_share"] = {arm: share((f.get(arm) or {}).get("decode_tok_s"), f.get("weight_bytes"), bw)
+                     for arm in ("llama", "pagoda_serve", "pagoda_inproc")}
+    ref = (f.get("llama") or {}).get("decode_tok_s")
+    f["ratio_vs_llama_decode"] = {
+        arm: ((f.get(arm) or {}).get("decode_tok_s") or 0) / ref if ref else None
+        for arm in ("pagoda_serve", "pagoda_inproc")}
 
 
 if __name__ == "__main__":

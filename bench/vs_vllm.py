@@ -70,7 +70,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,6 +235,44 @@ class Server:
             pass
         time.sleep(0.5)
         return sorted(pid for pid, start in self.seen if _alive((pid, start)))
+
+
+@dataclass
+class ServerRun:
+    """What `run_on_server` saw: the work's result (None when anything failed), the seconds
+    the server took to be healthy, the pids still alive after the stop, and the failure."""
+
+    result: Any = None
+    startup_s: float | None = None
+    survivors: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+def run_on_server(server: Server, timeout_s: float, work: Callable[[str], Any], *,
+                  wait_healthy: Callable[[float], float] | None = None,
+                  say_healthy: bool = False, error_chars: int | None = None,
+                  alive_note: str = "processes still alive after SIGKILL") -> ServerRun:
+    """Start `server`, wait until it is healthy (`wait_healthy`, default its own
+    `wait_healthy`), run `work(base_url)`, then stop it whatever happened and report the
+    processes left. A failure is printed and returned, not raised, so the other arms still
+    run. `say_healthy` prints the startup time; `error_chars` cuts the printed failure."""
+    run = ServerRun()
+    try:
+        server.start()
+        run.startup_s = (wait_healthy or server.wait_healthy)(timeout_s)
+        if say_healthy:
+            print(f"  {server.name}: healthy after {run.startup_s:.1f}s", flush=True)
+        run.result = work(server.base_url)
+    except Exception as exc:
+        run.error = f"{type(exc).__name__}: {exc or '(no message)'}"
+        print(f"  {server.name}: FAILED: {run.error[:error_chars]}", flush=True)
+    finally:
+        run.survivors = server.stop()
+        if run.survivors:
+            print(f"  {server.name}: {alive_note}: {run.survivors}", flush=True)
+        else:
+            print(f"  {server.name}: stopped; no process left", flush=True)
+    return run
 
 
 # ---------------------------------------------------------------- arms
@@ -492,95 +530,132 @@ class ArmResult:
     log: str = ""
 
 
+class _Phase:
+    """The phase of `measure` under way and when it began, for the message of a failure."""
+
+    def __init__(self, name: str) -> None:
+        self.begin(name)
+
+    def begin(self, name: str) -> None:
+        self.name, self.t0 = name, time.perf_counter()
+
+
 async def measure(server: Server, spec: LoadSpec, result: ArmResult, say: Any) -> None:
     client = Client(server.base_url, spec)
-    phase = "warm-up"
-    t_phase = time.perf_counter()
+    phase = _Phase("warm-up")
     try:
-        warm = make_prompts(spec, spec.warmup_requests + 1, stream=0)
-        check(await asyncio.gather(*(client.complete(p) for p in warm[:-1])), spec.max_tokens)
-        check([await client.complete(warm[-1])], spec.max_tokens)
-        say(f"  {server.name}: warmed up with {len(warm)} requests")
-
-        for c in spec.bursts:
-            tok_s: list[float] = []
-            for i in range(spec.throughput_repeats):
-                phase, t_phase = f"throughput burst {i + 1} at {c}", time.perf_counter()
-                # the first concurrency keeps the streams of the old single-burst runs
-                offset = 10 if c == spec.bursts[0] else 1000 + 10 * c
-                prompts = make_prompts(spec, c, stream=offset + i)
-                before = cpu_sample([os.getpid(), *server.pids()])
-                t0 = time.perf_counter()
-                replies = await asyncio.gather(*(client.complete(p) for p in prompts))
-                wall = time.perf_counter() - t0
-                after = cpu_sample([os.getpid(), *server.pids()])
-                check(replies, spec.max_tokens)
-                tokens = sum(r.completion_tokens for r in replies)
-                run = {"concurrency": float(c), "wall_s": wall, "completion_tokens": float(tokens),
-                       "output_tok_s": tokens / wall,
-                       "mean_request_s": statistics.fmean(r.e2e_s for r in replies),
-                       "foreign_cpu": foreign_cpu(before, after, os.cpu_count() or 1)}
-                result.throughput_runs.append(run)
-                tok_s.append(tokens / wall)
-                say(f"  {server.name}: burst {i + 1}: {c} x {spec.max_tokens} tokens "
-                    f"in {wall:.2f}s = {tokens / wall:,.0f} tok/s")
-            if tok_s:
-                result.throughput_by_concurrency[str(c)] = statistics.median(tok_s)
-        result.throughput_tok_s = result.throughput_by_concurrency.get(str(spec.bursts[0]))
-
+        await _warm_up(client, spec, server.name, say)
+        await _throughput(client, server, spec, result, say, phase)
         if spec.latency_repeats > 0:
-            phase, t_phase = "latency", time.perf_counter()
-            lat_prompts = make_prompts(spec, spec.latency_repeats + 1, stream=100)
-            check([await client.complete(lat_prompts[0])], spec.max_tokens)  # warm-up
-            for p in lat_prompts[1:]:
-                reply = await client.complete(p)
-                check([reply], spec.max_tokens)
-                result.latency_runs_s.append(reply.e2e_s)
-            result.latency_e2e_s = statistics.median(result.latency_runs_s)
-            result.latency_tpot_s = result.latency_e2e_s / spec.max_tokens
-            say(f"  {server.name}: one request alone: median {result.latency_e2e_s:.3f}s")
-
+            phase.begin("latency")
+            await _latency(client, spec, result, server.name, say)
         if spec.stream_repeats > 0:
-            phase, t_phase = "streamed latency", time.perf_counter()
-            st_prompts = make_prompts(spec, spec.stream_repeats + 1, stream=200)
-            check([await client.complete_streamed(st_prompts[0])], spec.max_tokens)  # warm-up
-            streamed = [await client.complete_streamed(p) for p in st_prompts[1:]]
-            check(streamed, spec.max_tokens)
-            result.stream_runs = [{"e2e_s": r.e2e_s, "ttft_s": r.ttft_s, "itl_s": r.itl_s}
-                                  for r in streamed]
-            ttfts = [r.ttft_s for r in streamed if r.ttft_s is not None]
-            itls = [r.itl_s for r in streamed if r.itl_s is not None]
-            result.ttft_s = statistics.median(ttfts) if ttfts else None
-            result.itl_s = statistics.median(itls) if itls else None
-
+            phase.begin("streamed latency")
+            await _streamed_latency(client, spec, result)
         if spec.single_repeats > 0:
-            phase, t_phase = "single stream", time.perf_counter()
-            n_out = spec.single_max_tokens
-            ss_prompts = make_prompts(spec, spec.single_repeats + 1, stream=300,
-                                      length=spec.single_prompt_len)
-            check([await client.complete_streamed(ss_prompts[0], n_out)], n_out)  # warm-up
-            singles = [await client.complete_streamed(p, n_out) for p in ss_prompts[1:]]
-            check(singles, n_out)
-            result.single_runs = [
-                {"e2e_s": r.e2e_s, "ttft_s": r.ttft_s, "itl_s": r.itl_s,
-                 "completion_tokens": float(r.completion_tokens),
-                 "decode_tok_s": 1.0 / r.itl_s if r.itl_s else None,
-                 "e2e_tok_s": r.completion_tokens / r.e2e_s}
-                for r in singles]
-            dec = [float(r["decode_tok_s"]) for r in result.single_runs if r["decode_tok_s"]]
-            result.single_decode_tok_s = statistics.median(dec) if dec else None
-            result.single_e2e_tok_s = statistics.median(
-                float(r["e2e_tok_s"] or 0.0) for r in result.single_runs)
-            ttfts = [r.ttft_s for r in singles if r.ttft_s is not None]
-            result.single_ttft_s = statistics.median(ttfts) if ttfts else None
-            say(f"  {server.name}: single stream {spec.single_prompt_len} -> {n_out}: "
-                f"decode {_fmt(result.single_decode_tok_s, digits=1)} tok/s, "
-                f"TTFT {_fmt(result.single_ttft_s, 1e3, 1)} ms")
+            phase.begin("single stream")
+            await _single_stream(client, spec, result, server.name, say)
     except Exception as exc:
-        raise RuntimeError(f"{phase}, after {time.perf_counter() - t_phase:.0f}s: "
+        raise RuntimeError(f"{phase.name}, after {time.perf_counter() - phase.t0:.0f}s: "
                            f"{type(exc).__name__}: {exc or '(no message)'}") from exc
     finally:
         await client.close()
+
+
+async def _warm_up(client: Client, spec: LoadSpec, name: str, say: Any) -> None:
+    warm = make_prompts(spec, spec.warmup_requests + 1, stream=0)
+    check(await asyncio.gather(*(client.complete(p) for p in warm[:-1])), spec.max_tokens)
+    check([await client.complete(warm[-1])], spec.max_tokens)
+    say(f"  {name}: warmed up with {len(warm)} requests")
+
+
+async def _throughput(client: Client, server: Server, spec: LoadSpec, result: ArmResult,
+                      say: Any, phase: _Phase) -> None:
+    """`spec.throughput_repeats` bursts at each concurrency: the median output tok/s of each."""
+    for c in spec.bursts:
+        tok_s: list[float] = []
+        for i in range(spec.throughput_repeats):
+            phase.begin(f"throughput burst {i + 1} at {c}")
+            # the first concurrency keeps the streams of the old single-burst runs
+            offset = 10 if c == spec.bursts[0] else 1000 + 10 * c
+            run = await _burst(client, server, spec, make_prompts(spec, c, stream=offset + i))
+            result.throughput_runs.append(run)
+            tok_s.append(run["output_tok_s"])
+            say(f"  {server.name}: burst {i + 1}: {c} x {spec.max_tokens} tokens "
+                f"in {run['wall_s']:.2f}s = {run['output_tok_s']:,.0f} tok/s")
+        if tok_s:
+            result.throughput_by_concurrency[str(c)] = statistics.median(tok_s)
+    result.throughput_tok_s = result.throughput_by_concurrency.get(str(spec.bursts[0]))
+
+
+async def _burst(client: Client, server: Server, spec: LoadSpec,
+                 prompts: list[list[int]]) -> dict[str, float | None]:
+    """All `prompts` in flight at once; the burst's figures and the cores others used."""
+    before = cpu_sample([os.getpid(), *server.pids()])
+    t0 = time.perf_counter()
+    replies = await asyncio.gather(*(client.complete(p) for p in prompts))
+    wall = time.perf_counter() - t0
+    after = cpu_sample([os.getpid(), *server.pids()])
+    check(replies, spec.max_tokens)
+    tokens = sum(r.completion_tokens for r in replies)
+    return {"concurrency": float(len(prompts)), "wall_s": wall, "completion_tokens": float(tokens),
+            "output_tok_s": tokens / wall,
+            "mean_request_s": statistics.fmean(r.e2e_s for r in replies),
+            "foreign_cpu": foreign_cpu(before, after, os.cpu_count() or 1)}
+
+
+async def _latency(client: Client, spec: LoadSpec, result: ArmResult, name: str,
+                   say: Any) -> None:
+    """One request alone, after one warm-up: the median end-to-end seconds."""
+    lat_prompts = make_prompts(spec, spec.latency_repeats + 1, stream=100)
+    check([await client.complete(lat_prompts[0])], spec.max_tokens)  # warm-up
+    for p in lat_prompts[1:]:
+        reply = await client.complete(p)
+        check([reply], spec.max_tokens)
+        result.latency_runs_s.append(reply.e2e_s)
+    result.latency_e2e_s = statistics.median(result.latency_runs_s)
+    result.latency_tpot_s = result.latency_e2e_s / spec.max_tokens
+    say(f"  {name}: one request alone: median {result.latency_e2e_s:.3f}s")
+
+
+async def _streamed_latency(client: Client, spec: LoadSpec, result: ArmResult) -> None:
+    """One streamed request alone, after one warm-up: the median TTFT and inter-token time."""
+    st_prompts = make_prompts(spec, spec.stream_repeats + 1, stream=200)
+    check([await client.complete_streamed(st_prompts[0])], spec.max_tokens)  # warm-up
+    streamed = [await client.complete_streamed(p) for p in st_prompts[1:]]
+    check(streamed, spec.max_tokens)
+    result.stream_runs = [{"e2e_s": r.e2e_s, "ttft_s": r.ttft_s, "itl_s": r.itl_s}
+                          for r in streamed]
+    ttfts = [r.ttft_s for r in streamed if r.ttft_s is not None]
+    itls = [r.itl_s for r in streamed if r.itl_s is not None]
+    result.ttft_s = statistics.median(ttfts) if ttfts else None
+    result.itl_s = statistics.median(itls) if itls else None
+
+
+async def _single_stream(client: Client, spec: LoadSpec, result: ArmResult, name: str,
+                         say: Any) -> None:
+    """One stream alone, `single_prompt_len` -> `single_max_tokens`: median decode tok/s."""
+    n_out = spec.single_max_tokens
+    ss_prompts = make_prompts(spec, spec.single_repeats + 1, stream=300,
+                              length=spec.single_prompt_len)
+    check([await client.complete_streamed(ss_prompts[0], n_out)], n_out)  # warm-up
+    singles = [await client.complete_streamed(p, n_out) for p in ss_prompts[1:]]
+    check(singles, n_out)
+    result.single_runs = [
+        {"e2e_s": r.e2e_s, "ttft_s": r.ttft_s, "itl_s": r.itl_s,
+         "completion_tokens": float(r.completion_tokens),
+         "decode_tok_s": 1.0 / r.itl_s if r.itl_s else None,
+         "e2e_tok_s": r.completion_tokens / r.e2e_s}
+        for r in singles]
+    dec = [float(r["decode_tok_s"]) for r in result.single_runs if r["decode_tok_s"]]
+    result.single_decode_tok_s = statistics.median(dec) if dec else None
+    result.single_e2e_tok_s = statistics.median(
+        float(r["e2e_tok_s"] or 0.0) for r in result.single_runs)
+    ttfts = [r.ttft_s for r in singles if r.ttft_s is not None]
+    result.single_ttft_s = statistics.median(ttfts) if ttfts else None
+    say(f"  {name}: single stream {spec.single_prompt_len} -> {n_out}: "
+        f"decode {_fmt(result.single_decode_tok_s, digits=1)} tok/s, "
+        f"TTFT {_fmt(result.single_ttft_s, 1e3, 1)} ms")
 
 
 def run_arm(spec_arm: ArmSpec, paths: Paths, spec: LoadSpec,
@@ -591,24 +666,15 @@ def run_arm(spec_arm: ArmSpec, paths: Paths, spec: LoadSpec,
     arm = spec_arm.label
     result = ArmResult(arm, server.cmd, kind=spec_arm.kind, model=str(spec_arm.model),
                        dtype=spec_arm.dtype, log=str(server.log_path))
-    say = print
-    say(f"[{arm}] starting: {shlex.join(server.cmd)}", flush=True)
-    try:
-        server.start()
-        timeout = (args.vllm_startup_timeout if spec_arm.kind == "vllm"
-                   else args.pagoda_startup_timeout)
-        result.startup_s = server.wait_healthy(timeout)
-        say(f"  {arm}: healthy after {result.startup_s:.1f}s", flush=True)
-        asyncio.run(measure(server, spec, result, lambda m: say(m, flush=True)))
-    except Exception as exc:  # one arm's failure is reported; the others still run
-        result.error = f"{type(exc).__name__}: {exc or '(no message)'}"
-        say(f"  {arm}: FAILED: {result.error}", flush=True)
-    finally:
-        result.survivors = server.stop()
-        if result.survivors:
-            say(f"  {arm}: processes still alive after SIGKILL: {result.survivors}", flush=True)
-        else:
-            say(f"  {arm}: stopped; no process left", flush=True)
+    print(f"[{arm}] starting: {shlex.join(server.cmd)}", flush=True)
+    timeout = (args.vllm_startup_timeout if spec_arm.kind == "vllm"
+               else args.pagoda_startup_timeout)
+
+    def work(_: str) -> None:  # `measure` fills `result` as it goes: a failure keeps the rest
+        asyncio.run(measure(server, spec, result, lambda m: print(m, flush=True)))
+
+    run = run_on_server(server, timeout, work, say_healthy=True)
+    result.startup_s, result.survivors, result.error = run.startup_s, run.survivors, run.error
     return result
 
 
