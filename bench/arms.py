@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bench.clients import HttpClient, InProcessClient, SchedulerClient
 from bench.stats import ServiceSnapshot
+from services.defaults import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,10 @@ class EngineSettings:
     async_scheduling: bool | None = None  # None: the server's default (async)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 256
     num_kv_blocks: int = 2048
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     total_threads: int = 2
 
     def __post_init__(self) -> None:
@@ -54,17 +55,20 @@ class EngineSettings:
     def with_(self, **changes) -> EngineSettings:
         return replace(self, **changes)
 
-    def scheduler_flags(self) -> list[str]:
-        def flag(name: str, on: bool) -> str:
-            return f"--{name}" if on else f"--no-{name}"
+    def service_flags(self) -> dict[str, list[str]]:
+        """This arm's settings as `pagoda serve` takes them, then what serve passes on to each
+        service (the settings schema: wiring/flags.py), so an arm's stack is what serve starts."""
+        from wiring.cli import build_parser
+        from wiring.flags import flag_args
+        from wiring.serve import passed_flags, serve_settings
 
-        return [
-            *([] if self.async_scheduling is None else [flag("async-scheduling", self.async_scheduling)]),
-            flag("enable-chunked-prefill", self.enable_chunked_prefill),
-            flag("enable-prefix-caching", self.enable_prefix_caching),
-            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-            "--max-num-seqs", str(self.max_num_seqs),
-        ]
+        declared = {b.setting.name: b.setting for b in serve_settings()}
+        argv = ["serve"]
+        for name in ("async_scheduling", "enable_chunked_prefill", "enable_prefix_caching",
+                     "max_num_batched_tokens", "max_num_seqs"):
+            argv += flag_args(declared[name], getattr(self, name))
+        args = build_parser().parse_args(argv)
+        return {service: passed_flags(args, service) for service in ("scheduler", "worker", "kvcache")}
 
     def describe(self) -> str:
         return (f"PP={self.pipeline_parallel_size} x {self.threads_per_stage} thread(s), "
@@ -124,14 +128,13 @@ class StackArm:
         t0 = time.perf_counter()
         s = self.settings
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        # the KV service reads its prefix-cache switch from PAGODA_ENABLE_PREFIX_CACHING
-        # (start_stack does not pass the scheduler's flag on): set both
-        env = {"PAGODA_ENABLE_PREFIX_CACHING": "1" if s.enable_prefix_caching else "0",
-               "TOKENIZERS_PARALLELISM": "false"}
+        env = {"TOKENIZERS_PARALLELISM": "false"}
+        flags = s.service_flags()
         self.stack = await asyncio.to_thread(
             start_stack, self.model_dir, num_stages=s.pipeline_parallel_size,
             num_kv_blocks=s.num_kv_blocks, block_size=s.block_size, log_dir=self.log_dir,
-            scheduler_args=s.scheduler_flags(), env=env, threads_per_worker=s.threads_per_stage,
+            scheduler_args=flags["scheduler"], worker_args=flags["worker"], kvcache_args=flags["kvcache"],
+            env=env, threads_per_worker=s.threads_per_stage,
         )
         self.stats = SchedulerClient(self.stack.scheduler_address)
         if self.driver == "http":
