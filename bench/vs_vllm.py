@@ -347,9 +347,15 @@ def arm_specs(kinds: Sequence[str], model_dir: Path, pagoda_models: Sequence[Pat
     return out
 
 
-def pagoda_executable() -> str:
+def pagoda_executable(src: Path | None = None) -> list[str]:
+    """The `pagoda` command: this checkout's console script, or another source tree's CLI
+    module run by this interpreter (its module moved with the floors: wiring.cli, earlier
+    services.cli), so that an A/B against an older commit runs that commit's code alone."""
+    if src is not None:
+        module = "wiring.cli" if (src / "wiring" / "cli.py").is_file() else "services.cli"
+        return [sys.executable, "-m", module]
     beside = Path(sys.executable).parent / "pagoda"
-    return str(beside) if beside.exists() else "pagoda"
+    return [str(beside) if beside.exists() else "pagoda"]
 
 
 def make_server(arm: ArmSpec, paths: Paths, pagoda_args: Sequence[str],
@@ -371,7 +377,7 @@ def make_server(arm: ArmSpec, paths: Paths, pagoda_args: Sequence[str],
         return Server(arm.label, cmd, env, log, base_url)
     pp = 2 if arm.kind == "pagoda-pp2" else 1
     tp = 2 if arm.kind == "pagoda-tp2" else 1
-    cmd = [pagoda_executable(), "serve", "--model", str(arm.model),
+    cmd = [*pagoda_executable(pagoda_src), "serve", "--model", str(arm.model),
            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--grpc-port", str(free_port()), "--pipeline-parallel-size", str(pp),
            "--tensor-parallel-size", str(tp),
@@ -890,7 +896,7 @@ def ensure_model(args: argparse.Namespace) -> Path:
             raise SystemExit(f"--model-dir: {model} has no config.json")
         return model
     model = (args.run_dir / "model").resolve()
-    cmd = [pagoda_executable(), "tiny-model", *TINY_MODEL_FLAGS, "--overwrite", str(model)]
+    cmd = [*pagoda_executable(), "tiny-model", *TINY_MODEL_FLAGS, "--overwrite", str(model)]
     print(f"making the checkpoint: {shlex.join(cmd)}", flush=True)
     subprocess.run(cmd, check=True, cwd=REPO_ROOT)
     return model
