@@ -225,7 +225,7 @@ def test_a_slow_consumer_stalls_nobody_and_is_cut_off(stack):
         s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-batch\r\n"
                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
         slow.append(s)  # not read until the end
-    channel = grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}", options=[("grpc.http2.bdp_probe", 0), ("grpc.use_local_subchannel_pool", 1)])
+    channel = grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}", options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024), ("grpc.use_local_subchannel_pool", 1)])
     req = gateway_pb2.TextGenerateRequest(text="slow grpc")
     req.options.sampling_params.max_tokens = 480
     req.options.sampling_params.ignore_eos = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,17 @@ class Stack:
         request = urllib.request.Request(f"{self.url}{path}", headers=headers)
         return json.loads(urllib.request.urlopen(request, timeout=timeout).read())
 
-    def kv_used_blocks(self) -> int:
-        return self.get("/debug/memory")["kv_cache"]["num_used_blocks"]
+    def kv_used_blocks(self, retry_s: float = 10.0) -> int:
+        """The KV service's used blocks, through the gateway; a 5xx while the stack recovers
+        from a fault (statistics bounded by the gateway's 2 s deadline) is asked again."""
+        deadline = time.time() + retry_s
+        while True:
+            try:
+                return self.get("/debug/memory")["kv_cache"]["num_used_blocks"]
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500 or time.time() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def wait_serving(self, timeout_s: float) -> float:
         """Seconds until /health says ok (the whole chain serving)."""
