@@ -11,7 +11,9 @@ next ones, which `finalize` takes); `finalize` applies the KV service's answers:
 sequences join the micro-batch, a decode that got no block preempts the lowest-ranked running
 request by recompute (its blocks are freed in the next step, it waits again ahead of its
 peers), a new request that got no block stays queued. Results come back
-through `on_result` / `on_failure`. A sequence is never in two micro-batches in flight.
+through `on_result` / `on_failure`. A sequence is in at most one micro-batch in flight, but for
+asynchronous scheduling's placeholder decodes (its next step planned before this one's token is
+known; `InFlight` bounds them).
 
 State: the planner owns the requests (running set, ranks, ids) and composes two pieces, each
 with its invariants and `check_integrity`: `InFlight` (in_flight.py: the micro-batches in
