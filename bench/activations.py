@@ -52,6 +52,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.machine import cpu_model
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.step import NewSeq, StepPlan
@@ -351,18 +352,10 @@ async def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> d
 
 
 def machine() -> dict:
-    cpu_model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model,
+        "cpu_model": cpu_model(),
         "loadavg_1m": os.getloadavg()[0],
         "python": platform.python_version(),
         "torch": torch.__version__,

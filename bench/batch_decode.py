@@ -78,11 +78,10 @@ def torch_bf16_s(shapes: list[tuple[int, int]], batch: int) -> float:
 def pagoda_step_s(model, batch: int, context: int, steps: int) -> float:
     import torch
 
+    from services.defaults import BLOCK_SIZE as block_size
     from services.sampling import SamplingParams
     from services.step import CachedSeq, NewSeq, StepPlan
     from worker_svc.runner import StageRunner
-
-    block_size = 16
     per_seq = -(-(context + steps + 8) // block_size)
     runner = StageRunner(model, batch * per_seq, block_size, "cpu")
     greedy = SamplingParams(temperature=0.0)

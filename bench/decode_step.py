@@ -61,7 +61,7 @@ def pagoda_ms(path: Path, prompts, steps: int, backend: str) -> float:
     from worker_svc.runner import StageRunner
 
     batch, context = prompts.shape
-    block_size = 16
+    from services.defaults import BLOCK_SIZE as block_size
     per_seq = -(-(context + steps + 4) // block_size)
     runner = StageRunner(load_stage(str(path)), batch * per_seq, block_size, backend)
     greedy = SamplingParams(temperature=0.0)

@@ -78,7 +78,7 @@ def main() -> int:
     rng = random.Random(0)
     prompt = [rng.randrange(3, 512) for _ in range(args.tokens)]
     t0 = time.perf_counter()
-    stack = start_stack(str(model), num_stages=args.stages, num_kv_blocks=None, block_size=16, log_dir=work,
+    stack = start_stack(str(model), num_stages=args.stages, num_kv_blocks=None, log_dir=work,
                         threads_per_worker=1, memory=MemorySetting(gpu_memory_utilization=share, max_model_len=max_len),
                         scheduler_args=("--max-model-len", str(max_len), "--max-num-batched-tokens", str(args.chunk)))
     startup = time.perf_counter() - t0

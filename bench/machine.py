@@ -21,6 +21,17 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def cpu_model(default: str = "") -> str:
+    """The CPU's model name (/proc/cpuinfo's first `model name`); `default` where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return default
+
+
 @dataclass(frozen=True)
 class CpuSample:
     busy_ticks: int  # the whole machine, all cores

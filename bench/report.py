@@ -9,17 +9,12 @@ import platform
 import sys
 from pathlib import Path
 
+from bench.machine import cpu_model
+
 
 def machine_info() -> dict:
     """The machine a run was made on: CPU, usable cores, memory, versions, load average."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model(platform.processor() or platform.machine())
     mem_gib = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

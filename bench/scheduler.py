@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from bench.machine import cpu_model  # noqa: E402
 from bench.stats import percentile  # noqa: E402
 from services.grpc_utils import aio_channel  # noqa: E402
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
@@ -315,17 +316,9 @@ def log(msg: str) -> None:
 
 
 def machine() -> dict:
-    cpu_model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_model": cpu_model,
+        "cpu_model": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "grpc": grpc.__version__,

@@ -79,6 +79,7 @@ from pathlib import Path
 
 from bench import stats
 from gateway import routing
+from services.defaults import BLOCK_SIZE
 from services.prefix_hash import block_keys
 
 # the simulator reports nearest-rank percentiles: always one of the measured values
@@ -106,7 +107,7 @@ class SimConfig:
     prefix_tokens: tuple[int, int] = (512, 2048)
     suffix_tokens: tuple[int, int] = (16, 512)
     output_tokens: tuple[int, int] = (16, 512)
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     cache_blocks: int = 8192
     max_num_seqs: int = 64
     max_batched_tokens: int = 2048

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.defaults import BLOCK_SIZE
 from services.sampling import SamplingOptions
 
 
@@ -24,7 +25,7 @@ class Limits:
     max_n: int | None = None  # choices per request (the gateway's max_n, the scheduler's max_num_seqs)
     max_logprobs: int | None = None  # alternatives per position (logprobs, prompt_logprobs)
     num_kv_blocks: int = 0  # the KV pool a request's blocks must fit in at once
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
 
 
 class AdmissionError(ValueError):
