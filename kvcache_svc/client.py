@@ -22,7 +22,7 @@ import grpc
 
 from kvcache_svc.convert import (
     SEQ_ID_METADATA_KEY,
-    BlockTableMismatch,
+    BlockCopyMismatch,
     sequence_stats_from_pb,
     stats_from_pb,
     stats_to_pb,
@@ -30,7 +30,6 @@ from kvcache_svc.convert import (
     step_output_from_pb,
 )
 from kvcache_svc.core import (
-    Allocated,
     Fork,
     InvalidStepError,
     KVCacheError,
@@ -79,7 +78,8 @@ class KVCacheClient(abc.ABC):
 
         Validated whole first: `SequenceNotFound` / `InvalidStepError` with nothing applied.
         A sequence short of blocks gets `NoBlocks` and stays as it was; the others apply.
-        Each `Allocated.block_ids` is the sequence's whole table after the step.
+        Each `Allocated` carries its table as a diff against the last answer for that
+        sequence (`Allocated.block_offset`; whole for one never answered).
         """
 
     @abc.abstractmethod
@@ -201,10 +201,9 @@ class InProcessKVCacheClient(KVCacheClient):
 class GrpcKVCacheClient(KVCacheClient):
     """`pagoda.v1.KVCache` over one channel. Create it inside the event loop that uses it.
 
-    Step responses carry block tables as deltas, so this client keeps every live sequence's
-    table, updated in the service's order: mutating calls run one at a time. After a
-    mutating call raised `KVServiceUnavailable` the tables are not trusted and mutating
-    calls keep raising it until `reset()` succeeds.
+    Mutating calls run one at a time, in the order they are awaited. After a mutating call
+    raised `KVServiceUnavailable` (applied or not: unknown) mutating calls keep raising it
+    until `reset()` succeeds.
 
     Token ids travel as uint32: a token id of 2**32 or more is an `InvalidStepError` here
     (the in-process client takes any int64).
@@ -221,9 +220,8 @@ class GrpcKVCacheClient(KVCacheClient):
         self._timeout_s = timeout_s
         self._channel = aio_channel(address, max_message_bytes)
         self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
-        self._tables: dict[int, tuple[int, ...]] = {}
         self._out_of_step: str | None = None
-        self._mutating = asyncio.Lock()  # one mutating call at a time keeps the tables in order
+        self._mutating = asyncio.Lock()  # one mutating call at a time, in order
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Wait until the channel connects; `KVServiceUnavailable` if it does not in time."""
@@ -268,25 +266,11 @@ class GrpcKVCacheClient(KVCacheClient):
         request = step_input_to_pb(step_input)
         async with self._mutating:
             response = await self._mutate(self._stub.Step, request)
-            # bring the tables along in the order the service applied the step
-            for seq_id in step_input.frees:
-                self._tables.pop(seq_id, None)
-            for fork in step_input.forks:
-                self._fork_table(fork.parent_seq_id, fork.child_seq_id)
             try:
-                output = step_output_from_pb(response, self._tables)
-            except BlockTableMismatch as exc:
-                self._out_of_step = f"block tables out of step with the service: {exc}"
+                return step_output_from_pb(response)
+            except BlockCopyMismatch as exc:
+                self._out_of_step = f"a response the service does not send: {exc}"
                 raise KVServiceUnavailable(self._out_of_step) from None
-            for seq_id, result in output.results.items():
-                if isinstance(result, Allocated):
-                    self._tables[seq_id] = result.block_ids
-            return output
-
-    def _fork_table(self, parent_seq_id: int, child_seq_id: int) -> None:
-        table = self._tables.get(parent_seq_id)
-        if table is not None:
-            self._tables[child_seq_id] = table
 
     async def fork(self, parent_seq_id: int, child_seq_ids: Iterable[int]) -> None:
         children = tuple(child_seq_ids)
@@ -300,8 +284,6 @@ class GrpcKVCacheClient(KVCacheClient):
             raise InvalidStepError(f"the fork cannot be encoded: {exc}") from None
         async with self._mutating:
             await self._mutate(self._stub.Fork, request)
-            for child in children:
-                self._fork_table(parent_seq_id, child)
 
     async def free(self, seq_ids: Iterable[int]) -> int:
         ids = tuple(seq_ids)
@@ -311,8 +293,6 @@ class GrpcKVCacheClient(KVCacheClient):
             raise InvalidStepError(f"the free cannot be encoded: {exc}") from None
         async with self._mutating:
             response = await self._mutate(self._stub.Free, request)
-            for seq_id in ids:
-                self._tables.pop(seq_id, None)
             return response.num_released_blocks
 
     async def _stats(self, include_sequences: bool) -> kvcache_pb2.KVCacheStats:
@@ -331,7 +311,6 @@ class GrpcKVCacheClient(KVCacheClient):
     async def reset(self) -> int:
         async with self._mutating:
             response = await self._call(self._stub.Reset, kvcache_pb2.ResetRequest())
-            self._tables.clear()
             self._out_of_step = None
             return response.num_dropped_sequences
 

@@ -4,9 +4,10 @@ Generated protobuf classes stop here: the servicer and the gRPC client speak the
 types (`StepInput`, `StepOutput`, `KVCacheStats`) on either side of these functions.
 
 Where the wire and the core differ:
-- Block tables travel as deltas: an allocation carries `block_table_offset` (entries of the
-  previous table that stay) and the block ids after them, so a decode step of a long
-  sequence sends one block id at most, not its whole table. The receiver keeps the tables.
+- Block tables travel as the core makes them (`Allocated`): `block_table_offset` (entries of
+  the sequence's last answer that stay) and the block ids after them, so a decode step of a
+  long sequence sends one block id at most, not its whole table. The receiver passes the
+  diff on (the scheduler to the stages); nobody rebuilds tables from it on the way.
 - No slot mapping is on the wire: a token's slot follows from its sequence's table and its
   position (`Allocated.slots`), and the stages derive it themselves.
 - Per-sequence copies are not on the wire: each copy's destination is a fresh block in the
@@ -48,9 +49,9 @@ STATUS_CODE_BY_ERROR: Mapping[type[KVCacheError], grpc.StatusCode] = {
 }
 
 
-class BlockTableMismatch(ValueError):
-    """A response's table delta does not fit the tables the receiver holds: the two sides
-    disagree about the service's state."""
+class BlockCopyMismatch(ValueError):
+    """A response's block copies do not match its allocations (or an allocation's status is
+    unknown): the response is not one the service sends."""
 
 
 def status_code_of(exc: KVCacheError) -> grpc.StatusCode:
@@ -167,13 +168,9 @@ def capacity_to_pb(
 
 
 def step_output_to_pb(
-    step: StepInput,
-    output: StepOutput,
-    block_size: int,
-    capacity: kvcache_pb2.KVCapacity | None = None,
+    output: StepOutput, capacity: kvcache_pb2.KVCapacity | None = None
 ) -> kvcache_pb2.StepResponse:
-    """Encode the result of `step`, block tables as deltas against the tables before it."""
-    appended = {a.seq_id for a in step.appends}
+    """Encode a step's result; each table goes as the core's diff (`Allocated.block_offset`)."""
     allocations = []
     for seq_id, result in output.results.items():
         if isinstance(result, NoBlocks):
@@ -186,19 +183,14 @@ def step_output_to_pb(
                 )
             )
             continue
-        offset = 0
-        if seq_id in appended:
-            # the table before held ceil(computed / block_size) blocks; a copy-on-write
-            # replaced its last one
-            offset = -(-result.num_computed_tokens // block_size) - len(result.copies)
         allocations.append(
             kvcache_pb2.SequenceAllocation(
                 seq_id=seq_id,
                 status=kvcache_pb2.ALLOCATION_STATUS_OK,
                 num_computed_tokens=result.num_computed_tokens,
                 num_new_tokens=result.num_new_tokens,
-                block_table_offset=offset,
-                block_ids=result.block_ids[offset:],
+                block_table_offset=result.block_offset,
+                block_ids=result.block_ids,
             )
         )
     return kvcache_pb2.StepResponse(
@@ -211,16 +203,13 @@ def step_output_to_pb(
     )
 
 
-def step_output_from_pb(
-    response: kvcache_pb2.StepResponse, old_tables: Mapping[int, Sequence[int]]
-) -> StepOutput:
-    """Decode a step's result. `old_tables` holds the table of every sequence an allocation
-    keeps entries of (`block_table_offset > 0`) as it was before the step (a fork child of
-    the same step: its parent's). Raises `BlockTableMismatch` when a delta does not fit."""
+def step_output_from_pb(response: kvcache_pb2.StepResponse) -> StepOutput:
+    """Decode a step's result. Raises `BlockCopyMismatch` when a block copy's destination is
+    not a new block of exactly one allocation."""
     copies = tuple(BlockCopy(c.src_block_id, c.dst_block_id) for c in response.block_copies)
     copy_by_dst = {c.dst_block_id: c for c in copies}
     if len(copy_by_dst) != len(copies):
-        raise BlockTableMismatch("two block copies share a destination")
+        raise BlockCopyMismatch("two block copies share a destination")
     results: dict[int, Allocated | NoBlocks] = {}
     num_matched = 0
     for alloc in response.allocations:
@@ -229,26 +218,16 @@ def step_output_from_pb(
             results[seq_id] = NoBlocks(seq_id, alloc.num_needed_blocks, alloc.num_free_blocks)
             continue
         if alloc.status != kvcache_pb2.ALLOCATION_STATUS_OK:
-            raise BlockTableMismatch(f"sequence {seq_id}: allocation status {alloc.status}")
+            raise BlockCopyMismatch(f"sequence {seq_id}: allocation status {alloc.status}")
         new_ids = tuple(alloc.block_ids)
-        offset = alloc.block_table_offset
-        if offset:
-            old = old_tables.get(seq_id)
-            if old is None or len(old) < offset:
-                raise BlockTableMismatch(
-                    f"sequence {seq_id}: keeps {offset} blocks of a table "
-                    f"{'unknown here' if old is None else f'of {len(old)}'}"
-                )
-            table = tuple(old[:offset]) + new_ids
-        else:
-            table = new_ids
         own = tuple(copy_by_dst[b] for b in new_ids if b in copy_by_dst)
         num_matched += len(own)
         results[seq_id] = Allocated(
-            seq_id, table, alloc.num_new_tokens, alloc.num_computed_tokens, own
+            seq_id, new_ids, alloc.num_new_tokens, alloc.num_computed_tokens, own,
+            alloc.block_table_offset,
         )
     if num_matched != len(copies):
-        raise BlockTableMismatch("a block copy belongs to no allocation")
+        raise BlockCopyMismatch("a block copy belongs to no allocation")
     return StepOutput(results=results, copies=copies)
 
 

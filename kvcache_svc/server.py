@@ -199,7 +199,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             await _abort_for(context, exc)
         output = await self._apply(context, "Step", step)
         self.num_steps += 1
-        return step_output_to_pb(step, output, self.manager.block_size, self._capacity())
+        return step_output_to_pb(output, self._capacity())
 
     async def Fork(self, request: kvcache_pb2.ForkRequest, context) -> kvcache_pb2.ForkResponse:
         await self._apply(context, "Fork", StepInput(forks=forks_from_pb(request.forks)))

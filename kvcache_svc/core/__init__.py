@@ -23,6 +23,7 @@ from kvcache_svc.core.types import (
     NoBlocks,
     StepInput,
     StepOutput,
+    slots,
 )
 
 __all__ = [
@@ -46,4 +47,5 @@ __all__ = [
     "StepInput",
     "StepOutput",
     "hash_block",
+    "slots",
 ]

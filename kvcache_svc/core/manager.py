@@ -305,8 +305,11 @@ class KVCacheManager:
             seq.block_ids[partial] = dst
             self._pool.decref(src)  # still held by the sharers
             copies = (BlockCopy(src, dst),)
+            if seq.num_answered is not None:
+                seq.num_answered = min(seq.num_answered, partial)
         self._write(seq, append.token_bytes, append.num_tokens, new_block_ids, micro_batch)
-        return Allocated(append.seq_id, tuple(seq.block_ids), append.num_tokens, start, copies)
+        offset = seq.answer_offset()
+        return Allocated(append.seq_id, tuple(seq.block_ids[offset:]), append.num_tokens, start, copies, offset)
 
     def _add(self, new: ValidNewSequence, micro_batch: MicroBatchRecord) -> Allocated | NoBlocks:
         bs = self._block_size
@@ -367,6 +370,7 @@ class KVCacheManager:
             self._num_prefix_hits += num_computed > 0
             self._num_prefix_query_tokens += new.num_tokens
             self._num_prefix_hit_tokens += num_computed
+        seq.answer_offset()  # its first answer: the whole table
         return Allocated(new.seq_id, tuple(seq.block_ids), num_new_tokens, num_computed, copies)
 
     def _write(
@@ -473,7 +477,8 @@ class KVCacheManager:
         """Raise `IntegrityError` unless: each block's ref count equals the number of tables
         holding it; every block is exactly one of used (ref > 0), free (in an extent) or
         evictable (cached, ref 0, in the LRU) — so used + free + evictable == total; the
-        extents and the prefix index are consistent; each table fits its token count."""
+        extents and the prefix index are consistent; each table fits its token count and
+        holds every entry its last answer named."""
         self._pool.check_integrity()
         self._cache.check_integrity(self._pool.ref_count)
         bs = self._block_size
@@ -485,6 +490,8 @@ class KVCacheManager:
                 )
             if len(set(seq.block_ids)) != len(seq.block_ids):
                 raise IntegrityError(f"sequence {seq_id} holds a block twice")
+            if seq.num_answered is not None and seq.num_answered > len(seq.block_ids):
+                raise IntegrityError(f"sequence {seq_id}: answered {seq.num_answered} of {len(seq.block_ids)} blocks")
             if self._enable_prefix_caching and (
                 len(seq.partial_token_bytes) != (seq.num_tokens % bs) * TOKEN_BYTES
             ):

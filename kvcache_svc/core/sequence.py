@@ -13,6 +13,10 @@ class SequenceState:
     `partial_token_bytes` the tokens of its partial last block (empty when it has none).
     `cacheable` turns False for good once it wrote in a failed micro-batch: its later
     blocks' KV attended to garbage.
+
+    `num_answered` is how many entries of `block_ids` the last `Allocated` for it named and
+    still hold (a copy-on-write lowers it to the replaced entry), None before its first
+    answer: the next answer is a diff from there (`Allocated.block_offset`).
     """
 
     __slots__ = (
@@ -23,6 +27,7 @@ class SequenceState:
         "last_full_key",
         "partial_token_bytes",
         "cacheable",
+        "num_answered",
     )
 
     def __init__(self, seq_id: int, namespace: str | None) -> None:
@@ -33,6 +38,13 @@ class SequenceState:
         self.last_full_key = ROOT_KEY
         self.partial_token_bytes = b""
         self.cacheable = True
+        self.num_answered: int | None = None
+
+    def answer_offset(self) -> int:
+        """The next answer's `block_offset`; from then on all of the table is answered."""
+        offset = self.num_answered or 0
+        self.num_answered = len(self.block_ids)
+        return offset
 
     def copy(self, seq_id: int, num_blocks: int) -> SequenceState:
         """A child sharing the first `num_blocks` blocks (those holding tokens)."""

@@ -76,7 +76,15 @@ class BlockCopy(NamedTuple):
 
 
 class Allocated(NamedTuple):
-    """A sequence's slots for this step.
+    """A sequence's slots for this step, and its block table as a diff against the last
+    answer the manager gave for it.
+
+    The table after this step is `last_answer[:block_offset] + block_ids`: `block_offset` is
+    the number of entries the last answer holds that are unchanged (usually all of them: a
+    step crossing into a new block adds one id, a copy-on-write replaces the partly filled
+    last block), and it is 0 with the whole table in `block_ids` for a sequence never
+    answered yet (new, or a fork child). This is the form the stages' plan carries
+    (`services.step.CachedSeq`), so a scheduler passes it on as it comes.
 
     This step's tokens are positions `num_computed_tokens ... num_computed_tokens +
     num_new_tokens - 1`. For a new sequence `num_computed_tokens` is its prefix-cache hit
@@ -85,17 +93,30 @@ class Allocated(NamedTuple):
     """
 
     seq_id: int
-    block_ids: tuple[int, ...]  # the whole block table after this step
+    block_ids: tuple[int, ...]  # the table's entries from `block_offset` on
     num_new_tokens: int
     num_computed_tokens: int
     copies: tuple[BlockCopy, ...]
+    block_offset: int = 0
 
-    def slots(self, block_size: int) -> tuple[int, ...]:
-        """Where this step's tokens' K/V go: position p is in slot `block_ids[p // block_size]
-        * block_size + p % block_size`."""
-        start = self.num_computed_tokens
-        return tuple(self.block_ids[p // block_size] * block_size + p % block_size
-                     for p in range(start, start + self.num_new_tokens))
+    @property
+    def num_blocks(self) -> int:
+        """The length of the table after this step."""
+        return self.block_offset + len(self.block_ids)
+
+    def applied_to(self, table: Sequence[int]) -> tuple[int, ...]:
+        """The whole table after this step, given the last answer's `table`."""
+        if len(table) < self.block_offset:
+            raise ValueError(f"sequence {self.seq_id}: keeps {self.block_offset} blocks of a table of {len(table)}")
+        return tuple(table[:self.block_offset]) + self.block_ids
+
+
+def slots(block_ids: Sequence[int], start: int, num_tokens: int, block_size: int) -> tuple[int, ...]:
+    """Where tokens `start ... start + num_tokens - 1` of a sequence with the whole table
+    `block_ids` have their K/V: position p is in slot `block_ids[p // block_size] * block_size
+    + p % block_size`."""
+    return tuple(block_ids[p // block_size] * block_size + p % block_size
+                 for p in range(start, start + num_tokens))
 
 
 class NoBlocks(NamedTuple):

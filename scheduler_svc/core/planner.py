@@ -301,7 +301,7 @@ class Planner:
                 start = seq.num_computed
                 # its block has room: no KV round trip (never for a parent about to fork: its
                 # children copy what the KV service knows of it)
-                deferred = n == 1 and start < len(seq.block_table) * block_size and target == seq.num_tokens
+                deferred = n == 1 and start < seq.num_blocks * block_size and target == seq.num_tokens
                 if not deferred:  # the KV service catches up on every token it was not told yet
                     draft.appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, start + n)))
                 draft.chunks.append(Chunk(seq, start, n, deferred))
@@ -316,7 +316,7 @@ class Planner:
                     return
                 if not self._speculable(seq):
                     continue
-                grows = seq.num_tokens == len(seq.block_table) * block_size
+                grows = seq.num_tokens == seq.num_blocks * block_size
                 if grows:
                     # its token starts a block: the KV service allocates it now, ahead of the
                     # token (told later, with the tokens it was not told yet)
@@ -480,7 +480,7 @@ class Planner:
                 continue
             result = output.results.get(p.seq.seq_id)  # the block it asked for ahead
             if isinstance(result, Allocated) and p.seq.has_kv and not p.seq.is_finished:
-                p.seq.block_table = result.block_ids
+                p.seq.take_answer(result.block_offset, result.block_ids)
                 p.seq.kv_len = result.num_computed_tokens + result.num_new_tokens
         return scheduled, starving
 
@@ -563,7 +563,7 @@ class Planner:
                            now: float) -> MicroBatch | None:
         placeholders = [(p.seq, p.position) for p in proposal.placeholders
                         if p.seq.has_kv and not p.seq.is_finished and self._flight.num_steps(p.seq.seq_id) == 1
-                        and p.position < len(p.seq.block_table) * self.config.block_size]  # (no block: later)
+                        and p.position < p.seq.num_blocks * self.config.block_size]  # (no block: later)
         discarded = {k for k, r in output.results.items() if isinstance(r, Allocated)} - {
             seq.seq_id for seq, _ in scheduled.values()} - {seq.seq_id for seq, _ in placeholders}
         self._flight.guard(mb_id, discarded)
@@ -607,7 +607,7 @@ class Planner:
                             else (result.num_computed_tokens, result.num_new_tokens))
                 seq.kv_len = result.num_computed_tokens + result.num_new_tokens
                 seq.num_computed = start  # a prefix hit: these tokens are already there
-                seq.block_table = result.block_ids
+                seq.take_answer(result.block_offset, result.block_ids)
             end = start + n
             steps.append((seq, start, n, end == self._target(seq) and end == seq.num_tokens))
         return steps
@@ -741,7 +741,7 @@ class Planner:
             return False
         pos = record.context_len
         request = seq.request
-        return (pos == seq.num_tokens and pos <= len(seq.block_table) * self.config.block_size
+        return (pos == seq.num_tokens and pos <= seq.num_blocks * self.config.block_size
                 and len(seq.output) + 1 < request.options.max_tokens
                 and pos + 1 < self.config.max_model_len and self._target(seq) == seq.num_tokens)
 
@@ -794,7 +794,7 @@ class Planner:
                 self._drop_kv(seq)
             else:
                 seq.has_kv = False
-                seq.block_table = ()
+                seq.drop_blocks()
             seq.num_computed = 0
             seq.kv_len = 0
         if request.sequences and len(request.sequences) < request.options.n:
@@ -814,7 +814,7 @@ class Planner:
             self._flight.free_at_kv((seq.seq_id,))
             self._stages.release(seq.seq_id)
         seq.has_kv = False
-        seq.block_table = ()
+        seq.drop_blocks()
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         options = seq.request.options
@@ -851,7 +851,7 @@ class Planner:
         self.queue.check_integrity()
         for request in self.running:
             for seq in request.sequences:
-                if seq.has_kv and not seq.is_finished and seq.block_table:
+                if seq.has_kv and not seq.is_finished and seq.num_blocks:
                     record = self._flight.last_record.get(seq.seq_id)
                     end = record.context_len if record is not None and record.seq is seq else seq.num_computed
                     check_kv_lead(seq, end, self._stages.on_stages.get(seq.seq_id), self.config.block_size)
@@ -860,30 +860,33 @@ class Planner:
 _scores_prompt = scores_prompt  # its name before it moved (tests import it from here)
 
 
-def check_kv_lead(seq: Sequence, scheduled_end: int, held: tuple[int, ...] | None, block_size: int) -> None:
+def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_size: int) -> None:
     """How far the scheduler may run ahead of the KV service (deferred decodes and lookahead
     slots, docs/step-protocol.md "KV bookkeeping"), checked for one live sequence between plans.
 
-    `seq.kv_len` tokens were told to the KV service and `seq.block_table` is its last answer;
-    `scheduled_end` is where the sequence's latest step (in flight or returned) ends; `held`
-    is the table the stages were last sent (None: not sent yet).
+    `seq.kv_len` tokens were told to the KV service and `seq.num_blocks` is the length of its
+    last answer; `scheduled_end` is where the sequence's latest step (in flight or returned)
+    ends; `held` is how many blocks the stages hold of it (None: not sent yet) and
+    `seq.unsent_blocks` the answers they were not sent.
 
     - the KV service is told only tokens that were scheduled: `kv_len <= scheduled_end`;
     - every scheduled token has a slot (a deferred decode or placeholder step goes only where
-      the table has room): `scheduled_end <= len(block_table) * block_size`;
+      the table has room): `scheduled_end <= num_blocks * block_size`;
     - the KV service holds at most one slot beyond the tokens it was told (a placeholder step's
-      lookahead block), and covers those: `ceil(kv_len / bs) <= len(block_table) <=
+      lookahead block), and covers those: `ceil(kv_len / bs) <= num_blocks <=
       ceil((kv_len + 1) / bs)`; so the deferred tokens all lie in the last block;
-    - the stages hold that table, or all of it but a held-ahead block whose placeholder step
-      was dropped (its step before returned during the KV call): sent with the next step.
+    - the stages hold that table (nothing unsent), or all of it but a held-ahead block whose
+      placeholder step was dropped (its step before returned during the KV call): the unsent
+      diff is that block, sent with the next step.
     (A forked choice not allocated yet has no table here: it shares its parent's there.)
     """
-    kv_len, num_blocks = seq.kv_len, len(seq.block_table)
+    kv_len, num_blocks, unsent = seq.kv_len, seq.num_blocks, seq.unsent_blocks
     where = f"sequence {seq.seq_id}: kv_len {kv_len}, scheduled to {scheduled_end}, {num_blocks} blocks"
     assert kv_len <= scheduled_end <= num_blocks * block_size, where
     assert -(-kv_len // block_size) <= num_blocks <= -(-(kv_len + 1) // block_size), where
-    assert held is None or held == seq.block_table or (
-        held == seq.block_table[:-1] and kv_len == len(held) * block_size), (where, held)
+    assert held is None or (held == num_blocks and unsent is None) or (
+        held == num_blocks - 1 and kv_len == held * block_size and unsent is not None
+        and unsent[0] == held and len(unsent[1]) == 1), (where, held, unsent)
 
 
 def _new_sequence(seq_id: int, request: Request, index: int) -> Sequence:

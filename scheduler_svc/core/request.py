@@ -68,7 +68,10 @@ class Sequence:
     # tokens the KV service was told of: behind num_computed by a placeholder step's token
     # (async scheduling) until the next step tells it
     kv_len: int = 0
-    block_table: tuple[int, ...] = ()
+    num_blocks: int = 0  # the length of its block table, as the KV service last answered
+    # the KV service's answers the stages were not sent yet, composed into one diff in the
+    # plan's form (block offset, block ids after it): passed on as they came, never rebuilt
+    unsent_blocks: tuple[int, tuple[int, ...]] | None = None
     has_kv: bool = False  # the KV service holds this sequence
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
@@ -76,6 +79,28 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt) + len(self.output)
+
+    def take_answer(self, block_offset: int, block_ids: tuple[int, ...]) -> None:
+        """The KV service's table for it: `block_offset` entries of its last answer stay, then
+        `block_ids` (`kvcache_svc.core.Allocated`). Composed with what the stages were not
+        sent yet: the next step sends one diff."""
+        if block_offset > self.num_blocks:
+            raise ValueError(f"sequence {self.seq_id}: keeps {block_offset} of {self.num_blocks} blocks")
+        unsent = self.unsent_blocks
+        if unsent is not None and block_offset > unsent[0]:
+            block_offset, block_ids = unsent[0], unsent[1][:block_offset - unsent[0]] + block_ids
+        if unsent is not None or block_ids or block_offset < self.num_blocks:
+            self.unsent_blocks = (block_offset, block_ids)
+        self.num_blocks = block_offset + len(block_ids)
+
+    def take_unsent_blocks(self) -> tuple[int, tuple[int, ...]]:
+        """What the stages' table lacks (offset, ids); (num_blocks, ()) when nothing."""
+        unsent, self.unsent_blocks = self.unsent_blocks, None
+        return unsent if unsent is not None else (self.num_blocks, ())
+
+    def drop_blocks(self) -> None:
+        """Its blocks are gone (freed, or the KV service reset)."""
+        self.num_blocks, self.unsent_blocks = 0, None
 
     def token(self, i: int) -> int:
         prompt = self.request.prompt

@@ -3,7 +3,9 @@
 Stages keep a sequence's state across steps (`services.step`): the first plan that names a
 sequence sends it whole (`NewSeq`), later ones only what changed against what the stages hold
 (`CachedSeq`: blocks appended or replaced, and, with several stages and no feedback, the tokens
-the first stage does not know yet, since it does not sample). A sequence the planner dropped
+the first stage does not know yet, since it does not sample). Block tables are not diffed here:
+the KV service answers in the plan's form and each sequence keeps what the stages were not
+sent yet (`Sequence.take_answer`), which goes out with its next step. A sequence the planner dropped
 is released in the next plan; after a reset the next plan drops everything first.
 """
 
@@ -17,8 +19,8 @@ class StageView:
     """The planner's view of the stages' state: what the next plan must send and release.
 
     Invariants (`check_integrity`, between plans):
-    - `on_stages[seq_id]` is the block table the last plan naming that id sent (the stages
-      hold its state until a plan releases it);
+    - `on_stages[seq_id]` is the number of blocks in the table the last plan naming that id
+      left the stages with (they hold its state until a plan releases it);
     - `stage_tokens` is None when the first stage learns tokens without the plans (one
       stage, or feedback); otherwise it maps exactly the ids in `on_stages` to how many of
       their tokens the first stage knows;
@@ -28,7 +30,7 @@ class StageView:
     """
 
     def __init__(self, track_tokens: bool) -> None:
-        self.on_stages: dict[int, tuple[int, ...]] = {}
+        self.on_stages: dict[int, int] = {}
         self.stage_tokens: dict[int, int] | None = {} if track_tokens else None
         self.pending_released: list[int] = []
         # the stages may hold state from an earlier scheduler: the first plan resets them
@@ -52,11 +54,16 @@ class StageView:
         - 1`, on its current block table); the stages hold it from then on."""
         scoring = prompt_scoring(seq, start, start + num_tokens)
         held = self.on_stages.get(seq.seq_id)
+        block_offset, block_ids = seq.take_unsent_blocks()
         if held is None:
-            entry: NewSeq | CachedSeq = _new_seq(seq, start, num_tokens, scoring)
+            if block_offset:
+                raise RuntimeError(f"sequence {seq.seq_id}: new to the stages, yet its table comes as a diff")
+            entry: NewSeq | CachedSeq = _new_seq(seq, start, num_tokens, block_ids, scoring)
         else:
-            entry = self._cached_seq(seq, held, num_tokens, scoring)
-        self.on_stages[seq.seq_id] = seq.block_table
+            if block_offset > held:
+                raise RuntimeError(f"sequence {seq.seq_id}: keeps {block_offset} of the {held} blocks the stages hold")
+            entry = self._cached_seq(seq, block_offset, block_ids, num_tokens, scoring)
+        self.on_stages[seq.seq_id] = seq.num_blocks
         if self.stage_tokens is not None:
             self.stage_tokens[seq.seq_id] = seq.num_tokens
         return entry
@@ -84,20 +91,14 @@ class StageView:
         if self.stage_tokens is not None:
             self.stage_tokens.clear()
 
-    def _cached_seq(self, seq: Sequence, held: tuple[int, ...], n: int,
+    def _cached_seq(self, seq: Sequence, block_offset: int, block_ids: tuple[int, ...], n: int,
                     scoring: PromptScoring | None) -> CachedSeq:
-        table = seq.block_table
-        offset = len(held)
-        if table is not held and table[:offset] != held:  # a block replaced: resend from there
-            offset = 0
-            while offset < len(held) and offset < len(table) and held[offset] == table[offset]:
-                offset += 1
         new_tokens: tuple[int, ...] = ()
         if self.stage_tokens is not None:  # the first stage does not sample: send what it lacks
             known = self.stage_tokens[seq.seq_id]
             if known < seq.num_tokens:
                 new_tokens = tuple(seq.tokens(known, seq.num_tokens))
-        return CachedSeq(seq.seq_id, n, offset, table[offset:], new_tokens, scoring)
+        return CachedSeq(seq.seq_id, n, block_offset, block_ids, new_tokens, scoring)
 
     def check_integrity(self) -> None:
         if self.stage_tokens is not None:
@@ -106,10 +107,11 @@ class StageView:
         assert len(self.pending_released) == len(set(self.pending_released)), self.pending_released
 
 
-def _new_seq(seq: Sequence, start: int, n: int, scoring: PromptScoring | None) -> NewSeq:
+def _new_seq(seq: Sequence, start: int, n: int, block_ids: tuple[int, ...],
+             scoring: PromptScoring | None) -> NewSeq:
     request = seq.request
     return NewSeq(
-        seq.seq_id, tuple(seq.all_tokens()), len(request.prompt), start, n, seq.block_table,
+        seq.seq_id, tuple(seq.all_tokens()), len(request.prompt), start, n, block_ids,
         sampling_params(request.options, tuple(request.eos_token_ids)), seq.index,
         seq.entropy_seed, request.request_id, request.trace_context, scoring,
     )

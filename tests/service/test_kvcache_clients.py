@@ -32,6 +32,7 @@ from kvcache_svc.core import (
     SequenceNotFound,
     StepInput,
     StepOutput,
+    slots,
 )
 from kvcache_svc.server import create_server
 from wiring.launcher import ServiceProcess, free_port, pagoda_command
@@ -126,7 +127,9 @@ def test_new_sequence_and_appends_get_exact_blocks_and_slots(kind, tmp_path):
             StepInput(appends=[Append(1, [6, 7, 8])], completed_micro_batch_ids=[1, 2],
                       micro_batch_id=3)
         )
-        assert out.results == {1: Allocated(1, (0, 1, 3), 3, 6, ())}
+        # (the table as a diff against the last answer: (0, 1) kept, block 3 added)
+        assert out.results == {1: Allocated(1, (3,), 3, 6, (), block_offset=2)}
+        assert out.results[1].applied_to((0, 1)) == (0, 1, 3)
         # a chunked prefill: slots for 5 of 10 tokens, the rest comes as an append
         out = await c.step(
             StepInput(new_sequences=[new(3, range(200, 210), max_num_new_tokens=5)],
@@ -134,7 +137,7 @@ def test_new_sequence_and_appends_get_exact_blocks_and_slots(kind, tmp_path):
         )
         assert out.results[3] == Allocated(3, (4, 5), 5, 0, ())
         out = await c.step(StepInput(appends=[Append(3, range(205, 210))], micro_batch_id=5))
-        assert out.results[3] == Allocated(3, (4, 5, 6), 5, 5, ())
+        assert out.results[3] == Allocated(3, (6,), 5, 5, (), block_offset=2)
         stats = await c.stats()
         assert (stats.num_used_blocks, stats.num_free_blocks, stats.num_sequences) == (7, 9, 3)
         assert stats.num_used_slots == 9 + 3 + 10
@@ -158,7 +161,7 @@ def test_prefix_hit_only_after_the_micro_batch_completes(kind, tmp_path):
         )
         hit = out.results[3]
         assert hit.num_computed_tokens == 8
-        assert hit.block_ids[:2] == (0, 1) and hit.slots(BS) == (24, 25)
+        assert hit.block_ids[:2] == (0, 1) and slots(hit.block_ids, 8, 2, BS) == (24, 25)
         stats = await c.stats()
         assert (stats.num_prefix_queries, stats.num_prefix_hits) == (3, 1)
         assert (stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens) == (28, 8)
@@ -206,7 +209,7 @@ def test_fork_shares_blocks_and_append_copies_on_write(kind, tmp_path):
         assert out.results == {
             2: Allocated(2, (0, 2), 1, 6, (BlockCopy(1, 2),)),
             3: Allocated(3, (0, 3), 1, 6, (BlockCopy(1, 3),)),
-            1: Allocated(1, (0, 1), 1, 6, ()),
+            1: Allocated(1, (), 1, 6, (), block_offset=2),  # the last one owns block 1: unchanged
         }
         assert out.copies == (BlockCopy(1, 2), BlockCopy(1, 3))
         # a fork inside a step, its child appended in the same step
@@ -223,7 +226,7 @@ def test_fork_shares_blocks_and_append_copies_on_write(kind, tmp_path):
         assert (message.num_steps, message.num_peak_used_blocks) == (3, 6)
         # after the copies every later append is private: no more copies
         out = await c.step(StepInput(appends=[Append(2, [1]), Append(4, [2])], micro_batch_id=4))
-        assert out.copies == () and out.results[2].block_ids == (0, 2)
+        assert out.copies == () and out.results[2] == Allocated(2, (), 1, 7, (), block_offset=2)
 
     run(kind, tmp_path, body)
 
@@ -240,7 +243,7 @@ def test_no_blocks_is_a_per_sequence_result_and_the_others_apply(kind, tmp_path)
             )
         )
         assert out.results == {
-            1: Allocated(1, (0, 1, 2, 3, 4, 5), 1, 20, ()),
+            1: Allocated(1, (5,), 1, 20, (), block_offset=5),
             2: NoBlocks(2, 4, 2),
             3: Allocated(3, (6,), 4, 0, ()),
         }
@@ -306,7 +309,7 @@ def test_invalid_steps_raise_and_change_nothing(kind, tmp_path):
         assert await state(c) == before
         # and the state still works
         out = await c.step(StepInput(appends=[Append(1, [6])], micro_batch_id=2))
-        assert out.results[1] == Allocated(1, (0, 2), 1, 6, (BlockCopy(1, 2),))
+        assert out.results[1] == Allocated(1, (2,), 1, 6, (BlockCopy(1, 2),), block_offset=1)
 
     run(kind, tmp_path, body)
 

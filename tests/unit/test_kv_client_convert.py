@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvcache_svc.convert import (
-    BlockTableMismatch,
+    BlockCopyMismatch,
     stats_from_pb,
     stats_to_pb,
     step_input_from_pb,
@@ -24,7 +24,7 @@ from kvcache_svc.core import (
     NewSequence,
     StepInput,
 )
-from services.pb import kvcache_pb2
+from services.pb import common_pb2, kvcache_pb2
 
 
 def plain(step: StepInput) -> StepInput:
@@ -80,8 +80,9 @@ def test_what_the_wire_cannot_carry_is_an_invalid_step(step):
 
 
 def test_results_round_trip_as_table_deltas():
-    """Random steps on a real manager: encode each result, decode it against the tables the
-    receiver holds, and get the very same result back."""
+    """Random steps on a real manager: encode each result and get the very same result back;
+    a receiver applying each diff to the last answer it got holds the manager's tables (fork
+    children start from nothing: their first answer is whole)."""
     rng = random.Random(3)
     m = KVCacheManager(64, 4, watermark=0.0)
     tables: dict[int, tuple[int, ...]] = {}
@@ -105,34 +106,40 @@ def test_results_round_trip_as_table_deltas():
                          completed_micro_batch_ids=[mb - 1] if mb > 1 else [],
                          micro_batch_id=mb)
         output = m.step(step)
-        response = step_output_to_pb(step, output, m.block_size)
+        response = step_output_to_pb(output)
         for seq_id in frees:
             del tables[seq_id]
-        for fork in forks:
-            tables[fork.child_seq_id] = tables[fork.parent_seq_id]
-        decoded = step_output_from_pb(
-            kvcache_pb2.StepResponse.FromString(response.SerializeToString()), tables
-        )
+        decoded = step_output_from_pb(kvcache_pb2.StepResponse.FromString(response.SerializeToString()))
         assert decoded == output
         num_copies += len(output.copies)
         num_deltas += sum(0 < a.block_table_offset for a in response.allocations)
         for seq_id, result in output.results.items():
             if isinstance(result, Allocated):
-                tables[seq_id] = result.block_ids
+                tables[seq_id] = result.applied_to(tables.get(seq_id, ()))
+                assert tables[seq_id] == m.block_table(seq_id)
         if len(tables) > 12:
             m.step(StepInput(frees=list(tables)))
             tables.clear()
     assert num_copies > 3 and num_deltas > 30
 
 
-def test_a_delta_that_does_not_fit_is_a_mismatch():
+def test_a_delta_that_does_not_fit_is_refused():
     response = kvcache_pb2.StepResponse(allocations=[kvcache_pb2.SequenceAllocation(
         seq_id=1, status=kvcache_pb2.ALLOCATION_STATUS_OK, block_table_offset=2, block_ids=[5])])
-    with pytest.raises(BlockTableMismatch):
-        step_output_from_pb(response, {})
-    with pytest.raises(BlockTableMismatch):
-        step_output_from_pb(response, {1: (0,)})
-    assert step_output_from_pb(response, {1: (0, 1, 2)}).results[1].block_ids == (0, 1, 5)
+    result = step_output_from_pb(response).results[1]
+    assert (result.block_offset, result.block_ids, result.num_blocks) == (2, (5,), 3)
+    with pytest.raises(ValueError):
+        result.applied_to((0,))
+    assert result.applied_to((0, 1, 2)) == (0, 1, 5)
+
+
+def test_a_block_copy_of_no_allocation_is_a_mismatch():
+    response = kvcache_pb2.StepResponse(
+        allocations=[kvcache_pb2.SequenceAllocation(
+            seq_id=1, status=kvcache_pb2.ALLOCATION_STATUS_OK, block_table_offset=1, block_ids=[5])],
+        block_copies=[common_pb2.BlockCopy(src_block_id=3, dst_block_id=6)])
+    with pytest.raises(BlockCopyMismatch):
+        step_output_from_pb(response)
 
 
 def test_stats_round_trip():

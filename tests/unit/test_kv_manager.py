@@ -20,6 +20,7 @@ from kvcache_svc.core import (
     NoBlocks,
     SequenceNotFound,
     StepInput,
+    slots,
 )
 
 
@@ -66,12 +67,15 @@ def test_new_sequence_slots_and_appends_interleaved() -> None:
     m = KVCacheManager(16, 4, watermark=0.0)
     assert new(m, 1, [10, 11, 12], 0) == Allocated(1, (0,), 3, 0, ())
     assert new(m, 2, [20, 21, 22, 23], 1) == Allocated(2, (1,), 4, 0, ())
-    # position 3 fills block 0, position 4 opens block 2 (best-fit from the extent (2, 14))
-    assert append(m, 1, [13, 14], 2) == Allocated(1, (0, 2), 2, 3, ())
+    # position 3 fills block 0, position 4 opens block 2 (best-fit from the extent (2, 14));
+    # the answer keeps the 1 entry of the last and adds block 2
+    assert append(m, 1, [13, 14], 2) == Allocated(1, (2,), 2, 3, (), block_offset=1)
+    assert m.block_table(1) == (0, 2)
     # a prefill chunk over a block boundary
     assert append(m, 2, [24, 25, 26, 27, 28], 3) == Allocated(
-        2, (1, 3, 4), 5, 4, ()
+        2, (3, 4), 5, 4, (), block_offset=1
     )
+    assert m.block_table(2) == (1, 3, 4)
     assert m.num_tokens(2) == 9
     assert m.free_extents() == [(5, 11)]
 
@@ -80,7 +84,8 @@ def test_chunked_prefill_allocates_only_the_chunk() -> None:
     m = KVCacheManager(16, 4, watermark=0.0)
     prompt = list(range(10))
     assert new(m, 1, prompt, 0, max_num_new_tokens=4) == Allocated(1, (0,), 4, 0, ())
-    assert append(m, 1, prompt[4:], 1) == Allocated(1, (0, 1, 2), 6, 4, ())
+    assert append(m, 1, prompt[4:], 1) == Allocated(1, (1, 2), 6, 4, (), block_offset=1)
+    assert m.block_table(1) == (0, 1, 2)
     m.complete([0, 1])
     # the lookup sees the whole prompt even when only one token is allocated
     result = new(m, 2, prompt, 2, max_num_new_tokens=1)
@@ -312,8 +317,9 @@ def test_fork_shares_blocks_and_append_copies_a_shared_partial_block() -> None:
     # the child writes into the shared partial block 1: it gets a copy first
     assert append(m, 2, [60], 1) == Allocated(2, (0, 2), 1, 6, (BlockCopy(1, 2),))
     assert (m.ref_count(0), m.ref_count(1), m.ref_count(2)) == (2, 1, 1)
-    # the parent now holds block 1 alone: no copy
-    assert append(m, 1, [70], 2) == Allocated(1, (0, 1), 1, 6, ())
+    # the parent now holds block 1 alone: no copy, and its table is as last answered
+    assert append(m, 1, [70], 2) == Allocated(1, (), 1, 6, (), block_offset=2)
+    assert m.block_table(1) == (0, 1)
     assert m.stats().num_copy_on_write == 1
 
 
@@ -372,10 +378,11 @@ def test_no_blocks_leaves_that_sequence_unchanged_and_applies_the_others() -> No
     m.check_integrity()
     assert out.results == {
         1: NoBlocks(1, 2, 1),
-        2: Allocated(2, (2, 3), 1, 2, ()),
+        2: Allocated(2, (3,), 1, 2, (), block_offset=1),
         3: NoBlocks(3, 1, 0),
     }
     assert (m.block_table(1), m.num_tokens(1)) == ((0, 1), 4)
+    assert m.block_table(2) == (2, 3)
     assert not m.has_sequence(3)
     assert m.stats().num_prefix_queries == 2  # the refused one is not counted
 
@@ -526,24 +533,26 @@ def test_lookahead_slots_hold_a_block_ahead_that_later_appends_fill() -> None:
     out = m.step(StepInput(appends=[Append(1, [], num_lookahead_slots=1)], micro_batch_id=2))
     m.check_integrity()
     held = out.results[1]
-    assert isinstance(held, Allocated) and held.slots(4) == () and held.num_computed_tokens == 4
-    assert len(held.block_ids) == 2 and m.num_tokens(1) == 4
+    table = m.block_table(1)
+    assert isinstance(held, Allocated) and held.num_new_tokens == 0 and held.num_computed_tokens == 4
+    assert held.applied_to(first.block_ids) == table and len(table) == 2 and m.num_tokens(1) == 4
     stats = m.stats()
     assert stats.num_used_blocks == 2 and stats.num_used_slots == 4
     # a fork shares only the blocks with tokens
     m.step(StepInput(forks=[Fork(1, 2)]))
     m.check_integrity()
-    assert m.block_table(2) == held.block_ids[:1]
-    # the held block takes the next tokens: no new block, no copy
+    assert m.block_table(2) == table[:1]
+    # the held block takes the next tokens: no new block, no copy, the table as answered
     out = m.step(StepInput(appends=[Append(1, [5, 6])], micro_batch_id=3))
     m.check_integrity()
     filled = out.results[1]
-    assert filled.block_ids == held.block_ids and out.copies == ()
-    assert filled.slots(4) == (held.block_ids[1] * 4, held.block_ids[1] * 4 + 1)
+    assert (filled.block_offset, filled.block_ids) == (2, ()) and out.copies == ()
+    assert m.block_table(1) == table
+    assert slots(table, filled.num_computed_tokens, filled.num_new_tokens, 4) == (table[1] * 4, table[1] * 4 + 1)
     # tokens and lookahead together: room for 6 + 2 + 3 = 11 tokens -> 3 blocks
     out = m.step(StepInput(appends=[Append(1, [7, 8], num_lookahead_slots=3)], micro_batch_id=4))
     m.check_integrity()
-    assert len(out.results[1].block_ids) == 3 and m.num_tokens(1) == 8
+    assert out.results[1].num_blocks == 3 and m.num_tokens(1) == 8
     m.step(StepInput(frees=(1, 2), completed_micro_batch_ids=(1, 2, 3, 4)))
     m.check_integrity()
     assert m.stats().num_used_blocks == 0

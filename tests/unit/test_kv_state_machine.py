@@ -33,6 +33,7 @@ from kvcache_svc.core import (
     NoBlocks,
     StepInput,
     StepOutput,
+    slots,
 )
 
 KV_MACHINE_SETTINGS = settings(
@@ -75,6 +76,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.busy: dict[int, int] = {}  # seq_id -> micro-batch in flight holding it
         self.in_flight: list[tuple[int, list[int]]] = []  # (micro_batch_id, seq_ids), oldest first
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (token, micro_batch_id)
+        # each live sequence's table as a receiver of the answers holds it (diffs applied)
+        self.answered: dict[int, tuple[int, ...]] = {}
         self.seen_prompts: list[tuple[int, ...]] = []
         self.next_seq_id = 0
         self.next_micro_batch_id = 0
@@ -104,7 +107,12 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _write(self, result: Allocated, token_ids: list[int], micro_batch_id: int) -> None:
         assert result.num_new_tokens == len(token_ids)
-        for slot, token in zip(result.slots(BLOCK_SIZE), token_ids, strict=True):
+        # the answer is a diff against the last one for this sequence (whole for a new one)
+        table = result.applied_to(self.answered.get(result.seq_id, ()))
+        assert table == self.m.block_table(result.seq_id)
+        self.answered[result.seq_id] = table
+        start = result.num_computed_tokens
+        for slot, token in zip(slots(table, start, result.num_new_tokens, BLOCK_SIZE), token_ids, strict=True):
             self.slots[slot] = (token, micro_batch_id)
 
     def _read(self, seq_id: int, position: int) -> int:
@@ -222,7 +230,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if lookahead:
             _record("lookahead")
             room = len(self.tokens[seq_id]) + len(token_ids) + lookahead
-            assert len(result.block_ids) == max(len(before[0]), -(-room // BLOCK_SIZE))
+            assert result.num_blocks == max(len(before[0]), -(-room // BLOCK_SIZE))
         self._write(result, token_ids, micro_batch_id)
         self.tokens[seq_id].extend(token_ids)
         self.pending_prompt[seq_id] = pending[len(token_ids) :] if pending else []
@@ -236,7 +244,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         child = self.next_seq_id
         self.next_seq_id += 1
         self.m.fork(parent, child)
-        assert self.m.block_table(child) == self.m.block_table(parent)
+        # the child shares the blocks with tokens, not a block held ahead
+        num_shared = -(-self.m.num_tokens(parent) // BLOCK_SIZE)
+        assert self.m.block_table(child) == self.m.block_table(parent)[:num_shared]
         self.tokens[child] = list(self.tokens[parent])
         self.pending_prompt[child] = list(self.pending_prompt[parent])
         if parent in self.tainted:
@@ -282,7 +292,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         """Any sequence, in flight or not (an abort)."""
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
         self.m.free(seq_id)
-        for table in (self.tokens, self.pending_prompt, self.busy):
+        for table in (self.tokens, self.pending_prompt, self.busy, self.answered):
             table.pop(seq_id, None)
         self.tainted.discard(seq_id)
 
@@ -320,7 +330,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.complete(len(self.in_flight))
         if self.tokens:
             self.m.step(StepInput(frees=sorted(self.tokens)))
-        for table in (self.tokens, self.pending_prompt, self.busy):
+        for table in (self.tokens, self.pending_prompt, self.busy, self.answered):
             table.clear()
         self.tainted.clear()
 

@@ -98,7 +98,9 @@ class Sim:
             known = min(row.context_len, s.seq.num_tokens)
             assert state.token_ids[:known] == s.seq.tokens(0, known)
             assert len(state.token_ids) >= row.context_len
-            assert tuple(state.block_ids) == s.seq.block_table
+            # the stage holds the KV service's table: the diffs passed on compose to it
+            assert tuple(state.block_ids) == self.kv.block_table(s.seq.seq_id)
+            assert len(state.block_ids) == s.seq.num_blocks
             table = state.block_ids
             for pos in range(row.start):
                 slot = table[pos // bs] * bs + pos % bs
@@ -646,5 +648,5 @@ def test_an_abort_while_the_kv_service_answers_leaves_nothing_behind():
     sim.planner.abort("a")
     mb = sim.planner.finalize(proposal, out, sim.now)  # raised KeyError before the fix
     seq = b.sequences[0]
-    assert (seq.kv_len, seq.block_table) == (sim.kv.num_tokens(seq.seq_id), sim.kv.block_table(seq.seq_id))
+    assert (seq.kv_len, seq.num_blocks) == (sim.kv.num_tokens(seq.seq_id), len(sim.kv.block_table(seq.seq_id)))
     assert mb is not None and {s.seq.request.request_id for s in mb.seqs} == {"b"}

@@ -20,8 +20,11 @@ from services.step import CachedSeq, NewSeq, SampledToken, StepPlan
 
 
 def _seq(seq_id: int, prompt=(5, 6, 7), block_table=(), **options) -> Sequence:
+    """A sequence the KV service answered `block_table` for (its first answer: whole)."""
     request = Request(f"r{seq_id}", tuple(prompt), SamplingOptions(**options), arrival_s=0.0)
-    seq = Sequence(seq_id, request, 0, entropy_seed=0, block_table=tuple(block_table))
+    seq = Sequence(seq_id, request, 0, entropy_seed=0)
+    if block_table:
+        seq.take_answer(0, tuple(block_table))
     request.sequences.append(seq)
     return seq
 
@@ -139,12 +142,29 @@ def test_a_sequence_goes_whole_once_then_as_what_changed():
     assert stages.take_releases() == ((), True)  # the plan it goes in resets the stages first
     stages.check_integrity()
     assert isinstance(entry, NewSeq) and entry.block_ids == (10, 11) and entry.token_ids == (5, 6, 7, 8, 9)
-    seq.block_table = (10, 11, 12)  # a block appended
+    seq.take_answer(2, (12,))  # a block appended: table (10, 11, 12)
     assert stages.send(seq, 5, 1) == CachedSeq(1, 1, 2, (12,))
-    seq.block_table = (10, 13, 12)  # a block replaced (copy on write): resent from there
+    seq.take_answer(1, (13, 12))  # a block replaced (copy on write): (10, 13, 12), resent from there
     assert stages.send(seq, 6, 1) == CachedSeq(1, 1, 1, (13, 12))
     assert stages.send(seq, 7, 1) == CachedSeq(1, 1, 3, ())  # unchanged
+    assert stages.on_stages == {1: 3}
     stages.check_integrity()
+
+
+def test_answers_the_stages_were_not_sent_go_as_one_diff():
+    stages = StageView(track_tokens=False)
+    seq = _seq(1, prompt=(5, 6, 7, 8, 9), block_table=(10, 11))
+    stages.send(seq, 0, 5)
+    seq.take_answer(2, (12,))  # held ahead for a step that was then dropped
+    seq.take_answer(3, (14,))  # the next block
+    assert stages.send(seq, 5, 1) == CachedSeq(1, 1, 2, (12, 14))
+    seq.take_answer(4, (15,))
+    seq.take_answer(2, (16, 17, 15))  # a block the stages were never sent is replaced too
+    assert stages.send(seq, 6, 1) == CachedSeq(1, 1, 2, (16, 17, 15))
+    seq.take_answer(5, ())  # nothing changed
+    assert seq.unsent_blocks is None and stages.send(seq, 7, 1) == CachedSeq(1, 1, 5, ())
+    with pytest.raises(ValueError):
+        seq.take_answer(6, (18,))  # keeps more than its table holds
 
 
 def test_a_first_stage_that_does_not_sample_is_sent_the_tokens_it_lacks():
@@ -292,27 +312,31 @@ def test_the_kv_lead_check_allows_deferred_decodes_and_one_lookahead_block():
     from scheduler_svc.core.planner import check_kv_lead
 
     seq = _seq(1, prompt=(5, 6, 7, 8, 9), block_table=(10, 11))
+    seq.take_unsent_blocks()  # the stages hold (10, 11)
     seq.kv_len = 5
-    check_kv_lead(seq, 5, (10, 11), 4)  # as told
-    check_kv_lead(seq, 8, (10, 11), 4)  # three deferred decodes fill the last block
-    seq.kv_len, seq.block_table = 8, (10, 11, 12)  # a placeholder step's block held ahead
-    check_kv_lead(seq, 9, (10, 11, 12), 4)
-    check_kv_lead(seq, 8, (10, 11), 4)  # its placeholder step was dropped: sent later
+    check_kv_lead(seq, 5, 2, 4)  # as told
+    check_kv_lead(seq, 8, 2, 4)  # three deferred decodes fill the last block
+    seq.kv_len = 8
+    seq.take_answer(2, (12,))  # a placeholder step's block held ahead: (10, 11, 12)
+    check_kv_lead(seq, 8, 2, 4)  # its placeholder step was dropped: sent later
+    seq.take_unsent_blocks()
+    check_kv_lead(seq, 9, 3, 4)
 
 
-@pytest.mark.parametrize("kv_len, end, table, held", [
-    (6, 5, (10, 11), (10, 11)),  # the KV service told a token never scheduled
-    (5, 9, (10, 11), (10, 11)),  # a deferred decode beyond the table
-    (4, 4, (10, 11, 12), (10, 11, 12)),  # more than one slot held ahead
-    (5, 5, (10,), (10,)),  # the table does not cover what the KV service was told
-    (5, 5, (10, 11), (10, 13)),  # the stages hold another table
-    (5, 5, (10, 11), (10,)),  # the stages miss a block with tokens
+@pytest.mark.parametrize("kv_len, end, table, held, unsent", [
+    (6, 5, (10, 11), 2, None),  # the KV service told a token never scheduled
+    (5, 9, (10, 11), 2, None),  # a deferred decode beyond the table
+    (4, 4, (10, 11, 12), 3, None),  # more than one slot held ahead
+    (5, 5, (10,), 1, None),  # the table does not cover what the KV service was told
+    (5, 5, (10, 11), 2, (1, (11,))),  # the stages hold another table
+    (5, 5, (10, 11), 1, (1, (11,))),  # the stages miss a block with tokens
+    (5, 5, (10, 11), 1, None),  # the stages miss a block nobody will send them
 ])
-def test_the_kv_lead_check_catches(kv_len, end, table, held):
+def test_the_kv_lead_check_catches(kv_len, end, table, held, unsent):
     from scheduler_svc.core.planner import check_kv_lead
 
     seq = _seq(1, prompt=(5, 6, 7, 8, 9), block_table=table)
-    seq.kv_len = kv_len
+    seq.kv_len, seq.unsent_blocks = kv_len, unsent
     with pytest.raises(AssertionError):
         check_kv_lead(seq, end, held, 4)
 
@@ -331,9 +355,10 @@ def test_a_block_held_ahead_for_a_dropped_placeholder_step_goes_with_the_next_st
     assert planner.finalize(ahead, output) is None  # dropped: its token is known now
     planner.check_integrity()
     (seq,) = planner.running[0].sequences
-    assert len(seq.block_table) == 2 and planner._stages.on_stages[seq.seq_id] == seq.block_table[:1]
+    table = kv.block_table(seq.seq_id)
+    assert seq.num_blocks == len(table) == 2 and planner._stages.on_stages[seq.seq_id] == 1
     decode = planner.propose()
     assert decode.skips_kv  # deferred: the held block has room
     mb = planner.finalize(decode, StepOutput(results={}, copies=()))
     planner.check_integrity()
-    assert mb.plan.cached_seqs == (CachedSeq(seq.seq_id, 1, 1, seq.block_table[1:]),)
+    assert mb.plan.cached_seqs == (CachedSeq(seq.seq_id, 1, 1, table[1:]),)
