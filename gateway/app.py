@@ -3,6 +3,7 @@ health, metrics and the KV memory monitor, as one FastAPI app over a `TextGenera
 
     POST /v1/completions        prompt(s) -> text; stream: true for server-sent events
     POST /v1/chat/completions   messages through the model's chat template -> text
+    POST /v1/embeddings         inputs -> pooled, normalized vectors (gateway/embeddings.py)
     GET  /v1/models             the served model
     POST /tokenize              a text, or a conversation through the chat template -> token ids
     POST /detokenize            token ids -> text (vLLM's extras; no scheduler call)
@@ -37,7 +38,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import dashboard, streaming, validation
+from gateway import dashboard, embeddings, streaming, validation
 from gateway import openai_format as fmt
 from gateway.config import ApiKey, GatewayConfig
 from gateway.core import (
@@ -47,7 +48,13 @@ from gateway.core import (
     TextGenerator,
     Usage,
 )
-from gateway.errors import ApiError, error_body, from_validation_errors, status_for
+from gateway.errors import (
+    ApiError,
+    body_parse_error,
+    error_body,
+    from_validation_errors,
+    status_for,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayMiddleware
 from gateway.protocol import (
@@ -70,6 +77,7 @@ log = logging.getLogger(__name__)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request; `param` names the field."},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
+    404: {"model": ErrorResponse, "description": "No such model (`model_not_found`)."},
     413: {"model": ErrorResponse, "description": "Body over the size limit."},
     429: {"model": ErrorResponse, "description": "A rate limit of the API key was reached "
                                                  "(see `Retry-After`), or the scheduler's queue "
@@ -119,9 +127,10 @@ class Gateway:
     async def generation(self, request_id: str, prompts: Sequence[list[int]],
                          params: GenerationParams, traceparent: str) -> AsyncIterator[streaming.Item]:
         """Every prompt's stream merged, with the request's metrics. Closing it (or
-        cancelling its consumer) cancels every scheduler call."""
+        cancelling its consumer) cancels every scheduler call; the metrics then count the
+        request as abandoned (`GatewayMetrics.serving`)."""
         usage = Usage()
-        with self.metrics.serving() as timer:
+        with self.metrics.serving(len(prompts) * params.sampling.n, sum(map(len, prompts))) as timer:
             ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
             streams = [self.generator.generate(p, params, rid, traceparent) for p, rid in zip(prompts, ids, strict=True)]
             async with contextlib.aclosing(streaming.merged(streams)) as merged:
@@ -171,6 +180,7 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
                        metrics_require_key=config.metrics_require_key)
     _add_error_handlers(app, gw)
     _add_openai_routes(app, gw)
+    embeddings.add_routes(app, gw)
     _add_vllm_routes(app, gw)
     _add_pagoda_routes(app, gw)
     _add_operations_routes(app, gw)
@@ -237,12 +247,12 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
             first = await streaming.first_item(request, items)
             return streaming.EventStream(streaming.chat_events(
                 request_id, created, model, first, items, body.n, body.logprobs,
-                body.return_token_ids, body.stream_options, len(prompt), params.tool_calling),
-                items, request_id)
+                body.return_token_ids, body.stream_options, len(prompt), params.tool_calling,
+                params.reply_parsing), items, request_id)
         choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
         payload = fmt.chat_response(request_id, created, model, choices, usage, body.logprobs,
                                     prompt if body.return_token_ids else None,
-                                    body.prompt_logprobs, params.tool_calling)
+                                    body.prompt_logprobs, params.tool_calling, params.reply_parsing)
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
 
 
@@ -250,7 +260,7 @@ def _add_vllm_routes(app: FastAPI, gw: Gateway) -> None:
     """vLLM's extras: tokenize and detokenize (no scheduler call)."""
 
     @app.post("/tokenize", tags=["vLLM"], response_model_exclude_none=True,
-              responses={k: _ERRORS[k] for k in (400, 401, 413)})
+              responses={k: _ERRORS[k] for k in (400, 401, 404, 413)})
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """A text's token ids as completions would send them (`prompt`), or a conversation's
         as chat completions would (`messages`: the same chat template). No length limit:
@@ -263,7 +273,7 @@ def _add_vllm_routes(app: FastAPI, gw: Gateway) -> None:
         return TokenizeResponse(count=len(ids), max_model_len=gw.limits.max_model_len, tokens=ids,
                                 token_strs=token_strs)
 
-    @app.post("/detokenize", tags=["vLLM"], responses={k: _ERRORS[k] for k in (400, 401, 413)})
+    @app.post("/detokenize", tags=["vLLM"], responses={k: _ERRORS[k] for k in (400, 401, 404, 413)})
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         """Token ids back to text, special tokens included (as vLLM decodes them)."""
         validation.check_model(body.model, gw.limits)
@@ -275,7 +285,7 @@ def _add_vllm_routes(app: FastAPI, gw: Gateway) -> None:
 def _add_pagoda_routes(app: FastAPI, gw: Gateway) -> None:
     """Pagoda's own: `/generate`, one prompt with its timeline."""
 
-    @app.post("/generate", tags=["Pagoda"], responses=_ERRORS)
+    @app.post("/generate", tags=["Pagoda"], responses={k: v for k, v in _ERRORS.items() if k != 404})
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
         """One prompt, one choice: the text and its token ids, and with `debug_timeline`
         the request's timeline as Chrome trace-event JSON (open it in Perfetto)."""
@@ -488,6 +498,10 @@ def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's "error parsing the body" keeps why in its cause: say it, naming the body
+        unparsed = body_parse_error(exc.__cause__) if exc.status_code == 400 else None
+        if unparsed is not None:
+            return respond(request, unparsed.status, unparsed.body())
         return respond(request, exc.status_code, error_body(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(Exception)

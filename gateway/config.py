@@ -9,13 +9,16 @@ from dataclasses import MISSING, dataclass, field
 from functools import partial
 from pathlib import Path
 
+from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from gateway.ratelimit import RateLimit, redacted_url
 from services import settings as shared
 from services.defaults import MAX_MODEL_LEN, ROUTING_POLICIES
+from services.pooling import POOLING_TYPES
 from services.settings import Setting, uses
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _GRANT_FIELDS = {"tenant", "priority", "requests_per_minute", "tokens_per_minute"}
+TASKS = ("generate", "embed")  # vLLM's --task values Pagoda takes (both serve everything)
 
 
 @dataclass(frozen=True)
@@ -59,17 +62,19 @@ class GatewayConfig:
             "string, and the directory's name)", "names", name="served_model_name", metavar="NAME",
         flag_default=None)
     host: str = uses(shared.HOST)
-    port: int = _passed(8000, "REST port", "int")
-    grpc_port: int = _passed(50051, "gRPC port (pagoda.v1.Generation, health, reflection)", "int")
+    port: int = _passed(8000, "the REST port: the OpenAI-compatible API under /v1, /health, /metrics, /docs", "int")
+    grpc_port: int = _passed(50051, "the public gRPC port: pagoda.v1.Generation, health, reflection", "int")
     api_keys: Mapping[str, ApiKey] = field(default_factory=dict)  # empty: no keys (loopback only)
-    max_body_bytes: int = _passed(4 * 1024 * 1024, "largest request body (REST) and request message (gRPC), "
-                                                   "bytes", "int")
+    max_body_bytes: int = _passed(4 * 1024 * 1024, "the largest request body (REST) and request message "
+                                                   "(gRPC) taken, in bytes; a larger one is refused", "int",
+                                  metavar="BYTES")
     max_model_len: int = uses(shared.MAX_MODEL_LEN, MAX_MODEL_LEN)
     max_n: int = 16
     max_logprobs: int = 20
     max_num_prompts: int = 256  # prompts in one completions request
-    grace_period_s: float = _passed(30.0, "seconds in-flight requests get to finish on SIGTERM", "float",
-                                    name="grace_period")
+    grace_period_s: float = _passed(30.0, "on SIGTERM or Ctrl-C, the seconds in-flight requests get to finish "
+                                          "while no new ones are taken", "float", name="grace_period",
+                                    metavar="SECONDS")
     stream_stall_timeout_s: float = _passed(30.0, _STALL_HELP, "float", name="stream_stall_timeout",
                                             metavar="SECONDS")
     metrics_require_key: bool = _setting(
@@ -89,6 +94,43 @@ class GatewayConfig:
         "prefix", "with several replicas: prefix (the replica holding most of the prompt's prefix, weighed "
                   "against load; needs --redis-url, else by load), least-loaded or round-robin (default "
                   "prefix)", choices=ROUTING_POLICIES)
+    # /v1/embeddings (gateway/embeddings.py), served beside generation by every gateway: how a
+    # prompt's final hidden states become its vector (vLLM: --override-pooler-config), and
+    # vLLM's --task, taken so that its command lines work (either task serves both)
+    pooling_type: str = _passed(
+        "LAST", "how /v1/embeddings pools a prompt's final hidden states (after the final norm; then "
+                "L2-normalized): LAST, the last token's (vLLM's default for decoder models), or MEAN, the "
+                "mean over every token (those prompts then skip the prefix cache; default LAST)",
+        choices=POOLING_TYPES, metavar="TYPE")
+    task: str = _passed(
+        "generate", "vLLM's --task, accepted for its command lines: generate or embed; either way the "
+                    "server generates and serves /v1/embeddings (default generate)", choices=TASKS)
+    # vLLM's --tokenizer, --chat-template and --seed: the text side of a request and the seed of
+    # those that send none (`pagoda gateway` reads a --chat-template file into `chat_template`
+    # and makes `tokenizer` a folder with that template: wiring/model_source.py)
+    tokenizer: str | None = _passed(
+        None, "a tokenizer folder other than the model's (tokenizer.json, tokenizer_config.json), as vLLM's "
+              "--tokenizer: the gateway tokenizes and renders chats with it (default: the model's)", metavar="DIR")
+    chat_template: str | None = _passed(
+        None, "a chat template in place of the model's, as vLLM's --chat-template: a Jinja file, or the "
+              "template itself (default: the model's)", metavar="TEMPLATE")
+    seed: int | None = _passed(
+        None, "the seed of every request that sends none, as vLLM's --seed: a request then samples the same "
+              "tokens each time it is sent (default: none, each such request draws its own)", "int", metavar="N")
+    # vLLM's --enable-auto-tool-choice, --tool-call-parser and --reasoning-parser: how chat
+    # replies are read into tool calls and reasoning (gateway/chat_parsing.py)
+    enable_auto_tool_choice: bool = _passed(
+        False, "serve tool_choice \"auto\" (the default when a chat request has tools): the model answers "
+               "freely and its reply is read for tool calls with --tool-call-parser; without it \"auto\" is "
+               "refused (400)", "switch")
+    tool_call_parser: str | None = _passed(
+        None, "the model's tool-call syntax, as vLLM's parser of that name reads it: hermes (Qwen2.5, Qwen3, "
+              "Hermes: <tool_call>{...}</tool_call>), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), "
+              "pythonic (Llama 3.2/4: [f(x=1)])", choices=tuple(TOOL_CALL_PARSERS), metavar="NAME")
+    reasoning_parser: str | None = _passed(
+        None, "return a reasoning model's <think>...</think> part as reasoning_content, apart from the content: "
+              "deepseek_r1 (DeepSeek R1 and its distills, QwQ, templates that open <think> in the prompt), qwen3 "
+              "(the reply opens <think> itself)", choices=tuple(REASONING_PARSERS), metavar="NAME")
 
     def __post_init__(self) -> None:
         from gateway.replicas import parse_targets
@@ -108,6 +150,7 @@ class GatewayConfig:
         for name in ("max_logprobs", "grace_period_s", "stream_stall_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must not be negative, got {getattr(self, name)}")
+        self._check_embeddings()
         if not all(isinstance(n, str) and n.strip() for n in self.served_model_names):
             raise ValueError(f"served_model_names: each must be a non-empty string, got {self.served_model_names!r}")
         for key, grant in self.api_keys.items():
@@ -117,11 +160,29 @@ class GatewayConfig:
         if self.redis_url and not self.redis_url.startswith(_REDIS_SCHEMES):
             raise ValueError(f"redis_url: must start with one of {', '.join(_REDIS_SCHEMES)}, "
                              f"got {redacted_url(self.redis_url)!r}")
+        self._check_parsers()
         if not self.api_keys and not _is_loopback(self.host):
             raise ValueError(
                 f"api_keys: binding {self.host} beyond loopback without API keys would open the "
                 "server to anyone; configure keys (--api-keys-file) or bind 127.0.0.1"
             )
+
+    def _check_parsers(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser: must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            # as vLLM refuses it: "auto" needs to know the model's tool-call syntax
+            raise ValueError("enable_auto_tool_choice: needs --tool-call-parser NAME, the model's tool-call "
+                             f"syntax ({', '.join(TOOL_CALL_PARSERS)})")
+
+    def _check_embeddings(self) -> None:
+        for name, allowed in (("pooling_type", POOLING_TYPES), ("task", TASKS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
     @property
     def auth_enabled(self) -> bool:
@@ -149,8 +210,11 @@ class GatewayConfig:
 
 # what `pagoda gateway` takes besides its config's settings: the API keys, which become
 # `GatewayConfig.api_keys` (wiring/cli.py reads the file)
-API_KEYS_FILE = Setting("api_keys_file", 'JSON {"<key>": {"tenant": "...", "priority": 0}}; without it, no keys',
-                        owner="gateway", services=("gateway",), serve="pass")
+API_KEYS_FILE = Setting(
+    "api_keys_file", 'a JSON file of API keys and what each grants: {"<key>": {"tenant": "a", "priority": 0, '
+    '"requests_per_minute": 60, "tokens_per_minute": 100000}} (each field optional); clients send a key as '
+    "`Authorization: Bearer KEY`; with neither this nor --api-key no key is asked for, and the gateway binds "
+    "loopback only", metavar="FILE", owner="gateway", services=("gateway",), serve="pass")
 # (`pagoda serve` hands its keys to its gateway by environment, never on a command line)
 API_KEY = Setting("api_key", "keys clients send as `Authorization: Bearer KEY`, as vLLM's --api-key (default "
                              "tenant and priority; beside --api-keys-file)", "names", metavar="KEY",

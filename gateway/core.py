@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
+from gateway.chat_parsing import ReplyParsing
 from gateway.replicas import NoReplica, Replica, ReplicaSet, merge_stats, parse_targets
 from gateway.tools import ToolCalling
 from services import telemetry
@@ -126,6 +127,9 @@ class GenerationParams:
     prompt_only: bool = False
     # chat with tools: how the output becomes tool calls (gateway.tools)
     tool_calling: ToolCalling | None = None
+    # chat replies read by the server's parsers (auto tool calls, reasoning): their markers
+    # are decoded even when they are special tokens (gateway.chat_parsing)
+    reply_parsing: ReplyParsing | None = None
     # routing across replicas: requests with one session key go to one replica (`user`, or
     # the x-session-id header)
     session: str = ""
@@ -168,10 +172,14 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    # vLLM's stop_reason: the stop string, or the requested stop token id (stop_token_ids),
+    # that ended the choice; None for the model's EOS and for any other end
     stop_reason: str | int | None = None
     # on each choice's first delta when params.sampling.prompt_logprobs was set: one entry per prompt
     # token, the first with logprob None (nothing precedes it)
     prompt_logprobs: list[TokenLogprob] | None = None
+    # the stop token that ended the choice, EOS included (the public gRPC API reports it)
+    stop_token_id: int | None = None
 
 
 @dataclass
@@ -241,8 +249,9 @@ class TextGenerator:
     def __init__(self, scheduler_address: str, tokenizer: Tokenizer, max_model_len: int,
                  retry_unavailable_s: float = RETRY_UNAVAILABLE_S,
                  stall_timeout_s: float = STALL_TIMEOUT_S, routing: str = "prefix",
-                 redis_url: str = "") -> None:
+                 redis_url: str = "", default_seed: int | None = None) -> None:
         self.retry_unavailable_s = retry_unavailable_s
+        self.default_seed = default_seed  # the seed of a request that sends none (--seed)
         self.stall_timeout_s = stall_timeout_s
         self._tracing = telemetry.enabled()
         self._tracer = telemetry.tracer("pagoda.gateway")
@@ -334,6 +343,8 @@ class TextGenerator:
         if traceparent:
             req.trace_context.traceparent = traceparent
         options_to_pb(p.sampling, req.sampling_params)
+        if p.sampling.seed is None and self.default_seed is not None:
+            req.sampling_params.seed = self.default_seed % 2**64
         return req
 
     async def generate(
@@ -420,6 +431,7 @@ class TextGenerator:
                 self.tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 prompt_token_ids=list(prompt_ids),
+                keep_special_tokens=params.reply_parsing.kept_tokens if params.reply_parsing else (),
             )
         first = index not in choices.completion_tokens
         delta = self._choice_delta(resp, proc, params)
@@ -513,7 +525,12 @@ class TextGenerator:
                 delta = type(delta)(delta.text + tail.text, True, tail.finish_reason, tail.stop_reason)
         if delta.finished:
             reason = scheduler_reason if scheduler_reason in ("abort", "error") else delta.finish_reason
-            return ChoiceDelta(resp.index, delta.text, token_ids, logprobs, reason, delta.stop_reason)
+            stop_token_id = delta.stop_reason if isinstance(delta.stop_reason, int) else None
+            stop_reason = delta.stop_reason
+            if stop_token_id is not None and stop_token_id not in params.sampling.stop_token_ids:
+                stop_reason = None  # the model's EOS: null, as vLLM reports it
+            return ChoiceDelta(resp.index, delta.text, token_ids, logprobs, reason, stop_reason,
+                               stop_token_id=stop_token_id)
         if delta.text or token_ids:
             return ChoiceDelta(resp.index, delta.text, token_ids, logprobs)
         return None

@@ -8,6 +8,7 @@ from the scheduler becomes 500 and is logged with the request id.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -63,6 +64,22 @@ def invalid(param: str | None, message: str, code: str | None = None) -> ApiErro
 
 def status_for(code: grpc.StatusCode) -> int:
     return GRPC_TO_HTTP.get(code, 500)
+
+
+def body_parse_error(cause: BaseException | None) -> ApiError | None:
+    """Why a JSON body could not be parsed at all, as a 400 naming `body` (FastAPI's own
+    answer, "There was an error parsing the body", says neither what nor where): bytes that
+    are not UTF-8, or JSON nested deeper than the parser recurses. None for other causes."""
+    if isinstance(cause, UnicodeDecodeError):
+        byte = cause.object[cause.start] if cause.start < len(cause.object) else None
+        what = f"byte 0x{byte:02x}" if byte is not None else "the end"
+        return invalid("body", f"not valid {cause.encoding.upper()}: {what} at offset {cause.start} "
+                               f"({cause.reason}); send JSON encoded as UTF-8", "invalid_encoding")
+    if isinstance(cause, RecursionError):
+        return invalid("body", f"the JSON is nested too deeply to parse (arrays and objects "
+                               f"nest at most about {sys.getrecursionlimit()} levels)",
+                       "json_too_deep")
+    return None
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}

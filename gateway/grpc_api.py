@@ -5,7 +5,7 @@ convert. Bad input is refused here with INVALID_ARGUMENT naming the field (`fiel
 and never reaches the scheduler; the scheduler's own refusals (`GenerationError`) pass
 through with their status code. A client that cancels its stream closes the generate
 iterator, which cancels the scheduler call and so aborts the request downstream. With rate
-limits configured, Generate and Chat are charged once validated (gateway.ratelimit); a
+limits configured, Generate, Chat and Embed are charged once validated (gateway.ratelimit); a
 refusal is RESOURCE_EXHAUSTED with the REST API's message and `retry-after` trailing metadata
 (seconds, when retrying can help).
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from gateway import embeddings
 from gateway.config import ApiKey, GatewayConfig
 from gateway.core import (
     ChoiceDelta,
@@ -45,6 +46,7 @@ from services import grammar
 from services.admission import AdmissionError, Limits, admit
 from services.grammar import GrammarError
 from services.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.pooling import PoolingType, embedding_to_pb
 from services.sampling_pb import options_from_pb
 
 log = logging.getLogger(__name__)
@@ -161,8 +163,8 @@ def response_from_delta(request_id: str, delta: ChoiceDelta) -> gateway_pb2.Text
                                                    common_pb2.FINISH_REASON_ERROR)
     if isinstance(delta.stop_reason, str):
         choice.stop_string = delta.stop_reason
-    elif isinstance(delta.stop_reason, int):
-        choice.stop_token_id = delta.stop_reason
+    elif delta.stop_token_id is not None:  # EOS too, which REST reports as null (vLLM)
+        choice.stop_token_id = delta.stop_token_id
     return msg
 
 
@@ -233,6 +235,36 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         async for msg in self._stream(prompt_ids, params, context):
             yield msg
 
+    async def Embed(
+        self, request: gateway_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.EmbedResponse:
+        """REST's /v1/embeddings (gateway/embeddings.py): one pooling request per input."""
+        try:
+            key, bucket = self._authenticate(context)
+            self._check_model(request.model)
+            prompts = await asyncio.to_thread(self._embed_inputs, request)
+            if self.limiter is not None:  # prompt tokens and one per input (the vector)
+                await self.limiter.admit(bucket, key.rate_limit, sum(len(p) + 1 for p in prompts))
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        except RateLimitExceeded as exc:
+            await _abort_rate_limited(context, exc)
+        request_id = f"grpc-{uuid.uuid4().hex}"
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            results = await embeddings.serve_embeddings(
+                self.generator, self.metrics, prompts, PoolingType(self.config.pooling_type), request_id,
+                priority=max(request.priority, key.priority), tenant=key.tenant,
+                traceparent=str(metadata.get("traceparent", "")))
+        except GenerationError as exc:
+            retry = exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+            await context.abort(exc.code, exc.message, (("retry-after", "1"),) if retry else ())
+        reply = gateway_pb2.EmbedResponse(request_id=request_id)
+        for vector, _ in results:
+            embedding_to_pb(vector, reply.embeddings.add())
+        reply.usage.num_prompt_tokens = sum(u.prompt_tokens for _, u in results)
+        return reply
+
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
@@ -296,6 +328,22 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             return "token_ids.ids", ids
         raise _invalid("prompt", "set one of text or token_ids")
 
+    def _embed_inputs(self, request: gateway_pb2.EmbedRequest) -> list[list[int]]:
+        """The inputs as token ids, checked as REST checks them (`embeddings.check_inputs`)."""
+        if bool(request.texts) == bool(request.token_ids):
+            raise _invalid("texts", "set one of texts or token_ids, with at least one input")
+        if request.texts:
+            field = "texts"
+            prompts = [self.generator.tokenizer.encode(text) for text in request.texts]
+        else:
+            field = "token_ids"
+            prompts = [list(p.ids) for p in request.token_ids]
+        try:
+            embeddings.check_inputs(prompts, self.limits.vocab_size, self.limits.max_model_len)
+        except embeddings.InputError as exc:
+            raise _invalid(field if exc.index is None else f"{field}[{exc.index}]", exc.reason) from None
+        return prompts
+
     def _chat_prompt_ids(self, messages: Sequence[gateway_pb2.ChatMessage]) -> list[int]:
         if not messages:
             raise _invalid("messages", "must not be empty")
@@ -320,7 +368,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         await context.send_initial_metadata((("x-request-id", request_id),))
         events = self.generator.generate(prompt_ids, params, request_id,
                                          str(metadata.get("traceparent", "")))
-        serving = self.metrics.serving() if self.metrics is not None else contextlib.nullcontext()
+        serving = (self.metrics.serving(params.sampling.n, len(prompt_ids)) if self.metrics is not None
+                   else contextlib.nullcontext())
         # A choice's last delta waits for the next event, so that when it is the request's
         # last the usage rides on the same message.
         held: gateway_pb2.TextGenerateResponse | None = None

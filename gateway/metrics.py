@@ -9,6 +9,7 @@ and waiting, KV usage, prefix-cache counters, preemptions), read from the schedu
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
@@ -17,8 +18,13 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+# Per token (inter-token, per output token): up to 80 s, as vLLM's.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Time to first token: vLLM's buckets, up to 2,560 s (a long prompt on a CPU takes minutes).
+TTFT_BUCKETS = (*LATENCY_BUCKETS, 160.0, 640.0, 2560.0)
+# A whole request: up to 7,680 s, as vLLM's end-to-end latency reaches.
+REQUEST_LATENCY_BUCKETS = (*TTFT_BUCKETS, 7680.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -45,12 +51,12 @@ class GatewayMetrics:
             buckets=TOKEN_BUCKETS, registry=r)
         self.ttft = Histogram("pagoda:time_to_first_token_seconds",
                               "Request arrival to its first text.", labels,
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("pagoda:inter_token_latency_seconds",
                              "Between consecutive output tokens of a choice.", labels,
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pagoda:e2e_request_latency_seconds", "Request arrival to its end.",
-                             labels, buckets=LATENCY_BUCKETS, registry=r)
+                             labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("pagoda:api_requests_in_flight",
                                "Generation requests the gateway is serving now.", labels, registry=r)
         self.tpot = Histogram("pagoda:time_per_output_token_seconds",
@@ -63,12 +69,19 @@ class GatewayMetrics:
         return RequestTimer(self)
 
     @contextlib.contextmanager
-    def serving(self) -> Iterator[RequestTimer]:
-        """One generation request (REST or gRPC): counted in flight while it runs; its timer."""
+    def serving(self, num_choices: int = 0, num_prompt_tokens: int = 0) -> Iterator[RequestTimer]:
+        """One generation request (REST or gRPC) of `num_choices` choices in all: counted in
+        flight while it runs; its timer. A request its client abandons (the stream behind it
+        closed or cancelled before its end) is counted all the same: its unfinished choices
+        as finished_reason "abort", with the tokens generated so far."""
         in_flight = self.in_flight.labels(self.model_name)
         in_flight.inc()
+        timer = self.request()
         try:
-            yield self.request()
+            yield timer
+        except (GeneratorExit, asyncio.CancelledError):
+            timer.on_abandoned(num_choices, num_prompt_tokens)
+            raise
         finally:
             in_flight.dec()
 
@@ -84,10 +97,14 @@ class RequestTimer:
     start_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     last_token_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    num_generated: int = 0  # tokens of every choice so far
+    num_finished_choices: int = 0
+    ended: bool = False  # on_finished was called: the request is counted
 
     def on_tokens(self, choice: tuple[int, int], num_tokens: int) -> None:
         if num_tokens <= 0:
             return
+        self.num_generated += num_tokens
         m, now = self.metrics, time.monotonic()
         if self.first_token_s is None:
             self.first_token_s = now
@@ -107,9 +124,21 @@ class RequestTimer:
 
     def on_choice_finished(self, reason: str | None) -> None:
         m = self.metrics
+        self.num_finished_choices += 1
         m.request_success.labels(m.model_name, reason or "unknown").inc()
 
+    def on_abandoned(self, num_choices: int, prompt_tokens: int) -> None:
+        """The client went away before the request's end (its scheduler calls are aborted):
+        each of its `num_choices` choices not finished yet ends as "abort", and the request
+        counts with the tokens generated until then."""
+        if self.ended:
+            return
+        for _ in range(num_choices - self.num_finished_choices):
+            self.on_choice_finished("abort")
+        self.on_finished(prompt_tokens, self.num_generated)
+
     def on_finished(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.ended = True
         m, name = self.metrics, self.metrics.model_name
         now = time.monotonic()
         m.e2e.labels(name).observe(now - self.start_s)

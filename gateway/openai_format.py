@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway import tools
+from gateway.chat_parsing import ReplyParsing
 from gateway.core import ChoiceDelta, TokenLogprob, Usage
 from gateway.tools import ToolCalling
 
@@ -83,7 +84,8 @@ def echoed(delta: ChoiceDelta, prompt_text: str, num_top: int | None) -> ChoiceD
     logprobs = delta.logprobs if num_top is None else [
         *echo_logprobs(delta.prompt_logprobs, num_top), *delta.logprobs]
     return ChoiceDelta(delta.index, prompt_text + delta.text, delta.token_ids, logprobs,
-                       delta.finish_reason, delta.stop_reason, delta.prompt_logprobs)
+                       delta.finish_reason, delta.stop_reason, delta.prompt_logprobs,
+                       delta.stop_token_id)
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -219,9 +221,11 @@ def completion_response(request_id: str, created: int, model: str, choices: list
 def chat_response(request_id: str, created: int, model: str, choices: list[ChoiceResult],
                   usage: Usage, want_logprobs: bool,
                   prompt: list[int] | None, prompt_logprobs: int | None = None,
-                  calling: ToolCalling | None = None) -> dict[str, Any]:
+                  calling: ToolCalling | None = None,
+                  parsing: ReplyParsing | None = None) -> dict[str, Any]:
     """`calling`: the request forced tool calls (gateway.tools), so each choice's output is
-    returned as its calls."""
+    returned as its calls. `parsing`: each choice's output is read by the server's parsers
+    into reasoning, content and tool calls (gateway.chat_parsing)."""
     extra = {}
     if prompt_logprobs is not None:  # vLLM: once for the request, beside the choices
         extra["prompt_logprobs"] = prompt_logprobs_body(
@@ -230,13 +234,20 @@ def chat_response(request_id: str, created: int, model: str, choices: list[Choic
         "id": request_id, "object": "chat.completion", "created": created, "model": model,
         "choices": [_extras({"index": c.index,
                              **dict(zip(("message", "finish_reason"),
-                                        tools.message(calling, c.text, c.finish_reason), strict=True)),
+                                        _message(calling, parsing, c.text, c.finish_reason), strict=True)),
                              "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None},
                             c.stop_reason, c.token_ids if prompt is not None else None, None)
                     for c in choices],
         "usage": usage_body(usage),
         **({"prompt_token_ids": prompt} if prompt is not None else {}),
     }
+
+
+def _message(calling: ToolCalling | None, parsing: ReplyParsing | None, text: str,
+             finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    if parsing is not None:
+        return parsing.message(text, finish_reason)
+    return tools.message(calling, text, finish_reason)
 
 
 def completion_chunk(request_id: str, created: int, model: str, index: int, delta: ChoiceDelta,

@@ -212,13 +212,21 @@ class TextContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message, as the chat template sees it (gateway.validation): a null or missing
+    `content` is "" (the openai SDK sends `content: null` beside an assistant's
+    `tool_calls`), as vLLM renders it."""
+
     model_config = ConfigDict(strict=True, extra="allow")  # templates may read more keys
 
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="An assistant's calls, given to the template with each call's "
+        "`arguments` as an object (as vLLM and transformers' templates expect).")
+    tool_call_id: str | None = Field(None, description="A tool message's answer to this call.")
 
-    check_unicode = field_validator("role", "content", "name")(check_text)
+    check_unicode = field_validator("role", "content", "name", "tool_call_id")(check_text)
 
 
 class ChatCompletionRequest(_OpenAIFields):
@@ -234,12 +242,17 @@ class ChatCompletionRequest(_OpenAIFields):
     tools: list[dict[str, Any]] | None = Field(
         None, description="Functions the model may call (given to the chat template); see tool_choice.")
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description="'none', 'required' (a list of calls), or {\"type\": \"function\", \"function\": "
-        "{\"name\": ...}}; 'auto' (the default with tools) is refused: no parser for the model's "
-        "tool-call syntax (docs/structured-output.md).")
-    parallel_tool_calls: bool = Field(True, description="With tool_choice 'required': false allows "
-                                                        "exactly one call.")
+        None, description="'none', 'auto' (the default with tools: the reply is parsed for calls; needs the "
+        "server's --enable-auto-tool-choice and --tool-call-parser, else refused), 'required' (a list of "
+        "calls), or {\"type\": \"function\", \"function\": {\"name\": ...}} (docs/structured-output.md).")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call ('auto': the first the "
+                                                        "reply holds; 'required': exactly one).")
+    include_reasoning: bool = Field(True, description="vLLM: with the server's --reasoning-parser, false "
+                                                      "drops the reasoning (reasoning_content) from the reply.")
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(
+        False, description="vLLM: the last message is continued (a prefill of the answer): no "
+        "end of turn after it; needs add_generation_prompt false.")
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = Field(False, description="Refused: not supported.")
 
@@ -290,7 +303,8 @@ class TokenizeChatRequest(BaseModel):
         "tokenizer adds.")
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = Field(False, description="Also return each token's vocabulary entry.")
-    continue_final_message: bool = Field(False, description="Refused: not supported.")
+    continue_final_message: bool = Field(False, description="As /v1/chat/completions: the "
+                                         "last message is continued; needs add_generation_prompt false.")
     chat_template: str | None = Field(None, description="Refused: the model's own template is used.")
     tools: list[dict[str, Any]] | None = Field(None, description="Given to the chat template, as "
                                                                  "/v1/chat/completions does.")

@@ -136,10 +136,10 @@ async def serve(config: GatewayConfig) -> None:
     from services import telemetry
 
     telemetry.setup_tracing("gateway")  # before the generator: it checks once whether tracing is on
-    tokenizer = Tokenizer(config.model)
+    tokenizer = Tokenizer(config.tokenizer or config.model)  # (--chat-template: wiring's folder)
     generator = TextGenerator(config.scheduler_address, tokenizer, config.max_model_len,
                               stall_timeout_s=config.stream_stall_timeout_s, routing=config.routing,
-                              redis_url=config.redis_url)
+                              redis_url=config.redis_url, default_seed=config.seed)
     generator.start()
     app = create_app(config, generator)
     gateway: Gateway = app.state.gateway

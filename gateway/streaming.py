@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from gateway import openai_format as fmt
 from gateway import tools
+from gateway.chat_parsing import ReplyParsing, ReplyStream, calls_finish_reason
 from gateway.core import ChoiceDelta, Finished, GenerationError, Usage
 from gateway.errors import error_body, status_for
 from gateway.tools import ToolCalling
@@ -130,14 +131,13 @@ async def first_item(request: Request, items: AsyncIterator[Item]) -> Item:
     return await guarded(request, items, items.__anext__())
 
 
-def stream_error(request_id: str, exc: Exception) -> bytes:
+def stream_error_body(request_id: str, exc: Exception) -> dict[str, Any]:
+    """An error mid-stream as OpenAI's error object (`{"error": {...}}`); a bug is logged."""
     if isinstance(exc, GenerationError):
         status = status_for(exc.code)
-        body = error_body(status, exc.message, None, exc.code.name.lower())
-    else:
-        log.exception("request %s failed mid-stream", request_id)
-        body = error_body(500, f"internal error (request {request_id})", None, "internal_error")
-    return fmt.sse(body)
+        return error_body(status, exc.message, None, exc.code.name.lower())
+    log.exception("request %s failed mid-stream", request_id)
+    return error_body(500, f"internal error (request {request_id})", None, "internal_error")
 
 
 async def collect(items: AsyncIterator[Item], n: int
@@ -156,16 +156,24 @@ async def collect(items: AsyncIterator[Item], n: int
     return [choices[i] for i in sorted(choices)], usage, finished
 
 
-async def _events(request_id: str, first: Item, items: AsyncIterator[Item], include_usage: bool,
-                  continuous_usage: bool, num_prompt_tokens: int, opening: list[dict[str, Any]],
-                  chunk: Callable[[int, ChoiceDelta], dict[str, Any] | None],
-                  final_usage: Callable[[Usage], dict[str, Any]]) -> AsyncIterator[bytes]:
-    """The SSE body shared by completions and chat: chunks as `chunk` makes them, then the
-    usage chunk if asked, then `[DONE]`. An error mid-stream is sent as an error event."""
+async def sse_events(payloads: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """Chunks as server-sent events, then `[DONE]`; closing it closes `payloads`."""
+    async with contextlib.aclosing(payloads):
+        async for payload in payloads:
+            yield fmt.sse(payload)
+    yield fmt.sse("[DONE]")
+
+
+async def _payloads(request_id: str, first: Item, items: AsyncIterator[Item], include_usage: bool,
+                    continuous_usage: bool, num_prompt_tokens: int, opening: list[dict[str, Any]],
+                    chunk: Callable[[int, ChoiceDelta], dict[str, Any] | None],
+                    final_usage: Callable[[Usage], dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """The chunks shared by completions and chat: as `chunk` makes them, then the usage
+    chunk if asked. An error mid-stream ends it as an error chunk (`stream_error_body`)."""
     usage, generated = Usage(), 0
     try:
         for payload in opening:
-            yield fmt.sse(payload)
+            yield payload
         item: Item | None = first
         while item is not None:
             prompt_index, x = item
@@ -175,17 +183,16 @@ async def _events(request_id: str, first: Item, items: AsyncIterator[Item], incl
                 if payload is not None:
                     if continuous_usage:
                         payload["usage"] = fmt.usage_body(Usage(num_prompt_tokens, generated))
-                    yield fmt.sse(payload)
+                    yield payload
             else:
                 add_usage(usage, x.usage)
             item = await anext(items, None)
         if include_usage:
-            yield fmt.sse(final_usage(usage))
+            yield final_usage(usage)
     except Exception as exc:  # the response has started: the error goes in the stream
-        yield stream_error(request_id, exc)
+        yield stream_error_body(request_id, exc)
     finally:
         await items.aclose()  # type: ignore[attr-defined]
-    yield fmt.sse("[DONE]")
 
 
 def completion_events(request_id: str, created: int, model: str, first: Item,
@@ -207,21 +214,73 @@ def completion_events(request_id: str, created: int, model: str, first: Item,
         return fmt.completion_chunk(request_id, created, model, index, delta, want_logprobs,
                                     want_token_ids, offsets.setdefault(index, fmt.TextOffsets()))
 
-    return _events(request_id, first, items, bool(options and options.include_usage),
-                   bool(options and options.include_usage and options.continuous_usage_stats),
-                   num_prompt_tokens, [], chunk,
-                   lambda usage: fmt.usage_chunk(request_id, created, model, "text_completion", usage))
+    return sse_events(_payloads(
+        request_id, first, items, bool(options and options.include_usage),
+        bool(options and options.include_usage and options.continuous_usage_stats),
+        num_prompt_tokens, [], chunk,
+        lambda usage: fmt.usage_chunk(request_id, created, model, "text_completion", usage)))
+
+
+class ParsedChoices:
+    """Chat chunks of replies that the server's parsers read: each choice through its own
+    `ReplyStream`, its deltas as `delta.reasoning_content`, `delta.content` and
+    `delta.tool_calls`; the last chunk finishes "tool_calls" when the choice had calls.
+    `chunk` makes a delta's chunk (its logprobs, token ids); `always`: send a chunk for every
+    delta, even one whose text the parsers hold (its tokens' logprobs or ids are asked)."""
+
+    def __init__(self, parsing: ReplyParsing, chunk: Callable[[ChoiceDelta], dict[str, Any]],
+                 always: bool) -> None:
+        self._parsing = parsing
+        self._chunk = chunk
+        self._always = always
+        self._streams: dict[int, ReplyStream] = {}
+
+    def __call__(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        stream = self._streams.get(delta.index)
+        if stream is None:
+            stream = self._streams[delta.index] = self._parsing.stream()
+        reply = stream.feed(delta.text)
+        if delta.finish_reason is not None:
+            reply = reply.then(stream.finish())
+        body = self._parsing.delta_body(reply)
+        if not body and delta.finish_reason is None and not self._always:
+            return None
+        payload = self._chunk(delta)
+        choice = payload["choices"][0]
+        choice["delta"] = body
+        if delta.finish_reason is not None:
+            choice["finish_reason"] = calls_finish_reason(stream.found_calls, delta.finish_reason)
+        return payload
 
 
 def chat_events(request_id: str, created: int, model: str, first: Item, items: AsyncIterator[Item],
-                 n: int, want_logprobs: bool, want_token_ids: bool, options: Any,
-                 num_prompt_tokens: int, calling: ToolCalling | None = None) -> AsyncIterator[bytes]:
-    """`calling` (forced tool calls): a named function's arguments stream as tool-call
-    deltas; "required" calls come in one chunk once a choice's output is complete."""
+                n: int, want_logprobs: bool, want_token_ids: bool, options: Any,
+                num_prompt_tokens: int, calling: ToolCalling | None = None,
+                parsing: ReplyParsing | None = None) -> AsyncIterator[bytes]:
+    """`chat_chunks` as server-sent events."""
+    return sse_events(chat_chunks(request_id, created, model, first, items, n, want_logprobs,
+                                  want_token_ids, options, num_prompt_tokens, calling, parsing))
+
+
+def chat_chunks(request_id: str, created: int, model: str, first: Item, items: AsyncIterator[Item],
+                n: int, want_logprobs: bool, want_token_ids: bool, options: Any,
+                num_prompt_tokens: int, calling: ToolCalling | None = None,
+                parsing: ReplyParsing | None = None) -> AsyncIterator[dict[str, Any]]:
+    """A chat stream's chunks (`chat.completion.chunk`; an error mid-stream ends it as an
+    `{"error": ...}` chunk). `calling` (forced tool calls): a named function's arguments
+    stream as tool-call deltas; "required" calls come in one chunk once a choice's output is
+    complete. `parsing`: each choice's output streams as the server's parsers read it
+    (reasoning, content and tool-call deltas: `ParsedChoices`). The Responses API
+    (gateway/responses.py) reads these chunks too."""
     opening = [fmt.chat_chunk(request_id, created, model, i, None, False, False) for i in range(n)]
     held: dict[int, list[str]] = {}  # "required": each choice's output so far
+    parsed = None if parsing is None else ParsedChoices(
+        parsing, lambda delta: fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs,
+                                              want_token_ids), want_logprobs or want_token_ids)
 
     def chunk(prompt_index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if parsed is not None:
+            return parsed(delta)
         if calling is not None:
             return _tool_chunk(delta)
         if not delta.text and delta.finish_reason is None and not (want_logprobs or want_token_ids):
@@ -255,8 +314,8 @@ def chat_events(request_id: str, created: int, model: str, first: Item, items: A
                 "index": 0, "id": tools.call_id(), "type": "function",
                 "function": {"name": calling.name, "arguments": ""}}]}
 
-    return _events(request_id, first, items, bool(options and options.include_usage),
-                   bool(options and options.include_usage and options.continuous_usage_stats),
-                   num_prompt_tokens, opening, chunk,
-                   lambda usage: fmt.usage_chunk(request_id, created, model, "chat.completion.chunk",
-                                                 usage))
+    return _payloads(request_id, first, items, bool(options and options.include_usage),
+                     bool(options and options.include_usage and options.continuous_usage_stats),
+                     num_prompt_tokens, opening, chunk,
+                     lambda usage: fmt.usage_chunk(request_id, created, model, "chat.completion.chunk",
+                                                   usage))

@@ -1,9 +1,11 @@
-"""Tool calling in chat completions, on structured output (docs/structured-output.md).
+"""Tool calling in chat completions: forced calls on structured output
+(docs/structured-output.md), and which requests are "auto".
 
-Pagoda has no parser for the tool-call syntax of a model's chat template, so it cannot tell
-a free-form answer from a call when the model chooses ("auto", OpenAI's default when tools
-are given): that is a 400 naming `tool_choice`, as vLLM answers without a tool parser. What
-works, for every model, is the calling the grammar guarantees:
+When the model chooses ("auto", OpenAI's default when tools are given), a free answer must be
+told from a call by the syntax of the model's chat template: that needs the server started
+with `--enable-auto-tool-choice --tool-call-parser NAME` (the reply is then parsed:
+gateway/chat_parsing.py); without it "auto" is a 400 naming `tool_choice` and the flags, as
+vLLM answers. What works, for every model, is the calling the grammar guarantees:
 
 - `tool_choice: {"type": "function", "function": {"name": N}}` constrains the output to N's
   `parameters` schema; the answer is one tool call whose `arguments` is the output
@@ -14,6 +16,9 @@ works, for every model, is the calling the grammar guarantees:
   finish_reason "tool_calls". Streamed, the calls come in one chunk when the output is
   complete.
 - `tool_choice: "none"` generates a plain message (the tools still reach the template).
+
+A function declared without `parameters` takes no arguments, as OpenAI reads it: a call's
+arguments are exactly `{}`.
 
 The tools are given to the chat template as `tools`, as transformers' templates expect.
 """
@@ -27,11 +32,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import invalid
+from gateway.parsers import TOOL_CALL_PARSERS
 from services.sampling import StructuredOutput
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
-EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# A function declared without `parameters` takes none, as OpenAI reads it: its arguments are
+# `{}` and nothing else (an open object would let a forced call run on for ever).
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(frozen=True)
@@ -64,17 +72,27 @@ def declared_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             raise invalid(f"{where}.function.name", "must be 1-64 letters, digits, '_' or '-'")
         if name in out:
             raise invalid(f"{where}.function.name", f"{name!r} is declared twice")
-        parameters = function.get("parameters", EMPTY_PARAMETERS)
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = EMPTY_PARAMETERS
         if not isinstance(parameters, dict):
             raise invalid(f"{where}.function.parameters", "must be a JSON Schema object")
         out[name] = parameters
     return out
 
 
-def tool_calling(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = True
-                 ) -> tuple[ToolCalling | None, StructuredOutput | None]:
+def chooses_auto(tools: list[dict[str, Any]] | None, tool_choice: Any) -> bool:
+    """Whether the model chooses between answering and calling: tools with "auto", or with
+    no tool_choice (OpenAI's default when tools are given)."""
+    return bool(tools) and tool_choice in (None, "auto")
+
+
+def tool_calling(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = True,
+                 auto: bool = False) -> tuple[ToolCalling | None, StructuredOutput | None]:
     """What the request's `tools` and `tool_choice` ask: the calling mode and the output
-    constraint that guarantees it (None, None: a plain message); `parallel` False: one call."""
+    constraint that guarantees it (None, None: a plain message, parsed for calls when the
+    request `chooses_auto`); `parallel` False: one call. `auto`: the server parses replies
+    for calls (--enable-auto-tool-choice), else "auto" is a 400."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise invalid("tool_choice", "needs tools")
@@ -83,9 +101,12 @@ def tool_calling(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel:
     if tool_choice == "none":
         return None, None
     if tool_choice is None or tool_choice == "auto":
-        raise invalid("tool_choice", "'auto' (the default with tools) needs a parser for this model's "
-                                     "tool-call syntax, which Pagoda does not have; send 'required' or "
-                                     "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if auto:
+            return None, None
+        raise invalid("tool_choice", "'auto' (the default with tools) needs the server started with "
+                                     "--enable-auto-tool-choice and --tool-call-parser NAME (the model's "
+                                     f"tool-call syntax: {', '.join(TOOL_CALL_PARSERS)}); or send 'required' "
+                                     "or {\"type\": \"function\", \"function\": {\"name\": ...}}")
     if tool_choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
                   "required": ["name", "parameters"], "additionalProperties": False}

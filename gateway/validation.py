@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gateway.chat_parsing import ReplyParsing
 from gateway.config import ApiKey, GatewayConfig
 from gateway.core import GenerationParams
 from gateway.errors import ApiError, invalid
@@ -31,7 +32,7 @@ from gateway.protocol import (
     _OpenAIFields,
     _SamplingFields,
 )
-from gateway.tools import declared_tools, tool_calling
+from gateway.tools import chooses_auto, declared_tools, tool_calling
 from services import grammar
 from services.admission import AdmissionError, Limits, admit
 from services.sampling import SamplingOptions, StructuredOutput
@@ -71,9 +72,11 @@ class ModelLimits:
 
 
 def check_model(requested: str | None, limits: ModelLimits) -> None:
+    """A model this server does not serve is 404 `model_not_found`, as OpenAI and vLLM
+    answer it (the openai SDK raises NotFoundError)."""
     if requested is not None and requested not in limits.names:
         served = " or ".join(repr(n) for n in limits.names)
-        raise ApiError(400, f"model: the model {requested!r} does not exist; this server "
+        raise ApiError(404, f"model: the model {requested!r} does not exist; this server "
                             f"serves {served} (see GET /v1/models)", "model",
                        "model_not_found")
 
@@ -105,28 +108,22 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, limits: Mod
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
     """The conversation through the model's chat template, as token ids."""
     ids = _chat_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tokenizer,
-                    tools=req.tools)
+                    tools=req.tools, continue_final_message=req.continue_final_message)
     check_prompt_ids(ids, limits, "messages")
     return ids
 
 
 def _chat_ids(messages: Sequence[ChatMessage], add_generation_prompt: bool,
               chat_template_kwargs: dict[str, Any] | None, tokenizer: Tokenizer,
-              add_special_tokens: bool | None = None, tools: list[dict[str, Any]] | None = None
-              ) -> list[int]:
-    """What chat completions and /tokenize share: text parts joined, the template applied."""
-    plain_messages = []
-    for i, message in enumerate(messages):
-        plain = message.model_dump(exclude_none=True)
-        if isinstance(message.content, list):
-            texts = []
-            for j, part in enumerate(message.content):
-                if part.type != "text" or not isinstance(part.text, str):
-                    raise invalid(f"messages[{i}].content[{j}]",
-                                  f"only text parts are supported, got type {part.type!r}")
-                texts.append(part.text)
-            plain["content"] = "\n".join(texts)
-        plain_messages.append(plain)
+              add_special_tokens: bool | None = None, tools: list[dict[str, Any]] | None = None,
+              continue_final_message: bool = False) -> list[int]:
+    """What chat completions and /tokenize share: each message as the template sees it, the
+    template applied."""
+    if continue_final_message and add_generation_prompt:
+        raise invalid("continue_final_message", "not with add_generation_prompt: true (the model "
+                                                "continues the last message instead of starting a "
+                                                "new one); send add_generation_prompt: false")
+    plain_messages = [_template_message(i, message) for i, message in enumerate(messages)]
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
@@ -134,9 +131,48 @@ def _chat_ids(messages: Sequence[ChatMessage], add_generation_prompt: bool,
     try:
         return tokenizer.encode_chat(plain_messages, add_generation_prompt=add_generation_prompt,
                                      tools=tools or None, add_special_tokens=add_special_tokens,
-                                     **kwargs)
+                                     continue_final_message=continue_final_message, **kwargs)
     except ValueError as exc:  # ChatTemplateError: no template, or the template refused
         raise invalid("messages", str(exc)) from exc
+
+
+def _template_message(i: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as vLLM hands it to the chat template: text parts joined, a null or missing
+    content "" (templates concatenate it: `'...' + message['content']`), an assistant's
+    `tool_calls` with each call's arguments as an object, a tool message's `tool_call_id`."""
+    plain = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        texts = []
+        for j, part in enumerate(message.content):
+            if part.type != "text" or not isinstance(part.text, str):
+                raise invalid(f"messages[{i}].content[{j}]",
+                              f"only text parts are supported, got type {part.type!r}")
+            texts.append(part.text)
+        plain["content"] = "\n".join(texts)
+    plain.setdefault("content", "")
+    if message.tool_calls is not None:
+        plain["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+    return plain
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's tool call with its `arguments` (OpenAI's JSON text) as the object they
+    encode, as vLLM passes them and templates expect (`arguments | tojson`); none is {}. Text
+    that is not a JSON object is left as sent."""
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments.strip():
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return call
+        if not isinstance(arguments, dict):
+            return call
+    elif not arguments:
+        arguments = {}
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def generate_prompt(req: GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
@@ -168,14 +204,12 @@ def tokenize_ids(req: TokenizeCompletionRequest | TokenizeChatRequest,
     render and encode it. Not bounded by the context length: the count is the answer."""
     if isinstance(req, TokenizeCompletionRequest):
         return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    if req.continue_final_message:
-        raise invalid("continue_final_message", "not supported; leave it false")
     if req.chat_template is not None:
         raise invalid("chat_template", "not supported: the model's own template is used")
     if req.tools:
         declared_tools(req.tools)
     return _chat_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tokenizer,
-                     req.add_special_tokens, req.tools)
+                     req.add_special_tokens, req.tools, req.continue_final_message)
 
 
 def detokenize_ids(req: DetokenizeRequest, limits: ModelLimits) -> list[int]:
@@ -376,7 +410,8 @@ def chat_params(req: ChatCompletionRequest, prompt: Sequence[int], limits: Model
                 config: GatewayConfig, key: ApiKey | None = None) -> GenerationParams:
     if req.echo:
         raise invalid("echo", "echoing the prompt is not supported; leave echo false")
-    calling, tool_output = tool_calling(req.tools, req.tool_choice, req.parallel_tool_calls)
+    calling, tool_output = tool_calling(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                        auto=config.enable_auto_tool_choice)
     structured = structured_output(req)
     if tool_output is not None and structured is not None:
         raise invalid("tool_choice", "a tool call is already structured output; drop response_format "
@@ -393,7 +428,22 @@ def chat_params(req: ChatCompletionRequest, prompt: Sequence[int], limits: Model
     params = _sampling(req, [prompt], limits, config, key, {"max_tokens": param, "logprobs": "top_logprobs"},
                        max_tokens=max_tokens, n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                        prompt_logprobs=req.prompt_logprobs, structured=structured or tool_output)
-    return replace(params, tool_calling=calling)
+    return replace(params, tool_calling=calling,
+                   reply_parsing=_reply_parsing(req, config, constrained=bool(structured or tool_output)))
+
+
+def _reply_parsing(req: ChatCompletionRequest, config: GatewayConfig,
+                   constrained: bool) -> ReplyParsing | None:
+    """How the server's parsers read this request's replies (None: not at all): for tool
+    calls when the model chooses ("auto", with --enable-auto-tool-choice), for reasoning with
+    --reasoning-parser unless the output is constrained (a grammar holds it from its first
+    token: it has no thinking part to split off)."""
+    tools = config.tool_call_parser if config.enable_auto_tool_choice and chooses_auto(
+        req.tools, req.tool_choice) else None
+    reasoning = None if constrained else config.reasoning_parser
+    if tools is None and reasoning is None:
+        return None
+    return ReplyParsing(tools, reasoning, req.parallel_tool_calls, req.include_reasoning)
 
 
 def generate_params(req: GenerateRequest, prompt: Sequence[int], limits: ModelLimits,

@@ -33,7 +33,8 @@ from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestState
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.observer import EngineObserver, Outcome
-from services.admission import Limits, admit
+from services.admission import Limits, admit, admit_pooling
+from services.pooling import Embedding
 from services.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class RequestOutput:
     # on the request's first output, when prompt_logprobs was asked: per prompt token after
     # the first, (token id, logprob, rank, [(id, logprob) most likely first])
     prompt_logprobs: list | None = None
+    # on a pooling request's last output, when it finished: its pooled vector
+    embedding: Embedding | None = None
 
 
 @dataclass
@@ -187,7 +190,7 @@ class Engine:
             queue,
         )
         self.observer = EngineObserver(self.planner, metrics or SchedulerMetrics(config.model), clock,
-                                       config.trace_file)
+                                       config.trace_file, prefix_caching=config.enable_prefix_caching)
         self.stages: list[StageInfo] = []
         self.healthy = False
         self.health_detail = "starting"
@@ -348,7 +351,8 @@ class Engine:
         """Admit the request's options (`services.admission`, as the server does at its edge),
         resolving max_tokens to the context it has; AdmissionError (a ValueError) if it could
         never run."""
-        request.options = admit(request.options, admission_limits(self.config, self.vocab_size),
+        check = admit if request.pooling is None else admit_pooling
+        request.options = check(request.options, admission_limits(self.config, self.vocab_size),
                                 len(request.prompt))
 
     async def _outputs(self, live: _Live) -> AsyncIterator[RequestOutput]:
@@ -479,7 +483,7 @@ class Engine:
             return  # from before a reset
         now = self.clock()
         self._dispatched_ns.pop(event.step_id, None)
-        updates = self.planner.on_result(event.step_id, event.sampled, now, event.prompt_logprobs)
+        updates = self.planner.on_result(event.step_id, event.sampled, now, event.prompt_logprobs, event.pooled)
         self.observer.micro_batch_returned(event, now)
         self._deliver(updates)
 
@@ -531,6 +535,9 @@ class Engine:
                 reason = request.sequences[0].finish_reason
                 out = self._final(live, reason.value if reason else "stop", "finished")
                 out.deltas = deltas
+                out.embedding = request.embedding
+                if request.pooling is not None and request.embedding is None:
+                    out.error = ("INTERNAL", "the last stage returned no pooled vector")
             else:
                 out = RequestOutput(request_id, deltas)
             if request.options.prompt_logprobs is not None and not request.prompt_logprobs_sent:
@@ -645,5 +652,5 @@ def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         first.finished = True
         first.num_prompt_tokens, first.num_completion_tokens = then.num_prompt_tokens, then.num_completion_tokens
         first.num_cached_tokens, first.num_preemptions = then.num_cached_tokens, then.num_preemptions
-        first.error, first.timeline = then.error, then.timeline
+        first.error, first.timeline, first.embedding = then.error, then.timeline, then.embedding
     return first

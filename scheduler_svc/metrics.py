@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# Up to vLLM's largest: its TTFT buckets reach 2,560 s and its request latency 7,680 s (a
+# long prompt on a CPU takes minutes; past the top bucket a latency is only "+Inf").
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -48,12 +50,11 @@ class SchedulerMetrics:
         self.kv_cached = Gauge("pagoda:kv_cache_cached_blocks", "KV blocks holding a cached prefix.",
                                labels, registry=r)
         self.kv_usage = Gauge("pagoda:kv_cache_usage_perc", "Fraction of KV blocks in use.", labels, registry=r)
-        # counters, as vLLM's: advanced by what the KV service's totals grew since the last scrape
+        # counters, as vLLM's: advanced as the KV service's answers come (on_prefix_lookups)
         self.prefix_queries = Counter("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                       labels, registry=r)
         self.prefix_hits = Counter("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    labels, registry=r)
-        self._kv_totals = (0, 0)  # the KV service's (queries, hits) as last read
         self.prefix_hit_rate = Gauge("pagoda:prefix_cache_hit_rate", "Prefix-cache hit rate in tokens.",
                                      labels, registry=r)
         self.stage_busy = Gauge("pagoda:stage_busy_seconds", "Seconds each stage spent computing.",
@@ -88,6 +89,10 @@ class SchedulerMetrics:
         self.request_success.labels(self._model, reason).inc()
         self.e2e.labels(self._model).observe(seconds)
 
+    def on_prefix_lookups(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries.labels(self._model).inc(num_query_tokens)
+        self.prefix_hits.labels(self._model).inc(num_hit_tokens)
+
     def on_preempted(self, count: int = 1) -> None:
         self.preemptions.labels(self._model).inc(count)
 
@@ -108,11 +113,6 @@ class SchedulerMetrics:
             self.kv_free.labels(m).set(kv_stats.num_free_blocks + kv_stats.num_evictable_blocks)
             self.kv_cached.labels(m).set(kv_stats.num_cached_blocks)
             self.kv_usage.labels(m).set(kv_stats.num_used_blocks / max(1, kv_stats.num_blocks))
-            totals = (kv_stats.num_prefix_query_tokens, kv_stats.num_prefix_hit_tokens)
-            for counter, now, before in zip((self.prefix_queries, self.prefix_hits), totals, self._kv_totals,
-                                            strict=True):
-                counter.labels(m).inc(now - before if now >= before else now)  # (a restarted KV service)
-            self._kv_totals = totals
             self.prefix_hit_rate.labels(m).set(kv_stats.prefix_hit_rate)
         for st in stage_stats or []:
             stats = st.get("stats")

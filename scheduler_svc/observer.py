@@ -64,7 +64,7 @@ class EngineObserver:
     """
 
     def __init__(self, planner: Planner, metrics: SchedulerMetrics, clock: Callable[[], float],
-                 trace_file: str | None = None) -> None:
+                 trace_file: str | None = None, prefix_caching: bool = True) -> None:
         self.metrics = metrics
         self.clock = clock
         self._planner = planner
@@ -83,6 +83,9 @@ class EngineObserver:
         self._requests: dict[str, _Watched] = {}
         self._mb_requests: dict[int, list[str]] = {}  # micro_batch_id -> its requests (tracing on)
         self._seen_preemptions = 0
+        # the prefix-cache counters move with the KV service's answers (when it caches)
+        self._prefix_caching = prefix_caching
+        self._seen_prefix = (0, 0)
         self._tracing = telemetry.enabled()
         self._tracer = telemetry.tracer("pagoda.scheduler")
         self._trace_file = open(trace_file, "a") if trace_file else None  # noqa: SIM115
@@ -166,6 +169,7 @@ class EngineObserver:
         traced, and a micro-batch about to be sent is counted, traced as dispatched and
         opens a step on each of its requests (the first one ends their time queued)."""
         self._trace_decisions()
+        self._note_prefix_lookups()
         if mb is None:
             return
         mb_id = mb.micro_batch_id
@@ -249,6 +253,12 @@ class EngineObserver:
         span = self._tracer.start_span(name, context=trace.set_span_in_context(watched.span),
                                        start_time=start_ns, attributes=attributes)
         span.end(end_time=end_ns)
+
+    def _note_prefix_lookups(self) -> None:
+        totals = (self._planner.num_prefix_query_tokens, self._planner.num_prefix_hit_tokens)
+        if self._prefix_caching and totals != self._seen_prefix:
+            self.metrics.on_prefix_lookups(totals[0] - self._seen_prefix[0], totals[1] - self._seen_prefix[1])
+        self._seen_prefix = totals
 
     def _note_preemptions(self) -> None:
         delta = self._planner.num_preemptions - self._seen_preemptions

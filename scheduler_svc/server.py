@@ -22,9 +22,10 @@ from scheduler_svc.core.queue import QueueFull
 from scheduler_svc.core.request import FinishReason, Request, RequestState
 from scheduler_svc.engine import Engine, RequestOutput, admission_limits
 from services import grammar
-from services.admission import AdmissionError, admit
+from services.admission import AdmissionError, admit, admit_pooling
 from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.pooling import PoolingType, embedding_to_pb
 from services.sampling_pb import options_from_pb, set_top_logprobs
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,12 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
     if config.enforce_tenants and tenant not in config.tenant_weights:
         raise InvalidRequest(f"tenant: unknown tenant {tenant!r}")
     try:
-        options = admit(options_from_pb(msg.sampling_params), admission_limits(config, vocab_size), len(prompt))
+        pooling = PoolingType.from_pb(msg.pooling)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    check = admit if pooling is None else admit_pooling  # (a pooling request may fill the context)
+    try:
+        options = check(options_from_pb(msg.sampling_params), admission_limits(config, vocab_size), len(prompt))
     except AdmissionError as exc:
         where = "prompt_token_ids" if exc.field == "prompt" else f"sampling_params.{exc.path}"
         raise InvalidRequest(f"{where}: {exc.reason}") from exc
@@ -81,6 +87,7 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
         priority=msg.priority,
         debug_timeline=msg.debug_timeline,
         trace_context=msg.trace_context.traceparent if msg.HasField("trace_context") else "",
+        pooling=pooling,
     )
 
 
@@ -206,7 +213,9 @@ def _delta_to_pb(request_id: str, d) -> scheduler_pb2.GenerateResponse:
 
 
 def _finish_to_pb(out: RequestOutput, last: scheduler_pb2.GenerateResponse) -> None:
-    """A finished request's usage and timeline, on its last response."""
+    """A finished request's usage, timeline and (pooling) vector, on its last response."""
+    if out.embedding is not None:
+        embedding_to_pb(out.embedding, last.embedding)
     last.usage.num_prompt_tokens = out.num_prompt_tokens
     last.usage.num_completion_tokens = out.num_completion_tokens
     last.usage.num_cached_tokens = out.num_cached_tokens

@@ -49,9 +49,18 @@ def kv_blocks_needed(prompt_len: int, n: int, max_tokens: int, block_size: int) 
     return -(-prompt_len // block_size) + n * (-(-max_tokens // block_size) + 1)
 
 
+def max_tokens_that_fit(prompt_len: int, n: int, num_blocks: int, block_size: int) -> int:
+    """The most output tokens each choice may ask for with every block of the request in a pool
+    of `num_blocks` at once (`kv_blocks_needed`'s inverse); below 1: not even one fits."""
+    if n == 1:
+        return num_blocks * block_size - prompt_len
+    return ((num_blocks - -(-prompt_len // block_size)) // n - 1) * block_size
+
+
 def admit(options: SamplingOptions, limits: Limits, num_prompt_tokens: int) -> SamplingOptions:
     """The request's options as admitted, `max_tokens` None resolved to the rest of the context
-    (the scheduler keeps that; the gateway sends None on). AdmissionError naming the field."""
+    (the scheduler keeps that; the gateway sends None on), or to what the KV pool holds when
+    that is less. AdmissionError naming the field."""
     _check_counts(options, limits)
     _check_token_ids(options, limits.vocab_size)
     room = limits.max_model_len - num_prompt_tokens
@@ -62,13 +71,50 @@ def admit(options: SamplingOptions, limits: Limits, num_prompt_tokens: int) -> S
         raise AdmissionError("max_tokens", f"{num_prompt_tokens} prompt tokens + {options.max_tokens} "
                                            f"exceed max_model_len={limits.max_model_len}; ask for at most "
                                            f"{room}", context_length=True)
-    options = options.resolve_max_tokens(room)
-    if limits.num_kv_blocks:
-        needed = kv_blocks_needed(num_prompt_tokens, options.n, options.max_tokens, limits.block_size)
-        if needed > limits.num_kv_blocks:  # it could never run: it would wait forever
-            raise AdmissionError("max_tokens", f"{num_prompt_tokens} prompt tokens and {options.n} x "
-                                               f"{options.max_tokens} output tokens need up to {needed} KV "
-                                               f"blocks; the pool has {limits.num_kv_blocks}")
+    if limits.num_kv_blocks:  # a request that could never run would wait forever
+        return _fit_in_pool(options, limits, num_prompt_tokens, room)
+    return options.resolve_max_tokens(room)
+
+
+def admit_pooling(options: SamplingOptions, limits: Limits, num_prompt_tokens: int) -> SamplingOptions:
+    """A pooling (embedding) request's options as admitted (`services.pooling`): one choice,
+    and a prompt of at most max_model_len tokens (nothing is generated after it) whose blocks
+    fit the KV pool at once. Nothing is sampled, so the rest of `options` is dropped: the
+    result asks for one token, which is never sampled. AdmissionError naming the field."""
+    if options.n != 1:
+        raise AdmissionError("n", f"a pooling (embedding) request has one choice, got {options.n}")
+    if num_prompt_tokens > limits.max_model_len:
+        raise AdmissionError("prompt", f"{num_prompt_tokens} tokens exceed max_model_len={limits.max_model_len}",
+                             context_length=True)
+    needed = -(-num_prompt_tokens // limits.block_size)
+    if limits.num_kv_blocks and needed > limits.num_kv_blocks:
+        raise AdmissionError("prompt", f"the prompt's {num_prompt_tokens} tokens need {needed} KV blocks of "
+                                       f"{limits.block_size} tokens; the pool has {limits.num_kv_blocks}",
+                             context_length=True)
+    return SamplingOptions(n=1, max_tokens=1)
+
+
+def _fit_in_pool(options: SamplingOptions, limits: Limits, num_prompt_tokens: int, room: int) -> SamplingOptions:
+    """The options when the request fits in the KV pool at once; AdmissionError naming what
+    does not fit: the prompt itself, its n choices, or the max_tokens asked for."""
+    blocks, block_size, n = limits.num_kv_blocks, limits.block_size, options.n
+    fit = max_tokens_that_fit(num_prompt_tokens, n, blocks, block_size)
+    if fit < 1:
+        least = kv_blocks_needed(num_prompt_tokens, n, 1, block_size)
+        pool = f"the pool has {blocks} ({blocks * block_size} tokens)"
+        if max_tokens_that_fit(num_prompt_tokens, 1, blocks, block_size) >= 1:
+            raise AdmissionError("n", f"{n} choices of the prompt's {num_prompt_tokens} tokens need at least "
+                                      f"{least} KV blocks; {pool}")
+        raise AdmissionError("prompt", f"the prompt's {num_prompt_tokens} tokens need {least} KV blocks of "
+                                       f"{block_size} tokens with one token to generate; {pool}",
+                             context_length=True)
+    if options.max_tokens is None:  # the rest of the context, as far as the pool holds it
+        return options.resolve_max_tokens(min(room, fit))
+    if options.max_tokens > fit:
+        needed = kv_blocks_needed(num_prompt_tokens, n, options.max_tokens, block_size)
+        raise AdmissionError("max_tokens", f"{num_prompt_tokens} prompt tokens and {n} x {options.max_tokens} "
+                                           f"output tokens need up to {needed} KV blocks; the pool has "
+                                           f"{blocks}: ask for at most {fit}")
     return options
 
 

@@ -188,9 +188,11 @@ ENABLE_PREFIX_CACHING = Setting(
 
 # what one step and one sequence may hold: the scheduler plans within them, a stage takes them
 MAX_MODEL_LEN = Setting(
-    "max_model_len", "the longest context (default: the model's max_position_embeddings, else "
-    f"{defaults.MAX_MODEL_LEN}); a stage's memory profile counts what a prefill chunk there needs",
-    "int", owner="scheduler", services=("worker", "scheduler", "gateway"), serve="pass")
+    "max_model_len", "the longest context, prompt and output (default: the model's max_position_embeddings, "
+    f"else {defaults.MAX_MODEL_LEN}; `pagoda serve` lowers it to what a fixed pool (--num-kv-blocks) holds, and "
+    "refuses a larger one given, or one past the model's positions); a stage's memory profile counts what a "
+    "prefill chunk there needs", "int", metavar="TOKENS", owner="scheduler", services=("worker", "scheduler", "gateway"),
+    serve="pass")
 MAX_NUM_BATCHED_TOKENS = Setting(
     "max_num_batched_tokens", "most tokens in one step (a stage's message limit and memory profile)",
     "int", default=defaults.MAX_NUM_BATCHED_TOKENS, owner="scheduler", services=("worker", "scheduler"),
@@ -199,8 +201,10 @@ MAX_NUM_SEQS = Setting("max_num_seqs", "most sequences running at once (a stage'
                        default=256, owner="scheduler", services=("worker", "scheduler"), serve="pass")
 
 # the stack's shape and the stages' resources
-PIPELINE_PARALLEL_SIZE = Setting("pipeline_parallel_size", "pipeline stages (1..8)", "int", default=1,
-                                 owner="scheduler", services=("scheduler",), serve="own")
+PIPELINE_PARALLEL_SIZE = Setting(
+    "pipeline_parallel_size", "pipeline stages, each a process holding a slice of the model's layers: 1..8 "
+    "and at most the model's layers (on one machine each stage wants cores of its own)", "int", default=1,
+    metavar="N", aliases=("-pp",), owner="scheduler", services=("scheduler",), serve="own")
 TENSOR_PARALLEL_SIZE = Setting(
     "tensor_parallel_size", "processes per stage, each holding 1/T of every layer's attention heads, "
     "KV heads and MLP columns (torch.distributed: gloo on the CPU, NCCL on CUDA); T must divide them "

@@ -17,6 +17,8 @@ first stage embeds them; the last stage samples with them), its computed length 
 its block table (slots: `block_ids[p // block_size] * block_size + p % block_size`). A
 stage samples a sequence exactly when the step computes up to its last known token; the
 last stage appends what it samples, so with one stage a decode step carries no token at all.
+A pooling sequence (`NewSeq.pooling`) is never sampled: the step that computes its last
+prompt position returns its pooled vector (`StepResult.pooled`) instead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from services.pooling import Embedding, PoolingType
 from services.sampling import SamplingParams
 
 
@@ -46,6 +49,8 @@ class NewSeq:
     `token_ids` are all its known tokens (prompt, then the output so far after a
     preemption); positions `0 ... num_computed - 1` already have KV (a prefix-cache hit or a
     fork's shared pages), and this step computes `num_scheduled` tokens from `num_computed`.
+    `pooling` set: a pooling sequence (`services.pooling`): its tokens are its prompt, and
+    the last stage pools where it would sample.
     """
 
     seq_id: int
@@ -60,6 +65,7 @@ class NewSeq:
     request_id: str = ""  # for logs and error messages
     trace_context: str = ""  # W3C traceparent of the request's scheduler span
     prompt_scoring: PromptScoring | None = None
+    pooling: PoolingType | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -127,6 +133,14 @@ class SampledToken:
     logprobs: TokenLogprobs | None = None  # when the sequence's params ask for them
 
 
+class PooledOutput(NamedTuple):
+    """A pooling sequence's vector (`services.pooling.Embedding`: float32 bytes),
+    L2-normalized, from the step that computed its last position."""
+
+    seq_id: int
+    embedding: Embedding
+
+
 class PositionLogprobs(NamedTuple):
     """One scored prompt position: the next prompt token, its logprob and 1-based rank, and
     the most likely alternatives."""
@@ -154,9 +168,11 @@ class StageTiming:
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """The last stage's outcome of a step: one sampled token per sequence that sampled, in
-    plan order, and any scored prompt positions."""
+    plan order, any scored prompt positions, and the vectors of the pooling sequences whose
+    prompt this step completed."""
 
     step_id: int
     sampled: tuple[SampledToken, ...] = ()
     prompt_logprobs: tuple[ScoredPrompt, ...] = ()
     timings: tuple[StageTiming, ...] = ()
+    pooled: tuple[PooledOutput, ...] = ()

@@ -10,10 +10,12 @@ wrong; whether a plan fits a stage's state is the stage's check.
 from __future__ import annotations
 
 from services.pb import worker_pb2
+from services.pooling import PoolingType, embedding_from_pb, embedding_to_pb
 from services.sampling_pb import options_to_pb, params_from_pb, set_top_logprobs
 from services.step import (
     CachedSeq,
     NewSeq,
+    PooledOutput,
     PositionLogprobs,
     PromptScoring,
     SampledToken,
@@ -57,6 +59,8 @@ def plan_to_pb(plan: StepPlan, stage_index: int = 0) -> worker_pb2.MicroBatch:
         options_to_pb(n.sampling, m.params)  # (the view rides as its request's options do)
         if n.prompt_scoring is not None:
             _scoring_to_pb(n.prompt_scoring, m.prompt_scoring)
+        if n.pooling is not None:
+            m.pooling = n.pooling.to_pb()
     if plan.cached_seqs:
         c = msg.cached
         cached = plan.cached_seqs
@@ -86,10 +90,14 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
             sampling = params_from_pb(m.params, m.eos_token_ids)
         except ValueError as exc:
             raise PlanDecodeError(f"step {step}, sequence {m.seq_id}: sampling parameters: {exc}") from None
+        try:
+            pooling = PoolingType.from_pb(m.pooling)
+        except ValueError as exc:
+            raise PlanDecodeError(f"step {step}, sequence {m.seq_id}: {exc}") from None
         new_seqs.append(NewSeq(
             m.seq_id, tuple(m.token_ids), m.prompt_len, m.num_computed, m.num_scheduled,
             tuple(m.block_ids), sampling, m.choice_index, m.entropy_seed, m.request_id, m.traceparent,
-            _scoring_from_pb(m.prompt_scoring) if m.HasField("prompt_scoring") else None,
+            _scoring_from_pb(m.prompt_scoring) if m.HasField("prompt_scoring") else None, pooling,
         ))
     c = msg.cached
     n = len(c.seq_ids)
@@ -132,7 +140,8 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
 
 
 def result_to_pb(result: StepResult, done: worker_pb2.MicroBatchDone) -> None:
-    """The last stage's samples and scored prompt positions into its MicroBatchDone."""
+    """The last stage's samples, scored prompt positions and pooled vectors into its
+    MicroBatchDone."""
     for s in result.sampled:
         entry = done.sampled.add(seq_id=s.seq_id, token_id=s.token_id)
         if s.logprobs is not None:  # (rank 0: a sampled token's rank is not computed)
@@ -141,6 +150,8 @@ def result_to_pb(result: StepResult, done: worker_pb2.MicroBatchDone) -> None:
         entry = done.prompt_logprobs.add(seq_id=p.seq_id, first_position=p.first_position)
         for pos in p.positions:
             set_top_logprobs(entry.positions.add(), pos.token_id, pos.logprob, pos.rank, pos.top)
+    for pooled in result.pooled:
+        embedding_to_pb(pooled.embedding, done.pooled.add(seq_id=pooled.seq_id).embedding)
 
 
 def result_from_pb(done: worker_pb2.MicroBatchDone, timings: tuple[StageTiming, ...] = ()) -> StepResult:
@@ -157,4 +168,5 @@ def result_from_pb(done: worker_pb2.MicroBatchDone, timings: tuple[StageTiming, 
             for x in p.positions))
         for p in done.prompt_logprobs
     )
-    return StepResult(done.micro_batch_id, sampled, prompt, timings)
+    pooled = tuple(PooledOutput(p.seq_id, embedding_from_pb(p.embedding)) for p in done.pooled)
+    return StepResult(done.micro_batch_id, sampled, prompt, timings, pooled)

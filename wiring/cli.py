@@ -188,8 +188,15 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     values = config_values(service_settings("gateway"), args)
     values["max_model_len"] = args.max_model_len or model_max_len(args.model)
     try:
+        if args.chat_template is not None:  # the tokenizer's folder again, with this template
+            from wiring.model_source import tokenizer_with_template
+            from wiring.preflight import read_chat_template
+
+            values["chat_template"] = read_chat_template(args.chat_template)
+            values["tokenizer"] = str(tokenizer_with_template(args.tokenizer or args.model,
+                                                              values["chat_template"]))
         config = GatewayConfig(**values, api_keys=_api_keys(args))
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         args.parser.error(str(exc))
     try:
         asyncio.run(serve(config))
@@ -202,10 +209,22 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed package's version ("unknown" when run from a tree not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("pagoda")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagoda", description="Pagoda: an LLM inference server built as gRPC microservices."
     )
+    parser.add_argument("--version", action="version", version=f"pagoda {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_tiny_model_command(sub)
     _add_export_gguf_command(sub)

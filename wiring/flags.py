@@ -129,32 +129,83 @@ PARSERS = {"int": int, "float": float, "str": str, "bool": parse_bool, "switch":
            "limit": optional_limit, "int_list": int_list, "names": names}
 
 
+# vLLM's other names of a dtype (`--dtype half`), taken by a setting whose choices are dtypes
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def _choice_aliases(setting: Setting) -> dict[str, str]:
+    """The other spellings a setting's choices answer to (a dtype's vLLM names)."""
+    if setting.choices and set(DTYPE_ALIASES.values()) <= set(setting.choices):
+        return DTYPE_ALIASES
+    return {}
+
+
+def parser_of(setting: Setting):
+    """How the setting's text (a flag's value, a variable) is read: its kind's parser, an
+    alias of a choice read as that choice."""
+    parse, aliases = PARSERS[setting.kind], _choice_aliases(setting)
+    if not aliases:
+        return parse
+    return lambda text: aliases.get(text.strip().lower(), None) or parse(text)
+
+
 def flag_default(setting: Setting):
     """The flag's default: its variable's value when set, else the declared default."""
     if not setting.env:
         return setting.default
-    return env_default(setting.name, setting.default, PARSERS[setting.kind])
+    return env_default(setting.name, setting.default, parser_of(setting))
+
+
+def _shown(value) -> str | None:
+    """A default as `--help` shows it; None: nothing worth showing (unset, off, empty)."""
+    if value is None or value is False or value in ("", (), [], {}):
+        return None
+    if value is True:
+        return "on"
+    if isinstance(value, dict):
+        value = ",".join(f"{k}={v}" for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        value = " ".join(map(str, value))
+    return str(value).replace("%", "%%")  # (argparse formats help with %)
+
+
+def help_text(setting: Setting, default) -> str | None:
+    """The flag's help: the declaration's, with the default the flag has (its variable's when
+    set) where the text does not already say it, and the other spellings of its choices."""
+    text, more = setting.help or "", []
+    aliases = _choice_aliases(setting)
+    if aliases:
+        more.append(f"{' and '.join(aliases)}: vLLM's names of {' and '.join(aliases.values())}")
+    shown = _shown(default)
+    if shown is not None and "default" not in text:
+        more.append(f"default: {shown}")
+    if more:
+        text += f" ({'; '.join(more)})"
+    return text.strip() or None
 
 
 def add_settings(p: argparse.ArgumentParser, settings: Iterable[Bound], *, optional: bool = False) -> None:
-    """A flag per setting (its aliases too), its default from `PAGODA_<NAME>`. `optional`:
-    none is required (`pagoda serve` supplies the services' required ones itself)."""
+    """A flag per setting (its aliases too), its default from `PAGODA_<NAME>`, shown in its
+    help. `optional`: none is required (`pagoda serve` supplies the services' required ones
+    itself)."""
     for bound in settings:
         s = bound.setting
         if not s.command_line:
             continue
         default = flag_default(s)
-        common = {"dest": bound.dest, "default": default, "help": s.help or None}
+        common = {"dest": bound.dest, "default": default, "help": help_text(s, default)}
         spellings = [s.flag, *(a for a in s.aliases if not a.startswith("--no-"))]
         if s.kind in ("bool", "auto_bool"):
-            p.add_argument(*spellings, action=argparse.BooleanOptionalAction, **common)
+            action = p.add_argument(*spellings, action=argparse.BooleanOptionalAction, **common)
+            if action.help and action.help.count("(default") > 1:  # (Python 3.10's adds its own)
+                action.help = action.help.rsplit(" (default", 1)[0]
             for alias in (a for a in s.aliases if a.startswith("--no-")):  # an old spelling of --no-<flag>
                 p.add_argument(alias, dest=bound.dest, action="store_false", default=argparse.SUPPRESS,
                                help=f"as --no-{s.flag[2:]}")
         elif s.kind == "switch":
             p.add_argument(*spellings, action="store_true", **common)
         else:
-            p.add_argument(*spellings, type=str if s.kind == "names" else PARSERS[s.kind], choices=s.choices,
+            p.add_argument(*spellings, type=str if s.kind == "names" else parser_of(s), choices=s.choices,
                            metavar=s.metavar, nargs="+" if s.kind == "names" else None,
                            required=s.required and not optional and default is None, **common)
 

@@ -22,6 +22,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.request import Request, SamplingOptions
 from scheduler_svc.engine import Engine, ErrorEvent, RequestOutput, StageInfo
 from services.defaults import NUM_KV_BLOCKS
+from services.pooling import PoolingType, embedding_values
 from services.step import StageTiming, StepPlan
 
 
@@ -136,11 +137,20 @@ class GenerationOutput:
     prompt_logprobs: list | None = None
 
 
+@dataclass
+class EmbeddingOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]  # pooled and L2-normalized (services.pooling)
+    num_cached_tokens: int = 0
+
+
 class LLM:
     """Offline batch generation in one process, as vLLM's `LLM` class offers it.
 
         llm = LLM("/models/tiny")
         outs = llm.generate(["Hello"], SamplingOptions(max_tokens=16, temperature=0))
+        vectors = llm.embed(["Hello"])  # pooled final hidden states, as vLLM's LLM.embed
     """
 
     def __init__(self, model: str, **config_fields) -> None:
@@ -184,18 +194,40 @@ class LLM:
             sampling = [sampling or SamplingOptions()] * len(token_prompts)
         return asyncio.run(self._generate(token_prompts, list(sampling), detokenize))
 
-    async def _generate(self, prompts, sampling, detokenize: bool) -> list[GenerationOutput]:
+    def embed(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+              pooling: PoolingType = PoolingType.LAST) -> list[EmbeddingOutput]:
+        """Each prompt's final hidden states pooled (`pooling`) and L2-normalized, computed
+        like any prompt (batched, chunked) through the same engine, in the order of `prompts`."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        token_prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        requests = [Request(self._request_id(), tuple(p), SamplingOptions(max_tokens=1), arrival_s=0.0,
+                            pooling=pooling) for p in token_prompts]
+        outputs = []
+        for request, (_, final) in zip(requests, asyncio.run(self._run(requests)), strict=True):
+            if final.error is not None or final.embedding is None:
+                raise RuntimeError(f"request {request.request_id} failed: {final.error}")
+            outputs.append(EmbeddingOutput(request.request_id, list(request.prompt),
+                                           embedding_values(final.embedding), final.num_cached_tokens))
+        return outputs
+
+    def _request_id(self) -> str:
+        return f"offline-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+
+    async def _run(self, requests: list[Request]) -> list[tuple[dict, RequestOutput]]:
+        """Every request through a fresh in-process engine: each one's choices and last output."""
         engine = build_local_engine(self.model, self.config, *self._engine_args)
         await engine.start()
         try:
-            requests = [
-                Request(f"offline-{next(self._ids)}-{uuid.uuid4().hex[:8]}", tuple(p), s, arrival_s=0.0)
-                for p, s in zip(prompts, sampling, strict=True)
-            ]
             streams = [engine.submit(r) for r in requests]
-            results = await asyncio.gather(*(_collect(s) for s in streams))
+            return await asyncio.gather(*(_collect(s) for s in streams))
         finally:
             await engine.stop()
+
+    async def _generate(self, prompts, sampling, detokenize: bool) -> list[GenerationOutput]:
+        requests = [Request(self._request_id(), tuple(p), s, arrival_s=0.0)
+                    for p, s in zip(prompts, sampling, strict=True)]
+        results = await self._run(requests)
         outputs = []
         for request, (choices, final) in zip(requests, results, strict=True):
             if final.error is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -156,10 +157,71 @@ def _write_tokenizer(path: Path, out: Path) -> None:
 
 def resolve_model(model: str | None, log=print) -> tuple[Path, list[str]]:
     """(the folder to serve, the default served names) for `pagoda serve`'s model argument:
-    None is the default model; a GGUF file its prepared folder; anything else as given."""
+    None is the default model; a GGUF file its prepared folder; a folder as given. ValueError
+    saying what to give instead for anything else (a hub id, a missing path, another file)."""
     if model is None:
         folder = prepare_gguf(default_model(log))
         return folder, [DEFAULT_MODEL_NAME, "default"]
     if is_gguf(model):
         return prepare_gguf(model), [model, Path(model).stem]
-    return Path(model).resolve(), []
+    path = Path(model).expanduser()
+    if path.is_file():
+        raise ValueError(f"{model} is a file but not a GGUF file (it does not begin with 'GGUF'; a Git LFS "
+                         "pointer?): give a checkpoint folder or a .gguf file")
+    if not path.exists():
+        raise ValueError(missing_model(model))
+    return path.resolve(), []
+
+
+def tokenizer_with_template(tokenizer_dir: str | os.PathLike[str], template: str) -> Path:
+    """A tokenizer folder whose chat template is `template` (--chat-template): the files a
+    `Tokenizer` reads from `tokenizer_dir`, linked, beside a chat_template.jinja holding it
+    (which a folder's other templates give way to). Made once per folder and template in
+    the cache, atomically."""
+    from services.text.tokenizer import (
+        CHAT_TEMPLATE_FILE,
+        GENERATION_CONFIG_FILE,
+        MODEL_CONFIG_FILE,
+        SPECIAL_TOKENS_MAP_FILE,
+        TOKENIZER_CONFIG_FILE,
+        TOKENIZER_FILE,
+    )
+
+    source = Path(tokenizer_dir).resolve()
+    key = hashlib.sha256(f"{source}\0{template}".encode()).hexdigest()[:16]
+    folder = cache_root() / "chat-templates" / f"{source.name}-{key}"
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, GENERATION_CONFIG_FILE,
+                     MODEL_CONFIG_FILE):
+            if (source / name).is_file():
+                (tmp / name).symlink_to(source / name)
+        (tmp / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process made it first
+            if not (folder / CHAT_TEMPLATE_FILE).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def missing_model(model: str) -> str:
+    """Why a model argument that names nothing here cannot be served, and what to give."""
+    if _HUB_ID.fullmatch(model) and not model.endswith(".gguf"):
+        return (f"{model}: no such folder here, and Pagoda has no model hub access (a hub id is not "
+                "downloaded): give a local checkpoint folder (config.json, tokenizer.json, *.safetensors; "
+                f"e.g. made elsewhere with `huggingface-cli download {model} --local-dir DIR`) or a .gguf file; "
+                f"`pagoda serve` with no model serves {DEFAULT_MODEL_NAME} (package {DEFAULT_PACKAGE.split('==')[0]}, "
+                "see the README)")
+    if model.endswith(".gguf"):
+        return f"{model}: no such GGUF file"
+    return f"{model}: no such checkpoint folder or GGUF file"

@@ -24,7 +24,7 @@ from services import settings as shared
 from services.defaults import NUM_KV_BLOCKS
 from services.grpc_utils import INTERNAL_TOKEN_ENV
 from services.settings import Bound, Setting
-from wiring.flags import add_settings, flag_args, flag_default, service_settings
+from wiring.flags import add_settings, config_values, flag_args, flag_default, service_settings
 from wiring.launcher import (
     MemorySetting,
     RestartBudget,
@@ -44,17 +44,18 @@ _own = partial(Setting, owner="serve", serve="own")
 # from their declarations, `serve_settings`)
 SERVE_SETTINGS = (
     _own("replicas", "run N replicas of the backend (KV service, stages, scheduler), the gateway routing "
-                     "among them (default 1)", "int", default=1),
+                     "among them (default 1)", "int", default=1, metavar="N"),
     _own("cpu_affinity", "pin each stage to cores of its own and the services to another, when the machine "
                          "has enough (default: on)", "bool", default=True),
     _own("metrics", "serve Prometheus metrics from the KV service, stages and scheduler too", "switch",
          default=False),
-    _own("log_dir", "where each service's log goes (default: ~/.cache/pagoda/logs/<time>)"),
-    _own("ready_file", "write the services' addresses here (JSON) once ready", env=False),
+    _own("log_dir", "the folder each service's log is written to, one file each (default: "
+                    "~/.cache/pagoda/logs/<time>)", metavar="DIR"),
+    _own("ready_file", "write the services' addresses here (JSON) once ready", env=False, metavar="FILE"),
     _own("max_restarts", "deaths of one service within --restart-window after which serve gives up "
-                         "(restarts back off: at once, then 1 s, 2 s, ... 30 s)", "int", default=5),
+                         "(restarts back off: at once, then 1 s, 2 s, ... 30 s)", "int", default=5, metavar="N"),
     _own("restart_window", "seconds over which --max-restarts counts a service's deaths", "float",
-         default=300.0),
+         default=300.0, metavar="SECONDS"),
 )
 
 
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     until SIGTERM/SIGINT, then stop them (the gateway first, so it drains)."""
     try:
         model_dir = _model_dir(args)
-        _check_start(args, model_dir)
+        notes = _check_start(args, model_dir)
     except _Refused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -124,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     ranks = f" of {tp} tensor-parallel processes each" if tp > 1 else ""
     print(f"pagoda serve: starting {n} stage(s){ranks}, KV service, scheduler and gateway for {model_dir}")
     print(f"  logs: {log_dir}")
+    for line in notes:
+        print(f"  {line}", file=sys.stderr if line.startswith("warning") else sys.stdout, flush=True)
     stop = _StopFlag()
     memory = None
     if args.num_kv_blocks is None and (args.gpu_memory_utilization or args.kv_cache_memory):
@@ -180,20 +183,65 @@ def _model_dir(args: argparse.Namespace) -> str:
     return model_dir
 
 
-def _check_start(args: argparse.Namespace, model_dir: str) -> None:
-    """What would make the stack die after starting, refused before anything starts."""
-    from wiring.flags import check_tensor_parallel
-
+def _check_start(args: argparse.Namespace, model_dir: str) -> list[str]:
+    """What would make the stack die after starting, refused before anything starts
+    (wiring/preflight.py); returns what to say before starting (a max_model_len lowered to
+    what the pool holds, more stage processes than cores)."""
     for name, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
         if port and port_taken(args.host, port):  # (it would start all, then die as the gateway)
             raise _Refused(f"{name} {port} is taken on {args.host}: stop what holds it or choose "
                            f"another port")
-    try:
-        check_tensor_parallel(model_dir, args.tensor_parallel_size)
-    except ValueError as exc:
-        raise _Refused(str(exc)) from exc
     if not 1 <= args.replicas <= 64:
         raise _Refused(f"--replicas must be 1..64, got {args.replicas}")
+    try:
+        return _check_model_and_settings(args, model_dir)
+    except ValueError as exc:
+        raise _Refused(str(exc)) from exc
+
+
+def _check_model_and_settings(args: argparse.Namespace, model_dir: str) -> list[str]:
+    """The checkpoint, the tokenizers, the services' configs and the shape of the stack
+    against each other; lowers `args.max_model_len` to what a fixed pool holds when it was
+    not given. ValueError in one line."""
+    from wiring import preflight
+
+    checkpoint = preflight.read_checkpoint(model_dir)
+    preflight.check_tokenizers(model_dir, args.tokenizer)
+    if args.chat_template is not None:
+        preflight.read_chat_template(args.chat_template)
+    _check_configs(args, model_dir)
+    pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
+    preflight.check_stages(checkpoint.config, pp, tp)
+    memory = args.num_kv_blocks is None and bool(args.gpu_memory_utilization or args.kv_cache_memory)
+    args.max_model_len, note = preflight.serve_max_model_len(
+        args.max_model_len, checkpoint.config.max_position_embeddings,
+        preflight.fixed_pool(args.num_kv_blocks, memory), args.block_size, args.num_kv_blocks is not None)
+    if memory and args.gpu_memory_utilization and preflight.on_the_cpu(args.device):
+        preflight.check_memory_fraction(args.gpu_memory_utilization, checkpoint.least_weight_bytes(args.quantization),
+                                        pp * tp, preflight.machine_memory_bytes())
+    warning = preflight.cores_warning(pp, tp, args.replicas, preflight.usable_cores())
+    return [line for line in (note, warning) if line]
+
+
+def _check_configs(args: argparse.Namespace, model_dir: str) -> None:
+    """The scheduler's, a stage's and the gateway's configs as they will be made of these
+    flags (each service would refuse a bad value only once started); ValueError naming the flag."""
+    from gateway.config import ApiKey, GatewayConfig, load_api_keys
+    from scheduler_svc.config import SchedulerConfig
+    from worker_svc.config import WorkerConfig
+
+    keys = load_api_keys(args.api_keys_file) if args.api_keys_file else {}
+    keys.update({key: ApiKey() for key in args.api_key or () if key not in keys})
+    for service, make in (("scheduler", SchedulerConfig),
+                          ("worker", partial(WorkerConfig, num_stages=1)),
+                          ("gateway", partial(GatewayConfig, scheduler_address="127.0.0.1:1", api_keys=keys))):
+        settings = service_settings(service)
+        try:
+            make(**{**config_values(settings, args), "model": model_dir})
+        except ValueError as exc:
+            field, _, reason = str(exc).partition(": ")
+            flag = next((b.setting.flag for b in settings if b.field == field and b.setting.command_line), field)
+            raise ValueError(f"{flag}: {reason}") from None
 
 
 class _StopFlag:
@@ -304,15 +352,24 @@ def _write_ready_file(ready: Path, args: argparse.Namespace, model_dir: str, sta
 
 
 def _print_ready(args: argparse.Namespace) -> None:
+    print("pagoda serve: ready\n" + ready_lines(args), flush=True)
+
+
+def ready_lines(args: argparse.Namespace) -> str:
+    """Where to send requests, and a request to try. With API keys the request carries one as
+    the shell variable PAGODA_API_KEY (the one `pagoda serve` reads keys from), never the key."""
+    from gateway.config import API_KEY
+
     shown_host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
-    print(
-        "pagoda serve: ready\n"
+    keyed = bool(args.api_key or args.api_keys_file)
+    auth = f' -H "Authorization: Bearer ${API_KEY.variable}"' if keyed else ""
+    return (
         f"  OpenAI-compatible REST: http://{shown_host}:{args.port}/v1  (docs: /docs, health: /health)\n"
         f"  gRPC (pagoda.v1.Generation): {shown_host}:{args.grpc_port}\n"
-        f"  try: curl http://{shown_host}:{args.port}/v1/completions -H 'Content-Type: application/json' "
-        f"-d '{{\"model\": \"{args.served_model_name[0]}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
-        flush=True,
-    )
+        f"  try: curl http://{shown_host}:{args.port}/v1/completions -H 'Content-Type: application/json'{auth} "
+        f"-d '{{\"model\": \"{args.served_model_name[0]}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'"
+        + (f"\n  (every request needs a key: set {API_KEY.variable} to one of yours in that shell first)"
+           if keyed else ""))
 
 
 def _supervise(args: argparse.Namespace, stacks: list[Stack], gateway: ServiceProcess,

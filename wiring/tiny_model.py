@@ -310,7 +310,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tiny model")
     group.add_argument("--preset", choices=sorted(PRESETS), default=None,
                        help="starting spec that the other options override (default: tiny)")
-    group.add_argument("--arch", choices=sorted(ARCHS), default=None)
+    group.add_argument("--arch", choices=sorted(ARCHS), default=None,
+                       help="the architecture config.json names (default: the preset's)")
     for flag, help_text in (
         ("--num-layers", None), ("--hidden-size", None),
         ("--intermediate-size", "default: 8/3 of hidden size, rounded up to a multiple of 16"),
@@ -325,7 +326,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rope-theta", type=float, default=None)
     group.add_argument("--rope-scaling", type=_json_object, default=None, metavar="JSON",
                        help='e.g. \'{"rope_type": "llama3", "factor": 8.0, ...}\'')
-    group.add_argument("--dtype", choices=DTYPES, default=None)
+    group.add_argument("--dtype", choices=DTYPES, default=None,
+                       help="the weights' dtype in model.safetensors (default: the preset's, float32)")
 
 
 def spec_from_args(args: argparse.Namespace) -> TinyModelSpec:

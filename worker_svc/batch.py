@@ -7,7 +7,10 @@ plan fails alone and leaves the stage as it was.
 
 Invariants of each `SeqState`: `num_computed <= len(token_ids)` on the first and last stage
 (they hold every known token: the first stage from the plans, the last stage from the plans
-and its own samples); the block table covers positions `0 ... num_computed - 1`.
+and its own samples); the block table covers positions `0 ... num_computed - 1`. A pooling
+sequence (`services.pooling`) holds only its prompt and is never sampled; with mean pooling
+the last stage keeps the sum of what it computed so far (`pooled_sum`), so it starts at
+position 0.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from services.pooling import PoolingType
 from services.sampling import SamplingParams
-from services.step import PromptScoring, StepPlan
+from services.step import NewSeq, PromptScoring, StepPlan
 from worker_svc.errors import InvalidPlanError
 
 MAX_PROMPT_NUM_TOP = 20
@@ -34,6 +38,10 @@ class SeqState:
     entropy_seed: int
     request_id: str = ""
     trace_context: str = ""
+    pooling: PoolingType | None = None
+    # mean pooling, last stage: the sum of the final norm's output over the positions
+    # computed so far (the runner's float32 tensor); dropped with the state
+    pooled_sum: object = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -42,13 +50,17 @@ class SeqState:
 
 @dataclass(slots=True)
 class Row:
-    """One sequence's share of a step: `num_tokens` tokens at positions `start ...`."""
+    """One sequence's share of a step: `num_tokens` tokens at positions `start ...`. On the
+    last stage: `sample`, it samples; `pools`, it is a pooling sequence's (never sampled),
+    and `pool_done`, this step completes its prompt, so its vector comes back."""
 
     state: SeqState
     start: int
     num_tokens: int
     sample: bool
     prompt_scoring: PromptScoring | None = None
+    pools: bool = False
+    pool_done: bool = False
 
     @property
     def context_len(self) -> int:
@@ -91,7 +103,8 @@ class PersistentBatch:
         shape, rows = self.shape, []
         for n in plan.new_seqs:
             state = SeqState(n.seq_id, list(n.token_ids), n.prompt_len, n.num_computed, list(n.block_ids),
-                             n.sampling, n.choice_index, n.entropy_seed, n.request_id, n.trace_context)
+                             n.sampling, n.choice_index, n.entropy_seed, n.request_id, n.trace_context,
+                             n.pooling)
             self.seqs[n.seq_id] = state
             rows.append(self._row(state, n.num_scheduled, n.prompt_scoring))
         for c in plan.cached_seqs:
@@ -109,7 +122,9 @@ class PersistentBatch:
         start = state.num_computed
         end = start + num_tokens
         state.num_computed = end
-        return Row(state, start, num_tokens, self.shape.is_last and end == len(state.token_ids), scoring)
+        done = self.shape.is_last and end == len(state.token_ids)
+        pools = self.shape.is_last and state.pooling is not None
+        return Row(state, start, num_tokens, done and not pools, scoring, pools, done and pools)
 
     def awaiting(self, plan: StepPlan) -> set[int]:
         """Sequences this step computes further than the tokens this stage knows: a
@@ -156,12 +171,7 @@ class PersistentBatch:
             if n.seq_id in seen:
                 raise InvalidPlanError(f"{where}: appears twice")
             seen.add(n.seq_id)
-            if not 0 <= n.prompt_len <= len(n.token_ids) or not n.prompt_len:
-                raise InvalidPlanError(f"{where}: prompt_len {n.prompt_len} with {len(n.token_ids)} tokens")
-            if shape.is_first and any(not 0 <= t < shape.vocab_size for t in n.token_ids):
-                raise InvalidPlanError(f"{where}: token id outside [0, {shape.vocab_size})")
-            self._check_step(where, n.num_computed, n.num_scheduled, len(n.token_ids), len(n.block_ids),
-                             n.block_ids, n.prompt_scoring)
+            self._check_new(where, n)
         for c in plan.cached_seqs:
             where = f"{step}, sequence {c.seq_id}"
             if c.seq_id in seen:
@@ -191,6 +201,21 @@ class PersistentBatch:
         for src, dst in plan.block_copies:
             if not (0 <= src < shape.num_blocks and 0 <= dst < shape.num_blocks) or src == dst:
                 raise InvalidPlanError(f"{step}: block copy {src}->{dst} invalid for {shape.num_blocks} blocks")
+
+    def _check_new(self, where: str, n: NewSeq) -> None:
+        shape = self.shape
+        if not 0 <= n.prompt_len <= len(n.token_ids) or not n.prompt_len:
+            raise InvalidPlanError(f"{where}: prompt_len {n.prompt_len} with {len(n.token_ids)} tokens")
+        if shape.is_first and any(not 0 <= t < shape.vocab_size for t in n.token_ids):
+            raise InvalidPlanError(f"{where}: token id outside [0, {shape.vocab_size})")
+        if n.pooling is not None and n.prompt_len != len(n.token_ids):
+            raise InvalidPlanError(f"{where}: a pooling sequence's tokens are its prompt ({n.prompt_len}), "
+                                   f"got {len(n.token_ids)}")
+        if n.pooling is not None and n.pooling.needs_every_position and n.num_computed:
+            raise InvalidPlanError(f"{where}: {n.pooling.value} pooling computes every position, yet "
+                                   f"{n.num_computed} come computed")
+        self._check_step(where, n.num_computed, n.num_scheduled, len(n.token_ids), len(n.block_ids),
+                         n.block_ids, n.prompt_scoring)
 
     def _check_step(self, where: str, start: int, num_tokens: int, num_known: int, table_len: int,
                     new_block_ids, scoring: PromptScoring | None) -> None:

@@ -3,7 +3,8 @@
     StageModel -> DecoderLayer -> Attention / MLP / RMSNorm
 
 The first stage embeds token ids; the last applies the final norm and the LM head (to
-the rows that are sampled only). Parameter names equal the checkpoint's tensor names
+the rows that are sampled only), and gives pooling requests the final norm's output
+(`forward_pooled`). Parameter names equal the checkpoint's tensor names
 (`model.layers.3.self_attn.q_proj.weight`), so loading is a name lookup.
 Shapes: `T` tokens in the flattened batch, `H` query heads, `Hkv` KV heads, `D` head dim.
 With tensor parallelism (worker_svc/tensor_parallel.py) a rank's model is built from its
@@ -282,19 +283,48 @@ class StageModel(nn.Module):
         logits_indices: torch.Tensor | None = None,  # rows to sample, last stage only
     ) -> torch.Tensor:
         """Returns hidden states [T, hidden], or on the last stage logits [len(logits_indices), vocab]."""
-        body = self.model
-        h = body.embed_tokens(inputs) if self.is_first else inputs
-        rope = self.rotary.cos_sin(positions, h.dtype)
-        if self.fused_decode is not None and self.fused_decode.applies(h, metadata, kv_pools):
-            h = self.fused_decode.forward(h, rope, kv_pools, metadata, self.config.sliding_window)
-        else:
-            for local, layer in enumerate(body.layers.values()):
-                h = layer.forward(h, rope, kv_pools[local], metadata, backend)
+        h = self._layers(inputs, positions, kv_pools, metadata, backend)
         if not self.is_last:
             return h
         if logits_indices is not None:
             h = h[logits_indices]
-        h = body.norm(h)
+        return self._logits(self.model.norm(h))
+
+    @torch.inference_mode()
+    def forward_pooled(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,  # rows to sample
+        pool_indices: torch.Tensor,  # rows pooling requests pool (worker_svc/pooler.py)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage with pooling rows: (logits [len(logits_indices), vocab], the final
+        norm's output [len(pool_indices), hidden])."""
+        if not self.is_last:
+            raise ValueError("forward_pooled: only the last stage applies the final norm")
+        h = self._layers(inputs, positions, kv_pools, metadata, backend)
+        norm = self.model.norm
+        return self._logits(norm(h[logits_indices])), norm(h[pool_indices])
+
+    def _layers(self, inputs: torch.Tensor, positions: torch.Tensor,
+                kv_pools: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        """This stage's layers: the hidden states [T, hidden] they output (before the final norm)."""
+        body = self.model
+        h = body.embed_tokens(inputs) if self.is_first else inputs
+        rope = self.rotary.cos_sin(positions, h.dtype)
+        if self.fused_decode is not None and self.fused_decode.applies(h, metadata, kv_pools):
+            return self.fused_decode.forward(h, rope, kv_pools, metadata, self.config.sliding_window)
+        for local, layer in enumerate(body.layers.values()):
+            h = layer.forward(h, rope, kv_pools[local], metadata, backend)
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head over normed hidden states [N, hidden] -> [N, vocab]."""
+        body = self.model
         if self.lm_head is not None:
             return self.lm_head(h) if isinstance(self.lm_head, PackedLinear) else F.linear(h, self.lm_head.weight)
         if isinstance(body.embed_tokens, PackedEmbedding):  # tied, packed

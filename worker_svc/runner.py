@@ -3,7 +3,8 @@
 `execute(plan, hidden)` validates the whole plan before touching any state, applies the
 plan's releases and block copies, runs the stage's layers over the flattened batch, and
 returns either the hidden states for the next stage or, on the last stage, the sampled
-tokens. It owns its tensors; callers run it from one thread.
+tokens (and the vectors of pooling sequences: worker_svc/pooler.py). It owns its tensors;
+callers run it from one thread.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.step import (
+    PooledOutput,
     PositionLogprobs,
     SampledToken,
     ScoredPrompt,
@@ -27,6 +29,7 @@ from worker_svc.batch import PersistentBatch, Row, StageShape
 from worker_svc.errors import InvalidPlanError
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.model import StageModel
+from worker_svc.pooler import pool, pool_positions
 from worker_svc.sampler import Sampler, SamplerOutput, SampleRow
 from worker_svc.structured import GrammarBank
 
@@ -42,6 +45,7 @@ class StageResult:
     sampled: SamplerOutput | None = None
     logits: torch.Tensor | None = None  # [len(sampled_seq_ids), vocab] when asked for
     prompt_logprobs: list[ScoredPrompt] = field(default_factory=list)  # last stage
+    pooled: list[PooledOutput] = field(default_factory=list)  # last stage: pooling sequences done
     compute_ns: int = 0
 
     def sampled_tokens(self) -> tuple[SampledToken, ...]:
@@ -56,7 +60,8 @@ class StageResult:
         )
 
     def step_result(self, timings: tuple[StageTiming, ...] = ()) -> StepResult:
-        return StepResult(self.step_id, self.sampled_tokens(), tuple(self.prompt_logprobs), timings)
+        return StepResult(self.step_id, self.sampled_tokens(), tuple(self.prompt_logprobs), timings,
+                          tuple(self.pooled))
 
 
 # Steps of at least this many tokens (prefill chunks, large batches) may take more threads
@@ -155,49 +160,72 @@ class StageRunner:
         if not self.model.is_last:
             result.hidden = self._run_model(plan, inputs, positions, metadata)
         else:
-            sampled, ends, end = [], [], 0
-            scored, score_indices = [], []
-            for r in rows:
-                if r.prompt_scoring is not None:
-                    offset = end + r.prompt_scoring.first_position - r.start
-                    scored.append(r)
-                    score_indices.extend(range(offset, offset + len(r.prompt_scoring.targets)))
-                end += r.num_tokens
-                if r.sample:
-                    sampled.append(r)
-                    ends.append(end - 1)
-            indices = torch.tensor(ends + score_indices, dtype=torch.long, device=self.device)
-            logits = self._run_model(plan, inputs, positions, metadata, indices)
-            if scored:
-                result.prompt_logprobs = _score_prompts(logits[len(sampled):], scored)
-                logits = logits[: len(sampled)]
-            result.sampled_seq_ids = tuple(r.seq_id for r in sampled)
-            result.sampled = (
-                self.sampler.sample(logits, [self._sample_row(r) for r in sampled])
-                if sampled
-                else SamplerOutput([], [], [])
-            )
-            self.batch.record_sampled(rows, result.sampled.token_ids)
-            if keep_logits:
-                result.logits = logits
+            self._run_last(plan, inputs, positions, metadata, result, keep_logits)
         result.compute_ns = time.perf_counter_ns() - started
         return result
 
+    def _run_last(self, plan: StepPlan, inputs: torch.Tensor, positions: torch.Tensor,
+                  metadata: AttentionMetadata, result: StageResult, keep_logits: bool) -> None:
+        """The last stage: logits where rows sample or score the prompt, the final norm's
+        output where pooling sequences pool; samples, scores and pooled vectors into `result`."""
+        rows = result.rows
+        sampled, ends, end = [], [], 0
+        scored, score_indices = [], []
+        for r in rows:
+            if r.prompt_scoring is not None:
+                offset = end + r.prompt_scoring.first_position - r.start
+                scored.append(r)
+                score_indices.extend(range(offset, offset + len(r.prompt_scoring.targets)))
+            end += r.num_tokens
+            if r.sample:
+                sampled.append(r)
+                ends.append(end - 1)
+        indices = torch.tensor(ends + score_indices, dtype=torch.long, device=self.device)
+        pooling, pool_indices = pool_positions(rows)
+        if pooling:
+            logits, normed = self._run_model(plan, inputs, positions, metadata, indices,
+                                             torch.tensor(pool_indices, dtype=torch.long, device=self.device))
+            result.pooled = pool(normed, pooling)
+        else:
+            logits = self._run_model(plan, inputs, positions, metadata, indices)
+        if scored:
+            result.prompt_logprobs = _score_prompts(logits[len(sampled):], scored)
+            logits = logits[: len(sampled)]
+        result.sampled_seq_ids = tuple(r.seq_id for r in sampled)
+        result.sampled = (
+            self.sampler.sample(logits, [self._sample_row(r) for r in sampled])
+            if sampled
+            else SamplerOutput([], [], [])
+        )
+        self.batch.record_sampled(rows, result.sampled.token_ids)
+        if keep_logits:
+            result.logits = logits
+
     def _run_model(self, plan: StepPlan, inputs: torch.Tensor, positions: torch.Tensor,
-                   metadata: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                   metadata: AttentionMetadata, logits_indices: torch.Tensor | None = None,
+                   pool_indices: torch.Tensor | None = None):
+        """The model's output (`StageModel.forward`); with `pool_indices`, the last stage's
+        (logits, final norm's output there) (`StageModel.forward_pooled`)."""
         if self.tp is None:
             if self.step_threads is not None:
                 small, large = self.step_threads
                 want = large if inputs.shape[0] >= LARGE_STEP_TOKENS else small
                 if torch.get_num_threads() != want:
                     torch.set_num_threads(want)
-            return self.model(inputs, positions, self.kv_cache.pools, metadata, self.backend, logits_indices)
+            return self._forward(inputs, positions, metadata, logits_indices, pool_indices)
         try:  # the other ranks run the same layers on the same inputs, in step
             self.tp.send_step(plan.block_copies, inputs, positions, metadata)
-            return self.model(inputs, positions, self.kv_cache.pools, metadata, self.backend, logits_indices)
+            return self._forward(inputs, positions, metadata, logits_indices, pool_indices)
         except BaseException as exc:  # the ranks are out of step now: the stage must restart
             self.tp.abort(f"step {plan.step_id} failed among the ranks: {type(exc).__name__}: {exc}")
             raise
+
+    def _forward(self, inputs: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                 logits_indices: torch.Tensor | None, pool_indices: torch.Tensor | None):
+        args = (inputs, positions, self.kv_cache.pools, metadata, self.backend)
+        if pool_indices is None:
+            return self.model(*args, logits_indices)
+        return self.model.forward_pooled(*args, logits_indices, pool_indices)
 
     def _sample_row(self, row: Row) -> SampleRow:
         s = row.state

@@ -63,9 +63,10 @@ from scheduler_svc.core.request import (
     RequestState,
     Sequence,
 )
-from scheduler_svc.core.stage_view import StageView, scores_prompt, scores_prompt_of
+from scheduler_svc.core.stage_view import StageView, scores_prompt, skips_prefix_cache
 from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS
-from services.step import CachedSeq, NewSeq, SampledToken, ScoredPrompt, StepPlan
+from services.pooling import Embedding
+from services.step import CachedSeq, NewSeq, PooledOutput, SampledToken, ScoredPrompt, StepPlan
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,10 @@ class Planner:
         self.decisions: list[dict] = []  # for scheduler tracing; drained by the engine
         self.num_preemptions = 0
         self.num_placeholder_steps = 0  # sequence-steps scheduled before their input was known
+        # prompt tokens the KV service looked up in its prefix cache and found there, counted
+        # as its answers come (the KV service's own totals, without asking it)
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     @property
     def in_flight(self) -> dict[int, MicroBatch]:
@@ -359,7 +364,7 @@ class Planner:
                     continue
                 new_seq_id = draft.take_seq_id()
                 draft.new_sequences.append(NewSequence(new_seq_id, tokens, self.config.namespace, n,
-                                                       scores_prompt(seq)))
+                                                       skips_prefix_cache(seq.request, seq.index)))
                 draft.readmissions.append(Readmission(seq, new_seq_id))
                 draft.spend(n, 1)
 
@@ -388,8 +393,8 @@ class Planner:
             admitted: list[AdmittedSeq] = []
             for index, (existing, tokens, n) in enumerate(chunks):
                 seq_id = draft.take_seq_id()
-                scores = scores_prompt(existing) if existing is not None else scores_prompt_of(request, index)
-                draft.new_sequences.append(NewSequence(seq_id, tokens, self.config.namespace, n, scores))
+                skips = skips_prefix_cache(request, existing.index if existing is not None else index)
+                draft.new_sequences.append(NewSequence(seq_id, tokens, self.config.namespace, n, skips))
                 admitted.append(AdmittedSeq(existing, seq_id, index))
             draft.admissions.append(Admission(request, tuple(admitted)))
             draft.spend(sum(n for _, _, n in chunks), count)
@@ -434,6 +439,7 @@ class Planner:
         self._flight.settle(proposal.step_input)  # the reports it carried were applied
         if proposal.micro_batch_id is None:
             return None
+        self._count_prefix_lookups(proposal, output)
         scheduled, starving = self._apply_allocations(proposal, output, now)
         self._preempt_for_starving(starving, scheduled, now)
         return self._build_micro_batch(proposal.micro_batch_id, proposal, output, scheduled, now)
@@ -449,6 +455,15 @@ class Planner:
         self._next_mb_id += 1
         if not proposal.skips_kv:
             self._flight.kv_recorded(mb_id)
+
+    def _count_prefix_lookups(self, proposal: Proposal, output: StepOutput) -> None:
+        """Each new sequence the KV service gave blocks was looked up in its prefix cache
+        (unless kept out of it), whether the planner keeps it or gives it back."""
+        for new in proposal.step_input.new_sequences:
+            result = output.results.get(new.seq_id)
+            if isinstance(result, Allocated) and not new.skip_prefix_cache:
+                self.num_prefix_query_tokens += len(new.token_ids)
+                self.num_prefix_hit_tokens += result.num_computed_tokens
 
     # --- finalize, phase 1: the KV service's allocations ---------------------------------
     # An abort or a stop string may have ended sequences while the KV service answered: what
@@ -609,7 +624,10 @@ class Planner:
                 seq.num_computed = start  # a prefix hit: these tokens are already there
                 seq.take_answer(result.block_offset, result.block_ids)
             end = start + n
-            steps.append((seq, start, n, end == self._target(seq) and end == seq.num_tokens))
+            # a pooling sequence never samples (so no placeholder step follows it): the step
+            # that completes its prompt brings back its pooled vector instead
+            samples = end == self._target(seq) and end == seq.num_tokens and seq.request.pooling is None
+            steps.append((seq, start, n, samples))
         return steps
 
     def _record_steps(self, steps: list[SeqStep], now: float,
@@ -633,14 +651,17 @@ class Planner:
     # --- results in ----------------------------------------------------------------------
 
     def on_result(self, mb_id: int, sampled: Iterable[SampledToken], now: float = 0.0,
-                  prompt_logprobs: Iterable[ScoredPrompt] = ()) -> list[SeqUpdate]:
+                  prompt_logprobs: Iterable[ScoredPrompt] = (),
+                  pooled: Iterable[PooledOutput] = ()) -> list[SeqUpdate]:
         """A micro-batch came back: computed tokens advance, sampled tokens append, finishes;
-        scored prompt positions extend their request's prompt logprobs."""
+        scored prompt positions extend their request's prompt logprobs; a pooling request
+        whose prompt is computed finishes with its vector."""
         mb = self._flight.complete(mb_id)
         by_id: dict[int, list[tuple[int, object]]] = {}
         for s in sampled:
             by_id.setdefault(s.seq_id, []).append((s.token_id, s.logprobs))
         scored = {p.seq_id: (p.first_position, p.positions) for p in prompt_logprobs}
+        vectors = {p.seq_id: p.embedding for p in pooled}
         updates = []
         for s in mb.seqs:
             seq = s.seq
@@ -651,6 +672,10 @@ class Planner:
             first, positions = scored.get(seq.seq_id, (-1, ()))
             if positions and first == len(request.prompt_logprobs):
                 request.prompt_logprobs.extend(positions)
+            if request.pooling is not None:
+                if seq.num_computed == seq.num_tokens:  # its prompt is computed: pooled
+                    updates.append(self._finish_pooled(seq, vectors.get(seq.seq_id), now))
+                continue
             new_tokens, new_logprobs = [], []
             for token, logprob in by_id.get(seq.seq_id, []):
                 seq.output.append(token)
@@ -670,13 +695,26 @@ class Planner:
             if new_tokens or seq.is_finished:
                 updates.append(SeqUpdate(seq, new_tokens, new_logprobs, seq.is_finished))
             if request.all_finished and request.state == RequestState.DECODING:
-                request.transition(RequestState.FINISHED, now)
-                request.finished_s = now
-                self.running.remove(request)
-                del self.requests[request.request_id]
-                self._rank.pop(request.request_id, None)
-                self._trace("finished", request, output_tokens=request.num_output_tokens)
+                self._retire(request, now)
         return updates
+
+    def _finish_pooled(self, seq: Sequence, embedding: Embedding | None, now: float) -> SeqUpdate:
+        """A pooling request's prompt came back computed: it finishes with its vector (STOP),
+        or with ERROR when the last stage returned none (a bug), and frees its blocks."""
+        seq.request.embedding = embedding
+        seq.finish_reason = FinishReason.STOP if embedding is not None else FinishReason.ERROR
+        self._drop_kv(seq)
+        self._retire(seq.request, now)
+        return SeqUpdate(seq, [], [], True)
+
+    def _retire(self, request: Request, now: float) -> None:
+        """A running request whose every choice finished: FINISHED, and forgotten."""
+        request.transition(RequestState.FINISHED, now)
+        request.finished_s = now
+        self.running.remove(request)
+        del self.requests[request.request_id]
+        self._rank.pop(request.request_id, None)
+        self._trace("finished", request, output_tokens=request.num_output_tokens)
 
     def on_failure(self, mb_id: int, now: float = 0.0) -> list[Request]:
         """A micro-batch failed on some stage: its requests are preempted (recomputed later)."""

@@ -6,6 +6,8 @@ Six states, the legal transitions enforced in `Request.transition` and nowhere e
        ^           |             |
        +------ PREEMPTED <-------+        any live state -> ABORTED
 
+and PREFILLING -> FINISHED: a pooling request (`Request.pooling`) ends with its prompt.
+
 Each choice of a request (`n > 1`) is one `Sequence`, with vLLM v1's single rule: it has
 `num_computed` tokens whose KV is stored and catches up to its known tokens (prompt plus
 output). Chunked prefill, prefix hits and recompute after preemption all fall out of it.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from services.pooling import Embedding, PoolingType
 from services.sampling import MAX_LOGIT_BIAS_ENTRIES, SamplingOptions, sampling_params  # noqa: F401 (re-exported)
 
 
@@ -35,7 +38,8 @@ class RequestState(enum.Enum):
 _S = RequestState
 LEGAL_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     _S.WAITING: frozenset({_S.PREFILLING, _S.ABORTED}),
-    _S.PREFILLING: frozenset({_S.DECODING, _S.PREEMPTED, _S.ABORTED}),
+    # a pooling request (Request.pooling) finishes with its prompt, never decoding
+    _S.PREFILLING: frozenset({_S.DECODING, _S.FINISHED, _S.PREEMPTED, _S.ABORTED}),
     _S.DECODING: frozenset({_S.FINISHED, _S.PREEMPTED, _S.ABORTED}),
     _S.PREEMPTED: frozenset({_S.WAITING, _S.ABORTED}),
     _S.FINISHED: frozenset(),
@@ -151,6 +155,10 @@ class Request:
     # (id, logprob, rank, [(id, logprob)]); filled as prefill chunks come back
     prompt_logprobs: list = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # set: a pooling (embedding) request, one choice that computes its prompt and finishes
+    # with its pooled vector (`embedding`) instead of sampling (services.pooling)
+    pooling: PoolingType | None = None
+    embedding: Embedding | None = None
 
     def transition(self, new: RequestState, now: float = 0.0) -> None:
         if new not in LEGAL_TRANSITIONS[self.state]:

@@ -113,7 +113,7 @@ def _new_seq(seq: Sequence, start: int, n: int, block_ids: tuple[int, ...],
     return NewSeq(
         seq.seq_id, tuple(seq.all_tokens()), len(request.prompt), start, n, block_ids,
         sampling_params(request.options, tuple(request.eos_token_ids)), seq.index,
-        seq.entropy_seed, request.request_id, request.trace_context, scoring,
+        seq.entropy_seed, request.request_id, request.trace_context, scoring, request.pooling,
     )
 
 
@@ -139,3 +139,11 @@ def scores_prompt_of(request: Request, index: int) -> bool:
     """`scores_prompt` for choice `index` of a request, made or not yet."""
     return (request.options.prompt_logprobs is not None and index == 0
             and len(request.prompt_logprobs) < len(request.prompt) - 1)
+
+
+def skips_prefix_cache(request: Request, index: int) -> bool:
+    """Whether choice `index` of a request must compute every prompt position, so keeps out
+    of the prefix cache: it scores the prompt, or pools over all of it (mean pooling; the
+    last position, all last-token pooling needs, is computed even on a whole-prompt hit)."""
+    return scores_prompt_of(request, index) or (
+        request.pooling is not None and request.pooling.needs_every_position)

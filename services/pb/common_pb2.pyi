@@ -39,6 +39,12 @@ class RequestState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REQUEST_STATE_FINISHED: _ClassVar[RequestState]
     REQUEST_STATE_ABORTED: _ClassVar[RequestState]
 
+class PoolingType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_TYPE_UNSPECIFIED: _ClassVar[PoolingType]
+    POOLING_TYPE_LAST: _ClassVar[PoolingType]
+    POOLING_TYPE_MEAN: _ClassVar[PoolingType]
+
 class HealthStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     HEALTH_STATUS_UNSPECIFIED: _ClassVar[HealthStatus]
@@ -68,6 +74,9 @@ REQUEST_STATE_DECODING: RequestState
 REQUEST_STATE_PREEMPTED: RequestState
 REQUEST_STATE_FINISHED: RequestState
 REQUEST_STATE_ABORTED: RequestState
+POOLING_TYPE_UNSPECIFIED: PoolingType
+POOLING_TYPE_LAST: PoolingType
+POOLING_TYPE_MEAN: PoolingType
 HEALTH_STATUS_UNSPECIFIED: HealthStatus
 HEALTH_STATUS_SERVING: HealthStatus
 HEALTH_STATUS_STARTING: HealthStatus

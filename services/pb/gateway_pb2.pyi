@@ -136,3 +136,25 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelCard]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("model", "texts", "token_ids", "priority")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedCompositeFieldContainer[PromptTokenIds]
+    priority: int
+    def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[PromptTokenIds, _Mapping]]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("request_id", "embeddings", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    embeddings: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
+    usage: _common_pb2.Usage
+    def __init__(self, request_id: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...

@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=pagoda_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pagoda.v1.Generation/Embed',
+                request_serializer=pagoda_dot_v1_dot_gateway__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_gateway__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -79,6 +84,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeds inputs as REST's /v1/embeddings does: each input is one prefill-only request
+        whose final hidden states (after the model's final norm) are pooled as the gateway's
+        --pooling-type says (the last token's, or the mean) and L2-normalized.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +110,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=pagoda_dot_v1_dot_gateway__pb2.ListModelsRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_gateway__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pagoda_dot_v1_dot_gateway__pb2.EmbedRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_gateway__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +199,33 @@ class Generation:
             '/pagoda.v1.Generation/ListModels',
             pagoda_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
             pagoda_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.Generation/Embed',
+            pagoda_dot_v1_dot_gateway__pb2.EmbedRequest.SerializeToString,
+            pagoda_dot_v1_dot_gateway__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

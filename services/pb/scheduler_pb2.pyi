@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "tenant", "debug_timeline", "trace_context", "arrival_time_ns")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "tenant", "debug_timeline", "trace_context", "arrival_time_ns", "pooling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class GenerateRequest(_message.Message):
     DEBUG_TIMELINE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -27,10 +28,11 @@ class GenerateRequest(_message.Message):
     debug_timeline: bool
     trace_context: _common_pb2.TraceContext
     arrival_time_ns: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., debug_timeline: _Optional[bool] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., arrival_time_ns: _Optional[int] = ...) -> None: ...
+    pooling: _common_pb2.PoolingType
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., debug_timeline: _Optional[bool] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., arrival_time_ns: _Optional[int] = ..., pooling: _Optional[_Union[_common_pb2.PoolingType, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "error_message", "usage", "timeline", "prompt_logprobs")
+    __slots__ = ("request_id", "index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "error_message", "usage", "timeline", "prompt_logprobs", "embedding")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +43,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -51,7 +54,8 @@ class GenerateResponse(_message.Message):
     usage: _common_pb2.Usage
     timeline: _containers.RepeatedCompositeFieldContainer[_common_pb2.TimelineEvent]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., error_message: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timeline: _Optional[_Iterable[_Union[_common_pb2.TimelineEvent, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    embedding: _common_pb2.Tensor
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., error_message: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timeline: _Optional[_Iterable[_Union[_common_pb2.TimelineEvent, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., embedding: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "index")

@@ -58,7 +58,7 @@ class MicroBatch(_message.Message):
     def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[StageNewSequence, _Mapping]]] = ..., cached: _Optional[_Union[CachedSequences, _Mapping]] = ...) -> None: ...
 
 class StageNewSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed", "num_scheduled", "block_ids", "params", "eos_token_ids", "choice_index", "entropy_seed", "request_id", "traceparent", "prompt_scoring")
+    __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed", "num_scheduled", "block_ids", "params", "eos_token_ids", "choice_index", "entropy_seed", "request_id", "traceparent", "prompt_scoring", "pooling")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class StageNewSequence(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_SCORING_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_len: int
@@ -85,7 +86,8 @@ class StageNewSequence(_message.Message):
     request_id: str
     traceparent: str
     prompt_scoring: PromptScoring
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., num_computed: _Optional[int] = ..., num_scheduled: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., choice_index: _Optional[int] = ..., entropy_seed: _Optional[int] = ..., request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., prompt_scoring: _Optional[_Union[PromptScoring, _Mapping]] = ...) -> None: ...
+    pooling: _common_pb2.PoolingType
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., num_computed: _Optional[int] = ..., num_scheduled: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., choice_index: _Optional[int] = ..., entropy_seed: _Optional[int] = ..., request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., prompt_scoring: _Optional[_Union[PromptScoring, _Mapping]] = ..., pooling: _Optional[_Union[_common_pb2.PoolingType, str]] = ...) -> None: ...
 
 class PromptScoring(_message.Message):
     __slots__ = ("first_position", "targets", "num_top")
@@ -152,20 +154,30 @@ class StageEvent(_message.Message):
     def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., ready: _Optional[_Union[StageLoadInfo, _Mapping]] = ..., done: _Optional[_Union[MicroBatchDone, _Mapping]] = ...) -> None: ...
 
 class MicroBatchDone(_message.Message):
-    __slots__ = ("micro_batch_id", "error", "timing", "sampled", "num_block_copies_applied", "prompt_logprobs")
+    __slots__ = ("micro_batch_id", "error", "timing", "sampled", "num_block_copies_applied", "prompt_logprobs", "pooled")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCK_COPIES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     micro_batch_id: int
     error: _common_pb2.ErrorStatus
     timing: StepTiming
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     num_block_copies_applied: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, micro_batch_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_block_copies_applied: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    pooled: _containers.RepeatedCompositeFieldContainer[PooledOutput]
+    def __init__(self, micro_batch_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_block_copies_applied: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ...) -> None: ...
+
+class PooledOutput(_message.Message):
+    __slots__ = ("seq_id", "embedding")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    embedding: _common_pb2.Tensor
+    def __init__(self, seq_id: _Optional[int] = ..., embedding: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("seq_id", "first_position", "positions")

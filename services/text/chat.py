@@ -24,12 +24,16 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplateError", "compile_chat_template", "normalize_messages", "plain_data"]
+__all__ = ["ChatTemplateError", "compile_chat_template", "cut_at_final_message", "normalize_messages",
+           "plain_data", "tag_final_message"]
 
 # Names a message's reasoning is passed under; transformers fills all of them from any one,
 # because templates read different ones (`reasoning_content` is the common one, gpt-oss reads
 # `thinking`).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# continue_final_message: appended to the last message's text before rendering, so that the
+# rendered prompt can be cut where that text ends (transformers' tag, spacing included)
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class ChatTemplateError(ValueError):
@@ -182,3 +186,38 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         normalized.append(message)
     return normalized
+
+
+def tag_final_message(messages: list[dict[str, Any]], source: str) -> str:
+    """`continue_final_message`, before rendering: the last message's text (its last text
+    part, for a list of parts) gets a tag at its end, in place, as transformers marks it;
+    returns that text. ValueError when there is nothing to continue, or when the template
+    (`source`) never reads a message's content."""
+    final = messages[-1].get("content")
+    if final is None:
+        raise ValueError('continue_final_message: the final message has no "content" to continue')
+    if "content" not in source:
+        raise ValueError("continue_final_message: the chat template does not read a message's content")
+    if isinstance(final, str):
+        messages[-1]["content"] = final + _CONTINUE_TAG
+        return final
+    for part in reversed(final if isinstance(final, list) else []):
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            text = part["text"]
+            part["text"] = text + _CONTINUE_TAG
+            return text
+    raise ValueError("continue_final_message: the final message has no text to continue")
+
+
+def cut_at_final_message(rendered: str, final: str) -> str:
+    """`continue_final_message`, after rendering: the prompt cut where the final message's
+    text (`final`, tagged by `tag_final_message`) ends, so that the model continues it;
+    ChatTemplateError when the template dropped or changed it."""
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise ChatTemplateError("continue_final_message: the final message does not appear in the "
+                                "rendered prompt (the chat template changes or drops it)")
+    at = rendered.rindex(tag)
+    if rendered[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the message's trailing space

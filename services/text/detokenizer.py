@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol
 
 __all__ = ["IncrementalDetokenizer"]
@@ -19,7 +19,15 @@ _MAX_PENDING_TOKENS = 64
 
 
 class _Decoder(Protocol):
+    """What is decoded with (`services.text.Tokenizer`); `token_to_id` and `special_token_ids`
+    are read only when special tokens are kept (`keep_special_tokens`)."""
+
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+    @property
+    def special_token_ids(self) -> frozenset[int]: ...
 
 
 def _trailing_replacements(text: str) -> int:
@@ -39,12 +47,22 @@ class IncrementalDetokenizer:
     `tokenizer.decode(token_ids, skip_special_tokens)`, and no released piece holds a U+FFFD
     that the full decode does not hold at the same place. Other decoders (SentencePiece's
     byte fallback) keep it for valid UTF-8; they can differ only on invalid byte runs.
+
+    `keep_special_tokens`: special tokens written out even when `skip_special_tokens` (a
+    tool-call parser's markers, `[TOOL_CALLS]`, which it reads as text); the invariant then
+    holds for the decode with every other special token skipped.
     """
 
     def __init__(self, tokenizer: _Decoder, *, skip_special_tokens: bool = True,
-                 prompt_token_ids: Sequence[int] = ()) -> None:
+                 prompt_token_ids: Sequence[int] = (),
+                 keep_special_tokens: Collection[str] = ()) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        # with tokens kept: the special ids skipped (the others are decoded as text)
+        self._skipped: frozenset[int] | None = None
+        if skip_special_tokens and keep_special_tokens:
+            kept = {tokenizer.token_to_id(token) for token in keep_special_tokens}
+            self._skipped = frozenset(tokenizer.special_token_ids) - kept
         context = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
         context_text = self._decode(context)
         if context_text.endswith(_REPLACEMENT):
@@ -60,6 +78,9 @@ class IncrementalDetokenizer:
         self._num_released_chars = len(context_text)
 
     def _decode(self, token_ids: Sequence[int]) -> str:
+        if self._skipped is not None:  # (what skip_special_tokens does, less the kept ones)
+            return self._tokenizer.decode([i for i in token_ids if i not in self._skipped],
+                                          skip_special_tokens=False)
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     @property

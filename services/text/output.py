@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Literal, NamedTuple
 
 from services.text.detokenizer import IncrementalDetokenizer
@@ -30,15 +30,19 @@ class TextOutputProcessor:
     stop string matches, the choice is finished at once (`TextDelta.finished`, finish reason
     "stop"): the caller aborts it downstream and later tokens are ignored. Otherwise the
     caller ends it with `finish`, saying whether a stop token did ("stop") or not ("length").
+    `keep_special_tokens`: special tokens decoded as text even when skipped otherwise (a
+    parser's markers; `IncrementalDetokenizer`).
     Invariant: `text` is the concatenation of every delta's text.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, stop: Iterable[str] = (),
                  skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
-                 prompt_token_ids: Sequence[int] = ()) -> None:
+                 prompt_token_ids: Sequence[int] = (),
+                 keep_special_tokens: Collection[str] = ()) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer,
                                                    skip_special_tokens=skip_special_tokens,
-                                                   prompt_token_ids=prompt_token_ids)
+                                                   prompt_token_ids=prompt_token_ids,
+                                                   keep_special_tokens=keep_special_tokens)
         self._matcher = StopStringMatcher(stop,
                                           include_stop_str_in_output=include_stop_str_in_output)
         self._include_stop = include_stop_str_in_output

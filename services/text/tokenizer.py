@@ -20,9 +20,11 @@ from tokenizers import AddedToken, decoders, processors
 
 from services.text.chat import (
     compile_chat_template,
+    cut_at_final_message,
     normalize_messages,
     plain_data,
     render_chat_template,
+    tag_final_message,
 )
 
 __all__ = ["Tokenizer"]
@@ -380,40 +382,37 @@ class Tokenizer:
                             add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None, *,
                             documents: Sequence[Mapping[str, Any]] | None = None,
-                            chat_template: str | None = None, **kwargs: Any) -> str:
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            **kwargs: Any) -> str:
         """The prompt text of a conversation, rendered by the model's chat template as
         transformers' `apply_chat_template(..., tokenize=False)` renders it.
 
         `chat_template` names one of the model's templates, or is a template itself; by
         default the model's ("tool_use" when `tools` are given and the model has one).
-        Other keyword arguments become template variables, as do the named special tokens.
-        Raises ValueError (ChatTemplateError) when the model has no chat template, on an
-        empty or malformed conversation, and when the template refuses it.
+        `continue_final_message`: the prompt ends where the last message's text does (no
+        end-of-turn after it), so that the model continues that message; only with
+        `add_generation_prompt` False. Other keyword arguments become template variables,
+        as do the named special tokens. Raises ValueError (ChatTemplateError) when the
+        model has no chat template, on an empty or malformed conversation, and when the
+        template refuses it.
         """
-        if "continue_final_message" in kwargs:
-            raise ValueError("continue_final_message: not supported")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: not with add_generation_prompt (the model "
+                             "continues the last message instead of starting a new one)")
         source, origin = self._select_chat_template(chat_template, tools)
         template = self._compiled.get(source)
         if template is None:
             template = self._compiled[source] = compile_chat_template(source, origin=origin)
-        if tools is not None:
-            if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
-                raise ValueError("tools: must be a list of JSON-schema objects")
-            for i, tool in enumerate(tools):
-                if not isinstance(tool, Mapping):
-                    raise ValueError(f"tools[{i}]: must be a JSON-schema object, got "
-                                     f"{type(tool).__name__}")
-        if documents is not None:
-            for i, document in enumerate(documents):
-                if not isinstance(document, Mapping):
-                    raise ValueError(f"documents[{i}]: must be an object, got "
-                                     f"{type(document).__name__}")
+        _check_tools_and_documents(tools, documents)
         variables = {**self._named_special_tokens, **plain_data(kwargs)}
         variables.update(messages=normalize_messages(messages),
                          tools=plain_data(None if tools is None else list(tools)),
                          documents=plain_data(None if documents is None else list(documents)),
                          add_generation_prompt=add_generation_prompt)
-        return render_chat_template(template, variables)
+        if not continue_final_message:
+            return render_chat_template(template, variables)
+        final = tag_final_message(variables["messages"], source)
+        return cut_at_final_message(render_chat_template(template, variables), final)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
                     add_generation_prompt: bool = True,
@@ -466,3 +465,18 @@ class Tokenizer:
                              f"{sorted(templates)} and none named 'default'; name one")
         return templates[name], self._chat_template_origins[name]
 
+
+def _check_tools_and_documents(tools: Sequence[Any] | None, documents: Sequence[Any] | None) -> None:
+    """ValueError naming the entry when `tools` or `documents` are not lists of mappings."""
+    if tools is not None:
+        if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+            raise ValueError("tools: must be a list of JSON-schema objects")
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, Mapping):
+                raise ValueError(f"tools[{i}]: must be a JSON-schema object, got "
+                                 f"{type(tool).__name__}")
+    if documents is not None:
+        for i, document in enumerate(documents):
+            if not isinstance(document, Mapping):
+                raise ValueError(f"documents[{i}]: must be an object, got "
+                                 f"{type(document).__name__}")

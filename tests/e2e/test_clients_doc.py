@@ -1,14 +1,23 @@
 """Every recipe of docs/clients.md marked `<!-- run -->` runs against a live `pagoda serve`
-(the tiny model served as `tiny`), with the documented ports replaced by the test's."""
+(the tiny model served as `tiny`), with the documented ports replaced by the test's.
+
+The stack serves automatic tool calls (`--enable-auto-tool-choice --tool-call-parser
+hermes`) through a test chat template that renders tools, calls and their results in
+Hermes' syntax, for the agent-loop recipe and for the round trip with the official `openai`
+SDK below, where the tiny model is made to write a call through structured output.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 
 from wiring.launcher import ServiceProcess, free_port, pagoda_command
@@ -18,6 +27,30 @@ BLOCK = re.compile(r"<!-- run -->\n```(bash|python)\n(.*?)```", re.S)
 RECIPES = [(lang, code) for lang, code in BLOCK.findall(DOC.read_text())]
 
 
+# Hermes' format (Qwen2.5, Qwen3), compact: the tools in a system turn, an assistant's calls as
+# <tool_call> blocks, a tool's result as a <tool_response> in a user turn
+TOOLS_TEMPLATE = """\
+{%- if tools -%}
+<|im_start|>system
+Tools:{% for tool in tools %}{{ "\\n" }}{{ tool.function | tojson }}{% endfor %}
+Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
+{% endif -%}
+{%- for message in messages -%}
+{%- if message.role == "tool" -%}
+<|im_start|>user
+<tool_response>{{ message.content }}</tool_response><|im_end|>
+{% else -%}
+<|im_start|>{{ message.role }}
+{{ message.content }}{% for call in message.tool_calls or [] -%}
+<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}
+"""
+
+
 def test_the_doc_has_its_recipes():
     assert [lang for lang, _ in RECIPES].count("python") >= 5 and len(RECIPES) >= 7
 
@@ -25,12 +58,15 @@ def test_the_doc_has_its_recipes():
 @pytest.fixture(scope="module")
 def stack(model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("clients-stack-logs")
+    template = logs / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
     port, grpc_port = free_port(), free_port()
     serve = ServiceProcess(
         "serve",
         pagoda_command("serve", model_factory(arch="llama"), "--port", str(port), "--grpc-port", str(grpc_port),
                        "--num-kv-blocks", "128", "--num-threads", "1", "--max-model-len", "512",
-                       "--served-model-name", "tiny", "--log-dir", str(logs)),
+                       "--served-model-name", "tiny", "--log-dir", str(logs), "--chat-template", str(template),
+                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
         f"127.0.0.1:{grpc_port}", log_path=logs / "serve.log",
     )
     serve.start()
@@ -53,3 +89,55 @@ def test_recipe_runs(stack, lang, code, tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert done.stdout.strip(), done.stderr
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# a random tiny model writes a call only when made to: the one choice it may write is the call
+FORCED = {"guided_choice": [CALL]}
+
+
+def _post(port: int, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(request, timeout=60))
+
+
+def test_auto_tool_calls_round_trip_with_the_openai_sdk(stack):
+    """tool_choice "auto": the reply parsed into calls, unstreamed and streamed; the call and
+    its result rendered back through the template in the second turn."""
+    port, _ = stack
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    choice = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="auto",
+                                            max_tokens=100, extra_body=FORCED).choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    [call] = choice.message.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
+        "function", "get_weather", {"city": "Paris"})
+
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=100,
+                                                stream=True, extra_body=FORCED):
+        for c in chunk.choices:
+            assert not c.delta.content  # the call is not content
+            for piece in c.delta.tool_calls or ():
+                entry = calls.setdefault(piece.index, {"id": piece.id, "name": piece.function.name, "arguments": ""})
+                entry["arguments"] += piece.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and list(calls) == [0] and calls[0]["id"]
+    assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == ("get_weather", {"city": "Paris"})
+
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 22}'}]
+    second = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=8)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    tokens = _post(port, "/tokenize", {"messages": messages, "tools": [WEATHER]})["tokens"]
+    rendered = _post(port, "/detokenize", {"tokens": tokens})["prompt"]
+    assert '{"name": "get_weather", "description": "The weather in a city"' in rendered
+    assert f"<|im_start|>assistant\n{CALL}<|im_end|>" in rendered
+    assert '<tool_response>{"temperature_c": 22}</tool_response>' in rendered
+    assert second.usage.prompt_tokens == len(tokens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -337,7 +338,7 @@ BAD = [
     ("/v1/completions", {"prompt": 42}, 400, "prompt"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
-    ("/v1/completions", {"prompt": "a", "model": "gpt-4o"}, 400, "model"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4o"}, 404, "model"),
     ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
     ("/v1/completions", {"prompt": "a " * 2000}, 400, "prompt"),
     ("/v1/completions", {"prompt": "a", "bogus_field": 1}, 400, "bogus_field"),
@@ -352,7 +353,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
      400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 400, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, "model"),
     ("/generate", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("/generate", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", json.dumps({"prompt": "a" * (MAX_BODY_BYTES + 10)}).encode(), 413, None),
@@ -383,8 +384,16 @@ def _wait_used_blocks(stack, done, timeout_s=10.0):
     return used
 
 
+def _num_aborted(port) -> float:
+    """The gateway's count of choices that ended "abort" (issue 28: a client that left)."""
+    _, text = call(port, "GET", "/metrics", raw=True)
+    found = re.search(r'^pagoda:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_frees_its_blocks(stack, stream):
+    aborted = _num_aborted(stack.gateway.port)
     conn = http.client.HTTPConnection("127.0.0.1", stack.gateway.port, timeout=60)
     conn.request("POST", "/v1/completions",
                  json.dumps({"prompt": list(range(10, 90)), "max_tokens": MAX_MODEL_LEN - 100,
@@ -401,6 +410,10 @@ def test_a_client_that_disconnects_frees_its_blocks(stack, stream):
     conn.close()
     assert during > 0
     assert _wait_used_blocks(stack, lambda used: used == 0) == 0
+    deadline = time.monotonic() + 5
+    while _num_aborted(stack.gateway.port) == aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _num_aborted(stack.gateway.port) == aborted + 1  # and the gateway's metrics count it
 
 
 def test_api_keys_rate_limits_in_redis_and_a_graceful_drain(stack, model_dir, tmp_path):

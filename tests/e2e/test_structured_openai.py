@@ -39,7 +39,8 @@ def stack(model_dir, tmp_path_factory):
         "serve",
         pagoda_command("serve", model_dir, "--port", str(port), "--grpc-port", str(grpc_port),
                        "--pipeline-parallel-size", "2", "--num-kv-blocks", str(NUM_KV_BLOCKS),
-                       "--block-size", str(BLOCK_SIZE), "--num-threads", "1", "--max-model-len", "1024",
+                       "--block-size", str(BLOCK_SIZE), "--num-threads", "1",
+                       "--max-model-len", str(NUM_KV_BLOCKS * BLOCK_SIZE),  # (as much as the pool holds)
                        "--served-model-name", "tiny", "--log-dir", str(logs)),
         f"127.0.0.1:{grpc_port}", log_path=logs / "serve.log",
     )

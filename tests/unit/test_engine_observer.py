@@ -30,7 +30,8 @@ class Clock:
 
 
 def planner() -> SimpleNamespace:
-    return SimpleNamespace(decisions=[], num_preemptions=0, in_flight={})
+    return SimpleNamespace(decisions=[], num_preemptions=0, in_flight={}, num_prefix_query_tokens=0,
+                           num_prefix_hit_tokens=0)
 
 
 def micro_batch(mb_id: int, *steps: tuple[Request, int, int]) -> SimpleNamespace:
@@ -113,6 +114,21 @@ def test_counts_and_metrics_follow_how_each_request_ended():
             for reason in ("length", "stop", "abort", "error")] == [1, 1, 2, 1]
     assert value(metrics, "pagoda:e2e_request_latency_seconds_count") == 5
     assert value(metrics, "pagoda:e2e_request_latency_seconds_sum") == pytest.approx(5 * 2.5)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_prefix_cache_counters_move_as_the_kv_answers_come(caching):
+    """Counted when the planner took the KV service's answers in, not when the KV service's
+    statistics are read next: a scrape right after a request sees its lookup."""
+    metrics, p = SchedulerMetrics("m"), planner()
+    observer = EngineObserver(p, metrics, Clock(), prefix_caching=caching)
+    p.num_prefix_query_tokens, p.num_prefix_hit_tokens = 40, 16
+    observer.micro_batch_planned(None)  # (even a step that planned nothing took answers in)
+    p.num_prefix_query_tokens, p.num_prefix_hit_tokens = 50, 16
+    observer.micro_batch_planned(micro_batch(1, (request("a"), 0, 3)))
+    observer.micro_batch_planned(None)  # nothing new: counted once
+    expected = (50, 16) if caching else (0, 0)
+    assert (value(metrics, "pagoda:prefix_cache_queries_total"), value(metrics, "pagoda:prefix_cache_hits_total")) == expected
 
 
 def test_token_latencies_per_choice_and_preemptions_once():

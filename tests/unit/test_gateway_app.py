@@ -97,7 +97,7 @@ BAD = [
     ("/v1/completions", {"prompt": [[1], "a"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 400, "model"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 404, "model"),  # as OpenAI and vLLM
     ("/v1/completions", {"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0, "min_tokens": 1}, 400, "min_tokens"),
@@ -380,7 +380,7 @@ def test_the_model_is_served_under_the_model_string_as_vllm_does(tokenizer):
     by_path, by_folder, other, models, one, missing = run(go())
     assert by_path.status_code == 200 and by_path.json()["model"] == path
     assert by_folder.status_code == 200 and by_folder.json()["model"] == path  # the first name
-    assert other.status_code == 400 and other.json()["error"]["param"] == "model"
+    assert other.status_code == 404 and other.json()["error"]["param"] == "model"
     assert [m["id"] for m in models.json()["data"]] == [path, folder]
     assert one.status_code == 200 and one.json()["id"] == path and missing.status_code == 404
 

@@ -60,6 +60,10 @@ class Sim:
         out = self.kv.step(proposal.step_input)
         mb = self.planner.finalize(proposal, out, self.now)
         self.kv.check_integrity()
+        if self.kv.enable_prefix_caching:  # the planner counts the KV service's lookups as they come
+            stats = self.kv.stats()
+            assert (self.planner.num_prefix_query_tokens, self.planner.num_prefix_hit_tokens) == (
+                stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens)
         if mb is None:
             self.planner.check_integrity()
             return None

@@ -273,6 +273,7 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
         "Generate": (False, True),
         "Chat": (False, True),
         "ListModels": (False, False),
+        "Embed": (False, False),
     },
     (scheduler_pb2, "Scheduler"): {
         "Generate": (False, True),

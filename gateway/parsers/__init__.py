@@ -1,0 +1,29 @@
+"""Parsers of a model's raw reply into OpenAI chat fields: tool calls (`tool_calls.py`, one
+module per format) and reasoning (`reasoning.py`). Pure and synchronous: text in, fields
+out; no service, no I/O, no tokenizer (markers are read as text, so replies must be decoded
+with the markers kept).
+"""
+
+from gateway.parsers.reasoning import (
+    REASONING_PARSERS,
+    ReasoningDelta,
+    ReasoningStream,
+    ThinkReasoningParser,
+    reasoning_parser,
+)
+from gateway.parsers.tool_calls import (
+    TOOL_CALL_PARSERS,
+    ExtractedToolCalls,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    tool_call_parser,
+)
+
+__all__ = [
+    "REASONING_PARSERS", "TOOL_CALL_PARSERS", "ExtractedToolCalls", "ReasoningDelta",
+    "ReasoningStream", "StreamDelta", "ThinkReasoningParser", "ToolCall", "ToolCallDelta",
+    "ToolCallStream", "ToolParser", "reasoning_parser", "tool_call_parser",
+]
