@@ -4,6 +4,8 @@ health, metrics and the KV memory monitor, as one FastAPI app over a `TextGenera
     POST /v1/completions        prompt(s) -> text; stream: true for server-sent events
     POST /v1/chat/completions   messages through the model's chat template -> text
     POST /v1/embeddings         inputs -> pooled, normalized vectors (gateway/embeddings.py)
+    POST /v1/responses          OpenAI's Responses API over the chat path (gateway/responses.py);
+                                GET and DELETE /v1/responses/{id} for stored ones
     GET  /v1/models             the served model
     POST /tokenize              a text, or a conversation through the chat template -> token ids
     POST /detokenize            token ids -> text (vLLM's extras; no scheduler call)
@@ -38,7 +40,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import dashboard, embeddings, streaming, validation
+from gateway import dashboard, embeddings, responses, streaming, validation
 from gateway import openai_format as fmt
 from gateway.config import ApiKey, GatewayConfig
 from gateway.core import (
@@ -181,6 +183,7 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
     _add_error_handlers(app, gw)
     _add_openai_routes(app, gw)
     embeddings.add_routes(app, gw)
+    responses.add_routes(app, gw)
     _add_vllm_routes(app, gw)
     _add_pagoda_routes(app, gw)
     _add_operations_routes(app, gw)

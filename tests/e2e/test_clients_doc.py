@@ -4,7 +4,8 @@
 The stack serves automatic tool calls (`--enable-auto-tool-choice --tool-call-parser
 hermes`) through a test chat template that renders tools, calls and their results in
 Hermes' syntax, for the agent-loop recipe and for the round trip with the official `openai`
-SDK below, where the tiny model is made to write a call through structured output.
+SDK below, where the tiny model is made to write a call through structured output, with
+chat completions and with the Responses API (`client.responses.create` and `.stream`).
 """
 
 from __future__ import annotations
@@ -141,3 +142,61 @@ def test_auto_tool_calls_round_trip_with_the_openai_sdk(stack):
     assert f"<|im_start|>assistant\n{CALL}<|im_end|>" in rendered
     assert '<tool_response>{"temperature_c": 22}</tool_response>' in rendered
     assert second.usage.prompt_tokens == len(tokens)
+
+
+# Responses' flat function tool; the same function as WEATHER
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
+COLOUR = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"],
+          "additionalProperties": False}
+
+
+def test_the_responses_api_with_the_openai_sdk(stack):
+    """`client.responses.create`, unstreamed and streamed: text, messages, instructions, a
+    json_schema format and a tool (the tiny model made to write the call), the call's output
+    sent back with previous_response_id and rendered as chat renders it."""
+    port, _ = stack
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": [{"type": "input_text", "text": "A story?"}]}]
+    whole = client.responses.create(model="tiny", input=messages, instructions="Be brief.", max_output_tokens=8,
+                                    temperature=0)
+    assert whole.status in ("completed", "incomplete") and whole.usage.output_tokens > 0
+    tokens = _post(port, "/tokenize", {"messages": [{"role": "system", "content": "Be brief."}, *messages[:2],
+                                                    {"role": "user", "content": "A story?"}]})["tokens"]
+    assert whole.usage.input_tokens == len(tokens)
+    events = list(client.responses.create(model="tiny", input=messages, instructions="Be brief.",
+                                          max_output_tokens=8, temperature=0, stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == events[-1].response.output_text == whole.output_text  # greedy: the same text
+
+    shaped = client.responses.create(model="tiny", input="A colour?", max_output_tokens=20, text={
+        "format": {"type": "json_schema", "name": "colour", "schema": COLOUR, "strict": True}})
+    assert json.loads(shaped.output_text)["colour"] in ("red", "green")
+
+    called = client.responses.create(model="tiny", input="What is the weather in Paris?", tools=[RESPONSES_WEATHER],
+                                     max_output_tokens=100, extra_body=FORCED)
+    [call] = called.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+    with client.responses.stream(model="tiny", input="What is the weather in Paris?", tools=[RESPONSES_WEATHER],
+                                 max_output_tokens=100, extra_body=FORCED) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    assert [(o.type, o.name, json.loads(o.arguments)) for o in final.output] == [
+        ("function_call", "get_weather", {"city": "Paris"})]
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 22}'}
+    second = client.responses.create(model="tiny", previous_response_id=called.id, input=[result],
+                                     tools=[RESPONSES_WEATHER], tool_choice="none", max_output_tokens=8)
+    assert second.previous_response_id == called.id and second.status in ("completed", "incomplete")
+    chat_call = {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": '{"temperature_c": 22}'}]
+    tokens = _post(port, "/tokenize", {"messages": turn, "tools": [WEATHER]})["tokens"]
+    assert second.usage.input_tokens == len(tokens)
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model="tiny", previous_response_id="resp_unknown", input="Hi")
