@@ -53,6 +53,7 @@ import grpc
 import torch
 
 from bench.machine import cpu_model
+from services import defaults
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.step import NewSeq, StepPlan
@@ -430,7 +431,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="unmeasured micro-batches first")
     p.add_argument("--decode-context", type=int, default=32,
                    help="context length of each decode sequence (tokens, new one included)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE)
     p.add_argument("--cache-dir", default=None,
                    help="where models are made once (default: $PAGODA_CACHE_DIR or ~/.cache/pagoda)")
     p.add_argument("--out", type=Path, default=None, help="write the full report as JSON here")

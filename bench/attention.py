@@ -35,6 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from services.defaults import BLOCK_SIZE
 from worker_svc.attention import AttentionMetadata, TorchAttentionBackend
 
 # (name, sequences, max context, kv heads, heads, head dim)
@@ -46,7 +47,6 @@ SHAPES = [
     ("25M model, 64 rows, ctx 1000", 64, 1000, 4, 8, 64),
     ("no GQA, 32 rows, ctx 400", 32, 400, 8, 8, 64),
 ]
-BLOCK_SIZE = 16
 
 
 def make_step(num_seqs, max_ctx, kv_heads, heads, head_dim, seed=0):

@@ -56,9 +56,9 @@ from kvcache_svc.core import (  # noqa: E402
     NoBlocks,
     StepInput,
 )
+from services.defaults import BLOCK_SIZE  # noqa: E402
 from wiring.launcher import ServiceProcess, free_port, pagoda_command  # noqa: E402
 
-BLOCK_SIZE = 16
 MAX_LEN = 4096
 
 

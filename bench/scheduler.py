@@ -54,6 +54,7 @@ import torch  # noqa: E402
 
 from bench.machine import cpu_model  # noqa: E402
 from bench.stats import percentile  # noqa: E402
+from services import defaults  # noqa: E402
 from services.grpc_utils import aio_channel  # noqa: E402
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from wiring.launcher import Stack, start_stack  # noqa: E402
@@ -441,9 +442,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="runs per arm (alternating arms)")
     p.add_argument("--warmup-requests", type=int, default=8)
-    p.add_argument("--num-kv-blocks", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, default=defaults.NUM_KV_BLOCKS)
+    p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE)
+    p.add_argument("--max-num-batched-tokens", type=int, default=defaults.MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--local", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the in-process engine")
