@@ -50,3 +50,12 @@ def test_ruff_checks_complexity_at_15():
     lint = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]
     assert "C901" in lint["select"]
     assert lint["mccabe"]["max-complexity"] == 15
+
+
+def test_test_modules_have_distinct_names():
+    """pytest imports test modules by their base name (no packages under tests/): two files
+    of one name in two folders stop the whole collection."""
+    seen: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a name"
+        seen[path.name] = path

@@ -4,7 +4,7 @@ and L2-normalizes it. Here: the pooling math, the stage's checks, the wire, admi
 planner's handling (prefix cache, no placeholder steps, blocks freed), equality with
 `transformers` in process (PP 1 and 2, chunked), and `/v1/embeddings` over a fake scheduler
 (formats, 400s naming the field). Over a real stack with the openai SDK:
-tests/e2e/test_embeddings.py."""
+tests/e2e/test_embeddings_openai.py."""
 
 from __future__ import annotations
 
