@@ -35,6 +35,7 @@ class EngineSettings:
     num_kv_blocks: int = 2048
     block_size: int = BLOCK_SIZE
     total_threads: int = 2
+    device: str | None = None  # the stages' --device (None: the server's default); "emulated:PROFILE" emulates
 
     def __post_init__(self) -> None:
         if self.total_threads < self.pipeline_parallel_size:
@@ -65,7 +66,7 @@ class EngineSettings:
         declared = {b.setting.name: b.setting for b in serve_settings()}
         argv = ["serve"]
         for name in ("async_scheduling", "enable_chunked_prefill", "enable_prefix_caching",
-                     "max_num_batched_tokens", "max_num_seqs"):
+                     "max_num_batched_tokens", "max_num_seqs", "device"):
             argv += flag_args(declared[name], getattr(self, name))
         args = build_parser().parse_args(argv)
         return {service: passed_flags(args, service) for service in ("scheduler", "worker", "kvcache")}
@@ -75,7 +76,14 @@ class EngineSettings:
                 f"{'async' if self.is_async else 'sync'}, "
                 f"chunked prefill {'on' if self.enable_chunked_prefill else 'off'} "
                 f"(budget {self.max_num_batched_tokens}), "
-                f"prefix caching {'on' if self.enable_prefix_caching else 'off'}")
+                f"prefix caching {'on' if self.enable_prefix_caching else 'off'}"
+                + (f", device {self.device}" if self.device else ""))
+
+    @property
+    def device_label(self) -> str:
+        """What a bench table's device column says: the --device given (an emulated one says
+        "emulated:PROFILE"), else "cpu" (the stages' default on a machine without a GPU)."""
+        return self.device or "cpu"
 
 
 def gateway_available() -> bool:
@@ -221,7 +229,7 @@ class InProcessArm:
         )
         try:
             self.engine = await asyncio.to_thread(build_local_engine, self.model_dir, config, s.num_kv_blocks,
-                                                  "auto", None)
+                                                  "auto", s.device)
             await self.engine.start()
         except BaseException:
             torch.set_num_threads(self._threads)

@@ -64,6 +64,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-budget", type=int, default=64,
                    help="max_num_batched_tokens of the chunked-prefill-on arm of (e)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="the stages' --device for every stack arm, e.g. emulated:a100-80gb-llama2-70b-tp8 "
+                        "(each forward pass a modelled wait; every table says so; default: the server's)")
     p.add_argument("--log-dir", type=Path, default=None, help="service logs (default: a temp folder)")
     p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
                    help="only render results.md (and plots with --plot) from a saved results.json")
@@ -123,7 +126,7 @@ def build_plan(args: argparse.Namespace):
         concurrency=args.concurrency, duration_s=args.duration or (20.0 if quick else 60.0),
         sweep_duration_s=6.0 if quick else 20.0, open_loop_duration_s=10.0 if quick else 30.0,
         total_threads=threads, chunked_budget=args.chunked_budget, gantt_s=3.0, seed=args.seed,
-        driver="http",
+        driver="http", device=getattr(args, "device", None),
     )
 
 
@@ -228,6 +231,9 @@ def _results(plan: Plan, models: list[ModelResults], started: str, t0: float,
     driver_note = ("HTTP: the gateway's POST /v1/completions, streaming (SSE)" if driver == "http"
                    else "gRPC straight to the scheduler's Generate (no gateway)")
     notes = []
+    if plan.device and plan.device.startswith("emulated:"):
+        notes.append(f"--device {plan.device}: every stage's forward pass is a wait of the profile's modelled "
+                     "step time (no compute); the control plane is real. Not a measurement of any accelerator.")
     if plan.quick:
         notes.append(f"--quick: `long` generates {plan.shape.long_output} tokens (not 512) and `shared-prefix` "
                      f"{plan.shape.shared_output}; {plan.duration_s:.0f} s of load fix each comparison's request count.")
@@ -241,7 +247,7 @@ def _results(plan: Plan, models: list[ModelResults], started: str, t0: float,
             "machine": machine_info(), "started": started, "elapsed_s": time.perf_counter() - t0,
             "load_average_start": load_start, "load_average_end": load_average(),
             "driver": driver, "driver_note": driver_note, "total_threads": plan.total_threads,
-            "quick": plan.quick, "notes": notes,
+            "quick": plan.quick, "notes": notes, "device": plan.device or "cpu",
         },
         "plan": json.loads(json.dumps(dataclasses.asdict(plan), default=str)),
         "models": [m.to_dict() for m in models],

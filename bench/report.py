@@ -90,9 +90,9 @@ def _stages(services: dict | None) -> tuple[str, str]:
 
 
 def run_rows(results: dict) -> list[str]:
-    rows = ["| run | load | req | req/s | out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
+    rows = ["| run | device | load | req | req/s | out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
             "| stage busy | bubble | tok/µbatch | KV frag int / ext | prefix hit | preempt | other CPU |",
-            "|---|---|---:|---:|---:|---|---|---|---|---:|---|---:|---:|---:|"]
+            "|---|---|---|---:|---:|---:|---|---|---|---|---:|---|---:|---:|---:|"]
     for m in results["models"]:
         for r in m["runs"]:
             c, s = r["client"], r["services"]
@@ -105,7 +105,9 @@ def run_rows(results: dict) -> list[str]:
             pre = str(s["num_preemptions"]) if s else "-"
             other = r["extra"].get("foreign_cpu")
             per_mb = _f(s.get("tokens_per_micro_batch")) if s else "-"
-            rows.append(f"| {r['name']} | {load} | {c['num_requests']} | {_f(c['requests_per_s'], '{:.2f}')} "
+            # an emulated run says so in every row: its compute is a modelled wait, not a measurement
+            device = r["extra"].get("device", "-")
+            rows.append(f"| {r['name']} | {device} | {load} | {c['num_requests']} | {_f(c['requests_per_s'], '{:.2f}')} "
                         f"| {_f(c['output_tokens_per_s'])} | {_pcts(c['ttft'])} | {_pcts(c['itl'])} "
                         f"| {busy} | {bubble} | {per_mb} | {frag} | {hit} | {pre} | {_f(other, '{:.0%}')} |")
     return rows

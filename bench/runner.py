@@ -63,6 +63,7 @@ class Plan:
     gantt_s: float = 3.0
     seed: int = 0
     driver: str = "http"
+    device: str | None = None  # every stack arm's stages' --device ("emulated:PROFILE"); None: the server's
 
     def __post_init__(self) -> None:
         for m in self.models:
@@ -145,6 +146,7 @@ class Runner:
         if settings is not None:
             extra.setdefault("threads_per_stage", settings.threads_per_stage)
             extra.setdefault("total_threads", settings.total_threads)
+            extra.setdefault("device", settings.device_label)
         r = RunResult(
             model=model, workload=workload, arm=arm_name,
             settings=settings.describe() if settings is not None else extra.get("settings", ""),
@@ -171,7 +173,7 @@ class Runner:
     async def run_model(self, mp: ModelPlan, model_dir: str, space: TokenSpace, num_parameters: int) -> ModelResults:
         plan, out = self.plan, ModelResults(mp.preset, model_dir, num_parameters)
         comps = set(mp.comparisons)
-        base = EngineSettings(total_threads=plan.total_threads, num_kv_blocks=mp.num_kv_blocks)
+        base = EngineSettings(total_threads=plan.total_threads, num_kv_blocks=mp.num_kv_blocks, device=plan.device)
         n_shared = 0
         if "f" in comps:
             n_shared = await self._prefix_off_stack(mp, model_dir, space, base, out)

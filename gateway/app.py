@@ -329,7 +329,8 @@ def _add_operations_routes(app: FastAPI, gw: Gateway) -> None:
         serving, detail = await gw.generator.health()
         if not serving:
             return JSONResponse({"status": "unavailable", "detail": detail}, 503)
-        return JSONResponse({"status": "ok"})
+        # an emulated stack says so: {"status": "ok", "device": "emulated:PROFILE"}
+        return JSONResponse({"status": "ok", "device": detail} if detail else {"status": "ok"})
 
     @app.get("/version", tags=["Operations"])
     async def version() -> dict[str, str]:

@@ -21,7 +21,14 @@ from typing import Any, NamedTuple, TypeVar
 import grpc
 
 from gateway.chat_parsing import ReplyParsing
-from gateway.replicas import NoReplica, Replica, ReplicaSet, merge_stats, parse_targets
+from gateway.replicas import (
+    NoReplica,
+    Replica,
+    ReplicaSet,
+    emulated_device,
+    merge_stats,
+    parse_targets,
+)
 from gateway.tools import ToolCalling
 from services import telemetry
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -304,9 +311,10 @@ class TextGenerator:
         return merge_stats(got)
 
     async def health(self, timeout_s: float = 2.0) -> tuple[bool, str]:
-        """(serving, why not): the whole chain as the scheduler reports it. Serving only when
+        """(serving, detail): the whole chain as the scheduler reports it. Serving only when
         the scheduler says SERVING and so does its view of the KV service. In router mode:
-        serving while one replica is (as last polled)."""
+        serving while one replica is (as last polled). `detail` says why not; when serving,
+        it names the emulated device the stages run on ("emulated:PROFILE"), else is empty."""
         if self._replicas.routes:
             if self._replicas.healthy:
                 return True, ""
@@ -320,7 +328,7 @@ class TextGenerator:
             return False, stats.health_detail or "the scheduler is not serving"
         if stats.kv_health != common_pb2.HEALTH_STATUS_SERVING:
             return False, stats.health_detail or "the KV service is not serving"
-        return True, ""
+        return True, emulated_device(stats)
 
     async def abort(self, request_id: str, index: int | None = None) -> None:
         req = scheduler_pb2.AbortRequest(request_id=request_id)

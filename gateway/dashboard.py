@@ -5,8 +5,9 @@ compute spans).
 
 What the page shows: queue depth per tenant and priority, running and preempted requests,
 the KV blocks as a map (free / used / shared / cached), the prefix-hit rate, every stage's
-compute over the last seconds (the pipeline's bubbles are the gaps), tokens per second
-(from the generated-token counter between two polls).
+compute over the last seconds (the pipeline's bubbles are the gaps) and device (an emulated
+one, `--device emulated:PROFILE`, in a banner too), tokens per second (from the
+generated-token counter between two polls).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections import Counter
 from importlib.resources import files
 from typing import Any
 
+from gateway.replicas import emulated_device
 from services.pb import common_pb2
 
 TIMELINE_WINDOW_NS = 5_000_000_000  # the stage timeline covers the last five seconds
@@ -41,6 +43,7 @@ def state(stats: Any, model: str) -> dict[str, Any]:
     since = stats.now_ns - TIMELINE_WINDOW_NS
     return {
         "model": model,
+        "device": emulated_device(stats),  # "emulated:PROFILE" when the stages are emulated, else ""
         "health": common_pb2.HealthStatus.Name(stats.health).removeprefix("HEALTH_STATUS_").lower(),
         "health_detail": stats.health_detail,
         "now_ns": stats.now_ns,
@@ -60,7 +63,8 @@ def state(stats: Any, model: str) -> dict[str, Any]:
         },
         "stages": [{"index": s.stage_index, "healthy": s.health == common_pb2.HEALTH_STATUS_SERVING,
                     "busy_fraction": s.busy_fraction, "in_flight": s.num_in_flight,
-                    "micro_batches": s.stats.num_micro_batches} for s in stats.stages],
+                    "micro_batches": s.stats.num_micro_batches, "device": s.load_info.device}
+                   for s in stats.stages],
         "timeline_window_ns": TIMELINE_WINDOW_NS,
         "timeline": [[s.stage_index, s.micro_batch_id, s.start_ns, s.end_ns]
                      for s in stats.timeline if s.end_ns >= since],

@@ -191,3 +191,13 @@ class EngineView:
         yield counter("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       kv.num_prefix_hit_tokens)
         yield counter("pagoda:num_preemptions", "Requests preempted by recompute.", s.num_preemptions)
+        yield self._device_info(s)
+
+    def _device_info(self, s) -> GaugeMetricFamily:
+        """1 per stage, labelled with the device it runs on: "emulated:PROFILE" marks a stack
+        whose compute is a modelled wait (worker_svc/emulated.py), never a measurement."""
+        family = GaugeMetricFamily("pagoda:device_info", "The device each pipeline stage runs on "
+                                   "(emulated:PROFILE: an emulated one).", labels=["model_name", "stage", "device"])
+        for stage in s.stages:
+            family.add_metric([self.model_name, str(stage.stage_index), stage.load_info.device], 1.0)
+        return family

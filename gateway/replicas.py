@@ -276,4 +276,15 @@ def merge_stats(replies: Sequence[scheduler_pb2.GetStatsResponse]) -> scheduler_
     return out
 
 
-__all__ = ["NoReplica", "Replica", "ReplicaSet", "merge_stats", "parse_targets"]
+EMULATED_PREFIX = "emulated:"  # a stage's device when its compute is a modelled wait (--device emulated:PROFILE)
+
+
+def emulated_device(stats: scheduler_pb2.GetStatsResponse) -> str:
+    """The emulated device(s) the stages report ("emulated:PROFILE", several joined by ", "),
+    or "" when every stage computes on a real one: what /health, /metrics and the dashboard
+    say, so that an emulated stack is never taken for a real one."""
+    devices = {s.load_info.device for s in stats.stages if s.load_info.device.startswith(EMULATED_PREFIX)}
+    return ", ".join(sorted(devices))
+
+
+__all__ = ["NoReplica", "Replica", "ReplicaSet", "emulated_device", "merge_stats", "parse_targets"]

@@ -74,6 +74,7 @@ class StageInfo:
     kv_block_bytes: int = 0  # one KV block over the stage's layers, at its pools' dtype
     kv_cache_dtype: int = 0  # the pools' dtype (common_pb2.DType)
     memory_budget_bytes: int = 0  # the memory setting's budget when the pool was sized from one
+    device: str = ""  # "cpu", "cuda:0", or "emulated:PROFILE" (its compute a modelled wait)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,10 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
-# (name, help, kind, value) with kind "counter" or "gauge"
-Sample = tuple[str, str, str, float]
+# (name, help, kind, value) with kind "counter" or "gauge"; a fifth item, when there, holds
+# labels of that sample's own beside the fixed ones (an info gauge: `pagoda:device_info
+# {device="emulated:..."} 1`)
+Sample = tuple[str, str, str, float] | tuple[str, str, str, float, dict[str, str]]
 
 
 class StatsCollector(Collector):
@@ -31,11 +33,12 @@ class StatsCollector(Collector):
         except Exception:  # a scrape must not take the service down
             log.exception("reading metrics failed")
             return
-        for name, help_text, kind, value in samples:
+        for name, help_text, kind, value, *own in samples:
+            extra = own[0] if own else {}
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-                name, help_text, labels=names
+                name, help_text, labels=names + list(extra)
             )
-            family.add_metric(values, value)
+            family.add_metric(values + list(extra.values()), value)
             yield family
 
 

@@ -223,7 +223,9 @@ NUM_THREADS = Setting(
     "num_threads", "torch intra-op threads per stage process (default: the cores but one, divided "
     "among the stages' processes; `pagoda serve` also gives steps of 128 tokens or more every core "
     "divided among the stages)", "int", owner="worker", services=("worker",), serve="own")
-DEVICE = Setting("device", "every stage's device: cpu, cuda or cuda:N (default: cuda when present)",
+DEVICE = Setting("device", "every stage's device: cpu, cuda or cuda:N (default: cuda when present), or "
+                 "emulated:PROFILE (no weights loaded: the forward pass is a wait the device profile "
+                 "predicts, tokens are pseudo-random; services/profiles/ or a JSON file)",
                  owner="worker", services=("worker",), serve="pass")
 
 # Redis: the replicas' prefix index (the KV services publish it, the gateway routes by it) and

@@ -46,6 +46,7 @@ class LocalStageTransport:
                 layer_end=r.model.end, num_layers=r.model.config.num_layers,
                 num_kv_blocks=r.num_blocks, block_size=r.block_size,
                 vocab_size=r.model.config.vocab_size, address="in-process", feedback=n > 1,
+                device=r.device_name,
             )
             for i, r in enumerate(self.runners)
         ]
@@ -92,22 +93,31 @@ def build_local_engine(
     attention_backend: str | None = None,
 ) -> Engine:
     """Every part in this process: KV manager, scheduler engine, stage runners (with the
-    stage processes' malloc settings: `worker_svc.cpu_kernels.keep_freed_memory`)."""
+    stage processes' malloc settings: `worker_svc.cpu_kernels.keep_freed_memory`); with
+    `device` "emulated:PROFILE", emulated stages (worker_svc/emulated.py): no weights."""
+    from worker_svc.config import WorkerConfig, emulated_profile_spec
     from worker_svc.cpu_kernels import keep_freed_memory
     from worker_svc.device import default_attention_backend, resolve_device
+    from worker_svc.emulated import build_emulated_runner
     from worker_svc.loader import load_stage
     from worker_svc.model_config import ModelConfig
     from worker_svc.runner import StageRunner
 
     keep_freed_memory()
     n = config.pipeline_parallel_size
-    dev = resolve_device(device)
-    attention_backend = attention_backend or default_attention_backend(dev)
-    runners = [
-        StageRunner(load_stage(model_dir, k, n, dtype=dtype, device=dev), num_kv_blocks,
-                    config.block_size, attention_backend)
-        for k in range(n)
-    ]
+    if emulated_profile_spec(device) is not None:  # no weights: each stage's step is a wait
+        runners = [build_emulated_runner(WorkerConfig(
+            model=model_dir, stage=k, num_stages=n, next_address=None if k == n - 1 else "in-process",
+            num_kv_blocks=num_kv_blocks, block_size=config.block_size, dtype=dtype, device=device))
+            for k in range(n)]
+    else:
+        dev = resolve_device(device)
+        attention_backend = attention_backend or default_attention_backend(dev)
+        runners = [
+            StageRunner(load_stage(model_dir, k, n, dtype=dtype, device=dev), num_kv_blocks,
+                        config.block_size, attention_backend)
+            for k in range(n)
+        ]
     kv = InProcessKVCacheClient(
         KVCacheManager(num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
     )

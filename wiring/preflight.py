@@ -47,9 +47,10 @@ class Checkpoint:
         return self.weight_bytes * min(served, stored) // stored
 
 
-def read_checkpoint(model_dir: str | Path) -> Checkpoint:
+def read_checkpoint(model_dir: str | Path, weights: bool = True) -> Checkpoint:
     """The folder's config.json as the stages read it (architecture, fields, rope) and its
-    weight files; ValueError in one line saying what is missing or not served."""
+    weight files (not with `weights` False: emulated stages load none, so config.json is the
+    whole model); ValueError in one line saying what is missing or not served."""
     folder = Path(model_dir)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} is not a checkpoint directory (no config.json) or a GGUF file")
@@ -57,7 +58,7 @@ def read_checkpoint(model_dir: str | Path) -> Checkpoint:
         config = ModelConfig.from_dir(folder)
     except CheckpointError as exc:
         raise ValueError(str(exc)) from None
-    weight_bytes, packed = _weights(folder)
+    weight_bytes, packed = _weights(folder) if weights else (0, False)
     return Checkpoint(config, weight_bytes, packed)
 
 

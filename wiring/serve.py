@@ -204,8 +204,10 @@ def _check_model_and_settings(args: argparse.Namespace, model_dir: str) -> list[
     against each other; lowers `args.max_model_len` to what a fixed pool holds when it was
     not given. ValueError in one line."""
     from wiring import preflight
+    from worker_svc.config import emulated_profile_spec
 
-    checkpoint = preflight.read_checkpoint(model_dir)
+    emulated = emulated_profile_spec(args.device) is not None  # no weights loaded, nothing computed
+    checkpoint = preflight.read_checkpoint(model_dir, weights=not emulated)
     preflight.check_tokenizers(model_dir, args.tokenizer)
     if args.chat_template is not None:
         preflight.read_chat_template(args.chat_template)
@@ -219,7 +221,7 @@ def _check_model_and_settings(args: argparse.Namespace, model_dir: str) -> list[
     if memory and args.gpu_memory_utilization and preflight.on_the_cpu(args.device):
         preflight.check_memory_fraction(args.gpu_memory_utilization, checkpoint.least_weight_bytes(args.quantization),
                                         pp * tp, preflight.machine_memory_bytes())
-    warning = preflight.cores_warning(pp, tp, args.replicas, preflight.usable_cores())
+    warning = "" if emulated else preflight.cores_warning(pp, tp, args.replicas, preflight.usable_cores())
     return [line for line in (note, warning) if line]
 
 

@@ -17,6 +17,8 @@ QUANTIZATION_METHODS = ("fp8", "int8")
 # the KV pools' dtype (vLLM's --kv-cache-dtype): auto = the stage's activation dtype
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# `--device emulated:PROFILE`: the forward pass is a wait the profile predicts (worker_svc/emulated.py)
+EMULATED_PREFIX = "emulated:"
 
 _setting = partial(shared.declare, "worker")
 _passed = partial(_setting, serve="pass")  # `pagoda serve` takes it and passes it to every stage
@@ -70,6 +72,7 @@ class WorkerConfig:
         self._check_pipeline()
         self._check_sizes()
         self._check_choices()
+        self._check_emulated()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
 
@@ -112,6 +115,33 @@ class WorkerConfig:
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
+
+    def _check_emulated(self) -> None:
+        """An emulated device names a profile that loads, and takes only the settings that
+        mean something without weights or device memory."""
+        spec = self.emulated_profile
+        if spec is None:
+            return
+        if not spec:
+            raise ValueError(f"device: {EMULATED_PREFIX}PROFILE needs a profile (a shipped name or a JSON "
+                             "file), e.g. emulated:a100-80gb-llama2-70b-tp8")
+        if self.gpu_memory_utilization is not None:
+            raise ValueError("gpu_memory_utilization: an emulated device has no memory to take a fraction "
+                             "of; size its pool with num_kv_blocks or kv_cache_memory")
+        if self.quantization is not None:
+            raise ValueError("quantization: an emulated device loads no weights to quantize")
+        from services.device_profile import load_profile
+
+        try:
+            load_profile(spec)
+        except ValueError as exc:
+            raise ValueError(f"device: {exc}") from None
+
+    @property
+    def emulated_profile(self) -> str | None:
+        """`--device emulated:PROFILE`: the profile (a shipped name or a JSON file); None
+        for a real device."""
+        return emulated_profile_spec(self.device)
 
     @property
     def sized_from_memory(self) -> bool:
@@ -182,6 +212,13 @@ class WorkerConfig:
         per_token = hidden_size * 4 + 32
         tables = self.max_num_seqs * 64 * 1024
         return self.max_num_batched_tokens * per_token + tables + (4 << 20)
+
+
+def emulated_profile_spec(device: str | None) -> str | None:
+    """`emulated:PROFILE` -> PROFILE; None for a real device (cpu, cuda, cuda:N, None)."""
+    if device is None or not device.startswith(EMULATED_PREFIX):
+        return None
+    return device[len(EMULATED_PREFIX):]
 
 
 # what `pagoda worker` takes: the config's settings, then where it reports

@@ -30,6 +30,7 @@ from worker_svc.errors import InvalidPlanError
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.model import StageModel
 from worker_svc.pooler import pool, pool_positions
+from worker_svc.quantization import weight_bytes
 from worker_svc.sampler import Sampler, SamplerOutput, SampleRow
 from worker_svc.structured import GrammarBank
 
@@ -120,20 +121,32 @@ class StageRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
 
+    @property
+    def device_name(self) -> str:
+        """What the stage reports as its device (`StageLoadInfo.device`): "cpu", "cuda:0"."""
+        return str(self.device)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.kv_cache.pools[0][0].dtype
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """One block: K and V of every local layer."""
+        return self.kv_cache.nbytes // self.kv_cache.num_blocks
+
+    @property
+    def weights_bytes(self) -> int:
+        """The stage's weights as held (packed GGUF rows at their packed size)."""
+        return weight_bytes(self.model)
+
     def validate(self, plan: StepPlan, hidden: torch.Tensor | None) -> None:
         """Raise InvalidPlanError for anything malformed; changes nothing."""
         self._check_inputs(plan, hidden)
         self.batch.validate(plan)
 
     def _check_inputs(self, plan: StepPlan, hidden: torch.Tensor | None) -> None:
-        if self.model.is_first:
-            if hidden is not None:
-                raise InvalidPlanError(f"step {plan.step_id}: stage 0 takes token ids, not hidden states")
-        else:
-            want = (plan.num_tokens, self.model.config.hidden_size)
-            if hidden is None or tuple(hidden.shape) != want:
-                got = None if hidden is None else tuple(hidden.shape)
-                raise InvalidPlanError(f"step {plan.step_id}: hidden states of shape {got}, expected {want}")
+        check_stage_inputs(plan, hidden, self.model.is_first, self.model.config.hidden_size)
 
     def execute(
         self, plan: StepPlan, hidden: torch.Tensor | None = None, keep_logits: bool = False
@@ -259,6 +272,19 @@ class StageRunner:
             context_lens_list=context_lens,
         )
         return metadata, torch.tensor(positions, dtype=torch.long, device=device)
+
+
+def check_stage_inputs(plan: StepPlan, hidden: torch.Tensor | None, is_first: bool, hidden_size: int) -> None:
+    """InvalidPlanError unless the first stage gets no hidden states and any other stage
+    gets [plan.num_tokens, hidden_size] of them."""
+    if is_first:
+        if hidden is not None:
+            raise InvalidPlanError(f"step {plan.step_id}: stage 0 takes token ids, not hidden states")
+        return
+    want = (plan.num_tokens, hidden_size)
+    if hidden is None or tuple(hidden.shape) != want:
+        got = None if hidden is None else tuple(hidden.shape)
+        raise InvalidPlanError(f"step {plan.step_id}: hidden states of shape {got}, expected {want}")
 
 
 SCORE_ROWS_PER_SLICE = 256  # bounds the float32 [rows, vocab] temporaries of prompt scoring

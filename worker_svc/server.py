@@ -6,7 +6,9 @@ on `Events` streams that the scheduler holds from every stage.
 
 Inside a stage three things overlap, each with one owner:
 - the `Forward` handler (event loop) receives and decodes the next micro-batch,
-- the compute loop runs plans in arrival order on one executor thread (torch),
+- the compute loop runs plans in arrival order on one executor thread (torch; on an emulated
+  device, `--device emulated:PROFILE`, that thread sleeps the step time the profile predicts
+  instead: worker_svc/emulated.py),
 - the sender (event loop, not on the last stage) encodes and writes hidden states
   downstream while the next micro-batch computes.
 With several stages started with `--feedback` (on the last), the last stage streams each
@@ -27,6 +29,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -45,8 +48,10 @@ from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
 from worker_svc.config import WorkerConfig
 from worker_svc.convert import dtype_to_pb, tensor_from_pb, tensor_to_pb
 from worker_svc.errors import InvalidPlanError
-from worker_svc.quantization import weight_bytes
 from worker_svc.runner import StageResult, StageRunner
+
+if TYPE_CHECKING:
+    from worker_svc.emulated import EmulatedRunner
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "pagoda.v1.StageWorker"
@@ -69,11 +74,11 @@ class _Work:
 
 
 class StageService(worker_pb2_grpc.StageWorkerServicer):
-    def __init__(self, config: WorkerConfig, runner: StageRunner) -> None:
+    def __init__(self, config: WorkerConfig, runner: StageRunner | EmulatedRunner) -> None:
         self.config = config
         self.runner = runner
         self.kv_sizing = None  # worker_svc.memory.KVSizing when the pool was sized from memory
-        self.weights_bytes = weight_bytes(runner.model)  # packed GGUF rows at their packed size
+        self.weights_bytes = runner.weights_bytes  # packed GGUF rows at their packed size; none emulated
         self.epoch = secrets.randbits(63) | 1  # a new id per process start; never 0
         self.started_ns = time.time_ns()
         self.max_message_bytes = config.max_message_bytes(runner.model.config.hidden_size)
@@ -203,6 +208,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             stage_index=self.config.stage,
             epoch=self.epoch,
             downstream_connected=self.config.is_last or self.downstream_connected,
+            device=self.runner.device_name,
         )
 
     # --- views -------------------------------------------------------------------------
@@ -218,7 +224,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             num_kv_blocks=self.runner.num_blocks,
             block_size=self.runner.block_size,
             dtype=dtype_to_pb(self.runner.dtype),
-            kv_cache_dtype=dtype_to_pb(self.runner.kv_cache.pools[0][0].dtype),
+            kv_cache_dtype=dtype_to_pb(self.runner.kv_dtype),
             model=cfg.model,
             epoch=self.epoch,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -227,11 +233,11 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             max_message_bytes=self.max_message_bytes,
             next_address=cfg.next_address or "",
             num_threads=torch.get_num_threads(),
-            device=str(self.runner.device),
+            device=self.runner.device_name,
             quantization=model.weight_format or cfg.quantization,
             feedback_address=cfg.feedback_address or "",
             feedback_connected=self._feedback_streams > 0,
-            kv_block_bytes=self.runner.kv_cache.nbytes // self.runner.kv_cache.num_blocks,
+            kv_block_bytes=self.runner.kv_block_bytes,
             memory_total_bytes=self.kv_sizing.total_bytes if self.kv_sizing else 0,
             memory_budget_bytes=self.kv_sizing.budget_bytes if self.kv_sizing else 0,
             memory_baseline_bytes=self.kv_sizing.baseline_bytes if self.kv_sizing else 0,
@@ -554,6 +560,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             ("pagoda:stage_block_copies", "KV block copies applied.", "counter", self.num_block_copies),
             ("pagoda:stage_received_bytes", "Bytes received.", "counter", self.num_received_bytes),
             ("pagoda:stage_sent_bytes", "Bytes sent downstream.", "counter", self.num_sent_bytes),
+            ("pagoda:device_info", "The device this stage runs on (emulated:PROFILE: an emulated one, "
+             "whose compute is a modelled wait).", "gauge", 1.0, {"device": self.runner.device_name}),
         ]
 
     def _emit(self, event: worker_pb2.StageEvent) -> None:
@@ -573,13 +581,14 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_port: int | None = None) -> None:
-    """Load the stage, serve until SIGTERM/SIGINT, then stop cleanly."""
+def _load_runner(config: WorkerConfig):
+    """(runner, how its pool was sized or None, its tensor-parallel group or None): the stage's
+    weights loaded on its device, its KV pool sized and allocated."""
     from worker_svc.cpu_kernels import keep_freed_memory
     from worker_svc.device import default_attention_backend, resolve_device
     from worker_svc.loader import load_stage
+    from worker_svc.memory import kv_pool_dtype, stage_pool
 
-    telemetry.setup_tracing(f"worker-{config.stage}")
     torch.set_num_threads(config.resolved_num_threads)
     keep_freed_memory()
     device = resolve_device(config.device)
@@ -601,11 +610,30 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
     if group is not None:
         model.set_reduce(group.all_reduce)
     backend = config.attention_backend or default_attention_backend(device)
-    from worker_svc.memory import kv_pool_dtype, stage_pool
-
     num_blocks, sizing = stage_pool(config, model, backend, group)
     runner = StageRunner(model, num_blocks, config.block_size, backend, kv_dtype=kv_pool_dtype(config, model),
                          tp=group, step_threads=config.step_threads)
+    return runner, sizing, group
+
+
+def _emulated_runner(config: WorkerConfig):
+    """The stage on an emulated device (worker_svc/emulated.py): config.json only, no weights,
+    no KV tensors, no tensor-parallel ranks (the profile models them); one thread, for the
+    zeros it hands on and the wire."""
+    from worker_svc.emulated import build_emulated_runner
+
+    torch.set_num_threads(1)
+    return build_emulated_runner(config)
+
+
+async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_port: int | None = None) -> None:
+    """Load the stage, serve until SIGTERM/SIGINT, then stop cleanly."""
+    telemetry.setup_tracing(f"worker-{config.stage}")
+    if config.emulated_profile is not None:
+        runner, sizing, group = _emulated_runner(config), None, None
+    else:
+        runner, sizing, group = _load_runner(config)
+    model = runner.model
     service = StageService(config, runner)
     service.kv_sizing = sizing
     server, port, health = create_aio_server(config.address, service.max_message_bytes)
@@ -618,9 +646,9 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
 
         serve_metrics(metrics_port, config.host, service.metric_samples, {"stage": str(config.stage)})
     log.info(
-        "stage %d/%d serving layers [%d, %d) on %s:%d, epoch %d, %d threads, %d KV blocks of %d%s",
-        config.stage, config.num_stages, model.start, model.end, config.host, port,
-        service.epoch, torch.get_num_threads(), num_blocks, config.block_size,
+        "stage %d/%d serving layers [%d, %d) on %s:%d, %s, epoch %d, %d threads, %d KV blocks of %d%s",
+        config.stage, config.num_stages, model.start, model.end, config.host, port, runner.device_name,
+        service.epoch, torch.get_num_threads(), runner.num_blocks, config.block_size,
         f", tensor parallel x{config.tensor_parallel_size}" if group is not None else "",
     )
     stop = asyncio.Event()

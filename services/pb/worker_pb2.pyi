@@ -326,13 +326,15 @@ class StageHealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageHealth(_message.Message):
-    __slots__ = ("status", "stage_index", "epoch", "downstream_connected")
+    __slots__ = ("status", "stage_index", "epoch", "downstream_connected", "device")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DOWNSTREAM_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     status: _common_pb2.HealthStatus
     stage_index: int
     epoch: int
     downstream_connected: bool
-    def __init__(self, status: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., downstream_connected: _Optional[bool] = ...) -> None: ...
+    device: str
+    def __init__(self, status: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., downstream_connected: _Optional[bool] = ..., device: _Optional[str] = ...) -> None: ...
