@@ -16,6 +16,11 @@ is set, else `./gpu_check.json`); the exit status is non-zero when any part fail
                    the torch reference, bandwidth against a device-to-device copy
   throughput       a ~1B-parameter random Llama (make_tiny_model), bfloat16 and fp8, PP=1,
                    prefill and decode steps through StageRunner (the runtime alone)
+  profile          the same model's step times through StageRunner at several batch sizes
+                   and prompt lengths, fitted to a device profile for the emulated device
+                   (services/device_profile.py): `$OUT/<device>-llama-1b-bf16.json` (e.g.
+                   h200-llama-1b-bf16.json), read back with load_profile; copy it into
+                   services/profiles/ to check the A100 roofline against a measurement
 
 `--cpu-smoke` runs all four on the CPU under Triton's interpreter, at toy sizes: it
 checks the script, not the GPU.
@@ -39,9 +44,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("kernel_tests", "hf_equivalence", "attention_bench", "throughput")
-TIMEOUT_S = {"kernel_tests": 100, "hf_equivalence": 50, "attention_bench": 50, "throughput": 110}
-TOTAL_BUDGET_S = 290  # the whole run stays under five minutes
+PARTS = ("kernel_tests", "hf_equivalence", "attention_bench", "throughput", "profile")
+TIMEOUT_S = {"kernel_tests": 100, "hf_equivalence": 50, "attention_bench": 50, "throughput": 110,
+             "profile": 60}
+TOTAL_BUDGET_S = 350  # the whole run stays under six minutes
 TIE_TOLERANCE = 1e-4  # as tests/support/reference.py
 
 
@@ -592,6 +598,113 @@ def part_throughput(smoke: bool) -> dict[str, Any]:
     return figures
 
 
+# --- part 5: a device profile from real step times --------------------------------------
+
+
+def part_profile(smoke: bool) -> dict[str, Any]:
+
+    from services.device_profile import load_profile, save_profile
+    from wiring.tiny_model import TinyModelSpec, make_tiny_model
+    from worker_svc.loader import load_stage
+
+    device = _device(smoke)
+    if smoke:  # a stand-in device: checks the part and the file's format, not a GPU
+        spec = TinyModelSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, dtype="float32")
+        shapes, decode_steps = ((1, 16), (2, 32), (4, 8)), 2
+    else:  # Llama 3.2 1B's shape, as the throughput part
+        spec = TinyModelSpec(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                             num_kv_heads=8, vocab_size=8192, max_position_embeddings=4096,
+                             dtype="bfloat16")
+        shapes, decode_steps = ((1, 128), (1, 1024), (16, 256), (64, 128), (64, 512)), 8
+    points: list[tuple[list[float], float, str]] = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-profile-") as tmp:
+        model_dir = make_tiny_model(Path(tmp) / "model", spec)
+        model = load_stage(model_dir, dtype=spec.dtype, device=device)
+        _step_points(model, device, spec.vocab_size, *shapes[0], decode_steps)  # warm-up, not kept
+        for batch, prompt_len in shapes:
+            points += _step_points(model, device, spec.vocab_size, batch, prompt_len, decode_steps)
+    name = _profile_name(device, smoke)
+    profile = _fitted_profile(name, points, spec, device)
+    path = Path(os.environ.get("OUT") or ".") / f"{name}.json"
+    save_profile(profile, path)
+    loaded = load_profile(str(path))  # the emulated device reads it back
+    return {"profile_path": str(path), "name": loaded.name, "num_points": len(points),
+            **{k: getattr(loaded, k) for k in ("fixed_s", "per_prefill_token_s", "per_decode_row_s",
+                                                "per_context_token_s")}}
+
+
+def _step_points(model, device, vocab_size: int, batch: int, prompt_len: int, decode_steps: int):
+    """(features [1, prefill tokens, decode rows, context tokens], seconds, label) of one
+    prefill step of `batch` prompts and of the decode steps after it."""
+    import torch
+
+    from worker_svc.runner import StageRunner
+
+    block_size = 16
+    blocks_per_seq = -(-(prompt_len + decode_steps + 2) // block_size)
+    runner = StageRunner(model, num_blocks=batch * blocks_per_seq, block_size=block_size,
+                         backend="triton" if device.type == "cuda" else "torch")
+    g = torch.Generator().manual_seed(batch * 7919 + prompt_len)
+    gb = GreedyBatch(runner, torch.randint(5, vocab_size, (batch, prompt_len), generator=g).tolist(),
+                     blocks_per_seq)
+    points = []
+    for k in range(decode_steps + 1):
+        _sync(device)
+        started = time.perf_counter()
+        gb.step(chunk=prompt_len if k == 0 else 1)  # (its sampler waits for the result)
+        seconds = time.perf_counter() - started
+        if k == 0:
+            points.append(([1.0, batch * prompt_len, 0, batch * prompt_len], seconds,
+                           f"prefill {batch} x {prompt_len}"))
+        elif k > 1:  # (the first decode step warms its shapes up)
+            context = batch * (prompt_len + k)
+            points.append(([1.0, 0, batch, context], seconds, f"decode {batch} x {prompt_len + k}"))
+    return points
+
+
+def _profile_name(device, smoke: bool) -> str:
+    if smoke:
+        return "cpu-stand-in-llama-tiny"
+    import torch
+
+    words = torch.cuda.get_device_name(device).lower().replace("nvidia", "").split()
+    return "-".join(w for w in words if w.isalnum()) + "-llama-1b-bf16"
+
+
+def _fitted_profile(name: str, points, spec, device):
+    """Least squares of the step model on relative error, coefficients kept >= 0 (one layer
+    count, so the constant is all fixed_s and per_step_s is 0)."""
+    import numpy as np
+    import torch
+
+    from services.device_profile import DeviceProfile
+
+    features = np.array([f for f, _, _ in points], dtype=float)
+    seconds = np.array([s for _, s, _ in points], dtype=float)
+    weighted = features / seconds[:, None]
+    active = list(range(features.shape[1]))
+    coef = np.zeros(features.shape[1])
+    while active:  # drop a negative coefficient and fit the rest again
+        solution, *_ = np.linalg.lstsq(weighted[:, active], np.ones(len(points)), rcond=None)
+        if (solution >= 0).all():
+            coef[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    predicted = features @ coef
+    notes = [f"{label}: measured {s * 1e3:.3f} ms, fit {p * 1e3:.3f} ms ({(p / s - 1) * 100:+.1f}%)"
+             for (_, s, label), p in zip(points, predicted, strict=True)]
+    notes.insert(0, "Step times of Pagoda's own StageRunner (the whole model, PP=1, TP=1, greedy "
+                    "sampling included) at several batch sizes and prompt lengths; one layer count, "
+                    "so the constant is fixed_s and per_step_s is 0.")
+    source = (f"recorded by scripts/gpu_check.py (part profile) on {device} "
+              f"({_environment().get('gpu', 'no GPU')}, torch {torch.__version__}), {spec.num_layers} layers, hidden "
+              f"{spec.hidden_size}, {spec.dtype}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    return DeviceProfile(name=name, source=source, fixed_s=float(coef[0]), per_prefill_token_s=float(coef[1]),
+                         per_decode_row_s=float(coef[2]), per_context_token_s=float(coef[3]),
+                         allreduce_per_token_s=0.0, eos_probability=0.0, hidden_size=spec.hidden_size,
+                         num_layers=spec.num_layers, notes=tuple(notes))
+
+
 def _sync(device) -> None:
     import torch
 
@@ -604,6 +717,7 @@ PART_FUNCTIONS = {
     "hf_equivalence": part_hf_equivalence,
     "attention_bench": part_attention_bench,
     "throughput": part_throughput,
+    "profile": part_profile,
 }
 
 if __name__ == "__main__":
