@@ -1,0 +1,330 @@
+"""The seed's table on an emulated device (issue 26): async vs sync scheduling at each pipeline size.
+
+    .venv/bin/python -m bench.emulated_table --profile a100-80gb-llama2-70b-tp8 --pp 1,2,4,8 \\
+        --out bench/results/emulated_table.json
+
+For each pipeline size and each scheduling mode, one stack (`StackArm`: KV service, stages,
+scheduler and gateway, as `pagoda serve` starts them) with every stage on
+`--device emulated:PROFILE`, over a config-only model shaped like LLaMA-2-70B (hidden 8192,
+vocabulary 32000, bfloat16, `--layers` layers; no weights; the tokenizer of the bench's tiny
+model), runs three closed loops through the gateway: `short` (128-token prompts, few output
+tokens), `long` (short prompts, `--long-output` tokens) and `mixed` (the two alternating).
+
+Per cell: QPS, output tok/s, each stage's busy fraction and the mean bubble (from the stages'
+busy/idle counters over the window in which every client had a request outstanding, as
+`bench.stats.service_metrics` takes it), and the control plane's gap per step, from the stages'
+compute spans (the scheduler's GetStats include_timeline, polled during the run, so none of
+its last 4,096 spans is lost):
+
+  ready gap   on a stage k > 0, the time from its end of one micro-batch to its start of the
+              next, counted only when the next one's input had already arrived (its span on
+              stage k - 1 ended before this stage became free): time the control plane and the
+              transport cost while work waited at the stage;
+  stage-0 gap on stage 0 (and at PP=1 the only stage), every gap between two micro-batches
+              inside the loaded window: requests were waiting throughout, so this is the
+              scheduler's turnaround (planning, KV, the hop), plus, at PP > 1, any wait for a
+              group's own feedback token.
+
+The seed's figures (LLaMA-2-70B, A100 x 8 TP, PP=2, batch 32) are printed beside: async vs
+sync +30% QPS short, +43% long, +41% mixed; active time 68% -> 89%; bubble < 15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench.arms import EngineSettings, StackArm
+from bench.load import closed_loop
+from bench.stats import client_metrics, percentile, service_metrics
+from bench.workloads import FULL_SHAPE, Workload, token_space_of
+
+HIDDEN, VOCAB, INTERMEDIATE = 8192, 32000, 28672
+LOADS = ("short", "long", "mixed")
+# the seed: async over sync, QPS, per load; stage active time sync -> async; bubble bound
+SEED_GAIN = {"short": 0.30, "long": 0.43, "mixed": 0.41}
+SEED_ACTIVE = {"sync": 0.68, "async": 0.89}
+SEED_BUBBLE_MAX = 0.15
+TIMELINE_POLL_S = 0.5
+
+
+def make_config_dir(folder: Path, num_layers: int) -> str:
+    """A LLaMA-2-70B-shaped config.json with `num_layers` layers beside the bench's tiny model's
+    tokenizer (its ids are the vocabulary's first), no weights (as tests/e2e/test_emulated_device.py)."""
+    from wiring import tiny_model
+
+    tiny = tiny_model.default_model_dir(spec=tiny_model.PRESETS["tiny"])
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in os.listdir(tiny):
+        if name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(os.path.join(tiny, name), folder / name)
+    eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id", 2)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE, "num_hidden_layers": num_layers, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "vocab_size": VOCAB, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": eos,
+        "tie_word_embeddings": False}))
+    return str(folder)
+
+
+# --- the control plane's gaps, from the stages' compute spans ----------------------------------
+
+
+def stage_gaps(spans: list[tuple[int, int, int, int]], window: tuple[int, int]) -> tuple[list[float], list[float]]:
+    """(ready gaps of stages k > 0, stage-0 gaps), in ms, of the spans (stage, micro-batch,
+    start_ns, end_ns) whose next span starts inside `window` (wall-clock ns)."""
+    by_stage: dict[int, list[tuple[int, int, int]]] = {}
+    ends: dict[tuple[int, int], int] = {}
+    for stage, mb, start, end in spans:
+        by_stage.setdefault(stage, []).append((start, end, mb))
+        ends[(stage, mb)] = end
+    ready, first = [], []
+    lo, hi = window
+    for stage, steps in by_stage.items():
+        steps.sort()
+        for (_, prev_end, _), (start, _, mb) in zip(steps, steps[1:], strict=False):
+            if not lo <= start <= hi:
+                continue
+            gap_ms = (start - prev_end) / 1e6
+            if stage == 0:
+                first.append(gap_ms)
+            elif ends.get((stage - 1, mb), hi + 1) <= prev_end:
+                ready.append(gap_ms)
+    return ready, first
+
+
+def max_at_once(spans: list[tuple[int, int, int, int]], window: tuple[int, int]) -> int:
+    """The most micro-batches computing at one instant (each on its own stage) in `window`."""
+    events = sorted([(s, 1) for _, _, s, e in spans if window[0] <= s <= window[1]]
+                    + [(e, -1) for _, _, s, e in spans if window[0] <= s <= window[1]])
+    live = best = 0
+    for _, kind in events:  # ends sort before starts at the same instant
+        live += kind
+        best = max(best, live)
+    return best
+
+
+def _pcts(values: list[float]) -> dict:
+    return {"n": len(values), "p50_ms": percentile(values, 50), "p99_ms": percentile(values, 99)}
+
+
+class TimelinePoller:
+    """Polls the scheduler's GetStats(include_timeline) and keeps every stage span seen."""
+
+    def __init__(self, address: str) -> None:
+        from services.grpc_utils import aio_channel
+        from services.pb import scheduler_pb2_grpc
+
+        self._channel = aio_channel(address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self.spans: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+        self.feedback_waits = 0  # stage 0's num_feedback_waits at the last poll
+        self._task: asyncio.Task | None = None
+
+    async def poll_once(self) -> None:
+        from services.pb import scheduler_pb2
+
+        resp = await self._stub.GetStats(scheduler_pb2.GetStatsRequest(include_timeline=True), timeout=10.0)
+        self.feedback_waits = sum(s.stats.num_feedback_waits for s in resp.stages if s.stage_index == 0)
+        for s in resp.timeline:
+            self.spans[(s.stage_index, s.micro_batch_id)] = (s.stage_index, s.micro_batch_id, s.start_ns, s.end_ns)
+
+    async def _loop(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(TIMELINE_POLL_S)
+
+    def start(self) -> None:
+        self.spans.clear()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> list[tuple[int, int, int, int]]:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.poll_once()
+        return sorted(self.spans.values(), key=lambda s: (s[2], s[0]))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+# --- one cell ------------------------------------------------------------------------------------
+
+
+async def measure_cell(arm: StackArm, poller: TimelinePoller, requests, concurrency: int) -> dict:
+    """One closed loop of `requests`: the client's rates, the stages' busy and bubble over the
+    loaded window, the gaps from the spans in that window."""
+    start = await arm.snapshot()
+    marks = {"t0": time.time_ns()}
+
+    async def at_last_send() -> None:
+        marks["s"] = await arm.snapshot()
+        marks["t1"] = time.time_ns()
+
+    await poller.poll_once()
+    waits0 = poller.feedback_waits
+    poller.start()
+    res = await closed_loop(arm.client, requests, concurrency, None, at_last_send)
+    spans = await poller.stop()
+    end = await arm.snapshot()
+    loaded = marks.get("s", end)
+    services = service_metrics(start, loaded, end)
+    client = client_metrics(res.records, res.duration_s)
+    window = (marks["t0"], marks.get("t1", time.time_ns()))
+    ready, first = stage_gaps(spans, window)
+    steps0 = (end.stages[0].num_micro_batches - start.stages[0].num_micro_batches) if end.stages else 0
+    return {
+        "num_requests": client.num_requests, "num_failed": client.num_failed, "duration_s": client.duration_s,
+        "qps": client.requests_per_s, "output_tok_s": client.output_tokens_per_s,
+        "window_s": (marks.get("t1", marks["t0"]) - marks["t0"]) / 1e9,
+        "stage_busy": [round(s.busy_fraction, 4) for s in services.stages],
+        "bubble": services.mean_bubble_fraction, "num_spans": len(spans),
+        "ready_gap": _pcts(ready), "stage0_gap": _pcts(first), "max_at_once": max_at_once(spans, window),
+        "stage0_steps": steps0, "stage0_feedback_waits": poller.feedback_waits - waits0,
+    }
+
+
+async def run_stack(model_dir: str, settings: EngineSettings, args, space, log_dir: Path) -> dict:
+    """The three loads on one stack (warmed with a few short requests first)."""
+    shape = replace(FULL_SHAPE, short_output=args.short_output, long_output=args.long_output)
+    out = {}
+    async with StackArm(model_dir, settings, log_dir, "http", args.concurrency) as arm:
+        poller = TimelinePoller(arm.stack.scheduler_address)
+        try:
+            warm = Workload("short", space, shape, args.seed + 1, limit=args.concurrency)
+            await closed_loop(arm.client, warm, args.concurrency)
+            for load in LOADS:
+                n = args.requests if load != "long" else args.long_requests
+                requests = Workload(load, space, shape, args.seed, limit=n)
+                out[load] = await measure_cell(arm, poller, requests, args.concurrency)
+                _log_cell(settings, load, out[load])
+        finally:
+            await poller.close()
+        out["startup_s"] = arm.startup_s
+    return out
+
+
+def _log_cell(settings: EngineSettings, load: str, c: dict) -> None:
+    print(f"  PP={settings.pipeline_parallel_size} {'async' if settings.is_async else 'sync ':5} {load:5} "
+          f"{c['num_requests']:3} req ({c['num_failed']} failed) {c['duration_s']:6.1f} s  QPS {c['qps']:6.2f}  "
+          f"tok/s {c['output_tok_s']:7.1f}  busy {c['stage_busy']}  bubble {c['bubble']:.0%}  "
+          f"gaps ready p50 {_ms(c['ready_gap']['p50_ms'])} stage0 p50 {_ms(c['stage0_gap']['p50_ms'])}", flush=True)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} ms"
+
+
+# --- the table ------------------------------------------------------------------------------------
+
+
+def table_rows(results: dict) -> list[str]:
+    """The markdown table: one row per (PP, load, mode), the seed's figure beside."""
+    rows = ["| PP | load | mode | req | QPS | out tok/s | async/sync QPS (seed) | stage busy | mean busy (seed) "
+            "| bubble (seed) | ready gap p50 / p99 ms | stage-0 gap p50 / p99 ms | µbatches at once | stage-0 feedback waits |",
+            "|---:|---|---|---:|---:|---:|---|---|---|---|---|---|---:|---|"]
+    for pp, modes in sorted(results["cells"].items(), key=lambda kv: int(kv[0])):
+        for load in LOADS:
+            for mode in ("sync", "async"):
+                c = modes.get(mode, {}).get(load)
+                if c is None:
+                    continue
+                rows.append(_row(pp, load, mode, c, modes))
+    return rows
+
+
+def _row(pp: str, load: str, mode: str, c: dict, modes: dict) -> str:
+    gain = "-"
+    sync = modes.get("sync", {}).get(load)
+    if mode == "async" and sync and sync["qps"]:
+        gain = f"{c['qps'] / sync['qps']:.2f}x (+{SEED_GAIN[load]:.0%})"
+    busy = " / ".join(f"{b:.0%}" for b in c["stage_busy"])
+    mean_busy = sum(c["stage_busy"]) / len(c["stage_busy"]) if c["stage_busy"] else 0.0
+
+    def gaps(g: dict) -> str:
+        if not g["n"]:
+            return "-"
+        return f"{g['p50_ms']:.2f} / {g['p99_ms']:.2f} (n={g['n']})"
+
+    failed = f" ({c['num_failed']} failed)" if c["num_failed"] else ""
+    return (f"| {pp} | {load} | {mode} | {c['num_requests']}{failed} | {c['qps']:.2f} | {c['output_tok_s']:.0f} "
+            f"| {gain} | {busy} | {mean_busy:.0%} ({SEED_ACTIVE[mode]:.0%}) | {c['bubble']:.0%} "
+            f"(<{SEED_BUBBLE_MAX:.0%}) | {gaps(c['ready_gap'])} | {gaps(c['stage0_gap'])} "
+            f"| {c.get('max_at_once', '-')} | {c.get('stage0_feedback_waits', '-')} / {c.get('stage0_steps', '-')} |")
+
+
+# --- the command ------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.emulated_table", description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default="a100-80gb-llama2-70b-tp8", help="a device profile (services/profiles)")
+    p.add_argument("--pp", type=_ints, default=[1, 2, 4, 8], help="pipeline sizes, comma-separated")
+    p.add_argument("--modes", default="sync,async", help="scheduling modes, comma-separated")
+    p.add_argument("--layers", type=int, default=80, help="the config's layers (LLaMA-2-70B: 80)")
+    p.add_argument("--concurrency", type=int, default=32, help="closed-loop clients (the seed's batch: 32)")
+    p.add_argument("--requests", type=int, default=96, help="requests per short and mixed cell")
+    p.add_argument("--long-requests", type=int, default=64, help="requests per long cell")
+    p.add_argument("--short-output", type=int, default=8, help="output tokens of a short request")
+    p.add_argument("--long-output", type=int, default=128,
+                   help="output tokens of a long request (the seed: 4096; scaled down for time)")
+    p.add_argument("--num-kv-blocks", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench/results/emulated_table.json"))
+    return p.parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> dict:
+    from services.text import Tokenizer
+
+    work = Path(tempfile.mkdtemp(prefix="pagoda-emulated-table-"))
+    model_dir = make_config_dir(work / "llama2-70b-config-only", args.layers)
+    space = token_space_of(Tokenizer(model_dir))
+    device = f"emulated:{args.profile}"
+    results = {"meta": {"command": "python -m bench.emulated_table " + " ".join(sys.argv[1:]), "device": device,
+                        "layers": args.layers, "concurrency": args.concurrency, "short_output": args.short_output,
+                        "long_output": args.long_output, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")},
+               "cells": {}}
+    t0 = time.perf_counter()
+    for pp in args.pp:
+        for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+            settings = EngineSettings(pipeline_parallel_size=pp, async_scheduling=mode == "async",
+                                      total_threads=pp, num_kv_blocks=args.num_kv_blocks, device=device)
+            print(f"[{device}] {settings.describe()}", flush=True)
+            cell = await run_stack(model_dir, settings, args, space, work / "logs" / f"pp{pp}-{mode}")
+            results["cells"].setdefault(str(pp), {})[mode] = cell
+    results["meta"]["elapsed_s"] = time.perf_counter() - t0
+    shutil.rmtree(work / "llama2-70b-config-only", ignore_errors=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    results = asyncio.run(run(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print("\n".join(table_rows(results)))
+    print(f"\nwrote {args.out}; {results['meta']['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
