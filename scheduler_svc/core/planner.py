@@ -262,13 +262,19 @@ class Planner:
         running sequences (rank order), forks, re-admissions, admissions.
         """
         draft = ProposalDraft(self.config.max_num_batched_tokens, self._seq_cap(), self._next_seq_id)
+        # with several stages a placeholder step goes after every other kind of work: its group's
+        # step before it must travel the whole pipeline first, so a stage-0 queue of one group's
+        # two steps back to back idles the pipeline while the next group waits behind them
+        placeholders_last = self.config.pipeline_parallel_size > 1
         self._propose_running(draft, prefill=False)
-        if self.config.async_decode:
+        if self.config.async_decode and not placeholders_last:
             self._propose_placeholder_decodes(draft)
         self._propose_running(draft, prefill=True)
         self._propose_forks(draft)
         self._propose_readmissions(draft)
         self._propose_admissions(draft)
+        if self.config.async_decode and placeholders_last:
+            self._propose_placeholder_decodes(draft)
         mb_id = self._next_mb_id if draft.has_tokens else None
         flight = self._flight
         if not (draft.appends or draft.new_sequences or draft.kv_forks or flight.pending_frees
