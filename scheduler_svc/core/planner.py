@@ -256,10 +256,10 @@ class Planner:
 
         Changes no state (the KV service's answer may not come, and the state may change while
         it answers): the sequence and micro-batch ids it uses are the next ones, which
-        `finalize` takes. The order is the micro-batch's: decodes, then placeholder decodes
-        (after the sequences free now, so that with several stages a stage's next micro-batch
-        is another group's, not one that waits for this group's tokens), prefill chunks of
-        running sequences (rank order), forks, re-admissions, admissions.
+        `finalize` takes. The order is the micro-batch's: decodes, placeholder decodes, prefill
+        chunks of running sequences (rank order), forks, re-admissions, admissions; with
+        several stages the placeholder decodes come last, so that a stage's next micro-batch is
+        another group's work, not one that waits for this group's tokens.
         """
         draft = ProposalDraft(self.config.max_num_batched_tokens, self._seq_cap(), self._next_seq_id)
         # with several stages a placeholder step goes after every other kind of work: its group's
