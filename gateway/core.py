@@ -251,7 +251,7 @@ class TextGenerator:
 
     The schedulers are a `ReplicaSet`: several replicas this gateway routes between, or
     one scheduler as a set of one (gateway/replicas.py); either way a request goes through
-    the one retry loop of `_responses`."""
+    the one retry loop of `scheduler_responses`."""
 
     def __init__(self, scheduler_address: str, tokenizer: Tokenizer, max_model_len: int,
                  retry_unavailable_s: float = RETRY_UNAVAILABLE_S,
@@ -373,7 +373,7 @@ class TextGenerator:
         request = self._request(request_id, prompt_ids, params, traceparent)
         # read ahead of the client, within bounds: a client that stops reading for good is
         # aborted with finish reason "abort" (what it owed is then final)
-        responses = read_ahead(self._responses(request, metadata, params.session), READ_AHEAD,
+        responses = read_ahead(self.scheduler_responses(request, metadata, params.session), READ_AHEAD,
                                self.stall_timeout_s)
         choices = _Choices(len(prompt_ids))
         try:
@@ -458,7 +458,7 @@ class TextGenerator:
                 self._in_background(self.abort(request.request_id, index))
         return delta
 
-    async def _responses(self, request, metadata, session: str = "") -> AsyncIterator:
+    async def scheduler_responses(self, request, metadata, session: str = "") -> AsyncIterator:
         """The scheduler's responses to `request`; closing this iterator cancels the call
         (the scheduler aborts the request and frees its blocks). Each attempt goes to the
         replica `ReplicaSet.pick` chooses then. A call that fails UNAVAILABLE before its

@@ -150,7 +150,7 @@ async def embed_prompt(generator: TextGenerator, prompt_ids: Sequence[int], pool
         request.trace_context.traceparent = traceparent
     metadata = (("traceparent", traceparent),) if traceparent else None
     # the gateway's one retry loop (replicas, a scheduler restarting before anything came)
-    responses = generator._responses(request, metadata, session)
+    responses = generator.scheduler_responses(request, metadata, session)
     try:
         async for resp in responses:
             if not resp.HasField("usage"):

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -89,9 +91,7 @@ def prepare_gguf(path: str | os.PathLike[str]) -> Path:
     prune_gguf_cache(folder.parent)
     ckpt = GGUFCheckpoint(path)
     config = ckpt.hf_config()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-    try:
+    with _built_atomically(folder, GGUF_SOURCE_FILE) as tmp:
         _write_tokenizer(path, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if "eos_token_id" in config:
@@ -99,15 +99,26 @@ def prepare_gguf(path: str | os.PathLike[str]) -> Path:
                 {"eos_token_id": config["eos_token_id"], "bos_token_id": config.get("bos_token_id")}) + "\n")
         (tmp / GGUF_SOURCE_FILE).write_text(json.dumps(
             {"file": str(path), "size": path.stat().st_size, "tensor_bytes": ckpt.tensor_bytes()}) + "\n")
+    return folder
+
+
+@contextlib.contextmanager
+def _built_atomically(folder: Path, marker: str) -> Iterator[Path]:
+    """A temp folder beside `folder` to fill; renamed to `folder` when the block ends, so a
+    reader never sees it half written. Another process may have made it first: then it must
+    hold `marker`. The temp folder goes whatever happens."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        yield tmp
         try:
             os.rename(tmp, folder)
         except OSError:  # another process made it first
-            if not (folder / GGUF_SOURCE_FILE).is_file():
+            if not (folder / marker).is_file():
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return folder
 
 
 def _file_key(path: Path) -> str:
@@ -192,22 +203,12 @@ def tokenizer_with_template(tokenizer_dir: str | os.PathLike[str], template: str
     folder = cache_root() / "chat-templates" / f"{source.name}-{key}"
     if (folder / CHAT_TEMPLATE_FILE).is_file():
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-    try:
+    with _built_atomically(folder, CHAT_TEMPLATE_FILE) as tmp:
         for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, GENERATION_CONFIG_FILE,
                      MODEL_CONFIG_FILE):
             if (source / name).is_file():
                 (tmp / name).symlink_to(source / name)
         (tmp / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
-        try:
-            os.rename(tmp, folder)
-        except OSError:  # another process made it first
-            if not (folder / CHAT_TEMPLATE_FILE).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

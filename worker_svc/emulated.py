@@ -332,7 +332,7 @@ def device_block_bytes(model: EmulatedSlice, block_size: int, dtype: torch.dtype
 def emulated_tensor_parallel_size(configured: int, profile: DeviceProfile) -> int:
     """The tensor-parallel size to emulate: `--tensor-parallel-size` when given (above 1),
     else the one the profile's costs were made for (`a100-80gb-llama2-70b-tp8`: 8)."""
-    return configured if configured > 1 else getattr(profile, "tensor_parallel_size", 1)
+    return configured if configured > 1 else profile.tensor_parallel_size
 
 
 def emulated_num_blocks(config: WorkerConfig, block_bytes: int) -> int:

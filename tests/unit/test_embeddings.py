@@ -326,7 +326,7 @@ class FakeScheduler:
         self.tokenizer = tokenizer
         self.requests: list[scheduler_pb2.GenerateRequest] = []
 
-    async def _responses(self, request, metadata=None, session=""):
+    async def scheduler_responses(self, request, metadata=None, session=""):
         self.requests.append(request)
         resp = scheduler_pb2.GenerateResponse(request_id=request.request_id,
                                               finish_reason=common_pb2.FINISH_REASON_STOP)

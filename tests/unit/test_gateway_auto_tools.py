@@ -12,6 +12,7 @@ import shutil
 
 import httpx2 as httpx
 import pytest
+from support.scripted_call import ScriptedCall
 from test_gateway_app import post, run
 
 from gateway.app import create_app
@@ -306,25 +307,6 @@ def marker_tokenizer(model_factory, tmp_path_factory):
     return Tokenizer(model_dir)
 
 
-class _Call:
-    def __init__(self, responses) -> None:
-        self.responses, self._done = responses, False
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        for resp in self.responses:
-            yield resp
-        self._done = True
-
-    def done(self) -> bool:
-        return self._done
-
-    def cancel(self) -> None:
-        self._done = True
-
-
 class _Scheduler:
     """Answers each choice with `token_ids`, one token per response, then EOS."""
 
@@ -341,7 +323,7 @@ class _Scheduler:
                     resp.finish_reason, resp.stop_token_id = common_pb2.FINISH_REASON_STOP, token
                 responses.append(resp)
         responses[-1].usage.num_prompt_tokens = len(request.prompt_token_ids)
-        return _Call(responses)
+        return ScriptedCall(responses)
 
 
 def test_a_marker_that_is_a_special_token_is_decoded_for_the_parser_and_no_other_leaks(marker_tokenizer):

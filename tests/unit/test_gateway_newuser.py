@@ -13,6 +13,7 @@ import shutil
 import httpx2 as httpx
 import jsonschema
 import pytest
+from support.scripted_call import ScriptedCall
 from test_gateway_app import FakeGenerator, post, run
 
 from gateway.app import create_app
@@ -250,25 +251,6 @@ def test_a_tool_without_parameters_takes_exactly_no_arguments():
 # --- 7. vLLM's API ---------------------------------------------------------------------------
 
 
-class _Call:
-    def __init__(self, responses) -> None:
-        self.responses, self._done = responses, False
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        for resp in self.responses:
-            yield resp
-        self._done = True
-
-    def done(self) -> bool:
-        return self._done
-
-    def cancel(self) -> None:
-        self._done = True
-
-
 class _Scheduler:
     """A stub whose `Generate` answers one choice ending on `stop_token_id`."""
 
@@ -280,7 +262,7 @@ class _Scheduler:
                                               finish_reason=common_pb2.FINISH_REASON_STOP,
                                               stop_token_id=self.stop_token_id)
         resp.usage.num_prompt_tokens, resp.usage.num_completion_tokens = 2, 2
-        return _Call([resp])
+        return ScriptedCall([resp])
 
 
 def test_stop_reason_is_null_for_eos_and_names_a_requested_stop_token(tokenizer):

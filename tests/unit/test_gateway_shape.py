@@ -1,5 +1,5 @@
 """The gateway's shape (issue 25): one scheduler is a replica set of one, whose requests go
-through the same retry loop as a router's (`TextGenerator._responses`), with what a single
+through the same retry loop as a router's (`TextGenerator.scheduler_responses`), with what a single
 scheduler always did: a call refused UNAVAILABLE before anything streamed is made again
 after a back-off, a pipeline down behind a live scheduler is final, and a scheduler that
 stays down fails the request with its own error. And no function of gateway/ is longer
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.scripted_call import ScriptedCall
 
 from gateway.core import Finished, GenerationError, GenerationParams, TextGenerator
 from gateway.replicas import ReplicaSet, merge_stats
@@ -30,29 +31,6 @@ def unavailable(details: str = "connection refused") -> grpc.aio.AioRpcError:
                                 details=details)
 
 
-class _Call:
-    """A scripted `Generate` call: its responses, then its error (if any)."""
-
-    def __init__(self, responses, error: Exception | None) -> None:
-        self.responses, self.error, self._done = responses, error, False
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        for resp in self.responses:
-            yield resp
-        self._done = True
-        if self.error is not None:
-            raise self.error
-
-    def done(self) -> bool:
-        return self._done
-
-    def cancel(self) -> None:
-        self._done = True
-
-
 class _Scheduler:
     """A scripted stub: the k-th `Generate` call plays `calls[k]` (the last one again after
     the script ends); `Abort` requests are recorded."""
@@ -67,7 +45,7 @@ class _Scheduler:
         responses, error = self.calls[min(self.num_calls, len(self.calls) - 1)]
         self.num_calls += 1
         self.called_at.append(time.monotonic())
-        return _Call(responses, error)
+        return ScriptedCall(responses, error)
 
     async def Abort(self, request, timeout=None):  # noqa: N802
         self.aborted.append(request.request_id)

@@ -18,6 +18,7 @@ import pytest
 import tokenizers
 from hypothesis import given
 from hypothesis import strategies as st
+from support.scripted_call import ScriptedCall
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
 from gateway import openai_format as fmt
@@ -274,33 +275,12 @@ def test_alternatives_with_the_same_text_keep_the_likelier() -> None:
 # --- whole and streamed responses, through the app ------------------------------------------
 
 
-class _Call:
-    """A scripted `Scheduler.Generate` call."""
-
-    def __init__(self, responses: list[scheduler_pb2.GenerateResponse]) -> None:
-        self._responses, self._done = responses, False
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        for resp in self._responses:
-            yield resp
-        self._done = True
-
-    def done(self) -> bool:
-        return self._done
-
-    def cancel(self) -> None:
-        self._done = True
-
-
 class _ScriptedScheduler:
     def __init__(self, script) -> None:
         self.script = script
 
     def Generate(self, request, metadata=None):  # noqa: N802 (gRPC's spelling)
-        return _Call(self.script(request))
+        return ScriptedCall(self.script(request))
 
 
 def _script(chunks: list[list[int]], alternatives: list[int]):
