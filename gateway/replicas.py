@@ -9,8 +9,9 @@ each request goes to one replica, chosen by `gateway.routing.choose` from
   is drained at once: nothing new goes there until it answers serving again), and this
   gateway's own count of requests in flight there;
 - for `prefix`, how much of the prompt each replica holds in its prefix cache, from the
-  KV services' shared index in Redis (gateway/kv_index.py); without Redis, or while it is
-  unreachable, by load alone.
+  KV services' shared index in Redis (gateway/kv_index.py), and where this router sent the
+  prompt's blocks lately (`routing.RoutedBlocks`): within `INDEX_LAG_S` of sending them
+  (not published yet) beside the index, and alone without Redis or while it is unreachable.
 
 A call that fails UNAVAILABLE before anything streamed (the replica died or is
 restarting) marks that replica down and is sent to another at once; each replica is tried
@@ -36,7 +37,8 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from gateway.routing import POLICIES, Choice, NoReplica, ReplicaState, choose
+from gateway.kv_index import MAX_BLOCKS
+from gateway.routing import POLICIES, Choice, NoReplica, ReplicaState, RoutedBlocks, choose
 from services.defaults import BLOCK_SIZE
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -47,6 +49,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 PREFIX_WINDOW_S = 300.0  # how long a prefix sent out counts in its replica's share
 PREFIX_MEMORY = 4096
+# how long blocks this router sent somewhere count as held there though the index does not
+# show them yet (a KV service publishes what it cached within milliseconds when well)
+INDEX_LAG_S = 2.0
 POLL_TIMEOUT_S = 1.0
 
 
@@ -112,6 +117,7 @@ class ReplicaSet:
         # the first block of each prompt sent out lately -> (replica, when): how the distinct
         # prefixes spread over the replicas (a prefix nobody holds goes where fewer live)
         self._prefixes: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self.routed_blocks = RoutedBlocks()  # where each prompt's blocks went lately
         self._task: asyncio.Task | None = None
         self.num_fallbacks = 0  # prefix routing done by load (no index)
         self.num_retries = 0  # calls made again after one failed UNAVAILABLE before streaming
@@ -190,29 +196,34 @@ class ReplicaSet:
             only.num_routed += 1
             return only, Choice(only.name)
         live = [r for r in self.replicas if r.state.healthy and r.name not in exclude]
-        cached, prompt_blocks = None, 0
+        cached, prompt_blocks, keys = None, 0, []
+        now = time.monotonic()
+        if self.policy == "prefix" and live:
+            keys = block_keys(prompt_ids, live[0].block_size, live[0].namespace, MAX_BLOCKS)
         if self.policy == "prefix" and not session and len(live) > 1:
             found = None
             if self.index is not None:
                 found = await self.index.cached_blocks([(r.name, r.namespace) for r in live], prompt_ids,
                                                        live[0].block_size)
-            if found is None:
+            if found is None:  # no index, or Redis cannot say now: what this router sent where
                 self.num_fallbacks += 1
-            else:
+                cached, prompt_blocks = self.routed_blocks.held(keys, now, PREFIX_WINDOW_S), len(keys)
+            else:  # the index, and what this router sent out too lately to be published
                 cached, prompt_blocks, sizes = found
+                for name, n in self.routed_blocks.held(keys, now, INDEX_LAG_S).items():
+                    cached[name] = max(cached.get(name, 0), n)
                 for r in live:
                     r.state.cache_fill = sizes[r.name] / r.num_blocks if r.num_blocks else 0.0
-        root = None
-        if self.policy == "prefix" and live and len(prompt_ids) >= live[0].block_size:
-            root = block_keys(prompt_ids[:live[0].block_size], live[0].block_size, live[0].namespace)[0]
+        if keys:
             self._spread(live)
         choice = choose(self.policy, [r.state for r in self.replicas], next(self._turn), cached,
                         prompt_blocks, session, exclude)
         replica = self.by_name(choice.name)
         replica.num_routed += 1
-        if root is not None:
-            self._prefixes[root] = (replica.name, time.monotonic())
-            self._prefixes.move_to_end(root)
+        if keys:
+            self._prefixes[keys[0]] = (replica.name, now)
+            self._prefixes.move_to_end(keys[0])
+            self.routed_blocks.remember(keys, replica.name, now)
         return replica, choice
 
     def _spread(self, live: list[Replica]) -> None:

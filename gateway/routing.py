@@ -5,8 +5,8 @@ A replica is one scheduler with its KV service and stages. The gateway in router
 what it knows of every replica: health and load from the replicas' stats (polled) and its
 own count of requests in flight there; for the `prefix` policy also how many of the
 prompt's leading full blocks each replica holds in its prefix cache (from the shared index
-in Redis, gateway/kv_index.py). `pagoda simulate-routing` replays workloads through this
-same function.
+in Redis, gateway/kv_index.py, and `RoutedBlocks`, where the router sent them lately).
+`pagoda simulate-routing` replays workloads through this same function.
 
 Policies:
 - `prefix` (default): the lowest cost, where cost = the share of the prompt's blocks the
@@ -18,7 +18,7 @@ Policies:
   Dynamo's KV router weighs prefill blocks against active load the same way); a prefix no
   replica holds goes where it evicts least, so the replicas' caches split the prefixes
   between them instead of each holding all. Ties: lighter load, then rotation.
-- `least-loaded`: the lowest load; the fallback of `prefix` when the index cannot be read.
+- `least-loaded`: the lowest load (and `prefix` when `cached` is None).
 - `round-robin`: each healthy replica in turn.
 
 Session affinity: a request with a session key (`user` in the body, or the
@@ -29,6 +29,7 @@ when a replica leaves, only its sessions move).
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -113,6 +114,41 @@ def choose(policy: str, replicas: Sequence[ReplicaState], turn: int = 0,
     scored = [(cost(r, cached.get(r.name, 0), prompt_blocks), r.load, i, r) for i, r in enumerate(rotated)]
     c, _, _, best = min(scored, key=lambda s: s[:3])
     return Choice(best.name, cached.get(best.name, 0), c)
+
+
+class RoutedBlocks:
+    """The router's own memory of where it sent each prompt's full blocks lately (SGLang's
+    router routes by such a memory alone). It covers what the shared index cannot say yet or
+    at all: a prefix sent out moments ago that its replica has not published, and every
+    prefix while Redis is unreachable, so one lookup that times out does not scatter a
+    prefix's requests over replicas that each then compute and cache it.
+
+    A block key maps to the replica it went to last; at most `capacity` keys, oldest first out."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._where: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def remember(self, keys: Sequence[bytes], name: str, now: float) -> None:
+        for k in keys:
+            self._where[k] = (name, now)
+            self._where.move_to_end(k)
+        while len(self._where) > self.capacity:
+            self._where.popitem(last=False)
+
+    def held(self, keys: Sequence[bytes], now: float, max_age: float) -> dict[str, int]:
+        """{replica: the prompt's leading blocks sent there within `max_age` seconds}: one
+        replica at most (the leading run ends where the blocks went elsewhere)."""
+        name, n = None, 0
+        for k in keys:
+            seen = self._where.get(k)
+            if seen is None or now - seen[1] > max_age or (name is not None and seen[0] != name):
+                break
+            name, n = seen[0], n + 1
+        return {name: n} if name is not None else {}
 
 
 def leading_hits(flags: Sequence[bool]) -> int:

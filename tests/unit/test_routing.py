@@ -3,10 +3,13 @@ session affinity, and several replicas' statistics summed (issue 13)."""
 
 from __future__ import annotations
 
+import asyncio
+import random
+
 import pytest
 
-from gateway.replicas import merge_stats, parse_targets
-from gateway.routing import NoReplica, ReplicaState, choose, leading_hits, rendezvous
+from gateway.replicas import ReplicaSet, merge_stats, parse_targets
+from gateway.routing import NoReplica, ReplicaState, RoutedBlocks, choose, leading_hits, rendezvous
 from services.pb import common_pb2, scheduler_pb2
 
 
@@ -107,3 +110,38 @@ def test_a_new_prefix_goes_where_fewer_prefixes_live():
     assert choose("prefix", rs, cached={"r0": 0, "r1": 0}, prompt_blocks=32).name == "r1"
     # ... while the replica holding the prefix still wins
     assert choose("prefix", rs, cached={"r0": 32, "r1": 0}, prompt_blocks=32).name == "r0"
+
+
+def test_routed_blocks_say_where_a_prompts_leading_blocks_went_lately():
+    memory = RoutedBlocks(capacity=6)
+    memory.remember([b"a", b"b", b"c"], "r0", now=0.0)
+    assert memory.held([b"a", b"b", b"c", b"d"], now=1.0, max_age=5) == {"r0": 3}
+    assert memory.held([b"a", b"x", b"c"], now=1.0, max_age=5) == {"r0": 1}  # a chain: stops at a miss
+    assert memory.held([b"a", b"b"], now=9.0, max_age=5) == {}  # too old
+    memory.remember([b"a", b"b"], "r1", now=2.0)  # the same prefix sent elsewhere since
+    assert memory.held([b"a", b"b", b"c"], now=3.0, max_age=5) == {"r1": 2}
+    memory.remember([b"p", b"q", b"r", b"s"], "r0", now=4.0)
+    assert len(memory) == 6 and memory.held([b"c"], now=4.0, max_age=5) == {}  # the oldest went first
+
+
+def test_prefix_routing_without_an_index_keeps_each_prefix_on_one_replica_and_spreads_them():
+    """No Redis (or Redis unreachable): the router's memory of where it sent each prompt's
+    blocks stands in, so each prefix's requests stay together and the prefixes split
+    between the replicas instead of every replica computing and caching every prefix."""
+    rs = ReplicaSet([("r0", "127.0.0.1:1"), ("r1", "127.0.0.1:2")], policy="prefix")
+    for r in rs.replicas:
+        r.state.healthy = True
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(5, 500) for _ in range(64)] for _ in range(8)]
+    where: dict[int, set[str]] = {g: set() for g in range(8)}
+
+    async def route_all():
+        for _ in range(4):
+            for g in rng.sample(range(8), 8):
+                replica, choice = await rs.pick(prefixes[g] + [rng.randrange(5, 500) for _ in range(5)])
+                where[g].add(replica.name)
+
+    asyncio.run(route_all())
+    assert all(len(names) == 1 for names in where.values()), where
+    assert sorted(r.num_routed for r in rs.replicas) == [16, 16]
+    assert rs.num_fallbacks == 32
