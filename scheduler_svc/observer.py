@@ -182,7 +182,7 @@ class EngineObserver:
         self._trace({
             "event": "dispatched", "micro_batch_id": mb_id,
             "num_tokens": mb.num_tokens, "in_flight": len(self._planner.in_flight),
-            "t": self.clock(),
+            "t": self.clock(), "wall_ns": now_ns,
         })
         for s in mb.seqs:
             watched = self._requests.get(s.seq.request.request_id)
@@ -193,7 +193,9 @@ class EngineObserver:
         """A micro-batch's result arrived (at `now`) and the planner took it in: traced with
         the planner's decisions; the stages' compute spans and the requests' steps end."""
         mb_id = result.step_id
-        self._trace({"event": "result", "micro_batch_id": mb_id, "t": now})
+        self._trace({"event": "result", "micro_batch_id": mb_id, "t": now, "wall_ns": time.time_ns(),
+                     "stages": [[t.stage_index, t.received_ns, t.compute_start_ns, t.compute_end_ns]
+                                for t in result.timings]})
         self._trace_decisions()
         now_ns = time.time_ns()
         computed = [t for t in result.timings if t.compute_start_ns]

@@ -24,6 +24,7 @@ UNAVAILABLE, and the sender reconnects for the next one (a restarted stage has a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -71,6 +72,7 @@ class _Work:
     compute_start_ns: int = 0
     compute_end_ns: int = 0
     forwarded_ns: int = 0
+    feedback: worker_pb2.SampledFeedback | None = None  # the last stage's tokens for the first
 
 
 class StageService(worker_pb2_grpc.StageWorkerServicer):
@@ -95,7 +97,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self._abandoned: set[int] = set()  # sequences whose awaited tokens will not come
         self._resets_queued = 0  # reset plans received, not yet computed
         self._feedback_streams = 0  # first stage: Feedback streams open now
-        self._feedback_queue: asyncio.Queue[worker_pb2.SampledFeedback] = asyncio.Queue(maxsize=1024)
+        # tokens to write, or a stream's end (`_wake_feedback_writer`)
+        self._feedback_queue: asyncio.Queue[worker_pb2.SampledFeedback | asyncio.Future] = asyncio.Queue(maxsize=1024)
         self._feedback_channel: grpc.aio.Channel | None = None
         self._ack_task: asyncio.Task | None = None
         self.downstream_connected = False
@@ -391,14 +394,15 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 call = stub.Feedback()
                 await call.write(worker_pb2.SampledFeedback())  # opens the stream on the first stage
                 ended = asyncio.ensure_future(call)  # done only when the stream breaks
+                ended.add_done_callback(self._wake_feedback_writer)
                 log.info("feedback stream to the first stage at %s open", self.config.feedback_address)
                 while True:
-                    get = asyncio.ensure_future(self._feedback_queue.get())
-                    await asyncio.wait({get, ended}, return_when=asyncio.FIRST_COMPLETED)
-                    if not get.done():
-                        get.cancel()
+                    fb = await self._feedback_queue.get()
+                    if fb is ended:  # the stream broke while nothing was to be written
                         break
-                    await call.write(get.result())
+                    if isinstance(fb, asyncio.Future):  # a stream before this one
+                        continue
+                    await call.write(fb)
                 log.warning("feedback stream to %s ended: %s", self.config.feedback_address,
                             _describe(ended.exception()) if ended.exception() else "closed")
             except asyncio.CancelledError:
@@ -412,33 +416,51 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 call.cancel()
             await asyncio.sleep(0.2)
 
+    def _wake_feedback_writer(self, ended: asyncio.Future) -> None:
+        """The feedback stream broke: its writer, waiting for tokens, reconnects now (one
+        `get` per write, no per-write wait on the stream's end)."""
+        with contextlib.suppress(asyncio.QueueFull):
+            self._feedback_queue.put_nowait(ended)
+
     def _send_feedback(self, work: _Work) -> None:
-        result = work.result
-        if result is None or result.sampled is None or not result.sampled_seq_ids:
+        if work.feedback is None:
             return
-        fb = worker_pb2.SampledFeedback(micro_batch_id=work.mb.micro_batch_id)
-        fb.seq_ids.extend(result.sampled_seq_ids)
-        fb.positions.extend(r.context_len for r in result.rows if r.sample)
-        fb.token_ids.extend(result.sampled.token_ids)
         try:
-            self._feedback_queue.put_nowait(fb)
+            self._feedback_queue.put_nowait(work.feedback)
         except asyncio.QueueFull:
             log.error("feedback queue full: the first stage at %s is not reading; dropping step %d's tokens",
                       self.config.feedback_address, work.mb.micro_batch_id)
 
+    @staticmethod
+    def _feedback_of(work: _Work) -> worker_pb2.SampledFeedback | None:
+        result = work.result
+        if result is None or result.sampled is None or not result.sampled_seq_ids:
+            return None
+        fb = worker_pb2.SampledFeedback(micro_batch_id=work.mb.micro_batch_id)
+        fb.seq_ids.extend(result.sampled_seq_ids)
+        fb.positions.extend(r.context_len for r in result.rows if r.sample)
+        fb.token_ids.extend(result.sampled.token_ids)
+        return fb
+
     def _compute(self, work: _Work) -> None:
-        """Runs on the executor thread: the only place this stage's tensors are touched."""
+        """Runs on the executor thread: the only place this stage's tensors are touched.
+        What the step hands on is encoded here too, off the event loop and before the
+        thread hands back: the hidden states into the micro-batch (not last), the sampled
+        tokens into the first stage's feedback (last of several)."""
         work.compute_start_ns = time.time_ns()
         work.result = self.runner.execute(work.plan, work.hidden)
         work.compute_end_ns = time.time_ns()
         work.hidden = None
+        if work.result.hidden is not None:
+            tensor_to_pb(work.result.hidden, work.mb.hidden_states)
+            work.result.hidden = None
+        if self.config.feedback_address:
+            work.feedback = self._feedback_of(work)
 
     async def _sender_loop(self) -> None:
         while True:
             work = await self._send_queue.get()
             mb = work.mb
-            tensor_to_pb(work.result.hidden, mb.hidden_states)
-            work.result.hidden = None
             mb.stage_index = self.config.stage + 1
             mb.sent_ns = time.time_ns()
             size = mb.ByteSize()

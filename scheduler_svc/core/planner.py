@@ -319,22 +319,30 @@ class Planner:
                 draft.spend(n, 1)
 
     def _propose_placeholder_decodes(self, draft: ProposalDraft) -> None:
-        """Decodes of sequences whose one step in flight samples the token this one computes."""
+        """Decodes of sequences whose one step in flight samples the token this one computes.
+
+        With several stages, in the order their tokens come back (the oldest step in flight
+        first, rank order within it): a micro-batch then continues one step in flight, not
+        rows of two, so the groups keep their shape round the pipeline. Taken by rank alone,
+        a step's rows would mix groups and wait for the latest of them: stage 0 then idles
+        a whole trip down the pipeline for the step just sent (seen on the emulated A100 at
+        PP=2: one micro-batch computing at a time)."""
         block_size = self.config.block_size
-        for request in self.running:
-            for seq in request.sequences:
-                if draft.is_full:
-                    return
-                if not self._speculable(seq):
-                    continue
-                grows = seq.num_tokens == seq.num_blocks * block_size
-                if grows:
-                    # its token starts a block: the KV service allocates it now, ahead of the
-                    # token (told later, with the tokens it was not told yet)
-                    draft.appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, seq.num_tokens),
-                                                num_lookahead_slots=1))
-                draft.placeholders.append(Placeholder(seq, seq.num_tokens, grows))
-                draft.spend(1, 1)
+        candidates = [seq for request in self.running for seq in request.sequences if self._speculable(seq)]
+        if self.config.pipeline_parallel_size > 1 and len(self._flight.micro_batches) > 1:
+            step_of = {r.seq_id: mb_id for mb_id, mb in self._flight.micro_batches.items() for r in mb.seqs}
+            candidates.sort(key=lambda seq: step_of[seq.seq_id])  # stable: rank order within a step
+        for seq in candidates:
+            if draft.is_full:
+                return
+            grows = seq.num_tokens == seq.num_blocks * block_size
+            if grows:
+                # its token starts a block: the KV service allocates it now, ahead of the
+                # token (told later, with the tokens it was not told yet)
+                draft.appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, seq.num_tokens),
+                                            num_lookahead_slots=1))
+            draft.placeholders.append(Placeholder(seq, seq.num_tokens, grows))
+            draft.spend(1, 1)
 
     def _propose_forks(self, draft: ProposalDraft) -> None:
         """Forks of n > 1 requests whose first choice has prefilled all but the last prompt

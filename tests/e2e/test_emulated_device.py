@@ -13,7 +13,7 @@ every stage), not from wall time: several micro-batches are in the pipeline, and
 at once on different stages (`groups_at_once`).
 
 Cheap: the stages build no model and compute nothing (each step is a sleep), one torch
-thread each; the load is 12 short requests; each stack is killed at the end (its services
+thread each; the load is 16 short requests; each stack is killed at the end (its services
 die with `pagoda serve`), as the graceful stop is not what is tested here.
 """
 
@@ -37,13 +37,15 @@ DEVICE = f"emulated:{PROFILE}"
 HIDDEN, VOCAB, LAYERS = 8192, 32000, 8
 # (prompt words, max_tokens, ignore_eos): short classification-like requests and longer
 # generations, as the mixed load has them, some of which may end early at the emulated EOS
-MIXED = [(6, 4, True), (40, 12, True), (12, 8, False), (80, 10, True), (20, 6, False), (8, 12, True)] * 2
+MIXED = [(6, 4, True), (40, 12, True), (12, 8, False), (80, 10, True), (20, 6, False), (8, 12, True),
+         (30, 10, True), (10, 12, True)] * 2
 # Micro-batches in the pipeline and computing at once on different stages at PP=4 and 8: one
-# per group of sequences, and the 12 requests make ceil(12 / PP)-sized groups, so 4 at PP=4 and
-# 6 at PP=8 (the planner sends a placeholder step after every other group's work, so each
-# group's steps are spread out in stage 0's queue; seen: 5 in flight / 4 computing at PP=4,
-# 7 / 6 at PP=8; before that order, 2 at both). Computing at once is allowed one fewer: a
-# stage's span starts only when its process gets a core, and 2 cores serve 11 processes here.
+# per group of sequences, and the 16 requests make ceil(16 / PP)-sized groups, so PP of them
+# (the planner sends a placeholder step after every other group's work and continues the
+# oldest step in flight first, so each group's steps are spread out in stage 0's queue and
+# the groups keep their rows; before those two orders, 2 at both). Computing at once is
+# allowed one fewer: a stage's span starts only when its process gets a core, and 2 cores
+# serve 11 processes here.
 def groups_at_once(num_stages: int) -> int:
     return min(num_stages, -(-len(MIXED) // -(-len(MIXED) // num_stages)))
 SEEDED = {"prompt": "the same seeded request at every pipeline size", "max_tokens": 12, "seed": 7,
