@@ -130,7 +130,7 @@ class Driver:
             self._tasks.append(asyncio.create_task(self._read_events(i, stub, ready)))
             await asyncio.wait_for(ready.wait(), timeout=30)
         self._forward = self.stubs[0].Forward()
-        self._tasks.append(asyncio.create_task(self._drain_acks()))
+        self._tasks.append(asyncio.create_task(self._watch_forward()))
 
     async def close(self) -> None:
         if self._forward is not None:
@@ -151,10 +151,9 @@ class Driver:
                 self._done[(index, event.done.micro_batch_id)] = event.done
                 self._arrived.notify_all()
 
-    async def _drain_acks(self) -> None:
+    async def _watch_forward(self) -> None:  # (it answers only when the stream ends)
         try:
-            async for _ in self._forward:
-                pass
+            await self._forward
         except grpc.aio.AioRpcError:
             pass
 

@@ -72,7 +72,7 @@ class GrpcStageTransport:
             infos = [replace(info, feedback=True) for info in infos]
         self.infos = infos
         self._forward = self._stubs[0].Forward()
-        self._tasks.append(asyncio.create_task(self._drain_acks(self._forward, on_event)))
+        self._tasks.append(asyncio.create_task(self._watch_forward(self._forward, on_event)))
         return infos
 
     def _check_chain(self, infos: list[StageInfo]) -> None:
@@ -170,10 +170,11 @@ class GrpcStageTransport:
             for stale in [k for k in self._timings if k not in self._in_flight]:
                 del self._timings[stale]
 
-    async def _drain_acks(self, call, on_event) -> None:
+    async def _watch_forward(self, call, on_event) -> None:
+        """The stream into stage 0 answers only when it ends: an end that is not ours is a
+        stage gone."""
         try:
-            async for _ in call:
-                pass
+            await call
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:

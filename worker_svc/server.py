@@ -100,7 +100,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         # tokens to write, or a stream's end (`_wake_feedback_writer`)
         self._feedback_queue: asyncio.Queue[worker_pb2.SampledFeedback | asyncio.Future] = asyncio.Queue(maxsize=1024)
         self._feedback_channel: grpc.aio.Channel | None = None
-        self._ack_task: asyncio.Task | None = None
+        self._downstream_task: asyncio.Task | None = None
         self.downstream_connected = False
         self.fatal: BaseException | None = None  # why the compute loop ended, if it did
         self.on_fatal = None  # called then (serve(): the process exits, to be restarted)
@@ -134,8 +134,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        if self._ack_task:
-            self._ack_task.cancel()
+        if self._downstream_task:
+            self._downstream_task.cancel()
         if self._channel is not None:
             await self._channel.close()
         if self._feedback_channel is not None:
@@ -145,8 +145,9 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
     # --- rpcs --------------------------------------------------------------------------
 
     async def Forward(self, request_iterator, context):
+        count = 0
         async for mb in request_iterator:
-            arrived_ns = time.time_ns()
+            count += 1
             work = _Work(mb=mb, upstream_sent_ns=mb.sent_ns)
             self.num_received_bytes += mb.ByteSize()
             self.num_in_flight += 1
@@ -157,7 +158,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 self._resets_queued += 1  # a step waiting for its tokens gives up (_await_inputs)
                 self._fed_event.set()
             await self._queue.put(work)
-            yield worker_pb2.ForwardAck(micro_batch_id=mb.micro_batch_id, received_ns=arrived_ns)
+        return worker_pb2.ForwardSummary(num_micro_batches=count)
 
     async def Feedback(self, request_iterator, context):
         """The last stage's sampled tokens (first stage): applied between steps."""
@@ -490,7 +491,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             await asyncio.wait_for(self._channel.channel_ready(), timeout=2.0)
             stub = worker_pb2_grpc.StageWorkerStub(self._channel)
             self._call = stub.Forward()
-            self._ack_task = asyncio.create_task(self._read_acks(self._call), name="acks")
+            self._downstream_task = asyncio.create_task(self._watch_downstream(self._call), name="downstream")
             self.downstream_connected = True
         return self._call
 
@@ -500,12 +501,11 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self._call = None
         self.downstream_connected = False
 
-    async def _read_acks(self, call) -> None:
+    async def _watch_downstream(self, call) -> None:
+        """The stream to the next stage sends nothing back until it ends: its end (an error,
+        or the next stage gone) drops it, and the next micro-batch opens another."""
         try:
-            while True:
-                ack = await call.read()
-                if ack is grpc.aio.EOF:
-                    break
+            await call
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             log.warning("stream to next stage %s broke: %s", self.config.next_address, _describe(exc))
         except asyncio.CancelledError:

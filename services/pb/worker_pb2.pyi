@@ -127,13 +127,11 @@ class IndexedPromptScoring(_message.Message):
     scoring: PromptScoring
     def __init__(self, index: _Optional[int] = ..., scoring: _Optional[_Union[PromptScoring, _Mapping]] = ...) -> None: ...
 
-class ForwardAck(_message.Message):
-    __slots__ = ("micro_batch_id", "received_ns")
-    MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
-    RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
-    micro_batch_id: int
-    received_ns: int
-    def __init__(self, micro_batch_id: _Optional[int] = ..., received_ns: _Optional[int] = ...) -> None: ...
+class ForwardSummary(_message.Message):
+    __slots__ = ("num_micro_batches",)
+    NUM_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    num_micro_batches: int
+    def __init__(self, num_micro_batches: _Optional[int] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ("subscriber",)

@@ -35,10 +35,10 @@ class StageWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Forward = channel.stream_stream(
+        self.Forward = channel.stream_unary(
                 '/pagoda.v1.StageWorker/Forward',
                 request_serializer=pagoda_dot_v1_dot_worker__pb2.MicroBatch.SerializeToString,
-                response_deserializer=pagoda_dot_v1_dot_worker__pb2.ForwardAck.FromString,
+                response_deserializer=pagoda_dot_v1_dot_worker__pb2.ForwardSummary.FromString,
                 _registered_method=True)
         self.Events = channel.unary_stream(
                 '/pagoda.v1.StageWorker/Events',
@@ -78,8 +78,10 @@ class StageWorkerServicer:
 
     def Forward(self, request_iterator, context):
         """The data path: one long-lived stream opened by the upstream side (the scheduler for
-        stage 0, stage K for stage K+1) carrying micro-batch plans, processed in order. Each
-        plan is acknowledged once received; its outcome is reported on Events, never here.
+        stage 0, stage K for stage K+1) carrying micro-batch plans, processed in order. Nothing
+        comes back per plan (its outcome is reported on Events): the reply, once the upstream
+        side ends the stream, only counts what came; a stream that breaks ends the call with
+        its error, which is how the upstream side sees the stage go.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -136,10 +138,10 @@ class StageWorkerServicer:
 
 def add_StageWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Forward': grpc.stream_stream_rpc_method_handler(
+            'Forward': grpc.stream_unary_rpc_method_handler(
                     servicer.Forward,
                     request_deserializer=pagoda_dot_v1_dot_worker__pb2.MicroBatch.FromString,
-                    response_serializer=pagoda_dot_v1_dot_worker__pb2.ForwardAck.SerializeToString,
+                    response_serializer=pagoda_dot_v1_dot_worker__pb2.ForwardSummary.SerializeToString,
             ),
             'Events': grpc.unary_stream_rpc_method_handler(
                     servicer.Events,
@@ -194,12 +196,12 @@ class StageWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
+        return grpc.experimental.stream_unary(
             request_iterator,
             target,
             '/pagoda.v1.StageWorker/Forward',
             pagoda_dot_v1_dot_worker__pb2.MicroBatch.SerializeToString,
-            pagoda_dot_v1_dot_worker__pb2.ForwardAck.FromString,
+            pagoda_dot_v1_dot_worker__pb2.ForwardSummary.FromString,
             options,
             channel_credentials,
             insecure,

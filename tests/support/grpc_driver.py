@@ -56,7 +56,7 @@ class GrpcPipelineDriver:
             self._tasks.append(asyncio.create_task(self._read_events(i, view, ready)))
             await asyncio.wait_for(ready.wait(), timeout=30)
         self._forward = self.stages[0].stub.Forward()
-        self._tasks.append(asyncio.create_task(self._drain_acks(self._forward)))
+        self._tasks.append(asyncio.create_task(self._watch_forward(self._forward)))
 
     async def close(self) -> None:
         if self._forward is not None:
@@ -85,10 +85,9 @@ class GrpcPipelineDriver:
             self.stream_errors.append((index, time.monotonic(), exc.code()))
             await self._results.put(StageFailure(index, None, exc.code().name, exc.details() or ""))
 
-    async def _drain_acks(self, call) -> None:
+    async def _watch_forward(self, call) -> None:  # (it answers only when the stream ends)
         try:
-            async for _ in call:
-                pass
+            await call
         except grpc.aio.AioRpcError:
             pass
 
