@@ -168,10 +168,8 @@ class Driver:
         await self._forward.write(mb)
         keys = [(i, plan.step_id) for i in range(len(self.stubs))]
 
-        def arrived() -> bool:
-            return all(k in self._done for k in keys) or any(
-                k in self._done and self._done[k].HasField("error") for k in keys
-            )
+        def arrived() -> bool:  # the last stage reports every stage's timing; any stage a failure
+            return keys[-1] in self._done or any(k in self._done and self._done[k].HasField("error") for k in keys)
 
         async with self._arrived:
             await asyncio.wait_for(self._arrived.wait_for(arrived), timeout_s)
@@ -182,7 +180,7 @@ class Driver:
                     f"stage {i} failed micro-batch {plan.step_id}: "
                     f"{_code_name(done.error.code)} {done.error.message}"
                 )
-            sample.timings.append(done.timing)
+        sample.timings.extend([*done.upstream_timings, done.timing])
         return sample
 
     async def sent_bytes(self) -> int:

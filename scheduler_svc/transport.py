@@ -1,9 +1,9 @@
 """The scheduler's gRPC transport to the pipeline.
 
 One long-lived `Forward` stream into stage 0 carries micro-batches; one `Events` stream
-from every stage brings results straight back (the last stage's sampled tokens, any
-stage's errors and timings). No stage dials the scheduler: a broken events stream tells the
-scheduler at once which stage is gone.
+from every stage brings results straight back: any stage's errors, and from the last stage
+each step's sampled tokens with every stage's timing. No stage dials the scheduler: a
+broken events stream tells the scheduler at once which stage is gone.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ class GrpcStageTransport:
         self._stubs: list[worker_pb2_grpc.StageWorkerStub] = []
         self._tasks: list[asyncio.Task] = []
         self._forward = None
-        self._timings: dict[int, list[StageTiming]] = {}
         self._in_flight: set[int] = set()  # steps sent on this connection, no outcome yet
         self._last_sent = 0
         self.infos: list[StageInfo] = []
@@ -148,7 +147,7 @@ class GrpcStageTransport:
         later result look too late)."""
         mb_id = done.micro_batch_id
         if mb_id not in self._in_flight:
-            if mb_id > self._last_sent:  # (an earlier step's late timing is dropped quietly)
+            if mb_id > self._last_sent:  # (a late report of a step already ended: quietly)
                 log.warning("stage %d reported micro-batch %d, which was never sent: ignored", index, mb_id)
             return
         if done.HasField("error") and done.error.code:
@@ -156,19 +155,15 @@ class GrpcStageTransport:
             for c in grpc.StatusCode:
                 if c.value[0] == done.error.code:
                     code = c.name
-            self._timings.pop(mb_id, None)
             self._in_flight.discard(mb_id)
             on_event(ErrorEvent(mb_id, index, code, done.error.message))
             return
-        t = done.timing
-        self._timings.setdefault(mb_id, []).append(
-            StageTiming(index, t.received_ns, t.compute_start_ns, t.compute_end_ns)
-        )
-        if index == len(self.addresses) - 1:
-            self._in_flight.discard(mb_id)
-            on_event(result_from_pb(done, tuple(self._timings.pop(mb_id, ()))))
-            for stale in [k for k in self._timings if k not in self._in_flight]:
-                del self._timings[stale]
+        if index != len(self.addresses) - 1:
+            return  # (a stage that reports its successes too: the last one brings its timing)
+        self._in_flight.discard(mb_id)
+        timings = tuple(StageTiming(t.stage_index, t.received_ns, t.compute_start_ns, t.compute_end_ns)
+                        for t in (*done.upstream_timings, done.timing))
+        on_event(result_from_pb(done, timings))
 
     async def _watch_forward(self, call, on_event) -> None:
         """The stream into stage 0 answers only when it ends: an end that is not ours is a
@@ -203,7 +198,6 @@ class GrpcStageTransport:
 
     async def close(self) -> None:
         self._in_flight.clear()
-        self._timings.clear()
         if self._forward is not None:
             self._forward.cancel()
             self._forward = None

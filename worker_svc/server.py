@@ -524,8 +524,13 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self._emit(worker_pb2.StageEvent(stage_index=self.config.stage, epoch=self.epoch, done=done))
 
     def _finish(self, work: _Work) -> None:
+        """Count the step and report it: a failure at once on Events; a success on Events
+        from the last stage only, with every stage's timing, which the others append to the
+        micro-batch they hand on (MicroBatch.upstream_timings): one event per step for the
+        scheduler to read, not one per stage."""
         done = worker_pb2.MicroBatchDone(micro_batch_id=work.mb.micro_batch_id)
         timing = done.timing
+        timing.stage_index = self.config.stage
         timing.sent_ns = work.upstream_sent_ns
         timing.received_ns = work.received_ns
         timing.compute_start_ns = work.compute_start_ns
@@ -547,10 +552,15 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             copies = len(work.plan.block_copies)
             self.num_block_copies += copies
             done.num_block_copies_applied = copies
-            if self.config.is_last and work.result.sampled is not None:
-                result_to_pb(work.result.step_result(), done)
             if self._tracing:
                 self._trace_spans(work)
+            if not self.config.is_last:
+                work.mb.upstream_timings.append(timing)
+                self.num_in_flight -= 1
+                return
+            done.upstream_timings.extend(work.mb.upstream_timings)
+            if work.result.sampled is not None:
+                result_to_pb(work.result.step_result(), done)
         self.num_in_flight -= 1
         self._emit(worker_pb2.StageEvent(stage_index=self.config.stage, epoch=self.epoch, done=done))
 

@@ -36,7 +36,7 @@ class AbandonReply(_message.Message):
     def __init__(self) -> None: ...
 
 class MicroBatch(_message.Message):
-    __slots__ = ("micro_batch_id", "stage_index", "block_copies", "finished_seq_ids", "reset", "hidden_states", "sent_ns", "new_seqs", "cached")
+    __slots__ = ("micro_batch_id", "stage_index", "block_copies", "finished_seq_ids", "reset", "hidden_states", "sent_ns", "new_seqs", "cached", "upstream_timings")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class MicroBatch(_message.Message):
     SENT_NS_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     micro_batch_id: int
     stage_index: int
     block_copies: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockCopy]
@@ -55,7 +56,8 @@ class MicroBatch(_message.Message):
     sent_ns: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[StageNewSequence]
     cached: CachedSequences
-    def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[StageNewSequence, _Mapping]]] = ..., cached: _Optional[_Union[CachedSequences, _Mapping]] = ...) -> None: ...
+    upstream_timings: _containers.RepeatedCompositeFieldContainer[StepTiming]
+    def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[StageNewSequence, _Mapping]]] = ..., cached: _Optional[_Union[CachedSequences, _Mapping]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ...) -> None: ...
 
 class StageNewSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed", "num_scheduled", "block_ids", "params", "eos_token_ids", "choice_index", "entropy_seed", "request_id", "traceparent", "prompt_scoring", "pooling")
@@ -152,7 +154,7 @@ class StageEvent(_message.Message):
     def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., ready: _Optional[_Union[StageLoadInfo, _Mapping]] = ..., done: _Optional[_Union[MicroBatchDone, _Mapping]] = ...) -> None: ...
 
 class MicroBatchDone(_message.Message):
-    __slots__ = ("micro_batch_id", "error", "timing", "sampled", "num_block_copies_applied", "prompt_logprobs", "pooled")
+    __slots__ = ("micro_batch_id", "error", "timing", "sampled", "num_block_copies_applied", "prompt_logprobs", "pooled", "upstream_timings")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +162,7 @@ class MicroBatchDone(_message.Message):
     NUM_BLOCK_COPIES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     micro_batch_id: int
     error: _common_pb2.ErrorStatus
     timing: StepTiming
@@ -167,7 +170,8 @@ class MicroBatchDone(_message.Message):
     num_block_copies_applied: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     pooled: _containers.RepeatedCompositeFieldContainer[PooledOutput]
-    def __init__(self, micro_batch_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_block_copies_applied: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ...) -> None: ...
+    upstream_timings: _containers.RepeatedCompositeFieldContainer[StepTiming]
+    def __init__(self, micro_batch_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_block_copies_applied: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ...) -> None: ...
 
 class PooledOutput(_message.Message):
     __slots__ = ("seq_id", "embedding")
@@ -198,7 +202,7 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class StepTiming(_message.Message):
-    __slots__ = ("sent_ns", "received_ns", "compute_start_ns", "compute_end_ns", "forwarded_ns", "num_seqs", "num_tokens")
+    __slots__ = ("sent_ns", "received_ns", "compute_start_ns", "compute_end_ns", "forwarded_ns", "num_seqs", "num_tokens", "stage_index")
     SENT_NS_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_START_NS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +210,7 @@ class StepTiming(_message.Message):
     FORWARDED_NS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     sent_ns: int
     received_ns: int
     compute_start_ns: int
@@ -213,7 +218,8 @@ class StepTiming(_message.Message):
     forwarded_ns: int
     num_seqs: int
     num_tokens: int
-    def __init__(self, sent_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., compute_start_ns: _Optional[int] = ..., compute_end_ns: _Optional[int] = ..., forwarded_ns: _Optional[int] = ..., num_seqs: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    stage_index: int
+    def __init__(self, sent_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., compute_start_ns: _Optional[int] = ..., compute_end_ns: _Optional[int] = ..., forwarded_ns: _Optional[int] = ..., num_seqs: _Optional[int] = ..., num_tokens: _Optional[int] = ..., stage_index: _Optional[int] = ...) -> None: ...
 
 class LoadInfoRequest(_message.Message):
     __slots__ = ()

@@ -90,7 +90,8 @@ class StageWorkerServicer:
     def Events(self, request, context):
         """The result path: the scheduler's long-lived stream from this stage. The first event is
         `ready` (the stage's LoadInfo, so the stream's epoch is known); then one `done` per
-        micro-batch this stage processed or failed. A new subscription replaces the old one.
+        micro-batch this stage failed, and on the last stage one per micro-batch it finished
+        (with every stage's timing). A new subscription replaces the old one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

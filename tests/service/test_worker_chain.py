@@ -104,9 +104,10 @@ def test_fork_mid_block_continues_like_transformers(chain, reference):
     for out in (a, b):
         assert reference.compare(prompt + out[:1], out[1:]).tie_divergences == 0
     assert all(s.num_block_copies >= 1 for s in stats)
-    applied = [e.done.num_block_copies_applied for v in driver.stages for e in v.events
-               if e.HasField("done")]
-    assert sum(applied) >= len(driver.stages)
+    # the last stage reports each step (the others report only failures)
+    applied = [e.done.num_block_copies_applied for e in driver.stages[-1].events if e.HasField("done")]
+    assert sum(applied) >= 1
+    assert not any(e.HasField("done") for v in driver.stages[:-1] for e in v.events)
 
 
 def _plan(mb_id: int, seq_id: int, tokens: list[int], blocks: tuple[int, ...]) -> StepPlan:
