@@ -194,6 +194,8 @@ async def measure_cell(arm: StackArm, poller: TimelinePoller, requests, concurre
         "bubble": services.mean_bubble_fraction, "num_spans": len(spans),
         "ready_gap": _pcts(ready), "stage0_gap": _pcts(first), "max_at_once": max_at_once(spans, window),
         "stage0_steps": steps0, "stage0_feedback_waits": poller.feedback_waits - waits0,
+        # the loaded window's spans, for the busy-over-time plot (`--plot`)
+        "spans": [list(sp) for sp in spans if window[0] <= sp[2] <= window[1]],
     }
 
 
@@ -288,6 +290,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench/results/emulated_table.json"))
+    p.add_argument("--plot", type=Path, default=None,
+                   help="also draw each PP's stages busy over time (mixed load, sync and async) to this PNG")
+    p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="only print the table (and --plot) from a saved results file")
     return p.parse_args(argv)
 
 
@@ -318,11 +324,19 @@ async def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    results = asyncio.run(run(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    if args.render is not None:
+        results = json.loads(args.render.read_text())
+    else:
+        results = asyncio.run(run(args))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
     print("\n".join(table_rows(results)))
-    print(f"\nwrote {args.out}; {results['meta']['elapsed_s']:.0f} s")
+    if args.plot is not None:
+        from bench.plots import emulated_busy
+
+        print(f"plot: {emulated_busy(results, args.plot)}")
+    if args.render is None:
+        print(f"\nwrote {args.out}; {results['meta']['elapsed_s']:.0f} s")
     return 0
 
 

@@ -6,6 +6,9 @@
     gantt_<model>.png               a few seconds of per-stage execution: one bar per
                                     micro-batch on each stage, gaps are bubbles
     gantt_<model>.trace.json        the same steps as Chrome trace events (opens in Perfetto)
+
+and `emulated_busy`, bench/emulated_table.py's `--plot`: each pipeline size's stages busy over
+time, sync beside async.
 """
 
 from __future__ import annotations
@@ -103,6 +106,28 @@ def gantt_window(events: list[dict], window_s: float) -> tuple[list[dict], int, 
     return [e for e in events if e["end_ns"] > lo and e["start_ns"] < hi], lo, hi
 
 
+def _stage_bars(ax, events: list[dict], lo: int, hi: int, stages: list[int], label_ids: bool) -> None:
+    """One bar per micro-batch's compute on each stage between `lo` and `hi` (ns), colour =
+    micro-batch, the stage's busy share of the window beside it."""
+    cmap = _plt().get_cmap("tab20")
+    width_ms = (hi - lo) / 1e6
+    for s in stages:
+        mine = [e for e in events if e["stage"] == s]
+        bars = [((max(e["start_ns"], lo) - lo) / 1e6, (min(e["end_ns"], hi) - max(e["start_ns"], lo)) / 1e6)
+                for e in mine]
+        ax.broken_barh(bars, (s - 0.4, 0.8), facecolors=[cmap(e["micro_batch_id"] % 20) for e in mine],
+                       edgecolor="black", linewidth=0.2)
+        busy = sum(w for _, w in bars) / width_ms if width_ms > 0 else 0
+        ax.text(width_ms * 1.005, s, f"busy {busy:.0%}", va="center", fontsize=8)
+        if label_ids:
+            for e, (x, w) in zip(mine, bars, strict=True):
+                if w > width_ms / 60:
+                    ax.text(x + w / 2, s, str(e["micro_batch_id"]), ha="center", va="center", fontsize=6)
+    ax.set_yticks(stages, [f"stage {s}" for s in stages])
+    ax.invert_yaxis()
+    ax.set_xlim(0, width_ms * 1.1)
+
+
 def gantt(model: dict, path: Path, window_s: float = 2.0, zoom_s: float = 0.25) -> Path | None:
     """Two panels: `window_s` of execution, and the middle `zoom_s` of it up close."""
     g = model.get("gantt")
@@ -111,31 +136,50 @@ def gantt(model: dict, path: Path, window_s: float = 2.0, zoom_s: float = 0.25) 
     plt = _plt()
     stages = sorted({e["stage"] for e in g["events"]})
     fig, axes = plt.subplots(2, 1, figsize=(13, 2.4 + 1.8 * len(stages)))
-    cmap = plt.get_cmap("tab20")
     for ax, span in zip(axes, (window_s, zoom_s), strict=True):
         events, lo, hi = gantt_window(g["events"], span)
-        width_ms = (hi - lo) / 1e6
-        for s in stages:
-            mine = [e for e in events if e["stage"] == s]
-            bars = [((max(e["start_ns"], lo) - lo) / 1e6, (min(e["end_ns"], hi) - max(e["start_ns"], lo)) / 1e6)
-                    for e in mine]
-            ax.broken_barh(bars, (s - 0.4, 0.8), facecolors=[cmap(e["micro_batch_id"] % 20) for e in mine],
-                           edgecolor="black", linewidth=0.2)
-            busy = sum(w for _, w in bars) / width_ms if width_ms > 0 else 0
-            ax.text(width_ms * 1.005, s, f"busy {busy:.0%}", va="center", fontsize=8)
-            if span == zoom_s:
-                for e, (x, w) in zip(mine, bars, strict=True):
-                    if w > width_ms / 60:
-                        ax.text(x + w / 2, s, str(e["micro_batch_id"]), ha="center", va="center", fontsize=6)
-        ax.set_yticks(stages, [f"stage {s}" for s in stages])
-        ax.invert_yaxis()
-        ax.set_xlim(0, width_ms * 1.08)
-        ax.set_title(f"{width_ms / 1000:.2f} s" + (" (zoom: micro-batch ids on the bars)" if span == zoom_s else ""),
+        _stage_bars(ax, events, lo, hi, stages, label_ids=span == zoom_s)
+        ax.set_title(f"{(hi - lo) / 1e9:.2f} s" + (" (zoom: micro-batch ids on the bars)" if span == zoom_s else ""),
                      fontsize=9)
     axes[1].set_xlabel("ms (one bar: one micro-batch's compute on a stage, colour = micro-batch; gaps: bubbles)")
     fig.suptitle(f"{model['preset']}: per-stage execution under mixed load ({g['settings']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def emulated_busy(results: dict, path: Path, window_s: float = 0.25, load: str = "mixed") -> Path | None:
+    """bench/emulated_table.py's cells: for each pipeline size a row, sync on the left and async
+    on the right, each stage's compute over the middle `window_s` of the loaded window of `load`
+    (the bubbles are the gaps)."""
+    cells = sorted(((int(pp), modes) for pp, modes in results["cells"].items()), key=lambda kv: kv[0])
+    cells = [(pp, modes) for pp, modes in cells if any(modes.get(m, {}).get(load, {}).get("spans") for m in modes)]
+    if not cells:
+        return None
+    plt = _plt()
+    heights = [1.2 + 0.35 * pp for pp, _ in cells]
+    fig, axes = plt.subplots(len(cells), 2, figsize=(15, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for row, (pp, modes) in zip(axes, cells, strict=True):
+        for ax, mode in zip(row, ("sync", "async"), strict=True):
+            cell = modes.get(mode, {}).get(load)
+            if not cell or not cell.get("spans"):
+                ax.set_axis_off()
+                continue
+            spans = [{"stage": st, "micro_batch_id": mb, "start_ns": a, "end_ns": b} for st, mb, a, b in cell["spans"]]
+            events, lo, hi = gantt_window(spans, window_s)
+            _stage_bars(ax, events, lo, hi, list(range(pp)), label_ids=False)
+            ax.set_title(f"PP={pp} {mode}: {cell['output_tok_s']:.0f} tok/s, mean busy "
+                         f"{sum(cell['stage_busy']) / len(cell['stage_busy']):.0%} over the load", fontsize=9)
+    for ax in axes[-1]:
+        ax.set_xlabel(f"ms ({window_s * 1000:.0f} ms from the middle of the {load} load; a bar: one micro-batch's "
+                      "compute on a stage; gaps: bubbles)", fontsize=8)
+    fig.suptitle(f"Stages busy over time, {results['meta']['device']} ({results['meta']['layers']} layers, "
+                 f"{results['meta']['concurrency']} clients)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 

@@ -10,11 +10,15 @@ model of one step of one pipeline stage:
                                 + num_context_tokens * per_context_token_s
                                 + (tensor_parallel_size > 1)
                                   * (num_prefill_tokens + num_decode_rows) * allreduce_per_token_s)
+    + (last stage) * (last_stage_fixed_s + num_sampled_rows * last_stage_per_row_s)
 
 Every per-* cost is for ALL of the model's layers; a stage holding a share of the layers pays
 that share (`layer_fraction`). `fixed_s` is paid once per step by every stage whatever its
 share (launching the step); `per_step_s` is paid once per step per layer (reading the layer's
-weights, the all-reduces' latency), so a stage pays its share of it.
+weights, the all-reduces' latency), so a stage pays its share of it. The `last_stage_*` costs
+are what only the last stage runs, the final norm, the LM head and sampling: once per step and
+per row that samples (a decode row, or a prompt's last chunk). A profile that charges the head
+to every stage instead (as the A100's does, in `fixed_s`) leaves them 0.
 
 Profiles are JSON files: the ones shipped with the code live in services/profiles/<name>.json
 (read with importlib.resources, so they work from an editable install and a wheel); any other
@@ -22,12 +26,14 @@ file is loaded by its path. The form, which `save_profile` writes and `load_prof
 
     {"name": str, "source": str, "notes": [str, ...],
      "step": {"fixed_s", "per_step_s", "per_prefill_token_s", "per_decode_row_s",
-              "per_context_token_s", "allreduce_per_token_s"},      # seconds, >= 0
+              "per_context_token_s", "allreduce_per_token_s",
+              "last_stage_fixed_s", "last_stage_per_row_s"},        # seconds, >= 0
      "eos_probability": float in [0, 1],
      "tensor_parallel_size": int >= 1,                              # optional, default 1
+     "host_compute": bool,                                          # optional, default false
      "model": {"hidden_size": int, "num_layers": int, ...}}         # optional, informational
 
-`per_step_s` and `tensor_parallel_size` may be left out (0.0 and 1); the other keys of "model"
+`per_step_s`, the `last_stage_*` costs and `tensor_parallel_size` may be left out (0.0 and 1); the other keys of "model"
 are for readers and are not loaded. Unknown keys elsewhere are refused, so a misspelt cost is
 never silently zero. Torch-free and service-free.
 """
@@ -44,10 +50,10 @@ from typing import Any
 PROFILES_PACKAGE, PROFILES_DIR = "services", "profiles"
 # the costs of one step, in the order the file lists them; per_step_s alone may be left out
 STEP_FIELDS = ("fixed_s", "per_step_s", "per_prefill_token_s", "per_decode_row_s",
-               "per_context_token_s", "allreduce_per_token_s")
-OPTIONAL_STEP_FIELDS = ("per_step_s",)
+               "per_context_token_s", "allreduce_per_token_s", "last_stage_fixed_s", "last_stage_per_row_s")
+OPTIONAL_STEP_FIELDS = ("per_step_s", "last_stage_fixed_s", "last_stage_per_row_s")
 TOP_LEVEL_KEYS = ("name", "source", "notes", "step", "eos_probability", "tensor_parallel_size",
-                  "model")
+                  "host_compute", "model")
 MODEL_FIELDS = ("hidden_size", "num_layers")
 
 
@@ -73,13 +79,19 @@ class DeviceProfile:
     num_layers: int | None = None
     per_step_s: float = 0.0  # all layers, paid once per step, scaled by layer_fraction
     tensor_parallel_size: int = 1  # the tensor-parallel degree the costs were made for
+    last_stage_fixed_s: float = 0.0  # the last stage only, per step: final norm, LM head, sampling
+    last_stage_per_row_s: float = 0.0  # the last stage only, per row that samples
+    # the device is this machine's own CPU: an emulated step keeps a core busy for its time, as
+    # the real stage would, instead of sleeping (the other services meet the same contention)
+    host_compute: bool = False
     notes: tuple[str, ...] = ()  # free-text lines explaining every number
 
     def __post_init__(self) -> None:
         _check_profile(self)
 
     def step_time_s(self, *, layer_fraction: float, num_prefill_tokens: int, num_decode_rows: int,
-                    num_context_tokens: int, tensor_parallel_size: int = 1) -> float:
+                    num_context_tokens: int, tensor_parallel_size: int = 1, is_last_stage: bool = False,
+                    num_sampled_rows: int = 0) -> float:
         """Seconds one stage's forward pass of one step takes on this device.
 
         `layer_fraction`: the stage's share of the model's layers, in (0, 1].
@@ -89,9 +101,11 @@ class DeviceProfile:
         sequence's length once this step's tokens are in its KV cache (cached + new).
         `tensor_parallel_size`: the stage's tensor-parallel degree; the all-reduce term is paid
         only above 1.
+        `is_last_stage`, `num_sampled_rows`: the last stage pays the `last_stage_*` costs, per
+        step and per row that samples.
         """
         _check_step_arguments(layer_fraction, num_prefill_tokens, num_decode_rows,
-                              num_context_tokens, tensor_parallel_size)
+                              num_context_tokens, tensor_parallel_size, num_sampled_rows)
         num_tokens = num_prefill_tokens + num_decode_rows
         allreduce = num_tokens * self.allreduce_per_token_s if tensor_parallel_size > 1 else 0.0
         per_layers = (self.per_step_s
@@ -99,7 +113,8 @@ class DeviceProfile:
                       + num_decode_rows * self.per_decode_row_s
                       + num_context_tokens * self.per_context_token_s
                       + allreduce)
-        return self.fixed_s + layer_fraction * per_layers
+        head = (self.last_stage_fixed_s + num_sampled_rows * self.last_stage_per_row_s) if is_last_stage else 0.0
+        return self.fixed_s + layer_fraction * per_layers + head
 
 
 def _check_profile(profile: DeviceProfile) -> None:
@@ -113,6 +128,8 @@ def _check_profile(profile: DeviceProfile) -> None:
     if profile.eos_probability > 1:
         raise ValueError(f"{where}: eos_probability must be in [0, 1], got {profile.eos_probability}")
     _positive_int(profile.tensor_parallel_size, f"{where}: tensor_parallel_size")
+    if not isinstance(profile.host_compute, bool):
+        raise ValueError(f"{where}: host_compute must be true or false, got {profile.host_compute!r}")
     for field in MODEL_FIELDS:
         if getattr(profile, field) is not None:
             _positive_int(getattr(profile, field), f"{where}: {field}")
@@ -133,11 +150,11 @@ def _positive_int(value: Any, what: str) -> None:
 
 
 def _check_step_arguments(layer_fraction: float, num_prefill_tokens: int, num_decode_rows: int,
-                          num_context_tokens: int, tensor_parallel_size: int) -> None:
+                          num_context_tokens: int, tensor_parallel_size: int, num_sampled_rows: int) -> None:
     if not 0 < layer_fraction <= 1:
         raise ValueError(f"layer_fraction must be in (0, 1], got {layer_fraction}")
     counts = {"num_prefill_tokens": num_prefill_tokens, "num_decode_rows": num_decode_rows,
-              "num_context_tokens": num_context_tokens}
+              "num_context_tokens": num_context_tokens, "num_sampled_rows": num_sampled_rows}
     for what, count in counts.items():
         if count < 0:
             raise ValueError(f"{what} must be >= 0, got {count}")
@@ -193,6 +210,7 @@ def profile_to_dict(profile: DeviceProfile) -> dict[str, Any]:
             "step": {f: getattr(profile, f) for f in STEP_FIELDS},
             "eos_probability": profile.eos_probability,
             "tensor_parallel_size": profile.tensor_parallel_size,
+            "host_compute": profile.host_compute,
             "model": model}
 
 
@@ -222,6 +240,7 @@ def profile_from_dict(data: Any, origin: str = "device profile") -> DeviceProfil
             name=data["name"], source=data["source"], notes=tuple(notes),
             eos_probability=data["eos_probability"],
             tensor_parallel_size=data.get("tensor_parallel_size", 1),
+            host_compute=data.get("host_compute", False),
             hidden_size=model.get("hidden_size"), num_layers=model.get("num_layers"),
             **{key: step.get(key, 0.0) for key in STEP_FIELDS})
     except ValueError as e:

@@ -12,6 +12,9 @@ reports timings as any stage does. What it does not do:
   runs today: the thread sleeps in the kernel (clock_nanosleep) with the GIL released, so it
   spends no CPU and the event loop keeps receiving the next micro-batch and sending the last
   one; it wakes within tens of microseconds, where an asyncio timer rounds up to a millisecond.
+  A profile whose device is this machine's own CPU (`host_compute`, as `cpu-local`) computes
+  for the step's time instead (`compute_for`), so the other services meet the contention the
+  real stage would make.
 - Load weights. config.json is the whole model (the gateway still wants a tokenizer).
 - Hold KV memory. No tensor is allocated for the pool; the KV service does the block
   accounting as always and the batch keeps the block tables (block copies are validated,
@@ -61,22 +64,25 @@ class StepShape:
     """What a step's emulated time depends on. A decode row computes one token past its
     prompt; every other row's tokens are prefill tokens (prompt chunks, recompute after
     preemption). Context tokens: the KV positions the step's attention reads, each row's
-    context length (its tokens so far and the ones it computes now), summed."""
+    context length (its tokens so far and the ones it computes now), summed. Sampled rows:
+    those whose last position the LM head computes (the last stage's share of the step)."""
 
     num_prefill_tokens: int
     num_decode_rows: int
     num_context_tokens: int
+    num_sampled_rows: int = 0
 
     @classmethod
     def of(cls, rows: Iterable[Row]) -> StepShape:
-        prefill = decode = context = 0
+        prefill = decode = context = sampled = 0
         for r in rows:
             if r.num_tokens == 1 and r.start >= r.state.prompt_len:
                 decode += 1
             else:
                 prefill += r.num_tokens
             context += r.context_len
-        return cls(prefill, decode, context)
+            sampled += bool(r.sample)
+        return cls(prefill, decode, context, sampled)
 
 
 @dataclass(frozen=True)
@@ -279,7 +285,8 @@ class EmulatedRunner:
         return self.profile.step_time_s(
             layer_fraction=self.model.layer_fraction, num_prefill_tokens=shape.num_prefill_tokens,
             num_decode_rows=shape.num_decode_rows, num_context_tokens=shape.num_context_tokens,
-            tensor_parallel_size=self.tensor_parallel_size)
+            tensor_parallel_size=self.tensor_parallel_size, is_last_stage=self.model.is_last,
+            num_sampled_rows=shape.num_sampled_rows)
 
     def execute(self, plan: StepPlan, hidden: torch.Tensor | None = None,
                 keep_logits: bool = False) -> StageResult:
@@ -348,9 +355,21 @@ def emulated_num_blocks(config: WorkerConfig, block_bytes: int) -> int:
     return config.num_kv_blocks if config.num_kv_blocks is not None else fits
 
 
+def compute_for(seconds: float) -> None:
+    """Keep this thread's core busy for `seconds` (a profile with `host_compute`: the device is
+    this machine's CPU): small matrix products, each of which releases the GIL as the real
+    stage's do, until the time is up."""
+    end = time.perf_counter() + seconds
+    a = torch.ones(48, 48)
+    while time.perf_counter() < end:
+        torch.mm(a, a)
+
+
 def build_emulated_runner(config: WorkerConfig, sleep: Callable[[float], None] = time.sleep) -> EmulatedRunner:
     """The stage `config` describes, on the emulated device it names: config.json read, no
-    weights, no KV tensors. ValueError for an unknown profile or a layer split that does not fit."""
+    weights, no KV tensors. ValueError for an unknown profile or a layer split that does not fit.
+    A profile of this machine's CPU (`host_compute`) computes for the step's time instead of
+    sleeping (`compute_for`)."""
     from services.device_profile import load_profile
     from worker_svc.loader import partition_layers, resolve_dtype
 
@@ -358,6 +377,8 @@ def build_emulated_runner(config: WorkerConfig, sleep: Callable[[float], None] =
     if spec is None:
         raise ValueError(f"device: {config.device!r} is not an emulated device ({EMULATED_PREFIX}PROFILE)")
     profile = load_profile(spec)
+    if profile.host_compute and sleep is time.sleep:
+        sleep = compute_for
     model_config = ModelConfig.from_dir(config.model)
     start, end = partition_layers(model_config.num_layers, config.num_stages, config.layer_partition)[config.stage]
     model = EmulatedSlice(model_config, start, end, config.is_first, config.is_last, config.model)

@@ -224,3 +224,25 @@ def test_the_extra_model_fields_are_for_readers(tmp_path):
     data["model"] = {"name": "some/model", "hidden_size": 64, "num_layers": 2, "dtype": "bfloat16"}
     profile = load_profile(write(tmp_path, data))
     assert (profile.hidden_size, profile.num_layers) == (64, 2)
+
+
+def test_the_last_stage_alone_pays_the_last_stage_costs_per_sampled_row():
+    p = make(last_stage_fixed_s=2e-3, last_stage_per_row_s=5e-4)
+    shape = dict(layer_fraction=0.5, num_prefill_tokens=0, num_decode_rows=4, num_context_tokens=400)
+    plain = p.step_time_s(**shape)
+    assert p.step_time_s(**shape, is_last_stage=True, num_sampled_rows=4) == pytest.approx(plain + 2e-3 + 4 * 5e-4)
+    assert p.step_time_s(**shape, is_last_stage=False, num_sampled_rows=4) == pytest.approx(plain)
+    with pytest.raises(ValueError, match="num_sampled_rows must be >= 0"):
+        p.step_time_s(**shape, is_last_stage=True, num_sampled_rows=-1)
+
+
+def test_host_compute_round_trips_and_must_be_a_bool(tmp_path):
+    p = make(host_compute=True, last_stage_fixed_s=1e-3)
+    path = tmp_path / "cpu.json"
+    save_profile(p, path)
+    assert load_profile(str(path)) == p
+    assert load_profile("cpu-local").host_compute and not load_profile(A100).host_compute
+    data = profile_to_dict(make())
+    data["host_compute"] = "yes"
+    with pytest.raises(ValueError, match="host_compute must be true or false"):
+        load_profile(write(tmp_path, data))

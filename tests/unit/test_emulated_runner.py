@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from worker_svc.emulated import (
     EmulatedSlice,
     StepShape,
     build_emulated_runner,
+    compute_for,
     emulated_tensor_parallel_size,
 )
 from worker_svc.errors import InvalidPlanError
@@ -90,7 +92,7 @@ def test_step_shape_counts_prefill_tokens_decode_rows_and_context():
             row(4, 1, 8),  # a prompt's last token after a prefix hit: prefill, not decode
             row(0, 10, 8)]  # recompute of prompt and output after a preemption
     assert StepShape.of(rows) == StepShape(num_prefill_tokens=8 + 1 + 10, num_decode_rows=1,
-                                           num_context_tokens=8 + 9 + 5 + 10)
+                                           num_context_tokens=8 + 9 + 5 + 10, num_sampled_rows=4)
 
 
 def test_each_step_waits_the_profiles_time_for_its_shape_on_this_stages_layers():
@@ -107,6 +109,22 @@ def test_each_step_waits_the_profiles_time_for_its_shape_on_this_stages_layers()
     assert sleeps[-1] == pytest.approx(p.step_time_s(
         layer_fraction=0.5, num_prefill_tokens=0, num_decode_rows=2, num_context_tokens=21 + 6))
     assert first.emulated_s == pytest.approx(sum(sleeps))
+
+
+def test_only_the_last_stage_pays_the_last_stage_costs_per_sampled_row():
+    costs = {"last_stage_fixed_s": 2e-3, "last_stage_per_row_s": 5e-4}
+    p = replace(profile(), **costs)
+    prefill = StepPlan(1, new_seqs=(new_seq(1, 20, (0, 1)), new_seq(2, 5, (2,))))
+    waits = {}
+    for stage in (0, 1):
+        sleeps: list[float] = []
+        r = runner(stage, 2, sleeps=sleeps)
+        r.profile = p
+        r.execute(prefill, None if stage == 0 else torch.zeros(25, r.model.config.hidden_size, dtype=torch.bfloat16))
+        waits[stage] = sleeps[-1]
+    plain = p.step_time_s(layer_fraction=0.5, num_prefill_tokens=25, num_decode_rows=0, num_context_tokens=25)
+    assert waits[0] == pytest.approx(plain)  # the first stage samples nothing
+    assert waits[1] == pytest.approx(plain + 2e-3 + 2 * 5e-4)  # two prompts sample their next token
 
 
 def test_the_tensor_parallel_size_is_the_flags_or_else_the_profiles():
@@ -273,6 +291,14 @@ def test_a_config_json_is_the_whole_model(tmp_path):
     assert first.kv_block_bytes == 2 * 2 * 16 * 1 * 128 * 2
     sized = build_emulated_runner(WorkerConfig(stage=1, kv_cache_memory=first.kv_block_bytes * 100, **common))
     assert sized.num_blocks == 100 and sized.sampler is not None
+
+
+def test_a_profile_of_this_machines_cpu_computes_for_the_step_instead_of_sleeping(tmp_path):
+    model = _config_only_model(tmp_path)
+    cpu = build_emulated_runner(WorkerConfig(model=model, device="emulated:cpu-local", num_kv_blocks=8))
+    a100 = build_emulated_runner(WorkerConfig(model=model, device=f"emulated:{PROFILE}", num_kv_blocks=8))
+    assert cpu.profile.host_compute and cpu._sleep is compute_for
+    assert not a100.profile.host_compute and a100._sleep is time.sleep
 
 
 def test_the_stage_reports_its_emulated_device(tmp_path):
