@@ -69,17 +69,21 @@ def test_the_trace_file_has_the_decisions_and_the_engines_events_in_order(tmp_pa
     observer.micro_batch_planned(micro_batch(7, (r, 0, 3)))
     assert p.decisions == []  # drained
     p.decisions.append({"event": "finished", "request_id": "a", "t": 5.0})  # a time of its own stays
-    observer.micro_batch_returned(StepResult(7), now=102.0)
+    observer.micro_batch_returned(StepResult(7, timings=(StageTiming(0, 10, 11, 12),)), now=102.0)
     observer.micro_batch_planned(None)  # nothing planned, nothing new to trace
     observer.request_finished(r, "abort", "aborted")
     p.decisions.append({"event": "preempted", "request_id": "b"})
     observer.pipeline_reset("stage 0: gone", [request("b")])
     observer.pipeline_recovered([2, 3])
     observer.close()
-    assert lines(path) == [
+    traced = lines(path)
+    for line in traced:  # wall-clock stamps, to line up with the stages' timings
+        if line["event"] in ("dispatched", "result"):
+            assert line.pop("wall_ns") > 0
+    assert traced == [
         {"event": "admitted", "request_id": "a", "t": 101.0},
         {"event": "dispatched", "micro_batch_id": 7, "num_tokens": 3, "in_flight": 1, "t": 101.0},
-        {"event": "result", "micro_batch_id": 7, "t": 102.0},
+        {"event": "result", "micro_batch_id": 7, "t": 102.0, "stages": [[0, 10, 11, 12]]},
         {"event": "finished", "request_id": "a", "t": 5.0},
         {"event": "aborted", "request_id": "a", "t": 101.0},
         {"event": "preempted", "request_id": "b", "t": 101.0},

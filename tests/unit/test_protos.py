@@ -291,7 +291,7 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
         "EventsSnapshot": (False, False),
     },
     (worker_pb2, "StageWorker"): {
-        "Forward": (True, True),
+        "Forward": (True, False),
         "Events": (False, True),
         "LoadInfo": (False, False),
         "GetStats": (False, False),

@@ -106,19 +106,22 @@ def test_the_transport_takes_results_only_of_steps_in_flight():
     transport._last_sent = 6
     events = []
 
-    def done(mb_id, error=None):
+    def done(mb_id, error=None, upstream=()):
         d = worker_pb2.MicroBatchDone(micro_batch_id=mb_id)
         if error:
             d.error.code, d.error.message = 3, error
+        d.timing.stage_index = 1
+        for stage in upstream:  # what the stages before it appended on the way
+            d.upstream_timings.add(stage_index=stage)
         return d
 
     transport._handle_done(1, done(2**64 - 1), events.append)  # never sent
-    transport._handle_done(0, done(5), events.append)  # stage 0's timing
-    transport._handle_done(1, done(5), events.append)  # the result
-    transport._handle_done(0, done(5), events.append)  # a late duplicate
+    transport._handle_done(0, done(5), events.append)  # a stage before the last: no result
+    transport._handle_done(1, done(5, upstream=(0,)), events.append)  # the result, every stage's timing
+    transport._handle_done(1, done(5), events.append)  # a late duplicate
     transport._handle_done(0, done(6, "bad"), events.append)
     transport._handle_done(1, done(6), events.append)  # after its failure: nothing
     assert [type(e) for e in events] == [StepResult, ErrorEvent]
     assert events[0].step_id == 5 and [t.stage_index for t in events[0].timings] == [0, 1]
     assert events[1].micro_batch_id == 6 and events[1].code == "INVALID_ARGUMENT"
-    assert not transport._in_flight and not transport._timings
+    assert not transport._in_flight
