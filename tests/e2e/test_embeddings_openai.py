@@ -21,6 +21,7 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+from support.stack import start_serve
 
 from services.text import Tokenizer
 from wiring.launcher import ServiceProcess, free_port, pagoda_command
@@ -37,43 +38,27 @@ def model_dir(model_factory):
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("embeddings-stack-logs")
-    port, grpc_port = free_port(), free_port()
-    ready = logs / "ready.json"
-    serve = ServiceProcess(
-        "serve",
-        pagoda_command("serve", model_dir, "--task", "embed", "--port", str(port), "--grpc-port", str(grpc_port),
-                       "--pipeline-parallel-size", "2", "--num-kv-blocks", "64", "--num-threads", "1",
-                       "--max-num-batched-tokens", "64", "--max-model-len", str(MAX_MODEL_LEN),
-                       "--served-model-name", "tiny", "--log-dir", str(logs), "--ready-file", str(ready)),
-        f"127.0.0.1:{grpc_port}", log_path=logs / "serve.log",
+    serve = start_serve(model_dir, logs, "--task", "embed", "--pipeline-parallel-size", "2",
+                        "--num-kv-blocks", "64", "--num-threads", "1", "--max-num-batched-tokens", "64",
+                        "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny")
+    mean_port, mean_grpc = free_port(), free_port()
+    mean = ServiceProcess(  # a second gateway on the same scheduler, mean pooling
+        "gateway-mean",
+        pagoda_command("gateway", "--model", model_dir, "--scheduler", serve.ready["scheduler"],
+                       "--port", str(mean_port), "--grpc-port", str(mean_grpc), "--max-model-len",
+                       str(MAX_MODEL_LEN), "--served-model-name", "tiny", "--pooling-type", "MEAN"),
+        f"127.0.0.1:{mean_grpc}", log_path=logs / "gateway-mean.log",
     )
-    serve.start()
-    mean = None
     try:
-        serve.wait_healthy(180)
-        for _ in range(100):
-            if ready.exists():
-                break
-            time.sleep(0.1)
-        scheduler = json.loads(ready.read_text())["scheduler"]
-        mean_port, mean_grpc = free_port(), free_port()
-        mean = ServiceProcess(
-            "gateway-mean",
-            pagoda_command("gateway", "--model", model_dir, "--scheduler", scheduler, "--port", str(mean_port),
-                           "--grpc-port", str(mean_grpc), "--max-model-len", str(MAX_MODEL_LEN),
-                           "--served-model-name", "tiny", "--pooling-type", "MEAN"),
-            f"127.0.0.1:{mean_grpc}", log_path=logs / "gateway-mean.log",
-        )
         mean.start()
         mean.wait_healthy(60)
     except Exception:
-        if mean is not None:
-            mean.stop()
-        serve.stop()
+        mean.stop()
+        serve.serve.stop()
         raise
-    yield SimpleNamespace(port=port, grpc_port=grpc_port, mean_port=mean_port)
+    yield SimpleNamespace(port=serve.port, grpc_port=serve.grpc_port, mean_port=mean_port)
     mean.stop(30)
-    serve.stop(60)
+    serve.serve.stop(60)
 
 
 def sdk(port):
