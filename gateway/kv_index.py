@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gateway.routing import leading_hits
 from services.kv_index_schema import replica_keys
@@ -43,16 +43,18 @@ class KVIndex:
         await self._client.aclose()
 
     async def cached_blocks(self, replicas: Sequence[tuple[str, str | None]], token_ids: Sequence[int],
-                            block_size: int) -> tuple[dict[str, int], int, dict[str, int]] | None:
+                            block_size: int, known: Mapping[str | None, list[bytes]] | None = None,
+                            ) -> tuple[dict[str, int], int, dict[str, int]] | None:
         """({replica: leading blocks of the prompt it holds}, the prompt's full blocks,
         {replica: blocks in its prefix cache}) for the replicas (name, namespace) whose
-        heartbeat is live (0 for the others); None when Redis cannot say now."""
+        heartbeat is live (0 for the others); None when Redis cannot say now. `known`: the
+        prompt's block keys (up to MAX_BLOCKS) the caller already has, by namespace."""
         from redis.exceptions import RedisError
 
         now = time.monotonic()
         if now < self._skip_until:
             return None
-        by_namespace: dict[str | None, list[bytes]] = {}
+        by_namespace: dict[str | None, list[bytes]] = dict(known or {})
         for _, namespace in replicas:
             if namespace not in by_namespace:
                 by_namespace[namespace] = block_keys(token_ids, block_size, namespace, MAX_BLOCKS)

@@ -204,7 +204,7 @@ class ReplicaSet:
             found = None
             if self.index is not None:
                 found = await self.index.cached_blocks([(r.name, r.namespace) for r in live], prompt_ids,
-                                                       live[0].block_size)
+                                                       live[0].block_size, {live[0].namespace: keys})
             if found is None:  # no index, or Redis cannot say now: what this router sent where
                 self.num_fallbacks += 1
                 cached, prompt_blocks = self.routed_blocks.held(keys, now, PREFIX_WINDOW_S), len(keys)
