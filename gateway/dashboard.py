@@ -54,6 +54,10 @@ def state(stats: Any, model: str) -> dict[str, Any]:
         "queues": [{"tenant": t or "(default)", "priority": p, "waiting": queues[(t, p, "waiting")],
                     "running": queues[(t, p, "running")]} for t, p in groups],
         "tokens": {"prompt": stats.num_prompt_tokens, "generated": stats.num_generated_tokens},
+        "speculation": {"drafts": stats.num_spec_drafts, "draft_tokens": stats.num_spec_draft_tokens,
+                        "accepted_tokens": stats.num_spec_accepted_tokens,
+                        "acceptance_rate": (stats.num_spec_accepted_tokens / stats.num_spec_draft_tokens
+                                            if stats.num_spec_draft_tokens else 0.0)},
         "kv": {
             "total": kv.num_total_blocks, "block_size": kv.block_size,
             "used": block_map.count(1), "shared": block_map.count(2), "cached": block_map.count(3),

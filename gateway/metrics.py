@@ -191,7 +191,28 @@ class EngineView:
         yield counter("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       kv.num_prefix_hit_tokens)
         yield counter("pagoda:num_preemptions", "Requests preempted by recompute.", s.num_preemptions)
+        yield from self._speculation(s, labels, value)
         yield self._device_info(s)
+
+    @staticmethod
+    def _speculation(s, labels: list[str], value: list[str]):
+        """Speculative decoding's counters under vLLM's names (verify steps, drafted and
+        accepted tokens, accepted per draft position)."""
+        for name, doc, v in (
+                ("pagoda:spec_decode_num_drafts", "Verify steps of a sequence (speculative decoding).",
+                 s.num_spec_drafts),
+                ("pagoda:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.num_spec_draft_tokens),
+                ("pagoda:spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
+                 s.num_spec_accepted_tokens)):
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(value, v)
+            yield family
+        family = CounterMetricFamily("pagoda:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted drafts by position after the known tokens.",
+                                     labels=[*labels, "position"])
+        for position, v in enumerate(s.num_spec_accepted_per_position):
+            family.add_metric([*value, str(position)], v)
+        yield family
 
     def _device_info(self, s) -> GaugeMetricFamily:
         """1 per stage, labelled with the device it runs on: "emulated:PROFILE" marks a stack

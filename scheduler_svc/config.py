@@ -10,6 +10,7 @@ from scheduler_svc.core.queue import POLICIES
 from services import settings as shared
 from services.defaults import MAX_MODEL_LEN
 from services.settings import Setting, uses
+from services.speculative import SpeculativeConfig
 
 
 def _arg(default, help: str, kind: str = "int", **kw):
@@ -54,6 +55,7 @@ class SchedulerConfig:
     recovery_timeout_s: float = _arg(60.0, "how long requests wait for a failed pipeline", "float")
     step_timeout_s: float = _arg(60.0, "a micro-batch still in flight after this long means a hung stage: "
                                        "the pipeline is reset and recovered as after a failure", "float")
+    speculative_config: str | None = uses(shared.SPECULATIVE_CONFIG)
     max_request_failures: int = 3
     trace_file: str | None = None
 
@@ -82,6 +84,11 @@ class SchedulerConfig:
             raise ValueError("tenant_weights: weights must be positive")
         if self.aging_rate < 0:
             raise ValueError(f"aging_rate: must be >= 0, got {self.aging_rate}")
+        self.speculative  # noqa: B018 (refused at start, not at the first request)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def is_async(self) -> bool:

@@ -187,6 +187,7 @@ class Engine:
                 namespace=config.model or None,
                 block_size=config.block_size,
                 async_decode=config.is_async,
+                **_speculation(config),
             ),
             queue,
         )
@@ -484,7 +485,8 @@ class Engine:
             return  # from before a reset
         now = self.clock()
         self._dispatched_ns.pop(event.step_id, None)
-        updates = self.planner.on_result(event.step_id, event.sampled, now, event.prompt_logprobs, event.pooled)
+        updates = self.planner.on_result(event.step_id, event.sampled, now, event.prompt_logprobs, event.pooled,
+                                         event.proposals)
         self.observer.micro_batch_returned(event, now)
         self._deliver(updates)
 
@@ -631,6 +633,7 @@ class Engine:
             "num_generated_tokens": observer.num_generated_tokens,
             "healthy": self.healthy,
             "health_detail": self.health_detail,
+            "spec": planner.spec,
         }
 
 
@@ -655,3 +658,12 @@ def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         first.num_cached_tokens, first.num_preemptions = then.num_cached_tokens, then.num_preemptions
         first.error, first.timeline, first.embedding = then.error, then.timeline, then.embedding
     return first
+
+
+def _speculation(config: SchedulerConfig) -> dict:
+    """The planner's speculative-decoding settings (none without --speculative-config)."""
+    spec = config.speculative
+    if spec is None:
+        return {}
+    return dict(num_speculative_tokens=spec.num_speculative_tokens, prompt_lookup_min=spec.prompt_lookup_min,
+                prompt_lookup_max=spec.prompt_lookup_max, speculative_method=spec.method)

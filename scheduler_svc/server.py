@@ -174,6 +174,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_micro_batches=s["num_micro_batches"],
             num_in_flight=s["num_in_flight"],
             kv_address=self.kv_address,
+            num_spec_drafts=s["spec"].num_drafts,
+            num_spec_draft_tokens=s["spec"].num_draft_tokens,
+            num_spec_accepted_tokens=s["spec"].num_accepted_tokens,
+            num_spec_accepted_per_position=s["spec"].accepted_per_position,
         )
         _config_to_pb(cfg, resp.config)
         _tenants_to_pb(engine, s, resp)

@@ -236,3 +236,12 @@ REDIS_URL = Setting(
     "replicas' prefix index, which each KV service publishes there (kvcache_svc/publisher.py); "
     "`pagoda serve --replicas N` starts a private redis-server when none is given and one is "
     "installed", metavar="URL", owner="gateway", services=("kvcache", "gateway"), serve="own")
+
+# speculative decoding: the scheduler proposes n-gram drafts and plans verify steps; the last
+# stage holds a draft model (services/speculative.py)
+SPECULATIVE_CONFIG = Setting(
+    "speculative_config", "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
+    "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M} or {\"method\": "
+    "\"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K} (a smaller checkpoint of the same "
+    "tokenizer, run on the last stage); greedy output is unchanged, sampled output keeps its distribution",
+    metavar="JSON", owner="scheduler", services=("worker", "scheduler"), serve="pass")

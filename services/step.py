@@ -80,6 +80,15 @@ class CachedSeq:
     `block_offset` is the table's length; a copy-on-write replaces a shared last block).
     `new_token_ids` extend its known tokens on stages that do not sample (the last stage
     appends the tokens it samples itself); empty when the first stage has them already.
+
+    Speculative decoding: `draft_token_ids` are proposed tokens after the known ones; the
+    step computes them too (its last `len(draft_token_ids)` positions) and the last stage
+    verifies them: it samples at every position from the last known token on, keeps the
+    drafts up to the first one the target model would not have produced, and adds that
+    position's own token (`StepResult.sampled`: one to `len(draft_token_ids) + 1` tokens for
+    the sequence, in order). `start` (-1: where the stages stand) moves a sequence back to
+    an earlier position: after a verify step the stages stand past every draft, and the
+    rejected drafts' positions are computed again from the accepted tokens.
     """
 
     seq_id: int
@@ -88,6 +97,8 @@ class CachedSeq:
     block_ids: tuple[int, ...] = ()
     new_token_ids: tuple[int, ...] = ()
     prompt_scoring: PromptScoring | None = None
+    draft_token_ids: tuple[int, ...] = ()
+    start: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +179,8 @@ class StageTiming:
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """The last stage's outcome of a step: one sampled token per sequence that sampled, in
-    plan order, any scored prompt positions, and the vectors of the pooling sequences whose
+    plan order (a verify step's sequence: its accepted drafts and the token after them, in
+    order), any scored prompt positions, and the vectors of the pooling sequences whose
     prompt this step completed."""
 
     step_id: int
@@ -176,3 +188,6 @@ class StepResult:
     prompt_logprobs: tuple[ScoredPrompt, ...] = ()
     timings: tuple[StageTiming, ...] = ()
     pooled: tuple[PooledOutput, ...] = ()
+    # speculative decoding with a draft model (on the last stage): (sequence, the draft
+    # model's next tokens after what it sampled), for the sequence's next verify step
+    proposals: tuple[tuple[int, tuple[int, ...]], ...] = ()

@@ -78,6 +78,12 @@ def plan_to_pb(plan: StepPlan, stage_index: int = 0) -> worker_pb2.MicroBatch:
         for i, s in enumerate(cached):
             if s.prompt_scoring is not None:
                 _scoring_to_pb(s.prompt_scoring, c.prompt_scoring.add(index=i).scoring)
+        if any(s.draft_token_ids for s in cached):
+            c.num_draft_token_ids.extend([len(s.draft_token_ids) for s in cached])
+            for s in cached:
+                c.draft_token_ids.extend(s.draft_token_ids)
+        if any(s.start >= 0 for s in cached):
+            c.starts.extend([s.start for s in cached])
     return msg
 
 
@@ -114,6 +120,16 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
     if sum(token_counts) != len(c.new_token_ids):
         raise PlanDecodeError(
             f"step {step}: num_new_token_ids sum to {sum(token_counts)}, new_token_ids holds {len(c.new_token_ids)}")
+    draft_counts = list(c.num_draft_token_ids)
+    if draft_counts and len(draft_counts) != n:
+        raise PlanDecodeError(f"step {step}: {len(draft_counts)} num_draft_token_ids for {n} cached sequences")
+    if sum(draft_counts) != len(c.draft_token_ids):
+        raise PlanDecodeError(
+            f"step {step}: num_draft_token_ids sum to {sum(draft_counts)}, draft_token_ids holds "
+            f"{len(c.draft_token_ids)}")
+    starts = list(c.starts)
+    if starts and len(starts) != n:
+        raise PlanDecodeError(f"step {step}: {len(starts)} starts for {n} cached sequences")
     scoring: dict[int, PromptScoring] = {}
     for entry in c.prompt_scoring:
         if entry.index >= n or entry.index in scoring:
@@ -121,15 +137,19 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
         scoring[entry.index] = _scoring_from_pb(entry.scoring)
     ids, blocks, tokens = list(c.seq_ids), list(c.block_ids), list(c.new_token_ids)
     num_scheduled, offsets = list(c.num_scheduled), list(c.block_offsets)
+    drafts = list(c.draft_token_ids)
     cached = []
-    b = t = 0
+    b = t = d = 0
     for i in range(n):
         nb = block_counts[i]
         nt = token_counts[i] if token_counts else 0
+        nd = draft_counts[i] if draft_counts else 0
         cached.append(CachedSeq(ids[i], num_scheduled[i], offsets[i], tuple(blocks[b:b + nb]),
-                                tuple(tokens[t:t + nt]), scoring.get(i)))
+                                tuple(tokens[t:t + nt]), scoring.get(i), tuple(drafts[d:d + nd]),
+                                max(-1, starts[i]) if starts else -1))
         b += nb
         t += nt
+        d += nd
     return StepPlan(
         step, tuple(new_seqs), tuple(cached), tuple(msg.finished_seq_ids),
         tuple((x.src_block_id, x.dst_block_id) for x in msg.block_copies), msg.reset,
@@ -152,6 +172,10 @@ def result_to_pb(result: StepResult, done: worker_pb2.MicroBatchDone) -> None:
             set_top_logprobs(entry.positions.add(), pos.token_id, pos.logprob, pos.rank, pos.top)
     for pooled in result.pooled:
         embedding_to_pb(pooled.embedding, done.pooled.add(seq_id=pooled.seq_id).embedding)
+    for seq_id, tokens in result.proposals:
+        done.proposal_seq_ids.append(seq_id)
+        done.num_proposal_tokens.append(len(tokens))
+        done.proposal_token_ids.extend(tokens)
 
 
 def result_from_pb(done: worker_pb2.MicroBatchDone, timings: tuple[StageTiming, ...] = ()) -> StepResult:
@@ -169,4 +193,17 @@ def result_from_pb(done: worker_pb2.MicroBatchDone, timings: tuple[StageTiming, 
         for p in done.prompt_logprobs
     )
     pooled = tuple(PooledOutput(p.seq_id, embedding_from_pb(p.embedding)) for p in done.pooled)
-    return StepResult(done.micro_batch_id, sampled, prompt, timings, pooled)
+    return StepResult(done.micro_batch_id, sampled, prompt, timings, pooled, _proposals_from_pb(done))
+
+
+def _proposals_from_pb(done: worker_pb2.MicroBatchDone) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The draft model's proposals; malformed columns (a buggy stage) give none: drafts are
+    only ever a hint, verified before anything is kept."""
+    counts, tokens = list(done.num_proposal_tokens), list(done.proposal_token_ids)
+    if len(counts) != len(done.proposal_seq_ids) or sum(counts) != len(tokens):
+        return ()
+    out, at = [], 0
+    for seq_id, n in zip(done.proposal_seq_ids, counts, strict=True):
+        out.append((seq_id, tuple(tokens[at:at + n])))
+        at += n
+    return tuple(out)

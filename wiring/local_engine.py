@@ -63,9 +63,8 @@ class LocalStageTransport:
                 self.busy_ns[i] += result.compute_ns
                 timings.append(StageTiming(i, 0, 0, result.compute_ns))
             if len(self.runners) > 1 and result.sampled is not None:  # the last stage feeds the first
-                positions = [r.context_len for r in result.rows if r.sample]
-                self.runners[0].batch.feed(zip(result.sampled_seq_ids, positions, result.sampled.token_ids,
-                                               strict=True))
+                self.runners[0].batch.feed(zip(result.sampled_seq_ids, result.sampled_positions,
+                                               result.sampled.token_ids, strict=True))
             event = result.step_result(tuple(timings))
         except ValueError as exc:  # InvalidPlanError: a scheduler bug, reported like a stage would
             event = ErrorEvent(plan.step_id, len(timings), "INVALID_ARGUMENT", str(exc))
@@ -113,11 +112,16 @@ def build_local_engine(
     else:
         dev = resolve_device(device)
         attention_backend = attention_backend or default_attention_backend(dev)
-        runners = [
-            StageRunner(load_stage(model_dir, k, n, dtype=dtype, device=dev), num_kv_blocks,
-                        config.block_size, attention_backend)
-            for k in range(n)
-        ]
+        from worker_svc.drafter import drafter_for
+
+        runners = []
+        for k in range(n):
+            model = load_stage(model_dir, k, n, dtype=dtype, device=dev)
+            drafter = drafter_for(config.speculative_config, is_last=k == n - 1, vocab_size=model.config.vocab_size,
+                                  max_model_len=config.max_model_len, num_blocks=num_kv_blocks,
+                                  block_size=config.block_size, dtype=next(model.parameters()).dtype, device=dev,
+                                  backend=attention_backend)
+            runners.append(StageRunner(model, num_kv_blocks, config.block_size, attention_backend, drafter=drafter))
     kv = InProcessKVCacheClient(
         KVCacheManager(num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
     )

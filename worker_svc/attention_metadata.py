@@ -62,3 +62,30 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor: ...
+
+
+def paged_layout(spans: list[tuple[int, int, list[int]]], block_size: int,
+                 device: torch.device | str) -> tuple[AttentionMetadata, torch.Tensor]:
+    """The metadata and positions of a flattened batch of sequences on paged KV, each span
+    `(start, end, block_ids)`: positions `start ... end - 1`, the sequence's block table
+    (slots: `block_ids[p // block_size] * block_size + p % block_size`)."""
+    bs = block_size
+    starts, positions, slots, table_rows = [0], [], [], []
+    max_blocks = max(-(-end // bs) for _, end, _ in spans)
+    for start, end, blocks in spans:
+        starts.append(starts[-1] + end - start)
+        span = range(start, end)
+        positions.extend(span)
+        slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+        n = -(-end // bs)
+        table_rows.append(blocks[:n] + [0] * (max_blocks - n))  # padding: block 0
+    context_lens = tuple(end for _, end, _ in spans)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.long, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
+        block_tables=torch.tensor(table_rows, dtype=torch.long).to(device),
+        query_start_loc_list=tuple(starts),
+        context_lens_list=context_lens,
+    )
+    return metadata, torch.tensor(positions, dtype=torch.long, device=device)

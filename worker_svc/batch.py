@@ -11,6 +11,13 @@ and its own samples); the block table covers positions `0 ... num_computed - 1`.
 sequence (`services.pooling`) holds only its prompt and is never sampled; with mean pooling
 the last stage keeps the sum of what it computed so far (`pooled_sum`), so it starts at
 position 0.
+
+Speculative decoding: a verify step's row also computes draft tokens after the known ones
+(`CachedSeq.draft_token_ids`, never added to the known tokens here). After it, every stage
+but the last stands past the drafts (`num_computed` may then exceed the known tokens on the
+first stage); the last stage, which verified them, stands after the drafts it accepted and
+appends them with the token it sampled after them. The next step of the sequence names
+where it starts (`CachedSeq.start`), which computes the rejected drafts' positions again.
 """
 
 from __future__ import annotations
@@ -61,10 +68,20 @@ class Row:
     prompt_scoring: PromptScoring | None = None
     pools: bool = False
     pool_done: bool = False
+    drafts: tuple[int, ...] = ()  # a verify step: its last len(drafts) positions are drafts
 
     @property
     def context_len(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def known_end(self) -> int:
+        """Where its known tokens end in this step (before the drafts): it samples there."""
+        return self.context_len - len(self.drafts)
+
+    def input_ids(self) -> list[int]:
+        """The token ids this row computes (the first stage embeds them)."""
+        return self.state.token_ids[self.start:self.known_end] + list(self.drafts)
 
     @property
     def seq_id(self) -> int:
@@ -112,19 +129,23 @@ class PersistentBatch:
             if c.block_ids or c.block_offset < len(state.block_ids):
                 del state.block_ids[c.block_offset:]
                 state.block_ids.extend(c.block_ids)
-            if c.new_token_ids and not shape.is_last:  # they end where this step ends
-                known = len(state.token_ids) - (state.num_computed + c.num_scheduled - len(c.new_token_ids))
+            if c.start >= 0:  # back to where the accepted tokens end (after a verify step)
+                state.num_computed = c.start
+            if c.new_token_ids and not shape.is_last:  # they end where this step's known tokens end
+                end = state.num_computed + c.num_scheduled - len(c.draft_token_ids)
+                known = len(state.token_ids) - (end - len(c.new_token_ids))
                 state.token_ids.extend(c.new_token_ids[known:])  # (some may have come by feedback)
-            rows.append(self._row(state, c.num_scheduled, c.prompt_scoring))
+            rows.append(self._row(state, c.num_scheduled, c.prompt_scoring, c.draft_token_ids))
         return rows
 
-    def _row(self, state: SeqState, num_tokens: int, scoring: PromptScoring | None) -> Row:
+    def _row(self, state: SeqState, num_tokens: int, scoring: PromptScoring | None,
+             drafts: tuple[int, ...] = ()) -> Row:
         start = state.num_computed
         end = start + num_tokens
         state.num_computed = end
-        done = self.shape.is_last and end == len(state.token_ids)
+        done = self.shape.is_last and end - len(drafts) == len(state.token_ids)
         pools = self.shape.is_last and state.pooling is not None
-        return Row(state, start, num_tokens, done and not pools, scoring, pools, done and pools)
+        return Row(state, start, num_tokens, done and not pools, scoring, pools, done and pools, drafts)
 
     def awaiting(self, plan: StepPlan) -> set[int]:
         """Sequences this step computes further than the tokens this stage knows: a
@@ -134,8 +155,10 @@ class PersistentBatch:
         out = set()
         for c in plan.cached_seqs:
             state = self.seqs.get(c.seq_id)
-            if (state is not None and not c.new_token_ids
-                    and state.num_computed + c.num_scheduled > len(state.token_ids)):
+            if state is None or c.new_token_ids:
+                continue
+            start = c.start if c.start >= 0 else state.num_computed
+            if start + c.num_scheduled - len(c.draft_token_ids) > len(state.token_ids):
                 out.add(c.seq_id)
         return out - set(plan.finished_seq_ids)
 
@@ -151,10 +174,14 @@ class PersistentBatch:
                 n += 1
         return n
 
-    def record_sampled(self, rows: list[Row], token_ids: list[int]) -> None:
-        """The last stage appends what it sampled: the next step's input for these sequences."""
-        for row, token in zip((r for r in rows if r.sample), token_ids, strict=True):
-            row.state.token_ids.append(token)
+    def record_sampled(self, rows: list[Row], token_ids: list[list[int]]) -> None:
+        """The last stage appends what it sampled, per sampling row (a verify step's row: its
+        accepted drafts, then the token after them): the next step's input. A verify step's
+        sequence then stands after its accepted drafts."""
+        for row, tokens in zip((r for r in rows if r.sample), token_ids, strict=True):
+            row.state.token_ids.extend(tokens)
+            if row.drafts:
+                row.state.num_computed = row.known_end + len(tokens) - 1
 
     # --- validation ----------------------------------------------------------------------
 
@@ -183,12 +210,13 @@ class PersistentBatch:
             if not 0 <= c.block_offset <= len(state.block_ids):
                 raise InvalidPlanError(
                     f"{where}: block_offset {c.block_offset} beyond its {len(state.block_ids)} blocks")
+            start = self._check_speculation(where, state, c)
             num_tokens = len(state.token_ids)
             if c.new_token_ids and not shape.is_last:
                 if shape.is_first and any(not 0 <= t < shape.vocab_size for t in c.new_token_ids):
                     raise InvalidPlanError(f"{where}: token id outside [0, {shape.vocab_size})")
-                # a step's new tokens are the last it computes: positions end - len ... end - 1
-                end = state.num_computed + c.num_scheduled
+                # a step's new tokens are the last known ones it computes: positions end - len ... end - 1
+                end = start + c.num_scheduled - len(c.draft_token_ids)
                 first = end - len(c.new_token_ids)
                 if not 0 <= first <= num_tokens or (
                         state.token_ids[first:end] != list(c.new_token_ids[:num_tokens - first])):
@@ -196,11 +224,35 @@ class PersistentBatch:
                         f"{where}: new tokens for positions {first}..{end - 1} do not continue the "
                         f"{num_tokens} this stage knows")
                 num_tokens = max(num_tokens, end)
-            self._check_step(where, state.num_computed, c.num_scheduled, num_tokens,
+            self._check_step(where, start, c.num_scheduled, num_tokens + len(c.draft_token_ids),
                              c.block_offset + len(c.block_ids), c.block_ids, c.prompt_scoring)
         for src, dst in plan.block_copies:
             if not (0 <= src < shape.num_blocks and 0 <= dst < shape.num_blocks) or src == dst:
                 raise InvalidPlanError(f"{step}: block copy {src}->{dst} invalid for {shape.num_blocks} blocks")
+
+    def _check_speculation(self, where: str, state: SeqState, c) -> int:
+        """A cached sequence's `start` and draft tokens against its state; returns where its
+        step starts. Its known tokens must end where its drafts begin: the last stage samples
+        (verifies) from there."""
+        shape = self.shape
+        if not -1 <= c.start <= state.num_computed:
+            raise InvalidPlanError(f"{where}: start {c.start} beyond the {state.num_computed} positions computed")
+        start = c.start if c.start >= 0 else state.num_computed
+        drafts = c.draft_token_ids
+        if not drafts:
+            return start
+        if state.pooling is not None:
+            raise InvalidPlanError(f"{where}: a pooling sequence takes no draft tokens")
+        if len(drafts) >= c.num_scheduled:
+            raise InvalidPlanError(f"{where}: {len(drafts)} draft tokens in a step of {c.num_scheduled}: "
+                                   "a verify step computes at least one known token before them")
+        if any(not 0 <= t < shape.vocab_size for t in drafts):
+            raise InvalidPlanError(f"{where}: draft token id outside [0, {shape.vocab_size})")
+        known_end = start + c.num_scheduled - len(drafts)
+        num_known = len(state.token_ids) if shape.is_last or not c.new_token_ids else known_end
+        if (shape.is_first or shape.is_last) and known_end != num_known:
+            raise InvalidPlanError(f"{where}: drafts after position {known_end - 1}, but it knows {num_known} tokens")
+        return start
 
     def _check_new(self, where: str, n: NewSeq) -> None:
         shape = self.shape

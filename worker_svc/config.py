@@ -47,6 +47,7 @@ class WorkerConfig:
     gpu_memory_utilization: float | None = uses(shared.GPU_MEMORY_UTILIZATION)  # of the device's memory (system memory on the CPU)
     kv_cache_memory: int | None = uses(shared.KV_CACHE_MEMORY)  # bytes for the KV pool itself
     max_model_len: int | None = uses(shared.MAX_MODEL_LEN)  # the longest context (counted in the memory profile)
+    speculative_config: str | None = uses(shared.SPECULATIVE_CONFIG)  # the last stage's draft model
     layer_partition: tuple[int, ...] | None = _setting(
         None, "layers per stage, e.g. 3,5 (default: even split)", "int_list")
     dtype: str = _passed("auto", "the weights' dtype (auto: the checkpoint's; a float32 one as bfloat16 "

@@ -318,13 +318,14 @@ class EmulatedRunner:
     def _finish_last(self, rows: list[Row], result: StageResult) -> None:
         sampled = [r for r in rows if r.sample]
         result.sampled_seq_ids = tuple(r.seq_id for r in sampled)
+        result.sampled_positions = tuple(r.known_end for r in sampled)  # (drafts: none kept)
         result.sampled = self.sampler.sample([r.state for r in sampled])
         result.prompt_logprobs = self.sampler.score([r for r in rows if r.prompt_scoring is not None])
         done = [r for r in rows if r.pool_done]
         if done:  # a pooling sequence's vector: any fixed unit vector
             unit = normalized_bytes(torch.ones(self.model.config.hidden_size))
             result.pooled = [PooledOutput(r.seq_id, unit) for r in done]
-        self.batch.record_sampled(rows, result.sampled.token_ids)
+        self.batch.record_sampled(rows, [[t] for t in result.sampled.token_ids])
 
 
 def device_block_bytes(model: EmulatedSlice, block_size: int, dtype: torch.dtype, tensor_parallel_size: int) -> int:

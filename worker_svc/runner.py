@@ -25,6 +25,7 @@ from services.step import (
     TokenLogprobs,
 )
 from worker_svc.attention import AttentionBackend, AttentionMetadata, get_backend
+from worker_svc.attention_metadata import paged_layout
 from worker_svc.batch import PersistentBatch, Row, StageShape
 from worker_svc.errors import InvalidPlanError
 from worker_svc.kv_cache import PagedKVCache
@@ -42,11 +43,13 @@ class StageResult:
     step_id: int
     hidden: torch.Tensor | None = None  # [num_tokens, hidden_size]
     rows: list[Row] = field(default_factory=list)
-    sampled_seq_ids: tuple[int, ...] = ()
+    sampled_seq_ids: tuple[int, ...] = ()  # per sampled token (a verify row gives several)
+    sampled_positions: tuple[int, ...] = ()  # per sampled token: its position in its sequence
     sampled: SamplerOutput | None = None
     logits: torch.Tensor | None = None  # [len(sampled_seq_ids), vocab] when asked for
     prompt_logprobs: list[ScoredPrompt] = field(default_factory=list)  # last stage
     pooled: list[PooledOutput] = field(default_factory=list)  # last stage: pooling sequences done
+    proposals: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # last stage: draft model's
     compute_ns: int = 0
 
     def sampled_tokens(self) -> tuple[SampledToken, ...]:
@@ -62,7 +65,7 @@ class StageResult:
 
     def step_result(self, timings: tuple[StageTiming, ...] = ()) -> StepResult:
         return StepResult(self.step_id, self.sampled_tokens(), tuple(self.prompt_logprobs), timings,
-                          tuple(self.pooled))
+                          tuple(self.pooled), tuple(self.proposals))
 
 
 # Steps of at least this many tokens (prefill chunks, large batches) may take more threads
@@ -85,9 +88,13 @@ class StageRunner:
         kv_dtype: torch.dtype | None = None,
         tp=None,
         step_threads: tuple[int, int] | None = None,
+        drafter=None,
     ) -> None:
         config = model.config
         self.model = model
+        # speculative decoding's draft model (last stage; worker_svc/drafter.DraftProposer):
+        # after each step it proposes the next drafts of the sequences sampled
+        self.drafter = drafter
         # rank 0 of a tensor-parallel stage (worker_svc.tensor_parallel.TensorParallelGroup):
         # each step's model inputs go to the other ranks first
         self.tp = tp
@@ -162,10 +169,14 @@ class StageRunner:
                 self.sampler.release(plan.finished_seq_ids)
             if plan.new_seqs:  # sent whole: any state under these ids is stale
                 self.sampler.release([n.seq_id for n in plan.new_seqs])
+        if self.drafter is not None:
+            if plan.reset:
+                self.drafter.reset()
+            self.drafter.release(plan.finished_seq_ids)  # (a new one catches up by itself)
         self.kv_cache.copy_blocks(plan.block_copies)
         metadata, positions = self._metadata(rows)
         if self.model.is_first:
-            ids = [t for r in rows for t in r.state.token_ids[r.start:r.context_len]]
+            ids = [t for r in rows for t in r.input_ids()]
             inputs = torch.tensor(ids, dtype=torch.long, device=self.device)
         else:
             inputs = hidden.to(device=self.device, dtype=self.dtype)
@@ -190,9 +201,9 @@ class StageRunner:
                 scored.append(r)
                 score_indices.extend(range(offset, offset + len(r.prompt_scoring.targets)))
             end += r.num_tokens
-            if r.sample:
+            if r.sample:  # (a verify row: every position from its last known token on)
                 sampled.append(r)
-                ends.append(end - 1)
+                ends.extend(range(end - 1 - len(r.drafts), end))
         indices = torch.tensor(ends + score_indices, dtype=torch.long, device=self.device)
         pooling, pool_indices = pool_positions(rows)
         if pooling:
@@ -202,15 +213,23 @@ class StageRunner:
         else:
             logits = self._run_model(plan, inputs, positions, metadata, indices)
         if scored:
-            result.prompt_logprobs = _score_prompts(logits[len(sampled):], scored)
-            logits = logits[: len(sampled)]
-        result.sampled_seq_ids = tuple(r.seq_id for r in sampled)
+            result.prompt_logprobs = _score_prompts(logits[len(ends):], scored)
+            logits = logits[: len(ends)]
+        drafts = [r.drafts for r in sampled] if any(r.drafts for r in sampled) else None
         result.sampled = (
-            self.sampler.sample(logits, [self._sample_row(r) for r in sampled])
+            self.sampler.sample(logits, [self._sample_row(r) for r in sampled], drafts)
             if sampled
             else SamplerOutput([], [], [])
         )
-        self.batch.record_sampled(rows, result.sampled.token_ids)
+        per_row = result.sampled.per_row()
+        result.sampled_seq_ids = tuple(r.seq_id for r, tokens in zip(sampled, per_row, strict=True) for _ in tokens)
+        result.sampled_positions = tuple(r.known_end + j for r, tokens in zip(sampled, per_row, strict=True)
+                                         for j in range(len(tokens)))
+        self.batch.record_sampled(rows, per_row)
+        if self.drafter is not None and sampled:
+            k = self.drafter.num_speculative_tokens
+            drafts = self.drafter.propose([(r.seq_id, r.state.token_ids, k) for r in sampled])
+            result.proposals = [(r.seq_id, d) for r, d in zip(sampled, drafts, strict=True) if d]
         if keep_logits:
             result.logits = logits
 
@@ -250,28 +269,8 @@ class StageRunner:
         return SampleRow(s.seq_id, s.sampling, s.choice_index, s.num_output_tokens, s.entropy_seed, history)
 
     def _metadata(self, rows: list[Row]) -> tuple[AttentionMetadata, torch.Tensor]:
-        device, bs = self.device, self.block_size
-        starts, positions, slots = [0], [], []
-        max_blocks = max(-(-r.context_len // bs) for r in rows)
-        table_rows = []
-        for r in rows:
-            starts.append(starts[-1] + r.num_tokens)
-            span = range(r.start, r.context_len)
-            positions.extend(span)
-            blocks = r.state.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in span)
-            n = -(-r.context_len // bs)
-            table_rows.append(blocks[:n] + [0] * (max_blocks - n))  # padding: block 0
-        context_lens = tuple(r.context_len for r in rows)
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.long, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
-            block_tables=torch.tensor(table_rows, dtype=torch.long).to(device),
-            query_start_loc_list=tuple(starts),
-            context_lens_list=context_lens,
-        )
-        return metadata, torch.tensor(positions, dtype=torch.long, device=device)
+        return paged_layout([(r.start, r.context_len, r.state.block_ids) for r in rows], self.block_size,
+                            self.device)
 
 
 def check_stage_inputs(plan: StepPlan, hidden: torch.Tensor | None, is_first: bool, hidden_size: int) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain, repeat
 
 import torch
@@ -97,13 +97,25 @@ class SampleRow:
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    """Per row, in row order: the sampled token, its logprob under the raw (unmodified) logits
+    """Per token, in row order: the sampled token, its logprob under the raw (unmodified) logits
     (None where the row asked for no logprobs: not computed), and the top-N raw logprobs as
-    (token_id, logprob) sorted descending, or None where none were asked."""
+    (token_id, logprob) sorted descending, or None where none were asked. `counts`: how many
+    tokens each row gave (a verify row: its accepted drafts and one more), None for one each."""
 
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
+    counts: list[int] | None = None
+
+    def per_row(self) -> list[list[int]]:
+        """The token ids, grouped by row."""
+        if self.counts is None:
+            return [[t] for t in self.token_ids]
+        out, i = [], 0
+        for n in self.counts:
+            out.append(self.token_ids[i:i + n])
+            i += n
+        return out
 
 
 @dataclass
@@ -176,11 +188,16 @@ class Sampler:
         for seq_id in seq_ids:
             self._states.pop(seq_id, None)
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
-        """logits: [num_rows, vocab_size], any float dtype, on any device; one SampleRow per row."""
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+               drafts: Sequence[tuple[int, ...]] | None = None) -> SamplerOutput:
+        """logits: [num_rows, vocab_size], any float dtype, on any device; one SampleRow per row.
+
+        `drafts` (speculative decoding): per row, draft tokens to verify; a row with k of them
+        has k + 1 logits rows, one per position from its last known token on (`verify`)."""
+        num_logits = len(rows) + (sum(len(d) for d in drafts) if drafts else 0)
+        if logits.dim() != 2 or logits.shape[0] != num_logits:
             raise InvalidPlanError(
-                f"sampler got logits of shape {tuple(logits.shape)} for {len(rows)} rows"
+                f"sampler got logits of shape {tuple(logits.shape)} for {num_logits} rows"
             )
         seq_ids = [row.seq_id for row in rows]
         if len(set(seq_ids)) != len(seq_ids):
@@ -198,7 +215,18 @@ class Sampler:
             if row.params.structured is not None and self.grammars is None:
                 raise InvalidPlanError(f"sequence {row.seq_id}: this stage has no structured output")
         states = [self._state_for(row) for row in rows]
-        logits = logits.float()  # [num_rows, vocab]
+        logits = logits.float()  # [num_logits, vocab]
+        if drafts and any(drafts):
+            return self._verify(logits, rows, states, drafts)
+        token_ids = self._draw(logits, rows, states)
+        token_list = token_ids.tolist()
+        self._record(rows, states, [[t] for t in token_list])
+        token_logprobs, top_logprobs = _logprobs(logits, rows, token_ids)
+        return SamplerOutput(token_ids=token_list, logprobs=token_logprobs, top_logprobs=top_logprobs)
+
+    def _draw(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+              states: Sequence[SequenceSamplerState]) -> torch.Tensor:
+        """One token per row of float32 logits ([rows]): the masks, then greedy or sampled."""
         masked = _apply_logit_bias(logits, rows)
         masked = _apply_min_tokens_masks(masked, rows)
         masked = _apply_penalties(masked, rows, states)
@@ -216,25 +244,94 @@ class Sampler:
                 masked.index_select(0, index), [rows[i].params for i in sampled], keys
             )
             token_ids = token_ids.index_copy(0, index, drawn)
+        return token_ids
 
-        token_list = token_ids.tolist()
-        for row, state, token_id in zip(rows, states, token_list, strict=True):
-            state.append_output(token_id)
-            if state.matcher is not None and not GrammarBank.advance(
-                    state.matcher, token_id, row.params.eos_token_ids):
-                state.matcher = None  # cannot happen under the mask; never wedge the sequence
-        # log-probabilities only for the rows that asked (a vocabulary-wide pass per row)
-        asking = [i for i, row in enumerate(rows) if row.params.num_logprobs is not None]
-        token_logprobs: list[float | None] = [None] * len(rows)
-        top_logprobs: list[list[tuple[int, float]] | None] = [None] * len(rows)
-        if asking:
-            index = torch.tensor(asking, dtype=torch.long, device=logits.device)
-            raw_logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)  # [asking, vocab]
-            picked = raw_logprobs.gather(1, token_ids.index_select(0, index).unsqueeze(1)).squeeze(1)
-            tops = _top_logprobs(raw_logprobs, [rows[i] for i in asking])
-            for i, logprob, top in zip(asking, picked.tolist(), tops, strict=True):
-                token_logprobs[i], top_logprobs[i] = logprob, top
-        return SamplerOutput(token_ids=token_list, logprobs=token_logprobs, top_logprobs=top_logprobs)
+    @staticmethod
+    def _record(rows: Sequence[SampleRow], states: Sequence[SequenceSamplerState],
+                tokens: Sequence[Sequence[int]]) -> None:
+        """Each row's new output tokens join its history (and advance its grammar)."""
+        for row, state, row_tokens in zip(rows, states, tokens, strict=True):
+            for token_id in row_tokens:
+                state.append_output(token_id)
+                if state.matcher is not None and not GrammarBank.advance(
+                        state.matcher, token_id, row.params.eos_token_ids):
+                    state.matcher = None  # cannot happen under the mask; never wedge the sequence
+
+    def _verify(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+                states: Sequence[SequenceSamplerState], drafts: Sequence[tuple[int, ...]]) -> SamplerOutput:
+        """Speculative decoding's verification: each row samples at every position of its
+        drafts and after them, exactly as it would have one step at a time (the same masks,
+        the same counter-based draw at each output position), keeps the drafts up to the
+        first that differs from its sample there, and ends with that sample (or the one after
+        the last draft).
+
+        A draft is a point mass (n-gram lookup, a greedy draft model), so keeping it exactly
+        when the target's own draw equals it is rejection sampling: accepted with probability
+        p(draft), and otherwise the token comes from p without the draft, renormalized. The
+        output is the target's distribution, and with a seed the same tokens as without
+        speculation.
+
+        Rows without history (no penalties, no grammar) draw every position in one pass;
+        the others go position by position, their state advanced by the drafts they keep."""
+        firsts, at = [], 0
+        for d in drafts:
+            firsts.append(at)
+            at += len(d) + 1
+        tokens: list[list[int]] = [[] for _ in rows]
+        simple = [i for i, row in enumerate(rows) if not row.params.needs_history]
+        if simple:
+            self._verify_at_once(logits, rows, states, drafts, firsts, simple, tokens)
+        stepped = [i for i, row in enumerate(rows) if row.params.needs_history]
+        active, j = stepped, 0
+        while active:
+            sub_rows = [replace(rows[i], output_position=rows[i].output_position + j,
+                                history=rows[i].history if j == 0 else None) for i in active]
+            index = torch.tensor([firsts[i] + j for i in active], dtype=torch.long, device=logits.device)
+            drawn = self._draw(logits.index_select(0, index), sub_rows, [states[i] for i in active]).tolist()
+            self._record(sub_rows, [states[i] for i in active], [[t] for t in drawn])
+            for i, t in zip(active, drawn, strict=True):
+                tokens[i].append(t)
+            active = [i for i, t in zip(active, drawn, strict=True) if j < len(drafts[i]) and t == drafts[i][j]]
+            j += 1
+        return self._verified_output(logits, rows, firsts, tokens)
+
+    def _verify_at_once(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+                        states: Sequence[SequenceSamplerState], drafts: Sequence[tuple[int, ...]],
+                        firsts: list[int], which: list[int], tokens: list[list[int]]) -> None:
+        """Rows whose draws depend on nothing but their output position: every position of
+        each in one pass; each keeps its samples up to the first that differs from its draft."""
+        virtual, virtual_states, index = [], [], []
+        for i in which:
+            for j in range(len(drafts[i]) + 1):
+                virtual.append(replace(rows[i], output_position=rows[i].output_position + j, history=None))
+                virtual_states.append(states[i])
+                index.append(firsts[i] + j)
+        drawn = self._draw(logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device)),
+                           virtual, virtual_states).tolist()
+        at = 0
+        for i in which:
+            mine = drawn[at:at + len(drafts[i]) + 1]
+            at += len(mine)
+            keep = 0
+            while keep < len(drafts[i]) and mine[keep] == drafts[i][keep]:
+                keep += 1
+            tokens[i].extend(mine[:keep + 1])
+        self._record([rows[i] for i in which], [states[i] for i in which], [tokens[i] for i in which])
+
+    @staticmethod
+    def _verified_output(logits: torch.Tensor, rows: Sequence[SampleRow], firsts: list[int],
+                         tokens: list[list[int]]) -> SamplerOutput:
+        """The emitted tokens, flat in row order, with the logprobs of those that ask."""
+        flat_rows, index, flat = [], [], []
+        for row, first, row_tokens in zip(rows, firsts, tokens, strict=True):
+            for j, t in enumerate(row_tokens):
+                flat_rows.append(row)
+                index.append(first + j)
+                flat.append(t)
+        picked = logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
+        token_logprobs, top_logprobs = _logprobs(picked, flat_rows,
+                                                 torch.tensor(flat, dtype=torch.long, device=logits.device))
+        return SamplerOutput(flat, token_logprobs, top_logprobs, [len(t) for t in tokens])
 
     def _state_for(self, row: SampleRow) -> SequenceSamplerState:
         state = self._states.get(row.seq_id)
@@ -263,6 +360,23 @@ class Sampler:
             self.grammars.apply(unmasked, bitmask)
             sub = torch.where(stuck, unmasked, sub)
         return masked.index_copy(0, index, sub)
+
+
+def _logprobs(logits: torch.Tensor, rows: Sequence[SampleRow], token_ids: torch.Tensor,
+              ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """Per row, the sampled token's logprob under the raw logits and the top ones, only for
+    the rows that ask (a vocabulary-wide pass per row); None for the others."""
+    asking = [i for i, row in enumerate(rows) if row.params.num_logprobs is not None]
+    token_logprobs: list[float | None] = [None] * len(rows)
+    top_logprobs: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    if asking:
+        index = torch.tensor(asking, dtype=torch.long, device=logits.device)
+        raw_logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)  # [asking, vocab]
+        picked = raw_logprobs.gather(1, token_ids.index_select(0, index).unsqueeze(1)).squeeze(1)
+        tops = _top_logprobs(raw_logprobs, [rows[i] for i in asking])
+        for i, logprob, top in zip(asking, picked.tolist(), tops, strict=True):
+            token_logprobs[i], top_logprobs[i] = logprob, top
+    return token_logprobs, top_logprobs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from services.step import StepPlan
 from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
 from worker_svc.config import WorkerConfig
 from worker_svc.convert import dtype_to_pb, tensor_from_pb, tensor_to_pb
+from worker_svc.drafter import drafter_for
 from worker_svc.errors import InvalidPlanError
 from worker_svc.runner import StageResult, StageRunner
 
@@ -439,7 +440,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             return None
         fb = worker_pb2.SampledFeedback(micro_batch_id=work.mb.micro_batch_id)
         fb.seq_ids.extend(result.sampled_seq_ids)
-        fb.positions.extend(r.context_len for r in result.rows if r.sample)
+        fb.positions.extend(result.sampled_positions)
         fb.token_ids.extend(result.sampled.token_ids)
         return fb
 
@@ -643,8 +644,12 @@ def _load_runner(config: WorkerConfig):
         model.set_reduce(group.all_reduce)
     backend = config.attention_backend or default_attention_backend(device)
     num_blocks, sizing = stage_pool(config, model, backend, group)
+    drafter = drafter_for(config.speculative_config, is_last=config.is_last, vocab_size=model.config.vocab_size,
+                          max_model_len=config.max_model_len or model.config.max_position_embeddings,
+                          num_blocks=num_blocks, block_size=config.block_size,
+                          dtype=next(model.parameters()).dtype, device=device, backend=backend)
     runner = StageRunner(model, num_blocks, config.block_size, backend, kv_dtype=kv_pool_dtype(config, model),
-                         tp=group, step_threads=config.step_threads)
+                         tp=group, step_threads=config.step_threads, drafter=drafter)
     return runner, sizing, group
 
 

@@ -297,6 +297,8 @@ class KVCacheManager:
         num_available = self.num_available_blocks
         if num_needed > num_available:
             return NoBlocks(append.seq_id, num_needed, num_available)
+        if len(seq.block_ids) > -(-room // bs):
+            self._give_back_ahead(seq, -(-room // bs))
         new_block_ids = self._allocate(num_needed)
         copies: tuple[BlockCopy, ...] = ()
         if copy_on_write:
@@ -310,6 +312,15 @@ class KVCacheManager:
         self._write(seq, append.token_bytes, append.num_tokens, new_block_ids, micro_batch)
         offset = seq.answer_offset()
         return Allocated(append.seq_id, tuple(seq.block_ids[offset:]), append.num_tokens, start, copies, offset)
+
+    def _give_back_ahead(self, seq: SequenceState, keep: int) -> None:
+        """Blocks held ahead past the first `keep` (empty: a verify step's rejected drafts'
+        slots, speculative decoding) go back to the pool; the next answer starts at `keep`."""
+        extra = seq.block_ids[keep:]
+        del seq.block_ids[keep:]
+        self._pool.release([b for b in extra if self._pool.decref(b) == 0])
+        if seq.num_answered is not None:
+            seq.num_answered = min(seq.num_answered, keep)
 
     def _add(self, new: ValidNewSequence, micro_batch: MicroBatchRecord) -> Allocated | NoBlocks:
         bs = self._block_size

@@ -29,6 +29,7 @@ class ScheduledSeq:
     start: int
     num_tokens: int
     sample: bool
+    num_drafts: int = 0  # a verify step: its last num_drafts tokens are drafts
 
     @property
     def context_len(self) -> int:
@@ -98,9 +99,10 @@ class InFlight:
             return None
         return record
 
-    def record(self, seq: Sequence, start: int, num_tokens: int, sample: bool) -> ScheduledSeq:
+    def record(self, seq: Sequence, start: int, num_tokens: int, sample: bool,
+               num_drafts: int = 0) -> ScheduledSeq:
         """One sequence's share of the micro-batch being built (dispatched next)."""
-        record = ScheduledSeq(seq, seq.seq_id, start, num_tokens, sample)
+        record = ScheduledSeq(seq, seq.seq_id, start, num_tokens, sample, num_drafts)
         self.busy[seq.seq_id] = self.busy.get(seq.seq_id, 0) + 1
         self.last_record[seq.seq_id] = record
         return record

@@ -63,6 +63,7 @@ from scheduler_svc.core.request import (
     RequestState,
     Sequence,
 )
+from scheduler_svc.core.speculation import Drafts, SpecStats
 from scheduler_svc.core.stage_view import StageView, scores_prompt, skips_prefix_cache
 from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS
 from services.pooling import Embedding
@@ -84,6 +85,13 @@ class PlannerConfig:
     # before step k's token is known; the stage feeds itself the token it sampled (one
     # stage), or the last stage feeds the first (several stages: `Planner.set_feedback`)
     async_decode: bool = False
+    # speculative decoding (scheduler_svc/core/speculation.py): up to this many n-gram drafts
+    # per decoding sequence per step, verified in one step of drafts + 1 positions
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # "ngram": the planner looks drafts up; "draft_model": the last stage proposes them
+    speculative_method: str = "ngram"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -110,8 +118,9 @@ class SeqUpdate:
 
 # seq_id -> a sequence the KV service gave slots in this step, and those slots
 Allocations = dict[int, tuple[Sequence, Allocated]]
-# one sequence's share of a micro-batch being built: (sequence, start, num_tokens, samples)
-SeqStep = tuple[Sequence, int, int, bool]
+# one sequence's share of a micro-batch being built: (sequence, start, num_tokens, samples,
+# the drafts its last tokens are)
+SeqStep = tuple[Sequence, int, int, bool, tuple[int, ...]]
 
 
 class Planner:
@@ -140,6 +149,7 @@ class Planner:
         # as its answers come (the KV service's own totals, without asking it)
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.spec = SpecStats()  # speculative decoding's counters, as verify steps come back
 
     @property
     def in_flight(self) -> dict[int, MicroBatch]:
@@ -310,13 +320,38 @@ class Planner:
                     continue
                 n = min(remaining, draft.budget)
                 start = seq.num_computed
-                # its block has room: no KV round trip (never for a parent about to fork: its
-                # children copy what the KV service knows of it)
-                deferred = n == 1 and start < seq.num_blocks * block_size and target == seq.num_tokens
+                drafts = self._drafts(seq, draft.budget - 1) if remaining == 1 and not prefill else ()
+                # its block has room and holds nothing ahead: no KV round trip (never for a parent
+                # about to fork: its children copy what the KV service knows of it)
+                deferred = (n == 1 and not drafts and seq.num_blocks == -(-(start + 1) // block_size)
+                            and target == seq.num_tokens)
                 if not deferred:  # the KV service catches up on every token it was not told yet
-                    draft.appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, start + n)))
-                draft.chunks.append(Chunk(seq, start, n, deferred))
-                draft.spend(n, 1)
+                    # (a verify step's drafts get slots held ahead; rejected ones' slots come
+                    # back with the sequence's next call, which holds only what that one needs)
+                    draft.appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, start + n),
+                                                num_lookahead_slots=len(drafts)))
+                draft.chunks.append(Chunk(seq, start, n + len(drafts), deferred, drafts))
+                draft.spend(n + len(drafts), 1)
+
+    def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """The drafts a decoding sequence's next step verifies (speculative decoding), within
+        the step's token budget, its `max_tokens` and the context length; () for none."""
+        k = self.config.num_speculative_tokens
+        if not k or seq.request.pooling is not None:
+            return ()
+        request = seq.request
+        k = min(k, budget, request.options.max_tokens - len(seq.output) - 1,
+                self.config.max_model_len - seq.num_tokens)
+        if k <= 0:
+            return ()
+        if seq.drafts is None:
+            seq.drafts = Drafts()
+        if not seq.drafts.take_turn():
+            return ()
+        if self.config.speculative_method != "ngram":
+            offered = seq.drafts.offered
+            return offered[1][:k] if offered is not None and offered[0] == seq.num_tokens else ()
+        return seq.drafts.lookup(seq.all_tokens(), k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
     def _propose_placeholder_decodes(self, draft: ProposalDraft) -> None:
         """Decodes of sequences whose one step in flight samples the token this one computes.
@@ -598,7 +633,7 @@ class Planner:
         self._flight.guard(mb_id, discarded)
         # (sequence, start, num_tokens, samples), in planning order: placeholder decodes, the
         # running sequences' decodes and chunks, then forks, re-admissions and admissions
-        steps = [(seq, pos, 1, True) for seq, pos in placeholders]
+        steps = [(seq, pos, 1, True, ()) for seq, pos in placeholders]
         self.num_placeholder_steps += len(placeholders)
         steps += self._allocated_steps(proposal, scheduled)
         records, new_seqs, cached_seqs = self._record_steps(steps, now)
@@ -626,6 +661,7 @@ class Planner:
         steps: list[SeqStep] = []
         for seq_id in order:
             chunk = deferred.get(seq_id)
+            drafts = planned[seq_id].drafts if seq_id in planned else ()
             if chunk is not None:  # its block holds the token: the table is unchanged
                 seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             else:
@@ -637,11 +673,11 @@ class Planner:
                 seq.kv_len = result.num_computed_tokens + result.num_new_tokens
                 seq.num_computed = start  # a prefix hit: these tokens are already there
                 seq.take_answer(result.block_offset, result.block_ids)
-            end = start + n
+            end = start + n - len(drafts)  # (a verify step samples after its known tokens)
             # a pooling sequence never samples (so no placeholder step follows it): the step
             # that completes its prompt brings back its pooled vector instead
             samples = end == self._target(seq) and end == seq.num_tokens and seq.request.pooling is None
-            steps.append((seq, start, n, samples))
+            steps.append((seq, start, n, samples, drafts))
         return steps
 
     def _record_steps(self, steps: list[SeqStep], now: float,
@@ -651,13 +687,13 @@ class Planner:
         records: list[ScheduledSeq] = []
         new_seqs: list[NewSeq] = []
         cached_seqs: list[CachedSeq] = []
-        for seq, start, n, sample in steps:
-            entry = self._stages.send(seq, start, n)
+        for seq, start, n, sample, drafts in steps:
+            entry = self._stages.send(seq, start, n, drafts)
             if isinstance(entry, NewSeq):
                 new_seqs.append(entry)
             else:
                 cached_seqs.append(entry)
-            records.append(self._flight.record(seq, start, n, sample))
+            records.append(self._flight.record(seq, start, n, sample, len(drafts)))
             if seq.request.first_scheduled_s is None:
                 seq.request.first_scheduled_s = now
         return records, new_seqs, cached_seqs
@@ -666,16 +702,19 @@ class Planner:
 
     def on_result(self, mb_id: int, sampled: Iterable[SampledToken], now: float = 0.0,
                   prompt_logprobs: Iterable[ScoredPrompt] = (),
-                  pooled: Iterable[PooledOutput] = ()) -> list[SeqUpdate]:
+                  pooled: Iterable[PooledOutput] = (),
+                  proposals: Iterable[tuple[int, tuple[int, ...]]] = ()) -> list[SeqUpdate]:
         """A micro-batch came back: computed tokens advance, sampled tokens append, finishes;
         scored prompt positions extend their request's prompt logprobs; a pooling request
-        whose prompt is computed finishes with its vector."""
+        whose prompt is computed finishes with its vector; a draft model's proposals wait
+        for their sequence's next step."""
         mb = self._flight.complete(mb_id)
         by_id: dict[int, list[tuple[int, object]]] = {}
         for s in sampled:
             by_id.setdefault(s.seq_id, []).append((s.token_id, s.logprobs))
         scored = {p.seq_id: (p.first_position, p.positions) for p in prompt_logprobs}
         vectors = {p.seq_id: p.embedding for p in pooled}
+        offered = dict(proposals) if self.config.num_speculative_tokens else {}
         updates = []
         for s in mb.seqs:
             seq = s.seq
@@ -683,6 +722,8 @@ class Planner:
             if not request.state.is_live or not seq.has_kv or seq.is_finished or seq.seq_id != s.seq_id:
                 continue  # aborted or preempted while in flight (and maybe re-admitted since)
             seq.num_computed = s.context_len
+            if s.num_drafts:  # a verify step: it stands after the drafts it kept
+                self._verified(s, len(by_id.get(seq.seq_id, ())))
             first, positions = scored.get(seq.seq_id, (-1, ()))
             if positions and first == len(request.prompt_logprobs):
                 request.prompt_logprobs.extend(positions)
@@ -690,18 +731,10 @@ class Planner:
                 if seq.num_computed == seq.num_tokens:  # its prompt is computed: pooled
                     updates.append(self._finish_pooled(seq, vectors.get(seq.seq_id), now))
                 continue
-            new_tokens, new_logprobs = [], []
-            for token, logprob in by_id.get(seq.seq_id, []):
-                seq.output.append(token)
-                seq.logprobs.append(logprob)
-                new_tokens.append(token)
-                new_logprobs.append(logprob)
-                reason = self._finish_reason(seq, token)
-                if reason is not None:
-                    seq.finish_reason = reason
-                    if reason == FinishReason.STOP:
-                        seq.stop_token_id = token
-                    break
+            new_tokens, new_logprobs = self._append_sampled(seq, by_id.get(seq.seq_id, []))
+            if seq.seq_id in offered:
+                seq.drafts = seq.drafts or Drafts()
+                seq.drafts.offered = (seq.num_tokens, offered[seq.seq_id])
             if new_tokens and request.state == RequestState.PREFILLING:
                 request.transition(RequestState.DECODING, now)
             if seq.is_finished:
@@ -711,6 +744,33 @@ class Planner:
             if request.all_finished and request.state == RequestState.DECODING:
                 self._retire(request, now)
         return updates
+
+    def _append_sampled(self, seq: Sequence, sampled: list[tuple[int, object]]) -> tuple[list[int], list]:
+        """A step's tokens (several after a verify step) join the sequence's output, up to the
+        first that finishes it; returns the tokens and logprobs taken."""
+        new_tokens, new_logprobs = [], []
+        for token, logprob in sampled:
+            seq.output.append(token)
+            seq.logprobs.append(logprob)
+            new_tokens.append(token)
+            new_logprobs.append(logprob)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.finish_reason = reason
+                if reason == FinishReason.STOP:
+                    seq.stop_token_id = token
+                break
+        return new_tokens, new_logprobs
+
+    def _verified(self, record: ScheduledSeq, num_sampled: int) -> None:
+        """A verify step came back with `num_sampled` tokens for its sequence: the drafts it
+        kept and one more. The sequence stands after those drafts; the counters count them."""
+        accepted = max(0, num_sampled - 1)
+        seq = record.seq
+        seq.num_computed = record.context_len - record.num_drafts + accepted
+        self.spec.add(record.num_drafts, accepted)
+        if seq.drafts is not None:
+            seq.drafts.verified(record.num_drafts, accepted)
 
     def _finish_pooled(self, seq: Sequence, embedding: Embedding | None, now: float) -> SeqUpdate:
         """A pooling request's prompt came back computed: it finishes with its vector (STOP),
@@ -795,7 +855,24 @@ class Planner:
         request = seq.request
         return (pos == seq.num_tokens and pos <= seq.num_blocks * self.config.block_size
                 and len(seq.output) + 1 < request.options.max_tokens
-                and pos + 1 < self.config.max_model_len and self._target(seq) == seq.num_tokens)
+                and pos + 1 < self.config.max_model_len and self._target(seq) == seq.num_tokens
+                and not self._copying(seq))
+
+    def _copying(self, seq: Sequence) -> bool:
+        """Speculative decoding: whether this sequence's next step should rather wait for the
+        token in flight and verify drafts than be a placeholder step (which cannot carry
+        drafts: they follow the token it takes). So while its tokens continue an earlier
+        n-gram (or the draft model offered drafts) and it is not backing off."""
+        if not self.config.num_speculative_tokens or seq.request.pooling is not None:
+            return False
+        if seq.drafts is None:
+            seq.drafts = Drafts()
+        drafts = seq.drafts
+        if drafts.skip:
+            return False
+        if self.config.speculative_method != "ngram":
+            return drafts.offered is not None
+        return bool(drafts.lookup(seq.all_tokens(), 1, self.config.prompt_lookup_min, self.config.prompt_lookup_max))
 
     def _target(self, seq: Sequence) -> int:
         """How far a sequence may compute now: all known tokens, but a parent awaiting its fork
@@ -906,13 +983,15 @@ class Planner:
                 if seq.has_kv and not seq.is_finished and seq.num_blocks:
                     record = self._flight.last_record.get(seq.seq_id)
                     end = record.context_len if record is not None and record.seq is seq else seq.num_computed
-                    check_kv_lead(seq, end, self._stages.on_stages.get(seq.seq_id), self.config.block_size)
+                    check_kv_lead(seq, end, self._stages.on_stages.get(seq.seq_id), self.config.block_size,
+                                  max(1, self.config.num_speculative_tokens))
 
 
 _scores_prompt = scores_prompt  # its name before it moved (tests import it from here)
 
 
-def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_size: int) -> None:
+def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_size: int,
+                  lookahead: int = 1) -> None:
     """How far the scheduler may run ahead of the KV service (deferred decodes and lookahead
     slots, docs/step-protocol.md "KV bookkeeping"), checked for one live sequence between plans.
 
@@ -924,9 +1003,10 @@ def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_siz
     - the KV service is told only tokens that were scheduled: `kv_len <= scheduled_end`;
     - every scheduled token has a slot (a deferred decode or placeholder step goes only where
       the table has room): `scheduled_end <= num_blocks * block_size`;
-    - the KV service holds at most one slot beyond the tokens it was told (a placeholder step's
-      lookahead block), and covers those: `ceil(kv_len / bs) <= num_blocks <=
-      ceil((kv_len + 1) / bs)`; so the deferred tokens all lie in the last block;
+    - the KV service holds at most `lookahead` slots beyond the tokens it was told (a
+      placeholder step's lookahead block: 1; a verify step's drafts: up to
+      num_speculative_tokens), and covers those: `ceil(kv_len / bs) <= num_blocks <=
+      ceil((kv_len + lookahead) / bs)`; so the deferred tokens all lie in the last block;
     - the stages hold that table (nothing unsent), or all of it but a held-ahead block whose
       placeholder step was dropped (its step before returned during the KV call): the unsent
       diff is that block, sent with the next step.
@@ -935,7 +1015,7 @@ def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_siz
     kv_len, num_blocks, unsent = seq.kv_len, seq.num_blocks, seq.unsent_blocks
     where = f"sequence {seq.seq_id}: kv_len {kv_len}, scheduled to {scheduled_end}, {num_blocks} blocks"
     assert kv_len <= scheduled_end <= num_blocks * block_size, where
-    assert -(-kv_len // block_size) <= num_blocks <= -(-(kv_len + 1) // block_size), where
+    assert -(-kv_len // block_size) <= num_blocks <= -(-(kv_len + lookahead) // block_size), where
     assert held is None or (held == num_blocks and unsent is None) or (
         held == num_blocks - 1 and kv_len == held * block_size and unsent is not None
         and unsent[0] == held and len(unsent[1]) == 1), (where, held, unsent)

@@ -30,12 +30,14 @@ class Chunk:
     """A running sequence's decode or prefill chunk: tokens `start ... start + num_tokens - 1`
     (the KV service's view of a sequence may lag its computed tokens by the placeholder steps
     in flight). `deferred`: a decode inside its last block, whose token the KV service is told
-    later (no KV round trip for it now)."""
+    later (no KV round trip for it now). A verify step (speculative decoding) is a decode
+    followed by `drafts`, whose slots the KV service holds ahead (lookahead slots)."""
 
     seq: Sequence
     start: int
     num_tokens: int
     deferred: bool
+    drafts: tuple[int, ...] = ()  # a verify step: its last len(drafts) tokens are these drafts
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from scheduler_svc.core.speculation import Drafts
 from services.pooling import Embedding, PoolingType
 from services.sampling import MAX_LOGIT_BIAS_ENTRIES, SamplingOptions, sampling_params  # noqa: F401 (re-exported)
 
@@ -79,6 +80,7 @@ class Sequence:
     has_kv: bool = False  # the KV service holds this sequence
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
+    drafts: Drafts | None = None  # speculative decoding: its n-gram index and back-off
 
     @property
     def num_tokens(self) -> int:

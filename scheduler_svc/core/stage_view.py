@@ -11,6 +11,8 @@ is released in the next plan; after a reset the next plan drops everything first
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from scheduler_svc.core.request import Request, Sequence, sampling_params
 from services.step import CachedSeq, NewSeq, PromptScoring
 
@@ -26,11 +28,15 @@ class StageView:
       their tokens the first stage knows;
     - `release_all` (the next plan resets the stages first, as at the start) means nothing
       is held yet;
-    - a sequence id is released once: `pending_released` has no repeats.
+    - a sequence id is released once: `pending_released` has no repeats;
+    - `positions` maps exactly the ids in `on_stages` to where their last step sent ends:
+      where the stages stand (a verify step's sequence: the first stages stand there, past
+      its drafts; its next step names the position it starts at when that is before).
     """
 
     def __init__(self, track_tokens: bool) -> None:
         self.on_stages: dict[int, int] = {}
+        self.positions: dict[int, int] = {}
         self.stage_tokens: dict[int, int] | None = {} if track_tokens else None
         self.pending_released: list[int] = []
         # the stages may hold state from an earlier scheduler: the first plan resets them
@@ -49,9 +55,10 @@ class StageView:
             raise RuntimeError("track_tokens: only before the stages hold any state")
         self.stage_tokens = {} if on else None
 
-    def send(self, seq: Sequence, start: int, num_tokens: int) -> NewSeq | CachedSeq:
+    def send(self, seq: Sequence, start: int, num_tokens: int, drafts: tuple[int, ...] = ()) -> NewSeq | CachedSeq:
         """This step of a sequence as the stages get it (tokens `start ... start + num_tokens
-        - 1`, on its current block table); the stages hold it from then on."""
+        - 1`, on its current block table, the last `len(drafts)` of them drafts to verify);
+        the stages hold it from then on."""
         scoring = prompt_scoring(seq, start, start + num_tokens)
         held = self.on_stages.get(seq.seq_id)
         block_offset, block_ids = seq.take_unsent_blocks()
@@ -63,7 +70,13 @@ class StageView:
             if block_offset > held:
                 raise RuntimeError(f"sequence {seq.seq_id}: keeps {block_offset} of the {held} blocks the stages hold")
             entry = self._cached_seq(seq, block_offset, block_ids, num_tokens, scoring)
+            moved = start if self.positions[seq.seq_id] != start else -1
+            if drafts or moved >= 0:
+                entry = replace(entry, draft_token_ids=drafts, start=moved)
+        if drafts and held is None:
+            raise RuntimeError(f"sequence {seq.seq_id}: drafts for a sequence new to the stages")
         self.on_stages[seq.seq_id] = seq.num_blocks
+        self.positions[seq.seq_id] = start + num_tokens
         if self.stage_tokens is not None:
             self.stage_tokens[seq.seq_id] = seq.num_tokens
         return entry
@@ -78,6 +91,7 @@ class StageView:
         released, release_all = tuple(self.pending_released), self.release_all
         for seq_id in released:
             self.on_stages.pop(seq_id, None)
+            self.positions.pop(seq_id, None)
             if self.stage_tokens is not None:
                 self.stage_tokens.pop(seq_id, None)
         self.pending_released, self.release_all = [], False
@@ -88,6 +102,7 @@ class StageView:
         self.pending_released.clear()
         self.release_all = True
         self.on_stages.clear()
+        self.positions.clear()
         if self.stage_tokens is not None:
             self.stage_tokens.clear()
 
@@ -101,6 +116,7 @@ class StageView:
         return CachedSeq(seq.seq_id, n, block_offset, block_ids, new_tokens, scoring)
 
     def check_integrity(self) -> None:
+        assert self.positions.keys() == self.on_stages.keys(), (self.positions, self.on_stages)
         if self.stage_tokens is not None:
             assert self.stage_tokens.keys() == self.on_stages.keys(), (self.stage_tokens, self.on_stages)
         assert not (self.release_all and self.on_stages), self.on_stages

@@ -180,7 +180,7 @@ class RequestSummary(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.RequestState, str]] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., arrival_time_ns: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("health", "health_detail", "epoch", "uptime_ns", "config", "num_waiting", "num_running", "num_preempted", "tenants", "num_preemptions", "num_finished_requests", "num_aborted_requests", "num_prompt_tokens", "num_generated_tokens", "num_micro_batches", "num_in_flight", "stages", "kv_address", "kv_health", "kv_cache", "requests", "timeline", "now_ns")
+    __slots__ = ("health", "health_detail", "epoch", "uptime_ns", "config", "num_waiting", "num_running", "num_preempted", "tenants", "num_preemptions", "num_finished_requests", "num_aborted_requests", "num_prompt_tokens", "num_generated_tokens", "num_micro_batches", "num_in_flight", "stages", "kv_address", "kv_health", "kv_cache", "requests", "timeline", "now_ns", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_accepted_per_position")
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     HEALTH_DETAIL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,10 @@ class GetStatsResponse(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
     NOW_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     health: _common_pb2.HealthStatus
     health_detail: str
     epoch: int
@@ -227,4 +231,8 @@ class GetStatsResponse(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[RequestSummary]
     timeline: _containers.RepeatedCompositeFieldContainer[StageSpan]
     now_ns: int
-    def __init__(self, health: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., health_detail: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[PipelineStageStats, _Mapping]]] = ..., kv_address: _Optional[str] = ..., kv_health: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., kv_cache: _Optional[_Union[_kvcache_pb2.KVCacheStats, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestSummary, _Mapping]]] = ..., timeline: _Optional[_Iterable[_Union[StageSpan, _Mapping]]] = ..., now_ns: _Optional[int] = ...) -> None: ...
+    num_spec_drafts: int
+    num_spec_draft_tokens: int
+    num_spec_accepted_tokens: int
+    num_spec_accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, health: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., health_detail: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[PipelineStageStats, _Mapping]]] = ..., kv_address: _Optional[str] = ..., kv_health: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., kv_cache: _Optional[_Union[_kvcache_pb2.KVCacheStats, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestSummary, _Mapping]]] = ..., timeline: _Optional[_Iterable[_Union[StageSpan, _Mapping]]] = ..., now_ns: _Optional[int] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -102,7 +102,7 @@ class PromptScoring(_message.Message):
     def __init__(self, first_position: _Optional[int] = ..., targets: _Optional[_Iterable[int]] = ..., num_top: _Optional[int] = ...) -> None: ...
 
 class CachedSequences(_message.Message):
-    __slots__ = ("seq_ids", "num_scheduled", "block_offsets", "num_block_ids", "block_ids", "num_new_token_ids", "new_token_ids", "prompt_scoring")
+    __slots__ = ("seq_ids", "num_scheduled", "block_offsets", "num_block_ids", "block_ids", "num_new_token_ids", "new_token_ids", "prompt_scoring", "num_draft_token_ids", "draft_token_ids", "starts")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,9 @@ class CachedSequences(_message.Message):
     NUM_NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_SCORING_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_scheduled: _containers.RepeatedScalarFieldContainer[int]
     block_offsets: _containers.RepeatedScalarFieldContainer[int]
@@ -119,7 +122,10 @@ class CachedSequences(_message.Message):
     num_new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_scoring: _containers.RepeatedCompositeFieldContainer[IndexedPromptScoring]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_new_token_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., prompt_scoring: _Optional[_Iterable[_Union[IndexedPromptScoring, _Mapping]]] = ...) -> None: ...
+    num_draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    starts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled: _Optional[_Iterable[int]] = ..., block_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_new_token_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., prompt_scoring: _Optional[_Iterable[_Union[IndexedPromptScoring, _Mapping]]] = ..., num_draft_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class IndexedPromptScoring(_message.Message):
     __slots__ = ("index", "scoring")
@@ -154,7 +160,7 @@ class StageEvent(_message.Message):
     def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., ready: _Optional[_Union[StageLoadInfo, _Mapping]] = ..., done: _Optional[_Union[MicroBatchDone, _Mapping]] = ...) -> None: ...
 
 class MicroBatchDone(_message.Message):
-    __slots__ = ("micro_batch_id", "error", "timing", "sampled", "num_block_copies_applied", "prompt_logprobs", "pooled", "upstream_timings")
+    __slots__ = ("micro_batch_id", "error", "timing", "sampled", "num_block_copies_applied", "prompt_logprobs", "pooled", "upstream_timings", "proposal_seq_ids", "num_proposal_tokens", "proposal_token_ids")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +169,9 @@ class MicroBatchDone(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROPOSAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     micro_batch_id: int
     error: _common_pb2.ErrorStatus
     timing: StepTiming
@@ -171,7 +180,10 @@ class MicroBatchDone(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     pooled: _containers.RepeatedCompositeFieldContainer[PooledOutput]
     upstream_timings: _containers.RepeatedCompositeFieldContainer[StepTiming]
-    def __init__(self, micro_batch_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_block_copies_applied: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ...) -> None: ...
+    proposal_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_proposal_tokens: _containers.RepeatedScalarFieldContainer[int]
+    proposal_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, micro_batch_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_block_copies_applied: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., proposal_seq_ids: _Optional[_Iterable[int]] = ..., num_proposal_tokens: _Optional[_Iterable[int]] = ..., proposal_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PooledOutput(_message.Message):
     __slots__ = ("seq_id", "embedding")

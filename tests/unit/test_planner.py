@@ -115,7 +115,7 @@ class Sim:
             for pos in range(row.start, row.context_len):
                 self.shadow[table[pos // bs] * bs + pos % bs] = state.token_ids[pos]
         samples = [SampledToken(r.seq_id, next_token(r.state.token_ids)) for r in rows if r.sample]
-        self.stage.record_sampled(rows, [t.token_id for t in samples])
+        self.stage.record_sampled(rows, [[t.token_id] for t in samples])
         self.samples[mb.micro_batch_id] = samples
 
     def run(self, max_steps=5000):
@@ -584,7 +584,7 @@ def _drive_with_failures(sim, fail_steps, max_steps=400, fifo=None):
                     rejected.append(str(exc))
                 else:
                     samples = [SampledToken(r.seq_id, next_token(r.state.token_ids)) for r in rows if r.sample]
-                    sim.stage.record_sampled(rows, [t.token_id for t in samples])
+                    sim.stage.record_sampled(rows, [[t.token_id] for t in samples])
             fifo.append((mb, samples))
         if fifo:
             mb, samples = fifo.pop(0)
