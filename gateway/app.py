@@ -57,6 +57,7 @@ from gateway.errors import (
     from_validation_errors,
     status_for,
 )
+from gateway.lora_routes import add_lora_routes
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayMiddleware
 from gateway.protocol import (
@@ -162,9 +163,13 @@ SESSION_HEADER = "x-session-id"
 
 
 def _with_session(params: GenerationParams, body, request: Request) -> GenerationParams:
-    """Router mode's session affinity: the x-session-id header, else the body's `user`."""
+    """Router mode's session affinity: the x-session-id header, else the body's `user`; and
+    the LoRA adapter the body's `model` names."""
     session = request.headers.get(SESSION_HEADER) or body.user or ""
-    return dataclasses.replace(params, session=session[:256]) if session else params
+    lora = request.app.state.gateway.limits.lora_name(body.model)
+    if session or lora:
+        return dataclasses.replace(params, session=session[:256], lora_name=lora)
+    return params
 
 
 def create_app(config: GatewayConfig, generator: TextGenerator,
@@ -186,6 +191,7 @@ def create_app(config: GatewayConfig, generator: TextGenerator,
     responses.add_routes(app, gw)
     _add_vllm_routes(app, gw)
     _add_pagoda_routes(app, gw)
+    add_lora_routes(app, gw)
     _add_operations_routes(app, gw)
     _add_debug_routes(app, gw)
     return app
@@ -197,12 +203,12 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
     @app.get("/v1/models", tags=["OpenAI"], responses={401: _ERRORS[401]})
     async def list_models() -> dict[str, Any]:
         """The served model, as OpenAI lists models: one entry per name it answers to."""
-        return {"object": "list", "data": [_model_card(gw, name) for name in gw.limits.names]}
+        return {"object": "list", "data": [_model_card(gw, name) for name in (*gw.limits.names, *gw.limits.loras)]}
 
     @app.get("/v1/models/{model:path}", tags=["OpenAI"],  # (names may be paths)
              responses={401: _ERRORS[401], 404: {"model": ErrorResponse, "description": "No such model."}})
     async def retrieve_model(model: str) -> dict[str, Any]:
-        if model not in gw.limits.names:
+        if model not in gw.limits.names and model not in gw.limits.loras:
             raise ApiError(404, f"model: the model {model!r} does not exist", "model", "model_not_found")
         return _model_card(gw, model)
 
@@ -413,9 +419,13 @@ def _version() -> str:
 
 
 def _model_card(gw: Gateway, name: str) -> dict[str, Any]:
-    # root: the served name, not where the checkpoint lies on the server's disk
-    return {"id": name, "object": "model", "created": gw.created, "owned_by": "pagoda",
+    # root: the served name, not where the checkpoint lies on the server's disk; a LoRA
+    # adapter's parent is the base model (as vLLM lists them)
+    card = {"id": name, "object": "model", "created": gw.created, "owned_by": "pagoda",
             "root": gw.limits.name, "max_model_len": gw.limits.max_model_len}
+    if name in gw.limits.loras:
+        card.update(root=name, parent=gw.limits.name)
+    return card
 
 
 def _enum_name(value: int) -> str:

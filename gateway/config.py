@@ -17,7 +17,7 @@ from services.pooling import POOLING_TYPES
 from services.settings import Setting, uses
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-_GRANT_FIELDS = {"tenant", "priority", "requests_per_minute", "tokens_per_minute"}
+_GRANT_FIELDS = {"tenant", "priority", "requests_per_minute", "tokens_per_minute", "admin"}
 TASKS = ("generate", "embed")  # vLLM's --task values Pagoda takes (both serve everything)
 
 
@@ -30,6 +30,7 @@ class ApiKey:
     priority: int = 0
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    admin: bool = False  # may load and unload LoRA adapters at run time
 
     def __post_init__(self) -> None:
         self.rate_limit  # noqa: B018 - ValueError when a limit is not a positive integer
@@ -69,6 +70,10 @@ class GatewayConfig:
                                                    "(gRPC) taken, in bytes; a larger one is refused", "int",
                                   metavar="BYTES")
     max_model_len: int = uses(shared.MAX_MODEL_LEN, MAX_MODEL_LEN)
+    # multi-LoRA: a request's `model` may name an adapter (the stages hold them)
+    enable_lora: bool = uses(shared.ENABLE_LORA)
+    lora_modules: tuple[str, ...] = uses(shared.LORA_MODULES, ())
+    allow_runtime_lora_updating: bool = uses(shared.ALLOW_RUNTIME_LORA_UPDATING)
     max_n: int = 16
     max_logprobs: int = 20
     max_num_prompts: int = 256  # prompts in one completions request
@@ -258,8 +263,11 @@ def load_api_keys(path: str | Path) -> dict[str, ApiKey]:
             RateLimit(rpm, tpm)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
+        admin = grant.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"{where}: admin must be true or false")
         keys[key] = ApiKey(tenant=tenant, priority=priority, requests_per_minute=rpm,
-                           tokens_per_minute=tpm)
+                           tokens_per_minute=tpm, admin=admin)
     return keys
 
 

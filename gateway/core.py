@@ -31,7 +31,7 @@ from gateway.replicas import (
 )
 from gateway.tools import ToolCalling
 from services import telemetry
-from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.sampling import SamplingOptions
 from services.sampling_pb import options_to_pb
 from services.text import TextOutputProcessor, Tokenizer
@@ -140,6 +140,7 @@ class GenerationParams:
     # routing across replicas: requests with one session key go to one replica (`user`, or
     # the x-session-id header)
     session: str = ""
+    lora_name: str = ""  # multi-LoRA: the adapter it runs under ("": the base model)
 
 
 class TopToken(NamedTuple):
@@ -290,6 +291,14 @@ class TextGenerator:
     async def close(self) -> None:
         await self._replicas.close()
 
+    async def lora_adapter(self, load: bool, name: str, path: str, timeout_s: float = 180.0) -> None:
+        """Loads (unloads) a LoRA adapter on every replica's stages, through its scheduler;
+        grpc.aio.AioRpcError with the first refusal."""
+        request = worker_pb2.LoraAdapterRequest(lora_name=name, lora_path=path)
+        for replica in self._replicas.replicas:
+            stub = replica.connect()
+            await (stub.LoadLoraAdapter if load else stub.UnloadLoraAdapter)(request, timeout=timeout_s)
+
     def start(self) -> None:
         """In the event loop that serves: start watching the replicas (router mode)."""
         self._replicas.start()
@@ -350,6 +359,8 @@ class TextGenerator:
         )
         if traceparent:
             req.trace_context.traceparent = traceparent
+        if p.lora_name:
+            req.lora_name = p.lora_name
         options_to_pb(p.sampling, req.sampling_params)
         if p.sampling.seed is None and self.default_seed is not None:
             req.sampling_params.seed = self.default_seed % 2**64

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -48,6 +49,7 @@ from services.grammar import GrammarError
 from services.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.pooling import PoolingType, embedding_to_pb
 from services.sampling_pb import options_from_pb
+from services.settings import lora_modules
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +67,18 @@ _NO_KEY = ApiKey()
 def add_generation_service(
     server: grpc.aio.Server, generator: TextGenerator, config: GatewayConfig,
     limiter: RateLimiter | None = None, metrics: GatewayMetrics | None = None,
+    loras: dict[str, str] | None = None,
 ) -> list[str]:
     """Registers the Generation servicer on `server`; returns the full names of the services
     added, for the caller's reflection and health registration. `limiter`: the rate limiter
     to share with the REST API (None: the servicer builds its own when limits are configured);
-    `metrics`: the REST API's, so that gRPC traffic counts in the same figures."""
+    `metrics`: the REST API's, so that gRPC traffic counts in the same figures; `loras`: the
+    REST API's LoRA adapters (name -> folder), shared so that one loaded at run time is
+    served on both."""
     if limiter is None and config.rate_limits_enabled:
         limiter = RateLimiter.create(config.default_rate_limit, config.redis_url)
     gateway_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(generator, config, limiter, metrics), server)
+        GenerationServicer(generator, config, limiter, metrics, loras), server)
     return [SERVICE_NAME]
 
 
@@ -183,7 +188,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     owns its generate iterator and closes it however the call ends."""
 
     def __init__(self, generator: TextGenerator, config: GatewayConfig,
-                 limiter: RateLimiter | None = None, metrics: GatewayMetrics | None = None) -> None:
+                 limiter: RateLimiter | None = None, metrics: GatewayMetrics | None = None,
+                 loras: dict[str, str] | None = None) -> None:
         self.generator = generator
         self.metrics = metrics
         self.config = config
@@ -191,6 +197,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         self._key_salt: bytes | None = None  # keys the rate-limit bucket ids (key_salt)
         tokenizer = generator.tokenizer
         self.model_names = config.model_names
+        self.loras = loras if loras is not None else dict(lora_modules(config.lora_modules))
         self.limits = Limits(
             vocab_size=_model_vocab_size(tokenizer.model_dir, tokenizer.vocab_size),
             max_model_len=config.max_model_len,
@@ -206,7 +213,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         try:
             key, bucket = self._authenticate(context)
             self._check_model(request.model)
-            params = params_from_pb(request.options, key)
+            params = self._with_lora(params_from_pb(request.options, key), request.model)
             # tokenizing a large text takes seconds: off the event loop (issue 16, defect 4)
             field, prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
             admit_prompt(field, len(prompt_ids), params, self.limits)
@@ -224,7 +231,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         try:
             key, bucket = self._authenticate(context)
             self._check_model(request.model)
-            params = params_from_pb(request.options, key)
+            params = self._with_lora(params_from_pb(request.options, key), request.model)
             prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, request.messages)
             admit_prompt("messages", len(prompt_ids), params, self.limits)
             await self._charge(bucket, key, prompt_ids, params)
@@ -306,10 +313,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         await self.limiter.admit(bucket, key.rate_limit, tokens)
 
     def _check_model(self, model: str) -> None:
-        if model and model not in self.model_names:
+        if model and model not in self.model_names and model not in self.loras:
             raise RequestError(grpc.StatusCode.NOT_FOUND, "model",
                                f"{model!r} is not served here; this gateway serves "
-                               + " or ".join(repr(n) for n in self.model_names))
+                               + " or ".join(repr(n) for n in (*self.model_names, *self.loras)))
+
+    def _with_lora(self, params: GenerationParams, model: str) -> GenerationParams:
+        """The LoRA adapter a request's `model` names, if it names one."""
+        return dataclasses.replace(params, lora_name=model) if model in self.loras else params
 
     def _prompt_ids(self, request: gateway_pb2.TextGenerateRequest) -> tuple[str, list[int]]:
         which = request.WhichOneof("prompt")

@@ -148,7 +148,8 @@ async def serve(config: GatewayConfig) -> None:
     grpc_server, grpc_port, health_servicer = create_aio_server(
         grpc_address(config.host, config.grpc_port), max_receive_bytes=config.max_body_bytes,
         internal=False)  # the public API: API keys, not the stack's secret
-    names = add_generation_service(grpc_server, generator, config, gateway.limiter, gateway.metrics)
+    names = add_generation_service(grpc_server, generator, config, gateway.limiter, gateway.metrics,
+                                   gateway.limits.loras)
     enable_reflection([*names, health.SERVICE_NAME], grpc_server)
     await grpc_server.start()
 

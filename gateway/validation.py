@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from gateway.protocol import (
 )
 from gateway.tools import chooses_auto, declared_tools, tool_calling
 from services import grammar
+from services import settings as shared
 from services.admission import AdmissionError, Limits, admit
 from services.sampling import SamplingOptions, StructuredOutput
 from services.text import Tokenizer
@@ -55,6 +56,13 @@ class ModelLimits:
     max_model_len: int
     vocab_size: int
     names: tuple[str, ...] = ()  # every name a request may use (default: `name`)
+    # multi-LoRA: adapter name -> its folder, loaded on the stages (--lora-modules, and those
+    # loaded at run time); a request's `model` may name one
+    loras: dict[str, str] = field(default_factory=dict)
+
+    def lora_name(self, requested: str | None) -> str:
+        """The adapter a request runs under: its `model` when that names one, else ""."""
+        return requested if requested is not None and requested in self.loras else ""
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -68,14 +76,15 @@ class ModelLimits:
             vocab_size = max(vocab_size, int(model_config.get("vocab_size") or 0))
         except (OSError, ValueError, TypeError):
             pass  # a tokenizer-only directory: the tokenizer's vocabulary is the bound
-        return cls(config.model_name, config.max_model_len, vocab_size, config.model_names)
+        return cls(config.model_name, config.max_model_len, vocab_size, config.model_names,
+                   dict(shared.lora_modules(config.lora_modules)))
 
 
 def check_model(requested: str | None, limits: ModelLimits) -> None:
     """A model this server does not serve is 404 `model_not_found`, as OpenAI and vLLM
     answer it (the openai SDK raises NotFoundError)."""
-    if requested is not None and requested not in limits.names:
-        served = " or ".join(repr(n) for n in limits.names)
+    if requested is not None and requested not in limits.names and requested not in limits.loras:
+        served = " or ".join(repr(n) for n in (*limits.names, *limits.loras))
         raise ApiError(404, f"model: the model {requested!r} does not exist; this server "
                             f"serves {served} (see GET /v1/models)", "model",
                        "model_not_found")

@@ -24,7 +24,7 @@ from scheduler_svc.engine import Engine, RequestOutput, admission_limits
 from services import grammar
 from services.admission import AdmissionError, admit, admit_pooling
 from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
-from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.pooling import PoolingType, embedding_to_pb
 from services.sampling_pb import options_from_pb, set_top_logprobs
 
@@ -88,7 +88,14 @@ def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig,
         debug_timeline=msg.debug_timeline,
         trace_context=msg.trace_context.traceparent if msg.HasField("trace_context") else "",
         pooling=pooling,
+        lora_name=_lora_name(msg.lora_name),
     )
+
+
+def _lora_name(name: str) -> str:
+    if len(name) > 256 or any(c in name for c in "\x00\n"):
+        raise InvalidRequest("lora_name: at most 256 characters, no NUL or newline")
+    return name
 
 
 def check_structured(structured) -> None:
@@ -154,6 +161,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Abort(self, request, context):
         index = request.index if request.HasField("index") else None
         return scheduler_pb2.AbortResponse(aborted=self.engine.abort(request.request_id, index))
+
+    async def LoadLoraAdapter(self, request, context):
+        return await self._lora(request, context, load=True)
+
+    async def UnloadLoraAdapter(self, request, context):
+        return await self._lora(request, context, load=False)
+
+    async def _lora(self, request, context, load: bool):
+        """An adapter loaded on (unloaded from) every stage; the stages' status codes."""
+        transport = self.engine.transport
+        if not hasattr(transport, "lora_adapter"):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this scheduler's stages are in-process")
+        if not load and any(r.lora_name == request.lora_name for r in self.engine.planner.requests.values()):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"lora_name: requests are running under {request.lora_name!r}")
+        try:
+            names = await transport.lora_adapter(load, request.lora_name, request.lora_path)
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
+        return worker_pb2.LoraAdapterReply(lora_names=names)
 
     async def GetStats(self, request, context):
         engine, cfg = self.engine, self.engine.config

@@ -113,6 +113,26 @@ class GrpcStageTransport:
         request = worker_pb2.AbandonRequest(epoch=self.infos[0].epoch, seq_ids=seq_ids)
         await self._stubs[0].Abandon(request, timeout=2.0)
 
+    async def lora_adapter(self, load: bool, name: str, path: str = "", timeout_s: float = 120.0) -> list[str]:
+        """Loads (or unloads) a LoRA adapter on every stage, first to last: a load one stage
+        refuses is unloaded from those that took it, and its error (grpc.aio.AioRpcError)
+        raised. Returns the adapters held after it."""
+        request = worker_pb2.LoraAdapterRequest(lora_name=name, lora_path=path)
+        done: list[worker_pb2_grpc.StageWorkerStub] = []
+        reply = None
+        for stub in self._stubs:
+            try:
+                call = stub.LoadLoraAdapter if load else stub.UnloadLoraAdapter
+                reply = await call(request, timeout=timeout_s)
+            except grpc.aio.AioRpcError:
+                if load:
+                    for taken in done:
+                        with contextlib.suppress(grpc.aio.AioRpcError):
+                            await taken.UnloadLoraAdapter(request, timeout=timeout_s)
+                raise
+            done.append(stub)
+        return list(reply.lora_names) if reply is not None else []
+
     async def _read_events(self, index: int, on_event, ready: asyncio.Future) -> None:
         last = index == len(self.addresses) - 1
         try:

@@ -245,3 +245,33 @@ SPECULATIVE_CONFIG = Setting(
     "\"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K} (a smaller checkpoint of the same "
     "tokenizer, run on the last stage); greedy output is unchanged, sampled output keeps its distribution",
     metavar="JSON", owner="scheduler", services=("worker", "scheduler"), serve="pass")
+
+# multi-LoRA: every stage holds the adapters for its layers (worker_svc/lora.py); the gateway
+# takes a request's `model` as an adapter's name
+ENABLE_LORA = Setting("enable_lora", "serve LoRA adapters over the base model (PEFT folders; a request's "
+                      "`model` names one)", "switch", default=False, owner="worker",
+                      services=("worker", "gateway"), serve="pass")
+LORA_MODULES = Setting("lora_modules", "adapters loaded at start, as vLLM's: NAME=PATH ... (a PEFT folder: "
+                       "adapter_config.json and adapter_model.safetensors)", "names", metavar="NAME=PATH",
+                       owner="worker", services=("worker", "gateway"), serve="pass")
+MAX_LORAS = Setting("max_loras", "adapters held at once (each stage's slots)", "int", default=4,
+                    owner="worker", services=("worker",), serve="pass")
+MAX_LORA_RANK = Setting("max_lora_rank", "the largest adapter rank taken", "int", default=16,
+                        owner="worker", services=("worker",), serve="pass")
+ALLOW_RUNTIME_LORA_UPDATING = Setting(
+    "allow_runtime_lora_updating", "take /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING; with API keys, only from a key granted admin)", "switch", default=False,
+    owner="gateway", services=("gateway",), serve="pass")
+
+
+def lora_modules(entries) -> dict[str, str]:
+    """`NAME=PATH ...` as {name: path}; ValueError naming the entry that is not one."""
+    out: dict[str, str] = {}
+    for entry in entries or ():
+        name, sep, path = str(entry).partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"lora_modules: {entry!r} is not NAME=PATH")
+        if name in out:
+            raise ValueError(f"lora_modules: {name!r} given twice")
+        out[name.strip()] = path.strip()
+    return out

@@ -66,6 +66,7 @@ class NewSeq:
     trace_context: str = ""  # W3C traceparent of the request's scheduler span
     prompt_scoring: PromptScoring | None = None
     pooling: PoolingType | None = None
+    lora_name: str = ""  # multi-LoRA: the adapter it runs under ("": the base model)
 
     @property
     def num_output_tokens(self) -> int:

@@ -50,41 +50,48 @@ def plan_to_pb(plan: StepPlan, stage_index: int = 0) -> worker_pb2.MicroBatch:
     for src, dst in plan.block_copies:
         msg.block_copies.add(src_block_id=src, dst_block_id=dst)
     for n in plan.new_seqs:
-        m = msg.new_seqs.add(
-            seq_id=n.seq_id, token_ids=n.token_ids, prompt_len=n.prompt_len, num_computed=n.num_computed,
-            num_scheduled=n.num_scheduled, block_ids=n.block_ids, eos_token_ids=n.sampling.eos_token_ids,
-            choice_index=n.choice_index, entropy_seed=n.entropy_seed, request_id=n.request_id,
-            traceparent=n.trace_context,
-        )
-        options_to_pb(n.sampling, m.params)  # (the view rides as its request's options do)
-        if n.prompt_scoring is not None:
-            _scoring_to_pb(n.prompt_scoring, m.prompt_scoring)
-        if n.pooling is not None:
-            m.pooling = n.pooling.to_pb()
+        _new_seq_to_pb(n, msg.new_seqs.add())
     if plan.cached_seqs:
-        c = msg.cached
-        cached = plan.cached_seqs
-        c.seq_ids.extend([s.seq_id for s in cached])
-        c.num_scheduled.extend([s.num_scheduled for s in cached])
-        c.block_offsets.extend([s.block_offset for s in cached])
-        c.num_block_ids.extend([len(s.block_ids) for s in cached])
-        for s in cached:
-            if s.block_ids:
-                c.block_ids.extend(s.block_ids)
-        if any(s.new_token_ids for s in cached):
-            c.num_new_token_ids.extend([len(s.new_token_ids) for s in cached])
-            for s in cached:
-                c.new_token_ids.extend(s.new_token_ids)
-        for i, s in enumerate(cached):
-            if s.prompt_scoring is not None:
-                _scoring_to_pb(s.prompt_scoring, c.prompt_scoring.add(index=i).scoring)
-        if any(s.draft_token_ids for s in cached):
-            c.num_draft_token_ids.extend([len(s.draft_token_ids) for s in cached])
-            for s in cached:
-                c.draft_token_ids.extend(s.draft_token_ids)
-        if any(s.start >= 0 for s in cached):
-            c.starts.extend([s.start for s in cached])
+        _cached_to_pb(plan.cached_seqs, msg.cached)
     return msg
+
+
+def _new_seq_to_pb(n: NewSeq, m: worker_pb2.StageNewSequence) -> None:
+    m.seq_id, m.token_ids[:], m.prompt_len, m.num_computed = n.seq_id, n.token_ids, n.prompt_len, n.num_computed
+    m.num_scheduled, m.block_ids[:], m.eos_token_ids[:] = n.num_scheduled, n.block_ids, n.sampling.eos_token_ids
+    m.choice_index, m.entropy_seed, m.request_id, m.traceparent = (n.choice_index, n.entropy_seed, n.request_id,
+                                                                   n.trace_context)
+    options_to_pb(n.sampling, m.params)  # (the view rides as its request's options do)
+    if n.prompt_scoring is not None:
+        _scoring_to_pb(n.prompt_scoring, m.prompt_scoring)
+    if n.pooling is not None:
+        m.pooling = n.pooling.to_pb()
+    if n.lora_name:
+        m.lora_name = n.lora_name
+
+
+def _cached_to_pb(cached: tuple[CachedSeq, ...], c: worker_pb2.CachedSequences) -> None:
+    """The cached sequences as columns; the optional ones only when some sequence has any."""
+    c.seq_ids.extend([s.seq_id for s in cached])
+    c.num_scheduled.extend([s.num_scheduled for s in cached])
+    c.block_offsets.extend([s.block_offset for s in cached])
+    c.num_block_ids.extend([len(s.block_ids) for s in cached])
+    for s in cached:
+        if s.block_ids:
+            c.block_ids.extend(s.block_ids)
+    if any(s.new_token_ids for s in cached):
+        c.num_new_token_ids.extend([len(s.new_token_ids) for s in cached])
+        for s in cached:
+            c.new_token_ids.extend(s.new_token_ids)
+    for i, s in enumerate(cached):
+        if s.prompt_scoring is not None:
+            _scoring_to_pb(s.prompt_scoring, c.prompt_scoring.add(index=i).scoring)
+    if any(s.draft_token_ids for s in cached):
+        c.num_draft_token_ids.extend([len(s.draft_token_ids) for s in cached])
+        for s in cached:
+            c.draft_token_ids.extend(s.draft_token_ids)
+    if any(s.start >= 0 for s in cached):
+        c.starts.extend([s.start for s in cached])
 
 
 def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
@@ -103,7 +110,7 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
         new_seqs.append(NewSeq(
             m.seq_id, tuple(m.token_ids), m.prompt_len, m.num_computed, m.num_scheduled,
             tuple(m.block_ids), sampling, m.choice_index, m.entropy_seed, m.request_id, m.traceparent,
-            _scoring_from_pb(m.prompt_scoring) if m.HasField("prompt_scoring") else None, pooling,
+            _scoring_from_pb(m.prompt_scoring) if m.HasField("prompt_scoring") else None, pooling, m.lora_name,
         ))
     c = msg.cached
     n = len(c.seq_ids)

@@ -46,6 +46,7 @@ class SeqState:
     request_id: str = ""
     trace_context: str = ""
     pooling: PoolingType | None = None
+    lora_name: str = ""  # multi-LoRA: the adapter it runs under ("": the base model)
     # mean pooling, last stage: the sum of the final norm's output over the positions
     # computed so far (the runner's float32 tensor); dropped with the state
     pooled_sum: object = None
@@ -121,7 +122,7 @@ class PersistentBatch:
         for n in plan.new_seqs:
             state = SeqState(n.seq_id, list(n.token_ids), n.prompt_len, n.num_computed, list(n.block_ids),
                              n.sampling, n.choice_index, n.entropy_seed, n.request_id, n.trace_context,
-                             n.pooling)
+                             n.pooling, n.lora_name)
             self.seqs[n.seq_id] = state
             rows.append(self._row(state, n.num_scheduled, n.prompt_scoring))
         for c in plan.cached_seqs:

@@ -68,14 +68,32 @@ class WorkerConfig:
                 "float32, or bfloat16 (half the bytes; CPU kernels)", choices=KV_CACHE_DTYPES)
     # processes this stage runs on (worker_svc/tensor_parallel.py): heads and MLP columns split
     tensor_parallel_size: int = uses(shared.TENSOR_PARALLEL_SIZE)
+    # multi-LoRA: this stage's adapter slots (worker_svc/lora.py)
+    enable_lora: bool = uses(shared.ENABLE_LORA)
+    lora_modules: tuple[str, ...] = uses(shared.LORA_MODULES, ())
+    max_loras: int = uses(shared.MAX_LORAS)
+    max_lora_rank: int = uses(shared.MAX_LORA_RANK)
 
     def __post_init__(self) -> None:
         self._check_pipeline()
         self._check_sizes()
         self._check_choices()
         self._check_emulated()
+        self._check_lora()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+
+    def _check_lora(self) -> None:
+        modules = shared.lora_modules(self.lora_modules)
+        if modules and not self.enable_lora:
+            raise ValueError("lora_modules: given without --enable-lora")
+        if self.enable_lora and (self.max_loras < 1 or self.max_lora_rank < 1):
+            raise ValueError(f"max_loras and max_lora_rank: must be positive, got {self.max_loras}, "
+                             f"{self.max_lora_rank}")
+        if len(modules) > self.max_loras:
+            raise ValueError(f"lora_modules: {len(modules)} adapters for max_loras {self.max_loras}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora: not served with tensor_parallel_size > 1 yet")
 
     def _check_pipeline(self) -> None:
         """This stage's place in the pipeline and the addresses that go with it."""
@@ -200,8 +218,9 @@ class WorkerConfig:
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:
         raw = json.loads(text)
-        if raw.get("layer_partition") is not None:
-            raw["layer_partition"] = tuple(raw["layer_partition"])
+        for name in ("layer_partition", "lora_modules"):  # (JSON has lists only)
+            if raw.get(name) is not None:
+                raw[name] = tuple(raw[name])
         return cls(**raw)
 
     def max_message_bytes(self, hidden_size: int) -> int:

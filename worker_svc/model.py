@@ -10,11 +10,15 @@ Shapes: `T` tokens in the flattened batch, `H` query heads, `Hkv` KV heads, `D` 
 With tensor parallelism (worker_svc/tensor_parallel.py) a rank's model is built from its
 share of the config (`ModelConfig.shard`): H/t heads, Hkv/t KV heads, intermediate/t MLP
 columns; each layer sums the ranks' o_proj and down_proj outputs (`reduce`).
+A step with tokens of LoRA adapters (worker_svc/lora.py) passes `lora`: each layer adds the
+adapters' low-rank deltas to its products' outputs, per group of tokens; a step without
+runs as it would with no adapters loaded (the native decode step included).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,12 @@ from worker_svc.fused_decode import FusedDecoder
 from worker_svc.model_config import ModelConfig
 from worker_svc.packed import PackedEmbedding, PackedLinear
 from worker_svc.rope import RotaryEmbedding, apply_rotary, rotate
+
+if TYPE_CHECKING:  # worker_svc.lora imports the loader, which imports this module
+    from worker_svc.lora import LoraLayer, LoraStep
+
+_QKV = ("q_proj", "k_proj", "v_proj")  # worker_svc.lora.QKV_TARGETS
+_GATE_UP = ("gate_proj", "up_proj")  # worker_svc.lora.GATE_UP_TARGETS
 
 
 class RMSNorm(nn.Module):
@@ -93,6 +103,8 @@ class Attention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],  # pools [num_blocks, block_size, Hkv, D]
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        *,
+        lora: LoraLayer | None = None,  # the step's adapters at this layer (worker_svc/lora.py)
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         k_pool, v_pool = kv
@@ -102,6 +114,8 @@ class Attention(nn.Module):
             else:
                 weight, bias = self.qkv
                 qkv = F.linear(x, weight, bias)
+            if lora is not None:
+                lora.add(qkv, x, _QKV)
             q = qkv[:, : self.num_heads * self.head_dim].view(num_tokens, self.num_heads, self.head_dim)
             native = getattr(backend, "rope_write", None)  # rotation and K/V write in one call
             if native is None or not native(qkv, *rope, k_pool, v_pool, metadata.slot_mapping, self.num_heads):
@@ -111,13 +125,18 @@ class Attention(nn.Module):
                 v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
                 backend.write_kv(k_pool, v_pool, k, v, metadata.slot_mapping)
         else:
-            q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-            k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            if lora is not None:
+                q, k, v = (lora.add(out, x, (name,)) for out, name in zip((q, k, v), _QKV, strict=True))
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             q, k = apply_rotary(q, k, *rope)
             backend.write_kv(k_pool, v_pool, k, v, metadata.slot_mapping)
         out = backend.forward(q, k_pool, v_pool, metadata, self.scale, self.sliding_window)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        if lora is not None:  # a partial sum under tensor parallelism, as o_proj's own
+            return lora.add(self.o_proj(out), out, ("o_proj",))
         if self.qkv is not None:  # a plain linear: skip the module call
             return F.linear(out, self.o_proj.weight)
         return self.o_proj(out)
@@ -144,7 +163,9 @@ class MLP(nn.Module):
         self.gate_up: torch.Tensor | None = None  # set by fuse()
         self.gate_up_packed: PackedLinear | None = None  # set by fuse() when gate/up are packed
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, lora: LoraLayer | None = None) -> torch.Tensor:
+        if lora is not None:
+            return self._forward_lora(x, lora)
         if self.gate_up_packed is not None:
             gate_up = self.gate_up_packed(x)
             kernels = self.gate_up_packed.kernels
@@ -157,6 +178,20 @@ class MLP(nn.Module):
             size = self.gate_proj.out_features
             return F.linear(F.silu(gate_up[:, :size]) * gate_up[:, size:], self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def _forward_lora(self, x: torch.Tensor, lora: LoraLayer) -> torch.Tensor:
+        """`forward` with the step's adapters: their deltas added to the gate/up products
+        (fused or not) and to down_proj's output (a partial sum under tensor parallelism)."""
+        size = self.gate_proj.out_features
+        if self.gate_up_packed is not None or self.gate_up is not None:
+            gate_up = self.gate_up_packed(x) if self.gate_up_packed is not None else F.linear(x, self.gate_up)
+            lora.add(gate_up, x, _GATE_UP)
+            gate, up = gate_up[:, :size], gate_up[:, size:]
+        else:
+            gate = lora.add(self.gate_proj(x), x, ("gate_proj",))
+            up = lora.add(self.up_proj(x), x, ("up_proj",))
+        act = F.silu(gate) * up
+        return lora.add(self.down_proj(act), act, ("down_proj",))
 
     def fuse(self) -> bool:
         """Compute gate and up with one matrix product (see `_fuse_linears`; packed layers:
@@ -189,13 +224,16 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        *,
+        lora: LoraLayer | None = None,
     ) -> torch.Tensor:
         # Module calls cost more than a small decode step's arithmetic: call the forwards.
         norm = self.input_layernorm
-        out = self.self_attn.forward(rms_norm(h, norm.weight, norm.eps), rope, kv, metadata, backend)
+        out = self.self_attn.forward(rms_norm(h, norm.weight, norm.eps), rope, kv, metadata, backend,
+                                     lora=lora)
         h = h + (out if self.reduce is None else self.reduce(out))
         norm = self.post_attention_layernorm
-        out = self.mlp.forward(rms_norm(h, norm.weight, norm.eps))
+        out = self.mlp.forward(rms_norm(h, norm.weight, norm.eps), lora=lora)
         return h + (out if self.reduce is None else self.reduce(out))
 
 
@@ -281,9 +319,11 @@ class StageModel(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None = None,  # rows to sample, last stage only
+        *,
+        lora: LoraStep | None = None,  # the step's adapter per token (worker_svc/lora.py)
     ) -> torch.Tensor:
         """Returns hidden states [T, hidden], or on the last stage logits [len(logits_indices), vocab]."""
-        h = self._layers(inputs, positions, kv_pools, metadata, backend)
+        h = self._layers(inputs, positions, kv_pools, metadata, backend, lora=lora)
         if not self.is_last:
             return h
         if logits_indices is not None:
@@ -300,27 +340,41 @@ class StageModel(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # rows to sample
         pool_indices: torch.Tensor,  # rows pooling requests pool (worker_svc/pooler.py)
+        *,
+        lora: LoraStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last stage with pooling rows: (logits [len(logits_indices), vocab], the final
         norm's output [len(pool_indices), hidden])."""
         if not self.is_last:
             raise ValueError("forward_pooled: only the last stage applies the final norm")
-        h = self._layers(inputs, positions, kv_pools, metadata, backend)
+        h = self._layers(inputs, positions, kv_pools, metadata, backend, lora=lora)
         norm = self.model.norm
         return self._logits(norm(h[logits_indices])), norm(h[pool_indices])
 
     def _layers(self, inputs: torch.Tensor, positions: torch.Tensor,
                 kv_pools: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
-        """This stage's layers: the hidden states [T, hidden] they output (before the final norm)."""
+                backend: AttentionBackend, *, lora: LoraStep | None = None) -> torch.Tensor:
+        """This stage's layers: the hidden states [T, hidden] they output (before the final norm).
+        A step with no adapter tokens (`lora` None or not `active`) runs as any step does."""
         body = self.model
         h = body.embed_tokens(inputs) if self.is_first else inputs
         rope = self.rotary.cos_sin(positions, h.dtype)
+        if lora is not None and lora.active:
+            self._check_lora(lora, h.shape[0])
+            for local, layer in enumerate(body.layers.values()):
+                h = layer.forward(h, rope, kv_pools[local], metadata, backend, lora=lora.layer(local))
+            return h
         if self.fused_decode is not None and self.fused_decode.applies(h, metadata, kv_pools):
             return self.fused_decode.forward(h, rope, kv_pools, metadata, self.config.sliding_window)
         for local, layer in enumerate(body.layers.values()):
             h = layer.forward(h, rope, kv_pools[local], metadata, backend)
         return h
+
+    def _check_lora(self, lora: LoraStep, num_tokens: int) -> None:
+        bank = lora.bank
+        if (bank.start, bank.end) != (self.start, self.end) or lora.num_tokens != num_tokens:
+            raise ValueError(f"LoRA step of {lora.num_tokens} tokens over layers [{bank.start}, "
+                             f"{bank.end}); this stage runs {num_tokens} tokens over [{self.start}, {self.end})")
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head over normed hidden states [N, hidden] -> [N, vocab]."""

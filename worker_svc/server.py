@@ -44,12 +44,14 @@ from services.grpc_utils import (
     set_serving,
 )
 from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from services.settings import lora_modules
 from services.step import StepPlan
 from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
 from worker_svc.config import WorkerConfig
 from worker_svc.convert import dtype_to_pb, tensor_from_pb, tensor_to_pb
 from worker_svc.drafter import drafter_for
 from worker_svc.errors import InvalidPlanError
+from worker_svc.lora import LoraBankFullError, bank_for, load_adapter
 from worker_svc.runner import StageResult, StageRunner
 
 if TYPE_CHECKING:
@@ -187,6 +189,44 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             self._abandoned.update(request.seq_ids)
             self._fed_event.set()
         return worker_pb2.AbandonReply()
+
+    async def LoadLoraAdapter(self, request, context):
+        return await self._lora_call(context, "load", request.lora_name, request.lora_path)
+
+    async def UnloadLoraAdapter(self, request, context):
+        return await self._lora_call(context, "unload", request.lora_name, "")
+
+    async def _lora_call(self, context, what: str, name: str, path: str):
+        """Loads or unloads an adapter on the compute thread (between steps: a step never
+        sees a slot half written)."""
+        bank = self.runner.lora if isinstance(self.runner, StageRunner) else None
+        if bank is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoRA is off on this stage (--enable-lora)")
+        if not name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name: required")
+
+        def apply() -> tuple[grpc.StatusCode, str] | None:
+            if what == "unload":
+                if bank.slot_of(name) is None:
+                    return grpc.StatusCode.NOT_FOUND, f"lora_name: no adapter {name!r} is loaded"
+                bank.remove(name)
+                return None
+            if bank.slot_of(name) is not None:
+                return grpc.StatusCode.ALREADY_EXISTS, f"lora_name: an adapter {name!r} is loaded already"
+            try:
+                model = self.runner.model
+                bank.add(name, load_adapter(path, model.config, model.start, model.end, max_rank=bank.max_rank))
+            except LoraBankFullError as exc:
+                return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+            except (ValueError, OSError) as exc:
+                return grpc.StatusCode.INVALID_ARGUMENT, f"lora_path: {exc}"
+            return None
+
+        failed = await asyncio.get_running_loop().run_in_executor(self._executor, apply)
+        if failed is not None:
+            await context.abort(*failed)
+        log.info("LoRA adapter %r %sed; held: %s", name, what, list(bank.names))
+        return worker_pb2.LoraAdapterReply(lora_names=list(bank.names))
 
     async def Events(self, request, context):
         queue: asyncio.Queue = asyncio.Queue(maxsize=100_000)
@@ -648,8 +688,10 @@ def _load_runner(config: WorkerConfig):
                           max_model_len=config.max_model_len or model.config.max_position_embeddings,
                           num_blocks=num_blocks, block_size=config.block_size,
                           dtype=next(model.parameters()).dtype, device=device, backend=backend)
+    lora = bank_for(model, enable=config.enable_lora, modules=lora_modules(config.lora_modules),
+                    max_loras=config.max_loras, max_rank=config.max_lora_rank)
     runner = StageRunner(model, num_blocks, config.block_size, backend, kv_dtype=kv_pool_dtype(config, model),
-                         tp=group, step_threads=config.step_threads, drafter=drafter)
+                         tp=group, step_threads=config.step_threads, drafter=drafter, lora=lora)
     return runner, sizing, group
 
 

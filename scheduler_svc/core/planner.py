@@ -412,7 +412,7 @@ class Planner:
                 if n <= 0:
                     continue
                 new_seq_id = draft.take_seq_id()
-                draft.new_sequences.append(NewSequence(new_seq_id, tokens, self.config.namespace, n,
+                draft.new_sequences.append(NewSequence(new_seq_id, tokens, self._namespace(seq.request), n,
                                                        skips_prefix_cache(seq.request, seq.index)))
                 draft.readmissions.append(Readmission(seq, new_seq_id))
                 draft.spend(n, 1)
@@ -443,7 +443,7 @@ class Planner:
             for index, (existing, tokens, n) in enumerate(chunks):
                 seq_id = draft.take_seq_id()
                 skips = skips_prefix_cache(request, existing.index if existing is not None else index)
-                draft.new_sequences.append(NewSequence(seq_id, tokens, self.config.namespace, n, skips))
+                draft.new_sequences.append(NewSequence(seq_id, tokens, self._namespace(request), n, skips))
                 admitted.append(AdmittedSeq(existing, seq_id, index))
             draft.admissions.append(Admission(request, tuple(admitted)))
             draft.spend(sum(n for _, _, n in chunks), count)
@@ -873,6 +873,13 @@ class Planner:
         if self.config.speculative_method != "ngram":
             return drafts.offered is not None
         return bool(drafts.lookup(seq.all_tokens(), 1, self.config.prompt_lookup_min, self.config.prompt_lookup_max))
+
+    def _namespace(self, request: Request) -> str | None:
+        """The prefix cache's namespace of a request's blocks: the model's, and its LoRA
+        adapter's (the same prompt under two adapters has other KV: it never shares blocks)."""
+        if not request.lora_name:
+            return self.config.namespace
+        return f"{self.config.namespace or ''}/lora:{request.lora_name}"
 
     def _target(self, seq: Sequence) -> int:
         """How far a sequence may compute now: all known tokens, but a parent awaiting its fork

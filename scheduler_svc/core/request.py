@@ -161,6 +161,9 @@ class Request:
     # with its pooled vector (`embedding`) instead of sampling (services.pooling)
     pooling: PoolingType | None = None
     embedding: Embedding | None = None
+    # multi-LoRA: the adapter it runs under ("": the base model); its blocks are shared in the
+    # prefix cache only with requests of the same adapter
+    lora_name: str = ""
 
     def transition(self, new: RequestState, now: float = 0.0) -> None:
         if new not in LEGAL_TRANSITIONS[self.state]:

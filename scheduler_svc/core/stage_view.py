@@ -130,6 +130,7 @@ def _new_seq(seq: Sequence, start: int, n: int, block_ids: tuple[int, ...],
         seq.seq_id, tuple(seq.all_tokens()), len(request.prompt), start, n, block_ids,
         sampling_params(request.options, tuple(request.eos_token_ids)), seq.index,
         seq.entropy_seed, request.request_id, request.trace_context, scoring, request.pooling,
+        request.lora_name,
     )
 
 

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "tenant", "debug_timeline", "trace_context", "arrival_time_ns", "pooling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "tenant", "debug_timeline", "trace_context", "arrival_time_ns", "pooling", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class GenerateRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_NS_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -29,7 +30,8 @@ class GenerateRequest(_message.Message):
     trace_context: _common_pb2.TraceContext
     arrival_time_ns: int
     pooling: _common_pb2.PoolingType
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., debug_timeline: _Optional[bool] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., arrival_time_ns: _Optional[int] = ..., pooling: _Optional[_Union[_common_pb2.PoolingType, str]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., debug_timeline: _Optional[bool] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., arrival_time_ns: _Optional[int] = ..., pooling: _Optional[_Union[_common_pb2.PoolingType, str]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "error_message", "usage", "timeline", "prompt_logprobs", "embedding")

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from services.pb import scheduler_pb2 as pagoda_dot_v1_dot_scheduler__pb2
+from services.pb import worker_pb2 as pagoda_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -45,6 +46,16 @@ class SchedulerStub:
                 request_serializer=pagoda_dot_v1_dot_scheduler__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_scheduler__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagoda.v1.Scheduler/LoadLoraAdapter',
+                request_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagoda.v1.Scheduler/UnloadLoraAdapter',
+                request_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pagoda.v1.Scheduler/GetStats',
                 request_serializer=pagoda_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
@@ -73,6 +84,22 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Multi-LoRA: load an adapter on every stage (all or none: a stage that refuses unloads it
+        from those that took it), with the stages' status codes. Unload refuses
+        (FAILED_PRECONDITION) while a live request runs under the adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload an adapter from every stage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Queue, stage and KV statistics, and the health of the whole chain.
         """
@@ -92,6 +119,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pagoda_dot_v1_dot_scheduler__pb2.AbortRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_scheduler__pb2.AbortResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -154,6 +191,60 @@ class Scheduler:
             '/pagoda.v1.Scheduler/Abort',
             pagoda_dot_v1_dot_scheduler__pb2.AbortRequest.SerializeToString,
             pagoda_dot_v1_dot_scheduler__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.Scheduler/LoadLoraAdapter',
+            pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+            pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.Scheduler/UnloadLoraAdapter',
+            pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+            pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoraAdapterReply(_message.Message):
+    __slots__ = ("lora_names",)
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class SampledFeedback(_message.Message):
     __slots__ = ("micro_batch_id", "seq_ids", "positions", "token_ids")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
@@ -60,7 +74,7 @@ class MicroBatch(_message.Message):
     def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[StageNewSequence, _Mapping]]] = ..., cached: _Optional[_Union[CachedSequences, _Mapping]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ...) -> None: ...
 
 class StageNewSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed", "num_scheduled", "block_ids", "params", "eos_token_ids", "choice_index", "entropy_seed", "request_id", "traceparent", "prompt_scoring", "pooling")
+    __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed", "num_scheduled", "block_ids", "params", "eos_token_ids", "choice_index", "entropy_seed", "request_id", "traceparent", "prompt_scoring", "pooling", "lora_name")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +89,7 @@ class StageNewSequence(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_SCORING_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_len: int
@@ -89,7 +104,8 @@ class StageNewSequence(_message.Message):
     traceparent: str
     prompt_scoring: PromptScoring
     pooling: _common_pb2.PoolingType
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., num_computed: _Optional[int] = ..., num_scheduled: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., choice_index: _Optional[int] = ..., entropy_seed: _Optional[int] = ..., request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., prompt_scoring: _Optional[_Union[PromptScoring, _Mapping]] = ..., pooling: _Optional[_Union[_common_pb2.PoolingType, str]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., num_computed: _Optional[int] = ..., num_scheduled: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., choice_index: _Optional[int] = ..., entropy_seed: _Optional[int] = ..., request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., prompt_scoring: _Optional[_Union[PromptScoring, _Mapping]] = ..., pooling: _Optional[_Union[_common_pb2.PoolingType, str]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class PromptScoring(_message.Message):
     __slots__ = ("first_position", "targets", "num_top")

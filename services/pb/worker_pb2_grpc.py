@@ -70,6 +70,16 @@ class StageWorkerStub:
                 request_serializer=pagoda_dot_v1_dot_worker__pb2.AbandonRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_worker__pb2.AbandonReply.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagoda.v1.StageWorker/LoadLoraAdapter',
+                request_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagoda.v1.StageWorker/UnloadLoraAdapter',
+                request_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
 
 
 class StageWorkerServicer:
@@ -136,6 +146,23 @@ class StageWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Multi-LoRA (a stage started with --enable-lora): load a PEFT adapter folder for this
+        stage's layers (safetensors only). Bad folder or rank -> INVALID_ARGUMENT; no free slot
+        -> RESOURCE_EXHAUSTED; a name already loaded -> ALREADY_EXISTS; LoRA off ->
+        FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload an adapter by name (NOT_FOUND when not loaded).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -173,6 +200,16 @@ def add_StageWorkerServicer_to_server(servicer, server):
                     servicer.Abandon,
                     request_deserializer=pagoda_dot_v1_dot_worker__pb2.AbandonRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_worker__pb2.AbandonReply.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -365,6 +402,60 @@ class StageWorker:
             '/pagoda.v1.StageWorker/Abandon',
             pagoda_dot_v1_dot_worker__pb2.AbandonRequest.SerializeToString,
             pagoda_dot_v1_dot_worker__pb2.AbandonReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.StageWorker/LoadLoraAdapter',
+            pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+            pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.StageWorker/UnloadLoraAdapter',
+            pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+            pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
             options,
             channel_credentials,
             insecure,

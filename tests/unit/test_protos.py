@@ -279,6 +279,8 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
         "Generate": (False, True),
         "Abort": (False, False),
         "GetStats": (False, False),
+        "LoadLoraAdapter": (False, False),
+        "UnloadLoraAdapter": (False, False),
     },
     (kvcache_pb2, "KVCache"): {
         "Step": (False, False),
@@ -298,6 +300,8 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
         "Health": (False, False),
         "Feedback": (True, False),
         "Abandon": (False, False),
+        "LoadLoraAdapter": (False, False),
+        "UnloadLoraAdapter": (False, False),
     },
 }
 

@@ -1,0 +1,483 @@
+"""Multi-LoRA serving, the weight side: PEFT adapters held in a fixed bank of slots, and the
+batched low-rank products that serve one step mixing tokens of several adapters.
+
+    load_adapter(folder, ...) -> LoraAdapter     a PEFT folder's A and B for a stage's layers
+    LoraBank(...)                                `max_loras` slots of stacked, rank-padded A, B
+    LoraStep(bank, token_slots)                  one step's tokens grouped by slot, made once
+    LoraStep.layer(i).add(out, x, targets)       out += scaling * (x A^T) B^T, group by group
+
+An adapter adds `scaling * B @ A` to the weight of some of a decoder layer's seven linear
+layers (q/k/v/o_proj, gate/up/down_proj; `LORA_TARGETS`). Instead of merging it, each
+step computes the low-rank product for the tokens of each adapter present in the batch:
+their rows of `x` are gathered (`index_select`), multiplied by the slot's A^T then B^T
+(scaling folded into B when the adapter is added), and added back to the linear's output
+(`index_add_`). Tokens of the base model (slot -1) cost nothing; a step with none at all
+is not a LoRA step (`LoraStep.active`), and the model runs it as it runs any step.
+
+Slots are zero-padded to the bank's `max_rank`, and a module an adapter does not target is
+all zeros, so padding never changes a result; products use a slot's own rank only, and
+skip the targets it holds none of.
+
+Files: `adapter_config.json` and `adapter_model.safetensors` only; a folder holding only a
+pickle (`adapter_model.bin`) is refused, never unpickled. Tensor names are PEFT's:
+`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` ([r, in]) and
+`...lora_B.weight` ([out, r]). Tensor parallelism takes a rank's share as
+worker_svc/loader.py shards the base weights: column-parallel targets (q/k/v, gate/up)
+slice B's rows, row-parallel ones (o_proj, down_proj) slice A's columns, so the ranks'
+partial deltas of o_proj and down_proj sum (in the layer's all-reduce) to the whole delta.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from worker_svc.errors import CheckpointError
+from worker_svc.model_config import ModelConfig
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QKV_TARGETS = ("q_proj", "k_proj", "v_proj")  # Attention.qkv's columns, in order
+GATE_UP_TARGETS = ("gate_proj", "up_proj")  # MLP.gate_up's columns, in order
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# tensor parallelism: the dimension of a target's base weight [out, in] that the ranks split,
+# as worker_svc/loader.shard_dim splits the checkpoint (a test holds them equal; not imported
+# from there: the loader imports the model, which names this module's types)
+SHARD_DIMS = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 0, "up_proj": 0,
+              "down_proj": 1}
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+# adapter_config.json options that change what the adapter computes beyond `scaling * B @ A`
+# on the seven targets: refused when set (any true, non-empty value)
+_REFUSED_OPTIONS = ("use_dora", "modules_to_save", "lora_bias", "layer_replication",
+                    "trainable_token_indices", "target_parameters", "alora_invocation_tokens",
+                    "use_qalora", "arrow_config", "velora_config", "monteclora_config", "use_bdlora",
+                    "kasa_config")
+_TENSOR_NAME = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
+
+
+class LoraWeights(NamedTuple):
+    """One module's adapter: `delta W = scaling * b @ a`."""
+
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scaling: float
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """An adapter's weights for layers `[start, end)` (a rank's share of them under tensor
+    parallelism); `rank` is its largest module rank over all the model's layers."""
+
+    folder: str
+    start: int
+    end: int
+    rank: int
+    weights: Mapping[tuple[int, str], LoraWeights]  # (layer, target) -> weights
+
+    @property
+    def targets(self) -> frozenset[str]:
+        return frozenset(target for _, target in self.weights)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What adapter_config.json says about the products."""
+
+    r: int
+    alpha: float
+    use_rslora: bool
+    rank_pattern: Mapping[str, int]
+    alpha_pattern: Mapping[str, float]
+
+    def module_rank(self, module: str) -> int:
+        return int(self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r))
+
+    def scaling(self, module: str) -> float:
+        r = self.module_rank(module)
+        alpha = float(self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.alpha))
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    @property
+    def max_rank(self) -> int:
+        return max([self.r, *map(int, self.rank_pattern.values())])
+
+
+def _pattern_key(patterns: Mapping[str, object], module: str) -> str | None:
+    """The rank_pattern / alpha_pattern key that applies to `module`, matched as PEFT does:
+    the key is a suffix of the module's dotted name (regular expression)."""
+    return next((key for key in patterns if re.match(rf"(.*\.)?({key})$", module)), None)
+
+
+def module_shape(config: ModelConfig, target: str) -> tuple[int, int]:
+    """(out, in) of a target's base weight in a model of `config` (a rank's share of it)."""
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}[target]
+
+
+# --- loading a PEFT folder -------------------------------------------------------------------
+
+
+def load_adapter(
+    folder: str | Path,
+    config: ModelConfig,
+    start: int,
+    end: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    *,
+    max_rank: int,
+) -> LoraAdapter:
+    """The adapter in PEFT folder `folder`, for layers `[start, end)` of a model of `config`:
+    the config the stage holds (`StageModel.config`: rank `tp_rank`'s share of the model
+    when `tp_size` > 1), the checkpoint's shapes being `tp_size` times its split sizes.
+
+    Every tensor of the file is checked (name, target, shape, rank), not only the stage's,
+    so that every stage accepts or refuses an adapter alike. ValueError (CheckpointError for
+    a missing or unreadable file) naming what is wrong: a target other than the seven
+    linear layers of the decoder (embed_tokens, lm_head), a rank above `max_rank`, an
+    option this serving does not compute (DoRA, modules_to_save, ...)."""
+    folder = Path(folder)
+    if not 0 <= start < end <= config.num_layers:
+        raise ValueError(f"layer range [{start}, {end}) outside 0..{config.num_layers}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+    options = _read_options(folder)
+    if options.max_rank > max_rank:
+        raise ValueError(f"{folder}: LoRA rank {options.max_rank} is above max_rank={max_rank} "
+                         "(the bank's largest rank: raise it to serve this adapter)")
+    path = _weights_path(folder)
+    weights: dict[tuple[int, str], LoraWeights] = {}
+    with _open(path) as f:
+        modules = _modules_of(path, list(f.keys()), config.num_layers)
+        for (layer, target), names in sorted(modules.items()):
+            a_name, b_name = names
+            module = f"model.layers.{layer}.{_PARENT[target]}.{target}"
+            a, b = f.get_slice(a_name), f.get_slice(b_name)
+            _check_shapes(path, module, tuple(a.get_shape()), tuple(b.get_shape()),
+                          _full_shape(config, target, tp_size), options.module_rank(module))
+            if start <= layer < end:
+                a, b = _rank_share(target, f.get_tensor(a_name), f.get_tensor(b_name),
+                                   module_shape(config, target), tp_rank, tp_size)
+                weights[layer, target] = LoraWeights(a.float(), b.float(), options.scaling(module))
+    return LoraAdapter(str(folder), start, end, options.max_rank, weights)
+
+
+def _read_options(folder: Path) -> _Options:
+    """adapter_config.json, checked: a LoRA adapter whose every option this serving computes."""
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: {CONFIG_FILE} not found (not a PEFT adapter folder)")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot be read as JSON: {exc}") from exc
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: peft_type {raw['peft_type']!r} is not supported (LORA only)")
+    refused = [key for key in _REFUSED_OPTIONS if raw.get(key)]
+    if refused:
+        raise ValueError(f"{path}: {', '.join(f'{k}={raw[k]!r}' for k in refused)} is not supported "
+                         "by LoRA serving")
+    if raw.get("fan_in_fan_out"):
+        raise ValueError(f"{path}: fan_in_fan_out=true is not supported (Conv1D-style weights)")
+    if raw.get("bias", "none") != "none":
+        raise ValueError(f"{path}: bias={raw['bias']!r} is not supported (bias must be \"none\")")
+    _check_target_modules(path, raw.get("target_modules"))
+    try:
+        options = _Options(int(raw["r"]), float(raw.get("lora_alpha", 8)), bool(raw.get("use_rslora")),
+                           dict(raw.get("rank_pattern") or {}), dict(raw.get("alpha_pattern") or {}))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: r, lora_alpha, rank_pattern, alpha_pattern: {exc!r}") from exc
+    if options.r < 1 or any(int(r) < 1 for r in options.rank_pattern.values()):
+        raise ValueError(f"{path}: LoRA ranks must be positive, got r={options.r}, "
+                         f"rank_pattern={dict(options.rank_pattern)}")
+    return options
+
+
+def _check_target_modules(path: Path, target_modules: str | Sequence[str] | None) -> None:
+    """A list of targets must name only supported modules; a regular expression (a string)
+    is checked through the tensors the file holds."""
+    if target_modules is None or isinstance(target_modules, str):
+        return
+    unsupported = sorted({t for t in target_modules if t.rsplit(".", 1)[-1] not in LORA_TARGETS})
+    if unsupported:
+        raise ValueError(f"{path}: target module(s) {', '.join(unsupported)} not supported; LoRA "
+                         f"serving adapts {', '.join(LORA_TARGETS)} of the decoder layers")
+
+
+def _weights_path(folder: Path) -> Path:
+    """adapter_model.safetensors; a folder with only pickled weights is refused by name."""
+    path = folder / WEIGHTS_FILE
+    if path.is_file():
+        return path
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(f"{folder}: {', '.join(pickles)} is a pickle, which is never loaded: "
+                              f"save the adapter as {WEIGHTS_FILE} (save_pretrained(..., "
+                              "safe_serialization=True))")
+    raise CheckpointError(f"{folder}: {WEIGHTS_FILE} not found")
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"{path}: cannot be read as safetensors: {exc}") from exc
+
+
+def _modules_of(path: Path, names: list[str], num_layers: int) -> dict[tuple[int, str], tuple[str, str]]:
+    """(layer, target) -> (lora_A's tensor name, lora_B's), every name of the file checked."""
+    found: dict[tuple[int, str], dict[str, str]] = {}
+    for name in names:
+        match = _TENSOR_NAME.fullmatch(name)
+        if match is None or match[3] not in LORA_TARGETS or _PARENT[match[3]] != match[2]:
+            raise ValueError(f"{path}: tensor {name!r} is not a LoRA weight of a supported target; "
+                             f"LoRA serving adapts {', '.join(LORA_TARGETS)} of the decoder layers "
+                             "(not embed_tokens or lm_head)")
+        layer = int(match[1])
+        if layer >= num_layers:
+            raise ValueError(f"{path}: tensor {name!r} is for layer {layer}; the model has {num_layers}")
+        found.setdefault((layer, match[3]), {})[match[4]] = name
+    if not found:
+        raise ValueError(f"{path}: holds no LoRA weights")
+    for (layer, target), pair in found.items():
+        if len(pair) != 2:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise ValueError(f"{path}: layer {layer} {target} has no {missing} weight")
+    return {key: (pair["A"], pair["B"]) for key, pair in found.items()}
+
+
+def _full_shape(config: ModelConfig, target: str, tp_size: int) -> tuple[int, int]:
+    """(out, in) of the checkpoint's whole base weight: a rank's share times `tp_size` along
+    the dimension the ranks split."""
+    shape = list(module_shape(config, target))
+    shape[SHARD_DIMS[target]] *= tp_size
+    return shape[0], shape[1]
+
+
+def _check_shapes(path: Path, module: str, a: tuple[int, ...], b: tuple[int, ...],
+                  full: tuple[int, int], rank: int) -> None:
+    out_size, in_size = full
+    want_a, want_b = (rank, in_size), (out_size, rank)
+    if a != want_a or b != want_b:
+        raise ValueError(f"{path}: {module} has lora_A {list(a)} and lora_B {list(b)}, expected "
+                         f"{list(want_a)} and {list(want_b)} (rank {rank} from {CONFIG_FILE}, "
+                         "sizes from the model's config.json)")
+
+
+def _rank_share(target: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int],
+                tp_rank: int, tp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `tp_rank`'s share of a target's A [r, in] and B [out, r], its base weight being
+    `shape` (out, in) on the rank: B's rows where the base weight's rows are split (column
+    parallel), A's columns where its columns are (row parallel)."""
+    if tp_size == 1:
+        return a, b
+    dim = SHARD_DIMS[target]
+    size = shape[dim]
+    share = slice(tp_rank * size, (tp_rank + 1) * size)
+    if dim == 0:
+        return a, b[share].contiguous()
+    return a[:, share].contiguous(), b
+
+
+# --- the bank ------------------------------------------------------------------------------
+
+
+class LoraBankFullError(ValueError):
+    """Every slot of the bank holds an adapter (RESOURCE_EXHAUSTED: remove one, or retry)."""
+
+
+class LoraBank:
+    """`max_loras` slots of adapters for layers `[start, end)` of a model of `config` (the
+    config the stage holds). Per target, A is held as `[layers, slots, max_rank, in]` and
+    B^T, scaled, as `[layers, slots, max_rank, out]`.
+
+    Invariants: a free slot has no name, rank 0 and no targets; a slot of rank r holds its
+    adapter's values in its first r rows (fewer for a module of smaller rank) and zeros
+    elsewhere, and zeros for every (layer, target) the adapter does not adapt."""
+
+    def __init__(self, config: ModelConfig, start: int, end: int, max_loras: int, max_rank: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) outside 0..{config.num_layers}")
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras and max_rank must be positive, got {max_loras}, {max_rank}")
+        self.config, self.start, self.end = config, start, end
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.dtype, self.device = dtype, torch.device(device)
+        layers = end - start
+        self.out_sizes = {t: module_shape(config, t)[0] for t in LORA_TARGETS}
+        self._a = {t: torch.zeros(layers, max_loras, max_rank, module_shape(config, t)[1], dtype=dtype,
+                                  device=self.device) for t in LORA_TARGETS}
+        self._bt = {t: torch.zeros(layers, max_loras, max_rank, self.out_sizes[t], dtype=dtype,
+                                   device=self.device) for t in LORA_TARGETS}
+        self._names: list[str | None] = [None] * max_loras
+        self._ranks = [0] * max_loras
+        self._targets: list[frozenset[str]] = [frozenset()] * max_loras
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The adapters held, in slot order."""
+        return tuple(n for n in self._names if n is not None)
+
+    def slot_of(self, name: str) -> int | None:
+        return self._names.index(name) if name in self._names else None
+
+    def rank_of(self, slot: int) -> int:
+        """The slot's rank (0: free)."""
+        return self._ranks[slot]
+
+    def targets_of(self, slot: int) -> frozenset[str]:
+        return self._targets[slot]
+
+    def add(self, name: str, adapter: LoraAdapter) -> int:
+        """Put `adapter` in a free slot under `name`; returns the slot. ValueError when the
+        name is taken or the adapter does not fit the bank, LoraBankFullError when no slot
+        is free."""
+        if name in self._names:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded (slot {self._names.index(name)})")
+        self._check_fits(name, adapter)
+        if None not in self._names:
+            raise LoraBankFullError(f"LoRA bank is full: max_loras={self.max_loras} adapters loaded "
+                                    f"({', '.join(self.names)}); remove one before adding {name!r}")
+        slot = self._names.index(None)
+        for target in LORA_TARGETS:
+            self._a[target][:, slot].zero_()
+            self._bt[target][:, slot].zero_()
+        for (layer, target), w in adapter.weights.items():
+            r = w.a.shape[0]
+            self._a[target][layer - self.start, slot, :r] = w.a.to(self._a[target])
+            self._bt[target][layer - self.start, slot, :r] = (w.b.T * w.scaling).to(self._bt[target])
+        self._names[slot], self._ranks[slot], self._targets[slot] = name, adapter.rank, adapter.targets
+        return slot
+
+    def remove(self, name: str) -> int:
+        """Free `name`'s slot (ValueError when it is not loaded); returns the slot."""
+        slot = self.slot_of(name)
+        if slot is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.names) or 'none'})")
+        self._names[slot], self._ranks[slot], self._targets[slot] = None, 0, frozenset()
+        return slot
+
+    def _check_fits(self, name: str, adapter: LoraAdapter) -> None:
+        if (adapter.start, adapter.end) != (self.start, self.end):
+            raise ValueError(f"LoRA adapter {name!r} was loaded for layers [{adapter.start}, "
+                             f"{adapter.end}), the bank holds [{self.start}, {self.end})")
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, above the bank's "
+                             f"max_rank={self.max_rank}")
+        for (layer, target), w in adapter.weights.items():
+            want = (self.out_sizes[target], self._a[target].shape[-1])
+            if (w.b.shape[0], w.a.shape[1]) != want:
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {target} is "
+                                 f"{w.b.shape[0]}x{w.a.shape[1]}, the bank's model {want[0]}x{want[1]} "
+                                 "(another tensor-parallel size?)")
+
+    def weights(self, target: str, local: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [r, in], scaled B^T [r, out]) of a slot at local layer `local`, r its rank."""
+        r = self._ranks[slot]
+        return self._a[target][local, slot, :r], self._bt[target][local, slot, :r]
+
+
+# --- one step ------------------------------------------------------------------------------
+
+
+class LoraStep:
+    """One step's tokens grouped by adapter slot, made once and used by every layer and
+    target. `token_slots`: a slot per token of the flattened batch (`torch.long [T]`), -1 for
+    the base model. `groups`: (slot, the token indices on the bank's device, or None when
+    the slot has every token of the step)."""
+
+    def __init__(self, bank: LoraBank, token_slots: torch.Tensor) -> None:
+        slots = token_slots.detach().to("cpu", torch.long)
+        if slots.dim() != 1:
+            raise ValueError(f"token_slots must be one slot per token [T], got shape {list(slots.shape)}")
+        self.bank = bank
+        self.num_tokens = slots.shape[0]
+        used = torch.unique(slots).tolist()
+        bad = [s for s in used if s != -1 and not (0 <= s < bank.max_loras and bank.rank_of(s))]
+        if bad:
+            raise ValueError(f"token_slots name slots {bad} that hold no adapter "
+                             f"(bank of {bank.max_loras}, loaded: {', '.join(bank.names) or 'none'})")
+        groups: list[tuple[int, torch.Tensor | None]] = []
+        for slot in (s for s in used if s >= 0):
+            rows = torch.nonzero(slots == slot).flatten()
+            whole = rows.shape[0] == self.num_tokens
+            groups.append((slot, None if whole else rows.to(bank.device)))
+        self.groups = tuple(groups)
+
+    @property
+    def active(self) -> bool:
+        """Whether any token of the step is served by an adapter."""
+        return bool(self.groups)
+
+    def layer(self, local: int) -> LoraLayer:
+        """The products of local layer `local` (0 is the bank's `start`)."""
+        return LoraLayer(self, local)
+
+
+class LoraLayer(NamedTuple):
+    """One step's LoRA products at one layer (`LoraStep.layer`)."""
+
+    step: LoraStep
+    local: int
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, targets: tuple[str, ...]) -> torch.Tensor:
+        """Add each target's delta, for every group of the step, to its columns of `out`
+        (in place; the targets' outputs side by side in `targets`' order, as in a fused
+        product); `x` [T, in] is the linear layers' input. Returns `out`."""
+        bank = self.step.bank
+        for slot, rows in self.step.groups:
+            held = bank.targets_of(slot)
+            if held.isdisjoint(targets):
+                continue
+            xg = x if rows is None else x.index_select(0, rows)
+            xg = xg.to(bank.dtype)
+            column = 0
+            for target in targets:
+                width = bank.out_sizes[target]
+                if target in held:
+                    a, bt = bank.weights(target, self.local, slot)
+                    delta = (F.linear(xg, a) @ bt).to(out.dtype)  # [n, width]
+                    part = out if len(targets) == 1 else out[:, column : column + width]
+                    if rows is None:
+                        part.add_(delta)
+                    else:
+                        part.index_add_(0, rows, delta)
+                column += width
+        return out
+
+
+def token_slots(row_slots: Sequence[int], row_num_tokens: Sequence[int],
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """A step's per-token slots (`torch.long [T]`) from its rows' slots (-1: base model) and
+    token counts, rows in batch order."""
+    counts = torch.tensor(row_num_tokens, dtype=torch.long)
+    slots = torch.tensor(row_slots, dtype=torch.long)
+    return torch.repeat_interleave(slots, counts).to(device)
+
+
+def bank_for(model, *, enable: bool, modules: Mapping[str, str], max_loras: int, max_rank: int,
+             tp_rank: int = 0, tp_size: int = 1) -> LoraBank | None:
+    """A stage's bank (`--enable-lora`), holding the adapters of `--lora-modules` for its
+    layers (`model`: its StageModel); None when LoRA is off. In the dtype of the stage's
+    activations, on its device."""
+    if not enable:
+        return None
+    param = next(model.parameters())
+    bank = LoraBank(model.config, model.start, model.end, max_loras, max_rank, param.dtype, param.device)
+    for name, path in modules.items():
+        bank.add(name, load_adapter(path, model.config, model.start, model.end, tp_rank, tp_size,
+                                    max_rank=max_rank))
+    return bank
