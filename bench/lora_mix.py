@@ -70,7 +70,7 @@ def served(model_dir: Path, adapters: dict[str, str], logs: Path, num: int, stre
     out = {}
     try:
         for load, models in (("base", ["base"]), ("mixed", ["base", *NAMES])):
-            def one(i: int) -> int:
+            def one(i: int, models: list[str] = models) -> int:
                 r = client.completions.create(model=models[i % len(models)], prompt=prompts[i], max_tokens=64,
                                               temperature=0.0, extra_body={"ignore_eos": True})
                 return r.usage.completion_tokens
