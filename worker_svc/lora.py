@@ -325,6 +325,9 @@ class LoraBank:
         self._names: list[str | None] = [None] * max_loras
         self._ranks = [0] * max_loras
         self._targets: list[frozenset[str]] = [frozenset()] * max_loras
+        # targets -> every slot's A for them stacked, and their B^T side by side (block-
+        # diagonal): one pair of batched products per input (`fused`)
+        self._fused: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -360,6 +363,7 @@ class LoraBank:
             self._a[target][layer - self.start, slot, :r] = w.a.to(self._a[target])
             self._bt[target][layer - self.start, slot, :r] = (w.b.T * w.scaling).to(self._bt[target])
         self._names[slot], self._ranks[slot], self._targets[slot] = name, adapter.rank, adapter.targets
+        self._drop_fused(slot)
         return slot
 
     def remove(self, name: str) -> int:
@@ -368,7 +372,29 @@ class LoraBank:
         if slot is None:
             raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.names) or 'none'})")
         self._names[slot], self._ranks[slot], self._targets[slot] = None, 0, frozenset()
+        self._drop_fused(slot)
         return slot
+
+    def _drop_fused(self, slot: int) -> None:
+        self._fused.clear()
+
+    def fused(self, targets: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's products for linear layers that read one input, outputs side by side
+        in `targets`' order (q/k/v, gate/up, or one): (A [layers, slots, R, in], scaled B^T
+        block-diagonal [layers, slots, R, sum out]), R = len(targets) * max_rank, zeros
+        where a slot adapts a target less or not at all (zeros change no result). Made once
+        per targets (again after a slot changes)."""
+        if targets not in self._fused:
+            r, layers = self.max_rank, self.end - self.start
+            a = torch.cat([self._a[t] for t in targets], dim=2)
+            bt = torch.zeros(layers, self.max_loras, r * len(targets), sum(self.out_sizes[t] for t in targets),
+                             dtype=self.dtype, device=self.device)
+            column = 0
+            for i, t in enumerate(targets):
+                bt[:, :, i * r:(i + 1) * r, column:column + self.out_sizes[t]] = self._bt[t]
+                column += self.out_sizes[t]
+            self._fused[targets] = (a.contiguous(), bt)
+        return self._fused[targets]
 
     def _check_fits(self, name: str, adapter: LoraAdapter) -> None:
         if (adapter.start, adapter.end) != (self.start, self.end):
@@ -416,6 +442,24 @@ class LoraStep:
             whole = rows.shape[0] == self.num_tokens
             groups.append((slot, None if whole else rows.to(bank.device)))
         self.groups = tuple(groups)
+        # the adapters' tokens as [groups, longest group] for batched products: `gather` picks
+        # each group's tokens from the input with one extra zero row (index T) for padding,
+        # `scatter` puts the deltas back (padding onto row 0: zeros, which change nothing);
+        # None for one slot holding every token (no gather)
+        self.slots = torch.tensor([s for s, _ in groups], dtype=torch.long, device=bank.device)
+        # slots in a row (usually: every adapter loaded is in the step) are taken as a view
+        # of the bank's stacked weights, not gathered (a copy of every B per layer)
+        first = groups[0][0] if groups else 0
+        self.slot_range = (slice(first, first + len(groups))
+                           if [s for s, _ in groups] == list(range(first, first + len(groups))) else None)
+        self.longest = max((self.num_tokens if r is None else r.shape[0] for _, r in groups), default=0)
+        self.gather = self.scatter = None
+        if groups and not (len(groups) == 1 and groups[0][1] is None):
+            gather = torch.full((len(groups), self.longest), self.num_tokens, dtype=torch.long)
+            for i, (_, rows) in enumerate(groups):
+                gather[i, :rows.shape[0]] = rows.cpu()
+            self.gather = gather.flatten().to(bank.device)
+            self.scatter = torch.where(self.gather == self.num_tokens, 0, self.gather)
 
     @property
     def active(self) -> bool:
@@ -436,27 +480,28 @@ class LoraLayer(NamedTuple):
     def add(self, out: torch.Tensor, x: torch.Tensor, targets: tuple[str, ...]) -> torch.Tensor:
         """Add each target's delta, for every group of the step, to its columns of `out`
         (in place; the targets' outputs side by side in `targets`' order, as in a fused
-        product); `x` [T, in] is the linear layers' input. Returns `out`."""
-        bank = self.step.bank
-        for slot, rows in self.step.groups:
-            held = bank.targets_of(slot)
-            if held.isdisjoint(targets):
-                continue
-            xg = x if rows is None else x.index_select(0, rows)
-            xg = xg.to(bank.dtype)
-            column = 0
-            for target in targets:
-                width = bank.out_sizes[target]
-                if target in held:
-                    a, bt = bank.weights(target, self.local, slot)
-                    delta = (F.linear(xg, a) @ bt).to(out.dtype)  # [n, width]
-                    part = out if len(targets) == 1 else out[:, column : column + width]
-                    if rows is None:
-                        part.add_(delta)
-                    else:
-                        part.index_add_(0, rows, delta)
-                column += width
-        return out
+        product); `x` [T, in] is the linear layers' input. Returns `out`.
+
+        The adapters' tokens are gathered once as [groups, longest group], every group takes
+        its slot's products for all of `targets` in two batched products (`LoraBank.fused`),
+        and the deltas go back in one scatter: six operations per input, whatever the
+        number of adapters in the step and their targets."""
+        step = self.step
+        bank = step.bank
+        groups = step.slots.shape[0]
+        if step.gather is None:
+            xs = x.unsqueeze(0)
+        else:
+            xs = F.pad(x, (0, 0, 0, 1)).index_select(0, step.gather).view(groups, step.longest, x.shape[1])
+        a, bt = bank.fused(targets)
+        if step.slot_range is not None:
+            a, bt = a[self.local, step.slot_range], bt[self.local, step.slot_range]
+        else:
+            a, bt = a[self.local].index_select(0, step.slots), bt[self.local].index_select(0, step.slots)
+        delta = torch.bmm(torch.bmm(xs.to(bank.dtype), a.transpose(1, 2)), bt).to(out.dtype)
+        if step.gather is None:
+            return out.add_(delta[0])
+        return out.index_add_(0, step.scatter, delta.view(-1, delta.shape[-1]))
 
 
 def token_slots(row_slots: Sequence[int], row_num_tokens: Sequence[int],
