@@ -666,4 +666,5 @@ def _speculation(config: SchedulerConfig) -> dict:
     if spec is None:
         return {}
     return dict(num_speculative_tokens=spec.num_speculative_tokens, prompt_lookup_min=spec.prompt_lookup_min,
-                prompt_lookup_max=spec.prompt_lookup_max, speculative_method=spec.method)
+                prompt_lookup_max=spec.prompt_lookup_max, speculative_method=spec.method,
+                speculative_max_batch=spec.disable_by_batch_size)

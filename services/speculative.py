@@ -18,6 +18,10 @@ from dataclasses import dataclass
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # drafts per sequence per step, at most
 MAX_LOOKUP = 64  # the longest n-gram looked up
+# Unlike vLLM (None), Pagoda stops drafting above 8 running sequences by default: on the CPU
+# each verified position costs about a decode row of compute, so at 16 streams a copy load
+# gained 1.02x and a load whose drafts were mostly accepted lost 0.93x (docs/benchmarks.md)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None  # draft_model: the draft checkpoint (folder or GGUF file)
+    # vLLM's: no drafts while more requests than this run (a large batch is compute-bound:
+    # each draft then costs about what the token it may save does); None: always draft
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -46,6 +53,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.model: the draft checkpoint, required by method draft_model")
         if self.method == "ngram" and self.model:
             raise ValueError("speculative_config.model: only for method draft_model")
+        n = self.disable_by_batch_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size: a positive int or null, got {n!r}")
 
     @classmethod
     def parse(cls, text: str | None) -> SpeculativeConfig | None:
@@ -60,7 +70,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: not JSON ({exc.msg})") from None
         if not isinstance(raw, dict):
             raise ValueError("speculative_config: a JSON object")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+                 "disable_by_batch_size"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown fields {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -75,10 +86,12 @@ class SpeculativeConfig:
             lookup_max = lookup_min
         elif lookup_min is None:
             lookup_min = lookup_max
-        return cls(raw["method"], raw["num_speculative_tokens"], lookup_max, lookup_min, raw.get("model"))
+        return cls(raw["method"], raw["num_speculative_tokens"], lookup_max, lookup_min, raw.get("model"),
+                   raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE))
 
     def to_json(self) -> str:
-        out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+               "disable_by_batch_size": self.disable_by_batch_size}
         if self.method == "ngram":
             out.update(prompt_lookup_max=self.prompt_lookup_max, prompt_lookup_min=self.prompt_lookup_min)
         else:

@@ -92,6 +92,8 @@ class PlannerConfig:
     prompt_lookup_max: int = 4
     # "ngram": the planner looks drafts up; "draft_model": the last stage proposes them
     speculative_method: str = "ngram"
+    # no drafts while more requests than this run (None: always)
+    speculative_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -337,7 +339,7 @@ class Planner:
         """The drafts a decoding sequence's next step verifies (speculative decoding), within
         the step's token budget, its `max_tokens` and the context length; () for none."""
         k = self.config.num_speculative_tokens
-        if not k or seq.request.pooling is not None:
+        if not k or seq.request.pooling is not None or self._batch_too_large():
             return ()
         request = seq.request
         k = min(k, budget, request.options.max_tokens - len(seq.output) - 1,
@@ -863,7 +865,7 @@ class Planner:
         token in flight and verify drafts than be a placeholder step (which cannot carry
         drafts: they follow the token it takes). So while its tokens continue an earlier
         n-gram (or the draft model offered drafts) and it is not backing off."""
-        if not self.config.num_speculative_tokens or seq.request.pooling is not None:
+        if not self.config.num_speculative_tokens or seq.request.pooling is not None or self._batch_too_large():
             return False
         if seq.drafts is None:
             seq.drafts = Drafts()
@@ -880,6 +882,11 @@ class Planner:
         if not request.lora_name:
             return self.config.namespace
         return f"{self.config.namespace or ''}/lora:{request.lora_name}"
+
+    def _batch_too_large(self) -> bool:
+        """Speculation's batch limit (vLLM's disable_by_batch_size: running requests) is passed."""
+        limit = self.config.speculative_max_batch
+        return limit is not None and len(self.running) > limit
 
     def _target(self, seq: Sequence) -> int:
         """How far a sequence may compute now: all known tokens, but a parent awaiting its fork
