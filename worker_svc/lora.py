@@ -325,9 +325,9 @@ class LoraBank:
         self._names: list[str | None] = [None] * max_loras
         self._ranks = [0] * max_loras
         self._targets: list[frozenset[str]] = [frozenset()] * max_loras
-        # targets -> every slot's A for them stacked, and their B^T side by side (block-
-        # diagonal): one pair of batched products per input (`fused`)
-        self._fused: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        # targets -> every slot's A^T for them side by side: one batched product per input
+        # (`fused`)
+        self._fused: dict[tuple[str, ...], torch.Tensor] = {}
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -378,23 +378,16 @@ class LoraBank:
     def _drop_fused(self, slot: int) -> None:
         self._fused.clear()
 
-    def fused(self, targets: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every slot's products for linear layers that read one input, outputs side by side
-        in `targets`' order (q/k/v, gate/up, or one): (A [layers, slots, R, in], scaled B^T
-        block-diagonal [layers, slots, R, sum out]), R = len(targets) * max_rank, zeros
-        where a slot adapts a target less or not at all (zeros change no result). Made once
-        per targets (again after a slot changes)."""
+    def fused(self, targets: tuple[str, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every slot's products for linear layers that read one input (q/k/v, gate/up, or
+        one): (A^T of the targets side by side [layers, slots, in, len(targets) * max_rank],
+        and each target's scaled B^T [layers, slots, max_rank, out]); zeros where a slot
+        adapts a target less or not at all (zeros change no result). A^T is made once per
+        targets (again after a slot changes)."""
         if targets not in self._fused:
-            r, layers = self.max_rank, self.end - self.start
-            a = torch.cat([self._a[t] for t in targets], dim=2)
-            bt = torch.zeros(layers, self.max_loras, r * len(targets), sum(self.out_sizes[t] for t in targets),
-                             dtype=self.dtype, device=self.device)
-            column = 0
-            for i, t in enumerate(targets):
-                bt[:, :, i * r:(i + 1) * r, column:column + self.out_sizes[t]] = self._bt[t]
-                column += self.out_sizes[t]
-            self._fused[targets] = (a.contiguous(), bt)
-        return self._fused[targets]
+            a = torch.cat([self._a[t] for t in targets], dim=2)  # [layers, slots, R, in]
+            self._fused[targets] = a.transpose(2, 3).contiguous()
+        return self._fused[targets], [self._bt[t] for t in targets]
 
     def _check_fits(self, name: str, adapter: LoraAdapter) -> None:
         if (adapter.start, adapter.end) != (self.start, self.end):
@@ -482,10 +475,10 @@ class LoraLayer(NamedTuple):
         (in place; the targets' outputs side by side in `targets`' order, as in a fused
         product); `x` [T, in] is the linear layers' input. Returns `out`.
 
-        The adapters' tokens are gathered once as [groups, longest group], every group takes
-        its slot's products for all of `targets` in two batched products (`LoraBank.fused`),
-        and the deltas go back in one scatter: six operations per input, whatever the
-        number of adapters in the step and their targets."""
+        The adapters' tokens are gathered once as [groups, longest group]; one batched
+        product takes them through every group's A of all `targets` (`LoraBank.fused`), one
+        per target through its B, and each target's deltas go back in one scatter: a few
+        operations per input, whatever the number of adapters in the step."""
         step = self.step
         bank = step.bank
         groups = step.slots.shape[0]
@@ -493,12 +486,13 @@ class LoraLayer(NamedTuple):
             xs = x.unsqueeze(0)
         else:
             xs = F.pad(x, (0, 0, 0, 1)).index_select(0, step.gather).view(groups, step.longest, x.shape[1])
-        a, bt = bank.fused(targets)
-        if step.slot_range is not None:
-            a, bt = a[self.local, step.slot_range], bt[self.local, step.slot_range]
-        else:
-            a, bt = a[self.local].index_select(0, step.slots), bt[self.local].index_select(0, step.slots)
-        delta = torch.bmm(torch.bmm(xs.to(bank.dtype), a.transpose(1, 2)), bt).to(out.dtype)
+        at, bts = bank.fused(targets)
+        take = ((lambda w: w[self.local, step.slot_range]) if step.slot_range is not None
+                else (lambda w: w[self.local].index_select(0, step.slots)))
+        low = torch.bmm(xs.to(bank.dtype), take(at))  # [groups, longest, len(targets) * max_rank]
+        r = bank.max_rank
+        deltas = [torch.bmm(low[:, :, i * r:(i + 1) * r].contiguous(), take(bt)) for i, bt in enumerate(bts)]
+        delta = (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=2)).to(out.dtype)
         if step.gather is None:
             return out.add_(delta[0])
         return out.index_add_(0, step.scatter, delta.view(-1, delta.shape[-1]))
