@@ -66,8 +66,9 @@ def test_real_gguf_float32_pp2_equals_transformers(real_gguf, tmp_path_factory):
     HFReference(None, gguf_file=real_gguf).compare(prompt, tokens)
 
 
-@pytest.mark.parametrize(("pp", "async_scheduling", "blocks"), [(1, True, 512), (2, False, 16)],
-                         ids=["pp1-async", "pp2-sync-small-pool"])
+@pytest.mark.parametrize(("pp", "async_scheduling", "blocks"),
+                         [(1, True, 512), (2, False, 16), (1, False, 16), (2, True, 512)],
+                         ids=["pp1-async", "pp2-sync-small-pool", "pp1-sync-small-pool", "pp2-async"])
 def test_real_model_speculation_leaves_greedy_output_unchanged(real_gguf, pp, async_scheduling, blocks):
     """The real checkpoint (float32, in-process engine): greedy output with n-gram drafts and
     with a draft model (the checkpoint itself: the only SmolLM2 here) equals output without,

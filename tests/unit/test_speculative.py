@@ -207,8 +207,10 @@ def test_verify_fields_cross_the_wire_and_bad_ones_are_refused(model_dir):
     assert result.sampled_positions == tuple(range(5, 6 + kept))
 
 
-@pytest.mark.parametrize(("pp", "async_scheduling"), [(1, True), (2, False)], ids=["pp1-async", "pp2-sync"])
-def test_draft_model_greedy_output_equals_output_without(model_dir, model_factory, reference, pp, async_scheduling):
+@pytest.mark.parametrize(("pp", "async_scheduling", "blocks"), CASES,
+                         ids=["pp1-sync", "pp1-async", "pp2-sync", "pp2-async", "pp1-async-small", "pp2-sync-small"])
+def test_draft_model_greedy_output_equals_output_without(model_dir, model_factory, reference, pp,
+                                                         async_scheduling, blocks):
     """`{"method": "draft_model"}`: the last stage's draft model (a smaller tiny model with the
     same vocabulary) proposes drafts after each step; greedy output is unchanged. The target
     itself as its own draft model accepts every draft."""
@@ -217,7 +219,7 @@ def test_draft_model_greedy_output_equals_output_without(model_dir, model_factor
     small = model_factory(arch="llama", num_layers=2, hidden_size=32)
     ps = copy_prompts()
     greedy = [SamplingOptions(max_tokens=32, temperature=0.0, ignore_eos=True)] * len(ps)
-    kw = dict(pipeline_parallel_size=pp, async_scheduling=async_scheduling)
+    kw = dict(pipeline_parallel_size=pp, async_scheduling=async_scheduling, num_kv_blocks=blocks)
     plain, _, _ = asyncio.run(run(model_dir, greedy, ps, **kw))
     for draft in (small, model_dir):
         spec = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
@@ -226,3 +228,35 @@ def test_draft_model_greedy_output_equals_output_without(model_dir, model_factor
         assert planner.spec.num_drafts > 0 and stats.num_used_blocks == 0
         if draft == model_dir:
             assert planner.spec.num_accepted_tokens >= 0.9 * planner.spec.num_draft_tokens
+        if blocks == 14:
+            assert planner.num_preemptions > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_structured_output_cuts_refused_drafts_and_is_unchanged(model_dir, async_scheduling):
+    """JSON-schema output with n-gram drafts: a draft the grammar refuses is never kept (the
+    sample there is drawn under the grammar's mask), so the output is the one without
+    speculation, and it validates."""
+    import json
+
+    import jsonschema
+    from support.schemas import SCHEMAS
+
+    from services.sampling import StructuredOutput
+    from services.text import Tokenizer
+
+    ps = copy_prompts()
+    schemas = [SCHEMAS[i] for i in (0, 3, 5, 11)]
+    opts = [SamplingOptions(max_tokens=80, temperature=0.0 if i % 2 else 0.8, seed=40 + i,
+                            structured=StructuredOutput("json_schema", json.dumps(sc)))
+            for i, sc in enumerate(schemas)]
+    plain, _, _ = asyncio.run(run(model_dir, opts, ps, async_scheduling=async_scheduling))
+    spec, planner, stats = asyncio.run(run(model_dir, opts, ps, async_scheduling=async_scheduling,
+                                           speculative_config=NGRAM))
+    assert spec == plain
+    assert planner.spec.num_drafts > 0 and planner.spec.num_accepted_tokens < planner.spec.num_draft_tokens
+    tokenizer = Tokenizer(model_dir)
+    eos = set(tokenizer.eos_token_ids)
+    for schema, out in zip(schemas, spec, strict=True):
+        jsonschema.validate(json.loads(tokenizer.decode([t for t in out[0] if t not in eos])), schema)
+    assert stats.num_used_blocks == 0
