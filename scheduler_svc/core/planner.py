@@ -323,13 +323,14 @@ class Planner:
                 n = min(remaining, draft.budget)
                 start = seq.num_computed
                 drafts = self._drafts(seq, draft.budget - 1) if remaining == 1 and not prefill else ()
-                # its block has room and holds nothing ahead: no KV round trip (never for a parent
-                # about to fork: its children copy what the KV service knows of it)
-                deferred = (n == 1 and not drafts and seq.num_blocks == -(-(start + 1) // block_size)
-                            and target == seq.num_tokens)
+                # its blocks hold the step's positions (a verify step's drafts included) and
+                # nothing past them: no KV round trip (never for a parent about to fork: its
+                # children copy what the KV service knows of it)
+                end = start + 1 + len(drafts)
+                deferred = n == 1 and seq.num_blocks == -(-end // block_size) and target == seq.num_tokens
                 if not deferred:  # the KV service catches up on every token it was not told yet
-                    # (a verify step's drafts get slots held ahead; rejected ones' slots come
-                    # back with the sequence's next call, which holds only what that one needs)
+                    # (a verify step's drafts get slots held ahead; blocks held for rejected ones
+                    # come back with the sequence's next call, which holds only what it needs)
                     draft.appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, start + n),
                                                 num_lookahead_slots=len(drafts)))
                 draft.chunks.append(Chunk(seq, start, n + len(drafts), deferred, drafts))

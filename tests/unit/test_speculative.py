@@ -51,6 +51,14 @@ def copy_prompts() -> list[list[int]]:
 async def run(model_dir, options, prompts, num_kv_blocks=512, abort_after=None, **cfg):
     config = SchedulerConfig(block_size=16, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=128, **cfg)
     engine = build_local_engine(model_dir, config, num_kv_blocks=num_kv_blocks)
+    planner, on_result = engine.planner, engine.planner.on_result
+
+    def checked(*args, **kwargs):  # the planner's invariants (KV lead included) after every result
+        updates = on_result(*args, **kwargs)
+        planner.check_integrity()
+        return updates
+
+    planner.on_result = checked
     await engine.start()
     try:
         requests = [Request(f"r{i}", tuple(p), o, 0.0) for i, (p, o) in enumerate(zip(prompts, options, strict=True))]
