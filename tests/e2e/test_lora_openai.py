@@ -7,7 +7,8 @@ modules, one rsLoRA): two given with `--lora-modules`, the third loaded at run t
 (synchronous scheduling: one micro-batch holds every running sequence, so a step mixes all
 four); each greedy completion equals `transformers` running peft's merged model
 (`merge_and_unload`), under the tie rule. `/v1/models` lists the adapters with the base as
-`parent`; an unknown `model` is a 404 naming it; an unload works, and what was unloaded is
+`parent`; the public gRPC API takes an adapter as its `model` too; an unknown `model` is a
+404 naming it; an unload works, and what was unloaded is
 then unknown; the same prompt under two adapters shares no prefix-cache block; no KV block
 is left.
 """
@@ -89,6 +90,22 @@ def _check(model, prompt: list[int], got: list[int]) -> None:
     return None
 
 
+def _grpc_tokens(port: int, model: str, prompt: list[int]) -> list[int]:
+    """The public gRPC API's greedy tokens for `prompt` under `model` (an adapter's name)."""
+    import grpc
+
+    from services.pb import gateway_pb2, gateway_pb2_grpc
+
+    request = gateway_pb2.TextGenerateRequest(model=model)
+    request.token_ids.ids.extend(prompt)
+    request.options.sampling_params.max_tokens = MAX_TOKENS
+    request.options.sampling_params.temperature = 0.0
+    request.options.sampling_params.ignore_eos = True
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stream = gateway_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120)
+        return [t for msg in stream for choice in msg.choices for t in choice.token_ids]
+
+
 def test_a_step_of_three_adapters_and_the_base_equals_peft_merged_models(stack, model_dir, adapters):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.port}/v1", api_key="none")
     status, text = _post(stack.port, "/v1/load_lora_adapter",
@@ -113,6 +130,7 @@ def test_a_step_of_three_adapters_and_the_base_equals_peft_merged_models(stack, 
         _check(merged_model(model_dir, adapters[name] if name else None), prompt, got)
         outputs[name] = got
     assert len({tuple(v) for v in outputs.values()}) == 4  # every adapter changed the output
+    assert _grpc_tokens(stack.grpc_port, "attn-r4", PROMPTS["attn-r4"]) == outputs["attn-r4"]
 
     # the prefix cache is keyed by adapter: a prompt cached under one is computed anew under another
     prompt = list(range(40, 80))
