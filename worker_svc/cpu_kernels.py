@@ -26,10 +26,14 @@ from pathlib import Path
 
 import torch
 
+from worker_svc.cpu_features import cpu_features, march
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-std=c11",
+# -march: `native`, or the level an ISA cap leaves (worker_svc/cpu_features.py: an AVX2-only CPU
+# emulated on a wider one compiles no instruction the narrower one lacks)
+CFLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-std=c11",
           "-shared", "-fPIC")
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -62,8 +66,9 @@ def build(compiler: str | None = None, source: Path = SOURCE) -> Path:
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    flags = (f"-march={march(cpu_features())}", *CFLAGS)
     key = hashlib.sha256(
-        "\0".join([source.read_text(), *CFLAGS, version, _cpu_flags()]).encode()).hexdigest()[:20]
+        "\0".join([source.read_text(), *flags, version, _cpu_flags()]).encode()).hexdigest()[:20]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
@@ -71,7 +76,7 @@ def build(compiler: str | None = None, source: Path = SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source), "-lm"],
+        done = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")

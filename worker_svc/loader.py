@@ -7,7 +7,6 @@ a directory holding only `pytorch_model.bin` is refused.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -18,6 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from worker_svc.cpu_features import cpu_features
 from worker_svc.errors import CheckpointError
 from worker_svc.gguf_checkpoint import GGUFCheckpoint, gguf_source
 from worker_svc.model import StageModel
@@ -76,14 +76,10 @@ def resolve_dtype(name: str, config: ModelConfig, device: str | torch.device = "
     return TORCH_DTYPES[name]
 
 
-@functools.cache
 def cpu_has_bf16() -> bool:
-    """Whether this CPU has AVX-512 BF16 (the flag in /proc/cpuinfo; False elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
-    except OSError:
-        return False
+    """Whether this CPU has BF16 units (AVX-512 BF16 or AMX), as its ISA caps leave it
+    (worker_svc/cpu_features.py)."""
+    return cpu_features().bf16_units
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:

@@ -2,8 +2,11 @@
 
 `PackedLinear` holds the packed rows (`uint8 [out, row_bytes]`, see
 worker_svc/quant_kernels.py for the block layouts). A product of at least
-`PACKED_GEMM_MIN_ROWS` rows (a prefill) dequantizes the weights to bfloat16 in one native
-pass and runs oneDNN's bfloat16 GEMM; smaller ones (decode steps) multiply in the packed
+`PACKED_GEMM_MIN_ROWS` rows (a prefill) dequantizes the weights in one native pass for a
+GEMM: bfloat16 and oneDNN's bfloat16 GEMM on a CPU with BF16 units, else float32 and the
+float32 GEMM, or the integer kernels where a start-up calibration found them faster
+(worker_svc/cpu_features.py: never a bfloat16 GEMM without BF16 units, which emulates
+it at a fraction of float32's rate); smaller ones (decode steps) multiply in the packed
 form with the native kernels: activations quantized per 32-element block to int16
 (default) or int8 (llama.cpp's method, `PAGODA_PACKED_ACT_BITS=8`), integer dot products on
 the CPU's VNNI (or AVX2) units. int16 activations keep the products within ~3e-5 of float32
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.cpu_features import cpu_paths
 from worker_svc.quant_kernels import dequantize, quant_kernels
 
 PACKED_QTYPES = ("Q8_0", "Q4_0", "Q4_1")
@@ -40,6 +44,10 @@ BF16_GEMM_MIN_ROWS = 16
 # kernels' rate on a prefill at the cost of bfloat16 activations there (see PACKED_GEMM_ENV);
 # below it (decode steps) the integer kernels read the packed blocks directly
 PACKED_GEMM_MIN_ROWS = 128
+# bfloat16 weights without BF16 units: from this many rows the weights are widened to float32
+# (one pass) for the float32 GEMM; below it the native widening kernel is faster (AVX2-capped
+# EPYC, 576 x 1,536: 32 rows 0.77 ms against 0.84, 16 rows 0.46 against 0.43)
+F32_GEMM_MIN_ROWS = 32
 PACKED_GEMM_ENV = "PAGODA_PACKED_PREFILL_GEMM"  # "0": prefills too on the integer kernels
 
 
@@ -63,6 +71,7 @@ class PackedLinear(nn.Module):
         self.kernels = quant_kernels()
         self.float32_activations = False  # never round x to bfloat16 (the LM head)
         self.prefill_gemm = _prefill_gemm()  # read once here, not on every product
+        self.paths = cpu_paths()  # which GEMM a prefill takes on this CPU
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -71,23 +80,38 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float().contiguous()
-        if self.qtype == "BF16" and x2.shape[0] > BF16_GEMM_MIN_ROWS and not (
-                self.float32_activations and self.kernels is not None):
-            y = F.linear(x2.to(torch.bfloat16), self.qweight).float()  # oneDNN's bfloat16 GEMM
-        elif (self.kernels is not None and self.qtype != "BF16" and x2.shape[0] >= PACKED_GEMM_MIN_ROWS
-              and not self.float32_activations and self.prefill_gemm):
-            w = self.kernels.dequantize_bf16(self.qweight, self.qtype, self.in_features)
-            y = F.linear(x2.to(torch.bfloat16), w).float()
-        elif self.kernels is not None:
-            if self.qtype == "BF16":
-                y = self.kernels.matmul_bf16(x2, self.qweight)
-            else:
-                y = self.kernels.matmul(x2, self.qweight, self.qtype)
-        else:
+        if self.kernels is None:
             y = F.linear(x2, self.dequantized())
+        elif self.qtype == "BF16":
+            y = self._bf16_product(x2)
+        else:
+            y = self._packed_product(x2)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
+
+    def _bf16_product(self, x2: torch.Tensor) -> torch.Tensor:
+        """bfloat16 weights: the path this CPU runs fastest for `x2`'s rows (module docstring)."""
+        rows, path = x2.shape[0], self.paths.bf16_prefill
+        if self.float32_activations:
+            return self.kernels.matmul_bf16(x2, self.qweight)
+        if path == "bf16-gemm" and rows > BF16_GEMM_MIN_ROWS:
+            return F.linear(x2.to(torch.bfloat16), self.qweight).float()  # oneDNN's bfloat16 GEMM
+        if path == "f32-gemm" and rows >= F32_GEMM_MIN_ROWS:
+            return F.linear(x2, self.qweight.float())  # widened once, the float32 GEMM
+        return self.kernels.matmul_bf16(x2, self.qweight)
+
+    def _packed_product(self, x2: torch.Tensor) -> torch.Tensor:
+        """Q8_0/Q4_0/Q4_1 weights: integer kernels on the blocks, or a prefill dequantized to
+        the GEMM this CPU runs fastest (bfloat16 only with BF16 units)."""
+        path = self.paths.packed_prefill
+        if (x2.shape[0] < PACKED_GEMM_MIN_ROWS or self.float32_activations or not self.prefill_gemm
+                or path == "integer"):
+            return self.kernels.matmul(x2, self.qweight, self.qtype)
+        if path == "bf16-gemm":
+            w = self.kernels.dequantize_bf16(self.qweight, self.qtype, self.in_features)
+            return F.linear(x2.to(torch.bfloat16), w).float()
+        return F.linear(x2, self.kernels.dequantize_f32(self.qweight, self.qtype, self.in_features))
 
     def dequantized(self) -> torch.Tensor:
         """The weight as float32 `[out, in]`."""

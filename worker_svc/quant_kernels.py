@@ -71,6 +71,7 @@ from pathlib import Path
 import torch
 
 from worker_svc import cpu_kernels
+from worker_svc.cpu_features import cpu_features
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ ACT_BITS_ENV = "PAGODA_PACKED_ACT_BITS"
 DEFAULT_ACT_BITS = 16
 _ISA_IDS = {"scalar": 0, "avx2": 1, "avx512": 2}
 _ISA_AVX512_BF16 = 3
+_ISA_LEVELS = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512_vnni"}  # cpu_features' level each needs
 _PLAIN_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # one thread per this many multiply-adds at least: below it a thread hand-off costs more
 MIN_MACS_PER_THREAD = 1 << 20
@@ -229,7 +231,8 @@ class QuantKernels:
         self._bmm = self._bind(lib.pagoda_bf16_matmul, [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64])
         self._to_bf16 = self._bind(lib.pagoda_f32_to_bf16, [_PTR, _I64, _I64, _I64, _I64, _PTR])
         self._bmm_dp = self._bind(lib.pagoda_bf16_matmul_dp, [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64])
-        self._dequant_bf16 = self._bind(lib.pagoda_dequant_bf16, [_INT, _PTR, _I64, _I64, _I64, _PTR])
+        self._dequant = {dtype: self._bind(fn, [_INT, _PTR, _I64, _I64, _I64, _PTR]) for dtype, fn in (
+            (torch.bfloat16, lib.pagoda_dequant_bf16), (torch.float32, lib.pagoda_dequant_f32))}
         self._silu_mul = self._bind(lib.pagoda_silu_mul, [_INT, _PTR, _I64, _I64, _I64, _I64, _PTR])
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()  # each calling thread's scratch buffer
@@ -354,15 +357,25 @@ class QuantKernels:
         `dequantize(w, qtype, K)` rounded to bfloat16 (nearest even), bit for bit, in one
         native pass (rows split over the threads). For a prefill's products on oneDNN's
         bfloat16 GEMM (worker_svc/packed.py)."""
+        return self._dequantize(w, qtype, K, out, torch.bfloat16)
+
+    def dequantize_f32(self, w: torch.Tensor, qtype: str, K: int, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """`dequantize(w, qtype, K)` (float32 [N, K]) bit for bit, in one native pass: for a
+        prefill's products on the float32 GEMM of a CPU without BF16 units."""
+        return self._dequantize(w, qtype, K, out, torch.float32)
+
+    def _dequantize(self, w: torch.Tensor, qtype: str, K: int, out: torch.Tensor | None,
+                    dtype: torch.dtype) -> torch.Tensor:
         N = _check_block_weights(w, qtype, K)
         if out is None:
-            out = torch.empty(N, K, dtype=torch.bfloat16)
-        elif out.dtype != torch.bfloat16 or tuple(out.shape) != (N, K) or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous bfloat16 tensor [{N}, {K}]")
-        type_id = GGML_TYPES[qtype][0]
+            out = torch.empty(N, K, dtype=dtype)
+        elif out.dtype != dtype or tuple(out.shape) != (N, K) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {dtype} tensor [{N}, {K}]")
+        type_id, fn = GGML_TYPES[qtype][0], self._dequant[dtype]
 
         def rows(begin: int, end: int) -> None:
-            self._raise(self._dequant_bf16(type_id, w.data_ptr(), K, begin, end, out.data_ptr()), "dequantize")
+            self._raise(fn(type_id, w.data_ptr(), K, begin, end, out.data_ptr()), "dequantize")
 
         self._parallel(rows, N, max(1, min(torch.get_num_threads(), N // 64)), 1)
         return out
@@ -451,7 +464,9 @@ def quant_kernels() -> QuantKernels | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("native quantized matmul kernels unavailable, using torch: %s", exc)
         return None
-    isa = select_isa(os.environ.get(ISA_ENV), kernels.available)
+    # the paths an ISA cap leaves (an AVX2-only CPU emulated on a wider one: cpu_features)
+    allowed = tuple(name for name in kernels.available if cpu_features().has(_ISA_LEVELS[name])) or ("scalar",)
+    isa = select_isa(os.environ.get(ISA_ENV), allowed)
     if isa != kernels.isa:
         kernels = QuantKernels(path, isa)
     log.info("native quantized matmul kernels (%s of %s, int%d activations): %s", kernels.isa, kernels.available,

@@ -1332,9 +1332,30 @@ static inline uint16_t f32_to_bf16_rne(float f)
     return (uint16_t)(u >> 16);
 }
 
+/* One GGUF block of qtype as 32 float32 weights, as dequantize() computes them (Q8_0 d * q,
+   Q4_0 d * (q - 8), Q4_1 d * q + m). */
+static inline void dequant_block(int qtype, const uint8_t *blk, float *v)
+{
+    const float d = f16_to_f32(ld16(blk));
+    if (qtype == QT_Q8_0) {
+        for (int i = 0; i < QK; i++) v[i] = d * (float)(int8_t)blk[2 + i];
+    } else if (qtype == QT_Q4_0) {
+        for (int i = 0; i < QK / 2; i++) {
+            v[i] = d * (float)((int)(blk[2 + i] & 0x0F) - 8);
+            v[i + QK / 2] = d * (float)((int)(blk[2 + i] >> 4) - 8);
+        }
+    } else {
+        const float m = f16_to_f32(ld16(blk + 2));
+        for (int i = 0; i < QK / 2; i++) {
+            v[i] = d * (float)(blk[4 + i] & 0x0F) + m;
+            v[i + QK / 2] = d * (float)(blk[4 + i] >> 4) + m;
+        }
+    }
+}
+
 /* Rows [n_begin, n_end) of w (uint8 [N, K / 32 * block bytes], GGUF blocks) as bfloat16
-   [N, K] in out: each weight computed in float32 as dequantize() does (Q8_0 d * q, Q4_0
-   d * (q - 8), Q4_1 d * q + m), then rounded to nearest even. Returns 0, -1 for a bad type. */
+   [N, K] in out: each weight computed in float32 (dequant_block), then rounded to nearest
+   even. Returns 0, -1 for a bad type. */
 int pagoda_dequant_bf16(int qtype, const uint8_t *w, int64_t K, int64_t n_begin, int64_t n_end, uint16_t *out)
 {
     if (qtype != QT_Q8_0 && qtype != QT_Q4_0 && qtype != QT_Q4_1) return -1;
@@ -1344,25 +1365,24 @@ int pagoda_dequant_bf16(int qtype, const uint8_t *w, int64_t K, int64_t n_begin,
         const uint8_t *row = w + n * nb * bb;
         uint16_t *o = out + n * K;
         for (int64_t b = 0; b < nb; b++, o += QK) {
-            const uint8_t *blk = row + b * bb;
-            const float d = f16_to_f32(ld16(blk));
             float v[QK];
-            if (qtype == QT_Q8_0) {
-                for (int i = 0; i < QK; i++) v[i] = d * (float)(int8_t)blk[2 + i];
-            } else if (qtype == QT_Q4_0) {
-                for (int i = 0; i < QK / 2; i++) {
-                    v[i] = d * (float)((int)(blk[2 + i] & 0x0F) - 8);
-                    v[i + QK / 2] = d * (float)((int)(blk[2 + i] >> 4) - 8);
-                }
-            } else {
-                const float m = f16_to_f32(ld16(blk + 2));
-                for (int i = 0; i < QK / 2; i++) {
-                    v[i] = d * (float)(blk[4 + i] & 0x0F) + m;
-                    v[i + QK / 2] = d * (float)(blk[4 + i] >> 4) + m;
-                }
-            }
+            dequant_block(qtype, row + b * bb, v);
             for (int i = 0; i < QK; i++) o[i] = f32_to_bf16_rne(v[i]);
         }
+    }
+    return 0;
+}
+
+/* The same as float32 [N, K], exactly dequantize()'s values: a prefill's products on the
+   float32 GEMM where the CPU has no BF16 units. */
+int pagoda_dequant_f32(int qtype, const uint8_t *w, int64_t K, int64_t n_begin, int64_t n_end, float *out)
+{
+    if (qtype != QT_Q8_0 && qtype != QT_Q4_0 && qtype != QT_Q4_1) return -1;
+    const int64_t nb = K / QK;
+    const int bb = block_bytes(qtype);
+    for (int64_t n = n_begin; n < n_end; n++) {
+        const uint8_t *row = w + n * nb * bb;
+        for (int64_t b = 0; b < nb; b++) dequant_block(qtype, row + b * bb, out + n * K + b * QK);
     }
     return 0;
 }
