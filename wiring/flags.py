@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 
-from services.settings import SERVICES, Bound, Setting, variable
+from services.settings import GROUPS, SERVICES, Bound, Setting, variable
 
 
 def names(raw: str) -> list[str]:
@@ -123,10 +123,33 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
 
 
+def _port(text: str, least: int) -> int:
+    """A TCP port, least..65535 (an int past it ended in OverflowError where it was bound)."""
+    expected = "a port in 0..65535 (0: any free one)" if least == 0 else f"a port in {least}..65535"
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not least <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def port(text: str) -> int:
+    """A port to listen on; 0: any free one (the ready file says which)."""
+    return _port(text, 0)
+
+
+def nonzero_port(text: str) -> int:
+    """A port to listen on that others must know in advance (a metrics port): 1..65535."""
+    return _port(text, 1)
+
+
 # Setting.kind -> how its text (a flag's value, a variable) is read
 PARSERS = {"int": int, "float": float, "str": str, "bool": parse_bool, "switch": parse_bool,
            "auto_bool": _bool_or_auto, "weights": _tenant_weights, "size": byte_size, "fraction": fraction,
-           "limit": optional_limit, "int_list": int_list, "names": names}
+           "limit": optional_limit, "int_list": int_list, "names": names, "port": port,
+           "nonzero_port": nonzero_port}
 
 
 # vLLM's other names of a dtype (`--dtype half`), taken by a setting whose choices are dtypes
@@ -186,28 +209,34 @@ def help_text(setting: Setting, default) -> str | None:
 
 def add_settings(p: argparse.ArgumentParser, settings: Iterable[Bound], *, optional: bool = False) -> None:
     """A flag per setting (its aliases too), its default from `PAGODA_<NAME>`, shown in its
-    help. `optional`: none is required (`pagoda serve` supplies the services' required ones
-    itself)."""
-    for bound in settings:
-        s = bound.setting
-        if not s.command_line:
-            continue
-        default = flag_default(s)
-        common = {"dest": bound.dest, "default": default, "help": help_text(s, default)}
-        spellings = [s.flag, *(a for a in s.aliases if not a.startswith("--no-"))]
-        if s.kind in ("bool", "auto_bool"):
-            action = p.add_argument(*spellings, action=argparse.BooleanOptionalAction, **common)
-            if action.help and action.help.count("(default") > 1:  # (Python 3.10's adds its own)
-                action.help = action.help.rsplit(" (default", 1)[0]
-            for alias in (a for a in s.aliases if a.startswith("--no-")):  # an old spelling of --no-<flag>
-                p.add_argument(alias, dest=bound.dest, action="store_false", default=argparse.SUPPRESS,
-                               help=f"as --no-{s.flag[2:]}")
-        elif s.kind == "switch":
-            p.add_argument(*spellings, action="store_true", **common)
-        else:
-            p.add_argument(*spellings, type=str if s.kind == "names" else parser_of(s), choices=s.choices,
-                           metavar=s.metavar, nargs="+" if s.kind == "names" else None,
-                           required=s.required and not optional and default is None, **common)
+    help, in its section of the help (`Setting.group`; the sections in GROUPS' order).
+    `optional`: none is required (`pagoda serve` supplies the services' required ones itself)."""
+    flags = [b for b in settings if b.setting.command_line]
+    used = {b.setting.group for b in flags}
+    sections = {key: p.add_argument_group(title, description)
+                for key, (title, description) in GROUPS.items() if key in used}
+    for bound in flags:
+        _add_flag(sections.get(bound.setting.group, p), bound, optional)
+
+
+def _add_flag(p: argparse._ActionsContainer, bound: Bound, optional: bool) -> None:
+    s = bound.setting
+    default = flag_default(s)
+    common = {"dest": bound.dest, "default": default, "help": help_text(s, default)}
+    spellings = [s.flag, *(a for a in s.aliases if not a.startswith("--no-"))]
+    if s.kind in ("bool", "auto_bool"):
+        action = p.add_argument(*spellings, action=argparse.BooleanOptionalAction, **common)
+        if action.help and action.help.count("(default") > 1:  # (Python 3.10's adds its own)
+            action.help = action.help.rsplit(" (default", 1)[0]
+        for alias in (a for a in s.aliases if a.startswith("--no-")):  # an old spelling of --no-<flag>
+            p.add_argument(alias, dest=bound.dest, action="store_false", default=argparse.SUPPRESS,
+                           help=f"as --no-{s.flag[2:]}")
+    elif s.kind == "switch":
+        p.add_argument(*spellings, action="store_true", **common)
+    else:
+        p.add_argument(*spellings, type=str if s.kind == "names" else parser_of(s), choices=s.choices,
+                       metavar=s.metavar, nargs="+" if s.kind == "names" else None,
+                       required=s.required and not optional and default is None, **common)
 
 
 def flag_args(setting: Setting, value) -> list[str]:

@@ -44,18 +44,20 @@ _own = partial(Setting, owner="serve", serve="own")
 # from their declarations, `serve_settings`)
 SERVE_SETTINGS = (
     _own("replicas", "run N replicas of the backend (KV service, stages, scheduler), the gateway routing "
-                     "among them (default 1)", "int", default=1, metavar="N"),
+                     "among them (default 1)", "int", default=1, metavar="N", group="parallelism"),
     _own("cpu_affinity", "pin each stage to cores of its own and the services to another, when the machine "
-                         "has enough (default: on)", "bool", default=True),
+                         "has enough (default: on)", "bool", default=True, group="device"),
     _own("metrics", "serve Prometheus metrics from the KV service, stages and scheduler too", "switch",
-         default=False),
+         default=False, group="supervision"),
     _own("log_dir", "the folder each service's log is written to, one file each (default: "
-                    "~/.cache/pagoda/logs/<time>)", metavar="DIR"),
-    _own("ready_file", "write the services' addresses here (JSON) once ready", env=False, metavar="FILE"),
+                    "~/.cache/pagoda/logs/<time>)", metavar="DIR", group="supervision"),
+    _own("ready_file", "write the services' addresses here (JSON) once ready", env=False, metavar="FILE",
+         group="supervision"),
     _own("max_restarts", "deaths of one service within --restart-window after which serve gives up "
-                         "(restarts back off: at once, then 1 s, 2 s, ... 30 s)", "int", default=5, metavar="N"),
+                         "(restarts back off: at once, then 1 s, 2 s, ... 30 s)", "int", default=5, metavar="N",
+         group="supervision"),
     _own("restart_window", "seconds over which --max-restarts counts a service's deaths", "float",
-         default=300.0, metavar="SECONDS"),
+         default=300.0, metavar="SECONDS", group="supervision"),
 )
 
 

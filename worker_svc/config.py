@@ -30,15 +30,16 @@ class WorkerConfig:
     is a setting carries its declaration (services/settings.py): the flags are made from it."""
 
     model: str = uses(shared.MODEL, MISSING)
-    stage: int = _setting(0, "this stage's index in the pipeline", "int")
-    num_stages: int = _setting(1, "stages in the pipeline", "int")
+    stage: int = _setting(0, "this stage's index in the pipeline", "int", group="parallelism")
+    num_stages: int = _setting(1, "stages in the pipeline", "int", group="parallelism")
     host: str = uses(shared.HOST)
     port: int = uses(shared.PORT)
-    next_address: str | None = _setting(None, "HOST:PORT of the next stage (not on the last)", name="next")
+    next_address: str | None = _setting(None, "HOST:PORT of the next stage (not on the last)", name="next",
+                                         group="network")
     # last stage of several: the first stage's address, to stream sampled tokens to
     feedback_address: str | None = _setting(
         None, "last stage of several: HOST:PORT of the first stage, which then gets each sampled token "
-              "straight from here, not through the scheduler", name="feedback")
+              "straight from here, not through the scheduler", name="feedback", group="network")
     # the KV pool: this many blocks (checked against a memory setting when one is given too),
     # or (None) sized from memory by one of the two settings after them (worker_svc.memory),
     # or NUM_KV_BLOCKS when neither is given
@@ -49,9 +50,10 @@ class WorkerConfig:
     max_model_len: int | None = uses(shared.MAX_MODEL_LEN)  # the longest context (counted in the memory profile)
     speculative_config: str | None = uses(shared.SPECULATIVE_CONFIG)  # the last stage's draft model
     layer_partition: tuple[int, ...] | None = _setting(
-        None, "layers per stage, e.g. 3,5 (default: even split)", "int_list")
+        None, "layers per stage, e.g. 3,5 (default: even split)", "int_list", group="parallelism")
     dtype: str = _passed("auto", "the weights' dtype (auto: the checkpoint's; a float32 one as bfloat16 "
-                                 "on a CPU with AVX-512 BF16; a GGUF file's own types)", choices=DTYPES)
+                                 "on a CPU with AVX-512 BF16; a GGUF file's own types)", choices=DTYPES,
+                        group="model")
     device: str | None = uses(shared.DEVICE)
     num_threads: int | None = uses(shared.NUM_THREADS)
     max_num_batched_tokens: int = uses(shared.MAX_NUM_BATCHED_TOKENS)
@@ -59,13 +61,14 @@ class WorkerConfig:
     # None: triton on CUDA, cpu (native decode kernel) on the CPU
     attention_backend: str | None = _passed(
         None, "default: triton on CUDA, cpu (a native decode kernel; torch prefill) on the CPU; torch: "
-              "the reference", choices=ATTENTION_BACKENDS)
+              "the reference", choices=ATTENTION_BACKENDS, group="device")
     quantization: str | None = _passed(
         None, "fp8: linear-layer weights in float8_e4m3fn; int8 (CPU): int8 weights; both with one scale "
-              "per output channel, quantized at load from any float checkpoint", choices=QUANTIZATION_METHODS)
+              "per output channel, quantized at load from any float checkpoint", choices=QUANTIZATION_METHODS,
+        group="model")
     kv_cache_dtype: str = _passed(
         "auto", "the KV pools' dtype: auto (the activations': float32 for GGUF and CPU bfloat16 stages), "
-                "float32, or bfloat16 (half the bytes; CPU kernels)", choices=KV_CACHE_DTYPES)
+                "float32, or bfloat16 (half the bytes; CPU kernels)", choices=KV_CACHE_DTYPES, group="cache")
     # processes this stage runs on (worker_svc/tensor_parallel.py): heads and MLP columns split
     tensor_parallel_size: int = uses(shared.TENSOR_PARALLEL_SIZE)
     # multi-LoRA: this stage's adapter slots (worker_svc/lora.py)

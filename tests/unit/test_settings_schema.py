@@ -76,7 +76,8 @@ def sample(s: Setting) -> Any:
         "int": lambda: (s.default or 0) + 3, "float": lambda: (s.default or 0.0) + 0.5, "fraction": lambda: 0.5,
         "size": lambda: 2**30, "limit": lambda: 7, "str": lambda: f"x-{s.name}", "bool": lambda: not s.default,
         "auto_bool": lambda: False, "switch": lambda: True, "weights": lambda: {"a": 2.0},
-        "names": lambda: ["n1", "n2"], "int_list": lambda: (1, 2),
+        "names": lambda: ["n1", "n2"], "int_list": lambda: (1, 2), "port": lambda: (s.default or 0) + 3,
+        "nonzero_port": lambda: (s.default or 9000) + 3,
     }[s.kind]()
 
 
