@@ -231,3 +231,56 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # (not Linux)
         return os.cpu_count() or 1
+
+
+def check_draft_model(speculative_config: str | None, target: ModelConfig, target_dir: str | Path) -> None:
+    """--speculative-config's draft model (method draft_model) exists and shares the target's
+    vocabulary, read from its config.json (the last stage would find so only after loading
+    both models). A file there (a GGUF file) is left to the stage."""
+    from services.speculative import SpeculativeConfig
+
+    flag = shared.SPECULATIVE_CONFIG.flag
+    spec = SpeculativeConfig.parse(speculative_config)
+    if spec is None or spec.method != "draft_model":
+        return
+    draft_dir = Path(spec.model)
+    if not draft_dir.exists():
+        raise ValueError(f"{flag}: the draft model {spec.model} does not exist "
+                         "(speculative_config.model: a checkpoint folder)")
+    if not draft_dir.is_dir():
+        return
+    try:
+        draft = ModelConfig.from_dir(draft_dir)
+    except CheckpointError as exc:
+        raise ValueError(f"{flag}: the draft model: {exc}") from None
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"{flag}: the draft model's vocabulary ({draft.vocab_size}, {draft_dir / 'config.json'}) "
+                         f"is not the target's ({target.vocab_size}, {Path(target_dir) / 'config.json'}): a draft "
+                         "must share the target's tokenizer")
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # (worker_svc/lora.py's CONFIG_FILE: a PEFT folder's)
+
+
+def check_lora_modules(lora_modules, max_lora_rank: int) -> None:
+    """Each --lora-modules adapter is a PEFT folder whose rank --max-lora-rank takes, read from
+    its adapter_config.json (a stage would refuse it only after loading the model)."""
+    for name, path in shared.lora_modules(lora_modules).items():
+        where = f"{shared.LORA_MODULES.flag} {name}={path}"
+        config = Path(path) / ADAPTER_CONFIG
+        rank = _adapter_rank(config, where)
+        if rank > max_lora_rank:
+            flag = shared.MAX_LORA_RANK.flag
+            raise ValueError(f"{where}: LoRA rank {rank} ({config}) is above {flag} {max_lora_rank}: raise {flag} "
+                             f"to at least {rank}")
+
+
+def _adapter_rank(config: Path, where: str) -> int:
+    """An adapter's largest rank, as a stage reads it (r and rank_pattern: worker_svc/lora.py)."""
+    if not config.is_file():
+        raise ValueError(f"{where}: no {ADAPTER_CONFIG} there (not a PEFT adapter folder)")
+    try:
+        raw = json.loads(config.read_text())
+        return max([int(raw["r"]), *(int(r) for r in (raw.get("rank_pattern") or {}).values())])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{where}: {config} does not give the adapter's rank (r, rank_pattern): {exc!r}") from None

@@ -214,6 +214,8 @@ def _check_model_and_settings(args: argparse.Namespace, model_dir: str) -> list[
     if args.chat_template is not None:
         preflight.read_chat_template(args.chat_template)
     _check_configs(args, model_dir)
+    preflight.check_draft_model(args.speculative_config, checkpoint.config, model_dir)
+    preflight.check_lora_modules(args.lora_modules, args.max_lora_rank)
     pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
     preflight.check_stages(checkpoint.config, pp, tp)
     memory = args.num_kv_blocks is None and bool(args.gpu_memory_utilization or args.kv_cache_memory)
@@ -327,9 +329,23 @@ def _print_capacity(args: argparse.Namespace, model_dir: str, stacks: list[Stack
     print(f"  {kv_capacity_line(stack.num_kv_blocks, args.block_size, args.max_model_len or model_max_len(model_dir))}"
           + (" (sized from memory: the smallest stage's pool)" if memory else "")
           + (f", in each of {args.replicas} replicas (routing: {args.routing})" if args.replicas > 1 else ""))
-    if stack.service_cpus is not None:
-        print(f"  cores: services {sorted(stack.service_cpus)}, stages "
-              f"{[sorted(w.cpus or ()) for w in stack.workers]} (--no-cpu-affinity to let them float)")
+    line = cores_line(stack.service_cpus, [w.cpus for w in stack.workers],
+                      sorted(os.sched_getaffinity(0)) if stack.service_cpus is not None else [])
+    if line:
+        print(f"  {line}")
+
+
+def cores_line(service_cpus: set[int] | None, stage_cpus: list[set[int] | None], cores: list[int]) -> str:
+    """Where the services and the stages run, as `start_stack` pinned them ("": nothing pinned).
+    Stages it left unpinned (their large steps take the services' core too, on 2 cores one
+    stage: `WorkerConfig.step_threads`) are said so, as any of `cores`."""
+    if service_cpus is None:
+        return ""
+    services, float_hint = sorted(service_cpus), "(--no-cpu-affinity to let them float)"
+    if all(stage_cpus):
+        return f"cores: services {services}, stages {[sorted(c) for c in stage_cpus]} {float_hint}"
+    return (f"cores: services {services} {float_hint}; stages not pinned: any of {cores} (a step of 128 "
+            "tokens or more takes the services' core too)")
 
 
 def _write_ready_file(ready: Path, args: argparse.Namespace, model_dir: str, stacks: list[Stack],

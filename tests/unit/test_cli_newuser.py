@@ -1,5 +1,8 @@
-"""Issue 35, what a new user met on the command line (items 11-13): a port out of range and a
-mistyped flag are said in one line (with the flag meant); `--help` is in sections as vLLM's.
+"""Issue 35, what a new user met on the command line (items 10-13 and 18): settings that a
+stage refused only after loading its weights, in a 38-line traceback, are refused by
+`pagoda serve` before it starts anything; a port out of range and a mistyped flag are said in
+one line (with the flag meant); `--help` is in sections as vLLM's; the start banner says
+where the stages really run.
 
 Nothing here starts a process: `pagoda serve` is refused by its checks, or stopped where it
 would start the stack."""
@@ -7,8 +10,10 @@ would start the stack."""
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -63,6 +68,58 @@ def subparser(command: str) -> argparse.ArgumentParser:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices[command]
+
+
+# --- 10: settings checked before any process starts ------------------------------------------------
+
+def _draft(path: Path) -> str:
+    return json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": 2})
+
+
+def test_a_draft_model_that_does_not_exist_is_refused_naming_the_flag(capsys, model, tmp_path):
+    err = refused(capsys, model, "--speculative-config", _draft(tmp_path / "nowhere"))
+    assert err == (f"error: --speculative-config: the draft model {tmp_path / 'nowhere'} does not exist "
+                   "(speculative_config.model: a checkpoint folder)")
+    (tmp_path / "empty").mkdir()
+    err = refused(capsys, model, "--speculative-config", _draft(tmp_path / "empty"))
+    assert err.startswith("error: --speculative-config: the draft model: ") and "config.json" in err
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_naming_both(capsys, model, tmp_path):
+    draft = Path(shutil.copytree(model, tmp_path / "draft"))
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
+    err = refused(capsys, model, "--speculative-config", _draft(draft))
+    assert err == (f"error: --speculative-config: the draft model's vocabulary (1024, {draft / 'config.json'}) "
+                   f"is not the target's (512, {model / 'config.json'}): a draft must share the target's "
+                   "tokenizer")
+    args = build_parser().parse_args(["serve", str(model), "--speculative-config", _draft(model)])
+    assert serve._check_start(args, str(model)) == []  # the same vocabulary: taken
+
+
+def _adapter(folder: Path, **config) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], **config}))
+    return folder
+
+
+def test_an_adapter_of_a_rank_above_max_lora_rank_is_refused_naming_both_flags(capsys, model, tmp_path):
+    big = _adapter(tmp_path / "big", r=32)
+    err = refused(capsys, model, "--enable-lora", "--lora-modules", f"big={big}")
+    assert err == (f"error: --lora-modules big={big}: LoRA rank 32 ({big / 'adapter_config.json'}) is above "
+                   "--max-lora-rank 16: raise --max-lora-rank to at least 32")
+    patterned = _adapter(tmp_path / "patterned", r=8, rank_pattern={"v_proj": 64})
+    assert "LoRA rank 64" in refused(capsys, model, "--enable-lora", "--lora-modules", f"p={patterned}",
+                                     "--max-lora-rank", "32")
+    args = build_parser().parse_args(["serve", str(model), "--enable-lora", "--lora-modules", f"big={big}",
+                                      "--max-lora-rank", "32"])
+    assert serve._check_start(args, str(model)) == []
+
+
+def test_an_adapter_folder_that_is_not_one_is_refused_naming_it(capsys, model, tmp_path):
+    err = refused(capsys, model, "--enable-lora", "--lora-modules", f"a={tmp_path / 'none'}")
+    assert err.startswith(f"error: --lora-modules a={tmp_path / 'none'}: ") and "adapter_config.json" in err
 
 
 # --- 11: ports ---------------------------------------------------------------------------------------
@@ -158,3 +215,29 @@ def test_every_flag_of_a_service_is_in_a_section(command):
     """Only --help stays among the plain options: a setting without a section is a test failure,
     not a flag lost at the end of a long list."""
     assert _sections(command)["options"] == ["-h", "--help"]
+
+
+# --- 18: the start banner's cores ---------------------------------------------------------------
+
+def _banner(capsys, service_cpus, stage_cpus) -> str:
+    args = SimpleNamespace(block_size=16, max_model_len=1024, replicas=1, routing="prefix")
+    stack = SimpleNamespace(num_kv_blocks=64, service_cpus=service_cpus,
+                            workers=[SimpleNamespace(cpus=c) for c in stage_cpus])
+    serve._print_capacity(args, "model", [stack], None)
+    return capsys.readouterr().out
+
+
+def test_the_banner_says_the_stage_is_not_pinned_on_two_cores(capsys, monkeypatch):
+    """2 cores, one stage: the services get core 0 and the stage is left unpinned (its large
+    steps take both cores); the banner said `stages [[]]`."""
+    from wiring.launcher import cpu_plan
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    services, _ = cpu_plan(1, 1, [0, 1])
+    text = _banner(capsys, services, [None])
+    assert "[[]]" not in text
+    assert ("cores: services [0] (--no-cpu-affinity to let them float); stages not pinned: any of [0, 1] "
+            "(a step of 128 tokens or more takes the services' core too)") in text
+    text = _banner(capsys, {0}, [{1}, {2, 3}])
+    assert "cores: services [0], stages [[1], [2, 3]] (--no-cpu-affinity to let them float)" in text
+    assert "cores" not in _banner(capsys, None, [None])
