@@ -422,7 +422,9 @@ def _model_card(gw: Gateway, name: str) -> dict[str, Any]:
     # root: the served name, not where the checkpoint lies on the server's disk; a LoRA
     # adapter's parent is the base model (as vLLM lists them)
     card = {"id": name, "object": "model", "created": gw.created, "owned_by": "pagoda",
-            "root": gw.limits.name, "max_model_len": gw.limits.max_model_len}
+            "root": gw.limits.name, "max_model_len": gw.limits.max_model_len,
+            # what a request that leaves a sampling field out gets (--generation-config)
+            "sampling_defaults": gw.limits.sampling_defaults.to_json()}
     if name in gw.limits.loras:
         card.update(root=name, parent=gw.limits.name)
     return card

@@ -13,6 +13,7 @@ from gateway.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from gateway.ratelimit import RateLimit, redacted_url
 from services import settings as shared
 from services.defaults import MAX_MODEL_LEN, ROUTING_POLICIES
+from services.generation_config import check_mode, parse_override
 from services.pooling import POOLING_TYPES
 from services.settings import Setting, uses
 
@@ -127,6 +128,17 @@ class GatewayConfig:
         None, "the seed of every request that sends none, as vLLM's --seed: a request then samples the same "
               "tokens each time it is sent (default: none, each such request draws its own)", "int", metavar="N",
         group="model")
+    # vLLM's --generation-config and --override-generation-config: the sampling of the fields a
+    # request leaves out (services/generation_config.py)
+    generation_config: str = _passed(
+        "auto", "where the sampling a request leaves out comes from, as vLLM's: auto (the model's "
+                "generation_config.json; for a GGUF file, which has none, llama.cpp's defaults: temperature 0.8, "
+                "top_k 40, top_p 0.95, min_p 0.05), vllm (none: temperature 1, no truncation), or a folder "
+                "holding a generation_config.json (default auto); a request's own fields win",
+        metavar="auto|vllm|DIR")
+    override_generation_config: str | None = _passed(
+        None, "sampling defaults set over --generation-config's, as vLLM's: a JSON object of temperature, "
+              "top_p, top_k, min_p, repetition_penalty, e.g. '{\"temperature\": 0.7}'", metavar="JSON")
     # vLLM's --enable-auto-tool-choice, --tool-call-parser and --reasoning-parser: how chat
     # replies are read into tool calls and reasoning (gateway/chat_parsing.py)
     enable_auto_tool_choice: bool = _passed(
@@ -171,6 +183,8 @@ class GatewayConfig:
             raise ValueError(f"redis_url: must start with one of {', '.join(_REDIS_SCHEMES)}, "
                              f"got {redacted_url(self.redis_url)!r}")
         self._check_parsers()
+        check_mode(self.generation_config)
+        parse_override(self.override_generation_config)  # ValueError naming what is wrong
         if not self.api_keys and not _is_loopback(self.host):
             raise ValueError(
                 f"api_keys: binding {self.host} beyond loopback without API keys would open the "

@@ -99,8 +99,9 @@ class _SamplingFields(BaseModel):
     # an unknown field (another server's extra, a misspelling) is a 400 naming it, never ignored
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
-    temperature: float | None = Field(1.0, **RANGES["temperature"].bounds, description="0 is greedy.")
-    top_p: float | None = Field(1.0, **RANGES["top_p"].bounds)
+    # a sampling field left out (or null) takes the model's default (GET /v1/models lists them)
+    temperature: float | None = Field(None, **RANGES["temperature"].bounds, description="0 is greedy.")
+    top_p: float | None = Field(None, **RANGES["top_p"].bounds)
     seed: int | None = Field(None, ge=-(2**63), lt=RANGES["seed"].lt, description="A negative seed "
                              "wraps around to an unsigned one.")
     stop: str | list[str] | None = Field(None, description="Stop strings, cut from the text.")

@@ -36,6 +36,7 @@ from gateway.tools import chooses_auto, declared_tools, tool_calling
 from services import grammar
 from services import settings as shared
 from services.admission import AdmissionError, Limits, admit
+from services.generation_config import SamplingDefaults, sampling_defaults
 from services.sampling import SamplingOptions, StructuredOutput
 from services.text import Tokenizer
 
@@ -59,6 +60,8 @@ class ModelLimits:
     # multi-LoRA: adapter name -> its folder, loaded on the stages (--lora-modules, and those
     # loaded at run time); a request's `model` may name one
     loras: dict[str, str] = field(default_factory=dict)
+    # the sampling of the fields a request leaves out (--generation-config)
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     def lora_name(self, requested: str | None) -> str:
         """The adapter a request runs under: its `model` when that names one, else ""."""
@@ -76,8 +79,9 @@ class ModelLimits:
             vocab_size = max(vocab_size, int(model_config.get("vocab_size") or 0))
         except (OSError, ValueError, TypeError):
             pass  # a tokenizer-only directory: the tokenizer's vocabulary is the bound
+        defaults = sampling_defaults(config.model, config.generation_config, config.override_generation_config)
         return cls(config.model_name, config.max_model_len, vocab_size, config.model_names,
-                   dict(shared.lora_modules(config.lora_modules)))
+                   dict(shared.lora_modules(config.lora_modules)), defaults)
 
 
 def check_model(requested: str | None, limits: ModelLimits) -> None:
@@ -364,19 +368,21 @@ def _sampling(req: _SamplingFields, prompts: Sequence[Sequence[int]], limits: Mo
     # An API key's priority class is a floor: a request may lower its own urgency (a larger
     # number), never raise it above what its key grants.
     priority = req.priority if key is None else max(req.priority, key.priority)
+    # a field the request leaves out takes the model's default (--generation-config), else off
+    default = limits.sampling_defaults
     try:
         options = SamplingOptions(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
-            min_p=req.min_p or 0.0,
+            temperature=_first(req.temperature, default.temperature, 1.0),
+            top_p=_first(req.top_p, default.top_p, 1.0),
+            top_k=max(0, _first(req.top_k, default.top_k, 0)),  # (a request's -1 is off)
+            min_p=_first(req.min_p, default.min_p, 0.0),
             seed=None if req.seed is None else req.seed % UINT64,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=_first(req.repetition_penalty, default.repetition_penalty, 1.0),
             logit_bias=_logit_bias(req.logit_bias),
             **sampling,
         )
@@ -392,6 +398,11 @@ def _sampling(req: _SamplingFields, prompts: Sequence[Sequence[int]], limits: Mo
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
     )
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is not None."""
+    return next(v for v in values if v is not None)
 
 
 def completion_params(req: CompletionRequest, prompts: Sequence[Sequence[int]],

@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model_dir = _model_dir(args)
         notes = _check_start(args, model_dir)
+        sampling = _sampling_defaults(args, model_dir)
     except _Refused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = f" of {tp} tensor-parallel processes each" if tp > 1 else ""
     print(f"pagoda serve: starting {n} stage(s){ranks}, KV service, scheduler and gateway for {model_dir}")
     print(f"  logs: {log_dir}")
+    print(f"  sampling defaults: {sampling}")
     for line in notes:
         print(f"  {line}", file=sys.stderr if line.startswith("warning") else sys.stdout, flush=True)
     stop = _StopFlag()
@@ -183,6 +185,16 @@ def _model_dir(args: argparse.Namespace) -> str:
     if not (Path(model_dir) / "config.json").is_file():
         raise _Refused(f"{model_dir} is not a checkpoint directory (no config.json) or a GGUF file")
     return model_dir
+
+
+def _sampling_defaults(args: argparse.Namespace, model_dir: str) -> str:
+    """What a request that leaves sampling fields out gets (--generation-config), in words."""
+    from services.generation_config import sampling_defaults
+
+    try:
+        return sampling_defaults(model_dir, args.generation_config, args.override_generation_config).describe()
+    except ValueError as exc:
+        raise _Refused(str(exc)) from exc
 
 
 def _check_start(args: argparse.Namespace, model_dir: str) -> list[str]:
