@@ -73,6 +73,10 @@ class AbortResponse(_message.Message):
     aborted: bool
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
 
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ("include_kv_sequences", "include_requests", "include_timeline")
     INCLUDE_KV_SEQUENCES_FIELD_NUMBER: _ClassVar[int]

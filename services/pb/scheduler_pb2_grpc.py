@@ -56,6 +56,11 @@ class SchedulerStub:
                 request_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
                 _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/pagoda.v1.Scheduler/ListLoraAdapters',
+                request_serializer=pagoda_dot_v1_dot_scheduler__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pagoda.v1.Scheduler/GetStats',
                 request_serializer=pagoda_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
@@ -86,15 +91,27 @@ class SchedulerServicer:
 
     def LoadLoraAdapter(self, request, context):
         """Multi-LoRA: load an adapter on every stage (all or none: a stage that refuses unloads it
-        from those that took it), with the stages' status codes. Unload refuses
-        (FAILED_PRECONDITION) while a live request runs under the adapter.
+        from those that took it), with the stages' status codes; a name served already ->
+        ALREADY_EXISTS. The scheduler keeps what it loaded, and loads it again onto a stage that
+        restarted (an adapter that cannot be loaded again is dropped from every stage, and its
+        requests end NOT_FOUND).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnloadLoraAdapter(self, request, context):
-        """Unload an adapter from every stage.
+        """Unload an adapter from every stage, draining it first: requests under it are refused
+        (NOT_FOUND) from now, those running go on; it is unloaded when the last ends, or after
+        LoraAdapterRequest.drain_timeout_s, when those still running end NOT_FOUND. NOT_FOUND
+        when it is not served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """The adapters served now (not one being unloaded), with folders and identities.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,6 +145,11 @@ def add_SchedulerServicer_to_server(servicer, server):
             'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLoraAdapter,
                     request_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=pagoda_dot_v1_dot_scheduler__pb2.ListLoraAdaptersRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
@@ -244,6 +266,33 @@ class Scheduler:
             target,
             '/pagoda.v1.Scheduler/UnloadLoraAdapter',
             pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
+            pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.Scheduler/ListLoraAdapters',
+            pagoda_dot_v1_dot_scheduler__pb2.ListLoraAdaptersRequest.SerializeToString,
             pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
             options,
             channel_credentials,

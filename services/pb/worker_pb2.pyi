@@ -8,18 +8,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoraAdapterRequest(_message.Message):
-    __slots__ = ("lora_name", "lora_path")
+    __slots__ = ("lora_name", "lora_path", "load_id", "drain_timeout_s")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     lora_name: str
     lora_path: str
-    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    load_id: int
+    drain_timeout_s: float
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., load_id: _Optional[int] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class LoraAdapterInfo(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "load_id")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    load_id: int
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., load_id: _Optional[int] = ...) -> None: ...
 
 class LoraAdapterReply(_message.Message):
-    __slots__ = ("lora_names",)
+    __slots__ = ("lora_names", "lora_adapters")
     LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     lora_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, lora_names: _Optional[_Iterable[str]] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class SampledFeedback(_message.Message):
     __slots__ = ("micro_batch_id", "seq_ids", "positions", "token_ids")
@@ -254,7 +270,7 @@ class LoadInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageLoadInfo(_message.Message):
-    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "num_kv_blocks", "block_size", "dtype", "kv_cache_dtype", "model", "epoch", "max_num_batched_tokens", "hidden_size", "vocab_size", "max_message_bytes", "next_address", "num_threads", "device", "quantization", "feedback_address", "feedback_connected", "kv_block_bytes", "memory_total_bytes", "memory_budget_bytes", "memory_baseline_bytes", "weights_bytes", "activation_peak_bytes", "tensor_parallel_size")
+    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "num_kv_blocks", "block_size", "dtype", "kv_cache_dtype", "model", "epoch", "max_num_batched_tokens", "hidden_size", "vocab_size", "max_message_bytes", "next_address", "num_threads", "device", "quantization", "feedback_address", "feedback_connected", "kv_block_bytes", "memory_total_bytes", "memory_budget_bytes", "memory_baseline_bytes", "weights_bytes", "activation_peak_bytes", "tensor_parallel_size", "lora_adapters")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +299,7 @@ class StageLoadInfo(_message.Message):
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     num_stages: int
     layer_start: int
@@ -311,7 +328,8 @@ class StageLoadInfo(_message.Message):
     weights_bytes: int
     activation_peak_bytes: int
     tensor_parallel_size: int
-    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., kv_cache_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., next_address: _Optional[str] = ..., num_threads: _Optional[int] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., feedback_address: _Optional[str] = ..., feedback_connected: _Optional[bool] = ..., kv_block_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., memory_baseline_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., kv_cache_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., next_address: _Optional[str] = ..., num_threads: _Optional[int] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., feedback_address: _Optional[str] = ..., feedback_connected: _Optional[bool] = ..., kv_block_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., memory_baseline_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class StageStatsRequest(_message.Message):
     __slots__ = ()

@@ -149,8 +149,8 @@ class StageWorkerServicer:
     def LoadLoraAdapter(self, request, context):
         """Multi-LoRA (a stage started with --enable-lora): load a PEFT adapter folder for this
         stage's layers (safetensors only). Bad folder or rank -> INVALID_ARGUMENT; no free slot
-        -> RESOURCE_EXHAUSTED; a name already loaded -> ALREADY_EXISTS; LoRA off ->
-        FAILED_PRECONDITION.
+        (--max-loras) -> FAILED_PRECONDITION, as for LoRA off; a name already loaded ->
+        ALREADY_EXISTS.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -281,6 +281,7 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
         "GetStats": (False, False),
         "LoadLoraAdapter": (False, False),
         "UnloadLoraAdapter": (False, False),
+        "ListLoraAdapters": (False, False),
     },
     (kvcache_pb2, "KVCache"): {
         "Step": (False, False),
