@@ -15,3 +15,9 @@ class InvalidPlanError(ValueError):
 
     Fails that micro-batch only (INVALID_ARGUMENT); the stage keeps serving.
     """
+
+
+class LoraNotLoadedError(InvalidPlanError):
+    """A plan names a LoRA adapter this stage does not hold: its adapters are out of step with
+    the scheduler's (FAILED_PRECONDITION: the scheduler loads them again, then replans; the
+    step's other requests are not at fault)."""

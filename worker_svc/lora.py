@@ -295,7 +295,17 @@ def _rank_share(target: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int,
 
 
 class LoraBankFullError(ValueError):
-    """Every slot of the bank holds an adapter (RESOURCE_EXHAUSTED: remove one, or retry)."""
+    """Every slot of the bank holds an adapter (FAILED_PRECONDITION: retrying changes nothing;
+    unload one, or serve with a larger --max-loras)."""
+
+
+class HeldAdapter(NamedTuple):
+    """An adapter a bank holds: its name, its folder and the identity it was loaded under
+    (the scheduler's load id; 0 for one of --lora-modules)."""
+
+    name: str
+    folder: str
+    load_id: int
 
 
 class LoraBank:
@@ -303,9 +313,10 @@ class LoraBank:
     config the stage holds). Per target, A is held as `[layers, slots, max_rank, in]` and
     B^T, scaled, as `[layers, slots, max_rank, out]`.
 
-    Invariants: a free slot has no name, rank 0 and no targets; a slot of rank r holds its
-    adapter's values in its first r rows (fewer for a module of smaller rank) and zeros
-    elsewhere, and zeros for every (layer, target) the adapter does not adapt."""
+    Invariants: a free slot has no name, rank 0, no targets and no `held` record; a slot of
+    rank r holds its adapter's values in its first r rows (fewer for a module of smaller
+    rank) and zeros elsewhere, and zeros for every (layer, target) the adapter does not
+    adapt."""
 
     def __init__(self, config: ModelConfig, start: int, end: int, max_loras: int, max_rank: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
@@ -325,6 +336,7 @@ class LoraBank:
         self._names: list[str | None] = [None] * max_loras
         self._ranks = [0] * max_loras
         self._targets: list[frozenset[str]] = [frozenset()] * max_loras
+        self._held: list[HeldAdapter | None] = [None] * max_loras
         # targets -> every slot's A^T for them side by side: one batched product per input
         # (`fused`)
         self._fused: dict[tuple[str, ...], torch.Tensor] = {}
@@ -333,6 +345,11 @@ class LoraBank:
     def names(self) -> tuple[str, ...]:
         """The adapters held, in slot order."""
         return tuple(n for n in self._names if n is not None)
+
+    @property
+    def held(self) -> tuple[HeldAdapter, ...]:
+        """The adapters held, in slot order, with their folders and load ids."""
+        return tuple(h for h in self._held if h is not None)
 
     def slot_of(self, name: str) -> int | None:
         return self._names.index(name) if name in self._names else None
@@ -344,16 +361,17 @@ class LoraBank:
     def targets_of(self, slot: int) -> frozenset[str]:
         return self._targets[slot]
 
-    def add(self, name: str, adapter: LoraAdapter) -> int:
-        """Put `adapter` in a free slot under `name`; returns the slot. ValueError when the
-        name is taken or the adapter does not fit the bank, LoraBankFullError when no slot
-        is free."""
+    def add(self, name: str, adapter: LoraAdapter, load_id: int = 0) -> int:
+        """Put `adapter` in a free slot under `name` (and the identity `load_id`); returns the
+        slot. ValueError when the name is taken or the adapter does not fit the bank,
+        LoraBankFullError when no slot is free."""
         if name in self._names:
             raise ValueError(f"LoRA adapter {name!r} is already loaded (slot {self._names.index(name)})")
         self._check_fits(name, adapter)
         if None not in self._names:
             raise LoraBankFullError(f"LoRA bank is full: max_loras={self.max_loras} adapters loaded "
-                                    f"({', '.join(self.names)}); remove one before adding {name!r}")
+                                    f"({', '.join(self.names)}); unload one before adding {name!r}, or "
+                                    "serve with a larger --max-loras")
         slot = self._names.index(None)
         for target in LORA_TARGETS:
             self._a[target][:, slot].zero_()
@@ -363,6 +381,7 @@ class LoraBank:
             self._a[target][layer - self.start, slot, :r] = w.a.to(self._a[target])
             self._bt[target][layer - self.start, slot, :r] = (w.b.T * w.scaling).to(self._bt[target])
         self._names[slot], self._ranks[slot], self._targets[slot] = name, adapter.rank, adapter.targets
+        self._held[slot] = HeldAdapter(name, adapter.folder, load_id)
         self._drop_fused(slot)
         return slot
 
@@ -372,6 +391,7 @@ class LoraBank:
         if slot is None:
             raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.names) or 'none'})")
         self._names[slot], self._ranks[slot], self._targets[slot] = None, 0, frozenset()
+        self._held[slot] = None
         self._drop_fused(slot)
         return slot
 

@@ -27,7 +27,7 @@ from services.step import (
 from worker_svc.attention import AttentionBackend, AttentionMetadata, get_backend
 from worker_svc.attention_metadata import paged_layout
 from worker_svc.batch import PersistentBatch, Row, StageShape
-from worker_svc.errors import InvalidPlanError
+from worker_svc.errors import InvalidPlanError, LoraNotLoadedError
 from worker_svc.kv_cache import PagedKVCache
 from worker_svc.lora import LoraBank, LoraStep, token_slots
 from worker_svc.model import StageModel
@@ -168,8 +168,8 @@ class StageRunner:
         for seq_id, name in names:
             if self.lora is None or self.lora.slot_of(name) is None:
                 have = "LoRA is off on this stage" if self.lora is None else f"it holds {list(self.lora.names)}"
-                raise InvalidPlanError(f"step {plan.step_id}, sequence {seq_id}: LoRA adapter {name!r} is "
-                                       f"not loaded ({have})")
+                raise LoraNotLoadedError(f"step {plan.step_id}, sequence {seq_id}: LoRA adapter {name!r} is "
+                                         f"not loaded ({have})")
 
     def execute(
         self, plan: StepPlan, hidden: torch.Tensor | None = None, keep_logits: bool = False

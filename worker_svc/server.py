@@ -50,7 +50,7 @@ from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
 from worker_svc.config import WorkerConfig
 from worker_svc.convert import dtype_to_pb, tensor_from_pb, tensor_to_pb
 from worker_svc.drafter import drafter_for
-from worker_svc.errors import InvalidPlanError
+from worker_svc.errors import InvalidPlanError, LoraNotLoadedError
 from worker_svc.lora import LoraBankFullError, bank_for, load_adapter
 from worker_svc.runner import StageResult, StageRunner
 
@@ -191,14 +191,15 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         return worker_pb2.AbandonReply()
 
     async def LoadLoraAdapter(self, request, context):
-        return await self._lora_call(context, "load", request.lora_name, request.lora_path)
+        return await self._lora_call(context, "load", request.lora_name, request.lora_path, request.load_id)
 
     async def UnloadLoraAdapter(self, request, context):
         return await self._lora_call(context, "unload", request.lora_name, "")
 
-    async def _lora_call(self, context, what: str, name: str, path: str):
+    async def _lora_call(self, context, what: str, name: str, path: str, load_id: int = 0):
         """Loads or unloads an adapter on the compute thread (between steps: a step never
-        sees a slot half written)."""
+        sees a slot half written). A full bank is FAILED_PRECONDITION: retrying does not
+        free a slot."""
         bank = self.runner.lora if isinstance(self.runner, StageRunner) else None
         if bank is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoRA is off on this stage (--enable-lora)")
@@ -215,9 +216,10 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 return grpc.StatusCode.ALREADY_EXISTS, f"lora_name: an adapter {name!r} is loaded already"
             try:
                 model = self.runner.model
-                bank.add(name, load_adapter(path, model.config, model.start, model.end, max_rank=bank.max_rank))
+                bank.add(name, load_adapter(path, model.config, model.start, model.end, max_rank=bank.max_rank),
+                         load_id)
             except LoraBankFullError as exc:
-                return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+                return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
             except (ValueError, OSError) as exc:
                 return grpc.StatusCode.INVALID_ARGUMENT, f"lora_path: {exc}"
             return None
@@ -226,7 +228,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         if failed is not None:
             await context.abort(*failed)
         log.info("LoRA adapter %r %sed; held: %s", name, what, list(bank.names))
-        return worker_pb2.LoraAdapterReply(lora_names=list(bank.names))
+        return worker_pb2.LoraAdapterReply(lora_names=list(bank.names), lora_adapters=self._lora_adapters())
 
     async def Events(self, request, context):
         queue: asyncio.Queue = asyncio.Queue(maxsize=100_000)
@@ -289,7 +291,14 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             weights_bytes=self.kv_sizing.weights_bytes if self.kv_sizing else self.weights_bytes,
             activation_peak_bytes=self.kv_sizing.activation_bytes if self.kv_sizing else 0,
             tensor_parallel_size=cfg.tensor_parallel_size,
+            lora_adapters=self._lora_adapters(),
         )
+
+    def _lora_adapters(self) -> list[worker_pb2.LoraAdapterInfo]:
+        """The LoRA adapters this stage holds (none with LoRA off)."""
+        bank = self.runner.lora if isinstance(self.runner, StageRunner) else None
+        return [worker_pb2.LoraAdapterInfo(lora_name=h.name, lora_path=h.folder, load_id=h.load_id)
+                for h in (bank.held if bank is not None else ())]
 
     def stats(self) -> worker_pb2.StageStats:
         uptime = time.time_ns() - self.started_ns
@@ -386,6 +395,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         if work.error is None:
             try:
                 await loop.run_in_executor(self._executor, self._compute, work)
+            except LoraNotLoadedError as exc:  # (the scheduler loads the stage's adapters again)
+                work.error = (grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except InvalidPlanError as exc:
                 work.error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except Exception as exc:  # a bug: report it, keep serving

@@ -339,6 +339,22 @@ def test_a_full_bank_is_refused_and_a_removed_slot_is_reused(model_dir, adapter_
         bank.remove("nope")
 
 
+def test_the_bank_reports_each_adapters_folder_and_identity(model_dir, adapter_dirs):
+    """What a stage reports in StageLoadInfo.lora_adapters (issue 35): the scheduler tells a
+    reload under an old name, and a stage that restarted, by them; a full bank names
+    --max-loras."""
+    model = load_stage(model_dir, dtype="float32")
+    bank = make_bank(model, adapter_dirs, max_loras=2, names=NAMES[:1])
+    assert bank.held == ((NAMES[0], str(adapter_dirs[NAMES[0]]), 0),)  # (--lora-modules: id 0)
+    second = load_adapter(adapter_dirs[NAMES[1]], model.config, 0, 4, max_rank=MAX_RANK)
+    bank.add(NAMES[1], second, load_id=77)
+    assert [(h.name, h.load_id) for h in bank.held] == [(NAMES[0], 0), (NAMES[1], 77)]
+    with pytest.raises(LoraBankFullError, match="--max-loras"):
+        bank.add(NAMES[2], second)
+    bank.remove(NAMES[0])
+    assert [(h.name, h.folder, h.load_id) for h in bank.held] == [(NAMES[1], str(adapter_dirs[NAMES[1]]), 77)]
+
+
 def test_a_reused_slot_holds_nothing_of_its_previous_adapter(model_dir, adapter_dirs):
     """The rank-16 adapter on every target, then the rank-4 one on q/v: the slot's other
     targets and rows must be zeros again (padding keeps results exact)."""
