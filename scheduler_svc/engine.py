@@ -28,6 +28,7 @@ from typing import Protocol
 
 from kvcache_svc.core.types import StepOutput
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.core.lora import LoraRegistry
 from scheduler_svc.core.planner import Planner, PlannerConfig, SeqUpdate
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestState
@@ -194,6 +195,7 @@ class Engine:
         self.observer = EngineObserver(self.planner, metrics or SchedulerMetrics(config.model), clock,
                                        config.trace_file, prefix_caching=config.enable_prefix_caching)
         self.stages: list[StageInfo] = []
+        self.loras = LoraRegistry()  # the LoRA adapters the stages serve (core/lora.py)
         self.healthy = False
         self.health_detail = "starting"
         self._live: dict[str, _Live] = {}
@@ -249,7 +251,13 @@ class Engine:
         def on_event(event: object) -> None:
             self._events.put_nowait((generation, event))
 
-        self.stages = await self.transport.connect(on_event, timeout_s=30.0)
+        stages = await self.transport.connect(on_event, timeout_s=30.0)
+        sync = getattr(self.transport, "sync_loras", None)
+        if sync is not None:  # (a restarted stage holds only the adapters of --lora-modules)
+            for name in await sync(self.loras):
+                self.end_lora_requests(name, f"model: the LoRA adapter {name!r} could not be loaded again "
+                                             "on a restarted stage, and was unloaded")
+        self.stages = stages
         self._check_capacity()
         self.planner.set_feedback(self.stages[0].feedback)
         self.healthy = True
@@ -334,6 +342,8 @@ class Engine:
         request.arrival_s = self.clock()
         if request.request_id in self._live:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.lora_name:  # AdapterNotServed (a LookupError) unless served now
+            request.lora_load_id = self.loras.admit(request.lora_name).load_id
         self._fit_to_context(request)
         displaced = self.planner.add(request)  # QueueFull propagates, nothing changed
         if displaced is not None:
@@ -400,6 +410,24 @@ class Engine:
             self._finish(live, "abort", "aborted")
         self._wake()
         return request is not None
+
+    def lora_busy(self, name: str) -> bool:
+        """Whether a request runs (or waits) under LoRA adapter `name`, or a step in flight
+        holds one of its sequences (an ended one's last step included)."""
+        planner = self.planner
+        return (any(r.lora_name == name for r in planner.requests.values())
+                or any(s.seq.request.lora_name == name for mb in planner.in_flight.values() for s in mb.seqs))
+
+    def end_lora_requests(self, name: str, message: str) -> int:
+        """End every request under LoRA adapter `name` with NOT_FOUND `message` (the adapter
+        is gone); returns how many."""
+        ended = [live for live in self._live.values() if live.request.lora_name == name]
+        for live in ended:
+            self.planner.abort(live.request.request_id, self.clock())
+            self._live.pop(live.request.request_id, None)
+            self._finish(live, "error", "error", ("NOT_FOUND", message))
+        self._wake()
+        return len(ended)
 
     def _wake(self) -> None:
         self._events.put_nowait(None)
@@ -498,7 +526,10 @@ class Engine:
         log.warning("micro-batch %d failed on stage %d: %s %s", event.micro_batch_id,
                     event.stage_index, event.code, event.message)
         self._dispatched_ns.pop(event.micro_batch_id, None)
-        if event.code == "UNAVAILABLE":
+        # a stage gone, or one whose LoRA adapters are out of step with the registry's (it
+        # lost one: FAILED_PRECONDITION): the reconnect puts the adapters right, and no
+        # request of the step is failed for it
+        if event.code in ("UNAVAILABLE", "FAILED_PRECONDITION"):
             self._mark_unhealthy(f"stage {event.stage_index}: {event.message}")
             return
         if self.planner.feedback:  # no token comes from this step: later steps must not wait

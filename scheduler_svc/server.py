@@ -18,6 +18,7 @@ from dataclasses import replace
 import grpc
 
 from scheduler_svc.config import SchedulerConfig, kv_capacity_line
+from scheduler_svc.core.lora import AdapterNotServed, LoraAdapter, new_load_id
 from scheduler_svc.core.queue import QueueFull
 from scheduler_svc.core.request import FinishReason, Request, RequestState
 from scheduler_svc.engine import Engine, RequestOutput, admission_limits
@@ -30,6 +31,7 @@ from services.sampling_pb import options_from_pb, set_top_logprobs
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "pagoda.v1.Scheduler"
+LORA_DRAIN_TIMEOUT_S = 60.0  # how long an unload waits for the requests under the adapter
 
 _FINISH = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -128,6 +130,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             stream = self.engine.submit(req)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except AdapterNotServed as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:  # a duplicate request id
@@ -163,24 +167,80 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.AbortResponse(aborted=self.engine.abort(request.request_id, index))
 
     async def LoadLoraAdapter(self, request, context):
-        return await self._lora(request, context, load=True)
-
-    async def UnloadLoraAdapter(self, request, context):
-        return await self._lora(request, context, load=False)
-
-    async def _lora(self, request, context, load: bool):
-        """An adapter loaded on (unloaded from) every stage; the stages' status codes."""
-        transport = self.engine.transport
-        if not hasattr(transport, "lora_adapter"):
+        """Loads an adapter on every stage under a fresh identity, then serves it."""
+        transport, loras = self._lora_transport(), self.engine.loras
+        if transport is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this scheduler's stages are in-process")
-        if not load and any(r.lora_name == request.lora_name for r in self.engine.planner.requests.values()):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"lora_name: requests are running under {request.lora_name!r}")
+        if not self.engine.stages:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is starting: its stages are not "
+                                                             "connected yet; retry")
+        name = request.lora_name
+        if not name or not request.lora_path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name and lora_path: required")
+        if loras.get(name) is not None:
+            what = "is being unloaded" if loras.is_draining(name) else "is loaded already"
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"lora_name: an adapter {name!r} {what}")
+        adapter = LoraAdapter(name, request.lora_path, new_load_id())
         try:
-            names = await transport.lora_adapter(load, request.lora_name, request.lora_path)
+            await transport.load_lora(adapter, loras)
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), exc.details() or "")
-        return worker_pb2.LoraAdapterReply(lora_names=names)
+        except ValueError as exc:  # (two loads of one name at once: the other won)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        log.info("LoRA adapter %r loaded from %s (load id %x)", name, adapter.path, adapter.load_id)
+        return self._lora_reply()
+
+    async def UnloadLoraAdapter(self, request, context):
+        """Drains an adapter, then unloads it from every stage: no new request is admitted
+        under it; those running end first, or end NOT_FOUND after the drain timeout."""
+        transport, engine = self._lora_transport(), self.engine
+        if transport is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this scheduler's stages are in-process")
+        name = request.lora_name
+        try:
+            engine.loras.drain(name)
+        except KeyError:
+            what = "is being unloaded already" if engine.loras.is_draining(name) else "is loaded"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"lora_name: no adapter {name!r} {what}")
+        timeout_s = request.drain_timeout_s if request.drain_timeout_s > 0 else LORA_DRAIN_TIMEOUT_S
+        try:
+            drained = await self._drained(name, timeout_s)
+        except asyncio.CancelledError:  # the caller went away: the adapter serves on
+            engine.loras.resume(name)
+            raise
+        if not drained:
+            ended = engine.end_lora_requests(name, f"model: the LoRA adapter {name!r} was unloaded (its drain "
+                                                   f"timeout of {timeout_s:g} s passed)")
+            log.warning("LoRA adapter %r: %d requests still ran after %g s: ended", name, ended, timeout_s)
+            await self._drained(name, LORA_DRAIN_TIMEOUT_S)  # (their steps in flight come back)
+        await transport.unload_lora(name, engine.loras)
+        log.info("LoRA adapter %r unloaded", name)
+        return self._lora_reply()
+
+    async def ListLoraAdapters(self, request, context):
+        return self._lora_reply()
+
+    def _lora_transport(self):
+        """The transport that loads adapters on the stages; None for in-process stages."""
+        transport = self.engine.transport
+        return transport if hasattr(transport, "load_lora") else None
+
+    async def _drained(self, name: str, timeout_s: float) -> bool:
+        """Waits until nothing runs under adapter `name` (True), or `timeout_s` (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.engine.lora_busy(name):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    def _lora_reply(self) -> worker_pb2.LoraAdapterReply:
+        """The adapters served (not one being unloaded)."""
+        served = self.engine.loras.served
+        return worker_pb2.LoraAdapterReply(
+            lora_names=[a.name for a in served],
+            lora_adapters=[worker_pb2.LoraAdapterInfo(lora_name=a.name, lora_path=a.path, load_id=a.load_id)
+                           for a in served])
 
     async def GetStats(self, request, context):
         engine, cfg = self.engine, self.engine.config
@@ -306,6 +366,7 @@ def _stage_to_pb(engine: Engine, st: dict, resp: scheduler_pb2.GetStatsResponse)
         li.weights_bytes, li.quantization = info.weights_bytes, info.quantization
         li.kv_block_bytes, li.kv_cache_dtype = info.kv_block_bytes, info.kv_cache_dtype
         li.memory_budget_bytes, li.device = info.memory_budget_bytes, info.device
+        li.cpu = info.cpu
 
 
 def _requests_to_pb(engine: Engine, resp: scheduler_pb2.GetStatsResponse) -> None:

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import grpc
 
+from scheduler_svc.core.lora import LoraAdapter, LoraRegistry
 from scheduler_svc.engine import ErrorEvent, StageDownEvent, StageInfo
 from services.grpc_utils import aio_channel
 from services.pb import worker_pb2, worker_pb2_grpc
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 
 
 FEEDBACK_WAIT_S = 5.0  # how long a connect waits for the last stage's feedback stream to open
+# a stage's answers that mean it is gone, not that it refused
+_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 def _info(address: str, li: worker_pb2.StageLoadInfo, feedback: bool = False) -> StageInfo:
@@ -35,7 +38,7 @@ def _info(address: str, li: worker_pb2.StageLoadInfo, feedback: bool = False) ->
         num_kv_blocks=li.num_kv_blocks, block_size=li.block_size, vocab_size=li.vocab_size,
         address=address, feedback=feedback, weights_bytes=li.weights_bytes, quantization=li.quantization,
         kv_block_bytes=li.kv_block_bytes, kv_cache_dtype=li.kv_cache_dtype,
-        memory_budget_bytes=li.memory_budget_bytes, device=li.device,
+        memory_budget_bytes=li.memory_budget_bytes, device=li.device, cpu=li.cpu,
     )
 
 
@@ -53,6 +56,7 @@ class GrpcStageTransport:
         self._last_sent = 0
         self.infos: list[StageInfo] = []
         self._last_load_info = worker_pb2.StageLoadInfo()
+        self._lora_turn = asyncio.Lock()  # LoRA loads, unloads and syncs, one at a time
 
     async def connect(self, on_event: Callable[[object], None], timeout_s: float = 30.0) -> list[StageInfo]:
         await self.close()
@@ -113,25 +117,100 @@ class GrpcStageTransport:
         request = worker_pb2.AbandonRequest(epoch=self.infos[0].epoch, seq_ids=seq_ids)
         await self._stubs[0].Abandon(request, timeout=2.0)
 
-    async def lora_adapter(self, load: bool, name: str, path: str = "", timeout_s: float = 120.0) -> list[str]:
-        """Loads (or unloads) a LoRA adapter on every stage, first to last: a load one stage
-        refuses is unloaded from those that took it, and its error (grpc.aio.AioRpcError)
-        raised. Returns the adapters held after it."""
-        request = worker_pb2.LoraAdapterRequest(lora_name=name, lora_path=path)
-        done: list[worker_pb2_grpc.StageWorkerStub] = []
-        reply = None
-        for stub in self._stubs:
+    # --- multi-LoRA: the stages hold the registry's adapters ------------------------------
+    # Loads, unloads and the sync after a connect take turns (`_lora_turn`): a sync reads
+    # what the stages hold now, and no load changes it under the sync's feet.
+
+    async def load_lora(self, adapter: LoraAdapter, registry: LoraRegistry, timeout_s: float = 120.0) -> None:
+        """Loads an adapter on every stage, first to last, and registers it. ValueError when
+        the registry has the name already; a load one stage refuses is unloaded from those
+        that took it, and its error (grpc.aio.AioRpcError) raised. A stage holding the name
+        holds a stale copy (the registry has no such adapter): it is replaced."""
+        async with self._lora_turn:
+            if registry.get(adapter.name) is not None:
+                raise ValueError(f"lora_name: an adapter {adapter.name!r} is loaded already")
+            done: list[worker_pb2_grpc.StageWorkerStub] = []
             try:
-                call = stub.LoadLoraAdapter if load else stub.UnloadLoraAdapter
-                reply = await call(request, timeout=timeout_s)
+                for stub in self._stubs:
+                    await self._load_one(stub, adapter, timeout_s)
+                    done.append(stub)
             except grpc.aio.AioRpcError:
-                if load:
-                    for taken in done:
-                        with contextlib.suppress(grpc.aio.AioRpcError):
-                            await taken.UnloadLoraAdapter(request, timeout=timeout_s)
+                for stub in done:
+                    await self._unload_one(stub, adapter.name, timeout_s)
                 raise
-            done.append(stub)
-        return list(reply.lora_names) if reply is not None else []
+            registry.add(adapter)
+
+    async def unload_lora(self, name: str, registry: LoraRegistry, timeout_s: float = 120.0) -> None:
+        """Unloads an adapter from every stage and from the registry. A stage that does not
+        hold it, or cannot be reached, is passed over: a stage that comes back holding it is
+        put right by the sync after the reconnect, a stale copy by the next load of the name."""
+        async with self._lora_turn:
+            try:
+                for stub in self._stubs:
+                    await self._unload_one(stub, name, timeout_s)
+            finally:
+                registry.remove(name)
+
+    async def sync_loras(self, registry: LoraRegistry, timeout_s: float = 120.0) -> list[str]:
+        """After a connect: every stage is made to hold exactly the registry's adapters (a
+        restarted stage holds only those of --lora-modules). An adapter a stage cannot load
+        again (its folder is gone) is unloaded from every stage and dropped from the
+        registry: its name is returned, for its requests to end. ConnectionError when a
+        stage cannot be reached (the connect is tried again)."""
+        async with self._lora_turn:
+            try:
+                infos = [await stub.LoadInfo(worker_pb2.LoadInfoRequest(), timeout=timeout_s)
+                         for stub in self._stubs]
+                plans = registry.sync([[LoraAdapter(a.lora_name, a.lora_path, a.load_id)
+                                        for a in info.lora_adapters] for info in infos])
+                failed: dict[str, str] = {}
+                for i, (stub, plan) in enumerate(zip(self._stubs, plans, strict=True)):
+                    for name in plan.unload:
+                        await self._unload_one(stub, name, timeout_s, quiet=False)
+                    for adapter in plan.load:
+                        if adapter.name in failed:
+                            continue
+                        try:
+                            await self._load_one(stub, adapter, timeout_s)
+                        except grpc.aio.AioRpcError as exc:
+                            if exc.code() in _DOWN:
+                                raise
+                            failed[adapter.name] = f"stage {i}: {exc.details()}"
+                for name, why in failed.items():
+                    log.error("LoRA adapter %r could not be loaded again (%s): dropped from every stage",
+                              name, why)
+                    for stub in self._stubs:
+                        await self._unload_one(stub, name, timeout_s, quiet=False)
+                    registry.remove(name)
+                if any(not plan.empty for plan in plans):
+                    log.info("LoRA adapters synced to the stages: %s", [a.name for a in registry.adapters])
+                return list(failed)
+            except grpc.aio.AioRpcError as exc:
+                raise ConnectionError(f"LoRA adapters not synced: {exc.code().name}: {exc.details()}") from exc
+
+    async def _load_one(self, stub, adapter: LoraAdapter, timeout_s: float) -> None:
+        request = worker_pb2.LoraAdapterRequest(lora_name=adapter.name, lora_path=adapter.path,
+                                                load_id=adapter.load_id)
+        try:
+            await stub.LoadLoraAdapter(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+            await stub.UnloadLoraAdapter(request, timeout=timeout_s)
+            await stub.LoadLoraAdapter(request, timeout=timeout_s)
+
+    async def _unload_one(self, stub, name: str, timeout_s: float, quiet: bool = True) -> None:
+        """Unload `name` from one stage; one that does not hold it is fine. Any other refusal
+        is logged (`quiet`) or raised."""
+        try:
+            await stub.UnloadLoraAdapter(worker_pb2.LoraAdapterRequest(lora_name=name), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return
+            if not quiet:
+                raise
+            log.warning("unloading LoRA adapter %r from a stage failed: %s %s", name, exc.code().name,
+                        exc.details())
 
     async def _read_events(self, index: int, on_event, ready: asyncio.Future) -> None:
         last = index == len(self.addresses) - 1

@@ -46,6 +46,7 @@ from kvcache_svc.core.types import (
     StepOutput,
 )
 from scheduler_svc.core.in_flight import InFlight, MicroBatch, ScheduledSeq
+from scheduler_svc.core.lora import lora_namespace
 from scheduler_svc.core.proposal import (
     Admission,
     AdmittedSeq,
@@ -879,10 +880,11 @@ class Planner:
 
     def _namespace(self, request: Request) -> str | None:
         """The prefix cache's namespace of a request's blocks: the model's, and its LoRA
-        adapter's (the same prompt under two adapters has other KV: it never shares blocks)."""
+        adapter's (the same prompt under two adapters, or under one name reloaded with other
+        weights, has other KV: it never shares blocks)."""
         if not request.lora_name:
             return self.config.namespace
-        return f"{self.config.namespace or ''}/lora:{request.lora_name}"
+        return lora_namespace(self.config.namespace, request.lora_name, request.lora_load_id)
 
     def _batch_too_large(self) -> bool:
         """Speculation's batch limit (vLLM's disable_by_batch_size: running requests) is passed."""

@@ -161,9 +161,11 @@ class Request:
     # with its pooled vector (`embedding`) instead of sampling (services.pooling)
     pooling: PoolingType | None = None
     embedding: Embedding | None = None
-    # multi-LoRA: the adapter it runs under ("": the base model); its blocks are shared in the
-    # prefix cache only with requests of the same adapter
+    # multi-LoRA: the adapter it runs under ("": the base model) and that adapter's identity
+    # (its load id, core/lora.py); its blocks are shared in the prefix cache only with
+    # requests of the same adapter, loaded the same time
     lora_name: str = ""
+    lora_load_id: int = 0
 
     def transition(self, new: RequestState, now: float = 0.0) -> None:
         if new not in LEGAL_TRANSITIONS[self.state]:
