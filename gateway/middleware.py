@@ -3,7 +3,10 @@
 A pure ASGI middleware, so that both checks happen before anything parses the body: a
 request without a valid key gets 401 and reaches nothing downstream; a body over the limit
 gets 413, whether its Content-Length says so or its bytes do (chunked uploads, or a header
-that lies). The app then receives the whole body in one message.
+that lies). The app then receives the whole body in one message. A body over the limit is
+read and dropped before the 413 goes out, up to `DRAIN_BYTES` (or twice the limit, when that
+is more), because a client that sends its whole body before it reads (Python's http.client,
+curl without `Expect`) would otherwise see the connection reset instead of the answer.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/do
                         "/docs/oauth2-redirect", "/redoc", "/dashboard"})  # the page holds no data
 
 Scope = dict[str, Any]
+# how much of a body over the limit is read (and dropped) so that its client reads the 413;
+# beyond it the connection is closed at once (costs time and bandwidth, never memory)
+DRAIN_BYTES = 64 * 1024 * 1024
 
 
 def _digest(key: str) -> bytes:
@@ -73,8 +79,8 @@ class GatewayMiddleware:
                                "invalid_content_length")
             return
         too_large = declared is not None and int(declared) > self.max_body_bytes
-        if too_large and (int(declared) > 2 * self.max_body_bytes
-                          or "100-continue" in headers.get("expect", "").lower()):
+        drained = max(DRAIN_BYTES, 2 * self.max_body_bytes)
+        if too_large and (int(declared) > drained or "100-continue" in headers.get("expect", "").lower()):
             await self._refuse_size(send)  # before the client sends it (or most of it)
             return
         chunks, size = [], 0
@@ -86,11 +92,11 @@ class GatewayMiddleware:
             size += len(chunk)
             too_large = too_large or size > self.max_body_bytes
             if too_large:
-                # Nothing of it is kept. Up to another limit's worth is read and dropped
-                # before answering, so that a client still sending gets to read the 413
-                # instead of a connection reset; beyond that the connection is just closed.
+                # Nothing of it is kept. Up to `drained` bytes are read and dropped before
+                # answering, so that a client still sending gets to read the 413 instead of
+                # a connection reset; beyond that the connection is just closed.
                 chunks.clear()
-                if size > 2 * self.max_body_bytes:
+                if size > drained:
                     break
             else:
                 chunks.append(chunk)

@@ -51,6 +51,7 @@ from gateway.protocol import (
 )
 
 MAX_STORED_RESPONSES = 256
+MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512  # characters, as OpenAI's API bounds them
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _TOOL_KEYS = ("type", "name", "description", "parameters", "strict")
@@ -106,7 +107,9 @@ class ResponsesRequest(_SamplingFields):
     store: bool = Field(True, description="Keep the response (in memory, the last "
                         f"{MAX_STORED_RESPONSES}) for previous_response_id and GET.")
     previous_response_id: str | None = Field(None, description="Continue a stored response.")
-    metadata: dict[str, str] | None = Field(None, max_length=16, description="Returned as sent.")
+    metadata: dict[str, str] | None = Field(
+        None, max_length=16, description=f"Returned as sent: keys of at most {MAX_METADATA_KEY} characters, values "
+                                         f"of at most {MAX_METADATA_VALUE}, as OpenAI's API bounds them.")
     user: str | None = Field(None, max_length=256)
     safety_identifier: str | None = Field(None, max_length=256, description="Accepted and ignored.")
     prompt_cache_key: str | None = Field(None, description="Accepted and ignored: prefixes are "
@@ -131,6 +134,18 @@ class ResponsesRequest(_SamplingFields):
     max_tool_calls: int | None = Field(None, description="Refused: not supported.")
 
     check_unicode = field_validator("input", "instructions")(check_text)
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key, text in (value or {}).items():
+            if len(key) > MAX_METADATA_KEY:
+                raise ValueError(f"a key may have at most {MAX_METADATA_KEY} characters, got {len(key)} "
+                                 f"({key[:16]!r}...)")
+            if len(text) > MAX_METADATA_VALUE:
+                raise ValueError(f"a value may have at most {MAX_METADATA_VALUE} characters, got {len(text)} "
+                                 f"(key {key!r})")
+        return value
 
 
 _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
@@ -434,19 +449,20 @@ async def _create(gw: Any, store: ResponseStore, body: ResponsesRequest, request
         prompt = await asyncio.to_thread(validation.chat_prompt, chat, gw.tokenizer, gw.limits)
         params = validation.chat_params(chat, prompt, gw.limits, gw.config, key)
     session = (request.headers.get("x-session-id") or body.user or "")[:256]
-    params = dataclasses.replace(params, session=session) if session else params
+    params = dataclasses.replace(params, session=session, lora_name=gw.limits.lora_name(body.model))
+    model = gw.limits.served_name(body.model)  # an adapter's name, as chat reports it
     await gw.charge(request, [prompt], params)
     items = gw.generation(response_id, [prompt], params, request.headers.get("traceparent", ""))
-    head = out.response_head(response_id, gw.limits.name, body.model_dump(by_alias=True))
+    head = out.response_head(response_id, model, body.model_dump(by_alias=True))
     keep = _stored(store, body, [m.model_dump(exclude_none=True) for m in chat.messages], owner)
     if body.stream:
         first = await streaming.first_item(request, items)
-        chunks = streaming.chat_chunks(response_id, head["created_at"], gw.limits.name, first, items, 1,
+        chunks = streaming.chat_chunks(response_id, head["created_at"], model, first, items, 1,
                                        False, False, StreamOptions(include_usage=True), len(prompt),
                                        params.tool_calling, params.reply_parsing)
         return streaming.EventStream(out.response_events(head, chunks, keep), items, response_id)
     choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, 1))
-    chat_body = fmt.chat_response(response_id, head["created_at"], gw.limits.name, choices, usage, False,
+    chat_body = fmt.chat_response(response_id, head["created_at"], model, choices, usage, False,
                                   None, None, params.tool_calling, params.reply_parsing)
     response = out.whole_response(head, chat_body)
     keep(response)

@@ -9,7 +9,9 @@ vLLM answers. What works, for every model, is the calling the grammar guarantees
 
 - `tool_choice: {"type": "function", "function": {"name": N}}` constrains the output to N's
   `parameters` schema; the answer is one tool call whose `arguments` is the output
-  (streamed as argument deltas); finish_reason "stop", as OpenAI gives for a named call.
+  (streamed as argument deltas); finish_reason "stop", as OpenAI gives for a named call. A
+  call cut short (`max_tokens`, a stop string) is still the call, its arguments as far as
+  they got and finish_reason "length" when that cut it, streamed or not (as vLLM answers).
 - `tool_choice: "required"` constrains the output to a JSON array of one or more
   `{"name": ..., "parameters": {...}}` objects, each a declared tool with its schema; the
   answer is one tool call per entry (exactly one with `parallel_tool_calls: false`);
@@ -18,7 +20,8 @@ vLLM answers. What works, for every model, is the calling the grammar guarantees
 - `tool_choice: "none"` generates a plain message (the tools still reach the template).
 
 A function declared without `parameters` takes no arguments, as OpenAI reads it: a call's
-arguments are exactly `{}`.
+arguments are exactly `{}`. A call's `arguments` are its JSON as the model wrote it, and its
+id is made as vLLM makes them (`chatcmpl-tool-...`), for forced calls and parsed ones alike.
 
 The tools are given to the chat template as `tools`, as transformers' templates expect.
 """
@@ -27,12 +30,13 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import invalid
 from gateway.parsers import TOOL_CALL_PARSERS
+from gateway.parsers.tool_base import array_texts, new_tool_call_id, object_members
+from services import grammar
 from services.sampling import StructuredOutput
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -108,6 +112,8 @@ def tool_calling(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel:
                                      f"tool-call syntax: {', '.join(TOOL_CALL_PARSERS)}); or send 'required' "
                                      "or {\"type\": \"function\", \"function\": {\"name\": ...}}")
     if tool_choice == "required":
+        for name in declared:
+            _check_schema(tools, name, declared[name])
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, parameters in declared.items()]
@@ -118,32 +124,43 @@ def tool_calling(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel:
         if name not in declared:
             raise invalid("tool_choice.function.name", f"{name!r} is not one of the tools "
                                                        f"({', '.join(declared)})")
+        _check_schema(tools, name, declared[name])
         return ToolCalling(name, tuple(declared)), StructuredOutput("json_schema", json.dumps(declared[name]))
     raise invalid("tool_choice", "must be 'none', 'auto', 'required' or "
                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}")
 
 
+def _check_schema(tools: list[dict[str, Any]], name: str, parameters: dict[str, Any]) -> None:
+    """A forced call's output follows its tool's `parameters`: a schema that cannot be compiled
+    is a 400 naming that tool's field (it failed later, naming the scheduler's own field)."""
+    try:
+        grammar.check(StructuredOutput("json_schema", json.dumps(parameters)))
+    except (grammar.GrammarError, ValueError) as exc:
+        where = next(i for i, tool in enumerate(tools) if tool["function"]["name"] == name)
+        raise invalid(f"tools[{where}].function.parameters", f"not a JSON Schema a call can follow: {exc}") from None
+
+
 def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    return new_tool_call_id()
 
 
 def tool_calls(calling: ToolCalling, text: str) -> list[dict[str, Any]] | None:
-    """The output as OpenAI tool calls; None when it is not a complete call (cut short by
-    max_tokens or a stop string): the caller then returns it as plain content."""
+    """The output as OpenAI tool calls, each call's arguments as written: a named function's
+    is the whole output, even cut short; None when "required" calls are not complete (cut
+    short by max_tokens or a stop string): the caller then returns them as plain content."""
     if calling.name is not None:
-        try:
-            json.loads(text)
-        except ValueError:
-            return None
         return [_call(calling.name, text)]
-    try:
-        entries = json.loads(text)
-    except ValueError:
+    listed = array_texts(text, 0)
+    if listed is None or text[listed[1]:].strip():
         return None
-    if not isinstance(entries, list) or not all(
-            isinstance(e, dict) and e.get("name") in calling.names for e in entries):
-        return None
-    return [_call(e["name"], json.dumps(e.get("parameters", {}))) for e in entries]
+    calls = []
+    for written in listed[0]:
+        found = object_members(written, 0)
+        name = None if found is None else found[0].get("name", (None, ""))[0]
+        if name not in calling.names:
+            return None
+        calls.append(_call(name, found[0].get("parameters", ({}, "{}"))[1]))
+    return calls
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
@@ -155,7 +172,9 @@ def message(calling: ToolCalling | None, text: str, finish_reason: str | None
     """A choice's message and finish reason, with the output as tool calls when it is one."""
     if calling is None:
         return {"role": "assistant", "content": text}, finish_reason
-    calls = tool_calls(calling, text) if finish_reason == "stop" else None
+    complete = finish_reason == "stop"
+    calls = tool_calls(calling, text) if complete or calling.name is not None else None
     if calls is None:
         return {"role": "assistant", "content": text}, finish_reason
-    return {"role": "assistant", "content": None, "tool_calls": calls}, calling.finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": calls}, (
+        calling.finish_reason if complete else finish_reason)

@@ -67,6 +67,11 @@ class ModelLimits:
         """The adapter a request runs under: its `model` when that names one, else ""."""
         return requested if requested is not None and requested in self.loras else ""
 
+    def served_name(self, requested: str | None) -> str:
+        """The `model` a response reports: the adapter's name when the request named one (as
+        vLLM reports it), else the base model's served name."""
+        return self.lora_name(requested) or self.name
+
     def __post_init__(self) -> None:
         if not self.names:
             object.__setattr__(self, "names", (self.name,))
@@ -157,9 +162,12 @@ def _template_message(i: int, message: ChatMessage) -> dict[str, Any]:
     if isinstance(message.content, list):
         texts = []
         for j, part in enumerate(message.content):
-            if part.type != "text" or not isinstance(part.text, str):
+            if part.type != "text":
                 raise invalid(f"messages[{i}].content[{j}]",
                               f"only text parts are supported, got type {part.type!r}")
+            if not isinstance(part.text, str):
+                raise invalid(f"messages[{i}].content[{j}].text",
+                              "a text part needs its text: {\"type\": \"text\", \"text\": \"...\"}")
             texts.append(part.text)
         plain["content"] = "\n".join(texts)
     plain.setdefault("content", "")

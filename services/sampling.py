@@ -24,6 +24,9 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives per position a request may ask for (as OpenAI)
 MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI
 _WIRE_INT = 2**32  # counts and token ids travel as uint32
+# real numbers travel as float32: a larger one would arrive as inf (and be refused by the
+# scheduler, naming its own field instead of the request's)
+_WIRE_FLOAT_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ RANGES: dict[str, Range] = {
     "n": Range(True, ge=1, lt=_WIRE_INT),
     "max_tokens": Range(True, ge=1, lt=_WIRE_INT),
     "min_tokens": Range(True, ge=0, lt=_WIRE_INT),
-    "temperature": Range(ge=0.0),
+    "temperature": Range(ge=0.0, le=_WIRE_FLOAT_MAX),
     "top_p": Range(gt=0.0, le=1.0),
     "top_k": Range(True, ge=0, lt=_WIRE_INT),  # 0: off
     "min_p": Range(ge=0.0, le=1.0),

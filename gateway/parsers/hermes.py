@@ -11,9 +11,7 @@ content. Beyond vLLM: text between and after the blocks is content too, an absen
 
 from __future__ import annotations
 
-import json
-
-from gateway.parsers.tool_base import RawCall, ToolParser, json_call
+from gateway.parsers.tool_base import RawCall, ToolParser, json_call, object_members
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -29,11 +27,11 @@ class HermesToolParser(ToolParser):
         body_start = pos + len(OPEN)
         close = text.find(CLOSE, body_start)
         body_end = len(text) if close < 0 else close
-        try:
-            value = json.loads(text[body_start:body_end])
-        except (ValueError, RecursionError):
+        body = text[body_start:body_end]
+        found = object_members(body, 0)
+        if found is None or body[found[1]:].strip():
             return None
-        call = json_call(value)
+        call = json_call(found[0])
         if call is None:
             return None
         return [call], (len(text) if close < 0 else close + len(CLOSE))

@@ -15,8 +15,7 @@ from __future__ import annotations
 from gateway.parsers.tool_base import (
     RawCall,
     ToolParser,
-    decode_json,
-    json_call,
+    json_call_at,
     skip_blank,
 )
 
@@ -35,14 +34,11 @@ class Llama3JsonToolParser(ToolParser):
             pos += len(PYTHON_TAG)
         calls: list[RawCall] = []
         while True:
-            decoded = decode_json(text, pos)
-            if decoded is None:
+            found = json_call_at(text, pos, needs_arguments=True)
+            if found is None or found[0] is None:
                 return None
-            call = json_call(decoded[0], needs_arguments=True)
-            if call is None:
-                return None
-            calls.append(call)
-            pos = decoded[1]
+            calls.append(found[0])
+            pos = found[1]
             after = skip_blank(text, pos)
             if not text.startswith(";", after):
                 return calls, pos
@@ -61,7 +57,7 @@ class Llama3JsonToolParser(ToolParser):
             return False
         if "}" not in new_text:  # the object can only have ended with a `}`
             return None
-        decoded = decode_json(section, pos)
-        if decoded is None:  # not whole yet (or never: then `finish` gives it as content)
+        found = json_call_at(section, pos, needs_arguments=True)
+        if found is None:  # not whole yet (or never: then `finish` gives it as content)
             return None
-        return json_call(decoded[0], needs_arguments=True) is not None
+        return found[0] is not None

@@ -17,9 +17,11 @@ from gateway.parsers.tool_base import (
     RawCall,
     ToolParser,
     arguments_json,
+    array_texts,
     decode_json,
     json_call,
     new_mistral_tool_call_id,
+    object_members,
     skip_blank,
 )
 
@@ -48,7 +50,7 @@ class MistralToolParser(ToolParser):
         decoded = decode_json(text, pos)
         if decoded is None or not isinstance(decoded[0], dict):
             return None
-        arguments = arguments_json(decoded[0])
+        arguments = arguments_json(decoded[0], text[skip_blank(text, pos):decoded[1]])
         return None if arguments is None else ([(name.group(), arguments)], decoded[1])
 
 
@@ -57,7 +59,14 @@ def _json_calls(text: str, pos: int) -> tuple[list[RawCall], int] | None:
     if decoded is None:
         return None
     value, end = decoded
-    calls = [json_call(entry) for entry in (value if isinstance(value, list) else [value])]
+    listed = array_texts(text, pos) if isinstance(value, list) else None
+    written = listed[0] if listed is not None else [text[skip_blank(text, pos):end]]
+    calls = [json_call(_members(entry)) for entry in written]
     if not calls or any(call is None for call in calls):
         return None
     return [call for call in calls if call is not None], end
+
+
+def _members(written: str):
+    found = object_members(written, 0)
+    return None if found is None else found[0]

@@ -48,7 +48,8 @@ def new_mistral_tool_call_id() -> str:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One complete call; `arguments` is a JSON object as compact text ("{}" for none)."""
+    """One complete call; `arguments` is a JSON object's text as the model wrote it ("{}" for
+    none)."""
 
     id: str
     name: str
@@ -98,16 +99,20 @@ class StreamDelta:
 NOTHING = StreamDelta()
 
 
-def arguments_json(value: Any) -> str | None:
-    """`value` as a call's `arguments`: a JSON object as compact text, "{}" for None, a JSON
-    object written as a string decoded first; None when it is no JSON object (or holds NaN)."""
+def arguments_json(value: Any, written: str | None = None) -> str | None:
+    """`value` as a call's `arguments`: a JSON object's text, "{}" for None, a JSON object
+    written as a string decoded first; None when it is no JSON object (or holds NaN).
+    `written`: the value's JSON text as the model wrote it, passed through as it is (the
+    string's content, for an object written as a string); without it (a format that is not
+    JSON) the object as compact text."""
     if isinstance(value, str):
+        written = value.strip()
         try:
             value = json.loads(value)
         except (ValueError, RecursionError):
             return None
     if value is None:
-        value = {}
+        value, written = {}, None
     if not isinstance(value, dict):
         return None
     try:
@@ -117,19 +122,86 @@ def arguments_json(value: Any) -> str | None:
         return json.dumps(value, separators=(",", ":"))
     except (ValueError, RecursionError):
         return None
-    return text
+    return text if written is None else written
 
 
-def json_call(value: Any, needs_arguments: bool = False) -> RawCall | None:
-    """A decoded `{"name": ..., "arguments" | "parameters": {...}}` as a call; None when it is
-    not one. Arguments may be absent (none) unless `needs_arguments`."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+Members = dict[str, tuple[Any, str]]  # a JSON object's members: key -> (value, its text as written)
+
+
+def object_members(text: str, pos: int) -> tuple[Members, int] | None:
+    """The JSON object at `pos` (blanks skipped): each member's value and its text as written
+    (a later duplicate key wins, as `json.loads` reads it), and where the object ends; None
+    when there is no whole object there."""
+    decoder = json.JSONDecoder()
+    pos = skip_blank(text, pos)
+    if not text.startswith("{", pos):
         return None
-    key = "arguments" if "arguments" in value else "parameters"
-    if needs_arguments and key not in value:
+    members: Members = {}
+    pos = skip_blank(text, pos + 1)
+    if text.startswith("}", pos):
+        return members, pos + 1
+    try:
+        while True:
+            key, pos = decoder.raw_decode(text, pos)
+            pos = skip_blank(text, pos)
+            if not isinstance(key, str) or not text.startswith(":", pos):
+                return None
+            start = skip_blank(text, pos + 1)
+            value, end = decoder.raw_decode(text, start)
+            members[key] = (value, text[start:end])
+            pos = skip_blank(text, end)
+            if text.startswith("}", pos):
+                return members, pos + 1
+            if not text.startswith(",", pos):
+                return None
+            pos = skip_blank(text, pos + 1)
+    except (ValueError, RecursionError):
         return None
-    arguments = arguments_json(value.get(key))
-    return None if arguments is None else (value["name"], arguments)
+
+
+def array_texts(text: str, pos: int) -> tuple[list[str], int] | None:
+    """Each item of the JSON array at `pos` (blanks skipped) as written, and where the array
+    ends; None when there is no whole array there."""
+    decoded = decode_json(text, pos)
+    if decoded is None or not isinstance(decoded[0], list):
+        return None
+    decoder, pos, items = json.JSONDecoder(), skip_blank(text, skip_blank(text, pos) + 1), []
+    try:
+        while not text.startswith("]", pos):
+            start = pos
+            _, end = decoder.raw_decode(text, start)
+            items.append(text[start:end])
+            pos = skip_blank(text, end)
+            pos = skip_blank(text, pos + 1) if text.startswith(",", pos) else pos
+    except (ValueError, RecursionError):
+        return None
+    return items, decoded[1]
+
+
+def json_call(members: Members | None, needs_arguments: bool = False) -> RawCall | None:
+    """A `{"name": ..., "arguments" | "parameters": {...}}` object (`object_members`) as a call,
+    its arguments as written; None when it is not one. Arguments may be absent (none) unless
+    `needs_arguments`."""
+    if members is None:
+        return None
+    name = members.get("name", (None, ""))[0]
+    if not isinstance(name, str) or not name:
+        return None
+    key = "arguments" if "arguments" in members else "parameters"
+    if needs_arguments and key not in members:
+        return None
+    arguments = arguments_json(*members.get(key, (None, None)))
+    return None if arguments is None else (name, arguments)
+
+
+def json_call_at(text: str, pos: int, needs_arguments: bool = False) -> tuple[RawCall | None, int] | None:
+    """The call object at `pos` (`json_call`) and where it ends; None when no whole JSON value
+    is there, (None, end) when it is not a call."""
+    decoded = decode_json(text, pos)
+    if decoded is None:
+        return None
+    found = object_members(text, pos)
+    return (None if found is None else json_call(found[0], needs_arguments)), decoded[1]
 
 
 def decode_json(text: str, pos: int) -> tuple[Any, int] | None:

@@ -1,5 +1,7 @@
 """Every recipe of docs/clients.md marked `<!-- run -->` runs against a live `pagoda serve`
-(the tiny model served as `tiny`), with the documented ports replaced by the test's.
+(the tiny model served under the name `make run` serves the default model as, so that each
+recipe runs as a user copies it: issue 35, item 9), with the documented ports replaced by
+the test's.
 
 The stack serves automatic tool calls (`--enable-auto-tool-choice --tool-call-parser
 hermes`) through a test chat template that renders tools, calls and their results in
@@ -22,10 +24,14 @@ import openai
 import pytest
 
 from wiring.launcher import ServiceProcess, free_port, pagoda_command
+from wiring.model_source import DEFAULT_MODEL_NAME
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "clients.md"
 BLOCK = re.compile(r"<!-- run -->\n```(bash|python)\n(.*?)```", re.S)
 RECIPES = [(lang, code) for lang, code in BLOCK.findall(DOC.read_text())]
+MODEL = DEFAULT_MODEL_NAME  # what `make run` serves, and so what every recipe names
+# a model named in a recipe: "model": "X", model="X", model=X, (LiteLLM's) model="openai/X"
+NAMED = re.compile(r"""\bmodel["']?\s*[:=]\s*["']?(?:openai/)?([A-Za-z0-9_./-]+)""")
 
 
 # Hermes' format (Qwen2.5, Qwen3), compact: the tools in a system turn, an assistant's calls as
@@ -56,6 +62,13 @@ def test_the_doc_has_its_recipes():
     assert [lang for lang, _ in RECIPES].count("python") >= 5 and len(RECIPES) >= 7
 
 
+def test_every_recipe_names_the_model_make_run_serves():
+    """Copied as written against `make run`, no recipe may get a 404 for its model's name."""
+    code = "\n".join(re.findall(r"```(?:bash|python)\n(.*?)```", DOC.read_text(), re.S))
+    named = NAMED.findall(code)
+    assert len(named) >= 10 and set(named) == {MODEL}, sorted(set(named))
+
+
 @pytest.fixture(scope="module")
 def stack(model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("clients-stack-logs")
@@ -66,7 +79,7 @@ def stack(model_factory, tmp_path_factory):
         "serve",
         pagoda_command("serve", model_factory(arch="llama"), "--port", str(port), "--grpc-port", str(grpc_port),
                        "--num-kv-blocks", "128", "--num-threads", "1", "--max-model-len", "512",
-                       "--served-model-name", "tiny", "--log-dir", str(logs), "--chat-template", str(template),
+                       "--served-model-name", MODEL, "--log-dir", str(logs), "--chat-template", str(template),
                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
         f"127.0.0.1:{grpc_port}", log_path=logs / "serve.log",
     )
@@ -112,7 +125,7 @@ def test_auto_tool_calls_round_trip_with_the_openai_sdk(stack):
     its result rendered back through the template in the second turn."""
     port, _ = stack
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-    choice = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="auto",
+    choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="auto",
                                             max_tokens=100, extra_body=FORCED).choices[0]
     assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
     [call] = choice.message.tool_calls
@@ -121,7 +134,7 @@ def test_auto_tool_calls_round_trip_with_the_openai_sdk(stack):
 
     calls: dict[int, dict] = {}
     finish = None
-    for chunk in client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=100,
+    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=100,
                                                 stream=True, extra_body=FORCED):
         for c in chunk.choices:
             assert not c.delta.content  # the call is not content
@@ -134,7 +147,7 @@ def test_auto_tool_calls_round_trip_with_the_openai_sdk(stack):
 
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 22}'}]
-    second = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=8)
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=8)
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     tokens = _post(port, "/tokenize", {"messages": messages, "tools": [WEATHER]})["tokens"]
     rendered = _post(port, "/detokenize", {"tokens": tokens})["prompt"]
@@ -158,13 +171,13 @@ def test_the_responses_api_with_the_openai_sdk(stack):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
                 {"role": "user", "content": [{"type": "input_text", "text": "A story?"}]}]
-    whole = client.responses.create(model="tiny", input=messages, instructions="Be brief.", max_output_tokens=8,
+    whole = client.responses.create(model=MODEL, input=messages, instructions="Be brief.", max_output_tokens=8,
                                     temperature=0)
     assert whole.status in ("completed", "incomplete") and whole.usage.output_tokens > 0
     tokens = _post(port, "/tokenize", {"messages": [{"role": "system", "content": "Be brief."}, *messages[:2],
                                                     {"role": "user", "content": "A story?"}]})["tokens"]
     assert whole.usage.input_tokens == len(tokens)
-    events = list(client.responses.create(model="tiny", input=messages, instructions="Be brief.",
+    events = list(client.responses.create(model=MODEL, input=messages, instructions="Be brief.",
                                           max_output_tokens=8, temperature=0, stream=True))
     assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
     assert events[-1].type == "response.completed"
@@ -172,15 +185,15 @@ def test_the_responses_api_with_the_openai_sdk(stack):
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == events[-1].response.output_text == whole.output_text  # greedy: the same text
 
-    shaped = client.responses.create(model="tiny", input="A colour?", max_output_tokens=20, text={
+    shaped = client.responses.create(model=MODEL, input="A colour?", max_output_tokens=20, text={
         "format": {"type": "json_schema", "name": "colour", "schema": COLOUR, "strict": True}})
     assert json.loads(shaped.output_text)["colour"] in ("red", "green")
 
-    called = client.responses.create(model="tiny", input="What is the weather in Paris?", tools=[RESPONSES_WEATHER],
+    called = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[RESPONSES_WEATHER],
                                      max_output_tokens=100, extra_body=FORCED)
     [call] = called.output
     assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
-    with client.responses.stream(model="tiny", input="What is the weather in Paris?", tools=[RESPONSES_WEATHER],
+    with client.responses.stream(model=MODEL, input="What is the weather in Paris?", tools=[RESPONSES_WEATHER],
                                  max_output_tokens=100, extra_body=FORCED) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
@@ -189,7 +202,7 @@ def test_the_responses_api_with_the_openai_sdk(stack):
         ("function_call", "get_weather", {"city": "Paris"})]
 
     result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 22}'}
-    second = client.responses.create(model="tiny", previous_response_id=called.id, input=[result],
+    second = client.responses.create(model=MODEL, previous_response_id=called.id, input=[result],
                                      tools=[RESPONSES_WEATHER], tool_choice="none", max_output_tokens=8)
     assert second.previous_response_id == called.id and second.status in ("completed", "incomplete")
     chat_call = {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}
@@ -199,4 +212,4 @@ def test_the_responses_api_with_the_openai_sdk(stack):
     assert second.usage.input_tokens == len(tokens)
     assert client.responses.retrieve(second.id).output_text == second.output_text
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
-        client.responses.create(model="tiny", previous_response_id="resp_unknown", input="Hi")
+        client.responses.create(model=MODEL, previous_response_id="resp_unknown", input="Hi")

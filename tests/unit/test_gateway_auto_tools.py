@@ -28,7 +28,11 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-PARIS = {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+# a call's arguments as the model wrote them (issue 35, item 14); pythonic calls, which are not
+# JSON, as compact JSON
+PARIS = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+PARSED = {parser: PARIS for parser in ("hermes", "llama3_json", "mistral")} | {
+    "pythonic": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
 # each parser's format as its models write it (content before the call where the format has any)
 REPLIES = {
     "hermes": ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
@@ -131,7 +135,7 @@ def test_each_parsers_calls_come_back_unstreamed_as_openai_tool_calls(tokenizer,
         assert choice["finish_reason"] == "tool_calls"
         message = choice["message"]
         assert (message["role"], message["content"]) == ("assistant", content)
-        assert functions(message["tool_calls"]) == [PARIS]
+        assert functions(message["tool_calls"]) == [PARSED[parser]]
         assert message["tool_calls"][0]["type"] == "function" and message["tool_calls"][0]["id"]
         assert "reasoning_content" not in message  # no reasoning parser
 
@@ -142,7 +146,7 @@ def test_each_parsers_calls_stream_as_tool_call_deltas(tokenizer, parser):
     chunks = chat(tokenizer, text, {"tools": [WEATHER], "stream": True}, tool_call_parser=parser, **AUTO)
     got = streamed(chunks)
     assert got["finish_reason"] == "tool_calls" and got["content"] == (content or "")
-    assert [{"name": c["name"], "arguments": c["arguments"]} for c in got["calls"].values()] == [PARIS]
+    assert [{"name": c["name"], "arguments": c["arguments"]} for c in got["calls"].values()] == [PARSED[parser]]
     assert all(c["id"] for c in got["calls"].values())
     # nothing of the call's text leaks into the content
     assert not any("Paris" in (ch["choices"][0]["delta"].get("content") or "") for ch in chunks if ch["choices"])

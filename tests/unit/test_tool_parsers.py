@@ -24,7 +24,10 @@ from gateway.parsers import (
     tool_call_parser,
 )
 
-WEATHER = '{"city":"Paris"}'
+# a call's arguments are passed through as the model wrote them (issue 35, item 14); the
+# pythonic format, which is not JSON, has them as compact JSON
+WEATHER = '{"city": "Paris"}'
+WEATHER_COMPACT = '{"city":"Paris"}'
 
 
 def counting_ids():
@@ -79,10 +82,10 @@ def chunkings(text: str, seed: int = 0, num_random: int = 8):
 HERMES = [
     ('<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, '
      'CA, USA", "unit": "celsius"}}\n</tool_call>',
-     None, [("get_current_temperature", '{"location":"San Francisco, CA, USA","unit":"celsius"}')]),
+     None, [("get_current_temperature", '{"location": "San Francisco, CA, USA", "unit": "celsius"}')]),
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
      '<tool_call>\n{"name": "get_weather", "arguments": {"city": "London"}}\n</tool_call>',
-     None, [("get_weather", WEATHER), ("get_weather", '{"city":"London"}')]),
+     None, [("get_weather", WEATHER), ("get_weather", '{"city": "London"}')]),
     ("I'll look up the weather for you.\n\n<tool_call>\n{\"name\": \"get_weather\", "
      "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
      "I'll look up the weather for you.\n\n", [("get_weather", WEATHER)]),
@@ -93,9 +96,10 @@ HERMES = [
      None, [("get_time", "{}")]),
     ('<tool_call>\n{"name": "translate", "arguments": {"text": "Grüße, 世界", "to": ["en", "fr"], '
      '"options": {"formal": true, "n": 2.5}}}\n</tool_call>',
-     None, [("translate", '{"text":"Grüße, 世界","to":["en","fr"],"options":{"formal":true,"n":2.5}}')]),
+     None, [("translate", '{"text": "Grüße, 世界", "to": ["en", "fr"], '
+                   '"options": {"formal": true, "n": 2.5}}')]),
     ('<tool_call>\n{"name": "get_time"}\n</tool_call>', None, [("get_time", "{}")]),
-    ('<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>', None, [("f", '{"a":1}')]),
+    ('<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>', None, [("f", '{"a": 1}')]),
     ("The capital of France is Paris.", "The capital of France is Paris.", []),
     ("  \n", None, []),
     ("Wrap it in <tool_", "Wrap it in <tool_", []),
@@ -113,12 +117,12 @@ HERMES_MALFORMED = [
 LLAMA3 = [
     ('{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", '
      '"unit": "Fahrenheit"}}',
-     None, [("get_current_conditions", '{"location":"San Francisco, CA","unit":"Fahrenheit"}')]),
+     None, [("get_current_conditions", '{"location": "San Francisco, CA", "unit": "Fahrenheit"}')]),
     ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
      None, [("get_weather", WEATHER)]),
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
      '{"name": "get_weather", "parameters": {"city": "London"}}',
-     None, [("get_weather", WEATHER), ("get_weather", '{"city":"London"}')]),
+     None, [("get_weather", WEATHER), ("get_weather", '{"city": "London"}')]),
     ('Let me look that up.<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}',
      "Let me look that up.", [("get_weather", WEATHER)]),
     ('\n\n{"type": "function", "name": "get_time", "parameters": {}}', None, [("get_time", "{}")]),
@@ -139,7 +143,7 @@ LLAMA3_MALFORMED = [
 MISTRAL = [
     ('[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France", '
      '"format": "celsius"}}]',
-     None, [("get_current_weather", '{"location":"Paris, France","format":"celsius"}')]),
+     None, [("get_current_weather", '{"location": "Paris, France", "format": "celsius"}')]),
     ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
      '{"name": "get_time", "arguments": {}, "id": "ab12cd34e"}]',
      None, [("get_weather", WEATHER), ("get_time", "{}")]),
@@ -161,15 +165,15 @@ PYTHONIC = [
     ('[get_weather(city="San Francisco", metric="celsius")]',
      None, [("get_weather", '{"city":"San Francisco","metric":"celsius"}')]),
     ("[get_weather(city='Paris'), get_time(timezone='Europe/Paris')]",
-     None, [("get_weather", WEATHER), ("get_time", '{"timezone":"Europe/Paris"}')]),
+     None, [("get_weather", WEATHER_COMPACT), ("get_time", '{"timezone":"Europe/Paris"}')]),
     ("[search(query='x', limit=5, exact=True, cursor=None, tags=['a', 'b'], span=(1, 2), "
      "filters={'lang': 'en', 'min': -0.5})]",
      None, [("search", '{"query":"x","limit":5,"exact":true,"cursor":null,"tags":["a","b"],'
                        '"span":[1,2],"filters":{"lang":"en","min":-0.5}}')]),
-    ('<|python_start|>[get_weather(city="Paris")]<|python_end|>', None, [("get_weather", WEATHER)]),
+    ('<|python_start|>[get_weather(city="Paris")]<|python_end|>', None, [("get_weather", WEATHER_COMPACT)]),
     ("Let me check. <|python_start|>[get_time()]<|python_end|>", "Let me check. ", [("get_time", "{}")]),
     ("\n[\n  get_weather(city='Paris'),\n  get_time()\n]\n",
-     None, [("get_weather", WEATHER), ("get_time", "{}")]),
+     None, [("get_weather", WEATHER_COMPACT), ("get_time", "{}")]),
     ("get_weather(city='Paris')", "get_weather(city='Paris')", []),  # not in a list
 ]
 PYTHONIC_MALFORMED = [
