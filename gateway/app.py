@@ -57,7 +57,7 @@ from gateway.errors import (
     from_validation_errors,
     status_for,
 )
-from gateway.lora_routes import add_lora_routes
+from gateway.lora_routes import add_lora_routes, refresh_loras
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayMiddleware
 from gateway.protocol import (
@@ -203,11 +203,13 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
     @app.get("/v1/models", tags=["OpenAI"], responses={401: _ERRORS[401]})
     async def list_models() -> dict[str, Any]:
         """The served model, as OpenAI lists models: one entry per name it answers to."""
+        await refresh_loras(gw)  # (the scheduler drops an adapter a restarted stage lost)
         return {"object": "list", "data": [_model_card(gw, name) for name in (*gw.limits.names, *gw.limits.loras)]}
 
     @app.get("/v1/models/{model:path}", tags=["OpenAI"],  # (names may be paths)
              responses={401: _ERRORS[401], 404: {"model": ErrorResponse, "description": "No such model."}})
     async def retrieve_model(model: str) -> dict[str, Any]:
+        await refresh_loras(gw)
         if model not in gw.limits.names and model not in gw.limits.loras:
             raise ApiError(404, f"model: the model {model!r} does not exist", "model", "model_not_found")
         return _model_card(gw, model)

@@ -291,13 +291,31 @@ class TextGenerator:
     async def close(self) -> None:
         await self._replicas.close()
 
-    async def lora_adapter(self, load: bool, name: str, path: str, timeout_s: float = 180.0) -> None:
+    async def lora_adapter(self, load: bool, name: str, path: str, timeout_s: float = 180.0) -> dict[str, str]:
         """Loads (unloads) a LoRA adapter on every replica's stages, through its scheduler;
-        grpc.aio.AioRpcError with the first refusal."""
+        grpc.aio.AioRpcError with the first refusal. Returns the adapters the (first)
+        scheduler serves after it: name -> folder."""
         request = worker_pb2.LoraAdapterRequest(lora_name=name, lora_path=path)
+        served = None
         for replica in self._replicas.replicas:
             stub = replica.connect()
-            await (stub.LoadLoraAdapter if load else stub.UnloadLoraAdapter)(request, timeout=timeout_s)
+            reply = await (stub.LoadLoraAdapter if load else stub.UnloadLoraAdapter)(request, timeout=timeout_s)
+            served = served if served is not None else {a.lora_name: a.lora_path for a in reply.lora_adapters}
+        return served or {}
+
+    async def lora_adapters(self, timeout_s: float = 2.0) -> dict[str, str]:
+        """The LoRA adapters the scheduler serves now (the first replica's that answers):
+        name -> folder; grpc.aio.AioRpcError when none answers."""
+        replicas = self._replicas.healthy or self._replicas.replicas
+        for i, replica in enumerate(replicas):
+            try:
+                reply = await replica.connect().ListLoraAdapters(scheduler_pb2.ListLoraAdaptersRequest(),
+                                                                 timeout=timeout_s)
+                return {a.lora_name: a.lora_path for a in reply.lora_adapters}
+            except grpc.aio.AioRpcError:
+                if i == len(replicas) - 1:
+                    raise
+        return {}
 
     def start(self) -> None:
         """In the event loop that serves: start watching the replicas (router mode)."""

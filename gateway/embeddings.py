@@ -138,13 +138,14 @@ def embedding_prompts(body: EmbeddingRequest, tokenizer: Tokenizer,
 
 async def embed_prompt(generator: TextGenerator, prompt_ids: Sequence[int], pooling: PoolingType,
                        request_id: str, priority: int = 0, tenant: str = "", traceparent: str = "",
-                       session: str = "") -> tuple[Embedding, Usage]:
-    """One input's vector and usage, from one pooling request; GenerationError when the
-    scheduler refuses or fails it. Cancelling it cancels the scheduler call (the request is
-    aborted and its blocks freed)."""
+                       session: str = "", lora_name: str = "") -> tuple[Embedding, Usage]:
+    """One input's vector and usage, from one pooling request (under LoRA adapter
+    `lora_name`, "" for the base model); GenerationError when the scheduler refuses or fails
+    it. Cancelling it cancels the scheduler call (the request is aborted and its blocks
+    freed)."""
     request = scheduler_pb2.GenerateRequest(
         request_id=request_id, prompt_token_ids=list(prompt_ids), priority=priority, tenant=tenant,
-        arrival_time_ns=time.time_ns(), pooling=pooling.to_pb())
+        arrival_time_ns=time.time_ns(), pooling=pooling.to_pb(), lora_name=lora_name)
     request.sampling_params.n = 1
     if traceparent:
         request.trace_context.traceparent = traceparent
@@ -242,13 +243,14 @@ def add_routes(app: FastAPI, gw: Any) -> None:
         key = getattr(request.state, "api_key", None)
         # an API key's priority class is a floor, as for generation (gateway.validation)
         priority = body.priority if key is None else max(body.priority, key.priority)
+        lora = gw.limits.lora_name(body.model)  # (the adapter's vector, as vLLM's)
         results = await serve_embeddings(
             gw.generator, gw.metrics, prompts, PoolingType(gw.config.pooling_type), request_id,
             lambda work: streaming.unless_disconnected(request, work),
             priority=priority, tenant=key.tenant if key is not None else "",
             traceparent=request.headers.get("traceparent", ""),
-            session=(request.headers.get("x-session-id") or body.user or "")[:256])
+            session=(request.headers.get("x-session-id") or body.user or "")[:256], lora_name=lora)
         usage = Usage(sum(u.prompt_tokens for _, u in results))
-        payload = embedding_response(request_id, gw.limits.name, [v for v, _ in results], usage,
+        payload = embedding_response(request_id, lora or gw.limits.name, [v for v, _ in results], usage,
                                      body.encoding_format)
         return JSONResponse(payload, headers={"X-Request-Id": request_id})

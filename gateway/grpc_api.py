@@ -262,7 +262,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             results = await embeddings.serve_embeddings(
                 self.generator, self.metrics, prompts, PoolingType(self.config.pooling_type), request_id,
                 priority=max(request.priority, key.priority), tenant=key.tenant,
-                traceparent=str(metadata.get("traceparent", "")))
+                traceparent=str(metadata.get("traceparent", "")),
+                lora_name=request.model if request.model in self.loras else "")
         except GenerationError as exc:
             retry = exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
             await context.abort(exc.code, exc.message, (("retry-after", "1"),) if retry else ())

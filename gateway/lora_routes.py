@@ -4,7 +4,14 @@ Refused (403) unless the gateway runs with `--allow-runtime-lora-updating` (vLLM
 with VLLM_ALLOW_RUNTIME_LORA_UPDATING), and, when the gateway takes API keys, unless the
 request's key is granted `admin`. A load reaches every stage through the scheduler (each
 stage holds the adapter for its own layers; a stage that refuses undoes the others) before
-the name is served; an unload is refused while requests run under the adapter.
+the name is served. An unload drains: the name is served no more from the start (404), the
+requests running under it end first (or end with an error after the scheduler's drain
+timeout), then it is unloaded. A load past `--max-loras` is a 400 that says so (a 429 or a
+409, the openai SDK would retry).
+
+The scheduler is the record of what is served (it drops an adapter that a restarted stage
+cannot load again): the gateway's list (`Limits.loras`, shared with the public gRPC API)
+follows it at every load, unload and `/v1/models` (`refresh_loras`).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.ALREADY_EXISTS: 400,
     grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,  # (a full bank: retrying changes nothing)
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
 }
 
@@ -46,21 +53,32 @@ def add_lora_routes(app: FastAPI, gw) -> None:
         """Load a PEFT adapter on every stage; requests may then name it as `model`."""
         _check_allowed(gw, request)
         name = body.lora_name
-        if name in gw.limits.names or name in gw.limits.loras:
+        await refresh_loras(gw)
+        if name in gw.limits.names:
+            raise ApiError(400, f"lora_name: {name!r} is a name of the base model; load the adapter under "
+                                "another name", "lora_name")
+        if name in gw.limits.loras:
             raise ApiError(400, f"lora_name: the adapter {name!r} has already been loaded", "lora_name")
-        await _call(gw, True, name, body.lora_path)
-        gw.limits.loras[name] = body.lora_path
+        served = await _call(gw, True, name, body.lora_path)
+        _follow(gw, served, {**gw.limits.loras, name: body.lora_path})
         return f"Success: LoRA adapter '{name}' added successfully."
 
     @app.post("/v1/unload_lora_adapter", tags=["vLLM"], response_class=PlainTextResponse)
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> str:
-        """Unload an adapter from every stage (refused while requests run under it)."""
+        """Unload an adapter from every stage, once the requests running under it ended (no
+        new one is admitted meanwhile)."""
         _check_allowed(gw, request)
         name = body.lora_name
+        await refresh_loras(gw)
         if name not in gw.limits.loras:
             raise ApiError(404, f"lora_name: no adapter {name!r} is loaded", "lora_name", "model_not_found")
-        await _call(gw, False, name, "")
-        del gw.limits.loras[name]
+        path = gw.limits.loras.pop(name)  # served no more while it drains
+        try:
+            served = await _call(gw, False, name, "")
+        except ApiError:
+            gw.limits.loras.setdefault(name, path)
+            raise
+        _follow(gw, served, {n: p for n, p in gw.limits.loras.items() if n != name})
         return f"Success: LoRA adapter '{name}' removed successfully."
 
 
@@ -76,9 +94,34 @@ def _check_allowed(gw, request: Request) -> None:
                        code="forbidden")
 
 
-async def _call(gw, load: bool, name: str, path: str) -> None:
+async def refresh_loras(gw) -> None:
+    """The gateway's adapters as the scheduler serves them now; kept as they are when it does
+    not answer (or the generator cannot tell: a test's)."""
+    listing = getattr(gw.generator, "lora_adapters", None)
+    if not gw.config.enable_lora or listing is None:
+        return
     try:
-        await gw.generator.lora_adapter(load, name, path)
+        served = await listing()
+    except grpc.aio.AioRpcError:
+        return
+    _follow(gw, served, served)
+
+
+def _follow(gw, served: dict[str, str] | None, otherwise: dict[str, str]) -> None:
+    """Replace the adapters in place (the gRPC API holds the same dict) with `served`, the
+    scheduler's, or `otherwise` when the generator did not say."""
+    loras = gw.limits.loras
+    new = served if served is not None else otherwise
+    if new != loras:
+        loras.clear()
+        loras.update(new)
+
+
+async def _call(gw, load: bool, name: str, path: str) -> dict[str, str] | None:
+    """The scheduler's answer: the adapters it serves after the call (None from a generator
+    that does not say); ApiError with its refusal."""
+    try:
+        return await gw.generator.lora_adapter(load, name, path)
     except grpc.aio.AioRpcError as exc:
         status = _STATUS.get(exc.code(), 502)
         param = "lora_path" if load and exc.code() == grpc.StatusCode.INVALID_ARGUMENT else "lora_name"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import httpx
 import pytest
 from test_gateway_app import MAX_MODEL_LEN, FakeGenerator
@@ -86,4 +87,88 @@ def test_runtime_updates_with_the_flag_and_the_admin_grant(tokenizer):
         assert r.status_code == 404
         assert (await _post(client, "/v1/unload_lora_adapter", {"lora_name": "x"}, "admin-key")).status_code == 404
         assert generator.lora_calls == [(True, "x", "/adapters/x"), (False, "x", "")]
+    asyncio.run(go())
+
+
+class SchedulerLikeGenerator(LoraGenerator):
+    """Answers as the scheduler does: the adapters it serves after each call, and on
+    `lora_adapters`; `refusal` is the next call's gRPC refusal; `unloading` holds an unload
+    (a drain) until it is set."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.served = {"sql": "/adapters/sql"}
+        self.refusal: grpc.StatusCode | None = None
+        self.unloading = asyncio.Event()
+        self.unloading.set()
+
+    async def lora_adapters(self) -> dict[str, str]:
+        return dict(self.served)
+
+    async def lora_adapter(self, load: bool, name: str, path: str) -> dict[str, str]:
+        await super().lora_adapter(load, name, path)
+        if self.refusal is not None:
+            raise grpc.aio.AioRpcError(self.refusal, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "LoRA bank is full: max_loras=1 ...; or serve with a larger --max-loras")
+        if not load:
+            await self.unloading.wait()
+        if load:
+            self.served[name] = path
+        else:
+            self.served.pop(name, None)
+        return dict(self.served)
+
+
+def make_scheduler_like(tokenizer):
+    generator = SchedulerLikeGenerator(tokenizer)
+    cfg = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1", max_model_len=MAX_MODEL_LEN,
+                        served_model_names=("tiny",), enable_lora=True, lora_modules=("sql=/adapters/sql",),
+                        allow_runtime_lora_updating=True)
+    app = create_app(cfg, generator)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway"), generator
+
+
+def test_the_adapters_follow_what_the_scheduler_serves(tokenizer):
+    """An adapter the scheduler dropped (a restarted stage could not load it again) leaves
+    /v1/models, unload says 404 and a load under its name works (issue 35, item 2)."""
+    async def go():
+        client, generator = make_scheduler_like(tokenizer)
+        generator.served.pop("sql")  # dropped by the scheduler
+        assert "sql" not in {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
+        assert (await client.get("/v1/models/sql")).status_code == 404
+        assert (await _post(client, "/v1/unload_lora_adapter", {"lora_name": "sql"})).status_code == 404
+        r = await _post(client, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/adapters/sql2"})
+        assert r.status_code == 200, r.text
+        cards = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+        assert cards["sql"]["parent"] == "tiny"
+    asyncio.run(go())
+
+
+def test_a_full_bank_is_a_400_the_sdk_does_not_retry(tokenizer):
+    async def go():
+        client, generator = make_scheduler_like(tokenizer)
+        generator.refusal = grpc.StatusCode.FAILED_PRECONDITION
+        r = await _post(client, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/adapters/x"})
+        assert r.status_code == 400 and "--max-loras" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "lora_name"
+    asyncio.run(go())
+
+
+def test_an_adapter_being_unloaded_is_served_no_more(tokenizer):
+    """While the scheduler drains the adapter, requests under it are 404 at the gateway; a
+    refused unload serves it again (issue 35, item 21)."""
+    async def go():
+        client, generator = make_scheduler_like(tokenizer)
+        generator.unloading.clear()
+        unloading = asyncio.ensure_future(_post(client, "/v1/unload_lora_adapter", {"lora_name": "sql"}))
+        await asyncio.sleep(0.05)
+        r = await _post(client, "/v1/completions", {"model": "sql", "prompt": "a", "max_tokens": 1})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        generator.unloading.set()
+        assert (await unloading).status_code == 200
+        generator.refusal = grpc.StatusCode.UNAVAILABLE
+        generator.served["sql"] = "/adapters/sql"
+        assert (await _post(client, "/v1/unload_lora_adapter", {"lora_name": "sql"})).status_code == 502
+        r = await _post(client, "/v1/completions", {"model": "sql", "prompt": "a", "max_tokens": 1})
+        assert r.status_code == 200
     asyncio.run(go())
