@@ -71,3 +71,23 @@ def merged_model(model_dir: str | Path, adapter_dir: str | Path | None = None):
 def reference_logits(model, tokens: Sequence[int]) -> torch.Tensor:
     """The model's logits at every position of one sequence: [len(tokens), vocab], float32."""
     return model(torch.tensor([list(tokens)])).logits[0].float()
+
+
+@torch.inference_mode()
+def check_greedy(model, prompt: Sequence[int], got: Sequence[int], tie: float = 1e-4) -> None:
+    """`got` is the model's greedy continuation of `prompt`, but where the model's top two
+    logits are within `tie` (then either token is right, and it continues from `got`'s)."""
+    tokens = list(prompt)
+    for j, g in enumerate(got):
+        logits = model(torch.tensor([tokens])).logits[0, -1].float()
+        want = int(logits.argmax())
+        assert g == want or float(logits.max() - logits[g]) <= tie, (list(prompt), j, g, want)
+        tokens.append(g)
+
+
+@torch.inference_mode()
+def pooled_last(model, prompt: Sequence[int]) -> torch.Tensor:
+    """The model's final hidden state (after the final norm) at the prompt's last token,
+    L2-normalized: `/v1/embeddings`' LAST pooling."""
+    hidden = model(torch.tensor([list(prompt)]), output_hidden_states=True).hidden_states[-1][0]
+    return torch.nn.functional.normalize(hidden[-1].float(), dim=-1)
