@@ -226,7 +226,7 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
                                body, request)
         await gw.charge(request, prompts, params)
         items = gw.generation(request_id, prompts, params, request.headers.get("traceparent", ""))
-        model, created = gw.limits.name, int(time.time())
+        model, created = gw.limits.served_name(body.model), int(time.time())
         want_logprobs = body.logprobs is not None
         echo_texts = _echo_texts(body.prompt, prompts, gw.tokenizer) if body.echo else None
         if body.stream:
@@ -253,7 +253,7 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
                                body, request)
         await gw.charge(request, [prompt], params)
         items = gw.generation(request_id, [prompt], params, request.headers.get("traceparent", ""))
-        model, created = gw.limits.name, int(time.time())
+        model, created = gw.limits.served_name(body.model), int(time.time())
         if body.stream:
             first = await streaming.first_item(request, items)
             return streaming.EventStream(streaming.chat_events(
@@ -422,13 +422,14 @@ def _version() -> str:
 
 def _model_card(gw: Gateway, name: str) -> dict[str, Any]:
     # root: the served name, not where the checkpoint lies on the server's disk; a LoRA
-    # adapter's parent is the base model (as vLLM lists them)
+    # adapter's root is its folder (as given to --lora-modules or the load call) and its parent
+    # the base model, as vLLM lists them
     card = {"id": name, "object": "model", "created": gw.created, "owned_by": "pagoda",
             "root": gw.limits.name, "max_model_len": gw.limits.max_model_len,
             # what a request that leaves a sampling field out gets (--generation-config)
             "sampling_defaults": gw.limits.sampling_defaults.to_json()}
     if name in gw.limits.loras:
-        card.update(root=name, parent=gw.limits.name)
+        card.update(root=gw.limits.loras[name], parent=gw.limits.name)
     return card
 
 

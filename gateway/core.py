@@ -64,6 +64,23 @@ class GenerationError(Exception):
         self.message = message
 
 
+# how gRPC words a connection that ended under a call: the scheduler's process went away
+_CONNECTION_LOST = ("Stream removed", "Socket closed", "Connection reset", "Broken pipe", "GOAWAY",
+                    "failed to connect", "Connection refused", "recvmsg", "End of TCP stream")
+
+
+def scheduler_failure(code: grpc.StatusCode, details: str) -> GenerationError:
+    """A failed scheduler call as the client is told it: the scheduler's own refusals as it
+    words them; a connection lost under the call (its process died or restarted) in the
+    API's terms, as UNAVAILABLE (503: retry), since gRPC's words for it ("Stream removed
+    (Socket closed)") tell a client nothing."""
+    if any(word in details for word in _CONNECTION_LOST):
+        return GenerationError(grpc.StatusCode.UNAVAILABLE,
+                               "the connection to the scheduler was lost while the request ran (the scheduler "
+                               "stopped or restarted): the answer is incomplete; send the request again")
+    return GenerationError(code, details or code.name)
+
+
 class ConsumerStalled(Exception):
     """The client read nothing while its request's read-ahead stayed full for the stall
     timeout: the request was aborted downstream (its blocks freed)."""
@@ -431,7 +448,7 @@ class TextGenerator:
                     yield ChoiceDelta(index, "", [], [], "abort")
             yield Finished(choices.usage())
         except grpc.aio.AioRpcError as exc:
-            raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
+            raise scheduler_failure(exc.code(), exc.details() or "") from exc
         finally:
             await responses.aclose()  # cancels the scheduler call, which aborts the request
             if span is not None:
