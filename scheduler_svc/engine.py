@@ -28,6 +28,7 @@ from typing import Protocol
 
 from kvcache_svc.core.types import StepOutput
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.core.deadlines import StepDeadlines
 from scheduler_svc.core.lora import LoraRegistry
 from scheduler_svc.core.planner import Planner, PlannerConfig, SeqUpdate
 from scheduler_svc.core.queue import WaitingQueue
@@ -40,6 +41,13 @@ from services.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 _NO_KV_CHANGES = StepOutput(results={}, copies=())
+# how long the stages have to answer whether they work on a late step (a throttled process
+# answers late too; one that does not answer in this long is taken for hung)
+PROGRESS_ASK_TIMEOUT_S = 5.0
+# a stage computing a step is working while its last tick (one a layer) is younger than the
+# step timeout or this, whichever is longer: one layer of a large step on a throttled CPU can
+# take seconds; a stage that does not answer at all is hung at once
+PROGRESS_MIN_AGE_S = 30.0
 
 
 def admission_limits(config: SchedulerConfig, vocab_size: int) -> Limits:
@@ -76,6 +84,7 @@ class StageInfo:
     kv_cache_dtype: int = 0  # the pools' dtype (common_pb2.DType)
     memory_budget_bytes: int = 0  # the memory setting's budget when the pool was sized from one
     device: str = ""  # "cpu", "cuda:0", or "emulated:PROFILE" (its compute a modelled wait)
+    cpu: str = ""  # on the CPU: its model, ISA level and the path each product takes
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,17 @@ class ErrorEvent:
     stage_index: int
     code: str  # a grpc.StatusCode name
     message: str
+
+
+@dataclass(frozen=True)
+class ProgressReport:
+    """The stages' answer about a step past its deadline: `working` when every stage
+    answered and each one computing ticked within the base timeout."""
+
+    micro_batch_id: int
+    working: bool
+    detail: str
+    computing: tuple[int, ...] = ()  # the micro-batches the stages said they compute
 
 
 @dataclass(frozen=True)
@@ -167,7 +187,9 @@ class Engine:
         metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.config = config
-        self._dispatched_ns: dict[int, int] = {}  # micro-batches in flight -> when sent (wall ns)
+        # micro-batches in flight: when each is late enough to ask the stages whether they work
+        self._deadlines = StepDeadlines(config.step_timeout_s, config.max_num_batched_tokens)
+        self._asking = False  # the stages are being asked about a late step
         self.kv = kv
         self.transport = transport
         self.eos_token_ids = eos_token_ids
@@ -460,16 +482,61 @@ class Engine:
                 await asyncio.sleep(timeout)
 
     def _check_step_deadline(self) -> None:
-        """A stage that neither answers nor breaks its stream (a hung process: SIGSTOP, a
-        livelock) would hold its micro-batches for ever: past `step_timeout_s` the
-        pipeline is failed and recovered like after a crash."""
-        if not self.healthy or not self._dispatched_ns:
+        """A step past its deadline (scaled to its planned work) makes the engine ask the
+        stages whether they are still working (their compute loops tick per layer): a slow
+        step is waited for, a stage that neither answers nor ticks (SIGSTOP, a livelock) is
+        hung, and the pipeline is failed and recovered as after a crash. Either way no
+        later step is planned at the late one's size (core/deadlines.py)."""
+        if not self.healthy or self._asking:
             return
-        mb_id, since_ns = min(self._dispatched_ns.items(), key=lambda kv: kv[1])
-        waited = (time.time_ns() - since_ns) / 1e9
-        if waited > self.config.step_timeout_s:
-            self._mark_unhealthy(f"step deadline: micro-batch {mb_id} in flight for {waited:.1f} s "
-                                 f"(over {self.config.step_timeout_s:g} s): a stage is hung")
+        overdue = self._deadlines.overdue(time.monotonic())
+        if overdue is None:
+            return
+        self._asking = True
+        self._background(self._ask_progress(overdue[0], self._generation))
+
+    async def _ask_progress(self, mb_id: int, generation: int) -> None:
+        try:
+            stats = await self.transport.stage_stats(timeout_s=PROGRESS_ASK_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - an unanswered question: not working
+            stats = [{"stage_index": -1, "healthy": False, "error": str(exc)}]
+        working, detail, computing = progress_verdict(stats, self.config.step_timeout_s)
+        self._events.put_nowait((generation, ProgressReport(mb_id, working, detail, computing)))
+
+    def _on_progress(self, report: ProgressReport) -> None:
+        self._asking = False
+        mb_id = report.micro_batch_id
+        size = self._deadlines.num_tokens(mb_id)
+        if size is None or mb_id not in self.planner.in_flight or not self.healthy:
+            return  # it came back (or everything was reset) meanwhile
+        blamed = {i: self._deadlines.num_tokens(i) for i in
+                  self._deadlines.late(mb_id, report.working, time.monotonic(), report.computing)}
+        cap = self._deadlines.token_cap
+        self.planner.cap_step_tokens(cap)
+        self.observer.step_late(mb_id, size, report.working, cap, report.detail, blamed)
+        if report.working:
+            log.warning("micro-batch %d (%d tokens) is past its deadline but its stages are working (%s): "
+                        "waiting on; later steps hold at most %d tokens", mb_id, size, report.detail, cap)
+            return
+        self._fail_requests_of(mb_id, ("DEADLINE_EXCEEDED", f"a step of {size} tokens holding this request did "
+                                       f"not finish on a stage that stopped working ({report.detail})"))
+        self._mark_unhealthy(f"step deadline: micro-batch {mb_id} ({size} tokens) not finished and its stages "
+                             f"not working: {report.detail}: a stage is hung")
+
+    def _fail_requests_of(self, mb_id: int, error: tuple[str, str]) -> None:
+        """Each request of a failed step counts a failure; one at `max_request_failures`
+        ends with `error` instead of being recomputed again."""
+        now = self.clock()
+        requests = {s.seq.request.request_id for s in self.planner.in_flight[mb_id].seqs}
+        for request_id in requests:
+            live = self._live.get(request_id)
+            if live is None:
+                continue
+            live.failures += 1
+            if live.failures >= self.config.max_request_failures:
+                self.planner.abort(request_id, now)
+                self._live.pop(request_id, None)
+                self._finish(live, "error", "error", error)
 
     async def _dispatch(self) -> None:
         planner = self.planner
@@ -488,7 +555,7 @@ class Engine:
             self.observer.micro_batch_planned(mb)
             if mb is None:
                 return  # nothing fits now (or only housekeeping): a result or an event changes that
-            self._dispatched_ns[mb.micro_batch_id] = time.time_ns()
+            self._deadlines.dispatched(mb.micro_batch_id, mb.num_tokens, time.monotonic())
             try:
                 await self.transport.submit(mb.plan)
             except Exception as exc:
@@ -499,6 +566,9 @@ class Engine:
         if item is None:  # a wake-up
             return
         generation, event = item
+        if isinstance(event, ProgressReport):  # (checked against what is in flight now)
+            self._on_progress(event)
+            return
         if generation != self._generation:
             return  # from a stage connection that a reconnect replaced
         if isinstance(event, StepResult):
@@ -512,7 +582,8 @@ class Engine:
         if event.step_id not in self.planner.in_flight:
             return  # from before a reset
         now = self.clock()
-        self._dispatched_ns.pop(event.step_id, None)
+        compute_ns = sum(t.compute_end_ns - t.compute_start_ns for t in event.timings if t.compute_start_ns)
+        self._deadlines.returned(event.step_id, time.monotonic(), compute_ns / 1e9 if compute_ns else None)
         updates = self.planner.on_result(event.step_id, event.sampled, now, event.prompt_logprobs, event.pooled,
                                          event.proposals)
         self.observer.micro_batch_returned(event, now)
@@ -525,7 +596,7 @@ class Engine:
             return
         log.warning("micro-batch %d failed on stage %d: %s %s", event.micro_batch_id,
                     event.stage_index, event.code, event.message)
-        self._dispatched_ns.pop(event.micro_batch_id, None)
+        self._deadlines.forget(event.micro_batch_id)
         # a stage gone, or one whose LoRA adapters are out of step with the registry's (it
         # lost one: FAILED_PRECONDITION): the reconnect puts the adapters right, and no
         # request of the step is failed for it
@@ -614,7 +685,7 @@ class Engine:
         if self._unhealthy_since is None:
             self._unhealthy_since = self.clock()
         hit = self.planner.reset_all(self.clock())
-        self._dispatched_ns.clear()
+        self._deadlines.clear()
         self.observer.pipeline_reset(detail, hit)
 
     async def _recover(self) -> None:
@@ -664,8 +735,41 @@ class Engine:
             "num_generated_tokens": observer.num_generated_tokens,
             "healthy": self.healthy,
             "health_detail": self.health_detail,
+            "num_late_steps": observer.num_late_steps,
+            "step_token_cap": planner.step_token_cap,
             "spec": planner.spec,
         }
+
+
+def progress_verdict(stats: list[dict], timeout_s: float) -> tuple[bool, str, tuple[int, ...]]:
+    """Whether the stages, as `stage_stats` answered, are working on their steps: every one
+    answered; each one computing ticked within `timeout_s` (PROGRESS_MIN_AGE_S at the
+    least); and when none is computing (a step between stages, or queued), one ticked
+    within it. An in-process stage reports no progress: it works while it answers. Returns
+    (working, what was seen, the micro-batches being computed)."""
+    max_age_s = max(timeout_s, PROGRESS_MIN_AGE_S)
+    seen, answered, ids, youngest_s, opaque = [], True, [], None, False
+    for st in stats:
+        i = st.get("stage_index")
+        if not st.get("healthy"):
+            seen.append(f"stage {i} did not answer ({st.get('error', '')})")
+            answered = False
+            continue
+        pb = st.get("stats")
+        if pb is None or not hasattr(pb, "computing_micro_batch_id"):
+            opaque = True
+            continue
+        age_s = pb.progress_age_ns / 1e9
+        youngest_s = age_s if youngest_s is None else min(youngest_s, age_s)
+        if pb.computing_micro_batch_id:
+            ids.append(pb.computing_micro_batch_id)
+            seen.append(f"stage {i} computing micro-batch {pb.computing_micro_batch_id}, "
+                        f"last progress {age_s:.1f} s ago")
+            answered &= age_s < max_age_s
+    if answered and not ids and not opaque:
+        seen.append("no stage computing" + ("" if youngest_s is None else f", last progress {youngest_s:.1f} s ago"))
+        answered = youngest_s is not None and youngest_s < max_age_s
+    return answered, "; ".join(seen) or "no stage answered", tuple(ids)
 
 
 def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:

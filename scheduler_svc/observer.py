@@ -87,6 +87,7 @@ class EngineObserver:
         self._prefix_caching = prefix_caching
         self._seen_prefix = (0, 0)
         self._tracing = telemetry.enabled()
+        self.num_late_steps = 0  # steps past their deadline (core/deadlines.py)
         self._tracer = telemetry.tracer("pagoda.scheduler")
         self._trace_file = open(trace_file, "a") if trace_file else None  # noqa: SIM115
 
@@ -225,6 +226,16 @@ class EngineObserver:
             watched.step_spans.clear()
         self._trace_decisions()
         self._trace({"event": "reset", "reason": detail, "preempted": [r.request_id for r in preempted]})
+
+    def step_late(self, mb_id: int, num_tokens: int, working: bool, token_cap: int, detail: str,
+                  blamed: dict[int, int]) -> None:
+        """A step passed its deadline: its stages were `working` (waited on) or hung (reset);
+        `blamed` (id -> tokens) are the steps too large for it, and later steps hold at most
+        `token_cap` tokens."""
+        self.num_late_steps += 1
+        self._trace({"event": "late", "micro_batch_id": mb_id, "num_tokens": num_tokens, "working": working,
+                     "token_cap": token_cap, "blamed": sorted(blamed.items()), "detail": detail,
+                     "t": self.clock(), "wall_ns": time.time_ns()})
 
     def pipeline_recovered(self, epochs: list[int]) -> None:
         """The stages and the KV service answer again, the stages at these epochs."""

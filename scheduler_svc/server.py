@@ -366,6 +366,7 @@ def _stage_to_pb(engine: Engine, st: dict, resp: scheduler_pb2.GetStatsResponse)
         li.weights_bytes, li.quantization = info.weights_bytes, info.quantization
         li.kv_block_bytes, li.kv_cache_dtype = info.kv_block_bytes, info.kv_cache_dtype
         li.memory_budget_bytes, li.device = info.memory_budget_bytes, info.device
+        li.cpu = info.cpu
 
 
 def _requests_to_pb(engine: Engine, resp: scheduler_pb2.GetStatsResponse) -> None:

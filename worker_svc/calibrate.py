@@ -1,6 +1,7 @@
-"""A start-up calibration of the one choice the CPU's features do not settle: without BF16
+"""This process's CPU paths (`cpu_paths()`, chosen once from worker_svc/cpu_features.py), and
+the start-up calibration of the one choice the CPU's features do not settle: without BF16
 units, is a packed (Q4_1 / Q8_0 / Q4_0) prefill product faster on the native integer kernels
-or dequantized to float32 on the float32 GEMM? (On an AVX2-capped EPYC 9R14, one thread, 128
+or dequantized to float32 on the float32 GEMM? (On an EPYC of family 25 model 17 capped to AVX2, one thread, 128
 x 576 x 1,536 Q4_1: float32 GEMM 3.2 ms, integer 3.8 ms; a CPU with slow float32 GEMM and
 fast integer dot products may answer the other way.)
 
@@ -11,6 +12,7 @@ the kernels' cache folder, so later starts read it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -20,7 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker_svc.cpu_features import CpuFeatures
+from worker_svc.cpu_features import PATHS_ENV, CpuFeatures, CpuPaths, cpu_features
+from worker_svc.cpu_kernels import cache_dir
+from worker_svc.quant_kernels import quant_kernels
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +34,6 @@ REPEATS = 3
 
 def packed_prefill_path(features: CpuFeatures) -> str:
     """"integer" or "f32-gemm": the faster packed prefill path without BF16 units (cached)."""
-    from worker_svc.cpu_kernels import cache_dir
-    from worker_svc.quant_kernels import quant_kernels
-
     kernels = quant_kernels()
     if kernels is None:
         return "f32-gemm"  # no native kernels: the torch fallback dequantizes anyway
@@ -88,3 +89,24 @@ def time_packed_prefill(kernels) -> dict[str, float]:
         return best
     finally:
         torch.set_num_threads(threads)
+
+
+@functools.cache
+def cpu_paths() -> CpuPaths:
+    """This process's paths (chosen once; the packed prefill calibrated once per CPU model
+    and cached)."""
+    features = cpu_features()
+    calibrated = None
+    if not features.bf16_units and "packed_prefill" not in os.environ.get(PATHS_ENV, ""):
+        calibrated = packed_prefill_path(features)
+    paths = CpuPaths.choose(features, calibrated, os.environ.get(PATHS_ENV))
+    log.info("CPU: %s; paths: %s", features.describe(), paths.describe())
+    return paths
+
+
+def describe_cpu(device: str) -> str:
+    """What a stage on `device` reports of its CPU and paths ("" off the CPU: a GPU or an
+    emulated device runs none of these products)."""
+    if device != "cpu":
+        return ""
+    return f"{cpu_features().describe()}; paths: {cpu_paths().describe()}"

@@ -221,18 +221,3 @@ def march(features: CpuFeatures) -> str:
     if features.has("avx512"):
         return "native"  # a cap above AVX-512 F changes no compiled instruction of ours
     return "x86-64-v3" if features.has("avx2") else "x86-64-v2"
-
-
-@functools.cache
-def cpu_paths() -> CpuPaths:
-    """This process's paths (chosen once; the packed prefill calibrated once per CPU model
-    and cached, see worker_svc/calibrate.py)."""
-    features = cpu_features()
-    calibrated = None
-    if not features.bf16_units and "packed_prefill" not in os.environ.get(PATHS_ENV, ""):
-        from worker_svc.calibrate import packed_prefill_path  # torch: only when needed
-
-        calibrated = packed_prefill_path(features)
-    paths = CpuPaths.choose(features, calibrated, os.environ.get(PATHS_ENV))
-    log.info("CPU: %s; paths: %s", features.describe(), paths.describe())
-    return paths

@@ -251,6 +251,10 @@ class _Body(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
 
 
+def _no_progress() -> None:
+    pass
+
+
 class StageModel(nn.Module):
     """Layers `[start, end)` of the model; `is_first` embeds, `is_last` yields logits."""
 
@@ -273,6 +277,7 @@ class StageModel(nn.Module):
         self.weight_format = ""  # packed weights' format ("gguf:Q4_1/Q8_0"), set by the loader
         # packed stages: every layer of a decode step in one native call (fuse_projections)
         self.fused_decode: FusedDecoder | None = None
+        self.on_layer: Callable[[], None] = _no_progress  # called after each layer (a stage's progress)
         # Weights come from the checkpoint (load_state_dict(assign=True)): build them on the
         # meta device so that nothing is allocated or initialised twice.
         with torch.device("meta"):
@@ -363,11 +368,13 @@ class StageModel(nn.Module):
             self._check_lora(lora, h.shape[0])
             for local, layer in enumerate(body.layers.values()):
                 h = layer.forward(h, rope, kv_pools[local], metadata, backend, lora=lora.layer(local))
+                self.on_layer()
             return h
         if self.fused_decode is not None and self.fused_decode.applies(h, metadata, kv_pools):
             return self.fused_decode.forward(h, rope, kv_pools, metadata, self.config.sliding_window)
         for local, layer in enumerate(body.layers.values()):
             h = layer.forward(h, rope, kv_pools[local], metadata, backend)
+            self.on_layer()
         return h
 
     def _check_lora(self, lora: LoraStep, num_tokens: int) -> None:

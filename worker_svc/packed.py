@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.cpu_features import cpu_paths
+from worker_svc.calibrate import cpu_paths
 from worker_svc.quant_kernels import dequantize, quant_kernels
 
 PACKED_QTYPES = ("Q8_0", "Q4_0", "Q4_1")

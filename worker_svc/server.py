@@ -47,11 +47,14 @@ from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.settings import lora_modules
 from services.step import StepPlan
 from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
+from worker_svc.calibrate import describe_cpu
 from worker_svc.config import WorkerConfig
 from worker_svc.convert import dtype_to_pb, tensor_from_pb, tensor_to_pb
 from worker_svc.drafter import drafter_for
 from worker_svc.errors import InvalidPlanError, LoraNotLoadedError
 from worker_svc.lora import LoraBankFullError, bank_for, load_adapter
+from worker_svc.model import StageModel
+from worker_svc.progress import StageProgress
 from worker_svc.runner import StageResult, StageRunner
 
 if TYPE_CHECKING:
@@ -122,6 +125,12 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self.num_fed_tokens = 0  # first stage: tokens that came by feedback, not in a plan
         self.num_feedback_waits = 0  # first stage: steps that waited for a fed token
         self.num_abandoned = 0  # first stage: steps failed because their input never came
+        # ticks of the compute thread (per layer): a slow step from a hung stage
+        self.progress = StageProgress()
+        model = getattr(runner, "model", None)
+        if isinstance(model, StageModel):
+            model.on_layer = self.progress.tick
+        self.cpu = describe_cpu(runner.device_name)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -292,6 +301,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             activation_peak_bytes=self.kv_sizing.activation_bytes if self.kv_sizing else 0,
             tensor_parallel_size=cfg.tensor_parallel_size,
             lora_adapters=self._lora_adapters(),
+            cpu=self.cpu,
         )
 
     def _lora_adapters(self) -> list[worker_pb2.LoraAdapterInfo]:
@@ -318,6 +328,10 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             num_fed_tokens=self.num_fed_tokens,
             num_feedback_waits=self.num_feedback_waits,
             num_abandoned=self.num_abandoned,
+            num_progress_ticks=self.progress.num_ticks,
+            progress_age_ns=self.progress.age_ns(),
+            computing_micro_batch_id=self.progress.micro_batch_id,
+            cpu=self.cpu,
             uptime_ns=uptime,
         )
 
@@ -501,7 +515,11 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         thread hands back: the hidden states into the micro-batch (not last), the sampled
         tokens into the first stage's feedback (last of several)."""
         work.compute_start_ns = time.time_ns()
-        work.result = self.runner.execute(work.plan, work.hidden)
+        self.progress.step_started(work.mb.micro_batch_id)
+        try:
+            work.result = self.runner.execute(work.plan, work.hidden)
+        finally:
+            self.progress.step_ended()
         work.compute_end_ns = time.time_ns()
         work.hidden = None
         if work.result.hidden is not None:

@@ -153,6 +153,9 @@ class Planner:
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
         self.spec = SpecStats()  # speculative decoding's counters, as verify steps come back
+        # tokens a micro-batch may hold now: the budget, or less after a step was late
+        # (core/deadlines.py); under the budget, prompts are chunked whatever the setting
+        self.step_token_cap = config.max_num_batched_tokens
 
     @property
     def in_flight(self) -> dict[int, MicroBatch]:
@@ -274,7 +277,7 @@ class Planner:
         several stages the placeholder decodes come last, so that a stage's next micro-batch is
         another group's work, not one that waits for this group's tokens.
         """
-        draft = ProposalDraft(self.config.max_num_batched_tokens, self._seq_cap(), self._next_seq_id)
+        draft = ProposalDraft(self.step_token_cap, self._seq_cap(), self._next_seq_id)
         # with several stages a placeholder step goes after every other kind of work: its group's
         # step before it must travel the whole pipeline first, so a stage-0 queue of one group's
         # two steps back to back idles the pipeline while the next group waits behind them
@@ -469,9 +472,11 @@ class Planner:
             left = budget - cost
             if len(tokens) <= left:
                 n = len(tokens)
-            elif self.config.enable_chunked_prefill or seqs is not None:
+            elif (self.config.enable_chunked_prefill or seqs is not None
+                  or self.step_token_cap < self.config.max_num_batched_tokens):
                 # recomputing after preemption is chunked whatever the setting: prompt plus
-                # output may have outgrown the budget, and it must come back
+                # output may have outgrown the budget, and it must come back (as must a prompt
+                # over a cap that a late step set)
                 n = left
             else:
                 n = 0
@@ -817,6 +822,11 @@ class Planner:
             if s.seq.seq_id == s.seq_id and request in self.running:
                 self._preempt(request, now)
         return hit
+
+    def cap_step_tokens(self, cap: int) -> None:
+        """Micro-batches hold at most `cap` tokens from the next plan on (at most the budget,
+        at least one): a step that was late is never planned again at its size."""
+        self.step_token_cap = max(1, min(int(cap), self.config.max_num_batched_tokens))
 
     def set_feedback(self, on: bool) -> None:
         """Whether the first of several stages gets sampled tokens from the last directly (set

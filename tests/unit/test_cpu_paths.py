@@ -84,7 +84,8 @@ _MASKED = textwrap.dedent("""
     from torch import nn
     from torch.utils._python_dispatch import TorchDispatchMode
     torch.set_num_threads(1)
-    from worker_svc.cpu_features import cpu_features, cpu_paths
+    from worker_svc.cpu_features import cpu_features
+    from worker_svc.calibrate import cpu_paths
     from worker_svc.packed import PackedLinear, pack_bfloat16
     from worker_svc.quant_kernels import quant_kernels
 

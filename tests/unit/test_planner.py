@@ -654,3 +654,24 @@ def test_an_abort_while_the_kv_service_answers_leaves_nothing_behind():
     seq = b.sequences[0]
     assert (seq.kv_len, seq.num_blocks) == (sim.kv.num_tokens(seq.seq_id), len(sim.kv.block_table(seq.seq_id)))
     assert mb is not None and {s.seq.request.request_id for s in mb.seqs} == {"b"}
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_step_token_cap_bounds_every_micro_batch_and_changes_no_output(chunked):
+    """After a late step (core/deadlines.py) the engine caps micro-batches below its size:
+    every one holds at most the cap, prompts longer than it are chunked even with chunked
+    prefill off, and every request's output is what it would have been."""
+    sim = Sim(max_num_batched_tokens=64, enable_chunked_prefill=chunked)
+    prompts = {f"r{i}": [7 + i + j % 11 for j in range(10 + 9 * i)] for i in range(6)}
+    for rid, prompt in prompts.items():
+        sim.add(rid, prompt, max_tokens=6)
+    sim.step()
+    sim.planner.cap_step_tokens(12)
+    assert sim.planner.step_token_cap == 12
+    start = len(sim.batches)
+    sim.run()
+    assert all(mb.num_tokens <= 12 for mb in sim.batches[start:])
+    assert {r.request_id: r.sequences[0].output for r in sim.finished} == {
+        rid: expected_output(p, 6) for rid, p in prompts.items()}
+    sim.planner.cap_step_tokens(10_000)
+    assert sim.planner.step_token_cap == 64
