@@ -45,6 +45,7 @@ from gateway.ratelimit import (
 )
 from services import grammar
 from services.admission import AdmissionError, Limits, admit
+from services.generation_config import SamplingDefaults, sampling_defaults
 from services.grammar import GrammarError
 from services.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.pooling import PoolingType, embedding_to_pb
@@ -62,6 +63,7 @@ _FINISH_REASONS = {
     "error": common_pb2.FINISH_REASON_ERROR,
 }
 _NO_KEY = ApiKey()
+_NO_DEFAULTS = SamplingDefaults()  # every field a request leaves unset is off
 
 
 def add_generation_service(
@@ -104,15 +106,18 @@ def _invalid(field: str, reason: str) -> RequestError:
 
 
 def params_from_pb(
-    options: gateway_pb2.TextGenerationOptions, key: ApiKey = _NO_KEY
+    options: gateway_pb2.TextGenerationOptions, key: ApiKey = _NO_KEY,
+    defaults: SamplingDefaults = _NO_DEFAULTS,
 ) -> GenerationParams:
     """Generation parameters read and checked on their own; RequestError naming the first bad
-    field. The sampling fields are read by the codec every layer shares (`options_from_pb`);
-    what depends on the prompt and the limits is `admit_prompt`'s."""
+    field. The sampling fields are read by the codec every layer shares (`options_from_pb`),
+    those left unset taking the model's `defaults` (as REST's); what depends on the prompt
+    and the limits is `admit_prompt`'s."""
     sp = options.sampling_params
     where = "options.sampling_params"
+    unset = {name: value for name, value in defaults.fields().items() if not sp.HasField(name)}
     try:
-        sampling = options_from_pb(sp)
+        sampling = dataclasses.replace(options_from_pb(sp), **unset)
     except ValueError as exc:
         field, _, why = str(exc).partition(": ")
         raise _invalid(f"{where}.{field}", why) from None
@@ -198,6 +203,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         tokenizer = generator.tokenizer
         self.model_names = config.model_names
         self.loras = loras if loras is not None else dict(lora_modules(config.lora_modules))
+        # the sampling of the fields a request leaves unset (--generation-config), as REST's
+        self.sampling_defaults = sampling_defaults(config.model, config.generation_config,
+                                                   config.override_generation_config)
         self.limits = Limits(
             vocab_size=_model_vocab_size(tokenizer.model_dir, tokenizer.vocab_size),
             max_model_len=config.max_model_len,
@@ -213,7 +221,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         try:
             key, bucket = self._authenticate(context)
             self._check_model(request.model)
-            params = self._with_lora(params_from_pb(request.options, key), request.model)
+            params = self._with_lora(params_from_pb(request.options, key, self.sampling_defaults), request.model)
             # tokenizing a large text takes seconds: off the event loop (issue 16, defect 4)
             field, prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
             admit_prompt(field, len(prompt_ids), params, self.limits)
@@ -231,7 +239,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         try:
             key, bucket = self._authenticate(context)
             self._check_model(request.model)
-            params = self._with_lora(params_from_pb(request.options, key), request.model)
+            params = self._with_lora(params_from_pb(request.options, key, self.sampling_defaults), request.model)
             prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, request.messages)
             admit_prompt("messages", len(prompt_ids), params, self.limits)
             await self._charge(bucket, key, prompt_ids, params)
