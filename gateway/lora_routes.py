@@ -75,8 +75,9 @@ def add_lora_routes(app: FastAPI, gw) -> None:
         path = gw.limits.loras.pop(name)  # served no more while it drains
         try:
             served = await _call(gw, False, name, "")
-        except ApiError:
-            gw.limits.loras.setdefault(name, path)
+        except ApiError as exc:
+            if exc.status != 404:  # (refused, or the scheduler is down: it serves on)
+                gw.limits.loras.setdefault(name, path)
             raise
         _follow(gw, served, {n: p for n, p in gw.limits.loras.items() if n != name})
         return f"Success: LoRA adapter '{name}' removed successfully."
