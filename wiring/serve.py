@@ -35,6 +35,7 @@ from wiring.launcher import (
     pagoda_command,
     port_taken,
     restart_if_due,
+    stage_load_infos,
     start_stack,
     stop_all,
 )
@@ -345,6 +346,23 @@ def _print_capacity(args: argparse.Namespace, model_dir: str, stacks: list[Stack
                       sorted(os.sched_getaffinity(0)) if stack.service_cpus is not None else [])
     if line:
         print(f"  {line}")
+    for line in cpu_lines(stack):
+        print(f"  {line}")
+
+
+def cpu_lines(stack: Stack) -> list[str]:
+    """What each stage reports of its CPU and the path each product takes there (issue 34:
+    every figure names its machine); one line when all stages say the same."""
+    try:
+        described = [info.cpu for info in stage_load_infos(stack.workers, {})]
+    except Exception as exc:  # noqa: BLE001 - the banner goes on without it
+        return [f"cpu: not reported ({type(exc).__name__})"]
+    described = [d for d in described if d]
+    if not described:
+        return []
+    if len(set(described)) == 1:
+        return [f"cpu: {described[0]}"]
+    return [f"cpu (stage {i}): {d}" for i, d in enumerate(described)]
 
 
 def cores_line(service_cpus: set[int] | None, stage_cpus: list[set[int] | None], cores: list[int]) -> str:
