@@ -32,6 +32,18 @@ def cpu_model(default: str = "") -> str:
     return default
 
 
+def cpu_record() -> dict[str, Any]:
+    """The CPU a figure was measured on (issue 34: every figure names its machine): model,
+    family/model numbers, the ISA level and flags that matter, and the caps that lowered
+    them when a narrower CPU is emulated (worker_svc/cpu_features.py)."""
+    from worker_svc.cpu_features import cpu_features
+
+    f = cpu_features()
+    return {"model_name": f.model_name, "family": f.family, "model": f.model, "level": f.level,
+            "host_level": f.host_level, "caps": list(f.caps), "flags": list(f.isa_flags),
+            "emulated": bool(f.caps), "describe": f.describe()}
+
+
 @dataclass(frozen=True)
 class CpuSample:
     busy_ticks: int  # the whole machine, all cores

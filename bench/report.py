@@ -9,7 +9,7 @@ import platform
 import sys
 from pathlib import Path
 
-from bench.machine import cpu_model
+from bench.machine import cpu_model, cpu_record
 
 
 def machine_info() -> dict:
@@ -26,7 +26,7 @@ def machine_info() -> dict:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count()
-    info = {"cpu": cpu, "usable_cores": cores, "memory_gib": mem_gib, "python": sys.version.split()[0],
+    info = {"cpu": cpu, "cpu_features": cpu_record(), "usable_cores": cores, "memory_gib": mem_gib, "python": sys.version.split()[0],
             "platform": platform.platform()}
     try:
         import torch

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.clients import parse_sse_line
-from bench.machine import measure_bandwidth, run_json
+from bench.machine import cpu_record, measure_bandwidth, run_json
 from bench.vs_vllm import (
     DEFAULT_ANCHOR,
     REPO_ROOT,
@@ -425,13 +425,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     bw = max(bw_start["best_gb_s"], bw_end["best_gb_s"])
     for f in files:
         add_ratios(f, bw)
-    text = table(files, bw)
+    text = f"CPU: {cpu_record()['describe']}\n" + table(files, bw)
     print()
     print(text)
     report = {
         "started": started, "wall_s": time.perf_counter() - t_run,
         "command": [sys.executable, "-m", "bench.vs_llama_cpp", *(argv or sys.argv[1:])],
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "cpu": cpu_record()},
         "pagoda_source": git_state(REPO_ROOT),
         "load": {"prompt_len": args.prompt_len, "max_tokens": load.n_out, "repeats": args.repeats,
                  "streams": args.streams, "seed": args.seed},

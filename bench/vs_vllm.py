@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.clients import parse_sse_line
-from bench.machine import cpu_sample, foreign_cpu, measure_bandwidth
+from bench.machine import cpu_record, cpu_sample, foreign_cpu, measure_bandwidth
 from wiring.launcher import free_port
 
 ARM_NAMES = ("vllm", "pagoda", "pagoda-pp2", "pagoda-tp2")
@@ -944,7 +944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "weight_bytes": nbytes, "bound_tok_s": bound,
                 "single_decode_share": _ratio(r.single_decode_tok_s, bound)}
     wall_s = time.perf_counter() - t_run
-    text = table(results, spec)
+    text = f"CPU: {cpu_record()['describe']}\n" + table(results, spec)
     if bandwidth.get("arms"):
         text += (f"\none-core bandwidth {bandwidth['used_gb_s']:.2f} GB/s (best of the start and "
                  "end runs): single-stream decode as a share of the bound (bw / weight bytes)")
@@ -958,7 +958,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "started": started,
         "command": [sys.executable, "-m", "bench.vs_vllm", *(argv or sys.argv[1:])],
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},
+                    "python": platform.python_version(), "cpu": cpu_record()},
         "vllm_version": vllm_version(paths.vllm_python) if "vllm" in args.arm_list else None,
         "model_dir": str(paths.model_dir),
         "pagoda_models": [str(m) for m in pagoda_models],
