@@ -2,7 +2,8 @@
 llama.cpp's converter writes one: `{arch}.*` hyperparameters, a `gpt2` (byte-level BPE)
 tokenizer with its merges and chat template, Llama's q/k rows permuted for llama.cpp's
 rotary embedding, 2-D weights in a block format (Q8_0, Q4_0, Q4_1, quantized with the `gguf`
-package's reference quantizers) and the norms in F32.
+package's reference quantizers; the K-quants and Q5_0/Q5_1 with worker_svc/kquants_ref.py, or
+"Q4_K_M", llama.cpp's mix of them) and the norms in F32.
 
 Used by the tests (GGUF files of the tiny models) and the quality benchmark (a Q8_0 file of
 the real model from its float32 folder); byte-level BPE tokenizers only."""
@@ -48,9 +49,50 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# llama.cpp's type for a weight whose rows are not whole 256-value super-blocks (llama-quant.cpp;
+# Q2_K and Q3_K as before IQ4_NL)
+KQUANT_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_KQUANT_WRITTEN = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get more bits in its _M mixes:
+    the first and last eighth, and every third between."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def tensor_type(gguf_name: str, cols: int, qtype: str, num_layers: int) -> str:
+    """The type a 2-D weight of `cols` columns is written in for `qtype`: "Q4_K_M" is llama.cpp's
+    mix (output.weight Q6_K; attn_v and ffn_down Q6_K in the layers that get more bits, else
+    Q4_K; the rest Q4_K), and a K-quant falls back as llama.cpp's does for rows that are not
+    whole super-blocks (Q4_K -> Q5_0, Q6_K -> Q8_0, ...); "F32" when even that does not fit."""
+    if qtype == "Q4_K_M":
+        qtype = "Q4_K"
+        parts = gguf_name.split(".")
+        if gguf_name == "output.weight" or (parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down")
+                                            and _use_more_bits(int(parts[1]), num_layers)):
+            qtype = "Q6_K"
+    if qtype in KQUANT_FALLBACK and cols % 256:
+        qtype = KQUANT_FALLBACK[qtype]
+    return qtype if cols % 32 == 0 else "F32"
+
+
+def _quantize(t: np.ndarray, qtype: str) -> np.ndarray:
+    import gguf
+
+    if qtype in _KQUANT_WRITTEN:
+        import torch
+
+        from worker_svc.kquants_ref import quantize
+
+        return quantize(torch.from_numpy(np.ascontiguousarray(t)), qtype).numpy()
+    return gguf.quants.quantize(t, getattr(gguf.GGMLQuantizationType, qtype))
+
+
 def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> Path:
     """`out` (a .gguf file) from the checkpoint folder `model_dir`; 2-D weights in `qtype`
-    (Q8_0, Q4_0, Q4_1, F32 or BF16; a weight whose rows are not whole blocks stays F32)."""
+    (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, "Q4_K_M", F32 or BF16; see `tensor_type`; a
+    weight whose rows are not whole blocks of any fitting type stays F32)."""
     import gguf
 
     model_dir, out = Path(model_dir), Path(out)
@@ -99,7 +141,6 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> P
     if template:
         w.add_chat_template(template)
     tensors = load_file(str(model_dir / "model.safetensors"))
-    want = getattr(gguf.GGMLQuantizationType, qtype)
     for name, t in tensors.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
@@ -108,8 +149,9 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> P
             t = _permute(t, heads)
         elif arch == "llama" and ".k_proj." in name:
             t = _permute(t, kv_heads)
-        if t.ndim == 2 and qtype != "F32" and t.shape[1] % 32 == 0:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(t, want), raw_dtype=want)
+        kind = tensor_type(_gguf_name(name), t.shape[1], qtype, cfg["num_hidden_layers"]) if t.ndim == 2 else "F32"
+        if kind != "F32":
+            w.add_tensor(_gguf_name(name), _quantize(t, kind), raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
         else:
             w.add_tensor(_gguf_name(name), t)
     w.write_header_to_file()

@@ -7,11 +7,13 @@ rest of the worker uses:
 - `hf_config()`: a `config.json`-shaped dict (what `ModelConfig.from_dict` reads), from the
   `{arch}.*` keys llama.cpp writes; Llama, Mistral (written as `llama`) and Qwen2.
 - `tensor(name)`: the tensor a Hugging Face parameter name stands for, as a `GGUFTensor`:
-  block-quantized types (Q8_0, Q4_0, Q4_1) stay packed, `uint8 [rows, row_bytes]`; F32,
-  F16 and BF16 come as tensors of their type. llama.cpp's converter permutes the rows of
-  Llama's q and k projections (its rotary embedding pairs neighbouring elements, the Hugging
-  Face one pairs the halves of a head); the permutation is undone here on whole rows, which
-  for a packed matrix moves whole rows of blocks and changes no block.
+  block-quantized types stay in their blocks, `uint8 [rows, row_bytes]`: Q8_0, Q4_0, Q4_1
+  (served packed) and the K-quants Q2_K-Q6_K with Q5_0 and Q5_1 (worker_svc/kquants.py:
+  dequantized at load for now); F32, F16 and BF16 come as tensors of their type.
+  llama.cpp's converter permutes the rows of Llama's q and k projections (its rotary
+  embedding pairs neighbouring elements, the Hugging Face one pairs the halves of a head);
+  the permutation is undone here on whole rows, which for a matrix in blocks moves whole
+  rows of blocks and changes no block.
 
 Layouts: a GGUF tensor's `shape` lists the fastest dimension first (`[in, out]` for a
 weight); `GGUFTensor.shape` is the torch order (`[out, in]`).
@@ -28,6 +30,9 @@ import numpy as np
 import torch
 
 from worker_svc.errors import CheckpointError
+from worker_svc.kquants import KQUANT_TYPES
+from worker_svc.kquants import dequantize as dequantize_kquant
+from worker_svc.quant_kernels import dequantize as dequantize_packed
 
 # A GGUF file is served from a folder prepared for it (wiring/model_source.py): the
 # config.json and tokenizer files every service reads, and this file naming the GGUF whose
@@ -42,6 +47,9 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
 }
 # ggml type id -> (name, elements per block, bytes per block) of the types served packed
 PACKED_TYPES: dict[int, tuple[str, int, int]] = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20)}
+# ggml type id -> (name, elements per block, bytes per block) of the block types dequantized at load
+DEQUANTIZED_TYPES: dict[int, tuple[str, int, int]] = {tid: (name, block, size)
+                                                      for name, (tid, block, size) in KQUANT_TYPES.items()}
 # ggml type id -> torch dtype of the types served as plain tensors
 PLAIN_TYPES: dict[int, torch.dtype] = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
 
@@ -78,9 +86,10 @@ def hf_name(gguf_name: str) -> str | None:
 
 @dataclass(frozen=True)
 class GGUFTensor:
-    """One tensor as the worker holds it: `data` is packed `uint8 [rows, row_bytes]` when
-    `qtype` names a block format (Q8_0, Q4_0, Q4_1), else a tensor of `shape` and its dtype
-    (`qtype` then "F32", "F16" or "BF16")."""
+    """One tensor as the worker holds it: `data` is `uint8 [rows, row_bytes]` when `qtype`
+    names a block format (`blocked`: Q8_0, Q4_0, Q4_1, which are served `packed`, or one of
+    KQUANT_TYPES), else a tensor of `shape` and its dtype (`qtype` then "F32", "F16" or
+    "BF16")."""
 
     name: str
     qtype: str
@@ -89,7 +98,20 @@ class GGUFTensor:
 
     @property
     def packed(self) -> bool:
+        """Whether the native kernels multiply this block type as it is (worker_svc/packed.py)."""
         return self.qtype in ("Q8_0", "Q4_0", "Q4_1")
+
+    @property
+    def blocked(self) -> bool:
+        return self.packed or self.qtype in KQUANT_TYPES
+
+    def to_float32(self) -> torch.Tensor:
+        """The values as float32 of `shape` (a block format dequantized, bit for bit as the
+        `gguf` package dequantizes it)."""
+        if not self.blocked:
+            return self.data.to(torch.float32)
+        dequantize = dequantize_packed if self.packed else dequantize_kquant
+        return dequantize(self.data, self.qtype, self.shape[-1]).view(self.shape)
 
 
 class GGUFCheckpoint:
@@ -198,8 +220,8 @@ class GGUFCheckpoint:
         info = self._tensor_info(name)
         tid = int(info.tensor_type)
         shape = tuple(int(d) for d in reversed(info.shape.tolist()))
-        if tid in PACKED_TYPES:
-            qtype, block, block_bytes = PACKED_TYPES[tid]
+        if tid in PACKED_TYPES or tid in DEQUANTIZED_TYPES:
+            qtype, block, block_bytes = PACKED_TYPES.get(tid) or DEQUANTIZED_TYPES[tid]
             if shape[-1] % block:
                 raise CheckpointError(f"{self.path}: tensor {info.name!r}: {shape[-1]} columns are not "
                                       f"a multiple of {qtype}'s {block}-element block")
@@ -214,7 +236,7 @@ class GGUFCheckpoint:
         else:
             raise CheckpointError(
                 f"{self.path}: tensor {info.name!r} has ggml type {info.tensor_type.name}; served "
-                f"types: F32, F16, BF16, Q8_0, Q4_0, Q4_1")
+                f"types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, {', '.join(KQUANT_TYPES)}")
         data = torch.from_numpy(np.array(array, copy=True))
         if qtype == "BF16":
             data = data.view(torch.bfloat16)

@@ -23,7 +23,6 @@ from worker_svc.gguf_checkpoint import GGUFCheckpoint, gguf_source
 from worker_svc.model import StageModel
 from worker_svc.model_config import DTYPE_NAMES, ModelConfig
 from worker_svc.packed import PackedEmbedding, PackedLinear, pack_bfloat16
-from worker_svc.quant_kernels import dequantize
 from worker_svc.quantization import check_quantization, quantize_model, weight_bytes
 
 log = logging.getLogger(__name__)
@@ -262,8 +261,10 @@ def load_gguf_stage(
 
     `dtype="auto"` keeps the file's own types: Q8_0/Q4_0/Q4_1 (and BF16) linear weights and
     the token embedding stay packed (worker_svc/packed.py), norms and F32 tensors float32, F16
-    ones widened to float32; activations are float32. A float dtype dequantizes every tensor
-    to it at load (float32: the exact path, the weights `transformers` reads from the file).
+    ones widened to float32; activations are float32. The K-quants and Q5_0/Q5_1 (a Q4_K_M
+    file's) have no packed kernels yet: they are dequantized to float32 (logged). A float
+    dtype dequantizes every tensor to it at load (float32: the exact path, the weights
+    `transformers` reads from the file).
     """
     config = ModelConfig.from_dir(model_dir)
     ckpt = GGUFCheckpoint(gguf_file)
@@ -283,12 +284,15 @@ def load_gguf_stage(
     model.source_dir = str(model_dir)
     state: dict[str, torch.Tensor] = {}
     packed_modules: dict[str, tuple[str, torch.Tensor, int]] = {}  # module -> (qtype, data, in)
+    dequantized: set[str] = set()  # block types without packed kernels, dequantized here
     for name, want in model.expected_tensors().items():
         t = _gguf_tensor(ckpt, gguf_file, name, want, raw_config, tp_size)
         if packed and name.endswith(".weight") and len(t.shape) == 2 and (t.packed or t.qtype == "BF16"):
             packed_modules[name.rsplit(".", 1)[0]] = (t.qtype, t.data, t.shape[-1])
             continue
-        tensor = t.data if not t.packed else dequantize(t.data, t.qtype, t.shape[-1]).view(t.shape)
+        if t.blocked and not t.packed:
+            dequantized.add(t.qtype)
+        tensor = t.to_float32() if t.blocked else t.data
         dim = shard_dim(name) if tp_size > 1 else None
         if dim is not None:
             tensor = _rank_share(tensor, dim, want[dim], tp_rank)
@@ -303,6 +307,10 @@ def load_gguf_stage(
     kinds = sorted({q for q, _, _ in packed_modules.values()})
     if kinds:
         model.weight_format = f"gguf:{'/'.join(kinds)}"
+    if packed and dequantized:
+        log.info("stage %d: %s tensors of %s dequantized to float32 at load (no packed kernels for "
+                 "these types yet); %s", stage, "/".join(sorted(dequantized)), gguf_file.name,
+                 f"{'/'.join(kinds)} kept packed" if kinds else "none kept packed")
     log.info(
         "stage %d of %d: layers [%d, %d) of %s, %s: %d bytes",
         stage, num_stages, start, end, gguf_file.name,

@@ -1,0 +1,109 @@
+"""A Q4_K_M-style GGUF file (Q4_K and Q6_K tensors, with the Q5_0 and Q8_0 that llama.cpp
+writes for rows that are not whole 256-value super-blocks), written by the test itself
+(wiring/gguf_export.py with worker_svc/kquants_ref.py): served at float32 it equals
+`transformers` reading the same file; at "auto" its K-quant tensors are dequantized at load
+and its Q8_0 ones stay packed."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from support.reference import HFReference
+from torch import nn
+
+from wiring.gguf_export import tensor_type, write_gguf
+from wiring.model_source import prepare_gguf
+from worker_svc.loader import load_stage
+from worker_svc.packed import PackedLinear
+
+# hidden 256 (whole super-blocks), intermediate 288 (32-blocks only: ffn_down falls back)
+SPEC = {"arch": "llama", "hidden_size": 256, "intermediate_size": 288, "num_layers": 4}
+# llama.cpp's Q4_K_M over 4 layers: layers 2 and 3 get more bits in attn_v and ffn_down
+EXPECTED_TYPES = {
+    "token_embd.weight": "Q4_K", "output.weight": "Q6_K",
+    "blk.0.attn_q.weight": "Q4_K", "blk.0.attn_v.weight": "Q4_K", "blk.3.attn_v.weight": "Q6_K",
+    "blk.0.ffn_gate.weight": "Q4_K", "blk.1.ffn_down.weight": "Q5_0", "blk.2.ffn_down.weight": "Q8_0",
+    "blk.0.attn_norm.weight": "F32",
+}
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(model_factory, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("kquants") / "tiny-Q4_K_M.gguf"
+    return write_gguf(model_factory(**SPEC), out, "Q4_K_M")
+
+
+def test_the_file_mixes_the_types_llama_cpp_writes(q4_k_m):
+    import gguf
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(q4_k_m)).tensors}
+    for name, want in EXPECTED_TYPES.items():
+        assert types[name] == want, name
+    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= set(types.values())
+
+
+def test_tensor_types_follow_llama_cpp_fallbacks():
+    assert tensor_type("blk.0.ffn_up.weight", 512, "Q4_K_M", 32) == "Q4_K"
+    assert tensor_type("blk.0.ffn_down.weight", 4864, "Q4_K_M", 32) == "Q6_K"  # first eighth
+    assert tensor_type("blk.5.ffn_down.weight", 4864, "Q4_K_M", 32) == "Q4_K"
+    assert tensor_type("blk.6.ffn_down.weight", 4864, "Q4_K_M", 32) == "Q6_K"  # (6 - 4) % 3 == 2
+    assert tensor_type("blk.5.ffn_down.weight", 4832, "Q4_K_M", 32) == "Q5_0"  # not whole super-blocks
+    assert tensor_type("blk.6.ffn_down.weight", 4832, "Q4_K_M", 32) == "Q8_0"
+    assert tensor_type("blk.0.ffn_up.weight", 320, "Q5_K", 4) == "Q5_1"
+    assert tensor_type("blk.0.ffn_up.weight", 100, "Q4_K", 4) == "F32"  # not even 32-blocks
+
+
+def test_float32_load_equals_transformers_weights(q4_k_m):
+    from transformers import AutoModelForCausalLM
+
+    stage = load_stage(prepare_gguf(q4_k_m), dtype="float32")
+    ref = AutoModelForCausalLM.from_pretrained(str(q4_k_m.parent), gguf_file=q4_k_m.name, dtype=torch.float32)
+    theirs = ref.state_dict()
+    for name, tensor in stage.state_dict().items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def _greedy(model: str, prompts: list[list[int]], max_tokens: int, **config) -> list[list[int]]:
+    from services.sampling import SamplingOptions
+    from wiring.local_engine import LLM
+
+    llm = LLM(model, **config)
+    outs = llm.generate(prompts, SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(5, 500, (n,), generator=g).tolist() for n in (1, 9, 40)]
+
+
+def test_greedy_float32_equals_transformers_on_the_file(q4_k_m):
+    ref = HFReference(None, gguf_file=q4_k_m)
+    prompts = _prompts()
+    for pp in (1, 2):
+        got = _greedy(str(q4_k_m), prompts, 12, dtype="float32", pipeline_parallel_size=pp)
+        for prompt, tokens in zip(prompts, got, strict=True):
+            ref.compare(prompt, tokens)
+
+
+def test_auto_dequantizes_the_kquants_and_keeps_q8_0_packed(q4_k_m, caplog):
+    with caplog.at_level(logging.INFO, logger="worker_svc.loader"):
+        stage = load_stage(prepare_gguf(q4_k_m))  # dtype auto
+    assert "Q4_K/Q5_0/Q6_K tensors of tiny-Q4_K_M.gguf dequantized to float32 at load" in caplog.text
+    assert "Q8_0 kept packed" in caplog.text
+    layers = stage.model.layers
+    assert isinstance(layers["2"].mlp.down_proj, PackedLinear) and layers["2"].mlp.down_proj.qtype == "Q8_0"
+    assert type(layers["1"].mlp.down_proj) is nn.Linear  # Q5_0, dequantized
+    assert type(layers["0"].mlp.down_proj) is nn.Linear and layers["0"].mlp.down_proj.weight.dtype == torch.float32
+    assert stage.weight_format == "gguf:Q8_0"
+    float32 = load_stage(prepare_gguf(q4_k_m), dtype="float32")
+    assert torch.equal(layers["0"].mlp.down_proj.weight, float32.model.layers["0"].mlp.down_proj.weight)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_other_dtypes_serve_the_file(q4_k_m, dtype):
+    got = _greedy(str(q4_k_m), _prompts(), 6, dtype=dtype)
+    assert [len(t) for t in got] == [6, 6, 6]
