@@ -36,6 +36,15 @@ def q4_k_m(model_factory, tmp_path_factory) -> Path:
     return write_gguf(model_factory(**SPEC), out, "Q4_K_M")
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def q4_k_m_of_each(request, q4_k_m, model_factory, tmp_path_factory) -> Path:
+    """The Llama file (q/k rows permuted by the converter) and a Qwen2 one (q/k/v biases)."""
+    if request.param == "llama":
+        return q4_k_m
+    out = tmp_path_factory.mktemp("kquants-qwen2") / "tiny-qwen2-Q4_K_M.gguf"
+    return write_gguf(model_factory(**{**SPEC, "arch": "qwen2"}), out, "Q4_K_M")
+
+
 def test_the_file_mixes_the_types_llama_cpp_writes(q4_k_m):
     import gguf
 
@@ -56,9 +65,10 @@ def test_tensor_types_follow_llama_cpp_fallbacks():
     assert tensor_type("blk.0.ffn_up.weight", 100, "Q4_K", 4) == "F32"  # not even 32-blocks
 
 
-def test_float32_load_equals_transformers_weights(q4_k_m):
+def test_float32_load_equals_transformers_weights(q4_k_m_of_each):
     from transformers import AutoModelForCausalLM
 
+    q4_k_m = q4_k_m_of_each
     stage = load_stage(prepare_gguf(q4_k_m), dtype="float32")
     ref = AutoModelForCausalLM.from_pretrained(str(q4_k_m.parent), gguf_file=q4_k_m.name, dtype=torch.float32)
     theirs = ref.state_dict()
@@ -80,7 +90,8 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(5, 500, (n,), generator=g).tolist() for n in (1, 9, 40)]
 
 
-def test_greedy_float32_equals_transformers_on_the_file(q4_k_m):
+def test_greedy_float32_equals_transformers_on_the_file(q4_k_m_of_each):
+    q4_k_m = q4_k_m_of_each
     ref = HFReference(None, gguf_file=q4_k_m)
     prompts = _prompts()
     for pp in (1, 2):
