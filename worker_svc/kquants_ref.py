@@ -41,9 +41,9 @@ def quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:
     N, K = x.shape
     check_row_length(qtype, K)
     blocks = x.detach().to(device="cpu", dtype=_F32).reshape(-1, block)  # [num_blocks, block]
-    out = _QUANTIZERS[qtype](blocks)
-    assert out.shape == (blocks.shape[0], size), (qtype, out.shape)
-    return out.reshape(N, K // block * size)
+    if not torch.isfinite(blocks).all():
+        raise ValueError(f"x has NaN or infinite values: {qtype} blocks hold finite ones only")
+    return _QUANTIZERS[qtype](blocks).reshape(N, K // block * size)
 
 
 def _fp16_bytes(v: torch.Tensor) -> torch.Tensor:

@@ -136,6 +136,8 @@ def test_bad_arguments_are_refused():
         dequantize(torch.zeros(1, 143, dtype=torch.uint8), "Q4_K", 256)
     with pytest.raises(ValueError, match="x must be a 2-D float tensor"):
         quantize(torch.zeros(256), "Q4_K")
+    with pytest.raises(ValueError, match="x has NaN or infinite values"):
+        quantize(torch.full((1, 256), float("inf")), "Q4_K")
 
 
 def test_types_match_gguf_constants():
