@@ -524,11 +524,15 @@ class Engine:
                              f"not working: {report.detail}: a stage is hung")
 
     def _fail_requests_of(self, mb_id: int, error: tuple[str, str]) -> None:
-        """Each request of a failed step counts a failure; one at `max_request_failures`
-        ends with `error` instead of being recomputed again."""
-        now = self.clock()
+        """Each request of a failed step counts a failure (`_count_failures`)."""
         requests = {s.seq.request.request_id for s in self.planner.in_flight[mb_id].seqs}
-        for request_id in requests:
+        self._count_failures(requests, error)
+
+    def _count_failures(self, request_ids, error: tuple[str, str]) -> None:
+        """Each request counts a failure; one at `max_request_failures` ends with `error`
+        instead of being recomputed again."""
+        now = self.clock()
+        for request_id in request_ids:
             live = self._live.get(request_id)
             if live is None:
                 continue
@@ -607,16 +611,8 @@ class Engine:
             seq_ids = [s.seq_id for s in self.planner.in_flight[event.micro_batch_id].seqs]
             self._background(self.transport.abandon(seq_ids))
         now = self.clock()
-        for request in self.planner.on_failure(event.micro_batch_id, now):
-            live = self._live.get(request.request_id)
-            if live is None:
-                continue
-            live.failures += 1
-            if live.failures >= self.config.max_request_failures:
-                self.planner.abort(request.request_id, now)
-                self._live.pop(request.request_id, None)
-                self._finish(live, "error", "error",
-                             ("INTERNAL", f"stage {event.stage_index}: {event.code} {event.message}"))
+        failed = [r.request_id for r in self.planner.on_failure(event.micro_batch_id, now)]
+        self._count_failures(failed, ("INTERNAL", f"stage {event.stage_index}: {event.code} {event.message}"))
         self.observer.micro_batch_failed(event.micro_batch_id)
 
     def _deliver(self, updates: list[SeqUpdate]) -> None:
