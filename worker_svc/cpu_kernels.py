@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -59,6 +60,14 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+def _source_texts(source: Path) -> list[str]:
+    """The text of `source` and of the files it includes by a quoted name (csrc/*.inc), which
+    the cache key covers too."""
+    text = source.read_text()
+    included = re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return [text, *(source.with_name(name).read_text() for name in included)]
+
+
 def build(compiler: str | None = None, source: Path = SOURCE) -> Path:
     """The shared library of `source` (a C file under csrc/) for this host, built if not
     cached (named by the source's stem and the key); raises RuntimeError on failure."""
@@ -68,7 +77,7 @@ def build(compiler: str | None = None, source: Path = SOURCE) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = (f"-march={march(cpu_features())}", *CFLAGS)
     key = hashlib.sha256(
-        "\0".join([source.read_text(), *flags, version, _cpu_flags()]).encode()).hexdigest()[:20]
+        "\0".join([*_source_texts(source), *flags, version, _cpu_flags()]).encode()).hexdigest()[:20]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target

@@ -1,6 +1,7 @@
-"""Matrix products with GGUF block-quantized weights (Q8_0, Q4_0, Q4_1) and with bfloat16
-weights on the CPU: native kernels (`csrc/quant_matmul.c`, built and loaded as
-`cpu_kernels` does) and a pure-torch `dequantize`, the fallback.
+"""Matrix products with GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
+K-quants Q2_K ... Q6_K) and with bfloat16 weights on the CPU: native kernels
+(`csrc/quant_matmul.c` with `csrc/kquant_matmul.inc`, built and loaded as `cpu_kernels`
+does) and a pure-torch `dequantize`, the fallback.
 
 Layouts. A weight matrix of N output rows and K inputs is uint8 [N, row_bytes], rows
 contiguous, each row K / 32 blocks of 32 weights along K, as GGUF stores them:
@@ -11,7 +12,13 @@ contiguous, each row K / 32 blocks of 32 weights along K, as GGUF stores them:
     Q4_1 (type 3, 20 bytes): fp16 d, fp16 m, uint8 qs[16]   w[j] = d * (qs[j] & 15) + m,
                                                             w[j + 16] = d * (qs[j] >> 4) + m
 
-row_bytes = K / 32 * block bytes. bfloat16 weights are torch's bfloat16 [N, K].
+    Q5_0 (type 6, 22 bytes), Q5_1 (type 7, 24 bytes): Q4_0 / Q4_1 with a fifth bit per
+                            value (qh, 32 bits), w = d * (q - 16) / d * q + m
+
+row_bytes = K / 32 * block bytes. The K-quants (types 10-14, worker_svc/kquants.py has their
+layouts) hold 256-value super-blocks, so their rows must be whole super-blocks (K % 256 == 0,
+a ValueError naming the weight's shape otherwise; llama.cpp writes other rows in Q5_0, Q8_0
+and the like). bfloat16 weights are torch's bfloat16 [N, K].
 
 Methods. Quantized weights: the float32 activations x [T, K] are quantized per 32-block to
 integers, then y[t, n] = sum over blocks of d_w * d_x * dot(q_w, q_x), the dot in integers,
@@ -36,6 +43,17 @@ d_x / 2 * sum |w| (the rounding of q_x). Two activation precisions (`act_bits`):
 
 The default comes from PAGODA_PACKED_ACT_BITS (8 or 16) unless the constructor names one;
 `matmul(..., act_bits=)` overrides it per call.
+
+Q5_0/Q5_1 take the 32-block path above (the fifth bit added as the weights are unpacked).
+The K-quants quantize the activations per 256-block instead, as llama.cpp's Q8_K (int8, d_x
+= amax / 127 over 256 values, with the sums of each 16) or, at act_bits 16, to int16 the same
+way; each super-block's sub-block scales (and mins, by those sums) enter the integer sums,
+exact in int32 (csrc/kquant_matmul.inc gives the bounds). So both act_bits run for every type,
+with the same contract: exact for the quantized activations up to float32 rounding (measured
+< 1.2e-7 of sum |x| |w|), and within sum over blocks of d_x / 2 * sum |w| of the float32
+activations, d_x now a 256-block's (tests/unit/test_kquant_kernels.py). A prefill of many
+rows may instead dequantize (`dequantize_f32` / `dequantize_bf16`, every type, bit for bit
+as `dequantize`) for a GEMM, as worker_svc/packed.py does.
 
 bfloat16 weights are widened to float32 and multiplied with the float32 x by FMA,
 accumulated in float32 (~1e-7 of sum |x| |w|): the default. `bf16_dot=True` uses AVX-512
@@ -70,8 +88,9 @@ from pathlib import Path
 
 import torch
 
-from worker_svc import cpu_kernels
+from worker_svc import cpu_kernels, kquants
 from worker_svc.cpu_features import cpu_features
+from worker_svc.kquants import KQUANT_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +104,11 @@ GGML_TYPES: dict[str, tuple[int, int, int]] = {
     "Q4_1": (3, 32, 20),
     "Q8_0": (8, 32, 34),
     "BF16": (30, 1, 2),
+    **KQUANT_TYPES,  # Q5_0, Q5_1 (32-blocks) and Q2_K ... Q6_K (256-value super-blocks)
 }
-BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the 32-block types gguf-py also quantizes
+SUPER_BLOCK_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # rows of K % 256 == 0 only
+KERNEL_TYPES = (*BLOCK_TYPES, "Q5_0", "Q5_1", *SUPER_BLOCK_TYPES)  # every type `matmul` takes
 ISAS = ("avx512", "avx2", "scalar")  # best first
 ISA_ENV = "PAGODA_CPU_ISA"
 ACT_BITS = (8, 16)  # activation precisions of the quantized products
@@ -120,17 +142,27 @@ def _check_activations(x: torch.Tensor, what: str = "x") -> tuple[int, int]:
     return T, K
 
 
+def check_row_length(qtype: str, K: int, N: int | None = None) -> None:
+    """ValueError, naming the weight's shape and type, unless rows of K inputs are whole
+    blocks of `qtype` (32 values; 256 for the K-quants, whose packed kernels take no other
+    rows: llama.cpp writes such rows in Q5_0/Q8_0 and the like instead)."""
+    if qtype not in KERNEL_TYPES:
+        raise ValueError(f"qtype must be one of {KERNEL_TYPES}, got {qtype!r}")
+    block = GGML_TYPES[qtype][1]
+    if not isinstance(K, int) or K < 0 or K % block:
+        shape = f"[{N}, {K}]" if N is not None else f"[N, {K}]"
+        raise ValueError(f"a {qtype} weight {shape} needs rows of whole {block}-value blocks: K must be a "
+                         f"multiple of {block}, got {K}")
+
+
 def _check_block_weights(w: torch.Tensor, qtype: str, K: int) -> int:
-    if qtype not in BLOCK_TYPES:
-        raise ValueError(f"qtype must be one of {BLOCK_TYPES}, got {qtype!r}")
-    if K % 32:
-        raise ValueError(f"K must be a multiple of 32 for {qtype}, got {K}")
+    check_row_length(qtype, K, w.shape[0] if isinstance(w, torch.Tensor) and w.dim() == 2 else None)
     if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.dim() != 2:
         raise ValueError(f"w must be a 2-D uint8 tensor [N, row_bytes], got "
                          f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
     if not w.is_cpu or not w.is_contiguous():
         raise ValueError(f"w must be a contiguous CPU tensor, got {w.device} strides {w.stride()}")
-    if w.shape[1] != K // 32 * GGML_TYPES[qtype][2]:
+    if w.shape[1] != row_bytes(qtype, K):
         raise ValueError(f"w has {w.shape[1]} bytes per row; {qtype} with K={K} has "
                          f"{row_bytes(qtype, K)}")
     return w.shape[0]
@@ -155,6 +187,9 @@ def dequantize(w: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
                 or w.shape[1] != row_bytes(qtype, K):
             raise ValueError(f"w must be uint8 [N, {row_bytes(qtype, K)}] for {qtype} with K={K}")
         return w.contiguous().view(_PLAIN_DTYPES[qtype]).to(torch.float32)
+    if qtype in KQUANT_TYPES:
+        _check_block_weights(w, qtype, K)
+        return kquants.dequantize(w, qtype, K)
     N = _check_block_weights(w, qtype, K)
     _, _, size = GGML_TYPES[qtype]
     blocks = w.view(N, K // 32, size)  # [N, num_blocks, block bytes]
@@ -295,14 +330,16 @@ class QuantKernels:
         if rc != 0:
             raise RuntimeError(f"{what}: native kernel returned {rc}")
 
-    def quantize_activations(self, x: torch.Tensor, isa: str | None = None, act_bits: int | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_activations(self, x: torch.Tensor, isa: str | None = None, act_bits: int | None = None,
+                             block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
         """The integer activations q [T, K] (int8, or int16 for act_bits 16) and their
-        float32 block scales d [T, K / 32] that `matmul` multiplies with (x ~ q * d per
-        32-block)."""
+        float32 block scales d [T, K / block] that `matmul` multiplies with (x ~ q * d per
+        block): 32-blocks for Q8_0 ... Q5_1, 256-blocks for the K-quants (block=256)."""
         isa_id = _ISA_IDS[self._check_isa(isa)]
         bits = self._check_act_bits(act_bits)
         T, K = _check_activations(x)
+        if block == 256:
+            return self._quantize_super_blocks(x, isa_id, bits)
         if K % 32:
             raise ValueError(f"K must be a multiple of 32, got {K}")
         q = torch.empty(T, K, dtype=torch.int16 if bits == 16 else torch.int8)
@@ -312,11 +349,26 @@ class QuantKernels:
                                          isum.data_ptr(), s.data_ptr()), "quantize")
         return q, d
 
+    def _quantize_super_blocks(self, x: torch.Tensor, isa_id: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """quantize_activations(block=256): the records the K-quant kernels read (see
+        csrc/kquant_matmul.inc), taken apart."""
+        T, K = x.shape
+        check_row_length("Q4_K", K, T)
+        rec = 640 if bits == 16 else 384
+        buf = torch.empty(T, K // 256, rec, dtype=torch.uint8)
+        self._raise(self._prepare(isa_id, GGML_TYPES["Q4_K"][0], bits, x.data_ptr(), x.stride(0), T, K, 0, T,
+                                  buf.data_ptr()), "quantize")
+        q_bytes = 512 if bits == 16 else 256
+        q = buf[..., :q_bytes].contiguous().view(torch.int16 if bits == 16 else torch.int8).reshape(T, K)
+        d = buf[..., q_bytes + 64:q_bytes + 68].contiguous().view(torch.float32).reshape(T, K // 256)
+        return q, d
+
     def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str, out: torch.Tensor | None = None,
                isa: str | None = None, act_bits: int | None = None) -> torch.Tensor:
         """y = x @ dequantize(w, qtype, K).T, float32 [T, N] (written into `out` when
         given): x float32 [T, K] (rows contiguous), w uint8 [N, row_bytes] GGUF blocks;
-        x quantized to int8 or int16 per 32-block (act_bits 8 or 16; None: self.act_bits)."""
+        x quantized to int8 or int16 per 32-block (per 256-block for the K-quants; act_bits
+        8 or 16; None: self.act_bits)."""
         isa_id = _ISA_IDS[self._check_isa(isa)]
         bits = self._check_act_bits(act_bits)
         T, K = _check_activations(x)

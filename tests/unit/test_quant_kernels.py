@@ -383,7 +383,7 @@ def test_bad_arguments_raise_value_error() -> None:
     blocks, _ = weights("Q8_0", 7, 96)
     x = torch.randn(2, 96)
     cases = [
-        ("qtype must be one of", lambda: KERNELS.matmul(x, blocks, "Q5_0")),
+        ("qtype must be one of", lambda: KERNELS.matmul(x, blocks, "IQ4_NL")),
         ("K must be a multiple of 32", lambda: KERNELS.matmul(torch.randn(2, 100), blocks, "Q8_0")),
         ("bytes per row", lambda: KERNELS.matmul(x, blocks, "Q4_0")),
         ("uint8", lambda: KERNELS.matmul(x, blocks.to(torch.int16), "Q8_0")),

@@ -1,5 +1,6 @@
-/* Matrix products y = x w^T on the CPU with GGUF block-quantized weights (Q8_0, Q4_0, Q4_1)
- * or bfloat16 weights, float32 activations and outputs.
+/* Matrix products y = x w^T on the CPU with GGUF block-quantized weights (Q8_0, Q4_0, Q4_1,
+ * Q5_0, Q5_1; the K-quants Q2_K ... Q6_K in kquant_matmul.inc, included below) or bfloat16
+ * weights, float32 activations and outputs.
  *
  * Layouts (row-major, rows contiguous):
  *   x   float32 [T, x_stride]: token t's K inputs at x + t * x_stride
@@ -9,6 +10,8 @@
  *         Q4_0 (18 bytes): fp16 d, uint8 qs[16]         w[j] = d * ((qs[j] & 15) - 8),
  *                                                       w[j + 16] = d * ((qs[j] >> 4) - 8)
  *         Q4_1 (20 bytes): fp16 d, fp16 m, uint8 qs[16] w[j] = d * (qs[j] & 15) + m, ...
+ *         Q5_0 (22 bytes): fp16 d, qh[4], qs[16]        Q4_0's with bit j of qh as bit 4, q - 16
+ *         Q5_1 (24 bytes): fp16 d, fp16 m, qh[4], qs[16] Q4_1's with the fifth bit
  *       bfloat16: uint16 [N, K]
  *   y   float32 [T, y_stride]: y[t, n] at y + t * y_stride + n
  * Rows [n_begin, n_end) are computed per call, so callers can split N over threads.
@@ -18,8 +21,8 @@
  * (act_bits):
  *   8   as llama.cpp computes: int8, d_x = amax / 127, q_x = round(x / d_x) (bit-exact with
  *       gguf-py's Q8_0). vpdpbusd and vpmaddubsw multiply unsigned by signed bytes: Q4
- *       nibbles go in unsigned as stored (their -8 becomes -8 * sum(q_x) of the block, Q4_1's
- *       min m_w * d_x * sum(q_x)); Q8_0 weights are offset to unsigned for AVX-512 (w + 128,
+ *       nibbles (Q5: with the fifth bit) go in unsigned as stored (their -8 / -16 becomes
+ *       -8 / -16 * sum(q_x) of the block, Q4_1's and Q5_1's min m_w * d_x * sum(q_x)); Q8_0 weights are offset to unsigned for AVX-512 (w + 128,
  *       then -128 * sum(q_x)) and take the abs/sign trick for AVX2, whose 16-bit pair sums
  *       would saturate otherwise.
  *   16  int16, d_x = amax / 32767, q_x = round(x / d_x): 258x finer, so close decisions of a
@@ -51,7 +54,8 @@
  * (the _dp product only). Every path is compiled into the library (target attributes) and
  * chosen per call, so the narrower ones run on a wider CPU too; pagoda_isa_supported says
  * which this CPU runs. Entry points return 0, -1 for an unknown qtype, -2 for an ISA this
- * CPU (or build) lacks, -3 for act_bits other than 8 and 16.
+ * CPU (or build) lacks, -3 for act_bits other than 8 and 16, -4 for K not whole blocks (32
+ * values; 256 for the K-quants).
  *
  * Built by worker_svc/cpu_kernels.py with the system C compiler; no Python or torch headers.
  */
@@ -68,7 +72,8 @@
 #endif
 
 #define QK 32
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8 };
+enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 }; /* kquant_matmul.inc */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
 
 #define ROW_TILES_MIN_T 12 /* tokens from which rows go 4 (AVX2: 2) side by side; see the top */
@@ -89,7 +94,18 @@ struct qmm {
     const int16_t *qx16;  /* [T, K]: the int16 activations (act_bits 16; qx unused then) */
 };
 
-static inline int block_bytes(int qtype) { return qtype == QT_Q8_0 ? 34 : qtype == QT_Q4_1 ? 20 : 18; }
+static inline int block_bytes(int qtype)
+{
+    return qtype == QT_Q8_0 ? 34 : qtype == QT_Q4_1 ? 20 : qtype == QT_Q5_0 ? 22 : qtype == QT_Q5_1 ? 24 : 18;
+}
+
+/* the types with a min (w = d q + m) and those whose q is offset (Q4_0 q - 8, Q5_0 q - 16) */
+static inline int has_min(int qtype) { return qtype == QT_Q4_1 || qtype == QT_Q5_1; }
+static inline int q_offset(int qtype) { return qtype == QT_Q4_0 ? 8 : qtype == QT_Q5_0 ? 16 : 0; }
+static inline int is_q5(int qtype) { return qtype == QT_Q5_0 || qtype == QT_Q5_1; }
+/* where a 32-block's nibbles (qs) start, and Q5's high bits (qh, a little-endian uint32) */
+static inline int qs_offset(int qtype) { return qtype == QT_Q4_1 ? 4 : qtype == QT_Q5_0 ? 6 : qtype == QT_Q5_1 ? 8 : 2; }
+static inline int qh_offset(int qtype) { return qtype == QT_Q5_1 ? 4 : 2; }
 
 static inline uint16_t ld16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t ld32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -381,7 +397,8 @@ int pagoda_q16_quantize(int isa, const float *x, int64_t x_stride, int64_t K, in
 
 /* ---- quantized weights: portable C -------------------------------------------------- */
 
-/* One block's contribution to y[t, n] */
+/* One block's contribution to y[t, n]: Q4 nibbles (Q5: plus a fifth bit from qh) unsigned,
+   their offset (-8, -16) as offset * isum, the min as m * sx */
 static inline float block_dot_scalar(int qtype, const uint8_t *blk, const int8_t *xq, float dx, int32_t isum,
                                      float sx)
 {
@@ -392,9 +409,12 @@ static inline float block_dot_scalar(int qtype, const uint8_t *blk, const int8_t
         for (int j = 0; j < QK; j++) dot += (int32_t)wq[j] * xq[j];
         return d * dx * (float)dot;
     }
-    const uint8_t *qs = blk + (qtype == QT_Q4_1 ? 4 : 2);
-    for (int j = 0; j < QK / 2; j++) dot += (int32_t)(qs[j] & 15) * xq[j] + (int32_t)(qs[j] >> 4) * xq[j + 16];
-    if (qtype == QT_Q4_0) return d * dx * (float)(dot - 8 * isum);
+    const uint8_t *qs = blk + qs_offset(qtype);
+    const uint32_t qh = is_q5(qtype) ? ld32(blk + qh_offset(qtype)) : 0;
+    for (int j = 0; j < QK / 2; j++)
+        dot += (int32_t)((qs[j] & 15) | ((qh >> j & 1) << 4)) * xq[j]
+               + (int32_t)((qs[j] >> 4) | ((qh >> (j + 16) & 1) << 4)) * xq[j + 16];
+    if (!has_min(qtype)) return d * dx * (float)(dot - q_offset(qtype) * isum);
     return d * dx * (float)dot + f16_to_f32(ld16(blk + 2)) * sx;
 }
 
@@ -409,9 +429,12 @@ static inline float block_dot16_scalar(int qtype, const uint8_t *blk, const int1
         for (int j = 0; j < QK; j++) dot += (int32_t)wq[j] * xq[j];
         return d * dx * (float)dot;
     }
-    const uint8_t *qs = blk + (qtype == QT_Q4_1 ? 4 : 2);
-    for (int j = 0; j < QK / 2; j++) dot += (int32_t)(qs[j] & 15) * xq[j] + (int32_t)(qs[j] >> 4) * xq[j + 16];
-    if (qtype == QT_Q4_0) return d * dx * (float)(dot - 8 * isum);
+    const uint8_t *qs = blk + qs_offset(qtype);
+    const uint32_t qh = is_q5(qtype) ? ld32(blk + qh_offset(qtype)) : 0;
+    for (int j = 0; j < QK / 2; j++)
+        dot += (int32_t)((qs[j] & 15) | ((qh >> j & 1) << 4)) * xq[j]
+               + (int32_t)((qs[j] >> 4) | ((qh >> (j + 16) & 1) << 4)) * xq[j + 16];
+    if (!has_min(qtype)) return d * dx * (float)(dot - q_offset(qtype) * isum);
     return d * dx * (float)dot + f16_to_f32(ld16(blk + 2)) * sx;
 }
 
@@ -440,7 +463,8 @@ static void qmm_scalar(int qtype, const int x16, const struct qmm *a, int64_t n_
      xa int8 [64]   elements 0-15 of blocks 4g .. 4g+3, 16 per block, block after block
      xb int8 [64]   elements 16-31, the same way
      dx f32 [16]    lane 4j+i: d_x of block 4g+j
-     aux [16]       lane 4j: Q8_0 int32 -128 * isum_j, Q4_0 -8 * isum_j, Q4_1 float sx_j; else 0
+     aux [16]       lane 4j: Q8_0 int32 -128 * isum_j, Q4_0 / Q5_0 -8 / -16 * isum_j, Q4_1 / Q5_1
+                    float sx_j; else 0
    Blocks past K are zeros throughout. A group's weights are unpacked likewise: low (Q4: the
    low nibbles = elements 0-15; Q8_0: bytes 0-15 + 128) and high halves of 4 blocks, so one
    vpdpbusd with xa and one with xb give each block's dot in 4 lanes, and the float work
@@ -468,8 +492,8 @@ static TGT512 void pack512(int qt, const float *x, int64_t K, uint8_t *out)
             memcpy(p + 16 * j, q, 16);
             memcpy(p + 64 + 16 * j, q + 16, 16);
             for (int i = 0; i < 4; i++) dx[4 * j + i] = d;
-            if (qt == QT_Q4_1) memcpy(&aux[4 * j], &sx, 4);
-            else aux[4 * j] = -(qt == QT_Q8_0 ? 128 : 8) * s;
+            if (has_min(qt)) memcpy(&aux[4 * j], &sx, 4);
+            else aux[4 * j] = -(qt == QT_Q8_0 ? 128 : q_offset(qt)) * s;
         }
         memcpy(p + 128, dx, sizeof dx);
         memcpy(p + 192, aux, sizeof aux);
@@ -510,7 +534,7 @@ INL TGT512 void wraw512(const int qt, const int n, const int wide, const uint8_t
                                            _mm512_castsi128_si512(LD128(b0 + (qt == QT_Q4_0 ? 56 : 64))));
             return;
         }
-        const int off = qt == QT_Q4_1 ? 4 : 2;
+        const int off = qs_offset(qt);
         __m512i q = _mm512_zextsi128_si512(LD128(b0 + off));
         if (n > 1) q = _mm512_inserti32x4(q, LD128(b0 + bb + off), 1);
         if (n > 2) q = _mm512_inserti32x4(q, LD128(b0 + 2 * bb + off), 2);
@@ -529,6 +553,22 @@ INL TGT512 void wraw512(const int qt, const int n, const int wide, const uint8_t
 #undef LD128
 }
 
+/* Q5_0/Q5_1: bit 4 of each element of n (1-4) blocks from b0 (qh: bit k for element k), set
+   where lo (elements 0-15 of block j in lane j) and hi (16-31) hold the low nibbles; a 64-bit
+   mask of qh's halves, one byte-masked add each */
+INL TGT512 void fifth_bit512(const int qt, const int n, const uint8_t *b0, const int bb, __m512i *lo, __m512i *hi)
+{
+    uint64_t ml = 0, mh = 0;
+    for (int j = 0; j < n; j++) {
+        const uint32_t qh = ld32(b0 + j * bb + qh_offset(qt));
+        ml |= (uint64_t)(qh & 0xFFFF) << (16 * j);
+        mh |= (uint64_t)(qh >> 16) << (16 * j);
+    }
+    const __m512i bit = _mm512_set1_epi8(0x10);
+    *lo = _mm512_mask_add_epi8(*lo, (__mmask64)ml, *lo, bit);
+    *hi = _mm512_mask_add_epi8(*hi, (__mmask64)mh, *hi, bit);
+}
+
 /* n (1-4) blocks of a row from b0: each block's elements 0-15 (lo) and 16-31 (hi) as unsigned
    bytes, 16 per block; lanes of missing blocks are zero. wide: the wide loads (n == 4) */
 INL TGT512 void wgroup512(const int qt, const int n, const int wide, const uint8_t *b0, const int bb, __m512i *lo,
@@ -543,12 +583,13 @@ INL TGT512 void wgroup512(const int qt, const int n, const int wide, const uint8
     }
     *lo = _mm512_and_si512(l, _mm512_set1_epi8(0x0F));
     *hi = _mm512_and_si512(_mm512_srli_epi16(l, 4), _mm512_set1_epi8(0x0F));
+    if (is_q5(qt)) fifth_bit512(qt, n, b0, bb, lo, hi);
 }
 
 /* d of the n (1-4) blocks from b0 in lanes 4j..4j+3 for block j; Q4_1's m in lane 4j (other lanes 0) */
 INL TGT512 __m512 wscale512(const int qt, const int n, const int wide, const uint8_t *b0, const int bb, __m512 *mins)
 {
-    if (qt != QT_Q8_0 && wide) { /* the d (and m) of 4 Q4 blocks lie in the group's first 64 bytes */
+    if ((qt == QT_Q4_0 || qt == QT_Q4_1) && wide) { /* the d (and m) of 4 Q4 blocks lie in the group's first 64 bytes */
         const __m512i g = LD512(b0);
         if (qt == QT_Q4_1) {
             *mins = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_maskz_permutexvar_epi16(0x1111, PERM(PERM_Q4_1_M), g)));
@@ -557,7 +598,7 @@ INL TGT512 __m512 wscale512(const int qt, const int n, const int wide, const uin
         *mins = _mm512_setzero_ps();
         return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(PERM(PERM_Q4_0_D), g)));
     }
-    if (qt == QT_Q4_1) { /* d, m adjacent: 4 bytes a block */
+    if (has_min(qt)) { /* d, m adjacent: 4 bytes a block */
         const uint64_t lo = ld32(b0) | (n > 1 ? (uint64_t)ld32(b0 + bb) << 32 : 0);
         const uint64_t hi = (n > 2 ? ld32(b0 + 2 * bb) : 0) | (n > 3 ? (uint64_t)ld32(b0 + 3 * bb) << 32 : 0);
         const __m512 f = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo)));
@@ -585,7 +626,8 @@ struct qmm512 {
 INL TGT512 void gstep512(const int qt, const int n, const int R, const int C, __m512 acc[4][4],
                          const struct qmm512 *a, const uint8_t *w, int64_t t, int64_t g)
 {
-    const int bb = block_bytes(qt), wide = R == 1 && n == 4; /* wide loads: rows streamed one by one */
+    /* wide loads: Q4 rows streamed one by one */
+    const int bb = block_bytes(qt), wide = R == 1 && n == 4 && (qt == QT_Q4_0 || qt == QT_Q4_1);
     UNROLL
     for (int r = 0; r < R; r++) {
         const uint8_t *b0 = w + r * a->row_bytes + 4 * g * bb;
@@ -600,11 +642,11 @@ INL TGT512 void gstep512(const int qt, const int n, const int R, const int C, __
         for (int c = 0; c < C; c++) {
             const uint8_t *p = a->xp + ((t + c) * a->ng + g) * GROUP_BYTES;
             const uint8_t *aux = p + 192;
-            __m512i dot = qt == QT_Q4_1 ? _mm512_setzero_si512() : _mm512_load_si512(aux);
+            __m512i dot = has_min(qt) ? _mm512_setzero_si512() : _mm512_load_si512(aux);
             dot = _mm512_dpbusd_epi32(dot, lo, _mm512_load_si512(p));
             dot = _mm512_dpbusd_epi32(dot, hi, _mm512_load_si512(p + 64));
             acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dg, _mm512_load_ps(p + 128)), acc[r][c]);
-            if (qt == QT_Q4_1) acc[r][c] = _mm512_fmadd_ps(mg, _mm512_load_ps(aux), acc[r][c]);
+            if (has_min(qt)) acc[r][c] = _mm512_fmadd_ps(mg, _mm512_load_ps(aux), acc[r][c]);
         }
     }
 }
@@ -615,7 +657,7 @@ INL TGT512 void gstep512(const int qt, const int n, const int R, const int C, __
                        E(i, k) at position k (k = 0..7): E(0, k) = 2k, E(1, k) = 2k + 16,
                        E(2, k) = 2k + 1, E(3, k) = 2k + 17
      dx f32 [16]       lane 4j+i: d_x of block 4g+j
-     aux [16]          lane 4j: Q4_0 int32 -8 * isum_j, Q4_1 float sx_j; else 0 (Q8_0: none)
+     aux [16]          lane 4j: Q4_0 / Q5_0 int32 -8 / -16 * isum_j, Q4_1 / Q5_1 float sx_j; else 0
    Blocks past K are zeros throughout. That order is the one a group's weights widen to int16
    in without a shuffle (wgroup512_16): Q4's qs bytes as int16 words hold the nibbles of
    elements 2k, 2k + 16 (low byte), 2k + 1, 2k + 17 (high byte), taken apart by a shift and
@@ -651,8 +693,8 @@ static TGT512 void pack512_16(int qt, const float *x, int64_t K, uint8_t *out)
                 xw[3][8 * j + k] = q[2 * k + 17];
             }
             for (int i = 0; i < 4; i++) dx[4 * j + i] = d;
-            if (qt == QT_Q4_1) memcpy(&aux[4 * j], &sx, 4);
-            else if (qt == QT_Q4_0) aux[4 * j] = -8 * s;
+            if (has_min(qt)) memcpy(&aux[4 * j], &sx, 4);
+            else aux[4 * j] = -q_offset(qt) * s;
         }
         memcpy(p, xw, sizeof xw);
         memcpy(p + 256, dx, sizeof dx);
@@ -665,6 +707,16 @@ static TGT512 void pack512_16(int qt, const float *x, int64_t K, uint8_t *out)
 INL TGT512 void wgroup512_16(const int qt, const int n, const int wide, const uint8_t *b0, const int bb,
                              __m512i w[4])
 {
+    if (is_q5(qt)) { /* whole 5-bit bytes first; a word of lo holds elements 2k, 2k + 1 */
+        __m512i lo, hi;
+        wgroup512(qt, n, wide, b0, bb, &lo, &hi);
+        const __m512i m8 = _mm512_set1_epi16(0x00FF);
+        w[0] = _mm512_and_si512(lo, m8);
+        w[1] = _mm512_and_si512(hi, m8);
+        w[2] = _mm512_srli_epi16(lo, 8);
+        w[3] = _mm512_srli_epi16(hi, 8);
+        return;
+    }
     __m512i l, h;
     wraw512(qt, n, wide, b0, bb, &l, &h);
     if (qt == QT_Q8_0) {
@@ -685,7 +737,8 @@ INL TGT512 void wgroup512_16(const int qt, const int n, const int wide, const ui
 INL TGT512 void gstep512_16(const int qt, const int n, const int R, const int C, __m512 acc[4][4],
                             const struct qmm512 *a, const uint8_t *w, int64_t t, int64_t g)
 {
-    const int bb = block_bytes(qt), wide = R == 1 && n == 4; /* wide loads: rows streamed one by one */
+    /* wide loads: Q4 rows streamed one by one */
+    const int bb = block_bytes(qt), wide = R == 1 && n == 4 && (qt == QT_Q4_0 || qt == QT_Q4_1);
     UNROLL
     for (int r = 0; r < R; r++) {
         const uint8_t *b0 = w + r * a->row_bytes + 4 * g * bb;
@@ -700,13 +753,13 @@ INL TGT512 void gstep512_16(const int qt, const int n, const int R, const int C,
         for (int c = 0; c < C; c++) {
             const uint8_t *p = a->xp + ((t + c) * a->ng + g) * GROUP16_BYTES;
             const uint8_t *aux = p + 320;
-            __m512i dot = qt == QT_Q4_0 ? _mm512_load_si512(aux) : _mm512_setzero_si512();
+            __m512i dot = q_offset(qt) ? _mm512_load_si512(aux) : _mm512_setzero_si512();
             dot = _mm512_dpwssd_epi32(dot, wv[0], _mm512_load_si512(p));
             dot = _mm512_dpwssd_epi32(dot, wv[1], _mm512_load_si512(p + 64));
             dot = _mm512_dpwssd_epi32(dot, wv[2], _mm512_load_si512(p + 128));
             dot = _mm512_dpwssd_epi32(dot, wv[3], _mm512_load_si512(p + 192));
             acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dg, _mm512_load_ps(p + 256)), acc[r][c]);
-            if (qt == QT_Q4_1) acc[r][c] = _mm512_fmadd_ps(mg, _mm512_load_ps(aux), acc[r][c]);
+            if (has_min(qt)) acc[r][c] = _mm512_fmadd_ps(mg, _mm512_load_ps(aux), acc[r][c]);
         }
     }
 }
@@ -781,17 +834,31 @@ static TGT512 void qmm512_q4_1(const struct qmm512 *a, int64_t n0, int64_t n1) {
 static TGT512 void qmm512_16_q8_0(const struct qmm512 *a, int64_t n0, int64_t n1) { qmm512(QT_Q8_0, 1, a, n0, n1); }
 static TGT512 void qmm512_16_q4_0(const struct qmm512 *a, int64_t n0, int64_t n1) { qmm512(QT_Q4_0, 1, a, n0, n1); }
 static TGT512 void qmm512_16_q4_1(const struct qmm512 *a, int64_t n0, int64_t n1) { qmm512(QT_Q4_1, 1, a, n0, n1); }
+static TGT512 void qmm512_q5_0(const struct qmm512 *a, int64_t n0, int64_t n1) { qmm512(QT_Q5_0, 0, a, n0, n1); }
+static TGT512 void qmm512_q5_1(const struct qmm512 *a, int64_t n0, int64_t n1) { qmm512(QT_Q5_1, 0, a, n0, n1); }
+static TGT512 void qmm512_16_q5_0(const struct qmm512 *a, int64_t n0, int64_t n1) { qmm512(QT_Q5_0, 1, a, n0, n1); }
+static TGT512 void qmm512_16_q5_1(const struct qmm512 *a, int64_t n0, int64_t n1) { qmm512(QT_Q5_1, 1, a, n0, n1); }
 
 /* ---- quantized weights: AVX2 -------------------------------------------------------- */
 /* A ymm holds one block; tiles of up to 2 rows x 4 tokens (16 ymm registers). */
 
-/* the block's weights as 32 bytes in element order: Q4 nibbles unsigned; Q8_0 signed */
+/* 0x10 in byte k where bit k of the 32 bits at p is set (llama.cpp's bytes_from_bits_32) */
+INL TGT2 __m256i fifth_bit256(const uint8_t *p)
+{
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)ld32(p)), shuf),
+                                          _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+/* the block's weights as 32 bytes in element order: Q4/Q5 unsigned; Q8_0 signed */
 INL TGT2 __m256i w_bytes_256(const int qt, const uint8_t *blk)
 {
     if (qt == QT_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (qt == QT_Q4_1 ? 4 : 2)));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + qs_offset(qt)));
     const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+    const __m256i nib = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+    return is_q5(qt) ? _mm256_or_si256(nib, fifth_bit256(blk + qh_offset(qt))) : nib;
 }
 
 INL TGT2 void step256(const int qt, const int R, const int C, __m256 acc[2][4], const struct qmm *a,
@@ -807,7 +874,7 @@ INL TGT2 void step256(const int qt, const int R, const int C, __m256 acc[2][4], 
         wq[r] = w_bytes_256(qt, blk);
         wabs[r] = qt == QT_Q8_0 ? _mm256_abs_epi8(wq[r]) : wq[r];
         wd[r] = _mm256_set1_ps(_cvtsh_ss(ld16(blk)));
-        wm[r] = qt == QT_Q4_1 ? _mm256_setr_ps(_cvtsh_ss(ld16(blk + 2)), 0, 0, 0, 0, 0, 0, 0) : _mm256_setzero_ps();
+        wm[r] = has_min(qt) ? _mm256_setr_ps(_cvtsh_ss(ld16(blk + 2)), 0, 0, 0, 0, 0, 0, 0) : _mm256_setzero_ps();
     }
     UNROLL
     for (int c = 0; c < C; c++) {
@@ -815,14 +882,14 @@ INL TGT2 void step256(const int qt, const int R, const int C, __m256 acc[2][4], 
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->qx + (t + c) * a->K + b * QK));
         const __m256 xd = _mm256_set1_ps(a->dx[i]);
         const __m256 xs = _mm256_set1_ps(a->sx[i]);
-        const __m256i bias = _mm256_setr_epi32(-8 * a->isum[i], 0, 0, 0, 0, 0, 0, 0);
+        const __m256i bias = _mm256_setr_epi32(-q_offset(qt) * a->isum[i], 0, 0, 0, 0, 0, 0, 0);
         UNROLL
         for (int r = 0; r < R; r++) {
             const __m256i xr = qt == QT_Q8_0 ? _mm256_sign_epi8(xv, wq[r]) : xv;
             __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[r], xr), ones);
-            if (qt == QT_Q4_0) dot = _mm256_add_epi32(dot, bias);
+            if (q_offset(qt)) dot = _mm256_add_epi32(dot, bias);
             acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wd[r], xd), acc[r][c]);
-            if (qt == QT_Q4_1) acc[r][c] = _mm256_fmadd_ps(wm[r], xs, acc[r][c]);
+            if (has_min(qt)) acc[r][c] = _mm256_fmadd_ps(wm[r], xs, acc[r][c]);
         }
     }
 }
@@ -838,7 +905,13 @@ INL TGT2 void w_words_256(const int qt, const uint8_t *blk, __m256i *lo, __m256i
         *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
         return;
     }
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + (qt == QT_Q4_1 ? 4 : 2))));
+    if (is_q5(qt)) {
+        const __m256i v = w_bytes_256(qt, blk);
+        *lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
+        *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
+        return;
+    }
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + qs_offset(qt))));
     *lo = _mm256_and_si256(v, _mm256_set1_epi16(0x000F));
     *hi = _mm256_srli_epi16(v, 4);
 }
@@ -854,7 +927,7 @@ INL TGT2 void step256_16(const int qt, const int R, const int C, __m256 acc[2][4
         const uint8_t *blk = w + r * a->row_bytes + b * bb;
         w_words_256(qt, blk, &wl[r], &wh[r]);
         wd[r] = _mm256_set1_ps(_cvtsh_ss(ld16(blk)));
-        wm[r] = qt == QT_Q4_1 ? _mm256_setr_ps(_cvtsh_ss(ld16(blk + 2)), 0, 0, 0, 0, 0, 0, 0) : _mm256_setzero_ps();
+        wm[r] = has_min(qt) ? _mm256_setr_ps(_cvtsh_ss(ld16(blk + 2)), 0, 0, 0, 0, 0, 0, 0) : _mm256_setzero_ps();
     }
     UNROLL
     for (int c = 0; c < C; c++) {
@@ -863,13 +936,13 @@ INL TGT2 void step256_16(const int qt, const int R, const int C, __m256 acc[2][4
         const __m256i xl = _mm256_loadu_si256((const __m256i *)xq), xh = _mm256_loadu_si256((const __m256i *)(xq + 16));
         const __m256 xd = _mm256_set1_ps(a->dx[i]);
         const __m256 xs = _mm256_set1_ps(a->sx[i]);
-        const __m256i bias = _mm256_setr_epi32(-8 * a->isum[i], 0, 0, 0, 0, 0, 0, 0);
+        const __m256i bias = _mm256_setr_epi32(-q_offset(qt) * a->isum[i], 0, 0, 0, 0, 0, 0, 0);
         UNROLL
         for (int r = 0; r < R; r++) {
             __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(wl[r], xl), _mm256_madd_epi16(wh[r], xh));
-            if (qt == QT_Q4_0) dot = _mm256_add_epi32(dot, bias);
+            if (q_offset(qt)) dot = _mm256_add_epi32(dot, bias);
             acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wd[r], xd), acc[r][c]);
-            if (qt == QT_Q4_1) acc[r][c] = _mm256_fmadd_ps(wm[r], xs, acc[r][c]);
+            if (has_min(qt)) acc[r][c] = _mm256_fmadd_ps(wm[r], xs, acc[r][c]);
         }
     }
 }
@@ -931,7 +1004,13 @@ static TGT2 void qmm256_q4_1(const struct qmm *a, int64_t n0, int64_t n1) { qmm2
 static TGT2 void qmm256_16_q8_0(const struct qmm *a, int64_t n0, int64_t n1) { qmm256(QT_Q8_0, 1, a, n0, n1); }
 static TGT2 void qmm256_16_q4_0(const struct qmm *a, int64_t n0, int64_t n1) { qmm256(QT_Q4_0, 1, a, n0, n1); }
 static TGT2 void qmm256_16_q4_1(const struct qmm *a, int64_t n0, int64_t n1) { qmm256(QT_Q4_1, 1, a, n0, n1); }
+static TGT2 void qmm256_q5_0(const struct qmm *a, int64_t n0, int64_t n1) { qmm256(QT_Q5_0, 0, a, n0, n1); }
+static TGT2 void qmm256_q5_1(const struct qmm *a, int64_t n0, int64_t n1) { qmm256(QT_Q5_1, 0, a, n0, n1); }
+static TGT2 void qmm256_16_q5_0(const struct qmm *a, int64_t n0, int64_t n1) { qmm256(QT_Q5_0, 1, a, n0, n1); }
+static TGT2 void qmm256_16_q5_1(const struct qmm *a, int64_t n0, int64_t n1) { qmm256(QT_Q5_1, 1, a, n0, n1); }
 #endif /* PAGODA_X86 */
+
+#include "kquant_matmul.inc" /* the K-quants (Q2_K ... Q6_K): their own activation records and kernels */
 
 /* ---- entry points of the quantized product ------------------------------------------ */
 /* act_bits: 8 (int8 activations, llama.cpp's products) or 16 (int16 activations). The
@@ -941,7 +1020,9 @@ static TGT2 void qmm256_16_q4_1(const struct qmm *a, int64_t n0, int64_t n1) { q
 
 static inline int64_t align64(int64_t n) { return (n + 63) & ~(int64_t)63; }
 
-int64_t pagoda_quant_scratch_bytes(int isa, int act_bits, int64_t T, int64_t K)
+/* the scratch of the 32-block types' layout (qtype 0: the most over all types, so one
+   buffer serves every type of a model, as csrc/decode_layers.c uses it) */
+static int64_t scratch_bytes_32(int isa, int act_bits, int64_t T, int64_t K)
 {
     const int64_t elem = act_bits == 16 ? 2 : 1;
 #if PAGODA_X86
@@ -949,6 +1030,14 @@ int64_t pagoda_quant_scratch_bytes(int isa, int act_bits, int64_t T, int64_t K)
 #endif
     (void)isa;
     return align64(T * K * elem) + 3 * align64(T * (K / QK) * 4);
+}
+
+/* bytes of the prepared activations for T tokens of K inputs: the most any qtype needs (the
+   K-quants' records per 256-block, the 32-block types' layouts) */
+int64_t pagoda_quant_scratch_bytes(int isa, int act_bits, int64_t T, int64_t K)
+{
+    const int64_t b32 = scratch_bytes_32(isa, act_bits, T, K), bk = T * (K / QKK) * kq_rec_bytes(act_bits);
+    return b32 > bk ? b32 : bk;
 }
 
 struct plain { int8_t *qx; float *dx; int32_t *isum; float *sx; };
@@ -961,7 +1050,11 @@ static struct plain plain_layout(uint8_t *scratch, int act_bits, int64_t T, int6
     return p;
 }
 
-static int valid_qtype(int qtype) { return qtype == QT_Q8_0 || qtype == QT_Q4_0 || qtype == QT_Q4_1; }
+/* the 32-block types (the K-quants: kquant_matmul.inc) */
+static int valid_qtype(int qtype)
+{
+    return qtype == QT_Q8_0 || qtype == QT_Q4_0 || qtype == QT_Q4_1 || qtype == QT_Q5_0 || qtype == QT_Q5_1;
+}
 
 /* Quantizes tokens [t_begin, t_end) of x ([T, x_stride] float32, K % 32 == 0) into `scratch`
    (pagoda_quant_scratch_bytes(isa, act_bits, T, K) bytes, 64-byte aligned) for
@@ -969,9 +1062,14 @@ static int valid_qtype(int qtype) { return qtype == QT_Q8_0 || qtype == QT_Q4_0 
 int pagoda_quant_prepare(int isa, int qtype, int act_bits, const float *x, int64_t x_stride, int64_t T, int64_t K,
                          int64_t t_begin, int64_t t_end, uint8_t *scratch)
 {
-    if (!valid_qtype(qtype)) return -1;
+    if (!valid_qtype(qtype) && !is_kquant(qtype)) return -1;
     if (isa == ISA_AVX512_BF16 || !pagoda_isa_supported(isa)) return -2;
     if (act_bits != 8 && act_bits != 16) return -3;
+    if (K % (is_kquant(qtype) ? QKK : QK)) return -4;
+    if (is_kquant(qtype)) {
+        kq_prepare(act_bits, x, x_stride, K, t_begin, t_end, scratch);
+        return 0;
+    }
 #if PAGODA_X86
     if (isa == ISA_AVX512) {
         const int64_t token_bytes = num_groups(K / QK) * (act_bits == 16 ? GROUP16_BYTES : GROUP_BYTES);
@@ -993,9 +1091,14 @@ int pagoda_quant_prepare(int isa, int qtype, int act_bits, const float *x, int64
 int pagoda_quant_matmul(int isa, int qtype, int act_bits, const uint8_t *scratch, int64_t T, int64_t K,
                         const uint8_t *w, int64_t n_begin, int64_t n_end, float *y, int64_t y_stride)
 {
-    if (!valid_qtype(qtype)) return -1;
+    if (!valid_qtype(qtype) && !is_kquant(qtype)) return -1;
     if (isa == ISA_AVX512_BF16 || !pagoda_isa_supported(isa)) return -2;
     if (act_bits != 8 && act_bits != 16) return -3;
+    if (K % (is_kquant(qtype) ? QKK : QK)) return -4;
+    if (is_kquant(qtype)) {
+        kq_matmul(isa, qtype, act_bits, scratch, T, K, w, n_begin, n_end, y, y_stride);
+        return 0;
+    }
     const int64_t nb = K / QK, row_bytes = nb * block_bytes(qtype);
     const int x16 = act_bits == 16;
 #if PAGODA_X86
@@ -1003,7 +1106,9 @@ int pagoda_quant_matmul(int isa, int qtype, int act_bits, const uint8_t *scratch
         const struct qmm512 a = {T, nb, num_groups(nb), row_bytes, y_stride, scratch, w, y};
         if (qtype == QT_Q8_0) (x16 ? qmm512_16_q8_0 : qmm512_q8_0)(&a, n_begin, n_end);
         else if (qtype == QT_Q4_0) (x16 ? qmm512_16_q4_0 : qmm512_q4_0)(&a, n_begin, n_end);
-        else (x16 ? qmm512_16_q4_1 : qmm512_q4_1)(&a, n_begin, n_end);
+        else if (qtype == QT_Q4_1) (x16 ? qmm512_16_q4_1 : qmm512_q4_1)(&a, n_begin, n_end);
+        else if (qtype == QT_Q5_0) (x16 ? qmm512_16_q5_0 : qmm512_q5_0)(&a, n_begin, n_end);
+        else (x16 ? qmm512_16_q5_1 : qmm512_q5_1)(&a, n_begin, n_end);
         return 0;
     }
 #endif
@@ -1014,7 +1119,9 @@ int pagoda_quant_matmul(int isa, int qtype, int act_bits, const uint8_t *scratch
     if (isa == ISA_AVX2) {
         if (qtype == QT_Q8_0) (x16 ? qmm256_16_q8_0 : qmm256_q8_0)(&a, n_begin, n_end);
         else if (qtype == QT_Q4_0) (x16 ? qmm256_16_q4_0 : qmm256_q4_0)(&a, n_begin, n_end);
-        else (x16 ? qmm256_16_q4_1 : qmm256_q4_1)(&a, n_begin, n_end);
+        else if (qtype == QT_Q4_1) (x16 ? qmm256_16_q4_1 : qmm256_q4_1)(&a, n_begin, n_end);
+        else if (qtype == QT_Q5_0) (x16 ? qmm256_16_q5_0 : qmm256_q5_0)(&a, n_begin, n_end);
+        else (x16 ? qmm256_16_q5_1 : qmm256_q5_1)(&a, n_begin, n_end);
         return 0;
     }
 #endif
@@ -1344,6 +1451,20 @@ static inline void dequant_block(int qtype, const uint8_t *blk, float *v)
             v[i] = d * (float)((int)(blk[2 + i] & 0x0F) - 8);
             v[i + QK / 2] = d * (float)((int)(blk[2 + i] >> 4) - 8);
         }
+    } else if (is_q5(qtype)) { /* Q5_0 d * (q - 16); Q5_1 d * q + m */
+        const uint8_t *qs = blk + qs_offset(qtype);
+        const uint32_t qh = ld32(blk + qh_offset(qtype));
+        const float m = qtype == QT_Q5_1 ? f16_to_f32(ld16(blk + 2)) : 0.0f;
+        for (int i = 0; i < QK / 2; i++) {
+            const int lo = (qs[i] & 0x0F) | (int)((qh >> i & 1) << 4), hi = (qs[i] >> 4) | (int)((qh >> (i + 16) & 1) << 4);
+            if (qtype == QT_Q5_0) {
+                v[i] = d * (float)(lo - 16);
+                v[i + QK / 2] = d * (float)(hi - 16);
+            } else {
+                v[i] = d * (float)lo + m;
+                v[i + QK / 2] = d * (float)hi + m;
+            }
+        }
     } else {
         const float m = f16_to_f32(ld16(blk + 2));
         for (int i = 0; i < QK / 2; i++) {
@@ -1353,21 +1474,45 @@ static inline void dequant_block(int qtype, const uint8_t *blk, float *v)
     }
 }
 
-/* Rows [n_begin, n_end) of w (uint8 [N, K / 32 * block bytes], GGUF blocks) as bfloat16
-   [N, K] in out: each weight computed in float32 (dequant_block), then rounded to nearest
-   even. Returns 0, -1 for a bad type. */
+/* Row n of w as float32 [K] in out, as dequantize() computes it: block by block (32 or a
+   K-quant's 256 values) */
+static void dequant_row(int qtype, const uint8_t *w, int64_t K, int64_t n, float *out)
+{
+    const int kq = is_kquant(qtype);
+    const int64_t block = kq ? QKK : QK, nb = K / block, bb = kq ? kq_block_bytes(qtype) : block_bytes(qtype);
+    const uint8_t *row = w + n * nb * bb;
+    for (int64_t b = 0; b < nb; b++) {
+        if (kq) kq_dequant_block(qtype, row + b * bb, out + b * block);
+        else dequant_block(qtype, row + b * bb, out + b * block);
+    }
+}
+
+static int dequant_args(int qtype, int64_t K)
+{
+    if (!valid_qtype(qtype) && !is_kquant(qtype)) return -1;
+    return K % (is_kquant(qtype) ? QKK : QK) ? -4 : 0;
+}
+
+/* Rows [n_begin, n_end) of w (uint8 [N, row_bytes], GGUF blocks of any type above) as
+   bfloat16 [N, K] in out: each weight computed in float32 (dequant_row), then rounded to
+   nearest even. Returns 0, -1 for a bad type, -4 for K not whole blocks. */
 int pagoda_dequant_bf16(int qtype, const uint8_t *w, int64_t K, int64_t n_begin, int64_t n_end, uint16_t *out)
 {
-    if (qtype != QT_Q8_0 && qtype != QT_Q4_0 && qtype != QT_Q4_1) return -1;
-    const int64_t nb = K / QK;
-    const int bb = block_bytes(qtype);
+    const int rc = dequant_args(qtype, K);
+    if (rc != 0) return rc;
+    float v[QKK];
+    const int64_t block = is_kquant(qtype) ? QKK : QK;
     for (int64_t n = n_begin; n < n_end; n++) {
-        const uint8_t *row = w + n * nb * bb;
         uint16_t *o = out + n * K;
-        for (int64_t b = 0; b < nb; b++, o += QK) {
-            float v[QK];
-            dequant_block(qtype, row + b * bb, v);
-            for (int i = 0; i < QK; i++) o[i] = f32_to_bf16_rne(v[i]);
+        for (int64_t k0 = 0; k0 < K; k0 += QKK) { /* a row in pieces of 256 (whole blocks of either size) */
+            const int64_t len = K - k0 < QKK ? K - k0 : QKK;
+            const int64_t bb = is_kquant(qtype) ? kq_block_bytes(qtype) : block_bytes(qtype);
+            const uint8_t *row = w + n * (K / block) * bb + k0 / block * bb;
+            for (int64_t b = 0; b < len / block; b++) {
+                if (is_kquant(qtype)) kq_dequant_block(qtype, row + b * bb, v + b * block);
+                else dequant_block(qtype, row + b * bb, v + b * block);
+            }
+            for (int64_t i = 0; i < len; i++) o[k0 + i] = f32_to_bf16_rne(v[i]);
         }
     }
     return 0;
@@ -1377,13 +1522,9 @@ int pagoda_dequant_bf16(int qtype, const uint8_t *w, int64_t K, int64_t n_begin,
    float32 GEMM where the CPU has no BF16 units. */
 int pagoda_dequant_f32(int qtype, const uint8_t *w, int64_t K, int64_t n_begin, int64_t n_end, float *out)
 {
-    if (qtype != QT_Q8_0 && qtype != QT_Q4_0 && qtype != QT_Q4_1) return -1;
-    const int64_t nb = K / QK;
-    const int bb = block_bytes(qtype);
-    for (int64_t n = n_begin; n < n_end; n++) {
-        const uint8_t *row = w + n * nb * bb;
-        for (int64_t b = 0; b < nb; b++) dequant_block(qtype, row + b * bb, out + n * K + b * QK);
-    }
+    const int rc = dequant_args(qtype, K);
+    if (rc != 0) return rc;
+    for (int64_t n = n_begin; n < n_end; n++) dequant_row(qtype, w, K, n, out + n * K);
     return 0;
 }
 
