@@ -80,10 +80,10 @@ def check_tensor_parallel(model_dir: str, size: int) -> None:
     if size == 1:
         return
     from worker_svc.errors import CheckpointError
-    from worker_svc.model_config import ModelConfig
+    from worker_svc.models.registry import load_config
 
     try:
-        config = ModelConfig.from_dir(model_dir)
+        config = load_config(model_dir)
     except CheckpointError:
         return
     config.shard(size)

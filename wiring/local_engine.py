@@ -99,7 +99,7 @@ def build_local_engine(
     from worker_svc.device import default_attention_backend, resolve_device
     from worker_svc.emulated import build_emulated_runner
     from worker_svc.loader import load_stage
-    from worker_svc.model_config import ModelConfig
+    from worker_svc.models.registry import load_config
     from worker_svc.runner import StageRunner
 
     keep_freed_memory()
@@ -125,7 +125,7 @@ def build_local_engine(
     kv = InProcessKVCacheClient(
         KVCacheManager(num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
     )
-    model_config = ModelConfig.from_dir(model_dir)
+    model_config = load_config(model_dir)
     return Engine(config, kv, LocalStageTransport(runners), eos_token_ids=model_config.eos_token_ids)
 
 

@@ -20,6 +20,7 @@ from services import settings as shared
 from services.defaults import NUM_KV_BLOCKS
 from worker_svc.errors import CheckpointError
 from worker_svc.model_config import ModelConfig
+from worker_svc.models.registry import load_config
 
 # A CPU stage's process before any weight: Python, torch and the worker (about 235 MiB
 # measured); a floor, so that the memory check refuses only what cannot start.
@@ -55,7 +56,7 @@ def read_checkpoint(model_dir: str | Path, weights: bool = True) -> Checkpoint:
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} is not a checkpoint directory (no config.json) or a GGUF file")
     try:
-        config = ModelConfig.from_dir(folder)
+        config = load_config(folder)
     except CheckpointError as exc:
         raise ValueError(str(exc)) from None
     weight_bytes, packed = _weights(folder) if weights else (0, False)
@@ -250,7 +251,7 @@ def check_draft_model(speculative_config: str | None, target: ModelConfig, targe
     if not draft_dir.is_dir():
         return
     try:
-        draft = ModelConfig.from_dir(draft_dir)
+        draft = load_config(draft_dir)
     except CheckpointError as exc:
         raise ValueError(f"{flag}: the draft model: {exc}") from None
     if draft.vocab_size != target.vocab_size:

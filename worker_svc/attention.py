@@ -10,6 +10,10 @@ Its KV lives in the blocks `block_tables[i]`: token t of the sequence is in bloc
 `TorchAttentionBackend` is the reference; `CpuAttentionBackend` (the CPU default) runs
 decode rows through a native kernel that reads the pools in place; the Triton backend (GPU)
 implements the same two methods (`write_kv`, `forward`).
+
+Soft-capped scores (Gemma 2's `softcap`: cap * tanh(score / cap) before the softmax) are
+computed by the torch backend with explicit products (`_attend`; SDPA has no soft-capping),
+for every row; the CPU backend hands such layers to it, the Triton backend refuses them.
 """
 
 from __future__ import annotations
@@ -79,9 +83,10 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim] -> out: same shape
-        num_heads, head_dim = q.shape[1], q.shape[2]
+        head_dim = q.shape[2]
         block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
         out = torch.empty_like(q)
         groups, prefills = self._plan(metadata, block_size, num_kv_heads * head_dim, sliding_window)
@@ -92,23 +97,22 @@ class TorchAttentionBackend:
             k = k_pool.index_select(0, g.tables).view(n, blocks * block_size, num_kv_heads, head_dim)
             v = v_pool.index_select(0, g.tables).view(n, blocks * block_size, num_kv_heads, head_dim)
             k, v = k[:, :g.max_ctx].to(q.dtype), v[:, :g.max_ctx].to(q.dtype)  # a bfloat16 pool widens
-            o = F.scaled_dot_product_attention(
+            o = _attend(
                 q[g.token_rows].unsqueeze(2),  # [n, heads, 1, d]
                 k.transpose(1, 2),  # [n, kv_heads, max_ctx, d]
                 v.transpose(1, 2),
-                attn_mask=None if g.keep is None else g.keep.to(q.dtype),
-                scale=scale,
-                enable_gqa=num_heads != num_kv_heads,
+                None if g.keep is None else g.keep.to(q.dtype), False, scale, softcap,
             )
             out[g.token_rows] = o.squeeze(2)
-        self._prefill(q, k_pool, v_pool, metadata, prefills, scale, sliding_window, out)
+        self._prefill(q, k_pool, v_pool, metadata, prefills, scale, sliding_window, out, softcap)
         return out
 
     @staticmethod
     def _prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, metadata: AttentionMetadata,
-                 prefills: list[int], scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+                 prefills: list[int], scale: float, sliding_window: int | None, out: torch.Tensor,
+                 softcap: float | None = None) -> None:
         """Rows with several new tokens, one sequence at a time (causal within the chunk)."""
-        num_heads, head_dim = q.shape[1], q.shape[2]
+        head_dim = q.shape[2]
         block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
         starts = metadata.query_start_loc_list
         for i in prefills:
@@ -129,13 +133,11 @@ class TorchAttentionBackend:
             tile = num_new if causal else max(1, min(num_new, MASK_BUDGET_BYTES // (4 * ctx)))
             for t in range(0, num_new, tile):
                 rows = min(tile, num_new - t)
-                o = F.scaled_dot_product_attention(
+                o = _attend(
                     q[q_start + t:q_start + t + rows].transpose(0, 1)[None],  # [1, heads, rows, d]
                     keys, values,
-                    attn_mask=None if causal else _mask(rows, ctx, sliding_window, q.device, first=ctx - num_new + t),
-                    is_causal=causal,
-                    scale=scale,
-                    enable_gqa=num_heads != num_kv_heads,
+                    None if causal else _mask(rows, ctx, sliding_window, q.device, first=ctx - num_new + t),
+                    causal, scale, softcap,
                 )
                 out[q_start + t:q_start + t + rows] = o[0].transpose(0, 1)
 
@@ -215,10 +217,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        if (self.kernel is None or q.device.type != "cpu" or q.dtype != torch.float32
+        if (self.kernel is None or q.device.type != "cpu" or q.dtype != torch.float32 or softcap is not None
                 or k_pool.dtype not in KV_POOL_DTYPES or v_pool.dtype != k_pool.dtype):
-            return super().forward(q, k_pool, v_pool, metadata, scale, sliding_window)
+            return super().forward(q, k_pool, v_pool, metadata, scale, sliding_window, softcap)
         decode = self._decode_rows(metadata)
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows may be apart, heads not
             q = q.contiguous()
@@ -261,6 +264,29 @@ class CpuAttentionBackend(TorchAttentionBackend):
         planned = _DecodeRows(rows, tables, ctx_lens, prefills)
         metadata.derived["cpu"] = planned
         return planned
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+            scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention of q [b, H, n, D] over k, v [b, Hkv, ctx, D] (GQA: H a multiple of Hkv)
+    under `mask` (boolean, True = attend; or additive float) or `causal`; soft-capped scores
+    as transformers' eager attention computes them when `softcap` is set."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        n, ctx = q.shape[2], k.shape[2]
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def _mask(

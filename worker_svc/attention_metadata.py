@@ -61,6 +61,7 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     ) -> torch.Tensor: ...
 
 

@@ -47,6 +47,7 @@ from worker_svc.batch import PersistentBatch, Row, SeqState, StageShape
 from worker_svc.config import EMULATED_PREFIX, WorkerConfig
 from worker_svc.memory import kv_block_bytes
 from worker_svc.model_config import ModelConfig
+from worker_svc.models.registry import load_config
 from worker_svc.pooler import normalized_bytes
 from worker_svc.runner import StageResult, check_stage_inputs
 from worker_svc.sampler import SamplerOutput, row_key
@@ -380,7 +381,7 @@ def build_emulated_runner(config: WorkerConfig, sleep: Callable[[float], None] =
     profile = load_profile(spec)
     if profile.host_compute and sleep is time.sleep:
         sleep = compute_for
-    model_config = ModelConfig.from_dir(config.model)
+    model_config = load_config(config.model)
     start, end = partition_layers(model_config.num_layers, config.num_stages, config.layer_partition)[config.stage]
     model = EmulatedSlice(model_config, start, end, config.is_first, config.is_last, config.model)
     dtype = resolve_dtype(config.dtype, model_config, "meta")  # as configured: no CPU-only swap

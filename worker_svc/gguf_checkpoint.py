@@ -4,8 +4,9 @@
 memory-mapped; nothing is copied until a tensor is asked for) and answers in the terms the
 rest of the worker uses:
 
-- `hf_config()`: a `config.json`-shaped dict (what `ModelConfig.from_dict` reads), from the
-  `{arch}.*` keys llama.cpp writes; Llama, Mistral (written as `llama`) and Qwen2.
+- `hf_config()`: a `config.json`-shaped dict (what `worker_svc.models.registry.read_config` reads), from the
+  `{arch}.*` keys llama.cpp writes, for every architecture of worker_svc/models/ (each names
+  its GGUF tensor names and metadata keys beyond Llama's).
 - `tensor(name)`: the tensor a Hugging Face parameter name stands for, as a `GGUFTensor`:
   block-quantized types stay in their blocks, `uint8 [rows, row_bytes]`: Q8_0, Q4_0, Q4_1
   (served packed) and the K-quants Q2_K-Q6_K with Q5_0 and Q5_1 (worker_svc/kquants.py:
@@ -32,6 +33,7 @@ import torch
 from worker_svc.errors import CheckpointError
 from worker_svc.kquants import KQUANT_TYPES
 from worker_svc.kquants import dequantize as dequantize_kquant
+from worker_svc.models.registry import architecture_of_gguf
 from worker_svc.quant_kernels import dequantize as dequantize_packed
 
 # A GGUF file is served from a folder prepared for it (wiring/model_source.py): the
@@ -39,12 +41,6 @@ from worker_svc.quant_kernels import dequantize as dequantize_packed
 # tensors the stages load.
 GGUF_SOURCE_FILE = "gguf_source.json"
 
-# GGUF `general.architecture` -> (config.json architectures[0], q/k rows permuted by the converter)
-GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "llama": ("LlamaForCausalLM", True),
-    "mistral": ("MistralForCausalLM", True),
-    "qwen2": ("Qwen2ForCausalLM", False),
-}
 # ggml type id -> (name, elements per block, bytes per block) of the types served packed
 PACKED_TYPES: dict[int, tuple[str, int, int]] = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20)}
 # ggml type id -> (name, elements per block, bytes per block) of the block types dequantized at load
@@ -53,20 +49,6 @@ DEQUANTIZED_TYPES: dict[int, tuple[str, int, int]] = {tid: (name, block, size)
 # ggml type id -> torch dtype of the types served as plain tensors
 PLAIN_TYPES: dict[int, torch.dtype] = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
 
-_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -74,13 +56,14 @@ _GLOBAL_TENSORS = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor name, or None (e.g. `rope_freqs`)."""
+def hf_name(gguf_name: str, layer_tensors: dict[str, str]) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor name (an architecture's
+    `gguf_layer_tensors`), or None (e.g. `rope_freqs`)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}"
     return None
 
 
@@ -129,13 +112,10 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: cannot be read as GGUF: {exc}") from exc
         self._tensors = {t.name: t for t in self._reader.tensors}
         arch = self.field("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
-            raise CheckpointError(
-                f"{self.path}: general.architecture {arch!r} is not supported; "
-                f"supported: {', '.join(GGUF_ARCHITECTURES)}"
-            )
+        self.arch = architecture_of_gguf(arch, str(self.path))
         self.architecture = str(arch)
-        self._by_hf = {n: g for g in self._tensors if (n := hf_name(g)) is not None}
+        layer_tensors = self.arch.gguf_layer_tensors
+        self._by_hf = {n: g for g in self._tensors if (n := hf_name(g, layer_tensors)) is not None}
 
     def field(self, key: str, default: Any = None) -> Any:
         f = self._reader.fields.get(key)
@@ -150,9 +130,8 @@ class GGUFCheckpoint:
         return value
 
     def hf_config(self) -> dict[str, Any]:
-        """`config.json` for this file (see `ModelConfig.from_dict`)."""
+        """`config.json` for this file (see `worker_svc.models.registry.read_config`)."""
         a = self.architecture
-        hf_arch, _ = GGUF_ARCHITECTURES[a]
         hidden = int(self._need(f"{a}.embedding_length"))
         heads = int(self._need(f"{a}.attention.head_count"))
         kv_heads = int(self.field(f"{a}.attention.head_count_kv", heads))
@@ -165,9 +144,8 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: {a}.rope.dimension_count other than the head size "
                                   "(partial rotary) is not supported")
         config: dict[str, Any] = {
-            "architectures": [hf_arch],
-            "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2"}[hf_arch],
+            "architectures": [self.arch.hf_names[0]],
+            "model_type": self.arch.model_type,
             "hidden_size": hidden,
             "intermediate_size": int(self._need(f"{a}.feed_forward_length")),
             "num_hidden_layers": int(self._need(f"{a}.block_count")),
@@ -192,6 +170,7 @@ class GGUFCheckpoint:
         window = self.field(f"{a}.attention.sliding_window")
         if window:
             config["sliding_window"] = int(window)
+        self.arch.gguf_config(lambda key, default: self.field(f"{a}.{key}", default), config)
         for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                           ("eos_token_id", "tokenizer.ggml.eos_token_id")):
             value = self.field(name)
@@ -247,7 +226,7 @@ class GGUFCheckpoint:
         return GGUFTensor(name=name, qtype=qtype, shape=shape, data=data)
 
     def _permuted(self, name: str) -> bool:
-        return GGUF_ARCHITECTURES[self.architecture][1] and (
+        return self.arch.gguf_permuted_qk and (
             ".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
 
 

@@ -19,9 +19,10 @@ from torch import nn
 
 from worker_svc.cpu_features import cpu_features
 from worker_svc.errors import CheckpointError
-from worker_svc.gguf_checkpoint import GGUFCheckpoint, gguf_source
+from worker_svc.gguf_checkpoint import GGUFCheckpoint, GGUFTensor, gguf_source
 from worker_svc.model import StageModel
 from worker_svc.model_config import DTYPE_NAMES, ModelConfig
+from worker_svc.models.registry import architecture_of_model, load_config
 from worker_svc.packed import PackedEmbedding, PackedLinear, pack_bfloat16
 from worker_svc.quantization import check_quantization, quantize_model, weight_bytes
 
@@ -151,7 +152,7 @@ def load_stage(
     if gguf_file is not None:
         return load_gguf_stage(gguf_file, model_dir, stage, num_stages, partition, dtype, device,
                                quantization, tp_rank, tp_size)
-    config = ModelConfig.from_dir(model_dir)
+    config = load_config(model_dir)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
     if not 0 <= tp_rank < tp_size:
@@ -165,11 +166,14 @@ def load_stage(
     )
     model.source_dir = str(model_dir)  # the checkpoint folder (its tokenizer: structured output)
     expected = model.expected_tensors()
-    by_file = _tensors_by_file(model_dir, expected, f"stage {stage} needs it for layers [{start}, {end})")
+    sources = _fused_sources(config, expected)
+    by_file = _tensors_by_file(model_dir, expected, f"stage {stage} needs it for layers [{start}, {end})",
+                               sources)
     state = {name: tensor.to(device=device, dtype=load_dtype)
-             for name, tensor in _read_safetensors(by_file, expected, tp_rank, tp_size)}
+             for name, tensor in _read_safetensors(by_file, expected, tp_rank, tp_size, sources)}
     model.load_state_dict(state, strict=True, assign=True)
     del state
+    model.fold_norm_offsets()
     _finish_stage(model, quantization, torch_dtype, device)
     log.info(
         "stage %d of %d%s: layers [%d, %d), %s weights%s: %d bytes",
@@ -179,34 +183,56 @@ def load_stage(
     return model
 
 
-def _tensors_by_file(model_dir: Path, expected: Mapping[str, Sequence[int]], needed_for: str) -> dict[Path, list[str]]:
+# a tensor the checkpoint holds inside a fused one (Phi-3's qkv_proj): name -> (the fused
+# tensor's name, its first row, its rows), in the whole model's terms
+FusedSources = Mapping[str, tuple[str, int, int]]
+
+
+def _fused_sources(config: ModelConfig, expected: Mapping[str, Sequence[int]]) -> dict[str, tuple[str, int, int]]:
+    arch = architecture_of_model(config.model_type)
+    return {name: src for name in expected if (src := arch.source_of(name, config)) is not None}
+
+
+def _tensors_by_file(model_dir: Path, expected: Mapping[str, Sequence[int]], needed_for: str,
+                     sources: FusedSources | None = None) -> dict[Path, list[str]]:
     """The safetensors files holding the `expected` tensors, and which of them each holds."""
     where = weight_files(model_dir)
     by_file: dict[Path, list[str]] = {}
     for name in expected:
-        if name not in where:
+        stored = sources[name][0] if sources and name in sources else name
+        if stored not in where:
             raise CheckpointError(
-                f"{model_dir}: tensor {name!r} is missing from the checkpoint ({needed_for})"
+                f"{model_dir}: tensor {stored!r} is missing from the checkpoint ({needed_for})"
             )
-        by_file.setdefault(where[name], []).append(name)
+        by_file.setdefault(where[stored], []).append(name)
     return by_file
 
 
 def _read_safetensors(
     by_file: Mapping[Path, list[str]], expected: Mapping[str, Sequence[int]], tp_rank: int, tp_size: int,
+    sources: FusedSources | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor of `by_file` as the checkpoint holds it (rank `tp_rank`'s share of a split
-    one), after checking its shape against `expected` (the whole tensor's, for a split one);
-    each file is opened once."""
+    one; its rows of a fused one, `sources`), after checking its shape against `expected`
+    (the whole tensor's, for a split one); each file is opened once."""
     for path, names in by_file.items():
         with _open(path) as f:
             present = set(f.keys())
             for name in names:
-                if name not in present:
-                    raise CheckpointError(f"{path}: tensor {name!r} is missing from this file")
-                part = f.get_slice(name)
+                stored, first, rows = (sources or {}).get(name, (name, None, None))
+                if stored not in present:
+                    raise CheckpointError(f"{path}: tensor {stored!r} is missing from this file")
+                part = f.get_slice(stored)
                 shape = tuple(part.get_shape())
                 dim, full = _full_shape(name, expected[name], tp_size)
+                if first is not None:  # one part's rows of a fused tensor
+                    if len(shape) < 1 or shape[0] < first + rows or tuple(shape[1:]) != tuple(full[1:]):
+                        raise CheckpointError(f"{path}: tensor {stored!r} has shape {list(shape)}, too "
+                                              f"small for {name!r} (rows {first}..{first + rows})")
+                    size = expected[name][0] if dim == 0 else rows
+                    offset = first + (tp_rank * size if dim == 0 else 0)
+                    yield name, part[offset:offset + size]
+                    continue
                 if shape != tuple(full):
                     raise CheckpointError(
                         f"{path}: tensor {name!r} has shape {list(shape)}, "
@@ -266,7 +292,7 @@ def load_gguf_stage(
     dtype dequantizes every tensor to it at load (float32: the exact path, the weights
     `transformers` reads from the file).
     """
-    config = ModelConfig.from_dir(model_dir)
+    config = load_config(model_dir)
     ckpt = GGUFCheckpoint(gguf_file)
     raw_config = ckpt.hf_config()
     packed = dtype == "auto"
@@ -282,27 +308,16 @@ def load_gguf_stage(
         is_last=stage == num_stages - 1 and tp_rank == 0, device=device,
     )
     model.source_dir = str(model_dir)
-    state: dict[str, torch.Tensor] = {}
-    packed_modules: dict[str, tuple[str, torch.Tensor, int]] = {}  # module -> (qtype, data, in)
-    dequantized: set[str] = set()  # block types without packed kernels, dequantized here
-    for name, want in model.expected_tensors().items():
-        t = _gguf_tensor(ckpt, gguf_file, name, want, raw_config, tp_size)
-        if packed and name.endswith(".weight") and len(t.shape) == 2 and (t.packed or t.qtype == "BF16"):
-            packed_modules[name.rsplit(".", 1)[0]] = (t.qtype, t.data, t.shape[-1])
-            continue
-        if t.blocked and not t.packed:
-            dequantized.add(t.qtype)
-        tensor = t.to_float32() if t.blocked else t.data
-        dim = shard_dim(name) if tp_size > 1 else None
-        if dim is not None:
-            tensor = _rank_share(tensor, dim, want[dim], tp_rank)
-        state[name] = tensor.to(device=device, dtype=load_dtype).contiguous()
+    state, packed_modules, dequantized = _gguf_state(model, ckpt, gguf_file, config, raw_config, packed,
+                                                     (tp_rank, tp_size), device, load_dtype)
     _install_packed(model, packed_modules, state)
     _, unexpected = model.load_state_dict(state, strict=False, assign=True)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left or unexpected:
         raise CheckpointError(f"{gguf_file}: tensors not matched to the model: {left or unexpected}")
     del state
+    if not ckpt.arch.gguf_norm_offset_stored:  # llama.cpp stores Gemma's norms as 1 + w
+        model.fold_norm_offsets()
     _finish_stage(model, quantization, torch_dtype, device)
     kinds = sorted({q for q, _, _ in packed_modules.values()})
     if kinds:
@@ -317,6 +332,35 @@ def load_gguf_stage(
         f"packed {'/'.join(kinds)} weights" if kinds else f"{torch_dtype} weights", weight_bytes(model),
     )  # fmt: skip
     return model
+
+
+def _gguf_state(model: StageModel, ckpt: GGUFCheckpoint, gguf_file: Path, config: ModelConfig, raw_config,
+                packed: bool, tp: tuple[int, int], device, load_dtype: torch.dtype):
+    """The stage's tensors from the GGUF file: (state dict of float tensors, module -> (qtype,
+    data, in_features) of those kept packed, block types dequantized for want of kernels)."""
+    tp_rank, tp_size = tp
+    state: dict[str, torch.Tensor] = {}
+    packed_modules: dict[str, tuple[str, torch.Tensor, int]] = {}  # module -> (qtype, data, in)
+    dequantized: set[str] = set()  # block types without packed kernels, dequantized here
+    expected = model.expected_tensors()
+    sources = _fused_sources(config, expected)
+    fused: dict[str, object] = {}  # a fused tensor read once for its parts
+    for name, want in expected.items():
+        if name in sources:
+            t = _gguf_part(ckpt, gguf_file, sources[name], want, raw_config, tp_size, fused)
+        else:
+            t = _gguf_tensor(ckpt, gguf_file, name, want, raw_config, tp_size)
+        if packed and name.endswith(".weight") and len(t.shape) == 2 and (t.packed or t.qtype == "BF16"):
+            packed_modules[name.rsplit(".", 1)[0]] = (t.qtype, t.data, t.shape[-1])
+            continue
+        if t.blocked and not t.packed:
+            dequantized.add(t.qtype)
+        tensor = t.to_float32() if t.blocked else t.data
+        dim = shard_dim(name) if tp_size > 1 else None
+        if dim is not None:
+            tensor = _rank_share(tensor, dim, want[dim], tp_rank)
+        state[name] = tensor.to(device=device, dtype=load_dtype).contiguous()
+    return state, packed_modules, dequantized
 
 
 def _check_packed_gguf(quantization: str | None, device: str | torch.device, tp_size: int) -> None:
@@ -345,6 +389,23 @@ def _gguf_tensor(ckpt: GGUFCheckpoint, gguf_file: Path, name: str, want: Sequenc
         raise CheckpointError(f"{gguf_file}: tensor {name!r} has shape {list(t.shape)}, expected "
                               f"{full} from the file's metadata")
     return t
+
+
+def _gguf_part(ckpt: GGUFCheckpoint, gguf_file: Path, source: tuple[str, int, int], want: Sequence[int],
+               raw_config, tp_size: int, cache: dict):
+    """The rows of one part of a fused GGUF tensor (Phi-3's attn_qkv, ffn_up), its shape
+    checked against `want` (the whole part's, for one split across `tp_size` ranks)."""
+    stored, first, rows = source
+    if stored not in cache:
+        cache.clear()  # the parts of one fused tensor are asked for one after another
+        cache[stored] = ckpt.tensor(stored, raw_config)
+    t = cache[stored]
+    if t.shape[0] < first + rows or tuple(t.shape[1:]) != tuple(want[1:]):
+        raise CheckpointError(f"{gguf_file}: tensor {stored!r} has shape {list(t.shape)}, too small for "
+                              f"rows {first}..{first + rows} of {want[1:]} columns")
+    if rows != want[0] * tp_size:
+        raise CheckpointError(f"{gguf_file}: a part of {stored!r} has {rows} rows, expected {want[0] * tp_size}")
+    return GGUFTensor(name=stored, qtype=t.qtype, shape=(rows, *t.shape[1:]), data=t.data[first:first + rows])
 
 
 def _install_packed(model: StageModel, packed_modules: Mapping[str, tuple[str, torch.Tensor, int]],

@@ -1,26 +1,23 @@
-"""The model's architecture as read from a Hugging Face `config.json`.
+"""The model's shape as read from a Hugging Face `config.json`.
 
-Reads both spellings that checkpoints use: `rope_scaling` (transformers 4) and
-`rope_parameters` (transformers 5), `torch_dtype` and `dtype`.
+`base_config` reads the fields every decoder has here; the architecture that
+`architectures` names (worker_svc/models/: each sets its own options, e.g. Qwen3's q/k
+norms or Gemma's per-layer attention types) builds the config on it:
+`worker_svc.models.registry.read_config(raw)` / `load_config(model_dir)`. Reads both spellings that
+checkpoints use: `rope_scaling` (transformers 4) and `rope_parameters` (transformers 5),
+`torch_dtype` and `dtype`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from worker_svc.errors import CheckpointError
 
-# architecture name in config.json -> (model_type, has q/k/v bias by default)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "LlamaForCausalLM": ("llama", False),
-    "MistralForCausalLM": ("mistral", False),
-    "Qwen2ForCausalLM": ("qwen2", True),
-}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types` entries
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -40,11 +37,14 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    short_factor: tuple[float, ...] = ()  # longrope
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder's shape. Derived sizes are properties."""
+    """A decoder's shape and the options its architecture sets (worker_svc/models/).
+    Derived sizes are properties."""
 
     architecture: str
     model_type: str
@@ -65,6 +65,28 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # options an architecture sets (the defaults are Llama's)
+    layer_types: tuple[str, ...] = ()  # per layer: SLIDING or FULL; () = every layer alike
+    rope_local: RopeConfig | None = None  # the sliding layers' own rotary (Gemma 3)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # norms scale by (offset + w) (Gemma: 1)
+    sandwich_norms: bool = False  # norms after attention and MLP too (Gemma 2/3)
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # Gemma 2
+    final_logit_softcap: float | None = None  # Gemma 2
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it attends to its whole context)."""
+        if self.layer_types:
+            return self.sliding_window if self.layer_types[layer] == SLIDING else None
+        return self.sliding_window
+
+    def rope_for(self, layer: int) -> RopeConfig:
+        """The rotary parameters of layer `layer`."""
+        if self.rope_local is not None and self.layer_types and self.layer_types[layer] == SLIDING:
+            return self.rope_local
+        return self.rope
 
     @property
     def q_size(self) -> int:
@@ -100,79 +122,70 @@ class ModelConfig:
         return replace(self, num_heads=self.num_heads // t, num_kv_heads=self.num_kv_heads // t,
                        intermediate_size=self.intermediate_size // t)
 
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path}: config.json not found in the checkpoint directory")
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path}: cannot be read as JSON: {exc}") from exc
-        return cls.from_dict(raw, source=str(path))
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise CheckpointError(
-                f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        model_type, default_bias = SUPPORTED_ARCHITECTURES[arch]
+def base_config(raw: dict[str, Any], source: str, architecture: str, model_type: str, *,
+                default_bias: bool = False, activations: tuple[str, ...] = ("silu", "swish"),
+                act_key: str = "hidden_act") -> ModelConfig:
+    """The fields every decoder here has, read from `raw` (an architecture then sets its own)."""
 
-        def need(key: str) -> Any:
-            if key not in raw:
-                raise CheckpointError(f"{source}: required field {key!r} is missing")
-            return raw[key]
+    def need(key: str) -> Any:
+        if key not in raw:
+            raise CheckpointError(f"{source}: required field {key!r} is missing")
+        return raw[key]
 
-        hidden_size = int(need("hidden_size"))
-        num_heads = int(need("num_attention_heads"))
-        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-        head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
-        if num_heads % num_kv_heads:
-            raise CheckpointError(
-                f"{source}: num_attention_heads={num_heads} is not a multiple of "
-                f"num_key_value_heads={num_kv_heads}"
-            )
-        if raw.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (silu)")
-        sliding_window = raw.get("sliding_window")
-        if model_type == "qwen2":
-            if raw.get("use_sliding_window"):
-                raise CheckpointError(f"{source}: Qwen2 use_sliding_window=true is not supported")
-            sliding_window = None
-        if model_type == "llama":
-            sliding_window = None
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-        return cls(
-            architecture=arch,
-            model_type=model_type,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden_size,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", default_bias)),
-            hidden_act="silu",
-            sliding_window=int(sliding_window) if sliding_window else None,
-            torch_dtype=str(dtype),
-            rope=_parse_rope(raw, source),
-            eos_token_ids=eos_ids,
-            bos_token_id=raw.get("bos_token_id"),
+    hidden_size = int(need("hidden_size"))
+    num_heads = int(need("num_attention_heads"))
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
+    if num_heads % num_kv_heads:
+        raise CheckpointError(
+            f"{source}: num_attention_heads={num_heads} is not a multiple of "
+            f"num_key_value_heads={num_kv_heads}"
         )
+    act = raw.get(act_key) or activations[0]
+    if act not in activations:
+        raise CheckpointError(f"{source}: {act_key} {act!r} is not supported ({', '.join(activations)})")
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    window = raw.get("sliding_window")
+    return ModelConfig(
+        architecture=architecture,
+        model_type=model_type,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden_size,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", default_bias)),
+        hidden_act="silu" if act == "swish" else str(act),
+        sliding_window=int(window) if window else None,
+        torch_dtype=str(dtype),
+        rope=parse_rope(raw, source),
+        eos_token_ids=eos_ids,
+        bos_token_id=raw.get("bos_token_id"),
+    )
 
 
-def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+def layer_types(raw: dict[str, Any], source: str, num_layers: int) -> tuple[str, ...]:
+    """`raw["layer_types"]`, checked: one of SLIDING or FULL per layer."""
+    types = tuple(raw.get("layer_types") or ())
+    if len(types) != num_layers or any(t not in (SLIDING, FULL) for t in types):
+        raise CheckpointError(f"{source}: layer_types must name {SLIDING!r} or {FULL!r} for each of "
+                              f"the {num_layers} layers, got {list(types)!r}")
+    return types
+
+
+def parse_rope(raw: dict[str, Any], source: str, params: dict[str, Any] | None = None) -> RopeConfig:
+    """The rotary parameters of `raw` (or of `params`, one layer type's entry of a per-type
+    `rope_parameters`, Gemma 3's)."""
+    if params is None:
+        params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
@@ -187,7 +200,7 @@ def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
         "original_max_position_embeddings"
     )
     factor = params.get("factor")
-    if rope_type == "yarn" and factor is None:
+    if rope_type in ("yarn", "longrope") and factor is None:
         factor = max_pos / (orig or max_pos)
     if rope_type != "default" and factor is None:
         raise CheckpointError(f"{source}: rope type {rope_type!r} needs a 'factor'")
@@ -206,4 +219,15 @@ def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
         mscale=params.get("mscale"),
         mscale_all_dim=params.get("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
+        short_factor=_factors(params, "short_factor", source, rope_type),
+        long_factor=_factors(params, "long_factor", source, rope_type),
     )
+
+
+def _factors(params: dict[str, Any], key: str, source: str, rope_type: str) -> tuple[float, ...]:
+    if rope_type != "longrope":
+        return ()
+    values = params.get(key)
+    if not isinstance(values, list) or not values:
+        raise CheckpointError(f"{source}: rope type 'longrope' needs a list {key!r}")
+    return tuple(float(v) for v in values)

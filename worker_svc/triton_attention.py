@@ -310,7 +310,11 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if softcap is not None:
+            raise ValueError("attention logit soft-capping (Gemma 2) is not supported by the triton "
+                             "attention backend; use --attention-backend torch")
         # q: [num_tokens, num_heads, head_dim] -> out: same shape
         self._check_device(q)
         num_tokens, num_heads, head_dim = q.shape

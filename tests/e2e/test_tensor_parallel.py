@@ -30,7 +30,7 @@ from services.grpc_utils import aio_channel
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
 from wiring.launcher import MemorySetting, pagoda_command, stage_load_infos, start_stack
 from worker_svc.memory import kv_block_bytes
-from worker_svc.model_config import ModelConfig
+from worker_svc.models.registry import load_config
 
 RANK_MODULE = "worker_svc.tensor_parallel"
 
@@ -79,7 +79,7 @@ def test_greedy_equals_transformers(models, references, tmp_path, arch, num_stag
     memory = None
     blocks = 96
     if (arch, num_stages) == ("llama", 1):  # the pool from a memory setting: the stage's whole KV
-        config = ModelConfig.from_dir(model)
+        config = load_config(model)
         block = kv_block_bytes(config.num_layers, 4, config.num_kv_heads, config.head_dim, torch.float32)
         memory, blocks = MemorySetting(kv_cache_memory=80 * block, max_model_len=256), None
     stack = start_stack(model, num_stages=num_stages, num_kv_blocks=blocks, block_size=4, log_dir=tmp_path,

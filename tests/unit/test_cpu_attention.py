@@ -9,8 +9,8 @@ import torch
 from tests.unit.test_attention_paths import CHUNKS, layout, naive
 from worker_svc import cpu_kernels
 from worker_svc.attention import CpuAttentionBackend, TorchAttentionBackend, get_backend
+from worker_svc.layers.rotary import RotaryEmbedding, rotate
 from worker_svc.model_config import RopeConfig
-from worker_svc.rope import RotaryEmbedding, rotate
 
 kernel = cpu_kernels.paged_decode()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler: the cpu backend falls back to torch")

@@ -9,7 +9,7 @@ import torch
 from support.reference import HFReference
 
 from worker_svc.drafter import DraftBlockPool, DraftProposer
-from worker_svc.model_config import ModelConfig
+from worker_svc.models.registry import load_config
 
 DRAFT_SPEC = dict(arch="llama", num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=1, seed=1)
 K = 4
@@ -41,7 +41,7 @@ def check(ref: HFReference, known: list[int], drafts: tuple[int, ...], k: int) -
 
 def test_draft_and_target_share_a_vocabulary(draft_dir, model_factory):
     proposer = make(draft_dir)
-    target = ModelConfig.from_dir(model_factory(arch="llama"))
+    target = load_config(model_factory(arch="llama"))
     assert proposer.vocab_size == target.vocab_size == 512
     assert proposer.model.config.num_layers == 2 and proposer.model.is_first and proposer.model.is_last
 

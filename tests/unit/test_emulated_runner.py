@@ -34,7 +34,7 @@ from worker_svc.emulated import (
     emulated_tensor_parallel_size,
 )
 from worker_svc.errors import InvalidPlanError
-from worker_svc.model_config import ModelConfig
+from worker_svc.models.registry import read_config
 
 PROFILE = "a100-80gb-llama2-70b-tp8"
 VOCAB = 32000
@@ -59,7 +59,7 @@ def profile(eos_probability: float = 0.25, tp: int = 1) -> DeviceProfile:
 
 def runner(stage: int, num_stages: int, eos_probability: float = 0.25, dtype=torch.bfloat16,
            sleeps: list[float] | None = None, layers: int = 4) -> EmulatedRunner:
-    config = ModelConfig.from_dict({**LLAMA2_70B_CONFIG, "num_hidden_layers": layers})
+    config = read_config({**LLAMA2_70B_CONFIG, "num_hidden_layers": layers})
     per = layers // num_stages
     model = EmulatedSlice(config, stage * per, (stage + 1) * per, stage == 0, stage == num_stages - 1)
     sleep = (lambda s: sleeps.append(s)) if sleeps is not None else time.sleep

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from worker_svc.errors import CheckpointError
 from worker_svc.loader import load_stage, partition_layers
-from worker_svc.model_config import ModelConfig
+from worker_svc.models.registry import read_config
 
 
 @pytest.fixture()
@@ -56,10 +56,10 @@ def test_transformers5_config_spelling(model_dir):
     raw["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}
     raw.pop("rope_scaling", None)
     raw.pop("rope_theta", None)
-    config = ModelConfig.from_dict(raw)
+    config = read_config(raw)
     assert config.rope.rope_type == "linear" and config.rope.factor == 2.0
     assert config.rope.theta == 5000.0 and config.torch_dtype == "float32"
-    legacy = ModelConfig.from_dict(
+    legacy = read_config(
         {**raw, "rope_parameters": None, "rope_theta": 5000.0,
          "rope_scaling": {"type": "linear", "factor": 2.0}}
     )
@@ -181,7 +181,8 @@ def test_corrupt_safetensors(model_dir):
     ("change", "message"),
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
-        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope type 'longrope' is not supported"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic' is not supported"),
+            ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope type 'longrope' needs a list 'short_factor'"),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],

@@ -14,7 +14,7 @@ from wiring.launcher import pagoda_command
 from worker_svc.config import WorkerConfig
 from worker_svc.loader import load_stage, shard_dim
 from worker_svc.memory import kv_block_bytes, size_kv_pool
-from worker_svc.model_config import ModelConfig
+from worker_svc.models.registry import load_config
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def qwen(model_factory):
 
 
 def test_a_rank_holds_heads_kv_heads_and_mlp_columns(qwen):
-    config = ModelConfig.from_dir(qwen)
+    config = load_config(qwen)
     half = config.shard(2)
     assert (half.num_heads, half.num_kv_heads, half.intermediate_size) == (
         config.num_heads // 2, config.num_kv_heads // 2, config.intermediate_size // 2)
@@ -37,7 +37,7 @@ def test_a_rank_holds_heads_kv_heads_and_mlp_columns(qwen):
                                         (4, "num_key_value_heads=2")])
 def test_shapes_that_do_not_divide_are_refused_naming_them(qwen, size, named):
     with pytest.raises(ValueError, match=rf"tensor_parallel_size: {size} does not divide {named}") as err:
-        ModelConfig.from_dir(qwen).shard(size)
+        load_config(qwen).shard(size)
     assert "sizes that divide its heads, KV heads and MLP: 1, 2" in str(err.value)
 
 

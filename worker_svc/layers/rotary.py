@@ -1,7 +1,13 @@
 """Rotary position embeddings, with the scaling kinds that Llama 3 and common checkpoints use.
 
 The inverse frequencies are computed exactly as transformers computes them, so that
-positions rotate bit for bit alike; cos/sin are tabulated once per stage.
+positions rotate bit for bit alike.
+
+LongRoPE (Phi-3): two sets of frequencies, the short factors' for positions below
+`original_max_position_embeddings` and the long factors' from there on, chosen per token
+(as vLLM does). transformers chooses per forward pass by the longest position in it, so a
+prompt that crosses that length in one pass rotates its earlier tokens differently there;
+below it both agree exactly.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, 
         return _llama3(inv_freq, rope), 1.0
     if rope.rope_type == "yarn":
         return _yarn(rope, dim)
+    if rope.rope_type == "longrope":
+        return _longrope(rope, dim, long=False)
     raise ValueError(f"unsupported rope_type {rope.rope_type!r}")
 
 
@@ -74,6 +82,17 @@ def _yarn(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def _longrope(rope: RopeConfig, dim: int, long: bool) -> tuple[torch.Tensor, float]:
+    orig = rope.original_max_position_embeddings
+    factor = rope.factor
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ext = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * rope.theta**shape), float(attention_factor)
+
+
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin of each token's absolute position, computed as the reference computes them."""
 
@@ -83,21 +102,22 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_factor = attention_factor
         self.max_positions = max_positions
+        self.long_from: int | None = None  # LongRoPE: positions from here take `long_inv_freq`
+        if rope.rope_type == "longrope":
+            long_inv_freq, _ = _longrope(rope, head_dim, long=True)
+            self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+            self.long_from = rope.original_max_position_embeddings
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each token: [num_tokens, 1, head_dim], in the activations' dtype."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
+        if self.long_from is not None:
+            long = positions.float()[:, None] * self.long_inv_freq[None, :]
+            freqs = torch.where((positions >= self.long_from)[:, None], long, freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_factor).to(dtype)[:, None, :]
         sin = (emb.sin() * self.attention_factor).to(dtype)[:, None, :]
         return cos, sin
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
-    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

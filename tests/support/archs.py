@@ -1,0 +1,87 @@
+"""Tiny models of every served architecture, built by `transformers` itself from a config
+(random weights, scaled so that logits are peaked: greedy decoding then means something),
+saved with the tiny tokenizer of `wiring.tiny_model` (1,024 tokens) so that a stack can
+serve them. `ARCH_CONFIGS` holds several layers of each attention type per architecture.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 1024
+_SHAPE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "bos_token_id": 0,
+          "eos_token_id": 1, "pad_token_id": 2, "max_position_embeddings": 2048}
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 3},
+    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "num_hidden_layers": 3,
+                "sliding_window": 48},
+    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 3,
+              "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 4},
+    "gemma2": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4,
+               "sliding_window": 48, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+               "final_logit_softcapping": 8.0, "layer_types": [SLIDING, FULL, SLIDING, FULL]},
+    "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 6,
+               "sliding_window": 48, "query_pre_attn_scalar": 24,
+               "layer_types": [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL],
+               "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                                   FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}},
+    "phi3": {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "num_hidden_layers": 3,
+             "sliding_window": 80, "original_max_position_embeddings": 512,
+             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                 "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                                 "original_max_position_embeddings": 512}},
+}
+LOGIT_STD = 4.0
+
+
+def make_arch_model(out_dir: str | Path, arch: str, tokenizer_dir: str | Path, seed: int = 0,
+                    **overrides: Any) -> str:
+    """A checkpoint folder of architecture `arch` (an ARCH_CONFIGS key) with the tokenizer
+    files of `tokenizer_dir`; returns its path."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {**_SHAPE, **ARCH_CONFIGS[arch], **overrides}
+    model_type = fields.pop("model_type")
+    architectures = fields.pop("architectures")
+    config = AutoConfig.for_model(model_type, **fields)
+    config.architectures = architectures
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _peaked(model, config)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, out / name)
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    return str(out)
+
+
+@torch.no_grad()
+def _peaked(model: torch.nn.Module, config) -> None:
+    """Weights that keep activations near unit scale and make final logits' std ~LOGIT_STD."""
+    gemma = "gemma" in config.model_type
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(torch.randn_like(p) * 0.1 + (0.0 if gemma else 1.0))
+        elif name.endswith("bias"):
+            p.copy_(torch.randn_like(p) * 0.1)
+        elif "embed_tokens" in name:
+            p.copy_(torch.randn_like(p) * (1.0 / config.hidden_size**0.5 if gemma else 1.0))
+        elif name == "lm_head.weight":
+            p.copy_(torch.randn_like(p) * LOGIT_STD / config.hidden_size**0.5)
+        else:
+            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+    if getattr(config, "tie_word_embeddings", False):
+        emb = model.get_input_embeddings().weight
+        emb.mul_(LOGIT_STD / emb.std() / config.hidden_size**0.5)

@@ -1,0 +1,117 @@
+"""Every served architecture, a tiny random model built by `transformers` itself from a
+config (tests/support/archs.py: several layers of each attention type, 1,024 tokens), gives
+greedy output equal to transformers' (float32, the tie rule) through the paged, pipelined
+runtime: one and two stages, prefill in one piece and in chunks, prompts past the sliding
+windows, the native CPU decode kernel and the torch reference. The registry refuses what it
+does not serve, naming the field and listing what it does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from support.archs import ARCH_CONFIGS, make_arch_model
+from support.reference import HFReference
+from test_model_equivalence import NEW_TOKENS, make_prompts, run_runtime
+
+from worker_svc.errors import CheckpointError
+from worker_svc.layers.rotary import RotaryEmbedding
+from worker_svc.loader import load_stage
+from worker_svc.models.registry import (
+    ARCHITECTURES,
+    BY_GGUF_NAME,
+    BY_HF_NAME,
+    load_config,
+)
+
+NEW_ARCHS = ("qwen3", "gemma2", "gemma3", "phi3")
+# (arch, stages, block size, chunk, backend)
+CASES = [(a, 1, 16, None, "cpu") for a in ARCH_CONFIGS] + [(a, 2, 32, 7, "torch") for a in NEW_ARCHS] + [
+    ("gemma3", 2, 1, None, "cpu"), ("qwen3", 2, 16, 7, "cpu")]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(model_factory):
+    return model_factory(arch="llama", vocab_size=1024)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, tokenizer_dir):
+    made: dict[str, tuple[str, HFReference]] = {}
+
+    def get(arch: str) -> tuple[str, HFReference]:
+        if arch not in made:
+            folder = make_arch_model(tmp_path_factory.mktemp(arch), arch, tokenizer_dir)
+            made[arch] = (folder, HFReference(folder))
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize(("arch", "num_stages", "block_size", "chunk", "backend"), CASES)
+def test_greedy_equals_transformers(references, arch, num_stages, block_size, chunk, backend):
+    model_dir, ref = references(arch)
+    prompts = make_prompts(ref.model.config.vocab_size)
+    outputs, driver = run_runtime(model_dir, num_stages, block_size, chunk, prompts, backend)
+    assert any(r.mixes_prefill_and_decode and len(r.entries) >= 3 for r in driver.records)
+    diverged = 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert len(out) == NEW_TOKENS
+        diverged += ref.compare(prompt, out).tie_divergences > 0
+    assert diverged <= 1, f"{diverged} of {len(prompts)} prompts needed the tie rule"
+    assert len({t for out in outputs for t in out}) >= 5, "every prompt gives the same tokens: a vacuous test"
+
+
+def test_the_models_have_what_each_architecture_adds(references):
+    """The tiny configs exercise the options: windows shorter than the prompts, both
+    attention types, soft-capping, q/k norms, fused checkpoint tensors, LongRoPE."""
+    qwen3 = load_stage(references("qwen3")[0], dtype="float32")
+    assert qwen3.model.layers["0"].self_attn.q_norm is not None
+    gemma3 = load_stage(references("gemma3")[0], dtype="float32")
+    windows = [layer.self_attn.sliding_window for layer in gemma3.model.layers.values()]
+    assert windows == [48, 48, None, 48, 48, None] and len(gemma3.rotaries) == 2
+    gemma2 = load_stage(references("gemma2")[0], dtype="float32")
+    assert gemma2.config.attn_logit_softcap == 5.0 and gemma2.config.final_logit_softcap == 8.0
+    phi3_dir = references("phi3")[0]
+    from safetensors import safe_open
+
+    with safe_open(f"{phi3_dir}/model.safetensors", "pt") as f:
+        assert "model.layers.0.self_attn.qkv_proj.weight" in f.keys()
+    assert load_stage(phi3_dir, dtype="float32").config.rope.rope_type == "longrope"
+
+
+def test_longrope_takes_the_long_factors_past_the_original_length(references):
+    """Below original_max_position_embeddings (512 here) positions rotate by the short
+    factors, from it on by the long ones, as transformers rotates a pass of them."""
+    model_dir, ref = references("phi3")
+    config = load_config(model_dir)
+    rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+    hf = ref.model.model.rotary_emb
+    x = torch.zeros(1, 1, dtype=torch.float32)
+    for positions in (torch.arange(480, 512), torch.arange(512, 540)):
+        hf_cos, hf_sin = hf(x, positions[None])
+        cos, sin = rotary.cos_sin(positions, torch.float32)
+        torch.testing.assert_close(cos[:, 0], hf_cos[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin[:, 0], hf_sin[0], rtol=0, atol=1e-6)
+    short, long = rotary.cos_sin(torch.tensor([511, 512]), torch.float32)[0][:, 0]
+    assert not torch.allclose(short, long, atol=0.05)  # the two tables differ
+
+
+def test_every_architecture_is_in_the_registry():
+    assert set(BY_HF_NAME) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                               "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"}
+    assert {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"} <= set(BY_GGUF_NAME)
+    assert len(ARCHITECTURES) == 7
+
+
+def test_an_unknown_architecture_is_refused_naming_the_field(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["FalconForCausalLM"], "model_type": "falcon"}')
+    start = time.monotonic()
+    with pytest.raises(CheckpointError) as err:
+        load_config(tmp_path)
+    assert time.monotonic() - start < 2
+    message = str(err.value)
+    assert "architectures" in message and "FalconForCausalLM" in message
+    assert "Qwen3ForCausalLM" in message and "Gemma3ForCausalLM" in message
