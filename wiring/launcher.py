@@ -354,9 +354,17 @@ def _with_blocks(command: Sequence[str], memory_args: Sequence[str], blocks: int
 
 
 def model_max_len(model_dir: str) -> int:
-    """The checkpoint's max_position_embeddings (MAX_MODEL_LEN when config.json does not say)."""
+    """The checkpoint's longest sequence as its architecture reads it (worker_svc/models/:
+    `ModelConfig.max_position_embeddings`); for a folder no architecture reads, config.json's
+    max_position_embeddings, or MAX_MODEL_LEN when it does not say."""
     import json
 
+    from worker_svc.models.registry import load_config
+
+    try:
+        return load_config(model_dir).max_position_embeddings
+    except ValueError:  # CheckpointError: not a served architecture (the start refuses it)
+        pass
     try:
         return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", MAX_MODEL_LEN))
     except (OSError, ValueError):
