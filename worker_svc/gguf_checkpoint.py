@@ -41,11 +41,15 @@ from worker_svc.quant_kernels import dequantize as dequantize_packed
 # tensors the stages load.
 GGUF_SOURCE_FILE = "gguf_source.json"
 
-# ggml type id -> (name, elements per block, bytes per block) of the types served packed
-PACKED_TYPES: dict[int, tuple[str, int, int]] = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20)}
-# ggml type id -> (name, elements per block, bytes per block) of the block types dequantized at load
-DEQUANTIZED_TYPES: dict[int, tuple[str, int, int]] = {tid: (name, block, size)
-                                                      for name, (tid, block, size) in KQUANT_TYPES.items()}
+# ggml type id -> (name, elements per block, bytes per block) of the types served packed (the
+# native kernels multiply them as stored: worker_svc/quant_kernels.py)
+PACKED_TYPES: dict[int, tuple[str, int, int]] = {
+    8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    **{tid: (name, block, size) for name, (tid, block, size) in KQUANT_TYPES.items()},
+}
+# ggml type id -> (name, elements per block, bytes per block) of the block types dequantized at
+# load: none since the K-quants and Q5_0/Q5_1 have packed kernels (issue 33)
+DEQUANTIZED_TYPES: dict[int, tuple[str, int, int]] = {}
 # ggml type id -> torch dtype of the types served as plain tensors
 PLAIN_TYPES: dict[int, torch.dtype] = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
 
@@ -70,8 +74,8 @@ def hf_name(gguf_name: str, layer_tensors: dict[str, str]) -> str | None:
 @dataclass(frozen=True)
 class GGUFTensor:
     """One tensor as the worker holds it: `data` is `uint8 [rows, row_bytes]` when `qtype`
-    names a block format (`blocked`: Q8_0, Q4_0, Q4_1, which are served `packed`, or one of
-    KQUANT_TYPES), else a tensor of `shape` and its dtype (`qtype` then "F32", "F16" or
+    names a block format (`blocked`: Q8_0, Q4_0, Q4_1 or one of KQUANT_TYPES, all served
+    `packed`), else a tensor of `shape` and its dtype (`qtype` then "F32", "F16" or
     "BF16")."""
 
     name: str
@@ -82,7 +86,7 @@ class GGUFTensor:
     @property
     def packed(self) -> bool:
         """Whether the native kernels multiply this block type as it is (worker_svc/packed.py)."""
-        return self.qtype in ("Q8_0", "Q4_0", "Q4_1")
+        return any(self.qtype == name for name, _, _ in PACKED_TYPES.values())
 
     @property
     def blocked(self) -> bool:
