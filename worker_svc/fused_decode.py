@@ -26,16 +26,22 @@ import os
 import torch
 
 from worker_svc.attention import AttentionMetadata
-from worker_svc.packed import BF16_GEMM_MIN_ROWS, PackedLinear
+from worker_svc.packed import BF16_GEMM_MIN_ROWS, PackedLinear, PackedParts
+from worker_svc.quant_kernels import GGML_TYPES, KERNEL_TYPES
 
 log = logging.getLogger(__name__)
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_QTYPE_IDS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "BF16": 30}
+_QTYPE_IDS = {name: GGML_TYPES[name][0] for name in (*KERNEL_TYPES, "BF16")}  # ggml's type ids
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("qtype", _I64), ("w", _PTR), ("bias", _PTR), ("n", _I64), ("k", _I64)]
+    pass
+
+
+# `next`: the following rows' part in another type (a PackedParts' chain), or NULL
+_Linear._fields_ = [("qtype", _I64), ("w", _PTR), ("bias", _PTR), ("n", _I64), ("k", _I64),
+                    ("next", ctypes.POINTER(_Linear))]
 
 
 class _Layer(ctypes.Structure):
@@ -70,9 +76,21 @@ def _library():
     return lib
 
 
-def _linear(m: PackedLinear) -> _Linear:
-    bias = m.bias.data_ptr() if m.bias is not None else None
-    return _Linear(_QTYPE_IDS[m.qtype], m.qweight.data_ptr(), bias, m.out_features, m.in_features)
+def _linear(m: PackedLinear, keep: list[_Linear]) -> _Linear:
+    """The native description of `m`; a PackedParts' parts after the first are chained by
+    `next` to structures appended to `keep` (which must outlive the table)."""
+    parts = list(m.parts) if isinstance(m, PackedParts) else [m]
+    chained = None
+    for part in reversed(parts[1:]):
+        bias = part.bias.data_ptr() if part.bias is not None else None
+        node = _Linear(_QTYPE_IDS[part.qtype], part.qweight.data_ptr(), bias, part.out_features, part.in_features,
+                       chained)
+        keep.append(node)
+        chained = ctypes.pointer(node)
+    head = parts[0]
+    bias = head.bias.data_ptr() if head.bias is not None else None
+    return _Linear(_QTYPE_IDS[head.qtype], head.qweight.data_ptr(), bias, head.out_features, head.in_features,
+                   chained)
 
 
 class FusedDecoder:
@@ -91,6 +109,7 @@ class FusedDecoder:
         # at every batch (Q4_1: 325 ms against 354 at 64, 9 against 20 at 1)
         self._bf16 = any(layer.self_attn.qkv_packed.qtype == "BF16" for layer in self._layers)
         self._table = None  # ctypes array of _Layer, rebuilt when the pools move
+        self._chained: list[_Linear] = []  # the parts after the first of PackedParts (pointed to by the table)
         self._pool_ptrs: tuple[int, ...] = ()
         self._scratch = torch.empty(0)
         self._qscratch = torch.empty(0, dtype=torch.uint8)
@@ -135,15 +154,16 @@ class FusedDecoder:
         ptrs = tuple(p.data_ptr() for kv in kv_pools for p in kv)
         if ptrs != self._pool_ptrs:
             table = (_Layer * len(self._layers))()
+            chained: list[_Linear] = []
             for i, layer in enumerate(self._layers):
                 att, mlp = layer.self_attn, layer.mlp
                 k_pool, v_pool = kv_pools[i]
                 table[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
                                   layer.post_attention_layernorm.weight.data_ptr(),
-                                  _linear(att.qkv_packed), _linear(att.o_proj),
-                                  _linear(mlp.gate_up_packed), _linear(mlp.down_proj),
+                                  _linear(att.qkv_packed, chained), _linear(att.o_proj, chained),
+                                  _linear(mlp.gate_up_packed, chained), _linear(mlp.down_proj, chained),
                                   k_pool.data_ptr(), v_pool.data_ptr())
-            self._table, self._pool_ptrs = table, ptrs
+            self._table, self._pool_ptrs, self._chained = table, ptrs, chained
         return self._table
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

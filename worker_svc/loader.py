@@ -285,12 +285,13 @@ def load_gguf_stage(
     """Stage `stage` of a GGUF checkpoint (`model_dir` is its prepared folder: config.json
     and tokenizer, see `GGUF_SOURCE_FILE`).
 
-    `dtype="auto"` keeps the file's own types: Q8_0/Q4_0/Q4_1 (and BF16) linear weights and
-    the token embedding stay packed (worker_svc/packed.py), norms and F32 tensors float32, F16
-    ones widened to float32; activations are float32. The K-quants and Q5_0/Q5_1 (a Q4_K_M
-    file's) have no packed kernels yet: they are dequantized to float32 (logged). A float
-    dtype dequantizes every tensor to it at load (float32: the exact path, the weights
-    `transformers` reads from the file).
+    `dtype="auto"` keeps the file's own types: Q8_0/Q4_0/Q4_1, Q5_0/Q5_1 and the K-quants
+    Q2_K-Q6_K (a Q4_K_M file's mix; and BF16) linear weights and the token embedding stay
+    packed (worker_svc/packed.py; `GGUFTensor.packed`), norms and F32 tensors float32, F16
+    ones widened to float32; activations are float32. A block type without packed kernels
+    would be dequantized to float32 (logged); none is left. A float dtype dequantizes every
+    tensor to it at load (float32: the exact path, the weights `transformers` reads from the
+    file).
     """
     config = load_config(model_dir)
     ckpt = GGUFCheckpoint(gguf_file)

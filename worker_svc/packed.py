@@ -1,7 +1,9 @@
-"""Layers whose weights stay in a GGUF block format (Q8_0, Q4_0, Q4_1) or bfloat16.
+"""Layers whose weights stay in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
+K-quants Q2_K ... Q6_K) or bfloat16.
 
 `PackedLinear` holds the packed rows (`uint8 [out, row_bytes]`, see
-worker_svc/quant_kernels.py for the block layouts). A product of at least
+worker_svc/quant_kernels.py for the block layouts; a K-quant's rows must be whole 256-value
+super-blocks, a ValueError naming the weight's shape otherwise). A product of at least
 `PACKED_GEMM_MIN_ROWS` rows (a prefill) dequantizes the weights in one native pass for a
 GEMM: bfloat16 and oneDNN's bfloat16 GEMM on a CPU with BF16 units, else float32 and the
 float32 GEMM, or the integer kernels where a start-up calibration found them faster
@@ -13,6 +15,12 @@ the CPU's VNNI (or AVX2) units. int16 activations keep the products within ~3e-5
 ones. On the real model's Q4_1 file the mean KL divergence from the file's float32
 dequantization is 1.8e-4 with prefills on the bfloat16 GEMM (5e-8 with them on int16
 products, 1.5x slower) against llama.cpp's 2.7e-3 (bench/quality.py). Without the native kernels it dequantizes on the fly (float32 activations).
+The K-quants' decode products quantize the activations per 256-value super-block (Q8_K's
+way, int16 or int8 as above); on the tiny Q4_K_M test file the logits stay within 0.0022 of
+the file's float32 dequantization and every greedy token equals it
+(tests/unit/test_gguf_kquants.py). `PackedLinear.concat` of layers of different types (a
+Q4_K_M file's Q4_K q/k with a Q6_K v) gives a `PackedParts`: one product per run of one type
+into one output, which the native decode step runs as a chain (worker_svc/fused_decode.py).
 `PackedEmbedding` dequantizes only the rows it looks up, and serves as the tied LM head
 (`as_linear`).
 
@@ -29,9 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.calibrate import cpu_paths
-from worker_svc.quant_kernels import dequantize, quant_kernels
+from worker_svc.quant_kernels import KERNEL_TYPES, check_row_length, dequantize, quant_kernels
 
-PACKED_QTYPES = ("Q8_0", "Q4_0", "Q4_1")
+PACKED_QTYPES = KERNEL_TYPES  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K ... Q6_K
 # bfloat16 weights: above this many rows a product runs as oneDNN's bfloat16 GEMM (activations
 # rounded to bfloat16; ~2.3x the native widening kernel's rate at 128 rows on AVX-512 BF16),
 # at or below it the native kernel (float32 activations; memory-bound, as fast). The LM head
@@ -65,6 +73,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         if qtype not in (*PACKED_QTYPES, "BF16"):
             raise ValueError(f"PackedLinear: unsupported type {qtype!r}")
+        if qtype != "BF16":
+            check_row_length(qtype, in_features, qweight.shape[0])
         self.qtype, self.in_features, self.out_features = qtype, in_features, qweight.shape[0]
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("bias", None if bias is None else bias.float())
@@ -101,17 +111,22 @@ class PackedLinear(nn.Module):
             return F.linear(x2, self.qweight.float())  # widened once, the float32 GEMM
         return self.kernels.matmul_bf16(x2, self.qweight)
 
-    def _packed_product(self, x2: torch.Tensor) -> torch.Tensor:
-        """Q8_0/Q4_0/Q4_1 weights: integer kernels on the blocks, or a prefill dequantized to
-        the GEMM this CPU runs fastest (bfloat16 only with BF16 units)."""
+    def _packed_product(self, x2: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """GGUF block weights: integer kernels on the blocks, or a prefill dequantized to the
+        GEMM this CPU runs fastest (bfloat16 only with BF16 units); into `out` when given."""
         path = self.paths.packed_prefill
         if (x2.shape[0] < PACKED_GEMM_MIN_ROWS or self.float32_activations or not self.prefill_gemm
                 or path == "integer"):
-            return self.kernels.matmul(x2, self.qweight, self.qtype)
+            return self.kernels.matmul(x2, self.qweight, self.qtype, out=out)
         if path == "bf16-gemm":
             w = self.kernels.dequantize_bf16(self.qweight, self.qtype, self.in_features)
-            return F.linear(x2.to(torch.bfloat16), w).float()
-        return F.linear(x2, self.kernels.dequantize_f32(self.qweight, self.qtype, self.in_features))
+            y = F.linear(x2.to(torch.bfloat16), w).float()
+        else:
+            y = F.linear(x2, self.kernels.dequantize_f32(self.qweight, self.qtype, self.in_features))
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
 
     def dequantized(self) -> torch.Tensor:
         """The weight as float32 `[out, in]`."""
@@ -122,13 +137,19 @@ class PackedLinear(nn.Module):
     @staticmethod
     def concat(linears: list[PackedLinear]) -> PackedLinear | None:
         """One layer computing the given ones side by side (rows stacked), or None when their
-        types, inputs or biases differ. Packed rows are independent, so stacking is exact."""
+        inputs or biases differ. Packed rows are independent, so stacking is exact. Parts of
+        different types (a Q4_K_M file's Q4_K q/k with a Q6_K v) give a `PackedParts`: each
+        run of one type stacked, one product a run."""
         first = linears[0]
-        if any(m.qtype != first.qtype or m.in_features != first.in_features for m in linears):
+        if any(m.in_features != first.in_features for m in linears):
             return None
         biases = [m.bias for m in linears]
         if any(b is None for b in biases) and not all(b is None for b in biases):
             return None
+        if any(m.qtype != first.qtype for m in linears):
+            if "BF16" in {m.qtype for m in linears}:
+                return None
+            return PackedParts.of(linears)
         bias = None if biases[0] is None else torch.cat(biases)
         fused = PackedLinear(torch.cat([m.qweight for m in linears]), first.qtype, first.in_features, bias)
         start = 0  # the parts keep their names, as views of the fused rows: held once
@@ -139,6 +160,53 @@ class PackedLinear(nn.Module):
                 m.bias = fused.bias[start:end]
             start = end
         return fused
+
+
+class PackedParts(PackedLinear):
+    """Linears of different packed types side by side: `parts` are runs of one type each (a
+    `PackedLinear.concat` of consecutive layers of that type), their outputs laid out in
+    order. `qweight` holds no rows of its own (the parts hold them); `qtype` names the parts'
+    types joined by "+". The native decode step (worker_svc/fused_decode.py) takes the parts
+    as a chain of products into one output."""
+
+    def __init__(self, parts: list[PackedLinear]) -> None:
+        first = parts[0]
+        super().__init__(torch.empty(sum(p.out_features for p in parts), 0, dtype=torch.uint8), first.qtype,
+                         first.in_features)
+        self.parts = nn.ModuleList(parts)
+        self.qtype = "+".join(p.qtype for p in parts)
+
+    @classmethod
+    def of(cls, linears: list[PackedLinear]) -> PackedParts:
+        runs: list[list[PackedLinear]] = []
+        for m in linears:
+            if runs and runs[-1][0].qtype == m.qtype:
+                runs[-1].append(m)
+            else:
+                runs.append([m])
+        return cls([run[0] if len(run) == 1 else PackedLinear.concat(run) for run in runs])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.empty(x2.shape[0], self.out_features)
+        start = 0
+        for part in self.parts:
+            end = start + part.out_features
+            if part.kernels is None:
+                y[:, start:end] = F.linear(x2, part.dequantized())
+            else:
+                part._packed_product(x2, out=y[:, start:end])
+            if part.bias is not None:
+                y[:, start:end] += part.bias
+            start = end
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([p.dequantized() for p in self.parts])
 
 
 class PackedEmbedding(nn.Module):

@@ -210,3 +210,33 @@ def test_scratch_covers_every_type() -> None:
         for isa in KERNELS.available:
             need = KERNELS.scratch_bytes(7, 1536, isa=isa, act_bits=act_bits)
             assert need >= 7 * 6 * (640 if act_bits == 16 else 384)
+
+
+def test_packed_linear_refuses_rows_not_whole_super_blocks() -> None:
+    from worker_svc.packed import PackedLinear
+
+    with pytest.raises(ValueError, match=r"Q4_K weight \[3, 288\]"):
+        PackedLinear(torch.zeros(3, 144, dtype=torch.uint8), "Q4_K", 288)
+
+
+@pytest.mark.parametrize("rows", (3, 200))  # integer kernels; a prefill's dequantized GEMM
+def test_concat_of_different_types_is_parts_side_by_side(rows: int) -> None:
+    """q/k in Q4_K and v in Q6_K (a Q4_K_M file's layer): `concat` gives a PackedParts whose
+    product is the three products side by side, biases included; same-type runs are stacked."""
+    from worker_svc.packed import PackedLinear, PackedParts
+
+    K = 512
+    specs = (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32), ("Q5_0", 8))
+    linears = []
+    for i, (qtype, n) in enumerate(specs):
+        blocks, _ = weights(qtype, n, K)
+        linears.append(PackedLinear(blocks, qtype, K, bias=torch.full((n,), float(i))))
+    x = activations(rows, K)
+    separate = torch.cat([m(x) for m in linears], dim=1)
+    fused = PackedLinear.concat(linears)
+    assert isinstance(fused, PackedParts) and fused.qtype == "Q4_K+Q6_K+Q5_0"
+    assert [p.out_features for p in fused.parts] == [96, 32, 8] and fused.out_features == 136
+    assert torch.equal(fused(x), separate)
+    assert torch.equal(fused.dequantized(), torch.cat([m.dequantized() for m in linears]))
+    bf16 = PackedLinear(torch.zeros(8, K, dtype=torch.bfloat16), "BF16", K)
+    assert PackedLinear.concat([linears[0], bf16]) is None

@@ -25,13 +25,16 @@
 #include <stdint.h>
 #include <stddef.h>
 
-/* one linear layer: packed GGUF rows (qtype 8 Q8_0, 2 Q4_0, 3 Q4_1), bfloat16 (30) or
-   float32 (0) weights [n, k] */
+/* one linear layer: packed GGUF rows (qtype: ggml's type id, 8 Q8_0, 2 Q4_0, 3 Q4_1, 6 Q5_0,
+   7 Q5_1, 10-14 Q2_K-Q6_K), bfloat16 (30) or float32 (0) weights [n, k]; `next`: the rows
+   after these in another type (a Q4_K_M file's q/k in Q4_K, v in Q6_K), their outputs
+   side by side with these in one [T, total n] product, or NULL */
 struct pagoda_linear {
     int64_t qtype;
     const void *w;
     const float *bias; /* [n] or NULL */
     int64_t n, k;
+    const struct pagoda_linear *next;
 };
 
 struct pagoda_layer {
@@ -88,12 +91,13 @@ static void rms_norm(const float *h, const float *weight, float *x, int64_t T, i
     }
 }
 
-static int linear(const struct pagoda_kernels *k, const struct pagoda_linear *l, const float *x,
-                  int64_t T, float *y)
+/* one part's rows into y [T, y_stride] */
+static int linear_part(const struct pagoda_kernels *k, const struct pagoda_linear *l, const float *x,
+                       int64_t T, float *y, int64_t y_stride)
 {
     int rc = 0;
     if (l->qtype == 30) {
-        rc = k->bf16mm((int)k->isa, x, l->k, T, l->k, (const uint16_t *)l->w, 0, l->n, y, l->n);
+        rc = k->bf16mm((int)k->isa, x, l->k, T, l->k, (const uint16_t *)l->w, 0, l->n, y, y_stride);
     } else if (l->qtype == 0) {
         const float *w = (const float *)l->w;
         for (int64_t t = 0; t < T; t++)
@@ -102,16 +106,30 @@ static int linear(const struct pagoda_kernels *k, const struct pagoda_linear *l,
                 float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
                 for (int64_t i = 0; i < l->k; i++) acc += row[i] * xt[i];
-                y[t * l->n + n] = acc;
+                y[t * y_stride + n] = acc;
             }
     } else {
         rc = k->qmm((int)k->isa, (int)l->qtype, (int)k->act_bits, x, l->k, T, l->k, (const uint8_t *)l->w,
-                    l->n, y, l->n, k->qscratch);
+                    l->n, y, y_stride, k->qscratch);
     }
     if (rc == 0 && l->bias)
         for (int64_t t = 0; t < T; t++)
-            for (int64_t n = 0; n < l->n; n++) y[t * l->n + n] += l->bias[n];
+            for (int64_t n = 0; n < l->n; n++) y[t * y_stride + n] += l->bias[n];
     return rc;
+}
+
+/* y [T, sum of the parts' n] = x times every part of the chain from l */
+static int linear(const struct pagoda_kernels *k, const struct pagoda_linear *l, const float *x,
+                  int64_t T, float *y)
+{
+    int64_t total = 0, at = 0;
+    for (const struct pagoda_linear *p = l; p; p = p->next) total += p->n;
+    for (const struct pagoda_linear *p = l; p; p = p->next) {
+        const int rc = linear_part(k, p, x, T, y + at, total);
+        if (rc != 0) return rc;
+        at += p->n;
+    }
+    return 0;
 }
 
 int pagoda_decode_layers(const struct pagoda_kernels *k, const struct pagoda_shape *s,
