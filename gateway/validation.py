@@ -141,12 +141,13 @@ def _chat_ids(messages: Sequence[ChatMessage], add_generation_prompt: bool,
         raise invalid("continue_final_message", "not with add_generation_prompt: true (the model "
                                                 "continues the last message instead of starting a "
                                                 "new one); send add_generation_prompt: false")
-    plain_messages = [_template_message(i, message) for i, message in enumerate(messages)]
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise invalid("chat_template_kwargs", f"may not set {', '.join(reserved)}")
     try:
+        as_parts = tokenizer.chat_template_reads_content_parts(tools or None)
+        plain_messages = [_template_message(i, message, as_parts) for i, message in enumerate(messages)]
         return tokenizer.encode_chat(plain_messages, add_generation_prompt=add_generation_prompt,
                                      tools=tools or None, add_special_tokens=add_special_tokens,
                                      continue_final_message=continue_final_message, **kwargs)
@@ -154,10 +155,12 @@ def _chat_ids(messages: Sequence[ChatMessage], add_generation_prompt: bool,
         raise invalid("messages", str(exc)) from exc
 
 
-def _template_message(i: int, message: ChatMessage) -> dict[str, Any]:
-    """A message as vLLM hands it to the chat template: text parts joined, a null or missing
-    content "" (templates concatenate it: `'...' + message['content']`), an assistant's
-    `tool_calls` with each call's arguments as an object, a tool message's `tool_call_id`."""
+def _template_message(i: int, message: ChatMessage, as_parts: bool) -> dict[str, Any]:
+    """A message as vLLM hands it to the chat template: text parts as a list of
+    `{"type": "text", "text": ...}` for a template that loops over them (`as_parts`, vLLM's
+    "openai" content format), else joined by newlines ("string"); a null or missing content ""
+    (templates concatenate it: `'...' + message['content']`), an assistant's `tool_calls` with
+    each call's arguments as an object, a tool message's `tool_call_id`."""
     plain = message.model_dump(exclude_none=True)
     if isinstance(message.content, list):
         texts = []
@@ -169,7 +172,7 @@ def _template_message(i: int, message: ChatMessage) -> dict[str, Any]:
                 raise invalid(f"messages[{i}].content[{j}].text",
                               "a text part needs its text: {\"type\": \"text\", \"text\": \"...\"}")
             texts.append(part.text)
-        plain["content"] = "\n".join(texts)
+        plain["content"] = [{"type": "text", "text": text} for text in texts] if as_parts else "\n".join(texts)
     plain.setdefault("content", "")
     if message.tool_calls is not None:
         plain["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]

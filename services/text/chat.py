@@ -25,7 +25,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = ["ChatTemplateError", "compile_chat_template", "cut_at_final_message", "normalize_messages",
-           "plain_data", "tag_final_message"]
+           "plain_data", "reads_content_parts", "tag_final_message"]
 
 # Names a message's reasoning is passed under; transformers fills all of them from any one,
 # because templates read different ones (`reasoning_content` is the common one, gpt-oss reads
@@ -124,6 +124,31 @@ def compile_chat_template(source: str, *, origin: str) -> jinja2.Template:
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"{origin}: chat template does not compile: {e.message} "
                                 f"(template line {e.lineno})") from e
+
+
+def reads_content_parts(source: str) -> bool:
+    """Whether the template loops over a message's content, i.e. reads OpenAI's list of parts
+    (`{% for item in message['content'] %}`, directly or through a variable set from it), as
+    vLLM's "auto" content format detects it: such a template gets the parts as a list, any
+    other their texts joined. A template that does not parse reads none."""
+    try:
+        tree = _make_environment().parse(source)
+    except jinja2.TemplateSyntaxError:
+        return False
+    aliases = {node.target.name for node in tree.find_all(jinja2.nodes.Assign)
+               if isinstance(node.target, jinja2.nodes.Name) and _is_content(node.node, set())}
+    return any(_is_content(node.iter, aliases) for node in tree.find_all(jinja2.nodes.For))
+
+
+def _is_content(node: jinja2.nodes.Node, aliases: set[str]) -> bool:
+    """`x['content']`, `x.content` or a name in `aliases`, possibly through filters."""
+    while isinstance(node, jinja2.nodes.Filter) and node.node is not None:
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    return isinstance(node, jinja2.nodes.Name) and node.name in aliases
 
 
 def render_chat_template(template: jinja2.Template, variables: Mapping[str, Any]) -> str:

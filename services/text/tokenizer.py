@@ -23,6 +23,7 @@ from services.text.chat import (
     cut_at_final_message,
     normalize_messages,
     plain_data,
+    reads_content_parts,
     render_chat_template,
     tag_final_message,
 )
@@ -247,6 +248,7 @@ class Tokenizer:
         self._chat_templates, self._chat_template_origins = _load_chat_templates(model_dir,
                                                                                  config)
         self._compiled: dict[str, Any] = {}
+        self._reads_content_parts: dict[str, bool] = {}
 
     def _named_id(self, key: str, backend: tokenizers.Tokenizer) -> int | None:
         token = self._named_special_tokens.get(key)
@@ -437,6 +439,17 @@ class Tokenizer:
                 self.bos_token and text.startswith(self.bos_token)):
             ids.insert(0, self._bos_token_id)
         return ids
+
+    def chat_template_reads_content_parts(self, tools: Sequence[Any] | None = None) -> bool:
+        """Whether the template a conversation with `tools` gets loops over a message's content
+        (OpenAI's list of parts); False without a template. See `reads_content_parts`."""
+        if not self._chat_templates:
+            return False
+        source, _ = self._select_chat_template(None, tools)
+        reads = self._reads_content_parts.get(source)
+        if reads is None:
+            reads = self._reads_content_parts[source] = reads_content_parts(source)
+        return reads
 
     def _select_chat_template(self, chat_template: str | None,
                               tools: Sequence[Any] | None) -> tuple[str, str]:

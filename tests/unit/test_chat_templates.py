@@ -31,6 +31,7 @@ from gateway.parsers.reasoning import reasoning_parser
 from gateway.protocol import ChatCompletionRequest
 from gateway.validation import ModelLimits, chat_prompt
 from services.text import Tokenizer
+from services.text.chat import reads_content_parts
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 
@@ -239,6 +240,38 @@ def test_gemma3_folds_the_system_message_into_the_first_user_turn(tokenizers):
     assert text.startswith(f"<bos><start_of_turn>user\n{SYSTEM['content']}\n\n{USER['content'].strip()}"
                            "<end_of_turn>\n")
     assert "system" not in text
+
+
+PARTS = [{"type": "text", "text": "  Part one, ü. "}, {"type": "text", "text": "Part two 🌍"}]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_text_parts_reach_the_template_as_vllm_passes_them(tokenizers, name):
+    """OpenAI's list of text parts: a template that loops over a message's parts (Gemma 3)
+    gets the list, as transformers and vLLM's "openai" format give it; any other gets the texts
+    joined by newlines (vLLM's "string" format), since it would print a list as Python."""
+    tok, hf = tokenizers[name]
+    reads_parts = tok.chat_template_reads_content_parts()
+    assert reads_parts == (name == "gemma3")
+    content = PARTS if reads_parts else "\n".join(part["text"] for part in PARTS)
+    text, ids = _reference(hf, [{"role": "user", "content": content}], None, {}, True)
+    got = _gateway_ids(tok, _request_body([{"role": "user", "content": PARTS}], None, {}, True))
+    assert got == ids and tok.decode(got, skip_special_tokens=False) == text
+    assert "[{" not in text and "Part two 🌍" in text
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% for p in m.content | list %}{{ p.text }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{{ p }}{% endfor %}{% endfor %}",
+     True),
+    ("{% for m in messages %}{{ m['content'] | trim }}{% endfor %}", False),
+    ("{% for m in messages %}{% set c = m.content %}{{ c.split('x')[0] }}{% endfor %}", False),
+    ("{% for m in messages %}{% for t in tools %}{{ t }}{% endfor %}{% endfor %}", False),
+    ("{% for m in messages %", False),  # does not parse
+])
+def test_which_templates_read_content_parts(source, expected):
+    assert reads_content_parts(source) is expected
 
 
 def test_a_template_that_refuses_the_conversation_is_a_400(tokenizers):

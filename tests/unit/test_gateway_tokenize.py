@@ -20,7 +20,9 @@ from services.text import Tokenizer
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
-PLAIN_CHAT = [CHAT[0], {"role": "user", "content": "Hi\nthere"}]  # the gateway joins text parts
+# The tiny model's template loops over text parts, so they reach it as sent (vLLM's "openai"
+# content format; a template that reads only strings gets them joined by newlines).
+PLAIN_CHAT = CHAT
 
 
 @pytest.fixture(scope="module")
