@@ -6,7 +6,9 @@ Each family gets the tiny byte-level tokenizer (`model_factory(arch="llama", voc
 with its template, its named special tokens (bos, eos) and the tokens its template writes added,
 so that ids are meaningful: `<start_of_turn>` is one id, as in the real vocabulary. Families whose
 real tokenizer adds a BOS to every encode get a post-processor that does too, so that a template
-writing `{{ bos_token }}` itself shows whether the gateway doubles it.
+writing `{{ bos_token }}` itself shows whether the gateway doubles it. Qwen and Phi-3 get none
+(Qwen has no BOS); where a tokenizer adds a BOS that the template never writes, Pagoda adds it
+once and transformers not at all (`test_a_bos_the_template_never_writes_is_added_once`).
 
 The gateway side is `validation.chat_prompt`, the function a /v1/chat/completions request goes
 through, fed an OpenAI request body (tool-call arguments as JSON text, `content: null` beside
@@ -272,6 +274,18 @@ def test_text_parts_reach_the_template_as_vllm_passes_them(tokenizers, name):
 ])
 def test_which_templates_read_content_parts(source, expected):
     assert reads_content_parts(source) is expected
+
+
+def test_a_bos_the_template_never_writes_is_added_once(model_factory, tmp_path):
+    """Pagoda's own rule, unlike transformers and vLLM (which add nothing to the rendered text)
+    and like llama.cpp: a tokenizer whose encode adds a BOS gets exactly one in front of a
+    template that writes none (Phi-3's template, a post-processor adding `<s>`)."""
+    phi3 = Family("phi3", "<s>", "<|endoftext|>", FAMILIES["phi3"].special, adds_bos=True)
+    path = _family_dir(model_factory(arch="llama", vocab_size=1024), phi3, tmp_path)
+    tok, hf = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    _, ids = _reference(hf, [SYSTEM, USER], None, {}, True)
+    assert ids[0] != tok.bos_token_id
+    assert _gateway_ids(tok, _request_body([SYSTEM, USER], None, {}, True)) == [tok.bos_token_id, *ids]
 
 
 def test_a_template_that_refuses_the_conversation_is_a_400(tokenizers):
