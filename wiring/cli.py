@@ -284,11 +284,16 @@ def _add_tiny_model_command(sub) -> None:
 
 
 def _add_export_gguf_command(sub) -> None:
-    p = sub.add_parser("export-gguf", help="write a GGUF file (Q8_0, Q4_0, Q4_1, BF16 or F32) from a checkpoint folder")
-    p.add_argument("model_dir", type=Path, help="a Llama, Mistral or Qwen2 checkpoint folder (safetensors)")
+    from wiring.gguf_export import QTYPES
+
+    p = sub.add_parser("export-gguf", help="write a GGUF file (Q8_0, Q4_K_M, ... as llama.cpp writes it) from a "
+                                           "checkpoint folder")
+    p.add_argument("model_dir", type=Path, help="a checkpoint folder (safetensors) of a served architecture "
+                                                "(Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3)")
     p.add_argument("out", type=Path, help="the .gguf file to write")
-    p.add_argument("--type", dest="qtype", default="Q8_0", choices=("Q8_0", "Q4_0", "Q4_1", "BF16", "F32"),
-                   help="the 2-D weights' format (default Q8_0; norms stay F32)")
+    p.add_argument("--type", dest="qtype", default="Q8_0", choices=QTYPES,
+                   help="the 2-D weights' format (default Q8_0; Q4_K_M: llama.cpp's mix of Q4_K and Q6_K; "
+                        "norms stay F32)")
     p.set_defaults(func=_cmd_export_gguf, parser=p)
 
 

@@ -1,46 +1,64 @@
 """`pagoda export-gguf`: a GGUF file from a Hugging Face checkpoint folder, written the way
-llama.cpp's converter writes one: `{arch}.*` hyperparameters, a `gpt2` (byte-level BPE)
-tokenizer with its merges and chat template, Llama's q/k rows permuted for llama.cpp's
-rotary embedding, 2-D weights in a block format (Q8_0, Q4_0, Q4_1, quantized with the `gguf`
-package's reference quantizers; the K-quants and Q5_0/Q5_1 with worker_svc/kquants_ref.py, or
-"Q4_K_M", llama.cpp's mix of them) and the norms in F32.
+llama.cpp's convert_hf_to_gguf.py writes one, for every architecture of
+worker_svc/models/registry.py:
+
+- `general.architecture` the architecture's GGUF name (Mistral as "llama", as llama.cpp's
+  converter writes it); tensor names from its `gguf_layer_tensors` (read backwards);
+- `{arch}.*` hyperparameters: `attention.key_length`/`value_length` where the config names a
+  `head_dim`, `rope.dimension_count` for Llama and Phi-3, linear rope scaling, the sliding
+  window (Gemma 2 and 3, Phi-3: 0 for none), Gemma 2's attention and final soft-caps, Gemma
+  3's global-layer rope base and final soft-cap; Phi-3's LongRoPE as llama.cpp writes it
+  (`rope_factors_long`/`_short` tensors, `rope.scaling.attn_factor`,
+  `rope.scaling.original_context_length`);
+- q/k rows permuted for llama.cpp's rotary only where the architecture says llama.cpp does
+  (`gguf_permuted_qk`: Llama, Mistral); Gemma's norms (every `*norm.weight`, q/k norms too)
+  written as 1 + w (`gguf_norm_offset_stored`); Phi-3's fused `qkv_proj`/`gate_up_proj` as
+  its `attn_qkv`/`ffn_up`, unsplit; a tied LM head not written;
+- a `gpt2` (byte-level BPE) tokenizer with its merges and chat template (what llama.cpp's
+  `_set_vocab_gpt2` writes; byte-level BPE tokenizers only);
+- 2-D weights in a block format (Q8_0, Q4_0, Q4_1 with the `gguf` package's reference
+  quantizers; the K-quants and Q5_0/Q5_1 with worker_svc/kquants_ref.py; or "Q4_K_M",
+  llama.cpp's mix of them, see `tensor_type`), norms and 1-D tensors in F32.
+
+What the file cannot say is refused (ValueError naming it): rope scalings other than linear
+(and Phi-3's LongRoPE), Gemma layer layouts other than llama.cpp's fixed patterns (every 2nd
+layer global for Gemma 2, every 6th for Gemma 3).
 
 Used by the tests (GGUF files of the tiny models) and the quality benchmark (a Q8_0 file of
-the real model from its float32 folder); byte-level BPE tokenizers only."""
+the real model from its float32 folder).
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from safetensors.numpy import load_file
 
-_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
+# llama.cpp's converter writes a Mistral checkpoint as a Llama one
+_GGUF_ARCH = {"mistral": "llama"}
+_GLOBAL_TENSORS = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
 }
+SLIDING, FULL = "sliding_attention", "full_attention"
+# llama.cpp's fixed layouts: every `n`-th layer global (llama-model.cpp's set_swa_pattern)
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 
 
-def _gguf_name(name: str) -> str:
-    if name == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if name == "model.norm.weight":
-        return "output_norm.weight"
-    if name == "lm_head.weight":
-        return "output.weight"
-    _, _, layer, rest = name.split(".", 3)
-    return f"blk.{layer}.{_LAYER[rest]}"
+def gguf_tensor_name(name: str, layer_tensors: dict[str, str]) -> str:
+    """llama.cpp's name of the checkpoint tensor `name` (an architecture's
+    `gguf_layer_tensors` read backwards); ValueError for one it has no name for."""
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    parts = name.split(".", 3)
+    inverse = {hf: gguf for gguf, hf in layer_tensors.items()}
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in inverse:
+        return f"blk.{parts[2]}.{inverse[parts[3]]}"
+    raise ValueError(f"checkpoint tensor {name!r} has no GGUF name")
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -53,6 +71,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 # Q2_K and Q3_K as before IQ4_NL)
 KQUANT_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _KQUANT_WRITTEN = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "BF16", "F32")
 
 
 def _use_more_bits(layer: int, num_layers: int) -> bool:
@@ -61,17 +80,29 @@ def _use_more_bits(layer: int, num_layers: int) -> bool:
     return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
-def tensor_type(gguf_name: str, cols: int, qtype: str, num_layers: int) -> str:
+def _q4_k_m_type(gguf_name: str, num_layers: int, tied: bool) -> str:
+    """llama.cpp's Q4_K_M mix (llama-quant.cpp llama_tensor_get_type): the output weight (the
+    token embedding when it is the output too) Q6_K; attn_v and ffn_down Q6_K in the layers
+    that get more bits; a fused attn_qkv Q5_K; the rest Q4_K."""
+    if gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight"):
+        return "Q6_K"
+    parts = gguf_name.split(".")
+    if parts[0] != "blk":
+        return "Q4_K"
+    if parts[2] == "attn_qkv":
+        return "Q5_K"
+    if parts[2] in ("attn_v", "ffn_down") and _use_more_bits(int(parts[1]), num_layers):
+        return "Q6_K"
+    return "Q4_K"
+
+
+def tensor_type(gguf_name: str, cols: int, qtype: str, num_layers: int, tied: bool = False) -> str:
     """The type a 2-D weight of `cols` columns is written in for `qtype`: "Q4_K_M" is llama.cpp's
-    mix (output.weight Q6_K; attn_v and ffn_down Q6_K in the layers that get more bits, else
-    Q4_K; the rest Q4_K), and a K-quant falls back as llama.cpp's does for rows that are not
-    whole super-blocks (Q4_K -> Q5_0, Q6_K -> Q8_0, ...); "F32" when even that does not fit."""
+    mix (`_q4_k_m_type`; `tied`: the token embedding is the output weight too), and a K-quant
+    falls back as llama.cpp's does for rows that are not whole super-blocks (Q4_K -> Q5_0,
+    Q6_K -> Q8_0, ...); "F32" when even that does not fit."""
     if qtype == "Q4_K_M":
-        qtype = "Q4_K"
-        parts = gguf_name.split(".")
-        if gguf_name == "output.weight" or (parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down")
-                                            and _use_more_bits(int(parts[1]), num_layers)):
-            qtype = "Q6_K"
+        qtype = _q4_k_m_type(gguf_name, num_layers, tied)
     if qtype in KQUANT_FALLBACK and cols % 256:
         qtype = KQUANT_FALLBACK[qtype]
     return qtype if cols % 32 == 0 else "F32"
@@ -91,26 +122,147 @@ def _quantize(t: np.ndarray, qtype: str) -> np.ndarray:
 
 def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> Path:
     """`out` (a .gguf file) from the checkpoint folder `model_dir`; 2-D weights in `qtype`
-    (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, "Q4_K_M", F32 or BF16; see `tensor_type`; a
-    weight whose rows are not whole blocks of any fitting type stays F32)."""
+    (one of QTYPES; see `tensor_type`; a weight whose rows are not whole blocks of any fitting
+    type stays F32). ValueError for what a GGUF file cannot say (see the module docstring)."""
     import gguf
+    from safetensors.numpy import load_file
 
+    from worker_svc.models.registry import architecture_of_config
+
+    if qtype not in QTYPES:
+        raise ValueError(f"GGUF type {qtype!r} is not written; choose one of {', '.join(QTYPES)}")
     model_dir, out = Path(model_dir), Path(out)
     cfg = json.loads((model_dir / "config.json").read_text())
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}[cfg["model_type"]]
-    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    w = gguf.GGUFWriter(str(out), arch)
+    arch = architecture_of_config(cfg, str(model_dir / "config.json"))
+    name = _GGUF_ARCH.get(arch.model_type, arch.gguf_names[0])
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    _refuse_unwritable(arch.model_type, cfg)
+    w = gguf.GGUFWriter(str(out), name)
     w.add_name(model_dir.name)
+    file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{qtype}", None) or (
+        gguf.LlamaFileType.ALL_F32 if qtype == "F32" else None)
+    if file_type is not None:
+        w.add_file_type(int(file_type))
+    _write_hparams(w, name, arch.model_type, cfg)
+    _write_vocab(w, model_dir, cfg)
+    _write_tensors(w, arch, cfg, tensors, qtype)
+    for tensor_name, t in _extra_tensors(arch.model_type, cfg).items():
+        w.add_tensor(tensor_name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _rope(cfg: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
+    """The (global layers') rotary parameters of a transformers 4 or 5 `config.json`:
+    `rope_theta`, `rope_type` and the scaling's fields."""
+    params = cfg.get("rope_parameters") or {}
+    if FULL in params:  # transformers 5, one entry per layer type (Gemma 3)
+        params = params[FULL]
+    merged = {**(cfg.get("rope_scaling") or {}), **params}
+    merged.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+    merged["rope_type"] = merged.get("rope_type", merged.get("type")) or "default"
+    return merged
+
+
+def _refuse_unwritable(model_type: str, cfg: dict[str, Any]) -> None:
+    """ValueError for a checkpoint whose GGUF file would be read as another model: a rope
+    scaling llama.cpp does not write as metadata, Gemma layer layouts or attention scales
+    other than llama.cpp's fixed ones."""
+    from worker_svc.models.gemma2 import gguf_query_pre_attn_scalar
+
+    rope = _rope(cfg)
+    allowed = ("default", "linear", "longrope") if model_type == "phi3" else ("default", "linear")
+    if rope["rope_type"] not in allowed:
+        raise ValueError(f"rope scaling {rope['rope_type']!r} of a {model_type} checkpoint is not written "
+                         f"to GGUF (written: {', '.join(allowed[1:])})")
+    pattern = _GEMMA_PATTERN.get(model_type)
+    if not pattern:
+        return
+    types = cfg.get("layer_types")
+    if types and types != [SLIDING if (i + 1) % pattern else FULL for i in range(len(types))]:
+        raise ValueError(f"{model_type} layer_types {types} are not llama.cpp's layout (every {pattern}th "
+                         "layer global): a GGUF file cannot say them")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    want = gguf_query_pre_attn_scalar(model_type, {**cfg, "head_dim": head_dim})
+    if cfg.get("query_pre_attn_scalar", 256) != want:
+        raise ValueError(f"{model_type} query_pre_attn_scalar {cfg.get('query_pre_attn_scalar', 256)} is not the "
+                         f"{want} llama.cpp attends with for this shape: a GGUF file cannot say it")
+
+
+def _extra_tensors(model_type: str, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The tensors llama.cpp's converter generates beside the checkpoint's: Phi-3's LongRoPE
+    factors."""
+    rope = _rope(cfg)
+    if model_type != "phi3" or rope["rope_type"] != "longrope":
+        return {}
+    return {"rope_factors_long.weight": np.asarray(rope["long_factor"], dtype=np.float32),
+            "rope_factors_short.weight": np.asarray(rope["short_factor"], dtype=np.float32)}
+
+
+def _write_hparams(w, name: str, model_type: str, cfg: dict[str, Any]) -> None:
+    """The `{arch}.*` hyperparameters (convert_hf_to_gguf.py's TextModel.set_gguf_parameters
+    and each model's additions)."""
+    import gguf
+
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    gemma3 = model_type == "gemma3_text"
+    rope = _rope(cfg, 1_000_000.0 if gemma3 else 10000.0)
     w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg.get("max_position_embeddings", 4096))
+    w.add_context_length(cfg.get("max_position_embeddings", 131072 if gemma3 else 4096))
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))))
+    w.add_head_count_kv(cfg.get("num_key_value_heads", heads))
+    w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    if cfg.get("head_dim") or model_type in ("gemma2", "gemma3_text"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if name in ("llama", "phi3"):
+        w.add_rope_dimension_count(head_dim)
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+    if model_type in ("gemma2", "gemma3_text"):
+        _write_gemma(w, model_type, cfg)
+    if model_type == "phi3":
+        _write_phi3(w, cfg, rope)
+
+
+def _write_phi3(w, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
+    """Phi3MiniModel's additions: the window (0: none), the original context and LongRoPE's
+    attention factor (its factors are tensors, `_extra_tensors`)."""
+    w.add_sliding_window(int(cfg.get("sliding_window") or 0))
+    original = int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 4096))
+    w.add_rope_scaling_orig_ctx_len(original)
+    if rope["rope_type"] == "longrope":
+        scale = cfg.get("max_position_embeddings", original) / original
+        factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        w.add_rope_scaling_attn_factors(factor)
+
+
+def _write_gemma(w, model_type: str, cfg: dict[str, Any]) -> None:
+    """Gemma2Model's soft-caps and window; Gemma3Model's final soft-cap (it has no attention
+    cap) and window (none where every layer is global)."""
+    if model_type == "gemma2" and cfg.get("attn_logit_softcapping") is not None:
+        w.add_attn_logit_softcapping(float(cfg["attn_logit_softcapping"]))
+    if cfg.get("final_logit_softcapping") is not None:
+        w.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+    if cfg.get("sliding_window") and cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern")) != 1:
+        w.add_sliding_window(int(cfg["sliding_window"]))
+
+
+def _write_vocab(w, model_dir: Path, cfg: dict[str, Any]) -> None:
+    """A byte-level BPE tokenizer as llama.cpp's `_set_vocab_gpt2` writes it: tokens, their
+    types (added special tokens CONTROL), merges, bos/eos ids and the chat template."""
+    import gguf
+
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     tokens = [""] * len(vocab)
@@ -140,22 +292,29 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> P
         template = (model_dir / "chat_template.jinja").read_text()
     if template:
         w.add_chat_template(template)
-    tensors = load_file(str(model_dir / "model.safetensors"))
+
+
+def _write_tensors(w, arch, cfg: dict[str, Any], tensors: dict[str, np.ndarray], qtype: str) -> None:
+    """Each checkpoint tensor under its GGUF name, permuted / offset as llama.cpp writes it and
+    in its type (`tensor_type`); a tied LM head (always Gemma's) is not written."""
+    import gguf
+
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    tied = bool(cfg.get("tie_word_embeddings", arch.gguf_norm_offset_stored))
     for name, t in tensors.items():
-        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+        if name == "lm_head.weight" and (tied or arch.gguf_norm_offset_stored):
             continue
+        gname = gguf_tensor_name(name, arch.gguf_layer_tensors)
         t = t.astype(np.float32)
-        if arch == "llama" and ".q_proj." in name:
+        if arch.gguf_permuted_qk and ".self_attn.q_proj." in name:
             t = _permute(t, heads)
-        elif arch == "llama" and ".k_proj." in name:
+        elif arch.gguf_permuted_qk and ".self_attn.k_proj." in name:
             t = _permute(t, kv_heads)
-        kind = tensor_type(_gguf_name(name), t.shape[1], qtype, cfg["num_hidden_layers"]) if t.ndim == 2 else "F32"
+        if arch.gguf_norm_offset_stored and name.endswith("norm.weight"):
+            t = t + np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) scale
+        kind = tensor_type(gname, t.shape[1], qtype, cfg["num_hidden_layers"], tied) if t.ndim == 2 else "F32"
         if kind != "F32":
-            w.add_tensor(_gguf_name(name), _quantize(t, kind), raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+            w.add_tensor(gname, _quantize(t, kind), raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
         else:
-            w.add_tensor(_gguf_name(name), t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+            w.add_tensor(gname, t)

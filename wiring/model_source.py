@@ -156,7 +156,10 @@ def prune_gguf_cache(root: Path, now: float | None = None) -> list[Path]:
 
 def _write_tokenizer(path: Path, out: Path) -> None:
     """tokenizer.json, tokenizer_config.json and the chat template, as `transformers` reads
-    them from the GGUF file (its `gguf_file=` support)."""
+    them from the GGUF file (its `gguf_file=` support). The class named is transformers'
+    generic `TokenizersBackend`, which takes tokenizer.json as written: the class of the
+    file's architecture (GemmaTokenizer for a gemma3 file) would rebuild its own normalizer
+    and pre-tokenizer over it, and encode a byte-level vocabulary otherwise than the file."""
     import logging
 
     from transformers import AutoTokenizer
@@ -164,6 +167,10 @@ def _write_tokenizer(path: Path, out: Path) -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok.save_pretrained(str(out))
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "TokenizersBackend"
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def resolve_model(model: str | None, log=print) -> tuple[Path, list[str]]:

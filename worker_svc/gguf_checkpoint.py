@@ -16,6 +16,24 @@ rest of the worker uses:
   the permutation is undone here on whole rows, which for a matrix in blocks moves whole
   rows of blocks and changes no block.
 
+Where llama.cpp and `transformers`' GGUF loader read a file's metadata differently, the
+config follows llama.cpp, which runs the real files:
+
+- the head size is `{arch}.attention.key_length` (llama.cpp's converter writes it wherever
+  config.json names a `head_dim`); transformers reads it only for Gemma (and Llama's
+  `rope.dimension_count`) and takes Qwen3Config's default head_dim 128 for a qwen3 file;
+- Gemma's attention scale is llama.cpp's 1 / sqrt(head size) (1 / sqrt(hidden / heads) for
+  the 27B models, `worker_svc.models.gemma2.gguf_query_pre_attn_scalar`); transformers keeps
+  its configs' default query_pre_attn_scalar 256;
+- Gemma 2's soft-caps are the file's; transformers keeps its defaults (50 and 30);
+- Gemma 3's global layers are every sixth (llama.cpp's fixed pattern; transformers' default
+  too), the sliding ones' rope base 10,000, and a `rope.scaling.*` linear scaling applies to
+  the global ones; transformers reads no rope scaling for gemma3;
+- Phi-3's LongRoPE factors are the `rope_factors_long`/`_short` tensors; transformers reads none.
+
+The tests' tiny files (tests/unit/test_gguf_archs.py) take shapes on which both agree:
+Qwen3's head size 128, Gemma 3's 256 = query_pre_attn_scalar, no rope scaling, no soft-caps.
+
 Layouts: a GGUF tensor's `shape` lists the fastest dimension first (`[in, out]` for a
 weight); `GGUFTensor.shape` is the torch order (`[out, in]`).
 """
@@ -165,12 +183,9 @@ class GGUFCheckpoint:
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
-        scaling = self.field(f"{a}.rope.scaling.type")
-        if scaling not in (None, "none"):
-            if scaling != "linear":
-                raise CheckpointError(f"{self.path}: {a}.rope.scaling.type {scaling!r} is not supported")
-            config["rope_scaling"] = {"rope_type": "linear",
-                                      "factor": float(self._need(f"{a}.rope.scaling.factor"))}
+        scaling = self._rope_scaling(config["max_position_embeddings"])
+        if scaling is not None:
+            config["rope_scaling"] = scaling
         window = self.field(f"{a}.attention.sliding_window")
         if window:
             config["sliding_window"] = int(window)
@@ -181,6 +196,23 @@ class GGUFCheckpoint:
             if value is not None:
                 config[key] = int(value)
         return config
+
+    def _rope_scaling(self, max_positions: int) -> dict[str, Any] | None:
+        """`rope_scaling` from `{arch}.rope.scaling.*`: linear; Phi-3's LongRoPE, whose factors
+        llama.cpp writes as the tensors `rope_factors_long` / `rope_factors_short`."""
+        a = self.architecture
+        scaling = self.field(f"{a}.rope.scaling.type")
+        if scaling == "linear":
+            return {"rope_type": "linear", "factor": float(self._need(f"{a}.rope.scaling.factor"))}
+        if scaling not in (None, "none"):
+            raise CheckpointError(f"{self.path}: {a}.rope.scaling.type {scaling!r} is not supported")
+        if "rope_factors_long.weight" not in self._tensors:
+            return None
+        original = int(self.field(f"{a}.rope.scaling.original_context_length", max_positions))
+        factors = {key: np.asarray(self._tensors[f"rope_factors_{key}.weight"].data, dtype=np.float32).tolist()
+                   for key in ("long", "short")}
+        return {"rope_type": "longrope", "long_factor": factors["long"], "short_factor": factors["short"],
+                "original_max_position_embeddings": original}
 
     def _tensor_info(self, name: str):
         gname = self._by_hf.get(name)

@@ -39,9 +39,22 @@ def gemma_options(raw: dict[str, Any], config: ModelConfig, source: str, pattern
     )
 
 
-def gemma_gguf_config(field: GGUFField, config: dict[str, Any], pattern: int) -> None:
+# the layer counts of the 27B models, whose attention scale llama.cpp takes from hidden / heads
+GGUF_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+
+def gguf_query_pre_attn_scalar(model_type: str, config: dict[str, Any]) -> int:
+    """The `query_pre_attn_scalar` llama.cpp attends with (llama-model.cpp: 1 / sqrt(head
+    size), but 1 / sqrt(hidden / heads) for the 27B models, told by their layer count): a GGUF
+    file has no key for it. Equal to the Hugging Face configs' value at every released size."""
+    if config["num_hidden_layers"] == GGUF_27B_LAYERS[model_type]:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return config["head_dim"]
+
+
+def gemma_gguf_config(field: GGUFField, config: dict[str, Any], pattern: int, model_type: str) -> None:
     config["hidden_activation"] = "gelu_pytorch_tanh"
-    config["query_pre_attn_scalar"] = int(field("attention.key_length", config["head_dim"]))
+    config["query_pre_attn_scalar"] = gguf_query_pre_attn_scalar(model_type, config)
     config["sliding_window_pattern"] = pattern
     for key, name in (("attn_logit_softcapping", "attn_logit_softcapping"),
                       ("final_logit_softcapping", "final_logit_softcapping")):
@@ -67,4 +80,4 @@ class Gemma2(Architecture):
 
     @classmethod
     def gguf_config(cls, field: GGUFField, config: dict[str, Any]) -> None:
-        gemma_gguf_config(field, config, pattern=2)
+        gemma_gguf_config(field, config, pattern=2, model_type=cls.model_type)

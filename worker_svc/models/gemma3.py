@@ -44,6 +44,6 @@ class Gemma3(Architecture):
 
     @classmethod
     def gguf_config(cls, field: GGUFField, config: dict[str, Any]) -> None:
-        gemma_gguf_config(field, config, pattern=6)
+        gemma_gguf_config(field, config, pattern=6, model_type=cls.model_type)
         config["rope_local_base_freq"] = 10_000.0
         config.pop("attn_logit_softcapping", None)
