@@ -46,7 +46,9 @@ _Linear._fields_ = [("qtype", _I64), ("w", _PTR), ("bias", _PTR), ("n", _I64), (
 
 class _Layer(ctypes.Structure):
     _fields_ = [("norm1", _PTR), ("norm2", _PTR), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_pool", _PTR), ("v_pool", _PTR)]
+                ("gate_up", _Linear), ("down", _Linear), ("k_pool", _PTR), ("v_pool", _PTR),
+                ("q_norm", _PTR), ("k_norm", _PTR), ("post_attn_norm", _PTR), ("post_mlp_norm", _PTR),
+                ("window", _I64), ("rope", _I64), ("act", _I64)]
 
 
 class _Kernels(ctypes.Structure):
@@ -57,7 +59,7 @@ class _Kernels(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("block_size", _I64), ("num_blocks", _I64), ("max_blocks", _I64),
-                ("window", _I64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 def enabled() -> bool:
@@ -91,6 +93,20 @@ def _linear(m: PackedLinear, keep: list[_Linear]) -> _Linear:
     bias = head.bias.data_ptr() if head.bias is not None else None
     return _Linear(_QTYPE_IDS[head.qtype], head.qweight.data_ptr(), bias, head.out_features, head.in_features,
                    chained)
+
+
+def _ptr(norm) -> int | None:
+    return None if norm is None else norm.weight.data_ptr()
+
+
+def _ffn_norms(layer) -> tuple[int, int | None, int | None]:
+    """(the norm before the MLP, the norms of the attention's and the MLP's outputs or None):
+    a sandwich layer's (Gemma) or a pre-norm layer's."""
+    post_mlp = getattr(layer, "post_feedforward_layernorm", None)
+    if post_mlp is None:
+        return layer.post_attention_layernorm.weight.data_ptr(), None, None
+    return (layer.pre_feedforward_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+            post_mlp.weight.data_ptr())
 
 
 class FusedDecoder:
@@ -158,21 +174,25 @@ class FusedDecoder:
             for i, layer in enumerate(self._layers):
                 att, mlp = layer.self_attn, layer.mlp
                 k_pool, v_pool = kv_pools[i]
-                table[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
-                                  layer.post_attention_layernorm.weight.data_ptr(),
+                norm2, post_attn, post_mlp = _ffn_norms(layer)
+                table[i] = _Layer(layer.input_layernorm.weight.data_ptr(), norm2,
                                   _linear(att.qkv_packed, chained), _linear(att.o_proj, chained),
                                   _linear(mlp.gate_up_packed, chained), _linear(mlp.down_proj, chained),
-                                  k_pool.data_ptr(), v_pool.data_ptr())
+                                  k_pool.data_ptr(), v_pool.data_ptr(), _ptr(att.q_norm), _ptr(att.k_norm),
+                                  post_attn, post_mlp, att.sliding_window or 0, self.model.rope_index(i),
+                                  0 if mlp.silu else 1)
             self._table, self._pool_ptrs, self._chained = table, ptrs, chained
         return self._table
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_pools: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata,
-                window: int | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                kv_pools: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:
+        """The stage's layers over decode rows `h`; `ropes`: cos/sin per kind of layer
+        (`StageModel.rope_index`)."""
         cfg = self.cfg
         T = h.shape[0]
         h = h.contiguous().clone()
-        cos, sin = (t.reshape(T, cfg.head_dim).contiguous() for t in rope)
+        cos = torch.stack([c.reshape(T, cfg.head_dim) for c, _ in ropes]).contiguous()
+        sin = torch.stack([s.reshape(T, cfg.head_dim) for _, s in ropes]).contiguous()
         num_blocks, block_size = kv_pools[0][0].shape[:2]
         tables = metadata.block_tables.contiguous()
         qkv = cfg.q_size + 2 * cfg.kv_size
@@ -185,8 +205,7 @@ class FusedDecoder:
         kernels = _Kernels(*self._kfns[kv_pools[0][0].dtype], self._quant.isa_id, self._quant.act_bits,
                            self._qscratch.data_ptr() + (-self._qscratch.data_ptr()) % 64)
         shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                       block_size, num_blocks, tables.shape[1], window or 0, cfg.rms_norm_eps,
-                       cfg.head_dim**-0.5)
+                       block_size, num_blocks, tables.shape[1], cfg.rms_norm_eps, self._layers[0].self_attn.scale)
         rows = metadata.query_start_loc[:-1].contiguous()
         ctx = metadata.context_lens.contiguous()
         slots = metadata.slot_mapping.contiguous()

@@ -106,6 +106,10 @@ class StageModel(nn.Module):
         """The rotary of the stage's first layer (every layer's, but for Gemma 3)."""
         return self.rotaries[self._rope_of[0]]
 
+    def rope_index(self, local: int) -> int:
+        """Which of `rotaries` local layer `local` reads."""
+        return self._rope_of[local]
+
     def fold_norm_offsets(self) -> None:
         """Norms that scale by (offset + w) (Gemma) scale by their weight from now on: called
         once the checkpoint's w is loaded (worker_svc/layers/norm.py)."""
@@ -135,7 +139,7 @@ class StageModel(nn.Module):
         fused = 0
         for layer in self.model.layers.values():
             fused += int(layer.self_attn.fuse() & layer.mlp.fuse())
-        if fused == self.num_local_layers and len(self.rotaries) == 1:
+        if fused == self.num_local_layers:
             self.fused_decode = FusedDecoder.for_model(self)
         return fused
 
@@ -196,7 +200,7 @@ class StageModel(nn.Module):
                 self.on_layer()
             return h
         if self.fused_decode is not None and self.fused_decode.applies(h, metadata, kv_pools):
-            return self.fused_decode.forward(h, ropes[0], kv_pools, metadata, self.config.sliding_window)
+            return self.fused_decode.forward(h, ropes, kv_pools, metadata)
         for local, layer in enumerate(body.layers.values()):
             h = layer.forward(h, ropes[self._rope_of[local]], kv_pools[local], metadata, backend)
             self.on_layer()

@@ -123,3 +123,29 @@ def test_max_model_len_is_the_architectures_own_field(references, arch):
 
     folder, ref = references(arch)
     assert model_max_len(folder) == ref.model.config.max_position_embeddings == 2048
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_native_decode_step_equals_the_module_path(references, arch):
+    """The one-call native decode step (worker_svc/fused_decode.py) takes the new
+    architectures' layers (q/k norms, sandwich norms, GELU-tanh, per-layer windows and
+    rotary tables; not Gemma 2's soft-capped attention) and computes what their modules
+    compute, up to float rounding, on bfloat16 weights, with contexts past the windows."""
+    from test_gguf import _decode_logits
+
+    folder = references(arch)[0]
+    fused, plain = load_stage(folder, dtype="bfloat16"), load_stage(folder, dtype="bfloat16")
+    if arch == "gemma2":
+        assert fused.fused_decode is None  # soft-capped scores: the module path
+        return
+    assert fused.fused_decode is not None
+    plain.fused_decode = None
+    calls = []
+    native = fused.fused_decode.forward
+    fused.fused_decode.forward = lambda *a: calls.append(1) or native(*a)
+    got = _decode_logits(fused, steps=8, lengths=(60, 90, 100))
+    assert len(calls) == 8  # every decode step went through the native call
+    for a, b in zip(got, _decode_logits(plain, steps=8, lengths=(60, 90, 100)), strict=True):
+        scale = b.abs().max()
+        assert ((a - b).abs().max() / scale).item() < 1e-4, ((a - b).abs().max(), scale)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -192,17 +192,18 @@ def test_packed_agrees_with_float32(trained_model_dir, tmp_path):
         assert agree >= bound, (qtype, agree)
 
 
-def _decode_logits(model, steps: int = 6, batch: int = 3, kv_dtype: torch.dtype | None = None
-                   ) -> list[torch.Tensor]:
-    """Logits of a prefill then `steps` decode steps of `batch` sequences (greedy), the
-    stage's runner with the native CPU backend (KV pools of `kv_dtype`)."""
+def _decode_logits(model, steps: int = 6, batch: int = 3, kv_dtype: torch.dtype | None = None,
+                   lengths: tuple[int, ...] = (5, 17, 33)) -> list[torch.Tensor]:
+    """Logits of a prefill then `steps` decode steps of `batch` sequences (greedy) of
+    prompts of `lengths` (at most 120 tokens), the stage's runner with the native CPU
+    backend (KV pools of `kv_dtype`)."""
     from services.sampling import SamplingParams
     from services.step import CachedSeq, NewSeq, StepPlan
     from worker_svc.runner import StageRunner
 
     runner = StageRunner(model, 64, 16, "cpu", kv_dtype=kv_dtype)
     g = torch.Generator().manual_seed(3)
-    prompts = [tuple(torch.randint(5, 500, (n,), generator=g).tolist()) for n in (5, 17, 33)][:batch]
+    prompts = [tuple(torch.randint(5, 500, (n,), generator=g).tolist()) for n in lengths][:batch]
     greedy = SamplingParams(temperature=0.0)
     runner.execute(StepPlan(1, new_seqs=tuple(
         NewSeq(i, p, len(p), 0, len(p), tuple(range(i * 8, i * 8 + 8)), greedy) for i, p in enumerate(prompts))))

@@ -1,8 +1,13 @@
 /* A pipeline stage's decoder layers for one decode step, in one call: for every layer
  *
- *   x = rmsnorm(h) * norm1;  qkv = x Wqkv^T (+ b);  rotate q, k; write k, v to the pools;
- *   a = paged decode attention(q);  h += a Wo^T;
- *   x = rmsnorm(h) * norm2;  [g u] = x Wgu^T;  h += (silu(g) * u) Wdown^T
+ *   x = rmsnorm(h) * norm1;  qkv = x Wqkv^T (+ b);  [rmsnorm each q, k head * q_norm, k_norm];
+ *   rotate q, k (the layer's cos/sin table); write k, v to the pools;
+ *   a = paged decode attention(q, the layer's window);  o = a Wo^T;  [o = rmsnorm(o) * post_attn_norm];
+ *   h += o;  x = rmsnorm(h) * norm2;  [g u] = x Wgu^T;  m = (act(g) * u) Wdown^T;
+ *   [m = rmsnorm(m) * post_mlp_norm];  h += m
+ *
+ * act: SiLU or GELU with the tanh approximation; the bracketed steps where the layer has
+ * them (Qwen3's and Gemma 3's q/k norms, Gemma's norms after attention and MLP).
  *
  * for T decode rows (one new token per sequence), so a small step pays no per-operation
  * Python or torch dispatch (at batch 1 that overhead was twice the arithmetic of the
@@ -13,7 +18,7 @@
  *
  * Layouts (row-major, float32 unless said):
  *   h        [T, hidden], updated in place (the residual stream)
- *   cos, sin [T, head_dim]: each row's rotary factors
+ *   cos, sin [tables, T, head_dim]: each row's rotary factors, one table per kind of layer
  *   slots    [T] int64: where each row's K/V goes (block * block_size + offset)
  *   tables   [T, max_blocks] int64; ctx_lens [T] int64 (tokens in KV after this step)
  *   layer    struct pagoda_layer per layer (weights as the Python side holds them)
@@ -41,6 +46,11 @@ struct pagoda_layer {
     const float *norm1, *norm2; /* [hidden] */
     struct pagoda_linear qkv, o, gate_up, down;
     float *k_pool, *v_pool; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    const float *q_norm, *k_norm; /* [head_dim] or NULL */
+    const float *post_attn_norm, *post_mlp_norm; /* [hidden] or NULL */
+    int64_t window; /* sliding window in tokens, 0: the whole context */
+    int64_t rope; /* which cos/sin table */
+    int64_t act; /* 0 SiLU, 1 GELU-tanh */
 };
 
 typedef int (*qmm_fn)(int isa, int qtype, int act_bits, const float *x, int64_t x_stride, int64_t T,
@@ -67,7 +77,7 @@ struct pagoda_kernels {
 
 struct pagoda_shape {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t block_size, num_blocks, max_blocks, window;
+    int64_t block_size, num_blocks, max_blocks;
     float eps, scale;
 };
 
@@ -88,6 +98,34 @@ static void rms_norm(const float *h, const float *weight, float *x, int64_t T, i
         const float r = 1.0f / sqrtf(ss / (float)n + eps);
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) out[i] = weight[i] * (row[i] * r);
+    }
+}
+
+/* each of `heads` head_dim-wide pieces of every row (row stride `stride`) normalised in place */
+static void head_norm(float *x, const float *weight, int64_t T, int64_t stride, int64_t heads, int64_t head_dim,
+                      float eps)
+{
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t hh = 0; hh < heads; hh++) {
+            float *row = x + t * stride + hh * head_dim;
+            rms_norm(row, weight, row, 1, head_dim, eps);
+        }
+}
+
+static void gated(const float *gu, float *act, int64_t T, int64_t inter, int64_t kind)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * inter, *u = g + inter;
+        float *a = act + t * inter;
+        if (kind == 1) {
+            for (int64_t i = 0; i < inter; i++) {
+                const float v = g[i];
+                a[i] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))) * u[i];
+            }
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
     }
 }
 
@@ -147,23 +185,23 @@ int pagoda_decode_layers(const struct pagoda_kernels *k, const struct pagoda_sha
         int rc;
         rms_norm(h, L->norm1, x, T, hidden, s->eps);
         if ((rc = linear(k, &L->qkv, x, T, qkv)) != 0) return rc;
-        k->rope(qkv, cos, sin, slots, L->k_pool, L->v_pool, T, qkv_size, s->num_heads, s->num_kv_heads,
+        if (L->q_norm) head_norm(qkv, L->q_norm, T, qkv_size, s->num_heads, s->head_dim, s->eps);
+        if (L->k_norm) head_norm(qkv + q_size, L->k_norm, T, qkv_size, s->num_kv_heads, s->head_dim, s->eps);
+        const float *lcos = cos + L->rope * T * s->head_dim, *lsin = sin + L->rope * T * s->head_dim;
+        k->rope(qkv, lcos, lsin, slots, L->k_pool, L->v_pool, T, qkv_size, s->num_heads, s->num_kv_heads,
                 s->head_dim, s->num_blocks * s->block_size);
         if ((rc = k->attn(qkv, L->k_pool, L->v_pool, att, rows, tables, ctx_lens, qkv_size, 0, T,
                           s->max_blocks, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
-                          s->num_blocks, s->scale, s->window)) != 0)
+                          s->num_blocks, s->scale, L->window)) != 0)
             return rc;
         if ((rc = linear(k, &L->o, att, T, out)) != 0) return rc;
+        if (L->post_attn_norm) rms_norm(out, L->post_attn_norm, out, T, hidden, s->eps);
         for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
         rms_norm(h, L->norm2, x, T, hidden, s->eps);
         if ((rc = linear(k, &L->gate_up, x, T, gu)) != 0) return rc;
-        for (int64_t t = 0; t < T; t++) {
-            const float *g = gu + t * 2 * inter, *u = g + inter;
-            float *a = act + t * inter;
-#pragma omp simd
-            for (int64_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        }
+        gated(gu, act, T, inter, L->act);
         if ((rc = linear(k, &L->down, act, T, out)) != 0) return rc;
+        if (L->post_mlp_norm) rms_norm(out, L->post_mlp_norm, out, T, hidden, s->eps);
         for (int64_t i = 0; i < T * hidden; i++) h[i] += out[i];
     }
     return 0;

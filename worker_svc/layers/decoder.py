@@ -41,10 +41,9 @@ class DecoderLayer(nn.Module):
     @property
     def native_decode(self) -> bool:
         """Whether the native decode step (worker_svc/fused_decode.py) computes this layer:
-        pre-norm, SiLU, no q/k norm, no soft-capping, the default attention scale."""
-        att = self.self_attn
-        return (type(self) is DecoderLayer and att.q_norm is None and self.mlp.silu and att.softcap is None
-                and att.scale == att.head_dim**-0.5)
+        pre-norm or sandwich, SiLU or GELU-tanh, q/k norms or none, any window and rotary
+        table; attention soft-capping (Gemma 2) it does not."""
+        return self.self_attn.softcap is None
 
     def forward(
         self,
