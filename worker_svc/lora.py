@@ -7,7 +7,9 @@ batched low-rank products that serve one step mixing tokens of several adapters.
     LoraStep.layer(i).add(out, x, targets)       out += scaling * (x A^T) B^T, group by group
 
 An adapter adds `scaling * B @ A` to the weight of some of a decoder layer's seven linear
-layers (q/k/v/o_proj, gate/up/down_proj; `LORA_TARGETS`). Instead of merging it, each
+layers (q/k/v/o_proj, gate/up/down_proj; `LORA_TARGETS`; an adapter of a fused module of
+Phi-3's checkpoint, `qkv_proj` or `gate_up_proj`, is the adapters of its parts, B's rows
+split: `FUSED_TARGETS`). Instead of merging it, each
 step computes the low-rank product for the tokens of each adapter present in the batch:
 their rows of `x` are gathered (`index_select`), multiplied by the slot's A^T then B^T
 (scaling folded into B when the adapter is added), and added back to the linear's output
@@ -54,6 +56,10 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 # from there: the loader imports the model, which names this module's types)
 SHARD_DIMS = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 0, "up_proj": 0,
               "down_proj": 1}
+# targets of checkpoints that hold several linears in one (Phi-3's, worker_svc/models/phi3.py):
+# an adapter of one is the adapters of its parts, B's rows split (delta = B @ A, row by row)
+FUSED_TARGETS = {"qkv_proj": QKV_TARGETS, "gate_up_proj": GATE_UP_TARGETS}
+_PARENT.update({"qkv_proj": "self_attn", "gate_up_proj": "mlp"})
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -165,12 +171,17 @@ def load_adapter(
             a_name, b_name = names
             module = f"model.layers.{layer}.{_PARENT[target]}.{target}"
             a, b = f.get_slice(a_name), f.get_slice(b_name)
+            parts = FUSED_TARGETS.get(target, (target,))
+            fulls = [_full_shape(config, part, tp_size) for part in parts]
             _check_shapes(path, module, tuple(a.get_shape()), tuple(b.get_shape()),
-                          _full_shape(config, target, tp_size), options.module_rank(module))
+                          (sum(out for out, _ in fulls), fulls[0][1]), options.module_rank(module))
+            if target in FUSED_TARGETS and any((layer, part) in modules for part in parts):
+                raise ValueError(f"{path}: layer {layer} adapts {target} and one of its parts")
             if start <= layer < end:
-                a, b = _rank_share(target, f.get_tensor(a_name), f.get_tensor(b_name),
-                                   module_shape(config, target), tp_rank, tp_size)
-                weights[layer, target] = LoraWeights(a.float(), b.float(), options.scaling(module))
+                a_full, b_full = f.get_tensor(a_name), f.get_tensor(b_name)
+                for part, b_part in zip(parts, b_full.split([out for out, _ in fulls]), strict=True):
+                    a_part, b_part = _rank_share(part, a_full, b_part, module_shape(config, part), tp_rank, tp_size)
+                    weights[layer, part] = LoraWeights(a_part.float(), b_part.float(), options.scaling(module))
     return LoraAdapter(str(folder), start, end, options.max_rank, weights)
 
 
@@ -210,7 +221,7 @@ def _check_target_modules(path: Path, target_modules: str | Sequence[str] | None
     is checked through the tensors the file holds."""
     if target_modules is None or isinstance(target_modules, str):
         return
-    unsupported = sorted({t for t in target_modules if t.rsplit(".", 1)[-1] not in LORA_TARGETS})
+    unsupported = sorted({t for t in target_modules if t.rsplit(".", 1)[-1] not in (*LORA_TARGETS, *FUSED_TARGETS)})
     if unsupported:
         raise ValueError(f"{path}: target module(s) {', '.join(unsupported)} not supported; LoRA "
                          f"serving adapts {', '.join(LORA_TARGETS)} of the decoder layers")
@@ -241,7 +252,7 @@ def _modules_of(path: Path, names: list[str], num_layers: int) -> dict[tuple[int
     found: dict[tuple[int, str], dict[str, str]] = {}
     for name in names:
         match = _TENSOR_NAME.fullmatch(name)
-        if match is None or match[3] not in LORA_TARGETS or _PARENT[match[3]] != match[2]:
+        if match is None or match[3] not in _PARENT or _PARENT[match[3]] != match[2]:
             raise ValueError(f"{path}: tensor {name!r} is not a LoRA weight of a supported target; "
                              f"LoRA serving adapts {', '.join(LORA_TARGETS)} of the decoder layers "
                              "(not embed_tokens or lm_head)")

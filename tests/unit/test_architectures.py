@@ -149,3 +149,30 @@ def test_native_decode_step_equals_the_module_path(references, arch):
         scale = b.abs().max()
         assert ((a - b).abs().max() / scale).item() < 1e-4, ((a - b).abs().max(), scale)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_a_phi3_adapter_of_its_fused_modules_equals_peft(references, tmp_path):
+    """A PEFT adapter of Phi-3's fused `qkv_proj` and `gate_up_proj` (and o_proj, down_proj)
+    is served as the adapters of their parts (B's rows split): one forward under it equals
+    peft's merged model."""
+    from support.lora import make_adapter, merged_model, reference_logits
+    from test_lora import MAX_RANK, Batch
+
+    from worker_svc.lora import LoraBank, LoraStep, load_adapter, token_slots
+
+    folder = references("phi3")[0]
+    adapter = make_adapter(folder, tmp_path / "adapter", r=4,
+                           target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    model = load_stage(folder, dtype="float32")
+    loaded = load_adapter(adapter, model.config, 0, model.end, max_rank=MAX_RANK)
+    assert {t for _, t in loaded.weights} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"}
+    bank = LoraBank(model.config, 0, model.end, max_loras=2, max_rank=MAX_RANK)
+    bank.add("a", loaded)
+    prompt = list(range(20, 45))
+    got = Batch(model, num_seqs=1, max_len=32).run(
+        torch.tensor(prompt), [(0, len(prompt))], LoraStep(bank, token_slots([bank.slot_of("a")], [len(prompt)])))
+    want = reference_logits(merged_model(folder, adapter), prompt)
+    base = reference_logits(merged_model(folder), prompt)
+    assert (want - base).abs().max() > 0.5  # the adapter moves the logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
