@@ -12,8 +12,9 @@ decode rows through a native kernel that reads the pools in place; the Triton ba
 implements the same two methods (`write_kv`, `forward`).
 
 Soft-capped scores (Gemma 2's `softcap`: cap * tanh(score / cap) before the softmax) are
-computed by the torch backend with explicit products (`_attend`; SDPA has no soft-capping),
-for every row; the CPU backend hands such layers to it, the Triton backend refuses them.
+computed by the torch backend with explicit products (`_attend`; SDPA has no soft-capping);
+the CPU backend's native decode kernel caps its scores itself (its prefill rows take the torch
+path), the Triton backend refuses them.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         sliding_window: int | None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if (self.kernel is None or q.device.type != "cpu" or q.dtype != torch.float32 or softcap is not None
+        if (self.kernel is None or q.device.type != "cpu" or q.dtype != torch.float32
                 or k_pool.dtype not in KV_POOL_DTYPES or v_pool.dtype != k_pool.dtype):
             return super().forward(q, k_pool, v_pool, metadata, scale, sliding_window, softcap)
         decode = self._decode_rows(metadata)
@@ -228,8 +229,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype)
         if decode.rows.shape[0]:
             self.kernel(q, k_pool, v_pool, out, decode.rows, decode.tables, decode.ctx_lens, scale,
-                        sliding_window)
-        self._prefill(q, k_pool, v_pool, metadata, decode.prefills, scale, sliding_window, out)
+                        sliding_window, softcap)
+        self._prefill(q, k_pool, v_pool, metadata, decode.prefills, scale, sliding_window, out, softcap)
         return out
 
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,

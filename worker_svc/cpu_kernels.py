@@ -106,7 +106,7 @@ class PagedDecodeKernel:
         self.lib = lib  # (worker_svc/fused_decode.py calls its kernels from C)
         fn = lib.pagoda_paged_decode_f32
         fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR] * 7 + [_I64] * 9 + [_F32, _I64]
+        fn.argtypes = [_PTR] * 7 + [_I64] * 9 + [_F32, _I64, _F32]
         fn_bf16 = lib.pagoda_paged_decode_bf16kv  # bfloat16 pools (--kv-cache-dtype bfloat16)
         fn_bf16.restype = ctypes.c_int
         fn_bf16.argtypes = fn.argtypes
@@ -154,7 +154,7 @@ class PagedDecodeKernel:
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                  rows: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                 window: int | None) -> None:
+                 window: int | None, softcap: float | None = None) -> None:
         """Writes `out[rows[i]]` for every sequence i. All tensors on the CPU and contiguous,
         but q's rows may be apart (q: [num_rows, num_heads, head_dim] with its heads
         contiguous); q and out float32, the pools float32 or bfloat16; rows, tables ([n,
@@ -167,7 +167,7 @@ class PagedDecodeKernel:
         shape = (tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size, num_blocks)
 
         def run(begin: int, end: int) -> None:
-            if fn(*args, begin, end, *shape, scale, window or 0) != 0:
+            if fn(*args, begin, end, *shape, scale, window or 0, softcap or 0.0) != 0:
                 raise MemoryError("paged decode attention: no memory for its scratch space")
 
         threads = min(torch.get_num_threads(), num_seqs)

@@ -48,7 +48,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("norm1", _PTR), ("norm2", _PTR), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_pool", _PTR), ("v_pool", _PTR),
                 ("q_norm", _PTR), ("k_norm", _PTR), ("post_attn_norm", _PTR), ("post_mlp_norm", _PTR),
-                ("window", _I64), ("rope", _I64), ("act", _I64)]
+                ("window", _I64), ("softcap", ctypes.c_float), ("rope", _I64), ("act", _I64)]
 
 
 class _Kernels(ctypes.Structure):
@@ -179,7 +179,8 @@ class FusedDecoder:
                                   _linear(att.qkv_packed, chained), _linear(att.o_proj, chained),
                                   _linear(mlp.gate_up_packed, chained), _linear(mlp.down_proj, chained),
                                   k_pool.data_ptr(), v_pool.data_ptr(), _ptr(att.q_norm), _ptr(att.k_norm),
-                                  post_attn, post_mlp, att.sliding_window or 0, self.model.rope_index(i),
+                                  post_attn, post_mlp, att.sliding_window or 0, att.softcap or 0.0,
+                                  self.model.rope_index(i),
                                   0 if mlp.silu else 1)
             self._table, self._pool_ptrs, self._chained = table, ptrs, chained
         return self._table

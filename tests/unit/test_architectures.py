@@ -129,15 +129,13 @@ def test_max_model_len_is_the_architectures_own_field(references, arch):
 def test_native_decode_step_equals_the_module_path(references, arch):
     """The one-call native decode step (worker_svc/fused_decode.py) takes the new
     architectures' layers (q/k norms, sandwich norms, GELU-tanh, per-layer windows and
-    rotary tables; not Gemma 2's soft-capped attention) and computes what their modules
-    compute, up to float rounding, on bfloat16 weights, with contexts past the windows."""
+    rotary tables, Gemma 2's soft-capped scores) and computes what their modules compute
+    (the torch path's soft-capping included), up to float rounding, on bfloat16 weights,
+    with contexts past the windows."""
     from test_gguf import _decode_logits
 
     folder = references(arch)[0]
     fused, plain = load_stage(folder, dtype="bfloat16"), load_stage(folder, dtype="bfloat16")
-    if arch == "gemma2":
-        assert fused.fused_decode is None  # soft-capped scores: the module path
-        return
     assert fused.fused_decode is not None
     plain.fused_decode = None
     calls = []

@@ -7,7 +7,8 @@
  *   [m = rmsnorm(m) * post_mlp_norm];  h += m
  *
  * act: SiLU or GELU with the tanh approximation; the bracketed steps where the layer has
- * them (Qwen3's and Gemma 3's q/k norms, Gemma's norms after attention and MLP).
+ * them (Qwen3's and Gemma 3's q/k norms, Gemma's norms after attention and MLP); Gemma 2's
+ * attention soft-capping is the attention kernel's.
  *
  * for T decode rows (one new token per sequence), so a small step pays no per-operation
  * Python or torch dispatch (at batch 1 that overhead was twice the arithmetic of the
@@ -49,6 +50,7 @@ struct pagoda_layer {
     const float *q_norm, *k_norm; /* [head_dim] or NULL */
     const float *post_attn_norm, *post_mlp_norm; /* [hidden] or NULL */
     int64_t window; /* sliding window in tokens, 0: the whole context */
+    float softcap; /* attention scores -> softcap * tanh(score / softcap); 0: none */
     int64_t rope; /* which cos/sin table */
     int64_t act; /* 0 SiLU, 1 GELU-tanh */
 };
@@ -64,7 +66,7 @@ typedef int (*attn_fn)(const float *q, const float *k_pool, const float *v_pool,
                        const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
                        int64_t q_stride, int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                       int64_t num_blocks, float scale, int64_t window);
+                       int64_t num_blocks, float scale, int64_t window, float softcap);
 
 struct pagoda_kernels {
     qmm_fn qmm;
@@ -192,7 +194,7 @@ int pagoda_decode_layers(const struct pagoda_kernels *k, const struct pagoda_sha
                 s->head_dim, s->num_blocks * s->block_size);
         if ((rc = k->attn(qkv, L->k_pool, L->v_pool, att, rows, tables, ctx_lens, qkv_size, 0, T,
                           s->max_blocks, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
-                          s->num_blocks, s->scale, L->window)) != 0)
+                          s->num_blocks, s->scale, L->window, L->softcap)) != 0)
             return rc;
         if ((rc = linear(k, &L->o, att, T, out)) != 0) return rc;
         if (L->post_attn_norm) rms_norm(out, L->post_attn_norm, out, T, hidden, s->eps);

@@ -15,6 +15,8 @@
  *   tables       [num_seqs, max_blocks] block ids     ctx_lens [num_seqs] tokens in KV
  * Query head h reads KV head h / (num_heads / num_kv_heads) (GQA). With window > 0 the
  * sequence attends to its last `window` tokens only (keys at positions > ctx - 1 - window).
+ * With softcap > 0 each score s becomes softcap * tanh(s / softcap) before the softmax
+ * (Gemma 2's attention logit soft-capping).
  * Sequences [seq_begin, seq_end) are computed, so callers can split a batch over threads.
  * Returns 0, or -1 when the scratch space cannot be allocated.
  *
@@ -53,7 +55,7 @@ static inline __attribute__((always_inline)) int paged_decode(
     const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
     int64_t q_stride, int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t num_blocks, float scale, int64_t window, const int bf16)
+    int64_t num_blocks, float scale, int64_t window, float softcap, const int bf16)
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t kv_row = num_kv_heads * head_dim; /* floats between consecutive tokens */
@@ -91,6 +93,7 @@ static inline __attribute__((always_inline)) int paged_decode(
 #pragma omp simd reduction(+ : s)
                     for (int64_t d = 0; d < head_dim; d++) s += qh[d] * kv_at(k_pool, kh + d, bf16);
                     s *= scale;
+                    if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
                     scores[h * longest + (t - first)] = s;
                     if (s > maxes[h]) maxes[h] = s;
                 }
@@ -138,10 +141,10 @@ int pagoda_paged_decode_f32(
     const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
     int64_t q_stride, int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t num_blocks, float scale, int64_t window)
+    int64_t num_blocks, float scale, int64_t window, float softcap)
 {
     return paged_decode(q, k_pool, v_pool, out, rows, tables, ctx_lens, q_stride, seq_begin, seq_end, max_blocks,
-                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, 0);
+                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, softcap, 0);
 }
 
 /* The same over bfloat16 pools (each K/V element widened to float32 as it is read) */
@@ -150,10 +153,10 @@ int pagoda_paged_decode_bf16kv(
     const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
     int64_t q_stride, int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t num_blocks, float scale, int64_t window)
+    int64_t num_blocks, float scale, int64_t window, float softcap)
 {
     return paged_decode(q, k_pool, v_pool, out, rows, tables, ctx_lens, q_stride, seq_begin, seq_end, max_blocks,
-                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, 1);
+                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, softcap, 1);
 }
 
 /* The rotary embedding of a step's new tokens and the write of their K/V into the pools.

@@ -41,9 +41,9 @@ class DecoderLayer(nn.Module):
     @property
     def native_decode(self) -> bool:
         """Whether the native decode step (worker_svc/fused_decode.py) computes this layer:
-        pre-norm or sandwich, SiLU or GELU-tanh, q/k norms or none, any window and rotary
-        table; attention soft-capping (Gemma 2) it does not."""
-        return self.self_attn.softcap is None
+        it computes every option of worker_svc/layers/ (pre-norm or sandwich, SiLU or
+        GELU-tanh, q/k norms, windows, rotary tables, soft-capped scores)."""
+        return True
 
     def forward(
         self,
