@@ -1,6 +1,6 @@
 """The README and docs as a new user meets them: every relative link resolves, and the
-README's Python example runs as written (against the tiny model `make run` serves, made in a
-private cache folder)."""
+README's Python example runs as written (the default model `make run` serves, fetched and
+prepared in a private cache folder)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,17 @@ def test_every_relative_link_resolves_inside_the_repository():
 
 
 def test_the_readme_python_example_runs(tmp_path):
+    """In a private cache folder: the model is fetched and its GGUF folder prepared as on a
+    new user's first run. Only the machine's native kernels and their calibration (built by
+    the first stage of the session, keyed by source and CPU) are the shared cache's: built
+    again here they took ~25 s of the ~45."""
+    from worker_svc.cpu_kernels import cache_dir
+
     blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
     assert blocks
+    shared_kernels = cache_dir()
+    shared_kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(shared_kernels, target_is_directory=True)
     env = {**os.environ, "PAGODA_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     for code in blocks:
         done = subprocess.run([sys.executable, "-c", "import torch; torch.set_num_threads(1)\n" + code],
