@@ -166,9 +166,10 @@ def load_stage(
     )
     model.source_dir = str(model_dir)  # the checkpoint folder (its tokenizer: structured output)
     expected = model.expected_tensors()
-    sources = _fused_sources(config, expected)
+    where = weight_files(model_dir)
+    sources = {**_renamed_sources(config, expected, where), **_fused_sources(config, expected)}
     by_file = _tensors_by_file(model_dir, expected, f"stage {stage} needs it for layers [{start}, {end})",
-                               sources)
+                               sources, where)
     state = {name: tensor.to(device=device, dtype=load_dtype)
              for name, tensor in _read_safetensors(by_file, expected, tp_rank, tp_size, sources)}
     model.load_state_dict(state, strict=True, assign=True)
@@ -184,8 +185,9 @@ def load_stage(
 
 
 # a tensor the checkpoint holds inside a fused one (Phi-3's qkv_proj): name -> (the fused
-# tensor's name, its first row, its rows), in the whole model's terms
-FusedSources = Mapping[str, tuple[str, int, int]]
+# tensor's name, its first row, its rows), in the whole model's terms; or under another
+# name: (that name, None, None)
+FusedSources = Mapping[str, tuple[str, int | None, int | None]]
 
 
 def _fused_sources(config: ModelConfig, expected: Mapping[str, Sequence[int]]) -> dict[str, tuple[str, int, int]]:
@@ -193,10 +195,24 @@ def _fused_sources(config: ModelConfig, expected: Mapping[str, Sequence[int]]) -
     return {name: src for name in expected if (src := arch.source_of(name, config)) is not None}
 
 
+def _renamed_sources(config: ModelConfig, expected: Mapping[str, Sequence[int]],
+                     where: Mapping[str, Path]) -> dict[str, tuple[str, None, None]]:
+    """Tensors the checkpoint holds under another name (`Architecture.stored_names`: a
+    multimodal checkpoint's language model)."""
+    arch = architecture_of_model(config.model_type)
+    found = {}
+    for name in expected:
+        stored = next((n for n in arch.stored_names(name) if n in where), name)
+        if stored != name:
+            found[name] = (stored, None, None)
+    return found
+
+
 def _tensors_by_file(model_dir: Path, expected: Mapping[str, Sequence[int]], needed_for: str,
-                     sources: FusedSources | None = None) -> dict[Path, list[str]]:
+                     sources: FusedSources | None = None,
+                     where: Mapping[str, Path] | None = None) -> dict[Path, list[str]]:
     """The safetensors files holding the `expected` tensors, and which of them each holds."""
-    where = weight_files(model_dir)
+    where = weight_files(model_dir) if where is None else where
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         stored = sources[name][0] if sources and name in sources else name
@@ -235,11 +251,11 @@ def _read_safetensors(
                     continue
                 if shape != tuple(full):
                     raise CheckpointError(
-                        f"{path}: tensor {name!r} has shape {list(shape)}, "
+                        f"{path}: tensor {stored!r} has shape {list(shape)}, "
                         f"expected {full} from config.json"
                     )
                 if dim is None:
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_tensor(stored)
                 else:
                     yield name, _rank_share(part, dim, expected[name][dim], tp_rank)
 

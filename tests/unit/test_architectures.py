@@ -174,3 +174,33 @@ def test_a_phi3_adapter_of_its_fused_modules_equals_peft(references, tmp_path):
     base = reference_logits(merged_model(folder), prompt)
     assert (want - base).abs().max() > 0.5  # the adapter moves the logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path, tokenizer_dir):
+    """`Gemma3ForConditionalGeneration` (Gemma 3 4B-27B's checkpoints) is served as its
+    language model: `text_config`, the tensors under `language_model.`, greedy output on
+    text prompts equal to transformers' multimodal model's."""
+    import shutil
+
+    from support.archs import _SHAPE, ARCH_CONFIGS, _peaked
+    from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {**_SHAPE, **{k: v for k, v in ARCH_CONFIGS["gemma3"].items() if k not in ("model_type", "architectures")}}
+    config = Gemma3Config(text_config=text, vision_config={"hidden_size": 32, "intermediate_size": 64,
+                                                           "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                           "image_size": 28, "patch_size": 14},
+                          mm_tokens_per_image=4, image_token_index=1000, boi_token_index=1001, eoi_token_index=1002)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config)
+    _peaked(model.model.language_model, config.text_config)
+    model.save_pretrained(tmp_path)
+    shutil.copy(f"{tokenizer_dir}/tokenizer.json", tmp_path / "tokenizer.json")
+    stage = load_stage(tmp_path, dtype="float32")
+    assert stage.config.architecture == "Gemma3ForConditionalGeneration" and stage.config.num_layers == 6
+    assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path), Gemma3ForConditionalGeneration)
+    ref = HFReference(tmp_path)
+    prompts = make_prompts(1000)[:5]
+    outputs, _ = run_runtime(str(tmp_path), 2, 16, 7, prompts, "cpu")
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ref.compare(prompt, out)

@@ -11,6 +11,8 @@ An architecture is a subclass with class attributes and, where it differs, metho
 - `fused_tensors`: checkpoint tensors holding several of the model's (Phi-3's `qkv_proj`):
   module suffix -> (the checkpoint's module suffix, index of this part); the loader reads
   each part's rows.
+- `stored_names(name)`: the names a checkpoint may hold tensor `name` under, in the order
+  tried (a multimodal checkpoint's language model under a prefix: Gemma 3's).
 - GGUF: `gguf_layer_tensors` (llama.cpp's per-layer names beyond Llama's), `gguf_config`
   (its metadata keys beyond Llama's), `gguf_permuted_qk` (whether llama.cpp's converter
   permuted q/k rows), `gguf_norm_offset_stored` (whether it stored norms as offset + w).
@@ -71,6 +73,11 @@ class Architecture:
     def configure(cls, raw: dict[str, Any], config: ModelConfig, source: str) -> ModelConfig:
         """This architecture's options on top of the common fields (Llama: none)."""
         return config
+
+    @classmethod
+    def stored_names(cls, name: str) -> tuple[str, ...]:
+        """The names a checkpoint may hold the model's tensor `name` under (Llama: itself)."""
+        return (name,)
 
     @classmethod
     def gguf_config(cls, field: GGUFField, config: dict[str, Any]) -> None:

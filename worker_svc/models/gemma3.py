@@ -2,7 +2,12 @@
 options with five sliding-window layers to one global (`layer_types`), each kind with its
 own rotary (`rope_parameters` per layer type: the sliding layers' base 10,000, the global
 ones' 1,000,000 and their scaling), q/k norms (as Qwen3's, scaling by 1 + w), and no
-attention soft-capping."""
+attention soft-capping.
+
+The multimodal checkpoints (`Gemma3ForConditionalGeneration`: 4B, 12B, 27B) are served as
+their language model: the config's `text_config`, the tensors under `language_model.`
+(`language_model.model.layers.0...`, or transformers 5's `model.language_model.layers.0...`);
+the vision tower is not loaded (text prompts only)."""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from worker_svc.models.gemma2 import GEMMA_GGUF_LAYER_TENSORS, gemma_gguf_config
 
 class Gemma3(Architecture):
     model_type = "gemma3_text"
-    hf_names = ("Gemma3ForCausalLM",)
+    hf_names = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
     gguf_names = ("gemma3",)
     activations = ("gelu_pytorch_tanh",)
     act_key = "hidden_activation"
@@ -26,6 +31,21 @@ class Gemma3(Architecture):
                           "attn_q_norm.weight": "self_attn.q_norm.weight",
                           "attn_k_norm.weight": "self_attn.k_norm.weight"}
     gguf_norm_offset_stored = True
+
+    @classmethod
+    def read_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
+        text = raw.get("text_config")
+        if isinstance(text, dict):  # a multimodal checkpoint: its language model's config
+            inherited = {k: raw[k] for k in ("eos_token_id", "bos_token_id", "dtype", "torch_dtype") if k in raw}
+            raw = {**inherited, **text, "architectures": raw.get("architectures")}
+        return super().read_config(raw, source)
+
+    @classmethod
+    def stored_names(cls, name: str) -> tuple[str, ...]:
+        if name.startswith("model."):
+            rest = name[len("model."):]
+            return name, f"language_model.model.{rest}", f"model.language_model.{rest}"
+        return name, f"language_model.{name}"
 
     @classmethod
     def configure(cls, raw: dict[str, Any], config: ModelConfig, source: str) -> ModelConfig:
