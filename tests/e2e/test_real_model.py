@@ -45,25 +45,30 @@ def test_default_model_is_held_packed(default_stack, real_gguf):
 
 def test_real_gguf_float32_pp2_equals_transformers(real_gguf, tmp_path_factory):
     """The real Q4_1 file dequantized to float32 over two stages: transformers' greedy
-    continuation of a chat prompt (tie rule as everywhere)."""
+    continuation of a chat prompt (tie rule as everywhere). transformers reads the file
+    (~25 s, its GGUF reader) while the stack starts."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from services.text.tokenizer import Tokenizer
 
     tok = Tokenizer(prepare_gguf(real_gguf))
     prompt = tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": "Name three colours of the rainbow."}], add_generation_prompt=True))
-    stack = start_serve(str(real_gguf), tmp_path_factory.mktemp("f32-serve"), "--dtype", "float32",
-                        "--pipeline-parallel-size", "2", "--num-kv-blocks", "128", timeout_s=300)
-    try:
-        body = json.dumps({"model": str(real_gguf), "prompt": prompt, "max_tokens": 24, "temperature": 0,
-                           "ignore_eos": True, "return_token_ids": True}).encode()
-        request = urllib.request.Request(f"{stack.url}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-        out = json.loads(urllib.request.urlopen(request, timeout=300).read())
-    finally:
-        stack.stop()
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(HFReference, None, gguf_file=real_gguf)
+        stack = start_serve(str(real_gguf), tmp_path_factory.mktemp("f32-serve"), "--dtype", "float32",
+                            "--pipeline-parallel-size", "2", "--num-kv-blocks", "128", timeout_s=300)
+        try:
+            body = json.dumps({"model": str(real_gguf), "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                               "ignore_eos": True, "return_token_ids": True}).encode()
+            request = urllib.request.Request(f"{stack.url}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            out = json.loads(urllib.request.urlopen(request, timeout=300).read())
+        finally:
+            stack.stop()
     tokens = out["choices"][0]["token_ids"]
     assert len(tokens) == 24
-    HFReference(None, gguf_file=real_gguf).compare(prompt, tokens)
+    reference.result().compare(prompt, tokens)
 
 
 PASSAGES = ["The quick brown fox jumps over the lazy dog while the farmer watches from the porch "
