@@ -43,6 +43,18 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 }
 LOGIT_STD = 4.0
 
+# Q4_K_M-style GGUF test models (tests/unit/test_gguf_archs.py's docstring says why these shapes)
+Q4_K_M_SHAPE = {"hidden_size": 256, "intermediate_size": 288}
+Q4_K_M_MODELS = {
+    "llama": {**Q4_K_M_SHAPE, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64},
+    "qwen3": {**Q4_K_M_SHAPE, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 128},
+    "gemma3": {**Q4_K_M_SHAPE, "num_hidden_layers": 12, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 48, "layer_types": None,
+               "rope_parameters": None},
+}
+
 
 def make_arch_model(out_dir: str | Path, arch: str, tokenizer_dir: str | Path, seed: int = 0,
                     **overrides: Any) -> str:

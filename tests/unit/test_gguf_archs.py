@@ -17,7 +17,7 @@ import dataclasses
 
 import pytest
 import torch
-from support.archs import ARCH_CONFIGS, make_arch_model
+from support.archs import ARCH_CONFIGS, Q4_K_M_MODELS, make_arch_model
 from support.driver import DriverSeq, PipelineDriver
 from support.reference import HFReference
 from test_model_equivalence import NEW_TOKENS, make_prompts
@@ -31,16 +31,6 @@ from worker_svc.quantization import weight_bytes
 from worker_svc.runner import StageRunner
 from worker_svc.sampler import SamplingParams
 
-SHAPE = {"hidden_size": 256, "intermediate_size": 288}
-Q4_K_M_MODELS = {
-    "llama": {**SHAPE, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "head_dim": 64},
-    "qwen3": {**SHAPE, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "head_dim": 128},
-    "gemma3": {**SHAPE, "num_hidden_layers": 12, "num_attention_heads": 2, "num_key_value_heads": 1,
-               "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 48, "layer_types": None,
-               "rope_parameters": None},
-}
 # what the small round-trip models change of ARCH_CONFIGS to be writable: llama.cpp's
 # attention scale (1 / sqrt(head size)) and Gemma 3's layout (every sixth layer global)
 ROUND_TRIP = {
