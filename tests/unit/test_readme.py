@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support.caches import private_cache_with_shared_kernels
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -29,17 +31,12 @@ def test_every_relative_link_resolves_inside_the_repository():
 
 def test_the_readme_python_example_runs(tmp_path):
     """In a private cache folder: the model is fetched and its GGUF folder prepared as on a
-    new user's first run. Only the machine's native kernels and their calibration (built by
-    the first stage of the session, keyed by source and CPU) are the shared cache's: built
-    again here they took ~25 s of the ~45."""
-    from worker_svc.cpu_kernels import cache_dir
-
+    new user's first run; only the machine's native kernels and their calibration are the
+    shared cache's (support/caches.py: built again here they took ~25 s of the ~45)."""
     blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
     assert blocks
-    shared_kernels = cache_dir()
-    shared_kernels.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "kernels").symlink_to(shared_kernels, target_is_directory=True)
-    env = {**os.environ, "PAGODA_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    cache = private_cache_with_shared_kernels(tmp_path)
+    env = {**os.environ, "PAGODA_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}
     for code in blocks:
         done = subprocess.run([sys.executable, "-c", "import torch; torch.set_num_threads(1)\n" + code],
                               cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
