@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 N_CTX = 512
 LLAMA_PYTHON = Path("~/.cache/pagoda-anchor/llama/venv/bin/python").expanduser()
 LLAMA_WINDOWS_PER_CALL = 8  # bounds a llama.cpp call's logits file (8 x 255 x 49152 x 4 B = 400 MB)
-GGUF_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+GGUF_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
 _FILE_TYPES = {2: "Q4_0", 3: "Q4_1", 7: "Q8_0"}  # GGUF general.file_type -> its main block type
 
 
@@ -583,6 +583,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-ctx", type=int, default=N_CTX, help=f"window length in tokens (default {N_CTX})")
     p.add_argument("--llama-cpp", action="store_true",
                    help="also llama.cpp (llama-cpp-python) on the Q4_1 and Q8_0 files, scored against the same reference")
+    p.add_argument("--llama-types", default="Q4_1,Q8_0",
+                   help="the GGUF types llama.cpp evaluates with --llama-cpp (default Q4_1,Q8_0)")
     p.add_argument("--llama-python", type=Path, default=LLAMA_PYTHON,
                    help=f"the Python of a llama-cpp-python environment (default {LLAMA_PYTHON})")
     p.add_argument("--model", dest="model_file", type=Path, default=None,
@@ -597,7 +599,8 @@ def run_cli(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     formats = [f for f in args.formats.replace(",", " ").split() if f]
     try:
-        results = run(formats, args.tokens, args.n_ctx, args.llama_cpp, model=args.model_file,
+        llama_types = [t for t in args.llama_types.replace(",", " ").split() if t]
+        results = run(formats, args.tokens, args.n_ctx, args.llama_cpp, llama_types, model=args.model_file,
                       llama_python=args.llama_python, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
