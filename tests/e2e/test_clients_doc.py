@@ -22,6 +22,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from support.stack import kill_tree
 
 from wiring.launcher import ServiceProcess, free_port, pagoda_command
 from wiring.model_source import DEFAULT_MODEL_NAME
@@ -90,7 +91,7 @@ def stack(model_factory, tmp_path_factory):
         serve.stop()
         raise
     yield port, grpc_port
-    serve.stop(60)
+    kill_tree(serve)  # the graceful drain is not tested here (3-7 s a stack)
 
 
 @pytest.mark.parametrize(("lang", "code"), RECIPES, ids=[f"{i}-{lang}" for i, (lang, _) in enumerate(RECIPES)])

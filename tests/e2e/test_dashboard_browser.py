@@ -19,6 +19,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from support.stack import kill_tree
 
 from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
@@ -48,7 +49,7 @@ def stack(model_factory, tmp_path_factory):
         serve.stop()
         raise
     yield port
-    serve.stop(60)
+    kill_tree(serve)  # the graceful drain is not tested here (3-7 s a stack)
 
 
 def test_state_is_the_pages_json(stack):

@@ -58,7 +58,7 @@ def stack(model_dir, adapters, tmp_path_factory):
                         "--allow-runtime-lora-updating", "--lora-modules",
                         f"attn-r4={adapters['attn-r4']}", f"mlp-r8={adapters['mlp-r8']}")
     yield serve
-    serve.serve.stop(30)
+    serve.stop()
 
 
 def _post(port: int, path: str, body: dict) -> tuple[int, str]:

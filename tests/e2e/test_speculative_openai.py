@@ -33,7 +33,7 @@ def stack(model_dir, tmp_path_factory):
                         "--num-threads", "1", "--max-model-len", "512", "--served-model-name", "tiny",
                         "--speculative-config", SPEC)
     yield serve
-    serve.serve.stop(30)
+    serve.stop()
 
 
 def _metric(port: int, name: str) -> float:

@@ -18,6 +18,7 @@ import jsonschema
 import openai
 import pytest
 from support.schemas import SCHEMAS
+from support.stack import kill_tree
 
 from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
@@ -51,7 +52,7 @@ def stack(model_dir, tmp_path_factory):
         serve.stop()
         raise
     yield SimpleNamespace(port=port, serve=serve)
-    serve.stop(60)
+    kill_tree(serve)  # the graceful drain is not tested here (3-7 s a stack)
 
 
 @pytest.fixture(scope="module")

@@ -67,20 +67,9 @@ class Stack:
         raise TimeoutError(f"not serving again within {timeout_s} s")
 
     def stop(self) -> None:
-        """Tears the stack down at once: SIGKILL to `pagoda serve` and to every process under
-        it (each service is a session of its own), then waits until they are gone. No test
-        asserts the graceful drain here (it took ~3 s a stack, one service after another);
-        `stop_gracefully` has it."""
-        tree = descendants(self.serve.process.pid)
-        self.serve.kill()
-        for pid in tree:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:  # gone already
-                pass
-        deadline = time.time() + 10
-        while any(_running(pid) for pid in tree) and time.time() < deadline:
-            time.sleep(0.02)
+        """Tears the stack down at once (`kill_tree`). No test asserts the graceful drain
+        here (3-7 s a stack, one service after another); `stop_gracefully` has it."""
+        kill_tree(self.serve)
 
     def stop_gracefully(self) -> None:
         """SIGTERM: `pagoda serve` drains and stops its services one after another."""
@@ -129,6 +118,24 @@ def start_serve(model_dir: str | None, log_dir: Path, *args: str, env: dict | No
     except Exception:
         serve.stop()
         raise
+
+
+def kill_tree(process: ServiceProcess) -> None:
+    """SIGKILL to a started service (`pagoda serve` or one service) and to every process under
+    it (each service is a session of its own), then waits until they are gone: a test's
+    teardown at once, where the graceful stop is not what is tested."""
+    if process.process is None:
+        return
+    tree = descendants(process.process.pid)
+    process.kill()
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone already
+            pass
+    deadline = time.time() + 10
+    while any(_running(pid) for pid in tree) and time.time() < deadline:
+        time.sleep(0.02)
 
 
 def descendants(parent: int) -> list[int]:
