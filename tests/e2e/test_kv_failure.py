@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 from support.reference import HFReference
+from support.stack import kill_stack
 
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -44,7 +45,7 @@ def stack(model_dir, tmp_path_factory):
     )
     s.trace_path = trace
     yield s
-    s.stop()
+    kill_stack(s)  # the graceful stop is not tested here
 
 
 def prompts(n: int, seed: int = 3) -> list[list[int]]:

@@ -25,6 +25,7 @@ import grpc
 import openai
 import pytest
 from support.redis_server import RedisServer
+from support.stack import kill_stack
 
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
 from wiring.launcher import ServiceProcess, free_port, pagoda_command, start_stack
@@ -65,7 +66,7 @@ def replicas(model_dir, redis_server, tmp_path_factory):
         yield stacks
     finally:
         for s in stacks:
-            s.stop()
+            kill_stack(s)  # the graceful stop is not tested here
 
 
 def start_router(name, model_dir, replicas, log_dir, *args) -> ServiceProcess:

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 from support.reference import HFReference
+from support.stack import kill_stack
 
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -44,7 +45,7 @@ def stack(model_dir, tmp_path_factory):
     s.metrics_url = s.metrics_urls["scheduler"]
     s.spans_path = logs / "spans.jsonl"
     yield s
-    s.stop()
+    kill_stack(s)  # the graceful stop is not tested here
 
 
 def workload(n: int, seed: int = 0):

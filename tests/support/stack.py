@@ -138,6 +138,13 @@ def kill_tree(process: ServiceProcess) -> None:
         time.sleep(0.02)
 
 
+def kill_stack(stack) -> None:
+    """`kill_tree` for every process of a `wiring.launcher.Stack` (its `stop` stops them one
+    after another, ~2 s a stack), where the graceful stop is not what is tested."""
+    for process in stack.processes:
+        kill_tree(process)
+
+
 def descendants(parent: int) -> list[int]:
     """Every live process under `parent`, children first."""
     out, queue = [], [parent]
