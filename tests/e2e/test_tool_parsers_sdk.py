@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import openai
 import pytest
-from support.stack import start_serve
+from support.stack import kill_tree, start_serve
 
 from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
@@ -160,7 +160,7 @@ def ports(model_factory, tmp_path_factory):
         yield found
     finally:
         for gateway in gateways:
-            gateway.stop(30)
+            kill_tree(gateway)  # the graceful drain is not tested here
         stack.stop()
 
 
