@@ -84,9 +84,10 @@ def test_format_names_map_to_load_options() -> None:
     assert q.weight_format("bfloat16", "Q4_1") == q.WeightFormat("bfloat16", "source", "bfloat16")
     assert q.weight_format("Q4_1", "Q4_1") == q.WeightFormat("Q4_1", "source", "auto")
     assert q.weight_format("Q8_0", "Q4_1") == q.WeightFormat("Q8_0", "Q8_0", "auto")
+    assert q.weight_format("Q4_K_M", "Q4_1") == q.WeightFormat("Q4_K_M", "Q4_K_M", "auto")
     assert q.weight_format("fp8", "Q4_1") == q.WeightFormat("fp8", "source", "float32", "fp8")
     with pytest.raises(ValueError, match="unknown format"):
-        q.weight_format("Q2_K", "Q4_1")
+        q.weight_format("Q7_K", "Q4_1")
 
 
 def test_window_logits_equal_transformers(model_factory, hf_llama) -> None:
