@@ -101,11 +101,6 @@ class StageModel(nn.Module):
         self.rotaries.to(device)
         self._rope_of = [kinds.index(r) for r in ropes]
 
-    @property
-    def rotary(self) -> RotaryEmbedding:
-        """The rotary of the stage's first layer (every layer's, but for Gemma 3)."""
-        return self.rotaries[self._rope_of[0]]
-
     def rope_index(self, local: int) -> int:
         """Which of `rotaries` local layer `local` reads."""
         return self._rope_of[local]
