@@ -14,6 +14,7 @@ from kvcache_svc.core.prefix_cache import (
     CacheListener,
     HashFn,
     PrefixCache,
+    PrefixHit,
     hash_block,
     unpack_token_ids,
 )
@@ -41,6 +42,7 @@ from kvcache_svc.core.validation import (
     validate_step,
 )
 from services.defaults import BLOCK_SIZE
+from services.kv_layout import NULL_PAGE, first_needed_block
 
 
 class _NumTokensView(Mapping[int, int]):
@@ -74,6 +76,13 @@ class KVCacheManager:
     is exactly one of used, free or evictable; a sequence has `ceil(num_tokens /
     block_size)` blocks, and at most `MAX_LOOKAHEAD_SLOTS` slots' worth held ahead.
 
+    KV groups (services/kv_layout.py, `group_windows`): for a hybrid model every table
+    entry is a tuple of pages, one per sub-group, all drawn from the one pool; a sliding
+    sub-group gives back the pages no window reaches any more before each append, and a
+    prefix hit needs every full sub-group's pages from the start and every sliding
+    sub-group's pages inside its window. Counts (supply, `NoBlocks`, statistics) are pages.
+    With one group (the default) an entry is one block, answered as a plain int.
+
     Allocation takes free blocks first (best-fit) and evicts cached blocks, least recently
     used first, only when no free block is left. New sequences must leave
     `watermark_blocks` blocks available (admission control); appends to running sequences
@@ -94,11 +103,17 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_fn: HashFn = hash_block,
         listener: CacheListener | None = None,
+        group_windows: tuple[int, ...] = (0,),
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if not group_windows or group_windows[0] != 0 or min(group_windows) < 0:
+            raise ValueError(f"group_windows: full-attention group first, got {group_windows}")
+        self._windows = tuple(group_windows)
+        self._num_groups = len(self._windows)
+        self._sliding = tuple((s, w) for s, w in enumerate(self._windows) if w)
         self._pool = BlockPool(num_blocks)
         self._block_size = block_size
         self._watermark_blocks = int(watermark * num_blocks)
@@ -113,6 +128,7 @@ class KVCacheManager:
         self._num_evictions = 0
         self._num_copy_on_write = 0
         self._num_resets = 0
+        self._num_slid_pages = 0  # pages sliding windows gave back (cumulative)
 
     # ---- configuration and queries -------------------------------------------------------
 
@@ -123,6 +139,11 @@ class KVCacheManager:
     @property
     def block_size(self) -> int:
         return self._block_size
+
+    @property
+    def group_windows(self) -> tuple[int, ...]:
+        """Each KV sub-group's sliding window (0: full attention)."""
+        return self._windows
 
     @property
     def watermark_blocks(self) -> int:
@@ -152,8 +173,16 @@ class KVCacheManager:
     def seq_ids(self) -> tuple[int, ...]:
         return tuple(self._seqs)
 
-    def block_table(self, seq_id: int) -> tuple[int, ...]:
-        return tuple(self._get(seq_id).block_ids)
+    def block_table(self, seq_id: int) -> tuple:
+        """The table as answers give it: block ids, or with groups, tuples of pages."""
+        return self._answer(self._get(seq_id).block_ids)
+
+    def pages(self, seq_id: int) -> tuple[int, ...]:
+        """Every page the sequence holds, in table order (sub-groups within an entry)."""
+        return tuple(p for entry in self._get(seq_id).block_ids for p in entry if p != NULL_PAGE)
+
+    def _answer(self, entries: list[tuple[int, ...]]) -> tuple:
+        return tuple(e[0] for e in entries) if self._num_groups == 1 else tuple(entries)
 
     def num_tokens(self, seq_id: int) -> int:
         return self._get(seq_id).num_tokens
@@ -199,7 +228,7 @@ class KVCacheManager:
             step_input,
             _NumTokensView(self._seqs),
             self._in_flight,
-            self._pool.num_blocks * self._block_size,
+            self._pool.num_blocks // (self._num_groups - len(self._sliding)) * self._block_size,
         )
         for micro_batch_id in valid.failed_micro_batch_ids:
             for seq in self._in_flight.pop(micro_batch_id).seqs:
@@ -211,8 +240,10 @@ class KVCacheManager:
         for parent_seq_id, child_seq_id in valid.forks:
             parent = self._seqs[parent_seq_id]
             shared = -(-parent.num_tokens // self._block_size)  # not the blocks held ahead
-            for block_id in parent.block_ids[:shared]:
-                self._pool.incref(block_id)
+            for entry in parent.block_ids[:shared]:
+                for page in entry:
+                    if page != NULL_PAGE:
+                        self._pool.incref(page)
             self._seqs[child_seq_id] = parent.copy(child_seq_id, shared)
 
         # validation made sure a step that writes names its micro-batch
@@ -254,6 +285,11 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------
 
+    def _allocate_entries(self, num_entries: int) -> list[tuple[int, ...]]:
+        """`num_entries` table entries of fresh pages, one page per sub-group each."""
+        pages, n = self._allocate(num_entries * self._num_groups), self._num_groups
+        return [tuple(pages[i:i + n]) for i in range(0, len(pages), n)]
+
     def _allocate(self, num_blocks: int) -> list[int]:
         """Free blocks best-fit first, then evicted ones (LRU); the caller checked supply."""
         from_pool = min(num_blocks, self._pool.num_free_blocks)
@@ -266,14 +302,45 @@ class KVCacheManager:
         return block_ids
 
     def _free(self, seq: SequenceState) -> None:
+        # the tail is evicted before the head
+        self._let_go([p for entry in reversed(seq.block_ids) for p in entry if p != NULL_PAGE])
+
+    def _let_go(self, pages: list[int]) -> None:
+        """One holder fewer for each page: a cached page nobody holds becomes evictable,
+        others go back to the free extents."""
         released: list[int] = []
-        for block_id in reversed(seq.block_ids):  # the tail is evicted before the head
-            if self._pool.decref(block_id) == 0:
-                if self._cache.is_cached(block_id):
-                    self._cache.park(block_id)
+        for page in pages:
+            if self._pool.decref(page) == 0:
+                if self._cache.is_cached(page):
+                    self._cache.park(page)
                 else:
-                    released.append(block_id)
+                    released.append(page)
         self._pool.release(released)
+
+    def _sliding_out(self, seq: SequenceState, start: int) -> list[tuple[int, int, int]]:
+        """(entry, sub-group, page) of the pages sliding sub-groups no longer need once
+        the next query is at `start`: no window from there reaches them."""
+        bs, entries = self._block_size, seq.block_ids
+        limits = [(s, first_needed_block(start, w, bs)) for s, w in self._sliding]
+        end = min(max(lo for _, lo in limits), len(entries))
+        return [(j, s, entries[j][s]) for j in range(seq.num_slid, end)
+                for s, lo in limits if j < lo and entries[j][s] != NULL_PAGE]
+
+    def _slide(self, seq: SequenceState, start: int, out: list[tuple[int, int, int]]) -> None:
+        """Give back the pages `_sliding_out` named.
+
+        Safe before this step's allocation even with steps in flight: every stage runs
+        steps in order, so an earlier step's reads of a page come before a later owner's
+        writes, and this step's queries attend from `start - window + 1` on."""
+        entries = seq.block_ids
+        for j, s, _ in out:
+            entry = list(entries[j])
+            entry[s] = NULL_PAGE
+            entries[j] = tuple(entry)
+        bs = self._block_size
+        seq.num_slid = max(seq.num_slid, min(first_needed_block(start, w, bs) for _, w in self._sliding))
+        self._num_slid_pages += len(out)
+        self._let_go([page for _, _, page in out])
 
     def _complete(self, micro_batch: MicroBatchRecord) -> None:
         for seq, block_id, generation, entry in micro_batch.filled:
@@ -288,37 +355,50 @@ class KVCacheManager:
         seq = self._seqs[append.seq_id]
         bs = self._block_size
         start = seq.num_tokens
+        # pages a window left: back to the pool before this step's, if it gets its own
+        out = self._sliding_out(seq, start) if self._sliding else []
         # the partly filled block the tokens go into first (held ahead blocks are empty)
         partial = start // bs if start % bs and append.num_tokens else None
-        copy_on_write = partial is not None and self._pool.ref_count(seq.block_ids[partial]) > 1
+        shared = () if partial is None else [
+            s for s, page in enumerate(seq.block_ids[partial]) if self._pool.ref_count(page) > 1]
         room = start + append.num_tokens + append.num_lookahead_slots
-        num_new_blocks = max(0, -(-room // bs) - len(seq.block_ids))
-        num_needed = num_new_blocks + copy_on_write
-        num_available = self.num_available_blocks
+        num_new_entries = max(0, -(-room // bs) - len(seq.block_ids))
+        num_needed = num_new_entries * self._num_groups + len(shared)
+        num_available = self.num_available_blocks + sum(1 for _, _, page in out if self._pool.ref_count(page) == 1)
         if num_needed > num_available:
             return NoBlocks(append.seq_id, num_needed, num_available)
+        if out:
+            self._slide(seq, start, out)
         if len(seq.block_ids) > -(-room // bs):
             self._give_back_ahead(seq, -(-room // bs))
-        new_block_ids = self._allocate(num_needed)
         copies: tuple[BlockCopy, ...] = ()
-        if copy_on_write:
-            src = seq.block_ids[partial]
-            dst = new_block_ids.pop(0)
-            seq.block_ids[partial] = dst
-            self._pool.decref(src)  # still held by the sharers
-            copies = (BlockCopy(src, dst),)
-            if seq.num_answered is not None:
-                seq.num_answered = min(seq.num_answered, partial)
-        self._write(seq, append.token_bytes, append.num_tokens, new_block_ids, micro_batch)
+        if shared:
+            copies = self._copy_on_write(seq, partial, shared)
+        self._write(seq, append.token_bytes, append.num_tokens, self._allocate_entries(num_new_entries), micro_batch)
         offset = seq.answer_offset()
-        return Allocated(append.seq_id, tuple(seq.block_ids[offset:]), append.num_tokens, start, copies, offset)
+        return Allocated(append.seq_id, self._answer(seq.block_ids[offset:]), append.num_tokens, start, copies,
+                         offset)
+
+    def _copy_on_write(self, seq: SequenceState, index: int, groups: list[int]) -> tuple[BlockCopy, ...]:
+        """Entry `index`'s shared pages of `groups` get private copies before it is written."""
+        entry = list(seq.block_ids[index])
+        copies = []
+        for s, dst in zip(groups, self._allocate(len(groups)), strict=True):
+            src = entry[s]
+            entry[s] = dst
+            self._pool.decref(src)  # still held by the sharers
+            copies.append(BlockCopy(src, dst))
+        seq.block_ids[index] = tuple(entry)
+        if seq.num_answered is not None:
+            seq.num_answered = min(seq.num_answered, index)
+        return tuple(copies)
 
     def _give_back_ahead(self, seq: SequenceState, keep: int) -> None:
         """Blocks held ahead past the first `keep` (empty: a verify step's rejected drafts'
         slots, speculative decoding) go back to the pool; the next answer starts at `keep`."""
         extra = seq.block_ids[keep:]
         del seq.block_ids[keep:]
-        self._pool.release([b for b in extra if self._pool.decref(b) == 0])
+        self._pool.release([b for entry in extra for b in entry if self._pool.decref(b) == 0])
         if seq.num_answered is not None:
             seq.num_answered = min(seq.num_answered, keep)
 
@@ -329,52 +409,56 @@ class KVCacheManager:
             if self._enable_prefix_caching and not new.skip_prefix_cache
             else []
         )
-        whole_prompt_hit = bool(hits) and len(hits) * bs == new.num_tokens
-        num_computed = new.num_tokens - 1 if whole_prompt_hit else len(hits) * bs
+        hit_entries = self._hit_entries(new, hits)
+        whole_prompt_hit = bool(hit_entries) and len(hit_entries) * bs == new.num_tokens
+        num_computed = new.num_tokens - 1 if whole_prompt_hit else len(hit_entries) * bs
         num_new_tokens = new.num_tokens - num_computed
         if new.max_num_new_tokens is not None:
             num_new_tokens = min(num_new_tokens, new.max_num_new_tokens)
-        num_shared = len(hits) - whole_prompt_hit
-        num_new_blocks = -(-(num_computed + num_new_tokens) // bs) - num_shared
+        num_shared = len(hit_entries) - whole_prompt_hit
+        num_new_entries = -(-(num_computed + num_new_tokens) // bs) - num_shared
+        hit_pages = [p for entry in hit_entries for p in entry if p != NULL_PAGE]
         # evictable hits stop being available once this sequence holds them
-        num_taken = sum(1 for hit in hits if self._cache.is_evictable(hit.block_id))
+        num_taken = sum(1 for page in hit_pages if self._cache.is_evictable(page))
         # the watermark keeps room for running sequences to grow; with none held, nothing can
         # free blocks by waiting, and a request that fits the pool would wait for ever
         watermark = self._watermark_blocks if self._seqs else 0
         num_available = max(0, self.num_available_blocks - num_taken - watermark)
-        if num_new_blocks > num_available:
-            return NoBlocks(new.seq_id, num_new_blocks, num_available)
+        num_needed = num_new_entries * self._num_groups
+        if num_needed > num_available:
+            return NoBlocks(new.seq_id, num_needed, num_available)
 
-        for hit in hits:
-            if self._cache.is_evictable(hit.block_id):
-                self._cache.unpark(hit.block_id)
-            self._pool.incref(hit.block_id)
-        new_block_ids = self._allocate(num_new_blocks)
+        for page in hit_pages:
+            if self._cache.is_evictable(page):
+                self._cache.unpark(page)
+            self._pool.incref(page)
+        new_entries = self._allocate_entries(num_new_entries)
         seq = SequenceState(new.seq_id, new.namespace)
         seq.cacheable = not new.skip_prefix_cache
-        seq.block_ids = [hit.block_id for hit in hits[:num_shared]]
+        seq.block_ids = hit_entries[:num_shared]
+        seq.num_slid = self._num_slid(hit_entries, num_shared)
         copies: tuple[BlockCopy, ...] = ()
         if whole_prompt_hit:
             # the last cached block was held through the allocation so it could not be
             # evicted into it; the copy gets the recomputed last token, never the original
-            src = hits[-1].block_id
-            dst = new_block_ids.pop(0)
+            src, dst = hit_entries[-1], new_entries.pop(0)
             seq.block_ids.append(dst)
-            if self._pool.decref(src) == 0:
-                self._cache.park(src)
-            copies = (BlockCopy(src, dst),)
-            seq.last_full_key = hits[-2].key if len(hits) > 1 else ROOT_KEY
+            for page in src:
+                if self._pool.decref(page) == 0:
+                    self._cache.park(page)
+            copies = tuple(BlockCopy(a, b) for a, b in zip(src, dst, strict=True))
+            seq.last_full_key = hits[num_shared - 1].key if num_shared else ROOT_KEY
             seq.partial_token_bytes = new.token_bytes[
                 num_shared * bs * TOKEN_BYTES : num_computed * TOKEN_BYTES
             ]
-        elif hits:
-            seq.last_full_key = hits[-1].key
+        elif hit_entries:
+            seq.last_full_key = hits[num_shared - 1].key
         seq.num_tokens = num_computed
         self._seqs[new.seq_id] = seq
         token_bytes = new.token_bytes[
             num_computed * TOKEN_BYTES : (num_computed + num_new_tokens) * TOKEN_BYTES
         ]
-        self._write(seq, token_bytes, num_new_tokens, new_block_ids, micro_batch)
+        self._write(seq, token_bytes, num_new_tokens, new_entries, micro_batch)
 
         if self._enable_prefix_caching and not new.skip_prefix_cache:
             self._num_prefix_queries += 1
@@ -382,21 +466,61 @@ class KVCacheManager:
             self._num_prefix_query_tokens += new.num_tokens
             self._num_prefix_hit_tokens += num_computed
         seq.answer_offset()  # its first answer: the whole table
-        return Allocated(new.seq_id, tuple(seq.block_ids), num_new_tokens, num_computed, copies)
+        return Allocated(new.seq_id, self._answer(seq.block_ids), num_new_tokens, num_computed, copies)
+
+    def _hit_entries(self, new: ValidNewSequence, hits: list[PrefixHit]) -> list[tuple[int, ...]]:
+        """The table entries of the longest prefix every sub-group can serve.
+
+        One group: the hits. With groups, full-attention sub-groups need their page of every
+        hit block from the start, sliding ones only of the blocks the window of the first
+        computed position reaches (others come back as `NULL_PAGE`, not held)."""
+        if self._num_groups == 1 or not hits:
+            return [(hit.block_id,) for hit in hits]
+        bs, stride, groups = self._block_size, self._block_size * TOKEN_BYTES, range(1, self._num_groups)
+        found: list[list[int]] = []
+        parent = ROOT_KEY
+        for j, hit in enumerate(hits):
+            tokens = new.token_bytes[j * stride : (j + 1) * stride]
+            pages = [hit.block_id]
+            for s in groups:
+                page = self._cache.find(hit.key, s, parent, new.namespace, tokens)
+                pages.append(NULL_PAGE if page is None else page)
+            found.append(pages)
+            parent = hit.key
+        length = len(found)
+        for s in groups:
+            if not self._windows[s]:
+                length = next((j for j in range(length) if found[j][s] == NULL_PAGE), length)
+        while length:
+            computed = length * bs - (length * bs == new.num_tokens)
+            limits = [(s, first_needed_block(computed, w, bs)) for s, w in self._sliding]
+            if all(found[j][s] != NULL_PAGE for s, lo in limits for j in range(lo, length)):
+                for s, lo in limits:
+                    for j in range(lo):
+                        found[j][s] = NULL_PAGE
+                break
+            length -= 1
+        return [tuple(pages) for pages in found[:length]]
+
+    def _num_slid(self, entries: list[tuple[int, ...]], num: int) -> int:
+        """How many of the first `num` entries have every sliding page given back."""
+        if not self._sliding:
+            return 0
+        return next((j for j in range(num) if any(entries[j][s] != NULL_PAGE for s, _ in self._sliding)), num)
 
     def _write(
         self,
         seq: SequenceState,
         token_bytes: bytes,
         num_tokens: int,
-        new_block_ids: list[int],
+        new_entries: list[tuple[int, ...]],
         micro_batch: MicroBatchRecord,
     ) -> None:
-        """Give `seq` slots for `num_tokens` more tokens (in `new_block_ids` past its last
-        block) and key the blocks they fill."""
+        """Give `seq` slots for `num_tokens` more tokens (in `new_entries` past its last
+        entry) and key the blocks they fill (every sub-group's page of each)."""
         bs = self._block_size
         blocks = seq.block_ids
-        blocks.extend(new_block_ids)
+        blocks.extend(new_entries)
         start = seq.num_tokens
         seq.num_tokens = start + num_tokens
         micro_batch.seqs.append(seq)
@@ -411,36 +535,36 @@ class KVCacheManager:
             for j in range(num_full if seq.cacheable else 0):
                 block_tokens = data[j * stride : (j + 1) * stride]
                 key = self._cache.key_of(seq.last_full_key, seq.namespace, block_tokens)
-                block_id = blocks[first_index + j]
-                micro_batch.filled.append(
-                    (
-                        seq,
-                        block_id,
-                        self._pool.generation(block_id),
-                        CachedBlock(key, seq.last_full_key, seq.namespace, block_tokens),
-                    )
-                )
+                for group, page in enumerate(blocks[first_index + j]):
+                    if page != NULL_PAGE:
+                        micro_batch.filled.append((seq, page, self._pool.generation(page),
+                                                   CachedBlock(key, seq.last_full_key, seq.namespace, block_tokens,
+                                                               group)))
                 seq.last_full_key = key
             seq.partial_token_bytes = data[num_full * stride :]
 
     # ---- statistics and integrity --------------------------------------------------------
 
-    def layout(self) -> tuple[list[tuple[SequenceBlockStats, list[int]]], bytes]:
-        """Each live sequence's stats with its block table, and the state of every block
-        (`BlockPool.state_map`): the memory monitor's detailed view."""
-        return [(s, self.block_table(s.seq_id)) for s in self.sequence_stats()], self._pool.state_map()
+    def layout(self) -> tuple[list[tuple[SequenceBlockStats, tuple[int, ...]]], bytes]:
+        """Each live sequence's stats with the pages it holds (its block table with one
+        group), and the state of every block (`BlockPool.state_map`): the memory monitor's
+        detailed view."""
+        return [(s, self.pages(s.seq_id)) for s in self.sequence_stats()], self._pool.state_map()
 
     def sequence_stats(self) -> tuple[SequenceBlockStats, ...]:
-        """The per-sequence block distribution."""
-        return tuple(
-            SequenceBlockStats(
-                seq_id=seq.seq_id,
-                num_tokens=seq.num_tokens,
-                num_blocks=len(seq.block_ids),
-                num_extents=count_extents(seq.block_ids),
-                num_shared_blocks=sum(1 for b in seq.block_ids if self._pool.ref_count(b) > 1),
-            )
-            for seq in self._seqs.values()
+        """The per-sequence block distribution (pages, with KV groups; extents of group 0)."""
+        return tuple(self._sequence_stats(seq) for seq in self._seqs.values())
+
+    def _sequence_stats(self, seq: SequenceState) -> SequenceBlockStats:
+        pages = [p for entry in seq.block_ids for p in entry if p != NULL_PAGE]
+        window = sum(1 for entry in seq.block_ids for s, _ in self._sliding if entry[s] != NULL_PAGE)
+        return SequenceBlockStats(
+            seq_id=seq.seq_id,
+            num_tokens=seq.num_tokens,
+            num_blocks=len(pages),
+            num_extents=count_extents([entry[0] for entry in seq.block_ids]),
+            num_shared_blocks=sum(1 for p in pages if self._pool.ref_count(p) > 1),
+            num_window_blocks=window,
         )
 
     def stats(self) -> KVCacheStats:
@@ -451,12 +575,15 @@ class KVCacheManager:
         # only a sequence's last block with tokens can be partial, and sharers of a partial
         # block fill it equally; blocks held ahead (never shared) are empty
         partial_fill = {
-            seq.block_ids[seq.num_tokens // bs]: seq.num_tokens % bs
+            page: seq.num_tokens % bs
             for seq in self._seqs.values()
             if seq.num_tokens % bs
+            for page in seq.block_ids[seq.num_tokens // bs]
         }
         num_ahead = sum(len(seq.block_ids) - -(-seq.num_tokens // bs) for seq in self._seqs.values())
-        num_empty_slots = sum(bs - fill for fill in partial_fill.values()) + num_ahead * bs
+        num_empty_slots = sum(bs - fill for fill in partial_fill.values()) + num_ahead * bs * self._num_groups
+        window_pages = {entry[s] for seq in self._seqs.values() for entry in seq.block_ids[seq.num_slid:]
+                        for s, _ in self._sliding} - {NULL_PAGE}
         largest = self._pool.largest_free_extent
         return KVCacheStats(
             num_blocks=self._pool.num_blocks,
@@ -482,7 +609,25 @@ class KVCacheManager:
             num_evictions=self._num_evictions,
             num_copy_on_write=self._num_copy_on_write,
             num_resets=self._num_resets,
+            group_windows=self._windows,
+            num_window_blocks=len(window_pages),
+            num_slid_blocks=self._num_slid_pages,
         )
+
+    def _check_entries(self, seq: SequenceState) -> list[int]:
+        """Entries have a page per sub-group, `NULL_PAGE` only where a window left; no page
+        held twice. Returns the pages held."""
+        sliding = {s for s, _ in self._sliding}
+        for j, entry in enumerate(seq.block_ids):
+            if len(entry) != self._num_groups:
+                raise IntegrityError(f"sequence {seq.seq_id}: entry {j} has {len(entry)} pages")
+            if any(p == NULL_PAGE and (s not in sliding or j * self._block_size >= seq.num_tokens)
+                   for s, p in enumerate(entry)):
+                raise IntegrityError(f"sequence {seq.seq_id}: entry {j} lacks a page it needs")
+        pages = [p for entry in seq.block_ids for p in entry if p != NULL_PAGE]
+        if len(set(pages)) != len(pages):
+            raise IntegrityError(f"sequence {seq.seq_id} holds a block twice")
+        return pages
 
     def check_integrity(self) -> None:
         """Raise `IntegrityError` unless: each block's ref count equals the number of tables
@@ -499,15 +644,14 @@ class KVCacheManager:
                 raise IntegrityError(
                     f"sequence {seq_id}: {len(seq.block_ids)} blocks for {seq.num_tokens} tokens"
                 )
-            if len(set(seq.block_ids)) != len(seq.block_ids):
-                raise IntegrityError(f"sequence {seq_id} holds a block twice")
+            pages = self._check_entries(seq)
             if seq.num_answered is not None and seq.num_answered > len(seq.block_ids):
                 raise IntegrityError(f"sequence {seq_id}: answered {seq.num_answered} of {len(seq.block_ids)} blocks")
             if self._enable_prefix_caching and (
                 len(seq.partial_token_bytes) != (seq.num_tokens % bs) * TOKEN_BYTES
             ):
                 raise IntegrityError(f"sequence {seq_id}: partial block tokens out of step")
-            holders.update(seq.block_ids)
+            holders.update(pages)
         num_used = 0
         for block_id in range(self._pool.num_blocks):
             ref = self._pool.ref_count(block_id)

@@ -30,12 +30,18 @@ class CacheListener(Protocol):
 
 
 class CachedBlock(NamedTuple):
-    """What a cached block holds: its key and the exact input that key was hashed from."""
+    """What a cached block holds: its key and the exact input that key was hashed from.
+
+    `group` is the KV sub-group whose page it is (services/kv_layout.py): a hybrid model
+    caches one page per sub-group under the same chain key; only group 0's pages are
+    announced as KV events (routers count block positions, not pages).
+    """
 
     key: bytes
     parent_key: bytes
     namespace: str | None
     token_bytes: bytes
+    group: int = 0
 
     def matches(self, parent_key: bytes, namespace: str | None, token_bytes: bytes) -> bool:
         return (
@@ -67,7 +73,7 @@ class PrefixCache:
     def __init__(self, hash_fn: HashFn = hash_block, listener: CacheListener | None = None) -> None:
         self._hash_fn = hash_fn
         self.listener = listener  # told what enters and leaves (KV events)
-        self._block_by_key: dict[bytes, int] = {}
+        self._block_by_key: dict[bytes | tuple[bytes, int], int] = {}
         self._entry_by_block: dict[int, CachedBlock] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()
 
@@ -99,13 +105,23 @@ class PrefixCache:
             parent_key = key
         return hits
 
+    def find(self, key: bytes, group: int, parent_key: bytes, namespace: str | None,
+             token_bytes: bytes) -> int | None:
+        """Sub-group `group`'s cached page of the block keyed `key` (found by `lookup` in
+        group 0), or None; a colliding entry is a miss."""
+        block_id = self._block_by_key.get(_index_key(key, group))
+        if block_id is None or not self._entry_by_block[block_id].matches(parent_key, namespace, token_bytes):
+            return None
+        return block_id
+
     def register(self, block_id: int, entry: CachedBlock) -> bool:
         """Make a computed full block findable; False if its key (or the block) is taken."""
-        if entry.key in self._block_by_key or block_id in self._entry_by_block:
+        index_key = _index_key(entry.key, entry.group)
+        if index_key in self._block_by_key or block_id in self._entry_by_block:
             return False
-        self._block_by_key[entry.key] = block_id
+        self._block_by_key[index_key] = block_id
         self._entry_by_block[block_id] = entry
-        if self.listener is not None:
+        if self.listener is not None and not entry.group:
             self.listener.stored(entry.key, entry.parent_key, entry.namespace, entry.token_bytes)
         return True
 
@@ -131,8 +147,8 @@ class PrefixCache:
         """Forget the least recently used evictable block and return its id (still parked)."""
         block_id, _ = self._lru.popitem(last=False)
         entry = self._entry_by_block.pop(block_id)
-        del self._block_by_key[entry.key]
-        if self.listener is not None:
+        del self._block_by_key[_index_key(entry.key, entry.group)]
+        if self.listener is not None and not entry.group:
             self.listener.removed(entry.key)
         return block_id
 
@@ -141,8 +157,8 @@ class PrefixCache:
         return tuple(self._lru)
 
     def entries(self) -> list[CachedBlock]:
-        """Every cached block (a snapshot for KV-event subscribers)."""
-        return list(self._entry_by_block.values())
+        """Every cached block of group 0 (a snapshot for KV-event subscribers)."""
+        return [e for e in self._entry_by_block.values() if not e.group]
 
     def clear(self) -> None:
         self._block_by_key.clear()
@@ -157,7 +173,7 @@ class PrefixCache:
         if len(self._block_by_key) != len(self._entry_by_block):
             raise IntegrityError("key index and block index differ in size")
         for block_id, entry in self._entry_by_block.items():
-            if self._block_by_key.get(entry.key) != block_id:
+            if self._block_by_key.get(_index_key(entry.key, entry.group)) != block_id:
                 raise IntegrityError(f"cached block {block_id} not indexed by its key")
             if entry.key != self._hash_fn(entry.parent_key, entry.namespace, entry.token_bytes):
                 raise IntegrityError(f"cached block {block_id} key is not its hash")
@@ -169,3 +185,8 @@ class PrefixCache:
         for block_id in self._lru:
             if block_id not in self._entry_by_block:
                 raise IntegrityError(f"evictable block {block_id} is not cached")
+
+
+def _index_key(key: bytes, group: int) -> bytes | tuple[bytes, int]:
+    """Group 0's pages are indexed by their chain key, other sub-groups' by (key, group)."""
+    return (key, group) if group else key

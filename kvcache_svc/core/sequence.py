@@ -6,8 +6,11 @@ from kvcache_svc.core.prefix_cache import ROOT_KEY, CachedBlock
 
 
 class SequenceState:
-    """One sequence's table: `ceil(num_tokens / block_size)` blocks, and after them any
-    blocks held ahead for tokens not known yet (`Append.num_lookahead_slots`).
+    """One sequence's table: `ceil(num_tokens / block_size)` entries, and after them any
+    entries held ahead for tokens not known yet (`Append.num_lookahead_slots`). An entry is
+    a tuple of page ids, one per KV sub-group (services/kv_layout.py; one page for a model
+    whose layers attend alike); sliding sub-groups' pages of the first `num_slid` entries
+    went back to the pool (`NULL_PAGE`): no window reaches them any more.
 
     With prefix caching, `last_full_key` is the chain key of its last full block and
     `partial_token_bytes` the tokens of its partial last block (empty when it has none).
@@ -28,17 +31,19 @@ class SequenceState:
         "partial_token_bytes",
         "cacheable",
         "num_answered",
+        "num_slid",
     )
 
     def __init__(self, seq_id: int, namespace: str | None) -> None:
         self.seq_id = seq_id
         self.namespace = namespace
-        self.block_ids: list[int] = []
+        self.block_ids: list[tuple[int, ...]] = []
         self.num_tokens = 0
         self.last_full_key = ROOT_KEY
         self.partial_token_bytes = b""
         self.cacheable = True
         self.num_answered: int | None = None
+        self.num_slid = 0
 
     def answer_offset(self) -> int:
         """The next answer's `block_offset`; from then on all of the table is answered."""
@@ -54,6 +59,7 @@ class SequenceState:
         child.last_full_key = self.last_full_key
         child.partial_token_bytes = self.partial_token_bytes
         child.cacheable = self.cacheable
+        child.num_slid = min(self.num_slid, num_blocks)
         return child
 
 

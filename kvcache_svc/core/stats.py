@@ -47,6 +47,7 @@ class SequenceBlockStats:
     num_blocks: int
     num_extents: int
     num_shared_blocks: int  # blocks with another holder (prefix hits, forks)
+    num_window_blocks: int = 0  # of `num_blocks`, pages of sliding-window KV groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,8 @@ class KVCacheStats:
     so `num_used_blocks + num_free_blocks + num_evictable_blocks == num_blocks`.
     `num_cached_blocks` counts every findable block, used or evictable. Blocks a new
     allocation can have right now: `num_free_blocks + num_evictable_blocks`.
+
+    With KV groups every count is of pages (one sub-group's share of a block position).
 
     The counters (`num_prefix_*`, `num_evictions`, `num_copy_on_write`) are cumulative over
     the manager's life and survive `reset()`, like Prometheus counters.
@@ -84,3 +87,8 @@ class KVCacheStats:
     num_evictions: int
     num_copy_on_write: int  # block copies reported to workers
     num_resets: int
+    # KV groups (services/kv_layout.py): each sub-group's window (0: full attention), the
+    # pages sliding sub-groups hold now, and the pages their windows gave back (cumulative)
+    group_windows: tuple[int, ...] = (0,)
+    num_window_blocks: int = 0
+    num_slid_blocks: int = 0

@@ -8,6 +8,10 @@ tokens, and every sequence untouched by a failure must read back its own tokens.
 Scheduler contract the driver keeps: a sequence is in at most one micro-batch in flight,
 and is appended to or forked only when none holding it is in flight; micro-batches
 complete or fail oldest first.
+
+`GroupedKVCacheMachine` runs the same rules over KV groups (services/kv_layout.py): every
+entry holds a page per sub-group, sliding sub-groups give pages back as their windows
+move, and each sub-group must read back exactly the tokens its window can still see.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from kvcache_svc.core import (
     NoBlocks,
     StepInput,
     StepOutput,
-    slots,
 )
+from services.kv_layout import NULL_PAGE
 
 KV_MACHINE_SETTINGS = settings(
     deadline=None,
@@ -66,10 +70,17 @@ def _record(name: str) -> None:
     event(name)
 
 
+def _entries(table: tuple) -> tuple[tuple[int, ...], ...]:
+    return tuple(e if isinstance(e, tuple) else (e,) for e in table)
+
+
 class KVCacheMachine(RuleBasedStateMachine):
+    NUM_BLOCKS = NUM_BLOCKS
+    GROUPS: tuple[int, ...] = (0,)  # each sub-group's window (0: full attention)
+
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, watermark=0.1)
+        self.m = KVCacheManager(self.NUM_BLOCKS, BLOCK_SIZE, watermark=0.1, group_windows=self.GROUPS)
         self.tokens: dict[int, list[int]] = {}  # what each live sequence wrote, in order
         self.pending_prompt: dict[int, list[int]] = {}  # prompt left after a chunk
         self.tainted: set[int] = set()  # wrote in a failed micro-batch, or forked from one
@@ -109,16 +120,28 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert result.num_new_tokens == len(token_ids)
         # the answer is a diff against the last one for this sequence (whole for a new one)
         table = result.applied_to(self.answered.get(result.seq_id, ()))
-        assert table == self.m.block_table(result.seq_id)
+        # ... except for pages a window gave back since: a receiver keeps the old ids there
+        # and never reads them
+        held = _entries(self.m.block_table(result.seq_id))
+        assert len(held) == len(table)
+        for mine, theirs in zip(held, _entries(table), strict=True):
+            assert all(a in (b, NULL_PAGE) for a, b in zip(mine, theirs, strict=True)), (held, table)
         self.answered[result.seq_id] = table
         start = result.num_computed_tokens
-        for slot, token in zip(slots(table, start, result.num_new_tokens, BLOCK_SIZE), token_ids, strict=True):
-            self.slots[slot] = (token, micro_batch_id)
+        for position, token in enumerate(token_ids, start):
+            for page in _entries(table)[position // BLOCK_SIZE]:
+                assert page != NULL_PAGE, (result, position)
+                self.slots[page * BLOCK_SIZE + position % BLOCK_SIZE] = (token, micro_batch_id)
 
-    def _read(self, seq_id: int, position: int) -> int:
-        table = self.m.block_table(seq_id)
-        slot = table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
-        return self.slots.get(slot, (GARBAGE, -1))[0]
+    def _read(self, seq_id: int, position: int, group: int = 0) -> int:
+        page = _entries(self.m.block_table(seq_id))[position // BLOCK_SIZE][group]
+        assert page != NULL_PAGE, (seq_id, position, group)
+        return self.slots.get(page * BLOCK_SIZE + position % BLOCK_SIZE, (GARBAGE, -1))[0]
+
+    def _visible(self, group: int, length: int) -> range:
+        """The positions sub-group `group` must still hold for a next query at `length`."""
+        window = self.GROUPS[group]
+        return range(max(0, length - window + 1) if window else 0, length)
 
     def _new_micro_batch(self) -> int:
         self.next_micro_batch_id += 1
@@ -153,11 +176,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             if computed == len(prompt) - 1 and len(prompt) % BLOCK_SIZE == 0:
                 _record("whole-prompt hit")
             # the hit blocks hold exactly the query's tokens, written by completed work
-            for position in range(computed):
-                assert self._read(seq_id, position) == prompt[position], (position, prompt)
+            for group in range(len(self.GROUPS)):
+                for position in self._visible(group, computed):
+                    assert self._read(seq_id, position, group) == prompt[position], (position, prompt)
             for index in range(computed // BLOCK_SIZE):
                 block_tokens = prompt[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
-                assert self.m.cached_token_ids(result.block_ids[index]) == tuple(block_tokens)
+                assert self.m.cached_token_ids(_entries(result.block_ids)[index][0]) == tuple(block_tokens)
         num_new = result.num_new_tokens
         self._write(result, prompt[computed : computed + num_new], micro_batch_id)
         self.tokens[seq_id] = prompt[: computed + num_new]
@@ -200,8 +224,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         if self.seen_prompts:
             base = data.draw(st.sampled_from(self.seen_prompts))
         base = base[: len(base) // BLOCK_SIZE * BLOCK_SIZE]
-        num_blocks = self.m.stats().num_free_blocks + 1
-        self._add([*base, *[fresh_token] * (num_blocks * BLOCK_SIZE - 1)], None, None)
+        num_entries = self.m.stats().num_free_blocks // len(self.GROUPS) + 1
+        self._add([*base, *[fresh_token] * (num_entries * BLOCK_SIZE - 1)], None, None)
 
     @precondition(lambda self: self._idle())
     @rule(data=st.data(), extra=st.lists(st.integers(0, 3), min_size=1, max_size=5))
@@ -230,7 +254,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         if lookahead:
             _record("lookahead")
             room = len(self.tokens[seq_id]) + len(token_ids) + lookahead
-            assert result.num_blocks == max(len(before[0]), -(-room // BLOCK_SIZE))
+            # blocks held ahead past the room asked for go back (a verify step's rejected drafts)
+            assert result.num_blocks == -(-room // BLOCK_SIZE), (before, result)
         self._write(result, token_ids, micro_batch_id)
         self.tokens[seq_id].extend(token_ids)
         self.pending_prompt[seq_id] = pending[len(token_ids) :] if pending else []
@@ -337,9 +362,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _check_all_free(self) -> None:
         stats = self.m.stats()
         assert stats.num_used_blocks == 0
-        assert stats.num_free_blocks + stats.num_evictable_blocks == NUM_BLOCKS
+        assert stats.num_free_blocks + stats.num_evictable_blocks == self.NUM_BLOCKS
         assert stats.num_evictable_blocks == stats.num_cached_blocks
-        assert all(self.m.ref_count(b) == 0 for b in range(NUM_BLOCKS))
+        assert all(self.m.ref_count(b) == 0 for b in range(self.NUM_BLOCKS))
         self.m.check_integrity()
 
     # ---- invariants after every step -------------------------------------------------------
@@ -349,15 +374,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.m.check_integrity()
         holders: Counter[int] = Counter()
         for seq_id in self.m.seq_ids():
-            holders.update(self.m.block_table(seq_id))
-        for block_id in range(NUM_BLOCKS):
+            holders.update(self.m.pages(seq_id))
+        for block_id in range(self.NUM_BLOCKS):
             assert self.m.ref_count(block_id) == holders[block_id], block_id
         used = set(holders)
         free = {b for start, n in self.m.free_extents() for b in range(start, start + n)}
         evictable = set(self.m.evictable_block_ids())
         assert not used & free and not used & evictable and not free & evictable
         # free here: nobody holds it, cached (evictable) or not
-        assert len(used) + len(free) + len(evictable) == NUM_BLOCKS
+        assert len(used) + len(free) + len(evictable) == self.NUM_BLOCKS
         stats = self.m.stats()
         assert stats.num_used_blocks == len(used)
         assert stats.num_free_blocks + stats.num_evictable_blocks == len(free | evictable)
@@ -365,7 +390,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def cached_blocks_hold_their_tokens(self) -> None:
         """Whatever is findable holds exactly the tokens it is found by."""
-        for block_id in range(NUM_BLOCKS):
+        for block_id in range(self.NUM_BLOCKS):
             cached = self.m.cached_token_ids(block_id)
             if cached is not None:
                 held = [
@@ -381,8 +406,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.m.num_tokens(seq_id) == len(token_ids)
             if seq_id in self.tainted:
                 continue
-            for position, token in enumerate(token_ids):
-                assert self._read(seq_id, position) == token, (seq_id, position)
+            for group in range(len(self.GROUPS)):
+                for position in self._visible(group, len(token_ids)):
+                    assert self._read(seq_id, position, group) == token_ids[position], (seq_id, position, group)
 
     def teardown(self) -> None:
         self._drain()
@@ -393,4 +419,26 @@ def test_kv_cache_state_machine() -> None:
     EVENTS.clear()
     run_state_machine_as_test(KVCacheMachine, settings=KV_MACHINE_SETTINGS)
     for name in ("prefix hit", "whole-prompt hit", "eviction", "copy-on-write", "no blocks", "lookahead"):
+        assert EVENTS[name] > 0, (name, dict(EVENTS))
+
+
+class GroupedKVCacheMachine(KVCacheMachine):
+    """Two full-attention sub-groups and sliding ones of windows 5 and 9 (block size 4)."""
+
+    NUM_BLOCKS = 64
+    GROUPS = (0, 0, 5, 9)
+
+    @invariant()
+    def windows_give_pages_back(self) -> None:
+        """A sliding sub-group holds no page of a block its window left at the last append."""
+        for stats in self.m.sequence_stats():
+            if stats.num_window_blocks < stats.num_blocks // 2:
+                _record("window slid")
+
+
+def test_grouped_kv_cache_state_machine() -> None:
+    EVENTS.clear()
+    run_state_machine_as_test(GroupedKVCacheMachine, settings=KV_MACHINE_SETTINGS)
+    for name in ("prefix hit", "whole-prompt hit", "eviction", "copy-on-write", "no blocks", "lookahead",
+                 "window slid"):
         assert EVENTS[name] > 0, (name, dict(EVENTS))
