@@ -18,6 +18,12 @@ but the last stands past the drafts (`num_computed` may then exceed the known to
 first stage); the last stage, which verified them, stands after the drafts it accepted and
 appends them with the token it sampled after them. The next step of the sequence names
 where it starts (`CachedSeq.start`), which computes the rejected drafts' positions again.
+
+KV groups (services/kv_layout.py, `StageShape.kv_windows` of more than one sub-group): a
+table's entries are tuples of one page per sub-group, and the checks that a table covers a
+step count entries. A sliding sub-group's page may be `NULL_PAGE` only where its window has
+left it (a block wholly before the step's `start - window + 1`): a page the step writes or
+reads is always a real one.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from services.kv_layout import NULL_PAGE, first_needed_block
 from services.pooling import PoolingType
 from services.sampling import SamplingParams
 from services.step import NewSeq, PromptScoring, StepPlan
@@ -39,7 +46,7 @@ class SeqState:
     token_ids: list[int]
     prompt_len: int
     num_computed: int
-    block_ids: list[int]
+    block_ids: list  # one entry per block: a block id, or with KV groups a tuple of pages
     sampling: SamplingParams
     choice_index: int
     entropy_seed: int
@@ -50,6 +57,9 @@ class SeqState:
     # mean pooling, last stage: the sum of the final norm's output over the positions
     # computed so far (the runner's float32 tensor); dropped with the state
     pooled_sum: object = None
+    # KV groups: the runner's tensor of `block_ids` (attention_metadata.entry_table), made
+    # when first needed and dropped whenever the table changes
+    table: object = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -99,6 +109,11 @@ class StageShape:
     block_size: int
     max_positions: int
     vocab_size: int
+    kv_windows: tuple[int, ...] = (0,)  # the KV sub-groups' windows (0: full); one: no groups
+
+    @property
+    def grouped(self) -> bool:
+        return len(self.kv_windows) > 1
 
 
 class PersistentBatch:
@@ -130,6 +145,7 @@ class PersistentBatch:
             if c.block_ids or c.block_offset < len(state.block_ids):
                 del state.block_ids[c.block_offset:]
                 state.block_ids.extend(c.block_ids)
+                state.table = None
             if c.start >= 0:  # back to where the accepted tokens end (after a verify step)
                 state.num_computed = c.start
             if c.new_token_ids and not shape.is_last:  # they end where this step's known tokens end
@@ -226,7 +242,9 @@ class PersistentBatch:
                         f"{num_tokens} this stage knows")
                 num_tokens = max(num_tokens, end)
             self._check_step(where, start, c.num_scheduled, num_tokens + len(c.draft_token_ids),
-                             c.block_offset + len(c.block_ids), c.block_ids, c.prompt_scoring)
+                             c.block_offset + len(c.block_ids), c.prompt_scoring)
+            if c.block_ids:  # (a decode step's usually come with none)
+                self._check_block_ids(where, start, c.block_offset, c.block_ids)
         for src, dst in plan.block_copies:
             if not (0 <= src < shape.num_blocks and 0 <= dst < shape.num_blocks) or src == dst:
                 raise InvalidPlanError(f"{step}: block copy {src}->{dst} invalid for {shape.num_blocks} blocks")
@@ -268,12 +286,12 @@ class PersistentBatch:
             raise InvalidPlanError(f"{where}: {n.pooling.value} pooling computes every position, yet "
                                    f"{n.num_computed} come computed")
         self._check_step(where, n.num_computed, n.num_scheduled, len(n.token_ids), len(n.block_ids),
-                         n.block_ids, n.prompt_scoring)
+                         n.prompt_scoring)
+        self._check_block_ids(where, n.num_computed, 0, n.block_ids)
 
     def _check_step(self, where: str, start: int, num_tokens: int, num_known: int, table_len: int,
-                    new_block_ids, scoring: PromptScoring | None) -> None:
-        """One sequence's step; `new_block_ids` are the ids received now (those held were
-        checked when they came), `table_len` the table's length after this step."""
+                    scoring: PromptScoring | None) -> None:
+        """One sequence's step; `table_len` the table's length (entries) after this step."""
         shape = self.shape
         end = start + num_tokens
         if num_tokens < 1 or start < 0:
@@ -285,9 +303,6 @@ class PersistentBatch:
         needed = -(-end // shape.block_size)
         if table_len < needed:
             raise InvalidPlanError(f"{where}: block table has {table_len} blocks, context needs {needed}")
-        for b in new_block_ids:
-            if not 0 <= b < shape.num_blocks:
-                raise InvalidPlanError(f"{where}: block id {b} out of range [0, {shape.num_blocks})")
         if scoring is not None and (
                 not scoring.targets or scoring.first_position < start
                 or scoring.first_position + len(scoring.targets) > end
@@ -297,3 +312,37 @@ class PersistentBatch:
                 f"{where}: prompt scoring of {len(scoring.targets)} targets from position "
                 f"{scoring.first_position} (top {scoring.num_top}) does not fit its new tokens "
                 f"{start}..{end - 1} and vocabulary")
+
+    def _check_block_ids(self, where: str, start: int, offset: int, block_ids) -> None:
+        """The table entries received now, from index `offset` on (those held were checked
+        when they came), for a step from position `start`."""
+        shape = self.shape
+        if shape.grouped:
+            self._check_entries(where, start, offset, block_ids)
+            return
+        for b in block_ids:
+            try:
+                ok = 0 <= b < shape.num_blocks
+            except TypeError:  # (a grouped table's entry sent to a stage that does not group)
+                ok = False
+            if not ok:
+                raise InvalidPlanError(f"{where}: block id {b!r} out of range [0, {shape.num_blocks})")
+
+    def _check_entries(self, where: str, start: int, offset: int, entries) -> None:
+        """KV groups: each entry one page per sub-group, each a page of the pool, or NULL in
+        a sliding sub-group whose window has left that block."""
+        shape = self.shape
+        windows = shape.kv_windows
+        # sub-group g may hold NULL in entries before gone[g] (never a full one: gone is 0)
+        gone = [first_needed_block(start, w, shape.block_size) if w else 0 for w in windows]
+        for k, entry in enumerate(entries, start=offset):
+            if not isinstance(entry, tuple | list) or len(entry) != len(windows):
+                raise InvalidPlanError(f"{where}: block table entry {k} is {entry!r}: want one page id per KV "
+                                       f"sub-group ({len(windows)})")
+            for g, page in enumerate(entry):
+                if not isinstance(page, int) or not (
+                        0 <= page < shape.num_blocks or (page == NULL_PAGE and k < gone[g])):
+                    raise InvalidPlanError(
+                        f"{where}: block table entry {k}, KV sub-group {g} (window {windows[g] or 'full'}): page "
+                        f"{page!r} out of range [0, {shape.num_blocks})"
+                        + (" (NULL only where the window has left the block)" if page == NULL_PAGE else ""))

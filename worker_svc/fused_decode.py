@@ -13,7 +13,8 @@ stage whose every layer has fused packed (or BF16) q/k/v and gate/up products, f
 activations and KV pools, no tensor parallelism, one torch thread (the kernels split rows
 over threads only in the module path), and the native kernels present. Everything else
 (float32 weights, the exact path; prefill and mixed steps; TP) keeps the module path.
-`PAGODA_FUSED_DECODE=0` turns it off.
+`PAGODA_FUSED_DECODE=0` turns it off. With KV groups each layer reads its own sub-group's
+slots and table out of the step's stacked ones (its `group` and the strides in the shape).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [("norm1", _PTR), ("norm2", _PTR), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_pool", _PTR), ("v_pool", _PTR),
                 ("q_norm", _PTR), ("k_norm", _PTR), ("post_attn_norm", _PTR), ("post_mlp_norm", _PTR),
-                ("window", _I64), ("softcap", ctypes.c_float), ("rope", _I64), ("act", _I64)]
+                ("window", _I64), ("softcap", ctypes.c_float), ("rope", _I64), ("act", _I64),
+                ("group", _I64)]
 
 
 class _Kernels(ctypes.Structure):
@@ -59,7 +61,8 @@ class _Kernels(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("block_size", _I64), ("num_blocks", _I64), ("max_blocks", _I64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("group_slots", _I64),
+                ("group_tables", _I64)]
 
 
 def enabled() -> bool:
@@ -181,7 +184,7 @@ class FusedDecoder:
                                   k_pool.data_ptr(), v_pool.data_ptr(), _ptr(att.q_norm), _ptr(att.k_norm),
                                   post_attn, post_mlp, att.sliding_window or 0, att.softcap or 0.0,
                                   self.model.rope_index(i),
-                                  0 if mlp.silu else 1)
+                                  0 if mlp.silu else 1, self.model.kv_group_of(i))
             self._table, self._pool_ptrs, self._chained = table, ptrs, chained
         return self._table
 
@@ -195,7 +198,7 @@ class FusedDecoder:
         cos = torch.stack([c.reshape(T, cfg.head_dim) for c, _ in ropes]).contiguous()
         sin = torch.stack([s.reshape(T, cfg.head_dim) for _, s in ropes]).contiguous()
         num_blocks, block_size = kv_pools[0][0].shape[:2]
-        tables = metadata.block_tables.contiguous()
+        tables, slots, group_slots, group_tables = _tables(metadata)
         qkv = cfg.q_size + 2 * cfg.kv_size
         need = self._lib.pagoda_decode_scratch_floats(T, cfg.hidden_size, qkv, cfg.q_size, cfg.intermediate_size)
         if self._scratch.numel() < need:
@@ -206,10 +209,10 @@ class FusedDecoder:
         kernels = _Kernels(*self._kfns[kv_pools[0][0].dtype], self._quant.isa_id, self._quant.act_bits,
                            self._qscratch.data_ptr() + (-self._qscratch.data_ptr()) % 64)
         shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                       block_size, num_blocks, tables.shape[1], cfg.rms_norm_eps, self._layers[0].self_attn.scale)
+                       block_size, num_blocks, tables.shape[-1], cfg.rms_norm_eps, self._layers[0].self_attn.scale,
+                       group_slots, group_tables)
         rows = metadata.query_start_loc[:-1].contiguous()
         ctx = metadata.context_lens.contiguous()
-        slots = metadata.slot_mapping.contiguous()
         table = self._layer_table(kv_pools)
         rc = self._lib.pagoda_decode_layers(
             ctypes.byref(kernels), ctypes.byref(shape), table, len(self._layers), h.data_ptr(), T,
@@ -218,3 +221,12 @@ class FusedDecoder:
         if rc != 0:
             raise RuntimeError(f"native decode step failed (code {rc})")
         return h
+
+
+def _tables(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(tables, slots, elements between sub-groups' slots, between their tables): a grouped
+    step's stacked ones, or the one table with strides 0 (every layer reads it)."""
+    if metadata.group_block_tables is None:
+        return metadata.block_tables.contiguous(), metadata.slot_mapping.contiguous(), 0, 0
+    tables, slots = metadata.group_block_tables.contiguous(), metadata.group_slot_mapping.contiguous()
+    return tables, slots, slots.shape[1], tables.shape[1] * tables.shape[2]

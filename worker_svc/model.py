@@ -19,6 +19,10 @@ columns; each layer sums the ranks' o_proj and down_proj outputs (`reduce`).
 A step with tokens of LoRA adapters (worker_svc/lora.py) passes `lora`: each layer adds the
 adapters' low-rank deltas to its products' outputs, per group of tokens; a step without
 runs as it would with no adapters loaded (the native decode step included).
+KV groups (services/kv_layout.py): the model's layout follows from its layers' windows
+(`kv_layout`); a grouped step's metadata holds every sub-group's tables, and each layer
+attends through its own sub-group's (`AttentionMetadata.group`); a one-group step hands
+every layer the same metadata, as before.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.kv_layout import KVLayout, kv_layout
 from worker_svc.attention import AttentionBackend, AttentionMetadata
 from worker_svc.fused_decode import FusedDecoder
 from worker_svc.layers.norm import RMSNorm
@@ -100,6 +105,14 @@ class StageModel(nn.Module):
                                       for r in kinds)
         self.rotaries.to(device)
         self._rope_of = [kinds.index(r) for r in ropes]
+        # KV groups: the layout the KV service and the launcher derive alike, and each local
+        # layer's sub-group (all 0 where the layers do not group)
+        self.kv_layout: KVLayout = kv_layout([config.window(i) for i in range(config.num_layers)])
+        self._kv_group_of = tuple(self.kv_layout.layer_places[i][0] for i in range(start, end))
+
+    def kv_group_of(self, local: int) -> int:
+        """The KV sub-group of local layer `local` (0 where the layers do not group)."""
+        return self._kv_group_of[local]
 
     def rope_index(self, local: int) -> int:
         """Which of `rotaries` local layer `local` reads."""
@@ -187,17 +200,22 @@ class StageModel(nn.Module):
         body = self.model
         h = self._embed(inputs) if self.is_first else inputs
         ropes = [r.cos_sin(positions, h.dtype) for r in self.rotaries]
+        if metadata.num_groups != 1 and metadata.num_groups != self.kv_layout.num_groups:
+            raise ValueError(f"a step of {metadata.num_groups} KV groups; this model's layers form "
+                             f"{self.kv_layout.num_groups}")
         if lora is not None and lora.active:
             self._check_lora(lora, h.shape[0])
+            metas = metadata.layer_views(self._kv_group_of)  # each layer's sub-group's
             for local, layer in enumerate(body.layers.values()):
-                h = layer.forward(h, ropes[self._rope_of[local]], kv_pools[local], metadata, backend,
+                h = layer.forward(h, ropes[self._rope_of[local]], kv_pools[local], metas[local], backend,
                                   lora=lora.layer(local))
                 self.on_layer()
             return h
         if self.fused_decode is not None and self.fused_decode.applies(h, metadata, kv_pools):
-            return self.fused_decode.forward(h, ropes, kv_pools, metadata)
+            return self.fused_decode.forward(h, ropes, kv_pools, metadata)  # (reads each layer's group itself)
+        metas = metadata.layer_views(self._kv_group_of)
         for local, layer in enumerate(body.layers.values()):
-            h = layer.forward(h, ropes[self._rope_of[local]], kv_pools[local], metadata, backend)
+            h = layer.forward(h, ropes[self._rope_of[local]], kv_pools[local], metas[local], backend)
             self.on_layer()
         return h
 

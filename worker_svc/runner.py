@@ -5,6 +5,11 @@ plan's releases and block copies, runs the stage's layers over the flattened bat
 returns either the hidden states for the next stage or, on the last stage, the sampled
 tokens (and the vectors of pooling sequences: worker_svc/pooler.py). It owns its tensors;
 callers run it from one thread.
+
+KV groups (services/kv_layout.py): given the model's grouped layout (`layout`, what the KV
+service was told), `num_blocks` counts pages, the pools are one per page slot the stage's
+layers use, and each step's metadata carries every sub-group's tables. Without one (or
+for a model whose layers do not group) a block id names a block in every layer, as always.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.kv_layout import KVLayout
 from services.step import (
     PooledOutput,
     PositionLogprobs,
@@ -25,7 +31,7 @@ from services.step import (
     TokenLogprobs,
 )
 from worker_svc.attention import AttentionBackend, AttentionMetadata, get_backend
-from worker_svc.attention_metadata import paged_layout
+from worker_svc.attention_metadata import entry_table, paged_layout
 from worker_svc.batch import PersistentBatch, Row, StageShape
 from worker_svc.errors import InvalidPlanError, LoraNotLoadedError
 from worker_svc.kv_cache import PagedKVCache
@@ -91,8 +97,14 @@ class StageRunner:
         step_threads: tuple[int, int] | None = None,
         drafter=None,
         lora: LoraBank | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
         config = model.config
+        if layout is not None and layout.grouped and layout != model.kv_layout:
+            raise ValueError(f"KV layout {layout.spec()!r} is not the model's ({model.kv_layout.spec()!r}): "
+                             f"{model.kv_layout.describe()}")
+        # the step's KV sub-groups (1: one table for all layers)
+        self.num_kv_groups = layout.num_groups if layout is not None else 1
         self.model = model
         # speculative decoding's draft model (last stage; worker_svc/drafter.DraftProposer):
         # after each step it proposes the next drafts of the sequences sampled
@@ -118,12 +130,15 @@ class StageRunner:
             config.head_dim,
             kv_dtype or self.dtype,
             self.device,
+            layout=layout,
+            layers=range(model.start, model.end),
         )
         self.sampler = (Sampler(GrammarBank(model.source_dir, config.vocab_size))
                         if model.is_last else None)
         self.batch = PersistentBatch(StageShape(
             is_first=model.is_first, is_last=model.is_last, num_blocks=num_blocks, block_size=block_size,
             max_positions=config.max_position_embeddings, vocab_size=config.vocab_size,
+            kv_windows=layout.windows if layout is not None else (0,),
         ))
 
     @property
@@ -145,7 +160,8 @@ class StageRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        """One block: K and V of every local layer."""
+        """One block: K and V of every local layer (with KV groups, one page: of every slot
+        the stage's layers use)."""
         return self.kv_cache.nbytes // self.kv_cache.num_blocks
 
     @property
@@ -301,12 +317,18 @@ class StageRunner:
         sequence on SmolLM2 Q4_1: 19.2 ms as a row, DECODE ms as decodes; 1 position 5.3 ms)."""
         spans = []
         for r in rows:
-            blocks = r.state.block_ids
+            blocks = r.state.block_ids if self.num_kv_groups == 1 else self._entry_table(r.state)
             if r.drafts:
                 spans.extend((p, p + 1, blocks) for p in range(r.start, r.context_len))
             else:
                 spans.append((r.start, r.context_len, blocks))
-        return paged_layout(spans, self.block_size, self.device)
+        return paged_layout(spans, self.block_size, self.device, self.num_kv_groups)
+
+    def _entry_table(self, state) -> torch.Tensor:
+        """KV groups: a sequence's table as a tensor, kept until the table changes."""
+        if state.table is None:
+            state.table = entry_table(state.block_ids, self.num_kv_groups)
+        return state.table
 
 
 def check_stage_inputs(plan: StepPlan, hidden: torch.Tensor | None, is_first: bool, hidden_size: int) -> None:

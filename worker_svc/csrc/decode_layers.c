@@ -20,8 +20,11 @@
  * Layouts (row-major, float32 unless said):
  *   h        [T, hidden], updated in place (the residual stream)
  *   cos, sin [tables, T, head_dim]: each row's rotary factors, one table per kind of layer
- *   slots    [T] int64: where each row's K/V goes (block * block_size + offset)
- *   tables   [T, max_blocks] int64; ctx_lens [T] int64 (tokens in KV after this step)
+ *   slots    [groups, T] int64: where each row's K/V goes (block * block_size + offset)
+ *   tables   [groups, T, max_blocks] int64; ctx_lens [T] int64 (tokens in KV after this step)
+ *            KV groups (services/kv_layout.py): layer L reads sub-group L->group's slots and
+ *            table, `L->group * shape.group_slots` and `* shape.group_tables` elements on; a
+ *            step of one group passes strides 0 (every layer reads the one table)
  *   layer    struct pagoda_layer per layer (weights as the Python side holds them)
  *   scratch  at least pagoda_decode_scratch_floats(...) floats, plus the quantized
  *            activations' scratch (qscratch, qscratch_bytes) for the packed products
@@ -53,6 +56,7 @@ struct pagoda_layer {
     float softcap; /* attention scores -> softcap * tanh(score / softcap); 0: none */
     int64_t rope; /* which cos/sin table */
     int64_t act; /* 0 SiLU, 1 GELU-tanh */
+    int64_t group; /* its KV sub-group: which slots and table it reads */
 };
 
 typedef int (*qmm_fn)(int isa, int qtype, int act_bits, const float *x, int64_t x_stride, int64_t T,
@@ -81,6 +85,7 @@ struct pagoda_shape {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t block_size, num_blocks, max_blocks;
     float eps, scale;
+    int64_t group_slots, group_tables; /* elements between sub-groups' slots, tables (0: one group) */
 };
 
 int64_t pagoda_decode_scratch_floats(int64_t T, int64_t hidden, int64_t qkv, int64_t q, int64_t intermediate)
@@ -190,9 +195,10 @@ int pagoda_decode_layers(const struct pagoda_kernels *k, const struct pagoda_sha
         if (L->q_norm) head_norm(qkv, L->q_norm, T, qkv_size, s->num_heads, s->head_dim, s->eps);
         if (L->k_norm) head_norm(qkv + q_size, L->k_norm, T, qkv_size, s->num_kv_heads, s->head_dim, s->eps);
         const float *lcos = cos + L->rope * T * s->head_dim, *lsin = sin + L->rope * T * s->head_dim;
-        k->rope(qkv, lcos, lsin, slots, L->k_pool, L->v_pool, T, qkv_size, s->num_heads, s->num_kv_heads,
+        const int64_t *lslots = slots + L->group * s->group_slots, *ltables = tables + L->group * s->group_tables;
+        k->rope(qkv, lcos, lsin, lslots, L->k_pool, L->v_pool, T, qkv_size, s->num_heads, s->num_kv_heads,
                 s->head_dim, s->num_blocks * s->block_size);
-        if ((rc = k->attn(qkv, L->k_pool, L->v_pool, att, rows, tables, ctx_lens, qkv_size, 0, T,
+        if ((rc = k->attn(qkv, L->k_pool, L->v_pool, att, rows, ltables, ctx_lens, qkv_size, 0, T,
                           s->max_blocks, s->num_heads, s->num_kv_heads, s->head_dim, s->block_size,
                           s->num_blocks, s->scale, L->window, L->softcap)) != 0)
             return rc;
