@@ -17,6 +17,10 @@ high-water mark (VmHWM, reset through /proc/self/clear_refs) on the CPU.
 
 The stage reports the figures in its LoadInfo; `pagoda serve` takes the smallest pool over
 the stages as the one KV capacity (the scheduler's and the KV service's).
+
+KV groups (services/kv_layout.py, a stage given its model's grouped layout): a "block" is a
+*page*, and its bytes are K and V of one block for each page slot the stage's layers use
+(`layout.slots_of`), not for every local layer; `--num-kv-blocks` counts pages.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from services.kv_layout import KVLayout
 from worker_svc.quantization import weight_bytes
 
 log = logging.getLogger(__name__)
@@ -38,7 +43,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KVSizing:
-    """How a stage's pool was sized; every figure in bytes."""
+    """How a stage's pool was sized; every figure in bytes. With KV groups (`layout`: the
+    layout's description) the blocks are pages."""
 
     num_blocks: int
     block_bytes: int
@@ -47,14 +53,24 @@ class KVSizing:
     baseline_bytes: int = 0  # in use after loading, before the profile step
     weights_bytes: int = 0  # the stage's parameters (part of the baseline)
     activation_bytes: int = 0  # the profile step's peak above the baseline
+    layout: str = ""  # KV groups: `KVLayout.describe()`; "": one table for all layers
 
     @property
     def kv_bytes(self) -> int:
         return self.num_blocks * self.block_bytes
 
+    @property
+    def unit(self) -> str:
+        """What the pool counts: "pages" with KV groups, else "blocks"."""
+        return "pages" if self.layout else "blocks"
+
     def describe(self, block_size: int) -> str:
         mib = 1 << 20
-        head = f"{self.num_blocks} blocks ({self.num_blocks * block_size} tokens, {self.kv_bytes / mib:.1f} MiB)"
+        if self.layout:
+            head = (f"{self.num_blocks} pages of {block_size} tokens ({self.kv_bytes / mib:.1f} MiB; "
+                    f"{self.layout})")
+        else:
+            head = f"{self.num_blocks} blocks ({self.num_blocks * block_size} tokens, {self.kv_bytes / mib:.1f} MiB)"
         if not self.total_bytes:
             return f"{head} from --kv-cache-memory"
         return (f"{head}: {self.budget_bytes / mib:.0f} MiB of {self.total_bytes / mib:.0f} MiB, less "
@@ -64,7 +80,8 @@ class KVSizing:
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                    dtype: torch.dtype) -> int:
-    """One block of one stage: K and V, for every local layer."""
+    """One block of one stage: K and V, for every local layer (with KV groups, one page:
+    `num_layers` is the page slots the stage's layers use)."""
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -168,12 +185,15 @@ def kv_pool_dtype(config, model) -> torch.dtype:
     return dtype
 
 
-def stage_pool(config, model, backend, group=None) -> tuple[int, KVSizing | None]:
+def stage_pool(config, model, backend, group=None, layout: KVLayout | None = None) -> tuple[int, KVSizing | None]:
     """A stage's KV pool from its WorkerConfig: (blocks, how they were sized; None for a
-    fixed count). Tensor-parallel ranks (`group`) each size their own share and take the
-    smallest; the memory setting is the stage's, so each rank gets 1/T of it (on CUDA, where
-    each rank has a device of its own, F of that device). MemoryError when no block fits, or
-    when a block count given with a memory setting does not fit in it."""
+    fixed count); with KV groups (`layout`, the model's grouped one) pages. Tensor-parallel
+    ranks (`group`) each size their own share and take the smallest (rank 0 tells the others
+    its layout first); the memory setting is the stage's, so each rank gets 1/T of it (on
+    CUDA, where each rank has a device of its own, F of that device). MemoryError when no
+    block fits, or when a block count given with a memory setting does not fit in it."""
+    if group is not None:
+        layout = group.share_layout(layout, model.kv_layout)
     if not config.has_memory_setting:
         return config.fixed_num_kv_blocks, None
     share = 1 if group is None else group.size
@@ -181,40 +201,51 @@ def stage_pool(config, model, backend, group=None) -> tuple[int, KVSizing | None
         sizing = size_kv_pool(model, config.block_size, backend, config.gpu_memory_utilization,
                               config.kv_cache_memory, config.max_num_batched_tokens,
                               kv_dtype=kv_pool_dtype(config, model), max_model_len=config.max_model_len,
-                              share=share)
+                              share=share, layout=layout)
     blocks = sizing.num_blocks if group is None else group.min_over_ranks(sizing.num_blocks)
     if blocks < 1:
-        floor = (sizing.baseline_bytes + sizing.activation_bytes + sizing.block_bytes) / max(1, sizing.total_bytes)
-        if sizing.total_bytes and share > 1 and next(model.parameters()).device.type != "cuda":
-            floor *= share
-        raise MemoryError(
-            f"stage {config.stage}: no KV block fits: {sizing.describe(config.block_size)}; "
-            + (f"--gpu-memory-utilization must be above {floor:.3f} for this stage"
-               if sizing.total_bytes else
-               f"--kv-cache-memory must be at least {sizing.block_bytes * share} bytes"))
+        _no_block_fits(config, model, sizing, share)
     log.info("stage %d KV cache: %s", config.stage, sizing.describe(config.block_size))
     if config.num_kv_blocks is not None:  # the pool is fixed: it must fit
         if config.num_kv_blocks > blocks:
             raise MemoryError(
                 f"stage {config.stage}: --num-kv-blocks {config.num_kv_blocks} does not fit in its memory "
-                f"setting, which leaves room for {blocks} blocks: lower the pool or give the stage more memory")
+                f"setting, which leaves room for {blocks} {sizing.unit}: lower the pool or give the stage "
+                "more memory")
         return config.num_kv_blocks, replace(sizing, num_blocks=config.num_kv_blocks)
     return blocks, sizing
 
 
+def _no_block_fits(config, model, sizing: KVSizing, share: int) -> None:
+    """MemoryError saying what the stage's memory setting must be at least."""
+    floor = (sizing.baseline_bytes + sizing.activation_bytes + sizing.block_bytes) / max(1, sizing.total_bytes)
+    if sizing.total_bytes and share > 1 and next(model.parameters()).device.type != "cuda":
+        floor *= share
+    unit = sizing.unit[:-1]
+    raise MemoryError(
+        f"stage {config.stage}: no KV {unit} fits: {sizing.describe(config.block_size)}; "
+        + (f"--gpu-memory-utilization must be above {floor:.3f} for this stage"
+           if sizing.total_bytes else
+           f"--kv-cache-memory must be at least {sizing.block_bytes * share} bytes"))
+
+
 def size_kv_pool(model, block_size: int, backend, utilization: float | None, kv_cache_bytes: int | None,
                  max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None,
-                 max_model_len: int | None = None, share: int = 1) -> KVSizing:
+                 max_model_len: int | None = None, share: int = 1, layout: KVLayout | None = None) -> KVSizing:
     """The pool for `model` (a loaded stage, or one tensor-parallel rank's share of it) under
-    one of the two settings. With `max_model_len`, the activations also count what a chunk at
-    that context adds. `share`: the stage's ranks; each gets 1/share of `kv_cache_bytes`, and
-    on the CPU (one memory for all of them) 1/share of the utilization's budget."""
+    one of the two settings; with KV groups (`layout`) in pages. With `max_model_len`, the
+    activations also count what a chunk at that context adds. `share`: the stage's ranks;
+    each gets 1/share of `kv_cache_bytes`, and on the CPU (one memory for all of them)
+    1/share of the utilization's budget."""
     config = model.config
     param = next(model.parameters())
-    block = kv_block_bytes(model.num_local_layers, block_size, config.num_kv_heads, config.head_dim,
-                           kv_dtype or param.dtype)
+    layout = layout if layout is not None and layout.grouped else None
+    num_pools = (model.num_local_layers if layout is None
+                 else len(layout.slots_of(range(model.start, model.end))))
+    block = kv_block_bytes(num_pools, block_size, config.num_kv_heads, config.head_dim, kv_dtype or param.dtype)
+    described = layout.describe() if layout is not None else ""
     if kv_cache_bytes is not None:
-        return KVSizing(kv_cache_bytes // share // block, block)
+        return KVSizing(kv_cache_bytes // share // block, block, layout=described)
     assert utilization is not None
     device = param.device
     if device.type == "cuda":
@@ -225,7 +256,7 @@ def size_kv_pool(model, block_size: int, backend, utilization: float | None, kv_
         _give_back_freed_memory()
     baseline = memory_in_use(device)
     tokens = max(1, min(max_num_batched_tokens, config.max_position_embeddings))
-    run = _profile_step(model, block_size, backend, tokens, kv_dtype)
+    run = _profile_step(model, block_size, backend, tokens, kv_dtype, layout)
     activation = peak_above(device, run)
     if max_model_len:
         activation += context_extra_bytes(max_model_len, config.num_heads, config.num_kv_heads, config.head_dim,
@@ -237,22 +268,27 @@ def size_kv_pool(model, block_size: int, backend, utilization: float | None, kv_
     total = total_memory(device)
     budget = int(utilization * total / share)
     return KVSizing(blocks_that_fit(budget, baseline, activation, block), block, total, budget, baseline,
-                    weights, activation)
+                    weights, activation, described)
 
 
-def _profile_step(model, block_size: int, backend, num_tokens: int, kv_dtype) -> Callable[[], object]:
+def _profile_step(model, block_size: int, backend, num_tokens: int, kv_dtype,
+                  layout: KVLayout | None = None) -> Callable[[], object]:
     """A dummy prefill of `num_tokens` tokens through the stage (one sequence), ready to run:
-    its small KV pool is allocated here, outside the measurement (it is part of the pool)."""
+    its small KV pool is allocated here, outside the measurement (it is part of the pool).
+    With KV groups each block position takes a page of every sub-group."""
     from services.sampling import SamplingParams
     from services.step import NewSeq, StepPlan
     from worker_svc.runner import StageRunner
 
     num_blocks = -(-num_tokens // block_size)
-    runner = StageRunner(model, num_blocks, block_size, backend, kv_dtype)
+    groups = 1 if layout is None else layout.num_groups
+    runner = StageRunner(model, num_blocks * groups, block_size, backend, kv_dtype, layout=layout)
+    entries = (tuple(range(num_blocks)) if groups == 1
+               else tuple(tuple(range(b * groups, (b + 1) * groups)) for b in range(num_blocks)))
     vocab = model.config.vocab_size
     plan = StepPlan(step_id=1, new_seqs=(NewSeq(
         seq_id=1, token_ids=tuple(i % vocab for i in range(num_tokens)), prompt_len=num_tokens,
-        num_computed=0, num_scheduled=num_tokens, block_ids=tuple(range(num_blocks)),
+        num_computed=0, num_scheduled=num_tokens, block_ids=entries,
         sampling=SamplingParams()),))
     hidden = None if model.is_first else torch.zeros(
         num_tokens, model.config.hidden_size, dtype=next(model.parameters()).dtype,

@@ -7,9 +7,11 @@ each layer (`ModelConfig.shard`: H/T query heads, Hkv/T KV heads, intermediate/T
 columns, loaded as slices of the checkpoint's tensors) and a KV pool of the same block
 count over its own KV heads. The ranks other than 0 hold no batch state: for each step,
 rank 0 broadcasts what the model call reads (`send_step`: block copies, token ids or hidden
-states, positions, slot mapping, block table), and every rank runs its layers with the
-row-parallel outputs (o_proj, down_proj) summed by an all-reduce. Ranks other than 0 of the
-last stage stop after the layers: rank 0 alone computes logits and samples.
+states, positions, slot mapping, block table; with KV groups every sub-group's slots and
+tables, and the ranks allocate their pools by rank 0's layout, `share_layout`), and every
+rank runs its layers with the row-parallel outputs (o_proj, down_proj) summed by an
+all-reduce. Ranks other than 0 of the last stage stop after the layers: rank 0 alone
+computes logits and samples.
 
 Transport: on the CPU, shared memory for what fits (worker_svc/shm_collectives.py: the
 all-reduces of decode-sized tensors and each step's inputs; gloo tells the others a step
@@ -40,16 +42,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from services.kv_layout import KVLayout
 from worker_svc.attention import AttentionMetadata
 from worker_svc.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
 OP_STEP = 1
-_HEADER = 8  # int64s: op, tokens, sequences, block-table width, copies, inputs are ids
+_HEADER = 8  # int64s: op, tokens, sequences, block-table width, copies, inputs are ids, in memory, KV groups
 COMPUTE_TIMEOUT = timedelta(seconds=300)
 IDLE_TIMEOUT = timedelta(days=30)  # ranks wait this long for the next step
 STORE_TIMEOUT = timedelta(seconds=120)  # for every rank to join
+_LAYOUT_KEY = "pagoda/tp-kv-groups"  # rank 0's KV layout (`KVLayout.spec()`; "": one table)
 EXIT_RANK_LOST = 70
 
 
@@ -61,6 +65,44 @@ class StepInputs:
     inputs: torch.Tensor  # token ids [T] (first stage) or hidden states [T, hidden]
     positions: torch.Tensor
     metadata: AttentionMetadata
+
+
+def step_payload(block_copies, positions: torch.Tensor, metadata: AttentionMetadata,
+                 ids: torch.Tensor | None) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
+    """A step's integer inputs as one int64 tensor, and its layout (tokens, sequences,
+    block-table width, copies, KV groups) that `step_from_payload` reads it back by."""
+    groups = metadata.num_groups
+    tables = metadata.block_tables if groups == 1 else metadata.group_block_tables
+    slots = metadata.slot_mapping if groups == 1 else metadata.group_slot_mapping
+    parts = [torch.tensor(block_copies, dtype=torch.long).reshape(-1), positions, slots.reshape(-1),
+             metadata.query_start_loc, metadata.context_lens, tables.reshape(-1)]
+    if ids is not None:
+        parts.append(ids)
+    payload = torch.cat([p.to("cpu", torch.long) for p in parts])
+    return payload, (positions.numel(), metadata.num_seqs, tables.shape[-1], len(block_copies), groups)
+
+
+def _payload_sizes(layout: tuple[int, int, int, int, int], ids: bool) -> list[int]:
+    tokens, seqs, width, copies, groups = layout
+    return [2 * copies, tokens, groups * tokens, seqs + 1, seqs, groups * seqs * width] + ([tokens] if ids else [])
+
+
+def step_from_payload(payload: torch.Tensor, layout: tuple[int, int, int, int, int], ids: bool,
+                      device: torch.device) -> StepInputs:
+    """`step_payload` read back on `device` (hidden states, when not ids, are the caller's
+    to fill in: `inputs` is an empty tensor then)."""
+    tokens, seqs, width, _, groups = layout
+    pieces = list(payload.split(_payload_sizes(layout, ids)))
+    copy_pairs = pieces[0].view(-1, 2).tolist()
+    positions, slots, starts, lens, tables = (p.to(device) for p in pieces[1:6])
+    tables, slots = tables.view(groups, seqs, width), slots.view(groups, tokens)
+    metadata = AttentionMetadata(
+        slot_mapping=slots[0], query_start_loc=starts, context_lens=lens, block_tables=tables[0],
+        query_start_loc_list=tuple(pieces[3].tolist()), context_lens_list=tuple(pieces[4].tolist()),
+        group_block_tables=tables if groups > 1 else None, group_slot_mapping=slots if groups > 1 else None,
+    )
+    inputs = pieces[6].to(device) if ids else torch.empty(0, device=device)
+    return StepInputs([tuple(p) for p in copy_pairs], inputs, positions, metadata)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -146,16 +188,10 @@ class TensorParallelGroup:
                   metadata: AttentionMetadata) -> None:
         """Rank 0: hand one step's model inputs to the other ranks."""
         ids = inputs.dtype == torch.long
-        tables = metadata.block_tables
-        parts = [torch.tensor(block_copies, dtype=torch.long).reshape(-1), positions,
-                 metadata.slot_mapping, metadata.query_start_loc, metadata.context_lens, tables.reshape(-1)]
-        if ids:
-            parts.append(inputs)
-        payload = torch.cat([p.to("cpu", torch.long) for p in parts])
+        payload, layout = step_payload(block_copies, positions, metadata, inputs if ids else None)
         # through shared memory when it fits: the others read it once the header comes
         in_memory = self.shm is not None and self.shm.put([payload] if ids else [payload, inputs.contiguous()])
-        header = torch.tensor([OP_STEP, positions.numel(), metadata.num_seqs, tables.shape[1],
-                               len(block_copies), int(ids), int(in_memory), 0], dtype=torch.long)
+        header = torch.tensor([OP_STEP, *layout[:4], int(ids), int(in_memory), layout[4]], dtype=torch.long)
         dist.broadcast(header, 0, group=self.ops)
         if in_memory:
             return
@@ -167,35 +203,41 @@ class TensorParallelGroup:
         """Ranks 1..: the next step's inputs (waits for it)."""
         header = torch.empty(_HEADER, dtype=torch.long)
         dist.broadcast(header, 0, group=self.ops)
-        op, tokens, seqs, width, copies, ids, in_memory = header.tolist()[:7]
+        op, tokens, seqs, width, copies, ids, in_memory, groups = header.tolist()
         if op != OP_STEP:
             raise RuntimeError(f"unknown tensor-parallel operation {op}")
-        sizes = [2 * copies, tokens, tokens, seqs + 1, seqs, seqs * width] + ([tokens] if ids else [])
+        layout = (tokens, seqs, width, copies, max(1, groups))
+        size = sum(_payload_sizes(layout, bool(ids)))
         hidden = None
         if in_memory:
-            shapes = [((sum(sizes),), torch.long)] + ([] if ids else [((tokens, hidden_size), dtype)])
+            shapes = [((size,), torch.long)] + ([] if ids else [((tokens, hidden_size), dtype)])
             payload, *rest = self.shm.get(shapes)
             hidden = rest[0] if rest else None
         else:
-            payload = torch.empty(sum(sizes), dtype=torch.long)
+            payload = torch.empty(size, dtype=torch.long)
             dist.broadcast(payload, 0, group=self.ops)
-        pieces = list(payload.split(sizes))
-        copy_pairs = pieces[0].view(-1, 2).tolist()
-        device = self.device
-        positions, slots, starts, lens, tables = (p.to(device) for p in pieces[1:6])
-        if ids:
-            inputs = pieces[6].to(device)
-        elif hidden is not None:
-            inputs = hidden.to(device)
-        else:
-            inputs = torch.empty(tokens, hidden_size, dtype=dtype, device=device)
-            dist.broadcast(inputs, 0, group=self.compute)
-        metadata = AttentionMetadata(
-            slot_mapping=slots, query_start_loc=starts, context_lens=lens,
-            block_tables=tables.view(seqs, width),
-            query_start_loc_list=tuple(pieces[3].tolist()), context_lens_list=tuple(pieces[4].tolist()),
-        )
-        return StepInputs([tuple(p) for p in copy_pairs], inputs, positions, metadata)
+        step = step_from_payload(payload, layout, bool(ids), self.device)
+        if hidden is not None:
+            step.inputs = hidden.to(self.device)
+        elif not ids:
+            step.inputs = torch.empty(tokens, hidden_size, dtype=dtype, device=self.device)
+            dist.broadcast(step.inputs, 0, group=self.compute)
+        return step
+
+    def share_layout(self, layout: KVLayout | None, model_layout: KVLayout) -> KVLayout | None:
+        """The stage's KV layout on every rank: rank 0 tells it (its `layout`, None: one
+        table), the others take it (waiting until told), as their model's own
+        `model_layout` when grouped. Idempotent: a rank may ask again."""
+        if self.rank == 0:
+            self.store.set(_LAYOUT_KEY, layout.spec() if layout is not None and layout.grouped else "")
+            return layout
+        self.store.wait([_LAYOUT_KEY], IDLE_TIMEOUT)  # (rank 0 may still be loading)
+        spec = self.store.get(_LAYOUT_KEY).decode()
+        if not spec:
+            return None
+        if spec != model_layout.spec():
+            raise RuntimeError(f"rank 0's KV groups {spec!r} are not this rank's model's {model_layout.spec()!r}")
+        return model_layout
 
     # --- failure ---------------------------------------------------------------------------
 
@@ -316,16 +358,17 @@ def follow(config: WorkerConfig, rank: int, store_port: int) -> None:
     from worker_svc.attention import get_backend
 
     backend = get_backend(backend_name)
-    num_blocks, _ = stage_pool(config, model, backend, group)
+    layout = group.share_layout(None, model.kv_layout)  # rank 0's
+    num_blocks, _ = stage_pool(config, model, backend, group, layout)
     mc = model.config
     from worker_svc.memory import kv_pool_dtype
 
     dtype = next(model.parameters()).dtype
     kv = PagedKVCache(model.num_local_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                      kv_pool_dtype(config, model), device)
-    log.info("stage %d tensor-parallel rank %d of %d: %d heads, %d KV heads, %d KV blocks, %d threads",
+                      kv_pool_dtype(config, model), device, layout=layout, layers=range(model.start, model.end))
+    log.info("stage %d tensor-parallel rank %d of %d: %d heads, %d KV heads, %d KV %s, %d threads",
              config.stage, rank, config.tensor_parallel_size, mc.num_heads, mc.num_kv_heads, num_blocks,
-             torch.get_num_threads())
+             "pages" if layout is not None else "blocks", torch.get_num_threads())
     while True:
         step = group.recv_step(mc.hidden_size, dtype)
         kv.copy_blocks(step.block_copies)
