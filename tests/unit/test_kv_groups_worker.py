@@ -429,3 +429,31 @@ def test_tensor_parallel_ranks_get_every_groups_tables():
         for g in range(metadata.num_groups):
             assert torch.equal(got.group(g).block_tables, metadata.group(g).block_tables)
             assert torch.equal(got.group(g).slot_mapping, metadata.group(g).slot_mapping)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_verify_step_over_a_grouped_table_equals_one_table(gemma, backend):
+    """Speculative decoding's verify step (one decode per position, all over the sequence's
+    table) past the window, the sliding pages before it NULL: the logits equal the one-table
+    runner's."""
+    model_dir = gemma[0]
+    prompt = tuple(prompts()[3][:30])
+    drafts = (17, 301, 99)
+    greedy = SamplingParams(temperature=0.0)
+    got = []
+    for grouped in (True, False):
+        model = load_stage(model_dir, dtype="float32")
+        runner = StageRunner(model, NUM_PAGES, BLOCK, backend, layout=model.kv_layout if grouped else None)
+        service = PageService(model.kv_layout.windows if grouped else (0,), seed=9)
+        seq = _Seq(1, list(prompt), len(prompt), 8, 0)
+        service.grow(seq, len(prompt) - 1)
+        runner.execute(StepPlan(1, new_seqs=(NewSeq(1, prompt, len(prompt), 0, len(prompt) - 1, tuple(seq.entries),
+                                                      greedy),)))
+        seq.held, seq.computed = len(seq.entries), len(prompt) - 1
+        service.slide(seq, seq.computed)
+        service.grow(seq, seq.computed + 1 + len(drafts))
+        plan = StepPlan(2, cached_seqs=(CachedSeq(1, 1 + len(drafts), seq.held, tuple(seq.entries[seq.held:]),
+                                                  draft_token_ids=drafts),))
+        assert not grouped or NULL_PAGE in plan.cached_seqs[0].block_ids[0]
+        got.append(runner.execute(plan, keep_logits=True).logits)
+    assert got[0].shape[0] == 1 + len(drafts) and torch.equal(got[0], got[1])
