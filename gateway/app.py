@@ -379,7 +379,7 @@ def _add_debug_routes(app: FastAPI, gw: Gateway) -> None:
                             "kv_block_bytes": s.load_info.kv_block_bytes,
                             "kv_cache_dtype": _dtype_name(s.load_info.kv_cache_dtype),
                             "memory_budget_bytes": s.load_info.memory_budget_bytes,
-                            "cpu": s.load_info.cpu} for s in stats.stages]}
+                            "kv_groups": s.load_info.kv_groups, "cpu": s.load_info.cpu} for s in stats.stages]}
 
     @app.get("/debug/replicas", tags=["Operations"], responses={401: _ERRORS[401]})
     async def debug_replicas() -> dict[str, Any]:

@@ -8,6 +8,7 @@ from functools import partial
 from services import settings as shared
 from services.defaults import NUM_KV_BLOCKS
 from services.grpc_utils import DEFAULT_MAX_MESSAGE_BYTES
+from services.kv_layout import parse_spec
 from services.settings import uses
 
 MAX_NUM_BLOCKS = 2**32 - 1  # block ids travel as uint32
@@ -30,6 +31,7 @@ class KVCacheConfig:
     block_size: int = uses(shared.BLOCK_SIZE)
     watermark: float = _setting(0.01, "fraction of blocks a new sequence must leave free", "float", group="cache")
     enable_prefix_caching: bool = uses(shared.ENABLE_PREFIX_CACHING)
+    kv_groups: str = uses(shared.KV_GROUPS)
     host: str = uses(shared.HOST)
     port: int = uses(shared.PORT)
     # run `check_integrity()` once no mutating call came for this long; 0 turns it off
@@ -58,6 +60,7 @@ class KVCacheConfig:
             raise ValueError(f"replica_id: a name without braces, colons, commas or spaces, got {self.replica_id!r}")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("redis_url: must start with redis://, rediss:// or unix://")
+        parse_spec(self.kv_groups)  # raises naming the field
         if self.integrity_check_idle_s < 0:
             raise ValueError(
                 f"integrity_check_idle_s: must be >= 0, got {self.integrity_check_idle_s}"
@@ -66,6 +69,10 @@ class KVCacheConfig:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def group_windows(self) -> tuple[int, ...]:
+        return parse_spec(self.kv_groups)
 
     @property
     def num_slots(self) -> int:

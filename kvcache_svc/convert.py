@@ -37,6 +37,7 @@ from kvcache_svc.core import (
     StepInput,
     StepOutput,
 )
+from services.kv_layout import entries_of, flat_pages
 from services.pb import common_pb2, kvcache_pb2
 
 # The seq_id of a NOT_FOUND travels in the trailing metadata, so the client can rebuild the
@@ -168,9 +169,10 @@ def capacity_to_pb(
 
 
 def step_output_to_pb(
-    output: StepOutput, capacity: kvcache_pb2.KVCapacity | None = None
+    output: StepOutput, capacity: kvcache_pb2.KVCapacity | None = None, kv_groups: int = 1
 ) -> kvcache_pb2.StepResponse:
-    """Encode a step's result; each table goes as the core's diff (`Allocated.block_offset`)."""
+    """Encode a step's result; each table goes as the core's diff (`Allocated.block_offset`),
+    entries of `kv_groups` pages flattened."""
     allocations = []
     for seq_id, result in output.results.items():
         if isinstance(result, NoBlocks):
@@ -190,10 +192,11 @@ def step_output_to_pb(
                 num_computed_tokens=result.num_computed_tokens,
                 num_new_tokens=result.num_new_tokens,
                 block_table_offset=result.block_offset,
-                block_ids=result.block_ids,
+                block_ids=flat_pages(result.block_ids),
             )
         )
     return kvcache_pb2.StepResponse(
+        kv_groups=kv_groups if kv_groups > 1 else 0,
         allocations=allocations,
         block_copies=[
             common_pb2.BlockCopy(src_block_id=c.src_block_id, dst_block_id=c.dst_block_id)
@@ -222,8 +225,12 @@ def step_output_from_pb(response: kvcache_pb2.StepResponse) -> StepOutput:
         new_ids = tuple(alloc.block_ids)
         own = tuple(copy_by_dst[b] for b in new_ids if b in copy_by_dst)
         num_matched += len(own)
+        try:
+            entries = entries_of(new_ids, response.kv_groups)
+        except ValueError as e:
+            raise BlockCopyMismatch(f"sequence {seq_id}: {e}") from None
         results[seq_id] = Allocated(
-            seq_id, new_ids, alloc.num_new_tokens, alloc.num_computed_tokens, own,
+            seq_id, entries, alloc.num_new_tokens, alloc.num_computed_tokens, own,
             alloc.block_table_offset,
         )
     if num_matched != len(copies):
@@ -276,6 +283,7 @@ def stats_to_pb(
                 num_shared_blocks=s.num_shared_blocks,
                 num_extents=s.num_extents,
                 block_ids=block_ids,
+                num_window_blocks=s.num_window_blocks,
             )
             for s, block_ids in sequences
         ],
@@ -284,6 +292,9 @@ def stats_to_pb(
         num_prefix_hits=stats.num_prefix_hits,
         num_resets=stats.num_resets,
         block_map=block_map,
+        group_windows=stats.group_windows,
+        num_window_blocks=stats.num_window_blocks,
+        num_slid_blocks=stats.num_slid_blocks,
     )
 
 
@@ -310,6 +321,9 @@ def stats_from_pb(msg: kvcache_pb2.KVCacheStats) -> KVCacheStats:
         num_evictions=msg.num_evictions,
         num_copy_on_write=msg.num_copy_on_writes,
         num_resets=msg.num_resets,
+        group_windows=tuple(msg.group_windows) or (0,),
+        num_window_blocks=msg.num_window_blocks,
+        num_slid_blocks=msg.num_slid_blocks,
     )
 
 
@@ -321,6 +335,7 @@ def sequence_stats_from_pb(msg: kvcache_pb2.KVCacheStats) -> tuple[SequenceBlock
             num_blocks=s.num_blocks,
             num_extents=s.num_extents,
             num_shared_blocks=s.num_shared_blocks,
+            num_window_blocks=s.num_window_blocks,
         )
         for s in msg.sequences
     )

@@ -80,6 +80,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             config.block_size,
             watermark=config.watermark,
             enable_prefix_caching=config.enable_prefix_caching,
+            group_windows=config.group_windows,
             listener=self.events,
         )
         self.publisher = None  # kvcache_svc.publisher.RedisPublisher with --redis-url
@@ -199,7 +200,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             await _abort_for(context, exc)
         output = await self._apply(context, "Step", step)
         self.num_steps += 1
-        return step_output_to_pb(output, self._capacity())
+        return step_output_to_pb(output, self._capacity(), len(self.manager.group_windows))
 
     async def Fork(self, request: kvcache_pb2.ForkRequest, context) -> kvcache_pb2.ForkResponse:
         await self._apply(context, "Fork", StepInput(forks=forks_from_pb(request.forks)))

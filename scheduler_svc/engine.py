@@ -36,6 +36,7 @@ from scheduler_svc.core.request import FinishReason, Request, RequestState
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.observer import EngineObserver, Outcome
 from services.admission import Limits, admit, admit_pooling
+from services.kv_layout import parse_spec
 from services.pooling import Embedding
 from services.step import StepPlan, StepResult
 
@@ -83,6 +84,7 @@ class StageInfo:
     kv_block_bytes: int = 0  # one KV block over the stage's layers, at its pools' dtype
     kv_cache_dtype: int = 0  # the pools' dtype (common_pb2.DType)
     memory_budget_bytes: int = 0  # the memory setting's budget when the pool was sized from one
+    kv_groups: str = ""  # its KV layout's sub-group windows (services/kv_layout.py), "" for one table
     device: str = ""  # "cpu", "cuda:0", or "emulated:PROFILE" (its compute a modelled wait)
     cpu: str = ""  # on the CPU: its model, ISA level and the path each product takes
 
@@ -301,6 +303,9 @@ class Engine:
                 )
             if info.num_stages != len(self.stages):
                 raise ValueError(f"stage {info.stage_index} was started as one of {info.num_stages} stages")
+            if parse_spec(info.kv_groups) != parse_spec(cfg.kv_groups):
+                raise ValueError(f"stage {info.stage_index} keeps KV groups {info.kv_groups or 'none'} "
+                                 f"(services/kv_layout.py), the KV service {cfg.kv_groups or 'none'}")
 
     def _background(self, coro) -> None:
         """Run a call to a service without waiting for it; a failure is logged (the events

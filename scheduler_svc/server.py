@@ -25,6 +25,7 @@ from scheduler_svc.engine import Engine, RequestOutput, admission_limits
 from services import grammar
 from services.admission import AdmissionError, admit, admit_pooling
 from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
+from services.kv_layout import parse_spec
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.pooling import PoolingType, embedding_to_pb
 from services.sampling_pb import options_from_pb, set_top_logprobs
@@ -432,6 +433,7 @@ def _kv_client(config: SchedulerConfig, kv_address: str):
 
         return InProcessKVCacheClient(KVCacheManager(
             config.num_kv_blocks or 1024, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            group_windows=parse_spec(config.kv_groups),
         ))
     from kvcache_svc.client import GrpcKVCacheClient
 
@@ -454,8 +456,12 @@ async def _start_pipeline(engine: Engine, kv, config: SchedulerConfig, startup_t
                     f"the KV service has {kv_stats.num_blocks} blocks of {kv_stats.block_size}, "
                     f"the scheduler was told {config.num_kv_blocks} of {config.block_size}"
                 )
-            if config.num_kv_blocks is None:
-                engine.config = replace(config, num_kv_blocks=kv_stats.num_blocks)
+            groups = ",".join(map(str, kv_stats.group_windows)) if len(kv_stats.group_windows) > 1 else ""
+            if config.kv_groups and parse_spec(config.kv_groups) != kv_stats.group_windows:
+                raise ValueError(f"the KV service has KV groups {groups or 'none'}, "
+                                 f"the scheduler was told {config.kv_groups}")
+            engine.config = replace(config, num_kv_blocks=config.num_kv_blocks or kv_stats.num_blocks,
+                                    kv_groups=groups)
             await engine.start()
             return
         except ValueError:

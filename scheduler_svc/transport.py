@@ -38,7 +38,7 @@ def _info(address: str, li: worker_pb2.StageLoadInfo, feedback: bool = False) ->
         num_kv_blocks=li.num_kv_blocks, block_size=li.block_size, vocab_size=li.vocab_size,
         address=address, feedback=feedback, weights_bytes=li.weights_bytes, quantization=li.quantization,
         kv_block_bytes=li.kv_block_bytes, kv_cache_dtype=li.kv_cache_dtype,
-        memory_budget_bytes=li.memory_budget_bytes, device=li.device, cpu=li.cpu,
+        memory_budget_bytes=li.memory_budget_bytes, device=li.device, cpu=li.cpu, kv_groups=li.kv_groups,
     )
 
 

@@ -113,3 +113,19 @@ def parse_spec(spec: str) -> tuple[int, ...]:
 def first_needed_block(start: int, window: int, block_size: int) -> int:
     """The first block a sliding sub-group still needs when the next query is at `start`."""
     return max(0, start - window + 1) // block_size
+
+
+def flat_pages(entries: Sequence[int | tuple[int, ...]]) -> list[int]:
+    """Table entries as they travel: each entry's pages in sub-group order."""
+    if entries and isinstance(entries[0], tuple):
+        return [page for entry in entries for page in entry]  # type: ignore[union-attr]
+    return list(entries)  # type: ignore[arg-type]
+
+
+def entries_of(flat: Sequence[int], groups: int) -> tuple:
+    """Flat page ids back into entries of `groups` pages (plain ids for one group)."""
+    if groups <= 1:
+        return tuple(flat)
+    if len(flat) % groups:
+        raise ValueError(f"{len(flat)} page ids are not whole entries of {groups}")
+    return tuple(tuple(flat[i:i + groups]) for i in range(0, len(flat), groups))

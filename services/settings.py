@@ -203,6 +203,12 @@ NUM_KV_BLOCKS = Setting(
     f"given, else {defaults.NUM_KV_BLOCKS}; a stage given both checks at start that the blocks fit; "
     "the scheduler takes the KV service's)", "int", metavar="N", aliases=("--num-blocks",),
     owner="kvcache", services=("worker", "kvcache", "scheduler"), serve="own", group="cache")
+KV_GROUPS = Setting(
+    "kv_groups", "KV groups of a hybrid model (full-attention and sliding-window layers, "
+    "services/kv_layout.py): each sub-group's window, full ones (0) first, e.g. 0,512,512; "
+    "empty: one table for all layers (`pagoda serve` derives it from the model; a stage "
+    "derives its own and the scheduler checks they agree)", "str", default="", metavar="WINDOWS",
+    owner="kvcache", services=("kvcache", "scheduler"), serve="own", group="cache")
 ENABLE_PREFIX_CACHING = Setting(
     "enable_prefix_caching", "share KV blocks of common prefixes (the KV service caches, the "
     "scheduler plans with it)", "bool", default=True, aliases=("--no-prefix-caching",),

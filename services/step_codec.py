@@ -9,6 +9,7 @@ wrong; whether a plan fits a stage's state is the stage's check.
 
 from __future__ import annotations
 
+from services.kv_layout import entries_of, flat_pages
 from services.pb import worker_pb2
 from services.pooling import PoolingType, embedding_from_pb, embedding_to_pb
 from services.sampling_pb import options_to_pb, params_from_pb, set_top_logprobs
@@ -53,12 +54,22 @@ def plan_to_pb(plan: StepPlan, stage_index: int = 0) -> worker_pb2.MicroBatch:
         _new_seq_to_pb(n, msg.new_seqs.add())
     if plan.cached_seqs:
         _cached_to_pb(plan.cached_seqs, msg.cached)
+    msg.kv_groups = _kv_groups(plan)
     return msg
+
+
+def _kv_groups(plan: StepPlan) -> int:
+    """Pages per table entry (services/kv_layout.py): 0 when entries are plain block ids."""
+    for s in (*plan.new_seqs, *plan.cached_seqs):
+        if s.block_ids:
+            return len(s.block_ids[0]) if isinstance(s.block_ids[0], tuple) else 0
+    return 0
 
 
 def _new_seq_to_pb(n: NewSeq, m: worker_pb2.StageNewSequence) -> None:
     m.seq_id, m.token_ids[:], m.prompt_len, m.num_computed = n.seq_id, n.token_ids, n.prompt_len, n.num_computed
-    m.num_scheduled, m.block_ids[:], m.eos_token_ids[:] = n.num_scheduled, n.block_ids, n.sampling.eos_token_ids
+    m.num_scheduled, m.block_ids[:], m.eos_token_ids[:] = (n.num_scheduled, flat_pages(n.block_ids),
+                                                           n.sampling.eos_token_ids)
     m.choice_index, m.entropy_seed, m.request_id, m.traceparent = (n.choice_index, n.entropy_seed, n.request_id,
                                                                    n.trace_context)
     options_to_pb(n.sampling, m.params)  # (the view rides as its request's options do)
@@ -78,7 +89,7 @@ def _cached_to_pb(cached: tuple[CachedSeq, ...], c: worker_pb2.CachedSequences) 
     c.num_block_ids.extend([len(s.block_ids) for s in cached])
     for s in cached:
         if s.block_ids:
-            c.block_ids.extend(s.block_ids)
+            c.block_ids.extend(flat_pages(s.block_ids))
     if any(s.new_token_ids for s in cached):
         c.num_new_token_ids.extend([len(s.new_token_ids) for s in cached])
         for s in cached:
@@ -96,7 +107,7 @@ def _cached_to_pb(cached: tuple[CachedSeq, ...], c: worker_pb2.CachedSequences) 
 
 def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
     """Raises PlanDecodeError when the message's fields disagree."""
-    step = msg.micro_batch_id
+    step, groups = msg.micro_batch_id, msg.kv_groups
     new_seqs = []
     for m in msg.new_seqs:
         try:
@@ -105,11 +116,12 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
             raise PlanDecodeError(f"step {step}, sequence {m.seq_id}: sampling parameters: {exc}") from None
         try:
             pooling = PoolingType.from_pb(m.pooling)
+            block_ids = entries_of(m.block_ids, groups)
         except ValueError as exc:
             raise PlanDecodeError(f"step {step}, sequence {m.seq_id}: {exc}") from None
         new_seqs.append(NewSeq(
             m.seq_id, tuple(m.token_ids), m.prompt_len, m.num_computed, m.num_scheduled,
-            tuple(m.block_ids), sampling, m.choice_index, m.entropy_seed, m.request_id, m.traceparent,
+            block_ids, sampling, m.choice_index, m.entropy_seed, m.request_id, m.traceparent,
             _scoring_from_pb(m.prompt_scoring) if m.HasField("prompt_scoring") else None, pooling, m.lora_name,
         ))
     c = msg.cached
@@ -119,8 +131,9 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
             f"step {step}: cached columns differ in length (seq_ids {n}, num_scheduled "
             f"{len(c.num_scheduled)}, block_offsets {len(c.block_offsets)}, num_block_ids {len(c.num_block_ids)})")
     block_counts = list(c.num_block_ids)
-    if sum(block_counts) != len(c.block_ids):
-        raise PlanDecodeError(f"step {step}: num_block_ids sum to {sum(block_counts)}, block_ids holds {len(c.block_ids)}")
+    if sum(block_counts) * max(1, groups) != len(c.block_ids):
+        raise PlanDecodeError(f"step {step}: num_block_ids sum to {sum(block_counts)} entries of {max(1, groups)}, "
+                              f"block_ids holds {len(c.block_ids)}")
     token_counts = list(c.num_new_token_ids)
     if token_counts and len(token_counts) != n:
         raise PlanDecodeError(f"step {step}: {len(token_counts)} num_new_token_ids for {n} cached sequences")
@@ -148,10 +161,10 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
     cached = []
     b = t = d = 0
     for i in range(n):
-        nb = block_counts[i]
+        nb = block_counts[i] * max(1, groups)
         nt = token_counts[i] if token_counts else 0
         nd = draft_counts[i] if draft_counts else 0
-        cached.append(CachedSeq(ids[i], num_scheduled[i], offsets[i], tuple(blocks[b:b + nb]),
+        cached.append(CachedSeq(ids[i], num_scheduled[i], offsets[i], entries_of(blocks[b:b + nb], groups),
                                 tuple(tokens[t:t + nt]), scoring.get(i), tuple(drafts[d:d + nd]),
                                 max(-1, starts[i]) if starts else -1))
         b += nb

@@ -371,6 +371,17 @@ def model_max_len(model_dir: str) -> int:
         return MAX_MODEL_LEN
 
 
+def model_kv_groups(model_dir: str) -> str:
+    """The checkpoint's KV groups as the KV service takes them (`--kv-groups`,
+    services/kv_layout.py): "" for a model whose layers attend alike, or one not read here."""
+    from worker_svc.models.registry import load_config
+
+    try:
+        return load_config(model_dir).kv_layout.spec()
+    except (ValueError, OSError):  # not a served architecture, or no folder (the start says)
+        return ""
+
+
 def start_stack(
     model_dir: str,
     num_stages: int = 2,
@@ -504,6 +515,9 @@ class _Backend:
     def processes(self, blocks: int) -> tuple[ServiceProcess, ServiceProcess]:
         host = self.host
         layout = [*flag_args(shared.NUM_KV_BLOCKS, blocks), *flag_args(shared.BLOCK_SIZE, self.block_size)]
+        groups = model_kv_groups(self.model_dir)
+        if groups:
+            layout += flag_args(shared.KV_GROUPS, groups)
         kv = ServiceProcess(
             "kvcache",
             pagoda_command("kvcache", *flag_args(shared.HOST, host), *flag_args(shared.PORT, self.kv_port),

@@ -14,7 +14,7 @@ import itertools
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvcache_svc.client import InProcessKVCacheClient
 from kvcache_svc.core import KVCacheManager
@@ -122,10 +122,12 @@ def build_local_engine(
                                   block_size=config.block_size, dtype=next(model.parameters()).dtype, device=dev,
                                   backend=attention_backend)
             runners.append(StageRunner(model, num_kv_blocks, config.block_size, attention_backend, drafter=drafter))
-    kv = InProcessKVCacheClient(
-        KVCacheManager(num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
-    )
     model_config = load_config(model_dir)
+    layout = model_config.kv_layout
+    kv = InProcessKVCacheClient(KVCacheManager(num_kv_blocks, config.block_size,
+                                               enable_prefix_caching=config.enable_prefix_caching,
+                                               group_windows=layout.windows))
+    config = replace(config, kv_groups=layout.spec())
     return Engine(config, kv, LocalStageTransport(runners), eos_token_ids=model_config.eos_token_ids)
 
 

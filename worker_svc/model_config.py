@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from services.kv_layout import KVLayout, kv_layout
 from worker_svc.errors import CheckpointError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -81,6 +82,11 @@ class ModelConfig:
         if self.layer_types:
             return self.sliding_window if self.layer_types[layer] == SLIDING else None
         return self.sliding_window
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """How the layers share KV pages (services/kv_layout.py): groups for a hybrid model."""
+        return kv_layout([self.window(i) for i in range(self.num_layers)])
 
     def rope_for(self, layer: int) -> RopeConfig:
         """The rotary parameters of layer `layer`."""

@@ -302,6 +302,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             tensor_parallel_size=cfg.tensor_parallel_size,
             lora_adapters=self._lora_adapters(),
             cpu=self.cpu,
+            kv_groups=model.config.kv_layout.spec(),
         )
 
     def _lora_adapters(self) -> list[worker_pb2.LoraAdapterInfo]:

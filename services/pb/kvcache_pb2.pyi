@@ -102,14 +102,16 @@ class KVCapacity(_message.Message):
     def __init__(self, num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("allocations", "block_copies", "capacity")
+    __slots__ = ("allocations", "block_copies", "capacity", "kv_groups")
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     allocations: _containers.RepeatedCompositeFieldContainer[SequenceAllocation]
     block_copies: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockCopy]
     capacity: KVCapacity
-    def __init__(self, allocations: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., capacity: _Optional[_Union[KVCapacity, _Mapping]] = ...) -> None: ...
+    kv_groups: int
+    def __init__(self, allocations: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., capacity: _Optional[_Union[KVCapacity, _Mapping]] = ..., kv_groups: _Optional[int] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("forks",)
@@ -146,23 +148,25 @@ class KVStatsRequest(_message.Message):
     def __init__(self, include_sequences: _Optional[bool] = ..., reset_peak: _Optional[bool] = ...) -> None: ...
 
 class SequenceBlocks(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "num_blocks", "num_shared_blocks", "num_extents", "block_ids")
+    __slots__ = ("seq_id", "num_tokens", "num_blocks", "num_shared_blocks", "num_extents", "block_ids", "num_window_blocks")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXTENTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_tokens: int
     num_blocks: int
     num_shared_blocks: int
     num_extents: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_shared_blocks: _Optional[int] = ..., num_extents: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_window_blocks: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_shared_blocks: _Optional[int] = ..., num_extents: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_window_blocks: _Optional[int] = ...) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("epoch", "block_size", "num_total_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_evictable_blocks", "num_peak_used_blocks", "num_used_slots", "internal_fragmentation", "external_fragmentation", "largest_free_extent_blocks", "num_prefix_queries", "num_prefix_query_tokens", "num_prefix_hit_tokens", "prefix_hit_rate", "num_evictions", "num_copy_on_writes", "num_sequences", "enable_prefix_caching", "num_steps", "sequences", "watermark_blocks", "num_free_extents", "num_prefix_hits", "num_resets", "block_map")
+    __slots__ = ("epoch", "block_size", "num_total_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_evictable_blocks", "num_peak_used_blocks", "num_used_slots", "internal_fragmentation", "external_fragmentation", "largest_free_extent_blocks", "num_prefix_queries", "num_prefix_query_tokens", "num_prefix_hit_tokens", "prefix_hit_rate", "num_evictions", "num_copy_on_writes", "num_sequences", "enable_prefix_caching", "num_steps", "sequences", "watermark_blocks", "num_free_extents", "num_prefix_hits", "num_resets", "block_map", "group_windows", "num_window_blocks", "num_slid_blocks")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +194,9 @@ class KVCacheStats(_message.Message):
     NUM_PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_RESETS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_MAP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLID_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     block_size: int
     num_total_blocks: int
@@ -217,7 +224,10 @@ class KVCacheStats(_message.Message):
     num_prefix_hits: int
     num_resets: int
     block_map: bytes
-    def __init__(self, epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_peak_used_blocks: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., external_fragmentation: _Optional[float] = ..., largest_free_extent_blocks: _Optional[int] = ..., num_prefix_queries: _Optional[int] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_evictions: _Optional[int] = ..., num_copy_on_writes: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_steps: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceBlocks, _Mapping]]] = ..., watermark_blocks: _Optional[int] = ..., num_free_extents: _Optional[int] = ..., num_prefix_hits: _Optional[int] = ..., num_resets: _Optional[int] = ..., block_map: _Optional[bytes] = ...) -> None: ...
+    group_windows: _containers.RepeatedScalarFieldContainer[int]
+    num_window_blocks: int
+    num_slid_blocks: int
+    def __init__(self, epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_peak_used_blocks: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., external_fragmentation: _Optional[float] = ..., largest_free_extent_blocks: _Optional[int] = ..., num_prefix_queries: _Optional[int] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_evictions: _Optional[int] = ..., num_copy_on_writes: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_steps: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceBlocks, _Mapping]]] = ..., watermark_blocks: _Optional[int] = ..., num_free_extents: _Optional[int] = ..., num_prefix_hits: _Optional[int] = ..., num_resets: _Optional[int] = ..., block_map: _Optional[bytes] = ..., group_windows: _Optional[_Iterable[int]] = ..., num_window_blocks: _Optional[int] = ..., num_slid_blocks: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("keep_prefix_cache",)

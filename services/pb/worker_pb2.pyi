@@ -66,7 +66,7 @@ class AbandonReply(_message.Message):
     def __init__(self) -> None: ...
 
 class MicroBatch(_message.Message):
-    __slots__ = ("micro_batch_id", "stage_index", "block_copies", "finished_seq_ids", "reset", "hidden_states", "sent_ns", "new_seqs", "cached", "upstream_timings")
+    __slots__ = ("micro_batch_id", "stage_index", "block_copies", "finished_seq_ids", "reset", "hidden_states", "sent_ns", "new_seqs", "cached", "upstream_timings", "kv_groups")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class MicroBatch(_message.Message):
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     micro_batch_id: int
     stage_index: int
     block_copies: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockCopy]
@@ -87,7 +88,8 @@ class MicroBatch(_message.Message):
     new_seqs: _containers.RepeatedCompositeFieldContainer[StageNewSequence]
     cached: CachedSequences
     upstream_timings: _containers.RepeatedCompositeFieldContainer[StepTiming]
-    def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[StageNewSequence, _Mapping]]] = ..., cached: _Optional[_Union[CachedSequences, _Mapping]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ...) -> None: ...
+    kv_groups: int
+    def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[StageNewSequence, _Mapping]]] = ..., cached: _Optional[_Union[CachedSequences, _Mapping]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., kv_groups: _Optional[int] = ...) -> None: ...
 
 class StageNewSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed", "num_scheduled", "block_ids", "params", "eos_token_ids", "choice_index", "entropy_seed", "request_id", "traceparent", "prompt_scoring", "pooling", "lora_name")
@@ -270,7 +272,7 @@ class LoadInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageLoadInfo(_message.Message):
-    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "num_kv_blocks", "block_size", "dtype", "kv_cache_dtype", "model", "epoch", "max_num_batched_tokens", "hidden_size", "vocab_size", "max_message_bytes", "next_address", "num_threads", "device", "quantization", "feedback_address", "feedback_connected", "kv_block_bytes", "memory_total_bytes", "memory_budget_bytes", "memory_baseline_bytes", "weights_bytes", "activation_peak_bytes", "tensor_parallel_size", "cpu", "lora_adapters")
+    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "num_kv_blocks", "block_size", "dtype", "kv_cache_dtype", "model", "epoch", "max_num_batched_tokens", "hidden_size", "vocab_size", "max_message_bytes", "next_address", "num_threads", "device", "quantization", "feedback_address", "feedback_connected", "kv_block_bytes", "memory_total_bytes", "memory_budget_bytes", "memory_baseline_bytes", "weights_bytes", "activation_peak_bytes", "tensor_parallel_size", "cpu", "lora_adapters", "kv_groups")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +303,7 @@ class StageLoadInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     CPU_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     num_stages: int
     layer_start: int
@@ -331,7 +334,8 @@ class StageLoadInfo(_message.Message):
     tensor_parallel_size: int
     cpu: str
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
-    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., kv_cache_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., next_address: _Optional[str] = ..., num_threads: _Optional[int] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., feedback_address: _Optional[str] = ..., feedback_connected: _Optional[bool] = ..., kv_block_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., memory_baseline_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., cpu: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
+    kv_groups: str
+    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., kv_cache_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., next_address: _Optional[str] = ..., num_threads: _Optional[int] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., feedback_address: _Optional[str] = ..., feedback_connected: _Optional[bool] = ..., kv_block_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., memory_baseline_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., cpu: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., kv_groups: _Optional[str] = ...) -> None: ...
 
 class StageStatsRequest(_message.Message):
     __slots__ = ()
