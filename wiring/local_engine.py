@@ -121,7 +121,9 @@ def build_local_engine(
                                   max_model_len=config.max_model_len, num_blocks=num_kv_blocks,
                                   block_size=config.block_size, dtype=next(model.parameters()).dtype, device=dev,
                                   backend=attention_backend)
-            runners.append(StageRunner(model, num_kv_blocks, config.block_size, attention_backend, drafter=drafter))
+            layout = model.kv_layout if model.kv_layout.grouped else None
+            runners.append(StageRunner(model, num_kv_blocks, config.block_size, attention_backend, drafter=drafter,
+                                       layout=layout))
     model_config = load_config(model_dir)
     layout = model_config.kv_layout
     kv = InProcessKVCacheClient(KVCacheManager(num_kv_blocks, config.block_size,

@@ -276,6 +276,7 @@ class EmulatedRunner:
         self.batch = PersistentBatch(StageShape(
             is_first=model.is_first, is_last=model.is_last, num_blocks=num_blocks, block_size=block_size,
             max_positions=config.max_position_embeddings, vocab_size=config.vocab_size,
+            kv_windows=config.kv_layout.windows,
         ))
         self._sleep = sleep
         self._zeros = torch.zeros(0, config.hidden_size, dtype=dtype)  # never written: shared by every step

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.kv_layout import KVLayout, kv_layout
+from services.kv_layout import KVLayout
 from worker_svc.attention import AttentionBackend, AttentionMetadata
 from worker_svc.fused_decode import FusedDecoder
 from worker_svc.layers.norm import RMSNorm
@@ -107,7 +107,7 @@ class StageModel(nn.Module):
         self._rope_of = [kinds.index(r) for r in ropes]
         # KV groups: the layout the KV service and the launcher derive alike, and each local
         # layer's sub-group (all 0 where the layers do not group)
-        self.kv_layout: KVLayout = kv_layout([config.window(i) for i in range(config.num_layers)])
+        self.kv_layout: KVLayout = config.kv_layout
         self._kv_group_of = tuple(self.kv_layout.layer_places[i][0] for i in range(start, end))
 
     def kv_group_of(self, local: int) -> int:

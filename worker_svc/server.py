@@ -713,7 +713,10 @@ def _load_runner(config: WorkerConfig):
     if group is not None:
         model.set_reduce(group.all_reduce)
     backend = config.attention_backend or default_attention_backend(device)
-    num_blocks, sizing = stage_pool(config, model, backend, group)
+    layout = model.kv_layout if model.kv_layout.grouped else None  # KV groups: services/kv_layout.py
+    if group is not None:
+        layout = group.share_layout(layout, model.kv_layout)
+    num_blocks, sizing = stage_pool(config, model, backend, group, layout)
     drafter = drafter_for(config.speculative_config, is_last=config.is_last, vocab_size=model.config.vocab_size,
                           max_model_len=config.max_model_len or model.config.max_position_embeddings,
                           num_blocks=num_blocks, block_size=config.block_size,
@@ -721,7 +724,7 @@ def _load_runner(config: WorkerConfig):
     lora = bank_for(model, enable=config.enable_lora, modules=lora_modules(config.lora_modules),
                     max_loras=config.max_loras, max_rank=config.max_lora_rank)
     runner = StageRunner(model, num_blocks, config.block_size, backend, kv_dtype=kv_pool_dtype(config, model),
-                         tp=group, step_threads=config.step_threads, drafter=drafter, lora=lora)
+                         tp=group, step_threads=config.step_threads, drafter=drafter, lora=lora, layout=layout)
     return runner, sizing, group
 
 

@@ -65,3 +65,56 @@ def test_served_greedy_equals_transformers(built, tmp_path, arch, split, size):
     for prompt, got in zip(work, outputs, strict=True):
         assert len(got) == MAX_TOKENS
         ref.compare(prompt, got)
+
+
+def test_a_gemma3_sequence_of_four_windows_holds_its_window_in_the_sliding_groups(built, tmp_path):
+    """The KV groups (services/kv_layout.py), through the served stack: Gemma 3's four sliding
+    layers share two sub-groups, its two full ones one; at 4x the window the KV service's
+    statistics (/debug/memory) show the full sub-group holding every block and each sliding
+    one `window / block_size + 1` at most, and the output is still transformers'."""
+    import json
+    import threading
+    import urllib.request
+
+    folder, ref = built("gemma3")
+    window, bs = ARCH_CONFIGS["gemma3"]["sliding_window"], 8
+    stack = start_serve(folder, tmp_path, "--dtype", "float32", "--num-kv-blocks", "160", "--block-size", str(bs))
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
+    prompt = prompts(3)[2]
+    snapshots: list[dict] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            with urllib.request.urlopen(f"{stack.url}/debug/memory?include_sequences=true", timeout=10) as r:
+                memory = json.load(r)
+            seqs = memory["kv_cache"]["sequences"]
+            if seqs and seqs[0]["num_tokens"] >= 4 * window:
+                snapshots.append(memory)
+                return
+            done.wait(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        got = client.completions.create(model=folder, prompt=prompt, max_tokens=4 * window + 40 - len(prompt),
+                                        temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    finally:
+        done.set()
+        watcher.join()
+        stack.stop()
+    assert snapshots, "no statistics seen at 4x the window"
+    kv = snapshots[0]["kv_cache"]
+    assert kv["group_windows"] == [0, window, window]
+    (seq,) = kv["sequences"]
+    n, full = seq["num_tokens"], seq["num_blocks"] - seq["num_window_blocks"]
+    assert -(-n // bs) <= full <= -(-(n + 1) // bs)  # every block (and one held ahead, async)
+    per_group = seq["num_window_blocks"] / 2
+    ahead = full - -(-n // bs)
+    # every block the next query's window reaches, and what the window of the last append's
+    # first position reached: window / block_size + 1 blocks, one more when that append
+    # carried two tokens (async scheduling appends a placeholder step's token with the next)
+    assert full - (n - window + 1) // bs <= per_group <= window // bs + 1 + 1 + ahead
+    assert seq["num_blocks"] <= full + 2 * (window // bs + 2 + ahead) < 3 * full  # one table: 3 x full
+    assert kv["num_slid_blocks"] >= 2 * (full - (window // bs + 2 + ahead))
+    ref.compare(prompt, got.choices[0].model_extra["token_ids"])
