@@ -263,8 +263,17 @@ def test_grouped_greedy_equals_transformers_and_one_table(gemma, num_stages, bac
     assert all(len(set(out)) >= 10 for out in outputs.values()), "repeated tokens: a vacuous test"
 
 
+@pytest.fixture
+def one_thread():
+    """The native step runs at one torch thread (a test before may leave more)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("num_stages", [1, 2])
-def test_the_fused_native_decode_step_reads_each_layers_group(gemma, num_stages):
+def test_the_fused_native_decode_step_reads_each_layers_group(gemma, num_stages, one_thread):
     """bfloat16 weights on the CPU: every decode step goes through the one native call,
     each layer reading its own sub-group's table and slots; the tokens equal the one-table
     runner's (the same kernels over the same keys)."""
