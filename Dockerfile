@@ -20,7 +20,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TOKENIZERS_PARALLELISM=false
 
 # A C compiler: the stage workers build their native CPU decode-attention kernel for the
-# host they run on at first start (worker_svc/cpu_kernels.py; without it they use torch).
+# host they run on at first start (worker_svc/kernels/cpu_kernels.py; without it they use torch).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \

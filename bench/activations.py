@@ -60,7 +60,7 @@ from services.step import NewSeq, StepPlan
 from services.step_codec import plan_to_pb
 from wiring.launcher import ServiceProcess, free_port, pagoda_command, stop_all
 from wiring.tiny_model import PRESETS, default_model_dir
-from worker_svc.sampler import SamplingParams
+from worker_svc.execution.sampler import SamplingParams
 
 SHAPES = ("prefill", "decode")
 GREEDY = SamplingParams(temperature=0.0)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from services.defaults import BLOCK_SIZE
-from worker_svc.attention import AttentionMetadata, TorchAttentionBackend
+from worker_svc.kernels.attention import AttentionMetadata, TorchAttentionBackend
 
 # (name, sequences, max context, kv heads, heads, head dim)
 SHAPES = [

@@ -43,7 +43,7 @@ def _timed(fn, min_s: float = 0.3) -> float:
 def product_shapes(model) -> list[tuple[int, int]]:
     """(N, K) of every product a decode row goes through: each layer's linears (fused
     q/k/v and gate/up as the stage holds them), then the LM head."""
-    from worker_svc.packed import PackedLinear
+    from worker_svc.weights.packed import PackedLinear
 
     shapes = []
     for layer in model.model.layers.values():
@@ -81,7 +81,7 @@ def pagoda_step_s(model, batch: int, context: int, steps: int) -> float:
     from services.defaults import BLOCK_SIZE as block_size
     from services.sampling import SamplingParams
     from services.step import CachedSeq, NewSeq, StepPlan
-    from worker_svc.runner import StageRunner
+    from worker_svc.execution.runner import StageRunner
     per_seq = -(-(context + steps + 8) // block_size)
     runner = StageRunner(model, batch * per_seq, block_size, "cpu")
     greedy = SamplingParams(temperature=0.0)
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from wiring.model_source import prepare_gguf
-    from worker_svc.cpu_kernels import keep_freed_memory
-    from worker_svc.loader import load_stage
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.kernels.cpu_kernels import keep_freed_memory
 
     torch.set_num_threads(args.threads)
     keep_freed_memory()

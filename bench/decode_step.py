@@ -57,8 +57,8 @@ def transformers_ms(path: Path, prompts, steps: int) -> float:
 def pagoda_ms(path: Path, prompts, steps: int, backend: str) -> float:
     from services.sampling import SamplingParams
     from services.step import CachedSeq, NewSeq, StepPlan
-    from worker_svc.loader import load_stage
-    from worker_svc.runner import StageRunner
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.execution.runner import StageRunner
 
     batch, context = prompts.shape
     from services.defaults import BLOCK_SIZE as block_size
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from worker_svc.cpu_kernels import keep_freed_memory
+    from worker_svc.kernels.cpu_kernels import keep_freed_memory
 
     torch.set_num_threads(1)
     keep_freed_memory()

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.fit_profile --model ~/.cache/pagoda-anchor/smol135 \
         --out services/profiles/cpu-local.json
 
-Times `worker_svc.runner.StageRunner.execute` (paged KV cache, the worker's default attention
+Times `worker_svc.execution.runner.StageRunner.execute` (paged KV cache, the worker's default attention
 backend, `--dtype` `auto` by default as `pagoda serve` loads the stages: a float32 checkpoint
 is served as bfloat16 weights on a CPU with AVX-512 BF16; `--threads` torch threads, 1 by
 default as a Pagoda stage runs) on real plans: one sequence's prefill (16, 64, 128 tokens) and
@@ -19,7 +19,7 @@ step model by non-negative least squares on relative error:
 
 (TP 1: no all-reduce; layer_fraction 1 for the whole stage, 0.5 for each half; `last` for the
 stages that run the final norm, LM head and sampling: PP=1's and the second of PP=2's).
-Context is what `worker_svc.emulated.StepShape` counts: each row's length after the step,
+Context is what `worker_svc.execution.emulated.StepShape` counts: each row's length after the step,
 summed. The profile is written with its source (date, CPU, versions) and, in its notes, each
 point measured beside the fit. Not a test: the numbers are this machine's.
 """
@@ -75,7 +75,7 @@ def _measure_stage(model, backend: str, repeats: int) -> list[tuple[list[float],
     from services.defaults import BLOCK_SIZE
     from services.sampling import SamplingParams
     from services.step import CachedSeq, NewSeq, StepPlan
-    from worker_svc.runner import StageRunner
+    from worker_svc.execution.runner import StageRunner
 
     config, greedy = model.config, SamplingParams(temperature=0.0)
     fraction = model.num_local_layers / config.num_layers
@@ -128,9 +128,9 @@ def measure(model_dir: Path, threads: int, repeats: int, dtype: str, passes: int
     counts, so a burst of another process's work that spans one pass does not."""
     import torch
 
-    from worker_svc.cpu_kernels import keep_freed_memory
-    from worker_svc.device import default_attention_backend
-    from worker_svc.loader import load_stage, resolve_dtype
+    from worker_svc.checkpoints.loader import load_stage, resolve_dtype
+    from worker_svc.execution.device import default_attention_backend
+    from worker_svc.kernels.cpu_kernels import keep_freed_memory
 
     torch.set_num_threads(threads)
     keep_freed_memory()
@@ -183,7 +183,7 @@ def make_profile(name: str, points, config, ran: str, threads: int, repeats: int
                  "loads run with ignore_eos).")
     notes.append("host_compute true: the device is this machine's CPU, so an emulated step keeps "
                  "the stage's core busy for its time (small matrix products, "
-                 "worker_svc.emulated.compute_for), as the real stage does, instead of sleeping: "
+                 "worker_svc.execution.emulated.compute_for), as the real stage does, instead of sleeping: "
                  "the services meet the same contention for the cores.")
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     source = (f"fitted by bench/fit_profile.py on {when} from Pagoda StageRunner steps, "

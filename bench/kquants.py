@@ -1,6 +1,6 @@
 """One-stream matmul times of GGUF K-quants against Q4_1 and Q8_0 on a SmolLM2-135M-shaped
 layer (hidden 576, intermediate 1,536), one thread, for the native kernels
-(worker_svc/quant_kernels.py). Prints figures; not a test.
+(worker_svc/kernels/quant_kernels.py). Prints figures; not a test.
 
 SmolLM2's hidden size (576) is not a whole number of 256-value super-blocks, so in a
 llama.cpp Q4_K_M file only ffn_down (K = 1,536) is Q4_K or Q6_K; q/k/v/o/gate/up fall back
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from worker_svc.kquants_ref import quantize
-from worker_svc.quant_kernels import quant_kernels, row_bytes
+from worker_svc.kernels.quant_kernels import quant_kernels, row_bytes
+from worker_svc.weights.kquants_ref import quantize
 
 HIDDEN, INTER, KV = 576, 1536, 192
 # (name, out, in) of one decoder layer; q/k/v and gate/up fused as the model runs them
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _decode_step_ms(stage, batch: int, context: int, repeats: int) -> float:
     """ms of one decode step (one token for each of `batch` sequences after `context`)."""
-    from worker_svc.attention import AttentionMetadata, TorchAttentionBackend
-    from worker_svc.kv_cache import PagedKVCache
+    from worker_svc.execution.kv_cache import PagedKVCache
+    from worker_svc.kernels.attention import AttentionMetadata, TorchAttentionBackend
 
     cfg, block = stage.config, 16
     per_seq = -(-(context + 1) // block)
@@ -158,7 +158,7 @@ def decode_steps(num_layers: int, repeats: int) -> None:
     from wiring.gguf_export import write_gguf
     from wiring.model_source import prepare_gguf
     from wiring.tiny_model import TinyModelSpec, make_tiny_model
-    from worker_svc.loader import load_stage
+    from worker_svc.checkpoints.loader import load_stage
 
     spec = TinyModelSpec(hidden_size=HIDDEN, intermediate_size=INTER, num_heads=9, num_kv_heads=3,
                          num_layers=num_layers)

@@ -88,11 +88,11 @@ def in_process(model_dir: Path, adapters: dict[str, str], rows: int = 32, contex
     """ms per decode step of `rows` sequences: base alone, batched LoRA, a forward per group."""
     import torch
 
-    from worker_svc.attention import get_backend
-    from worker_svc.attention_metadata import paged_layout
-    from worker_svc.kv_cache import PagedKVCache
-    from worker_svc.loader import load_stage
-    from worker_svc.lora import LoraBank, LoraStep, load_adapter, token_slots
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.execution.kv_cache import PagedKVCache
+    from worker_svc.kernels.attention import get_backend
+    from worker_svc.kernels.attention_metadata import paged_layout
+    from worker_svc.weights.lora import LoraBank, LoraStep, load_adapter, token_slots
 
     torch.set_num_threads(1)
     model = load_stage(str(model_dir), 0, 1, dtype="auto")

@@ -35,8 +35,8 @@ def cpu_model(default: str = "") -> str:
 def cpu_record() -> dict[str, Any]:
     """The CPU a figure was measured on (issue 34: every figure names its machine): model,
     family/model numbers, the ISA level and flags that matter, and the caps that lowered
-    them when a narrower CPU is emulated (worker_svc/cpu_features.py)."""
-    from worker_svc.cpu_features import cpu_features
+    them when a narrower CPU is emulated (worker_svc/kernels/cpu_features.py)."""
+    from worker_svc.kernels.cpu_features import cpu_features
 
     f = cpu_features()
     return {"model_name": f.model_name, "family": f.family, "model": f.model, "level": f.level,

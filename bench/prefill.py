@@ -11,7 +11,7 @@ prompt evaluation of the same ids on the same GGUF at one thread.
 
     python -m bench.prefill [--model GGUF_OR_DIR] [--tokens 2048] [--chunk 2048]
 
-Emulate an AVX2-only CPU on a wider one with the caps of worker_svc/cpu_features.py:
+Emulate an AVX2-only CPU on a wider one with the caps of worker_svc/kernels/cpu_features.py:
 
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
         PAGODA_CPU_ISA=avx2 python -m bench.prefill
@@ -73,9 +73,9 @@ def stage_prefill(folder: str, ids: list[int], chunk: int, repeats: int) -> tupl
 
     from services.sampling import SamplingParams
     from services.step import CachedSeq, NewSeq, StepPlan
-    from worker_svc.loader import load_stage
-    from worker_svc.packed import PackedLinear
-    from worker_svc.runner import StageRunner
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.execution.runner import StageRunner
+    from worker_svc.weights.packed import PackedLinear
 
     model = load_stage(folder, 0, 1, dtype="auto")
     block = 16
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.machine import cpu_record
     from wiring.model_source import default_model, prepare_gguf
-    from worker_svc.calibrate import cpu_paths
+    from worker_svc.kernels.calibrate import cpu_paths
 
     torch.set_num_threads(1)
     path = args.model or str(default_model(log=lambda line: None))

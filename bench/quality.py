@@ -24,9 +24,9 @@ that ship with Python) stands in, and the output says so.
 The model: SmolLM2-135M-Instruct, whose only checkpoint here is the default model's Q4_1
 GGUF file. The reference "float32" is that file dequantized to float32, and so is every
 other format's source: "bfloat16" is it loaded as bfloat16, "Q4_1" the file itself (its
-weights packed, multiplied by the native kernels: worker_svc/packed.py), "Q8_0" a GGUF
+weights packed, multiplied by the native kernels: worker_svc/weights/packed.py), "Q8_0" a GGUF
 written from the float32 weights (wiring/gguf_export.py), then packed. A name that
-`load_stage`'s `quantization` takes (worker_svc/quantization.py: "fp8") is the float32
+`load_stage`'s `quantization` takes (worker_svc/weights/quantization.py: "fp8") is the float32
 weights quantized at load. So Q4_1 differs from this reference by its arithmetic only (how
 the kernels round activations), and Q8_0 adds a re-quantization of Q4_1's weights: the
 numbers say how far each format is from the float32 model we have, not from SmolLM2's
@@ -247,8 +247,8 @@ def window_logits(model, ids: Sequence[int], first: int, backend=None) -> torch.
     prefill of the whole window into a fresh one-block paged KV pool."""
     import torch
 
-    from worker_svc.attention import AttentionMetadata, TorchAttentionBackend
-    from worker_svc.kv_cache import PagedKVCache
+    from worker_svc.execution.kv_cache import PagedKVCache
+    from worker_svc.kernels.attention import AttentionMetadata, TorchAttentionBackend
 
     n, config = len(ids), model.config
     device = next(model.buffers()).device
@@ -286,7 +286,7 @@ class WeightFormat:
 
 def weight_format(name: str, source_type: str | None) -> WeightFormat:
     """The format a --formats name stands for (ValueError naming the choices otherwise)."""
-    from worker_svc.quantization import QUANTIZATION_METHODS
+    from worker_svc.weights.quantization import QUANTIZATION_METHODS
 
     if name in ("float32", "bfloat16", "float16"):
         return WeightFormat(name, "source", name)
@@ -316,7 +316,7 @@ def float32_folder(source: Path, prepared: Path, log: Callable[[str], None] = pr
     the GGUF `source`, dequantized; made once in the cache."""
     from safetensors.torch import save_file
 
-    from worker_svc.loader import load_stage
+    from worker_svc.checkpoints.loader import load_stage
 
     folder = quality_cache() / f"{source.stem}-{_file_key(source)}-float32"
     if (folder / "model.safetensors").is_file():
@@ -416,7 +416,7 @@ def _load_arms(formats: Sequence[str], source: Path, log: Callable[[str], None]
     """The Pagoda arms, the reference first; the GGUF files by block type ("source": the
     given one); the source's prepared folder and its block type."""
     from wiring.model_source import prepare_gguf
-    from worker_svc.loader import load_stage
+    from worker_svc.checkpoints.loader import load_stage
 
     prepared = prepare_gguf(source)
     source_type = gguf_file_type(source)

@@ -13,7 +13,7 @@ call reads its weights from memory, as a decode step over a whole model does. Th
 bandwidth line (one thread reading a large tensor: `sum`, and copying one) is the bound a
 decode step can reach.
 
-Formats: Q8_0 / Q4_0 / Q4_1 (worker_svc.quant_kernels matmul), bf16 (matmul_bf16: weights
+Formats: Q8_0 / Q4_0 / Q4_1 (worker_svc.kernels.quant_kernels matmul), bf16 (matmul_bf16: weights
 widened to float32, FMA), bf16dot (AVX-512 BF16 vdpbf16ps on x rounded to bfloat16),
 torch-f32 (F.linear, float32 weights), torch-bf16 (F.linear with x and w bfloat16). The
 block formats run once per activation precision of --act-bits (int8: llama.cpp's products;
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker_svc import quant_kernels as qk  # noqa: E402
+from worker_svc.kernels import quant_kernels as qk  # noqa: E402
 
 SHAPES = {  # name -> (N, K)
     "qkv": (960, 576),

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from services.kv_layout import kv_layout
-    from worker_svc.memory import kv_block_bytes
+    from worker_svc.execution.memory import kv_block_bytes
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--block-size", type=int, default=16)

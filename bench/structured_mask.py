@@ -7,7 +7,7 @@ sampler does. Prints compile time, mask time per step (the batch of 32) and per 
 
     python -m bench.structured_mask --model-dir /tmp/pagoda-anchor-7m [--batch 32]
 
-The figures are what chose the library Pagoda uses (`worker_svc/structured.py`); they are in
+The figures are what chose the library Pagoda uses (`worker_svc/execution/structured.py`); they are in
 docs/structured-output.md.
 """
 

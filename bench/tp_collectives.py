@@ -1,5 +1,5 @@
 """The all-reduce of two tensor-parallel ranks on one host: gloo over loopback against the
-ranks' shared memory (worker_svc/shm_collectives.py), in the same run.
+ranks' shared memory (worker_svc/execution/shm_collectives.py), in the same run.
 
     .venv/bin/python -m bench.tp_collectives [--iters 2000] [--hidden 4096]
 
@@ -26,7 +26,7 @@ def rank_main(rank: int, port: int, path: str, iters: int, hidden: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from worker_svc.shm_collectives import ShmCollectives
+    from worker_svc.execution.shm_collectives import ShmCollectives
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -66,7 +66,7 @@ def main() -> int:
         return 0
     import socket
 
-    from worker_svc.shm_collectives import ShmCollectives
+    from worker_svc.execution.shm_collectives import ShmCollectives
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,9 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     from services.sampling import SamplingParams
     from services.step import CachedSeq, NewSeq, StepPlan
     from wiring.model_source import default_model, prepare_gguf
-    from worker_svc import runner as runner_module
-    from worker_svc.loader import load_stage
-    from worker_svc.runner import StageRunner
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.execution import runner as runner_module
+    from worker_svc.execution.runner import StageRunner
 
     torch.set_num_threads(1)
     path = args.model or str(default_model(log=lambda line: None))

@@ -455,7 +455,7 @@ def run_file(model: Path, args: argparse.Namespace, paths: Paths, load: Load,
         llama_arm(f, args.llama_python, model, load)
     if "weight_bytes" not in f:
         try:
-            from worker_svc.gguf_checkpoint import GGUFCheckpoint
+            from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint
 
             f["weight_bytes"] = GGUFCheckpoint(model).tensor_bytes()
         except Exception as exc:  # noqa: BLE001 - only the share needs it

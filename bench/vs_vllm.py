@@ -307,7 +307,7 @@ class ArmSpec:
 def weight_format(model: Path, dtype: str | None) -> str:
     """The tag of the weights a server computes with: a GGUF file's type from its name
     (`X.Q4_1.gguf` -> q4_1) unless a dtype is forced; a folder's forced dtype, or Pagoda's
-    `auto` as `worker_svc.loader.resolve_dtype` resolves it on this CPU."""
+    `auto` as `worker_svc.checkpoints.loader.resolve_dtype` resolves it on this CPU."""
     if dtype is not None and dtype not in ("auto", "None"):
         return DTYPE_TAGS.get(dtype, dtype)
     if model.suffix.lower() == ".gguf":
@@ -781,7 +781,7 @@ def weight_bytes(arm: ArmSpec) -> int | None:
     if arm.model.suffix.lower() == ".gguf":
         if fmt not in BYTES_PER_PARAM:
             try:
-                from worker_svc.gguf_checkpoint import GGUFCheckpoint
+                from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint
 
                 return int(GGUFCheckpoint(arm.model).tensor_bytes())
             except Exception:  # noqa: BLE001 - only the bandwidth share needs it

@@ -216,7 +216,7 @@ class EngineView:
 
     def _device_info(self, s) -> GaugeMetricFamily:
         """1 per stage, labelled with the device it runs on: "emulated:PROFILE" marks a stack
-        whose compute is a modelled wait (worker_svc/emulated.py), never a measurement."""
+        whose compute is a modelled wait (worker_svc/execution/emulated.py), never a measurement."""
         family = GaugeMetricFamily("pagoda:device_info", "The device each pipeline stage runs on "
                                    "(emulated:PROFILE: an emulated one).", labels=["model_name", "stage", "device"])
         for stage in s.stages:

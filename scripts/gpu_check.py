@@ -192,7 +192,7 @@ def _environment() -> dict[str, Any]:
 def _device(smoke: bool):
     import torch
 
-    from worker_svc.device import resolve_device
+    from worker_svc.execution.device import resolve_device
 
     torch.manual_seed(0)
     if smoke:
@@ -260,8 +260,8 @@ def _builtin_kernel_check(device) -> dict[str, Any]:
     """Mixed decode/prefill batches through both backends, for images without pytest."""
     import torch
 
-    from worker_svc.attention import TorchAttentionBackend
-    from worker_svc.triton_attention import TritonAttentionBackend
+    from worker_svc.kernels.attention import TorchAttentionBackend
+    from worker_svc.kernels.triton_attention import TritonAttentionBackend
 
     cases = []
     for block_size, heads, kv_heads, head_dim, dtype, window in (
@@ -296,7 +296,7 @@ def paged_batch(device, chunks, block_size, num_heads, num_kv_heads, head_dim, d
     """
     import torch
 
-    from worker_svc.attention import AttentionMetadata
+    from worker_svc.kernels.attention import AttentionMetadata
 
     g = torch.Generator(device=device).manual_seed(seed)
     needed = [-(-ctx // block_size) for _, ctx in chunks]
@@ -342,7 +342,7 @@ class GreedyBatch:
     """
 
     def __init__(self, runner, prompts: list[list[int]], blocks_per_seq: int) -> None:
-        from worker_svc.sampler import SamplingParams
+        from worker_svc.execution.sampler import SamplingParams
 
         self.runner = runner
         self.prompts = prompts
@@ -388,8 +388,8 @@ def part_hf_equivalence(smoke: bool) -> dict[str, Any]:
     import torch
 
     from wiring.tiny_model import TinyModelSpec, make_tiny_model
-    from worker_svc.loader import load_stage
-    from worker_svc.runner import StageRunner
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.execution.runner import StageRunner
 
     device = _device(smoke)
     lengths, new_tokens = ((1, 3, 17, 40), 8) if smoke else ((1, 3, 17, 45, 100, 177), 24)
@@ -466,8 +466,8 @@ def _timed(fn, iterations: int, device) -> float:
 def part_attention_bench(smoke: bool) -> dict[str, Any]:
     import torch
 
-    from worker_svc.attention import TorchAttentionBackend
-    from worker_svc.triton_attention import TritonAttentionBackend
+    from worker_svc.kernels.attention import TorchAttentionBackend
+    from worker_svc.kernels.triton_attention import TritonAttentionBackend
 
     device = _device(smoke)
     if smoke:
@@ -529,9 +529,9 @@ def part_throughput(smoke: bool) -> dict[str, Any]:
     import torch
 
     from wiring.tiny_model import TinyModelSpec, make_tiny_model
-    from worker_svc.loader import load_stage
-    from worker_svc.quantization import weight_bytes
-    from worker_svc.runner import StageRunner
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.execution.runner import StageRunner
+    from worker_svc.weights.quantization import weight_bytes
 
     device = _device(smoke)
     if smoke:
@@ -605,7 +605,7 @@ def part_profile(smoke: bool) -> dict[str, Any]:
 
     from services.device_profile import load_profile, save_profile
     from wiring.tiny_model import TinyModelSpec, make_tiny_model
-    from worker_svc.loader import load_stage
+    from worker_svc.checkpoints.loader import load_stage
 
     device = _device(smoke)
     if smoke:  # a stand-in device: checks the part and the file's format, not a GPU
@@ -638,7 +638,7 @@ def _step_points(model, device, vocab_size: int, batch: int, prompt_len: int, de
     prefill step of `batch` prompts and of the decode steps after it."""
     import torch
 
-    from worker_svc.runner import StageRunner
+    from worker_svc.execution.runner import StageRunner
 
     block_size = 16
     blocks_per_seq = -(-(prompt_len + decode_steps + 2) // block_size)

@@ -1,6 +1,6 @@
 """Structured output as grammars, on llguidance: one definition for where a request enters
 (the gateway checks a constraint before anything is queued) and for the last stage (which
-builds a matcher per sequence and masks its logits each step: `worker_svc.structured`).
+builds a matcher per sequence and masks its logits each step: `worker_svc.execution.structured`).
 
 llguidance was chosen over xgrammar and outlines-core by measurement
 (`python -m bench.structured_mask`; docs/structured-output.md): its mask time per step is

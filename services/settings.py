@@ -275,7 +275,7 @@ SPECULATIVE_CONFIG = Setting(
     "tokenizer, run on the last stage); greedy output is unchanged, sampled output keeps its distribution",
     metavar="JSON", owner="scheduler", services=("worker", "scheduler"), serve="pass", group="speculative")
 
-# multi-LoRA: every stage holds the adapters for its layers (worker_svc/lora.py); the gateway
+# multi-LoRA: every stage holds the adapters for its layers (worker_svc/weights/lora.py); the gateway
 # takes a request's `model` as an adapter's name
 ENABLE_LORA = Setting("enable_lora", "serve LoRA adapters over the base model (PEFT folders; a request's "
                       "`model` names one)", "switch", default=False, owner="worker",

@@ -17,7 +17,7 @@ worker_svc/models/registry.py:
 - a `gpt2` (byte-level BPE) tokenizer with its merges and chat template (what llama.cpp's
   `_set_vocab_gpt2` writes; byte-level BPE tokenizers only);
 - 2-D weights in a block format (Q8_0, Q4_0, Q4_1 with the `gguf` package's reference
-  quantizers; the K-quants and Q5_0/Q5_1 with worker_svc/kquants_ref.py; or "Q4_K_M",
+  quantizers; the K-quants and Q5_0/Q5_1 with worker_svc/weights/kquants_ref.py; or "Q4_K_M",
   llama.cpp's mix of them, see `tensor_type`), norms and 1-D tensors in F32.
 
 What the file cannot say is refused (ValueError naming it): rope scalings other than linear
@@ -114,7 +114,7 @@ def _quantize(t: np.ndarray, qtype: str) -> np.ndarray:
     if qtype in _KQUANT_WRITTEN:
         import torch
 
-        from worker_svc.kquants_ref import quantize
+        from worker_svc.weights.kquants_ref import quantize
 
         return quantize(torch.from_numpy(np.ascontiguousarray(t)), qtype).numpy()
     return gguf.quants.quantize(t, getattr(gguf.GGMLQuantizationType, qtype))

@@ -92,15 +92,15 @@ def build_local_engine(
     attention_backend: str | None = None,
 ) -> Engine:
     """Every part in this process: KV manager, scheduler engine, stage runners (with the
-    stage processes' malloc settings: `worker_svc.cpu_kernels.keep_freed_memory`); with
-    `device` "emulated:PROFILE", emulated stages (worker_svc/emulated.py): no weights."""
+    stage processes' malloc settings: `worker_svc.kernels.cpu_kernels.keep_freed_memory`); with
+    `device` "emulated:PROFILE", emulated stages (worker_svc/execution/emulated.py): no weights."""
+    from worker_svc.checkpoints.loader import load_stage
     from worker_svc.config import WorkerConfig, emulated_profile_spec
-    from worker_svc.cpu_kernels import keep_freed_memory
-    from worker_svc.device import default_attention_backend, resolve_device
-    from worker_svc.emulated import build_emulated_runner
-    from worker_svc.loader import load_stage
+    from worker_svc.execution.device import default_attention_backend, resolve_device
+    from worker_svc.execution.emulated import build_emulated_runner
+    from worker_svc.execution.runner import StageRunner
+    from worker_svc.kernels.cpu_kernels import keep_freed_memory
     from worker_svc.models.registry import load_config
-    from worker_svc.runner import StageRunner
 
     keep_freed_memory()
     n = config.pipeline_parallel_size
@@ -112,7 +112,7 @@ def build_local_engine(
     else:
         dev = resolve_device(device)
         attention_backend = attention_backend or default_attention_backend(dev)
-        from worker_svc.drafter import drafter_for
+        from worker_svc.execution.drafter import drafter_for
 
         runners = []
         for k in range(n):

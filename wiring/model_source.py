@@ -3,7 +3,7 @@
 - A folder (config.json, safetensors, tokenizer) is served as it is.
 - A GGUF file (`pagoda serve model.gguf`, as vLLM and llama.cpp take it) gets a folder
   prepared once in the cache (`prepare_gguf`): the config.json the services read, made from
-  the file's metadata (worker_svc/gguf_checkpoint.py), the tokenizer and chat template that
+  the file's metadata (worker_svc/checkpoints/gguf_checkpoint.py), the tokenizer and chat template that
   `transformers`' GGUF support reads from the file, and `gguf_source.json` naming the file,
   whose tensors the stages then load (packed, or dequantized when `--dtype` asks).
 - No model at all: the default, SmolLM2-135M-Instruct, a Q4_1 GGUF that the package
@@ -82,7 +82,7 @@ def prepare_gguf(path: str | os.PathLike[str]) -> Path:
     Keyed by the file's path, size and modification time; written atomically, so several
     processes may ask at once. ValueError (a CheckpointError) naming the field for files of
     an architecture or type that is not served."""
-    from worker_svc.gguf_checkpoint import GGUF_SOURCE_FILE, GGUFCheckpoint
+    from worker_svc.checkpoints.gguf_checkpoint import GGUF_SOURCE_FILE, GGUFCheckpoint
 
     path = Path(path).resolve()
     folder = cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}"
@@ -134,7 +134,7 @@ def prune_gguf_cache(root: Path, now: float | None = None) -> list[Path]:
     (a new folder is made for the new contents), and half-written ones, once untouched for
     STALE_AFTER_S; returns what was removed. Without it the cache keeps a folder for every
     file it ever served (every test run's temporary files)."""
-    from worker_svc.gguf_checkpoint import GGUF_SOURCE_FILE
+    from worker_svc.checkpoints.gguf_checkpoint import GGUF_SOURCE_FILE
 
     now = time.time() if now is None else now
     removed = []

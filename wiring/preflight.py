@@ -79,7 +79,7 @@ def _weights(folder: Path) -> tuple[int, bool]:
     if (folder / "model.safetensors").is_file():
         return (folder / "model.safetensors").stat().st_size, False
     # (it imports torch: only for a folder without safetensors)
-    from worker_svc.gguf_checkpoint import GGUF_SOURCE_FILE
+    from worker_svc.checkpoints.gguf_checkpoint import GGUF_SOURCE_FILE
 
     record = folder / GGUF_SOURCE_FILE
     if record.is_file():
@@ -173,7 +173,7 @@ def fixed_pool(num_kv_blocks: int | None, memory_setting: bool) -> int | None:
 
 def machine_memory_bytes() -> int:
     """The system's memory, or the container's limit when lower (as a CPU stage counts it,
-    worker_svc/memory.py `total_memory`)."""
+    worker_svc/execution/memory.py `total_memory`)."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for path in (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")):
         try:
@@ -260,7 +260,7 @@ def check_draft_model(speculative_config: str | None, target: ModelConfig, targe
                          "must share the target's tokenizer")
 
 
-ADAPTER_CONFIG = "adapter_config.json"  # (worker_svc/lora.py's CONFIG_FILE: a PEFT folder's)
+ADAPTER_CONFIG = "adapter_config.json"  # (worker_svc/weights/lora.py's CONFIG_FILE: a PEFT folder's)
 
 
 def check_lora_modules(lora_modules, max_lora_rank: int) -> None:
@@ -277,7 +277,7 @@ def check_lora_modules(lora_modules, max_lora_rank: int) -> None:
 
 
 def _adapter_rank(config: Path, where: str) -> int:
-    """An adapter's largest rank, as a stage reads it (r and rank_pattern: worker_svc/lora.py)."""
+    """An adapter's largest rank, as a stage reads it (r and rank_pattern: worker_svc/weights/lora.py)."""
     if not config.is_file():
         raise ValueError(f"{where}: no {ADAPTER_CONFIG} there (not a PEFT adapter folder)")
     try:

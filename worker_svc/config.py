@@ -11,13 +11,13 @@ from services import settings as shared
 from services.defaults import NUM_KV_BLOCKS
 from services.settings import uses
 
-ATTENTION_BACKENDS = ("cpu", "torch", "triton")  # worker_svc.attention.get_backend
-# load-time weight quantization (worker_svc/quantization.py)
+ATTENTION_BACKENDS = ("cpu", "torch", "triton")  # worker_svc.kernels.attention.get_backend
+# load-time weight quantization (worker_svc/weights/quantization.py)
 QUANTIZATION_METHODS = ("fp8", "int8")
 # the KV pools' dtype (vLLM's --kv-cache-dtype): auto = the stage's activation dtype
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# `--device emulated:PROFILE`: the forward pass is a wait the profile predicts (worker_svc/emulated.py)
+# `--device emulated:PROFILE`: the forward pass is a wait the profile predicts (worker_svc/execution/emulated.py)
 EMULATED_PREFIX = "emulated:"
 
 _setting = partial(shared.declare, "worker")
@@ -41,7 +41,7 @@ class WorkerConfig:
         None, "last stage of several: HOST:PORT of the first stage, which then gets each sampled token "
               "straight from here, not through the scheduler", name="feedback", group="network")
     # the KV pool: this many blocks (checked against a memory setting when one is given too),
-    # or (None) sized from memory by one of the two settings after them (worker_svc.memory),
+    # or (None) sized from memory by one of the two settings after them (worker_svc.execution.memory),
     # or NUM_KV_BLOCKS when neither is given
     num_kv_blocks: int | None = uses(shared.NUM_KV_BLOCKS)
     block_size: int = uses(shared.BLOCK_SIZE)
@@ -69,9 +69,9 @@ class WorkerConfig:
     kv_cache_dtype: str = _passed(
         "auto", "the KV pools' dtype: auto (the activations': float32 for GGUF and CPU bfloat16 stages), "
                 "float32, or bfloat16 (half the bytes; CPU kernels)", choices=KV_CACHE_DTYPES, group="cache")
-    # processes this stage runs on (worker_svc/tensor_parallel.py): heads and MLP columns split
+    # processes this stage runs on (worker_svc/execution/tensor_parallel.py): heads and MLP columns split
     tensor_parallel_size: int = uses(shared.TENSOR_PARALLEL_SIZE)
-    # multi-LoRA: this stage's adapter slots (worker_svc/lora.py)
+    # multi-LoRA: this stage's adapter slots (worker_svc/weights/lora.py)
     enable_lora: bool = uses(shared.ENABLE_LORA)
     lora_modules: tuple[str, ...] = uses(shared.LORA_MODULES, ())
     max_loras: int = uses(shared.MAX_LORAS)

@@ -8,7 +8,7 @@ Inside a stage three things overlap, each with one owner:
 - the `Forward` handler (event loop) receives and decodes the next micro-batch,
 - the compute loop runs plans in arrival order on one executor thread (torch; on an emulated
   device, `--device emulated:PROFILE`, that thread sleeps the step time the profile predicts
-  instead: worker_svc/emulated.py),
+  instead: worker_svc/execution/emulated.py),
 - the sender (event loop, not on the last stage) encodes and writes hidden states
   downstream while the next micro-batch computes.
 With several stages started with `--feedback` (on the last), the last stage streams each
@@ -47,18 +47,18 @@ from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.settings import lora_modules
 from services.step import StepPlan
 from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
-from worker_svc.calibrate import describe_cpu
+from worker_svc.checkpoints.convert import dtype_to_pb, tensor_from_pb, tensor_to_pb
 from worker_svc.config import WorkerConfig
-from worker_svc.convert import dtype_to_pb, tensor_from_pb, tensor_to_pb
-from worker_svc.drafter import drafter_for
 from worker_svc.errors import InvalidPlanError, LoraNotLoadedError
-from worker_svc.lora import LoraBankFullError, bank_for, load_adapter
-from worker_svc.model import StageModel
-from worker_svc.progress import StageProgress
-from worker_svc.runner import StageResult, StageRunner
+from worker_svc.execution.drafter import drafter_for
+from worker_svc.execution.progress import StageProgress
+from worker_svc.execution.runner import StageResult, StageRunner
+from worker_svc.kernels.calibrate import describe_cpu
+from worker_svc.models.stage import StageModel
+from worker_svc.weights.lora import LoraBankFullError, bank_for, load_adapter
 
 if TYPE_CHECKING:
-    from worker_svc.emulated import EmulatedRunner
+    from worker_svc.execution.emulated import EmulatedRunner
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "pagoda.v1.StageWorker"
@@ -85,7 +85,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
     def __init__(self, config: WorkerConfig, runner: StageRunner | EmulatedRunner) -> None:
         self.config = config
         self.runner = runner
-        self.kv_sizing = None  # worker_svc.memory.KVSizing when the pool was sized from memory
+        self.kv_sizing = None  # worker_svc.execution.memory.KVSizing when the pool was sized from memory
         self.weights_bytes = runner.weights_bytes  # packed GGUF rows at their packed size; none emulated
         self.epoch = secrets.randbits(63) | 1  # a new id per process start; never 0
         self.started_ns = time.time_ns()
@@ -687,17 +687,17 @@ def _describe(exc: BaseException) -> str:
 def _load_runner(config: WorkerConfig):
     """(runner, how its pool was sized or None, its tensor-parallel group or None): the stage's
     weights loaded on its device, its KV pool sized and allocated."""
-    from worker_svc.cpu_kernels import keep_freed_memory
-    from worker_svc.device import default_attention_backend, resolve_device
-    from worker_svc.loader import load_stage
-    from worker_svc.memory import kv_pool_dtype, stage_pool
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.execution.device import default_attention_backend, resolve_device
+    from worker_svc.execution.memory import kv_pool_dtype, stage_pool
+    from worker_svc.kernels.cpu_kernels import keep_freed_memory
 
     torch.set_num_threads(config.resolved_num_threads)
     keep_freed_memory()
     device = resolve_device(config.device)
     group = None
     if config.tensor_parallel_size > 1:  # ranks 1..T-1 start now and load beside this one
-        from worker_svc.tensor_parallel import start_ranks
+        from worker_svc.execution.tensor_parallel import start_ranks
 
         group = start_ranks(config, device)
     model = load_stage(
@@ -729,10 +729,10 @@ def _load_runner(config: WorkerConfig):
 
 
 def _emulated_runner(config: WorkerConfig):
-    """The stage on an emulated device (worker_svc/emulated.py): config.json only, no weights,
+    """The stage on an emulated device (worker_svc/execution/emulated.py): config.json only, no weights,
     no KV tensors, no tensor-parallel ranks (the profile models them); one thread, for the
     zeros it hands on and the wire."""
-    from worker_svc.emulated import build_emulated_runner
+    from worker_svc.execution.emulated import build_emulated_runner
 
     torch.set_num_threads(1)
     return build_emulated_runner(config)

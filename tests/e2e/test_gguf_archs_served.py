@@ -16,7 +16,7 @@ from support.reference import HFReference
 from support.stack import start_serve
 
 from wiring.gguf_export import write_gguf
-from worker_svc.gguf_checkpoint import GGUFCheckpoint
+from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint
 
 PROMPTS = [[5, 17, 300, 2], list(range(40, 73)), list(range(100, 190)), [7] * 60]
 MAX_TOKENS = 10

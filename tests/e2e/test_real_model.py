@@ -35,7 +35,7 @@ def test_default_model_answers_the_capital_of_france(default_stack):
 
 
 def test_default_model_is_held_packed(default_stack, real_gguf):
-    from worker_svc.gguf_checkpoint import GGUFCheckpoint
+    from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint
 
     file_bytes = GGUFCheckpoint(real_gguf).tensor_bytes()
     memory = default_stack.get("/debug/memory")
@@ -102,10 +102,10 @@ def loaded_stages():
 def load_stages_once(loaded_stages, monkeypatch) -> None:
     """While `monkeypatch` lasts, `load_stage` (wiring.local_engine's and the drafter's)
     answers from `loaded_stages`, loading what it lacks."""
-    import worker_svc.drafter
-    import worker_svc.loader
+    import worker_svc.checkpoints.loader
+    import worker_svc.execution.drafter
 
-    load = worker_svc.loader.load_stage
+    load = worker_svc.checkpoints.loader.load_stage
 
     def cached(role):
         def load_stage(model_dir, stage=0, num_stages=1, **kwargs):
@@ -115,8 +115,8 @@ def load_stages_once(loaded_stages, monkeypatch) -> None:
             return loaded_stages[key]
         return load_stage
 
-    monkeypatch.setattr(worker_svc.loader, "load_stage", cached("target"))
-    monkeypatch.setattr(worker_svc.drafter, "load_stage", cached("draft"))
+    monkeypatch.setattr(worker_svc.checkpoints.loader, "load_stage", cached("target"))
+    monkeypatch.setattr(worker_svc.execution.drafter, "load_stage", cached("draft"))
 
 
 def run_engine(folder, prompts, pp, async_scheduling, blocks, spec):

@@ -29,10 +29,10 @@ from support.stack import children, start_serve
 from services.grpc_utils import aio_channel
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
 from wiring.launcher import MemorySetting, pagoda_command, stage_load_infos, start_stack
-from worker_svc.memory import kv_block_bytes
+from worker_svc.execution.memory import kv_block_bytes
 from worker_svc.models.registry import load_config
 
-RANK_MODULE = "worker_svc.tensor_parallel"
+RANK_MODULE = "worker_svc.execution.tensor_parallel"
 
 
 @pytest.fixture(scope="module")

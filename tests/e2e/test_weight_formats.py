@@ -21,7 +21,7 @@ from support.logits import all_logits
 from support.stack import start_serve
 
 from wiring.tiny_train import held_out_windows
-from worker_svc.loader import load_stage
+from worker_svc.checkpoints.loader import load_stage
 
 TEXT_WINDOWS, TEXT_LEN = 3, 160  # 160-row prefills: PACKED_GEMM_MIN_ROWS (128) and above
 # (name, served file or folder, extra flags, what /debug/memory reports, same-top bound); the

@@ -13,14 +13,14 @@ import torch
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
-triton_attention = pytest.importorskip("worker_svc.triton_attention")
+triton_attention = pytest.importorskip("worker_svc.kernels.triton_attention")
 if triton_attention.interpreting():
     pytest.skip("TRITON_INTERPRET=1: set TRITON_INTERPRET=0 to compile for the GPU",
                 allow_module_level=True)  # fmt: skip
 
 from unit.test_triton_attention import TOLERANCE, Case, make_batch  # noqa: E402
 
-from worker_svc.attention import TorchAttentionBackend  # noqa: E402
+from worker_svc.kernels.attention import TorchAttentionBackend  # noqa: E402
 
 CUDA = torch.device("cuda")
 # decodes over long contexts, chunks of several query tiles on top of cached context

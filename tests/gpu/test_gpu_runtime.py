@@ -16,9 +16,9 @@ from unit.test_fp8 import QUALITY_SPEC, quality_figures  # noqa: E402
 
 from wiring.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 from wiring.tiny_train import held_out_windows  # noqa: E402
-from worker_svc.device import check_dtype, default_attention_backend, resolve_device  # noqa: E402
-from worker_svc.loader import load_stage  # noqa: E402
-from worker_svc.quantization import Fp8Linear, scaled_mm_supported, weight_bytes  # noqa: E402
+from worker_svc.checkpoints.loader import load_stage  # noqa: E402
+from worker_svc.execution.device import check_dtype, default_attention_backend, resolve_device  # noqa: E402
+from worker_svc.weights.quantization import Fp8Linear, scaled_mm_supported, weight_bytes  # noqa: E402
 
 CUDA = torch.device("cuda", torch.cuda.current_device())
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 def private_cache_with_shared_kernels(folder: Path) -> Path:
     """`folder` made a cache root whose `kernels` is the shared cache's; returns it."""
-    from worker_svc.cpu_kernels import cache_dir
+    from worker_svc.kernels.cpu_kernels import cache_dir
 
     shared = cache_dir()
     shared.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,8 @@ import random
 from dataclasses import dataclass, field
 
 from services.step import CachedSeq, NewSeq, StepPlan
-from worker_svc.runner import StageRunner
-from worker_svc.sampler import SamplingParams
+from worker_svc.execution.runner import StageRunner
+from worker_svc.execution.sampler import SamplingParams
 
 
 @dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.attention import AttentionMetadata, TorchAttentionBackend
-from worker_svc.kv_cache import PagedKVCache
-from worker_svc.model import StageModel
+from worker_svc.execution.kv_cache import PagedKVCache
+from worker_svc.kernels.attention import AttentionMetadata, TorchAttentionBackend
+from worker_svc.models.stage import StageModel
 
 
 def all_logits(model: StageModel, seqs: list[list[int]], block_size: int = 16) -> torch.Tensor:

@@ -16,9 +16,9 @@ from support.archs import ARCH_CONFIGS, make_arch_model
 from support.reference import HFReference
 from test_model_equivalence import NEW_TOKENS, make_prompts, run_runtime
 
+from worker_svc.checkpoints.loader import load_stage
 from worker_svc.errors import CheckpointError
 from worker_svc.layers.rotary import RotaryEmbedding
-from worker_svc.loader import load_stage
 from worker_svc.models.registry import (
     ARCHITECTURES,
     BY_GGUF_NAME,
@@ -128,7 +128,7 @@ def test_max_model_len_is_the_architectures_own_field(references, arch):
 
 @pytest.mark.parametrize("arch", NEW_ARCHS)
 def test_native_decode_step_equals_the_module_path(references, arch):
-    """The one-call native decode step (worker_svc/fused_decode.py) takes the new
+    """The one-call native decode step (worker_svc/models/fused_decode.py) takes the new
     architectures' layers (q/k norms, sandwich norms, GELU-tanh, per-layer windows and
     rotary tables, Gemma 2's soft-capped scores) and computes what their modules compute
     (the torch path's soft-capping included), up to float rounding, on bfloat16 weights,
@@ -157,7 +157,7 @@ def test_a_phi3_adapter_of_its_fused_modules_equals_peft(references, tmp_path):
     from support.lora import make_adapter, merged_model, reference_logits
     from test_lora import MAX_RANK, Batch
 
-    from worker_svc.lora import LoraBank, LoraStep, load_adapter, token_slots
+    from worker_svc.weights.lora import LoraBank, LoraStep, load_adapter, token_slots
 
     folder = references("phi3")[0]
     adapter = make_adapter(folder, tmp_path / "adapter", r=4,

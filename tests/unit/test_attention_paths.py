@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker_svc.attention import AttentionMetadata, TorchAttentionBackend
+from worker_svc.kernels.attention import AttentionMetadata, TorchAttentionBackend
 
 
 def layout(chunks, block_size, num_blocks, seed=0):
@@ -88,7 +88,7 @@ def test_a_chunk_after_others_is_attended_in_query_tiles_under_the_mask_budget(m
     """Long context (issue 14): a later chunk's [queries, context] mask is built for a tile of
     queries at a time under MASK_BUDGET_BYTES; the tiles give the untiled result (to float
     rounding: SDPA blocks the work by the queries it is given)."""
-    import worker_svc.attention as attention
+    import worker_svc.kernels.attention as attention
 
     torch.manual_seed(1)
     chunks = [(21, 6), (40, 11), (9, 9)]

@@ -9,9 +9,9 @@ import torch
 from support.logits import all_logits
 
 from wiring.tiny_train import held_out_windows
-from worker_svc import packed
-from worker_svc.loader import load_stage
-from worker_svc.packed import PackedEmbedding, PackedLinear
+from worker_svc.checkpoints.loader import load_stage
+from worker_svc.weights import packed
+from worker_svc.weights.packed import PackedEmbedding, PackedLinear
 
 
 def lm_head(model) -> PackedLinear:

@@ -113,7 +113,7 @@ def test_large_steps_take_the_services_core_unless_threads_are_given(monkeypatch
     from services.sampling import SamplingParams
     from services.step import CachedSeq, NewSeq, StepPlan
     from worker_svc.config import WorkerConfig
-    from worker_svc.runner import LARGE_STEP_TOKENS
+    from worker_svc.execution.runner import LARGE_STEP_TOKENS
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert WorkerConfig(model="m").step_threads == (1, 2)
@@ -123,8 +123,8 @@ def test_large_steps_take_the_services_core_unless_threads_are_given(monkeypatch
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     assert WorkerConfig(model="m", num_stages=2, next_address="x:1").step_threads == (7, 8)
 
-    from worker_svc.loader import load_stage
-    from worker_svc.runner import StageRunner
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.execution.runner import StageRunner
 
     return_to = torch.get_num_threads()
     try:

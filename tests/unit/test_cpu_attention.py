@@ -1,4 +1,4 @@
-"""The native CPU kernels (worker_svc/csrc/paged_decode.c) against attention written from
+"""The native CPU kernels (worker_svc/kernels/csrc/paged_decode.c) against attention written from
 the definition and the torch rotary embedding, and the `cpu` backend's fallbacks."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.unit.test_attention_paths import CHUNKS, layout, naive
-from worker_svc import cpu_kernels
-from worker_svc.attention import CpuAttentionBackend, TorchAttentionBackend, get_backend
+from worker_svc.kernels import cpu_kernels
+from worker_svc.kernels.attention import CpuAttentionBackend, TorchAttentionBackend, get_backend
 from worker_svc.layers.rotary import RotaryEmbedding, rotate
 from worker_svc.model_config import RopeConfig
 

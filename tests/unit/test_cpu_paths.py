@@ -1,4 +1,4 @@
-"""The CPU's features and the paths chosen from them (worker_svc/cpu_features.py): no path
+"""The CPU's features and the paths chosen from them (worker_svc/kernels/cpu_features.py): no path
 needs a unit the CPU lacks. The products themselves are checked in a process started with
 an AVX2-only CPU's caps (the features masked as issue 34 says), whatever this CPU is."""
 
@@ -13,7 +13,7 @@ import textwrap
 import pytest
 from support.caches import private_cache_with_shared_kernels
 
-from worker_svc.cpu_features import CpuFeatures, CpuPaths
+from worker_svc.kernels.cpu_features import CpuFeatures, CpuPaths
 
 ZEN2 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"
 ZEN4 = ZEN2 + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
@@ -85,10 +85,10 @@ _MASKED = textwrap.dedent("""
     from torch import nn
     from torch.utils._python_dispatch import TorchDispatchMode
     torch.set_num_threads(1)
-    from worker_svc.cpu_features import cpu_features
-    from worker_svc.calibrate import cpu_paths
-    from worker_svc.packed import PackedLinear, pack_bfloat16
-    from worker_svc.quant_kernels import quant_kernels
+    from worker_svc.kernels.cpu_features import cpu_features
+    from worker_svc.kernels.calibrate import cpu_paths
+    from worker_svc.weights.packed import PackedLinear, pack_bfloat16
+    from worker_svc.kernels.quant_kernels import quant_kernels
 
     MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_mkldnn_linear", "mkldnn_linear"}
 

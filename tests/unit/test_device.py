@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker_svc.device import check_dtype, default_attention_backend, resolve_device
+from worker_svc.execution.device import check_dtype, default_attention_backend, resolve_device
 
 
 def test_cpu_and_default():

@@ -1,4 +1,4 @@
-"""The draft proposer of speculative decoding (worker_svc/drafter.py): its drafts are the
+"""The draft proposer of speculative decoding (worker_svc/execution/drafter.py): its drafts are the
 draft model's greedy continuation as `transformers` computes it, across rejections, a pool
 too small for every sequence, and the k / max_model_len edges."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from support.reference import HFReference
 
-from worker_svc.drafter import DraftBlockPool, DraftProposer
+from worker_svc.execution.drafter import DraftBlockPool, DraftProposer
 from worker_svc.models.registry import load_config
 
 DRAFT_SPEC = dict(arch="llama", num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=1, seed=1)

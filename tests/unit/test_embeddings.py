@@ -34,9 +34,9 @@ from services.step import NewSeq, PooledOutput, SampledToken, StepPlan, StepResu
 from services.step_codec import plan_from_pb, plan_to_pb, result_from_pb, result_to_pb
 from services.text import Tokenizer
 from wiring.local_engine import LLM, _collect, build_local_engine
-from worker_svc.batch import PersistentBatch, Row, SeqState, StageShape
 from worker_svc.errors import InvalidPlanError
-from worker_svc.pooler import normalized_bytes, pool, pool_positions
+from worker_svc.execution.batch import PersistentBatch, Row, SeqState, StageShape
+from worker_svc.execution.pooler import normalized_bytes, pool, pool_positions
 
 LAST, MEAN = PoolingType.LAST, PoolingType.MEAN
 

@@ -1,4 +1,4 @@
-"""The emulated device (`--device emulated:PROFILE`, worker_svc/emulated.py): a stage whose
+"""The emulated device (`--device emulated:PROFILE`, worker_svc/execution/emulated.py): a stage whose
 forward pass is a wait of the profile's step time and whose samples are pseudo-random.
 
 Step time per step shape, the wait spending no CPU, deterministic sampling per (seed,
@@ -20,9 +20,10 @@ from services.device_profile import DeviceProfile
 from services.pb import common_pb2, scheduler_pb2
 from services.sampling import SamplingParams
 from services.step import CachedSeq, NewSeq, PromptScoring, StepPlan
-from worker_svc.batch import Row, SeqState
 from worker_svc.config import WorkerConfig
-from worker_svc.emulated import (
+from worker_svc.errors import InvalidPlanError
+from worker_svc.execution.batch import Row, SeqState
+from worker_svc.execution.emulated import (
     NEVER_LOGPROB,
     EmulatedDistribution,
     EmulatedRunner,
@@ -33,7 +34,6 @@ from worker_svc.emulated import (
     compute_for,
     emulated_tensor_parallel_size,
 )
-from worker_svc.errors import InvalidPlanError
 from worker_svc.models.registry import read_config
 
 PROFILE = "a100-80gb-llama2-70b-tp8"

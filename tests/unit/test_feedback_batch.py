@@ -1,4 +1,4 @@
-"""The first stage's side of sampled-token feedback (worker_svc/batch.py): which steps wait
+"""The first stage's side of sampled-token feedback (worker_svc/execution/batch.py): which steps wait
 for a fed token, how fed tokens apply, and plan tokens that overlap fed ones."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from services.sampling import SamplingParams
 from services.step import CachedSeq, NewSeq, StepPlan
-from worker_svc.batch import PersistentBatch, StageShape
 from worker_svc.errors import InvalidPlanError
+from worker_svc.execution.batch import PersistentBatch, StageShape
 
 FIRST = StageShape(is_first=True, is_last=False, num_blocks=32, block_size=4, max_positions=512, vocab_size=100)
 GREEDY = SamplingParams(temperature=0.0)

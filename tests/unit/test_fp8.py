@@ -28,8 +28,14 @@ from support.logits import all_logits
 from torch import nn
 
 from wiring.tiny_train import held_out_windows
-from worker_svc.loader import load_stage
-from worker_svc.quantization import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_fp8, weight_bytes
+from worker_svc.checkpoints.loader import load_stage
+from worker_svc.weights.quantization import (
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Linear,
+    quantize_fp8,
+    weight_bytes,
+)
 
 QUALITY_SPEC = {"hidden_size": 256, "num_layers": 4}  # vocab 512, 4 heads, 2 KV heads
 NUM_PROMPTS, PROMPT_LEN = 32, 32

@@ -12,11 +12,11 @@ from support.reference import HFReference
 
 from services.text.tokenizer import Tokenizer
 from wiring.model_source import prepare_gguf
+from worker_svc.checkpoints.gguf_checkpoint import GGUF_SOURCE_FILE, GGUFCheckpoint
+from worker_svc.checkpoints.loader import load_stage
 from worker_svc.errors import CheckpointError
-from worker_svc.gguf_checkpoint import GGUF_SOURCE_FILE, GGUFCheckpoint
-from worker_svc.loader import load_stage
-from worker_svc.packed import PackedEmbedding, PackedLinear
-from worker_svc.quantization import weight_bytes
+from worker_svc.weights.packed import PackedEmbedding, PackedLinear
+from worker_svc.weights.quantization import weight_bytes
 
 # a unicode corpus: accents, CJK, emoji (several code points), right-to-left text, control
 # characters, runs of spaces and newlines, digits, code
@@ -199,7 +199,7 @@ def _decode_logits(model, steps: int = 6, batch: int = 3, kv_dtype: torch.dtype 
     backend (KV pools of `kv_dtype`)."""
     from services.sampling import SamplingParams
     from services.step import CachedSeq, NewSeq, StepPlan
-    from worker_svc.runner import StageRunner
+    from worker_svc.execution.runner import StageRunner
 
     runner = StageRunner(model, 64, 16, "cpu", kv_dtype=kv_dtype)
     g = torch.Generator().manual_seed(3)
@@ -229,7 +229,7 @@ def _decode_logits(model, steps: int = 6, batch: int = 3, kv_dtype: torch.dtype 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "BF16"])
 def test_native_decode_step_equals_the_module_path(gguf_factory, model_factory, qtype, kv_dtype):
-    """The one-call native decode step (worker_svc/fused_decode.py) computes what the layer
+    """The one-call native decode step (worker_svc/models/fused_decode.py) computes what the layer
     modules compute, up to float rounding, for packed and bfloat16-weight stages, over
     float32 or bfloat16 KV pools (`--kv-cache-dtype`)."""
     if qtype == "BF16":

@@ -5,7 +5,7 @@ not whole super-blocks) of a Llama, a Qwen3 and a Gemma 3, served at float32, gi
 greedy output of `transformers` reading the same file (the tie rule), at one and two stages.
 
 The Q4_K_M models' shapes are chosen so that llama.cpp and transformers read the file as
-one model (worker_svc/gguf_checkpoint.py's docstring): hidden 256 (whole super-blocks) and
+one model (worker_svc/checkpoints/gguf_checkpoint.py's docstring): hidden 256 (whole super-blocks) and
 intermediate 288 (ffn_down falls back), Qwen3's head size 128 and Gemma 3's 256 (=
 query_pre_attn_scalar), Gemma 3's twelve layers in llama.cpp's layout (every sixth global,
 window 48, shorter than most prompts).
@@ -24,12 +24,12 @@ from test_model_equivalence import NEW_TOKENS, make_prompts
 
 from wiring.gguf_export import gguf_tensor_name, write_gguf
 from wiring.model_source import prepare_gguf
-from worker_svc.gguf_checkpoint import GGUFCheckpoint
-from worker_svc.loader import load_stage
+from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint
+from worker_svc.checkpoints.loader import load_stage
+from worker_svc.execution.runner import StageRunner
+from worker_svc.execution.sampler import SamplingParams
 from worker_svc.models.registry import ARCHITECTURES, load_config
-from worker_svc.quantization import weight_bytes
-from worker_svc.runner import StageRunner
-from worker_svc.sampler import SamplingParams
+from worker_svc.weights.quantization import weight_bytes
 
 # what the small round-trip models change of ARCH_CONFIGS to be writable: llama.cpp's
 # attention scale (1 / sqrt(head size)) and Gemma 3's layout (every sixth layer global)

@@ -1,8 +1,8 @@
 """A Q4_K_M-style GGUF file (Q4_K and Q6_K tensors, with the Q5_0 and Q8_0 that llama.cpp
 writes for rows that are not whole 256-value super-blocks), written by the test itself
-(wiring/gguf_export.py with worker_svc/kquants_ref.py): served at float32 it equals
+(wiring/gguf_export.py with worker_svc/weights/kquants_ref.py): served at float32 it equals
 `transformers` reading the same file; at "auto" every tensor stays packed (the K-quants'
-and Q5_0's kernels, worker_svc/csrc/kquant_matmul.inc) and its output stays float32's."""
+and Q5_0's kernels, worker_svc/kernels/csrc/kquant_matmul.inc) and its output stays float32's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from support.reference import HFReference
 
 from wiring.gguf_export import tensor_type, write_gguf
 from wiring.model_source import prepare_gguf
-from worker_svc.loader import load_stage
+from worker_svc.checkpoints.loader import load_stage
 
 # hidden 256 (whole super-blocks), intermediate 288 (32-blocks only: ffn_down falls back)
 SPEC = {"arch": "llama", "hidden_size": 256, "intermediate_size": 288, "num_layers": 4}
@@ -100,11 +100,11 @@ def test_greedy_float32_equals_transformers_on_the_file(q4_k_m_of_each):
 
 def test_auto_keeps_the_kquants_packed(q4_k_m, caplog):
     """(Was: the K-quants dequantized at load. They have packed kernels now, issue 33.)"""
-    from worker_svc.gguf_checkpoint import GGUFCheckpoint
-    from worker_svc.packed import PackedEmbedding, PackedParts
-    from worker_svc.quantization import weight_bytes
+    from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint
+    from worker_svc.weights.packed import PackedEmbedding, PackedParts
+    from worker_svc.weights.quantization import weight_bytes
 
-    with caplog.at_level(logging.INFO, logger="worker_svc.loader"):
+    with caplog.at_level(logging.INFO, logger="worker_svc.checkpoints.loader"):
         stage = load_stage(prepare_gguf(q4_k_m))  # dtype auto
     assert "dequantized to float32 at load" not in caplog.text
     layers = stage.model.layers

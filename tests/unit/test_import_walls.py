@@ -151,3 +151,31 @@ def test_services_import_no_other_service_internals_and_only_wiring_imports_seve
                    if m.startswith("gateway") for t in ts)
     assert not any(t.startswith("scheduler_svc") for m, ts in graph.items()
                    if m.startswith("worker_svc") for t in ts)
+
+
+# ------------------------------------------------------------------- the stage worker's floors
+# worker_svc/ shows its parts (docs/architecture.md "Floors"): the base modules, then kernels,
+# weight formats, the layers, the models (architectures and the stage's model), checkpoints,
+# the execution of steps, and the service on top; none imports a floor above its own.
+WORKER_FLOORS = {"worker_svc.errors": 0, "worker_svc.config": 0, "worker_svc.model_config": 0,
+                 "worker_svc.kernels": 1, "worker_svc.weights": 2, "worker_svc.layers": 3, "worker_svc.models": 4,
+                 "worker_svc.checkpoints": 5, "worker_svc.execution": 6, "worker_svc.server": 7}
+
+
+def _worker_floor(module: str) -> int:
+    parts = module.split(".")
+    name = ".".join(parts[:2])
+    assert name in WORKER_FLOORS or module == "worker_svc", f"{module}: in no floor of worker_svc"
+    return WORKER_FLOORS.get(name, 0)
+
+
+def test_the_stage_worker_floors_import_only_downwards():
+    graph = _import_graph()
+    upward = [f"{m} -> {t}" for m, targets in graph.items() if m.startswith("worker_svc.")
+              for t in targets if t.startswith("worker_svc.") and _worker_floor(t) > _worker_floor(m)]
+    assert upward == []
+
+
+def test_the_stage_worker_keeps_no_flat_module_outside_its_floors():
+    flat = sorted(p.stem for p in (ROOT / "worker_svc").glob("*.py") if p.stem != "__init__")
+    assert flat == ["config", "errors", "model_config", "server"]

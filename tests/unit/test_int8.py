@@ -1,6 +1,6 @@
 """int8 weight-only quantization (`quantization="int8"`, CPU): one scale per output channel,
 held in Q8_0's block layout so the native VNNI / AVX2 kernels and the one-call decode step
-serve it (worker_svc/quantization.py). Quality against the unquantized model on the trained
+serve it (worker_svc/weights/quantization.py). Quality against the unquantized model on the trained
 tiny model, as tests/unit/test_fp8.py measures fp8."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from test_fp8 import quality_figures
 from torch import nn
 
 from wiring.tiny_train import held_out_windows
-from worker_svc.loader import load_stage
-from worker_svc.packed import PackedLinear
-from worker_svc.quant_kernels import dequantize
-from worker_svc.quantization import quantize_int8_rows, weight_bytes
+from worker_svc.checkpoints.loader import load_stage
+from worker_svc.kernels.quant_kernels import dequantize
+from worker_svc.weights.packed import PackedLinear
+from worker_svc.weights.quantization import quantize_int8_rows, weight_bytes
 
 
 def test_quantize_int8_rows_one_scale_per_output_channel():

@@ -1,6 +1,6 @@
 """The native kernels of the K-quants (Q2_K ... Q6_K) and Q5_0/Q5_1 (csrc/kquant_matmul.inc,
 csrc/quant_matmul.c) against float64 products of the dequantized weights
-(worker_svc/kquants.py, itself bit-equal to the `gguf` package), on every ISA path this CPU
+(worker_svc/kernels/kquants.py, itself bit-equal to the `gguf` package), on every ISA path this CPU
 runs, at both activation precisions.
 
 Tolerances (as tests/unit/test_quant_kernels.py's):
@@ -20,9 +20,9 @@ import functools
 import pytest
 import torch
 
-from worker_svc import quant_kernels as qk
-from worker_svc.kquants import KQUANT_TYPES, dequantize
-from worker_svc.kquants_ref import quantize
+from worker_svc.kernels import quant_kernels as qk
+from worker_svc.kernels.kquants import KQUANT_TYPES, dequantize
+from worker_svc.weights.kquants_ref import quantize
 
 KERNELS = qk.quant_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="native kernels unavailable (no C compiler?)")
@@ -213,7 +213,7 @@ def test_scratch_covers_every_type() -> None:
 
 
 def test_packed_linear_refuses_rows_not_whole_super_blocks() -> None:
-    from worker_svc.packed import PackedLinear
+    from worker_svc.weights.packed import PackedLinear
 
     with pytest.raises(ValueError, match=r"Q4_K weight \[3, 288\]"):
         PackedLinear(torch.zeros(3, 144, dtype=torch.uint8), "Q4_K", 288)
@@ -223,7 +223,7 @@ def test_packed_linear_refuses_rows_not_whole_super_blocks() -> None:
 def test_concat_of_different_types_is_parts_side_by_side(rows: int) -> None:
     """q/k in Q4_K and v in Q6_K (a Q4_K_M file's layer): `concat` gives a PackedParts whose
     product is the three products side by side, biases included; same-type runs are stacked."""
-    from worker_svc.packed import PackedLinear, PackedParts
+    from worker_svc.weights.packed import PackedLinear, PackedParts
 
     K = 512
     specs = (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32), ("Q5_0", 8))

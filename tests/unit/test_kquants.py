@@ -1,4 +1,4 @@
-"""GGUF K-quants and Q5_0/Q5_1 (worker_svc/kquants.py, worker_svc/kquants_ref.py): the
+"""GGUF K-quants and Q5_0/Q5_1 (worker_svc/kernels/kquants.py, worker_svc/weights/kquants_ref.py): the
 dequantizers equal the `gguf` package's numpy ones bit for bit, on random valid blocks and
 on the reference quantizers' blocks; rows that are not whole blocks are refused; each
 quantizer's round trip is within its bit width's bound."""
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker_svc.kquants import KQUANT_TYPES, dequantize, row_bytes
-from worker_svc.kquants_ref import quantize
+from worker_svc.kernels.kquants import KQUANT_TYPES, dequantize, row_bytes
+from worker_svc.weights.kquants_ref import quantize
 
 TYPES = list(KQUANT_TYPES)
 # the byte ranges of each type's fp16 fields (d, and dmin or m), within a block

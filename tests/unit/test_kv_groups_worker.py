@@ -27,12 +27,12 @@ from support.reference import HFReference
 from services.kv_layout import NULL_PAGE, first_needed_block, kv_layout
 from services.sampling import SamplingParams
 from services.step import CachedSeq, NewSeq, StepPlan
-from worker_svc.attention import TorchAttentionBackend, get_backend
-from worker_svc.attention_metadata import paged_layout
+from worker_svc.checkpoints.loader import load_stage
 from worker_svc.errors import InvalidPlanError
-from worker_svc.kv_cache import PagedKVCache
-from worker_svc.loader import load_stage
-from worker_svc.runner import StageRunner
+from worker_svc.execution.kv_cache import PagedKVCache
+from worker_svc.execution.runner import StageRunner
+from worker_svc.kernels.attention import TorchAttentionBackend, get_backend
+from worker_svc.kernels.attention_metadata import paged_layout
 
 WINDOW, BLOCK, CHUNK = 8, 4, 7
 S, F = "sliding_attention", "full_attention"
@@ -409,7 +409,7 @@ def test_grouped_plans_are_checked_entry_by_entry(gemma):
 
 
 def test_memory_counts_pages_of_the_slots_a_stage_uses(gemma):
-    from worker_svc.memory import _profile_step, kv_block_bytes, size_kv_pool
+    from worker_svc.execution.memory import _profile_step, kv_block_bytes, size_kv_pool
 
     model = load_stage(gemma[0], 0, 2, dtype="float32")  # layers 0..3: slots 0 and 1
     layout = model.kv_layout
@@ -424,7 +424,7 @@ def test_memory_counts_pages_of_the_slots_a_stage_uses(gemma):
 
 
 def test_tensor_parallel_ranks_get_every_groups_tables():
-    from worker_svc.tensor_parallel import step_from_payload, step_payload
+    from worker_svc.execution.tensor_parallel import step_from_payload, step_payload
 
     rows = [(3, 4, [(1, 2, 3)]), (0, 6, [(4, 5, 6), (7, NULL_PAGE, 9)])]
     for metadata, _ in (paged_layout(rows, BLOCK, "cpu", num_groups=3),

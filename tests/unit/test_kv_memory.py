@@ -11,7 +11,7 @@ import torch
 
 from wiring.flags import byte_size, fraction
 from wiring.launcher import MemorySetting, pool_from_stages
-from worker_svc.memory import blocks_that_fit, kv_block_bytes, size_kv_pool
+from worker_svc.execution.memory import blocks_that_fit, kv_block_bytes, size_kv_pool
 
 # the tiny model's shape (wiring.tiny_model defaults): 4 layers, hidden 64, 4 heads of 16,
 # 2 KV heads, SwiGLU 176, vocabulary 512, untied embeddings
@@ -31,7 +31,7 @@ def test_blocks_that_fit():
 
 @pytest.fixture(scope="module")
 def stages(model_factory):
-    from worker_svc.loader import load_stage
+    from worker_svc.checkpoints.loader import load_stage
 
     model_dir = model_factory(arch="llama")
     return [load_stage(model_dir, k, 2, None, "float32", torch.device("cpu")) for k in (0, 1)]
@@ -85,8 +85,8 @@ def test_the_pool_is_the_smallest_stage_and_a_shortfall_says_what_would_fit():
 
 
 def test_the_profile_counts_what_a_chunk_late_in_a_long_context_adds():
-    from worker_svc.attention import MASK_BUDGET_BYTES
-    from worker_svc.memory import context_extra_bytes
+    from worker_svc.execution.memory import context_extra_bytes
+    from worker_svc.kernels.attention import MASK_BUDGET_BYTES
 
     gathered = 2 * 131072 * KVH * HD * 4  # one layer's K and V for the whole context, float32
     # gathered, SDPA's copy, its expansion to every query head; the mask tile and its float copy
@@ -98,7 +98,7 @@ def test_a_fixed_pool_given_with_a_memory_setting_is_checked_against_it(stages, 
     """As compose runs the stages: every service gets one PAGODA_NUM_KV_BLOCKS, and a memory
     setting makes each stage check at start that those blocks fit."""
     from worker_svc.config import WorkerConfig
-    from worker_svc.memory import stage_pool
+    from worker_svc.execution.memory import stage_pool
 
     model = stages[1]
     block = kv_block_bytes(model.num_local_layers, 16, KVH, HD, torch.float32)
@@ -114,7 +114,7 @@ def test_a_fixed_pool_given_with_a_memory_setting_is_checked_against_it(stages, 
 
 
 def test_a_container_memory_limit_caps_the_total(tmp_path):
-    from worker_svc.memory import cgroup_memory_limit
+    from worker_svc.execution.memory import cgroup_memory_limit
 
     assert cgroup_memory_limit(tmp_path) is None  # no cgroup files: no limit
     (tmp_path / "memory.max").write_text("max\n")

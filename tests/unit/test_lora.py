@@ -1,4 +1,4 @@
-"""Multi-LoRA on the stage side (worker_svc/lora.py): one forward over a batch that mixes
+"""Multi-LoRA on the stage side (worker_svc/weights/lora.py): one forward over a batch that mixes
 tokens of three PEFT adapters and of the base model gives, row by row, the logits of peft's
 merged model under transformers; a pipeline split and a tensor-parallel split give the
 whole model's; a step with no adapter tokens is bit for bit the step without a bank.
@@ -16,11 +16,12 @@ import pytest
 import torch
 from support.lora import make_adapter, merged_model, reference_logits
 
-from worker_svc.attention import AttentionMetadata, TorchAttentionBackend
+from worker_svc.checkpoints.loader import load_stage, shard_dim
 from worker_svc.errors import CheckpointError
-from worker_svc.kv_cache import PagedKVCache
-from worker_svc.loader import load_stage, shard_dim
-from worker_svc.lora import (
+from worker_svc.execution.kv_cache import PagedKVCache
+from worker_svc.kernels.attention import AttentionMetadata, TorchAttentionBackend
+from worker_svc.models.stage import StageModel
+from worker_svc.weights.lora import (
     LORA_TARGETS,
     SHARD_DIMS,
     LoraBank,
@@ -30,7 +31,6 @@ from worker_svc.lora import (
     module_shape,
     token_slots,
 )
-from worker_svc.model import StageModel
 
 MAX_RANK = 16
 BLOCK_SIZE = 4

@@ -13,7 +13,7 @@ from support.penalties import check_greedy, processed
 from scheduler_svc.core.request import SamplingOptions
 from wiring.local_engine import LLM
 from worker_svc.errors import InvalidPlanError
-from worker_svc.sampler import (
+from worker_svc.execution.sampler import (
     Sampler,
     SampleRow,
     SamplingParams,
@@ -185,7 +185,7 @@ def test_the_wire_carries_penalties_bias_and_history():
     from scheduler_svc.core.request import sampling_params
     from services.step import NewSeq, StepPlan
     from services.step_codec import plan_from_pb, plan_to_pb
-    from worker_svc.batch import PersistentBatch, StageShape
+    from worker_svc.execution.batch import PersistentBatch, StageShape
 
     o = options({"presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.5,
                  "logit_bias": {3: -100.0, 9: 2.5}})

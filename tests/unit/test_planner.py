@@ -16,8 +16,8 @@ from scheduler_svc.core.planner import Planner, PlannerConfig
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestState, SamplingOptions
 from services.step import SampledToken
-from worker_svc.batch import PersistentBatch, StageShape
 from worker_svc.errors import InvalidPlanError
+from worker_svc.execution.batch import PersistentBatch, StageShape
 
 
 def next_token(tokens: list[int]) -> int:

@@ -97,8 +97,8 @@ def test_a_cached_prompt_is_still_scored_whole(model_dir, hf_llama):
 
 
 def test_malformed_scoring_is_refused(model_dir):
-    from worker_svc.loader import load_stage
-    from worker_svc.runner import StageRunner
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.execution.runner import StageRunner
 
     runner = StageRunner(load_stage(model_dir), 16, 4)
 

@@ -91,7 +91,7 @@ def test_format_names_map_to_load_options() -> None:
 
 
 def test_window_logits_equal_transformers(model_factory, hf_llama) -> None:
-    from worker_svc.loader import load_stage
+    from worker_svc.checkpoints.loader import load_stage
 
     torch.set_num_threads(1)
     model = load_stage(model_factory(arch="llama"), dtype="float32")
@@ -121,7 +121,7 @@ def test_llama_cpp_logits_line_up_with_pagoda_on_the_same_file(gguf_factory, tmp
     from pathlib import Path
 
     from wiring.model_source import prepare_gguf
-    from worker_svc.loader import load_stage
+    from worker_svc.checkpoints.loader import load_stage
 
     torch.set_num_threads(1)
     path = Path(gguf_factory("Q8_0", arch="llama"))

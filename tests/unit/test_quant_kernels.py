@@ -1,4 +1,4 @@
-"""The native quantized and bfloat16 matmul kernels (worker_svc/quant_kernels.py,
+"""The native quantized and bfloat16 matmul kernels (worker_svc/kernels/quant_kernels.py,
 csrc/quant_matmul.c) against float64 references, on every ISA path this CPU runs (the AVX2
 and portable paths run on an AVX-512 host too); the pure-torch `dequantize` against gguf-py.
 
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker_svc import quant_kernels as qk
+from worker_svc.kernels import quant_kernels as qk
 
 gguf = pytest.importorskip("gguf")
 
@@ -201,7 +201,7 @@ def test_packed_prefill_gemm_matches_float64(qtype: str) -> None:
     """A packed layer's product from PACKED_GEMM_MIN_ROWS rows: weights dequantized to
     bfloat16, x rounded to bfloat16, oneDNN's GEMM accumulating in float32: within
     2^-8 of sum |x| |w| of the float64 product of the file's weights (both roundings 2^-9)."""
-    from worker_svc.packed import PACKED_GEMM_MIN_ROWS, PackedLinear
+    from worker_svc.weights.packed import PACKED_GEMM_MIN_ROWS, PackedLinear
 
     N, K = 100, 576
     blocks, w = weights(qtype, N, K)

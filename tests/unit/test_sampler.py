@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from worker_svc.errors import InvalidPlanError
-from worker_svc.sampler import (
+from worker_svc.execution.sampler import (
     Sampler,
     SampleRow,
     SamplingParams,

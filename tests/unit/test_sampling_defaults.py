@@ -128,7 +128,7 @@ def test_a_missing_or_bad_generation_config_folder_is_refused(tiny, tmp_path):
 
 
 def test_the_gguf_marker_is_the_one_the_stages_write():
-    from worker_svc.gguf_checkpoint import GGUF_SOURCE_FILE as WRITTEN
+    from worker_svc.checkpoints.gguf_checkpoint import GGUF_SOURCE_FILE as WRITTEN
 
     assert GGUF_SOURCE_FILE == WRITTEN
 

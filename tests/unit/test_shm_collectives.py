@@ -1,4 +1,4 @@
-"""Shared-memory collectives of a stage's tensor-parallel ranks (worker_svc/shm_collectives.py):
+"""Shared-memory collectives of a stage's tensor-parallel ranks (worker_svc/execution/shm_collectives.py):
 two ranks (threads here, processes in the stack) reduce many tensors of mixed shapes and
 dtypes in a row, reusing the alternating buffers, and get the same bits as each other and as
 the sum in rank order; a step's inputs travel through the payload area; a missing peer is a
@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from worker_svc import shm_collectives
-from worker_svc.shm_collectives import SLOT_BYTES, ShmCollectives
+from worker_svc.execution import shm_collectives
+from worker_svc.execution.shm_collectives import SLOT_BYTES, ShmCollectives
 
 pytestmark = pytest.mark.skipif(not shm_collectives.available(), reason="needs x86-64 and /dev/shm")
 

@@ -22,7 +22,7 @@ from scheduler_svc.core.speculation import Drafts
 from services.sampling import SamplingParams
 from services.speculative import SpeculativeConfig
 from wiring.local_engine import build_local_engine
-from worker_svc.sampler import Sampler, SampleRow
+from worker_svc.execution.sampler import Sampler, SampleRow
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 
@@ -190,9 +190,9 @@ def test_speculative_config_reads_vllms_json():
 def test_verify_fields_cross_the_wire_and_bad_ones_are_refused(model_dir):
     from services.step import CachedSeq, NewSeq, StepPlan
     from services.step_codec import plan_from_pb, plan_to_pb
+    from worker_svc.checkpoints.loader import load_stage
     from worker_svc.errors import InvalidPlanError
-    from worker_svc.loader import load_stage
-    from worker_svc.runner import StageRunner
+    from worker_svc.execution.runner import StageRunner
 
     plan = StepPlan(3, (), (CachedSeq(1, 3, 1, draft_token_ids=(7, 8)), CachedSeq(2, 1, 1, start=5),
                             CachedSeq(4, 1, 2)))

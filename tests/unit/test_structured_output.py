@@ -1,6 +1,6 @@
 """Structured output below the HTTP layer: the constraint type and its limits, the grammar
 check both front doors share (`services.grammar`), the step codec, and the last stage's
-sampler masking logits with llguidance matchers (`worker_svc.structured`)."""
+sampler masking logits with llguidance matchers (`worker_svc.execution.structured`)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from services.sampling import MAX_CHOICES, MAX_STRUCTURED_CHARS, SamplingParams,
 from services.sampling_pb import options_to_pb as sampling_params_to_pb
 from services.sampling_pb import params_from_pb as sampling_params_from_pb
 from services.text import Tokenizer
-from worker_svc.sampler import Sampler, SampleRow
-from worker_svc.structured import GrammarBank
+from worker_svc.execution.sampler import Sampler, SampleRow
+from worker_svc.execution.structured import GrammarBank
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_a_sampler_without_grammars_refuses_a_constraint(vocab):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["native", "torch"])
 @pytest.mark.parametrize("vocab_size", [8192, 1000, 31])
 def test_applying_a_bitmask_natively_equals_unpacking_it(dtype, vocab_size):
-    from worker_svc.structured import _unpack
+    from worker_svc.execution.structured import _unpack
 
     g = torch.Generator().manual_seed(vocab_size)
     words = -(-vocab_size // 32)

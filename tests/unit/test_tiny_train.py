@@ -13,7 +13,7 @@ from support.logits import all_logits
 
 from wiring.tiny_model import TinyModelSpec, make_tiny_model
 from wiring.tiny_train import TrainingRecipe, held_out_windows, text_token_ids, train_tiny_model
-from worker_svc.loader import load_stage
+from worker_svc.checkpoints.loader import load_stage
 
 
 def tensor_dtypes(model_dir) -> dict[str, str]:

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from services.step import CachedSeq, NewSeq, StepPlan
-from worker_svc.attention import AttentionMetadata, TorchAttentionBackend, get_backend
-from worker_svc.loader import load_stage
-from worker_svc.runner import StageRunner
-from worker_svc.sampler import SamplingParams
+from worker_svc.checkpoints.loader import load_stage
+from worker_svc.execution.runner import StageRunner
+from worker_svc.execution.sampler import SamplingParams
+from worker_svc.kernels.attention import AttentionMetadata, TorchAttentionBackend, get_backend
 
-triton_attention = pytest.importorskip("worker_svc.triton_attention")
+triton_attention = pytest.importorskip("worker_svc.kernels.triton_attention")
 DEVICE = torch.device(
     os.environ.get("PAGODA_TEST_DEVICE") or ("cpu" if triton_attention.interpreting() else "cuda")
 )

@@ -1,5 +1,5 @@
 """The attention block: q/k/v products, optional per-head q/k RMSNorm (Qwen3, Gemma 3),
-rotary, the K/V write to the paged pools, paged attention (worker_svc/attention.py's
+rotary, the K/V write to the paged pools, paged attention (worker_svc/kernels/attention.py's
 backends: window and logit soft-capping as the layer's options) and o_proj.
 
 Shapes: `T` tokens in the flattened batch, `H` query heads, `Hkv` KV heads, `D` head dim.
@@ -13,17 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.attention import AttentionBackend, AttentionMetadata
+from worker_svc.kernels.attention import AttentionBackend, AttentionMetadata
 from worker_svc.layers.linear import fuse_linears
 from worker_svc.layers.norm import RMSNorm, rms_norm
 from worker_svc.layers.rotary import rotate
 from worker_svc.model_config import ModelConfig
-from worker_svc.packed import PackedLinear
+from worker_svc.weights.packed import PackedLinear
 
-if TYPE_CHECKING:  # worker_svc.lora imports the loader, which imports the model
-    from worker_svc.lora import LoraLayer
+if TYPE_CHECKING:  # worker_svc.weights.lora imports the loader, which imports the model
+    from worker_svc.weights.lora import LoraLayer
 
-_QKV = ("q_proj", "k_proj", "v_proj")  # worker_svc.lora.QKV_TARGETS
+_QKV = ("q_proj", "k_proj", "v_proj")  # worker_svc.weights.lora.QKV_TARGETS
 
 
 class Attention(nn.Module):
@@ -55,7 +55,7 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         *,
-        lora: LoraLayer | None = None,  # the step's adapters at this layer (worker_svc/lora.py)
+        lora: LoraLayer | None = None,  # the step's adapters at this layer (worker_svc/weights/lora.py)
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         if self.qkv is not None or self.qkv_packed is not None:  # one product

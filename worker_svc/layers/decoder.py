@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from worker_svc.attention import AttentionBackend, AttentionMetadata
+from worker_svc.kernels.attention import AttentionBackend, AttentionMetadata
 from worker_svc.layers.attention import Attention
 from worker_svc.layers.mlp import MLP
 from worker_svc.layers.norm import RMSNorm, rms_norm
 from worker_svc.model_config import ModelConfig
 
-if TYPE_CHECKING:  # worker_svc.lora imports the loader, which imports the model
-    from worker_svc.lora import LoraLayer
+if TYPE_CHECKING:  # worker_svc.weights.lora imports the loader, which imports the model
+    from worker_svc.weights.lora import LoraLayer
 
 
 class DecoderLayer(nn.Module):
@@ -40,7 +40,7 @@ class DecoderLayer(nn.Module):
 
     @property
     def native_decode(self) -> bool:
-        """Whether the native decode step (worker_svc/fused_decode.py) computes this layer:
+        """Whether the native decode step (worker_svc/models/fused_decode.py) computes this layer:
         it computes every option of worker_svc/layers/ (pre-norm or sandwich, SiLU or
         GELU-tanh, q/k norms, windows, rotary tables, soft-capped scores)."""
         return True

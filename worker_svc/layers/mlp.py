@@ -11,12 +11,12 @@ from torch import nn
 
 from worker_svc.layers.linear import fuse_linears
 from worker_svc.model_config import ModelConfig
-from worker_svc.packed import PackedLinear
+from worker_svc.weights.packed import PackedLinear
 
-if TYPE_CHECKING:  # worker_svc.lora imports the loader, which imports the model
-    from worker_svc.lora import LoraLayer
+if TYPE_CHECKING:  # worker_svc.weights.lora imports the loader, which imports the model
+    from worker_svc.weights.lora import LoraLayer
 
-_GATE_UP = ("gate_proj", "up_proj")  # worker_svc.lora.GATE_UP_TARGETS
+_GATE_UP = ("gate_proj", "up_proj")  # worker_svc.weights.lora.GATE_UP_TARGETS
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 

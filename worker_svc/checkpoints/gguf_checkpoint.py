@@ -9,7 +9,7 @@ rest of the worker uses:
   its GGUF tensor names and metadata keys beyond Llama's).
 - `tensor(name)`: the tensor a Hugging Face parameter name stands for, as a `GGUFTensor`:
   block-quantized types stay in their blocks, `uint8 [rows, row_bytes]`: Q8_0, Q4_0, Q4_1
-  (served packed) and the K-quants Q2_K-Q6_K with Q5_0 and Q5_1 (worker_svc/kquants.py:
+  (served packed) and the K-quants Q2_K-Q6_K with Q5_0 and Q5_1 (worker_svc/kernels/kquants.py:
   dequantized at load for now); F32, F16 and BF16 come as tensors of their type.
   llama.cpp's converter permutes the rows of Llama's q and k projections (its rotary
   embedding pairs neighbouring elements, the Hugging Face one pairs the halves of a head);
@@ -49,10 +49,10 @@ import numpy as np
 import torch
 
 from worker_svc.errors import CheckpointError
-from worker_svc.kquants import KQUANT_TYPES
-from worker_svc.kquants import dequantize as dequantize_kquant
+from worker_svc.kernels.kquants import KQUANT_TYPES
+from worker_svc.kernels.kquants import dequantize as dequantize_kquant
+from worker_svc.kernels.quant_kernels import dequantize as dequantize_packed
 from worker_svc.models.registry import architecture_of_gguf
-from worker_svc.quant_kernels import dequantize as dequantize_packed
 
 # A GGUF file is served from a folder prepared for it (wiring/model_source.py): the
 # config.json and tokenizer files every service reads, and this file naming the GGUF whose
@@ -60,7 +60,7 @@ from worker_svc.quant_kernels import dequantize as dequantize_packed
 GGUF_SOURCE_FILE = "gguf_source.json"
 
 # ggml type id -> (name, elements per block, bytes per block) of the types served packed (the
-# native kernels multiply them as stored: worker_svc/quant_kernels.py)
+# native kernels multiply them as stored: worker_svc/kernels/quant_kernels.py)
 PACKED_TYPES: dict[int, tuple[str, int, int]] = {
     8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
     **{tid: (name, block, size) for name, (tid, block, size) in KQUANT_TYPES.items()},
@@ -103,7 +103,7 @@ class GGUFTensor:
 
     @property
     def packed(self) -> bool:
-        """Whether the native kernels multiply this block type as it is (worker_svc/packed.py)."""
+        """Whether the native kernels multiply this block type as it is (worker_svc/weights/packed.py)."""
         return any(self.qtype == name for name, _, _ in PACKED_TYPES.values())
 
     @property

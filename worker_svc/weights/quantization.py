@@ -2,7 +2,7 @@
 
 `int8` (CPU): weight-only int8 with one scale per output channel (`scale = amax(|row|) / 127`,
 rounded to float16), held in GGUF's Q8_0 block layout with every block of a row carrying
-the row's scale, so the native VNNI / AVX2 kernels of worker_svc/quant_kernels.py multiply it
+the row's scale, so the native VNNI / AVX2 kernels of worker_svc/kernels/quant_kernels.py multiply it
 (activations quantized per 32-block to int16, or int8 with `PAGODA_PACKED_ACT_BITS=8`) and
 the one-call decode step serves it. The repeated scale costs 2 bytes per 32 weights (8.5
 bits a weight instead of 8). The same layers as fp8 are quantized; the LM head and the
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.config import QUANTIZATION_METHODS
-from worker_svc.packed import PackedLinear
+from worker_svc.weights.packed import PackedLinear
 
 INT8_MAX = 127
 FP8_DTYPE = torch.float8_e4m3fn

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from services.pooling import Embedding
 from services.step import PooledOutput
-from worker_svc.batch import Row
+from worker_svc.execution.batch import Row
 
 
 def pool_positions(rows: list[Row]) -> tuple[list[Row], list[int]]:

@@ -89,7 +89,7 @@ class GrammarBank:
         """Disallowed tokens of `logits` ([rows, vocab] float32, rows contiguous) to -inf, in
         place; natively on the CPU when the kernels are built (0.1 ms for 32 x 8,192 against
         1.6 ms unpacking the bits with torch)."""
-        from worker_svc.cpu_kernels import paged_decode
+        from worker_svc.kernels.cpu_kernels import paged_decode
 
         kernel = paged_decode() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
         if kernel is not None and logits.stride(1) == 1:

@@ -15,7 +15,7 @@ contiguous, each row K / 32 blocks of 32 weights along K, as GGUF stores them:
     Q5_0 (type 6, 22 bytes), Q5_1 (type 7, 24 bytes): Q4_0 / Q4_1 with a fifth bit per
                             value (qh, 32 bits), w = d * (q - 16) / d * q + m
 
-row_bytes = K / 32 * block bytes. The K-quants (types 10-14, worker_svc/kquants.py has their
+row_bytes = K / 32 * block bytes. The K-quants (types 10-14, worker_svc/kernels/kquants.py has their
 layouts) hold 256-value super-blocks, so their rows must be whole super-blocks (K % 256 == 0,
 a ValueError naming the weight's shape otherwise; llama.cpp writes other rows in Q5_0, Q8_0
 and the like). bfloat16 weights are torch's bfloat16 [N, K].
@@ -53,7 +53,7 @@ with the same contract: exact for the quantized activations up to float32 roundi
 < 1.2e-7 of sum |x| |w|), and within sum over blocks of d_x / 2 * sum |w| of the float32
 activations, d_x now a 256-block's (tests/unit/test_kquant_kernels.py). A prefill of many
 rows may instead dequantize (`dequantize_f32` / `dequantize_bf16`, every type, bit for bit
-as `dequantize`) for a GEMM, as worker_svc/packed.py does.
+as `dequantize`) for a GEMM, as worker_svc/weights/packed.py does.
 
 bfloat16 weights are widened to float32 and multiplied with the float32 x by FMA,
 accumulated in float32 (~1e-7 of sum |x| |w|): the default. `bf16_dot=True` uses AVX-512
@@ -88,9 +88,9 @@ from pathlib import Path
 
 import torch
 
-from worker_svc import cpu_kernels, kquants
-from worker_svc.cpu_features import cpu_features
-from worker_svc.kquants import KQUANT_TYPES
+from worker_svc.kernels import cpu_kernels, kquants
+from worker_svc.kernels.cpu_features import cpu_features
+from worker_svc.kernels.kquants import KQUANT_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -408,7 +408,7 @@ class QuantKernels:
         """The weights of `w` (uint8 [N, row_bytes], Q8_0/Q4_0/Q4_1) as bfloat16 [N, K]:
         `dequantize(w, qtype, K)` rounded to bfloat16 (nearest even), bit for bit, in one
         native pass (rows split over the threads). For a prefill's products on oneDNN's
-        bfloat16 GEMM (worker_svc/packed.py)."""
+        bfloat16 GEMM (worker_svc/weights/packed.py)."""
         return self._dequantize(w, qtype, K, out, torch.bfloat16)
 
     def dequantize_f32(self, w: torch.Tensor, qtype: str, K: int, out: torch.Tensor | None = None

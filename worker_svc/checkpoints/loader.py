@@ -17,14 +17,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from worker_svc.cpu_features import cpu_features
+from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint, GGUFTensor, gguf_source
 from worker_svc.errors import CheckpointError
-from worker_svc.gguf_checkpoint import GGUFCheckpoint, GGUFTensor, gguf_source
-from worker_svc.model import StageModel
+from worker_svc.kernels.cpu_features import cpu_features
 from worker_svc.model_config import DTYPE_NAMES, ModelConfig
 from worker_svc.models.registry import architecture_of_model, load_config
-from worker_svc.packed import PackedEmbedding, PackedLinear, pack_bfloat16
-from worker_svc.quantization import check_quantization, quantize_model, weight_bytes
+from worker_svc.models.stage import StageModel
+from worker_svc.weights.packed import PackedEmbedding, PackedLinear, pack_bfloat16
+from worker_svc.weights.quantization import check_quantization, quantize_model, weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def resolve_dtype(name: str, config: ModelConfig, device: str | torch.device = "
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU has BF16 units (AVX-512 BF16 or AMX), as its ISA caps leave it
-    (worker_svc/cpu_features.py)."""
+    (worker_svc/kernels/cpu_features.py)."""
     return cpu_features().bf16_units
 
 
@@ -142,7 +142,7 @@ def load_stage(
     tensor is read as a slice of the checkpoint's. Ranks other than 0 of the last stage hold
     no final norm or LM head (rank 0 alone computes the logits). `quantization="fp8"`
     quantizes the linear layers' weights once they are loaded (see
-    worker_svc/quantization.py); the stage's weight bytes are logged either way.
+    worker_svc/weights/quantization.py); the stage's weight bytes are logged either way.
     """
     check_quantization(quantization)
     model_dir = Path(model_dir)
@@ -303,7 +303,7 @@ def load_gguf_stage(
 
     `dtype="auto"` keeps the file's own types: Q8_0/Q4_0/Q4_1, Q5_0/Q5_1 and the K-quants
     Q2_K-Q6_K (a Q4_K_M file's mix; and BF16) linear weights and the token embedding stay
-    packed (worker_svc/packed.py; `GGUFTensor.packed`), norms and F32 tensors float32, F16
+    packed (worker_svc/weights/packed.py; `GGUFTensor.packed`), norms and F32 tensors float32, F16
     ones widened to float32; activations are float32. A block type without packed kernels
     would be dequantized to float32 (logged); none is left. A float dtype dequantizes every
     tensor to it at load (float32: the exact path, the weights `transformers` reads from the

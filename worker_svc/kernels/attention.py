@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker_svc.attention_metadata import AttentionBackend, AttentionMetadata
 from worker_svc.config import ATTENTION_BACKENDS
+from worker_svc.kernels.attention_metadata import AttentionBackend, AttentionMetadata
 
 # the most a prefill chunk's attention mask may take (its queries go in tiles under it)
 MASK_BUDGET_BYTES = 64 << 20
@@ -206,7 +206,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        from worker_svc.cpu_kernels import paged_decode
+        from worker_svc.kernels.cpu_kernels import paged_decode
 
         self.kernel = paged_decode()
 
@@ -237,7 +237,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                    v_pool: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> bool:
         """Rotate q and k of the fused `qkv` rows in place and write K/V to the pools, in
         one native call; False (nothing done) when the kernel or the layouts do not allow
-        it, and the caller does it with torch (worker_svc/model.py)."""
+        it, and the caller does it with torch (worker_svc/models/stage.py)."""
         if (self.kernel is None or qkv.device.type != "cpu" or not qkv.is_contiguous()
                 or not qkv.dtype == cos.dtype == sin.dtype == torch.float32
                 or k_pool.dtype not in KV_POOL_DTYPES or v_pool.dtype != k_pool.dtype
@@ -319,7 +319,7 @@ def get_backend(name: str) -> AttentionBackend:
     if name == "triton":
         # Imported only when chosen: importing triton fixes interpreter vs compiled mode.
         try:
-            from worker_svc.triton_attention import TritonAttentionBackend
+            from worker_svc.kernels.triton_attention import TritonAttentionBackend
         except ImportError as exc:
             raise ValueError(f"attention backend 'triton' needs the triton package: {exc}") from exc
         return TritonAttentionBackend()

@@ -13,10 +13,10 @@ the rows that are sampled only), and gives pooling requests the final norm's out
 (`forward_pooled`). Parameter names equal the checkpoint's tensor names
 (`model.layers.3.self_attn.q_proj.weight`), so loading is a name lookup.
 Shapes: `T` tokens in the flattened batch, `H` query heads, `Hkv` KV heads, `D` head dim.
-With tensor parallelism (worker_svc/tensor_parallel.py) a rank's model is built from its
+With tensor parallelism (worker_svc/execution/tensor_parallel.py) a rank's model is built from its
 share of the config (`ModelConfig.shard`): H/t heads, Hkv/t KV heads, intermediate/t MLP
 columns; each layer sums the ranks' o_proj and down_proj outputs (`reduce`).
-A step with tokens of LoRA adapters (worker_svc/lora.py) passes `lora`: each layer adds the
+A step with tokens of LoRA adapters (worker_svc/weights/lora.py) passes `lora`: each layer adds the
 adapters' low-rank deltas to its products' outputs, per group of tokens; a step without
 runs as it would with no adapters loaded (the native decode step included).
 KV groups (services/kv_layout.py): the model's layout follows from its layers' windows
@@ -35,16 +35,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.kv_layout import KVLayout
-from worker_svc.attention import AttentionBackend, AttentionMetadata
-from worker_svc.fused_decode import FusedDecoder
+from worker_svc.kernels.attention import AttentionBackend, AttentionMetadata
 from worker_svc.layers.norm import RMSNorm
 from worker_svc.layers.rotary import RotaryEmbedding
 from worker_svc.model_config import ModelConfig
+from worker_svc.models.fused_decode import FusedDecoder
 from worker_svc.models.registry import architecture_of_model
-from worker_svc.packed import PackedEmbedding, PackedLinear
+from worker_svc.weights.packed import PackedEmbedding, PackedLinear
 
-if TYPE_CHECKING:  # worker_svc.lora imports the loader, which imports this module
-    from worker_svc.lora import LoraStep
+if TYPE_CHECKING:  # worker_svc.weights.lora imports the loader, which imports this module
+    from worker_svc.weights.lora import LoraStep
 
 class _Body(nn.Module):
     """Holds what the checkpoint calls `model.*` for this stage."""
@@ -161,7 +161,7 @@ class StageModel(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None = None,  # rows to sample, last stage only
         *,
-        lora: LoraStep | None = None,  # the step's adapter per token (worker_svc/lora.py)
+        lora: LoraStep | None = None,  # the step's adapter per token (worker_svc/weights/lora.py)
     ) -> torch.Tensor:
         """Returns hidden states [T, hidden], or on the last stage logits [len(logits_indices), vocab]."""
         h = self._layers(inputs, positions, kv_pools, metadata, backend, lora=lora)
@@ -180,7 +180,7 @@ class StageModel(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # rows to sample
-        pool_indices: torch.Tensor,  # rows pooling requests pool (worker_svc/pooler.py)
+        pool_indices: torch.Tensor,  # rows pooling requests pool (worker_svc/execution/pooler.py)
         *,
         lora: LoraStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ import torch
 
 from services.sampling import GREEDY_TEMPERATURE, SamplingParams, is_int
 from worker_svc.errors import InvalidPlanError
-from worker_svc.structured import GrammarBank
+from worker_svc.execution.structured import GrammarBank
 
 _MASK32 = 0xFFFFFFFF
 _MAX_SEED = 2**64 - 1
@@ -540,7 +540,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value, the lowest on ties (and NaN counted largest), as
     `argmax` gives it; on the CPU in float32 through the native kernel when it is built (torch's
     argmax does not vectorise: 0.55 ms for 64 x 8,192 against 0.05 ms)."""
-    from worker_svc.cpu_kernels import paged_decode
+    from worker_svc.kernels.cpu_kernels import paged_decode
 
     kernel = paged_decode() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     if kernel is None or logits.shape[1] == 0:

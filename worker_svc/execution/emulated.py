@@ -2,7 +2,7 @@
 
 An `EmulatedRunner` stands where a `StageRunner` stands, in the stage's servicer and in the
 in-process engine. It receives and validates plans, keeps the persistent batch and its block
-tables (`worker_svc.batch`), hands hidden states of the model's real size to the next stage
+tables (`worker_svc.execution.batch`), hands hidden states of the model's real size to the next stage
 (zeros, in the configured dtype), and on the last stage samples, feeds tokens back and
 reports timings as any stage does. What it does not do:
 
@@ -43,14 +43,14 @@ import torch
 
 from services.sampling import SamplingParams
 from services.step import PooledOutput, PositionLogprobs, ScoredPrompt, StepPlan
-from worker_svc.batch import PersistentBatch, Row, SeqState, StageShape
 from worker_svc.config import EMULATED_PREFIX, WorkerConfig
-from worker_svc.memory import kv_block_bytes
+from worker_svc.execution.batch import PersistentBatch, Row, SeqState, StageShape
+from worker_svc.execution.memory import kv_block_bytes
+from worker_svc.execution.pooler import normalized_bytes
+from worker_svc.execution.runner import StageResult, check_stage_inputs
+from worker_svc.execution.sampler import SamplerOutput, row_key
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.registry import load_config
-from worker_svc.pooler import normalized_bytes
-from worker_svc.runner import StageResult, check_stage_inputs
-from worker_svc.sampler import SamplerOutput, row_key
 
 if TYPE_CHECKING:
     from services.device_profile import DeviceProfile
@@ -164,7 +164,7 @@ def _log(p: float) -> float:
 class EmulatedSampler:
     """Draws each sampled row's token without logits, deterministically per (seed, choice,
     output position), hashed through the real sampler's counter-based key
-    (`worker_svc.sampler.row_key`). The seed is the sequence's entropy seed (drawn from its
+    (`worker_svc.execution.sampler.row_key`). The seed is the sequence's entropy seed (drawn from its
     request id and choice at admission); a request with a seed (`SamplingParams.seed`) uses
     that seed mixed with a fingerprint of its prompt (`seed_of`), so that it draws the same
     tokens on every run while requests that share a seed but not a prompt do not (a load
@@ -374,7 +374,7 @@ def build_emulated_runner(config: WorkerConfig, sleep: Callable[[float], None] =
     A profile of this machine's CPU (`host_compute`) computes for the step's time instead of
     sleeping (`compute_for`)."""
     from services.device_profile import load_profile
-    from worker_svc.loader import partition_layers, resolve_dtype
+    from worker_svc.checkpoints.loader import partition_layers, resolve_dtype
 
     spec = config.emulated_profile
     if spec is None:

@@ -13,7 +13,7 @@ rank runs its layers with the row-parallel outputs (o_proj, down_proj) summed by
 all-reduce. Ranks other than 0 of the last stage stop after the layers: rank 0 alone
 computes logits and samples.
 
-Transport: on the CPU, shared memory for what fits (worker_svc/shm_collectives.py: the
+Transport: on the CPU, shared memory for what fits (worker_svc/execution/shm_collectives.py: the
 all-reduces of decode-sized tensors and each step's inputs; gloo tells the others a step
 has come and carries what is larger); on CUDA the all-reduces and hidden states go over
 NCCL and the step's integer layout over gloo. Two groups: the one that carries
@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from services.kv_layout import KVLayout
-from worker_svc.attention import AttentionMetadata
 from worker_svc.config import WorkerConfig
+from worker_svc.kernels.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +129,9 @@ class TensorParallelGroup:
         self.shm = self._shared_memory() if device.type == "cpu" else None
 
     def _shared_memory(self):
-        """The ranks' shared memory (worker_svc/shm_collectives.py), or None where any rank
+        """The ranks' shared memory (worker_svc/execution/shm_collectives.py), or None where any rank
         cannot have it (then everything goes through gloo)."""
-        from worker_svc import shm_collectives
+        from worker_svc.execution import shm_collectives
 
         shm = None
         try:
@@ -289,7 +289,7 @@ def start_ranks(config: WorkerConfig, device: torch.device) -> TensorParallelGro
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     processes = []
     for rank in range(1, size):
-        command = [sys.executable, "-m", "worker_svc.tensor_parallel", "--rank", str(rank),
+        command = [sys.executable, "-m", "worker_svc.execution.tensor_parallel", "--rank", str(rank),
                    "--store-port", str(store.port), "--config", config.to_json()]
         if split:
             command += ["--cpus", ",".join(map(str, cores[rank * threads:(rank + 1) * threads]))]
@@ -339,11 +339,11 @@ class _StartWatch:
 def follow(config: WorkerConfig, rank: int, store_port: int) -> None:
     """Ranks 1..T-1: load this rank's share, agree on the pool, then run each step rank 0
     sends until the stage ends."""
-    from worker_svc.cpu_kernels import keep_freed_memory
-    from worker_svc.device import default_attention_backend, resolve_device
-    from worker_svc.kv_cache import PagedKVCache
-    from worker_svc.loader import load_stage
-    from worker_svc.memory import stage_pool
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.execution.device import default_attention_backend, resolve_device
+    from worker_svc.execution.kv_cache import PagedKVCache
+    from worker_svc.execution.memory import stage_pool
+    from worker_svc.kernels.cpu_kernels import keep_freed_memory
 
     torch.set_num_threads(config.resolved_num_threads)
     keep_freed_memory()
@@ -355,13 +355,13 @@ def follow(config: WorkerConfig, rank: int, store_port: int) -> None:
                        tp_size=config.tensor_parallel_size)
     model.set_reduce(group.all_reduce)
     backend_name = config.attention_backend or default_attention_backend(device)
-    from worker_svc.attention import get_backend
+    from worker_svc.kernels.attention import get_backend
 
     backend = get_backend(backend_name)
     layout = group.share_layout(None, model.kv_layout)  # rank 0's
     num_blocks, _ = stage_pool(config, model, backend, group, layout)
     mc = model.config
-    from worker_svc.memory import kv_pool_dtype
+    from worker_svc.execution.memory import kv_pool_dtype
 
     dtype = next(model.parameters()).dtype
     kv = PagedKVCache(model.num_local_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from services.kv_layout import KVLayout
-from worker_svc.quantization import weight_bytes
+from worker_svc.weights.quantization import weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def peak_above(device: torch.device, fn: Callable[[], object]) -> int:
 def _give_back_freed_memory() -> None:
     """glibc's malloc_trim: free heap pages back to the system, so that what the profile step
     allocates shows in the resident set (the stages keep freed memory otherwise:
-    worker_svc.cpu_kernels.keep_freed_memory)."""
+    worker_svc.kernels.cpu_kernels.keep_freed_memory)."""
     import ctypes
 
     try:
@@ -164,7 +164,7 @@ def context_extra_bytes(max_model_len: int, num_heads: int, num_kv_heads: int, h
     contiguous copy of them and its expansion to every query head (grouped-query attention),
     and the chunk's mask tile (boolean, and SDPA's float copy), which attention keeps under
     its budget."""
-    from worker_svc.attention import MASK_BUDGET_BYTES
+    from worker_svc.kernels.attention import MASK_BUDGET_BYTES
 
     gathered = 2 * max_model_len * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     return gathered * 2 + gathered * num_heads // num_kv_heads + MASK_BUDGET_BYTES + MASK_BUDGET_BYTES // 4
@@ -278,7 +278,7 @@ def _profile_step(model, block_size: int, backend, num_tokens: int, kv_dtype,
     With KV groups each block position takes a page of every sub-group."""
     from services.sampling import SamplingParams
     from services.step import NewSeq, StepPlan
-    from worker_svc.runner import StageRunner
+    from worker_svc.execution.runner import StageRunner
 
     num_blocks = -(-num_tokens // block_size)
     groups = 1 if layout is None else layout.num_groups

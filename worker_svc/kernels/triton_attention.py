@@ -1,6 +1,6 @@
 """Triton paged attention: the GPU implementation of `AttentionBackend`.
 
-Same contract as `TorchAttentionBackend` (see worker_svc/attention.py): a flattened batch
+Same contract as `TorchAttentionBackend` (see worker_svc/kernels/attention.py): a flattened batch
 mixing decode tokens and prefill chunks, each sequence's query rows attending causally
 within its chunk and fully over its cached context (or the last `sliding_window` tokens),
 with grouped-query attention, K/V read straight out of the paged pools
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from worker_svc.attention_metadata import AttentionMetadata
+from worker_svc.kernels.attention_metadata import AttentionMetadata
 
 # Context tokens per inner-loop step. 32 keeps a head-dim-128 program's K and V tiles, their
 # float32 copies and two pipeline stages well inside the shared memory of any CUDA GPU

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.cpu_features import cpu_features, march
+from worker_svc.kernels.cpu_features import cpu_features, march
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-# -march: `native`, or the level an ISA cap leaves (worker_svc/cpu_features.py: an AVX2-only CPU
+# -march: `native`, or the level an ISA cap leaves (worker_svc/kernels/cpu_features.py: an AVX2-only CPU
 # emulated on a wider one compiles no instruction the narrower one lacks)
 CFLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-std=c11",
           "-shared", "-fPIC")
@@ -103,7 +103,7 @@ class PagedDecodeKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released during calls
-        self.lib = lib  # (worker_svc/fused_decode.py calls its kernels from C)
+        self.lib = lib  # (worker_svc/models/fused_decode.py calls its kernels from C)
         fn = lib.pagoda_paged_decode_f32
         fn.restype = ctypes.c_int
         fn.argtypes = [_PTR] * 7 + [_I64] * 9 + [_F32, _I64, _F32]

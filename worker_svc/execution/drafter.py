@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.attention import AttentionBackend, AttentionMetadata, get_backend
-from worker_svc.attention_metadata import paged_layout
-from worker_svc.kv_cache import PagedKVCache
-from worker_svc.loader import TORCH_DTYPES, load_stage
+from worker_svc.checkpoints.loader import TORCH_DTYPES, load_stage
+from worker_svc.execution.kv_cache import PagedKVCache
+from worker_svc.kernels.attention import AttentionBackend, AttentionMetadata, get_backend
+from worker_svc.kernels.attention_metadata import paged_layout
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ import os
 
 import torch
 
-from worker_svc.attention import AttentionMetadata
-from worker_svc.packed import BF16_GEMM_MIN_ROWS, PackedLinear, PackedParts
-from worker_svc.quant_kernels import GGML_TYPES, KERNEL_TYPES
+from worker_svc.kernels.attention import AttentionMetadata
+from worker_svc.kernels.quant_kernels import GGML_TYPES, KERNEL_TYPES
+from worker_svc.weights.packed import BF16_GEMM_MIN_ROWS, PackedLinear, PackedParts
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def enabled() -> bool:
 
 @functools.cache
 def _library():
-    from worker_svc.cpu_kernels import SOURCE, build
+    from worker_svc.kernels.cpu_kernels import SOURCE, build
 
     lib = ctypes.CDLL(str(build(source=SOURCE.with_name("decode_layers.c"))))
     lib.pagoda_decode_layers.restype = ctypes.c_int
@@ -141,8 +141,8 @@ class FusedDecoder:
 
     @classmethod
     def for_model(cls, model) -> FusedDecoder | None:
-        from worker_svc.cpu_kernels import paged_decode
-        from worker_svc.quant_kernels import quant_kernels
+        from worker_svc.kernels.cpu_kernels import paged_decode
+        from worker_svc.kernels.quant_kernels import quant_kernels
 
         if not enabled() or not model.model.layers:
             return None

@@ -1,4 +1,4 @@
-"""This process's CPU paths (`cpu_paths()`, chosen once from worker_svc/cpu_features.py), and
+"""This process's CPU paths (`cpu_paths()`, chosen once from worker_svc/kernels/cpu_features.py), and
 the start-up calibration of the one choice the CPU's features do not settle: without BF16
 units, is a packed (Q4_1 / Q8_0 / Q4_0) prefill product faster on the native integer kernels
 or dequantized to float32 on the float32 GEMM? (On an EPYC of family 25 model 17 capped to AVX2, one thread, 128
@@ -22,9 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker_svc.cpu_features import PATHS_ENV, CpuFeatures, CpuPaths, cpu_features
-from worker_svc.cpu_kernels import cache_dir
-from worker_svc.quant_kernels import quant_kernels
+from worker_svc.kernels.cpu_features import PATHS_ENV, CpuFeatures, CpuPaths, cpu_features
+from worker_svc.kernels.cpu_kernels import cache_dir
+from worker_svc.kernels.quant_kernels import quant_kernels
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What every attention backend shares: the step's batch layout and the backend interface.
 
-`AttentionMetadata` describes a flattened, variable-length batch (see `worker_svc/attention.py`);
+`AttentionMetadata` describes a flattened, variable-length batch (see `worker_svc/kernels/attention.py`);
 `AttentionBackend` is the two methods each backend implements (the torch and CPU backends in
 attention.py, the Triton one in triton_attention.py). Apart from the backends so that none of
 them imports another.

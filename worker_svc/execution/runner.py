@@ -3,7 +3,7 @@
 `execute(plan, hidden)` validates the whole plan before touching any state, applies the
 plan's releases and block copies, runs the stage's layers over the flattened batch, and
 returns either the hidden states for the next stage or, on the last stage, the sampled
-tokens (and the vectors of pooling sequences: worker_svc/pooler.py). It owns its tensors;
+tokens (and the vectors of pooling sequences: worker_svc/execution/pooler.py). It owns its tensors;
 callers run it from one thread.
 
 KV groups (services/kv_layout.py): given the model's grouped layout (`layout`, what the KV
@@ -30,17 +30,17 @@ from services.step import (
     StepResult,
     TokenLogprobs,
 )
-from worker_svc.attention import AttentionBackend, AttentionMetadata, get_backend
-from worker_svc.attention_metadata import entry_table, paged_layout
-from worker_svc.batch import PersistentBatch, Row, StageShape
 from worker_svc.errors import InvalidPlanError, LoraNotLoadedError
-from worker_svc.kv_cache import PagedKVCache
-from worker_svc.lora import LoraBank, LoraStep, token_slots
-from worker_svc.model import StageModel
-from worker_svc.pooler import pool, pool_positions
-from worker_svc.quantization import weight_bytes
-from worker_svc.sampler import Sampler, SamplerOutput, SampleRow
-from worker_svc.structured import GrammarBank
+from worker_svc.execution.batch import PersistentBatch, Row, StageShape
+from worker_svc.execution.kv_cache import PagedKVCache
+from worker_svc.execution.pooler import pool, pool_positions
+from worker_svc.execution.sampler import Sampler, SamplerOutput, SampleRow
+from worker_svc.execution.structured import GrammarBank
+from worker_svc.kernels.attention import AttentionBackend, AttentionMetadata, get_backend
+from worker_svc.kernels.attention_metadata import entry_table, paged_layout
+from worker_svc.models.stage import StageModel
+from worker_svc.weights.lora import LoraBank, LoraStep, token_slots
+from worker_svc.weights.quantization import weight_bytes
 
 
 @dataclass
@@ -110,10 +110,10 @@ class StageRunner:
         # after each step it proposes the next drafts of the sequences sampled
         self.drafter = drafter
         # multi-LoRA (--enable-lora): the adapters this stage holds for its layers; a step's
-        # rows of adapters get their low-rank products (worker_svc/lora.py)
+        # rows of adapters get their low-rank products (worker_svc/weights/lora.py)
         self.lora = lora
         self._lora_step: LoraStep | None = None  # the step being run's
-        # rank 0 of a tensor-parallel stage (worker_svc.tensor_parallel.TensorParallelGroup):
+        # rank 0 of a tensor-parallel stage (worker_svc.execution.tensor_parallel.TensorParallelGroup):
         # each step's model inputs go to the other ranks first
         self.tp = tp
         # (small, large): torch threads for steps under / from LARGE_STEP_TOKENS tokens

@@ -1,4 +1,4 @@
-"""Reference quantizers for worker_svc/kquants.py's types: float32 rows [N, K] -> GGUF
+"""Reference quantizers for worker_svc/kernels/kquants.py's types: float32 rows [N, K] -> GGUF
 blocks uint8 [N, row_bytes], following llama.cpp's quantize_row_*_ref (no importance
 matrix), so that tests and `export-gguf` make their own K-quant files.
 
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker_svc.kquants import QK_K, block_layout, check_row_length
+from worker_svc.kernels.kquants import QK_K, block_layout, check_row_length
 
 _F32 = torch.float32
 _GROUP_MAX_EPS = 1e-15  # llama.cpp's threshold for an all-zero group

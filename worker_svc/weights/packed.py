@@ -2,12 +2,12 @@
 K-quants Q2_K ... Q6_K) or bfloat16.
 
 `PackedLinear` holds the packed rows (`uint8 [out, row_bytes]`, see
-worker_svc/quant_kernels.py for the block layouts; a K-quant's rows must be whole 256-value
+worker_svc/kernels/quant_kernels.py for the block layouts; a K-quant's rows must be whole 256-value
 super-blocks, a ValueError naming the weight's shape otherwise). A product of at least
 `PACKED_GEMM_MIN_ROWS` rows (a prefill) dequantizes the weights in one native pass for a
 GEMM: bfloat16 and oneDNN's bfloat16 GEMM on a CPU with BF16 units, else float32 and the
 float32 GEMM, or the integer kernels where a start-up calibration found them faster
-(worker_svc/cpu_features.py: never a bfloat16 GEMM without BF16 units, which emulates
+(worker_svc/kernels/cpu_features.py: never a bfloat16 GEMM without BF16 units, which emulates
 it at a fraction of float32's rate); smaller ones (decode steps) multiply in the packed
 form with the native kernels: activations quantized per 32-element block to int16
 (default) or int8 (llama.cpp's method, `PAGODA_PACKED_ACT_BITS=8`), integer dot products on
@@ -20,11 +20,11 @@ way, int16 or int8 as above); on the tiny Q4_K_M test file the logits stay withi
 the file's float32 dequantization and every greedy token equals it
 (tests/unit/test_gguf_kquants.py). `PackedLinear.concat` of layers of different types (a
 Q4_K_M file's Q4_K q/k with a Q6_K v) gives a `PackedParts`: one product per run of one type
-into one output, which the native decode step runs as a chain (worker_svc/fused_decode.py).
+into one output, which the native decode step runs as a chain (worker_svc/models/fused_decode.py).
 `PackedEmbedding` dequantizes only the rows it looks up, and serves as the tied LM head
 (`as_linear`).
 
-Weights are persistent buffers, so `weight_bytes()` (worker_svc/quantization.py) counts
+Weights are persistent buffers, so `weight_bytes()` (worker_svc/weights/quantization.py) counts
 their packed size; activations and outputs are float32.
 """
 
@@ -36,8 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.calibrate import cpu_paths
-from worker_svc.quant_kernels import KERNEL_TYPES, check_row_length, dequantize, quant_kernels
+from worker_svc.kernels.calibrate import cpu_paths
+from worker_svc.kernels.quant_kernels import (
+    KERNEL_TYPES,
+    check_row_length,
+    dequantize,
+    quant_kernels,
+)
 
 PACKED_QTYPES = KERNEL_TYPES  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K ... Q6_K
 # bfloat16 weights: above this many rows a product runs as oneDNN's bfloat16 GEMM (activations
@@ -166,7 +171,7 @@ class PackedParts(PackedLinear):
     """Linears of different packed types side by side: `parts` are runs of one type each (a
     `PackedLinear.concat` of consecutive layers of that type), their outputs laid out in
     order. `qweight` holds no rows of its own (the parts hold them); `qtype` names the parts'
-    types joined by "+". The native decode step (worker_svc/fused_decode.py) takes the parts
+    types joined by "+". The native decode step (worker_svc/models/fused_decode.py) takes the parts
     as a chain of products into one output."""
 
     def __init__(self, parts: list[PackedLinear]) -> None:

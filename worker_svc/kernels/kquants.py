@@ -1,7 +1,7 @@
 """GGUF's K-quants (Q2_K ... Q6_K) and the 5-bit 32-blocks (Q5_0, Q5_1): dequantizers in
 torch ops over all blocks at once, and reference quantizers that make valid blocks (for
 tests and `export-gguf`). The packed kernels' own types (Q8_0, Q4_0, Q4_1) are in
-worker_svc/quant_kernels.py; these are, for now, dequantized at load.
+worker_svc/kernels/quant_kernels.py; these are, for now, dequantized at load.
 
 Layouts (ggml-common.h). A weight matrix of N rows and K inputs is uint8 [N, row_bytes],
 each row K / block blocks laid end to end; fp16 values little-endian.

@@ -1,0 +1,1 @@
+"""Reading checkpoints into a stage: folders of safetensors, GGUF files, and the conversions between them."""
