@@ -9,6 +9,7 @@ from functools import partial
 from scheduler_svc.core.queue import POLICIES
 from services import settings as shared
 from services.defaults import MAX_MODEL_LEN
+from services.kv_layout import entries_that_fit, parse_spec
 from services.settings import Setting, uses
 from services.speculative import SpeculativeConfig
 
@@ -115,8 +116,16 @@ SETTINGS = shared.settings_of(SchedulerConfig, shared.HOST, shared.PORT, KVCACHE
                               shared.READY_FILE, shared.INTERNAL_TOKEN)
 
 
-def kv_capacity_line(num_blocks: int, block_size: int, max_model_len: int) -> str:
-    """What the pool holds, as vLLM logs it at start."""
+def kv_capacity_line(num_blocks: int, block_size: int, max_model_len: int, kv_groups: str = "",
+                     chunk_tokens: int = 0) -> str:
+    """What the pool holds, as vLLM logs it at start; with KV groups (services/kv_layout.py)
+    its pages, and the longest context one sequence can hold (its sliding sub-groups holding
+    their window, one prefill chunk of `chunk_tokens` at a time)."""
+    if kv_groups:
+        windows = parse_spec(kv_groups)
+        longest = entries_that_fit(num_blocks, windows, block_size, chunk_tokens) * block_size
+        return (f"KV cache: {num_blocks} pages in {len(windows)} KV groups (windows {kv_groups}), up to "
+                f"{longest} tokens for one sequence; max_model_len {max_model_len}")
     tokens = num_blocks * block_size
     return (f"KV cache: {num_blocks} blocks, {tokens} tokens, max concurrency "
             f"{tokens / max_model_len:.2f}x at max_model_len {max_model_len}")

@@ -36,7 +36,7 @@ from scheduler_svc.core.request import FinishReason, Request, RequestState
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.observer import EngineObserver, Outcome
 from services.admission import Limits, admit, admit_pooling
-from services.kv_layout import parse_spec
+from services.kv_layout import entries_that_fit, parse_spec
 from services.pooling import Embedding
 from services.step import StepPlan, StepResult
 
@@ -56,7 +56,16 @@ def admission_limits(config: SchedulerConfig, vocab_size: int) -> Limits:
     `Engine.submit`: the context, the model's vocabulary (0 until a stage reports it: not
     checked), max_num_seqs choices, the KV pool."""
     return Limits(max_model_len=config.max_model_len, vocab_size=vocab_size, max_n=config.max_num_seqs,
-                  num_kv_blocks=config.num_kv_blocks or 0, block_size=config.block_size)
+                  num_kv_blocks=kv_entries(config), block_size=config.block_size)
+
+
+def kv_entries(config: SchedulerConfig) -> int:
+    """The KV pool in block positions one sequence can hold (with KV groups, pages are
+    shared out among the sub-groups: services/kv_layout.py); 0 when not known yet."""
+    pages = config.num_kv_blocks or 0
+    if not pages or not config.kv_groups:
+        return pages
+    return entries_that_fit(pages, parse_spec(config.kv_groups), config.block_size, config.max_num_batched_tokens)
 
 
 # --- what transports report -----------------------------------------------------------

@@ -406,7 +406,8 @@ async def serve(
     log.info("scheduler serving on %s:%d (stages %s, KV %s)", host, bound, stage_addresses, kv_address)
     cfg = engine.config
     if cfg.num_kv_blocks:
-        log.info("%s", kv_capacity_line(cfg.num_kv_blocks, cfg.block_size, cfg.max_model_len))
+        log.info("%s", kv_capacity_line(cfg.num_kv_blocks, cfg.block_size, cfg.max_model_len, cfg.kv_groups,
+                                        cfg.max_num_batched_tokens))
     stop = asyncio.Event()
     tasks = [asyncio.create_task(_track_health(engine, health, stop))]
     if metrics_port is not None:

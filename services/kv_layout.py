@@ -129,3 +129,18 @@ def entries_of(flat: Sequence[int], groups: int) -> tuple:
     if len(flat) % groups:
         raise ValueError(f"{len(flat)} page ids are not whole entries of {groups}")
     return tuple(tuple(flat[i:i + groups]) for i in range(0, len(flat), groups))
+
+
+def entries_that_fit(num_pages: int, windows: Sequence[int], block_size: int, chunk_tokens: int) -> int:
+    """The most table entries (block positions) one sequence can hold in a pool of `num_pages`
+    pages at once: what a request is admitted against. Full sub-groups hold a page of every
+    entry; a sliding one at most the entries its window and one prefill chunk of
+    `chunk_tokens` span (a chunk's pages are all held while it is computed)."""
+    full = sum(1 for w in windows if not w)
+    sliding = [w for w in windows if w]
+    if not sliding:
+        return num_pages // max(1, full)
+    span = max(-(-(w - 1 + chunk_tokens) // block_size) + 1 for w in sliding)
+    if num_pages // len(windows) < span:
+        return num_pages // len(windows)
+    return (num_pages - len(sliding) * span) // full

@@ -14,8 +14,9 @@ worker_svc/models/registry.py:
   (`gguf_permuted_qk`: Llama, Mistral); Gemma's norms (every `*norm.weight`, q/k norms too)
   written as 1 + w (`gguf_norm_offset_stored`); Phi-3's fused `qkv_proj`/`gate_up_proj` as
   its `attn_qkv`/`ffn_up`, unsplit; a tied LM head not written;
-- a `gpt2` (byte-level BPE) tokenizer with its merges and chat template (what llama.cpp's
-  `_set_vocab_gpt2` writes; byte-level BPE tokenizers only);
+- the tokenizer: a `gpt2` (byte-level BPE) one with its merges (llama.cpp's
+  `_set_vocab_gpt2`), or a `llama` (SentencePiece-style BPE with byte fallback: Gemma) one
+  with scores and piece kinds (`_set_vocab_sentencepiece`), and the chat template;
 - 2-D weights in a block format (Q8_0, Q4_0, Q4_1 with the `gguf` package's reference
   quantizers; the K-quants and Q5_0/Q5_1 with worker_svc/weights/kquants_ref.py; or "Q4_K_M",
   llama.cpp's mix of them, see `tensor_type`), norms and 1-D tensors in F32.
@@ -259,10 +260,10 @@ def _write_gemma(w, model_type: str, cfg: dict[str, Any]) -> None:
 
 
 def _write_vocab(w, model_dir: Path, cfg: dict[str, Any]) -> None:
-    """A byte-level BPE tokenizer as llama.cpp's `_set_vocab_gpt2` writes it: tokens, their
-    types (added special tokens CONTROL), merges, bos/eos ids and the chat template."""
-    import gguf
-
+    """The tokenizer as llama.cpp's converter writes it: a byte-level BPE (`gpt2`,
+    `_set_vocab_gpt2`: tokens, types, merges) or a SentencePiece-style BPE with byte fallback
+    (`llama`, `_set_vocab_sentencepiece`: tokens, scores, types, no merges: Gemma, Llama 2,
+    Mistral), then the special ids, whether BOS is added, and the chat template."""
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     tokens = [""] * len(vocab)
@@ -273,25 +274,60 @@ def _write_vocab(w, model_dir: Path, cfg: dict[str, Any]) -> None:
         if t["id"] >= len(tokens):
             tokens.extend([""] * (t["id"] + 1 - len(tokens)))
         tokens[t["id"]] = t["content"]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-                       for i in range(len(tokens))])
-    w.add_token_merges(merges)
+    tcfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    sentencepiece = bool(tok["model"].get("byte_fallback"))
+    if sentencepiece:
+        _sentencepiece_vocab(w, tokens, special, tok["model"].get("unk_token"))
+    else:
+        _byte_level_vocab(w, tokens, special, tok["model"]["merges"])
     if cfg.get("bos_token_id") is not None:
         w.add_bos_token_id(int(cfg["bos_token_id"]))
     eos = cfg.get("eos_token_id")
     if eos is not None:
         w.add_eos_token_id(int(eos[0] if isinstance(eos, list) else eos))
-    w.add_add_bos_token(False)
-    tcfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    # (a byte-level vocabulary's BOS is the chat template's business, as llama.cpp writes it)
+    w.add_add_bos_token(sentencepiece and bool(tcfg.get("add_bos_token", True)))
     template = tcfg.get("chat_template")
     if template is None and (model_dir / "chat_template.jinja").is_file():
         template = (model_dir / "chat_template.jinja").read_text()
     if template:
         w.add_chat_template(template)
+
+
+def _byte_level_vocab(w, tokens: list[str], special: set[int], merges: list) -> None:
+    import gguf
+
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                       for i in range(len(tokens))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+
+
+def _sentencepiece_vocab(w, tokens: list[str], special: set[int], unk: str | None) -> None:
+    """Pieces in id order with SentencePiece's kinds (byte pieces `<0xXX>` BYTE, the unknown
+    piece UNKNOWN, special ones CONTROL) and scores falling with the id, as a BPE model's
+    pieces rank (a reader rebuilds the merges from them)."""
+    import gguf
+
+    def kind(i: int, t: str) -> int:
+        if t == unk:
+            return gguf.TokenType.UNKNOWN
+        if i in special:
+            return gguf.TokenType.CONTROL
+        if len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            return gguf.TokenType.BYTE
+        return gguf.TokenType.NORMAL
+
+    types = [kind(i, t) for i, t in enumerate(tokens)]
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) if k == gguf.TokenType.NORMAL else 0.0 for i, k in enumerate(types)])
+    w.add_token_types(types)
+    if unk is not None and unk in tokens:
+        w.add_unk_token_id(tokens.index(unk))
 
 
 def _write_tensors(w, arch, cfg: dict[str, Any], tensors: dict[str, np.ndarray], qtype: str) -> None:

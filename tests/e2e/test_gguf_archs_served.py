@@ -2,7 +2,9 @@
 Q5_0/Q8_0 fallbacks) of a Llama, a Qwen3 and a Gemma 3 the test writes itself
 (tests/unit/test_gguf_archs.py's shapes): with concurrent requests at two pipeline stages,
 transformers' greedy continuation of the same file (tie rule); and served at the file's own
-types, each stage's weights hold at most 1.2x the file's tensor bytes (/debug/memory).
+types, each stage's weights hold at most 1.2x the file's tensor bytes (/debug/memory). The
+Gemma 3 file carries a SentencePiece-style vocabulary (`tokenizer.ggml.model` "llama", byte
+fallback), as real Gemma downloads do: its chat completions stream the text they return whole.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import openai
 import pytest
 from support.archs import Q4_K_M_MODELS, make_arch_model
 from support.reference import HFReference
+from support.spm import make_gemma_tokenizer
 from support.stack import start_serve
 
 from wiring.gguf_export import write_gguf
@@ -30,7 +33,11 @@ def files(model_factory, tmp_path_factory):
     def get(arch: str) -> str:
         if arch not in made:
             folder = tmp_path_factory.mktemp(f"served-q4km-{arch}")
-            source = make_arch_model(folder / "hf", arch, tokenizer_dir, **Q4_K_M_MODELS[arch])
+            if arch == "gemma3":  # Gemma's ids: <pad> 0, <eos> 1, <bos> 2
+                source = make_arch_model(folder / "hf", arch, make_gemma_tokenizer(folder / "tok"),
+                                         **Q4_K_M_MODELS[arch], bos_token_id=2, eos_token_id=1, pad_token_id=0)
+            else:
+                source = make_arch_model(folder / "hf", arch, tokenizer_dir, **Q4_K_M_MODELS[arch])
             made[arch] = str(write_gguf(source, folder / f"tiny-{arch}-Q4_K_M.gguf", "Q4_K_M"))
         return made[arch]
 
@@ -66,12 +73,20 @@ def test_served_q4_k_m_file_at_float32_equals_transformers(files, tmp_path, arch
 
 def test_served_at_its_own_types_a_stage_holds_at_most_1_2x_the_file(files, tmp_path):
     path = files("gemma3")
-    stack = start_serve(path, tmp_path, "--num-kv-blocks", "64", "--block-size", "8")
+    stack = start_serve(path, tmp_path, "--num-kv-blocks", "256", "--block-size", "8")
     try:
         stages = stack.get("/debug/memory")["stages"]
         outputs = _complete_all(stack, path)
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
+        ask = {"model": path, "messages": [{"role": "user", "content": "Grüße, 世界 🙂"}], "max_tokens": 24,
+               "temperature": 0}
+        whole = client.chat.completions.create(**ask)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True)
+                           if c.choices)
     finally:
         stack.stop()
+    assert whole.usage.prompt_tokens > 5 and whole.usage.completion_tokens > 0
+    assert streamed == whole.choices[0].message.content
     assert all(len(o) == MAX_TOKENS for o in outputs)
     file_bytes = GGUFCheckpoint(path).tensor_bytes()
     assert len(stages) == 1 and "Q4_K" in stages[0]["quantization"], stages

@@ -72,7 +72,7 @@ def make_arch_model(out_dir: str | Path, arch: str, tokenizer_dir: str | Path, s
     _peaked(model, config)
     out = Path(out_dir)
     model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (Path(tokenizer_dir) / name).is_file():
             shutil.copy(Path(tokenizer_dir) / name, out / name)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))

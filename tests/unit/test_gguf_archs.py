@@ -197,3 +197,42 @@ def test_what_a_gguf_file_cannot_say_is_refused(tmp_path, tokenizer_dir):
                                             "original_max_position_embeddings": 512})
     with pytest.raises(ValueError, match="yarn"):
         write_gguf(yarn, tmp_path / "q2.gguf", "F32")
+
+
+TEXTS = ["Grüße, 世界! naïve café — 🙂 x²  12345", "  two leading spaces\nand a newline\ttab",
+         "Привет, мир! こんにちは。", "def f(x):\n    return x ** 2  # ²³", "ǅ ẞ ﬁ ⅔ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 👩‍💻", ""]
+
+
+def test_a_gemma3_file_with_a_sentencepiece_vocabulary_tokenizes_as_its_source(tmp_path):
+    """Real Gemma 3 GGUF downloads carry a SentencePiece-style BPE (`tokenizer.ggml.model`
+    "llama": pieces, scores, byte pieces for byte fallback, no merges). A file written that
+    way from a Gemma tokenizer made here reads back (transformers' reader, then Pagoda's own
+    tokenizer over the prepared folder) encoding and decoding a unicode corpus as the source,
+    BOS included, and the model's chat template with it."""
+    import gguf
+    from support.spm import make_gemma_tokenizer
+    from transformers import AutoTokenizer
+
+    from services.text.tokenizer import Tokenizer
+
+    spm = make_gemma_tokenizer(tmp_path / "tok")
+    source = make_arch_model(tmp_path / "hf", "gemma3", spm, **ROUND_TRIP["gemma3"], bos_token_id=2,
+                             eos_token_id=1, pad_token_id=0)
+    path = write_gguf(source, tmp_path / "g3.gguf", "Q8_0")
+    fields = gguf.GGUFReader(path).fields
+    assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
+    assert "tokenizer.ggml.merges" not in fields
+    folder = prepare_gguf(path)
+    want = AutoTokenizer.from_pretrained(spm)
+    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ours = Tokenizer(folder)
+    for text in TEXTS:
+        ids = want.encode(text)
+        assert ids[:1] == [2]  # <bos>
+        assert theirs.encode(text) == ids, text
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == want.decode(ids, skip_special_tokens=True) == text
+    assert any(want.convert_ids_to_tokens(i).startswith("<0x") for i in want.encode(TEXTS[4])), "no byte fallback"
+    messages = [{"role": "user", "content": "Grüße 🙂"}]
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == \
+        want.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -115,3 +115,13 @@ def test_the_kv_service_messages_carry_grouped_answers():
     msg = step_output_to_pb(out, kv_groups=3)
     back = step_output_from_pb(kvcache_pb2.StepResponse.FromString(msg.SerializeToString()))
     assert back.results[1] == out.results[1] and len(out.results[1].block_ids[0]) == 3
+
+
+def test_a_sequence_is_admitted_against_the_entries_the_pages_hold():
+    from services.kv_layout import entries_that_fit
+
+    assert entries_that_fit(64, (0,), 8, 512) == 64  # one table: a page is a block
+    # six sub-groups, windows too long for the pool to see a sliding one give pages back
+    assert entries_that_fit(64, (0, 48, 48, 48, 48, 48), 8, 512) == 10
+    # a sliding sub-group holds its window and one chunk: ceil((48 - 1 + 16) / 8) + 1 = 9 entries
+    assert entries_that_fit(1000, (0, 48, 48), 8, 16) == 1000 - 2 * 9
