@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 
 from services import settings as shared
-from services.defaults import NUM_KV_BLOCKS
+from services.defaults import MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS
 from services.grpc_utils import INTERNAL_TOKEN_ENV
 from services.settings import Bound, Setting
 from wiring.flags import add_settings, config_values, flag_args, flag_default, service_settings
@@ -31,6 +31,7 @@ from wiring.launcher import (
     ServiceProcess,
     Stack,
     free_port,
+    model_kv_groups,
     model_max_len,
     pagoda_command,
     port_taken,
@@ -339,7 +340,10 @@ def _print_capacity(args: argparse.Namespace, model_dir: str, stacks: list[Stack
     from scheduler_svc.config import kv_capacity_line
 
     stack = stacks[0]
-    print(f"  {kv_capacity_line(stack.num_kv_blocks, args.block_size, args.max_model_len or model_max_len(model_dir))}"
+    chunk = getattr(args, "max_num_batched_tokens", None) or MAX_NUM_BATCHED_TOKENS
+    capacity = kv_capacity_line(stack.num_kv_blocks, args.block_size, args.max_model_len or model_max_len(model_dir),
+                                model_kv_groups(model_dir), chunk)
+    print(f"  {capacity}"
           + (" (sized from memory: the smallest stage's pool)" if memory else "")
           + (f", in each of {args.replicas} replicas (routing: {args.routing})" if args.replicas > 1 else ""))
     line = cores_line(stack.service_cpus, [w.cpus for w in stack.workers],
