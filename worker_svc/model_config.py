@@ -43,6 +43,23 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (worker_svc/layers/moe.py): `num_experts` gated MLPs of
+    `intermediate_size`, `top_k` of them per token. Routing: softmax over every expert then
+    the top k (renormalised to sum 1 when `renormalize`: Qwen3-MoE's `norm_topk_prob`,
+    Mixtral). A shared expert of `shared_intermediate_size` (0: none) runs for every token,
+    scaled by a sigmoid gate (Qwen2-MoE). `sparse_layers`: per layer, whether its MLP is one
+    (() = every layer)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool = True
+    shared_intermediate_size: int = 0
+    sparse_layers: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A decoder's shape and the options its architecture sets (worker_svc/models/).
     Derived sizes are properties."""
@@ -76,6 +93,11 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # Gemma 2
     final_logit_softcap: float | None = None  # Gemma 2
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs (worker_svc/layers/moe.py)
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.moe is not None and (not self.moe.sparse_layers or self.moe.sparse_layers[layer])
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (None: it attends to its whole context)."""
@@ -116,6 +138,9 @@ class ModelConfig:
             raise ValueError(f"tensor_parallel_size: must be positive, got {t}")
         sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                  "intermediate_size": self.intermediate_size}
+        if self.moe is not None:  # each expert's columns split like a dense MLP's
+            sizes |= {"moe_intermediate_size": self.moe.intermediate_size,
+                      "shared_expert_intermediate_size": self.moe.shared_intermediate_size}
         bad = [f"{name}={n}" for name, n in sizes.items() if n % t]
         if bad:
             fits = [d for d in range(1, self.num_kv_heads + 1)
@@ -125,8 +150,10 @@ class ModelConfig:
                 f"sizes that divide its heads, KV heads and MLP: {', '.join(map(str, fits))}")
         if t == 1:
             return self
+        moe = self.moe and replace(self.moe, intermediate_size=self.moe.intermediate_size // t,
+                                   shared_intermediate_size=self.moe.shared_intermediate_size // t)
         return replace(self, num_heads=self.num_heads // t, num_kv_heads=self.num_kv_heads // t,
-                       intermediate_size=self.intermediate_size // t)
+                       intermediate_size=self.intermediate_size // t, moe=moe)
 
 
 def base_config(raw: dict[str, Any], source: str, architecture: str, model_type: str, *,

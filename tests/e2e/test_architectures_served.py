@@ -2,7 +2,8 @@
 client, concurrent requests): a tiny random model of each, built by `transformers` itself
 from a config (tests/support/archs.py: several layers of each attention type, windows
 shorter than the prompts), gives transformers' greedy continuation (float32, the tie rule)
-at one and two pipeline stages, and at two tensor-parallel ranks for Qwen3 and Gemma 3.
+at one and two pipeline stages, and at two tensor-parallel ranks for Qwen3 and Gemma 3; the
+mixtures of experts (Qwen3-MoE, Mixtral) likewise, Qwen3-MoE at two ranks too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from support.archs import ARCH_CONFIGS, make_arch_model
+from support.archs import ARCH_CONFIGS, MOE_CONFIGS, make_arch_model
 from support.reference import HFReference
 from support.stack import start_serve
 
@@ -20,7 +21,8 @@ from support.stack import start_serve
 # test_scheduler_stack.py, ...): here at two, to keep the stacks this file starts to 14
 NEW = ("mistral", "qwen3", "gemma2", "gemma3", "phi3")
 CASES = [(arch, "pp", 1) for arch in NEW] + [(arch, "pp", 2) for arch in ARCH_CONFIGS] + [
-    ("qwen3", "tp", 2), ("gemma3", "tp", 2)]
+    ("qwen3", "tp", 2), ("gemma3", "tp", 2)] + [
+    (arch, "pp", size) for arch in MOE_CONFIGS for size in (1, 2)] + [("qwen3_moe", "tp", 2)]
 MAX_TOKENS = 12
 
 

@@ -41,6 +41,15 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
                                  "long_factor": [2.0 + 0.5 * i for i in range(8)],
                                  "original_max_position_embeddings": 512}},
 }
+# mixture-of-experts models (tests/unit/test_moe.py): enough experts that a step's rows
+# spread over several, top-k > 1; Qwen3-MoE with a dense layer among the sparse ones
+MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 3,
+                  "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True},
+    "mixtral": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_hidden_layers": 2,
+                "num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 48},
+}
 LOGIT_STD = 4.0
 
 # Q4_K_M-style GGUF test models (tests/unit/test_gguf_archs.py's docstring says why these shapes)
@@ -62,7 +71,7 @@ def make_arch_model(out_dir: str | Path, arch: str, tokenizer_dir: str | Path, s
     files of `tokenizer_dir`; returns its path."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {**_SHAPE, **ARCH_CONFIGS[arch], **overrides}
+    fields = {**_SHAPE, **(ARCH_CONFIGS | MOE_CONFIGS)[arch], **overrides}
     model_type = fields.pop("model_type")
     architectures = fields.pop("architectures")
     config = AutoConfig.for_model(model_type, **fields)
@@ -93,7 +102,7 @@ def _peaked(model: torch.nn.Module, config) -> None:
         elif name == "lm_head.weight":
             p.copy_(torch.randn_like(p) * LOGIT_STD / config.hidden_size**0.5)
         else:
-            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)  # fan-in (experts stacked: [E, out, in])
     if getattr(config, "tie_word_embeddings", False):
         emb = model.get_input_embeddings().weight
         emb.mul_(LOGIT_STD / emb.std() / config.hidden_size**0.5)

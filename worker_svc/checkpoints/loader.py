@@ -116,7 +116,7 @@ def _open(path: Path):
 # the column-parallel q/k/v and gate/up projections and their biases, columns of the
 # row-parallel o_proj and down_proj); tensors not named here are replicated
 _SHARD_DIMS = {"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0,
-               "self_attn.o_proj": 1, "mlp.gate_proj": 0, "mlp.up_proj": 0, "mlp.down_proj": 1}
+               "self_attn.o_proj": 1, ".gate_proj": 0, ".up_proj": 0, ".down_proj": 1}  # experts' too
 
 
 def shard_dim(name: str) -> int | None:

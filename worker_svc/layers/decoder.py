@@ -19,6 +19,7 @@ from torch import nn
 from worker_svc.kernels.attention import AttentionBackend, AttentionMetadata
 from worker_svc.layers.attention import Attention
 from worker_svc.layers.mlp import MLP
+from worker_svc.layers.moe import MoE
 from worker_svc.layers.norm import RMSNorm, rms_norm
 from worker_svc.model_config import ModelConfig
 
@@ -32,7 +33,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.is_moe(layer) else MLP(config)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def norms(self) -> list[RMSNorm]:
@@ -42,8 +43,9 @@ class DecoderLayer(nn.Module):
     def native_decode(self) -> bool:
         """Whether the native decode step (worker_svc/models/fused_decode.py) computes this layer:
         it computes every option of worker_svc/layers/ (pre-norm or sandwich, SiLU or
-        GELU-tanh, q/k norms, windows, rotary tables, soft-capped scores)."""
-        return True
+        GELU-tanh, q/k norms, windows, rotary tables, soft-capped scores); not yet a
+        mixture of experts."""
+        return not isinstance(self.mlp, MoE)
 
     def forward(
         self,

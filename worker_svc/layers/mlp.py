@@ -25,13 +25,15 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: an expert's (worker_svc/layers/moe.py); the config's by default."""
         super().__init__()
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {config.hidden_act!r}: supported {', '.join(ACTIVATIONS)}")
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, size, bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
         self.silu = config.hidden_act == "silu"
         self.act = F.silu if self.silu else _gelu_tanh
         self.gate_up: torch.Tensor | None = None  # set by fuse()

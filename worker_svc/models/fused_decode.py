@@ -147,9 +147,11 @@ class FusedDecoder:
         if not enabled() or not model.model.layers:
             return None
         for layer in model.model.layers.values():
+            if not layer.native_decode:
+                return None
             att, mlp = layer.self_attn, layer.mlp
             parts = (att.qkv_packed, att.o_proj, mlp.gate_up_packed, mlp.down_proj)
-            if (layer.reduce is not None or not layer.native_decode
+            if (layer.reduce is not None
                     or not all(isinstance(p, PackedLinear) for p in parts)
                     or layer.input_layernorm.weight.dtype != torch.float32
                     or layer.input_layernorm.weight.device.type != "cpu"):

@@ -1,0 +1,65 @@
+"""The mixture-of-experts MLP, one block for every MoE architecture (`MoEConfig`).
+
+    weights, experts = top_k(softmax(router(x)))      (renormalised to sum 1 when asked)
+    out = sum over the token's experts of weight * expert(x)   [+ sigmoid(gate(x)) * shared(x)]
+
+Each expert is the gated MLP of worker_svc/layers/mlp.py, named as checkpoints name them
+(`experts.N.gate_proj`...), so loading, tensor parallelism (each expert's columns split like
+a dense MLP's), packed weights and the bfloat16 packing apply to them unchanged. A step's
+rows are grouped by expert: each active expert's weights are read once, for all the rows
+routed to it, never once per token. The router and the combination run in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker_svc.layers.mlp import MLP
+from worker_svc.model_config import ModelConfig
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(MLP(config, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.shared_expert = MLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if self.shared_expert else None
+
+    def fuse(self) -> bool:
+        """Each expert's gate and up in one product (`MLP.fuse`)."""
+        experts = [*self.experts, *([self.shared_expert] if self.shared_expert is not None else [])]
+        return all([e.fuse() for e in experts])
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [rows, top_k] float32, experts [rows, top_k]) of each row."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor, *, lora=None) -> torch.Tensor:
+        if lora is not None:
+            raise ValueError("LoRA adapters on mixture-of-experts layers are not served")
+        weights, experts = self.route(x)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert
+        rows = order // self.top_k
+        slot_weights = weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
+            if count:
+                sel = rows[start:start + count]
+                y = self.experts[expert].forward(x.index_select(0, sel))
+                out.index_add_(0, sel, y.float() * slot_weights[start:start + count, None])
+                start += count
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x).float())
+            out += gate * self.shared_expert.forward(x).float()
+        return out.to(x.dtype)
