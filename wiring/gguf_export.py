@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,7 @@ def _q4_k_m_type(gguf_name: str, num_layers: int, tied: bool) -> str:
         return "Q4_K"
     if parts[2] == "attn_qkv":
         return "Q5_K"
-    if parts[2] in ("attn_v", "ffn_down") and _use_more_bits(int(parts[1]), num_layers):
+    if parts[2] in ("attn_v", "ffn_down", "ffn_down_exps") and _use_more_bits(int(parts[1]), num_layers):
         return "Q6_K"
     return "Q4_K"
 
@@ -102,6 +103,8 @@ def tensor_type(gguf_name: str, cols: int, qtype: str, num_layers: int, tied: bo
     mix (`_q4_k_m_type`; `tied`: the token embedding is the output weight too), and a K-quant
     falls back as llama.cpp's does for rows that are not whole super-blocks (Q4_K -> Q5_0,
     Q6_K -> Q8_0, ...); "F32" when even that does not fit."""
+    if "ffn_gate_inp" in gguf_name:  # llama.cpp never quantizes a router
+        return "F32"
     if qtype == "Q4_K_M":
         qtype = _q4_k_m_type(gguf_name, num_layers, tied)
     if qtype in KQUANT_FALLBACK and cols % 256:
@@ -146,7 +149,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> P
         w.add_file_type(int(file_type))
     _write_hparams(w, name, arch.model_type, cfg)
     _write_vocab(w, model_dir, cfg)
-    _write_tensors(w, arch, cfg, tensors, qtype)
+    _write_tensors(w, arch, cfg, stack_experts(tensors), qtype)
     for tensor_name, t in _extra_tensors(arch.model_type, cfg).items():
         w.add_tensor(tensor_name, t)
     w.write_header_to_file()
@@ -233,6 +236,32 @@ def _write_hparams(w, name: str, model_type: str, cfg: dict[str, Any]) -> None:
         _write_gemma(w, model_type, cfg)
     if model_type == "phi3":
         _write_phi3(w, cfg, rope)
+    if model_type == "qwen3_moe":  # Qwen3MoeModel's additions
+        w.add_expert_count(int(cfg.get("num_experts") or cfg["num_local_experts"]))
+        w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+        w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+
+
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each layer's experts as llama.cpp writes them: one 3-D tensor per projection
+    (`mlp.experts.gate_proj.weight` [experts, rows, columns], named `ffn_gate_exps`), in
+    expert order; every other tensor as it is."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, t in tensors.items():
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            out[name] = t
+        else:
+            stacks.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = t
+    for name, parts in stacks.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise ValueError(f"{name}: experts {sorted(parts)} are not 0..{len(parts) - 1}")
+        out[name] = np.stack([parts[e] for e in range(len(parts))])
+    return out
 
 
 def _write_phi3(w, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
@@ -349,8 +378,11 @@ def _write_tensors(w, arch, cfg: dict[str, Any], tensors: dict[str, np.ndarray],
             t = _permute(t, kv_heads)
         if arch.gguf_norm_offset_stored and name.endswith("norm.weight"):
             t = t + np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) scale
-        kind = tensor_type(gname, t.shape[1], qtype, cfg["num_hidden_layers"], tied) if t.ndim == 2 else "F32"
+        # 2-D weights and stacked experts (3-D: each expert's rows, one after another)
+        kind = tensor_type(gname, t.shape[-1], qtype, cfg["num_hidden_layers"], tied) if t.ndim >= 2 else "F32"
         if kind != "F32":
-            w.add_tensor(gname, _quantize(t, kind), raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+            blocks = _quantize(t.reshape(-1, t.shape[-1]), kind)
+            w.add_tensor(gname, blocks.reshape(*t.shape[:-1], blocks.shape[-1]),
+                         raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
         else:
             w.add_tensor(gname, t)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,14 +23,15 @@ class Comparison:
 
 
 class HFReference:
-    def __init__(self, model_dir: str | Path, gguf_file: str | Path | None = None) -> None:
-        """`gguf_file`: transformers reads (and dequantizes) that GGUF file instead."""
+    def __init__(self, model_dir: str | Path, gguf_file: str | Path | None = None, **config: Any) -> None:
+        """`gguf_file`: transformers reads (and dequantizes) that GGUF file instead; `config`:
+        fields its GGUF reader does not take from the file (stated where used)."""
         from transformers import AutoModelForCausalLM
 
         if gguf_file is not None:
             gguf_file = Path(gguf_file)
             self.model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                                              dtype=torch.float32)
+                                                              dtype=torch.float32, **config)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         self.model.eval()

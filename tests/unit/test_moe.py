@@ -123,3 +123,48 @@ def test_tensor_parallel_ranks_split_each_expert_like_a_dense_mlp(references):
     assert torch.equal(torch.cat([p.down_proj.weight for p in parts], dim=1), w.down_proj.weight)
     assert all(torch.equal(h.model.layers["0"].mlp.gate.weight, whole.model.layers["0"].mlp.gate.weight)
                for h in halves)  # the router is replicated
+
+
+QWEN3_MOE_GGUF = {"hidden_size": 256, "intermediate_size": 288, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 128, "num_hidden_layers": 2, "mlp_only_layers": [], "moe_intermediate_size": 64}
+
+
+@pytest.fixture(scope="module")
+def moe_files(tmp_path_factory, tokenizer_dir):
+    """A Qwen3-MoE checkpoint as Q8_0 and Q4_K_M GGUF files (experts stacked, llama.cpp's
+    `ffn_*_exps`), and transformers reading each."""
+    from wiring.gguf_export import write_gguf
+
+    folder = tmp_path_factory.mktemp("moe-gguf")
+    source = make_arch_model(folder / "hf", "qwen3_moe", tokenizer_dir, **QWEN3_MOE_GGUF)
+    return {q: write_gguf(source, folder / f"tiny-qwen3moe-{q}.gguf", q) for q in ("Q8_0", "Q4_K_M")}
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
+def test_a_moe_gguf_file_at_float32_equals_transformers_reading_it(moe_files, qtype):
+    from wiring.model_source import prepare_gguf
+
+    path = moe_files[qtype]
+    # transformers' GGUF reader maps no `expert_feed_forward_length` for qwen3moe (it takes its
+    # config's default, 768, right for Qwen3-30B-A3B only): it is told the file's
+    ref = HFReference(None, gguf_file=path, moe_intermediate_size=QWEN3_MOE_GGUF["moe_intermediate_size"])
+    prompts = make_prompts(ref.model.config.vocab_size)[:4]
+    outputs, _ = run_runtime(str(prepare_gguf(path)), 2, 16, 7, prompts, "torch")
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ref.compare(prompt, out)
+    assert len({t for out in outputs for t in out}) >= 5
+
+
+def test_a_moe_gguf_file_at_its_own_types_keeps_the_experts_packed(moe_files):
+    from wiring.model_source import prepare_gguf
+    from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint
+    from worker_svc.weights.packed import PackedLinear
+    from worker_svc.weights.quantization import weight_bytes
+
+    path = moe_files["Q4_K_M"]
+    stage = load_stage(prepare_gguf(path))
+    experts = stage.model.layers["0"].mlp.experts
+    assert all(isinstance(e.gate_proj, PackedLinear) and isinstance(e.down_proj, PackedLinear) for e in experts)
+    assert not isinstance(stage.model.layers["0"].mlp.gate, PackedLinear)  # the router stays float32
+    assert {"Q4_K"} <= set(stage.weight_format.removeprefix("gguf:").split("/"))
+    assert weight_bytes(stage) <= 1.2 * GGUFCheckpoint(path).tensor_bytes()

@@ -169,7 +169,9 @@ class GGUFCheckpoint:
             "architectures": [self.arch.hf_names[0]],
             "model_type": self.arch.model_type,
             "hidden_size": hidden,
-            "intermediate_size": int(self._need(f"{a}.feed_forward_length")),
+            # (a file of experts only has no dense width: llama.cpp omits it)
+            "intermediate_size": int(self.field(f"{a}.feed_forward_length")
+                                     or self._need(f"{a}.expert_feed_forward_length")),
             "num_hidden_layers": int(self._need(f"{a}.block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
@@ -235,6 +237,8 @@ class GGUFCheckpoint:
         info = self._tensor_info(name)
         tid = int(info.tensor_type)
         shape = tuple(int(d) for d in reversed(info.shape.tolist()))
+        if len(shape) == 3:  # stacked experts: their rows one after another
+            shape = (shape[0] * shape[1], shape[2])
         if tid in PACKED_TYPES or tid in DEQUANTIZED_TYPES:
             qtype, block, block_bytes = PACKED_TYPES.get(tid) or DEQUANTIZED_TYPES[tid]
             if shape[-1] % block:

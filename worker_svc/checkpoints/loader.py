@@ -190,9 +190,11 @@ def load_stage(
 FusedSources = Mapping[str, tuple[str, int | None, int | None]]
 
 
-def _fused_sources(config: ModelConfig, expected: Mapping[str, Sequence[int]]) -> dict[str, tuple[str, int, int]]:
+def _fused_sources(config: ModelConfig, expected: Mapping[str, Sequence[int]],
+                   gguf: bool = False) -> dict[str, tuple[str, int, int]]:
     arch = architecture_of_model(config.model_type)
-    return {name: src for name in expected if (src := arch.source_of(name, config)) is not None}
+    source_of = arch.gguf_source_of if gguf else arch.source_of
+    return {name: src for name in expected if (src := source_of(name, config)) is not None}
 
 
 def _renamed_sources(config: ModelConfig, expected: Mapping[str, Sequence[int]],
@@ -360,7 +362,7 @@ def _gguf_state(model: StageModel, ckpt: GGUFCheckpoint, gguf_file: Path, config
     packed_modules: dict[str, tuple[str, torch.Tensor, int]] = {}  # module -> (qtype, data, in)
     dequantized: set[str] = set()  # block types without packed kernels, dequantized here
     expected = model.expected_tensors()
-    sources = _fused_sources(config, expected)
+    sources = _fused_sources(config, expected, gguf=True)
     fused: dict[str, object] = {}  # a fused tensor read once for its parts
     for name, want in expected.items():
         if name in sources:
@@ -414,7 +416,8 @@ def _gguf_part(ckpt: GGUFCheckpoint, gguf_file: Path, source: tuple[str, int, in
     checked against `want` (the whole part's, for one split across `tp_size` ranks)."""
     stored, first, rows = source
     if stored not in cache:
-        cache.clear()  # the parts of one fused tensor are asked for one after another
+        if len(cache) >= 3:  # parts are asked for fused tensor by fused tensor (experts: three at a time)
+            cache.clear()
         cache[stored] = ckpt.tensor(stored, raw_config)
     t = cache[stored]
     if t.shape[0] < first + rows or tuple(t.shape[1:]) != tuple(want[1:]):

@@ -20,6 +20,7 @@ An architecture is a subclass with class attributes and, where it differs, metho
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -43,6 +44,16 @@ LLAMA_GGUF_LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+
+# llama.cpp's names of a mixture of experts' tensors: the router, and each projection's experts
+# stacked into one tensor ([experts, rows, columns])
+MOE_GGUF_LAYER_TENSORS = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+}
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 # read a GGUF metadata key of the file's architecture: (key without the `{arch}.` prefix,
 # default) -> value
@@ -91,6 +102,17 @@ class Architecture:
         if fused.endswith("gate_up_proj"):
             return [config.intermediate_size] * 2
         raise ValueError(f"{cls.__name__}: no part sizes for fused tensor {fused!r}")
+
+    @classmethod
+    def gguf_source_of(cls, name: str, config: ModelConfig) -> tuple[str, int, int] | None:
+        """`source_of` in a GGUF file: there llama.cpp also stacks each layer's experts into one
+        tensor a projection (`ffn_gate_exps`...; read as `mlp.experts.<proj>.weight`, its rows
+        expert after expert)."""
+        m = _EXPERT.fullmatch(name)
+        if m is None or config.moe is None:
+            return cls.source_of(name, config)
+        rows = config.hidden_size if m[3] == "down_proj" else config.moe.intermediate_size
+        return f"{m[1]}.{m[3]}.weight", int(m[2]) * rows, rows
 
     @classmethod
     def source_of(cls, name: str, config: ModelConfig) -> tuple[str, int, int] | None:

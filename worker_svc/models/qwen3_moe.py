@@ -10,6 +10,7 @@ from typing import Any
 
 from worker_svc.errors import CheckpointError
 from worker_svc.model_config import ModelConfig, MoEConfig
+from worker_svc.models.base import MOE_GGUF_LAYER_TENSORS, GGUFField
 from worker_svc.models.qwen3 import Qwen3
 
 
@@ -31,6 +32,15 @@ class Qwen3Moe(Qwen3):
     model_type = "qwen3_moe"
     hf_names = ("Qwen3MoeForCausalLM",)
     gguf_names = ("qwen3moe",)
+    gguf_layer_tensors = {**Qwen3.gguf_layer_tensors, **MOE_GGUF_LAYER_TENSORS}
+
+    @classmethod
+    def gguf_config(cls, field: GGUFField, config: dict[str, Any]) -> None:
+        """llama.cpp's qwen3moe: every layer sparse, the top-k weights renormalised."""
+        config["num_experts"] = int(field("expert_count", 0))
+        config["num_experts_per_tok"] = int(field("expert_used_count", 0))
+        config["moe_intermediate_size"] = int(field("expert_feed_forward_length", 0))
+        config["norm_topk_prob"] = True
 
     @classmethod
     def configure(cls, raw: dict[str, Any], config: ModelConfig, source: str) -> ModelConfig:
