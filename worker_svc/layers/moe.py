@@ -24,7 +24,7 @@ class MoE(nn.Module):
         super().__init__()
         moe = config.moe
         assert moe is not None
-        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.top_k, self.renormalize, self.num_experts = moe.top_k, moe.renormalize, moe.num_experts
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(MLP(config, moe.intermediate_size) for _ in range(moe.num_experts))
         self.shared_expert = MLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
@@ -53,7 +53,7 @@ class MoE(nn.Module):
         rows = order // self.top_k
         slot_weights = weights.flatten()[order]
         start = 0
-        for expert, count in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
+        for expert, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
             if count:
                 sel = rows[start:start + count]
                 y = self.experts[expert].forward(x.index_select(0, sel))
