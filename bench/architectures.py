@@ -36,14 +36,18 @@ ARCHS = {
 
 def build(arch: str, root: Path) -> Path:
     """The folder of the `arch`-shaped model, made once."""
+    return build_random(root / f"{arch}-135m-shape", *ARCHS[arch], SHAPE)
+
+
+def build_random(out: Path, model_type: str, name: str, extra: dict, shape: dict) -> Path:
+    """A model of `model_type` (`architectures` [name]) with random weights from transformers
+    itself, float32 safetensors in `out`, made once."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out = root / f"{arch}-135m-shape"
     if (out / "model.safetensors").is_file():
         return out
-    model_type, name, extra = ARCHS[arch]
-    config = AutoConfig.for_model(model_type, **SHAPE, **extra)
+    config = AutoConfig.for_model(model_type, **shape, **extra)
     config.architectures = [name]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

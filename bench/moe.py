@@ -42,19 +42,9 @@ MODELS = {
 
 def build(name: str, root: Path) -> Path:
     """The folder of model `name`, made once."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from bench.architectures import build_random
 
-    out = root / name
-    if (out / "model.safetensors").is_file():
-        return out
-    model_type, arch, extra = MODELS[name]
-    config = AutoConfig.for_model(model_type, **SHAPE, **extra)
-    config.architectures = [arch]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out)
-    return out
+    return build_random(root / name, *MODELS[name], SHAPE)
 
 
 def per_token(block, x):

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +137,9 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> P
     model_dir, out = Path(model_dir), Path(out)
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = architecture_of_config(cfg, str(model_dir / "config.json"))
-    name = _GGUF_ARCH.get(arch.model_type, arch.gguf_names[0])
+    if arch.model_type not in _GGUF_ARCH and not arch.gguf_names:
+        raise ValueError(f"{arch.model_type}: not written as GGUF yet")
+    name = _GGUF_ARCH.get(arch.model_type) or arch.gguf_names[0]
     tensors = load_file(str(model_dir / "model.safetensors"))
     _refuse_unwritable(arch.model_type, cfg)
     w = gguf.GGUFWriter(str(out), name)
@@ -242,17 +243,16 @@ def _write_hparams(w, name: str, model_type: str, cfg: dict[str, Any]) -> None:
         w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
 
 
-_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-
-
 def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Each layer's experts as llama.cpp writes them: one 3-D tensor per projection
     (`mlp.experts.gate_proj.weight` [experts, rows, columns], named `ffn_gate_exps`), in
     expert order; every other tensor as it is."""
     out: dict[str, np.ndarray] = {}
+    from worker_svc.models.base import EXPERT_TENSOR
+
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for name, t in tensors.items():
-        m = _EXPERT.fullmatch(name)
+        m = EXPERT_TENSOR.fullmatch(name)
         if m is None:
             out[name] = t
         else:

@@ -65,6 +65,22 @@ Q4_K_M_MODELS = {
 }
 
 
+def reference_maker(tmp_path_factory, tokenizer_dir: str | Path):
+    """arch -> (its tiny model folder, transformers' reference of it), each made once: a
+    module fixture's body."""
+    from support.reference import HFReference
+
+    made: dict[str, tuple[str, Any]] = {}
+
+    def get(arch: str) -> tuple[str, Any]:
+        if arch not in made:
+            folder = make_arch_model(tmp_path_factory.mktemp(arch), arch, tokenizer_dir)
+            made[arch] = (folder, HFReference(folder))
+        return made[arch]
+
+    return get
+
+
 def make_arch_model(out_dir: str | Path, arch: str, tokenizer_dir: str | Path, seed: int = 0,
                     **overrides: Any) -> str:
     """A checkpoint folder of architecture `arch` (an ARCH_CONFIGS key) with the tokenizer

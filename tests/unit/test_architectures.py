@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from support.archs import ARCH_CONFIGS, make_arch_model
+from support.archs import ARCH_CONFIGS, reference_maker
 from support.reference import HFReference
 from test_model_equivalence import NEW_TOKENS, make_prompts, run_runtime
 
@@ -39,15 +39,7 @@ def tokenizer_dir(model_factory):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, tokenizer_dir):
-    made: dict[str, tuple[str, HFReference]] = {}
-
-    def get(arch: str) -> tuple[str, HFReference]:
-        if arch not in made:
-            folder = make_arch_model(tmp_path_factory.mktemp(arch), arch, tokenizer_dir)
-            made[arch] = (folder, HFReference(folder))
-        return made[arch]
-
-    return get
+    return reference_maker(tmp_path_factory, tokenizer_dir)
 
 
 @pytest.mark.parametrize(("arch", "num_stages", "block_size", "chunk", "backend"), CASES)

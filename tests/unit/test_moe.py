@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.archs import MOE_CONFIGS, make_arch_model
+from support.archs import MOE_CONFIGS, make_arch_model, reference_maker
 from support.reference import HFReference
 from test_model_equivalence import NEW_TOKENS, make_prompts, run_runtime
 
@@ -69,15 +69,7 @@ def tokenizer_dir(model_factory):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, tokenizer_dir):
-    made: dict[str, tuple[str, HFReference]] = {}
-
-    def get(arch: str) -> tuple[str, HFReference]:
-        if arch not in made:
-            folder = make_arch_model(tmp_path_factory.mktemp(arch), arch, tokenizer_dir)
-            made[arch] = (folder, HFReference(folder))
-        return made[arch]
-
-    return get
+    return reference_maker(tmp_path_factory, tokenizer_dir)
 
 
 CASES = [("qwen3_moe", 1, 16, None, "cpu"), ("qwen3_moe", 2, 8, 7, "torch"), ("mixtral", 1, 16, 7, "torch"),

@@ -53,7 +53,7 @@ MOE_GGUF_LAYER_TENSORS = {
     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
-_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+EXPERT_TENSOR = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 # read a GGUF metadata key of the file's architecture: (key without the `{arch}.` prefix,
 # default) -> value
@@ -108,7 +108,7 @@ class Architecture:
         """`source_of` in a GGUF file: there llama.cpp also stacks each layer's experts into one
         tensor a projection (`ffn_gate_exps`...; read as `mlp.experts.<proj>.weight`, its rows
         expert after expert)."""
-        m = _EXPERT.fullmatch(name)
+        m = EXPERT_TENSOR.fullmatch(name)
         if m is None or config.moe is None:
             return cls.source_of(name, config)
         rows = config.hidden_size if m[3] == "down_proj" else config.moe.intermediate_size

@@ -32,7 +32,9 @@ class Qwen3Moe(Qwen3):
     model_type = "qwen3_moe"
     hf_names = ("Qwen3MoeForCausalLM",)
     gguf_names = ("qwen3moe",)
-    gguf_layer_tensors = {**Qwen3.gguf_layer_tensors, **MOE_GGUF_LAYER_TENSORS}
+    # llama.cpp's qwen3moe layers have no dense MLP: its names are the experts' only
+    gguf_layer_tensors = {**{g: hf for g, hf in Qwen3.gguf_layer_tensors.items() if not hf.startswith("mlp.")},
+                          **MOE_GGUF_LAYER_TENSORS}
 
     @classmethod
     def gguf_config(cls, field: GGUFField, config: dict[str, Any]) -> None:
