@@ -49,7 +49,10 @@ class MoEConfig:
     the top k (renormalised to sum 1 when `renormalize`: Qwen3-MoE's `norm_topk_prob`,
     Mixtral). A shared expert of `shared_intermediate_size` (0: none) runs for every token,
     scaled by a sigmoid gate (Qwen2-MoE). `sparse_layers`: per layer, whether its MLP is one
-    (() = every layer)."""
+    (() = every layer). gpt-oss: `softmax_after_topk` (the top k of the router's logits, then
+    a softmax over those k), a router bias, biases on the experts' products, and its experts'
+    clamped SwiGLU (`activation` "swiglu_oai" with `swiglu_alpha`, `swiglu_limit`; None: the
+    config's `hidden_act`)."""
 
     num_experts: int
     top_k: int
@@ -57,6 +60,12 @@ class MoEConfig:
     renormalize: bool = True
     shared_intermediate_size: int = 0
     sparse_layers: tuple[bool, ...] = ()
+    softmax_after_topk: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str | None = None
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,8 @@ class ModelConfig:
     sandwich_norms: bool = False  # norms after attention and MLP too (Gemma 2/3)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # Gemma 2
+    attention_sinks: bool = False  # a learned per-head logit in every softmax (gpt-oss)
+    o_proj_bias: bool = False  # a bias on the attention's output product (gpt-oss)
     final_logit_softcap: float | None = None  # Gemma 2
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
     moe: MoEConfig | None = None  # mixture-of-experts MLPs (worker_svc/layers/moe.py)

@@ -3,7 +3,7 @@ client, concurrent requests): a tiny random model of each, built by `transformer
 from a config (tests/support/archs.py: several layers of each attention type, windows
 shorter than the prompts), gives transformers' greedy continuation (float32, the tie rule)
 at one and two pipeline stages, and at two tensor-parallel ranks for Qwen3 and Gemma 3; the
-mixtures of experts (Qwen3-MoE, Mixtral) likewise, Qwen3-MoE at two ranks too.
+mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss) likewise, Qwen3-MoE and gpt-oss at two ranks too.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from support.stack import start_serve
 NEW = ("mistral", "qwen3", "gemma2", "gemma3", "phi3")
 CASES = [(arch, "pp", 1) for arch in NEW] + [(arch, "pp", 2) for arch in ARCH_CONFIGS] + [
     ("qwen3", "tp", 2), ("gemma3", "tp", 2)] + [
-    (arch, "pp", size) for arch in MOE_CONFIGS for size in (1, 2)] + [("qwen3_moe", "tp", 2)]
+    (arch, "pp", size) for arch in MOE_CONFIGS for size in (1, 2)] + [("qwen3_moe", "tp", 2), ("gpt_oss", "tp", 2)]
 MAX_TOKENS = 12
 
 

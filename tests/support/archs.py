@@ -49,6 +49,14 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
                   "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True},
     "mixtral": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_hidden_layers": 2,
                 "num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 48},
+    # sliding and full layers alternating, a window the prompts outgrow, yarn rotary, and a
+    # SwiGLU limit low enough that the clamp bites on these activations
+    "gpt_oss": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "num_hidden_layers": 4,
+                "num_local_experts": 8, "num_experts_per_tok": 3, "intermediate_size": 32, "sliding_window": 24,
+                "swiglu_limit": 1.5, "layer_types": [SLIDING, FULL, SLIDING, FULL],
+                "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "original_max_position_embeddings": 512, "rope_theta": 150000.0,
+                                    "truncate": False}},
 }
 LOGIT_STD = 4.0
 

@@ -94,9 +94,10 @@ def test_longrope_takes_the_long_factors_past_the_original_length(references):
 def test_every_architecture_is_in_the_registry():
     assert set(BY_HF_NAME) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                               "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+                               "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                               "GptOssForCausalLM"}
     assert {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"} <= set(BY_GGUF_NAME)
-    assert len(ARCHITECTURES) == 9
+    assert len(ARCHITECTURES) == 10
 
 
 def test_an_unknown_architecture_is_refused_naming_the_field(tmp_path):

@@ -73,7 +73,7 @@ def references(tmp_path_factory, tokenizer_dir):
 
 
 CASES = [("qwen3_moe", 1, 16, None, "cpu"), ("qwen3_moe", 2, 8, 7, "torch"), ("mixtral", 1, 16, 7, "torch"),
-         ("mixtral", 2, 16, None, "cpu")]
+         ("mixtral", 2, 16, None, "cpu"), ("gpt_oss", 1, 16, None, "cpu"), ("gpt_oss", 2, 8, 7, "torch")]
 
 
 @pytest.mark.parametrize(("arch", "num_stages", "block_size", "chunk", "backend"), CASES)
@@ -115,6 +115,26 @@ def test_tensor_parallel_ranks_split_each_expert_like_a_dense_mlp(references):
     assert torch.equal(torch.cat([p.down_proj.weight for p in parts], dim=1), w.down_proj.weight)
     assert all(torch.equal(h.model.layers["0"].mlp.gate.weight, whole.model.layers["0"].mlp.gate.weight)
                for h in halves)  # the router is replicated
+
+
+def test_gpt_oss_ranks_hold_their_heads_sinks_and_expert_columns_and_rank_0_the_biases(references):
+    """Each rank's MoE output is a partial sum: the row-parallel biases (o_proj's, each
+    expert's down_proj's) are rank 0's alone, the sinks go with their heads, and each
+    expert's gate and up rows come out of the interleaved [hidden, 2I] checkpoint tensor."""
+    model_dir, ref = references("gpt_oss")
+    whole = load_stage(model_dir, dtype="float32")
+    halves = [load_stage(model_dir, dtype="float32", tp_rank=r, tp_size=2) for r in (0, 1)]
+    layer, parts = whole.model.layers["1"], [h.model.layers["1"] for h in halves]
+    torch.testing.assert_close(torch.cat([p.self_attn.sinks for p in parts]), layer.self_attn.sinks)
+    assert torch.equal(parts[0].self_attn.o_proj.bias, layer.self_attn.o_proj.bias)
+    assert not parts[1].self_attn.o_proj.bias.any()
+    hf = ref.model.model.layers[1].mlp.experts
+    assert torch.equal(layer.mlp.experts[5].up_proj.weight, hf.gate_up_proj[5][:, 1::2].T)
+    assert torch.equal(layer.mlp.experts[5].down_proj.bias, hf.down_proj_bias[5])
+    x = torch.randn(9, whole.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(sum(p.mlp(x) for p in parts), layer.mlp(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.mlp(x), ref.model.model.layers[1].mlp(x[None])[0][0], rtol=1e-5, atol=1e-5)
 
 
 QWEN3_MOE_GGUF = {"hidden_size": 256, "intermediate_size": 288, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -21,6 +21,7 @@ from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint, GGUFTensor, g
 from worker_svc.errors import CheckpointError
 from worker_svc.kernels.cpu_features import cpu_features
 from worker_svc.model_config import DTYPE_NAMES, ModelConfig
+from worker_svc.models.base import StackedSource
 from worker_svc.models.registry import architecture_of_model, load_config
 from worker_svc.models.stage import StageModel
 from worker_svc.weights.packed import PackedEmbedding, PackedLinear, pack_bfloat16
@@ -120,9 +121,23 @@ _SHARD_DIMS = {"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj":
 
 
 def shard_dim(name: str) -> int | None:
-    """The dimension a tensor-parallel rank splits checkpoint tensor `name` along, or None."""
-    module = name.rsplit(".", 1)[0]
-    return next((d for suffix, d in _SHARD_DIMS.items() if module.endswith(suffix)), None)
+    """The dimension a tensor-parallel rank splits checkpoint tensor `name` along, or None.
+    A row-parallel product's bias is not split (`rank_bias`); attention sinks go with their
+    heads."""
+    module, leaf = name.rsplit(".", 1)
+    if leaf == "sinks":
+        return 0
+    dim = next((d for suffix, d in _SHARD_DIMS.items() if module.endswith(suffix)), None)
+    return None if dim == 1 and leaf == "bias" else dim
+
+
+def rank_bias(name: str, tensor: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """`tensor` as rank `tp_rank` holds it: a row-parallel product's bias (o_proj's,
+    down_proj's) only on rank 0, zeros elsewhere, since the ranks' partial outputs are summed."""
+    module, leaf = name.rsplit(".", 1)
+    if tp_rank and leaf == "bias" and any(module.endswith(s) for s, d in _SHARD_DIMS.items() if d == 1):
+        return torch.zeros_like(tensor)
+    return tensor
 
 
 def load_stage(
@@ -170,7 +185,7 @@ def load_stage(
     sources = {**_renamed_sources(config, expected, where), **_fused_sources(config, expected)}
     by_file = _tensors_by_file(model_dir, expected, f"stage {stage} needs it for layers [{start}, {end})",
                                sources, where)
-    state = {name: tensor.to(device=device, dtype=load_dtype)
+    state = {name: rank_bias(name, tensor, tp_rank).to(device=device, dtype=load_dtype)
              for name, tensor in _read_safetensors(by_file, expected, tp_rank, tp_size, sources)}
     model.load_state_dict(state, strict=True, assign=True)
     del state
@@ -186,8 +201,12 @@ def load_stage(
 
 # a tensor the checkpoint holds inside a fused one (Phi-3's qkv_proj): name -> (the fused
 # tensor's name, its first row, its rows), in the whole model's terms; or under another
-# name: (that name, None, None)
-FusedSources = Mapping[str, tuple[str, int | None, int | None]]
+# name: (that name, None, None); or as one expert's slice of a stacked tensor (gpt-oss)
+FusedSources = Mapping[str, tuple[str, int | None, int | None] | StackedSource]
+
+
+def _stored(source: tuple[str, int | None, int | None] | StackedSource) -> str:
+    return source.stored if isinstance(source, StackedSource) else source[0]
 
 
 def _fused_sources(config: ModelConfig, expected: Mapping[str, Sequence[int]],
@@ -217,7 +236,7 @@ def _tensors_by_file(model_dir: Path, expected: Mapping[str, Sequence[int]], nee
     where = weight_files(model_dir) if where is None else where
     by_file: dict[Path, list[str]] = {}
     for name in expected:
-        stored = sources[name][0] if sources and name in sources else name
+        stored = _stored(sources[name]) if sources and name in sources else name
         if stored not in where:
             raise CheckpointError(
                 f"{model_dir}: tensor {stored!r} is missing from the checkpoint ({needed_for})"
@@ -237,7 +256,11 @@ def _read_safetensors(
         with _open(path) as f:
             present = set(f.keys())
             for name in names:
-                stored, first, rows = (sources or {}).get(name, (name, None, None))
+                source = (sources or {}).get(name, (name, None, None))
+                if isinstance(source, StackedSource):
+                    yield name, _stacked_part(f, path, source, name, expected[name], tp_rank, tp_size)
+                    continue
+                stored, first, rows = source
                 if stored not in present:
                     raise CheckpointError(f"{path}: tensor {stored!r} is missing from this file")
                 part = f.get_slice(stored)
@@ -260,6 +283,25 @@ def _read_safetensors(
                     yield name, f.get_tensor(stored)
                 else:
                     yield name, _rank_share(part, dim, expected[name][dim], tp_rank)
+
+
+def _stacked_part(f, path: Path, source: StackedSource, name: str, want: Sequence[int], tp_rank: int,
+                  tp_size: int) -> torch.Tensor:
+    """Rank `tp_rank`'s share of `name`, one expert's slice of a stacked tensor (`source`):
+    only that expert is read."""
+    if source.stored not in set(f.keys()):
+        raise CheckpointError(f"{path}: tensor {source.stored!r} is missing from this file")
+    stacked = f.get_slice(source.stored)
+    shape = tuple(stacked.get_shape())
+    if not shape or shape[0] <= source.expert:
+        raise CheckpointError(f"{path}: tensor {source.stored!r} has shape {list(shape)}: no expert {source.expert}")
+    tensor = stacked[source.expert]
+    tensor = (tensor.T if source.transposed else tensor)[source.offset::source.step]
+    dim, full = _full_shape(name, want, tp_size)
+    if tuple(tensor.shape) != tuple(full):
+        raise CheckpointError(f"{path}: tensor {source.stored!r} has shape {list(shape)}: expert {source.expert}'s "
+                              f"{name!r} would be {list(tensor.shape)}, expected {full} from config.json")
+    return (tensor if dim is None else _rank_share(tensor, dim, want[dim], tp_rank)).contiguous()
 
 
 def _full_shape(name: str, want: Sequence[int], tp_size: int) -> tuple[int | None, list[int]]:

@@ -85,8 +85,9 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim] -> out: same shape
+        # q: [num_tokens, num_heads, head_dim] -> out: same shape; sinks: [num_heads] or None
         head_dim = q.shape[2]
         block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
         out = torch.empty_like(q)
@@ -102,16 +103,16 @@ class TorchAttentionBackend:
                 q[g.token_rows].unsqueeze(2),  # [n, heads, 1, d]
                 k.transpose(1, 2),  # [n, kv_heads, max_ctx, d]
                 v.transpose(1, 2),
-                None if g.keep is None else g.keep.to(q.dtype), False, scale, softcap,
+                None if g.keep is None else g.keep.to(q.dtype), False, scale, softcap, sinks,
             )
             out[g.token_rows] = o.squeeze(2)
-        self._prefill(q, k_pool, v_pool, metadata, prefills, scale, sliding_window, out, softcap)
+        self._prefill(q, k_pool, v_pool, metadata, prefills, scale, sliding_window, out, softcap, sinks)
         return out
 
     @staticmethod
     def _prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, metadata: AttentionMetadata,
                  prefills: list[int], scale: float, sliding_window: int | None, out: torch.Tensor,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
         """Rows with several new tokens, one sequence at a time (causal within the chunk)."""
         head_dim = q.shape[2]
         block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
@@ -138,7 +139,7 @@ class TorchAttentionBackend:
                     q[q_start + t:q_start + t + rows].transpose(0, 1)[None],  # [1, heads, rows, d]
                     keys, values,
                     None if causal else _mask(rows, ctx, sliding_window, q.device, first=ctx - num_new + t),
-                    causal, scale, softcap,
+                    causal, scale, softcap, sinks,
                 )
                 out[q_start + t:q_start + t + rows] = o[0].transpose(0, 1)
 
@@ -219,10 +220,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if (self.kernel is None or q.device.type != "cpu" or q.dtype != torch.float32
-                or k_pool.dtype not in KV_POOL_DTYPES or v_pool.dtype != k_pool.dtype):
-            return super().forward(q, k_pool, v_pool, metadata, scale, sliding_window, softcap)
+                or k_pool.dtype not in KV_POOL_DTYPES or v_pool.dtype != k_pool.dtype or sinks is not None):
+            return super().forward(q, k_pool, v_pool, metadata, scale, sliding_window, softcap, sinks)
         decode = self._decode_rows(metadata)
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows may be apart, heads not
             q = q.contiguous()
@@ -230,7 +232,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if decode.rows.shape[0]:
             self.kernel(q, k_pool, v_pool, out, decode.rows, decode.tables, decode.ctx_lens, scale,
                         sliding_window, softcap)
-        self._prefill(q, k_pool, v_pool, metadata, decode.prefills, scale, sliding_window, out, softcap)
+        self._prefill(q, k_pool, v_pool, metadata, decode.prefills, scale, sliding_window, out, softcap, sinks)
         return out
 
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
@@ -268,26 +270,32 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-            scale: float, softcap: float | None) -> torch.Tensor:
+            scale: float, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [b, H, n, D] over k, v [b, Hkv, ctx, D] (GQA: H a multiple of Hkv)
     under `mask` (boolean, True = attend; or additive float) or `causal`; soft-capped scores
-    as transformers' eager attention computes them when `softcap` is set."""
+    as transformers' eager attention computes them when `softcap` is set; `sinks` [H]: one
+    more logit a head in the softmax's denominator, whose weight is dropped (gpt-oss)."""
     gqa = q.shape[1] != k.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                               enable_gqa=gqa)
     if gqa:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         n, ctx = q.shape[2], k.shape[2]
         mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs[..., :-1].to(q.dtype), v)
 
 
 def _mask(

@@ -1,6 +1,8 @@
 """The attention block: q/k/v products, optional per-head q/k RMSNorm (Qwen3, Gemma 3),
 rotary, the K/V write to the paged pools, paged attention (worker_svc/kernels/attention.py's
-backends: window and logit soft-capping as the layer's options) and o_proj.
+backends: window, logit soft-capping and gpt-oss's sinks as the layer's options) and o_proj.
+A sink is a learned logit per head that joins every softmax's denominator and attends to
+nothing, so a head can give its queries' weight away.
 
 Shapes: `T` tokens in the flattened batch, `H` query heads, `Hkv` KV heads, `D` head dim.
 """
@@ -38,7 +40,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, config.q_size, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # [H] one learned logit a head (gpt-oss); None: plain softmax
+        self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -69,15 +73,14 @@ class Attention(nn.Module):
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             q, k = rotate(q, *rope), rotate(k, *rope)
             backend.write_kv(*kv, k, v, metadata.slot_mapping)
-        if self.softcap is None:
-            out = backend.forward(q, *kv, metadata, self.scale, self.sliding_window)
-        else:
-            out = backend.forward(q, *kv, metadata, self.scale, self.sliding_window, softcap=self.softcap)
+        # the options only where set: a backend without one (Triton: no soft-capping) refuses it
+        options = {k: v for k, v in (("softcap", self.softcap), ("sinks", self.sinks)) if v is not None}
+        out = backend.forward(q, *kv, metadata, self.scale, self.sliding_window, **options)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         if lora is not None:  # a partial sum under tensor parallelism, as o_proj's own
             return lora.add(self.o_proj(out), out, ("o_proj",))
         if self.qkv is not None:  # a plain linear: skip the module call
-            return F.linear(out, self.o_proj.weight)
+            return F.linear(out, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(out)
 
     @staticmethod

@@ -1,6 +1,7 @@
 """The mixture-of-experts MLP, one block for every MoE architecture (`MoEConfig`).
 
     weights, experts = top_k(softmax(router(x)))      (renormalised to sum 1 when asked)
+    weights, experts = softmax(top_k(router(x)))      (gpt-oss: `softmax_after_topk`)
     out = sum over the token's experts of weight * expert(x)   [+ sigmoid(gate(x)) * shared(x)]
 
 Each expert is the gated MLP of worker_svc/layers/mlp.py, named as checkpoints name them
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker_svc.layers.mlp import MLP
+from worker_svc.layers.mlp import MLP, GatedAct
 from worker_svc.model_config import ModelConfig
 
 
@@ -25,8 +26,11 @@ class MoE(nn.Module):
         moe = config.moe
         assert moe is not None
         self.top_k, self.renormalize, self.num_experts = moe.top_k, moe.renormalize, moe.num_experts
-        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(MLP(config, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.softmax_after_topk = moe.softmax_after_topk
+        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=moe.router_bias)  # the router
+        act = GatedAct(moe.activation or config.hidden_act, moe.swiglu_alpha, moe.swiglu_limit)
+        self.experts = nn.ModuleList(MLP(config, moe.intermediate_size, act=act, bias=moe.expert_bias)
+                                     for _ in range(moe.num_experts))
         self.shared_expert = MLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if self.shared_expert else None
 
@@ -37,8 +41,11 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [rows, top_k] float32, experts [rows, top_k]) of each row."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        logits = self.gate(x).float()
+        if self.softmax_after_topk:
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), experts
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torch import nn
@@ -54,6 +55,21 @@ MOE_GGUF_LAYER_TENSORS = {
     "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
 EXPERT_TENSOR = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+
+@dataclass(frozen=True)
+class StackedSource:
+    """A model tensor a checkpoint holds as one expert's slice of a stacked tensor
+    [experts, ...] (gpt-oss): rows `offset::step` of `stored[expert]`, transposed first
+    when `transposed` (a [columns, rows] matrix)."""
+
+    stored: str
+    expert: int
+    transposed: bool = False
+    offset: int = 0
+    step: int = 1
+
 
 # read a GGUF metadata key of the file's architecture: (key without the `{arch}.` prefix,
 # default) -> value
@@ -115,9 +131,10 @@ class Architecture:
         return f"{m[1]}.{m[3]}.weight", int(m[2]) * rows, rows
 
     @classmethod
-    def source_of(cls, name: str, config: ModelConfig) -> tuple[str, int, int] | None:
+    def source_of(cls, name: str, config: ModelConfig) -> tuple[str, int, int] | StackedSource | None:
         """For a tensor the checkpoint holds inside a fused one: (the fused tensor's name,
-        first row, rows) in the whole model's terms; None for a tensor held as itself."""
+        first row, rows) in the whole model's terms, or where a stacked one holds it
+        (`StackedSource`); None for a tensor held as itself."""
         module, leaf = name.rsplit(".", 1)
         for suffix, (fused, part) in cls.fused_tensors.items():
             if module.endswith(suffix):

@@ -13,6 +13,7 @@ from worker_svc.model_config import ModelConfig
 from worker_svc.models.base import Architecture
 from worker_svc.models.gemma2 import Gemma2
 from worker_svc.models.gemma3 import Gemma3
+from worker_svc.models.gpt_oss import GptOss
 from worker_svc.models.llama import Llama
 from worker_svc.models.mistral import Mistral
 from worker_svc.models.mixtral import Mixtral
@@ -22,7 +23,7 @@ from worker_svc.models.qwen3 import Qwen3
 from worker_svc.models.qwen3_moe import Qwen3Moe
 
 ARCHITECTURES: tuple[type[Architecture], ...] = (Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3, Phi3, Qwen3Moe,
-                                                 Mixtral)
+                                                 Mixtral, GptOss)
 BY_HF_NAME = {name: arch for arch in ARCHITECTURES for name in arch.hf_names}
 BY_GGUF_NAME = {name: arch for arch in ARCHITECTURES for name in arch.gguf_names}
 BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES}
