@@ -376,6 +376,7 @@ def _add_debug_routes(app: FastAPI, gw: Gateway) -> None:
                 "kv_cache": _plain(stats.kv_cache),
                 "stages": [{"stage_index": s.stage_index, "layers": [s.load_info.layer_start, s.load_info.layer_end],
                             "weights_bytes": s.load_info.weights_bytes, "quantization": s.load_info.quantization,
+                            "expert_weights_bytes": s.load_info.expert_weights_bytes,
                             "kv_block_bytes": s.load_info.kv_block_bytes,
                             "kv_cache_dtype": _dtype_name(s.load_info.kv_cache_dtype),
                             "memory_budget_bytes": s.load_info.memory_budget_bytes,

@@ -89,6 +89,7 @@ class StageInfo:
     # plans carry no tokens and placeholder steps work at any pipeline size
     feedback: bool = False
     weights_bytes: int = 0  # the stage's weights as held (packed formats at their packed size)
+    expert_weights_bytes: int = 0  # of those, the experts of mixture-of-experts layers
     quantization: str = ""  # its weight format when not plain ("fp8", "gguf:Q4_1/Q8_0", ...)
     kv_block_bytes: int = 0  # one KV block over the stage's layers, at its pools' dtype
     kv_cache_dtype: int = 0  # the pools' dtype (common_pb2.DType)

@@ -365,6 +365,7 @@ def _stage_to_pb(engine: Engine, st: dict, resp: scheduler_pb2.GetStatsResponse)
         li.num_kv_blocks, li.block_size, li.vocab_size = info.num_kv_blocks, info.block_size, info.vocab_size
         li.feedback_connected = info.feedback and info.stage_index == 0  # in use by the scheduler
         li.weights_bytes, li.quantization = info.weights_bytes, info.quantization
+        li.expert_weights_bytes = info.expert_weights_bytes
         li.kv_block_bytes, li.kv_cache_dtype = info.kv_block_bytes, info.kv_cache_dtype
         li.memory_budget_bytes, li.device = info.memory_budget_bytes, info.device
         li.cpu = info.cpu

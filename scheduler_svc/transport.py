@@ -37,6 +37,7 @@ def _info(address: str, li: worker_pb2.StageLoadInfo, feedback: bool = False) ->
         layer_start=li.layer_start, layer_end=li.layer_end, num_layers=li.num_layers,
         num_kv_blocks=li.num_kv_blocks, block_size=li.block_size, vocab_size=li.vocab_size,
         address=address, feedback=feedback, weights_bytes=li.weights_bytes, quantization=li.quantization,
+        expert_weights_bytes=li.expert_weights_bytes,
         kv_block_bytes=li.kv_block_bytes, kv_cache_dtype=li.kv_cache_dtype,
         memory_budget_bytes=li.memory_budget_bytes, device=li.device, cpu=li.cpu, kv_groups=li.kv_groups,
     )

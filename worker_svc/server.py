@@ -87,6 +87,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self.runner = runner
         self.kv_sizing = None  # worker_svc.execution.memory.KVSizing when the pool was sized from memory
         self.weights_bytes = runner.weights_bytes  # packed GGUF rows at their packed size; none emulated
+        self.expert_weights_bytes = runner.expert_weights_bytes
         self.epoch = secrets.randbits(63) | 1  # a new id per process start; never 0
         self.started_ns = time.time_ns()
         self.max_message_bytes = config.max_message_bytes(runner.model.config.hidden_size)
@@ -299,6 +300,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             memory_baseline_bytes=self.kv_sizing.baseline_bytes if self.kv_sizing else 0,
             weights_bytes=self.kv_sizing.weights_bytes if self.kv_sizing else self.weights_bytes,
             activation_peak_bytes=self.kv_sizing.activation_bytes if self.kv_sizing else 0,
+            expert_weights_bytes=self.expert_weights_bytes,
             tensor_parallel_size=cfg.tensor_parallel_size,
             lora_adapters=self._lora_adapters(),
             cpu=self.cpu,

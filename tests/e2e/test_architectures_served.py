@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from support.archs import ARCH_CONFIGS, MOE_CONFIGS, make_arch_model
@@ -62,11 +63,17 @@ def test_served_greedy_equals_transformers(built, tmp_path, arch, split, size):
     try:
         with ThreadPoolExecutor(len(work)) as pool:  # concurrent: steps mix prefill chunks and decodes
             outputs = list(pool.map(one, work))
+        stages = httpx.get(f"{stack.url}/debug/memory", timeout=30).json()["stages"]
     finally:
         stack.stop()
     for prompt, got in zip(work, outputs, strict=True):
         assert len(got) == MAX_TOKENS
         ref.compare(prompt, got)
+    experts = [s["expert_weights_bytes"] for s in stages]  # what dominates an MoE model's memory
+    if arch in MOE_CONFIGS:
+        assert all(0 < e < s["weights_bytes"] for e, s in zip(experts, stages, strict=True)), stages
+    else:
+        assert experts == [0] * len(stages)
 
 
 def test_a_gemma3_sequence_of_four_windows_holds_its_window_in_the_sliding_groups(built, tmp_path):

@@ -171,7 +171,7 @@ def test_a_moe_gguf_file_at_its_own_types_keeps_the_experts_packed(moe_files):
     from wiring.model_source import prepare_gguf
     from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint
     from worker_svc.weights.packed import PackedLinear
-    from worker_svc.weights.quantization import weight_bytes
+    from worker_svc.weights.quantization import expert_weight_bytes, weight_bytes
 
     path = moe_files["Q4_K_M"]
     stage = load_stage(prepare_gguf(path))
@@ -180,3 +180,8 @@ def test_a_moe_gguf_file_at_its_own_types_keeps_the_experts_packed(moe_files):
     assert not isinstance(stage.model.layers["0"].mlp.gate, PackedLinear)  # the router stays float32
     assert {"Q4_K"} <= set(stage.weight_format.removeprefix("gguf:").split("/"))
     assert weight_bytes(stage) <= 1.2 * GGUFCheckpoint(path).tensor_bytes()
+    # the experts' bytes (StageLoadInfo.expert_weights_bytes, /debug/memory): the stacked
+    # `ffn_*_exps` tensors' packed bytes, a share of the whole
+    ckpt = GGUFCheckpoint(path)
+    exps = sum(int(t.n_bytes) for name, t in ckpt._tensors.items() if "_exps." in name)
+    assert expert_weight_bytes(stage) == exps < weight_bytes(stage)

@@ -270,7 +270,7 @@ class EmulatedRunner:
         self.dtype = self.kv_dtype = dtype
         self.device = torch.device("cpu")  # where the zeros it hands on live
         self.device_name = f"{EMULATED_PREFIX}{profile.name}"
-        self.weights_bytes = 0  # none loaded
+        self.weights_bytes = self.expert_weights_bytes = 0  # none loaded
         self.kv_block_bytes = device_block_bytes(model, block_size, dtype, tensor_parallel_size)
         self.sampler = EmulatedSampler(config.vocab_size, profile.eos_probability) if model.is_last else None
         self.batch = PersistentBatch(StageShape(

@@ -40,7 +40,7 @@ from worker_svc.kernels.attention import AttentionBackend, AttentionMetadata, ge
 from worker_svc.kernels.attention_metadata import entry_table, paged_layout
 from worker_svc.models.stage import StageModel
 from worker_svc.weights.lora import LoraBank, LoraStep, token_slots
-from worker_svc.weights.quantization import weight_bytes
+from worker_svc.weights.quantization import expert_weight_bytes, weight_bytes
 
 
 @dataclass
@@ -168,6 +168,11 @@ class StageRunner:
     def weights_bytes(self) -> int:
         """The stage's weights as held (packed GGUF rows at their packed size)."""
         return weight_bytes(self.model)
+
+    @property
+    def expert_weights_bytes(self) -> int:
+        """Of `weights_bytes`, the mixture-of-experts layers' experts'."""
+        return expert_weight_bytes(self.model)
 
     def validate(self, plan: StepPlan, hidden: torch.Tensor | None) -> None:
         """Raise InvalidPlanError for anything malformed; changes nothing."""
