@@ -8,8 +8,8 @@ rest of the worker uses:
   `{arch}.*` keys llama.cpp writes, for every architecture of worker_svc/models/ (each names
   its GGUF tensor names and metadata keys beyond Llama's).
 - `tensor(name)`: the tensor a Hugging Face parameter name stands for, as a `GGUFTensor`:
-  block-quantized types stay in their blocks, `uint8 [rows, row_bytes]`: Q8_0, Q4_0, Q4_1
-  (served packed) and the K-quants Q2_K-Q6_K with Q5_0 and Q5_1 (worker_svc/kernels/kquants.py:
+  block-quantized types stay in their blocks, `uint8 [rows, row_bytes]`: Q8_0, Q4_0, Q4_1,
+  MXFP4 (served packed) and the K-quants Q2_K-Q6_K with Q5_0 and Q5_1 (worker_svc/kernels/kquants.py:
   dequantized at load for now); F32, F16 and BF16 come as tensors of their type.
   llama.cpp's converter permutes the rows of Llama's q and k projections (its rotary
   embedding pairs neighbouring elements, the Hugging Face one pairs the halves of a head);
@@ -62,7 +62,7 @@ GGUF_SOURCE_FILE = "gguf_source.json"
 # ggml type id -> (name, elements per block, bytes per block) of the types served packed (the
 # native kernels multiply them as stored: worker_svc/kernels/quant_kernels.py)
 PACKED_TYPES: dict[int, tuple[str, int, int]] = {
-    8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 39: ("MXFP4", 32, 17),
     **{tid: (name, block, size) for name, (tid, block, size) in KQUANT_TYPES.items()},
 }
 # ggml type id -> (name, elements per block, bytes per block) of the block types dequantized at
@@ -255,7 +255,7 @@ class GGUFCheckpoint:
         else:
             raise CheckpointError(
                 f"{self.path}: tensor {info.name!r} has ggml type {info.tensor_type.name}; served "
-                f"types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, {', '.join(KQUANT_TYPES)}")
+                f"types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, MXFP4, {', '.join(KQUANT_TYPES)}")
         data = torch.from_numpy(np.array(array, copy=True))
         if qtype == "BF16":
             data = data.view(torch.bfloat16)

@@ -1,5 +1,5 @@
-"""Matrix products with GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
-K-quants Q2_K ... Q6_K) and with bfloat16 weights on the CPU: native kernels
+"""Matrix products with GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 and
+the K-quants Q2_K ... Q6_K) and with bfloat16 weights on the CPU: native kernels
 (`csrc/quant_matmul.c` with `csrc/kquant_matmul.inc`, built and loaded as `cpu_kernels`
 does) and a pure-torch `dequantize`, the fallback.
 
@@ -14,6 +14,11 @@ contiguous, each row K / 32 blocks of 32 weights along K, as GGUF stores them:
 
     Q5_0 (type 6, 22 bytes), Q5_1 (type 7, 24 bytes): Q4_0 / Q4_1 with a fifth bit per
                             value (qh, 32 bits), w = d * (q - 16) / d * q + m
+    MXFP4 (type 39, 17 bytes): E8M0 e, uint8 qs[16]  w[j] = d * KV[qs[j] & 15],
+                                                     w[j + 16] = d * KV[qs[j] >> 4]
+        KV = MXFP4_KVALUES (ggml's kvalues_mxfp4: the E2M1 values doubled), d = 2^(e - 128)
+        (GGML_E8M0_TO_FP32_HALF; e 0 and 1 give float32 subnormals). gpt-oss's Hugging Face
+        layout of the same values: worker_svc/weights/mxfp4.py.
 
 row_bytes = K / 32 * block bytes. The K-quants (types 10-14, worker_svc/kernels/kquants.py has their
 layouts) hold 256-value super-blocks, so their rows must be whole super-blocks (K % 256 == 0,
@@ -22,7 +27,8 @@ and the like). bfloat16 weights are torch's bfloat16 [N, K].
 
 Methods. Quantized weights: the float32 activations x [T, K] are quantized per 32-block to
 integers, then y[t, n] = sum over blocks of d_w * d_x * dot(q_w, q_x), the dot in integers,
-plus Q4_1's m_w * d_x * sum(q_x) (and Q4_0's -8 * sum(q_x) inside the dot). The result is
+plus Q4_1's m_w * d_x * sum(q_x) (and Q4_0's -8 * sum(q_x) inside the dot; MXFP4's nibbles
+are looked up, by pshufb, as KV + 12 in 0..24, and -12 * sum(q_x) enters the same way). The result is
 exact for the quantized activations up to float32 rounding (measured: under 4e-7 of
 sum |x| |w|); against the float32 activations it differs by at most sum over blocks of
 d_x / 2 * sum |w| (the rounding of q_x). Two activation precisions (`act_bits`):
@@ -104,11 +110,13 @@ GGML_TYPES: dict[str, tuple[int, int, int]] = {
     "Q4_1": (3, 32, 20),
     "Q8_0": (8, 32, 34),
     "BF16": (30, 1, 2),
+    "MXFP4": (39, 32, 17),
     **KQUANT_TYPES,  # Q5_0, Q5_1 (32-blocks) and Q2_K ... Q6_K (256-value super-blocks)
 }
 BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the 32-block types gguf-py also quantizes
 SUPER_BLOCK_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # rows of K % 256 == 0 only
-KERNEL_TYPES = (*BLOCK_TYPES, "Q5_0", "Q5_1", *SUPER_BLOCK_TYPES)  # every type `matmul` takes
+KERNEL_TYPES = (*BLOCK_TYPES, "Q5_0", "Q5_1", "MXFP4", *SUPER_BLOCK_TYPES)  # every type `matmul` takes
+MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # ggml's kvalues_mxfp4
 ISAS = ("avx512", "avx2", "scalar")  # best first
 ISA_ENV = "PAGODA_CPU_ISA"
 ACT_BITS = (8, 16)  # activation precisions of the quantized products
@@ -193,6 +201,8 @@ def dequantize(w: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
     N = _check_block_weights(w, qtype, K)
     _, _, size = GGML_TYPES[qtype]
     blocks = w.view(N, K // 32, size)  # [N, num_blocks, block bytes]
+    if qtype == "MXFP4":
+        return _dequantize_mxfp4(blocks).view(N, K)
     d = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32)  # [N, num_blocks, 1]
     if qtype == "Q8_0":
         q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)  # [N, num_blocks, 32]
@@ -203,6 +213,22 @@ def dequantize(w: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
         return (d * (q.to(torch.int8) - 8).to(torch.float32)).view(N, K)
     m = blocks[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
     return (d * q.to(torch.float32) + m).view(N, K)  # two roundings, as gguf-py's (d * q) + m
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """ggml's GGML_E8M0_TO_FP32_HALF of E8M0 bytes (uint8): float32 2^(e - 128), exactly (the
+    float32 bits (e - 1) << 23, or for e 0 and 1 the subnormals 2^-128 and 2^-127)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e.clamp(max=1), (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _dequantize_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks [..., 17] -> float32 [..., 32]: d * KV[q] in float32, as gguf-py's."""
+    d = e8m0_half(blocks[..., :1])  # [..., 1]
+    qs = blocks[..., 1:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()  # [..., 32]: low nibbles first
+    return d * torch.tensor(MXFP4_KVALUES, dtype=torch.float32)[q]
 
 
 def _split(total: int, parts: int, align: int) -> list[int]:
@@ -405,7 +431,7 @@ class QuantKernels:
 
     def dequantize_bf16(self, w: torch.Tensor, qtype: str, K: int, out: torch.Tensor | None = None
                         ) -> torch.Tensor:
-        """The weights of `w` (uint8 [N, row_bytes], Q8_0/Q4_0/Q4_1) as bfloat16 [N, K]:
+        """The weights of `w` (uint8 [N, row_bytes], any of KERNEL_TYPES) as bfloat16 [N, K]:
         `dequantize(w, qtype, K)` rounded to bfloat16 (nearest even), bit for bit, in one
         native pass (rows split over the threads). For a prefill's products on oneDNN's
         bfloat16 GEMM (worker_svc/weights/packed.py)."""

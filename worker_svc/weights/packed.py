@@ -1,5 +1,5 @@
-"""Layers whose weights stay in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
-K-quants Q2_K ... Q6_K) or bfloat16.
+"""Layers whose weights stay in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 and
+the K-quants Q2_K ... Q6_K) or bfloat16.
 
 `PackedLinear` holds the packed rows (`uint8 [out, row_bytes]`, see
 worker_svc/kernels/quant_kernels.py for the block layouts; a K-quant's rows must be whole 256-value
@@ -44,7 +44,7 @@ from worker_svc.kernels.quant_kernels import (
     quant_kernels,
 )
 
-PACKED_QTYPES = KERNEL_TYPES  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K ... Q6_K
+PACKED_QTYPES = KERNEL_TYPES  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 and the K-quants Q2_K ... Q6_K
 # bfloat16 weights: above this many rows a product runs as oneDNN's bfloat16 GEMM (activations
 # rounded to bfloat16; ~2.3x the native widening kernel's rate at 128 rows on AVX-512 BF16),
 # at or below it the native kernel (float32 activations; memory-bound, as fast). The LM head

@@ -1,6 +1,6 @@
 /* Matrix products y = x w^T on the CPU with GGUF block-quantized weights (Q8_0, Q4_0, Q4_1,
- * Q5_0, Q5_1; the K-quants Q2_K ... Q6_K in kquant_matmul.inc, included below) or bfloat16
- * weights, float32 activations and outputs.
+ * Q5_0, Q5_1, MXFP4; the K-quants Q2_K ... Q6_K in kquant_matmul.inc, included below) or
+ * bfloat16 weights, float32 activations and outputs.
  *
  * Layouts (row-major, rows contiguous):
  *   x   float32 [T, x_stride]: token t's K inputs at x + t * x_stride
@@ -12,6 +12,10 @@
  *         Q4_1 (20 bytes): fp16 d, fp16 m, uint8 qs[16] w[j] = d * (qs[j] & 15) + m, ...
  *         Q5_0 (22 bytes): fp16 d, qh[4], qs[16]        Q4_0's with bit j of qh as bit 4, q - 16
  *         Q5_1 (24 bytes): fp16 d, fp16 m, qh[4], qs[16] Q4_1's with the fifth bit
+ *         MXFP4 (17 bytes): E8M0 e, uint8 qs[16]        w[j] = d * KV[qs[j] & 15],
+ *                                                       w[j + 16] = d * KV[qs[j] >> 4],
+ *           KV = ggml's kvalues_mxfp4 (E2M1 doubled: 0 1 2 3 4 6 8 12, then negated),
+ *           d = 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF)
  *       bfloat16: uint16 [N, K]
  *   y   float32 [T, y_stride]: y[t, n] at y + t * y_stride + n
  * Rows [n_begin, n_end) are computed per call, so callers can split N over threads.
@@ -22,7 +26,9 @@
  *   8   as llama.cpp computes: int8, d_x = amax / 127, q_x = round(x / d_x) (bit-exact with
  *       gguf-py's Q8_0). vpdpbusd and vpmaddubsw multiply unsigned by signed bytes: Q4
  *       nibbles (Q5: with the fifth bit) go in unsigned as stored (their -8 / -16 becomes
- *       -8 / -16 * sum(q_x) of the block, Q4_1's and Q5_1's min m_w * d_x * sum(q_x)); Q8_0 weights are offset to unsigned for AVX-512 (w + 128,
+ *       -8 / -16 * sum(q_x) of the block, Q4_1's and Q5_1's min m_w * d_x * sum(q_x)); MXFP4's
+ *       nibbles are looked up (pshufb) as KV + 12, unsigned 0..24, and -12 * sum(q_x) added;
+ *       Q8_0 weights are offset to unsigned for AVX-512 (w + 128,
  *       then -128 * sum(q_x)) and take the abs/sign trick for AVX2, whose 16-bit pair sums
  *       would saturate otherwise.
  *   16  int16, d_x = amax / 32767, q_x = round(x / d_x): 258x finer, so close decisions of a
@@ -72,7 +78,7 @@
 #endif
 
 #define QK 32
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8 };
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_MXFP4 = 39 };
 enum { QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 }; /* kquant_matmul.inc */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
 
@@ -96,15 +102,21 @@ struct qmm {
 
 static inline int block_bytes(int qtype)
 {
-    return qtype == QT_Q8_0 ? 34 : qtype == QT_Q4_1 ? 20 : qtype == QT_Q5_0 ? 22 : qtype == QT_Q5_1 ? 24 : 18;
+    return qtype == QT_Q8_0 ? 34 : qtype == QT_Q4_1 ? 20 : qtype == QT_Q5_0 ? 22 : qtype == QT_Q5_1 ? 24
+         : qtype == QT_MXFP4 ? 17 : 18;
 }
 
-/* the types with a min (w = d q + m) and those whose q is offset (Q4_0 q - 8, Q5_0 q - 16) */
+/* the types with a min (w = d q + m) and those whose q is offset (Q4_0 q - 8, Q5_0 q - 16,
+   MXFP4 KV + 12 - 12: its lookup table MX_U below) */
 static inline int has_min(int qtype) { return qtype == QT_Q4_1 || qtype == QT_Q5_1; }
-static inline int q_offset(int qtype) { return qtype == QT_Q4_0 ? 8 : qtype == QT_Q5_0 ? 16 : 0; }
+static inline int q_offset(int qtype) { return qtype == QT_Q4_0 ? 8 : qtype == QT_Q5_0 ? 16 : qtype == QT_MXFP4 ? 12 : 0; }
 static inline int is_q5(int qtype) { return qtype == QT_Q5_0 || qtype == QT_Q5_1; }
+static inline int is_mx(int qtype) { return qtype == QT_MXFP4; }
 /* where a 32-block's nibbles (qs) start, and Q5's high bits (qh, a little-endian uint32) */
-static inline int qs_offset(int qtype) { return qtype == QT_Q4_1 ? 4 : qtype == QT_Q5_0 ? 6 : qtype == QT_Q5_1 ? 8 : 2; }
+static inline int qs_offset(int qtype)
+{
+    return qtype == QT_Q4_1 ? 4 : qtype == QT_Q5_0 ? 6 : qtype == QT_Q5_1 ? 8 : qtype == QT_MXFP4 ? 1 : 2;
+}
 static inline int qh_offset(int qtype) { return qtype == QT_Q5_1 ? 4 : 2; }
 
 static inline uint16_t ld16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
@@ -126,6 +138,23 @@ static inline float f16_to_f32(uint16_t h)
     memcpy(&f, &bits, 4);
     return f;
 }
+
+/* MXFP4: ggml's kvalues_mxfp4 (E2M1 values doubled) indexed by a nibble, and the same plus 12
+   (unsigned, for vpdpbusd / vpmaddubsw: the 12 comes back as -12 * sum(q_x)) */
+static const int8_t MX_KV[16] __attribute__((aligned(16))) = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const uint8_t MX_U[16] __attribute__((aligned(16))) = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128) exactly (e 0 and 1: float32 subnormals) */
+static inline float e8m0_half(uint8_t e)
+{
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* a 32-block's scale d: the fp16 at its start, MXFP4's E8M0 byte */
+static inline float block_d(int qtype, const uint8_t *blk) { return qtype == QT_MXFP4 ? e8m0_half(blk[0]) : f16_to_f32(ld16(blk)); }
 
 static inline float bf16_to_f32(uint16_t h)
 {
@@ -402,7 +431,7 @@ int pagoda_q16_quantize(int isa, const float *x, int64_t x_stride, int64_t K, in
 static inline float block_dot_scalar(int qtype, const uint8_t *blk, const int8_t *xq, float dx, int32_t isum,
                                      float sx)
 {
-    const float d = f16_to_f32(ld16(blk));
+    const float d = block_d(qtype, blk);
     int32_t dot = 0;
     if (qtype == QT_Q8_0) {
         const int8_t *wq = (const int8_t *)(blk + 2);
@@ -410,6 +439,10 @@ static inline float block_dot_scalar(int qtype, const uint8_t *blk, const int8_t
         return d * dx * (float)dot;
     }
     const uint8_t *qs = blk + qs_offset(qtype);
+    if (is_mx(qtype)) {
+        for (int j = 0; j < QK / 2; j++) dot += (int32_t)MX_KV[qs[j] & 15] * xq[j] + (int32_t)MX_KV[qs[j] >> 4] * xq[j + 16];
+        return d * dx * (float)dot;
+    }
     const uint32_t qh = is_q5(qtype) ? ld32(blk + qh_offset(qtype)) : 0;
     for (int j = 0; j < QK / 2; j++)
         dot += (int32_t)((qs[j] & 15) | ((qh >> j & 1) << 4)) * xq[j]
@@ -422,7 +455,7 @@ static inline float block_dot_scalar(int qtype, const uint8_t *blk, const int8_t
 static inline float block_dot16_scalar(int qtype, const uint8_t *blk, const int16_t *xq, float dx, int32_t isum,
                                        float sx)
 {
-    const float d = f16_to_f32(ld16(blk));
+    const float d = block_d(qtype, blk);
     int32_t dot = 0;
     if (qtype == QT_Q8_0) {
         const int8_t *wq = (const int8_t *)(blk + 2);
@@ -430,6 +463,10 @@ static inline float block_dot16_scalar(int qtype, const uint8_t *blk, const int1
         return d * dx * (float)dot;
     }
     const uint8_t *qs = blk + qs_offset(qtype);
+    if (is_mx(qtype)) {
+        for (int j = 0; j < QK / 2; j++) dot += (int32_t)MX_KV[qs[j] & 15] * xq[j] + (int32_t)MX_KV[qs[j] >> 4] * xq[j + 16];
+        return d * dx * (float)dot;
+    }
     const uint32_t qh = is_q5(qtype) ? ld32(blk + qh_offset(qtype)) : 0;
     for (int j = 0; j < QK / 2; j++)
         dot += (int32_t)((qs[j] & 15) | ((qh >> j & 1) << 4)) * xq[j]
@@ -626,6 +663,11 @@ INL TGT512 void wgroup512(const int qt, const int n, const int wide, const uint8
     *lo = _mm512_and_si512(l, _mm512_set1_epi8(0x0F));
     *hi = _mm512_and_si512(_mm512_srli_epi16(l, 4), _mm512_set1_epi8(0x0F));
     if (is_q5(qt)) fifth_bit512(qt, n, wide, b0, bb, lo, hi);
+    if (is_mx(qt)) { /* nibble -> KV + 12 by vpshufb, the table in every 128-bit lane */
+        const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)MX_U));
+        *lo = _mm512_shuffle_epi8(table, *lo);
+        *hi = _mm512_shuffle_epi8(table, *hi);
+    }
 }
 
 /* d of the n (1-4) blocks from b0 in lanes 4j..4j+3 for block j; Q4_1's m in lane 4j (other lanes 0) */
@@ -656,6 +698,13 @@ INL TGT512 __m512 wscale512(const int qt, const int n, const int wide, const uin
         *mins = _mm512_maskz_permutexvar_ps(0x1111, _mm512_setr_epi32(1, 0, 0, 0, 3, 0, 0, 0, 5, 0, 0, 0, 7, 0, 0, 0), f);
         return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), f);
     }
+    if (is_mx(qt)) { /* 2^(e - 128) of each block, exact; missing blocks 0 */
+        *mins = _mm512_setzero_ps();
+        const __m128 d4 = _mm_setr_ps(e8m0_half(b0[0]), n > 1 ? e8m0_half(b0[bb]) : 0.0f,
+                                      n > 2 ? e8m0_half(b0[2 * bb]) : 0.0f, n > 3 ? e8m0_half(b0[3 * bb]) : 0.0f);
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                     _mm512_castps128_ps512(d4));
+    }
     const uint64_t h = ld16(b0) | (n > 1 ? (uint64_t)ld16(b0 + bb) << 16 : 0)
                        | (n > 2 ? (uint64_t)ld16(b0 + 2 * bb) << 32 : 0) | (n > 3 ? (uint64_t)ld16(b0 + 3 * bb) << 48 : 0);
     *mins = _mm512_setzero_ps();
@@ -678,7 +727,7 @@ INL TGT512 void gstep512(const int qt, const int n, const int R, const int C, __
                          const struct qmm512 *a, const uint8_t *w, int64_t t, int64_t g)
 {
     /* wide loads: Q4 and Q5 rows streamed one by one */
-    const int bb = block_bytes(qt), wide = R == 1 && n == 4 && qt != QT_Q8_0;
+    const int bb = block_bytes(qt), wide = R == 1 && n == 4 && qt != QT_Q8_0 && !is_mx(qt);
     UNROLL
     for (int r = 0; r < R; r++) {
         const uint8_t *b0 = w + r * a->row_bytes + 4 * g * bb;
@@ -758,7 +807,7 @@ static TGT512 void pack512_16(int qt, const float *x, int64_t K, uint8_t *out)
 INL TGT512 void wgroup512_16(const int qt, const int n, const int wide, const uint8_t *b0, const int bb,
                              __m512i w[4])
 {
-    if (is_q5(qt)) { /* whole 5-bit bytes first; a word of lo holds elements 2k, 2k + 1 */
+    if (is_q5(qt) || is_mx(qt)) { /* whole 5-bit (MXFP4: looked-up) bytes first; a word of lo holds elements 2k, 2k + 1 */
         __m512i lo, hi;
         wgroup512(qt, n, wide, b0, bb, &lo, &hi);
         const __m512i m8 = _mm512_set1_epi16(0x00FF);
@@ -789,7 +838,7 @@ INL TGT512 void gstep512_16(const int qt, const int n, const int R, const int C,
                             const struct qmm512 *a, const uint8_t *w, int64_t t, int64_t g)
 {
     /* wide loads: Q4 and Q5 rows streamed one by one */
-    const int bb = block_bytes(qt), wide = R == 1 && n == 4 && qt != QT_Q8_0;
+    const int bb = block_bytes(qt), wide = R == 1 && n == 4 && qt != QT_Q8_0 && !is_mx(qt);
     UNROLL
     for (int r = 0; r < R; r++) {
         const uint8_t *b0 = w + r * a->row_bytes + 4 * g * bb;
@@ -889,6 +938,8 @@ static TGT512 void qmm512_q5_0(const struct qmm512 *a, int64_t n0, int64_t n1) {
 static TGT512 void qmm512_q5_1(const struct qmm512 *a, int64_t n0, int64_t n1) { qmm512(QT_Q5_1, 0, a, n0, n1); }
 static TGT512 void qmm512_16_q5_0(const struct qmm512 *a, int64_t n0, int64_t n1) { qmm512(QT_Q5_0, 1, a, n0, n1); }
 static TGT512 void qmm512_16_q5_1(const struct qmm512 *a, int64_t n0, int64_t n1) { qmm512(QT_Q5_1, 1, a, n0, n1); }
+static TGT512 void qmm512_mxfp4(const struct qmm512 *a, int64_t n0, int64_t n1) { qmm512(QT_MXFP4, 0, a, n0, n1); }
+static TGT512 void qmm512_16_mxfp4(const struct qmm512 *a, int64_t n0, int64_t n1) { qmm512(QT_MXFP4, 1, a, n0, n1); }
 
 /* ---- quantized weights: AVX2 -------------------------------------------------------- */
 /* A ymm holds one block; tiles of up to 2 rows x 4 tokens (16 ymm registers). */
@@ -909,6 +960,7 @@ INL TGT2 __m256i w_bytes_256(const int qt, const uint8_t *blk)
     const __m128i q = _mm_loadu_si128((const __m128i *)(blk + qs_offset(qt)));
     const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1);
     const __m256i nib = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+    if (is_mx(qt)) return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)MX_U)), nib);
     return is_q5(qt) ? _mm256_or_si256(nib, fifth_bit256(blk + qh_offset(qt))) : nib;
 }
 
@@ -924,7 +976,7 @@ INL TGT2 void step256(const int qt, const int R, const int C, __m256 acc[2][4], 
         const uint8_t *blk = w + r * a->row_bytes + b * bb;
         wq[r] = w_bytes_256(qt, blk);
         wabs[r] = qt == QT_Q8_0 ? _mm256_abs_epi8(wq[r]) : wq[r];
-        wd[r] = _mm256_set1_ps(_cvtsh_ss(ld16(blk)));
+        wd[r] = _mm256_set1_ps(is_mx(qt) ? e8m0_half(blk[0]) : _cvtsh_ss(ld16(blk)));
         wm[r] = has_min(qt) ? _mm256_setr_ps(_cvtsh_ss(ld16(blk + 2)), 0, 0, 0, 0, 0, 0, 0) : _mm256_setzero_ps();
     }
     UNROLL
@@ -956,7 +1008,7 @@ INL TGT2 void w_words_256(const int qt, const uint8_t *blk, __m256i *lo, __m256i
         *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
         return;
     }
-    if (is_q5(qt)) {
+    if (is_q5(qt) || is_mx(qt)) {
         const __m256i v = w_bytes_256(qt, blk);
         *lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
         *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
@@ -977,7 +1029,7 @@ INL TGT2 void step256_16(const int qt, const int R, const int C, __m256 acc[2][4
     for (int r = 0; r < R; r++) {
         const uint8_t *blk = w + r * a->row_bytes + b * bb;
         w_words_256(qt, blk, &wl[r], &wh[r]);
-        wd[r] = _mm256_set1_ps(_cvtsh_ss(ld16(blk)));
+        wd[r] = _mm256_set1_ps(is_mx(qt) ? e8m0_half(blk[0]) : _cvtsh_ss(ld16(blk)));
         wm[r] = has_min(qt) ? _mm256_setr_ps(_cvtsh_ss(ld16(blk + 2)), 0, 0, 0, 0, 0, 0, 0) : _mm256_setzero_ps();
     }
     UNROLL
@@ -1059,6 +1111,8 @@ static TGT2 void qmm256_q5_0(const struct qmm *a, int64_t n0, int64_t n1) { qmm2
 static TGT2 void qmm256_q5_1(const struct qmm *a, int64_t n0, int64_t n1) { qmm256(QT_Q5_1, 0, a, n0, n1); }
 static TGT2 void qmm256_16_q5_0(const struct qmm *a, int64_t n0, int64_t n1) { qmm256(QT_Q5_0, 1, a, n0, n1); }
 static TGT2 void qmm256_16_q5_1(const struct qmm *a, int64_t n0, int64_t n1) { qmm256(QT_Q5_1, 1, a, n0, n1); }
+static TGT2 void qmm256_mxfp4(const struct qmm *a, int64_t n0, int64_t n1) { qmm256(QT_MXFP4, 0, a, n0, n1); }
+static TGT2 void qmm256_16_mxfp4(const struct qmm *a, int64_t n0, int64_t n1) { qmm256(QT_MXFP4, 1, a, n0, n1); }
 #endif /* PAGODA_X86 */
 
 #include "kquant_matmul.inc" /* the K-quants (Q2_K ... Q6_K): their own activation records and kernels */
@@ -1104,7 +1158,8 @@ static struct plain plain_layout(uint8_t *scratch, int act_bits, int64_t T, int6
 /* the 32-block types (the K-quants: kquant_matmul.inc) */
 static int valid_qtype(int qtype)
 {
-    return qtype == QT_Q8_0 || qtype == QT_Q4_0 || qtype == QT_Q4_1 || qtype == QT_Q5_0 || qtype == QT_Q5_1;
+    return qtype == QT_Q8_0 || qtype == QT_Q4_0 || qtype == QT_Q4_1 || qtype == QT_Q5_0 || qtype == QT_Q5_1
+           || qtype == QT_MXFP4;
 }
 
 /* Quantizes tokens [t_begin, t_end) of x ([T, x_stride] float32, K % 32 == 0) into `scratch`
@@ -1159,6 +1214,7 @@ int pagoda_quant_matmul(int isa, int qtype, int act_bits, const uint8_t *scratch
         else if (qtype == QT_Q4_0) (x16 ? qmm512_16_q4_0 : qmm512_q4_0)(&a, n_begin, n_end);
         else if (qtype == QT_Q4_1) (x16 ? qmm512_16_q4_1 : qmm512_q4_1)(&a, n_begin, n_end);
         else if (qtype == QT_Q5_0) (x16 ? qmm512_16_q5_0 : qmm512_q5_0)(&a, n_begin, n_end);
+        else if (qtype == QT_MXFP4) (x16 ? qmm512_16_mxfp4 : qmm512_mxfp4)(&a, n_begin, n_end);
         else (x16 ? qmm512_16_q5_1 : qmm512_q5_1)(&a, n_begin, n_end);
         return 0;
     }
@@ -1172,6 +1228,7 @@ int pagoda_quant_matmul(int isa, int qtype, int act_bits, const uint8_t *scratch
         else if (qtype == QT_Q4_0) (x16 ? qmm256_16_q4_0 : qmm256_q4_0)(&a, n_begin, n_end);
         else if (qtype == QT_Q4_1) (x16 ? qmm256_16_q4_1 : qmm256_q4_1)(&a, n_begin, n_end);
         else if (qtype == QT_Q5_0) (x16 ? qmm256_16_q5_0 : qmm256_q5_0)(&a, n_begin, n_end);
+        else if (qtype == QT_MXFP4) (x16 ? qmm256_16_mxfp4 : qmm256_mxfp4)(&a, n_begin, n_end);
         else (x16 ? qmm256_16_q5_1 : qmm256_q5_1)(&a, n_begin, n_end);
         return 0;
     }
@@ -1491,11 +1548,16 @@ static inline uint16_t f32_to_bf16_rne(float f)
 }
 
 /* One GGUF block of qtype as 32 float32 weights, as dequantize() computes them (Q8_0 d * q,
-   Q4_0 d * (q - 8), Q4_1 d * q + m). */
+   Q4_0 d * (q - 8), Q4_1 d * q + m, MXFP4 d * KV[q]). */
 static inline void dequant_block(int qtype, const uint8_t *blk, float *v)
 {
-    const float d = f16_to_f32(ld16(blk));
-    if (qtype == QT_Q8_0) {
+    const float d = block_d(qtype, blk);
+    if (qtype == QT_MXFP4) {
+        for (int i = 0; i < QK / 2; i++) {
+            v[i] = d * (float)MX_KV[blk[1 + i] & 0x0F];
+            v[i + QK / 2] = d * (float)MX_KV[blk[1 + i] >> 4];
+        }
+    } else if (qtype == QT_Q8_0) {
         for (int i = 0; i < QK; i++) v[i] = d * (float)(int8_t)blk[2 + i];
     } else if (qtype == QT_Q4_0) {
         for (int i = 0; i < QK / 2; i++) {
