@@ -106,7 +106,7 @@ class PagedDecodeKernel:
         self.lib = lib  # (worker_svc/models/fused_decode.py calls its kernels from C)
         fn = lib.pagoda_paged_decode_f32
         fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR] * 7 + [_I64] * 9 + [_F32, _I64, _F32]
+        fn.argtypes = [_PTR] * 7 + [_I64] * 9 + [_F32, _I64, _F32, _PTR]
         fn_bf16 = lib.pagoda_paged_decode_bf16kv  # bfloat16 pools (--kv-cache-dtype bfloat16)
         fn_bf16.restype = ctypes.c_int
         fn_bf16.argtypes = fn.argtypes
@@ -154,20 +154,26 @@ class PagedDecodeKernel:
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                  rows: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                 window: int | None, softcap: float | None = None) -> None:
+                 window: int | None, softcap: float | None = None, *, sinks: torch.Tensor | None = None) -> None:
         """Writes `out[rows[i]]` for every sequence i. All tensors on the CPU and contiguous,
         but q's rows may be apart (q: [num_rows, num_heads, head_dim] with its heads
         contiguous); q and out float32, the pools float32 or bfloat16; rows, tables ([n,
-        max_blocks]) and ctx_lens int64."""
+        max_blocks]) and ctx_lens int64. `sinks`: [num_heads] one logit a head in each
+        softmax's denominator (gpt-oss), any float dtype, or None."""
         num_seqs = rows.shape[0]
+        if sinks is not None:
+            if sinks.numel() != q.shape[1]:
+                raise ValueError(f"sinks: {sinks.numel()} values for {q.shape[1]} heads")
+            sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()  # kept alive until return
         fn = self._fns[k_pool.dtype]
         num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
         args = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), rows.data_ptr(),
                 tables.data_ptr(), ctx_lens.data_ptr(), q.stride(0))
         shape = (tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size, num_blocks)
+        sink_ptr = None if sinks is None else sinks.data_ptr()
 
         def run(begin: int, end: int) -> None:
-            if fn(*args, begin, end, *shape, scale, window or 0, softcap or 0.0) != 0:
+            if fn(*args, begin, end, *shape, scale, window or 0, softcap or 0.0, sink_ptr) != 0:
                 raise MemoryError("paged decode attention: no memory for its scratch space")
 
         threads = min(torch.get_num_threads(), num_seqs)

@@ -22,6 +22,7 @@ from worker_svc.layers.mlp import MLP
 from worker_svc.layers.moe import MoE
 from worker_svc.layers.norm import RMSNorm, rms_norm
 from worker_svc.model_config import ModelConfig
+from worker_svc.weights.packed import PackedLinear
 
 if TYPE_CHECKING:  # worker_svc.weights.lora imports the loader, which imports the model
     from worker_svc.weights.lora import LoraLayer
@@ -42,10 +43,14 @@ class DecoderLayer(nn.Module):
     @property
     def native_decode(self) -> bool:
         """Whether the native decode step (worker_svc/models/fused_decode.py) computes this layer:
-        it computes every option of worker_svc/layers/ (pre-norm or sandwich, SiLU or
-        GELU-tanh, q/k norms, windows, rotary tables, soft-capped scores); not yet a
-        mixture of experts."""
-        return not isinstance(self.mlp, MoE)
+        it computes every option of worker_svc/layers/ (pre-norm or sandwich, SiLU, GELU-tanh or
+        the clamped SwiGLU, q/k norms, windows, rotary tables, soft-capped scores, sinks), and a
+        mixture of experts whose experts are all packed (float32 experts: the module path)."""
+        if not isinstance(self.mlp, MoE):
+            return True
+        shared = [] if self.mlp.shared_expert is None else [self.mlp.shared_expert]
+        return all(isinstance(e.gate_up_packed, PackedLinear) and isinstance(e.down_proj, PackedLinear)
+                   for e in [*self.mlp.experts, *shared])
 
     def forward(
         self,

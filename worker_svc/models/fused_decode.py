@@ -13,6 +13,10 @@ stage whose every layer has fused packed (or BF16) q/k/v and gate/up products, f
 activations and KV pools, no tensor parallelism, one torch thread (the kernels split rows
 over threads only in the module path), and the native kernels present. Everything else
 (float32 weights, the exact path; prefill and mixed steps; TP) keeps the module path.
+Mixture-of-experts layers (worker_svc/layers/moe.py) run natively when every expert is packed:
+the router (float32 or packed) and the top-k, the rows grouped by expert (each active
+expert's weights read once a step), the shared expert; gpt-oss's attention sinks are the
+attention kernel's.
 `PAGODA_FUSED_DECODE=0` turns it off. With KV groups each layer reads its own sub-group's
 slots and table out of the step's stacked ones (its `group` and the strides in the shape).
 """
@@ -45,12 +49,25 @@ _Linear._fields_ = [("qtype", _I64), ("w", _PTR), ("bias", _PTR), ("n", _I64), (
                     ("next", ctypes.POINTER(_Linear))]
 
 
+class _Expert(ctypes.Structure):
+    _fields_ = [("gate_up", _Linear), ("down", _Linear)]
+
+
+class _MoE(ctypes.Structure):  # struct pagoda_moe
+    _fields_ = [("num_experts", _I64), ("top_k", _I64), ("renormalize", _I64), ("softmax_after_topk", _I64),
+                ("router", _Linear), ("experts", ctypes.POINTER(_Expert)), ("intermediate", _I64),
+                ("act", _I64), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
+                ("shared", ctypes.POINTER(_Expert)), ("shared_intermediate", _I64), ("shared_act", _I64),
+                ("shared_gate", _Linear)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("norm1", _PTR), ("norm2", _PTR), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_pool", _PTR), ("v_pool", _PTR),
                 ("q_norm", _PTR), ("k_norm", _PTR), ("post_attn_norm", _PTR), ("post_mlp_norm", _PTR),
                 ("window", _I64), ("softcap", ctypes.c_float), ("rope", _I64), ("act", _I64),
-                ("group", _I64)]
+                ("group", _I64), ("act_alpha", ctypes.c_float), ("act_limit", ctypes.c_float),
+                ("sinks", _PTR), ("moe", ctypes.POINTER(_MoE))]
 
 
 class _Kernels(ctypes.Structure):
@@ -78,6 +95,8 @@ def _library():
     lib.pagoda_decode_layers.argtypes = [_PTR] * 3 + [_I64, _PTR, _I64] + [_PTR] * 7
     lib.pagoda_decode_scratch_floats.restype = _I64
     lib.pagoda_decode_scratch_floats.argtypes = [_I64] * 5
+    lib.pagoda_moe_scratch_floats.restype = _I64
+    lib.pagoda_moe_scratch_floats.argtypes = [_I64] * 5
     return lib
 
 
@@ -112,6 +131,82 @@ def _ffn_norms(layer) -> tuple[int, int | None, int | None]:
             post_mlp.weight.data_ptr())
 
 
+def _act(mlp) -> tuple[int, float, float]:
+    """(the native kernels' gating kind, alpha, limit) of a gated MLP (worker_svc/layers/mlp.py)."""
+    return getattr(mlp, "act_kind", 0 if mlp.silu else 1), getattr(mlp, "alpha", 1.702), getattr(mlp, "limit", 7.0)
+
+
+def _is_moe(mlp) -> bool:
+    return hasattr(mlp, "experts")
+
+
+def _plain_or_packed(m, keep: list) -> _Linear:
+    """A router's description: packed, or float32 weights (qtype 0) as a GGUF file keeps them."""
+    if isinstance(m, PackedLinear):
+        return _linear(m, keep)
+    w = m.weight.detach().contiguous()
+    bias = None if m.bias is None else m.bias.detach().float().contiguous()
+    keep += [w, bias]  # (the same tensors unless a copy was needed)
+    return _Linear(0, w.data_ptr(), None if bias is None else bias.data_ptr(), m.out_features,
+                   m.in_features, None)
+
+
+def _native_linear(m) -> bool:
+    """Whether the native step reads `m`: packed, or a float32 linear on the CPU (a router)."""
+    if isinstance(m, PackedLinear):
+        return True
+    return (isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32
+            and m.weight.device.type == "cpu")
+
+
+def _native_mlp(mlp) -> bool:
+    """Whether the native step computes `mlp`: a packed gated MLP, or a mixture of packed
+    experts with a float32 or packed router (and shared gate)."""
+    if not _is_moe(mlp):
+        return isinstance(mlp.gate_up_packed, PackedLinear) and isinstance(mlp.down_proj, PackedLinear)
+    shared = [] if mlp.shared_expert is None else [mlp.shared_expert]
+    return (_native_linear(mlp.gate) and all(_native_mlp(e) for e in [*mlp.experts, *shared])
+            and (mlp.shared_expert_gate is None or _native_linear(mlp.shared_expert_gate)))
+
+
+def _moe(mlp, keep: list) -> _MoE:
+    """The native description of a mixture-of-experts MLP; what it points to is appended to
+    `keep`, which must outlive it."""
+    experts = (_Expert * len(mlp.experts))()
+    for i, e in enumerate(mlp.experts):
+        experts[i] = _Expert(_linear(e.gate_up_packed, keep), _linear(e.down_proj, keep))
+    act, alpha, limit = _act(mlp.experts[0])
+    shared, shared_size, shared_act, shared_gate = None, 0, 0, _Linear()
+    if mlp.shared_expert is not None:
+        s = mlp.shared_expert
+        node = _Expert(_linear(s.gate_up_packed, keep), _linear(s.down_proj, keep))
+        shared, shared_size, shared_act = ctypes.pointer(node), s.down_proj.in_features, _act(s)[0]
+        shared_gate = _plain_or_packed(mlp.shared_expert_gate, keep)
+        keep.append(node)
+    keep.append(experts)
+    return _MoE(len(mlp.experts), mlp.top_k, int(mlp.renormalize), int(getattr(mlp, "softmax_after_topk", False)),
+                _plain_or_packed(mlp.gate, keep), experts, mlp.experts[0].down_proj.in_features, act, alpha,
+                limit, shared, shared_size, shared_act, shared_gate)
+
+
+def _moe_dims(layers) -> tuple[int, int, int]:
+    """(experts, top k, intermediate size) the MoE scratch is sized for: each the layers' largest
+    (0s when no layer is one)."""
+    dims = [(m.num_experts, m.top_k, max(m.experts[0].down_proj.in_features,
+                                         0 if m.shared_expert is None else m.shared_expert.down_proj.in_features))
+            for m in (layer.mlp for layer in layers) if _is_moe(m)]
+    return tuple(max(d[i] for d in dims) for i in range(3)) if dims else (0, 0, 0)
+
+
+def _sinks(att, keep: list) -> int | None:
+    sinks = getattr(att, "sinks", None)
+    if sinks is None:
+        return None
+    sinks = sinks.detach().float().contiguous()
+    keep.append(sinks)
+    return sinks.data_ptr()
+
+
 class FusedDecoder:
     """The native decode step of one stage's layers (see the module docstring); build with
     `FusedDecoder.for_model(model)`, which returns None where it does not apply."""
@@ -132,6 +227,12 @@ class FusedDecoder:
         self._pool_ptrs: tuple[int, ...] = ()
         self._scratch = torch.empty(0)
         self._qscratch = torch.empty(0, dtype=torch.uint8)
+        # the MoE layers' descriptions (built once: they do not move with the pools) and
+        # everything they point to
+        self._moe_keep: list = []
+        self._moes = [ctypes.pointer(_moe(layer.mlp, self._moe_keep)) if _is_moe(layer.mlp) else None
+                      for layer in self._layers]
+        self._moe_dims = _moe_dims(self._layers)
         fns = kernels.function_addresses()
         # the rope/K-V write and attention kernels by pool dtype (float32, or bfloat16 pools)
         self._kfns = {dtype: (fns["quant_matmul_f32"], fns["bf16_matmul"],
@@ -149,10 +250,9 @@ class FusedDecoder:
         for layer in model.model.layers.values():
             if not layer.native_decode:
                 return None
-            att, mlp = layer.self_attn, layer.mlp
-            parts = (att.qkv_packed, att.o_proj, mlp.gate_up_packed, mlp.down_proj)
-            if (layer.reduce is not None
-                    or not all(isinstance(p, PackedLinear) for p in parts)
+            att = layer.self_attn
+            if (layer.reduce is not None or not _native_mlp(layer.mlp)
+                    or not all(isinstance(p, PackedLinear) for p in (att.qkv_packed, att.o_proj))
                     or layer.input_layernorm.weight.dtype != torch.float32
                     or layer.input_layernorm.weight.device.type != "cpu"):
                 return None
@@ -175,20 +275,26 @@ class FusedDecoder:
         ptrs = tuple(p.data_ptr() for kv in kv_pools for p in kv)
         if ptrs != self._pool_ptrs:
             table = (_Layer * len(self._layers))()
-            chained: list[_Linear] = []
+            chained: list = []
             for i, layer in enumerate(self._layers):
-                att, mlp = layer.self_attn, layer.mlp
-                k_pool, v_pool = kv_pools[i]
-                norm2, post_attn, post_mlp = _ffn_norms(layer)
-                table[i] = _Layer(layer.input_layernorm.weight.data_ptr(), norm2,
-                                  _linear(att.qkv_packed, chained), _linear(att.o_proj, chained),
-                                  _linear(mlp.gate_up_packed, chained), _linear(mlp.down_proj, chained),
-                                  k_pool.data_ptr(), v_pool.data_ptr(), _ptr(att.q_norm), _ptr(att.k_norm),
-                                  post_attn, post_mlp, att.sliding_window or 0, att.softcap or 0.0,
-                                  self.model.rope_index(i),
-                                  0 if mlp.silu else 1, self.model.kv_group_of(i))
+                table[i] = self._layer(i, layer, kv_pools[i], chained)
             self._table, self._pool_ptrs, self._chained = table, ptrs, chained
         return self._table
+
+    def _layer(self, i: int, layer, kv: tuple[torch.Tensor, torch.Tensor], keep: list) -> _Layer:
+        """Layer `i`'s native description over its pools `kv`; what it points to (but the MoE
+        description) is appended to `keep`."""
+        att, mlp = layer.self_attn, layer.mlp
+        norm2, post_attn, post_mlp = _ffn_norms(layer)
+        moe = self._moes[i]
+        gate_up, down = (_Linear(), _Linear()) if moe else (_linear(mlp.gate_up_packed, keep),
+                                                            _linear(mlp.down_proj, keep))
+        act, alpha, limit = (0, 0.0, 0.0) if moe else _act(mlp)
+        return _Layer(layer.input_layernorm.weight.data_ptr(), norm2, _linear(att.qkv_packed, keep),
+                      _linear(att.o_proj, keep), gate_up, down, kv[0].data_ptr(), kv[1].data_ptr(),
+                      _ptr(att.q_norm), _ptr(att.k_norm), post_attn, post_mlp, att.sliding_window or 0,
+                      att.softcap or 0.0, self.model.rope_index(i), act, self.model.kv_group_of(i), alpha, limit,
+                      _sinks(att, keep), moe)
 
     def forward(self, h: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
                 kv_pools: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:
@@ -203,9 +309,12 @@ class FusedDecoder:
         tables, slots, group_slots, group_tables = _tables(metadata)
         qkv = cfg.q_size + 2 * cfg.kv_size
         need = self._lib.pagoda_decode_scratch_floats(T, cfg.hidden_size, qkv, cfg.q_size, cfg.intermediate_size)
+        if self._moe_dims[0]:  # (after the dense scratch)
+            need += self._lib.pagoda_moe_scratch_floats(T, cfg.hidden_size, *self._moe_dims)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need)
-        qneed = self._quant.scratch_bytes(T, max(cfg.hidden_size, cfg.intermediate_size, cfg.q_size))
+        widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.q_size, self._moe_dims[2])
+        qneed = self._quant.scratch_bytes(T, widest)
         if self._qscratch.numel() < qneed + 64:
             self._qscratch = torch.empty(qneed + 64, dtype=torch.uint8)
         kernels = _Kernels(*self._kfns[kv_pools[0][0].dtype], self._quant.isa_id, self._quant.act_bits,

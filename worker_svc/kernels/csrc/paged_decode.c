@@ -16,7 +16,10 @@
  * Query head h reads KV head h / (num_heads / num_kv_heads) (GQA). With window > 0 the
  * sequence attends to its last `window` tokens only (keys at positions > ctx - 1 - window).
  * With softcap > 0 each score s becomes softcap * tanh(s / softcap) before the softmax
- * (Gemma 2's attention logit soft-capping).
+ * (Gemma 2's attention logit soft-capping). With sinks (gpt-oss; NULL: none) head h's softmax
+ * has one more logit, sinks[h], in its denominator only: the weights of the keys sum to less
+ * than 1 (transformers' gpt_oss eager attention: softmax over [scores, sink], the sink's
+ * column dropped).
  * Sequences [seq_begin, seq_end) are computed, so callers can split a batch over threads.
  * Returns 0, or -1 when the scratch space cannot be allocated.
  *
@@ -55,7 +58,7 @@ static inline __attribute__((always_inline)) int paged_decode(
     const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
     int64_t q_stride, int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t num_blocks, float scale, int64_t window, float softcap, const int bf16)
+    int64_t num_blocks, float scale, int64_t window, float softcap, const float *sinks, const int bf16)
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t kv_row = num_kv_heads * head_dim; /* floats between consecutive tokens */
@@ -99,16 +102,17 @@ static inline __attribute__((always_inline)) int paged_decode(
                 }
             }
         }
-        /* pass 2: softmax over each head's scores */
+        /* pass 2: softmax over each head's scores (and its sink) */
         for (int64_t h = 0; h < num_heads; h++) {
             float *sh = scores + h * longest;
-            const float m = maxes[h];
+            const float m = (sinks && sinks[h] > maxes[h]) ? sinks[h] : maxes[h];
             float sum = 0.0f;
             for (int64_t t = 0; t < n; t++) {
                 const float e = expf(sh[t] - m);
                 sh[t] = e;
                 sum += e;
             }
+            if (sinks) sum += expf(sinks[h] - m);
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
 #pragma omp simd
             for (int64_t t = 0; t < n; t++) sh[t] *= inv;
@@ -141,10 +145,10 @@ int pagoda_paged_decode_f32(
     const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
     int64_t q_stride, int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t num_blocks, float scale, int64_t window, float softcap)
+    int64_t num_blocks, float scale, int64_t window, float softcap, const float *sinks)
 {
     return paged_decode(q, k_pool, v_pool, out, rows, tables, ctx_lens, q_stride, seq_begin, seq_end, max_blocks,
-                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, softcap, 0);
+                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, softcap, sinks, 0);
 }
 
 /* The same over bfloat16 pools (each K/V element widened to float32 as it is read) */
@@ -153,10 +157,10 @@ int pagoda_paged_decode_bf16kv(
     const int64_t *rows, const int64_t *tables, const int64_t *ctx_lens,
     int64_t q_stride, int64_t seq_begin, int64_t seq_end, int64_t max_blocks,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t num_blocks, float scale, int64_t window, float softcap)
+    int64_t num_blocks, float scale, int64_t window, float softcap, const float *sinks)
 {
     return paged_decode(q, k_pool, v_pool, out, rows, tables, ctx_lens, q_stride, seq_begin, seq_end, max_blocks,
-                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, softcap, 1);
+                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, window, softcap, sinks, 1);
 }
 
 /* The rotary embedding of a step's new tokens and the write of their K/V into the pools.
