@@ -170,8 +170,9 @@ def test_a_moe_gguf_file_at_float32_equals_transformers_reading_it(moe_files, qt
 def test_a_moe_gguf_file_at_its_own_types_keeps_the_experts_packed(moe_files):
     from wiring.model_source import prepare_gguf
     from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint
+    from worker_svc.layers.moe import expert_weight_bytes
     from worker_svc.weights.packed import PackedLinear
-    from worker_svc.weights.quantization import expert_weight_bytes, weight_bytes
+    from worker_svc.weights.quantization import weight_bytes
 
     path = moe_files["Q4_K_M"]
     stage = load_stage(prepare_gguf(path))

@@ -38,9 +38,10 @@ from worker_svc.execution.sampler import Sampler, SamplerOutput, SampleRow
 from worker_svc.execution.structured import GrammarBank
 from worker_svc.kernels.attention import AttentionBackend, AttentionMetadata, get_backend
 from worker_svc.kernels.attention_metadata import entry_table, paged_layout
+from worker_svc.layers.moe import expert_weight_bytes
 from worker_svc.models.stage import StageModel
 from worker_svc.weights.lora import LoraBank, LoraStep, token_slots
-from worker_svc.weights.quantization import expert_weight_bytes, weight_bytes
+from worker_svc.weights.quantization import weight_bytes
 
 
 @dataclass

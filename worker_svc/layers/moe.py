@@ -18,6 +18,7 @@ from torch import nn
 
 from worker_svc.layers.mlp import MLP, GatedAct
 from worker_svc.model_config import ModelConfig
+from worker_svc.weights.quantization import weight_bytes
 
 
 class MoE(nn.Module):
@@ -70,3 +71,8 @@ class MoE(nn.Module):
             gate = torch.sigmoid(self.shared_expert_gate(x).float())
             out += gate * self.shared_expert.forward(x).float()
         return out.to(x.dtype)
+
+
+def expert_weight_bytes(model: nn.Module) -> int:
+    """Of `weight_bytes(model)`, what the experts of its mixture-of-experts layers hold."""
+    return sum(weight_bytes(m.experts) for m in model.modules() if isinstance(m, MoE))

@@ -204,13 +204,6 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     return model
 
 
-def expert_weight_bytes(model: nn.Module) -> int:
-    """Of `weight_bytes(model)`, what the experts of its mixture-of-experts layers hold."""
-    from worker_svc.layers.moe import MoE  # the layers import the packed weights, which import this
-
-    return sum(weight_bytes(m.experts) for m in model.modules() if isinstance(m, MoE))
-
-
 def weight_bytes(model: nn.Module) -> int:
     """Bytes held by a stage's weights: parameters and persistent buffers (FP8 weights and
     their scales, packed GGUF rows), each storage counted once (fused projections are views
