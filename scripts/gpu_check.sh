@@ -3,14 +3,25 @@
 # for a prepared GPU image: its own python3 with torch, triton and transformers, no network,
 # no project virtualenv. Runs from the repository root with PYTHONPATH=.; writes its figures
 # to $OUT/gpu_check.json (or ./gpu_check.json) after every part; exits non-zero on any
-# failure. See scripts/gpu_check.py for the parts.
+# failure. See scripts/gpu_check.py for the parts. Then the fused mixture-of-experts kernel
+# (tests/gpu/moe_check.py): checked against the torch path and timed at a Qwen3-MoE-30B-A3B
+# layer's shape, figures in $OUT/gpu_moe.json; it runs whatever the first step's outcome.
 #
-#   scripts/gpu_check.sh                 # on the GPU machine (under six minutes)
+#   scripts/gpu_check.sh                 # on the GPU machine (under eight minutes)
 #   scripts/gpu_check.sh --cpu-smoke     # here: every part on the CPU, interpreter, toy sizes
 #   PYTHON=.venv/bin/python scripts/gpu_check.sh --cpu-smoke
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+python="${PYTHON:-python3}"
+status=0
 # Each part has its own timeout inside; this one only guards the driver itself.
-exec timeout -k 10 370 "${PYTHON:-python3}" scripts/gpu_check.py "$@"
+timeout -k 10 370 "$python" scripts/gpu_check.py "$@" || status=$?
+moe_args=()
+for arg in "$@"; do
+    if [[ $arg == --cpu-smoke ]]; then moe_args+=(--cpu-smoke); fi
+done
+echo "== fused_moe (timeout 120 s)"
+timeout -k 10 120 "$python" tests/gpu/moe_check.py ${moe_args[@]+"${moe_args[@]}"} || status=$?
+exit "$status"

@@ -147,6 +147,62 @@ def test_forward_matches_reference(name):
         assert err <= err_lowp + atol
 
 
+SINK_CASES = {
+    "bs16-gqa4-fp32-mixed": Case(16, 8, 2, 16, torch.float32, MIXED),
+    "bs16-gqa2-fp32-window": Case(16, 4, 2, 16, torch.float32, MIXED, sliding_window=24),
+    "bs32-gqa4-bf16-decode": Case(32, 4, 1, 32, torch.bfloat16, DECODE),
+}
+
+
+def reference_with_sinks(q, k_pool, v_pool, metadata, scale, sliding_window, sinks):
+    """transformers' gpt_oss eager attention, in float64, one sequence at a time: softmax
+    over [scores..., sink], the sink's column dropped."""
+    block_size, num_kv_heads, head_dim = k_pool.shape[1:]
+    group = q.shape[1] // num_kv_heads
+    k_slots, v_slots = k_pool.reshape(-1, num_kv_heads, head_dim), v_pool.reshape(-1, num_kv_heads, head_dim)
+    starts, out = metadata.query_start_loc_list, torch.empty(q.shape, dtype=torch.float64)
+    for i, ctx in enumerate(metadata.context_lens_list):
+        num_new = starts[i + 1] - starts[i]
+        pos = torch.arange(ctx)
+        slots = metadata.block_tables[i].cpu()[pos // block_size] * block_size + pos % block_size
+        k = k_slots.cpu()[slots].double().repeat_interleave(group, dim=1)  # [ctx, H, D]
+        v = v_slots.cpu()[slots].double().repeat_interleave(group, dim=1)
+        qi = q[starts[i]:starts[i + 1]].cpu().double()  # [n, H, D]
+        scores = torch.einsum("nhd,chd->hnc", qi, k) * scale
+        q_pos = torch.arange(ctx - num_new, ctx)[:, None]
+        allowed = pos[None, :] <= q_pos
+        if sliding_window is not None:
+            allowed &= pos[None, :] > q_pos - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        sink = sinks.cpu().double().view(-1, 1, 1).expand(-1, num_new, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out[starts[i]:starts[i + 1]] = torch.einsum("hnc,chd->nhd", probs, v)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SINK_CASES))
+def test_forward_with_sinks_matches_reference(name):
+    case = SINK_CASES[name]
+    q, (k_pool, v_pool), (k, v), metadata = make_batch(case, seed=2)
+    TorchAttentionBackend().write_kv(k_pool, v_pool, k, v, metadata.slot_mapping)
+    scale = case.head_dim**-0.5
+    # from sinks that take most of a row's weight to ones that take next to none
+    sinks = torch.linspace(4.0, -6.0, case.num_heads, device=DEVICE)
+    backend = triton_attention.TritonAttentionBackend()
+    out = backend.forward(q, k_pool, v_pool, metadata, scale, case.sliding_window, sinks=sinks)
+    ref = reference_with_sinks(q, k_pool, v_pool, metadata, scale, case.sliding_window, sinks)
+    atol, rtol = TOLERANCE[case.dtype]
+    torch.testing.assert_close(out.cpu().double(), ref, atol=atol, rtol=rtol)
+    plain = backend.forward(q, k_pool, v_pool, metadata, scale, case.sliding_window)
+    assert not torch.allclose(out, plain, atol=10 * atol), "the sinks changed nothing: a vacuous test"
+    # a sink at -inf takes no weight: the plain softmax, exactly as without sinks
+    none = torch.full((case.num_heads,), float("-inf"), device=DEVICE)
+    torch.testing.assert_close(backend.forward(q, k_pool, v_pool, metadata, scale, case.sliding_window,
+                                               sinks=none), plain, atol=atol, rtol=rtol)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        backend.forward(q, k_pool, v_pool, metadata, scale, None, sinks=sinks[:-1])
+
+
 def test_backend_is_chosen_by_name():
     assert isinstance(get_backend("triton"), triton_attention.TritonAttentionBackend)
     with pytest.raises(ValueError, match="available: cpu, torch, triton"):

@@ -4,7 +4,8 @@ Same contract as `TorchAttentionBackend` (see worker_svc/kernels/attention.py): 
 mixing decode tokens and prefill chunks, each sequence's query rows attending causally
 within its chunk and fully over its cached context (or the last `sliding_window` tokens),
 with grouped-query attention, K/V read straight out of the paged pools
-`[num_blocks, block_size, num_kv_heads, head_dim]`.
+`[num_blocks, block_size, num_kv_heads, head_dim]`; optional attention sinks (gpt-oss: a
+learned logit per head in the softmax's denominator only).
 
 Kernel layout. One program serves `BLOCK_Q` consecutive query tokens of one sequence and
 one KV head, with all `group = num_heads // num_kv_heads` query heads that share it, so a
@@ -172,34 +173,14 @@ def _attend_context(
 # kernel serves every batch of a model.
 @triton.jit(do_not_specialize=["num_seqs", "sliding_window", "stride_table_seq"])
 def _paged_attention_kernel(
-    out_ptr,
-    q_ptr,
-    k_pool_ptr,
-    v_pool_ptr,
-    block_tables_ptr,
-    query_start_loc_ptr,
-    context_lens_ptr,
-    scale_log2e,
-    num_seqs,
-    block_size,
-    sliding_window,
-    head_dim,
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_pool_slot,
-    stride_pool_head,
+    out_ptr, q_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr,
+    sinks_ptr, scale_log2e, num_seqs, block_size, sliding_window, head_dim,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_pool_slot, stride_pool_head,
     stride_table_seq,
-    GROUP: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, pid, num_seqs, BLOCK_Q)
@@ -220,8 +201,15 @@ def _paged_attention_kernel(
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
         q = q.to(tl.float32)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINKS:
+            # The sink joins as one more key whose value is zero: the running max starts
+            # at its logit (in exp2 units) and the denominator at its weight, exp2(0) = 1.
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
+            m_i = sink * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
         # Context this tile of queries can see: up to its last token, and with a sliding
         # window from its first token's window start.
@@ -311,7 +299,10 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`sinks` [num_heads] (gpt-oss): one learned logit per head that joins each row's
+        softmax denominator (its column then dropped), as transformers' eager attention."""
         if softcap is not None:
             raise ValueError("attention logit soft-capping (Gemma 2) is not supported by the triton "
                              "attention backend; use --attention-backend torch")
@@ -322,6 +313,8 @@ class TritonAttentionBackend:
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
         group = num_heads // num_kv_heads
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks {tuple(sinks.shape)}: one logit per query head, ({num_heads},)")
         q = _unit_last_stride(q)
         out = torch.empty_like(q)
         if num_tokens == 0:
@@ -335,6 +328,7 @@ class TritonAttentionBackend:
         _paged_attention_kernel[grid](
             out, q, k_slots, v_slots,
             metadata.block_tables, metadata.query_start_loc, metadata.context_lens,
+            q if sinks is None else sinks.float().contiguous(),  # (q: a pointer never read)
             scale * 1.4426950408889634,  # log2(e): the kernel works in exp2
             metadata.num_seqs, k_pool.shape[1], sliding_window or 0, head_dim,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -345,6 +339,7 @@ class TritonAttentionBackend:
             HEAD_DIM_PAD=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
             TILE_N=self.tile_n,
             USE_WINDOW=sliding_window is not None,
+            HAS_SINKS=sinks is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             INTERPRET=self.interpret,
             num_warps=8 if block_m >= _PREFILL_BLOCK_M else 4,
