@@ -61,7 +61,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     flat = topk_ids.flatten().long()
     num_slots = flat.numel()
     device = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # (not bincount: on CUDA it reads the largest id back to size its output)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
