@@ -15,6 +15,7 @@ KV + 12, the -12 * sum(q_x) in one lane of the block) cancel only to within its 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import numpy as np
@@ -174,6 +175,25 @@ def test_result_does_not_depend_on_threads(monkeypatch: pytest.MonkeyPatch) -> N
 def test_rows_not_whole_blocks_are_refused() -> None:
     with pytest.raises(ValueError, match=r"MXFP4 weight \[3, 48\].*multiple of 32"):
         KERNELS.matmul(torch.zeros(1, 48), torch.zeros(3, 34, dtype=torch.uint8), "MXFP4")
+
+
+@needs_kernels
+@pytest.mark.parametrize("act_bits", (8, 16))
+def test_the_fused_steps_entry_point_takes_type_39(act_bits: int) -> None:
+    """csrc/decode_layers.c multiplies through pagoda_quant_matmul_f32 by ggml's type id, with one
+    scratch of scratch_bytes(T, max K): the same product as `matmul` on every path."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, i64,
+                          ptr, i64, ptr)(KERNELS.function_addresses()["quant_matmul_f32"])
+    rows, x = quantized_rows(N, 160, seed=12), activations(3, 160)
+    for isa in KERNELS.available:
+        k = kernels(isa)
+        buf = torch.empty(k.scratch_bytes(3, 1536, act_bits=act_bits) + 64, dtype=torch.uint8)
+        y = torch.full((3, N), float("nan"))
+        rc = fn(k.isa_id, qk.GGML_TYPES["MXFP4"][0], act_bits, x.data_ptr(), 160, 3, 160, rows.data_ptr(), N,
+                y.data_ptr(), N, (buf.data_ptr() + 63) & ~63)
+        assert rc == 0 and qk.GGML_TYPES["MXFP4"][0] == 39
+        assert torch.equal(y, k.matmul(x, rows, "MXFP4", act_bits=act_bits))
 
 
 @pytest.mark.parametrize("T", (3, 200))  # integer kernels; a prefill's dequantized GEMM
