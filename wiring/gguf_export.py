@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 # llama.cpp's converter writes a Mistral checkpoint as a Llama one
-_GGUF_ARCH = {"mistral": "llama"}
+_GGUF_ARCH = {"mistral": "llama", "mixtral": "llama"}
 _GLOBAL_TENSORS = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -140,7 +140,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> P
     if arch.model_type not in _GGUF_ARCH and not arch.gguf_names:
         raise ValueError(f"{arch.model_type}: not written as GGUF yet")
     name = _GGUF_ARCH.get(arch.model_type) or arch.gguf_names[0]
-    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors = {arch.model_name(n): t for n, t in load_file(str(model_dir / "model.safetensors")).items()}
     _refuse_unwritable(arch.model_type, cfg)
     w = gguf.GGUFWriter(str(out), name)
     w.add_name(model_dir.name)
@@ -237,9 +237,10 @@ def _write_hparams(w, name: str, model_type: str, cfg: dict[str, Any]) -> None:
         _write_gemma(w, model_type, cfg)
     if model_type == "phi3":
         _write_phi3(w, cfg, rope)
-    if model_type == "qwen3_moe":  # Qwen3MoeModel's additions
+    if model_type in ("qwen3_moe", "mixtral"):  # llama.cpp's MoE keys (Mixtral's expert size: the FFN's)
         w.add_expert_count(int(cfg.get("num_experts") or cfg["num_local_experts"]))
         w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+    if model_type == "qwen3_moe":
         w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
 
 

@@ -175,9 +175,9 @@ def test_tensor_names_agree_with_gguf_py():
 
     arches = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
     for arch in ARCHITECTURES:
-        if not arch.gguf_names:  # Mixtral: no GGUF name of its own (llama.cpp writes it as llama)
+        if not arch.gguf_names + arch.gguf_expert_names:  # gpt-oss: not read from GGUF here
             continue
-        name = arch.gguf_names[0]
+        name = (arch.gguf_names + arch.gguf_expert_names)[0]  # Mixtral: a llama file with experts
         if name not in arches:  # mistral: written as llama
             continue
         names = gguf.get_tensor_name_map(arches[name], 4)

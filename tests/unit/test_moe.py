@@ -186,3 +186,26 @@ def test_a_moe_gguf_file_at_its_own_types_keeps_the_experts_packed(moe_files):
     ckpt = GGUFCheckpoint(path)
     exps = sum(int(t.n_bytes) for name, t in ckpt._tensors.items() if "_exps." in name)
     assert expert_weight_bytes(stage) == exps < weight_bytes(stage)
+
+
+def test_a_mixtral_gguf_file_is_a_llama_file_with_experts_read_as_mixtral(references, tmp_path):
+    """llama.cpp writes Mixtral as `llama` with `ffn_*_exps` and an expert count: served as
+    Mixtral, at F32 it equals transformers on the folder it was written from (q/k rows
+    permuted and back, experts stacked and back); at Q4_K_M the experts stay packed."""
+    from wiring.gguf_export import write_gguf
+    from wiring.model_source import prepare_gguf
+    from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint
+    from worker_svc.weights.packed import PackedLinear
+
+    model_dir, ref = references("mixtral")
+    f32 = write_gguf(model_dir, tmp_path / "tiny-mixtral-F32.gguf", "F32")
+    ckpt = GGUFCheckpoint(f32)
+    assert ckpt.architecture == "llama" and ckpt.arch.model_type == "mixtral"
+    assert "blk.0.ffn_gate_exps.weight" in ckpt._tensors
+    prompts = make_prompts(ref.model.config.vocab_size)[:4]
+    outputs, _ = run_runtime(str(prepare_gguf(f32)), 2, 16, 7, prompts, "torch")
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ref.compare(prompt, out)
+    q4 = load_stage(prepare_gguf(write_gguf(model_dir, tmp_path / "tiny-mixtral-Q4_K_M.gguf", "Q4_K_M")))
+    # (gate and up: rows of 64, whole blocks of Q4_K_M's fallback; down's 48 columns stay F32)
+    assert all(isinstance(e.gate_proj, PackedLinear) for e in q4.model.layers["1"].mlp.experts)

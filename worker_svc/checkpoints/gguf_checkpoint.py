@@ -134,7 +134,8 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: cannot be read as GGUF: {exc}") from exc
         self._tensors = {t.name: t for t in self._reader.tensors}
         arch = self.field("general.architecture")
-        self.arch = architecture_of_gguf(arch, str(self.path))
+        experts = bool(self.field(f"{arch}.expert_count", 0))
+        self.arch = architecture_of_gguf(arch, str(self.path), experts)
         self.architecture = str(arch)
         layer_tensors = self.arch.gguf_layer_tensors
         self._by_hf = {n: g for g in self._tensors if (n := hf_name(g, layer_tensors)) is not None}

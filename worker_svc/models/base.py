@@ -12,10 +12,12 @@ An architecture is a subclass with class attributes and, where it differs, metho
   module suffix -> (the checkpoint's module suffix, index of this part); the loader reads
   each part's rows.
 - `stored_names(name)`: the names a checkpoint may hold tensor `name` under, in the order
-  tried (a multimodal checkpoint's language model under a prefix: Gemma 3's).
+  tried (a multimodal checkpoint's language model under a prefix: Gemma 3's); `model_name`
+  the other way (the GGUF writer's).
 - GGUF: `gguf_layer_tensors` (llama.cpp's per-layer names beyond Llama's), `gguf_config`
   (its metadata keys beyond Llama's), `gguf_permuted_qk` (whether llama.cpp's converter
-  permuted q/k rows), `gguf_norm_offset_stored` (whether it stored norms as offset + w).
+  permuted q/k rows), `gguf_norm_offset_stored` (whether it stored norms as offset + w),
+  `gguf_expert_names` (another architecture's GGUF name whose files with experts it serves).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class Architecture:
     model_type: ClassVar[str] = "llama"
     hf_names: ClassVar[tuple[str, ...]] = ()
     gguf_names: ClassVar[tuple[str, ...]] = ()
+    # GGUF architectures whose files it serves when they hold experts (Mixtral: `llama`)
+    gguf_expert_names: ClassVar[tuple[str, ...]] = ()
     default_bias: ClassVar[bool] = False  # q/k/v bias when the config does not say
     activations: ClassVar[tuple[str, ...]] = ("silu", "swish")
     act_key: ClassVar[str] = "hidden_act"
@@ -105,6 +109,11 @@ class Architecture:
     def stored_names(cls, name: str) -> tuple[str, ...]:
         """The names a checkpoint may hold the model's tensor `name` under (Llama: itself)."""
         return (name,)
+
+    @classmethod
+    def model_name(cls, stored: str) -> str:
+        """The model's name of a checkpoint's tensor `stored` (Llama: itself)."""
+        return stored
 
     @classmethod
     def gguf_config(cls, field: GGUFField, config: dict[str, Any]) -> None:

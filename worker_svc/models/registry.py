@@ -26,6 +26,7 @@ ARCHITECTURES: tuple[type[Architecture], ...] = (Llama, Mistral, Qwen2, Qwen3, G
                                                  Mixtral, GptOss)
 BY_HF_NAME = {name: arch for arch in ARCHITECTURES for name in arch.hf_names}
 BY_GGUF_NAME = {name: arch for arch in ARCHITECTURES for name in arch.gguf_names}
+BY_GGUF_EXPERT_NAME = {name: arch for arch in ARCHITECTURES for name in arch.gguf_expert_names}
 BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES}
 
 
@@ -40,8 +41,11 @@ def architecture_of_config(raw: dict[str, Any], source: str = "config.json") -> 
     return arch
 
 
-def architecture_of_gguf(name: Any, source: str) -> type[Architecture]:
-    """The architecture a GGUF file names in `general.architecture`."""
+def architecture_of_gguf(name: Any, source: str, experts: bool = False) -> type[Architecture]:
+    """The architecture a GGUF file names in `general.architecture`; `experts`: its layers
+    hold experts (`{arch}.expert_count`: a `llama` file is then Mixtral's)."""
+    if experts and name in BY_GGUF_EXPERT_NAME:
+        return BY_GGUF_EXPERT_NAME[name]
     if name not in BY_GGUF_NAME:
         raise CheckpointError(f"{source}: general.architecture {name!r} is not supported; "
                               f"supported: {', '.join(BY_GGUF_NAME)}")
