@@ -223,7 +223,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if (self.kernel is None or q.device.type != "cpu" or q.dtype != torch.float32
-                or k_pool.dtype not in KV_POOL_DTYPES or v_pool.dtype != k_pool.dtype or sinks is not None):
+                or k_pool.dtype not in KV_POOL_DTYPES or v_pool.dtype != k_pool.dtype):
             return super().forward(q, k_pool, v_pool, metadata, scale, sliding_window, softcap, sinks)
         decode = self._decode_rows(metadata)
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows may be apart, heads not
@@ -231,7 +231,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype)
         if decode.rows.shape[0]:
             self.kernel(q, k_pool, v_pool, out, decode.rows, decode.tables, decode.ctx_lens, scale,
-                        sliding_window, softcap)
+                        sliding_window, softcap, sinks=sinks)
         self._prefill(q, k_pool, v_pool, metadata, decode.prefills, scale, sliding_window, out, softcap, sinks)
         return out
 

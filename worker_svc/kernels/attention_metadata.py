@@ -104,6 +104,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+        sinks: torch.Tensor | None = None,  # [num_heads] one more logit in each softmax (gpt-oss)
     ) -> torch.Tensor: ...
 
 
