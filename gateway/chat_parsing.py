@@ -8,8 +8,9 @@ thinks, then calls, gives both. What a stream gives out begins what the whole re
 (each parser's own invariant, composed), so streamed and unstreamed answers agree.
 
 The parsers read markers as text, so a reply is decoded with them kept even where the
-tokenizer makes them special tokens (`[TOOL_CALLS]`, `<|python_tag|>`): `kept_tokens` names
-them for the detokenizer, which still skips every other special token.
+tokenizer makes them special tokens (`[TOOL_CALLS]`, `<|python_tag|>`, all of gpt-oss's
+Harmony markers): `kept_tokens` names them for the detokenizer, which still skips every other
+special token.
 
 Shapes, as vLLM returns them: `content` is None when empty; `reasoning_content` (and its
 newer name `reasoning`) is there whenever a reasoning parser runs, unless the request sent
@@ -25,6 +26,7 @@ from typing import Any
 from gateway.parsers import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
+    ReasoningParser,
     ReasoningStream,
     ToolCall,
     ToolCallDelta,
@@ -97,7 +99,7 @@ class ReplyParsing:
         """A whole reply's reasoning, content and calls."""
         reasoning, content = None, text or None
         if self.reasoning_parser is not None:
-            reasoning, content = reasoning_parser(self.reasoning_parser).extract(text)
+            reasoning, content = self._reasoning(self.reasoning_parser).extract(text)
         if self.tool_parser is None:
             return ParsedReply(reasoning, content)
         extracted = self._tools(self.tool_parser).extract(content or "")
@@ -116,7 +118,7 @@ class ReplyParsing:
     def stream(self) -> ReplyStream:
         """A streaming reader for one choice."""
         return ReplyStream(
-            None if self.reasoning_parser is None else reasoning_parser(self.reasoning_parser).stream(),
+            None if self.reasoning_parser is None else self._reasoning(self.reasoning_parser).stream(),
             None if self.tool_parser is None else self._tools(self.tool_parser).stream())
 
     def delta_body(self, delta: ReplyDelta) -> dict[str, Any]:
@@ -133,6 +135,10 @@ class ReplyParsing:
     @property
     def shows_reasoning(self) -> bool:
         return self.reasoning_parser is not None and self.include_reasoning
+
+    def _reasoning(self, name: str) -> ReasoningParser:
+        # gpt-oss's reasoning parser hands its calls on as Harmony only when they are read
+        return reasoning_parser(name, tool_calls_follow=self.tool_parser is not None)
 
     def _tools(self, name: str) -> ToolParser:
         return tool_call_parser(name, parallel_tool_calls=self.parallel_tool_calls)

@@ -148,11 +148,13 @@ class GatewayConfig:
     tool_call_parser: str | None = _passed(
         None, "the model's tool-call syntax, as vLLM's parser of that name reads it: hermes (Qwen2.5, Qwen3, "
               "Hermes: <tool_call>{...}</tool_call>), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), "
-              "pythonic (Llama 3.2/4: [f(x=1)])", choices=tuple(TOOL_CALL_PARSERS), metavar="NAME")
+              "pythonic (Llama 3.2/4: [f(x=1)]), openai (gpt-oss: Harmony's to=functions.NAME messages)",
+        choices=tuple(TOOL_CALL_PARSERS), metavar="NAME")
     reasoning_parser: str | None = _passed(
         None, "return a reasoning model's <think>...</think> part as reasoning_content, apart from the content: "
               "deepseek_r1 (DeepSeek R1 and its distills, QwQ, templates that open <think> in the prompt), qwen3 "
-              "(the reply opens <think> itself)", choices=tuple(REASONING_PARSERS), metavar="NAME")
+              "(the reply opens <think> itself), openai_gptoss (gpt-oss: Harmony's analysis channel as reasoning, "
+              "final as content)", choices=tuple(REASONING_PARSERS), metavar="NAME")
 
     def __post_init__(self) -> None:
         from gateway.replicas import parse_targets

@@ -17,6 +17,13 @@ put `<think>` in the prompt (Qwen3-2507 thinking, Qwen3.5), use `deepseek_r1`.
 
 `<think>` counts only at the start of a reply; elsewhere it is text. An empty reasoning or
 content is None; neither is stripped (vLLM keeps the blanks after `</think>` too).
+
+`openai_gptoss` (gpt-oss, vLLM's name): the reply is Harmony messages (gateway/parsers/harmony.py);
+the analysis channel is reasoning, the final channel and commentary preambles are content.
+Its calls are Harmony messages too: when a tool-call parser reads the content after it
+(`tool_calls_follow`), the content is the reply's messages other than reasoning, written
+back as Harmony for that parser (`openai`) to read; otherwise a call's arguments are content,
+as vLLM gives them without a tool-call parser.
 """
 
 from __future__ import annotations
@@ -24,6 +31,16 @@ from __future__ import annotations
 from enum import Enum
 from typing import ClassVar, NamedTuple
 
+from gateway.parsers.harmony import (
+    MARKERS,
+    BodyText,
+    Event,
+    HarmonyReader,
+    Joined,
+    MessageStart,
+    Route,
+    raw_message_part,
+)
 from gateway.parsers.held import held_suffix
 
 START = "<think>"
@@ -47,6 +64,9 @@ class ThinkReasoningParser:
     start_required: ClassVar[bool] = False
     # the tags, which a tokenizer may make special tokens: a reply is decoded with them kept
     marker_tokens: ClassVar[tuple[str, ...]] = (START, END)
+
+    def __init__(self, *, tool_calls_follow: bool = False) -> None:
+        pass  # a `<think>` reply's calls are in its content as written, read or not
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole reply."""
@@ -77,16 +97,73 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
     start_required = True
 
 
-REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
+class GptOssReasoningParser:
+    """gpt-oss's Harmony reply: analysis is reasoning, the rest content (the module's docstring)."""
+
+    marker_tokens: ClassVar[tuple[str, ...]] = MARKERS
+
+    def __init__(self, *, tool_calls_follow: bool = False) -> None:
+        self.tool_calls_follow = tool_calls_follow
+
+    def extract(self, text: str) -> tuple[str | None, str | None]:
+        stream = self.stream()
+        first, last = stream.feed(text), stream.finish()
+        return ((first.reasoning or "") + (last.reasoning or "") or None,
+                (first.content or "") + (last.content or "") or None)
+
+    def stream(self) -> GptOssReasoningStream:
+        return GptOssReasoningStream(self.tool_calls_follow)
+
+
+class GptOssReasoningStream:
+    """Reads one choice's Harmony reply delta by delta. Invariant: what the deltas give,
+    joined, is what `extract` gives; only what `HarmonyReader` holds is held."""
+
+    def __init__(self, tool_calls_follow: bool) -> None:
+        self._raw_rest = tool_calls_follow  # content: the messages other than reasoning, as Harmony
+        self._reader = HarmonyReader()
+        self._route: Route | None = None  # the message being read
+        self._reasoning = Joined()
+        self._content = Joined()
+
+    def feed(self, delta: str) -> ReasoningDelta:
+        return self._read(self._reader.feed(delta))
+
+    def finish(self) -> ReasoningDelta:
+        return self._read(self._reader.finish())
+
+    def _read(self, events: list[Event]) -> ReasoningDelta:
+        reasoning: list[str] = []
+        content: list[str] = []
+        for event in events:
+            if isinstance(event, MessageStart):
+                self._route = event.header.route
+                self._reasoning.next_message()
+                self._content.next_message()
+            if self._route is Route.REASONING:
+                if isinstance(event, BodyText):
+                    reasoning.append(self._reasoning.add(event.text))
+            elif self._raw_rest:
+                content.append(raw_message_part(event))
+            elif isinstance(event, BodyText):
+                content.append(self._content.add(event.text))
+        return ReasoningDelta("".join(reasoning) or None, "".join(content) or None)
+
+
+ReasoningParser = ThinkReasoningParser | GptOssReasoningParser
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,
     "qwen3": Qwen3ReasoningParser,
 }
 
 
-def reasoning_parser(name: str) -> ThinkReasoningParser:
-    """The parser registered as `name`; ValueError naming the known ones otherwise."""
+def reasoning_parser(name: str, *, tool_calls_follow: bool = False) -> ReasoningParser:
+    """The parser registered as `name`; ValueError naming the known ones otherwise.
+    `tool_calls_follow`: a tool-call parser reads the content (it matters to `openai_gptoss`)."""
     try:
-        return REASONING_PARSERS[name]()
+        return REASONING_PARSERS[name](tool_calls_follow=tool_calls_follow)
     except KeyError:
         raise ValueError(f"unknown reasoning parser {name!r}; "
                          f"known: {', '.join(sorted(REASONING_PARSERS))}") from None

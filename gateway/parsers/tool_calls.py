@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway.parsers.harmony import HarmonyToolParser
 from gateway.parsers.hermes import HermesToolParser
 from gateway.parsers.llama3_json import Llama3JsonToolParser
 from gateway.parsers.mistral import MistralToolParser
@@ -30,11 +31,12 @@ TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "openai": HarmonyToolParser,
     "pythonic": PythonicToolParser,
 }
 
 __all__ = [
-    "TOOL_CALL_PARSERS", "ExtractedToolCalls", "HermesToolParser", "Llama3JsonToolParser",
+    "TOOL_CALL_PARSERS", "ExtractedToolCalls", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser",
     "MistralToolParser", "PythonicToolParser", "StreamDelta", "ToolCall", "ToolCallDelta",
     "ToolCallStream", "ToolParser", "new_mistral_tool_call_id", "new_tool_call_id",
     "tool_call_parser",

@@ -31,7 +31,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 # a call's arguments as the model wrote them (issue 35, item 14); pythonic calls, which are not
 # JSON, as compact JSON
 PARIS = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-PARSED = {parser: PARIS for parser in ("hermes", "llama3_json", "mistral")} | {
+PARSED = {parser: PARIS for parser in ("hermes", "llama3_json", "mistral", "openai")} | {
     "pythonic": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
 # each parser's format as its models write it (content before the call where the format has any)
 REPLIES = {
@@ -40,6 +40,9 @@ REPLIES = {
     "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', None),
     "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', None),
     "pythonic": ("[get_weather(city='Paris')]", None),
+    # gpt-oss (Harmony): a preamble, then the call
+    "openai": ("<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "
+               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}', "Let me look."),
 }
 TWO_CALLS = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
              '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')

@@ -128,6 +128,6 @@ def test_qwen3_without_the_opening_tag_streams_content():
 
 
 def test_unknown_parser_names_the_known_ones():
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "openai_gptoss", "qwen3"}
     with pytest.raises(ValueError, match="deepseek_r1"):
         reasoning_parser("nope")

@@ -14,6 +14,7 @@ import sys
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support.harmony import RECORDED
 
 from gateway.parsers import (
     TOOL_CALL_PARSERS,
@@ -192,7 +193,12 @@ PYTHONIC_MALFORMED = [
     "[]",
 ]
 
+# gpt-oss's Harmony replies (tests/support/harmony.py; more in test_harmony_parsers.py): a
+# malformed call is dropped, never given as content, since its markers must not leak
+OPENAI = [(r.text, r.content, list(r.calls)) for r in RECORDED.values()]
+
 FORMATS = {
+    "openai": (OPENAI, []),
     "hermes": (HERMES, HERMES_MALFORMED),
     "llama3_json": (LLAMA3, LLAMA3_MALFORMED),
     "mistral": (MISTRAL, MISTRAL_MALFORMED),
