@@ -20,6 +20,7 @@ from worker_svc.errors import CheckpointError
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types` entries
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+READ_QUANT_METHODS = ("mxfp4",)  # quantized checkpoint formats read (gpt-oss's experts)
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,10 @@ def base_config(raw: dict[str, Any], source: str, architecture: str, model_type:
     act = raw.get(act_key) or activations[0]
     if act not in activations:
         raise CheckpointError(f"{source}: {act_key} {act!r} is not supported ({', '.join(activations)})")
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method is not None and method not in READ_QUANT_METHODS:
+        raise CheckpointError(f"{source}: quantization_config.quant_method {method!r} is not read; "
+                              f"checkpoints served: float weights or {', '.join(READ_QUANT_METHODS)}")
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"

@@ -130,3 +130,30 @@ def _peaked(model: torch.nn.Module, config) -> None:
     if getattr(config, "tie_word_embeddings", False):
         emb = model.get_input_embeddings().weight
         emb.mul_(LOGIT_STD / emb.std() / config.hidden_size**0.5)
+
+
+def make_mxfp4_gpt_oss(out_dir: str | Path, float_dir: str | Path) -> str:
+    """gpt-oss's own checkpoint format from a float one (`make_arch_model(..., "gpt_oss")`):
+    each layer's experts as MXFP4 `<name>_blocks` / `<name>_scales` (rows the outputs, as
+    openai/gpt-oss-20b stores them), `quantization_config` saying so; the rest unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    from worker_svc.weights.mxfp4 import quantize_hf_mxfp4
+
+    out, source = Path(out_dir), Path(float_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in load_file(str(source / "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out]
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = quantize_hf_mxfp4(t.transpose(1, 2).contiguous())
+        else:
+            tensors[name] = t
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config))
+    for f in source.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, out / f.name)
+    return str(out)

@@ -25,7 +25,8 @@ class Comparison:
 class HFReference:
     def __init__(self, model_dir: str | Path, gguf_file: str | Path | None = None, **config: Any) -> None:
         """`gguf_file`: transformers reads (and dequantizes) that GGUF file instead; `config`:
-        fields its GGUF reader does not take from the file (stated where used)."""
+        fields its GGUF reader does not take from the file, or (a folder) what `from_pretrained`
+        is told (stated where used)."""
         from transformers import AutoModelForCausalLM
 
         if gguf_file is not None:
@@ -33,7 +34,7 @@ class HFReference:
             self.model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
                                                               dtype=torch.float32, **config)
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+            self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **config)
         self.model.eval()
         self._cache: dict[tuple[tuple[int, ...], int], tuple[list[int], list[torch.Tensor]]] = {}
 

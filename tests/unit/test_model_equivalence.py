@@ -86,9 +86,9 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
 
 
 def run_runtime(model_dir: str, num_stages: int, block_size: int, chunk: int | None, prompts,
-                backend: str = "torch"):
+                backend: str = "torch", dtype: str = "auto"):
     runners = [
-        StageRunner(load_stage(model_dir, k, num_stages), num_blocks=1024 // block_size * 8,
+        StageRunner(load_stage(model_dir, k, num_stages, dtype=dtype), num_blocks=1024 // block_size * 8,
                     block_size=block_size, backend=backend)
         for k in range(num_stages)
     ]

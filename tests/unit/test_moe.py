@@ -209,3 +209,61 @@ def test_a_mixtral_gguf_file_is_a_llama_file_with_experts_read_as_mixtral(refere
     q4 = load_stage(prepare_gguf(write_gguf(model_dir, tmp_path / "tiny-mixtral-Q4_K_M.gguf", "Q4_K_M")))
     # (gate and up: rows of 64, whole blocks of Q4_K_M's fallback; down's 48 columns stay F32)
     assert all(isinstance(e.gate_proj, PackedLinear) for e in q4.model.layers["1"].mlp.experts)
+
+
+@pytest.fixture(scope="module")
+def mxfp4(references, tmp_path_factory):
+    """gpt-oss with MXFP4 experts (its own checkpoint format), and transformers reading it
+    (dequantized: it has no MXFP4 kernel for the CPU)."""
+    from support.archs import make_mxfp4_gpt_oss
+    from transformers import Mxfp4Config
+
+    folder = make_mxfp4_gpt_oss(tmp_path_factory.mktemp("gpt-oss-mxfp4"), references("gpt_oss")[0])
+    return folder, HFReference(folder, quantization_config=Mxfp4Config(dequantize=True))
+
+
+def test_gpt_oss_mxfp4_experts_at_float32_equal_transformers_reading_them(mxfp4):
+    folder, ref = mxfp4
+    prompts = make_prompts(ref.model.config.vocab_size)[:6]
+    outputs, _ = run_runtime(folder, 2, 8, 7, prompts, "cpu", dtype="float32")
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ref.compare(prompt, out)
+    assert len({t for out in outputs for t in out}) >= 5
+
+
+def test_gpt_oss_mxfp4_experts_stay_packed_and_close(mxfp4):
+    """At --dtype auto the experts stay MXFP4 (17 bytes a block of 32 values) and multiply
+    with the native kernel (int8 activations): measured against the dequantized stage."""
+    from support.logits import all_logits
+
+    from worker_svc.layers.moe import expert_weight_bytes
+    from worker_svc.weights.packed import PackedLinear
+
+    folder, ref = mxfp4
+    packed, exact = load_stage(folder), load_stage(folder, dtype="float32")
+    experts = packed.model.layers["0"].mlp.experts
+    assert all(isinstance(e.gate_proj, PackedLinear) and e.gate_proj.qtype == "MXFP4" for e in experts)
+    assert packed.weight_format == "mxfp4" and experts[2].down_proj.bias is not None
+    values = sum(p.numel() for m in exact.modules() if isinstance(m, MoE) for p in m.experts.parameters()
+                 if p.dim() == 2)
+    assert expert_weight_bytes(packed) <= 1.2 * values * 17 / 32 < expert_weight_bytes(exact) / 6
+    seqs = torch.randint(3, ref.model.config.vocab_size, (4, 40), generator=torch.Generator().manual_seed(5)).tolist()
+    got, want = all_logits(packed, seqs), all_logits(exact, seqs)
+    same = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
+                                    reduction="batchmean")
+    # the same weights; only the activations' int8 rounding differs (measured: 1.0, KL 6e-8)
+    assert same >= 0.99 and float(kl) < 1e-4, (same, float(kl))
+
+
+def test_a_quantized_checkpoint_of_a_format_not_read_is_refused_naming_it(references):
+    import json
+    from pathlib import Path
+
+    from worker_svc.errors import CheckpointError
+    from worker_svc.models.registry import read_config
+
+    raw = json.loads(Path(references("gpt_oss")[0], "config.json").read_text())
+    with pytest.raises(CheckpointError, match="quant_method 'gptq' is not read"):
+        read_config({**raw, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+    assert read_config({**raw, "quantization_config": {"quant_method": "mxfp4"}}).moe is not None

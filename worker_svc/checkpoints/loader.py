@@ -11,6 +11,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -185,10 +186,20 @@ def load_stage(
     sources = {**_renamed_sources(config, expected, where), **_fused_sources(config, expected)}
     by_file = _tensors_by_file(model_dir, expected, f"stage {stage} needs it for layers [{start}, {end})",
                                sources, where)
-    state = {name: rank_bias(name, tensor, tp_rank).to(device=device, dtype=load_dtype)
-             for name, tensor in _read_safetensors(by_file, expected, tp_rank, tp_size, sources)}
-    model.load_state_dict(state, strict=True, assign=True)
+    # MXFP4 experts (gpt-oss) stay packed where a GGUF file's types would: --dtype auto on the CPU
+    keep_mxfp4 = dtype == "auto" and quantization is None and tp_size == 1 and torch.device(device).type == "cpu"
+    state: dict[str, torch.Tensor] = {}
+    packed_modules: dict[str, tuple[str, torch.Tensor, int]] = {}
+    for name, tensor in _read_safetensors(by_file, expected, tp_rank, tp_size, sources, keep_mxfp4):
+        if isinstance(tensor, PackedRows):
+            packed_modules[name.rsplit(".", 1)[0]] = (tensor.qtype, tensor.data, tensor.in_features)
+        else:
+            state[name] = rank_bias(name, tensor, tp_rank).to(device=device, dtype=load_dtype)
+    _install_packed(model, packed_modules, state)
+    _load_state(model, state, model_dir)
     del state
+    if packed_modules:
+        model.weight_format = "mxfp4"
     model.fold_norm_offsets()
     _finish_stage(model, quantization, torch_dtype, device)
     log.info(
@@ -197,6 +208,24 @@ def load_stage(
         start, end, torch_dtype, f" ({quantization})" if quantization else "", weight_bytes(model),
     )  # fmt: skip
     return model
+
+
+def _load_state(model: StageModel, state: dict[str, torch.Tensor], source: Path) -> None:
+    """`state` into `model` (whose packed modules are installed already): every tensor used,
+    none left unloaded."""
+    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left or unexpected:
+        raise CheckpointError(f"{source}: tensors not matched to the model: {left or unexpected}")
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A weight read in a packed type, kept so (`_install_packed`): MXFP4 experts."""
+
+    qtype: str
+    data: torch.Tensor  # uint8 [rows, row bytes]
+    in_features: int
 
 
 # a tensor the checkpoint holds inside a fused one (Phi-3's qkv_proj): name -> (the fused
@@ -237,6 +266,8 @@ def _tensors_by_file(model_dir: Path, expected: Mapping[str, Sequence[int]], nee
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         stored = _stored(sources[name]) if sources and name in sources else name
+        if stored not in where and f"{stored}_blocks" in where:  # MXFP4 (`_mxfp4_part`)
+            stored = f"{stored}_blocks"
         if stored not in where:
             raise CheckpointError(
                 f"{model_dir}: tensor {stored!r} is missing from the checkpoint ({needed_for})"
@@ -247,8 +278,8 @@ def _tensors_by_file(model_dir: Path, expected: Mapping[str, Sequence[int]], nee
 
 def _read_safetensors(
     by_file: Mapping[Path, list[str]], expected: Mapping[str, Sequence[int]], tp_rank: int, tp_size: int,
-    sources: FusedSources | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    sources: FusedSources | None = None, keep_mxfp4: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | PackedRows]]:
     """Each tensor of `by_file` as the checkpoint holds it (rank `tp_rank`'s share of a split
     one; its rows of a fused one, `sources`), after checking its shape against `expected`
     (the whole tensor's, for a split one); each file is opened once."""
@@ -258,7 +289,7 @@ def _read_safetensors(
             for name in names:
                 source = (sources or {}).get(name, (name, None, None))
                 if isinstance(source, StackedSource):
-                    yield name, _stacked_part(f, path, source, name, expected[name], tp_rank, tp_size)
+                    yield name, _stacked_part(f, path, source, name, expected[name], (tp_rank, tp_size), keep_mxfp4)
                     continue
                 stored, first, rows = source
                 if stored not in present:
@@ -285,11 +316,15 @@ def _read_safetensors(
                     yield name, _rank_share(part, dim, expected[name][dim], tp_rank)
 
 
-def _stacked_part(f, path: Path, source: StackedSource, name: str, want: Sequence[int], tp_rank: int,
-                  tp_size: int) -> torch.Tensor:
-    """Rank `tp_rank`'s share of `name`, one expert's slice of a stacked tensor (`source`):
-    only that expert is read."""
-    if source.stored not in set(f.keys()):
+def _stacked_part(f, path: Path, source: StackedSource, name: str, want: Sequence[int], tp: tuple[int, int],
+                  keep_mxfp4: bool) -> torch.Tensor | PackedRows:
+    """Rank `tp[0]`'s share of `name`, one expert's slice of a stacked tensor (`source`):
+    only that expert is read. An MXFP4 checkpoint (`<stored>_blocks`, `_scales`) holds the
+    weight as its transpose's rows: kept packed when `keep_mxfp4`, else dequantized."""
+    names = set(f.keys())
+    if source.stored not in names and f"{source.stored}_blocks" in names:
+        return _mxfp4_part(f, path, source, name, want, tp, keep_mxfp4)
+    if source.stored not in names:
         raise CheckpointError(f"{path}: tensor {source.stored!r} is missing from this file")
     stacked = f.get_slice(source.stored)
     shape = tuple(stacked.get_shape())
@@ -297,11 +332,35 @@ def _stacked_part(f, path: Path, source: StackedSource, name: str, want: Sequenc
         raise CheckpointError(f"{path}: tensor {source.stored!r} has shape {list(shape)}: no expert {source.expert}")
     tensor = stacked[source.expert]
     tensor = (tensor.T if source.transposed else tensor)[source.offset::source.step]
-    dim, full = _full_shape(name, want, tp_size)
+    dim, full = _full_shape(name, want, tp[1])
     if tuple(tensor.shape) != tuple(full):
         raise CheckpointError(f"{path}: tensor {source.stored!r} has shape {list(shape)}: expert {source.expert}'s "
                               f"{name!r} would be {list(tensor.shape)}, expected {full} from config.json")
-    return (tensor if dim is None else _rank_share(tensor, dim, want[dim], tp_rank)).contiguous()
+    return (tensor if dim is None else _rank_share(tensor, dim, want[dim], tp[0])).contiguous()
+
+
+def _mxfp4_part(f, path: Path, source: StackedSource, name: str, want: Sequence[int], tp: tuple[int, int],
+                keep: bool) -> torch.Tensor | PackedRows:
+    """`_stacked_part` of an MXFP4 weight: blocks [experts, rows, K / 32, 16] and scales
+    [experts, rows, K / 32], rows the outputs (the float layout's transpose); a rank's columns
+    are whole blocks."""
+    from worker_svc.weights.mxfp4 import BLOCK, hf_mxfp4_dequantize, hf_to_ggml_mxfp4
+
+    blocks = f.get_slice(f"{source.stored}_blocks")[source.expert][source.offset::source.step]
+    scales = f.get_slice(f"{source.stored}_scales")[source.expert][source.offset::source.step]
+    dim, full = _full_shape(name, want, tp[1])
+    if not source.transposed or [blocks.shape[0], blocks.shape[1] * BLOCK] != full:
+        raise CheckpointError(f"{path}: MXFP4 tensor {source.stored!r}_blocks has expert {source.expert}'s {name!r} "
+                              f"as {list(blocks.shape[:2])} blocks, expected {full} values from config.json")
+    if dim == 1 and want[1] % BLOCK:
+        raise CheckpointError(f"{path}: {name!r}: a tensor-parallel rank's {want[1]} columns are not whole "
+                              f"MXFP4 blocks of {BLOCK}")
+    if dim is not None:
+        size = want[dim] // (BLOCK if dim == 1 else 1)
+        blocks, scales = (_rank_share(t, dim, size, tp[0]) for t in (blocks, scales))
+    if keep:
+        return PackedRows("MXFP4", hf_to_ggml_mxfp4(blocks.contiguous(), scales.contiguous()), want[1])
+    return hf_mxfp4_dequantize(blocks.contiguous(), scales.contiguous(), torch.float32)
 
 
 def _full_shape(name: str, want: Sequence[int], tp_size: int) -> tuple[int | None, list[int]]:
@@ -372,10 +431,7 @@ def load_gguf_stage(
     state, packed_modules, dequantized = _gguf_state(model, ckpt, gguf_file, config, raw_config, packed,
                                                      (tp_rank, tp_size), device, load_dtype)
     _install_packed(model, packed_modules, state)
-    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left or unexpected:
-        raise CheckpointError(f"{gguf_file}: tensors not matched to the model: {left or unexpected}")
+    _load_state(model, state, gguf_file)
     del state
     if not ckpt.arch.gguf_norm_offset_stored:  # llama.cpp stores Gemma's norms as 1 + w
         model.fold_norm_offsets()
