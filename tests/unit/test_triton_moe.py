@@ -158,6 +158,28 @@ def test_fused_moe_equals_the_moe_block(hidden_act, num_tokens):
     torch.testing.assert_close(block(x), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shared", [0, 32])
+def test_a_stacked_block_runs_the_fused_kernels_and_equals_its_loop(shared, monkeypatch):
+    """`MoE.stack` (what `fuse` does on a GPU): the block's forward then goes through the
+    kernels, shared expert beside them, and gives the loop's output."""
+    torch.manual_seed(shared)
+    config = _moe_config("swiglu_oai")
+    if shared:
+        config = ModelConfig(**{**config.__dict__, "moe": MoEConfig(16, 4, INTER, True, shared)})
+    block = MoE(config)
+    for p in block.parameters():
+        p.data = torch.randn_like(p) / p.shape[-1] ** 0.5
+    block.to(DEVICE)
+    x = torch.randn(9, HIDDEN, device=DEVICE)
+    want = block(x)
+    assert block.stack() and block.stacked is not None
+    calls, real = [], triton_moe.fused_moe
+    monkeypatch.setattr(triton_moe, "fused_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = block(x)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 class _Expert(nn.Module):
     def __init__(self, bias: bool) -> None:
         super().__init__()

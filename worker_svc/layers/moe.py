@@ -9,6 +9,12 @@ Each expert is the gated MLP of worker_svc/layers/mlp.py, named as checkpoints n
 a dense MLP's), packed weights and the bfloat16 packing apply to them unchanged. A step's
 rows are grouped by expert: each active expert's weights are read once, for all the rows
 routed to it, never once per token. The router and the combination run in float32.
+
+On a GPU, `fuse` stacks the experts ([E, 2I, hidden] and [E, hidden, I], the experts' own
+weights then views of them) and a step runs the fused-MoE Triton kernels
+(worker_svc/kernels/triton_moe.py: rows aligned by expert into blocks, one grouped product
+for gate/up with the activation, one for down with the routing weights) instead of the
+loop over experts; packed or quantized experts keep the loop.
 """
 
 from __future__ import annotations
@@ -34,11 +40,28 @@ class MoE(nn.Module):
                                      for _ in range(moe.num_experts))
         self.shared_expert = MLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if self.shared_expert else None
+        self.stacked = None  # the experts stacked for the fused kernels (`stack`), or None: the loop
 
     def fuse(self) -> bool:
-        """Each expert's gate and up in one product (`MLP.fuse`)."""
+        """Each expert's gate and up in one product (`MLP.fuse`); on a GPU, the experts
+        stacked for the fused kernels."""
         experts = [*self.experts, *([self.shared_expert] if self.shared_expert is not None else [])]
-        return all([e.fuse() for e in experts])
+        fused = all([e.fuse() for e in experts])
+        if self.gate.weight.device.type == "cuda":
+            self.stack()
+        return fused
+
+    def stack(self) -> bool:
+        """Run the experts through the fused-MoE kernels from now on (where the Triton
+        kernels run: a GPU, or the CPU under the interpreter); False where they cannot
+        stack (packed or quantized experts), which keep the loop."""
+        from worker_svc.kernels.triton_moe import stack_experts
+
+        try:
+            self.stacked = stack_experts(self)
+        except ValueError:
+            self.stacked = None
+        return self.stacked is not None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [rows, top_k] float32, experts [rows, top_k]) of each row."""
@@ -55,6 +78,21 @@ class MoE(nn.Module):
         if lora is not None:
             raise ValueError("LoRA adapters on mixture-of-experts layers are not served")
         weights, experts = self.route(x)
+        out = self._fused(x, weights, experts) if self.stacked is not None else self._loop(x, weights, experts)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x).float())
+            out += gate * self.shared_expert.forward(x).float()
+        return out.to(x.dtype)
+
+    def _fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        from worker_svc.kernels.triton_moe import fused_moe
+
+        s, act = self.stacked, self.experts[0].gated
+        return fused_moe(x, s.w_gate_up, s.w_down, weights, experts, act_kind=act.kind, alpha=act.alpha,
+                         limit=act.limit, b_gate_up=s.b_gate_up, b_down=s.b_down).float()
+
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] float32: each active expert over the rows routed to it."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert
@@ -67,10 +105,7 @@ class MoE(nn.Module):
                 y = self.experts[expert].forward(x.index_select(0, sel))
                 out.index_add_(0, sel, y.float() * slot_weights[start:start + count, None])
                 start += count
-        if self.shared_expert is not None:
-            gate = torch.sigmoid(self.shared_expert_gate(x).float())
-            out += gate * self.shared_expert.forward(x).float()
-        return out.to(x.dtype)
+        return out
 
 
 def expert_weight_bytes(model: nn.Module) -> int:
