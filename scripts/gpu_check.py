@@ -10,8 +10,9 @@ is set, else `./gpu_check.json`); the exit status is non-zero when any part fail
   kernel_tests     pytest on the kernel tests (tests/unit/test_triton_attention.py) and
                    tests/gpu/, compiled for CUDA (TRITON_INTERPRET=0); without pytest, a
                    built-in comparison of the kernels with the torch reference
-  hf_equivalence   tiny model on CUDA in float32, greedy through StageRunner (triton and
-                   torch backends) against transformers, under the project's tie rule
+  hf_equivalence   tiny Llama and tiny gpt-oss (sinks, sliding layers, the fused-MoE kernels)
+                   on CUDA in float32, greedy through StageRunner (triton and torch
+                   backends) against transformers, under the project's tie rule
   attention_bench  paged decode attention, batch 64 x context 4,096 and 32,768, Triton vs
                    the torch reference, bandwidth against a device-to-device copy
   throughput       a ~1B-parameter random Llama (make_tiny_model), bfloat16 and fp8, PP=1,
@@ -385,59 +386,74 @@ class GreedyBatch:
 
 
 def part_hf_equivalence(smoke: bool) -> dict[str, Any]:
-    import torch
-
+    """The tiny Llama, and a tiny gpt-oss (attention sinks, sliding layers, the fused-MoE
+    kernels with the clamped SwiGLU and biases), each against transformers on the device."""
     from wiring.tiny_model import TinyModelSpec, make_tiny_model
-    from worker_svc.checkpoints.loader import load_stage
-    from worker_svc.execution.runner import StageRunner
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from support.archs import make_arch_model
 
     device = _device(smoke)
     lengths, new_tokens = ((1, 3, 17, 40), 8) if smoke else ((1, 3, 17, 45, 100, 177), 24)
+    figures: dict[str, Any] = {"device": str(device), "dtype": "float32", "prompt_lengths": list(lengths),
+                               "new_tokens": new_tokens}
+    failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-tiny-") as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "tiny", TinyModelSpec())
-        g = torch.Generator().manual_seed(1234)
-        vocab = TinyModelSpec().vocab_size
-        prompts = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths]
-        runs = {}
-        for backend in ("triton", "torch"):
-            model = load_stage(model_dir, dtype="float32", device=device)
-            runner = StageRunner(model, num_blocks=16 * len(prompts), block_size=16, backend=backend)
-            batch = GreedyBatch(runner, prompts, blocks_per_seq=16)
-            while min(len(o) for o in batch.outputs()) < new_tokens:
-                batch.step(chunk=64, keep_logits=True)
-            runs[backend] = batch
-        _no_grpc()
-        from transformers import AutoModelForCausalLM
+        tiny = make_tiny_model(Path(tmp) / "tiny", TinyModelSpec())
+        models = {"tiny-llama": tiny, "tiny-gpt-oss": make_arch_model(Path(tmp) / "gpt-oss", "gpt_oss", tiny)}
+        for name, model_dir in models.items():
+            figures[name], failed = _greedy_against_transformers(model_dir, device, lengths, new_tokens)
+            failures += [f"{name}: {f}" for f in failed]
+    print(json.dumps(figures))
+    if failures:
+        figures["failures"] = failures[:10]
+        raise CheckFailed(failures[0], figures)
+    return figures
 
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        hf = hf.to(device).eval()
-        figures: dict[str, Any] = {"device": str(device), "dtype": "float32",
-                                   "prompt_lengths": list(lengths), "new_tokens": new_tokens}
-        failures = []
-        for backend, batch in runs.items():
-            ties, max_logit_diff = 0, 0.0
-            for i, (prompt, out) in enumerate(zip(prompts, batch.outputs(), strict=True)):
-                out = out[:new_tokens]
-                with torch.inference_mode():
-                    ids = torch.tensor([prompt + out[:-1]], device=device)
-                    ref = hf(ids).logits[0, len(prompt) - 1:].float().cpu()  # [new_tokens, vocab]
-                for j, token in enumerate(out):
-                    gap = float(ref[j].max() - ref[j, token])
-                    if int(ref[j].argmax()) != token:
-                        if gap > TIE_TOLERANCE:
-                            failures.append(f"{backend}: prompt {i} step {j}: token {token}, "
-                                            f"transformers {int(ref[j].argmax())}, gap {gap:.3g}")
-                            break
-                        ties += 1
-                    diff = float((batch.logits[i][j] - ref[j]).abs().max())
-                    max_logit_diff = max(max_logit_diff, diff)
-            figures[backend] = {"tie_divergences": ties, "max_abs_logit_diff": max_logit_diff,
-                                "outputs_equal_triton": batch.outputs() == runs["triton"].outputs()}
-        print(json.dumps(figures))
-        if failures:
-            figures["failures"] = failures[:10]
-            raise CheckFailed(failures[0], figures)
-        return figures
+
+def _greedy_against_transformers(model_dir, device, lengths, new_tokens) -> tuple[dict[str, Any], list[str]]:
+    """Greedy through StageRunner (triton and torch attention) against transformers' logits."""
+    import torch
+
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.execution.runner import StageRunner
+
+    g = torch.Generator().manual_seed(1234)
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    prompts = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths]
+    runs = {}
+    for backend in ("triton", "torch"):
+        model = load_stage(model_dir, dtype="float32", device=device)
+        runner = StageRunner(model, num_blocks=16 * len(prompts), block_size=16, backend=backend)
+        batch = GreedyBatch(runner, prompts, blocks_per_seq=16)
+        while min(len(o) for o in batch.outputs()) < new_tokens:
+            batch.step(chunk=64, keep_logits=True)
+        runs[backend] = batch
+    _no_grpc()
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    figures: dict[str, Any] = {}
+    failures: list[str] = []
+    for backend, batch in runs.items():
+        ties, max_logit_diff = 0, 0.0
+        for i, (prompt, out) in enumerate(zip(prompts, batch.outputs(), strict=True)):
+            out = out[:new_tokens]
+            with torch.inference_mode():
+                ids = torch.tensor([prompt + out[:-1]], device=device)
+                ref = hf(ids).logits[0, len(prompt) - 1:].float().cpu()  # [new_tokens, vocab]
+            for j, token in enumerate(out):
+                gap = float(ref[j].max() - ref[j, token])
+                if int(ref[j].argmax()) != token:
+                    if gap > TIE_TOLERANCE:
+                        failures.append(f"{backend}: prompt {i} step {j}: token {token}, "
+                                        f"transformers {int(ref[j].argmax())}, gap {gap:.3g}")
+                        break
+                    ties += 1
+                max_logit_diff = max(max_logit_diff, float((batch.logits[i][j] - ref[j]).abs().max()))
+        figures[backend] = {"tie_divergences": ties, "max_abs_logit_diff": max_logit_diff,
+                            "outputs_equal_triton": batch.outputs() == runs["triton"].outputs()}
+    return figures, failures
 
 
 # --- part 3: paged decode attention benchmark ----------------------------------------------
