@@ -239,6 +239,11 @@ TENSOR_PARALLEL_SIZE = Setting(
     "KV heads and MLP columns (torch.distributed: gloo on the CPU, NCCL on CUDA); T must divide them "
     "(default 1)", "int", default=1, metavar="T", aliases=("-tp",), owner="worker", services=("worker",),
     serve="own", group="parallelism")
+ENABLE_EXPERT_PARALLEL = Setting(
+    "enable_expert_parallel", "mixture-of-experts models under tensor parallelism: each rank holds 1/T of "
+    "the experts whole instead of 1/T of every expert's columns (as vLLM's flag); the stage's all-reduce "
+    "sums the experts' outputs as it sums the MLP's", "switch", default=False, owner="worker",
+    services=("worker",), serve="pass", group="parallelism")
 GPU_MEMORY_UTILIZATION = Setting(
     "gpu_memory_utilization", "size the KV pool from memory: the fraction of the device's memory a "
     "stage may use (on the CPU, of the system's memory), weights and peak activations included (as "

@@ -129,13 +129,18 @@ def read_chat_template(value: str) -> str:
     return source
 
 
-def check_stages(config: ModelConfig, pipeline_parallel_size: int, tensor_parallel_size: int) -> None:
-    """Every stage holds at least one layer; T ranks divide the heads, KV heads and MLP."""
+def check_stages(config: ModelConfig, pipeline_parallel_size: int, tensor_parallel_size: int,
+                 expert_parallel: bool = False) -> None:
+    """Every stage holds at least one layer; T ranks divide the heads, KV heads and MLP (the
+    experts, under expert parallelism)."""
     pp, layers = pipeline_parallel_size, config.num_layers
     if pp > layers:
         raise ValueError(f"{shared.PIPELINE_PARALLEL_SIZE.flag} {pp}: the model has {layers} layers "
                          f"(num_hidden_layers) and each stage holds at least one: give at most {layers}")
-    config.shard(tensor_parallel_size)  # ValueError naming what does not divide, and what would
+    if expert_parallel and config.moe is None:
+        raise ValueError(f"{shared.ENABLE_EXPERT_PARALLEL.flag}: {config.architecture} has no experts")
+    # ValueError naming what does not divide, and what would
+    config.shard(tensor_parallel_size, 0 if expert_parallel else None)
 
 
 def serve_max_model_len(given: int | None, positions: int, num_kv_blocks: int | None, block_size: int,

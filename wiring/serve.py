@@ -231,7 +231,7 @@ def _check_model_and_settings(args: argparse.Namespace, model_dir: str) -> list[
     preflight.check_draft_model(args.speculative_config, checkpoint.config, model_dir)
     preflight.check_lora_modules(args.lora_modules, args.max_lora_rank)
     pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
-    preflight.check_stages(checkpoint.config, pp, tp)
+    preflight.check_stages(checkpoint.config, pp, tp, args.enable_expert_parallel)
     memory = args.num_kv_blocks is None and bool(args.gpu_memory_utilization or args.kv_cache_memory)
     args.max_model_len, note = preflight.serve_max_model_len(
         args.max_model_len, checkpoint.config.max_position_embeddings,

@@ -71,6 +71,7 @@ class WorkerConfig:
                 "float32, or bfloat16 (half the bytes; CPU kernels)", choices=KV_CACHE_DTYPES, group="cache")
     # processes this stage runs on (worker_svc/execution/tensor_parallel.py): heads and MLP columns split
     tensor_parallel_size: int = uses(shared.TENSOR_PARALLEL_SIZE)
+    enable_expert_parallel: bool = uses(shared.ENABLE_EXPERT_PARALLEL)
     # multi-LoRA: this stage's adapter slots (worker_svc/weights/lora.py)
     enable_lora: bool = uses(shared.ENABLE_LORA)
     lora_modules: tuple[str, ...] = uses(shared.LORA_MODULES, ())

@@ -67,6 +67,16 @@ class MoEConfig:
     activation: str | None = None
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # expert parallelism (`ModelConfig.shard`): this rank holds experts [ep_rank * E / ep_size,
+    # (ep_rank + 1) * E / ep_size) whole; 1: every expert (split by columns under TP)
+    ep_size: int = 1
+    ep_rank: int = 0
+
+    @property
+    def local_experts(self) -> range:
+        """The experts this rank holds (whole)."""
+        n = self.num_experts // self.ep_size
+        return range(self.ep_rank * n, (self.ep_rank + 1) * n)
 
 
 @dataclass(frozen=True)
@@ -140,19 +150,21 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def shard(self, tensor_parallel_size: int) -> ModelConfig:
+    def shard(self, tensor_parallel_size: int, expert_rank: int | None = None) -> ModelConfig:
         """One tensor-parallel rank's share: its query heads, KV heads and MLP columns (every
         rank the same count; hidden size, vocabulary and head size unchanged). ValueError
         naming what does not divide: KV heads are split, never replicated, so a rank's query
-        heads always read KV heads it holds."""
+        heads always read KV heads it holds. `expert_rank` (expert parallelism, rank
+        `expert_rank`): its 1/T of the experts whole instead of 1/T of every expert's columns."""
         t = tensor_parallel_size
         if t < 1:
             raise ValueError(f"tensor_parallel_size: must be positive, got {t}")
         sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                  "intermediate_size": self.intermediate_size}
-        if self.moe is not None:  # each expert's columns split like a dense MLP's
-            sizes |= {"moe_intermediate_size": self.moe.intermediate_size,
-                      "shared_expert_intermediate_size": self.moe.shared_intermediate_size}
+        if self.moe is not None:  # each expert's columns split like a dense MLP's, or whole experts
+            sizes |= {"shared_expert_intermediate_size": self.moe.shared_intermediate_size}
+            sizes |= ({"num_experts": self.moe.num_experts} if expert_rank is not None
+                      else {"moe_intermediate_size": self.moe.intermediate_size})
         bad = [f"{name}={n}" for name, n in sizes.items() if n % t]
         if bad:
             fits = [d for d in range(1, self.num_kv_heads + 1)
@@ -162,8 +174,12 @@ class ModelConfig:
                 f"sizes that divide its heads, KV heads and MLP: {', '.join(map(str, fits))}")
         if t == 1:
             return self
-        moe = self.moe and replace(self.moe, intermediate_size=self.moe.intermediate_size // t,
-                                   shared_intermediate_size=self.moe.shared_intermediate_size // t)
+        if self.moe is not None and expert_rank is not None:
+            moe = replace(self.moe, shared_intermediate_size=self.moe.shared_intermediate_size // t, ep_size=t,
+                          ep_rank=expert_rank)
+        else:
+            moe = self.moe and replace(self.moe, intermediate_size=self.moe.intermediate_size // t,
+                                       shared_intermediate_size=self.moe.shared_intermediate_size // t)
         return replace(self, num_heads=self.num_heads // t, num_kv_heads=self.num_kv_heads // t,
                        intermediate_size=self.intermediate_size // t, moe=moe)
 

@@ -711,6 +711,7 @@ def _load_runner(config: WorkerConfig):
         device,
         quantization=config.quantization,
         tp_size=config.tensor_parallel_size,
+        expert_parallel=config.enable_expert_parallel,
     )
     if group is not None:
         model.set_reduce(group.all_reduce)

@@ -3,7 +3,8 @@ client, concurrent requests): a tiny random model of each, built by `transformer
 from a config (tests/support/archs.py: several layers of each attention type, windows
 shorter than the prompts), gives transformers' greedy continuation (float32, the tie rule)
 at one and two pipeline stages, and at two tensor-parallel ranks for Qwen3 and Gemma 3; the
-mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss) likewise, Qwen3-MoE and gpt-oss at two ranks too.
+mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss) likewise, Qwen3-MoE and gpt-oss at two ranks too,
+and Qwen3-MoE with its experts split whole between the two ranks (expert parallelism).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from support.stack import start_serve
 NEW = ("mistral", "qwen3", "gemma2", "gemma3", "phi3")
 CASES = [(arch, "pp", 1) for arch in NEW] + [(arch, "pp", 2) for arch in ARCH_CONFIGS] + [
     ("qwen3", "tp", 2), ("gemma3", "tp", 2)] + [
-    (arch, "pp", size) for arch in MOE_CONFIGS for size in (1, 2)] + [("qwen3_moe", "tp", 2), ("gpt_oss", "tp", 2)]
+    (arch, "pp", size) for arch in MOE_CONFIGS for size in (1, 2)] + [("qwen3_moe", "tp", 2), ("gpt_oss", "tp", 2),
+    ("qwen3_moe", "ep", 2)]
 MAX_TOKENS = 12
 
 
@@ -50,7 +52,8 @@ def prompts(seed: int = 0) -> list[list[int]]:
 def test_served_greedy_equals_transformers(built, tmp_path, arch, split, size):
     folder, ref = built(arch)
     flag = "--pipeline-parallel-size" if split == "pp" else "--tensor-parallel-size"
-    stack = start_serve(folder, tmp_path, "--dtype", "float32", flag, str(size), "--num-kv-blocks", "160",
+    ep = ["--enable-expert-parallel"] if split == "ep" else []  # TP ranks holding whole experts
+    stack = start_serve(folder, tmp_path, "--dtype", "float32", flag, str(size), *ep, "--num-kv-blocks", "160",
                         "--block-size", "8", "--max-num-batched-tokens", "48")
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
     work = prompts()

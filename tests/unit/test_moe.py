@@ -93,7 +93,9 @@ def test_the_models_are_what_their_configs_say(references):
     qwen = load_stage(references("qwen3_moe")[0], dtype="float32")
     kinds = [type(layer.mlp).__name__ for layer in qwen.model.layers.values()]
     assert kinds == ["MoE", "MLP", "MoE"]  # mlp_only_layers [1]
-    assert qwen.fused_decode is None  # the native decode step does not take experts yet
+    assert qwen.fused_decode is None  # float32 experts: the module path (packed ones: the native step)
+    int8 = load_stage(references("qwen3_moe")[0], quantization="int8")  # the router packed too
+    assert type(int8.model.layers["0"].mlp.gate).__name__ == "PackedLinear" and int8.fused_decode is not None
     mixtral_dir = references("mixtral")[0]
     from safetensors import safe_open
 
@@ -135,6 +137,28 @@ def test_gpt_oss_ranks_hold_their_heads_sinks_and_expert_columns_and_rank_0_the_
     with torch.no_grad():
         torch.testing.assert_close(sum(p.mlp(x) for p in parts), layer.mlp(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer.mlp(x), ref.model.model.layers[1].mlp(x[None])[0][0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_expert_parallel_ranks_hold_whole_experts_whose_outputs_sum_to_the_layer(references, arch):
+    """--enable-expert-parallel: rank r holds experts [r E/2, (r+1) E/2) whole (named as the
+    checkpoint names them; the others empty places), each its own experts' biases, and the
+    ranks' partial outputs (the stage's all-reduce sums them) give the whole layer's."""
+    model_dir, _ = references(arch)
+    whole = load_stage(model_dir, dtype="float32")
+    ranks = [load_stage(model_dir, dtype="float32", tp_rank=r, tp_size=2, expert_parallel=True) for r in (0, 1)]
+    layer, parts = whole.model.layers["0"].mlp, [h.model.layers["0"].mlp for h in ranks]
+    num = layer.num_experts
+    assert [list(p.local) for p in parts] == [list(range(num // 2)), list(range(num // 2, num))]
+    held = [{n.split(".")[1] for n, _ in p.named_parameters() if n.startswith("experts.")} for p in parts]
+    assert held == [{str(e) for e in p.local} for p in parts]
+    e = num - 1
+    assert torch.equal(parts[1].experts[e].down_proj.weight, layer.experts[e].down_proj.weight)  # whole
+    if arch == "gpt_oss":  # an expert's row-parallel bias belongs to the rank holding it
+        assert torch.equal(parts[1].experts[e].down_proj.bias, layer.experts[e].down_proj.bias)
+    x = torch.randn(17, whole.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(parts[0](x) + parts[1](x), layer(x), rtol=1e-5, atol=1e-5)
 
 
 QWEN3_MOE_GGUF = {"hidden_size": 256, "intermediate_size": 288, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -151,11 +151,13 @@ def load_stage(
     quantization: str | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    expert_parallel: bool = False,
 ) -> StageModel:
     """Build stage `stage` of `num_stages` and load exactly its tensors.
 
     With `tp_size` > 1, rank `tp_rank`'s share of them (`ModelConfig.shard`): each split
-    tensor is read as a slice of the checkpoint's. Ranks other than 0 of the last stage hold
+    tensor is read as a slice of the checkpoint's; `expert_parallel`: a mixture of experts'
+    experts are not split, the rank holds 1/T of them whole. Ranks other than 0 of the last stage hold
     no final norm or LM head (rank 0 alone computes the logits). `quantization="fp8"`
     quantizes the linear layers' weights once they are loaded (see
     worker_svc/weights/quantization.py); the stage's weight bytes are logged either way.
@@ -167,7 +169,7 @@ def load_stage(
     gguf_file = gguf_source(model_dir)
     if gguf_file is not None:
         return load_gguf_stage(gguf_file, model_dir, stage, num_stages, partition, dtype, device,
-                               quantization, tp_rank, tp_size)
+                               quantization, tp_rank, tp_size, expert_parallel)
     config = load_config(model_dir)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
@@ -177,24 +179,15 @@ def load_stage(
     torch_dtype = resolve_dtype(dtype, config, device)
     load_dtype = _load_dtype(quantization, torch_dtype, device)
     model = StageModel(
-        config.shard(tp_size), start, end, is_first=stage == 0,
-        is_last=stage == num_stages - 1 and tp_rank == 0, device=device,
+        config.shard(tp_size, tp_rank if expert_parallel and config.moe else None), start, end,
+        is_first=stage == 0, is_last=stage == num_stages - 1 and tp_rank == 0, device=device,
     )
     model.source_dir = str(model_dir)  # the checkpoint folder (its tokenizer: structured output)
-    expected = model.expected_tensors()
-    where = weight_files(model_dir)
-    sources = {**_renamed_sources(config, expected, where), **_fused_sources(config, expected)}
-    by_file = _tensors_by_file(model_dir, expected, f"stage {stage} needs it for layers [{start}, {end})",
-                               sources, where)
     # MXFP4 experts (gpt-oss) stay packed where a GGUF file's types would: --dtype auto on the CPU
     keep_mxfp4 = dtype == "auto" and quantization is None and tp_size == 1 and torch.device(device).type == "cpu"
-    state: dict[str, torch.Tensor] = {}
-    packed_modules: dict[str, tuple[str, torch.Tensor, int]] = {}
-    for name, tensor in _read_safetensors(by_file, expected, tp_rank, tp_size, sources, keep_mxfp4):
-        if isinstance(tensor, PackedRows):
-            packed_modules[name.rsplit(".", 1)[0]] = (tensor.qtype, tensor.data, tensor.in_features)
-        else:
-            state[name] = rank_bias(name, tensor, tp_rank).to(device=device, dtype=load_dtype)
+    state, packed_modules = _safetensors_state(model, config, model_dir, f"stage {stage} needs it for layers [{start}, "
+                                               f"{end})", (tp_rank, tp_size), keep_mxfp4)
+    state = {name: t.to(device=device, dtype=load_dtype) for name, t in state.items()}
     _install_packed(model, packed_modules, state)
     _load_state(model, state, model_dir)
     del state
@@ -208,6 +201,35 @@ def load_stage(
         start, end, torch_dtype, f" ({quantization})" if quantization else "", weight_bytes(model),
     )  # fmt: skip
     return model
+
+
+def held_whole(name: str, config: ModelConfig) -> bool:
+    """Whether a tensor-parallel rank reads tensor `name` whole: an expert's, under expert
+    parallelism (`MoEConfig.ep_size`)."""
+    return config.moe is not None and config.moe.ep_size > 1 and ".mlp.experts." in name
+
+
+def _safetensors_state(model: StageModel, config: ModelConfig, model_dir: Path, needed_for: str,
+                       tp: tuple[int, int], keep_mxfp4: bool
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, torch.Tensor, int]]]:
+    """The stage's tensors from a safetensors checkpoint (`config`: the whole model's): (float
+    tensors by name, module -> (qtype, data, in_features) of those kept packed); a rank's own
+    experts read whole."""
+    expected = model.expected_tensors()
+    where = weight_files(model_dir)
+    sources = {**_renamed_sources(config, expected, where), **_fused_sources(config, expected)}
+    whole = {n: w for n, w in expected.items() if held_whole(n, model.config)}
+    split = {n: w for n, w in expected.items() if n not in whole}
+    state: dict[str, torch.Tensor] = {}
+    packed_modules: dict[str, tuple[str, torch.Tensor, int]] = {}
+    for names, (rank, size) in ((split, tp), (whole, (0, 1))):
+        by_file = _tensors_by_file(model_dir, names, needed_for, sources, where)
+        for name, tensor in _read_safetensors(by_file, names, rank, size, sources, keep_mxfp4):
+            if isinstance(tensor, PackedRows):
+                packed_modules[name.rsplit(".", 1)[0]] = (tensor.qtype, tensor.data, tensor.in_features)
+            else:
+                state[name] = rank_bias(name, tensor, rank)
+    return state, packed_modules
 
 
 def _load_state(model: StageModel, state: dict[str, torch.Tensor], source: Path) -> None:
@@ -400,6 +422,7 @@ def load_gguf_stage(
     quantization: str | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    expert_parallel: bool = False,
 ) -> StageModel:
     """Stage `stage` of a GGUF checkpoint (`model_dir` is its prepared folder: config.json
     and tokenizer, see `GGUF_SOURCE_FILE`).
@@ -424,8 +447,8 @@ def load_gguf_stage(
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
     start, end = partition_layers(config.num_layers, num_stages, partition)[stage]
     model = StageModel(
-        config.shard(tp_size), start, end, is_first=stage == 0,
-        is_last=stage == num_stages - 1 and tp_rank == 0, device=device,
+        config.shard(tp_size, tp_rank if expert_parallel and config.moe else None), start, end,
+        is_first=stage == 0, is_last=stage == num_stages - 1 and tp_rank == 0, device=device,
     )
     model.source_dir = str(model_dir)
     state, packed_modules, dequantized = _gguf_state(model, ckpt, gguf_file, config, raw_config, packed,
@@ -455,7 +478,6 @@ def _gguf_state(model: StageModel, ckpt: GGUFCheckpoint, gguf_file: Path, config
                 packed: bool, tp: tuple[int, int], device, load_dtype: torch.dtype):
     """The stage's tensors from the GGUF file: (state dict of float tensors, module -> (qtype,
     data, in_features) of those kept packed, block types dequantized for want of kernels)."""
-    tp_rank, tp_size = tp
     state: dict[str, torch.Tensor] = {}
     packed_modules: dict[str, tuple[str, torch.Tensor, int]] = {}  # module -> (qtype, data, in)
     dequantized: set[str] = set()  # block types without packed kernels, dequantized here
@@ -463,6 +485,7 @@ def _gguf_state(model: StageModel, ckpt: GGUFCheckpoint, gguf_file: Path, config
     sources = _fused_sources(config, expected, gguf=True)
     fused: dict[str, object] = {}  # a fused tensor read once for its parts
     for name, want in expected.items():
+        tp_rank, tp_size = (0, 1) if held_whole(name, model.config) else tp
         if name in sources:
             t = _gguf_part(ckpt, gguf_file, sources[name], want, raw_config, tp_size, fused)
         else:
@@ -476,7 +499,7 @@ def _gguf_state(model: StageModel, ckpt: GGUFCheckpoint, gguf_file: Path, config
         dim = shard_dim(name) if tp_size > 1 else None
         if dim is not None:
             tensor = _rank_share(tensor, dim, want[dim], tp_rank)
-        state[name] = tensor.to(device=device, dtype=load_dtype).contiguous()
+        state[name] = rank_bias(name, tensor, tp_rank).to(device=device, dtype=load_dtype).contiguous()
     return state, packed_modules, dequantized
 
 

@@ -352,7 +352,7 @@ def follow(config: WorkerConfig, rank: int, store_port: int) -> None:
     group = TensorParallelGroup(rank, config.tensor_parallel_size, store, device)
     model = load_stage(config.model, config.stage, config.num_stages, config.layer_partition, config.dtype,
                        device, quantization=config.quantization, tp_rank=rank,
-                       tp_size=config.tensor_parallel_size)
+                       tp_size=config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel)
     model.set_reduce(group.all_reduce)
     backend_name = config.attention_backend or default_attention_backend(device)
     from worker_svc.kernels.attention import get_backend

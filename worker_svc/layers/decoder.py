@@ -48,9 +48,11 @@ class DecoderLayer(nn.Module):
         mixture of experts whose experts are all packed (float32 experts: the module path)."""
         if not isinstance(self.mlp, MoE):
             return True
+        if len(self.mlp.local) != self.mlp.num_experts:  # expert parallelism (under TP: no native step)
+            return False
         shared = [] if self.mlp.shared_expert is None else [self.mlp.shared_expert]
         return all(isinstance(e.gate_up_packed, PackedLinear) and isinstance(e.down_proj, PackedLinear)
-                   for e in [*self.mlp.experts, *shared])
+                   for e in [*self.mlp.held(), *shared])
 
     def forward(
         self,

@@ -36,8 +36,11 @@ class MoE(nn.Module):
         self.softmax_after_topk = moe.softmax_after_topk
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=moe.router_bias)  # the router
         act = GatedAct(moe.activation or config.hidden_act, moe.swiglu_alpha, moe.swiglu_limit)
+        # expert parallelism: the experts other ranks hold are empty places (no weights), so
+        # every expert keeps its checkpoint name `experts.N`
+        self.local = moe.local_experts
         self.experts = nn.ModuleList(MLP(config, moe.intermediate_size, act=act, bias=moe.expert_bias)
-                                     for _ in range(moe.num_experts))
+                                     if e in self.local else nn.Identity() for e in range(moe.num_experts))
         self.shared_expert = MLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if self.shared_expert else None
         self.stacked = None  # the experts stacked for the fused kernels (`stack`), or None: the loop
@@ -45,11 +48,16 @@ class MoE(nn.Module):
     def fuse(self) -> bool:
         """Each expert's gate and up in one product (`MLP.fuse`); on a GPU, the experts
         stacked for the fused kernels."""
-        experts = [*self.experts, *([self.shared_expert] if self.shared_expert is not None else [])]
+        experts = [*self.held(), *([self.shared_expert] if self.shared_expert is not None else [])]
         fused = all([e.fuse() for e in experts])
-        if self.gate.weight.device.type == "cuda":
+        router = next(t for t in (*self.gate.parameters(), *self.gate.buffers()))  # a PackedLinear's too
+        if router.device.type == "cuda":
             self.stack()
         return fused
+
+    def held(self) -> list[MLP]:
+        """The experts this rank holds (all of them without expert parallelism)."""
+        return [self.experts[e] for e in self.local]
 
     def stack(self) -> bool:
         """Run the experts through the fused-MoE kernels from now on (where the Triton
@@ -57,6 +65,8 @@ class MoE(nn.Module):
         stack (packed or quantized experts), which keep the loop."""
         from worker_svc.kernels.triton_moe import stack_experts
 
+        if len(self.local) != self.num_experts:  # expert parallelism: the loop over the rank's own
+            return False
         try:
             self.stacked = stack_experts(self)
         except ValueError:
@@ -100,11 +110,11 @@ class MoE(nn.Module):
         slot_weights = weights.flatten()[order]
         start = 0
         for expert, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
-            if count:
+            if count and expert in self.local:
                 sel = rows[start:start + count]
                 y = self.experts[expert].forward(x.index_select(0, sel))
                 out.index_add_(0, sel, y.float() * slot_weights[start:start + count, None])
-                start += count
+            start += count
         return out
 
 
