@@ -19,6 +19,10 @@ torch-f32 (F.linear, float32 weights), torch-bf16 (F.linear with x and w bfloat1
 block formats run once per activation precision of --act-bits (int8: llama.cpp's products;
 int16: the default), printed side by side: us / GB/s / GFLOP/s of int8, then of int16 and
 the time ratio int16 / int8 (the JSON has one row per precision, "act_bits" set).
+K-quant rows (`--kquant Q4_K:512x768,Q6_K:49152x768`, N x K) time the super-block kernels on
+random blocks (finite fp16 scales) at --tokens, cold weights, both precisions on each of
+--isas; `--baseline PATH` times another build of the library (an older commit's .so) in turns
+with this one, so that a shared machine's load falls on both alike, and prints new / old.
 This is a benchmark, not a test: it asserts nothing about the numbers.
 """
 
@@ -144,6 +148,57 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def kquant_blocks(qtype: str, N: int, K: int) -> torch.Tensor:
+    """Random K-quant blocks uint8 [N, row_bytes] with finite fp16 d (and dmin)."""
+    from worker_svc.kernels.kquants import KQUANT_TYPES
+
+    _, block, size = KQUANT_TYPES[qtype]
+    raw = torch.randint(0, 256, (N * K // block, size), dtype=torch.uint8)
+    for at in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}[qtype]:
+        raw[:, at:at + 2] = (torch.randn(raw.shape[0]) * 0.01).to(torch.float16).view(-1, 1).view(torch.uint8)
+    return raw.view(N, -1).contiguous()
+
+
+def time_libraries(libs: dict[str, qk.QuantKernels], product: Callable[[qk.QuantKernels, int], object],
+                   args: argparse.Namespace) -> dict[str, float]:
+    """The fastest of --rounds medians of product(lib, i) per library, the libraries in turns."""
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    for _ in range(args.rounds):
+        for name, lib in libs.items():
+            times[name].append(median_s(lambda i, lib=lib: product(lib, i), args.min_time / args.rounds, 200))
+    return {name: min(ts) for name, ts in times.items()}
+
+
+def run_kquant(args: argparse.Namespace) -> list[dict]:
+    libs = {"new": qk.quant_kernels()}
+    if args.baseline is not None:
+        libs["old"] = qk.QuantKernels(str(args.baseline))
+    rows: list[dict] = []
+    for spec in args.kquant.split(","):
+        qtype, shape = spec.split(":")
+        N, K = (int(v) for v in shape.split("x"))
+        w = kquant_blocks(qtype, N, K)
+        copies = [w] + [w.clone() for _ in range(max(0, math.ceil(args.cold_mib * 2**20 / w.numel()) - 1))]
+        for isa in args.isas.split(","):
+            for T in [int(t) for t in args.tokens.split(",")]:
+                x, out = torch.randn(T, K), torch.empty(T, N)
+                for bits in [int(b) for b in args.act_bits.split(",")]:
+                    def product(lib: qk.QuantKernels, i: int, x=x, out=out, isa=isa, bits=bits, qtype=qtype,
+                                copies=copies) -> object:
+                        return lib.matmul(x, copies[i % len(copies)], qtype, out=out, isa=isa, act_bits=bits)
+
+                    best = time_libraries(libs, product, args)
+                    row = {"format": qtype, "N": N, "K": K, "T": T, "isa": isa, "act_bits": bits}
+                    for name, s in best.items():
+                        row[f"{name}_us"], row[f"{name}_GBps"] = s * 1e6, w.numel() / s / 1e9
+                    rows.append(row)
+                    text = " | ".join(f"{name} {row[name + '_us']:8.1f} us {row[name + '_GBps']:5.1f} GB/s"
+                                      for name in libs)
+                    ratio = f" | new/old {row['new_us'] / row['old_us']:.2f}" if "old" in libs else ""
+                    print(f"{qtype:5} {N:6}x{K:<5} T={T:<3} {isa:7} int{bits:<2} {text}{ratio}", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
@@ -156,6 +211,10 @@ def main() -> None:
     p.add_argument("--max-reps", type=int, default=500)
     p.add_argument("--cold-mib", type=float, default=192.0, help="weight bytes cycled through in cold rows")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--kquant", default=None, help="K-quant products to time instead: TYPE:NxK,...")
+    p.add_argument("--isas", default="avx512,avx2", help="ISA paths of --kquant")
+    p.add_argument("--baseline", type=Path, default=None, help="another build of the library to time beside")
+    p.add_argument("--rounds", type=int, default=3, help="turns of the libraries per --kquant row")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     bw = memory_bandwidth(args.min_time)
@@ -163,7 +222,7 @@ def main() -> None:
     print(f"{platform.processor() or platform.machine()}, {args.threads} thread(s), torch {torch.__version__}, "
           f"isa {args.isa or (kernels.isa if kernels else None)} of {qk.available_isas()}")
     print(f"memory bandwidth (1 thread): read {bw['read_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s")
-    rows = run(args)
+    rows = run_kquant(args) if args.kquant else run(args)
     if args.json is not None:
         args.json.write_text(json.dumps({"bandwidth": bw, "threads": args.threads, "rows": rows}, indent=1))
 
