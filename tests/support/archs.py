@@ -72,6 +72,12 @@ Q4_K_M_MODELS = {
                "rope_parameters": None},
 }
 
+# a Qwen3-MoE GGUF test model: experts' gate/up rows of 256 (Q4_K in a Q4_K_M file), down rows
+# of 64 (the Q5_0 / Q8_0 fallback); transformers' GGUF reader must be told
+# `moe_intermediate_size` (it maps no `expert_feed_forward_length` for qwen3moe)
+QWEN3_MOE_GGUF = {**Q4_K_M_SHAPE, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+                  "num_hidden_layers": 2, "mlp_only_layers": [], "moe_intermediate_size": 64}
+
 
 def reference_maker(tmp_path_factory, tokenizer_dir: str | Path):
     """arch -> (its tiny model folder, transformers' reference of it), each made once: a

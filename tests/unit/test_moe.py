@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.archs import MOE_CONFIGS, make_arch_model, reference_maker
+from support.archs import MOE_CONFIGS, QWEN3_MOE_GGUF, make_arch_model, reference_maker
 from support.reference import HFReference
 from test_model_equivalence import NEW_TOKENS, make_prompts, run_runtime
 
@@ -161,8 +161,6 @@ def test_expert_parallel_ranks_hold_whole_experts_whose_outputs_sum_to_the_layer
         torch.testing.assert_close(parts[0](x) + parts[1](x), layer(x), rtol=1e-5, atol=1e-5)
 
 
-QWEN3_MOE_GGUF = {"hidden_size": 256, "intermediate_size": 288, "num_attention_heads": 4, "num_key_value_heads": 2,
-                  "head_dim": 128, "num_hidden_layers": 2, "mlp_only_layers": [], "moe_intermediate_size": 64}
 
 
 @pytest.fixture(scope="module")
