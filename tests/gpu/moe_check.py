@@ -27,6 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from gpu_check import _timed as timed  # noqa: E402  (one timer for every GPU figure)
+
 QWEN3_30B_A3B = {"hidden": 2048, "num_experts": 128, "top_k": 8, "inter": 768}
 SMOKE_SHAPE = {"hidden": 64, "num_experts": 8, "top_k": 2, "inter": 32}
 REL_ERR_BOUND = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # ||out - ref|| / ||ref||
@@ -92,24 +95,6 @@ def make_tokens(num_tokens: int, num_experts: int, top_k: int, hidden: int, dtyp
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
-
-
-def timed(fn, iterations: int, device) -> float:
-    """Mean seconds per call, after one warm-up call (which compiles)."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iterations):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / iterations
-    started = time.perf_counter()
-    for _ in range(iterations):
-        fn()
-    return (time.perf_counter() - started) / iterations
 
 
 def bench_layer(shape: dict[str, int], tokens: tuple[int, ...], dtype: torch.dtype, device,
