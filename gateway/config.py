@@ -211,10 +211,6 @@ class GatewayConfig:
                 raise ValueError(f"{name}: must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
     @property
-    def auth_enabled(self) -> bool:
-        return bool(self.api_keys)
-
-    @property
     def default_rate_limit(self) -> RateLimit:
         return RateLimit(self.rate_limit_rpm, self.rate_limit_tpm)
 

@@ -625,6 +625,3 @@ class TextGenerator:
                 text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             entry = self._tokens[token_id] = (text, raw)
         return entry
-
-    def _token_text(self, token_id: int) -> str:
-        return self._token(token_id)[0]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.prefix_hash import unpack_token_ids
@@ -74,7 +74,6 @@ class EventLog:
         self._kept: deque[Event] = deque(maxlen=capacity)
         self._pending: list[Change] = []
         self._subscribers: set[asyncio.Queue] = set()
-        self._listeners: list[Callable[[list[Event]], None]] = []
 
     # --- what the prefix cache reports -------------------------------------------------
 
@@ -117,8 +116,6 @@ class EventLog:
                 continue
             for event in events:
                 queue.put_nowait(event)
-        for listener in self._listeners:
-            listener(events)
         return events
 
     def since(self, after: int, epoch: int = 0) -> list[Event]:
@@ -144,10 +141,6 @@ class EventLog:
 
     def unsubscribe(self, queue: asyncio.Queue) -> None:
         self._subscribers.discard(queue)
-
-    def add_listener(self, listener: Callable[[list[Event]], None]) -> None:
-        """Called with each flush's events, in the flushing thread (the Redis publisher)."""
-        self._listeners.append(listener)
 
 
 def chains(entries: Iterable) -> list[Stored]:

@@ -167,11 +167,6 @@ class WorkerConfig:
         return emulated_profile_spec(self.device)
 
     @property
-    def sized_from_memory(self) -> bool:
-        """The pool is sized from a memory setting (--num-kv-blocks overrides both)."""
-        return self.num_kv_blocks is None and self.has_memory_setting
-
-    @property
     def has_memory_setting(self) -> bool:
         """A memory setting is given: it sizes the pool, or (with --num-kv-blocks, as where
         the pool is fixed for every service, e.g. compose) the stage checks that many fit."""

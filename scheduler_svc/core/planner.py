@@ -993,11 +993,6 @@ class Planner:
 
     # --- views ---------------------------------------------------------------------------
 
-    @property
-    def num_running_seqs(self) -> int:
-        return sum(len(r.live_sequences) for r in self.running)
-
-
     def check_integrity(self) -> None:
         for request in self.running:
             assert request.state in (RequestState.PREFILLING, RequestState.DECODING), request.state

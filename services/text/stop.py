@@ -50,11 +50,6 @@ class StopStringMatcher:
         return self._stops
 
     @property
-    def matched_stop(self) -> str | None:
-        """The stop string that ended the text, once one has."""
-        return self._matched
-
-    @property
     def held_text(self) -> str:
         """Text pushed but not yet released: the start of a possible stop string."""
         return self._held
