@@ -171,10 +171,7 @@ def load_stage(
         return load_gguf_stage(gguf_file, model_dir, stage, num_stages, partition, dtype, device,
                                quantization, tp_rank, tp_size, expert_parallel)
     config = load_config(model_dir)
-    if not 0 <= stage < num_stages:
-        raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+    _check_place(stage, num_stages, tp_rank, tp_size)
     start, end = partition_layers(config.num_layers, num_stages, partition)[stage]
     torch_dtype = resolve_dtype(dtype, config, device)
     load_dtype = _load_dtype(quantization, torch_dtype, device)
@@ -201,6 +198,14 @@ def load_stage(
         start, end, torch_dtype, f" ({quantization})" if quantization else "", weight_bytes(model),
     )  # fmt: skip
     return model
+
+
+def _check_place(stage: int, num_stages: int, tp_rank: int, tp_size: int) -> None:
+    """ValueError unless stage `stage` of `num_stages` and rank `tp_rank` of `tp_size` exist."""
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
 
 
 def held_whole(name: str, config: ModelConfig) -> bool:
@@ -443,8 +448,7 @@ def load_gguf_stage(
         _check_packed_gguf(quantization, device, tp_size)
     torch_dtype = torch.float32 if packed else resolve_dtype(dtype, config, device)
     load_dtype = _load_dtype(quantization, torch_dtype, device)
-    if not 0 <= stage < num_stages:
-        raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+    _check_place(stage, num_stages, tp_rank, tp_size)
     start, end = partition_layers(config.num_layers, num_stages, partition)[stage]
     model = StageModel(
         config.shard(tp_size, tp_rank if expert_parallel and config.moe else None), start, end,
