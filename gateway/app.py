@@ -70,6 +70,7 @@ from gateway.protocol import (
     GenerateRequest,
     TokenizeRequest,
     TokenizeResponse,
+    error_responses,
 )
 from gateway.ratelimit import ANONYMOUS, RateLimiter, RateLimitExceeded, token_cost
 from gateway.timeline import Span, chrome_trace
@@ -77,16 +78,7 @@ from gateway.timeline import Span, chrome_trace
 RETRY_AFTER_S = 1  # what a 429 for a full queue and a 503 tell clients to wait
 log = logging.getLogger(__name__)
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request; `param` names the field."},
-    401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
-    404: {"model": ErrorResponse, "description": "No such model (`model_not_found`)."},
-    413: {"model": ErrorResponse, "description": "Body over the size limit."},
-    429: {"model": ErrorResponse, "description": "A rate limit of the API key was reached "
-                                                 "(see `Retry-After`), or the scheduler's queue "
-                                                 "is full; retry later."},
-    503: {"model": ErrorResponse, "description": "The backend is down or the server is draining."},
-}
+_ERRORS = error_responses()
 _STREAMING = {200: {"description": "JSON, or server-sent events with `stream: true`.",
                     "content": {"application/json": {}, "text/event-stream": {}}}}
 

@@ -33,7 +33,13 @@ from gateway import streaming, validation
 from gateway.core import GenerationError, GenerationParams, TextGenerator, Usage
 from gateway.errors import ApiError, invalid
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import INT32_MAX, INT32_MIN, ErrorResponse, Prompt, check_prompt
+from gateway.protocol import (
+    INT32_MAX,
+    INT32_MIN,
+    Prompt,
+    check_prompt,
+    error_responses,
+)
 from services.pb import scheduler_pb2
 from services.pooling import Embedding, PoolingType, embedding_from_pb, embedding_values
 from services.sampling import SamplingOptions
@@ -44,13 +50,7 @@ MAX_INPUTS = 2048  # inputs in one request, as OpenAI's API allows
 # what the rate limiter charges per input beyond its prompt (`Gateway.charge` counts prompt
 # tokens plus max_tokens; nothing is generated, the one "token" is the vector)
 _CHARGE = GenerationParams(sampling=SamplingOptions(max_tokens=1))
-_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request; `param` names the field."},
-    401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
-    404: {"model": ErrorResponse, "description": "No such model (`model_not_found`)."},
-    429: {"model": ErrorResponse, "description": "A rate limit was reached, or the queue is full."},
-    503: {"model": ErrorResponse, "description": "The backend is down or the server is draining."},
-}
+_RESPONSES = error_responses(400, 401, 404, 429, 503)
 
 
 class EmbeddingRequest(BaseModel):

@@ -362,3 +362,22 @@ class ErrorResponse(BaseModel):
     """Every refusal and failure, as OpenAI shapes it."""
 
     error: ErrorDetail
+
+
+# what each refusal means, for the OpenAPI description of every route
+ERROR_DESCRIPTIONS = {
+    400: "Invalid request; `param` names the field.",
+    401: "Missing or wrong API key.",
+    404: "No such model (`model_not_found`).",
+    413: "Body over the size limit.",
+    429: "A rate limit of the API key was reached (see `Retry-After`), or the scheduler's queue is full; "
+         "retry later.",
+    503: "The backend is down or the server is draining.",
+}
+
+
+def error_responses(*codes: int, **notes: str) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` of a route refusing with `codes` (default: all of
+    ERROR_DESCRIPTIONS); `notes`: a route's own description of a code (`e404="..."`)."""
+    return {code: {"model": ErrorResponse, "description": notes.get(f"e{code}", ERROR_DESCRIPTIONS[code])}
+            for code in codes or ERROR_DESCRIPTIONS}

@@ -43,11 +43,11 @@ from gateway import streaming, validation
 from gateway.errors import ApiError, from_validation_errors, invalid
 from gateway.protocol import (
     ChatCompletionRequest,
-    ErrorResponse,
     StreamOptions,
     StructuredOutputs,
     _SamplingFields,
     check_text,
+    error_responses,
 )
 
 MAX_STORED_RESPONSES = 256
@@ -55,13 +55,7 @@ MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512  # characters, as OpenAI's API bo
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _TOOL_KEYS = ("type", "name", "description", "parameters", "strict")
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request; `param` names the field."},
-    401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
-    404: {"model": ErrorResponse, "description": "No such model, or no such stored response."},
-    429: {"model": ErrorResponse, "description": "A rate limit was reached, or the queue is full."},
-    503: {"model": ErrorResponse, "description": "The backend is down or the server is draining."},
-}
+_ERRORS = error_responses(400, 401, 404, 429, 503, e404="No such model, or no such stored response.")
 
 
 class TextFormat(BaseModel):
