@@ -61,6 +61,11 @@ class _Body(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
 
 
+# Rotary tables (`StageModel._cos_sin`) cover positions up to this: 8 MB per kind of layer
+# at head_dim 128 in float32; steps beyond it compute their rows
+ROPE_TABLE_POSITIONS = 8192
+
+
 def _no_progress() -> None:
     pass
 
@@ -105,6 +110,8 @@ class StageModel(nn.Module):
                                       for r in kinds)
         self.rotaries.to(device)
         self._rope_of = [kinds.index(r) for r in ropes]
+        # per (dtype, device), each rotary's (cos, sin) of positions 0 ... n - 1 (`_cos_sin`)
+        self._rope_tables: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         # KV groups: the layout the KV service and the launcher derive alike, and each local
         # layer's sub-group (all 0 where the layers do not group)
         self.kv_layout: KVLayout = config.kv_layout
@@ -199,7 +206,7 @@ class StageModel(nn.Module):
         A step with no adapter tokens (`lora` None or not `active`) runs as any step does."""
         body = self.model
         h = self._embed(inputs) if self.is_first else inputs
-        ropes = [r.cos_sin(positions, h.dtype) for r in self.rotaries]
+        ropes = self._cos_sin(positions, max(metadata.context_lens_list), h.dtype)
         if metadata.num_groups != 1 and metadata.num_groups != self.kv_layout.num_groups:
             raise ValueError(f"a step of {metadata.num_groups} KV groups; this model's layers form "
                              f"{self.kv_layout.num_groups}")
@@ -219,8 +226,32 @@ class StageModel(nn.Module):
             self.on_layer()
         return h
 
+    def _cos_sin(self, positions: torch.Tensor, end: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each rotary's cos/sin ([T, 1, head_dim] each) at `positions`, all below `end`: rows
+        of tables of every position kept per dtype and device (computed as `cos_sin` computes them, so
+        equal bit for bit; tested), grown by doubling up to ROPE_TABLE_POSITIONS. A decode
+        step gathers its rows (4 us) where computing them took 23 us."""
+        if end > ROPE_TABLE_POSITIONS:
+            return [r.cos_sin(positions, dtype) for r in self.rotaries]
+        key = (dtype, positions.device)
+        tables = self._rope_tables.get(key)
+        if tables is None or tables[0][0].shape[0] < end:
+            size = min(ROPE_TABLE_POSITIONS, max(256, 1 << (end - 1).bit_length()))
+            every = torch.arange(size, device=positions.device)
+            tables = self._rope_tables[key] = [r.cos_sin(every, dtype) for r in self.rotaries]
+        return [(cos.index_select(0, positions), sin.index_select(0, positions)) for cos, sin in tables]
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.model.embed_tokens(ids)
+        """The embeddings of token ids [T] -> [T, hidden]."""
+        embed = self.model.embed_tokens
+        packed = embed.linear if isinstance(embed, PackedEmbedding) else None
+        if packed is not None and packed.kernels is not None and packed.qtype != "BF16" and ids.is_cpu:
+            # the rows looked up, dequantized in one native pass, bit for bit the torch
+            # dequantizer `PackedEmbedding` runs (a Q6_K row: 12 us against 90)
+            h = packed.kernels.dequantize_f32(packed.qweight.index_select(0, ids), packed.qtype,
+                                              embed.embedding_dim)
+        else:
+            h = embed(ids)
         if self.config.embed_scale is not None:  # Gemma: times sqrt(hidden) in the model dtype
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
         return h
