@@ -383,13 +383,16 @@ class QuantKernels:
         csrc/kquant_matmul.inc), taken apart."""
         T, K = x.shape
         check_row_length("Q4_K", K, T)
-        rec = 640 if bits == 16 else 384
+        rec = 1408 if bits == 16 else 384
         buf = torch.empty(T, K // 256, rec, dtype=torch.uint8)
         self._raise(self._prepare(isa_id, GGML_TYPES["Q4_K"][0], bits, x.data_ptr(), x.stride(0), T, K, 0, T,
                                   buf.data_ptr()), "quantize")
-        q_bytes = 512 if bits == 16 else 256
-        q = buf[..., :q_bytes].contiguous().view(torch.int16 if bits == 16 else torch.int8).reshape(T, K)
-        d = buf[..., q_bytes + 64:q_bytes + 68].contiguous().view(torch.float32).reshape(T, K // 256)
+        if bits == 16:  # q's low bytes at 512, high bytes at 768, in element order
+            q = (buf[..., 768:1024].view(torch.int8).to(torch.int16) * 256 + buf[..., 512:768].to(torch.int16))
+            d = buf[..., 1344:1348].contiguous().view(torch.float32).reshape(T, K // 256)
+            return q.reshape(T, K), d
+        q = buf[..., :256].contiguous().view(torch.int8).reshape(T, K)
+        d = buf[..., 320:324].contiguous().view(torch.float32).reshape(T, K // 256)
         return q, d
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str, out: torch.Tensor | None = None,
