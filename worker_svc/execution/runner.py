@@ -243,8 +243,10 @@ class StageRunner:
             if r.sample:  # (a verify row: every position from its last known token on)
                 sampled.append(r)
                 ends.extend(range(end - 1 - len(r.drafts), end))
-        indices = torch.tensor(ends + score_indices, dtype=torch.long, device=self.device)
         pooling, pool_indices = pool_positions(rows)
+        # every row's every position sampled (a decode step): the logits of all rows, ungathered
+        every_row = not score_indices and not pooling and len(ends) == end
+        indices = None if every_row else torch.tensor(ends + score_indices, dtype=torch.long, device=self.device)
         if pooling:
             logits, normed = self._run_model(plan, inputs, positions, metadata, indices,
                                              torch.tensor(pool_indices, dtype=torch.long, device=self.device))

@@ -68,6 +68,11 @@ class SampleRow:
     history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
+        if (type(self.seq_id) is type(self.choice_index) is type(self.output_position) is type(self.entropy_seed) is int
+                and 0 <= self.choice_index <= _MAX_COUNTER and 0 <= self.output_position <= _MAX_COUNTER
+                and 0 <= self.entropy_seed <= _MAX_SEED and self.history is None
+                and type(self.params) is SamplingParams):
+            return  # (every row a runner makes: the checks below, in one test)
         if not is_int(self.seq_id):
             raise ValueError(f"seq_id must be an int, got {self.seq_id!r}")
         if not isinstance(self.params, SamplingParams):
@@ -227,6 +232,8 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, rows: Sequence[SampleRow],
               states: Sequence[SequenceSamplerState]) -> torch.Tensor:
         """One token per row of float32 logits ([rows]): the masks, then greedy or sampled."""
+        if all(_plain_greedy(row, state) for row, state in zip(rows, states, strict=True)):
+            return _argmax(logits)  # (no mask to apply, nothing to draw)
         masked = _apply_logit_bias(logits, rows)
         masked = _apply_min_tokens_masks(masked, rows)
         masked = _apply_penalties(masked, rows, states)
@@ -377,6 +384,13 @@ def _logprobs(logits: torch.Tensor, rows: Sequence[SampleRow], token_ids: torch.
         for i, logprob, top in zip(asking, picked.tolist(), tops, strict=True):
             token_logprobs[i], top_logprobs[i] = logprob, top
     return token_logprobs, top_logprobs
+
+
+def _plain_greedy(row: SampleRow, state: SequenceSamplerState) -> bool:
+    """A greedy row no mask changes: its token is the argmax of its raw logits."""
+    p = row.params
+    return (p.is_greedy and not p.logit_bias and not p.uses_penalties and state.matcher is None
+            and (row.output_position >= p.min_tokens or not p.min_tokens_masked_ids))
 
 
 # ---------------------------------------------------------------------------------------------
