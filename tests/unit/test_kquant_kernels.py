@@ -240,3 +240,18 @@ def test_concat_of_different_types_is_parts_side_by_side(rows: int) -> None:
     assert torch.equal(fused.dequantized(), torch.cat([m.dequantized() for m in linears]))
     bf16 = PackedLinear(torch.zeros(8, K, dtype=torch.bfloat16), "BF16", K)
     assert PackedLinear.concat([linears[0], bf16]) is None
+
+
+@pytest.mark.parametrize("isa", qk.ISAS)
+@pytest.mark.parametrize("qtype", SUPER)
+@pytest.mark.parametrize("act_bits", (8, 16))
+def test_a_token_gets_the_same_bits_at_any_token_count(isa: str, qtype: str, act_bits: int) -> None:
+    """int16 takes two routes to the same int32 lane sums (q's two bytes by vpmaddubsw up to
+    KQ_SPLIT tokens, the weights widened once beyond; csrc/kquant_matmul.inc): a token's row is
+    the same bits alone, in a decode step's few tokens and in a prefill's chunks."""
+    k = kernels_or_skip(isa)
+    blocks, _ = weights(qtype, 33, 768, kind="random")
+    x = activations(70, 768)
+    full = k.matmul(x, blocks, qtype, act_bits=act_bits)
+    for begin, end in ((0, 1), (5, 6), (0, 2), (3, 6), (0, 4), (1, 6), (64, 70)):
+        assert torch.equal(k.matmul(x[begin:end].contiguous(), blocks, qtype, act_bits=act_bits), full[begin:end])
