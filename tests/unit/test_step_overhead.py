@@ -68,3 +68,29 @@ def test_the_native_embedding_lookup_equals_packed_embeddings(qtype):
     assert got.shape == (5, hidden)
     # (random bytes: a few fp16 scales are inf or NaN, alike in both)
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("seq_id", True), ("output_position", False), ("choice_index", 2**32), ("entropy_seed", -1),
+    ("params", object()), ("output_position", 1.0)])
+def test_sample_rows_quick_check_lets_no_bad_row_through(field, value):
+    from services.sampling import SamplingParams
+    from worker_svc.execution.sampler import SampleRow
+
+    kwargs = dict(seq_id=0, params=SamplingParams(), choice_index=0, output_position=0, entropy_seed=0)
+    SampleRow(**kwargs)
+    kwargs[field] = value
+    with pytest.raises(ValueError, match=field):
+        SampleRow(**kwargs)
+
+
+def test_plain_greedy_rows_take_the_raw_argmax_and_masked_ones_do_not():
+    from services.sampling import SamplingParams
+    from worker_svc.execution.sampler import Sampler, SampleRow
+
+    logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
+    rows = [SampleRow(0, SamplingParams(temperature=0.0), 0, 0, 1),
+            SampleRow(1, SamplingParams(temperature=0.0, logit_bias=[(2, 5.0)]), 0, 0, 1),
+            SampleRow(2, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1]), 0, 0, 1)]
+    assert Sampler().sample(logits, rows).token_ids == [1, 2, 2]
+    assert Sampler().sample(logits[:1], rows[:1]).token_ids == [1]
