@@ -30,15 +30,18 @@ settings.register_profile("dev", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def _one_torch_thread():
-    """Tests share two cores with the services they start: one intra-op thread each."""
+    """Tests share two cores with the services they start: one intra-op thread each, set again
+    before every test (a worker built in-process sets its configured count; the native decode
+    step, for one, runs only at one thread)."""
     try:
         import torch
     except ImportError:  # torch-free test processes
         yield
         return
-    torch.set_num_threads(1)
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
     yield
 
 
