@@ -322,7 +322,8 @@ class StageRunner:
         per position, each attending to the positions up to its own: causal attention, as
         one row of several tokens would be, but the step stays a batch of decodes, which
         the native decode step computes in one call (a 5-position verify step of one
-        sequence on SmolLM2 Q4_1: 19.2 ms as a row, DECODE ms as decodes; 1 position 5.3 ms)."""
+        sequence on SmolLM2 Q4_1, context 200: 19.2 ms as a row, 14.7 ms as decodes; 1 position
+        5.2 ms: `python -m bench.verify_step [--as-row]`, docs/benchmarks.md)."""
         spans = []
         for r in rows:
             blocks = r.state.block_ids if self.num_kv_groups == 1 else self._entry_table(r.state)
