@@ -31,7 +31,7 @@ from gateway.replicas import (
 )
 from gateway.tools import ToolCalling
 from services import telemetry
-from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from services.pb import common_pb2, scheduler_pb2, worker_pb2
 from services.sampling import SamplingOptions
 from services.sampling_pb import options_to_pb
 from services.text import TextOutputProcessor, Tokenizer
@@ -294,16 +294,6 @@ class TextGenerator:
         """The replicas this gateway routes between (router mode); None with one scheduler
         (a set of one: nothing to route)."""
         return self._replicas if self._replicas.routes else None
-
-    @property
-    def _stub(self) -> scheduler_pb2_grpc.SchedulerStub | None:
-        """The scheduler's stub (a router's first replica's) once connected; tests put a
-        scripted one here."""
-        return self._replicas.replicas[0].stub
-
-    @_stub.setter
-    def _stub(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
-        self._replicas.replicas[0].stub = stub
 
     async def close(self) -> None:
         await self._replicas.close()

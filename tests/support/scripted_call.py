@@ -24,3 +24,9 @@ class ScriptedCall:
 
     def cancel(self) -> None:
         self._done = True
+
+
+def script_scheduler(generator, stub) -> None:
+    """Puts a scripted scheduler `stub` where the TextGenerator's one scheduler replica keeps
+    its connection's stub (the gateway has no hook of its own for tests)."""
+    generator._replicas.replicas[0].stub = stub

@@ -12,7 +12,7 @@ import shutil
 
 import httpx2 as httpx
 import pytest
-from support.scripted_call import ScriptedCall
+from support.scripted_call import ScriptedCall, script_scheduler
 from test_gateway_app import post, run
 
 from gateway.app import create_app
@@ -343,7 +343,7 @@ def test_a_marker_that_is_a_special_token_is_decoded_for_the_parser_and_no_other
     def ask(body, **parsers):
         async def go():
             generator = TextGenerator("127.0.0.1:1", tok, MAX_MODEL_LEN)
-            generator._stub = _Scheduler(ids, tok.eos_token_ids[0])
+            script_scheduler(generator, _Scheduler(ids, tok.eos_token_ids[0]))
             app = create_app(config(tok, **parsers), generator)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
                 return await post(client, "/v1/chat/completions",

@@ -13,7 +13,7 @@ import shutil
 import httpx2 as httpx
 import jsonschema
 import pytest
-from support.scripted_call import ScriptedCall
+from support.scripted_call import ScriptedCall, script_scheduler
 from test_gateway_app import FakeGenerator, post, run
 
 from gateway.app import create_app
@@ -270,7 +270,7 @@ def test_stop_reason_is_null_for_eos_and_names_a_requested_stop_token(tokenizer)
 
     def last_delta(stop_token_id: int, stop_token_ids: tuple[int, ...]) -> ChoiceDelta:
         generator = TextGenerator("127.0.0.1:1", tokenizer, MAX_MODEL_LEN)
-        generator._stub = _Scheduler(stop_token_id)
+        script_scheduler(generator, _Scheduler(stop_token_id))
         params = GenerationParams(sampling=SamplingOptions(max_tokens=4, stop_token_ids=stop_token_ids))
 
         async def go():

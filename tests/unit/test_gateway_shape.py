@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.scripted_call import ScriptedCall
+from support.scripted_call import ScriptedCall, script_scheduler
 
 from gateway.core import Finished, GenerationError, GenerationParams, TextGenerator
 from gateway.replicas import ReplicaSet, merge_stats
@@ -68,7 +68,7 @@ def tok(model_factory) -> Tokenizer:
 
 def _generator(tok, scheduler: _Scheduler, retry_unavailable_s: float = 5.0) -> TextGenerator:
     generator = TextGenerator("127.0.0.1:1", tok, 64, retry_unavailable_s=retry_unavailable_s)
-    generator._stub = scheduler
+    script_scheduler(generator, scheduler)
     return generator
 
 
@@ -148,7 +148,7 @@ def test_a_failure_after_a_response_or_of_another_kind_is_final(tok, streamed, c
 def test_an_abort_reaches_a_lone_scheduler_whether_or_not_the_request_runs_there():
     scheduler = _Scheduler(([], None))
     generator = TextGenerator("127.0.0.1:1", None, 64)
-    generator._stub = scheduler
+    script_scheduler(generator, scheduler)
     asyncio.run(generator.abort("ended"))
     assert scheduler.aborted == ["ended"]
     router = TextGenerator("a=127.0.0.1:1,b=127.0.0.1:2", None, 64)
@@ -160,7 +160,7 @@ def test_an_abort_reaches_a_lone_scheduler_whether_or_not_the_request_runs_there
 
 def test_a_lone_schedulers_statistics_are_its_own_reply():
     generator = TextGenerator("127.0.0.1:1", None, 64)
-    generator._stub = _Scheduler(([], None))
+    script_scheduler(generator, _Scheduler(([], None)))
     assert asyncio.run(generator.stats()).num_waiting == 3
     reply = scheduler_pb2.GetStatsResponse(num_waiting=1)
     assert merge_stats([reply]) is reply

@@ -18,7 +18,7 @@ import pytest
 import tokenizers
 from hypothesis import given
 from hypothesis import strategies as st
-from support.scripted_call import ScriptedCall
+from support.scripted_call import ScriptedCall, script_scheduler
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
 from gateway import openai_format as fmt
@@ -314,7 +314,7 @@ def _script(chunks: list[list[int]], alternatives: list[int]):
 def _post_both(tok: Tokenizer, script, path: str, body: dict) -> tuple[dict, list[dict]]:
     """(the whole response, the stream's chunks) of one request, over the scripted stream."""
     generator = TextGenerator("unused:1", tok, 256)
-    generator._stub = _ScriptedScheduler(script)
+    script_scheduler(generator, _ScriptedScheduler(script))
     config = GatewayConfig(model=str(tok.model_dir), scheduler_address="unused:1",
                            served_model_names=("tiny",), max_model_len=256)
     app = create_app(config, generator)
