@@ -17,7 +17,8 @@ from services.device_profile import (
 )
 
 A100 = "a100-80gb-llama2-70b-tp8"
-SHIPPED = (A100, "cpu-local")
+H200 = "h200-141gb-llama3-8b-tp1"
+SHIPPED = (A100, H200, "cpu-local")
 
 
 def make(**overrides) -> DeviceProfile:
@@ -84,6 +85,59 @@ def test_the_a100_profile_lands_in_the_published_range_of_a_70b_tp8_decode_step(
     half = profile.step_time_s(layer_fraction=0.5, num_prefill_tokens=0, num_decode_rows=1,
                                num_context_tokens=129, tensor_parallel_size=8)
     assert half == pytest.approx(profile.fixed_s + (one - profile.fixed_s) / 2)
+
+
+def test_the_h200_profile_is_derived_labelled_and_explains_every_number():
+    profile = load_profile(H200)
+    assert profile.source.startswith("derived, not measured") and "published" in profile.source
+    text = " ".join(profile.notes)
+    for field in (*STEP_FIELDS, "eos_probability"):
+        assert field in text, f"{field} is not explained"
+    assert profile.tensor_parallel_size == 1 and profile.allreduce_per_token_s == 0
+    assert (profile.hidden_size, profile.num_layers) == (4096, 32)
+
+
+def test_the_h200_profile_follows_from_its_stated_inputs():
+    """The roofline of its notes, recomputed: H200 datasheet figures, Llama-3-8B's shapes, efficiencies."""
+    flops, hbm, mbu, mfu, kv_eff = 989e12, 4.8e12, 0.7, 0.6, 0.6
+    layers, hidden, kv_heads, head_dim, inter, vocab = 32, 4096, 8, 128, 14336, 128256
+    params = layers * (2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter)
+    profile = load_profile(H200)
+    expected = {
+        "per_step_s": params * 2 / (hbm * mbu),
+        "per_prefill_token_s": 2 * params / (flops * mfu),
+        "per_decode_row_s": 2 * params / (flops * mfu),
+        "per_context_token_s": 2 * layers * kv_heads * head_dim * 2 / (hbm * kv_eff),
+        "last_stage_fixed_s": vocab * hidden * 2 / (hbm * mbu),
+        "last_stage_per_row_s": 2 * vocab * hidden / (flops * mfu),
+    }
+    for field, value in expected.items():
+        assert getattr(profile, field) == pytest.approx(value, rel=1e-3), field
+
+
+def _h200_decode_s(profile: DeviceProfile, rows: int, context: int, layer_fraction: float = 1.0,
+                   is_last_stage: bool = True) -> float:
+    return profile.step_time_s(layer_fraction=layer_fraction, num_prefill_tokens=0, num_decode_rows=rows,
+                               num_context_tokens=rows * context, is_last_stage=is_last_stage,
+                               num_sampled_rows=rows if is_last_stage else 0)
+
+
+def test_the_h200_profile_predicts_fast_decode_steps_in_its_stated_range():
+    """Whole-model decode steps of ~3-6 ms at serving batches (its notes: 4.6 ms at 1 row, 5.7 ms
+    at 32 rows of 200 context; published 4.6-6.5 ms per token), a fifth of the A100 profile's,
+    and a pipeline stage at PP=4 near a quarter of that."""
+    profile = load_profile(H200)
+    one, batch, long = (_h200_decode_s(profile, 1, 129), _h200_decode_s(profile, 32, 200),
+                        _h200_decode_s(profile, 32, 1025))
+    assert 0.003 < one < batch < 0.006 < long < 0.0075
+    assert one == pytest.approx(4.60e-3, rel=0.01) and batch == pytest.approx(5.67e-3, rel=0.01)
+    a100 = load_profile(A100).step_time_s(layer_fraction=1.0, num_prefill_tokens=0, num_decode_rows=32,
+                                          num_context_tokens=32 * 200, tensor_parallel_size=8)
+    assert 3 < a100 / batch < 5
+    first_of_four = _h200_decode_s(profile, 32, 200, layer_fraction=0.25, is_last_stage=False)
+    last_of_four = _h200_decode_s(profile, 32, 200, layer_fraction=0.25)
+    assert 0.0011 < first_of_four < last_of_four < 0.0018
+    assert last_of_four - first_of_four == pytest.approx(profile.last_stage_fixed_s + 32 * profile.last_stage_per_row_s)
 
 
 def test_the_cpu_profile_is_a_tensor_parallel_1_fit():
