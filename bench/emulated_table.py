@@ -25,6 +25,14 @@ its last 4,096 spans is lost):
               scheduler's turnaround (planning, KV, the hop), plus, at PP > 1, any wait for a
               group's own feedback token.
 
+and the CPU each process spends per micro-batch (issue 37): the user + system time of the
+gateway, the scheduler, the KV service, each stage and this process (the load generator) over the
+cell, from /proc/<pid>/stat, divided by stage 0's micro-batches in it (each passes every stage
+once), with the cores each kept busy.
+
+`--profile h200-141gb-llama3-8b-tp1` (the fast-step profile) runs a Llama-3-8B-shaped config
+instead (`MODEL_SHAPES`); `--loads mixed` runs one load.
+
 The seed's figures (LLaMA-2-70B, A100 x 8 TP, PP=2, batch 32) are printed beside: async vs
 sync +30% QPS short, +43% long, +41% mixed; active time 68% -> 89%; bubble < 15%.
 """
@@ -44,10 +52,19 @@ from pathlib import Path
 
 from bench.arms import EngineSettings, StackArm
 from bench.load import closed_loop
+from bench.machine import cpu_model
 from bench.stats import client_metrics, percentile, service_metrics
 from bench.workloads import FULL_SHAPE, Workload, token_space_of
 
-HIDDEN, VOCAB, INTERMEDIATE = 8192, 32000, 28672
+# the config-only model each profile was made for (its "model" block); others get LLaMA-2-70B's
+LLAMA2_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096}
+MODEL_SHAPES = {
+    "a100-80gb-llama2-70b-tp8": LLAMA2_70B,
+    "h200-141gb-llama3-8b-tp1": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                                 "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                                 "max_position_embeddings": 8192},
+}
 LOADS = ("short", "long", "mixed")
 # the seed: async over sync, QPS, per load; stage active time sync -> async; bubble bound
 SEED_GAIN = {"short": 0.30, "long": 0.43, "mixed": 0.41}
@@ -56,9 +73,10 @@ SEED_BUBBLE_MAX = 0.15
 TIMELINE_POLL_S = 0.5
 
 
-def make_config_dir(folder: Path, num_layers: int) -> str:
-    """A LLaMA-2-70B-shaped config.json with `num_layers` layers beside the bench's tiny model's
-    tokenizer (its ids are the vocabulary's first), no weights (as tests/e2e/test_emulated_device.py)."""
+def make_config_dir(folder: Path, num_layers: int | None = None, profile: str = "") -> str:
+    """A config.json shaped like the model `profile` was made for (`MODEL_SHAPES`; LLaMA-2-70B
+    otherwise), with `num_layers` layers when given, beside the bench's tiny model's tokenizer (its
+    ids are the vocabulary's first), no weights (as tests/e2e/test_emulated_device.py)."""
     from wiring import tiny_model
 
     tiny = tiny_model.default_model_dir(spec=tiny_model.PRESETS["tiny"])
@@ -67,10 +85,11 @@ def make_config_dir(folder: Path, num_layers: int) -> str:
         if name.startswith(("tokenizer", "special_tokens", "generation_config")):
             shutil.copy(os.path.join(tiny, name), folder / name)
     eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id", 2)
+    shape = dict(MODEL_SHAPES.get(profile, LLAMA2_70B))
+    if num_layers is not None:
+        shape["num_hidden_layers"] = num_layers
     (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE, "num_hidden_layers": num_layers, "num_attention_heads": 64,
-        "num_key_value_heads": 8, "vocab_size": VOCAB, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": eos,
         "tie_word_embeddings": False}))
     return str(folder)
@@ -161,6 +180,42 @@ class TimelinePoller:
         await self._channel.close()
 
 
+# --- the CPU each process spends ------------------------------------------------------------------
+
+
+def process_cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process, all its threads (/proc/<pid>/stat, clock ticks);
+    this process when `pid` is None. 0.0 for a process that is gone."""
+    if pid is None:
+        return time.process_time()
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = text[text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def arm_cpu_s(arm: StackArm) -> dict[str, float]:
+    """CPU seconds so far of every process of the arm, by name (kvcache, scheduler, worker-K,
+    gateway), and of this one (`client`: the load generator and the timeline poller)."""
+    procs = [*(arm.stack.processes if arm.stack else []), *([arm.gateway] if arm.gateway else [])]
+    out = {p.name: process_cpu_s(p.process.pid) for p in procs if p.process is not None}
+    out["client"] = process_cpu_s()
+    return out
+
+
+def cpu_per_micro_batch(before: dict[str, float], after: dict[str, float], num_micro_batches: int,
+                        duration_s: float) -> dict:
+    """What each process spent between two `arm_cpu_s` samples: ms of CPU per micro-batch (stage
+    0's micro-batches: each passes every stage once) and the cores it kept busy on average.
+    The ticks are 10 ms, so a cell needs a few seconds for a figure to mean anything."""
+    spent = {name: after[name] - before.get(name, 0.0) for name in after}
+    per_mb = {name: (1e3 * s / num_micro_batches if num_micro_batches else None) for name, s in spent.items()}
+    cores = {name: (s / duration_s if duration_s > 0 else None) for name, s in spent.items()}
+    return {"num_micro_batches": num_micro_batches, "cpu_s": spent, "ms_per_micro_batch": per_mb, "cores": cores}
+
+
 # --- one cell ------------------------------------------------------------------------------------
 
 
@@ -168,6 +223,7 @@ async def measure_cell(arm: StackArm, poller: TimelinePoller, requests, concurre
     """One closed loop of `requests`: the client's rates, the stages' busy and bubble over the
     loaded window, the gaps from the spans in that window."""
     start = await arm.snapshot()
+    cpu_before, t_before = arm_cpu_s(arm), time.perf_counter()
     marks = {"t0": time.time_ns()}
 
     async def at_last_send() -> None:
@@ -180,6 +236,7 @@ async def measure_cell(arm: StackArm, poller: TimelinePoller, requests, concurre
     res = await closed_loop(arm.client, requests, concurrency, None, at_last_send)
     spans = await poller.stop()
     end = await arm.snapshot()
+    cpu_after, t_after = arm_cpu_s(arm), time.perf_counter()
     loaded = marks.get("s", end)
     services = service_metrics(start, loaded, end)
     client = client_metrics(res.records, res.duration_s)
@@ -194,6 +251,7 @@ async def measure_cell(arm: StackArm, poller: TimelinePoller, requests, concurre
         "bubble": services.mean_bubble_fraction, "num_spans": len(spans),
         "ready_gap": _pcts(ready), "stage0_gap": _pcts(first), "max_at_once": max_at_once(spans, window),
         "stage0_steps": steps0, "stage0_feedback_waits": poller.feedback_waits - waits0,
+        "cpu": cpu_per_micro_batch(cpu_before, cpu_after, steps0, t_after - t_before),
         # the loaded window's spans, for the busy-over-time plot (`--plot`)
         "spans": [list(sp) for sp in spans if window[0] <= sp[2] <= window[1]],
     }
@@ -208,7 +266,9 @@ async def run_stack(model_dir: str, settings: EngineSettings, args, space, log_d
         try:
             warm = Workload("short", space, shape, args.seed + 1, limit=args.concurrency)
             await closed_loop(arm.client, warm, args.concurrency)
-            for load in LOADS:
+            for load in [x.strip() for x in args.loads.split(",") if x.strip()]:
+                if load not in LOADS:
+                    raise ValueError(f"--loads: unknown load {load!r}; known: {', '.join(LOADS)}")
                 n = args.requests if load != "long" else args.long_requests
                 requests = Workload(load, space, shape, args.seed, limit=n)
                 out[load] = await measure_cell(arm, poller, requests, args.concurrency)
@@ -224,6 +284,23 @@ def _log_cell(settings: EngineSettings, load: str, c: dict) -> None:
           f"{c['num_requests']:3} req ({c['num_failed']} failed) {c['duration_s']:6.1f} s  QPS {c['qps']:6.2f}  "
           f"tok/s {c['output_tok_s']:7.1f}  busy {c['stage_busy']}  bubble {c['bubble']:.0%}  "
           f"gaps ready p50 {_ms(c['ready_gap']['p50_ms'])} stage0 p50 {_ms(c['stage0_gap']['p50_ms'])}", flush=True)
+    print(f"    CPU ms per micro-batch ({c['stage0_steps']} micro-batches): {_cpu_line(c)}", flush=True)
+
+
+def _cpu_line(c: dict) -> str:
+    per_mb = c.get("cpu", {}).get("ms_per_micro_batch", {})
+    return ", ".join(f"{name} {_num(v)}" for name, v in sorted(per_mb.items(), key=_process_order))
+
+
+def _process_order(item: tuple[str, object]) -> tuple[int, str]:
+    order = {"gateway": 0, "scheduler": 1, "kvcache": 2, "client": 9}
+    name = item[0]
+    return (order.get(name, 5), f"{name.rsplit('-', 1)[0]}-{int(name.rsplit('-', 1)[1]):02d}"
+            if name.startswith("worker-") else name)
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
 
 
 def _ms(v: float | None) -> str:
@@ -245,6 +322,27 @@ def table_rows(results: dict) -> list[str]:
                 if c is None:
                     continue
                 rows.append(_row(pp, load, mode, c, modes))
+    return rows
+
+
+def cpu_rows(results: dict) -> list[str]:
+    """The CPU table: one row per (PP, load, mode), each process's ms of CPU per micro-batch
+    (workers: the mean over stages, then the busiest) and the cores all of them kept busy."""
+    rows = ["| PP | load | mode | µbatches | gateway | scheduler | kvcache | stage mean / max | client | cores (all) |",
+            "|---:|---|---|---:|---:|---:|---:|---|---:|---:|"]
+    for pp, modes in sorted(results["cells"].items(), key=lambda kv: int(kv[0])):
+        for load in LOADS:
+            for mode in ("sync", "async"):
+                c = modes.get(mode, {}).get(load)
+                if c is None or "cpu" not in c:
+                    continue
+                per_mb, cores = c["cpu"]["ms_per_micro_batch"], c["cpu"]["cores"]
+                stages = [v for k, v in per_mb.items() if k.startswith("worker-") and v is not None]
+                stage = f"{sum(stages) / len(stages):.2f} / {max(stages):.2f}" if stages else "-"
+                total = sum(v for v in cores.values() if v is not None)
+                rows.append(f"| {pp} | {load} | {mode} | {c['cpu']['num_micro_batches']} "
+                            f"| {_num(per_mb.get('gateway'))} | {_num(per_mb.get('scheduler'))} "
+                            f"| {_num(per_mb.get('kvcache'))} | {stage} | {_num(per_mb.get('client'))} | {total:.2f} |")
     return rows
 
 
@@ -280,7 +378,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", default="a100-80gb-llama2-70b-tp8", help="a device profile (services/profiles)")
     p.add_argument("--pp", type=_ints, default=[1, 2, 4, 8], help="pipeline sizes, comma-separated")
     p.add_argument("--modes", default="sync,async", help="scheduling modes, comma-separated")
-    p.add_argument("--layers", type=int, default=80, help="the config's layers (LLaMA-2-70B: 80)")
+    p.add_argument("--loads", default=",".join(LOADS), help=f"loads, comma-separated, of {', '.join(LOADS)}")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the config's layers (default: the profile's model's, LLaMA-2-70B: 80)")
     p.add_argument("--concurrency", type=int, default=32, help="closed-loop clients (the seed's batch: 32)")
     p.add_argument("--requests", type=int, default=96, help="requests per short and mixed cell")
     p.add_argument("--long-requests", type=int, default=64, help="requests per long cell")
@@ -301,11 +401,12 @@ async def run(args: argparse.Namespace) -> dict:
     from services.text import Tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="pagoda-emulated-table-"))
-    model_dir = make_config_dir(work / "llama2-70b-config-only", args.layers)
+    model_dir = make_config_dir(work / "config-only", args.layers, args.profile)
     space = token_space_of(Tokenizer(model_dir))
     device = f"emulated:{args.profile}"
     results = {"meta": {"command": "python -m bench.emulated_table " + " ".join(sys.argv[1:]), "device": device,
-                        "layers": args.layers, "concurrency": args.concurrency, "short_output": args.short_output,
+                        "layers": json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"],
+                        "cpu_model": cpu_model(), "concurrency": args.concurrency, "short_output": args.short_output,
                         "long_output": args.long_output, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")},
                "cells": {}}
     t0 = time.perf_counter()
@@ -317,7 +418,7 @@ async def run(args: argparse.Namespace) -> dict:
             cell = await run_stack(model_dir, settings, args, space, work / "logs" / f"pp{pp}-{mode}")
             results["cells"].setdefault(str(pp), {})[mode] = cell
     results["meta"]["elapsed_s"] = time.perf_counter() - t0
-    shutil.rmtree(work / "llama2-70b-config-only", ignore_errors=True)
+    shutil.rmtree(work / "config-only", ignore_errors=True)
     return results
 
 
@@ -331,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))
     print("\n".join(table_rows(results)))
+    print("\nCPU per micro-batch, ms (each process's utime + stime over the cell / stage 0's micro-batches):")
+    print("\n".join(cpu_rows(results)))
     if args.plot is not None:
         from bench.plots import emulated_busy
 
