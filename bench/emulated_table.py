@@ -70,7 +70,19 @@ LOADS = ("short", "long", "mixed")
 SEED_GAIN = {"short": 0.30, "long": 0.43, "mixed": 0.41}
 SEED_ACTIVE = {"sync": 0.68, "async": 0.89}
 SEED_BUBBLE_MAX = 0.15
-TIMELINE_POLL_S = 0.5
+# the timeline poll: often enough that the scheduler's last 4,096 spans always reach back to the
+# poll before (a quarter of them between polls at the rate just seen), no more often than needed,
+# since each poll costs the scheduler CPU that the per-micro-batch figures would count
+RECENT_SPANS = 4096
+TIMELINE_POLL_S = (0.25, 2.0)  # shortest and longest interval
+
+
+def next_poll_s(new_spans: int, elapsed_s: float) -> float:
+    """The wait before the next timeline poll, after `new_spans` arrived in `elapsed_s`."""
+    lo, hi = TIMELINE_POLL_S
+    if new_spans <= 0 or elapsed_s <= 0:
+        return lo
+    return min(hi, max(lo, RECENT_SPANS / 4 / (new_spans / elapsed_s)))
 
 
 def make_config_dir(folder: Path, num_layers: int | None = None, profile: str = "") -> str:
@@ -149,18 +161,24 @@ class TimelinePoller:
         self.feedback_waits = 0  # stage 0's num_feedback_waits at the last poll
         self._task: asyncio.Task | None = None
 
-    async def poll_once(self) -> None:
+    async def poll_once(self) -> int:
+        """One poll; returns how many spans it saw first."""
         from services.pb import scheduler_pb2
 
         resp = await self._stub.GetStats(scheduler_pb2.GetStatsRequest(include_timeline=True), timeout=10.0)
         self.feedback_waits = sum(s.stats.num_feedback_waits for s in resp.stages if s.stage_index == 0)
+        before = len(self.spans)
         for s in resp.timeline:
             self.spans[(s.stage_index, s.micro_batch_id)] = (s.stage_index, s.micro_batch_id, s.start_ns, s.end_ns)
+        return len(self.spans) - before
 
     async def _loop(self) -> None:
+        last = time.perf_counter()
         while True:
-            await self.poll_once()
-            await asyncio.sleep(TIMELINE_POLL_S)
+            new = await self.poll_once()  # (the spans since the poll before)
+            now = time.perf_counter()
+            wait_s, last = next_poll_s(new, now - last), now
+            await asyncio.sleep(wait_s)
 
     def start(self) -> None:
         self.spans.clear()
