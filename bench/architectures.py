@@ -17,7 +17,6 @@ differ by the norms only, printed).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -61,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args(argv)
-    root = Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda")) / "arch-bench"
+    from services.settings import cache_root
+
+    root = cache_root() / "arch-bench"
     folders = [build(arch, root) for arch in ARCHS]
     from bench import batch_decode
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,10 +27,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def model_dir(preset: str) -> Path:
+    from services.settings import cache_root
     from wiring.tiny_model import PRESETS, make_tiny_model
 
-    root = Path(os.environ.get("PAGODA_CACHE_DIR") or Path.home() / ".cache" / "pagoda")
-    path = root / "bench-models" / preset
+    path = cache_root() / "bench-models" / preset
     if not (path / "config.json").exists():
         make_tiny_model(path, PRESETS[preset], overwrite=True)
     return path

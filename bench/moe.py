@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -112,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     keep_freed_memory()
-    root = Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda")) / "moe-bench"
+    from services.settings import cache_root
+
+    root = cache_root() / "moe-bench"
     models = {name: load_stage(str(build(name, root)), dtype=args.dtype, quantization=args.quantization)
               for name in MODELS}
     native = {name: m.fused_decode for name, m in models.items()}  # (the arms switch them off)

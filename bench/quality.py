@@ -69,7 +69,7 @@ _FILE_TYPES = {2: "Q4_0", 3: "Q4_1", 7: "Q8_0"}  # GGUF general.file_type -> its
 
 
 def quality_cache() -> Path:
-    from wiring.model_source import cache_root
+    from services.settings import cache_root
 
     return cache_root() / "quality"
 

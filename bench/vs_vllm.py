@@ -77,6 +77,7 @@ from typing import Any
 
 from bench.clients import parse_sse_line
 from bench.machine import cpu_record, cpu_sample, foreign_cpu, measure_bandwidth
+from services.settings import ANCHOR, AUTO_DTYPE, env_value
 from wiring.launcher import free_port
 
 ARM_NAMES = ("vllm", "pagoda", "pagoda-pp2", "pagoda-tp2")
@@ -84,7 +85,7 @@ MODEL_NAME = "tiny"
 TINY_MODEL_FLAGS = ("--hidden-size", "256", "--num-layers", "4", "--num-heads", "4",
                     "--num-kv-heads", "4", "--vocab-size", "8192")
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_ANCHOR = Path(os.environ.get("PAGODA_ANCHOR", Path.home() / ".cache" / "pagoda-anchor"))
+DEFAULT_ANCHOR = Path(env_value(ANCHOR) or Path.home() / ".cache" / "pagoda-anchor")
 
 
 # ---------------------------------------------------------------- processes
@@ -318,7 +319,7 @@ def weight_format(model: Path, dtype: str | None) -> str:
     except (OSError, json.JSONDecodeError):
         return "auto"
     name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-    if name == "float32" and os.environ.get("PAGODA_AUTO_DTYPE", "").strip().lower() != "float32":
+    if name == "float32" and (env_value(AUTO_DTYPE) or "").strip().lower() != "float32":
         try:
             with open("/proc/cpuinfo") as f:
                 if any(line.startswith("flags") and " avx512_bf16" in line for line in f):

@@ -16,5 +16,11 @@ NUM_KV_BLOCKS = 1024
 # the most tokens in one step: the scheduler's budget and what a stage takes in one plan (its
 # message limit and memory profile); `pagoda serve` gives the stages the scheduler's value
 MAX_NUM_BATCHED_TOKENS = 2048
+# the most sequences running at once: the scheduler's budget, a stage's message limit
+MAX_NUM_SEQS = 256
+# n-gram drafts (speculative decoding): the longest and shortest n-gram of the recent tokens
+# looked up in the context, as vLLM's `prompt_lookup_max` / `prompt_lookup_min`
+PROMPT_LOOKUP_MAX = 4
+PROMPT_LOOKUP_MIN = 2
 # the longest context when neither --max-model-len nor the checkpoint's config.json says
 MAX_MODEL_LEN = 4096

@@ -20,10 +20,12 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.settings import INTERNAL_TOKEN, env_text
+
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_PENDING_CALLS = 50_000  # calls a server holds before the application picks them up
 # Service-to-service authentication: a shared secret every internal call carries
-INTERNAL_TOKEN_ENV = "PAGODA_INTERNAL_TOKEN"
+INTERNAL_TOKEN_ENV = INTERNAL_TOKEN.variable
 INTERNAL_TOKEN_HEADER = "x-pagoda-internal-token"
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes need no secret
 
@@ -31,7 +33,7 @@ _OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes need no secret
 def internal_token() -> str | None:
     """The stack's shared secret (`PAGODA_INTERNAL_TOKEN`; `pagoda serve` makes one per run),
     or None: internal services then take any caller (bind them to loopback only)."""
-    return os.environ.get(INTERNAL_TOKEN_ENV) or None
+    return env_text(INTERNAL_TOKEN) or None
 
 log = logging.getLogger(__name__)
 

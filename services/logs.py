@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from services.settings import LOG_LEVEL, env_value
 
 
 def configure_logging(service: str, level: str | None = None) -> None:
-    level = (level or os.environ.get("PAGODA_LOG_LEVEL") or "INFO").upper()
+    level = (level or env_value(LOG_LEVEL)).upper()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         logging.Formatter(

@@ -11,14 +11,16 @@ import os
 import signal
 import sys
 
-PARENT_ENV = "PAGODA_DIE_WITH_PARENT"
+from services.settings import DIE_WITH_PARENT, env_value
+
+PARENT_ENV = DIE_WITH_PARENT.variable
 _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
     """In a service process started with `die_with_parent`: ask the kernel for SIGKILL when
     the starter dies, and exit at once if it already has (it died before this ran)."""
-    parent = os.environ.get(PARENT_ENV)
+    parent = env_value(DIE_WITH_PARENT)
     if not parent or not sys.platform.startswith("linux"):
         return
     import ctypes

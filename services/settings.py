@@ -19,7 +19,10 @@ manifests are checked against them (`tests/unit/test_settings_schema.py`). Value
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 from services import defaults
@@ -226,7 +229,7 @@ MAX_NUM_BATCHED_TOKENS = Setting(
     "int", default=defaults.MAX_NUM_BATCHED_TOKENS, owner="scheduler", services=("worker", "scheduler"),
     serve="pass", group="scheduler")
 MAX_NUM_SEQS = Setting("max_num_seqs", "most sequences running at once (a stage's message limit)", "int",
-                       default=256, owner="scheduler", services=("worker", "scheduler"), serve="pass",
+                       default=defaults.MAX_NUM_SEQS, owner="scheduler", services=("worker", "scheduler"), serve="pass",
                        group="scheduler")
 
 # the stack's shape and the stages' resources
@@ -309,3 +312,113 @@ def lora_modules(entries) -> dict[str, str]:
             raise ValueError(f"lora_modules: {name!r} given twice")
         out[name.strip()] = path.strip()
     return out
+
+
+# --- switches read from the environment only ---------------------------------------------------
+# What they change lies where no config reaches (a native kernel, the checkpoint loader, the log
+# and trace set-up, a benchmark), so they have no flag: their variable only, read through
+# `env_value` when used (a test's monkeypatch.setenv takes effect), the one place a PAGODA_*
+# variable is read. Each process inherits them from the one that started it (`pagoda serve`,
+# the launcher); each subcommand's `--help` lists those its processes read.
+
+def _switch(name: str, help: str, kind: str = "str", default: object = None, *, owner: str | None = None,
+            services: tuple[str, ...] = ()) -> Setting:
+    return Setting(name, help, kind, default, command_line=False, owner=owner, services=services)
+
+
+# the stage's CPU paths (worker_svc/kernels/, worker_svc/weights/packed.py, the loader)
+CPU_KERNELS = _switch("cpu_kernels", "build and run the native C kernels (paged attention, packed products, "
+                      "the fused decode step); 0: torch's products only", "bool", True, owner="worker",
+                      services=("worker",))
+FUSED_DECODE = _switch("fused_decode", "run a CPU decode step's layers in one native call "
+                       "(worker_svc/models/fused_decode.py); 0: layer by layer", "bool", True, owner="worker",
+                       services=("worker",))
+TUNE_MALLOC = _switch("tune_malloc", "make glibc's malloc keep freed activations for the next step "
+                      "(worker_svc/kernels/cpu_kernels.py); 0: leave malloc alone", "bool", True, owner="worker",
+                      services=("worker",))
+PACKED_BF16 = _switch("packed_bf16", "on the CPU, bfloat16 is bfloat16 weights with float32 activations on the "
+                      "native kernels; 0: torch's bfloat16 modules (bfloat16 activations, as GPUs run it)", "bool",
+                      True, owner="worker", services=("worker",))
+PACKED_PREFILL_GEMM = _switch("packed_prefill_gemm", "Q8_0/Q4_0/Q4_1 products of many rows (prefills) dequantize "
+                              "the weights for a GEMM (worker_svc/weights/packed.py); 0: prefills too on the "
+                              "integer kernels", "bool", True, owner="worker", services=("worker",))
+CPU_ISA = _switch("cpu_isa", "cap Pagoda's native kernels at scalar, avx2 or avx512 (beside oneDNN's "
+                  "ONEDNN_MAX_CPU_ISA and torch's ATEN_CPU_CAPABILITY; default: the widest the CPU runs)",
+                  owner="worker", services=("worker",))
+CPU_PATHS = _switch("cpu_paths", "force CPU paths, e.g. packed_prefill=integer,bf16_prefill=native "
+                    "(worker_svc/kernels/cpu_features.py; tests and benchmarks)", owner="worker",
+                    services=("worker",))
+PACKED_ACT_BITS = _switch("packed_act_bits", "activation precision of the packed integer products: 8 "
+                          "(llama.cpp's) or 16", default="16", owner="worker", services=("worker",))
+AUTO_DTYPE = _switch("auto_dtype", "float32: --dtype auto keeps a float32 checkpoint float32 (default: "
+                     "bfloat16 on a CPU with BF16 units; the tests set it)", owner="worker", services=("worker",))
+CACHE_DIR = _switch("cache_dir", "Pagoda's cache: the fetched default model, prepared GGUF folders, built "
+                    "kernels and their calibration (default: $XDG_CACHE_HOME/pagoda, else ~/.cache/pagoda)",
+                    services=("worker", "scheduler", "gateway"))
+
+# the scheduler's decision trace (scheduler_svc/observer.py)
+TRACE_SCHEDULER = _switch("trace_scheduler", "write every scheduler decision as a JSON line (to "
+                          "PAGODA_TRACE_FILE)", "bool", False, owner="scheduler", services=("scheduler",))
+TRACE_FILE = _switch("trace_file", "the file PAGODA_TRACE_SCHEDULER writes", default="pagoda-scheduler-trace.jsonl",
+                     owner="scheduler", services=("scheduler",))
+
+# every process's logs and spans (services/logs.py, services/telemetry.py)
+LOG_LEVEL = _switch("log_level", "DEBUG, INFO, WARNING or ERROR", default="INFO", services=SERVICES)
+OTLP_ENDPOINT = _switch("otlp_endpoint", "export spans to this OTLP gRPC endpoint (default: "
+                        "OTEL_EXPORTER_OTLP_ENDPOINT; neither: no tracing)", services=SERVICES)
+SPANS_FILE = _switch("spans_file", "append every span to this file as a JSON line", services=SERVICES)
+DIE_WITH_PARENT = _switch("die_with_parent", "set by the launcher in a service's environment: the pid of the "
+                          "process it must not outlive (services/process.py)", services=SERVICES)
+
+# the benchmarks' own (bench/)
+ANCHOR = _switch("anchor", "bench.vs_vllm's folder of the anchor model (default: ~/.cache/pagoda-anchor)")
+
+SWITCHES = (CPU_KERNELS, FUSED_DECODE, TUNE_MALLOC, PACKED_BF16, PACKED_PREFILL_GEMM, CPU_ISA, CPU_PATHS,
+            PACKED_ACT_BITS, AUTO_DTYPE, CACHE_DIR, TRACE_SCHEDULER, TRACE_FILE, LOG_LEVEL, OTLP_ENDPOINT,
+            SPANS_FILE, DIE_WITH_PARENT, ANCHOR)
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(text: str) -> bool:
+    """The one reading of a yes/no setting (a switch, a bool flag's variable): 1/true/yes/on or
+    0/false/no/off, any case; ValueError otherwise."""
+    value = text.strip().lower()
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}, got {text!r}")
+
+
+def switches_of(service: str) -> tuple[Setting, ...]:
+    """The switches a service's processes read."""
+    return tuple(s for s in SWITCHES if service in s.services)
+
+
+def env_text(setting: Setting, environ: Mapping[str, str] | None = None) -> str | None:
+    """The setting's variable as this process has it (`environ`: instead of the process's),
+    None when unset: the one read of a PAGODA_* variable."""
+    return (os.environ if environ is None else environ).get(setting.variable)
+
+
+def env_value(setting: Setting, environ: Mapping[str, str] | None = None):
+    """A switch's value, read now: its default when its variable is unset or empty; a "bool"
+    read by `parse_bool` (ValueError naming the variable otherwise), a "str" as it is."""
+    if setting.kind not in ("bool", "str"):
+        raise ValueError(f"setting {setting.name}: a {setting.kind} setting is read from its flag")
+    raw = env_text(setting, environ)
+    if raw is None or not raw.strip():
+        return setting.default
+    if setting.kind == "str":
+        return raw
+    try:
+        return parse_bool(raw)
+    except ValueError as exc:
+        raise ValueError(f"{setting.variable}: {exc}") from None
+
+
+def cache_root() -> Path:
+    """Pagoda's cache folder: PAGODA_CACHE_DIR, else $XDG_CACHE_HOME/pagoda, else ~/.cache/pagoda."""
+    root = env_value(CACHE_DIR)
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "pagoda"

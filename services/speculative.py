@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from services import defaults
+
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # drafts per sequence per step, at most
 MAX_LOOKUP = 64  # the longest n-gram looked up
@@ -28,8 +30,8 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = defaults.PROMPT_LOOKUP_MAX
+    prompt_lookup_min: int = defaults.PROMPT_LOOKUP_MIN
     model: str | None = None  # draft_model: the draft checkpoint (folder or GGUF file)
     # vLLM's: no drafts while more requests than this run (a large batch is compute-bound:
     # each draft then costs about what the token it may save does); None: always draft
@@ -81,7 +83,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_speculative_tokens: required")
         lookup_max, lookup_min = raw.get("prompt_lookup_max"), raw.get("prompt_lookup_min")
         if lookup_max is None and lookup_min is None:
-            lookup_max, lookup_min = 4, 2
+            lookup_max, lookup_min = defaults.PROMPT_LOOKUP_MAX, defaults.PROMPT_LOOKUP_MIN
         elif lookup_max is None:
             lookup_max = lookup_min
         elif lookup_min is None:

@@ -30,6 +30,8 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from services.settings import OTLP_ENDPOINT, SPANS_FILE, env_value
+
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -65,9 +67,10 @@ class JsonLinesSpanExporter(SpanExporter):
 
 def setup_tracing(service: str, environ: dict[str, str] | None = None) -> TracerProvider | None:
     """Install a tracer provider for this process when tracing is configured; else None."""
-    env = os.environ if environ is None else environ
-    endpoint = env.get("PAGODA_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    spans_file = env.get("PAGODA_SPANS_FILE")
+    otel = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") if environ is None else environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT")
+    endpoint = env_value(OTLP_ENDPOINT, environ) or otel
+    spans_file = env_value(SPANS_FILE, environ)
     if not endpoint and not spans_file:
         return None
     provider = TracerProvider(resource=Resource.create({"service.name": f"pagoda-{service}"}))

@@ -134,18 +134,15 @@ def _cmd_kvcache(args: argparse.Namespace) -> int:
 
 
 def scheduler_config_from_args(args: argparse.Namespace, model: str):
-    import os
-
     from scheduler_svc.config import SchedulerConfig
+    from services.settings import TRACE_FILE, TRACE_SCHEDULER, env_value
 
     settings = {**config_values(service_settings("scheduler"), args), "model": model}
     if args.max_model_len is None:  # the flag unset: the checkpoint's
         from wiring.launcher import model_max_len
 
         settings["max_model_len"] = model_max_len(model)
-    trace_file = None
-    if os.environ.get("PAGODA_TRACE_SCHEDULER") == "1":
-        trace_file = os.environ.get("PAGODA_TRACE_FILE") or "pagoda-scheduler-trace.jsonl"
+    trace_file = env_value(TRACE_FILE) if env_value(TRACE_SCHEDULER) else None
     return SchedulerConfig(trace_file=trace_file, **settings)
 
 

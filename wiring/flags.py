@@ -9,28 +9,16 @@ and the launcher pass on). The value parsers are here, one per `Setting.kind`.
 from __future__ import annotations
 
 import argparse
+import shutil
+import textwrap
 from collections.abc import Iterable
 
-from services.settings import GROUPS, SERVICES, Bound, Setting, variable
+from services.settings import GROUPS, SERVICES, Bound, Setting, env_text, parse_bool, switches_of
 
 
 def names(raw: str) -> list[str]:
     """A list of names from one setting: separated by commas or whitespace."""
     return [n for n in raw.replace(",", " ").split() if n]
-
-
-def env_default(name: str, default=None, kind=str):
-    """Flag default from `PAGODA_<NAME>`, so a service can be configured by environment."""
-    import os
-
-    name = variable(name)
-    raw = os.environ.get(name)
-    if raw is None or (raw == "" and kind is not str):  # set empty (compose's ${X:-}): unset
-        return default
-    try:
-        return kind(raw)
-    except (ValueError, argparse.ArgumentTypeError) as exc:
-        raise SystemExit(f"error: {name}={raw!r}: {exc}") from None
 
 
 def _setting(text: str, convert, ok, expected: str):
@@ -89,18 +77,15 @@ def check_tensor_parallel(model_dir: str, size: int) -> None:
     config.shard(size)
 
 
-def parse_bool(text: str) -> bool:
-    return text.strip().lower() in ("1", "true", "yes", "on")
-
-
 def _bool_or_auto(text: str) -> bool | None:
     """`PAGODA_ASYNC_SCHEDULING`: "" or "auto" -> None (decided by the stage count)."""
     value = text.strip().lower()
     if value in ("", "auto"):
         return None
-    if value in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+    try:
         return parse_bool(value)
-    raise SystemExit(f"error: expected true, false or auto, got {text!r}")
+    except ValueError:
+        raise SystemExit(f"error: expected true, false or auto, got {text!r}") from None
 
 
 def _tenant_weights(text: str) -> dict[str, float]:
@@ -173,10 +158,17 @@ def parser_of(setting: Setting):
 
 
 def flag_default(setting: Setting):
-    """The flag's default: its variable's value when set, else the declared default."""
+    """The flag's default: its variable's value when set, else the declared default (set empty,
+    as compose's ${X:-}: unset, but for a plain string)."""
     if not setting.env:
         return setting.default
-    return env_default(setting.name, setting.default, parser_of(setting))
+    raw, parse = env_text(setting), parser_of(setting)
+    if raw is None or (raw == "" and parse is not str):
+        return setting.default
+    try:
+        return parse(raw)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise SystemExit(f"error: {setting.variable}={raw!r}: {exc}") from None
 
 
 def _shown(value) -> str | None:
@@ -217,6 +209,23 @@ def add_settings(p: argparse.ArgumentParser, settings: Iterable[Bound], *, optio
                 for key, (title, description) in GROUPS.items() if key in used}
     for bound in flags:
         _add_flag(sections.get(bound.setting.group, p), bound, optional)
+    add_environment_help(p, [b.setting for b in settings])
+
+
+def add_environment_help(p: argparse.ArgumentParser, settings: Iterable[Setting]) -> None:
+    """The settings read from their variable only (a switch, a secret), listed after the flags."""
+    only = [s for s in settings if s.env and not s.command_line]
+    if not only:
+        return
+    width = min(shutil.get_terminal_size().columns, 100) - 2
+    lines = ["environment (no flag: each process reads the variable it inherits):"]
+    for s in only:
+        shown = ("1" if s.default else None) if isinstance(s.default, bool) else _shown(s.default)
+        default = f" (default: {shown})" if shown is not None and "default" not in s.help else ""
+        lines += textwrap.wrap(f"{s.variable}: {s.help}{default}", width, initial_indent="  ",
+                               subsequent_indent="      ", break_on_hyphens=False)
+    p.epilog = "\n".join(lines)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 def _add_flag(p: argparse._ActionsContainer, bound: Bound, optional: bool) -> None:
@@ -278,4 +287,4 @@ def service_settings(service: str) -> tuple[Bound, ...]:
         from gateway.config import SETTINGS
     else:
         raise ValueError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
-    return SETTINGS
+    return (*SETTINGS, *(Bound(s, s.name, None) for s in switches_of(service)))

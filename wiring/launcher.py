@@ -334,10 +334,10 @@ def pool_from_stages(infos: Sequence, block_size: int, max_model_len: int, setti
 def stage_load_infos(workers: Sequence[ServiceProcess], env: dict[str, str]) -> list:
     import grpc
 
-    from services.grpc_utils import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER
+    from services.grpc_utils import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER, internal_token
     from services.pb import worker_pb2, worker_pb2_grpc
 
-    token = env.get(INTERNAL_TOKEN_ENV) or os.environ.get(INTERNAL_TOKEN_ENV)
+    token = env.get(INTERNAL_TOKEN_ENV) or internal_token()
     metadata = ((INTERNAL_TOKEN_HEADER, token),) if token else None
     infos = []
     for w in workers:

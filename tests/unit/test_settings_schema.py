@@ -364,7 +364,9 @@ def test_the_kv_pool_flag_block_size_and_max_model_len_are_declared_once():
     for config in CONFIGS.values():
         for f in config.__dataclass_fields__.values():
             same = [s for s in shared_settings() if s.name == f.name]
-            if same and f.name != "port":  # (the gateway's port: its own)
+            # (the gateway's port: its own; the scheduler's trace file: PAGODA_TRACE_FILE's value
+            # when PAGODA_TRACE_SCHEDULER is on, wiring/cli.py, else None)
+            if same and f.name not in ("port", "trace_file"):
                 assert f.metadata.get("setting") is same[0], f"{config.__name__}.{f.name}"
     assert KVCacheConfig.__dataclass_fields__["num_blocks"].metadata["setting"] is shared.NUM_KV_BLOCKS
     from services import defaults
@@ -372,3 +374,168 @@ def test_the_kv_pool_flag_block_size_and_max_model_len_are_declared_once():
     assert (shared.BLOCK_SIZE.default, shared.MAX_NUM_BATCHED_TOKENS.default) == (
         defaults.BLOCK_SIZE, defaults.MAX_NUM_BATCHED_TOKENS)
     assert set(PARSERS) == set(shared.KINDS)
+
+
+# --- read once: the environment -------------------------------------------------------------
+# A PAGODA_* variable is read in one place, services/settings.py (`env_text`, `env_value`): a
+# flag's default or a switch. Anywhere else the code may copy the environment for a child
+# process, set a variable (for a library, a child) and read only these, which are not Pagoda's:
+
+PROCESS_VARIABLES = {
+    "CC": "the C compiler the native kernels are built with, as make takes it",
+    "XDG_CACHE_HOME": "where the cache root lies when PAGODA_CACHE_DIR is unset (the XDG base directories)",
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "OpenTelemetry's own variable: the span exporter's endpoint when "
+                                   "PAGODA_OTLP_ENDPOINT is unset",
+    "ONEDNN_MAX_CPU_ISA": "oneDNN's ISA cap: read to know which units its products will use",
+    "ATEN_CPU_CAPABILITY": "torch's ISA cap, read for the same reason",
+    "OUT": "the device machine's output folder (scripts/gpu_check.py)",
+}
+# set, never read: for libraries (tokenizers' fork warning, the hub's progress bars, gloo's
+# interface, OpenMP's threads) and for child processes (the stack's secret)
+SET_FOR_OTHERS = {"TOKENIZERS_PARALLELISM", "HF_HUB_DISABLE_PROGRESS_BARS", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS",
+                  "INTERNAL_TOKEN_ENV"}
+SCANNED = (*PRODUCT, "bench", "scripts")
+SCHEMA_MODULE = "services/settings.py"  # the one reader
+
+
+def _name(node) -> str | None:
+    """A variable's name as the code writes it: a string, or the constant that holds it."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return getattr(node, "id", None)
+
+
+def environment_uses(source: str) -> list[str]:
+    """Each use of the process environment in `source` that is not allowed outside the schema,
+    as "line: what": a read of a variable not in PROCESS_VARIABLES, a variable set that is not
+    in SET_FOR_OTHERS, `os.environ` handed on (to be read elsewhere)."""
+    import ast
+
+    tree = ast.parse(source)
+    parent = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os":
+            out += [f"{node.lineno}: imports os.{a.name}" for a in node.names if a.name in ("environ", "getenv")]
+        if not (isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "os"
+                and node.attr in ("environ", "getenv")):
+            continue
+        up = parent.get(node)
+        if node.attr == "getenv":
+            name = _name(up.args[0]) if isinstance(up, ast.Call) and up.args else None
+            if name not in PROCESS_VARIABLES:
+                out.append(f"{node.lineno}: reads {name}")
+        elif isinstance(up, ast.Attribute) and up.attr in ("get", "setdefault", "pop"):
+            call = parent.get(up)
+            name = _name(call.args[0]) if isinstance(call, ast.Call) and call.args else None
+            written = up.attr != "get" and isinstance(parent.get(call), ast.Expr)  # (its value unused)
+            if not (name in SET_FOR_OTHERS if written else name in PROCESS_VARIABLES):
+                out.append(f"{node.lineno}: {'sets' if written else 'reads'} {name}")
+        elif isinstance(up, ast.Subscript):
+            name = _name(up.slice)
+            if not (name in SET_FOR_OTHERS if isinstance(up.ctx, ast.Store | ast.Del) else name in PROCESS_VARIABLES):
+                out.append(f"{node.lineno}: reads {name}")
+        elif isinstance(up, ast.Compare):
+            out.append(f"{node.lineno}: reads {_name(up.left)}")
+        elif not (isinstance(up, ast.Dict) and None in up.keys  # {**os.environ, ...}: a child's
+                  or isinstance(up, ast.Call) and getattr(up.func, "id", None) == "dict"):  # dict(os.environ)
+            out.append(f"{node.lineno}: hands os.environ on")
+    return sorted(out, key=lambda use: int(use.split(":")[0]))
+
+
+def test_the_environment_check_finds_each_read_outside_the_schema():
+    source = "\n".join([
+        "import os",
+        "a = os.environ.get('PAGODA_FUSED_DECODE', '1')",  # 2: a switch read where it is used
+        "b = os.environ['PAGODA_CACHE_DIR']",  # 3
+        "c = os.getenv('PAGODA_TRACE_FILE')",  # 4
+        "d = 'PAGODA_X' in os.environ",  # 5
+        "e = os.environ if a else {}",  # 6: handed on, read elsewhere
+        "f = os.environ.get(SOME_ENV)",  # 7: through a name
+        "os.environ['PAGODA_X'] = '1'",  # 8: set: read by this process later
+        "g = os.environ.setdefault('PAGODA_Y', '1')",  # 9: set and read
+        "from os import environ",  # 10
+        "h = os.environ.get('CC') or os.environ.get('XDG_CACHE_HOME')",  # allowed: not Pagoda's
+        "i = {**os.environ, 'OMP_NUM_THREADS': '1'}",  # a child's environment
+        "j = dict(os.environ)",
+        "os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')",  # set for a library
+        "os.environ.setdefault(INTERNAL_TOKEN_ENV, 'x')",  # set for the children
+    ])
+    assert environment_uses(source) == [
+        "2: reads PAGODA_FUSED_DECODE", "3: reads PAGODA_CACHE_DIR", "4: reads PAGODA_TRACE_FILE",
+        "5: reads PAGODA_X", "6: hands os.environ on", "7: reads SOME_ENV", "8: reads PAGODA_X",
+        "9: reads PAGODA_Y", "10: imports os.environ"]
+
+
+def test_no_environment_read_outside_the_schema():
+    """Every PAGODA_* variable is read through services/settings.py, so its schema lists each
+    one (its default, its kind, its owner, the subcommands whose `--help` shows it)."""
+    found = []
+    for package in SCANNED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            relative = path.relative_to(ROOT).as_posix()
+            if relative != SCHEMA_MODULE and "services/pb" not in relative:
+                found += [f"{relative}:{use}" for use in environment_uses(path.read_text())]
+    assert found == []
+
+
+def _declared_variables() -> set[str]:
+    out = {s.variable for s in shared_settings()}
+    for command in COMMANDS:
+        out |= {b.setting.variable for b in schema(command) if b.setting.env or not b.setting.command_line}
+    return out
+
+
+def test_every_pagoda_variable_the_code_names_is_a_declared_setting():
+    """A PAGODA_* name in the code (a message, a docstring, a child's environment) is one the
+    schema declares: no switch lives outside it, none is documented that is not there."""
+    declared, named = _declared_variables(), set()
+    for package in SCANNED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for text in _string_tokens(path):
+                named |= {f"{path.relative_to(ROOT)}: {v}" for v in re.findall(r"\bPAGODA_[A-Z0-9_]+", text)
+                          if v not in declared}
+    assert sorted(named) == []
+
+
+def test_each_switch_is_read_through_the_schema_and_listed_in_help(monkeypatch, capsys):
+    assert [s.variable for s in shared.SWITCHES if s.command_line or not s.env] == []
+    for s in shared.SWITCHES:
+        monkeypatch.delenv(s.variable, raising=False)
+        assert shared.env_value(s) == s.default, s.name
+    monkeypatch.setenv("PAGODA_FUSED_DECODE", " Off ")
+    assert shared.env_value(shared.FUSED_DECODE) is False
+    monkeypatch.setenv("PAGODA_FUSED_DECODE", "")  # set empty: the default
+    assert shared.env_value(shared.FUSED_DECODE) is True
+    monkeypatch.setenv("PAGODA_FUSED_DECODE", "maybe")
+    with pytest.raises(ValueError, match="PAGODA_FUSED_DECODE"):
+        shared.env_value(shared.FUSED_DECODE)
+    monkeypatch.setenv("PAGODA_TRACE_SCHEDULER", "1")
+    assert shared.env_value(shared.TRACE_SCHEDULER) is True
+    assert shared.env_value(shared.TRACE_FILE, {"PAGODA_TRACE_FILE": "t.jsonl"}) == "t.jsonl"
+    with pytest.raises(ValueError, match="read from its flag"):
+        shared.env_value(shared.MAX_NUM_SEQS)
+    # each subcommand's help lists the switches its processes read; serve's, every service's
+    for command in COMMANDS:
+        text = subparser(command).format_help()
+        services = SERVICES if command == "serve" else (command,)
+        for s in shared.SWITCHES:
+            assert (s.variable in text) == bool(set(s.services) & set(services)), (command, s.variable)
+
+
+def test_one_boolean_parser():
+    from wiring import flags
+
+    assert flags.PARSERS["bool"] is flags.PARSERS["switch"] is shared.parse_bool
+    assert [shared.parse_bool(v) for v in ("1", "TRUE", " yes", "on", "0", "False", "no", "off ")] == [
+        True] * 4 + [False] * 4
+    with pytest.raises(ValueError):
+        shared.parse_bool("2")
+    copies = []
+    for package in SCANNED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            copies += [f"{path.relative_to(ROOT)}" for _ in re.finditer(r"[\"']no[\"'],\s*[\"']off[\"']",
+                                                                        path.read_text())]
+    assert copies == ["services/settings.py"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from services.settings import AUTO_DTYPE, PACKED_BF16, env_value
 from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint, GGUFTensor, gguf_source
 from worker_svc.errors import CheckpointError
 from worker_svc.kernels.cpu_features import cpu_features
@@ -60,7 +60,7 @@ def partition_layers(
     return ranges
 
 
-AUTO_DTYPE_ENV = "PAGODA_AUTO_DTYPE"
+AUTO_DTYPE_ENV = AUTO_DTYPE.variable
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: str | torch.device = "cpu") -> torch.dtype:
@@ -70,7 +70,7 @@ def resolve_dtype(name: str, config: ModelConfig, device: str | torch.device = "
     `PAGODA_AUTO_DTYPE=float32` (the tests set it) keeps float32 checkpoints float32."""
     if name == "auto":
         name = config.torch_dtype if config.torch_dtype in DTYPE_NAMES else "float32"
-        keep = os.environ.get(AUTO_DTYPE_ENV, "").strip().lower() == "float32"
+        keep = (env_value(AUTO_DTYPE) or "").strip().lower() == "float32"
         if name == "float32" and not keep and torch.device(device).type == "cpu" and cpu_has_bf16():
             name = "bfloat16"
     if name not in TORCH_DTYPES:
@@ -599,7 +599,7 @@ def _pack_cpu_bfloat16(model: StageModel, dtype: torch.dtype, device, quantizati
     the large prefill products. `PAGODA_PACKED_BF16=0` keeps torch's bfloat16 modules (bfloat16
     activations, as GPUs run it)."""
     if (dtype != torch.bfloat16 or quantization not in (None, "int8") or torch.device(device).type != "cpu"
-            or os.environ.get("PAGODA_PACKED_BF16", "1").strip().lower() in ("0", "false", "no", "off")):
+            or not env_value(PACKED_BF16)):
         return
     pack_bfloat16(model)
     if not model.weight_format:

@@ -22,7 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker_svc.kernels.cpu_features import PATHS_ENV, CpuFeatures, CpuPaths, cpu_features
+from services.settings import CPU_PATHS, env_value
+from worker_svc.kernels.cpu_features import CpuFeatures, CpuPaths, cpu_features
 from worker_svc.kernels.cpu_kernels import cache_dir
 from worker_svc.kernels.quant_kernels import quant_kernels
 
@@ -96,10 +97,10 @@ def cpu_paths() -> CpuPaths:
     """This process's paths (chosen once; the packed prefill calibrated once per CPU model
     and cached)."""
     features = cpu_features()
-    calibrated = None
-    if not features.bf16_units and "packed_prefill" not in os.environ.get(PATHS_ENV, ""):
+    calibrated, forced = None, env_value(CPU_PATHS)
+    if not features.bf16_units and "packed_prefill" not in (forced or ""):
         calibrated = packed_prefill_path(features)
-    paths = CpuPaths.choose(features, calibrated, os.environ.get(PATHS_ENV))
+    paths = CpuPaths.choose(features, calibrated, forced)
     log.info("CPU: %s; paths: %s", features.describe(), paths.describe())
     return paths
 

@@ -35,9 +35,11 @@ import logging
 import os
 from dataclasses import dataclass, replace
 
+from services.settings import CPU_ISA, CPU_PATHS, env_value
+
 log = logging.getLogger(__name__)
 
-PATHS_ENV = "PAGODA_CPU_PATHS"
+PATHS_ENV = CPU_PATHS.variable
 # levels, narrowest first; a feature belongs to the first level that has it
 LEVELS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 _LEVEL_FLAGS = {
@@ -58,7 +60,7 @@ _ONEDNN_CAPS = {
 _ATEN_CAPS = {"default": "scalar", "avx2": "avx2", "avx512": "amx"}  # avx512: no cap on oneDNN's units
 _PAGODA_CAPS = {"scalar": "scalar", "avx2": "avx2", "avx512": "amx"}
 _CAP_ENVS = (("ONEDNN_MAX_CPU_ISA", _ONEDNN_CAPS), ("ATEN_CPU_CAPABILITY", _ATEN_CAPS),
-             ("PAGODA_CPU_ISA", _PAGODA_CAPS))
+             (CPU_ISA.variable, _PAGODA_CAPS))
 PACKED_PREFILL = ("bf16-gemm", "f32-gemm", "integer")
 BF16_PREFILL = ("bf16-gemm", "f32-gemm", "native")
 
@@ -87,7 +89,7 @@ class CpuFeatures:
                 break  # the first processor's block is enough
         flags = frozenset(fields.get("flags", "").split())
         host = host_level(flags)
-        level, caps = _capped(host, os.environ if environ is None else environ)
+        level, caps = _capped(host, _process_caps() if environ is None else environ)
         return cls(fields.get("model name", "unknown CPU"), _int(fields.get("cpu family")),
                    _int(fields.get("model")), flags, level, caps)
 
@@ -141,6 +143,14 @@ def _capped(host: str, environ) -> tuple[str, tuple[str, ...]]:
             level = min(level, cap, key=LEVELS.index)
             caps.append(f"{var}={value}")
     return level, tuple(caps)
+
+
+def _process_caps() -> dict[str, str]:
+    """The caps this process was started with: oneDNN's and torch's own variables (read to know
+    which units their products will use) and Pagoda's setting."""
+    return {"ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+            "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+            CPU_ISA.variable: env_value(CPU_ISA) or ""}
 
 
 def _int(value: str | None) -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from services.settings import CPU_KERNELS, TUNE_MALLOC, cache_root, env_value
 from worker_svc.kernels.cpu_features import cpu_features, march
 
 log = logging.getLogger(__name__)
@@ -40,13 +41,11 @@ _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 def enabled() -> bool:
-    return os.environ.get("PAGODA_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_value(CPU_KERNELS)
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGODA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -205,7 +204,7 @@ def keep_freed_memory() -> bool:
     (trim threshold 1 GiB), a 64-sequence prefill of the anchor model runs 1.1-1.3x faster
     (docs/benchmarks.md). Once per process; `PAGODA_TUNE_MALLOC=0` leaves malloc alone.
     Returns whether the settings were applied (glibc only)."""
-    if os.environ.get("PAGODA_TUNE_MALLOC", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_value(TUNE_MALLOC):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -88,7 +88,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 import threading
 from collections.abc import Callable
@@ -97,6 +96,7 @@ from pathlib import Path
 
 import torch
 
+from services.settings import CPU_ISA, PACKED_ACT_BITS, env_value
 from worker_svc.kernels import cpu_kernels, kquants
 from worker_svc.kernels.cpu_features import cpu_features
 from worker_svc.kernels.kquants import KQUANT_TYPES
@@ -121,10 +121,10 @@ SUPER_BLOCK_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # rows of K % 256 
 KERNEL_TYPES = (*BLOCK_TYPES, "Q5_0", "Q5_1", "MXFP4", *SUPER_BLOCK_TYPES)  # every type `matmul` takes
 MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # ggml's kvalues_mxfp4
 ISAS = ("avx512", "avx2", "scalar")  # best first
-ISA_ENV = "PAGODA_CPU_ISA"
+ISA_ENV = CPU_ISA.variable
 ACT_BITS = (8, 16)  # activation precisions of the quantized products
-ACT_BITS_ENV = "PAGODA_PACKED_ACT_BITS"
-DEFAULT_ACT_BITS = 16
+ACT_BITS_ENV = PACKED_ACT_BITS.variable
+DEFAULT_ACT_BITS = int(PACKED_ACT_BITS.default)
 _ISA_IDS = {"scalar": 0, "avx2": 1, "avx512": 2}
 _ISA_AVX512_BF16 = 3
 _ISA_LEVELS = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512_vnni"}  # cpu_features' level each needs
@@ -280,7 +280,7 @@ class QuantKernels:
         if bf16_dot and not self.has_bf16_dot:
             raise ValueError("bf16_dot needs AVX-512 BF16, which this CPU lacks")
         self.bf16_dot = bf16_dot
-        self.act_bits = (select_act_bits(os.environ.get(ACT_BITS_ENV)) if act_bits is None
+        self.act_bits = (select_act_bits(env_value(PACKED_ACT_BITS)) if act_bits is None
                          else _valid_act_bits(act_bits))
         quantize_args = [_INT, _PTR, _I64, _I64, _I64, _I64] + [_PTR] * 4
         self._quantize = {8: self._bind(lib.pagoda_q8_quantize, quantize_args),
@@ -550,7 +550,7 @@ def quant_kernels() -> QuantKernels | None:
         return None
     # the paths an ISA cap leaves (an AVX2-only CPU emulated on a wider one: cpu_features)
     allowed = tuple(name for name in kernels.available if cpu_features().has(_ISA_LEVELS[name])) or ("scalar",)
-    isa = select_isa(os.environ.get(ISA_ENV), allowed)
+    isa = select_isa(env_value(CPU_ISA), allowed)
     if isa != kernels.isa:
         kernels = QuantKernels(path, isa)
     log.info("native quantized matmul kernels (%s of %s, int%d activations): %s", kernels.isa, kernels.available,

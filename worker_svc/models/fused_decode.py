@@ -26,10 +26,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 
+from services.settings import FUSED_DECODE, env_value
 from worker_svc.kernels.attention import AttentionMetadata
 from worker_svc.kernels.quant_kernels import GGML_TYPES, KERNEL_TYPES
 from worker_svc.weights.packed import BF16_GEMM_MIN_ROWS, PackedLinear, PackedParts
@@ -83,7 +83,7 @@ class _Shape(ctypes.Structure):
 
 
 def enabled() -> bool:
-    return os.environ.get("PAGODA_FUSED_DECODE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_value(FUSED_DECODE)
 
 
 @functools.cache

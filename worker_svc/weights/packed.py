@@ -30,12 +30,11 @@ their packed size; activations and outputs are float32.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.settings import PACKED_PREFILL_GEMM, env_value
 from worker_svc.kernels.calibrate import cpu_paths
 from worker_svc.kernels.quant_kernels import (
     KERNEL_TYPES,
@@ -61,11 +60,11 @@ PACKED_GEMM_MIN_ROWS = 128
 # (one pass) for the float32 GEMM; below it the native widening kernel is faster (AVX2-capped
 # EPYC, 576 x 1,536: 32 rows 0.77 ms against 0.84, 16 rows 0.46 against 0.43)
 F32_GEMM_MIN_ROWS = 32
-PACKED_GEMM_ENV = "PAGODA_PACKED_PREFILL_GEMM"  # "0": prefills too on the integer kernels
+PACKED_GEMM_ENV = PACKED_PREFILL_GEMM.variable  # "0": prefills too on the integer kernels
 
 
 def _prefill_gemm() -> bool:
-    return os.environ.get(PACKED_GEMM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_value(PACKED_PREFILL_GEMM)
 
 
 class PackedLinear(nn.Module):
