@@ -66,6 +66,7 @@ from scheduler_svc.core.request import (
 )
 from scheduler_svc.core.speculation import Drafts, SpecStats
 from scheduler_svc.core.stage_view import StageView, scores_prompt, skips_prefix_cache
+from services import defaults
 from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS
 from services.pooling import Embedding
 from services.step import CachedSeq, NewSeq, PooledOutput, SampledToken, ScoredPrompt, StepPlan
@@ -74,7 +75,7 @@ from services.step import CachedSeq, NewSeq, PooledOutput, SampledToken, ScoredP
 @dataclass(frozen=True)
 class PlannerConfig:
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = 256
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     enable_chunked_prefill: bool = True
     max_in_flight: int = 1
     pipeline_parallel_size: int = 1
@@ -89,8 +90,8 @@ class PlannerConfig:
     # speculative decoding (scheduler_svc/core/speculation.py): up to this many n-gram drafts
     # per decoding sequence per step, verified in one step of drafts + 1 positions
     num_speculative_tokens: int = 0
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = defaults.PROMPT_LOOKUP_MIN
+    prompt_lookup_max: int = defaults.PROMPT_LOOKUP_MAX
     # "ngram": the planner looks drafts up; "draft_model": the last stage proposes them
     speculative_method: str = "ngram"
     # no drafts while more requests than this run (None: always)
@@ -250,8 +251,9 @@ class Planner:
     def has_schedulable(self) -> bool:
         if len(self.queue):
             return True
+        may_speculate, flight = self._may_speculate(), self._flight
         return any(
-            not s.is_finished and (not self._flight.is_busy(s.seq_id) or self._speculable(s))
+            not s.is_finished and (not flight.is_busy(s.seq_id) or (may_speculate and self._speculable_now(s)))
             for r in self.running
             for s in r.sequences
         ) or any(len(r.sequences) < r.options.n and not self._fork_blocked(r) for r in self.running)
@@ -370,7 +372,9 @@ class Planner:
         a whole trip down the pipeline for the step just sent (seen on the emulated A100 at
         PP=2: one micro-batch computing at a time)."""
         block_size = self.config.block_size
-        candidates = [seq for request in self.running for seq in request.sequences if self._speculable(seq)]
+        if draft.is_full or not self._may_speculate():
+            return  # (checked first: with several stages the draft is often full by now)
+        candidates = [seq for request in self.running for seq in request.sequences if self._speculable_now(seq)]
         if self.config.pipeline_parallel_size > 1 and len(self._flight.micro_batches) > 1:
             step_of = {r.seq_id: mb_id for mb_id, mb in self._flight.micro_batches.items() for r in mb.seqs}
             candidates.sort(key=lambda seq: step_of[seq.seq_id])  # stable: rank order within a step
@@ -427,6 +431,8 @@ class Planner:
     def _propose_admissions(self, draft: ProposalDraft) -> None:
         """Waiting requests, in the queue's order, while the budgets allow; the first that does
         not fit stops the rest (no overtaking)."""
+        if not len(self.queue):
+            return
         num_reserved = sum(_reserved(r) for r in self.running)
         for request in self.queue.ordered(limit=64):
             if draft.is_full:
@@ -852,18 +858,23 @@ class Planner:
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _speculable(self, seq: Sequence) -> bool:
-        """Whether a step may compute this sequence's next token before it is known: its one
-        step in flight samples that token, the token fits the blocks it has or starts the next
-        one (which the KV service then holds ahead for it), and that step cannot be its last
-        by length (a stop token is not foreseen: then one step is wasted and its token never
-        emitted)."""
-        if not self.config.async_decode or seq.is_finished or not seq.has_kv:
+    def _may_speculate(self) -> bool:
+        """Whether any sequence may have a placeholder step now: the part of
+        `_speculable_now`'s question that is the same for every sequence, asked once a pass."""
+        if not self.config.async_decode:
             return False
-        if self.config.pipeline_parallel_size > 1 and not self.feedback:
-            return False  # the first stage would need the token in the plan
+        # with several stages the first would otherwise need the token in the plan
+        return self.config.pipeline_parallel_size == 1 or self.feedback
+
+    def _speculable_now(self, seq: Sequence) -> bool:
+        """Once `_may_speculate` holds: whether a step may compute this sequence's next token
+        before it is known: its one step in flight samples that token, the token fits the
+        blocks it has or starts the next one (which the KV service then holds ahead for it),
+        and that step cannot be its last by length (a stop token is not foreseen: then one
+        step is wasted and its token never emitted). The step in flight is looked up first:
+        most sequences in flight have none or two (the placeholder step planned already)."""
         record = self._flight.sole_record(seq.seq_id)
-        if record is None or not record.sample:
+        if record is None or not record.sample or seq.is_finished or not seq.has_kv:
             return False
         pos = record.context_len
         request = seq.request
