@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.clients import HttpClient, InProcessClient, SchedulerClient
 from bench.stats import ServiceSnapshot
-from services.defaults import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS
+from services.defaults import BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class EngineSettings:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = 256
+    max_num_seqs: int = MAX_NUM_SEQS
     num_kv_blocks: int = 2048
     block_size: int = BLOCK_SIZE
     total_threads: int = 2

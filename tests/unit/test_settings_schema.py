@@ -539,3 +539,14 @@ def test_one_boolean_parser():
             copies += [f"{path.relative_to(ROOT)}" for _ in re.finditer(r"[\"']no[\"'],\s*[\"']off[\"']",
                                                                         path.read_text())]
     assert copies == ["services/settings.py"]
+
+
+def test_the_planners_defaults_are_the_settings_not_copies():
+    from scheduler_svc.core.planner import PlannerConfig
+    from services import defaults
+    from services.speculative import SpeculativeConfig
+
+    planner, ngram = PlannerConfig(), SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert planner.max_num_seqs == shared.MAX_NUM_SEQS.default == defaults.MAX_NUM_SEQS
+    assert (planner.prompt_lookup_min, planner.prompt_lookup_max) == (ngram.prompt_lookup_min, ngram.prompt_lookup_max) \
+        == (defaults.PROMPT_LOOKUP_MIN, defaults.PROMPT_LOOKUP_MAX)
