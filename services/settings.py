@@ -364,9 +364,10 @@ TRACE_FILE = _switch("trace_file", "the file PAGODA_TRACE_SCHEDULER writes", def
 
 # every process's logs and spans (services/logs.py, services/telemetry.py)
 LOG_LEVEL = _switch("log_level", "DEBUG, INFO, WARNING or ERROR", default="INFO", services=SERVICES)
+_TRACED = ("worker", "scheduler", "gateway")  # (the KV service makes no spans)
 OTLP_ENDPOINT = _switch("otlp_endpoint", "export spans to this OTLP gRPC endpoint (default: "
-                        "OTEL_EXPORTER_OTLP_ENDPOINT; neither: no tracing)", services=SERVICES)
-SPANS_FILE = _switch("spans_file", "append every span to this file as a JSON line", services=SERVICES)
+                        "OTEL_EXPORTER_OTLP_ENDPOINT; neither: no tracing)", services=_TRACED)
+SPANS_FILE = _switch("spans_file", "append every span to this file as a JSON line", services=_TRACED)
 DIE_WITH_PARENT = _switch("die_with_parent", "set by the launcher in a service's environment: the pid of the "
                           "process it must not outlive (services/process.py)", services=SERVICES)
 
