@@ -43,11 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvcache_svc.client import (  # noqa: E402
-    GrpcKVCacheClient,
-    InProcessKVCacheClient,
-    KVCacheClient,
-)
+from kvcache_svc.client import InProcessKVCacheClient  # noqa: E402
 from kvcache_svc.core import (  # noqa: E402
     Allocated,
     Append,
@@ -57,6 +53,7 @@ from kvcache_svc.core import (  # noqa: E402
     StepInput,
 )
 from services.defaults import BLOCK_SIZE  # noqa: E402
+from services.kv_client import GrpcKVCacheClient, KVCacheClient  # noqa: E402
 from wiring.launcher import ServiceProcess, free_port, pagoda_command  # noqa: E402
 
 MAX_LEN = 4096

@@ -32,7 +32,7 @@ def pages_held(tokens: int, block_size: int, windows: tuple[int, ...]) -> int:
     """Pages the KV service's manager holds for one sequence of `tokens` tokens (prefilled in
     chunks, then decoded) under the KV groups `windows`."""
     from kvcache_svc.core.manager import KVCacheManager
-    from kvcache_svc.core.types import Append, NewSequence, StepInput
+    from services.kv_types import Append, NewSequence, StepInput
 
     prompt, chunk = list(range(tokens - 16)), 2048
     manager = KVCacheManager(num_blocks=len(windows) * (tokens // block_size + 8), block_size=block_size,

@@ -29,15 +29,6 @@ import grpc
 from grpc_health.v1 import health
 
 from kvcache_svc.config import KVCacheConfig
-from kvcache_svc.convert import (
-    SEQ_ID_METADATA_KEY,
-    capacity_to_pb,
-    forks_from_pb,
-    stats_to_pb,
-    status_code_of,
-    step_input_from_pb,
-    step_output_to_pb,
-)
 from kvcache_svc.core import (
     InvalidStepError,
     KVCacheError,
@@ -47,6 +38,15 @@ from kvcache_svc.core import (
 )
 from kvcache_svc.events import Event, EventLog, Gone, Removed, Stored, chains
 from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
+from services.kv_codec import (
+    SEQ_ID_METADATA_KEY,
+    capacity_to_pb,
+    forks_from_pb,
+    stats_to_pb,
+    status_code_of,
+    step_input_from_pb,
+    step_output_to_pb,
+)
 from services.pb import kvcache_pb2, kvcache_pb2_grpc
 from services.prefix_hash import ROOT_KEY
 

@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvcache_svc.core.types import StepOutput
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.deadlines import StepDeadlines
 from scheduler_svc.core.lora import LoraRegistry
@@ -37,6 +36,7 @@ from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.observer import EngineObserver, Outcome
 from services.admission import Limits, admit, admit_pooling
 from services.kv_layout import entries_that_fit, parse_spec
+from services.kv_types import StepOutput
 from services.pooling import Embedding
 from services.step import StepPlan, StepResult
 

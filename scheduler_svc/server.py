@@ -25,6 +25,7 @@ from scheduler_svc.engine import Engine, RequestOutput, admission_limits
 from services import grammar
 from services.admission import AdmissionError, admit, admit_pooling
 from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
+from services.kv_client import KVCacheClient
 from services.kv_layout import parse_spec
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.pooling import PoolingType, embedding_to_pb
@@ -384,6 +385,7 @@ async def serve(
     host: str,
     port: int,
     kv_address: str,
+    kv: KVCacheClient,
     stage_addresses: list[str],
     ready_file: str | None = None,
     startup_timeout_s: float = 120.0,
@@ -395,7 +397,6 @@ async def serve(
 
     telemetry.setup_tracing("scheduler")
     eos = Tokenizer(config.model).eos_token_ids if config.model else ()
-    kv = _kv_client(config, kv_address)
     transport = GrpcStageTransport(stage_addresses)
     engine = Engine(config, kv, transport, eos_token_ids=tuple(eos))
     service = SchedulerService(engine, kv_address)
@@ -424,22 +425,6 @@ async def serve(
     await server.stop(grace=5.0)
     await engine.stop()
     await kv.close()
-
-
-def _kv_client(config: SchedulerConfig, kv_address: str):
-    """The KV service's client: the embedded KV manager for "in-process" (one process less),
-    else a gRPC client of the service at `kv_address`."""
-    if kv_address == "in-process":
-        from kvcache_svc.client import InProcessKVCacheClient
-        from kvcache_svc.core import KVCacheManager
-
-        return InProcessKVCacheClient(KVCacheManager(
-            config.num_kv_blocks or 1024, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-            group_windows=parse_spec(config.kv_groups),
-        ))
-    from kvcache_svc.client import GrpcKVCacheClient
-
-    return GrpcKVCacheClient(kv_address)
 
 
 async def _start_pipeline(engine: Engine, kv, config: SchedulerConfig, startup_timeout_s: float) -> None:

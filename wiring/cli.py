@@ -168,9 +168,30 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
         else:
             args.parser.error(f"--stages lists {len(stages)} stages, --pipeline-parallel-size is "
                               f"{config.pipeline_parallel_size}")
-    asyncio.run(serve(config, args.host, args.port, args.kvcache, stages, ready_file=args.ready_file,
-                      metrics_port=args.metrics_port))
+    async def run() -> None:  # (a gRPC client is made inside the event loop that uses it)
+        await serve(config, args.host, args.port, args.kvcache, kv_client(config, args.kvcache), stages,
+                    ready_file=args.ready_file, metrics_port=args.metrics_port)
+
+    asyncio.run(run())
     return 0
+
+
+def kv_client(config, kv_address: str):
+    """The scheduler's KV client: the KV manager embedded in its process for "in-process"
+    (one process less), else a gRPC client of the KV service at `kv_address`."""
+    if kv_address == "in-process":
+        from kvcache_svc.client import InProcessKVCacheClient
+        from kvcache_svc.core import KVCacheManager
+        from services.defaults import NUM_KV_BLOCKS
+        from services.kv_layout import parse_spec
+
+        return InProcessKVCacheClient(KVCacheManager(
+            config.num_kv_blocks or NUM_KV_BLOCKS, config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching, group_windows=parse_spec(config.kv_groups),
+        ))
+    from services.kv_client import GrpcKVCacheClient
+
+    return GrpcKVCacheClient(kv_address)
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:

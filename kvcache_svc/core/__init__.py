@@ -5,16 +5,16 @@
 """
 
 from kvcache_svc.core.block_pool import BlockPool
-from kvcache_svc.core.errors import (
+from kvcache_svc.core.manager import KVCacheManager
+from kvcache_svc.core.prefix_cache import ROOT_KEY, CachedBlock, PrefixCache, hash_block
+from services.kv_errors import (
     IntegrityError,
     InvalidStepError,
     KVCacheError,
     SequenceNotFound,
 )
-from kvcache_svc.core.manager import KVCacheManager
-from kvcache_svc.core.prefix_cache import ROOT_KEY, CachedBlock, PrefixCache, hash_block
-from kvcache_svc.core.stats import KVCacheStats, SequenceBlockStats
-from kvcache_svc.core.types import (
+from services.kv_stats import KVCacheStats, SequenceBlockStats
+from services.kv_types import (
     Allocated,
     Append,
     BlockCopy,

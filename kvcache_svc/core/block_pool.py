@@ -5,7 +5,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterable
 
-from kvcache_svc.core.errors import IntegrityError
+from services.kv_errors import IntegrityError
 
 # KVCacheStats.block_map's values (kvcache.proto)
 BLOCK_FREE, BLOCK_USED, BLOCK_SHARED, BLOCK_PARKED = 0, 1, 2, 3

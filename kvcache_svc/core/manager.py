@@ -6,7 +6,6 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 
 from kvcache_svc.core.block_pool import BlockPool
-from kvcache_svc.core.errors import IntegrityError, SequenceNotFound
 from kvcache_svc.core.prefix_cache import (
     ROOT_KEY,
     TOKEN_BYTES,
@@ -19,22 +18,6 @@ from kvcache_svc.core.prefix_cache import (
     unpack_token_ids,
 )
 from kvcache_svc.core.sequence import MicroBatchRecord, SequenceState
-from kvcache_svc.core.stats import (
-    KVCacheStats,
-    SequenceBlockStats,
-    count_extents,
-    external_fragmentation,
-    internal_fragmentation,
-    prefix_hit_rate,
-)
-from kvcache_svc.core.types import (
-    Allocated,
-    BlockCopy,
-    Fork,
-    NoBlocks,
-    StepInput,
-    StepOutput,
-)
 from kvcache_svc.core.validation import (
     MAX_LOOKAHEAD_SLOTS,
     ValidAppend,
@@ -42,7 +25,24 @@ from kvcache_svc.core.validation import (
     validate_step,
 )
 from services.defaults import BLOCK_SIZE
+from services.kv_errors import IntegrityError, SequenceNotFound
 from services.kv_layout import NULL_PAGE, first_needed_block
+from services.kv_stats import (
+    KVCacheStats,
+    SequenceBlockStats,
+    count_extents,
+    external_fragmentation,
+    internal_fragmentation,
+    prefix_hit_rate,
+)
+from services.kv_types import (
+    Allocated,
+    BlockCopy,
+    Fork,
+    NoBlocks,
+    StepInput,
+    StepOutput,
+)
 
 
 class _NumTokensView(Mapping[int, int]):

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
-from kvcache_svc.core.errors import IntegrityError
+from services.kv_errors import IntegrityError
 from services.prefix_hash import (  # noqa: F401 - the chain is shared with routers
     ROOT_KEY,
     TOKEN_BYTES,

@@ -8,8 +8,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvcache_svc.core.errors import InvalidStepError, SequenceNotFound
-from kvcache_svc.core.types import StepInput
+from services.kv_errors import InvalidStepError, SequenceNotFound
+from services.kv_types import StepInput
 
 MAX_ID = 2**64 - 1  # ids travel as uint64
 

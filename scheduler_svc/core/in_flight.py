@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvcache_svc.core.types import StepInput
 from scheduler_svc.core.request import Sequence
+from services.kv_types import StepInput
 from services.step import StepPlan
 
 

@@ -36,15 +36,6 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvcache_svc.core.types import (
-    Allocated,
-    Append,
-    Fork,
-    NewSequence,
-    NoBlocks,
-    StepInput,
-    StepOutput,
-)
 from scheduler_svc.core.in_flight import InFlight, MicroBatch, ScheduledSeq
 from scheduler_svc.core.lora import lora_namespace
 from scheduler_svc.core.proposal import (
@@ -68,6 +59,15 @@ from scheduler_svc.core.speculation import Drafts, SpecStats
 from scheduler_svc.core.stage_view import StageView, scores_prompt, skips_prefix_cache
 from services import defaults
 from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS
+from services.kv_types import (
+    Allocated,
+    Append,
+    Fork,
+    NewSequence,
+    NoBlocks,
+    StepInput,
+    StepOutput,
+)
 from services.pooling import Embedding
 from services.step import CachedSeq, NewSeq, PooledOutput, SampledToken, ScoredPrompt, StepPlan
 

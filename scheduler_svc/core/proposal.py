@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcache_svc.core.types import Append, Fork, NewSequence, StepInput
 from scheduler_svc.core.request import Request, Sequence
+from services.kv_types import Append, Fork, NewSequence, StepInput
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvcache_svc.client import GrpcKVCacheClient, InProcessKVCacheClient, KVCacheClient
+from kvcache_svc.client import InProcessKVCacheClient
 from kvcache_svc.config import KVCacheConfig
 from kvcache_svc.core import (
     Allocated,
@@ -35,6 +35,7 @@ from kvcache_svc.core import (
     slots,
 )
 from kvcache_svc.server import create_server
+from services.kv_client import GrpcKVCacheClient, KVCacheClient
 from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 BS = 4  # block size of every test: small, so block boundaries are easy to hit

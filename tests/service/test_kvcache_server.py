@@ -13,12 +13,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvcache_svc.client import GrpcKVCacheClient, KVServiceUnavailable
 from kvcache_svc.config import KVCacheConfig
-from kvcache_svc.convert import SEQ_ID_METADATA_KEY
 from kvcache_svc.core import Append, NewSequence, StepInput
 from kvcache_svc.server import SERVICE_NAME, KVCacheService, create_server
 from services.grpc_utils import aio_channel
+from services.kv_client import GrpcKVCacheClient, KVServiceUnavailable
+from services.kv_codec import SEQ_ID_METADATA_KEY
 from services.pb import kvcache_pb2, kvcache_pb2_grpc
 
 Body = Callable[[kvcache_pb2_grpc.KVCacheStub, KVCacheService, str], Coroutine[Any, Any, None]]
@@ -217,7 +217,7 @@ def test_the_grpc_client_turns_an_outage_into_unavailable_and_wants_a_reset():
 
 def test_the_server_module_does_not_import_torch():
     code = (
-        "import sys, kvcache_svc.server, kvcache_svc.client, kvcache_svc.convert; "
+        "import sys, kvcache_svc.server, kvcache_svc.client, services.kv_client, services.kv_codec; "
         "print('torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

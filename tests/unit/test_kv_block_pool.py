@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcache_svc.core.block_pool import BlockPool
-from kvcache_svc.core.stats import count_extents, external_fragmentation
+from services.kv_stats import count_extents, external_fragmentation
 
 
 def _pool_with_extents(num_blocks: int, free_runs: list[tuple[int, int]]) -> BlockPool:

@@ -1,4 +1,4 @@
-"""`kvcache_svc.convert`: steps, results and statistics survive the wire exactly."""
+"""`services.kv_codec`: steps, results and statistics survive the wire exactly."""
 
 from __future__ import annotations
 
@@ -6,15 +6,6 @@ import random
 
 import pytest
 
-from kvcache_svc.convert import (
-    BlockCopyMismatch,
-    stats_from_pb,
-    stats_to_pb,
-    step_input_from_pb,
-    step_input_to_pb,
-    step_output_from_pb,
-    step_output_to_pb,
-)
 from kvcache_svc.core import (
     Allocated,
     Append,
@@ -23,6 +14,15 @@ from kvcache_svc.core import (
     KVCacheManager,
     NewSequence,
     StepInput,
+)
+from services.kv_codec import (
+    BlockCopyMismatch,
+    stats_from_pb,
+    stats_to_pb,
+    step_input_from_pb,
+    step_input_to_pb,
+    step_output_from_pb,
+    step_output_to_pb,
 )
 from services.pb import common_pb2, kvcache_pb2
 

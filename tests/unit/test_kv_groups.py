@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache_svc.convert import step_output_from_pb, step_output_to_pb
 from kvcache_svc.core import Append, KVCacheManager, NewSequence, StepInput
 from scheduler_svc.core.request import SamplingOptions, sampling_params
+from services.kv_codec import step_output_from_pb, step_output_to_pb
 from services.kv_layout import NULL_PAGE, entries_of, flat_pages, kv_layout, parse_spec
 from services.pb import kvcache_pb2, worker_pb2
 from services.step import CachedSeq, NewSeq, StepPlan

@@ -9,10 +9,10 @@ import random
 import pytest
 
 from kvcache_svc.core import KVCacheManager
-from kvcache_svc.core.types import StepOutput
 from scheduler_svc.core.planner import Planner, PlannerConfig
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import Request, SamplingOptions
+from services.kv_types import StepOutput
 from services.step import SampledToken
 
 

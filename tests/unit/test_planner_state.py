@@ -10,12 +10,12 @@ import random
 import pytest
 
 from kvcache_svc.core import KVCacheManager
-from kvcache_svc.core.types import StepInput, StepOutput
 from scheduler_svc.core.in_flight import InFlight
 from scheduler_svc.core.planner import Planner, PlannerConfig
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import Request, SamplingOptions, Sequence
 from scheduler_svc.core.stage_view import StageView
+from services.kv_types import StepInput, StepOutput
 from services.step import CachedSeq, NewSeq, SampledToken, StepPlan
 
 

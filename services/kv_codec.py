@@ -22,22 +22,19 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import grpc
 
-from kvcache_svc.core import (
+from services.kv_errors import InvalidStepError, KVCacheError, SequenceNotFound
+from services.kv_layout import entries_of, flat_pages
+from services.kv_stats import KVCacheStats, SequenceBlockStats
+from services.kv_types import (
     Allocated,
     Append,
     BlockCopy,
     Fork,
-    InvalidStepError,
-    KVCacheError,
-    KVCacheStats,
     NewSequence,
     NoBlocks,
-    SequenceBlockStats,
-    SequenceNotFound,
     StepInput,
     StepOutput,
 )
-from services.kv_layout import entries_of, flat_pages
 from services.pb import common_pb2, kvcache_pb2
 
 # The seq_id of a NOT_FOUND travels in the trailing metadata, so the client can rebuild the
