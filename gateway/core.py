@@ -31,6 +31,7 @@ from gateway.replicas import (
 )
 from gateway.tools import ToolCalling
 from services import telemetry
+from services.grpc_utils import PIPELINE_DOWN, UNAVAILABLE_REASON_KEY
 from services.pb import common_pb2, scheduler_pb2, worker_pb2
 from services.sampling import SamplingOptions
 from services.sampling_pb import options_to_pb
@@ -67,6 +68,11 @@ class GenerationError(Exception):
 # how gRPC words a connection that ended under a call: the scheduler's process went away
 _CONNECTION_LOST = ("Stream removed", "Socket closed", "Connection reset", "Broken pipe", "GOAWAY",
                     "failed to connect", "Connection refused", "recvmsg", "End of TCP stream")
+
+
+def pipeline_down(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a scheduler that is up says its pipeline stayed down (its trailer's reason)."""
+    return dict(exc.trailing_metadata() or ()).get(UNAVAILABLE_REASON_KEY) == PIPELINE_DOWN
 
 
 def scheduler_failure(code: grpc.StatusCode, details: str) -> GenerationError:
@@ -529,7 +535,7 @@ class TextGenerator:
             except grpc.aio.AioRpcError as exc:
                 details = exc.details() or ""
                 if received or exc.code() != grpc.StatusCode.UNAVAILABLE \
-                        or ("pipeline unavailable" in details and not self._replicas.routes):
+                        or (pipeline_down(exc) and not self._replicas.routes):
                     raise
                 failure = exc
                 self._replicas.mark_down(replica, f"{exc.code().name}: {details}")

@@ -24,7 +24,13 @@ from scheduler_svc.core.request import FinishReason, Request, RequestState
 from scheduler_svc.engine import Engine, RequestOutput, admission_limits
 from services import grammar
 from services.admission import AdmissionError, admit, admit_pooling
-from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
+from services.grpc_utils import (
+    PIPELINE_DOWN,
+    UNAVAILABLE_REASON_KEY,
+    create_aio_server,
+    serve_until_signalled,
+    set_serving,
+)
 from services.kv_client import KVCacheClient
 from services.kv_layout import parse_spec
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
@@ -142,7 +148,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             async for out in stream:
                 if out.error is not None:
                     code, message = out.error
-                    await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), message)
+                    down = code == "UNAVAILABLE" and not self.engine.healthy  # (not a shutdown)
+                    await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), message,
+                                        trailing_metadata=((UNAVAILABLE_REASON_KEY, PIPELINE_DOWN),) if down else ())
                 for msg in self._responses(req, out):
                     yield msg
         finally:

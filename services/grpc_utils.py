@@ -27,6 +27,12 @@ MAX_PENDING_CALLS = 50_000  # calls a server holds before the application picks 
 # Service-to-service authentication: a shared secret every internal call carries
 INTERNAL_TOKEN_ENV = INTERNAL_TOKEN.variable
 INTERNAL_TOKEN_HEADER = "x-pagoda-internal-token"
+# Why a scheduler's Generate failed UNAVAILABLE, in the call's trailing metadata: the gateway
+# decides to retry by this, never by the message's words. PIPELINE_DOWN: the scheduler is up
+# but its pipeline stayed down past its recovery timeout (another replica may serve; a lone
+# scheduler's answer is final).
+UNAVAILABLE_REASON_KEY = "pagoda-unavailable"
+PIPELINE_DOWN = "pipeline"
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes need no secret
 
 

@@ -9,8 +9,15 @@ import time
 
 import grpc
 import pytest
+from support.workers import start_chain
 
-from services.grpc_utils import INTERNAL_TOKEN_HEADER, check_health, internal_token
+from services.grpc_utils import (
+    INTERNAL_TOKEN_HEADER,
+    PIPELINE_DOWN,
+    UNAVAILABLE_REASON_KEY,
+    check_health,
+    internal_token,
+)
 from services.pb import scheduler_pb2
 from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
@@ -44,3 +51,37 @@ def test_a_starting_scheduler_is_not_serving_and_refuses_unavailable(model_facto
         assert "starting" in err.value.details()
     finally:
         scheduler.stop()
+
+
+def _generate(port: int, prompt: list[int]) -> list:
+    request = scheduler_pb2.GenerateRequest(prompt_token_ids=prompt)
+    request.sampling_params.max_tokens = 4
+    token = internal_token()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_stream("/pagoda.v1.Scheduler/Generate")
+        return list(call(request.SerializeToString(), timeout=30,
+                         metadata=((INTERNAL_TOKEN_HEADER, token),) if token else None))
+
+
+def test_a_pipeline_down_past_its_recovery_timeout_says_so_in_the_trailer(model_factory, tmp_path):
+    """The gateway retries a lone scheduler's UNAVAILABLE unless the trailer says its pipeline
+    stayed down (gateway/core.py `pipeline_down`): the scheduler, up, puts that reason there."""
+    model = model_factory(arch="llama")
+    (stage,) = start_chain(model, 1, tmp_path)
+    port = free_port()
+    scheduler = ServiceProcess("scheduler", pagoda_command(
+        "scheduler", "--model", model, "--port", str(port), "--kvcache", "in-process", "--num-kv-blocks", "256",
+        "--stages", stage.health_address, "--recovery-timeout-s", "1"), f"127.0.0.1:{port}",
+        log_path=tmp_path / "scheduler.log")
+    scheduler.start()
+    try:
+        scheduler.wait_healthy(60)
+        assert _generate(port, [5, 6, 7])  # served while the stage lives
+        stage.kill()
+        with pytest.raises(grpc.RpcError) as err:
+            _generate(port, [5, 6, 8])
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert dict(err.value.trailing_metadata() or ()).get(UNAVAILABLE_REASON_KEY) == PIPELINE_DOWN
+    finally:
+        scheduler.stop()
+        stage.kill()

@@ -18,6 +18,7 @@ from support.scripted_call import ScriptedCall, script_scheduler
 
 from gateway.core import Finished, GenerationError, GenerationParams, TextGenerator
 from gateway.replicas import ReplicaSet, merge_stats
+from services.grpc_utils import PIPELINE_DOWN, UNAVAILABLE_REASON_KEY
 from services.pb import common_pb2, scheduler_pb2
 from services.sampling import SamplingOptions
 from services.text import Tokenizer
@@ -26,9 +27,9 @@ GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
 MAX_FUNCTION_LINES = 80
 
 
-def unavailable(details: str = "connection refused") -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                details=details)
+def unavailable(details: str = "connection refused", reason: str | None = None) -> grpc.aio.AioRpcError:
+    trailer = grpc.aio.Metadata(*([(UNAVAILABLE_REASON_KEY, reason)] if reason else []))
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), trailer, details=details)
 
 
 class _Scheduler:
@@ -128,10 +129,23 @@ def test_a_lone_scheduler_that_stays_down_fails_with_its_own_error_once_the_wait
 
 
 def test_a_pipeline_down_behind_a_lone_live_scheduler_is_final_at_once(tok):
-    scheduler = _Scheduler(([], unavailable("pipeline unavailable: stage 0 down")))
+    scheduler = _Scheduler(([], unavailable("pipeline unavailable: stage 0 down", PIPELINE_DOWN)))
     with pytest.raises(GenerationError, match="pipeline unavailable"):
         _run(_generator(tok, scheduler))
     assert scheduler.num_calls == 1
+
+
+def test_the_retry_follows_the_trailer_not_the_message_words(tok):
+    """A lone scheduler's UNAVAILABLE is retried unless its trailer says the pipeline is down,
+    whatever its message says."""
+    worded = _Scheduler(([], unavailable("pipeline unavailable (only the words)")))
+    with pytest.raises(GenerationError):
+        _run(_generator(tok, worded, retry_unavailable_s=0.5))
+    assert worded.num_calls == 2  # retried: no trailer
+    typed = _Scheduler(([], unavailable("stage 1 lost", PIPELINE_DOWN)))
+    with pytest.raises(GenerationError, match="stage 1 lost"):
+        _run(_generator(tok, typed))
+    assert typed.num_calls == 1
 
 
 @pytest.mark.parametrize("streamed, code", [(True, grpc.StatusCode.UNAVAILABLE),
