@@ -93,13 +93,18 @@ class Gateway:
         self.generator = generator
         self.tokenizer = generator.tokenizer
         self.limits = validation.ModelLimits.load(config, self.tokenizer)
-        self.metrics = GatewayMetrics(config.model_name)
+        self.metrics = GatewayMetrics(config.model_name, self._lora_info if config.enable_lora else None)
         self.created = int(time.time())
         self.draining = False
         self.limiter: RateLimiter | None = None
         if config.rate_limits_enabled:
             self.limiter = RateLimiter.create(config.default_rate_limit, config.redis_url,
                                               self.metrics.registry, rate_limit_clock)
+
+
+    def _lora_info(self) -> tuple[int, list[str]]:
+        """(the adapters a stage holds at once, those loaded now) for the endpoint picker."""
+        return self.config.max_loras, list(self.limits.loras)
 
     def admit(self) -> None:
         if self.draining:

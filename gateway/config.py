@@ -76,6 +76,7 @@ class GatewayConfig:
     # multi-LoRA: a request's `model` may name an adapter (the stages hold them)
     enable_lora: bool = uses(shared.ENABLE_LORA)
     lora_modules: tuple[str, ...] = uses(shared.LORA_MODULES, ())
+    max_loras: int = uses(shared.MAX_LORAS)  # (reported to an endpoint picker: vllm:lora_requests_info)
     allow_runtime_lora_updating: bool = uses(shared.ALLOW_RUNTIME_LORA_UPDATING)
     max_n: int = 16
     max_logprobs: int = 20

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -29,7 +29,7 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 
 
 class GatewayMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, lora_info: Callable[[], tuple[int, list[str]]] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, labels = self.registry, ["model_name"]
@@ -62,7 +62,7 @@ class GatewayMetrics:
         self.tpot = Histogram("pagoda:time_per_output_token_seconds",
                               "Per request: (end - first token) / (generated tokens - 1).", labels,
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.engine = EngineView(model_name)
+        self.engine = EngineView(model_name, lora_info)
         r.register(self.engine)
 
     def request(self) -> RequestTimer:
@@ -155,9 +155,10 @@ class EngineView:
     before each scrape), under vLLM's metric names. Nothing is exported while the scheduler
     has not answered (a scrape then shows `pagoda:engine_up 0`)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, lora_info: Callable[[], tuple[int, list[str]]] | None = None) -> None:
         self.model_name = model_name
         self.stats = None  # scheduler_pb2.GetStatsResponse
+        self.lora_info = lora_info  # () -> (max adapters, loaded adapters); None without LoRA
 
     def collect(self):
         labels, value = ["model_name"], [self.model_name]
@@ -193,6 +194,28 @@ class EngineView:
         yield counter("pagoda:num_preemptions", "Requests preempted by recompute.", s.num_preemptions)
         yield from self._speculation(s, labels, value)
         yield self._device_info(s)
+        yield from self._endpoint_picker(s, gauge)
+
+    def _endpoint_picker(self, s, gauge):
+        """The figures an endpoint picker scrapes (the Gateway API Inference Extension's model
+        server protocol, docs/proposals/003), under the vLLM names it reads by default: queue,
+        running requests, KV usage (a fraction), the KV layout, the adapters."""
+        kv = s.kv_cache
+        yield gauge("vllm:num_requests_waiting", "Requests waiting (for an endpoint picker).", s.num_waiting)
+        yield gauge("vllm:num_requests_running", "Requests running (for an endpoint picker).", s.num_running)
+        yield gauge("vllm:kv_cache_usage_perc", "KV usage, 1 = full (for an endpoint picker).",
+                    kv.num_used_blocks / kv.num_total_blocks if kv.num_total_blocks else 0.0)
+        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's layout (for an endpoint picker).",
+                                 labels=["model_name", "block_size", "num_gpu_blocks"])
+        info.add_metric([self.model_name, str(kv.block_size), str(kv.num_total_blocks)], 1.0)
+        yield info
+        if self.lora_info is not None:
+            max_loras, loaded = self.lora_info()
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Adapters held, as of the value's time "
+                                     "(for an endpoint picker).",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            lora.add_metric([str(max_loras), ",".join(sorted(loaded)), ""], time.time())
+            yield lora
 
     @staticmethod
     def _speculation(s, labels: list[str], value: list[str]):

@@ -292,7 +292,7 @@ LORA_MODULES = Setting("lora_modules", "adapters loaded at start, as vLLM's: NAM
                        "adapter_config.json and adapter_model.safetensors)", "names", metavar="NAME=PATH",
                        owner="worker", services=("worker", "gateway"), serve="pass", group="lora")
 MAX_LORAS = Setting("max_loras", "adapters held at once (each stage's slots)", "int", default=4,
-                    owner="worker", services=("worker",), serve="pass", group="lora")
+                    owner="worker", services=("worker", "gateway"), serve="pass", group="lora")
 MAX_LORA_RANK = Setting("max_lora_rank", "the largest adapter rank taken", "int", default=16,
                         owner="worker", services=("worker",), serve="pass", group="lora")
 ALLOW_RUNTIME_LORA_UPDATING = Setting(

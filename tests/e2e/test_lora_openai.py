@@ -152,3 +152,25 @@ def test_a_step_of_three_adapters_and_the_base_equals_peft_merged_models(stack, 
     assert status == 400
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{stack.port}/metrics", timeout=10).read().decode()
     assert 'pagoda:kv_cache_used_blocks{model_name="tiny"} 0.0' in metrics
+    listed = {m.id for m in client.models.list().data} - {"tiny"}
+    _assert_endpoint_picker_metrics(metrics, served=listed)
+
+
+def _assert_endpoint_picker_metrics(text: str, served: set[str]) -> None:
+    """The names an endpoint picker of the Gateway API Inference Extension scrapes by default
+    (v1.5.0 pkg/epp/server/options.go: vllm:num_requests_waiting, _running, kv_cache_usage_perc,
+    lora_requests_info, cache_config_info), with the types and labels its model server
+    protocol asks for."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert families[name].type == "gauge" and len(families[name].samples) == 1, name
+    assert families["vllm:num_requests_running"].samples[0].value == 0  # (nothing runs now)
+    assert 0 <= families["vllm:kv_cache_usage_perc"].samples[0].value <= 1
+    (cache,) = families["vllm:cache_config_info"].samples
+    assert cache.labels["block_size"] == "16" and int(cache.labels["num_gpu_blocks"]) > 0
+    (lora,) = families["vllm:lora_requests_info"].samples
+    assert lora.labels["max_lora"] == "3"
+    assert set(lora.labels["running_lora_adapters"].split(",")) == served
+    assert lora.value > 1.7e9  # a time stamp: the picker takes the latest series

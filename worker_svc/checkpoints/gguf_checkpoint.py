@@ -9,8 +9,8 @@ rest of the worker uses:
   its GGUF tensor names and metadata keys beyond Llama's).
 - `tensor(name)`: the tensor a Hugging Face parameter name stands for, as a `GGUFTensor`:
   block-quantized types stay in their blocks, `uint8 [rows, row_bytes]`: Q8_0, Q4_0, Q4_1,
-  MXFP4 (served packed) and the K-quants Q2_K-Q6_K with Q5_0 and Q5_1 (worker_svc/kernels/kquants.py:
-  dequantized at load for now); F32, F16 and BF16 come as tensors of their type.
+  MXFP4 and the K-quants Q2_K-Q6_K with Q5_0 and Q5_1 (all served packed: worker_svc/weights/packed.py);
+  F32, F16 and BF16 come as tensors of their type.
   llama.cpp's converter permutes the rows of Llama's q and k projections (its rotary
   embedding pairs neighbouring elements, the Hugging Face one pairs the halves of a head);
   the permutation is undone here on whole rows, which for a matrix in blocks moves whole
