@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 
+from kvcache_svc.core import audit, groups
 from kvcache_svc.core.block_pool import BlockPool
 from kvcache_svc.core.prefix_cache import (
     ROOT_KEY,
@@ -13,28 +13,15 @@ from kvcache_svc.core.prefix_cache import (
     CacheListener,
     HashFn,
     PrefixCache,
-    PrefixHit,
     hash_block,
     unpack_token_ids,
 )
 from kvcache_svc.core.sequence import MicroBatchRecord, SequenceState
-from kvcache_svc.core.validation import (
-    MAX_LOOKAHEAD_SLOTS,
-    ValidAppend,
-    ValidNewSequence,
-    validate_step,
-)
+from kvcache_svc.core.validation import ValidAppend, ValidNewSequence, validate_step
 from services.defaults import BLOCK_SIZE
-from services.kv_errors import IntegrityError, SequenceNotFound
+from services.kv_errors import SequenceNotFound
 from services.kv_layout import NULL_PAGE, first_needed_block
-from services.kv_stats import (
-    KVCacheStats,
-    SequenceBlockStats,
-    count_extents,
-    external_fragmentation,
-    internal_fragmentation,
-    prefix_hit_rate,
-)
+from services.kv_stats import KVCacheStats, SequenceBlockStats
 from services.kv_types import (
     Allocated,
     BlockCopy,
@@ -113,7 +100,7 @@ class KVCacheManager:
             raise ValueError(f"group_windows: full-attention group first, got {group_windows}")
         self._windows = tuple(group_windows)
         self._num_groups = len(self._windows)
-        self._sliding = tuple((s, w) for s, w in enumerate(self._windows) if w)
+        self._sliding = groups.sliding_groups(self._windows)
         self._pool = BlockPool(num_blocks)
         self._block_size = block_size
         self._watermark_blocks = int(watermark * num_blocks)
@@ -121,14 +108,7 @@ class KVCacheManager:
         self._cache = PrefixCache(hash_fn, listener)
         self._seqs: dict[int, SequenceState] = {}
         self._in_flight: dict[int, MicroBatchRecord] = {}
-        self._num_prefix_queries = 0
-        self._num_prefix_hits = 0
-        self._num_prefix_query_tokens = 0
-        self._num_prefix_hit_tokens = 0
-        self._num_evictions = 0
-        self._num_copy_on_write = 0
-        self._num_resets = 0
-        self._num_slid_pages = 0  # pages sliding windows gave back (cumulative)
+        self._counters = audit.Counters()
 
     # ---- configuration and queries -------------------------------------------------------
 
@@ -256,7 +236,7 @@ class KVCacheManager:
         if valid.micro_batch_id is not None:
             self._in_flight[valid.micro_batch_id] = micro_batch
         copies = [c for r in results.values() if isinstance(r, Allocated) for c in r.copies]
-        self._num_copy_on_write += len(copies)
+        self._counters.num_copy_on_write += len(copies)
         return StepOutput(results=results, copies=tuple(copies))
 
     def free(self, seq_id: int) -> None:
@@ -281,7 +261,7 @@ class KVCacheManager:
         self._cache.clear()
         self._seqs.clear()
         self._in_flight.clear()
-        self._num_resets += 1
+        self._counters.num_resets += 1
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -298,7 +278,7 @@ class KVCacheManager:
             block_id = self._cache.evict()
             self._pool.acquire_parked(block_id)
             block_ids.append(block_id)
-        self._num_evictions += num_blocks - from_pool
+        self._counters.num_evictions += num_blocks - from_pool
         return block_ids
 
     def _free(self, seq: SequenceState) -> None:
@@ -317,17 +297,8 @@ class KVCacheManager:
                     released.append(page)
         self._pool.release(released)
 
-    def _sliding_out(self, seq: SequenceState, start: int) -> list[tuple[int, int, int]]:
-        """(entry, sub-group, page) of the pages sliding sub-groups no longer need once
-        the next query is at `start`: no window from there reaches them."""
-        bs, entries = self._block_size, seq.block_ids
-        limits = [(s, first_needed_block(start, w, bs)) for s, w in self._sliding]
-        end = min(max(lo for _, lo in limits), len(entries))
-        return [(j, s, entries[j][s]) for j in range(seq.num_slid, end)
-                for s, lo in limits if j < lo and entries[j][s] != NULL_PAGE]
-
     def _slide(self, seq: SequenceState, start: int, out: list[tuple[int, int, int]]) -> None:
-        """Give back the pages `_sliding_out` named.
+        """Give back the pages `groups.sliding_out` named.
 
         Safe before this step's allocation even with steps in flight: every stage runs
         steps in order, so an earlier step's reads of a page come before a later owner's
@@ -339,7 +310,7 @@ class KVCacheManager:
             entries[j] = tuple(entry)
         bs = self._block_size
         seq.num_slid = max(seq.num_slid, min(first_needed_block(start, w, bs) for _, w in self._sliding))
-        self._num_slid_pages += len(out)
+        self._counters.num_slid_pages += len(out)
         self._let_go([page for _, _, page in out])
 
     def _complete(self, micro_batch: MicroBatchRecord) -> None:
@@ -356,7 +327,7 @@ class KVCacheManager:
         bs = self._block_size
         start = seq.num_tokens
         # pages a window left: back to the pool before this step's, if it gets its own
-        out = self._sliding_out(seq, start) if self._sliding else []
+        out = groups.sliding_out(seq, start, self._sliding, bs) if self._sliding else []
         # the partly filled block the tokens go into first (held ahead blocks are empty)
         partial = start // bs if start % bs and append.num_tokens else None
         shared = () if partial is None else [
@@ -379,11 +350,11 @@ class KVCacheManager:
         return Allocated(append.seq_id, self._answer(seq.block_ids[offset:]), append.num_tokens, start, copies,
                          offset)
 
-    def _copy_on_write(self, seq: SequenceState, index: int, groups: list[int]) -> tuple[BlockCopy, ...]:
-        """Entry `index`'s shared pages of `groups` get private copies before it is written."""
+    def _copy_on_write(self, seq: SequenceState, index: int, sub_groups: list[int]) -> tuple[BlockCopy, ...]:
+        """Entry `index`'s shared pages of `sub_groups` get private copies before it is written."""
         entry = list(seq.block_ids[index])
         copies = []
-        for s, dst in zip(groups, self._allocate(len(groups)), strict=True):
+        for s, dst in zip(sub_groups, self._allocate(len(sub_groups)), strict=True):
             src = entry[s]
             entry[s] = dst
             self._pool.decref(src)  # still held by the sharers
@@ -409,7 +380,7 @@ class KVCacheManager:
             if self._enable_prefix_caching and not new.skip_prefix_cache
             else []
         )
-        hit_entries = self._hit_entries(new, hits)
+        hit_entries = groups.hit_entries(self._cache, new, hits, self._windows, bs)
         whole_prompt_hit = bool(hit_entries) and len(hit_entries) * bs == new.num_tokens
         num_computed = new.num_tokens - 1 if whole_prompt_hit else len(hit_entries) * bs
         num_new_tokens = new.num_tokens - num_computed
@@ -436,7 +407,7 @@ class KVCacheManager:
         seq = SequenceState(new.seq_id, new.namespace)
         seq.cacheable = not new.skip_prefix_cache
         seq.block_ids = hit_entries[:num_shared]
-        seq.num_slid = self._num_slid(hit_entries, num_shared)
+        seq.num_slid = groups.num_slid(hit_entries, num_shared, self._sliding)
         copies: tuple[BlockCopy, ...] = ()
         if whole_prompt_hit:
             # the last cached block was held through the allocation so it could not be
@@ -461,52 +432,12 @@ class KVCacheManager:
         self._write(seq, token_bytes, num_new_tokens, new_entries, micro_batch)
 
         if self._enable_prefix_caching and not new.skip_prefix_cache:
-            self._num_prefix_queries += 1
-            self._num_prefix_hits += num_computed > 0
-            self._num_prefix_query_tokens += new.num_tokens
-            self._num_prefix_hit_tokens += num_computed
+            self._counters.num_prefix_queries += 1
+            self._counters.num_prefix_hits += num_computed > 0
+            self._counters.num_prefix_query_tokens += new.num_tokens
+            self._counters.num_prefix_hit_tokens += num_computed
         seq.answer_offset()  # its first answer: the whole table
         return Allocated(new.seq_id, self._answer(seq.block_ids), num_new_tokens, num_computed, copies)
-
-    def _hit_entries(self, new: ValidNewSequence, hits: list[PrefixHit]) -> list[tuple[int, ...]]:
-        """The table entries of the longest prefix every sub-group can serve.
-
-        One group: the hits. With groups, full-attention sub-groups need their page of every
-        hit block from the start, sliding ones only of the blocks the window of the first
-        computed position reaches (others come back as `NULL_PAGE`, not held)."""
-        if self._num_groups == 1 or not hits:
-            return [(hit.block_id,) for hit in hits]
-        bs, stride, groups = self._block_size, self._block_size * TOKEN_BYTES, range(1, self._num_groups)
-        found: list[list[int]] = []
-        parent = ROOT_KEY
-        for j, hit in enumerate(hits):
-            tokens = new.token_bytes[j * stride : (j + 1) * stride]
-            pages = [hit.block_id]
-            for s in groups:
-                page = self._cache.find(hit.key, s, parent, new.namespace, tokens)
-                pages.append(NULL_PAGE if page is None else page)
-            found.append(pages)
-            parent = hit.key
-        length = len(found)
-        for s in groups:
-            if not self._windows[s]:
-                length = next((j for j in range(length) if found[j][s] == NULL_PAGE), length)
-        while length:
-            computed = length * bs - (length * bs == new.num_tokens)
-            limits = [(s, first_needed_block(computed, w, bs)) for s, w in self._sliding]
-            if all(found[j][s] != NULL_PAGE for s, lo in limits for j in range(lo, length)):
-                for s, lo in limits:
-                    for j in range(lo):
-                        found[j][s] = NULL_PAGE
-                break
-            length -= 1
-        return [tuple(pages) for pages in found[:length]]
-
-    def _num_slid(self, entries: list[tuple[int, ...]], num: int) -> int:
-        """How many of the first `num` entries have every sliding page given back."""
-        if not self._sliding:
-            return 0
-        return next((j for j in range(num) if any(entries[j][s] != NULL_PAGE for s, _ in self._sliding)), num)
 
     def _write(
         self,
@@ -553,81 +484,11 @@ class KVCacheManager:
 
     def sequence_stats(self) -> tuple[SequenceBlockStats, ...]:
         """The per-sequence block distribution (pages, with KV groups; extents of group 0)."""
-        return tuple(self._sequence_stats(seq) for seq in self._seqs.values())
-
-    def _sequence_stats(self, seq: SequenceState) -> SequenceBlockStats:
-        pages = [p for entry in seq.block_ids for p in entry if p != NULL_PAGE]
-        window = sum(1 for entry in seq.block_ids for s, _ in self._sliding if entry[s] != NULL_PAGE)
-        return SequenceBlockStats(
-            seq_id=seq.seq_id,
-            num_tokens=seq.num_tokens,
-            num_blocks=len(pages),
-            num_extents=count_extents([entry[0] for entry in seq.block_ids]),
-            num_shared_blocks=sum(1 for p in pages if self._pool.ref_count(p) > 1),
-            num_window_blocks=window,
-        )
+        return tuple(audit.sequence_stats(seq, self._pool, self._windows) for seq in self._seqs.values())
 
     def stats(self) -> KVCacheStats:
-        bs = self._block_size
-        num_free = self._pool.num_free_blocks
-        num_evictable = self._cache.num_evictable_blocks
-        num_used = self._pool.num_blocks - num_free - num_evictable
-        # only a sequence's last block with tokens can be partial, and sharers of a partial
-        # block fill it equally; blocks held ahead (never shared) are empty
-        partial_fill = {
-            page: seq.num_tokens % bs
-            for seq in self._seqs.values()
-            if seq.num_tokens % bs
-            for page in seq.block_ids[seq.num_tokens // bs]
-        }
-        num_ahead = sum(len(seq.block_ids) - -(-seq.num_tokens // bs) for seq in self._seqs.values())
-        num_empty_slots = sum(bs - fill for fill in partial_fill.values()) + num_ahead * bs * self._num_groups
-        window_pages = {entry[s] for seq in self._seqs.values() for entry in seq.block_ids[seq.num_slid:]
-                        for s, _ in self._sliding} - {NULL_PAGE}
-        largest = self._pool.largest_free_extent
-        return KVCacheStats(
-            num_blocks=self._pool.num_blocks,
-            block_size=bs,
-            num_used_blocks=num_used,
-            num_free_blocks=num_free,
-            num_evictable_blocks=num_evictable,
-            num_cached_blocks=self._cache.num_cached_blocks,
-            watermark_blocks=self._watermark_blocks,
-            num_sequences=len(self._seqs),
-            num_used_slots=num_used * bs - num_empty_slots,
-            num_free_extents=self._pool.num_free_extents,
-            largest_free_extent=largest,
-            internal_fragmentation=internal_fragmentation(num_empty_slots, num_used, bs),
-            external_fragmentation=external_fragmentation(largest, num_free),
-            num_prefix_queries=self._num_prefix_queries,
-            num_prefix_hits=self._num_prefix_hits,
-            num_prefix_query_tokens=self._num_prefix_query_tokens,
-            num_prefix_hit_tokens=self._num_prefix_hit_tokens,
-            prefix_hit_rate=prefix_hit_rate(
-                self._num_prefix_hit_tokens, self._num_prefix_query_tokens
-            ),
-            num_evictions=self._num_evictions,
-            num_copy_on_write=self._num_copy_on_write,
-            num_resets=self._num_resets,
-            group_windows=self._windows,
-            num_window_blocks=len(window_pages),
-            num_slid_blocks=self._num_slid_pages,
-        )
-
-    def _check_entries(self, seq: SequenceState) -> list[int]:
-        """Entries have a page per sub-group, `NULL_PAGE` only where a window left; no page
-        held twice. Returns the pages held."""
-        sliding = {s for s, _ in self._sliding}
-        for j, entry in enumerate(seq.block_ids):
-            if len(entry) != self._num_groups:
-                raise IntegrityError(f"sequence {seq.seq_id}: entry {j} has {len(entry)} pages")
-            if any(p == NULL_PAGE and (s not in sliding or j * self._block_size >= seq.num_tokens)
-                   for s, p in enumerate(entry)):
-                raise IntegrityError(f"sequence {seq.seq_id}: entry {j} lacks a page it needs")
-        pages = [p for entry in seq.block_ids for p in entry if p != NULL_PAGE]
-        if len(set(pages)) != len(pages):
-            raise IntegrityError(f"sequence {seq.seq_id} holds a block twice")
-        return pages
+        return audit.kv_stats(self._pool, self._cache, self._seqs, self._counters, block_size=self._block_size,
+                              windows=self._windows, watermark_blocks=self._watermark_blocks)
 
     def check_integrity(self) -> None:
         """Raise `IntegrityError` unless: each block's ref count equals the number of tables
@@ -635,37 +496,5 @@ class KVCacheManager:
         evictable (cached, ref 0, in the LRU) — so used + free + evictable == total; the
         extents and the prefix index are consistent; each table fits its token count and
         holds every entry its last answer named."""
-        self._pool.check_integrity()
-        self._cache.check_integrity(self._pool.ref_count)
-        bs = self._block_size
-        holders: Counter[int] = Counter()
-        for seq_id, seq in self._seqs.items():
-            if not -(-seq.num_tokens // bs) <= len(seq.block_ids) <= -(-(seq.num_tokens + MAX_LOOKAHEAD_SLOTS) // bs):
-                raise IntegrityError(
-                    f"sequence {seq_id}: {len(seq.block_ids)} blocks for {seq.num_tokens} tokens"
-                )
-            pages = self._check_entries(seq)
-            if seq.num_answered is not None and seq.num_answered > len(seq.block_ids):
-                raise IntegrityError(f"sequence {seq_id}: answered {seq.num_answered} of {len(seq.block_ids)} blocks")
-            if self._enable_prefix_caching and (
-                len(seq.partial_token_bytes) != (seq.num_tokens % bs) * TOKEN_BYTES
-            ):
-                raise IntegrityError(f"sequence {seq_id}: partial block tokens out of step")
-            holders.update(pages)
-        num_used = 0
-        for block_id in range(self._pool.num_blocks):
-            ref = self._pool.ref_count(block_id)
-            if ref != holders.get(block_id, 0):
-                raise IntegrityError(
-                    f"block {block_id}: ref count {ref}, held by {holders.get(block_id, 0)}"
-                )
-            states = (ref > 0) + self._pool.is_free(block_id) + self._cache.is_evictable(block_id)
-            if states != 1:
-                raise IntegrityError(
-                    f"block {block_id}: ref {ref}, free {self._pool.is_free(block_id)}, "
-                    f"evictable {self._cache.is_evictable(block_id)}"
-                )
-            num_used += ref > 0
-        total = num_used + self._pool.num_free_blocks + self._cache.num_evictable_blocks
-        if total != self._pool.num_blocks:
-            raise IntegrityError(f"used + free + evictable = {total} != {self._pool.num_blocks}")
+        audit.check_integrity(self._pool, self._cache, self._seqs, block_size=self._block_size,
+                              windows=self._windows, enable_prefix_caching=self._enable_prefix_caching)
