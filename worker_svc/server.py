@@ -28,6 +28,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,9 +48,11 @@ from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.settings import lora_modules
 from services.step import StepPlan
 from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
-from worker_svc.checkpoints.convert import dtype_to_pb, tensor_from_pb, tensor_to_pb
+from worker_svc.checkpoints.convert import dtype_to_pb
 from worker_svc.config import WorkerConfig
 from worker_svc.errors import InvalidPlanError, LoraNotLoadedError
+from worker_svc.execution import stage_ring
+from worker_svc.execution.data_plane import DataPlaneError, DataPlaneIn, DataPlaneOut
 from worker_svc.execution.drafter import drafter_for
 from worker_svc.execution.progress import StageProgress
 from worker_svc.execution.runner import StageResult, StageRunner
@@ -79,6 +82,8 @@ class _Work:
     compute_end_ns: int = 0
     forwarded_ns: int = 0
     feedback: worker_pb2.SampledFeedback | None = None  # the last stage's tokens for the first
+    release: Callable[[], None] | None = None  # hands back the ring slot `hidden` lies in
+    out_hidden: torch.Tensor | None = None  # the step's output until handed on (data_plane.py)
 
 
 class StageService(worker_pb2_grpc.StageWorkerServicer):
@@ -98,6 +103,11 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self._tasks: list[asyncio.Task] = []
         self._channel: grpc.aio.Channel | None = None
         self._call = None
+        # the data plane (worker_svc/execution/data_plane.py): hidden states to the next stage and from the previous
+        hidden_size = runner.model.config.hidden_size
+        self.data_out = None if config.is_last else DataPlaneOut(
+            config.stage_channel, config.stage, stage_ring.slot_bytes_for(config.max_num_batched_tokens, hidden_size))
+        self.data_in = DataPlaneIn(config.stage_channel)
         # sampled-token feedback (the first stage receives it, the last stage sends it)
         self._fed: list[tuple[int, int, int]] = []  # (seq_id, position, token) not applied yet
         self._fed_event = asyncio.Event()
@@ -253,6 +263,12 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         finally:
             self._subscribers.discard(queue)
 
+    async def OpenDataPlane(self, request, context):
+        if self.config.is_first:
+            return worker_pb2.DataPlaneReply(channel=worker_pb2.DATA_CHANNEL_GRPC,
+                                             reason="the first stage takes no hidden states")
+        return self.data_in.accept(request)
+
     async def LoadInfo(self, request, context):
         return self.load_info()
 
@@ -305,6 +321,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             lora_adapters=self._lora_adapters(),
             cpu=self.cpu,
             kv_groups=model.config.kv_layout.spec(),
+            data_channel=self.data_out.channel if self.data_out else "",
         )
 
     def _lora_adapters(self) -> list[worker_pb2.LoraAdapterInfo]:
@@ -314,7 +331,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 for h in (bank.held if bank is not None else ())]
 
     def stats(self) -> worker_pb2.StageStats:
-        uptime = time.time_ns() - self.started_ns
+        uptime, out = time.time_ns() - self.started_ns, self.data_out
         return worker_pb2.StageStats(
             stage_index=self.config.stage,
             epoch=self.epoch,
@@ -336,6 +353,11 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             computing_micro_batch_id=self.progress.micro_batch_id,
             cpu=self.cpu,
             uptime_ns=uptime,
+            data_channel=out.channel if out else "",
+            upstream_channel=self.data_in.channel,
+            num_ring_full_waits=out.num_full_waits if out else 0,
+            num_shm_sent=out.num_shm_sent if out else 0,
+            num_grpc_sent=out.num_grpc_sent if out else 0,
         )
 
     # --- the pipeline inside a stage ---------------------------------------------------
@@ -358,10 +380,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                     f"micro-batch {mb.micro_batch_id} has {num_tokens} tokens, over this stage's "
                     f"max_num_batched_tokens={cfg.max_num_batched_tokens}"
                 )
-            if not cfg.is_first:
-                if not mb.HasField("hidden_states"):
-                    raise InvalidPlanError(f"micro-batch {mb.micro_batch_id}: no hidden states")
-                work.hidden = tensor_from_pb(mb.hidden_states)
+            if not cfg.is_first:  # in the message, or read in place from the ring (released after compute)
+                work.hidden, work.release = self.data_in.hidden(mb)
             work.plan = plan  # only a plan within limits is kept (its counts go into replies)
         except InvalidPlanError as exc:
             work.error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -378,6 +398,10 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 except Exception as exc:  # a bug outside the model: this step fails, the loop goes on
                     log.exception("micro-batch %d failed outside compute", work.mb.micro_batch_id)
                     self._fail_alone(work, f"{type(exc).__name__}: {exc}")
+                finally:
+                    work.hidden = None
+                    if work.release is not None:  # done or failed: its ring slot goes back
+                        work.release()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -525,8 +549,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             self.progress.step_ended()
         work.compute_end_ns = time.time_ns()
         work.hidden = None
-        if work.result.hidden is not None:
-            tensor_to_pb(work.result.hidden, work.mb.hidden_states)
+        if work.result.hidden is not None and self.data_out is not None:
+            work.out_hidden = self.data_out.pack(work.result.hidden, work.mb)
             work.result.hidden = None
         if self.config.feedback_address:
             work.feedback = self._feedback_of(work)
@@ -536,26 +560,29 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             work = await self._send_queue.get()
             mb = work.mb
             mb.stage_index = self.config.stage + 1
-            mb.sent_ns = time.time_ns()
-            size = mb.ByteSize()
-            if size > self.max_message_bytes:
-                work.error = (
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"micro-batch {mb.micro_batch_id} is {size} bytes, over the {self.max_message_bytes}-byte "
-                    "message limit: lower max_num_batched_tokens",
-                )
-            else:
-                try:
-                    call = await self._ensure_call()
+            try:
+                call = await self._ensure_call()
+                await self.data_out.place(work.out_hidden, mb)  # a full ring waits here: back-pressure
+                work.out_hidden = None
+                mb.sent_ns = time.time_ns()
+                size = mb.ByteSize()
+                if size > self.max_message_bytes:
+                    work.error = (
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"micro-batch {mb.micro_batch_id} is {size} bytes, over the {self.max_message_bytes}-byte "
+                        "message limit: lower max_num_batched_tokens",
+                    )
+                else:
                     await call.write(mb)
                     work.forwarded_ns = time.time_ns()
                     self.num_sent_bytes += size
-                except Exception as exc:  # noqa: BLE001 - any failure of the stream means the same
-                    self._drop_call()
-                    work.error = (
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"next stage at {self.config.next_address} is unavailable: {_describe(exc)}",
-                    )
+            except Exception as exc:  # noqa: BLE001 - any failure of the stream (or its ring) means the same
+                self._drop_call()
+                work.out_hidden = None
+                work.error = (
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"next stage at {self.config.next_address} is unavailable: {_describe(exc)}",
+                )
             if work.error is not None:
                 self._report_forward_failure(work)
 
@@ -563,6 +590,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         if self._call is None:
             await asyncio.wait_for(self._channel.channel_ready(), timeout=2.0)
             stub = worker_pb2_grpc.StageWorkerStub(self._channel)
+            await self.data_out.connect(stub)  # the channel for hidden states: a ring offered anew
             self._call = stub.Forward()
             self._downstream_task = asyncio.create_task(self._watch_downstream(self._call), name="downstream")
             self.downstream_connected = True
@@ -573,6 +601,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             self._call.cancel()
         self._call = None
         self.downstream_connected = False
+        self.data_out.drop()
 
     async def _watch_downstream(self, call) -> None:
         """The stream to the next stage sends nothing back until it ends: its end (an error,
@@ -586,6 +615,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         if self._call is call:
             self._call = None
             self.downstream_connected = False
+            self.data_out.drop()
 
     def _report_forward_failure(self, work: _Work) -> None:
         code, message = work.error
@@ -681,6 +711,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, (DataPlaneError, stage_ring.RingFullError)):
+        return str(exc)
     if isinstance(exc, asyncio.TimeoutError):
         return "not reachable within 2 s"
     return f"{type(exc).__name__}: {exc}"

@@ -1,11 +1,63 @@
 from services.pb import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataChannel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATA_CHANNEL_UNSPECIFIED: _ClassVar[DataChannel]
+    DATA_CHANNEL_GRPC: _ClassVar[DataChannel]
+    DATA_CHANNEL_SHM: _ClassVar[DataChannel]
+    DATA_CHANNEL_NCCL: _ClassVar[DataChannel]
+DATA_CHANNEL_UNSPECIFIED: DataChannel
+DATA_CHANNEL_GRPC: DataChannel
+DATA_CHANNEL_SHM: DataChannel
+DATA_CHANNEL_NCCL: DataChannel
+
+class DataPlaneOffer(_message.Message):
+    __slots__ = ("sender_stage", "channel", "path", "token", "ring_id", "num_slots", "slot_bytes")
+    SENDER_STAGE_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RING_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    sender_stage: int
+    channel: DataChannel
+    path: str
+    token: bytes
+    ring_id: int
+    num_slots: int
+    slot_bytes: int
+    def __init__(self, sender_stage: _Optional[int] = ..., channel: _Optional[_Union[DataChannel, str]] = ..., path: _Optional[str] = ..., token: _Optional[bytes] = ..., ring_id: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+
+class DataPlaneReply(_message.Message):
+    __slots__ = ("channel", "reason")
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    channel: DataChannel
+    reason: str
+    def __init__(self, channel: _Optional[_Union[DataChannel, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class HiddenRef(_message.Message):
+    __slots__ = ("ring_id", "slot", "seq", "dtype", "shape")
+    RING_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ring_id: int
+    slot: int
+    seq: int
+    dtype: _common_pb2.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ring_id: _Optional[int] = ..., slot: _Optional[int] = ..., seq: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path", "load_id", "drain_timeout_s")
@@ -66,7 +118,7 @@ class AbandonReply(_message.Message):
     def __init__(self) -> None: ...
 
 class MicroBatch(_message.Message):
-    __slots__ = ("micro_batch_id", "stage_index", "block_copies", "finished_seq_ids", "reset", "hidden_states", "sent_ns", "new_seqs", "cached", "upstream_timings", "kv_groups")
+    __slots__ = ("micro_batch_id", "stage_index", "block_copies", "finished_seq_ids", "reset", "hidden_states", "sent_ns", "new_seqs", "cached", "upstream_timings", "kv_groups", "hidden_ref")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +130,7 @@ class MicroBatch(_message.Message):
     CACHED_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_REF_FIELD_NUMBER: _ClassVar[int]
     micro_batch_id: int
     stage_index: int
     block_copies: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockCopy]
@@ -89,7 +142,8 @@ class MicroBatch(_message.Message):
     cached: CachedSequences
     upstream_timings: _containers.RepeatedCompositeFieldContainer[StepTiming]
     kv_groups: int
-    def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[StageNewSequence, _Mapping]]] = ..., cached: _Optional[_Union[CachedSequences, _Mapping]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., kv_groups: _Optional[int] = ...) -> None: ...
+    hidden_ref: HiddenRef
+    def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[StageNewSequence, _Mapping]]] = ..., cached: _Optional[_Union[CachedSequences, _Mapping]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., kv_groups: _Optional[int] = ..., hidden_ref: _Optional[_Union[HiddenRef, _Mapping]] = ...) -> None: ...
 
 class StageNewSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed", "num_scheduled", "block_ids", "params", "eos_token_ids", "choice_index", "entropy_seed", "request_id", "traceparent", "prompt_scoring", "pooling", "lora_name")
@@ -272,7 +326,7 @@ class LoadInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageLoadInfo(_message.Message):
-    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "num_kv_blocks", "block_size", "dtype", "kv_cache_dtype", "model", "epoch", "max_num_batched_tokens", "hidden_size", "vocab_size", "max_message_bytes", "next_address", "num_threads", "device", "quantization", "feedback_address", "feedback_connected", "kv_block_bytes", "memory_total_bytes", "memory_budget_bytes", "memory_baseline_bytes", "weights_bytes", "activation_peak_bytes", "tensor_parallel_size", "cpu", "lora_adapters", "kv_groups", "expert_weights_bytes")
+    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "num_kv_blocks", "block_size", "dtype", "kv_cache_dtype", "model", "epoch", "max_num_batched_tokens", "hidden_size", "vocab_size", "max_message_bytes", "next_address", "num_threads", "device", "quantization", "feedback_address", "feedback_connected", "kv_block_bytes", "memory_total_bytes", "memory_budget_bytes", "memory_baseline_bytes", "weights_bytes", "activation_peak_bytes", "tensor_parallel_size", "cpu", "lora_adapters", "kv_groups", "expert_weights_bytes", "data_channel")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +359,7 @@ class StageLoadInfo(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     num_stages: int
     layer_start: int
@@ -337,14 +392,15 @@ class StageLoadInfo(_message.Message):
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
     kv_groups: str
     expert_weights_bytes: int
-    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., kv_cache_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., next_address: _Optional[str] = ..., num_threads: _Optional[int] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., feedback_address: _Optional[str] = ..., feedback_connected: _Optional[bool] = ..., kv_block_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., memory_baseline_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., cpu: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., kv_groups: _Optional[str] = ..., expert_weights_bytes: _Optional[int] = ...) -> None: ...
+    data_channel: str
+    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., kv_cache_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., next_address: _Optional[str] = ..., num_threads: _Optional[int] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., feedback_address: _Optional[str] = ..., feedback_connected: _Optional[bool] = ..., kv_block_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., memory_baseline_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., cpu: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., kv_groups: _Optional[str] = ..., expert_weights_bytes: _Optional[int] = ..., data_channel: _Optional[str] = ...) -> None: ...
 
 class StageStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("stage_index", "epoch", "busy_ns", "idle_ns", "num_micro_batches", "num_failed_micro_batches", "num_tokens", "num_in_flight", "peak_in_flight", "num_block_copies", "num_received_bytes", "num_sent_bytes", "uptime_ns", "num_fed_tokens", "num_feedback_waits", "num_abandoned", "num_progress_ticks", "progress_age_ns", "computing_micro_batch_id", "cpu")
+    __slots__ = ("stage_index", "epoch", "busy_ns", "idle_ns", "num_micro_batches", "num_failed_micro_batches", "num_tokens", "num_in_flight", "peak_in_flight", "num_block_copies", "num_received_bytes", "num_sent_bytes", "uptime_ns", "num_fed_tokens", "num_feedback_waits", "num_abandoned", "num_progress_ticks", "progress_age_ns", "computing_micro_batch_id", "cpu", "data_channel", "upstream_channel", "num_ring_full_waits", "num_shm_sent", "num_grpc_sent")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BUSY_NS_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +421,11 @@ class StageStats(_message.Message):
     PROGRESS_AGE_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTING_MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CPU_FIELD_NUMBER: _ClassVar[int]
+    DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_RING_FULL_WAITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHM_SENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_GRPC_SENT_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     epoch: int
     busy_ns: int
@@ -385,7 +446,12 @@ class StageStats(_message.Message):
     progress_age_ns: int
     computing_micro_batch_id: int
     cpu: str
-    def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., busy_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_failed_micro_batches: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_received_bytes: _Optional[int] = ..., num_sent_bytes: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., num_fed_tokens: _Optional[int] = ..., num_feedback_waits: _Optional[int] = ..., num_abandoned: _Optional[int] = ..., num_progress_ticks: _Optional[int] = ..., progress_age_ns: _Optional[int] = ..., computing_micro_batch_id: _Optional[int] = ..., cpu: _Optional[str] = ...) -> None: ...
+    data_channel: str
+    upstream_channel: str
+    num_ring_full_waits: int
+    num_shm_sent: int
+    num_grpc_sent: int
+    def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., busy_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_failed_micro_batches: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_received_bytes: _Optional[int] = ..., num_sent_bytes: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., num_fed_tokens: _Optional[int] = ..., num_feedback_waits: _Optional[int] = ..., num_abandoned: _Optional[int] = ..., num_progress_ticks: _Optional[int] = ..., progress_age_ns: _Optional[int] = ..., computing_micro_batch_id: _Optional[int] = ..., cpu: _Optional[str] = ..., data_channel: _Optional[str] = ..., upstream_channel: _Optional[str] = ..., num_ring_full_waits: _Optional[int] = ..., num_shm_sent: _Optional[int] = ..., num_grpc_sent: _Optional[int] = ...) -> None: ...
 
 class StageHealthRequest(_message.Message):
     __slots__ = ()

@@ -80,6 +80,11 @@ class StageWorkerStub:
                 request_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
                 _registered_method=True)
+        self.OpenDataPlane = channel.unary_unary(
+                '/pagoda.v1.StageWorker/OpenDataPlane',
+                request_serializer=pagoda_dot_v1_dot_worker__pb2.DataPlaneOffer.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_worker__pb2.DataPlaneReply.FromString,
+                _registered_method=True)
 
 
 class StageWorkerServicer:
@@ -163,6 +168,17 @@ class StageWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenDataPlane(self, request, context):
+        """The data plane (issue 37): the upstream stage, before it opens Forward, offers the
+        fastest channel the two stages may share for hidden states (a shared-memory ring it
+        created); this stage maps it and says which channel the micro-batches will take. A
+        refusal, or a stage that does not know the call (UNIMPLEMENTED), means the gRPC
+        stream itself (MicroBatch.hidden_states). A restarted upstream stage offers again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +226,11 @@ def add_StageWorkerServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.SerializeToString,
+            ),
+            'OpenDataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenDataPlane,
+                    request_deserializer=pagoda_dot_v1_dot_worker__pb2.DataPlaneOffer.FromString,
+                    response_serializer=pagoda_dot_v1_dot_worker__pb2.DataPlaneReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -456,6 +477,33 @@ class StageWorker:
             '/pagoda.v1.StageWorker/UnloadLoraAdapter',
             pagoda_dot_v1_dot_worker__pb2.LoraAdapterRequest.SerializeToString,
             pagoda_dot_v1_dot_worker__pb2.LoraAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenDataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.StageWorker/OpenDataPlane',
+            pagoda_dot_v1_dot_worker__pb2.DataPlaneOffer.SerializeToString,
+            pagoda_dot_v1_dot_worker__pb2.DataPlaneReply.FromString,
             options,
             channel_credentials,
             insecure,

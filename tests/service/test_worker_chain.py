@@ -1,4 +1,8 @@
-"""Stage workers as real processes chained over gRPC on loopback, driven by a test driver."""
+"""Stage workers as real processes chained over gRPC on loopback, driven by a test driver.
+
+Hidden states cross between stages on the channel the stages choose (issue 37): a
+shared-memory ring on this host, and again with the gRPC fallback forced (`--stage-channel
+grpc`): the same output either way."""
 
 from __future__ import annotations
 
@@ -35,10 +39,19 @@ def reference(model_dir):
     return HFReference(model_dir)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
+class _Chain(list):
+    """The chain's processes, and the channel its hand-offs take."""
+
+    channel = ""
+
+
+@pytest.fixture(scope="module", params=[(2, "auto"), (3, "auto"), (2, "grpc"), (3, "grpc")],
+                ids=["2-stages", "3-stages", "2-stages-grpc", "3-stages-grpc"])
 def chain(request, model_dir, tmp_path_factory):
-    procs = start_chain(model_dir, request.param, tmp_path_factory.mktemp("logs"),
-                        NUM_BLOCKS, BLOCK_SIZE)
+    num_stages, channel = request.param
+    procs = _Chain(start_chain(model_dir, num_stages, tmp_path_factory.mktemp("logs"),
+                               NUM_BLOCKS, BLOCK_SIZE, extra=("--stage-channel", channel)))
+    procs.channel = "grpc" if channel == "grpc" else "shm"  # what the stages report (this host has /dev/shm)
     yield procs
     for p in procs:
         p.stop()
@@ -77,6 +90,12 @@ def test_chain_equals_transformers(chain, reference):
     assert driver.peak_in_flight >= 2
     assert max(s.peak_in_flight for s in stats) >= 2, [s.peak_in_flight for s in stats]
     assert all(s.num_failed_micro_batches == 0 and s.busy_ns > 0 for s in stats)
+    # every hand-off took the chosen channel, and the stages say which
+    assert [s.data_channel for s in stats] == [chain.channel] * (len(stats) - 1) + [""]
+    assert [s.upstream_channel for s in stats] == [""] + [chain.channel] * (len(stats) - 1)
+    sent = [(s.num_shm_sent, s.num_grpc_sent) for s in stats[:-1]]
+    assert all((shm if chain.channel == "shm" else grpc) > 0 and (grpc if chain.channel == "shm" else shm) == 0
+               for shm, grpc in sent), sent
     mixed = [r for r in driver.builder.records if r.mixes_prefill_and_decode and len(r.entries) >= 3]
     assert mixed
 
@@ -151,8 +170,10 @@ def test_malformed_plans_fail_alone(chain):
     assert len(ok.sampled) == 1
 
 
-def test_killed_worker_is_seen_promptly_and_restart_shows_new_epoch(model_dir, tmp_path):
-    procs = start_chain(model_dir, 2, tmp_path, NUM_BLOCKS, BLOCK_SIZE)
+@pytest.mark.parametrize("channel", ["auto", "grpc"], ids=["shm", "grpc"])
+def test_killed_worker_is_seen_promptly_and_restart_shows_new_epoch(model_dir, tmp_path, channel):
+    """On either channel; on shared memory the restarted stage maps a new ring (offered again)."""
+    procs = start_chain(model_dir, 2, tmp_path, NUM_BLOCKS, BLOCK_SIZE, extra=("--stage-channel", channel))
     try:
         async def before_kill():
             driver = GrpcPipelineDriver(addresses(procs), PlanBuilder(BLOCK_SIZE, NUM_BLOCKS))
@@ -195,13 +216,15 @@ def test_killed_worker_is_seen_promptly_and_restart_shows_new_epoch(model_dir, t
                     if isinstance(result, worker_pb2.MicroBatchDone):
                         break
                     await asyncio.sleep(1.0)
-                return new_epoch, result
+                return new_epoch, result, await _stats(driver)
             finally:
                 await driver.close()
 
-        new_epoch, result = asyncio.run(after_restart())
+        new_epoch, result, stats = asyncio.run(after_restart())
         assert new_epoch != epoch
         assert isinstance(result, worker_pb2.MicroBatchDone) and len(result.sampled) == 1
+        expect = "grpc" if channel == "grpc" else "shm"
+        assert (stats[0].data_channel, stats[1].upstream_channel) == (expect, expect)
     finally:
         for p in procs:
             p.stop()

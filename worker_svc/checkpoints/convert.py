@@ -37,10 +37,15 @@ def tensor_to_pb(t: torch.Tensor, out: common_pb2.Tensor | None = None) -> commo
     return out
 
 
+def dtype_from_pb(value: int) -> torch.dtype:
+    """InvalidPlanError for a dtype a stage does not take."""
+    if value not in _FROM_PB_DTYPE:
+        raise InvalidPlanError(f"tensor dtype {common_pb2.DType.Name(value) if value in common_pb2.DType.values() else value} is not supported")
+    return _FROM_PB_DTYPE[value]
+
+
 def tensor_from_pb(msg: common_pb2.Tensor) -> torch.Tensor:
-    if msg.dtype not in _FROM_PB_DTYPE:
-        raise InvalidPlanError(f"tensor dtype {common_pb2.DType.Name(msg.dtype) if msg.dtype in common_pb2.DType.values() else msg.dtype} is not supported")
-    dtype = _FROM_PB_DTYPE[msg.dtype]
+    dtype = dtype_from_pb(msg.dtype)
     shape = tuple(msg.shape)
     numel = 1
     for n in shape:

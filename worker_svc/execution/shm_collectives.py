@@ -27,6 +27,7 @@ mapped it: nothing is left behind, however the processes end.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import platform
@@ -45,18 +46,40 @@ def available() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
 
 
+def new_path(kind: str) -> str:
+    """A fresh file name in /dev/shm for `kind` ("tp": these collectives, "pp": a stage pair's
+    ring, worker_svc/execution/stage_ring.py); files of processes that are gone (killed between
+    creating and unlinking theirs) are removed first."""
+    for stale in Path("/dev/shm").glob(f"pagoda-{kind}-*-*"):
+        pid = stale.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            stale.unlink(missing_ok=True)
+    return f"/dev/shm/pagoda-{kind}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def map_file(path: str, total: int, create: bool, reserve: bool = False) -> mmap.mmap:
+    """Map `total` bytes of the file at `path`, creating it (exclusively, owner-only) when
+    `create`; `reserve`: take its memory now (posix_fallocate), so that a /dev/shm too small
+    fails here with OSError instead of with SIGBUS at the first write past its room."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, total)
+            if reserve:
+                os.posix_fallocate(fd, 0, total)
+        elif os.fstat(fd).st_size < total:
+            raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, fewer than {total}")
+        return mmap.mmap(fd, total)
+    finally:
+        os.close(fd)
+
+
 class ShmCollectives:
     def __init__(self, rank: int, size: int, path: str, create: bool, timeout_s: float = 300.0) -> None:
         self.rank, self.size, self.path, self.timeout_s = rank, size, path, timeout_s
         self.total = _FLAGS + 2 * size * SLOT_BYTES + PAYLOAD_BYTES
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, self.total)
-            self._map = mmap.mmap(fd, self.total)
-        finally:
-            os.close(fd)
+        self._map = map_file(path, self.total, create)
         self._flag_list = memoryview(self._map)[:8 * size].cast("q")  # int64 flags, read in place
         self._slots = torch.frombuffer(self._map, dtype=torch.uint8, offset=_FLAGS, count=2 * size * SLOT_BYTES)
         self._payload = torch.frombuffer(self._map, dtype=torch.uint8, offset=_FLAGS + 2 * size * SLOT_BYTES,
@@ -66,20 +89,12 @@ class ShmCollectives:
 
     @staticmethod
     def new_path() -> str:
-        """A fresh file name; files of processes that are gone (killed between creating and
-        unlinking theirs) are removed first."""
-        for stale in Path("/dev/shm").glob("pagoda-tp-*-*"):
-            pid = stale.name.split("-")[2]
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                stale.unlink(missing_ok=True)
-        return f"/dev/shm/pagoda-tp-{os.getpid()}-{secrets.token_hex(6)}"
+        return new_path("tp")
 
     def unlink(self) -> None:
         """Rank 0, once every rank has mapped it: the memory lives until the last unmaps."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     # --- all-reduce ------------------------------------------------------------------------
 
