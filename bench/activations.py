@@ -56,11 +56,11 @@ from bench.machine import cpu_model
 from services import defaults
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from services.sampling import SamplingParams
 from services.step import NewSeq, StepPlan
 from services.step_codec import plan_to_pb
 from wiring.launcher import ServiceProcess, free_port, pagoda_command, stop_all
 from wiring.tiny_model import PRESETS, default_model_dir
-from worker_svc.execution.sampler import SamplingParams
 
 SHAPES = ("prefill", "decode")
 GREEDY = SamplingParams(temperature=0.0)

@@ -343,7 +343,7 @@ class GreedyBatch:
     """
 
     def __init__(self, runner, prompts: list[list[int]], blocks_per_seq: int) -> None:
-        from worker_svc.execution.sampler import SamplingParams
+        from services.sampling import SamplingParams
 
         self.runner = runner
         self.prompts = prompts

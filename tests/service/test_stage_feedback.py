@@ -14,9 +14,9 @@ from support.reference import HFReference
 from support.workers import start_chain
 
 from services.pb import worker_pb2
+from services.sampling import SamplingParams
 from services.step import CachedSeq, NewSeq, StepPlan
 from services.step_codec import plan_to_pb
-from worker_svc.execution.sampler import SamplingParams
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 128

@@ -18,9 +18,9 @@ from support.reference import HFReference
 from support.workers import start_chain
 
 from services.pb import worker_pb2
+from services.sampling import SamplingParams
 from services.step import CachedSeq, NewSeq, StepPlan
 from services.step_codec import plan_to_pb
-from worker_svc.execution.sampler import SamplingParams
 
 PROMPT_LENGTHS = (1, 3, 16, 17, 45, 100, 177, 300)
 NEW_TOKENS = 24

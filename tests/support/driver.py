@@ -15,9 +15,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from services.sampling import SamplingParams
 from services.step import CachedSeq, NewSeq, StepPlan
 from worker_svc.execution.runner import StageRunner
-from worker_svc.execution.sampler import SamplingParams
 
 
 @dataclass

@@ -22,12 +22,12 @@ from support.driver import DriverSeq, PipelineDriver
 from support.reference import HFReference
 from test_model_equivalence import NEW_TOKENS, make_prompts
 
+from services.sampling import SamplingParams
 from wiring.gguf_export import gguf_tensor_name, write_gguf
 from wiring.model_source import prepare_gguf
 from worker_svc.checkpoints.gguf_checkpoint import GGUFCheckpoint
 from worker_svc.checkpoints.loader import load_stage
 from worker_svc.execution.runner import StageRunner
-from worker_svc.execution.sampler import SamplingParams
 from worker_svc.models.registry import ARCHITECTURES, load_config
 from worker_svc.weights.quantization import weight_bytes
 

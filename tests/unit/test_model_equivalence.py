@@ -14,9 +14,9 @@ import torch
 from support.driver import DriverSeq, PipelineDriver
 from support.reference import HFReference
 
+from services.sampling import SamplingParams
 from worker_svc.checkpoints.loader import load_stage
 from worker_svc.execution.runner import StageRunner
-from worker_svc.execution.sampler import SamplingParams
 
 PROMPT_LENGTHS = (1, 3, 16, 17, 45, 100, 177, 300)
 NEW_TOKENS = 32

@@ -11,16 +11,12 @@ import torch
 from support.penalties import check_greedy, processed
 
 from scheduler_svc.core.request import SamplingOptions
+from services.sampling import SamplingParams
 from wiring.local_engine import LLM
 from worker_svc.errors import InvalidPlanError
-from worker_svc.execution.sampler import (
-    Sampler,
-    SampleRow,
-    SamplingParams,
-    SequenceSamplerState,
-    _apply_logit_bias,
-    _apply_penalties,
-)
+from worker_svc.execution.logit_filters import apply_logit_bias, apply_penalties
+from worker_svc.execution.sampler import Sampler
+from worker_svc.execution.sampler_types import SampleRow, SequenceSamplerState
 
 VOCAB = 40
 CASES = [  # (presence, frequency, repetition, logit bias)
@@ -50,7 +46,7 @@ def test_bias_and_penalties_follow_the_definitions():
     g = torch.Generator().manual_seed(0)
     rows, states = rows_and_states(g)
     logits = torch.randn(len(rows), VOCAB, generator=g) * 3
-    got = _apply_penalties(_apply_logit_bias(logits, rows), rows, states)
+    got = apply_penalties(apply_logit_bias(logits, rows), rows, states)
     for i, (presence, frequency, repetition, bias) in enumerate(CASES):
         want = processed(logits[i], list(states[i].prompt_token_ids), states[i].output_token_ids,
                          presence=presence, frequency=frequency, repetition=repetition, logit_bias=bias)
@@ -259,7 +255,7 @@ def test_a_long_history_is_penalised_as_the_definitions_say():
                                    frequency=frequency, repetition=repetition, logit_bias=bias))
         if step:  # the states the sampler has kept since the seeding step
             states = [sampler.state(row.seq_id) for row in rows]
-            got = _apply_penalties(_apply_logit_bias(logits, rows), rows, states)
+            got = apply_penalties(apply_logit_bias(logits, rows), rows, states)
             for i, want in enumerate(wants):
                 torch.testing.assert_close(got[i].double(), want, rtol=1e-6, atol=1e-4)
         out = sampler.sample(logits, rows)

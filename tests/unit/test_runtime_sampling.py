@@ -9,11 +9,11 @@ import torch
 from support.driver import DriverSeq, PipelineDriver
 from support.reference import HFReference
 
+from services.sampling import SamplingParams
 from services.step import CachedSeq, NewSeq, StepPlan
 from worker_svc.checkpoints.loader import load_stage
 from worker_svc.errors import InvalidPlanError
 from worker_svc.execution.runner import StageRunner
-from worker_svc.execution.sampler import SamplingParams
 
 NEW_TOKENS = 24
 

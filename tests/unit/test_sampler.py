@@ -11,17 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
+from services.sampling import SamplingParams
 from worker_svc.errors import InvalidPlanError
-from worker_svc.execution.sampler import (
-    Sampler,
-    SampleRow,
-    SamplingParams,
-    _mix32,
-    _mix32_int,
-    _mul32,
-    row_key,
-    uniform_bits,
-)
+from worker_svc.execution.counter_rng import _mix32, _mix32_int, _mul32, row_key, uniform_bits
+from worker_svc.execution.sampler import Sampler
+from worker_svc.execution.sampler_types import SampleRow
 
 torch.set_num_threads(1)
 

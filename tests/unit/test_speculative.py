@@ -22,7 +22,8 @@ from scheduler_svc.core.speculation import Drafts
 from services.sampling import SamplingParams
 from services.speculative import SpeculativeConfig
 from wiring.local_engine import build_local_engine
-from worker_svc.execution.sampler import Sampler, SampleRow
+from worker_svc.execution.sampler import Sampler
+from worker_svc.execution.sampler_types import SampleRow
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 

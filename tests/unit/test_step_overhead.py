@@ -75,7 +75,7 @@ def test_the_native_embedding_lookup_equals_packed_embeddings(qtype):
     ("params", object()), ("output_position", 1.0)])
 def test_sample_rows_quick_check_lets_no_bad_row_through(field, value):
     from services.sampling import SamplingParams
-    from worker_svc.execution.sampler import SampleRow
+    from worker_svc.execution.sampler_types import SampleRow
 
     kwargs = dict(seq_id=0, params=SamplingParams(), choice_index=0, output_position=0, entropy_seed=0)
     SampleRow(**kwargs)
@@ -86,7 +86,8 @@ def test_sample_rows_quick_check_lets_no_bad_row_through(field, value):
 
 def test_plain_greedy_rows_take_the_raw_argmax_and_masked_ones_do_not():
     from services.sampling import SamplingParams
-    from worker_svc.execution.sampler import Sampler, SampleRow
+    from worker_svc.execution.sampler import Sampler
+    from worker_svc.execution.sampler_types import SampleRow
 
     logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
     rows = [SampleRow(0, SamplingParams(temperature=0.0), 0, 0, 1),

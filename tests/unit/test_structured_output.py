@@ -16,7 +16,8 @@ from services.sampling import MAX_CHOICES, MAX_STRUCTURED_CHARS, SamplingParams,
 from services.sampling_pb import options_to_pb as sampling_params_to_pb
 from services.sampling_pb import params_from_pb as sampling_params_from_pb
 from services.text import Tokenizer
-from worker_svc.execution.sampler import Sampler, SampleRow
+from worker_svc.execution.sampler import Sampler
+from worker_svc.execution.sampler_types import SampleRow
 from worker_svc.execution.structured import GrammarBank
 
 

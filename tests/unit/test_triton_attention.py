@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from services.sampling import SamplingParams
 from services.step import CachedSeq, NewSeq, StepPlan
 from worker_svc.checkpoints.loader import load_stage
 from worker_svc.execution.runner import StageRunner
-from worker_svc.execution.sampler import SamplingParams
 from worker_svc.kernels.attention import AttentionMetadata, TorchAttentionBackend, get_backend
 
 triton_attention = pytest.importorskip("worker_svc.kernels.triton_attention")

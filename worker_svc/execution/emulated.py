@@ -45,10 +45,11 @@ from services.sampling import SamplingParams
 from services.step import PooledOutput, PositionLogprobs, ScoredPrompt, StepPlan
 from worker_svc.config import EMULATED_PREFIX, WorkerConfig
 from worker_svc.execution.batch import PersistentBatch, Row, SeqState, StageShape
+from worker_svc.execution.counter_rng import row_key
 from worker_svc.execution.memory import kv_block_bytes
 from worker_svc.execution.pooler import normalized_bytes
 from worker_svc.execution.runner import StageResult, check_stage_inputs
-from worker_svc.execution.sampler import SamplerOutput, row_key
+from worker_svc.execution.sampler_types import SamplerOutput
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.registry import load_config
 
@@ -164,7 +165,7 @@ def _log(p: float) -> float:
 class EmulatedSampler:
     """Draws each sampled row's token without logits, deterministically per (seed, choice,
     output position), hashed through the real sampler's counter-based key
-    (`worker_svc.execution.sampler.row_key`). The seed is the sequence's entropy seed (drawn from its
+    (`worker_svc.execution.counter_rng.row_key`). The seed is the sequence's entropy seed (drawn from its
     request id and choice at admission); a request with a seed (`SamplingParams.seed`) uses
     that seed mixed with a fingerprint of its prompt (`seed_of`), so that it draws the same
     tokens on every run while requests that share a seed but not a prompt do not (a load

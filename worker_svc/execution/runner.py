@@ -34,7 +34,8 @@ from worker_svc.errors import InvalidPlanError, LoraNotLoadedError
 from worker_svc.execution.batch import PersistentBatch, Row, StageShape
 from worker_svc.execution.kv_cache import PagedKVCache
 from worker_svc.execution.pooler import pool, pool_positions
-from worker_svc.execution.sampler import Sampler, SamplerOutput, SampleRow
+from worker_svc.execution.sampler import Sampler
+from worker_svc.execution.sampler_types import SamplerOutput, SampleRow
 from worker_svc.execution.structured import GrammarBank
 from worker_svc.kernels.attention import AttentionBackend, AttentionMetadata, get_backend
 from worker_svc.kernels.attention_metadata import entry_table, paged_layout
