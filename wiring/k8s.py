@@ -39,14 +39,25 @@ from typing import Any
 
 from services import settings as shared
 from services.defaults import BLOCK_SIZE, NUM_KV_BLOCKS, ROUTING_POLICIES
+from wiring.inference_pool import GATEWAY_HTTP_PORT, MODEL_SERVER, pool_manifests
+from wiring.k8s_objects import (
+    COMPONENT_LABEL,
+    NAME_LABEL,
+    UID,
+    container_security,
+    deployment,
+    labels_of,
+    object_meta,
+    pdb,
+    pod_security,
+    service,
+)
 
 KV_PORT = 50060
 SCHEDULER_PORT = 50052
 WORKER_PORT = 50070
-GATEWAY_HTTP_PORT = 8000
 GATEWAY_GRPC_PORT = 50051
 REDIS_PORT = 6379
-UID = 10001  # the image's user (Dockerfile)
 REDIS_UID = 999  # redis:7-alpine's redis user
 MODELS_MOUNT = "/models"
 API_KEYS_DIR = "/run/secrets/pagoda"
@@ -57,8 +68,6 @@ GATEWAY = "pagoda-gateway"
 BACKEND_PDB = "pagoda-backend"
 ENGINE_CONFIG_HASH = "pagoda.dev/engine-config-hash"  # pods restart when the ConfigMap changes
 COMPONENTS = ("gateway", "scheduler", "kvcache", "worker", "redis")
-NAME_LABEL, COMPONENT_LABEL, REPLICA_LABEL = (
-    "app.kubernetes.io/name", "app.kubernetes.io/component", "pagoda.dev/replica")
 # Flags the manifests set themselves, per component: not engine settings (--set).
 RESERVED_SETTINGS = frozenset({
     "host", "port", "grpc_port", "model", "stage", "num_stages", "next", "feedback", "kvcache",
@@ -129,6 +138,10 @@ class K8sOptions:
     redis_image: str = "redis:7-alpine"
     shm_size: str = "1Gi"  # /dev/shm of a stage pod with T > 1 (NCCL, torch.distributed)
     worker_startup_s: int = 1800  # how long a stage may take to load before it is restarted
+    # an InferencePool of this name (wiring/inference_pool.py): each replica its own gateway, the
+    # extension's endpoint picker routing between them; "" : Pagoda's router gateway
+    inference_pool: str = ""
+    objectives: tuple[tuple[str, int], ...] = ()  # InferenceObjectives: (name, priority)
 
     def __post_init__(self) -> None:
         self._check_sizes()
@@ -191,6 +204,11 @@ class K8sOptions:
                              f"expected {', '.join(COMPONENTS)}")
         if not _MEMORY.fullmatch(self.shm_size):
             raise ValueError(f"shm_size: expected a quantity such as 1Gi, got {self.shm_size!r}")
+        for name in (self.inference_pool, *(n for n, _ in self.objectives)):
+            if name and (not _DNS_LABEL.fullmatch(name) or len(name) > 50):
+                raise ValueError(f"inference pool or objective name: a DNS label of at most 50 characters, got {name!r}")
+        if self.objectives and not self.inference_pool:
+            raise ValueError("objectives: need --inference-pool (an InferenceObjective names its pool)")
 
     @property
     def replica_names(self) -> list[str]:
@@ -210,6 +228,11 @@ class K8sOptions:
 
 def kvcache_name(replica: str) -> str:
     return f"pagoda-{replica}-kvcache"
+
+
+def model_server_name(replica: str) -> str:
+    """A replica's own gateway (an InferencePool's model server)."""
+    return f"pagoda-{replica}-gateway"
 
 
 def scheduler_name(replica: str) -> str:
@@ -278,11 +301,17 @@ def worker_script(options: K8sOptions, replica: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def gateway_args(options: K8sOptions) -> list[str]:
-    schedulers = ",".join(f"{r}={scheduler_name(r)}:{SCHEDULER_PORT}" for r in options.replica_names)
+def gateway_args(options: K8sOptions, replica: str | None = None) -> list[str]:
+    """The router gateway's arguments, or with `replica` that replica's own gateway's (a model
+    server of an InferencePool: one scheduler, no routing)."""
+    if replica is None:
+        schedulers = ",".join(f"{r}={scheduler_name(r)}:{SCHEDULER_PORT}" for r in options.replica_names)
+        routing = ["--routing", options.routing]
+    else:
+        schedulers, routing = f"{scheduler_name(replica)}:{SCHEDULER_PORT}", []
     args = ["gateway", shared.HOST.flag, "0.0.0.0", "--port", str(GATEWAY_HTTP_PORT), "--grpc-port",
             str(GATEWAY_GRPC_PORT), shared.MODEL.flag, options.model_path, "--scheduler", schedulers,
-            "--routing", options.routing, shared.REDIS_URL.flag, redis_url(),
+            *routing, shared.REDIS_URL.flag, redis_url(),
             "--api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
     if options.served_model_names:
         args += ["--served-model-name", *options.served_model_names]
@@ -305,17 +334,6 @@ while pending:
 
 # --- manifests -----------------------------------------------------------------------------
 
-def _labels(component: str, replica: str | None = None) -> dict[str, str]:
-    labels = {NAME_LABEL: "pagoda", COMPONENT_LABEL: component}
-    if replica is not None:
-        labels[REPLICA_LABEL] = replica
-    return labels
-
-
-def _meta(options: K8sOptions, name: str, labels: dict[str, str]) -> dict[str, Any]:
-    return {"name": name, "namespace": options.namespace,
-            "labels": {**labels, "app.kubernetes.io/managed-by": "pagoda-k8s-manifests"}}
-
 
 def _engine_config(options: K8sOptions) -> dict[str, Any]:
     data = {shared.NUM_KV_BLOCKS.variable: str(options.num_kv_blocks),
@@ -323,18 +341,8 @@ def _engine_config(options: K8sOptions) -> dict[str, Any]:
     for name, value in sorted(options.engine.items()):
         data[shared.variable(name)] = ("true" if value else "false") if isinstance(value, bool) else str(value)
     return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _meta(options, ENGINE_CONFIG, {NAME_LABEL: "pagoda", COMPONENT_LABEL: "engine"}),
+            "metadata": object_meta(options, ENGINE_CONFIG, {NAME_LABEL: "pagoda", COMPONENT_LABEL: "engine"}),
             "data": data}
-
-
-def _container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]}}
-
-
-def _pod_security(uid: int = UID) -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
-            "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def _resources(options: K8sOptions, component: str, gpus: int = 0) -> dict[str, Any]:
@@ -382,7 +390,7 @@ def _pagoda_container(options: K8sOptions, name: str, component: str, port: int,
         "resources": _resources(options, component, gpus),
         "readinessProbe": _grpc_probe(port, 5, 3),
         "livenessProbe": _grpc_probe(port, 10, 6),
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         "volumeMounts": mounts,
     })
     return container
@@ -391,52 +399,24 @@ def _pagoda_container(options: K8sOptions, name: str, component: str, port: int,
 def _pod_spec(containers: list[dict], volumes: list[dict], uid: int = UID, **extra) -> dict[str, Any]:
     return {"automountServiceAccountToken": False,
             "enableServiceLinks": False,  # else a Service's {NAME}_PORT variables could read as PAGODA_* flags
-            "securityContext": _pod_security(uid), **extra, "containers": containers, "volumes": volumes}
-
-
-def _deployment(options: K8sOptions, name: str, labels: dict[str, str], pod: dict, replicas: int,
-                strategy: dict, annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
-    template_meta: dict[str, Any] = {"labels": dict(labels)}
-    if annotations:
-        template_meta["annotations"] = dict(annotations)
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(options, name, labels),
-            "spec": {"replicas": replicas, "strategy": dict(strategy), "selector": {"matchLabels": dict(labels)},
-                     "template": {"metadata": template_meta, "spec": pod}}}
-
-
-def _service(options: K8sOptions, name: str, labels: dict[str, str], ports: list[tuple[str, int]], *,
-             headless: bool = False, service_type: str = "ClusterIP", not_ready: bool = False) -> dict[str, Any]:
-    spec: dict[str, Any] = {"type": service_type}
-    if headless:
-        spec["clusterIP"] = "None"
-    if not_ready:  # internal: the caller's own health logic decides (e.g. a broken KV service
-        # must stay reachable for the scheduler's Reset), not the readiness probe
-        spec["publishNotReadyAddresses"] = True
-    spec["selector"] = dict(labels)
-    spec["ports"] = [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"} for n, p in ports]
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(options, name, labels), "spec": spec}
-
-
-def _pdb(options: K8sOptions, name: str, selector: dict[str, Any], labels: dict[str, str]) -> dict[str, Any]:
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(options, name, labels),
-            "spec": {"maxUnavailable": 1, "selector": selector}}
+            "securityContext": pod_security(uid), **extra, "containers": containers, "volumes": volumes}
 
 
 _SINGLETON = {"type": "Recreate"}  # never two schedulers (or KV services) of one replica at once
 
 
 def _kvcache(options: K8sOptions, replica: str) -> list[dict]:
-    labels = _labels("kvcache", replica)
+    labels = labels_of("kvcache", replica)
     volumes, mounts = _writable(False, options)
     container = _pagoda_container(options, "kvcache", "kvcache", KV_PORT, args=kvcache_args(options, replica),
                                   mounts=mounts)
     pod = _pod_spec([container], volumes)
-    return [_deployment(options, kvcache_name(replica), labels, pod, 1, _SINGLETON),
-            _service(options, kvcache_name(replica), labels, [("grpc", KV_PORT)], not_ready=True)]
+    return [deployment(options, kvcache_name(replica), labels, pod, 1, _SINGLETON),
+            service(options, kvcache_name(replica), labels, [("grpc", KV_PORT)], not_ready=True)]
 
 
 def _scheduler(options: K8sOptions, replica: str) -> list[dict]:
-    labels = _labels("scheduler", replica)
+    labels = labels_of("scheduler", replica)
     volumes, mounts = _writable(True, options)
     container = _pagoda_container(options, "scheduler", "scheduler", SCHEDULER_PORT,
                                   args=scheduler_args(options, replica), mounts=mounts)
@@ -449,14 +429,14 @@ def _scheduler(options: K8sOptions, replica: str) -> list[dict]:
     wait = {"name": "wait-for-pipeline", "image": options.image, "imagePullPolicy": options.image_pull_policy,
             "command": ["python", "-c", WAIT_FOR_HEALTH, *backend],
             "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
-            "securityContext": _container_security(), "volumeMounts": [dict(mounts[0])]}
+            "securityContext": container_security(), "volumeMounts": [dict(mounts[0])]}
     pod = _pod_spec([container], volumes, initContainers=[wait])
-    return [_deployment(options, scheduler_name(replica), labels, pod, 1, _SINGLETON),
-            _service(options, scheduler_name(replica), labels, [("grpc", SCHEDULER_PORT)], not_ready=True)]
+    return [deployment(options, scheduler_name(replica), labels, pod, 1, _SINGLETON),
+            service(options, scheduler_name(replica), labels, [("grpc", SCHEDULER_PORT)], not_ready=True)]
 
 
 def _workers(options: K8sOptions, replica: str) -> list[dict]:
-    labels = _labels("worker", replica)
+    labels = labels_of("worker", replica)
     name, tp = worker_name(replica), options.tensor_parallel_size
     volumes, mounts = _writable(True, options)
     f = options.gpu_memory_utilization
@@ -480,24 +460,26 @@ def _workers(options: K8sOptions, replica: str) -> list[dict]:
         extra["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     pod = _pod_spec([container], volumes, **extra)
     statefulset = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(options, name, labels),
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": object_meta(options, name, labels),
         "spec": {"serviceName": name, "replicas": options.pipeline_parallel_size,
                  "podManagementPolicy": "Parallel",  # every stage loads at once; none waits for another
                  "selector": {"matchLabels": dict(labels)},
                  "template": {"metadata": {"labels": dict(labels)}, "spec": pod}}}
     # headless, not-ready addresses published: a stage resolves its neighbours while they load
-    return [statefulset, _service(options, name, labels, [("grpc", WORKER_PORT)], headless=True, not_ready=True)]
+    return [statefulset, service(options, name, labels, [("grpc", WORKER_PORT)], headless=True, not_ready=True)]
 
 
-def _gateway(options: K8sOptions) -> list[dict]:
-    labels = _labels("gateway")
+def _gateway(options: K8sOptions, replica: str | None = None) -> list[dict]:
+    """The router gateway (Deployment, Service, PDB), or with `replica` that replica's own
+    gateway, a model server of the InferencePool (a Deployment of one: the pool selects pods)."""
+    labels = labels_of("gateway") if replica is None else labels_of(MODEL_SERVER, replica)
     volumes, mounts = _writable(True, options)
     volumes.append({"name": "api-keys", "secret": {
         "secretName": options.api_keys_secret, "defaultMode": 0o440,
         "items": [{"key": options.api_keys_key, "path": API_KEYS_FILE}]}})
     mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
-    container = _pagoda_container(options, "gateway", "gateway", GATEWAY_GRPC_PORT, args=gateway_args(options),
-                                  mounts=mounts)
+    container = _pagoda_container(options, "gateway", "gateway", GATEWAY_GRPC_PORT,
+                                  args=gateway_args(options, replica), mounts=mounts)
     container["ports"] = [{"name": "http", "containerPort": GATEWAY_HTTP_PORT},
                           {"name": "grpc", "containerPort": GATEWAY_GRPC_PORT}]
     # ready while it can serve (its health follows the replicas'); alive while its HTTP loop answers
@@ -512,14 +494,16 @@ def _gateway(options: K8sOptions) -> list[dict]:
     scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(GATEWAY_HTTP_PORT),
               "prometheus.io/path": "/metrics"}
     rolling = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
-    return [_deployment(options, GATEWAY, labels, pod, options.gateway_replicas, rolling, scrape),
-            _service(options, GATEWAY, labels, [("http", GATEWAY_HTTP_PORT), ("grpc", GATEWAY_GRPC_PORT)],
+    if replica is not None:
+        return [deployment(options, model_server_name(replica), labels, pod, 1, rolling, scrape)]
+    return [deployment(options, GATEWAY, labels, pod, options.gateway_replicas, rolling, scrape),
+            service(options, GATEWAY, labels, [("http", GATEWAY_HTTP_PORT), ("grpc", GATEWAY_GRPC_PORT)],
                      service_type=options.gateway_service_type),
-            _pdb(options, GATEWAY, {"matchLabels": dict(labels)}, labels)]
+            pdb(options, GATEWAY, {"matchLabels": dict(labels)}, labels)]
 
 
 def _redis(options: K8sOptions) -> list[dict]:
-    labels = _labels("redis")
+    labels = labels_of("redis")
     container = {
         "name": "redis", "image": options.redis_image, "imagePullPolicy": options.image_pull_policy,
         "args": ["redis-server", "--save", "", "--appendonly", "no"],  # nothing to persist
@@ -527,12 +511,12 @@ def _redis(options: K8sOptions) -> list[dict]:
         "resources": _resources(options, "redis"),
         "readinessProbe": {"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 5, "timeoutSeconds": 3},
         "livenessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 10, "failureThreshold": 6},
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
     }
     pod = _pod_spec([container], [{"name": "data", "emptyDir": {}}], uid=REDIS_UID)
-    return [_deployment(options, REDIS, labels, pod, 1, _SINGLETON),
-            _service(options, REDIS, labels, [("redis", REDIS_PORT)])]
+    return [deployment(options, REDIS, labels, pod, 1, _SINGLETON),
+            service(options, REDIS, labels, [("redis", REDIS_PORT)])]
 
 
 def render(options: K8sOptions) -> list[dict[str, Any]]:
@@ -541,7 +525,12 @@ def render(options: K8sOptions) -> list[dict[str, Any]]:
     out = [engine, *_redis(options)]
     for replica in options.replica_names:
         out += _kvcache(options, replica) + _workers(options, replica) + _scheduler(options, replica)
-    out += _gateway(options)
+    if options.inference_pool:  # the extension's endpoint picker routes between the replicas' gateways
+        for replica in options.replica_names:
+            out += _gateway(options, replica)
+        out += pool_manifests(options)
+    else:
+        out += _gateway(options)
     # a process reads its environment once, at start: a changed setting must replace the pods
     digest = hashlib.sha256(json.dumps(engine["data"], sort_keys=True).encode()).hexdigest()[:16]
     for m in out:
@@ -550,8 +539,8 @@ def render(options: K8sOptions) -> list[dict[str, Any]]:
     # a replica is down while any of its pods is: evict one backend pod at a time, and none
     # while a replica is already down (with one replica a drain still proceeds, one pod at a time)
     backend = {"matchLabels": {NAME_LABEL: "pagoda"}, "matchExpressions": [
-        {"key": COMPONENT_LABEL, "operator": "In", "values": ["kvcache", "scheduler", "worker"]}]}
-    out.append(_pdb(options, BACKEND_PDB, backend, {NAME_LABEL: "pagoda", COMPONENT_LABEL: "backend"}))
+        {"key": COMPONENT_LABEL, "operator": "In", "values": ["kvcache", "scheduler", "worker", MODEL_SERVER]}]}
+    out.append(pdb(options, BACKEND_PDB, backend, {NAME_LABEL: "pagoda", COMPONENT_LABEL: "backend"}))
     return out
 
 
@@ -588,6 +577,14 @@ def _requests(text: str) -> tuple[str, Resources]:
         return component.strip(), Resources(cpu.strip(), memory.strip())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
+def _objective(text: str) -> tuple[str, int]:
+    name, sep, priority = text.partition("=")
+    try:
+        return name.strip(), int(priority) if sep else 0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=PRIORITY (e.g. interactive=10), got {text!r}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -630,6 +627,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the Secret holding the gateway's keys file under key '{API_KEYS_FILE}'")
     p.add_argument("--worker-startup-timeout", type=int, default=d.worker_startup_s, metavar="SECONDS",
                    help="how long a stage may take to load the model before it is restarted")
+    p.add_argument("--inference-pool", default="", metavar="NAME",
+                   help="serve as an InferencePool of the Gateway API Inference Extension: each replica its "
+                        "own gateway, the extension's endpoint picker (rendered too) routing between them "
+                        "(docs/deploy.md); default: Pagoda's router gateway")
+    p.add_argument("--inference-objective", dest="objectives", action="append", type=_objective, default=[],
+                   metavar="NAME=PRIORITY", help="an InferenceObjective of the pool (requests name it in the "
+                   "x-gateway-inference-objective header; higher priority is served first); repeatable")
     p.add_argument("--out", "-o", type=Path, help="write the YAML here (default: stdout)")
 
 
@@ -643,7 +647,8 @@ def options_from_args(args: argparse.Namespace) -> K8sOptions:
         served_model_names=tuple(args.served_model_name), num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, engine=dict(args.engine), requests=dict(args.requests),
         internal_token_secret=args.internal_token_secret, api_keys_secret=args.api_keys_secret,
-        worker_startup_s=args.worker_startup_timeout)
+        worker_startup_s=args.worker_startup_timeout, inference_pool=args.inference_pool,
+        objectives=tuple(args.objectives))
 
 
 def _header(options: K8sOptions) -> str:

@@ -26,7 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from wiring import k8s
+from wiring import k8s, k8s_objects
 from wiring.cli import build_parser
 
 KUBERNETES_VERSION = "1.30.0"
@@ -83,7 +83,7 @@ def main_container(workload: dict) -> dict:
 
 
 def component(workload: dict) -> str:
-    return pod_labels(workload)[k8s.COMPONENT_LABEL]
+    return pod_labels(workload)[k8s_objects.COMPONENT_LABEL]
 
 
 def pagoda_workloads(manifests: list[dict]) -> list[dict]:
@@ -191,8 +191,8 @@ def reaches_one(manifests: list[dict], address: str, comp: str, replica: str | N
                 ordinal: int | None = None) -> None:
     ((workload, got_ordinal),) = reached(manifests, address)
     labels = pod_labels(workload)
-    assert labels[k8s.COMPONENT_LABEL] == comp, f"{address} reaches {labels}, not a {comp}"
-    assert labels.get(k8s.REPLICA_LABEL) == replica, f"{address} reaches {labels}, not replica {replica}"
+    assert labels[k8s_objects.COMPONENT_LABEL] == comp, f"{address} reaches {labels}, not a {comp}"
+    assert labels.get(k8s_objects.REPLICA_LABEL) == replica, f"{address} reaches {labels}, not replica {replica}"
     assert got_ordinal == ordinal, f"{address}: stage {got_ordinal}, expected {ordinal}"
 
 
@@ -217,13 +217,13 @@ def test_objects_are_named_labelled_and_namespaced(config):
     assert len(keys) == len(set(keys))
     for m in manifests:
         assert m["metadata"]["namespace"] == options.namespace
-        assert m["metadata"]["labels"][k8s.NAME_LABEL] == "pagoda"
+        assert m["metadata"]["labels"][k8s_objects.NAME_LABEL] == "pagoda"
         assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", m["metadata"]["name"])
     assert not by_kind(manifests, "Secret"), "secrets are the operator's, never rendered"
     for w in workloads(manifests):
         labels = pod_labels(w)
-        assert labels[k8s.NAME_LABEL] == "pagoda" and labels[k8s.COMPONENT_LABEL] in k8s.COMPONENTS
-        assert (k8s.REPLICA_LABEL in labels) == (component(w) in ("kvcache", "scheduler", "worker"))
+        assert labels[k8s_objects.NAME_LABEL] == "pagoda" and labels[k8s_objects.COMPONENT_LABEL] in k8s.COMPONENTS
+        assert (k8s_objects.REPLICA_LABEL in labels) == (component(w) in ("kvcache", "scheduler", "worker"))
         assert w["spec"]["selector"]["matchLabels"] == labels
         if w["kind"] == "StatefulSet":  # its pods' names must be DNS labels, with a revision hash to spare
             assert len(w["metadata"]["name"]) <= 52
@@ -326,7 +326,7 @@ def test_one_kv_layout_per_replica(config):
     layout = {"PAGODA_NUM_KV_BLOCKS": str(options.num_kv_blocks), "PAGODA_BLOCK_SIZE": str(options.block_size)}
     for r in options.replica_names:
         for w in pagoda_workloads(manifests):
-            if pod_labels(w).get(k8s.REPLICA_LABEL) == r:
+            if pod_labels(w).get(k8s_objects.REPLICA_LABEL) == r:
                 env = container_env(manifests, main_container(w))
                 assert {name: env.get(name) for name in layout} == layout, w["metadata"]["name"]
 
@@ -419,7 +419,7 @@ def test_pods_run_unprivileged(config):
     for w in workloads(manifests):
         pod = w["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
-        assert pod["securityContext"]["runAsUser"] == (k8s.UID if component(w) != "redis" else k8s.REDIS_UID)
+        assert pod["securityContext"]["runAsUser"] == (k8s_objects.UID if component(w) != "redis" else k8s.REDIS_UID)
         assert pod["automountServiceAccountToken"] is False
         assert pod["enableServiceLinks"] is False  # no {SERVICE}_PORT variables to read as PAGODA_* flags
         for container in pod["containers"] + pod.get("initContainers", []):

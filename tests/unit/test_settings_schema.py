@@ -25,7 +25,7 @@ from kvcache_svc.config import KVCacheConfig
 from scheduler_svc.config import SchedulerConfig
 from services import settings as shared
 from services.settings import SERVICES, Bound, Setting
-from wiring import k8s
+from wiring import k8s, k8s_objects
 from wiring.cli import build_parser
 from wiring.flags import PARSERS, config_values, flag_args, service_settings
 from wiring.serve import passed_flags, serve_settings
@@ -305,7 +305,7 @@ def test_the_manifests_use_only_declared_variables_and_flags(options):
     for m in manifests:
         if m["kind"] not in ("Deployment", "StatefulSet") or m["metadata"]["name"] == k8s.REDIS:
             continue
-        command = m["metadata"]["labels"][k8s.COMPONENT_LABEL]
+        command = m["metadata"]["labels"][k8s_objects.COMPONENT_LABEL]
         container = m["spec"]["template"]["spec"]["containers"][0]
         for var in container["env"]:
             assert var["name"] in variables[command], f"{command}: {var['name']}"
@@ -313,7 +313,7 @@ def test_the_manifests_use_only_declared_variables_and_flags(options):
             for name in config_maps[source["configMapRef"]["name"]]:
                 assert any(name in v for v in variables.values()), name
         flags = {o for b in service_settings(command) for o in spellings(b.setting)}
-        replica = m["metadata"]["labels"].get(k8s.REPLICA_LABEL)
+        replica = m["metadata"]["labels"].get(k8s_objects.REPLICA_LABEL)
         argvs = ([k8s.worker_args(options, replica, k) for k in range(options.pipeline_parallel_size)]
                  if command == "worker" else [container["args"]])
         for argv in argvs:
