@@ -43,13 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway import dashboard, embeddings, responses, streaming, validation
 from gateway import openai_format as fmt
 from gateway.config import ApiKey, GatewayConfig
-from gateway.core import (
-    ChoiceDelta,
-    GenerationError,
-    GenerationParams,
-    TextGenerator,
-    Usage,
-)
+from gateway.core import TextGenerator
 from gateway.errors import (
     ApiError,
     body_parse_error,
@@ -57,6 +51,7 @@ from gateway.errors import (
     from_validation_errors,
     status_for,
 )
+from gateway.generation import ChoiceDelta, GenerationError, GenerationParams, Usage
 from gateway.lora_routes import add_lora_routes, refresh_loras
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayMiddleware

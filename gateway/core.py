@@ -5,6 +5,9 @@ go through `TextGenerator`: it tokenizes (or applies the chat template), calls
 `Scheduler.Generate`, detokenizes each choice incrementally (never splitting a multi-byte
 character), finds stop strings across token boundaries and, as soon as one matches, aborts
 that choice downstream. It speaks only the scheduler's protocol.
+
+The front doors' types (a generation's parameters, deltas, end and error) are in
+gateway/generation.py, the read-ahead of a request's responses in gateway/read_ahead.py.
 """
 
 from __future__ import annotations
@@ -16,11 +19,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import grpc
 
-from gateway.chat_parsing import ReplyParsing
+from gateway.generation import (
+    ChoiceDelta,
+    Finished,
+    GenerationError,
+    GenerationParams,
+    TokenLogprob,
+    TopToken,
+    Usage,
+)
+from gateway.read_ahead import ConsumerStalled, read_ahead
 from gateway.replicas import (
     NoReplica,
     Replica,
@@ -29,16 +41,13 @@ from gateway.replicas import (
     merge_stats,
     parse_targets,
 )
-from gateway.tools import ToolCalling
 from services import telemetry
 from services.grpc_utils import PIPELINE_DOWN, UNAVAILABLE_REASON_KEY
 from services.pb import common_pb2, scheduler_pb2, worker_pb2
-from services.sampling import SamplingOptions
 from services.sampling_pb import options_to_pb
 from services.text import TextOutputProcessor, Tokenizer
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 # how long a request that has streamed nothing waits for a restarting scheduler (pagoda
 # serve brings one back within a few seconds; a scheduler gone for good is a 503 after this)
 RETRY_UNAVAILABLE_S = 15.0
@@ -54,15 +63,6 @@ _FINISH_NAMES = {
     common_pb2.FINISH_REASON_ABORT: "abort",
     common_pb2.FINISH_REASON_ERROR: "error",
 }
-
-
-class GenerationError(Exception):
-    """The scheduler refused or failed a request: carries its gRPC status for the HTTP mapping."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 # how gRPC words a connection that ended under a call: the scheduler's process went away
@@ -85,152 +85,6 @@ def scheduler_failure(code: grpc.StatusCode, details: str) -> GenerationError:
                                "the connection to the scheduler was lost while the request ran (the scheduler "
                                "stopped or restarted): the answer is incomplete; send the request again")
     return GenerationError(code, details or code.name)
-
-
-class ConsumerStalled(Exception):
-    """The client read nothing while its request's read-ahead stayed full for the stall
-    timeout: the request was aborted downstream (its blocks freed)."""
-
-
-_WAKE = object()
-
-
-async def read_ahead(source: AsyncIterator[T], capacity: int, stall_s: float) -> AsyncIterator[T]:
-    """`source`'s items, read into a buffer of at most `capacity` ahead of the consumer, so
-    that the consumer's pace, not the source's, decides how much is held. When the buffer
-    stays full for `stall_s` seconds (0: never) the source is closed at once (cancelling
-    the call behind it) and, once the consumer has taken what the buffer holds,
-    ConsumerStalled is raised. The source's own error is raised in its place in the order.
-    Closing this iterator closes the source."""
-    queue: asyncio.Queue = asyncio.Queue(capacity)
-    outcome: list[BaseException | None] = []  # set when the source is done: None, or why not
-
-    async def pump() -> None:
-        try:
-            async with contextlib.aclosing(source):
-                async for item in source:
-                    if queue.full() and stall_s:
-                        try:
-                            await asyncio.wait_for(queue.put(item), stall_s)
-                        except TimeoutError:
-                            outcome.append(ConsumerStalled())
-                            return  # leaving the block closes the source
-                    else:
-                        await queue.put(item)
-            outcome.append(None)
-        except Exception as exc:  # the consumer raises it after the items before it
-            outcome.append(exc)
-        finally:
-            if not queue.full():  # a consumer waiting on an empty queue wakes up
-                queue.put_nowait(_WAKE)
-
-    task = asyncio.create_task(pump())
-    try:
-        while True:
-            if queue.empty() and outcome:
-                if outcome[0] is not None:
-                    raise outcome[0]
-                return
-            item = await queue.get()
-            if item is not _WAKE:
-                yield item
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """A request as the front doors validated it: its sampling, in the one type every layer
-    shares (`SamplingOptions`; `max_tokens` None = the rest of the context), and what only
-    the gateway acts on (stop strings, detokenization, routing)."""
-
-    sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions(max_tokens=None))
-    stop: tuple[str, ...] = ()
-    priority: int = 0
-    tenant: str = ""
-    debug_timeline: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    # max_tokens 0: the prompt is computed (and scored when asked); the one token the engine
-    # samples after it is not returned
-    prompt_only: bool = False
-    # chat with tools: how the output becomes tool calls (gateway.tools)
-    tool_calling: ToolCalling | None = None
-    # chat replies read by the server's parsers (auto tool calls, reasoning): their markers
-    # are decoded even when they are special tokens (gateway.chat_parsing)
-    reply_parsing: ReplyParsing | None = None
-    # routing across replicas: requests with one session key go to one replica (`user`, or
-    # the x-session-id header)
-    session: str = ""
-    lora_name: str = ""  # multi-LoRA: the adapter it runs under ("": the base model)
-
-
-class TopToken(NamedTuple):
-    """One of the likeliest tokens at a position. `token` is its decode on its own (U+FFFD where
-    it holds only part of a character, special tokens spelled out); `token_bytes` the bytes it
-    stands for, None where they are the UTF-8 of `token`."""
-
-    token_id: int
-    token: str
-    logprob: float
-    token_bytes: bytes | None = None
-
-
-@dataclass
-class TokenLogprob:
-    """A generated token's log-probability and the likeliest alternatives, most likely first
-    (plain `(token_id, token, logprob)` tuples become `TopToken`s). `token` and `token_bytes`
-    as in `TopToken`."""
-
-    token_id: int
-    token: str
-    logprob: float | None  # None: a prompt's first token (nothing precedes it)
-    top: list[TopToken] = field(default_factory=list)
-    token_bytes: bytes | None = None
-    rank: int | None = None  # 1-based, where the scheduler sent it (prompt tokens)
-
-    def __post_init__(self) -> None:
-        self.top = [TopToken(*t) for t in self.top]
-
-
-@dataclass
-class ChoiceDelta:
-    """New text of one choice; `finish_reason` set on its last delta."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    # vLLM's stop_reason: the stop string, or the requested stop token id (stop_token_ids),
-    # that ended the choice; None for the model's EOS and for any other end
-    stop_reason: str | int | None = None
-    # on each choice's first delta when params.sampling.prompt_logprobs was set: one entry per prompt
-    # token, the first with logprob None (nothing precedes it)
-    prompt_logprobs: list[TokenLogprob] | None = None
-    # the stop token that ended the choice, EOS included (the public gRPC API reports it)
-    stop_token_id: int | None = None
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    preemptions: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass
-class Finished:
-    """The end of a request's stream."""
-
-    usage: Usage
-    timeline: list = field(default_factory=list)
 
 
 class _Backoff:

@@ -30,8 +30,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway import streaming, validation
-from gateway.core import GenerationError, GenerationParams, TextGenerator, Usage
+from gateway.core import TextGenerator
 from gateway.errors import ApiError, invalid
+from gateway.generation import GenerationError, GenerationParams, Usage
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import (
     INT32_MAX,

@@ -26,13 +26,8 @@ import grpc
 
 from gateway import embeddings
 from gateway.config import ApiKey, GatewayConfig
-from gateway.core import (
-    ChoiceDelta,
-    Finished,
-    GenerationError,
-    GenerationParams,
-    TextGenerator,
-)
+from gateway.core import TextGenerator
+from gateway.generation import ChoiceDelta, Finished, GenerationError, GenerationParams
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import stop_limits
 from gateway.ratelimit import (

@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway import tools
 from gateway.chat_parsing import ReplyParsing
-from gateway.core import ChoiceDelta, TokenLogprob, Usage
+from gateway.generation import ChoiceDelta, TokenLogprob, Usage
 from gateway.tools import ToolCalling
 
 # JSON has no infinities: a token of probability 0 gets this instead of -inf (as vLLM).

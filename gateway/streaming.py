@@ -20,8 +20,8 @@ from fastapi.responses import StreamingResponse
 from gateway import openai_format as fmt
 from gateway import tools
 from gateway.chat_parsing import ReplyParsing, ReplyStream, calls_finish_reason
-from gateway.core import ChoiceDelta, Finished, GenerationError, Usage
 from gateway.errors import error_body, status_for
+from gateway.generation import ChoiceDelta, Finished, GenerationError, Usage
 from gateway.tools import ToolCalling
 
 log = logging.getLogger(__name__)

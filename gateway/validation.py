@@ -17,8 +17,8 @@ from typing import Any
 
 from gateway.chat_parsing import ReplyParsing
 from gateway.config import ApiKey, GatewayConfig
-from gateway.core import GenerationParams
 from gateway.errors import ApiError, invalid
+from gateway.generation import GenerationParams
 from gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,

@@ -270,7 +270,8 @@ def test_a_request_whose_replica_refuses_it_unstreamed_goes_to_another(model_dir
     live replica, where it completes."""
     import asyncio
 
-    from gateway.core import Finished, GenerationParams, TextGenerator
+    from gateway.core import TextGenerator
+    from gateway.generation import Finished, GenerationParams
     from services.sampling import SamplingOptions
     from services.text import Tokenizer
 

@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from gateway.config import GatewayConfig
-from gateway.core import ChoiceDelta, Finished, Usage
+from gateway.generation import ChoiceDelta, Finished, Usage
 from gateway.grpc_api import add_generation_service
 from services.generation_config import GGUF_SOURCE_FILE
 from services.grpc_utils import aio_channel, create_aio_server

@@ -136,7 +136,7 @@ def test_two_gateways_on_one_redis_share_a_keys_budget(url, model_factory):
             self.tokenizer, self.max_model_len = tokenizer, 64
 
         async def generate(self, prompt_ids, params, request_id=None, traceparent=""):
-            from gateway.core import ChoiceDelta, Finished, Usage
+            from gateway.generation import ChoiceDelta, Finished, Usage
 
             yield ChoiceDelta(0, "hi", [1], [], finish_reason="length")
             yield Finished(Usage(len(prompt_ids), 1))

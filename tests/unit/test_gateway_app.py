@@ -18,8 +18,8 @@ import pytest
 from gateway import streaming
 from gateway.app import create_app
 from gateway.config import ApiKey, GatewayConfig, load_api_keys
-from gateway.core import ChoiceDelta, Finished, GenerationError, TokenLogprob, Usage
 from gateway.errors import _param_from_loc, status_for
+from gateway.generation import ChoiceDelta, Finished, GenerationError, TokenLogprob, Usage
 from gateway.timeline import Span, chrome_trace
 from services.pb import common_pb2, scheduler_pb2
 from services.text import Tokenizer

@@ -17,7 +17,8 @@ from test_gateway_app import post, run
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.core import ChoiceDelta, Finished, TextGenerator, TokenLogprob, Usage
+from gateway.core import TextGenerator
+from gateway.generation import ChoiceDelta, Finished, TokenLogprob, Usage
 from gateway.parsers import TOOL_CALL_PARSERS
 from services.pb import common_pb2, scheduler_pb2
 from services.text import Tokenizer

@@ -22,7 +22,7 @@ from test_gateway_app import MAX_MODEL_LEN, FakeGenerator, post
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.core import ChoiceDelta, Finished, Usage
+from gateway.generation import ChoiceDelta, Finished, Usage
 from services.text import Tokenizer
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -18,7 +18,8 @@ from test_gateway_app import FakeGenerator, post, run
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.core import ChoiceDelta, Finished, GenerationParams, TextGenerator
+from gateway.core import TextGenerator
+from gateway.generation import ChoiceDelta, Finished, GenerationParams
 from gateway.grpc_api import response_from_delta
 from gateway.metrics import GatewayMetrics
 from gateway.tools import tool_calling

@@ -21,7 +21,7 @@ from test_gateway_auto_tools import REPLIES, ScriptedGenerator, config
 
 from gateway.app import create_app
 from gateway.config import ApiKey
-from gateway.core import GenerationError
+from gateway.generation import GenerationError
 from gateway.responses import ResponseStore, StoredResponse, input_messages, response_param
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",

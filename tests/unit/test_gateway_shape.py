@@ -16,7 +16,8 @@ import grpc
 import pytest
 from support.scripted_call import ScriptedCall, script_scheduler
 
-from gateway.core import Finished, GenerationError, GenerationParams, TextGenerator
+from gateway.core import TextGenerator
+from gateway.generation import Finished, GenerationError, GenerationParams
 from gateway.replicas import ReplicaSet, merge_stats
 from services.grpc_utils import PIPELINE_DOWN, UNAVAILABLE_REASON_KEY
 from services.pb import common_pb2, scheduler_pb2

@@ -24,7 +24,8 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from gateway import openai_format as fmt
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.core import ChoiceDelta, TextGenerator, TokenLogprob, TopToken
+from gateway.core import TextGenerator
+from gateway.generation import ChoiceDelta, TokenLogprob, TopToken
 from gateway.grpc_api import response_from_delta
 from services.pb import common_pb2, scheduler_pb2
 from services.text import Tokenizer

@@ -13,7 +13,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import ApiKey, GatewayConfig, load_api_keys
-from gateway.core import ChoiceDelta, Finished, Usage
+from gateway.generation import ChoiceDelta, Finished, Usage
 from gateway.grpc_api import add_generation_service
 from gateway.ratelimit import (
     ANONYMOUS,

@@ -1,4 +1,4 @@
-"""The gateway's read-ahead of scheduler responses (gateway.core.read_ahead): a client's
+"""The gateway's read-ahead of scheduler responses (gateway.read_ahead): a client's
 pace decides how much is held for it, and a client that stops reading for good has its
 request closed downstream (issue 16: slow consumers)."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from gateway.core import ConsumerStalled, read_ahead
+from gateway.read_ahead import ConsumerStalled, read_ahead
 
 
 class Source:

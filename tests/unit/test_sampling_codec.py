@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.core import GenerationParams
+from gateway.generation import GenerationParams
 from scheduler_svc.core.request import SamplingOptions as SchedulerOptions
 from services.pb import common_pb2
 from services.sampling import SamplingOptions, StructuredOutput, sampling_params

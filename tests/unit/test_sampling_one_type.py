@@ -14,8 +14,8 @@ import pytest
 
 from gateway import validation
 from gateway.config import GatewayConfig
-from gateway.core import GenerationParams
 from gateway.errors import ApiError
+from gateway.generation import GenerationParams
 from gateway.grpc_api import RequestError, admit_prompt
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from scheduler_svc.config import SchedulerConfig

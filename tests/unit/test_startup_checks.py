@@ -165,7 +165,8 @@ def test_serve_passes_seed_tokenizer_and_chat_template_to_its_gateway():
 
 
 def test_the_gateway_gives_a_request_without_a_seed_the_default_one():
-    from gateway.core import GenerationParams, TextGenerator
+    from gateway.core import TextGenerator
+    from gateway.generation import GenerationParams
 
     generator = TextGenerator("127.0.0.1:1", None, 64, default_seed=-1)
     unseeded = generator._request("r", [1, 2], GenerationParams(sampling=SamplingOptions(max_tokens=4)))
