@@ -128,7 +128,8 @@ def measure(model_dir: Path, threads: int, repeats: int, dtype: str, passes: int
     counts, so a burst of another process's work that spans one pass does not."""
     import torch
 
-    from worker_svc.checkpoints.loader import load_stage, resolve_dtype
+    from worker_svc.checkpoints.loader import load_stage
+    from worker_svc.checkpoints.stage_setup import resolve_dtype
     from worker_svc.execution.device import default_attention_backend
     from worker_svc.kernels.cpu_kernels import keep_freed_memory
 

@@ -308,7 +308,7 @@ class ArmSpec:
 def weight_format(model: Path, dtype: str | None) -> str:
     """The tag of the weights a server computes with: a GGUF file's type from its name
     (`X.Q4_1.gguf` -> q4_1) unless a dtype is forced; a folder's forced dtype, or Pagoda's
-    `auto` as `worker_svc.checkpoints.loader.resolve_dtype` resolves it on this CPU."""
+    `auto` as `worker_svc.checkpoints.stage_setup.resolve_dtype` resolves it on this CPU."""
     if dtype is not None and dtype not in ("auto", "None"):
         return DTYPE_TAGS.get(dtype, dtype)
     if model.suffix.lower() == ".gguf":

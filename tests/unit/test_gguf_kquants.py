@@ -104,7 +104,7 @@ def test_auto_keeps_the_kquants_packed(q4_k_m, caplog):
     from worker_svc.weights.packed import PackedEmbedding, PackedParts
     from worker_svc.weights.quantization import weight_bytes
 
-    with caplog.at_level(logging.INFO, logger="worker_svc.checkpoints.loader"):
+    with caplog.at_level(logging.INFO, logger="worker_svc.checkpoints.gguf_loader"):
         stage = load_stage(prepare_gguf(q4_k_m))  # dtype auto
     assert "dequantized to float32 at load" not in caplog.text
     layers = stage.model.layers

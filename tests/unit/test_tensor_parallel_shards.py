@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from wiring.launcher import pagoda_command
-from worker_svc.checkpoints.loader import load_stage, shard_dim
+from worker_svc.checkpoints.loader import load_stage
+from worker_svc.checkpoints.shards import shard_dim
 from worker_svc.config import WorkerConfig
 from worker_svc.execution.memory import kv_block_bytes, size_kv_pool
 from worker_svc.models.registry import load_config

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.checkpoints.loader import TORCH_DTYPES, load_stage
+from worker_svc.checkpoints.loader import load_stage
+from worker_svc.checkpoints.stage_setup import TORCH_DTYPES
 from worker_svc.execution.kv_cache import PagedKVCache
 from worker_svc.kernels.attention import AttentionBackend, AttentionMetadata, get_backend
 from worker_svc.kernels.attention_metadata import paged_layout

@@ -375,7 +375,7 @@ def build_emulated_runner(config: WorkerConfig, sleep: Callable[[float], None] =
     A profile of this machine's CPU (`host_compute`) computes for the step's time instead of
     sleeping (`compute_for`)."""
     from services.device_profile import load_profile
-    from worker_svc.checkpoints.loader import partition_layers, resolve_dtype
+    from worker_svc.checkpoints.stage_setup import partition_layers, resolve_dtype
 
     spec = config.emulated_profile
     if spec is None:

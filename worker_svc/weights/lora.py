@@ -24,7 +24,7 @@ Files: `adapter_config.json` and `adapter_model.safetensors` only; a folder hold
 pickle (`adapter_model.bin`) is refused, never unpickled. Tensor names are PEFT's:
 `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` ([r, in]) and
 `...lora_B.weight` ([out, r]). Tensor parallelism takes a rank's share as
-worker_svc/checkpoints/loader.py shards the base weights: column-parallel targets (q/k/v, gate/up)
+worker_svc/checkpoints/shards.py shards the base weights: column-parallel targets (q/k/v, gate/up)
 slice B's rows, row-parallel ones (o_proj, down_proj) slice A's columns, so the ranks'
 partial deltas of o_proj and down_proj sum (in the layer's all-reduce) to the whole delta.
 """
