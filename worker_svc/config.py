@@ -80,8 +80,10 @@ class WorkerConfig:
     # the data plane (worker_svc/execution/data_plane.py): how hidden states go to the next stage
     stage_channel: str = _passed(
         "auto", "how hidden states go from stage to stage: shm (a shared-memory ring per stage pair, one "
-                "host: the message carries a reference), grpc (in the message: across hosts), auto (shm where "
-                "the next stage takes it, else grpc)", choices=("auto", "shm", "grpc"), group="network")
+                "host: the message carries a reference), nccl (torch.distributed point-to-point: NCCL between "
+                "GPUs, gloo between CPU stages), grpc (in the message: across hosts), auto (nccl on GPUs, then "
+                "shm, where the next stage takes it, else grpc)", choices=("auto", "shm", "nccl", "grpc"),
+        group="network")
 
     def __post_init__(self) -> None:
         self._check_pipeline()
@@ -140,8 +142,8 @@ class WorkerConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.stage_channel not in ("auto", "shm", "grpc"):
-            raise ValueError(f"stage_channel: must be one of auto, shm, grpc, got {self.stage_channel!r}")
+        if self.stage_channel not in ("auto", "shm", "nccl", "grpc"):
+            raise ValueError(f"stage_channel: must be one of auto, shm, nccl, grpc, got {self.stage_channel!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")

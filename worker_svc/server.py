@@ -52,7 +52,7 @@ from worker_svc.checkpoints.convert import dtype_to_pb
 from worker_svc.config import WorkerConfig
 from worker_svc.errors import InvalidPlanError, LoraNotLoadedError
 from worker_svc.execution import stage_ring
-from worker_svc.execution.data_plane import DataPlaneError, DataPlaneIn, DataPlaneOut
+from worker_svc.execution.data_plane import DataPlaneError, DataPlaneIn, DataPlaneOut, received
 from worker_svc.execution.drafter import drafter_for
 from worker_svc.execution.progress import StageProgress
 from worker_svc.execution.runner import StageResult, StageRunner
@@ -104,10 +104,11 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self._channel: grpc.aio.Channel | None = None
         self._call = None
         # the data plane (worker_svc/execution/data_plane.py): hidden states to the next stage and from the previous
-        hidden_size = runner.model.config.hidden_size
+        hidden_size, device = runner.model.config.hidden_size, getattr(runner, "device", "cpu")
         self.data_out = None if config.is_last else DataPlaneOut(
-            config.stage_channel, config.stage, stage_ring.slot_bytes_for(config.max_num_batched_tokens, hidden_size))
-        self.data_in = DataPlaneIn(config.stage_channel)
+            config.stage_channel, config.stage, stage_ring.slot_bytes_for(config.max_num_batched_tokens, hidden_size),
+            device=device, host=config.host)
+        self.data_in = DataPlaneIn(config.stage_channel, device)
         # sampled-token feedback (the first stage receives it, the last stage sends it)
         self._fed: list[tuple[int, int, int]] = []  # (seq_id, position, token) not applied yet
         self._fed_event = asyncio.Event()
@@ -267,7 +268,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         if self.config.is_first:
             return worker_pb2.DataPlaneReply(channel=worker_pb2.DATA_CHANNEL_GRPC,
                                              reason="the first stage takes no hidden states")
-        return self.data_in.accept(request)
+        return await self.data_in.accept(request)
 
     async def LoadInfo(self, request, context):
         return self.load_info()
@@ -358,6 +359,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             num_ring_full_waits=out.num_full_waits if out else 0,
             num_shm_sent=out.num_shm_sent if out else 0,
             num_grpc_sent=out.num_grpc_sent if out else 0,
+            num_p2p_sent=out.num_p2p_sent if out else 0,
         )
 
     # --- the pipeline inside a stage ---------------------------------------------------
@@ -365,6 +367,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
     def _decode(self, work: _Work) -> None:
         mb, cfg = work.mb, self.config
         try:
+            if not cfg.is_first:  # first, whatever the plan: a link's receives pair with its sends in order
+                work.hidden, work.release = self.data_in.hidden(mb)  # released (a ring's slot) after compute
             if mb.stage_index != cfg.stage:
                 raise InvalidPlanError(
                     f"micro-batch {mb.micro_batch_id} is addressed to stage {mb.stage_index}, "
@@ -380,8 +384,6 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                     f"micro-batch {mb.micro_batch_id} has {num_tokens} tokens, over this stage's "
                     f"max_num_batched_tokens={cfg.max_num_batched_tokens}"
                 )
-            if not cfg.is_first:  # in the message, or read in place from the ring (released after compute)
-                work.hidden, work.release = self.data_in.hidden(mb)
             work.plan = plan  # only a plan within limits is kept (its counts go into replies)
         except InvalidPlanError as exc:
             work.error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -440,6 +442,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 work.error = (grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except InvalidPlanError as exc:
                 work.error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except DataPlaneError as exc:  # the link's receive failed: the previous stage went
+                work.error = (grpc.StatusCode.UNAVAILABLE, str(exc))
             except Exception as exc:  # a bug: report it, keep serving
                 log.exception("micro-batch %d failed", work.mb.micro_batch_id)
                 work.error = (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -544,7 +548,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         work.compute_start_ns = time.time_ns()
         self.progress.step_started(work.mb.micro_batch_id)
         try:
-            work.result = self.runner.execute(work.plan, work.hidden)
+            work.result = self.runner.execute(work.plan, received(work.hidden))
         finally:
             self.progress.step_ended()
         work.compute_end_ns = time.time_ns()

@@ -20,7 +20,7 @@ DATA_CHANNEL_SHM: DataChannel
 DATA_CHANNEL_NCCL: DataChannel
 
 class DataPlaneOffer(_message.Message):
-    __slots__ = ("sender_stage", "channel", "path", "token", "ring_id", "num_slots", "slot_bytes")
+    __slots__ = ("sender_stage", "channel", "path", "token", "ring_id", "num_slots", "slot_bytes", "store_address", "backend", "device", "hostname")
     SENDER_STAGE_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,10 @@ class DataPlaneOffer(_message.Message):
     RING_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     sender_stage: int
     channel: DataChannel
     path: str
@@ -35,7 +39,11 @@ class DataPlaneOffer(_message.Message):
     ring_id: int
     num_slots: int
     slot_bytes: int
-    def __init__(self, sender_stage: _Optional[int] = ..., channel: _Optional[_Union[DataChannel, str]] = ..., path: _Optional[str] = ..., token: _Optional[bytes] = ..., ring_id: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+    store_address: str
+    backend: str
+    device: str
+    hostname: str
+    def __init__(self, sender_stage: _Optional[int] = ..., channel: _Optional[_Union[DataChannel, str]] = ..., path: _Optional[str] = ..., token: _Optional[bytes] = ..., ring_id: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., store_address: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class DataPlaneReply(_message.Message):
     __slots__ = ("channel", "reason")
@@ -400,7 +408,7 @@ class StageStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("stage_index", "epoch", "busy_ns", "idle_ns", "num_micro_batches", "num_failed_micro_batches", "num_tokens", "num_in_flight", "peak_in_flight", "num_block_copies", "num_received_bytes", "num_sent_bytes", "uptime_ns", "num_fed_tokens", "num_feedback_waits", "num_abandoned", "num_progress_ticks", "progress_age_ns", "computing_micro_batch_id", "cpu", "data_channel", "upstream_channel", "num_ring_full_waits", "num_shm_sent", "num_grpc_sent")
+    __slots__ = ("stage_index", "epoch", "busy_ns", "idle_ns", "num_micro_batches", "num_failed_micro_batches", "num_tokens", "num_in_flight", "peak_in_flight", "num_block_copies", "num_received_bytes", "num_sent_bytes", "uptime_ns", "num_fed_tokens", "num_feedback_waits", "num_abandoned", "num_progress_ticks", "progress_age_ns", "computing_micro_batch_id", "cpu", "data_channel", "upstream_channel", "num_ring_full_waits", "num_shm_sent", "num_grpc_sent", "num_p2p_sent")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BUSY_NS_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +434,7 @@ class StageStats(_message.Message):
     NUM_RING_FULL_WAITS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHM_SENT_FIELD_NUMBER: _ClassVar[int]
     NUM_GRPC_SENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_P2P_SENT_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     epoch: int
     busy_ns: int
@@ -451,7 +460,8 @@ class StageStats(_message.Message):
     num_ring_full_waits: int
     num_shm_sent: int
     num_grpc_sent: int
-    def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., busy_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_failed_micro_batches: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_received_bytes: _Optional[int] = ..., num_sent_bytes: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., num_fed_tokens: _Optional[int] = ..., num_feedback_waits: _Optional[int] = ..., num_abandoned: _Optional[int] = ..., num_progress_ticks: _Optional[int] = ..., progress_age_ns: _Optional[int] = ..., computing_micro_batch_id: _Optional[int] = ..., cpu: _Optional[str] = ..., data_channel: _Optional[str] = ..., upstream_channel: _Optional[str] = ..., num_ring_full_waits: _Optional[int] = ..., num_shm_sent: _Optional[int] = ..., num_grpc_sent: _Optional[int] = ...) -> None: ...
+    num_p2p_sent: int
+    def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., busy_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_failed_micro_batches: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_received_bytes: _Optional[int] = ..., num_sent_bytes: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., num_fed_tokens: _Optional[int] = ..., num_feedback_waits: _Optional[int] = ..., num_abandoned: _Optional[int] = ..., num_progress_ticks: _Optional[int] = ..., progress_age_ns: _Optional[int] = ..., computing_micro_batch_id: _Optional[int] = ..., cpu: _Optional[str] = ..., data_channel: _Optional[str] = ..., upstream_channel: _Optional[str] = ..., num_ring_full_waits: _Optional[int] = ..., num_shm_sent: _Optional[int] = ..., num_grpc_sent: _Optional[int] = ..., num_p2p_sent: _Optional[int] = ...) -> None: ...
 
 class StageHealthRequest(_message.Message):
     __slots__ = ()

@@ -1,8 +1,9 @@
 """Stage workers as real processes chained over gRPC on loopback, driven by a test driver.
 
 Hidden states cross between stages on the channel the stages choose (issue 37): a
-shared-memory ring on this host, and again with the gRPC fallback forced (`--stage-channel
-grpc`): the same output either way."""
+shared-memory ring on this host; again with the gRPC fallback forced (`--stage-channel
+grpc`); and on the point-to-point link of the NCCL channel, which CPU stages run on gloo:
+the same output every way."""
 
 from __future__ import annotations
 
@@ -45,13 +46,14 @@ class _Chain(list):
     channel = ""
 
 
-@pytest.fixture(scope="module", params=[(2, "auto"), (3, "auto"), (2, "grpc"), (3, "grpc")],
-                ids=["2-stages", "3-stages", "2-stages-grpc", "3-stages-grpc"])
+@pytest.fixture(scope="module", params=[(2, "auto"), (3, "auto"), (2, "grpc"), (3, "grpc"), (3, "nccl")],
+                ids=["2-stages", "3-stages", "2-stages-grpc", "3-stages-grpc", "3-stages-p2p"])
 def chain(request, model_dir, tmp_path_factory):
     num_stages, channel = request.param
     procs = _Chain(start_chain(model_dir, num_stages, tmp_path_factory.mktemp("logs"),
                                NUM_BLOCKS, BLOCK_SIZE, extra=("--stage-channel", channel)))
-    procs.channel = "grpc" if channel == "grpc" else "shm"  # what the stages report (this host has /dev/shm)
+    # what the stages report (this host has /dev/shm; point-to-point between CPU stages is gloo)
+    procs.channel = {"auto": "shm", "nccl": "gloo"}.get(channel, channel)
     yield procs
     for p in procs:
         p.stop()
@@ -93,9 +95,8 @@ def test_chain_equals_transformers(chain, reference):
     # every hand-off took the chosen channel, and the stages say which
     assert [s.data_channel for s in stats] == [chain.channel] * (len(stats) - 1) + [""]
     assert [s.upstream_channel for s in stats] == [""] + [chain.channel] * (len(stats) - 1)
-    sent = [(s.num_shm_sent, s.num_grpc_sent) for s in stats[:-1]]
-    assert all((shm if chain.channel == "shm" else grpc) > 0 and (grpc if chain.channel == "shm" else shm) == 0
-               for shm, grpc in sent), sent
+    sent = [{"shm": s.num_shm_sent, "grpc": s.num_grpc_sent, "gloo": s.num_p2p_sent} for s in stats[:-1]]
+    assert all(n[chain.channel] > 0 and sum(n.values()) == n[chain.channel] for n in sent), sent
     mixed = [r for r in driver.builder.records if r.mixes_prefill_and_decode and len(r.entries) >= 3]
     assert mixed
 

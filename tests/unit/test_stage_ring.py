@@ -1,9 +1,10 @@
-"""The shared-memory ring of a stage pair (worker_svc/execution/stage_ring.py) and the data plane
+"""The data plane's channels (issue 37). The shared-memory ring of a stage pair (worker_svc/execution/stage_ring.py) and the data plane
 around it (worker_svc/execution/data_plane.py): hand-offs read in place with the bits written;
 a full ring holds the writer back (back-pressure) and loses nothing; a writer that nobody
 reads from gets a clear error, not a hang; a reader never takes a slot that is not published
 with the number it was told; the file is gone once both sides map it; offers a receiver
-cannot or must not take fall back to gRPC."""
+cannot or must not take fall back to gRPC. The point-to-point link (the NCCL channel's
+protocol, on gloo here): hand-offs pair up in order, a broken pairing is an error."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ import torch
 from services.pb import worker_pb2
 from worker_svc.errors import InvalidPlanError
 from worker_svc.execution import stage_ring
-from worker_svc.execution.data_plane import DataPlaneError, DataPlaneIn, DataPlaneOut, ref_to_pb
+from worker_svc.execution.data_plane import (
+    DataPlaneError,
+    DataPlaneIn,
+    DataPlaneOut,
+    received,
+    ref_to_pb,
+)
 from worker_svc.execution.stage_ring import RingFullError, RingReader, RingWriter
 
 pytestmark = pytest.mark.skipif(not stage_ring.available(), reason="needs x86-64 and /dev/shm")
@@ -173,16 +180,16 @@ def test_offers_a_receiver_cannot_or_must_not_take_fall_back_to_grpc():
     try:
         offer = worker_pb2.DataPlaneOffer(sender_stage=0, channel=worker_pb2.DATA_CHANNEL_SHM, path=w.path,
                                           token=w.token, ring_id=w.ring_id, num_slots=2, slot_bytes=SLOT)
-        refused = DataPlaneIn("grpc").accept(offer)
+        refused = asyncio.run(DataPlaneIn("grpc").accept(offer))
         assert refused.channel == worker_pb2.DATA_CHANNEL_GRPC and "grpc" in refused.reason
         odd = worker_pb2.DataPlaneOffer()
         odd.CopyFrom(offer)
         odd.path = "/etc/passwd"
-        assert "not a stage ring" in DataPlaneIn("auto").accept(odd).reason
+        assert "not a stage ring" in asyncio.run(DataPlaneIn("auto").accept(odd)).reason
         odd.path, odd.token = offer.path, b"y" * 16
-        assert "token" in DataPlaneIn("auto").accept(odd).reason
+        assert "token" in asyncio.run(DataPlaneIn("auto").accept(odd)).reason
         inbound = DataPlaneIn("auto")
-        assert inbound.accept(offer).channel == worker_pb2.DATA_CHANNEL_SHM
+        assert asyncio.run(inbound.accept(offer)).channel == worker_pb2.DATA_CHANNEL_SHM
     finally:
         w.unlink()
     ref = w.try_write(torch.arange(6, dtype=torch.float32))
@@ -204,3 +211,64 @@ def test_a_channel_setting_that_is_not_one_is_refused():
         DataPlaneOut("nccl-please", 0, SLOT)
     with pytest.raises(ValueError, match="stage_channel"):
         DataPlaneIn("fast")
+
+
+class LoopbackStub:
+    """The next stage's OpenDataPlane, called in this process."""
+
+    def __init__(self, inbound: DataPlaneIn) -> None:
+        self.inbound = inbound
+
+    async def OpenDataPlane(self, offer, timeout=None):
+        return await self.inbound.accept(offer)
+
+
+def test_the_point_to_point_link_hands_off_in_order_on_gloo():
+    """The NCCL channel's protocol with gloo (CPU): the offer forms a group of two, each
+    hand-off is a reference in the message and a send the receiver pairs with a receive."""
+    out, inbound = DataPlaneOut("nccl", 0, SLOT), DataPlaneIn("auto")
+    sent = [torch.randn(r, 32) for r in (1, 16, 64, 3)] + [torch.randn(2, 8).to(torch.bfloat16)]
+
+    async def go():
+        await out.connect(LoopbackStub(inbound), timeout_s=20)
+        got = []
+        for t in sent:
+            mb = worker_pb2.MicroBatch()
+            await out.place(out.pack(t, mb), mb)
+            assert mb.HasField("hidden_ref") and not mb.HasField("hidden_states")
+            future, release = inbound.hidden(mb)
+            assert release is None
+            got.append(await asyncio.get_running_loop().run_in_executor(None, received, future))
+        skipped = worker_pb2.MicroBatch(micro_batch_id=9)
+        await out.place(out.pack(torch.ones(2, 2), skipped), skipped)  # lost on its way
+        lost = worker_pb2.MicroBatch(micro_batch_id=10)
+        await out.place(out.pack(torch.ones(2, 2), lost), lost)
+        with pytest.raises(InvalidPlanError, match="micro-batch 10: hand-off 7 .* expected 6"):
+            inbound.hidden(lost)
+        return got
+
+    got = asyncio.run(go())
+    assert out.channel == "gloo" and inbound.channel == "gloo" and out.num_p2p_sent == len(sent) + 2
+    assert all(torch.equal(a, b) for a, b in zip(got, sent, strict=True))
+    out.drop()
+    inbound._close_link()
+
+
+def test_point_to_point_offers_follow_the_settings():
+    async def go(sender: str, receiver: str):
+        out = DataPlaneOut(sender, 0, SLOT)
+        try:
+            await out.connect(LoopbackStub(DataPlaneIn(receiver)), timeout_s=20)
+        except DataPlaneError as exc:
+            return str(exc)
+        channel = out.channel
+        out.drop()
+        return channel
+
+    assert asyncio.run(go("auto", "auto")) == "shm"  # on the CPU no link is offered unasked
+    assert "set to --stage-channel shm" in asyncio.run(go("nccl", "shm"))
+    assert "set to --stage-channel nccl" in asyncio.run(go("shm", "nccl"))
+    assert asyncio.run(go("grpc", "nccl")) == "grpc"
+    offer = worker_pb2.DataPlaneOffer(channel=worker_pb2.DATA_CHANNEL_NCCL, backend="nccl", device="cuda:0")
+    assert "needs GPUs" in asyncio.run(DataPlaneIn("auto").accept(offer)).reason
+    assert received(None) is None
