@@ -15,13 +15,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from wiring import k8s, k8s_objects
+from wiring import k8s, k8s_objects, k8s_options
 from wiring.cli import build_parser
 from wiring.inference_pool import EPP_CONFIG_FILE, EPP_PORT, epp_name
 
 CRDS = Path(__file__).resolve().parents[1] / "fixtures" / "inference_extension"
 KUBERNETES_VERSION = "1.30.0"
-OPTIONS = k8s.K8sOptions(replicas=3, pipeline_parallel_size=2, namespace="llm", inference_pool="pagoda-pool",
+OPTIONS = k8s_options.K8sOptions(replicas=3, pipeline_parallel_size=2, namespace="llm", inference_pool="pagoda-pool",
                          objectives=(("interactive", 10), ("batch", -10)), served_model_names=("smol",))
 
 
@@ -116,11 +116,11 @@ def test_the_pool_selects_exactly_the_replicas_own_gateways(manifests):
         container = m["spec"]["template"]["spec"]["containers"][0]
         args = container["args"]
         assert args[0] == "gateway" and "--routing" not in args
-        assert args[args.index("--scheduler") + 1] == f"pagoda-{replica}-scheduler:{k8s.SCHEDULER_PORT}"
+        assert args[args.index("--scheduler") + 1] == f"pagoda-{replica}-scheduler:{k8s_options.SCHEDULER_PORT}"
         assert args[args.index("--served-model-name") + 1] == "smol"
         http = {p["name"]: p["containerPort"] for p in container["ports"]}["http"]
         assert pool["spec"]["targetPorts"] == [{"number": http}]
-    assert not [m for m in manifests if m["metadata"]["name"] == k8s.GATEWAY]  # the picker routes now
+    assert not [m for m in manifests if m["metadata"]["name"] == k8s_options.GATEWAY]  # the picker routes now
 
 
 def test_the_endpoint_picker_is_the_one_the_pool_names(manifests):
@@ -163,6 +163,6 @@ def test_the_command_line_renders_a_pool(tmp_path):
 
 def test_objectives_need_a_pool_and_names_are_checked():
     with pytest.raises(ValueError, match="inference-pool"):
-        k8s.K8sOptions(objectives=(("a", 1),))
+        k8s_options.K8sOptions(objectives=(("a", 1),))
     with pytest.raises(ValueError, match="DNS label"):
-        k8s.K8sOptions(inference_pool="Not_A_Name")
+        k8s_options.K8sOptions(inference_pool="Not_A_Name")

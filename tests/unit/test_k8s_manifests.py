@@ -26,25 +26,25 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from wiring import k8s, k8s_objects
+from wiring import k8s, k8s_objects, k8s_options
 from wiring.cli import build_parser
 
 KUBERNETES_VERSION = "1.30.0"
 CONFIGS = {
-    "one": k8s.K8sOptions(),
-    "four": k8s.K8sOptions(replicas=4, engine={"max_num_seqs": 64, "max_model_len": 8192,
+    "one": k8s_options.K8sOptions(),
+    "four": k8s_options.K8sOptions(replicas=4, engine={"max_num_seqs": 64, "max_model_len": 8192,
                                                "enable_prefix_caching": True}),
-    "four-pp2-tp2-gpus": k8s.K8sOptions(replicas=4, pipeline_parallel_size=2, tensor_parallel_size=2,
+    "four-pp2-tp2-gpus": k8s_options.K8sOptions(replicas=4, pipeline_parallel_size=2, tensor_parallel_size=2,
                                         gpus=True, gpu_memory_utilization=0.9, num_kv_blocks=4096,
                                         model_path="/models/Meta-Llama-3.1-8B-Instruct"),
-    "two-pp3": k8s.K8sOptions(replicas=2, pipeline_parallel_size=3, block_size=32, namespace="llm"),
+    "two-pp3": k8s_options.K8sOptions(replicas=2, pipeline_parallel_size=3, block_size=32, namespace="llm"),
 }
 SECRET = "<from a Secret>"
 GRPC_PORT_FLAG = {"kvcache": "--port", "scheduler": "--port", "worker": "--port", "gateway": "--grpc-port"}
 
 
 @pytest.fixture(params=sorted(CONFIGS), scope="module")
-def config(request) -> tuple[k8s.K8sOptions, list[dict[str, Any]]]:
+def config(request) -> tuple[k8s_options.K8sOptions, list[dict[str, Any]]]:
     """The options and their manifests, as `kubectl` reads them back from the YAML."""
     options = CONFIGS[request.param]
     manifests = k8s.render(options)
@@ -205,7 +205,7 @@ def test_every_manifest_validates_strictly(config):
 
 
 def test_strict_validation_catches_an_unknown_field():
-    manifest = k8s.render(k8s.K8sOptions())[0]
+    manifest = k8s.render(k8s_options.K8sOptions())[0]
     manifest["metadata"]["label"] = {"typo": "x"}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
@@ -222,7 +222,7 @@ def test_objects_are_named_labelled_and_namespaced(config):
     assert not by_kind(manifests, "Secret"), "secrets are the operator's, never rendered"
     for w in workloads(manifests):
         labels = pod_labels(w)
-        assert labels[k8s_objects.NAME_LABEL] == "pagoda" and labels[k8s_objects.COMPONENT_LABEL] in k8s.COMPONENTS
+        assert labels[k8s_objects.NAME_LABEL] == "pagoda" and labels[k8s_objects.COMPONENT_LABEL] in k8s_options.COMPONENTS
         assert (k8s_objects.REPLICA_LABEL in labels) == (component(w) in ("kvcache", "scheduler", "worker"))
         assert w["spec"]["selector"]["matchLabels"] == labels
         if w["kind"] == "StatefulSet":  # its pods' names must be DNS labels, with a revision hash to spare
@@ -230,12 +230,12 @@ def test_objects_are_named_labelled_and_namespaced(config):
     expected = {"gateway": 1, "redis": 1, "kvcache": options.replicas, "scheduler": options.replicas,
                 "worker": options.replicas}
     assert {c: sum(component(w) == c for w in workloads(manifests)) for c in expected} == expected
-    gateway = by_kind(manifests, "Deployment")[k8s.GATEWAY]
+    gateway = by_kind(manifests, "Deployment")[k8s_options.GATEWAY]
     assert gateway["spec"]["replicas"] == options.gateway_replicas
     for r in options.replica_names:
-        assert by_kind(manifests, "StatefulSet")[k8s.worker_name(r)]["spec"]["replicas"] == \
+        assert by_kind(manifests, "StatefulSet")[k8s_options.worker_name(r)]["spec"]["replicas"] == \
             options.pipeline_parallel_size
-        for name in (k8s.kvcache_name(r), k8s.scheduler_name(r)):  # never two at once
+        for name in (k8s_options.kvcache_name(r), k8s_options.scheduler_name(r)):  # never two at once
             assert by_kind(manifests, "Deployment")[name]["spec"] == {
                 **by_kind(manifests, "Deployment")[name]["spec"], "replicas": 1, "strategy": {"type": "Recreate"}}
 
@@ -261,8 +261,8 @@ def test_disruption_budgets_select_existing_pods(config):
     budgets = by_kind(manifests, "PodDisruptionBudget")
     chosen = {name: {component(w) for w in workloads(manifests) if selects(pdb["spec"]["selector"], pod_labels(w))}
               for name, pdb in budgets.items()}
-    assert chosen == {k8s.GATEWAY: {"gateway"}, k8s.BACKEND_PDB: {"kvcache", "scheduler", "worker"}}
-    backend = [w for w in workloads(manifests) if selects(budgets[k8s.BACKEND_PDB]["spec"]["selector"], pod_labels(w))]
+    assert chosen == {k8s_options.GATEWAY: {"gateway"}, k8s_options.BACKEND_PDB: {"kvcache", "scheduler", "worker"}}
+    backend = [w for w in workloads(manifests) if selects(budgets[k8s_options.BACKEND_PDB]["spec"]["selector"], pod_labels(w))]
     assert len(backend) == 3 * options.replicas  # every replica's pods: at most one disrupted
     assert all(pdb["spec"]["maxUnavailable"] == 1 for pdb in budgets.values())
 
@@ -274,20 +274,20 @@ def test_every_address_names_a_service_with_that_port(config, fake_pagoda):
     deployments, statefulsets = by_kind(manifests, "Deployment"), by_kind(manifests, "StatefulSet")
     n = options.pipeline_parallel_size
     for r in options.replica_names:
-        ((_, argv),) = argv_of(manifests, deployments[k8s.scheduler_name(r)], fake_pagoda)
+        ((_, argv),) = argv_of(manifests, deployments[k8s_options.scheduler_name(r)], fake_pagoda)
         reaches_one(manifests, flag(argv, "--kvcache"), "kvcache", r)
         stages = flag(argv, "--stages").split(",")
         assert len(stages) == n == int(flag(argv, "--pipeline-parallel-size"))
         for k, address in enumerate(stages):
             reaches_one(manifests, address, "worker", r, k)
-        init = deployments[k8s.scheduler_name(r)]["spec"]["template"]["spec"]["initContainers"]
+        init = deployments[k8s_options.scheduler_name(r)]["spec"]["template"]["spec"]["initContainers"]
         waited = init[0]["command"][3:]  # python -c CODE ADDRESS...
         assert waited == [flag(argv, "--kvcache"), *stages]
-        ((_, argv),) = argv_of(manifests, deployments[k8s.kvcache_name(r)], fake_pagoda)
+        ((_, argv),) = argv_of(manifests, deployments[k8s_options.kvcache_name(r)], fake_pagoda)
         assert flag(argv, "--replica-id") == r
         reaches_one(manifests, flag(argv, "--redis-url").removeprefix("redis://").removesuffix("/0"), "redis", None)
-        for k, (pod, argv) in enumerate(argv_of(manifests, statefulsets[k8s.worker_name(r)], fake_pagoda)):
-            assert pod == f"{k8s.worker_name(r)}-{k}" and int(flag(argv, "--stage")) == k
+        for k, (pod, argv) in enumerate(argv_of(manifests, statefulsets[k8s_options.worker_name(r)], fake_pagoda)):
+            assert pod == f"{k8s_options.worker_name(r)}-{k}" and int(flag(argv, "--stage")) == k
             if k < n - 1:
                 reaches_one(manifests, flag(argv, "--next"), "worker", r, k + 1)
             else:
@@ -296,7 +296,7 @@ def test_every_address_names_a_service_with_that_port(config, fake_pagoda):
                 reaches_one(manifests, flag(argv, "--feedback"), "worker", r, 0)
             else:
                 assert "--feedback" not in argv
-    ((_, argv),) = argv_of(manifests, deployments[k8s.GATEWAY], fake_pagoda)
+    ((_, argv),) = argv_of(manifests, deployments[k8s_options.GATEWAY], fake_pagoda)
     routes = [part.split("=", 1) for part in flag(argv, "--scheduler").split(",")]
     assert [name for name, _ in routes] == options.replica_names
     for name, address in routes:
@@ -307,13 +307,13 @@ def test_every_address_names_a_service_with_that_port(config, fake_pagoda):
 def test_the_worker_command_is_worker_args_for_every_stage(config, fake_pagoda):
     options, manifests = config
     for r in options.replica_names:
-        sts = by_kind(manifests, "StatefulSet")[k8s.worker_name(r)]
+        sts = by_kind(manifests, "StatefulSet")[k8s_options.worker_name(r)]
         for k, (_, argv) in enumerate(argv_of(manifests, sts, fake_pagoda)):
             assert argv == k8s.worker_args(options, r, k)
 
 
 def test_the_worker_command_refuses_a_hostname_without_an_ordinal(fake_pagoda):
-    (sts,) = by_kind(k8s.render(k8s.K8sOptions()), "StatefulSet").values()
+    (sts,) = by_kind(k8s.render(k8s_options.K8sOptions()), "StatefulSet").values()
     done = subprocess.run(main_container(sts)["command"], env={"PATH": f"{fake_pagoda}:/usr/bin:/bin",
                           "HOSTNAME": "pagoda-worker"}, capture_output=True, text=True, timeout=10)
     assert done.returncode == 1 and "cannot read the stage" in done.stderr and done.stdout == ""
@@ -350,14 +350,14 @@ def test_the_stage_definitions_carry_tensor_parallel_size_and_memory_utilization
 
 
 def test_pods_restart_when_the_engine_settings_change():
-    def hashes(options: k8s.K8sOptions) -> set[str]:
-        return {w["spec"]["template"]["metadata"]["annotations"][k8s.ENGINE_CONFIG_HASH]
+    def hashes(options: k8s_options.K8sOptions) -> set[str]:
+        return {w["spec"]["template"]["metadata"]["annotations"][k8s_options.ENGINE_CONFIG_HASH]
                 for w in pagoda_workloads(k8s.render(options))}
 
-    (before,) = hashes(k8s.K8sOptions(replicas=2))
-    assert hashes(k8s.K8sOptions(replicas=3)) == {before}
-    assert hashes(k8s.K8sOptions(replicas=2, engine={"max_num_seqs": 64})) != {before}
-    assert hashes(k8s.K8sOptions(replicas=2, num_kv_blocks=2048)) != {before}
+    (before,) = hashes(k8s_options.K8sOptions(replicas=2))
+    assert hashes(k8s_options.K8sOptions(replicas=3)) == {before}
+    assert hashes(k8s_options.K8sOptions(replicas=2, engine={"max_num_seqs": 64})) != {before}
+    assert hashes(k8s_options.K8sOptions(replicas=2, num_kv_blocks=2048)) != {before}
 
 
 def test_every_pagoda_container_takes_the_internal_token_from_a_secret(config):
@@ -377,14 +377,14 @@ def test_the_models_and_the_api_keys_are_mounted_where_the_flags_point(config, f
         for _, argv in argv_of(manifests, w, fake_pagoda):
             model = flag(argv, "--model")
             if component(w) == "kvcache":
-                assert model is None and k8s.MODELS_MOUNT not in mounts
+                assert model is None and k8s_options.MODELS_MOUNT not in mounts
                 continue
             assert model == options.model_path
-            mount = mounts[k8s.MODELS_MOUNT]
+            mount = mounts[k8s_options.MODELS_MOUNT]
             assert mount["readOnly"] is True
             assert volumes[mount["name"]]["persistentVolumeClaim"] == {"claimName": options.models_claim,
                                                                         "readOnly": True}
-    gateway = by_kind(manifests, "Deployment")[k8s.GATEWAY]
+    gateway = by_kind(manifests, "Deployment")[k8s_options.GATEWAY]
     keys_file = flag(main_container(gateway)["args"], "--api-keys-file")
     mount = {m["mountPath"]: m for m in main_container(gateway)["volumeMounts"]}[os.path.dirname(keys_file)]
     (volume,) = [v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
@@ -419,7 +419,7 @@ def test_pods_run_unprivileged(config):
     for w in workloads(manifests):
         pod = w["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
-        assert pod["securityContext"]["runAsUser"] == (k8s_objects.UID if component(w) != "redis" else k8s.REDIS_UID)
+        assert pod["securityContext"]["runAsUser"] == (k8s_objects.UID if component(w) != "redis" else k8s_options.REDIS_UID)
         assert pod["automountServiceAccountToken"] is False
         assert pod["enableServiceLinks"] is False  # no {SERVICE}_PORT variables to read as PAGODA_* flags
         for container in pod["containers"] + pod.get("initContainers", []):
@@ -464,18 +464,18 @@ def test_the_kv_service_parses(config, fake_pagoda):
     """Needs `pagoda kvcache --replica-id --redis-url` (issue 13)."""
     options, manifests = config
     for r in options.replica_names:
-        w = by_kind(manifests, "Deployment")[k8s.kvcache_name(r)]
+        w = by_kind(manifests, "Deployment")[k8s_options.kvcache_name(r)]
         args = parse(main_container(w)["args"], container_env(manifests, main_container(w)))
         assert (args.num_blocks, args.block_size) == (options.num_kv_blocks, options.block_size)
-        assert args.replica_id == r and args.redis_url == k8s.redis_url()
+        assert args.replica_id == r and args.redis_url == k8s_options.redis_url()
 
 
 def test_the_gateway_parses_in_router_mode(config):
     """Needs `pagoda gateway --routing` and `--scheduler NAME=ADDR,...` (issue 13)."""
     options, manifests = config
-    gateway = main_container(by_kind(manifests, "Deployment")[k8s.GATEWAY])
+    gateway = main_container(by_kind(manifests, "Deployment")[k8s_options.GATEWAY])
     args = parse(gateway["args"], container_env(manifests, gateway))
-    assert args.routing == options.routing and args.redis_url == k8s.redis_url()
+    assert args.routing == options.routing and args.redis_url == k8s_options.redis_url()
     assert args.max_model_len == options.engine.get("max_model_len")
 
 
@@ -524,20 +524,20 @@ def test_routing_policies_are_the_gateways():
     ({"routing": "random"}, "routing: must be one of prefix, least-loaded, round-robin"),
     ({"engine": {"num_kv_blocks": 10}}, "set by the manifests themselves"),
     ({"engine": {"Max-Num-Seqs": 1}}, "expected a snake_case name"),
-    ({"requests": {"router": k8s.Resources("1", "1Gi")}}, "unknown component(s) router"),
+    ({"requests": {"router": k8s_options.Resources("1", "1Gi")}}, "unknown component(s) router"),
     ({"image": "pagoda local"}, "image: must be an image reference"),
 ])
 def test_bad_options_are_refused_with_the_field_named(fields, message):
     with pytest.raises(ValueError) as caught:
-        k8s.K8sOptions(**fields)
+        k8s_options.K8sOptions(**fields)
     assert message in str(caught.value)
 
 
 def test_resources_refuse_bad_quantities():
     with pytest.raises(ValueError, match="cpu: expected a quantity"):
-        k8s.Resources("four", "1Gi")
+        k8s_options.Resources("four", "1Gi")
     with pytest.raises(ValueError, match="memory: expected a quantity"):
-        k8s.Resources("4", "16GB")
+        k8s_options.Resources("4", "16GB")
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:
@@ -550,9 +550,9 @@ def test_run_writes_the_manifests(tmp_path, capsys):
     argv = ["--replicas", "4", "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2", "--gpus",
             "--gpu-memory-utilization", "0.9", "--set", "max-num-seqs=64", "--requests", "worker=8,64Gi",
             "--namespace", "llm"]
-    expected = k8s.render(k8s.K8sOptions(
+    expected = k8s.render(k8s_options.K8sOptions(
         replicas=4, pipeline_parallel_size=2, tensor_parallel_size=2, gpus=True, gpu_memory_utilization=0.9,
-        engine={"max_num_seqs": "64"}, requests={"worker": k8s.Resources("8", "64Gi")}, namespace="llm"))
+        engine={"max_num_seqs": "64"}, requests={"worker": k8s_options.Resources("8", "64Gi")}, namespace="llm"))
     assert k8s.run(_cli(argv)) == 0
     out = capsys.readouterr().out
     assert out.startswith("# Pagoda on Kubernetes")

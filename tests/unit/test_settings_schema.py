@@ -25,7 +25,7 @@ from kvcache_svc.config import KVCacheConfig
 from scheduler_svc.config import SchedulerConfig
 from services import settings as shared
 from services.settings import SERVICES, Bound, Setting
-from wiring import k8s, k8s_objects
+from wiring import k8s, k8s_objects, k8s_options
 from wiring.cli import build_parser
 from wiring.flags import PARSERS, config_values, flag_args, service_settings
 from wiring.serve import passed_flags, serve_settings
@@ -287,14 +287,14 @@ def _engine_settings() -> dict[str, str]:
     for command in SERVICES:
         for b in service_settings(command):
             s, value = b.setting, sample(b.setting)
-            if s.env and s.command_line and value is not None and s.name not in k8s.RESERVED_SETTINGS:
+            if s.env and s.command_line and value is not None and s.name not in k8s_options.RESERVED_SETTINGS:
                 out[s.name] = as_text(s, value)
     return out
 
 
 @pytest.mark.parametrize("options", [
-    k8s.K8sOptions(),
-    k8s.K8sOptions(replicas=2, pipeline_parallel_size=3, tensor_parallel_size=2, gpus=True,
+    k8s_options.K8sOptions(),
+    k8s_options.K8sOptions(replicas=2, pipeline_parallel_size=3, tensor_parallel_size=2, gpus=True,
                    gpu_memory_utilization=0.9, served_model_names=("a", "b"), engine=_engine_settings()),
 ], ids=["default", "every-setting"])
 def test_the_manifests_use_only_declared_variables_and_flags(options):
@@ -303,7 +303,7 @@ def test_the_manifests_use_only_declared_variables_and_flags(options):
     variables = {c: {b.setting.variable for b in service_settings(c) if b.setting.env or not b.setting.command_line}
                  for c in SERVICES}
     for m in manifests:
-        if m["kind"] not in ("Deployment", "StatefulSet") or m["metadata"]["name"] == k8s.REDIS:
+        if m["kind"] not in ("Deployment", "StatefulSet") or m["metadata"]["name"] == k8s_options.REDIS:
             continue
         command = m["metadata"]["labels"][k8s_objects.COMPONENT_LABEL]
         container = m["spec"]["template"]["spec"]["containers"][0]
@@ -321,7 +321,7 @@ def test_the_manifests_use_only_declared_variables_and_flags(options):
             assert {a for a in argv if a.startswith("-")} <= flags, command
     # what the manifests set themselves are settings (num_blocks: the pool's old name)
     declared = {b.setting.name for c in SERVICES for b in service_settings(c)}
-    assert k8s.RESERVED_SETTINGS - declared == {"num_blocks"}
+    assert k8s_options.RESERVED_SETTINGS - declared == {"num_blocks"}
 
 
 # --- declared once --------------------------------------------------------------------------
