@@ -173,7 +173,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         async for mb in request_iterator:
             count += 1
             work = _Work(mb=mb, upstream_sent_ns=mb.sent_ns)
-            self.num_received_bytes += mb.ByteSize()
+            self.num_received_bytes += mb.ByteSize() + _shared_bytes(mb)  # the message, and what it refers to
             self.num_in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.num_in_flight)
             self._decode(work)  # overlaps with the plan computing now
@@ -579,7 +579,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 else:
                     await call.write(mb)
                     work.forwarded_ns = time.time_ns()
-                    self.num_sent_bytes += size
+                    self.num_sent_bytes += size + _shared_bytes(mb)
             except Exception as exc:  # noqa: BLE001 - any failure of the stream (or its ring) means the same
                 self._drop_call()
                 work.out_hidden = None
@@ -710,6 +710,20 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             except asyncio.QueueFull:
                 log.error("dropping an events subscriber that stopped reading")
                 self._subscribers.discard(queue)
+
+
+def _shared_bytes(mb: worker_pb2.MicroBatch) -> int:
+    """The bytes of hidden states that crossed beside the message (a ring's slot, a link)."""
+    if not mb.HasField("hidden_ref"):
+        return 0
+    n = _ITEMSIZE.get(mb.hidden_ref.dtype, 0)
+    for d in mb.hidden_ref.shape:
+        n *= max(d, 0)
+    return n
+
+
+_ITEMSIZE = {common_pb2.DTYPE_FLOAT32: 4, common_pb2.DTYPE_FLOAT16: 2, common_pb2.DTYPE_BFLOAT16: 2,
+             common_pb2.DTYPE_FLOAT8_E4M3FN: 1, common_pb2.DTYPE_INT64: 8, common_pb2.DTYPE_INT32: 4}
 
 
 def _describe(exc: BaseException) -> str:
