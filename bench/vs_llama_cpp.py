@@ -56,20 +56,11 @@ from typing import Any
 
 from bench.clients import parse_sse_line
 from bench.machine import cpu_record, measure_bandwidth, run_json
-from bench.vs_vllm import (
-    DEFAULT_ANCHOR,
-    REPO_ROOT,
-    ArmSpec,
-    Client,
-    LoadSpec,
-    Paths,
-    Server,
-    ServerRun,
-    free_port,
-    git_state,
-    make_server,
-    run_on_server,
-)
+from bench.server_process import REPO_ROOT, Server, ServerRun, run_on_server
+from bench.vs_vllm import git_state
+from bench.vs_vllm_arms import DEFAULT_ANCHOR, ArmSpec, Paths, make_server
+from bench.vs_vllm_load import Client, LoadSpec
+from wiring.launcher import free_port
 
 DEFAULT_Q4_1 = Path.home() / ".cache" / "pagoda" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_Q8_0 = DEFAULT_ANCHOR / "smol135.Q8_0.gguf"
