@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from gpu_check import _timed as timed  # noqa: E402  (one timer for every GPU figure)
+from gpu_check_common import timed  # noqa: E402  (one timer for every GPU figure)
 
 QWEN3_30B_A3B = {"hidden": 2048, "num_experts": 128, "top_k": 8, "inter": 768}
 SMOKE_SHAPE = {"hidden": 64, "num_experts": 8, "top_k": 2, "inter": 32}
