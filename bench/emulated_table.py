@@ -159,6 +159,7 @@ class TimelinePoller:
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self.spans: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         self.feedback_waits = 0  # stage 0's num_feedback_waits at the last poll
+        self.kv_steps = 0  # the KV service's Step calls at the last poll (0: not reported)
         self._task: asyncio.Task | None = None
 
     async def poll_once(self) -> int:
@@ -167,6 +168,7 @@ class TimelinePoller:
 
         resp = await self._stub.GetStats(scheduler_pb2.GetStatsRequest(include_timeline=True), timeout=10.0)
         self.feedback_waits = sum(s.stats.num_feedback_waits for s in resp.stages if s.stage_index == 0)
+        self.kv_steps = resp.kv_cache.num_steps if resp.HasField("kv_cache") else 0
         before = len(self.spans)
         for s in resp.timeline:
             self.spans[(s.stage_index, s.micro_batch_id)] = (s.stage_index, s.micro_batch_id, s.start_ns, s.end_ns)
@@ -249,7 +251,7 @@ async def measure_cell(arm: StackArm, poller: TimelinePoller, requests, concurre
         marks["t1"] = time.time_ns()
 
     await poller.poll_once()
-    waits0 = poller.feedback_waits
+    waits0, kv_steps0 = poller.feedback_waits, poller.kv_steps
     poller.start()
     res = await closed_loop(arm.client, requests, concurrency, None, at_last_send)
     spans = await poller.stop()
@@ -270,6 +272,8 @@ async def measure_cell(arm: StackArm, poller: TimelinePoller, requests, concurre
         "ready_gap": _pcts(ready), "stage0_gap": _pcts(first), "max_at_once": max_at_once(spans, window),
         "stage0_steps": steps0, "stage0_feedback_waits": poller.feedback_waits - waits0,
         "cpu": cpu_per_micro_batch(cpu_before, cpu_after, steps0, t_after - t_before),
+        # the scheduler's round trips to the KV service (a decode inside its blocks makes none)
+        "kv_steps_per_micro_batch": (poller.kv_steps - kv_steps0) / steps0 if steps0 else None,
         # the loaded window's spans, for the busy-over-time plot (`--plot`)
         "spans": [list(sp) for sp in spans if window[0] <= sp[2] <= window[1]],
     }
@@ -302,7 +306,8 @@ def _log_cell(settings: EngineSettings, load: str, c: dict) -> None:
           f"{c['num_requests']:3} req ({c['num_failed']} failed) {c['duration_s']:6.1f} s  QPS {c['qps']:6.2f}  "
           f"tok/s {c['output_tok_s']:7.1f}  busy {c['stage_busy']}  bubble {c['bubble']:.0%}  "
           f"gaps ready p50 {_ms(c['ready_gap']['p50_ms'])} stage0 p50 {_ms(c['stage0_gap']['p50_ms'])}", flush=True)
-    print(f"    CPU ms per micro-batch ({c['stage0_steps']} micro-batches): {_cpu_line(c)}", flush=True)
+    print(f"    CPU ms per micro-batch ({c['stage0_steps']} micro-batches, "
+          f"{_num(c.get('kv_steps_per_micro_batch'))} KV round trips each): {_cpu_line(c)}", flush=True)
 
 
 def _cpu_line(c: dict) -> str:
@@ -346,8 +351,9 @@ def table_rows(results: dict) -> list[str]:
 def cpu_rows(results: dict) -> list[str]:
     """The CPU table: one row per (PP, load, mode), each process's ms of CPU per micro-batch
     (workers: the mean over stages, then the busiest) and the cores all of them kept busy."""
-    rows = ["| PP | load | mode | µbatches | gateway | scheduler | kvcache | stage mean / max | client | cores (all) |",
-            "|---:|---|---|---:|---:|---:|---:|---|---:|---:|"]
+    rows = ["| PP | load | mode | µbatches | KV round trips / µbatch | gateway | scheduler | kvcache | stage mean / max "
+            "| client | cores (all) |",
+            "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for pp, modes in sorted(results["cells"].items(), key=lambda kv: int(kv[0])):
         for load in LOADS:
             for mode in ("sync", "async"):
@@ -359,7 +365,7 @@ def cpu_rows(results: dict) -> list[str]:
                 stage = f"{sum(stages) / len(stages):.2f} / {max(stages):.2f}" if stages else "-"
                 total = sum(v for v in cores.values() if v is not None)
                 rows.append(f"| {pp} | {load} | {mode} | {c['cpu']['num_micro_batches']} "
-                            f"| {_num(per_mb.get('gateway'))} | {_num(per_mb.get('scheduler'))} "
+                            f"| {_num(c.get('kv_steps_per_micro_batch'))} | {_num(per_mb.get('gateway'))} | {_num(per_mb.get('scheduler'))} "
                             f"| {_num(per_mb.get('kvcache'))} | {stage} | {_num(per_mb.get('client'))} | {total:.2f} |")
     return rows
 

@@ -39,7 +39,9 @@ def test_the_cpu_table_has_a_row_per_cell_with_the_stages_mean_and_max():
                                             "worker-1": 0.3, "client": 0.01}, 100, 1.0)}
     rows = cpu_rows({"cells": {"4": {"async": {"mixed": cell}, "sync": {"mixed": {"qps": 1.0}}}}})
     assert len(rows) == 3  # the header, its rule, the one cell with CPU figures
-    assert rows[2] == "| 4 | mixed | async | 100 | 1.00 | 2.00 | 0.50 | 2.00 / 3.00 | 0.10 | 0.76 |"
+    assert rows[2] == "| 4 | mixed | async | 100 | - | 1.00 | 2.00 | 0.50 | 2.00 / 3.00 | 0.10 | 0.76 |"
+    cell["kv_steps_per_micro_batch"] = 0.25
+    assert cpu_rows({"cells": {"4": {"async": {"mixed": cell}}}})[2].startswith("| 4 | mixed | async | 100 | 0.25 |")
 
 
 def test_process_cpu_s_reads_a_process_s_utime_and_stime():
