@@ -51,7 +51,7 @@ async def _receive(port_file: str, out_file: str) -> None:
 
     class Receiver(worker_pb2_grpc.StageWorkerServicer):
         async def OpenDataPlane(self, request, context):
-            return inbound.accept(request)
+            return await inbound.accept(request)
 
         async def Forward(self, request_iterator, context):
             n = 0
