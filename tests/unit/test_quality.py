@@ -1,5 +1,6 @@
-"""bench/quality.py: the metrics on hand-made distributions (exact values), the windows, and
-the window logits against transformers' on a tiny model."""
+"""bench/quality.py: the metrics on hand-made distributions (exact values), the windows, the
+text (bench/quality_text.py), the formats (bench/quality_formats.py), and the window logits
+(bench/quality_logits.py) against transformers' on a tiny model."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import pytest
 import torch
 
 from bench import quality as q
+from bench.quality_formats import WeightFormat, weight_format
+from bench.quality_logits import LLAMA_PYTHON, llama_logits, window_logits
+from bench.quality_text import strip_gutenberg
 
 
 def _logits(*rows: list[float]) -> torch.Tensor:
@@ -75,19 +79,19 @@ def test_windows_are_consecutive_and_cover_at_least_the_tokens_asked_for() -> No
 
 def test_strip_gutenberg_keeps_the_book_only() -> None:
     raw = "header\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\nThe book.\n*** END OF THIS ***\nlicence\n"
-    assert q.strip_gutenberg(raw) == "The book.\n"
-    assert q.strip_gutenberg("no markers\n") == "no markers\n"
+    assert strip_gutenberg(raw) == "The book.\n"
+    assert strip_gutenberg("no markers\n") == "no markers\n"
 
 
 def test_format_names_map_to_load_options() -> None:
-    assert q.weight_format("float32", "Q4_1") == q.WeightFormat("float32", "source", "float32")
-    assert q.weight_format("bfloat16", "Q4_1") == q.WeightFormat("bfloat16", "source", "bfloat16")
-    assert q.weight_format("Q4_1", "Q4_1") == q.WeightFormat("Q4_1", "source", "auto")
-    assert q.weight_format("Q8_0", "Q4_1") == q.WeightFormat("Q8_0", "Q8_0", "auto")
-    assert q.weight_format("Q4_K_M", "Q4_1") == q.WeightFormat("Q4_K_M", "Q4_K_M", "auto")
-    assert q.weight_format("fp8", "Q4_1") == q.WeightFormat("fp8", "source", "float32", "fp8")
+    assert weight_format("float32", "Q4_1") == WeightFormat("float32", "source", "float32")
+    assert weight_format("bfloat16", "Q4_1") == WeightFormat("bfloat16", "source", "bfloat16")
+    assert weight_format("Q4_1", "Q4_1") == WeightFormat("Q4_1", "source", "auto")
+    assert weight_format("Q8_0", "Q4_1") == WeightFormat("Q8_0", "Q8_0", "auto")
+    assert weight_format("Q4_K_M", "Q4_1") == WeightFormat("Q4_K_M", "Q4_K_M", "auto")
+    assert weight_format("fp8", "Q4_1") == WeightFormat("fp8", "source", "float32", "fp8")
     with pytest.raises(ValueError, match="unknown format"):
-        q.weight_format("Q7_K", "Q4_1")
+        weight_format("Q7_K", "Q4_1")
 
 
 def test_window_logits_equal_transformers(model_factory, hf_llama) -> None:
@@ -97,12 +101,12 @@ def test_window_logits_equal_transformers(model_factory, hf_llama) -> None:
     model = load_stage(model_factory(arch="llama"), dtype="float32")
     ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1)).tolist()
     first = q.first_scored(len(ids))
-    got = q.window_logits(model, ids, first)
+    got = window_logits(model, ids, first)
     with torch.no_grad():
         want = hf_llama(torch.tensor([ids])).logits[0].float()
     assert got.shape == (len(ids) - 1 - first, model.config.vocab_size)
     assert (got - want[first:len(ids) - 1]).abs().max().item() < 1e-4
-    assert (q.window_logits(model, ids, 0) - want[:-1]).abs().max().item() < 1e-4
+    assert (window_logits(model, ids, 0) - want[:-1]).abs().max().item() < 1e-4
 
 
 def test_the_module_imports_without_torch() -> None:
@@ -114,7 +118,7 @@ def test_the_module_imports_without_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
-@pytest.mark.skipif(not q.LLAMA_PYTHON.is_file(), reason="no llama-cpp-python environment")
+@pytest.mark.skipif(not LLAMA_PYTHON.is_file(), reason="no llama-cpp-python environment")
 def test_llama_cpp_logits_line_up_with_pagoda_on_the_same_file(gguf_factory, tmp_path) -> None:
     """llama.cpp's rows are the same positions as Pagoda's (both run the same Q8_0 file; its
     KV cache is float16, so they agree closely, not exactly)."""
@@ -128,9 +132,9 @@ def test_llama_cpp_logits_line_up_with_pagoda_on_the_same_file(gguf_factory, tmp
     model = load_stage(prepare_gguf(path))
     windows = [torch.randint(0, 512, (64,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
     first = q.first_scored(64)
-    logits, info = q.llama_logits(q.LLAMA_PYTHON, path, windows, first, tmp_path / "logits.npy")
+    logits, info = llama_logits(LLAMA_PYTHON, path, windows, first, tmp_path / "logits.npy")
     assert logits.shape == (2, 64 - 1 - first, 512) and info["eval_s"] > 0
     for k, ids in enumerate(windows):
-        s = q.score_tokens(q.window_logits(model, ids, first), torch.from_numpy(logits[k].copy()),
+        s = q.score_tokens(window_logits(model, ids, first), torch.from_numpy(logits[k].copy()),
                            torch.tensor(ids[first + 1:]))
         assert s.kl.mean().item() < 0.05 and s.same_top.double().mean().item() > 0.8
