@@ -359,7 +359,8 @@ def _add_debug_routes(app: FastAPI, gw: Gateway) -> None:
     @app.get("/debug/memory", tags=["Operations"], responses={401: _ERRORS[401], 503: _ERRORS[503]})
     async def debug_memory(include_sequences: bool = False) -> dict[str, Any]:
         """The KV service's statistics as the scheduler last read them: used, free and
-        cached blocks, peak, fragmentation, prefix hits (and per-sequence layouts)."""
+        cached blocks, peak, fragmentation, prefix hits (and per-sequence layouts); each
+        stage's memory and the channel its hidden states take to the next stage."""
         try:
             stats = await gw.generator.stats(include_kv_sequences=include_sequences)
         except grpc.aio.AioRpcError as exc:
@@ -372,7 +373,10 @@ def _add_debug_routes(app: FastAPI, gw: Gateway) -> None:
                             "kv_block_bytes": s.load_info.kv_block_bytes,
                             "kv_cache_dtype": _dtype_name(s.load_info.kv_cache_dtype),
                             "memory_budget_bytes": s.load_info.memory_budget_bytes,
-                            "kv_groups": s.load_info.kv_groups, "cpu": s.load_info.cpu} for s in stats.stages]}
+                            "kv_groups": s.load_info.kv_groups, "cpu": s.load_info.cpu,
+                            # how its hidden states go to the next stage (issue 37): shm, nccl, grpc
+                            "data_channel": s.stats.data_channel or s.load_info.data_channel}
+                           for s in stats.stages]}
 
     @app.get("/debug/replicas", tags=["Operations"], responses={401: _ERRORS[401]})
     async def debug_replicas() -> dict[str, Any]:
