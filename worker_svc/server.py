@@ -699,6 +699,10 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             ("pagoda:stage_block_copies", "KV block copies applied.", "counter", self.num_block_copies),
             ("pagoda:stage_received_bytes", "Bytes received.", "counter", self.num_received_bytes),
             ("pagoda:stage_sent_bytes", "Bytes sent downstream.", "counter", self.num_sent_bytes),
+            ("pagoda:stage_ring_full_waits", "Hand-offs that waited for a free slot of the ring to the next "
+             "stage (back-pressure).", "counter", self.data_out.num_full_waits if self.data_out else 0),
+            ("pagoda:stage_data_channel_info", "How hidden states go to the next stage (issue 37): shm, nccl, gloo "
+             "or grpc.", "gauge", 1.0, {"channel": (self.data_out.channel or "none") if self.data_out else "last"}),
             ("pagoda:device_info", "The device this stage runs on (emulated:PROFILE: an emulated one, "
              "whose compute is a modelled wait).", "gauge", 1.0, {"device": self.runner.device_name}),
         ]
