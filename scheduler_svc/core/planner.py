@@ -56,7 +56,7 @@ from scheduler_svc.core.request import (
     Sequence,
 )
 from scheduler_svc.core.speculation import Drafts, SpecStats
-from scheduler_svc.core.stage_view import StageView, scores_prompt, skips_prefix_cache
+from scheduler_svc.core.stage_view import StageView, skips_prefix_cache
 from services import defaults
 from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS
 from services.kv_types import (
@@ -163,14 +163,6 @@ class Planner:
         """micro_batch_id -> the micro-batch in flight (read-only: `finalize`, `on_result` and
         `on_failure` change it)."""
         return self._flight.micro_batches
-
-    @property
-    def _busy(self) -> dict[int, int]:  # (read by tests)
-        return self._flight.busy
-
-    @property
-    def _completion_guard(self) -> dict[int, set[int]]:  # (read by tests)
-        return self._flight.completion_guard
 
     # --- requests in ---------------------------------------------------------------------
 
@@ -1018,9 +1010,6 @@ class Planner:
                     end = record.context_len if record is not None and record.seq is seq else seq.num_computed
                     check_kv_lead(seq, end, self._stages.on_stages.get(seq.seq_id), self.config.block_size,
                                   max(1, self.config.num_speculative_tokens))
-
-
-_scores_prompt = scores_prompt  # its name before it moved (tests import it from here)
 
 
 def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_size: int,

@@ -10,6 +10,7 @@ import dataclasses
 import random
 
 import pytest
+from support.planner_state import leftover_state
 
 from kvcache_svc.core import KVCacheManager
 from scheduler_svc.core.planner import Planner, PlannerConfig
@@ -442,7 +443,7 @@ def test_no_state_is_left_behind():
         sim.add(f"r{i}", [5 + i, 6, 7, 8], max_tokens=3, n=1 + i % 2)
     sim.run()
     p = sim.planner
-    assert not p.requests and not p.running and not p._rank and not p._completion_guard and not p._busy
+    assert not p.requests and not p.running and not leftover_state(p)
 
 
 def test_a_fork_does_not_wait_for_other_requests_to_finish():

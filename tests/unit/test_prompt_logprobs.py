@@ -130,16 +130,16 @@ def test_the_wire_carries_scoring_both_ways():
 
 
 def test_only_a_sequence_still_scoring_keeps_out_of_the_prefix_cache():
-    from scheduler_svc.core.planner import _scores_prompt
     from scheduler_svc.core.request import Sequence
+    from scheduler_svc.core.stage_view import scores_prompt
 
     request = Request("r", (5, 6, 7, 8), SamplingOptions(prompt_logprobs=1, n=2), 0.0)
     first, second = Sequence(1, request, 0, entropy_seed=1), Sequence(2, request, 1, entropy_seed=2)
-    assert _scores_prompt(first) and not _scores_prompt(second)  # only choice 0 scores
+    assert scores_prompt(first) and not scores_prompt(second)  # only choice 0 scores
     request.prompt_logprobs.extend([(6, -1.0, 1, [])] * 3)
-    assert not _scores_prompt(first)  # done: a re-admission may use the cache again
+    assert not scores_prompt(first)  # done: a re-admission may use the cache again
     plain = Request("q", (5, 6), SamplingOptions(), 0.0)
-    assert not _scores_prompt(Sequence(3, plain, 0, entropy_seed=1))
+    assert not scores_prompt(Sequence(3, plain, 0, entropy_seed=1))
 
 
 def test_offline_llm_returns_the_sampled_tokens_logprobs(model_dir, hf_llama):
