@@ -8,7 +8,9 @@ runs, waits and repeats, for comparison.
 
 Transports carry micro-batches to the stages: over gRPC (`scheduler_svc.transport`) or to
 in-process stage runners (`wiring.local_engine`); the KV client is in-process or gRPC.
-The scheduling code is the same for all of them.
+The scheduling code is the same for all of them. What they promise and report is in
+`scheduler_svc.events`; what clients receive, in `scheduler_svc.outputs`; how the engine meets
+a failed step, a stage or KV service gone, or a late step, in `scheduler_svc.recovery`.
 
 What is recorded about the work (metrics, spans, per-request timelines, the scheduler trace
 file, the GetStats counts) is the `EngineObserver`'s (`scheduler_svc.observer`): the engine
@@ -23,33 +25,40 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.deadlines import StepDeadlines
 from scheduler_svc.core.lora import LoraRegistry
 from scheduler_svc.core.planner import Planner, PlannerConfig, SeqUpdate
 from scheduler_svc.core.queue import WaitingQueue
-from scheduler_svc.core.request import FinishReason, Request, RequestState
+from scheduler_svc.core.request import Request, RequestState
+from scheduler_svc.events import (
+    ErrorEvent,
+    KVClient,
+    ProgressReport,
+    StageDownEvent,
+    StageInfo,
+    StageTransport,
+    check_stages,
+)
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.observer import EngineObserver, Outcome
+from scheduler_svc.outputs import (
+    ChoiceDelta,
+    LiveRequest,
+    RequestOutput,
+    final_output,
+    stream_outputs,
+)
+from scheduler_svc.recovery import FailureHandling
 from services.admission import Limits, admit, admit_pooling
 from services.kv_layout import entries_that_fit, parse_spec
 from services.kv_types import StepOutput
-from services.pooling import Embedding
-from services.step import StepPlan, StepResult
+from services.step import StepResult
 
 log = logging.getLogger(__name__)
 _TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11's timeout context; None on 3.10
 _NO_KV_CHANGES = StepOutput(results={}, copies=())
-# how long the stages have to answer whether they work on a late step (a throttled process
-# answers late too; one that does not answer in this long is taken for hung)
-PROGRESS_ASK_TIMEOUT_S = 5.0
-# a stage computing a step is working while its last tick (one a layer) is younger than the
-# step timeout or this, whichever is longer: one layer of a large step on a throttled CPU can
-# take seconds; a stage that does not answer at all is hung at once
-PROGRESS_MIN_AGE_S = 30.0
 
 
 def admission_limits(config: SchedulerConfig, vocab_size: int) -> Limits:
@@ -69,126 +78,9 @@ def kv_entries(config: SchedulerConfig) -> int:
     return entries_that_fit(pages, parse_spec(config.kv_groups), config.block_size, config.max_num_batched_tokens)
 
 
-# --- what transports report -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StageInfo:
-    """A stage as it reported itself (LoadInfo) when its event stream opened."""
-
-    stage_index: int
-    num_stages: int
-    epoch: int
-    layer_start: int
-    layer_end: int
-    num_layers: int
-    num_kv_blocks: int
-    block_size: int
-    vocab_size: int
-    address: str = ""
-    # the first stage gets each sampled token straight from the last (several stages): the
-    # plans carry no tokens and placeholder steps work at any pipeline size
-    feedback: bool = False
-    weights_bytes: int = 0  # the stage's weights as held (packed formats at their packed size)
-    expert_weights_bytes: int = 0  # of those, the experts of mixture-of-experts layers
-    quantization: str = ""  # its weight format when not plain ("fp8", "gguf:Q4_1/Q8_0", ...)
-    kv_block_bytes: int = 0  # one KV block over the stage's layers, at its pools' dtype
-    kv_cache_dtype: int = 0  # the pools' dtype (common_pb2.DType)
-    memory_budget_bytes: int = 0  # the memory setting's budget when the pool was sized from one
-    kv_groups: str = ""  # its KV layout's sub-group windows (services/kv_layout.py), "" for one table
-    device: str = ""  # "cpu", "cuda:0", or "emulated:PROFILE" (its compute a modelled wait)
-    cpu: str = ""  # on the CPU: its model, ISA level and the path each product takes
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    micro_batch_id: int
-    stage_index: int
-    code: str  # a grpc.StatusCode name
-    message: str
-
-
-@dataclass(frozen=True)
-class ProgressReport:
-    """The stages' answer about a step past its deadline: `working` when every stage
-    answered and each one computing ticked within the base timeout."""
-
-    micro_batch_id: int
-    working: bool
-    detail: str
-    computing: tuple[int, ...] = ()  # the micro-batches the stages said they compute
-
-
-@dataclass(frozen=True)
-class StageDownEvent:
-    stage_index: int
-    message: str
-
-
-class StageTransport(Protocol):
-    """Carries micro-batches down the pipeline and reports results as events."""
-
-    async def connect(self, on_event: Callable[[object], None], timeout_s: float) -> list[StageInfo]:
-        """(Re)connect to every stage; returns their LoadInfo once all are ready."""
-
-    async def submit(self, plan: StepPlan) -> None:
-        """Send a step down the pipeline; its StepResult (or ErrorEvent) comes back as an event."""
-
-    async def abandon(self, seq_ids: list[int]) -> None:
-        """With feedback: tell the first stage these sequences' awaited tokens will not come."""
-
-    async def stage_stats(self, timeout_s: float = 1.0) -> list[dict]: ...
-
-    async def close(self) -> None: ...
-
-
-class KVClient(Protocol):
-    async def step(self, step_input) -> StepOutput: ...
-
-    async def reset(self) -> None: ...
-
-    async def stats(self): ...
-
-
-# --- what clients receive -------------------------------------------------------------
-
-
-@dataclass
-class ChoiceDelta:
-    index: int
-    token_ids: list[int]
-    logprobs: list
-    finish_reason: FinishReason | None = None
-    stop_token_id: int | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    deltas: list[ChoiceDelta]
-    finished: bool = False
-    num_prompt_tokens: int = 0
-    num_completion_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    error: tuple[str, str] | None = None  # (grpc status name, message)
-    timeline: list[dict] = field(default_factory=list)
-    # on the request's first output, when prompt_logprobs was asked: per prompt token after
-    # the first, (token id, logprob, rank, [(id, logprob) most likely first])
-    prompt_logprobs: list | None = None
-    # on a pooling request's last output, when it finished: its pooled vector
-    embedding: Embedding | None = None
-
-
-@dataclass
-class _Live:
-    request: Request
-    outputs: asyncio.Queue
-    failures: int = 0  # micro-batches of it that failed on a stage
-
-
-class Engine:
-    """Owns a Planner; one asyncio task runs the loop."""
+class Engine(FailureHandling):
+    """Owns a Planner; one asyncio task runs the loop. Its failure handling (a failed step, a
+    stage or the KV service gone, a late step) is `FailureHandling`'s (scheduler_svc/recovery.py)."""
 
     def __init__(
         self,
@@ -233,7 +125,7 @@ class Engine:
         self.loras = LoraRegistry()  # the LoRA adapters the stages serve (core/lora.py)
         self.healthy = False
         self.health_detail = "starting"
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         # None (a wake-up) or (generation, event) from the stage connection of that generation
         self._events: asyncio.Queue = asyncio.Queue()
         self._generation = 0  # of the stage connection: one more for each connect attempt
@@ -293,30 +185,11 @@ class Engine:
                 self.end_lora_requests(name, f"model: the LoRA adapter {name!r} could not be loaded again "
                                              "on a restarted stage, and was unloaded")
         self.stages = stages
-        self._check_capacity()
+        check_stages(stages, self.config)
         self.planner.set_feedback(self.stages[0].feedback)
         self.healthy = True
         self.health_detail = "serving"
         self._unhealthy_since = None
-
-    def _check_capacity(self) -> None:
-        """One source of capacity: every stage must agree with the KV service and the config."""
-        cfg = self.config
-        for info in self.stages:
-            # a stage may hold more blocks than the pool uses (pools sized from memory: the
-            # smallest stage's is the pool), never fewer
-            if info.block_size != cfg.block_size or (
-                cfg.num_kv_blocks is not None and info.num_kv_blocks < cfg.num_kv_blocks
-            ):
-                raise ValueError(
-                    f"stage {info.stage_index} has {info.num_kv_blocks} KV blocks of {info.block_size}; "
-                    f"the scheduler and KV service use {cfg.num_kv_blocks} of {cfg.block_size}"
-                )
-            if info.num_stages != len(self.stages):
-                raise ValueError(f"stage {info.stage_index} was started as one of {info.num_stages} stages")
-            if parse_spec(info.kv_groups) != parse_spec(cfg.kv_groups):
-                raise ValueError(f"stage {info.stage_index} keeps KV groups {info.kv_groups or 'none'} "
-                                 f"(services/kv_layout.py), the KV service {cfg.kv_groups or 'none'}")
 
     def _background(self, coro) -> None:
         """Run a call to a service without waiting for it; a failure is logged (the events
@@ -391,11 +264,11 @@ class Engine:
                     "RESOURCE_EXHAUSTED",
                     "the waiting queue is full: this request gave its place to a more urgent one; retry later"))
         self.update_active_time()  # the time before this arrival counts as idle if nothing was live
-        live = _Live(request, asyncio.Queue())
+        live = LiveRequest(request, asyncio.Queue())
         self._live[request.request_id] = live
         self.observer.request_admitted(request)
         self._wake()
-        return self._outputs(live)
+        return stream_outputs(live, self.abort)
 
     def _fit_to_context(self, request: Request) -> None:
         """Admit the request's options (`services.admission`, as the server does at its edge),
@@ -404,27 +277,6 @@ class Engine:
         check = admit if request.pooling is None else admit_pooling
         request.options = check(request.options, admission_limits(self.config, self.vocab_size),
                                 len(request.prompt))
-
-    async def _outputs(self, live: _Live) -> AsyncIterator[RequestOutput]:
-        try:
-            held: RequestOutput | None = None
-            while True:
-                out, held = (held, None) if held is not None else (await live.outputs.get(), None)
-                # a consumer that fell behind gets the steps it missed as one output, not one
-                # message per token (an error goes out on its own, after the tokens before it)
-                while not out.finished and not live.outputs.empty():
-                    later = live.outputs.get_nowait()
-                    if later.error is not None:
-                        held = later
-                        break
-                    out = _merge(out, later)
-                yield out
-                if out.finished:
-                    return
-        finally:
-            # the consumer went away (client cancelled): abort what is still running
-            if live.request.state.is_live:
-                self.abort(live.request.request_id)
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
         """Abort a request, or with `index` end just that choice (a stop string matched at the
@@ -508,67 +360,6 @@ class Engine:
         except (TimeoutError, asyncio.TimeoutError):
             return None
 
-    def _check_step_deadline(self) -> None:
-        """A step past its deadline (scaled to its planned work) makes the engine ask the
-        stages whether they are still working (their compute loops tick per layer): a slow
-        step is waited for, a stage that neither answers nor ticks (SIGSTOP, a livelock) is
-        hung, and the pipeline is failed and recovered as after a crash. Either way no
-        later step is planned at the late one's size (core/deadlines.py)."""
-        if not self.healthy or self._asking:
-            return
-        overdue = self._deadlines.overdue(time.monotonic())
-        if overdue is None:
-            return
-        self._asking = True
-        self._background(self._ask_progress(overdue[0], self._generation))
-
-    async def _ask_progress(self, mb_id: int, generation: int) -> None:
-        try:
-            stats = await self.transport.stage_stats(timeout_s=PROGRESS_ASK_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - an unanswered question: not working
-            stats = [{"stage_index": -1, "healthy": False, "error": str(exc)}]
-        working, detail, computing = progress_verdict(stats, self.config.step_timeout_s)
-        self._events.put_nowait((generation, ProgressReport(mb_id, working, detail, computing)))
-
-    def _on_progress(self, report: ProgressReport) -> None:
-        self._asking = False
-        mb_id = report.micro_batch_id
-        size = self._deadlines.num_tokens(mb_id)
-        if size is None or mb_id not in self.planner.in_flight or not self.healthy:
-            return  # it came back (or everything was reset) meanwhile
-        blamed = {i: self._deadlines.num_tokens(i) for i in
-                  self._deadlines.late(mb_id, report.working, time.monotonic(), report.computing)}
-        cap = self._deadlines.token_cap
-        self.planner.cap_step_tokens(cap)
-        self.observer.step_late(mb_id, size, report.working, cap, report.detail, blamed)
-        if report.working:
-            log.warning("micro-batch %d (%d tokens) is past its deadline but its stages are working (%s): "
-                        "waiting on; later steps hold at most %d tokens", mb_id, size, report.detail, cap)
-            return
-        self._fail_requests_of(mb_id, ("DEADLINE_EXCEEDED", f"a step of {size} tokens holding this request did "
-                                       f"not finish on a stage that stopped working ({report.detail})"))
-        self._mark_unhealthy(f"step deadline: micro-batch {mb_id} ({size} tokens) not finished and its stages "
-                             f"not working: {report.detail}: a stage is hung")
-
-    def _fail_requests_of(self, mb_id: int, error: tuple[str, str]) -> None:
-        """Each request of a failed step counts a failure (`_count_failures`)."""
-        requests = {s.seq.request.request_id for s in self.planner.in_flight[mb_id].seqs}
-        self._count_failures(requests, error)
-
-    def _count_failures(self, request_ids, error: tuple[str, str]) -> None:
-        """Each request counts a failure; one at `max_request_failures` ends with `error`
-        instead of being recomputed again."""
-        now = self.clock()
-        for request_id in request_ids:
-            live = self._live.get(request_id)
-            if live is None:
-                continue
-            live.failures += 1
-            if live.failures >= self.config.max_request_failures:
-                self.planner.abort(request_id, now)
-                self._live.pop(request_id, None)
-                self._finish(live, "error", "error", error)
-
     async def _dispatch(self) -> None:
         planner = self.planner
         while self.healthy and len(planner.in_flight) < self._max_in_flight:
@@ -620,28 +411,6 @@ class Engine:
         self.observer.micro_batch_returned(event, now)
         self._deliver(updates)
 
-    def _on_error(self, event: ErrorEvent) -> None:
-        """A micro-batch failed on a stage: its requests are recomputed, and one that failed
-        `max_request_failures` times ends with an error. A stage gone down resets everything."""
-        if event.micro_batch_id not in self.planner.in_flight:
-            return
-        log.warning("micro-batch %d failed on stage %d: %s %s", event.micro_batch_id,
-                    event.stage_index, event.code, event.message)
-        self._deadlines.forget(event.micro_batch_id)
-        # a stage gone, or one whose LoRA adapters are out of step with the registry's (it
-        # lost one: FAILED_PRECONDITION): the reconnect puts the adapters right, and no
-        # request of the step is failed for it
-        if event.code in ("UNAVAILABLE", "FAILED_PRECONDITION"):
-            self._mark_unhealthy(f"stage {event.stage_index}: {event.message}")
-            return
-        if self.planner.feedback:  # no token comes from this step: later steps must not wait
-            seq_ids = [s.seq_id for s in self.planner.in_flight[event.micro_batch_id].seqs]
-            self._background(self.transport.abandon(seq_ids))
-        now = self.clock()
-        failed = [r.request_id for r in self.planner.on_failure(event.micro_batch_id, now)]
-        self._count_failures(failed, ("INTERNAL", f"stage {event.stage_index}: {event.code} {event.message}"))
-        self.observer.micro_batch_failed(event.micro_batch_id)
-
     def _deliver(self, updates: list[SeqUpdate]) -> None:
         touched: dict[str, list[ChoiceDelta]] = {}
         for u in updates:
@@ -674,70 +443,16 @@ class Engine:
                 request.prompt_logprobs_sent = True
             live.outputs.put_nowait(out)
 
-    def _final(self, live: _Live, reason: str | None, outcome: Outcome,
+    def _final(self, live: LiveRequest, reason: str | None, outcome: Outcome,
                error: tuple[str, str] | None = None) -> RequestOutput:
         """The request's last output. It ended with `outcome`, counted under finish `reason`
         (None: not counted); an abort ends each choice still going with ABORT."""
-        r = live.request
-        timeline = self.observer.request_finished(r, reason, outcome)
-        deltas = []
-        if outcome == "aborted":
-            deltas = [ChoiceDelta(s.index, [], [], FinishReason.ABORT) for s in r.sequences
-                      if s.finish_reason in (None, FinishReason.ABORT)]
-        return RequestOutput(
-            r.request_id, deltas, finished=True,
-            num_prompt_tokens=len(r.prompt),
-            num_completion_tokens=r.num_output_tokens,
-            num_cached_tokens=r.num_cached_tokens,
-            num_preemptions=r.num_preemptions,
-            error=error,
-            timeline=timeline,
-        )
+        timeline = self.observer.request_finished(live.request, reason, outcome)
+        return final_output(live.request, outcome == "aborted", timeline, error)
 
-    def _finish(self, live: _Live, reason: str | None, outcome: Outcome,
+    def _finish(self, live: LiveRequest, reason: str | None, outcome: Outcome,
                 error: tuple[str, str] | None = None) -> None:
         live.outputs.put_nowait(self._final(live, reason, outcome, error))
-
-    # --- failures ------------------------------------------------------------------------
-
-    def _mark_unhealthy(self, detail: str) -> None:
-        if self.healthy:
-            log.warning("pipeline unhealthy: %s; preempting everything running", detail)
-        self.healthy = False
-        self.health_detail = detail
-        if self._unhealthy_since is None:
-            self._unhealthy_since = self.clock()
-        hit = self.planner.reset_all(self.clock())
-        self._deadlines.clear()
-        self.observer.pipeline_reset(detail, hit)
-
-    async def _recover(self) -> None:
-        """Wait until the chain and the KV service answer again (new epochs), then continue.
-
-        Events queued meanwhile are handled before anything is dispatched: those of older
-        connections and results of reset micro-batches are dropped, but the new connection's
-        (a stage that went down again) count, and recovery goes on.
-        """
-        while not self.healthy:
-            waited = self.clock() - (self._unhealthy_since or self.clock())
-            if waited > self.config.recovery_timeout_s:
-                for live in list(self._live.values()):
-                    self.planner.abort(live.request.request_id, self.clock())
-                    self._live.pop(live.request.request_id, None)
-                    self._finish(live, "error", "error",
-                                 ("UNAVAILABLE", f"pipeline unavailable: {self.health_detail}"))
-                self._unhealthy_since = self.clock()
-            try:
-                await self.kv.reset()
-                await self._connect()
-                log.info("pipeline healthy again (epochs %s)", [s.epoch for s in self.stages])
-                self.observer.pipeline_recovered([s.epoch for s in self.stages])
-            except Exception as exc:  # not yet
-                self.health_detail = f"recovering: {exc}"
-                await asyncio.sleep(0.5)
-                continue
-            while self.healthy and not self._events.empty():
-                self._handle(self._events.get_nowait())
 
     # --- stats --------------------------------------------------------------------------------
 
@@ -762,60 +477,6 @@ class Engine:
             "step_token_cap": planner.step_token_cap,
             "spec": planner.spec,
         }
-
-
-def progress_verdict(stats: list[dict], timeout_s: float) -> tuple[bool, str, tuple[int, ...]]:
-    """Whether the stages, as `stage_stats` answered, are working on their steps: every one
-    answered; each one computing ticked within `timeout_s` (PROGRESS_MIN_AGE_S at the
-    least); and when none is computing (a step between stages, or queued), one ticked
-    within it. An in-process stage reports no progress: it works while it answers. Returns
-    (working, what was seen, the micro-batches being computed)."""
-    max_age_s = max(timeout_s, PROGRESS_MIN_AGE_S)
-    seen, answered, ids, youngest_s, opaque = [], True, [], None, False
-    for st in stats:
-        i = st.get("stage_index")
-        if not st.get("healthy"):
-            seen.append(f"stage {i} did not answer ({st.get('error', '')})")
-            answered = False
-            continue
-        pb = st.get("stats")
-        if pb is None or not hasattr(pb, "computing_micro_batch_id"):
-            opaque = True
-            continue
-        age_s = pb.progress_age_ns / 1e9
-        youngest_s = age_s if youngest_s is None else min(youngest_s, age_s)
-        if pb.computing_micro_batch_id:
-            ids.append(pb.computing_micro_batch_id)
-            seen.append(f"stage {i} computing micro-batch {pb.computing_micro_batch_id}, "
-                        f"last progress {age_s:.1f} s ago")
-            answered &= age_s < max_age_s
-    if answered and not ids and not opaque:
-        seen.append("no stage computing" + ("" if youngest_s is None else f", last progress {youngest_s:.1f} s ago"))
-        answered = youngest_s is not None and youngest_s < max_age_s
-    return answered, "; ".join(seen) or "no stage answered", tuple(ids)
-
-
-def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one request as one: each choice's tokens in order."""
-    by_index = {d.index: d for d in first.deltas}
-    for d in then.deltas:
-        mine = by_index.get(d.index)
-        if mine is None:
-            first.deltas.append(d)
-            by_index[d.index] = d
-            continue
-        mine.token_ids = mine.token_ids + d.token_ids
-        mine.logprobs = mine.logprobs + d.logprobs
-        if d.finish_reason is not None:
-            mine.finish_reason, mine.stop_token_id = d.finish_reason, d.stop_token_id
-    if first.prompt_logprobs is None:
-        first.prompt_logprobs = then.prompt_logprobs
-    if then.finished:
-        first.finished = True
-        first.num_prompt_tokens, first.num_completion_tokens = then.num_prompt_tokens, then.num_completion_tokens
-        first.num_cached_tokens, first.num_preemptions = then.num_cached_tokens, then.num_preemptions
-        first.error, first.timeline, first.embedding = then.error, then.timeline, then.embedding
-    return first
 
 
 def _speculation(config: SchedulerConfig) -> dict:

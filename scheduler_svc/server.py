@@ -21,7 +21,8 @@ from scheduler_svc.config import SchedulerConfig, kv_capacity_line
 from scheduler_svc.core.lora import AdapterNotServed, LoraAdapter, new_load_id
 from scheduler_svc.core.queue import QueueFull
 from scheduler_svc.core.request import FinishReason, Request, RequestState
-from scheduler_svc.engine import Engine, RequestOutput, admission_limits
+from scheduler_svc.engine import Engine, admission_limits
+from scheduler_svc.outputs import RequestOutput
 from services import grammar
 from services.admission import AdmissionError, admit, admit_pooling
 from services.grpc_utils import (

@@ -17,7 +17,7 @@ from dataclasses import replace
 import grpc
 
 from scheduler_svc.core.lora import LoraAdapter, LoraRegistry
-from scheduler_svc.engine import ErrorEvent, StageDownEvent, StageInfo
+from scheduler_svc.events import ErrorEvent, StageDownEvent, StageInfo
 from services.grpc_utils import aio_channel
 from services.pb import worker_pb2, worker_pb2_grpc
 from services.step import StageTiming, StepPlan

@@ -20,7 +20,9 @@ from kvcache_svc.client import InProcessKVCacheClient
 from kvcache_svc.core import KVCacheManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.request import Request, SamplingOptions
-from scheduler_svc.engine import Engine, ErrorEvent, RequestOutput, StageInfo
+from scheduler_svc.engine import Engine
+from scheduler_svc.events import ErrorEvent, StageInfo
+from scheduler_svc.outputs import RequestOutput
 from services.defaults import NUM_KV_BLOCKS
 from services.pooling import PoolingType, embedding_values
 from services.step import StageTiming, StepPlan

@@ -8,7 +8,8 @@ import asyncio
 from collections.abc import Callable
 
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import Engine, StageDownEvent, StageInfo
+from scheduler_svc.engine import Engine
+from scheduler_svc.events import StageDownEvent, StageInfo
 
 CONFIG = SchedulerConfig(block_size=16, num_kv_blocks=64, scheduler_timeout_ms=10)
 
@@ -125,13 +126,13 @@ def test_outputs_a_consumer_missed_come_as_one():
     """A slow consumer (the gateway) gets the steps it missed merged, tokens in order per
     choice, the finish and the request's totals from the last."""
     from scheduler_svc.core.request import FinishReason
-    from scheduler_svc.engine import ChoiceDelta, RequestOutput, _merge
+    from scheduler_svc.outputs import ChoiceDelta, RequestOutput, merge_outputs
 
     first = RequestOutput("r", [ChoiceDelta(0, [5], [None]), ChoiceDelta(1, [7], [None])])
     second = RequestOutput("r", [ChoiceDelta(1, [8], [None])], prompt_logprobs=[(5, -1.0, 1, [])])
     last = RequestOutput("r", [ChoiceDelta(0, [6], [None], FinishReason.STOP, 6)], finished=True,
                          num_prompt_tokens=3, num_completion_tokens=4)
-    out = _merge(_merge(first, second), last)
+    out = merge_outputs(merge_outputs(first, second), last)
     assert [(d.index, d.token_ids, d.finish_reason, d.stop_token_id) for d in out.deltas] == [
         (0, [5, 6], FinishReason.STOP, 6), (1, [7, 8], None, None)]
     assert out.finished and (out.num_prompt_tokens, out.num_completion_tokens) == (3, 4)
@@ -142,18 +143,14 @@ def test_outputs_a_consumer_missed_come_as_one():
 def test_an_error_is_not_merged_into_the_tokens_before_it():
     """Found in review: merging tokens with a final error made the server drop the tokens."""
     from scheduler_svc.core.request import Request, SamplingOptions
-    from scheduler_svc.engine import ChoiceDelta, Engine, RequestOutput, _Live
-
-    class Aborts:
-        def abort(self, request_id, index=None):
-            return False
+    from scheduler_svc.outputs import ChoiceDelta, LiveRequest, RequestOutput, stream_outputs
 
     async def go():
-        live = _Live(Request("r", (1,), SamplingOptions(), 0.0), asyncio.Queue())
+        live = LiveRequest(Request("r", (1,), SamplingOptions(), 0.0), asyncio.Queue())
         live.outputs.put_nowait(RequestOutput("r", [ChoiceDelta(0, [11], [None])]))
         live.outputs.put_nowait(RequestOutput("r", [ChoiceDelta(0, [12], [None])]))
         live.outputs.put_nowait(RequestOutput("r", [], finished=True, error=("INTERNAL", "boom")))
-        return [out async for out in Engine._outputs(Aborts(), live)]
+        return [out async for out in stream_outputs(live, lambda request_id: False)]
 
     outs = asyncio.run(go())
     assert [(o.deltas[0].token_ids if o.deltas else [], o.error) for o in outs] == [

@@ -96,7 +96,7 @@ def test_async_scheduling_is_on_by_default():
 def test_the_transport_takes_results_only_of_steps_in_flight():
     """Issue 16: a stage reporting a micro-batch id it was never sent (2**64 - 1) once made
     every later real result look stale; now only steps sent and still in flight count."""
-    from scheduler_svc.engine import ErrorEvent
+    from scheduler_svc.events import ErrorEvent
     from scheduler_svc.transport import GrpcStageTransport
     from services.pb import worker_pb2
     from services.step import StepResult

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from scheduler_svc.core.deadlines import StepDeadlines
-from scheduler_svc.engine import progress_verdict
+from scheduler_svc.recovery import progress_verdict
 
 
 def test_a_deadline_scales_with_the_planned_work():
