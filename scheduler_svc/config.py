@@ -23,6 +23,20 @@ def _arg(default, help: str, kind: str = "int", **kw):
 _process = partial(Setting, owner="scheduler", services=("scheduler",), group="network")
 
 
+def parse_microbatch_size(value: str | int) -> str | int:
+    """A micro-batch size as given (a flag's text or a number): "auto", or the positive int it
+    names. Raises ValueError otherwise."""
+    if value == "auto":
+        return value
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"microbatch_size: 'auto' or a positive int, got {value!r}") from None
+    if size < 1:
+        raise ValueError(f"microbatch_size: 'auto' or a positive int, got {value!r}")
+    return size
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The engine settings. Each field that is a setting carries its declaration
@@ -74,14 +88,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s: must be positive, got {self.step_timeout_s}")
-        if self.microbatch_size != "auto":
-            try:
-                size = int(self.microbatch_size)
-            except (TypeError, ValueError):
-                raise ValueError(f"microbatch_size: 'auto' or a positive int, got {self.microbatch_size!r}") from None
-            if size < 1:
-                raise ValueError(f"microbatch_size: 'auto' or a positive int, got {self.microbatch_size!r}")
-            object.__setattr__(self, "microbatch_size", size)
+        object.__setattr__(self, "microbatch_size", parse_microbatch_size(self.microbatch_size))
         if any(w <= 0 for w in self.tenant_weights.values()):
             raise ValueError("tenant_weights: weights must be positive")
         if self.aging_rate < 0:

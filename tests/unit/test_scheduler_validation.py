@@ -93,6 +93,19 @@ def test_async_scheduling_is_on_by_default():
     assert not SchedulerConfig(pipeline_parallel_size=2, async_scheduling=False).is_async
 
 
+def test_microbatch_size_is_auto_or_a_positive_int():
+    from scheduler_svc.config import parse_microbatch_size
+
+    assert parse_microbatch_size("auto") == "auto"
+    assert parse_microbatch_size("3") == 3 and parse_microbatch_size(2) == 2
+    assert SchedulerConfig(microbatch_size="4").microbatch_size == 4
+    for bad in ("0", "-1", "x", "", None, 0):
+        with pytest.raises(ValueError, match="microbatch_size"):
+            parse_microbatch_size(bad)
+    with pytest.raises(ValueError, match="microbatch_size"):
+        SchedulerConfig(microbatch_size="many")
+
+
 def test_the_transport_takes_results_only_of_steps_in_flight():
     """Issue 16: a stage reporting a micro-batch id it was never sent (2**64 - 1) once made
     every later real result look stale; now only steps sent and still in flight count."""
