@@ -55,7 +55,7 @@ from scheduler_svc.core.request import (
     RequestState,
     Sequence,
 )
-from scheduler_svc.core.speculation import Drafts, SpecStats
+from scheduler_svc.core.speculation_policy import SpeculationPolicy
 from scheduler_svc.core.stage_view import StageView, skips_prefix_cache
 from services import defaults
 from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS
@@ -153,7 +153,10 @@ class Planner:
         # as its answers come (the KV service's own totals, without asking it)
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
-        self.spec = SpecStats()  # speculative decoding's counters, as verify steps come back
+        self._speculation = SpeculationPolicy(
+            config.num_speculative_tokens, config.speculative_method, config.prompt_lookup_min,
+            config.prompt_lookup_max, config.speculative_max_batch, config.max_model_len)
+        self.spec = self._speculation.stats  # speculative decoding's counters, as verify steps come back
         # tokens a micro-batch may hold now: the budget, or less after a step was late
         # (core/deadlines.py); under the budget, prompts are chunked whatever the setting
         self.step_token_cap = config.max_num_batched_tokens
@@ -320,7 +323,7 @@ class Planner:
                     continue
                 n = min(remaining, draft.budget)
                 start = seq.num_computed
-                drafts = self._drafts(seq, draft.budget - 1) if remaining == 1 and not prefill else ()
+                drafts = self._speculation.drafts(seq, draft.budget - 1, self.running) if remaining == 1 and not prefill else ()
                 # its blocks hold the step's positions (a verify step's drafts included) and
                 # nothing past them: no KV round trip (never for a parent about to fork: its
                 # children copy what the KV service knows of it)
@@ -333,26 +336,6 @@ class Planner:
                                                 num_lookahead_slots=len(drafts)))
                 draft.chunks.append(Chunk(seq, start, n + len(drafts), deferred, drafts))
                 draft.spend(n + len(drafts), 1)
-
-    def _drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
-        """The drafts a decoding sequence's next step verifies (speculative decoding), within
-        the step's token budget, its `max_tokens` and the context length; () for none."""
-        k = self.config.num_speculative_tokens
-        if not k or seq.request.pooling is not None or self._batch_too_large():
-            return ()
-        request = seq.request
-        k = min(k, budget, request.options.max_tokens - len(seq.output) - 1,
-                self.config.max_model_len - seq.num_tokens)
-        if k <= 0:
-            return ()
-        if seq.drafts is None:
-            seq.drafts = Drafts()
-        if not seq.drafts.take_turn():
-            return ()
-        if self.config.speculative_method != "ngram":
-            offered = seq.drafts.offered
-            return offered[1][:k] if offered is not None and offered[0] == seq.num_tokens else ()
-        return seq.drafts.lookup(seq.all_tokens(), k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
     def _propose_placeholder_decodes(self, draft: ProposalDraft) -> None:
         """Decodes of sequences whose one step in flight samples the token this one computes.
@@ -721,7 +704,7 @@ class Planner:
             by_id.setdefault(s.seq_id, []).append((s.token_id, s.logprobs))
         scored = {p.seq_id: (p.first_position, p.positions) for p in prompt_logprobs}
         vectors = {p.seq_id: p.embedding for p in pooled}
-        offered = dict(proposals) if self.config.num_speculative_tokens else {}
+        offered = dict(proposals) if self._speculation.enabled else {}
         updates = []
         for s in mb.seqs:
             seq = s.seq
@@ -730,7 +713,7 @@ class Planner:
                 continue  # aborted or preempted while in flight (and maybe re-admitted since)
             seq.num_computed = s.context_len
             if s.num_drafts:  # a verify step: it stands after the drafts it kept
-                self._verified(s, len(by_id.get(seq.seq_id, ())))
+                self._speculation.verified(seq, s, len(by_id.get(seq.seq_id, ())))
             first, positions = scored.get(seq.seq_id, (-1, ()))
             if positions and first == len(request.prompt_logprobs):
                 request.prompt_logprobs.extend(positions)
@@ -740,8 +723,7 @@ class Planner:
                 continue
             new_tokens, new_logprobs = self._append_sampled(seq, by_id.get(seq.seq_id, []))
             if seq.seq_id in offered:
-                seq.drafts = seq.drafts or Drafts()
-                seq.drafts.offered = (seq.num_tokens, offered[seq.seq_id])
+                self._speculation.offer(seq, offered[seq.seq_id])
             if new_tokens and request.state == RequestState.PREFILLING:
                 request.transition(RequestState.DECODING, now)
             if seq.is_finished:
@@ -768,16 +750,6 @@ class Planner:
                     seq.stop_token_id = token
                 break
         return new_tokens, new_logprobs
-
-    def _verified(self, record: ScheduledSeq, num_sampled: int) -> None:
-        """A verify step came back with `num_sampled` tokens for its sequence: the drafts it
-        kept and one more. The sequence stands after those drafts; the counters count them."""
-        accepted = max(0, num_sampled - 1)
-        seq = record.seq
-        seq.num_computed = record.context_len - record.num_drafts + accepted
-        self.spec.add(record.num_drafts, accepted)
-        if seq.drafts is not None:
-            seq.drafts.verified(record.num_drafts, accepted)
 
     def _finish_pooled(self, seq: Sequence, embedding: Embedding | None, now: float) -> SeqUpdate:
         """A pooling request's prompt came back computed: it finishes with its vector (STOP),
@@ -873,23 +845,7 @@ class Planner:
         return (pos == seq.num_tokens and pos <= seq.num_blocks * self.config.block_size
                 and len(seq.output) + 1 < request.options.max_tokens
                 and pos + 1 < self.config.max_model_len and self._target(seq) == seq.num_tokens
-                and not self._copying(seq))
-
-    def _copying(self, seq: Sequence) -> bool:
-        """Speculative decoding: whether this sequence's next step should rather wait for the
-        token in flight and verify drafts than be a placeholder step (which cannot carry
-        drafts: they follow the token it takes). So while its tokens continue an earlier
-        n-gram (or the draft model offered drafts) and it is not backing off."""
-        if not self.config.num_speculative_tokens or seq.request.pooling is not None or self._batch_too_large():
-            return False
-        if seq.drafts is None:
-            seq.drafts = Drafts()
-        drafts = seq.drafts
-        if drafts.skip:
-            return False
-        if self.config.speculative_method != "ngram":
-            return drafts.offered is not None
-        return bool(drafts.lookup(seq.all_tokens(), 1, self.config.prompt_lookup_min, self.config.prompt_lookup_max))
+                and not self._speculation.waits_for_drafts(seq, self.running))
 
     def _namespace(self, request: Request) -> str | None:
         """The prefix cache's namespace of a request's blocks: the model's, and its LoRA
@@ -898,11 +854,6 @@ class Planner:
         if not request.lora_name:
             return self.config.namespace
         return lora_namespace(self.config.namespace, request.lora_name, request.lora_load_id)
-
-    def _batch_too_large(self) -> bool:
-        """Speculation's batch limit (vLLM's disable_by_batch_size: running requests) is passed."""
-        limit = self.config.speculative_max_batch
-        return limit is not None and len(self.running) > limit
 
     def _target(self, seq: Sequence) -> int:
         """How far a sequence may compute now: all known tokens, but a parent awaiting its fork
@@ -1009,7 +960,7 @@ class Planner:
                     record = self._flight.last_record.get(seq.seq_id)
                     end = record.context_len if record is not None and record.seq is seq else seq.num_computed
                     check_kv_lead(seq, end, self._stages.on_stages.get(seq.seq_id), self.config.block_size,
-                                  max(1, self.config.num_speculative_tokens))
+                                  self._speculation.max_lookahead)
 
 
 def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_size: int,

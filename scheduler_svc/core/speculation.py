@@ -13,6 +13,8 @@ proposed them (`Drafts.offered`) and used by the next step if they still follow 
 Backing off: a sequence whose verify step kept none of its drafts skips drafting for its next
 1, 2, 4 ... 16 decode steps (reset by a step that keeps any), so a load with nothing to copy
 soon decodes as without speculation (one position per step, asynchronous placeholder steps).
+
+The planner reaches all of this through `SpeculationPolicy` (speculation_policy.py).
 """
 
 from __future__ import annotations
@@ -86,3 +88,4 @@ class SpecStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
