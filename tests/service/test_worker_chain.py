@@ -8,6 +8,8 @@ the same output every way."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import grpc
@@ -229,3 +231,47 @@ def test_killed_worker_is_seen_promptly_and_restart_shows_new_epoch(model_dir, t
     finally:
         for p in procs:
             p.stop()
+
+
+def test_a_full_ring_holds_the_stage_back_and_loses_nothing(model_dir, reference, tmp_path):
+    """The next stage stopped (SIGSTOP) while eight steps come: the first stage fills its
+    ring's four slots, waits for a free one instead of growing it, and once the next stage
+    runs again every step arrives, each with transformers' token."""
+    procs = start_chain(model_dir, 2, tmp_path, NUM_BLOCKS, BLOCK_SIZE)
+    ps = [p[:20] for p in prompts()[2:]] + [p[:9] for p in prompts()[4:6]]  # eight prompts
+
+    async def go():
+        driver = GrpcPipelineDriver(addresses(procs), PlanBuilder(BLOCK_SIZE, NUM_BLOCKS))
+        await driver.connect()
+        try:
+            await driver.send(plan_to_pb(_plan(9, 9, [5, 6, 7], (20,))))  # the pair connects: a ring
+            assert isinstance(await driver.next_result(30), worker_pb2.MicroBatchDone)
+            os.kill(procs[1].process.pid, signal.SIGSTOP)
+            try:
+                for i, p in enumerate(ps):
+                    await driver.send(plan_to_pb(_plan(10 + i, 10 + i, p, (2 * i + 1, 2 * i + 2))))
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    stats = await driver.stages[0].stub.GetStats(worker_pb2.StageStatsRequest())
+                    if stats.num_ring_full_waits and stats.num_micro_batches == len(ps) + 1:
+                        break
+                    await asyncio.sleep(0.2)
+            finally:
+                os.kill(procs[1].process.pid, signal.SIGCONT)
+            results = [await driver.next_result(60) for _ in ps]
+            return stats, results, await _stats(driver)
+        finally:
+            await driver.close()
+
+    try:
+        held, results, after = asyncio.run(go())
+    finally:
+        for p in procs:
+            p.stop()
+    assert held.data_channel == "shm" and held.num_ring_full_waits >= 1
+    assert held.num_micro_batches == len(ps) + 1  # the stage computed them all; the hand-offs waited
+    assert sorted(r.micro_batch_id for r in results) == [10 + i for i in range(len(ps))]
+    for r in results:
+        assert isinstance(r, worker_pb2.MicroBatchDone) and len(r.sampled) == 1
+        assert reference.compare(ps[r.micro_batch_id - 10], [r.sampled[0].token_id]).tie_divergences == 0
+    assert after[0].num_shm_sent == len(ps) + 1 and after[1].num_failed_micro_batches == 0
