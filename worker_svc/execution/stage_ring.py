@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import secrets
 import struct
@@ -73,10 +74,7 @@ class RingRef:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class RingFullError(TimeoutError):
@@ -97,6 +95,7 @@ class _Ring:
         self._lines = memoryview(self._map)[_HEADER_BYTES:_HEADER_BYTES + num_slots * _LINE].cast("q")
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, offset=self._data_offset,
                                        count=num_slots * slot_bytes)
+        self._views: dict[tuple, torch.Tensor] = {}  # a step reuses a few shapes: views made once
 
     def published(self, slot: int) -> int:
         return self._lines[slot * 8]
@@ -105,8 +104,14 @@ class _Ring:
         return self._lines[slot * 8 + 1]
 
     def slot_tensor(self, slot: int, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> torch.Tensor:
-        start = slot * self.slot_bytes
-        return self._bytes[start:start + nbytes].view(dtype).view(shape)
+        key = (slot, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            start = slot * self.slot_bytes
+            view = self._views[key] = self._bytes[start:start + nbytes].view(dtype).view(shape)
+        return view
 
     def check(self) -> None:
         """Every slot's numbers make sense: released <= published, both >= 0."""
