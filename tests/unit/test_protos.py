@@ -303,6 +303,7 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
         "Abandon": (False, False),
         "LoadLoraAdapter": (False, False),
         "UnloadLoraAdapter": (False, False),
+        "OpenDataPlane": (False, False),  # the data plane's offer at connect (issue 37)
     },
 }
 
