@@ -25,9 +25,9 @@ Budgets: `max_num_batched_tokens` bounds each micro-batch; `max_num_seqs` bounds
 sequences together; `microbatch_size` ("auto" or an int) caps sequences per micro-batch, with
 "auto" spreading the running sequences evenly over the micro-batches in flight.
 
-n > 1: the first choice prefills the prompt but its last token; then the other choices are
-forked from it (sharing every block; the partial last one is copied on write by the KV
-service) and each computes the last prompt token itself, sampling with its own index.
+The features that cut across the phases sit behind small interfaces the phases call at named
+points, each in its own module: n > 1 forks (forks.py), speculative decoding
+(speculation_policy.py).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from scheduler_svc.core import forks
 from scheduler_svc.core.in_flight import InFlight, MicroBatch, ScheduledSeq
 from scheduler_svc.core.lora import lora_namespace
 from scheduler_svc.core.proposal import (
@@ -43,7 +44,6 @@ from scheduler_svc.core.proposal import (
     AdmittedSeq,
     Chunk,
     Placeholder,
-    PlannedFork,
     Proposal,
     ProposalDraft,
     Readmission,
@@ -62,7 +62,6 @@ from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS
 from services.kv_types import (
     Allocated,
     Append,
-    Fork,
     NewSequence,
     NoBlocks,
     StepInput,
@@ -251,7 +250,7 @@ class Planner:
             not s.is_finished and (not flight.is_busy(s.seq_id) or (may_speculate and self._speculable_now(s)))
             for r in self.running
             for s in r.sequences
-        ) or any(len(r.sequences) < r.options.n and not self._fork_blocked(r) for r in self.running)
+        ) or any(forks.is_due(r, flight) for r in self.running)
 
     def _seq_cap(self) -> int:
         if isinstance(self.config.microbatch_size, int):
@@ -260,7 +259,7 @@ class Planner:
         # micro-batch to work on; with one stage, no split (a second micro-batch in flight then
         # carries only what the first could not: splitting would just double per-step overhead)
         # (a request's choices not forked yet count: its fork must fit beside the others)
-        live = sum(_reserved(r) for r in self.running) + len(self.queue)
+        live = sum(forks.reserved(r) for r in self.running) + len(self.queue)
         ways = min(self.config.max_in_flight, self.config.pipeline_parallel_size)
         return max(1, math.ceil(live / ways))
 
@@ -283,7 +282,7 @@ class Planner:
         if self.config.async_decode and not placeholders_last:
             self._propose_placeholder_decodes(draft)
         self._propose_running(draft, prefill=True)
-        self._propose_forks(draft)
+        forks.propose(draft, self.running, self._flight)
         self._propose_readmissions(draft)
         self._propose_admissions(draft)
         if self.config.async_decode and placeholders_last:
@@ -317,7 +316,7 @@ class Planner:
                 if (seq.is_finished or not seq.has_kv or self._flight.is_busy(seq.seq_id)
                         or seq.is_prefill != prefill):
                     continue
-                target = self._target(seq)
+                target = forks.target(seq)
                 remaining = target - seq.num_computed
                 if remaining <= 0:
                     continue
@@ -365,25 +364,6 @@ class Planner:
             draft.placeholders.append(Placeholder(seq, seq.num_tokens, grows))
             draft.spend(1, 1)
 
-    def _propose_forks(self, draft: ProposalDraft) -> None:
-        """Forks of n > 1 requests whose first choice has prefilled all but the last prompt
-        token: every choice then computes that token itself."""
-        for request in self.running:
-            if len(request.sequences) >= request.options.n or self._fork_blocked(request):
-                continue
-            k = request.options.n - len(request.sequences)
-            if draft.budget < k + 1 or draft.num_seqs + k + 1 > max(draft.seq_cap, k + 1):
-                continue  # (its choices were counted against max_num_seqs at admission)
-            parent = request.sequences[0]
-            last_token = request.prompt[len(request.prompt) - 1]
-            child_seq_ids = tuple(draft.take_seq_id() for _ in range(k))
-            for child_seq_id in child_seq_ids:
-                draft.kv_forks.append(Fork(parent.seq_id, child_seq_id))
-                draft.appends.append(Append(child_seq_id, [last_token]))
-            draft.appends.append(Append(parent.seq_id, [last_token]))
-            draft.forks.append(PlannedFork(parent, child_seq_ids, len(request.sequences)))
-            draft.spend(k + 1, k + 1)
-
     def _propose_readmissions(self, draft: ProposalDraft) -> None:
         """Running sequences that lost their KV (a partly re-admitted request): a recompute,
         chunked whatever the setting."""
@@ -393,7 +373,7 @@ class Planner:
                     return
                 if seq.is_finished or seq.has_kv or self._flight.is_busy(seq.seq_id):
                     continue
-                tokens = seq.all_tokens()[: self._target(seq)]
+                tokens = seq.all_tokens()[: forks.target(seq)]
                 n = min(len(tokens), draft.budget)
                 if n <= 0:
                     continue
@@ -408,18 +388,15 @@ class Planner:
         not fit stops the rest (no overtaking)."""
         if not len(self.queue):
             return
-        num_reserved = sum(_reserved(r) for r in self.running)
+        num_reserved = sum(forks.reserved(r) for r in self.running)
         for request in self.queue.ordered(limit=64):
             if draft.is_full:
                 return
             seqs = request.live_sequences if request.sequences else None
             if seqs == []:
                 continue  # every choice ended while it waited (finish_choice takes it out)
-            if seqs is not None:
-                count = len(seqs)
-            else:  # first admission: one sequence, or n when the prompt is one token
-                count = request.options.n if len(request.prompt) == 1 else 1
-            if (num_reserved + _reserved(request) > self.config.max_num_seqs
+            count = len(seqs) if seqs is not None else forks.first_admission(request)[1]
+            if (num_reserved + forks.reserved(request) > self.config.max_num_seqs
                     or draft.num_seqs + count > max(draft.seq_cap, count)):
                 return
             chunks = self._admission_chunks(request, seqs, count, draft.budget)
@@ -435,7 +412,7 @@ class Planner:
                 admitted.append(AdmittedSeq(existing, seq_id, index))
             draft.admissions.append(Admission(request, tuple(admitted)))
             draft.spend(sum(n for _, _, n in chunks), count)
-            num_reserved += _reserved(request)
+            num_reserved += forks.reserved(request)
 
     def _admission_chunks(self, request: Request, seqs: list[Sequence] | None, count: int,
                           budget: int) -> list[tuple[Sequence | None, list[int], int]]:
@@ -445,11 +422,9 @@ class Planner:
         cost = 0
         for i in range(count):
             if seqs is None:
-                tokens = list(request.prompt)
-                if request.options.n > 1 and len(request.prompt) > 1:
-                    tokens = tokens[:-1]  # the choices fork before the last prompt token
+                tokens = forks.first_admission(request)[0]
             else:
-                tokens = seqs[i].all_tokens()[: self._target(seqs[i])]
+                tokens = seqs[i].all_tokens()[: forks.target(seqs[i])]
             left = budget - cost
             if len(tokens) <= left:
                 n = len(tokens)
@@ -514,10 +489,10 @@ class Planner:
         """Returns the allocated sequences (seq_id -> sequence and its slots) and those of the
         running sequences that got no block."""
         scheduled: Allocations = {}
-        forks = self._apply_forks(proposal)
+        forked = forks.apply(proposal, self.running, self._flight)
         starving: list[Sequence] = []
         running = [c.seq for c in proposal.chunks if not c.deferred]
-        for seq in running + [s for _, ch in forks for s in ch] + [p for p, _ in forks]:
+        for seq in running + [s for _, ch in forked for s in ch] + [p for p, _ in forked]:
             if not seq.has_kv or seq.is_finished or seq.request not in self.running:
                 continue
             result = output.results.get(seq.seq_id)
@@ -537,26 +512,6 @@ class Planner:
                 p.seq.take_answer(result.block_offset, result.block_ids)
                 p.seq.kv_len = result.num_computed_tokens + result.num_new_tokens
         return scheduled, starving
-
-    def _apply_forks(self, proposal: Proposal) -> list[tuple[Sequence, list[Sequence]]]:
-        """The forked choices join their requests; those of a parent that ended are freed."""
-        forks: list[tuple[Sequence, list[Sequence]]] = []
-        for planned in proposal.forks:
-            parent = planned.parent
-            request = parent.request
-            if not (parent.has_kv and not parent.is_finished and request in self.running):
-                self._flight.free_at_kv(planned.child_seq_ids)  # the KV service forked them
-                continue
-            children = []
-            for i, child_seq_id in enumerate(planned.child_seq_ids):
-                child = _new_sequence(child_seq_id, request, planned.first_index + i)
-                request.sequences.append(child)
-                child.has_kv = True
-                child.num_computed = parent.num_computed
-                child.kv_len = parent.kv_len
-                children.append(child)
-            forks.append((parent, children))
-        return forks
 
     def _apply_readmissions(self, proposal: Proposal, output: StepOutput,
                             scheduled: Allocations) -> None:
@@ -586,7 +541,7 @@ class Planner:
                 continue
             self._admit(request, now)
             for a, r in zip(admission.seqs, results, strict=True):
-                s = a.existing or _new_sequence(a.seq_id, request, a.index)
+                s = a.existing or forks.new_sequence(a.seq_id, request, a.index)
                 if s not in request.sequences:
                     request.sequences.append(s)
                 if isinstance(r, Allocated):
@@ -666,7 +621,7 @@ class Planner:
             end = start + n - len(drafts)  # (a verify step samples after its known tokens)
             # a pooling sequence never samples (so no placeholder step follows it): the step
             # that completes its prompt brings back its pooled vector instead
-            samples = end == self._target(seq) and end == seq.num_tokens and seq.request.pooling is None
+            samples = end == forks.target(seq) and end == seq.num_tokens and seq.request.pooling is None
             steps.append((seq, start, n, samples, drafts))
         return steps
 
@@ -844,7 +799,7 @@ class Planner:
         request = seq.request
         return (pos == seq.num_tokens and pos <= seq.num_blocks * self.config.block_size
                 and len(seq.output) + 1 < request.options.max_tokens
-                and pos + 1 < self.config.max_model_len and self._target(seq) == seq.num_tokens
+                and pos + 1 < self.config.max_model_len and forks.target(seq) == seq.num_tokens
                 and not self._speculation.waits_for_drafts(seq, self.running))
 
     def _namespace(self, request: Request) -> str | None:
@@ -854,21 +809,6 @@ class Planner:
         if not request.lora_name:
             return self.config.namespace
         return lora_namespace(self.config.namespace, request.lora_name, request.lora_load_id)
-
-    def _target(self, seq: Sequence) -> int:
-        """How far a sequence may compute now: all known tokens, but a parent awaiting its fork
-        stops before the last prompt token."""
-        request = seq.request
-        if len(request.sequences) < request.options.n and len(request.prompt) > 1:
-            return len(request.prompt) - 1
-        return seq.num_tokens
-
-    def _fork_blocked(self, request: Request) -> bool:
-        parent = request.sequences[0] if request.sequences else None
-        return (
-            parent is None or not parent.has_kv or self._flight.is_busy(parent.seq_id)
-            or parent.num_computed != len(request.prompt) - 1 or len(request.prompt) == 1
-        )
 
     def _renumber(self, seq: Sequence, new_id: int) -> None:
         seq.seq_id = new_id
@@ -907,9 +847,7 @@ class Planner:
                 seq.drop_blocks()
             seq.num_computed = 0
             seq.kv_len = 0
-        if request.sequences and len(request.sequences) < request.options.n:
-            # preempted before its fork: the first choice restarts, the fork comes again
-            del request.sequences[1:]
+        forks.undo_unforked(request)
         self.running.remove(request)
         self._rank.pop(request.request_id, None)
         request.transition(RequestState.PREEMPTED, now)
@@ -992,22 +930,3 @@ def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_siz
     assert held is None or (held == num_blocks and unsent is None) or (
         held == num_blocks - 1 and kv_len == held * block_size and unsent is not None
         and unsent[0] == held and len(unsent[1]) == 1), (where, held, unsent)
-
-
-def _new_sequence(seq_id: int, request: Request, index: int) -> Sequence:
-    """A new choice, not yet attached to its request."""
-    return Sequence(seq_id, request, index, entropy_seed=_entropy(request, index))
-
-
-def _reserved(request: Request) -> int:
-    """Sequence slots a request holds against max_num_seqs: all its unfinished choices,
-    forked or not yet, so that an admitted request can always fork."""
-    return request.options.n - sum(1 for s in request.sequences if s.is_finished)
-
-
-def _entropy(request: Request, index: int) -> int:
-    """A per-choice random stream for unseeded sampling, stable across preemption."""
-    import hashlib
-
-    digest = hashlib.blake2b(f"{request.request_id}/{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
