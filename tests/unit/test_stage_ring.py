@@ -272,3 +272,22 @@ def test_point_to_point_offers_follow_the_settings():
     offer = worker_pb2.DataPlaneOffer(channel=worker_pb2.DATA_CHANNEL_NCCL, backend="nccl", device="cuda:0")
     assert "needs GPUs" in asyncio.run(DataPlaneIn("auto").accept(offer)).reason
     assert received(None) is None
+
+
+def test_a_stage_too_old_to_know_the_offer_gets_its_hidden_states_in_the_message():
+    """Mixed versions: an older next stage answers OpenDataPlane with UNIMPLEMENTED; the
+    sender falls back to the message (hidden_states, field 16) and says why."""
+    import grpc
+
+    class OldStage:
+        async def OpenDataPlane(self, offer, timeout=None):
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="Method not found!")
+
+    out = DataPlaneOut("auto", 0, SLOT)
+    asyncio.run(out.connect(OldStage()))
+    assert out.channel == "grpc" and out.ring is None
+    mb = worker_pb2.MicroBatch()
+    assert out.pack(torch.ones(3), mb) is None and mb.HasField("hidden_states")
+    with pytest.raises(DataPlaneError, match="UNIMPLEMENTED"):
+        asyncio.run(DataPlaneOut("shm", 0, SLOT).connect(OldStage()))
