@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from scheduler_svc.core import forks
 from scheduler_svc.core.in_flight import InFlight, MicroBatch, ScheduledSeq
 from scheduler_svc.core.lora import lora_namespace
+from scheduler_svc.core.placeholders import PlaceholderPolicy
 from scheduler_svc.core.proposal import (
     Admission,
     AdmittedSeq,
     Chunk,
-    Placeholder,
     Proposal,
     ProposalDraft,
     Readmission,
@@ -144,7 +144,6 @@ class Planner:
         self._next_mb_id = 1
         self._admission_counter = 0
         self._rank: dict[str, tuple] = {}
-        self.feedback = False  # the last stage feeds the first its sampled tokens
         self.decisions: list[dict] = []  # for scheduler tracing; drained by the engine
         self.num_preemptions = 0
         self.num_placeholder_steps = 0  # sequence-steps scheduled before their input was known
@@ -156,9 +155,17 @@ class Planner:
             config.num_speculative_tokens, config.speculative_method, config.prompt_lookup_min,
             config.prompt_lookup_max, config.speculative_max_batch, config.max_model_len)
         self.spec = self._speculation.stats  # speculative decoding's counters, as verify steps come back
+        self._placeholders = PlaceholderPolicy(config.async_decode, config.pipeline_parallel_size,
+                                               config.block_size, config.max_model_len, self._flight,
+                                               self._speculation)
         # tokens a micro-batch may hold now: the budget, or less after a step was late
         # (core/deadlines.py); under the budget, prompts are chunked whatever the setting
         self.step_token_cap = config.max_num_batched_tokens
+
+    @property
+    def feedback(self) -> bool:
+        """Whether the last stage feeds the first its sampled tokens (`set_feedback`)."""
+        return self._placeholders.feedback
 
     @property
     def in_flight(self) -> dict[int, MicroBatch]:
@@ -245,9 +252,10 @@ class Planner:
     def has_schedulable(self) -> bool:
         if len(self.queue):
             return True
-        may_speculate, flight = self._may_speculate(), self._flight
+        placeholders, flight = self._placeholders, self._flight
+        may_place = placeholders.active
         return any(
-            not s.is_finished and (not flight.is_busy(s.seq_id) or (may_speculate and self._speculable_now(s)))
+            not s.is_finished and (not flight.is_busy(s.seq_id) or (may_place and placeholders.ready(s, self.running)))
             for r in self.running
             for s in r.sequences
         ) or any(forks.is_due(r, flight) for r in self.running)
@@ -274,19 +282,16 @@ class Planner:
         another group's work, not one that waits for this group's tokens.
         """
         draft = ProposalDraft(self.step_token_cap, self._seq_cap(), self._next_seq_id)
-        # with several stages a placeholder step goes after every other kind of work: its group's
-        # step before it must travel the whole pipeline first, so a stage-0 queue of one group's
-        # two steps back to back idles the pipeline while the next group waits behind them
-        placeholders_last = self.config.pipeline_parallel_size > 1
+        placeholders = self._placeholders  # (with several stages they go last: `last`)
         self._propose_running(draft, prefill=False)
-        if self.config.async_decode and not placeholders_last:
-            self._propose_placeholder_decodes(draft)
+        if not placeholders.last:
+            placeholders.propose(draft, self.running)
         self._propose_running(draft, prefill=True)
         forks.propose(draft, self.running, self._flight)
         self._propose_readmissions(draft)
         self._propose_admissions(draft)
-        if self.config.async_decode and placeholders_last:
-            self._propose_placeholder_decodes(draft)
+        if placeholders.last:
+            placeholders.propose(draft, self.running)
         mb_id = self._next_mb_id if draft.has_tokens else None
         flight = self._flight
         if not (draft.appends or draft.new_sequences or draft.kv_forks or flight.pending_frees
@@ -335,34 +340,6 @@ class Planner:
                                                 num_lookahead_slots=len(drafts)))
                 draft.chunks.append(Chunk(seq, start, n + len(drafts), deferred, drafts))
                 draft.spend(n + len(drafts), 1)
-
-    def _propose_placeholder_decodes(self, draft: ProposalDraft) -> None:
-        """Decodes of sequences whose one step in flight samples the token this one computes.
-
-        With several stages, in the order their tokens come back (the oldest step in flight
-        first, rank order within it): a micro-batch then continues one step in flight, not
-        rows of two, so the groups keep their shape round the pipeline. Taken by rank alone,
-        a step's rows would mix groups and wait for the latest of them: stage 0 then idles
-        a whole trip down the pipeline for the step just sent (seen on the emulated A100 at
-        PP=2: one micro-batch computing at a time)."""
-        block_size = self.config.block_size
-        if draft.is_full or not self._may_speculate():
-            return  # (checked first: with several stages the draft is often full by now)
-        candidates = [seq for request in self.running for seq in request.sequences if self._speculable_now(seq)]
-        if self.config.pipeline_parallel_size > 1 and len(self._flight.micro_batches) > 1:
-            step_of = {r.seq_id: mb_id for mb_id, mb in self._flight.micro_batches.items() for r in mb.seqs}
-            candidates.sort(key=lambda seq: step_of[seq.seq_id])  # stable: rank order within a step
-        for seq in candidates:
-            if draft.is_full:
-                return
-            grows = seq.num_tokens == seq.num_blocks * block_size
-            if grows:
-                # its token starts a block: the KV service allocates it now, ahead of the
-                # token (told later, with the tokens it was not told yet)
-                draft.appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, seq.num_tokens),
-                                            num_lookahead_slots=1))
-            draft.placeholders.append(Placeholder(seq, seq.num_tokens, grows))
-            draft.spend(1, 1)
 
     def _propose_readmissions(self, draft: ProposalDraft) -> None:
         """Running sequences that lost their KV (a partly re-admitted request): a recompute,
@@ -504,13 +481,7 @@ class Planner:
                 starving.append(seq)
         self._apply_readmissions(proposal, output, scheduled)
         self._apply_admissions(proposal, output, scheduled, now)
-        for p in proposal.placeholders:
-            if not p.grows:
-                continue
-            result = output.results.get(p.seq.seq_id)  # the block it asked for ahead
-            if isinstance(result, Allocated) and p.seq.has_kv and not p.seq.is_finished:
-                p.seq.take_answer(result.block_offset, result.block_ids)
-                p.seq.kv_len = result.num_computed_tokens + result.num_new_tokens
+        self._placeholders.take_blocks(proposal, output)
         return scheduled, starving
 
     def _apply_readmissions(self, proposal: Proposal, output: StepOutput,
@@ -570,9 +541,7 @@ class Planner:
 
     def _build_micro_batch(self, mb_id: int, proposal: Proposal, output: StepOutput, scheduled: Allocations,
                            now: float) -> MicroBatch | None:
-        placeholders = [(p.seq, p.position) for p in proposal.placeholders
-                        if p.seq.has_kv and not p.seq.is_finished and self._flight.num_steps(p.seq.seq_id) == 1
-                        and p.position < p.seq.num_blocks * self.config.block_size]  # (no block: later)
+        placeholders = self._placeholders.steps(proposal)
         discarded = {k for k, r in output.results.items() if isinstance(r, Allocated)} - {
             seq.seq_id for seq, _ in scheduled.values()} - {seq.seq_id for seq, _ in placeholders}
         self._flight.guard(mb_id, discarded)
@@ -760,7 +729,7 @@ class Planner:
         if self._flight.micro_batches or self._stages.holds_any:
             raise RuntimeError("set_feedback: only before the stages hold any state")
         several = self.config.pipeline_parallel_size > 1
-        self.feedback = on and several
+        self._placeholders.feedback = on and several
         self._stages.track_tokens(several and not self.feedback)
 
     def reset_all(self, now: float = 0.0) -> list[Request]:
@@ -776,31 +745,6 @@ class Planner:
         return hit
 
     # --- helpers -------------------------------------------------------------------------
-
-    def _may_speculate(self) -> bool:
-        """Whether any sequence may have a placeholder step now: the part of
-        `_speculable_now`'s question that is the same for every sequence, asked once a pass."""
-        if not self.config.async_decode:
-            return False
-        # with several stages the first would otherwise need the token in the plan
-        return self.config.pipeline_parallel_size == 1 or self.feedback
-
-    def _speculable_now(self, seq: Sequence) -> bool:
-        """Once `_may_speculate` holds: whether a step may compute this sequence's next token
-        before it is known: its one step in flight samples that token, the token fits the
-        blocks it has or starts the next one (which the KV service then holds ahead for it),
-        and that step cannot be its last by length (a stop token is not foreseen: then one
-        step is wasted and its token never emitted). The step in flight is looked up first:
-        most sequences in flight have none or two (the placeholder step planned already)."""
-        record = self._flight.sole_record(seq.seq_id)
-        if record is None or not record.sample or seq.is_finished or not seq.has_kv:
-            return False
-        pos = record.context_len
-        request = seq.request
-        return (pos == seq.num_tokens and pos <= seq.num_blocks * self.config.block_size
-                and len(seq.output) + 1 < request.options.max_tokens
-                and pos + 1 < self.config.max_model_len and forks.target(seq) == seq.num_tokens
-                and not self._speculation.waits_for_drafts(seq, self.running))
 
     def _namespace(self, request: Request) -> str | None:
         """The prefix cache's namespace of a request's blocks: the model's, and its LoRA
