@@ -223,3 +223,34 @@ class InFlight:
         ended = self.pending_completed + self.pending_failed
         assert len(ended) == len(set(ended)), ended
         assert not set(ended) & self.micro_batches.keys(), (ended, sorted(self.micro_batches))
+
+
+def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_size: int,
+                  lookahead: int = 1) -> None:
+    """How far the scheduler may run ahead of the KV service (deferred decodes and lookahead
+    slots, docs/step-protocol.md "KV bookkeeping"), checked for one live sequence between plans.
+
+    `seq.kv_len` tokens were told to the KV service and `seq.num_blocks` is the length of its
+    last answer; `scheduled_end` is where the sequence's latest step (in flight or returned)
+    ends; `held` is how many blocks the stages hold of it (None: not sent yet) and
+    `seq.unsent_blocks` the answers they were not sent.
+
+    - the KV service is told only tokens that were scheduled: `kv_len <= scheduled_end`;
+    - every scheduled token has a slot (a deferred decode or placeholder step goes only where
+      the table has room): `scheduled_end <= num_blocks * block_size`;
+    - the KV service holds at most `lookahead` slots beyond the tokens it was told (a
+      placeholder step's lookahead block: 1; a verify step's drafts: up to
+      num_speculative_tokens), and covers those: `ceil(kv_len / bs) <= num_blocks <=
+      ceil((kv_len + lookahead) / bs)`; so the deferred tokens all lie in the last block;
+    - the stages hold that table (nothing unsent), or all of it but a held-ahead block whose
+      placeholder step was dropped (its step before returned during the KV call): the unsent
+      diff is that block, sent with the next step.
+    (A forked choice not allocated yet has no table here: it shares its parent's there.)
+    """
+    kv_len, num_blocks, unsent = seq.kv_len, seq.num_blocks, seq.unsent_blocks
+    where = f"sequence {seq.seq_id}: kv_len {kv_len}, scheduled to {scheduled_end}, {num_blocks} blocks"
+    assert kv_len <= scheduled_end <= num_blocks * block_size, where
+    assert -(-kv_len // block_size) <= num_blocks <= -(-(kv_len + lookahead) // block_size), where
+    assert held is None or (held == num_blocks and unsent is None) or (
+        held == num_blocks - 1 and kv_len == held * block_size and unsent is not None
+        and unsent[0] == held and len(unsent[1]) == 1), (where, held, unsent)

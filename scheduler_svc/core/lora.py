@@ -25,6 +25,8 @@ import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from scheduler_svc.core.request import Request
+
 
 class AdapterNotServed(LookupError):
     """A request names an adapter that is not served, or is being unloaded (NOT_FOUND)."""
@@ -43,6 +45,15 @@ def lora_namespace(model: str | None, name: str, load_id: int) -> str:
     """The prefix cache's namespace of an adapter's blocks under `model`'s: by its name and
     identity, so that blocks of an adapter reloaded under the same name are never shared."""
     return f"{model or ''}/lora:{name}#{load_id:x}"
+
+
+def request_namespace(model: str | None, request: Request) -> str | None:
+    """The prefix cache's namespace of a request's blocks: the model's, and its LoRA adapter's
+    (the same prompt under two adapters, or under one name reloaded with other weights, has
+    other KV: it never shares blocks)."""
+    if not request.lora_name:
+        return model
+    return lora_namespace(model, request.lora_name, request.lora_load_id)
 
 
 @dataclass(frozen=True)

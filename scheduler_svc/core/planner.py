@@ -37,9 +37,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scheduler_svc.core import forks
-from scheduler_svc.core.in_flight import InFlight, MicroBatch, ScheduledSeq
-from scheduler_svc.core.lora import lora_namespace
+from scheduler_svc.core.in_flight import InFlight, MicroBatch, ScheduledSeq, check_kv_lead
+from scheduler_svc.core.lora import request_namespace
 from scheduler_svc.core.placeholders import PlaceholderPolicy
+from scheduler_svc.core.planner_config import PlannerConfig
 from scheduler_svc.core.proposal import (
     Admission,
     AdmittedSeq,
@@ -57,8 +58,6 @@ from scheduler_svc.core.request import (
 )
 from scheduler_svc.core.speculation_policy import SpeculationPolicy
 from scheduler_svc.core.stage_view import StageView, skips_prefix_cache
-from services import defaults
-from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS
 from services.kv_types import (
     Allocated,
     Append,
@@ -69,44 +68,6 @@ from services.kv_types import (
 )
 from services.pooling import Embedding
 from services.step import CachedSeq, NewSeq, PooledOutput, SampledToken, ScoredPrompt, StepPlan
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = defaults.MAX_NUM_SEQS
-    enable_chunked_prefill: bool = True
-    max_in_flight: int = 1
-    pipeline_parallel_size: int = 1
-    microbatch_size: str | int = "auto"
-    max_model_len: int = MAX_MODEL_LEN
-    namespace: str | None = None  # the model: prefixes are shared only within one
-    block_size: int = BLOCK_SIZE
-    # vLLM-style asynchronous scheduling: a decoding sequence is scheduled for step k+1
-    # before step k's token is known; the stage feeds itself the token it sampled (one
-    # stage), or the last stage feeds the first (several stages: `Planner.set_feedback`)
-    async_decode: bool = False
-    # speculative decoding (scheduler_svc/core/speculation.py): up to this many n-gram drafts
-    # per decoding sequence per step, verified in one step of drafts + 1 positions
-    num_speculative_tokens: int = 0
-    prompt_lookup_min: int = defaults.PROMPT_LOOKUP_MIN
-    prompt_lookup_max: int = defaults.PROMPT_LOOKUP_MAX
-    # "ngram": the planner looks drafts up; "draft_model": the last stage proposes them
-    speculative_method: str = "ngram"
-    # no drafts while more requests than this run (None: always)
-    speculative_max_batch: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens: must be positive")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs: must be positive")
-        if self.max_in_flight < 1:
-            raise ValueError("max_in_flight: must be positive")
-        if self.microbatch_size != "auto" and (
-            not isinstance(self.microbatch_size, int) or self.microbatch_size < 1
-        ):
-            raise ValueError(f"microbatch_size: must be 'auto' or a positive int, got {self.microbatch_size!r}")
 
 
 @dataclass
@@ -355,7 +316,7 @@ class Planner:
                 if n <= 0:
                     continue
                 new_seq_id = draft.take_seq_id()
-                draft.new_sequences.append(NewSequence(new_seq_id, tokens, self._namespace(seq.request), n,
+                draft.new_sequences.append(NewSequence(new_seq_id, tokens, request_namespace(self.config.namespace, seq.request), n,
                                                        skips_prefix_cache(seq.request, seq.index)))
                 draft.readmissions.append(Readmission(seq, new_seq_id))
                 draft.spend(n, 1)
@@ -385,7 +346,7 @@ class Planner:
             for index, (existing, tokens, n) in enumerate(chunks):
                 seq_id = draft.take_seq_id()
                 skips = skips_prefix_cache(request, existing.index if existing is not None else index)
-                draft.new_sequences.append(NewSequence(seq_id, tokens, self._namespace(request), n, skips))
+                draft.new_sequences.append(NewSequence(seq_id, tokens, request_namespace(self.config.namespace, request), n, skips))
                 admitted.append(AdmittedSeq(existing, seq_id, index))
             draft.admissions.append(Admission(request, tuple(admitted)))
             draft.spend(sum(n for _, _, n in chunks), count)
@@ -746,14 +707,6 @@ class Planner:
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _namespace(self, request: Request) -> str | None:
-        """The prefix cache's namespace of a request's blocks: the model's, and its LoRA
-        adapter's (the same prompt under two adapters, or under one name reloaded with other
-        weights, has other KV: it never shares blocks)."""
-        if not request.lora_name:
-            return self.config.namespace
-        return lora_namespace(self.config.namespace, request.lora_name, request.lora_load_id)
-
     def _renumber(self, seq: Sequence, new_id: int) -> None:
         seq.seq_id = new_id
 
@@ -844,33 +797,3 @@ class Planner:
                     check_kv_lead(seq, end, self._stages.on_stages.get(seq.seq_id), self.config.block_size,
                                   self._speculation.max_lookahead)
 
-
-def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_size: int,
-                  lookahead: int = 1) -> None:
-    """How far the scheduler may run ahead of the KV service (deferred decodes and lookahead
-    slots, docs/step-protocol.md "KV bookkeeping"), checked for one live sequence between plans.
-
-    `seq.kv_len` tokens were told to the KV service and `seq.num_blocks` is the length of its
-    last answer; `scheduled_end` is where the sequence's latest step (in flight or returned)
-    ends; `held` is how many blocks the stages hold of it (None: not sent yet) and
-    `seq.unsent_blocks` the answers they were not sent.
-
-    - the KV service is told only tokens that were scheduled: `kv_len <= scheduled_end`;
-    - every scheduled token has a slot (a deferred decode or placeholder step goes only where
-      the table has room): `scheduled_end <= num_blocks * block_size`;
-    - the KV service holds at most `lookahead` slots beyond the tokens it was told (a
-      placeholder step's lookahead block: 1; a verify step's drafts: up to
-      num_speculative_tokens), and covers those: `ceil(kv_len / bs) <= num_blocks <=
-      ceil((kv_len + lookahead) / bs)`; so the deferred tokens all lie in the last block;
-    - the stages hold that table (nothing unsent), or all of it but a held-ahead block whose
-      placeholder step was dropped (its step before returned during the KV call): the unsent
-      diff is that block, sent with the next step.
-    (A forked choice not allocated yet has no table here: it shares its parent's there.)
-    """
-    kv_len, num_blocks, unsent = seq.kv_len, seq.num_blocks, seq.unsent_blocks
-    where = f"sequence {seq.seq_id}: kv_len {kv_len}, scheduled to {scheduled_end}, {num_blocks} blocks"
-    assert kv_len <= scheduled_end <= num_blocks * block_size, where
-    assert -(-kv_len // block_size) <= num_blocks <= -(-(kv_len + lookahead) // block_size), where
-    assert held is None or (held == num_blocks and unsent is None) or (
-        held == num_blocks - 1 and kv_len == held * block_size and unsent is not None
-        and unsent[0] == held and len(unsent[1]) == 1), (where, held, unsent)

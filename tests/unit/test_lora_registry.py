@@ -13,7 +13,9 @@ from scheduler_svc.core.lora import (
     StageSync,
     lora_namespace,
     new_load_id,
+    request_namespace,
 )
+from scheduler_svc.core.request import Request, SamplingOptions
 
 STATIC = LoraAdapter("sql", "/adapters/sql", 0)
 RUNTIME = LoraAdapter("chat", "/adapters/chat", 77)
@@ -32,6 +34,13 @@ def test_a_name_reloaded_has_another_namespace():
     assert lora_namespace("m", "a1", first) != lora_namespace("m", "a1", again)
     assert lora_namespace("m", "a1", 0) == "m/lora:a1#0"
     assert lora_namespace(None, "a1", 255) == "/lora:a1#ff"
+
+
+def test_a_request_keeps_the_model_namespace_unless_it_runs_under_an_adapter():
+    plain = Request("r", (1, 2), SamplingOptions(), 0.0)
+    tuned = Request("q", (1, 2), SamplingOptions(), 0.0, lora_name="a1", lora_load_id=255)
+    assert request_namespace("m", plain) == "m" and request_namespace(None, plain) is None
+    assert request_namespace("m", tuned) == lora_namespace("m", "a1", 255)
 
 
 def test_the_first_sync_adopts_what_the_stages_hold():

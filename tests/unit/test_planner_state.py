@@ -309,7 +309,7 @@ def test_both_pieces_hold_their_invariants_through_failures_and_resets(seed):
 
 
 def test_the_kv_lead_check_allows_deferred_decodes_and_one_lookahead_block():
-    from scheduler_svc.core.planner import check_kv_lead
+    from scheduler_svc.core.in_flight import check_kv_lead
 
     seq = _seq(1, prompt=(5, 6, 7, 8, 9), block_table=(10, 11))
     seq.take_unsent_blocks()  # the stages hold (10, 11)
@@ -333,7 +333,7 @@ def test_the_kv_lead_check_allows_deferred_decodes_and_one_lookahead_block():
     (5, 5, (10, 11), 1, None),  # the stages miss a block nobody will send them
 ])
 def test_the_kv_lead_check_catches(kv_len, end, table, held, unsent):
-    from scheduler_svc.core.planner import check_kv_lead
+    from scheduler_svc.core.in_flight import check_kv_lead
 
     seq = _seq(1, prompt=(5, 6, 7, 8, 9), block_table=table)
     seq.kv_len, seq.unsent_blocks = kv_len, unsent
