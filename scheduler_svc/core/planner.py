@@ -36,36 +36,16 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from scheduler_svc.core import forks
+from scheduler_svc.core import admissions, forks
 from scheduler_svc.core.in_flight import InFlight, MicroBatch, ScheduledSeq, check_kv_lead
-from scheduler_svc.core.lora import request_namespace
 from scheduler_svc.core.placeholders import PlaceholderPolicy
 from scheduler_svc.core.planner_config import PlannerConfig
-from scheduler_svc.core.proposal import (
-    Admission,
-    AdmittedSeq,
-    Chunk,
-    Proposal,
-    ProposalDraft,
-    Readmission,
-)
+from scheduler_svc.core.proposal import Chunk, Proposal, ProposalDraft
 from scheduler_svc.core.queue import WaitingQueue
-from scheduler_svc.core.request import (
-    FinishReason,
-    Request,
-    RequestState,
-    Sequence,
-)
+from scheduler_svc.core.request import FinishReason, Request, RequestState, Sequence
 from scheduler_svc.core.speculation_policy import SpeculationPolicy
-from scheduler_svc.core.stage_view import StageView, skips_prefix_cache
-from services.kv_types import (
-    Allocated,
-    Append,
-    NewSequence,
-    NoBlocks,
-    StepInput,
-    StepOutput,
-)
+from scheduler_svc.core.stage_view import StageView
+from services.kv_types import Allocated, Append, NoBlocks, StepInput, StepOutput
 from services.pooling import Embedding
 from services.step import CachedSeq, NewSeq, PooledOutput, SampledToken, ScoredPrompt, StepPlan
 
@@ -249,8 +229,12 @@ class Planner:
             placeholders.propose(draft, self.running)
         self._propose_running(draft, prefill=True)
         forks.propose(draft, self.running, self._flight)
-        self._propose_readmissions(draft)
-        self._propose_admissions(draft)
+        namespace = self.config.namespace
+        admissions.propose_readmissions(draft, self.running, self._flight, namespace)
+        # a prompt is chunked whatever the setting under a cap that a late step set
+        chunked = self.config.enable_chunked_prefill or self.step_token_cap < self.config.max_num_batched_tokens
+        admissions.propose_admissions(draft, self.queue, self.running, self.config.max_num_seqs, chunked,
+                                      namespace)
         if placeholders.last:
             placeholders.propose(draft, self.running)
         mb_id = self._next_mb_id if draft.has_tokens else None
@@ -301,84 +285,6 @@ class Planner:
                                                 num_lookahead_slots=len(drafts)))
                 draft.chunks.append(Chunk(seq, start, n + len(drafts), deferred, drafts))
                 draft.spend(n + len(drafts), 1)
-
-    def _propose_readmissions(self, draft: ProposalDraft) -> None:
-        """Running sequences that lost their KV (a partly re-admitted request): a recompute,
-        chunked whatever the setting."""
-        for request in self.running:
-            for seq in request.sequences:
-                if draft.num_seqs >= draft.seq_cap:
-                    return
-                if seq.is_finished or seq.has_kv or self._flight.is_busy(seq.seq_id):
-                    continue
-                tokens = seq.all_tokens()[: forks.target(seq)]
-                n = min(len(tokens), draft.budget)
-                if n <= 0:
-                    continue
-                new_seq_id = draft.take_seq_id()
-                draft.new_sequences.append(NewSequence(new_seq_id, tokens, request_namespace(self.config.namespace, seq.request), n,
-                                                       skips_prefix_cache(seq.request, seq.index)))
-                draft.readmissions.append(Readmission(seq, new_seq_id))
-                draft.spend(n, 1)
-
-    def _propose_admissions(self, draft: ProposalDraft) -> None:
-        """Waiting requests, in the queue's order, while the budgets allow; the first that does
-        not fit stops the rest (no overtaking)."""
-        if not len(self.queue):
-            return
-        num_reserved = sum(forks.reserved(r) for r in self.running)
-        for request in self.queue.ordered(limit=64):
-            if draft.is_full:
-                return
-            seqs = request.live_sequences if request.sequences else None
-            if seqs == []:
-                continue  # every choice ended while it waited (finish_choice takes it out)
-            count = len(seqs) if seqs is not None else forks.first_admission(request)[1]
-            if (num_reserved + forks.reserved(request) > self.config.max_num_seqs
-                    or draft.num_seqs + count > max(draft.seq_cap, count)):
-                return
-            chunks = self._admission_chunks(request, seqs, count, draft.budget)
-            # a request's choices may come back a few at a time (the rest re-admit as budget
-            # allows); a fresh request's several one-token choices come together
-            if not chunks or (seqs is None and len(chunks) < count):
-                return
-            admitted: list[AdmittedSeq] = []
-            for index, (existing, tokens, n) in enumerate(chunks):
-                seq_id = draft.take_seq_id()
-                skips = skips_prefix_cache(request, existing.index if existing is not None else index)
-                draft.new_sequences.append(NewSequence(seq_id, tokens, request_namespace(self.config.namespace, request), n, skips))
-                admitted.append(AdmittedSeq(existing, seq_id, index))
-            draft.admissions.append(Admission(request, tuple(admitted)))
-            draft.spend(sum(n for _, _, n in chunks), count)
-            num_reserved += forks.reserved(request)
-
-    def _admission_chunks(self, request: Request, seqs: list[Sequence] | None, count: int,
-                          budget: int) -> list[tuple[Sequence | None, list[int], int]]:
-        """(existing sequence or None for a new choice, its tokens, how many to compute now)
-        for the choices of one admission that fit the budget, in order."""
-        chunks: list[tuple[Sequence | None, list[int], int]] = []
-        cost = 0
-        for i in range(count):
-            if seqs is None:
-                tokens = forks.first_admission(request)[0]
-            else:
-                tokens = seqs[i].all_tokens()[: forks.target(seqs[i])]
-            left = budget - cost
-            if len(tokens) <= left:
-                n = len(tokens)
-            elif (self.config.enable_chunked_prefill or seqs is not None
-                  or self.step_token_cap < self.config.max_num_batched_tokens):
-                # recomputing after preemption is chunked whatever the setting: prompt plus
-                # output may have outgrown the budget, and it must come back (as must a prompt
-                # over a cap that a late step set)
-                n = left
-            else:
-                n = 0
-            if n <= 0:
-                break
-            chunks.append((None if seqs is None else seqs[i], tokens, n))
-            cost += n
-        return chunks
 
     def finalize(self, proposal: Proposal, output: StepOutput, now: float = 0.0) -> MicroBatch | None:
         """Apply the KV service's answers; returns the micro-batch to dispatch, or None.
