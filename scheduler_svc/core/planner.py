@@ -36,7 +36,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from scheduler_svc.core import admissions, forks
+from scheduler_svc.core import admissions, forks, outputs, pooling
 from scheduler_svc.core.in_flight import InFlight, MicroBatch, ScheduledSeq, check_kv_lead
 from scheduler_svc.core.placeholders import PlaceholderPolicy
 from scheduler_svc.core.planner_config import PlannerConfig
@@ -457,7 +457,7 @@ class Planner:
             end = start + n - len(drafts)  # (a verify step samples after its known tokens)
             # a pooling sequence never samples (so no placeholder step follows it): the step
             # that completes its prompt brings back its pooled vector instead
-            samples = end == forks.target(seq) and end == seq.num_tokens and seq.request.pooling is None
+            samples = end == forks.target(seq) and end == seq.num_tokens and not pooling.never_samples(seq.request)
             steps.append((seq, start, n, samples, drafts))
         return steps
 
@@ -508,11 +508,12 @@ class Planner:
             first, positions = scored.get(seq.seq_id, (-1, ()))
             if positions and first == len(request.prompt_logprobs):
                 request.prompt_logprobs.extend(positions)
-            if request.pooling is not None:
-                if seq.num_computed == seq.num_tokens:  # its prompt is computed: pooled
+            if pooling.never_samples(request):
+                if pooling.is_pooled(seq):
                     updates.append(self._finish_pooled(seq, vectors.get(seq.seq_id), now))
                 continue
-            new_tokens, new_logprobs = self._append_sampled(seq, by_id.get(seq.seq_id, []))
+            sampled_here = by_id.get(seq.seq_id, [])
+            new_tokens, new_logprobs = outputs.append_sampled(seq, sampled_here, self.config.max_model_len)
             if seq.seq_id in offered:
                 self._speculation.offer(seq, offered[seq.seq_id])
             if new_tokens and request.state == RequestState.PREFILLING:
@@ -525,28 +526,10 @@ class Planner:
                 self._retire(request, now)
         return updates
 
-    def _append_sampled(self, seq: Sequence, sampled: list[tuple[int, object]]) -> tuple[list[int], list]:
-        """A step's tokens (several after a verify step) join the sequence's output, up to the
-        first that finishes it; returns the tokens and logprobs taken."""
-        new_tokens, new_logprobs = [], []
-        for token, logprob in sampled:
-            seq.output.append(token)
-            seq.logprobs.append(logprob)
-            new_tokens.append(token)
-            new_logprobs.append(logprob)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                seq.finish_reason = reason
-                if reason == FinishReason.STOP:
-                    seq.stop_token_id = token
-                break
-        return new_tokens, new_logprobs
-
     def _finish_pooled(self, seq: Sequence, embedding: Embedding | None, now: float) -> SeqUpdate:
         """A pooling request's prompt came back computed: it finishes with its vector (STOP),
         or with ERROR when the last stage returned none (a bug), and frees its blocks."""
-        seq.request.embedding = embedding
-        seq.finish_reason = FinishReason.STOP if embedding is not None else FinishReason.ERROR
+        pooling.take_vector(seq, embedding)
         self._drop_kv(seq)
         self._retire(seq.request, now)
         return SeqUpdate(seq, [], [], True)
@@ -666,17 +649,6 @@ class Planner:
             self._stages.release(seq.seq_id)
         seq.has_kv = False
         seq.drop_blocks()
-
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        options = seq.request.options
-        if len(seq.output) > options.min_tokens:  # stops are masked before min_tokens
-            if token in options.stop_token_ids:
-                return FinishReason.STOP
-            if not options.ignore_eos and token in seq.request.eos_token_ids:
-                return FinishReason.STOP
-        if len(seq.output) >= options.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _trace(self, kind: str, request: Request | None, **fields) -> None:
         entry = {"event": kind}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sized
 
+from scheduler_svc.core import pooling
 from scheduler_svc.core.in_flight import ScheduledSeq
 from scheduler_svc.core.request import Sequence
 from scheduler_svc.core.speculation import Drafts, SpecStats
@@ -95,7 +96,7 @@ class SpeculationPolicy:
     def _drafts_now(self, seq: Sequence, running: Sized) -> bool:
         """Whether the sequence may draft at all now (not a pooling request, and the batch
         limit, vLLM's disable_by_batch_size over running requests, not passed)."""
-        if not self.num_speculative_tokens or seq.request.pooling is not None:
+        if not self.num_speculative_tokens or pooling.never_samples(seq.request):
             return False
         return self.max_batch is None or len(running) <= self.max_batch
 
