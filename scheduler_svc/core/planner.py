@@ -42,7 +42,8 @@ from scheduler_svc.core.placeholders import PlaceholderPolicy
 from scheduler_svc.core.planner_config import PlannerConfig
 from scheduler_svc.core.proposal import Chunk, Proposal, ProposalDraft
 from scheduler_svc.core.queue import WaitingQueue
-from scheduler_svc.core.request import FinishReason, Request, RequestState, Sequence
+from scheduler_svc.core.request import Request, RequestState, Sequence
+from scheduler_svc.core.running import RunningSet
 from scheduler_svc.core.speculation_policy import SpeculationPolicy
 from scheduler_svc.core.stage_view import StageView
 from services.kv_types import Allocated, Append, NoBlocks, StepInput, StepOutput
@@ -74,19 +75,16 @@ class Planner:
 
     def __init__(self, config: PlannerConfig, queue: WaitingQueue) -> None:
         self.config = config
-        self.queue = queue
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
         self._flight = InFlight()  # what is in flight, and what the KV service is to hear
         # what the stages hold of each sequence (with several stages, the first does not
         # sample: plans carry the tokens it lacks, unless the last stage feeds it)
         self._stages = StageView(track_tokens=config.pipeline_parallel_size > 1)
+        self._requests = RunningSet(queue, self._flight, self._stages)
+        # its containers, shared (never rebound): the running set, live requests, decisions
+        self.queue, self.running, self.requests = queue, self._requests.running, self._requests.requests
+        self.decisions = self._requests.decisions  # for scheduler tracing; drained by the engine
         self._next_seq_id = 1
         self._next_mb_id = 1
-        self._admission_counter = 0
-        self._rank: dict[str, tuple] = {}
-        self.decisions: list[dict] = []  # for scheduler tracing; drained by the engine
-        self.num_preemptions = 0
         self.num_placeholder_steps = 0  # sequence-steps scheduled before their input was known
         # prompt tokens the KV service looked up in its prefix cache and found there, counted
         # as its answers come (the KV service's own totals, without asking it)
@@ -109,80 +107,28 @@ class Planner:
         return self._placeholders.feedback
 
     @property
+    def num_preemptions(self) -> int:
+        return self._requests.num_preemptions
+
+    # --- requests in: the running set's (running.py) ---------------------------------------
+
+    def add(self, request: Request) -> Request | None:
+        """Queue a new request; returns the waiting one it displaced, if any (`RunningSet.add`)."""
+        return self._requests.add(request)
+
+    def abort(self, request_id: str, now: float = 0.0) -> Request | None:
+        """Abort a live request (`RunningSet.abort`); None if unknown or ended."""
+        return self._requests.abort(request_id, now)
+
+    def finish_choice(self, request_id: str, index: int, now: float = 0.0) -> Request | None:
+        """End one choice early; the request when that finished it (`RunningSet.finish_choice`)."""
+        return self._requests.finish_choice(request_id, index, now)
+
+    @property
     def in_flight(self) -> dict[int, MicroBatch]:
         """micro_batch_id -> the micro-batch in flight (read-only: `finalize`, `on_result` and
         `on_failure` change it)."""
         return self._flight.micro_batches
-
-    # --- requests in ---------------------------------------------------------------------
-
-    def add(self, request: Request) -> Request | None:
-        """Queue a new request (QueueFull propagates). With the queue full, a more urgent
-        request takes the place of the least urgent waiting one, which is returned (its
-        caller refuses it as if it had come to a full queue)."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already live")
-        displaced = self.queue.displaceable(request)
-        if displaced is not None:
-            self.abort(displaced.request_id)
-        self.queue.push(request)
-        self.requests[request.request_id] = request
-        self._trace("queued", request, prompt_tokens=len(request.prompt))
-        return displaced
-
-    def abort(self, request_id: str, now: float = 0.0) -> Request | None:
-        """Abort a live request: out of the queue, or its sequences freed. None if unknown/ended."""
-        request = self.requests.get(request_id)
-        if request is None or not request.state.is_live:
-            return None
-        if request in self.queue:
-            self.queue.remove(request)
-        if request in self.running:
-            self.running.remove(request)
-        for seq in request.sequences:
-            self._drop_kv(seq)
-            if seq.finish_reason is None:
-                seq.finish_reason = FinishReason.ABORT
-        if request.state == RequestState.PREEMPTED:
-            request.transition(RequestState.WAITING, now)
-        request.transition(RequestState.ABORTED, now)
-        request.finished_s = now
-        del self.requests[request_id]
-        self._rank.pop(request_id, None)
-        self._trace("aborted", request)
-        return request
-
-    def finish_choice(self, request_id: str, index: int, now: float = 0.0) -> Request | None:
-        """End one choice early (the gateway found a stop string in its text).
-
-        Returns the request when that finished it as a whole (FINISHED), else None.
-        """
-        request = self.requests.get(request_id)
-        if request is None or not request.state.is_live:
-            return None
-        seq = next((s for s in request.sequences if s.index == index), None)
-        if seq is None or seq.is_finished:
-            return None
-        seq.finish_reason = FinishReason.STOP
-        self._drop_kv(seq)
-        self._trace("choice_stopped", request, index=index)
-        if not request.all_finished:
-            return None
-        if request in self.queue:
-            self.queue.remove(request)
-        if request in self.running:
-            self.running.remove(request)
-        self._rank.pop(request_id, None)
-        del self.requests[request_id]
-        request.finished_s = now
-        if request.state == RequestState.DECODING:
-            request.transition(RequestState.FINISHED, now)
-        else:  # its last choices ended while it was waiting or recomputing
-            if request.state == RequestState.PREEMPTED:
-                request.transition(RequestState.WAITING, now)
-            request.transition(RequestState.ABORTED, now)
-        self._trace("finished", request, output_tokens=request.num_output_tokens)
-        return request
 
     # --- planning ------------------------------------------------------------------------
 
@@ -359,7 +305,7 @@ class Planner:
             if isinstance(result, Allocated) and (seq.is_finished or seq.request not in self.running):
                 self._flight.free_at_kv((new_seq_id,))
             elif isinstance(result, Allocated):
-                self._renumber(seq, new_seq_id)
+                seq.seq_id = new_seq_id
                 seq.has_kv = True
                 scheduled[seq.seq_id] = (seq, result)
 
@@ -377,13 +323,13 @@ class Planner:
                 self._flight.free_at_kv(a.seq_id for a, r in zip(admission.seqs, results, strict=True)
                                         if isinstance(r, Allocated))
                 continue
-            self._admit(request, now)
+            self._requests.admit(request, now)
             for a, r in zip(admission.seqs, results, strict=True):
                 s = a.existing or forks.new_sequence(a.seq_id, request, a.index)
                 if s not in request.sequences:
                     request.sequences.append(s)
                 if isinstance(r, Allocated):
-                    self._renumber(s, a.seq_id)
+                    s.seq_id = a.seq_id
                     s.has_kv = True
                     if not request.num_preemptions:
                         request.num_cached_tokens += r.num_computed_tokens
@@ -397,12 +343,12 @@ class Planner:
         for seq in starving:
             if seq.request not in self.running:
                 continue  # already preempted in this round
-            victim = self._pick_victim(exclude=seq.request, scheduled=scheduled)
+            victim = self._requests.pick_victim(exclude=seq.request, scheduled=scheduled)
             if victim is None:
                 continue  # the victim is in flight: the starving sequence waits a round
             for s in victim.sequences:
                 scheduled.pop(s.seq_id, None)
-            self._preempt(victim, now)
+            self._requests.preempt(victim, now)
 
     # --- finalize, phase 3: the plan -----------------------------------------------------
 
@@ -425,7 +371,7 @@ class Planner:
         released, release_all = self._stages.take_releases()
         plan = StepPlan(mb_id, tuple(new_seqs), tuple(cached_seqs), released, tuple(output.copies), release_all)
         mb = self._flight.dispatch(plan, records)
-        self._trace(
+        self._requests.trace(
             "micro_batch", None, micro_batch_id=mb_id, num_tokens=mb.num_tokens,
             seqs=[[s.seq_id, s.start, s.num_tokens] for s in records],
         )
@@ -519,29 +465,20 @@ class Planner:
             if new_tokens and request.state == RequestState.PREFILLING:
                 request.transition(RequestState.DECODING, now)
             if seq.is_finished:
-                self._drop_kv(seq)
+                self._requests.drop_kv(seq)
             if new_tokens or seq.is_finished:
                 updates.append(SeqUpdate(seq, new_tokens, new_logprobs, seq.is_finished))
             if request.all_finished and request.state == RequestState.DECODING:
-                self._retire(request, now)
+                self._requests.retire(request, now)
         return updates
 
     def _finish_pooled(self, seq: Sequence, embedding: Embedding | None, now: float) -> SeqUpdate:
         """A pooling request's prompt came back computed: it finishes with its vector (STOP),
         or with ERROR when the last stage returned none (a bug), and frees its blocks."""
         pooling.take_vector(seq, embedding)
-        self._drop_kv(seq)
-        self._retire(seq.request, now)
+        self._requests.drop_kv(seq)
+        self._requests.retire(seq.request, now)
         return SeqUpdate(seq, [], [], True)
-
-    def _retire(self, request: Request, now: float) -> None:
-        """A running request whose every choice finished: FINISHED, and forgotten."""
-        request.transition(RequestState.FINISHED, now)
-        request.finished_s = now
-        self.running.remove(request)
-        del self.requests[request.request_id]
-        self._rank.pop(request.request_id, None)
-        self._trace("finished", request, output_tokens=request.num_output_tokens)
 
     def on_failure(self, mb_id: int, now: float = 0.0) -> list[Request]:
         """A micro-batch failed on some stage: its requests are preempted (recomputed later)."""
@@ -557,14 +494,14 @@ class Planner:
             if request in self.running and request not in hit:
                 hit.append(request)
         for request in hit:
-            self._preempt(request, now)
+            self._requests.preempt(request, now)
         # a later step in flight that computes one of these sequences (a placeholder step) was
         # planned on state the stages will not have: it fails too, and with it every request
         # in it, so they are preempted now (not counted as their failure)
         for s in doomed:
             request = s.seq.request
             if s.seq.seq_id == s.seq_id and request in self.running:
-                self._preempt(request, now)
+                self._requests.preempt(request, now)
         return hit
 
     def cap_step_tokens(self, cap: int) -> None:
@@ -591,79 +528,15 @@ class Planner:
         self._stages.reset()
         hit = list(self.running)
         for request in hit:
-            self._preempt(request, now, free=False)
+            self._requests.preempt(request, now, free=False)
         return hit
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _renumber(self, seq: Sequence, new_id: int) -> None:
-        seq.seq_id = new_id
-
-    def _admit(self, request: Request, now: float) -> None:
-        self.queue.admit(request)
-        request.transition(RequestState.PREFILLING, now)
-        self.running.append(request)
-        self._admission_counter += 1
-        self._rank[request.request_id] = (
-            request.priority if self.queue.policy == "priority" else 0,
-            request.arrival_s,
-            self._admission_counter,
-        )
-        self._trace("admitted", request, preemptions=request.num_preemptions)
-
-    def _pick_victim(self, exclude: Request, scheduled: dict) -> Request | None:
-        """The lowest-ranked running request — possibly the starving one itself — or None when
-        that one has work in flight (then the starving sequence waits a round).
-
-        Ranks follow arrival (and priority under the priority policy), as in vLLM: the oldest
-        request is never preempted for a newer one, so it always makes progress and
-        preemption cannot ping-pong between two requests.
-        """
-        victim = max(self.running, key=lambda r: self._rank[r.request_id])
-        if any(self._flight.is_busy(s.seq_id) for s in victim.sequences):
-            return None
-        return victim
-
-    def _preempt(self, request: Request, now: float, free: bool = True) -> None:
-        for seq in request.sequences:
-            if free:
-                self._drop_kv(seq)
-            else:
-                seq.has_kv = False
-                seq.drop_blocks()
-            seq.num_computed = 0
-            seq.kv_len = 0
-        forks.undo_unforked(request)
-        self.running.remove(request)
-        self._rank.pop(request.request_id, None)
-        request.transition(RequestState.PREEMPTED, now)
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self._trace("preempted", request, output_tokens=request.num_output_tokens)
-        request.transition(RequestState.WAITING, now)
-        self.queue.push(request)
-
-    def _drop_kv(self, seq: Sequence) -> None:
-        if seq.has_kv:
-            self._flight.free_at_kv((seq.seq_id,))
-            self._stages.release(seq.seq_id)
-        seq.has_kv = False
-        seq.drop_blocks()
-
-    def _trace(self, kind: str, request: Request | None, **fields) -> None:
-        entry = {"event": kind}
-        if request is not None:
-            entry["request_id"] = request.request_id
-            entry["tenant"] = request.tenant
-        entry.update(fields)
-        self.decisions.append(entry)
-
     # --- views ---------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        for request in self.running:
-            assert request.state in (RequestState.PREFILLING, RequestState.DECODING), request.state
-            assert request not in self.queue
+        self._requests.check_integrity()
         self._flight.check_integrity()
         self._stages.check_integrity()
         self.queue.check_integrity()

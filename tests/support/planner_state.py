@@ -10,7 +10,7 @@ def leftover_state(planner: Planner) -> dict[str, object]:
     """The non-empty tables among those that must be empty once every request ended: request
     ranks, completion guards and busy counts of the steps in flight."""
     tables = {
-        "rank": planner._rank,
+        "rank": planner._requests._rank,
         "completion_guard": planner._flight.completion_guard,
         "busy": planner._flight.busy,
     }
