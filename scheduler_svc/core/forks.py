@@ -38,7 +38,8 @@ def target(seq: Sequence) -> int:
 def reserved(request: Request) -> int:
     """Sequence slots a request holds against max_num_seqs: all its unfinished choices,
     forked or not yet, so that an admitted request can always fork."""
-    return request.options.n - sum(1 for s in request.sequences if s.is_finished)
+    # (asked of every running request at every plan: the field, not the property)
+    return request.options.n - sum(1 for s in request.sequences if s.finish_reason is not None)
 
 
 def first_admission(request: Request) -> tuple[list[int], int]:

@@ -70,8 +70,8 @@ class SpeculationPolicy:
         verify drafts than be a placeholder step (which cannot carry drafts: they follow the
         token it takes): while its tokens continue an earlier n-gram (or the draft model
         offered drafts) and it is not backing off."""
-        if not self._drafts_now(seq, running):
-            return False
+        if not self.num_speculative_tokens or not self._drafts_now(seq, running):
+            return False  # (asked of every placeholder candidate: off at once when off)
         state = self._state(seq)
         if state.skip:
             return False
@@ -112,4 +112,4 @@ class SpeculationPolicy:
         if self.method != "ngram":
             offered = state.offered
             return offered[1][:k] if offered is not None and offered[0] == seq.num_tokens else ()
-        return state.lookup(seq.all_tokens(), k, self.lookup_min, self.lookup_max)
+        return state.lookup_in(seq.num_tokens, seq.tokens, k, self.lookup_min, self.lookup_max)

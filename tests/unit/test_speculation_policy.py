@@ -60,3 +60,32 @@ def test_a_draft_model_offer_is_used_only_while_it_follows_the_tokens():
     assert policy.waits_for_drafts(seq, []) and policy.drafts(seq, 8, []) == (9, 8, 7)
     seq.output.append(9)  # the tokens moved on: the offer no longer follows them
     assert policy.drafts(seq, 8, []) == ()
+
+
+def test_the_windowed_lookup_finds_what_a_scan_of_the_whole_context_finds():
+    """`Drafts.lookup_in` reads only the tokens not indexed yet and the suffix; the answer is
+    the latest earlier occurrence of the longest suffix n-gram, as a full scan finds it."""
+    import random
+
+    from scheduler_svc.core.speculation import Drafts
+
+    def scan(tokens, k, lo, hi):
+        for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+            starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[len(tokens) - n:]]
+            if starts:
+                return tuple(tokens[starts[-1] + n:starts[-1] + n + k])
+        return ()
+
+    def reader(tokens, reads):
+        return lambda a, b: reads.append(b - a) or tokens[a:b]
+
+    rng, reads = random.Random(1), []
+    for _ in range(300):
+        lo = rng.randint(1, 3)
+        hi, drafts, tokens = rng.randint(lo, 5), Drafts(), [rng.randint(0, 4)]
+        for _ in range(rng.randint(1, 20)):
+            k = rng.randint(1, 5)
+            found = drafts.lookup_in(len(tokens), reader(tokens, reads), k, lo, hi)
+            assert found == scan(tokens, k, lo, hi)
+            tokens += [rng.randint(0, 4) for _ in range(rng.randint(0, 4))]
+    assert max(reads) < 30  # a window and a draft's worth, never the context
