@@ -1,11 +1,15 @@
 """Which sequences without KV come into the next micro-batch: running sequences that lost
 their KV (a partly re-admitted request), then waiting requests in the queue's order.
 
-    propose_readmissions(draft, running, flight, namespace)
+    propose_readmissions(draft, running, flight, namespace)        propose: what to ask
     propose_admissions(draft, queue, running, max_num_seqs, chunked, namespace)
+    apply_readmissions(proposal, output, requests, flight, scheduled)   finalize: what got
+    apply_admissions(proposal, output, requests, flight, scheduled, now)  blocks joins
 
-Both only add to the proposal being built (`ProposalDraft`): new sequences for the KV
-service under fresh ids; `Planner.finalize` admits what got blocks.
+Proposing only adds to the proposal being built (`ProposalDraft`): new sequences for the KV
+service under fresh ids. Applying admits what got blocks; what the KV service allocated for
+a sequence that ended meanwhile, or for a request that must not overtake one that got none,
+is freed again.
 """
 
 from __future__ import annotations
@@ -13,11 +17,15 @@ from __future__ import annotations
 from scheduler_svc.core import forks
 from scheduler_svc.core.in_flight import InFlight
 from scheduler_svc.core.lora import request_namespace
-from scheduler_svc.core.proposal import Admission, AdmittedSeq, ProposalDraft, Readmission
+from scheduler_svc.core.proposal import Admission, AdmittedSeq, Proposal, ProposalDraft, Readmission
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import Request, Sequence
+from scheduler_svc.core.running import RunningSet
 from scheduler_svc.core.stage_view import skips_prefix_cache
-from services.kv_types import NewSequence
+from services.kv_types import Allocated, NewSequence, StepOutput
+
+# seq_id -> a sequence the KV service gave slots in this step, and those slots
+Allocations = dict[int, tuple[Sequence, Allocated]]
 
 # one choice of an admission: (existing sequence or None for a new choice, its tokens, how
 # many to compute now)
@@ -103,3 +111,45 @@ def _admission_chunks(request: Request, seqs: list[Sequence] | None, count: int,
         chunks.append((None if seqs is None else seqs[i], tokens, n))
         cost += n
     return chunks
+
+
+def apply_readmissions(proposal: Proposal, output: StepOutput, requests: RunningSet, flight: InFlight,
+                       scheduled: Allocations) -> None:
+    """A re-admitted sequence that got blocks takes its new id (into `scheduled`); one that
+    ended meanwhile gives them back."""
+    for readmission in proposal.readmissions:
+        seq, new_seq_id = readmission.seq, readmission.new_seq_id
+        result = output.results.get(new_seq_id)
+        if isinstance(result, Allocated) and (seq.is_finished or seq.request not in requests.running):
+            flight.free_at_kv((new_seq_id,))
+        elif isinstance(result, Allocated):
+            seq.seq_id = new_seq_id
+            seq.has_kv = True
+            scheduled[seq.seq_id] = (seq, result)
+
+
+def apply_admissions(proposal: Proposal, output: StepOutput, requests: RunningSet, flight: InFlight,
+                     scheduled: Allocations, now: float) -> None:
+    """A request is admitted when any of its choices got blocks (into `scheduled`); after one
+    that got none, the later ones give theirs back (they must not overtake it)."""
+    blocked = False
+    for admission in proposal.admissions:
+        request = admission.request
+        results = [output.results.get(a.seq_id) for a in admission.seqs]
+        gone = request not in requests.queue  # aborted (or its choices stopped) meanwhile
+        if gone or blocked or not any(isinstance(r, Allocated) for r in results):
+            blocked = blocked or not gone
+            flight.free_at_kv(a.seq_id for a, r in zip(admission.seqs, results, strict=True)
+                              if isinstance(r, Allocated))
+            continue
+        requests.admit(request, now)
+        for a, r in zip(admission.seqs, results, strict=True):
+            s = a.existing or forks.new_sequence(a.seq_id, request, a.index)
+            if s not in request.sequences:
+                request.sequences.append(s)
+            if isinstance(r, Allocated):
+                s.seq_id = a.seq_id
+                s.has_kv = True
+                if not request.num_preemptions:
+                    request.num_cached_tokens += r.num_computed_tokens
+                scheduled[s.seq_id] = (s, r)

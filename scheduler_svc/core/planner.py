@@ -15,19 +15,22 @@ through `on_result` / `on_failure`. A sequence is in at most one micro-batch in 
 asynchronous scheduling's placeholder decodes (its next step planned before this one's token is
 known; `InFlight` bounds them).
 
-State: the planner owns the requests (running set, ranks, ids) and composes two pieces, each
-with its invariants and `check_integrity`: `InFlight` (in_flight.py: the micro-batches in
-flight, the sequences they hold, what the KV service is still to hear of them) and
-`StageView` (stage_view.py: what the stages hold of each sequence, what the next plan
-sends and releases).
+State: the planner owns the ids and composes three pieces, each with its invariants and
+`check_integrity`: `RunningSet` (running.py: the live requests, their ranks and lifecycle),
+`InFlight` (in_flight.py: the micro-batches in flight, the sequences they hold, what the KV
+service is still to hear of them) and `StageView` (stage_view.py: what the stages hold of
+each sequence, what the next plan sends and releases).
 
 Budgets: `max_num_batched_tokens` bounds each micro-batch; `max_num_seqs` bounds all running
 sequences together; `microbatch_size` ("auto" or an int) caps sequences per micro-batch, with
 "auto" spreading the running sequences evenly over the micro-batches in flight.
 
 The features that cut across the phases sit behind small interfaces the phases call at named
-points, each in its own module: n > 1 forks (forks.py), speculative decoding
-(speculation_policy.py).
+points, each in its own module with its own tests: n > 1 forks (forks.py), async placeholder
+decodes (placeholders.py: `PlaceholderPolicy`), speculative decoding (speculation_policy.py:
+`SpeculationPolicy`; a new draft method touches only it), pooling (pooling.py), the LoRA
+namespace (lora.py). Admissions (admissions.py) and a step's sampled tokens (outputs.py) are
+phases of their own.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scheduler_svc.core import admissions, forks, outputs, pooling
+from scheduler_svc.core.admissions import Allocations
 from scheduler_svc.core.in_flight import InFlight, MicroBatch, ScheduledSeq, check_kv_lead
 from scheduler_svc.core.placeholders import PlaceholderPolicy
 from scheduler_svc.core.planner_config import PlannerConfig
@@ -61,17 +65,16 @@ class SeqUpdate:
     finished: bool
 
 
-# seq_id -> a sequence the KV service gave slots in this step, and those slots
-Allocations = dict[int, tuple[Sequence, Allocated]]
 # one sequence's share of a micro-batch being built: (sequence, start, num_tokens, samples,
 # the drafts its last tokens are)
 SeqStep = tuple[Sequence, int, int, bool, tuple[int, ...]]
 
 
 class Planner:
-    """Owns the running set and the waiting queue's admissions; composes `InFlight` (what is
-    in flight, and what the KV service is to hear of it) and `StageView` (what the stages
-    hold of each sequence). A sequence's KV is dropped in both at once (`_drop_kv`)."""
+    """Plans micro-batches (`propose` -> KV -> `finalize`) and takes their results in; composes
+    `RunningSet` (the live requests), `InFlight` (what is in flight, and what the KV service is
+    to hear of it) and `StageView` (what the stages hold of each sequence). A sequence's KV
+    is dropped in both of the latter at once (`RunningSet.drop_kv`)."""
 
     def __init__(self, config: PlannerConfig, queue: WaitingQueue) -> None:
         self.config = config
@@ -292,48 +295,10 @@ class Planner:
                 # a decode or a prefill chunk: either way the lowest-ranked request (maybe this
                 # one) gives its blocks back, or two half-prefilled requests could wait forever
                 starving.append(seq)
-        self._apply_readmissions(proposal, output, scheduled)
-        self._apply_admissions(proposal, output, scheduled, now)
+        admissions.apply_readmissions(proposal, output, self._requests, self._flight, scheduled)
+        admissions.apply_admissions(proposal, output, self._requests, self._flight, scheduled, now)
         self._placeholders.take_blocks(proposal, output)
         return scheduled, starving
-
-    def _apply_readmissions(self, proposal: Proposal, output: StepOutput,
-                            scheduled: Allocations) -> None:
-        for readmission in proposal.readmissions:
-            seq, new_seq_id = readmission.seq, readmission.new_seq_id
-            result = output.results.get(new_seq_id)
-            if isinstance(result, Allocated) and (seq.is_finished or seq.request not in self.running):
-                self._flight.free_at_kv((new_seq_id,))
-            elif isinstance(result, Allocated):
-                seq.seq_id = new_seq_id
-                seq.has_kv = True
-                scheduled[seq.seq_id] = (seq, result)
-
-    def _apply_admissions(self, proposal: Proposal, output: StepOutput,
-                          scheduled: Allocations, now: float) -> None:
-        """A request is admitted when any of its choices got blocks; after one that got none,
-        the later ones give theirs back (they must not overtake it)."""
-        blocked = False
-        for admission in proposal.admissions:
-            request = admission.request
-            results = [output.results.get(a.seq_id) for a in admission.seqs]
-            gone = request not in self.queue  # aborted (or its choices stopped) meanwhile
-            if gone or blocked or not any(isinstance(r, Allocated) for r in results):
-                blocked = blocked or not gone
-                self._flight.free_at_kv(a.seq_id for a, r in zip(admission.seqs, results, strict=True)
-                                        if isinstance(r, Allocated))
-                continue
-            self._requests.admit(request, now)
-            for a, r in zip(admission.seqs, results, strict=True):
-                s = a.existing or forks.new_sequence(a.seq_id, request, a.index)
-                if s not in request.sequences:
-                    request.sequences.append(s)
-                if isinstance(r, Allocated):
-                    s.seq_id = a.seq_id
-                    s.has_kv = True
-                    if not request.num_preemptions:
-                        request.num_cached_tokens += r.num_computed_tokens
-                    scheduled[s.seq_id] = (s, r)
 
     # --- finalize, phase 2: preemption ---------------------------------------------------
 

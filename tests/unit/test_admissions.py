@@ -51,3 +51,24 @@ def test_a_running_sequence_that_lost_its_kv_comes_back_under_a_fresh_id():
     admissions.propose_readmissions(draft, [request], InFlight(), None)
     assert _asked(draft) == [(10, [1, 2, 3, 9, 8], 4, None)]  # chunked whatever the setting
     assert draft.readmissions[0].seq is seq and draft.readmissions[0].new_seq_id == 10
+
+
+def test_an_admission_after_one_that_got_no_block_gives_its_blocks_back():
+    from scheduler_svc.core.running import RunningSet
+    from scheduler_svc.core.stage_view import StageView
+    from services.kv_types import Allocated, NoBlocks, StepOutput
+
+    queue, flight = _queue([1, 2], [3, 4]), InFlight()
+    requests = RunningSet(queue, flight, StageView(track_tokens=False))
+    for request in queue.ordered(limit=8):
+        requests.requests[request.request_id] = request
+    draft = ProposalDraft(budget=8, seq_cap=4, next_seq_id=10)
+    admissions.propose_admissions(draft, queue, [], 8, True, None)
+    output = StepOutput({10: NoBlocks(10, 1, 0), 11: Allocated(11, (5,), 2, 0, ())}, ())
+    scheduled: admissions.Allocations = {}
+    admissions.apply_admissions(draft.proposal(None, 1, skips_kv=False), output, requests, flight, scheduled, 1.0)
+    assert not scheduled and not requests.running and flight.pending_frees == [11]  # no overtaking
+    output = StepOutput({10: Allocated(10, (5,), 2, 0, ()), 11: Allocated(11, (6,), 2, 0, ())}, ())
+    admissions.apply_admissions(draft.proposal(None, 1, skips_kv=False), output, requests, flight, scheduled, 1.0)
+    assert sorted(scheduled) == [10, 11] and [r.request_id for r in requests.running] == ["r0", "r1"]
+    requests.check_integrity()
