@@ -10,7 +10,7 @@ The planner asks at named points:
     target(seq)                                  how far a sequence may compute now
     reserved(request)                            its sequence slots against max_num_seqs
     first_admission(request)                     a new request's tokens and sequences
-    is_due(request, flight) / propose(...)       propose: the forks that go in this step
+    is_due / any_due / propose(...)              propose: the forks that go in this step
     apply(proposal, running, flight)             finalize: the forked choices join
     undo_unforked(request)                       preempted before its fork: it comes again
 """
@@ -62,6 +62,11 @@ def is_due(request: Request, flight: InFlight) -> bool:
         parent is None or not parent.has_kv or flight.is_busy(parent.seq_id)
         or parent.num_computed != len(request.prompt) - 1 or len(request.prompt) == 1
     )
+
+
+def any_due(running: Iterable[Request], flight: InFlight) -> bool:
+    """Whether some running request's fork is due (asked at every plan: the cheap test first)."""
+    return any(len(r.sequences) < r.options.n and is_due(r, flight) for r in running)
 
 
 def propose(draft: ProposalDraft, running: Iterable[Request], flight: InFlight) -> None:

@@ -148,7 +148,7 @@ class Planner:
             not s.is_finished and (not flight.is_busy(s.seq_id) or (may_place and placeholders.ready(s, self.running)))
             for r in self.running
             for s in r.sequences
-        ) or any(forks.is_due(r, flight) for r in self.running)
+        ) or forks.any_due(self.running, flight)
 
     def _seq_cap(self) -> int:
         if isinstance(self.config.microbatch_size, int):
