@@ -29,8 +29,8 @@ The features that cut across the phases sit behind small interfaces the phases c
 points, each in its own module with its own tests: n > 1 forks (forks.py), async placeholder
 decodes (placeholders.py: `PlaceholderPolicy`), speculative decoding (speculation_policy.py:
 `SpeculationPolicy`; a new draft method touches only it), pooling (pooling.py), the LoRA
-namespace (lora.py). Admissions (admissions.py) and a step's sampled tokens (outputs.py) are
-phases of their own.
+namespace (lora.py). Admissions (admissions.py) and a step's sampled tokens and their stops
+(stops.py) are phases of their own.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from scheduler_svc.core import admissions, forks, outputs, pooling
+from scheduler_svc.core import admissions, forks, pooling, stops
 from scheduler_svc.core.admissions import Allocations
 from scheduler_svc.core.in_flight import InFlight, MicroBatch, ScheduledSeq, check_kv_lead
 from scheduler_svc.core.placeholders import PlaceholderPolicy
@@ -424,7 +424,7 @@ class Planner:
                     updates.append(self._finish_pooled(seq, vectors.get(seq.seq_id), now))
                 continue
             sampled_here = by_id.get(seq.seq_id, [])
-            new_tokens, new_logprobs = outputs.append_sampled(seq, sampled_here, self.config.max_model_len)
+            new_tokens, new_logprobs = stops.append_sampled(seq, sampled_here, self.config.max_model_len)
             if seq.seq_id in offered:
                 self._speculation.offer(seq, offered[seq.seq_id])
             if new_tokens and request.state == RequestState.PREFILLING:
