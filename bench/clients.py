@@ -38,6 +38,24 @@ def parse_sse_line(line: str) -> dict | None | str:
     return json.loads(data)
 
 
+async def sse_chunks(http, url: str, body: dict):
+    """POST `body` to `url` as a stream; yields (arrival time, chunk) for each `data:` object
+    until "[DONE]". RuntimeError on a status other than 200 or a chunk carrying an error."""
+    async with http.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")
+            raise RuntimeError(f"HTTP {resp.status_code}: {text[:300]}")
+        async for line in resp.aiter_lines():
+            chunk = parse_sse_line(line)
+            if chunk == "[DONE]":
+                return
+            if chunk is None:
+                continue
+            if chunk.get("error"):
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            yield time.perf_counter(), chunk
+
+
 def apply_chunk(record: RequestRecord, chunk: dict, now_s: float) -> None:
     """Fold one streamed completion chunk into `record`: a chunk carrying text is one arrival;
     `usage` (the stream's last chunk) gives the token count; an `error` fails the record."""

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.clients import parse_sse_line
+from bench.clients import sse_chunks
 from bench.machine import cpu_record, measure_bandwidth, run_json
 from bench.server_process import REPO_ROOT, Server, ServerRun, run_on_server
 from bench.vs_vllm import git_state
@@ -213,25 +213,13 @@ async def concurrent_streams(url: str, body_for: Any, texts: list[str], n_out: i
             arrivals: list[float] = []
             usage_tokens = 0
             finish = None
-            async with http.stream("POST", url, json=body_for(text)) as resp:
-                if resp.status_code != 200:
-                    body = (await resp.aread()).decode(errors="replace")
-                    raise RuntimeError(f"HTTP {resp.status_code}: {body[:300]}")
-                async for line in resp.aiter_lines():
-                    chunk = parse_sse_line(line)
-                    if chunk == "[DONE]":
-                        break
-                    if chunk is None:
-                        continue
-                    if chunk.get("error"):
-                        raise RuntimeError(f"stream error: {chunk['error']}")
-                    now = time.perf_counter()
-                    for choice in chunk.get("choices") or ():
-                        if choice.get("text") or not choice.get("finish_reason"):
-                            arrivals.append(now)
-                        finish = choice.get("finish_reason") or finish
-                    if chunk.get("usage"):
-                        usage_tokens = int(chunk["usage"].get("completion_tokens", 0))
+            async for now, chunk in sse_chunks(http, url, body_for(text)):
+                for choice in chunk.get("choices") or ():
+                    if choice.get("text") or not choice.get("finish_reason"):
+                        arrivals.append(now)
+                    finish = choice.get("finish_reason") or finish
+                if chunk.get("usage"):
+                    usage_tokens = int(chunk["usage"].get("completion_tokens", 0))
             tokens = usage_tokens or len(arrivals)
             span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else None
             return {"tokens": tokens, "chunks": len(arrivals), "finish_reason": finish,

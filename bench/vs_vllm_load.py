@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.clients import parse_sse_line
+from bench.clients import sse_chunks
 from bench.machine import cpu_sample, foreign_cpu
 from bench.server_process import Server
 from bench.vs_vllm_arms import MODEL_NAME
@@ -100,24 +100,12 @@ class Client:
         tokens = 0
         finish: str | None = None
         body = self.body(prompt, True, max_tokens)
-        async with self.http.stream("POST", self.url, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                raise RuntimeError(f"HTTP {resp.status_code}: {text[:300]}")
-            async for line in resp.aiter_lines():
-                chunk = parse_sse_line(line)
-                if chunk == "[DONE]":
-                    break
-                if chunk is None:
-                    continue
-                if chunk.get("error"):
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                now = time.perf_counter()
-                for choice in chunk.get("choices") or ():
-                    arrivals.append(now)  # a chunk may hold an empty text (a partial character)
-                    finish = choice.get("finish_reason") or finish
-                if chunk.get("usage"):
-                    tokens = int(chunk["usage"].get("completion_tokens", 0))
+        async for now, chunk in sse_chunks(self.http, self.url, body):
+            for choice in chunk.get("choices") or ():
+                arrivals.append(now)  # a chunk may hold an empty text (a partial character)
+                finish = choice.get("finish_reason") or finish
+            if chunk.get("usage"):
+                tokens = int(chunk["usage"].get("completion_tokens", 0))
         e2e = time.perf_counter() - t0
         tokens = tokens or len(arrivals)
         ttft = arrivals[0] - t0 if arrivals else None

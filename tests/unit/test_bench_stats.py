@@ -206,3 +206,50 @@ def test_foreign_cpu_share():
     assert foreign_cpu(None, after, 2) is None and foreign_cpu(after, before, 2) is None
     sample = cpu_sample([os.getpid()])
     assert sample is None or sample.busy_ticks >= 0
+
+
+class _Stream:
+    """An httpx-like streamed response: a status and its lines."""
+
+    def __init__(self, status: int, lines: list[str]) -> None:
+        self.status_code, self.lines = status, lines
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    async def aread(self) -> bytes:
+        return "\n".join(self.lines).encode()
+
+    async def aiter_lines(self):
+        for line in self.lines:
+            yield line
+
+
+class _Http:
+    def __init__(self, status: int, lines: list[str]) -> None:
+        self.response = _Stream(status, lines)
+
+    def stream(self, method: str, url: str, json: dict) -> _Stream:
+        assert method == "POST" and json == {"x": 1}
+        return self.response
+
+
+def test_sse_chunks_yields_each_object_until_done_and_raises_on_errors():
+    import asyncio
+
+    from bench.clients import sse_chunks
+
+    async def collect(http) -> list[dict]:
+        return [chunk async for _, chunk in sse_chunks(http, "u", {"x": 1})]
+
+    lines = [": keep-alive", 'data: {"choices": [{"text": "a"}]}', "", 'data: {"usage": {"completion_tokens": 1}}',
+             "data: [DONE]", 'data: {"choices": [{"text": "after"}]}']
+    assert asyncio.run(collect(_Http(200, lines))) == [{"choices": [{"text": "a"}]},
+                                                       {"usage": {"completion_tokens": 1}}]
+    with pytest.raises(RuntimeError, match="HTTP 503: busy"):
+        asyncio.run(collect(_Http(503, ["busy"])))
+    with pytest.raises(RuntimeError, match="stream error"):
+        asyncio.run(collect(_Http(200, ['data: {"error": {"message": "bad"}}'])))
