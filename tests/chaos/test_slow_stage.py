@@ -21,6 +21,8 @@ import openai
 import pytest
 from support.stack import start_serve
 
+from scheduler_svc.core.deadlines import MIN_TOKEN_CAP
+
 NUM_REQUESTS = 16
 MAX_TOKENS = 8
 STEP_TIMEOUT_S = 1.0
@@ -115,5 +117,6 @@ def test_a_throttled_stage_finishes_every_request_with_no_preemption_loop(stack)
         if e.get("event") == "late" and e["blamed"]:
             smallest = min([size for _, size in e["blamed"]] + ([smallest] if smallest else []))
         elif e.get("event") == "dispatched" and smallest is not None:
-            assert e["num_tokens"] < smallest, (e, smallest)
+            # (a late step of one token leaves the floor: a step of one token always fits a plan)
+            assert e["num_tokens"] < smallest or smallest <= MIN_TOKEN_CAP, (e, smallest)
     assert stack.kv_used_blocks() == 0
