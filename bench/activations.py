@@ -79,16 +79,28 @@ def start_workers(
     procs: list[ServiceProcess] = []
     for k in reversed(range(NUM_STAGES)):
         args = [
-            "worker", "--model", str(model_dir), "--stage", str(k),
-            "--num-stages", str(NUM_STAGES), "--port", str(ports[k]),
-            "--num-kv-blocks", str(num_kv_blocks), "--block-size", str(block_size),
-            "--max-num-seqs", str(max_num_seqs), "--num-threads", "1",
+            "worker",
+            "--model",
+            str(model_dir),
+            "--stage",
+            str(k),
+            "--num-stages",
+            str(NUM_STAGES),
+            "--port",
+            str(ports[k]),
+            "--num-kv-blocks",
+            str(num_kv_blocks),
+            "--block-size",
+            str(block_size),
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--num-threads",
+            "1",
         ]
         if k < NUM_STAGES - 1:
             args += ["--next", f"127.0.0.1:{ports[k + 1]}"]
         proc = ServiceProcess(
-            f"worker-{k}", pagoda_command(*args), f"127.0.0.1:{ports[k]}",
-            log_path=log_dir / f"worker-{k}.log",
+            f"worker-{k}", pagoda_command(*args), f"127.0.0.1:{ports[k]}", log_path=log_dir / f"worker-{k}.log"
         )
         proc.start()
         procs.insert(0, proc)
@@ -177,8 +189,7 @@ class Driver:
             done = self._done.pop(k, None)
             if done is not None and done.HasField("error"):
                 raise RuntimeError(
-                    f"stage {i} failed micro-batch {plan.step_id}: "
-                    f"{_code_name(done.error.code)} {done.error.message}"
+                    f"stage {i} failed micro-batch {plan.step_id}: {_code_name(done.error.code)} {done.error.message}"
                 )
         sample.timings.extend([*done.upstream_timings, done.timing])
         return sample
@@ -220,8 +231,17 @@ class PlanMaker:
         self._next_seq += 1
         bs = self.block_size
         table = tuple(range(first_block, first_block + -(-context_len // bs)))
-        return NewSeq(self._next_seq, self._tokens(context_len), context_len, context_len - num_tokens,
-                      num_tokens, table, GREEDY, 0, self._next_seq)
+        return NewSeq(
+            self._next_seq,
+            self._tokens(context_len),
+            context_len,
+            context_len - num_tokens,
+            num_tokens,
+            table,
+            GREEDY,
+            0,
+            self._next_seq,
+        )
 
     def make(self, micro_batch_id: int, shape: str, num_tokens: int) -> StepPlan:
         if shape == "prefill":
@@ -241,8 +261,7 @@ def summary(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     # nearest-rank p90: a value that was measured
     p90 = ordered[max(0, -(-9 * len(ordered) // 10) - 1)]
-    return {"median": statistics.median(ordered), "p90": p90, "min": ordered[0],
-            "max": ordered[-1]}
+    return {"median": statistics.median(ordered), "p90": p90, "min": ordered[0], "max": ordered[-1]}
 
 
 def metrics(sample: Sample) -> dict[str, int]:
@@ -288,8 +307,7 @@ async def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> d
     max_tokens = max(args.sizes)
     num_kv_blocks = PlanMaker.blocks_needed(max_tokens, args.block_size, args.decode_context) + 1
     with tempfile.TemporaryDirectory(prefix="bench-activations-") as log_dir:
-        procs = start_workers(model_dir, Path(log_dir), num_kv_blocks, args.block_size,
-                              max(256, max_tokens))
+        procs = start_workers(model_dir, Path(log_dir), num_kv_blocks, args.block_size, max(256, max_tokens))
         driver = Driver([p.health_address for p in procs])
         try:
             await driver.connect()
@@ -312,15 +330,17 @@ async def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> d
                         for p in timing_problems(s):
                             problems[p] = problems.get(p, 0) + 1
                     per_rep = [metrics(s) for s in samples]
-                    runs.append({
-                        "shape": shape,
-                        "num_tokens": n,
-                        "num_seqs": 1 if shape == "prefill" else n,
-                        "bytes_per_micro_batch": bytes_per_mb,
-                        "activation_bytes": n * info[0].hidden_size * itemsize,
-                        "summary_ns": {k: summary([r[k] for r in per_rep]) for k in per_rep[0]},
-                        "reps_ns": per_rep,
-                    })
+                    runs.append(
+                        {
+                            "shape": shape,
+                            "num_tokens": n,
+                            "num_seqs": 1 if shape == "prefill" else n,
+                            "bytes_per_micro_batch": bytes_per_mb,
+                            "activation_bytes": n * info[0].hidden_size * itemsize,
+                            "summary_ns": {k: summary([r[k] for r in per_rep]) for k in per_rep[0]},
+                            "reps_ns": per_rep,
+                        }
+                    )
                     print(f"  {name} {shape:7s} {n:4d} tokens: done", file=sys.stderr, flush=True)
         except BaseException:
             for p in procs:
@@ -337,8 +357,13 @@ async def bench_model(name: str, model_dir: Path, args: argparse.Namespace) -> d
         "num_layers": spec.num_layers,
         "hidden_size": spec.hidden_size,
         "stages": [
-            {"stage": i, "layers": [li.layer_start, li.layer_end], "num_threads": li.num_threads,
-             "device": li.device, "num_kv_blocks": li.num_kv_blocks}
+            {
+                "stage": i,
+                "layers": [li.layer_start, li.layer_end],
+                "num_threads": li.num_threads,
+                "device": li.device,
+                "num_kv_blocks": li.num_kv_blocks,
+            }
             for i, li in enumerate(info)
         ],
         "timing_problems": problems,
@@ -378,8 +403,7 @@ def markdown(report: dict) -> str:
         "",
         "Times in ms, median / p90. ship = stage-1 received - stage-0 compute end.",
         "",
-        "| model | shape | tokens | bytes/mb | s0 compute | s1 compute | ship | ship/s0 compute "
-        "| ship/s1 compute |",
+        "| model | shape | tokens | bytes/mb | s0 compute | s1 compute | ship | ship/s0 compute | ship/s1 compute |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["models"]:
@@ -400,18 +424,17 @@ def markdown(report: dict) -> str:
         "received_ns); s1 decode+queue = stage-1 received -> compute start (plan and tensor "
         "decode); ship->s1 compute = stage-0 compute end -> stage-1 compute start.",
         "",
-        "| model | shape | tokens | encode (s0) | wire | s1 decode+queue | ship->s1 compute "
-        "| driver->s0 |",
+        "| model | shape | tokens | encode (s0) | wire | s1 decode+queue | ship->s1 compute | driver->s0 |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["models"]:
         for run in r["runs"]:
             s = run["summary_ns"]
-            cells = ("encode_s0_ns", "wire_ns", "decode_queue_s1_ns", "ship_to_compute_ns",
-                     "driver_to_s0_ns")
+            cells = ("encode_s0_ns", "wire_ns", "decode_queue_s1_ns", "ship_to_compute_ns", "driver_to_s0_ns")
             lines.append(
                 f"| {r['model']} | {run['shape']} | {run['num_tokens']} | "
-                + " | ".join(fmt(s[c]["median"]) for c in cells) + " |"
+                + " | ".join(fmt(s[c]["median"]) for c in cells)
+                + " |"
             )
     for r in report["models"]:
         for problem, count in r["timing_problems"].items():
@@ -426,11 +449,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default=",".join(SHAPES), help="prefill,decode or one of them")
     p.add_argument("--reps", type=int, default=20, help="measured micro-batches per shape and size")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured micro-batches first")
-    p.add_argument("--decode-context", type=int, default=32,
-                   help="context length of each decode sequence (tokens, new one included)")
+    p.add_argument(
+        "--decode-context",
+        type=int,
+        default=32,
+        help="context length of each decode sequence (tokens, new one included)",
+    )
     p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE)
-    p.add_argument("--cache-dir", default=None,
-                   help="where models are made once (default: $PAGODA_CACHE_DIR or ~/.cache/pagoda)")
+    p.add_argument(
+        "--cache-dir", default=None, help="where models are made once (default: $PAGODA_CACHE_DIR or ~/.cache/pagoda)"
+    )
     p.add_argument("--out", type=Path, default=None, help="write the full report as JSON here")
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]

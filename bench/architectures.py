@@ -23,9 +23,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-         "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5,
-         "max_position_embeddings": 8192, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+SHAPE = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 ARCHS = {
     "llama": ("llama", "LlamaForCausalLM", {"rope_theta": 100000.0}),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", {"rope_theta": 100000.0}),
@@ -67,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     from bench import batch_decode
 
     argv2 = [a for f in folders for a in ("--model", str(f))]
-    return batch_decode.main([*argv2, "--batches", args.batches, "--context", str(args.context),
-                              "--steps", str(args.steps)])
+    return batch_decode.main(
+        [*argv2, "--batches", args.batches, "--context", str(args.context), "--steps", str(args.steps)]
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         if self.total_threads < self.pipeline_parallel_size:
-            raise ValueError(f"total_threads: {self.total_threads} cannot give each of "
-                             f"{self.pipeline_parallel_size} stages a thread")
+            raise ValueError(
+                f"total_threads: {self.total_threads} cannot give each of {self.pipeline_parallel_size} stages a thread"
+            )
 
     @property
     def is_async(self) -> bool:
@@ -65,19 +66,27 @@ class EngineSettings:
 
         declared = {b.setting.name: b.setting for b in serve_settings()}
         argv = ["serve"]
-        for name in ("async_scheduling", "enable_chunked_prefill", "enable_prefix_caching",
-                     "max_num_batched_tokens", "max_num_seqs", "device"):
+        for name in (
+            "async_scheduling",
+            "enable_chunked_prefill",
+            "enable_prefix_caching",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "device",
+        ):
             argv += flag_args(declared[name], getattr(self, name))
         args = build_parser().parse_args(argv)
         return {service: passed_flags(args, service) for service in ("scheduler", "worker", "kvcache")}
 
     def describe(self) -> str:
-        return (f"PP={self.pipeline_parallel_size} x {self.threads_per_stage} thread(s), "
-                f"{'async' if self.is_async else 'sync'}, "
-                f"chunked prefill {'on' if self.enable_chunked_prefill else 'off'} "
-                f"(budget {self.max_num_batched_tokens}), "
-                f"prefix caching {'on' if self.enable_prefix_caching else 'off'}"
-                + (f", device {self.device}" if self.device else ""))
+        return (
+            f"PP={self.pipeline_parallel_size} x {self.threads_per_stage} thread(s), "
+            f"{'async' if self.is_async else 'sync'}, "
+            f"chunked prefill {'on' if self.enable_chunked_prefill else 'off'} "
+            f"(budget {self.max_num_batched_tokens}), "
+            f"prefix caching {'on' if self.enable_prefix_caching else 'off'}"
+            + (f", device {self.device}" if self.device else "")
+        )
 
     @property
     def device_label(self) -> str:
@@ -102,8 +111,9 @@ class StackArm:
     """The full stack as local processes. `driver="http"` sends load through a gateway process;
     `driver="grpc"` straight to the scheduler (when there is no gateway)."""
 
-    def __init__(self, model_dir: str, settings: EngineSettings, log_dir: Path, driver: str = "http",
-                 concurrency: int = 16) -> None:
+    def __init__(
+        self, model_dir: str, settings: EngineSettings, log_dir: Path, driver: str = "http", concurrency: int = 16
+    ) -> None:
         self.model_dir = model_dir
         self.settings = settings
         self.log_dir = log_dir
@@ -139,20 +149,39 @@ class StackArm:
         env = {"TOKENIZERS_PARALLELISM": "false"}
         flags = s.service_flags()
         self.stack = await asyncio.to_thread(
-            start_stack, self.model_dir, num_stages=s.pipeline_parallel_size,
-            num_kv_blocks=s.num_kv_blocks, block_size=s.block_size, log_dir=self.log_dir,
-            scheduler_args=flags["scheduler"], worker_args=flags["worker"], kvcache_args=flags["kvcache"],
-            env=env, threads_per_worker=s.threads_per_stage,
+            start_stack,
+            self.model_dir,
+            num_stages=s.pipeline_parallel_size,
+            num_kv_blocks=s.num_kv_blocks,
+            block_size=s.block_size,
+            log_dir=self.log_dir,
+            scheduler_args=flags["scheduler"],
+            worker_args=flags["worker"],
+            kvcache_args=flags["kvcache"],
+            env=env,
+            threads_per_worker=s.threads_per_stage,
         )
         self.stats = SchedulerClient(self.stack.scheduler_address)
         if self.driver == "http":
             port, grpc_port = free_port(), free_port()
             self.gateway = ServiceProcess(
                 "gateway",
-                pagoda_command("gateway", "--host", "127.0.0.1", "--port", str(port), "--grpc-port",
-                               str(grpc_port), "--scheduler", self.stack.scheduler_address,
-                               "--model", self.model_dir),
-                f"127.0.0.1:{grpc_port}", env=env, log_path=self.log_dir / "gateway.log",
+                pagoda_command(
+                    "gateway",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--grpc-port",
+                    str(grpc_port),
+                    "--scheduler",
+                    self.stack.scheduler_address,
+                    "--model",
+                    self.model_dir,
+                ),
+                f"127.0.0.1:{grpc_port}",
+                env=env,
+                log_path=self.log_dir / "gateway.log",
             )
             self.gateway.start()
             await asyncio.to_thread(self.gateway.wait_healthy, 120)
@@ -221,15 +250,21 @@ class InProcessArm:
         self._threads = torch.get_num_threads()
         torch.set_num_threads(s.total_threads)
         config = SchedulerConfig(
-            model=self.model_dir, pipeline_parallel_size=s.pipeline_parallel_size,
-            async_scheduling=s.async_scheduling, enable_chunked_prefill=s.enable_chunked_prefill,
-            enable_prefix_caching=s.enable_prefix_caching, max_num_batched_tokens=s.max_num_batched_tokens,
-            max_num_seqs=s.max_num_seqs, num_kv_blocks=s.num_kv_blocks, block_size=s.block_size,
+            model=self.model_dir,
+            pipeline_parallel_size=s.pipeline_parallel_size,
+            async_scheduling=s.async_scheduling,
+            enable_chunked_prefill=s.enable_chunked_prefill,
+            enable_prefix_caching=s.enable_prefix_caching,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_num_seqs=s.max_num_seqs,
+            num_kv_blocks=s.num_kv_blocks,
+            block_size=s.block_size,
             max_model_len=_max_model_len(self.model_dir),
         )
         try:
-            self.engine = await asyncio.to_thread(build_local_engine, self.model_dir, config, s.num_kv_blocks,
-                                                  "auto", s.device)
+            self.engine = await asyncio.to_thread(
+                build_local_engine, self.model_dir, config, s.num_kv_blocks, "auto", s.device
+            )
             await self.engine.start()
         except BaseException:
             torch.set_num_threads(self._threads)

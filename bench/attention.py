@@ -64,8 +64,11 @@ def make_step(num_seqs, max_ctx, kv_heads, heads, head_dim, seed=0):
     def metadata():  # fresh per call: the backend's per-step plan is part of what is timed
         return AttentionMetadata(
             slot_mapping=torch.zeros(num_seqs, dtype=torch.long),
-            query_start_loc=torch.tensor(starts), context_lens=torch.tensor(ctx),
-            block_tables=tables, query_start_loc_list=starts, context_lens_list=tuple(ctx),
+            query_start_loc=torch.tensor(starts),
+            context_lens=torch.tensor(ctx),
+            block_tables=tables,
+            query_start_loc_list=starts,
+            context_lens_list=tuple(ctx),
         )
 
     return q, k_pool, v_pool, ctx, tables, metadata
@@ -79,8 +82,9 @@ def per_seq(q, k_pool, v_pool, ctx, tables, scale):
         blocks = tables[i, : -(-c // BLOCK_SIZE)]
         k = k_pool[blocks].reshape(-1, kv_heads, head_dim)[:c].repeat_interleave(group, dim=1)
         v = v_pool[blocks].reshape(-1, kv_heads, head_dim)[:c].repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(q[i : i + 1].transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), scale=scale)
+        o = F.scaled_dot_product_attention(
+            q[i : i + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale
+        )
         out[i] = o.transpose(0, 1)[0]
     return out
 
@@ -119,15 +123,13 @@ def engine_runs(repeats: int) -> list[dict]:
     from wiring.tiny_model import PRESETS, default_model_dir
 
     async def run(model, backend, prompts):
-        config = SchedulerConfig(model=model, num_kv_blocks=2048, async_scheduling=False,
-                                 max_num_seqs=64)
+        config = SchedulerConfig(model=model, num_kv_blocks=2048, async_scheduling=False, max_num_seqs=64)
         engine = build_local_engine(model, config, 2048, attention_backend=backend)
         await engine.start()
         try:
             options = SamplingOptions(max_tokens=128, temperature=0.0, ignore_eos=True)
             started = time.perf_counter()
-            streams = [engine.submit(Request(f"r{i}", tuple(p), options, arrival_s=0.0))
-                       for i, p in enumerate(prompts)]
+            streams = [engine.submit(Request(f"r{i}", tuple(p), options, arrival_s=0.0)) for i, p in enumerate(prompts)]
             results = await asyncio.gather(*(_collect(s) for s in streams))
             seconds = time.perf_counter() - started
         finally:
@@ -150,8 +152,15 @@ def engine_runs(repeats: int) -> list[dict]:
                 best[name] = max(best[name], rate)
         same = outputs["legacy"] == outputs["backend"]
         ratio = best["backend"] / best["legacy"]
-        rows.append({"model": preset, "legacy_tok_s": best["legacy"], "backend_tok_s": best["backend"],
-                     "ratio": ratio, "same_tokens": same})
+        rows.append(
+            {
+                "model": preset,
+                "legacy_tok_s": best["legacy"],
+                "backend_tok_s": best["backend"],
+                "ratio": ratio,
+                "same_tokens": same,
+            }
+        )
         print(f"| {preset} | {best['legacy']:.0f} | {best['backend']:.0f} | **{ratio:.2f}x** | {same} |")
         if not same:
             raise SystemExit("the two backends produced different tokens")
@@ -193,17 +202,34 @@ def main() -> None:
         step = (q, k_pool, v_pool, ctx, tables, scale)
         t_seq = timed(functools.partial(per_seq, *step), args.repeats)
         t_batch = timed(functools.partial(one_batch, *step), args.repeats)
-        t_backend = timed(lambda step=step, metadata=metadata: backend.forward(
-            *step[:3], metadata(), step[5], None), args.repeats)
+        t_backend = timed(
+            lambda step=step, metadata=metadata: backend.forward(*step[:3], metadata(), step[5], None), args.repeats
+        )
         speedup = min(t_seq, t_batch) / t_backend
-        rows.append({"shape": name, "per_seq_ms": t_seq, "one_batch_ms": t_batch,
-                     "backend_ms": t_backend, "speedup_vs_best_old": speedup})
+        rows.append(
+            {
+                "shape": name,
+                "per_seq_ms": t_seq,
+                "one_batch_ms": t_batch,
+                "backend_ms": t_backend,
+                "speedup_vs_best_old": speedup,
+            }
+        )
         print(f"| {name} | {t_seq:.2f} | {t_batch:.2f} | {t_backend:.2f} | **{speedup:.2f}x** |")
     engine = engine_runs(args.engine_repeats) if args.engine else []
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"python": platform.python_version(), "torch": torch.__version__,
-                       "threads": args.threads, "rows": rows, "engine": engine}, f, indent=1)
+            json.dump(
+                {
+                    "python": platform.python_version(),
+                    "torch": torch.__version__,
+                    "threads": args.threads,
+                    "rows": rows,
+                    "engine": engine,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

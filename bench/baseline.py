@@ -31,7 +31,7 @@ def static_batches(requests: Sequence[BenchRequest], batch_size: int) -> list[li
     groups: dict[tuple[int, int], list[BenchRequest]] = {}
     for r in requests:
         groups.setdefault((r.num_prompt_tokens, r.max_tokens), []).append(r)
-    return [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+    return [g[i : i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,9 @@ class BaselineInfo:
     load_s: float
 
 
-def run_transformers(model_dir: str, requests: Sequence[BenchRequest], batch_size: int,
-                     threads: int) -> tuple[LoadResult, BaselineInfo]:
+def run_transformers(
+    model_dir: str, requests: Sequence[BenchRequest], batch_size: int, threads: int
+) -> tuple[LoadResult, BaselineInfo]:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
@@ -70,8 +71,13 @@ def run_transformers(model_dir: str, requests: Sequence[BenchRequest], batch_siz
         batches = static_batches(requests, batch_size)
         # one untimed warm-up call, as the server arms get
         with torch.inference_mode():
-            model.generate(torch.tensor([list(requests[0].prompt_ids)]), max_new_tokens=2, min_new_tokens=2,
-                           do_sample=False, pad_token_id=pad_id)
+            model.generate(
+                torch.tensor([list(requests[0].prompt_ids)]),
+                max_new_tokens=2,
+                min_new_tokens=2,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
         records: list[RequestRecord] = []
         started = time.perf_counter()
         for batch in batches:
@@ -81,16 +87,29 @@ def run_transformers(model_dir: str, requests: Sequence[BenchRequest], batch_siz
             sent = time.perf_counter()
             with torch.inference_mode():
                 out = model.generate(
-                    input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
-                    min_new_tokens=n, do_sample=False, pad_token_id=pad_id,
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=pad_id,
                     logits_processor=LogitsProcessorList([clock]),
                 )
             done = time.perf_counter()
             generated = out.shape[1] - input_ids.shape[1]
             for r in batch:
-                records.append(RequestRecord(r.index, r.kind, r.num_prompt_tokens, r.max_tokens, sent,
-                                             chunk_times=list(clock.times), num_output_tokens=generated,
-                                             done_s=done))
+                records.append(
+                    RequestRecord(
+                        r.index,
+                        r.kind,
+                        r.num_prompt_tokens,
+                        r.max_tokens,
+                        sent,
+                        chunk_times=list(clock.times),
+                        num_output_tokens=generated,
+                        done_s=done,
+                    )
+                )
         ended = time.perf_counter()
     finally:
         torch.set_num_threads(previous_threads)

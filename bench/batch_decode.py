@@ -82,16 +82,30 @@ def pagoda_step_s(model, batch: int, context: int, steps: int) -> float:
     from services.sampling import SamplingParams
     from services.step import CachedSeq, NewSeq, StepPlan
     from worker_svc.execution.runner import StageRunner
+
     per_seq = -(-(context + steps + 8) // block_size)
     runner = StageRunner(model, batch * per_seq, block_size, "cpu")
     greedy = SamplingParams(temperature=0.0)
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(5, model.config.vocab_size - 1, (batch, context), generator=g)
     for first in range(0, batch, 16):  # prefill in chunks of 16 sequences
-        runner.execute(StepPlan(1 + first, new_seqs=tuple(
-            NewSeq(i, tuple(prompts[i].tolist()), context, 0, context,
-                   tuple(range(i * per_seq, (i + 1) * per_seq)), greedy)
-            for i in range(first, min(batch, first + 16)))))
+        runner.execute(
+            StepPlan(
+                1 + first,
+                new_seqs=tuple(
+                    NewSeq(
+                        i,
+                        tuple(prompts[i].tolist()),
+                        context,
+                        0,
+                        context,
+                        tuple(range(i * per_seq, (i + 1) * per_seq)),
+                        greedy,
+                    )
+                    for i in range(first, min(batch, first + 16))
+                ),
+            )
+        )
     decode = tuple(CachedSeq(i, 1, per_seq) for i in range(batch))
     times = []
     for k in range(steps + 3):
@@ -128,18 +142,27 @@ def main(argv: list[str] | None = None) -> int:
             flops = 2 * batch * sum(n * k for n, k in shapes)
             step = pagoda_step_s(model, batch, args.context, args.steps)
             gemm = torch_bf16_s(shapes, batch)
-            row = {"model": Path(path).name, "format": model.weight_format or str(next(model.parameters()).dtype),
-                   "batch": batch, "context": args.context, "threads": args.threads,
-                   "step_ms": round(step * 1000, 2), "step_gflops": round(flops / step / 1e9, 1),
-                   "torch_bf16_gemm_ms": round(gemm * 1000, 2), "torch_bf16_gflops": round(flops / gemm / 1e9, 1),
-                   "share_of_bf16_gemm_rate": round(gemm / step, 3)}
+            row = {
+                "model": Path(path).name,
+                "format": model.weight_format or str(next(model.parameters()).dtype),
+                "batch": batch,
+                "context": args.context,
+                "threads": args.threads,
+                "step_ms": round(step * 1000, 2),
+                "step_gflops": round(flops / step / 1e9, 1),
+                "torch_bf16_gemm_ms": round(gemm * 1000, 2),
+                "torch_bf16_gflops": round(flops / gemm / 1e9, 1),
+                "share_of_bf16_gemm_rate": round(gemm / step, 3),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| model | format | batch | step ms | step GFLOP/s | torch bf16 GEMM ms | GFLOP/s | share |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['model']} | {r['format']} | {r['batch']} | {r['step_ms']:.1f} | {r['step_gflops']:.0f} | "
-              f"{r['torch_bf16_gemm_ms']:.1f} | {r['torch_bf16_gflops']:.0f} | {r['share_of_bf16_gemm_rate']:.2f} |")
+        print(
+            f"| {r['model']} | {r['format']} | {r['batch']} | {r['step_ms']:.1f} | {r['step_gflops']:.0f} | "
+            f"{r['torch_bf16_gemm_ms']:.1f} | {r['torch_bf16_gflops']:.0f} | {r['share_of_bf16_gemm_rate']:.2f} |"
+        )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
     return 0

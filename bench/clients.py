@@ -73,8 +73,9 @@ def apply_chunk(record: RequestRecord, chunk: dict, now_s: float) -> None:
 class HttpClient:
     """Streams `POST {base_url}/v1/completions` with the prompt as token ids."""
 
-    def __init__(self, base_url: str, model: str, concurrency: int, timeout_s: float = 600.0,
-                 ignore_eos: bool = True) -> None:
+    def __init__(
+        self, base_url: str, model: str, concurrency: int, timeout_s: float = 600.0, ignore_eos: bool = True
+    ) -> None:
         import httpx2
 
         self.base_url = base_url.rstrip("/")
@@ -87,8 +88,12 @@ class HttpClient:
 
     def body(self, req: BenchRequest) -> dict:
         body = {
-            "model": self.model, "prompt": list(req.prompt_ids), "max_tokens": req.max_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            "model": self.model,
+            "prompt": list(req.prompt_ids),
+            "max_tokens": req.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
         if self.ignore_eos:  # (left out otherwise: servers without vLLM's extras refuse it)
             body["ignore_eos"] = True
@@ -146,9 +151,9 @@ class SchedulerClient:
         from services.pb import common_pb2, scheduler_pb2
 
         msg = scheduler_pb2.GenerateRequest(
-            request_id=_request_id("bench"), prompt_token_ids=req.prompt_ids,
-            sampling_params=common_pb2.SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
-                                                      ignore_eos=True),
+            request_id=_request_id("bench"),
+            prompt_token_ids=req.prompt_ids,
+            sampling_params=common_pb2.SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True),
             debug_timeline=self.debug_timeline,
         )
         try:
@@ -208,13 +213,20 @@ class InProcessClient:
         busy = getattr(engine.transport, "busy_ns", [])
         return ServiceSnapshot(
             t_ns=time.perf_counter_ns(),
-            config={**_config_dict(cfg), "kv_enable_prefix_caching": kv.enable_prefix_caching,
-                    "kv_address": "in-process", "num_stages": len(busy)},
+            config={
+                **_config_dict(cfg),
+                "kv_enable_prefix_caching": kv.enable_prefix_caching,
+                "kv_address": "in-process",
+                "num_stages": len(busy),
+            },
             stages=tuple(StageCounters(i, b, 0, address="in-process") for i, b in enumerate(busy)),
-            num_preemptions=s["num_preemptions"], num_generated_tokens=s["num_generated_tokens"],
-            num_prompt_tokens=s["num_prompt_tokens"], num_micro_batches=s["num_micro_batches"],
+            num_preemptions=s["num_preemptions"],
+            num_generated_tokens=s["num_generated_tokens"],
+            num_prompt_tokens=s["num_prompt_tokens"],
+            num_micro_batches=s["num_micro_batches"],
             num_finished_requests=s["num_finished"],
-            **_kv_fields(kv), transport="in-process",
+            **_kv_fields(kv),
+            transport="in-process",
         )
 
     async def close(self) -> None:
@@ -250,14 +262,24 @@ def _kv_fields(kv) -> dict:
 def snapshot_from_pb(resp) -> ServiceSnapshot:
     """A `ServiceSnapshot` of the scheduler's `GetStatsResponse`."""
     stages = tuple(
-        StageCounters(s.stage_index, s.stats.busy_ns, s.stats.idle_ns, s.stats.num_micro_batches,
-                      s.stats.peak_in_flight, s.address)
+        StageCounters(
+            s.stage_index,
+            s.stats.busy_ns,
+            s.stats.idle_ns,
+            s.stats.num_micro_batches,
+            s.stats.peak_in_flight,
+            s.address,
+        )
         for s in resp.stages
     )
     return ServiceSnapshot(
         t_ns=time.perf_counter_ns(),
-        config={**_config_dict(resp.config), "kv_enable_prefix_caching": resp.kv_cache.enable_prefix_caching,
-                "kv_address": resp.kv_address, "num_stages": len(stages)},
+        config={
+            **_config_dict(resp.config),
+            "kv_enable_prefix_caching": resp.kv_cache.enable_prefix_caching,
+            "kv_address": resp.kv_address,
+            "num_stages": len(stages),
+        },
         stages=stages,
         num_preemptions=resp.num_preemptions,
         num_generated_tokens=resp.num_generated_tokens,

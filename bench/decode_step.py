@@ -61,13 +61,27 @@ def pagoda_ms(path: Path, prompts, steps: int, backend: str) -> float:
 
     batch, context = prompts.shape
     from services.defaults import BLOCK_SIZE as block_size
+
     per_seq = -(-(context + steps + 4) // block_size)
     runner = StageRunner(load_stage(str(path)), batch * per_seq, block_size, backend)
     greedy = SamplingParams(temperature=0.0)
-    runner.execute(StepPlan(1, new_seqs=tuple(
-        NewSeq(i, tuple(prompts[i].tolist()), context, 0, context,
-               tuple(range(i * per_seq, (i + 1) * per_seq)), greedy)
-        for i in range(batch))))
+    runner.execute(
+        StepPlan(
+            1,
+            new_seqs=tuple(
+                NewSeq(
+                    i,
+                    tuple(prompts[i].tolist()),
+                    context,
+                    0,
+                    context,
+                    tuple(range(i * per_seq, (i + 1) * per_seq)),
+                    greedy,
+                )
+                for i in range(batch)
+            ),
+        )
+    )
     decode = tuple(CachedSeq(i, 1, per_seq) for i in range(batch))
     times = []
     for k in range(steps + 4):
@@ -103,12 +117,16 @@ def main(argv: list[str] | None = None) -> int:
             row[f"speedup_{backend}"] = round(hf / ms, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| model | batch | context | transformers ms/step | Pagoda `cpu` ms/step | x | Pagoda `torch` ms/step | x |")
+    print(
+        "\n| model | batch | context | transformers ms/step | Pagoda `cpu` ms/step | x | Pagoda `torch` ms/step | x |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['model']} | {r['batch']} | {r['context']} | {r['transformers_ms']:.2f} | "
-              f"{r['pagoda_cpu_ms']:.2f} | {r['speedup_cpu']:.2f}x | {r['pagoda_torch_ms']:.2f} | "
-              f"{r['speedup_torch']:.2f}x |")
+        print(
+            f"| {r['model']} | {r['batch']} | {r['context']} | {r['transformers_ms']:.2f} | "
+            f"{r['pagoda_cpu_ms']:.2f} | {r['speedup_cpu']:.2f}x | {r['pagoda_torch_ms']:.2f} | "
+            f"{r['speedup_torch']:.2f}x |"
+        )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
     return 0

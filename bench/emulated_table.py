@@ -57,13 +57,26 @@ from bench.stats import client_metrics, percentile, service_metrics
 from bench.workloads import FULL_SHAPE, Workload, token_space_of
 
 # the config-only model each profile was made for (its "model" block); others get LLaMA-2-70B's
-LLAMA2_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-              "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096}
+LLAMA2_70B = {
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
 MODEL_SHAPES = {
     "a100-80gb-llama2-70b-tp8": LLAMA2_70B,
-    "h200-141gb-llama3-8b-tp1": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                                 "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-                                 "max_position_embeddings": 8192},
+    "h200-141gb-llama3-8b-tp1": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+    },
 }
 LOADS = ("short", "long", "mixed")
 # the seed: async over sync, QPS, per load; stage active time sync -> async; bubble bound
@@ -100,10 +113,21 @@ def make_config_dir(folder: Path, num_layers: int | None = None, profile: str = 
     shape = dict(MODEL_SHAPES.get(profile, LLAMA2_70B))
     if num_layers is not None:
         shape["num_hidden_layers"] = num_layers
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": eos,
-        "tie_word_embeddings": False}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                **shape,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "torch_dtype": "bfloat16",
+                "bos_token_id": 1,
+                "eos_token_id": eos,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     return str(folder)
 
 
@@ -135,8 +159,10 @@ def stage_gaps(spans: list[tuple[int, int, int, int]], window: tuple[int, int]) 
 
 def max_at_once(spans: list[tuple[int, int, int, int]], window: tuple[int, int]) -> int:
     """The most micro-batches computing at one instant (each on its own stage) in `window`."""
-    events = sorted([(s, 1) for _, _, s, e in spans if window[0] <= s <= window[1]]
-                    + [(e, -1) for _, _, s, e in spans if window[0] <= s <= window[1]])
+    events = sorted(
+        [(s, 1) for _, _, s, e in spans if window[0] <= s <= window[1]]
+        + [(e, -1) for _, _, s, e in spans if window[0] <= s <= window[1]]
+    )
     live = best = 0
     for _, kind in events:  # ends sort before starts at the same instant
         live += kind
@@ -212,7 +238,7 @@ def process_cpu_s(pid: int | None = None) -> float:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return 0.0
-    fields = text[text.rindex(")") + 2:].split()
+    fields = text[text.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
@@ -225,8 +251,9 @@ def arm_cpu_s(arm: StackArm) -> dict[str, float]:
     return out
 
 
-def cpu_per_micro_batch(before: dict[str, float], after: dict[str, float], num_micro_batches: int,
-                        duration_s: float) -> dict:
+def cpu_per_micro_batch(
+    before: dict[str, float], after: dict[str, float], num_micro_batches: int, duration_s: float
+) -> dict:
     """What each process spent between two `arm_cpu_s` samples: ms of CPU per micro-batch (stage
     0's micro-batches: each passes every stage once) and the cores it kept busy on average.
     The ticks are 10 ms, so a cell needs a few seconds for a figure to mean anything."""
@@ -264,13 +291,20 @@ async def measure_cell(arm: StackArm, poller: TimelinePoller, requests, concurre
     ready, first = stage_gaps(spans, window)
     steps0 = (end.stages[0].num_micro_batches - start.stages[0].num_micro_batches) if end.stages else 0
     return {
-        "num_requests": client.num_requests, "num_failed": client.num_failed, "duration_s": client.duration_s,
-        "qps": client.requests_per_s, "output_tok_s": client.output_tokens_per_s,
+        "num_requests": client.num_requests,
+        "num_failed": client.num_failed,
+        "duration_s": client.duration_s,
+        "qps": client.requests_per_s,
+        "output_tok_s": client.output_tokens_per_s,
         "window_s": (marks.get("t1", marks["t0"]) - marks["t0"]) / 1e9,
         "stage_busy": [round(s.busy_fraction, 4) for s in services.stages],
-        "bubble": services.mean_bubble_fraction, "num_spans": len(spans),
-        "ready_gap": _pcts(ready), "stage0_gap": _pcts(first), "max_at_once": max_at_once(spans, window),
-        "stage0_steps": steps0, "stage0_feedback_waits": poller.feedback_waits - waits0,
+        "bubble": services.mean_bubble_fraction,
+        "num_spans": len(spans),
+        "ready_gap": _pcts(ready),
+        "stage0_gap": _pcts(first),
+        "max_at_once": max_at_once(spans, window),
+        "stage0_steps": steps0,
+        "stage0_feedback_waits": poller.feedback_waits - waits0,
         "cpu": cpu_per_micro_batch(cpu_before, cpu_after, steps0, t_after - t_before),
         # the scheduler's round trips to the KV service (a decode inside its blocks makes none)
         "kv_steps_per_micro_batch": (poller.kv_steps - kv_steps0) / steps0 if steps0 else None,
@@ -302,12 +336,18 @@ async def run_stack(model_dir: str, settings: EngineSettings, args, space, log_d
 
 
 def _log_cell(settings: EngineSettings, load: str, c: dict) -> None:
-    print(f"  PP={settings.pipeline_parallel_size} {'async' if settings.is_async else 'sync ':5} {load:5} "
-          f"{c['num_requests']:3} req ({c['num_failed']} failed) {c['duration_s']:6.1f} s  QPS {c['qps']:6.2f}  "
-          f"tok/s {c['output_tok_s']:7.1f}  busy {c['stage_busy']}  bubble {c['bubble']:.0%}  "
-          f"gaps ready p50 {_ms(c['ready_gap']['p50_ms'])} stage0 p50 {_ms(c['stage0_gap']['p50_ms'])}", flush=True)
-    print(f"    CPU ms per micro-batch ({c['stage0_steps']} micro-batches, "
-          f"{_num(c.get('kv_steps_per_micro_batch'))} KV round trips each): {_cpu_line(c)}", flush=True)
+    print(
+        f"  PP={settings.pipeline_parallel_size} {'async' if settings.is_async else 'sync ':5} {load:5} "
+        f"{c['num_requests']:3} req ({c['num_failed']} failed) {c['duration_s']:6.1f} s  QPS {c['qps']:6.2f}  "
+        f"tok/s {c['output_tok_s']:7.1f}  busy {c['stage_busy']}  bubble {c['bubble']:.0%}  "
+        f"gaps ready p50 {_ms(c['ready_gap']['p50_ms'])} stage0 p50 {_ms(c['stage0_gap']['p50_ms'])}",
+        flush=True,
+    )
+    print(
+        f"    CPU ms per micro-batch ({c['stage0_steps']} micro-batches, "
+        f"{_num(c.get('kv_steps_per_micro_batch'))} KV round trips each): {_cpu_line(c)}",
+        flush=True,
+    )
 
 
 def _cpu_line(c: dict) -> str:
@@ -318,8 +358,10 @@ def _cpu_line(c: dict) -> str:
 def _process_order(item: tuple[str, object]) -> tuple[int, str]:
     order = {"gateway": 0, "scheduler": 1, "kvcache": 2, "client": 9}
     name = item[0]
-    return (order.get(name, 5), f"{name.rsplit('-', 1)[0]}-{int(name.rsplit('-', 1)[1]):02d}"
-            if name.startswith("worker-") else name)
+    return (
+        order.get(name, 5),
+        f"{name.rsplit('-', 1)[0]}-{int(name.rsplit('-', 1)[1]):02d}" if name.startswith("worker-") else name,
+    )
 
 
 def _num(v: float | None) -> str:
@@ -335,9 +377,11 @@ def _ms(v: float | None) -> str:
 
 def table_rows(results: dict) -> list[str]:
     """The markdown table: one row per (PP, load, mode), the seed's figure beside."""
-    rows = ["| PP | load | mode | req | QPS | out tok/s | async/sync QPS (seed) | stage busy | mean busy (seed) "
-            "| bubble (seed) | ready gap p50 / p99 ms | stage-0 gap p50 / p99 ms | µbatches at once | stage-0 feedback waits |",
-            "|---:|---|---|---:|---:|---:|---|---|---|---|---|---|---:|---|"]
+    rows = [
+        "| PP | load | mode | req | QPS | out tok/s | async/sync QPS (seed) | stage busy | mean busy (seed) "
+        "| bubble (seed) | ready gap p50 / p99 ms | stage-0 gap p50 / p99 ms | µbatches at once | stage-0 feedback waits |",
+        "|---:|---|---|---:|---:|---:|---|---|---|---|---|---|---:|---|",
+    ]
     for pp, modes in sorted(results["cells"].items(), key=lambda kv: int(kv[0])):
         for load in LOADS:
             for mode in ("sync", "async"):
@@ -351,9 +395,11 @@ def table_rows(results: dict) -> list[str]:
 def cpu_rows(results: dict) -> list[str]:
     """The CPU table: one row per (PP, load, mode), each process's ms of CPU per micro-batch
     (workers: the mean over stages, then the busiest) and the cores all of them kept busy."""
-    rows = ["| PP | load | mode | µbatches | KV round trips / µbatch | gateway | scheduler | kvcache | stage mean / max "
-            "| client | cores (all) |",
-            "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    rows = [
+        "| PP | load | mode | µbatches | KV round trips / µbatch | gateway | scheduler | kvcache | stage mean / max "
+        "| client | cores (all) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
     for pp, modes in sorted(results["cells"].items(), key=lambda kv: int(kv[0])):
         for load in LOADS:
             for mode in ("sync", "async"):
@@ -364,9 +410,11 @@ def cpu_rows(results: dict) -> list[str]:
                 stages = [v for k, v in per_mb.items() if k.startswith("worker-") and v is not None]
                 stage = f"{sum(stages) / len(stages):.2f} / {max(stages):.2f}" if stages else "-"
                 total = sum(v for v in cores.values() if v is not None)
-                rows.append(f"| {pp} | {load} | {mode} | {c['cpu']['num_micro_batches']} "
-                            f"| {_num(c.get('kv_steps_per_micro_batch'))} | {_num(per_mb.get('gateway'))} | {_num(per_mb.get('scheduler'))} "
-                            f"| {_num(per_mb.get('kvcache'))} | {stage} | {_num(per_mb.get('client'))} | {total:.2f} |")
+                rows.append(
+                    f"| {pp} | {load} | {mode} | {c['cpu']['num_micro_batches']} "
+                    f"| {_num(c.get('kv_steps_per_micro_batch'))} | {_num(per_mb.get('gateway'))} | {_num(per_mb.get('scheduler'))} "
+                    f"| {_num(per_mb.get('kvcache'))} | {stage} | {_num(per_mb.get('client'))} | {total:.2f} |"
+                )
     return rows
 
 
@@ -384,10 +432,12 @@ def _row(pp: str, load: str, mode: str, c: dict, modes: dict) -> str:
         return f"{g['p50_ms']:.2f} / {g['p99_ms']:.2f} (n={g['n']})"
 
     failed = f" ({c['num_failed']} failed)" if c["num_failed"] else ""
-    return (f"| {pp} | {load} | {mode} | {c['num_requests']}{failed} | {c['qps']:.2f} | {c['output_tok_s']:.0f} "
-            f"| {gain} | {busy} | {mean_busy:.0%} ({SEED_ACTIVE[mode]:.0%}) | {c['bubble']:.0%} "
-            f"(<{SEED_BUBBLE_MAX:.0%}) | {gaps(c['ready_gap'])} | {gaps(c['stage0_gap'])} "
-            f"| {c.get('max_at_once', '-')} | {c.get('stage0_feedback_waits', '-')} / {c.get('stage0_steps', '-')} |")
+    return (
+        f"| {pp} | {load} | {mode} | {c['num_requests']}{failed} | {c['qps']:.2f} | {c['output_tok_s']:.0f} "
+        f"| {gain} | {busy} | {mean_busy:.0%} ({SEED_ACTIVE[mode]:.0%}) | {c['bubble']:.0%} "
+        f"(<{SEED_BUBBLE_MAX:.0%}) | {gaps(c['ready_gap'])} | {gaps(c['stage0_gap'])} "
+        f"| {c.get('max_at_once', '-')} | {c.get('stage0_feedback_waits', '-')} / {c.get('stage0_steps', '-')} |"
+    )
 
 
 # --- the command ------------------------------------------------------------------------------------
@@ -403,21 +453,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pp", type=_ints, default=[1, 2, 4, 8], help="pipeline sizes, comma-separated")
     p.add_argument("--modes", default="sync,async", help="scheduling modes, comma-separated")
     p.add_argument("--loads", default=",".join(LOADS), help=f"loads, comma-separated, of {', '.join(LOADS)}")
-    p.add_argument("--layers", type=int, default=None,
-                   help="the config's layers (default: the profile's model's, LLaMA-2-70B: 80)")
+    p.add_argument(
+        "--layers", type=int, default=None, help="the config's layers (default: the profile's model's, LLaMA-2-70B: 80)"
+    )
     p.add_argument("--concurrency", type=int, default=32, help="closed-loop clients (the seed's batch: 32)")
     p.add_argument("--requests", type=int, default=96, help="requests per short and mixed cell")
     p.add_argument("--long-requests", type=int, default=64, help="requests per long cell")
     p.add_argument("--short-output", type=int, default=8, help="output tokens of a short request")
-    p.add_argument("--long-output", type=int, default=128,
-                   help="output tokens of a long request (the seed: 4096; scaled down for time)")
+    p.add_argument(
+        "--long-output",
+        type=int,
+        default=128,
+        help="output tokens of a long request (the seed: 4096; scaled down for time)",
+    )
     p.add_argument("--num-kv-blocks", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench/results/emulated_table.json"))
-    p.add_argument("--plot", type=Path, default=None,
-                   help="also draw each PP's stages busy over time (mixed load, sync and async) to this PNG")
-    p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
-                   help="only print the table (and --plot) from a saved results file")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="also draw each PP's stages busy over time (mixed load, sync and async) to this PNG",
+    )
+    p.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="RESULTS_JSON",
+        help="only print the table (and --plot) from a saved results file",
+    )
     return p.parse_args(argv)
 
 
@@ -428,16 +492,29 @@ async def run(args: argparse.Namespace) -> dict:
     model_dir = make_config_dir(work / "config-only", args.layers, args.profile)
     space = token_space_of(Tokenizer(model_dir))
     device = f"emulated:{args.profile}"
-    results = {"meta": {"command": "python -m bench.emulated_table " + " ".join(sys.argv[1:]), "device": device,
-                        "layers": json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"],
-                        "cpu_model": cpu_model(), "concurrency": args.concurrency, "short_output": args.short_output,
-                        "long_output": args.long_output, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")},
-               "cells": {}}
+    results = {
+        "meta": {
+            "command": "python -m bench.emulated_table " + " ".join(sys.argv[1:]),
+            "device": device,
+            "layers": json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"],
+            "cpu_model": cpu_model(),
+            "concurrency": args.concurrency,
+            "short_output": args.short_output,
+            "long_output": args.long_output,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        },
+        "cells": {},
+    }
     t0 = time.perf_counter()
     for pp in args.pp:
         for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-            settings = EngineSettings(pipeline_parallel_size=pp, async_scheduling=mode == "async",
-                                      total_threads=pp, num_kv_blocks=args.num_kv_blocks, device=device)
+            settings = EngineSettings(
+                pipeline_parallel_size=pp,
+                async_scheduling=mode == "async",
+                total_threads=pp,
+                num_kv_blocks=args.num_kv_blocks,
+                device=device,
+            )
             print(f"[{device}] {settings.describe()}", flush=True)
             cell = await run_stack(model_dir, settings, args, space, work / "logs" / f"pp{pp}-{mode}")
             results["cells"].setdefault(str(pp), {})[mode] = cell

@@ -37,8 +37,12 @@ from bench.workloads import FULL_SHAPE, Workload, token_space_of
 
 DEFAULT_MODEL = Path.home() / ".cache" / "pagoda-anchor" / "smol135"
 TOLERANCE = 0.10
-FIGURES = (("output_tok_s", "out tok/s"), ("qps", "QPS"), ("ttft_p50_ms", "TTFT p50 ms"),
-           ("tpot_p50_ms", "TPOT p50 ms"))
+FIGURES = (
+    ("output_tok_s", "out tok/s"),
+    ("qps", "QPS"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("tpot_p50_ms", "TPOT p50 ms"),
+)
 
 
 async def run_arm(model_dir: str, settings: EngineSettings, args, log_dir: Path) -> dict:
@@ -49,18 +53,27 @@ async def run_arm(model_dir: str, settings: EngineSettings, args, log_dir: Path)
     shape = replace(FULL_SHAPE, long_output=args.long_output)
     async with StackArm(model_dir, settings, log_dir, "http", args.concurrency) as arm:
         await closed_loop(arm.client, Workload("short", space, shape, args.seed + 1, limit=4), 4)
-        res = await closed_loop(arm.client, Workload("mixed", space, shape, args.seed, limit=args.requests),
-                                args.concurrency)
+        res = await closed_loop(
+            arm.client, Workload("mixed", space, shape, args.seed, limit=args.requests), args.concurrency
+        )
     m = client_metrics(res.records, res.duration_s)
-    return {"num_requests": m.num_requests, "num_failed": m.num_failed, "duration_s": m.duration_s,
-            "output_tok_s": m.output_tokens_per_s, "qps": m.requests_per_s,
-            "ttft_p50_ms": m.ttft.p50_ms, "tpot_p50_ms": m.tpot.p50_ms}
+    return {
+        "num_requests": m.num_requests,
+        "num_failed": m.num_failed,
+        "duration_s": m.duration_s,
+        "output_tok_s": m.output_tokens_per_s,
+        "qps": m.requests_per_s,
+        "ttft_p50_ms": m.ttft.p50_ms,
+        "tpot_p50_ms": m.tpot.p50_ms,
+    }
 
 
 def ratios(real: dict, emulated: dict) -> dict[str, float | None]:
     """Emulated over real, per figure (None where either is missing)."""
-    return {key: (emulated[key] / real[key] if real.get(key) and emulated.get(key) is not None else None)
-            for key, _ in FIGURES}
+    return {
+        key: (emulated[key] / real[key] if real.get(key) and emulated.get(key) is not None else None)
+        for key, _ in FIGURES
+    }
 
 
 def table(results: dict) -> list[str]:
@@ -69,8 +82,9 @@ def table(results: dict) -> list[str]:
     for pp, cell in results["cells"].items():
         for arm in ("real", "emulated"):
             c = cell[arm]
-            lines.append(f"| {pp} | {arm} | " + " | ".join(f"{c[k]:.1f}" if c[k] is not None else "-"
-                                                         for k, _ in FIGURES) + " |")
+            lines.append(
+                f"| {pp} | {arm} | " + " | ".join(f"{c[k]:.1f}" if c[k] is not None else "-" for k, _ in FIGURES) + " |"
+            )
         shown = []
         for key, _ in FIGURES:
             r = cell["ratio"][key]
@@ -82,10 +96,18 @@ def table(results: dict) -> list[str]:
 async def run(args: argparse.Namespace) -> dict:
     model_dir = str(args.model.expanduser())
     work = Path(tempfile.mkdtemp(prefix="pagoda-emulator-check-"))
-    results = {"meta": {"command": "python -m bench.emulator_check " + " ".join(sys.argv[1:]),
-                        "model": model_dir, "profile": args.profile, "concurrency": args.concurrency,
-                        "requests": args.requests, "long_output": args.long_output,
-                        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, "cells": {}}
+    results = {
+        "meta": {
+            "command": "python -m bench.emulator_check " + " ".join(sys.argv[1:]),
+            "model": model_dir,
+            "profile": args.profile,
+            "concurrency": args.concurrency,
+            "requests": args.requests,
+            "long_output": args.long_output,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        },
+        "cells": {},
+    }
     for pp in args.pp:
         cell = {}
         for arm, device in (("real", None), ("emulated", f"emulated:{args.profile}")):

@@ -46,8 +46,15 @@ DECODE_POINTS = ((1, 200), (4, 200), (16, 50), (16, 200), (16, 400), (64, 200)) 
 STAGES = ((0, 1), (0, 2), (1, 2))  # (stage, of stages): PP=1's stage, PP=2's two
 SETUP_TOKENS = 2048  # the untimed prefills that fill a decode point's KV: tokens per step
 # the unknowns, in the order of a measurement's features
-COEFFICIENTS = ("fixed_s", "per_step_s", "per_prefill_token_s", "per_decode_row_s",
-                "per_context_token_s", "last_stage_fixed_s", "last_stage_per_row_s")
+COEFFICIENTS = (
+    "fixed_s",
+    "per_step_s",
+    "per_prefill_token_s",
+    "per_decode_row_s",
+    "per_context_token_s",
+    "last_stage_fixed_s",
+    "last_stage_per_row_s",
+)
 
 
 def _fastest_s(fn, repeats: int) -> float:
@@ -62,8 +69,7 @@ def _fastest_s(fn, repeats: int) -> float:
     return min(times)
 
 
-def _features(layer_fraction: float, prefill: int, decode: int, context: int, last: bool,
-              sampled: int) -> list[float]:
+def _features(layer_fraction: float, prefill: int, decode: int, context: int, last: bool, sampled: int) -> list[float]:
     lf = layer_fraction
     return [1.0, lf, lf * prefill, lf * decode, lf * context, float(last), float(last) * sampled]
 
@@ -97,16 +103,14 @@ def _measure_stage(model, backend: str, repeats: int) -> list[tuple[list[float],
             k = next(ids)
             runner.execute(StepPlan(k, (replace(seq, seq_id=k),), finished_seq_ids=(k - 1,)), inputs)
 
-        points.append((_features(fraction, n, 0, n, model.is_last, 1), _fastest_s(prefill, repeats),
-                       f"prefill {n}"))
+        points.append((_features(fraction, n, 0, n, model.is_last, 1), _fastest_s(prefill, repeats), f"prefill {n}"))
     for rows, context in DECODE_POINTS:
         per_seq = -(-(context + repeats + 1 + 8) // BLOCK_SIZE)
         runner = StageRunner(model, rows * per_seq, BLOCK_SIZE, backend)
         seqs = [new_seq(i, context, range(i * per_seq, (i + 1) * per_seq)) for i in range(rows)]
         chunk = max(1, SETUP_TOKENS // context)
         for k in range(0, rows, chunk):  # untimed: the KV the decode steps read
-            runner.execute(StepPlan(k, new_seqs=tuple(seqs[k:k + chunk])),
-                           hidden(len(seqs[k:k + chunk]) * context))
+            runner.execute(StepPlan(k, new_seqs=tuple(seqs[k : k + chunk])), hidden(len(seqs[k : k + chunk]) * context))
         # a stage that does not sample is told each step's new token; the last samples its own
         new_tokens = () if model.is_last else (7,)
         decode = tuple(CachedSeq(i, 1, per_seq, (), new_tokens) for i in range(rows))
@@ -115,8 +119,13 @@ def _measure_stage(model, backend: str, repeats: int) -> list[tuple[list[float],
         def step(runner=runner, decode=decode, inputs=inputs, ids=ids):
             runner.execute(StepPlan(next(ids), cached_seqs=decode), inputs)
 
-        points.append((_features(fraction, 0, rows, rows * (context + 1), model.is_last, rows),
-                       _fastest_s(step, repeats), f"decode {rows} x {context}"))
+        points.append(
+            (
+                _features(fraction, 0, rows, rows * (context + 1), model.is_last, rows),
+                _fastest_s(step, repeats),
+                f"decode {rows} x {context}",
+            )
+        )
     where = f"layers {model.start}-{model.end - 1} of {config.num_layers}"
     return [(f, s, f"{label} @ {where}") for f, s, label in points]
 
@@ -166,54 +175,78 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def make_profile(name: str, points, config, ran: str, threads: int, repeats: int,
-                 model_dir: Path, passes: int = 2) -> DeviceProfile:
+def make_profile(
+    name: str, points, config, ran: str, threads: int, repeats: int, model_dir: Path, passes: int = 2
+) -> DeviceProfile:
     import torch
 
     costs = fit(points)
     predicted = [sum(c * x for c, x in zip(costs.values(), f, strict=True)) for f, _, _ in points]
-    notes = [f"Pagoda StageRunner.execute on real plans, {ran}, {threads} torch thread(s), "
-             f"fastest of {repeats} after a warm-up and of {passes} passes: one sequence's "
-             "prefill and decode steps (context = each row's length after the step, summed; a "
-             "decode point's context grows by one per run), for PP=1's stage (all layers, LM "
-             "head, greedy sampling) and PP=2's two (layer_fraction 0.5 each; only the second "
-             "has the final norm, LM head and sampling: the last_stage_* costs)."]
-    notes += [f"{label}: measured {s * 1e3:.2f} ms, fit {p * 1e3:.2f} ms ({(p / s - 1) * 100:+.1f}%)"
-              for (_, s, label), p in zip(points, predicted, strict=True)]
-    notes.append("eos_probability 0: lengths come from the load's max_tokens (the validation "
-                 "loads run with ignore_eos).")
-    notes.append("host_compute true: the device is this machine's CPU, so an emulated step keeps "
-                 "the stage's core busy for its time (small matrix products, "
-                 "worker_svc.execution.emulated.compute_for), as the real stage does, instead of sleeping: "
-                 "the services meet the same contention for the cores.")
+    notes = [
+        f"Pagoda StageRunner.execute on real plans, {ran}, {threads} torch thread(s), "
+        f"fastest of {repeats} after a warm-up and of {passes} passes: one sequence's "
+        "prefill and decode steps (context = each row's length after the step, summed; a "
+        "decode point's context grows by one per run), for PP=1's stage (all layers, LM "
+        "head, greedy sampling) and PP=2's two (layer_fraction 0.5 each; only the second "
+        "has the final norm, LM head and sampling: the last_stage_* costs)."
+    ]
+    notes += [
+        f"{label}: measured {s * 1e3:.2f} ms, fit {p * 1e3:.2f} ms ({(p / s - 1) * 100:+.1f}%)"
+        for (_, s, label), p in zip(points, predicted, strict=True)
+    ]
+    notes.append(
+        "eos_probability 0: lengths come from the load's max_tokens (the validation loads run with ignore_eos)."
+    )
+    notes.append(
+        "host_compute true: the device is this machine's CPU, so an emulated step keeps "
+        "the stage's core busy for its time (small matrix products, "
+        "worker_svc.execution.emulated.compute_for), as the real stage does, instead of sleeping: "
+        "the services meet the same contention for the cores."
+    )
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    source = (f"fitted by bench/fit_profile.py on {when} from Pagoda StageRunner steps, "
-              f"{cpu_model('unknown CPU')}, {threads} torch thread(s), {_shown(model_dir)} "
-              f"({config.model_type}, {config.num_layers} layers, hidden {config.hidden_size}), "
-              f"{ran}, torch {torch.__version__}")
-    return DeviceProfile(name=name, source=source, eos_probability=0.0, allreduce_per_token_s=0.0, host_compute=True,
-                         hidden_size=config.hidden_size, num_layers=config.num_layers,
-                         notes=tuple(notes), **costs)
+    source = (
+        f"fitted by bench/fit_profile.py on {when} from Pagoda StageRunner steps, "
+        f"{cpu_model('unknown CPU')}, {threads} torch thread(s), {_shown(model_dir)} "
+        f"({config.model_type}, {config.num_layers} layers, hidden {config.hidden_size}), "
+        f"{ran}, torch {torch.__version__}"
+    )
+    return DeviceProfile(
+        name=name,
+        source=source,
+        eos_probability=0.0,
+        allreduce_per_token_s=0.0,
+        host_compute=True,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        notes=tuple(notes),
+        **costs,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
-                        help="a Hugging Face Llama checkpoint folder (default: %(default)s)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL,
+        help="a Hugging Face Llama checkpoint folder (default: %(default)s)",
+    )
     parser.add_argument("--name", default="cpu-local", help="the profile's name")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--dtype", default="auto", help="the stages' --dtype (default %(default)s, "
-                        "the worker's: bfloat16 weights for a float32 checkpoint on AVX-512 BF16)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="the stages' --dtype (default %(default)s, "
+        "the worker's: bfloat16 weights for a float32 checkpoint on AVX-512 BF16)",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per point (the fastest counts)")
-    parser.add_argument("--passes", type=int, default=2, help="passes over all the points (the "
-                        "fastest counts; default %(default)s)")
-    parser.add_argument("--out", type=Path, default=None, help="the profile's JSON file "
-                        "(default: print the fit only)")
+    parser.add_argument(
+        "--passes", type=int, default=2, help="passes over all the points (the fastest counts; default %(default)s)"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="the profile's JSON file (default: print the fit only)")
     args = parser.parse_args(argv)
-    points, config, ran = measure(args.model.expanduser(), args.threads, args.repeats, args.dtype,
-                                 args.passes)
-    profile = make_profile(args.name, points, config, ran, args.threads, args.repeats, args.model,
-                           args.passes)
+    points, config, ran = measure(args.model.expanduser(), args.threads, args.repeats, args.dtype, args.passes)
+    profile = make_profile(args.name, points, config, ran, args.threads, args.repeats, args.model, args.passes)
     for note in profile.notes:
         print(note)
     print({f: getattr(profile, f) for f in COEFFICIENTS})

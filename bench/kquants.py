@@ -25,8 +25,12 @@ from worker_svc.weights.kquants_ref import quantize
 
 HIDDEN, INTER, KV = 576, 1536, 192
 # (name, out, in) of one decoder layer; q/k/v and gate/up fused as the model runs them
-LAYER = (("qkv", HIDDEN + 2 * KV, HIDDEN), ("o", HIDDEN, HIDDEN), ("gate_up", 2 * INTER, HIDDEN),
-         ("down", HIDDEN, INTER))
+LAYER = (
+    ("qkv", HIDDEN + 2 * KV, HIDDEN),
+    ("o", HIDDEN, HIDDEN),
+    ("gate_up", 2 * INTER, HIDDEN),
+    ("down", HIDDEN, INTER),
+)
 # the Q4_K_M mix of a SmolLM2 layer that gets more bits in ffn_down (attn_v's Q6_K -> Q8_0
 # at K = 576 sits in the qkv product's third part; timed here as Q5_0 for the whole product)
 MIXES = {
@@ -97,8 +101,10 @@ def main(argv: list[str] | None = None) -> None:
         return _time(lambda: kernels.matmul(x, w, qtype, out=out, isa=isa, act_bits=bits), args.repeats)
 
     print("\nper product (us; GB/s of weights at T=1)")
-    for name, n, k, types in (("down 576x1536", HIDDEN, INTER, ("Q4_K", "Q6_K", "Q5_0", "Q4_1", "Q8_0")),
-                              ("gate_up 3072x576", 2 * INTER, HIDDEN, ("Q5_0", "Q4_1", "Q8_0"))):
+    for name, n, k, types in (
+        ("down 576x1536", HIDDEN, INTER, ("Q4_K", "Q6_K", "Q5_0", "Q4_1", "Q8_0")),
+        ("gate_up 3072x576", 2 * INTER, HIDDEN, ("Q5_0", "Q4_1", "Q8_0")),
+    ):
         for qtype in types:
             cells = []
             for bits in (16, 8):
@@ -126,17 +132,23 @@ def _decode_step_ms(stage, batch: int, context: int, repeats: int) -> float:
 
     cfg, block = stage.config, 16
     per_seq = -(-(context + 1) // block)
-    cache = PagedKVCache(stage.num_local_layers, batch * per_seq, block, cfg.num_kv_heads, cfg.head_dim,
-                         torch.float32, "cpu")
+    cache = PagedKVCache(
+        stage.num_local_layers, batch * per_seq, block, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu"
+    )
     table = torch.arange(batch * per_seq).view(batch, per_seq)
 
     def step(length: int, new: int) -> tuple:
         pos = torch.arange(length - new, length)
         slots = torch.cat([table[i, pos // block] * block + pos % block for i in range(batch)])
         starts = tuple(i * new for i in range(batch + 1))
-        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.tensor(starts),
-                                 context_lens=torch.full((batch,), length), block_tables=table,
-                                 query_start_loc_list=starts, context_lens_list=(length,) * batch)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=torch.tensor(starts),
+            context_lens=torch.full((batch,), length),
+            block_tables=table,
+            query_start_loc_list=starts,
+            context_lens_list=(length,) * batch,
+        )
         ids = torch.randint(5, cfg.vocab_size, (batch * new,))
         return ids, pos.repeat(batch), meta
 
@@ -160,9 +172,12 @@ def decode_steps(num_layers: int, repeats: int) -> None:
     from wiring.tiny_model import TinyModelSpec, make_tiny_model
     from worker_svc.checkpoints.loader import load_stage
 
-    spec = TinyModelSpec(hidden_size=HIDDEN, intermediate_size=INTER, num_heads=9, num_kv_heads=3,
-                         num_layers=num_layers)
-    print(f"\nwhole stage, {num_layers} SmolLM2-shaped layers, context 32: decode step ms (fused native step / modules)")
+    spec = TinyModelSpec(
+        hidden_size=HIDDEN, intermediate_size=INTER, num_heads=9, num_kv_heads=3, num_layers=num_layers
+    )
+    print(
+        f"\nwhole stage, {num_layers} SmolLM2-shaped layers, context 32: decode step ms (fused native step / modules)"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "model", spec)
         for qtype in ("Q4_K_M", "Q4_1", "Q8_0"):
@@ -174,7 +189,10 @@ def decode_steps(num_layers: int, repeats: int) -> None:
                 modules = _decode_step_ms(stage, batch, 32, repeats)
                 stage.fused_decode = keep
                 cells.append(f"batch {batch}: {fused:6.2f} / {modules:6.2f}")
-            print(f"  {qtype:7s} ({stage.weight_format}, fused {'on' if keep is not None else 'n/a'})  " + "  ".join(cells))
+            print(
+                f"  {qtype:7s} ({stage.weight_format}, fused {'on' if keep is not None else 'n/a'})  "
+                + "  ".join(cells)
+            )
 
 
 if __name__ == "__main__":

@@ -44,14 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvcache_svc.client import InProcessKVCacheClient  # noqa: E402
-from kvcache_svc.core import (  # noqa: E402
-    Allocated,
-    Append,
-    KVCacheManager,
-    NewSequence,
-    NoBlocks,
-    StepInput,
-)
+from kvcache_svc.core import Allocated, Append, KVCacheManager, NewSequence, NoBlocks, StepInput  # noqa: E402
 from services.defaults import BLOCK_SIZE  # noqa: E402
 from services.kv_client import GrpcKVCacheClient, KVCacheClient  # noqa: E402
 from wiring.launcher import ServiceProcess, free_port, pagoda_command  # noqa: E402
@@ -78,22 +71,28 @@ def tokens(seq_id: int, n: int) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def open_client(
-    kind: str, num_blocks: int, prefix_caching: bool, log_dir: Path
-) -> AsyncIterator[KVCacheClient]:
+async def open_client(kind: str, num_blocks: int, prefix_caching: bool, log_dir: Path) -> AsyncIterator[KVCacheClient]:
     if kind == "in-process":
-        manager = KVCacheManager(
-            num_blocks, BLOCK_SIZE, watermark=0.0, enable_prefix_caching=prefix_caching
-        )
+        manager = KVCacheManager(num_blocks, BLOCK_SIZE, watermark=0.0, enable_prefix_caching=prefix_caching)
         yield InProcessKVCacheClient(manager)
         return
     port = free_port()
-    args = ["kvcache", "--port", str(port), "--num-blocks", str(num_blocks),
-            "--block-size", str(BLOCK_SIZE), "--watermark", "0"]
+    args = [
+        "kvcache",
+        "--port",
+        str(port),
+        "--num-blocks",
+        str(num_blocks),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--watermark",
+        "0",
+    ]
     if not prefix_caching:
         args.append("--no-prefix-caching")
-    proc = ServiceProcess("kvcache", pagoda_command(*args), f"127.0.0.1:{port}",
-                          log_path=log_dir / f"kvcache-{port}.log")
+    proc = ServiceProcess(
+        "kvcache", pagoda_command(*args), f"127.0.0.1:{port}", log_path=log_dir / f"kvcache-{port}.log"
+    )
     proc.start()
     try:
         await asyncio.to_thread(proc.wait_healthy, 60.0)
@@ -174,9 +173,11 @@ class ChurnQueue:
 
     @classmethod
     def of(cls, lengths: Sequence[tuple[int, int]]) -> ChurnQueue:
-        return cls(known={i: p for i, (p, _) in enumerate(lengths)},
-                   remaining={i: o for i, (_, o) in enumerate(lengths)},
-                   waiting=deque(range(len(lengths))))
+        return cls(
+            known={i: p for i, (p, _) in enumerate(lengths)},
+            remaining={i: o for i, (_, o) in enumerate(lengths)},
+            waiting=deque(range(len(lengths))),
+        )
 
     def busy(self) -> bool:
         return bool(self.waiting or self.running or self.to_free or self.preempted)
@@ -237,9 +238,13 @@ async def churn(
         micro_batch_id += 1
         appends = [Append(s, [1 + queue.remaining[s] % 1000]) for s in sorted(queue.running)]
         news = queue.admit(max_batched_prefill_tokens, max_running)
-        step = StepInput(new_sequences=news, appends=appends, frees=queue.to_free,
-                         completed_micro_batch_ids=[micro_batch_id - 1] if micro_batch_id > 1
-                         else [], micro_batch_id=micro_batch_id)
+        step = StepInput(
+            new_sequences=news,
+            appends=appends,
+            frees=queue.to_free,
+            completed_micro_batch_ids=[micro_batch_id - 1] if micro_batch_id > 1 else [],
+            micro_batch_id=micro_batch_id,
+        )
         out = await timer.step(client, step)
         if queue.settle(news, appends, out.results) and news:
             last_admission_step = micro_batch_id
@@ -247,9 +252,16 @@ async def churn(
             stats = await client.stats()
             seqs = await client.sequence_stats()
             extents = statistics.fmean(q.num_extents for q in seqs) if seqs else 0.0
-            samples.append((stats.internal_fragmentation, stats.external_fragmentation,
-                            extents, micro_batch_id, stats.num_free_blocks,
-                            stats.num_free_extents))
+            samples.append(
+                (
+                    stats.internal_fragmentation,
+                    stats.external_fragmentation,
+                    extents,
+                    micro_batch_id,
+                    stats.num_free_blocks,
+                    stats.num_free_extents,
+                )
+            )
     # the busy phase: from a quarter of the admissions to the last one
     busy = [s for s in samples if last_admission_step // 4 <= s[3] <= last_admission_step]
     at_last = min(samples, key=lambda s: abs(s[3] - last_admission_step))
@@ -283,8 +295,7 @@ async def growth(client: KVCacheClient, num_blocks: int, seed: int) -> dict:
     async def step(timer: StepTimer | None = None, **fields) -> dict:
         nonlocal mb
         mb += 1
-        s = StepInput(completed_micro_batch_ids=[mb - 1] if mb > 1 else [], micro_batch_id=mb,
-                      **fields)
+        s = StepInput(completed_micro_batch_ids=[mb - 1] if mb > 1 else [], micro_batch_id=mb, **fields)
         return (await timer.step(client, s) if timer else await client.step(s)).results
 
     async def fill(target_used: int) -> None:
@@ -317,8 +328,7 @@ async def growth(client: KVCacheClient, num_blocks: int, seed: int) -> dict:
     for i in range(45):
         ids = list(range(next_id, next_id + 8))
         next_id += 8
-        results = await step(admit if i >= 5 else None,
-                             new_sequences=[NewSequence(s, tokens(s, 128)) for s in ids])
+        results = await step(admit if i >= 5 else None, new_sequences=[NewSequence(s, tokens(s, 128)) for s in ids])
         await client.free([s for s in ids if isinstance(results[s], Allocated)])
     start = time.perf_counter()
     for _ in range(3):
@@ -371,12 +381,10 @@ def markdown(result: dict) -> str:
     row("all resident: extents per sequence", lay, "mean_extents_per_seq", ".2f")
     row("all resident: admit all in one Step, us/seq", lay, "admit_all_us_per_seq", ".1f")
     pool = result["churn_pool_blocks"]
-    row(f"churn ({pool:,} blocks): internal fragmentation (busy mean)", ch,
-        "busy_internal_fragmentation", ".4f")
+    row(f"churn ({pool:,} blocks): internal fragmentation (busy mean)", ch, "busy_internal_fragmentation", ".4f")
     row("churn: external fragmentation (busy mean)", ch, "busy_external_fragmentation", ".3f")
     row("churn: external fragmentation (busy max)", ch, "busy_max_external_fragmentation", ".3f")
-    row("churn: external fragmentation at last admission", ch,
-        "external_fragmentation_at_last_admission", ".3f")
+    row("churn: external fragmentation at last admission", ch, "external_fragmentation_at_last_admission", ".3f")
     row("churn: free blocks (busy mean)", ch, "busy_mean_free_blocks", ".0f")
     row("churn: free extents (busy mean)", ch, "busy_mean_free_extents", ".0f")
     row("churn: extents per sequence (busy mean)", ch, "busy_mean_extents_per_seq", ".2f")
@@ -415,12 +423,17 @@ async def run_all(args: argparse.Namespace, log_dir: Path) -> dict:
     churn_pool = total_blocks // 4
     kinds = ["in-process"] + ([] if args.no_grpc else ["grpc"])
     result: dict = {
-        "num_seqs": args.num_seqs, "seed": args.seed, "block_size": BLOCK_SIZE,
+        "num_seqs": args.num_seqs,
+        "seed": args.seed,
+        "block_size": BLOCK_SIZE,
         "prompt_median": statistics.median(p for p, _ in lengths),
         "output_median": statistics.median(o for _, o in lengths),
         "longest": max(p + o for p, o in lengths),
-        "churn_pool_blocks": churn_pool, "sizes": args.sizes,
-        "layout": {}, "churn": {}, "growth": {},
+        "churn_pool_blocks": churn_pool,
+        "sizes": args.sizes,
+        "layout": {},
+        "churn": {},
+        "growth": {},
     }
     for kind in kinds:
         print(f"[{kind}] layout, churn, growth ...", file=sys.stderr, flush=True)
@@ -446,8 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-seqs", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sizes", default="1024,10240,102400",
-                        type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--sizes", default="1024,10240,102400", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--no-grpc", action="store_true", help="in-process only")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -456,9 +468,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = asyncio.run(run_all(args, Path(log_dir)))
     result["integrity_ms"] = [time_integrity(size, args.seed) for size in args.sizes]
     result["machine"] = {
-        "python": platform.python_version(), "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
         "processor": platform.processor() or platform.machine(),
-        "load_average": os.getloadavg(), "seconds": time.perf_counter() - started,
+        "load_average": os.getloadavg(),
+        "seconds": time.perf_counter() - started,
     }
     print(markdown(result))
     if args.out:

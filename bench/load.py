@@ -45,7 +45,10 @@ def _record(req: BenchRequest) -> RequestRecord:
 
 
 async def closed_loop(
-    client, requests: Sequence[BenchRequest], concurrency: int, duration_s: float | None = None,
+    client,
+    requests: Sequence[BenchRequest],
+    concurrency: int,
+    duration_s: float | None = None,
     on_last_sent: Callable[[], Awaitable[None]] | None = None,
 ) -> LoadResult:
     """`concurrency` clients, each sending its next request as soon as its last one finished.
@@ -101,7 +104,10 @@ def poisson_arrivals(rate: float, num_requests: int, seed: int = 0) -> list[floa
 
 
 async def open_loop(
-    client, requests: Sequence[BenchRequest], rate: float, seed: int = 0,
+    client,
+    requests: Sequence[BenchRequest],
+    rate: float,
+    seed: int = 0,
     on_last_sent: Callable[[], Awaitable[None]] | None = None,
 ) -> LoadResult:
     """Each request sent at its Poisson arrival time, whether or not earlier ones finished."""

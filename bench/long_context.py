@@ -31,8 +31,13 @@ from services.pb import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from wiring.launcher import MemorySetting, stage_load_infos, start_stack  # noqa: E402
 from wiring.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 
-ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 4096}
+ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 4096,
+}
 
 
 def status_bytes(pid: int, key: str) -> int:
@@ -64,23 +69,34 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--stages", type=int, default=1)
     p.add_argument("--chunk", type=int, default=2048, help="--max-num-batched-tokens")
-    p.add_argument("--memory-share", type=float, default=None,
-                   help="--gpu-memory-utilization (default: about 1.5 GiB per stage of this machine's memory)")
+    p.add_argument(
+        "--memory-share",
+        type=float,
+        default=None,
+        help="--gpu-memory-utilization (default: about 1.5 GiB per stage of this machine's memory)",
+    )
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     os.environ.setdefault(INTERNAL_TOKEN_ENV, "bench-long-context")
     work = Path(tempfile.mkdtemp(prefix="pagoda-long-"))
     max_len = args.tokens + args.new_tokens + 64
-    model = make_tiny_model(work / "model", TinyModelSpec(arch="llama", max_position_embeddings=max_len,
-                                                          rope_scaling=ROPE))
+    model = make_tiny_model(
+        work / "model", TinyModelSpec(arch="llama", max_position_embeddings=max_len, rope_scaling=ROPE)
+    )
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = args.memory_share or min(1.0, args.stages * 1.5 * (1 << 30) / total)
     rng = random.Random(0)
     prompt = [rng.randrange(3, 512) for _ in range(args.tokens)]
     t0 = time.perf_counter()
-    stack = start_stack(str(model), num_stages=args.stages, num_kv_blocks=None, log_dir=work,
-                        threads_per_worker=1, memory=MemorySetting(gpu_memory_utilization=share, max_model_len=max_len),
-                        scheduler_args=("--max-model-len", str(max_len), "--max-num-batched-tokens", str(args.chunk)))
+    stack = start_stack(
+        str(model),
+        num_stages=args.stages,
+        num_kv_blocks=None,
+        log_dir=work,
+        threads_per_worker=1,
+        memory=MemorySetting(gpu_memory_utilization=share, max_model_len=max_len),
+        scheduler_args=("--max-model-len", str(max_len), "--max-num-batched-tokens", str(args.chunk)),
+    )
     startup = time.perf_counter() - t0
     try:
         infos = stage_load_infos(stack.workers, {})
@@ -103,14 +119,34 @@ def main() -> int:
         pool = info.num_kv_blocks * info.kv_block_bytes  # resident whole: torch.zeros writes every page
         predicted = info.memory_baseline_bytes + info.activation_peak_bytes + pool
         peak = peaks[f"worker-{info.stage_index}"]
-        stages.append({"stage": info.stage_index, "baseline_mib": info.memory_baseline_bytes / mib,
-                       "weights_mib": info.weights_bytes / mib, "activation_mib": info.activation_peak_bytes / mib,
-                       "kv_used_mib": kv / mib, "pool_blocks": info.num_kv_blocks, "pool_mib": pool / mib,
-                       "predicted_mib": predicted / mib, "peak_mib": peak / mib, "peak_over_predicted": peak / predicted})
-    report = {"tokens": args.tokens, "new_tokens": args.new_tokens, "stages": args.stages, "chunk": args.chunk,
-              "startup_s": startup, "ttft_s": result["ttft_s"], "e2e_s": result["e2e_s"],
-              "generated": len(result["tokens"]), "kv_blocks_held": held["blocks"], "pool_blocks": stack.num_kv_blocks,
-              "peak_rss_mib": {k: v / mib for k, v in peaks.items()}, "per_stage": stages}
+        stages.append(
+            {
+                "stage": info.stage_index,
+                "baseline_mib": info.memory_baseline_bytes / mib,
+                "weights_mib": info.weights_bytes / mib,
+                "activation_mib": info.activation_peak_bytes / mib,
+                "kv_used_mib": kv / mib,
+                "pool_blocks": info.num_kv_blocks,
+                "pool_mib": pool / mib,
+                "predicted_mib": predicted / mib,
+                "peak_mib": peak / mib,
+                "peak_over_predicted": peak / predicted,
+            }
+        )
+    report = {
+        "tokens": args.tokens,
+        "new_tokens": args.new_tokens,
+        "stages": args.stages,
+        "chunk": args.chunk,
+        "startup_s": startup,
+        "ttft_s": result["ttft_s"],
+        "e2e_s": result["e2e_s"],
+        "generated": len(result["tokens"]),
+        "kv_blocks_held": held["blocks"],
+        "pool_blocks": stack.num_kv_blocks,
+        "peak_rss_mib": {k: v / mib for k, v in peaks.items()},
+        "per_stage": stages,
+    }
     print(json.dumps(report, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

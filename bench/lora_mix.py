@@ -57,11 +57,27 @@ def served(model_dir: Path, adapters: dict[str, str], logs: Path, num: int, stre
     from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
     port, grpc_port = free_port(), free_port()
-    args = [str(model_dir), "--port", str(port), "--grpc-port", str(grpc_port), "--log-dir", str(logs),
-            "--served-model-name", "base", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "16",
-            "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
-    proc = ServiceProcess("serve", pagoda_command("serve", *args), f"127.0.0.1:{grpc_port}",
-                          log_path=logs / "serve.log")
+    args = [
+        str(model_dir),
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+        "--log-dir",
+        str(logs),
+        "--served-model-name",
+        "base",
+        "--enable-lora",
+        "--max-loras",
+        "4",
+        "--max-lora-rank",
+        "16",
+        "--lora-modules",
+        *(f"{n}={p}" for n, p in adapters.items()),
+    ]
+    proc = ServiceProcess(
+        "serve", pagoda_command("serve", *args), f"127.0.0.1:{grpc_port}", log_path=logs / "serve.log"
+    )
     proc.start()
     proc.wait_healthy(600)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)
@@ -70,10 +86,17 @@ def served(model_dir: Path, adapters: dict[str, str], logs: Path, num: int, stre
     out = {}
     try:
         for load, models in (("base", ["base"]), ("mixed", ["base", *NAMES])):
+
             def one(i: int, models: list[str] = models) -> int:
-                r = client.completions.create(model=models[i % len(models)], prompt=prompts[i], max_tokens=64,
-                                              temperature=0.0, extra_body={"ignore_eos": True})
+                r = client.completions.create(
+                    model=models[i % len(models)],
+                    prompt=prompts[i],
+                    max_tokens=64,
+                    temperature=0.0,
+                    extra_body={"ignore_eos": True},
+                )
                 return r.usage.completion_tokens
+
             one(0)  # warm-up
             started = time.perf_counter()
             with ThreadPoolExecutor(streams) as pool:
@@ -125,9 +148,11 @@ def in_process(model_dir: Path, adapters: dict[str, str], rows: int = 32, contex
 
     everyone = list(range(rows))
     groups = [[i for i in everyone if slots_of[i] == s] for s in (-1, 0, 1, 2, 3)]
-    return {"base_ms": timed(lambda: step(everyone, False)),
-            "batched_ms": timed(lambda: step(everyone, True)),
-            "per_adapter_ms": timed(lambda: [step(g, True) for g in groups])}
+    return {
+        "base_ms": timed(lambda: step(everyone, False)),
+        "batched_ms": timed(lambda: step(everyone, True)),
+        "per_adapter_ms": timed(lambda: [step(g, True) for g in groups]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,10 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         serve = served(args.model_dir, adapters, logs, args.num_requests, args.concurrency)
     result = {"served_tok_s": serve, "ratio": serve["mixed"] / serve["base"], "step": step}
     print(json.dumps(result, indent=2))
-    print(f"\nserved at {args.concurrency} in flight: base {serve['base']:.1f} tok/s, 4 adapters + base mixed "
-          f"{serve['mixed']:.1f} tok/s ({result['ratio']:.2f}x)")
-    print(f"one 32-sequence decode step: base {step['base_ms']:.1f} ms, batched LoRA {step['batched_ms']:.1f} ms, "
-          f"a forward per adapter group {step['per_adapter_ms']:.1f} ms")
+    print(
+        f"\nserved at {args.concurrency} in flight: base {serve['base']:.1f} tok/s, 4 adapters + base mixed "
+        f"{serve['mixed']:.1f} tok/s ({result['ratio']:.2f}x)"
+    )
+    print(
+        f"one 32-sequence decode step: base {step['base_ms']:.1f} ms, batched LoRA {step['batched_ms']:.1f} ms, "
+        f"a forward per adapter group {step['per_adapter_ms']:.1f} ms"
+    )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "lora_mix.json").write_text(json.dumps(result, indent=2))

@@ -39,9 +39,17 @@ def cpu_record() -> dict[str, Any]:
     from worker_svc.kernels.cpu_features import cpu_features
 
     f = cpu_features()
-    return {"model_name": f.model_name, "family": f.family, "model": f.model, "level": f.level,
-            "host_level": f.host_level, "caps": list(f.caps), "flags": list(f.isa_flags),
-            "emulated": bool(f.caps), "describe": f.describe()}
+    return {
+        "model_name": f.model_name,
+        "family": f.family,
+        "model": f.model,
+        "level": f.level,
+        "host_level": f.host_level,
+        "caps": list(f.caps),
+        "flags": list(f.isa_flags),
+        "emulated": bool(f.caps),
+        "describe": f.describe(),
+    }
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ def _process_ticks(pid: int) -> int:
             text = f.read()
     except OSError:
         return 0
-    fields = text[text.rindex(")") + 2:].split()
+    fields = text[text.rindex(")") + 2 :].split()
     return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
 
 
@@ -103,8 +111,9 @@ print(json.dumps({"bytes": nbytes, "times_s": times, "best_gb_s": nbytes / min(t
 """
 
 
-def run_json(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None,
-             cwd: Path = REPO_ROOT) -> dict[str, Any]:
+def run_json(
+    cmd: list[str], timeout_s: float, env: dict[str, str] | None = None, cwd: Path = REPO_ROOT
+) -> dict[str, Any]:
     """Run a script that prints one JSON object as its last stdout line."""
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=cwd)
     if out.returncode != 0:

@@ -30,14 +30,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SHAPE = {"vocab_size": 32000, "hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12,
-         "num_key_value_heads": 4, "head_dim": 64, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
-         "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+SHAPE = {
+    "vocab_size": 32000,
+    "hidden_size": 768,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 MODELS = {
-    "qwen3-moe": ("qwen3_moe", "Qwen3MoeForCausalLM", {"intermediate_size": 1024, "num_experts": 32,
-                                                       "num_experts_per_tok": 4, "moe_intermediate_size": 256,
-                                                       "norm_topk_prob": True, "decoder_sparse_step": 1,
-                                                       "mlp_only_layers": []}),
+    "qwen3-moe": (
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        {
+            "intermediate_size": 1024,
+            "num_experts": 32,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 256,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+    ),
     "qwen3-dense": ("qwen3", "Qwen3ForCausalLM", {"intermediate_size": 1024}),
 }
 
@@ -57,7 +76,7 @@ def per_token(block, x):
     out = torch.zeros(x.shape, dtype=torch.float32)
     for row in range(x.shape[0]):
         for w, e in zip(weights[row].tolist(), experts[row].tolist(), strict=True):
-            out[row] += w * block.experts[e].forward(x[row:row + 1])[0].float()
+            out[row] += w * block.experts[e].forward(x[row : row + 1])[0].float()
     return out.to(x.dtype)
 
 
@@ -114,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     from services.settings import cache_root
 
     root = cache_root() / "moe-bench"
-    models = {name: load_stage(str(build(name, root)), dtype=args.dtype, quantization=args.quantization)
-              for name in MODELS}
+    models = {
+        name: load_stage(str(build(name, root)), dtype=args.dtype, quantization=args.quantization) for name in MODELS
+    }
     native = {name: m.fused_decode for name, m in models.items()}  # (the arms switch them off)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -127,10 +147,17 @@ def main(argv: list[str] | None = None) -> int:
                 times[arm].append(pagoda_step_s(_set_arm(models, arm, native), batch, args.context, args.steps))
         for arm in ARMS:
             model = _set_arm(models, arm, native)
-            rows.append({"arm": arm, "weight_bytes": weight_bytes(model), "format": model.weight_format or "float",
-                         "native": model.fused_decode is not None, "batch": batch,
-                         "step_ms": round(min(times[arm]) * 1000, 2),
-                         "rounds_ms": [round(t * 1000, 2) for t in times[arm]]})
+            rows.append(
+                {
+                    "arm": arm,
+                    "weight_bytes": weight_bytes(model),
+                    "format": model.weight_format or "float",
+                    "native": model.fused_decode is not None,
+                    "batch": batch,
+                    "step_ms": round(min(times[arm]) * 1000, 2),
+                    "rounds_ms": [round(t * 1000, 2) for t in times[arm]],
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     print(f"\nCPU: {cpu_record()['describe']}")
     _table(rows)

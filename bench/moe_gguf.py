@@ -31,8 +31,14 @@ sys.path.insert(0, str(ROOT))
 from bench.moe import MODELS, SHAPE  # noqa: E402
 from bench.vs_llama_cpp import DEFAULT_ANCHOR  # noqa: E402
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
 QUANTIZE = """
 import sys, llama_cpp
 p = llama_cpp.llama_model_quantize_default_params()
@@ -63,8 +69,9 @@ def quantized_file(work: Path, tokenizer_dir: Path, llama_python: Path) -> Path:
     folder = build_folder(work, tokenizer_dir)
     f32 = work / "qwen3-moe-smol.F32.gguf"
     if not f32.is_file():
-        subprocess.run([str(ROOT / ".venv/bin/pagoda"), "export-gguf", str(folder), str(f32), "--type", "F32"],
-                       check=True)
+        subprocess.run(
+            [str(ROOT / ".venv/bin/pagoda"), "export-gguf", str(folder), str(f32), "--type", "F32"], check=True
+        )
     with open(work / "quantize.log", "w") as log:
         subprocess.run([str(llama_python), "-c", QUANTIZE, str(f32), str(out)], check=True, stderr=log)
     return out
@@ -84,9 +91,22 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"gguf": str(gguf), "bytes": gguf.stat().st_size}))
     from bench import vs_llama_cpp
 
-    return vs_llama_cpp.main(["--gguf", str(gguf), "--tokenizer-dir", str(args.tokenizer_dir),
-                              "--llama-python", str(args.llama_python), "--repeats", str(args.repeats),
-                              "--streams", str(args.streams), "--out", str(args.out)])
+    return vs_llama_cpp.main(
+        [
+            "--gguf",
+            str(gguf),
+            "--tokenizer-dir",
+            str(args.tokenizer_dir),
+            "--llama-python",
+            str(args.llama_python),
+            "--repeats",
+            str(args.repeats),
+            "--streams",
+            str(args.streams),
+            "--out",
+            str(args.out),
+        ]
+    )
 
 
 if __name__ == "__main__":

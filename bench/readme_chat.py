@@ -13,13 +13,17 @@ import argparse
 import json
 import urllib.request
 
-REQUEST = {"model": "SmolLM2-135M-Instruct",
-           "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32}
+REQUEST = {
+    "model": "SmolLM2-135M-Instruct",
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "max_tokens": 32,
+}
 
 
 def answer(url: str, extra: dict) -> str:
-    request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps({**REQUEST, **extra}).encode(),
-                                     {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", json.dumps({**REQUEST, **extra}).encode(), {"Content-Type": "application/json"}
+    )
     return json.loads(urllib.request.urlopen(request, timeout=300).read())["choices"][0]["message"]["content"]
 
 

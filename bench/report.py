@@ -26,8 +26,14 @@ def machine_info() -> dict:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count()
-    info = {"cpu": cpu, "cpu_features": cpu_record(), "usable_cores": cores, "memory_gib": mem_gib, "python": sys.version.split()[0],
-            "platform": platform.platform()}
+    info = {
+        "cpu": cpu,
+        "cpu_features": cpu_record(),
+        "usable_cores": cores,
+        "memory_gib": mem_gib,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
     try:
         import torch
 
@@ -67,17 +73,21 @@ def _ratio(v) -> str:
 
 
 def comparison_rows(results: dict) -> list[str]:
-    rows = ["| model | comparison | workload | metric | arm | baseline | ratio | tok/s ratio | checks |",
-            "|---|---|---|---|---|---|---:|---:|---|"]
+    rows = [
+        "| model | comparison | workload | metric | arm | baseline | ratio | tok/s ratio | checks |",
+        "|---|---|---|---|---|---|---:|---:|---|",
+    ]
     for m in results["models"]:
         for c in m["comparisons"]:
             metric = c["metric"].replace("_", " ")
             vals = f"{_f(c['value_arm'])} / {_f(c['value_baseline'])}"
             failed = [k["what"] for k in c["checks"] if not k["ok"]]
             checks = "all pass" if not failed else "FAILED: " + "; ".join(failed)
-            rows.append(f"| {m['preset']} | ({c['key']}) {c['title']} | {c['workload']} | {metric} ({vals}) "
-                        f"| {c['arm']} | {c['baseline']} | **{_ratio(c['ratio'])}** "
-                        f"| {_ratio(c['throughput_ratio'])} | {checks} |")
+            rows.append(
+                f"| {m['preset']} | ({c['key']}) {c['title']} | {c['workload']} | {metric} ({vals}) "
+                f"| {c['arm']} | {c['baseline']} | **{_ratio(c['ratio'])}** "
+                f"| {_ratio(c['throughput_ratio'])} | {checks} |"
+            )
     return rows
 
 
@@ -90,15 +100,21 @@ def _stages(services: dict | None) -> tuple[str, str]:
 
 
 def run_rows(results: dict) -> list[str]:
-    rows = ["| run | device | load | req | req/s | out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
-            "| stage busy | bubble | tok/µbatch | KV frag int / ext | prefix hit | preempt | other CPU |",
-            "|---|---|---|---:|---:|---:|---|---|---|---|---:|---|---:|---:|---:|"]
+    rows = [
+        "| run | device | load | req | req/s | out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
+        "| stage busy | bubble | tok/µbatch | KV frag int / ext | prefix hit | preempt | other CPU |",
+        "|---|---|---|---:|---:|---:|---|---|---|---|---:|---|---:|---:|---:|",
+    ]
     for m in results["models"]:
         for r in m["runs"]:
             c, s = r["client"], r["services"]
-            load = (f"closed, C={r['concurrency']}" if r["mode"] == "closed"
-                    else f"Poisson {r['rate']:.2f}/s" if r["mode"] == "open"
-                    else f"static batches of {r['concurrency']}")
+            load = (
+                f"closed, C={r['concurrency']}"
+                if r["mode"] == "closed"
+                else f"Poisson {r['rate']:.2f}/s"
+                if r["mode"] == "open"
+                else f"static batches of {r['concurrency']}"
+            )
             busy, bubble = _stages(s)
             frag = f"{s['kv_internal_fragmentation']:.0%} / {s['kv_external_fragmentation']:.0%}" if s else "-"
             hit = f"{s['prefix_hit_rate']:.0%}" if s else "-"
@@ -107,9 +123,11 @@ def run_rows(results: dict) -> list[str]:
             per_mb = _f(s.get("tokens_per_micro_batch")) if s else "-"
             # an emulated run says so in every row: its compute is a modelled wait, not a measurement
             device = r["extra"].get("device", "-")
-            rows.append(f"| {r['name']} | {device} | {load} | {c['num_requests']} | {_f(c['requests_per_s'], '{:.2f}')} "
-                        f"| {_f(c['output_tokens_per_s'])} | {_pcts(c['ttft'])} | {_pcts(c['itl'])} "
-                        f"| {busy} | {bubble} | {per_mb} | {frag} | {hit} | {pre} | {_f(other, '{:.0%}')} |")
+            rows.append(
+                f"| {r['name']} | {device} | {load} | {c['num_requests']} | {_f(c['requests_per_s'], '{:.2f}')} "
+                f"| {_f(c['output_tokens_per_s'])} | {_pcts(c['ttft'])} | {_pcts(c['itl'])} "
+                f"| {busy} | {bubble} | {per_mb} | {frag} | {hit} | {pre} | {_f(other, '{:.0%}')} |"
+            )
     return rows
 
 
@@ -144,11 +162,17 @@ def render_markdown(results: dict, plot_paths: list[str] | None = None) -> str:
     for note in meta.get("notes", ()):
         lines.append(f"- {note}")
     lines += ["", "## Comparisons (ratio = arm / baseline)", ""] + comparison_rows(results)
-    lines += ["", "## Runs", "", "Stage busy and bubble per stage, over the window from the start of "
-              "the run to its last request sent (work queued throughout); KV fragmentation under load "
-              "then; prefix hit = hit tokens / looked-up tokens over the run; tok/µbatch = tokens computed per "
-              "micro-batch; other CPU = the share of the "
-              "machine's cores that processes other than this run's used during it (a shared machine).", ""] + run_rows(results)
+    lines += [
+        "",
+        "## Runs",
+        "",
+        "Stage busy and bubble per stage, over the window from the start of "
+        "the run to its last request sent (work queued throughout); KV fragmentation under load "
+        "then; prefix hit = hit tokens / looked-up tokens over the run; tok/µbatch = tokens computed per "
+        "micro-batch; other CPU = the share of the "
+        "machine's cores that processes other than this run's used during it (a shared machine).",
+        "",
+    ] + run_rows(results)
     lines += ["", "## What each comparison read back", ""] + check_lines(results)
     if plot_paths:
         lines += ["", "## Plots", ""] + [f"- `{p}`" for p in plot_paths]

@@ -30,14 +30,7 @@ from bench.compare import COMPARISON_KEYS, COMPARISONS, RunResult, compare
 from bench.load import LoadResult, closed_loop, open_loop
 from bench.machine import cpu_sample, foreign_cpu
 from bench.stats import client_metrics, quantiles_ms, service_metrics
-from bench.workloads import (
-    QUICK_SHAPE,
-    Shape,
-    TokenSpace,
-    Workload,
-    make_workload,
-    num_output_tokens,
-)
+from bench.workloads import QUICK_SHAPE, Shape, TokenSpace, Workload, make_workload, num_output_tokens
 
 
 @dataclass(frozen=True)
@@ -73,8 +66,9 @@ class Plan:
         if self.concurrency < 1 or self.duration_s <= 0 or self.total_threads < 1:
             raise ValueError("concurrency, duration_s and total_threads must be positive")
         if any("c" in m.comparisons for m in self.models) and self.total_threads % 2:
-            raise ValueError(f"threads: (c) gives PP=1 and PP=2 the same total, so it must be even, "
-                             f"got {self.total_threads}")
+            raise ValueError(
+                f"threads: (c) gives PP=1 and PP=2 the same total, so it must be even, got {self.total_threads}"
+            )
 
 
 @dataclass
@@ -89,17 +83,24 @@ class ModelResults:
 
     def run(self, workload: str, arm: str, mode: str = "closed") -> RunResult | None:
         for r in self.runs:
-            if r.workload == workload and r.arm == arm and r.mode in (mode, "static-batch") \
-                    and not r.extra.get("sweep"):
+            if (
+                r.workload == workload
+                and r.arm == arm
+                and r.mode in (mode, "static-batch")
+                and not r.extra.get("sweep")
+            ):
                 return r
         return None
 
     def to_dict(self) -> dict:
         return {
-            "preset": self.preset, "model_dir": self.model_dir, "num_parameters": self.num_parameters,
+            "preset": self.preset,
+            "model_dir": self.model_dir,
+            "num_parameters": self.num_parameters,
             "runs": [r.to_dict() for r in self.runs],
             "comparisons": [c.to_dict() for c in self.comparisons],
-            "gantt": self.gantt, "notes": self.notes,
+            "gantt": self.gantt,
+            "notes": self.notes,
         }
 
 
@@ -114,9 +115,19 @@ class Runner:
 
     # --- one run ---------------------------------------------------------------------------
 
-    async def _measure(self, arm, model: str, workload: str, arm_name: str, requests, *,
-                       duration_s: float | None = None, rate: float | None = None,
-                       concurrency: int | None = None, extra: dict | None = None) -> RunResult:
+    async def _measure(
+        self,
+        arm,
+        model: str,
+        workload: str,
+        arm_name: str,
+        requests,
+        *,
+        duration_s: float | None = None,
+        rate: float | None = None,
+        concurrency: int | None = None,
+        extra: dict | None = None,
+    ) -> RunResult:
         concurrency = concurrency or self.plan.concurrency
         extra = {**(extra or {}), "load_average_1m": _load_1m()}
         cpu_before = cpu_sample(arm.pids())
@@ -133,33 +144,44 @@ class Runner:
         end = await arm.snapshot()
         extra["foreign_cpu"] = foreign_cpu(cpu_before, cpu_sample(arm.pids()), cpu_count())
         sent = [requests[r.index] for r in res.records]
-        return self._result(model, workload, arm_name, arm, res, sent,
-                            service_metrics(start, loaded["s"], end), extra)
+        return self._result(model, workload, arm_name, arm, res, sent, service_metrics(start, loaded["s"], end), extra)
 
     def _result(self, model, workload, arm_name, arm, res: LoadResult, sent, services, extra) -> RunResult:
         metrics = client_metrics(res.records, res.duration_s)
         settings = getattr(arm, "settings", None)
         extra = dict(extra)
         ok = [r for r in res.records if r.ok]
-        extra["quantiles"] = {"ttft_ms": quantiles_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
-                              "itl_ms": quantiles_ms([x for r in ok for x in r.itls_s])}
+        extra["quantiles"] = {
+            "ttft_ms": quantiles_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+            "itl_ms": quantiles_ms([x for r in ok for x in r.itls_s]),
+        }
         if settings is not None:
             extra.setdefault("threads_per_stage", settings.threads_per_stage)
             extra.setdefault("total_threads", settings.total_threads)
             extra.setdefault("device", settings.device_label)
         r = RunResult(
-            model=model, workload=workload, arm=arm_name,
+            model=model,
+            workload=workload,
+            arm=arm_name,
             settings=settings.describe() if settings is not None else extra.get("settings", ""),
-            driver=getattr(arm, "driver", "transformers"), mode=res.mode, num_requests=len(sent),
-            expected_output_tokens=num_output_tokens(sent), client=metrics, services=services,
-            concurrency=res.concurrency, rate=res.rate, startup_s=getattr(arm, "startup_s", None),
+            driver=getattr(arm, "driver", "transformers"),
+            mode=res.mode,
+            num_requests=len(sent),
+            expected_output_tokens=num_output_tokens(sent),
+            client=metrics,
+            services=services,
+            concurrency=res.concurrency,
+            rate=res.rate,
+            startup_s=getattr(arm, "startup_s", None),
             extra=extra,
         )
         c = r.client
-        self.log(f"  {r.name:<34} {r.mode:<6} {c.num_requests:>4} req {c.duration_s:6.1f} s "
-                 f"{c.requests_per_s:7.2f} req/s {c.output_tokens_per_s:8.1f} tok/s "
-                 f"TTFT p50 {_ms(c.ttft.p50_ms)} ITL p99 {_ms(c.itl.p99_ms)}"
-                 + (f"  ({c.num_failed} FAILED)" if c.num_failed else ""))
+        self.log(
+            f"  {r.name:<34} {r.mode:<6} {c.num_requests:>4} req {c.duration_s:6.1f} s "
+            f"{c.requests_per_s:7.2f} req/s {c.output_tokens_per_s:8.1f} tok/s "
+            f"TTFT p50 {_ms(c.ttft.p50_ms)} ITL p99 {_ms(c.itl.p99_ms)}"
+            + (f"  ({c.num_failed} FAILED)" if c.num_failed else "")
+        )
         return r
 
     async def _warm_up(self, arm, space: TokenSpace) -> None:
@@ -196,13 +218,12 @@ class Runner:
         self._compare(mp, base, out)
         return out
 
-    def _stack(self, mp: ModelPlan, model_dir: str, name: str,
-               settings: EngineSettings) -> StackArm:
-        return StackArm(model_dir, settings, self.log_dir / mp.preset / name, self.plan.driver,
-                        self.plan.concurrency)
+    def _stack(self, mp: ModelPlan, model_dir: str, name: str, settings: EngineSettings) -> StackArm:
+        return StackArm(model_dir, settings, self.log_dir / mp.preset / name, self.plan.driver, self.plan.concurrency)
 
-    async def _prefix_off_stack(self, mp: ModelPlan, model_dir: str, space: TokenSpace,
-                                base: EngineSettings, out: ModelResults) -> int:
+    async def _prefix_off_stack(
+        self, mp: ModelPlan, model_dir: str, space: TokenSpace, base: EngineSettings, out: ModelResults
+    ) -> int:
         """(f)'s slow arm, prefix caching off: `shared-prefix` for duration_s; its request count.
 
         Its 20 s fix the count, so that the fast arm, not the slow one, is the one that
@@ -212,13 +233,15 @@ class Runner:
         self.log(f"[{mp.preset}] prefix-off stack: {settings.describe()}")
         async with self._stack(mp, model_dir, "prefix-off", settings) as arm:
             await self._warm_up(arm, space)
-            r = await self._measure(arm, mp.preset, "shared-prefix", "prefix-off", shared,
-                                    duration_s=self.plan.duration_s)
+            r = await self._measure(
+                arm, mp.preset, "shared-prefix", "prefix-off", shared, duration_s=self.plan.duration_s
+            )
             out.runs.append(r)
         return r.num_requests
 
-    async def _base_stack(self, mp: ModelPlan, model_dir: str, space: TokenSpace,
-                          base: EngineSettings, out: ModelResults, n_shared: int) -> int:
+    async def _base_stack(
+        self, mp: ModelPlan, model_dir: str, space: TokenSpace, base: EngineSettings, out: ModelResults, n_shared: int
+    ) -> int:
         """The base arm: `mixed` for duration_s (its request count, returned, fixes every other
         arm's), the concurrency sweep, the open-loop runs, (f)'s `shared-prefix` run of
         `n_shared` requests, and the Gantt run when no PP=2 arm makes it."""
@@ -237,25 +260,38 @@ class Runner:
                 out.gantt = await self._gantt(arm, space)
         return r.num_requests
 
-    async def _sweep_and_open_loop(self, arm, mp: ModelPlan, space: TokenSpace, mixed: Workload,
-                                   requests_per_s: float, out: ModelResults) -> None:
+    async def _sweep_and_open_loop(
+        self, arm, mp: ModelPlan, space: TokenSpace, mixed: Workload, requests_per_s: float, out: ModelResults
+    ) -> None:
         """On the base stack: closed loops at the sweep's other concurrencies, then Poisson
         arrivals at each load, a fraction of the closed loop's `requests_per_s`."""
         plan = self.plan
         for c in mp.sweep:
             if c == plan.concurrency:
                 continue
-            out.runs.append(await self._measure(arm, mp.preset, "mixed", "pagoda", mixed, concurrency=c,
-                                                duration_s=plan.sweep_duration_s, extra={"sweep": True}))
+            out.runs.append(
+                await self._measure(
+                    arm,
+                    mp.preset,
+                    "mixed",
+                    "pagoda",
+                    mixed,
+                    concurrency=c,
+                    duration_s=plan.sweep_duration_s,
+                    extra={"sweep": True},
+                )
+            )
         for load in mp.open_loop_loads:
             rate = load * requests_per_s
             n = max(1, math.ceil(rate * plan.open_loop_duration_s))
             requests = Workload("mixed", space, plan.shape, plan.seed + 7, limit=n)
-            out.runs.append(await self._measure(arm, mp.preset, "mixed", f"pagoda@{load:.0%}", requests,
-                                                rate=rate, extra={"load": load}))
+            out.runs.append(
+                await self._measure(
+                    arm, mp.preset, "mixed", f"pagoda@{load:.0%}", requests, rate=rate, extra={"load": load}
+                )
+            )
 
-    def _other_stacks(self, comps: set[str],
-                      base: EngineSettings) -> list[tuple[str, str, EngineSettings]]:
+    def _other_stacks(self, comps: set[str], base: EngineSettings) -> list[tuple[str, str, EngineSettings]]:
         """(comparison, arm name, settings) of each stack besides the base one and prefix-off."""
         other_arms: list[tuple[str, str, EngineSettings]] = []
         if "b" in comps:
@@ -285,17 +321,23 @@ class Runner:
     async def _transformers(self, mp: ModelPlan, model_dir: str, requests) -> RunResult:
         from bench.baseline import run_transformers
 
-        self.log(f"[{mp.preset}] transformers static batching, batch {self.plan.concurrency}, "
-                 f"{self.plan.total_threads} torch thread(s)")
+        self.log(
+            f"[{mp.preset}] transformers static batching, batch {self.plan.concurrency}, "
+            f"{self.plan.total_threads} torch thread(s)"
+        )
         sent = [requests[i] for i in range(len(requests))]
         load = _load_1m()
         cpu_before = cpu_sample([os.getpid()])
-        res, info = await asyncio.to_thread(run_transformers, model_dir, sent, self.plan.concurrency,
-                                            self.plan.total_threads)
-        extra = {**asdict(info), "settings": f"transformers {info.transformers_version} generate(), "
-                 f"static batches of {info.batch_size}, {info.torch_threads} torch thread(s)",
-                 "load_average_1m": load,
-                 "foreign_cpu": foreign_cpu(cpu_before, cpu_sample([os.getpid()]), cpu_count())}
+        res, info = await asyncio.to_thread(
+            run_transformers, model_dir, sent, self.plan.concurrency, self.plan.total_threads
+        )
+        extra = {
+            **asdict(info),
+            "settings": f"transformers {info.transformers_version} generate(), "
+            f"static batches of {info.batch_size}, {info.torch_threads} torch thread(s)",
+            "load_average_1m": load,
+            "foreign_cpu": foreign_cpu(cpu_before, cpu_sample([os.getpid()]), cpu_count()),
+        }
 
         class _Arm:  # what _result reads of an arm
             driver, startup_s = "transformers", info.load_s
@@ -319,13 +361,19 @@ class Runner:
             if e.category != "stage" or not e.HasField("stage_index") or not e.HasField("micro_batch_id"):
                 continue
             steps[(e.stage_index, e.micro_batch_id)] = {
-                "stage": e.stage_index, "micro_batch_id": e.micro_batch_id,
-                "start_ns": e.start_ns, "end_ns": e.end_ns,
+                "stage": e.stage_index,
+                "micro_batch_id": e.micro_batch_id,
+                "start_ns": e.start_ns,
+                "end_ns": e.end_ns,
             }
         events = sorted(steps.values(), key=lambda s: (s["start_ns"], s["stage"]))
         self.log(f"  gantt: {len(events)} stage steps from {len(client.timeline_events)} timeline events")
-        return {"settings": arm.settings.describe(), "t0_ns": t0_ns, "events": events,
-                "source": "debug_timeline of every request (stage compute per micro-batch)"}
+        return {
+            "settings": arm.settings.describe(),
+            "t0_ns": t0_ns,
+            "events": events,
+            "source": "debug_timeline of every request (stage compute per micro-batch)",
+        }
 
     # --- everything --------------------------------------------------------------------------
 

@@ -73,8 +73,9 @@ class Work:
     max_tokens: int
 
 
-def workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
-             vocab_size: int, seed: int) -> list[Work]:
+def workload(
+    num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int
+) -> list[Work]:
     rng = random.Random(seed)
     out = []
     for _ in range(num_requests):
@@ -175,38 +176,49 @@ async def grpc_run(stack: Stack, arm: str, repeat: int, work: list[Work], concur
         wall_s = time.perf_counter() - t0
         cpu_after = stack_cpu(stack)
         after = await stub.GetStats(scheduler_pb2.GetStatsRequest())
-    busy_s = [
-        (a.stats.busy_ns - b.stats.busy_ns) / 1e9
-        for b, a in zip(before.stages, after.stages, strict=True)
-    ]
+    busy_s = [(a.stats.busy_ns - b.stats.busy_ns) / 1e9 for b, a in zip(before.stages, after.stages, strict=True)]
     for b, a in zip(before.stages, after.stages, strict=True):
         if a.stats.epoch != b.stats.epoch:
             raise RuntimeError(f"stage {a.stage_index} restarted during the run")
     return RunResult(
-        path="grpc", arm=arm, repeat=repeat, async_scheduling=after.config.async_scheduling,
-        wall_s=wall_s, num_requests=len(work),
+        path="grpc",
+        arm=arm,
+        repeat=repeat,
+        async_scheduling=after.config.async_scheduling,
+        wall_s=wall_s,
+        num_requests=len(work),
         num_output_tokens=sum(len(o) for o in outputs),
         num_expected_output_tokens=sum(w.max_tokens for w in work),
-        stage_busy_s=busy_s, stage_busy_fraction=[b / wall_s for b in busy_s],
+        stage_busy_s=busy_s,
+        stage_busy_fraction=[b / wall_s for b in busy_s],
         end_busy_fraction=[s.busy_fraction for s in after.stages],
         num_micro_batches=after.num_micro_batches - before.num_micro_batches,
         num_preemptions=after.num_preemptions - before.num_preemptions,
-        latency_p50_s=percentile(latencies, 50), latency_p90_s=percentile(latencies, 90),
+        latency_p50_s=percentile(latencies, 50),
+        latency_p90_s=percentile(latencies, 90),
         cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_before},
         outputs=outputs,
     )
 
 
 def start_arm(model_dir: Path, arm: str, args: argparse.Namespace, log_dir: Path) -> Stack:
-    scheduler_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                      "--max-num-seqs", str(args.max_num_seqs)]
+    scheduler_args = [
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+    ]
     if arm == "sync":
         scheduler_args.append("--no-async-scheduling")
     arm_logs = log_dir / arm
     arm_logs.mkdir(parents=True, exist_ok=True)
     return start_stack(
-        str(model_dir), num_stages=NUM_STAGES, num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size, log_dir=arm_logs, scheduler_args=scheduler_args,
+        str(model_dir),
+        num_stages=NUM_STAGES,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        log_dir=arm_logs,
+        scheduler_args=scheduler_args,
         threads_per_worker=1,
     )
 
@@ -217,8 +229,9 @@ async def grpc_warmup(stack: Stack, work: list[Work], concurrency: int) -> None:
         await closed_loop(work, concurrency, lambda w: grpc_generate(stub, w))
 
 
-def bench_grpc(model_dir: Path, args: argparse.Namespace, works: list[list[Work]],
-               warmup: list[Work]) -> list[RunResult]:
+def bench_grpc(
+    model_dir: Path, args: argparse.Namespace, works: list[list[Work]], warmup: list[Work]
+) -> list[RunResult]:
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-scheduler-") as tmp:
         stacks: dict[str, Stack] = {}
@@ -232,8 +245,10 @@ def bench_grpc(model_dir: Path, args: argparse.Namespace, works: list[list[Work]
                 order = ARMS if repeat % 2 == 0 else tuple(reversed(ARMS))
                 for arm in order:
                     r = asyncio.run(grpc_run(stacks[arm], arm, repeat, work, args.concurrency))
-                    log(f"grpc {arm} repeat {repeat}: {r.wall_s:.2f} s, {r.output_tokens_per_s:.0f} tok/s, "
-                        f"busy {', '.join(f'{b:.2f}' for b in r.stage_busy_fraction)}")
+                    log(
+                        f"grpc {arm} repeat {repeat}: {r.wall_s:.2f} s, {r.output_tokens_per_s:.0f} tok/s, "
+                        f"busy {', '.join(f'{b:.2f}' for b in r.stage_busy_fraction)}"
+                    )
                     results.append(r)
         finally:
             for stack in stacks.values():
@@ -244,16 +259,21 @@ def bench_grpc(model_dir: Path, args: argparse.Namespace, works: list[list[Work]
 # --- in process ------------------------------------------------------------------------------
 
 
-async def local_run(model_dir: Path, arm: str, repeats: list[tuple[int, list[Work]]],
-                    warmup: list[Work], args: argparse.Namespace) -> list[RunResult]:
+async def local_run(
+    model_dir: Path, arm: str, repeats: list[tuple[int, list[Work]]], warmup: list[Work], args: argparse.Namespace
+) -> list[RunResult]:
     from scheduler_svc.config import SchedulerConfig
     from scheduler_svc.core.request import Request, SamplingOptions
     from wiring.local_engine import build_local_engine
 
     config = SchedulerConfig(
-        model=str(model_dir), pipeline_parallel_size=NUM_STAGES, async_scheduling=arm == "async",
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        model=str(model_dir),
+        pipeline_parallel_size=NUM_STAGES,
+        async_scheduling=arm == "async",
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
     )
     engine = build_local_engine(str(model_dir), config, num_kv_blocks=args.num_kv_blocks)
     ids = iter(range(1 << 30))
@@ -283,16 +303,26 @@ async def local_run(model_dir: Path, arm: str, repeats: list[tuple[int, list[Wor
             wall_s = time.perf_counter() - t0
             cpu_s = {"engine": cpu_seconds() - cpu_before}
             busy_s = [(a - b) / 1e9 for b, a in zip(busy_before, engine.transport.busy_ns, strict=True)]
-            results.append(RunResult(
-                path="in-process", arm=arm, repeat=repeat, async_scheduling=engine.config.is_async,
-                wall_s=wall_s, num_requests=len(work), num_output_tokens=sum(len(o) for o in outputs),
-                num_expected_output_tokens=sum(w.max_tokens for w in work),
-                stage_busy_s=busy_s, stage_busy_fraction=[b / wall_s for b in busy_s],
-                num_micro_batches=engine.num_micro_batches - mb_before,
-                num_preemptions=engine.planner.num_preemptions - preempt_before,
-                latency_p50_s=percentile(latencies, 50), latency_p90_s=percentile(latencies, 90),
-                cpu_s=cpu_s, outputs=outputs,
-            ))
+            results.append(
+                RunResult(
+                    path="in-process",
+                    arm=arm,
+                    repeat=repeat,
+                    async_scheduling=engine.config.is_async,
+                    wall_s=wall_s,
+                    num_requests=len(work),
+                    num_output_tokens=sum(len(o) for o in outputs),
+                    num_expected_output_tokens=sum(w.max_tokens for w in work),
+                    stage_busy_s=busy_s,
+                    stage_busy_fraction=[b / wall_s for b in busy_s],
+                    num_micro_batches=engine.num_micro_batches - mb_before,
+                    num_preemptions=engine.planner.num_preemptions - preempt_before,
+                    latency_p50_s=percentile(latencies, 50),
+                    latency_p90_s=percentile(latencies, 90),
+                    cpu_s=cpu_s,
+                    outputs=outputs,
+                )
+            )
             r = results[-1]
             log(f"in-process {arm} repeat {repeat}: {r.wall_s:.2f} s, {r.output_tokens_per_s:.0f} tok/s")
     finally:
@@ -300,8 +330,9 @@ async def local_run(model_dir: Path, arm: str, repeats: list[tuple[int, list[Wor
     return results
 
 
-def bench_local(model_dir: Path, args: argparse.Namespace, works: list[list[Work]],
-                warmup: list[Work]) -> list[RunResult]:
+def bench_local(
+    model_dir: Path, args: argparse.Namespace, works: list[list[Work]], warmup: list[Work]
+) -> list[RunResult]:
     results = []
     for arm in ARMS:  # one engine per arm, alive for all its repeats
         log(f"in-process {arm} ...")
@@ -337,16 +368,21 @@ def summarize(results: list[RunResult]) -> list[dict]:
         for arm, runs in by_arm.items():
             num_stages = len(runs[0].stage_busy_fraction)
             med[arm] = {
-                "path": path, "arm": arm,
+                "path": path,
+                "arm": arm,
                 "async_scheduling": sorted({r.async_scheduling for r in runs}),
                 "repeats": len(runs),
                 "wall_s": statistics.median(r.wall_s for r in runs),
                 "requests_per_s": statistics.median(r.requests_per_s for r in runs),
                 "output_tokens_per_s": statistics.median(r.output_tokens_per_s for r in runs),
-                "stage_busy_fraction": [statistics.median(r.stage_busy_fraction[i] for r in runs)
-                                        for i in range(num_stages)],
-                "end_busy_fraction": ([statistics.median(r.end_busy_fraction[i] for r in runs)
-                                       for i in range(num_stages)] if runs[0].end_busy_fraction else []),
+                "stage_busy_fraction": [
+                    statistics.median(r.stage_busy_fraction[i] for r in runs) for i in range(num_stages)
+                ],
+                "end_busy_fraction": (
+                    [statistics.median(r.end_busy_fraction[i] for r in runs) for i in range(num_stages)]
+                    if runs[0].end_busy_fraction
+                    else []
+                ),
                 "num_micro_batches": statistics.median(r.num_micro_batches for r in runs),
                 "num_preemptions": sum(r.num_preemptions for r in runs),
                 "num_output_tokens": [r.num_output_tokens for r in runs],
@@ -354,7 +390,8 @@ def summarize(results: list[RunResult]) -> list[dict]:
                 "latency_p90_s": statistics.median(r.latency_p90_s for r in runs),
                 "cpu_s": {name: statistics.median(r.cpu_s[name] for r in runs) for name in runs[0].cpu_s},
                 "cpu_s_per_1k_tokens": statistics.median(
-                    1000 * sum(r.cpu_s.values()) / r.num_output_tokens for r in runs),
+                    1000 * sum(r.cpu_s.values()) / r.num_output_tokens for r in runs
+                ),
                 "cores_used": statistics.median(sum(r.cpu_s.values()) / r.wall_s for r in runs),
             }
             rows.append(med[arm])
@@ -363,17 +400,22 @@ def summarize(results: list[RunResult]) -> list[dict]:
             sum(x == y for x, y in zip(ra.outputs, rs.outputs, strict=True))
             for ra, rs in zip(by_arm["async"], by_arm["sync"], strict=True)
         ]
-        rows.append({
-            "path": path, "arm": "async/sync",
-            "requests_per_s": a["requests_per_s"] / s["requests_per_s"],
-            "output_tokens_per_s": a["output_tokens_per_s"] / s["output_tokens_per_s"],
-            "stage_busy_fraction": [x / y if y else float("nan")
-                                    for x, y in zip(a["stage_busy_fraction"], s["stage_busy_fraction"], strict=True)],
-            "latency_p50_s": a["latency_p50_s"] / s["latency_p50_s"],
-            "cpu_s_per_1k_tokens": a["cpu_s_per_1k_tokens"] / s["cpu_s_per_1k_tokens"],
-            "same_output_tokens": a["num_output_tokens"] == s["num_output_tokens"],
-            "num_identical_outputs": same,
-        })
+        rows.append(
+            {
+                "path": path,
+                "arm": "async/sync",
+                "requests_per_s": a["requests_per_s"] / s["requests_per_s"],
+                "output_tokens_per_s": a["output_tokens_per_s"] / s["output_tokens_per_s"],
+                "stage_busy_fraction": [
+                    x / y if y else float("nan")
+                    for x, y in zip(a["stage_busy_fraction"], s["stage_busy_fraction"], strict=True)
+                ],
+                "latency_p50_s": a["latency_p50_s"] / s["latency_p50_s"],
+                "cpu_s_per_1k_tokens": a["cpu_s_per_1k_tokens"] / s["cpu_s_per_1k_tokens"],
+                "same_output_tokens": a["num_output_tokens"] == s["num_output_tokens"],
+                "num_identical_outputs": same,
+            }
+        )
     return rows
 
 
@@ -414,8 +456,7 @@ def markdown(report: dict) -> str:
         end = ", ".join(f"{b:.2f}" for b in r["end_busy_fraction"]) or "n/a"
         cpu = ", ".join(f"{name} {v:.1f}" for name, v in r["cpu_s"].items())
         lines.append(
-            f"| {r['path']} | {r['arm']} | {end} | {cpu} | {r['cores_used']:.2f} "
-            f"| {r['cpu_s_per_1k_tokens']:.2f} |"
+            f"| {r['path']} | {r['arm']} | {end} | {cpu} | {r['cores_used']:.2f} | {r['cpu_s_per_1k_tokens']:.2f} |"
         )
     checks = []
     for r in rows:
@@ -430,11 +471,13 @@ def markdown(report: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="tiny-model preset")
-    p.add_argument("--cache-dir", default=None,
-                   help="where models are made once (default: $PAGODA_CACHE_DIR or ~/.cache/pagoda)")
+    p.add_argument(
+        "--cache-dir", default=None, help="where models are made once (default: $PAGODA_CACHE_DIR or ~/.cache/pagoda)"
+    )
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16, help="closed-loop clients")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
@@ -446,10 +489,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE)
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--local", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run the in-process engine")
-    p.add_argument("--grpc", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the stack as real processes")
+    p.add_argument(
+        "--local", action=argparse.BooleanOptionalAction, default=True, help="also run the in-process engine"
+    )
+    p.add_argument(
+        "--grpc", action=argparse.BooleanOptionalAction, default=True, help="run the stack as real processes"
+    )
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = p.parse_args(argv)
     if not (args.grpc or args.local):
@@ -463,8 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"making/loading model {args.model} ...")
     model_dir = default_model_dir(cache_dir=args.cache_dir, spec=PRESETS[args.model])
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    works = [workload(args.num_requests, args.prompt_len, args.output_len, vocab_size, args.seed + r)
-             for r in range(args.repeats)]
+    works = [
+        workload(args.num_requests, args.prompt_len, args.output_len, vocab_size, args.seed + r)
+        for r in range(args.repeats)
+    ]
     warmup = workload(args.warmup_requests, args.prompt_len, args.output_len, vocab_size, args.seed + 1000)
 
     report = report_head(args, model_dir, works)
@@ -492,18 +539,26 @@ def report_head(args: argparse.Namespace, model_dir: Path, works: list[list[Work
     return {
         "machine": machine(),
         "loadavg_start": os.getloadavg(),
-        "model": args.model, "model_dir": str(model_dir),
+        "model": args.model,
+        "model_dir": str(model_dir),
         "workload": {
-            "num_requests": args.num_requests, "concurrency": args.concurrency,
-            "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
-            "seed": args.seed, "repeats": args.repeats, "warmup_requests": args.warmup_requests,
+            "num_requests": args.num_requests,
+            "concurrency": args.concurrency,
+            "prompt_len": list(args.prompt_len),
+            "output_len": list(args.output_len),
+            "seed": args.seed,
+            "repeats": args.repeats,
+            "warmup_requests": args.warmup_requests,
             "num_prompt_tokens": [sum(len(w.prompt) for w in work) for work in works],
             "num_output_tokens": [sum(w.max_tokens for w in work) for work in works],
         },
         "config": {
-            "pipeline_parallel_size": NUM_STAGES, "num_kv_blocks": args.num_kv_blocks,
-            "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_num_seqs": args.max_num_seqs, "torch_threads_per_stage": 1,
+            "pipeline_parallel_size": NUM_STAGES,
+            "num_kv_blocks": args.num_kv_blocks,
+            "block_size": args.block_size,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_num_seqs": args.max_num_seqs,
+            "torch_threads_per_stage": 1,
         },
     }
 
@@ -512,21 +567,25 @@ def find_problems(results: list[RunResult]) -> list[str]:
     """Runs short of their expected output tokens; arms whose async_scheduling flag is wrong."""
     bad = [r for r in results if r.num_output_tokens != r.num_expected_output_tokens]
     flags = {(r.arm, r.async_scheduling) for r in results}
-    problems = [f"{r.path} {r.arm} repeat {r.repeat}: {r.num_output_tokens} output tokens, "
-                f"expected {r.num_expected_output_tokens}" for r in bad]
-    problems += [f"the {arm} arm reports async_scheduling={flag}" for arm, flag in flags
-                 if flag != (arm == "async")]
+    problems = [
+        f"{r.path} {r.arm} repeat {r.repeat}: {r.num_output_tokens} output tokens, "
+        f"expected {r.num_expected_output_tokens}"
+        for r in bad
+    ]
+    problems += [f"the {arm} arm reports async_scheduling={flag}" for arm, flag in flags if flag != (arm == "async")]
     return problems
 
 
 def print_report(args: argparse.Namespace, report: dict) -> None:
     m = report["machine"]
-    print(f"Model `{args.model}`, PP={NUM_STAGES}, 1 torch thread per stage; {args.num_requests} requests "
-          f"(prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]} "
-          f"tokens, seed {args.seed}), closed loop at concurrency {args.concurrency}, {args.repeats} repeat(s) per "
-          f"arm (medians); {m['cpus_usable']} usable cores ({m['cpu_model'] or 'unknown CPU'}), load average "
-          f"{report['loadavg_start'][0]:.2f} at start / {report['loadavg_end'][0]:.2f} at end; "
-          f"{report['elapsed_s']:.0f} s in all.\n")
+    print(
+        f"Model `{args.model}`, PP={NUM_STAGES}, 1 torch thread per stage; {args.num_requests} requests "
+        f"(prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]} "
+        f"tokens, seed {args.seed}), closed loop at concurrency {args.concurrency}, {args.repeats} repeat(s) per "
+        f"arm (medians); {m['cpus_usable']} usable cores ({m['cpu_model'] or 'unknown CPU'}), load average "
+        f"{report['loadavg_start'][0]:.2f} at start / {report['loadavg_end'][0]:.2f} at end; "
+        f"{report['elapsed_s']:.0f} s in all.\n"
+    )
     print(markdown(report))
     for problem in report["problems"]:
         print(f"PROBLEM: {problem}")

@@ -30,7 +30,7 @@ def _stat(pid: int) -> tuple[int, int, int] | None:
             text = f.read()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2:].split()
+    fields = text[text.rindex(")") + 2 :].split()
     if fields[0] == "Z":  # a zombie is dead, only not yet reaped
         return None
     return int(fields[1]), int(fields[2]), int(fields[19])
@@ -63,8 +63,9 @@ class Server:
     """One server process in its own session, with every process it starts tracked, so that
     `stop` can reach services that put themselves in sessions of their own."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path,
-                 base_url: str, cwd: Path = REPO_ROOT) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, base_url: str, cwd: Path = REPO_ROOT
+    ) -> None:
         self.name = name
         self.cwd = cwd
         self.cmd = cmd
@@ -77,9 +78,15 @@ class Server:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self.env,
-                                         start_new_session=True, cwd=self.cwd)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+                cwd=self.cwd,
+            )
         st = _stat(self.proc.pid)
         if st is not None:
             self.seen.add((self.proc.pid, st[2]))
@@ -110,8 +117,10 @@ class Server:
             while True:
                 self.track()
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it "
-                                       f"was healthy; log {self.log_path}:\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"{self.name} exited with {self.proc.returncode} before it "
+                        f"was healthy; log {self.log_path}:\n{self.log_tail()}"
+                    )
                 try:
                     if http.get(f"{self.base_url}/health").status_code == 200:
                         self.track()
@@ -119,8 +128,9 @@ class Server:
                 except httpx2.HTTPError:
                     pass
                 if time.perf_counter() - t0 > timeout_s:
-                    raise RuntimeError(f"{self.name} not healthy after {timeout_s:.0f}s; "
-                                       f"log {self.log_path}:\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"{self.name} not healthy after {timeout_s:.0f}s; log {self.log_path}:\n{self.log_tail()}"
+                    )
                 time.sleep(1.0)
 
     def stop(self, term_wait_s: float = 45.0) -> list[int]:
@@ -178,10 +188,16 @@ class ServerRun:
     error: str | None = None
 
 
-def run_on_server(server: Server, timeout_s: float, work: Callable[[str], Any], *,
-                  wait_healthy: Callable[[float], float] | None = None,
-                  say_healthy: bool = False, error_chars: int | None = None,
-                  alive_note: str = "processes still alive after SIGKILL") -> ServerRun:
+def run_on_server(
+    server: Server,
+    timeout_s: float,
+    work: Callable[[str], Any],
+    *,
+    wait_healthy: Callable[[float], float] | None = None,
+    say_healthy: bool = False,
+    error_chars: int | None = None,
+    alive_note: str = "processes still alive after SIGKILL",
+) -> ServerRun:
     """Start `server`, wait until it is healthy (`wait_healthy`, default its own
     `wait_healthy`), run `work(base_url)`, then stop it whatever happened and report the
     processes left. A failure is printed and returned, not raised, so the other arms still

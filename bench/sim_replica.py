@@ -21,8 +21,9 @@ class Replica:
     evictable (`lru_blocks`) blocks never exceed `capacity`; a key is in `refs` or `lru`, not
     both. `lru` maps a key to its number of blocks (1, or a request's unique tail), oldest first."""
 
-    def __init__(self, index: int, config: SimConfig,
-                 on_cache_change: Callable[[bytes, int, bool], None] | None) -> None:
+    def __init__(
+        self, index: int, config: SimConfig, on_cache_change: Callable[[bytes, int, bool], None] | None
+    ) -> None:
         self.index, self.config, self.on_cache_change = index, config, on_cache_change
         self.capacity = config.cache_blocks
         self.refs: dict[bytes, int] = {}
@@ -61,8 +62,9 @@ class Replica:
     def check_integrity(self) -> None:
         used = len(self.refs) + self.held + self.lru_blocks
         if used > self.capacity or self.held < 0 or self.num_running > self.config.max_num_seqs:
-            raise IntegrityError(f"replica {self.index}: {used} blocks of {self.capacity}, "
-                                 f"{self.held} held, {self.num_running} running")
+            raise IntegrityError(
+                f"replica {self.index}: {used} blocks of {self.capacity}, {self.held} held, {self.num_running} running"
+            )
         if self.lru_blocks != sum(self.lru.values()) or self.refs.keys() & self.lru.keys():
             raise IntegrityError(f"replica {self.index}: the LRU's count is off or overlaps refs")
         if min(self.refs.values(), default=1) < 1:
@@ -80,7 +82,7 @@ class Replica:
         """Start `request` on its prompt's leading cached blocks if its blocks fit."""
         refs, lru = self.refs, self.lru
         hits = pinned = 0  # pinned: evictable now, not once it runs
-        for key in keys[:request.prefix_blocks]:
+        for key in keys[: request.prefix_blocks]:
             if key in lru:
                 pinned += 1
             elif key not in refs:
@@ -106,7 +108,7 @@ class Replica:
         """Its prefix's full blocks join the cache (a block another request computed
         meanwhile is shared, and its own copy freed)."""
         refs, lru, announce = self.refs, self.lru, self.on_cache_change
-        computed = keys[request.cached_tokens // self.config.block_size:request.prefix_blocks]
+        computed = keys[request.cached_tokens // self.config.block_size : request.prefix_blocks]
         for key in computed:
             if key in lru:
                 self.lru_blocks -= lru.pop(key)
@@ -127,7 +129,7 @@ class Replica:
         if tail:
             lru[("tail", request.id)] = tail
             self.lru_blocks += tail
-        for key in reversed(keys[:request.prefix_blocks]):  # tails before heads, so heads outlive them
+        for key in reversed(keys[: request.prefix_blocks]):  # tails before heads, so heads outlive them
             left = refs[key] - 1
             if left:
                 refs[key] = left
@@ -157,8 +159,11 @@ class Replica:
             self.stepping = False
             return None
         c = self.config
-        self.step_s = (c.decode_step_ms + c.decode_ms_per_seq * len(self.decoding)
-                       + c.prefill_ms_per_token * sum(n for _, n in self.plan)) / 1000
+        self.step_s = (
+            c.decode_step_ms
+            + c.decode_ms_per_seq * len(self.decoding)
+            + c.prefill_ms_per_token * sum(n for _, n in self.plan)
+        ) / 1000
         self.num_steps = 1 if self.plan else self.decoding[0][0] - self.steps
         self.step_start_s = now
         self.stepping = True

@@ -42,8 +42,16 @@ class SimConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("requests_per_replica", "tenants", "prefixes_per_replica", "users_per_tenant",
-                     "block_size", "cache_blocks", "max_num_seqs", "max_batched_tokens"):
+        for name in (
+            "requests_per_replica",
+            "tenants",
+            "prefixes_per_replica",
+            "users_per_tenant",
+            "block_size",
+            "cache_blocks",
+            "max_num_seqs",
+            "max_batched_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("prefix_tokens", "suffix_tokens", "output_tokens"):
@@ -63,8 +71,10 @@ class SimConfig:
         if self.index not in ("exact", "polled"):
             raise ValueError(f"index must be exact or polled, got {self.index!r}")
         if self.max_seq_blocks > self.cache_blocks:
-            raise ValueError(f"the longest request needs {self.max_seq_blocks} KV blocks, "
-                             f"more than cache_blocks ({self.cache_blocks})")
+            raise ValueError(
+                f"the longest request needs {self.max_seq_blocks} KV blocks, "
+                f"more than cache_blocks ({self.cache_blocks})"
+            )
 
     @property
     def max_seq_blocks(self) -> int:
@@ -139,7 +149,7 @@ def make_workload(config: SimConfig, num_replicas: int) -> Workload:
     prefix_keys = [block_keys(t, bs) for t in token_ids]
     owned = [list(range(t, num_prefixes, config.tenants)) for t in range(config.tenants)]
     pickers = [_zipf_picker(len(o), config.zipf, rng) for o in owned]
-    tenant_weights = [config.tenant_skew ** -t for t in range(config.tenants)]
+    tenant_weights = [config.tenant_skew**-t for t in range(config.tenants)]
     rate = config.load * config.capacity_per_replica * num_replicas
     now, requests = 0.0, []
     for i in range(config.requests_per_replica * num_replicas):
@@ -147,6 +157,17 @@ def make_workload(config: SimConfig, num_replicas: int) -> Workload:
         tenant = rng.choices(range(config.tenants), weights=tenant_weights)[0]
         prefix = owned[tenant][pickers[tenant]()]
         prompt = prefix_len[prefix] + rng.randint(*config.suffix_tokens)
-        requests.append(Request(i, tenant, rng.randrange(config.users_per_tenant), now, prefix, prompt,
-                                rng.randint(*config.output_tokens), prefix_len[prefix] // bs, prompt // bs))
+        requests.append(
+            Request(
+                i,
+                tenant,
+                rng.randrange(config.users_per_tenant),
+                now,
+                prefix,
+                prompt,
+                rng.randint(*config.output_tokens),
+                prefix_len[prefix] // bs,
+                prompt // bs,
+            )
+        )
     return Workload(requests, token_ids, prefix_keys, num_replicas)

@@ -118,12 +118,10 @@ class _RouterIndex:
             self.apply(*event)
         self.pending.clear()
 
-    def cached_blocks(self, keys: list[bytes],
-                      states: list[routing.ReplicaState]) -> dict[str, int]:
+    def cached_blocks(self, keys: list[bytes], states: list[routing.ReplicaState]) -> dict[str, int]:
         """Per replica holding the first of `keys`: how many of them it holds from the start."""
         holders = self.holders.get(keys[0], ()) if keys else ()
-        return {states[r].name: routing.leading_hits([r in self.holders.get(k, ()) for k in keys])
-                for r in holders}
+        return {states[r].name: routing.leading_hits([r in self.holders.get(k, ()) for k in keys]) for r in holders}
 
 
 ARRIVAL, STEP, POLL = 0, 1, 2  # the kinds of the simulation's events
@@ -140,8 +138,7 @@ class _Simulation:
         self.choose_policy = "prefix" if policy == SESSION else policy
         self.index = _RouterIndex(policy, config)
         self.replicas = [Replica(i, config, self.index.listener()) for i in range(n)]
-        self.states = [routing.ReplicaState(f"r{i}", capacity=config.max_num_seqs)
-                       for i in range(n)]
+        self.states = [routing.ReplicaState(f"r{i}", capacity=config.max_num_seqs) for i in range(n)]
         self.by_name = {s.name: i for i, s in enumerate(self.states)}
         self.requests = [replace(r) for r in workload.requests]  # fresh per policy
         # (time, order, kind, request or replica, the replica's plan version for STEP)
@@ -185,11 +182,17 @@ class _Simulation:
     def _arrive(self, now: float, i: int) -> Replica | None:
         """Route request `i`; its replica when that one is idle and must start a step."""
         request = self.requests[i]
-        keys = self.keys_of(request)[:request.prefix_blocks]
+        keys = self.keys_of(request)[: request.prefix_blocks]
         cached = self.index.cached_blocks(keys, self.states) if self.policy == "prefix" else None
         session = f"{request.tenant}/{request.user}" if self.policy == SESSION else None
-        choice = routing.choose(self.choose_policy, self.states, turn=request.id, cached=cached,
-                                prompt_blocks=request.prompt_blocks, session=session)
+        choice = routing.choose(
+            self.choose_policy,
+            self.states,
+            turn=request.id,
+            cached=cached,
+            prompt_blocks=request.prompt_blocks,
+            session=session,
+        )
         target = self.by_name[choice.name]
         self.states[target].in_flight += 1
         replica = self.replicas[target]
@@ -243,7 +246,7 @@ def _spread(values: list[float]) -> tuple[float, float]:
 
 
 def measure(policy: str, requests: list[Request], replicas: list[Replica], config: SimConfig) -> dict:
-    measured = requests[int(len(requests) * config.warmup):]
+    measured = requests[int(len(requests) * config.warmup) :]
     prompt_tokens = sum(r.prompt_tokens for r in measured)
     start, end = measured[0].arrival_s, max(r.finish_s for r in measured)
     ttft = sorted(r.first_token_s - r.arrival_s for r in measured)
@@ -257,32 +260,44 @@ def measure(policy: str, requests: list[Request], replicas: list[Replica], confi
     occupancy_max, occupancy_cv = _spread([r.occupancy_s / makespan for r in replicas])
     requests_max, requests_cv = _spread([float(r.num_requests) for r in replicas])
     return {
-        "replicas": len(replicas), "policy": policy, "requests": len(requests), "measured": len(measured),
+        "replicas": len(replicas),
+        "policy": policy,
+        "requests": len(requests),
+        "measured": len(measured),
         "hit_rate": sum(r.cached_tokens for r in measured) / prompt_tokens,
         "shared_share": sum(r.prefix_blocks for r in measured) * config.block_size / prompt_tokens,
-        "occupancy_max_mean": occupancy_max, "occupancy_cv": occupancy_cv,
-        "requests_max_mean": requests_max, "requests_cv": requests_cv,
+        "occupancy_max_mean": occupancy_max,
+        "occupancy_cv": occupancy_cv,
+        "requests_max_mean": requests_max,
+        "requests_cv": requests_cv,
         "busy_max_mean": _spread([r.busy_s for r in replicas])[0],
-        "jain_slowdown": jain(tenant_slowdown), "tenant_mean_slowdown": tenant_slowdown,
-        "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p99_s": percentile(ttft, 99),
-        "latency_mean_s": sum(latency) / len(latency), "latency_p99_s": percentile(latency, 99),
+        "jain_slowdown": jain(tenant_slowdown),
+        "tenant_mean_slowdown": tenant_slowdown,
+        "ttft_mean_s": sum(ttft) / len(ttft),
+        "ttft_p99_s": percentile(ttft, 99),
+        "latency_mean_s": sum(latency) / len(latency),
+        "latency_p99_s": percentile(latency, 99),
         "output_tokens_per_s": sum(r.output_tokens for r in measured) / (end - start),
         "requests_per_s": len(measured) / (end - start),
     }
 
 
-HEADER = ("| replicas | policy | prefix hit rate | occupancy max/mean | occupancy CV "
-          "| Jain, tenants' slowdown (worst) | TTFT mean / p99 (s) | latency mean / p99 (s) "
-          "| output tok/s |\n"
-          "|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+HEADER = (
+    "| replicas | policy | prefix hit rate | occupancy max/mean | occupancy CV "
+    "| Jain, tenants' slowdown (worst) | TTFT mean / p99 (s) | latency mean / p99 (s) "
+    "| output tok/s |\n"
+    "|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+)
 
 
 def table_row(m: dict) -> str:
-    return (f"| {m['replicas']} | {m['policy']} | {m['hit_rate']:.1%} | {m['occupancy_max_mean']:.2f} "
-            f"| {m['occupancy_cv']:.2f} | {m['jain_slowdown']:.3f} ({max(m['tenant_mean_slowdown']):.2f}) "
-            f"| {m['ttft_mean_s']:.2f} / {m['ttft_p99_s']:.2f} "
-            f"| {m['latency_mean_s']:.2f} / {m['latency_p99_s']:.2f} "
-            f"| {m['output_tokens_per_s']:,.0f} |")
+    return (
+        f"| {m['replicas']} | {m['policy']} | {m['hit_rate']:.1%} | {m['occupancy_max_mean']:.2f} "
+        f"| {m['occupancy_cv']:.2f} | {m['jain_slowdown']:.3f} ({max(m['tenant_mean_slowdown']):.2f}) "
+        f"| {m['ttft_mean_s']:.2f} / {m['ttft_p99_s']:.2f} "
+        f"| {m['latency_mean_s']:.2f} / {m['latency_p99_s']:.2f} "
+        f"| {m['output_tokens_per_s']:,.0f} |"
+    )
 
 
 def _ints(text: str) -> list[int]:
@@ -339,19 +354,28 @@ _OPTIONS = (  # flag, SimConfig field, type, help
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     defaults = SimConfig()
-    p.add_argument("--replicas", type=_ints, default=[4, 32, 128],
-                   help="replica counts, comma-separated (default: 4,32,128)")
-    p.add_argument("--policies", type=_policies, default=list(routing.POLICIES),
-                   help=f"routing policies, comma-separated, of {', '.join(routing.POLICIES)} and "
-                        f"{SESSION} (default: {','.join(routing.POLICIES)})")
+    p.add_argument(
+        "--replicas", type=_ints, default=[4, 32, 128], help="replica counts, comma-separated (default: 4,32,128)"
+    )
+    p.add_argument(
+        "--policies",
+        type=_policies,
+        default=list(routing.POLICIES),
+        help=f"routing policies, comma-separated, of {', '.join(routing.POLICIES)} and "
+        f"{SESSION} (default: {','.join(routing.POLICIES)})",
+    )
     for flag, name, kind, text in _OPTIONS:
         value = getattr(defaults, name)
         shown = f"{value[0]}-{value[1]}" if isinstance(value, tuple) else value
-        p.add_argument(flag, type=_range if kind == "range" else kind, default=value, dest=name,
-                       help=f"{text} (default: {shown})")
-    p.add_argument("--index", choices=["exact", "polled"], default=defaults.index,
-                   help="the router's prefix index: each cache event at once, or at each stats poll "
-                        f"(default: {defaults.index})")
+        p.add_argument(
+            flag, type=_range if kind == "range" else kind, default=value, dest=name, help=f"{text} (default: {shown})"
+        )
+    p.add_argument(
+        "--index",
+        choices=["exact", "polled"],
+        default=defaults.index,
+        help=f"the router's prefix index: each cache event at once, or at each stats poll (default: {defaults.index})",
+    )
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
 
 
@@ -362,15 +386,17 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 def describe(config: SimConfig) -> str:
     c = config
     prefixes = c.prefixes or f"{c.prefixes_per_replica} per replica"
-    return (f"Simulated: {c.requests_per_replica} requests per replica, Poisson at {c.load:.0%} of the cold "
-            f"capacity ({c.capacity_per_replica:.2f} requests/s per replica); {c.tenants} tenants (skew "
-            f"{c.tenant_skew:g}), shared prefixes {prefixes} (Zipf {c.zipf:g}) of {c.prefix_tokens[0]}-"
-            f"{c.prefix_tokens[1]} tokens, suffixes {c.suffix_tokens[0]}-{c.suffix_tokens[1]}, outputs "
-            f"{c.output_tokens[0]}-{c.output_tokens[1]}; per replica {c.cache_blocks} KV blocks of "
-            f"{c.block_size}, max_num_seqs {c.max_num_seqs}, {c.max_batched_tokens} tokens per step, a step "
-            f"{c.decode_step_ms:g} ms + {c.decode_ms_per_seq:g} ms per decoding request + "
-            f"{c.prefill_ms_per_token:g} ms per prefill token; stats polled every {c.poll_ms:g} ms, "
-            f"{c.index} prefix index; first {c.warmup:.0%} of requests not measured; seed {c.seed}.")
+    return (
+        f"Simulated: {c.requests_per_replica} requests per replica, Poisson at {c.load:.0%} of the cold "
+        f"capacity ({c.capacity_per_replica:.2f} requests/s per replica); {c.tenants} tenants (skew "
+        f"{c.tenant_skew:g}), shared prefixes {prefixes} (Zipf {c.zipf:g}) of {c.prefix_tokens[0]}-"
+        f"{c.prefix_tokens[1]} tokens, suffixes {c.suffix_tokens[0]}-{c.suffix_tokens[1]}, outputs "
+        f"{c.output_tokens[0]}-{c.output_tokens[1]}; per replica {c.cache_blocks} KV blocks of "
+        f"{c.block_size}, max_num_seqs {c.max_num_seqs}, {c.max_batched_tokens} tokens per step, a step "
+        f"{c.decode_step_ms:g} ms + {c.decode_ms_per_seq:g} ms per decoding request + "
+        f"{c.prefill_ms_per_token:g} ms per prefill token; stats polled every {c.poll_ms:g} ms, "
+        f"{c.index} prefix index; first {c.warmup:.0%} of requests not measured; seed {c.seed}."
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -391,12 +417,20 @@ def run(args: argparse.Namespace) -> int:
             print(table_row(metrics), flush=True)
         timings[num_replicas] = time.perf_counter() - started
     shared = {m["replicas"]: m["shared_share"] for m in results}
-    print("\nThe hit rate's ceiling, the shared prefixes' share of prompt tokens: "
-          + ", ".join(f"{share:.1%} ({n} replicas)" for n, share in shared.items()) + ".")
+    print(
+        "\nThe hit rate's ceiling, the shared prefixes' share of prompt tokens: "
+        + ", ".join(f"{share:.1%} ({n} replicas)" for n, share in shared.items())
+        + "."
+    )
     print("wall time: " + ", ".join(f"{n} replicas {s:.1f} s" for n, s in timings.items()), file=sys.stderr)
     if args.json:
-        args.json.write_text(json.dumps({"config": asdict(config), "results": results,
-                                         "wall_s": {str(k): v for k, v in timings.items()}}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {"config": asdict(config), "results": results, "wall_s": {str(k): v for k, v in timings.items()}},
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

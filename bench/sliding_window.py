@@ -35,13 +35,17 @@ def pages_held(tokens: int, block_size: int, windows: tuple[int, ...]) -> int:
     from services.kv_types import Append, NewSequence, StepInput
 
     prompt, chunk = list(range(tokens - 16)), 2048
-    manager = KVCacheManager(num_blocks=len(windows) * (tokens // block_size + 8), block_size=block_size,
-                             enable_prefix_caching=False, group_windows=windows)
+    manager = KVCacheManager(
+        num_blocks=len(windows) * (tokens // block_size + 8),
+        block_size=block_size,
+        enable_prefix_caching=False,
+        group_windows=windows,
+    )
     manager.step(StepInput(new_sequences=[NewSequence(1, prompt, max_num_new_tokens=chunk)], micro_batch_id=1))
     step = 1
     for start in range(chunk, len(prompt), chunk):
         step += 1
-        manager.step(StepInput(appends=[Append(1, prompt[start:start + chunk])], micro_batch_id=step))
+        manager.step(StepInput(appends=[Append(1, prompt[start : start + chunk])], micro_batch_id=step))
     for t in range(16):
         step += 1
         manager.step(StepInput(appends=[Append(1, [t])], micro_batch_id=step))
@@ -58,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args(argv)
     bs = args.block_size
-    print("| model | context | KV dtype | one table: pages x layers, MiB | KV groups: pages x layers, MiB "
-          "| one table / groups |")
+    print(
+        "| model | context | KV dtype | one table: pages x layers, MiB | KV groups: pages x layers, MiB "
+        "| one table / groups |"
+    )
     print("|---|---:|---|---:|---:|---:|")
     for name, (layers, pattern, window, kv_heads, head_dim) in SHAPES.items():
         layout = kv_layout([None if (i + 1) % pattern == 0 else window for i in range(layers)])
@@ -69,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
             for dtype in (torch.float32, torch.bfloat16):
                 layer_block = kv_block_bytes(1, bs, kv_heads, head_dim, dtype)
                 one_bytes, grouped_bytes = one * layers * layer_block, grouped * layout.layers_per_page * layer_block
-                print(f"| {name} | {tokens} | {str(dtype).split('.')[-1]} | {one} x {layers}, "
-                      f"{one_bytes / 2**20:.0f} | {grouped} x {layout.layers_per_page} ({layout.num_groups} groups), "
-                      f"{grouped_bytes / 2**20:.0f} | {one_bytes / grouped_bytes:.2f}x |")
+                print(
+                    f"| {name} | {tokens} | {str(dtype).split('.')[-1]} | {one} x {layers}, "
+                    f"{one_bytes / 2**20:.0f} | {grouped} x {layout.layers_per_page} ({layout.num_groups} groups), "
+                    f"{grouped_bytes / 2**20:.0f} | {one_bytes / grouped_bytes:.2f}x |"
+                )
     return 0
 
 

@@ -45,10 +45,20 @@ def start(model: str | None, log_dir: Path, extra: list[str]):
     from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
     port, grpc_port = free_port(), free_port()
-    args = ([model] if model else []) + ["--port", str(port), "--grpc-port", str(grpc_port), "--log-dir",
-                                         str(log_dir), "--served-model-name", "m", *extra]
-    proc = ServiceProcess("serve", pagoda_command("serve", *args), f"127.0.0.1:{grpc_port}",
-                          log_path=log_dir / "serve.log")
+    args = ([model] if model else []) + [
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+        "--log-dir",
+        str(log_dir),
+        "--served-model-name",
+        "m",
+        *extra,
+    ]
+    proc = ServiceProcess(
+        "serve", pagoda_command("serve", *args), f"127.0.0.1:{grpc_port}", log_path=log_dir / "serve.log"
+    )
     proc.start()
     proc.wait_healthy(600)
     return proc, port
@@ -71,12 +81,16 @@ def run_load(port: int, kind: str, streams: int, num: int, max_tokens: int) -> d
         if kind == "grounded":
             text = texts[i % len(texts)]
             out = client.chat.completions.create(
-                model="m", temperature=0.0, max_tokens=max_tokens,
-                messages=[{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{text}"}])
+                model="m",
+                temperature=0.0,
+                max_tokens=max_tokens,
+                messages=[{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{text}"}],
+            )
         else:
             prompt = [rng.randrange(100, 40000) for _ in range(128)]
-            out = client.completions.create(model="m", prompt=prompt, temperature=0.0, max_tokens=max_tokens,
-                                            extra_body={"ignore_eos": True})
+            out = client.completions.create(
+                model="m", prompt=prompt, temperature=0.0, max_tokens=max_tokens, extra_body={"ignore_eos": True}
+            )
         return out.usage.completion_tokens
 
     drafts0 = metric(port, "pagoda:spec_decode_num_draft_tokens_total")
@@ -87,9 +101,17 @@ def run_load(port: int, kind: str, streams: int, num: int, max_tokens: int) -> d
     wall = time.perf_counter() - started
     drafts = metric(port, "pagoda:spec_decode_num_draft_tokens_total") - drafts0
     accepted = metric(port, "pagoda:spec_decode_num_accepted_tokens_total") - accepted0
-    return {"load": kind, "streams": streams, "requests": num, "output_tokens": tokens, "wall_s": wall,
-            "tok_s": tokens / wall, "draft_tokens": drafts, "accepted_tokens": accepted,
-            "acceptance": accepted / drafts if drafts else None}
+    return {
+        "load": kind,
+        "streams": streams,
+        "requests": num,
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tok_s": tokens / wall,
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "acceptance": accepted / drafts if drafts else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,11 +122,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--loads", default="grounded:1:6,grounded:16:32,random:1:4,random:16:32",
-                    help="kind:streams:requests, comma-separated")
+    ap.add_argument(
+        "--loads",
+        default="grounded:1:6,grounded:16:32,random:1:4,random:16:32",
+        help="kind:streams:requests, comma-separated",
+    )
     args = ap.parse_args(argv)
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k,
-                       "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min})
+    spec = json.dumps(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": args.k,
+            "prompt_lookup_max": args.lookup_max,
+            "prompt_lookup_min": args.lookup_min,
+        }
+    )
     always = json.dumps({**json.loads(spec), "disable_by_batch_size": None})
     # "ngram": Pagoda's default (no drafts above 8 running requests); "always": vLLM's default
     arms = {"plain": [], "ngram": ["--speculative-config", spec], "always": ["--speculative-config", always]}
@@ -118,17 +149,22 @@ def main(argv: list[str] | None = None) -> int:
                 results[arm] = [run_load(port, k, s, n, args.max_tokens) for k, s, n in loads]
             finally:
                 proc.stop(30)
-    lines = [f"n-gram speculation, {spec} (always: disable_by_batch_size null)", "",
-             "| load | streams | plain tok/s | ngram tok/s | ratio | acceptance | always tok/s | ratio | acceptance |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"n-gram speculation, {spec} (always: disable_by_batch_size null)",
+        "",
+        "| load | streams | plain tok/s | ngram tok/s | ratio | acceptance | always tok/s | ratio | acceptance |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def cell(arm: dict, plain: dict) -> str:
         acc = "-" if arm["acceptance"] is None else f"{arm['acceptance']:.2f}"
         return f"{arm['tok_s']:.1f} | {arm['tok_s'] / plain['tok_s']:.2f}x | {acc}"
 
     for plain, ngram, always_ in zip(results["plain"], results["ngram"], results["always"], strict=True):
-        lines.append(f"| {plain['load']} | {plain['streams']} | {plain['tok_s']:.1f} | {cell(ngram, plain)} | "
-                     f"{cell(always_, plain)} |")
+        lines.append(
+            f"| {plain['load']} | {plain['streams']} | {plain['tok_s']:.1f} | {cell(ngram, plain)} | "
+            f"{cell(always_, plain)} |"
+        )
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -75,8 +75,9 @@ async def _receive(port_file: str, out_file: str) -> None:
     await server.wait_for_termination()
 
 
-async def _send(port: int, channel: str, hidden: int, rows_list: list[int], iters: int, out_file: str,
-                pause_s: float) -> dict[str, list[float]]:
+async def _send(
+    port: int, channel: str, hidden: int, rows_list: list[int], iters: int, out_file: str, pause_s: float
+) -> dict[str, list[float]]:
     import grpc
     import torch
 
@@ -122,8 +123,10 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         port_file, out_file = f"{tmp}/port", f"{tmp}/latencies.json"
-        receiver = subprocess.Popen([sys.executable, "-m", "bench.stage_handoff", "--serve", port_file, out_file],
-                                    cwd=Path(__file__).resolve().parent.parent)
+        receiver = subprocess.Popen(
+            [sys.executable, "-m", "bench.stage_handoff", "--serve", port_file, out_file],
+            cwd=Path(__file__).resolve().parent.parent,
+        )
         try:
             deadline = time.monotonic() + 60
             while not Path(port_file).exists() or not Path(port_file).read_text():
@@ -134,8 +137,9 @@ def main() -> int:
             results: dict[str, list[float]] = {}
             for hidden in args.hidden:
                 for channel in ("shm", "grpc"):
-                    results.update(asyncio.run(_send(port, channel, hidden, args.rows, args.iters, out_file,
-                                                     args.pause_ms / 1e3)))
+                    results.update(
+                        asyncio.run(_send(port, channel, hidden, args.rows, args.iters, out_file, args.pause_ms / 1e3))
+                    )
         finally:
             receiver.terminate()
             receiver.wait(10)
@@ -153,12 +157,19 @@ def _report(results: dict[str, list[float]], args) -> int:
             if not shm or not grpc_:
                 print(f"{shape:>10}  missing: shm {bool(shm)}, grpc {bool(grpc_)}")
                 continue
-            row = {"shape": shape, "shm_p50_us": _percentile(shm, 0.5), "shm_p99_us": _percentile(shm, 0.99),
-                   "grpc_p50_us": _percentile(grpc_, 0.5), "grpc_p99_us": _percentile(grpc_, 0.99)}
+            row = {
+                "shape": shape,
+                "shm_p50_us": _percentile(shm, 0.5),
+                "shm_p99_us": _percentile(shm, 0.99),
+                "grpc_p50_us": _percentile(grpc_, 0.5),
+                "grpc_p99_us": _percentile(grpc_, 0.99),
+            }
             row["ratio_p50"] = row["grpc_p50_us"] / row["shm_p50_us"]
             table.append(row)
-            print(f"{shape:>10} {row['shm_p50_us']:9.1f} {row['shm_p99_us']:9.1f} {row['grpc_p50_us']:9.1f} "
-                  f"{row['grpc_p99_us']:9.1f} {row['ratio_p50']:8.2f}x")
+            print(
+                f"{shape:>10} {row['shm_p50_us']:9.1f} {row['shm_p99_us']:9.1f} {row['grpc_p50_us']:9.1f} "
+                f"{row['grpc_p99_us']:9.1f} {row['ratio_p50']:8.2f}x"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
     return 0

@@ -138,7 +138,8 @@ def client_metrics(records: Sequence[RequestRecord], duration_s: float | None = 
         latency=LatencySummary.of([r.latency_s for r in ok]),
         tpot=LatencySummary.of([r.tpot_s for r in ok if r.tpot_s is not None]),
         itl_by_kind={k: LatencySummary.of([x for r in ok if r.kind == k for x in r.itls_s]) for k in kinds}
-        if len(kinds) > 1 else {},
+        if len(kinds) > 1
+        else {},
     )
 
 
@@ -257,10 +258,15 @@ def service_metrics(start: ServiceSnapshot, loaded: ServiceSnapshot, end: Servic
             idle = window_ns - busy
         total = busy + idle
         busy_fraction = busy / total if total > 0 else 0.0
-        stages.append(StageWindow(
-            s.stage_index, busy_fraction, 1.0 - busy_fraction if total > 0 else 0.0,
-            s.num_micro_batches - (b.num_micro_batches if b else 0), s.peak_in_flight,
-        ))
+        stages.append(
+            StageWindow(
+                s.stage_index,
+                busy_fraction,
+                1.0 - busy_fraction if total > 0 else 0.0,
+                s.num_micro_batches - (b.num_micro_batches if b else 0),
+                s.peak_in_flight,
+            )
+        )
     return ServiceMetrics(
         stages=tuple(stages),
         num_preemptions=end.num_preemptions - start.num_preemptions,

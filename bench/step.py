@@ -45,8 +45,7 @@ def make_model(model_dir: Path) -> Path:
         return model_dir
     from wiring import tiny_model
 
-    spec = tiny_model.TinyModelSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4,
-                                    vocab_size=8192)
+    spec = tiny_model.TinyModelSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, vocab_size=8192)
     tiny_model.make_tiny_model(model_dir, spec, overwrite=True)
     return model_dir
 
@@ -67,8 +66,9 @@ async def local_arm(model_dir: Path, pp: int, is_async: bool, concurrency: int, 
     from wiring.local_engine import build_local_engine
 
     torch.set_num_threads(1)
-    config = SchedulerConfig(model=str(model_dir), pipeline_parallel_size=pp, async_scheduling=is_async,
-                             num_kv_blocks=2048)
+    config = SchedulerConfig(
+        model=str(model_dir), pipeline_parallel_size=pp, async_scheduling=is_async, num_kv_blocks=2048
+    )
     engine = build_local_engine(str(model_dir), config, num_kv_blocks=2048)
     await engine.start()
     options = SamplingOptions(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
@@ -97,8 +97,14 @@ async def grpc_arm(model_dir: Path, pp: int, is_async: bool, concurrency: int, r
 
     flag = "--async-scheduling" if is_async else "--no-async-scheduling"
     with tempfile.TemporaryDirectory() as logs:
-        stack = start_stack(str(model_dir), num_stages=pp, num_kv_blocks=2048, log_dir=Path(logs),
-                            scheduler_args=[flag], threads_per_worker=1)
+        stack = start_stack(
+            str(model_dir),
+            num_stages=pp,
+            num_kv_blocks=2048,
+            log_dir=Path(logs),
+            scheduler_args=[flag],
+            threads_per_worker=1,
+        )
         try:
             channel = aio_channel(stack.scheduler_address, 64 << 20)
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
@@ -161,8 +167,11 @@ async def _loads(one, concurrency: int, repeats: int) -> dict:
         latencies.append(time.perf_counter() - start)
         assert n == OUTPUT_LEN
     median = statistics.median(latencies)
-    return {"throughput_tok_s": round(best, 1), "latency_s": round(median, 4),
-            "ms_per_output_token": round(1000 * median / OUTPUT_LEN, 2)}
+    return {
+        "throughput_tok_s": round(best, 1),
+        "latency_s": round(median, 4),
+        "ms_per_output_token": round(1000 * median / OUTPUT_LEN, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for r in rows:
         wire = r.get("decode_bytes_per_seq_step", "-")
-        print(f"| {r['arm']} | {r['pp']} | {r['throughput_tok_s']:,.0f} | {r['latency_s']:.3f} | "
-              f"{r['ms_per_output_token']:.2f} | {wire} |")
+        print(
+            f"| {r['arm']} | {r['pp']} | {r['throughput_tok_s']:,.0f} | {r['latency_s']:.3f} | "
+            f"{r['ms_per_output_token']:.2f} | {wire} |"
+        )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
     return 0

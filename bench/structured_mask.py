@@ -44,9 +44,14 @@ def documents(batch: int) -> list[str]:
     roles = ["admin", "user", "guest"]
     out = []
     for i in range(batch):
-        doc = {"name": f"Person number {i}", "age": 20 + i, "tags": [f"t{j}" for j in range(i % 4)],
-               "address": {"city": f"City {i}", "zip": f"{10000 + i * 37:05d}"},
-               "role": roles[i % 3], "active": i % 2 == 0}
+        doc = {
+            "name": f"Person number {i}",
+            "age": 20 + i,
+            "tags": [f"t{j}" for j in range(i % 4)],
+            "address": {"city": f"City {i}", "zip": f"{10000 + i * 37:05d}"},
+            "role": roles[i % 3],
+            "active": i % 2 == 0,
+        }
         out.append(json.dumps(doc, separators=(",", ":") if i % 2 else (", ", ": ")))
     return out
 
@@ -63,11 +68,14 @@ def _walk(name: str, batch_tokens: list[list[int]], vocab: int, fill, accept) ->
         times.append(time.perf_counter() - t0)
         for i in active:
             accept(i, batch_tokens[i][step])
-    full = [t for t, step in zip(times, range(steps), strict=True)
-            if all(step < len(t) for t in batch_tokens)]
+    full = [t for t, step in zip(times, range(steps), strict=True) if all(step < len(t) for t in batch_tokens)]
     per_step = statistics.median(full or times)
-    return {"library": name, "steps": steps, "median_step_ms": per_step * 1e3,
-            "per_seq_us": per_step / len(batch_tokens) * 1e6}
+    return {
+        "library": name,
+        "steps": steps,
+        "median_step_ms": per_step * 1e3,
+        "per_seq_us": per_step / len(batch_tokens) * 1e6,
+    }
 
 
 def bench_xgrammar(tokenizer, vocab: int, eos: int, docs_tokens, schema: str) -> dict:

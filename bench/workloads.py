@@ -43,8 +43,9 @@ class TokenSpace:
 def token_space_of(tokenizer) -> TokenSpace:
     """The token space of a `services.text.Tokenizer` (BOS only when `encode` adds it)."""
     adds_bos = tokenizer.bos_token_id is not None and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]
-    return TokenSpace(tokenizer.vocab_size, frozenset(tokenizer.special_token_ids),
-                      tokenizer.bos_token_id if adds_bos else None)
+    return TokenSpace(
+        tokenizer.vocab_size, frozenset(tokenizer.special_token_ids), tokenizer.bos_token_id if adds_bos else None
+    )
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,9 @@ def _prompt(space: TokenSpace, ordinary: Sequence[int], rng: random.Random, n: i
     return tuple(_ids(rng, ordinary, n))
 
 
-def _kind_request(kind: str, i: int, shape: Shape, space: TokenSpace, ordinary: Sequence[int],
-                  seed: int) -> BenchRequest:
+def _kind_request(
+    kind: str, i: int, shape: Shape, space: TokenSpace, ordinary: Sequence[int], seed: int
+) -> BenchRequest:
     # one generator per (seed, kind, index): request i is the same however many are asked for
     rng = random.Random(f"{seed}/{kind}/{i}")
     if kind == "short":
@@ -112,8 +114,9 @@ def system_prompt(shape: Shape, space: TokenSpace, seed: int = 0) -> tuple[int, 
     return _prompt(space, space.ordinary_ids, random.Random(f"{seed}/system"), shape.system_prompt)
 
 
-def make_workload(name: str, num_requests: int, space: TokenSpace, shape: Shape = FULL_SHAPE,
-                  seed: int = 0) -> list[BenchRequest]:
+def make_workload(
+    name: str, num_requests: int, space: TokenSpace, shape: Shape = FULL_SHAPE, seed: int = 0
+) -> list[BenchRequest]:
     """The first `num_requests` requests of workload `name`, deterministic in (space, shape, seed)."""
     if num_requests < 0:
         raise ValueError(f"num_requests: must be >= 0, got {num_requests}")
@@ -125,8 +128,9 @@ class Workload(Sequence):
     """Requests 0 .. limit-1 of workload `name`, made when first read (a long pool costs
     nothing until a run gets that far)."""
 
-    def __init__(self, name: str, space: TokenSpace, shape: Shape = FULL_SHAPE, seed: int = 0,
-                 limit: int = 100_000) -> None:
+    def __init__(
+        self, name: str, space: TokenSpace, shape: Shape = FULL_SHAPE, seed: int = 0, limit: int = 100_000
+    ) -> None:
         if name not in WORKLOAD_NAMES:
             raise ValueError(f"workload: must be one of {', '.join(WORKLOAD_NAMES)}, got {name!r}")
         self.name, self.space, self.shape, self.seed, self.limit = name, space, shape, seed, limit
@@ -176,9 +180,13 @@ def describe(name: str, shape: Shape) -> str:
     if name == "long":
         return f"{shape.long_prompt}-token prompts, {shape.long_output} output tokens"
     if name == "mixed":
-        return (f"short ({shape.short_prompt} in / {shape.short_output} out) and long "
-                f"({shape.long_prompt} in / {shape.long_output} out), alternating")
+        return (
+            f"short ({shape.short_prompt} in / {shape.short_output} out) and long "
+            f"({shape.long_prompt} in / {shape.long_output} out), alternating"
+        )
     if name == "shared-prefix":
-        return (f"{shape.system_prompt}-token common system prompt + distinct {shape.question}-token "
-                f"question, {shape.shared_output} output tokens")
+        return (
+            f"{shape.system_prompt}-token common system prompt + distinct {shape.question}-token "
+            f"question, {shape.shared_output} output tokens"
+        )
     raise ValueError(f"workload: {name!r}")

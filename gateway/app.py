@@ -44,13 +44,7 @@ from gateway import dashboard, embeddings, responses, streaming, validation
 from gateway import openai_format as fmt
 from gateway.config import ApiKey, GatewayConfig
 from gateway.core import TextGenerator
-from gateway.errors import (
-    ApiError,
-    body_parse_error,
-    error_body,
-    from_validation_errors,
-    status_for,
-)
+from gateway.errors import ApiError, body_parse_error, error_body, from_validation_errors, status_for
 from gateway.generation import ChoiceDelta, GenerationError, GenerationParams, Usage
 from gateway.lora_routes import add_lora_routes, refresh_loras
 from gateway.metrics import GatewayMetrics
@@ -74,16 +68,21 @@ RETRY_AFTER_S = 1  # what a 429 for a full queue and a 503 tell clients to wait
 log = logging.getLogger(__name__)
 
 _ERRORS = error_responses()
-_STREAMING = {200: {"description": "JSON, or server-sent events with `stream: true`.",
-                    "content": {"application/json": {}, "text/event-stream": {}}}}
+_STREAMING = {
+    200: {
+        "description": "JSON, or server-sent events with `stream: true`.",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
+}
 
 
 class Gateway:
     """What the routes share. `draining` is set on shutdown: new generation requests get 503
     while those in flight finish. `limiter` is None unless some rate limit is configured."""
 
-    def __init__(self, config: GatewayConfig, generator: TextGenerator,
-                 rate_limit_clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, config: GatewayConfig, generator: TextGenerator, rate_limit_clock: Callable[[], float] | None = None
+    ) -> None:
         self.config = config
         self.generator = generator
         self.tokenizer = generator.tokenizer
@@ -93,9 +92,9 @@ class Gateway:
         self.draining = False
         self.limiter: RateLimiter | None = None
         if config.rate_limits_enabled:
-            self.limiter = RateLimiter.create(config.default_rate_limit, config.redis_url,
-                                              self.metrics.registry, rate_limit_clock)
-
+            self.limiter = RateLimiter.create(
+                config.default_rate_limit, config.redis_url, self.metrics.registry, rate_limit_clock
+            )
 
     def _lora_info(self) -> tuple[int, list[str]]:
         """(the adapters a stage holds at once, those loaded now) for the endpoint picker."""
@@ -103,31 +102,30 @@ class Gateway:
 
     def admit(self) -> None:
         if self.draining:
-            raise ApiError(503, "the server is shutting down; retry on another replica",
-                           code="shutting_down")
+            raise ApiError(503, "the server is shutting down; retry on another replica", code="shutting_down")
 
-    async def charge(self, request: Request, prompts: Sequence[Sequence[int]],
-                     params: GenerationParams) -> None:
+    async def charge(self, request: Request, prompts: Sequence[Sequence[int]], params: GenerationParams) -> None:
         """The request's rate-limit charge, once validated; RateLimitExceeded when refused."""
         if self.limiter is None:
             return
-        tokens = token_cost(map(len, prompts), params.sampling.max_tokens, params.sampling.n,
-                            self.limits.max_model_len)
+        tokens = token_cost(map(len, prompts), params.sampling.max_tokens, params.sampling.n, self.limits.max_model_len)
         grant = _api_key(request)
         # the bucket of the key the middleware authenticated (never a header read again here)
         bucket = getattr(request.state, "api_key_id", None) if self.config.api_keys else ANONYMOUS
-        await self.limiter.admit(bucket or ANONYMOUS,
-                                 grant.rate_limit if grant is not None else None, tokens)
+        await self.limiter.admit(bucket or ANONYMOUS, grant.rate_limit if grant is not None else None, tokens)
 
-    async def generation(self, request_id: str, prompts: Sequence[list[int]],
-                         params: GenerationParams, traceparent: str) -> AsyncIterator[streaming.Item]:
+    async def generation(
+        self, request_id: str, prompts: Sequence[list[int]], params: GenerationParams, traceparent: str
+    ) -> AsyncIterator[streaming.Item]:
         """Every prompt's stream merged, with the request's metrics. Closing it (or
         cancelling its consumer) cancels every scheduler call; the metrics then count the
         request as abandoned (`GatewayMetrics.serving`)."""
         usage = Usage()
         with self.metrics.serving(len(prompts) * params.sampling.n, sum(map(len, prompts))) as timer:
             ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-            streams = [self.generator.generate(p, params, rid, traceparent) for p, rid in zip(prompts, ids, strict=True)]
+            streams = [
+                self.generator.generate(p, params, rid, traceparent) for p, rid in zip(prompts, ids, strict=True)
+            ]
             async with contextlib.aclosing(streaming.merged(streams)) as merged:
                 async for i, item in merged:
                     if isinstance(item, ChoiceDelta):
@@ -164,19 +162,25 @@ def _with_session(params: GenerationParams, body, request: Request) -> Generatio
     return params
 
 
-def create_app(config: GatewayConfig, generator: TextGenerator,
-               rate_limit_clock: Callable[[], float] | None = None) -> FastAPI:
+def create_app(
+    config: GatewayConfig, generator: TextGenerator, rate_limit_clock: Callable[[], float] | None = None
+) -> FastAPI:
     """The REST API over `generator`. The app's `state.gateway` is the shared `Gateway`;
     `rate_limit_clock` (seconds) replaces the rate limiter's clock in tests."""
     gw = Gateway(config, generator, rate_limit_clock)
     app = FastAPI(
-        title="Pagoda", version="0.1.0",
+        title="Pagoda",
+        version="0.1.0",
         summary="OpenAI-compatible LLM serving: completions, chat, streaming, health and metrics.",
     )
     app.state.gateway = gw
-    app.add_middleware(GatewayMiddleware, api_keys=config.api_keys,
-                       max_body_bytes=config.max_body_bytes, on_refused=gw.metrics.error,
-                       metrics_require_key=config.metrics_require_key)
+    app.add_middleware(
+        GatewayMiddleware,
+        api_keys=config.api_keys,
+        max_body_bytes=config.max_body_bytes,
+        on_refused=gw.metrics.error,
+        metrics_require_key=config.metrics_require_key,
+    )
     _add_error_handlers(app, gw)
     _add_openai_routes(app, gw)
     embeddings.add_routes(app, gw)
@@ -198,8 +202,11 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
         await refresh_loras(gw)  # (the scheduler drops an adapter a restarted stage lost)
         return {"object": "list", "data": [_model_card(gw, name) for name in (*gw.limits.names, *gw.limits.loras)]}
 
-    @app.get("/v1/models/{model:path}", tags=["OpenAI"],  # (names may be paths)
-             responses={401: _ERRORS[401], 404: {"model": ErrorResponse, "description": "No such model."}})
+    @app.get(
+        "/v1/models/{model:path}",
+        tags=["OpenAI"],  # (names may be paths)
+        responses={401: _ERRORS[401], 404: {"model": ErrorResponse, "description": "No such model."}},
+    )
     async def retrieve_model(model: str) -> dict[str, Any]:
         await refresh_loras(gw)
         if model not in gw.limits.names and model not in gw.limits.loras:
@@ -214,8 +221,9 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
         request.state.request_id = request_id
         validation.check_model(body.model, gw.limits)
         prompts = await asyncio.to_thread(validation.completion_prompts, body, gw.tokenizer, gw.limits, gw.config)
-        params = _with_session(validation.completion_params(body, prompts, gw.limits, gw.config, _api_key(request)),
-                               body, request)
+        params = _with_session(
+            validation.completion_params(body, prompts, gw.limits, gw.config, _api_key(request)), body, request
+        )
         await gw.charge(request, prompts, params)
         items = gw.generation(request_id, prompts, params, request.headers.get("traceparent", ""))
         model, created = gw.limits.served_name(body.model), int(time.time())
@@ -223,14 +231,37 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
         echo_texts = _echo_texts(body.prompt, prompts, gw.tokenizer) if body.echo else None
         if body.stream:
             first = await streaming.first_item(request, items)
-            return streaming.EventStream(streaming.completion_events(
-                request_id, created, model, first, items, body.n, want_logprobs,
-                body.return_token_ids, body.stream_options, sum(map(len, prompts)), echo_texts,
-                body.logprobs), items, request_id)
+            return streaming.EventStream(
+                streaming.completion_events(
+                    request_id,
+                    created,
+                    model,
+                    first,
+                    items,
+                    body.n,
+                    want_logprobs,
+                    body.return_token_ids,
+                    body.stream_options,
+                    sum(map(len, prompts)),
+                    echo_texts,
+                    body.logprobs,
+                ),
+                items,
+                request_id,
+            )
         choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
-        payload = fmt.completion_response(request_id, created, model, choices, usage, want_logprobs,
-                                          prompts if body.return_token_ids else None, echo_texts,
-                                          body.prompt_logprobs, body.logprobs)
+        payload = fmt.completion_response(
+            request_id,
+            created,
+            model,
+            choices,
+            usage,
+            want_logprobs,
+            prompts if body.return_token_ids else None,
+            echo_texts,
+            body.prompt_logprobs,
+            body.logprobs,
+        )
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
 
     @app.post("/v1/chat/completions", tags=["OpenAI"], responses={**_STREAMING, **_ERRORS})
@@ -241,29 +272,57 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
         request.state.request_id = request_id
         validation.check_model(body.model, gw.limits)
         prompt = await asyncio.to_thread(validation.chat_prompt, body, gw.tokenizer, gw.limits)
-        params = _with_session(validation.chat_params(body, prompt, gw.limits, gw.config, _api_key(request)),
-                               body, request)
+        params = _with_session(
+            validation.chat_params(body, prompt, gw.limits, gw.config, _api_key(request)), body, request
+        )
         await gw.charge(request, [prompt], params)
         items = gw.generation(request_id, [prompt], params, request.headers.get("traceparent", ""))
         model, created = gw.limits.served_name(body.model), int(time.time())
         if body.stream:
             first = await streaming.first_item(request, items)
-            return streaming.EventStream(streaming.chat_events(
-                request_id, created, model, first, items, body.n, body.logprobs,
-                body.return_token_ids, body.stream_options, len(prompt), params.tool_calling,
-                params.reply_parsing), items, request_id)
+            return streaming.EventStream(
+                streaming.chat_events(
+                    request_id,
+                    created,
+                    model,
+                    first,
+                    items,
+                    body.n,
+                    body.logprobs,
+                    body.return_token_ids,
+                    body.stream_options,
+                    len(prompt),
+                    params.tool_calling,
+                    params.reply_parsing,
+                ),
+                items,
+                request_id,
+            )
         choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
-        payload = fmt.chat_response(request_id, created, model, choices, usage, body.logprobs,
-                                    prompt if body.return_token_ids else None,
-                                    body.prompt_logprobs, params.tool_calling, params.reply_parsing)
+        payload = fmt.chat_response(
+            request_id,
+            created,
+            model,
+            choices,
+            usage,
+            body.logprobs,
+            prompt if body.return_token_ids else None,
+            body.prompt_logprobs,
+            params.tool_calling,
+            params.reply_parsing,
+        )
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
 
 
 def _add_vllm_routes(app: FastAPI, gw: Gateway) -> None:
     """vLLM's extras: tokenize and detokenize (no scheduler call)."""
 
-    @app.post("/tokenize", tags=["vLLM"], response_model_exclude_none=True,
-              responses={k: _ERRORS[k] for k in (400, 401, 404, 413)})
+    @app.post(
+        "/tokenize",
+        tags=["vLLM"],
+        response_model_exclude_none=True,
+        responses={k: _ERRORS[k] for k in (400, 401, 404, 413)},
+    )
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """A text's token ids as completions would send them (`prompt`), or a conversation's
         as chat completions would (`messages`: the same chat template). No length limit:
@@ -273,8 +332,9 @@ def _add_vllm_routes(app: FastAPI, gw: Gateway) -> None:
         token_strs = None
         if body.return_token_strs:
             token_strs = [gw.tokenizer.id_to_token(i) or "" for i in ids]
-        return TokenizeResponse(count=len(ids), max_model_len=gw.limits.max_model_len, tokens=ids,
-                                token_strs=token_strs)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=gw.limits.max_model_len, tokens=ids, token_strs=token_strs
+        )
 
     @app.post("/detokenize", tags=["vLLM"], responses={k: _ERRORS[k] for k in (400, 401, 404, 413)})
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -305,13 +365,19 @@ def _add_pagoda_routes(app: FastAPI, gw: Gateway) -> None:
         end_ns = time.time_ns()
         choice = choices[0]
         payload: dict[str, Any] = {
-            "id": request_id, "model": gw.limits.name, "text": choice.text,
-            "token_ids": choice.token_ids, "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason, "usage": fmt.usage_body(usage),
+            "id": request_id,
+            "model": gw.limits.name,
+            "text": choice.text,
+            "token_ids": choice.token_ids,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+            "usage": fmt.usage_body(usage),
         }
         if body.debug_timeline:
-            spans = [Span("request", start_ns, end_ns, {"prompt_tokens": len(prompt)}),
-                     Span("tokenize", start_ns, tokenized_ns)]
+            spans = [
+                Span("request", start_ns, end_ns, {"prompt_tokens": len(prompt)}),
+                Span("tokenize", start_ns, tokenized_ns),
+            ]
             timeline = finished[0].timeline if finished else []
             payload["timeline"] = chrome_trace(request_id, timeline, spans)
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
@@ -320,8 +386,7 @@ def _add_pagoda_routes(app: FastAPI, gw: Gateway) -> None:
 def _add_operations_routes(app: FastAPI, gw: Gateway) -> None:
     """What operators and probes ask: health, version and Prometheus metrics."""
 
-    @app.get("/health", tags=["Operations"],
-             responses={503: {"description": "Some part of the chain is not serving."}})
+    @app.get("/health", tags=["Operations"], responses={503: {"description": "Some part of the chain is not serving."}})
     async def health() -> JSONResponse:
         """Ready only when the scheduler reports every stage and the KV service serving."""
         if gw.draining:
@@ -337,8 +402,12 @@ def _add_operations_routes(app: FastAPI, gw: Gateway) -> None:
         """The server's version, as vLLM's `/version` reports its own."""
         return {"version": _version()}
 
-    @app.get("/metrics", tags=["Operations"], response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    @app.get(
+        "/metrics",
+        tags=["Operations"],
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
+    )
     async def metrics() -> Response:
         """Prometheus text, the one scrape target a dashboard needs (`pagoda:*`, after vLLM's
         `vllm:*`): requests by finish reason, tokens, TTFT, inter-token, per-output-token and
@@ -365,18 +434,28 @@ def _add_debug_routes(app: FastAPI, gw: Gateway) -> None:
             stats = await gw.generator.stats(include_kv_sequences=include_sequences)
         except grpc.aio.AioRpcError as exc:
             raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
-        return {"kv_address": stats.kv_address, "kv_health": _enum_name(stats.kv_health),
-                "kv_cache": _plain(stats.kv_cache),
-                "stages": [{"stage_index": s.stage_index, "layers": [s.load_info.layer_start, s.load_info.layer_end],
-                            "weights_bytes": s.load_info.weights_bytes, "quantization": s.load_info.quantization,
-                            "expert_weights_bytes": s.load_info.expert_weights_bytes,
-                            "kv_block_bytes": s.load_info.kv_block_bytes,
-                            "kv_cache_dtype": _dtype_name(s.load_info.kv_cache_dtype),
-                            "memory_budget_bytes": s.load_info.memory_budget_bytes,
-                            "kv_groups": s.load_info.kv_groups, "cpu": s.load_info.cpu,
-                            # how its hidden states go to the next stage (issue 37): shm, nccl, grpc
-                            "data_channel": s.stats.data_channel or s.load_info.data_channel}
-                           for s in stats.stages]}
+        return {
+            "kv_address": stats.kv_address,
+            "kv_health": _enum_name(stats.kv_health),
+            "kv_cache": _plain(stats.kv_cache),
+            "stages": [
+                {
+                    "stage_index": s.stage_index,
+                    "layers": [s.load_info.layer_start, s.load_info.layer_end],
+                    "weights_bytes": s.load_info.weights_bytes,
+                    "quantization": s.load_info.quantization,
+                    "expert_weights_bytes": s.load_info.expert_weights_bytes,
+                    "kv_block_bytes": s.load_info.kv_block_bytes,
+                    "kv_cache_dtype": _dtype_name(s.load_info.kv_cache_dtype),
+                    "memory_budget_bytes": s.load_info.memory_budget_bytes,
+                    "kv_groups": s.load_info.kv_groups,
+                    "cpu": s.load_info.cpu,
+                    # how its hidden states go to the next stage (issue 37): shm, nccl, grpc
+                    "data_channel": s.stats.data_channel or s.load_info.data_channel,
+                }
+                for s in stats.stages
+            ],
+        }
 
     @app.get("/debug/replicas", tags=["Operations"], responses={401: _ERRORS[401]})
     async def debug_replicas() -> dict[str, Any]:
@@ -386,10 +465,15 @@ def _add_debug_routes(app: FastAPI, gw: Gateway) -> None:
         if rs is None:
             return {"routing": None, "replicas": [{"name": "r0", "address": gw.generator.scheduler_address}]}
         index = rs.index
-        return {"routing": rs.policy, "replicas": rs.describe(), "fallbacks": rs.num_fallbacks,
-                "retries": rs.num_retries,
-                "index": None if index is None else {"failing": index.failing, "lookups": index.num_lookups,
-                                                     "failures": index.num_failures}}
+        return {
+            "routing": rs.policy,
+            "replicas": rs.describe(),
+            "fallbacks": rs.num_fallbacks,
+            "retries": rs.num_retries,
+            "index": None
+            if index is None
+            else {"failing": index.failing, "lookups": index.num_lookups, "failures": index.num_failures},
+        }
 
     @app.get("/dashboard", tags=["Operations"], response_class=HTMLResponse)
     async def dashboard_page() -> HTMLResponse:
@@ -402,8 +486,7 @@ def _add_debug_routes(app: FastAPI, gw: Gateway) -> None:
         """What the dashboard shows, as JSON: requests and queues by tenant and priority,
         the KV block map, the stages' compute spans of the last seconds, token counters."""
         try:
-            stats = await gw.generator.stats(include_kv_sequences=True, include_requests=True,
-                                          include_timeline=True)
+            stats = await gw.generator.stats(include_kv_sequences=True, include_requests=True, include_timeline=True)
         except grpc.aio.AioRpcError as exc:
             raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
         return dashboard.state(stats, gw.limits.name)
@@ -422,10 +505,16 @@ def _model_card(gw: Gateway, name: str) -> dict[str, Any]:
     # root: the served name, not where the checkpoint lies on the server's disk; a LoRA
     # adapter's root is its folder (as given to --lora-modules or the load call) and its parent
     # the base model, as vLLM lists them
-    card = {"id": name, "object": "model", "created": gw.created, "owned_by": "pagoda",
-            "root": gw.limits.name, "max_model_len": gw.limits.max_model_len,
-            # what a request that leaves a sampling field out gets (--generation-config)
-            "sampling_defaults": gw.limits.sampling_defaults.to_json()}
+    card = {
+        "id": name,
+        "object": "model",
+        "created": gw.created,
+        "owned_by": "pagoda",
+        "root": gw.limits.name,
+        "max_model_len": gw.limits.max_model_len,
+        # what a request that leaves a sampling field out gets (--generation-config)
+        "sampling_defaults": gw.limits.sampling_defaults.to_json(),
+    }
     if name in gw.limits.loras:
         card.update(root=gw.limits.loras[name], parent=gw.limits.name)
     return card
@@ -469,8 +558,9 @@ def _without_union_tag(error: dict[str, Any]) -> dict[str, Any]:
 
 
 def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
-    def respond(request: Request, status: int, body: dict[str, Any],
-                headers: dict[str, str] | None = None) -> JSONResponse:
+    def respond(
+        request: Request, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> JSONResponse:
         gw.metrics.error(status)
         headers = dict(headers or {})
         request_id = getattr(request.state, "request_id", None)
@@ -494,8 +584,7 @@ def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
         # a request larger than its bucket never fits: tell clients (the openai SDK reads
         # x-should-retry) not to retry it
         headers = {"Retry-After": retry_after} if retry_after else {"x-should-retry": "false"}
-        return respond(request, 429, error_body(429, exc.message, None, "rate_limit_exceeded"),
-                       headers)
+        return respond(request, 429, error_body(429, exc.message, None, "rate_limit_exceeded"), headers)
 
     @app.exception_handler(GenerationError)
     async def on_generation_error(request: Request, exc: GenerationError) -> JSONResponse:
@@ -525,5 +614,4 @@ def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
     async def on_bug(request: Request, exc: Exception) -> JSONResponse:
         request_id = getattr(request.state, "request_id", "-")
         log.exception("request %s: unexpected error", request_id)
-        return respond(request, 500, error_body(500, f"internal error (request {request_id})",
-                                                None, "internal_error"))
+        return respond(request, 500, error_body(500, f"internal error (request {request_id})", None, "internal_error"))

@@ -58,8 +58,11 @@ class ReplyDelta:
 
     def then(self, other: ReplyDelta) -> ReplyDelta:
         """This delta followed by `other`, as one."""
-        return ReplyDelta(_joined(self.reasoning, other.reasoning), _joined(self.content, other.content),
-                          self.tool_calls + other.tool_calls)
+        return ReplyDelta(
+            _joined(self.reasoning, other.reasoning),
+            _joined(self.content, other.content),
+            self.tool_calls + other.tool_calls,
+        )
 
 
 def _joined(first: str | None, second: str | None) -> str | None:
@@ -119,7 +122,8 @@ class ReplyParsing:
         """A streaming reader for one choice."""
         return ReplyStream(
             None if self.reasoning_parser is None else self._reasoning(self.reasoning_parser).stream(),
-            None if self.tool_parser is None else self._tools(self.tool_parser).stream())
+            None if self.tool_parser is None else self._tools(self.tool_parser).stream(),
+        )
 
     def delta_body(self, delta: ReplyDelta) -> dict[str, Any]:
         """A chunk's `delta`: what is new of the reasoning, content and calls ({}: nothing)."""
@@ -145,7 +149,7 @@ class ReplyParsing:
 
 
 def calls_finish_reason(found_calls: bool, finish_reason: str | None) -> str | None:
-    """"tool_calls" when calls were found in a reply that ended on its own, else as it ended
+    """ "tool_calls" when calls were found in a reply that ended on its own, else as it ended
     (a reply cut by max_tokens stays "length", as OpenAI reports it)."""
     return "tool_calls" if found_calls and finish_reason == "stop" else finish_reason
 
@@ -174,8 +178,7 @@ class ReplyStream:
         if self._tools is None:
             return ReplyDelta(reasoning, content)
         delta = self._tools.feed(content) if content else None
-        out = ReplyDelta(reasoning, None if delta is None else delta.content,
-                         () if delta is None else delta.tool_calls)
+        out = ReplyDelta(reasoning, None if delta is None else delta.content, () if delta is None else delta.tool_calls)
         if last:
             rest = self._tools.finish()
             out = out.then(ReplyDelta(None, rest.content, rest.tool_calls))

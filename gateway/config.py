@@ -44,8 +44,10 @@ class ApiKey:
 _setting = partial(shared.declare, "gateway", group="frontend")  # (--help's section, unless said)
 _passed = partial(_setting, serve="pass")  # `pagoda serve` takes it and passes it to its gateway
 
-_STALL_HELP = ("a streaming client that reads nothing for this long, while the gateway holds all it "
-               "buffers for it, has its request aborted (finish reason \"abort\"); 0: never (default 30)")
+_STALL_HELP = (
+    "a streaming client that reads nothing for this long, while the gateway holds all it "
+    'buffers for it, has its request aborted (finish reason "abort"); 0: never (default 30)'
+)
 
 
 @dataclass(frozen=True)
@@ -55,23 +57,38 @@ class GatewayConfig:
 
     model: str = uses(shared.MODEL, MISSING)  # checkpoint directory (tokenizer, chat template, max length)
     scheduler_address: str = _setting(
-        MISSING, "HOST:PORT of the scheduler; or several replicas' schedulers, NAME=HOST:PORT,NAME=HOST:PORT,... "
-                 "(the names their KV services publish as --replica-id), and this gateway routes among them",
-        name="scheduler", required=True, group="network")
+        MISSING,
+        "HOST:PORT of the scheduler; or several replicas' schedulers, NAME=HOST:PORT,NAME=HOST:PORT,... "
+        "(the names their KV services publish as --replica-id), and this gateway routes among them",
+        name="scheduler",
+        required=True,
+        group="network",
+    )
     # (vLLM's --served-model-name)
     served_model_names: tuple[str, ...] = _passed(
-        (), "the names clients may send as `model`, the first reported in responses (default: the --model "
-            "string, and the directory's name)", "names", name="served_model_name", metavar="NAME",
-        flag_default=None, group="model")
+        (),
+        "the names clients may send as `model`, the first reported in responses (default: the --model "
+        "string, and the directory's name)",
+        "names",
+        name="served_model_name",
+        metavar="NAME",
+        flag_default=None,
+        group="model",
+    )
     host: str = uses(shared.HOST)
-    port: int = _passed(8000, "the REST port: the OpenAI-compatible API under /v1, /health, /metrics, /docs", "port",
-                        group="network")
-    grpc_port: int = _passed(50051, "the public gRPC port: pagoda.v1.Generation, health, reflection", "port",
-                             group="network")
+    port: int = _passed(
+        8000, "the REST port: the OpenAI-compatible API under /v1, /health, /metrics, /docs", "port", group="network"
+    )
+    grpc_port: int = _passed(
+        50051, "the public gRPC port: pagoda.v1.Generation, health, reflection", "port", group="network"
+    )
     api_keys: Mapping[str, ApiKey] = field(default_factory=dict)  # empty: no keys (loopback only)
-    max_body_bytes: int = _passed(4 * 1024 * 1024, "the largest request body (REST) and request message "
-                                                   "(gRPC) taken, in bytes; a larger one is refused", "int",
-                                  metavar="BYTES")
+    max_body_bytes: int = _passed(
+        4 * 1024 * 1024,
+        "the largest request body (REST) and request message (gRPC) taken, in bytes; a larger one is refused",
+        "int",
+        metavar="BYTES",
+    )
     max_model_len: int = uses(shared.MAX_MODEL_LEN, MAX_MODEL_LEN)
     # multi-LoRA: a request's `model` may name an adapter (the stages hold them)
     enable_lora: bool = uses(shared.ENABLE_LORA)
@@ -81,81 +98,128 @@ class GatewayConfig:
     max_n: int = 16
     max_logprobs: int = 20
     max_num_prompts: int = 256  # prompts in one completions request
-    grace_period_s: float = _passed(30.0, "on SIGTERM or Ctrl-C, the seconds in-flight requests get to finish "
-                                          "while no new ones are taken", "float", name="grace_period",
-                                    metavar="SECONDS")
-    stream_stall_timeout_s: float = _passed(30.0, _STALL_HELP, "float", name="stream_stall_timeout",
-                                            metavar="SECONDS")
+    grace_period_s: float = _passed(
+        30.0,
+        "on SIGTERM or Ctrl-C, the seconds in-flight requests get to finish while no new ones are taken",
+        "float",
+        name="grace_period",
+        metavar="SECONDS",
+    )
+    stream_stall_timeout_s: float = _passed(30.0, _STALL_HELP, "float", name="stream_stall_timeout", metavar="SECONDS")
     metrics_require_key: bool = _setting(
-        False, "with API keys, /metrics needs one too (default: open to scrapers, as /health)", "switch")
+        False, "with API keys, /metrics needs one too (default: open to scrapers, as /health)", "switch"
+    )
     # Rate limits: the defaults for keys without their own (or for the one anonymous
     # bucket without keys); None: not limited. redis_url: buckets shared across replicas.
     rate_limit_rpm: int | None = _passed(
-        None, "requests per minute per API key without its own requests_per_minute (without keys: for "
-              "all anonymous use); default: unlimited", "limit", metavar="N")
+        None,
+        "requests per minute per API key without its own requests_per_minute (without keys: for "
+        "all anonymous use); default: unlimited",
+        "limit",
+        metavar="N",
+    )
     rate_limit_tpm: int | None = _passed(
-        None, "tokens (prompt + max_tokens) per minute per API key without its own tokens_per_minute; "
-              "default: unlimited", "limit", metavar="N")
+        None,
+        "tokens (prompt + max_tokens) per minute per API key without its own tokens_per_minute; default: unlimited",
+        "limit",
+        metavar="N",
+    )
     redis_url: str = uses(shared.REDIS_URL, "")  # "": buckets in this process (and no prefix index: routing by load)
     # several schedulers (scheduler_address "r0=HOST:PORT,r1=..."): how a request's replica is
     # chosen (gateway/routing.py)
     routing: str = _passed(
-        "prefix", "with several replicas: prefix (the replica holding most of the prompt's prefix, weighed "
-                  "against load; needs --redis-url, else by load), least-loaded or round-robin (default "
-                  "prefix)", choices=ROUTING_POLICIES, group="parallelism")
+        "prefix",
+        "with several replicas: prefix (the replica holding most of the prompt's prefix, weighed "
+        "against load; needs --redis-url, else by load), least-loaded or round-robin (default "
+        "prefix)",
+        choices=ROUTING_POLICIES,
+        group="parallelism",
+    )
     # /v1/embeddings (gateway/embeddings.py), served beside generation by every gateway: how a
     # prompt's final hidden states become its vector (vLLM: --override-pooler-config), and
     # vLLM's --task, taken so that its command lines work (either task serves both)
     pooling_type: str = _passed(
-        "LAST", "how /v1/embeddings pools a prompt's final hidden states (after the final norm; then "
-                "L2-normalized): LAST, the last token's (vLLM's default for decoder models), or MEAN, the "
-                "mean over every token (those prompts then skip the prefix cache; default LAST)",
-        choices=POOLING_TYPES, metavar="TYPE", group="model")
+        "LAST",
+        "how /v1/embeddings pools a prompt's final hidden states (after the final norm; then "
+        "L2-normalized): LAST, the last token's (vLLM's default for decoder models), or MEAN, the "
+        "mean over every token (those prompts then skip the prefix cache; default LAST)",
+        choices=POOLING_TYPES,
+        metavar="TYPE",
+        group="model",
+    )
     task: str = _passed(
-        "generate", "vLLM's --task, accepted for its command lines: generate or embed; either way the "
-                    "server generates and serves /v1/embeddings (default generate)", choices=TASKS,
-        group="model")
+        "generate",
+        "vLLM's --task, accepted for its command lines: generate or embed; either way the "
+        "server generates and serves /v1/embeddings (default generate)",
+        choices=TASKS,
+        group="model",
+    )
     # vLLM's --tokenizer, --chat-template and --seed: the text side of a request and the seed of
     # those that send none (`pagoda gateway` reads a --chat-template file into `chat_template`
     # and makes `tokenizer` a folder with that template: wiring/model_source.py)
     tokenizer: str | None = _passed(
-        None, "a tokenizer folder other than the model's (tokenizer.json, tokenizer_config.json), as vLLM's "
-              "--tokenizer: the gateway tokenizes and renders chats with it (default: the model's)", metavar="DIR",
-        group="model")
+        None,
+        "a tokenizer folder other than the model's (tokenizer.json, tokenizer_config.json), as vLLM's "
+        "--tokenizer: the gateway tokenizes and renders chats with it (default: the model's)",
+        metavar="DIR",
+        group="model",
+    )
     chat_template: str | None = _passed(
-        None, "a chat template in place of the model's, as vLLM's --chat-template: a Jinja file, or the "
-              "template itself (default: the model's)", metavar="TEMPLATE")
+        None,
+        "a chat template in place of the model's, as vLLM's --chat-template: a Jinja file, or the "
+        "template itself (default: the model's)",
+        metavar="TEMPLATE",
+    )
     seed: int | None = _passed(
-        None, "the seed of every request that sends none, as vLLM's --seed: a request then samples the same "
-              "tokens each time it is sent (default: none, each such request draws its own)", "int", metavar="N",
-        group="model")
+        None,
+        "the seed of every request that sends none, as vLLM's --seed: a request then samples the same "
+        "tokens each time it is sent (default: none, each such request draws its own)",
+        "int",
+        metavar="N",
+        group="model",
+    )
     # vLLM's --generation-config and --override-generation-config: the sampling of the fields a
     # request leaves out (services/generation_config.py)
     generation_config: str = _passed(
-        "auto", "where the sampling a request leaves out comes from, as vLLM's: auto (the model's "
-                "generation_config.json; for a GGUF file, which has none, llama.cpp's defaults: temperature 0.8, "
-                "top_k 40, top_p 0.95, min_p 0.05), vllm (none: temperature 1, no truncation), or a folder "
-                "holding a generation_config.json (default auto); a request's own fields win",
-        metavar="auto|vllm|DIR")
+        "auto",
+        "where the sampling a request leaves out comes from, as vLLM's: auto (the model's "
+        "generation_config.json; for a GGUF file, which has none, llama.cpp's defaults: temperature 0.8, "
+        "top_k 40, top_p 0.95, min_p 0.05), vllm (none: temperature 1, no truncation), or a folder "
+        "holding a generation_config.json (default auto); a request's own fields win",
+        metavar="auto|vllm|DIR",
+    )
     override_generation_config: str | None = _passed(
-        None, "sampling defaults set over --generation-config's, as vLLM's: a JSON object of temperature, "
-              "top_p, top_k, min_p, repetition_penalty, e.g. '{\"temperature\": 0.7}'", metavar="JSON")
+        None,
+        "sampling defaults set over --generation-config's, as vLLM's: a JSON object of temperature, "
+        "top_p, top_k, min_p, repetition_penalty, e.g. '{\"temperature\": 0.7}'",
+        metavar="JSON",
+    )
     # vLLM's --enable-auto-tool-choice, --tool-call-parser and --reasoning-parser: how chat
     # replies are read into tool calls and reasoning (gateway/chat_parsing.py)
     enable_auto_tool_choice: bool = _passed(
-        False, "serve tool_choice \"auto\" (the default when a chat request has tools): the model answers "
-               "freely and its reply is read for tool calls with --tool-call-parser; without it \"auto\" is "
-               "refused (400)", "switch")
+        False,
+        'serve tool_choice "auto" (the default when a chat request has tools): the model answers '
+        'freely and its reply is read for tool calls with --tool-call-parser; without it "auto" is '
+        "refused (400)",
+        "switch",
+    )
     tool_call_parser: str | None = _passed(
-        None, "the model's tool-call syntax, as vLLM's parser of that name reads it: hermes (Qwen2.5, Qwen3, "
-              "Hermes: <tool_call>{...}</tool_call>), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), "
-              "pythonic (Llama 3.2/4: [f(x=1)]), openai (gpt-oss: Harmony's to=functions.NAME messages)",
-        choices=tuple(TOOL_CALL_PARSERS), metavar="NAME")
+        None,
+        "the model's tool-call syntax, as vLLM's parser of that name reads it: hermes (Qwen2.5, Qwen3, "
+        "Hermes: <tool_call>{...}</tool_call>), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), "
+        "pythonic (Llama 3.2/4: [f(x=1)]), openai (gpt-oss: Harmony's to=functions.NAME messages)",
+        choices=tuple(TOOL_CALL_PARSERS),
+        metavar="NAME",
+    )
     reasoning_parser: str | None = _passed(
-        None, "return a reasoning model's <think>...</think> part as reasoning_content, apart from the content: "
-              "deepseek_r1 (DeepSeek R1 and its distills, QwQ, templates that open <think> in the prompt), qwen3 "
-              "(the reply opens <think> itself), openai_gptoss (gpt-oss: Harmony's analysis channel as reasoning, "
-              "final as content)", choices=tuple(REASONING_PARSERS), metavar="NAME")
+        None,
+        "return a reasoning model's <think>...</think> part as reasoning_content, apart from the content: "
+        "deepseek_r1 (DeepSeek R1 and its distills, QwQ, templates that open <think> in the prompt), qwen3 "
+        "(the reply opens <think> itself), openai_gptoss (gpt-oss: Harmony's analysis channel as reasoning, "
+        "final as content)",
+        choices=tuple(REASONING_PARSERS),
+        metavar="NAME",
+    )
 
     def __post_init__(self) -> None:
         from gateway.replicas import parse_targets
@@ -183,8 +247,9 @@ class GatewayConfig:
                 raise ValueError("api_keys: must map non-empty key strings to ApiKey")
         RateLimit(self.rate_limit_rpm, self.rate_limit_tpm)  # ValueError when not positive
         if self.redis_url and not self.redis_url.startswith(_REDIS_SCHEMES):
-            raise ValueError(f"redis_url: must start with one of {', '.join(_REDIS_SCHEMES)}, "
-                             f"got {redacted_url(self.redis_url)!r}")
+            raise ValueError(
+                f"redis_url: must start with one of {', '.join(_REDIS_SCHEMES)}, got {redacted_url(self.redis_url)!r}"
+            )
         self._check_parsers()
         check_mode(self.generation_config)
         parse_override(self.override_generation_config)  # ValueError naming what is wrong
@@ -196,15 +261,19 @@ class GatewayConfig:
 
     def _check_parsers(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser: must be one of {', '.join(TOOL_CALL_PARSERS)}, "
-                             f"got {self.tool_call_parser!r}")
+            raise ValueError(
+                f"tool_call_parser: must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}, "
-                             f"got {self.reasoning_parser!r}")
+            raise ValueError(
+                f"reasoning_parser: must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             # as vLLM refuses it: "auto" needs to know the model's tool-call syntax
-            raise ValueError("enable_auto_tool_choice: needs --tool-call-parser NAME, the model's tool-call "
-                             f"syntax ({', '.join(TOOL_CALL_PARSERS)})")
+            raise ValueError(
+                "enable_auto_tool_choice: needs --tool-call-parser NAME, the model's tool-call "
+                f"syntax ({', '.join(TOOL_CALL_PARSERS)})"
+            )
 
     def _check_embeddings(self) -> None:
         for name, allowed in (("pooling_type", POOLING_TYPES), ("task", TASKS)):
@@ -218,8 +287,7 @@ class GatewayConfig:
     @property
     def rate_limits_enabled(self) -> bool:
         """Whether any limit applies; when none does the gateway builds no limiter at all."""
-        return self.default_rate_limit.enabled or any(
-            grant.rate_limit.enabled for grant in self.api_keys.values())
+        return self.default_rate_limit.enabled or any(grant.rate_limit.enabled for grant in self.api_keys.values())
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -234,14 +302,29 @@ class GatewayConfig:
 # what `pagoda gateway` takes besides its config's settings: the API keys, which become
 # `GatewayConfig.api_keys` (wiring/cli.py reads the file)
 API_KEYS_FILE = Setting(
-    "api_keys_file", 'a JSON file of API keys and what each grants: {"<key>": {"tenant": "a", "priority": 0, '
+    "api_keys_file",
+    'a JSON file of API keys and what each grants: {"<key>": {"tenant": "a", "priority": 0, '
     '"requests_per_minute": 60, "tokens_per_minute": 100000}} (each field optional); clients send a key as '
     "`Authorization: Bearer KEY`; with neither this nor --api-key no key is asked for, and the gateway binds "
-    "loopback only", metavar="FILE", owner="gateway", services=("gateway",), serve="pass", group="frontend")
+    "loopback only",
+    metavar="FILE",
+    owner="gateway",
+    services=("gateway",),
+    serve="pass",
+    group="frontend",
+)
 # (`pagoda serve` hands its keys to its gateway by environment, never on a command line)
-API_KEY = Setting("api_key", "keys clients send as `Authorization: Bearer KEY`, as vLLM's --api-key (default "
-                             "tenant and priority; beside --api-keys-file)", "names", metavar="KEY",
-                  owner="gateway", services=("gateway",), serve="own", group="frontend")
+API_KEY = Setting(
+    "api_key",
+    "keys clients send as `Authorization: Bearer KEY`, as vLLM's --api-key (default "
+    "tenant and priority; beside --api-keys-file)",
+    "names",
+    metavar="KEY",
+    owner="gateway",
+    services=("gateway",),
+    serve="own",
+    group="frontend",
+)
 SETTINGS = shared.settings_of(GatewayConfig, API_KEYS_FILE, API_KEY, shared.INTERNAL_TOKEN)
 
 
@@ -261,8 +344,9 @@ def load_api_keys(path: str | Path) -> dict[str, ApiKey]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"api keys file {path}: cannot read it as JSON: {exc}") from exc
     if not isinstance(raw, dict) or not raw:
-        raise ValueError(f"api keys file {path}: must hold a non-empty JSON object "
-                         '{"<key>": {"tenant": ..., "priority": ...}}')
+        raise ValueError(
+            f'api keys file {path}: must hold a non-empty JSON object {{"<key>": {{"tenant": ..., "priority": ...}}}}'
+        )
     keys = {}
     for n, (key, grant) in enumerate(raw.items()):
         where = f"api keys file {path}: entry {n}"
@@ -271,8 +355,9 @@ def load_api_keys(path: str | Path) -> dict[str, ApiKey]:
         if grant is None:
             grant = {}
         if not isinstance(grant, dict) or set(grant) - _GRANT_FIELDS:
-            raise ValueError(f"{where}: must be an object with only "
-                             f"{', '.join(repr(f) for f in sorted(_GRANT_FIELDS))}")
+            raise ValueError(
+                f"{where}: must be an object with only {', '.join(repr(f) for f in sorted(_GRANT_FIELDS))}"
+            )
         tenant, priority = grant.get("tenant", ""), grant.get("priority", 0)
         if not isinstance(tenant, str) or isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"{where}: tenant must be a string and priority an integer")
@@ -284,8 +369,9 @@ def load_api_keys(path: str | Path) -> dict[str, ApiKey]:
         admin = grant.get("admin", False)
         if not isinstance(admin, bool):
             raise ValueError(f"{where}: admin must be true or false")
-        keys[key] = ApiKey(tenant=tenant, priority=priority, requests_per_minute=rpm,
-                           tokens_per_minute=tpm, admin=admin)
+        keys[key] = ApiKey(
+            tenant=tenant, priority=priority, requests_per_minute=rpm, tokens_per_minute=tpm, admin=admin
+        )
     return keys
 
 

@@ -23,24 +23,9 @@ from typing import Any
 
 import grpc
 
-from gateway.generation import (
-    ChoiceDelta,
-    Finished,
-    GenerationError,
-    GenerationParams,
-    TokenLogprob,
-    TopToken,
-    Usage,
-)
+from gateway.generation import ChoiceDelta, Finished, GenerationError, GenerationParams, TokenLogprob, TopToken, Usage
 from gateway.read_ahead import ConsumerStalled, read_ahead
-from gateway.replicas import (
-    NoReplica,
-    Replica,
-    ReplicaSet,
-    emulated_device,
-    merge_stats,
-    parse_targets,
-)
+from gateway.replicas import NoReplica, Replica, ReplicaSet, emulated_device, merge_stats, parse_targets
 from services import telemetry
 from services.grpc_utils import PIPELINE_DOWN, UNAVAILABLE_REASON_KEY
 from services.pb import common_pb2, scheduler_pb2, worker_pb2
@@ -66,8 +51,17 @@ _FINISH_NAMES = {
 
 
 # how gRPC words a connection that ended under a call: the scheduler's process went away
-_CONNECTION_LOST = ("Stream removed", "Socket closed", "Connection reset", "Broken pipe", "GOAWAY",
-                    "failed to connect", "Connection refused", "recvmsg", "End of TCP stream")
+_CONNECTION_LOST = (
+    "Stream removed",
+    "Socket closed",
+    "Connection reset",
+    "Broken pipe",
+    "GOAWAY",
+    "failed to connect",
+    "Connection refused",
+    "recvmsg",
+    "End of TCP stream",
+)
 
 
 def pipeline_down(exc: grpc.aio.AioRpcError) -> bool:
@@ -81,9 +75,11 @@ def scheduler_failure(code: grpc.StatusCode, details: str) -> GenerationError:
     API's terms, as UNAVAILABLE (503: retry), since gRPC's words for it ("Stream removed
     (Socket closed)") tell a client nothing."""
     if any(word in details for word in _CONNECTION_LOST):
-        return GenerationError(grpc.StatusCode.UNAVAILABLE,
-                               "the connection to the scheduler was lost while the request ran (the scheduler "
-                               "stopped or restarted): the answer is incomplete; send the request again")
+        return GenerationError(
+            grpc.StatusCode.UNAVAILABLE,
+            "the connection to the scheduler was lost while the request ran (the scheduler "
+            "stopped or restarted): the answer is incomplete; send the request again",
+        )
     return GenerationError(code, details or code.name)
 
 
@@ -131,10 +127,17 @@ class TextGenerator:
     one scheduler as a set of one (gateway/replicas.py); either way a request goes through
     the one retry loop of `scheduler_responses`."""
 
-    def __init__(self, scheduler_address: str, tokenizer: Tokenizer, max_model_len: int,
-                 retry_unavailable_s: float = RETRY_UNAVAILABLE_S,
-                 stall_timeout_s: float = STALL_TIMEOUT_S, routing: str = "prefix",
-                 redis_url: str = "", default_seed: int | None = None) -> None:
+    def __init__(
+        self,
+        scheduler_address: str,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        retry_unavailable_s: float = RETRY_UNAVAILABLE_S,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
+        routing: str = "prefix",
+        redis_url: str = "",
+        default_seed: int | None = None,
+    ) -> None:
         self.retry_unavailable_s = retry_unavailable_s
         self.default_seed = default_seed  # the seed of a request that sends none (--seed)
         self.stall_timeout_s = stall_timeout_s
@@ -176,8 +179,9 @@ class TextGenerator:
         replicas = self._replicas.healthy or self._replicas.replicas
         for i, replica in enumerate(replicas):
             try:
-                reply = await replica.connect().ListLoraAdapters(scheduler_pb2.ListLoraAdaptersRequest(),
-                                                                 timeout=timeout_s)
+                reply = await replica.connect().ListLoraAdapters(
+                    scheduler_pb2.ListLoraAdaptersRequest(), timeout=timeout_s
+                )
                 return {a.lora_name: a.lora_path for a in reply.lora_adapters}
             except grpc.aio.AioRpcError:
                 if i == len(replicas) - 1:
@@ -188,17 +192,25 @@ class TextGenerator:
         """In the event loop that serves: start watching the replicas (router mode)."""
         self._replicas.start()
 
-    async def stats(self, include_kv_sequences: bool = False, timeout_s: float = 2.0,
-                    include_requests: bool = False, include_timeline: bool = False):
+    async def stats(
+        self,
+        include_kv_sequences: bool = False,
+        timeout_s: float = 2.0,
+        include_requests: bool = False,
+        include_timeline: bool = False,
+    ):
         """The scheduler's statistics; in router mode the serving replicas' summed
         (`merge_stats`)."""
-        request = scheduler_pb2.GetStatsRequest(include_kv_sequences=include_kv_sequences,
-                                                include_requests=include_requests,
-                                                include_timeline=include_timeline)
+        request = scheduler_pb2.GetStatsRequest(
+            include_kv_sequences=include_kv_sequences,
+            include_requests=include_requests,
+            include_timeline=include_timeline,
+        )
         # the replicas serving as last polled; all when none is, as in a set of one (never polled)
         live = self._replicas.healthy or self._replicas.replicas
-        replies = await asyncio.gather(*(r.connect().GetStats(request, timeout=timeout_s) for r in live),
-                                       return_exceptions=True)
+        replies = await asyncio.gather(
+            *(r.connect().GetStats(request, timeout=timeout_s) for r in live), return_exceptions=True
+        )
         got = [r for r in replies if not isinstance(r, BaseException)]
         if not got:
             raise next(r for r in replies if isinstance(r, BaseException))
@@ -213,7 +225,8 @@ class TextGenerator:
             if self._replicas.healthy:
                 return True, ""
             return False, "no replica is serving: " + "; ".join(
-                f"{r.name} ({r.address}): {r.why_down}" for r in self._replicas.replicas)
+                f"{r.name} ({r.address}): {r.why_down}" for r in self._replicas.replicas
+            )
         try:  # one scheduler, not polled: asked now
             stats = await self.stats(timeout_s=timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -236,11 +249,16 @@ class TextGenerator:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await replica.connect().Abort(req, timeout=2.0)
 
-    def _request(self, request_id: str, prompt_ids: Sequence[int], p: GenerationParams,
-                 traceparent: str = "") -> scheduler_pb2.GenerateRequest:
+    def _request(
+        self, request_id: str, prompt_ids: Sequence[int], p: GenerationParams, traceparent: str = ""
+    ) -> scheduler_pb2.GenerateRequest:
         req = scheduler_pb2.GenerateRequest(
-            request_id=request_id, prompt_token_ids=list(prompt_ids), priority=p.priority,
-            tenant=p.tenant, debug_timeline=p.debug_timeline, arrival_time_ns=time.time_ns(),
+            request_id=request_id,
+            prompt_token_ids=list(prompt_ids),
+            priority=p.priority,
+            tenant=p.tenant,
+            debug_timeline=p.debug_timeline,
+            arrival_time_ns=time.time_ns(),
         )
         if traceparent:
             req.trace_context.traceparent = traceparent
@@ -252,11 +270,7 @@ class TextGenerator:
         return req
 
     async def generate(
-        self,
-        prompt_ids: Sequence[int],
-        params: GenerationParams,
-        request_id: str | None = None,
-        traceparent: str = "",
+        self, prompt_ids: Sequence[int], params: GenerationParams, request_id: str | None = None, traceparent: str = ""
     ) -> AsyncIterator[ChoiceDelta | Finished]:
         """Stream text deltas per choice, then one `Finished`. Raises GenerationError.
 
@@ -269,8 +283,9 @@ class TextGenerator:
         request = self._request(request_id, prompt_ids, params, traceparent)
         # read ahead of the client, within bounds: a client that stops reading for good is
         # aborted with finish reason "abort" (what it owed is then final)
-        responses = read_ahead(self.scheduler_responses(request, metadata, params.session), READ_AHEAD,
-                               self.stall_timeout_s)
+        responses = read_ahead(
+            self.scheduler_responses(request, metadata, params.session), READ_AHEAD, self.stall_timeout_s
+        )
         choices = _Choices(len(prompt_ids))
         try:
             async for resp in responses:
@@ -291,8 +306,12 @@ class TextGenerator:
                     yield Finished(choices.usage())
                     return
         except ConsumerStalled:
-            log.warning("request %s: the client read nothing for %.0f s with %d responses waiting; "
-                        "aborted", request_id, self.stall_timeout_s, READ_AHEAD)
+            log.warning(
+                "request %s: the client read nothing for %.0f s with %d responses waiting; aborted",
+                request_id,
+                self.stall_timeout_s,
+                READ_AHEAD,
+            )
             for index in range(params.sampling.n):
                 if index not in choices.done:
                     yield ChoiceDelta(index, "", [], [], "abort")
@@ -310,13 +329,15 @@ class TextGenerator:
         if not self._tracing:
             return None, traceparent
         span = self._tracer.start_span(
-            "gateway.request", context=telemetry.context_from(traceparent),
+            "gateway.request",
+            context=telemetry.context_from(traceparent),
             attributes={"pagoda.request_id": request_id, "pagoda.num_prompt_tokens": num_prompt_tokens},
         )
         return span, telemetry.traceparent_of(span)
 
-    def _on_response(self, resp, request: scheduler_pb2.GenerateRequest, params: GenerationParams,
-                     choices: _Choices) -> ChoiceDelta | None:
+    def _on_response(
+        self, resp, request: scheduler_pb2.GenerateRequest, params: GenerationParams, choices: _Choices
+    ) -> ChoiceDelta | None:
         """What one scheduler response adds to its choice (None: nothing, or the choice had
         ended at the gateway). A choice that a stop string ends while others go on is
         aborted downstream."""
@@ -332,15 +353,18 @@ class TextGenerator:
         proc = choices.processors.get(index)
         if proc is None:
             proc = choices.processors[index] = TextOutputProcessor(
-                self.tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
+                self.tokenizer,
+                stop=params.stop,
+                skip_special_tokens=params.skip_special_tokens,
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 prompt_token_ids=list(prompt_ids),
                 keep_special_tokens=params.reply_parsing.kept_tokens if params.reply_parsing else (),
             )
         first = index not in choices.completion_tokens
         delta = self._choice_delta(resp, proc, params)
-        choices.completion_tokens[index] = 0 if params.prompt_only else (
-            choices.completion_tokens.get(index, 0) + len(resp.token_ids))
+        choices.completion_tokens[index] = (
+            0 if params.prompt_only else (choices.completion_tokens.get(index, 0) + len(resp.token_ids))
+        )
         if params.prompt_only and delta is not None:  # nothing generated is returned
             delta = ChoiceDelta(index, "", [], [], "length" if delta.finish_reason else None)
         if first and params.sampling.prompt_logprobs is not None:
@@ -348,8 +372,11 @@ class TextGenerator:
             delta.prompt_logprobs = choices.prompt_logprobs
         if delta is not None and delta.finish_reason is not None:
             choices.done.add(index)
-            if resp.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED \
-                    and params.sampling.n > 1 and len(choices.done) < params.sampling.n:
+            if (
+                resp.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+                and params.sampling.n > 1
+                and len(choices.done) < params.sampling.n
+            ):
                 # a stop string matched: end this choice downstream now
                 self._in_background(self.abort(request.request_id, index))
         return delta
@@ -370,8 +397,7 @@ class TextGenerator:
         failure: grpc.aio.AioRpcError | None = None  # the last call's, failed UNAVAILABLE unstreamed
         while True:
             try:
-                replica, _ = await self._replicas.pick(request.prompt_token_ids, session or None,
-                                                       frozenset(tried))
+                replica, _ = await self._replicas.pick(request.prompt_token_ids, session or None, frozenset(tried))
             except NoReplica as exc:
                 if not await backoff.wait():
                     raise self._unavailable(exc, failure) from None
@@ -388,15 +414,23 @@ class TextGenerator:
                 return
             except grpc.aio.AioRpcError as exc:
                 details = exc.details() or ""
-                if received or exc.code() != grpc.StatusCode.UNAVAILABLE \
-                        or (pipeline_down(exc) and not self._replicas.routes):
+                if (
+                    received
+                    or exc.code() != grpc.StatusCode.UNAVAILABLE
+                    or (pipeline_down(exc) and not self._replicas.routes)
+                ):
                     raise
                 failure = exc
                 self._replicas.mark_down(replica, f"{exc.code().name}: {details}")
                 tried.add(replica.name)
                 self._replicas.num_retries += 1
-                log.info("request %s: replica %s (%s) unavailable before anything streamed (%s); "
-                         "retrying", request.request_id, replica.name, replica.address, details)
+                log.info(
+                    "request %s: replica %s (%s) unavailable before anything streamed (%s); retrying",
+                    request.request_id,
+                    replica.name,
+                    replica.address,
+                    details,
+                )
             finally:
                 if not call.done():
                     call.cancel()
@@ -413,8 +447,7 @@ class TextGenerator:
     def _down(self) -> str:
         return "; ".join(f"{r.name}: {r.why_down}" for r in self._replicas.replicas if not r.state.healthy)
 
-    def _choice_delta(self, resp, proc: TextOutputProcessor,
-                      params: GenerationParams) -> ChoiceDelta | None:
+    def _choice_delta(self, resp, proc: TextOutputProcessor, params: GenerationParams) -> ChoiceDelta | None:
         """The text one response adds to its choice; None when it adds nothing."""
         token_ids = list(resp.token_ids)
         logprobs = self._logprobs(resp.logprobs, token_ids) if params.sampling.logprobs is not None else []
@@ -433,8 +466,9 @@ class TextGenerator:
             stop_reason = delta.stop_reason
             if stop_token_id is not None and stop_token_id not in params.sampling.stop_token_ids:
                 stop_reason = None  # the model's EOS: null, as vLLM reports it
-            return ChoiceDelta(resp.index, delta.text, token_ids, logprobs, reason, stop_reason,
-                               stop_token_id=stop_token_id)
+            return ChoiceDelta(
+                resp.index, delta.text, token_ids, logprobs, reason, stop_reason, stop_token_id=stop_token_id
+            )
         if delta.text or token_ids:
             return ChoiceDelta(resp.index, delta.text, token_ids, logprobs)
         return None
@@ -455,11 +489,11 @@ class TextGenerator:
         """TopLogprobs messages of these tokens as the formatters take them."""
         out = []
         for tid, lp in zip(token_ids, entries, strict=False):
-            top = [TopToken(t.token_id, self._token(t.token_id)[0], t.logprob,
-                            self._token(t.token_id)[1]) for t in lp.top]
+            top = [
+                TopToken(t.token_id, self._token(t.token_id)[0], t.logprob, self._token(t.token_id)[1]) for t in lp.top
+            ]
             text, token_bytes = self._token(tid)
-            out.append(TokenLogprob(tid, text, lp.sampled.logprob, top, token_bytes,
-                                    lp.sampled.rank or None))
+            out.append(TokenLogprob(tid, text, lp.sampled.logprob, top, token_bytes, lp.sampled.rank or None))
         return out
 
     def _token(self, token_id: int) -> tuple[str, bytes]:

@@ -48,28 +48,57 @@ def state(stats: Any, model: str) -> dict[str, Any]:
         "health_detail": stats.health_detail,
         "now_ns": stats.now_ns,
         "uptime_s": stats.uptime_ns / 1e9,
-        "requests": {"waiting": stats.num_waiting, "running": stats.num_running,
-                     "preempted": stats.num_preempted, "finished": stats.num_finished_requests,
-                     "aborted": stats.num_aborted_requests, "preemptions": stats.num_preemptions},
-        "queues": [{"tenant": t or "(default)", "priority": p, "waiting": queues[(t, p, "waiting")],
-                    "running": queues[(t, p, "running")]} for t, p in groups],
+        "requests": {
+            "waiting": stats.num_waiting,
+            "running": stats.num_running,
+            "preempted": stats.num_preempted,
+            "finished": stats.num_finished_requests,
+            "aborted": stats.num_aborted_requests,
+            "preemptions": stats.num_preemptions,
+        },
+        "queues": [
+            {
+                "tenant": t or "(default)",
+                "priority": p,
+                "waiting": queues[(t, p, "waiting")],
+                "running": queues[(t, p, "running")],
+            }
+            for t, p in groups
+        ],
         "tokens": {"prompt": stats.num_prompt_tokens, "generated": stats.num_generated_tokens},
-        "speculation": {"drafts": stats.num_spec_drafts, "draft_tokens": stats.num_spec_draft_tokens,
-                        "accepted_tokens": stats.num_spec_accepted_tokens,
-                        "acceptance_rate": (stats.num_spec_accepted_tokens / stats.num_spec_draft_tokens
-                                            if stats.num_spec_draft_tokens else 0.0)},
+        "speculation": {
+            "drafts": stats.num_spec_drafts,
+            "draft_tokens": stats.num_spec_draft_tokens,
+            "accepted_tokens": stats.num_spec_accepted_tokens,
+            "acceptance_rate": (
+                stats.num_spec_accepted_tokens / stats.num_spec_draft_tokens if stats.num_spec_draft_tokens else 0.0
+            ),
+        },
         "kv": {
-            "total": kv.num_total_blocks, "block_size": kv.block_size,
-            "used": block_map.count(1), "shared": block_map.count(2), "cached": block_map.count(3),
-            "free": block_map.count(0), "prefix_hit_rate": kv.prefix_hit_rate,
-            "prefix_hit_tokens": kv.num_prefix_hit_tokens, "prefix_query_tokens": kv.num_prefix_query_tokens,
+            "total": kv.num_total_blocks,
+            "block_size": kv.block_size,
+            "used": block_map.count(1),
+            "shared": block_map.count(2),
+            "cached": block_map.count(3),
+            "free": block_map.count(0),
+            "prefix_hit_rate": kv.prefix_hit_rate,
+            "prefix_hit_tokens": kv.num_prefix_hit_tokens,
+            "prefix_query_tokens": kv.num_prefix_query_tokens,
             "map": block_map.hex(),  # one byte per block: 0 free, 1 used, 2 shared, 3 cached
         },
-        "stages": [{"index": s.stage_index, "healthy": s.health == common_pb2.HEALTH_STATUS_SERVING,
-                    "busy_fraction": s.busy_fraction, "in_flight": s.num_in_flight,
-                    "micro_batches": s.stats.num_micro_batches, "device": s.load_info.device}
-                   for s in stats.stages],
+        "stages": [
+            {
+                "index": s.stage_index,
+                "healthy": s.health == common_pb2.HEALTH_STATUS_SERVING,
+                "busy_fraction": s.busy_fraction,
+                "in_flight": s.num_in_flight,
+                "micro_batches": s.stats.num_micro_batches,
+                "device": s.load_info.device,
+            }
+            for s in stats.stages
+        ],
         "timeline_window_ns": TIMELINE_WINDOW_NS,
-        "timeline": [[s.stage_index, s.micro_batch_id, s.start_ns, s.end_ns]
-                     for s in stats.timeline if s.end_ns >= since],
+        "timeline": [
+            [s.stage_index, s.micro_batch_id, s.start_ns, s.end_ns] for s in stats.timeline if s.end_ns >= since
+        ],
     }

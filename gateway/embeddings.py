@@ -34,13 +34,7 @@ from gateway.core import TextGenerator
 from gateway.errors import ApiError, invalid
 from gateway.generation import GenerationError, GenerationParams, Usage
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import (
-    INT32_MAX,
-    INT32_MIN,
-    Prompt,
-    check_prompt,
-    error_responses,
-)
+from gateway.protocol import INT32_MAX, INT32_MIN, Prompt, check_prompt, error_responses
 from services.pb import scheduler_pb2
 from services.pooling import Embedding, PoolingType, embedding_from_pb, embedding_values
 from services.sampling import SamplingOptions
@@ -60,14 +54,19 @@ class EmbeddingRequest(BaseModel):
     # an unknown field (another server's extra, a misspelling) is a 400 naming it, never ignored
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
-    input: Prompt = Field(description="A string, a list of strings, a list of token ids, or a list "
-                          f"of token-id lists; at most {MAX_INPUTS} inputs.")
+    input: Prompt = Field(
+        description="A string, a list of strings, a list of token ids, or a list "
+        f"of token-id lists; at most {MAX_INPUTS} inputs."
+    )
     model: str | None = Field(None, description="The served model's name; default: it.")
     encoding_format: Literal["float", "base64"] = Field(
-        "float", description="float: a list of numbers; base64: the little-endian float32 bytes, "
-        "base64-encoded (what the openai SDK asks for).")
-    dimensions: int | None = Field(None, ge=1, description="Refused: the model has no Matryoshka "
-                                   "representation to shorten its vectors to.")
+        "float",
+        description="float: a list of numbers; base64: the little-endian float32 bytes, "
+        "base64-encoded (what the openai SDK asks for).",
+    )
+    dimensions: int | None = Field(
+        None, ge=1, description="Refused: the model has no Matryoshka representation to shorten its vectors to."
+    )
     user: str | None = Field(None, max_length=256)
     priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX, description="vLLM: lower runs sooner.")
 
@@ -82,8 +81,11 @@ class EmbeddingRequest(BaseModel):
 
 def check_dimensions(dimensions: int | None) -> None:
     if dimensions is not None:
-        raise invalid("dimensions", "this model does not support Matryoshka embeddings: its vectors have "
-                                    "one size, which a request cannot change; omit dimensions")
+        raise invalid(
+            "dimensions",
+            "this model does not support Matryoshka embeddings: its vectors have "
+            "one size, which a request cannot change; omit dimensions",
+        )
 
 
 class InputError(ValueError):
@@ -107,12 +109,14 @@ def check_inputs(prompts: Sequence[Sequence[int]], vocab_size: int, max_model_le
         if max(ids) >= vocab_size:
             raise InputError(i, f"token id {max(ids)} is outside the vocabulary of {vocab_size} tokens")
         if len(ids) > max_model_len:
-            raise InputError(i, f"this model's maximum context length is {max_model_len} tokens, but "
-                                f"the input has {len(ids)}", "context_length_exceeded")
+            raise InputError(
+                i,
+                f"this model's maximum context length is {max_model_len} tokens, but the input has {len(ids)}",
+                "context_length_exceeded",
+            )
 
 
-def embedding_prompts(body: EmbeddingRequest, tokenizer: Tokenizer,
-                      limits: validation.ModelLimits) -> list[list[int]]:
+def embedding_prompts(body: EmbeddingRequest, tokenizer: Tokenizer, limits: validation.ModelLimits) -> list[list[int]]:
     """Each input as token ids (a string tokenized with the model's special tokens),
     checked (`check_inputs`); a 400 naming `input` (and which one) otherwise."""
     value = body.input
@@ -137,16 +141,30 @@ def embedding_prompts(body: EmbeddingRequest, tokenizer: Tokenizer,
 # --- the scheduler calls ---------------------------------------------------------------
 
 
-async def embed_prompt(generator: TextGenerator, prompt_ids: Sequence[int], pooling: PoolingType,
-                       request_id: str, priority: int = 0, tenant: str = "", traceparent: str = "",
-                       session: str = "", lora_name: str = "") -> tuple[Embedding, Usage]:
+async def embed_prompt(
+    generator: TextGenerator,
+    prompt_ids: Sequence[int],
+    pooling: PoolingType,
+    request_id: str,
+    priority: int = 0,
+    tenant: str = "",
+    traceparent: str = "",
+    session: str = "",
+    lora_name: str = "",
+) -> tuple[Embedding, Usage]:
     """One input's vector and usage, from one pooling request (under LoRA adapter
     `lora_name`, "" for the base model); GenerationError when the scheduler refuses or fails
     it. Cancelling it cancels the scheduler call (the request is aborted and its blocks
     freed)."""
     request = scheduler_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=list(prompt_ids), priority=priority, tenant=tenant,
-        arrival_time_ns=time.time_ns(), pooling=pooling.to_pb(), lora_name=lora_name)
+        request_id=request_id,
+        prompt_token_ids=list(prompt_ids),
+        priority=priority,
+        tenant=tenant,
+        arrival_time_ns=time.time_ns(),
+        pooling=pooling.to_pb(),
+        lora_name=lora_name,
+    )
     request.sampling_params.n = 1
     if traceparent:
         request.trace_context.traceparent = traceparent
@@ -158,26 +176,26 @@ async def embed_prompt(generator: TextGenerator, prompt_ids: Sequence[int], pool
             if not resp.HasField("usage"):
                 continue
             if not resp.HasField("embedding"):
-                raise GenerationError(grpc.StatusCode.INTERNAL, f"request {request_id} ended without its "
-                                                                "vector")
-            usage = Usage(resp.usage.num_prompt_tokens, 0, resp.usage.num_cached_tokens,
-                          resp.usage.num_preemptions)
+                raise GenerationError(grpc.StatusCode.INTERNAL, f"request {request_id} ended without its vector")
+            usage = Usage(resp.usage.num_prompt_tokens, 0, resp.usage.num_cached_tokens, resp.usage.num_preemptions)
             return embedding_from_pb(resp.embedding), usage
-        raise GenerationError(grpc.StatusCode.UNAVAILABLE, f"request {request_id}: the scheduler's "
-                                                           "stream ended early")
+        raise GenerationError(grpc.StatusCode.UNAVAILABLE, f"request {request_id}: the scheduler's stream ended early")
     except grpc.aio.AioRpcError as exc:
         raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
     finally:
         await responses.aclose()
 
 
-async def embed_all(generator: TextGenerator, prompts: Sequence[Sequence[int]], pooling: PoolingType,
-                    request_id: str, **kwargs: Any) -> list[tuple[Embedding, Usage]]:
+async def embed_all(
+    generator: TextGenerator, prompts: Sequence[Sequence[int]], pooling: PoolingType, request_id: str, **kwargs: Any
+) -> list[tuple[Embedding, Usage]]:
     """Every input at once, in order. The first failure (or a cancellation) cancels the
     others, so no scheduler request outlives the call."""
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    tasks = [asyncio.ensure_future(embed_prompt(generator, p, pooling, rid, **kwargs))
-             for p, rid in zip(prompts, ids, strict=True)]
+    tasks = [
+        asyncio.ensure_future(embed_prompt(generator, p, pooling, rid, **kwargs))
+        for p, rid in zip(prompts, ids, strict=True)
+    ]
     try:
         return await asyncio.gather(*tasks)
     finally:
@@ -186,17 +204,21 @@ async def embed_all(generator: TextGenerator, prompts: Sequence[Sequence[int]], 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def serve_embeddings(generator: TextGenerator, metrics: GatewayMetrics | None,
-                           prompts: Sequence[Sequence[int]], pooling: PoolingType, request_id: str,
-                           guard: Callable[[Awaitable[T]], Awaitable[T]] | None = None,
-                           **kwargs: Any) -> list[tuple[Embedding, Usage]]:
+async def serve_embeddings(
+    generator: TextGenerator,
+    metrics: GatewayMetrics | None,
+    prompts: Sequence[Sequence[int]],
+    pooling: PoolingType,
+    request_id: str,
+    guard: Callable[[Awaitable[T]], Awaitable[T]] | None = None,
+    **kwargs: Any,
+) -> list[tuple[Embedding, Usage]]:
     """`embed_all` for a front door, counted in the gateway's metrics as a request of one
     choice per input (REST and gRPC alike): finished "stop", or "abort" when the client
     went away (a cancelled call, or `guard`'s ClientGone). `guard` wraps the work (REST:
     cancel it when the client disconnects)."""
     num_prompt_tokens = sum(map(len, prompts))
-    serving = (metrics.serving(len(prompts), num_prompt_tokens) if metrics is not None
-               else contextlib.nullcontext())
+    serving = metrics.serving(len(prompts), num_prompt_tokens) if metrics is not None else contextlib.nullcontext()
     with serving as timer:
         work = embed_all(generator, prompts, pooling, request_id, **kwargs)
         try:
@@ -215,16 +237,22 @@ async def serve_embeddings(generator: TextGenerator, metrics: GatewayMetrics | N
 # --- the response ----------------------------------------------------------------------
 
 
-def embedding_response(request_id: str, model: str, vectors: Sequence[Embedding], usage: Usage,
-                       encoding_format: str) -> dict[str, Any]:
+def embedding_response(
+    request_id: str, model: str, vectors: Sequence[Embedding], usage: Usage, encoding_format: str
+) -> dict[str, Any]:
     """OpenAI's `CreateEmbeddingResponse` (with vLLM's `id` and `created`)."""
     if encoding_format == "base64":
         data = [base64.b64encode(v).decode("ascii") for v in vectors]
     else:
         data = [embedding_values(v) for v in vectors]
-    return {"id": request_id, "object": "list", "created": int(time.time()), "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
-            "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
+    return {
+        "id": request_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+        "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens},
+    }
 
 
 def add_routes(app: FastAPI, gw: Any) -> None:
@@ -246,12 +274,20 @@ def add_routes(app: FastAPI, gw: Any) -> None:
         priority = body.priority if key is None else max(body.priority, key.priority)
         lora = gw.limits.lora_name(body.model)  # (the adapter's vector, as vLLM's)
         results = await serve_embeddings(
-            gw.generator, gw.metrics, prompts, PoolingType(gw.config.pooling_type), request_id,
+            gw.generator,
+            gw.metrics,
+            prompts,
+            PoolingType(gw.config.pooling_type),
+            request_id,
             lambda work: streaming.unless_disconnected(request, work),
-            priority=priority, tenant=key.tenant if key is not None else "",
+            priority=priority,
+            tenant=key.tenant if key is not None else "",
             traceparent=request.headers.get("traceparent", ""),
-            session=(request.headers.get("x-session-id") or body.user or "")[:256], lora_name=lora)
+            session=(request.headers.get("x-session-id") or body.user or "")[:256],
+            lora_name=lora,
+        )
         usage = Usage(sum(u.prompt_tokens for _, u in results))
-        payload = embedding_response(request_id, lora or gw.limits.name, [v for v, _ in results], usage,
-                                     body.encoding_format)
+        payload = embedding_response(
+            request_id, lora or gw.limits.name, [v for v, _ in results], usage, body.encoding_format
+        )
         return JSONResponse(payload, headers={"X-Request-Id": request_id})

@@ -39,8 +39,7 @@ def error_type(status: int) -> str:
 class ApiError(Exception):
     """A refusal with its HTTP status; `param` names the offending field."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -51,10 +50,15 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
-def error_body(status: int, message: str, param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type(status), "param": param,
-                      "code": code if code is not None else status}}
+def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": error_type(status),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
 
 
 def invalid(param: str | None, message: str, code: str | None = None) -> ApiError:
@@ -73,12 +77,19 @@ def body_parse_error(cause: BaseException | None) -> ApiError | None:
     if isinstance(cause, UnicodeDecodeError):
         byte = cause.object[cause.start] if cause.start < len(cause.object) else None
         what = f"byte 0x{byte:02x}" if byte is not None else "the end"
-        return invalid("body", f"not valid {cause.encoding.upper()}: {what} at offset {cause.start} "
-                               f"({cause.reason}); send JSON encoded as UTF-8", "invalid_encoding")
+        return invalid(
+            "body",
+            f"not valid {cause.encoding.upper()}: {what} at offset {cause.start} "
+            f"({cause.reason}); send JSON encoded as UTF-8",
+            "invalid_encoding",
+        )
     if isinstance(cause, RecursionError):
-        return invalid("body", f"the JSON is nested too deeply to parse (arrays and objects "
-                               f"nest at most about {sys.getrecursionlimit()} levels)",
-                       "json_too_deep")
+        return invalid(
+            "body",
+            f"the JSON is nested too deeply to parse (arrays and objects "
+            f"nest at most about {sys.getrecursionlimit()} levels)",
+            "json_too_deep",
+        )
     return None
 
 
@@ -93,8 +104,7 @@ def _param_from_loc(loc: Sequence[Any]) -> str | None:
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_NAMES \
-                and not part[:1].isupper():
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_NAMES and not part[:1].isupper():
             out += f".{part}" if out else part
         else:
             break  # a union member's name: what follows is that member's detail
@@ -115,13 +125,13 @@ def from_validation_errors(errors: Iterable[Mapping[str, Any]], content_type: st
     kind = first.get("type", "")
     if kind == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
-        return invalid(None, f"the body is not valid JSON{': ' + str(detail) if detail else ''}",
-                       "invalid_json")
+        return invalid(None, f"the body is not valid JSON{': ' + str(detail) if detail else ''}", "invalid_json")
     loc = list(first.get("loc", ()))
     if loc in (["body"], []):
         if "json" not in content_type.lower():
-            return invalid(None, "send the body as JSON with the header "
-                                 "'Content-Type: application/json'", "invalid_content_type")
+            return invalid(
+                None, "send the body as JSON with the header 'Content-Type: application/json'", "invalid_content_type"
+            )
         if kind == "missing":
             return invalid(None, "the request has no body; send a JSON object")
         return invalid(None, f"the body must be a JSON object: {_message(first)}")
@@ -129,6 +139,9 @@ def from_validation_errors(errors: Iterable[Mapping[str, Any]], content_type: st
     if kind == "missing":
         return invalid(param, "this field is required", "missing_field")
     if kind == "extra_forbidden":
-        return invalid(param, "unknown field: this server does not support it (see /docs for "
-                              "the fields it takes)", "unsupported_field")
+        return invalid(
+            param,
+            "unknown field: this server does not support it (see /docs for the fields it takes)",
+            "unsupported_field",
+        )
     return invalid(param, _message(first))

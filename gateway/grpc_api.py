@@ -30,14 +30,7 @@ from gateway.core import TextGenerator
 from gateway.generation import ChoiceDelta, Finished, GenerationError, GenerationParams
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import stop_limits
-from gateway.ratelimit import (
-    ANONYMOUS,
-    RateLimiter,
-    RateLimitExceeded,
-    key_id,
-    key_salt,
-    token_cost,
-)
+from gateway.ratelimit import ANONYMOUS, RateLimiter, RateLimitExceeded, key_id, key_salt, token_cost
 from services import grammar
 from services.admission import AdmissionError, Limits, admit
 from services.generation_config import SamplingDefaults, sampling_defaults
@@ -62,8 +55,11 @@ _NO_DEFAULTS = SamplingDefaults()  # every field a request leaves unset is off
 
 
 def add_generation_service(
-    server: grpc.aio.Server, generator: TextGenerator, config: GatewayConfig,
-    limiter: RateLimiter | None = None, metrics: GatewayMetrics | None = None,
+    server: grpc.aio.Server,
+    generator: TextGenerator,
+    config: GatewayConfig,
+    limiter: RateLimiter | None = None,
+    metrics: GatewayMetrics | None = None,
     loras: dict[str, str] | None = None,
 ) -> list[str]:
     """Registers the Generation servicer on `server`; returns the full names of the services
@@ -75,15 +71,16 @@ def add_generation_service(
     if limiter is None and config.rate_limits_enabled:
         limiter = RateLimiter.create(config.default_rate_limit, config.redis_url)
     gateway_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(generator, config, limiter, metrics, loras), server)
+        GenerationServicer(generator, config, limiter, metrics, loras), server
+    )
     return [SERVICE_NAME]
 
 
-async def _abort_rate_limited(context: grpc.aio.ServicerContext,
-                              exc: RateLimitExceeded) -> None:
+async def _abort_rate_limited(context: grpc.aio.ServicerContext, exc: RateLimitExceeded) -> None:
     retry_after = exc.retry_after_header
-    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message,
-                        (("retry-after", retry_after),) if retry_after else ())
+    await context.abort(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message, (("retry-after", retry_after),) if retry_after else ()
+    )
 
 
 class RequestError(Exception):
@@ -101,8 +98,7 @@ def _invalid(field: str, reason: str) -> RequestError:
 
 
 def params_from_pb(
-    options: gateway_pb2.TextGenerationOptions, key: ApiKey = _NO_KEY,
-    defaults: SamplingDefaults = _NO_DEFAULTS,
+    options: gateway_pb2.TextGenerationOptions, key: ApiKey = _NO_KEY, defaults: SamplingDefaults = _NO_DEFAULTS
 ) -> GenerationParams:
     """Generation parameters read and checked on their own; RequestError naming the first bad
     field. The sampling fields are read by the codec every layer shares (`options_from_pb`),
@@ -135,8 +131,7 @@ def params_from_pb(
         priority=max(options.priority, key.priority),
         tenant=key.tenant,
         debug_timeline=options.debug_timeline,
-        skip_special_tokens=(options.skip_special_tokens
-                             if options.HasField("skip_special_tokens") else True),
+        skip_special_tokens=(options.skip_special_tokens if options.HasField("skip_special_tokens") else True),
         include_stop_str_in_output=options.include_stop_str_in_output,
     )
 
@@ -148,8 +143,7 @@ def admit_prompt(field: str, num_prompt_tokens: int, params: GenerationParams, l
     try:
         admit(params.sampling, limits, num_prompt_tokens)
     except AdmissionError as exc:
-        raise _invalid(field if exc.field == "prompt" else f"options.sampling_params.{exc.path}",
-                       exc.reason) from None
+        raise _invalid(field if exc.field == "prompt" else f"options.sampling_params.{exc.path}", exc.reason) from None
 
 
 def response_from_delta(request_id: str, delta: ChoiceDelta) -> gateway_pb2.TextGenerateResponse:
@@ -164,8 +158,7 @@ def response_from_delta(request_id: str, delta: ChoiceDelta) -> gateway_pb2.Text
         for t in lp.top:
             entry.top.add(token_id=t.token_id, token=t.token, logprob=t.logprob)
     if delta.finish_reason is not None:
-        choice.finish_reason = _FINISH_REASONS.get(delta.finish_reason,
-                                                   common_pb2.FINISH_REASON_ERROR)
+        choice.finish_reason = _FINISH_REASONS.get(delta.finish_reason, common_pb2.FINISH_REASON_ERROR)
     if isinstance(delta.stop_reason, str):
         choice.stop_string = delta.stop_reason
     elif delta.stop_token_id is not None:  # EOS too, which REST reports as null (vLLM)
@@ -187,9 +180,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     """`pagoda.v1.Generation` on one `TextGenerator`. Holds no per-request state: each call
     owns its generate iterator and closes it however the call ends."""
 
-    def __init__(self, generator: TextGenerator, config: GatewayConfig,
-                 limiter: RateLimiter | None = None, metrics: GatewayMetrics | None = None,
-                 loras: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        generator: TextGenerator,
+        config: GatewayConfig,
+        limiter: RateLimiter | None = None,
+        metrics: GatewayMetrics | None = None,
+        loras: dict[str, str] | None = None,
+    ) -> None:
         self.generator = generator
         self.metrics = metrics
         self.config = config
@@ -199,8 +197,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         self.model_names = config.model_names
         self.loras = loras if loras is not None else dict(lora_modules(config.lora_modules))
         # the sampling of the fields a request leaves unset (--generation-config), as REST's
-        self.sampling_defaults = sampling_defaults(config.model, config.generation_config,
-                                                   config.override_generation_config)
+        self.sampling_defaults = sampling_defaults(
+            config.model, config.generation_config, config.override_generation_config
+        )
         self.limits = Limits(
             vocab_size=_model_vocab_size(tokenizer.model_dir, tokenizer.vocab_size),
             max_model_len=config.max_model_len,
@@ -263,10 +262,16 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         metadata = dict(context.invocation_metadata() or ())
         try:
             results = await embeddings.serve_embeddings(
-                self.generator, self.metrics, prompts, PoolingType(self.config.pooling_type), request_id,
-                priority=max(request.priority, key.priority), tenant=key.tenant,
+                self.generator,
+                self.metrics,
+                prompts,
+                PoolingType(self.config.pooling_type),
+                request_id,
+                priority=max(request.priority, key.priority),
+                tenant=key.tenant,
                 traceparent=str(metadata.get("traceparent", "")),
-                lora_name=request.model if request.model in self.loras else "")
+                lora_name=request.model if request.model in self.loras else "",
+            )
         except GenerationError as exc:
             retry = exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
             await context.abort(exc.code, exc.message, (("retry-after", "1"),) if retry else ())
@@ -283,8 +288,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             self._authenticate(context)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
-        return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelCard(
-            id=name, owned_by="pagoda", max_model_len=self.limits.max_model_len) for name in self.model_names])
+        return gateway_pb2.ListModelsResponse(
+            models=[
+                gateway_pb2.ModelCard(id=name, owned_by="pagoda", max_model_len=self.limits.max_model_len)
+                for name in self.model_names
+            ]
+        )
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -295,8 +304,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         metadata = dict(context.invocation_metadata() or ())
         scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization",
-                               "missing API key; send `authorization: Bearer <key>` metadata")
+            raise RequestError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "authorization",
+                "missing API key; send `authorization: Bearer <key>` metadata",
+            )
         token = token.strip()
         found = None
         for candidate, grant in self.config.api_keys.items():  # constant time per key
@@ -308,19 +320,20 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             self._key_salt = key_salt(self.config.api_keys)
         return found, key_id(token, self._key_salt)
 
-    async def _charge(self, bucket: str, key: ApiKey, prompt_ids: Sequence[int],
-                      params: GenerationParams) -> None:
+    async def _charge(self, bucket: str, key: ApiKey, prompt_ids: Sequence[int], params: GenerationParams) -> None:
         if self.limiter is None:
             return
-        tokens = token_cost([len(prompt_ids)], params.sampling.max_tokens, params.sampling.n,
-                            self.limits.max_model_len)
+        tokens = token_cost([len(prompt_ids)], params.sampling.max_tokens, params.sampling.n, self.limits.max_model_len)
         await self.limiter.admit(bucket, key.rate_limit, tokens)
 
     def _check_model(self, model: str) -> None:
         if model and model not in self.model_names and model not in self.loras:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, "model",
-                               f"{model!r} is not served here; this gateway serves "
-                               + " or ".join(repr(n) for n in (*self.model_names, *self.loras)))
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                "model",
+                f"{model!r} is not served here; this gateway serves "
+                + " or ".join(repr(n) for n in (*self.model_names, *self.loras)),
+            )
 
     def _with_lora(self, params: GenerationParams, model: str) -> GenerationParams:
         """The LoRA adapter a request's `model` names, if it names one."""
@@ -338,8 +351,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                 raise _invalid("token_ids.ids", "must not be empty")
             for i, token_id in enumerate(ids):
                 if token_id >= self.limits.vocab_size:
-                    raise _invalid(f"token_ids.ids[{i}]", f"token id {token_id} is outside the "
-                                                          f"vocabulary of {self.limits.vocab_size}")
+                    raise _invalid(
+                        f"token_ids.ids[{i}]",
+                        f"token id {token_id} is outside the vocabulary of {self.limits.vocab_size}",
+                    )
             return "token_ids.ids", ids
         raise _invalid("prompt", "set one of text or token_ids")
 
@@ -381,10 +396,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         request_id = f"grpc-{uuid.uuid4().hex}"
         metadata = dict(context.invocation_metadata() or ())
         await context.send_initial_metadata((("x-request-id", request_id),))
-        events = self.generator.generate(prompt_ids, params, request_id,
-                                         str(metadata.get("traceparent", "")))
-        serving = (self.metrics.serving(params.sampling.n, len(prompt_ids)) if self.metrics is not None
-                   else contextlib.nullcontext())
+        events = self.generator.generate(prompt_ids, params, request_id, str(metadata.get("traceparent", "")))
+        serving = (
+            self.metrics.serving(params.sampling.n, len(prompt_ids))
+            if self.metrics is not None
+            else contextlib.nullcontext()
+        )
         # A choice's last delta waits for the next event, so that when it is the request's
         # last the usage rides on the same message.
         held: gateway_pb2.TextGenerateResponse | None = None
@@ -401,12 +418,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                             msg = held or gateway_pb2.TextGenerateResponse(request_id=request_id)
                             held = None
                             u = event.usage
-                            msg.usage.CopyFrom(common_pb2.Usage(
-                                num_prompt_tokens=u.prompt_tokens,
-                                num_completion_tokens=u.completion_tokens,
-                                num_cached_tokens=u.cached_tokens,
-                                num_preemptions=u.preemptions,
-                            ))
+                            msg.usage.CopyFrom(
+                                common_pb2.Usage(
+                                    num_prompt_tokens=u.prompt_tokens,
+                                    num_completion_tokens=u.completion_tokens,
+                                    num_cached_tokens=u.cached_tokens,
+                                    num_preemptions=u.preemptions,
+                                )
+                            )
                             msg.timeline.extend(event.timeline)
                             yield msg
                             continue

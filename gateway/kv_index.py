@@ -42,9 +42,13 @@ class KVIndex:
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def cached_blocks(self, replicas: Sequence[tuple[str, str | None]], token_ids: Sequence[int],
-                            block_size: int, known: Mapping[str | None, list[bytes]] | None = None,
-                            ) -> tuple[dict[str, int], int, dict[str, int]] | None:
+    async def cached_blocks(
+        self,
+        replicas: Sequence[tuple[str, str | None]],
+        token_ids: Sequence[int],
+        block_size: int,
+        known: Mapping[str | None, list[bytes]] | None = None,
+    ) -> tuple[dict[str, int], int, dict[str, int]] | None:
         """({replica: leading blocks of the prompt it holds}, the prompt's full blocks,
         {replica: blocks in its prefix cache}) for the replicas (name, namespace) whose
         heartbeat is live (0 for the others); None when Redis cannot say now. `known`: the
@@ -74,8 +78,11 @@ class KVIndex:
             self.num_failures += 1
             self._skip_until = now + RETRY_AFTER_S
             if not self.failing:
-                log.warning("prefix index in Redis unreachable (%s: %s): routing by load until it is back",
-                            type(exc).__name__, exc)
+                log.warning(
+                    "prefix index in Redis unreachable (%s: %s): routing by load until it is back",
+                    type(exc).__name__,
+                    exc,
+                )
             self.failing = True
             return None
         if self.failing:

@@ -55,8 +55,11 @@ def add_lora_routes(app: FastAPI, gw) -> None:
         name = body.lora_name
         await refresh_loras(gw)
         if name in gw.limits.names:
-            raise ApiError(400, f"lora_name: {name!r} is a name of the base model; load the adapter under "
-                                "another name", "lora_name")
+            raise ApiError(
+                400,
+                f"lora_name: {name!r} is a name of the base model; load the adapter under another name",
+                "lora_name",
+            )
         if name in gw.limits.loras:
             raise ApiError(400, f"lora_name: the adapter {name!r} has already been loaded", "lora_name")
         served = await _call(gw, True, name, body.lora_path)
@@ -87,12 +90,16 @@ def _check_allowed(gw, request: Request) -> None:
     if not gw.config.enable_lora:
         raise ApiError(400, "LoRA is off on this server (--enable-lora)", code="lora_disabled")
     if not gw.config.allow_runtime_lora_updating:
-        raise ApiError(403, "loading and unloading LoRA adapters at run time is off "
-                            "(--allow-runtime-lora-updating)", code="forbidden")
+        raise ApiError(
+            403,
+            "loading and unloading LoRA adapters at run time is off (--allow-runtime-lora-updating)",
+            code="forbidden",
+        )
     grant = getattr(request.state, "api_key", None)
     if gw.config.api_keys and (grant is None or not grant.admin):
-        raise ApiError(403, "this API key may not load or unload LoRA adapters (it has no admin grant)",
-                       code="forbidden")
+        raise ApiError(
+            403, "this API key may not load or unload LoRA adapters (it has no admin grant)", code="forbidden"
+        )
 
 
 async def refresh_loras(gw) -> None:

@@ -19,8 +19,27 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Per token (inter-token, per output token): up to 80 s, as vLLM's.
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 # Time to first token: vLLM's buckets, up to 2,560 s (a long prompt on a CPU takes minutes).
 TTFT_BUCKETS = (*LATENCY_BUCKETS, 160.0, 640.0, 2560.0)
 # A whole request: up to 7,680 s, as vLLM's end-to-end latency reaches.
@@ -34,34 +53,56 @@ class GatewayMetrics:
         self.model_name = model_name
         r, labels = self.registry, ["model_name"]
         self.request_success = Counter(
-            "pagoda:request_success", "Finished choices by finish reason.",
-            labels + ["finished_reason"], registry=r)
+            "pagoda:request_success", "Finished choices by finish reason.", labels + ["finished_reason"], registry=r
+        )
         self.request_errors = Counter(
-            "pagoda:request_errors", "Requests refused or failed, by HTTP status.",
-            labels + ["status"], registry=r)
-        self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens of finished requests.",
-                                     labels, registry=r)
-        self.generation_tokens = Counter("pagoda:generation_tokens",
-                                         "Tokens generated for finished requests.", labels, registry=r)
+            "pagoda:request_errors", "Requests refused or failed, by HTTP status.", labels + ["status"], registry=r
+        )
+        self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r)
+        self.generation_tokens = Counter(
+            "pagoda:generation_tokens", "Tokens generated for finished requests.", labels, registry=r
+        )
         self.request_prompt_tokens = Histogram(
-            "pagoda:request_prompt_tokens", "Prompt tokens per request.", labels,
-            buckets=TOKEN_BUCKETS, registry=r)
+            "pagoda:request_prompt_tokens", "Prompt tokens per request.", labels, buckets=TOKEN_BUCKETS, registry=r
+        )
         self.request_generation_tokens = Histogram(
-            "pagoda:request_generation_tokens", "Generated tokens per request.", labels,
-            buckets=TOKEN_BUCKETS, registry=r)
-        self.ttft = Histogram("pagoda:time_to_first_token_seconds",
-                              "Request arrival to its first text.", labels,
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("pagoda:inter_token_latency_seconds",
-                             "Between consecutive output tokens of a choice.", labels,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pagoda:e2e_request_latency_seconds", "Request arrival to its end.",
-                             labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("pagoda:api_requests_in_flight",
-                               "Generation requests the gateway is serving now.", labels, registry=r)
-        self.tpot = Histogram("pagoda:time_per_output_token_seconds",
-                              "Per request: (end - first token) / (generated tokens - 1).", labels,
-                              buckets=LATENCY_BUCKETS, registry=r)
+            "pagoda:request_generation_tokens",
+            "Generated tokens per request.",
+            labels,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pagoda:time_to_first_token_seconds",
+            "Request arrival to its first text.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pagoda:inter_token_latency_seconds",
+            "Between consecutive output tokens of a choice.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pagoda:e2e_request_latency_seconds",
+            "Request arrival to its end.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "pagoda:api_requests_in_flight", "Generation requests the gateway is serving now.", labels, registry=r
+        )
+        self.tpot = Histogram(
+            "pagoda:time_per_output_token_seconds",
+            "Per request: (end - first token) / (generated tokens - 1).",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.engine = EngineView(model_name, lora_info)
         r.register(self.engine)
 
@@ -183,14 +224,17 @@ class EngineView:
         yield gauge("pagoda:num_requests_running", "Requests prefilling or decoding.", s.num_running)
         yield gauge("pagoda:num_requests_waiting", "Requests waiting (preempted ones included).", s.num_waiting)
         yield gauge("pagoda:num_requests_preempted", "Waiting requests that were preempted.", s.num_preempted)
-        yield gauge("pagoda:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
-                    kv.num_used_blocks / kv.num_total_blocks if kv.num_total_blocks else 0.0)
+        yield gauge(
+            "pagoda:kv_cache_usage_perc",
+            "Fraction of KV blocks in use (1 = full).",
+            kv.num_used_blocks / kv.num_total_blocks if kv.num_total_blocks else 0.0,
+        )
         yield gauge("pagoda:kv_cache_used_blocks", "KV blocks in use.", kv.num_used_blocks)
         yield gauge("pagoda:kv_cache_cached_blocks", "KV blocks holding a cached prefix.", kv.num_cached_blocks)
-        yield counter("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      kv.num_prefix_query_tokens)
-        yield counter("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      kv.num_prefix_hit_tokens)
+        yield counter(
+            "pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.num_prefix_query_tokens
+        )
+        yield counter("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.num_prefix_hit_tokens)
         yield counter("pagoda:num_preemptions", "Requests preempted by recompute.", s.num_preemptions)
         yield from self._speculation(s, labels, value)
         yield self._device_info(s)
@@ -203,17 +247,25 @@ class EngineView:
         kv = s.kv_cache
         yield gauge("vllm:num_requests_waiting", "Requests waiting (for an endpoint picker).", s.num_waiting)
         yield gauge("vllm:num_requests_running", "Requests running (for an endpoint picker).", s.num_running)
-        yield gauge("vllm:kv_cache_usage_perc", "KV usage, 1 = full (for an endpoint picker).",
-                    kv.num_used_blocks / kv.num_total_blocks if kv.num_total_blocks else 0.0)
-        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's layout (for an endpoint picker).",
-                                 labels=["model_name", "block_size", "num_gpu_blocks"])
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV usage, 1 = full (for an endpoint picker).",
+            kv.num_used_blocks / kv.num_total_blocks if kv.num_total_blocks else 0.0,
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "The KV cache's layout (for an endpoint picker).",
+            labels=["model_name", "block_size", "num_gpu_blocks"],
+        )
         info.add_metric([self.model_name, str(kv.block_size), str(kv.num_total_blocks)], 1.0)
         yield info
         if self.lora_info is not None:
             max_loras, loaded = self.lora_info()
-            lora = GaugeMetricFamily("vllm:lora_requests_info", "Adapters held, as of the value's time "
-                                     "(for an endpoint picker).",
-                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            lora = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Adapters held, as of the value's time (for an endpoint picker).",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
             lora.add_metric([str(max_loras), ",".join(sorted(loaded)), ""], time.time())
             yield lora
 
@@ -222,17 +274,22 @@ class EngineView:
         """Speculative decoding's counters under vLLM's names (verify steps, drafted and
         accepted tokens, accepted per draft position)."""
         for name, doc, v in (
-                ("pagoda:spec_decode_num_drafts", "Verify steps of a sequence (speculative decoding).",
-                 s.num_spec_drafts),
-                ("pagoda:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.num_spec_draft_tokens),
-                ("pagoda:spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
-                 s.num_spec_accepted_tokens)):
+            ("pagoda:spec_decode_num_drafts", "Verify steps of a sequence (speculative decoding).", s.num_spec_drafts),
+            ("pagoda:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.num_spec_draft_tokens),
+            (
+                "pagoda:spec_decode_num_accepted_tokens",
+                "Draft tokens the target model accepted.",
+                s.num_spec_accepted_tokens,
+            ),
+        ):
             family = CounterMetricFamily(name, doc, labels=labels)
             family.add_metric(value, v)
             yield family
-        family = CounterMetricFamily("pagoda:spec_decode_num_accepted_tokens_per_pos",
-                                     "Accepted drafts by position after the known tokens.",
-                                     labels=[*labels, "position"])
+        family = CounterMetricFamily(
+            "pagoda:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafts by position after the known tokens.",
+            labels=[*labels, "position"],
+        )
         for position, v in enumerate(s.num_spec_accepted_per_position):
             family.add_metric([*value, str(position)], v)
         yield family
@@ -240,8 +297,11 @@ class EngineView:
     def _device_info(self, s) -> GaugeMetricFamily:
         """1 per stage, labelled with the device it runs on: "emulated:PROFILE" marks a stack
         whose compute is a modelled wait (worker_svc/execution/emulated.py), never a measurement."""
-        family = GaugeMetricFamily("pagoda:device_info", "The device each pipeline stage runs on "
-                                   "(emulated:PROFILE: an emulated one).", labels=["model_name", "stage", "device"])
+        family = GaugeMetricFamily(
+            "pagoda:device_info",
+            "The device each pipeline stage runs on (emulated:PROFILE: an emulated one).",
+            labels=["model_name", "stage", "device"],
+        )
         for stage in s.stages:
             family.add_metric([self.model_name, str(stage.stage_index), stage.load_info.device], 1.0)
         return family

@@ -21,8 +21,9 @@ from gateway.errors import error_body
 from gateway.ratelimit import key_id, key_salt
 
 # Readable without a key: probes, scrapers and the API's own description.
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs",
-                        "/docs/oauth2-redirect", "/redoc", "/dashboard"})  # the page holds no data
+OPEN_PATHS = frozenset(
+    {"/health", "/version", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/dashboard"}
+)  # the page holds no data
 
 Scope = dict[str, Any]
 # how much of a body over the limit is read (and dropped) so that its client reads the 413;
@@ -40,8 +41,14 @@ class GatewayMiddleware:
     The request's key grant, when there is one, is left in `request.state.api_key`.
     """
 
-    def __init__(self, app: Any, api_keys: Mapping[str, ApiKey], max_body_bytes: int,
-                 on_refused: Callable[[int], None] | None = None, metrics_require_key: bool = False) -> None:
+    def __init__(
+        self,
+        app: Any,
+        api_keys: Mapping[str, ApiKey],
+        max_body_bytes: int,
+        on_refused: Callable[[int], None] | None = None,
+        metrics_require_key: bool = False,
+    ) -> None:
         self.app = app
         self._open_paths = OPEN_PATHS - {"/metrics"} if metrics_require_key else OPEN_PATHS
         # looked up by digest, so that no comparison of the secret itself leaks its length
@@ -59,15 +66,20 @@ class GatewayMiddleware:
         if self._keys and scope["path"] not in self._open_paths:
             if sum(1 for k, _ in scope["headers"] if k.lower() == b"authorization") > 1:
                 # one key per request: two could authenticate one and be charged to another
-                await self._refuse(send, 400, "more than one Authorization header",
-                                   "invalid_request")
+                await self._refuse(send, 400, "more than one Authorization header", "invalid_request")
                 return
             grant = self._authenticate(headers.get("authorization", ""))
             if grant is None:
                 missing = not headers.get("authorization")
-                await self._refuse(send, 401, "no API key: send the header 'Authorization: Bearer "
-                                              "<key>'" if missing else "the API key is not valid",
-                                   "invalid_api_key", {"www-authenticate": "Bearer"})
+                await self._refuse(
+                    send,
+                    401,
+                    "no API key: send the header 'Authorization: Bearer <key>'"
+                    if missing
+                    else "the API key is not valid",
+                    "invalid_api_key",
+                    {"www-authenticate": "Bearer"},
+                )
                 return
             state = scope.setdefault("state", {})
             state["api_key"] = grant
@@ -75,8 +87,7 @@ class GatewayMiddleware:
             state["api_key_id"] = key_id(_token(headers.get("authorization", "")), self._salt)
         declared = headers.get("content-length")
         if declared is not None and not declared.isdigit():
-            await self._refuse(send, 400, "the Content-Length header is not a number",
-                               "invalid_content_length")
+            await self._refuse(send, 400, "the Content-Length header is not a number", "invalid_content_length")
             return
         too_large = declared is not None and int(declared) > self.max_body_bytes
         drained = max(DRAIN_BYTES, 2 * self.max_body_bytes)
@@ -121,17 +132,21 @@ class GatewayMiddleware:
         return None if token is None else self._keys.get(_digest(token))
 
     async def _refuse_size(self, send: Any) -> None:
-        await self._refuse(send, 413, f"the request body is larger than the limit of "
-                                      f"{self.max_body_bytes} bytes", "request_too_large")
+        await self._refuse(
+            send, 413, f"the request body is larger than the limit of {self.max_body_bytes} bytes", "request_too_large"
+        )
 
-    async def _refuse(self, send: Any, status: int, message: str, code: str,
-                      extra_headers: Mapping[str, str] | None = None) -> None:
+    async def _refuse(
+        self, send: Any, status: int, message: str, code: str, extra_headers: Mapping[str, str] | None = None
+    ) -> None:
         if self._on_refused is not None:
             self._on_refused(status)
         payload = json.dumps(error_body(status, message, None, code)).encode()
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(payload)).encode()),
-                   (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            (b"connection", b"close"),
+        ]
         headers += [(k.encode(), v.encode()) for k, v in (extra_headers or {}).items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})

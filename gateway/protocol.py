@@ -34,15 +34,15 @@ def check_text(value: Any) -> Any:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ValueError(f"not valid Unicode: a lone surrogate ({value[exc.start]!r}) at "
-                             f"character {exc.start}") from None
+            raise ValueError(
+                f"not valid Unicode: a lone surrogate ({value[exc.start]!r}) at character {exc.start}"
+            ) from None
     return value
 
 
 def check_prompt(value: Any) -> Any:
     """One clear error for a malformed prompt instead of one per member of the union."""
-    shape = ("must be a string, a list of strings, a list of token ids (non-negative integers) "
-             "or a list of such lists")
+    shape = "must be a string, a list of strings, a list of token ids (non-negative integers) or a list of such lists"
     if isinstance(value, str):
         return check_text(value)
     if not isinstance(value, list):
@@ -68,8 +68,7 @@ def check_prompt(value: Any) -> Any:
 def check_stop(value: Any) -> Any:
     if value is None:
         return value
-    if not isinstance(value, str) and (
-            not isinstance(value, list) or not all(isinstance(s, str) for s in value)):
+    if not isinstance(value, str) and (not isinstance(value, list) or not all(isinstance(s, str) for s in value)):
         raise ValueError("must be a string or a list of strings")
     stop_limits([value] if isinstance(value, str) else value)
     for s in [value] if isinstance(value, str) else value:
@@ -102,8 +101,9 @@ class _SamplingFields(BaseModel):
     # a sampling field left out (or null) takes the model's default (GET /v1/models lists them)
     temperature: float | None = Field(None, **RANGES["temperature"].bounds, description="0 is greedy.")
     top_p: float | None = Field(None, **RANGES["top_p"].bounds)
-    seed: int | None = Field(None, ge=-(2**63), lt=RANGES["seed"].lt, description="A negative seed "
-                             "wraps around to an unsigned one.")
+    seed: int | None = Field(
+        None, ge=-(2**63), lt=RANGES["seed"].lt, description="A negative seed wraps around to an unsigned one."
+    )
     stop: str | list[str] | None = Field(None, description="Stop strings, cut from the text.")
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, lt=RANGES["top_k"].lt, description="-1 or 0: off.")
@@ -115,15 +115,22 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float | None = Field(
-        None, **RANGES["presence_penalty"].bounds, description="Subtracted once from each generated token's logit.")
+        None, **RANGES["presence_penalty"].bounds, description="Subtracted once from each generated token's logit."
+    )
     frequency_penalty: float | None = Field(
-        None, **RANGES["frequency_penalty"].bounds, description="Subtracted per occurrence in the output so far.")
+        None, **RANGES["frequency_penalty"].bounds, description="Subtracted per occurrence in the output so far."
+    )
     repetition_penalty: float | None = Field(
-        None, **RANGES["repetition_penalty"].bounds, description="vLLM/transformers: divides positive "
-        "logits (multiplies negative ones) of tokens in the prompt or output; 1 is off.")
+        None,
+        **RANGES["repetition_penalty"].bounds,
+        description="vLLM/transformers: divides positive "
+        "logits (multiplies negative ones) of tokens in the prompt or output; 1 is off.",
+    )
     logit_bias: dict[str, float] | None = Field(
-        None, description=f"Token id (as a string) -> bias in [{LOGIT_BIAS_RANGE.ge:g}, "
-        f"{LOGIT_BIAS_RANGE.le:g}]; at most {MAX_LOGIT_BIAS_ENTRIES}.")
+        None,
+        description=f"Token id (as a string) -> bias in [{LOGIT_BIAS_RANGE.ge:g}, "
+        f"{LOGIT_BIAS_RANGE.le:g}]; at most {MAX_LOGIT_BIAS_ENTRIES}.",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -169,31 +176,44 @@ class _OpenAIFields(_SamplingFields):
     user: str | None = Field(None, max_length=256)
     return_token_ids: bool = Field(False, description="vLLM: the prompt's and each choice's token ids.")
     prompt_logprobs: int | None = Field(
-        None, **RANGES["prompt_logprobs"].bounds, description="vLLM: each prompt token's log-probability given the ones before "
-        "it, with this many alternatives (not with stream). Served without the prefix cache.")
+        None,
+        **RANGES["prompt_logprobs"].bounds,
+        description="vLLM: each prompt token's log-probability given the ones before "
+        "it, with this many alternatives (not with stream). Served without the prefix cache.",
+    )
     # structured output (docs/structured-output.md): at most one of these
     response_format: ResponseFormat | None = Field(
-        None, description="OpenAI: text, json_object, or json_schema with its schema.")
+        None, description="OpenAI: text, json_object, or json_schema with its schema."
+    )
     structured_outputs: StructuredOutputs | None = Field(
-        None, description="vLLM: one of json, regex, choice, grammar, json_object.")
+        None, description="vLLM: one of json, regex, choice, grammar, json_object."
+    )
     guided_json: str | dict[str, Any] | None = Field(None, description="vLLM: a JSON Schema.")
     guided_regex: str | None = Field(None, description="vLLM: a regular expression.")
     guided_choice: list[str] | None = Field(None, description="vLLM: the output is one of these.")
     guided_grammar: str | None = Field(None, description="vLLM: a Lark or GBNF grammar.")
     guided_decoding_backend: str | None = Field(
-        None, description="vLLM: only 'auto', 'guidance' or 'llguidance' (what Pagoda uses).")
+        None, description="vLLM: only 'auto', 'guidance' or 'llguidance' (what Pagoda uses)."
+    )
 
 
 class CompletionRequest(_OpenAIFields):
     """`POST /v1/completions`."""
 
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=0, lt=RANGES["max_tokens"].lt,
-                                   description="null: the rest of the context; 0: only the prompt "
-                                   "(with echo and logprobs: scored, as evaluation harnesses ask).")
+    max_tokens: int | None = Field(
+        16,
+        ge=0,
+        lt=RANGES["max_tokens"].lt,
+        description="null: the rest of the context; 0: only the prompt "
+        "(with echo and logprobs: scored, as evaluation harnesses ask).",
+    )
     logprobs: int | None = Field(None, **RANGES["logprobs"].bounds, description="Alternatives per token.")
-    echo: bool = Field(False, description="The prompt before each choice's text (and, with "
-                       "logprobs, its tokens' log-probabilities, the first null).")
+    echo: bool = Field(
+        False,
+        description="The prompt before each choice's text (and, with "
+        "logprobs, its tokens' log-probabilities, the first null).",
+    )
     best_of: int | None = Field(None, ge=1, description="Only None or n.")
     suffix: str | None = Field(None, description="Refused: not supported.")
 
@@ -223,8 +243,10 @@ class ChatMessage(BaseModel):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = Field(
-        None, description="An assistant's calls, given to the template with each call's "
-        "`arguments` as an object (as vLLM and transformers' templates expect).")
+        None,
+        description="An assistant's calls, given to the template with each call's "
+        "`arguments` as an object (as vLLM and transformers' templates expect).",
+    )
     tool_call_id: str | None = Field(None, description="A tool message's answer to this call.")
 
     check_unicode = field_validator("role", "content", "name", "tool_call_id")(check_text)
@@ -234,26 +256,37 @@ class ChatCompletionRequest(_OpenAIFields):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, **RANGES["max_tokens"].bounds,
-                                   description="Deprecated name of max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, **RANGES["max_tokens"].bounds,
-                                              description="Default: the rest of the context.")
+    max_tokens: int | None = Field(
+        None, **RANGES["max_tokens"].bounds, description="Deprecated name of max_completion_tokens."
+    )
+    max_completion_tokens: int | None = Field(
+        None, **RANGES["max_tokens"].bounds, description="Default: the rest of the context."
+    )
     logprobs: bool = False
     top_logprobs: int | None = Field(None, **RANGES["logprobs"].bounds)
     tools: list[dict[str, Any]] | None = Field(
-        None, description="Functions the model may call (given to the chat template); see tool_choice.")
+        None, description="Functions the model may call (given to the chat template); see tool_choice."
+    )
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description="'none', 'auto' (the default with tools: the reply is parsed for calls; needs the "
+        None,
+        description="'none', 'auto' (the default with tools: the reply is parsed for calls; needs the "
         "server's --enable-auto-tool-choice and --tool-call-parser, else refused), 'required' (a list of "
-        "calls), or {\"type\": \"function\", \"function\": {\"name\": ...}} (docs/structured-output.md).")
-    parallel_tool_calls: bool = Field(True, description="false: at most one call ('auto': the first the "
-                                                        "reply holds; 'required': exactly one).")
-    include_reasoning: bool = Field(True, description="vLLM: with the server's --reasoning-parser, false "
-                                                      "drops the reasoning (reasoning_content) from the reply.")
+        'calls), or {"type": "function", "function": {"name": ...}} (docs/structured-output.md).',
+    )
+    parallel_tool_calls: bool = Field(
+        True, description="false: at most one call ('auto': the first the reply holds; 'required': exactly one)."
+    )
+    include_reasoning: bool = Field(
+        True,
+        description="vLLM: with the server's --reasoning-parser, false "
+        "drops the reasoning (reasoning_content) from the reply.",
+    )
     add_generation_prompt: bool = True
     continue_final_message: bool = Field(
-        False, description="vLLM: the last message is continued (a prefill of the answer): no "
-        "end of turn after it; needs add_generation_prompt false.")
+        False,
+        description="vLLM: the last message is continued (a prefill of the answer): no "
+        "end of turn after it; needs add_generation_prompt false.",
+    )
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = Field(False, description="Refused: not supported.")
 
@@ -282,8 +315,9 @@ class TokenizeCompletionRequest(BaseModel):
 
     model: str | None = Field(None, description="The served model's name; default: it.")
     prompt: str
-    add_special_tokens: bool = Field(True, description="Add the tokenizer's own special "
-                                                       "tokens (e.g. a BOS), as completions do.")
+    add_special_tokens: bool = Field(
+        True, description="Add the tokenizer's own special tokens (e.g. a BOS), as completions do."
+    )
 
     check_unicode = field_validator("prompt")(check_text)
     return_token_strs: bool = Field(False, description="Also return each token's vocabulary entry.")
@@ -299,16 +333,20 @@ class TokenizeChatRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = Field(
-        None, description="null: as /v1/chat/completions (the BOS the tokenizer adds, unless the "
+        None,
+        description="null: as /v1/chat/completions (the BOS the tokenizer adds, unless the "
         "template already wrote one); false: the rendered text alone; true: plus whatever the "
-        "tokenizer adds.")
+        "tokenizer adds.",
+    )
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = Field(False, description="Also return each token's vocabulary entry.")
-    continue_final_message: bool = Field(False, description="As /v1/chat/completions: the "
-                                         "last message is continued; needs add_generation_prompt false.")
+    continue_final_message: bool = Field(
+        False, description="As /v1/chat/completions: the last message is continued; needs add_generation_prompt false."
+    )
     chat_template: str | None = Field(None, description="Refused: the model's own template is used.")
-    tools: list[dict[str, Any]] | None = Field(None, description="Given to the chat template, as "
-                                                                 "/v1/chat/completions does.")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="Given to the chat template, as /v1/chat/completions does."
+    )
 
 
 # A discriminated union's tag shows in the location of its errors, after "body"; these tags
@@ -323,8 +361,7 @@ def _tokenize_kind(value: Any) -> str:
 
 
 TokenizeRequest = Annotated[
-    Annotated[TokenizeCompletionRequest, Tag("tokenize-prompt")]
-    | Annotated[TokenizeChatRequest, Tag("tokenize-chat")],
+    Annotated[TokenizeCompletionRequest, Tag("tokenize-prompt")] | Annotated[TokenizeChatRequest, Tag("tokenize-chat")],
     Discriminator(_tokenize_kind),
 ]
 
@@ -333,8 +370,7 @@ class TokenizeResponse(BaseModel):
     count: int = Field(description="Number of tokens.")
     max_model_len: int = Field(description="The model's context length, in tokens.")
     tokens: list[int]
-    token_strs: list[str] | None = Field(None, description="With return_token_strs: each token's "
-                                                           "vocabulary entry.")
+    token_strs: list[str] | None = Field(None, description="With return_token_strs: each token's vocabulary entry.")
 
 
 class DetokenizeRequest(BaseModel):
@@ -352,8 +388,7 @@ class DetokenizeResponse(BaseModel):
 
 class ErrorDetail(BaseModel):
     message: str
-    type: str = Field(description="invalid_request_error, authentication_error, "
-                                  "rate_limit_error or server_error")
+    type: str = Field(description="invalid_request_error, authentication_error, rate_limit_error or server_error")
     param: str | None = Field(None, description="The request field the error is about.")
     code: str | int | None = None
 
@@ -370,8 +405,7 @@ ERROR_DESCRIPTIONS = {
     401: "Missing or wrong API key.",
     404: "No such model (`model_not_found`).",
     413: "Body over the size limit.",
-    429: "A rate limit of the API key was reached (see `Retry-After`), or the scheduler's queue is full; "
-         "retry later.",
+    429: "A rate limit of the API key was reached (see `Retry-After`), or the scheduler's queue is full; retry later.",
     503: "The backend is down or the server is draining.",
 }
 
@@ -379,5 +413,7 @@ ERROR_DESCRIPTIONS = {
 def error_responses(*codes: int, **notes: str) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI `responses` of a route refusing with `codes` (default: all of
     ERROR_DESCRIPTIONS); `notes`: a route's own description of a code (`e404="..."`)."""
-    return {code: {"model": ErrorResponse, "description": notes.get(f"e{code}", ERROR_DESCRIPTIONS[code])}
-            for code in codes or ERROR_DESCRIPTIONS}
+    return {
+        code: {"model": ErrorResponse, "description": notes.get(f"e{code}", ERROR_DESCRIPTIONS[code])}
+        for code in codes or ERROR_DESCRIPTIONS
+    }

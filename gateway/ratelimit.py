@@ -67,8 +67,7 @@ class RateLimit:
     def __post_init__(self) -> None:
         for name in ("requests_per_minute", "tokens_per_minute"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}: must be a positive integer or unset, got {value!r}")
 
     @property
@@ -81,10 +80,9 @@ class RateLimit:
     def or_else(self, default: RateLimit) -> RateLimit:
         """Each kind this limit leaves unset taken from `default`."""
         return RateLimit(
-            self.requests_per_minute if self.requests_per_minute is not None
-            else default.requests_per_minute,
-            self.tokens_per_minute if self.tokens_per_minute is not None
-            else default.tokens_per_minute)
+            self.requests_per_minute if self.requests_per_minute is not None else default.requests_per_minute,
+            self.tokens_per_minute if self.tokens_per_minute is not None else default.tokens_per_minute,
+        )
 
 
 @dataclass(frozen=True)
@@ -114,8 +112,7 @@ class RateLimitExceeded(Exception):
         return str(max(1, math.ceil(self.retry_after_s)))
 
 
-def token_cost(prompt_lens: Iterable[int], max_tokens: int | None, n: int,
-               max_model_len: int) -> int:
+def token_cost(prompt_lens: Iterable[int], max_tokens: int | None, n: int, max_model_len: int) -> int:
     """What a request may use: each prompt plus `n` times what it may generate (`max_tokens`,
     or the rest of the context when unset)."""
     total = 0
@@ -159,6 +156,7 @@ def key_id(api_key: str | None, salt: bytes = b"") -> str:
 
 
 # --- the bucket arithmetic ------------------------------------------------------------------
+
 
 def refill(level: float, updated_s: float, capacity: int, now_s: float) -> float:
     """The bucket's level at `now_s`: refilled at capacity/60 per second, capped."""
@@ -256,9 +254,13 @@ class RedisBuckets:
 
     TTL_MS = 61_000  # an idle bucket is full again after 60 s: then it may as well not exist
 
-    def __init__(self, url: str, clock: Callable[[], float] | None = None,
-                 on_error: Callable[[], None] | None = None,
-                 timeout_s: float = REDIS_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        url: str,
+        clock: Callable[[], float] | None = None,
+        on_error: Callable[[], None] | None = None,
+        timeout_s: float = REDIS_TIMEOUT_S,
+    ) -> None:
         import redis.asyncio as aioredis  # only with --redis-url
         from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.exceptions import RedisError
@@ -266,8 +268,7 @@ class RedisBuckets:
 
         self.url = url
         self.clock = clock
-        self._client = aioredis.from_url(url, socket_timeout=timeout_s,
-                                         socket_connect_timeout=timeout_s)
+        self._client = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._script = self._client.register_script(_TAKE_LUA)  # EVALSHA, loading on a miss
         self._on_error = on_error
         self._errors = (RedisError, OSError, asyncio.TimeoutError)
@@ -306,8 +307,7 @@ class RedisBuckets:
         self._failing = False
         if int(reply[0]) == 1:
             return Decision(True)
-        waits = tuple((kind, float(w)) for kind, w in zip(KINDS, reply[1:], strict=True)
-                      if float(w) > 0)
+        waits = tuple((kind, float(w)) for kind, w in zip(KINDS, reply[1:], strict=True) if float(w) > 0)
         return Decision(False, waits)
 
     def _failed(self, exc: BaseException) -> None:
@@ -320,10 +320,13 @@ class RedisBuckets:
             self._last_warning = now
             # a refused command (READONLY replica, NOPERM, OOM) will not heal by waiting: say so
             unreachable = isinstance(exc, self._unreachable)
-            log.log(logging.WARNING if unreachable else logging.ERROR,
-                    "rate limits: Redis at %s %s (%r); serving without limits until it answers "
-                    "again", redacted_url(self.url),
-                    "is unreachable" if unreachable else "refused the rate-limit script", exc)
+            log.log(
+                logging.WARNING if unreachable else logging.ERROR,
+                "rate limits: Redis at %s %s (%r); serving without limits until it answers again",
+                redacted_url(self.url),
+                "is unreachable" if unreachable else "refused the rate-limit script",
+                exc,
+            )
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -333,23 +336,30 @@ class RateLimiter:
     """Admission by key: `await admit(bucket, limit, prompt_tokens...)` returns, or raises
     RateLimitExceeded. One per gateway process, shared by REST and gRPC."""
 
-    def __init__(self, default: RateLimit, buckets: Buckets,
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, default: RateLimit, buckets: Buckets, registry: CollectorRegistry | None = None) -> None:
         self.default = default
         self.buckets = buckets
         registry = registry if registry is not None else CollectorRegistry()
-        self.refusals = Counter("pagoda:rate_limit_refusals",
-                                "Requests refused by a rate limit, by the limit that refused.",
-                                ["limit"], registry=registry)
+        self.refusals = Counter(
+            "pagoda:rate_limit_refusals",
+            "Requests refused by a rate limit, by the limit that refused.",
+            ["limit"],
+            registry=registry,
+        )
         self.fail_open = Counter(
             "pagoda:rate_limit_fail_open",
             "Requests admitted unchecked because the rate limits' Redis was unreachable.",
-            registry=registry)
+            registry=registry,
+        )
 
     @classmethod
-    def create(cls, default: RateLimit, redis_url: str = "",
-               registry: CollectorRegistry | None = None,
-               clock: Callable[[], float] | None = None) -> RateLimiter:
+    def create(
+        cls,
+        default: RateLimit,
+        redis_url: str = "",
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> RateLimiter:
         limiter = cls(default, InProcessBuckets(), registry)
         if redis_url:
             limiter.buckets = RedisBuckets(redis_url, clock, limiter.fail_open.inc)
@@ -374,7 +384,9 @@ class RateLimiter:
                 "tokens",
                 f"Request too large for {who} on tokens per min (TPM): Limit {capacity}, "
                 f"Requested {tokens} (the prompt plus max_tokens, or the rest of the context "
-                f"when max_tokens is unset). Lower max_tokens or shorten the prompt.", None)
+                f"when max_tokens is unset). Lower max_tokens or shorten the prompt.",
+                None,
+            )
         costs = {"requests": 1, "tokens": tokens}
         decision = await self.buckets.take(bucket, limit, costs)
         if decision.allowed:
@@ -384,7 +396,9 @@ class RateLimiter:
         raise RateLimitExceeded(
             kind,
             f"Rate limit reached for {who} on {_UNITS[kind]}: Limit {limit.capacity(kind)}, "
-            f"Requested {costs[kind]}. Please try again in {wait:.3g}s.", wait)
+            f"Requested {costs[kind]}. Please try again in {wait:.3g}s.",
+            wait,
+        )
 
     async def close(self) -> None:
         await self.buckets.close()

@@ -157,8 +157,9 @@ class ReplicaSet:
             self.mark_down(r, f"{exc.code().name}: {exc.details()}")
             return
         s = r.state
-        serving = (stats.health == common_pb2.HEALTH_STATUS_SERVING
-                   and stats.kv_health == common_pb2.HEALTH_STATUS_SERVING)
+        serving = (
+            stats.health == common_pb2.HEALTH_STATUS_SERVING and stats.kv_health == common_pb2.HEALTH_STATUS_SERVING
+        )
         if serving and not s.healthy:
             log.info("replica %s at %s serving", r.name, r.address)
         elif not serving:
@@ -185,8 +186,9 @@ class ReplicaSet:
 
     # --- choosing ----------------------------------------------------------------------
 
-    async def pick(self, prompt_ids: Sequence[int], session: str | None = None,
-                   exclude: frozenset[str] = frozenset()) -> tuple[Replica, Choice]:
+    async def pick(
+        self, prompt_ids: Sequence[int], session: str | None = None, exclude: frozenset[str] = frozenset()
+    ) -> tuple[Replica, Choice]:
         """The replica for a request (NoReplica when none is healthy). A set of one's member
         is the choice, whatever its state, until the request has tried it."""
         if not self.routes:
@@ -203,8 +205,9 @@ class ReplicaSet:
         if self.policy == "prefix" and not session and len(live) > 1:
             found = None
             if self.index is not None:
-                found = await self.index.cached_blocks([(r.name, r.namespace) for r in live], prompt_ids,
-                                                       live[0].block_size, {live[0].namespace: keys})
+                found = await self.index.cached_blocks(
+                    [(r.name, r.namespace) for r in live], prompt_ids, live[0].block_size, {live[0].namespace: keys}
+                )
             if found is None:  # no index, or Redis cannot say now: what this router sent where
                 self.num_fallbacks += 1
                 cached, prompt_blocks = self.routed_blocks.held(keys, now, PREFIX_WINDOW_S), len(keys)
@@ -216,8 +219,9 @@ class ReplicaSet:
                     r.state.cache_fill = sizes[r.name] / r.num_blocks if r.num_blocks else 0.0
         if keys:
             self._spread(live)
-        choice = choose(self.policy, [r.state for r in self.replicas], next(self._turn), cached,
-                        prompt_blocks, session, exclude)
+        choice = choose(
+            self.policy, [r.state for r in self.replicas], next(self._turn), cached, prompt_blocks, session, exclude
+        )
         replica = self.by_name(choice.name)
         replica.num_routed += 1
         if keys:
@@ -230,8 +234,9 @@ class ReplicaSet:
         """Each live replica's share of the distinct prefixes sent out in the last
         PREFIX_WINDOW_S (at most PREFIX_MEMORY of them)."""
         now = time.monotonic()
-        while self._prefixes and (len(self._prefixes) > PREFIX_MEMORY
-                                  or now - next(iter(self._prefixes.values()))[1] > PREFIX_WINDOW_S):
+        while self._prefixes and (
+            len(self._prefixes) > PREFIX_MEMORY or now - next(iter(self._prefixes.values()))[1] > PREFIX_WINDOW_S
+        ):
             self._prefixes.popitem(last=False)
         counts = Counter(name for name, _ in self._prefixes.values())
         total = max(1, len(self._prefixes))
@@ -250,10 +255,20 @@ class ReplicaSet:
     # --- views -------------------------------------------------------------------------
 
     def describe(self) -> list[dict]:
-        return [{"name": r.name, "address": r.address, "healthy": r.state.healthy,
-                 "why_down": "" if r.state.healthy else r.why_down, "waiting": r.state.waiting,
-                 "running": r.state.running, "in_flight": r.state.in_flight,
-                 "kv_usage": round(r.state.kv_usage, 4), "routed": r.num_routed} for r in self.replicas]
+        return [
+            {
+                "name": r.name,
+                "address": r.address,
+                "healthy": r.state.healthy,
+                "why_down": "" if r.state.healthy else r.why_down,
+                "waiting": r.state.waiting,
+                "running": r.state.running,
+                "in_flight": r.state.in_flight,
+                "kv_usage": round(r.state.kv_usage, 4),
+                "routed": r.num_routed,
+            }
+            for r in self.replicas
+        ]
 
 
 _SUMMED = (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_INT64)
@@ -261,8 +276,13 @@ _SUMMED = (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64, FieldDescri
 
 def _add_counts(into, other) -> None:
     for f in into.DESCRIPTOR.fields:
-        if f.type in _SUMMED and not f.is_repeated and f.name != "epoch" \
-                and not f.name.endswith("_ns") and f.name not in ("block_size", "watermark_blocks"):
+        if (
+            f.type in _SUMMED
+            and not f.is_repeated
+            and f.name != "epoch"
+            and not f.name.endswith("_ns")
+            and f.name not in ("block_size", "watermark_blocks")
+        ):
             setattr(into, f.name, getattr(into, f.name) + getattr(other, f.name))
 
 

@@ -85,29 +85,36 @@ class ResponsesRequest(_SamplingFields):
     input: str | list[dict[str, Any]] = Field(
         description="A string (one user message), or a list of messages (role user, system, "
         "developer or assistant; content a string or `input_text` parts), `function_call` and "
-        "`function_call_output` items.")
+        "`function_call_output` items."
+    )
     instructions: str | None = Field(None, description="A system message before the input.")
     max_output_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
     tools: list[dict[str, Any]] | None = Field(
-        None, description="Function tools, flat: {\"type\": \"function\", \"name\", \"description\", "
-        "\"parameters\", \"strict\"}.")
+        None, description='Function tools, flat: {"type": "function", "name", "description", "parameters", "strict"}.'
+    )
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description="'none', 'auto' (the default with tools; needs the server's "
-        "--enable-auto-tool-choice), 'required', or {\"type\": \"function\", \"name\": ...}.")
+        None,
+        description="'none', 'auto' (the default with tools; needs the server's "
+        '--enable-auto-tool-choice), \'required\', or {"type": "function", "name": ...}.',
+    )
     parallel_tool_calls: bool = True
     text: TextConfig | None = Field(None, description="`format`: text, json_object or json_schema.")
     stream: bool = False
     stream_options: dict[str, Any] | None = Field(None, description="Accepted and ignored.")
-    store: bool = Field(True, description="Keep the response (in memory, the last "
-                        f"{MAX_STORED_RESPONSES}) for previous_response_id and GET.")
+    store: bool = Field(
+        True,
+        description=f"Keep the response (in memory, the last {MAX_STORED_RESPONSES}) for previous_response_id and GET.",
+    )
     previous_response_id: str | None = Field(None, description="Continue a stored response.")
     metadata: dict[str, str] | None = Field(
-        None, max_length=16, description=f"Returned as sent: keys of at most {MAX_METADATA_KEY} characters, values "
-                                         f"of at most {MAX_METADATA_VALUE}, as OpenAI's API bounds them.")
+        None,
+        max_length=16,
+        description=f"Returned as sent: keys of at most {MAX_METADATA_KEY} characters, values "
+        f"of at most {MAX_METADATA_VALUE}, as OpenAI's API bounds them.",
+    )
     user: str | None = Field(None, max_length=256)
     safety_identifier: str | None = Field(None, max_length=256, description="Accepted and ignored.")
-    prompt_cache_key: str | None = Field(None, description="Accepted and ignored: prefixes are "
-                                         "cached automatically.")
+    prompt_cache_key: str | None = Field(None, description="Accepted and ignored: prefixes are cached automatically.")
     service_tier: Literal["auto", "default"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # structured output, vLLM's spellings (docs/structured-output.md)
@@ -134,11 +141,13 @@ class ResponsesRequest(_SamplingFields):
     def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
         for key, text in (value or {}).items():
             if len(key) > MAX_METADATA_KEY:
-                raise ValueError(f"a key may have at most {MAX_METADATA_KEY} characters, got {len(key)} "
-                                 f"({key[:16]!r}...)")
+                raise ValueError(
+                    f"a key may have at most {MAX_METADATA_KEY} characters, got {len(key)} ({key[:16]!r}...)"
+                )
             if len(text) > MAX_METADATA_VALUE:
-                raise ValueError(f"a value may have at most {MAX_METADATA_VALUE} characters, got {len(text)} "
-                                 f"(key {key!r})")
+                raise ValueError(
+                    f"a value may have at most {MAX_METADATA_VALUE} characters, got {len(text)} (key {key!r})"
+                )
         return value
 
 
@@ -147,13 +156,15 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("conversation", lambda v: v is not None, "conversations are not supported; use previous_response_id"),
     ("prompt", lambda v: v is not None, "prompt templates are not supported; send input"),
     ("include", lambda v: bool(v), "no extra output can be included"),
-    ("reasoning", lambda v: v is not None, "reasoning options are not supported: a reasoning model "
-                                           "thinks as its template makes it (--reasoning-parser "
-                                           "returns its thoughts)"),
-    ("truncation", lambda v: v == "auto", "'auto' is not supported: an input longer than the "
-                                          "context is refused"),
-    ("top_logprobs", lambda v: v is not None, "log-probabilities are not supported here; use "
-                                              "/v1/chat/completions"),
+    (
+        "reasoning",
+        lambda v: v is not None,
+        "reasoning options are not supported: a reasoning model "
+        "thinks as its template makes it (--reasoning-parser "
+        "returns its thoughts)",
+    ),
+    ("truncation", lambda v: v == "auto", "'auto' is not supported: an input longer than the context is refused"),
+    ("top_logprobs", lambda v: v is not None, "log-probabilities are not supported here; use /v1/chat/completions"),
     ("max_tool_calls", lambda v: v is not None, "not supported"),
 )
 
@@ -230,11 +241,18 @@ def input_messages(value: str | list[dict[str, Any]], param: str = "input") -> l
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _text(f"{where}.call_id", item.get("call_id")),
-                             "content": _content(f"{where}.output", item.get("output"))})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _text(f"{where}.call_id", item.get("call_id")),
+                    "content": _content(f"{where}.output", item.get("output")),
+                }
+            )
         elif kind != "reasoning":
-            raise invalid(f"{where}.type", f"{kind!r} items are not supported: send messages, "
-                                           "function_call and function_call_output items")
+            raise invalid(
+                f"{where}.type",
+                f"{kind!r} items are not supported: send messages, function_call and function_call_output items",
+            )
     return messages
 
 
@@ -249,14 +267,21 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     for i, tool in enumerate(tools):
         kind = tool.get("type")
         if kind != "function":
-            raise invalid(f"tools[{i}].type", f"{kind!r} tools are not supported: only function tools "
-                                              "(built-in tools such as web_search run on OpenAI's servers)")
+            raise invalid(
+                f"tools[{i}].type",
+                f"{kind!r} tools are not supported: only function tools "
+                "(built-in tools such as web_search run on OpenAI's servers)",
+            )
         for key in tool:
             if key not in _TOOL_KEYS:
-                raise invalid(f"tools[{i}].{key}", "not a field of a function tool (Responses' tools "
-                                                   "are flat: type, name, description, parameters, strict)")
-        converted.append({"type": "function",
-                          "function": {k: tool[k] for k in _TOOL_KEYS[1:] if tool.get(k) is not None}})
+                raise invalid(
+                    f"tools[{i}].{key}",
+                    "not a field of a function tool (Responses' tools "
+                    "are flat: type, name, description, parameters, strict)",
+                )
+        converted.append(
+            {"type": "function", "function": {k: tool[k] for k in _TOOL_KEYS[1:] if tool.get(k) is not None}}
+        )
     return converted
 
 
@@ -266,8 +291,11 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
         return choice
     if choice.get("type") == "function" and set(choice) <= {"type", "name"}:
         return {"type": "function", "function": {"name": choice.get("name")}}
-    raise invalid("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                                 "\"name\": ...} (built-in tools and allowed_tools are not supported)")
+    raise invalid(
+        "tool_choice",
+        "must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+        '"name": ...} (built-in tools and allowed_tools are not supported)',
+    )
 
 
 def response_format(text: TextConfig | None) -> dict[str, Any] | None:
@@ -282,14 +310,25 @@ def response_format(text: TextConfig | None) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if spec.schema_ is None:
         raise invalid("text.format.schema", "type json_schema needs its schema")
-    schema = {"name": spec.name or "response", "schema": spec.schema_, "description": spec.description,
-              "strict": spec.strict}
+    schema = {
+        "name": spec.name or "response",
+        "schema": spec.schema_,
+        "description": spec.description,
+        "strict": spec.strict,
+    }
     return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
 
 
 _SAMPLING = tuple(_SamplingFields.model_fields)
-_STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "guided_decoding_backend", "chat_template_kwargs")
+_STRUCTURED = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "chat_template_kwargs",
+)
 
 
 def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -302,9 +341,13 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatC
         messages.insert(0, {"role": "system", "content": body.instructions})
     fields = {
         **body.model_dump(include={*_SAMPLING, *_STRUCTURED}, exclude_none=True, by_alias=True),
-        "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
-        "tools": chat_tools(body.tools), "tool_choice": chat_tool_choice(body.tool_choice),
-        "parallel_tool_calls": body.parallel_tool_calls, "response_format": response_format(body.text),
+        "model": body.model,
+        "messages": messages,
+        "max_completion_tokens": body.max_output_tokens,
+        "tools": chat_tools(body.tools),
+        "tool_choice": chat_tool_choice(body.tool_choice),
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "response_format": response_format(body.text),
         "user": body.user,
     }
     try:
@@ -315,9 +358,14 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatC
 
 # --- chat's errors as the Responses fields -------------------------------------------------
 
-_RENAMES = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
-            ("max_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
-            ("response_format", "text.format"), ("tool_choice.function", "tool_choice"))
+_RENAMES = (
+    ("messages", "input"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("max_tokens", "max_output_tokens"),
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("tool_choice.function", "tool_choice"),
+)
 _TOOL_FIELD = re.compile(r"^(tools\[\d+\])\.function\.")
 
 
@@ -330,7 +378,7 @@ def response_param(param: str | None) -> str | None:
         return _TOOL_FIELD.sub(r"\1.", param)
     for old, new in _RENAMES:
         if param == old or param.startswith(old + "."):
-            return new + param[len(old):]
+            return new + param[len(old) :]
         if param.startswith(old + "["):
             return new
     return param
@@ -343,7 +391,7 @@ def renamed(exc: ApiError) -> ApiError:
         return exc
     message = exc.message
     if exc.param is not None and message.startswith(exc.param + ":"):
-        message = param + message[len(exc.param):]
+        message = param + message[len(exc.param) :]
     return ApiError(exc.status, message, param, exc.code)
 
 
@@ -408,19 +456,25 @@ def _history(store: ResponseStore, previous_id: str | None, owner: str | None) -
         return []
     entry = store.get(previous_id, owner)
     if entry is None:
-        raise invalid("previous_response_id", f"no stored response {previous_id!r}: responses are "
-                      f"kept in this server's memory (the last {store.capacity}, with store: true), "
-                      "so it is unknown, expired, or was not stored; send the whole input instead")
+        raise invalid(
+            "previous_response_id",
+            f"no stored response {previous_id!r}: responses are "
+            f"kept in this server's memory (the last {store.capacity}, with store: true), "
+            "so it is unknown, expired, or was not stored; send the whole input instead",
+        )
     return entry.messages
 
 
-def _stored(store: ResponseStore, body: ResponsesRequest, messages: list[dict[str, Any]],
-            owner: str | None) -> Callable[[dict[str, Any]], None]:
+def _stored(
+    store: ResponseStore, body: ResponsesRequest, messages: list[dict[str, Any]], owner: str | None
+) -> Callable[[dict[str, Any]], None]:
     """What keeps a finished response (nothing unless `store`)."""
+
     def keep(response: dict[str, Any]) -> None:
         if body.store:
             conversation = messages[1:] if body.instructions is not None else messages
             store.put(StoredResponse(response, [*conversation, *input_messages(response["output"])], owner))
+
     return keep
 
 
@@ -451,13 +505,34 @@ async def _create(gw: Any, store: ResponseStore, body: ResponsesRequest, request
     keep = _stored(store, body, [m.model_dump(exclude_none=True) for m in chat.messages], owner)
     if body.stream:
         first = await streaming.first_item(request, items)
-        chunks = streaming.chat_chunks(response_id, head["created_at"], model, first, items, 1,
-                                       False, False, StreamOptions(include_usage=True), len(prompt),
-                                       params.tool_calling, params.reply_parsing)
+        chunks = streaming.chat_chunks(
+            response_id,
+            head["created_at"],
+            model,
+            first,
+            items,
+            1,
+            False,
+            False,
+            StreamOptions(include_usage=True),
+            len(prompt),
+            params.tool_calling,
+            params.reply_parsing,
+        )
         return streaming.EventStream(out.response_events(head, chunks, keep), items, response_id)
     choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, 1))
-    chat_body = fmt.chat_response(response_id, head["created_at"], model, choices, usage, False,
-                                  None, None, params.tool_calling, params.reply_parsing)
+    chat_body = fmt.chat_response(
+        response_id,
+        head["created_at"],
+        model,
+        choices,
+        usage,
+        False,
+        None,
+        None,
+        params.tool_calling,
+        params.reply_parsing,
+    )
     response = out.whole_response(head, chat_body)
     keep(response)
     return JSONResponse(response, headers={"X-Request-Id": response_id})
@@ -466,8 +541,12 @@ async def _create(gw: Any, store: ResponseStore, body: ResponsesRequest, request
 def add_routes(app: FastAPI, gw: Any) -> ResponseStore:
     """`/v1/responses` on the REST app (`gw`: its `gateway.app.Gateway`); the store it keeps."""
     store = ResponseStore()
-    streamed = {200: {"description": "A response, or server-sent Responses events with `stream: true`.",
-                      "content": {"application/json": {}, "text/event-stream": {}}}}
+    streamed = {
+        200: {
+            "description": "A response, or server-sent Responses events with `stream: true`.",
+            "content": {"application/json": {}, "text/event-stream": {}},
+        }
+    }
 
     @app.post("/v1/responses", tags=["OpenAI"], responses={**streamed, **_ERRORS})
     async def create_response(body: ResponsesRequest, request: Request) -> Any:
@@ -494,6 +573,9 @@ def add_routes(app: FastAPI, gw: Any) -> ResponseStore:
 
 
 def _not_found(response_id: str) -> ApiError:
-    return ApiError(404, f"response_id: no stored response {response_id!r} (unknown, expired, "
-                         "or not stored)", "response_id", "not_found")
-
+    return ApiError(
+        404,
+        f"response_id: no stored response {response_id!r} (unknown, expired, or not stored)",
+        "response_id",
+        "not_found",
+    )

@@ -44,15 +44,29 @@ def response_head(response_id: str, model: str, request: dict[str, Any]) -> dict
     text = request.get("text") or {}
     text_format = {k: v for k, v in (text.get("format") or {"type": "text"}).items() if v is not None}
     return {
-        "id": response_id, "object": "response", "created_at": int(time.time()), "model": model,
-        "status": "in_progress", "error": None, "incomplete_details": None,
-        "instructions": request.get("instructions"), "max_output_tokens": request.get("max_output_tokens"),
-        "output": [], "parallel_tool_calls": request.get("parallel_tool_calls", True),
-        "previous_response_id": request.get("previous_response_id"), "reasoning": None,
-        "store": request.get("store", True), "temperature": request.get("temperature"),
-        "text": {"format": text_format}, "tool_choice": request.get("tool_choice") or "auto",
-        "tools": request.get("tools") or [], "top_p": request.get("top_p"), "truncation": "disabled",
-        "background": False, "metadata": request.get("metadata") or {}, "user": request.get("user"),
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model,
+        "status": "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "instructions": request.get("instructions"),
+        "max_output_tokens": request.get("max_output_tokens"),
+        "output": [],
+        "parallel_tool_calls": request.get("parallel_tool_calls", True),
+        "previous_response_id": request.get("previous_response_id"),
+        "reasoning": None,
+        "store": request.get("store", True),
+        "temperature": request.get("temperature"),
+        "text": {"format": text_format},
+        "tool_choice": request.get("tool_choice") or "auto",
+        "tools": request.get("tools") or [],
+        "top_p": request.get("top_p"),
+        "truncation": "disabled",
+        "background": False,
+        "metadata": request.get("metadata") or {},
+        "user": request.get("user"),
         "usage": None,
     }
 
@@ -61,37 +75,60 @@ def usage_body(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
     """Chat's usage (`openai_format.usage_body`) as the Responses API counts it."""
     chat_usage = chat_usage or {}
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"input_tokens": chat_usage.get("prompt_tokens", 0),
-            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": chat_usage.get("completion_tokens", 0),
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": chat_usage.get("total_tokens", 0)}
+    return {
+        "input_tokens": chat_usage.get("prompt_tokens", 0),
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "output_tokens": chat_usage.get("completion_tokens", 0),
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage.get("total_tokens", 0),
+    }
 
 
-def finished(head: dict[str, Any], output: list[dict[str, Any]], usage: dict[str, Any],
-             finish_reason: str | None) -> dict[str, Any]:
+def finished(
+    head: dict[str, Any], output: list[dict[str, Any]], usage: dict[str, Any], finish_reason: str | None
+) -> dict[str, Any]:
     """The response once generation ended: `incomplete` (reason `max_output_tokens`) when it
     stopped at its length limit, else `completed`."""
     incomplete = finish_reason == "length"
-    return {**head, "status": "incomplete" if incomplete else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "completed_at": None if incomplete else int(time.time()),
-            "output": output, "usage": usage}
+    return {
+        **head,
+        "status": "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "completed_at": None if incomplete else int(time.time()),
+        "output": output,
+        "usage": usage,
+    }
 
 
 def message_item(text: str, status: str) -> dict[str, Any]:
-    return {"id": item_id("msg"), "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+    return {
+        "id": item_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
 
 
 def reasoning_item(text: str, status: str) -> dict[str, Any]:
-    return {"id": item_id("rs"), "type": "reasoning", "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}]}
+    return {
+        "id": item_id("rs"),
+        "type": "reasoning",
+        "summary": [],
+        "status": status,
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
 
 
 def function_call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id("fc"), "type": "function_call", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+    return {
+        "id": item_id("fc"),
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def whole_response(head: dict[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
@@ -134,8 +171,10 @@ class ResponseEvents:
         return event
 
     def opening(self) -> list[dict[str, Any]]:
-        return [self._event(kind, response={**self.head, "output": []})
-                for kind in ("response.created", "response.in_progress")]
+        return [
+            self._event(kind, response={**self.head, "output": []})
+            for kind in ("response.created", "response.in_progress")
+        ]
 
     def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         """The events of one chat chunk (its usage, when it is the usage chunk)."""
@@ -168,21 +207,33 @@ class ResponseEvents:
         code, message = str(error.get("code")), str(error.get("message"))
         # the response's error code is one of OpenAI's few; the `error` event keeps ours
         kind = "rate_limit_exceeded" if error.get("type") == "rate_limit_error" else "server_error"
-        response = {**self.head, "status": "failed", "error": {"code": kind, "message": message},
-                    "output": self.output, "usage": usage_body(self.usage)}
-        return [self._event("error", code=code, message=message, param=error.get("param")),
-                self._event("response.failed", response=response)]
+        response = {
+            **self.head,
+            "status": "failed",
+            "error": {"code": kind, "message": message},
+            "output": self.output,
+            "usage": usage_body(self.usage),
+        }
+        return [
+            self._event("error", code=code, message=message, param=error.get("param")),
+            self._event("response.failed", response=response),
+        ]
 
     def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if self._open is None or self.output[self._open]["type"] != kind:
-            events += self._add(message_item("", "in_progress") if kind == "message"
-                                else reasoning_item("", "in_progress"))
+            events += self._add(
+                message_item("", "in_progress") if kind == "message" else reasoning_item("", "in_progress")
+            )
         item = self.output[self._open]
         item["content"][0]["text"] += text
         extra = {"logprobs": []} if kind == "message" else {}
-        return [*events, self._event(_DELTA[kind], item_id=item["id"], output_index=self._open,
-                                     content_index=0, delta=text, **extra)]
+        return [
+            *events,
+            self._event(
+                _DELTA[kind], item_id=item["id"], output_index=self._open, content_index=0, delta=text, **extra
+            ),
+        ]
 
     def _call(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
         """A chat tool-call delta: a new call (it has an id) opens an item; arguments add to it."""
@@ -196,8 +247,11 @@ class ResponseEvents:
         if index is not None and arguments:
             item = self.output[index]
             item["arguments"] += arguments
-            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                      output_index=index, delta=arguments))
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=arguments
+                )
+            )
         return events
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
@@ -207,8 +261,15 @@ class ResponseEvents:
         added = {**item, "content": []} if "content" in item else item
         events.append(self._event("response.output_item.added", output_index=index, item=copy.deepcopy(added)))
         if "content" in item:
-            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                      content_index=0, part=copy.deepcopy(item["content"][0])))
+            events.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=copy.deepcopy(item["content"][0]),
+                )
+            )
         return events
 
     def _close(self, status: str) -> list[dict[str, Any]]:
@@ -219,15 +280,37 @@ class ResponseEvents:
         item["status"] = status
         events = []
         if item["type"] == "function_call":
-            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                      output_index=index, name=item["name"], arguments=item["arguments"]))
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
         else:
             part = item["content"][0]
             extra = {"logprobs": []} if item["type"] == "message" else {}
-            events.append(self._event(_DONE[item["type"]], item_id=item["id"], output_index=index,
-                                      content_index=0, text=part["text"], **extra))
-            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                      content_index=0, part=copy.deepcopy(part)))
+            events.append(
+                self._event(
+                    _DONE[item["type"]],
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=part["text"],
+                    **extra,
+                )
+            )
+            events.append(
+                self._event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=copy.deepcopy(part),
+                )
+            )
         events.append(self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item)))
         return events
 
@@ -238,8 +321,9 @@ def sse(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
-async def response_events(head: dict[str, Any], chunks: AsyncIterator[dict[str, Any]],
-                          keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[bytes]:
+async def response_events(
+    head: dict[str, Any], chunks: AsyncIterator[dict[str, Any]], keep: Callable[[dict[str, Any]], None]
+) -> AsyncIterator[bytes]:
     """The SSE body of a streamed response, from the chat stream's chunks (closing it closes
     them, which cancels the generation). `keep` gets the finished response before
     `response.completed` is sent, so that a client that reads it can continue it at once."""

@@ -86,13 +86,24 @@ def rendezvous(key: str, names: Sequence[str]) -> str:
 
 def cost(replica: ReplicaState, cached_blocks: int, prompt_blocks: int) -> float:
     miss = 1.0 - cached_blocks / prompt_blocks if prompt_blocks else 0.0
-    return (miss + LOAD_WEIGHT * replica.load + KV_WEIGHT * replica.kv_usage + CACHE_WEIGHT * replica.cache_fill
-            + SPREAD_WEIGHT * replica.prefix_share)
+    return (
+        miss
+        + LOAD_WEIGHT * replica.load
+        + KV_WEIGHT * replica.kv_usage
+        + CACHE_WEIGHT * replica.cache_fill
+        + SPREAD_WEIGHT * replica.prefix_share
+    )
 
 
-def choose(policy: str, replicas: Sequence[ReplicaState], turn: int = 0,
-           cached: Mapping[str, int] | None = None, prompt_blocks: int = 0,
-           session: str | None = None, exclude: frozenset[str] = frozenset()) -> Choice:
+def choose(
+    policy: str,
+    replicas: Sequence[ReplicaState],
+    turn: int = 0,
+    cached: Mapping[str, int] | None = None,
+    prompt_blocks: int = 0,
+    session: str | None = None,
+    exclude: frozenset[str] = frozenset(),
+) -> Choice:
     """The replica for one request. `turn`: a counter the caller advances per request
     (rotation); `cached`: replica -> leading prompt blocks it holds (None: unknown, which
     makes `prefix` act as `least-loaded`); `exclude`: replicas already tried for it.
@@ -102,7 +113,7 @@ def choose(policy: str, replicas: Sequence[ReplicaState], turn: int = 0,
     live = [r for r in replicas if r.healthy and r.name not in exclude]
     if not live:
         raise NoReplica("no healthy replica" + (" left to try" if exclude else ""))
-    rotated = live[turn % len(live):] + live[:turn % len(live)]
+    rotated = live[turn % len(live) :] + live[: turn % len(live)]
     if session:
         name = rendezvous(session, [r.name for r in live])
         return Choice(name, (cached or {}).get(name, 0))

@@ -62,8 +62,12 @@ def rest_socket(host: str, port: int) -> socket.socket:
     if host in ALL_INTERFACES:
         candidates = [(socket.AF_INET6, ("::", port), True), (socket.AF_INET, ("0.0.0.0", port), False)]
     else:
-        candidates = [(family, address, False) for family, _, _, _, address in socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)][:1]
+        candidates = [
+            (family, address, False)
+            for family, _, _, _, address in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+        ][:1]
     for i, (family, address, dual_stack) in enumerate(candidates):
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
@@ -94,8 +98,9 @@ def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-async def _track_health(generator: TextGenerator, servicer: health.aio.HealthServicer,
-                        names: Sequence[str], gateway: Gateway) -> None:
+async def _track_health(
+    generator: TextGenerator, servicer: health.aio.HealthServicer, names: Sequence[str], gateway: Gateway
+) -> None:
     serving: bool | None = None
     while True:
         ok, detail = await generator.health()
@@ -122,12 +127,20 @@ def enable_reflection(service_names: list[str], server: grpc.aio.Server) -> None
     names = [*service_names, reflection.SERVICE_NAME, REFLECTION_V1]
     reflection.enable_server_reflection(names, server)
     servicer = reflection.aio.ReflectionServicer(names)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
-        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-            servicer.ServerReflectionInfo,
-            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString),
-    }),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                REFLECTION_V1,
+                {
+                    "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                        servicer.ServerReflectionInfo,
+                        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+                    )
+                },
+            ),
+        )
+    )
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -137,19 +150,26 @@ async def serve(config: GatewayConfig) -> None:
 
     telemetry.setup_tracing("gateway")  # before the generator: it checks once whether tracing is on
     tokenizer = Tokenizer(config.tokenizer or config.model)  # (--chat-template: wiring's folder)
-    generator = TextGenerator(config.scheduler_address, tokenizer, config.max_model_len,
-                              stall_timeout_s=config.stream_stall_timeout_s, routing=config.routing,
-                              redis_url=config.redis_url, default_seed=config.seed)
+    generator = TextGenerator(
+        config.scheduler_address,
+        tokenizer,
+        config.max_model_len,
+        stall_timeout_s=config.stream_stall_timeout_s,
+        routing=config.routing,
+        redis_url=config.redis_url,
+        default_seed=config.seed,
+    )
     generator.start()
     app = create_app(config, generator)
     gateway: Gateway = app.state.gateway
 
     # one size limit for both front doors: a gRPC request may be as large as a REST body
     grpc_server, grpc_port, health_servicer = create_aio_server(
-        grpc_address(config.host, config.grpc_port), max_receive_bytes=config.max_body_bytes,
-        internal=False)  # the public API: API keys, not the stack's secret
-    names = add_generation_service(grpc_server, generator, config, gateway.limiter, gateway.metrics,
-                                   gateway.limits.loras)
+        grpc_address(config.host, config.grpc_port), max_receive_bytes=config.max_body_bytes, internal=False
+    )  # the public API: API keys, not the stack's secret
+    names = add_generation_service(
+        grpc_server, generator, config, gateway.limiter, gateway.metrics, gateway.limits.loras
+    )
     enable_reflection([*names, health.SERVICE_NAME], grpc_server)
     await grpc_server.start()
 
@@ -176,15 +196,17 @@ async def serve(config: GatewayConfig) -> None:
     try:
         if not await serve_until_signalled(on_second_signal=stop_now, starting=rest_started(), until=rest_task):
             exc = rest_task.exception()
-            raise OSError(f"the REST server stopped: {exc!r}") if exc else OSError(
-                f"the REST server could not start on {config.host}:{config.port}")
+            raise (
+                OSError(f"the REST server stopped: {exc!r}")
+                if exc
+                else OSError(f"the REST server could not start on {config.host}:{config.port}")
+            )
         log.info("draining: in-flight requests get %.0fs to finish", config.grace_period_s)
         gateway.draining = True
         for name in ["", *names]:
             await set_serving(health_servicer, name, False)
         rest.should_exit = True  # uvicorn closes its listeners and waits for its requests
-        await asyncio.gather(rest_task, grpc_server.stop(config.grace_period_s),
-                             return_exceptions=True)
+        await asyncio.gather(rest_task, grpc_server.stop(config.grace_period_s), return_exceptions=True)
     finally:
         for task in (health_task, rest_task):
             task.cancel()
@@ -197,23 +219,41 @@ async def serve(config: GatewayConfig) -> None:
 
 
 def _rest_server(app, config: GatewayConfig) -> _Uvicorn:
-    return _Uvicorn(uvicorn.Config(
-        app, host=config.host, port=config.port, lifespan="off", log_config=None,
-        timeout_graceful_shutdown=max(1, round(config.grace_period_s)),
-        # longer than clients keep an idle connection (httpx, under the openai SDK: 5 s), so
-        # a client never reuses one the server is closing at that moment (CI saw "Server
-        # disconnected without sending a response" with both at 5 s)
-        timeout_keep_alive=KEEP_ALIVE_S,
-    ))
+    return _Uvicorn(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            lifespan="off",
+            log_config=None,
+            timeout_graceful_shutdown=max(1, round(config.grace_period_s)),
+            # longer than clients keep an idle connection (httpx, under the openai SDK: 5 s), so
+            # a client never reuses one the server is closing at that moment (CI saw "Server
+            # disconnected without sending a response" with both at 5 s)
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
+    )
 
 
-def _log_serving(config: GatewayConfig, gateway: Gateway, generator: TextGenerator, names: Sequence[str],
-                 grpc_port: int) -> None:
+def _log_serving(
+    config: GatewayConfig, gateway: Gateway, generator: TextGenerator, names: Sequence[str], grpc_port: int
+) -> None:
     if gateway.limiter is not None:
-        log.info("rate limits: default %s, buckets %s", config.default_rate_limit,
-                 "in Redis (shared by replicas)" if config.redis_url else "in this process")
-    log.info("gateway serving: REST http://%s:%d (model %r), gRPC %s:%d (%s), scheduler %s%s",
-             config.host, config.port, config.model_name, config.host, grpc_port,
-             ", ".join(names), config.scheduler_address,
-             f" (routing: {config.routing}{', prefix index in Redis' if config.redis_url else ''})"
-             if generator.replicas is not None else "")
+        log.info(
+            "rate limits: default %s, buckets %s",
+            config.default_rate_limit,
+            "in Redis (shared by replicas)" if config.redis_url else "in this process",
+        )
+    log.info(
+        "gateway serving: REST http://%s:%d (model %r), gRPC %s:%d (%s), scheduler %s%s",
+        config.host,
+        config.port,
+        config.model_name,
+        config.host,
+        grpc_port,
+        ", ".join(names),
+        config.scheduler_address,
+        f" (routing: {config.routing}{', prefix index in Redis' if config.redis_url else ''})"
+        if generator.replicas is not None
+        else "",
+    )

@@ -103,8 +103,9 @@ class EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], items: AsyncIterator[Item], request_id: str) -> None:
-        super().__init__(events, headers={"X-Request-Id": request_id, "Cache-Control": "no-cache",
-                                          "X-Accel-Buffering": "no"})
+        super().__init__(
+            events, headers={"X-Request-Id": request_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._closing = (events, items)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -140,8 +141,7 @@ def stream_error_body(request_id: str, exc: Exception) -> dict[str, Any]:
     return error_body(500, f"internal error (request {request_id})", None, "internal_error")
 
 
-async def collect(items: AsyncIterator[Item], n: int
-                   ) -> tuple[list[fmt.ChoiceResult], Usage, list[Finished]]:
+async def collect(items: AsyncIterator[Item], n: int) -> tuple[list[fmt.ChoiceResult], Usage, list[Finished]]:
     """A whole request's choices (in index order), its usage and its `Finished` items."""
     choices: dict[int, fmt.ChoiceResult] = {}
     usage, finished = Usage(), []
@@ -164,10 +164,17 @@ async def sse_events(payloads: AsyncIterator[dict[str, Any]]) -> AsyncIterator[b
     yield fmt.sse("[DONE]")
 
 
-async def _payloads(request_id: str, first: Item, items: AsyncIterator[Item], include_usage: bool,
-                    continuous_usage: bool, num_prompt_tokens: int, opening: list[dict[str, Any]],
-                    chunk: Callable[[int, ChoiceDelta], dict[str, Any] | None],
-                    final_usage: Callable[[Usage], dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+async def _payloads(
+    request_id: str,
+    first: Item,
+    items: AsyncIterator[Item],
+    include_usage: bool,
+    continuous_usage: bool,
+    num_prompt_tokens: int,
+    opening: list[dict[str, Any]],
+    chunk: Callable[[int, ChoiceDelta], dict[str, Any] | None],
+    final_usage: Callable[[Usage], dict[str, Any]],
+) -> AsyncIterator[dict[str, Any]]:
     """The chunks shared by completions and chat: as `chunk` makes them, then the usage
     chunk if asked. An error mid-stream ends it as an error chunk (`stream_error_body`)."""
     usage, generated = Usage(), 0
@@ -195,11 +202,20 @@ async def _payloads(request_id: str, first: Item, items: AsyncIterator[Item], in
         await items.aclose()  # type: ignore[attr-defined]
 
 
-def completion_events(request_id: str, created: int, model: str, first: Item,
-                       items: AsyncIterator[Item], n: int, want_logprobs: bool, want_token_ids: bool,
-                       options: Any, num_prompt_tokens: int,
-                       echo_texts: list[str] | None = None,
-                       num_top: int | None = None) -> AsyncIterator[bytes]:
+def completion_events(
+    request_id: str,
+    created: int,
+    model: str,
+    first: Item,
+    items: AsyncIterator[Item],
+    n: int,
+    want_logprobs: bool,
+    want_token_ids: bool,
+    options: Any,
+    num_prompt_tokens: int,
+    echo_texts: list[str] | None = None,
+    num_top: int | None = None,
+) -> AsyncIterator[bytes]:
     """`echo_texts` (per prompt): each choice's first chunk starts with its prompt."""
     # per choice: text offsets count every token so far, as the whole response's do (not the
     # text sent so far, which lags behind a held-back partial character or stop string)
@@ -211,14 +227,30 @@ def completion_events(request_id: str, created: int, model: str, first: Item,
             delta = fmt.echoed(delta, echo_texts[prompt_index], num_top if want_logprobs else None)
         if not delta.text and delta.finish_reason is None and not (want_logprobs or want_token_ids):
             return None  # text held back (a partial character or a possible stop string)
-        return fmt.completion_chunk(request_id, created, model, index, delta, want_logprobs,
-                                    want_token_ids, offsets.setdefault(index, fmt.TextOffsets()))
+        return fmt.completion_chunk(
+            request_id,
+            created,
+            model,
+            index,
+            delta,
+            want_logprobs,
+            want_token_ids,
+            offsets.setdefault(index, fmt.TextOffsets()),
+        )
 
-    return sse_events(_payloads(
-        request_id, first, items, bool(options and options.include_usage),
-        bool(options and options.include_usage and options.continuous_usage_stats),
-        num_prompt_tokens, [], chunk,
-        lambda usage: fmt.usage_chunk(request_id, created, model, "text_completion", usage)))
+    return sse_events(
+        _payloads(
+            request_id,
+            first,
+            items,
+            bool(options and options.include_usage),
+            bool(options and options.include_usage and options.continuous_usage_stats),
+            num_prompt_tokens,
+            [],
+            chunk,
+            lambda usage: fmt.usage_chunk(request_id, created, model, "text_completion", usage),
+        )
+    )
 
 
 class ParsedChoices:
@@ -228,8 +260,7 @@ class ParsedChoices:
     `chunk` makes a delta's chunk (its logprobs, token ids); `always`: send a chunk for every
     delta, even one whose text the parsers hold (its tokens' logprobs or ids are asked)."""
 
-    def __init__(self, parsing: ReplyParsing, chunk: Callable[[ChoiceDelta], dict[str, Any]],
-                 always: bool) -> None:
+    def __init__(self, parsing: ReplyParsing, chunk: Callable[[ChoiceDelta], dict[str, Any]], always: bool) -> None:
         self._parsing = parsing
         self._chunk = chunk
         self._always = always
@@ -253,19 +284,53 @@ class ParsedChoices:
         return payload
 
 
-def chat_events(request_id: str, created: int, model: str, first: Item, items: AsyncIterator[Item],
-                n: int, want_logprobs: bool, want_token_ids: bool, options: Any,
-                num_prompt_tokens: int, calling: ToolCalling | None = None,
-                parsing: ReplyParsing | None = None) -> AsyncIterator[bytes]:
+def chat_events(
+    request_id: str,
+    created: int,
+    model: str,
+    first: Item,
+    items: AsyncIterator[Item],
+    n: int,
+    want_logprobs: bool,
+    want_token_ids: bool,
+    options: Any,
+    num_prompt_tokens: int,
+    calling: ToolCalling | None = None,
+    parsing: ReplyParsing | None = None,
+) -> AsyncIterator[bytes]:
     """`chat_chunks` as server-sent events."""
-    return sse_events(chat_chunks(request_id, created, model, first, items, n, want_logprobs,
-                                  want_token_ids, options, num_prompt_tokens, calling, parsing))
+    return sse_events(
+        chat_chunks(
+            request_id,
+            created,
+            model,
+            first,
+            items,
+            n,
+            want_logprobs,
+            want_token_ids,
+            options,
+            num_prompt_tokens,
+            calling,
+            parsing,
+        )
+    )
 
 
-def chat_chunks(request_id: str, created: int, model: str, first: Item, items: AsyncIterator[Item],
-                n: int, want_logprobs: bool, want_token_ids: bool, options: Any,
-                num_prompt_tokens: int, calling: ToolCalling | None = None,
-                parsing: ReplyParsing | None = None) -> AsyncIterator[dict[str, Any]]:
+def chat_chunks(
+    request_id: str,
+    created: int,
+    model: str,
+    first: Item,
+    items: AsyncIterator[Item],
+    n: int,
+    want_logprobs: bool,
+    want_token_ids: bool,
+    options: Any,
+    num_prompt_tokens: int,
+    calling: ToolCalling | None = None,
+    parsing: ReplyParsing | None = None,
+) -> AsyncIterator[dict[str, Any]]:
     """A chat stream's chunks (`chat.completion.chunk`; an error mid-stream ends it as an
     `{"error": ...}` chunk). `calling` (forced tool calls): a named function's arguments
     stream as tool-call deltas; "required" calls come in one chunk once a choice's output is
@@ -274,9 +339,15 @@ def chat_chunks(request_id: str, created: int, model: str, first: Item, items: A
     (gateway/responses.py) reads these chunks too."""
     opening = [fmt.chat_chunk(request_id, created, model, i, None, False, False) for i in range(n)]
     held: dict[int, list[str]] = {}  # "required": each choice's output so far
-    parsed = None if parsing is None else ParsedChoices(
-        parsing, lambda delta: fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs,
-                                              want_token_ids), want_logprobs or want_token_ids)
+    parsed = (
+        None
+        if parsing is None
+        else ParsedChoices(
+            parsing,
+            lambda delta: fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs, want_token_ids),
+            want_logprobs or want_token_ids,
+        )
+    )
 
     def chunk(prompt_index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
         if parsed is not None:
@@ -285,22 +356,22 @@ def chat_chunks(request_id: str, created: int, model: str, first: Item, items: A
             return _tool_chunk(delta)
         if not delta.text and delta.finish_reason is None and not (want_logprobs or want_token_ids):
             return None
-        return fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs,
-                              want_token_ids)
+        return fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs, want_token_ids)
 
     def _tool_chunk(delta: ChoiceDelta) -> dict[str, Any] | None:
-        payload = fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs,
-                                 want_token_ids)
+        payload = fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs, want_token_ids)
         choice = payload["choices"][0]
         if calling.name is not None:  # a named function: the text is its arguments
-            choice["delta"] = ({"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
-                               if delta.text else {})
+            choice["delta"] = (
+                {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]} if delta.text else {}
+            )
         else:
             held.setdefault(delta.index, []).append(delta.text)
             choice["delta"] = {}
             if delta.finish_reason is not None:
                 message, choice["finish_reason"] = tools.message(
-                    calling, "".join(held.pop(delta.index)), delta.finish_reason)
+                    calling, "".join(held.pop(delta.index)), delta.finish_reason
+                )
                 choice["delta"] = {k: v for k, v in message.items() if k != "role" and v is not None}
                 for k, call in enumerate(choice["delta"].get("tool_calls", ())):
                     call["index"] = k
@@ -310,12 +381,27 @@ def chat_chunks(request_id: str, created: int, model: str, first: Item, items: A
 
     if calling is not None and calling.name is not None:  # the call opens each choice
         for payload in opening:
-            payload["choices"][0]["delta"] = {"role": "assistant", "content": None, "tool_calls": [{
-                "index": 0, "id": tools.call_id(), "type": "function",
-                "function": {"name": calling.name, "arguments": ""}}]}
+            payload["choices"][0]["delta"] = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": tools.call_id(),
+                        "type": "function",
+                        "function": {"name": calling.name, "arguments": ""},
+                    }
+                ],
+            }
 
-    return _payloads(request_id, first, items, bool(options and options.include_usage),
-                     bool(options and options.include_usage and options.continuous_usage_stats),
-                     num_prompt_tokens, opening, chunk,
-                     lambda usage: fmt.usage_chunk(request_id, created, model, "chat.completion.chunk",
-                                                   usage))
+    return _payloads(
+        request_id,
+        first,
+        items,
+        bool(options and options.include_usage),
+        bool(options and options.include_usage and options.continuous_usage_stats),
+        num_prompt_tokens,
+        opening,
+        chunk,
+        lambda usage: fmt.usage_chunk(request_id, created, model, "chat.completion.chunk", usage),
+    )

@@ -34,10 +34,19 @@ def _pid(event: Any) -> int:
     return GATEWAY_PID if event.category == "gateway" else SCHEDULER_PID
 
 
-def _complete(name: str, cat: str, pid: int, tid: int, start_ns: int, end_ns: int,
-              args: dict[str, Any]) -> dict[str, Any]:
-    return {"name": name, "cat": cat, "ph": "X", "ts": start_ns / 1000,
-            "dur": (end_ns - start_ns) / 1000, "pid": pid, "tid": tid, "args": args}
+def _complete(
+    name: str, cat: str, pid: int, tid: int, start_ns: int, end_ns: int, args: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "cat": cat,
+        "ph": "X",
+        "ts": start_ns / 1000,
+        "dur": (end_ns - start_ns) / 1000,
+        "pid": pid,
+        "tid": tid,
+        "args": args,
+    }
 
 
 def chrome_trace(request_id: str, events: Iterable[Any], spans: Sequence[Span] = ()) -> dict[str, Any]:
@@ -47,8 +56,17 @@ def chrome_trace(request_id: str, events: Iterable[Any], spans: Sequence[Span] =
     pids: set[int] = {GATEWAY_PID}
     for span in spans:
         if span.end_ns >= span.start_ns > 0:
-            trace.append(_complete(span.name, "gateway", GATEWAY_PID, 0, span.start_ns,
-                                   span.end_ns, {"request_id": request_id, **span.args}))
+            trace.append(
+                _complete(
+                    span.name,
+                    "gateway",
+                    GATEWAY_PID,
+                    0,
+                    span.start_ns,
+                    span.end_ns,
+                    {"request_id": request_id, **span.args},
+                )
+            )
     for e in events:
         if not e.end_ns >= e.start_ns > 0:
             continue
@@ -62,14 +80,21 @@ def chrome_trace(request_id: str, events: Iterable[Any], spans: Sequence[Span] =
             args["choice_index"] = e.choice_index
         if e.num_tokens:
             args["num_tokens"] = e.num_tokens
-        trace.append(_complete(e.name, e.category or "scheduler", pid, tid, e.start_ns,
-                               e.end_ns, args))
+        trace.append(_complete(e.name, e.category or "scheduler", pid, tid, e.start_ns, e.end_ns, args))
     trace.sort(key=lambda ev: (ev["ts"], ev["pid"]))
     names = {GATEWAY_PID: "gateway", SCHEDULER_PID: "scheduler"}
-    meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-             "args": {"name": names.get(pid, f"stage {pid - FIRST_STAGE_PID}")}}
-            for pid in sorted(pids)]
-    meta += [{"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
-              "args": {"sort_index": pid}} for pid in sorted(pids)]
-    return {"traceEvents": meta + trace, "displayTimeUnit": "ms",
-            "otherData": {"request_id": request_id}}
+    meta = [
+        {
+            "name": "process_name",
+            "ph": "M",
+            "pid": pid,
+            "tid": 0,
+            "args": {"name": names.get(pid, f"stage {pid - FIRST_STAGE_PID}")},
+        }
+        for pid in sorted(pids)
+    ]
+    meta += [
+        {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
+        for pid in sorted(pids)
+    ]
+    return {"traceEvents": meta + trace, "displayTimeUnit": "ms", "otherData": {"request_id": request_id}}

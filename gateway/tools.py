@@ -91,8 +91,9 @@ def chooses_auto(tools: list[dict[str, Any]] | None, tool_choice: Any) -> bool:
     return bool(tools) and tool_choice in (None, "auto")
 
 
-def tool_calling(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = True,
-                 auto: bool = False) -> tuple[ToolCalling | None, StructuredOutput | None]:
+def tool_calling(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = True, auto: bool = False
+) -> tuple[ToolCalling | None, StructuredOutput | None]:
     """What the request's `tools` and `tool_choice` ask: the calling mode and the output
     constraint that guarantees it (None, None: a plain message, parsed for calls when the
     request `chooses_auto`); `parallel` False: one call. `auto`: the server parses replies
@@ -107,27 +108,36 @@ def tool_calling(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel:
     if tool_choice is None or tool_choice == "auto":
         if auto:
             return None, None
-        raise invalid("tool_choice", "'auto' (the default with tools) needs the server started with "
-                                     "--enable-auto-tool-choice and --tool-call-parser NAME (the model's "
-                                     f"tool-call syntax: {', '.join(TOOL_CALL_PARSERS)}); or send 'required' "
-                                     "or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        raise invalid(
+            "tool_choice",
+            "'auto' (the default with tools) needs the server started with "
+            "--enable-auto-tool-choice and --tool-call-parser NAME (the model's "
+            f"tool-call syntax: {', '.join(TOOL_CALL_PARSERS)}); or send 'required' "
+            'or {"type": "function", "function": {"name": ...}}',
+        )
     if tool_choice == "required":
         for name in declared:
             _check_schema(tools, name, declared[name])
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, parameters in declared.items()]
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, parameters in declared.items()
+        ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({} if parallel else {"maxItems": 1})}
         return ToolCalling(None, tuple(declared)), StructuredOutput("json_schema", json.dumps(schema))
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
         if name not in declared:
-            raise invalid("tool_choice.function.name", f"{name!r} is not one of the tools "
-                                                       f"({', '.join(declared)})")
+            raise invalid("tool_choice.function.name", f"{name!r} is not one of the tools ({', '.join(declared)})")
         _check_schema(tools, name, declared[name])
         return ToolCalling(name, tuple(declared)), StructuredOutput("json_schema", json.dumps(declared[name]))
-    raise invalid("tool_choice", "must be 'none', 'auto', 'required' or "
-                                 "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    raise invalid(
+        "tool_choice", 'must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+    )
 
 
 def _check_schema(tools: list[dict[str, Any]], name: str, parameters: dict[str, Any]) -> None:
@@ -151,7 +161,7 @@ def tool_calls(calling: ToolCalling, text: str) -> list[dict[str, Any]] | None:
     if calling.name is not None:
         return [_call(calling.name, text)]
     listed = array_texts(text, 0)
-    if listed is None or text[listed[1]:].strip():
+    if listed is None or text[listed[1] :].strip():
         return None
     calls = []
     for written in listed[0]:
@@ -167,8 +177,7 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def message(calling: ToolCalling | None, text: str, finish_reason: str | None
-            ) -> tuple[dict[str, Any], str | None]:
+def message(calling: ToolCalling | None, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
     """A choice's message and finish reason, with the output as tool calls when it is one."""
     if calling is None:
         return {"role": "assistant", "content": text}, finish_reason
@@ -177,4 +186,5 @@ def message(calling: ToolCalling | None, text: str, finish_reason: str | None
     if calls is None:
         return {"role": "assistant", "content": text}, finish_reason
     return {"role": "assistant", "content": None, "tool_calls": calls}, (
-        calling.finish_reason if complete else finish_reason)
+        calling.finish_reason if complete else finish_reason
+    )

@@ -42,10 +42,18 @@ from services.text import Tokenizer
 
 UINT64 = 2**64
 # encode_chat's own arguments: a request's chat_template_kwargs may not set them
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "add_generation_prompt", "tools", "documents", "chat_template",
-    "add_special_tokens", "continue_final_message", "tokenize",
-})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_special_tokens",
+        "continue_final_message",
+        "tokenize",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -85,8 +93,14 @@ class ModelLimits:
         except (OSError, ValueError, TypeError):
             pass  # a tokenizer-only directory: the tokenizer's vocabulary is the bound
         defaults = sampling_defaults(config.model, config.generation_config, config.override_generation_config)
-        return cls(config.model_name, config.max_model_len, vocab_size, config.model_names,
-                   dict(shared.lora_modules(config.lora_modules)), defaults)
+        return cls(
+            config.model_name,
+            config.max_model_len,
+            vocab_size,
+            config.model_names,
+            dict(shared.lora_modules(config.lora_modules)),
+            defaults,
+        )
 
 
 def check_model(requested: str | None, limits: ModelLimits) -> None:
@@ -94,16 +108,20 @@ def check_model(requested: str | None, limits: ModelLimits) -> None:
     answer it (the openai SDK raises NotFoundError)."""
     if requested is not None and requested not in limits.names and requested not in limits.loras:
         served = " or ".join(repr(n) for n in (*limits.names, *limits.loras))
-        raise ApiError(404, f"model: the model {requested!r} does not exist; this server "
-                            f"serves {served} (see GET /v1/models)", "model",
-                       "model_not_found")
+        raise ApiError(
+            404,
+            f"model: the model {requested!r} does not exist; this server serves {served} (see GET /v1/models)",
+            "model",
+            "model_not_found",
+        )
 
 
 # --- prompts -----------------------------------------------------------------------------
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits,
-                       config: GatewayConfig) -> list[list[int]]:
+def completion_prompts(
+    req: CompletionRequest, tokenizer: Tokenizer, limits: ModelLimits, config: GatewayConfig
+) -> list[list[int]]:
     """Each prompt of a completions request as token ids (a string is tokenized with the
     model's special tokens, as vLLM and transformers do)."""
     prompt = req.prompt
@@ -116,8 +134,7 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, limits: Mod
     else:
         prompts = [list(x) for x in prompt]
     if len(prompts) > config.max_num_prompts:
-        raise invalid("prompt", f"at most {config.max_num_prompts} prompts per request, "
-                                f"got {len(prompts)}")
+        raise invalid("prompt", f"at most {config.max_num_prompts} prompts per request, got {len(prompts)}")
     for i, ids in enumerate(prompts):
         check_prompt_ids(ids, limits, "prompt", i if len(prompts) > 1 else None)
     return prompts
@@ -125,22 +142,36 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, limits: Mod
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: ModelLimits) -> list[int]:
     """The conversation through the model's chat template, as token ids."""
-    ids = _chat_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tokenizer,
-                    tools=req.tools, continue_final_message=req.continue_final_message)
+    ids = _chat_ids(
+        req.messages,
+        req.add_generation_prompt,
+        req.chat_template_kwargs,
+        tokenizer,
+        tools=req.tools,
+        continue_final_message=req.continue_final_message,
+    )
     check_prompt_ids(ids, limits, "messages")
     return ids
 
 
-def _chat_ids(messages: Sequence[ChatMessage], add_generation_prompt: bool,
-              chat_template_kwargs: dict[str, Any] | None, tokenizer: Tokenizer,
-              add_special_tokens: bool | None = None, tools: list[dict[str, Any]] | None = None,
-              continue_final_message: bool = False) -> list[int]:
+def _chat_ids(
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool,
+    chat_template_kwargs: dict[str, Any] | None,
+    tokenizer: Tokenizer,
+    add_special_tokens: bool | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+) -> list[int]:
     """What chat completions and /tokenize share: each message as the template sees it, the
     template applied."""
     if continue_final_message and add_generation_prompt:
-        raise invalid("continue_final_message", "not with add_generation_prompt: true (the model "
-                                                "continues the last message instead of starting a "
-                                                "new one); send add_generation_prompt: false")
+        raise invalid(
+            "continue_final_message",
+            "not with add_generation_prompt: true (the model "
+            "continues the last message instead of starting a "
+            "new one); send add_generation_prompt: false",
+        )
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
@@ -148,9 +179,14 @@ def _chat_ids(messages: Sequence[ChatMessage], add_generation_prompt: bool,
     try:
         as_parts = tokenizer.chat_template_reads_content_parts(tools or None)
         plain_messages = [_template_message(i, message, as_parts) for i, message in enumerate(messages)]
-        return tokenizer.encode_chat(plain_messages, add_generation_prompt=add_generation_prompt,
-                                     tools=tools or None, add_special_tokens=add_special_tokens,
-                                     continue_final_message=continue_final_message, **kwargs)
+        return tokenizer.encode_chat(
+            plain_messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools or None,
+            add_special_tokens=add_special_tokens,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
     except ValueError as exc:  # ChatTemplateError: no template, or the template refused
         raise invalid("messages", str(exc)) from exc
 
@@ -166,11 +202,11 @@ def _template_message(i: int, message: ChatMessage, as_parts: bool) -> dict[str,
         texts = []
         for j, part in enumerate(message.content):
             if part.type != "text":
-                raise invalid(f"messages[{i}].content[{j}]",
-                              f"only text parts are supported, got type {part.type!r}")
+                raise invalid(f"messages[{i}].content[{j}]", f"only text parts are supported, got type {part.type!r}")
             if not isinstance(part.text, str):
-                raise invalid(f"messages[{i}].content[{j}].text",
-                              "a text part needs its text: {\"type\": \"text\", \"text\": \"...\"}")
+                raise invalid(
+                    f"messages[{i}].content[{j}].text", 'a text part needs its text: {"type": "text", "text": "..."}'
+                )
             texts.append(part.text)
         plain["content"] = [{"type": "text", "text": text} for text in texts] if as_parts else "\n".join(texts)
     plain.setdefault("content", "")
@@ -205,25 +241,24 @@ def generate_prompt(req: GenerateRequest, tokenizer: Tokenizer, limits: ModelLim
     return ids
 
 
-def check_prompt_ids(ids: Sequence[int], limits: ModelLimits, param: str,
-                     index: int | None = None) -> None:
+def check_prompt_ids(ids: Sequence[int], limits: ModelLimits, param: str, index: int | None = None) -> None:
     where = param if index is None else f"{param}[{index}]"
     if not ids:
-        raise invalid(param, f"{'the prompt' if index is None else where} is empty after "
-                             "tokenization")
+        raise invalid(param, f"{'the prompt' if index is None else where} is empty after tokenization")
     too_big = max(ids)
     if too_big >= limits.vocab_size:
-        raise invalid(param, f"token id {too_big} is outside the vocabulary of "
-                             f"{limits.vocab_size} tokens")
+        raise invalid(param, f"token id {too_big} is outside the vocabulary of {limits.vocab_size} tokens")
     if len(ids) >= limits.max_model_len:
-        raise invalid(param, f"this model's maximum context length is {limits.max_model_len} "
-                             f"tokens, but {'the prompt' if index is None else where} has "
-                             f"{len(ids)} (at least one token must be left to generate)",
-                      "context_length_exceeded")
+        raise invalid(
+            param,
+            f"this model's maximum context length is {limits.max_model_len} "
+            f"tokens, but {'the prompt' if index is None else where} has "
+            f"{len(ids)} (at least one token must be left to generate)",
+            "context_length_exceeded",
+        )
 
 
-def tokenize_ids(req: TokenizeCompletionRequest | TokenizeChatRequest,
-                 tokenizer: Tokenizer) -> list[int]:
+def tokenize_ids(req: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer: Tokenizer) -> list[int]:
     """`/tokenize`: a text as completions encode it, or a conversation as chat completions
     render and encode it. Not bounded by the context length: the count is the answer."""
     if isinstance(req, TokenizeCompletionRequest):
@@ -232,16 +267,22 @@ def tokenize_ids(req: TokenizeCompletionRequest | TokenizeChatRequest,
         raise invalid("chat_template", "not supported: the model's own template is used")
     if req.tools:
         declared_tools(req.tools)
-    return _chat_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tokenizer,
-                     req.add_special_tokens, req.tools, req.continue_final_message)
+    return _chat_ids(
+        req.messages,
+        req.add_generation_prompt,
+        req.chat_template_kwargs,
+        tokenizer,
+        req.add_special_tokens,
+        req.tools,
+        req.continue_final_message,
+    )
 
 
 def detokenize_ids(req: DetokenizeRequest, limits: ModelLimits) -> list[int]:
     """`/detokenize`'s ids, each inside the model's vocabulary."""
     ids = list(req.tokens)
     if ids and max(ids) >= limits.vocab_size:
-        raise invalid("tokens", f"token id {max(ids)} is outside the vocabulary of "
-                                f"{limits.vocab_size} tokens")
+        raise invalid("tokens", f"token id {max(ids)} is outside the vocabulary of {limits.vocab_size} tokens")
     return ids
 
 
@@ -267,12 +308,18 @@ _Found = list[tuple[str, StructuredOutput]]  # (the field that set it, what it s
 def structured_output(req: _OpenAIFields) -> StructuredOutput | None:
     """The request's structured output, from whichever of OpenAI's and vLLM's spellings it
     used (at most one), compiled once to check it: a 400 naming the field otherwise."""
-    found = [*_from_response_format(req.response_format),
-             *_from_structured_outputs(req.structured_outputs), *_from_guided(req)]
+    found = [
+        *_from_response_format(req.response_format),
+        *_from_structured_outputs(req.structured_outputs),
+        *_from_guided(req),
+    ]
     backend = req.guided_decoding_backend
     if backend is not None and backend not in GRAMMAR_BACKENDS:
-        raise invalid("guided_decoding_backend", f"{backend!r} is not available; Pagoda's structured "
-                                                 f"output runs on llguidance ({', '.join(GRAMMAR_BACKENDS)})")
+        raise invalid(
+            "guided_decoding_backend",
+            f"{backend!r} is not available; Pagoda's structured "
+            f"output runs on llguidance ({', '.join(GRAMMAR_BACKENDS)})",
+        )
     if len(found) > 1:
         raise invalid(found[1][0], f"only one structured output per request; {found[0][0]} is set too")
     if not found:
@@ -314,8 +361,7 @@ def _from_structured_outputs(so: StructuredOutputs | None) -> _Found:
     if so is None:
         return []
     found: _Found = []
-    for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                        ("grammar", so.grammar)):
+    for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar)):
         if value is not None:
             kind = {"json": "json_schema"}.get(name, name)
             if name == "choice":
@@ -349,24 +395,40 @@ def _refuse_unsupported(req: _SamplingFields) -> None:
             raise invalid("stream_options", "only allowed with stream: true")
 
 
-def _admit(options: SamplingOptions, prompts: Sequence[Sequence[int]], limits: ModelLimits,
-           config: GatewayConfig | None, names: dict[str, str]) -> None:
+def _admit(
+    options: SamplingOptions,
+    prompts: Sequence[Sequence[int]],
+    limits: ModelLimits,
+    config: GatewayConfig | None,
+    names: dict[str, str],
+) -> None:
     """The one admission check (`services.admission`): max_tokens within the context the
     longest prompt leaves, n and logprobs within the configuration (`config`; None: the
     endpoint has neither), token ids in the vocabulary. A 400 naming the field as the
     endpoint spells it (`names`: a `SamplingOptions` field -> its parameter)."""
-    bounds = Limits(limits.max_model_len, limits.vocab_size,
-                    config.max_n if config else None, config.max_logprobs if config else None)
+    bounds = Limits(
+        limits.max_model_len,
+        limits.vocab_size,
+        config.max_n if config else None,
+        config.max_logprobs if config else None,
+    )
     try:
         admit(options, bounds, max(len(p) for p in prompts))
     except AdmissionError as exc:
-        raise invalid(names.get(exc.field, exc.field), exc.reason,
-                      "context_length_exceeded" if exc.context_length else None) from None
+        raise invalid(
+            names.get(exc.field, exc.field), exc.reason, "context_length_exceeded" if exc.context_length else None
+        ) from None
 
 
-def _sampling(req: _SamplingFields, prompts: Sequence[Sequence[int]], limits: ModelLimits,
-              config: GatewayConfig | None, key: ApiKey | None, names: dict[str, str] | None = None,
-              **sampling: Any) -> GenerationParams:
+def _sampling(
+    req: _SamplingFields,
+    prompts: Sequence[Sequence[int]],
+    limits: ModelLimits,
+    config: GatewayConfig | None,
+    key: ApiKey | None,
+    names: dict[str, str] | None = None,
+    **sampling: Any,
+) -> GenerationParams:
     """The request's sampling as the one type every layer shares (`SamplingOptions`, which
     checks each value and names the field), admitted (`_admit`), plus what only the gateway
     acts on; `sampling` sets the fields each endpoint spells its own way (max_tokens, n,
@@ -416,9 +478,13 @@ def _first(*values: Any) -> Any:
     return next(v for v in values if v is not None)
 
 
-def completion_params(req: CompletionRequest, prompts: Sequence[Sequence[int]],
-                      limits: ModelLimits, config: GatewayConfig,
-                      key: ApiKey | None = None) -> GenerationParams:
+def completion_params(
+    req: CompletionRequest,
+    prompts: Sequence[Sequence[int]],
+    limits: ModelLimits,
+    config: GatewayConfig,
+    key: ApiKey | None = None,
+) -> GenerationParams:
     if req.suffix:
         raise invalid("suffix", "not supported")
     if req.best_of is not None and req.best_of != req.n:
@@ -429,55 +495,100 @@ def completion_params(req: CompletionRequest, prompts: Sequence[Sequence[int]],
     if req.max_tokens == 0:  # the prompt only: one token is computed after it, not returned
         if req.min_tokens:
             raise invalid("min_tokens", "must be 0 with max_tokens 0")
-        params = _sampling(req, prompts, limits, config, key, max_tokens=1, n=req.n,
-                           logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+        params = _sampling(
+            req,
+            prompts,
+            limits,
+            config,
+            key,
+            max_tokens=1,
+            n=req.n,
+            logprobs=req.logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
         return replace(params, prompt_only=True)
-    return _sampling(req, prompts, limits, config, key, max_tokens=req.max_tokens, n=req.n,
-                     logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
-                     structured=structured_output(req))
+    return _sampling(
+        req,
+        prompts,
+        limits,
+        config,
+        key,
+        max_tokens=req.max_tokens,
+        n=req.n,
+        logprobs=req.logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured=structured_output(req),
+    )
 
 
-def chat_params(req: ChatCompletionRequest, prompt: Sequence[int], limits: ModelLimits,
-                config: GatewayConfig, key: ApiKey | None = None) -> GenerationParams:
+def chat_params(
+    req: ChatCompletionRequest,
+    prompt: Sequence[int],
+    limits: ModelLimits,
+    config: GatewayConfig,
+    key: ApiKey | None = None,
+) -> GenerationParams:
     if req.echo:
         raise invalid("echo", "echoing the prompt is not supported; leave echo false")
-    calling, tool_output = tool_calling(req.tools, req.tool_choice, req.parallel_tool_calls,
-                                        auto=config.enable_auto_tool_choice)
+    calling, tool_output = tool_calling(
+        req.tools, req.tool_choice, req.parallel_tool_calls, auto=config.enable_auto_tool_choice
+    )
     structured = structured_output(req)
     if tool_output is not None and structured is not None:
-        raise invalid("tool_choice", "a tool call is already structured output; drop response_format "
-                                     "and the guided_* fields")
+        raise invalid(
+            "tool_choice", "a tool call is already structured output; drop response_format and the guided_* fields"
+        )
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs", "needs logprobs: true")
-    if req.max_completion_tokens is not None and req.max_tokens is not None \
-            and req.max_completion_tokens != req.max_tokens:
-        raise invalid("max_completion_tokens", f"{req.max_completion_tokens} differs from "
-                                               f"max_tokens={req.max_tokens}, its deprecated name; "
-                                               "send only max_completion_tokens")
+    if (
+        req.max_completion_tokens is not None
+        and req.max_tokens is not None
+        and req.max_completion_tokens != req.max_tokens
+    ):
+        raise invalid(
+            "max_completion_tokens",
+            f"{req.max_completion_tokens} differs from "
+            f"max_tokens={req.max_tokens}, its deprecated name; "
+            "send only max_completion_tokens",
+        )
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _sampling(req, [prompt], limits, config, key, {"max_tokens": param, "logprobs": "top_logprobs"},
-                       max_tokens=max_tokens, n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                       prompt_logprobs=req.prompt_logprobs, structured=structured or tool_output)
-    return replace(params, tool_calling=calling,
-                   reply_parsing=_reply_parsing(req, config, constrained=bool(structured or tool_output)))
+    params = _sampling(
+        req,
+        [prompt],
+        limits,
+        config,
+        key,
+        {"max_tokens": param, "logprobs": "top_logprobs"},
+        max_tokens=max_tokens,
+        n=req.n,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
+        structured=structured or tool_output,
+    )
+    return replace(
+        params,
+        tool_calling=calling,
+        reply_parsing=_reply_parsing(req, config, constrained=bool(structured or tool_output)),
+    )
 
 
-def _reply_parsing(req: ChatCompletionRequest, config: GatewayConfig,
-                   constrained: bool) -> ReplyParsing | None:
+def _reply_parsing(req: ChatCompletionRequest, config: GatewayConfig, constrained: bool) -> ReplyParsing | None:
     """How the server's parsers read this request's replies (None: not at all): for tool
     calls when the model chooses ("auto", with --enable-auto-tool-choice), for reasoning with
     --reasoning-parser unless the output is constrained (a grammar holds it from its first
     token: it has no thinking part to split off)."""
-    tools = config.tool_call_parser if config.enable_auto_tool_choice and chooses_auto(
-        req.tools, req.tool_choice) else None
+    tools = (
+        config.tool_call_parser if config.enable_auto_tool_choice and chooses_auto(req.tools, req.tool_choice) else None
+    )
     reasoning = None if constrained else config.reasoning_parser
     if tools is None and reasoning is None:
         return None
     return ReplyParsing(tools, reasoning, req.parallel_tool_calls, req.include_reasoning)
 
 
-def generate_params(req: GenerateRequest, prompt: Sequence[int], limits: ModelLimits,
-                    key: ApiKey | None = None) -> GenerationParams:
+def generate_params(
+    req: GenerateRequest, prompt: Sequence[int], limits: ModelLimits, key: ApiKey | None = None
+) -> GenerationParams:
     params = _sampling(req, [prompt], limits, None, key, max_tokens=req.max_tokens)
     return replace(params, debug_timeline=req.debug_timeline)

@@ -37,12 +37,14 @@ class KVCacheConfig:
     # run `check_integrity()` once no mutating call came for this long; 0 turns it off
     integrity_check_idle_s: float = 1.0
     # KV events (kvcache_svc/events.py): how many are kept for subscribers that reconnect
-    events_kept: int = _setting(65_536, "KV events kept for SubscribeEvents subscribers that reconnect", "int",
-                                group="cache")
+    events_kept: int = _setting(
+        65_536, "KV events kept for SubscribeEvents subscribers that reconnect", "int", group="cache"
+    )
     # the prefix index in Redis for routers (kvcache_svc/publisher.py): this replica's name
     # and where; "" keeps nothing in Redis
-    replica_id: str = _setting("r0", "this replica's name in the prefix index (routers: gateway "
-                                     "--scheduler NAME=...)", group="parallelism")
+    replica_id: str = _setting(
+        "r0", "this replica's name in the prefix index (routers: gateway --scheduler NAME=...)", group="parallelism"
+    )
     redis_url: str = uses(shared.REDIS_URL, "")
 
     def __post_init__(self) -> None:
@@ -62,9 +64,7 @@ class KVCacheConfig:
             raise ValueError("redis_url: must start with redis://, rediss:// or unix://")
         parse_spec(self.kv_groups)  # raises naming the field
         if self.integrity_check_idle_s < 0:
-            raise ValueError(
-                f"integrity_check_idle_s: must be >= 0, got {self.integrity_check_idle_s}"
-            )
+            raise ValueError(f"integrity_check_idle_s: must be >= 0, got {self.integrity_check_idle_s}")
 
     @property
     def address(self) -> str:

@@ -109,8 +109,9 @@ class EventLog:
         self._kept.extend(events)
         for queue in list(self._subscribers):
             if queue.qsize() + len(events) >= queue.maxsize:  # (a slot is always left for the None)
-                log.warning("a KV-event subscriber fell %d events behind: cut off (it resumes or resnapshots)",
-                            queue.qsize())
+                log.warning(
+                    "a KV-event subscriber fell %d events behind: cut off (it resumes or resnapshots)", queue.qsize()
+                )
                 self._subscribers.discard(queue)
                 queue.put_nowait(None)
                 continue
@@ -122,15 +123,20 @@ class EventLog:
         """The kept events numbered above `after` (0: all kept). Gone when some of them are
         not kept any more, or `epoch` (when given) is not this log's."""
         if epoch and epoch != self.epoch:
-            raise Gone(f"epoch {epoch} is over (this KV service's epoch is {self.epoch}): resynchronise "
-                       "from EventsSnapshot")
+            raise Gone(
+                f"epoch {epoch} is over (this KV service's epoch is {self.epoch}): resynchronise from EventsSnapshot"
+            )
         if after > self.last_sequence_number:
-            raise Gone(f"sequence number {after} is ahead of this KV service's last, {self.last_sequence_number} "
-                       f"(epoch {self.epoch}): resynchronise from EventsSnapshot")
+            raise Gone(
+                f"sequence number {after} is ahead of this KV service's last, {self.last_sequence_number} "
+                f"(epoch {self.epoch}): resynchronise from EventsSnapshot"
+            )
         oldest = self._kept[0].sequence_number if self._kept else self.last_sequence_number + 1
         if after and after + 1 < oldest:
-            raise Gone(f"events after {after} are no longer kept (the oldest kept is {oldest}): resynchronise "
-                       "from EventsSnapshot")
+            raise Gone(
+                f"events after {after} are no longer kept (the oldest kept is {oldest}): resynchronise "
+                "from EventsSnapshot"
+            )
         return [e for e in self._kept if e.sequence_number > after]
 
     def subscribe(self, maxsize: int = SUBSCRIBER_QUEUE) -> asyncio.Queue:

@@ -41,8 +41,15 @@ _CHUNK = 1024  # members per SADD
 class RedisPublisher:
     """Follows `log` and keeps this replica's index in Redis; reconnects for ever."""
 
-    def __init__(self, url: str, replica: str, log_: EventLog, snapshot: Callable[[], list[Stored]],
-                 block_size: int, timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        replica: str,
+        log_: EventLog,
+        snapshot: Callable[[], list[Stored]],
+        block_size: int,
+        timeout_s: float = 1.0,
+    ) -> None:
         import redis.asyncio as aioredis
 
         self.replica = replica
@@ -74,8 +81,11 @@ class RedisPublisher:
             try:
                 synced = await self._resync()
                 if failing_since is not None:
-                    log.info("KV index in Redis rewritten for %s after %.1f s without Redis", self.replica,
-                             time.monotonic() - failing_since)
+                    log.info(
+                        "KV index in Redis rewritten for %s after %.1f s without Redis",
+                        self.replica,
+                        time.monotonic() - failing_since,
+                    )
                 failing_since = None
                 self.connected = True
                 await self._follow(queue, synced)
@@ -85,8 +95,9 @@ class RedisPublisher:
                 self.connected = False
                 if failing_since is None:
                     failing_since = time.monotonic()
-                    log.warning("KV index in Redis for %s not kept: %s: %s (retrying)", self.replica,
-                                type(exc).__name__, exc)
+                    log.warning(
+                        "KV index in Redis for %s not kept: %s: %s (retrying)", self.replica, type(exc).__name__, exc
+                    )
                 await asyncio.sleep(HEARTBEAT_S)
             finally:
                 self._log.unsubscribe(queue)
@@ -99,7 +110,7 @@ class RedisPublisher:
         pipe = self._client.pipeline(transaction=True)
         pipe.delete(self.keys.blocks)
         for i in range(0, len(keys), _CHUNK):
-            pipe.sadd(self.keys.blocks, *keys[i:i + _CHUNK])
+            pipe.sadd(self.keys.blocks, *keys[i : i + _CHUNK])
         self._heartbeat(pipe, seq)
         await pipe.execute()
         self.num_resyncs += 1
@@ -144,8 +155,9 @@ class RedisPublisher:
         fields: dict[str, str | bytes] = {"seq": str(event.sequence_number), "epoch": str(event.epoch)}
         if isinstance(change, Stored):
             pipe.sadd(blocks, *change.keys)
-            fields.update(type="stored", keys=b"".join(change.keys), parent=change.parent_key,
-                          tokens=len(change.token_ids))
+            fields.update(
+                type="stored", keys=b"".join(change.keys), parent=change.parent_key, tokens=len(change.token_ids)
+            )
         elif isinstance(change, Removed):
             pipe.srem(blocks, *change.keys)
             fields.update(type="removed", keys=b"".join(change.keys))

@@ -29,13 +29,7 @@ import grpc
 from grpc_health.v1 import health
 
 from kvcache_svc.config import KVCacheConfig
-from kvcache_svc.core import (
-    InvalidStepError,
-    KVCacheError,
-    KVCacheManager,
-    SequenceNotFound,
-    StepInput,
-)
+from kvcache_svc.core import InvalidStepError, KVCacheError, KVCacheManager, SequenceNotFound, StepInput
 from kvcache_svc.events import Event, EventLog, Gone, Removed, Stored, chains
 from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
 from services.kv_codec import (
@@ -69,9 +63,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
     the bookkeeping is trusted, else why it is not; only a Reset clears it.
     """
 
-    def __init__(
-        self, config: KVCacheConfig, health_servicer: health.aio.HealthServicer | None = None
-    ) -> None:
+    def __init__(self, config: KVCacheConfig, health_servicer: health.aio.HealthServicer | None = None) -> None:
         self.config = config
         self.epoch = secrets.randbits(63) | 1  # never 0
         self.events = EventLog(self.epoch, config.events_kept)  # KV events (kvcache_svc/events.py)
@@ -103,8 +95,9 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         if self.config.redis_url:
             from kvcache_svc.publisher import RedisPublisher
 
-            self.publisher = RedisPublisher(self.config.redis_url, self.config.replica_id, self.events,
-                                            self.snapshot, self.config.block_size)
+            self.publisher = RedisPublisher(
+                self.config.redis_url, self.config.replica_id, self.events, self.snapshot, self.config.block_size
+            )
             self.publisher.start()
         await self._set_serving(True)
 
@@ -170,9 +163,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
     async def _apply(self, context: grpc.aio.ServicerContext, method: str, step: StepInput):
         """Run a validated-whole core step; errors become status codes, nothing applied."""
         if self.broken is not None:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"KV state not trusted, Reset it: {self.broken}"
-            )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV state not trusted, Reset it: {self.broken}")
         try:
             output = self.manager.step(step)
         except KVCacheError as exc:
@@ -211,8 +202,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         await self._apply(context, "Free", StepInput(frees=tuple(request.seq_ids)))
         # frees only drop references, so every block that became available was released
         return kvcache_pb2.FreeResponse(
-            num_released_blocks=self.manager.num_available_blocks - num_available,
-            capacity=self._capacity(),
+            num_released_blocks=self.manager.num_available_blocks - num_available, capacity=self._capacity()
         )
 
     async def Stats(self, request: kvcache_pb2.KVStatsRequest, context) -> kvcache_pb2.KVCacheStats:
@@ -234,9 +224,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
 
     async def Reset(self, request: kvcache_pb2.ResetRequest, context) -> kvcache_pb2.ResetResponse:
         if request.keep_prefix_cache:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "keep_prefix_cache is not supported"
-            )
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "keep_prefix_cache is not supported")
         num_dropped = len(self.manager.seq_ids())
         self.manager.reset()
         self.events.flush()
@@ -246,9 +234,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             if was_broken is not None:
                 log.info("KV state reset after: %s; serving again", was_broken)
                 await self._set_serving(True)
-        return kvcache_pb2.ResetResponse(
-            num_dropped_sequences=num_dropped, capacity=self._capacity()
-        )
+        return kvcache_pb2.ResetResponse(num_dropped_sequences=num_dropped, capacity=self._capacity())
 
     async def CheckCapacity(
         self, request: kvcache_pb2.CheckCapacityRequest, context
@@ -258,9 +244,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             can_allocate = m.can_allocate(request.num_blocks)
         else:
             can_allocate = m.num_available_blocks - request.num_blocks >= request.watermark_blocks
-        return kvcache_pb2.CheckCapacityResponse(
-            can_allocate=can_allocate, capacity=self._capacity()
-        )
+        return kvcache_pb2.CheckCapacityResponse(can_allocate=can_allocate, capacity=self._capacity())
 
     async def SubscribeEvents(self, request: kvcache_pb2.SubscribeEventsRequest, context):
         queue = self.events.subscribe()  # before the backlog is read: nothing falls between
@@ -276,9 +260,11 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             while True:
                 event = await queue.get()
                 if event is None:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"this subscriber fell behind after event {last}: subscribe again "
-                                        "after it (or resynchronise from EventsSnapshot)")
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"this subscriber fell behind after event {last}: subscribe again "
+                        "after it (or resynchronise from EventsSnapshot)",
+                    )
                 if event.sequence_number > last:
                     yield event_to_pb(event, self.config.block_size)
                     last = event.sequence_number
@@ -287,8 +273,8 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
 
     async def EventsSnapshot(self, request: kvcache_pb2.EventsSnapshotRequest, context):
         reply = kvcache_pb2.EventsSnapshotResponse(
-            epoch=self.epoch, sequence_number=self.events.last_sequence_number,
-            block_size=self.config.block_size)
+            epoch=self.epoch, sequence_number=self.events.last_sequence_number, block_size=self.config.block_size
+        )
         for stored in self.snapshot():
             stored_to_pb(stored, self.config.block_size, reply.blocks.add())
         return reply
@@ -316,9 +302,7 @@ def event_to_pb(event: Event, block_size: int) -> kvcache_pb2.KVEvent:
     return msg
 
 
-def create_server(
-    config: KVCacheConfig,
-) -> tuple[grpc.aio.Server, int, KVCacheService]:
+def create_server(config: KVCacheConfig) -> tuple[grpc.aio.Server, int, KVCacheService]:
     """A grpc.aio server (not started) bound to `config.address` (port 0 picks one), with the
     servicer and the health service; call inside the event loop that will run it, then
     `await server.start()` and `await service.start()`."""
@@ -334,17 +318,37 @@ def metric_samples(service: KVCacheService):
     return [
         ("pagoda:kv_cache_total_blocks", "KV blocks in the pool.", "gauge", st.num_blocks),
         ("pagoda:kv_cache_used_blocks", "KV blocks in use.", "gauge", st.num_used_blocks),
-        ("pagoda:kv_cache_free_blocks", "KV blocks free (evictable cached ones included).", "gauge",
-         st.num_free_blocks + st.num_evictable_blocks),
+        (
+            "pagoda:kv_cache_free_blocks",
+            "KV blocks free (evictable cached ones included).",
+            "gauge",
+            st.num_free_blocks + st.num_evictable_blocks,
+        ),
         ("pagoda:kv_cache_cached_blocks", "KV blocks holding a cached prefix.", "gauge", st.num_cached_blocks),
-        ("pagoda:kv_cache_usage_perc", "Fraction of KV blocks in use.", "gauge",
-         st.num_used_blocks / max(1, st.num_blocks)),
-        ("pagoda:kv_cache_internal_fragmentation", "Empty slots in used blocks over their slots.", "gauge",
-         st.internal_fragmentation),
-        ("pagoda:kv_cache_external_fragmentation", "1 - largest free extent / free blocks.", "gauge",
-         st.external_fragmentation),
-        ("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter",
-         st.num_prefix_query_tokens),
+        (
+            "pagoda:kv_cache_usage_perc",
+            "Fraction of KV blocks in use.",
+            "gauge",
+            st.num_used_blocks / max(1, st.num_blocks),
+        ),
+        (
+            "pagoda:kv_cache_internal_fragmentation",
+            "Empty slots in used blocks over their slots.",
+            "gauge",
+            st.internal_fragmentation,
+        ),
+        (
+            "pagoda:kv_cache_external_fragmentation",
+            "1 - largest free extent / free blocks.",
+            "gauge",
+            st.external_fragmentation,
+        ),
+        (
+            "pagoda:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            "counter",
+            st.num_prefix_query_tokens,
+        ),
         ("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter", st.num_prefix_hit_tokens),
         ("pagoda:kv_cache_evictions", "Cached blocks evicted.", "counter", st.num_evictions),
         ("pagoda:kv_cache_copy_on_writes", "Blocks copied on write.", "counter", st.num_copy_on_write),
@@ -362,10 +366,14 @@ async def serve(config: KVCacheConfig, ready_file: str | None = None, metrics_po
 
         serve_metrics(metrics_port, config.host, lambda: metric_samples(service), {"service": "kvcache"})
     log.info(
-        "KV cache serving on %s:%d, epoch %d: %d blocks of %d, watermark %d blocks, "
-        "prefix caching %s",
-        config.host, port, service.epoch, config.num_blocks, config.block_size,
-        service.manager.watermark_blocks, "on" if config.enable_prefix_caching else "off",
+        "KV cache serving on %s:%d, epoch %d: %d blocks of %d, watermark %d blocks, prefix caching %s",
+        config.host,
+        port,
+        service.epoch,
+        config.num_blocks,
+        config.block_size,
+        service.manager.watermark_blocks,
+        "on" if config.enable_prefix_caching else "off",
     )
     await serve_until_signalled(port=port, ready_file=ready_file)
     log.info("KV cache stopping")

@@ -49,7 +49,8 @@ class SchedulerConfig:
     # before its token is known (placeholder steps, docs/step-protocol.md): `pagoda serve`
     # 1.13x the output tok/s and 0.69x the latency of synchronous (bench/vs_vllm.py)
     async_scheduling: bool | None = _arg(
-        None, "plan the next step while one runs (default: on; see docs/step-protocol.md)", "auto_bool")
+        None, "plan the next step while one runs (default: on; see docs/step-protocol.md)", "auto_bool"
+    )
     scheduler_policy: str = _arg("fcfs", "waiting-queue order", "str", choices=POLICIES)
     max_num_batched_tokens: int = uses(shared.MAX_NUM_BATCHED_TOKENS)
     max_num_seqs: int = uses(shared.MAX_NUM_SEQS)
@@ -69,8 +70,12 @@ class SchedulerConfig:
     aging_rate: float = _arg(0.0, "priority gained per second of waiting", "float")
     max_queue_len: int = _arg(10_000, "most requests waiting")
     recovery_timeout_s: float = _arg(60.0, "how long requests wait for a failed pipeline", "float")
-    step_timeout_s: float = _arg(60.0, "a micro-batch still in flight after this long means a hung stage: "
-                                       "the pipeline is reset and recovered as after a failure", "float")
+    step_timeout_s: float = _arg(
+        60.0,
+        "a micro-batch still in flight after this long means a hung stage: "
+        "the pipeline is reset and recovered as after a failure",
+        "float",
+    )
     speculative_config: str | None = uses(shared.SPECULATIVE_CONFIG)
     max_request_failures: int = 3
     trace_file: str | None = None
@@ -82,8 +87,14 @@ class SchedulerConfig:
             raise ValueError(f"scheduler_policy: must be one of {', '.join(POLICIES)}, got {self.scheduler_policy!r}")
         if self.preemption_mode != "recompute":
             raise ValueError(f"preemption_mode: only 'recompute' is supported, got {self.preemption_mode!r}")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "scheduler_timeout_ms",
-                     "max_model_len", "max_queue_len"):
+        for name in (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "block_size",
+            "scheduler_timeout_ms",
+            "max_model_len",
+            "max_queue_len",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if not self.step_timeout_s > 0:
@@ -116,23 +127,37 @@ class SchedulerConfig:
 
 # what `pagoda scheduler` takes besides the engine settings: where it listens, where the KV
 # service and the stages are, where it reports
-KVCACHE = _process("kvcache", "HOST:PORT of the KV-cache service, or 'in-process' to embed the KV manager",
-                   required=True)
+KVCACHE = _process(
+    "kvcache", "HOST:PORT of the KV-cache service, or 'in-process' to embed the KV manager", required=True
+)
 STAGES = _process("stages", "HOST:PORT of every stage worker, in order, comma-separated", required=True)
-SETTINGS = shared.settings_of(SchedulerConfig, shared.HOST, shared.PORT, KVCACHE, STAGES, shared.METRICS_PORT,
-                              shared.READY_FILE, shared.INTERNAL_TOKEN)
+SETTINGS = shared.settings_of(
+    SchedulerConfig,
+    shared.HOST,
+    shared.PORT,
+    KVCACHE,
+    STAGES,
+    shared.METRICS_PORT,
+    shared.READY_FILE,
+    shared.INTERNAL_TOKEN,
+)
 
 
-def kv_capacity_line(num_blocks: int, block_size: int, max_model_len: int, kv_groups: str = "",
-                     chunk_tokens: int = 0) -> str:
+def kv_capacity_line(
+    num_blocks: int, block_size: int, max_model_len: int, kv_groups: str = "", chunk_tokens: int = 0
+) -> str:
     """What the pool holds, as vLLM logs it at start; with KV groups (services/kv_layout.py)
     its pages, and the longest context one sequence can hold (its sliding sub-groups holding
     their window, one prefill chunk of `chunk_tokens` at a time)."""
     if kv_groups:
         windows = parse_spec(kv_groups)
         longest = entries_that_fit(num_blocks, windows, block_size, chunk_tokens) * block_size
-        return (f"KV cache: {num_blocks} pages in {len(windows)} KV groups (windows {kv_groups}), up to "
-                f"{longest} tokens for one sequence; max_model_len {max_model_len}")
+        return (
+            f"KV cache: {num_blocks} pages in {len(windows)} KV groups (windows {kv_groups}), up to "
+            f"{longest} tokens for one sequence; max_model_len {max_model_len}"
+        )
     tokens = num_blocks * block_size
-    return (f"KV cache: {num_blocks} blocks, {tokens} tokens, max concurrency "
-            f"{tokens / max_model_len:.2f}x at max_model_len {max_model_len}")
+    return (
+        f"KV cache: {num_blocks} blocks, {tokens} tokens, max concurrency "
+        f"{tokens / max_model_len:.2f}x at max_model_len {max_model_len}"
+    )

@@ -43,13 +43,7 @@ from scheduler_svc.events import (
 )
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.observer import EngineObserver, Outcome
-from scheduler_svc.outputs import (
-    ChoiceDelta,
-    LiveRequest,
-    RequestOutput,
-    final_output,
-    stream_outputs,
-)
+from scheduler_svc.outputs import ChoiceDelta, LiveRequest, RequestOutput, final_output, stream_outputs
 from scheduler_svc.recovery import FailureHandling
 from services.admission import Limits, admit, admit_pooling
 from services.kv_layout import entries_that_fit, parse_spec
@@ -65,8 +59,13 @@ def admission_limits(config: SchedulerConfig, vocab_size: int) -> Limits:
     """What the scheduler admits a request against (`services.admission`), at its edge and in
     `Engine.submit`: the context, the model's vocabulary (0 until a stage reports it: not
     checked), max_num_seqs choices, the KV pool."""
-    return Limits(max_model_len=config.max_model_len, vocab_size=vocab_size, max_n=config.max_num_seqs,
-                  num_kv_blocks=kv_entries(config), block_size=config.block_size)
+    return Limits(
+        max_model_len=config.max_model_len,
+        vocab_size=vocab_size,
+        max_n=config.max_num_seqs,
+        num_kv_blocks=kv_entries(config),
+        block_size=config.block_size,
+    )
 
 
 def kv_entries(config: SchedulerConfig) -> int:
@@ -100,8 +99,7 @@ class Engine(FailureHandling):
         self.eos_token_ids = eos_token_ids
         self.clock = clock
         queue = WaitingQueue(
-            config.scheduler_policy, config.tenant_weights, aging_rate=config.aging_rate,
-            max_len=config.max_queue_len,
+            config.scheduler_policy, config.tenant_weights, aging_rate=config.aging_rate, max_len=config.max_queue_len
         )
         self.planner = Planner(
             PlannerConfig(
@@ -119,8 +117,13 @@ class Engine(FailureHandling):
             ),
             queue,
         )
-        self.observer = EngineObserver(self.planner, metrics or SchedulerMetrics(config.model), clock,
-                                       config.trace_file, prefix_caching=config.enable_prefix_caching)
+        self.observer = EngineObserver(
+            self.planner,
+            metrics or SchedulerMetrics(config.model),
+            clock,
+            config.trace_file,
+            prefix_caching=config.enable_prefix_caching,
+        )
         self.stages: list[StageInfo] = []
         self.loras = LoraRegistry()  # the LoRA adapters the stages serve (core/lora.py)
         self.healthy = False
@@ -182,8 +185,11 @@ class Engine(FailureHandling):
         sync = getattr(self.transport, "sync_loras", None)
         if sync is not None:  # (a restarted stage holds only the adapters of --lora-modules)
             for name in await sync(self.loras):
-                self.end_lora_requests(name, f"model: the LoRA adapter {name!r} could not be loaded again "
-                                             "on a restarted stage, and was unloaded")
+                self.end_lora_requests(
+                    name,
+                    f"model: the LoRA adapter {name!r} could not be loaded again "
+                    "on a restarted stage, and was unloaded",
+                )
         self.stages = stages
         check_stages(stages, self.config)
         self.planner.set_feedback(self.stages[0].feedback)
@@ -260,9 +266,15 @@ class Engine(FailureHandling):
         if displaced is not None:
             gone = self._live.pop(displaced.request_id, None)
             if gone is not None:
-                self._finish(gone, "abort", "displaced", (
-                    "RESOURCE_EXHAUSTED",
-                    "the waiting queue is full: this request gave its place to a more urgent one; retry later"))
+                self._finish(
+                    gone,
+                    "abort",
+                    "displaced",
+                    (
+                        "RESOURCE_EXHAUSTED",
+                        "the waiting queue is full: this request gave its place to a more urgent one; retry later",
+                    ),
+                )
         self.update_active_time()  # the time before this arrival counts as idle if nothing was live
         live = LiveRequest(request, asyncio.Queue())
         self._live[request.request_id] = live
@@ -275,8 +287,7 @@ class Engine(FailureHandling):
         resolving max_tokens to the context it has; AdmissionError (a ValueError) if it could
         never run."""
         check = admit if request.pooling is None else admit_pooling
-        request.options = check(request.options, admission_limits(self.config, self.vocab_size),
-                                len(request.prompt))
+        request.options = check(request.options, admission_limits(self.config, self.vocab_size), len(request.prompt))
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
         """Abort a request, or with `index` end just that choice (a stop string matched at the
@@ -305,8 +316,9 @@ class Engine(FailureHandling):
         """Whether a request runs (or waits) under LoRA adapter `name`, or a step in flight
         holds one of its sequences (an ended one's last step included)."""
         planner = self.planner
-        return (any(r.lora_name == name for r in planner.requests.values())
-                or any(s.seq.request.lora_name == name for mb in planner.in_flight.values() for s in mb.seqs))
+        return any(r.lora_name == name for r in planner.requests.values()) or any(
+            s.seq.request.lora_name == name for mb in planner.in_flight.values() for s in mb.seqs
+        )
 
     def end_lora_requests(self, name: str, message: str) -> int:
         """End every request under LoRA adapter `name` with NOT_FOUND `message` (the adapter
@@ -406,8 +418,9 @@ class Engine(FailureHandling):
         now = self.clock()
         compute_ns = sum(t.compute_end_ns - t.compute_start_ns for t in event.timings if t.compute_start_ns)
         self._deadlines.returned(event.step_id, time.monotonic(), compute_ns / 1e9 if compute_ns else None)
-        updates = self.planner.on_result(event.step_id, event.sampled, now, event.prompt_logprobs, event.pooled,
-                                         event.proposals)
+        updates = self.planner.on_result(
+            event.step_id, event.sampled, now, event.prompt_logprobs, event.pooled, event.proposals
+        )
         self.observer.micro_batch_returned(event, now)
         self._deliver(updates)
 
@@ -416,7 +429,9 @@ class Engine(FailureHandling):
         for u in updates:
             seq = u.seq
             delta = ChoiceDelta(
-                seq.index, u.new_token_ids, u.new_logprobs,
+                seq.index,
+                u.new_token_ids,
+                u.new_logprobs,
                 seq.finish_reason if u.finished else None,
                 seq.stop_token_id if u.finished else None,
             )
@@ -443,15 +458,17 @@ class Engine(FailureHandling):
                 request.prompt_logprobs_sent = True
             live.outputs.put_nowait(out)
 
-    def _final(self, live: LiveRequest, reason: str | None, outcome: Outcome,
-               error: tuple[str, str] | None = None) -> RequestOutput:
+    def _final(
+        self, live: LiveRequest, reason: str | None, outcome: Outcome, error: tuple[str, str] | None = None
+    ) -> RequestOutput:
         """The request's last output. It ended with `outcome`, counted under finish `reason`
         (None: not counted); an abort ends each choice still going with ABORT."""
         timeline = self.observer.request_finished(live.request, reason, outcome)
         return final_output(live.request, outcome == "aborted", timeline, error)
 
-    def _finish(self, live: LiveRequest, reason: str | None, outcome: Outcome,
-                error: tuple[str, str] | None = None) -> None:
+    def _finish(
+        self, live: LiveRequest, reason: str | None, outcome: Outcome, error: tuple[str, str] | None = None
+    ) -> None:
         live.outputs.put_nowait(self._final(live, reason, outcome, error))
 
     # --- stats --------------------------------------------------------------------------------
@@ -484,6 +501,10 @@ def _speculation(config: SchedulerConfig) -> dict:
     spec = config.speculative
     if spec is None:
         return {}
-    return dict(num_speculative_tokens=spec.num_speculative_tokens, prompt_lookup_min=spec.prompt_lookup_min,
-                prompt_lookup_max=spec.prompt_lookup_max, speculative_method=spec.method,
-                speculative_max_batch=spec.disable_by_batch_size)
+    return dict(
+        num_speculative_tokens=spec.num_speculative_tokens,
+        prompt_lookup_min=spec.prompt_lookup_min,
+        prompt_lookup_max=spec.prompt_lookup_max,
+        speculative_method=spec.method,
+        speculative_max_batch=spec.disable_by_batch_size,
+    )

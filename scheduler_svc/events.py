@@ -114,5 +114,7 @@ def check_stages(stages: list[StageInfo], config: SchedulerConfig) -> None:
         if info.num_stages != len(stages):
             raise ValueError(f"stage {info.stage_index} was started as one of {info.num_stages} stages")
         if parse_spec(info.kv_groups) != parse_spec(config.kv_groups):
-            raise ValueError(f"stage {info.stage_index} keeps KV groups {info.kv_groups or 'none'} "
-                             f"(services/kv_layout.py), the KV service {config.kv_groups or 'none'}")
+            raise ValueError(
+                f"stage {info.stage_index} keeps KV groups {info.kv_groups or 'none'} "
+                f"(services/kv_layout.py), the KV service {config.kv_groups or 'none'}"
+            )

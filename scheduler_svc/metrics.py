@@ -12,8 +12,31 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Up to vLLM's largest: its TTFT buckets reach 2,560 s and its request latency 7,680 s (a
 # long prompt on a CPU takes minutes; past the top bucket a latency is only "+Inf").
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0, 7680.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+    7680.0,
+)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -24,43 +47,65 @@ class SchedulerMetrics:
         self._model = model_name
         r = self.registry
         self.request_success = Counter(
-            "pagoda:request_success", "Finished requests by finish reason.",
-            labels + ["finished_reason"], registry=r)
+            "pagoda:request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=r
+        )
         self.prompt_tokens = Counter("pagoda:prompt_tokens", "Prompt tokens received.", labels, registry=r)
         self.generation_tokens = Counter("pagoda:generation_tokens", "Tokens generated.", labels, registry=r)
         self.preemptions = Counter("pagoda:num_preemptions", "Requests preempted by recompute.", labels, registry=r)
-        self.ttft = Histogram("pagoda:time_to_first_token_seconds", "Arrival to first token.", labels,
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pagoda:inter_token_latency_seconds", "Between consecutive output tokens.",
-                             labels, buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pagoda:e2e_request_latency_seconds", "Arrival to finish.", labels,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("pagoda:request_queue_time_seconds", "Arrival to first scheduled.",
-                                    labels, buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_tokens = Histogram("pagoda:micro_batch_num_tokens", "Tokens per micro-batch.", labels,
-                                      buckets=TOKEN_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "pagoda:time_to_first_token_seconds", "Arrival to first token.", labels, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "pagoda:inter_token_latency_seconds",
+            "Between consecutive output tokens.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pagoda:e2e_request_latency_seconds", "Arrival to finish.", labels, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            "pagoda:request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_tokens = Histogram(
+            "pagoda:micro_batch_num_tokens", "Tokens per micro-batch.", labels, buckets=TOKEN_BUCKETS, registry=r
+        )
         self.running = Gauge("pagoda:num_requests_running", "Requests running.", labels, registry=r)
-        self.waiting = Gauge("pagoda:num_requests_waiting", "Requests waiting, by tenant.",
-                             labels + ["tenant"], registry=r)
-        self.swapped = Gauge("pagoda:num_requests_preempted", "Waiting requests that were preempted.",
-                             labels, registry=r)
+        self.waiting = Gauge(
+            "pagoda:num_requests_waiting", "Requests waiting, by tenant.", labels + ["tenant"], registry=r
+        )
+        self.swapped = Gauge(
+            "pagoda:num_requests_preempted", "Waiting requests that were preempted.", labels, registry=r
+        )
         self.kv_used = Gauge("pagoda:kv_cache_used_blocks", "KV blocks in use.", labels, registry=r)
-        self.kv_free = Gauge("pagoda:kv_cache_free_blocks", "KV blocks free (cached ones included).",
-                             labels, registry=r)
-        self.kv_cached = Gauge("pagoda:kv_cache_cached_blocks", "KV blocks holding a cached prefix.",
-                               labels, registry=r)
+        self.kv_free = Gauge(
+            "pagoda:kv_cache_free_blocks", "KV blocks free (cached ones included).", labels, registry=r
+        )
+        self.kv_cached = Gauge(
+            "pagoda:kv_cache_cached_blocks", "KV blocks holding a cached prefix.", labels, registry=r
+        )
         self.kv_usage = Gauge("pagoda:kv_cache_usage_perc", "Fraction of KV blocks in use.", labels, registry=r)
         # counters, as vLLM's: advanced as the KV service's answers come (on_prefix_lookups)
-        self.prefix_queries = Counter("pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      labels, registry=r)
-        self.prefix_hits = Counter("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   labels, registry=r)
-        self.prefix_hit_rate = Gauge("pagoda:prefix_cache_hit_rate", "Prefix-cache hit rate in tokens.",
-                                     labels, registry=r)
-        self.stage_busy = Gauge("pagoda:stage_busy_seconds", "Seconds each stage spent computing.",
-                                labels + ["stage"], registry=r)
-        self.stage_idle = Gauge("pagoda:stage_idle_seconds", "Seconds each stage waited.",
-                                labels + ["stage"], registry=r)
+        self.prefix_queries = Counter(
+            "pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r
+        )
+        self.prefix_hits = Counter(
+            "pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "pagoda:prefix_cache_hit_rate", "Prefix-cache hit rate in tokens.", labels, registry=r
+        )
+        self.stage_busy = Gauge(
+            "pagoda:stage_busy_seconds", "Seconds each stage spent computing.", labels + ["stage"], registry=r
+        )
+        self.stage_idle = Gauge(
+            "pagoda:stage_idle_seconds", "Seconds each stage waited.", labels + ["stage"], registry=r
+        )
 
         # the per-token paths use their labelled children directly
         self._prompt_tokens = self.prompt_tokens.labels(model_name)

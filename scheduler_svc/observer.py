@@ -63,8 +63,14 @@ class EngineObserver:
     count and its steps in flight; changes nothing else of it.
     """
 
-    def __init__(self, planner: Planner, metrics: SchedulerMetrics, clock: Callable[[], float],
-                 trace_file: str | None = None, prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        planner: Planner,
+        metrics: SchedulerMetrics,
+        clock: Callable[[], float],
+        trace_file: str | None = None,
+        prefix_caching: bool = True,
+    ) -> None:
         self.metrics = metrics
         self.clock = clock
         self._planner = planner
@@ -110,10 +116,14 @@ class EngineObserver:
         watched = _Watched(time.time_ns(), [] if request.debug_timeline else None)
         if self._tracing:
             watched.span = self._tracer.start_span(
-                "scheduler.request", context=telemetry.context_from(request.trace_context),
+                "scheduler.request",
+                context=telemetry.context_from(request.trace_context),
                 start_time=watched.arrival_ns,
-                attributes={"pagoda.request_id": request.request_id,
-                            "pagoda.num_prompt_tokens": len(request.prompt), "pagoda.n": request.options.n},
+                attributes={
+                    "pagoda.request_id": request.request_id,
+                    "pagoda.num_prompt_tokens": len(request.prompt),
+                    "pagoda.n": request.options.n,
+                },
             )
             request.trace_context = telemetry.traceparent_of(watched.span)
         self._requests[request.request_id] = watched
@@ -180,11 +190,16 @@ class EngineObserver:
         now_ns = time.time_ns()
         if self._tracing:
             self._mb_requests[mb_id] = list({s.seq.request.request_id for s in mb.seqs})
-        self._trace({
-            "event": "dispatched", "micro_batch_id": mb_id,
-            "num_tokens": mb.num_tokens, "in_flight": len(self._planner.in_flight),
-            "t": self.clock(), "wall_ns": now_ns,
-        })
+        self._trace(
+            {
+                "event": "dispatched",
+                "micro_batch_id": mb_id,
+                "num_tokens": mb.num_tokens,
+                "in_flight": len(self._planner.in_flight),
+                "t": self.clock(),
+                "wall_ns": now_ns,
+            }
+        )
         for s in mb.seqs:
             watched = self._requests.get(s.seq.request.request_id)
             if watched is not None:
@@ -194,9 +209,17 @@ class EngineObserver:
         """A micro-batch's result arrived (at `now`) and the planner took it in: traced with
         the planner's decisions; the stages' compute spans and the requests' steps end."""
         mb_id = result.step_id
-        self._trace({"event": "result", "micro_batch_id": mb_id, "t": now, "wall_ns": time.time_ns(),
-                     "stages": [[t.stage_index, t.received_ns, t.compute_start_ns, t.compute_end_ns]
-                                for t in result.timings]})
+        self._trace(
+            {
+                "event": "result",
+                "micro_batch_id": mb_id,
+                "t": now,
+                "wall_ns": time.time_ns(),
+                "stages": [
+                    [t.stage_index, t.received_ns, t.compute_start_ns, t.compute_end_ns] for t in result.timings
+                ],
+            }
+        )
         self._trace_decisions()
         now_ns = time.time_ns()
         computed = [t for t in result.timings if t.compute_start_ns]
@@ -205,8 +228,9 @@ class EngineObserver:
         for request_id in self._mb_requests.pop(mb_id, ()):
             watched = self._requests.get(request_id)
             if watched is not None and watched.span is not None and mb_id in watched.step_spans:
-                self._child_span(watched, "scheduler.step", watched.step_spans.pop(mb_id), now_ns,
-                                 {"pagoda.micro_batch_id": mb_id})
+                self._child_span(
+                    watched, "scheduler.step", watched.step_spans.pop(mb_id), now_ns, {"pagoda.micro_batch_id": mb_id}
+                )
         for watched in self._requests.values():
             if watched.timeline is not None:
                 _end_steps_on_timeline(watched.timeline, mb_id, now_ns, computed)
@@ -227,15 +251,26 @@ class EngineObserver:
         self._trace_decisions()
         self._trace({"event": "reset", "reason": detail, "preempted": [r.request_id for r in preempted]})
 
-    def step_late(self, mb_id: int, num_tokens: int, working: bool, token_cap: int, detail: str,
-                  blamed: dict[int, int]) -> None:
+    def step_late(
+        self, mb_id: int, num_tokens: int, working: bool, token_cap: int, detail: str, blamed: dict[int, int]
+    ) -> None:
         """A step passed its deadline: its stages were `working` (waited on) or hung (reset);
         `blamed` (id -> tokens) are the steps too large for it, and later steps hold at most
         `token_cap` tokens."""
         self.num_late_steps += 1
-        self._trace({"event": "late", "micro_batch_id": mb_id, "num_tokens": num_tokens, "working": working,
-                     "token_cap": token_cap, "blamed": sorted(blamed.items()), "detail": detail,
-                     "t": self.clock(), "wall_ns": time.time_ns()})
+        self._trace(
+            {
+                "event": "late",
+                "micro_batch_id": mb_id,
+                "num_tokens": num_tokens,
+                "working": working,
+                "token_cap": token_cap,
+                "blamed": sorted(blamed.items()),
+                "detail": detail,
+                "t": self.clock(),
+                "wall_ns": time.time_ns(),
+            }
+        )
 
     def pipeline_recovered(self, epochs: list[int]) -> None:
         """The stages and the KV service answer again, the stages at these epochs."""
@@ -253,18 +288,26 @@ class EngineObserver:
             if watched.span is not None:
                 self._child_span(watched, "scheduler.queued", watched.arrival_ns, now_ns, {})
             if watched.timeline is not None:
-                watched.timeline.append({"name": "queued", "category": "scheduler",
-                                         "start_ns": watched.arrival_ns, "end_ns": now_ns})
+                watched.timeline.append(
+                    {"name": "queued", "category": "scheduler", "start_ns": watched.arrival_ns, "end_ns": now_ns}
+                )
         if watched.timeline is not None:
-            watched.timeline.append({
-                "name": "step", "category": "scheduler", "micro_batch_id": mb_id,
-                "choice_index": s.seq.index, "num_tokens": s.num_tokens,
-                "start_ns": now_ns, "end_ns": 0,
-            })
+            watched.timeline.append(
+                {
+                    "name": "step",
+                    "category": "scheduler",
+                    "micro_batch_id": mb_id,
+                    "choice_index": s.seq.index,
+                    "num_tokens": s.num_tokens,
+                    "start_ns": now_ns,
+                    "end_ns": 0,
+                }
+            )
 
     def _child_span(self, watched: _Watched, name: str, start_ns: int, end_ns: int, attributes: dict) -> None:
-        span = self._tracer.start_span(name, context=trace.set_span_in_context(watched.span),
-                                       start_time=start_ns, attributes=attributes)
+        span = self._tracer.start_span(
+            name, context=trace.set_span_in_context(watched.span), start_time=start_ns, attributes=attributes
+        )
         span.end(end_time=end_ns)
 
     def _note_prefix_lookups(self) -> None:
@@ -308,8 +351,13 @@ def _end_steps_on_timeline(timeline: list[dict], mb_id: int, now_ns: int, comput
     for e in steps:
         e["end_ns"] = now_ns
     for t in computed:
-        timeline.append({
-            "name": f"stage {t.stage_index} compute", "category": "stage",
-            "micro_batch_id": mb_id, "stage_index": t.stage_index,
-            "start_ns": t.compute_start_ns, "end_ns": t.compute_end_ns,
-        })
+        timeline.append(
+            {
+                "name": f"stage {t.stage_index} compute",
+                "category": "stage",
+                "micro_batch_id": mb_id,
+                "stage_index": t.stage_index,
+                "start_ns": t.compute_start_ns,
+                "end_ns": t.compute_end_ns,
+            }
+        )

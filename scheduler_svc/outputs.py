@@ -49,16 +49,22 @@ class LiveRequest:
     failures: int = 0  # micro-batches of it that failed on a stage
 
 
-def final_output(request: Request, aborted: bool, timeline: list[dict],
-                 error: tuple[str, str] | None = None) -> RequestOutput:
+def final_output(
+    request: Request, aborted: bool, timeline: list[dict], error: tuple[str, str] | None = None
+) -> RequestOutput:
     """The request's last output, with its totals; an abort ends each choice still going
     with ABORT."""
     deltas = []
     if aborted:
-        deltas = [ChoiceDelta(s.index, [], [], FinishReason.ABORT) for s in request.sequences
-                  if s.finish_reason in (None, FinishReason.ABORT)]
+        deltas = [
+            ChoiceDelta(s.index, [], [], FinishReason.ABORT)
+            for s in request.sequences
+            if s.finish_reason in (None, FinishReason.ABORT)
+        ]
     return RequestOutput(
-        request.request_id, deltas, finished=True,
+        request.request_id,
+        deltas,
+        finished=True,
         num_prompt_tokens=len(request.prompt),
         num_completion_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,

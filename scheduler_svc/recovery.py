@@ -54,19 +54,26 @@ class FailureHandling:
     _unhealthy_since: float | None
 
     if TYPE_CHECKING:  # the engine's own, which this part calls
+
         async def _connect(self) -> None: ...
         def _background(self, coro) -> None: ...
         def _handle(self, item: tuple[int, object] | None) -> None: ...
-        def _finish(self, live: LiveRequest, reason: str | None, outcome: Outcome,
-                    error: tuple[str, str] | None = None) -> None: ...
+        def _finish(
+            self, live: LiveRequest, reason: str | None, outcome: Outcome, error: tuple[str, str] | None = None
+        ) -> None: ...
 
     def _on_error(self, event: ErrorEvent) -> None:
         """A micro-batch failed on a stage: its requests are recomputed, and one that failed
         `max_request_failures` times ends with an error. A stage gone down resets everything."""
         if event.micro_batch_id not in self.planner.in_flight:
             return
-        log.warning("micro-batch %d failed on stage %d: %s %s", event.micro_batch_id,
-                    event.stage_index, event.code, event.message)
+        log.warning(
+            "micro-batch %d failed on stage %d: %s %s",
+            event.micro_batch_id,
+            event.stage_index,
+            event.code,
+            event.message,
+        )
         self._deadlines.forget(event.micro_batch_id)
         # a stage gone, or one whose LoRA adapters are out of step with the registry's (it
         # lost one: FAILED_PRECONDITION): the reconnect puts the adapters right, and no
@@ -110,19 +117,35 @@ class FailureHandling:
         size = self._deadlines.num_tokens(mb_id)
         if size is None or mb_id not in self.planner.in_flight or not self.healthy:
             return  # it came back (or everything was reset) meanwhile
-        blamed = {i: self._deadlines.num_tokens(i) for i in
-                  self._deadlines.late(mb_id, report.working, time.monotonic(), report.computing)}
+        blamed = {
+            i: self._deadlines.num_tokens(i)
+            for i in self._deadlines.late(mb_id, report.working, time.monotonic(), report.computing)
+        }
         cap = self._deadlines.token_cap
         self.planner.cap_step_tokens(cap)
         self.observer.step_late(mb_id, size, report.working, cap, report.detail, blamed)
         if report.working:
-            log.warning("micro-batch %d (%d tokens) is past its deadline but its stages are working (%s): "
-                        "waiting on; later steps hold at most %d tokens", mb_id, size, report.detail, cap)
+            log.warning(
+                "micro-batch %d (%d tokens) is past its deadline but its stages are working (%s): "
+                "waiting on; later steps hold at most %d tokens",
+                mb_id,
+                size,
+                report.detail,
+                cap,
+            )
             return
-        self._fail_requests_of(mb_id, ("DEADLINE_EXCEEDED", f"a step of {size} tokens holding this request did "
-                                       f"not finish on a stage that stopped working ({report.detail})"))
-        self._mark_unhealthy(f"step deadline: micro-batch {mb_id} ({size} tokens) not finished and its stages "
-                             f"not working: {report.detail}: a stage is hung")
+        self._fail_requests_of(
+            mb_id,
+            (
+                "DEADLINE_EXCEEDED",
+                f"a step of {size} tokens holding this request did "
+                f"not finish on a stage that stopped working ({report.detail})",
+            ),
+        )
+        self._mark_unhealthy(
+            f"step deadline: micro-batch {mb_id} ({size} tokens) not finished and its stages "
+            f"not working: {report.detail}: a stage is hung"
+        )
 
     def _fail_requests_of(self, mb_id: int, error: tuple[str, str]) -> None:
         """Each request of a failed step counts a failure (`_count_failures`)."""
@@ -167,8 +190,7 @@ class FailureHandling:
                 for live in list(self._live.values()):
                     self.planner.abort(live.request.request_id, self.clock())
                     self._live.pop(live.request.request_id, None)
-                    self._finish(live, "error", "error",
-                                 ("UNAVAILABLE", f"pipeline unavailable: {self.health_detail}"))
+                    self._finish(live, "error", "error", ("UNAVAILABLE", f"pipeline unavailable: {self.health_detail}"))
                 self._unhealthy_since = self.clock()
             try:
                 await self.kv.reset()
@@ -205,8 +227,9 @@ def progress_verdict(stats: list[dict], timeout_s: float) -> tuple[bool, str, tu
         youngest_s = age_s if youngest_s is None else min(youngest_s, age_s)
         if pb.computing_micro_batch_id:
             ids.append(pb.computing_micro_batch_id)
-            seen.append(f"stage {i} computing micro-batch {pb.computing_micro_batch_id}, "
-                        f"last progress {age_s:.1f} s ago")
+            seen.append(
+                f"stage {i} computing micro-batch {pb.computing_micro_batch_id}, last progress {age_s:.1f} s ago"
+            )
             answered &= age_s < max_age_s
     if answered and not ids and not opaque:
         seen.append("no stage computing" + ("" if youngest_s is None else f", last progress {youngest_s:.1f} s ago"))

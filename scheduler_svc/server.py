@@ -128,8 +128,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Generate(self, request, context):
         if not self.engine.stages:  # (the gateway retries UNAVAILABLE before anything streamed)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "the scheduler is starting: its stages are not connected yet; retry")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the scheduler is starting: its stages are not connected yet; retry"
+            )
         try:
             req = request_from_pb(request, self.engine.config, self.engine.vocab_size)
             if req.options.structured is not None:  # (a compile: off the event loop)
@@ -150,8 +151,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if out.error is not None:
                     code, message = out.error
                     down = code == "UNAVAILABLE" and not self.engine.healthy  # (not a shutdown)
-                    await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), message,
-                                        trailing_metadata=((UNAVAILABLE_REASON_KEY, PIPELINE_DOWN),) if down else ())
+                    await context.abort(
+                        getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL),
+                        message,
+                        trailing_metadata=((UNAVAILABLE_REASON_KEY, PIPELINE_DOWN),) if down else (),
+                    )
                 for msg in self._responses(req, out):
                     yield msg
         finally:
@@ -183,8 +187,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if transport is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this scheduler's stages are in-process")
         if not self.engine.stages:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is starting: its stages are not "
-                                                             "connected yet; retry")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the scheduler is starting: its stages are not connected yet; retry"
+            )
         name = request.lora_name
         if not name or not request.lora_path:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name and lora_path: required")
@@ -220,8 +225,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             engine.loras.resume(name)
             raise
         if not drained:
-            ended = engine.end_lora_requests(name, f"model: the LoRA adapter {name!r} was unloaded (its drain "
-                                                   f"timeout of {timeout_s:g} s passed)")
+            ended = engine.end_lora_requests(
+                name, f"model: the LoRA adapter {name!r} was unloaded (its drain timeout of {timeout_s:g} s passed)"
+            )
             log.warning("LoRA adapter %r: %d requests still ran after %g s: ended", name, ended, timeout_s)
             await self._drained(name, LORA_DRAIN_TIMEOUT_S)  # (their steps in flight come back)
         await transport.unload_lora(name, engine.loras)
@@ -250,8 +256,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         served = self.engine.loras.served
         return worker_pb2.LoraAdapterReply(
             lora_names=[a.name for a in served],
-            lora_adapters=[worker_pb2.LoraAdapterInfo(lora_name=a.name, lora_path=a.path, load_id=a.load_id)
-                           for a in served])
+            lora_adapters=[
+                worker_pb2.LoraAdapterInfo(lora_name=a.name, lora_path=a.path, load_id=a.load_id) for a in served
+            ],
+        )
 
     async def GetStats(self, request, context):
         engine, cfg = self.engine, self.engine.config
@@ -292,8 +300,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             resp.health_detail += f"; KV service: {exc}"
         if request.include_timeline:
             for stage_index, mb_id, start_ns, end_ns in list(engine.recent_spans):
-                resp.timeline.add(stage_index=stage_index, micro_batch_id=mb_id, start_ns=start_ns,
-                                  end_ns=end_ns)
+                resp.timeline.add(stage_index=stage_index, micro_batch_id=mb_id, start_ns=start_ns, end_ns=end_ns)
         resp.now_ns = time.time_ns()
         if request.include_requests:
             _requests_to_pb(engine, resp)
@@ -323,8 +330,12 @@ def _finish_to_pb(out: RequestOutput, last: scheduler_pb2.GenerateResponse) -> N
     last.usage.num_cached_tokens = out.num_cached_tokens
     last.usage.num_preemptions = out.num_preemptions
     for e in out.timeline:
-        ev = last.timeline.add(name=e["name"], category=e.get("category", "scheduler"),
-                               start_ns=e.get("start_ns", 0), end_ns=e.get("end_ns", 0))
+        ev = last.timeline.add(
+            name=e["name"],
+            category=e.get("category", "scheduler"),
+            start_ns=e.get("start_ns", 0),
+            end_ns=e.get("end_ns", 0),
+        )
         for field in ("stage_index", "micro_batch_id", "choice_index", "num_tokens"):
             if field in e:
                 setattr(ev, field, e[field])
@@ -332,10 +343,22 @@ def _finish_to_pb(out: RequestOutput, last: scheduler_pb2.GenerateResponse) -> N
 
 def _config_to_pb(cfg: SchedulerConfig, c) -> None:
     c.model, c.pipeline_parallel_size, c.async_scheduling = cfg.model, cfg.pipeline_parallel_size, cfg.is_async
-    c.scheduler_policy, c.max_num_batched_tokens, c.max_num_seqs = cfg.scheduler_policy, cfg.max_num_batched_tokens, cfg.max_num_seqs
+    c.scheduler_policy, c.max_num_batched_tokens, c.max_num_seqs = (
+        cfg.scheduler_policy,
+        cfg.max_num_batched_tokens,
+        cfg.max_num_seqs,
+    )
     c.microbatch_size, c.enable_chunked_prefill = str(cfg.microbatch_size), cfg.enable_chunked_prefill
-    c.enable_prefix_caching, c.preemption_mode, c.block_size = cfg.enable_prefix_caching, cfg.preemption_mode, cfg.block_size
-    c.num_kv_blocks, c.max_model_len, c.scheduler_timeout_ms = cfg.num_kv_blocks or 0, cfg.max_model_len, cfg.scheduler_timeout_ms
+    c.enable_prefix_caching, c.preemption_mode, c.block_size = (
+        cfg.enable_prefix_caching,
+        cfg.preemption_mode,
+        cfg.block_size,
+    )
+    c.num_kv_blocks, c.max_model_len, c.scheduler_timeout_ms = (
+        cfg.num_kv_blocks or 0,
+        cfg.max_model_len,
+        cfg.scheduler_timeout_ms,
+    )
 
 
 def _tenants_to_pb(engine: Engine, s: dict, resp: scheduler_pb2.GetStatsResponse) -> None:
@@ -344,7 +367,8 @@ def _tenants_to_pb(engine: Engine, s: dict, resp: scheduler_pb2.GetStatsResponse
     tenants = set(s["queue_by_tenant"]) | set(cfg.tenant_weights)
     for tenant in sorted(tenants):
         resp.tenants.add(
-            tenant=tenant, num_waiting=s["queue_by_tenant"].get(tenant, 0),
+            tenant=tenant,
+            num_waiting=s["queue_by_tenant"].get(tenant, 0),
             num_running=sum(1 for r in engine.planner.running if r.tenant == tenant),
             num_served_tokens=s["served_tokens_by_tenant"].get(tenant, 0),
             weight=cfg.tenant_weights.get(tenant, 1.0),
@@ -384,10 +408,15 @@ def _stage_to_pb(engine: Engine, st: dict, resp: scheduler_pb2.GetStatsResponse)
 def _requests_to_pb(engine: Engine, resp: scheduler_pb2.GetStatsResponse) -> None:
     for r in list(engine.planner.requests.values()):
         resp.requests.add(
-            request_id=r.request_id, state=_STATE[r.state], tenant=r.tenant, priority=r.priority,
-            num_prompt_tokens=len(r.prompt), num_output_tokens=r.num_output_tokens,
+            request_id=r.request_id,
+            state=_STATE[r.state],
+            tenant=r.tenant,
+            priority=r.priority,
+            num_prompt_tokens=len(r.prompt),
+            num_output_tokens=r.num_output_tokens,
             num_preemptions=r.num_preemptions,
         )
+
 
 async def serve(
     config: SchedulerConfig,
@@ -417,8 +446,12 @@ async def serve(
     log.info("scheduler serving on %s:%d (stages %s, KV %s)", host, bound, stage_addresses, kv_address)
     cfg = engine.config
     if cfg.num_kv_blocks:
-        log.info("%s", kv_capacity_line(cfg.num_kv_blocks, cfg.block_size, cfg.max_model_len, cfg.kv_groups,
-                                        cfg.max_num_batched_tokens))
+        log.info(
+            "%s",
+            kv_capacity_line(
+                cfg.num_kv_blocks, cfg.block_size, cfg.max_model_len, cfg.kv_groups, cfg.max_num_batched_tokens
+            ),
+        )
     stop = asyncio.Event()
     tasks = [asyncio.create_task(_track_health(engine, health, stop))]
     if metrics_port is not None:
@@ -447,17 +480,20 @@ async def _start_pipeline(engine: Engine, kv, config: SchedulerConfig, startup_t
             if hasattr(kv, "wait_ready"):
                 await kv.wait_ready(5.0)
             kv_stats = await kv.stats()
-            if (kv_stats.num_blocks, kv_stats.block_size) != (config.num_kv_blocks or kv_stats.num_blocks, config.block_size):
+            if (kv_stats.num_blocks, kv_stats.block_size) != (
+                config.num_kv_blocks or kv_stats.num_blocks,
+                config.block_size,
+            ):
                 raise ValueError(
                     f"the KV service has {kv_stats.num_blocks} blocks of {kv_stats.block_size}, "
                     f"the scheduler was told {config.num_kv_blocks} of {config.block_size}"
                 )
             groups = ",".join(map(str, kv_stats.group_windows)) if len(kv_stats.group_windows) > 1 else ""
             if config.kv_groups and parse_spec(config.kv_groups) != kv_stats.group_windows:
-                raise ValueError(f"the KV service has KV groups {groups or 'none'}, "
-                                 f"the scheduler was told {config.kv_groups}")
-            engine.config = replace(config, num_kv_blocks=config.num_kv_blocks or kv_stats.num_blocks,
-                                    kv_groups=groups)
+                raise ValueError(
+                    f"the KV service has KV groups {groups or 'none'}, the scheduler was told {config.kv_groups}"
+                )
+            engine.config = replace(config, num_kv_blocks=config.num_kv_blocks or kv_stats.num_blocks, kv_groups=groups)
             await engine.start()
             return
         except ValueError:

@@ -33,13 +33,26 @@ _DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.St
 
 def _info(address: str, li: worker_pb2.StageLoadInfo, feedback: bool = False) -> StageInfo:
     return StageInfo(
-        stage_index=li.stage_index, num_stages=li.num_stages, epoch=li.epoch,
-        layer_start=li.layer_start, layer_end=li.layer_end, num_layers=li.num_layers,
-        num_kv_blocks=li.num_kv_blocks, block_size=li.block_size, vocab_size=li.vocab_size,
-        address=address, feedback=feedback, weights_bytes=li.weights_bytes, quantization=li.quantization,
+        stage_index=li.stage_index,
+        num_stages=li.num_stages,
+        epoch=li.epoch,
+        layer_start=li.layer_start,
+        layer_end=li.layer_end,
+        num_layers=li.num_layers,
+        num_kv_blocks=li.num_kv_blocks,
+        block_size=li.block_size,
+        vocab_size=li.vocab_size,
+        address=address,
+        feedback=feedback,
+        weights_bytes=li.weights_bytes,
+        quantization=li.quantization,
         expert_weights_bytes=li.expert_weights_bytes,
-        kv_block_bytes=li.kv_block_bytes, kv_cache_dtype=li.kv_cache_dtype,
-        memory_budget_bytes=li.memory_budget_bytes, device=li.device, cpu=li.cpu, kv_groups=li.kv_groups,
+        kv_block_bytes=li.kv_block_bytes,
+        kv_cache_dtype=li.kv_cache_dtype,
+        memory_budget_bytes=li.memory_budget_bytes,
+        device=li.device,
+        cpu=li.cpu,
+        kv_groups=li.kv_groups,
     )
 
 
@@ -85,8 +98,7 @@ class GrpcStageTransport:
         for i, info in enumerate(infos):
             if info.stage_index != i or info.num_stages != n:
                 raise ValueError(
-                    f"{self.addresses[i]} is stage {info.stage_index} of {info.num_stages}, "
-                    f"expected stage {i} of {n}"
+                    f"{self.addresses[i]} is stage {info.stage_index} of {info.num_stages}, expected stage {i} of {n}"
                 )
             if info.layer_start != expected_start:
                 raise ValueError(f"stage {i} starts at layer {info.layer_start}, expected {expected_start}")
@@ -106,9 +118,12 @@ class GrpcStageTransport:
             if first.epoch == infos[0].epoch and first.feedback_connected:
                 return True
             if asyncio.get_running_loop().time() > deadline:
-                log.warning("the last stage feeds %s, but no feedback stream is open on the first "
-                            "stage %s: the scheduler sends it the sampled tokens", last.feedback_address,
-                            self.addresses[0])
+                log.warning(
+                    "the last stage feeds %s, but no feedback stream is open on the first "
+                    "stage %s: the scheduler sends it the sampled tokens",
+                    last.feedback_address,
+                    self.addresses[0],
+                )
                 return False
             await asyncio.sleep(0.05)
 
@@ -160,10 +175,10 @@ class GrpcStageTransport:
         stage cannot be reached (the connect is tried again)."""
         async with self._lora_turn:
             try:
-                infos = [await stub.LoadInfo(worker_pb2.LoadInfoRequest(), timeout=timeout_s)
-                         for stub in self._stubs]
-                plans = registry.sync([[LoraAdapter(a.lora_name, a.lora_path, a.load_id)
-                                        for a in info.lora_adapters] for info in infos])
+                infos = [await stub.LoadInfo(worker_pb2.LoadInfoRequest(), timeout=timeout_s) for stub in self._stubs]
+                plans = registry.sync(
+                    [[LoraAdapter(a.lora_name, a.lora_path, a.load_id) for a in info.lora_adapters] for info in infos]
+                )
                 failed: dict[str, str] = {}
                 for i, (stub, plan) in enumerate(zip(self._stubs, plans, strict=True)):
                     for name in plan.unload:
@@ -178,8 +193,7 @@ class GrpcStageTransport:
                                 raise
                             failed[adapter.name] = f"stage {i}: {exc.details()}"
                 for name, why in failed.items():
-                    log.error("LoRA adapter %r could not be loaded again (%s): dropped from every stage",
-                              name, why)
+                    log.error("LoRA adapter %r could not be loaded again (%s): dropped from every stage", name, why)
                     for stub in self._stubs:
                         await self._unload_one(stub, name, timeout_s, quiet=False)
                     registry.remove(name)
@@ -190,8 +204,7 @@ class GrpcStageTransport:
                 raise ConnectionError(f"LoRA adapters not synced: {exc.code().name}: {exc.details()}") from exc
 
     async def _load_one(self, stub, adapter: LoraAdapter, timeout_s: float) -> None:
-        request = worker_pb2.LoraAdapterRequest(lora_name=adapter.name, lora_path=adapter.path,
-                                                load_id=adapter.load_id)
+        request = worker_pb2.LoraAdapterRequest(lora_name=adapter.name, lora_path=adapter.path, load_id=adapter.load_id)
         try:
             await stub.LoadLoraAdapter(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -210,15 +223,12 @@ class GrpcStageTransport:
                 return
             if not quiet:
                 raise
-            log.warning("unloading LoRA adapter %r from a stage failed: %s %s", name, exc.code().name,
-                        exc.details())
+            log.warning("unloading LoRA adapter %r from a stage failed: %s %s", name, exc.code().name, exc.details())
 
     async def _read_events(self, index: int, on_event, ready: asyncio.Future) -> None:
         last = index == len(self.addresses) - 1
         try:
-            stream = self._stubs[index].Events(
-                worker_pb2.EventsRequest(subscriber="scheduler"), wait_for_ready=False
-            )
+            stream = self._stubs[index].Events(worker_pb2.EventsRequest(subscriber="scheduler"), wait_for_ready=False)
             async for event in stream:
                 if event.HasField("ready"):
                     if not ready.done():
@@ -261,8 +271,10 @@ class GrpcStageTransport:
         if index != len(self.addresses) - 1:
             return  # (a stage that reports its successes too: the last one brings its timing)
         self._in_flight.discard(mb_id)
-        timings = tuple(StageTiming(t.stage_index, t.received_ns, t.compute_start_ns, t.compute_end_ns)
-                        for t in (*done.upstream_timings, done.timing))
+        timings = tuple(
+            StageTiming(t.stage_index, t.received_ns, t.compute_start_ns, t.compute_end_ns)
+            for t in (*done.upstream_timings, done.timing)
+        )
         on_event(result_from_pb(done, timings))
 
     async def _watch_forward(self, call, on_event) -> None:
@@ -287,13 +299,19 @@ class GrpcStageTransport:
         """Every stage's statistics, asked of all at once: a hung stage shows as not
         healthy after `timeout_s` instead of holding up the answer (the gateway's own
         deadline for the scheduler's statistics is 2 s)."""
+
         async def one(i: int, stub) -> dict:
             try:
                 s = await stub.GetStats(worker_pb2.StageStatsRequest(), timeout=timeout_s)
                 return {"stage_index": i, "address": self.addresses[i], "healthy": True, "stats": s}
             except grpc.aio.AioRpcError as exc:
-                return {"stage_index": i, "address": self.addresses[i], "healthy": False,
-                        "error": f"{exc.code().name}: {exc.details()}"}
+                return {
+                    "stage_index": i,
+                    "address": self.addresses[i],
+                    "healthy": False,
+                    "error": f"{exc.code().name}: {exc.details()}",
+                }
+
         return list(await asyncio.gather(*(one(i, stub) for i, stub in enumerate(self._stubs))))
 
     async def close(self) -> None:

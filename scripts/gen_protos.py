@@ -93,14 +93,10 @@ def check(out_dir: Path, proto_root: Path = PROTO_ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--out", type=Path, metavar="DIR", help="regenerate the code into DIR")
-    mode.add_argument(
-        "--check", type=Path, metavar="DIR", help="exit 1 if DIR differs from a fresh generation"
-    )
+    mode.add_argument("--check", type=Path, metavar="DIR", help="exit 1 if DIR differs from a fresh generation")
     args = parser.parse_args(argv)
 
     if args.out is not None:

@@ -52,8 +52,7 @@ from gpu_check_correctness import part_hf_equivalence, part_kernel_tests
 from gpu_check_timing import part_attention_bench, part_profile, part_throughput
 
 PARTS = ("kernel_tests", "hf_equivalence", "attention_bench", "throughput", "profile")
-TIMEOUT_S = {"kernel_tests": 100, "hf_equivalence": 50, "attention_bench": 50, "throughput": 110,
-             "profile": 60}
+TIMEOUT_S = {"kernel_tests": 100, "hf_equivalence": 50, "attention_bench": 50, "throughput": 110, "profile": 60}
 TOTAL_BUDGET_S = 350  # the whole run stays under six minutes
 
 
@@ -62,12 +61,16 @@ TOTAL_BUDGET_S = 350  # the whole run stays under six minutes
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="run every part on the CPU under Triton's interpreter, at toy sizes")
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated subset of {','.join(PARTS)}")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="JSON file for the figures (default: $OUT/gpu_check.json or ./gpu_check.json)")
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="run every part on the CPU under Triton's interpreter, at toy sizes"
+    )
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON file for the figures (default: $OUT/gpu_check.json or ./gpu_check.json)",
+    )
     parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -90,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in parts:
         timeout = min(TIMEOUT_S[name], int(deadline - time.monotonic()))
         print(f"== {name} (timeout {timeout} s)", flush=True)
-        result = _run_child(name, args.cpu_smoke, timeout) if timeout > 0 else {
-            "ok": False, "error": "no time left in the five-minute budget"}
+        result = (
+            _run_child(name, args.cpu_smoke, timeout)
+            if timeout > 0
+            else {"ok": False, "error": "no time left in the five-minute budget"}
+        )
         report.setdefault("environment", result.pop("environment", None))
         result.pop("environment", None)
         report["parts"][name] = result
@@ -112,8 +118,9 @@ def _run_child(name: str, smoke: bool, timeout: int) -> dict[str, Any]:
     env["TRITON_INTERPRET"] = "1" if smoke else "0"
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         result_path = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name,
-               "--result", str(result_path)] + (["--cpu-smoke"] if smoke else [])
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--result", str(result_path)] + (
+            ["--cpu-smoke"] if smoke else []
+        )
         started = time.monotonic()
         # Own session, so that a timeout takes down the whole process group.
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
@@ -122,8 +129,11 @@ def _run_child(name: str, smoke: bool, timeout: int) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            return {"ok": False, "error": f"timed out after {timeout} s",
-                    "seconds": round(time.monotonic() - started, 1)}
+            return {
+                "ok": False,
+                "error": f"timed out after {timeout} s",
+                "seconds": round(time.monotonic() - started, 1),
+            }
         if result_path.is_file():
             result = json.loads(result_path.read_text())
         else:
@@ -151,8 +161,7 @@ def run_part(name: str, smoke: bool, result_path: Path) -> int:
         result = {"ok": False, "error": str(exc), **exc.figures}
     except Exception as exc:  # a part's crash is its result, not the driver's
         traceback.print_exc()
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc(limit=8)}
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
     result["seconds"] = round(time.perf_counter() - started, 1)
     try:
         result["environment"] = environment()

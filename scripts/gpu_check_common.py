@@ -26,8 +26,11 @@ class CheckFailed(Exception):
 def environment() -> dict[str, Any]:
     import torch
 
-    env: dict[str, Any] = {"torch": torch.__version__, "cuda_runtime": torch.version.cuda,
-                           "grpc_imported": "grpc" in sys.modules}
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "grpc_imported": "grpc" in sys.modules,
+    }
     try:
         import triton
 
@@ -42,9 +45,12 @@ def environment() -> dict[str, Any]:
         env["transformers"] = None
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        env.update(gpu=props.name, compute_capability=f"{props.major}.{props.minor}",
-                   gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                   gpu_count=torch.cuda.device_count())
+        env.update(
+            gpu=props.name,
+            compute_capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            gpu_count=torch.cuda.device_count(),
+        )
     return env
 
 
@@ -95,8 +101,7 @@ def sync(device) -> None:
 # --- a paged batch for the attention kernels ------------------------------------------------
 
 
-def paged_batch(device, chunks, block_size, num_heads, num_kv_heads, head_dim, dtype,
-                shuffle=True, seed=0):
+def paged_batch(device, chunks, block_size, num_heads, num_kv_heads, head_dim, dtype, shuffle=True, seed=0):
     """A flattened batch over a paged pool: chunks are (num_new, context_len) per sequence.
 
     Returns q, k_pool, v_pool (random everywhere), the new tokens' k and v, and metadata.
@@ -109,13 +114,14 @@ def paged_batch(device, chunks, block_size, num_heads, num_kv_heads, head_dim, d
     g = torch.Generator(device=device).manual_seed(seed)
     needed = [-(-ctx // block_size) for _, ctx in chunks]
     num_blocks = sum(needed) + 1
-    order = (torch.randperm(num_blocks, device=device, generator=g) if shuffle
-             else torch.arange(num_blocks, device=device))
+    order = (
+        torch.randperm(num_blocks, device=device, generator=g) if shuffle else torch.arange(num_blocks, device=device)
+    )
     max_blocks = max(needed)
     table = torch.zeros((len(chunks), max_blocks), dtype=torch.long, device=device)
     slots, starts, first = [], [0], 0
     for i, ((num_new, ctx), n) in enumerate(zip(chunks, needed, strict=True)):
-        table[i, :n] = order[first:first + n]
+        table[i, :n] = order[first : first + n]
         first += n
         pos = torch.arange(ctx - num_new, ctx, device=device)
         slots.append(table[i, pos // block_size] * block_size + pos % block_size)
@@ -135,9 +141,14 @@ def paged_batch(device, chunks, block_size, num_heads, num_kv_heads, head_dim, d
         context_lens_list=context_lens,
     )
     num_tokens = starts[-1]
-    return (rand(num_tokens, num_heads, head_dim), rand(*shape), rand(*shape),
-            rand(num_tokens, num_kv_heads, head_dim), rand(num_tokens, num_kv_heads, head_dim),
-            metadata)
+    return (
+        rand(num_tokens, num_heads, head_dim),
+        rand(*shape),
+        rand(*shape),
+        rand(num_tokens, num_kv_heads, head_dim),
+        rand(num_tokens, num_kv_heads, head_dim),
+        metadata,
+    )
 
 
 # --- a greedy driver for one stage (PP=1) --------------------------------------------------
@@ -156,14 +167,13 @@ class GreedyBatch:
         self.prompts = prompts
         self.tokens = [list(p) for p in prompts]
         self.computed = [0] * len(prompts)
-        self.tables = [tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-                       for i in range(len(prompts))]
+        self.tables = [tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
         self.logits: list[list[Any]] = [[] for _ in prompts]  # per sampled step, when kept
         self.greedy = SamplingParams(temperature=0.0)
         self._step = 0
 
     def outputs(self) -> list[list[int]]:
-        return [t[len(p):] for t, p in zip(self.tokens, self.prompts, strict=True)]
+        return [t[len(p) :] for t, p in zip(self.tokens, self.prompts, strict=True)]
 
     def step(self, chunk: int, keep_logits: bool = False) -> int:
         """One forward pass over every sequence; returns the number of tokens it computed."""
@@ -180,9 +190,7 @@ class GreedyBatch:
         plan = StepPlan(self._step, tuple(new), tuple(cached))
         result = self.runner.execute(plan, keep_logits=keep_logits)
         self._step += 1
-        for row, (seq_id, token) in enumerate(
-            zip(result.sampled_seq_ids, result.sampled.token_ids, strict=True)
-        ):
+        for row, (seq_id, token) in enumerate(zip(result.sampled_seq_ids, result.sampled.token_ids, strict=True)):
             self.tokens[seq_id].append(token)
             if keep_logits:
                 self.logits[seq_id].append(result.logits[row].float().cpu())

@@ -56,11 +56,15 @@ def part_kernel_tests(smoke: bool) -> dict[str, Any]:
     files = ["tests/unit/test_triton_attention.py", "tests/gpu"]
     # --noconftest: the conftest would choose the interpreter and needs hypothesis; these
     # files need only pytest.
-    code = pytest.main(["-q", "-p", "no:cacheprovider", "--noconftest", *files],
-                       plugins=[outcomes])
+    code = pytest.main(["-q", "-p", "no:cacheprovider", "--noconftest", *files], plugins=[outcomes])
     check_no_grpc()
-    figures = {"runner": "pytest", "files": files, "exit_code": int(code), **outcomes.counts,
-               "failed_tests": outcomes.failed[:20]}
+    figures = {
+        "runner": "pytest",
+        "files": files,
+        "exit_code": int(code),
+        **outcomes.counts,
+        "failed_tests": outcomes.failed[:20],
+    }
     if code != 0 or outcomes.counts["passed"] == 0:
         raise CheckFailed(f"pytest exit code {int(code)}", figures)
     return figures
@@ -75,25 +79,30 @@ def _builtin_kernel_check(device) -> dict[str, Any]:
 
     cases = []
     for block_size, heads, kv_heads, head_dim, dtype, window in (
-        (16, 8, 8, 64, torch.float32, None), (32, 32, 8, 128, torch.bfloat16, None),
-        (16, 16, 4, 128, torch.float16, 512), (1, 6, 2, 80, torch.float16, None),
+        (16, 8, 8, 64, torch.float32, None),
+        (32, 32, 8, 128, torch.bfloat16, None),
+        (16, 16, 4, 128, torch.float16, 512),
+        (1, 6, 2, 80, torch.float16, None),
     ):
         chunks = ((1, 1), (1, 17), (40, 1000), (300, 300), (1, 2049))
-        q, k_pool, v_pool, k, v, metadata = paged_batch(
-            device, chunks, block_size, heads, kv_heads, head_dim, dtype)
+        q, k_pool, v_pool, k, v, metadata = paged_batch(device, chunks, block_size, heads, kv_heads, head_dim, dtype)
         ref_pools = (k_pool.clone(), v_pool.clone())
         TritonAttentionBackend().write_kv(k_pool, v_pool, k, v, metadata.slot_mapping)
         TorchAttentionBackend().write_kv(*ref_pools, k, v, metadata.slot_mapping)
         written = torch.equal(k_pool, ref_pools[0]) and torch.equal(v_pool, ref_pools[1])
         scale = head_dim**-0.5
         out = TritonAttentionBackend().forward(q, k_pool, v_pool, metadata, scale, window)
-        ref = TorchAttentionBackend().forward(q.float(), k_pool.float(), v_pool.float(),
-                                              metadata, scale, window)
+        ref = TorchAttentionBackend().forward(q.float(), k_pool.float(), v_pool.float(), metadata, scale, window)
         err = float((out.float() - ref).abs().max())
         bound = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
-        cases.append({"case": f"bs{block_size}-h{heads}/{kv_heads}-d{head_dim}-{dtype}-w{window}",
-                      "max_abs_err": err, "write_kv_exact": written,
-                      "ok": written and err <= bound * max(1.0, float(ref.abs().max()))})
+        cases.append(
+            {
+                "case": f"bs{block_size}-h{heads}/{kv_heads}-d{head_dim}-{dtype}-w{window}",
+                "max_abs_err": err,
+                "write_kv_exact": written,
+                "ok": written and err <= bound * max(1.0, float(ref.abs().max())),
+            }
+        )
     return {"cases": cases, "failures": [c["case"] for c in cases if not c["ok"]]}
 
 
@@ -110,8 +119,12 @@ def part_hf_equivalence(smoke: bool) -> dict[str, Any]:
 
     device = device_for(smoke)
     lengths, new_tokens = ((1, 3, 17, 40), 8) if smoke else ((1, 3, 17, 45, 100, 177), 24)
-    figures: dict[str, Any] = {"device": str(device), "dtype": "float32", "prompt_lengths": list(lengths),
-                               "new_tokens": new_tokens}
+    figures: dict[str, Any] = {
+        "device": str(device),
+        "dtype": "float32",
+        "prompt_lengths": list(lengths),
+        "new_tokens": new_tokens,
+    }
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-tiny-") as tmp:
         tiny = make_tiny_model(Path(tmp) / "tiny", TinyModelSpec())
@@ -156,16 +169,21 @@ def _greedy_against_transformers(model_dir, device, lengths, new_tokens) -> tupl
             out = out[:new_tokens]
             with torch.inference_mode():
                 ids = torch.tensor([prompt + out[:-1]], device=device)
-                ref = hf(ids).logits[0, len(prompt) - 1:].float().cpu()  # [new_tokens, vocab]
+                ref = hf(ids).logits[0, len(prompt) - 1 :].float().cpu()  # [new_tokens, vocab]
             for j, token in enumerate(out):
                 gap = float(ref[j].max() - ref[j, token])
                 if int(ref[j].argmax()) != token:
                     if gap > TIE_TOLERANCE:
-                        failures.append(f"{backend}: prompt {i} step {j}: token {token}, "
-                                        f"transformers {int(ref[j].argmax())}, gap {gap:.3g}")
+                        failures.append(
+                            f"{backend}: prompt {i} step {j}: token {token}, "
+                            f"transformers {int(ref[j].argmax())}, gap {gap:.3g}"
+                        )
                         break
                     ties += 1
                 max_logit_diff = max(max_logit_diff, float((batch.logits[i][j] - ref[j]).abs().max()))
-        figures[backend] = {"tie_divergences": ties, "max_abs_logit_diff": max_logit_diff,
-                            "outputs_equal_triton": batch.outputs() == runs["triton"].outputs()}
+        figures[backend] = {
+            "tie_divergences": ties,
+            "max_abs_logit_diff": max_logit_diff,
+            "outputs_equal_triton": batch.outputs() == runs["triton"].outputs(),
+        }
     return figures, failures

@@ -13,16 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_check_common import (
-    CheckFailed,
-    GreedyBatch,
-    check_no_grpc,
-    device_for,
-    environment,
-    paged_batch,
-    sync,
-    timed,
-)
+from gpu_check_common import CheckFailed, GreedyBatch, check_no_grpc, device_for, environment, paged_batch, sync, timed
 
 # --- part 3: paged decode attention benchmark ----------------------------------------------
 
@@ -45,14 +36,22 @@ def part_attention_bench(smoke: bool) -> dict[str, Any]:
     copy_s = timed(functools.partial(dst.copy_, src), iters, device)
     copy_gbps = 2 * copy_bytes / copy_s / 1e9  # read + write
     del src, dst
-    figures: dict[str, Any] = {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
-                               "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
-                               "block_size": 16, "copy_GBps": round(copy_gbps, 1), "cases": []}
+    figures: dict[str, Any] = {
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "block_size": 16,
+        "copy_GBps": round(copy_gbps, 1),
+        "cases": [],
+    }
     triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
     failures = []
     for batch, ctx in shapes:
         q, k_pool, v_pool, _, _, metadata = paged_batch(
-            device, ((1, ctx),) * batch, 16, heads, kv_heads, head_dim, dtype)
+            device, ((1, ctx),) * batch, 16, heads, kv_heads, head_dim, dtype
+        )
         scale = head_dim**-0.5
 
         def run_triton(q=q, k_pool=k_pool, v_pool=v_pool, metadata=metadata, scale=scale):
@@ -67,12 +66,18 @@ def part_attention_bench(smoke: bool) -> dict[str, Any]:
         torch_s = timed(run_torch, ref_iters, device)
         elem = k_pool.element_size()
         moved = 2 * batch * ctx * kv_heads * head_dim * elem + 2 * q.numel() * elem
-        case = {"batch": batch, "context": ctx, "bytes_read_MiB": round(moved / 2**20, 1),
-                "triton_ms": round(triton_s * 1e3, 3), "torch_ms": round(torch_s * 1e3, 3),
-                "triton_GBps": round(moved / triton_s / 1e9, 1),
-                "torch_GBps": round(moved / torch_s / 1e9, 1),
-                "triton_fraction_of_copy": round(moved / triton_s / 1e9 / copy_gbps, 3),
-                "speedup_vs_torch": round(torch_s / triton_s, 2), "rel_err_vs_torch": rel_err}
+        case = {
+            "batch": batch,
+            "context": ctx,
+            "bytes_read_MiB": round(moved / 2**20, 1),
+            "triton_ms": round(triton_s * 1e3, 3),
+            "torch_ms": round(torch_s * 1e3, 3),
+            "triton_GBps": round(moved / triton_s / 1e9, 1),
+            "torch_GBps": round(moved / torch_s / 1e9, 1),
+            "triton_fraction_of_copy": round(moved / triton_s / 1e9 / copy_gbps, 3),
+            "speedup_vs_torch": round(torch_s / triton_s, 2),
+            "rel_err_vs_torch": rel_err,
+        }
         print(json.dumps(case), flush=True)
         figures["cases"].append(case)
         if not rel_err < 2e-2:
@@ -99,19 +104,31 @@ def part_throughput(smoke: bool) -> dict[str, Any]:
 
     device = device_for(smoke)
     if smoke:
-        spec = TinyModelSpec(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                             dtype="bfloat16")
+        spec = TinyModelSpec(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, dtype="bfloat16")
         batch, prompt_len, warmup, steps = 4, 16, 1, 4
     else:  # Llama 3.2 1B's shape, with the maker's largest vocabulary
-        spec = TinyModelSpec(hidden_size=2048, intermediate_size=8192, num_layers=16,
-                             num_heads=32, num_kv_heads=8, vocab_size=8192,
-                             max_position_embeddings=4096, dtype="bfloat16")
+        spec = TinyModelSpec(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=8,
+            vocab_size=8192,
+            max_position_embeddings=4096,
+            dtype="bfloat16",
+        )
         batch, prompt_len, warmup, steps = 64, 128, 4, 64
     block_size = 16
     blocks_per_seq = -(-(prompt_len + warmup + steps + 1) // block_size)
-    figures: dict[str, Any] = {"device": str(device), "num_parameters": spec.num_parameters,
-                               "batch": batch, "prompt_len": prompt_len, "decode_steps": steps,
-                               "backend": "triton", "pipeline_parallel_size": 1}
+    figures: dict[str, Any] = {
+        "device": str(device),
+        "num_parameters": spec.num_parameters,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "decode_steps": steps,
+        "backend": "triton",
+        "pipeline_parallel_size": 1,
+    }
     with tempfile.TemporaryDirectory(prefix="gpu-check-1b-") as tmp:
         started = time.perf_counter()
         model_dir = make_tiny_model(Path(tmp) / "model", spec)
@@ -124,8 +141,7 @@ def part_throughput(smoke: bool) -> dict[str, Any]:
             started = time.perf_counter()
             model = load_stage(model_dir, dtype="bfloat16", device=device, quantization=quant)
             load_s = time.perf_counter() - started
-            runner = StageRunner(model, num_blocks=batch * blocks_per_seq, block_size=block_size,
-                                 backend="triton")
+            runner = StageRunner(model, num_blocks=batch * blocks_per_seq, block_size=block_size, backend="triton")
             gb = GreedyBatch(runner, prompts, blocks_per_seq)
             sync(device)
             started = time.perf_counter()
@@ -140,10 +156,13 @@ def part_throughput(smoke: bool) -> dict[str, Any]:
             for _ in range(steps):
                 gb.step(chunk=1)  # the sampler's .tolist() waits for the step's result
             decode_s = time.perf_counter() - started
-            row = {"weight_bytes": weight_bytes(model), "load_s": round(load_s, 2),
-                   "prefill_tokens_per_s": round(prefill_tokens / prefill_s, 1),
-                   "decode_tokens_per_s": round(batch * steps / decode_s, 1),
-                   "decode_step_ms": round(decode_s / steps * 1e3, 2)}
+            row = {
+                "weight_bytes": weight_bytes(model),
+                "load_s": round(load_s, 2),
+                "prefill_tokens_per_s": round(prefill_tokens / prefill_s, 1),
+                "decode_tokens_per_s": round(batch * steps / decode_s, 1),
+                "decode_step_ms": round(decode_s / steps * 1e3, 2),
+            }
             if device.type == "cuda":
                 row["peak_memory_GiB"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
                 torch.cuda.reset_peak_memory_stats(device)
@@ -176,9 +195,16 @@ def part_profile(smoke: bool) -> dict[str, Any]:
         spec = TinyModelSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, dtype="float32")
         shapes, decode_steps = ((1, 16), (2, 32), (4, 8)), 2
     else:  # Llama 3.2 1B's shape, as the throughput part
-        spec = TinyModelSpec(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                             num_kv_heads=8, vocab_size=8192, max_position_embeddings=4096,
-                             dtype="bfloat16")
+        spec = TinyModelSpec(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=8,
+            vocab_size=8192,
+            max_position_embeddings=4096,
+            dtype="bfloat16",
+        )
         shapes, decode_steps = ((1, 128), (1, 1024), (16, 256), (64, 128), (64, 512)), 8
     points: list[tuple[list[float], float, str]] = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-profile-") as tmp:
@@ -192,9 +218,14 @@ def part_profile(smoke: bool) -> dict[str, Any]:
     path = Path(os.environ.get("OUT") or ".") / f"{name}.json"
     save_profile(profile, path)
     loaded = load_profile(str(path))  # the emulated device reads it back
-    return {"profile_path": str(path), "name": loaded.name, "num_points": len(points),
-            **{k: getattr(loaded, k) for k in ("fixed_s", "per_prefill_token_s", "per_decode_row_s",
-                                                "per_context_token_s")}}
+    return {
+        "profile_path": str(path),
+        "name": loaded.name,
+        "num_points": len(points),
+        **{
+            k: getattr(loaded, k) for k in ("fixed_s", "per_prefill_token_s", "per_decode_row_s", "per_context_token_s")
+        },
+    }
 
 
 def _step_points(model, device, vocab_size: int, batch: int, prompt_len: int, decode_steps: int):
@@ -206,11 +237,14 @@ def _step_points(model, device, vocab_size: int, batch: int, prompt_len: int, de
 
     block_size = 16
     blocks_per_seq = -(-(prompt_len + decode_steps + 2) // block_size)
-    runner = StageRunner(model, num_blocks=batch * blocks_per_seq, block_size=block_size,
-                         backend="triton" if device.type == "cuda" else "torch")
+    runner = StageRunner(
+        model,
+        num_blocks=batch * blocks_per_seq,
+        block_size=block_size,
+        backend="triton" if device.type == "cuda" else "torch",
+    )
     g = torch.Generator().manual_seed(batch * 7919 + prompt_len)
-    gb = GreedyBatch(runner, torch.randint(5, vocab_size, (batch, prompt_len), generator=g).tolist(),
-                     blocks_per_seq)
+    gb = GreedyBatch(runner, torch.randint(5, vocab_size, (batch, prompt_len), generator=g).tolist(), blocks_per_seq)
     points = []
     for k in range(decode_steps + 1):
         sync(device)
@@ -218,8 +252,9 @@ def _step_points(model, device, vocab_size: int, batch: int, prompt_len: int, de
         gb.step(chunk=prompt_len if k == 0 else 1)  # (its sampler waits for the result)
         seconds = time.perf_counter() - started
         if k == 0:
-            points.append(([1.0, batch * prompt_len, 0, batch * prompt_len], seconds,
-                           f"prefill {batch} x {prompt_len}"))
+            points.append(
+                ([1.0, batch * prompt_len, 0, batch * prompt_len], seconds, f"prefill {batch} x {prompt_len}")
+            )
         elif k > 1:  # (the first decode step warms its shapes up)
             context = batch * (prompt_len + k)
             points.append(([1.0, 0, batch, context], seconds, f"decode {batch} x {prompt_len + k}"))
@@ -255,15 +290,31 @@ def _fitted_profile(name: str, points, spec, device):
             break
         active.pop(int(np.argmin(solution)))
     predicted = features @ coef
-    notes = [f"{label}: measured {s * 1e3:.3f} ms, fit {p * 1e3:.3f} ms ({(p / s - 1) * 100:+.1f}%)"
-             for (_, s, label), p in zip(points, predicted, strict=True)]
-    notes.insert(0, "Step times of Pagoda's own StageRunner (the whole model, PP=1, TP=1, greedy "
-                    "sampling included) at several batch sizes and prompt lengths; one layer count, "
-                    "so the constant is fixed_s and per_step_s is 0.")
-    source = (f"recorded by scripts/gpu_check.py (part profile) on {device} "
-              f"({environment().get('gpu', 'no GPU')}, torch {torch.__version__}), {spec.num_layers} layers, hidden "
-              f"{spec.hidden_size}, {spec.dtype}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    return DeviceProfile(name=name, source=source, fixed_s=float(coef[0]), per_prefill_token_s=float(coef[1]),
-                         per_decode_row_s=float(coef[2]), per_context_token_s=float(coef[3]),
-                         allreduce_per_token_s=0.0, eos_probability=0.0, hidden_size=spec.hidden_size,
-                         num_layers=spec.num_layers, notes=tuple(notes))
+    notes = [
+        f"{label}: measured {s * 1e3:.3f} ms, fit {p * 1e3:.3f} ms ({(p / s - 1) * 100:+.1f}%)"
+        for (_, s, label), p in zip(points, predicted, strict=True)
+    ]
+    notes.insert(
+        0,
+        "Step times of Pagoda's own StageRunner (the whole model, PP=1, TP=1, greedy "
+        "sampling included) at several batch sizes and prompt lengths; one layer count, "
+        "so the constant is fixed_s and per_step_s is 0.",
+    )
+    source = (
+        f"recorded by scripts/gpu_check.py (part profile) on {device} "
+        f"({environment().get('gpu', 'no GPU')}, torch {torch.__version__}), {spec.num_layers} layers, hidden "
+        f"{spec.hidden_size}, {spec.dtype}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    return DeviceProfile(
+        name=name,
+        source=source,
+        fixed_s=float(coef[0]),
+        per_prefill_token_s=float(coef[1]),
+        per_decode_row_s=float(coef[2]),
+        per_context_token_s=float(coef[3]),
+        allreduce_per_token_s=0.0,
+        eos_probability=0.0,
+        hidden_size=spec.hidden_size,
+        num_layers=spec.num_layers,
+        notes=tuple(notes),
+    )

@@ -33,8 +33,7 @@ class AdmissionError(ValueError):
     token id's position in a list field, or None) and `reason`. `context_length`: what it
     exceeds is the model's context (the REST API's code context_length_exceeded)."""
 
-    def __init__(self, field: str, reason: str, index: int | None = None,
-                 context_length: bool = False) -> None:
+    def __init__(self, field: str, reason: str, index: int | None = None, context_length: bool = False) -> None:
         self.field, self.reason, self.index, self.context_length = field, reason, index, context_length
         self.path = field if index is None else f"{field}[{index}]"
         super().__init__(f"{self.path}: {reason}")
@@ -65,12 +64,19 @@ def admit(options: SamplingOptions, limits: Limits, num_prompt_tokens: int) -> S
     _check_token_ids(options, limits.vocab_size)
     room = limits.max_model_len - num_prompt_tokens
     if room < 1:
-        raise AdmissionError("prompt", f"{num_prompt_tokens} tokens leave no room to generate under "
-                                       f"max_model_len={limits.max_model_len}", context_length=True)
+        raise AdmissionError(
+            "prompt",
+            f"{num_prompt_tokens} tokens leave no room to generate under max_model_len={limits.max_model_len}",
+            context_length=True,
+        )
     if options.max_tokens is not None and options.max_tokens > room:
-        raise AdmissionError("max_tokens", f"{num_prompt_tokens} prompt tokens + {options.max_tokens} "
-                                           f"exceed max_model_len={limits.max_model_len}; ask for at most "
-                                           f"{room}", context_length=True)
+        raise AdmissionError(
+            "max_tokens",
+            f"{num_prompt_tokens} prompt tokens + {options.max_tokens} "
+            f"exceed max_model_len={limits.max_model_len}; ask for at most "
+            f"{room}",
+            context_length=True,
+        )
     if limits.num_kv_blocks:  # a request that could never run would wait forever
         return _fit_in_pool(options, limits, num_prompt_tokens, room)
     return options.resolve_max_tokens(room)
@@ -84,13 +90,17 @@ def admit_pooling(options: SamplingOptions, limits: Limits, num_prompt_tokens: i
     if options.n != 1:
         raise AdmissionError("n", f"a pooling (embedding) request has one choice, got {options.n}")
     if num_prompt_tokens > limits.max_model_len:
-        raise AdmissionError("prompt", f"{num_prompt_tokens} tokens exceed max_model_len={limits.max_model_len}",
-                             context_length=True)
+        raise AdmissionError(
+            "prompt", f"{num_prompt_tokens} tokens exceed max_model_len={limits.max_model_len}", context_length=True
+        )
     needed = -(-num_prompt_tokens // limits.block_size)
     if limits.num_kv_blocks and needed > limits.num_kv_blocks:
-        raise AdmissionError("prompt", f"the prompt's {num_prompt_tokens} tokens need {needed} KV blocks of "
-                                       f"{limits.block_size} tokens; the pool has {limits.num_kv_blocks}",
-                             context_length=True)
+        raise AdmissionError(
+            "prompt",
+            f"the prompt's {num_prompt_tokens} tokens need {needed} KV blocks of "
+            f"{limits.block_size} tokens; the pool has {limits.num_kv_blocks}",
+            context_length=True,
+        )
     return SamplingOptions(n=1, max_tokens=1)
 
 
@@ -103,18 +113,25 @@ def _fit_in_pool(options: SamplingOptions, limits: Limits, num_prompt_tokens: in
         least = kv_blocks_needed(num_prompt_tokens, n, 1, block_size)
         pool = f"the pool has {blocks} ({blocks * block_size} tokens)"
         if max_tokens_that_fit(num_prompt_tokens, 1, blocks, block_size) >= 1:
-            raise AdmissionError("n", f"{n} choices of the prompt's {num_prompt_tokens} tokens need at least "
-                                      f"{least} KV blocks; {pool}")
-        raise AdmissionError("prompt", f"the prompt's {num_prompt_tokens} tokens need {least} KV blocks of "
-                                       f"{block_size} tokens with one token to generate; {pool}",
-                             context_length=True)
+            raise AdmissionError(
+                "n", f"{n} choices of the prompt's {num_prompt_tokens} tokens need at least {least} KV blocks; {pool}"
+            )
+        raise AdmissionError(
+            "prompt",
+            f"the prompt's {num_prompt_tokens} tokens need {least} KV blocks of "
+            f"{block_size} tokens with one token to generate; {pool}",
+            context_length=True,
+        )
     if options.max_tokens is None:  # the rest of the context, as far as the pool holds it
         return options.resolve_max_tokens(min(room, fit))
     if options.max_tokens > fit:
         needed = kv_blocks_needed(num_prompt_tokens, n, options.max_tokens, block_size)
-        raise AdmissionError("max_tokens", f"{num_prompt_tokens} prompt tokens and {n} x {options.max_tokens} "
-                                           f"output tokens need up to {needed} KV blocks; the pool has "
-                                           f"{blocks}: ask for at most {fit}")
+        raise AdmissionError(
+            "max_tokens",
+            f"{num_prompt_tokens} prompt tokens and {n} x {options.max_tokens} "
+            f"output tokens need up to {needed} KV blocks; the pool has "
+            f"{blocks}: ask for at most {fit}",
+        )
     return options
 
 
@@ -133,9 +150,9 @@ def _check_token_ids(options: SamplingOptions, vocab_size: int) -> None:
         return
     for i, token_id in enumerate(options.stop_token_ids):
         if token_id >= vocab_size:
-            raise AdmissionError("stop_token_ids", f"token id {token_id} is outside the vocabulary "
-                                                   f"of {vocab_size} tokens", index=i)
+            raise AdmissionError(
+                "stop_token_ids", f"token id {token_id} is outside the vocabulary of {vocab_size} tokens", index=i
+            )
     for token_id, _ in options.logit_bias:
         if token_id >= vocab_size:
-            raise AdmissionError("logit_bias", f"token id {token_id} is outside the vocabulary of "
-                                               f"{vocab_size} tokens")
+            raise AdmissionError("logit_bias", f"token id {token_id} is outside the vocabulary of {vocab_size} tokens")

@@ -49,11 +49,18 @@ from typing import Any
 
 PROFILES_PACKAGE, PROFILES_DIR = "services", "profiles"
 # the costs of one step, in the order the file lists them; per_step_s alone may be left out
-STEP_FIELDS = ("fixed_s", "per_step_s", "per_prefill_token_s", "per_decode_row_s",
-               "per_context_token_s", "allreduce_per_token_s", "last_stage_fixed_s", "last_stage_per_row_s")
+STEP_FIELDS = (
+    "fixed_s",
+    "per_step_s",
+    "per_prefill_token_s",
+    "per_decode_row_s",
+    "per_context_token_s",
+    "allreduce_per_token_s",
+    "last_stage_fixed_s",
+    "last_stage_per_row_s",
+)
 OPTIONAL_STEP_FIELDS = ("per_step_s", "last_stage_fixed_s", "last_stage_per_row_s")
-TOP_LEVEL_KEYS = ("name", "source", "notes", "step", "eos_probability", "tensor_parallel_size",
-                  "host_compute", "model")
+TOP_LEVEL_KEYS = ("name", "source", "notes", "step", "eos_probability", "tensor_parallel_size", "host_compute", "model")
 MODEL_FIELDS = ("hidden_size", "num_layers")
 
 
@@ -89,9 +96,17 @@ class DeviceProfile:
     def __post_init__(self) -> None:
         _check_profile(self)
 
-    def step_time_s(self, *, layer_fraction: float, num_prefill_tokens: int, num_decode_rows: int,
-                    num_context_tokens: int, tensor_parallel_size: int = 1, is_last_stage: bool = False,
-                    num_sampled_rows: int = 0) -> float:
+    def step_time_s(
+        self,
+        *,
+        layer_fraction: float,
+        num_prefill_tokens: int,
+        num_decode_rows: int,
+        num_context_tokens: int,
+        tensor_parallel_size: int = 1,
+        is_last_stage: bool = False,
+        num_sampled_rows: int = 0,
+    ) -> float:
         """Seconds one stage's forward pass of one step takes on this device.
 
         `layer_fraction`: the stage's share of the model's layers, in (0, 1].
@@ -104,15 +119,23 @@ class DeviceProfile:
         `is_last_stage`, `num_sampled_rows`: the last stage pays the `last_stage_*` costs, per
         step and per row that samples.
         """
-        _check_step_arguments(layer_fraction, num_prefill_tokens, num_decode_rows,
-                              num_context_tokens, tensor_parallel_size, num_sampled_rows)
+        _check_step_arguments(
+            layer_fraction,
+            num_prefill_tokens,
+            num_decode_rows,
+            num_context_tokens,
+            tensor_parallel_size,
+            num_sampled_rows,
+        )
         num_tokens = num_prefill_tokens + num_decode_rows
         allreduce = num_tokens * self.allreduce_per_token_s if tensor_parallel_size > 1 else 0.0
-        per_layers = (self.per_step_s
-                      + num_prefill_tokens * self.per_prefill_token_s
-                      + num_decode_rows * self.per_decode_row_s
-                      + num_context_tokens * self.per_context_token_s
-                      + allreduce)
+        per_layers = (
+            self.per_step_s
+            + num_prefill_tokens * self.per_prefill_token_s
+            + num_decode_rows * self.per_decode_row_s
+            + num_context_tokens * self.per_context_token_s
+            + allreduce
+        )
         head = (self.last_stage_fixed_s + num_sampled_rows * self.last_stage_per_row_s) if is_last_stage else 0.0
         return self.fixed_s + layer_fraction * per_layers + head
 
@@ -149,12 +172,22 @@ def _positive_int(value: Any, what: str) -> None:
         raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
 
 
-def _check_step_arguments(layer_fraction: float, num_prefill_tokens: int, num_decode_rows: int,
-                          num_context_tokens: int, tensor_parallel_size: int, num_sampled_rows: int) -> None:
+def _check_step_arguments(
+    layer_fraction: float,
+    num_prefill_tokens: int,
+    num_decode_rows: int,
+    num_context_tokens: int,
+    tensor_parallel_size: int,
+    num_sampled_rows: int,
+) -> None:
     if not 0 < layer_fraction <= 1:
         raise ValueError(f"layer_fraction must be in (0, 1], got {layer_fraction}")
-    counts = {"num_prefill_tokens": num_prefill_tokens, "num_decode_rows": num_decode_rows,
-              "num_context_tokens": num_context_tokens, "num_sampled_rows": num_sampled_rows}
+    counts = {
+        "num_prefill_tokens": num_prefill_tokens,
+        "num_decode_rows": num_decode_rows,
+        "num_context_tokens": num_context_tokens,
+        "num_sampled_rows": num_sampled_rows,
+    }
     for what, count in counts.items():
         if count < 0:
             raise ValueError(f"{what} must be >= 0, got {count}")
@@ -171,8 +204,7 @@ def _shipped_dir():
 
 def profile_names() -> list[str]:
     """The names of the profiles shipped with the code (services/profiles/<name>.json), sorted."""
-    return sorted(entry.name[:-len(".json")] for entry in _shipped_dir().iterdir()
-                  if entry.name.endswith(".json"))
+    return sorted(entry.name[: -len(".json")] for entry in _shipped_dir().iterdir() if entry.name.endswith(".json"))
 
 
 def load_profile(spec: str) -> DeviceProfile:
@@ -190,8 +222,7 @@ def load_profile(spec: str) -> DeviceProfile:
         return _parse(path.read_text(encoding="utf-8"), origin=spec)
     known = profile_names()
     if spec not in known:
-        raise ValueError(f"unknown device profile {spec!r}; known: {', '.join(known)} "
-                         "(or give a path to a .json file)")
+        raise ValueError(f"unknown device profile {spec!r}; known: {', '.join(known)} (or give a path to a .json file)")
     text = _shipped_dir().joinpath(f"{spec}.json").read_text(encoding="utf-8")
     return _parse(text, origin=f"services/profiles/{spec}.json")
 
@@ -206,12 +237,16 @@ def save_profile(profile: DeviceProfile, path) -> None:
 def profile_to_dict(profile: DeviceProfile) -> dict[str, Any]:
     """The JSON form of a profile (see the module doc)."""
     model = {f: getattr(profile, f) for f in MODEL_FIELDS if getattr(profile, f) is not None}
-    return {"name": profile.name, "source": profile.source, "notes": list(profile.notes),
-            "step": {f: getattr(profile, f) for f in STEP_FIELDS},
-            "eos_probability": profile.eos_probability,
-            "tensor_parallel_size": profile.tensor_parallel_size,
-            "host_compute": profile.host_compute,
-            "model": model}
+    return {
+        "name": profile.name,
+        "source": profile.source,
+        "notes": list(profile.notes),
+        "step": {f: getattr(profile, f) for f in STEP_FIELDS},
+        "eos_probability": profile.eos_probability,
+        "tensor_parallel_size": profile.tensor_parallel_size,
+        "host_compute": profile.host_compute,
+        "model": model,
+    }
 
 
 def profile_from_dict(data: Any, origin: str = "device profile") -> DeviceProfile:
@@ -237,12 +272,16 @@ def profile_from_dict(data: Any, origin: str = "device profile") -> DeviceProfil
         raise ValueError(f"{origin}: 'notes' must be a list of strings")
     try:
         return DeviceProfile(
-            name=data["name"], source=data["source"], notes=tuple(notes),
+            name=data["name"],
+            source=data["source"],
+            notes=tuple(notes),
             eos_probability=data["eos_probability"],
             tensor_parallel_size=data.get("tensor_parallel_size", 1),
             host_compute=data.get("host_compute", False),
-            hidden_size=model.get("hidden_size"), num_layers=model.get("num_layers"),
-            **{key: step.get(key, 0.0) for key in STEP_FIELDS})
+            hidden_size=model.get("hidden_size"),
+            num_layers=model.get("num_layers"),
+            **{key: step.get(key, 0.0) for key in STEP_FIELDS},
+        )
     except ValueError as e:
         raise ValueError(f"{origin}: {e}") from None
 
@@ -250,8 +289,7 @@ def profile_from_dict(data: Any, origin: str = "device profile") -> DeviceProfil
 def _no_unknown_keys(data: dict, allowed: tuple[str, ...], where: str) -> None:
     unknown = sorted(set(data) - set(allowed))
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; "
-                         f"expected {', '.join(allowed)}")
+        raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; expected {', '.join(allowed)}")
 
 
 def _parse(text: str, origin: str) -> DeviceProfile:

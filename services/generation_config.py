@@ -64,8 +64,7 @@ class SamplingDefaults:
     def describe(self) -> str:
         """One line for the start banner."""
         values = ", ".join(f"{name} {value:g}" for name, value in self.fields().items())
-        return (f"{values or 'none (temperature 1, no truncation)'} ({self.source}); "
-                "a request's own fields win")
+        return f"{values or 'none (temperature 1, no truncation)'} ({self.source}); a request's own fields win"
 
 
 def parse_override(text: str | None) -> dict[str, float | int]:
@@ -81,8 +80,10 @@ def parse_override(text: str | None) -> dict[str, float | int]:
         raise ValueError("override_generation_config: must be a JSON object such as '{\"temperature\": 0.7}'")
     unknown = sorted(set(value) - set(SAMPLING_FIELDS))
     if unknown:
-        raise ValueError(f"override_generation_config: unknown field(s) {', '.join(unknown)}; the "
-                         f"sampling fields are {', '.join(SAMPLING_FIELDS)}")
+        raise ValueError(
+            f"override_generation_config: unknown field(s) {', '.join(unknown)}; the "
+            f"sampling fields are {', '.join(SAMPLING_FIELDS)}"
+        )
     try:
         SamplingDefaults(**_normalized(value))
     except ValueError as exc:
@@ -96,8 +97,7 @@ def check_mode(mode: str) -> None:
         raise ValueError(f"generation_config: must be auto, vllm or a folder, got {mode!r}")
 
 
-def sampling_defaults(model_dir: str | Path, mode: str = "auto",
-                      override: str | None = None) -> SamplingDefaults:
+def sampling_defaults(model_dir: str | Path, mode: str = "auto", override: str | None = None) -> SamplingDefaults:
     """The defaults for the model in `model_dir` (see the module docstring); ValueError naming
     the setting when the folder or its file cannot be read, or a value is out of range."""
     check_mode(mode)

@@ -41,6 +41,7 @@ def internal_token() -> str | None:
     or None: internal services then take any caller (bind them to loopback only)."""
     return env_text(INTERNAL_TOKEN) or None
 
+
 log = logging.getLogger(__name__)
 
 
@@ -64,8 +65,7 @@ class RefuseUndecodable(grpc.aio.ServerInterceptor):
             return handler
         kind = _behaviour_kind(handler)
         behaviour = _refusing_undecodable(kind, handler, handler_call_details.method)
-        return handler._replace(request_deserializer=_safe_decoder(handler.request_deserializer),
-                                **{kind: behaviour})
+        return handler._replace(request_deserializer=_safe_decoder(handler.request_deserializer), **{kind: behaviour})
 
 
 _BEHAVIOUR_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
@@ -78,6 +78,7 @@ def _behaviour_kind(handler: grpc.RpcMethodHandler) -> str:
 
 def _safe_decoder(decode):
     """`decode`, but a request that cannot be parsed decodes to `_Undecodable` instead of raising."""
+
     def safe_decode(data: bytes):
         try:
             return decode(data)
@@ -90,10 +91,12 @@ def _safe_decoder(decode):
 def _refusing_undecodable(kind: str, handler: grpc.RpcMethodHandler, method: str):
     """The handler's `kind` behaviour, refusing a request that decoded to `_Undecodable`
     (on a stream: when it arrives) before it reaches the servicer."""
+
     async def refuse(bad: _Undecodable, context) -> None:
         log.warning("%s: refused an undecodable request (%s)", method, bad.reason)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"the request is not a valid message for {method}: {bad.reason}")
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid message for {method}: {bad.reason}"
+        )
 
     async def checked(requests, context):
         async for request in requests:
@@ -120,8 +123,12 @@ def _refusing_undecodable(kind: str, handler: grpc.RpcMethodHandler, method: str
         async for response in _responses(handler.stream_stream(checked(requests, context), context)):
             yield response
 
-    wrapped = {"unary_unary": unary_unary, "unary_stream": unary_stream,
-               "stream_unary": stream_unary, "stream_stream": stream_stream}
+    wrapped = {
+        "unary_unary": unary_unary,
+        "unary_stream": unary_stream,
+        "stream_unary": stream_unary,
+        "stream_stream": stream_stream,
+    }
     return wrapped[kind]
 
 
@@ -144,9 +151,10 @@ class RequireToken(grpc.aio.ServerInterceptor):
         async def refuse(request_or_requests, context):
             if hasattr(request_or_requests, "__aiter__"):
                 await drain_requests(request_or_requests)  # (see drain_requests)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                f"{method}: an internal service; calls need the stack's token "
-                                f"({INTERNAL_TOKEN_HEADER})")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method}: an internal service; calls need the stack's token ({INTERNAL_TOKEN_HEADER})",
+            )
 
         async def refuse_stream(request_or_requests, context):
             await refuse(request_or_requests, context)
@@ -205,6 +213,7 @@ async def drain_requests(requests, limit_s: float = 1.0) -> None:
     `limit_s`): a call that ends while its client is still writing or half-closing is
     reported to that client as INTERNAL ("Internal error from Core") instead of the status
     the server gave."""
+
     async def consume() -> None:
         async for _ in requests:
             pass
@@ -237,8 +246,9 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
-def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                   max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+def server_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None
+) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes),
@@ -258,7 +268,9 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 
 
 def create_aio_server(
-    address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_receive_bytes: int | None = None,
+    address: str,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_receive_bytes: int | None = None,
     internal: bool = True,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A grpc.aio server bound to `address` (port 0 picks one) with the standard health service.
@@ -271,10 +283,15 @@ def create_aio_server(
     token = internal_token() if internal else None
     interceptors = [RequireToken(token)] if token else []
     if internal and not token and not address.startswith(("127.", "localhost", "[::1]", "::1")):
-        log.warning("%s: an internal service bound beyond loopback takes any caller; set %s on every "
-                    "service of the stack (pagoda serve makes one per run)", address, INTERNAL_TOKEN_ENV)
-    server = grpc.aio.server(options=server_options(max_message_bytes, max_receive_bytes),
-                             interceptors=[*interceptors, RefuseUndecodable()])
+        log.warning(
+            "%s: an internal service bound beyond loopback takes any caller; set %s on every "
+            "service of the stack (pagoda serve makes one per run)",
+            address,
+            INTERNAL_TOKEN_ENV,
+        )
+    server = grpc.aio.server(
+        options=server_options(max_message_bytes, max_receive_bytes), interceptors=[*interceptors, RefuseUndecodable()]
+    )
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")
@@ -295,9 +312,7 @@ class _Health(health.aio.HealthServicer):
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, service: str, serving: bool) -> None:
-    status = (
-        health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    )
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     await health_servicer.set("", status)
     await health_servicer.set(service, status)
 

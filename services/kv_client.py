@@ -118,7 +118,6 @@ class KVCacheClient(abc.ABC):
         """Release the connection, if any; the client is unusable afterwards."""
 
 
-
 class GrpcKVCacheClient(KVCacheClient):
     """`pagoda.v1.KVCache` over one channel. Create it inside the event loop that uses it.
 
@@ -131,11 +130,7 @@ class GrpcKVCacheClient(KVCacheClient):
     """
 
     def __init__(
-        self,
-        address: str,
-        *,
-        timeout_s: float | None = 10.0,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        self, address: str, *, timeout_s: float | None = 10.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     ) -> None:
         self.address = address
         self._timeout_s = timeout_s
@@ -197,9 +192,7 @@ class GrpcKVCacheClient(KVCacheClient):
         children = tuple(child_seq_ids)
         try:
             request = kvcache_pb2.ForkRequest(
-                forks=[
-                    kvcache_pb2.SequenceFork(parent_seq_id=parent_seq_id, child_seq_ids=children)
-                ]
+                forks=[kvcache_pb2.SequenceFork(parent_seq_id=parent_seq_id, child_seq_ids=children)]
             )
         except (TypeError, ValueError) as exc:
             raise InvalidStepError(f"the fork cannot be encoded: {exc}") from None

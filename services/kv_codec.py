@@ -25,16 +25,7 @@ import grpc
 from services.kv_errors import InvalidStepError, KVCacheError, SequenceNotFound
 from services.kv_layout import entries_of, flat_pages
 from services.kv_stats import KVCacheStats, SequenceBlockStats
-from services.kv_types import (
-    Allocated,
-    Append,
-    BlockCopy,
-    Fork,
-    NewSequence,
-    NoBlocks,
-    StepInput,
-    StepOutput,
-)
+from services.kv_types import Allocated, Append, BlockCopy, Fork, NewSequence, NoBlocks, StepInput, StepOutput
 from services.pb import common_pb2, kvcache_pb2
 
 # The seq_id of a NOT_FOUND travels in the trailing metadata, so the client can rebuild the
@@ -70,11 +61,7 @@ def _forks_to_pb(forks: Sequence[Fork]) -> list[kvcache_pb2.SequenceFork]:
         if out and out[-1].parent_seq_id == fork.parent_seq_id:
             out[-1].child_seq_ids.append(fork.child_seq_id)
         else:
-            out.append(
-                kvcache_pb2.SequenceFork(
-                    parent_seq_id=fork.parent_seq_id, child_seq_ids=[fork.child_seq_id]
-                )
-            )
+            out.append(kvcache_pb2.SequenceFork(parent_seq_id=fork.parent_seq_id, child_seq_ids=[fork.child_seq_id]))
     return out
 
 
@@ -100,7 +87,9 @@ def step_input_to_pb(step: StepInput) -> kvcache_pb2.StepRequest:
             new_sequences=[_new_sequence_to_pb(new) for new in step.new_sequences],
             appends=[
                 kvcache_pb2.AppendSlots(
-                    seq_id=a.seq_id, token_ids=a.token_ids, num_new_tokens=len(a.token_ids),
+                    seq_id=a.seq_id,
+                    token_ids=a.token_ids,
+                    num_new_tokens=len(a.token_ids),
                     num_lookahead_slots=a.num_lookahead_slots,
                 )
                 for a in step.appends
@@ -118,9 +107,7 @@ def _new_sequence_from_pb(msg: kvcache_pb2.NewSequence) -> NewSequence:
         seq_id=msg.seq_id,
         token_ids=msg.token_ids,
         namespace=msg.namespace if msg.HasField("namespace") else None,
-        max_num_new_tokens=(
-            msg.max_num_new_tokens if msg.HasField("max_num_new_tokens") else None
-        ),
+        max_num_new_tokens=(msg.max_num_new_tokens if msg.HasField("max_num_new_tokens") else None),
         skip_prefix_cache=msg.skip_prefix_cache,
     )
 
@@ -155,13 +142,9 @@ def forks_from_pb(forks: Iterable[kvcache_pb2.SequenceFork]) -> tuple[Fork, ...]
 # ---- StepOutput <-> StepResponse -------------------------------------------------------------
 
 
-def capacity_to_pb(
-    num_blocks: int, num_available_blocks: int, num_evictable_blocks: int
-) -> kvcache_pb2.KVCapacity:
+def capacity_to_pb(num_blocks: int, num_available_blocks: int, num_evictable_blocks: int) -> kvcache_pb2.KVCapacity:
     return kvcache_pb2.KVCapacity(
-        num_total_blocks=num_blocks,
-        num_free_blocks=num_available_blocks,
-        num_evictable_blocks=num_evictable_blocks,
+        num_total_blocks=num_blocks, num_free_blocks=num_available_blocks, num_evictable_blocks=num_evictable_blocks
     )
 
 
@@ -196,8 +179,7 @@ def step_output_to_pb(
         kv_groups=kv_groups if kv_groups > 1 else 0,
         allocations=allocations,
         block_copies=[
-            common_pb2.BlockCopy(src_block_id=c.src_block_id, dst_block_id=c.dst_block_id)
-            for c in output.copies
+            common_pb2.BlockCopy(src_block_id=c.src_block_id, dst_block_id=c.dst_block_id) for c in output.copies
         ],
         capacity=capacity,
     )
@@ -227,8 +209,7 @@ def step_output_from_pb(response: kvcache_pb2.StepResponse) -> StepOutput:
         except ValueError as e:
             raise BlockCopyMismatch(f"sequence {seq_id}: {e}") from None
         results[seq_id] = Allocated(
-            seq_id, entries, alloc.num_new_tokens, alloc.num_computed_tokens, own,
-            alloc.block_table_offset,
+            seq_id, entries, alloc.num_new_tokens, alloc.num_computed_tokens, own, alloc.block_table_offset
         )
     if num_matched != len(copies):
         raise BlockCopyMismatch("a block copy belongs to no allocation")

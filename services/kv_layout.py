@@ -70,8 +70,10 @@ class KVLayout:
             return "one table for all layers"
         full = sum(1 for w in self.windows if not w)
         sliding = {w for w in self.windows if w}
-        return (f"{self.num_groups} KV groups of {self.layers_per_page} layers a page: {full} full-attention, "
-                f"{self.num_groups - full} sliding (window {', '.join(str(w) for w in sorted(sliding))})")
+        return (
+            f"{self.num_groups} KV groups of {self.layers_per_page} layers a page: {full} full-attention, "
+            f"{self.num_groups - full} sliding (window {', '.join(str(w) for w in sorted(sliding))})"
+        )
 
 
 def kv_layout(layer_windows: Sequence[int | None]) -> KVLayout:
@@ -128,7 +130,7 @@ def entries_of(flat: Sequence[int], groups: int) -> tuple:
         return tuple(flat)
     if len(flat) % groups:
         raise ValueError(f"{len(flat)} page ids are not whole entries of {groups}")
-    return tuple(tuple(flat[i:i + groups]) for i in range(0, len(flat), groups))
+    return tuple(tuple(flat[i : i + groups]) for i in range(0, len(flat), groups))
 
 
 def entries_that_fit(num_pages: int, windows: Sequence[int], block_size: int, chunk_tokens: int) -> int:

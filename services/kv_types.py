@@ -108,15 +108,14 @@ class Allocated(NamedTuple):
         """The whole table after this step, given the last answer's `table`."""
         if len(table) < self.block_offset:
             raise ValueError(f"sequence {self.seq_id}: keeps {self.block_offset} blocks of a table of {len(table)}")
-        return tuple(table[:self.block_offset]) + self.block_ids
+        return tuple(table[: self.block_offset]) + self.block_ids
 
 
 def slots(block_ids: Sequence[int], start: int, num_tokens: int, block_size: int) -> tuple[int, ...]:
     """Where tokens `start ... start + num_tokens - 1` of a sequence with the whole table
     `block_ids` have their K/V: position p is in slot `block_ids[p // block_size] * block_size
     + p % block_size`."""
-    return tuple(block_ids[p // block_size] * block_size + p % block_size
-                 for p in range(start, start + num_tokens))
+    return tuple(block_ids[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens))
 
 
 class NoBlocks(NamedTuple):

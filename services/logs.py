@@ -12,9 +12,7 @@ def configure_logging(service: str, level: str | None = None) -> None:
     level = (level or env_value(LOG_LEVEL)).upper()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        logging.Formatter(
-            f"%(asctime)s %(levelname)s service={service} logger=%(name)s msg=%(message)s"
-        )
+        logging.Formatter(f"%(asctime)s %(levelname)s service={service} logger=%(name)s msg=%(message)s")
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -42,7 +42,9 @@ class StatsCollector(Collector):
             yield family
 
 
-def serve_metrics(port: int, host: str, read: Callable[[], Iterable[Sample]], labels: dict[str, str]) -> CollectorRegistry:
+def serve_metrics(
+    port: int, host: str, read: Callable[[], Iterable[Sample]], labels: dict[str, str]
+) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(StatsCollector(read, labels))
     start_http_server(port, addr=host, registry=registry)

@@ -66,8 +66,13 @@ def embedding_to_pb(data: Embedding, out: common_pb2.Tensor) -> None:
 
 def embedding_from_pb(t: common_pb2.Tensor) -> Embedding:
     """ValueError unless it is a non-empty float32 vector whose bytes match its shape."""
-    if t.dtype != common_pb2.DTYPE_FLOAT32 or len(t.shape) != 1 or t.shape[0] < 1 \
-            or len(t.data) != t.shape[0] * FLOAT32_BYTES:
-        raise ValueError(f"embedding: want a float32 vector, got dtype {t.dtype}, shape {list(t.shape)}, "
-                         f"{len(t.data)} bytes")
+    if (
+        t.dtype != common_pb2.DTYPE_FLOAT32
+        or len(t.shape) != 1
+        or t.shape[0] < 1
+        or len(t.data) != t.shape[0] * FLOAT32_BYTES
+    ):
+        raise ValueError(
+            f"embedding: want a float32 vector, got dtype {t.dtype}, shape {list(t.shape)}, {len(t.data)} bytes"
+        )
     return bytes(t.data)

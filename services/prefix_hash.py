@@ -47,8 +47,9 @@ def hash_block(parent_key: bytes, namespace: str | None, token_bytes: bytes) -> 
     return digest.digest()
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, namespace: str | None = None,
-               max_blocks: int | None = None) -> list[bytes]:
+def block_keys(
+    token_ids: Sequence[int], block_size: int, namespace: str | None = None, max_blocks: int | None = None
+) -> list[bytes]:
     """The keys of the full blocks of `token_ids`, in chain order (at most `max_blocks`)."""
     packed = pack_token_ids(token_ids)
     stride = block_size * TOKEN_BYTES
@@ -57,6 +58,6 @@ def block_keys(token_ids: Sequence[int], block_size: int, namespace: str | None 
         count = min(count, max_blocks)
     keys, parent = [], ROOT_KEY
     for i in range(count):
-        parent = hash_block(parent, namespace, packed[i * stride:(i + 1) * stride])
+        parent = hash_block(parent, namespace, packed[i * stride : (i + 1) * stride])
         keys.append(parent)
     return keys

@@ -47,21 +47,19 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
-            raise ValueError(f"structured_output: kind must be one of {', '.join(STRUCTURED_KINDS)}, "
-                             f"got {self.kind!r}")
+            raise ValueError(f"structured_output: kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
         if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_CHARS:
-            raise ValueError(f"structured_output: the {self.kind} may have at most "
-                             f"{MAX_STRUCTURED_CHARS} characters")
+            raise ValueError(f"structured_output: the {self.kind} may have at most {MAX_STRUCTURED_CHARS} characters")
         object.__setattr__(self, "choices", tuple(self.choices))
         if self.kind == "choice":
             if not self.choices or len(self.choices) > MAX_CHOICES:
-                raise ValueError(f"structured_output: choice needs 1 to {MAX_CHOICES} strings, "
-                                 f"got {len(self.choices)}")
+                raise ValueError(f"structured_output: choice needs 1 to {MAX_CHOICES} strings, got {len(self.choices)}")
             if not all(isinstance(c, str) and c for c in self.choices):
                 raise ValueError("structured_output: choices must be non-empty strings")
             if sum(map(len, self.choices)) > MAX_STRUCTURED_CHARS:
-                raise ValueError(f"structured_output: choices may have at most "
-                                 f"{MAX_STRUCTURED_CHARS} characters together")
+                raise ValueError(
+                    f"structured_output: choices may have at most {MAX_STRUCTURED_CHARS} characters together"
+                )
         elif self.choices:
             raise ValueError(f"structured_output: choices are only for kind 'choice', not {self.kind!r}")
         elif self.kind != "json_object" and not self.spec:
@@ -97,8 +95,12 @@ class Range:
     def __contains__(self, value: object) -> bool:
         if not (is_int(value) if self.integer else _is_real(value) and math.isfinite(value)):
             return False
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
 
     @property
     def bounds(self) -> dict[str, float]:
@@ -109,8 +111,10 @@ class Range:
         """What a value must be, as an error says it: "an int in [0, 2**32)", "in (0, 1]"."""
         low, high = (self.ge if self.gt is None else self.gt), (self.le if self.lt is None else self.lt)
         if low is not None and high is not None:
-            interval = (f"in {'(' if self.gt is not None else '['}{_number(low)}, "
-                        f"{_number(high)}{')' if self.lt is not None else ']'}")
+            interval = (
+                f"in {'(' if self.gt is not None else '['}{_number(low)}, "
+                f"{_number(high)}{')' if self.lt is not None else ']'}"
+            )
             return f"an int {interval}" if self.integer else interval
         kind = "an int" if self.integer else "a finite number"
         if low is not None:
@@ -170,8 +174,10 @@ def _logit_bias(pairs: object) -> tuple[tuple[int, float], ...]:
         if token_id < 0:
             raise ValueError(f"logit_bias: token id {token_id} is negative")
         if value not in LOGIT_BIAS_RANGE:
-            raise ValueError(f"logit_bias: bias {value} for token {token_id} is outside "
-                             f"[{_number(LOGIT_BIAS_RANGE.ge)}, {_number(LOGIT_BIAS_RANGE.le)}]")
+            raise ValueError(
+                f"logit_bias: bias {value} for token {token_id} is outside "
+                f"[{_number(LOGIT_BIAS_RANGE.ge)}, {_number(LOGIT_BIAS_RANGE.le)}]"
+            )
     return bias
 
 
@@ -209,8 +215,20 @@ class SamplingOptions:
 
     # the numbers checked against RANGES, in this order
     _RANGED: ClassVar[tuple[str, ...]] = (
-        "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
-        "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs")
+        "n",
+        "max_tokens",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "prompt_logprobs",
+    )
 
     def __post_init__(self) -> None:
         _check_ranges(self, self._RANGED)
@@ -230,8 +248,7 @@ class SamplingOptions:
     @property
     def uses_penalties(self) -> bool:
         """The stages' sampler then needs each sequence's history (prompt and output)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def needs_history(self) -> bool:
@@ -247,8 +264,7 @@ class SamplingOptions:
 # What only the scheduler acts on; the stages' view leaves them out (1, None, None there).
 _SCHEDULER_FIELDS = ("n", "max_tokens", "prompt_logprobs")
 # What one choice samples with, by its `SamplingOptions` name (logprobs is the view's num_logprobs).
-CHOICE_FIELDS = tuple(f.name for f in fields(SamplingOptions)
-                      if f.name not in (*_SCHEDULER_FIELDS, "logprobs"))
+CHOICE_FIELDS = tuple(f.name for f in fields(SamplingOptions) if f.name not in (*_SCHEDULER_FIELDS, "logprobs"))
 
 
 @dataclass(frozen=True, init=False)
@@ -267,10 +283,10 @@ class SamplingParams(SamplingOptions):
     eos_token_ids: tuple[int, ...] = ()
 
     _RANGED: ClassVar[tuple[str, ...]] = tuple(
-        "num_logprobs" if name == "logprobs" else name for name in SamplingOptions._RANGED)
+        "num_logprobs" if name == "logprobs" else name for name in SamplingOptions._RANGED
+    )
 
-    def __init__(self, *, eos_token_ids: Iterable[int] = (), num_logprobs: int | None = None,
-                 **choice: Any) -> None:
+    def __init__(self, *, eos_token_ids: Iterable[int] = (), num_logprobs: int | None = None, **choice: Any) -> None:
         """`choice`: any of CHOICE_FIELDS, by name; ValueError naming the field."""
         object.__setattr__(self, "eos_token_ids", _token_ids("eos_token_ids", eos_token_ids))
         super().__init__(n=1, max_tokens=None, logprobs=num_logprobs, prompt_logprobs=None, **choice)
@@ -292,5 +308,8 @@ class SamplingParams(SamplingOptions):
 def sampling_params(options: SamplingOptions, eos_token_ids: tuple[int, ...]) -> SamplingParams:
     """A request's options as the stages sample with them, the model's EOS ids inside: built
     once per request, sent once per sequence."""
-    return SamplingParams(eos_token_ids=eos_token_ids, num_logprobs=options.logprobs,
-                          **{name: getattr(options, name) for name in CHOICE_FIELDS})
+    return SamplingParams(
+        eos_token_ids=eos_token_ids,
+        num_logprobs=options.logprobs,
+        **{name: getattr(options, name) for name in CHOICE_FIELDS},
+    )

@@ -44,6 +44,7 @@ def options_to_pb(o: SamplingOptions, msg) -> None:
 def _fields_from_pb(msg) -> dict[str, Any]:
     """Every field of the message by its `SamplingOptions` name; an unset one at its default
     (an unset max_tokens stays None)."""
+
     def opt(name: str, default=None):
         return getattr(msg, name) if msg.HasField(name) else default
 
@@ -78,8 +79,9 @@ def params_from_pb(msg, eos_token_ids: Iterable[int]) -> SamplingParams:
     """A new sequence's message as the stages' view, with the model's EOS ids (which travel
     beside it); what only the scheduler acts on is not read. ValueError naming the field."""
     f = _fields_from_pb(msg)
-    return SamplingParams(eos_token_ids=tuple(eos_token_ids), num_logprobs=f["logprobs"],
-                          **{name: f[name] for name in CHOICE_FIELDS})
+    return SamplingParams(
+        eos_token_ids=tuple(eos_token_ids), num_logprobs=f["logprobs"], **{name: f[name] for name in CHOICE_FIELDS}
+    )
 
 
 def _structured_to_pb(s: StructuredOutput | None, msg) -> None:
@@ -110,8 +112,7 @@ def _structured_from_pb(msg) -> StructuredOutput | None:
     return StructuredOutput(kind, getattr(out, kind))
 
 
-def set_top_logprobs(entry, token_id: int, logprob: float, rank: int,
-                     top: Iterable[tuple[int, float]]) -> None:
+def set_top_logprobs(entry, token_id: int, logprob: float, rank: int, top: Iterable[tuple[int, float]]) -> None:
     """One position into a `TopLogprobs` message: the token (with its rank) and the
     alternatives, most likely first (ranks 1, 2, ...)."""
     entry.sampled.token_id, entry.sampled.logprob, entry.sampled.rank = token_id, logprob, rank

@@ -42,15 +42,18 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method: one of {', '.join(METHODS)}, got {self.method!r}")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config.num_speculative_tokens: an int in [1, {MAX_SPECULATIVE_TOKENS}], "
-                             f"got {k!r}")
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens: an int in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
         for name in ("prompt_lookup_max", "prompt_lookup_min"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_LOOKUP:
                 raise ValueError(f"speculative_config.{name}: an int in [1, {MAX_LOOKUP}], got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative_config: prompt_lookup_min {self.prompt_lookup_min} exceeds "
-                             f"prompt_lookup_max {self.prompt_lookup_max}")
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min {self.prompt_lookup_min} exceeds "
+                f"prompt_lookup_max {self.prompt_lookup_max}"
+            )
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model: the draft checkpoint, required by method draft_model")
         if self.method == "ngram" and self.model:
@@ -72,11 +75,19 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: not JSON ({exc.msg})") from None
         if not isinstance(raw, dict):
             raise ValueError("speculative_config: a JSON object")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-                 "disable_by_batch_size"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "model",
+            "disable_by_batch_size",
+        }
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"speculative_config: unknown fields {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+            raise ValueError(
+                f"speculative_config: unknown fields {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
         if "method" not in raw:
             raise ValueError("speculative_config.method: required (ngram or draft_model)")
         if "num_speculative_tokens" not in raw:
@@ -88,12 +99,21 @@ class SpeculativeConfig:
             lookup_max = lookup_min
         elif lookup_min is None:
             lookup_min = lookup_max
-        return cls(raw["method"], raw["num_speculative_tokens"], lookup_max, lookup_min, raw.get("model"),
-                   raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE))
+        return cls(
+            raw["method"],
+            raw["num_speculative_tokens"],
+            lookup_max,
+            lookup_min,
+            raw.get("model"),
+            raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE),
+        )
 
     def to_json(self) -> str:
-        out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-               "disable_by_batch_size": self.disable_by_batch_size}
+        out = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "disable_by_batch_size": self.disable_by_batch_size,
+        }
         if self.method == "ngram":
             out.update(prompt_lookup_max=self.prompt_lookup_max, prompt_lookup_min=self.prompt_lookup_min)
         else:

@@ -46,8 +46,9 @@ def _scoring_from_pb(m: worker_pb2.PromptScoring) -> PromptScoring:
 
 
 def plan_to_pb(plan: StepPlan, stage_index: int = 0) -> worker_pb2.MicroBatch:
-    msg = worker_pb2.MicroBatch(micro_batch_id=plan.step_id, stage_index=stage_index,
-                                finished_seq_ids=plan.finished_seq_ids, reset=plan.reset)
+    msg = worker_pb2.MicroBatch(
+        micro_batch_id=plan.step_id, stage_index=stage_index, finished_seq_ids=plan.finished_seq_ids, reset=plan.reset
+    )
     for src, dst in plan.block_copies:
         msg.block_copies.add(src_block_id=src, dst_block_id=dst)
     for n in plan.new_seqs:
@@ -68,10 +69,17 @@ def _kv_groups(plan: StepPlan) -> int:
 
 def _new_seq_to_pb(n: NewSeq, m: worker_pb2.StageNewSequence) -> None:
     m.seq_id, m.token_ids[:], m.prompt_len, m.num_computed = n.seq_id, n.token_ids, n.prompt_len, n.num_computed
-    m.num_scheduled, m.block_ids[:], m.eos_token_ids[:] = (n.num_scheduled, flat_pages(n.block_ids),
-                                                           n.sampling.eos_token_ids)
-    m.choice_index, m.entropy_seed, m.request_id, m.traceparent = (n.choice_index, n.entropy_seed, n.request_id,
-                                                                   n.trace_context)
+    m.num_scheduled, m.block_ids[:], m.eos_token_ids[:] = (
+        n.num_scheduled,
+        flat_pages(n.block_ids),
+        n.sampling.eos_token_ids,
+    )
+    m.choice_index, m.entropy_seed, m.request_id, m.traceparent = (
+        n.choice_index,
+        n.entropy_seed,
+        n.request_id,
+        n.trace_context,
+    )
     options_to_pb(n.sampling, m.params)  # (the view rides as its request's options do)
     if n.prompt_scoring is not None:
         _scoring_to_pb(n.prompt_scoring, m.prompt_scoring)
@@ -119,34 +127,52 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
             block_ids = entries_of(m.block_ids, groups)
         except ValueError as exc:
             raise PlanDecodeError(f"step {step}, sequence {m.seq_id}: {exc}") from None
-        new_seqs.append(NewSeq(
-            m.seq_id, tuple(m.token_ids), m.prompt_len, m.num_computed, m.num_scheduled,
-            block_ids, sampling, m.choice_index, m.entropy_seed, m.request_id, m.traceparent,
-            _scoring_from_pb(m.prompt_scoring) if m.HasField("prompt_scoring") else None, pooling, m.lora_name,
-        ))
+        new_seqs.append(
+            NewSeq(
+                m.seq_id,
+                tuple(m.token_ids),
+                m.prompt_len,
+                m.num_computed,
+                m.num_scheduled,
+                block_ids,
+                sampling,
+                m.choice_index,
+                m.entropy_seed,
+                m.request_id,
+                m.traceparent,
+                _scoring_from_pb(m.prompt_scoring) if m.HasField("prompt_scoring") else None,
+                pooling,
+                m.lora_name,
+            )
+        )
     c = msg.cached
     n = len(c.seq_ids)
     if not (len(c.num_scheduled) == len(c.block_offsets) == len(c.num_block_ids) == n):
         raise PlanDecodeError(
             f"step {step}: cached columns differ in length (seq_ids {n}, num_scheduled "
-            f"{len(c.num_scheduled)}, block_offsets {len(c.block_offsets)}, num_block_ids {len(c.num_block_ids)})")
+            f"{len(c.num_scheduled)}, block_offsets {len(c.block_offsets)}, num_block_ids {len(c.num_block_ids)})"
+        )
     block_counts = list(c.num_block_ids)
     if sum(block_counts) * max(1, groups) != len(c.block_ids):
-        raise PlanDecodeError(f"step {step}: num_block_ids sum to {sum(block_counts)} entries of {max(1, groups)}, "
-                              f"block_ids holds {len(c.block_ids)}")
+        raise PlanDecodeError(
+            f"step {step}: num_block_ids sum to {sum(block_counts)} entries of {max(1, groups)}, "
+            f"block_ids holds {len(c.block_ids)}"
+        )
     token_counts = list(c.num_new_token_ids)
     if token_counts and len(token_counts) != n:
         raise PlanDecodeError(f"step {step}: {len(token_counts)} num_new_token_ids for {n} cached sequences")
     if sum(token_counts) != len(c.new_token_ids):
         raise PlanDecodeError(
-            f"step {step}: num_new_token_ids sum to {sum(token_counts)}, new_token_ids holds {len(c.new_token_ids)}")
+            f"step {step}: num_new_token_ids sum to {sum(token_counts)}, new_token_ids holds {len(c.new_token_ids)}"
+        )
     draft_counts = list(c.num_draft_token_ids)
     if draft_counts and len(draft_counts) != n:
         raise PlanDecodeError(f"step {step}: {len(draft_counts)} num_draft_token_ids for {n} cached sequences")
     if sum(draft_counts) != len(c.draft_token_ids):
         raise PlanDecodeError(
             f"step {step}: num_draft_token_ids sum to {sum(draft_counts)}, draft_token_ids holds "
-            f"{len(c.draft_token_ids)}")
+            f"{len(c.draft_token_ids)}"
+        )
     starts = list(c.starts)
     if starts and len(starts) != n:
         raise PlanDecodeError(f"step {step}: {len(starts)} starts for {n} cached sequences")
@@ -164,15 +190,28 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
         nb = block_counts[i] * max(1, groups)
         nt = token_counts[i] if token_counts else 0
         nd = draft_counts[i] if draft_counts else 0
-        cached.append(CachedSeq(ids[i], num_scheduled[i], offsets[i], entries_of(blocks[b:b + nb], groups),
-                                tuple(tokens[t:t + nt]), scoring.get(i), tuple(drafts[d:d + nd]),
-                                max(-1, starts[i]) if starts else -1))
+        cached.append(
+            CachedSeq(
+                ids[i],
+                num_scheduled[i],
+                offsets[i],
+                entries_of(blocks[b : b + nb], groups),
+                tuple(tokens[t : t + nt]),
+                scoring.get(i),
+                tuple(drafts[d : d + nd]),
+                max(-1, starts[i]) if starts else -1,
+            )
+        )
         b += nb
         t += nt
         d += nd
     return StepPlan(
-        step, tuple(new_seqs), tuple(cached), tuple(msg.finished_seq_ids),
-        tuple((x.src_block_id, x.dst_block_id) for x in msg.block_copies), msg.reset,
+        step,
+        tuple(new_seqs),
+        tuple(cached),
+        tuple(msg.finished_seq_ids),
+        tuple((x.src_block_id, x.dst_block_id) for x in msg.block_copies),
+        msg.reset,
     )
 
 
@@ -200,16 +239,26 @@ def result_to_pb(result: StepResult, done: worker_pb2.MicroBatchDone) -> None:
 
 def result_from_pb(done: worker_pb2.MicroBatchDone, timings: tuple[StageTiming, ...] = ()) -> StepResult:
     sampled = tuple(
-        SampledToken(s.seq_id, s.token_id,
-                     TokenLogprobs(s.logprobs.sampled.logprob, [(t.token_id, t.logprob) for t in s.logprobs.top])
-                     if s.HasField("logprobs") else None)
+        SampledToken(
+            s.seq_id,
+            s.token_id,
+            TokenLogprobs(s.logprobs.sampled.logprob, [(t.token_id, t.logprob) for t in s.logprobs.top])
+            if s.HasField("logprobs")
+            else None,
+        )
         for s in done.sampled
     )
     prompt = tuple(
-        ScoredPrompt(p.seq_id, p.first_position, tuple(
-            PositionLogprobs(x.sampled.token_id, x.sampled.logprob, x.sampled.rank,
-                             [(t.token_id, t.logprob) for t in x.top])
-            for x in p.positions))
+        ScoredPrompt(
+            p.seq_id,
+            p.first_position,
+            tuple(
+                PositionLogprobs(
+                    x.sampled.token_id, x.sampled.logprob, x.sampled.rank, [(t.token_id, t.logprob) for t in x.top]
+                )
+                for x in p.positions
+            ),
+        )
         for p in done.prompt_logprobs
     )
     pooled = tuple(PooledOutput(p.seq_id, embedding_from_pb(p.embedding)) for p in done.pooled)
@@ -224,6 +273,6 @@ def _proposals_from_pb(done: worker_pb2.MicroBatchDone) -> tuple[tuple[int, tupl
         return ()
     out, at = [], 0
     for seq_id, n in zip(done.proposal_seq_ids, counts, strict=True):
-        out.append((seq_id, tuple(tokens[at:at + n])))
+        out.append((seq_id, tuple(tokens[at : at + n])))
         at += n
     return tuple(out)

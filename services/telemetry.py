@@ -22,12 +22,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    SimpleSpanProcessor,
-    SpanExporter,
-    SpanExportResult,
-)
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from services.settings import OTLP_ENDPOINT, SPANS_FILE, env_value
@@ -47,16 +42,20 @@ class JsonLinesSpanExporter(SpanExporter):
         lines = []
         for span in spans:
             ctx = span.get_span_context()
-            lines.append(json.dumps({
-                "name": span.name,
-                "service": self.service,
-                "trace_id": f"{ctx.trace_id:032x}",
-                "span_id": f"{ctx.span_id:016x}",
-                "parent_span_id": f"{span.parent.span_id:016x}" if span.parent else None,
-                "start_ns": span.start_time,
-                "end_ns": span.end_time,
-                "attributes": dict(span.attributes or {}),
-            }))
+            lines.append(
+                json.dumps(
+                    {
+                        "name": span.name,
+                        "service": self.service,
+                        "trace_id": f"{ctx.trace_id:032x}",
+                        "span_id": f"{ctx.span_id:016x}",
+                        "parent_span_id": f"{span.parent.span_id:016x}" if span.parent else None,
+                        "start_ns": span.start_time,
+                        "end_ns": span.end_time,
+                        "attributes": dict(span.attributes or {}),
+                    }
+                )
+            )
         with self._lock, open(self.path, "a") as f:
             f.write("\n".join(lines) + "\n")
         return SpanExportResult.SUCCESS
@@ -67,8 +66,9 @@ class JsonLinesSpanExporter(SpanExporter):
 
 def setup_tracing(service: str, environ: dict[str, str] | None = None) -> TracerProvider | None:
     """Install a tracer provider for this process when tracing is configured; else None."""
-    otel = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") if environ is None else environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT")
+    otel = (
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") if environ is None else environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
     endpoint = env_value(OTLP_ENDPOINT, environ) or otel
     spans_file = env_value(SPANS_FILE, environ)
     if not endpoint and not spans_file:

@@ -20,11 +20,7 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
-    "ci",
-    deadline=None,
-    derandomize=True,
-    max_examples=50,
-    suppress_health_check=[HealthCheck.too_slow],
+    "ci", deadline=None, derandomize=True, max_examples=50, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("dev", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -39,9 +39,12 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     except FileExistsError as exc:
         print(f"error: {exc} (pass --overwrite to replace a model folder)", file=sys.stderr)
         return 1
-    how = (f"trained for {args.train_steps} steps (loss {trained['first_loss']:.2f} -> "
-           f"{trained['final_loss']:.2f}, held-out {trained['held_out_loss']:.2f})"
-           if trained else "random")
+    how = (
+        f"trained for {args.train_steps} steps (loss {trained['first_loss']:.2f} -> "
+        f"{trained['final_loss']:.2f}, held-out {trained['held_out_loss']:.2f})"
+        if trained
+        else "random"
+    )
     print(f"wrote a {spec.arch} model with {spec.num_parameters:,} parameters ({how}) to {out}")
     return 0
 
@@ -62,10 +65,14 @@ def _cmd_export_gguf(args: argparse.Namespace) -> int:
 # and passes the arguments on, it never imports them (`pagoda bench --help` is the tool's help).
 TOOLS = {
     "bench": ("bench.cli", "benchmarks against the baselines (JSON, Markdown, plots)"),
-    "simulate-routing": ("bench.simulate_routing",
-                         "replay a shared-prefix workload against 4-128 simulated replicas per routing policy"),
-    "eval-quality": ("bench.quality",
-                     "perplexity, KL divergence from float32 and same-top rate per weight format, beside llama.cpp"),
+    "simulate-routing": (
+        "bench.simulate_routing",
+        "replay a shared-prefix workload against 4-128 simulated replicas per routing policy",
+    ),
+    "eval-quality": (
+        "bench.quality",
+        "perplexity, KL divergence from float32 and same-top rate per weight format, beside llama.cpp",
+    ),
 }
 
 
@@ -166,11 +173,21 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 
             config = replace(config, pipeline_parallel_size=len(stages))
         else:
-            args.parser.error(f"--stages lists {len(stages)} stages, --pipeline-parallel-size is "
-                              f"{config.pipeline_parallel_size}")
+            args.parser.error(
+                f"--stages lists {len(stages)} stages, --pipeline-parallel-size is {config.pipeline_parallel_size}"
+            )
+
     async def run() -> None:  # (a gRPC client is made inside the event loop that uses it)
-        await serve(config, args.host, args.port, args.kvcache, kv_client(config, args.kvcache), stages,
-                    ready_file=args.ready_file, metrics_port=args.metrics_port)
+        await serve(
+            config,
+            args.host,
+            args.port,
+            args.kvcache,
+            kv_client(config, args.kvcache),
+            stages,
+            ready_file=args.ready_file,
+            metrics_port=args.metrics_port,
+        )
 
     asyncio.run(run())
     return 0
@@ -185,10 +202,14 @@ def kv_client(config, kv_address: str):
         from services.defaults import NUM_KV_BLOCKS
         from services.kv_layout import parse_spec
 
-        return InProcessKVCacheClient(KVCacheManager(
-            config.num_kv_blocks or NUM_KV_BLOCKS, config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching, group_windows=parse_spec(config.kv_groups),
-        ))
+        return InProcessKVCacheClient(
+            KVCacheManager(
+                config.num_kv_blocks or NUM_KV_BLOCKS,
+                config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                group_windows=parse_spec(config.kv_groups),
+            )
+        )
     from services.kv_client import GrpcKVCacheClient
 
     return GrpcKVCacheClient(kv_address)
@@ -212,8 +233,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
             from wiring.preflight import read_chat_template
 
             values["chat_template"] = read_chat_template(args.chat_template)
-            values["tokenizer"] = str(tokenizer_with_template(args.tokenizer or args.model,
-                                                              values["chat_template"]))
+            values["tokenizer"] = str(tokenizer_with_template(args.tokenizer or args.model, values["chat_template"]))
         config = GatewayConfig(**values, api_keys=_api_keys(args))
     except (ValueError, OSError) as exc:
         args.parser.error(str(exc))
@@ -269,14 +289,13 @@ def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
     for arg in flags:
         meant = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1) if arg.startswith("-") else []
         said.append(f"{arg} (did you mean {meant[0]}?)" if meant else arg)
-    return (f"unrecognized argument{'s' if len(said) > 1 else ''} {', '.join(said)}; "
-            f"`{parser.prog} --help` lists the flags")
+    return (
+        f"unrecognized argument{'s' if len(said) > 1 else ''} {', '.join(said)}; `{parser.prog} --help` lists the flags"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
-        prog="pagoda", description="Pagoda: an LLM inference server built as gRPC microservices."
-    )
+    parser = Parser(prog="pagoda", description="Pagoda: an LLM inference server built as gRPC microservices.")
     parser.add_argument("--version", action="version", version=f"pagoda {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_tiny_model_command(sub)
@@ -294,9 +313,13 @@ def _add_tiny_model_command(sub) -> None:
     from wiring import tiny_model
 
     p.add_argument("--overwrite", action="store_true", help="replace an existing model folder")
-    p.add_argument("--train-steps", type=int, default=0, metavar="N",
-                   help="train the model for N steps on its tokenizer's text (needs torch; "
-                        "default 0: random weights)")
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="train the model for N steps on its tokenizer's text (needs torch; default 0: random weights)",
+    )
     tiny_model.add_cli_arguments(p)
     p.set_defaults(func=_cmd_tiny_model, parser=p)
 
@@ -304,14 +327,23 @@ def _add_tiny_model_command(sub) -> None:
 def _add_export_gguf_command(sub) -> None:
     from wiring.gguf_export import QTYPES
 
-    p = sub.add_parser("export-gguf", help="write a GGUF file (Q8_0, Q4_K_M, ... as llama.cpp writes it) from a "
-                                           "checkpoint folder")
-    p.add_argument("model_dir", type=Path, help="a checkpoint folder (safetensors) of a served architecture "
-                                                "(Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3)")
+    p = sub.add_parser(
+        "export-gguf", help="write a GGUF file (Q8_0, Q4_K_M, ... as llama.cpp writes it) from a checkpoint folder"
+    )
+    p.add_argument(
+        "model_dir",
+        type=Path,
+        help="a checkpoint folder (safetensors) of a served architecture "
+        "(Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3)",
+    )
     p.add_argument("out", type=Path, help="the .gguf file to write")
-    p.add_argument("--type", dest="qtype", default="Q8_0", choices=QTYPES,
-                   help="the 2-D weights' format (default Q8_0; Q4_K_M: llama.cpp's mix of Q4_K and Q6_K; "
-                        "norms stay F32)")
+    p.add_argument(
+        "--type",
+        dest="qtype",
+        default="Q8_0",
+        choices=QTYPES,
+        help="the 2-D weights' format (default Q8_0; Q4_K_M: llama.cpp's mix of Q4_K and Q6_K; norms stay F32)",
+    )
     p.set_defaults(func=_cmd_export_gguf, parser=p)
 
 
@@ -347,8 +379,11 @@ def _add_k8s_manifests_command(sub) -> None:
 
 
 def _add_serve_command(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model: the whole stack as local processes",
-                       usage="%(prog)s [MODEL] [options]  (the options by section below)")
+    p = sub.add_parser(
+        "serve",
+        help="serve a model: the whole stack as local processes",
+        usage="%(prog)s [MODEL] [options]  (the options by section below)",
+    )
     from wiring import serve
 
     serve.add_arguments(p)
@@ -371,7 +406,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
     return int(args.func(args) or 0)
-
 
 
 if __name__ == "__main__":

@@ -40,16 +40,30 @@ def optional_limit(text: str) -> int | None:
     return _setting(text, int, lambda v: v >= 1, "a positive integer")
 
 
-_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def _bytes(text: str) -> int:
     raw = text.strip().lower().replace(" ", "")
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    if raw[len(number):] not in _BYTE_UNITS:
+    if raw[len(number) :] not in _BYTE_UNITS:
         raise ValueError(f"unknown unit in {text!r}")
-    return int(float(number) * _BYTE_UNITS[raw[len(number):]])
+    return int(float(number) * _BYTE_UNITS[raw[len(number) :]])
 
 
 def byte_size(text: str) -> int | None:
@@ -131,10 +145,22 @@ def nonzero_port(text: str) -> int:
 
 
 # Setting.kind -> how its text (a flag's value, a variable) is read
-PARSERS = {"int": int, "float": float, "str": str, "bool": parse_bool, "switch": parse_bool,
-           "auto_bool": _bool_or_auto, "weights": _tenant_weights, "size": byte_size, "fraction": fraction,
-           "limit": optional_limit, "int_list": int_list, "names": names, "port": port,
-           "nonzero_port": nonzero_port}
+PARSERS = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": parse_bool,
+    "switch": parse_bool,
+    "auto_bool": _bool_or_auto,
+    "weights": _tenant_weights,
+    "size": byte_size,
+    "fraction": fraction,
+    "limit": optional_limit,
+    "int_list": int_list,
+    "names": names,
+    "port": port,
+    "nonzero_port": nonzero_port,
+}
 
 
 # vLLM's other names of a dtype (`--dtype half`), taken by a setting whose choices are dtypes
@@ -205,8 +231,9 @@ def add_settings(p: argparse.ArgumentParser, settings: Iterable[Bound], *, optio
     `optional`: none is required (`pagoda serve` supplies the services' required ones itself)."""
     flags = [b for b in settings if b.setting.command_line]
     used = {b.setting.group for b in flags}
-    sections = {key: p.add_argument_group(title, description)
-                for key, (title, description) in GROUPS.items() if key in used}
+    sections = {
+        key: p.add_argument_group(title, description) for key, (title, description) in GROUPS.items() if key in used
+    }
     for bound in flags:
         _add_flag(sections.get(bound.setting.group, p), bound, optional)
     add_environment_help(p, [b.setting for b in settings])
@@ -222,8 +249,13 @@ def add_environment_help(p: argparse.ArgumentParser, settings: Iterable[Setting]
     for s in only:
         shown = ("1" if s.default else None) if isinstance(s.default, bool) else _shown(s.default)
         default = f" (default: {shown})" if shown is not None and "default" not in s.help else ""
-        lines += textwrap.wrap(f"{s.variable}: {s.help}{default}", width, initial_indent="  ",
-                               subsequent_indent="      ", break_on_hyphens=False)
+        lines += textwrap.wrap(
+            f"{s.variable}: {s.help}{default}",
+            width,
+            initial_indent="  ",
+            subsequent_indent="      ",
+            break_on_hyphens=False,
+        )
     p.epilog = "\n".join(lines)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
 
@@ -238,14 +270,21 @@ def _add_flag(p: argparse._ActionsContainer, bound: Bound, optional: bool) -> No
         if action.help and action.help.count("(default") > 1:  # (Python 3.10's adds its own)
             action.help = action.help.rsplit(" (default", 1)[0]
         for alias in (a for a in s.aliases if a.startswith("--no-")):  # an old spelling of --no-<flag>
-            p.add_argument(alias, dest=bound.dest, action="store_false", default=argparse.SUPPRESS,
-                           help=f"as --no-{s.flag[2:]}")
+            p.add_argument(
+                alias, dest=bound.dest, action="store_false", default=argparse.SUPPRESS, help=f"as --no-{s.flag[2:]}"
+            )
     elif s.kind == "switch":
         p.add_argument(*spellings, action="store_true", **common)
     else:
-        p.add_argument(*spellings, type=str if s.kind == "names" else parser_of(s), choices=s.choices,
-                       metavar=s.metavar, nargs="+" if s.kind == "names" else None,
-                       required=s.required and not optional and default is None, **common)
+        p.add_argument(
+            *spellings,
+            type=str if s.kind == "names" else parser_of(s),
+            choices=s.choices,
+            metavar=s.metavar,
+            nargs="+" if s.kind == "names" else None,
+            required=s.required and not optional and default is None,
+            **common,
+        )
 
 
 def flag_args(setting: Setting, value) -> list[str]:

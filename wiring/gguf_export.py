@@ -145,7 +145,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "Q8_0") -> P
     w = gguf.GGUFWriter(str(out), name)
     w.add_name(model_dir.name)
     file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{qtype}", None) or (
-        gguf.LlamaFileType.ALL_F32 if qtype == "F32" else None)
+        gguf.LlamaFileType.ALL_F32 if qtype == "F32" else None
+    )
     if file_type is not None:
         w.add_file_type(int(file_type))
     _write_hparams(w, name, arch.model_type, cfg)
@@ -181,20 +182,26 @@ def _refuse_unwritable(model_type: str, cfg: dict[str, Any]) -> None:
     rope = _rope(cfg)
     allowed = ("default", "linear", "longrope") if model_type == "phi3" else ("default", "linear")
     if rope["rope_type"] not in allowed:
-        raise ValueError(f"rope scaling {rope['rope_type']!r} of a {model_type} checkpoint is not written "
-                         f"to GGUF (written: {', '.join(allowed[1:])})")
+        raise ValueError(
+            f"rope scaling {rope['rope_type']!r} of a {model_type} checkpoint is not written "
+            f"to GGUF (written: {', '.join(allowed[1:])})"
+        )
     pattern = _GEMMA_PATTERN.get(model_type)
     if not pattern:
         return
     types = cfg.get("layer_types")
     if types and types != [SLIDING if (i + 1) % pattern else FULL for i in range(len(types))]:
-        raise ValueError(f"{model_type} layer_types {types} are not llama.cpp's layout (every {pattern}th "
-                         "layer global): a GGUF file cannot say them")
+        raise ValueError(
+            f"{model_type} layer_types {types} are not llama.cpp's layout (every {pattern}th "
+            "layer global): a GGUF file cannot say them"
+        )
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     want = gguf_query_pre_attn_scalar(model_type, {**cfg, "head_dim": head_dim})
     if cfg.get("query_pre_attn_scalar", 256) != want:
-        raise ValueError(f"{model_type} query_pre_attn_scalar {cfg.get('query_pre_attn_scalar', 256)} is not the "
-                         f"{want} llama.cpp attends with for this shape: a GGUF file cannot say it")
+        raise ValueError(
+            f"{model_type} query_pre_attn_scalar {cfg.get('query_pre_attn_scalar', 256)} is not the "
+            f"{want} llama.cpp attends with for this shape: a GGUF file cannot say it"
+        )
 
 
 def _extra_tensors(model_type: str, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -203,8 +210,10 @@ def _extra_tensors(model_type: str, cfg: dict[str, Any]) -> dict[str, np.ndarray
     rope = _rope(cfg)
     if model_type != "phi3" or rope["rope_type"] != "longrope":
         return {}
-    return {"rope_factors_long.weight": np.asarray(rope["long_factor"], dtype=np.float32),
-            "rope_factors_short.weight": np.asarray(rope["short_factor"], dtype=np.float32)}
+    return {
+        "rope_factors_long.weight": np.asarray(rope["long_factor"], dtype=np.float32),
+        "rope_factors_short.weight": np.asarray(rope["short_factor"], dtype=np.float32),
+    }
 
 
 def _write_hparams(w, name: str, model_type: str, cfg: dict[str, Any]) -> None:
@@ -269,8 +278,11 @@ def _write_phi3(w, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
     """Phi3MiniModel's additions: the window (0: none), the original context and LongRoPE's
     attention factor (its factors are tensors, `_extra_tensors`)."""
     w.add_sliding_window(int(cfg.get("sliding_window") or 0))
-    original = int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
-                   or cfg.get("max_position_embeddings", 4096))
+    original = int(
+        rope.get("original_max_position_embeddings")
+        or cfg.get("original_max_position_embeddings")
+        or cfg.get("max_position_embeddings", 4096)
+    )
     w.add_rope_scaling_orig_ctx_len(original)
     if rope["rope_type"] == "longrope":
         scale = cfg.get("max_position_embeddings", original) / original
@@ -330,8 +342,7 @@ def _byte_level_vocab(w, tokens: list[str], special: set[int], merges: list) -> 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-                       for i in range(len(tokens))])
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
 
 
@@ -383,7 +394,10 @@ def _write_tensors(w, arch, cfg: dict[str, Any], tensors: dict[str, np.ndarray],
         kind = tensor_type(gname, t.shape[-1], qtype, cfg["num_hidden_layers"], tied) if t.ndim >= 2 else "F32"
         if kind != "F32":
             blocks = _quantize(t.reshape(-1, t.shape[-1]), kind)
-            w.add_tensor(gname, blocks.reshape(*t.shape[:-1], blocks.shape[-1]),
-                         raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+            w.add_tensor(
+                gname,
+                blocks.reshape(*t.shape[:-1], blocks.shape[-1]),
+                raw_dtype=getattr(gguf.GGMLQuantizationType, kind),
+            )
         else:
             w.add_tensor(gname, t)

@@ -53,13 +53,23 @@ EPP_UID = 65532  # the image's nonroot user (distroless)
 EPP_CONFIG = {
     "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
     "kind": "EndpointPickerConfig",
-    "plugins": [{"type": "queue-scorer"}, {"type": "kv-cache-utilization-scorer"},
-                {"type": "prefix-cache-scorer"},
-                {"type": "metrics-data-source", "parameters": {"scheme": "http", "path": "/metrics"}},
-                {"type": "core-metrics-extractor"}],
-    "schedulingProfiles": [{"name": "default", "plugins": [
-        {"pluginRef": "queue-scorer", "weight": 2}, {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
-        {"pluginRef": "prefix-cache-scorer", "weight": 3}]}],
+    "plugins": [
+        {"type": "queue-scorer"},
+        {"type": "kv-cache-utilization-scorer"},
+        {"type": "prefix-cache-scorer"},
+        {"type": "metrics-data-source", "parameters": {"scheme": "http", "path": "/metrics"}},
+        {"type": "core-metrics-extractor"},
+    ],
+    "schedulingProfiles": [
+        {
+            "name": "default",
+            "plugins": [
+                {"pluginRef": "queue-scorer", "weight": 2},
+                {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+                {"pluginRef": "prefix-cache-scorer", "weight": 3},
+            ],
+        }
+    ],
 }
 
 
@@ -83,60 +93,116 @@ def pool_manifests(options: PoolOptions) -> list[dict[str, Any]]:
 def inference_pool(options: PoolOptions) -> dict[str, Any]:
     """The pool: every replica's own gateway (the model-server pods), HTTP on :8000."""
     name = options.inference_pool
-    return {"apiVersion": f"{POOL_GROUP}/v1", "kind": "InferencePool",
-            "metadata": object_meta(options, name, labels_of("inference-pool")),
-            "spec": {"selector": {"matchLabels": {NAME_LABEL: "pagoda", **_component(MODEL_SERVER)}},
-                     "targetPorts": [{"number": GATEWAY_HTTP_PORT}], "appProtocol": "http",
-                     "endpointPickerRef": {"name": epp_name(name), "kind": "Service",
-                                           "port": {"number": EPP_PORT}, "failureMode": "FailClose"}}}
+    return {
+        "apiVersion": f"{POOL_GROUP}/v1",
+        "kind": "InferencePool",
+        "metadata": object_meta(options, name, labels_of("inference-pool")),
+        "spec": {
+            "selector": {"matchLabels": {NAME_LABEL: "pagoda", **_component(MODEL_SERVER)}},
+            "targetPorts": [{"number": GATEWAY_HTTP_PORT}],
+            "appProtocol": "http",
+            "endpointPickerRef": {
+                "name": epp_name(name),
+                "kind": "Service",
+                "port": {"number": EPP_PORT},
+                "failureMode": "FailClose",
+            },
+        },
+    }
 
 
 def objectives(options: PoolOptions) -> list[dict[str, Any]]:
-    return [{"apiVersion": f"{OBJECTIVE_GROUP}/v1alpha2", "kind": "InferenceObjective",
-             "metadata": object_meta(options, name, labels_of("inference-objective")),
-             "spec": {"priority": priority, "poolRef": {"group": POOL_GROUP, "name": options.inference_pool}}}
-            for name, priority in options.objectives]
+    return [
+        {
+            "apiVersion": f"{OBJECTIVE_GROUP}/v1alpha2",
+            "kind": "InferenceObjective",
+            "metadata": object_meta(options, name, labels_of("inference-objective")),
+            "spec": {"priority": priority, "poolRef": {"group": POOL_GROUP, "name": options.inference_pool}},
+        }
+        for name, priority in options.objectives
+    ]
 
 
 def endpoint_picker(options: PoolOptions) -> list[dict[str, Any]]:
     """The EPP: its configuration, identity and read access, Deployment and Service."""
     name = epp_name(options.inference_pool)
     labels = labels_of("endpoint-picker")
-    config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": object_meta(options, name, labels),
-              "data": {EPP_CONFIG_FILE: yaml.safe_dump(EPP_CONFIG, sort_keys=False)}}
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_meta(options, name, labels),
+        "data": {EPP_CONFIG_FILE: yaml.safe_dump(EPP_CONFIG, sort_keys=False)},
+    }
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": object_meta(options, name, labels)}
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": object_meta(options, name, labels),
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "watch", "list"]},
-                      {"apiGroups": [POOL_GROUP], "resources": ["inferencepools"], "verbs": ["get", "watch", "list"]},
-                      {"apiGroups": [OBJECTIVE_GROUP], "resources": ["inferenceobjectives"],
-                       "verbs": ["get", "watch", "list"]}]}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": object_meta(options, name, labels),
-               "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": options.namespace}],
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}}
-    return [config, account, role, binding, _epp_deployment(options, name, labels),
-            service(options, name, labels, [("grpc-ext-proc", EPP_PORT), ("grpc-health", EPP_HEALTH_PORT),
-                                             ("metrics", EPP_METRICS_PORT)])]
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": object_meta(options, name, labels),
+        "rules": [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "watch", "list"]},
+            {"apiGroups": [POOL_GROUP], "resources": ["inferencepools"], "verbs": ["get", "watch", "list"]},
+            {"apiGroups": [OBJECTIVE_GROUP], "resources": ["inferenceobjectives"], "verbs": ["get", "watch", "list"]},
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": object_meta(options, name, labels),
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": options.namespace}],
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+    }
+    return [
+        config,
+        account,
+        role,
+        binding,
+        _epp_deployment(options, name, labels),
+        service(
+            options,
+            name,
+            labels,
+            [("grpc-ext-proc", EPP_PORT), ("grpc-health", EPP_HEALTH_PORT), ("metrics", EPP_METRICS_PORT)],
+        ),
+    ]
 
 
 def _epp_deployment(options: PoolOptions, name: str, labels: dict[str, str]) -> dict[str, Any]:
     health = {"grpc": {"port": EPP_HEALTH_PORT, "service": "inference-extension"}}
     container = {
-        "name": "epp", "image": EPP_IMAGE, "imagePullPolicy": options.image_pull_policy,
-        "args": ["--pool-name", options.inference_pool, "--pool-namespace", options.namespace,
-                 "--pool-group", POOL_GROUP, "--config-file", f"/config/{EPP_CONFIG_FILE}",
-                 "--zap-encoder", "json", "--tracing=false"],
-        "ports": [{"name": "grpc", "containerPort": EPP_PORT}, {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT},
-                  {"name": "metrics", "containerPort": EPP_METRICS_PORT}],
+        "name": "epp",
+        "image": EPP_IMAGE,
+        "imagePullPolicy": options.image_pull_policy,
+        "args": [
+            "--pool-name",
+            options.inference_pool,
+            "--pool-namespace",
+            options.namespace,
+            "--pool-group",
+            POOL_GROUP,
+            "--config-file",
+            f"/config/{EPP_CONFIG_FILE}",
+            "--zap-encoder",
+            "json",
+            "--tracing=false",
+        ],
+        "ports": [
+            {"name": "grpc", "containerPort": EPP_PORT},
+            {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT},
+            {"name": "metrics", "containerPort": EPP_METRICS_PORT},
+        ],
         "livenessProbe": {**health, "initialDelaySeconds": 5, "periodSeconds": 10},
         "readinessProbe": {**health, "periodSeconds": 2},
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         "securityContext": container_security(),
         "volumeMounts": [{"name": "config", "mountPath": "/config", "readOnly": True}],
     }
-    pod = {"serviceAccountName": name, "securityContext": pod_security(EPP_UID),
-           "terminationGracePeriodSeconds": 130, "containers": [container],
-           "volumes": [{"name": "config", "configMap": {"name": name}}]}
+    pod = {
+        "serviceAccountName": name,
+        "securityContext": pod_security(EPP_UID),
+        "terminationGracePeriodSeconds": 130,
+        "containers": [container],
+        "volumes": [{"name": "config", "configMap": {"name": name}}],
+    }
     # one active picker (its prefix-cache view is per process), replaced at once on an update
     return deployment(options, name, labels, pod, 1, {"type": "Recreate"})
 

@@ -75,6 +75,7 @@ from wiring.k8s_options import (
 
 # --- each container's pagoda arguments ----------------------------------------------------
 
+
 def _listen(port: int) -> list[str]:
     return [shared.HOST.flag, "0.0.0.0", shared.PORT.flag, str(port)]
 
@@ -85,17 +86,34 @@ def kvcache_args(options: K8sOptions, replica: str) -> list[str]:
 
 def scheduler_args(options: K8sOptions, replica: str) -> list[str]:
     stages = ",".join(stage_address(replica, k) for k in range(options.pipeline_parallel_size))
-    return ["scheduler", *_listen(SCHEDULER_PORT), shared.MODEL.flag, options.model_path,
-            "--kvcache", f"{kvcache_name(replica)}:{KV_PORT}", "--stages", stages,
-            shared.PIPELINE_PARALLEL_SIZE.flag, str(options.pipeline_parallel_size)]
+    return [
+        "scheduler",
+        *_listen(SCHEDULER_PORT),
+        shared.MODEL.flag,
+        options.model_path,
+        "--kvcache",
+        f"{kvcache_name(replica)}:{KV_PORT}",
+        "--stages",
+        stages,
+        shared.PIPELINE_PARALLEL_SIZE.flag,
+        str(options.pipeline_parallel_size),
+    ]
 
 
 def worker_args(options: K8sOptions, replica: str, stage: int) -> list[str]:
     """What stage `stage`'s pod runs: the StatefulSet's shell command computes this from the
     pod's ordinal (`worker_script`), since all its pods share one spec."""
     n = options.pipeline_parallel_size
-    args = ["worker", *_listen(WORKER_PORT), shared.MODEL.flag, options.model_path,
-            "--stage", str(stage), "--num-stages", str(n)]
+    args = [
+        "worker",
+        *_listen(WORKER_PORT),
+        shared.MODEL.flag,
+        options.model_path,
+        "--stage",
+        str(stage),
+        "--num-stages",
+        str(n),
+    ]
     if stage < n - 1:
         args += ["--next", stage_address(replica, stage + 1)]
     if n > 1 and stage == n - 1:  # the last of several streams sampled tokens to the first
@@ -130,10 +148,24 @@ def gateway_args(options: K8sOptions, replica: str | None = None) -> list[str]:
         routing = ["--routing", options.routing]
     else:
         schedulers, routing = f"{scheduler_name(replica)}:{SCHEDULER_PORT}", []
-    args = ["gateway", shared.HOST.flag, "0.0.0.0", "--port", str(GATEWAY_HTTP_PORT), "--grpc-port",
-            str(GATEWAY_GRPC_PORT), shared.MODEL.flag, options.model_path, "--scheduler", schedulers,
-            *routing, shared.REDIS_URL.flag, redis_url(),
-            "--api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
+    args = [
+        "gateway",
+        shared.HOST.flag,
+        "0.0.0.0",
+        "--port",
+        str(GATEWAY_HTTP_PORT),
+        "--grpc-port",
+        str(GATEWAY_GRPC_PORT),
+        shared.MODEL.flag,
+        options.model_path,
+        "--scheduler",
+        schedulers,
+        *routing,
+        shared.REDIS_URL.flag,
+        redis_url(),
+        "--api-keys-file",
+        f"{API_KEYS_DIR}/{API_KEYS_FILE}",
+    ]
     if options.served_model_names:
         args += ["--served-model-name", *options.served_model_names]
     return args
@@ -157,13 +189,18 @@ while pending:
 
 
 def _engine_config(options: K8sOptions) -> dict[str, Any]:
-    data = {shared.NUM_KV_BLOCKS.variable: str(options.num_kv_blocks),
-            shared.BLOCK_SIZE.variable: str(options.block_size)}
+    data = {
+        shared.NUM_KV_BLOCKS.variable: str(options.num_kv_blocks),
+        shared.BLOCK_SIZE.variable: str(options.block_size),
+    }
     for name, value in sorted(options.engine.items()):
         data[shared.variable(name)] = ("true" if value else "false") if isinstance(value, bool) else str(value)
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": object_meta(options, ENGINE_CONFIG, {NAME_LABEL: "pagoda", COMPONENT_LABEL: "engine"}),
-            "data": data}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_meta(options, ENGINE_CONFIG, {NAME_LABEL: "pagoda", COMPONENT_LABEL: "engine"}),
+        "data": data,
+    }
 
 
 def _resources(options: K8sOptions, component: str, gpus: int = 0) -> dict[str, Any]:
@@ -180,8 +217,10 @@ def _grpc_probe(port: int, period_s: int, failures: int) -> dict[str, Any]:
 
 def _pagoda_env(options: K8sOptions) -> tuple[list[dict], list[dict]]:
     """(env, envFrom) of every pagoda container: the shared secret, the engine settings."""
-    token = {"name": shared.INTERNAL_TOKEN.variable, "valueFrom": {"secretKeyRef": {
-        "name": options.internal_token_secret, "key": options.internal_token_key}}}
+    token = {
+        "name": shared.INTERNAL_TOKEN.variable,
+        "valueFrom": {"secretKeyRef": {"name": options.internal_token_secret, "key": options.internal_token_key}},
+    }
     return [token], [{"configMapRef": {"name": ENGINE_CONFIG}}]
 
 
@@ -191,36 +230,55 @@ def _writable(with_models: bool, options: K8sOptions) -> tuple[list[dict], list[
     volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "home", "emptyDir": {}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "home", "mountPath": "/home/pagoda"}]
     if with_models:
-        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": options.models_claim,
-                                                                    "readOnly": True}})
+        volumes.append(
+            {"name": "models", "persistentVolumeClaim": {"claimName": options.models_claim, "readOnly": True}}
+        )
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
     return volumes, mounts
 
 
-def _pagoda_container(options: K8sOptions, name: str, component: str, port: int, *, args=None,
-                      command=None, mounts: list[dict], extra_env=(), gpus: int = 0) -> dict[str, Any]:
+def _pagoda_container(
+    options: K8sOptions,
+    name: str,
+    component: str,
+    port: int,
+    *,
+    args=None,
+    command=None,
+    mounts: list[dict],
+    extra_env=(),
+    gpus: int = 0,
+) -> dict[str, Any]:
     env, env_from = _pagoda_env(options)
     container: dict[str, Any] = {"name": name, "image": options.image, "imagePullPolicy": options.image_pull_policy}
     if command is not None:
         container["command"] = command
     if args is not None:
         container["args"] = args  # the image's entrypoint is `pagoda`
-    container.update({
-        "ports": [{"name": "grpc", "containerPort": port}],
-        "env": [*env, *extra_env], "envFrom": env_from,
-        "resources": _resources(options, component, gpus),
-        "readinessProbe": _grpc_probe(port, 5, 3),
-        "livenessProbe": _grpc_probe(port, 10, 6),
-        "securityContext": container_security(),
-        "volumeMounts": mounts,
-    })
+    container.update(
+        {
+            "ports": [{"name": "grpc", "containerPort": port}],
+            "env": [*env, *extra_env],
+            "envFrom": env_from,
+            "resources": _resources(options, component, gpus),
+            "readinessProbe": _grpc_probe(port, 5, 3),
+            "livenessProbe": _grpc_probe(port, 10, 6),
+            "securityContext": container_security(),
+            "volumeMounts": mounts,
+        }
+    )
     return container
 
 
 def _pod_spec(containers: list[dict], volumes: list[dict], uid: int = UID, **extra) -> dict[str, Any]:
-    return {"automountServiceAccountToken": False,
-            "enableServiceLinks": False,  # else a Service's {NAME}_PORT variables could read as PAGODA_* flags
-            "securityContext": pod_security(uid), **extra, "containers": containers, "volumes": volumes}
+    return {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,  # else a Service's {NAME}_PORT variables could read as PAGODA_* flags
+        "securityContext": pod_security(uid),
+        **extra,
+        "containers": containers,
+        "volumes": volumes,
+    }
 
 
 _SINGLETON = {"type": "Recreate"}  # never two schedulers (or KV services) of one replica at once
@@ -229,31 +287,47 @@ _SINGLETON = {"type": "Recreate"}  # never two schedulers (or KV services) of on
 def _kvcache(options: K8sOptions, replica: str) -> list[dict]:
     labels = labels_of("kvcache", replica)
     volumes, mounts = _writable(False, options)
-    container = _pagoda_container(options, "kvcache", "kvcache", KV_PORT, args=kvcache_args(options, replica),
-                                  mounts=mounts)
+    container = _pagoda_container(
+        options, "kvcache", "kvcache", KV_PORT, args=kvcache_args(options, replica), mounts=mounts
+    )
     pod = _pod_spec([container], volumes)
-    return [deployment(options, kvcache_name(replica), labels, pod, 1, _SINGLETON),
-            service(options, kvcache_name(replica), labels, [("grpc", KV_PORT)], not_ready=True)]
+    return [
+        deployment(options, kvcache_name(replica), labels, pod, 1, _SINGLETON),
+        service(options, kvcache_name(replica), labels, [("grpc", KV_PORT)], not_ready=True),
+    ]
 
 
 def _scheduler(options: K8sOptions, replica: str) -> list[dict]:
     labels = labels_of("scheduler", replica)
     volumes, mounts = _writable(True, options)
-    container = _pagoda_container(options, "scheduler", "scheduler", SCHEDULER_PORT,
-                                  args=scheduler_args(options, replica), mounts=mounts)
+    container = _pagoda_container(
+        options, "scheduler", "scheduler", SCHEDULER_PORT, args=scheduler_args(options, replica), mounts=mounts
+    )
     # its health follows the pipeline's: a stage restarting must not restart the scheduler too
-    container["livenessProbe"] = {"tcpSocket": {"port": SCHEDULER_PORT}, "periodSeconds": 10,
-                                  "timeoutSeconds": 3, "failureThreshold": 6}
+    container["livenessProbe"] = {
+        "tcpSocket": {"port": SCHEDULER_PORT},
+        "periodSeconds": 10,
+        "timeoutSeconds": 3,
+        "failureThreshold": 6,
+    }
     container["startupProbe"] = {**container["livenessProbe"], "failureThreshold": 30}
     backend = [f"{kvcache_name(replica)}:{KV_PORT}"] + [
-        stage_address(replica, k) for k in range(options.pipeline_parallel_size)]
-    wait = {"name": "wait-for-pipeline", "image": options.image, "imagePullPolicy": options.image_pull_policy,
-            "command": ["python", "-c", WAIT_FOR_HEALTH, *backend],
-            "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
-            "securityContext": container_security(), "volumeMounts": [dict(mounts[0])]}
+        stage_address(replica, k) for k in range(options.pipeline_parallel_size)
+    ]
+    wait = {
+        "name": "wait-for-pipeline",
+        "image": options.image,
+        "imagePullPolicy": options.image_pull_policy,
+        "command": ["python", "-c", WAIT_FOR_HEALTH, *backend],
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
+        "securityContext": container_security(),
+        "volumeMounts": [dict(mounts[0])],
+    }
     pod = _pod_spec([container], volumes, initContainers=[wait])
-    return [deployment(options, scheduler_name(replica), labels, pod, 1, _SINGLETON),
-            service(options, scheduler_name(replica), labels, [("grpc", SCHEDULER_PORT)], not_ready=True)]
+    return [
+        deployment(options, scheduler_name(replica), labels, pod, 1, _SINGLETON),
+        service(options, scheduler_name(replica), labels, [("grpc", SCHEDULER_PORT)], not_ready=True),
+    ]
 
 
 def _workers(options: K8sOptions, replica: str) -> list[dict]:
@@ -271,9 +345,16 @@ def _workers(options: K8sOptions, replica: str) -> list[dict]:
     if tp > 1:  # the ranks' collectives (NCCL) need more than a container's 64 MiB /dev/shm
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": options.shm_size}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
-    container = _pagoda_container(options, "worker", "worker", WORKER_PORT,
-                                  command=["/bin/sh", "-c", worker_script(options, replica)], mounts=mounts,
-                                  extra_env=env, gpus=tp if options.gpus else 0)
+    container = _pagoda_container(
+        options,
+        "worker",
+        "worker",
+        WORKER_PORT,
+        command=["/bin/sh", "-c", worker_script(options, replica)],
+        mounts=mounts,
+        extra_env=env,
+        gpus=tp if options.gpus else 0,
+    )
     # loading the model comes first: the liveness probe waits for this one
     container["startupProbe"] = _grpc_probe(WORKER_PORT, 10, max(1, options.worker_startup_s // 10))
     extra: dict[str, Any] = {}
@@ -281,11 +362,17 @@ def _workers(options: K8sOptions, replica: str) -> list[dict]:
         extra["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     pod = _pod_spec([container], volumes, **extra)
     statefulset = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": object_meta(options, name, labels),
-        "spec": {"serviceName": name, "replicas": options.pipeline_parallel_size,
-                 "podManagementPolicy": "Parallel",  # every stage loads at once; none waits for another
-                 "selector": {"matchLabels": dict(labels)},
-                 "template": {"metadata": {"labels": dict(labels)}, "spec": pod}}}
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": object_meta(options, name, labels),
+        "spec": {
+            "serviceName": name,
+            "replicas": options.pipeline_parallel_size,
+            "podManagementPolicy": "Parallel",  # every stage loads at once; none waits for another
+            "selector": {"matchLabels": dict(labels)},
+            "template": {"metadata": {"labels": dict(labels)}, "spec": pod},
+        },
+    }
     # headless, not-ready addresses published: a stage resolves its neighbours while they load
     return [statefulset, service(options, name, labels, [("grpc", WORKER_PORT)], headless=True, not_ready=True)]
 
@@ -295,38 +382,70 @@ def _gateway(options: K8sOptions, replica: str | None = None) -> list[dict]:
     gateway, a model server of the InferencePool (a Deployment of one: the pool selects pods)."""
     labels = labels_of("gateway") if replica is None else labels_of(MODEL_SERVER, replica)
     volumes, mounts = _writable(True, options)
-    volumes.append({"name": "api-keys", "secret": {
-        "secretName": options.api_keys_secret, "defaultMode": 0o440,
-        "items": [{"key": options.api_keys_key, "path": API_KEYS_FILE}]}})
+    volumes.append(
+        {
+            "name": "api-keys",
+            "secret": {
+                "secretName": options.api_keys_secret,
+                "defaultMode": 0o440,
+                "items": [{"key": options.api_keys_key, "path": API_KEYS_FILE}],
+            },
+        }
+    )
     mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
-    container = _pagoda_container(options, "gateway", "gateway", GATEWAY_GRPC_PORT,
-                                  args=gateway_args(options, replica), mounts=mounts)
-    container["ports"] = [{"name": "http", "containerPort": GATEWAY_HTTP_PORT},
-                          {"name": "grpc", "containerPort": GATEWAY_GRPC_PORT}]
+    container = _pagoda_container(
+        options, "gateway", "gateway", GATEWAY_GRPC_PORT, args=gateway_args(options, replica), mounts=mounts
+    )
+    container["ports"] = [
+        {"name": "http", "containerPort": GATEWAY_HTTP_PORT},
+        {"name": "grpc", "containerPort": GATEWAY_GRPC_PORT},
+    ]
     # ready while it can serve (its health follows the replicas'); alive while its HTTP loop answers
-    container["livenessProbe"] = {"httpGet": {"path": "/version", "port": GATEWAY_HTTP_PORT},
-                                  "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 6}
+    container["livenessProbe"] = {
+        "httpGet": {"path": "/version", "port": GATEWAY_HTTP_PORT},
+        "periodSeconds": 10,
+        "timeoutSeconds": 3,
+        "failureThreshold": 6,
+    }
     container["startupProbe"] = {**container["livenessProbe"], "failureThreshold": 30}  # the tokenizer loads
     # the endpoints go before the listeners close; then in-flight requests get --grace-period
     container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", "5"]}}}
-    spread = [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
-               "labelSelector": {"matchLabels": dict(labels)}}]
+    spread = [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": dict(labels)},
+        }
+    ]
     pod = _pod_spec([container], volumes, terminationGracePeriodSeconds=45, topologySpreadConstraints=spread)
-    scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(GATEWAY_HTTP_PORT),
-              "prometheus.io/path": "/metrics"}
+    scrape = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(GATEWAY_HTTP_PORT),
+        "prometheus.io/path": "/metrics",
+    }
     rolling = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
     if replica is not None:
         return [deployment(options, model_server_name(replica), labels, pod, 1, rolling, scrape)]
-    return [deployment(options, GATEWAY, labels, pod, options.gateway_replicas, rolling, scrape),
-            service(options, GATEWAY, labels, [("http", GATEWAY_HTTP_PORT), ("grpc", GATEWAY_GRPC_PORT)],
-                     service_type=options.gateway_service_type),
-            pdb(options, GATEWAY, {"matchLabels": dict(labels)}, labels)]
+    return [
+        deployment(options, GATEWAY, labels, pod, options.gateway_replicas, rolling, scrape),
+        service(
+            options,
+            GATEWAY,
+            labels,
+            [("http", GATEWAY_HTTP_PORT), ("grpc", GATEWAY_GRPC_PORT)],
+            service_type=options.gateway_service_type,
+        ),
+        pdb(options, GATEWAY, {"matchLabels": dict(labels)}, labels),
+    ]
 
 
 def _redis(options: K8sOptions) -> list[dict]:
     labels = labels_of("redis")
     container = {
-        "name": "redis", "image": options.redis_image, "imagePullPolicy": options.image_pull_policy,
+        "name": "redis",
+        "image": options.redis_image,
+        "imagePullPolicy": options.image_pull_policy,
         "args": ["redis-server", "--save", "", "--appendonly", "no"],  # nothing to persist
         "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
         "resources": _resources(options, "redis"),
@@ -336,8 +455,10 @@ def _redis(options: K8sOptions) -> list[dict]:
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
     }
     pod = _pod_spec([container], [{"name": "data", "emptyDir": {}}], uid=REDIS_UID)
-    return [deployment(options, REDIS, labels, pod, 1, _SINGLETON),
-            service(options, REDIS, labels, [("redis", REDIS_PORT)])]
+    return [
+        deployment(options, REDIS, labels, pod, 1, _SINGLETON),
+        service(options, REDIS, labels, [("redis", REDIS_PORT)]),
+    ]
 
 
 def render(options: K8sOptions) -> list[dict[str, Any]]:
@@ -359,8 +480,12 @@ def render(options: K8sOptions) -> list[dict[str, Any]]:
             m["spec"]["template"]["metadata"].setdefault("annotations", {})[ENGINE_CONFIG_HASH] = digest
     # a replica is down while any of its pods is: evict one backend pod at a time, and none
     # while a replica is already down (with one replica a drain still proceeds, one pod at a time)
-    backend = {"matchLabels": {NAME_LABEL: "pagoda"}, "matchExpressions": [
-        {"key": COMPONENT_LABEL, "operator": "In", "values": ["kvcache", "scheduler", "worker", MODEL_SERVER]}]}
+    backend = {
+        "matchLabels": {NAME_LABEL: "pagoda"},
+        "matchExpressions": [
+            {"key": COMPONENT_LABEL, "operator": "In", "values": ["kvcache", "scheduler", "worker", MODEL_SERVER]}
+        ],
+    }
     out.append(pdb(options, BACKEND_PDB, backend, {NAME_LABEL: "pagoda", COMPONENT_LABEL: "backend"}))
     return out
 
@@ -381,6 +506,7 @@ def to_yaml(manifests: list[dict[str, Any]]) -> str:
 
 
 # --- the command line ----------------------------------------------------------------------
+
 
 def _setting(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
@@ -410,77 +536,167 @@ def _objective(text: str) -> tuple[str, int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = K8sOptions()
-    p.add_argument("--replicas", type=int, default=d.replicas, metavar="N",
-                   help="replicas (a scheduler, a KV service and its stages each), named r0..rN-1")
-    p.add_argument(shared.PIPELINE_PARALLEL_SIZE.flag, "-pp", type=int, default=d.pipeline_parallel_size, metavar="P",
-                   help="stage pods per replica")
-    p.add_argument(shared.TENSOR_PARALLEL_SIZE.flag, "-tp", type=int, default=d.tensor_parallel_size, metavar="T",
-                   help="processes per stage pod (with --gpus: T GPUs per stage pod)")
-    p.add_argument(shared.GPU_MEMORY_UTILIZATION.flag, type=float, metavar="F",
-                   help="fraction of a stage's device memory it may use; each stage checks at start "
-                        "that --num-kv-blocks fit in it (default: unset)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=d.replicas,
+        metavar="N",
+        help="replicas (a scheduler, a KV service and its stages each), named r0..rN-1",
+    )
+    p.add_argument(
+        shared.PIPELINE_PARALLEL_SIZE.flag,
+        "-pp",
+        type=int,
+        default=d.pipeline_parallel_size,
+        metavar="P",
+        help="stage pods per replica",
+    )
+    p.add_argument(
+        shared.TENSOR_PARALLEL_SIZE.flag,
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        metavar="T",
+        help="processes per stage pod (with --gpus: T GPUs per stage pod)",
+    )
+    p.add_argument(
+        shared.GPU_MEMORY_UTILIZATION.flag,
+        type=float,
+        metavar="F",
+        help="fraction of a stage's device memory it may use; each stage checks at start "
+        "that --num-kv-blocks fit in it (default: unset)",
+    )
     p.add_argument("--gpus", action="store_true", help="stage pods ask for nvidia.com/gpu and run on CUDA")
-    p.add_argument(shared.NUM_KV_BLOCKS.flag, type=int, default=d.num_kv_blocks, metavar="N",
-                   help="KV blocks per stage pool, the same for the KV service, stages and scheduler")
+    p.add_argument(
+        shared.NUM_KV_BLOCKS.flag,
+        type=int,
+        default=d.num_kv_blocks,
+        metavar="N",
+        help="KV blocks per stage pool, the same for the KV service, stages and scheduler",
+    )
     p.add_argument(shared.BLOCK_SIZE.flag, type=int, default=d.block_size, help="KV slots per block")
-    p.add_argument("--set", dest="engine", action="append", type=_setting, default=[], metavar="NAME=VALUE",
-                   help="another engine setting, as PAGODA_<NAME> in the ConfigMap (e.g. max_num_seqs=64, "
-                        "max_model_len=32768, dtype=bfloat16); repeatable")
-    p.add_argument("--model-path", default=d.model_path,
-                   help=f"the checkpoint folder inside the pods (the models volume is at {MODELS_MOUNT})")
+    p.add_argument(
+        "--set",
+        dest="engine",
+        action="append",
+        type=_setting,
+        default=[],
+        metavar="NAME=VALUE",
+        help="another engine setting, as PAGODA_<NAME> in the ConfigMap (e.g. max_num_seqs=64, "
+        "max_model_len=32768, dtype=bfloat16); repeatable",
+    )
+    p.add_argument(
+        "--model-path",
+        default=d.model_path,
+        help=f"the checkpoint folder inside the pods (the models volume is at {MODELS_MOUNT})",
+    )
     p.add_argument("--models-claim", default=d.models_claim, help="the PersistentVolumeClaim holding the models")
-    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
-                   help="the names clients send as `model` (default: the model path and folder name)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="the names clients send as `model` (default: the model path and folder name)",
+    )
     p.add_argument("--namespace", "-n", default=d.namespace)
     p.add_argument("--image", default=d.image, help="the Pagoda image (the Dockerfile's), pushed where nodes pull")
     p.add_argument("--image-pull-policy", default=d.image_pull_policy, choices=["Always", "IfNotPresent", "Never"])
     p.add_argument("--gateway-replicas", type=int, default=d.gateway_replicas, metavar="N")
-    p.add_argument("--gateway-service-type", default=d.gateway_service_type,
-                   choices=["ClusterIP", "NodePort", "LoadBalancer"])
-    p.add_argument("--routing", default=d.routing, choices=ROUTING_POLICIES,
-                   help="how the gateway picks a replica (default: prefix)")
-    p.add_argument("--requests", action="append", type=_requests, default=[], metavar="COMPONENT=CPU,MEMORY",
-                   help=f"a component's cpu and memory ({', '.join(COMPONENTS)}); memory is the limit "
-                        "too; repeatable, e.g. worker=8,32Gi")
-    p.add_argument("--internal-token-secret", default=d.internal_token_secret,
-                   help="the Secret holding PAGODA_INTERNAL_TOKEN under key 'token'")
-    p.add_argument("--api-keys-secret", default=d.api_keys_secret,
-                   help=f"the Secret holding the gateway's keys file under key '{API_KEYS_FILE}'")
-    p.add_argument("--worker-startup-timeout", type=int, default=d.worker_startup_s, metavar="SECONDS",
-                   help="how long a stage may take to load the model before it is restarted")
-    p.add_argument("--inference-pool", default="", metavar="NAME",
-                   help="serve as an InferencePool of the Gateway API Inference Extension: each replica its "
-                        "own gateway, the extension's endpoint picker (rendered too) routing between them "
-                        "(docs/deploy.md); default: Pagoda's router gateway")
-    p.add_argument("--inference-objective", dest="objectives", action="append", type=_objective, default=[],
-                   metavar="NAME=PRIORITY", help="an InferenceObjective of the pool (requests name it in the "
-                   "x-gateway-inference-objective header; higher priority is served first); repeatable")
+    p.add_argument(
+        "--gateway-service-type", default=d.gateway_service_type, choices=["ClusterIP", "NodePort", "LoadBalancer"]
+    )
+    p.add_argument(
+        "--routing",
+        default=d.routing,
+        choices=ROUTING_POLICIES,
+        help="how the gateway picks a replica (default: prefix)",
+    )
+    p.add_argument(
+        "--requests",
+        action="append",
+        type=_requests,
+        default=[],
+        metavar="COMPONENT=CPU,MEMORY",
+        help=f"a component's cpu and memory ({', '.join(COMPONENTS)}); memory is the limit "
+        "too; repeatable, e.g. worker=8,32Gi",
+    )
+    p.add_argument(
+        "--internal-token-secret",
+        default=d.internal_token_secret,
+        help="the Secret holding PAGODA_INTERNAL_TOKEN under key 'token'",
+    )
+    p.add_argument(
+        "--api-keys-secret",
+        default=d.api_keys_secret,
+        help=f"the Secret holding the gateway's keys file under key '{API_KEYS_FILE}'",
+    )
+    p.add_argument(
+        "--worker-startup-timeout",
+        type=int,
+        default=d.worker_startup_s,
+        metavar="SECONDS",
+        help="how long a stage may take to load the model before it is restarted",
+    )
+    p.add_argument(
+        "--inference-pool",
+        default="",
+        metavar="NAME",
+        help="serve as an InferencePool of the Gateway API Inference Extension: each replica its "
+        "own gateway, the extension's endpoint picker (rendered too) routing between them "
+        "(docs/deploy.md); default: Pagoda's router gateway",
+    )
+    p.add_argument(
+        "--inference-objective",
+        dest="objectives",
+        action="append",
+        type=_objective,
+        default=[],
+        metavar="NAME=PRIORITY",
+        help="an InferenceObjective of the pool (requests name it in the "
+        "x-gateway-inference-objective header; higher priority is served first); repeatable",
+    )
     p.add_argument("--out", "-o", type=Path, help="write the YAML here (default: stdout)")
 
 
 def options_from_args(args: argparse.Namespace) -> K8sOptions:
     return K8sOptions(
-        replicas=args.replicas, pipeline_parallel_size=args.pipeline_parallel_size,
-        tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        gpus=args.gpus, model_path=args.model_path, models_claim=args.models_claim, namespace=args.namespace,
-        image=args.image, image_pull_policy=args.image_pull_policy, gateway_replicas=args.gateway_replicas,
-        gateway_service_type=args.gateway_service_type, routing=args.routing,
-        served_model_names=tuple(args.served_model_name), num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size, engine=dict(args.engine), requests=dict(args.requests),
-        internal_token_secret=args.internal_token_secret, api_keys_secret=args.api_keys_secret,
-        worker_startup_s=args.worker_startup_timeout, inference_pool=args.inference_pool,
-        objectives=tuple(args.objectives))
+        replicas=args.replicas,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpus=args.gpus,
+        model_path=args.model_path,
+        models_claim=args.models_claim,
+        namespace=args.namespace,
+        image=args.image,
+        image_pull_policy=args.image_pull_policy,
+        gateway_replicas=args.gateway_replicas,
+        gateway_service_type=args.gateway_service_type,
+        routing=args.routing,
+        served_model_names=tuple(args.served_model_name),
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        engine=dict(args.engine),
+        requests=dict(args.requests),
+        internal_token_secret=args.internal_token_secret,
+        api_keys_secret=args.api_keys_secret,
+        worker_startup_s=args.worker_startup_timeout,
+        inference_pool=args.inference_pool,
+        objectives=tuple(args.objectives),
+    )
 
 
 def _header(options: K8sOptions) -> str:
     f = options.gpu_memory_utilization
-    return (f"# Pagoda on Kubernetes (pagoda k8s-manifests; docs/deploy.md): {options.replicas} replica(s) of "
-            f"{options.pipeline_parallel_size} stage pod(s) x {options.tensor_parallel_size} process(es)"
-            f"{', GPUs' if options.gpus else ', CPU'}"
-            f"{f', gpu_memory_utilization {f}' if f is not None else ''}, in namespace {options.namespace}.\n"
-            f"# Create first: Secret {options.internal_token_secret} (key {options.internal_token_key}), "
-            f"Secret {options.api_keys_secret} (key {options.api_keys_key}), PVC {options.models_claim} "
-            f"(the checkpoint at {options.model_path}).\n")
+    return (
+        f"# Pagoda on Kubernetes (pagoda k8s-manifests; docs/deploy.md): {options.replicas} replica(s) of "
+        f"{options.pipeline_parallel_size} stage pod(s) x {options.tensor_parallel_size} process(es)"
+        f"{', GPUs' if options.gpus else ', CPU'}"
+        f"{f', gpu_memory_utilization {f}' if f is not None else ''}, in namespace {options.namespace}.\n"
+        f"# Create first: Secret {options.internal_token_secret} (key {options.internal_token_key}), "
+        f"Secret {options.api_keys_secret} (key {options.api_keys_key}), PVC {options.models_claim} "
+        f"(the checkpoint at {options.model_path}).\n"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,10 @@ from typing import Any, Protocol
 
 UID = 10001  # the image's user (Dockerfile)
 NAME_LABEL, COMPONENT_LABEL, REPLICA_LABEL = (
-    "app.kubernetes.io/name", "app.kubernetes.io/component", "pagoda.dev/replica")
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/component",
+    "pagoda.dev/replica",
+)
 
 
 class HasNamespace(Protocol):
@@ -26,32 +29,62 @@ def labels_of(component: str, replica: str | None = None) -> dict[str, str]:
 
 
 def object_meta(options: HasNamespace, name: str, labels: dict[str, str]) -> dict[str, Any]:
-    return {"name": name, "namespace": options.namespace,
-            "labels": {**labels, "app.kubernetes.io/managed-by": "pagoda-k8s-manifests"}}
+    return {
+        "name": name,
+        "namespace": options.namespace,
+        "labels": {**labels, "app.kubernetes.io/managed-by": "pagoda-k8s-manifests"},
+    }
 
 
 def container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]}}
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
 def pod_security(uid: int = UID) -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
-def deployment(options: HasNamespace, name: str, labels: dict[str, str], pod: dict, replicas: int,
-                strategy: dict, annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+def deployment(
+    options: HasNamespace,
+    name: str,
+    labels: dict[str, str],
+    pod: dict,
+    replicas: int,
+    strategy: dict,
+    annotations: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     template_meta: dict[str, Any] = {"labels": dict(labels)}
     if annotations:
         template_meta["annotations"] = dict(annotations)
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": object_meta(options, name, labels),
-            "spec": {"replicas": replicas, "strategy": dict(strategy), "selector": {"matchLabels": dict(labels)},
-                     "template": {"metadata": template_meta, "spec": pod}}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(options, name, labels),
+        "spec": {
+            "replicas": replicas,
+            "strategy": dict(strategy),
+            "selector": {"matchLabels": dict(labels)},
+            "template": {"metadata": template_meta, "spec": pod},
+        },
+    }
 
 
-def service(options: HasNamespace, name: str, labels: dict[str, str], ports: list[tuple[str, int]], *,
-             headless: bool = False, service_type: str = "ClusterIP", not_ready: bool = False) -> dict[str, Any]:
+def service(
+    options: HasNamespace,
+    name: str,
+    labels: dict[str, str],
+    ports: list[tuple[str, int]],
+    *,
+    headless: bool = False,
+    service_type: str = "ClusterIP",
+    not_ready: bool = False,
+) -> dict[str, Any]:
     spec: dict[str, Any] = {"type": service_type}
     if headless:
         spec["clusterIP"] = "None"
@@ -64,5 +97,9 @@ def service(options: HasNamespace, name: str, labels: dict[str, str], ports: lis
 
 
 def pdb(options: HasNamespace, name: str, selector: dict[str, Any], labels: dict[str, str]) -> dict[str, Any]:
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": object_meta(options, name, labels),
-            "spec": {"maxUnavailable": 1, "selector": selector}}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": object_meta(options, name, labels),
+        "spec": {"maxUnavailable": 1, "selector": selector},
+    }

@@ -27,11 +27,36 @@ BACKEND_PDB = "pagoda-backend"
 ENGINE_CONFIG_HASH = "pagoda.dev/engine-config-hash"  # pods restart when the ConfigMap changes
 COMPONENTS = ("gateway", "scheduler", "kvcache", "worker", "redis")
 # Flags the manifests set themselves, per component: not engine settings (--set).
-RESERVED_SETTINGS = frozenset({
-    "host", "port", "grpc_port", "model", "stage", "num_stages", "next", "feedback", "kvcache",
-    "stages", "scheduler", "pipeline_parallel_size", "tensor_parallel_size", "gpu_memory_utilization",
-    "num_kv_blocks", "num_blocks", "block_size", "redis_url", "replica_id", "routing", "api_keys_file",
-    "api_key", "internal_token", "device", "served_model_name", "ready_file"})
+RESERVED_SETTINGS = frozenset(
+    {
+        "host",
+        "port",
+        "grpc_port",
+        "model",
+        "stage",
+        "num_stages",
+        "next",
+        "feedback",
+        "kvcache",
+        "stages",
+        "scheduler",
+        "pipeline_parallel_size",
+        "tensor_parallel_size",
+        "gpu_memory_utilization",
+        "num_kv_blocks",
+        "num_blocks",
+        "block_size",
+        "redis_url",
+        "replica_id",
+        "routing",
+        "api_keys_file",
+        "api_key",
+        "internal_token",
+        "device",
+        "served_model_name",
+        "ready_file",
+    }
+)
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _SETTING = re.compile(r"[a-z][a-z0-9_]*")
@@ -107,8 +132,15 @@ class K8sOptions:
         self._check_choices()
 
     def _check_sizes(self) -> None:
-        for name in ("replicas", "pipeline_parallel_size", "tensor_parallel_size", "gateway_replicas",
-                     "num_kv_blocks", "block_size", "worker_startup_s"):
+        for name in (
+            "replicas",
+            "pipeline_parallel_size",
+            "tensor_parallel_size",
+            "gateway_replicas",
+            "num_kv_blocks",
+            "block_size",
+            "worker_startup_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -123,12 +155,16 @@ class K8sOptions:
     def _check_names(self) -> None:
         path = self.model_path
         if posixpath.normpath(path) != path or not path.startswith(MODELS_MOUNT + "/"):
-            raise ValueError(f"model_path: must be a normalized path under {MODELS_MOUNT}/ (the models "
-                             f"volume's mount), e.g. {MODELS_MOUNT}/Meta-Llama-3.1-8B-Instruct; got {path!r}")
+            raise ValueError(
+                f"model_path: must be a normalized path under {MODELS_MOUNT}/ (the models "
+                f"volume's mount), e.g. {MODELS_MOUNT}/Meta-Llama-3.1-8B-Instruct; got {path!r}"
+            )
         for name in ("models_claim", "internal_token_secret", "api_keys_secret"):
             if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", getattr(self, name)):
-                raise ValueError(f"{name}: must be a Kubernetes object name (lower case, digits, '-', '.'), "
-                                 f"got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"{name}: must be a Kubernetes object name (lower case, digits, '-', '.'), "
+                    f"got {getattr(self, name)!r}"
+                )
         if not _DNS_LABEL.fullmatch(self.namespace) or len(self.namespace) > 63:
             raise ValueError(f"namespace: must be a DNS label (lower case, digits, '-'), got {self.namespace!r}")
         for name in ("internal_token_key", "api_keys_key"):
@@ -142,8 +178,9 @@ class K8sOptions:
         if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
             raise ValueError(f"image_pull_policy: Always, IfNotPresent or Never, got {self.image_pull_policy!r}")
         if self.gateway_service_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
-            raise ValueError("gateway_service_type: ClusterIP, NodePort or LoadBalancer, got "
-                             f"{self.gateway_service_type!r}")
+            raise ValueError(
+                f"gateway_service_type: ClusterIP, NodePort or LoadBalancer, got {self.gateway_service_type!r}"
+            )
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if any(not n or any(c.isspace() or c == "," for c in n) for n in self.served_model_names):
@@ -152,19 +189,24 @@ class K8sOptions:
             if not _SETTING.fullmatch(name):
                 raise ValueError(f"engine setting {name!r}: expected a snake_case name such as max_num_seqs")
             if name in RESERVED_SETTINGS:
-                raise ValueError(f"engine setting {name!r}: set by the manifests themselves; use its own "
-                                 "option (e.g. --num-kv-blocks, --tensor-parallel-size, --gpus)")
+                raise ValueError(
+                    f"engine setting {name!r}: set by the manifests themselves; use its own "
+                    "option (e.g. --num-kv-blocks, --tensor-parallel-size, --gpus)"
+                )
             if value is None or isinstance(value, (dict, list, tuple)):
                 raise ValueError(f"engine setting {name!r}: expected a string, number or boolean, got {value!r}")
         unknown = set(self.requests) - set(COMPONENTS)
         if unknown:
-            raise ValueError(f"requests: unknown component(s) {', '.join(sorted(unknown))}; "
-                             f"expected {', '.join(COMPONENTS)}")
+            raise ValueError(
+                f"requests: unknown component(s) {', '.join(sorted(unknown))}; expected {', '.join(COMPONENTS)}"
+            )
         if not _MEMORY.fullmatch(self.shm_size):
             raise ValueError(f"shm_size: expected a quantity such as 1Gi, got {self.shm_size!r}")
         for name in (self.inference_pool, *(n for n, _ in self.objectives)):
             if name and (not _DNS_LABEL.fullmatch(name) or len(name) > 50):
-                raise ValueError(f"inference pool or objective name: a DNS label of at most 50 characters, got {name!r}")
+                raise ValueError(
+                    f"inference pool or objective name: a DNS label of at most 50 characters, got {name!r}"
+                )
         if self.objectives and not self.inference_pool:
             raise ValueError("objectives: need --inference-pool (an InferenceObjective names its pool)")
 
@@ -183,6 +225,7 @@ class K8sOptions:
 
 
 # --- names and addresses -------------------------------------------------------------------
+
 
 def kvcache_name(replica: str) -> str:
     return f"pagoda-{replica}-kvcache"

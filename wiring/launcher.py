@@ -34,8 +34,9 @@ def default_threads_per_stage(num_stages: int) -> int:
     return max(1, ((os.cpu_count() or 1) - 1) // num_stages)
 
 
-def cpu_plan(num_stages: int, threads_per_stage: int, cpus: Sequence[int] | None = None
-             ) -> tuple[set[int], list[set[int]]] | None:
+def cpu_plan(
+    num_stages: int, threads_per_stage: int, cpus: Sequence[int] | None = None
+) -> tuple[set[int], list[set[int]]] | None:
     """Cores for the services (KV service, scheduler, gateway) and for each stage, disjoint,
     or None when the machine has too few to give each stage its threads' cores plus one for
     the services. Pinned, a stage's compute is not preempted or evicted from its core's
@@ -44,8 +45,7 @@ def cpu_plan(num_stages: int, threads_per_stage: int, cpus: Sequence[int] | None
     available = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
     if len(available) < num_stages * threads_per_stage + 1:
         return None
-    stages = [set(available[1 + k * threads_per_stage: 1 + (k + 1) * threads_per_stage])
-              for k in range(num_stages)]
+    stages = [set(available[1 + k * threads_per_stage : 1 + (k + 1) * threads_per_stage]) for k in range(num_stages)]
     return set(available[:1]), stages
 
 
@@ -160,11 +160,7 @@ class ServiceProcess:
         else:
             env.pop(PARENT_ENV, None)
         self.process = subprocess.Popen(
-            list(self.command),
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            list(self.command), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         if self.log_path:
             log.close()
@@ -278,18 +274,33 @@ def worker_chain(
     ports = [free_port(host) for _ in range(num_stages)]
     workers = []
     for k in range(num_stages):
-        args = ["worker", *flag_args(shared.MODEL, model_dir), "--stage", str(k), "--num-stages", str(num_stages),
-                *flag_args(shared.HOST, host), *flag_args(shared.PORT, ports[k]),
-                *flag_args(shared.NUM_KV_BLOCKS, num_kv_blocks), *flag_args(shared.BLOCK_SIZE, block_size),
-                *flag_args(shared.NUM_THREADS, threads), *extra_args(k)]
+        args = [
+            "worker",
+            *flag_args(shared.MODEL, model_dir),
+            "--stage",
+            str(k),
+            "--num-stages",
+            str(num_stages),
+            *flag_args(shared.HOST, host),
+            *flag_args(shared.PORT, ports[k]),
+            *flag_args(shared.NUM_KV_BLOCKS, num_kv_blocks),
+            *flag_args(shared.BLOCK_SIZE, block_size),
+            *flag_args(shared.NUM_THREADS, threads),
+            *extra_args(k),
+        ]
         if k < num_stages - 1:
             args += ["--next", f"{host}:{ports[k + 1]}"]
         elif num_stages > 1 and feedback:  # sampled tokens straight to the first stage
             args += ["--feedback", f"{host}:{ports[0]}"]
-        workers.append(ServiceProcess(
-            f"worker-{k}", pagoda_command(*args), f"{host}:{ports[k]}", env=dict(env or {}),
-            log_path=(log_dir / f"worker-{k}.log") if log_dir else None,
-        ))
+        workers.append(
+            ServiceProcess(
+                f"worker-{k}",
+                pagoda_command(*args),
+                f"{host}:{ports[k]}",
+                env=dict(env or {}),
+                log_path=(log_dir / f"worker-{k}.log") if log_dir else None,
+            )
+        )
     return workers
 
 
@@ -307,12 +318,15 @@ class MemorySetting:
     def worker_args(self, num_stages: int) -> list[str]:
         if self.kv_cache_memory is not None:
             return flag_args(shared.KV_CACHE_MEMORY, self.kv_cache_memory)
-        return [*flag_args(shared.GPU_MEMORY_UTILIZATION, self.gpu_memory_utilization / num_stages),
-                *flag_args(shared.MAX_MODEL_LEN, self.max_model_len or None)]
+        return [
+            *flag_args(shared.GPU_MEMORY_UTILIZATION, self.gpu_memory_utilization / num_stages),
+            *flag_args(shared.MAX_MODEL_LEN, self.max_model_len or None),
+        ]
 
 
-def pool_from_stages(infos: Sequence, block_size: int, max_model_len: int, setting: MemorySetting,
-                     num_stages: int) -> int:
+def pool_from_stages(
+    infos: Sequence, block_size: int, max_model_len: int, setting: MemorySetting, num_stages: int
+) -> int:
     """The one pool: the smallest stage's (each reported its StageLoadInfo). ValueError saying
     what would fit when one sequence of `max_model_len` does not."""
     smallest = min(infos, key=lambda i: i.num_kv_blocks)
@@ -328,7 +342,8 @@ def pool_from_stages(infos: Sequence, block_size: int, max_model_len: int, setti
     raise ValueError(
         f"KV cache: stage {smallest.stage_index}'s memory leaves room for {blocks} blocks ({blocks * block_size} "
         f"tokens), but one sequence of max_model_len={max_model_len} needs {needed} blocks: raise {raise_to}, "
-        f"or lower --max-model-len to at most {blocks * block_size}")
+        f"or lower --max-model-len to at most {blocks * block_size}"
+    )
 
 
 def stage_load_infos(workers: Sequence[ServiceProcess], env: dict[str, str]) -> list:
@@ -342,15 +357,18 @@ def stage_load_infos(workers: Sequence[ServiceProcess], env: dict[str, str]) -> 
     infos = []
     for w in workers:
         with grpc.insecure_channel(w.health_address) as channel:
-            infos.append(worker_pb2_grpc.StageWorkerStub(channel).LoadInfo(
-                worker_pb2.LoadInfoRequest(), metadata=metadata, timeout=10))
+            infos.append(
+                worker_pb2_grpc.StageWorkerStub(channel).LoadInfo(
+                    worker_pb2.LoadInfoRequest(), metadata=metadata, timeout=10
+                )
+            )
     return infos
 
 
 def _with_blocks(command: Sequence[str], memory_args: Sequence[str], blocks: int) -> list[str]:
     command = list(command)
-    at = next(i for i in range(len(command)) if command[i:i + len(memory_args)] == list(memory_args))
-    return [*command[:at], *flag_args(shared.NUM_KV_BLOCKS, blocks), *command[at + len(memory_args):]]
+    at = next(i for i in range(len(command)) if command[i : i + len(memory_args)] == list(memory_args))
+    return [*command[:at], *flag_args(shared.NUM_KV_BLOCKS, blocks), *command[at + len(memory_args) :]]
 
 
 def model_max_len(model_dir: str) -> int:
@@ -366,7 +384,9 @@ def model_max_len(model_dir: str) -> int:
     except ValueError:  # CheckpointError: not a served architecture (the start refuses it)
         pass
     try:
-        return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", MAX_MODEL_LEN))
+        return int(
+            json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", MAX_MODEL_LEN)
+        )
     except (OSError, ValueError):
         return MAX_MODEL_LEN
 
@@ -427,12 +447,29 @@ def start_stack(
         memory = replace(memory, max_model_len=model_max_len(model_dir))
     memory_args = memory.worker_args(num_stages) if num_kv_blocks is None else []
     workers = worker_chain(
-        model_dir, num_stages, num_kv_blocks, block_size, host, None if adaptive else threads,
-        extra_args=lambda k: [*memory_args, *tp_args, *worker_args, *metrics_ports.flag(f"worker-{k}")], env=env,
+        model_dir,
+        num_stages,
+        num_kv_blocks,
+        block_size,
+        host,
+        None if adaptive else threads,
+        extra_args=lambda k: [*memory_args, *tp_args, *worker_args, *metrics_ports.flag(f"worker-{k}")],
+        env=env,
         log_dir=log_dir,
     )
-    backend = _Backend(model_dir, host, block_size, num_stages, workers, env, log_dir, scheduler_args,
-                       kvcache_args, metrics_ports.flag("kvcache"), metrics_ports.flag("scheduler"))
+    backend = _Backend(
+        model_dir,
+        host,
+        block_size,
+        num_stages,
+        workers,
+        env,
+        log_dir,
+        scheduler_args,
+        kvcache_args,
+        metrics_ports.flag("kvcache"),
+        metrics_ports.flag("scheduler"),
+    )
     plan = cpu_plan(num_stages, threads * tp) if pin_cpus else None  # a stage's ranks split its cores
     if plan is not None and not adaptive:
         for worker, cpus in zip(workers, plan[1], strict=True):
@@ -462,14 +499,19 @@ def start_stack(
     return stack
 
 
-def _pool_of_started_stages(workers: list[ServiceProcess], env: dict[str, str], memory: MemorySetting,
-                            memory_args: list[str], block_size: int, timeout_s: float) -> int:
+def _pool_of_started_stages(
+    workers: list[ServiceProcess],
+    env: dict[str, str],
+    memory: MemorySetting,
+    memory_args: list[str],
+    block_size: int,
+    timeout_s: float,
+) -> int:
     """The pool once every stage sized its own from memory: the smallest (each restarted
     stage then holds that size, whatever memory is free then)."""
     for w in workers:
         w.wait_healthy(timeout_s)
-    blocks = pool_from_stages(stage_load_infos(workers, env), block_size, memory.max_model_len,
-                              memory, len(workers))
+    blocks = pool_from_stages(stage_load_infos(workers, env), block_size, memory.max_model_len, memory, len(workers))
     for w in workers:
         w.command = _with_blocks(w.command, memory_args, blocks)
     return blocks
@@ -520,20 +562,37 @@ class _Backend:
             layout += flag_args(shared.KV_GROUPS, groups)
         kv = ServiceProcess(
             "kvcache",
-            pagoda_command("kvcache", *flag_args(shared.HOST, host), *flag_args(shared.PORT, self.kv_port),
-                           *layout, *self.kvcache_args, *self.kv_metrics),
-            f"{host}:{self.kv_port}", env=self.env, log_path=self._log("kvcache"),
+            pagoda_command(
+                "kvcache",
+                *flag_args(shared.HOST, host),
+                *flag_args(shared.PORT, self.kv_port),
+                *layout,
+                *self.kvcache_args,
+                *self.kv_metrics,
+            ),
+            f"{host}:{self.kv_port}",
+            env=self.env,
+            log_path=self._log("kvcache"),
         )
         scheduler = ServiceProcess(
             "scheduler",
             pagoda_command(
-                "scheduler", *flag_args(shared.MODEL, self.model_dir), *flag_args(shared.HOST, host),
-                *flag_args(shared.PORT, self.scheduler_port), "--kvcache", f"{host}:{self.kv_port}",
-                "--stages", ",".join(w.health_address for w in self.workers),
-                *flag_args(shared.PIPELINE_PARALLEL_SIZE, self.num_stages), *layout, *self.scheduler_args,
+                "scheduler",
+                *flag_args(shared.MODEL, self.model_dir),
+                *flag_args(shared.HOST, host),
+                *flag_args(shared.PORT, self.scheduler_port),
+                "--kvcache",
+                f"{host}:{self.kv_port}",
+                "--stages",
+                ",".join(w.health_address for w in self.workers),
+                *flag_args(shared.PIPELINE_PARALLEL_SIZE, self.num_stages),
+                *layout,
+                *self.scheduler_args,
                 *self.scheduler_metrics,
             ),
-            f"{host}:{self.scheduler_port}", env=self.env, log_path=self._log("scheduler"),
+            f"{host}:{self.scheduler_port}",
+            env=self.env,
+            log_path=self._log("scheduler"),
         )
         return kv, scheduler
 

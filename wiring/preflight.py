@@ -89,9 +89,11 @@ def _weights(folder: Path) -> tuple[int, bool]:
             return 0, True
     pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
     if pickled:
-        raise ValueError(f"{folder}: the weights are pickled ({', '.join(pickled[:3])}), which Pagoda never "
-                         "loads: convert them to safetensors (transformers: "
-                         "model.save_pretrained(dir, safe_serialization=True))")
+        raise ValueError(
+            f"{folder}: the weights are pickled ({', '.join(pickled[:3])}), which Pagoda never "
+            "loads: convert them to safetensors (transformers: "
+            "model.save_pretrained(dir, safe_serialization=True))"
+        )
     raise ValueError(f"{folder}: no weights: no model.safetensors or model.safetensors.index.json")
 
 
@@ -104,8 +106,11 @@ def check_tokenizers(model_dir: str | Path, tokenizer_dir: str | None) -> None:
         try:
             Tokenizer(folder)
         except ValueError as exc:
-            why = (" (the scheduler reads the model's stop tokens from it, --tokenizer or not)"
-                   if tokenizer_dir and folder != tokenizer_dir else "")
+            why = (
+                " (the scheduler reads the model's stop tokens from it, --tokenizer or not)"
+                if tokenizer_dir and folder != tokenizer_dir
+                else ""
+            )
             raise ValueError(f"{exc}{why}") from None
 
 
@@ -129,22 +134,26 @@ def read_chat_template(value: str) -> str:
     return source
 
 
-def check_stages(config: ModelConfig, pipeline_parallel_size: int, tensor_parallel_size: int,
-                 expert_parallel: bool = False) -> None:
+def check_stages(
+    config: ModelConfig, pipeline_parallel_size: int, tensor_parallel_size: int, expert_parallel: bool = False
+) -> None:
     """Every stage holds at least one layer; T ranks divide the heads, KV heads and MLP (the
     experts, under expert parallelism)."""
     pp, layers = pipeline_parallel_size, config.num_layers
     if pp > layers:
-        raise ValueError(f"{shared.PIPELINE_PARALLEL_SIZE.flag} {pp}: the model has {layers} layers "
-                         f"(num_hidden_layers) and each stage holds at least one: give at most {layers}")
+        raise ValueError(
+            f"{shared.PIPELINE_PARALLEL_SIZE.flag} {pp}: the model has {layers} layers "
+            f"(num_hidden_layers) and each stage holds at least one: give at most {layers}"
+        )
     if expert_parallel and config.moe is None:
         raise ValueError(f"{shared.ENABLE_EXPERT_PARALLEL.flag}: {config.architecture} has no experts")
     # ValueError naming what does not divide, and what would
     config.shard(tensor_parallel_size, 0 if expert_parallel else None)
 
 
-def serve_max_model_len(given: int | None, positions: int, num_kv_blocks: int | None, block_size: int,
-                        pool_given: bool) -> tuple[int | None, str]:
+def serve_max_model_len(
+    given: int | None, positions: int, num_kv_blocks: int | None, block_size: int, pool_given: bool
+) -> tuple[int | None, str]:
     """(the max_model_len to serve, a note to print or ""). None leaves it to the services
     (the model's positions). `num_kv_blocks` None: the pool is sized from memory (the stages
     check it). ValueError when --max-model-len is past the model's positions, or when it does
@@ -152,8 +161,10 @@ def serve_max_model_len(given: int | None, positions: int, num_kv_blocks: int | 
     model's positions lowers it to what the pool holds, and says so."""
     mml, blocks_flag = shared.MAX_MODEL_LEN.flag, shared.NUM_KV_BLOCKS.flag
     if given is not None and given > positions:
-        raise ValueError(f"{mml} {given} is above the model's max_position_embeddings ({positions}, config.json): "
-                         f"its stages compute no position past it; give at most {positions}, or leave it out")
+        raise ValueError(
+            f"{mml} {given} is above the model's max_position_embeddings ({positions}, config.json): "
+            f"its stages compute no position past it; give at most {positions}, or leave it out"
+        )
     if num_kv_blocks is None:
         return given, ""
     capacity, want = num_kv_blocks * block_size, given if given is not None else positions
@@ -162,11 +173,15 @@ def serve_max_model_len(given: int | None, positions: int, num_kv_blocks: int | 
     pool = f"{blocks_flag} {num_kv_blocks}" if pool_given else f"the default pool of {num_kv_blocks} blocks"
     holds = f"{pool} x {shared.BLOCK_SIZE.flag} {block_size} holds {capacity} tokens"
     if given is not None:
-        raise ValueError(f"{mml} {given} is larger than the KV cache can hold: {holds}, one sequence of {given} "
-                         f"needs {-(-given // block_size)} blocks; raise {blocks_flag} to at least "
-                         f"{-(-given // block_size)} or lower {mml} to at most {capacity}")
-    return capacity, (f"max_model_len {capacity}, not the model's {positions}: {holds} (give {mml}, or "
-                      f"{blocks_flag} {-(-positions // block_size)} for the whole context)")
+        raise ValueError(
+            f"{mml} {given} is larger than the KV cache can hold: {holds}, one sequence of {given} "
+            f"needs {-(-given // block_size)} blocks; raise {blocks_flag} to at least "
+            f"{-(-given // block_size)} or lower {mml} to at most {capacity}"
+        )
+    return capacity, (
+        f"max_model_len {capacity}, not the model's {positions}: {holds} (give {mml}, or "
+        f"{blocks_flag} {-(-positions // block_size)} for the whole context)"
+    )
 
 
 def fixed_pool(num_kv_blocks: int | None, memory_setting: bool) -> int | None:
@@ -206,7 +221,8 @@ def check_memory_fraction(fraction: float, weight_bytes: int, num_processes: int
         f"{total_bytes / MIB:.0f} MiB (this machine's memory), less than the weights ({weight_bytes / MIB:.0f} MiB, "
         f"from the checkpoint's files) and {num_processes} stage process(es) (about {STAGE_PROCESS_BYTES // MIB} "
         f"MiB each) take before any KV block: give more than {least} (or size the pool with "
-        f"{shared.KV_CACHE_MEMORY.flag} / {shared.NUM_KV_BLOCKS.flag})")
+        f"{shared.KV_CACHE_MEMORY.flag} / {shared.NUM_KV_BLOCKS.flag})"
+    )
 
 
 def on_the_cpu(device: str | None) -> bool:
@@ -222,14 +238,22 @@ def cores_warning(pipeline_parallel_size: int, tensor_parallel_size: int, replic
     processes = pipeline_parallel_size * tensor_parallel_size * replicas
     if processes <= num_cores:
         return ""
-    shape = " x ".join(f"{flag} {n}" for flag, n in ((shared.PIPELINE_PARALLEL_SIZE.flag, pipeline_parallel_size),
-                                                      (shared.TENSOR_PARALLEL_SIZE.flag, tensor_parallel_size),
-                                                      ("--replicas", replicas)) if n > 1)
-    return (f"warning: {processes} stage processes ({shape}) on {num_cores} core(s): they take turns on the "
-            f"cores and serve several times slower than one stage would (stages add no compute on one "
-            f"machine); use at most {num_cores} stage process(es), e.g. {shared.PIPELINE_PARALLEL_SIZE.flag} 1, "
-            f"so that each gets a core of its own (--cpu-affinity pins them; {shared.NUM_THREADS.flag} sets "
-            f"their threads)")
+    shape = " x ".join(
+        f"{flag} {n}"
+        for flag, n in (
+            (shared.PIPELINE_PARALLEL_SIZE.flag, pipeline_parallel_size),
+            (shared.TENSOR_PARALLEL_SIZE.flag, tensor_parallel_size),
+            ("--replicas", replicas),
+        )
+        if n > 1
+    )
+    return (
+        f"warning: {processes} stage processes ({shape}) on {num_cores} core(s): they take turns on the "
+        f"cores and serve several times slower than one stage would (stages add no compute on one "
+        f"machine); use at most {num_cores} stage process(es), e.g. {shared.PIPELINE_PARALLEL_SIZE.flag} 1, "
+        f"so that each gets a core of its own (--cpu-affinity pins them; {shared.NUM_THREADS.flag} sets "
+        f"their threads)"
+    )
 
 
 def usable_cores() -> int:
@@ -251,8 +275,9 @@ def check_draft_model(speculative_config: str | None, target: ModelConfig, targe
         return
     draft_dir = Path(spec.model)
     if not draft_dir.exists():
-        raise ValueError(f"{flag}: the draft model {spec.model} does not exist "
-                         "(speculative_config.model: a checkpoint folder)")
+        raise ValueError(
+            f"{flag}: the draft model {spec.model} does not exist (speculative_config.model: a checkpoint folder)"
+        )
     if not draft_dir.is_dir():
         return
     try:
@@ -260,9 +285,11 @@ def check_draft_model(speculative_config: str | None, target: ModelConfig, targe
     except CheckpointError as exc:
         raise ValueError(f"{flag}: the draft model: {exc}") from None
     if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"{flag}: the draft model's vocabulary ({draft.vocab_size}, {draft_dir / 'config.json'}) "
-                         f"is not the target's ({target.vocab_size}, {Path(target_dir) / 'config.json'}): a draft "
-                         "must share the target's tokenizer")
+        raise ValueError(
+            f"{flag}: the draft model's vocabulary ({draft.vocab_size}, {draft_dir / 'config.json'}) "
+            f"is not the target's ({target.vocab_size}, {Path(target_dir) / 'config.json'}): a draft "
+            "must share the target's tokenizer"
+        )
 
 
 ADAPTER_CONFIG = "adapter_config.json"  # (worker_svc/weights/lora.py's CONFIG_FILE: a PEFT folder's)
@@ -277,8 +304,9 @@ def check_lora_modules(lora_modules, max_lora_rank: int) -> None:
         rank = _adapter_rank(config, where)
         if rank > max_lora_rank:
             flag = shared.MAX_LORA_RANK.flag
-            raise ValueError(f"{where}: LoRA rank {rank} ({config}) is above {flag} {max_lora_rank}: raise {flag} "
-                             f"to at least {rank}")
+            raise ValueError(
+                f"{where}: LoRA rank {rank} ({config}) is above {flag} {max_lora_rank}: raise {flag} to at least {rank}"
+            )
 
 
 def _adapter_rank(config: Path, where: str) -> int:

@@ -24,14 +24,7 @@ from services import settings as shared
 from services.defaults import MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS
 from services.grpc_utils import INTERNAL_TOKEN_ENV
 from services.settings import Bound, Setting
-from wiring.flags import (
-    add_environment_help,
-    add_settings,
-    config_values,
-    flag_args,
-    flag_default,
-    service_settings,
-)
+from wiring.flags import add_environment_help, add_settings, config_values, flag_args, flag_default, service_settings
 from wiring.launcher import (
     MemorySetting,
     RestartBudget,
@@ -52,21 +45,58 @@ _own = partial(Setting, owner="serve", serve="own")
 # `pagoda serve`'s own settings: how it runs the stack (the services' it has a flag for come
 # from their declarations, `serve_settings`)
 SERVE_SETTINGS = (
-    _own("replicas", "run N replicas of the backend (KV service, stages, scheduler), the gateway routing "
-                     "among them (default 1)", "int", default=1, metavar="N", group="parallelism"),
-    _own("cpu_affinity", "pin each stage to cores of its own and the services to another, when the machine "
-                         "has enough (default: on)", "bool", default=True, group="device"),
-    _own("metrics", "serve Prometheus metrics from the KV service, stages and scheduler too", "switch",
-         default=False, group="supervision"),
-    _own("log_dir", "the folder each service's log is written to, one file each (default: "
-                    "~/.cache/pagoda/logs/<time>)", metavar="DIR", group="supervision"),
-    _own("ready_file", "write the services' addresses here (JSON) once ready", env=False, metavar="FILE",
-         group="supervision"),
-    _own("max_restarts", "deaths of one service within --restart-window after which serve gives up "
-                         "(restarts back off: at once, then 1 s, 2 s, ... 30 s)", "int", default=5, metavar="N",
-         group="supervision"),
-    _own("restart_window", "seconds over which --max-restarts counts a service's deaths", "float",
-         default=300.0, metavar="SECONDS", group="supervision"),
+    _own(
+        "replicas",
+        "run N replicas of the backend (KV service, stages, scheduler), the gateway routing among them (default 1)",
+        "int",
+        default=1,
+        metavar="N",
+        group="parallelism",
+    ),
+    _own(
+        "cpu_affinity",
+        "pin each stage to cores of its own and the services to another, when the machine has enough (default: on)",
+        "bool",
+        default=True,
+        group="device",
+    ),
+    _own(
+        "metrics",
+        "serve Prometheus metrics from the KV service, stages and scheduler too",
+        "switch",
+        default=False,
+        group="supervision",
+    ),
+    _own(
+        "log_dir",
+        "the folder each service's log is written to, one file each (default: ~/.cache/pagoda/logs/<time>)",
+        metavar="DIR",
+        group="supervision",
+    ),
+    _own(
+        "ready_file",
+        "write the services' addresses here (JSON) once ready",
+        env=False,
+        metavar="FILE",
+        group="supervision",
+    ),
+    _own(
+        "max_restarts",
+        "deaths of one service within --restart-window after which serve gives up "
+        "(restarts back off: at once, then 1 s, 2 s, ... 30 s)",
+        "int",
+        default=5,
+        metavar="N",
+        group="supervision",
+    ),
+    _own(
+        "restart_window",
+        "seconds over which --max-restarts counts a service's deaths",
+        "float",
+        default=300.0,
+        metavar="SECONDS",
+        group="supervision",
+    ),
 )
 
 
@@ -212,8 +242,7 @@ def _check_start(args: argparse.Namespace, model_dir: str) -> list[str]:
     what the pool holds, more stage processes than cores)."""
     for name, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
         if port and port_taken(args.host, port):  # (it would start all, then die as the gateway)
-            raise _Refused(f"{name} {port} is taken on {args.host}: stop what holds it or choose "
-                           f"another port")
+            raise _Refused(f"{name} {port} is taken on {args.host}: stop what holds it or choose another port")
     if not 1 <= args.replicas <= 64:
         raise _Refused(f"--replicas must be 1..64, got {args.replicas}")
     try:
@@ -241,11 +270,19 @@ def _check_model_and_settings(args: argparse.Namespace, model_dir: str) -> list[
     preflight.check_stages(checkpoint.config, pp, tp, args.enable_expert_parallel)
     memory = args.num_kv_blocks is None and bool(args.gpu_memory_utilization or args.kv_cache_memory)
     args.max_model_len, note = preflight.serve_max_model_len(
-        args.max_model_len, checkpoint.config.max_position_embeddings,
-        preflight.fixed_pool(args.num_kv_blocks, memory), args.block_size, args.num_kv_blocks is not None)
+        args.max_model_len,
+        checkpoint.config.max_position_embeddings,
+        preflight.fixed_pool(args.num_kv_blocks, memory),
+        args.block_size,
+        args.num_kv_blocks is not None,
+    )
     if memory and args.gpu_memory_utilization and preflight.on_the_cpu(args.device):
-        preflight.check_memory_fraction(args.gpu_memory_utilization, checkpoint.least_weight_bytes(args.quantization),
-                                        pp * tp, preflight.machine_memory_bytes())
+        preflight.check_memory_fraction(
+            args.gpu_memory_utilization,
+            checkpoint.least_weight_bytes(args.quantization),
+            pp * tp,
+            preflight.machine_memory_bytes(),
+        )
     warning = "" if emulated else preflight.cores_warning(pp, tp, args.replicas, preflight.usable_cores())
     return [line for line in (note, warning) if line]
 
@@ -259,9 +296,11 @@ def _check_configs(args: argparse.Namespace, model_dir: str) -> None:
 
     keys = load_api_keys(args.api_keys_file) if args.api_keys_file else {}
     keys.update({key: ApiKey() for key in args.api_key or () if key not in keys})
-    for service, make in (("scheduler", SchedulerConfig),
-                          ("worker", partial(WorkerConfig, num_stages=1)),
-                          ("gateway", partial(GatewayConfig, scheduler_address="127.0.0.1:1", api_keys=keys))):
+    for service, make in (
+        ("scheduler", SchedulerConfig),
+        ("worker", partial(WorkerConfig, num_stages=1)),
+        ("gateway", partial(GatewayConfig, scheduler_address="127.0.0.1:1", api_keys=keys)),
+    ):
         settings = service_settings(service)
         try:
             make(**{**config_values(settings, args), "model": model_dir})
@@ -291,15 +330,15 @@ def _prefix_index(args: argparse.Namespace, log_dir: Path) -> tuple[LocalRedis |
         return None, redis_url
     redis = LocalRedis.start_if_found(log_dir)
     if redis is None:
-        print("  no --redis-url and no redis-server found: replicas are routed by load only",
-              file=sys.stderr)
+        print("  no --redis-url and no redis-server found: replicas are routed by load only", file=sys.stderr)
         return None, ""
     print(f"  prefix index: a local redis-server at {redis.url}")
     return redis, redis.url
 
 
-def _start_stacks(args: argparse.Namespace, model_dir: str, memory: MemorySetting | None,
-                  log_dir: Path, redis_url: str) -> list[Stack]:
+def _start_stacks(
+    args: argparse.Namespace, model_dir: str, memory: MemorySetting | None, log_dir: Path, redis_url: str
+) -> list[Stack]:
     """One stack (KV service, stages, scheduler) per replica; on a failure the ones started
     are stopped and the error raised."""
     replicas = args.replicas
@@ -309,15 +348,24 @@ def _start_stacks(args: argparse.Namespace, model_dir: str, memory: MemorySettin
             kv_args = passed_flags(args, "kvcache")
             if replicas > 1:
                 kv_args += ["--replica-id", f"r{r}", *flag_args(shared.REDIS_URL, redis_url or None)]
-            stacks.append(start_stack(
-                model_dir, num_stages=args.pipeline_parallel_size, block_size=args.block_size, memory=memory,
-                num_kv_blocks=None if memory else (args.num_kv_blocks or NUM_KV_BLOCKS),
-                log_dir=log_dir if replicas == 1 else log_dir / f"r{r}",
-                scheduler_args=passed_flags(args, "scheduler"), worker_args=passed_flags(args, "worker"),
-                kvcache_args=kv_args, threads_per_worker=args.num_threads, metrics=args.metrics,
-                pin_cpus=args.cpu_affinity and replicas == 1, tensor_parallel_size=args.tensor_parallel_size,
-                die_with_parent=True,  # none of them outlives this process, however it ends
-            ))
+            stacks.append(
+                start_stack(
+                    model_dir,
+                    num_stages=args.pipeline_parallel_size,
+                    block_size=args.block_size,
+                    memory=memory,
+                    num_kv_blocks=None if memory else (args.num_kv_blocks or NUM_KV_BLOCKS),
+                    log_dir=log_dir if replicas == 1 else log_dir / f"r{r}",
+                    scheduler_args=passed_flags(args, "scheduler"),
+                    worker_args=passed_flags(args, "worker"),
+                    kvcache_args=kv_args,
+                    threads_per_worker=args.num_threads,
+                    metrics=args.metrics,
+                    pin_cpus=args.cpu_affinity and replicas == 1,
+                    tensor_parallel_size=args.tensor_parallel_size,
+                    die_with_parent=True,  # none of them outlives this process, however it ends
+                )
+            )
     except Exception:
         for started in stacks:
             started.stop()
@@ -325,36 +373,62 @@ def _start_stacks(args: argparse.Namespace, model_dir: str, memory: MemorySettin
     return stacks
 
 
-def _gateway(args: argparse.Namespace, model_dir: str, stacks: list[Stack], redis_url: str,
-             log_dir: Path) -> ServiceProcess:
+def _gateway(
+    args: argparse.Namespace, model_dir: str, stacks: list[Stack], redis_url: str, log_dir: Path
+) -> ServiceProcess:
     """The gateway's process (not started), in front of every replica's scheduler."""
     from gateway.config import API_KEY
 
-    targets = (stacks[0].scheduler_address if args.replicas == 1 else
-               ",".join(f"r{r}={s.scheduler_address}" for r, s in enumerate(stacks)))
+    targets = (
+        stacks[0].scheduler_address
+        if args.replicas == 1
+        else ",".join(f"r{r}={s.scheduler_address}" for r, s in enumerate(stacks))
+    )
     # the gateway drains within the grace period (passed on); it is killed only well after that
-    gateway_args = ["gateway", *flag_args(shared.MODEL, model_dir), "--scheduler", targets,
-                    *passed_flags(args, "gateway"), *flag_args(shared.REDIS_URL, redis_url or None)]
-    return ServiceProcess("gateway", pagoda_command(*gateway_args), f"127.0.0.1:{args.grpc_port}",
-                          log_path=log_dir / "gateway.log", cpus=stacks[0].service_cpus,
-                          # keys by environment, not on a command line others can read
-                          env={API_KEY.variable: " ".join(args.api_key)} if args.api_key else {},
-                          die_with_parent=True)
+    gateway_args = [
+        "gateway",
+        *flag_args(shared.MODEL, model_dir),
+        "--scheduler",
+        targets,
+        *passed_flags(args, "gateway"),
+        *flag_args(shared.REDIS_URL, redis_url or None),
+    ]
+    return ServiceProcess(
+        "gateway",
+        pagoda_command(*gateway_args),
+        f"127.0.0.1:{args.grpc_port}",
+        log_path=log_dir / "gateway.log",
+        cpus=stacks[0].service_cpus,
+        # keys by environment, not on a command line others can read
+        env={API_KEY.variable: " ".join(args.api_key)} if args.api_key else {},
+        die_with_parent=True,
+    )
 
 
-def _print_capacity(args: argparse.Namespace, model_dir: str, stacks: list[Stack],
-                    memory: MemorySetting | None) -> None:
+def _print_capacity(
+    args: argparse.Namespace, model_dir: str, stacks: list[Stack], memory: MemorySetting | None
+) -> None:
     from scheduler_svc.config import kv_capacity_line
 
     stack = stacks[0]
     chunk = getattr(args, "max_num_batched_tokens", None) or MAX_NUM_BATCHED_TOKENS
-    capacity = kv_capacity_line(stack.num_kv_blocks, args.block_size, args.max_model_len or model_max_len(model_dir),
-                                model_kv_groups(model_dir), chunk)
-    print(f"  {capacity}"
-          + (" (sized from memory: the smallest stage's pool)" if memory else "")
-          + (f", in each of {args.replicas} replicas (routing: {args.routing})" if args.replicas > 1 else ""))
-    line = cores_line(stack.service_cpus, [w.cpus for w in stack.workers],
-                      sorted(os.sched_getaffinity(0)) if stack.service_cpus is not None else [])
+    capacity = kv_capacity_line(
+        stack.num_kv_blocks,
+        args.block_size,
+        args.max_model_len or model_max_len(model_dir),
+        model_kv_groups(model_dir),
+        chunk,
+    )
+    print(
+        f"  {capacity}"
+        + (" (sized from memory: the smallest stage's pool)" if memory else "")
+        + (f", in each of {args.replicas} replicas (routing: {args.routing})" if args.replicas > 1 else "")
+    )
+    line = cores_line(
+        stack.service_cpus,
+        [w.cpus for w in stack.workers],
+        sorted(os.sched_getaffinity(0)) if stack.service_cpus is not None else [],
+    )
     if line:
         print(f"  {line}")
     for line in cpu_lines(stack):
@@ -385,30 +459,45 @@ def cores_line(service_cpus: set[int] | None, stage_cpus: list[set[int] | None],
     services, float_hint = sorted(service_cpus), "(--no-cpu-affinity to let them float)"
     if all(stage_cpus):
         return f"cores: services {services}, stages {[sorted(c) for c in stage_cpus]} {float_hint}"
-    return (f"cores: services {services} {float_hint}; stages not pinned: any of {cores} (a step of 128 "
-            "tokens or more takes the services' core too)")
+    return (
+        f"cores: services {services} {float_hint}; stages not pinned: any of {cores} (a step of 128 "
+        "tokens or more takes the services' core too)"
+    )
 
 
-def _write_ready_file(ready: Path, args: argparse.Namespace, model_dir: str, stacks: list[Stack],
-                      redis_url: str, log_dir: Path) -> None:
+def _write_ready_file(
+    ready: Path, args: argparse.Namespace, model_dir: str, stacks: list[Stack], redis_url: str, log_dir: Path
+) -> None:
     """Where everything listens, as JSON, written whole or not at all (a watcher never reads
     half of it)."""
     import json
 
     stack = stacks[0]
     partial = ready.with_name(ready.name + ".partial")
-    partial.write_text(json.dumps({
-        "gateway": {"host": args.host, "port": args.port, "grpc_port": args.grpc_port},
-        "scheduler": stack.scheduler_address,
-        "kvcache": stack.kvcache.health_address,
-        "workers": [w.health_address for w in stack.workers],
-        "replicas": [{"name": f"r{r}", "scheduler": s.scheduler_address, "kvcache": s.kvcache.health_address,
-                      "workers": [w.health_address for w in s.workers]} for r, s in enumerate(stacks)],
-        "redis": redis_url,
-        "metrics": stack.metrics_urls,
-        "logs": str(log_dir),
-        "model": model_dir,
-    }, indent=2))
+    partial.write_text(
+        json.dumps(
+            {
+                "gateway": {"host": args.host, "port": args.port, "grpc_port": args.grpc_port},
+                "scheduler": stack.scheduler_address,
+                "kvcache": stack.kvcache.health_address,
+                "workers": [w.health_address for w in stack.workers],
+                "replicas": [
+                    {
+                        "name": f"r{r}",
+                        "scheduler": s.scheduler_address,
+                        "kvcache": s.kvcache.health_address,
+                        "workers": [w.health_address for w in s.workers],
+                    }
+                    for r, s in enumerate(stacks)
+                ],
+                "redis": redis_url,
+                "metrics": stack.metrics_urls,
+                "logs": str(log_dir),
+                "model": model_dir,
+            },
+            indent=2,
+        )
+    )
     os.replace(partial, ready)
 
 
@@ -428,13 +517,18 @@ def ready_lines(args: argparse.Namespace) -> str:
         f"  OpenAI-compatible REST: http://{shown_host}:{args.port}/v1  (docs: /docs, health: /health)\n"
         f"  gRPC (pagoda.v1.Generation): {shown_host}:{args.grpc_port}\n"
         f"  try: curl http://{shown_host}:{args.port}/v1/completions -H 'Content-Type: application/json'{auth} "
-        f"-d '{{\"model\": \"{args.served_model_name[0]}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'"
-        + (f"\n  (every request needs a key: set {API_KEY.variable} to one of yours in that shell first)"
-           if keyed else ""))
+        f'-d \'{{"model": "{args.served_model_name[0]}", "prompt": "Hello", "max_tokens": 16}}\''
+        + (
+            f"\n  (every request needs a key: set {API_KEY.variable} to one of yours in that shell first)"
+            if keyed
+            else ""
+        )
+    )
 
 
-def _supervise(args: argparse.Namespace, stacks: list[Stack], gateway: ServiceProcess,
-               redis: LocalRedis | None, stop: _StopFlag) -> int:
+def _supervise(
+    args: argparse.Namespace, stacks: list[Stack], gateway: ServiceProcess, redis: LocalRedis | None, stop: _StopFlag
+) -> int:
     """Restart what dies (within its budget) until told to stop; then stop the gateway first
     (it stops taking requests and drains), then the backend."""
     processes = [*(p for s in stacks for p in s.processes), gateway]
@@ -458,8 +552,9 @@ def _supervise(args: argparse.Namespace, stacks: list[Stack], gateway: ServicePr
     return 0
 
 
-def _restart_what_died(args: argparse.Namespace, stacks: list[Stack], gateway: ServiceProcess,
-                       redis: LocalRedis | None) -> None:
+def _restart_what_died(
+    args: argparse.Namespace, stacks: list[Stack], gateway: ServiceProcess, redis: LocalRedis | None
+) -> None:
     for r, s in enumerate(stacks):
         for name in s.supervise_once():
             _say(f"pagoda serve: restarted {name}" + (f" of replica r{r}" if args.replicas > 1 else ""))
@@ -504,9 +599,23 @@ class LocalRedis:
 
         log = open(self.log_dir / "redis.log", "ab")  # noqa: SIM115 - the child holds it
         self.process = subprocess.Popen(
-            [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.log_dir)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                self.executable,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.log_dir),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         client = redis_client.Redis.from_url(self.url, socket_timeout=1)
         deadline = time.monotonic() + 10
@@ -543,8 +652,12 @@ def _say(text: str, file=None) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`pagoda serve`'s flags: the model as vLLM's positional MODEL, then `serve_settings`."""
-    p.add_argument("model_tag", nargs="?", metavar="MODEL",
-                   help="checkpoint directory or GGUF file, as in `vllm serve MODEL` (or --model)")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="checkpoint directory or GGUF file, as in `vllm serve MODEL` (or --model)",
+    )
     add_settings(p, serve_settings(), optional=True)
     # the processes it starts inherit its environment: what they read from it, serve takes
     read = {id(b.setting): b.setting for service in shared.SERVICES for b in service_settings(service)}

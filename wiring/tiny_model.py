@@ -120,8 +120,7 @@ def _checked_rope_scaling(rope_scaling: Any) -> dict[str, Any]:
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not one of {list(ROPE_TYPES)}")
     factor = rope_scaling.get("factor", 1.0)
-    if rope_type != "default" and (isinstance(factor, bool)
-                                   or not isinstance(factor, (int, float)) or factor <= 0):
+    if rope_type != "default" and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
         raise ValueError(f"rope_scaling: factor must be a positive number, got {factor!r}")
     try:
         return json.loads(json.dumps(rope_scaling))  # a deep, JSON-able copy
@@ -177,42 +176,49 @@ class TinyModelSpec:
         if self.intermediate_size is None and _is_int(self.hidden_size):
             # SwiGLU's usual 8/3 ratio, rounded up to a multiple of 16: 176 for 64.
             object.__setattr__(self, "intermediate_size", _round_up(self.hidden_size * 8 // 3, 16))
-        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
-                     "num_kv_heads", "max_position_embeddings"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "num_kv_heads",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}: must be a positive int, got {value!r}")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"num_heads: {self.num_heads} does not divide "
-                             f"hidden_size {self.hidden_size}")
+            raise ValueError(f"num_heads: {self.num_heads} does not divide hidden_size {self.hidden_size}")
         if self.head_dim % 2:
-            raise ValueError(f"num_heads: head_dim = hidden_size / num_heads = {self.head_dim} "
-                             "must be even for rotary embeddings")
+            raise ValueError(
+                f"num_heads: head_dim = hidden_size / num_heads = {self.head_dim} must be even for rotary embeddings"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide "
-                             f"num_heads {self.num_heads}")
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}")
         if not _is_int(self.vocab_size) or not MIN_VOCAB_SIZE <= self.vocab_size <= MAX_VOCAB_SIZE:
-            raise ValueError(f"vocab_size: must be an int in [{MIN_VOCAB_SIZE}, {MAX_VOCAB_SIZE}]"
-                             f" (256 bytes + {len(SPECIAL_TOKENS)} special tokens + merges the "
-                             f"training text allows), got {self.vocab_size!r}")
+            raise ValueError(
+                f"vocab_size: must be an int in [{MIN_VOCAB_SIZE}, {MAX_VOCAB_SIZE}]"
+                f" (256 bytes + {len(SPECIAL_TOKENS)} special tokens + merges the "
+                f"training text allows), got {self.vocab_size!r}"
+            )
 
     def _check_embeddings_and_rope(self) -> None:
         if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"tie_word_embeddings: must be a bool, "
-                             f"got {self.tie_word_embeddings!r}")
-        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
-                or not self.rope_theta > 0:
+            raise ValueError(f"tie_word_embeddings: must be a bool, got {self.tie_word_embeddings!r}")
+        if (
+            isinstance(self.rope_theta, bool)
+            or not isinstance(self.rope_theta, (int, float))
+            or not self.rope_theta > 0
+        ):
             raise ValueError(f"rope_theta: must be a positive number, got {self.rope_theta!r}")
         object.__setattr__(self, "rope_theta", float(self.rope_theta))
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling))
         if self.sliding_window is not None:
             if self.arch != "mistral":
-                raise ValueError(f"sliding_window: only the mistral arch has one, "
-                                 f"not {self.arch!r}")
+                raise ValueError(f"sliding_window: only the mistral arch has one, not {self.arch!r}")
             if not _is_int(self.sliding_window) or self.sliding_window < 1:
-                raise ValueError(f"sliding_window: must be a positive int or None, "
-                                 f"got {self.sliding_window!r}")
+                raise ValueError(f"sliding_window: must be a positive int or None, got {self.sliding_window!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {list(DTYPES)}")
         if not _is_int(self.seed) or self.seed < 0:
@@ -232,13 +238,19 @@ class TinyModelSpec:
 
 
 DEFAULT_SPEC = TinyModelSpec()
-SPEC_25M = TinyModelSpec(num_layers=8, hidden_size=512, intermediate_size=1152, num_heads=8,
-                         num_kv_heads=4, vocab_size=4096)
+SPEC_25M = TinyModelSpec(
+    num_layers=8, hidden_size=512, intermediate_size=1152, num_heads=8, num_kv_heads=4, vocab_size=4096
+)
 PRESETS: dict[str, TinyModelSpec] = {"tiny": DEFAULT_SPEC, "25m": SPEC_25M}
 
 
-def make_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec = DEFAULT_SPEC, *,
-                    overwrite: bool = False, finish: Callable[[Path], object] | None = None) -> Path:
+def make_tiny_model(
+    out_dir: str | os.PathLike[str],
+    spec: TinyModelSpec = DEFAULT_SPEC,
+    *,
+    overwrite: bool = False,
+    finish: Callable[[Path], object] | None = None,
+) -> Path:
     """Write a checkpoint for `spec` into `out_dir` and return its path.
 
     `finish`, if given, is called on the complete checkpoint before it is moved into place
@@ -253,8 +265,9 @@ def make_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec = DEFAU
         if not overwrite:
             raise FileExistsError(f"{out_dir} exists and is not empty")
         if not (out_dir / "config.json").is_file():
-            raise FileExistsError(f"{out_dir} exists and holds no config.json: "
-                                  "not overwriting what may not be a checkpoint")
+            raise FileExistsError(
+                f"{out_dir} exists and holds no config.json: not overwriting what may not be a checkpoint"
+            )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -276,8 +289,7 @@ def make_tiny_model(out_dir: str | os.PathLike[str], spec: TinyModelSpec = DEFAU
     return out_dir
 
 
-def default_model_dir(*, cache_dir: str | os.PathLike[str] | None = None,
-                      spec: TinyModelSpec = DEFAULT_SPEC) -> Path:
+def default_model_dir(*, cache_dir: str | os.PathLike[str] | None = None, spec: TinyModelSpec = DEFAULT_SPEC) -> Path:
     """The default model (for `make run` and tests), made once into the cache and reused.
 
     The cache is `cache_dir`, else Pagoda's (services/settings.cache_root); the model's
@@ -310,33 +322,52 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     Every option defaults to None, meaning "as in --preset" (default: tiny).
     """
     group = parser.add_argument_group("tiny model")
-    group.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                       help="starting spec that the other options override (default: tiny)")
-    group.add_argument("--arch", choices=sorted(ARCHS), default=None,
-                       help="the architecture config.json names (default: the preset's)")
+    group.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="starting spec that the other options override (default: tiny)",
+    )
+    group.add_argument(
+        "--arch", choices=sorted(ARCHS), default=None, help="the architecture config.json names (default: the preset's)"
+    )
     for flag, help_text in (
-        ("--num-layers", None), ("--hidden-size", None),
+        ("--num-layers", None),
+        ("--hidden-size", None),
         ("--intermediate-size", "default: 8/3 of hidden size, rounded up to a multiple of 16"),
-        ("--num-heads", None), ("--num-kv-heads", None),
+        ("--num-heads", None),
+        ("--num-kv-heads", None),
         ("--vocab-size", f"tokenizer and model vocabulary, {MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE}"),
-        ("--max-position-embeddings", None), ("--sliding-window", "mistral only"),
+        ("--max-position-embeddings", None),
+        ("--sliding-window", "mistral only"),
         ("--seed", None),
     ):
         group.add_argument(flag, type=int, default=None, help=help_text)
-    group.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction,
-                       default=None)
+    group.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None)
     group.add_argument("--rope-theta", type=float, default=None)
-    group.add_argument("--rope-scaling", type=_json_object, default=None, metavar="JSON",
-                       help='e.g. \'{"rope_type": "llama3", "factor": 8.0, ...}\'')
-    group.add_argument("--dtype", choices=DTYPES, default=None,
-                       help="the weights' dtype in model.safetensors (default: the preset's, float32)")
+    group.add_argument(
+        "--rope-scaling",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='e.g. \'{"rope_type": "llama3", "factor": 8.0, ...}\'',
+    )
+    group.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="the weights' dtype in model.safetensors (default: the preset's, float32)",
+    )
 
 
 def spec_from_args(args: argparse.Namespace) -> TinyModelSpec:
     """The spec that add_cli_arguments' options describe. Raises ValueError naming a field."""
     base = PRESETS[getattr(args, "preset", None) or "tiny"]
-    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(TinyModelSpec)
-               if getattr(args, f.name, None) is not None}
+    changes = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(TinyModelSpec)
+        if getattr(args, f.name, None) is not None
+    }
     if "hidden_size" in changes and "intermediate_size" not in changes:
         changes["intermediate_size"] = None  # derive from the new hidden size
     return dataclasses.replace(base, **changes)
@@ -349,19 +380,23 @@ def _write_checkpoint(out_dir: Path, spec: TinyModelSpec) -> None:
     tokenizer_json = _train_tokenizer(spec.arch, spec.vocab_size)
     files: dict[str, bytes] = {
         "config.json": _json_bytes(_hf_config(spec)),
-        "generation_config.json": _json_bytes({
-            "bos_token_id": BOS_TOKEN_ID,
-            "eos_token_id": [EOS_TOKEN_ID, IM_END_TOKEN_ID],
-            "pad_token_id": PAD_TOKEN_ID,
-        }),
+        "generation_config.json": _json_bytes(
+            {
+                "bos_token_id": BOS_TOKEN_ID,
+                "eos_token_id": [EOS_TOKEN_ID, IM_END_TOKEN_ID],
+                "pad_token_id": PAD_TOKEN_ID,
+            }
+        ),
         "tokenizer.json": tokenizer_json,
         "tokenizer_config.json": _json_bytes(_tokenizer_config(spec)),
-        "special_tokens_map.json": _json_bytes({
-            "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
-            "bos_token": BOS_TOKEN,
-            "eos_token": EOS_TOKEN,
-            "pad_token": PAD_TOKEN,
-        }),
+        "special_tokens_map.json": _json_bytes(
+            {
+                "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
+                "bos_token": BOS_TOKEN,
+                "eos_token": EOS_TOKEN,
+                "pad_token": PAD_TOKEN,
+            }
+        ),
     }
     for name, data in files.items():
         (out_dir / name).write_bytes(data)
@@ -401,8 +436,7 @@ def _hf_config(spec: TinyModelSpec) -> dict[str, Any]:
         # Written even when None: MistralConfig's default is a 4096-token window.
         config["sliding_window"] = spec.sliding_window
     elif spec.arch == "qwen2":
-        config.update(use_sliding_window=False, sliding_window=None,
-                      max_window_layers=spec.num_layers)
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers)
     return config
 
 
@@ -445,24 +479,17 @@ def _train_tokenizer(arch: str, vocab_size: int) -> bytes:
     tokenizer as Qwen2Tokenizer, which rebuilds those two whatever tokenizer.json says:
     trained the same way, tokenizer.json and AutoTokenizer agree.
     """
-    from tokenizers import (
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
     if arch == "qwen2":
         tokenizer.normalizer = normalizers.NFC()
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -475,8 +502,9 @@ def _train_tokenizer(arch: str, vocab_size: int) -> bytes:
     )
     tokenizer.train_from_iterator(_training_text(), trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
-        raise ValueError(f"vocab_size: the training text yields only "
-                         f"{tokenizer.get_vocab_size()} tokens, not {vocab_size}")
+        raise ValueError(
+            f"vocab_size: the training text yields only {tokenizer.get_vocab_size()} tokens, not {vocab_size}"
+        )
     special_ids = [tokenizer.token_to_id(token) for token in SPECIAL_TOKENS]
     if special_ids != list(range(len(SPECIAL_TOKENS))):
         raise RuntimeError("the BPE trainer did not put the special tokens at ids 0..4")
@@ -491,8 +519,7 @@ def _tensor_plan(spec: TinyModelSpec) -> Iterator[tuple[str, tuple[int, ...], fl
     hidden, inter = spec.hidden_size, spec.intermediate_size
     q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     head_std = _LOGIT_STD / hidden**0.5  # the final norm leaves rms 1: logit std = _LOGIT_STD
-    yield "model.embed_tokens.weight", (spec.vocab_size, hidden), (
-        head_std if spec.tie_word_embeddings else 1.0)
+    yield "model.embed_tokens.weight", (spec.vocab_size, hidden), (head_std if spec.tie_word_embeddings else 1.0)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", (hidden,), _NORM_NOISE_STD
@@ -535,8 +562,11 @@ def _write_safetensors(f: Any, tensors: dict[str, np.ndarray], dtype: str) -> No
     offset = 0
     for name in sorted(tensors):
         blob = _to_dtype_bytes(tensors[name], dtype)
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(tensors[name].shape),
-                        "data_offsets": [offset, offset + len(blob)]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(tensors[name].shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
         blobs[name] = blob
         offset += len(blob)
     header_bytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()

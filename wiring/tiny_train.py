@@ -62,8 +62,9 @@ class TrainingRecipe:
         return self.lr * warmup * (0.1 + 0.9 * (1 - step / self.steps))
 
 
-def text_token_ids(model_dir: str | os.PathLike[str], recipe: TrainingRecipe = TrainingRecipe()
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def text_token_ids(
+    model_dir: str | os.PathLike[str], recipe: TrainingRecipe = TrainingRecipe()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(training ids, held-out ids): the tokenized training text, split at its end."""
     from tokenizers import Tokenizer
 
@@ -73,19 +74,24 @@ def text_token_ids(model_dir: str | os.PathLike[str], recipe: TrainingRecipe = T
     return ids[:split], ids[split:]
 
 
-def held_out_windows(model_dir: str | os.PathLike[str], count: int, length: int, *, seed: int = 0,
-                     recipe: TrainingRecipe = TrainingRecipe()) -> list[list[int]]:
+def held_out_windows(
+    model_dir: str | os.PathLike[str],
+    count: int,
+    length: int,
+    *,
+    seed: int = 0,
+    recipe: TrainingRecipe = TrainingRecipe(),
+) -> list[list[int]]:
     """`count` windows of `length` tokens from the held-out text, at seeded random offsets."""
     _, held_out = text_token_ids(model_dir, recipe)
     if len(held_out) <= length:
         raise ValueError(f"length: the held-out text has only {len(held_out)} tokens")
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(held_out) - length, (count,), generator=g).tolist()
-    return [held_out[s:s + length].tolist() for s in starts]
+    return [held_out[s : s + length].tolist() for s in starts]
 
 
-def train_tiny_model(model_dir: str | os.PathLike[str], recipe: TrainingRecipe = TrainingRecipe()
-                     ) -> dict[str, Any]:
+def train_tiny_model(model_dir: str | os.PathLike[str], recipe: TrainingRecipe = TrainingRecipe()) -> dict[str, Any]:
     """Replace the weights of the checkpoint in `model_dir` by a briefly trained model.
 
     Returns (and writes to `training.json`) the recipe, the mean training loss of the first and
@@ -98,13 +104,13 @@ def train_tiny_model(model_dir: str | os.PathLike[str], recipe: TrainingRecipe =
     model_dir = Path(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     if recipe.seq_len > config.max_position_embeddings:
-        raise ValueError(f"seq_len: {recipe.seq_len} exceeds the model's "
-                         f"max_position_embeddings {config.max_position_embeddings}")
+        raise ValueError(
+            f"seq_len: {recipe.seq_len} exceeds the model's max_position_embeddings {config.max_position_embeddings}"
+        )
     weights_file = model_dir / "model.safetensors"
     with safe_open(weights_file, "pt") as f:
         names = {name: f.get_slice(name).get_dtype() for name in f.keys()}
-    out_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[
-        next(iter(names.values()))]
+    out_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[next(iter(names.values()))]
 
     train_ids, held_ids = text_token_ids(model_dir, recipe)
     if len(train_ids) <= recipe.seq_len + 1:
@@ -119,7 +125,7 @@ def train_tiny_model(model_dir: str | os.PathLike[str], recipe: TrainingRecipe =
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr_at(step)
         starts = torch.randint(0, len(train_ids) - recipe.seq_len, (recipe.batch_size,), generator=g)
-        batch = torch.stack([train_ids[s:s + recipe.seq_len] for s in starts.tolist()])
+        batch = torch.stack([train_ids[s : s + recipe.seq_len] for s in starts.tolist()])
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -128,8 +134,7 @@ def train_tiny_model(model_dir: str | os.PathLike[str], recipe: TrainingRecipe =
         losses.append(loss.item())
 
     model.eval()
-    eval_windows = held_out_windows(model_dir, 16, min(recipe.seq_len, len(held_ids) - 1),
-                                    recipe=recipe)
+    eval_windows = held_out_windows(model_dir, 16, min(recipe.seq_len, len(held_ids) - 1), recipe=recipe)
     with torch.no_grad():
         batch = torch.tensor(eval_windows)
         held_out_loss = float(model(input_ids=batch, labels=batch).loss)

@@ -34,41 +34,63 @@ class WorkerConfig:
     num_stages: int = _setting(1, "stages in the pipeline", "int", group="parallelism")
     host: str = uses(shared.HOST)
     port: int = uses(shared.PORT)
-    next_address: str | None = _setting(None, "HOST:PORT of the next stage (not on the last)", name="next",
-                                         group="network")
+    next_address: str | None = _setting(
+        None, "HOST:PORT of the next stage (not on the last)", name="next", group="network"
+    )
     # last stage of several: the first stage's address, to stream sampled tokens to
     feedback_address: str | None = _setting(
-        None, "last stage of several: HOST:PORT of the first stage, which then gets each sampled token "
-              "straight from here, not through the scheduler", name="feedback", group="network")
+        None,
+        "last stage of several: HOST:PORT of the first stage, which then gets each sampled token "
+        "straight from here, not through the scheduler",
+        name="feedback",
+        group="network",
+    )
     # the KV pool: this many blocks (checked against a memory setting when one is given too),
     # or (None) sized from memory by one of the two settings after them (worker_svc.execution.memory),
     # or NUM_KV_BLOCKS when neither is given
     num_kv_blocks: int | None = uses(shared.NUM_KV_BLOCKS)
     block_size: int = uses(shared.BLOCK_SIZE)
-    gpu_memory_utilization: float | None = uses(shared.GPU_MEMORY_UTILIZATION)  # of the device's memory (system memory on the CPU)
+    gpu_memory_utilization: float | None = uses(
+        shared.GPU_MEMORY_UTILIZATION
+    )  # of the device's memory (system memory on the CPU)
     kv_cache_memory: int | None = uses(shared.KV_CACHE_MEMORY)  # bytes for the KV pool itself
     max_model_len: int | None = uses(shared.MAX_MODEL_LEN)  # the longest context (counted in the memory profile)
     speculative_config: str | None = uses(shared.SPECULATIVE_CONFIG)  # the last stage's draft model
     layer_partition: tuple[int, ...] | None = _setting(
-        None, "layers per stage, e.g. 3,5 (default: even split)", "int_list", group="parallelism")
-    dtype: str = _passed("auto", "the weights' dtype (auto: the checkpoint's; a float32 one as bfloat16 "
-                                 "on a CPU with AVX-512 BF16; a GGUF file's own types)", choices=DTYPES,
-                        group="model")
+        None, "layers per stage, e.g. 3,5 (default: even split)", "int_list", group="parallelism"
+    )
+    dtype: str = _passed(
+        "auto",
+        "the weights' dtype (auto: the checkpoint's; a float32 one as bfloat16 "
+        "on a CPU with AVX-512 BF16; a GGUF file's own types)",
+        choices=DTYPES,
+        group="model",
+    )
     device: str | None = uses(shared.DEVICE)
     num_threads: int | None = uses(shared.NUM_THREADS)
     max_num_batched_tokens: int = uses(shared.MAX_NUM_BATCHED_TOKENS)
     max_num_seqs: int = uses(shared.MAX_NUM_SEQS)
     # None: triton on CUDA, cpu (native decode kernel) on the CPU
     attention_backend: str | None = _passed(
-        None, "default: triton on CUDA, cpu (a native decode kernel; torch prefill) on the CPU; torch: "
-              "the reference", choices=ATTENTION_BACKENDS, group="device")
+        None,
+        "default: triton on CUDA, cpu (a native decode kernel; torch prefill) on the CPU; torch: the reference",
+        choices=ATTENTION_BACKENDS,
+        group="device",
+    )
     quantization: str | None = _passed(
-        None, "fp8: linear-layer weights in float8_e4m3fn; int8 (CPU): int8 weights; both with one scale "
-              "per output channel, quantized at load from any float checkpoint", choices=QUANTIZATION_METHODS,
-        group="model")
+        None,
+        "fp8: linear-layer weights in float8_e4m3fn; int8 (CPU): int8 weights; both with one scale "
+        "per output channel, quantized at load from any float checkpoint",
+        choices=QUANTIZATION_METHODS,
+        group="model",
+    )
     kv_cache_dtype: str = _passed(
-        "auto", "the KV pools' dtype: auto (the activations': float32 for GGUF and CPU bfloat16 stages), "
-                "float32, or bfloat16 (half the bytes; CPU kernels)", choices=KV_CACHE_DTYPES, group="cache")
+        "auto",
+        "the KV pools' dtype: auto (the activations': float32 for GGUF and CPU bfloat16 stages), "
+        "float32, or bfloat16 (half the bytes; CPU kernels)",
+        choices=KV_CACHE_DTYPES,
+        group="cache",
+    )
     # processes this stage runs on (worker_svc/execution/tensor_parallel.py): heads and MLP columns split
     tensor_parallel_size: int = uses(shared.TENSOR_PARALLEL_SIZE)
     enable_expert_parallel: bool = uses(shared.ENABLE_EXPERT_PARALLEL)
@@ -79,11 +101,14 @@ class WorkerConfig:
     max_lora_rank: int = uses(shared.MAX_LORA_RANK)
     # the data plane (worker_svc/execution/data_plane.py): how hidden states go to the next stage
     stage_channel: str = _passed(
-        "auto", "how hidden states go from stage to stage: shm (a shared-memory ring per stage pair, one "
-                "host: the message carries a reference), nccl (torch.distributed point-to-point: NCCL between "
-                "GPUs, gloo between CPU stages), grpc (in the message: across hosts), auto (nccl on GPUs, then "
-                "shm, where the next stage takes it, else grpc)", choices=("auto", "shm", "nccl", "grpc"),
-        group="network")
+        "auto",
+        "how hidden states go from stage to stage: shm (a shared-memory ring per stage pair, one "
+        "host: the message carries a reference), nccl (torch.distributed point-to-point: NCCL between "
+        "GPUs, gloo between CPU stages), grpc (in the message: across hosts), auto (nccl on GPUs, then "
+        "shm, where the next stage takes it, else grpc)",
+        choices=("auto", "shm", "nccl", "grpc"),
+        group="network",
+    )
 
     def __post_init__(self) -> None:
         self._check_pipeline()
@@ -99,8 +124,9 @@ class WorkerConfig:
         if modules and not self.enable_lora:
             raise ValueError("lora_modules: given without --enable-lora")
         if self.enable_lora and (self.max_loras < 1 or self.max_lora_rank < 1):
-            raise ValueError(f"max_loras and max_lora_rank: must be positive, got {self.max_loras}, "
-                             f"{self.max_lora_rank}")
+            raise ValueError(
+                f"max_loras and max_lora_rank: must be positive, got {self.max_loras}, {self.max_lora_rank}"
+            )
         if len(modules) > self.max_loras:
             raise ValueError(f"lora_modules: {len(modules)} adapters for max_loras {self.max_loras}")
         if self.enable_lora and self.tensor_parallel_size > 1:
@@ -137,16 +163,19 @@ class WorkerConfig:
     def _check_choices(self) -> None:
         """Settings that name one of a fixed set."""
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
-            raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                             f"got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.stage_channel not in ("auto", "shm", "nccl", "grpc"):
             raise ValueError(f"stage_channel: must be one of auto, shm, nccl, grpc, got {self.stage_channel!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
-            raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, "
-                             f"got {self.quantization!r}")
+            raise ValueError(
+                f"quantization: must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}"
+            )
 
     def _check_emulated(self) -> None:
         """An emulated device names a profile that loads, and takes only the settings that
@@ -155,11 +184,15 @@ class WorkerConfig:
         if spec is None:
             return
         if not spec:
-            raise ValueError(f"device: {EMULATED_PREFIX}PROFILE needs a profile (a shipped name or a JSON "
-                             "file), e.g. emulated:a100-80gb-llama2-70b-tp8")
+            raise ValueError(
+                f"device: {EMULATED_PREFIX}PROFILE needs a profile (a shipped name or a JSON "
+                "file), e.g. emulated:a100-80gb-llama2-70b-tp8"
+            )
         if self.gpu_memory_utilization is not None:
-            raise ValueError("gpu_memory_utilization: an emulated device has no memory to take a fraction "
-                             "of; size its pool with num_kv_blocks or kv_cache_memory")
+            raise ValueError(
+                "gpu_memory_utilization: an emulated device has no memory to take a fraction "
+                "of; size its pool with num_kv_blocks or kv_cache_memory"
+            )
         if self.quantization is not None:
             raise ValueError("quantization: an emulated device loads no weights to quantize")
         from services.device_profile import load_profile
@@ -246,7 +279,7 @@ def emulated_profile_spec(device: str | None) -> str | None:
     """`emulated:PROFILE` -> PROFILE; None for a real device (cpu, cuda, cuda:N, None)."""
     if device is None or not device.startswith(EMULATED_PREFIX):
         return None
-    return device[len(EMULATED_PREFIX):]
+    return device[len(EMULATED_PREFIX) :]
 
 
 # what `pagoda worker` takes: the config's settings, then where it reports

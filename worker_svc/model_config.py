@@ -159,34 +159,59 @@ class ModelConfig:
         t = tensor_parallel_size
         if t < 1:
             raise ValueError(f"tensor_parallel_size: must be positive, got {t}")
-        sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-                 "intermediate_size": self.intermediate_size}
+        sizes = {
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+        }
         if self.moe is not None:  # each expert's columns split like a dense MLP's, or whole experts
             sizes |= {"shared_expert_intermediate_size": self.moe.shared_intermediate_size}
-            sizes |= ({"num_experts": self.moe.num_experts} if expert_rank is not None
-                      else {"moe_intermediate_size": self.moe.intermediate_size})
+            sizes |= (
+                {"num_experts": self.moe.num_experts}
+                if expert_rank is not None
+                else {"moe_intermediate_size": self.moe.intermediate_size}
+            )
         bad = [f"{name}={n}" for name, n in sizes.items() if n % t]
         if bad:
-            fits = [d for d in range(1, self.num_kv_heads + 1)
-                    if all(n % d == 0 for n in sizes.values())]
+            fits = [d for d in range(1, self.num_kv_heads + 1) if all(n % d == 0 for n in sizes.values())]
             raise ValueError(
                 f"tensor_parallel_size: {t} does not divide {', '.join(bad)} of this model; "
-                f"sizes that divide its heads, KV heads and MLP: {', '.join(map(str, fits))}")
+                f"sizes that divide its heads, KV heads and MLP: {', '.join(map(str, fits))}"
+            )
         if t == 1:
             return self
         if self.moe is not None and expert_rank is not None:
-            moe = replace(self.moe, shared_intermediate_size=self.moe.shared_intermediate_size // t, ep_size=t,
-                          ep_rank=expert_rank)
+            moe = replace(
+                self.moe,
+                shared_intermediate_size=self.moe.shared_intermediate_size // t,
+                ep_size=t,
+                ep_rank=expert_rank,
+            )
         else:
-            moe = self.moe and replace(self.moe, intermediate_size=self.moe.intermediate_size // t,
-                                       shared_intermediate_size=self.moe.shared_intermediate_size // t)
-        return replace(self, num_heads=self.num_heads // t, num_kv_heads=self.num_kv_heads // t,
-                       intermediate_size=self.intermediate_size // t, moe=moe)
+            moe = self.moe and replace(
+                self.moe,
+                intermediate_size=self.moe.intermediate_size // t,
+                shared_intermediate_size=self.moe.shared_intermediate_size // t,
+            )
+        return replace(
+            self,
+            num_heads=self.num_heads // t,
+            num_kv_heads=self.num_kv_heads // t,
+            intermediate_size=self.intermediate_size // t,
+            moe=moe,
+        )
 
 
-def base_config(raw: dict[str, Any], source: str, architecture: str, model_type: str, *,
-                default_bias: bool = False, activations: tuple[str, ...] = ("silu", "swish"),
-                act_key: str = "hidden_act") -> ModelConfig:
+def base_config(
+    raw: dict[str, Any],
+    source: str,
+    architecture: str,
+    model_type: str,
+    *,
+    default_bias: bool = False,
+    activations: tuple[str, ...] = ("silu", "swish"),
+    act_key: str = "hidden_act",
+) -> ModelConfig:
     """The fields every decoder here has, read from `raw` (an architecture then sets its own)."""
 
     def need(key: str) -> Any:
@@ -200,16 +225,17 @@ def base_config(raw: dict[str, Any], source: str, architecture: str, model_type:
     head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
     if num_heads % num_kv_heads:
         raise CheckpointError(
-            f"{source}: num_attention_heads={num_heads} is not a multiple of "
-            f"num_key_value_heads={num_kv_heads}"
+            f"{source}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
         )
     act = raw.get(act_key) or activations[0]
     if act not in activations:
         raise CheckpointError(f"{source}: {act_key} {act!r} is not supported ({', '.join(activations)})")
     method = (raw.get("quantization_config") or {}).get("quant_method")
     if method is not None and method not in READ_QUANT_METHODS:
-        raise CheckpointError(f"{source}: quantization_config.quant_method {method!r} is not read; "
-                              f"checkpoints served: float weights or {', '.join(READ_QUANT_METHODS)}")
+        raise CheckpointError(
+            f"{source}: quantization_config.quant_method {method!r} is not read; "
+            f"checkpoints served: float weights or {', '.join(READ_QUANT_METHODS)}"
+        )
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
@@ -241,8 +267,10 @@ def layer_types(raw: dict[str, Any], source: str, num_layers: int) -> tuple[str,
     """`raw["layer_types"]`, checked: one of SLIDING or FULL per layer."""
     types = tuple(raw.get("layer_types") or ())
     if len(types) != num_layers or any(t not in (SLIDING, FULL) for t in types):
-        raise CheckpointError(f"{source}: layer_types must name {SLIDING!r} or {FULL!r} for each of "
-                              f"the {num_layers} layers, got {list(types)!r}")
+        raise CheckpointError(
+            f"{source}: layer_types must name {SLIDING!r} or {FULL!r} for each of "
+            f"the {num_layers} layers, got {list(types)!r}"
+        )
     return types
 
 
@@ -254,16 +282,13 @@ def parse_rope(raw: dict[str, Any], source: str, params: dict[str, Any] | None =
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
-            f"{source}: rope type {rope_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointError(f"{source}: partial_rotary_factor other than 1.0 is not supported")
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     max_pos = int(raw.get("max_position_embeddings", 4096))
-    orig = raw.get("original_max_position_embeddings") or params.get(
-        "original_max_position_embeddings"
-    )
+    orig = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
     factor = params.get("factor")
     if rope_type in ("yarn", "longrope") and factor is None:
         factor = max_pos / (orig or max_pos)

@@ -37,13 +37,7 @@ import grpc
 import torch
 
 from services import telemetry
-from services.grpc_utils import (
-    aio_channel,
-    create_aio_server,
-    drain_requests,
-    serve_until_signalled,
-    set_serving,
-)
+from services.grpc_utils import aio_channel, create_aio_server, drain_requests, serve_until_signalled, set_serving
 from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.settings import lora_modules
 from services.step import StepPlan
@@ -105,9 +99,17 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self._call = None
         # the data plane (worker_svc/execution/data_plane.py): hidden states to the next stage and from the previous
         hidden_size, device = runner.model.config.hidden_size, getattr(runner, "device", "cpu")
-        self.data_out = None if config.is_last else DataPlaneOut(
-            config.stage_channel, config.stage, stage_ring.slot_bytes_for(config.max_num_batched_tokens, hidden_size),
-            device=device, host=config.host)
+        self.data_out = (
+            None
+            if config.is_last
+            else DataPlaneOut(
+                config.stage_channel,
+                config.stage,
+                stage_ring.slot_bytes_for(config.max_num_batched_tokens, hidden_size),
+                device=device,
+                host=config.host,
+            )
+        )
         self.data_in = DataPlaneIn(config.stage_channel, device)
         # sampled-token feedback (the first stage receives it, the last stage sends it)
         self._fed: list[tuple[int, int, int]] = []  # (seq_id, position, token) not applied yet
@@ -188,16 +190,19 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         """The last stage's sampled tokens (first stage): applied between steps."""
         if not self.config.is_first or self.config.is_last:
             await drain_requests(request_iterator)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "only the first stage of several takes sampled-token feedback")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "only the first stage of several takes sampled-token feedback"
+            )
         self._feedback_streams += 1
         log.info("feedback stream from %s connected", context.peer())
         try:
             async for fb in request_iterator:
                 if len(fb.seq_ids) != len(fb.positions) or len(fb.seq_ids) != len(fb.token_ids):
                     await drain_requests(request_iterator)
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"feedback of step {fb.micro_batch_id}: columns of unequal length")
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"feedback of step {fb.micro_batch_id}: columns of unequal length",
+                    )
                 self._fed.extend(zip(fb.seq_ids, fb.positions, fb.token_ids, strict=True))
                 self._fed_event.set()
         finally:
@@ -237,8 +242,9 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 return grpc.StatusCode.ALREADY_EXISTS, f"lora_name: an adapter {name!r} is loaded already"
             try:
                 model = self.runner.model
-                bank.add(name, load_adapter(path, model.config, model.start, model.end, max_rank=bank.max_rank),
-                         load_id)
+                bank.add(
+                    name, load_adapter(path, model.config, model.start, model.end, max_rank=bank.max_rank), load_id
+                )
             except LoraBankFullError as exc:
                 return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
             except (ValueError, OSError) as exc:
@@ -256,9 +262,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         self._subscribers.add(queue)
         log.info("events subscriber %r connected", request.subscriber or context.peer())
         try:
-            yield worker_pb2.StageEvent(
-                stage_index=self.config.stage, epoch=self.epoch, ready=self.load_info()
-            )
+            yield worker_pb2.StageEvent(stage_index=self.config.stage, epoch=self.epoch, ready=self.load_info())
             while True:
                 yield await queue.get()
         finally:
@@ -266,8 +270,9 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
 
     async def OpenDataPlane(self, request, context):
         if self.config.is_first:
-            return worker_pb2.DataPlaneReply(channel=worker_pb2.DATA_CHANNEL_GRPC,
-                                             reason="the first stage takes no hidden states")
+            return worker_pb2.DataPlaneReply(
+                channel=worker_pb2.DATA_CHANNEL_GRPC, reason="the first stage takes no hidden states"
+            )
         return await self.data_in.accept(request)
 
     async def LoadInfo(self, request, context):
@@ -328,8 +333,10 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
     def _lora_adapters(self) -> list[worker_pb2.LoraAdapterInfo]:
         """The LoRA adapters this stage holds (none with LoRA off)."""
         bank = self.runner.lora if isinstance(self.runner, StageRunner) else None
-        return [worker_pb2.LoraAdapterInfo(lora_name=h.name, lora_path=h.folder, load_id=h.load_id)
-                for h in (bank.held if bank is not None else ())]
+        return [
+            worker_pb2.LoraAdapterInfo(lora_name=h.name, lora_path=h.folder, load_id=h.load_id)
+            for h in (bank.held if bank is not None else ())
+        ]
 
     def stats(self) -> worker_pb2.StageStats:
         uptime, out = time.time_ns() - self.started_ns, self.data_out
@@ -371,8 +378,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 work.hidden, work.release = self.data_in.hidden(mb)  # released (a ring's slot) after compute
             if mb.stage_index != cfg.stage:
                 raise InvalidPlanError(
-                    f"micro-batch {mb.micro_batch_id} is addressed to stage {mb.stage_index}, "
-                    f"this is stage {cfg.stage}"
+                    f"micro-batch {mb.micro_batch_id} is addressed to stage {mb.stage_index}, this is stage {cfg.stage}"
                 )
             try:
                 plan = plan_from_pb(mb)
@@ -501,15 +507,19 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                     if isinstance(fb, asyncio.Future):  # a stream before this one
                         continue
                     await call.write(fb)
-                log.warning("feedback stream to %s ended: %s", self.config.feedback_address,
-                            _describe(ended.exception()) if ended.exception() else "closed")
+                log.warning(
+                    "feedback stream to %s ended: %s",
+                    self.config.feedback_address,
+                    _describe(ended.exception()) if ended.exception() else "closed",
+                )
             except asyncio.CancelledError:
                 if call is not None:
                     call.cancel()
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure of the stream means the same
-                log.warning("feedback to the first stage at %s failed: %s", self.config.feedback_address,
-                            _describe(exc))
+                log.warning(
+                    "feedback to the first stage at %s failed: %s", self.config.feedback_address, _describe(exc)
+                )
             if call is not None:
                 call.cancel()
             await asyncio.sleep(0.2)
@@ -526,8 +536,11 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         try:
             self._feedback_queue.put_nowait(work.feedback)
         except asyncio.QueueFull:
-            log.error("feedback queue full: the first stage at %s is not reading; dropping step %d's tokens",
-                      self.config.feedback_address, work.mb.micro_batch_id)
+            log.error(
+                "feedback queue full: the first stage at %s is not reading; dropping step %d's tokens",
+                self.config.feedback_address,
+                work.mb.micro_batch_id,
+            )
 
     @staticmethod
     def _feedback_of(work: _Work) -> worker_pb2.SampledFeedback | None:
@@ -679,9 +692,15 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             if parent is None:
                 continue
             span = self._tracer.start_span(
-                f"stage{self.config.stage}.compute", context=parent, start_time=work.compute_start_ns,
-                attributes={"pagoda.stage": self.config.stage, "pagoda.micro_batch_id": mb_id,
-                            "pagoda.seq_id": row.seq_id, "pagoda.num_tokens": num_tokens},
+                f"stage{self.config.stage}.compute",
+                context=parent,
+                start_time=work.compute_start_ns,
+                attributes={
+                    "pagoda.stage": self.config.stage,
+                    "pagoda.micro_batch_id": mb_id,
+                    "pagoda.seq_id": row.seq_id,
+                    "pagoda.num_tokens": num_tokens,
+                },
             )
             span.end(end_time=work.compute_end_ns)
 
@@ -690,8 +709,12 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         uptime = time.time_ns() - self.started_ns
         return [
             ("pagoda:stage_busy_seconds", "Seconds this stage spent computing.", "counter", self.busy_ns / 1e9),
-            ("pagoda:stage_idle_seconds", "Seconds this stage was not computing.", "counter",
-             max(0, uptime - self.busy_ns) / 1e9),
+            (
+                "pagoda:stage_idle_seconds",
+                "Seconds this stage was not computing.",
+                "counter",
+                max(0, uptime - self.busy_ns) / 1e9,
+            ),
             ("pagoda:stage_micro_batches", "Micro-batches computed.", "counter", self.num_micro_batches),
             ("pagoda:stage_failed_micro_batches", "Micro-batches failed.", "counter", self.num_failed),
             ("pagoda:stage_tokens", "Tokens computed.", "counter", self.num_tokens),
@@ -699,12 +722,26 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             ("pagoda:stage_block_copies", "KV block copies applied.", "counter", self.num_block_copies),
             ("pagoda:stage_received_bytes", "Bytes received.", "counter", self.num_received_bytes),
             ("pagoda:stage_sent_bytes", "Bytes sent downstream.", "counter", self.num_sent_bytes),
-            ("pagoda:stage_ring_full_waits", "Hand-offs that waited for a free slot of the ring to the next "
-             "stage (back-pressure).", "counter", self.data_out.num_full_waits if self.data_out else 0),
-            ("pagoda:stage_data_channel_info", "How hidden states go to the next stage (issue 37): shm, nccl, gloo "
-             "or grpc.", "gauge", 1.0, {"channel": (self.data_out.channel or "none") if self.data_out else "last"}),
-            ("pagoda:device_info", "The device this stage runs on (emulated:PROFILE: an emulated one, "
-             "whose compute is a modelled wait).", "gauge", 1.0, {"device": self.runner.device_name}),
+            (
+                "pagoda:stage_ring_full_waits",
+                "Hand-offs that waited for a free slot of the ring to the next stage (back-pressure).",
+                "counter",
+                self.data_out.num_full_waits if self.data_out else 0,
+            ),
+            (
+                "pagoda:stage_data_channel_info",
+                "How hidden states go to the next stage (issue 37): shm, nccl, gloo or grpc.",
+                "gauge",
+                1.0,
+                {"channel": (self.data_out.channel or "none") if self.data_out else "last"},
+            ),
+            (
+                "pagoda:device_info",
+                "The device this stage runs on (emulated:PROFILE: an emulated one, whose compute is a modelled wait).",
+                "gauge",
+                1.0,
+                {"device": self.runner.device_name},
+            ),
         ]
 
     def _emit(self, event: worker_pb2.StageEvent) -> None:
@@ -726,8 +763,14 @@ def _shared_bytes(mb: worker_pb2.MicroBatch) -> int:
     return n
 
 
-_ITEMSIZE = {common_pb2.DTYPE_FLOAT32: 4, common_pb2.DTYPE_FLOAT16: 2, common_pb2.DTYPE_BFLOAT16: 2,
-             common_pb2.DTYPE_FLOAT8_E4M3FN: 1, common_pb2.DTYPE_INT64: 8, common_pb2.DTYPE_INT32: 4}
+_ITEMSIZE = {
+    common_pb2.DTYPE_FLOAT32: 4,
+    common_pb2.DTYPE_FLOAT16: 2,
+    common_pb2.DTYPE_BFLOAT16: 2,
+    common_pb2.DTYPE_FLOAT8_E4M3FN: 1,
+    common_pb2.DTYPE_INT64: 8,
+    common_pb2.DTYPE_INT32: 4,
+}
 
 
 def _describe(exc: BaseException) -> str:
@@ -774,14 +817,36 @@ def _load_runner(config: WorkerConfig):
     if group is not None:
         layout = group.share_layout(layout, model.kv_layout)
     num_blocks, sizing = stage_pool(config, model, backend, group, layout)
-    drafter = drafter_for(config.speculative_config, is_last=config.is_last, vocab_size=model.config.vocab_size,
-                          max_model_len=config.max_model_len or model.config.max_position_embeddings,
-                          num_blocks=num_blocks, block_size=config.block_size,
-                          dtype=next(model.parameters()).dtype, device=device, backend=backend)
-    lora = bank_for(model, enable=config.enable_lora, modules=lora_modules(config.lora_modules),
-                    max_loras=config.max_loras, max_rank=config.max_lora_rank)
-    runner = StageRunner(model, num_blocks, config.block_size, backend, kv_dtype=kv_pool_dtype(config, model),
-                         tp=group, step_threads=config.step_threads, drafter=drafter, lora=lora, layout=layout)
+    drafter = drafter_for(
+        config.speculative_config,
+        is_last=config.is_last,
+        vocab_size=model.config.vocab_size,
+        max_model_len=config.max_model_len or model.config.max_position_embeddings,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        dtype=next(model.parameters()).dtype,
+        device=device,
+        backend=backend,
+    )
+    lora = bank_for(
+        model,
+        enable=config.enable_lora,
+        modules=lora_modules(config.lora_modules),
+        max_loras=config.max_loras,
+        max_rank=config.max_lora_rank,
+    )
+    runner = StageRunner(
+        model,
+        num_blocks,
+        config.block_size,
+        backend,
+        kv_dtype=kv_pool_dtype(config, model),
+        tp=group,
+        step_threads=config.step_threads,
+        drafter=drafter,
+        lora=lora,
+        layout=layout,
+    )
     return runner, sizing, group
 
 
@@ -816,8 +881,17 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
         serve_metrics(metrics_port, config.host, service.metric_samples, {"stage": str(config.stage)})
     log.info(
         "stage %d/%d serving layers [%d, %d) on %s:%d, %s, epoch %d, %d threads, %d KV blocks of %d%s",
-        config.stage, config.num_stages, model.start, model.end, config.host, port, runner.device_name,
-        service.epoch, torch.get_num_threads(), runner.num_blocks, config.block_size,
+        config.stage,
+        config.num_stages,
+        model.start,
+        model.end,
+        config.host,
+        port,
+        runner.device_name,
+        service.epoch,
+        torch.get_num_threads(),
+        runner.num_blocks,
+        config.block_size,
         f", tensor parallel x{config.tensor_parallel_size}" if group is not None else "",
     )
     stop = asyncio.Event()

@@ -25,7 +25,19 @@ from gateway.parsers.tool_calls import (
 )
 
 __all__ = [
-    "REASONING_PARSERS", "TOOL_CALL_PARSERS", "ExtractedToolCalls", "GptOssReasoningParser", "ReasoningDelta",
-    "ReasoningParser", "ReasoningStream", "StreamDelta", "ThinkReasoningParser", "ToolCall", "ToolCallDelta",
-    "ToolCallStream", "ToolParser", "reasoning_parser", "tool_call_parser",
+    "REASONING_PARSERS",
+    "TOOL_CALL_PARSERS",
+    "ExtractedToolCalls",
+    "GptOssReasoningParser",
+    "ReasoningDelta",
+    "ReasoningParser",
+    "ReasoningStream",
+    "StreamDelta",
+    "ThinkReasoningParser",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallStream",
+    "ToolParser",
+    "reasoning_parser",
+    "tool_call_parser",
 ]

@@ -43,13 +43,7 @@ from itertools import pairwise
 from typing import NamedTuple
 
 from gateway.parsers.held import first_marker, held_suffix
-from gateway.parsers.tool_base import (
-    ExtractedToolCalls,
-    StreamDelta,
-    ToolCall,
-    ToolCallDelta,
-    ToolParser,
-)
+from gateway.parsers.tool_base import ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta, ToolParser
 
 START = "<|start|>"
 CHANNEL = "<|channel|>"
@@ -87,7 +81,7 @@ class HarmonyHeader:
         """The function a tool call calls; None when the message is no call."""
         if self.recipient is None or not self.recipient.startswith(FUNCTIONS):
             return None
-        return self.recipient[len(FUNCTIONS):] or None
+        return self.recipient[len(FUNCTIONS) :] or None
 
     @property
     def route(self) -> Route:

@@ -29,7 +29,7 @@ class HermesToolParser(ToolParser):
         body_end = len(text) if close < 0 else close
         body = text[body_start:body_end]
         found = object_members(body, 0)
-        if found is None or body[found[1]:].strip():
+        if found is None or body[found[1] :].strip():
             return None
         call = json_call(found[0])
         if call is None:

@@ -12,12 +12,7 @@ content; vLLM streams only replies that begin with the tag or `{`, as this does.
 
 from __future__ import annotations
 
-from gateway.parsers.tool_base import (
-    RawCall,
-    ToolParser,
-    json_call_at,
-    skip_blank,
-)
+from gateway.parsers.tool_base import RawCall, ToolParser, json_call_at, skip_blank
 
 PYTHON_TAG = "<|python_tag|>"
 

@@ -50,7 +50,7 @@ class MistralToolParser(ToolParser):
         decoded = decode_json(text, pos)
         if decoded is None or not isinstance(decoded[0], dict):
             return None
-        arguments = arguments_json(decoded[0], text[skip_blank(text, pos):decoded[1]])
+        arguments = arguments_json(decoded[0], text[skip_blank(text, pos) : decoded[1]])
         return None if arguments is None else ([(name.group(), arguments)], decoded[1])
 
 
@@ -60,7 +60,7 @@ def _json_calls(text: str, pos: int) -> tuple[list[RawCall], int] | None:
         return None
     value, end = decoded
     listed = array_texts(text, pos) if isinstance(value, list) else None
-    written = listed[0] if listed is not None else [text[skip_blank(text, pos):end]]
+    written = listed[0] if listed is not None else [text[skip_blank(text, pos) : end]]
     calls = [json_call(_members(entry)) for entry in written]
     if not calls or any(call is None for call in calls):
         return None

@@ -35,7 +35,7 @@ class PythonicToolParser(ToolParser):
     def parse_item(self, text: str, pos: int) -> tuple[list[RawCall], int] | None:
         body = _body(text[pos:]).rstrip()
         if body.endswith(PYTHON_END):
-            body = body[:-len(PYTHON_END)].rstrip()
+            body = body[: -len(PYTHON_END)].rstrip()
         if not _HEAD.match(body):
             return None
         calls = parse_call_list(body)
@@ -50,7 +50,7 @@ class PythonicToolParser(ToolParser):
 
 def _body(section: str) -> str:
     if section.startswith(PYTHON_START):
-        section = section[len(PYTHON_START):]
+        section = section[len(PYTHON_START) :]
     return section.lstrip()
 
 
@@ -95,8 +95,12 @@ def _literal(node: ast.expr) -> Any:
     """The value of a literal; _NotLiteral for anything else (a name, a call, an operation)."""
     if isinstance(node, ast.Constant) and _is_json_scalar(node.value):
         return node.value
-    if (isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd))
-            and isinstance(node.operand, ast.Constant) and _is_number(node.operand.value)):
+    if (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, (ast.USub, ast.UAdd))
+        and isinstance(node.operand, ast.Constant)
+        and _is_number(node.operand.value)
+    ):
         return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_literal(element) for element in node.elts]

@@ -72,7 +72,7 @@ class ThinkReasoningParser:
         """(reasoning, content) of a whole reply."""
         body = text.lstrip()
         if body.startswith(START):
-            body = body[len(START):]
+            body = body[len(START) :]
         elif self.start_required:
             return None, text or None
         else:
@@ -108,8 +108,10 @@ class GptOssReasoningParser:
     def extract(self, text: str) -> tuple[str | None, str | None]:
         stream = self.stream()
         first, last = stream.feed(text), stream.finish()
-        return ((first.reasoning or "") + (last.reasoning or "") or None,
-                (first.content or "") + (last.content or "") or None)
+        return (
+            (first.reasoning or "") + (last.reasoning or "") or None,
+            (first.content or "") + (last.content or "") or None,
+        )
 
     def stream(self) -> GptOssReasoningStream:
         return GptOssReasoningStream(self.tool_calls_follow)
@@ -165,8 +167,7 @@ def reasoning_parser(name: str, *, tool_calls_follow: bool = False) -> Reasoning
     try:
         return REASONING_PARSERS[name](tool_calls_follow=tool_calls_follow)
     except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r}; "
-                         f"known: {', '.join(sorted(REASONING_PARSERS))}") from None
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}") from None
 
 
 class _Phase(Enum):
@@ -194,7 +195,7 @@ class ReasoningStream:
                 self._held = text  # blank, or the start of `<think>`: wait
                 return NONE
             if body.startswith(START):
-                text = body[len(START):]
+                text = body[len(START) :]
             elif self._start_required:
                 self._phase = _Phase.CONTENT
                 return ReasoningDelta(None, text or None)
@@ -212,7 +213,7 @@ class ReasoningStream:
         end = text.find(END)
         if end >= 0:
             self._phase = _Phase.CONTENT
-            return ReasoningDelta(text[:end] or None, text[end + len(END):] or None)
+            return ReasoningDelta(text[:end] or None, text[end + len(END) :] or None)
         keep = held_suffix(text, (END,))
-        self._held = text[len(text) - keep:]
-        return ReasoningDelta(text[:len(text) - keep] or None, None)
+        self._held = text[len(text) - keep :]
+        return ReasoningDelta(text[: len(text) - keep] or None, None)

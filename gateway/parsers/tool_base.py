@@ -56,8 +56,7 @@ class ToolCall:
     arguments: str
 
     def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True)
@@ -236,8 +235,7 @@ class ToolParser:
     leading: ClassVar[str | None] = None  # begins the section as the reply's first non-blank
     default_new_id: ClassVar[Callable[[], str]] = staticmethod(new_tool_call_id)
 
-    def __init__(self, *, parallel_tool_calls: bool = True,
-                 new_id: Callable[[], str] | None = None) -> None:
+    def __init__(self, *, parallel_tool_calls: bool = True, new_id: Callable[[], str] | None = None) -> None:
         self.parallel_tool_calls = parallel_tool_calls
         self.new_id = new_id if new_id is not None else self.default_new_id
 
@@ -270,8 +268,7 @@ class ToolParser:
         if not self.parallel_tool_calls:
             calls = calls[:1]
         content = "".join(piece for piece in pieces if piece.strip())
-        return ExtractedToolCalls(content or None,
-                                  [ToolCall(self.new_id(), name, args) for name, args in calls])
+        return ExtractedToolCalls(content or None, [ToolCall(self.new_id(), name, args) for name, args in calls])
 
     def stream(self) -> ToolCallStream:
         """A streaming reader for one choice."""
@@ -335,9 +332,8 @@ class ToolCallStream:
             held, self._pending = self._pending, ""
             return self._send(held) if (self._num_sent or held.strip()) else NOTHING
         result = self._parser.extract("".join(self._deltas))
-        rest = (result.content or "")[self._num_sent:]
-        pieces = tuple(ToolCallDelta(i, call.id, call.name, call.arguments)
-                       for i, call in enumerate(result.calls))
+        rest = (result.content or "")[self._num_sent :]
+        pieces = tuple(ToolCallDelta(i, call.id, call.name, call.arguments) for i, call in enumerate(result.calls))
         return StreamDelta(rest or None, pieces)
 
     def _send(self, text: str) -> StreamDelta:
@@ -359,11 +355,11 @@ class ToolCallStream:
             sent = NOTHING if self._pending else self._send(before)
             return self._merge(sent, self._open_section(text[start:]))
         keep = held_suffix(text, self._parser.markers)
-        ready = text[:len(text) - keep]
+        ready = text[: len(text) - keep]
         if not started and not ready.strip():
             self._pending = text
             return NOTHING
-        self._pending = text[len(ready):]
+        self._pending = text[len(ready) :]
         return self._send(ready)
 
     def _section_start(self, text: str, started: bool) -> int | None:

@@ -36,19 +36,30 @@ TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {
 }
 
 __all__ = [
-    "TOOL_CALL_PARSERS", "ExtractedToolCalls", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser",
-    "MistralToolParser", "PythonicToolParser", "StreamDelta", "ToolCall", "ToolCallDelta",
-    "ToolCallStream", "ToolParser", "new_mistral_tool_call_id", "new_tool_call_id",
+    "TOOL_CALL_PARSERS",
+    "ExtractedToolCalls",
+    "HarmonyToolParser",
+    "HermesToolParser",
+    "Llama3JsonToolParser",
+    "MistralToolParser",
+    "PythonicToolParser",
+    "StreamDelta",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallStream",
+    "ToolParser",
+    "new_mistral_tool_call_id",
+    "new_tool_call_id",
     "tool_call_parser",
 ]
 
 
-def tool_call_parser(name: str, *, parallel_tool_calls: bool = True,
-                     new_id: Callable[[], str] | None = None) -> ToolParser:
+def tool_call_parser(
+    name: str, *, parallel_tool_calls: bool = True, new_id: Callable[[], str] | None = None
+) -> ToolParser:
     """The parser registered as `name`; ValueError naming the known ones otherwise."""
     try:
         parser = TOOL_CALL_PARSERS[name]
     except KeyError:
-        raise ValueError(f"unknown tool-call parser {name!r}; "
-                         f"known: {', '.join(sorted(TOOL_CALL_PARSERS))}") from None
+        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(TOOL_CALL_PARSERS))}") from None
     return parser(parallel_tool_calls=parallel_tool_calls, new_id=new_id)

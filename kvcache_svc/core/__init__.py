@@ -7,24 +7,9 @@
 from kvcache_svc.core.block_pool import BlockPool
 from kvcache_svc.core.manager import KVCacheManager
 from kvcache_svc.core.prefix_cache import ROOT_KEY, CachedBlock, PrefixCache, hash_block
-from services.kv_errors import (
-    IntegrityError,
-    InvalidStepError,
-    KVCacheError,
-    SequenceNotFound,
-)
+from services.kv_errors import IntegrityError, InvalidStepError, KVCacheError, SequenceNotFound
 from services.kv_stats import KVCacheStats, SequenceBlockStats
-from services.kv_types import (
-    Allocated,
-    Append,
-    BlockCopy,
-    Fork,
-    NewSequence,
-    NoBlocks,
-    StepInput,
-    StepOutput,
-    slots,
-)
+from services.kv_types import Allocated, Append, BlockCopy, Fork, NewSequence, NoBlocks, StepInput, StepOutput, slots
 
 __all__ = [
     "ROOT_KEY",

@@ -80,8 +80,9 @@ def kv_stats(
     }
     num_ahead = sum(len(seq.block_ids) - -(-seq.num_tokens // bs) for seq in seqs.values())
     num_empty_slots = sum(bs - fill for fill in partial_fill.values()) + num_ahead * bs * len(windows)
-    window_pages = {entry[s] for seq in seqs.values() for entry in seq.block_ids[seq.num_slid:]
-                    for s, _ in sliding_groups(windows)} - {NULL_PAGE}
+    window_pages = {
+        entry[s] for seq in seqs.values() for entry in seq.block_ids[seq.num_slid :] for s, _ in sliding_groups(windows)
+    } - {NULL_PAGE}
     largest = pool.largest_free_extent
     return KVCacheStats(
         num_blocks=pool.num_blocks,
@@ -118,8 +119,7 @@ def _check_entries(seq: SequenceState, windows: tuple[int, ...], block_size: int
     for j, entry in enumerate(seq.block_ids):
         if len(entry) != len(windows):
             raise IntegrityError(f"sequence {seq.seq_id}: entry {j} has {len(entry)} pages")
-        if any(p == NULL_PAGE and (s not in sliding or j * block_size >= seq.num_tokens)
-               for s, p in enumerate(entry)):
+        if any(p == NULL_PAGE and (s not in sliding or j * block_size >= seq.num_tokens) for s, p in enumerate(entry)):
             raise IntegrityError(f"sequence {seq.seq_id}: entry {j} lacks a page it needs")
     pages = [p for entry in seq.block_ids for p in entry if p != NULL_PAGE]
     if len(set(pages)) != len(pages):
@@ -128,26 +128,18 @@ def _check_entries(seq: SequenceState, windows: tuple[int, ...], block_size: int
 
 
 def _check_tables(
-    seqs: Mapping[int, SequenceState],
-    *,
-    block_size: int,
-    windows: tuple[int, ...],
-    enable_prefix_caching: bool,
+    seqs: Mapping[int, SequenceState], *, block_size: int, windows: tuple[int, ...], enable_prefix_caching: bool
 ) -> Counter[int]:
     """Each table fits its token count and its last answer; returns each page's holders."""
     bs = block_size
     holders: Counter[int] = Counter()
     for seq_id, seq in seqs.items():
         if not -(-seq.num_tokens // bs) <= len(seq.block_ids) <= -(-(seq.num_tokens + MAX_LOOKAHEAD_SLOTS) // bs):
-            raise IntegrityError(
-                f"sequence {seq_id}: {len(seq.block_ids)} blocks for {seq.num_tokens} tokens"
-            )
+            raise IntegrityError(f"sequence {seq_id}: {len(seq.block_ids)} blocks for {seq.num_tokens} tokens")
         pages = _check_entries(seq, windows, bs)
         if seq.num_answered is not None and seq.num_answered > len(seq.block_ids):
             raise IntegrityError(f"sequence {seq_id}: answered {seq.num_answered} of {len(seq.block_ids)} blocks")
-        if enable_prefix_caching and (
-            len(seq.partial_token_bytes) != (seq.num_tokens % bs) * TOKEN_BYTES
-        ):
+        if enable_prefix_caching and (len(seq.partial_token_bytes) != (seq.num_tokens % bs) * TOKEN_BYTES):
             raise IntegrityError(f"sequence {seq_id}: partial block tokens out of step")
         holders.update(pages)
     return holders
@@ -169,20 +161,16 @@ def check_integrity(
     holds every entry its last answer named."""
     pool.check_integrity()
     cache.check_integrity(pool.ref_count)
-    holders = _check_tables(seqs, block_size=block_size, windows=windows,
-                            enable_prefix_caching=enable_prefix_caching)
+    holders = _check_tables(seqs, block_size=block_size, windows=windows, enable_prefix_caching=enable_prefix_caching)
     num_used = 0
     for block_id in range(pool.num_blocks):
         ref = pool.ref_count(block_id)
         if ref != holders.get(block_id, 0):
-            raise IntegrityError(
-                f"block {block_id}: ref count {ref}, held by {holders.get(block_id, 0)}"
-            )
+            raise IntegrityError(f"block {block_id}: ref count {ref}, held by {holders.get(block_id, 0)}")
         states = (ref > 0) + pool.is_free(block_id) + cache.is_evictable(block_id)
         if states != 1:
             raise IntegrityError(
-                f"block {block_id}: ref {ref}, free {pool.is_free(block_id)}, "
-                f"evictable {cache.is_evictable(block_id)}"
+                f"block {block_id}: ref {ref}, free {pool.is_free(block_id)}, evictable {cache.is_evictable(block_id)}"
             )
         num_used += ref > 0
     total = num_used + pool.num_free_blocks + cache.num_evictable_blocks

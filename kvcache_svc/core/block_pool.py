@@ -10,6 +10,7 @@ from services.kv_errors import IntegrityError
 # KVCacheStats.block_map's values (kvcache.proto)
 BLOCK_FREE, BLOCK_USED, BLOCK_SHARED, BLOCK_PARKED = 0, 1, 2, 3
 
+
 class BlockPool:
     """`num_blocks` blocks with reference counts; free blocks kept as extents.
 
@@ -83,8 +84,16 @@ class BlockPool:
         """One byte per block: BLOCK_FREE, BLOCK_USED (one holder), BLOCK_SHARED (several),
         BLOCK_PARKED (no holder, not free: kept by the prefix cache, evictable)."""
         refs, in_extent = self._ref_counts, self._in_extent
-        return bytes(BLOCK_FREE if in_extent[b] else BLOCK_PARKED if refs[b] == 0
-                     else BLOCK_USED if refs[b] == 1 else BLOCK_SHARED for b in range(self._num_blocks))
+        return bytes(
+            BLOCK_FREE
+            if in_extent[b]
+            else BLOCK_PARKED
+            if refs[b] == 0
+            else BLOCK_USED
+            if refs[b] == 1
+            else BLOCK_SHARED
+            for b in range(self._num_blocks)
+        )
 
     # ---- allocation and references -------------------------------------------------------
 

@@ -21,11 +21,7 @@ def sliding_groups(windows: tuple[int, ...]) -> Sliding:
 
 
 def hit_entries(
-    cache: PrefixCache,
-    new: ValidNewSequence,
-    hits: list[PrefixHit],
-    windows: tuple[int, ...],
-    block_size: int,
+    cache: PrefixCache, new: ValidNewSequence, hits: list[PrefixHit], windows: tuple[int, ...], block_size: int
 ) -> list[tuple[int, ...]]:
     """The table entries of the longest prefix every sub-group can serve.
 
@@ -75,5 +71,9 @@ def sliding_out(seq: SequenceState, start: int, sliding: Sliding, block_size: in
     entries = seq.block_ids
     limits = [(s, first_needed_block(start, w, block_size)) for s, w in sliding]
     end = min(max(lo for _, lo in limits), len(entries))
-    return [(j, s, entries[j][s]) for j in range(seq.num_slid, end)
-            for s, lo in limits if j < lo and entries[j][s] != NULL_PAGE]
+    return [
+        (j, s, entries[j][s])
+        for j in range(seq.num_slid, end)
+        for s, lo in limits
+        if j < lo and entries[j][s] != NULL_PAGE
+    ]

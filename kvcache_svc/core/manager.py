@@ -22,14 +22,7 @@ from services.defaults import BLOCK_SIZE
 from services.kv_errors import SequenceNotFound
 from services.kv_layout import NULL_PAGE, first_needed_block
 from services.kv_stats import KVCacheStats, SequenceBlockStats
-from services.kv_types import (
-    Allocated,
-    BlockCopy,
-    Fork,
-    NoBlocks,
-    StepInput,
-    StepOutput,
-)
+from services.kv_types import Allocated, BlockCopy, Fork, NoBlocks, StepInput, StepOutput
 
 
 class _NumTokensView(Mapping[int, int]):
@@ -268,7 +261,7 @@ class KVCacheManager:
     def _allocate_entries(self, num_entries: int) -> list[tuple[int, ...]]:
         """`num_entries` table entries of fresh pages, one page per sub-group each."""
         pages, n = self._allocate(num_entries * self._num_groups), self._num_groups
-        return [tuple(pages[i:i + n]) for i in range(0, len(pages), n)]
+        return [tuple(pages[i : i + n]) for i in range(0, len(pages), n)]
 
     def _allocate(self, num_blocks: int) -> list[int]:
         """Free blocks best-fit first, then evicted ones (LRU); the caller checked supply."""
@@ -315,11 +308,7 @@ class KVCacheManager:
 
     def _complete(self, micro_batch: MicroBatchRecord) -> None:
         for seq, block_id, generation, entry in micro_batch.filled:
-            if (
-                seq.cacheable
-                and self._pool.ref_count(block_id) > 0
-                and self._pool.generation(block_id) == generation
-            ):
+            if seq.cacheable and self._pool.ref_count(block_id) > 0 and self._pool.generation(block_id) == generation:
                 self._cache.register(block_id, entry)
 
     def _append(self, append: ValidAppend, micro_batch: MicroBatchRecord) -> Allocated | NoBlocks:
@@ -330,8 +319,11 @@ class KVCacheManager:
         out = groups.sliding_out(seq, start, self._sliding, bs) if self._sliding else []
         # the partly filled block the tokens go into first (held ahead blocks are empty)
         partial = start // bs if start % bs and append.num_tokens else None
-        shared = () if partial is None else [
-            s for s, page in enumerate(seq.block_ids[partial]) if self._pool.ref_count(page) > 1]
+        shared = (
+            ()
+            if partial is None
+            else [s for s, page in enumerate(seq.block_ids[partial]) if self._pool.ref_count(page) > 1]
+        )
         room = start + append.num_tokens + append.num_lookahead_slots
         num_new_entries = max(0, -(-room // bs) - len(seq.block_ids))
         num_needed = num_new_entries * self._num_groups + len(shared)
@@ -347,8 +339,7 @@ class KVCacheManager:
             copies = self._copy_on_write(seq, partial, shared)
         self._write(seq, append.token_bytes, append.num_tokens, self._allocate_entries(num_new_entries), micro_batch)
         offset = seq.answer_offset()
-        return Allocated(append.seq_id, self._answer(seq.block_ids[offset:]), append.num_tokens, start, copies,
-                         offset)
+        return Allocated(append.seq_id, self._answer(seq.block_ids[offset:]), append.num_tokens, start, copies, offset)
 
     def _copy_on_write(self, seq: SequenceState, index: int, sub_groups: list[int]) -> tuple[BlockCopy, ...]:
         """Entry `index`'s shared pages of `sub_groups` get private copies before it is written."""
@@ -419,16 +410,12 @@ class KVCacheManager:
                     self._cache.park(page)
             copies = tuple(BlockCopy(a, b) for a, b in zip(src, dst, strict=True))
             seq.last_full_key = hits[num_shared - 1].key if num_shared else ROOT_KEY
-            seq.partial_token_bytes = new.token_bytes[
-                num_shared * bs * TOKEN_BYTES : num_computed * TOKEN_BYTES
-            ]
+            seq.partial_token_bytes = new.token_bytes[num_shared * bs * TOKEN_BYTES : num_computed * TOKEN_BYTES]
         elif hit_entries:
             seq.last_full_key = hits[num_shared - 1].key
         seq.num_tokens = num_computed
         self._seqs[new.seq_id] = seq
-        token_bytes = new.token_bytes[
-            num_computed * TOKEN_BYTES : (num_computed + num_new_tokens) * TOKEN_BYTES
-        ]
+        token_bytes = new.token_bytes[num_computed * TOKEN_BYTES : (num_computed + num_new_tokens) * TOKEN_BYTES]
         self._write(seq, token_bytes, num_new_tokens, new_entries, micro_batch)
 
         if self._enable_prefix_caching and not new.skip_prefix_cache:
@@ -468,9 +455,14 @@ class KVCacheManager:
                 key = self._cache.key_of(seq.last_full_key, seq.namespace, block_tokens)
                 for group, page in enumerate(blocks[first_index + j]):
                     if page != NULL_PAGE:
-                        micro_batch.filled.append((seq, page, self._pool.generation(page),
-                                                   CachedBlock(key, seq.last_full_key, seq.namespace, block_tokens,
-                                                               group)))
+                        micro_batch.filled.append(
+                            (
+                                seq,
+                                page,
+                                self._pool.generation(page),
+                                CachedBlock(key, seq.last_full_key, seq.namespace, block_tokens, group),
+                            )
+                        )
                 seq.last_full_key = key
             seq.partial_token_bytes = data[num_full * stride :]
 
@@ -487,8 +479,15 @@ class KVCacheManager:
         return tuple(audit.sequence_stats(seq, self._pool, self._windows) for seq in self._seqs.values())
 
     def stats(self) -> KVCacheStats:
-        return audit.kv_stats(self._pool, self._cache, self._seqs, self._counters, block_size=self._block_size,
-                              windows=self._windows, watermark_blocks=self._watermark_blocks)
+        return audit.kv_stats(
+            self._pool,
+            self._cache,
+            self._seqs,
+            self._counters,
+            block_size=self._block_size,
+            windows=self._windows,
+            watermark_blocks=self._watermark_blocks,
+        )
 
     def check_integrity(self) -> None:
         """Raise `IntegrityError` unless: each block's ref count equals the number of tables
@@ -496,5 +495,11 @@ class KVCacheManager:
         evictable (cached, ref 0, in the LRU) — so used + free + evictable == total; the
         extents and the prefix index are consistent; each table fits its token count and
         holds every entry its last answer named."""
-        audit.check_integrity(self._pool, self._cache, self._seqs, block_size=self._block_size,
-                              windows=self._windows, enable_prefix_caching=self._enable_prefix_caching)
+        audit.check_integrity(
+            self._pool,
+            self._cache,
+            self._seqs,
+            block_size=self._block_size,
+            windows=self._windows,
+            enable_prefix_caching=self._enable_prefix_caching,
+        )

@@ -8,13 +8,7 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from services.kv_errors import IntegrityError
-from services.prefix_hash import (  # noqa: F401 - the chain is shared with routers
-    ROOT_KEY,
-    TOKEN_BYTES,
-    hash_block,
-    pack_token_ids,
-    unpack_token_ids,
-)
+from services.prefix_hash import ROOT_KEY, TOKEN_BYTES, hash_block, pack_token_ids, unpack_token_ids  # noqa: F401 - the chain is shared with routers
 
 HashFn = Callable[[bytes, str | None, bytes], bytes]
 
@@ -44,11 +38,7 @@ class CachedBlock(NamedTuple):
     group: int = 0
 
     def matches(self, parent_key: bytes, namespace: str | None, token_bytes: bytes) -> bool:
-        return (
-            self.token_bytes == token_bytes
-            and self.parent_key == parent_key
-            and self.namespace == namespace
-        )
+        return self.token_bytes == token_bytes and self.parent_key == parent_key and self.namespace == namespace
 
 
 class PrefixHit(NamedTuple):
@@ -105,8 +95,7 @@ class PrefixCache:
             parent_key = key
         return hits
 
-    def find(self, key: bytes, group: int, parent_key: bytes, namespace: str | None,
-             token_bytes: bytes) -> int | None:
+    def find(self, key: bytes, group: int, parent_key: bytes, namespace: str | None, token_bytes: bytes) -> int | None:
         """Sub-group `group`'s cached page of the block keyed `key` (found by `lookup` in
         group 0), or None; a colliding entry is a miss."""
         block_id = self._block_by_key.get(_index_key(key, group))

@@ -59,9 +59,7 @@ def _check_unique(ids: Sequence[int], what: str) -> None:
 
 def _pack(token_ids: object, what: str, allow_empty: bool = False) -> tuple[bytes, int]:
     # any sequence of ints: lists, tuples, ranges, protobuf repeated fields, numpy arrays
-    if isinstance(token_ids, str | bytes | bytearray | memoryview | Mapping) or not hasattr(
-        token_ids, "__getitem__"
-    ):
+    if isinstance(token_ids, str | bytes | bytearray | memoryview | Mapping) or not hasattr(token_ids, "__getitem__"):
         raise InvalidStepError(f"{what}: token ids must be a sequence of ints")
     try:
         packed = array("q", token_ids)  # type: ignore[arg-type]
@@ -102,8 +100,9 @@ def validate_step(
     appends: list[ValidAppend] = []
     appended: set[int] = set()
     for append in step.appends:
-        valid_append = _validate_append(append, seq_num_tokens, child_lengths, appended, new_ids, freed,
-                                        max_tokens_per_sequence)
+        valid_append = _validate_append(
+            append, seq_num_tokens, child_lengths, appended, new_ids, freed, max_tokens_per_sequence
+        )
         appended.add(valid_append.seq_id)
         appends.append(valid_append)
     return ValidStep(
@@ -123,9 +122,7 @@ def _validate_micro_batches(
     """(failed, completed, new micro-batch id): the ones ending must be in flight, once each;
     the new one must not be (unless it ends in this step), and a step that writes tokens needs one."""
     failed = tuple(_check_id(m, "failed micro-batch id") for m in step.failed_micro_batch_ids)
-    completed = tuple(
-        _check_id(m, "completed micro-batch id") for m in step.completed_micro_batch_ids
-    )
+    completed = tuple(_check_id(m, "completed micro-batch id") for m in step.completed_micro_batch_ids)
     _check_unique(failed + completed, "micro-batch id in completed/failed")
     for m in failed + completed:
         if m not in in_flight:
@@ -174,7 +171,10 @@ def _validate_forks(
 
 
 def _validate_new_sequence(
-    new, seq_num_tokens: Mapping[int, int], child_lengths: Mapping[int, int], new_ids: Collection[int],
+    new,
+    seq_num_tokens: Mapping[int, int],
+    child_lengths: Mapping[int, int],
+    new_ids: Collection[int],
     max_tokens_per_sequence: int,
 ) -> ValidNewSequence:
     """One new sequence: an id no live, forked or earlier new sequence has, and a prompt the
@@ -185,15 +185,12 @@ def _validate_new_sequence(
     token_bytes, num_tokens = _pack(new.token_ids, f"new sequence {seq_id}")
     if num_tokens > max_tokens_per_sequence:
         raise InvalidStepError(
-            f"new sequence {seq_id}: {num_tokens} tokens exceed the pool's "
-            f"{max_tokens_per_sequence}"
+            f"new sequence {seq_id}: {num_tokens} tokens exceed the pool's {max_tokens_per_sequence}"
         )
     if new.namespace is not None and not isinstance(new.namespace, str):
         raise InvalidStepError(f"new sequence {seq_id}: namespace must be a string")
     max_new = new.max_num_new_tokens
-    if max_new is not None and (
-        isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1
-    ):
+    if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1):
         raise InvalidStepError(f"new sequence {seq_id}: max_num_new_tokens must be >= 1")
     if not isinstance(new.skip_prefix_cache, bool):
         raise InvalidStepError(f"new sequence {seq_id}: skip_prefix_cache must be a bool")
@@ -201,8 +198,13 @@ def _validate_new_sequence(
 
 
 def _validate_append(
-    append, seq_num_tokens: Mapping[int, int], child_lengths: Mapping[int, int], appended: Collection[int],
-    new_ids: Collection[int], freed: Collection[int], max_tokens_per_sequence: int,
+    append,
+    seq_num_tokens: Mapping[int, int],
+    child_lengths: Mapping[int, int],
+    appended: Collection[int],
+    new_ids: Collection[int],
+    freed: Collection[int],
+    max_tokens_per_sequence: int,
 ) -> ValidAppend:
     """One append: to a live or forked sequence, once, not new or freed in this step, within
     the lookahead limit and the pool's length."""
@@ -218,12 +220,10 @@ def _validate_append(
         raise SequenceNotFound(seq_id, "cannot append to it")
     lookahead = append.num_lookahead_slots
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 0 <= lookahead <= MAX_LOOKAHEAD_SLOTS:
-        raise InvalidStepError(
-            f"append to {seq_id}: num_lookahead_slots must be in [0, {MAX_LOOKAHEAD_SLOTS}]")
+        raise InvalidStepError(f"append to {seq_id}: num_lookahead_slots must be in [0, {MAX_LOOKAHEAD_SLOTS}]")
     token_bytes, num_tokens = _pack(append.token_ids, f"append to {seq_id}", allow_empty=lookahead > 0)
     if length + num_tokens + lookahead > max_tokens_per_sequence:
         raise InvalidStepError(
-            f"sequence {seq_id}: {length + num_tokens + lookahead} tokens exceed the pool's "
-            f"{max_tokens_per_sequence}"
+            f"sequence {seq_id}: {length + num_tokens + lookahead} tokens exceed the pool's {max_tokens_per_sequence}"
         )
     return ValidAppend(seq_id, token_bytes, num_tokens, lookahead)

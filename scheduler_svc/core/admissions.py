@@ -32,8 +32,7 @@ Allocations = dict[int, tuple[Sequence, Allocated]]
 AdmissionChunk = tuple[Sequence | None, list[int], int]
 
 
-def propose_readmissions(draft: ProposalDraft, running: list[Request], flight: InFlight,
-                         namespace: str | None) -> None:
+def propose_readmissions(draft: ProposalDraft, running: list[Request], flight: InFlight, namespace: str | None) -> None:
     """Running sequences that lost their KV (a partly re-admitted request): a recompute,
     chunked whatever the setting."""
     for request in running:
@@ -47,14 +46,27 @@ def propose_readmissions(draft: ProposalDraft, running: list[Request], flight: I
             if n <= 0:
                 continue
             new_seq_id = draft.take_seq_id()
-            draft.new_sequences.append(NewSequence(new_seq_id, tokens, request_namespace(namespace, seq.request), n,
-                                                   skips_prefix_cache(seq.request, seq.index)))
+            draft.new_sequences.append(
+                NewSequence(
+                    new_seq_id,
+                    tokens,
+                    request_namespace(namespace, seq.request),
+                    n,
+                    skips_prefix_cache(seq.request, seq.index),
+                )
+            )
             draft.readmissions.append(Readmission(seq, new_seq_id))
             draft.spend(n, 1)
 
 
-def propose_admissions(draft: ProposalDraft, queue: WaitingQueue, running: list[Request], max_num_seqs: int,
-                       chunked: bool, namespace: str | None) -> None:
+def propose_admissions(
+    draft: ProposalDraft,
+    queue: WaitingQueue,
+    running: list[Request],
+    max_num_seqs: int,
+    chunked: bool,
+    namespace: str | None,
+) -> None:
     """Waiting requests, in the queue's order, while the budgets allow; the first that does
     not fit stops the rest (no overtaking). `chunked`: a prompt over the budget comes in
     chunks (else it waits for a micro-batch it fits whole)."""
@@ -68,8 +80,7 @@ def propose_admissions(draft: ProposalDraft, queue: WaitingQueue, running: list[
         if seqs == []:
             continue  # every choice ended while it waited (finish_choice takes it out)
         count = len(seqs) if seqs is not None else forks.first_admission(request)[1]
-        if (num_reserved + forks.reserved(request) > max_num_seqs
-                or draft.num_seqs + count > max(draft.seq_cap, count)):
+        if num_reserved + forks.reserved(request) > max_num_seqs or draft.num_seqs + count > max(draft.seq_cap, count):
             return
         chunks = _admission_chunks(request, seqs, count, draft.budget, chunked)
         # a request's choices may come back a few at a time (the rest re-admit as budget
@@ -87,8 +98,9 @@ def propose_admissions(draft: ProposalDraft, queue: WaitingQueue, running: list[
         num_reserved += forks.reserved(request)
 
 
-def _admission_chunks(request: Request, seqs: list[Sequence] | None, count: int, budget: int,
-                      chunked: bool) -> list[AdmissionChunk]:
+def _admission_chunks(
+    request: Request, seqs: list[Sequence] | None, count: int, budget: int, chunked: bool
+) -> list[AdmissionChunk]:
     """The choices of one admission that fit the budget, in order."""
     chunks: list[AdmissionChunk] = []
     cost = 0
@@ -113,8 +125,9 @@ def _admission_chunks(request: Request, seqs: list[Sequence] | None, count: int,
     return chunks
 
 
-def apply_readmissions(proposal: Proposal, output: StepOutput, requests: RunningSet, flight: InFlight,
-                       scheduled: Allocations) -> None:
+def apply_readmissions(
+    proposal: Proposal, output: StepOutput, requests: RunningSet, flight: InFlight, scheduled: Allocations
+) -> None:
     """A re-admitted sequence that got blocks takes its new id (into `scheduled`); one that
     ended meanwhile gives them back."""
     for readmission in proposal.readmissions:
@@ -128,8 +141,9 @@ def apply_readmissions(proposal: Proposal, output: StepOutput, requests: Running
             scheduled[seq.seq_id] = (seq, result)
 
 
-def apply_admissions(proposal: Proposal, output: StepOutput, requests: RunningSet, flight: InFlight,
-                     scheduled: Allocations, now: float) -> None:
+def apply_admissions(
+    proposal: Proposal, output: StepOutput, requests: RunningSet, flight: InFlight, scheduled: Allocations, now: float
+) -> None:
     """A request is admitted when any of its choices got blocks (into `scheduled`); after one
     that got none, the later ones give theirs back (they must not overtake it)."""
     blocked = False
@@ -139,8 +153,9 @@ def apply_admissions(proposal: Proposal, output: StepOutput, requests: RunningSe
         gone = request not in requests.queue  # aborted (or its choices stopped) meanwhile
         if gone or blocked or not any(isinstance(r, Allocated) for r in results):
             blocked = blocked or not gone
-            flight.free_at_kv(a.seq_id for a, r in zip(admission.seqs, results, strict=True)
-                              if isinstance(r, Allocated))
+            flight.free_at_kv(
+                a.seq_id for a, r in zip(admission.seqs, results, strict=True) if isinstance(r, Allocated)
+            )
             continue
         requests.admit(request, now)
         for a, r in zip(admission.seqs, results, strict=True):

@@ -59,8 +59,11 @@ def is_due(request: Request, flight: InFlight) -> bool:
         return False
     parent = request.sequences[0] if request.sequences else None
     return not (
-        parent is None or not parent.has_kv or flight.is_busy(parent.seq_id)
-        or parent.num_computed != len(request.prompt) - 1 or len(request.prompt) == 1
+        parent is None
+        or not parent.has_kv
+        or flight.is_busy(parent.seq_id)
+        or parent.num_computed != len(request.prompt) - 1
+        or len(request.prompt) == 1
     )
 
 

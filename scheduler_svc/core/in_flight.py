@@ -99,8 +99,7 @@ class InFlight:
             return None
         return record
 
-    def record(self, seq: Sequence, start: int, num_tokens: int, sample: bool,
-               num_drafts: int = 0) -> ScheduledSeq:
+    def record(self, seq: Sequence, start: int, num_tokens: int, sample: bool, num_drafts: int = 0) -> ScheduledSeq:
         """One sequence's share of the micro-batch being built (dispatched next)."""
         record = ScheduledSeq(seq, seq.seq_id, start, num_tokens, sample, num_drafts)
         self.busy[seq.seq_id] = self.busy.get(seq.seq_id, 0) + 1
@@ -182,8 +181,9 @@ class InFlight:
         """Completed steps the KV service may hear of now: not one whose unwritten sequences
         are still to be freed."""
         frees = set(self.pending_frees)
-        return tuple(m for m in self.pending_completed
-                     if not (self.completion_guard.get(m) and self.completion_guard[m] & frees))
+        return tuple(
+            m for m in self.pending_completed if not (self.completion_guard.get(m) and self.completion_guard[m] & frees)
+        )
 
     def settle(self, step: StepInput) -> None:
         """The frees, completions and failures the KV service applied are no longer pending."""
@@ -225,8 +225,7 @@ class InFlight:
         assert not set(ended) & self.micro_batches.keys(), (ended, sorted(self.micro_batches))
 
 
-def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_size: int,
-                  lookahead: int = 1) -> None:
+def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_size: int, lookahead: int = 1) -> None:
     """How far the scheduler may run ahead of the KV service (deferred decodes and lookahead
     slots, docs/step-protocol.md "KV bookkeeping"), checked for one live sequence between plans.
 
@@ -251,6 +250,14 @@ def check_kv_lead(seq: Sequence, scheduled_end: int, held: int | None, block_siz
     where = f"sequence {seq.seq_id}: kv_len {kv_len}, scheduled to {scheduled_end}, {num_blocks} blocks"
     assert kv_len <= scheduled_end <= num_blocks * block_size, where
     assert -(-kv_len // block_size) <= num_blocks <= -(-(kv_len + lookahead) // block_size), where
-    assert held is None or (held == num_blocks and unsent is None) or (
-        held == num_blocks - 1 and kv_len == held * block_size and unsent is not None
-        and unsent[0] == held and len(unsent[1]) == 1), (where, held, unsent)
+    assert (
+        held is None
+        or (held == num_blocks and unsent is None)
+        or (
+            held == num_blocks - 1
+            and kv_len == held * block_size
+            and unsent is not None
+            and unsent[0] == held
+            and len(unsent[1]) == 1
+        )
+    ), (where, held, unsent)

@@ -30,8 +30,15 @@ class PlaceholderPolicy:
     first its sampled tokens (without it, the first would need the token in the plan: no
     placeholder steps at several stages). Reads the steps in flight; changes only `feedback`."""
 
-    def __init__(self, enabled: bool, pipeline_parallel_size: int, block_size: int, max_model_len: int,
-                 flight: InFlight, speculation: SpeculationPolicy) -> None:
+    def __init__(
+        self,
+        enabled: bool,
+        pipeline_parallel_size: int,
+        block_size: int,
+        max_model_len: int,
+        flight: InFlight,
+        speculation: SpeculationPolicy,
+    ) -> None:
         self.enabled = enabled
         self.pipeline_parallel_size = pipeline_parallel_size
         self.block_size = block_size
@@ -65,10 +72,14 @@ class PlaceholderPolicy:
         if record is None or not record.sample or seq.is_finished or not seq.has_kv:
             return False
         pos = record.context_len
-        return (pos == seq.num_tokens and pos <= seq.num_blocks * self.block_size
-                and len(seq.output) + 1 < seq.request.options.max_tokens
-                and pos + 1 < self.max_model_len and forks.target(seq) == seq.num_tokens
-                and not self._speculation.waits_for_drafts(seq, running))
+        return (
+            pos == seq.num_tokens
+            and pos <= seq.num_blocks * self.block_size
+            and len(seq.output) + 1 < seq.request.options.max_tokens
+            and pos + 1 < self.max_model_len
+            and forks.target(seq) == seq.num_tokens
+            and not self._speculation.waits_for_drafts(seq, running)
+        )
 
     def propose(self, draft: ProposalDraft, running: list[Request]) -> None:
         """Decodes of sequences whose one step in flight samples the token this one computes.
@@ -93,8 +104,7 @@ class PlaceholderPolicy:
             if grows:
                 # its token starts a block: the KV service allocates it now, ahead of the
                 # token (told later, with the tokens it was not told yet)
-                draft.appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, seq.num_tokens),
-                                            num_lookahead_slots=1))
+                draft.appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, seq.num_tokens), num_lookahead_slots=1))
             draft.placeholders.append(Placeholder(seq, seq.num_tokens, grows))
             draft.spend(1, 1)
 
@@ -114,7 +124,11 @@ class PlaceholderPolicy:
         its step before is still in flight, and its table has the slot (no block: later)."""
         limit = self.block_size
         flight = self._flight
-        return [(p.seq, p.position) for p in proposal.placeholders
-                if p.seq.has_kv and not p.seq.is_finished and flight.num_steps(p.seq.seq_id) == 1
-                and p.position < p.seq.num_blocks * limit]
-
+        return [
+            (p.seq, p.position)
+            for p in proposal.placeholders
+            if p.seq.has_kv
+            and not p.seq.is_finished
+            and flight.num_steps(p.seq.seq_id) == 1
+            and p.position < p.seq.num_blocks * limit
+        ]

@@ -94,12 +94,22 @@ class Planner:
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
         self._speculation = SpeculationPolicy(
-            config.num_speculative_tokens, config.speculative_method, config.prompt_lookup_min,
-            config.prompt_lookup_max, config.speculative_max_batch, config.max_model_len)
+            config.num_speculative_tokens,
+            config.speculative_method,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            config.speculative_max_batch,
+            config.max_model_len,
+        )
         self.spec = self._speculation.stats  # speculative decoding's counters, as verify steps come back
-        self._placeholders = PlaceholderPolicy(config.async_decode, config.pipeline_parallel_size,
-                                               config.block_size, config.max_model_len, self._flight,
-                                               self._speculation)
+        self._placeholders = PlaceholderPolicy(
+            config.async_decode,
+            config.pipeline_parallel_size,
+            config.block_size,
+            config.max_model_len,
+            self._flight,
+            self._speculation,
+        )
         # tokens a micro-batch may hold now: the budget, or less after a step was late
         # (core/deadlines.py); under the budget, prompts are chunked whatever the setting
         self.step_token_cap = config.max_num_batched_tokens
@@ -182,14 +192,14 @@ class Planner:
         admissions.propose_readmissions(draft, self.running, self._flight, namespace)
         # a prompt is chunked whatever the setting under a cap that a late step set
         chunked = self.config.enable_chunked_prefill or self.step_token_cap < self.config.max_num_batched_tokens
-        admissions.propose_admissions(draft, self.queue, self.running, self.config.max_num_seqs, chunked,
-                                      namespace)
+        admissions.propose_admissions(draft, self.queue, self.running, self.config.max_num_seqs, chunked, namespace)
         if placeholders.last:
             placeholders.propose(draft, self.running)
         mb_id = self._next_mb_id if draft.has_tokens else None
         flight = self._flight
-        if not (draft.appends or draft.new_sequences or draft.kv_forks or flight.pending_frees
-                or flight.pending_failed) and (draft.has_tokens or not self.has_pending_kv_work):
+        if not (
+            draft.appends or draft.new_sequences or draft.kv_forks or flight.pending_frees or flight.pending_failed
+        ) and (draft.has_tokens or not self.has_pending_kv_work):
             # decodes inside their blocks only: completions wait for the next call that is needed
             return draft.proposal(StepInput(), mb_id, skips_kv=True)
         step_input = StepInput(
@@ -212,8 +222,7 @@ class Planner:
             for seq in request.sequences:
                 if draft.is_full:
                     return
-                if (seq.is_finished or not seq.has_kv or self._flight.is_busy(seq.seq_id)
-                        or seq.is_prefill != prefill):
+                if seq.is_finished or not seq.has_kv or self._flight.is_busy(seq.seq_id) or seq.is_prefill != prefill:
                     continue
                 target = forks.target(seq)
                 remaining = target - seq.num_computed
@@ -221,7 +230,11 @@ class Planner:
                     continue
                 n = min(remaining, draft.budget)
                 start = seq.num_computed
-                drafts = self._speculation.drafts(seq, draft.budget - 1, self.running) if remaining == 1 and not prefill else ()
+                drafts = (
+                    self._speculation.drafts(seq, draft.budget - 1, self.running)
+                    if remaining == 1 and not prefill
+                    else ()
+                )
                 # its blocks hold the step's positions (a verify step's drafts included) and
                 # nothing past them: no KV round trip (never for a parent about to fork: its
                 # children copy what the KV service knows of it)
@@ -230,8 +243,9 @@ class Planner:
                 if not deferred:  # the KV service catches up on every token it was not told yet
                     # (a verify step's drafts get slots held ahead; blocks held for rejected ones
                     # come back with the sequence's next call, which holds only what it needs)
-                    draft.appends.append(Append(seq.seq_id, seq.tokens(seq.kv_len, start + n),
-                                                num_lookahead_slots=len(drafts)))
+                    draft.appends.append(
+                        Append(seq.seq_id, seq.tokens(seq.kv_len, start + n), num_lookahead_slots=len(drafts))
+                    )
                 draft.chunks.append(Chunk(seq, start, n + len(drafts), deferred, drafts))
                 draft.spend(n + len(drafts), 1)
 
@@ -277,8 +291,9 @@ class Planner:
     # it allocated for them is given back (the completion guard keeps the step's completion
     # behind those frees), and they are not scheduled.
 
-    def _apply_allocations(self, proposal: Proposal, output: StepOutput,
-                           now: float) -> tuple[Allocations, list[Sequence]]:
+    def _apply_allocations(
+        self, proposal: Proposal, output: StepOutput, now: float
+    ) -> tuple[Allocations, list[Sequence]]:
         """Returns the allocated sequences (seq_id -> sequence and its slots) and those of the
         running sequences that got no block."""
         scheduled: Allocations = {}
@@ -317,11 +332,15 @@ class Planner:
 
     # --- finalize, phase 3: the plan -----------------------------------------------------
 
-    def _build_micro_batch(self, mb_id: int, proposal: Proposal, output: StepOutput, scheduled: Allocations,
-                           now: float) -> MicroBatch | None:
+    def _build_micro_batch(
+        self, mb_id: int, proposal: Proposal, output: StepOutput, scheduled: Allocations, now: float
+    ) -> MicroBatch | None:
         placeholders = self._placeholders.steps(proposal)
-        discarded = {k for k, r in output.results.items() if isinstance(r, Allocated)} - {
-            seq.seq_id for seq, _ in scheduled.values()} - {seq.seq_id for seq, _ in placeholders}
+        discarded = (
+            {k for k, r in output.results.items() if isinstance(r, Allocated)}
+            - {seq.seq_id for seq, _ in scheduled.values()}
+            - {seq.seq_id for seq, _ in placeholders}
+        )
         self._flight.guard(mb_id, discarded)
         # (sequence, start, num_tokens, samples), in planning order: placeholder decodes, the
         # running sequences' decodes and chunks, then forks, re-admissions and admissions
@@ -337,7 +356,10 @@ class Planner:
         plan = StepPlan(mb_id, tuple(new_seqs), tuple(cached_seqs), released, tuple(output.copies), release_all)
         mb = self._flight.dispatch(plan, records)
         self._requests.trace(
-            "micro_batch", None, micro_batch_id=mb_id, num_tokens=mb.num_tokens,
+            "micro_batch",
+            None,
+            micro_batch_id=mb_id,
+            num_tokens=mb.num_tokens,
             seqs=[[s.seq_id, s.start, s.num_tokens] for s in records],
         )
         return mb
@@ -346,8 +368,7 @@ class Planner:
         """The running sequences' chunks still live, then the new sequences that got slots;
         each allocated one takes the block table and KV length the KV service gave it."""
         planned = {c.seq.seq_id: c for c in proposal.chunks}
-        deferred = {c.seq.seq_id: c for c in proposal.chunks
-                    if c.deferred and c.seq.has_kv and not c.seq.is_finished}
+        deferred = {c.seq.seq_id: c for c in proposal.chunks if c.deferred and c.seq.has_kv and not c.seq.is_finished}
         order = [i for i in planned if i in deferred or i in scheduled]
         order += [i for i in scheduled if i not in planned]
         steps: list[SeqStep] = []
@@ -360,8 +381,11 @@ class Planner:
                 seq, result = scheduled[seq_id]
                 # a sequence's own plan, or the KV service's for a new one (its prefix-cache hit)
                 chunk = planned.get(seq_id)
-                start, n = ((chunk.start, chunk.num_tokens) if chunk is not None
-                            else (result.num_computed_tokens, result.num_new_tokens))
+                start, n = (
+                    (chunk.start, chunk.num_tokens)
+                    if chunk is not None
+                    else (result.num_computed_tokens, result.num_new_tokens)
+                )
                 seq.kv_len = result.num_computed_tokens + result.num_new_tokens
                 seq.num_computed = start  # a prefix hit: these tokens are already there
                 seq.take_answer(result.block_offset, result.block_ids)
@@ -372,8 +396,9 @@ class Planner:
             steps.append((seq, start, n, samples, drafts))
         return steps
 
-    def _record_steps(self, steps: list[SeqStep], now: float,
-                      ) -> tuple[list[ScheduledSeq], list[NewSeq], list[CachedSeq]]:
+    def _record_steps(
+        self, steps: list[SeqStep], now: float
+    ) -> tuple[list[ScheduledSeq], list[NewSeq], list[CachedSeq]]:
         """Each step as the stages get it (whole, or what changed since the state they hold)
         and as the planner records it in flight."""
         records: list[ScheduledSeq] = []
@@ -392,10 +417,15 @@ class Planner:
 
     # --- results in ----------------------------------------------------------------------
 
-    def on_result(self, mb_id: int, sampled: Iterable[SampledToken], now: float = 0.0,
-                  prompt_logprobs: Iterable[ScoredPrompt] = (),
-                  pooled: Iterable[PooledOutput] = (),
-                  proposals: Iterable[tuple[int, tuple[int, ...]]] = ()) -> list[SeqUpdate]:
+    def on_result(
+        self,
+        mb_id: int,
+        sampled: Iterable[SampledToken],
+        now: float = 0.0,
+        prompt_logprobs: Iterable[ScoredPrompt] = (),
+        pooled: Iterable[PooledOutput] = (),
+        proposals: Iterable[tuple[int, tuple[int, ...]]] = (),
+    ) -> list[SeqUpdate]:
         """A micro-batch came back: computed tokens advance, sampled tokens append, finishes;
         scored prompt positions extend their request's prompt logprobs; a pooling request
         whose prompt is computed finishes with its vector; a draft model's proposals wait
@@ -510,6 +540,10 @@ class Planner:
                 if seq.has_kv and not seq.is_finished and seq.num_blocks:
                     record = self._flight.last_record.get(seq.seq_id)
                     end = record.context_len if record is not None and record.seq is seq else seq.num_computed
-                    check_kv_lead(seq, end, self._stages.on_stages.get(seq.seq_id), self.config.block_size,
-                                  self._speculation.max_lookahead)
-
+                    check_kv_lead(
+                        seq,
+                        end,
+                        self._stages.on_stages.get(seq.seq_id),
+                        self.config.block_size,
+                        self._speculation.max_lookahead,
+                    )

@@ -40,7 +40,5 @@ class PlannerConfig:
             raise ValueError("max_num_seqs: must be positive")
         if self.max_in_flight < 1:
             raise ValueError("max_in_flight: must be positive")
-        if self.microbatch_size != "auto" and (
-            not isinstance(self.microbatch_size, int) or self.microbatch_size < 1
-        ):
+        if self.microbatch_size != "auto" and (not isinstance(self.microbatch_size, int) or self.microbatch_size < 1):
             raise ValueError(f"microbatch_size: must be 'auto' or a positive int, got {self.microbatch_size!r}")

@@ -144,7 +144,13 @@ class ProposalDraft:
 
     def proposal(self, step_input: StepInput, micro_batch_id: int | None, skips_kv: bool) -> Proposal:
         return Proposal(
-            step_input, micro_batch_id, range(self.first_seq_id, self.next_seq_id),
-            tuple(self.placeholders), tuple(self.chunks), tuple(self.forks),
-            tuple(self.readmissions), tuple(self.admissions), skips_kv,
+            step_input,
+            micro_batch_id,
+            range(self.first_seq_id, self.next_seq_id),
+            tuple(self.placeholders),
+            tuple(self.chunks),
+            tuple(self.forks),
+            tuple(self.readmissions),
+            tuple(self.admissions),
+            skips_kv,
         )

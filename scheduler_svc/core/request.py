@@ -94,7 +94,7 @@ class Sequence:
             raise ValueError(f"sequence {self.seq_id}: keeps {block_offset} of {self.num_blocks} blocks")
         unsent = self.unsent_blocks
         if unsent is not None and block_offset > unsent[0]:
-            block_offset, block_ids = unsent[0], unsent[1][:block_offset - unsent[0]] + block_ids
+            block_offset, block_ids = unsent[0], unsent[1][: block_offset - unsent[0]] + block_ids
         if unsent is not None or block_ids or block_offset < self.num_blocks:
             self.unsent_blocks = (block_offset, block_ids)
         self.num_blocks = block_offset + len(block_ids)
@@ -183,6 +183,8 @@ class Request:
 
     @property
     def all_finished(self) -> bool:
-        return bool(self.sequences) and all(s.is_finished for s in self.sequences) and (
-            len(self.sequences) == self.options.n
+        return (
+            bool(self.sequences)
+            and all(s.is_finished for s in self.sequences)
+            and (len(self.sequences) == self.options.n)
         )

@@ -40,20 +40,20 @@ class Drafts:
         suffix n-gram (`lookup_max` ... `lookup_min` tokens) that occurred before; () if none."""
         return self.lookup_in(len(tokens), lambda start, end: tokens[start:end], k, lookup_min, lookup_max)
 
-    def lookup_in(self, length: int, tokens: Callable[[int, int], list[int]], k: int, lookup_min: int,
-                  lookup_max: int) -> tuple[int, ...]:
+    def lookup_in(
+        self, length: int, tokens: Callable[[int, int], list[int]], k: int, lookup_min: int, lookup_max: int
+    ) -> tuple[int, ...]:
         """`lookup` over a sequence of `length` tokens read through `tokens(start, end)`: only the
         tokens not indexed yet and the suffix are read, not the whole context at every step."""
-        start = min(min(self.indexed.get(n, 0) for n in range(lookup_min, lookup_max + 1)),
-                    max(0, length - lookup_max))
+        start = min(min(self.indexed.get(n, 0) for n in range(lookup_min, lookup_max + 1)), max(0, length - lookup_max))
         window = tokens(start, length)  # tokens start ... length - 1
         for n in range(lookup_min, lookup_max + 1):  # index n-grams ending before the suffix's last token
             table = self.tables.setdefault(n, {})
             for i in range(self.indexed.get(n, 0), length - n):
-                table[tuple(window[i - start:i - start + n])] = i
+                table[tuple(window[i - start : i - start + n])] = i
             self.indexed[n] = max(self.indexed.get(n, 0), length - n)
         for n in range(min(lookup_max, length - 1), lookup_min - 1, -1):
-            i = self.tables[n].get(tuple(window[length - n - start:]))
+            i = self.tables[n].get(tuple(window[length - n - start :]))
             if i is not None:
                 return tuple(tokens(i + n, min(i + n + k, length)))
         return ()
@@ -97,4 +97,3 @@ class SpecStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-

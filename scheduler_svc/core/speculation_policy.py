@@ -30,9 +30,15 @@ class SpeculationPolicy:
     Each sequence's drafting state lives on it (`Sequence.drafts`, made on first use); the
     policy holds only its settings and the counters."""
 
-    def __init__(self, num_speculative_tokens: int = 0, method: str = "ngram",
-                 lookup_min: int = 1, lookup_max: int = 1, max_batch: int | None = None,
-                 max_model_len: int = 1 << 31) -> None:
+    def __init__(
+        self,
+        num_speculative_tokens: int = 0,
+        method: str = "ngram",
+        lookup_min: int = 1,
+        lookup_max: int = 1,
+        max_batch: int | None = None,
+        max_model_len: int = 1 << 31,
+    ) -> None:
         self.num_speculative_tokens = num_speculative_tokens
         self.method = method
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
@@ -56,8 +62,12 @@ class SpeculationPolicy:
         sequence's turn: a sequence backing off counts down)."""
         if not self._drafts_now(seq, running):
             return ()
-        k = min(self.num_speculative_tokens, budget, seq.request.options.max_tokens - len(seq.output) - 1,
-                self.max_model_len - seq.num_tokens)
+        k = min(
+            self.num_speculative_tokens,
+            budget,
+            seq.request.options.max_tokens - len(seq.output) - 1,
+            self.max_model_len - seq.num_tokens,
+        )
         if k <= 0:
             return ()
         state = self._state(seq)

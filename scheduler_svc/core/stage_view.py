@@ -106,8 +106,9 @@ class StageView:
         if self.stage_tokens is not None:
             self.stage_tokens.clear()
 
-    def _cached_seq(self, seq: Sequence, block_offset: int, block_ids: tuple[int, ...], n: int,
-                    scoring: PromptScoring | None) -> CachedSeq:
+    def _cached_seq(
+        self, seq: Sequence, block_offset: int, block_ids: tuple[int, ...], n: int, scoring: PromptScoring | None
+    ) -> CachedSeq:
         new_tokens: tuple[int, ...] = ()
         if self.stage_tokens is not None:  # the first stage does not sample: send what it lacks
             known = self.stage_tokens[seq.seq_id]
@@ -123,13 +124,22 @@ class StageView:
         assert len(self.pending_released) == len(set(self.pending_released)), self.pending_released
 
 
-def _new_seq(seq: Sequence, start: int, n: int, block_ids: tuple[int, ...],
-             scoring: PromptScoring | None) -> NewSeq:
+def _new_seq(seq: Sequence, start: int, n: int, block_ids: tuple[int, ...], scoring: PromptScoring | None) -> NewSeq:
     request = seq.request
     return NewSeq(
-        seq.seq_id, tuple(seq.all_tokens()), len(request.prompt), start, n, block_ids,
-        sampling_params(request.options, tuple(request.eos_token_ids)), seq.index,
-        seq.entropy_seed, request.request_id, request.trace_context, scoring, request.pooling,
+        seq.seq_id,
+        tuple(seq.all_tokens()),
+        len(request.prompt),
+        start,
+        n,
+        block_ids,
+        sampling_params(request.options, tuple(request.eos_token_ids)),
+        seq.index,
+        seq.entropy_seed,
+        request.request_id,
+        request.trace_context,
+        scoring,
+        request.pooling,
         request.lora_name,
     )
 
@@ -143,7 +153,7 @@ def prompt_scoring(seq: Sequence, start: int, end: int) -> PromptScoring | None:
     last = min(end, len(request.prompt) - 1)
     if first >= last:
         return None
-    return PromptScoring(first, tuple(request.prompt[first + 1:last + 1]), request.options.prompt_logprobs)
+    return PromptScoring(first, tuple(request.prompt[first + 1 : last + 1]), request.options.prompt_logprobs)
 
 
 def scores_prompt(seq: Sequence) -> bool:
@@ -154,13 +164,15 @@ def scores_prompt(seq: Sequence) -> bool:
 
 def scores_prompt_of(request: Request, index: int) -> bool:
     """`scores_prompt` for choice `index` of a request, made or not yet."""
-    return (request.options.prompt_logprobs is not None and index == 0
-            and len(request.prompt_logprobs) < len(request.prompt) - 1)
+    return (
+        request.options.prompt_logprobs is not None
+        and index == 0
+        and len(request.prompt_logprobs) < len(request.prompt) - 1
+    )
 
 
 def skips_prefix_cache(request: Request, index: int) -> bool:
     """Whether choice `index` of a request must compute every prompt position, so keeps out
     of the prefix cache: it scores the prompt, or pools over all of it (mean pooling; the
     last position, all last-token pooling needs, is computed even on a whole-prompt hit)."""
-    return scores_prompt_of(request, index) or (
-        request.pooling is not None and request.pooling.needs_every_position)
+    return scores_prompt_of(request, index) or (request.pooling is not None and request.pooling.needs_every_position)

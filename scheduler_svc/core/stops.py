@@ -8,8 +8,7 @@ from __future__ import annotations
 from scheduler_svc.core.request import FinishReason, Sequence
 
 
-def append_sampled(seq: Sequence, sampled: list[tuple[int, object]], max_model_len: int,
-                   ) -> tuple[list[int], list]:
+def append_sampled(seq: Sequence, sampled: list[tuple[int, object]], max_model_len: int) -> tuple[list[int], list]:
     """A step's tokens (several after a verify step) join the sequence's output, up to the
     first that finishes it; returns the tokens and logprobs taken."""
     new_tokens, new_logprobs = [], []

@@ -24,8 +24,15 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplateError", "compile_chat_template", "cut_at_final_message", "normalize_messages",
-           "plain_data", "reads_content_parts", "tag_final_message"]
+__all__ = [
+    "ChatTemplateError",
+    "compile_chat_template",
+    "cut_at_final_message",
+    "normalize_messages",
+    "plain_data",
+    "reads_content_parts",
+    "tag_final_message",
+]
 
 # Names a message's reasoning is passed under; transformers fills all of them from any one,
 # because templates read different ones (`reasoning_content` is the common one, gpt-oss reads
@@ -51,8 +58,7 @@ class _GenerationBlock(jinja2.ext.Extension):
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(
-            lineno)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
 
     def _render_body(self, caller: Any) -> str:
         return caller()
@@ -86,19 +92,23 @@ class _TemplateNamespace(jinja2.utils.Namespace):
     def _check_name(name: Any) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot store underscore-prefixed attributes on a namespace, "
-                f"got {name!r}")
+                f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}"
+            )
 
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # jinja2's own tojson escapes HTML characters (<, >, &, ') and would change the prompt.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
@@ -106,8 +116,9 @@ def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call i
 
 
 def _make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -122,8 +133,9 @@ def compile_chat_template(source: str, *, origin: str) -> jinja2.Template:
     try:
         return _make_environment().from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"{origin}: chat template does not compile: {e.message} "
-                                f"(template line {e.lineno})") from e
+        raise ChatTemplateError(
+            f"{origin}: chat template does not compile: {e.message} (template line {e.lineno})"
+        ) from e
 
 
 def reads_content_parts(source: str) -> bool:
@@ -135,8 +147,11 @@ def reads_content_parts(source: str) -> bool:
         tree = _make_environment().parse(source)
     except jinja2.TemplateSyntaxError:
         return False
-    aliases = {node.target.name for node in tree.find_all(jinja2.nodes.Assign)
-               if isinstance(node.target, jinja2.nodes.Name) and _is_content(node.node, set())}
+    aliases = {
+        node.target.name
+        for node in tree.find_all(jinja2.nodes.Assign)
+        if isinstance(node.target, jinja2.nodes.Name) and _is_content(node.node, set())
+    }
     return any(_is_content(node.iter, aliases) for node in tree.find_all(jinja2.nodes.For))
 
 
@@ -203,8 +218,7 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     normalized = []
     for i, message in enumerate(plain_data(list(messages))):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}]: must be a mapping with 'role' and 'content', "
-                             f"got {message!r}")
+            raise ValueError(f"messages[{i}]: must be a mapping with 'role' and 'content', got {message!r}")
         message = {key: value for key, value in message.items() if value is not None}
         reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
         if reasoning is not None:
@@ -240,9 +254,11 @@ def cut_at_final_message(rendered: str, final: str) -> str:
     ChatTemplateError when the template dropped or changed it."""
     tag = _CONTINUE_TAG.strip()
     if final.strip() not in rendered or tag not in rendered:
-        raise ChatTemplateError("continue_final_message: the final message does not appear in the "
-                                "rendered prompt (the chat template changes or drops it)")
+        raise ChatTemplateError(
+            "continue_final_message: the final message does not appear in the "
+            "rendered prompt (the chat template changes or drops it)"
+        )
     at = rendered.rindex(tag)
-    if rendered[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return rendered[:at]
     return rendered[:at].rstrip()  # the template trimmed the message's trailing space

@@ -53,9 +53,14 @@ class IncrementalDetokenizer:
     holds for the decode with every other special token skipped.
     """
 
-    def __init__(self, tokenizer: _Decoder, *, skip_special_tokens: bool = True,
-                 prompt_token_ids: Sequence[int] = (),
-                 keep_special_tokens: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: _Decoder,
+        *,
+        skip_special_tokens: bool = True,
+        prompt_token_ids: Sequence[int] = (),
+        keep_special_tokens: Collection[str] = (),
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         # with tokens kept: the special ids skipped (the others are decoded as text)
@@ -79,14 +84,13 @@ class IncrementalDetokenizer:
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         if self._skipped is not None:  # (what skip_special_tokens does, less the kept ones)
-            return self._tokenizer.decode([i for i in token_ids if i not in self._skipped],
-                                          skip_special_tokens=False)
+            return self._tokenizer.decode([i for i in token_ids if i not in self._skipped], skip_special_tokens=False)
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     @property
     def token_ids(self) -> list[int]:
         """The output tokens pushed so far (a copy)."""
-        return self._ids[self._num_context_tokens:]
+        return self._ids[self._num_context_tokens :]
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Adds output tokens; returns the text that became stable (possibly "")."""
@@ -105,18 +109,17 @@ class IncrementalDetokenizer:
         return self._release(force=True)
 
     def _release(self, *, force: bool) -> str:
-        window_text = self._decode(self._ids[self._prefix_offset:])
+        window_text = self._decode(self._ids[self._prefix_offset :])
         num_unstable = 0 if force else _trailing_replacements(window_text)
         stable_end = len(window_text) - num_unstable
         delta = ""
         if stable_end > self._num_released_chars:
-            delta = window_text[self._num_released_chars:stable_end]
+            delta = window_text[self._num_released_chars : stable_end]
             self._num_released_chars = stable_end
         if num_unstable == 0:
             # The window ends on a whole character: the next one starts at the tokens just
             # released, which keep the decoder's view of what precedes the new ones.
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
-            self._num_released_chars = len(
-                self._decode(self._ids[self._prefix_offset:self._read_offset]))
+            self._num_released_chars = len(self._decode(self._ids[self._prefix_offset : self._read_offset]))
         return delta

@@ -35,16 +35,23 @@ class TextOutputProcessor:
     Invariant: `text` is the concatenation of every delta's text.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, stop: Iterable[str] = (),
-                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
-                 prompt_token_ids: Sequence[int] = (),
-                 keep_special_tokens: Collection[str] = ()) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer,
-                                                   skip_special_tokens=skip_special_tokens,
-                                                   prompt_token_ids=prompt_token_ids,
-                                                   keep_special_tokens=keep_special_tokens)
-        self._matcher = StopStringMatcher(stop,
-                                          include_stop_str_in_output=include_stop_str_in_output)
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        stop: Iterable[str] = (),
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        prompt_token_ids: Sequence[int] = (),
+        keep_special_tokens: Collection[str] = (),
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            skip_special_tokens=skip_special_tokens,
+            prompt_token_ids=prompt_token_ids,
+            keep_special_tokens=keep_special_tokens,
+        )
+        self._matcher = StopStringMatcher(stop, include_stop_str_in_output=include_stop_str_in_output)
         self._include_stop = include_stop_str_in_output
         self._token_ids: list[int] = []
         self._chunks: list[str] = []
@@ -83,8 +90,7 @@ class TextOutputProcessor:
         self._token_ids.extend(ids)
         return self._delta(self._match(self._detokenizer.push(ids)))
 
-    def finish(self, token_ids: Sequence[int] = (), *,
-               stop_token_id: int | None = None) -> TextDelta:
+    def finish(self, token_ids: Sequence[int] = (), *, stop_token_id: int | None = None) -> TextDelta:
         """Ends the choice with its last tokens, releasing any held-back text.
 
         `stop_token_id`: the stop token (eos or a requested stop id) that ended generation,
@@ -96,8 +102,7 @@ class TextOutputProcessor:
             return self._delta("")
         self._token_ids.extend(token_ids)
         visible = list(token_ids)
-        if (stop_token_id is not None and visible and visible[-1] == stop_token_id
-                and not self._include_stop):
+        if stop_token_id is not None and visible and visible[-1] == stop_token_id and not self._include_stop:
             visible.pop()
         text = self._match(self._detokenizer.push(visible) + self._detokenizer.flush())
         if not self.finished:

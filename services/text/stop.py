@@ -81,10 +81,10 @@ class StopStringMatcher:
                 end = offset + i + 1
                 start = end - len(done)
                 self._held, self._matched = "", done
-                return StopMatch(buffer[:end if self._include_stop else start], done)
+                return StopMatch(buffer[: end if self._include_stop else start], done)
         num_held = min(max(states, default=0), len(buffer))
-        self._held = buffer[len(buffer) - num_held:]
-        return StopMatch(buffer[:len(buffer) - num_held], None)
+        self._held = buffer[len(buffer) - num_held :]
+        return StopMatch(buffer[: len(buffer) - num_held], None)
 
     def finish(self) -> str:
         """At the end of the text: releases what was held back (it can match nothing now)."""

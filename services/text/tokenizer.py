@@ -43,11 +43,13 @@ def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet, character -> byte: a byte-level BPE vocabulary spells each
     byte as one printable character, the byte's own code point where that prints, else 256, 257,
     ... in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
     shifted = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable},
-            **{chr(256 + n): b for n, b in enumerate(shifted)}}
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
 
 
 _BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
@@ -56,8 +58,7 @@ _BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 # The named special tokens that transformers passes to every chat template (its
 # `special_tokens_map`), in its order.
-_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                         "cls_token", "mask_token")
+_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -80,8 +81,7 @@ def _token_content(value: Any, *, origin: str, key: str) -> str | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    raise ValueError(f"{origin}: {key} must be a string or an object with a 'content' string, "
-                     f"got {value!r}")
+    raise ValueError(f"{origin}: {key} must be a string or an object with a 'content' string, got {value!r}")
 
 
 def _token_ids(value: Any, *, origin: str, key: str) -> list[int]:
@@ -90,8 +90,7 @@ def _token_ids(value: Any, *, origin: str, key: str) -> list[int]:
         return []
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise ValueError(f"{origin}: {key} must be a token id or a list of token ids, "
-                         f"got {value!r}")
+        raise ValueError(f"{origin}: {key} must be a token id or a list of token ids, got {value!r}")
     return values
 
 
@@ -103,10 +102,12 @@ def _decoder_states(decoder: decoders.Decoder) -> list[dict[str, Any]]:
 
 def _added_token(spec: Any, *, origin: str) -> AddedToken:
     if not isinstance(spec, dict) or not isinstance(spec.get("content"), str):
-        raise ValueError(f"{origin}: added_tokens_decoder entries must be objects with a "
-                         f"'content' string, got {spec!r}")
-    flags = {key: bool(spec[key]) for key in ("single_word", "lstrip", "rstrip", "normalized",
-                                               "special") if key in spec}
+        raise ValueError(
+            f"{origin}: added_tokens_decoder entries must be objects with a 'content' string, got {spec!r}"
+        )
+    flags = {
+        key: bool(spec[key]) for key in ("single_word", "lstrip", "rstrip", "normalized", "special") if key in spec
+    }
     return AddedToken(spec["content"], **flags)
 
 
@@ -115,8 +116,7 @@ def _named_special_tokens(model_dir: Path, config: Mapping[str, Any]) -> dict[st
     is the legacy spelling, read (and preferred) only where tokenizer_config.json predates
     `added_tokens_decoder`."""
     origin = str(model_dir / TOKENIZER_CONFIG_FILE)
-    named = {key: _token_content(config.get(key), origin=origin, key=key)
-             for key in _NAMED_SPECIAL_TOKENS}
+    named = {key: _token_content(config.get(key), origin=origin, key=key) for key in _NAMED_SPECIAL_TOKENS}
     if "added_tokens_decoder" not in config:
         map_path = model_dir / SPECIAL_TOKENS_MAP_FILE
         for key, value in (_read_json(map_path) or {}).items():
@@ -125,24 +125,23 @@ def _named_special_tokens(model_dir: Path, config: Mapping[str, Any]) -> dict[st
     return {key: value for key, value in named.items() if value is not None}
 
 
-def _add_declared_tokens(backend: tokenizers.Tokenizer, config: Mapping[str, Any],
-                         named: Mapping[str, str], *, origin: str) -> None:
+def _add_declared_tokens(
+    backend: tokenizers.Tokenizer, config: Mapping[str, Any], named: Mapping[str, str], *, origin: str
+) -> None:
     """Adds the tokens the config declares (added_tokens_decoder, the named and additional
     special tokens) that tokenizer.json lacks, as transformers adds them, so that the same
     text encodes to the same ids."""
     declared = config.get("added_tokens_decoder") or {}
     if not isinstance(declared, dict) or not all(str(key).isdigit() for key in declared):
         raise ValueError(f"{origin}: added_tokens_decoder must map token ids to tokens")
-    to_add = [_added_token(spec, origin=origin)
-              for _, spec in sorted(declared.items(), key=lambda item: int(item[0]))]
+    to_add = [_added_token(spec, origin=origin) for _, spec in sorted(declared.items(), key=lambda item: int(item[0]))]
     to_add = [token for token in to_add if backend.token_to_id(token.content) is None]
     extra = [*named.values()]
     for key in ("additional_special_tokens", "extra_special_tokens"):
         if isinstance(config.get(key), list):
             extra += [_token_content(value, origin=origin, key=key) or "" for value in config[key]]
     for content in extra:
-        if content and backend.token_to_id(content) is None and all(
-                token.content != content for token in to_add):
+        if content and backend.token_to_id(content) is None and all(token.content != content for token in to_add):
             to_add.append(AddedToken(content, special=True))
     for token in to_add:
         if token.special:
@@ -151,8 +150,7 @@ def _add_declared_tokens(backend: tokenizers.Tokenizer, config: Mapping[str, Any
             backend.add_tokens([token])
 
 
-def _load_chat_templates(model_dir: Path, config: Mapping[str, Any]
-                         ) -> tuple[dict[str, str], dict[str, str]]:
+def _load_chat_templates(model_dir: Path, config: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
     """(name -> template source, name -> file it came from). The files transformers 5 writes
     (chat_template.jinja as "default", chat_templates/NAME.jinja) take precedence over
     tokenizer_config.json's `chat_template`, a string or a list of {name, template}."""
@@ -160,8 +158,10 @@ def _load_chat_templates(model_dir: Path, config: Mapping[str, Any]
     origins: dict[str, str] = {}
     files = [("default", model_dir / CHAT_TEMPLATE_FILE)]
     if (model_dir / CHAT_TEMPLATES_DIR).is_dir():
-        files += [(path.name.removesuffix(".jinja"), path)
-                  for path in sorted((model_dir / CHAT_TEMPLATES_DIR).glob("*.jinja"))]
+        files += [
+            (path.name.removesuffix(".jinja"), path)
+            for path in sorted((model_dir / CHAT_TEMPLATES_DIR).glob("*.jinja"))
+        ]
     for name, path in files:
         if path.is_file():
             try:
@@ -178,12 +178,14 @@ def _load_chat_templates(model_dir: Path, config: Mapping[str, Any]
     if isinstance(value, str):
         return {"default": value}, {"default": origin}
     if isinstance(value, list) and all(
-            isinstance(item, dict) and isinstance(item.get("name"), str)
-            and isinstance(item.get("template"), str) for item in value):
-        return ({item["name"]: item["template"] for item in value},
-                {item["name"]: f"{origin} (chat template {item['name']!r})" for item in value})
-    raise ValueError(f"{origin}: chat_template must be a string or a list of "
-                     f"{{'name': ..., 'template': ...}} objects")
+        isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("template"), str)
+        for item in value
+    ):
+        return (
+            {item["name"]: item["template"] for item in value},
+            {item["name"]: f"{origin} (chat template {item['name']!r})" for item in value},
+        )
+    raise ValueError(f"{origin}: chat_template must be a string or a list of {{'name': ..., 'template': ...}} objects")
 
 
 class Tokenizer:
@@ -205,8 +207,10 @@ class Tokenizer:
         self._model_dir = model_dir
         tokenizer_path = model_dir / TOKENIZER_FILE
         if not tokenizer_path.is_file():
-            raise ValueError(f"{tokenizer_path}: missing; Pagoda reads a model's tokenizer from "
-                             f"tokenizer.json (transformers' save_pretrained writes one)")
+            raise ValueError(
+                f"{tokenizer_path}: missing; Pagoda reads a model's tokenizer from "
+                f"tokenizer.json (transformers' save_pretrained writes one)"
+            )
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_path))
         except Exception as e:  # tokenizers raises plain Exception on a malformed file
@@ -223,30 +227,29 @@ class Tokenizer:
             self._install_post_processor(backend, config, eos_token_id)
         self._backend = backend
         added = backend.get_added_tokens_decoder()
-        self._special_token_ids = frozenset(
-            token_id for token_id, token in added.items() if token.special)
-        self._added_token_bytes = {token_id: token.content.encode("utf-8")
-                                   for token_id, token in added.items()}
+        self._special_token_ids = frozenset(token_id for token_id, token in added.items() if token.special)
+        self._added_token_bytes = {token_id: token.content.encode("utf-8") for token_id, token in added.items()}
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
         self._byte_fallback = backend.decoder is not None and "ByteFallback" in {
-            d.get("type") for d in _decoder_states(backend.decoder)}
+            d.get("type") for d in _decoder_states(backend.decoder)
+        }
 
         eos_ids = [eos_token_id] if eos_token_id is not None else []
         for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
             path = model_dir / name
-            eos_ids += _token_ids((_read_json(path) or {}).get("eos_token_id"), origin=str(path),
-                                  key="eos_token_id")
+            eos_ids += _token_ids((_read_json(path) or {}).get("eos_token_id"), origin=str(path), key="eos_token_id")
         self._eos_token_ids = tuple(dict.fromkeys(eos_ids))
 
         probe = "a"
         with_special = backend.encode(probe, add_special_tokens=True).ids
         without = backend.encode(probe, add_special_tokens=False).ids
-        self._encode_adds_bos = (self._bos_token_id is not None
-                                 and with_special[:1] == [self._bos_token_id]
-                                 and without[:1] != [self._bos_token_id])
+        self._encode_adds_bos = (
+            self._bos_token_id is not None
+            and with_special[:1] == [self._bos_token_id]
+            and without[:1] != [self._bos_token_id]
+        )
 
-        self._chat_templates, self._chat_template_origins = _load_chat_templates(model_dir,
-                                                                                 config)
+        self._chat_templates, self._chat_template_origins = _load_chat_templates(model_dir, config)
         self._compiled: dict[str, Any] = {}
         self._reads_content_parts: dict[str, bool] = {}
 
@@ -254,8 +257,9 @@ class Tokenizer:
         token = self._named_special_tokens.get(key)
         return None if token is None else backend.token_to_id(token)
 
-    def _install_post_processor(self, backend: tokenizers.Tokenizer, config: Mapping[str, Any],
-                                eos_token_id: int | None) -> None:
+    def _install_post_processor(
+        self, backend: tokenizers.Tokenizer, config: Mapping[str, Any], eos_token_id: int | None
+    ) -> None:
         """transformers 4's `update_post_processor`: BOS/EOS from add_bos_token/add_eos_token,
         for a tokenizer.json that has no post-processor to say."""
         bos = self.bos_token if config.get("add_bos_token") is True else None
@@ -267,12 +271,13 @@ class Tokenizer:
         if bos is None and eos is None:
             return
         single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
-        pair = single + " " + " ".join(([f"{bos}:1"] if bos else []) + ["$B:1"]
-                                       + ([f"{eos}:1"] if eos else []))
-        special_tokens = [(token, token_id) for token, token_id in
-                          ((bos, self._bos_token_id), (eos, eos_token_id)) if token is not None]
-        backend.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=special_tokens)
+        pair = single + " " + " ".join(([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
+        special_tokens = [
+            (token, token_id)
+            for token, token_id in ((bos, self._bos_token_id), (eos, eos_token_id))
+            if token is not None
+        ]
+        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special_tokens)
 
     # --- properties ------------------------------------------------------------------------
 
@@ -380,12 +385,17 @@ class Tokenizer:
 
     # --- chat --------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                            add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, Any]] | None = None, *,
-                            documents: Sequence[Mapping[str, Any]] | None = None,
-                            chat_template: str | None = None, continue_final_message: bool = False,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str:
         """The prompt text of a conversation, rendered by the model's chat template as
         transformers' `apply_chat_template(..., tokenize=False)` renders it.
 
@@ -399,29 +409,38 @@ class Tokenizer:
         template refuses it.
         """
         if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message: not with add_generation_prompt (the model "
-                             "continues the last message instead of starting a new one)")
+            raise ValueError(
+                "continue_final_message: not with add_generation_prompt (the model "
+                "continues the last message instead of starting a new one)"
+            )
         source, origin = self._select_chat_template(chat_template, tools)
         template = self._compiled.get(source)
         if template is None:
             template = self._compiled[source] = compile_chat_template(source, origin=origin)
         _check_tools_and_documents(tools, documents)
         variables = {**self._named_special_tokens, **plain_data(kwargs)}
-        variables.update(messages=normalize_messages(messages),
-                         tools=plain_data(None if tools is None else list(tools)),
-                         documents=plain_data(None if documents is None else list(documents)),
-                         add_generation_prompt=add_generation_prompt)
+        variables.update(
+            messages=normalize_messages(messages),
+            tools=plain_data(None if tools is None else list(tools)),
+            documents=plain_data(None if documents is None else list(documents)),
+            add_generation_prompt=add_generation_prompt,
+        )
         if not continue_final_message:
             return render_chat_template(template, variables)
         final = tag_final_message(variables["messages"], source)
         return cut_at_final_message(render_chat_template(template, variables), final)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None, *,
-                    documents: Sequence[Mapping[str, Any]] | None = None,
-                    chat_template: str | None = None, add_special_tokens: bool | None = None,
-                    **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        add_special_tokens: bool | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
         """Token ids of the rendered conversation (see `apply_chat_template`).
 
         `add_special_tokens=None` (the default) adds the BOS that `encode` would add unless
@@ -429,14 +448,17 @@ class Tokenizer:
         the text alone (transformers' `apply_chat_template(tokenize=True)`); True adds
         whatever the post-processor adds.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt, tools,
-                                        documents=documents, chat_template=chat_template,
-                                        **kwargs)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt, tools, documents=documents, chat_template=chat_template, **kwargs
+        )
         if add_special_tokens is not None:
             return self.encode(text, add_special_tokens=add_special_tokens)
         ids = self.encode(text, add_special_tokens=False)
-        if self._encode_adds_bos and self._bos_token_id is not None and not (
-                self.bos_token and text.startswith(self.bos_token)):
+        if (
+            self._encode_adds_bos
+            and self._bos_token_id is not None
+            and not (self.bos_token and text.startswith(self.bos_token))
+        ):
             ids.insert(0, self._bos_token_id)
         return ids
 
@@ -451,22 +473,23 @@ class Tokenizer:
             reads = self._reads_content_parts[source] = reads_content_parts(source)
         return reads
 
-    def _select_chat_template(self, chat_template: str | None,
-                              tools: Sequence[Any] | None) -> tuple[str, str]:
+    def _select_chat_template(self, chat_template: str | None, tools: Sequence[Any] | None) -> tuple[str, str]:
         """(source, where it came from), chosen as transformers' `get_chat_template` does."""
         templates = self._chat_templates
         if chat_template is not None:
             if chat_template in templates:
                 return templates[chat_template], self._chat_template_origins[chat_template]
             if "{" not in chat_template:  # a name, not a template (which would render as-is)
-                raise ValueError(f"chat_template: {chat_template!r} names none of the model's "
-                                 f"templates {sorted(templates)}")
+                raise ValueError(
+                    f"chat_template: {chat_template!r} names none of the model's templates {sorted(templates)}"
+                )
             return chat_template, "the chat_template argument"
         if not templates:
             raise ValueError(
                 f"{self._model_dir}: the model has no chat template ({TOKENIZER_CONFIG_FILE} "
                 f"has no chat_template and there is no {CHAT_TEMPLATE_FILE}); send a plain "
-                f"prompt instead")
+                f"prompt instead"
+            )
         if len(templates) == 1 and "default" in templates:
             name = "default"
         elif tools is not None and "tool_use" in templates:
@@ -474,8 +497,10 @@ class Tokenizer:
         elif "default" in templates:
             name = "default"
         else:
-            raise ValueError(f"{self._model_dir}: the model has several chat templates "
-                             f"{sorted(templates)} and none named 'default'; name one")
+            raise ValueError(
+                f"{self._model_dir}: the model has several chat templates "
+                f"{sorted(templates)} and none named 'default'; name one"
+            )
         return templates[name], self._chat_template_origins[name]
 
 
@@ -486,10 +511,8 @@ def _check_tools_and_documents(tools: Sequence[Any] | None, documents: Sequence[
             raise ValueError("tools: must be a list of JSON-schema objects")
         for i, tool in enumerate(tools):
             if not isinstance(tool, Mapping):
-                raise ValueError(f"tools[{i}]: must be a JSON-schema object, got "
-                                 f"{type(tool).__name__}")
+                raise ValueError(f"tools[{i}]: must be a JSON-schema object, got {type(tool).__name__}")
     if documents is not None:
         for i, document in enumerate(documents):
             if not isinstance(document, Mapping):
-                raise ValueError(f"documents[{i}]: must be an object, got "
-                                 f"{type(document).__name__}")
+                raise ValueError(f"documents[{i}]: must be an object, got {type(document).__name__}")

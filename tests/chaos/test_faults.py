@@ -33,10 +33,26 @@ STEP_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def stack(model_factory, tmp_path_factory):
-    s = start_serve(model_factory(arch="llama"), tmp_path_factory.mktemp("chaos-faults"),
-                    "--pipeline-parallel-size", "2", "--num-kv-blocks", "512", "--block-size", "16",
-                    "--num-threads", "1", "--max-model-len", "512", "--served-model-name", "tiny",
-                    "--max-restarts", "20", "--step-timeout-s", str(STEP_TIMEOUT_S))
+    s = start_serve(
+        model_factory(arch="llama"),
+        tmp_path_factory.mktemp("chaos-faults"),
+        "--pipeline-parallel-size",
+        "2",
+        "--num-kv-blocks",
+        "512",
+        "--block-size",
+        "16",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--max-restarts",
+        "20",
+        "--step-timeout-s",
+        str(STEP_TIMEOUT_S),
+    )
     yield s
     s.stop()
 
@@ -58,14 +74,24 @@ def run_all(stack, during=None, delay_s: float = 0.3, stream: bool = False):
         got = []
         try:
             if stream:
-                for chunk in c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
-                                                  temperature=0, stream=True,
-                                                  extra_body={"ignore_eos": True, "return_token_ids": True}):
+                for chunk in c.completions.create(
+                    model="tiny",
+                    prompt=prompt,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True, "return_token_ids": True},
+                ):
                     for choice in chunk.choices:
                         got += getattr(choice, "token_ids", None) or []
                 return ("ok", got)
-            r = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+            r = c.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
             return ("ok", r.choices[0].token_ids)
         except (openai.APIError, openai.APIConnectionError) as exc:
             return ("error", type(exc).__name__, len(got))
@@ -100,9 +126,11 @@ def baseline(stack):
 def report(name, outcomes, recovery_s=None, leaked=None):
     """recovery_s: from the fault until every request had its answer and /health said ok."""
     ok = sum(o[0] == "ok" for o in outcomes)
-    print(f"\n[chaos] {name}: {len(outcomes)} requests, {ok} completed, {len(outcomes) - ok} errors"
-          + (f", all answered and serving after {recovery_s:.1f} s" if recovery_s is not None else "")
-          + (f", {leaked} KV blocks held afterwards" if leaked is not None else ""))
+    print(
+        f"\n[chaos] {name}: {len(outcomes)} requests, {ok} completed, {len(outcomes) - ok} errors"
+        + (f", all answered and serving after {recovery_s:.1f} s" if recovery_s is not None else "")
+        + (f", {leaked} KV blocks held afterwards" if leaked is not None else "")
+    )
 
 
 @pytest.mark.parametrize("kind", ["worker-1", "worker-0", "kvcache"])
@@ -179,8 +207,7 @@ def test_killed_scheduler_mid_stream_fails_cleanly_and_frees_blocks(stack):
 def test_killed_gateway_ends_connections_and_comes_back(stack):
     victim = stack.service_pid("gateway")
     killed = []
-    outcomes = run_all(stack, during=lambda: (os.kill(victim, signal.SIGKILL), killed.append(time.time())),
-                       stream=True)
+    outcomes = run_all(stack, during=lambda: (os.kill(victim, signal.SIGKILL), killed.append(time.time())), stream=True)
     stack.wait_serving(60)
     recovery = time.time() - killed[0]
     deadline = time.time() + 30
@@ -209,13 +236,17 @@ def test_a_burst_of_2000_requests_completes_without_cancellations(stack):
     n = 2000
 
     async def burst():
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)
+        ) as session:
+
             async def one(i):
-                async with session.post(f"{stack.url}/v1/completions", json={
-                        "model": "tiny", "prompt": f"burst {i}", "max_tokens": 8}) as r:
+                async with session.post(
+                    f"{stack.url}/v1/completions", json={"model": "tiny", "prompt": f"burst {i}", "max_tokens": 8}
+                ) as r:
                     await r.read()
                     return r.status
+
             return await asyncio.gather(*(one(i) for i in range(n)))
 
     began = time.time()

@@ -35,16 +35,23 @@ FD = _descriptor.FieldDescriptor
 MAX_DEPTH = 3
 EDGE_STRINGS = ["", "\u0000", "\ud7ff\ue000", "x" * 5000, "🦜" * 50, "../../etc/passwd", "%s%n", "{}"]
 _INT_RANGES = {
-    FD.TYPE_INT32: (-(2**31), 2**31 - 1), FD.TYPE_SINT32: (-(2**31), 2**31 - 1),
-    FD.TYPE_SFIXED32: (-(2**31), 2**31 - 1), FD.TYPE_UINT32: (0, 2**32 - 1), FD.TYPE_FIXED32: (0, 2**32 - 1),
-    FD.TYPE_INT64: (-(2**63), 2**63 - 1), FD.TYPE_SINT64: (-(2**63), 2**63 - 1),
-    FD.TYPE_SFIXED64: (-(2**63), 2**63 - 1), FD.TYPE_UINT64: (0, 2**64 - 1), FD.TYPE_FIXED64: (0, 2**64 - 1),
+    FD.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FD.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    FD.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    FD.TYPE_UINT32: (0, 2**32 - 1),
+    FD.TYPE_FIXED32: (0, 2**32 - 1),
+    FD.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FD.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    FD.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    FD.TYPE_UINT64: (0, 2**64 - 1),
+    FD.TYPE_FIXED64: (0, 2**64 - 1),
 }
 
 
 def _ints(lo: int, hi: int) -> st.SearchStrategy[int]:
-    edges = [v for v in (0, 1, -1, 7, 1000, 2**31 - 1, -(2**31), 2**32 - 1, 2**63 - 1, -(2**63), 2**64 - 1)
-             if lo <= v <= hi]
+    edges = [
+        v for v in (0, 1, -1, 7, 1000, 2**31 - 1, -(2**31), 2**32 - 1, 2**63 - 1, -(2**63), 2**64 - 1) if lo <= v <= hi
+    ]
     return st.sampled_from(edges) | st.integers(lo, hi)
 
 
@@ -161,8 +168,11 @@ def _valid_requests() -> dict[str, object]:
     chat.options.sampling_params.max_tokens = 4
     generate = scheduler_pb2.GenerateRequest(request_id="fuzz", prompt_token_ids=[1, 2, 3])
     generate.sampling_params.max_tokens = 4
-    return {"pagoda.v1.Generation.Generate": text, "pagoda.v1.Generation.Chat": chat,
-            "pagoda.v1.Scheduler.Generate": generate}
+    return {
+        "pagoda.v1.Generation.Generate": text,
+        "pagoda.v1.Generation.Chat": chat,
+        "pagoda.v1.Scheduler.Generate": generate,
+    }
 
 
 VALID = _valid_requests()
@@ -183,23 +193,44 @@ def _message_class(descriptor):
     return message_factory.GetMessageClass(descriptor)
 
 
-SERVICES = [service for module in (gateway_pb2, scheduler_pb2, kvcache_pb2, worker_pb2)
-            for service in module.DESCRIPTOR.services_by_name.values()]
+SERVICES = [
+    service
+    for module in (gateway_pb2, scheduler_pb2, kvcache_pb2, worker_pb2)
+    for service in module.DESCRIPTOR.services_by_name.values()
+]
 
 
 @pytest.fixture(scope="module")
 def stack(model_factory, tmp_path_factory):
-    s = start_serve(model_factory(arch="llama"), tmp_path_factory.mktemp("chaos-fuzz"),
-                    "--pipeline-parallel-size", "2", "--num-kv-blocks", "256", "--num-threads", "1",
-                    "--max-model-len", "512", "--served-model-name", "tiny", "--max-restarts", "20")
+    s = start_serve(
+        model_factory(arch="llama"),
+        tmp_path_factory.mktemp("chaos-fuzz"),
+        "--pipeline-parallel-size",
+        "2",
+        "--num-kv-blocks",
+        "256",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--max-restarts",
+        "20",
+    )
     yield s
     s.stop()
 
 
 def probe(stack) -> list[int]:
     c = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=60)
-    r = c.completions.create(model="tiny", prompt="The fuzzing probe", max_tokens=12, temperature=0,
-                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = c.completions.create(
+        model="tiny",
+        prompt="The fuzzing probe",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     return r.choices[0].token_ids
 
 
@@ -254,8 +285,9 @@ def test_every_method_of_every_service_survives_garbage(stack, probe_before, cha
     metadata = ((INTERNAL_TOKEN_HEADER, internal_token()),) if internal and internal_token() else None
     seen = SEEN.setdefault(f"{method.containing_service.name}.{method.name}", Counter())
 
-    @settings(max_examples=PER_METHOD, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=PER_METHOD, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
     @given(payload=payloads(method))
     def fuzz(payload):
         for address in address_of(stack, service_name):

@@ -42,11 +42,30 @@ def stack(model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("chaos-load")
     keys = logs / "keys.json"
     keys.write_text(json.dumps(KEYS))
-    s = start_serve(model_factory(arch="llama"), logs, "--pipeline-parallel-size", "2", "--num-kv-blocks", "256",
-                    "--num-threads", "1", "--max-model-len", "512", "--served-model-name", "tiny",
-                    "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue-len", str(MAX_QUEUE),
-                    "--scheduler-policy", "priority", "--api-keys-file", str(keys),
-                    "--stream-stall-timeout", str(STALL_S))
+    s = start_serve(
+        model_factory(arch="llama"),
+        logs,
+        "--pipeline-parallel-size",
+        "2",
+        "--num-kv-blocks",
+        "256",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--max-queue-len",
+        str(MAX_QUEUE),
+        "--scheduler-policy",
+        "priority",
+        "--api-keys-file",
+        str(keys),
+        "--stream-stall-timeout",
+        str(STALL_S),
+    )
     s.api_key = "sk-batch"
     yield s
     s.stop()
@@ -57,23 +76,34 @@ def client(stack, key="sk-batch"):
 
 
 def probe(stack) -> list[int]:
-    r = client(stack).completions.create(model="tiny", prompt="A fixed probe", max_tokens=12, temperature=0,
-                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client(stack).completions.create(
+        model="tiny",
+        prompt="A fixed probe",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     return r.choices[0].token_ids
 
 
 def pids(stack) -> dict[str, int]:
     return {k: stack.service_pid(k) for k in ("gateway", "scheduler", "kvcache")} | {
-        f"worker-{i}": stack.service_pid("worker", i) for i in (0, 1)}
+        f"worker-{i}": stack.service_pid("worker", i) for i in (0, 1)
+    }
 
 
 async def _rest_abandoned(stack, rng: random.Random) -> str:
     """A streamed completion read for a few events, then the connection dropped."""
-    body = json.dumps({"model": "tiny", "prompt": "storm " * rng.randint(1, 20), "max_tokens": 64,
-                       "stream": True, "ignore_eos": True})
+    body = json.dumps(
+        {"model": "tiny", "prompt": "storm " * rng.randint(1, 20), "max_tokens": 64, "stream": True, "ignore_eos": True}
+    )
     reader, writer = await asyncio.open_connection("127.0.0.1", stack.port)
-    writer.write((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-batch\r\n"
-                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    writer.write(
+        (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-batch\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+        ).encode()
+    )
     await writer.drain()
     stop_after = rng.randint(0, 12)  # 0: before the first event
     events = 0
@@ -115,8 +145,12 @@ def test_cancel_storm_leaves_nothing_behind(stack):
     async def storm():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
             stub = gateway_pb2_grpc.GenerationStub(channel)
-            jobs = [_rest_abandoned(stack, random.Random(rng.random())) if i % 2 else
-                    _grpc_abandoned(stack, random.Random(rng.random()), stub) for i in range(STORM)]
+            jobs = [
+                _rest_abandoned(stack, random.Random(rng.random()))
+                if i % 2
+                else _grpc_abandoned(stack, random.Random(rng.random()), stub)
+                for i in range(STORM)
+            ]
             return await asyncio.gather(*jobs, return_exceptions=True)
 
     results = asyncio.run(storm())
@@ -125,8 +159,10 @@ def test_cancel_storm_leaves_nothing_behind(stack):
     while stack.kv_used_blocks() and time.time() < deadline:
         time.sleep(0.2)
     used = stack.kv_used_blocks()
-    print(f"\n[chaos] cancel storm: {STORM} streams ({STORM // 2} REST, {STORM - STORM // 2} gRPC) abandoned, "
-          f"{len(failures)} client-side failures, {used} KV blocks in use afterwards")
+    print(
+        f"\n[chaos] cancel storm: {STORM} streams ({STORM // 2} REST, {STORM - STORM // 2} gRPC) abandoned, "
+        f"{len(failures)} client-side failures, {used} KV blocks in use afterwards"
+    )
     assert failures == [], failures[:3]
     assert used == 0
     assert pids(stack) == before_pids, "no process died"
@@ -143,8 +179,9 @@ def test_overload_is_refused_fast_and_the_urgent_go_first(stack):
         while time.time() < stop:
             start = time.time()
             try:
-                c.completions.create(model="tiny", prompt=f"load {i} " * 8, max_tokens=32,
-                                     extra_body={"ignore_eos": True})
+                c.completions.create(
+                    model="tiny", prompt=f"load {i} " * 8, max_tokens=32, extra_body={"ignore_eos": True}
+                )
                 outcome = ("ok", time.time() - start, None)
             except openai.RateLimitError as exc:
                 outcome = ("429", time.time() - start, exc.response.headers.get("retry-after"))
@@ -169,7 +206,8 @@ def test_overload_is_refused_fast_and_the_urgent_go_first(stack):
         time.sleep(OVERLOAD_S / 3)  # the queue is full now
         t0 = time.time()
         urgent = client(stack, "sk-urgent").completions.create(
-            model="tiny", prompt="urgent", max_tokens=8, stream=True, extra_body={"ignore_eos": True})
+            model="tiny", prompt="urgent", max_tokens=8, stream=True, extra_body={"ignore_eos": True}
+        )
         next(iter(urgent))
         urgent_ttft = time.time() - t0
         for _ in urgent:
@@ -177,10 +215,12 @@ def test_overload_is_refused_fast_and_the_urgent_go_first(stack):
     ok = [d for kind, d, _ in outcomes if kind == "ok"]
     refused = [(d, ra) for kind, d, ra in outcomes if kind == "429"]
     other = [kind for kind, _, _ in outcomes if kind not in ("ok", "429")]
-    print(f"\n[chaos] overload: {clients} clients for {OVERLOAD_S:.0f} s: {len(outcomes)} requests, {len(ok)} "
-          f"completed (median {statistics.median(ok):.2f} s), {len(refused)} refused 429 (median "
-          f"{statistics.median([d for d, _ in refused]) * 1000:.0f} ms), {len(other)} other; urgent key's "
-          f"first token after {urgent_ttft:.2f} s; peak RSS MB {({k: v >> 20 for k, v in peak_rss.items()})}")
+    print(
+        f"\n[chaos] overload: {clients} clients for {OVERLOAD_S:.0f} s: {len(outcomes)} requests, {len(ok)} "
+        f"completed (median {statistics.median(ok):.2f} s), {len(refused)} refused 429 (median "
+        f"{statistics.median([d for d, _ in refused]) * 1000:.0f} ms), {len(other)} other; urgent key's "
+        f"first token after {urgent_ttft:.2f} s; peak RSS MB { ({k: v >> 20 for k, v in peak_rss.items()}) }"
+    )
     assert other == [], other[:5]
     assert refused and ok
     assert all(ra is not None and int(ra) >= 1 for _, ra in refused), "every 429 says when to come back"
@@ -220,24 +260,50 @@ def test_a_slow_consumer_stalls_nobody_and_is_cut_off(stack):
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect(("127.0.0.1", stack.port))
-        body = json.dumps({"model": "tiny", "prompt": f"slow {i}", "max_tokens": 480, "n": 2, "stream": True,
-                           "ignore_eos": True, "logprobs": 20})
-        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-batch\r\n"
-                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        body = json.dumps(
+            {
+                "model": "tiny",
+                "prompt": f"slow {i}",
+                "max_tokens": 480,
+                "n": 2,
+                "stream": True,
+                "ignore_eos": True,
+                "logprobs": 20,
+            }
+        )
+        s.sendall(
+            (
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-batch\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+            ).encode()
+        )
         slow.append(s)  # not read until the end
-    channel = grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}", options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024), ("grpc.use_local_subchannel_pool", 1)])
+    channel = grpc.insecure_channel(
+        f"127.0.0.1:{stack.grpc_port}",
+        options=[
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", 1024),
+            ("grpc.use_local_subchannel_pool", 1),
+        ],
+    )
     req = gateway_pb2.TextGenerateRequest(text="slow grpc")
     req.options.sampling_params.max_tokens = 480
     req.options.sampling_params.ignore_eos = True
     req.options.sampling_params.logprobs = 20
     slow_grpc = gateway_pb2_grpc.GenerationStub(channel).Generate(
-        req, metadata=(("authorization", "Bearer sk-batch"),))  # not read until the end
+        req, metadata=(("authorization", "Bearer sk-batch"),)
+    )  # not read until the end
     try:
         started = time.time()
         with ThreadPoolExecutor(8) as pool:
-            done = list(pool.map(lambda i: client(stack, "sk-urgent").completions.create(
-                model="tiny", prompt=f"normal {i}", max_tokens=16, extra_body={"ignore_eos": True}),
-                range(8)))
+            done = list(
+                pool.map(
+                    lambda i: client(stack, "sk-urgent").completions.create(
+                        model="tiny", prompt=f"normal {i}", max_tokens=16, extra_body={"ignore_eos": True}
+                    ),
+                    range(8),
+                )
+            )
         elapsed = time.time() - started
         rss_after = rss_bytes(gateway)
         deadline = time.time() + 60
@@ -252,13 +318,20 @@ def test_a_slow_consumer_stalls_nobody_and_is_cut_off(stack):
             s.close()
         slow_grpc.cancel()
         channel.close()
-    reasons = [[json.loads(line[6:])["choices"][0]["finish_reason"] for line in b.decode().split("\n")
-                if line.startswith("data: {") and '"finish_reason":null' not in line.replace(" ", "")]
-               for b in bodies]
-    print(f"\n[chaos] slow consumers: 2 REST (n=2) and 1 gRPC streams unread, 8 other requests done in "
-          f"{elapsed:.1f} s; gateway RSS {rss_before >> 20} -> {rss_after >> 20} MB; unread requests aborted, "
-          f"blocks freed after {freed_after:.1f} s; REST bodies {[len(b) >> 10 for b in bodies]} KiB, finish "
-          f"reasons {reasons}, gRPC {grpc_reasons}")
+    reasons = [
+        [
+            json.loads(line[6:])["choices"][0]["finish_reason"]
+            for line in b.decode().split("\n")
+            if line.startswith("data: {") and '"finish_reason":null' not in line.replace(" ", "")
+        ]
+        for b in bodies
+    ]
+    print(
+        f"\n[chaos] slow consumers: 2 REST (n=2) and 1 gRPC streams unread, 8 other requests done in "
+        f"{elapsed:.1f} s; gateway RSS {rss_before >> 20} -> {rss_after >> 20} MB; unread requests aborted, "
+        f"blocks freed after {freed_after:.1f} s; REST bodies {[len(b) >> 10 for b in bodies]} KiB, finish "
+        f"reasons {reasons}, gRPC {grpc_reasons}"
+    )
     assert all(r.choices[0].finish_reason == "length" for r in done)
     assert elapsed < 30
     assert rss_after - rss_before < 200 * 1024**2

@@ -56,19 +56,41 @@ def adapters(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(model_dir, adapters, tmp_path_factory):
-    s = start_serve(model_dir, tmp_path_factory.mktemp("chaos-lora"), "--pipeline-parallel-size", "2",
-                    "--num-kv-blocks", "512", "--num-threads", "1", "--max-model-len", "512",
-                    "--served-model-name", "tiny", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "8",
-                    "--allow-runtime-lora-updating", "--lora-modules", f"static={adapters['static']}",
-                    "--max-restarts", "20", "--step-timeout-s", "3")
+    s = start_serve(
+        model_dir,
+        tmp_path_factory.mktemp("chaos-lora"),
+        "--pipeline-parallel-size",
+        "2",
+        "--num-kv-blocks",
+        "512",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--enable-lora",
+        "--max-loras",
+        "3",
+        "--max-lora-rank",
+        "8",
+        "--allow-runtime-lora-updating",
+        "--lora-modules",
+        f"static={adapters['static']}",
+        "--max-restarts",
+        "20",
+        "--step-timeout-s",
+        "3",
+    )
     assert post(s, "/v1/load_lora_adapter", {"lora_name": "rt", "lora_path": adapters["rt"]})[0] == 200
     yield s
     s.stop()
 
 
 def post(stack, path: str, body: dict) -> tuple[int, dict | str]:
-    request = urllib.request.Request(f"{stack.url}{path}", json.dumps(body).encode(),
-                                     {"content-type": "application/json"})
+    request = urllib.request.Request(
+        f"{stack.url}{path}", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=180) as resp:
             return resp.status, resp.read().decode()
@@ -106,8 +128,13 @@ def run_all(stack, items, during=None):
             if kind == "embed":
                 r = c.embeddings.create(model=model, input=[ids], encoding_format="float")
                 return ("ok", torch.tensor(r.data[0].embedding))
-            r = c.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+            r = c.completions.create(
+                model=model,
+                prompt=ids,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
             return ("ok", r.choices[0].token_ids)
         except (openai.APIError, openai.APIConnectionError) as exc:
             return ("error", f"{type(exc).__name__}: {exc}")
@@ -136,8 +163,9 @@ def baseline(stack, model_dir, adapters):
         i = next(i for i, (kind, m, _) in enumerate(items) if kind == "complete" and m == model)
         check_greedy(merged_model(model_dir, adapters.get(model)), items[i][2], outcomes[i][1])
     i = next(i for i, (kind, m, _) in enumerate(items) if kind == "embed" and m == "rt")  # the adapter's vector
-    assert torch.allclose(outcomes[i][1], pooled_last(merged_model(model_dir, adapters["rt"]), items[i][2]),
-                          atol=1e-5, rtol=0)
+    assert torch.allclose(
+        outcomes[i][1], pooled_last(merged_model(model_dir, adapters["rt"]), items[i][2]), atol=1e-5, rtol=0
+    )
     return items, [value for _, value in outcomes]
 
 
@@ -153,10 +181,11 @@ def kill(stack, stage: int) -> int:
 
 def check_burst(name, outcomes, want) -> None:
     errors = [o for o in outcomes if o[0] != "ok"]
-    print(f"\n[chaos] {name}: {len(outcomes)} requests, {len(outcomes) - len(errors)} completed, "
-          f"{len(errors)} errors")
+    print(f"\n[chaos] {name}: {len(outcomes)} requests, {len(outcomes) - len(errors)} completed, {len(errors)} errors")
     assert not errors, errors
-    assert all(same(got, w) for (_, got), w in zip(outcomes, want, strict=True)), "outputs differ from the undisturbed run"
+    assert all(same(got, w) for (_, got), w in zip(outcomes, want, strict=True)), (
+        "outputs differ from the undisturbed run"
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 0])
@@ -178,8 +207,9 @@ def test_a_stage_restart_keeps_the_runtime_adapter_and_fails_nothing(stack, base
     c.completions.create(model="rt", prompt=ids, max_tokens=1)  # its prefix cached under the old weights
     assert post(stack, "/v1/unload_lora_adapter", {"lora_name": "rt"})[0] == 200
     assert post(stack, "/v1/load_lora_adapter", {"lora_name": "rt", "lora_path": adapters["other"]})[0] == 200
-    out = c.completions.create(model="rt", prompt=ids, max_tokens=8, temperature=0,
-                               extra_body={"ignore_eos": True, "return_token_ids": True})
+    out = c.completions.create(
+        model="rt", prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True}
+    )
     assert out.usage.prompt_tokens_details.cached_tokens == 0
     check_greedy(merged_model(model_dir, adapters["other"]), ids, out.choices[0].token_ids)
     assert post(stack, "/v1/unload_lora_adapter", {"lora_name": "rt"})[0] == 200

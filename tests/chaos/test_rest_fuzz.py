@@ -18,9 +18,20 @@ MAX_BODY = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def stack(model_factory, tmp_path_factory):
-    s = start_serve(model_factory(arch="llama"), tmp_path_factory.mktemp("chaos-rest"), "--num-kv-blocks", "256",
-                    "--num-threads", "1", "--max-model-len", "512", "--served-model-name", "tiny",
-                    "--max-body-bytes", str(MAX_BODY))
+    s = start_serve(
+        model_factory(arch="llama"),
+        tmp_path_factory.mktemp("chaos-rest"),
+        "--num-kv-blocks",
+        "256",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--max-body-bytes",
+        str(MAX_BODY),
+    )
     yield s
     s.stop()
 
@@ -38,8 +49,13 @@ def post(stack, path: str, body: bytes, headers: dict | None = None) -> tuple[in
 
 
 def probe(stack) -> bytes:
-    status, body = post(stack, "/v1/completions", json.dumps(
-        {"model": "tiny", "prompt": "probe", "max_tokens": 8, "temperature": 0, "ignore_eos": True}).encode())
+    status, body = post(
+        stack,
+        "/v1/completions",
+        json.dumps(
+            {"model": "tiny", "prompt": "probe", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        ).encode(),
+    )
     assert status == 200, body
     return json.loads(body)["choices"][0]["text"]
 
@@ -55,8 +71,11 @@ CORPUS = [
     ("/v1/completions", json.dumps({"prompt": "a", "seed": 2**70}).encode(), "seed"),
     ("/v1/completions", deep(5000), None),
     ("/v1/completions", json.dumps({"prompt": "a", "stop": ["x"] * 10_000}).encode(), "stop"),
-    ("/v1/completions", json.dumps({"prompt": "a", "logit_bias": {str(i): 1 for i in range(5000)}}).encode(),
-     "logit_bias"),
+    (
+        "/v1/completions",
+        json.dumps({"prompt": "a", "logit_bias": {str(i): 1 for i in range(5000)}}).encode(),
+        "logit_bias",
+    ),
     ("/v1/completions", json.dumps({"prompt": [10**9]}).encode(), "prompt"),
     ("/v1/completions", json.dumps({"prompt": [-1, 2]}).encode(), "prompt"),
     ("/v1/completions", json.dumps({"prompt": "a", "n": 10_000}).encode(), "n"),
@@ -67,8 +86,11 @@ CORPUS = [
     ("/v1/completions", b"[]", None),
     ("/v1/completions", b"", None),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "a"}] * 100_000}).encode(), None),
-    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": {"x": 1}}]}).encode(),
-     "messages[0].content"),
+    (
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": {"x": 1}}]}).encode(),
+        "messages[0].content",
+    ),
     ("/tokenize", json.dumps({"prompt": "\ud800"}).encode(), "prompt"),
     ("/detokenize", json.dumps({"tokens": [2**63]}).encode(), "tokens"),
     ("/v1/completions", b"x" * BIG, None),  # 100 MB: refused by size, never parsed
@@ -107,15 +129,23 @@ def test_schemathesis_over_the_openapi(stack):
     for result in schema.get_all_operations():
         operation = result.ok()
 
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy())
         def check(case):
             nonlocal count
             if case.body is not None and isinstance(case.body, dict):
                 case.body.pop("stream", None)  # the streamed form is covered by the e2e tests
-                case.body["max_tokens"] = min(int(case.body.get("max_tokens") or 8), 8) \
-                    if isinstance(case.body.get("max_tokens"), int) else case.body.get("max_tokens")
+                case.body["max_tokens"] = (
+                    min(int(case.body.get("max_tokens") or 8), 8)
+                    if isinstance(case.body.get("max_tokens"), int)
+                    else case.body.get("max_tokens")
+                )
             response = case.call(base_url=stack.url, timeout=60)
             count += 1
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
@@ -128,7 +158,9 @@ def test_schemathesis_over_the_openapi(stack):
     deadline = time.time() + 20
     while stack.kv_used_blocks() and time.time() < deadline:
         time.sleep(0.2)
-    print(f"\n[fuzz] schemathesis: {count} requests over {len(list(schema.get_all_operations()))} operations, "
-          f"statuses {dict(sorted(statuses.items()))}, {len(failures)} failures")
+    print(
+        f"\n[fuzz] schemathesis: {count} requests over {len(list(schema.get_all_operations()))} operations, "
+        f"statuses {dict(sorted(statuses.items()))}, {len(failures)} failures"
+    )
     assert failures == [], failures[:5]
     assert stack.kv_used_blocks() == 0

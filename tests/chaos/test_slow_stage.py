@@ -33,10 +33,25 @@ RUN_S, PERIOD_S = 0.005, 0.1  # the throttle: 1/20 of the time running
 def stack(model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("chaos-slow-stage")
     model = model_factory(arch="llama", hidden_size=256, num_layers=8, intermediate_size=768)
-    s = start_serve(model, logs, "--num-kv-blocks", "1024", "--block-size", "16", "--num-threads", "1",
-                    "--max-model-len", "1024", "--served-model-name", "tiny", "--max-num-batched-tokens", "2048",
-                    "--step-timeout-s", str(STEP_TIMEOUT_S),
-                    env={"PAGODA_TRACE_SCHEDULER": "1", "PAGODA_TRACE_FILE": str(logs / "trace.jsonl")})
+    s = start_serve(
+        model,
+        logs,
+        "--num-kv-blocks",
+        "1024",
+        "--block-size",
+        "16",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        "tiny",
+        "--max-num-batched-tokens",
+        "2048",
+        "--step-timeout-s",
+        str(STEP_TIMEOUT_S),
+        env={"PAGODA_TRACE_SCHEDULER": "1", "PAGODA_TRACE_FILE": str(logs / "trace.jsonl")},
+    )
     s.trace_path = logs / "trace.jsonl"
     yield s
     s.stop()
@@ -44,8 +59,10 @@ def stack(model_factory, tmp_path_factory):
 
 def prompts(tag: str):
     """Prompts of their own per run: a run's prefills are computed, not found cached."""
-    return [f"{tag} request {i}: " + "the quick brown fox jumps over the lazy dog " * (8 + i % 5)
-            for i in range(NUM_REQUESTS)]
+    return [
+        f"{tag} request {i}: " + "the quick brown fox jumps over the lazy dog " * (8 + i % 5)
+        for i in range(NUM_REQUESTS)
+    ]
 
 
 def run_all(stack, tag: str):
@@ -53,8 +70,13 @@ def run_all(stack, tag: str):
 
     def one(prompt):
         try:
-            r = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+            r = c.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
             return ("ok", r.choices[0].token_ids)
         except (openai.APIError, openai.APIConnectionError) as exc:
             return ("error", f"{type(exc).__name__}: {exc}")
@@ -102,9 +124,11 @@ def test_a_throttled_stage_finishes_every_request_with_no_preemption_loop(stack)
     events = trace_events(stack.trace_path, mark)
     baseline = run_all(stack, "throttled")  # the same prompts at full speed (prefix hits: exact too)
     late = [e for e in events if e.get("event") == "late"]
-    print(f"\n[chaos] worker throttled to 1/20: {len(outcomes)} requests, "
-          f"{sum(o[0] == 'ok' for o in outcomes)} completed in {took:.1f} s; {len(late)} late steps "
-          f"(blamed {[b for e in late for b in e['blamed']]}, caps {[e['token_cap'] for e in late]})")
+    print(
+        f"\n[chaos] worker throttled to 1/20: {len(outcomes)} requests, "
+        f"{sum(o[0] == 'ok' for o in outcomes)} completed in {took:.1f} s; {len(late)} late steps "
+        f"(blamed {[b for e in late for b in e['blamed']]}, caps {[e['token_cap'] for e in late]})"
+    )
     assert [o[0] for o in outcomes] == ["ok"] * NUM_REQUESTS, outcomes
     assert [o[1] for o in outcomes] == [o[1] for o in baseline], "outputs differ from the undisturbed run"
     assert late, "the throttled prefill steps should pass their deadline"

@@ -22,10 +22,13 @@ from support.stack import start_serve
 # Llama and Qwen2 are served at one stage by many other tests (tests/e2e/test_tensor_parallel.py,
 # test_scheduler_stack.py, ...): here at two, to keep the stacks this file starts to 14
 NEW = ("mistral", "qwen3", "gemma2", "gemma3", "phi3")
-CASES = [(arch, "pp", 1) for arch in NEW] + [(arch, "pp", 2) for arch in ARCH_CONFIGS] + [
-    ("qwen3", "tp", 2), ("gemma3", "tp", 2)] + [
-    (arch, "pp", size) for arch in MOE_CONFIGS for size in (1, 2)] + [("qwen3_moe", "tp", 2), ("gpt_oss", "tp", 2),
-    ("qwen3_moe", "ep", 2)]
+CASES = (
+    [(arch, "pp", 1) for arch in NEW]
+    + [(arch, "pp", 2) for arch in ARCH_CONFIGS]
+    + [("qwen3", "tp", 2), ("gemma3", "tp", 2)]
+    + [(arch, "pp", size) for arch in MOE_CONFIGS for size in (1, 2)]
+    + [("qwen3_moe", "tp", 2), ("gpt_oss", "tp", 2), ("qwen3_moe", "ep", 2)]
+)
 MAX_TOKENS = 12
 
 
@@ -53,14 +56,32 @@ def test_served_greedy_equals_transformers(built, tmp_path, arch, split, size):
     folder, ref = built(arch)
     flag = "--pipeline-parallel-size" if split == "pp" else "--tensor-parallel-size"
     ep = ["--enable-expert-parallel"] if split == "ep" else []  # TP ranks holding whole experts
-    stack = start_serve(folder, tmp_path, "--dtype", "float32", flag, str(size), *ep, "--num-kv-blocks", "160",
-                        "--block-size", "8", "--max-num-batched-tokens", "48")
+    stack = start_serve(
+        folder,
+        tmp_path,
+        "--dtype",
+        "float32",
+        flag,
+        str(size),
+        *ep,
+        "--num-kv-blocks",
+        "160",
+        "--block-size",
+        "8",
+        "--max-num-batched-tokens",
+        "48",
+    )
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
     work = prompts()
 
     def one(prompt: list[int]) -> list[int]:
-        done = client.completions.create(model=folder, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+        done = client.completions.create(
+            model=folder,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         return done.choices[0].model_extra["token_ids"]
 
     try:
@@ -109,8 +130,13 @@ def test_a_gemma3_sequence_of_four_windows_holds_its_window_in_the_sliding_group
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        got = client.completions.create(model=folder, prompt=prompt, max_tokens=4 * window + 40 - len(prompt),
-                                        temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+        got = client.completions.create(
+            model=folder,
+            prompt=prompt,
+            max_tokens=4 * window + 40 - len(prompt),
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
     finally:
         done.set()
         watcher.join()

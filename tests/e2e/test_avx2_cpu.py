@@ -20,15 +20,20 @@ from support.stack import start_serve
 
 from wiring.model_source import DEFAULT_MODEL_NAME
 
-AVX2_CAPS = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-             "PAGODA_CPU_ISA": "avx2"}
+AVX2_CAPS = {
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "PAGODA_CPU_ISA": "avx2",
+}
 NUM_REQUESTS = 64
 
 
 @pytest.fixture(scope="module")
 def avx2_stack(real_gguf, tmp_path_factory):
-    stack = start_serve(None, tmp_path_factory.mktemp("avx2-serve"), "--num-kv-blocks", "1024",
-                        env=AVX2_CAPS, timeout_s=300)
+    stack = start_serve(
+        None, tmp_path_factory.mktemp("avx2-serve"), "--num-kv-blocks", "1024", env=AVX2_CAPS, timeout_s=300
+    )
     yield stack
     stack.stop()
 
@@ -47,8 +52,13 @@ def test_a_burst_of_64_requests_completes(avx2_stack):
 
     def one(i: int) -> tuple[str, int]:
         prompt = " ".join(words[(i + j) % len(words)] for j in range(100))  # ~128 tokens
-        r = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=f"{i}: {prompt}", max_tokens=16,
-                                      temperature=0, extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=DEFAULT_MODEL_NAME,
+            prompt=f"{i}: {prompt}",
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         return r.choices[0].finish_reason, r.usage.completion_tokens
 
     with ThreadPoolExecutor(NUM_REQUESTS) as pool:

@@ -78,11 +78,31 @@ def stack(model_factory, tmp_path_factory):
     port, grpc_port = free_port(), free_port()
     serve = ServiceProcess(
         "serve",
-        pagoda_command("serve", model_factory(arch="llama"), "--port", str(port), "--grpc-port", str(grpc_port),
-                       "--num-kv-blocks", "128", "--num-threads", "1", "--max-model-len", "512",
-                       "--served-model-name", MODEL, "--log-dir", str(logs), "--chat-template", str(template),
-                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
-        f"127.0.0.1:{grpc_port}", log_path=logs / "serve.log",
+        pagoda_command(
+            "serve",
+            model_factory(arch="llama"),
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--num-kv-blocks",
+            "128",
+            "--num-threads",
+            "1",
+            "--max-model-len",
+            "512",
+            "--served-model-name",
+            MODEL,
+            "--log-dir",
+            str(logs),
+            "--chat-template",
+            str(template),
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+        ),
+        f"127.0.0.1:{grpc_port}",
+        log_path=logs / "serve.log",
     )
     serve.start()
     try:
@@ -98,17 +118,25 @@ def stack(model_factory, tmp_path_factory):
 def test_recipe_runs(stack, lang, code, tmp_path):
     port, grpc_port = stack
     code = code.replace("localhost:8000", f"127.0.0.1:{port}").replace("localhost:50051", f"127.0.0.1:{grpc_port}")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "HOME": str(tmp_path)}  # no user configuration of any client library leaks in
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "HOME": str(tmp_path),
+    }  # no user configuration of any client library leaks in
     command = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert done.stdout.strip(), done.stderr
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # a random tiny model writes a call only when made to: the one choice it may write is the call
@@ -116,8 +144,9 @@ FORCED = {"guided_choice": [CALL]}
 
 
 def _post(port: int, path: str, body: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     return json.load(urllib.request.urlopen(request, timeout=60))
 
 
@@ -126,17 +155,22 @@ def test_auto_tool_calls_round_trip_with_the_openai_sdk(stack):
     its result rendered back through the template in the second turn."""
     port, _ = stack
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-    choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="auto",
-                                            max_tokens=100, extra_body=FORCED).choices[0]
+    choice = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=100, extra_body=FORCED
+    ).choices[0]
     assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
     [call] = choice.message.tool_calls
     assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
-        "function", "get_weather", {"city": "Paris"})
+        "function",
+        "get_weather",
+        {"city": "Paris"},
+    )
 
     calls: dict[int, dict] = {}
     finish = None
-    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=100,
-                                                stream=True, extra_body=FORCED):
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=100, stream=True, extra_body=FORCED
+    ):
         for c in chunk.choices:
             assert not c.delta.content  # the call is not content
             for piece in c.delta.tool_calls or ():
@@ -146,8 +180,11 @@ def test_auto_tool_calls_round_trip_with_the_openai_sdk(stack):
     assert finish == "tool_calls" and list(calls) == [0] and calls[0]["id"]
     assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == ("get_weather", {"city": "Paris"})
 
-    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 22}'}]
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 22}'},
+    ]
     second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=8)
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     tokens = _post(port, "/tokenize", {"messages": messages, "tools": [WEATHER]})["tokens"]
@@ -160,8 +197,12 @@ def test_auto_tool_calls_round_trip_with_the_openai_sdk(stack):
 
 # Responses' flat function tool; the same function as WEATHER
 RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
-COLOUR = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"],
-          "additionalProperties": False}
+COLOUR = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green"]}},
+    "required": ["colour"],
+    "additionalProperties": False,
+}
 
 
 def test_the_responses_api_with_the_openai_sdk(stack):
@@ -170,45 +211,89 @@ def test_the_responses_api_with_the_openai_sdk(stack):
     sent back with previous_response_id and rendered as chat renders it."""
     port, _ = stack
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-                {"role": "user", "content": [{"type": "input_text", "text": "A story?"}]}]
-    whole = client.responses.create(model=MODEL, input=messages, instructions="Be brief.", max_output_tokens=8,
-                                    temperature=0)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": [{"type": "input_text", "text": "A story?"}]},
+    ]
+    whole = client.responses.create(
+        model=MODEL, input=messages, instructions="Be brief.", max_output_tokens=8, temperature=0
+    )
     assert whole.status in ("completed", "incomplete") and whole.usage.output_tokens > 0
-    tokens = _post(port, "/tokenize", {"messages": [{"role": "system", "content": "Be brief."}, *messages[:2],
-                                                    {"role": "user", "content": "A story?"}]})["tokens"]
+    tokens = _post(
+        port,
+        "/tokenize",
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                *messages[:2],
+                {"role": "user", "content": "A story?"},
+            ]
+        },
+    )["tokens"]
     assert whole.usage.input_tokens == len(tokens)
-    events = list(client.responses.create(model=MODEL, input=messages, instructions="Be brief.",
-                                          max_output_tokens=8, temperature=0, stream=True))
+    events = list(
+        client.responses.create(
+            model=MODEL, input=messages, instructions="Be brief.", max_output_tokens=8, temperature=0, stream=True
+        )
+    )
     assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
     assert events[-1].type == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == events[-1].response.output_text == whole.output_text  # greedy: the same text
 
-    shaped = client.responses.create(model=MODEL, input="A colour?", max_output_tokens=20, text={
-        "format": {"type": "json_schema", "name": "colour", "schema": COLOUR, "strict": True}})
+    shaped = client.responses.create(
+        model=MODEL,
+        input="A colour?",
+        max_output_tokens=20,
+        text={"format": {"type": "json_schema", "name": "colour", "schema": COLOUR, "strict": True}},
+    )
     assert json.loads(shaped.output_text)["colour"] in ("red", "green")
 
-    called = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[RESPONSES_WEATHER],
-                                     max_output_tokens=100, extra_body=FORCED)
+    called = client.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=[RESPONSES_WEATHER],
+        max_output_tokens=100,
+        extra_body=FORCED,
+    )
     [call] = called.output
     assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
-    with client.responses.stream(model=MODEL, input="What is the weather in Paris?", tools=[RESPONSES_WEATHER],
-                                 max_output_tokens=100, extra_body=FORCED) as stream:
+    with client.responses.stream(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=[RESPONSES_WEATHER],
+        max_output_tokens=100,
+        extra_body=FORCED,
+    ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
     assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
     assert [(o.type, o.name, json.loads(o.arguments)) for o in final.output] == [
-        ("function_call", "get_weather", {"city": "Paris"})]
+        ("function_call", "get_weather", {"city": "Paris"})
+    ]
 
     result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 22}'}
-    second = client.responses.create(model=MODEL, previous_response_id=called.id, input=[result],
-                                     tools=[RESPONSES_WEATHER], tool_choice="none", max_output_tokens=8)
+    second = client.responses.create(
+        model=MODEL,
+        previous_response_id=called.id,
+        input=[result],
+        tools=[RESPONSES_WEATHER],
+        tool_choice="none",
+        max_output_tokens=8,
+    )
     assert second.previous_response_id == called.id and second.status in ("completed", "incomplete")
-    chat_call = {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}
-    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [chat_call]},
-            {"role": "tool", "tool_call_id": call.call_id, "content": '{"temperature_c": 22}'}]
+    chat_call = {
+        "id": call.call_id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": call.arguments},
+    }
+    turn = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"temperature_c": 22}'},
+    ]
     tokens = _post(port, "/tokenize", {"messages": turn, "tools": [WEATHER]})["tokens"]
     assert second.usage.input_tokens == len(tokens)
     assert client.responses.retrieve(second.id).output_text == second.output_text

@@ -26,8 +26,9 @@ from wiring.launcher import ServiceProcess, free_port, pagoda_command
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 RESULTS = Path(os.environ.get("PAGODA_TEST_RESULTS", Path(__file__).resolve().parents[2] / "test-results"))
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine (make browser installs "
-                                                         "Debian's where apt-get runs as root)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium on this machine (make browser installs Debian's where apt-get runs as root)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +37,30 @@ def stack(model_factory, tmp_path_factory):
     port, grpc_port = free_port(), free_port()
     serve = ServiceProcess(
         "serve",
-        pagoda_command("serve", model_factory(arch="llama"), "--port", str(port), "--grpc-port", str(grpc_port),
-                       "--pipeline-parallel-size", "2", "--num-kv-blocks", "96", "--block-size", "16",
-                       "--num-threads", "1", "--max-model-len", "512", "--served-model-name", "tiny",
-                       "--log-dir", str(logs)),
-        f"127.0.0.1:{grpc_port}", log_path=logs / "serve.log",
+        pagoda_command(
+            "serve",
+            model_factory(arch="llama"),
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--pipeline-parallel-size",
+            "2",
+            "--num-kv-blocks",
+            "96",
+            "--block-size",
+            "16",
+            "--num-threads",
+            "1",
+            "--max-model-len",
+            "512",
+            "--served-model-name",
+            "tiny",
+            "--log-dir",
+            str(logs),
+        ),
+        f"127.0.0.1:{grpc_port}",
+        log_path=logs / "serve.log",
     )
     serve.start()
     try:
@@ -69,8 +89,9 @@ def test_the_dashboard_moves_under_load_in_chromium(stack):
     def load(i: int) -> None:
         while running:
             try:
-                client.completions.create(model="tiny", prompt=f"Tell me a story {i} " * 8, max_tokens=48,
-                                          temperature=1.0)
+                client.completions.create(
+                    model="tiny", prompt=f"Tell me a story {i} " * 8, max_tokens=48, temperature=1.0
+                )
             except BaseException as exc:  # noqa: BLE001 - reported below
                 failures.append(exc)
                 return
@@ -89,9 +110,11 @@ def test_the_dashboard_moves_under_load_in_chromium(stack):
             for w in workers:
                 w.start()
             try:
-                page.wait_for_function("Number(document.getElementById('tokens-per-s').textContent) > 0 "
-                                       "&& Number(document.getElementById('running').textContent) > 0",
-                                       timeout=30_000)
+                page.wait_for_function(
+                    "Number(document.getElementById('tokens-per-s').textContent) > 0 "
+                    "&& Number(document.getElementById('running').textContent) > 0",
+                    timeout=30_000,
+                )
                 time.sleep(2.5)  # a few polls: the timeline and the throughput line fill in
                 RESULTS.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(RESULTS / "dashboard.png"), full_page=True)

@@ -38,16 +38,46 @@ def model_dir(model_factory):
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("embeddings-stack-logs")
-    serve = start_serve(model_dir, logs, "--task", "embed", "--pipeline-parallel-size", "2",
-                        "--num-kv-blocks", "64", "--num-threads", "1", "--max-num-batched-tokens", "64",
-                        "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny")
+    serve = start_serve(
+        model_dir,
+        logs,
+        "--task",
+        "embed",
+        "--pipeline-parallel-size",
+        "2",
+        "--num-kv-blocks",
+        "64",
+        "--num-threads",
+        "1",
+        "--max-num-batched-tokens",
+        "64",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--served-model-name",
+        "tiny",
+    )
     mean_port, mean_grpc = free_port(), free_port()
     mean = ServiceProcess(  # a second gateway on the same scheduler, mean pooling
         "gateway-mean",
-        pagoda_command("gateway", "--model", model_dir, "--scheduler", serve.ready["scheduler"],
-                       "--port", str(mean_port), "--grpc-port", str(mean_grpc), "--max-model-len",
-                       str(MAX_MODEL_LEN), "--served-model-name", "tiny", "--pooling-type", "MEAN"),
-        f"127.0.0.1:{mean_grpc}", log_path=logs / "gateway-mean.log",
+        pagoda_command(
+            "gateway",
+            "--model",
+            model_dir,
+            "--scheduler",
+            serve.ready["scheduler"],
+            "--port",
+            str(mean_port),
+            "--grpc-port",
+            str(mean_grpc),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--served-model-name",
+            "tiny",
+            "--pooling-type",
+            "MEAN",
+        ),
+        f"127.0.0.1:{mean_grpc}",
+        log_path=logs / "gateway-mean.log",
     )
     try:
         mean.start()
@@ -121,8 +151,9 @@ def test_token_id_inputs_and_a_prompt_that_fills_the_context(stack, hf_model):
         got = torch.tensor(item.embedding)
         assert torch.allclose(got, reference(hf_model, prompt, "MEAN"), atol=1e-5, rtol=0)
     one = sdk(stack.port).embeddings.create(model="tiny", input=prompts[0], encoding_format="float")
-    assert torch.allclose(torch.tensor(one.data[0].embedding), reference(hf_model, prompts[0], "LAST"),
-                          atol=1e-5, rtol=0)
+    assert torch.allclose(
+        torch.tensor(one.data[0].embedding), reference(hf_model, prompts[0], "LAST"), atol=1e-5, rtol=0
+    )
 
 
 def test_the_sdk_sees_refusals_naming_the_field(stack):
@@ -152,8 +183,9 @@ def test_no_kv_block_outlives_the_requests_a_disconnected_client_included(stack)
     conn.request("GET", "/metrics")
     metrics = conn.getresponse().read().decode()
     conn.close()
-    aborted = re.search(r'^pagoda:request_success_total\{[^}]*finished_reason="abort"[^}]*\} ([0-9.e+]+)$',
-                        metrics, re.M)
+    aborted = re.search(
+        r'^pagoda:request_success_total\{[^}]*finished_reason="abort"[^}]*\} ([0-9.e+]+)$', metrics, re.M
+    )
     assert aborted and float(aborted.group(1)) > 0, "the inputs cut short count as aborted"
 
 
@@ -179,10 +211,15 @@ def test_the_public_grpc_api_embeds_as_rest_does(stack, model_dir, hf_model):
     for prompt, tensor in zip(prompts, reply.embeddings, strict=True):
         got = torch.tensor(embedding_values(embedding_from_pb(tensor)))
         assert torch.allclose(got, reference(hf_model, prompt, "LAST"), atol=1e-5, rtol=0)
-    for request, field in ((gateway_pb2.EmbedRequest(), "texts"),
-                           (gateway_pb2.EmbedRequest(token_ids=[gateway_pb2.PromptTokenIds(ids=[5]),
-                                                                gateway_pb2.PromptTokenIds(ids=[99999])]),
-                            "token_ids[1]")):
+    for request, field in (
+        (gateway_pb2.EmbedRequest(), "texts"),
+        (
+            gateway_pb2.EmbedRequest(
+                token_ids=[gateway_pb2.PromptTokenIds(ids=[5]), gateway_pb2.PromptTokenIds(ids=[99999])]
+            ),
+            "token_ids[1]",
+        ),
+    ):
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             asyncio.run(call(request))
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT

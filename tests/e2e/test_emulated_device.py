@@ -37,8 +37,18 @@ DEVICE = f"emulated:{PROFILE}"
 HIDDEN, VOCAB, LAYERS = 8192, 32000, 8
 # (prompt words, max_tokens, ignore_eos): short classification-like requests and longer
 # generations, as the mixed load has them, some of which may end early at the emulated EOS
-MIXED = [(6, 4, True), (40, 12, True), (12, 8, False), (80, 10, True), (20, 6, False), (8, 12, True),
-         (30, 10, True), (10, 12, True)] * 2
+MIXED = [
+    (6, 4, True),
+    (40, 12, True),
+    (12, 8, False),
+    (80, 10, True),
+    (20, 6, False),
+    (8, 12, True),
+    (30, 10, True),
+    (10, 12, True),
+] * 2
+
+
 # Micro-batches in the pipeline and computing at once on different stages at PP=4 and 8: one
 # per group of sequences, and the 16 requests make ceil(16 / PP)-sized groups, so PP of them
 # (the planner sends a placeholder step after every other group's work and continues the
@@ -48,8 +58,15 @@ MIXED = [(6, 4, True), (40, 12, True), (12, 8, False), (80, 10, True), (20, 6, F
 # serve 11 processes here.
 def groups_at_once(num_stages: int) -> int:
     return min(num_stages, -(-len(MIXED) // -(-len(MIXED) // num_stages)))
-SEEDED = {"prompt": "the same seeded request at every pipeline size", "max_tokens": 12, "seed": 7,
-          "ignore_eos": True, "return_token_ids": True}
+
+
+SEEDED = {
+    "prompt": "the same seeded request at every pipeline size",
+    "max_tokens": 12,
+    "seed": 7,
+    "ignore_eos": True,
+    "return_token_ids": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +79,27 @@ def model_dir(model_factory, tmp_path_factory):
         if name.startswith(("tokenizer", "special_tokens", "generation_config")):
             shutil.copy(os.path.join(tiny, name), folder / name)
     eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-        "intermediate_size": 28672, "num_hidden_layers": LAYERS, "num_attention_heads": 64,
-        "num_key_value_heads": 8, "vocab_size": VOCAB, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": eos,
-        "tie_word_embeddings": False}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": HIDDEN,
+                "intermediate_size": 28672,
+                "num_hidden_layers": LAYERS,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+                "vocab_size": VOCAB,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "torch_dtype": "bfloat16",
+                "bos_token_id": 0,
+                "eos_token_id": eos,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     assert not list(folder.glob("*.safetensors*"))
     return str(folder)
 
@@ -84,8 +116,12 @@ def _text(url: str) -> str:
 def _mixed_load(url: str) -> list[tuple[dict, dict]]:
     def one(i: int) -> tuple[dict, dict]:
         words, max_tokens, ignore_eos = MIXED[i]
-        body = {"prompt": " ".join(f"word{i}x{k}" for k in range(words)), "max_tokens": max_tokens,
-                "ignore_eos": ignore_eos, "temperature": 1.0}
+        body = {
+            "prompt": " ".join(f"word{i}x{k}" for k in range(words)),
+            "max_tokens": max_tokens,
+            "ignore_eos": ignore_eos,
+            "temperature": 1.0,
+        }
         return body, _post(f"{url}/v1/completions", {"model": "m", **body})
 
     with ThreadPoolExecutor(len(MIXED)) as pool:
@@ -122,7 +158,7 @@ def _device_info(text: str) -> list[dict[str, str]]:
     out = []
     for line in text.splitlines():
         if line.startswith("pagoda:device_info{") and line.endswith("} 1.0"):
-            pairs = line[len("pagoda:device_info{"):-len("} 1.0")].split(",")
+            pairs = line[len("pagoda:device_info{") : -len("} 1.0")].split(",")
             out.append({k: v.strip('"') for k, v in (p.split("=", 1) for p in pairs)})
     return out
 
@@ -133,8 +169,10 @@ def _stage(address: str) -> tuple[worker_pb2.StageHealth, worker_pb2.StageStats]
     metadata = ((INTERNAL_TOKEN_HEADER, token),) if token else None
     with grpc.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.StageWorkerStub(channel)
-        return (stub.Health(worker_pb2.StageHealthRequest(), timeout=5, metadata=metadata),
-                stub.GetStats(worker_pb2.StageStatsRequest(), timeout=5, metadata=metadata))
+        return (
+            stub.Health(worker_pb2.StageHealthRequest(), timeout=5, metadata=metadata),
+            stub.GetStats(worker_pb2.StageStatsRequest(), timeout=5, metadata=metadata),
+        )
 
 
 def _check_reports(stack, num_stages: int) -> None:
@@ -156,9 +194,21 @@ def seeded_tokens() -> dict[int, list[int]]:
 
 @pytest.mark.parametrize("num_stages", [1, 2, 4, 8])
 def test_an_emulated_stack_serves_the_mixed_load(model_dir, tmp_path, num_stages, seeded_tokens):
-    stack = start_serve(model_dir, tmp_path, "--device", DEVICE, "--pipeline-parallel-size", str(num_stages),
-                        "--served-model-name", "m", "--num-kv-blocks", "512", "--max-model-len", "1024",
-                        "--metrics")
+    stack = start_serve(
+        model_dir,
+        tmp_path,
+        "--device",
+        DEVICE,
+        "--pipeline-parallel-size",
+        str(num_stages),
+        "--served-model-name",
+        "m",
+        "--num-kv-blocks",
+        "512",
+        "--max-model-len",
+        "1024",
+        "--metrics",
+    )
     try:
         served = _mixed_load(stack.url)
         state = stack.get("/dashboard/state")
@@ -171,7 +221,11 @@ def test_an_emulated_stack_serves_the_mixed_load(model_dir, tmp_path, num_stages
         (choice,) = reply["choices"]
         n = reply["usage"]["completion_tokens"]
         assert n == body["max_tokens"] if body["ignore_eos"] else 1 <= n <= body["max_tokens"]
-        assert choice["finish_reason"] == "stop" if n < body["max_tokens"] else choice["finish_reason"] in ("length", "stop")
+        assert (
+            choice["finish_reason"] == "stop"
+            if n < body["max_tokens"]
+            else choice["finish_reason"] in ("length", "stop")
+        )
     seeded_tokens[num_stages] = seeded["choices"][0]["token_ids"]
     assert len(seeded_tokens[num_stages]) == SEEDED["max_tokens"]
     assert all(tokens == seeded_tokens[num_stages] for tokens in seeded_tokens.values())

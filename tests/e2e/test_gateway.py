@@ -46,10 +46,22 @@ def start_gateway(name, model_dir, scheduler_address, log_dir, *args):
     port, grpc_port = free_port(), free_port()
     gateway = ServiceProcess(
         name,
-        pagoda_command("gateway", "--model", model_dir, "--scheduler", scheduler_address,
-                       "--port", str(port), "--grpc-port", str(grpc_port),
-                       "--max-model-len", str(MAX_MODEL_LEN), *args),
-        f"127.0.0.1:{grpc_port}", log_path=log_dir / f"{name}.log",
+        pagoda_command(
+            "gateway",
+            "--model",
+            model_dir,
+            "--scheduler",
+            scheduler_address,
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            *args,
+        ),
+        f"127.0.0.1:{grpc_port}",
+        log_path=log_dir / f"{name}.log",
     )
     gateway.start()
     gateway.wait_healthy(60)  # the gateway's gRPC health: SERVING once the chain is
@@ -65,13 +77,35 @@ def stack(model_dir, tmp_path_factory):
     ready = logs / "ready.json"
     serve = ServiceProcess(
         "serve",
-        pagoda_command("serve", "--model", model_dir, "--port", str(port), "--grpc-port", str(grpc_port),
-                       "--pipeline-parallel-size", "2", "--num-kv-blocks", str(NUM_KV_BLOCKS),
-                       "--block-size", str(BLOCK_SIZE), "--num-threads", "1",
-                       "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny",
-                       "--max-body-bytes", str(MAX_BODY_BYTES), "--log-dir", str(logs),
-                       "--ready-file", str(ready)),
-        f"127.0.0.1:{grpc_port}", log_path=logs / "serve.log",
+        pagoda_command(
+            "serve",
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--pipeline-parallel-size",
+            "2",
+            "--num-kv-blocks",
+            str(NUM_KV_BLOCKS),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--num-threads",
+            "1",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--served-model-name",
+            "tiny",
+            "--max-body-bytes",
+            str(MAX_BODY_BYTES),
+            "--log-dir",
+            str(logs),
+            "--ready-file",
+            str(ready),
+        ),
+        f"127.0.0.1:{grpc_port}",
+        log_path=logs / "serve.log",
         env={"PAGODA_SPANS_FILE": str(logs / "spans.jsonl")},  # every service writes its spans
     )
     serve.start()
@@ -86,8 +120,13 @@ def stack(model_dir, tmp_path_factory):
         serve.stop()
         raise
     gateway = SimpleNamespace(port=port, health_address=f"127.0.0.1:{grpc_port}")
-    s = SimpleNamespace(serve=serve, gateway=gateway, logs=logs, scheduler_address=addresses["scheduler"],
-                        kvcache=SimpleNamespace(health_address=addresses["kvcache"]))
+    s = SimpleNamespace(
+        serve=serve,
+        gateway=gateway,
+        logs=logs,
+        scheduler_address=addresses["scheduler"],
+        kvcache=SimpleNamespace(health_address=addresses["kvcache"]),
+    )
     yield s
     serve.stop(60)
     assert serve.process.returncode == 0, "pagoda serve should shut down cleanly"
@@ -95,8 +134,9 @@ def stack(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.gateway.port}/v1", api_key="none",
-                         max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{stack.gateway.port}/v1", api_key="none", max_retries=0, timeout=60
+    )
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +173,13 @@ def reset_kv_peak(stack):
 
 def test_greedy_completions_equal_transformers(client, reference, tokenizer):
     prompts = [[5, 17, 300, 42], list(range(30, 70)), tokenizer.encode("The quick brown fox")]
-    resp = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    resp = client.completions.create(
+        model="tiny",
+        prompt=prompts,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert resp.id.startswith("cmpl-") and len(resp.choices) == 3
     for choice, prompt in zip(resp.choices, prompts, strict=True):
         extra = choice.model_extra
@@ -144,16 +189,22 @@ def test_greedy_completions_equal_transformers(client, reference, tokenizer):
         assert choice.text == tokenizer.decode(extra["token_ids"])
     assert resp.usage.prompt_tokens == sum(map(len, prompts)) and resp.usage.completion_tokens == 36
 
-    scored = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=6, temperature=0,
-                                       logprobs=2, extra_body={"ignore_eos": True})
+    scored = client.completions.create(
+        model="tiny", prompt=prompts[0], max_tokens=6, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
     lp = scored.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     for sampled, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
         assert sampled <= 0 and abs(sampled - max(top.values())) < 1e-4  # greedy: the most likely
 
     messages = [{"role": "user", "content": "Hello there"}]
-    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert chat.id.startswith("chatcmpl-") and chat.choices[0].message.role == "assistant"
     prompt = tokenizer.encode_chat(messages)
     assert chat.model_extra["prompt_token_ids"] == prompt
@@ -173,25 +224,40 @@ def test_penalties_and_logit_bias_through_the_stack_equal_the_reference(client, 
     for case in cases:
         extra = {"ignore_eos": True, "return_token_ids": True, **case.get("extra_body", {})}
         kwargs = {k: v for k, v in case.items() if k != "extra_body"}
-        resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
-                                         extra_body=extra, **kwargs)
+        resp = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body=extra, **kwargs
+        )
         got = resp.choices[0].model_extra["token_ids"]
         assert len(got) == 16 and 12 not in got
-        check_greedy(reference.model, prompt, got, presence=case.get("presence_penalty", 0.0),
-                     frequency=case.get("frequency_penalty", 0.0),
-                     repetition=extra.get("repetition_penalty", 1.0),
-                     logit_bias={int(k): v for k, v in case.get("logit_bias", {}).items()})
-    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        check_greedy(
+            reference.model,
+            prompt,
+            got,
+            presence=case.get("presence_penalty", 0.0),
+            frequency=case.get("frequency_penalty", 0.0),
+            repetition=extra.get("repetition_penalty", 1.0),
+            logit_bias={int(k): v for k, v in case.get("logit_bias", {}).items()},
+        )
+    plain = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert plain.choices[0].model_extra["token_ids"] != got  # the penalty changed the output
 
 
 def test_chat_streaming_matches_the_whole_response_and_reports_usage(client):
-    args = dict(model="tiny", messages=[{"role": "user", "content": "Tell me"}], max_tokens=10,
-                temperature=0, extra_body={"ignore_eos": True})
+    args = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Tell me"}],
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.chat.completions.create(**args)
-    chunks = list(client.chat.completions.create(**args, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -199,17 +265,26 @@ def test_chat_streaming_matches_the_whole_response_and_reports_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
-    stream = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
-    completion = client.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="tiny", prompt="abc", max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    completion = client.completions.create(
+        model="tiny", prompt="abc", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert "".join(c.choices[0].text for c in stream if c.choices) == completion.choices[0].text
 
 
 def test_seeds_reproduce_and_n2_choices_differ_and_share_the_prompt(client, stack):
     prompt = list(range(100, 200))  # 100 tokens: 6 full blocks and a partial one
-    args = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=1.0, n=2, seed=1234,
-                extra_body={"ignore_eos": True, "return_token_ids": True})
+    args = dict(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=16,
+        temperature=1.0,
+        n=2,
+        seed=1234,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     reset_kv_peak(stack)
     first = client.completions.create(**args)
     peak = kv_stats(stack)["num_peak_used_blocks"]
@@ -229,27 +304,38 @@ def _stop_spanning_two_tokens(tokenizer, token_ids):
     text = tokenizer.decode(token_ids)
     for k in range(1, len(token_ids) - 6):
         boundary = len(tokenizer.decode(token_ids[:k]))
-        if boundary < 1 or len(tokenizer.decode(token_ids[:k + 1])) <= boundary:
+        if boundary < 1 or len(tokenizer.decode(token_ids[: k + 1])) <= boundary:
             continue
-        stop = text[boundary - 1:boundary + 1]
-        if len(stop) == 2 and stop.isprintable() and "\ufffd" not in stop and text.find(stop) == boundary - 1 \
-                and tokenizer.decode(token_ids[:k]) == text[:boundary]:
+        stop = text[boundary - 1 : boundary + 1]
+        if (
+            len(stop) == 2
+            and stop.isprintable()
+            and "\ufffd" not in stop
+            and text.find(stop) == boundary - 1
+            and tokenizer.decode(token_ids[:k]) == text[:boundary]
+        ):
             return stop, boundary - 1, k
     return None
 
 
 def test_stop_string_spanning_two_tokens(client, tokenizer):
     for seed_prompt in ([11, 12, 13], [40, 41, 42, 43], [7, 300, 9], [200, 201]):
-        greedy = client.completions.create(model="tiny", prompt=seed_prompt, max_tokens=24, temperature=0,
-                                           extra_body={"ignore_eos": True, "return_token_ids": True})
+        greedy = client.completions.create(
+            model="tiny",
+            prompt=seed_prompt,
+            max_tokens=24,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         token_ids = greedy.choices[0].model_extra["token_ids"]
         found = _stop_spanning_two_tokens(tokenizer, token_ids)
         if found:
             break
     assert found, "no greedy output with a stop string across two tokens"
     stop, at, _ = found
-    resp = client.completions.create(model="tiny", prompt=seed_prompt, max_tokens=24, temperature=0,
-                                     stop=[stop], extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model="tiny", prompt=seed_prompt, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
     choice = resp.choices[0]
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
     assert choice.text == tokenizer.decode(token_ids)[:at]
@@ -257,9 +343,12 @@ def test_stop_string_spanning_two_tokens(client, tokenizer):
 
 
 def test_generate_returns_text_and_a_chrome_trace(stack, tokenizer):
-    status, body = call(stack.gateway.port, "POST", "/generate",
-                        {"prompt": "Hi there", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
-                         "debug_timeline": True})
+    status, body = call(
+        stack.gateway.port,
+        "POST",
+        "/generate",
+        {"prompt": "Hi there", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "debug_timeline": True},
+    )
     assert status == 200 and body["id"].startswith("gen-") and len(body["token_ids"]) == 5
     assert body["text"] == tokenizer.decode(body["token_ids"])
     events = body["timeline"]["traceEvents"]
@@ -285,9 +374,14 @@ def test_health_models_metrics_and_reflection(stack):
     assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
     status, text = call(port, "GET", "/metrics", raw=True)
     assert status == 200
-    for name in ("pagoda:request_success_total", "pagoda:prompt_tokens_total",
-                 "pagoda:generation_tokens_total", "pagoda:time_to_first_token_seconds_bucket",
-                 "pagoda:inter_token_latency_seconds_bucket", "pagoda:e2e_request_latency_seconds_bucket"):
+    for name in (
+        "pagoda:request_success_total",
+        "pagoda:prompt_tokens_total",
+        "pagoda:generation_tokens_total",
+        "pagoda:time_to_first_token_seconds_bucket",
+        "pagoda:inter_token_latency_seconds_bucket",
+        "pagoda:e2e_request_latency_seconds_bucket",
+    ):
         assert name in text
     status, openapi = call(port, "GET", "/openapi.json")
     assert {"/v1/completions", "/v1/chat/completions", "/generate", "/health"} <= set(openapi["paths"])
@@ -299,14 +393,22 @@ def test_health_models_metrics_and_reflection(stack):
         replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for r in replies for s in r.list_services_response.service}
         # grpc.reflection.v1 answers too (grpcurl asks it first)
-        v1 = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
-                                   request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
-                                   response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
-        requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
-                    reflection_pb2.ServerReflectionRequest(file_containing_symbol="pagoda.v1.Generation")]
+        v1 = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        requests = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="pagoda.v1.Generation"),
+        ]
         v1_replies = list(v1(iter(requests), timeout=30))
-    assert {"pagoda.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
-            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert {
+        "pagoda.v1.Generation",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= names
     assert names == {s.name for s in v1_replies[0].list_services_response.service}
     assert v1_replies[1].file_descriptor_response.file_descriptor_proto  # the service's .proto
 
@@ -322,8 +424,13 @@ def test_health_models_metrics_and_reflection(stack):
 
 def _chunked(port, path, body: bytes):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", path, iter([body[i:i + 4096] for i in range(0, len(body), 4096)]),
-                 {"Content-Type": "application/json"}, encode_chunked=True)
+    conn.request(
+        "POST",
+        path,
+        iter([body[i : i + 4096] for i in range(0, len(body), 4096)]),
+        {"Content-Type": "application/json"},
+        encode_chunked=True,
+    )
     resp = conn.getresponse()
     out = resp.status, json.loads(resp.read())
     conn.close()
@@ -351,8 +458,7 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "suffix": "b"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "a", "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
-     400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, "model"),
     ("/generate", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("/generate", {"max_tokens": 3}, 400, "prompt"),
@@ -366,12 +472,14 @@ def test_bad_input_gets_an_openai_error_naming_the_field(stack):
     for path, body, status, param in BAD:
         got_status, got = call(port, "POST", path, body)
         error = got.get("error", {}) if isinstance(got, dict) else {}
-        if (got_status, error.get("param"), error.get("type")) != (status, param, "invalid_request_error") \
-                or not error.get("message"):
+        if (got_status, error.get("param"), error.get("type")) != (
+            status,
+            param,
+            "invalid_request_error",
+        ) or not error.get("message"):
             failures.append((path, str(body)[:80], got_status, got))
     assert not failures, failures
-    status, body = _chunked(port, "/v1/completions",
-                            json.dumps({"prompt": "b" * (MAX_BODY_BYTES * 3 // 2)}).encode())
+    status, body = _chunked(port, "/v1/completions", json.dumps({"prompt": "b" * (MAX_BODY_BYTES * 3 // 2)}).encode())
     assert status == 413 and body["error"]["code"] == "request_too_large"
     status, _ = call(port, "GET", "/health")
     assert status == 200
@@ -395,10 +503,14 @@ def _num_aborted(port) -> float:
 def test_a_client_that_disconnects_frees_its_blocks(stack, stream):
     aborted = _num_aborted(stack.gateway.port)
     conn = http.client.HTTPConnection("127.0.0.1", stack.gateway.port, timeout=60)
-    conn.request("POST", "/v1/completions",
-                 json.dumps({"prompt": list(range(10, 90)), "max_tokens": MAX_MODEL_LEN - 100,
-                             "ignore_eos": True, "stream": stream}),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(
+            {"prompt": list(range(10, 90)), "max_tokens": MAX_MODEL_LEN - 100, "ignore_eos": True, "stream": stream}
+        ),
+        {"Content-Type": "application/json"},
+    )
     if stream:
         resp = conn.getresponse()
         assert resp.status == 200
@@ -420,16 +532,27 @@ def test_api_keys_rate_limits_in_redis_and_a_graceful_drain(stack, model_dir, tm
     from support.redis_server import RedisServer
 
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"sk-good": {"tenant": "team-a", "priority": 1},
-                                "sk-limited": {"requests_per_minute": 1}}))
+    keys.write_text(
+        json.dumps({"sk-good": {"tenant": "team-a", "priority": 1}, "sk-limited": {"requests_per_minute": 1}})
+    )
     redis_server = RedisServer(tmp_path)
-    gateway = start_gateway("gateway-keys", model_dir, stack.scheduler_address, stack.logs,
-                            "--api-keys-file", str(keys), "--grace-period", "20",
-                            "--redis-url", redis_server.url)
+    gateway = start_gateway(
+        "gateway-keys",
+        model_dir,
+        stack.scheduler_address,
+        stack.logs,
+        "--api-keys-file",
+        str(keys),
+        "--grace-period",
+        "20",
+        "--redis-url",
+        redis_server.url,
+    )
     try:
         # a key's rate limit, its bucket in Redis (the process's own flags and keys file)
-        limited = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1",
-                                api_key="sk-limited", max_retries=0, timeout=60)
+        limited = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="sk-limited", max_retries=0, timeout=60
+        )
         name = Path(model_dir).name
         assert limited.completions.create(model=name, prompt="a", max_tokens=2).choices
         with pytest.raises(openai.RateLimitError) as refused:
@@ -449,8 +572,14 @@ def test_api_keys_rate_limits_in_redis_and_a_graceful_drain(stack, model_dir, tm
         assert call(gateway.port, "GET", "/health")[0] == 200  # no key needed
 
         # SIGTERM mid-stream: the stream finishes, then the process exits; nothing new gets in
-        stream = good.completions.create(model=Path(model_dir).name, prompt="a", max_tokens=300, temperature=0,
-                                         stream=True, extra_body={"ignore_eos": True})
+        stream = good.completions.create(
+            model=Path(model_dir).name,
+            prompt="a",
+            max_tokens=300,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         first = next(iter(stream))
         gateway.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
@@ -470,8 +599,9 @@ def test_api_keys_rate_limits_in_redis_and_a_graceful_drain(stack, model_dir, tm
 
 def test_one_trace_links_gateway_scheduler_and_both_stages(stack, client):
     """OpenTelemetry: the gateway's span is the root; the scheduler's and each stage's hang under it."""
-    client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=3, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model="tiny", prompt=[5, 6, 7, 8], max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     path = stack.logs / "spans.jsonl"
     for _ in range(50):
         spans = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -525,8 +655,15 @@ def test_logprob_tokens_name_their_bytes_and_stream_as_whole(stack, tokenizer):
     """Alternatives that decode to U+FFFD (parts of characters) keep their own keys, labelled
     by their bytes; chat entries carry the bytes; streamed and whole responses agree."""
     port, prompt = stack.gateway.port, [5, 17, 300, 42]  # under a block: no prefix hit
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 20,
-            "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 20,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     status, whole = call(port, "POST", "/v1/completions", body)
     assert status == 200
     lp, ids = whole["choices"][0]["logprobs"], whole["choices"][0]["token_ids"]
@@ -539,16 +676,27 @@ def test_logprob_tokens_name_their_bytes_and_stream_as_whole(stack, tokenizer):
     streamed = {key: [] for key in lp}
     for event in text.split("\n\n"):
         if event and event != "data: [DONE]":
-            for choice in json.loads(event[len("data: "):])["choices"]:
+            for choice in json.loads(event[len("data: ") :])["choices"]:
                 for key in streamed:
                     streamed[key] += (choice["logprobs"] or {}).get(key, [])
     assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
     assert [list(top) for top in streamed["top_logprobs"]] == [list(top) for top in lp["top_logprobs"]]
     assert streamed["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-5)
 
-    status, chat = call(port, "POST", "/v1/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
-        "temperature": 0, "logprobs": True, "top_logprobs": 20, "ignore_eos": True})
+    status, chat = call(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "ignore_eos": True,
+        },
+    )
     assert status == 200
     for entry in chat["choices"][0]["logprobs"]["content"]:
         assert all(e["token"] == _label(bytes(e["bytes"])) for e in [entry, *entry["top_logprobs"]])
@@ -566,9 +714,12 @@ def _label(raw: bytes) -> str:
 
 def test_tokenize_is_what_chat_sends_and_detokenize_reverses_it(stack):
     port, messages = stack.gateway.port, [{"role": "user", "content": "Hi there"}]
-    status, chat = call(port, "POST", "/v1/chat/completions", {
-        "model": "tiny", "messages": messages, "max_completion_tokens": 2, "temperature": 0,
-        "return_token_ids": True})
+    status, chat = call(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": messages, "max_completion_tokens": 2, "temperature": 0, "return_token_ids": True},
+    )
     assert status == 200 and chat["usage"]["completion_tokens"] <= 2
     status, tokens = call(port, "POST", "/tokenize", {"model": "tiny", "messages": messages})
     assert status == 200 and tokens["tokens"] == chat["prompt_token_ids"]
@@ -588,8 +739,7 @@ def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt(client, referen
     with torch.no_grad():
         logits = reference.model(input_ids=torch.tensor([prompt])).logits[0].float()
     want = torch.log_softmax(logits, -1)
-    resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
-                                      echo=True, logprobs=2)
+    resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2)
     choice = resp.choices[0]
     lp = choice.logprobs
     assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -604,46 +754,64 @@ def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt(client, referen
     only = scored.choices[0]
     assert only.text == tokenizer.decode(prompt, skip_special_tokens=False)
     assert only.logprobs.tokens == lp.tokens[: len(prompt)] and only.logprobs.token_logprobs[0] is None
-    assert only.logprobs.token_logprobs[1:] == lp.token_logprobs[1: len(prompt)]
+    assert only.logprobs.token_logprobs[1:] == lp.token_logprobs[1 : len(prompt)]
     assert only.finish_reason == "length" and scored.usage.completion_tokens == 0
     assert scored.usage.prompt_tokens == len(prompt)
     empty = client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
     assert empty.choices[0].text == "" and empty.usage.completion_tokens == 0
 
-    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
-                                         echo=True, logprobs=1, stream=True)
+    streamed = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1, stream=True
+    )
     chunks = list(streamed)
     text = "".join(c.choices[0].text for c in chunks)
     tokens = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
-    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
-                                      echo=True, logprobs=1)
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
     assert text == whole.choices[0].text and tokens == whole.choices[0].logprobs.tokens
 
-    vllm = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
-                                     extra_body={"prompt_logprobs": 3})
+    vllm = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 3}
+    )
     scored = vllm.choices[0].model_extra["prompt_logprobs"]
     assert scored[0] is None and len(scored) == len(prompt)
     for i in range(1, len(prompt)):
         entry = scored[i][str(prompt[i])]
         assert abs(entry["logprob"] - float(want[i - 1, prompt[i]])) < 1e-4 and entry["rank"] >= 1
         assert len(scored[i]) >= 3
-    assert vllm.choices[0].text == client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=2, temperature=0).choices[0].text  # echo off
+    assert (
+        vllm.choices[0].text
+        == client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0).choices[0].text
+    )  # echo off
 
     # echoed prompt tokens carry as many alternatives as the generated ones (logprobs=1),
     # even when prompt_logprobs asked for more
-    both = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
-                                     echo=True, logprobs=1, extra_body={"prompt_logprobs": 5})
+    both = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"prompt_logprobs": 5},
+    )
     assert all(len(top) <= 2 for top in both.choices[0].logprobs.top_logprobs[1:])
     assert len(both.choices[0].model_extra["prompt_logprobs"][1]) >= 5
     # ...and the other way round: prompt_logprobs=0 gives the prompt token alone
-    other = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
-                                      echo=True, logprobs=5, extra_body={"prompt_logprobs": 0})
+    other = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        echo=True,
+        logprobs=5,
+        extra_body={"prompt_logprobs": 0},
+    )
     assert all(len(e) == 1 for e in other.choices[0].model_extra["prompt_logprobs"][1:])
     assert len(other.choices[0].logprobs.top_logprobs[1]) >= 5
     # a one-token prompt: its token comes back, with nothing to score it by
-    one = client.completions.create(model="tiny", prompt=[65], max_tokens=1, temperature=0,
-                                    echo=True, logprobs=1, extra_body={"prompt_logprobs": 1})
+    one = client.completions.create(
+        model="tiny", prompt=[65], max_tokens=1, temperature=0, echo=True, logprobs=1, extra_body={"prompt_logprobs": 1}
+    )
     lp = one.choices[0].logprobs
     assert len(lp.tokens) == 2 and lp.token_logprobs[0] is None and lp.token_logprobs[1] is not None
     assert one.choices[0].model_extra["prompt_logprobs"] == [None]
@@ -653,8 +821,9 @@ def test_chat_prompt_logprobs_score_the_templated_prompt(client, reference, toke
     import torch
 
     messages = [{"role": "user", "content": "Hello there"}]
-    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
-                                          temperature=0, extra_body={"prompt_logprobs": 1})
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
     prompt = tokenizer.encode_chat(messages)
     scored = chat.model_extra["prompt_logprobs"]
     assert len(scored) == len(prompt) and scored[0] is None
@@ -669,18 +838,52 @@ def test_pagoda_bench_compares_two_openai_servers_in_one_table(stack, model_dir,
     gateway and a second gateway, in one command, into one table and serving.json."""
     import subprocess
 
-    second = start_gateway("gateway-bench", model_dir, stack.scheduler_address, stack.logs,
-                           "--served-model-name", "tiny")
+    second = start_gateway(
+        "gateway-bench", model_dir, stack.scheduler_address, stack.logs, "--served-model-name", "tiny"
+    )
     try:
-        done = subprocess.run(pagoda_command(
-            "bench", "--base-url", f"serve=http://127.0.0.1:{stack.gateway.port}",
-            "--base-url", f"second=http://127.0.0.1:{second.port}/v1", "--model", "tiny",
-            "--tokenizer", model_dir, "--workload", "short", "--num-requests", "6", "--concurrency", "3",
-            "--out", str(tmp_path)), capture_output=True, text=True, timeout=300)
-        wrong = subprocess.run(pagoda_command(
-            "bench", "--base-url", f"http://127.0.0.1:{second.port}", "--model", "nope", "--tokenizer",
-            model_dir, "--num-requests", "2", "--out", str(tmp_path / "wrong")),
-            capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            pagoda_command(
+                "bench",
+                "--base-url",
+                f"serve=http://127.0.0.1:{stack.gateway.port}",
+                "--base-url",
+                f"second=http://127.0.0.1:{second.port}/v1",
+                "--model",
+                "tiny",
+                "--tokenizer",
+                model_dir,
+                "--workload",
+                "short",
+                "--num-requests",
+                "6",
+                "--concurrency",
+                "3",
+                "--out",
+                str(tmp_path),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        wrong = subprocess.run(
+            pagoda_command(
+                "bench",
+                "--base-url",
+                f"http://127.0.0.1:{second.port}",
+                "--model",
+                "nope",
+                "--tokenizer",
+                model_dir,
+                "--num-requests",
+                "2",
+                "--out",
+                str(tmp_path / "wrong"),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         second.stop()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -36,8 +36,15 @@ def files(model_factory, tmp_path_factory):
         if arch not in made:
             folder = tmp_path_factory.mktemp(f"served-q4km-{arch}")
             if arch == "gemma3":  # Gemma's ids: <pad> 0, <eos> 1, <bos> 2
-                source = make_arch_model(folder / "hf", arch, make_gemma_tokenizer(folder / "tok"),
-                                         **Q4_K_M_MODELS[arch], bos_token_id=2, eos_token_id=1, pad_token_id=0)
+                source = make_arch_model(
+                    folder / "hf",
+                    arch,
+                    make_gemma_tokenizer(folder / "tok"),
+                    **Q4_K_M_MODELS[arch],
+                    bos_token_id=2,
+                    eos_token_id=1,
+                    pad_token_id=0,
+                )
             else:
                 shape = QWEN3_MOE_GGUF if arch == "qwen3_moe" else Q4_K_M_MODELS[arch]
                 source = make_arch_model(folder / "hf", arch, tokenizer_dir, **shape)
@@ -51,8 +58,13 @@ def _complete_all(stack, model: str) -> list[list[int]]:
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
 
     def one(prompt: list[int]) -> list[int]:
-        done = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+        done = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         return done.choices[0].model_extra["token_ids"]
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -62,8 +74,18 @@ def _complete_all(stack, model: str) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen3_moe"])
 def test_served_q4_k_m_file_at_float32_equals_transformers(files, tmp_path, arch):
     path = files(arch)
-    stack = start_serve(path, tmp_path, "--dtype", "float32", "--pipeline-parallel-size", "2",
-                        "--num-kv-blocks", "96", "--block-size", "8")
+    stack = start_serve(
+        path,
+        tmp_path,
+        "--dtype",
+        "float32",
+        "--pipeline-parallel-size",
+        "2",
+        "--num-kv-blocks",
+        "96",
+        "--block-size",
+        "8",
+    )
     try:
         outputs = _complete_all(stack, path)
     finally:
@@ -83,11 +105,16 @@ def test_served_at_its_own_types_a_stage_holds_at_most_1_2x_the_file(files, tmp_
         stages = stack.get("/debug/memory")["stages"]
         outputs = _complete_all(stack, path)
         client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0, timeout=120)
-        ask = {"model": path, "messages": [{"role": "user", "content": "Grüße, 世界 🙂"}], "max_tokens": 24,
-               "temperature": 0}
+        ask = {
+            "model": path,
+            "messages": [{"role": "user", "content": "Grüße, 世界 🙂"}],
+            "max_tokens": 24,
+            "temperature": 0,
+        }
         whole = client.chat.completions.create(**ask)
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True)
-                           if c.choices)
+        streamed = "".join(
+            c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True) if c.choices
+        )
     finally:
         stack.stop()
     assert whole.usage.prompt_tokens > 5 and whole.usage.completion_tokens > 0

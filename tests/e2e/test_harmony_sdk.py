@@ -29,9 +29,14 @@ from gateway.validation import ModelLimits, chat_prompt
 from services.text import Tokenizer
 
 MAX_MODEL_LEN = 512
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]},
+    },
+}
 # question -> (the recorded reply the model is trained to write, its stop token, the request's tools)
 ASKED = {
     "What is 2+2?": ("reasoning_and_final", "<|return|>", None),
@@ -74,8 +79,8 @@ def _train_to_reply(model_dir: Path, examples: list[tuple[list[int], list[int]]]
     labels = torch.full((len(examples), length), -100, dtype=torch.long)
     for row, (prompt, reply) in enumerate(examples):
         sequence = prompt + reply
-        ids[row, :len(sequence)] = torch.tensor(sequence)
-        labels[row, len(prompt):len(sequence)] = torch.tensor(reply)  # (the model shifts them)
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        labels[row, len(prompt) : len(sequence)] = torch.tensor(reply)  # (the model shifts them)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     for step in range(max_steps):
         out = model(input_ids=ids, labels=labels)
@@ -87,8 +92,11 @@ def _train_to_reply(model_dir: Path, examples: list[tuple[list[int], list[int]]]
     else:
         raise RuntimeError(f"the replies were not learned in {max_steps} steps")
     state = model.state_dict()
-    save_file({name: state[name].detach().contiguous() for name in names}, str(model_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {name: state[name].detach().contiguous() for name in names},
+        str(model_dir / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 def _margin(logits, labels) -> float:
@@ -109,9 +117,23 @@ def port(model_factory, tmp_path_factory):
     write_harmony_tokenizer(model)
     _train_to_reply(model, _examples(model))
     logs = tmp_path_factory.mktemp("harmony-logs")
-    stack = start_serve(str(model), logs, "--num-kv-blocks", "128", "--num-threads", "1", "--max-model-len",
-                        str(MAX_MODEL_LEN), "--served-model-name", "tiny", "--reasoning-parser", "openai_gptoss",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "openai")
+    stack = start_serve(
+        str(model),
+        logs,
+        "--num-kv-blocks",
+        "128",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--served-model-name",
+        "tiny",
+        "--reasoning-parser",
+        "openai_gptoss",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "openai",
+    )
     try:
         yield stack.port
     finally:
@@ -124,9 +146,14 @@ def sdk(port: int) -> openai.OpenAI:
 
 def ask(port: int, question: str, **kwargs):
     body = _body(question)
-    return sdk(port).chat.completions.create(model="tiny", messages=body["messages"], temperature=0,
-                                             max_tokens=kwargs.pop("max_tokens", 200),
-                                             **({"tools": body["tools"]} if "tools" in body else {}), **kwargs)
+    return sdk(port).chat.completions.create(
+        model="tiny",
+        messages=body["messages"],
+        temperature=0,
+        max_tokens=kwargs.pop("max_tokens", 200),
+        **({"tools": body["tools"]} if "tools" in body else {}),
+        **kwargs,
+    )
 
 
 def streamed(port: int, question: str, **kwargs) -> dict:
@@ -137,8 +164,9 @@ def streamed(port: int, question: str, **kwargs) -> dict:
             got["reasoning"] += getattr(choice.delta, "reasoning_content", None) or ""
             got["content"] += choice.delta.content or ""
             for piece in choice.delta.tool_calls or ():
-                call = got["calls"].setdefault(piece.index, {"id": piece.id, "name": piece.function.name,
-                                                             "arguments": ""})
+                call = got["calls"].setdefault(
+                    piece.index, {"id": piece.id, "name": piece.function.name, "arguments": ""}
+                )
                 call["arguments"] += piece.function.arguments or ""
             got["finish"] = choice.finish_reason or got["finish"]
     return got
@@ -153,12 +181,19 @@ def test_reasoning_and_answer_apart(port):
     choice = ask(port, "What is 2+2?").choices[0]
     message = choice.message
     assert (choice.finish_reason, message.content, message.reasoning_content) == (
-        "stop", recorded.content, recorded.reasoning)
+        "stop",
+        recorded.content,
+        recorded.reasoning,
+    )
     assert not message.tool_calls
 
     got = streamed(port, "What is 2+2?")
     assert (got["finish"], got["content"], got["reasoning"], got["calls"]) == (
-        "stop", recorded.content, recorded.reasoning, {})
+        "stop",
+        recorded.content,
+        recorded.reasoning,
+        {},
+    )
 
 
 def test_a_tool_call_with_its_reasoning(port):
@@ -168,13 +203,17 @@ def test_a_tool_call_with_its_reasoning(port):
     assert choice.message.reasoning_content == recorded.reasoning
     [call] = choice.message.tool_calls
     assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
-        "function", "get_weather", {"location": "Paris"})
+        "function",
+        "get_weather",
+        {"location": "Paris"},
+    )
     assert re.fullmatch(r"chatcmpl-tool-[0-9a-f]{32}", call.id)
 
     got = streamed(port, "What is the weather in Paris?")
     assert (got["finish"], got["content"], got["reasoning"]) == ("tool_calls", "", recorded.reasoning)
     assert [(c["name"], json.loads(c["arguments"])) for c in got["calls"].values()] == [
-        ("get_weather", {"location": "Paris"})]
+        ("get_weather", {"location": "Paris"})
+    ]
     assert re.fullmatch(r"chatcmpl-tool-[0-9a-f]{32}", got["calls"][0]["id"])
 
 

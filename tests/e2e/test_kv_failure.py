@@ -38,7 +38,11 @@ def stack(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("kv-failure-logs")
     trace = logs / "trace.jsonl"
     s = start_stack(
-        model_dir, num_stages=2, num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, log_dir=logs,
+        model_dir,
+        num_stages=2,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        block_size=BLOCK_SIZE,
+        log_dir=logs,
         scheduler_args=("--max-num-batched-tokens", "256", "--max-num-seqs", "16"),
         env={"PAGODA_TRACE_SCHEDULER": "1", "PAGODA_TRACE_FILE": str(trace)},
         threads_per_worker=1,

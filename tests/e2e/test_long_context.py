@@ -17,8 +17,13 @@ from services.pb import scheduler_pb2, scheduler_pb2_grpc
 from wiring.launcher import start_stack
 
 PROMPT_LEN, NEW_TOKENS, BLOCK = 16384, 16, 16
-ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 2048}
+ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 2048,
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +51,15 @@ def test_a_16k_prompt_equals_transformers(model_dir, tmp_path):
     prompt = [rng.randrange(3, 512) for _ in range(PROMPT_LEN)]
     second = prompt[: PROMPT_LEN // 2] + [rng.randrange(3, 512) for _ in range(PROMPT_LEN // 2)]
     blocks = 3 * (PROMPT_LEN + 2 * NEW_TOKENS) // BLOCK
-    stack = start_stack(model_dir, num_stages=2, num_kv_blocks=blocks, block_size=BLOCK, log_dir=tmp_path,
-                        threads_per_worker=1,
-                        scheduler_args=("--max-model-len", str(PROMPT_LEN + 1024), "--max-num-batched-tokens", "2048"))
+    stack = start_stack(
+        model_dir,
+        num_stages=2,
+        num_kv_blocks=blocks,
+        block_size=BLOCK,
+        log_dir=tmp_path,
+        threads_per_worker=1,
+        scheduler_args=("--max-model-len", str(PROMPT_LEN + 1024), "--max-num-batched-tokens", "2048"),
+    )
     try:
         first_out, _ = asyncio.run(_generate(stack.scheduler_address, prompt))
         second_out, cached = asyncio.run(_generate(stack.scheduler_address, second))

@@ -53,11 +53,29 @@ def adapters(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(model_dir, adapters, tmp_path_factory):
-    s = start_serve(model_dir, tmp_path_factory.mktemp("lora-lifecycle-logs"), "--pipeline-parallel-size", "2",
-                    "--num-kv-blocks", "128", "--num-threads", "1", "--max-model-len", str(MAX_MODEL_LEN),
-                    "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-                    "--allow-runtime-lora-updating", "--lora-modules", f"static={adapters['static']}",
-                    env={"PAGODA_INTERNAL_TOKEN": TOKEN})
+    s = start_serve(
+        model_dir,
+        tmp_path_factory.mktemp("lora-lifecycle-logs"),
+        "--pipeline-parallel-size",
+        "2",
+        "--num-kv-blocks",
+        "128",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--served-model-name",
+        "tiny",
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--allow-runtime-lora-updating",
+        "--lora-modules",
+        f"static={adapters['static']}",
+        env={"PAGODA_INTERNAL_TOKEN": TOKEN},
+    )
     yield s
     s.stop()
 
@@ -67,8 +85,9 @@ def sdk(stack) -> openai.OpenAI:
 
 
 def post(stack, path: str, body: dict) -> tuple[int, dict | str]:
-    request = urllib.request.Request(f"{stack.url}{path}", json.dumps(body).encode(),
-                                     {"content-type": "application/json"})
+    request = urllib.request.Request(
+        f"{stack.url}{path}", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=180) as resp:
             return resp.status, resp.read().decode()
@@ -87,8 +106,13 @@ def unload(stack, name: str) -> None:
 
 
 def complete(stack, model: str, prompt: list[int], max_tokens: int):
-    return sdk(stack).completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+    return sdk(stack).completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
 
 
 def test_an_adapter_reloaded_under_its_name_reuses_none_of_the_old_ones_kv(stack, model_dir, adapters):
@@ -144,9 +168,14 @@ def test_loading_past_max_loras_is_a_400_naming_the_setting(stack, adapters):
 def _stream(stack, model: str, prompt: list[int], max_tokens: int, first: threading.Event, out: list) -> None:
     got: list[int] = []
     try:
-        for chunk in sdk(stack).completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                                   temperature=0.0, stream=True,
-                                                   extra_body={"ignore_eos": True, "return_token_ids": True}):
+        for chunk in sdk(stack).completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        ):
             for choice in chunk.choices:
                 got += getattr(choice, "token_ids", None) or []
             if got:
@@ -165,8 +194,9 @@ def test_unloading_under_running_requests_drains_them(stack, adapters):
     runner.start()
     assert first.wait(60)
     unloaded: list = []
-    unloading = threading.Thread(target=lambda: unloaded.append(post(stack, "/v1/unload_lora_adapter",
-                                                                     {"lora_name": "drain"})))
+    unloading = threading.Thread(
+        target=lambda: unloaded.append(post(stack, "/v1/unload_lora_adapter", {"lora_name": "drain"}))
+    )
     unloading.start()
     time.sleep(0.3)
     with pytest.raises(openai.NotFoundError) as refused:  # admitted no more while it drains
@@ -190,8 +220,10 @@ def test_what_outlasts_the_drain_timeout_ends_with_an_error(stack, adapters):
     began = time.time()
     with grpc.insecure_channel(stack.ready["scheduler"]) as channel:
         scheduler_pb2_grpc.SchedulerStub(channel).UnloadLoraAdapter(
-            worker_pb2.LoraAdapterRequest(lora_name="slow", drain_timeout_s=0.5), timeout=60,
-            metadata=((INTERNAL_TOKEN_HEADER, TOKEN),))
+            worker_pb2.LoraAdapterRequest(lora_name="slow", drain_timeout_s=0.5),
+            timeout=60,
+            metadata=((INTERNAL_TOKEN_HEADER, TOKEN),),
+        )
     took = time.time() - began
     runner.join(60)
     assert 0.5 <= took < 10, took
@@ -213,8 +245,8 @@ def test_a_stage_that_lost_an_adapter_fails_no_request_of_the_others(stack, mode
     try:
         with grpc.insecure_channel(stack.ready["workers"][1]) as channel:
             worker_pb2_grpc.StageWorkerStub(channel).UnloadLoraAdapter(
-                worker_pb2.LoraAdapterRequest(lora_name="lost"), timeout=30,
-                metadata=((INTERNAL_TOKEN_HEADER, TOKEN),))
+                worker_pb2.LoraAdapterRequest(lora_name="lost"), timeout=30, metadata=((INTERNAL_TOKEN_HEADER, TOKEN),)
+            )
         work = [(model, [3 + i, 40 + i, 77, 5 + 2 * i]) for i in range(4) for model in ("tiny", "static", "lost")]
         threads_out: list = [None] * len(work)
 

@@ -29,11 +29,20 @@ from support.stack import start_serve
 ADAPTERS = {  # name -> make_adapter's arguments
     "attn-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=1),
     "mlp-r8": dict(r=8, lora_alpha=16, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"], seed=2),
-    "all-r16-rslora": dict(r=16, lora_alpha=32, use_rslora=True, seed=3, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "all-r16-rslora": dict(
+        r=16,
+        lora_alpha=32,
+        use_rslora=True,
+        seed=3,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
 }
-PROMPTS = {"attn-r4": [17, 99, 5, 300, 42, 7, 250], None: [8, 8, 61, 400, 123, 9, 77, 31, 200, 15, 6, 88],
-           "mlp-r8": [301, 12, 44, 5, 90], "all-r16-rslora": [64, 128, 256, 11, 13, 17, 19, 23, 29]}
+PROMPTS = {
+    "attn-r4": [17, 99, 5, 300, 42, 7, 250],
+    None: [8, 8, 61, 400, 123, 9, 77, 31, 200, 15, 6, 88],
+    "mlp-r8": [301, 12, 44, 5, 90],
+    "all-r16-rslora": [64, 128, 256, 11, 13, 17, 19, 23, 29],
+}
 MAX_TOKENS = 12
 TIE = 1e-4
 
@@ -52,18 +61,38 @@ def adapters(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(model_dir, adapters, tmp_path_factory):
     logs = tmp_path_factory.mktemp("lora-stack-logs")
-    serve = start_serve(model_dir, logs, "--pipeline-parallel-size", "2", "--no-async-scheduling",
-                        "--num-kv-blocks", "64", "--num-threads", "1", "--max-model-len", "256",
-                        "--served-model-name", "tiny", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "16",
-                        "--allow-runtime-lora-updating", "--lora-modules",
-                        f"attn-r4={adapters['attn-r4']}", f"mlp-r8={adapters['mlp-r8']}")
+    serve = start_serve(
+        model_dir,
+        logs,
+        "--pipeline-parallel-size",
+        "2",
+        "--no-async-scheduling",
+        "--num-kv-blocks",
+        "64",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "256",
+        "--served-model-name",
+        "tiny",
+        "--enable-lora",
+        "--max-loras",
+        "3",
+        "--max-lora-rank",
+        "16",
+        "--allow-runtime-lora-updating",
+        "--lora-modules",
+        f"attn-r4={adapters['attn-r4']}",
+        f"mlp-r8={adapters['mlp-r8']}",
+    )
     yield serve
     serve.stop()
 
 
 def _post(port: int, path: str, body: dict) -> tuple[int, str]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
-                                     {"content-type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as resp:
             return resp.status, resp.read().decode()
@@ -73,10 +102,17 @@ def _post(port: int, path: str, body: dict) -> tuple[int, str]:
 
 def _greedy(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
-                             output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), [x[0] for x in out.logits]
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [x[0] for x in out.logits]
 
 
 def _check(model, prompt: list[int], got: list[int]) -> None:
@@ -86,7 +122,7 @@ def _check(model, prompt: list[int], got: list[int]) -> None:
     for j, (g, w) in enumerate(zip(got, want, strict=True)):
         if g != w:
             assert float(logits[j].max() - logits[j][g]) <= TIE, (prompt, j, g, w)
-            return _check(model, prompt + got[:j + 1], got[j + 1:]) if got[j + 1:] else None
+            return _check(model, prompt + got[: j + 1], got[j + 1 :]) if got[j + 1 :] else None
     return None
 
 
@@ -108,8 +144,9 @@ def _grpc_tokens(port: int, model: str, prompt: list[int]) -> list[int]:
 
 def test_a_step_of_three_adapters_and_the_base_equals_peft_merged_models(stack, model_dir, adapters):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.port}/v1", api_key="none")
-    status, text = _post(stack.port, "/v1/load_lora_adapter",
-                         {"lora_name": "all-r16-rslora", "lora_path": adapters["all-r16-rslora"]})
+    status, text = _post(
+        stack.port, "/v1/load_lora_adapter", {"lora_name": "all-r16-rslora", "lora_path": adapters["all-r16-rslora"]}
+    )
     assert status == 200, text
 
     cards = {m.id: m for m in client.models.list().data}
@@ -118,8 +155,13 @@ def test_a_step_of_three_adapters_and_the_base_equals_peft_merged_models(stack, 
 
     def complete(item):
         name, prompt = item
-        out = client.completions.create(model=name or "tiny", prompt=prompt, max_tokens=MAX_TOKENS,
-                                        temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+        out = client.completions.create(
+            model=name or "tiny",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         return name, prompt, out.choices[0].token_ids
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:

@@ -171,7 +171,12 @@ class Service:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 net.command(self.name, sys.executable, "-m", "wiring.cli", *self.argv),
-                env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                env=self.env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     @property
     def alive(self) -> bool:
@@ -217,20 +222,29 @@ class Stack:
         once, with its log, when one exits."""
         targets = {n: endpoint(n) for n in names}
         probe = subprocess.Popen(
-            self.net.command("client", sys.executable, str(THIS_FILE), "wait",
-                             json.dumps({"addresses": targets, "timeout": timeout})),
-            env=self.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            self.net.command(
+                "client", sys.executable, str(THIS_FILE), "wait", json.dumps({"addresses": targets, "timeout": timeout})
+            ),
+            env=self.env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             while probe.poll() is None:
                 dead = [s for s in self.services.values() if not s.alive]
                 if dead:
-                    raise RuntimeError("exited before serving: " + "".join(
-                        f"{s.name} (code {s.process.returncode}){s.log_tail()}" for s in dead))
+                    raise RuntimeError(
+                        "exited before serving: "
+                        + "".join(f"{s.name} (code {s.process.returncode}){s.log_tail()}" for s in dead)
+                    )
                 time.sleep(0.2)
             out = probe.stdout.read()
             if probe.returncode != 0:
-                raise RuntimeError(f"not healthy after {timeout}s:\n{out}" + "".join(
-                    s.log_tail() for s in self.services.values()))
+                raise RuntimeError(
+                    f"not healthy after {timeout}s:\n{out}" + "".join(s.log_tail() for s in self.services.values())
+                )
         finally:
             if probe.poll() is None:
                 probe.kill()
@@ -273,29 +287,95 @@ def stack(network, model_dir, tmp_path_factory):
     kv_layout = ["--block-size", str(BLOCK_SIZE)]
     blocks = ["--num-kv-blocks", str(NUM_KV_BLOCKS), *kv_layout]
     argvs = {
-        "kvcache": ["kvcache", "--host", addr("kvcache"), "--port", str(HOSTS["kvcache"][1]),
-                    "--num-blocks", str(NUM_KV_BLOCKS), *kv_layout],
-        "worker-0": ["worker", "--model", model_dir, "--stage", "0", "--num-stages", "2",
-                     "--host", addr("worker-0"), "--port", str(HOSTS["worker-0"][1]),
-                     "--next", endpoint("worker-1"), *blocks, "--num-threads", "1"],
-        "worker-1": ["worker", "--model", model_dir, "--stage", "1", "--num-stages", "2",
-                     "--host", addr("worker-1"), "--port", str(HOSTS["worker-1"][1]),
-                     "--feedback", endpoint("worker-0"), *blocks, "--num-threads", "1"],
-        "scheduler": ["scheduler", "--model", model_dir, "--host", addr("scheduler"),
-                      "--port", str(HOSTS["scheduler"][1]), "--kvcache", endpoint("kvcache"),
-                      "--stages", f"{endpoint('worker-0')},{endpoint('worker-1')}",
-                      "--pipeline-parallel-size", "2", *blocks],
-        "gateway": ["gateway", "--model", model_dir, "--scheduler", endpoint("scheduler"),
-                    "--host", addr("gateway"), "--port", str(GATEWAY_REST_PORT),
-                    "--grpc-port", str(HOSTS["gateway"][1]), "--api-key", API_KEY],
+        "kvcache": [
+            "kvcache",
+            "--host",
+            addr("kvcache"),
+            "--port",
+            str(HOSTS["kvcache"][1]),
+            "--num-blocks",
+            str(NUM_KV_BLOCKS),
+            *kv_layout,
+        ],
+        "worker-0": [
+            "worker",
+            "--model",
+            model_dir,
+            "--stage",
+            "0",
+            "--num-stages",
+            "2",
+            "--host",
+            addr("worker-0"),
+            "--port",
+            str(HOSTS["worker-0"][1]),
+            "--next",
+            endpoint("worker-1"),
+            *blocks,
+            "--num-threads",
+            "1",
+        ],
+        "worker-1": [
+            "worker",
+            "--model",
+            model_dir,
+            "--stage",
+            "1",
+            "--num-stages",
+            "2",
+            "--host",
+            addr("worker-1"),
+            "--port",
+            str(HOSTS["worker-1"][1]),
+            "--feedback",
+            endpoint("worker-0"),
+            *blocks,
+            "--num-threads",
+            "1",
+        ],
+        "scheduler": [
+            "scheduler",
+            "--model",
+            model_dir,
+            "--host",
+            addr("scheduler"),
+            "--port",
+            str(HOSTS["scheduler"][1]),
+            "--kvcache",
+            endpoint("kvcache"),
+            "--stages",
+            f"{endpoint('worker-0')},{endpoint('worker-1')}",
+            "--pipeline-parallel-size",
+            "2",
+            *blocks,
+        ],
+        "gateway": [
+            "gateway",
+            "--model",
+            model_dir,
+            "--scheduler",
+            endpoint("scheduler"),
+            "--host",
+            addr("gateway"),
+            "--port",
+            str(GATEWAY_REST_PORT),
+            "--grpc-port",
+            str(HOSTS["gateway"][1]),
+            "--api-key",
+            API_KEY,
+        ],
     }
     services = {}
     for name, argv in argvs.items():
         home = root / name  # a "host" of its own: no file shared but the checkpoint
         (home / "tmp").mkdir(parents=True)
-        service_env = {**env, "HOME": str(home), "TMPDIR": str(home / "tmp"),
-                       "XDG_CACHE_HOME": str(home / "cache"),
-                       PARENT_ENV: str(os.getpid())}  # killed with this process, however it ends
+        service_env = {
+            **env,
+            "HOME": str(home),
+            "TMPDIR": str(home / "tmp"),
+            "XDG_CACHE_HOME": str(home / "cache"),
+            PARENT_ENV: str(os.getpid()),
+        }  # killed with this process, however it ends
         services[name] = Service(name, argv, service_env, root / f"{name}.log")
     s = Stack(network, services, model_dir, env=env)
     try:
@@ -312,17 +392,29 @@ def stack(network, model_dir, tmp_path_factory):
         s.stop()
 
 
-SCHEDULER_WORK = [([5, 17, 300, 42], 12), (list(range(30, 70)), 16), ([7, 7, 7, 100, 200], 10),
-                  ([(i * 37) % 500 + 5 for i in range(90)], 12)]
+SCHEDULER_WORK = [
+    ([5, 17, 300, 42], 12),
+    (list(range(30, 70)), 16),
+    ([7, 7, 7, 100, 200], 10),
+    ([(i * 37) % 500 + 5 for i in range(90)], 12),
+]
 GATEWAY_PROMPTS, GATEWAY_MAX_TOKENS = [[11, 12, 13, 14, 15], list(range(100, 133))], 10
 
 
 def test_greedy_across_namespaces_equals_transformers(stack):
-    got = stack.client("client", "generate", {
-        "scheduler": endpoint("scheduler"), "work": SCHEDULER_WORK,
-        "gateway": f"http://{addr('gateway')}:{GATEWAY_REST_PORT}/v1", "api_key": API_KEY,
-        "model": stack.model_dir, "prompts": GATEWAY_PROMPTS, "max_tokens": GATEWAY_MAX_TOKENS,
-    })
+    got = stack.client(
+        "client",
+        "generate",
+        {
+            "scheduler": endpoint("scheduler"),
+            "work": SCHEDULER_WORK,
+            "gateway": f"http://{addr('gateway')}:{GATEWAY_REST_PORT}/v1",
+            "api_key": API_KEY,
+            "model": stack.model_dir,
+            "prompts": GATEWAY_PROMPTS,
+            "max_tokens": GATEWAY_MAX_TOKENS,
+        },
+    )
     for (prompt, max_tokens), (tokens, finish) in zip(SCHEDULER_WORK, got["scheduler"], strict=True):
         assert len(tokens) == max_tokens and finish == "FINISH_REASON_LENGTH"
         assert stack.reference.compare(prompt, tokens).tie_divergences == 0
@@ -336,8 +428,12 @@ def test_greedy_across_namespaces_equals_transformers(stack):
     assert got["without_token"] == "UNAUTHENTICATED"
     # the connections that served these requests: each service's go to the addresses on
     # its command line, none to loopback
-    want = {"scheduler": {"kvcache", "worker-0", "worker-1"}, "worker-0": {"worker-1"},
-            "worker-1": {"worker-0"}, "gateway": {"scheduler"}}
+    want = {
+        "scheduler": {"kvcache", "worker-0", "worker-1"},
+        "worker-0": {"worker-1"},
+        "worker-1": {"worker-0"},
+        "gateway": {"scheduler"},
+    }
     for name, peers in want.items():
         connected = {peer for _, peer in _sockets(stack.net, name, "-tnH", "state", "established")}
         assert {endpoint(p) for p in peers} <= connected, (name, connected)
@@ -346,10 +442,17 @@ def test_greedy_across_namespaces_equals_transformers(stack):
 
 def test_nothing_goes_over_loopback(stack):
     port0 = HOSTS["worker-0"][1]
-    reach = stack.client("scheduler", "reach", [[addr("worker-0"), port0], ["127.0.0.1", port0],
-                                                ["127.0.0.1", HOSTS["scheduler"][1]]], timeout=30)
-    assert reach == {f"{addr('worker-0')}:{port0}": "ok", f"127.0.0.1:{port0}": "ECONNREFUSED",
-                     f"127.0.0.1:{HOSTS['scheduler'][1]}": "ECONNREFUSED"}
+    reach = stack.client(
+        "scheduler",
+        "reach",
+        [[addr("worker-0"), port0], ["127.0.0.1", port0], ["127.0.0.1", HOSTS["scheduler"][1]]],
+        timeout=30,
+    )
+    assert reach == {
+        f"{addr('worker-0')}:{port0}": "ok",
+        f"127.0.0.1:{port0}": "ECONNREFUSED",
+        f"127.0.0.1:{HOSTS['scheduler'][1]}": "ECONNREFUSED",
+    }
 
     for name in stack.services:  # every listener on the service's own address
         listening = {local for local, _ in _sockets(stack.net, name, "-ltunH")}
@@ -364,6 +467,7 @@ def _sockets(net: PrivateNetwork, host: str, *ss_args: str) -> list[tuple[str, s
     """(local, peer) of the sockets `ss` lists in `host`'s namespace (peer "" for a
     listener), IPv4-mapped IPv6 addresses as the IPv4 ones they are (gRPC's sockets are
     dual-stack: [::ffff:10.213.13.2]:7001 is 10.213.13.2:7001)."""
+
     def plain(address: str) -> str:
         return re.sub(r"^\[::ffff:([0-9.]+)\]", r"\1", address)
 
@@ -431,15 +535,33 @@ def _client_generate(payload: dict) -> dict:
         return results, stats, refused
 
     results, stats, refused = asyncio.run(direct())
-    client = openai.OpenAI(base_url=payload["gateway"], api_key=payload["api_key"], max_retries=0,
-                           http_client=httpx.Client(trust_env=False, timeout=120))
-    resp = client.completions.create(model=payload["model"], prompt=payload["prompts"],
-                                     max_tokens=payload["max_tokens"], temperature=0,
-                                     extra_body={"ignore_eos": True, "return_token_ids": True})
-    choices = [{"prompt_token_ids": c.model_extra["prompt_token_ids"], "token_ids": c.model_extra["token_ids"],
-                "finish_reason": c.finish_reason} for c in sorted(resp.choices, key=lambda c: c.index)]
-    return {"scheduler": results, "gateway": choices, "without_token": refused,
-            "feedback_connected": stats.stages[0].load_info.feedback_connected}
+    client = openai.OpenAI(
+        base_url=payload["gateway"],
+        api_key=payload["api_key"],
+        max_retries=0,
+        http_client=httpx.Client(trust_env=False, timeout=120),
+    )
+    resp = client.completions.create(
+        model=payload["model"],
+        prompt=payload["prompts"],
+        max_tokens=payload["max_tokens"],
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    choices = [
+        {
+            "prompt_token_ids": c.model_extra["prompt_token_ids"],
+            "token_ids": c.model_extra["token_ids"],
+            "finish_reason": c.finish_reason,
+        }
+        for c in sorted(resp.choices, key=lambda c: c.index)
+    ]
+    return {
+        "scheduler": results,
+        "gateway": choices,
+        "without_token": refused,
+        "feedback_connected": stats.stages[0].load_info.feedback_connected,
+    }
 
 
 def _client_reach(targets: list) -> dict:

@@ -28,8 +28,11 @@ def test_default_model_answers_the_capital_of_france(default_stack):
     client = OpenAI(base_url=f"{default_stack.url}/v1", api_key="none")
     assert DEFAULT_MODEL_NAME in [m.id for m in client.models.list().data]
     chat = client.chat.completions.create(
-        model=DEFAULT_MODEL_NAME, temperature=0, max_tokens=24,
-        messages=[{"role": "user", "content": "What is the capital of France?"}])
+        model=DEFAULT_MODEL_NAME,
+        temperature=0,
+        max_tokens=24,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
     answer = chat.choices[0].message.content
     assert "Paris" in answer, answer
 
@@ -52,17 +55,36 @@ def test_real_gguf_float32_pp2_equals_transformers(real_gguf, tmp_path_factory):
     from services.text.tokenizer import Tokenizer
 
     tok = Tokenizer(prepare_gguf(real_gguf))
-    prompt = tok.encode(tok.apply_chat_template(
-        [{"role": "user", "content": "Name three colours of the rainbow."}], add_generation_prompt=True))
+    prompt = tok.encode(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Name three colours of the rainbow."}], add_generation_prompt=True
+        )
+    )
     with ThreadPoolExecutor(1) as pool:
         reference = pool.submit(HFReference, None, gguf_file=real_gguf)
-        stack = start_serve(str(real_gguf), tmp_path_factory.mktemp("f32-serve"), "--dtype", "float32",
-                            "--pipeline-parallel-size", "2", "--num-kv-blocks", "128", timeout_s=300)
+        stack = start_serve(
+            str(real_gguf),
+            tmp_path_factory.mktemp("f32-serve"),
+            "--dtype",
+            "float32",
+            "--pipeline-parallel-size",
+            "2",
+            "--num-kv-blocks",
+            "128",
+            timeout_s=300,
+        )
         try:
-            body = json.dumps({"model": str(real_gguf), "prompt": prompt, "max_tokens": 24, "temperature": 0,
-                               "ignore_eos": True, "return_token_ids": True}).encode()
-            request = urllib.request.Request(f"{stack.url}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
+            body = json.dumps(
+                {
+                    "model": str(real_gguf),
+                    "prompt": prompt,
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                }
+            ).encode()
+            request = urllib.request.Request(f"{stack.url}/v1/completions", body, {"Content-Type": "application/json"})
             out = json.loads(urllib.request.urlopen(request, timeout=300).read())
         finally:
             stack.stop()
@@ -71,12 +93,14 @@ def test_real_gguf_float32_pp2_equals_transformers(real_gguf, tmp_path_factory):
     reference.result().compare(prompt, tokens)
 
 
-PASSAGES = ["The quick brown fox jumps over the lazy dog while the farmer watches from the porch "
-            "and the sun sets slowly behind the hills of the quiet valley.",
-            "Pipeline parallelism splits a model's layers over stages; each stage holds its slice and "
-            "hands its hidden states to the next one, so the stages work on different micro-batches.",
-            "To make tea, boil fresh water, warm the pot, add one spoon of leaves per cup, pour, wait "
-            "three to five minutes, then pour the tea through a strainer into the cups."]
+PASSAGES = [
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch "
+    "and the sun sets slowly behind the hills of the quiet valley.",
+    "Pipeline parallelism splits a model's layers over stages; each stage holds its slice and "
+    "hands its hidden states to the next one, so the stages work on different micro-batches.",
+    "To make tea, boil fresh water, warm the pot, add one spoon of leaves per cup, pour, wait "
+    "three to five minutes, then pour the tea through a strainer into the cups.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +110,14 @@ def speculation_prompts(real_gguf):
 
     folder = str(prepare_gguf(real_gguf))
     tok = Tokenizer(folder)
-    return folder, [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Repeat exactly:\n\n{p}"}],
-                                                       add_generation_prompt=True)) for p in PASSAGES]
+    return folder, [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": f"Repeat exactly:\n\n{p}"}], add_generation_prompt=True
+            )
+        )
+        for p in PASSAGES
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +143,7 @@ def load_stages_once(loaded_stages, monkeypatch) -> None:
             if key not in loaded_stages:
                 loaded_stages[key] = load(model_dir, stage, num_stages, **kwargs)
             return loaded_stages[key]
+
         return load_stage
 
     monkeypatch.setattr(worker_svc.checkpoints.loader, "load_stage", cached("target"))
@@ -131,17 +162,24 @@ def run_engine(folder, prompts, pp, async_scheduling, blocks, spec):
     greedy = SamplingOptions(max_tokens=48, temperature=0.0, ignore_eos=True)
 
     async def run():
-        config = SchedulerConfig(block_size=16, num_kv_blocks=blocks, max_num_batched_tokens=128,
-                                 pipeline_parallel_size=pp, async_scheduling=async_scheduling,
-                                 speculative_config=spec)
+        config = SchedulerConfig(
+            block_size=16,
+            num_kv_blocks=blocks,
+            max_num_batched_tokens=128,
+            pipeline_parallel_size=pp,
+            async_scheduling=async_scheduling,
+            speculative_config=spec,
+        )
         engine = build_local_engine(folder, config, num_kv_blocks=blocks, dtype="float32")
         await engine.start()
         try:
+
             async def collect(i, p):
                 out = []
                 async for o in engine.submit(Request(f"r{i}", tuple(p), greedy, 0.0)):
                     out += [t for d in o.deltas for t in d.token_ids]
                 return out
+
             outs = await asyncio.gather(*(collect(i, p) for i, p in enumerate(prompts)))
             return outs, engine.planner.spec, engine.planner.num_preemptions, (await engine.kv.stats()).num_used_blocks
         finally:
@@ -161,12 +199,14 @@ def greedy_without_drafts(speculation_prompts, loaded_stages):
     return outs
 
 
-@pytest.mark.parametrize(("pp", "async_scheduling", "blocks"),
-                         [(1, True, 512), (2, False, 16), (1, False, 16), (2, True, 512)],
-                         ids=["pp1-async", "pp2-sync-small-pool", "pp1-sync-small-pool", "pp2-async"])
-def test_real_model_speculation_leaves_greedy_output_unchanged(speculation_prompts, greedy_without_drafts,
-                                                               loaded_stages, monkeypatch, pp, async_scheduling,
-                                                               blocks):
+@pytest.mark.parametrize(
+    ("pp", "async_scheduling", "blocks"),
+    [(1, True, 512), (2, False, 16), (1, False, 16), (2, True, 512)],
+    ids=["pp1-async", "pp2-sync-small-pool", "pp1-sync-small-pool", "pp2-async"],
+)
+def test_real_model_speculation_leaves_greedy_output_unchanged(
+    speculation_prompts, greedy_without_drafts, loaded_stages, monkeypatch, pp, async_scheduling, blocks
+):
     """The real checkpoint (float32, in-process engine): greedy output with n-gram drafts and
     with a draft model (the checkpoint itself: the only SmolLM2 here) equals output without
     (computed once, at one stage without preemption), on prompts that ask to repeat a passage
@@ -175,8 +215,10 @@ def test_real_model_speculation_leaves_greedy_output_unchanged(speculation_promp
     (`load_stages_once`): each run builds its own engine, runners and KV pools."""
     load_stages_once(loaded_stages, monkeypatch)
     folder, _ = speculation_prompts
-    for spec in (json.dumps({"method": "ngram", "num_speculative_tokens": 4}),
-                 json.dumps({"method": "draft_model", "model": folder, "num_speculative_tokens": 3})):
+    for spec in (
+        json.dumps({"method": "ngram", "num_speculative_tokens": 4}),
+        json.dumps({"method": "draft_model", "model": folder, "num_speculative_tokens": 3}),
+    ):
         got, stats, preemptions, used = run_engine(*speculation_prompts, pp, async_scheduling, blocks, spec)
         assert got == greedy_without_drafts, spec
         assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens > 0, (spec, stats)

@@ -58,11 +58,18 @@ def replicas(model_dir, redis_server, tmp_path_factory):
     stacks = []
     try:
         for name in ("r0", "r1"):
-            stacks.append(start_stack(
-                model_dir, num_stages=1, num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK,
-                log_dir=tmp_path_factory.mktemp(f"replica-{name}"), threads_per_worker=1,
-                kvcache_args=("--replica-id", name, "--redis-url", redis_server.url),
-                scheduler_args=("--max-num-seqs", "8", "--max-model-len", "1024")))
+            stacks.append(
+                start_stack(
+                    model_dir,
+                    num_stages=1,
+                    num_kv_blocks=NUM_KV_BLOCKS,
+                    block_size=BLOCK,
+                    log_dir=tmp_path_factory.mktemp(f"replica-{name}"),
+                    threads_per_worker=1,
+                    kvcache_args=("--replica-id", name, "--redis-url", redis_server.url),
+                    scheduler_args=("--max-num-seqs", "8", "--max-model-len", "1024"),
+                )
+            )
         yield stacks
     finally:
         for s in stacks:
@@ -73,10 +80,26 @@ def start_router(name, model_dir, replicas, log_dir, *args) -> ServiceProcess:
     port, grpc_port = free_port(), free_port()
     targets = ",".join(f"r{i}={s.scheduler_address}" for i, s in enumerate(replicas))
     gateway = ServiceProcess(
-        name, pagoda_command("gateway", "--model", model_dir, "--scheduler", targets, "--port", str(port),
-                             "--grpc-port", str(grpc_port), "--max-model-len", "1024",
-                             "--served-model-name", "tiny", *args),
-        f"127.0.0.1:{grpc_port}", log_path=log_dir / f"{name}.log")
+        name,
+        pagoda_command(
+            "gateway",
+            "--model",
+            model_dir,
+            "--scheduler",
+            targets,
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--max-model-len",
+            "1024",
+            "--served-model-name",
+            "tiny",
+            *args,
+        ),
+        f"127.0.0.1:{grpc_port}",
+        log_path=log_dir / f"{name}.log",
+    )
     gateway.start()
     gateway.wait_healthy(60)
     gateway.port = port
@@ -88,10 +111,10 @@ def routers(model_dir, replicas, redis_server, tmp_path_factory):
     logs = tmp_path_factory.mktemp("routers")
     started = {}
     try:
-        started["prefix"] = start_router("prefix", model_dir, replicas, logs, "--routing", "prefix",
-                                         "--redis-url", redis_server.url)
-        started["round-robin"] = start_router("round-robin", model_dir, replicas, logs,
-                                              "--routing", "round-robin")
+        started["prefix"] = start_router(
+            "prefix", model_dir, replicas, logs, "--routing", "prefix", "--redis-url", redis_server.url
+        )
+        started["round-robin"] = start_router("round-robin", model_dir, replicas, logs, "--routing", "round-robin")
         yield started
     finally:
         for g in started.values():
@@ -114,8 +137,13 @@ def workload(seed: int) -> list[list[int]]:
 def complete(port: int, prompt: list[int]) -> tuple[str, list[int]]:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
     try:
-        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        r = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         return "ok", r.choices[0].token_ids
     except (openai.APIError, openai.APIConnectionError) as exc:
         return "error", [type(exc).__name__]
@@ -124,7 +152,8 @@ def complete(port: int, prompt: list[int]) -> tuple[str, list[int]]:
 def kv_stats(stack):
     with grpc.insecure_channel(stack.scheduler_address) as channel:
         stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-            scheduler_pb2.GetStatsRequest(), metadata=_token(), timeout=5)
+            scheduler_pb2.GetStatsRequest(), metadata=_token(), timeout=5
+        )
     return stats.kv_cache.num_prefix_query_tokens, stats.kv_cache.num_prefix_hit_tokens
 
 
@@ -150,8 +179,11 @@ def direct(stack, prompt) -> list[int]:
     req.sampling_params.max_tokens, req.sampling_params.temperature = MAX_TOKENS, 0.0
     req.sampling_params.ignore_eos = True
     with grpc.insecure_channel(stack.scheduler_address) as channel:
-        return [t for r in scheduler_pb2_grpc.SchedulerStub(channel).Generate(req, metadata=_token(), timeout=60)
-                for t in r.token_ids]
+        return [
+            t
+            for r in scheduler_pb2_grpc.SchedulerStub(channel).Generate(req, metadata=_token(), timeout=60)
+            for t in r.token_ids
+        ]
 
 
 def test_prefix_routing_hits_the_cache_twice_as_often_as_round_robin(replicas, routers):
@@ -159,8 +191,9 @@ def test_prefix_routing_hits_the_cache_twice_as_often_as_round_robin(replicas, r
     for seed, policy in enumerate(("round-robin", "prefix")):  # fresh prefixes per policy
         prompts = workload(seed)
         got = []
-        rates[policy] = hit_rate(replicas, lambda p=prompts, g=got, port=routers[policy].port:
-                                 g.extend(complete(port, x) for x in p))
+        rates[policy] = hit_rate(
+            replicas, lambda p=prompts, g=got, port=routers[policy].port: g.extend(complete(port, x) for x in p)
+        )
         assert all(kind == "ok" for kind, _ in got), got
         outputs[policy] = (prompts, [t for _, t in got])
     print(f"\n[router] prefix hit rate: prefix {rates['prefix']:.3f}, round-robin {rates['round-robin']:.3f}")
@@ -186,8 +219,7 @@ def test_requests_complete_without_redis_and_prefix_routing_resumes(replicas, ro
     assert all(kind == "ok" for kind, _ in more)
     redis_server.restart()
     deadline = time.time() + 10
-    while time.time() < deadline and not all(
-            redis_server.client.exists(f"pagoda:kv:{{r{i}}}:alive") for i in range(2)):
+    while time.time() < deadline and not all(redis_server.client.exists(f"pagoda:kv:{{r{i}}}:alive") for i in range(2)):
         time.sleep(0.2)
     assert all(redis_server.client.scard(f"pagoda:kv:{{r{i}}}:blocks") > 0 for i in range(2))
     # prefix routing again: a new prefix's requests all go to the replica that took the first
@@ -239,8 +271,20 @@ def test_serve_runs_replicas_behind_a_router_in_one_command(model_dir, tmp_path)
     running after it stops."""
     from support.stack import children, start_serve
 
-    stack = start_serve(model_dir, tmp_path, "--replicas", "2", "--num-threads", "1", "--num-kv-blocks", "128",
-                        "--served-model-name", "tiny", "--max-model-len", "1024")
+    stack = start_serve(
+        model_dir,
+        tmp_path,
+        "--replicas",
+        "2",
+        "--num-threads",
+        "1",
+        "--num-kv-blocks",
+        "128",
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "1024",
+    )
     try:
         assert [r["name"] for r in stack.ready["replicas"]] == ["r0", "r1"] and stack.ready["redis"]
         prompt = workload(3)[0]
@@ -276,8 +320,9 @@ def test_a_request_whose_replica_refuses_it_unstreamed_goes_to_another(model_dir
     from services.text import Tokenizer
 
     dead = f"127.0.0.1:{free_port()}"
-    generator = TextGenerator(f"dead={dead},live={replicas[0].scheduler_address}", Tokenizer(model_dir), 1024,
-                              routing="round-robin")
+    generator = TextGenerator(
+        f"dead={dead},live={replicas[0].scheduler_address}", Tokenizer(model_dir), 1024, routing="round-robin"
+    )
     for r in generator.replicas.replicas:
         r.state.healthy = True  # not polled: the router's belief before the poll
 

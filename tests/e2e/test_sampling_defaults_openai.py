@@ -43,10 +43,17 @@ def _client(stack) -> openai.OpenAI:
 
 def _tokens(stack, seed: int, **sampling) -> list[int]:
     out = _client(stack).completions.create(
-        model="tiny", prompt="Once upon a time", max_tokens=24, seed=seed,
-        extra_body={"ignore_eos": True, "return_token_ids": True, **{k: v for k, v in sampling.items()
-                                                                      if k in ("top_k", "min_p")}},
-        **{k: v for k, v in sampling.items() if k in ("temperature", "top_p")})
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=24,
+        seed=seed,
+        extra_body={
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **{k: v for k, v in sampling.items() if k in ("top_k", "min_p")},
+        },
+        **{k: v for k, v in sampling.items() if k in ("temperature", "top_p")},
+    )
     return out.choices[0].token_ids
 
 
@@ -70,10 +77,15 @@ def test_a_requests_own_fields_win(stacks):
 def test_the_banner_and_v1_models_say_which_defaults_apply(stacks):
     auto, none = stacks
     model = _client(auto).models.retrieve("tiny")
-    assert model.model_extra["sampling_defaults"] == {**LLAMA_CPP, "repetition_penalty": None,
-                                                      "source": "llama.cpp's, for a GGUF file"}
+    assert model.model_extra["sampling_defaults"] == {
+        **LLAMA_CPP,
+        "repetition_penalty": None,
+        "source": "llama.cpp's, for a GGUF file",
+    }
     listed = _client(none).models.list().data[0]
     assert listed.model_extra["sampling_defaults"]["temperature"] is None
-    assert "sampling defaults: temperature 0.8, top_p 0.95, top_k 40, min_p 0.05 (llama.cpp's" in (
-        auto.logs / "serve.log").read_text()
+    assert (
+        "sampling defaults: temperature 0.8, top_p 0.95, top_k 40, min_p 0.05 (llama.cpp's"
+        in (auto.logs / "serve.log").read_text()
+    )
     assert "sampling defaults: none (temperature 1, no truncation)" in (none.logs / "serve.log").read_text()

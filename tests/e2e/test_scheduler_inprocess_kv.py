@@ -18,9 +18,21 @@ def test_scheduler_with_in_process_kv(model_factory, tmp_path):
     port = free_port()
     scheduler = ServiceProcess(
         "scheduler",
-        pagoda_command("scheduler", "--model", model_dir, "--port", str(port), "--kvcache", "in-process",
-                       "--stages", workers[0].health_address, "--num-kv-blocks", "64"),
-        f"127.0.0.1:{port}", log_path=tmp_path / "scheduler.log",
+        pagoda_command(
+            "scheduler",
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            "--kvcache",
+            "in-process",
+            "--stages",
+            workers[0].health_address,
+            "--num-kv-blocks",
+            "64",
+        ),
+        f"127.0.0.1:{port}",
+        log_path=tmp_path / "scheduler.log",
     )
     try:
         scheduler.start()

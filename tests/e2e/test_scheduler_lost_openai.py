@@ -17,9 +17,20 @@ TRANSPORT_WORDS = ("Stream removed", "Socket closed", "Connection reset", "GOAWA
 
 @pytest.fixture(scope="module")
 def stack(model_factory, tmp_path_factory):
-    s = start_serve(model_factory(arch="llama"), tmp_path_factory.mktemp("scheduler-lost"),
-                    "--num-kv-blocks", "64", "--num-threads", "1", "--max-model-len", "512",
-                    "--served-model-name", "tiny", "--max-restarts", "5")
+    s = start_serve(
+        model_factory(arch="llama"),
+        tmp_path_factory.mktemp("scheduler-lost"),
+        "--num-kv-blocks",
+        "64",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--max-restarts",
+        "5",
+    )
     yield s
     s.stop()
 
@@ -27,8 +38,13 @@ def stack(model_factory, tmp_path_factory):
 def test_a_stream_cut_by_a_killed_scheduler_says_so(stack):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.port}/v1", api_key="none", max_retries=0)
     stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Tell me a long story"}], max_tokens=400,
-        temperature=0, stream=True, extra_body={"ignore_eos": True})
+        model="tiny",
+        messages=[{"role": "user", "content": "Tell me a long story"}],
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     received = 0
     with pytest.raises(openai.APIError) as caught:
         for _ in stream:
@@ -40,6 +56,7 @@ def test_a_stream_cut_by_a_killed_scheduler_says_so(stack):
     assert "scheduler" in message and "incomplete" in message and "again" in message, message
     assert not any(word in message for word in TRANSPORT_WORDS), message
     stack.wait_serving(60)  # and it serves again
-    again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=4, temperature=0)
+    again = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
     assert again.choices[0].finish_reason in ("length", "stop")

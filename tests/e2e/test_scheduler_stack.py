@@ -35,10 +35,18 @@ def stack(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("stack-logs")
     trace = logs / "trace.jsonl"
     s = start_stack(
-        model_dir, num_stages=2, num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, log_dir=logs,
-        scheduler_args=("--max-num-batched-tokens", "256", "--max-num-seqs", "32"), metrics=True,
-        env={"PAGODA_TRACE_SCHEDULER": "1", "PAGODA_TRACE_FILE": str(trace),
-             "PAGODA_SPANS_FILE": str(logs / "spans.jsonl")},
+        model_dir,
+        num_stages=2,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        block_size=BLOCK_SIZE,
+        log_dir=logs,
+        scheduler_args=("--max-num-batched-tokens", "256", "--max-num-seqs", "32"),
+        metrics=True,
+        env={
+            "PAGODA_TRACE_SCHEDULER": "1",
+            "PAGODA_TRACE_FILE": str(trace),
+            "PAGODA_SPANS_FILE": str(logs / "spans.jsonl"),
+        },
         threads_per_worker=1,
     )
     s.trace_path = trace
@@ -174,9 +182,19 @@ def test_bad_input_gets_invalid_argument(stack):
             return outcomes
 
     outcomes = asyncio.run(go())
-    for outcome, field in zip(outcomes, ["prompt_token_ids", "max_tokens", "top_p", "temperature",
-                                         "prompt_token_ids", "structured_output", "structured_output"],
-                              strict=True):
+    for outcome, field in zip(
+        outcomes,
+        [
+            "prompt_token_ids",
+            "max_tokens",
+            "top_p",
+            "temperature",
+            "prompt_token_ids",
+            "structured_output",
+            "structured_output",
+        ],
+        strict=True,
+    ):
         assert outcome is not None and outcome[0] == grpc.StatusCode.INVALID_ARGUMENT
         assert field in outcome[1]
 
@@ -252,13 +270,17 @@ def test_metrics_move_as_requests_flow(stack):
     # leaves the scheduler): read at once, no waiting for a refresh
     after = scrape(stack.metrics_url)
     assert after["pagoda:generation_tokens_total"] - before.get("pagoda:generation_tokens_total", 0) == generated
-    assert after["pagoda:prompt_tokens_total"] - before.get("pagoda:prompt_tokens_total", 0) == sum(len(p) for p, _ in work)
+    assert after["pagoda:prompt_tokens_total"] - before.get("pagoda:prompt_tokens_total", 0) == sum(
+        len(p) for p, _ in work
+    )
     assert after["pagoda:request_success_total{finished_reason=length}"] - before.get(
-        "pagoda:request_success_total{finished_reason=length}", 0) == len(work)
+        "pagoda:request_success_total{finished_reason=length}", 0
+    ) == len(work)
     assert after["pagoda:time_to_first_token_seconds_count"] > before.get("pagoda:time_to_first_token_seconds_count", 0)
     assert after["pagoda:e2e_request_latency_seconds_count"] >= len(work)
     assert after["pagoda:prefix_cache_queries_total"] - before.get("pagoda:prefix_cache_queries_total", 0) >= sum(
-        len(p) for p, _ in work)  # every prompt looked up (again after a preemption), counted as answered
+        len(p) for p, _ in work
+    )  # every prompt looked up (again after a preemption), counted as answered
     # gauges sampled from the stages and the KV service (once a second): wait for a sample
     deadline = time.time() + 20
     while not (after.get("pagoda:stage_busy_seconds{stage=1}", 0) > 0 and "pagoda:kv_cache_usage_perc" in after):

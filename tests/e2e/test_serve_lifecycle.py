@@ -23,17 +23,35 @@ def model_dir(model_factory):
 
 def _start(model_dir: str, tmp: Path, stdout) -> tuple[subprocess.Popen, list[int]]:
     ready = tmp / "ready.json"
-    cmd = [sys.executable, "-m", "wiring.cli", "serve", "--model", model_dir, "--port", str(free_port()),
-           "--grpc-port", str(free_port()), "--num-kv-blocks", "64", "--num-threads", "1",
-           "--grace-period", "1", "--log-dir", str(tmp / "logs"), "--ready-file", str(ready)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "wiring.cli",
+        "serve",
+        "--model",
+        model_dir,
+        "--port",
+        str(free_port()),
+        "--grpc-port",
+        str(free_port()),
+        "--num-kv-blocks",
+        "64",
+        "--num-threads",
+        "1",
+        "--grace-period",
+        "1",
+        "--log-dir",
+        str(tmp / "logs"),
+        "--ready-file",
+        str(ready),
+    ]
     serve = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 180
     while not ready.exists():
         assert serve.poll() is None, "pagoda serve exited before it was ready"
         assert time.monotonic() < deadline, "pagoda serve not ready after 180 s"
         time.sleep(0.2)
-    children = [int(p) for t in Path(f"/proc/{serve.pid}/task").iterdir()
-                for p in (t / "children").read_text().split()]
+    children = [int(p) for t in Path(f"/proc/{serve.pid}/task").iterdir() for p in (t / "children").read_text().split()]
     assert len(children) == 4  # KV service, one stage, scheduler, gateway
     return serve, children
 

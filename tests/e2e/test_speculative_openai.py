@@ -17,8 +17,7 @@ import torch
 from support.reference import HFReference
 from support.stack import start_serve
 
-SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                   "prompt_lookup_min": 1})
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +28,22 @@ def model_dir(model_factory):
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("speculative-stack-logs")
-    serve = start_serve(model_dir, logs, "--pipeline-parallel-size", "2", "--num-kv-blocks", "64",
-                        "--num-threads", "1", "--max-model-len", "512", "--served-model-name", "tiny",
-                        "--speculative-config", SPEC)
+    serve = start_serve(
+        model_dir,
+        logs,
+        "--pipeline-parallel-size",
+        "2",
+        "--num-kv-blocks",
+        "64",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--speculative-config",
+        SPEC,
+    )
     yield serve
     serve.stop()
 
@@ -51,8 +63,13 @@ def test_greedy_completions_equal_transformers_and_counters_count(stack, model_d
         seg = torch.randint(5, 512, (n,), generator=g).tolist()
         prompts.append(seg + seg[: n // 2] + seg)
     for prompt in prompts:
-        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0.0,
-                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        out = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=32,
+            temperature=0.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         got = out.choices[0].token_ids
         assert len(got) == 32
         assert reference.compare(prompt, got).tie_divergences <= 1

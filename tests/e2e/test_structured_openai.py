@@ -38,12 +38,30 @@ def stack(model_dir, tmp_path_factory):
     port, grpc_port = free_port(), free_port()
     serve = ServiceProcess(
         "serve",
-        pagoda_command("serve", model_dir, "--port", str(port), "--grpc-port", str(grpc_port),
-                       "--pipeline-parallel-size", "2", "--num-kv-blocks", str(NUM_KV_BLOCKS),
-                       "--block-size", str(BLOCK_SIZE), "--num-threads", "1",
-                       "--max-model-len", str(NUM_KV_BLOCKS * BLOCK_SIZE),  # (as much as the pool holds)
-                       "--served-model-name", "tiny", "--log-dir", str(logs)),
-        f"127.0.0.1:{grpc_port}", log_path=logs / "serve.log",
+        pagoda_command(
+            "serve",
+            model_dir,
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--pipeline-parallel-size",
+            "2",
+            "--num-kv-blocks",
+            str(NUM_KV_BLOCKS),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--num-threads",
+            "1",
+            "--max-model-len",
+            str(NUM_KV_BLOCKS * BLOCK_SIZE),  # (as much as the pool holds)
+            "--served-model-name",
+            "tiny",
+            "--log-dir",
+            str(logs),
+        ),
+        f"127.0.0.1:{grpc_port}",
+        log_path=logs / "serve.log",
     )
     serve.start()
     try:
@@ -57,8 +75,7 @@ def stack(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.port}/v1", api_key="none", max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.port}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def preemptions(stack) -> float:
@@ -70,8 +87,7 @@ def preemptions(stack) -> float:
 
 def chat(client, content, **kwargs):
     kwargs.setdefault("max_tokens", MAX_TOKENS)
-    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
-                                          **kwargs)
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], **kwargs)
 
 
 def test_twenty_schemas_greedy_and_sampled(client, stack):
@@ -83,9 +99,16 @@ def test_twenty_schemas_greedy_and_sampled(client, stack):
         i, temperature = job
         # a long prompt, so that the concurrent requests do not fit the pool together
         prompt = f"Schema {i}: reply with JSON. " + "Some context to read first. " * 12
-        r = chat(client, prompt, temperature=temperature, seed=i,
-                 response_format={"type": "json_schema",
-                                  "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True}})
+        r = chat(
+            client,
+            prompt,
+            temperature=temperature,
+            seed=i,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True},
+            },
+        )
         return i, temperature, r.choices[0]
 
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -98,13 +121,21 @@ def test_twenty_schemas_greedy_and_sampled(client, stack):
 def test_a_preempted_request_gives_what_an_undisturbed_one_does(client, stack):
     """Greedy under a grammar: the same request alone and amid a crowd that preempts it (a
     dozen requests whose outputs of ~100 tokens outgrow the pool while they run)."""
-    schema = {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 6},
-              "minItems": 16, "maxItems": 16}
+    schema = {
+        "type": "array",
+        "items": {"type": "string", "minLength": 3, "maxLength": 6},
+        "minItems": 16,
+        "maxItems": 16,
+    }
     prompt = "Name things. " + "Background to read first. " * 8
 
     def ask():
-        return chat(client, prompt, temperature=0.0,
-                    response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": schema}})
+        return chat(
+            client,
+            prompt,
+            temperature=0.0,
+            response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": schema}},
+        )
 
     alone = ask().choices[0].message.content
     before = preemptions(stack)
@@ -117,8 +148,14 @@ def test_a_preempted_request_gives_what_an_undisturbed_one_does(client, stack):
 
 def test_n3_choices_each_conform(client):
     schema = SCHEMAS[0]
-    r = chat(client, "Three people", n=3, temperature=1.0, seed=5,
-             response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+    r = chat(
+        client,
+        "Three people",
+        n=3,
+        temperature=1.0,
+        seed=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+    )
     assert len(r.choices) == 3
     values = [json.loads(c.message.content) for c in r.choices]
     for value in values:
@@ -132,58 +169,102 @@ def test_json_object_and_vllm_guided_extras(client, model_dir):
     # any object: nothing bounds its strings, so a bias towards closing braces ends it
     # (with the grammar, a brace can only close what is open)
     close = Tokenizer(model_dir).encode("}", add_special_tokens=False)
-    obj = chat(client, "Any object", temperature=0.0, response_format={"type": "json_object"},
-               logit_bias={str(t): 30 for t in close})
+    obj = chat(
+        client,
+        "Any object",
+        temperature=0.0,
+        response_format={"type": "json_object"},
+        logit_bias={str(t): 30 for t in close},
+    )
     assert obj.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
 
-    guided = client.completions.create(model="tiny", prompt="JSON please", max_tokens=MAX_TOKENS, temperature=0.7,
-                                       seed=3, extra_body={"guided_json": SCHEMAS[3]})
+    guided = client.completions.create(
+        model="tiny",
+        prompt="JSON please",
+        max_tokens=MAX_TOKENS,
+        temperature=0.7,
+        seed=3,
+        extra_body={"guided_json": SCHEMAS[3]},
+    )
     jsonschema.validate(json.loads(guided.choices[0].text), SCHEMAS[3])
 
-    as_string = client.completions.create(model="tiny", prompt="JSON please", max_tokens=MAX_TOKENS,
-                                          temperature=0.0, extra_body={"guided_json": json.dumps(SCHEMAS[1])})
+    as_string = client.completions.create(
+        model="tiny",
+        prompt="JSON please",
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={"guided_json": json.dumps(SCHEMAS[1])},
+    )
     assert json.loads(as_string.choices[0].text) in SCHEMAS[1]["enum"]
 
-    vllm_new = client.completions.create(model="tiny", prompt="JSON please", max_tokens=MAX_TOKENS,
-                                         temperature=0.0,
-                                         extra_body={"structured_outputs": {"json": SCHEMAS[4]}})
+    vllm_new = client.completions.create(
+        model="tiny",
+        prompt="JSON please",
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={"structured_outputs": {"json": SCHEMAS[4]}},
+    )
     jsonschema.validate(json.loads(vllm_new.choices[0].text), SCHEMAS[4])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_guided_choice_and_regex(client, temperature):
     choices = ["positive", "negative", "neutral"]
-    picked = client.completions.create(model="tiny", prompt="Sentiment:", max_tokens=20, n=3,
-                                       temperature=temperature, seed=1,
-                                       extra_body={"guided_choice": choices})
+    picked = client.completions.create(
+        model="tiny",
+        prompt="Sentiment:",
+        max_tokens=20,
+        n=3,
+        temperature=temperature,
+        seed=1,
+        extra_body={"guided_choice": choices},
+    )
     assert all(c.text in choices and c.finish_reason == "stop" for c in picked.choices)
 
     pattern = r"[A-Z]{2}-[0-9]{4}"
     matched = chat(client, "A code", temperature=temperature, seed=2, n=3, extra_body={"guided_regex": pattern})
     assert all(re.fullmatch(pattern, c.message.content) for c in matched.choices)
 
-    streamed = client.completions.create(model="tiny", prompt="A code", max_tokens=20, temperature=temperature,
-                                         stream=True, extra_body={"guided_regex": pattern})
+    streamed = client.completions.create(
+        model="tiny",
+        prompt="A code",
+        max_tokens=20,
+        temperature=temperature,
+        stream=True,
+        extra_body={"guided_regex": pattern},
+    )
     assert re.fullmatch(pattern, "".join(chunk.choices[0].text for chunk in streamed if chunk.choices))
 
 
 def test_grammar(client):
     grammar = 'root ::= "yes" | "no" | "it depends"'  # GBNF
-    r = client.completions.create(model="tiny", prompt="Well?", max_tokens=20, temperature=1.0, seed=9, n=3,
-                                  extra_body={"guided_grammar": grammar})
+    r = client.completions.create(
+        model="tiny",
+        prompt="Well?",
+        max_tokens=20,
+        temperature=1.0,
+        seed=9,
+        n=3,
+        extra_body={"guided_grammar": grammar},
+    )
     assert all(c.text in ("yes", "no", "it depends") for c in r.choices)
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
-     "response_format.json_schema.schema"),
-    ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}, "guided_json"),
-    ({"guided_regex": "(unclosed"}, "guided_regex"),
-    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
-    ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
-    ({"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}, "guided_json"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+        ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
+        ({"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ],
+)
 def test_invalid_constraints_are_a_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         chat(client, "hi", extra_body=extra)
@@ -191,19 +272,41 @@ def test_invalid_constraints_are_a_400_naming_the_field(client, extra, param):
     assert err.value.body["param"] == param, err.value.body
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                                       "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def test_named_tool_call(client):
-    r = chat(client, "Weather in Paris?", temperature=0.0, tools=[WEATHER, TIME],
-             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = chat(
+        client,
+        "Weather in Paris?",
+        temperature=0.0,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     message = r.choices[0].message
     assert message.content is None and len(message.tool_calls) == 1
     call = message.tool_calls[0]
@@ -212,8 +315,14 @@ def test_named_tool_call(client):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     assert r.choices[0].finish_reason == "stop"
 
-    streamed = chat(client, "Weather in Paris?", temperature=0.0, tools=[WEATHER, TIME], stream=True,
-                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    streamed = chat(
+        client,
+        "Weather in Paris?",
+        temperature=0.0,
+        tools=[WEATHER, TIME],
+        stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     names, arguments = [], ""
     for chunk in streamed:
         for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
@@ -225,8 +334,16 @@ def test_named_tool_call(client):
 def test_required_tool_calls(client):
     """One call each (parallel_tool_calls false: a random model would go on adding calls)."""
     for stream in (False, True):
-        r = chat(client, "Weather and time", temperature=1.0, seed=4, tools=[WEATHER, TIME],
-                 tool_choice="required", parallel_tool_calls=False, stream=stream)
+        r = chat(
+            client,
+            "Weather and time",
+            temperature=1.0,
+            seed=4,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            stream=stream,
+        )
         if stream:
             calls = [tc for chunk in r if chunk.choices for tc in chunk.choices[0].delta.tool_calls or []]
         else:

@@ -47,8 +47,9 @@ def references(models):
 
 def workload(seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(5, 500) for _ in range(length)], rng.randint(6, 14))
-            for length in (1, 3, 9, 17, 33, 70, 5, 120)]
+    return [
+        ([rng.randrange(5, 500) for _ in range(length)], rng.randint(6, 14)) for length in (1, 3, 9, 17, 33, 70, 5, 120)
+    ]
 
 
 async def generate_all(address: str, work) -> list[list[int]]:
@@ -82,9 +83,17 @@ def test_greedy_equals_transformers(models, references, tmp_path, arch, num_stag
         config = load_config(model)
         block = kv_block_bytes(config.num_layers, 4, config.num_kv_heads, config.head_dim, torch.float32)
         memory, blocks = MemorySetting(kv_cache_memory=80 * block, max_model_len=256), None
-    stack = start_stack(model, num_stages=num_stages, num_kv_blocks=blocks, block_size=4, log_dir=tmp_path,
-                        threads_per_worker=1, tensor_parallel_size=2, memory=memory,
-                        scheduler_args=("--max-num-batched-tokens", "32", "--max-num-seqs", "6"))
+    stack = start_stack(
+        model,
+        num_stages=num_stages,
+        num_kv_blocks=blocks,
+        block_size=4,
+        log_dir=tmp_path,
+        threads_per_worker=1,
+        tensor_parallel_size=2,
+        memory=memory,
+        scheduler_args=("--max-num-batched-tokens", "32", "--max-num-seqs", "6"),
+    )
     try:
         infos = stage_load_infos(stack.workers, {})
         assert [i.tensor_parallel_size for i in infos] == [2] * num_stages
@@ -103,9 +112,12 @@ def test_greedy_equals_transformers(models, references, tmp_path, arch, num_stag
 
 
 def test_a_shape_that_does_not_divide_is_refused_at_start(models, tmp_path):
-    done = subprocess.run(pagoda_command("serve", models["llama"], "--tensor-parallel-size", "3",
-                                         "--log-dir", str(tmp_path)),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        pagoda_command("serve", models["llama"], "--tensor-parallel-size", "3", "--log-dir", str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "tensor_parallel_size: 3 does not divide num_attention_heads=4, num_key_value_heads=2" in done.stderr
     assert "sizes that divide its heads, KV heads and MLP: 1, 2" in done.stderr
@@ -118,10 +130,26 @@ NUM_REQUESTS = 12
 
 @pytest.fixture(scope="module")
 def serve_stack(models, tmp_path_factory):
-    s = start_serve(models["llama"], tmp_path_factory.mktemp("tp-serve"),
-                    "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2", "--num-kv-blocks", "256",
-                    "--block-size", "16", "--num-threads", "1", "--max-model-len", "512",
-                    "--served-model-name", "tiny", "--max-restarts", "20")
+    s = start_serve(
+        models["llama"],
+        tmp_path_factory.mktemp("tp-serve"),
+        "--pipeline-parallel-size",
+        "2",
+        "--tensor-parallel-size",
+        "2",
+        "--num-kv-blocks",
+        "256",
+        "--block-size",
+        "16",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--max-restarts",
+        "20",
+    )
     yield s
     s.stop()
 
@@ -131,9 +159,13 @@ def run_all(stack, during=None):
 
     def one(i):
         try:
-            r = c.completions.create(model="tiny", prompt=f"Request {i}: " + "the quick brown fox " * (1 + i % 4),
-                                     max_tokens=16, temperature=0,
-                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+            r = c.completions.create(
+                model="tiny",
+                prompt=f"Request {i}: " + "the quick brown fox " * (1 + i % 4),
+                max_tokens=16,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
             return ("ok", r.choices[0].token_ids)
         except (openai.APIError, openai.APIConnectionError) as exc:
             return ("error", f"{type(exc).__name__}: {exc}")

@@ -29,9 +29,14 @@ from support.stack import kill_tree, start_serve
 from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 MAX_MODEL_LEN = 512
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 RESULT = '{"temperature_c": 22}'
 LISTED = '"name": "get_weather", "description": "The weather in a city"'  # the tool, in every template
@@ -79,14 +84,18 @@ INSTRUCTIONS
 {% endif -%}
 """
 LLAMA3_JSON = LLAMA.replace(
-    "INSTRUCTIONS", 'Call a function as {"name": function name, "parameters": its arguments}:').replace(
-    "CALLS", '{% for call in message.tool_calls %}{% if not loop.first %}; {% endif %}{"name": '
-             '"{{ call.function.name }}", "parameters": {{ call.function.arguments | tojson }}}{% endfor %}')
-PYTHONIC = LLAMA.replace(
-    "INSTRUCTIONS", "Call functions as [func_name1(param1=value1), func_name2(...)]:").replace(
-    "CALLS", "[{% for call in message.tool_calls %}{% if not loop.first %}, {% endif %}{{ call.function.name }}("
-             "{% for key, value in call.function.arguments.items() %}{% if not loop.first %}, {% endif %}"
-             "{{ key }}={{ value | tojson }}{% endfor %}){% endfor %}]")
+    "INSTRUCTIONS", 'Call a function as {"name": function name, "parameters": its arguments}:'
+).replace(
+    "CALLS",
+    '{% for call in message.tool_calls %}{% if not loop.first %}; {% endif %}{"name": '
+    '"{{ call.function.name }}", "parameters": {{ call.function.arguments | tojson }}}{% endfor %}',
+)
+PYTHONIC = LLAMA.replace("INSTRUCTIONS", "Call functions as [func_name1(param1=value1), func_name2(...)]:").replace(
+    "CALLS",
+    "[{% for call in message.tool_calls %}{% if not loop.first %}, {% endif %}{{ call.function.name }}("
+    "{% for key, value in call.function.arguments.items() %}{% if not loop.first %}, {% endif %}"
+    "{{ key }}={{ value | tojson }}{% endfor %}){% endfor %}]",
+)
 
 # Mistral v3 (7B Instruct v0.3, Nemo): [AVAILABLE_TOOLS], [TOOL_CALLS] with a JSON list, a
 # result as [TOOL_RESULTS]; like Mistral's own templates it refuses call ids of other than 9 characters
@@ -120,19 +129,41 @@ class Format:
 
 
 FORMATS = {
-    "hermes": Format(HERMES, '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>', (
-        '<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-        "<|im_end|>", f"<tool_response>{RESULT}</tool_response>")),
-    "llama3_json": Format(LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Paris"}}', (
-        '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": {"city": "Paris"}}'
-        "<|eot_id|>", f"<|start_header_id|>ipython<|end_header_id|>\n\n{RESULT}<|eot_id|>")),
-    "mistral": Format(MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', (
-        '[/INST][TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "@ID"}]</s>',
-        '[TOOL_RESULTS]{"content": ' + json.dumps(RESULT) + ', "call_id": "@ID"}[/TOOL_RESULTS]'),
-        call_id=r"[A-Za-z0-9]{9}"),
-    "pythonic": Format(PYTHONIC, "[get_weather(city='Paris')]", (
-        '<|start_header_id|>assistant<|end_header_id|>\n\n[get_weather(city="Paris")]<|eot_id|>',
-        f"<|start_header_id|>ipython<|end_header_id|>\n\n{RESULT}<|eot_id|>")),
+    "hermes": Format(
+        HERMES,
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+        (
+            '<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+            "<|im_end|>",
+            f"<tool_response>{RESULT}</tool_response>",
+        ),
+    ),
+    "llama3_json": Format(
+        LLAMA3_JSON,
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        (
+            '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", "parameters": {"city": "Paris"}}'
+            "<|eot_id|>",
+            f"<|start_header_id|>ipython<|end_header_id|>\n\n{RESULT}<|eot_id|>",
+        ),
+    ),
+    "mistral": Format(
+        MISTRAL,
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        (
+            '[/INST][TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "@ID"}]</s>',
+            '[TOOL_RESULTS]{"content": ' + json.dumps(RESULT) + ', "call_id": "@ID"}[/TOOL_RESULTS]',
+        ),
+        call_id=r"[A-Za-z0-9]{9}",
+    ),
+    "pythonic": Format(
+        PYTHONIC,
+        "[get_weather(city='Paris')]",
+        (
+            '<|start_header_id|>assistant<|end_header_id|>\n\n[get_weather(city="Paris")]<|eot_id|>',
+            f"<|start_header_id|>ipython<|end_header_id|>\n\n{RESULT}<|eot_id|>",
+        ),
+    ),
 }
 
 
@@ -144,16 +175,46 @@ def ports(model_factory, tmp_path_factory):
     model = model_factory(arch="llama")
     for name, fmt in FORMATS.items():
         (logs / f"{name}.jinja").write_text(fmt.template)
-    stack = start_serve(model, logs, "--num-kv-blocks", "128", "--num-threads", "1", "--max-model-len",
-                        str(MAX_MODEL_LEN), "--served-model-name", "tiny", *parser_flags(logs, "hermes"))
+    stack = start_serve(
+        model,
+        logs,
+        "--num-kv-blocks",
+        "128",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--served-model-name",
+        "tiny",
+        *parser_flags(logs, "hermes"),
+    )
     found, gateways = {"hermes": stack.port}, []
     try:
         for name in ("llama3_json", "mistral", "pythonic"):
             found[name], grpc_port = free_port(), free_port()
-            gateways.append(ServiceProcess(name, pagoda_command(
-                "gateway", "--model", model, "--scheduler", stack.ready["scheduler"], "--port", str(found[name]),
-                "--grpc-port", str(grpc_port), "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny",
-                *parser_flags(logs, name)), f"127.0.0.1:{grpc_port}", log_path=logs / f"gateway-{name}.log"))
+            gateways.append(
+                ServiceProcess(
+                    name,
+                    pagoda_command(
+                        "gateway",
+                        "--model",
+                        model,
+                        "--scheduler",
+                        stack.ready["scheduler"],
+                        "--port",
+                        str(found[name]),
+                        "--grpc-port",
+                        str(grpc_port),
+                        "--max-model-len",
+                        str(MAX_MODEL_LEN),
+                        "--served-model-name",
+                        "tiny",
+                        *parser_flags(logs, name),
+                    ),
+                    f"127.0.0.1:{grpc_port}",
+                    log_path=logs / f"gateway-{name}.log",
+                )
+            )
             gateways[-1].start()
         for gateway in gateways:
             gateway.wait_healthy(120)
@@ -174,14 +235,21 @@ def sdk(port: int) -> openai.OpenAI:
 
 def ask(port: int, parser: str, **kwargs):
     """`tool_choice="auto"`, the model made to write the call's text (as the one choice)."""
-    return sdk(port).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="auto",
-                                             max_tokens=64, extra_body={"guided_choice": [FORMATS[parser].call]},
-                                             **kwargs)
+    return sdk(port).chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="auto",
+        max_tokens=64,
+        extra_body={"guided_choice": [FORMATS[parser].call]},
+        **kwargs,
+    )
 
 
 def post(port: int, path: str, body: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     return json.load(urllib.request.urlopen(request, timeout=60))
 
 
@@ -191,13 +259,18 @@ def test_the_call_parsed_and_its_result_rendered_back(ports, parser):
     assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
     [call] = choice.message.tool_calls
     assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
-        "function", "get_weather", {"city": "Paris"})
+        "function",
+        "get_weather",
+        {"city": "Paris"},
+    )
     assert re.fullmatch(FORMATS[parser].call_id, call.id)
 
-    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
-    second = sdk(ports[parser]).chat.completions.create(model="tiny", messages=messages, tools=[WEATHER],
-                                                        max_tokens=4)
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": RESULT},
+    ]
+    second = sdk(ports[parser]).chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=4)
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     tokens = post(ports[parser], "/tokenize", {"messages": messages, "tools": [WEATHER]})["tokens"]
     rendered = post(ports[parser], "/detokenize", {"tokens": tokens})["prompt"]

@@ -57,8 +57,7 @@ def gguf_files(trained_model_dir, tmp_path_factory):
 
 def served_top(url: str, model: str, ids: list[int]) -> list[int]:
     """The stack's top token after each position but the last, from `prompt_logprobs`."""
-    body = json.dumps({"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0,
-                       "prompt_logprobs": 1}).encode()
+    body = json.dumps({"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     scored = json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["prompt_logprobs"]
     assert scored[0] is None and len(scored) == len(ids)
@@ -67,12 +66,18 @@ def served_top(url: str, model: str, ids: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_format_serves_through_the_stack(name, pp, trained_model_dir, gguf_files, text, float32_top,
-                                         tmp_path_factory):
+def test_format_serves_through_the_stack(name, pp, trained_model_dir, gguf_files, text, float32_top, tmp_path_factory):
     source, flags, reported, bound = FORMATS[name]
     model = trained_model_dir if source == "folder" else gguf_files[source]
-    stack = start_serve(model, tmp_path_factory.mktemp(f"format-{name}-pp{pp}"), *flags,
-                        "--pipeline-parallel-size", str(pp), "--num-kv-blocks", "64")
+    stack = start_serve(
+        model,
+        tmp_path_factory.mktemp(f"format-{name}-pp{pp}"),
+        *flags,
+        "--pipeline-parallel-size",
+        str(pp),
+        "--num-kv-blocks",
+        "64",
+    )
     try:
         stages = stack.get("/debug/memory")["stages"]
         assert [s["quantization"] for s in stages] == [reported] * pp, stages
@@ -81,7 +86,8 @@ def test_format_serves_through_the_stack(name, pp, trained_model_dir, gguf_files
         head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
         assert [s["kv_block_bytes"] for s in stages] == [
             2 * (s["layers"][1] - s["layers"][0]) * 16 * cfg["num_key_value_heads"] * head_dim * kv_bytes
-            for s in stages], stages
+            for s in stages
+        ], stages
         assert [s["kv_cache_dtype"] for s in stages] == ["bfloat16" if "bf16-kv" in name else "float32"] * pp
         agree = total = 0
         for ids, want in zip(text, float32_top, strict=True):
@@ -113,16 +119,31 @@ def test_served_gguf_at_float32_equals_transformers(qtype, gguf_factory, tmp_pat
     from support.reference import HFReference
 
     path = gguf_factory(qtype, arch="llama")
-    stack = start_serve(path, tmp_path_factory.mktemp(f"gguf-f32-{qtype}"), "--dtype", "float32",
-                        "--pipeline-parallel-size", "2", "--num-kv-blocks", "64")
+    stack = start_serve(
+        path,
+        tmp_path_factory.mktemp(f"gguf-f32-{qtype}"),
+        "--dtype",
+        "float32",
+        "--pipeline-parallel-size",
+        "2",
+        "--num-kv-blocks",
+        "64",
+    )
     prompts = [[5, 17, 300, 2], list(range(40, 73))]
     try:
         outs = []
         for prompt in prompts:
-            body = json.dumps({"model": path, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                               "ignore_eos": True, "return_token_ids": True}).encode()
-            request = urllib.request.Request(f"{stack.url}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
+            body = json.dumps(
+                {
+                    "model": path,
+                    "prompt": prompt,
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                }
+            ).encode()
+            request = urllib.request.Request(f"{stack.url}/v1/completions", body, {"Content-Type": "application/json"})
             outs.append(json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["token_ids"])
     finally:
         stack.stop()

@@ -44,8 +44,9 @@ def gated(g: torch.Tensor, u: torch.Tensor, act_kind: int, alpha: float = 1.702,
     return (u.clamp(-limit, limit) + 1) * g * torch.sigmoid(alpha * g)
 
 
-def torch_moe(x, w_gate_up, w_down, topk_weights, topk_ids, act_kind=0, b_gate_up=None, b_down=None,
-              dtype=torch.float32) -> torch.Tensor:
+def torch_moe(
+    x, w_gate_up, w_down, topk_weights, topk_ids, act_kind=0, b_gate_up=None, b_down=None, dtype=torch.float32
+) -> torch.Tensor:
     """The CPU path's algorithm in torch, in `dtype`: slots grouped by expert, each active
     expert's weights applied once to all its rows, the weighted sum in float32."""
     num_tokens, top_k = topk_ids.shape
@@ -57,34 +58,38 @@ def torch_moe(x, w_gate_up, w_down, topk_weights, topk_ids, act_kind=0, b_gate_u
     start = 0
     for expert, count in enumerate(torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()):
         if count:
-            sel = rows[start:start + count]
+            sel = rows[start : start + count]
             gu = x.index_select(0, sel).to(dtype) @ w_gate_up[expert].to(dtype).T
             if b_gate_up is not None:
                 gu = gu + b_gate_up[expert].to(dtype)
             y = gated(gu[:, :inter], gu[:, inter:], act_kind) @ w_down[expert].to(dtype).T
             if b_down is not None:
                 y = y + b_down[expert].to(dtype)
-            out.index_add_(0, sel, y.float() * slot_weights[start:start + count, None])
+            out.index_add_(0, sel, y.float() * slot_weights[start : start + count, None])
             start += count
     return out
 
 
-def make_layer(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device, seed: int = 0,
-               bias: bool = False) -> dict[str, torch.Tensor | None]:
+def make_layer(
+    num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device, seed: int = 0, bias: bool = False
+) -> dict[str, torch.Tensor | None]:
     """Random expert weights scaled so that activations stay near 1."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape: int, scale: float) -> torch.Tensor:
         return (torch.randn(shape, generator=g, device=device) * scale).to(dtype)
 
-    return {"w_gate_up": rand(num_experts, 2 * inter, hidden, scale=hidden**-0.5),
-            "w_down": rand(num_experts, hidden, inter, scale=inter**-0.5),
-            "b_gate_up": rand(num_experts, 2 * inter, scale=0.3) if bias else None,
-            "b_down": rand(num_experts, hidden, scale=0.3) if bias else None}
+    return {
+        "w_gate_up": rand(num_experts, 2 * inter, hidden, scale=hidden**-0.5),
+        "w_down": rand(num_experts, hidden, inter, scale=inter**-0.5),
+        "b_gate_up": rand(num_experts, 2 * inter, scale=0.3) if bias else None,
+        "b_down": rand(num_experts, hidden, scale=0.3) if bias else None,
+    }
 
 
-def make_tokens(num_tokens: int, num_experts: int, top_k: int, hidden: int, dtype: torch.dtype, device,
-                seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_tokens(
+    num_tokens: int, num_experts: int, top_k: int, hidden: int, dtype: torch.dtype, device, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H] and a renormalised softmax-top-k routing of it (Qwen3-MoE's)."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn((num_tokens, hidden), generator=g, device=device).to(dtype)
@@ -97,8 +102,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def bench_layer(shape: dict[str, int], tokens: tuple[int, ...], dtype: torch.dtype, device,
-                iterations: int) -> list[dict[str, Any]]:
+def bench_layer(
+    shape: dict[str, int], tokens: tuple[int, ...], dtype: torch.dtype, device, iterations: int
+) -> list[dict[str, Any]]:
     """fused_moe against the torch path at each token count: error, times, and the bandwidth
     of reading the active experts' weights once."""
     from worker_svc.kernels.triton_moe import fused_moe
@@ -108,19 +114,28 @@ def bench_layer(shape: dict[str, int], tokens: tuple[int, ...], dtype: torch.dty
     expert_bytes = (w_gate_up[0].numel() + w_down[0].numel()) * w_gate_up.element_size()
     cases = []
     for num_tokens in tokens:
-        x, weights, ids = make_tokens(num_tokens, shape["num_experts"], shape["top_k"], shape["hidden"],
-                                      dtype, device, seed=num_tokens)
+        x, weights, ids = make_tokens(
+            num_tokens, shape["num_experts"], shape["top_k"], shape["hidden"], dtype, device, seed=num_tokens
+        )
         ref = torch_moe(x, w_gate_up, w_down, weights, ids)  # float32 products of the same weights
         out = fused_moe(x, w_gate_up, w_down, weights, ids)
         fused_s = timed(lambda x=x, w=weights, i=ids: fused_moe(x, w_gate_up, w_down, w, i), iterations, device)
-        torch_s = timed(lambda x=x, w=weights, i=ids: torch_moe(x, w_gate_up, w_down, w, i, dtype=dtype),
-                        max(1, iterations // 4), device)
+        torch_s = timed(
+            lambda x=x, w=weights, i=ids: torch_moe(x, w_gate_up, w_down, w, i, dtype=dtype),
+            max(1, iterations // 4),
+            device,
+        )
         active = len(set(ids.flatten().tolist()))
-        case = {"tokens": num_tokens, "active_experts": active, "rel_err": rel_err(out, ref),
-                "fused_ms": round(fused_s * 1e3, 4), "torch_ms": round(torch_s * 1e3, 4),
-                "speedup_vs_torch": round(torch_s / fused_s, 2),
-                "expert_weights_GBps": round(active * expert_bytes / fused_s / 1e9, 1),
-                "ok": rel_err(out, ref) < REL_ERR_BOUND[dtype]}
+        case = {
+            "tokens": num_tokens,
+            "active_experts": active,
+            "rel_err": rel_err(out, ref),
+            "fused_ms": round(fused_s * 1e3, 4),
+            "torch_ms": round(torch_s * 1e3, 4),
+            "speedup_vs_torch": round(torch_s / fused_s, 2),
+            "expert_weights_GBps": round(active * expert_bytes / fused_s / 1e9, 1),
+            "ok": rel_err(out, ref) < REL_ERR_BOUND[dtype],
+        }
         print(json.dumps(case), flush=True)
         cases.append(case)
     return cases
@@ -135,8 +150,23 @@ def check_block(device, dtype: torch.dtype, num_tokens: int = 24) -> dict[str, A
 
     errors = {}
     for act_kind, hidden_act in enumerate(("silu", "gelu_pytorch_tanh")):
-        config = ModelConfig("Qwen3MoeForCausalLM", "qwen3_moe", 100, 256, 512, 1, 4, 2, 64, 1e-6, 256, False,
-                             False, hidden_act=hidden_act, moe=MoEConfig(16, 4, 96, True, 0))
+        config = ModelConfig(
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            100,
+            256,
+            512,
+            1,
+            4,
+            2,
+            64,
+            1e-6,
+            256,
+            False,
+            False,
+            hidden_act=hidden_act,
+            moe=MoEConfig(16, 4, 96, True, 0),
+        )
         torch.manual_seed(act_kind)
         block = MoE(config)
         for p in block.parameters():
@@ -160,13 +190,20 @@ def run(smoke: bool) -> dict[str, Any]:
         if not torch.cuda.is_available():
             return {"ok": False, "error": "no CUDA device (run with --cpu-smoke on the CPU)"}
         device, dtype, shape, tokens, iterations = torch.device("cuda"), torch.bfloat16, QWEN3_30B_A3B, (1, 64, 256), 20
-    report: dict[str, Any] = {"mode": "cpu-smoke" if smoke else "gpu", "device": str(device),
-                              "dtype": str(dtype).removeprefix("torch."), "shape": shape}
+    report: dict[str, Any] = {
+        "mode": "cpu-smoke" if smoke else "gpu",
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": shape,
+    }
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
     report["layer"] = bench_layer(shape, tokens, dtype, device, iterations)
-    report["block"] = [check_block(device, dt) for dt in (torch.float32, dtype)] if not smoke else [
-        check_block(device, torch.float32, num_tokens=5)]
+    report["block"] = (
+        [check_block(device, dt) for dt in (torch.float32, dtype)]
+        if not smoke
+        else [check_block(device, torch.float32, num_tokens=5)]
+    )
     report["ok"] = all(c["ok"] for c in report["layer"] + report["block"])
     return report
 
@@ -189,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = round(time.perf_counter() - started, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"== fused_moe: {'ok' if report['ok'] else 'FAILED: ' + report.get('error', 'a case off its bound')} "
-          f"({report['seconds']} s); figures written to {out}", flush=True)
+    print(
+        f"== fused_moe: {'ok' if report['ok'] else 'FAILED: ' + report.get('error', 'a case off its bound')} "
+        f"({report['seconds']} s); figures written to {out}",
+        flush=True,
+    )
     return 0 if report["ok"] else 1
 
 

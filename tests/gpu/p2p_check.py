@@ -68,19 +68,25 @@ async def _hops(out: DataPlaneOut, inbound: DataPlaneIn, rows: int, dtype: torch
         if release is not None:
             release()
     times = times[5:]
-    return {"rows": rows, "dtype": str(dtype).removeprefix("torch."), "p50_us": 1e6 * statistics.median(times),
-            "p99_us": 1e6 * sorted(times)[int(0.99 * (len(times) - 1))]}
+    return {
+        "rows": rows,
+        "dtype": str(dtype).removeprefix("torch."),
+        "p50_us": 1e6 * statistics.median(times),
+        "p99_us": 1e6 * sorted(times)[int(0.99 * (len(times) - 1))],
+    }
 
 
-async def _case(name: str, sender: str, receiver: str, send_dev: str, recv_dev: str, expect: str,
-                iters: int) -> dict:
+async def _case(name: str, sender: str, receiver: str, send_dev: str, recv_dev: str, expect: str, iters: int) -> dict:
     out = DataPlaneOut(sender, 0, slot_bytes_for(2048, HIDDEN), device=send_dev)
     inbound = DataPlaneIn(receiver, recv_dev)
     await out.connect(LoopbackStub(inbound), timeout_s=60)
     if out.channel != expect:
         raise AssertionError(f"{name}: channel {out.channel!r}, expected {expect!r}")
-    hops = [await _hops(out, inbound, rows, dtype, iters) for rows in (1, 16, 64)
-            for dtype in (torch.float32, torch.bfloat16)]
+    hops = [
+        await _hops(out, inbound, rows, dtype, iters)
+        for rows in (1, 16, 64)
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
     channel = out.channel
     out.drop()
     return {"case": name, "channel": channel, "sender": send_dev, "receiver": recv_dev, "hops": hops}
@@ -93,14 +99,17 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None, help="default: $OUT/gpu_p2p.json or ./gpu_p2p.json")
     args = p.parse_args()
     out_path = args.out or Path(os.environ.get("OUT") or ".") / "gpu_p2p.json"
-    cases = [("gloo link (the protocol's CPU run)", "nccl", "auto", "cpu", "cpu", "gloo"),
-             ("shm ring, CPU stages", "auto", "auto", "cpu", "cpu", "shm")]
+    cases = [
+        ("gloo link (the protocol's CPU run)", "nccl", "auto", "cpu", "cpu", "gloo"),
+        ("shm ring, CPU stages", "auto", "auto", "cpu", "cpu", "shm"),
+    ]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus >= 2:
         cases.append(("NCCL link cuda:0 -> cuda:1", "nccl", "auto", "cuda:0", "cuda:1", "nccl"))
     elif gpus == 1:
-        cases.append(("one GPU: auto refuses NCCL, GPU tensors through the ring", "auto", "auto", "cuda:0",
-                      "cuda:0", "shm"))
+        cases.append(
+            ("one GPU: auto refuses NCCL, GPU tensors through the ring", "auto", "auto", "cuda:0", "cuda:0", "shm")
+        )
     report: dict = {"gpus": gpus, "cases": [], "failures": []}
     for case in cases:
         try:

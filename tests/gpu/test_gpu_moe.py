@@ -39,10 +39,17 @@ def test_gpu_fused_moe_matches_torch(name):
     num_tokens, num_experts, top_k, hidden, inter, dtype, act_kind, bias = CASES[name]
     layer = make_layer(num_experts, hidden, inter, dtype, CUDA, seed=num_tokens, bias=bias)
     x, weights, ids = make_tokens(num_tokens, num_experts, top_k, hidden, dtype, CUDA, seed=num_tokens + 1)
-    out = triton_moe.fused_moe(x, layer["w_gate_up"], layer["w_down"], weights, ids, act_kind=act_kind,
-                               b_gate_up=layer["b_gate_up"], b_down=layer["b_down"])
-    ref = torch_moe(x, layer["w_gate_up"], layer["w_down"], weights, ids, act_kind,
-                    layer["b_gate_up"], layer["b_down"])
+    out = triton_moe.fused_moe(
+        x,
+        layer["w_gate_up"],
+        layer["w_down"],
+        weights,
+        ids,
+        act_kind=act_kind,
+        b_gate_up=layer["b_gate_up"],
+        b_down=layer["b_down"],
+    )
+    ref = torch_moe(x, layer["w_gate_up"], layer["w_down"], weights, ids, act_kind, layer["b_gate_up"], layer["b_down"])
     assert out.dtype == dtype and out.shape == x.shape
     assert rel_err(out, ref) < REL_ERR_BOUND[dtype]
 

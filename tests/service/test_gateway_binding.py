@@ -33,9 +33,22 @@ def _connects(host: str, port: int) -> bool:
 def _start(model_dir, tmp_path, *host_args):
     port, grpc_port = free_port(), free_port()
     gateway = ServiceProcess(
-        "gateway", pagoda_command("gateway", "--model", model_dir, "--scheduler", f"127.0.0.1:{free_port()}",
-                                  "--port", str(port), "--grpc-port", str(grpc_port), *host_args),
-        f"127.0.0.1:{grpc_port}", log_path=tmp_path / "gateway.log")
+        "gateway",
+        pagoda_command(
+            "gateway",
+            "--model",
+            model_dir,
+            "--scheduler",
+            f"127.0.0.1:{free_port()}",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            *host_args,
+        ),
+        f"127.0.0.1:{grpc_port}",
+        log_path=tmp_path / "gateway.log",
+    )
     gateway.start()
     deadline = time.time() + 60
     while time.time() < deadline and gateway.process.poll() is None:

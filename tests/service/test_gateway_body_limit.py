@@ -16,8 +16,9 @@ from gateway.middleware import DRAIN_BYTES
 
 @pytest.fixture(scope="module")
 def gateway(model_factory, tmp_path_factory):
-    process, port, _ = _start(model_factory(arch="llama"), tmp_path_factory.mktemp("body-limit"),
-                              "--max-body-bytes", str(4 * 1024 * 1024))
+    process, port, _ = _start(
+        model_factory(arch="llama"), tmp_path_factory.mktemp("body-limit"), "--max-body-bytes", str(4 * 1024 * 1024)
+    )
     yield port
     process.stop()
 

@@ -52,8 +52,14 @@ def reference(model_dir) -> HFReference:
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    s = start_stack(model_dir, num_stages=2, num_kv_blocks=256, block_size=16,
-                    log_dir=tmp_path_factory.mktemp("gateway-grpc-logs"), threads_per_worker=1)
+    s = start_stack(
+        model_dir,
+        num_stages=2,
+        num_kv_blocks=256,
+        block_size=16,
+        log_dir=tmp_path_factory.mktemp("gateway-grpc-logs"),
+        threads_per_worker=1,
+    )
     yield s
     kill_stack(s)  # the graceful stop is not tested here
 
@@ -62,23 +68,25 @@ def stack(model_dir, tmp_path_factory):
 def serve(stack, model_dir, tokenizer):
     """`serve(scenario, api_keys=...)` runs `await scenario(channel)` against a gateway gRPC
     server in this process (Generation + health + reflection) and returns its result."""
-    max_model_len = json.loads((Path(model_dir) / "config.json").read_text())[
-        "max_position_embeddings"]
+    max_model_len = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
 
-    def run(scenario: Callable[[grpc.aio.Channel], Awaitable[T]],
-            api_keys: dict[str, ApiKey] | None = None, scheduler_address: str | None = None,
-            metrics=None) -> T:
+    def run(
+        scenario: Callable[[grpc.aio.Channel], Awaitable[T]],
+        api_keys: dict[str, ApiKey] | None = None,
+        scheduler_address: str | None = None,
+        metrics=None,
+    ) -> T:
         address = scheduler_address or stack.scheduler_address
 
         async def main() -> T:
-            config = GatewayConfig(model=model_dir, scheduler_address=address,
-                                   served_model_names=("tiny",), api_keys=api_keys or {})
+            config = GatewayConfig(
+                model=model_dir, scheduler_address=address, served_model_names=("tiny",), api_keys=api_keys or {}
+            )
             # a scheduler that is down for good: UNAVAILABLE after a short wait for a restart
             generator = TextGenerator(address, tokenizer, max_model_len, retry_unavailable_s=1.0)
             server, port, health = create_aio_server("127.0.0.1:0")
             names = add_generation_service(server, generator, config, metrics=metrics)
-            reflection.enable_server_reflection(
-                [*names, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+            reflection.enable_server_reflection([*names, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
             await server.start()
             for name in names:
                 await set_serving(health, name, True)
@@ -94,8 +102,9 @@ def serve(stack, model_dir, tokenizer):
     return run
 
 
-def text_request(prompt: str | list[int], *, max_tokens: int = 12, temperature: float = 0.0,
-                 **options) -> gateway_pb2.TextGenerateRequest:
+def text_request(
+    prompt: str | list[int], *, max_tokens: int = 12, temperature: float = 0.0, **options
+) -> gateway_pb2.TextGenerateRequest:
     req = gateway_pb2.TextGenerateRequest()
     if isinstance(prompt, str):
         req.text = prompt
@@ -105,8 +114,7 @@ def text_request(prompt: str | list[int], *, max_tokens: int = 12, temperature: 
     return req
 
 
-def _set_options(opts: gateway_pb2.TextGenerationOptions, max_tokens: int, temperature: float,
-                 options: dict) -> None:
+def _set_options(opts: gateway_pb2.TextGenerationOptions, max_tokens: int, temperature: float, options: dict) -> None:
     opts.sampling_params.max_tokens = max_tokens
     opts.sampling_params.temperature = temperature
     opts.sampling_params.ignore_eos = options.pop("ignore_eos", True)
@@ -134,16 +142,15 @@ async def collect(call) -> tuple[dict[int, gateway_pb2.TextChoiceDelta], list]:
             if delta.finish_reason:
                 choice.finish_reason = delta.finish_reason
                 if delta.WhichOneof("stop_reason"):
-                    setattr(choice, delta.WhichOneof("stop_reason"),
-                            getattr(delta, delta.WhichOneof("stop_reason")))
+                    setattr(choice, delta.WhichOneof("stop_reason"), getattr(delta, delta.WhichOneof("stop_reason")))
     return merged, messages
 
 
-async def scheduler_stats(address: str, include_requests: bool = False
-                          ) -> scheduler_pb2.GetStatsResponse:
+async def scheduler_stats(address: str, include_requests: bool = False) -> scheduler_pb2.GetStatsResponse:
     async with aio_channel(address) as channel:
         return await scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-            scheduler_pb2.GetStatsRequest(include_requests=include_requests), timeout=5)
+            scheduler_pb2.GetStatsRequest(include_requests=include_requests), timeout=5
+        )
 
 
 async def idle_stats(address: str, timeout_s: float = 10.0) -> scheduler_pb2.GetStatsResponse:
@@ -170,18 +177,25 @@ def test_greedy_text_stream_equals_transformers(serve, tokenizer, reference):
             call = stub.Generate(text_request(prompt, max_tokens=12, logprobs=2))
             choices, messages = await collect(call)
             results.append((choices, messages, await call.initial_metadata()))
-        chat = stub.Chat(gateway_pb2.ChatRequest(
-            model="tiny", messages=[gateway_pb2.ChatMessage(role="user", content="Hi there")],
-            options=gateway_pb2.TextGenerationOptions(sampling_params=common_pb2.SamplingParams(
-                temperature=0.0, max_tokens=8, ignore_eos=True))))
+        chat = stub.Chat(
+            gateway_pb2.ChatRequest(
+                model="tiny",
+                messages=[gateway_pb2.ChatMessage(role="user", content="Hi there")],
+                options=gateway_pb2.TextGenerationOptions(
+                    sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+                ),
+            )
+        )
         results.append((*await collect(chat), await chat.initial_metadata()))
         return results
 
     results = serve(scenario)
-    prompt_ids = [tokenizer.encode(prompts[0]), prompts[1],
-                  tokenizer.encode_chat([{"role": "user", "content": "Hi there"}])]
-    for ids, (choices, messages, metadata), max_tokens in zip(prompt_ids, results, (12, 12, 8),
-                                                              strict=True):
+    prompt_ids = [
+        tokenizer.encode(prompts[0]),
+        prompts[1],
+        tokenizer.encode_chat([{"role": "user", "content": "Hi there"}]),
+    ]
+    for ids, (choices, messages, metadata), max_tokens in zip(prompt_ids, results, (12, 12, 8), strict=True):
         assert list(choices) == [0]
         choice = choices[0]
         out = list(choice.token_ids)
@@ -212,8 +226,7 @@ def test_two_seeded_choices_differ_and_reproduce(serve):
         stub = gateway_pb2_grpc.GenerationStub(channel)
         runs = []
         for _ in range(2):
-            call = stub.Generate(text_request("Once upon a time", max_tokens=16, temperature=1.0,
-                                              n=2, seed=1234))
+            call = stub.Generate(text_request("Once upon a time", max_tokens=16, temperature=1.0, n=2, seed=1234))
             runs.append(await collect(call))
         return runs
 
@@ -221,8 +234,7 @@ def test_two_seeded_choices_differ_and_reproduce(serve):
     assert sorted(first) == [0, 1]
     assert all(len(c.token_ids) == 16 for c in first.values())
     assert list(first[0].token_ids) != list(first[1].token_ids)
-    assert {i: list(c.token_ids) for i, c in first.items()} == {
-        i: list(c.token_ids) for i, c in second.items()}
+    assert {i: list(c.token_ids) for i, c in first.items()} == {i: list(c.token_ids) for i, c in second.items()}
     assert messages[-1].usage.num_completion_tokens == 32
 
 
@@ -234,8 +246,7 @@ def test_stop_string_cuts_the_text(serve, tokenizer):
         full, _ = await collect(stub.Generate(text_request(prompt, max_tokens=24)))
         out = list(full[0].token_ids)
         stop, cut = _stop_string_across_tokens(tokenizer, prompt, out, full[0].text)
-        stopped, messages = await collect(stub.Generate(text_request(prompt, max_tokens=24,
-                                                                     stop=[stop])))
+        stopped, messages = await collect(stub.Generate(text_request(prompt, max_tokens=24, stop=[stop])))
         return full[0].text, stop, cut, stopped[0], messages
 
     text, stop, cut, stopped, messages = serve(scenario)
@@ -246,14 +257,13 @@ def test_stop_string_cuts_the_text(serve, tokenizer):
     assert messages[-1].usage.num_completion_tokens < 24
 
 
-def _stop_string_across_tokens(tokenizer: Tokenizer, prompt: list[int], out: list[int],
-                               text: str) -> tuple[str, int]:
+def _stop_string_across_tokens(tokenizer: Tokenizer, prompt: list[int], out: list[int], text: str) -> tuple[str, int]:
     """A 4-character stop string spanning two generated tokens, first found where it is put,
     and where the text is cut for it."""
     ends = [len(tokenizer.decode(out[:k])) for k in range(1, len(out) + 1)]
     for end in ends[2:-4]:
         start = end - 2
-        stop = text[start:start + 4]
+        stop = text[start : start + 4]
         if len(stop) == 4 and text.find(stop) == start and "\ufffd" not in stop:
             return stop, start
     raise AssertionError(f"no usable stop string in {text!r}")
@@ -284,8 +294,7 @@ def test_bad_input_is_refused_naming_the_field(serve, stack):
         (text_request("hi", stop=["x"] * 10_000), "options.stop"),
         (text_request(too_long, max_tokens=1), "token_ids.ids"),
         (gateway_pb2.ChatRequest(), "messages"),
-        (gateway_pb2.ChatRequest(messages=[gateway_pb2.ChatMessage(content="hi")]),
-         "messages[0].role"),
+        (gateway_pb2.ChatRequest(messages=[gateway_pb2.ChatMessage(content="hi")]), "messages[0].role"),
     ]
 
     async def scenario(channel):
@@ -318,21 +327,29 @@ def test_bad_input_is_refused_naming_the_field(serve, stack):
     # none of them reached the scheduler
     assert after.num_prompt_tokens == before.num_prompt_tokens
     assert (after.num_finished_requests, after.num_aborted_requests) == (
-        before.num_finished_requests, before.num_aborted_requests)
+        before.num_finished_requests,
+        before.num_aborted_requests,
+    )
 
 
 def test_reflection_health_and_models(serve):
     async def scenario(channel):
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        replies = [r async for r in stub.ServerReflectionInfo(iter([
-            reflection_pb2.ServerReflectionRequest(list_services=""),
-            reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME),
-        ]))]
+        replies = [
+            r
+            async for r in stub.ServerReflectionInfo(
+                iter(
+                    [
+                        reflection_pb2.ServerReflectionRequest(list_services=""),
+                        reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME),
+                    ]
+                )
+            )
+        ]
         health = health_pb2_grpc.HealthStub(channel)
         overall = await health.Check(health_pb2.HealthCheckRequest(service=""))
         generation = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
-        models = await gateway_pb2_grpc.GenerationStub(channel).ListModels(
-            gateway_pb2.ListModelsRequest())
+        models = await gateway_pb2_grpc.GenerationStub(channel).ListModels(gateway_pb2.ListModelsRequest())
         return replies, overall, generation, models
 
     replies, overall, generation, models = serve(scenario)
@@ -398,8 +415,9 @@ def test_client_cancel_aborts_the_request_downstream(serve, stack):
 def test_scheduler_errors_pass_through_with_their_code(serve):
     async def scenario(channel):
         try:
-            await collect(gateway_pb2_grpc.GenerationStub(channel).Generate(
-                text_request("hi", max_tokens=2), timeout=10))
+            await collect(
+                gateway_pb2_grpc.GenerationStub(channel).Generate(text_request("hi", max_tokens=2), timeout=10)
+            )
         except grpc.aio.AioRpcError as exc:
             return exc.code()
         return grpc.StatusCode.OK
@@ -449,10 +467,16 @@ def test_tokenization_runs_off_the_event_loop(serve, tokenizer, monkeypatch):
     async def scenario(channel):
         stub = gateway_pb2_grpc.GenerationStub(channel)
         await collect(stub.Generate(text_request("Hello there", max_tokens=2)))
-        await collect(stub.Chat(gateway_pb2.ChatRequest(
-            messages=[gateway_pb2.ChatMessage(role="user", content="Hi")],
-            options=gateway_pb2.TextGenerationOptions(sampling_params=common_pb2.SamplingParams(
-                temperature=0.0, max_tokens=2, ignore_eos=True)))))
+        await collect(
+            stub.Chat(
+                gateway_pb2.ChatRequest(
+                    messages=[gateway_pb2.ChatMessage(role="user", content="Hi")],
+                    options=gateway_pb2.TextGenerationOptions(
+                        sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+                    ),
+                )
+            )
+        )
         return threading.current_thread()
 
     loop_thread = serve(scenario)
@@ -483,9 +507,12 @@ def test_grpc_requests_count_in_the_gateways_metrics(serve):
 def test_structured_output_through_the_grpc_api(serve):
     """`SamplingParams.structured_output` at the public gRPC API: a JSON schema and a choice
     constrain the output; an invalid schema is INVALID_ARGUMENT naming the field."""
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
-                                               "ok": {"type": "boolean"}},
-              "required": ["n", "ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
 
     def request(**kind):
         req = text_request("Answer in JSON", max_tokens=60, ignore_eos=False)

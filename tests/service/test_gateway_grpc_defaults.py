@@ -45,10 +45,12 @@ def gguf_folder(model_factory, tmp_path_factory):
 
 def _sampled(folder, requests, **config):
     """Each request's sampling as the scheduler got it, through a real gRPC server."""
+
     async def main():
         generator = Recording(Tokenizer(folder))
-        cfg = GatewayConfig(model=str(folder), scheduler_address="unused:1", max_model_len=64,
-                            served_model_names=("tiny",), **config)
+        cfg = GatewayConfig(
+            model=str(folder), scheduler_address="unused:1", max_model_len=64, served_model_names=("tiny",), **config
+        )
         server, port, _ = create_aio_server("127.0.0.1:0")
         add_generation_service(server, generator, cfg)
         await server.start()
@@ -77,11 +79,14 @@ def _picked(o):
 
 
 def test_unset_fields_take_the_models_defaults_and_set_ones_win(gguf_folder):
-    bare, some, off = _sampled(gguf_folder, [
-        gateway_pb2.TextGenerateRequest(text="Hello"),  # no sampling_params at all
-        _request(max_tokens=4, temperature=0.5),
-        _request(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0),
-    ])
+    bare, some, off = _sampled(
+        gguf_folder,
+        [
+            gateway_pb2.TextGenerateRequest(text="Hello"),  # no sampling_params at all
+            _request(max_tokens=4, temperature=0.5),
+            _request(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0),
+        ],
+    )
     assert _picked(bare) == (0.8, 0.95, 40, 0.05, 1.0)
     assert _picked(some) == (0.5, 0.95, 40, 0.05, 1.0) and some.max_tokens == 4
     assert _picked(off) == (1.0, 1.0, 0, 0.0, 1.0)

@@ -16,13 +16,7 @@ from support.redis_server import RedisServer  # noqa: E402
 
 from gateway.app import create_app  # noqa: E402
 from gateway.config import ApiKey, GatewayConfig  # noqa: E402
-from gateway.ratelimit import (  # noqa: E402
-    RateLimit,
-    RateLimiter,
-    RateLimitExceeded,
-    RedisBuckets,
-    key_id,
-)
+from gateway.ratelimit import RateLimit, RateLimiter, RateLimitExceeded, RedisBuckets, key_id  # noqa: E402
 from services.text import Tokenizer  # noqa: E402
 
 
@@ -121,8 +115,7 @@ def test_replicas_share_one_budget_under_redis_time(url, server):
     digest = key_id("sk-shared")
     assert f"pagoda:ratelimit:{{{digest}}}:requests" in keys
     assert all(k.startswith("pagoda:ratelimit:") and "sk-" not in k for k in keys)
-    assert not any(server.client.type(k) == b"hash" and b"sk-" in b"".join(
-        server.client.hgetall(k)) for k in keys)
+    assert not any(server.client.type(k) == b"hash" and b"sk-" in b"".join(server.client.hgetall(k)) for k in keys)
     for k in keys:
         assert 0 < server.client.pttl(k) <= RedisBuckets.TTL_MS  # idle keys vanish
     assert not any(k.endswith(":tokens") for k in keys)  # no TPM limit, no tokens bucket
@@ -142,16 +135,22 @@ def test_two_gateways_on_one_redis_share_a_keys_budget(url, model_factory):
             yield Finished(Usage(len(prompt_ids), 1))
 
     async def main():
-        config = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
-                               served_model_names=("tiny",), max_model_len=64, redis_url=url,
-                               api_keys={"sk-a": ApiKey(requests_per_minute=2), "sk-b": ApiKey()})
+        config = GatewayConfig(
+            model=str(tokenizer.model_dir),
+            scheduler_address="unused:1",
+            served_model_names=("tiny",),
+            max_model_len=64,
+            redis_url=url,
+            api_keys={"sk-a": ApiKey(requests_per_minute=2), "sk-b": ApiKey()},
+        )
         apps = [create_app(config, Generator()) for _ in range(2)]
-        clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://gateway") for app in apps]
+        clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") for app in apps]
 
         async def generate(client, key):
-            return await client.post("/generate", json={"prompt": "x", "max_tokens": 1},
-                                     headers={"Authorization": f"Bearer {key}"})
+            return await client.post(
+                "/generate", json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": f"Bearer {key}"}
+            )
+
         try:
             assert (await generate(clients[0], "sk-a")).status_code == 200
             assert (await generate(clients[1], "sk-a")).status_code == 200

@@ -24,9 +24,12 @@ def kvcache(tmp_path_factory):
     assert internal_token(), "tests/conftest.py sets the stack's secret"
     port = free_port()
     address = f"127.0.0.1:{port}"
-    service = ServiceProcess("kvcache", pagoda_command("kvcache", "--port", str(port), "--num-blocks", "64",
-                                                       "--block-size", "4"),
-                             address, log_path=tmp_path_factory.mktemp("auth-logs") / "kvcache.log")
+    service = ServiceProcess(
+        "kvcache",
+        pagoda_command("kvcache", "--port", str(port), "--num-blocks", "64", "--block-size", "4"),
+        address,
+        log_path=tmp_path_factory.mktemp("auth-logs") / "kvcache.log",
+    )
     service.start()
     try:
         service.wait_healthy(60)  # the health probe carries no secret: probes stay open
@@ -36,8 +39,9 @@ def kvcache(tmp_path_factory):
 
 
 def _new(seq_id: int) -> kvcache_pb2.StepRequest:
-    return kvcache_pb2.StepRequest(micro_batch_id=seq_id, new_sequences=[
-        kvcache_pb2.NewSequence(seq_id=seq_id, token_ids=range(32))])
+    return kvcache_pb2.StepRequest(
+        micro_batch_id=seq_id, new_sequences=[kvcache_pb2.NewSequence(seq_id=seq_id, token_ids=range(32))]
+    )
 
 
 async def _refused(call) -> tuple[grpc.StatusCode, str]:
@@ -73,11 +77,32 @@ def test_the_stack_works_with_its_secret_and_refuses_direct_calls_without_it(mod
     port, grpc_port = free_port(), free_port()
     ready = tmp_path / "ready.json"
     serve = ServiceProcess(
-        "serve", pagoda_command("serve", model_factory(arch="llama"), "--port", str(port), "--grpc-port",
-                                str(grpc_port), "--pipeline-parallel-size", "2", "--num-kv-blocks", "64",
-                                "--num-threads", "1", "--max-model-len", "256", "--served-model-name", "tiny",
-                                "--log-dir", str(tmp_path), "--ready-file", str(ready)),
-        f"127.0.0.1:{grpc_port}", log_path=tmp_path / "serve.log")
+        "serve",
+        pagoda_command(
+            "serve",
+            model_factory(arch="llama"),
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--pipeline-parallel-size",
+            "2",
+            "--num-kv-blocks",
+            "64",
+            "--num-threads",
+            "1",
+            "--max-model-len",
+            "256",
+            "--served-model-name",
+            "tiny",
+            "--log-dir",
+            str(tmp_path),
+            "--ready-file",
+            str(ready),
+        ),
+        f"127.0.0.1:{grpc_port}",
+        log_path=tmp_path / "serve.log",
+    )
     serve.start()
     try:
         serve.wait_healthy(180)

@@ -46,13 +46,14 @@ class Subscriber:
         parent = chain.parent_block_key or ROOT_KEY
         tokens = list(chain.token_ids)
         for i, key in enumerate(chain.block_keys):
-            self.index[key] = (parent, tuple(tokens[i * chain.block_size:(i + 1) * chain.block_size]))
+            self.index[key] = (parent, tuple(tokens[i * chain.block_size : (i + 1) * chain.block_size]))
             parent = key
 
     async def follow(self, until: asyncio.Event) -> None:
         """Read events until `until` is set and the stream is drained of what was flushed."""
-        call = self.stub.SubscribeEvents(kvcache_pb2.SubscribeEventsRequest(
-            after_sequence_number=self.last, epoch=self.epoch))
+        call = self.stub.SubscribeEvents(
+            kvcache_pb2.SubscribeEventsRequest(after_sequence_number=self.last, epoch=self.epoch)
+        )
         try:
             while True:
                 try:
@@ -105,8 +106,9 @@ async def drive(stub, rng: random.Random, steps: int, state: dict) -> None:
             live.append(seq_id)
         except grpc.aio.AioRpcError as exc:  # out of blocks: free everything and go on
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-            await stub.Step(kvcache_pb2.StepRequest(micro_batch_id=mb, completed_micro_batch_ids=[mb - 1],
-                                                    free_seq_ids=live))
+            await stub.Step(
+                kvcache_pb2.StepRequest(micro_batch_id=mb, completed_micro_batch_ids=[mb - 1], free_seq_ids=live)
+            )
             live.clear()
     mb = state["mb"] = state["mb"] + 1
     await stub.Step(kvcache_pb2.StepRequest(micro_batch_id=mb, completed_micro_batch_ids=[mb - 1]))
@@ -183,6 +185,7 @@ def test_a_subscriber_rebuilds_the_prefix_cache_through_a_reconnect(seed):
 def test_the_router_computes_the_keys_the_service_publishes():
     """The gateway's hash chain (services.prefix_hash) is the KV service's: a prompt's keys
     are those the service stored for it."""
+
     async def go() -> None:
         server, port, service = create_server(KVCacheConfig(num_blocks=16, block_size=BLOCK, watermark=0.0))
         await server.start()
@@ -190,8 +193,11 @@ def test_the_router_computes_the_keys_the_service_publishes():
         async with aio_channel(f"127.0.0.1:{port}") as channel:
             stub = kvcache_pb2_grpc.KVCacheStub(channel)
             tokens = list(range(3, 3 + 3 * BLOCK + 2))
-            await stub.Step(kvcache_pb2.StepRequest(micro_batch_id=1, new_sequences=[
-                kvcache_pb2.NewSequence(seq_id=1, token_ids=tokens, namespace="m")]))
+            await stub.Step(
+                kvcache_pb2.StepRequest(
+                    micro_batch_id=1, new_sequences=[kvcache_pb2.NewSequence(seq_id=1, token_ids=tokens, namespace="m")]
+                )
+            )
             await stub.Step(kvcache_pb2.StepRequest(micro_batch_id=2, completed_micro_batch_ids=[1]))
             snap = await stub.EventsSnapshot(kvcache_pb2.EventsSnapshotRequest())
         await service.stop()

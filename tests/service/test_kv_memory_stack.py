@@ -17,16 +17,25 @@ from wiring.launcher import MemorySetting, stage_load_infos, start_stack
 def test_a_stack_sized_from_memory(model_factory, tmp_path):
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = min(1.0, 2 * (1 << 30) / total)  # about 1 GiB for each of the 2 stages
-    stack = start_stack(model_factory(arch="llama"), num_stages=2, num_kv_blocks=None, block_size=16,
-                        log_dir=tmp_path, threads_per_worker=1,
-                        memory=MemorySetting(gpu_memory_utilization=share, max_model_len=512))
+    stack = start_stack(
+        model_factory(arch="llama"),
+        num_stages=2,
+        num_kv_blocks=None,
+        block_size=16,
+        log_dir=tmp_path,
+        threads_per_worker=1,
+        memory=MemorySetting(gpu_memory_utilization=share, max_model_len=512),
+    )
     try:
         infos = stage_load_infos(stack.workers, {})
         for info in infos:
             assert info.memory_total_bytes == total
             assert info.memory_budget_bytes == int(share / 2 * total)
-            assert info.num_kv_blocks == (info.memory_budget_bytes - info.memory_baseline_bytes
-                                          - info.activation_peak_bytes) // info.kv_block_bytes
+            assert (
+                info.num_kv_blocks
+                == (info.memory_budget_bytes - info.memory_baseline_bytes - info.activation_peak_bytes)
+                // info.kv_block_bytes
+            )
         assert stack.num_kv_blocks == min(i.num_kv_blocks for i in infos)
         assert all(f"--num-kv-blocks {stack.num_kv_blocks}" in " ".join(w.command) for w in stack.workers)
 

@@ -47,9 +47,7 @@ async def open_client(
     kind: str, log_dir: Path, num_blocks: int = 16, watermark: float = 0.0
 ) -> AsyncIterator[KVCacheClient]:
     if kind == "in-process":
-        client: KVCacheClient = InProcessKVCacheClient(
-            KVCacheManager(num_blocks, BS, watermark=watermark)
-        )
+        client: KVCacheClient = InProcessKVCacheClient(KVCacheManager(num_blocks, BS, watermark=watermark))
         yield client
         await client.close()
     elif kind == "grpc":
@@ -69,8 +67,15 @@ async def open_client(
         proc = ServiceProcess(
             "kvcache",
             pagoda_command(
-                "kvcache", "--port", str(port), "--num-blocks", str(num_blocks),
-                "--block-size", str(BS), "--watermark", str(watermark),
+                "kvcache",
+                "--port",
+                str(port),
+                "--num-blocks",
+                str(num_blocks),
+                "--block-size",
+                str(BS),
+                "--watermark",
+                str(watermark),
             ),
             health_address=f"127.0.0.1:{port}",
             log_path=log_dir / f"kvcache-{port}.log",
@@ -125,17 +130,13 @@ def test_new_sequence_and_appends_get_exact_blocks_and_slots(kind, tmp_path):
         assert out.results[2] == Allocated(2, (2,), 3, 0, ())
         # decode: the partial block fills up first, then a new block comes from the free extent
         out = await c.step(
-            StepInput(appends=[Append(1, [6, 7, 8])], completed_micro_batch_ids=[1, 2],
-                      micro_batch_id=3)
+            StepInput(appends=[Append(1, [6, 7, 8])], completed_micro_batch_ids=[1, 2], micro_batch_id=3)
         )
         # (the table as a diff against the last answer: (0, 1) kept, block 3 added)
         assert out.results == {1: Allocated(1, (3,), 3, 6, (), block_offset=2)}
         assert out.results[1].applied_to((0, 1)) == (0, 1, 3)
         # a chunked prefill: slots for 5 of 10 tokens, the rest comes as an append
-        out = await c.step(
-            StepInput(new_sequences=[new(3, range(200, 210), max_num_new_tokens=5)],
-                      micro_batch_id=4)
-        )
+        out = await c.step(StepInput(new_sequences=[new(3, range(200, 210), max_num_new_tokens=5)], micro_batch_id=4))
         assert out.results[3] == Allocated(3, (4, 5), 5, 0, ())
         out = await c.step(StepInput(appends=[Append(3, range(205, 210))], micro_batch_id=5))
         assert out.results[3] == Allocated(3, (6,), 5, 5, (), block_offset=2)
@@ -157,8 +158,7 @@ def test_prefix_hit_only_after_the_micro_batch_completes(kind, tmp_path):
         out = await c.step(StepInput(new_sequences=[new(2, prompt)], micro_batch_id=2))
         assert out.results[2].num_computed_tokens == 0
         out = await c.step(
-            StepInput(new_sequences=[new(3, prompt[:8] + [99, 98])],
-                      completed_micro_batch_ids=[1], micro_batch_id=3)
+            StepInput(new_sequences=[new(3, prompt[:8] + [99, 98])], completed_micro_batch_ids=[1], micro_batch_id=3)
         )
         hit = out.results[3]
         assert hit.num_computed_tokens == 8
@@ -184,10 +184,7 @@ def test_whole_prompt_hit_recomputes_the_last_token_in_a_copy(kind, tmp_path):
 
     async def body(c: KVCacheClient) -> None:
         await c.step(StepInput(new_sequences=[new(1, prompt)], micro_batch_id=1))
-        out = await c.step(
-            StepInput(new_sequences=[new(2, prompt)], completed_micro_batch_ids=[1],
-                      micro_batch_id=2)
-        )
+        out = await c.step(StepInput(new_sequences=[new(2, prompt)], completed_micro_batch_ids=[1], micro_batch_id=2))
         assert out.results[2] == Allocated(2, (0, 2), 1, 7, (BlockCopy(1, 2),))
         assert out.copies == (BlockCopy(1, 2),)
 
@@ -203,10 +200,7 @@ def test_fork_shares_blocks_and_append_copies_on_write(kind, tmp_path):
         assert seqs[2].num_shared_blocks == 2 and seqs[2].num_tokens == 6
         assert (await c.stats()).num_used_blocks == 2
         # the first two writers into the shared partial block copy it; the last one owns it
-        out = await c.step(
-            StepInput(appends=[Append(2, [7]), Append(3, [8]), Append(1, [9])],
-                      micro_batch_id=2)
-        )
+        out = await c.step(StepInput(appends=[Append(2, [7]), Append(3, [8]), Append(1, [9])], micro_batch_id=2))
         assert out.results == {
             2: Allocated(2, (0, 2), 1, 6, (BlockCopy(1, 2),)),
             3: Allocated(3, (0, 3), 1, 6, (BlockCopy(1, 3),)),
@@ -214,16 +208,12 @@ def test_fork_shares_blocks_and_append_copies_on_write(kind, tmp_path):
         }
         assert out.copies == (BlockCopy(1, 2), BlockCopy(1, 3))
         # a fork inside a step, its child appended in the same step
-        out = await c.step(
-            StepInput(forks=[Fork(1, 4)], appends=[Append(4, [5, 5, 5])], micro_batch_id=3)
-        )
+        out = await c.step(StepInput(forks=[Fork(1, 4)], appends=[Append(4, [5, 5, 5])], micro_batch_id=3))
         assert out.results == {4: Allocated(4, (0, 4, 5), 3, 7, (BlockCopy(1, 4),))}
         stats = await c.stats()
         assert stats.num_copy_on_write == 3 and stats.num_sequences == 4
         message = await c.stats_message(include_sequences=True)
-        assert [list(q.block_ids) for q in message.sequences] == [
-            [0, 1], [0, 2], [0, 3], [0, 4, 5]
-        ]
+        assert [list(q.block_ids) for q in message.sequences] == [[0, 1], [0, 2], [0, 3], [0, 4, 5]]
         assert (message.num_steps, message.num_peak_used_blocks) == (3, 6)
         # after the copies every later append is private: no more copies
         out = await c.step(StepInput(appends=[Append(2, [1]), Append(4, [2])], micro_batch_id=4))
@@ -238,9 +228,7 @@ def test_no_blocks_is_a_per_sequence_result_and_the_others_apply(kind, tmp_path)
         await c.step(StepInput(new_sequences=[new(1, range(20))], micro_batch_id=1))
         out = await c.step(
             StepInput(
-                appends=[Append(1, [1])],
-                new_sequences=[new(2, range(16)), new(3, range(50, 54))],
-                micro_batch_id=2,
+                appends=[Append(1, [1])], new_sequences=[new(2, range(16)), new(3, range(50, 54))], micro_batch_id=2
             )
         )
         assert out.results == {
@@ -269,10 +257,8 @@ INVALID_STEPS = [
     (StepInput(forks=[Fork(1, 2)]), InvalidStepError),
     (StepInput(new_sequences=[new(-1, [1])], micro_batch_id=5), InvalidStepError),
     (StepInput(new_sequences=[new(5, [1, -2])], micro_batch_id=5), InvalidStepError),
-    (StepInput(new_sequences=[new(5, [1], max_num_new_tokens=0)], micro_batch_id=5),
-     InvalidStepError),
-    (StepInput(new_sequences=[new(5, [1], max_num_new_tokens=-3)], micro_batch_id=5),
-     InvalidStepError),
+    (StepInput(new_sequences=[new(5, [1], max_num_new_tokens=0)], micro_batch_id=5), InvalidStepError),
+    (StepInput(new_sequences=[new(5, [1], max_num_new_tokens=-3)], micro_batch_id=5), InvalidStepError),
     (StepInput(appends=[Append(1, [])], micro_batch_id=5), InvalidStepError),
     (StepInput(appends=[Append(1, [1])]), InvalidStepError),  # no micro_batch_id
     (StepInput(completed_micro_batch_ids=[77]), InvalidStepError),
@@ -290,10 +276,11 @@ def test_invalid_steps_raise_and_change_nothing(kind, tmp_path):
             # each bad step also carries valid work, which must not be applied either
             step = StepInput(
                 new_sequences=[*step.new_sequences, new(40, range(8))],
-                appends=step.appends, forks=step.forks, frees=step.frees,
+                appends=step.appends,
+                forks=step.forks,
+                frees=step.frees,
                 completed_micro_batch_ids=step.completed_micro_batch_ids,
-                micro_batch_id=5 if step.micro_batch_id is None and not step.appends
-                else step.micro_batch_id,
+                micro_batch_id=5 if step.micro_batch_id is None and not step.appends else step.micro_batch_id,
             )
             with pytest.raises(error):
                 await c.step(step)
@@ -321,8 +308,7 @@ def test_invalid_steps_raise_and_change_nothing(kind, tmp_path):
 @kinds
 def test_free_releases_blocks(kind, tmp_path):
     async def body(c: KVCacheClient) -> None:
-        await c.step(StepInput(new_sequences=[new(1, range(6)), new(2, range(9))],
-                               micro_batch_id=1))
+        await c.step(StepInput(new_sequences=[new(1, range(6)), new(2, range(9))], micro_batch_id=1))
         await c.fork(2, [3])
         assert await c.free([2]) == 0  # the child still holds its blocks
         assert await c.free([3, 1]) == 5
@@ -343,10 +329,8 @@ def test_free_releases_blocks(kind, tmp_path):
 def test_reset_drops_everything_and_keeps_counters(kind, tmp_path):
     async def body(c: KVCacheClient) -> None:
         epoch = await c.epoch()
-        await c.step(StepInput(new_sequences=[new(1, range(8)), new(2, range(5))],
-                               micro_batch_id=1))
-        await c.step(StepInput(new_sequences=[new(3, range(8))], completed_micro_batch_ids=[1],
-                               micro_batch_id=2))
+        await c.step(StepInput(new_sequences=[new(1, range(8)), new(2, range(5))], micro_batch_id=1))
+        await c.step(StepInput(new_sequences=[new(3, range(8))], completed_micro_batch_ids=[1], micro_batch_id=2))
         assert await c.reset() == 3
         stats = await c.stats()
         assert (stats.num_used_blocks, stats.num_free_blocks, stats.num_cached_blocks) == (0, 16, 0)
@@ -368,8 +352,7 @@ def test_check_capacity_leaves_the_watermark(kind, tmp_path):
     async def body(c: KVCacheClient) -> None:
         assert (await c.stats()).watermark_blocks == 2
         assert await c.check_capacity(18) and not await c.check_capacity(19)
-        out = await c.step(StepInput(new_sequences=[new(1, range(64)), new(2, range(4))],
-                                     micro_batch_id=1))
+        out = await c.step(StepInput(new_sequences=[new(1, range(64)), new(2, range(4))], micro_batch_id=1))
         # 16 blocks for the first leaves 4; the second may take 1 more, leaving 3 >= 2
         assert out.results[2] == Allocated(2, (16,), 4, 0, ())
         assert await c.check_capacity(1) and not await c.check_capacity(2)
@@ -420,9 +403,15 @@ async def scenario(c: KVCacheClient, seed: int, num_rounds: int = 60) -> list[ob
             chunk = rng.choice([None, None, 3])
             news.append(NewSequence(next_seq_id, prompt, max_num_new_tokens=chunk))
             next_seq_id += 1
-        step = StepInput(new_sequences=news, appends=appends, forks=forks, frees=frees,
-                         completed_micro_batch_ids=completed, failed_micro_batch_ids=failed,
-                         micro_batch_id=mb)
+        step = StepInput(
+            new_sequences=news,
+            appends=appends,
+            forks=forks,
+            frees=frees,
+            completed_micro_batch_ids=completed,
+            failed_micro_batch_ids=failed,
+            micro_batch_id=mb,
+        )
         if rng.random() < 0.1:  # a bad step: nothing of it applies
             bad = StepInput(appends=[*appends, Append(10**6, [1])], micro_batch_id=mb)
             with pytest.raises(SequenceNotFound) as exc_info:
@@ -434,9 +423,7 @@ async def scenario(c: KVCacheClient, seed: int, num_rounds: int = 60) -> list[ob
         for new_seq in news:
             result = out.results[new_seq.seq_id]
             if isinstance(result, Allocated):
-                live[new_seq.seq_id] = list(
-                    new_seq.token_ids[result.num_computed_tokens + result.num_new_tokens:]
-                )
+                live[new_seq.seq_id] = list(new_seq.token_ids[result.num_computed_tokens + result.num_new_tokens :])
         for seq_id, result in out.results.items():
             if isinstance(result, NoBlocks) and seq_id in live:
                 del live[seq_id]  # preempted: freed now, readmitted later as a new sequence
@@ -450,16 +437,13 @@ async def scenario(c: KVCacheClient, seed: int, num_rounds: int = 60) -> list[ob
 
 
 def test_the_same_calls_give_the_same_numbers_on_every_client(tmp_path):
-    traces = {kind: run(kind, tmp_path, lambda c: scenario(c, seed=7), num_blocks=24)
-              for kind in KINDS}
+    traces = {kind: run(kind, tmp_path, lambda c: scenario(c, seed=7), num_blocks=24) for kind in KINDS}
     stats = [t for t in traces["in-process"] if isinstance(t, KVCacheStats)]
     # the scenario really exercised what it is meant to
     assert stats[-1].num_prefix_hits > 0 and stats[-1].num_copy_on_write > 0
     assert stats[-1].num_evictions > 0 and stats[-1].num_resets == 2
     assert any(
-        isinstance(r, NoBlocks)
-        for t in traces["in-process"] if isinstance(t, StepOutput)
-        for r in t.results.values()
+        isinstance(r, NoBlocks) for t in traces["in-process"] if isinstance(t, StepOutput) for r in t.results.values()
     )
     assert traces["grpc"] == traces["in-process"]
     assert traces["process"] == traces["in-process"]

@@ -72,33 +72,34 @@ def test_status_codes_and_what_the_wire_does_not_support():
 
         bad_requests = [
             kvcache_pb2.StepRequest(
-                appends=[kvcache_pb2.AppendSlots(seq_id=1, token_ids=[1], num_new_tokens=4)],
-                micro_batch_id=1,
+                appends=[kvcache_pb2.AppendSlots(seq_id=1, token_ids=[1], num_new_tokens=4)], micro_batch_id=1
             ),
-            kvcache_pb2.StepRequest(new_sequences=[new_pb(2, 3)], micro_batch_id=1,
-                                    watermark_blocks=3),
+            kvcache_pb2.StepRequest(new_sequences=[new_pb(2, 3)], micro_batch_id=1, watermark_blocks=3),
             kvcache_pb2.StepRequest(new_sequences=[new_pb(2, 3)]),  # no micro_batch_id
-            kvcache_pb2.StepRequest(new_sequences=[new_pb(2, 3, max_num_new_tokens=0)],
-                                    micro_batch_id=1),
-            kvcache_pb2.StepRequest(forks=[kvcache_pb2.SequenceFork(parent_seq_id=1,
-                                                                     child_seq_ids=[2, 2])]),
+            kvcache_pb2.StepRequest(new_sequences=[new_pb(2, 3, max_num_new_tokens=0)], micro_batch_id=1),
+            kvcache_pb2.StepRequest(forks=[kvcache_pb2.SequenceFork(parent_seq_id=1, child_seq_ids=[2, 2])]),
         ]
         for request in bad_requests:
             code, details = await code_of(stub.Step(request))
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (request, details)
         code, _ = await code_of(stub.Reset(kvcache_pb2.ResetRequest(keep_prefix_cache=True)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
-        code, _ = await code_of(stub.SubscribeEvents(
-            kvcache_pb2.SubscribeEventsRequest(after_sequence_number=10**6)).read())
+        code, _ = await code_of(
+            stub.SubscribeEvents(kvcache_pb2.SubscribeEventsRequest(after_sequence_number=10**6)).read()
+        )
         assert code == grpc.StatusCode.OUT_OF_RANGE  # ahead of the last event (tests/service/test_kv_events.py)
         after = await stub.Stats(kvcache_pb2.KVStatsRequest(include_sequences=True))
         assert after == before and after.num_steps == 1
 
         # unset and empty are different namespaces; an unset chunk size means all tokens
-        reply = await stub.Step(kvcache_pb2.StepRequest(
-            new_sequences=[new_pb(2, 5, namespace=""), new_pb(3, 5, max_num_new_tokens=2)],
-            completed_micro_batch_ids=[0], micro_batch_id=0, watermark_blocks=0,
-        ))
+        reply = await stub.Step(
+            kvcache_pb2.StepRequest(
+                new_sequences=[new_pb(2, 5, namespace=""), new_pb(3, 5, max_num_new_tokens=2)],
+                completed_micro_batch_ids=[0],
+                micro_batch_id=0,
+                watermark_blocks=0,
+            )
+        )
         assert [a.num_computed_tokens for a in reply.allocations] == [0, 4]
         assert [a.num_new_tokens for a in reply.allocations] == [5, 1]
 
@@ -107,27 +108,29 @@ def test_status_codes_and_what_the_wire_does_not_support():
 
 def test_block_tables_travel_as_deltas_and_capacity_comes_along():
     async def body(stub, service, address) -> None:
-        reply = await stub.Step(kvcache_pb2.StepRequest(new_sequences=[new_pb(1, 10)],
-                                                        micro_batch_id=1))
+        reply = await stub.Step(kvcache_pb2.StepRequest(new_sequences=[new_pb(1, 10)], micro_batch_id=1))
         (alloc,) = reply.allocations
         assert (alloc.block_table_offset, list(alloc.block_ids)) == (0, [0, 1, 2])
         assert reply.capacity == kvcache_pb2.KVCapacity(num_total_blocks=16, num_free_blocks=13)
-        await stub.Fork(kvcache_pb2.ForkRequest(
-            forks=[kvcache_pb2.SequenceFork(parent_seq_id=1, child_seq_ids=[2])]))
+        await stub.Fork(kvcache_pb2.ForkRequest(forks=[kvcache_pb2.SequenceFork(parent_seq_id=1, child_seq_ids=[2])]))
         # decode into the partial block: nothing new to send; then into a new block: one id
-        reply = await stub.Step(kvcache_pb2.StepRequest(
-            appends=[kvcache_pb2.AppendSlots(seq_id=1, token_ids=[7], num_new_tokens=1)],
-            micro_batch_id=2))
+        reply = await stub.Step(
+            kvcache_pb2.StepRequest(
+                appends=[kvcache_pb2.AppendSlots(seq_id=1, token_ids=[7], num_new_tokens=1)], micro_batch_id=2
+            )
+        )
         (alloc,) = reply.allocations
         assert (alloc.block_table_offset, list(alloc.block_ids)) == (2, [3])
         assert [(c.src_block_id, c.dst_block_id) for c in reply.block_copies] == [(2, 3)]
-        reply = await stub.Step(kvcache_pb2.StepRequest(
-            appends=[kvcache_pb2.AppendSlots(seq_id=1, token_ids=[8])], micro_batch_id=3))
+        reply = await stub.Step(
+            kvcache_pb2.StepRequest(appends=[kvcache_pb2.AppendSlots(seq_id=1, token_ids=[8])], micro_batch_id=3)
+        )
         (alloc,) = reply.allocations
         assert (alloc.block_table_offset, list(alloc.block_ids)) == (3, [])
         assert alloc.num_new_tokens == 1 and alloc.num_computed_tokens == 11
-        reply = await stub.Step(kvcache_pb2.StepRequest(
-            appends=[kvcache_pb2.AppendSlots(seq_id=1, token_ids=[9, 10])], micro_batch_id=4))
+        reply = await stub.Step(
+            kvcache_pb2.StepRequest(appends=[kvcache_pb2.AppendSlots(seq_id=1, token_ids=[9, 10])], micro_batch_id=4)
+        )
         (alloc,) = reply.allocations
         assert (alloc.block_table_offset, list(alloc.block_ids)) == (3, [4])
         assert alloc.num_new_tokens == 2 and alloc.num_computed_tokens == 12
@@ -143,8 +146,7 @@ def test_block_tables_travel_as_deltas_and_capacity_comes_along():
         assert stats.num_peak_used_blocks == 5
         stats = await stub.Stats(kvcache_pb2.KVStatsRequest())
         assert stats.num_peak_used_blocks == 0 and not stats.sequences
-        capacity = await stub.CheckCapacity(
-            kvcache_pb2.CheckCapacityRequest(num_blocks=10, watermark_blocks=7))
+        capacity = await stub.CheckCapacity(kvcache_pb2.CheckCapacityRequest(num_blocks=10, watermark_blocks=7))
         assert not capacity.can_allocate
         capacity = await stub.CheckCapacity(kvcache_pb2.CheckCapacityRequest(num_blocks=16))
         assert capacity.can_allocate
@@ -204,8 +206,7 @@ def test_the_grpc_client_turns_an_outage_into_unavailable_and_wants_a_reset():
             with pytest.raises(KVServiceUnavailable, match="reset"):
                 await client.step(StepInput(appends=[Append(1, [5])], micro_batch_id=2))
             assert await client.reset() == 0
-            out = await client.step(
-                StepInput(new_sequences=[NewSequence(1, range(5))], micro_batch_id=1))
+            out = await client.step(StepInput(new_sequences=[NewSequence(1, range(5))], micro_batch_id=1))
             assert out.results[1].block_ids == (0, 1)
         finally:
             await client.close()
@@ -220,15 +221,16 @@ def test_the_server_module_does_not_import_torch():
         "import sys, kvcache_svc.server, kvcache_svc.client, services.kv_client, services.kv_codec; "
         "print('torch' in sys.modules)"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "False"
 
 
 def test_kvcache_command_rejects_bad_flags():
     done = subprocess.run(
         [sys.executable, "-m", "wiring.cli", "kvcache", "--num-blocks", "8", "--watermark", "1"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 2 and "watermark" in done.stderr
 

@@ -25,9 +25,22 @@ from wiring.launcher import ServiceProcess, free_port, pagoda_command
 def test_a_starting_scheduler_is_not_serving_and_refuses_unavailable(model_factory, tmp_path):
     port = free_port()
     absent_stage = f"127.0.0.1:{free_port()}"  # nothing listens there: the scheduler keeps waiting
-    scheduler = ServiceProcess("scheduler", pagoda_command(
-        "scheduler", "--model", model_factory(arch="llama"), "--port", str(port), "--kvcache", "in-process",
-        "--stages", absent_stage), f"127.0.0.1:{port}", log_path=tmp_path / "scheduler.log")
+    scheduler = ServiceProcess(
+        "scheduler",
+        pagoda_command(
+            "scheduler",
+            "--model",
+            model_factory(arch="llama"),
+            "--port",
+            str(port),
+            "--kvcache",
+            "in-process",
+            "--stages",
+            absent_stage,
+        ),
+        f"127.0.0.1:{port}",
+        log_path=tmp_path / "scheduler.log",
+    )
     scheduler.start()
     try:
         deadline = time.time() + 60
@@ -45,8 +58,13 @@ def test_a_starting_scheduler_is_not_serving_and_refuses_unavailable(model_facto
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = channel.unary_stream("/pagoda.v1.Scheduler/Generate")
             with pytest.raises(grpc.RpcError) as err:
-                list(call(request.SerializeToString(), timeout=10,
-                          metadata=((INTERNAL_TOKEN_HEADER, token),) if token else None))
+                list(
+                    call(
+                        request.SerializeToString(),
+                        timeout=10,
+                        metadata=((INTERNAL_TOKEN_HEADER, token),) if token else None,
+                    )
+                )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
         assert "starting" in err.value.details()
     finally:
@@ -59,8 +77,9 @@ def _generate(port: int, prompt: list[int]) -> list:
     token = internal_token()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = channel.unary_stream("/pagoda.v1.Scheduler/Generate")
-        return list(call(request.SerializeToString(), timeout=30,
-                         metadata=((INTERNAL_TOKEN_HEADER, token),) if token else None))
+        return list(
+            call(request.SerializeToString(), timeout=30, metadata=((INTERNAL_TOKEN_HEADER, token),) if token else None)
+        )
 
 
 def test_a_pipeline_down_past_its_recovery_timeout_says_so_in_the_trailer(model_factory, tmp_path):
@@ -69,10 +88,26 @@ def test_a_pipeline_down_past_its_recovery_timeout_says_so_in_the_trailer(model_
     model = model_factory(arch="llama")
     (stage,) = start_chain(model, 1, tmp_path)
     port = free_port()
-    scheduler = ServiceProcess("scheduler", pagoda_command(
-        "scheduler", "--model", model, "--port", str(port), "--kvcache", "in-process", "--num-kv-blocks", "256",
-        "--stages", stage.health_address, "--recovery-timeout-s", "1"), f"127.0.0.1:{port}",
-        log_path=tmp_path / "scheduler.log")
+    scheduler = ServiceProcess(
+        "scheduler",
+        pagoda_command(
+            "scheduler",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--kvcache",
+            "in-process",
+            "--num-kv-blocks",
+            "256",
+            "--stages",
+            stage.health_address,
+            "--recovery-timeout-s",
+            "1",
+        ),
+        f"127.0.0.1:{port}",
+        log_path=tmp_path / "scheduler.log",
+    )
     scheduler.start()
     try:
         scheduler.wait_healthy(60)

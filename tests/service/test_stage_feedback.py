@@ -74,8 +74,17 @@ def test_placeholder_steps_are_fed_by_the_last_stage_and_equal_transformers(chai
             before = await driver.stages[0].stub.GetStats(worker_pb2.StageStatsRequest())
             # step 1 prefills and samples; step k + 1 goes out before step k's tokens exist
             # (it carries no token: the first stage waits for the last stage's feedback)
-            await driver.send(plan_to_pb(StepPlan(1, new_seqs=tuple(
-                _new(i, p, range(8 * k, 8 * k + 8)) for k, (i, p) in enumerate(zip(ids, prompts, strict=True))))))
+            await driver.send(
+                plan_to_pb(
+                    StepPlan(
+                        1,
+                        new_seqs=tuple(
+                            _new(i, p, range(8 * k, 8 * k + 8))
+                            for k, (i, p) in enumerate(zip(ids, prompts, strict=True))
+                        ),
+                    )
+                )
+            )
             decode = [CachedSeq(i, 1, 8) for i in ids]
             encoded = plan_to_pb(StepPlan(2, cached_seqs=tuple(decode)))
             assert not encoded.cached.new_token_ids and not encoded.new_seqs  # no tokens, no params
@@ -103,8 +112,9 @@ def test_placeholder_steps_are_fed_by_the_last_stage_and_equal_transformers(chai
     assert after.num_fed_tokens - before.num_fed_tokens == len(ids) * (NEW_TOKENS - 1)
     assert after.num_feedback_waits > before.num_feedback_waits
     # stage 0 received step k + 1 before the last stage had computed step k: no round trip
-    early = [k for k in range(1, NEW_TOKENS)
-             if _timing(driver, 0, k + 1).received_ns < _timing(driver, 1, k).compute_end_ns]
+    early = [
+        k for k in range(1, NEW_TOKENS) if _timing(driver, 0, k + 1).received_ns < _timing(driver, 1, k).compute_end_ns
+    ]
     assert len(early) >= NEW_TOKENS // 2, early
 
 

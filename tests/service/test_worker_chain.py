@@ -48,12 +48,23 @@ class _Chain(list):
     channel = ""
 
 
-@pytest.fixture(scope="module", params=[(2, "auto"), (3, "auto"), (2, "grpc"), (3, "grpc"), (3, "nccl")],
-                ids=["2-stages", "3-stages", "2-stages-grpc", "3-stages-grpc", "3-stages-p2p"])
+@pytest.fixture(
+    scope="module",
+    params=[(2, "auto"), (3, "auto"), (2, "grpc"), (3, "grpc"), (3, "nccl")],
+    ids=["2-stages", "3-stages", "2-stages-grpc", "3-stages-grpc", "3-stages-p2p"],
+)
 def chain(request, model_dir, tmp_path_factory):
     num_stages, channel = request.param
-    procs = _Chain(start_chain(model_dir, num_stages, tmp_path_factory.mktemp("logs"),
-                               NUM_BLOCKS, BLOCK_SIZE, extra=("--stage-channel", channel)))
+    procs = _Chain(
+        start_chain(
+            model_dir,
+            num_stages,
+            tmp_path_factory.mktemp("logs"),
+            NUM_BLOCKS,
+            BLOCK_SIZE,
+            extra=("--stage-channel", channel),
+        )
+    )
     # what the stages report (this host has /dev/shm; point-to-point between CPU stages is gloo)
     procs.channel = {"auto": "shm", "nccl": "gloo"}.get(channel, channel)
     yield procs
@@ -148,8 +159,7 @@ def test_malformed_plans_fail_alone(chain):
             del ragged.cached.num_scheduled[-1]
             too_many = plan_to_pb(_plan(1003, 1, [5] * 9000, tuple(range(9000 // 16 + 1))))
             # counts past uint32 in the stage's reply (issue 16: this once killed the compute loop)
-            overflow = plan_to_pb(StepPlan(1005, cached_seqs=(
-                CachedSeq(1, 2**32 - 1, 0), CachedSeq(2, 2**32 - 1, 0))))
+            overflow = plan_to_pb(StepPlan(1005, cached_seqs=(CachedSeq(1, 2**32 - 1, 0), CachedSeq(2, 2**32 - 1, 0))))
             for mb in (out_of_range, wrong_stage, ragged, too_many, overflow):
                 await driver.send(mb)
                 results.append(await driver.next_result(30))
@@ -162,8 +172,13 @@ def test_malformed_plans_fail_alone(chain):
     *failures, ok = asyncio.run(go())
     for failure, expect in zip(
         failures,
-        ["block id 263 out of range", "addressed to stage 1", "cached columns differ in length", "max_num_batched_tokens",
-         "max_num_batched_tokens"],
+        [
+            "block id 263 out of range",
+            "addressed to stage 1",
+            "cached columns differ in length",
+            "max_num_batched_tokens",
+            "max_num_batched_tokens",
+        ],
         strict=True,
     ):
         assert isinstance(failure, StageFailure) and failure.stage == 0
@@ -178,6 +193,7 @@ def test_killed_worker_is_seen_promptly_and_restart_shows_new_epoch(model_dir, t
     """On either channel; on shared memory the restarted stage maps a new ring (offered again)."""
     procs = start_chain(model_dir, 2, tmp_path, NUM_BLOCKS, BLOCK_SIZE, extra=("--stage-channel", channel))
     try:
+
         async def before_kill():
             driver = GrpcPipelineDriver(addresses(procs), PlanBuilder(BLOCK_SIZE, NUM_BLOCKS))
             await driver.connect()

@@ -89,10 +89,7 @@ class PlanBuilder:
 
     def form_plan(self, busy: set[int] = frozenset()) -> tuple[StepPlan, Chunks] | None:
         """The next micro-batch from sequences not in flight (`busy`), or None."""
-        live = [
-            s for s in self.seqs
-            if s.arrival_step <= self.step and not s.done and s.seq_id not in busy
-        ]
+        live = [s for s in self.seqs if s.arrival_step <= self.step and not s.done and s.seq_id not in busy]
         self.step += 1
         budget = self.max_batched_tokens
         chunks: Chunks = []
@@ -117,8 +114,11 @@ class PlanBuilder:
             blocks, tokens = tuple(s.blocks), tuple(s.tokens)
             sent = self._sent.get(s.seq_id)
             if sent is None:
-                new_seqs.append(NewSeq(s.seq_id, tokens, len(s.prompt), s.num_computed, n, blocks,
-                                       s.params, s.choice_index, s.seq_id))
+                new_seqs.append(
+                    NewSeq(
+                        s.seq_id, tokens, len(s.prompt), s.num_computed, n, blocks, s.params, s.choice_index, s.seq_id
+                    )
+                )
             else:
                 held, known = sent
                 offset = len(held) if blocks[: len(held)] == held else 0
@@ -135,9 +135,7 @@ class PlanBuilder:
             self._sent.pop(seq_id, None)
         self._released, self._copies = [], []
         self._next_mb += 1
-        self.records.append(
-            StepRecord([(s.seq_id, n, s.num_computed < len(s.prompt)) for s, n in chunks])
-        )
+        self.records.append(StepRecord([(s.seq_id, n, s.num_computed < len(s.prompt)) for s, n in chunks]))
         return plan, chunks
 
     def complete(self, chunks: Chunks, seq_ids, token_ids) -> None:
@@ -163,8 +161,14 @@ class PlanBuilder:
     def fork(self, parent: DriverSeq, child_id: int, choice_index: int = 1) -> DriverSeq:
         """The child shares the parent's full blocks; a partial last block is copied."""
         child = DriverSeq(
-            child_id, list(parent.prompt), parent.max_new_tokens, parent.params,
-            parent.arrival_step, choice_index, list(parent.outputs), parent.num_computed,
+            child_id,
+            list(parent.prompt),
+            parent.max_new_tokens,
+            parent.params,
+            parent.arrival_step,
+            choice_index,
+            list(parent.outputs),
+            parent.num_computed,
             list(parent.blocks),
         )
         for block in child.blocks:
@@ -191,9 +195,7 @@ class PipelineDriver:
         seed: int = 0,
     ) -> None:
         self.runners = runners
-        self.builder = PlanBuilder(
-            runners[0].block_size, runners[0].num_blocks, chunk_size, max_batched_tokens, seed
-        )
+        self.builder = PlanBuilder(runners[0].block_size, runners[0].num_blocks, chunk_size, max_batched_tokens, seed)
 
     @property
     def records(self) -> list[StepRecord]:

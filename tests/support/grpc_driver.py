@@ -97,9 +97,7 @@ class GrpcPipelineDriver:
     async def next_result(self, timeout_s: float = 60.0):
         return await asyncio.wait_for(self._results.get(), timeout=timeout_s)
 
-    async def run(
-        self, seqs: list[DriverSeq] | None = None, timeout_s: float = 120.0, until=None
-    ) -> list[list[int]]:
+    async def run(self, seqs: list[DriverSeq] | None = None, timeout_s: float = 120.0, until=None) -> list[list[int]]:
         """Drive until every sequence is done (or `until()` holds with nothing in flight).
 
         Raises StageFailure on any stage's error.
@@ -128,7 +126,5 @@ class GrpcPipelineDriver:
                 self.failures.append(result)
                 raise result
             chunks = in_flight.pop(result.micro_batch_id)
-            self.builder.complete(
-                chunks, [t.seq_id for t in result.sampled], [t.token_id for t in result.sampled]
-            )
+            self.builder.complete(chunks, [t.seq_id for t in result.sampled], [t.token_id for t in result.sampled])
         return [s.outputs for s in (seqs or self.builder.seqs)]

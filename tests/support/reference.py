@@ -31,8 +31,9 @@ class HFReference:
 
         if gguf_file is not None:
             gguf_file = Path(gguf_file)
-            self.model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                                              dtype=torch.float32, **config)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32, **config
+            )
         else:
             self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **config)
         self.model.eval()

@@ -33,8 +33,9 @@ def make_gemma_tokenizer(out_dir: str | Path, vocab_size: int = 700) -> Path:
     byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
     trainer_tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     trainer_tok.normalizer = normalizers.Replace(" ", "\u2581")
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials + byte_pieces,
-                                  show_progress=False, limit_alphabet=200)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials + byte_pieces, show_progress=False, limit_alphabet=200
+    )
     trainer_tok.train_from_iterator(CORPUS, trainer)
     model = json.loads(trainer_tok.to_str())["model"]
     vocab = dict(sorted(model["vocab"].items(), key=lambda kv: kv[1]))

@@ -97,16 +97,32 @@ def children(parent: int) -> dict[int, list[str]]:
     return out
 
 
-def start_serve(model_dir: str | None, log_dir: Path, *args: str, env: dict | None = None,
-                timeout_s: float = 180) -> Stack:
+def start_serve(
+    model_dir: str | None, log_dir: Path, *args: str, env: dict | None = None, timeout_s: float = 180
+) -> Stack:
     """`pagoda serve model_dir ...` (None: no model named, the default model)."""
     port, grpc_port = free_port(), free_port()
     ready = log_dir / "ready.json"
     model = [] if model_dir is None else [model_dir]
     serve = ServiceProcess(
-        "serve", pagoda_command("serve", *model, "--port", str(port), "--grpc-port", str(grpc_port),
-                                "--log-dir", str(log_dir), "--ready-file", str(ready), *args),
-        f"127.0.0.1:{grpc_port}", log_path=log_dir / "serve.log", env=env or {})
+        "serve",
+        pagoda_command(
+            "serve",
+            *model,
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--log-dir",
+            str(log_dir),
+            "--ready-file",
+            str(ready),
+            *args,
+        ),
+        f"127.0.0.1:{grpc_port}",
+        log_path=log_dir / "serve.log",
+        env=env or {},
+    )
     serve.start()
     try:
         serve.wait_healthy(timeout_s)

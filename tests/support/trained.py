@@ -19,5 +19,4 @@ def make_trained_model(out_dir: str | Path) -> str:
     from wiring.tiny_train import TrainingRecipe, train_tiny_model
 
     recipe = TrainingRecipe(steps=TRAINED_STEPS)
-    return str(make_tiny_model(out_dir, TRAINED_SPEC,
-                               finish=lambda path: train_tiny_model(path, recipe)))
+    return str(make_tiny_model(out_dir, TRAINED_SPEC, finish=lambda path: train_tiny_model(path, recipe)))

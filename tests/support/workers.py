@@ -15,8 +15,9 @@ def start_chain(
     block_size: int = 16,
     extra: tuple[str, ...] = (),
 ) -> list[ServiceProcess]:
-    procs = worker_chain(model_dir, num_stages, num_kv_blocks, block_size, threads=1,
-                         extra_args=lambda k: extra, log_dir=log_dir)
+    procs = worker_chain(
+        model_dir, num_stages, num_kv_blocks, block_size, threads=1, extra_args=lambda k: extra, log_dir=log_dir
+    )
     for p in reversed(procs):
         p.start()
     try:

@@ -19,17 +19,15 @@ from test_model_equivalence import NEW_TOKENS, make_prompts, run_runtime
 from worker_svc.checkpoints.loader import load_stage
 from worker_svc.errors import CheckpointError
 from worker_svc.layers.rotary import RotaryEmbedding
-from worker_svc.models.registry import (
-    ARCHITECTURES,
-    BY_GGUF_NAME,
-    BY_HF_NAME,
-    load_config,
-)
+from worker_svc.models.registry import ARCHITECTURES, BY_GGUF_NAME, BY_HF_NAME, load_config
 
 NEW_ARCHS = ("qwen3", "gemma2", "gemma3", "phi3")
 # (arch, stages, block size, chunk, backend)
-CASES = [(a, 1, 16, None, "cpu") for a in ARCH_CONFIGS] + [(a, 2, 32, 7, "torch") for a in NEW_ARCHS] + [
-    ("gemma3", 2, 1, None, "cpu"), ("qwen3", 2, 16, 7, "cpu")]
+CASES = (
+    [(a, 1, 16, None, "cpu") for a in ARCH_CONFIGS]
+    + [(a, 2, 32, 7, "torch") for a in NEW_ARCHS]
+    + [("gemma3", 2, 1, None, "cpu"), ("qwen3", 2, 16, 7, "cpu")]
+)
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +90,19 @@ def test_longrope_takes_the_long_factors_past_the_original_length(references):
 
 
 def test_every_architecture_is_in_the_registry():
-    assert set(BY_HF_NAME) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                               "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                               "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                               "GptOssForCausalLM"}
+    assert set(BY_HF_NAME) == {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration",
+        "Phi3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
+        "GptOssForCausalLM",
+    }
     assert {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"} <= set(BY_GGUF_NAME)
     assert len(ARCHITECTURES) == 10
 
@@ -153,17 +160,26 @@ def test_a_phi3_adapter_of_its_fused_modules_equals_peft(references, tmp_path):
     from worker_svc.weights.lora import LoraBank, LoraStep, load_adapter, token_slots
 
     folder = references("phi3")[0]
-    adapter = make_adapter(folder, tmp_path / "adapter", r=4,
-                           target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    adapter = make_adapter(
+        folder, tmp_path / "adapter", r=4, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    )
     model = load_stage(folder, dtype="float32")
     loaded = load_adapter(adapter, model.config, 0, model.end, max_rank=MAX_RANK)
-    assert {t for _, t in loaded.weights} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                              "down_proj"}
+    assert {t for _, t in loaded.weights} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     bank = LoraBank(model.config, 0, model.end, max_loras=2, max_rank=MAX_RANK)
     bank.add("a", loaded)
     prompt = list(range(20, 45))
     got = Batch(model, num_seqs=1, max_len=32).run(
-        torch.tensor(prompt), [(0, len(prompt))], LoraStep(bank, token_slots([bank.slot_of("a")], [len(prompt)])))
+        torch.tensor(prompt), [(0, len(prompt))], LoraStep(bank, token_slots([bank.slot_of("a")], [len(prompt)]))
+    )
     want = reference_logits(merged_model(folder, adapter), prompt)
     base = reference_logits(merged_model(folder), prompt)
     assert (want - base).abs().max() > 0.5  # the adapter moves the logits
@@ -180,10 +196,21 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path, toke
     from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
 
     text = {**_SHAPE, **{k: v for k, v in ARCH_CONFIGS["gemma3"].items() if k not in ("model_type", "architectures")}}
-    config = Gemma3Config(text_config=text, vision_config={"hidden_size": 32, "intermediate_size": 64,
-                                                           "num_hidden_layers": 1, "num_attention_heads": 2,
-                                                           "image_size": 28, "patch_size": 14},
-                          mm_tokens_per_image=4, image_token_index=1000, boi_token_index=1001, eoi_token_index=1002)
+    config = Gemma3Config(
+        text_config=text,
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        mm_tokens_per_image=4,
+        image_token_index=1000,
+        boi_token_index=1001,
+        eoi_token_index=1002,
+    )
     config.architectures = ["Gemma3ForConditionalGeneration"]
     torch.manual_seed(0)
     model = Gemma3ForConditionalGeneration(config)

@@ -16,20 +16,23 @@ def layout(chunks, block_size, num_blocks, seed=0):
     tables, taken = [], 0
     for ctx, _ in chunks:
         n = -(-ctx // block_size)
-        tables.append(perm[taken:taken + n])
+        tables.append(perm[taken : taken + n])
         taken += n
     width = max(len(t) for t in tables)
     table = torch.zeros(len(chunks), width, dtype=torch.long)
     for i, t in enumerate(tables):
-        table[i, :len(t)] = torch.tensor(t)
+        table[i, : len(t)] = torch.tensor(t)
     starts, slots = [0], []
     for (ctx, new), t in zip(chunks, tables, strict=True):
         starts.append(starts[-1] + new)
         slots += [t[p // block_size] * block_size + p % block_size for p in range(ctx - new, ctx)]
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts),
-        context_lens=torch.tensor([c for c, _ in chunks]), block_tables=table,
-        query_start_loc_list=tuple(starts), context_lens_list=tuple(c for c, _ in chunks),
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(starts),
+        context_lens=torch.tensor([c for c, _ in chunks]),
+        block_tables=table,
+        query_start_loc_list=tuple(starts),
+        context_lens_list=tuple(c for c, _ in chunks),
     ), tables
 
 
@@ -44,8 +47,7 @@ def naive(q, k_pool, v_pool, chunks, tables, scale, window):
             pos = ctx - new + j
             for h in range(q.shape[1]):
                 scores = (k[:, h // group] @ q[row + j, h].double()) * scale
-                allowed = torch.tensor([p <= pos and (window is None or p > pos - window)
-                                        for p in range(ctx)])
+                allowed = torch.tensor([p <= pos and (window is None or p > pos - window) for p in range(ctx)])
                 scores[~allowed] = float("-inf")
                 out[row + j, h] = torch.softmax(scores, 0) @ v[:, h // group]
         row += new

@@ -27,16 +27,23 @@ def test_cpu_per_micro_batch_divides_each_process_s_cpu_by_the_micro_batches():
     after = {"scheduler": 1.5, "worker-0": 2.2, "gateway": 0.5, "worker-1": 0.1}
     got = cpu_per_micro_batch(before, after, 100, 2.0)
     assert got["num_micro_batches"] == 100
-    assert got["ms_per_micro_batch"] == pytest.approx({"scheduler": 5.0, "worker-0": 2.0, "gateway": 0.0,
-                                                       "worker-1": 1.0})
+    assert got["ms_per_micro_batch"] == pytest.approx(
+        {"scheduler": 5.0, "worker-0": 2.0, "gateway": 0.0, "worker-1": 1.0}
+    )
     assert got["cores"] == pytest.approx({"scheduler": 0.25, "worker-0": 0.1, "gateway": 0.0, "worker-1": 0.05})
     none = cpu_per_micro_batch(before, after, 0, 0.0)
     assert set(none["ms_per_micro_batch"].values()) == {None} and set(none["cores"].values()) == {None}
 
 
 def test_the_cpu_table_has_a_row_per_cell_with_the_stages_mean_and_max():
-    cell = {"cpu": cpu_per_micro_batch({}, {"gateway": 0.1, "scheduler": 0.2, "kvcache": 0.05, "worker-0": 0.1,
-                                            "worker-1": 0.3, "client": 0.01}, 100, 1.0)}
+    cell = {
+        "cpu": cpu_per_micro_batch(
+            {},
+            {"gateway": 0.1, "scheduler": 0.2, "kvcache": 0.05, "worker-0": 0.1, "worker-1": 0.3, "client": 0.01},
+            100,
+            1.0,
+        )
+    }
     rows = cpu_rows({"cells": {"4": {"async": {"mixed": cell}, "sync": {"mixed": {"qps": 1.0}}}}})
     assert len(rows) == 3  # the header, its rule, the one cell with CPU figures
     assert rows[2] == "| 4 | mixed | async | 100 | - | 1.00 | 2.00 | 0.50 | 2.00 / 3.00 | 0.10 | 0.76 |"

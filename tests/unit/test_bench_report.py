@@ -18,20 +18,47 @@ from bench.stats import RequestRecord, ServiceMetrics, StageWindow, client_metri
 
 def services(config=None, generated=100, hits=0, peak=2, stages=1):
     return ServiceMetrics(
-        stages=tuple(StageWindow(i, 0.8, 0.2, 10, peak) for i in range(stages)), num_preemptions=0,
-        num_generated_tokens=generated, num_prompt_tokens=500, num_micro_batches=20, prefix_query_tokens=400,
-        prefix_hit_tokens=hits, kv_internal_fragmentation=0.1, kv_external_fragmentation=0.0,
-        kv_peak_used_blocks=30, kv_total_blocks=100,
-        config={"async_scheduling": True, "pipeline_parallel_size": stages, "num_stages": stages,
-                "enable_chunked_prefill": True, "enable_prefix_caching": True, "kv_enable_prefix_caching": True,
-                "max_num_batched_tokens": 2048, "kv_address": "127.0.0.1:1", **(config or {})},
+        stages=tuple(StageWindow(i, 0.8, 0.2, 10, peak) for i in range(stages)),
+        num_preemptions=0,
+        num_generated_tokens=generated,
+        num_prompt_tokens=500,
+        num_micro_batches=20,
+        prefix_query_tokens=400,
+        prefix_hit_tokens=hits,
+        kv_internal_fragmentation=0.1,
+        kv_external_fragmentation=0.0,
+        kv_peak_used_blocks=30,
+        kv_total_blocks=100,
+        config={
+            "async_scheduling": True,
+            "pipeline_parallel_size": stages,
+            "num_stages": stages,
+            "enable_chunked_prefill": True,
+            "enable_prefix_caching": True,
+            "kv_enable_prefix_caching": True,
+            "max_num_batched_tokens": 2048,
+            "kv_address": "127.0.0.1:1",
+            **(config or {}),
+        },
     )
 
 
 def run(arm, duration=1.0, tokens=100, svc=None, workload="mixed", driver="http", extra=None, mode="closed"):
     recs = [RequestRecord(i, "long", 8, tokens // 4, 0.0, [0.1, 0.2], tokens // 4, duration) for i in range(4)]
-    return RunResult("tiny", workload, arm, "settings", driver, mode, 4, tokens,
-                     client_metrics(recs, duration), svc, concurrency=16, extra=extra or {})
+    return RunResult(
+        "tiny",
+        workload,
+        arm,
+        "settings",
+        driver,
+        mode,
+        4,
+        tokens,
+        client_metrics(recs, duration),
+        svc,
+        concurrency=16,
+        extra=extra or {},
+    )
 
 
 def test_async_comparison_ratio_and_checks():
@@ -81,9 +108,15 @@ def results_dict():
     m.runs = [a, b, hf]
     m.comparisons = [compare(COMPARISONS["b"], a, b), compare(COMPARISONS["a"], b, hf)]
     return {
-        "meta": {"command": "pagoda bench --quick", "machine": {"cpu": "Test CPU", "usable_cores": 2,
-                 "memory_gib": 8, "python": "3.11", "torch": "2"}, "started": "now", "elapsed_s": 12.0,
-                 "driver_note": "HTTP", "total_threads": 2, "notes": ["quick"]},
+        "meta": {
+            "command": "pagoda bench --quick",
+            "machine": {"cpu": "Test CPU", "usable_cores": 2, "memory_gib": 8, "python": "3.11", "torch": "2"},
+            "started": "now",
+            "elapsed_s": 12.0,
+            "driver_note": "HTTP",
+            "total_threads": 2,
+            "notes": ["quick"],
+        },
         "models": [json.loads(json.dumps(m.to_dict()))],
     }
 
@@ -121,7 +154,9 @@ def plan_for(*argv):
 def test_quick_plan_runs_everything_on_tiny_and_abd_on_25m():
     plan = plan_for("--quick", "--threads", "2")
     assert [(m.preset, m.comparisons) for m in plan.models] == [
-        ("tiny", ("a", "b", "c", "d", "e", "f")), ("25m", ("a", "b", "d"))]
+        ("tiny", ("a", "b", "c", "d", "e", "f")),
+        ("25m", ("a", "b", "d")),
+    ]
     assert plan.duration_s == 20.0 and plan.shape.long_output == 128 and plan.total_threads == 2
     assert plan.models[0].sweep and not plan.models[1].sweep
     full = plan_for("--models", "25m", "--comparisons", "b,c", "--threads", "4")
@@ -146,9 +181,19 @@ def test_plots_are_written(tmp_path):
     m = results["models"][0]
     for r in m["runs"]:
         r["extra"]["quantiles"] = {"ttft_ms": [1.0, 2.0, 3.0], "itl_ms": [0.5, 1.0, 4.0]}
-    m["gantt"] = {"settings": "PP=2", "events": [
-        {"stage": s, "micro_batch_id": i, "start_ns": i * 10**7 + s * 10**6, "end_ns": i * 10**7 + s * 10**6 + 5 * 10**6}
-        for i in range(20) for s in (0, 1)]}
+    m["gantt"] = {
+        "settings": "PP=2",
+        "events": [
+            {
+                "stage": s,
+                "micro_batch_id": i,
+                "start_ns": i * 10**7 + s * 10**6,
+                "end_ns": i * 10**7 + s * 10**6 + 5 * 10**6,
+            }
+            for i in range(20)
+            for s in (0, 1)
+        ],
+    }
     names = sorted(p.name for p in write_plots(results, tmp_path))
     assert names == ["gantt_tiny.png", "gantt_tiny.trace.json", "latency_tiny.png", "throughput_vs_concurrency.png"]
     trace = json.loads((tmp_path / "gantt_tiny.trace.json").read_text())

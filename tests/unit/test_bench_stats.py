@@ -70,8 +70,11 @@ def test_record_ttft_itl_tpot():
 
 
 def test_client_metrics_throughput_and_failures():
-    records = [record(0, sent=0.0, done=0.4), record(1, "long", sent=0.5, chunks=(0.6, 0.7, 0.9), done=1.0),
-               record(2, error="HTTP 503")]
+    records = [
+        record(0, sent=0.0, done=0.4),
+        record(1, "long", sent=0.5, chunks=(0.6, 0.7, 0.9), done=1.0),
+        record(2, error="HTTP 503"),
+    ]
     m = client_metrics(records)
     assert m.num_requests == 2 and m.num_failed == 1
     assert m.duration_s == pytest.approx(1.0)
@@ -88,11 +91,19 @@ def snap(t_s, busy, idle, **kw):
 
 
 def test_service_metrics_busy_and_bubble_over_the_loaded_window():
-    start = snap(0, [0, 0], [0, 0], num_generated_tokens=10, kv_num_prefix_query_tokens=100,
-                 kv_num_prefix_hit_tokens=10)
+    start = snap(
+        0, [0, 0], [0, 0], num_generated_tokens=10, kv_num_prefix_query_tokens=100, kv_num_prefix_hit_tokens=10
+    )
     loaded = snap(2, [int(1.5e9), int(1e9)], [int(0.5e9), int(1e9)], kv_internal_fragmentation=0.25)
-    end = snap(3, [int(2e9), int(1.2e9)], [int(1e9), int(1.8e9)], num_generated_tokens=110, num_preemptions=2,
-               kv_num_prefix_query_tokens=300, kv_num_prefix_hit_tokens=110)
+    end = snap(
+        3,
+        [int(2e9), int(1.2e9)],
+        [int(1e9), int(1.8e9)],
+        num_generated_tokens=110,
+        num_preemptions=2,
+        kv_num_prefix_query_tokens=300,
+        kv_num_prefix_hit_tokens=110,
+    )
     m = service_metrics(start, loaded, end)
     assert [s.busy_fraction for s in m.stages] == pytest.approx([0.75, 0.5])
     assert [s.bubble_fraction for s in m.stages] == pytest.approx([0.25, 0.5])
@@ -245,10 +256,18 @@ def test_sse_chunks_yields_each_object_until_done_and_raises_on_errors():
     async def collect(http) -> list[dict]:
         return [chunk async for _, chunk in sse_chunks(http, "u", {"x": 1})]
 
-    lines = [": keep-alive", 'data: {"choices": [{"text": "a"}]}', "", 'data: {"usage": {"completion_tokens": 1}}',
-             "data: [DONE]", 'data: {"choices": [{"text": "after"}]}']
-    assert asyncio.run(collect(_Http(200, lines))) == [{"choices": [{"text": "a"}]},
-                                                       {"usage": {"completion_tokens": 1}}]
+    lines = [
+        ": keep-alive",
+        'data: {"choices": [{"text": "a"}]}',
+        "",
+        'data: {"usage": {"completion_tokens": 1}}',
+        "data: [DONE]",
+        'data: {"choices": [{"text": "after"}]}',
+    ]
+    assert asyncio.run(collect(_Http(200, lines))) == [
+        {"choices": [{"text": "a"}]},
+        {"usage": {"completion_tokens": 1}},
+    ]
     with pytest.raises(RuntimeError, match="HTTP 503: busy"):
         asyncio.run(collect(_Http(503, ["busy"])))
     with pytest.raises(RuntimeError, match="stream error"):

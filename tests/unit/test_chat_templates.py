@@ -49,26 +49,75 @@ class Family:
     tools: bool = False  # the template renders tools and tool calls
 
 
-FAMILIES = {f.name: f for f in (
-    Family("llama3", "<|begin_of_text|>", "<|eot_id|>",
-           ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"), adds_bos=True, tools=True),
-    Family("mistral", "<s>", "</s>",
-           ("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
-            "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), adds_bos=True, tools=True),
-    Family("qwen2", None, "<|im_end|>", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-           ("<tool_call>", "</tool_call>"), tools=True),
-    Family("qwen3", None, "<|im_end|>", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-           ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
-            "</think>"), tools=True),
-    Family("gemma2", "<bos>", "<eos>", ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"),
-           adds_bos=True),
-    Family("gemma3", "<bos>", "<eos>",
-           ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>"),
-           adds_bos=True),
-    Family("phi3", "<s>", "<|endoftext|>",
-           ("<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")),
-)}
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family(
+            "llama3",
+            "<|begin_of_text|>",
+            "<|eot_id|>",
+            (
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+                "<|eom_id|>",
+                "<|python_tag|>",
+            ),
+            adds_bos=True,
+            tools=True,
+        ),
+        Family(
+            "mistral",
+            "<s>",
+            "</s>",
+            (
+                "<s>",
+                "</s>",
+                "[INST]",
+                "[/INST]",
+                "[TOOL_CALLS]",
+                "[AVAILABLE_TOOLS]",
+                "[/AVAILABLE_TOOLS]",
+                "[TOOL_RESULTS]",
+                "[/TOOL_RESULTS]",
+            ),
+            adds_bos=True,
+            tools=True,
+        ),
+        Family(
+            "qwen2",
+            None,
+            "<|im_end|>",
+            ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+            ("<tool_call>", "</tool_call>"),
+            tools=True,
+        ),
+        Family(
+            "qwen3",
+            None,
+            "<|im_end|>",
+            ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+            ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"),
+            tools=True,
+        ),
+        Family("gemma2", "<bos>", "<eos>", ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"), adds_bos=True),
+        Family(
+            "gemma3",
+            "<bos>",
+            "<eos>",
+            ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>"),
+            adds_bos=True,
+        ),
+        Family(
+            "phi3",
+            "<s>",
+            "<|endoftext|>",
+            ("<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+        ),
+    )
+}
 
 
 def _family_dir(base: str, family: Family, root: Path) -> Path:
@@ -81,13 +130,19 @@ def _family_dir(base: str, family: Family, root: Path) -> Path:
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.plain])
     if family.adds_bos:
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{family.bos} $A", pair=f"{family.bos} $A {family.bos} $B",
-            special_tokens=[(family.bos, backend.token_to_id(family.bos))])
+            single=f"{family.bos} $A",
+            pair=f"{family.bos} $A {family.bos} $B",
+            special_tokens=[(family.bos, backend.token_to_id(family.bos))],
+        )
     backend.save(str(path / "tokenizer.json"))
     template = (TEMPLATES / f"{family.name}.jinja").read_text(encoding="utf-8")
     config = json.loads((Path(base) / "tokenizer_config.json").read_text())
-    config.update(bos_token=family.bos, eos_token=family.eos, chat_template=template,
-                  additional_special_tokens=list(family.special))
+    config.update(
+        bos_token=family.bos,
+        eos_token=family.eos,
+        chat_template=template,
+        additional_special_tokens=list(family.special),
+    )
     (path / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
     (path / "chat_template.jinja").write_text(template, encoding="utf-8")
     return path
@@ -111,12 +166,19 @@ SYSTEM = {"role": "system", "content": "You are a terse assistant. Réponds en f
 USER = {"role": "user", "content": "  Grüße! What is 2+2? 世界 🌍  "}
 REPLY = {"role": "assistant", "content": "4. Ça va ✓"}
 USER_2 = {"role": "user", "content": "And times three?\nAnswer in one line."}
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city, in °C.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "description": "e.g. Zürich"}}, "required": ["city"]}}}
-CALL = {"id": "call12345", "type": "function",
-        "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city, in °C.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "e.g. Zürich"}},
+            "required": ["city"],
+        },
+    },
+}
+CALL = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
 TOOL_RESULT = {"role": "tool", "tool_call_id": "call12345", "content": '{"temp_c": 21, "sky": "☀"}'}
 ASK_WEATHER = {"role": "user", "content": "Weather in Zürich?"}
 CALLING = {"role": "assistant", "content": "", "tool_calls": [CALL]}
@@ -155,33 +217,57 @@ QWEN3_CASES = [
     ("thinking_on", [SYSTEM, USER], None, {"enable_thinking": True}),
     ("thinking_off_multi_turn", [USER, REPLY, USER_2], None, {"enable_thinking": False}),
     # an earlier answer's reasoning, written in its content, is dropped before the last question
-    ("old_reasoning_dropped", [USER, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
-                               USER_2], None, {}),
+    (
+        "old_reasoning_dropped",
+        [USER, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}, USER_2],
+        None,
+        {},
+    ),
     # after the last question the reasoning of a tool-calling turn is kept, from reasoning_content
-    ("reasoning_content_kept", [ASK_WEATHER, {**CALLING, "reasoning_content": "I need the tool."},
-                                TOOL_RESULT], [WEATHER_TOOL], {"enable_thinking": True}),
-    ("reasoning_content_final", [ASK_WEATHER, {**CALLING, "reasoning_content": "Need the tool."},
-                                 TOOL_RESULT, {"role": "assistant", "content": "21 °C, sunny.",
-                                               "reasoning_content": "It said 21."}],
-     [WEATHER_TOOL], {}),
+    (
+        "reasoning_content_kept",
+        [ASK_WEATHER, {**CALLING, "reasoning_content": "I need the tool."}, TOOL_RESULT],
+        [WEATHER_TOOL],
+        {"enable_thinking": True},
+    ),
+    (
+        "reasoning_content_final",
+        [
+            ASK_WEATHER,
+            {**CALLING, "reasoning_content": "Need the tool."},
+            TOOL_RESULT,
+            {"role": "assistant", "content": "21 °C, sunny.", "reasoning_content": "It said 21."},
+        ],
+        [WEATHER_TOOL],
+        {},
+    ),
 ]
 
 
-def _request_body(messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any],
-                  add_generation_prompt: bool) -> dict[str, Any]:
+def _request_body(
+    messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any], add_generation_prompt: bool
+) -> dict[str, Any]:
     """The conversation as an OpenAI client sends it: each call's arguments as JSON text, a
     tool-calling message's content null."""
     sent = []
     for message in messages:
         if "tool_calls" in message:
-            message = {**message, "content": message["content"] or None, "tool_calls": [
-                {**call, "function": {**call["function"],
-                                      "arguments": json.dumps(call["function"]["arguments"],
-                                                              ensure_ascii=False)}}
-                for call in message["tool_calls"]]}
+            message = {
+                **message,
+                "content": message["content"] or None,
+                "tool_calls": [
+                    {
+                        **call,
+                        "function": {
+                            **call["function"],
+                            "arguments": json.dumps(call["function"]["arguments"], ensure_ascii=False),
+                        },
+                    }
+                    for call in message["tool_calls"]
+                ],
+            }
         sent.append(message)
-    body: dict[str, Any] = {"model": "tiny", "messages": sent,
-                            "add_generation_prompt": add_generation_prompt}
+    body: dict[str, Any] = {"model": "tiny", "messages": sent, "add_generation_prompt": add_generation_prompt}
     if tools:
         body["tools"] = tools
     if kwargs:
@@ -210,10 +296,10 @@ def _check(tokenizers, name, messages, tools, kwargs, add_generation_prompt) -> 
     return text
 
 
-@pytest.mark.parametrize("name,case,messages,tools,kwargs,add_generation_prompt", _cases(),
-                         ids=[f"{c[0]}-{c[1]}" for c in _cases()])
-def test_the_gateway_renders_as_transformers(tokenizers, name, case, messages, tools, kwargs,
-                                             add_generation_prompt):
+@pytest.mark.parametrize(
+    "name,case,messages,tools,kwargs,add_generation_prompt", _cases(), ids=[f"{c[0]}-{c[1]}" for c in _cases()]
+)
+def test_the_gateway_renders_as_transformers(tokenizers, name, case, messages, tools, kwargs, add_generation_prompt):
     text = _check(tokenizers, name, messages, tools, kwargs, add_generation_prompt)
     family = FAMILIES[name]
     tok, _ = tokenizers[name]
@@ -239,8 +325,7 @@ def test_qwen3_thinking_and_reasoning(tokenizers, case, messages, tools, kwargs)
 
 def test_gemma3_folds_the_system_message_into_the_first_user_turn(tokenizers):
     text = _check(tokenizers, "gemma3", [SYSTEM, USER, REPLY, USER_2], None, {}, True)
-    assert text.startswith(f"<bos><start_of_turn>user\n{SYSTEM['content']}\n\n{USER['content'].strip()}"
-                           "<end_of_turn>\n")
+    assert text.startswith(f"<bos><start_of_turn>user\n{SYSTEM['content']}\n\n{USER['content'].strip()}<end_of_turn>\n")
     assert "system" not in text
 
 
@@ -262,16 +347,18 @@ def test_text_parts_reach_the_template_as_vllm_passes_them(tokenizers, name):
     assert "[{" not in text and "Part two 🌍" in text
 
 
-@pytest.mark.parametrize("source,expected", [
-    ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}", True),
-    ("{% for m in messages %}{% for p in m.content | list %}{{ p.text }}{% endfor %}{% endfor %}", True),
-    ("{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{{ p }}{% endfor %}{% endfor %}",
-     True),
-    ("{% for m in messages %}{{ m['content'] | trim }}{% endfor %}", False),
-    ("{% for m in messages %}{% set c = m.content %}{{ c.split('x')[0] }}{% endfor %}", False),
-    ("{% for m in messages %}{% for t in tools %}{{ t }}{% endfor %}{% endfor %}", False),
-    ("{% for m in messages %", False),  # does not parse
-])
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}", True),
+        ("{% for m in messages %}{% for p in m.content | list %}{{ p.text }}{% endfor %}{% endfor %}", True),
+        ("{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{{ p }}{% endfor %}{% endfor %}", True),
+        ("{% for m in messages %}{{ m['content'] | trim }}{% endfor %}", False),
+        ("{% for m in messages %}{% set c = m.content %}{{ c.split('x')[0] }}{% endfor %}", False),
+        ("{% for m in messages %}{% for t in tools %}{{ t }}{% endfor %}{% endfor %}", False),
+        ("{% for m in messages %", False),  # does not parse
+    ],
+)
 def test_which_templates_read_content_parts(source, expected):
     assert reads_content_parts(source) is expected
 
@@ -303,8 +390,9 @@ def test_qwen3_reasoning_parser_reads_replies_to_either_prompt(tokenizers):
     the model answers at once: the reply is all content. With thinking on, the model writes
     `<think>` itself. Whole and streamed (one character at a time) agree."""
     tok, _ = tokenizers["qwen3"]
-    prompt = tok.decode(_gateway_ids(tok, _request_body([USER], None, {"enable_thinking": False},
-                                                        True)), skip_special_tokens=False)
+    prompt = tok.decode(
+        _gateway_ids(tok, _request_body([USER], None, {"enable_thinking": False}, True)), skip_special_tokens=False
+    )
     assert prompt.endswith("<think>\n\n</think>\n\n")
     parser = reasoning_parser("qwen3")
     replies = {

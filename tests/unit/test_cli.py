@@ -40,8 +40,16 @@ def test_serve_passes_engine_settings_to_the_scheduler():
     from wiring.serve import engine_flags
 
     args = build_parser().parse_args(
-        ["serve", "--no-async-scheduling", "--max-num-seqs", "7", "--tenant-weights", "a=3,b=1",
-         "--scheduler-policy", "hybrid"]
+        [
+            "serve",
+            "--no-async-scheduling",
+            "--max-num-seqs",
+            "7",
+            "--tenant-weights",
+            "a=3,b=1",
+            "--scheduler-policy",
+            "hybrid",
+        ]
     )
     flags = engine_flags(args)
     assert "--no-async-scheduling" in flags and flags[flags.index("--max-num-seqs") + 1] == "7"
@@ -55,13 +63,29 @@ def test_serve_passes_device_settings_to_every_worker():
     from wiring.serve import worker_flags
 
     args = build_parser().parse_args(
-        ["serve", "--dtype", "bfloat16", "--device", "cuda:1", "--quantization", "fp8",
-         "--attention-backend", "triton", "--kv-cache-dtype", "bfloat16"]
+        [
+            "serve",
+            "--dtype",
+            "bfloat16",
+            "--device",
+            "cuda:1",
+            "--quantization",
+            "fp8",
+            "--attention-backend",
+            "triton",
+            "--kv-cache-dtype",
+            "bfloat16",
+        ]
     )
     flags = worker_flags(args)
     worker = build_parser().parse_args(["worker", "--model", "m", *flags])
     assert (worker.dtype, worker.device, worker.quantization, worker.attention_backend, worker.kv_cache_dtype) == (
-        "bfloat16", "cuda:1", "fp8", "triton", "bfloat16")
+        "bfloat16",
+        "cuda:1",
+        "fp8",
+        "triton",
+        "bfloat16",
+    )
     assert worker_flags(build_parser().parse_args(["serve"])) == []
 
 
@@ -134,8 +158,7 @@ def test_large_steps_take_the_services_core_unless_threads_are_given(monkeypatch
         runner.model.forward = lambda *a, **k: (seen.append(torch.get_num_threads()), forward(*a, **k))[1]
         greedy = SamplingParams(temperature=0.0)
         prompt = tuple(range(5, 5 + LARGE_STEP_TOKENS))
-        runner.execute(StepPlan(1, new_seqs=(NewSeq(0, prompt, len(prompt), 0, len(prompt), tuple(range(9)),
-                                                    greedy),)))
+        runner.execute(StepPlan(1, new_seqs=(NewSeq(0, prompt, len(prompt), 0, len(prompt), tuple(range(9)), greedy),)))
         runner.execute(StepPlan(2, cached_seqs=(CachedSeq(0, 1, 9),)))
         assert seen == [2, 1]
     finally:
@@ -154,8 +177,9 @@ def test_serve_takes_the_model_as_vllm_serve_does_and_several_served_names(monke
 
     args = build_parser().parse_args(["serve", "/models/qwen", "--served-model-name", "a", "b"])
     assert args.model_tag == "/models/qwen" and args.served_model_name == ["a", "b"]
-    gateway = build_parser().parse_args(["gateway", "--model", "m", "--scheduler", "s:1",
-                                         "--served-model-name", "x", "y"])
+    gateway = build_parser().parse_args(
+        ["gateway", "--model", "m", "--scheduler", "s:1", "--served-model-name", "x", "y"]
+    )
     assert gateway.served_model_name == ["x", "y"]
     monkeypatch.setenv("PAGODA_SERVED_MODEL_NAME", "one, two")
     assert build_parser().parse_args(["serve"]).served_model_name == ["one", "two"]
@@ -171,8 +195,9 @@ def test_api_keys_from_flags_as_vllm_and_from_the_keys_file(tmp_path, monkeypatc
 
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk-file": {"tenant": "a", "priority": 2}}))
-    args = build_parser().parse_args(["gateway", "--model", "m", "--scheduler", "s:1", "--api-key", "sk-1",
-                                      "sk-file", "--api-keys-file", str(keys)])
+    args = build_parser().parse_args(
+        ["gateway", "--model", "m", "--scheduler", "s:1", "--api-key", "sk-1", "sk-file", "--api-keys-file", str(keys)]
+    )
     assert _api_keys(args) == {"sk-file": ApiKey("a", 2), "sk-1": ApiKey()}  # the file's grant kept
     monkeypatch.setenv("PAGODA_API_KEY", "sk-env")
     args = build_parser().parse_args(["gateway", "--model", "m", "--scheduler", "s:1"])

@@ -29,8 +29,9 @@ def checks_only(monkeypatch):
     instead of starting anything."""
     import os
 
-    for name in [n for n in os.environ if n.startswith("PAGODA_") and n not in (
-            "PAGODA_INTERNAL_TOKEN", "PAGODA_AUTO_DTYPE")]:
+    for name in [
+        n for n in os.environ if n.startswith("PAGODA_") and n not in ("PAGODA_INTERNAL_TOKEN", "PAGODA_AUTO_DTYPE")
+    ]:
         monkeypatch.delenv(name)
 
     def started(*args, **kwargs):
@@ -72,14 +73,17 @@ def subparser(command: str) -> argparse.ArgumentParser:
 
 # --- 10: settings checked before any process starts ------------------------------------------------
 
+
 def _draft(path: Path) -> str:
     return json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": 2})
 
 
 def test_a_draft_model_that_does_not_exist_is_refused_naming_the_flag(capsys, model, tmp_path):
     err = refused(capsys, model, "--speculative-config", _draft(tmp_path / "nowhere"))
-    assert err == (f"error: --speculative-config: the draft model {tmp_path / 'nowhere'} does not exist "
-                   "(speculative_config.model: a checkpoint folder)")
+    assert err == (
+        f"error: --speculative-config: the draft model {tmp_path / 'nowhere'} does not exist "
+        "(speculative_config.model: a checkpoint folder)"
+    )
     (tmp_path / "empty").mkdir()
     err = refused(capsys, model, "--speculative-config", _draft(tmp_path / "empty"))
     assert err.startswith("error: --speculative-config: the draft model: ") and "config.json" in err
@@ -90,30 +94,37 @@ def test_a_draft_model_of_another_vocabulary_is_refused_naming_both(capsys, mode
     config = json.loads((draft / "config.json").read_text())
     (draft / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
     err = refused(capsys, model, "--speculative-config", _draft(draft))
-    assert err == (f"error: --speculative-config: the draft model's vocabulary (1024, {draft / 'config.json'}) "
-                   f"is not the target's (512, {model / 'config.json'}): a draft must share the target's "
-                   "tokenizer")
+    assert err == (
+        f"error: --speculative-config: the draft model's vocabulary (1024, {draft / 'config.json'}) "
+        f"is not the target's (512, {model / 'config.json'}): a draft must share the target's "
+        "tokenizer"
+    )
     args = build_parser().parse_args(["serve", str(model), "--speculative-config", _draft(model)])
     assert serve._check_start(args, str(model)) == []  # the same vocabulary: taken
 
 
 def _adapter(folder: Path, **config) -> Path:
     folder.mkdir(parents=True)
-    (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], **config}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], **config})
+    )
     return folder
 
 
 def test_an_adapter_of_a_rank_above_max_lora_rank_is_refused_naming_both_flags(capsys, model, tmp_path):
     big = _adapter(tmp_path / "big", r=32)
     err = refused(capsys, model, "--enable-lora", "--lora-modules", f"big={big}")
-    assert err == (f"error: --lora-modules big={big}: LoRA rank 32 ({big / 'adapter_config.json'}) is above "
-                   "--max-lora-rank 16: raise --max-lora-rank to at least 32")
+    assert err == (
+        f"error: --lora-modules big={big}: LoRA rank 32 ({big / 'adapter_config.json'}) is above "
+        "--max-lora-rank 16: raise --max-lora-rank to at least 32"
+    )
     patterned = _adapter(tmp_path / "patterned", r=8, rank_pattern={"v_proj": 64})
-    assert "LoRA rank 64" in refused(capsys, model, "--enable-lora", "--lora-modules", f"p={patterned}",
-                                     "--max-lora-rank", "32")
-    args = build_parser().parse_args(["serve", str(model), "--enable-lora", "--lora-modules", f"big={big}",
-                                      "--max-lora-rank", "32"])
+    assert "LoRA rank 64" in refused(
+        capsys, model, "--enable-lora", "--lora-modules", f"p={patterned}", "--max-lora-rank", "32"
+    )
+    args = build_parser().parse_args(
+        ["serve", str(model), "--enable-lora", "--lora-modules", f"big={big}", "--max-lora-rank", "32"]
+    )
     assert serve._check_start(args, str(model)) == []
 
 
@@ -124,8 +135,13 @@ def test_an_adapter_folder_that_is_not_one_is_refused_naming_it(capsys, model, t
 
 # --- 11: ports ---------------------------------------------------------------------------------------
 
-REQUIRED = {"worker": ["--model", "m"], "kvcache": [], "scheduler": ["--model", "m", "--kvcache", "k:1", "--stages", "s:2"],
-            "gateway": ["--model", "m", "--scheduler", "s:1"], "serve": []}
+REQUIRED = {
+    "worker": ["--model", "m"],
+    "kvcache": [],
+    "scheduler": ["--model", "m", "--kvcache", "k:1", "--stages", "s:2"],
+    "gateway": ["--model", "m", "--scheduler", "s:1"],
+    "serve": [],
+}
 
 
 def _port_flags(command: str) -> list[str]:
@@ -141,8 +157,10 @@ def test_every_port_flag_refuses_a_port_out_of_range_in_one_line(capsys, command
         for bad in ("99999", "65536", "-1", "http"):
             err = parse_error(capsys, command, *REQUIRED[command], flag, bad)
             assert f"argument {flag}: expected a port" in err and "65535" in err and repr(bad) in err, err
-        assert getattr(build_parser().parse_args([command, *REQUIRED[command], flag, "65535"]),
-                       flag[2:].replace("-", "_")) == 65535
+        assert (
+            getattr(build_parser().parse_args([command, *REQUIRED[command], flag, "65535"]), flag[2:].replace("-", "_"))
+            == 65535
+        )
 
 
 def test_port_0_is_any_free_port_where_that_means_something(capsys):
@@ -164,17 +182,21 @@ def test_serve_with_a_port_out_of_range_says_so_in_one_line(capsys, model):
 
 # --- 12: a mistyped flag ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("argv", "meant"), [
-    (["serve", "--max-model-length", "4096"], "--max-model-len"),
-    (["serve", "--enable-auto-tool-choise"], "--enable-auto-tool-choice"),
-    (["serve", "--max-model-length=4096"], "--max-model-len"),
-    (["worker", "--model", "m", "--max-lora-rnak", "8"], "--max-lora-rank"),
-    (["gateway", "--model", "m", "--scheduler", "s:1", "--tool-call-parsr", "hermes"], "--tool-call-parser"),
-    (["scheduler", *REQUIRED["scheduler"], "--scheduler-polcy", "fcfs"], "--scheduler-policy"),
-    (["kvcache", "--num-kv-blokcs", "8"], "--num-kv-blocks"),
-    (["tiny-model", "x", "--num-layesr", "2"], "--num-layers"),
-    (["k8s-manifests", "--replcias", "2"], "--replicas"),
-])
+
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [
+        (["serve", "--max-model-length", "4096"], "--max-model-len"),
+        (["serve", "--enable-auto-tool-choise"], "--enable-auto-tool-choice"),
+        (["serve", "--max-model-length=4096"], "--max-model-len"),
+        (["worker", "--model", "m", "--max-lora-rnak", "8"], "--max-lora-rank"),
+        (["gateway", "--model", "m", "--scheduler", "s:1", "--tool-call-parsr", "hermes"], "--tool-call-parser"),
+        (["scheduler", *REQUIRED["scheduler"], "--scheduler-polcy", "fcfs"], "--scheduler-policy"),
+        (["kvcache", "--num-kv-blokcs", "8"], "--num-kv-blocks"),
+        (["tiny-model", "x", "--num-layesr", "2"], "--num-layers"),
+        (["k8s-manifests", "--replcias", "2"], "--replicas"),
+    ],
+)
 def test_a_mistyped_flag_is_refused_by_its_subcommand_with_the_flag_meant(capsys, argv, meant):
     err = parse_error(capsys, *argv)
     assert err.startswith(f"pagoda {argv[0]}: error: unrecognized argument"), err
@@ -189,22 +211,45 @@ def test_an_argument_like_no_flag_is_named_without_a_guess(capsys):
 
 # --- 13: --help in sections ----------------------------------------------------------------------
 
+
 def _sections(command: str) -> dict[str, list[str]]:
-    return {g.title: [o for a in g._group_actions for o in a.option_strings]
-            for g in subparser(command)._action_groups if g._group_actions}
+    return {
+        g.title: [o for a in g._group_actions for o in a.option_strings]
+        for g in subparser(command)._action_groups
+        if g._group_actions
+    }
 
 
 def test_serve_help_is_in_sections_as_vllm_serves():
     sections = _sections("serve")
     titles = [t for t in sections if t not in ("positional arguments", "options")]
-    assert titles[:8] == ["Model", "Device", "Parallelism", "Cache", "Scheduler", "Frontend", "LoRA",
-                          "Speculative decoding"]
-    for flag, title in (("--max-model-len", "Model"), ("--dtype", "Model"), ("--device", "Device"),
-                        ("-pp", "Parallelism"), ("--replicas", "Parallelism"), ("--num-kv-blocks", "Cache"),
-                        ("--gpu-memory-utilization", "Cache"), ("--max-num-seqs", "Scheduler"),
-                        ("--chat-template", "Frontend"), ("--api-key", "Frontend"), ("--port", "Network"),
-                        ("--lora-modules", "LoRA"), ("--max-lora-rank", "LoRA"),
-                        ("--speculative-config", "Speculative decoding"), ("--max-restarts", "Supervision")):
+    assert titles[:8] == [
+        "Model",
+        "Device",
+        "Parallelism",
+        "Cache",
+        "Scheduler",
+        "Frontend",
+        "LoRA",
+        "Speculative decoding",
+    ]
+    for flag, title in (
+        ("--max-model-len", "Model"),
+        ("--dtype", "Model"),
+        ("--device", "Device"),
+        ("-pp", "Parallelism"),
+        ("--replicas", "Parallelism"),
+        ("--num-kv-blocks", "Cache"),
+        ("--gpu-memory-utilization", "Cache"),
+        ("--max-num-seqs", "Scheduler"),
+        ("--chat-template", "Frontend"),
+        ("--api-key", "Frontend"),
+        ("--port", "Network"),
+        ("--lora-modules", "LoRA"),
+        ("--max-lora-rank", "LoRA"),
+        ("--speculative-config", "Speculative decoding"),
+        ("--max-restarts", "Supervision"),
+    ):
         assert flag in sections[title], (flag, title)
     text = subparser("serve").format_help()
     assert "\nModel:\n" in text and "\nLoRA:\n" in text
@@ -219,10 +264,12 @@ def test_every_flag_of_a_service_is_in_a_section(command):
 
 # --- 18: the start banner's cores ---------------------------------------------------------------
 
+
 def _banner(capsys, service_cpus, stage_cpus) -> str:
     args = SimpleNamespace(block_size=16, max_model_len=1024, replicas=1, routing="prefix")
-    stack = SimpleNamespace(num_kv_blocks=64, service_cpus=service_cpus,
-                            workers=[SimpleNamespace(cpus=c) for c in stage_cpus])
+    stack = SimpleNamespace(
+        num_kv_blocks=64, service_cpus=service_cpus, workers=[SimpleNamespace(cpus=c) for c in stage_cpus]
+    )
     serve._print_capacity(args, "model", [stack], None)
     return capsys.readouterr().out
 
@@ -236,8 +283,10 @@ def test_the_banner_says_the_stage_is_not_pinned_on_two_cores(capsys, monkeypatc
     services, _ = cpu_plan(1, 1, [0, 1])
     text = _banner(capsys, services, [None])
     assert "[[]]" not in text
-    assert ("cores: services [0] (--no-cpu-affinity to let them float); stages not pinned: any of [0, 1] "
-            "(a step of 128 tokens or more takes the services' core too)") in text
+    assert (
+        "cores: services [0] (--no-cpu-affinity to let them float); stages not pinned: any of [0, 1] "
+        "(a step of 128 tokens or more takes the services' core too)"
+    ) in text
     text = _banner(capsys, {0}, [{1}, {2, 3}])
     assert "cores: services [0], stages [[1], [2, 3]] (--no-cpu-affinity to let them float)" in text
     assert "cores" not in _banner(capsys, None, [None])

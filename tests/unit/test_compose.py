@@ -38,7 +38,8 @@ MODEL_MOUNT = "/models/tiny"
 
 DOCKER_COMPOSE = shutil.which("docker-compose")
 needs_docker_compose = pytest.mark.skipif(
-    DOCKER_COMPOSE is None, reason="docker-compose is not installed (the schema check runs without it)")
+    DOCKER_COMPOSE is None, reason="docker-compose is not installed (the schema check runs without it)"
+)
 
 
 def _environment() -> dict[str, str]:
@@ -49,13 +50,23 @@ def _environment() -> dict[str, str]:
 
 
 def _docker_compose(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([DOCKER_COMPOSE, "-f", str(COMPOSE_FILE), *args], cwd=REPO_ROOT,
-                          env=_environment(), capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [DOCKER_COMPOSE, "-f", str(COMPOSE_FILE), *args],
+        cwd=REPO_ROOT,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _check_schema(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema",
-                           "vendor.compose-spec", str(path)], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 _VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")
@@ -99,8 +110,9 @@ def services() -> dict[str, dict[str, Any]]:
     return resolve(yaml.safe_load(COMPOSE_FILE.read_text()), _environment())["services"]
 
 
-def parse(service: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
-          capsys: pytest.CaptureFixture) -> argparse.Namespace:
+def parse(
+    service: dict[str, Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> argparse.Namespace:
     """The service's command as `pagoda` parses it, under the service's environment (the
     flags' PAGODA_* defaults are read when the parser is built)."""
     for name in [k for k in os.environ if k.startswith("PAGODA_")]:
@@ -141,8 +153,18 @@ def test_the_file_follows_the_compose_specification(tmp_path) -> None:
 
 def test_interpolation_follows_compose() -> None:
     env = {"SET": "v", "EMPTY": ""}
-    cases = {"${SET}": "v", "$SET/x": "v/x", "${UNSET:-d}": "d", "${EMPTY:-d}": "d", "${EMPTY-d}": "",
-             "${UNSET-d}": "d", "$$SET": "$SET", "a${UNSET}b": "ab", "${SET:?no}": "v", "${UNSET:-a b}": "a b"}
+    cases = {
+        "${SET}": "v",
+        "$SET/x": "v/x",
+        "${UNSET:-d}": "d",
+        "${EMPTY:-d}": "d",
+        "${EMPTY-d}": "",
+        "${UNSET-d}": "d",
+        "$$SET": "$SET",
+        "a${UNSET}b": "ab",
+        "${SET:?no}": "v",
+        "${UNSET:-a b}": "a b",
+    }
     for text, want in cases.items():
         assert interpolate(text, env) == want, text
     with pytest.raises(ValueError, match="UNSET: no"):
@@ -205,17 +227,15 @@ def test_the_gateway_is_the_only_published_service(services, monkeypatch, capsys
     scheduler = parse(services["scheduler"], monkeypatch, capsys)
     assert gateway.scheduler == f"scheduler:{scheduler.port}"
     assert gateway.model == MODEL_MOUNT
-    targets = {str(p["target"]) if isinstance(p, dict) else str(p).split(":")[-1].split("/")[0]
-               for p in services["gateway"]["ports"]}
+    targets = {
+        str(p["target"]) if isinstance(p, dict) else str(p).split(":")[-1].split("/")[0]
+        for p in services["gateway"]["ports"]
+    }
     assert targets == {str(gateway.port), str(gateway.grpc_port)}
 
 
 def test_dependencies_wait_for_health(services) -> None:
-    want = {
-        "worker-0": {"worker-1"},
-        "scheduler": {"kvcache", "worker-0", "worker-1"},
-        "gateway": {"scheduler"},
-    }
+    want = {"worker-0": {"worker-1"}, "scheduler": {"kvcache", "worker-0", "worker-1"}, "gateway": {"scheduler"}}
     for name, deps in want.items():
         depends_on = services[name]["depends_on"]
         assert set(depends_on) == deps, name
@@ -242,12 +262,17 @@ def test_the_health_probe_works(services) -> None:
     server.start()
     try:
         address = probe_address(services["kvcache"])
-        serving = subprocess.run([sys.executable, "-c", code.replace(address, f"127.0.0.1:{port}")],
-                                 cwd=REPO_ROOT, timeout=60)
+        serving = subprocess.run(
+            [sys.executable, "-c", code.replace(address, f"127.0.0.1:{port}")], cwd=REPO_ROOT, timeout=60
+        )
     finally:
         server.stop(None)
-    down = subprocess.run([sys.executable, "-c", code.replace(address, f"127.0.0.1:{port}")],
-                          cwd=REPO_ROOT, timeout=60, capture_output=True)
+    down = subprocess.run(
+        [sys.executable, "-c", code.replace(address, f"127.0.0.1:{port}")],
+        cwd=REPO_ROOT,
+        timeout=60,
+        capture_output=True,
+    )
     assert (serving.returncode, down.returncode) == (0, 1)
 
 

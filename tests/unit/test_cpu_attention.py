@@ -19,8 +19,9 @@ needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler: the cpu
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize(("heads", "kv_heads", "d", "block_size"),
-                         [(4, 4, 16, 4), (4, 1, 16, 1), (8, 2, 64, 16), (6, 3, 8, 3)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d", "block_size"), [(4, 4, 16, 4), (4, 1, 16, 1), (8, 2, 64, 16), (6, 3, 8, 3)]
+)
 def test_native_decode_and_prefill_equal_naive_attention(heads, kv_heads, d, block_size, window, threads):
     torch.manual_seed(0)
     num_blocks = 256
@@ -51,8 +52,7 @@ def test_all_decode_step_uses_the_steps_own_tensors_and_long_contexts():
     k_pool, v_pool = torch.randn(96, 16, 2, 32), torch.randn(96, 16, 2, 32)
     q = torch.randn(len(chunks), 4, 32)
     got = CpuAttentionBackend().forward(q, k_pool, v_pool, md, 0.2, None)
-    torch.testing.assert_close(got.double(), naive(q, k_pool, v_pool, chunks, tables, 0.2, None),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), naive(q, k_pool, v_pool, chunks, tables, 0.2, None), rtol=1e-5, atol=1e-5)
 
 
 def test_falls_back_to_torch_for_other_dtypes_and_without_the_kernel(monkeypatch):
@@ -66,8 +66,7 @@ def test_falls_back_to_torch_for_other_dtypes_and_without_the_kernel(monkeypatch
     torch.testing.assert_close(got16.double(), want, rtol=2e-2, atol=2e-2)
     assert "cpu" not in md.derived  # the torch path planned this step
     backend.kernel = None
-    torch.testing.assert_close(backend.forward(q, k_pool, v_pool, md, 0.25, None).double(), want,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(backend.forward(q, k_pool, v_pool, md, 0.25, None).double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_disabled_by_environment_and_a_missing_compiler_is_reported(monkeypatch, tmp_path):
@@ -145,8 +144,7 @@ def test_decode_reads_query_rows_that_are_apart():
     assert not q.is_contiguous()
     got = CpuAttentionBackend().forward(q, k_pool, v_pool, md, 0.25, None)
     assert torch.equal(got, CpuAttentionBackend().forward(q.contiguous(), k_pool, v_pool, md, 0.25, None))
-    torch.testing.assert_close(got.double(), naive(q, k_pool, v_pool, chunks, tables, 0.25, None),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), naive(q, k_pool, v_pool, chunks, tables, 0.25, None), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
@@ -181,8 +179,9 @@ def test_bfloat16_pools_decode_as_their_widened_values(heads, kv_heads, d, block
     assert "cpu" in md.derived  # the native path ran
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     md2, _ = layout(CHUNKS, block_size, 256)
-    torch.testing.assert_close(TorchAttentionBackend().forward(q, k_pool, v_pool, md2, d**-0.5, window).double(),
-                               want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        TorchAttentionBackend().forward(q, k_pool, v_pool, md2, d**-0.5, window).double(), want, rtol=1e-5, atol=1e-5
+    )
 
 
 @needs_kernel
@@ -194,9 +193,10 @@ def test_native_kv_write_into_bfloat16_pools_rounds_as_torch():
     rope = RotaryEmbedding(RopeConfig(), d, 8192).cos_sin(torch.arange(num_tokens), torch.float32)
     slots = torch.randperm(32)[:num_tokens]
     torch_pools = [torch.zeros(8, 4, kv_heads, d, dtype=torch.bfloat16) for _ in range(2)]
-    qk = rotate(qkv[:, :(heads + kv_heads) * d].view(num_tokens, -1, d), *rope)
-    TorchAttentionBackend().write_kv(*torch_pools, qk[:, heads:], qkv[:, (heads + kv_heads) * d:]
-                                     .view(num_tokens, kv_heads, d), slots)
+    qk = rotate(qkv[:, : (heads + kv_heads) * d].view(num_tokens, -1, d), *rope)
+    TorchAttentionBackend().write_kv(
+        *torch_pools, qk[:, heads:], qkv[:, (heads + kv_heads) * d :].view(num_tokens, kv_heads, d), slots
+    )
     native_pools = [torch.zeros_like(p) for p in torch_pools]
     assert CpuAttentionBackend().rope_write(qkv.clone(), *rope, *native_pools, slots, heads)
     for got, want in zip(native_pools, torch_pools, strict=True):

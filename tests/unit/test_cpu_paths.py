@@ -18,8 +18,12 @@ from worker_svc.kernels.cpu_features import CpuFeatures, CpuPaths
 ZEN2 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"
 ZEN4 = ZEN2 + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
 SAPPHIRE = ZEN4 + " amx_bf16 amx_tile amx_int8"
-AVX2_CAPS = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "PAGODA_CPU_ISA": "avx2",
-             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+AVX2_CAPS = {
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "PAGODA_CPU_ISA": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 
 
 def cpuinfo(flags: str, name: str = "AMD EPYC 7R32") -> str:
@@ -35,12 +39,19 @@ def test_levels_follow_the_flags():
     assert (zen2.model_name, zen2.family, zen2.model) == ("AMD EPYC 7R32", 23, 49)
 
 
-@pytest.mark.parametrize("var, value, level", [
-    ("ONEDNN_MAX_CPU_ISA", "AVX2", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE", "avx512"),
-    ("ONEDNN_MAX_CPU_ISA", "avx512_core_vnni", "avx512_vnni"), ("ATEN_CPU_CAPABILITY", "avx2", "avx2"),
-    ("ATEN_CPU_CAPABILITY", "default", "scalar"), ("PAGODA_CPU_ISA", "avx2", "avx2"),
-    ("ATEN_CPU_CAPABILITY", "avx512", "avx512_bf16"), ("ONEDNN_MAX_CPU_ISA", "bogus", "avx512_bf16"),
-])
+@pytest.mark.parametrize(
+    "var, value, level",
+    [
+        ("ONEDNN_MAX_CPU_ISA", "AVX2", "avx2"),
+        ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE", "avx512"),
+        ("ONEDNN_MAX_CPU_ISA", "avx512_core_vnni", "avx512_vnni"),
+        ("ATEN_CPU_CAPABILITY", "avx2", "avx2"),
+        ("ATEN_CPU_CAPABILITY", "default", "scalar"),
+        ("PAGODA_CPU_ISA", "avx2", "avx2"),
+        ("ATEN_CPU_CAPABILITY", "avx512", "avx512_bf16"),
+        ("ONEDNN_MAX_CPU_ISA", "bogus", "avx512_bf16"),
+    ],
+)
 def test_caps_lower_the_level(var, value, level):
     features = CpuFeatures.from_cpuinfo(cpuinfo(ZEN4), {var: value})
     assert features.level == level
@@ -48,9 +59,11 @@ def test_caps_lower_the_level(var, value, level):
 
 
 def test_no_bfloat16_gemm_without_bf16_units():
-    for features in (CpuFeatures.from_cpuinfo(cpuinfo(ZEN2), {}),
-                     CpuFeatures.from_cpuinfo(cpuinfo(ZEN4), AVX2_CAPS),
-                     CpuFeatures.from_cpuinfo(cpuinfo(ZEN4), {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"})):
+    for features in (
+        CpuFeatures.from_cpuinfo(cpuinfo(ZEN2), {}),
+        CpuFeatures.from_cpuinfo(cpuinfo(ZEN4), AVX2_CAPS),
+        CpuFeatures.from_cpuinfo(cpuinfo(ZEN4), {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}),
+    ):
         assert not features.bf16_units
         paths = CpuPaths.choose(features)
         assert not paths.bf16_gemm and "bf16-gemm" not in (paths.packed_prefill, paths.bf16_prefill)
@@ -71,8 +84,11 @@ def test_marches_follow_the_caps():
 def test_forced_paths_are_checked():
     features = CpuFeatures.from_cpuinfo(cpuinfo(ZEN4), {})
     paths = CpuPaths.choose(features, forced="packed_prefill=integer, bf16_prefill=native")
-    assert (paths.packed_prefill, paths.bf16_prefill, paths.forced) == ("integer", "native",
-                                                                        ("bf16_prefill", "packed_prefill"))
+    assert (paths.packed_prefill, paths.bf16_prefill, paths.forced) == (
+        "integer",
+        "native",
+        ("bf16_prefill", "packed_prefill"),
+    )
     with pytest.raises(ValueError, match="PAGODA_CPU_PATHS"):
         CpuPaths.choose(features, forced="packed_prefill=fast")
 

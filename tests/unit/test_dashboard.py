@@ -44,9 +44,15 @@ def test_every_dashboard_query_names_an_exported_metric():
     used = {name for expr in exprs for name in re.findall(r"pagoda:[a-zA-Z0-9_:]+", expr)}
     assert used and not used - exported, sorted(used - exported)
     # what vLLM's dashboard shows first is there: latencies, throughput, queue, KV, prefix cache
-    for name in ("pagoda:time_to_first_token_seconds_bucket", "pagoda:inter_token_latency_seconds_bucket",
-                 "pagoda:num_requests_running", "pagoda:num_requests_waiting", "pagoda:kv_cache_usage_perc",
-                 "pagoda:prefix_cache_hits_total", "pagoda:generation_tokens_total"):
+    for name in (
+        "pagoda:time_to_first_token_seconds_bucket",
+        "pagoda:inter_token_latency_seconds_bucket",
+        "pagoda:num_requests_running",
+        "pagoda:num_requests_waiting",
+        "pagoda:kv_cache_usage_perc",
+        "pagoda:prefix_cache_hits_total",
+        "pagoda:generation_tokens_total",
+    ):
         assert name in used, name
 
 

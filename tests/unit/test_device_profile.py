@@ -22,9 +22,17 @@ SHIPPED = (A100, H200, "cpu-local")
 
 
 def make(**overrides) -> DeviceProfile:
-    values = dict(name="test", source="made by hand", fixed_s=1e-3, per_prefill_token_s=1e-4,
-                  per_decode_row_s=2e-4, per_context_token_s=1e-6, allreduce_per_token_s=1e-5,
-                  eos_probability=0.25, per_step_s=4e-3)
+    values = dict(
+        name="test",
+        source="made by hand",
+        fixed_s=1e-3,
+        per_prefill_token_s=1e-4,
+        per_decode_row_s=2e-4,
+        per_context_token_s=1e-6,
+        allreduce_per_token_s=1e-5,
+        eos_probability=0.25,
+        per_step_s=4e-3,
+    )
     values.update(overrides)
     return DeviceProfile(**values)
 
@@ -77,13 +85,20 @@ def test_the_a100_profile_follows_from_its_stated_inputs():
 def test_the_a100_profile_lands_in_the_published_range_of_a_70b_tp8_decode_step():
     """Near the published 29 ms per token at batch 1 on 8 x A100 (see its notes), and below 40 ms at 32 rows."""
     profile = load_profile(A100)
-    one = profile.step_time_s(layer_fraction=1.0, num_prefill_tokens=0, num_decode_rows=1,
-                              num_context_tokens=129, tensor_parallel_size=8)
-    batch = profile.step_time_s(layer_fraction=1.0, num_prefill_tokens=0, num_decode_rows=32,
-                                num_context_tokens=32 * 1025, tensor_parallel_size=8)
+    one = profile.step_time_s(
+        layer_fraction=1.0, num_prefill_tokens=0, num_decode_rows=1, num_context_tokens=129, tensor_parallel_size=8
+    )
+    batch = profile.step_time_s(
+        layer_fraction=1.0,
+        num_prefill_tokens=0,
+        num_decode_rows=32,
+        num_context_tokens=32 * 1025,
+        tensor_parallel_size=8,
+    )
     assert 0.015 < one < 0.030 and one < batch < 0.040
-    half = profile.step_time_s(layer_fraction=0.5, num_prefill_tokens=0, num_decode_rows=1,
-                               num_context_tokens=129, tensor_parallel_size=8)
+    half = profile.step_time_s(
+        layer_fraction=0.5, num_prefill_tokens=0, num_decode_rows=1, num_context_tokens=129, tensor_parallel_size=8
+    )
     assert half == pytest.approx(profile.fixed_s + (one - profile.fixed_s) / 2)
 
 
@@ -115,11 +130,17 @@ def test_the_h200_profile_follows_from_its_stated_inputs():
         assert getattr(profile, field) == pytest.approx(value, rel=1e-3), field
 
 
-def _h200_decode_s(profile: DeviceProfile, rows: int, context: int, layer_fraction: float = 1.0,
-                   is_last_stage: bool = True) -> float:
-    return profile.step_time_s(layer_fraction=layer_fraction, num_prefill_tokens=0, num_decode_rows=rows,
-                               num_context_tokens=rows * context, is_last_stage=is_last_stage,
-                               num_sampled_rows=rows if is_last_stage else 0)
+def _h200_decode_s(
+    profile: DeviceProfile, rows: int, context: int, layer_fraction: float = 1.0, is_last_stage: bool = True
+) -> float:
+    return profile.step_time_s(
+        layer_fraction=layer_fraction,
+        num_prefill_tokens=0,
+        num_decode_rows=rows,
+        num_context_tokens=rows * context,
+        is_last_stage=is_last_stage,
+        num_sampled_rows=rows if is_last_stage else 0,
+    )
 
 
 def test_the_h200_profile_predicts_fast_decode_steps_in_its_stated_range():
@@ -127,12 +148,20 @@ def test_the_h200_profile_predicts_fast_decode_steps_in_its_stated_range():
     at 32 rows of 200 context; published 4.6-6.5 ms per token), a fifth of the A100 profile's,
     and a pipeline stage at PP=4 near a quarter of that."""
     profile = load_profile(H200)
-    one, batch, long = (_h200_decode_s(profile, 1, 129), _h200_decode_s(profile, 32, 200),
-                        _h200_decode_s(profile, 32, 1025))
+    one, batch, long = (
+        _h200_decode_s(profile, 1, 129),
+        _h200_decode_s(profile, 32, 200),
+        _h200_decode_s(profile, 32, 1025),
+    )
     assert 0.003 < one < batch < 0.006 < long < 0.0075
     assert one == pytest.approx(4.60e-3, rel=0.01) and batch == pytest.approx(5.67e-3, rel=0.01)
-    a100 = load_profile(A100).step_time_s(layer_fraction=1.0, num_prefill_tokens=0, num_decode_rows=32,
-                                          num_context_tokens=32 * 200, tensor_parallel_size=8)
+    a100 = load_profile(A100).step_time_s(
+        layer_fraction=1.0,
+        num_prefill_tokens=0,
+        num_decode_rows=32,
+        num_context_tokens=32 * 200,
+        tensor_parallel_size=8,
+    )
     assert 3 < a100 / batch < 5
     first_of_four = _h200_decode_s(profile, 32, 200, layer_fraction=0.25, is_last_stage=False)
     last_of_four = _h200_decode_s(profile, 32, 200, layer_fraction=0.25)
@@ -151,8 +180,7 @@ def test_the_cpu_profile_is_a_tensor_parallel_1_fit():
 
 def test_step_time_is_fixed_plus_the_layer_share_of_every_term():
     profile = make()
-    got = profile.step_time_s(layer_fraction=0.25, num_prefill_tokens=100, num_decode_rows=10,
-                              num_context_tokens=1000)
+    got = profile.step_time_s(layer_fraction=0.25, num_prefill_tokens=100, num_decode_rows=10, num_context_tokens=1000)
     # fixed, then a quarter of: per step, prefill, decode, context (TP 1: no all-reduce)
     assert got == pytest.approx(1e-3 + 0.25 * (4e-3 + 100 * 1e-4 + 10 * 2e-4 + 1000 * 1e-6))
 
@@ -164,24 +192,29 @@ def test_the_all_reduce_term_is_paid_only_above_tensor_parallel_1():
     assert profile.step_time_s(**kwargs, tensor_parallel_size=1) == tp1
     assert profile.step_time_s(**kwargs, tensor_parallel_size=4) == pytest.approx(tp1 + 0.5 * 32 * 1e-5)
     assert profile.step_time_s(**kwargs, tensor_parallel_size=8) == profile.step_time_s(
-        **kwargs, tensor_parallel_size=2)
+        **kwargs, tensor_parallel_size=2
+    )
 
 
 def test_an_empty_step_costs_the_fixed_and_the_per_step_share():
     profile = make()
-    got = profile.step_time_s(layer_fraction=0.5, num_prefill_tokens=0, num_decode_rows=0,
-                              num_context_tokens=0, tensor_parallel_size=8)
+    got = profile.step_time_s(
+        layer_fraction=0.5, num_prefill_tokens=0, num_decode_rows=0, num_context_tokens=0, tensor_parallel_size=8
+    )
     assert got == pytest.approx(1e-3 + 0.5 * 4e-3)
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    (dict(layer_fraction=0.0), "layer_fraction"),
-    (dict(layer_fraction=1.5), "layer_fraction"),
-    (dict(num_prefill_tokens=-1), "num_prefill_tokens"),
-    (dict(num_decode_rows=-1), "num_decode_rows"),
-    (dict(num_context_tokens=-1), "num_context_tokens"),
-    (dict(tensor_parallel_size=0), "tensor_parallel_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(layer_fraction=0.0), "layer_fraction"),
+        (dict(layer_fraction=1.5), "layer_fraction"),
+        (dict(num_prefill_tokens=-1), "num_prefill_tokens"),
+        (dict(num_decode_rows=-1), "num_decode_rows"),
+        (dict(num_context_tokens=-1), "num_context_tokens"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    ],
+)
 def test_step_time_refuses_impossible_steps(kwargs, word):
     args = dict(layer_fraction=1.0, num_prefill_tokens=1, num_decode_rows=1, num_context_tokens=1)
     args.update(kwargs)
@@ -204,8 +237,11 @@ def test_a_profile_is_frozen_and_checked_when_made():
 
 
 def test_save_then_load_gives_the_same_profile(tmp_path):
-    for profile in (make(), make(hidden_size=576, num_layers=30, tensor_parallel_size=4,
-                                 notes=("a line", "another")), load_profile(A100)):
+    for profile in (
+        make(),
+        make(hidden_size=576, num_layers=30, tensor_parallel_size=4, notes=("a line", "another")),
+        load_profile(A100),
+    ):
         path = tmp_path / "sub" / f"{profile.name}.json"
         save_profile(profile, path)
         assert load_profile(str(path)) == profile
@@ -238,23 +274,26 @@ def _broken(change):
     return data
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda d: d["step"].pop("per_decode_row_s"), "missing field 'step.per_decode_row_s'"),
-    (lambda d: d.pop("eos_probability"), "missing field 'eos_probability'"),
-    (lambda d: d.pop("step"), "missing field 'step'"),
-    (lambda d: d["step"].update(per_context_token_s=-1e-9), "per_context_token_s must be finite and >= 0"),
-    (lambda d: d["step"].update(fixed_s="0.001"), "fixed_s must be a number"),
-    (lambda d: d["step"].update(fixed_s=True), "fixed_s must be a number"),
-    (lambda d: d.update(eos_probability=1.5), r"eos_probability must be in \[0, 1\]"),
-    (lambda d: d.update(eos_probability=-0.1), "eos_probability must be finite and >= 0"),
-    (lambda d: d["step"].update(per_prefil_token_s=1.0), "unknown field.*'per_prefil_token_s'"),
-    (lambda d: d.update(eos_probabilty=0.1), "unknown field.*'eos_probabilty'"),
-    (lambda d: d.update(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
-    (lambda d: d.update(model={"hidden_size": 0}), "hidden_size must be an integer >= 1"),
-    (lambda d: d.update(notes="one line"), "'notes' must be a list of strings"),
-    (lambda d: d.update(step=[1, 2]), "'step' must be an object"),
-    (lambda d: d.update(name=""), "name must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda d: d["step"].pop("per_decode_row_s"), "missing field 'step.per_decode_row_s'"),
+        (lambda d: d.pop("eos_probability"), "missing field 'eos_probability'"),
+        (lambda d: d.pop("step"), "missing field 'step'"),
+        (lambda d: d["step"].update(per_context_token_s=-1e-9), "per_context_token_s must be finite and >= 0"),
+        (lambda d: d["step"].update(fixed_s="0.001"), "fixed_s must be a number"),
+        (lambda d: d["step"].update(fixed_s=True), "fixed_s must be a number"),
+        (lambda d: d.update(eos_probability=1.5), r"eos_probability must be in \[0, 1\]"),
+        (lambda d: d.update(eos_probability=-0.1), "eos_probability must be finite and >= 0"),
+        (lambda d: d["step"].update(per_prefil_token_s=1.0), "unknown field.*'per_prefil_token_s'"),
+        (lambda d: d.update(eos_probabilty=0.1), "unknown field.*'eos_probabilty'"),
+        (lambda d: d.update(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
+        (lambda d: d.update(model={"hidden_size": 0}), "hidden_size must be an integer >= 1"),
+        (lambda d: d.update(notes="one line"), "'notes' must be a list of strings"),
+        (lambda d: d.update(step=[1, 2]), "'step' must be an object"),
+        (lambda d: d.update(name=""), "name must be a non-empty string"),
+    ],
+)
 def test_a_bad_file_is_refused_naming_the_file_and_the_field(tmp_path, change, words):
     path = write(tmp_path, _broken(change))
     with pytest.raises(ValueError, match=words) as e:

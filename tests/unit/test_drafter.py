@@ -26,8 +26,7 @@ def ref(draft_dir):
 
 
 def make(draft_dir, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256) -> DraftProposer:
-    return DraftProposer(draft_dir, K, max_model_len=max_model_len, num_blocks=num_blocks,
-                         block_size=block_size)
+    return DraftProposer(draft_dir, K, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -157,8 +156,13 @@ def test_malformed_requests_change_nothing(draft_dir):
     proposer = make(draft_dir)
     proposer.propose([(1, prompt(5, 23), K)])
     held = (proposer.num_free_blocks, proposer.computed_tokens(1))
-    for bad in ([(2, [7], K + 1)], [(2, [7], 1), (2, [8], 1)], [(2, [], 1)], [(2, [7, 512], 1)],
-                [(1, prompt(5, 23) + [-1], 1)]):
+    for bad in (
+        [(2, [7], K + 1)],
+        [(2, [7], 1), (2, [8], 1)],
+        [(2, [], 1)],
+        [(2, [7, 512], 1)],
+        [(1, prompt(5, 23) + [-1], 1)],
+    ):
         with pytest.raises(ValueError):
             proposer.propose(bad)
     assert (proposer.num_free_blocks, proposer.computed_tokens(1)) == held

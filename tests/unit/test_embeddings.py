@@ -70,8 +70,9 @@ def test_the_reference_hidden_state_is_the_final_norms_output(hf_llama):
 
 
 def _row(pooling, start, num_tokens, prompt_len, is_last=True):
-    state = SeqState(1, list(range(prompt_len)), prompt_len, start + num_tokens, [0], SamplingParams(), 0, 0,
-                     pooling=pooling)
+    state = SeqState(
+        1, list(range(prompt_len)), prompt_len, start + num_tokens, [0], SamplingParams(), 0, 0, pooling=pooling
+    )
     done = start + num_tokens == prompt_len
     return Row(state, start, num_tokens, False, None, is_last, is_last and done)
 
@@ -88,7 +89,7 @@ def test_mean_pooling_sums_over_chunks_and_last_pooling_takes_the_last_position(
             row.state = state
         rows, indices = pool_positions([row])
         assert indices == list(range(n))
-        pooled = pool(normed[start:start + n], rows)
+        pooled = pool(normed[start : start + n], rows)
         state = row.state
         assert bool(pooled) == (start + n == 10)  # only the chunk that completes the prompt gives it
     want = F.normalize(normed.mean(dim=0), dim=-1)
@@ -113,8 +114,9 @@ def test_vectors_leave_as_unit_little_endian_float32():
 
 
 def _batch(is_last=True):
-    return PersistentBatch(StageShape(is_first=True, is_last=is_last, num_blocks=8, block_size=4,
-                                      max_positions=64, vocab_size=512))
+    return PersistentBatch(
+        StageShape(is_first=True, is_last=is_last, num_blocks=8, block_size=4, max_positions=64, vocab_size=512)
+    )
 
 
 def test_the_stage_refuses_malformed_pooling_sequences():
@@ -130,8 +132,13 @@ def test_the_stage_refuses_malformed_pooling_sequences():
 
 
 def test_only_the_last_stage_pools_and_a_pooling_row_never_samples():
-    plan = StepPlan(1, (NewSeq(1, (5, 6, 7, 8), 4, 0, 2, (0,), SamplingParams(), pooling=MEAN),
-                        NewSeq(2, (5, 6), 2, 0, 2, (1,), SamplingParams())))
+    plan = StepPlan(
+        1,
+        (
+            NewSeq(1, (5, 6, 7, 8), 4, 0, 2, (0,), SamplingParams(), pooling=MEAN),
+            NewSeq(2, (5, 6), 2, 0, 2, (1,), SamplingParams()),
+        ),
+    )
     first = _batch(is_last=False).apply(plan)
     assert [(r.sample, r.pools, r.pool_done) for r in first] == [(False, False, False)] * 2
     last = _batch().apply(plan)
@@ -142,8 +149,13 @@ def test_only_the_last_stage_pools_and_a_pooling_row_never_samples():
 
 
 def test_the_wire_carries_pooling_both_ways():
-    sent = StepPlan(1, (NewSeq(3, (5, 6, 7), 3, 0, 3, (0,), SamplingParams(), pooling=MEAN),
-                        NewSeq(4, (5, 6), 2, 0, 2, (1,), SamplingParams())))
+    sent = StepPlan(
+        1,
+        (
+            NewSeq(3, (5, 6, 7), 3, 0, 3, (0,), SamplingParams(), pooling=MEAN),
+            NewSeq(4, (5, 6), 2, 0, 2, (1,), SamplingParams()),
+        ),
+    )
     plan = plan_from_pb(plan_to_pb(sent))
     assert [n.pooling for n in plan.new_seqs] == [MEAN, None]
     vector = struct.pack("<3f", 0.6, 0.8, 0.0)
@@ -180,8 +192,9 @@ def test_a_pooling_request_has_one_choice_and_may_fill_the_context():
 
 def test_the_scheduler_edge_takes_a_pooling_request_and_names_what_is_wrong():
     config = SchedulerConfig(max_model_len=16, num_kv_blocks=64)
-    msg = scheduler_pb2.GenerateRequest(request_id="e", prompt_token_ids=list(range(1, 17)),
-                                        pooling=common_pb2.POOLING_TYPE_MEAN)
+    msg = scheduler_pb2.GenerateRequest(
+        request_id="e", prompt_token_ids=list(range(1, 17)), pooling=common_pb2.POOLING_TYPE_MEAN
+    )
     request = request_from_pb(msg, config, 512)  # a whole context: nothing is generated after it
     assert request.pooling is MEAN and request.options.n == 1
     with pytest.raises(InvalidRequest, match="prompt_token_ids"):  # generation needs room
@@ -209,8 +222,9 @@ def test_the_planner_runs_a_pooling_request_as_a_prefill_that_ends_with_its_vect
     scheduling: the pooling sequence is never given a placeholder step (it never samples),
     finishes with its vector when its last chunk comes back (PREFILLING -> FINISHED) and
     frees its blocks; only mean pooling skips the prefix cache."""
-    planner = Planner(PlannerConfig(max_num_batched_tokens=8, block_size=4, async_decode=True,
-                                    max_in_flight=2), WaitingQueue())
+    planner = Planner(
+        PlannerConfig(max_num_batched_tokens=8, block_size=4, async_decode=True, max_in_flight=2), WaitingQueue()
+    )
     kv = KVCacheManager(32, 4)
     gen = Request("g", (7, 8), SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True), 0.0)
     embed = Request("e", tuple(range(5, 17)), SamplingOptions(max_tokens=1), 0.0, pooling=pooling)
@@ -230,8 +244,9 @@ def test_the_planner_runs_a_pooling_request_as_a_prefill_that_ends_with_its_vect
             break
         mb = in_flight.pop(0)
         pooled = [PooledOutput(s.seq_id, vector) for s in mb.seqs if s.seq.request is embed and s.context_len == 12]
-        planner.on_result(mb.micro_batch_id, [SampledToken(s.seq_id, 9) for s in mb.seqs if s.sample],
-                          float(step), pooled=pooled)
+        planner.on_result(
+            mb.micro_batch_id, [SampledToken(s.seq_id, 9) for s in mb.seqs if s.sample], float(step), pooled=pooled
+        )
         planner.check_integrity()
     assert placeholders > 0 and embed_placeholders == 0
     assert embed.embedding == vector and embed.sequences[0].output == []
@@ -287,13 +302,19 @@ def test_pooling_beside_generation_under_async_scheduling(model_dir, hf_llama):
         try:
             streams = [engine.submit(Request(f"g{i}", (7, 8, 9 + i), greedy, 0.0)) for i in range(2)]
             if with_embeddings:
-                streams += [engine.submit(Request(f"e{i}", tuple(p), SamplingOptions(max_tokens=1), 0.0,
-                                                  pooling=LAST if i % 2 == 0 else MEAN))
-                            for i, p in enumerate(PROMPTS)]
+                streams += [
+                    engine.submit(
+                        Request(
+                            f"e{i}", tuple(p), SamplingOptions(max_tokens=1), 0.0, pooling=LAST if i % 2 == 0 else MEAN
+                        )
+                    )
+                    for i, p in enumerate(PROMPTS)
+                ]
             results = await asyncio.gather(*(_collect(s) for s in streams))
             # the whole prompt is in the cache (4 full blocks): only its last position is computed
-            again = await _collect(engine.submit(Request("again", tuple(PROMPTS[2]), SamplingOptions(max_tokens=1),
-                                                         0.0, pooling=LAST)))
+            again = await _collect(
+                engine.submit(Request("again", tuple(PROMPTS[2]), SamplingOptions(max_tokens=1), 0.0, pooling=LAST))
+            )
             await asyncio.sleep(0.05)
             stats = engine.kv.manager.stats()
             return results, again, stats, engine.planner.num_placeholder_steps
@@ -310,8 +331,9 @@ def test_pooling_beside_generation_under_async_scheduling(model_dir, hf_llama):
         assert torch.allclose(torch.tensor(embedding_values(final.embedding)), want, atol=1e-5, rtol=0)
         assert final.num_completion_tokens == 0 and final.num_prompt_tokens == len(prompt)
     assert again[1].num_cached_tokens == len(PROMPTS[2]) - 1
-    assert torch.allclose(torch.tensor(embedding_values(again[1].embedding)),
-                          reference(hf_llama, PROMPTS[2], LAST), atol=1e-5, rtol=0)
+    assert torch.allclose(
+        torch.tensor(embedding_values(again[1].embedding)), reference(hf_llama, PROMPTS[2], LAST), atol=1e-5, rtol=0
+    )
     assert stats.num_used_blocks == 0
 
 
@@ -328,8 +350,9 @@ class FakeScheduler:
 
     async def scheduler_responses(self, request, metadata=None, session=""):
         self.requests.append(request)
-        resp = scheduler_pb2.GenerateResponse(request_id=request.request_id,
-                                              finish_reason=common_pb2.FINISH_REASON_STOP)
+        resp = scheduler_pb2.GenerateResponse(
+            request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_STOP
+        )
         resp.usage.num_prompt_tokens = len(request.prompt_token_ids)
         embedding_to_pb(struct.pack("<2f", len(request.prompt_token_ids), 0.5), resp.embedding)
         yield resp
@@ -343,10 +366,14 @@ MAX_MODEL_LEN = 32
 
 def _client(tokenizer, **config):
     scheduler = FakeScheduler(tokenizer)
-    cfg = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1", max_model_len=MAX_MODEL_LEN,
-                        served_model_names=("tiny",), **config)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, scheduler)),
-                               base_url="http://gateway")
+    cfg = GatewayConfig(
+        model=str(tokenizer.model_dir),
+        scheduler_address="unused:1",
+        max_model_len=MAX_MODEL_LEN,
+        served_model_names=("tiny",),
+        **config,
+    )
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, scheduler)), base_url="http://gateway")
     return client, scheduler
 
 
@@ -368,10 +395,12 @@ def tokenizer(model_dir):
 
 def test_the_route_returns_floats_or_base64_for_every_input_shape(tokenizer):
     n_hi = len(tokenizer.encode("hi"))
-    for body, lengths in (({"input": "hi"}, [n_hi]),
-                          ({"input": ["hi", "hi there"]}, [n_hi, len(tokenizer.encode("hi there"))]),
-                          ({"input": [5, 6, 7]}, [3]),
-                          ({"input": [[5], [6, 7]], "model": "tiny"}, [1, 2])):
+    for body, lengths in (
+        ({"input": "hi"}, [n_hi]),
+        ({"input": ["hi", "hi there"]}, [n_hi, len(tokenizer.encode("hi there"))]),
+        ({"input": [5, 6, 7]}, [3]),
+        ({"input": [[5], [6, 7]], "model": "tiny"}, [1, 2]),
+    ):
         resp, scheduler = _post(tokenizer, body)
         assert resp.status_code == 200, resp.text
         out = resp.json()
@@ -379,8 +408,7 @@ def test_the_route_returns_floats_or_base64_for_every_input_shape(tokenizer):
         assert [d["index"] for d in out["data"]] == list(range(len(lengths)))
         assert [d["embedding"] for d in out["data"]] == [[float(n), 0.5] for n in lengths]
         assert out["usage"] == {"prompt_tokens": sum(lengths), "total_tokens": sum(lengths)}
-        assert all(r.pooling == common_pb2.POOLING_TYPE_LAST and r.sampling_params.n == 1
-                   for r in scheduler.requests)
+        assert all(r.pooling == common_pb2.POOLING_TYPE_LAST and r.sampling_params.n == 1 for r in scheduler.requests)
     resp, scheduler = _post(tokenizer, {"input": [5, 6, 7], "encoding_format": "base64"}, pooling_type="MEAN")
     assert base64.b64decode(resp.json()["data"][0]["embedding"]) == struct.pack("<2f", 3.0, 0.5)
     assert scheduler.requests[0].pooling == common_pb2.POOLING_TYPE_MEAN

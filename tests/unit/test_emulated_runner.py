@@ -42,23 +42,47 @@ EOS = 2
 
 # LLaMA-2-70B's shape with 4 layers: what travels between stages is the real hidden size
 LLAMA2_70B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
-    "intermediate_size": 28672, "num_hidden_layers": 4, "num_attention_heads": 64,
-    "num_key_value_heads": 8, "vocab_size": VOCAB, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "bos_token_id": 1,
-    "eos_token_id": EOS, "tie_word_embeddings": False,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": EOS,
+    "tie_word_embeddings": False,
 }
 
 
 def profile(eos_probability: float = 0.25, tp: int = 1) -> DeviceProfile:
-    return DeviceProfile(name="test-device", source="made up for the tests", fixed_s=1e-3,
-                         per_prefill_token_s=1e-4, per_decode_row_s=2e-4, per_context_token_s=1e-6,
-                         allreduce_per_token_s=5e-5, eos_probability=eos_probability, per_step_s=4e-3,
-                         tensor_parallel_size=tp)
+    return DeviceProfile(
+        name="test-device",
+        source="made up for the tests",
+        fixed_s=1e-3,
+        per_prefill_token_s=1e-4,
+        per_decode_row_s=2e-4,
+        per_context_token_s=1e-6,
+        allreduce_per_token_s=5e-5,
+        eos_probability=eos_probability,
+        per_step_s=4e-3,
+        tensor_parallel_size=tp,
+    )
 
 
-def runner(stage: int, num_stages: int, eos_probability: float = 0.25, dtype=torch.bfloat16,
-           sleeps: list[float] | None = None, layers: int = 4) -> EmulatedRunner:
+def runner(
+    stage: int,
+    num_stages: int,
+    eos_probability: float = 0.25,
+    dtype=torch.bfloat16,
+    sleeps: list[float] | None = None,
+    layers: int = 4,
+) -> EmulatedRunner:
     config = read_config({**LLAMA2_70B_CONFIG, "num_hidden_layers": layers})
     per = layers // num_stages
     model = EmulatedSlice(config, stage * per, (stage + 1) * per, stage == 0, stage == num_stages - 1)
@@ -71,15 +95,21 @@ def params(**fields) -> SamplingParams:
 
 
 def new_seq(seq_id: int, prompt_len: int, blocks: tuple[int, ...], **fields) -> NewSeq:
-    return NewSeq(seq_id=seq_id, token_ids=tuple(range(3, 3 + prompt_len)), prompt_len=prompt_len,
-                  num_computed=0, num_scheduled=prompt_len, block_ids=blocks,
-                  sampling=fields.pop("sampling", params()), entropy_seed=fields.pop("seed", 1000 + seq_id),
-                  **fields)
+    return NewSeq(
+        seq_id=seq_id,
+        token_ids=tuple(range(3, 3 + prompt_len)),
+        prompt_len=prompt_len,
+        num_computed=0,
+        num_scheduled=prompt_len,
+        block_ids=blocks,
+        sampling=fields.pop("sampling", params()),
+        entropy_seed=fields.pop("seed", 1000 + seq_id),
+        **fields,
+    )
 
 
 def row(start: int, num_tokens: int, prompt_len: int) -> Row:
-    state = SeqState(1, list(range(prompt_len + 4)), prompt_len, start + num_tokens, [0, 1, 2],
-                     params(), 0, 0)
+    state = SeqState(1, list(range(prompt_len + 4)), prompt_len, start + num_tokens, [0, 1, 2], params(), 0, 0)
     return Row(state, start, num_tokens, sample=True)
 
 
@@ -87,12 +117,15 @@ def row(start: int, num_tokens: int, prompt_len: int) -> Row:
 
 
 def test_step_shape_counts_prefill_tokens_decode_rows_and_context():
-    rows = [row(0, 8, 8),  # a whole prompt
-            row(8, 1, 8),  # a decode (one token past its prompt)
-            row(4, 1, 8),  # a prompt's last token after a prefix hit: prefill, not decode
-            row(0, 10, 8)]  # recompute of prompt and output after a preemption
-    assert StepShape.of(rows) == StepShape(num_prefill_tokens=8 + 1 + 10, num_decode_rows=1,
-                                           num_context_tokens=8 + 9 + 5 + 10, num_sampled_rows=4)
+    rows = [
+        row(0, 8, 8),  # a whole prompt
+        row(8, 1, 8),  # a decode (one token past its prompt)
+        row(4, 1, 8),  # a prompt's last token after a prefix hit: prefill, not decode
+        row(0, 10, 8),
+    ]  # recompute of prompt and output after a preemption
+    assert StepShape.of(rows) == StepShape(
+        num_prefill_tokens=8 + 1 + 10, num_decode_rows=1, num_context_tokens=8 + 9 + 5 + 10, num_sampled_rows=4
+    )
 
 
 def test_each_step_waits_the_profiles_time_for_its_shape_on_this_stages_layers():
@@ -101,13 +134,15 @@ def test_each_step_waits_the_profiles_time_for_its_shape_on_this_stages_layers()
     p = profile()
     prefill = StepPlan(1, new_seqs=(new_seq(1, 20, (0, 1)), new_seq(2, 5, (2,))))
     first.execute(prefill)
-    assert sleeps[-1] == pytest.approx(p.step_time_s(
-        layer_fraction=0.5, num_prefill_tokens=25, num_decode_rows=0, num_context_tokens=25))
+    assert sleeps[-1] == pytest.approx(
+        p.step_time_s(layer_fraction=0.5, num_prefill_tokens=25, num_decode_rows=0, num_context_tokens=25)
+    )
     # the first stage is told each sequence's next token (no feedback here): a decode step
     decode = StepPlan(2, cached_seqs=(CachedSeq(1, 1, 2, new_token_ids=(7,)), CachedSeq(2, 1, 1, new_token_ids=(9,))))
     first.execute(decode)
-    assert sleeps[-1] == pytest.approx(p.step_time_s(
-        layer_fraction=0.5, num_prefill_tokens=0, num_decode_rows=2, num_context_tokens=21 + 6))
+    assert sleeps[-1] == pytest.approx(
+        p.step_time_s(layer_fraction=0.5, num_prefill_tokens=0, num_decode_rows=2, num_context_tokens=21 + 6)
+    )
     assert first.emulated_s == pytest.approx(sum(sleeps))
 
 
@@ -137,9 +172,16 @@ def test_the_wait_sleeps_without_spending_cpu():
     """The forward pass is `time.sleep` on the compute thread: wall time passes, the thread's
     CPU time hardly moves (the GIL is released meanwhile)."""
     stage = runner(0, 1)
-    stage.profile = DeviceProfile(name="slow", source="test", fixed_s=0.2, per_prefill_token_s=0.0,
-                                  per_decode_row_s=0.0, per_context_token_s=0.0, allreduce_per_token_s=0.0,
-                                  eos_probability=0.0)
+    stage.profile = DeviceProfile(
+        name="slow",
+        source="test",
+        fixed_s=0.2,
+        per_prefill_token_s=0.0,
+        per_decode_row_s=0.0,
+        per_context_token_s=0.0,
+        allreduce_per_token_s=0.0,
+        eos_probability=0.0,
+    )
     wall, cpu = time.perf_counter(), time.thread_time()
     result = stage.execute(StepPlan(1, new_seqs=(new_seq(1, 4, (0,)),)))
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
@@ -175,8 +217,13 @@ def test_plans_are_validated_as_on_a_real_stage():
 def test_the_last_stage_samples_appends_and_reports_pooled_and_scored_rows():
     last = runner(1, 2, sleeps=[])
     hidden = torch.zeros(9, 8192, dtype=torch.bfloat16)
-    plan = StepPlan(1, new_seqs=(new_seq(1, 5, (0,), sampling=params(num_logprobs=2)),
-                                 new_seq(2, 4, (1,), prompt_scoring=PromptScoring(1, (4, 5, 6), 2))))
+    plan = StepPlan(
+        1,
+        new_seqs=(
+            new_seq(1, 5, (0,), sampling=params(num_logprobs=2)),
+            new_seq(2, 4, (1,), prompt_scoring=PromptScoring(1, (4, 5, 6), 2)),
+        ),
+    )
     out = last.execute(plan, hidden)
     assert out.sampled_seq_ids == (1, 2)
     tokens = out.sampled.token_ids
@@ -322,9 +369,15 @@ def test_stage_metrics_carry_a_samples_own_labels():
     from services.metrics import StatsCollector
 
     registry = CollectorRegistry()
-    registry.register(StatsCollector(lambda: [("pagoda:stage_tokens", "t", "counter", 3.0),
-                                              ("pagoda:device_info", "d", "gauge", 1.0, {"device": "emulated:x"})],
-                                     {"stage": "1"}))
+    registry.register(
+        StatsCollector(
+            lambda: [
+                ("pagoda:stage_tokens", "t", "counter", 3.0),
+                ("pagoda:device_info", "d", "gauge", 1.0, {"device": "emulated:x"}),
+            ],
+            {"stage": "1"},
+        )
+    )
     text = generate_latest(registry).decode()
     assert metric(text, "pagoda:device_info") == [({"device": "emulated:x", "stage": "1"}, 1.0)]
     assert metric(text, "pagoda:stage_tokens_total") == [({"stage": "1"}, 3.0)]
@@ -335,14 +388,15 @@ def metric(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     out = []
     for line in text.splitlines():
         if line.startswith(name + "{"):
-            labels, value = line[len(name) + 1:].rsplit("} ", 1)
+            labels, value = line[len(name) + 1 :].rsplit("} ", 1)
             out.append((dict(pair.split("=", 1) for pair in labels.split(",")), float(value)))
     return [({k: v.strip('"') for k, v in labels.items()}, value) for labels, value in out]
 
 
 def _stats(*devices: str) -> scheduler_pb2.GetStatsResponse:
-    stats = scheduler_pb2.GetStatsResponse(health=common_pb2.HEALTH_STATUS_SERVING,
-                                           kv_health=common_pb2.HEALTH_STATUS_SERVING)
+    stats = scheduler_pb2.GetStatsResponse(
+        health=common_pb2.HEALTH_STATUS_SERVING, kv_health=common_pb2.HEALTH_STATUS_SERVING
+    )
     for k, device in enumerate(devices):
         stats.stages.add(stage_index=k).load_info.device = device
     return stats
@@ -365,8 +419,9 @@ def test_the_gateway_says_emulated_in_health_dashboard_and_metrics():
     registry = CollectorRegistry()
     registry.register(view)
     text = generate_latest(registry).decode()
-    assert metric(text, "pagoda:device_info") == [({"model_name": "m", "stage": str(k), "device": device}, 1.0)
-                                                  for k in range(2)]
+    assert metric(text, "pagoda:device_info") == [
+        ({"model_name": "m", "stage": str(k), "device": device}, 1.0) for k in range(2)
+    ]
 
 
 def test_bench_tables_name_the_device():
@@ -384,7 +439,8 @@ def test_bench_tables_name_the_device():
 
 
 def test_serve_takes_a_config_only_model_for_an_emulated_device_and_refuses_a_bad_one(
-        capsys, monkeypatch, tmp_path, model_factory):
+    capsys, monkeypatch, tmp_path, model_factory
+):
     """No weights are needed when the stages are emulated (and only then); an unknown profile
     and a memory fraction are refused naming the flag, before anything starts."""
     import os
@@ -392,8 +448,9 @@ def test_serve_takes_a_config_only_model_for_an_emulated_device_and_refuses_a_ba
     from wiring import preflight
     from wiring.cli import main
 
-    for name in [n for n in os.environ if n.startswith("PAGODA_") and n not in (
-            "PAGODA_INTERNAL_TOKEN", "PAGODA_AUTO_DTYPE")]:
+    for name in [
+        n for n in os.environ if n.startswith("PAGODA_") and n not in ("PAGODA_INTERNAL_TOKEN", "PAGODA_AUTO_DTYPE")
+    ]:
         monkeypatch.delenv(name)
     import shutil
     from pathlib import Path
@@ -414,4 +471,5 @@ def test_serve_takes_a_config_only_model_for_an_emulated_device_and_refuses_a_ba
     assert "no weights" in refused("--device", "cpu")
     assert refused("--device", "emulated:nope").startswith("error: --device: unknown device profile 'nope'")
     assert "--gpu-memory-utilization: an emulated device has no memory" in refused(
-        "--device", f"emulated:{PROFILE}", "--gpu-memory-utilization", "0.5")
+        "--device", f"emulated:{PROFILE}", "--gpu-memory-utilization", "0.5"
+    )

@@ -30,8 +30,9 @@ class Clock:
 
 
 def planner() -> SimpleNamespace:
-    return SimpleNamespace(decisions=[], num_preemptions=0, in_flight={}, num_prefix_query_tokens=0,
-                           num_prefix_hit_tokens=0)
+    return SimpleNamespace(
+        decisions=[], num_preemptions=0, in_flight={}, num_prefix_query_tokens=0, num_prefix_hit_tokens=0
+    )
 
 
 def micro_batch(mb_id: int, *steps: tuple[Request, int, int]) -> SimpleNamespace:
@@ -45,8 +46,7 @@ def update(request: Request, index: int, tokens: list[int]) -> SimpleNamespace:
 
 
 def request(request_id: str, n: int = 1, debug_timeline: bool = False, arrival_s: float = 100.0) -> Request:
-    return Request(request_id, (1, 2, 3), SamplingOptions(n=n, max_tokens=4), arrival_s,
-                   debug_timeline=debug_timeline)
+    return Request(request_id, (1, 2, 3), SamplingOptions(n=n, max_tokens=4), arrival_s, debug_timeline=debug_timeline)
 
 
 def value(metrics: SchedulerMetrics, name: str, **labels: str) -> float:
@@ -114,8 +114,10 @@ def test_counts_and_metrics_follow_how_each_request_ended():
     observer.request_finished(request("f"), None, "error")  # at shutdown: not counted
     assert (observer.num_finished, observer.num_aborted, observer.num_prompt_tokens) == (2, 3, 18)
     assert value(metrics, "pagoda:prompt_tokens_total") == 18
-    assert [value(metrics, "pagoda:request_success_total", finished_reason=reason)
-            for reason in ("length", "stop", "abort", "error")] == [1, 1, 2, 1]
+    assert [
+        value(metrics, "pagoda:request_success_total", finished_reason=reason)
+        for reason in ("length", "stop", "abort", "error")
+    ] == [1, 1, 2, 1]
     assert value(metrics, "pagoda:e2e_request_latency_seconds_count") == 5
     assert value(metrics, "pagoda:e2e_request_latency_seconds_sum") == pytest.approx(5 * 2.5)
 
@@ -132,7 +134,10 @@ def test_prefix_cache_counters_move_as_the_kv_answers_come(caching):
     observer.micro_batch_planned(micro_batch(1, (request("a"), 0, 3)))
     observer.micro_batch_planned(None)  # nothing new: counted once
     expected = (50, 16) if caching else (0, 0)
-    assert (value(metrics, "pagoda:prefix_cache_queries_total"), value(metrics, "pagoda:prefix_cache_hits_total")) == expected
+    assert (
+        value(metrics, "pagoda:prefix_cache_queries_total"),
+        value(metrics, "pagoda:prefix_cache_hits_total"),
+    ) == expected
 
 
 def test_token_latencies_per_choice_and_preemptions_once():
@@ -175,10 +180,21 @@ def test_a_timeline_has_queued_steps_and_stage_compute_when_asked_for():
     assert list(observer.recent_spans) == [(0, 1, 10, 20), (2, 1, 30, 40)]
     timeline = observer.request_finished(asked, "stop", "finished")
     assert [(e["name"], e.get("micro_batch_id"), e.get("choice_index"), e["end_ns"] > 0) for e in timeline] == [
-        ("queued", None, None, True), ("step", 1, 0, True), ("step", 1, 1, True), ("step", 2, 0, False),
-        ("stage 0 compute", 1, None, True), ("stage 2 compute", 1, None, True)]
-    assert timeline[-1] == {"name": "stage 2 compute", "category": "stage", "micro_batch_id": 1,
-                            "stage_index": 2, "start_ns": 30, "end_ns": 40}
+        ("queued", None, None, True),
+        ("step", 1, 0, True),
+        ("step", 1, 1, True),
+        ("step", 2, 0, False),
+        ("stage 0 compute", 1, None, True),
+        ("stage 2 compute", 1, None, True),
+    ]
+    assert timeline[-1] == {
+        "name": "stage 2 compute",
+        "category": "stage",
+        "micro_batch_id": 1,
+        "stage_index": 2,
+        "start_ns": 30,
+        "end_ns": 40,
+    }
     assert observer.request_finished(other, "stop", "finished") == []
     assert observer.request_finished(asked, "stop", "finished") == []  # once only
 
@@ -207,13 +223,27 @@ def test_spans_of_a_request_its_time_queued_and_its_steps(spans):
     observer.request_finished(r, "abort", "displaced")
     finished = spans.get_finished_spans()
     by_id = {s.context.span_id: s for s in finished}
-    got = sorted(((s.name, by_id[s.parent.span_id].name if s.parent and s.parent.span_id in by_id else "",
-                   dict(s.attributes)) for s in finished), key=lambda g: g[:2])
+    got = sorted(
+        (
+            (s.name, by_id[s.parent.span_id].name if s.parent and s.parent.span_id in by_id else "", dict(s.attributes))
+            for s in finished
+        ),
+        key=lambda g: g[:2],
+    )
     assert got == [
         ("scheduler.queued", "", {}),  # the forgotten request's (its own span never ends)
         ("scheduler.queued", "scheduler.request", {}),
-        ("scheduler.request", "", {"pagoda.request_id": "a", "pagoda.num_prompt_tokens": 3, "pagoda.n": 1,
-                                     "pagoda.outcome": "displaced", "pagoda.num_output_tokens": 0}),
+        (
+            "scheduler.request",
+            "",
+            {
+                "pagoda.request_id": "a",
+                "pagoda.num_prompt_tokens": 3,
+                "pagoda.n": 1,
+                "pagoda.outcome": "displaced",
+                "pagoda.num_output_tokens": 0,
+            },
+        ),
         ("scheduler.step", "scheduler.request", {"pagoda.micro_batch_id": 1}),
     ]
 

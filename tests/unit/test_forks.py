@@ -53,7 +53,9 @@ def test_propose_and_apply_fork_every_other_choice_from_the_parent():
     joined = forks.apply(proposal, [request], flight)
     assert [(p.seq_id, [c.seq_id for c in ch]) for p, ch in joined] == [(1, [10, 11])]
     assert [(s.index, s.num_computed, s.kv_len, s.has_kv) for s in request.sequences[1:]] == [
-        (1, 3, 3, True), (2, 3, 3, True)]
+        (1, 3, 3, True),
+        (2, 3, 3, True),
+    ]
     assert forks.entropy(request, 1) == request.sequences[1].entropy_seed != request.sequences[2].entropy_seed
 
 

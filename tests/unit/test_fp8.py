@@ -29,13 +29,7 @@ from torch import nn
 
 from wiring.tiny_train import held_out_windows
 from worker_svc.checkpoints.loader import load_stage
-from worker_svc.weights.quantization import (
-    FP8_DTYPE,
-    FP8_MAX,
-    Fp8Linear,
-    quantize_fp8,
-    weight_bytes,
-)
+from worker_svc.weights.quantization import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_fp8, weight_bytes
 
 QUALITY_SPEC = {"hidden_size": 256, "num_layers": 4}  # vocab 512, 4 heads, 2 KV heads
 NUM_PROMPTS, PROMPT_LEN = 32, 32
@@ -101,8 +95,7 @@ def test_load_stage_stores_linear_weights_as_float8(model_dir):
             assert linear.weight_scale.dtype == torch.float32
     assert not any(isinstance(m, nn.Linear) for m in model.model.layers.modules())
     # quantized products are not fused (the fused path is for plain linears)
-    assert all(layer.self_attn.qkv is None and layer.mlp.gate_up is None
-               for layer in model.model.layers.values())
+    assert all(layer.self_attn.qkv is None and layer.mlp.gate_up is None for layer in model.model.layers.values())
     # kept in the model dtype: embeddings, norms, LM head
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.model.norm.weight.dtype == torch.bfloat16
@@ -138,8 +131,9 @@ def test_fp8_quality_on_a_trained_model(trained_model_dir):
     """The bar: greedy top-1 agreement >= 0.95 on a fixed prompt set (held-out text)."""
     reference = load_stage(trained_model_dir, dtype="float32")
     quantized = load_stage(trained_model_dir, dtype="float32", quantization="fp8")
-    assert all(isinstance(m, Fp8Linear) for m in quantized.model.layers.modules()
-               if isinstance(m, (Fp8Linear, nn.Linear)))
+    assert all(
+        isinstance(m, Fp8Linear) for m in quantized.model.layers.modules() if isinstance(m, (Fp8Linear, nn.Linear))
+    )
     seqs = held_out_windows(trained_model_dir, 32, 64, seed=2024)
     want = all_logits(reference, seqs)
     figures = quality_figures(want, all_logits(quantized, seqs))

@@ -43,7 +43,11 @@ class FakeGenerator:
         if self.error is not None:
             raise self.error
         for i in range(params.sampling.n):
-            lps = [TokenLogprob(1, "he", -0.5, [(1, "he", -0.5), (2, "x", -1.5)])] if params.sampling.logprobs is not None else []
+            lps = (
+                [TokenLogprob(1, "he", -0.5, [(1, "he", -0.5), (2, "x", -1.5)])]
+                if params.sampling.logprobs is not None
+                else []
+            )
             yield ChoiceDelta(i, "he", [1], lps)
             if self.error_mid_stream is not None:
                 raise self.error_mid_stream
@@ -68,8 +72,9 @@ def tokenizer(model_factory):
 def make_client(tokenizer, **config):
     generator = FakeGenerator(tokenizer)
     config.setdefault("served_model_names", ("tiny",))
-    cfg = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
-                        max_model_len=MAX_MODEL_LEN, **config)
+    cfg = GatewayConfig(
+        model=str(tokenizer.model_dir), scheduler_address="unused:1", max_model_len=MAX_MODEL_LEN, **config
+    )
     app = create_app(cfg, generator)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
     return client, generator
@@ -81,8 +86,7 @@ def run(coro):
 
 async def post(client, path, body, headers=None):
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return await client.post(path, content=content,
-                             headers={"Content-Type": "application/json", **(headers or {})})
+    return await client.post(path, content=content, headers={"Content-Type": "application/json", **(headers or {})})
 
 
 LONG_PROMPT = list(range(5, 5 + MAX_MODEL_LEN))  # no room left to generate
@@ -106,32 +110,59 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "guided_choice": []}, 400, "guided_choice"),
     ("/v1/completions", {"prompt": "a", "guided_grammar": "start: nope"}, 400, "guided_grammar"),
     ("/v1/completions", {"prompt": "a", "guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
-    ("/v1/completions", {"prompt": "a", "guided_regex": "a", "guided_decoding_backend": "xgrammar"}, 400,
-     "guided_decoding_backend"),
-    ("/v1/completions", {"prompt": "a", "structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, 400,
-     "structured_outputs.regex"),
+    (
+        "/v1/completions",
+        {"prompt": "a", "guided_regex": "a", "guided_decoding_backend": "xgrammar"},
+        400,
+        "guided_decoding_backend",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "a", "structured_outputs": {"json": {"type": "object"}, "regex": "a"}},
+        400,
+        "structured_outputs.regex",
+    ),
     ("/v1/completions", {"prompt": "a", "structured_outputs": {"xml": "a"}}, 400, "structured_outputs.xml"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_schema", "json_schema": {
-                                  "name": "x", "schema": {"type": "object", "required": 3}}}},
-     400, "response_format.json_schema.schema"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "yaml"}}, 400, "response_format.type"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
+        400,
+        "response_format.json_schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "required": 3}},
+            },
+        },
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}},
+        400,
+        "response_format.type",
+    ),
     # issue 16, defect 7: these were 500s
     ("/v1/completions", b'{"prompt": "\\ud800"}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": ["ok", "a\\udfffb"]}', 400, "prompt"),
     ("/v1/completions", {"prompt": "a", "stop": ["\ud800"]}, 400, "stop"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
-     "messages[0].content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages[0].content"),
     ("/generate", b'{"prompt": "\\ud800"}', 400, "prompt"),
     ("/tokenize", b'{"prompt": "\\ud800"}', 400, "prompt"),
     ("/v1/completions", {"prompt": "a", "top_k": 2**32}, 400, "top_k"),
     ("/v1/completions", {"prompt": "a", "min_tokens": 2**32, "max_tokens": None}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "a", "max_token": 5}, 400, "max_token"),  # a misspelling
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "guided_choice": ["x", ""]}, 400,
-     "guided_choice"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "guided_choice": ["x", ""]},
+        400,
+        "guided_choice",
+    ),
     ("/v1/completions", {"prompt": "a", "max_tokens": -3}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "temperature": -0.5}, 400, "temperature"),
@@ -161,26 +192,59 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     400, "messages[0].content[0]"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
-     400, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     400, "tools[0].function"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}],
-                              "tool_choice": {"type": "function", "function": {"name": "g"}}},
-     400, "tool_choice.function.name"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
-     400, "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_regex": "a",
-                              "tools": [{"type": "function", "function": {"name": "f"}}],
-                              "tool_choice": "required"}, 400, "tool_choice"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages[0].content[0]",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+        400,
+        "tools[0].function",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tool_choice",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        "tool_choice.function.name",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+        400,
+        "tool_choice",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "guided_regex": "a",
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required",
+        },
+        400,
+        "tool_choice",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 80}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "max_completion_tokens": MAX_MODEL_LEN}, 400, "max_completion_tokens"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": MAX_MODEL_LEN},
+        400,
+        "max_completion_tokens",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo"),
     ("/generate", {"prompt": ""}, 400, "prompt"),
     ("/generate", {"prompt": "a", "debug_timeline": "yes"}, 400, "debug_timeline"),
@@ -207,19 +271,26 @@ def test_wrong_content_type_says_so(tokenizer):
     async def go():
         client, _ = make_client(tokenizer)
         async with client:
-            return await client.post("/v1/completions", content=b'{"prompt": "a"}',
-                                     headers={"Content-Type": "text/plain"})
+            return await client.post(
+                "/v1/completions", content=b'{"prompt": "a"}', headers={"Content-Type": "text/plain"}
+            )
 
     resp = run(go())
     assert resp.status_code == 400 and "Content-Type: application/json" in resp.json()["error"]["message"]
 
 
-@pytest.mark.parametrize(("code", "status"), [
-    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.NOT_FOUND, 404),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500),
-    (grpc.StatusCode.UNKNOWN, 500),
-])
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.NOT_FOUND, 404),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.INTERNAL, 500),
+        (grpc.StatusCode.UNKNOWN, 500),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_scheduler_errors_map_to_http(tokenizer, code, status, stream):
     async def go():
@@ -241,8 +312,9 @@ def test_completions_number_choices_across_prompts(tokenizer):
     async def go():
         client, generator = make_client(tokenizer)
         async with client:
-            resp = await post(client, "/v1/completions", {"prompt": [[5, 6], [7]], "n": 2, "logprobs": 1,
-                                                          "return_token_ids": True})
+            resp = await post(
+                client, "/v1/completions", {"prompt": [[5, 6], [7]], "n": 2, "logprobs": 1, "return_token_ids": True}
+            )
         return resp, generator
 
     resp, generator = run(go())
@@ -253,8 +325,12 @@ def test_completions_number_choices_across_prompts(tokenizer):
     assert all(c["text"] == "hello" and c["token_ids"] == [1, 2] for c in body["choices"])
     assert body["choices"][0]["logprobs"]["tokens"] == ["he", "he"]
     assert body["choices"][0]["logprobs"]["text_offset"] == [0, 2]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 8,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     ids = {c[2] for c in generator.calls}
     assert len(ids) == 2 and all(i.startswith(body["id"]) for i in ids)
 
@@ -264,10 +340,25 @@ def test_defaults_and_vllm_extras_reach_the_scheduler(tokenizer):
         client, generator = make_client(tokenizer)
         async with client:
             await post(client, "/v1/completions", {"prompt": "hi"})
-            await post(client, "/v1/completions", {
-                "prompt": "hi", "max_tokens": 5, "temperature": 0, "top_p": 0.5, "seed": -1,
-                "stop": "x", "top_k": -1, "min_p": 0.1, "min_tokens": 2, "ignore_eos": True,
-                "stop_token_ids": [3], "priority": -4, "user": "u"})
+            await post(
+                client,
+                "/v1/completions",
+                {
+                    "prompt": "hi",
+                    "max_tokens": 5,
+                    "temperature": 0,
+                    "top_p": 0.5,
+                    "seed": -1,
+                    "stop": "x",
+                    "top_k": -1,
+                    "min_p": 0.1,
+                    "min_tokens": 2,
+                    "ignore_eos": True,
+                    "stop_token_ids": [3],
+                    "priority": -4,
+                    "user": "u",
+                },
+            )
             await post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
         return generator
 
@@ -275,8 +366,7 @@ def test_defaults_and_vllm_extras_reach_the_scheduler(tokenizer):
     default, extras, chat = (c[1] for c in calls)
     d, x = default.sampling, extras.sampling  # the one sampling type every layer shares
     assert d.max_tokens == 16 and d.temperature == 1.0 and d.n == 1
-    assert (x.max_tokens, x.temperature, x.top_p, x.seed, extras.stop) == (
-        5, 0.0, 0.5, 2**64 - 1, ("x",))
+    assert (x.max_tokens, x.temperature, x.top_p, x.seed, extras.stop) == (5, 0.0, 0.5, 2**64 - 1, ("x",))
     assert (x.top_k, x.min_p, x.min_tokens, x.ignore_eos) == (0, 0.1, 2, True)
     assert x.stop_token_ids == (3,) and extras.priority == -4
     assert chat.sampling.max_tokens is None  # chat: the rest of the context
@@ -285,17 +375,23 @@ def test_defaults_and_vllm_extras_reach_the_scheduler(tokenizer):
 
 def _events(text: str) -> list:
     assert text.endswith("data: [DONE]\n\n")
-    return [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+    return [json.loads(e[len("data: ") :]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
 
 
 def test_streams_are_server_sent_events_with_usage(tokenizer):
     async def go():
         client, _ = make_client(tokenizer)
         async with client:
-            a = await post(client, "/v1/completions", {"prompt": "a", "n": 2, "stream": True,
-                                                       "stream_options": {"include_usage": True}})
-            b = await post(client, "/v1/chat/completions", {
-                "messages": [{"role": "user", "content": "hi"}], "stream": True, "logprobs": True})
+            a = await post(
+                client,
+                "/v1/completions",
+                {"prompt": "a", "n": 2, "stream": True, "stream_options": {"include_usage": True}},
+            )
+            b = await post(
+                client,
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "stream": True, "logprobs": True},
+            )
         return a, b
 
     a, b = run(go())
@@ -324,8 +420,9 @@ def test_api_keys_guard_everything_but_health_and_metrics(tokenizer):
             missing = await post(client, "/v1/completions", b'{"not json')
             wrong = await post(client, "/v1/completions", {"prompt": "a"}, {"Authorization": "Bearer nope"})
             models = await client.get("/v1/models")
-            ok = await post(client, "/v1/completions", {"prompt": "a", "priority": 1},
-                            {"Authorization": "Bearer good-key"})
+            ok = await post(
+                client, "/v1/completions", {"prompt": "a", "priority": 1}, {"Authorization": "Bearer good-key"}
+            )
             health = await client.get("/health")
             metrics = await client.get("/metrics")
         return missing, wrong, models, ok, health, metrics, generator
@@ -334,7 +431,7 @@ def test_api_keys_guard_everything_but_health_and_metrics(tokenizer):
     for resp in (missing, wrong, models):  # refused before the body is even parsed
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
     assert ok.status_code == 200 and health.status_code == 200 and metrics.status_code == 200
-    (_, params, _), = generator.calls
+    ((_, params, _),) = generator.calls
     assert params.tenant == "team-a" and params.priority == 2  # the key's class is a floor
 
 
@@ -345,12 +442,13 @@ def test_oversized_bodies_get_413(tokenizer):
 
         async def chunks():
             for i in range(0, len(big), 512):
-                yield big[i:i + 512]
+                yield big[i : i + 512]
 
         async with client:
             declared = await post(client, "/v1/completions", big)
-            streamed = await client.post("/v1/completions", content=chunks(),
-                                         headers={"Content-Type": "application/json"})
+            streamed = await client.post(
+                "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}
+            )
         return declared, streamed, generator
 
     declared, streamed, generator = run(go())
@@ -369,8 +467,11 @@ def test_the_model_is_served_under_the_model_string_as_vllm_does(tokenizer):
         client, _ = make_client(tokenizer, served_model_names=())
         async with client:
             by_path = await post(client, "/v1/completions", {"prompt": "a", "model": path, "max_tokens": 2})
-            by_folder = await post(client, "/v1/chat/completions",
-                                   {"messages": [{"role": "user", "content": "a"}], "model": folder, "max_tokens": 2})
+            by_folder = await post(
+                client,
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "a"}], "model": folder, "max_tokens": 2},
+            )
             other = await post(client, "/v1/completions", {"prompt": "a", "model": "gpt-4"})
             models = await client.get("/v1/models")
             one = await client.get(f"/v1/models/{path}")
@@ -404,11 +505,13 @@ def test_metrics_scrape_survives_a_scheduler_that_does_not_answer(tokenizer):
 
 def test_metrics_can_require_a_key(tokenizer):
     """Issue 16, defect 11: /metrics is open to scrapers by default; a setting closes it."""
+
     async def go(require):
         client, _ = make_client(tokenizer, api_keys={"sk-a": ApiKey()}, metrics_require_key=require)
         async with client:
-            return (await client.get("/metrics")).status_code, (await client.get(
-                "/metrics", headers={"Authorization": "Bearer sk-a"})).status_code
+            return (await client.get("/metrics")).status_code, (
+                await client.get("/metrics", headers={"Authorization": "Bearer sk-a"})
+            ).status_code
 
     assert run(go(False)) == (200, 200)
     assert run(go(True)) == (401, 200)
@@ -447,21 +550,37 @@ def test_health_models_memory_metrics_and_openapi(tokenizer):
     kv = memory.json()["kv_cache"]
     assert kv["num_peak_used_blocks"] == 3 and kv["num_prefix_queries"] == 2**40
     text = metrics.text
-    for name in ("pagoda:request_success_total{finished_reason=\"length\"",
-                 "pagoda:prompt_tokens_total", "pagoda:generation_tokens_total",
-                 "pagoda:time_to_first_token_seconds_bucket", "pagoda:inter_token_latency_seconds_bucket",
-                 "pagoda:e2e_request_latency_seconds_bucket", "pagoda:request_errors_total",
-                 "pagoda:time_per_output_token_seconds_bucket",
-                 # the engine's figures, from the scheduler at scrape time: one scrape target
-                 "pagoda:engine_up", "pagoda:num_requests_running", "pagoda:num_requests_waiting",
-                 "pagoda:kv_cache_usage_perc", "pagoda:prefix_cache_queries_total",
-                 "pagoda:prefix_cache_hits_total", "pagoda:num_preemptions_total"):
+    for name in (
+        'pagoda:request_success_total{finished_reason="length"',
+        "pagoda:prompt_tokens_total",
+        "pagoda:generation_tokens_total",
+        "pagoda:time_to_first_token_seconds_bucket",
+        "pagoda:inter_token_latency_seconds_bucket",
+        "pagoda:e2e_request_latency_seconds_bucket",
+        "pagoda:request_errors_total",
+        "pagoda:time_per_output_token_seconds_bucket",
+        # the engine's figures, from the scheduler at scrape time: one scrape target
+        "pagoda:engine_up",
+        "pagoda:num_requests_running",
+        "pagoda:num_requests_waiting",
+        "pagoda:kv_cache_usage_perc",
+        "pagoda:prefix_cache_queries_total",
+        "pagoda:prefix_cache_hits_total",
+        "pagoda:num_preemptions_total",
+    ):
         assert name.split("{")[0] in text, name
     assert 'pagoda:engine_up{model_name="tiny"} 1.0' in text
     assert 'pagoda:prefix_cache_queries_total{model_name="tiny"}' in text  # a counter, as vLLM's
     paths = openapi.json()["paths"]
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health",
-                 "/metrics", "/debug/memory"):
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/generate",
+        "/health",
+        "/metrics",
+        "/debug/memory",
+    ):
         assert path in paths
 
 
@@ -473,11 +592,13 @@ def test_param_names_from_pydantic_locations():
 
 
 def test_timeline_is_a_chrome_trace():
-    e = scheduler_pb2.GenerateResponse().timeline.add(name="stage 1 compute", category="stage",
-                                                      start_ns=2_000_000, end_ns=5_000_000, stage_index=1)
+    e = scheduler_pb2.GenerateResponse().timeline.add(
+        name="stage 1 compute", category="stage", start_ns=2_000_000, end_ns=5_000_000, stage_index=1
+    )
     e.micro_batch_id = 7
-    step = scheduler_pb2.GenerateResponse().timeline.add(name="step", category="scheduler",
-                                                         start_ns=1_000_000, end_ns=0)  # never ended
+    step = scheduler_pb2.GenerateResponse().timeline.add(
+        name="step", category="scheduler", start_ns=1_000_000, end_ns=0
+    )  # never ended
     trace = chrome_trace("gen-1", [e, step], [Span("request", 500_000, 6_000_000)])
     complete = [t for t in trace["traceEvents"] if t["ph"] == "X"]
     assert [t["name"] for t in complete] == ["request", "stage 1 compute"]
@@ -501,14 +622,18 @@ def test_config_and_api_keys_file(tmp_path):
     config = GatewayConfig(model="/x/tiny", scheduler_address="s:1")
     assert config.model_names == ("/x/tiny", "tiny") and config.model_name == "/x/tiny"
     assert GatewayConfig(model="tiny", scheduler_address="s:1").model_names == ("tiny",)
-    assert GatewayConfig(model="/x/tiny", scheduler_address="s:1",
-                         served_model_names=("a", "b")).model_names == ("a", "b")
+    assert GatewayConfig(model="/x/tiny", scheduler_address="s:1", served_model_names=("a", "b")).model_names == (
+        "a",
+        "b",
+    )
 
 
 def test_the_gateway_imports_no_backend():
-    code = ("import sys, gateway.server; bad = [m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'transformers', 'worker_svc', 'kvcache_svc', 'scheduler_svc')]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, gateway.server; bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'worker_svc', 'kvcache_svc', 'scheduler_svc')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -564,10 +689,15 @@ def test_max_completion_tokens_is_chats_name_for_max_tokens(tokenizer):
     async def go():
         client, generator = make_client(tokenizer)
         async with client:
-            replies = [await post(client, "/v1/chat/completions", {"messages": hi, **limits})
-                       for limits in ({"max_completion_tokens": 7}, {"max_tokens": 5},
-                                      {"max_tokens": 6, "max_completion_tokens": 6},
-                                      {"max_tokens": 5, "max_completion_tokens": 9})]
+            replies = [
+                await post(client, "/v1/chat/completions", {"messages": hi, **limits})
+                for limits in (
+                    {"max_completion_tokens": 7},
+                    {"max_tokens": 5},
+                    {"max_tokens": 6, "max_completion_tokens": 6},
+                    {"max_tokens": 5, "max_completion_tokens": 9},
+                )
+            ]
         return replies, generator
 
     (new, old, same, differ), generator = run(go())

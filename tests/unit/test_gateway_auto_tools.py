@@ -25,28 +25,38 @@ from services.text import Tokenizer
 from wiring.cli import build_parser, main
 
 MAX_MODEL_LEN = 256
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 # a call's arguments as the model wrote them (issue 35, item 14); pythonic calls, which are not
 # JSON, as compact JSON
 PARIS = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
 PARSED = {parser: PARIS for parser in ("hermes", "llama3_json", "mistral", "openai")} | {
-    "pythonic": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    "pythonic": {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+}
 # each parser's format as its models write it (content before the call where the format has any)
 REPLIES = {
-    "hermes": ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-               "</tool_call>", "Let me look.\n"),
+    "hermes": (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "Let me look.\n",
+    ),
     "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', None),
     "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', None),
     "pythonic": ("[get_weather(city='Paris')]", None),
     # gpt-oss (Harmony): a preamble, then the call
-    "openai": ("<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "
-               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}', "Let me look."),
+    "openai": (
+        "<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+        "Let me look.",
+    ),
 }
-TWO_CALLS = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
-             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+TWO_CALLS = (
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+)
 
 
 class ScriptedGenerator:
@@ -55,7 +65,7 @@ class ScriptedGenerator:
 
     def __init__(self, tokenizer: Tokenizer, text: str, size: int = 3) -> None:
         self.tokenizer, self.max_model_len = tokenizer, MAX_MODEL_LEN
-        self.pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+        self.pieces = [text[i : i + size] for i in range(0, len(text), size)] or [""]
         self.calls: list = []
 
     async def generate(self, prompt_ids, params, request_id=None, traceparent=""):
@@ -72,8 +82,9 @@ def clean_environment(monkeypatch):
     """The flags' defaults read PAGODA_* when the parser is built: none but the test's."""
     import os
 
-    for name in [n for n in os.environ if n.startswith("PAGODA_") and n not in (
-            "PAGODA_INTERNAL_TOKEN", "PAGODA_AUTO_DTYPE")]:
+    for name in [
+        n for n in os.environ if n.startswith("PAGODA_") and n not in ("PAGODA_INTERNAL_TOKEN", "PAGODA_AUTO_DTYPE")
+    ]:
         monkeypatch.delenv(name)
 
 
@@ -83,12 +94,18 @@ def tokenizer(model_factory):
 
 
 def config(tokenizer, **parsers) -> GatewayConfig:
-    return GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
-                         max_model_len=MAX_MODEL_LEN, served_model_names=("tiny",), **parsers)
+    return GatewayConfig(
+        model=str(tokenizer.model_dir),
+        scheduler_address="unused:1",
+        max_model_len=MAX_MODEL_LEN,
+        served_model_names=("tiny",),
+        **parsers,
+    )
 
 
 def chat(tokenizer, text: str, body: dict, **parsers):
     """The response to one chat request whose replies are `text`: JSON, or the stream's chunks."""
+
     async def go():
         app = create_app(config(tokenizer, **parsers), ScriptedGenerator(tokenizer, text))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
@@ -98,7 +115,7 @@ def chat(tokenizer, text: str, body: dict, **parsers):
     assert response.status_code == 200, response.text
     if not body.get("stream"):
         return response.json()
-    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -161,22 +178,28 @@ def test_a_reply_without_a_call_is_plain_content_and_finishes_as_it_ended(tokeni
     choice = reply["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "It is sunny."}
     assert choice["finish_reason"] == "stop"
-    got = streamed(chat(tokenizer, "It is sunny.", {"tools": [WEATHER], "stream": True},
-                        tool_call_parser="hermes", **AUTO))
+    got = streamed(
+        chat(tokenizer, "It is sunny.", {"tools": [WEATHER], "stream": True}, tool_call_parser="hermes", **AUTO)
+    )
     assert (got["content"], got["calls"], got["finish_reason"]) == ("It is sunny.", {}, "stop")
 
 
 def test_parallel_calls_and_parallel_tool_calls_false(tokenizer):
     both = chat(tokenizer, TWO_CALLS, {"tools": [WEATHER, TIME]}, tool_call_parser="hermes", **AUTO)
-    assert functions(both["choices"][0]["message"]["tool_calls"]) == [
-        PARIS, {"name": "get_time", "arguments": "{}"}]
+    assert functions(both["choices"][0]["message"]["tool_calls"]) == [PARIS, {"name": "get_time", "arguments": "{}"}]
     ids = [c["id"] for c in both["choices"][0]["message"]["tool_calls"]]
     assert len(set(ids)) == 2
-    got = streamed(chat(tokenizer, TWO_CALLS, {"tools": [WEATHER, TIME], "stream": True},
-                        tool_call_parser="hermes", **AUTO))
+    got = streamed(
+        chat(tokenizer, TWO_CALLS, {"tools": [WEATHER, TIME], "stream": True}, tool_call_parser="hermes", **AUTO)
+    )
     assert sorted(got["calls"]) == [0, 1] and got["calls"][1]["name"] == "get_time"
-    first = chat(tokenizer, TWO_CALLS, {"tools": [WEATHER, TIME], "parallel_tool_calls": False},
-                 tool_call_parser="hermes", **AUTO)
+    first = chat(
+        tokenizer,
+        TWO_CALLS,
+        {"tools": [WEATHER, TIME], "parallel_tool_calls": False},
+        tool_call_parser="hermes",
+        **AUTO,
+    )
     assert functions(first["choices"][0]["message"]["tool_calls"]) == [PARIS]
 
 
@@ -218,10 +241,16 @@ def test_auto_tool_choice_without_a_parser_is_refused_at_start(tokenizer, capsys
 def test_serve_passes_the_parser_flags_to_its_gateway():
     from wiring.serve import passed_flags
 
-    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral",
-                                      "--reasoning-parser", "deepseek_r1"])
-    assert passed_flags(args, "gateway") == ["--enable-auto-tool-choice", "--tool-call-parser", "mistral",
-                                             "--reasoning-parser", "deepseek_r1"]
+    args = build_parser().parse_args(
+        ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral", "--reasoning-parser", "deepseek_r1"]
+    )
+    assert passed_flags(args, "gateway") == [
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "mistral",
+        "--reasoning-parser",
+        "deepseek_r1",
+    ]
     assert passed_flags(args, "scheduler") == passed_flags(args, "worker") == []
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
@@ -238,7 +267,10 @@ def test_reasoning_is_split_from_the_content_unstreamed_and_streamed(tokenizer):
     assert message["content"] == "It is sunny."
     got = streamed(chat(tokenizer, THOUGHT, {"stream": True}, reasoning_parser="deepseek_r1"))
     assert (got["reasoning_content"], got["content"], got["finish_reason"]) == (
-        "Paris is in France.", "It is sunny.", "stop")
+        "Paris is in France.",
+        "It is sunny.",
+        "stop",
+    )
     # qwen3: a reply that does not open <think> is all content
     plain = chat(tokenizer, "It is sunny.", {}, reasoning_parser="qwen3")["choices"][0]["message"]
     assert (plain["reasoning_content"], plain["content"]) == (None, "It is sunny.")
@@ -271,8 +303,12 @@ def test_structured_output_is_not_split_into_reasoning(tokenizer):
     body = {"response_format": {"type": "json_object"}}
     message = chat(tokenizer, '{"a": 1}', body, reasoning_parser="deepseek_r1")["choices"][0]["message"]
     assert message == {"role": "assistant", "content": '{"a": 1}'}
-    forced = chat(tokenizer, '[{"name": "get_weather", "parameters": {"city": "Paris"}}]',
-                  {"tools": [WEATHER], "tool_choice": "required"}, reasoning_parser="deepseek_r1")
+    forced = chat(
+        tokenizer,
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}]',
+        {"tools": [WEATHER], "tool_choice": "required"},
+        reasoning_parser="deepseek_r1",
+    )
     assert forced["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
@@ -295,8 +331,12 @@ def test_each_choice_is_parsed_on_its_own_with_its_logprobs(tokenizer):
         assert (got["reasoning_content"], got["finish_reason"]) == ("hm", "tool_calls")
         assert [c["name"] for c in got["calls"].values()] == ["get_weather"]
         # every token's logprob is sent, held text or not
-        tokens = [e["token"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index
-                  and c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+        tokens = [
+            e["token"]
+            for c in chunks
+            if c["choices"] and c["choices"][0]["index"] == index and c["choices"][0]["logprobs"]
+            for e in c["choices"][0]["logprobs"]["content"]
+        ]
         assert "".join(tokens) == text
 
 
@@ -338,8 +378,12 @@ def test_a_marker_that_is_a_special_token_is_decoded_for_the_parser_and_no_other
     tok = marker_tokenizer
     marker, other = tok.token_to_id("[TOOL_CALLS]"), tok.token_to_id("[OTHER]")
     assert {marker, other} <= tok.special_token_ids
-    ids = [*tok.encode("Sure", add_special_tokens=False), other, marker,
-           *tok.encode('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', add_special_tokens=False)]
+    ids = [
+        *tok.encode("Sure", add_special_tokens=False),
+        other,
+        marker,
+        *tok.encode('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', add_special_tokens=False),
+    ]
 
     def ask(body, **parsers):
         async def go():
@@ -347,8 +391,9 @@ def test_a_marker_that_is_a_special_token_is_decoded_for_the_parser_and_no_other
             script_scheduler(generator, _Scheduler(ids, tok.eos_token_ids[0]))
             app = create_app(config(tok, **parsers), generator)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
-                return await post(client, "/v1/chat/completions",
-                                  {"messages": ASK, "tools": [WEATHER], "max_tokens": 60, **body})
+                return await post(
+                    client, "/v1/chat/completions", {"messages": ASK, "tools": [WEATHER], "max_tokens": 60, **body}
+                )
 
         response = run(go())
         assert response.status_code == 200, response.text

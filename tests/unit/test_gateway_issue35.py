@@ -25,8 +25,13 @@ from gateway.config import GatewayConfig
 from gateway.generation import ChoiceDelta, Finished, Usage
 from services.text import Tokenizer
 
-WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -56,13 +61,21 @@ def tokenizer(model_factory):
 
 def session(tokenizer, requests, text="hello", finish_reason="stop"):
     """Each (method, path, body) in turn against one app: (responses, the fake scheduler)."""
+
     async def go():
         generator = Scripted(tokenizer, text, finish_reason)
-        config = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
-                               max_model_len=MAX_MODEL_LEN, served_model_names=("tiny",), enable_lora=True,
-                               lora_modules=("sql=/adapters/sql",), allow_runtime_lora_updating=True)
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(config, generator)),
-                                   base_url="http://gateway")
+        config = GatewayConfig(
+            model=str(tokenizer.model_dir),
+            scheduler_address="unused:1",
+            max_model_len=MAX_MODEL_LEN,
+            served_model_names=("tiny",),
+            enable_lora=True,
+            lora_modules=("sql=/adapters/sql",),
+            allow_runtime_lora_updating=True,
+        )
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=create_app(config, generator)), base_url="http://gateway"
+        )
         out = []
         async with client:
             for method, path, body in requests:
@@ -73,20 +86,27 @@ def session(tokenizer, requests, text="hello", finish_reason="stop"):
 
 
 def events(resp) -> list[dict]:
-    return [json.loads(line[6:]) for line in resp.text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return [
+        json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+    ]
 
 
 # --- 7 and 14: forced tool calls ------------------------------------------------------------
 
 
 def test_a_named_call_cut_short_is_a_tool_call_streamed_or_not(tokenizer):
-    named = {"messages": USER, "tools": [WEATHER_TOOL], "max_tokens": 4,
-             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    (whole, streamed), _ = session(tokenizer, [
-        ("POST", "/v1/chat/completions", named),
-        ("POST", "/v1/chat/completions", {**named, "stream": True}),
-    ], text='{"city": "Pa', finish_reason="length")
+    named = {
+        "messages": USER,
+        "tools": [WEATHER_TOOL],
+        "max_tokens": 4,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
+    (whole, streamed), _ = session(
+        tokenizer,
+        [("POST", "/v1/chat/completions", named), ("POST", "/v1/chat/completions", {**named, "stream": True})],
+        text='{"city": "Pa',
+        finish_reason="length",
+    )
     choice = whole.json()["choices"][0]
     assert choice["finish_reason"] == "length"
     assert choice["message"]["content"] is None
@@ -101,11 +121,22 @@ def test_a_named_call_cut_short_is_a_tool_call_streamed_or_not(tokenizer):
 
 def test_forced_calls_have_vllms_ids_and_their_arguments_as_generated(tokenizer):
     output = '[{"name": "get_weather", "parameters": {"city":  "Paris", "days": 2}}]'
-    (required, named), _ = session(tokenizer, [
-        ("POST", "/v1/chat/completions", {"messages": USER, "tools": [WEATHER_TOOL], "tool_choice": "required"}),
-        ("POST", "/v1/chat/completions", {"messages": USER, "tools": [WEATHER_TOOL], "tool_choice": {
-            "type": "function", "function": {"name": "get_weather"}}}),
-    ], text=output)
+    (required, named), _ = session(
+        tokenizer,
+        [
+            ("POST", "/v1/chat/completions", {"messages": USER, "tools": [WEATHER_TOOL], "tool_choice": "required"}),
+            (
+                "POST",
+                "/v1/chat/completions",
+                {
+                    "messages": USER,
+                    "tools": [WEATHER_TOOL],
+                    "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                },
+            ),
+        ],
+        text=output,
+    )
     choice = required.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     (call,) = choice["message"]["tool_calls"]
@@ -117,19 +148,44 @@ def test_forced_calls_have_vllms_ids_and_their_arguments_as_generated(tokenizer)
 # --- 8: the request's own field in `param` ----------------------------------------------------
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [
-        WEATHER_TOOL, {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
-     "tools[1].function.parameters"),
-    ("/v1/chat/completions", {"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}},
-                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {
-                                  "type": "nonsense"}}}]}, "tools[0].function.parameters"),
-    ("/v1/responses", {"input": "hi", "tool_choice": "required", "tools": [
-        {"type": "function", "name": "f", "parameters": {"type": "nonsense"}}]}, "tools[0].parameters"),
-    ("/v1/responses", {"input": "hi", "temperature": 1e308}, "temperature"),
-    ("/v1/chat/completions", {"messages": USER, "temperature": 1e308}, "temperature"),
-    ("/v1/completions", {"prompt": "a", "temperature": 1e39}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "messages": USER,
+                "tool_choice": "required",
+                "tools": [
+                    WEATHER_TOOL,
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}},
+                ],
+            },
+            "tools[1].function.parameters",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": USER,
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": "hi",
+                "tool_choice": "required",
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}],
+            },
+            "tools[0].parameters",
+        ),
+        ("/v1/responses", {"input": "hi", "temperature": 1e308}, "temperature"),
+        ("/v1/chat/completions", {"messages": USER, "temperature": 1e308}, "temperature"),
+        ("/v1/completions", {"prompt": "a", "temperature": 1e39}, "temperature"),
+    ],
+)
 def test_a_400_names_the_requests_own_field(tokenizer, path, body, param):
     (resp,), generator = session(tokenizer, [("POST", path, body)])
     error = resp.json()["error"]
@@ -142,29 +198,36 @@ def test_a_400_names_the_requests_own_field(tokenizer, path, body, param):
 
 
 def test_a_text_part_without_text_says_so(tokenizer):
-    (missing, other), _ = session(tokenizer, [
-        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
-        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "x"}}]}]}),
-    ])
+    (missing, other), _ = session(
+        tokenizer,
+        [
+            ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+            (
+                "POST",
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            ),
+        ],
+    )
     error = missing.json()["error"]
     assert missing.status_code == 400 and error["param"] == "messages[0].content[0].text"
     assert "needs its text" in error["message"] and "only text parts" not in error["message"]
-    assert other.status_code == 400 and "only text parts are supported, got type 'image_url'" in (
-        other.json()["error"]["message"])
+    assert (
+        other.status_code == 400
+        and "only text parts are supported, got type 'image_url'" in (other.json()["error"]["message"])
+    )
 
 
 # --- 17: Responses metadata bounds -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("metadata, ok", [
-    ({"k" * 64: "v" * 512}, True),
-    ({"k" * 65: "v"}, False),
-    ({"k": "v" * 513}, False),
-])
+@pytest.mark.parametrize(
+    "metadata, ok", [({"k" * 64: "v" * 512}, True), ({"k" * 65: "v"}, False), ({"k": "v" * 513}, False)]
+)
 def test_responses_metadata_is_bounded_as_openais(tokenizer, metadata, ok):
-    (resp,), _ = session(tokenizer, [("POST", "/v1/responses", {"input": "hi", "metadata": metadata,
-                                                                "max_output_tokens": 2})])
+    (resp,), _ = session(
+        tokenizer, [("POST", "/v1/responses", {"input": "hi", "metadata": metadata, "max_output_tokens": 2})]
+    )
     if ok:
         assert resp.status_code == 200 and resp.json()["metadata"] == metadata
     else:

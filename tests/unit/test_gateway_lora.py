@@ -34,9 +34,15 @@ def tokenizer(model_factory):
 
 def make(tokenizer, **config):
     generator = LoraGenerator(tokenizer)
-    cfg = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1", max_model_len=MAX_MODEL_LEN,
-                        served_model_names=("tiny",), enable_lora=True, lora_modules=("sql=/adapters/sql",),
-                        **config)
+    cfg = GatewayConfig(
+        model=str(tokenizer.model_dir),
+        scheduler_address="unused:1",
+        max_model_len=MAX_MODEL_LEN,
+        served_model_names=("tiny",),
+        enable_lora=True,
+        lora_modules=("sql=/adapters/sql",),
+        **config,
+    )
     app = create_app(cfg, generator)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway"), generator
 
@@ -57,6 +63,7 @@ def test_model_names_an_adapter_and_models_lists_it(tokenizer):
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
         cards = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
         assert cards["sql"]["parent"] == "tiny" and "parent" not in cards["tiny"]
+
     asyncio.run(go())
 
 
@@ -68,6 +75,7 @@ def test_runtime_updates_are_refused_without_the_flag(tokenizer):
         r = await _post(client, "/v1/unload_lora_adapter", {"lora_name": "sql"})
         assert r.status_code == 403
         assert generator.lora_calls == []
+
     asyncio.run(go())
 
 
@@ -87,6 +95,7 @@ def test_runtime_updates_with_the_flag_and_the_admin_grant(tokenizer):
         assert r.status_code == 404
         assert (await _post(client, "/v1/unload_lora_adapter", {"lora_name": "x"}, "admin-key")).status_code == 404
         assert generator.lora_calls == [(True, "x", "/adapters/x"), (False, "x", "")]
+
     asyncio.run(go())
 
 
@@ -108,8 +117,12 @@ class SchedulerLikeGenerator(LoraGenerator):
     async def lora_adapter(self, load: bool, name: str, path: str) -> dict[str, str]:
         await super().lora_adapter(load, name, path)
         if self.refusal is not None:
-            raise grpc.aio.AioRpcError(self.refusal, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       "LoRA bank is full: max_loras=1 ...; or serve with a larger --max-loras")
+            raise grpc.aio.AioRpcError(
+                self.refusal,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "LoRA bank is full: max_loras=1 ...; or serve with a larger --max-loras",
+            )
         if not load:
             await self.unloading.wait()
         if load:
@@ -121,9 +134,15 @@ class SchedulerLikeGenerator(LoraGenerator):
 
 def make_scheduler_like(tokenizer):
     generator = SchedulerLikeGenerator(tokenizer)
-    cfg = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1", max_model_len=MAX_MODEL_LEN,
-                        served_model_names=("tiny",), enable_lora=True, lora_modules=("sql=/adapters/sql",),
-                        allow_runtime_lora_updating=True)
+    cfg = GatewayConfig(
+        model=str(tokenizer.model_dir),
+        scheduler_address="unused:1",
+        max_model_len=MAX_MODEL_LEN,
+        served_model_names=("tiny",),
+        enable_lora=True,
+        lora_modules=("sql=/adapters/sql",),
+        allow_runtime_lora_updating=True,
+    )
     app = create_app(cfg, generator)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway"), generator
 
@@ -131,6 +150,7 @@ def make_scheduler_like(tokenizer):
 def test_the_adapters_follow_what_the_scheduler_serves(tokenizer):
     """An adapter the scheduler dropped (a restarted stage could not load it again) leaves
     /v1/models, unload says 404 and a load under its name works (issue 35, item 2)."""
+
     async def go():
         client, generator = make_scheduler_like(tokenizer)
         generator.served.pop("sql")  # dropped by the scheduler
@@ -141,6 +161,7 @@ def test_the_adapters_follow_what_the_scheduler_serves(tokenizer):
         assert r.status_code == 200, r.text
         cards = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
         assert cards["sql"]["parent"] == "tiny"
+
     asyncio.run(go())
 
 
@@ -151,12 +172,14 @@ def test_a_full_bank_is_a_400_the_sdk_does_not_retry(tokenizer):
         r = await _post(client, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/adapters/x"})
         assert r.status_code == 400 and "--max-loras" in r.json()["error"]["message"], r.text
         assert r.json()["error"]["param"] == "lora_name"
+
     asyncio.run(go())
 
 
 def test_an_adapter_being_unloaded_is_served_no_more(tokenizer):
     """While the scheduler drains the adapter, requests under it are 404 at the gateway; a
     refused unload serves it again (issue 35, item 21)."""
+
     async def go():
         client, generator = make_scheduler_like(tokenizer)
         generator.unloading.clear()
@@ -171,4 +194,5 @@ def test_an_adapter_being_unloaded_is_served_no_more(tokenizer):
         assert (await _post(client, "/v1/unload_lora_adapter", {"lora_name": "sql"})).status_code == 502
         r = await _post(client, "/v1/completions", {"model": "sql", "prompt": "a", "max_tokens": 1})
         assert r.status_code == 200
+
     asyncio.run(go())

@@ -24,14 +24,17 @@ def tokenizer(model_factory):
 
 
 def test_responses_under_an_adapter_report_its_name(tokenizer):
-    (chat, chat_stream, completion, responses, responses_stream, base), generator = session(tokenizer, [
-        ("POST", "/v1/chat/completions", {"model": "sql", "messages": USER, "max_tokens": 4}),
-        ("POST", "/v1/chat/completions", {"model": "sql", "messages": USER, "max_tokens": 4, "stream": True}),
-        ("POST", "/v1/completions", {"model": "sql", "prompt": "a", "max_tokens": 4}),
-        ("POST", "/v1/responses", {"model": "sql", "input": "hi", "max_output_tokens": 4}),
-        ("POST", "/v1/responses", {"model": "sql", "input": "hi", "max_output_tokens": 4, "stream": True}),
-        ("POST", "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 4}),
-    ])
+    (chat, chat_stream, completion, responses, responses_stream, base), generator = session(
+        tokenizer,
+        [
+            ("POST", "/v1/chat/completions", {"model": "sql", "messages": USER, "max_tokens": 4}),
+            ("POST", "/v1/chat/completions", {"model": "sql", "messages": USER, "max_tokens": 4, "stream": True}),
+            ("POST", "/v1/completions", {"model": "sql", "prompt": "a", "max_tokens": 4}),
+            ("POST", "/v1/responses", {"model": "sql", "input": "hi", "max_output_tokens": 4}),
+            ("POST", "/v1/responses", {"model": "sql", "input": "hi", "max_output_tokens": 4, "stream": True}),
+            ("POST", "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 4}),
+        ],
+    )
     assert chat.json()["model"] == "sql" and completion.json()["model"] == "sql"
     assert {chunk["model"] for chunk in events(chat_stream)} == {"sql"}
     assert responses.json()["model"] == "sql"
@@ -45,12 +48,15 @@ def test_responses_under_an_adapter_report_its_name(tokenizer):
 
 
 def test_an_adapters_root_is_its_folder_and_the_base_name_is_not_an_adapters(tokenizer):
-    (models, one, clash, again), generator = session(tokenizer, [
-        ("GET", "/v1/models", None),
-        ("GET", "/v1/models/sql", None),
-        ("POST", "/v1/load_lora_adapter", {"lora_name": "tiny", "lora_path": "/adapters/other"}),
-        ("POST", "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/adapters/other"}),
-    ])
+    (models, one, clash, again), generator = session(
+        tokenizer,
+        [
+            ("GET", "/v1/models", None),
+            ("GET", "/v1/models/sql", None),
+            ("POST", "/v1/load_lora_adapter", {"lora_name": "tiny", "lora_path": "/adapters/other"}),
+            ("POST", "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/adapters/other"}),
+        ],
+    )
     cards = {card["id"]: card for card in models.json()["data"]}
     assert cards["sql"]["root"] == "/adapters/sql" and cards["sql"]["parent"] == "tiny"
     assert cards["tiny"]["root"] == "tiny"

@@ -35,16 +35,17 @@ SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 # A template that shows what it is given of tool calls (arguments as an object, as
 # transformers' and vLLM's templates expect them) and of tool answers.
 TOOLS_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}:{{ m['content'] | trim }}"
     "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]"
-    "{% endfor %}{% if m.tool_call_id is defined %}#{{ m.tool_call_id }}{% endif %}{{ '\\n' }}{% endfor %}")
+    "{% endfor %}{% if m.tool_call_id is defined %}#{{ m.tool_call_id }}{% endif %}{{ '\\n' }}{% endfor %}"
+)
 MAX_MODEL_LEN = 256
-CALL = {"id": "call_1", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +56,10 @@ def tokenizer(model_factory):
 @pytest.fixture(scope="module")
 def with_template(model_factory, tmp_path_factory):
     """The tiny model's tokenizer under another chat template."""
+
     def make(template: str) -> Tokenizer:
         model_dir = tmp_path_factory.mktemp("template") / "tiny"
-        shutil.copytree(model_factory(arch="llama"), model_dir,
-                        ignore=shutil.ignore_patterns("*.safetensors"))
+        shutil.copytree(model_factory(arch="llama"), model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
         config = json.loads((model_dir / "tokenizer_config.json").read_text())
         (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
         return Tokenizer(model_dir)
@@ -67,17 +68,23 @@ def with_template(model_factory, tmp_path_factory):
 
 
 def make_app(tokenizer, generator):
-    config = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
-                           max_model_len=MAX_MODEL_LEN, served_model_names=("tiny",))
+    config = GatewayConfig(
+        model=str(tokenizer.model_dir),
+        scheduler_address="unused:1",
+        max_model_len=MAX_MODEL_LEN,
+        served_model_names=("tiny",),
+    )
     return create_app(config, generator)
 
 
 def posts(tokenizer, requests):
     """Each (path, body) posted in turn to one app: (responses, the fake scheduler)."""
+
     async def go():
         generator = FakeGenerator(tokenizer)
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=make_app(tokenizer, generator)),
-                                   base_url="http://gateway")
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=make_app(tokenizer, generator)), base_url="http://gateway"
+        )
         async with client:
             return [await post(client, path, body) for path, body in requests], generator
 
@@ -93,38 +100,49 @@ def prompt_text(tokenizer: Tokenizer, generator) -> str:
 
 def test_a_tool_round_trip_renders_null_and_missing_content_as_empty(with_template):
     tok = with_template(SMOLLM2_TEMPLATE)
-    null_content = [{"role": "user", "content": "Paris?"},
-                    {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                    {"role": "tool", "tool_call_id": "call_1", "content": "22C"},
-                    {"role": "user", "content": None}]
+    null_content = [
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22C"},
+        {"role": "user", "content": None},
+    ]
     no_content = [null_content[0], {"role": "assistant", "tool_calls": [CALL]}, null_content[2]]
-    (first, second), generator = posts(tok, [
-        ("/v1/chat/completions", {"messages": null_content, "max_tokens": 2}),
-        ("/v1/chat/completions", {"messages": no_content, "max_tokens": 2}),
-    ])
+    (first, second), generator = posts(
+        tok,
+        [
+            ("/v1/chat/completions", {"messages": null_content, "max_tokens": 2}),
+            ("/v1/chat/completions", {"messages": no_content, "max_tokens": 2}),
+        ],
+    )
     assert (first.status_code, second.status_code) == (200, 200), (first.text, second.text)
     system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-    turns = ("<|im_start|>user\nParis?<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
-             "<|im_start|>tool\n22C<|im_end|>\n")
+    turns = "<|im_start|>user\nParis?<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n22C<|im_end|>\n"
     assert tok.decode(generator.calls[0][0], skip_special_tokens=False) == (
-        system + turns + "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n")
-    assert tok.decode(generator.calls[1][0], skip_special_tokens=False) == (
-        system + turns + "<|im_start|>assistant\n")
+        system + turns + "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tok.decode(generator.calls[1][0], skip_special_tokens=False) == (system + turns + "<|im_start|>assistant\n")
 
 
 def test_tool_calls_and_the_tool_call_id_reach_the_template(with_template):
     tok = with_template(TOOLS_TEMPLATE)
-    messages = [{"role": "user", "content": "Weather?"},
-                {"role": "assistant", "content": None,
-                 "tool_calls": [CALL, {**CALL, "function": {"name": "now", "arguments": ""}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]
-    (chat, tokenized), generator = posts(tok, [
-        ("/v1/chat/completions", {"messages": messages, "max_tokens": 2}),
-        ("/tokenize", {"messages": messages, "add_generation_prompt": False}),
-    ])
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [CALL, {**CALL, "function": {"name": "now", "arguments": ""}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "22C"},
+    ]
+    (chat, tokenized), generator = posts(
+        tok,
+        [
+            ("/v1/chat/completions", {"messages": messages, "max_tokens": 2}),
+            ("/tokenize", {"messages": messages, "add_generation_prompt": False}),
+        ],
+    )
     assert chat.status_code == 200, chat.text
-    expected = ('user:Weather?\nassistant:[get_weather {"city": "Paris"}][now {}]\n'
-                "tool:22C#call_1\n")
+    expected = 'user:Weather?\nassistant:[get_weather {"city": "Paris"}][now {}]\ntool:22C#call_1\n'
     assert prompt_text(tok, generator) == expected
     assert tokenized.json()["tokens"] == generator.calls[-1][0]
 
@@ -173,10 +191,19 @@ async def _leave_after_the_tokens(app, generator: HangingGenerator, body: dict) 
     async def send(message):
         pass
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "headers": [(b"content-type", b"application/json")],
-             "http_version": "1.1", "scheme": "http", "server": ("gateway", 80), "client": ("c", 1),
-             "root_path": ""}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("gateway", 80),
+        "client": ("c", 1),
+        "root_path": "",
+    }
     await asyncio.wait_for(app(scope, receive, send), 10)
 
 
@@ -185,8 +212,9 @@ def test_a_client_that_leaves_counts_as_aborted_with_its_tokens(tokenizer, strea
     async def go():
         generator = HangingGenerator(tokenizer)
         app = make_app(tokenizer, generator)
-        await _leave_after_the_tokens(app, generator, {"prompt": [5, 6, 7, 8], "n": 2, "max_tokens": 20,
-                                                       "stream": stream})
+        await _leave_after_the_tokens(
+            app, generator, {"prompt": [5, 6, 7, 8], "n": 2, "max_tokens": 20, "stream": stream}
+        )
         return app.state.gateway.metrics.registry, generator
 
     registry, generator = run(go())
@@ -233,8 +261,10 @@ def test_a_closed_stream_counts_once_and_a_finished_one_is_not_aborted():
 
 
 def test_a_tool_without_parameters_takes_exactly_no_arguments():
-    tools = [{"type": "function", "function": {"name": "now"}},
-             {"type": "function", "function": {"name": "wait", "parameters": None}}]
+    tools = [
+        {"type": "function", "function": {"name": "now"}},
+        {"type": "function", "function": {"name": "wait", "parameters": None}},
+    ]
     _, required = tool_calling(tools, "required")
     _, named = tool_calling(tools, {"type": "function", "function": {"name": "now"}})
     for spec in (required, named):
@@ -259,9 +289,12 @@ class _Scheduler:
         self.stop_token_id = stop_token_id
 
     def Generate(self, request, metadata=None):  # noqa: N802 (gRPC's spelling)
-        resp = scheduler_pb2.GenerateResponse(request_id=request.request_id, token_ids=[70, self.stop_token_id],
-                                              finish_reason=common_pb2.FINISH_REASON_STOP,
-                                              stop_token_id=self.stop_token_id)
+        resp = scheduler_pb2.GenerateResponse(
+            request_id=request.request_id,
+            token_ids=[70, self.stop_token_id],
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+            stop_token_id=self.stop_token_id,
+        )
         resp.usage.num_prompt_tokens, resp.usage.num_completion_tokens = 2, 2
         return ScriptedCall([resp])
 
@@ -291,12 +324,15 @@ def test_stop_reason_is_null_for_eos_and_names_a_requested_stop_token(tokenizer)
 
 def test_an_unknown_model_is_404_model_not_found(tokenizer):
     chat = [{"role": "user", "content": "hi"}]
-    responses, generator = posts(tokenizer, [
-        ("/v1/completions", {"prompt": "a", "model": "gpt-4"}),
-        ("/v1/chat/completions", {"messages": chat, "model": "gpt-4"}),
-        ("/tokenize", {"prompt": "a", "model": "gpt-4"}),
-        ("/detokenize", {"tokens": [1], "model": "gpt-4"}),
-    ])
+    responses, generator = posts(
+        tokenizer,
+        [
+            ("/v1/completions", {"prompt": "a", "model": "gpt-4"}),
+            ("/v1/chat/completions", {"messages": chat, "model": "gpt-4"}),
+            ("/tokenize", {"prompt": "a", "model": "gpt-4"}),
+            ("/detokenize", {"tokens": [1], "model": "gpt-4"}),
+        ],
+    )
     for resp in responses:
         assert resp.status_code == 404, resp.text
         error = resp.json()["error"]
@@ -306,25 +342,32 @@ def test_an_unknown_model_is_404_model_not_found(tokenizer):
 
 def test_continue_final_message_continues_the_last_message(tokenizer):
     messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
-    (chat, tokenized, both), generator = posts(tokenizer, [
-        ("/v1/chat/completions", {"messages": messages, "max_tokens": 2, "add_generation_prompt": False,
-                                  "continue_final_message": True}),
-        ("/tokenize", {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}),
-        ("/v1/chat/completions", {"messages": messages, "continue_final_message": True}),
-    ])
+    (chat, tokenized, both), generator = posts(
+        tokenizer,
+        [
+            (
+                "/v1/chat/completions",
+                {"messages": messages, "max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True},
+            ),
+            ("/tokenize", {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}),
+            ("/v1/chat/completions", {"messages": messages, "continue_final_message": True}),
+        ],
+    )
     assert chat.status_code == 200, chat.text
-    assert prompt_text(tokenizer, generator) == (
-        "<|im_start|>user\nCount<|im_end|>\n<|im_start|>assistant\n1, 2,")
+    assert prompt_text(tokenizer, generator) == ("<|im_start|>user\nCount<|im_end|>\n<|im_start|>assistant\n1, 2,")
     assert tokenized.json()["tokens"] == generator.calls[0][0]
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
     assert len(generator.calls) == 1
 
 
-@pytest.mark.parametrize("template", [
-    TOOLS_TEMPLATE,  # trims the content: the cut drops the trailing space too
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}",
-    "{% for m in messages %}<{{ m.role }}>{% for p in m.content %}{{ p.text }}{% endfor %}</s>{% endfor %}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        TOOLS_TEMPLATE,  # trims the content: the cut drops the trailing space too
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}",
+        "{% for m in messages %}<{{ m.role }}>{% for p in m.content %}{{ p.text }}{% endfor %}</s>{% endfor %}",
+    ],
+)
 def test_continue_final_message_renders_as_transformers(with_template, template):
     from transformers import AutoTokenizer
 
@@ -334,17 +377,17 @@ def test_continue_final_message_renders_as_transformers(with_template, template)
     content = [{"type": "text", "text": "x"}, {"type": "text", "text": text}] if "p.text" in template else text
     messages = [{"role": "user", "content": "A story"}, {"role": "assistant", "content": content}]
     ours = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
-    assert ours == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
-                                           continue_final_message=True)
+    assert ours == ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
     assert "upon a time" in ours and ours.endswith(("time", "time "))
 
 
 def test_a_body_that_does_not_parse_says_why(tokenizer):
     deep = b'{"prompt": "a", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-    (utf8, nested), generator = posts(tokenizer, [
-        ("/v1/completions", b'{"prompt": "a\xff\xfe"}'),
-        ("/v1/chat/completions", deep),
-    ])
+    (utf8, nested), generator = posts(
+        tokenizer, [("/v1/completions", b'{"prompt": "a\xff\xfe"}'), ("/v1/chat/completions", deep)]
+    )
     for resp in (utf8, nested):
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "body", resp.text
     assert "not valid UTF-8: byte 0xff at offset 13" in utf8.json()["error"]["message"]
@@ -368,8 +411,29 @@ def test_latency_buckets_reach_past_80_seconds_as_vllms():
         assert value("pagoda:e2e_request_latency_seconds_bucket", {"model_name": "m", "le": "7680.0"}) == 1
     # the gateway's TTFT buckets are vLLM's exactly
     assert [b for b in gateway.ttft.labels("m")._upper_bounds if b != float("inf")] == [
-        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-        20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+        0.001,
+        0.005,
+        0.01,
+        0.02,
+        0.04,
+        0.06,
+        0.08,
+        0.1,
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+        160.0,
+        640.0,
+        2560.0,
+    ]
 
 
 def test_a_request_that_ends_is_not_counted_as_aborted():

@@ -24,8 +24,12 @@ from gateway.config import ApiKey
 from gateway.generation import GenerationError
 from gateway.responses import ResponseStore, StoredResponse, input_messages, response_param
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
 SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"]}
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -104,8 +108,7 @@ def accumulated(events: list[dict], tools=()) -> object:
 
 
 def output_text(response: dict) -> str:
-    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
-                   for part in item["content"])
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"])
 
 
 @pytest.fixture(scope="module")
@@ -137,21 +140,36 @@ def test_a_text_input_is_a_user_message_and_the_reply_its_output_text(tokenizer)
     params = s.generator.calls[0]
     assert (params.sampling.max_tokens, params.sampling.temperature) == (20, 0.0)
     assert (response["max_output_tokens"], response["temperature"], response["text"]) == (
-        20, 0.0, {"format": {"type": "text"}})
+        20,
+        0.0,
+        {"format": {"type": "text"}},
+    )
 
 
 def test_messages_and_instructions_render_as_the_chat_request_would(tokenizer):
     s = scripted(tokenizer, "ok")
-    items = [{"role": "developer", "content": "Be brief."},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"},
-                                                             {"type": "input_text", "text": "there"}]},
-             {"role": "assistant", "content": "Hello."},
-             {"role": "user", "content": "Weather?"}]
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Hi"}, {"type": "input_text", "text": "there"}],
+        },
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Weather?"},
+    ]
     s.create({"input": items, "instructions": "You are a weather bot."})
-    assert s.generator.prompts[0] == s.chat_prompt({"messages": [
-        {"role": "system", "content": "You are a weather bot."}, {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi\nthere"}, {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": "Weather?"}]})
+    assert s.generator.prompts[0] == s.chat_prompt(
+        {
+            "messages": [
+                {"role": "system", "content": "You are a weather bot."},
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi\nthere"},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Weather?"},
+            ]
+        }
+    )
 
 
 def test_max_output_tokens_reached_is_incomplete(tokenizer):
@@ -196,18 +214,25 @@ def test_an_auto_tool_call_is_a_function_call_item(tokenizer, stream):
     message, call = response["output"]
     assert output_text(response) == "Let me look.\n" and message["status"] == "completed"
     assert (call["type"], call["name"], json.loads(call["arguments"]), call["status"]) == (
-        "function_call", "get_weather", {"city": "Paris"}, "completed")
+        "function_call",
+        "get_weather",
+        {"city": "Paris"},
+        "completed",
+    )
     assert call["call_id"] and call["id"].startswith("fc_")
     assert response["tools"] == [WEATHER] and response["tool_choice"] == "auto"
     # the tools reach the template as chat's would
     assert s.generator.prompts[0] == s.chat_prompt(
-        {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [CHAT_WEATHER]})
+        {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [CHAT_WEATHER]}
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_and_named_tool_choices_are_forced_calls(tokenizer, stream):
-    cases = [("required", '[{"name": "get_weather", "parameters": {"city": "Rome"}}]'),
-             ({"type": "function", "name": "get_weather"}, '{"city": "Rome"}')]
+    cases = [
+        ("required", '[{"name": "get_weather", "parameters": {"city": "Rome"}}]'),
+        ({"type": "function", "name": "get_weather"}, '{"city": "Rome"}'),
+    ]
     for choice, text in cases:
         s = scripted(tokenizer, text)
         body = {"input": "Weather in Rome?", "tools": [WEATHER], "tool_choice": choice}
@@ -224,32 +249,73 @@ def test_required_and_named_tool_choices_are_forced_calls(tokenizer, stream):
 
 def test_a_tool_round_trip_renders_the_call_and_its_output(tokenizer):
     s = scripted(tokenizer, "It is 22 C.", enable_auto_tool_choice=True, tool_call_parser="hermes")
-    items = [{"role": "user", "content": "Weather in Paris?"},
-             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-             {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature_c": 22}'}]
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature_c": 22}'},
+    ]
     response = s.create({"input": items, "tools": [WEATHER]})
     assert output_text(response) == "It is 22 C."
-    assert s.generator.prompts[0] == s.chat_prompt({"tools": [CHAT_WEATHER], "messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 22}'}]})
+    assert s.generator.prompts[0] == s.chat_prompt(
+        {
+            "tools": [CHAT_WEATHER],
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 22}'},
+            ],
+        }
+    )
 
 
 def test_input_items_become_chat_messages():
-    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": "fc_1",
-            "status": "completed"}
-    items = [{"type": "reasoning", "id": "rs_1", "summary": []},  # earlier thoughts: not rendered back
-             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
-              "content": [{"type": "output_text", "text": "Looking.", "annotations": []}]},
-             call, {**call, "call_id": "c2"},
-             {"type": "function_call_output", "call_id": "c1", "output": "1"},
-             {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "2"}]}]
+    call = {
+        "type": "function_call",
+        "call_id": "c1",
+        "name": "f",
+        "arguments": "{}",
+        "id": "fc_1",
+        "status": "completed",
+    }
+    items = [
+        {"type": "reasoning", "id": "rs_1", "summary": []},  # earlier thoughts: not rendered back
+        {
+            "type": "message",
+            "role": "assistant",
+            "id": "msg_1",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "Looking.", "annotations": []}],
+        },
+        call,
+        {**call, "call_id": "c2"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "2"}]},
+    ]
     chat_call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
     assert input_messages(items) == [
-        {"role": "assistant", "content": "Looking.", "tool_calls": [{"id": "c1", **chat_call}, {"id": "c2", **chat_call}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"}]
-    assert input_messages([call])[0] == {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", **chat_call}]}
+        {
+            "role": "assistant",
+            "content": "Looking.",
+            "tool_calls": [{"id": "c1", **chat_call}, {"id": "c2", **chat_call}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        {"role": "tool", "tool_call_id": "c2", "content": "2"},
+    ]
+    assert input_messages([call])[0] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c1", **chat_call}],
+    }
     assert input_messages("Hi") == [{"role": "user", "content": "Hi"}]
 
 
@@ -258,7 +324,8 @@ def test_reasoning_is_a_reasoning_item(tokenizer):
     response = s.create({"input": "Weather?"})
     reasoning, message = response["output"]
     assert reasoning["type"] == "reasoning" and reasoning["content"] == [
-        {"type": "reasoning_text", "text": "Paris is in France."}]
+        {"type": "reasoning_text", "text": "Paris is in France."}
+    ]
     assert output_text(response) == "It is sunny."
     events = s.stream({"input": "Weather?"})
     streamed = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
@@ -275,10 +342,17 @@ def test_a_stream_is_the_responses_events_in_order_and_numbered(tokenizer):
     kinds = [e["type"] for e in events]
     deltas = kinds.count("response.output_text.delta")
     assert deltas == 4
-    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.content_part.added", *["response.output_text.delta"] * deltas,
-                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
-                     "response.completed"]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert "".join(e["delta"] for e in events if e["type"].endswith(".delta")) == "It is sunny."
     final = events[-1]["response"]
@@ -310,17 +384,31 @@ def test_previous_response_id_continues_a_stored_response(tokenizer):
     second = s.create({"input": "And tomorrow?", "previous_response_id": first["id"]})
     assert second["previous_response_id"] == first["id"]
     # the first input and output before the new input; the first instructions not carried over
-    assert s.generator.prompts[1] == s.chat_prompt({"messages": [
-        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."},
-        {"role": "user", "content": "And tomorrow?"}]})
+    assert s.generator.prompts[1] == s.chat_prompt(
+        {
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "Sunny."},
+                {"role": "user", "content": "And tomorrow?"},
+            ]
+        }
+    )
     # a streamed response is stored too, and continues the chain
     streamed = s.stream({"input": "And after?", "previous_response_id": second["id"]})[-1]["response"]
     s.create({"input": "Thanks", "previous_response_id": streamed["id"]})
-    assert s.generator.prompts[3] == s.chat_prompt({"messages": [
-        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."},
-        {"role": "user", "content": "And tomorrow?"}, {"role": "assistant", "content": "Sunny."},
-        {"role": "user", "content": "And after?"}, {"role": "assistant", "content": "Sunny."},
-        {"role": "user", "content": "Thanks"}]})
+    assert s.generator.prompts[3] == s.chat_prompt(
+        {
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "Sunny."},
+                {"role": "user", "content": "And tomorrow?"},
+                {"role": "assistant", "content": "Sunny."},
+                {"role": "user", "content": "And after?"},
+                {"role": "assistant", "content": "Sunny."},
+                {"role": "user", "content": "Thanks"},
+            ]
+        }
+    )
     got = s.get(f"/v1/responses/{first['id']}")
     assert got.status_code == 200 and got.json() == first
 
@@ -342,8 +430,9 @@ def test_stored_responses_belong_to_their_api_key(tokenizer):
     first = s.create({"input": "Hi"}, authorization="Bearer key-a")
     assert s.get(f"/v1/responses/{first['id']}", {"authorization": "Bearer key-a"}).status_code == 200
     assert s.get(f"/v1/responses/{first['id']}", {"authorization": "Bearer key-b"}).status_code == 404
-    other = s.post("/v1/responses", {"input": "Hi", "previous_response_id": first["id"]},
-                   {"authorization": "Bearer key-b"})
+    other = s.post(
+        "/v1/responses", {"input": "Hi", "previous_response_id": first["id"]}, {"authorization": "Bearer key-b"}
+    )
     assert other.status_code == 400 and other.json()["error"]["param"] == "previous_response_id"
     assert s.post("/v1/responses", {"input": "Hi"}).status_code == 401
     deleted = s._run(lambda c: c.delete(f"/v1/responses/{first['id']}", headers={"authorization": "Bearer key-a"}))

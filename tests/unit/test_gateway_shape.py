@@ -149,8 +149,9 @@ def test_the_retry_follows_the_trailer_not_the_message_words(tok):
     assert typed.num_calls == 1
 
 
-@pytest.mark.parametrize("streamed, code", [(True, grpc.StatusCode.UNAVAILABLE),
-                                            (False, grpc.StatusCode.RESOURCE_EXHAUSTED)])
+@pytest.mark.parametrize(
+    "streamed, code", [(True, grpc.StatusCode.UNAVAILABLE), (False, grpc.StatusCode.RESOURCE_EXHAUSTED)]
+)
 def test_a_failure_after_a_response_or_of_another_kind_is_final(tok, streamed, code):
     error = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="no")
     first = scheduler_pb2.GenerateResponse(request_id="r")

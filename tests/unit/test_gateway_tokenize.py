@@ -18,8 +18,10 @@ from tokenizers import processors
 from gateway.config import ApiKey
 from services.text import Tokenizer
 
-CHAT = [{"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+]
 # The tiny model's template loops over text parts, so they reach it as sent (vLLM's "openai"
 # content format; a template that reads only strings gets them joined by newlines).
 PLAIN_CHAT = CHAT
@@ -38,13 +40,15 @@ def bos_tokenizer(model_factory, tmp_path_factory):
     shutil.copytree(model_factory(arch="llama"), model_dir)
     backend = BackendTokenizer.from_file(str(model_dir / "tokenizer.json"))
     backend.post_processor = processors.TemplateProcessing(
-        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", 0)])
+        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", 0)]
+    )
     backend.save(str(model_dir / "tokenizer.json"))
     return Tokenizer(model_dir)
 
 
 def posts(tokenizer, requests, **config):
     """Each (path, body) posted in turn to one app: (responses, the fake scheduler)."""
+
     async def go():
         client, generator = make_client(tokenizer, **config)
         async with client:
@@ -55,11 +59,14 @@ def posts(tokenizer, requests, **config):
 
 def test_a_text_is_tokenized_as_completions_encode_it(tokenizer):
     text = "Hello <|im_start|> wörld"
-    (default, bare, strs), generator = posts(tokenizer, [
-        ("/tokenize", {"prompt": text}),
-        ("/tokenize", {"model": "tiny", "prompt": text, "add_special_tokens": False}),
-        ("/tokenize", {"prompt": text, "return_token_strs": True}),
-    ])
+    (default, bare, strs), generator = posts(
+        tokenizer,
+        [
+            ("/tokenize", {"prompt": text}),
+            ("/tokenize", {"model": "tiny", "prompt": text, "add_special_tokens": False}),
+            ("/tokenize", {"prompt": text, "return_token_strs": True}),
+        ],
+    )
     ids = tokenizer.encode(text)
     assert default.status_code == 200, default.text
     assert default.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
@@ -71,9 +78,11 @@ def test_a_text_is_tokenized_as_completions_encode_it(tokenizer):
 
 
 def test_a_conversation_is_tokenized_as_chat_completions_sends_it(tokenizer):
-    bodies = [{"messages": CHAT},
-              {"messages": CHAT, "add_generation_prompt": False},
-              {"messages": CHAT, "chat_template_kwargs": {"unused_variable": 1}}]
+    bodies = [
+        {"messages": CHAT},
+        {"messages": CHAT, "add_generation_prompt": False},
+        {"messages": CHAT, "chat_template_kwargs": {"unused_variable": 1}},
+    ]
     requests = [(path, body) for body in bodies for path in ("/tokenize", "/v1/chat/completions")]
     responses, generator = posts(tokenizer, requests)
     tokenized = [r.json()["tokens"] for r in responses[0::2]]
@@ -86,14 +95,17 @@ def test_a_conversation_is_tokenized_as_chat_completions_sends_it(tokenizer):
 
 def test_add_special_tokens_with_a_tokenizer_that_adds_a_bos(bos_tokenizer):
     tok = bos_tokenizer
-    (chat_default, chat_bare, chat_added, completion, text, text_bare), generator = posts(tok, [
-        ("/tokenize", {"messages": CHAT}),
-        ("/tokenize", {"messages": CHAT, "add_special_tokens": False}),
-        ("/tokenize", {"messages": CHAT, "add_special_tokens": True}),
-        ("/v1/chat/completions", {"messages": CHAT}),
-        ("/tokenize", {"prompt": "Hi"}),
-        ("/tokenize", {"prompt": "Hi", "add_special_tokens": False}),
-    ])
+    (chat_default, chat_bare, chat_added, completion, text, text_bare), generator = posts(
+        tok,
+        [
+            ("/tokenize", {"messages": CHAT}),
+            ("/tokenize", {"messages": CHAT, "add_special_tokens": False}),
+            ("/tokenize", {"messages": CHAT, "add_special_tokens": True}),
+            ("/v1/chat/completions", {"messages": CHAT}),
+            ("/tokenize", {"prompt": "Hi"}),
+            ("/tokenize", {"prompt": "Hi", "add_special_tokens": False}),
+        ],
+    )
     rendered = tok.encode(tok.apply_chat_template(PLAIN_CHAT), add_special_tokens=False)
     assert rendered[0] != tok.bos_token_id
     assert chat_default.json()["tokens"] == generator.calls[0][0] == [tok.bos_token_id, *rendered]
@@ -109,15 +121,22 @@ def test_tokenize_counts_a_prompt_longer_than_the_context(tokenizer):
     assert resp.status_code == 200 and resp.json()["count"] > MAX_MODEL_LEN
 
 
-@pytest.mark.parametrize("text", ["", "hello world", "  two leading spaces\tand a tab\n",
-                                  "émoji 🐍 und Ünïcödé", "<|im_start|>user\nhi<|im_end|>\n"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "hello world",
+        "  two leading spaces\tand a tab\n",
+        "émoji 🐍 und Ünïcödé",
+        "<|im_start|>user\nhi<|im_end|>\n",
+    ],
+)
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_tokenize_then_detokenize_gives_the_text_back(tokenizer, text, add_special_tokens):
     async def go():
         client, _ = make_client(tokenizer)
         async with client:
-            tokens = await post(client, "/tokenize", {"prompt": text,
-                                                      "add_special_tokens": add_special_tokens})
+            tokens = await post(client, "/tokenize", {"prompt": text, "add_special_tokens": add_special_tokens})
             return tokens, await post(client, "/detokenize", {"tokens": tokens.json()["tokens"]})
 
     tokens, text_back = run(go())
@@ -152,8 +171,7 @@ BAD = [
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": "hi"}, "messages"),
     ("/tokenize", {"messages": [{"content": "hi"}]}, "messages[0].role"),
-    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content[0]"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ("/tokenize", {"messages": HI, "model": "gpt-4"}, "model"),
     ("/tokenize", {"messages": HI, "add_generation_prompt": "no"}, "add_generation_prompt"),
     ("/tokenize", {"messages": HI, "add_special_tokens": 0}, "add_special_tokens"),
@@ -190,9 +208,10 @@ def test_wrong_content_type_says_so(tokenizer):
     async def go():
         client, _ = make_client(tokenizer)
         async with client:
-            return [await client.post(path, content=body, headers={"Content-Type": "text/plain"})
-                    for path, body in (("/tokenize", b'{"prompt": "a"}'),
-                                       ("/detokenize", b'{"tokens": [1]}'))]
+            return [
+                await client.post(path, content=body, headers={"Content-Type": "text/plain"})
+                for path, body in (("/tokenize", b'{"prompt": "a"}'), ("/detokenize", b'{"tokens": [1]}'))
+            ]
 
     for resp in run(go()):
         assert resp.status_code == 400
@@ -239,7 +258,10 @@ def test_both_endpoints_are_in_the_openapi_schema(tokenizer):
     assert ok["$ref"].endswith("/TokenizeResponse")
     assert "400" in tokenize["responses"] and "401" in tokenize["responses"]
     detokenize = schema["paths"]["/detokenize"]["post"]
-    assert detokenize["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
-        "/DetokenizeRequest")
+    assert detokenize["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/DetokenizeRequest")
     assert set(schema["components"]["schemas"]["TokenizeResponse"]["properties"]) == {
-        "count", "max_model_len", "tokens", "token_strs"}
+        "count",
+        "max_model_len",
+        "tokens",
+        "token_strs",
+    }

@@ -40,9 +40,19 @@ def test_config_matches_transformers(real_gguf, gguf_factory):
     for path in (real_gguf, gguf_factory("Q8_0", arch="llama")):
         ours = GGUFCheckpoint(path).hf_config()
         theirs = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
-        for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                    "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps",
-                    "rope_theta", "bos_token_id", "eos_token_id"):
+        for key in (
+            "num_hidden_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "rope_theta",
+            "bos_token_id",
+            "eos_token_id",
+        ):
             assert ours[key] == theirs[key], key
         assert ours["tie_word_embeddings"] == theirs.get("tie_word_embeddings", False)
 
@@ -173,8 +183,7 @@ def teacher_forced_top(model: str, ids: list[int], **config) -> list[int]:
     from services.sampling import SamplingOptions
     from wiring.local_engine import LLM
 
-    out = LLM(model, **config).generate([ids], SamplingOptions(max_tokens=1, temperature=0.0,
-                                                               prompt_logprobs=1))[0]
+    out = LLM(model, **config).generate([ids], SamplingOptions(max_tokens=1, temperature=0.0, prompt_logprobs=1))[0]
     return [alternatives[0][0] for _, _, _, alternatives in out.prompt_logprobs]
 
 
@@ -192,8 +201,9 @@ def test_packed_agrees_with_float32(trained_model_dir, tmp_path):
         assert agree >= bound, (qtype, agree)
 
 
-def _decode_logits(model, steps: int = 6, batch: int = 3, kv_dtype: torch.dtype | None = None,
-                   lengths: tuple[int, ...] = (5, 17, 33)) -> list[torch.Tensor]:
+def _decode_logits(
+    model, steps: int = 6, batch: int = 3, kv_dtype: torch.dtype | None = None, lengths: tuple[int, ...] = (5, 17, 33)
+) -> list[torch.Tensor]:
     """Logits of a prefill then `steps` decode steps of `batch` sequences (greedy) of
     prompts of `lengths` (at most 120 tokens), the stage's runner with the native CPU
     backend (KV pools of `kv_dtype`)."""
@@ -205,8 +215,14 @@ def _decode_logits(model, steps: int = 6, batch: int = 3, kv_dtype: torch.dtype 
     g = torch.Generator().manual_seed(3)
     prompts = [tuple(torch.randint(5, 500, (n,), generator=g).tolist()) for n in lengths][:batch]
     greedy = SamplingParams(temperature=0.0)
-    runner.execute(StepPlan(1, new_seqs=tuple(
-        NewSeq(i, p, len(p), 0, len(p), tuple(range(i * 8, i * 8 + 8)), greedy) for i, p in enumerate(prompts))))
+    runner.execute(
+        StepPlan(
+            1,
+            new_seqs=tuple(
+                NewSeq(i, p, len(p), 0, len(p), tuple(range(i * 8, i * 8 + 8)), greedy) for i, p in enumerate(prompts)
+            ),
+        )
+    )
     out = []
     captured = []
     original = model.forward
@@ -239,8 +255,7 @@ def test_native_decode_step_equals_the_module_path(gguf_factory, model_factory, 
     fused, plain = load_stage(folder, dtype=dtype), load_stage(folder, dtype=dtype)
     assert fused.fused_decode is not None
     plain.fused_decode = None
-    for a, b in zip(_decode_logits(fused, kv_dtype=kv_dtype), _decode_logits(plain, kv_dtype=kv_dtype),
-                    strict=True):
+    for a, b in zip(_decode_logits(fused, kv_dtype=kv_dtype), _decode_logits(plain, kv_dtype=kv_dtype), strict=True):
         # the products see the same weights; the norms, SiLU and sums round differently
         # (and a rounding moves an activation's integer by one unit at most): within 1e-4 of
         # the logits' scale, the tie tolerance of the exact path. bfloat16 pools: a K/V value

@@ -67,12 +67,12 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(folder, num_stages: int, prompts, dtype: str):
-    runners = [StageRunner(load_stage(folder, k, num_stages, dtype=dtype), num_blocks=512, block_size=16,
-                           backend="cpu")
-               for k in range(num_stages)]
+    runners = [
+        StageRunner(load_stage(folder, k, num_stages, dtype=dtype), num_blocks=512, block_size=16, backend="cpu")
+        for k in range(num_stages)
+    ]
     driver = PipelineDriver(runners, chunk_size=None, max_batched_tokens=512, seed=num_stages)
-    seqs = [DriverSeq(i, p, NEW_TOKENS, SamplingParams(temperature=0.0), arrival_step=i)
-            for i, p in enumerate(prompts)]
+    seqs = [DriverSeq(i, p, NEW_TOKENS, SamplingParams(temperature=0.0), arrival_step=i) for i, p in enumerate(prompts)]
     return driver.run(seqs)
 
 
@@ -144,7 +144,9 @@ def test_the_prepared_tokenizer_encodes_as_transformers_reads_the_file(q4_k_m, a
     text = "Grüße, 世界! naïve café — 🙂 x²  12345"
     ids = theirs.encode(text, add_special_tokens=False)
     assert prepared.encode(text, add_special_tokens=False) == ids and len(ids) > 5
-    assert Tokenizer(folder).encode(text, add_special_tokens=False) == ids  # what Pagoda's services read from the folder
+    assert (
+        Tokenizer(folder).encode(text, add_special_tokens=False) == ids
+    )  # what Pagoda's services read from the folder
     assert prepared.decode(ids) == text
 
 
@@ -155,8 +157,9 @@ def test_every_architecture_reads_back_as_the_checkpoint_it_was_written_from(tmp
     source = make_arch_model(tmp_path / "hf", arch, tokenizer_dir, **ROUND_TRIP.get(arch, {}))
     folder = prepare_gguf(write_gguf(source, tmp_path / f"{arch}.gguf", "F32"))
     want, got = load_config(source), load_config(folder)
-    skip = {"source", "rms_norm_eps", "rope"} | ({"architecture", "model_type", "sliding_window"}
-                                                if arch == "mistral" else set())
+    skip = {"source", "rms_norm_eps", "rope"} | (
+        {"architecture", "model_type", "sliding_window"} if arch == "mistral" else set()
+    )
     for field in dataclasses.fields(want):
         if field.name not in skip:
             assert getattr(got, field.name) == getattr(want, field.name), field.name
@@ -183,8 +186,10 @@ def test_tensor_names_agree_with_gguf_py():
         names = gguf.get_tensor_name_map(arches[name], 4)
         for hf in arch.gguf_layer_tensors.values():
             module, leaf = hf.rsplit(".", 1)
-            assert gguf_tensor_name(f"model.layers.3.{hf}", arch.gguf_layer_tensors) == \
-                f"{names.get_name(f'model.layers.3.{module}')}.{leaf}", (name, hf)
+            assert (
+                gguf_tensor_name(f"model.layers.3.{hf}", arch.gguf_layer_tensors)
+                == f"{names.get_name(f'model.layers.3.{module}')}.{leaf}"
+            ), (name, hf)
 
 
 def test_what_a_gguf_file_cannot_say_is_refused(tmp_path, tokenizer_dir):
@@ -194,15 +199,29 @@ def test_what_a_gguf_file_cannot_say_is_refused(tmp_path, tokenizer_dir):
     gemma2 = make_arch_model(tmp_path / "g2", "gemma2", tokenizer_dir)  # query_pre_attn_scalar 24, head 16
     with pytest.raises(ValueError, match="query_pre_attn_scalar 24"):
         write_gguf(gemma2, tmp_path / "g2.gguf", "F32")
-    yarn = make_arch_model(tmp_path / "q2", "qwen2", tokenizer_dir,
-                           rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                            "original_max_position_embeddings": 512})
+    yarn = make_arch_model(
+        tmp_path / "q2",
+        "qwen2",
+        tokenizer_dir,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 512,
+        },
+    )
     with pytest.raises(ValueError, match="yarn"):
         write_gguf(yarn, tmp_path / "q2.gguf", "F32")
 
 
-TEXTS = ["Grüße, 世界! naïve café — 🙂 x²  12345", "  two leading spaces\nand a newline\ttab",
-         "Привет, мир! こんにちは。", "def f(x):\n    return x ** 2  # ²³", "ǅ ẞ ﬁ ⅔ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 👩‍💻", ""]
+TEXTS = [
+    "Grüße, 世界! naïve café — 🙂 x²  12345",
+    "  two leading spaces\nand a newline\ttab",
+    "Привет, мир! こんにちは。",
+    "def f(x):\n    return x ** 2  # ²³",
+    "ǅ ẞ ﬁ ⅔ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 👩‍💻",
+    "",
+]
 
 
 def test_a_gemma3_file_with_a_sentencepiece_vocabulary_tokenizes_as_its_source(tmp_path):
@@ -218,8 +237,9 @@ def test_a_gemma3_file_with_a_sentencepiece_vocabulary_tokenizes_as_its_source(t
     from services.text.tokenizer import Tokenizer
 
     spm = make_gemma_tokenizer(tmp_path / "tok")
-    source = make_arch_model(tmp_path / "hf", "gemma3", spm, **ROUND_TRIP["gemma3"], bos_token_id=2,
-                             eos_token_id=1, pad_token_id=0)
+    source = make_arch_model(
+        tmp_path / "hf", "gemma3", spm, **ROUND_TRIP["gemma3"], bos_token_id=2, eos_token_id=1, pad_token_id=0
+    )
     path = write_gguf(source, tmp_path / "g3.gguf", "Q8_0")
     fields = gguf.GGUFReader(path).fields
     assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
@@ -236,5 +256,6 @@ def test_a_gemma3_file_with_a_sentencepiece_vocabulary_tokenizes_as_its_source(t
         assert ours.decode(ids) == want.decode(ids, skip_special_tokens=True) == text
     assert any(want.convert_ids_to_tokens(i).startswith("<0x") for i in want.encode(TEXTS[4])), "no byte fallback"
     messages = [{"role": "user", "content": "Grüße 🙂"}]
-    assert ours.apply_chat_template(messages, add_generation_prompt=True) == \
-        want.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == want.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )

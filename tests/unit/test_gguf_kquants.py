@@ -21,9 +21,14 @@ from worker_svc.checkpoints.loader import load_stage
 SPEC = {"arch": "llama", "hidden_size": 256, "intermediate_size": 288, "num_layers": 4}
 # llama.cpp's Q4_K_M over 4 layers: layers 2 and 3 get more bits in attn_v and ffn_down
 EXPECTED_TYPES = {
-    "token_embd.weight": "Q4_K", "output.weight": "Q6_K",
-    "blk.0.attn_q.weight": "Q4_K", "blk.0.attn_v.weight": "Q4_K", "blk.3.attn_v.weight": "Q6_K",
-    "blk.0.ffn_gate.weight": "Q4_K", "blk.1.ffn_down.weight": "Q5_0", "blk.2.ffn_down.weight": "Q8_0",
+    "token_embd.weight": "Q4_K",
+    "output.weight": "Q6_K",
+    "blk.0.attn_q.weight": "Q4_K",
+    "blk.0.attn_v.weight": "Q4_K",
+    "blk.3.attn_v.weight": "Q6_K",
+    "blk.0.ffn_gate.weight": "Q4_K",
+    "blk.1.ffn_down.weight": "Q5_0",
+    "blk.2.ffn_down.weight": "Q8_0",
     "blk.0.attn_norm.weight": "F32",
 }
 

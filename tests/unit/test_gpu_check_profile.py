@@ -25,9 +25,7 @@ def test_the_profile_part_writes_a_profile_the_emulated_device_reads(tmp_path, m
     profile = load_profile(str(path))
     data = json.loads(path.read_text())
     assert data["name"] == profile.name and "gpu_check.py" in profile.source
-    costs = (profile.fixed_s, profile.per_prefill_token_s, profile.per_decode_row_s,
-             profile.per_context_token_s)
+    costs = (profile.fixed_s, profile.per_prefill_token_s, profile.per_decode_row_s, profile.per_context_token_s)
     assert all(c >= 0 for c in costs) and sum(costs) > 0
     assert figures["num_points"] == len([n for n in profile.notes if "measured" in n]) > 4
-    assert profile.step_time_s(layer_fraction=1.0, num_prefill_tokens=16, num_decode_rows=0,
-                               num_context_tokens=16) > 0
+    assert profile.step_time_s(layer_fraction=1.0, num_prefill_tokens=16, num_decode_rows=0, num_context_tokens=16) > 0

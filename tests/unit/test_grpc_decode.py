@@ -28,9 +28,11 @@ def test_undecodable_requests_are_invalid_argument_in_one_log_line(caplog):
                 check = channel.unary_unary("/grpc.health.v1.Health/Check")
                 watch = channel.unary_stream("/grpc.health.v1.Health/Watch")
                 info = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
-                for name, call in (("unary", lambda: check(GARBAGE, timeout=10)),
-                                   ("server stream", lambda: _drain(watch(GARBAGE, timeout=10))),
-                                   ("client stream", lambda: _drain(info(iter([GARBAGE]), timeout=10)))):
+                for name, call in (
+                    ("unary", lambda: check(GARBAGE, timeout=10)),
+                    ("server stream", lambda: _drain(watch(GARBAGE, timeout=10))),
+                    ("client stream", lambda: _drain(info(iter([GARBAGE]), timeout=10))),
+                ):
                     try:
                         await call()
                         codes[name] = grpc.StatusCode.OK
@@ -43,11 +45,14 @@ def test_undecodable_requests_are_invalid_argument_in_one_log_line(caplog):
                     request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                     response_deserializer=health_pb2.HealthCheckResponse.FromString,
                 )(health_pb2.HealthCheckRequest(service="x"), timeout=10)
-                listed = [r async for r in channel.stream_stream(
-                    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-                    request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
-                    response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
-                )(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)]
+                listed = [
+                    r
+                    async for r in channel.stream_stream(
+                        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+                    )(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+                ]
         finally:
             await server.stop(None)
         return codes, ok, listed
@@ -70,14 +75,17 @@ async def _drain(call):
 def test_a_service_is_not_serving_until_it_says_so():
     """grpcio's health servicer starts "" as SERVING; a launcher probing it would take a
     service that is still starting (a scheduler whose stages are not connected) for ready."""
+
     async def main():
         server, port, health = create_aio_server("127.0.0.1:0")
         await server.start()
         try:
             async with aio_channel(f"127.0.0.1:{port}") as channel:
-                check = channel.unary_unary("/grpc.health.v1.Health/Check",
-                                            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                                            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+                check = channel.unary_unary(
+                    "/grpc.health.v1.Health/Check",
+                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                    response_deserializer=health_pb2.HealthCheckResponse.FromString,
+                )
                 before = (await check(health_pb2.HealthCheckRequest(service=""), timeout=10)).status
                 await set_serving(health, "x", True)
                 after = (await check(health_pb2.HealthCheckRequest(service=""), timeout=10)).status

@@ -56,6 +56,7 @@ def no_marker(*texts: str | None) -> bool:
 
 # --------------------------------------------------------------------------- the parsers alone
 
+
 def reasoning_streamed(deltas: list[str], tool_calls_follow: bool = False) -> tuple[str | None, str | None]:
     stream = reasoning_parser("openai_gptoss", tool_calls_follow=tool_calls_follow).stream()
     out = [stream.feed(d) for d in deltas] + [stream.finish()]
@@ -110,6 +111,7 @@ def test_a_reply_cut_anywhere_streams_as_it_reads_whole(case):
 
 # ------------------------------------------------------------- together, as the gateway reads them
 
+
 def reply_streamed(parsing: ReplyParsing, deltas: list[str]) -> tuple[str | None, str | None, list]:
     stream = parsing.stream()
     out = [stream.feed(d) for d in deltas] + [stream.finish()]
@@ -147,8 +149,9 @@ def test_content_streams_as_it_comes_and_a_call_comes_whole_at_its_end():
     assert stream.feed("age|>Think").reasoning == "Think"
     assert stream.feed(".<|end|><|start|>assistant<|channel|>final<|message|>It is").content == "It is"
     assert stream.feed(" 4.<|e").content == " 4."  # a marker's beginning is held
-    piece = stream.feed("nd|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json"
-                        '<|message|>{"a": 1}')
+    piece = stream.feed(
+        'nd|><|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}'
+    )
     assert (piece.content, piece.tool_calls) == (None, ())
     (call,) = stream.feed("<|call|>").tool_calls
     assert (call.index, call.name, call.arguments) == (0, "f", '{"a": 1}') and call.id
@@ -170,8 +173,28 @@ def test_include_reasoning_false_drops_the_reasoning():
     assert "reasoning_content" not in message and message["content"] == "2 + 2 = **4**."
 
 
-_FRAGMENTS = [*MARKERS, "<|", "|>", "<|chan", "nel|>", "assistant", "analysis", "final", "commentary",
-              " to=functions.f", " to=python", " json", "json", '{"a": 1}', "{", "}", "hi", " ", "\n", "é"]
+_FRAGMENTS = [
+    *MARKERS,
+    "<|",
+    "|>",
+    "<|chan",
+    "nel|>",
+    "assistant",
+    "analysis",
+    "final",
+    "commentary",
+    " to=functions.f",
+    " to=python",
+    " json",
+    "json",
+    '{"a": 1}',
+    "{",
+    "}",
+    "hi",
+    " ",
+    "\n",
+    "é",
+]
 
 
 @given(st.lists(st.sampled_from(_FRAGMENTS), max_size=16), st.randoms(use_true_random=False))
@@ -191,18 +214,32 @@ def test_any_text_in_any_chunking_streams_as_it_reads_whole_and_no_marker_leaks(
 
 # ------------------------------------------------------------------------- headers, registration
 
-@pytest.mark.parametrize("raw,expected", [
-    ("<|channel|>analysis", HarmonyHeader("<|channel|>analysis", "analysis")),
-    ("assistant<|channel|>final", HarmonyHeader("assistant<|channel|>final", "final")),
-    ("<|channel|>commentary to=functions.get_weather <|constrain|>json",
-     HarmonyHeader("<|channel|>commentary to=functions.get_weather <|constrain|>json", "commentary",
-                   "functions.get_weather", "json")),
-    ("assistant to=functions.f<|channel|>commentary json",
-     HarmonyHeader("assistant to=functions.f<|channel|>commentary json", "commentary", "functions.f", "json")),
-    ("<|channel|>commentary<|constrain|>json to=functions.g",
-     HarmonyHeader("<|channel|>commentary<|constrain|>json to=functions.g", "commentary", "functions.g", "json")),
-    ("", HarmonyHeader("")),
-])
+
+@pytest.mark.parametrize(
+    "raw,expected",
+    [
+        ("<|channel|>analysis", HarmonyHeader("<|channel|>analysis", "analysis")),
+        ("assistant<|channel|>final", HarmonyHeader("assistant<|channel|>final", "final")),
+        (
+            "<|channel|>commentary to=functions.get_weather <|constrain|>json",
+            HarmonyHeader(
+                "<|channel|>commentary to=functions.get_weather <|constrain|>json",
+                "commentary",
+                "functions.get_weather",
+                "json",
+            ),
+        ),
+        (
+            "assistant to=functions.f<|channel|>commentary json",
+            HarmonyHeader("assistant to=functions.f<|channel|>commentary json", "commentary", "functions.f", "json"),
+        ),
+        (
+            "<|channel|>commentary<|constrain|>json to=functions.g",
+            HarmonyHeader("<|channel|>commentary<|constrain|>json to=functions.g", "commentary", "functions.g", "json"),
+        ),
+        ("", HarmonyHeader("")),
+    ],
+)
 def test_headers_are_read_in_either_order(raw, expected):
     assert parse_header(raw) == expected
 
@@ -219,8 +256,13 @@ def test_routes():
 
 def test_registered_under_vllms_names_and_accepted_by_the_config():
     assert "openai_gptoss" in REASONING_PARSERS and "openai" in TOOL_CALL_PARSERS
-    config = GatewayConfig(model="m", scheduler_address="a:1", enable_auto_tool_choice=True,
-                           tool_call_parser="openai", reasoning_parser="openai_gptoss")
+    config = GatewayConfig(
+        model="m",
+        scheduler_address="a:1",
+        enable_auto_tool_choice=True,
+        tool_call_parser="openai",
+        reasoning_parser="openai_gptoss",
+    )
     assert (config.tool_call_parser, config.reasoning_parser) == ("openai", "openai_gptoss")
     assert set(BOTH.kept_tokens) >= set(MARKERS)
     assert set(ReplyParsing(None, "openai_gptoss").kept_tokens) >= set(MARKERS)
@@ -228,6 +270,7 @@ def test_registered_under_vllms_names_and_accepted_by_the_config():
 
 
 # ------------------------------------------------- a Harmony tokenizer: markers through the detokenizer
+
 
 @pytest.fixture(scope="module")
 def harmony_dir(model_factory, tmp_path_factory):
@@ -264,11 +307,21 @@ def test_the_detokenizer_keeps_the_markers_for_the_parsers_and_drops_the_stop_to
 
 # ---------------------------------------------------------------------------- the chat template
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city, in °C.",
-    "parameters": {"type": "object", "properties": {
-        "location": {"type": "string", "description": "e.g. Zürich"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["location"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city, in °C.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "location": {"type": "string", "description": "e.g. Zürich"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["location"],
+        },
+    },
+}
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 USER = {"role": "user", "content": "  Grüße! What is 2+2? 世界 🌍  "}
 REPLY = {"role": "assistant", "content": "4."}
@@ -288,9 +341,24 @@ TEMPLATE_CASES = {
 
 def _sent(messages: list[dict]) -> list[dict]:
     """As an OpenAI client sends them: a call's arguments as JSON text."""
-    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
-        c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]} if "tool_calls" in m else m
-        for m in messages]
+    return [
+        {
+            **m,
+            "tool_calls": [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False),
+                    },
+                }
+                for c in m["tool_calls"]
+            ],
+        }
+        if "tool_calls" in m
+        else m
+        for m in messages
+    ]
 
 
 @pytest.mark.parametrize("case", sorted(TEMPLATE_CASES))
@@ -300,10 +368,15 @@ def test_the_gpt_oss_template_renders_as_transformers(harmony_dir, case):
     messages, tools, kwargs = TEMPLATE_CASES[case]
     tok, hf = Tokenizer(harmony_dir), AutoTokenizer.from_pretrained(harmony_dir)
     text = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
-    want = hf.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False,
-                                  add_generation_prompt=True, **kwargs)
-    body = {"model": "tiny", "messages": _sent(messages), **({"tools": tools} if tools else {}),
-            **({"chat_template_kwargs": kwargs} if kwargs else {})}
+    want = hf.apply_chat_template(
+        messages, tools=tools, tokenize=True, return_dict=False, add_generation_prompt=True, **kwargs
+    )
+    body = {
+        "model": "tiny",
+        "messages": _sent(messages),
+        **({"tools": tools} if tools else {}),
+        **({"chat_template_kwargs": kwargs} if kwargs else {}),
+    }
     got = chat_prompt(ChatCompletionRequest.model_validate(body), tok, ModelLimits("tiny", 1 << 16, tok.vocab_size))
     assert tok.decode(got, skip_special_tokens=False) == text
     assert list(got) == list(want)
@@ -312,9 +385,11 @@ def test_the_gpt_oss_template_renders_as_transformers(harmony_dir, case):
     if tools:
         assert "type get_weather = (_: {" in text
     if case == "call_and_result":  # the call as gpt-oss writes it, the result to the assistant
-        assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
-                '{"location": "Zürich"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary'
-                '<|message|>"{\\"temp_c\\": 21}"<|end|>') in text
+        assert (
+            "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+            '{"location": "Zürich"}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary'
+            '<|message|>"{\\"temp_c\\": 21}"<|end|>'
+        ) in text
 
 
 def test_the_vendored_template_is_gpt_oss():

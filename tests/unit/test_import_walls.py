@@ -10,8 +10,16 @@ import pytest
 
 @pytest.mark.parametrize(
     "module",
-    ["scheduler_svc.server", "scheduler_svc.transport", "kvcache_svc.server", "services.text",
-     "wiring.launcher", "wiring.cli", "gateway.app", "gateway.server"],
+    [
+        "scheduler_svc.server",
+        "scheduler_svc.transport",
+        "kvcache_svc.server",
+        "services.text",
+        "wiring.launcher",
+        "wiring.cli",
+        "gateway.app",
+        "gateway.server",
+    ],
 )
 def test_does_not_import_torch(module):
     code = f"import sys, {module}; bad = [m for m in ('torch', 'transformers', 'worker_svc') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
@@ -20,7 +28,9 @@ def test_does_not_import_torch(module):
 
 
 def test_worker_does_not_import_the_scheduler():
-    code = "import sys, worker_svc.server; sys.exit(1 if any(m.startswith('scheduler_svc') for m in sys.modules) else 0)"
+    code = (
+        "import sys, worker_svc.server; sys.exit(1 if any(m.startswith('scheduler_svc') for m in sys.modules) else 0)"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
@@ -33,8 +43,16 @@ import ast  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-FLOORS = {"services": 0, "gateway": 1, "scheduler_svc": 1, "worker_svc": 1, "kvcache_svc": 1,
-          "wiring": 2, "bench": 3, "scripts": 3}
+FLOORS = {
+    "services": 0,
+    "gateway": 1,
+    "scheduler_svc": 1,
+    "worker_svc": 1,
+    "kvcache_svc": 1,
+    "wiring": 2,
+    "bench": 3,
+    "scripts": 3,
+}
 SERVICES = ("gateway", "scheduler_svc", "worker_svc", "kvcache_svc")
 # what one service may import of another: its published client and step types, nothing inside
 PUBLIC: dict[str, set[str]] = {}  # no service imports another: contracts live in services/
@@ -130,8 +148,12 @@ def test_no_import_circle_lazy_imports_included():
 
 def test_no_floor_imports_a_floor_above_it():
     graph = _import_graph()
-    upward = [f"{m} -> {t}" for m, targets in graph.items() for t in targets
-              if FLOORS[t.split(".")[0]] > FLOORS[m.split(".")[0]]]
+    upward = [
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        for t in targets
+        if FLOORS[t.split(".")[0]] > FLOORS[m.split(".")[0]]
+    ]
     assert upward == []
 
 
@@ -142,24 +164,36 @@ def test_services_import_no_other_service_internals_and_only_wiring_imports_seve
         own = module.split(".")[0]
         others = {t.split(".")[0] for t in targets} & set(SERVICES) - {own}
         if own in SERVICES:
-            wrong += [f"{module} -> {t}" for t in targets
-                      if t.split(".")[0] in others and t not in PUBLIC.get(t.split(".")[0], ())]
+            wrong += [
+                f"{module} -> {t}"
+                for t in targets
+                if t.split(".")[0] in others and t not in PUBLIC.get(t.split(".")[0], ())
+            ]
             if len(others) > 1:  # putting services together is the wiring's work
                 wrong.append(f"{module} imports several services: {sorted(others)}")
     assert wrong == []
-    assert not any(t.startswith(("worker_svc", "kvcache_svc")) for m, ts in graph.items()
-                   if m.startswith("gateway") for t in ts)
-    assert not any(t.startswith("scheduler_svc") for m, ts in graph.items()
-                   if m.startswith("worker_svc") for t in ts)
+    assert not any(
+        t.startswith(("worker_svc", "kvcache_svc")) for m, ts in graph.items() if m.startswith("gateway") for t in ts
+    )
+    assert not any(t.startswith("scheduler_svc") for m, ts in graph.items() if m.startswith("worker_svc") for t in ts)
 
 
 # ------------------------------------------------------------------- the stage worker's floors
 # worker_svc/ shows its parts (docs/architecture.md "Floors"): the base modules, then kernels,
 # weight formats, the layers, the models (architectures and the stage's model), checkpoints,
 # the execution of steps, and the service on top; none imports a floor above its own.
-WORKER_FLOORS = {"worker_svc.errors": 0, "worker_svc.config": 0, "worker_svc.model_config": 0,
-                 "worker_svc.kernels": 1, "worker_svc.weights": 2, "worker_svc.layers": 3, "worker_svc.models": 4,
-                 "worker_svc.checkpoints": 5, "worker_svc.execution": 6, "worker_svc.server": 7}
+WORKER_FLOORS = {
+    "worker_svc.errors": 0,
+    "worker_svc.config": 0,
+    "worker_svc.model_config": 0,
+    "worker_svc.kernels": 1,
+    "worker_svc.weights": 2,
+    "worker_svc.layers": 3,
+    "worker_svc.models": 4,
+    "worker_svc.checkpoints": 5,
+    "worker_svc.execution": 6,
+    "worker_svc.server": 7,
+}
 
 
 def _worker_floor(module: str) -> int:
@@ -171,8 +205,13 @@ def _worker_floor(module: str) -> int:
 
 def test_the_stage_worker_floors_import_only_downwards():
     graph = _import_graph()
-    upward = [f"{m} -> {t}" for m, targets in graph.items() if m.startswith("worker_svc.")
-              for t in targets if t.startswith("worker_svc.") and _worker_floor(t) > _worker_floor(m)]
+    upward = [
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if m.startswith("worker_svc.")
+        for t in targets
+        if t.startswith("worker_svc.") and _worker_floor(t) > _worker_floor(m)
+    ]
     assert upward == []
 
 

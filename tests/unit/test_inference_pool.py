@@ -21,8 +21,14 @@ from wiring.inference_pool import EPP_CONFIG_FILE, EPP_PORT, epp_name
 
 CRDS = Path(__file__).resolve().parents[1] / "fixtures" / "inference_extension"
 KUBERNETES_VERSION = "1.30.0"
-OPTIONS = k8s_options.K8sOptions(replicas=3, pipeline_parallel_size=2, namespace="llm", inference_pool="pagoda-pool",
-                         objectives=(("interactive", 10), ("batch", -10)), served_model_names=("smol",))
+OPTIONS = k8s_options.K8sOptions(
+    replicas=3,
+    pipeline_parallel_size=2,
+    namespace="llm",
+    inference_pool="pagoda-pool",
+    objectives=(("interactive", 10), ("batch", -10)),
+    served_model_names=("smol",),
+)
 
 
 def _strict(schema: dict) -> dict:
@@ -78,20 +84,22 @@ def test_the_pool_and_objectives_validate_against_the_crds(manifests):
     POOL_SCHEMA.validate(pool)
     _check_pool_rules(pool)
     objectives = _of(manifests, "InferenceObjective")
-    assert {(o["metadata"]["name"], o["spec"]["priority"]) for o in objectives} == {("interactive", 10),
-                                                                                     ("batch", -10)}
+    assert {(o["metadata"]["name"], o["spec"]["priority"]) for o in objectives} == {("interactive", 10), ("batch", -10)}
     for objective in objectives:
         assert objective["apiVersion"] == "inference.networking.x-k8s.io/v1alpha2"
         OBJECTIVE_SCHEMA.validate(objective)
         assert objective["spec"]["poolRef"] == {"group": "inference.networking.k8s.io", "name": "pagoda-pool"}
 
 
-@pytest.mark.parametrize("break_it", [
-    lambda p: p["spec"].pop("selector"),
-    lambda p: p["spec"].update(targetPorts=[]),
-    lambda p: p["spec"]["endpointPickerRef"].update(failureMode="Sometimes"),
-    lambda p: p["spec"].update(modelServers={"matchLabels": {}}),  # a field v1 does not have
-])
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        lambda p: p["spec"].pop("selector"),
+        lambda p: p["spec"].update(targetPorts=[]),
+        lambda p: p["spec"]["endpointPickerRef"].update(failureMode="Sometimes"),
+        lambda p: p["spec"].update(modelServers={"matchLabels": {}}),  # a field v1 does not have
+    ],
+)
 def test_the_schemas_catch_a_broken_pool(manifests, break_it):
     pool = copy.deepcopy(_of(manifests, "InferencePool")[0])
     break_it(pool)
@@ -108,8 +116,11 @@ def test_the_other_objects_validate_against_kubernetes(manifests):
 def test_the_pool_selects_exactly_the_replicas_own_gateways(manifests):
     (pool,) = _of(manifests, "InferencePool")
     selector = pool["spec"]["selector"]["matchLabels"]
-    selected = [m for m in _of(manifests, "Deployment") + _of(manifests, "StatefulSet")
-                if selector.items() <= m["spec"]["template"]["metadata"]["labels"].items()]
+    selected = [
+        m
+        for m in _of(manifests, "Deployment") + _of(manifests, "StatefulSet")
+        if selector.items() <= m["spec"]["template"]["metadata"]["labels"].items()
+    ]
     assert sorted(m["metadata"]["name"] for m in selected) == [f"pagoda-r{i}-gateway" for i in range(3)]
     for m in selected:
         replica = m["spec"]["template"]["metadata"]["labels"][k8s_objects.REPLICA_LABEL]
@@ -140,19 +151,34 @@ def test_the_endpoint_picker_is_the_one_the_pool_names(manifests):
     assert args[args.index("--config-file") + 1] == f"/config/{EPP_CONFIG_FILE}"
     plugins = yaml.safe_load(config["data"][EPP_CONFIG_FILE])
     assert plugins["kind"] == "EndpointPickerConfig"
-    assert {p["pluginRef"] for p in plugins["schedulingProfiles"][0]["plugins"]} <= {p["type"] for p in
-                                                                                     plugins["plugins"]}
+    assert {p["pluginRef"] for p in plugins["schedulingProfiles"][0]["plugins"]} <= {
+        p["type"] for p in plugins["plugins"]
+    }
     # it reads pods, the pool and the objectives, as its service account
     assert pod["serviceAccountName"] == name
     (role,) = [r for r in _of(manifests, "Role") if r["metadata"]["name"] == name]
-    assert {res for rule in role["rules"] for res in rule["resources"]} == {"pods", "inferencepools",
-                                                                             "inferenceobjectives"}
+    assert {res for rule in role["rules"] for res in rule["resources"]} == {
+        "pods",
+        "inferencepools",
+        "inferenceobjectives",
+    }
 
 
 def test_the_command_line_renders_a_pool(tmp_path):
     out = tmp_path / "pool.yaml"
-    args = build_parser().parse_args(["k8s-manifests", "--replicas", "2", "--inference-pool", "chat",
-                                      "--inference-objective", "interactive=5", "-o", str(out)])
+    args = build_parser().parse_args(
+        [
+            "k8s-manifests",
+            "--replicas",
+            "2",
+            "--inference-pool",
+            "chat",
+            "--inference-objective",
+            "interactive=5",
+            "-o",
+            str(out),
+        ]
+    )
     assert args.func(args) == 0
     docs = [d for d in yaml.safe_load_all(out.read_text()) if d]
     (pool,) = _of(docs, "InferencePool")

@@ -22,11 +22,28 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_make_install_resolves_without_cuda(tmp_path):
     report = tmp_path / "report.json"
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "install_torch.sh"), sys.executable, "--dry-run", "--ignore-installed",
-         "--report", str(report), "-c", str(ROOT / "requirements" / "constraints.txt"), "-e", f"{ROOT}[dev]"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        [
+            "bash",
+            str(ROOT / "scripts" / "install_torch.sh"),
+            sys.executable,
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            "-c",
+            str(ROOT / "requirements" / "constraints.txt"),
+            "-e",
+            f"{ROOT}[dev]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    installs = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    installs = {
+        i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+    }
     cuda = sorted(n for n in installs if n.startswith(("nvidia-", "cuda-")) or "cuda" in n)
     assert cuda == [], f"CUDA packages on a machine without a GPU: {cuda}"
     assert installs["torch"].startswith("2.13.0")

@@ -32,11 +32,18 @@ from wiring.cli import build_parser
 KUBERNETES_VERSION = "1.30.0"
 CONFIGS = {
     "one": k8s_options.K8sOptions(),
-    "four": k8s_options.K8sOptions(replicas=4, engine={"max_num_seqs": 64, "max_model_len": 8192,
-                                               "enable_prefix_caching": True}),
-    "four-pp2-tp2-gpus": k8s_options.K8sOptions(replicas=4, pipeline_parallel_size=2, tensor_parallel_size=2,
-                                        gpus=True, gpu_memory_utilization=0.9, num_kv_blocks=4096,
-                                        model_path="/models/Meta-Llama-3.1-8B-Instruct"),
+    "four": k8s_options.K8sOptions(
+        replicas=4, engine={"max_num_seqs": 64, "max_model_len": 8192, "enable_prefix_caching": True}
+    ),
+    "four-pp2-tp2-gpus": k8s_options.K8sOptions(
+        replicas=4,
+        pipeline_parallel_size=2,
+        tensor_parallel_size=2,
+        gpus=True,
+        gpu_memory_utilization=0.9,
+        num_kv_blocks=4096,
+        model_path="/models/Meta-Llama-3.1-8B-Instruct",
+    ),
     "two-pp3": k8s_options.K8sOptions(replicas=2, pipeline_parallel_size=3, block_size=32, namespace="llm"),
 }
 SECRET = "<from a Secret>"
@@ -64,6 +71,7 @@ def fake_pagoda(tmp_path_factory) -> str:
 
 
 # --- reading the manifests -----------------------------------------------------------------
+
 
 def by_kind(manifests: list[dict], kind: str) -> dict[str, dict]:
     return {m["metadata"]["name"]: m for m in manifests if m["kind"] == kind}
@@ -121,8 +129,13 @@ def container_env(manifests: list[dict], container: dict) -> dict[str, str]:
 
 def run_worker_command(container: dict, pod_name: str, bin_dir: str) -> list[str]:
     """What the stage pod `pod_name` runs: its container's command, with HOSTNAME set."""
-    done = subprocess.run(container["command"], env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOSTNAME": pod_name},
-                          capture_output=True, text=True, timeout=10)
+    done = subprocess.run(
+        container["command"],
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOSTNAME": pod_name},
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.split("\0")[:-1]
 
@@ -132,8 +145,10 @@ def argv_of(manifests: list[dict], workload: dict, bin_dir: str) -> list[tuple[s
     container = main_container(workload)
     if workload["kind"] == "StatefulSet":
         name = workload["metadata"]["name"]
-        return [(f"{name}-{k}", run_worker_command(container, f"{name}-{k}", bin_dir))
-                for k in range(workload["spec"]["replicas"])]
+        return [
+            (f"{name}-{k}", run_worker_command(container, f"{name}-{k}", bin_dir))
+            for k in range(workload["spec"]["replicas"])
+        ]
     assert "command" not in container  # the image's entrypoint, `pagoda`, runs the args
     return [(workload["metadata"]["name"], container["args"])]
 
@@ -171,8 +186,8 @@ def reached(manifests: list[dict], address: str) -> list[tuple[dict, int | None]
         assert service["spec"].get("clusterIP") == "None", f"{address}: {service_name} is not headless"
         (sts,) = [s for s in by_kind(manifests, "StatefulSet").values() if s["spec"]["serviceName"] == service_name]
         prefix = sts["metadata"]["name"] + "-"
-        assert pod.startswith(prefix) and pod[len(prefix):].isdigit(), f"{address}: no pod {pod}"
-        ordinal = int(pod[len(prefix):])
+        assert pod.startswith(prefix) and pod[len(prefix) :].isdigit(), f"{address}: no pod {pod}"
+        ordinal = int(pod[len(prefix) :])
         assert ordinal < sts["spec"]["replicas"], f"{address}: {sts['metadata']['name']} has no pod {ordinal}"
     else:
         assert host in services, f"{address}: no Service {host}"
@@ -187,8 +202,9 @@ def reached(manifests: list[dict], address: str) -> list[tuple[dict, int | None]
     return [(w, ordinal) for w in targets]
 
 
-def reaches_one(manifests: list[dict], address: str, comp: str, replica: str | None,
-                ordinal: int | None = None) -> None:
+def reaches_one(
+    manifests: list[dict], address: str, comp: str, replica: str | None, ordinal: int | None = None
+) -> None:
     ((workload, got_ordinal),) = reached(manifests, address)
     labels = pod_labels(workload)
     assert labels[k8s_objects.COMPONENT_LABEL] == comp, f"{address} reaches {labels}, not a {comp}"
@@ -197,6 +213,7 @@ def reaches_one(manifests: list[dict], address: str, comp: str, replica: str | N
 
 
 # --- the schema ----------------------------------------------------------------------------
+
 
 def test_every_manifest_validates_strictly(config):
     options, manifests = config
@@ -222,25 +239,38 @@ def test_objects_are_named_labelled_and_namespaced(config):
     assert not by_kind(manifests, "Secret"), "secrets are the operator's, never rendered"
     for w in workloads(manifests):
         labels = pod_labels(w)
-        assert labels[k8s_objects.NAME_LABEL] == "pagoda" and labels[k8s_objects.COMPONENT_LABEL] in k8s_options.COMPONENTS
+        assert (
+            labels[k8s_objects.NAME_LABEL] == "pagoda" and labels[k8s_objects.COMPONENT_LABEL] in k8s_options.COMPONENTS
+        )
         assert (k8s_objects.REPLICA_LABEL in labels) == (component(w) in ("kvcache", "scheduler", "worker"))
         assert w["spec"]["selector"]["matchLabels"] == labels
         if w["kind"] == "StatefulSet":  # its pods' names must be DNS labels, with a revision hash to spare
             assert len(w["metadata"]["name"]) <= 52
-    expected = {"gateway": 1, "redis": 1, "kvcache": options.replicas, "scheduler": options.replicas,
-                "worker": options.replicas}
+    expected = {
+        "gateway": 1,
+        "redis": 1,
+        "kvcache": options.replicas,
+        "scheduler": options.replicas,
+        "worker": options.replicas,
+    }
     assert {c: sum(component(w) == c for w in workloads(manifests)) for c in expected} == expected
     gateway = by_kind(manifests, "Deployment")[k8s_options.GATEWAY]
     assert gateway["spec"]["replicas"] == options.gateway_replicas
     for r in options.replica_names:
-        assert by_kind(manifests, "StatefulSet")[k8s_options.worker_name(r)]["spec"]["replicas"] == \
-            options.pipeline_parallel_size
+        assert (
+            by_kind(manifests, "StatefulSet")[k8s_options.worker_name(r)]["spec"]["replicas"]
+            == options.pipeline_parallel_size
+        )
         for name in (k8s_options.kvcache_name(r), k8s_options.scheduler_name(r)):  # never two at once
             assert by_kind(manifests, "Deployment")[name]["spec"] == {
-                **by_kind(manifests, "Deployment")[name]["spec"], "replicas": 1, "strategy": {"type": "Recreate"}}
+                **by_kind(manifests, "Deployment")[name]["spec"],
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},
+            }
 
 
 # --- selectors -----------------------------------------------------------------------------
+
 
 def test_every_service_selects_pods_that_listen_on_its_ports(config):
     options, manifests = config
@@ -259,15 +289,20 @@ def test_every_service_selects_pods_that_listen_on_its_ports(config):
 def test_disruption_budgets_select_existing_pods(config):
     options, manifests = config
     budgets = by_kind(manifests, "PodDisruptionBudget")
-    chosen = {name: {component(w) for w in workloads(manifests) if selects(pdb["spec"]["selector"], pod_labels(w))}
-              for name, pdb in budgets.items()}
+    chosen = {
+        name: {component(w) for w in workloads(manifests) if selects(pdb["spec"]["selector"], pod_labels(w))}
+        for name, pdb in budgets.items()
+    }
     assert chosen == {k8s_options.GATEWAY: {"gateway"}, k8s_options.BACKEND_PDB: {"kvcache", "scheduler", "worker"}}
-    backend = [w for w in workloads(manifests) if selects(budgets[k8s_options.BACKEND_PDB]["spec"]["selector"], pod_labels(w))]
+    backend = [
+        w for w in workloads(manifests) if selects(budgets[k8s_options.BACKEND_PDB]["spec"]["selector"], pod_labels(w))
+    ]
     assert len(backend) == 3 * options.replicas  # every replica's pods: at most one disrupted
     assert all(pdb["spec"]["maxUnavailable"] == 1 for pdb in budgets.values())
 
 
 # --- addresses -----------------------------------------------------------------------------
+
 
 def test_every_address_names_a_service_with_that_port(config, fake_pagoda):
     options, manifests = config
@@ -314,12 +349,18 @@ def test_the_worker_command_is_worker_args_for_every_stage(config, fake_pagoda):
 
 def test_the_worker_command_refuses_a_hostname_without_an_ordinal(fake_pagoda):
     (sts,) = by_kind(k8s.render(k8s_options.K8sOptions()), "StatefulSet").values()
-    done = subprocess.run(main_container(sts)["command"], env={"PATH": f"{fake_pagoda}:/usr/bin:/bin",
-                          "HOSTNAME": "pagoda-worker"}, capture_output=True, text=True, timeout=10)
+    done = subprocess.run(
+        main_container(sts)["command"],
+        env={"PATH": f"{fake_pagoda}:/usr/bin:/bin", "HOSTNAME": "pagoda-worker"},
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert done.returncode == 1 and "cannot read the stage" in done.stderr and done.stdout == ""
 
 
 # --- environment ---------------------------------------------------------------------------
+
 
 def test_one_kv_layout_per_replica(config):
     options, manifests = config
@@ -351,8 +392,10 @@ def test_the_stage_definitions_carry_tensor_parallel_size_and_memory_utilization
 
 def test_pods_restart_when_the_engine_settings_change():
     def hashes(options: k8s_options.K8sOptions) -> set[str]:
-        return {w["spec"]["template"]["metadata"]["annotations"][k8s_options.ENGINE_CONFIG_HASH]
-                for w in pagoda_workloads(k8s.render(options))}
+        return {
+            w["spec"]["template"]["metadata"]["annotations"][k8s_options.ENGINE_CONFIG_HASH]
+            for w in pagoda_workloads(k8s.render(options))
+        }
 
     (before,) = hashes(k8s_options.K8sOptions(replicas=2))
     assert hashes(k8s_options.K8sOptions(replicas=3)) == {before}
@@ -364,8 +407,10 @@ def test_every_pagoda_container_takes_the_internal_token_from_a_secret(config):
     options, manifests = config
     for w in pagoda_workloads(manifests):
         (token,) = [v for v in main_container(w)["env"] if v["name"] == "PAGODA_INTERNAL_TOKEN"]
-        assert token == {"name": "PAGODA_INTERNAL_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": options.internal_token_secret, "key": options.internal_token_key}}}
+        assert token == {
+            "name": "PAGODA_INTERNAL_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": options.internal_token_secret, "key": options.internal_token_key}},
+        }
 
 
 def test_the_models_and_the_api_keys_are_mounted_where_the_flags_point(config, fake_pagoda):
@@ -382,8 +427,10 @@ def test_the_models_and_the_api_keys_are_mounted_where_the_flags_point(config, f
             assert model == options.model_path
             mount = mounts[k8s_options.MODELS_MOUNT]
             assert mount["readOnly"] is True
-            assert volumes[mount["name"]]["persistentVolumeClaim"] == {"claimName": options.models_claim,
-                                                                        "readOnly": True}
+            assert volumes[mount["name"]]["persistentVolumeClaim"] == {
+                "claimName": options.models_claim,
+                "readOnly": True,
+            }
     gateway = by_kind(manifests, "Deployment")[k8s_options.GATEWAY]
     keys_file = flag(main_container(gateway)["args"], "--api-keys-file")
     mount = {m["mountPath"]: m for m in main_container(gateway)["volumeMounts"]}[os.path.dirname(keys_file)]
@@ -393,6 +440,7 @@ def test_the_models_and_the_api_keys_are_mounted_where_the_flags_point(config, f
 
 
 # --- probes and security -------------------------------------------------------------------
+
 
 def test_probes_are_grpc_health_on_the_service_ports(config, fake_pagoda):
     options, manifests = config
@@ -419,7 +467,9 @@ def test_pods_run_unprivileged(config):
     for w in workloads(manifests):
         pod = w["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
-        assert pod["securityContext"]["runAsUser"] == (k8s_objects.UID if component(w) != "redis" else k8s_options.REDIS_UID)
+        assert pod["securityContext"]["runAsUser"] == (
+            k8s_objects.UID if component(w) != "redis" else k8s_options.REDIS_UID
+        )
         assert pod["automountServiceAccountToken"] is False
         assert pod["enableServiceLinks"] is False  # no {SERVICE}_PORT variables to read as PAGODA_* flags
         for container in pod["containers"] + pod.get("initContainers", []):
@@ -434,6 +484,7 @@ def test_pods_run_unprivileged(config):
 
 
 # --- the pagoda command lines --------------------------------------------------------------
+
 
 def test_the_scheduler_and_workers_parse_with_their_pods_environment(config, fake_pagoda):
     options, manifests = config
@@ -482,9 +533,12 @@ def test_the_gateway_parses_in_router_mode(config):
 def test_every_engine_setting_is_read_by_a_service():
     """A `--set` name no service reads (a typo) would be silently ignored: each key of the
     ConfigMap must change some subcommand's parsed arguments when its value does."""
-    minimal = {"kvcache": ["kvcache"], "worker": ["worker", "--model", "m"],
-               "scheduler": ["scheduler", "--model", "m", "--kvcache", "k:1", "--stages", "s:1"],
-               "gateway": ["gateway", "--model", "m", "--scheduler", "g:1"]}
+    minimal = {
+        "kvcache": ["kvcache"],
+        "worker": ["worker", "--model", "m"],
+        "scheduler": ["scheduler", "--model", "m", "--kvcache", "k:1", "--stages", "s:1"],
+        "gateway": ["gateway", "--model", "m", "--scheduler", "g:1"],
+    }
     options = CONFIGS["four"]
     (config_map,) = by_kind(k8s.render(options), "ConfigMap").values()
 
@@ -493,14 +547,17 @@ def test_every_engine_setting_is_read_by_a_service():
 
     for name, value in config_map["data"].items():
         other = {"true": "false", "false": "true"}.get(value) or (
-            str(int(value) + 1) if value.isdigit() else value + "x")  # another value: does it show?
+            str(int(value) + 1) if value.isdigit() else value + "x"
+        )  # another value: does it show?
         changed = [c for c, argv in minimal.items() if settings(argv, {name: value}) != settings(argv, {name: other})]
         assert changed, f"{name}={value}: read by no service"
 
 
 def test_the_renderer_is_pure_python():
-    code = ("import sys, wiring.k8s; bad = [m for m in ('torch', 'grpc', 'gateway', 'scheduler_svc') "
-            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, wiring.k8s; bad = [m for m in ('torch', 'grpc', 'gateway', 'scheduler_svc') "
+        "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -513,20 +570,24 @@ def test_routing_policies_are_the_gateways():
 
 # --- options and the command line ----------------------------------------------------------
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"replicas": 0}, "replicas: must be a positive integer"),
-    ({"pipeline_parallel_size": 9}, "pipeline_parallel_size: must be 1..8"),
-    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization: must be in (0, 1]"),
-    ({"model_path": "/data/model"}, "model_path: must be a normalized path under /models/"),
-    ({"model_path": "/models/../etc"}, "model_path"),
-    ({"namespace": "Pagoda"}, "namespace: must be a DNS label"),
-    ({"routing": "random"}, "routing: must be one of prefix, least-loaded, round-robin"),
-    ({"engine": {"num_kv_blocks": 10}}, "set by the manifests themselves"),
-    ({"engine": {"Max-Num-Seqs": 1}}, "expected a snake_case name"),
-    ({"requests": {"router": k8s_options.Resources("1", "1Gi")}}, "unknown component(s) router"),
-    ({"image": "pagoda local"}, "image: must be an image reference"),
-])
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"replicas": 0}, "replicas: must be a positive integer"),
+        ({"pipeline_parallel_size": 9}, "pipeline_parallel_size: must be 1..8"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization: must be in (0, 1]"),
+        ({"model_path": "/data/model"}, "model_path: must be a normalized path under /models/"),
+        ({"model_path": "/models/../etc"}, "model_path"),
+        ({"namespace": "Pagoda"}, "namespace: must be a DNS label"),
+        ({"routing": "random"}, "routing: must be one of prefix, least-loaded, round-robin"),
+        ({"engine": {"num_kv_blocks": 10}}, "set by the manifests themselves"),
+        ({"engine": {"Max-Num-Seqs": 1}}, "expected a snake_case name"),
+        ({"requests": {"router": k8s_options.Resources("1", "1Gi")}}, "unknown component(s) router"),
+        ({"image": "pagoda local"}, "image: must be an image reference"),
+    ],
+)
 def test_bad_options_are_refused_with_the_field_named(fields, message):
     with pytest.raises(ValueError) as caught:
         k8s_options.K8sOptions(**fields)
@@ -547,12 +608,35 @@ def _cli(argv: list[str]) -> argparse.Namespace:
 
 
 def test_run_writes_the_manifests(tmp_path, capsys):
-    argv = ["--replicas", "4", "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2", "--gpus",
-            "--gpu-memory-utilization", "0.9", "--set", "max-num-seqs=64", "--requests", "worker=8,64Gi",
-            "--namespace", "llm"]
-    expected = k8s.render(k8s_options.K8sOptions(
-        replicas=4, pipeline_parallel_size=2, tensor_parallel_size=2, gpus=True, gpu_memory_utilization=0.9,
-        engine={"max_num_seqs": "64"}, requests={"worker": k8s_options.Resources("8", "64Gi")}, namespace="llm"))
+    argv = [
+        "--replicas",
+        "4",
+        "--pipeline-parallel-size",
+        "2",
+        "--tensor-parallel-size",
+        "2",
+        "--gpus",
+        "--gpu-memory-utilization",
+        "0.9",
+        "--set",
+        "max-num-seqs=64",
+        "--requests",
+        "worker=8,64Gi",
+        "--namespace",
+        "llm",
+    ]
+    expected = k8s.render(
+        k8s_options.K8sOptions(
+            replicas=4,
+            pipeline_parallel_size=2,
+            tensor_parallel_size=2,
+            gpus=True,
+            gpu_memory_utilization=0.9,
+            engine={"max_num_seqs": "64"},
+            requests={"worker": k8s_options.Resources("8", "64Gi")},
+            namespace="llm",
+        )
+    )
     assert k8s.run(_cli(argv)) == 0
     out = capsys.readouterr().out
     assert out.startswith("# Pagoda on Kubernetes")
@@ -568,12 +652,26 @@ def test_run_refuses_bad_options(capsys):
         _cli(["--set", "max_num_seqs"])
 
 
-@pytest.mark.parametrize("name,argv", [
-    ("pagoda-1-replica.yaml", ["--replicas", "1"]),
-    ("pagoda-4-replicas-pp2-tp2-gpu.yaml", ["--replicas", "4", "--pipeline-parallel-size", "2",
-                                           "--tensor-parallel-size", "2", "--gpus",
-                                           "--gpu-memory-utilization", "0.9"]),
-])
+@pytest.mark.parametrize(
+    "name,argv",
+    [
+        ("pagoda-1-replica.yaml", ["--replicas", "1"]),
+        (
+            "pagoda-4-replicas-pp2-tp2-gpu.yaml",
+            [
+                "--replicas",
+                "4",
+                "--pipeline-parallel-size",
+                "2",
+                "--tensor-parallel-size",
+                "2",
+                "--gpus",
+                "--gpu-memory-utilization",
+                "0.9",
+            ],
+        ),
+    ],
+)
 def test_the_documented_examples_render_and_validate(tmp_path, name, argv):
     """docs/deploy.md's two examples, rendered on demand (never committed) by the command the
     page gives: each file parses and every object validates strictly."""

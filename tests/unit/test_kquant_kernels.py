@@ -33,8 +33,15 @@ TYPES = ("Q5_0", "Q5_1", *SUPER)
 TS = (1, 2, 5, 12, 33, 64)
 N = 7  # not a multiple of 4: the row tiles' tails
 # the byte offsets of each type's fp16 fields (d, and dmin or m) within a block
-FP16_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
-               "Q5_K": (0, 2), "Q6_K": (208,)}
+FP16_FIELDS = {
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 
 
 def row_lengths(qtype: str) -> tuple[int, ...]:
@@ -72,7 +79,7 @@ def weights(qtype: str, rows: int, K: int, kind: str = "quantized") -> tuple[tor
         raw = torch.randint(0, 256, (rows * K // block, size), generator=g, dtype=torch.uint8)
         for at in FP16_FIELDS[qtype]:
             scale = torch.randn(raw.shape[0], generator=g) * 0.01
-            raw[:, at:at + 2] = scale.to(torch.float16).view(-1, 1).view(torch.uint8)
+            raw[:, at : at + 2] = scale.to(torch.float16).view(-1, 1).view(torch.uint8)
         blocks = raw.view(rows, -1).contiguous()
     return blocks, dequantize(blocks, qtype, K).double()
 
@@ -84,16 +91,18 @@ def activations(T: int, K: int) -> torch.Tensor:
     return x
 
 
-def dequantized_activations(k: qk.QuantKernels, x: torch.Tensor, act_bits: int, block: int
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantized_activations(
+    k: qk.QuantKernels, x: torch.Tensor, act_bits: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 q * d of the kernel's own activations, and d per element."""
     q, d = k.quantize_activations(x, act_bits=act_bits, block=block)
     d_el = d.double().repeat_interleave(block, dim=1)
     return q.double() * d_el, d_el
 
 
-def check_product(k: qk.QuantKernels, qtype: str, blocks: torch.Tensor, w: torch.Tensor, x: torch.Tensor,
-                  act_bits: int) -> None:
+def check_product(
+    k: qk.QuantKernels, qtype: str, blocks: torch.Tensor, w: torch.Tensor, x: torch.Tensor, act_bits: int
+) -> None:
     y = k.matmul(x, blocks, qtype, act_bits=act_bits)
     assert y.shape == (x.shape[0], blocks.shape[0]) and y.dtype == torch.float32
     xq, d_el = dequantized_activations(k, x, act_bits, block_of(qtype))

@@ -15,8 +15,15 @@ from worker_svc.weights.kquants_ref import quantize
 
 TYPES = list(KQUANT_TYPES)
 # the byte ranges of each type's fp16 fields (d, and dmin or m), within a block
-FP16_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2),
-               "Q5_K": (0, 2), "Q6_K": (208,)}
+FP16_FIELDS = {
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5}
 
 
@@ -40,7 +47,7 @@ def _random_blocks(qtype: str, N: int, K: int, g: torch.Generator) -> torch.Tens
     raw = torch.randint(0, 256, (N * K // block, size), generator=g, dtype=torch.uint8)
     for at in FP16_FIELDS[qtype]:
         scale = torch.randn(raw.shape[0], generator=g) * torch.exp2(torch.randint(-12, 4, (raw.shape[0],), generator=g))
-        raw[:, at:at + 2] = scale.to(torch.float16).view(-1, 1).view(torch.uint8)
+        raw[:, at : at + 2] = scale.to(torch.float16).view(-1, 1).view(torch.uint8)
     return raw.view(N, K // block * size)
 
 
@@ -122,8 +129,10 @@ def test_round_trip_error_within_the_bit_width(qtype):
 def test_rows_of_partial_blocks_are_refused(qtype):
     block = KQUANT_TYPES[qtype][1]
     K = block + 32 if block == 256 else 48
-    with pytest.raises(ValueError, match=f"{qtype} rows hold whole {block}-value blocks: K must be a "
-                                         f"positive multiple of {block}, got {K}"):
+    with pytest.raises(
+        ValueError,
+        match=f"{qtype} rows hold whole {block}-value blocks: K must be a positive multiple of {block}, got {K}",
+    ):
         quantize(torch.randn(3, K), qtype)
     with pytest.raises(ValueError, match=f"multiple of {block}, got {K}"):
         dequantize(torch.zeros(3, 100, dtype=torch.uint8), qtype, K)

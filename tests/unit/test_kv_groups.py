@@ -54,8 +54,12 @@ def _params():
 
 
 def test_the_step_codec_carries_grouped_tables():
-    plan = StepPlan(9, (NewSeq(1, (5, 6, 7), 3, 0, 3, ((1, 2, 3), (4, NULL_PAGE, 6)), _params()),),
-                    (CachedSeq(2, 1, 3, ((7, 8, 9),)), CachedSeq(3, 1, 2)), block_copies=((1, 10),))
+    plan = StepPlan(
+        9,
+        (NewSeq(1, (5, 6, 7), 3, 0, 3, ((1, 2, 3), (4, NULL_PAGE, 6)), _params()),),
+        (CachedSeq(2, 1, 3, ((7, 8, 9),)), CachedSeq(3, 1, 2)),
+        block_copies=((1, 10),),
+    )
     msg = plan_to_pb(plan)
     assert msg.kv_groups == 3
     assert plan_from_pb(worker_pb2.MicroBatch.FromString(msg.SerializeToString())) == plan

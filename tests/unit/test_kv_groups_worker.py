@@ -48,9 +48,15 @@ GARBAGE = 50.0  # page 0's K/V: never in a table but as a NULL page's stand-in
 def gemma(tmp_path_factory):
     """The model; its LM head untied (tied, the tiny Gemma repeats its input token whatever
     it attends to; untied, a window of 64 gives other tokens for every prompt)."""
-    folder = make_arch_model(tmp_path_factory.mktemp("gemma3-kv-groups"), "gemma3", tmp_path_factory.mktemp("none"),
-                             num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES, sliding_window=WINDOW,
-                             tie_word_embeddings=False)
+    folder = make_arch_model(
+        tmp_path_factory.mktemp("gemma3-kv-groups"),
+        "gemma3",
+        tmp_path_factory.mktemp("none"),
+        num_hidden_layers=len(LAYER_TYPES),
+        layer_types=LAYER_TYPES,
+        sliding_window=WINDOW,
+        tie_word_embeddings=False,
+    )
     return folder, HFReference(folder)
 
 
@@ -76,7 +82,7 @@ class _Seq:
 
     @property
     def outputs(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
     @property
     def done(self) -> bool:
@@ -117,7 +123,7 @@ class PageService:
                 entry = seq.entries[k]
                 if entry[g] != NULL_PAGE:
                     self._give_back(entry[g])
-                    seq.entries[k] = entry[:g] + (NULL_PAGE,) + entry[g + 1:]
+                    seq.entries[k] = entry[:g] + (NULL_PAGE,) + entry[g + 1 :]
                     seq.held = min(seq.held, k)
                     self.num_nulled += 1
 
@@ -165,8 +171,9 @@ class Driver:
         parent = self.seqs[parent_id]
         assert parent.computed == len(parent.tokens) - 1 and parent.computed > 2 * WINDOW, "fork mid-decode"
         entries, copies = self.service.fork(parent)
-        self.seqs[child_id] = _Seq(child_id, list(parent.tokens), parent.prompt_len, parent.max_new, 0,
-                                   parent.computed, entries)
+        self.seqs[child_id] = _Seq(
+            child_id, list(parent.tokens), parent.prompt_len, parent.max_new, 0, parent.computed, entries
+        )
         return copies
 
     def _step(self, step_id: int, fork: tuple[int, int] | None) -> None:
@@ -204,9 +211,9 @@ class Driver:
 
     def _cached(self, s: _Seq, n: int) -> CachedSeq:
         end = s.computed + n
-        new_tokens = tuple(s.tokens[s.fed:end])
+        new_tokens = tuple(s.tokens[s.fed : end])
         s.fed = max(s.fed, end)
-        return CachedSeq(s.seq_id, n, s.held, tuple(s.entries[s.held:]), new_tokens)
+        return CachedSeq(s.seq_id, n, s.held, tuple(s.entries[s.held :]), new_tokens)
 
 
 def _runners(folder: str, num_stages: int, backend: str, grouped: bool, dtype: str = "float32") -> list[StageRunner]:
@@ -372,8 +379,9 @@ def test_a_model_that_does_not_group_keeps_one_pool_a_layer_and_one_table(tmp_pa
     assert len({id(p) for p in cache.pools}) == 3
     runner = StageRunner(model, 16, 4, layout=model.kv_layout)
     assert runner.num_kv_groups == 1 and runner.batch.shape.kv_windows == (0,)
-    metadata, _ = runner._metadata(runner.batch.apply(StepPlan(1, new_seqs=(
-        NewSeq(1, (5, 6, 7, 8, 9), 5, 0, 5, (3, 2), SamplingParams()),))))
+    metadata, _ = runner._metadata(
+        runner.batch.apply(StepPlan(1, new_seqs=(NewSeq(1, (5, 6, 7, 8, 9), 5, 0, 5, (3, 2), SamplingParams()),)))
+    )
     assert metadata.group_block_tables is None and all(m is metadata for m in metadata.layer_views([0, 0, 0]))
     with pytest.raises(InvalidPlanError, match=r"sequence 2: block id \(4, 5\) out of range"):  # an entry
         runner.validate(StepPlan(2, new_seqs=(NewSeq(2, (5, 6), 2, 0, 2, ((4, 5),), SamplingParams()),)), None)
@@ -427,8 +435,10 @@ def test_tensor_parallel_ranks_get_every_groups_tables():
     from worker_svc.execution.tensor_parallel import step_from_payload, step_payload
 
     rows = [(3, 4, [(1, 2, 3)]), (0, 6, [(4, 5, 6), (7, NULL_PAGE, 9)])]
-    for metadata, _ in (paged_layout(rows, BLOCK, "cpu", num_groups=3),
-                        paged_layout([(3, 4, [1]), (0, 6, [4, 7])], BLOCK, "cpu")):
+    for metadata, _ in (
+        paged_layout(rows, BLOCK, "cpu", num_groups=3),
+        paged_layout([(3, 4, [1]), (0, 6, [4, 7])], BLOCK, "cpu"),
+    ):
         positions, ids = torch.arange(7), torch.arange(100, 107)
         payload, layout = step_payload([(1, 2)], positions, metadata, ids)
         step = step_from_payload(payload, layout, True, torch.device("cpu"))
@@ -456,13 +466,18 @@ def test_a_verify_step_over_a_grouped_table_equals_one_table(gemma, backend):
         service = PageService(model.kv_layout.windows if grouped else (0,), seed=9)
         seq = _Seq(1, list(prompt), len(prompt), 8, 0)
         service.grow(seq, len(prompt) - 1)
-        runner.execute(StepPlan(1, new_seqs=(NewSeq(1, prompt, len(prompt), 0, len(prompt) - 1, tuple(seq.entries),
-                                                      greedy),)))
+        runner.execute(
+            StepPlan(1, new_seqs=(NewSeq(1, prompt, len(prompt), 0, len(prompt) - 1, tuple(seq.entries), greedy),))
+        )
         seq.held, seq.computed = len(seq.entries), len(prompt) - 1
         service.slide(seq, seq.computed)
         service.grow(seq, seq.computed + 1 + len(drafts))
-        plan = StepPlan(2, cached_seqs=(CachedSeq(1, 1 + len(drafts), seq.held, tuple(seq.entries[seq.held:]),
-                                                  draft_token_ids=drafts),))
+        plan = StepPlan(
+            2,
+            cached_seqs=(
+                CachedSeq(1, 1 + len(drafts), seq.held, tuple(seq.entries[seq.held :]), draft_token_ids=drafts),
+            ),
+        )
         assert not grouped or NULL_PAGE in plan.cached_seqs[0].block_ids[0]
         got.append(runner.execute(plan, keep_logits=True).logits)
     assert got[0].shape[0] == 1 + len(drafts) and torch.equal(got[0], got[1])

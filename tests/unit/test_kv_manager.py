@@ -39,9 +39,7 @@ def new(
     return out.results[seq_id]
 
 
-def append(
-    m: KVCacheManager, seq_id: int, token_ids: Sequence[int], micro_batch_id: int
-) -> Allocated | NoBlocks:
+def append(m: KVCacheManager, seq_id: int, token_ids: Sequence[int], micro_batch_id: int) -> Allocated | NoBlocks:
     out = m.step(StepInput(appends=[Append(seq_id, token_ids)], micro_batch_id=micro_batch_id))
     m.check_integrity()
     return out.results[seq_id]
@@ -72,9 +70,7 @@ def test_new_sequence_slots_and_appends_interleaved() -> None:
     assert append(m, 1, [13, 14], 2) == Allocated(1, (2,), 2, 3, (), block_offset=1)
     assert m.block_table(1) == (0, 2)
     # a prefill chunk over a block boundary
-    assert append(m, 2, [24, 25, 26, 27, 28], 3) == Allocated(
-        2, (3, 4), 5, 4, (), block_offset=1
-    )
+    assert append(m, 2, [24, 25, 26, 27, 28], 3) == Allocated(2, (3, 4), 5, 4, (), block_offset=1)
     assert m.block_table(2) == (1, 3, 4)
     assert m.num_tokens(2) == 9
     assert m.free_extents() == [(5, 11)]
@@ -226,8 +222,9 @@ def test_a_sequence_that_skips_the_prefix_cache_neither_hits_nor_fills_it() -> N
     new(m, 3, list(range(100, 108)), 2, skip_prefix_cache=True)
     m.complete([1, 2])
     # the fork fills whole blocks of its own: still nothing cached
-    m.step(StepInput(forks=[Fork(3, 4)], appends=[Append(3, [108]), Append(4, list(range(200, 208)))],
-                     micro_batch_id=3))
+    m.step(
+        StepInput(forks=[Fork(3, 4)], appends=[Append(3, [108]), Append(4, list(range(200, 208)))], micro_batch_id=3)
+    )
     m.complete([3])
     m.free(2)
     m.free(3)
@@ -329,9 +326,7 @@ def test_parent_and_children_appending_in_one_step_copy_once_per_extra_holder() 
     m.complete([0])
     out = m.step(
         StepInput(
-            forks=[Fork(1, 2), Fork(1, 3)],
-            appends=[Append(1, [5]), Append(2, [6]), Append(3, [7])],
-            micro_batch_id=1,
+            forks=[Fork(1, 2), Fork(1, 3)], appends=[Append(1, [5]), Append(2, [6]), Append(3, [7])], micro_batch_id=1
         )
     )
     m.check_integrity()
@@ -369,18 +364,10 @@ def test_no_blocks_leaves_that_sequence_unchanged_and_applies_the_others() -> No
     new(m, 1, [1, 2, 3, 4], 0)
     new(m, 2, [5, 6], 1)
     out = m.step(
-        StepInput(
-            appends=[Append(1, [1, 2, 3]), Append(2, [7])],
-            new_sequences=[NewSequence(3, [8])],
-            micro_batch_id=2,
-        )
+        StepInput(appends=[Append(1, [1, 2, 3]), Append(2, [7])], new_sequences=[NewSequence(3, [8])], micro_batch_id=2)
     )
     m.check_integrity()
-    assert out.results == {
-        1: NoBlocks(1, 2, 1),
-        2: Allocated(2, (3,), 1, 2, (), block_offset=1),
-        3: NoBlocks(3, 1, 0),
-    }
+    assert out.results == {1: NoBlocks(1, 2, 1), 2: Allocated(2, (3,), 1, 2, (), block_offset=1), 3: NoBlocks(3, 1, 0)}
     assert (m.block_table(1), m.num_tokens(1)) == ((0, 1), 4)
     assert m.block_table(2) == (2, 3)
     assert not m.has_sequence(3)
@@ -421,11 +408,7 @@ def test_stats_on_a_hand_computed_case() -> None:
     append(m, 1, [6, 7, 8], 3)  # block 1 full, block 5 holds 1 token
     stats = m.stats()
     # used 6 blocks = 24 slots; filled 9 + 3 + 8 = 20; empty 3 (block 5) + 1 (block 2)
-    assert (stats.num_used_blocks, stats.num_free_blocks, stats.num_evictable_blocks) == (
-        6,
-        10,
-        0,
-    )
+    assert (stats.num_used_blocks, stats.num_free_blocks, stats.num_evictable_blocks) == (6, 10, 0)
     assert stats.num_used_slots == 20
     assert stats.internal_fragmentation == pytest.approx(4 / 24)
     assert stats.external_fragmentation == 0.0  # one extent (6, 10)
@@ -436,11 +419,7 @@ def test_stats_on_a_hand_computed_case() -> None:
     m.free(2)  # block 2 back: extents (2, 1) and (6, 10)
     m.complete([0, 1, 2, 3])  # caches blocks 0, 1 (seq 1) and 3, 4 (seq 3)
     stats = m.stats()
-    assert (stats.num_free_blocks, stats.num_free_extents, stats.largest_free_extent) == (
-        11,
-        2,
-        10,
-    )
+    assert (stats.num_free_blocks, stats.num_free_extents, stats.largest_free_extent) == (11, 2, 10)
     assert stats.external_fragmentation == pytest.approx(1 - 10 / 11)
     assert stats.num_cached_blocks == 4
     new(m, 4, [0, 1, 2, 3, 4, 5, 6, 7, 1, 1], 4)  # hits 8 of 10 tokens
@@ -503,11 +482,7 @@ def test_100k_blocks_1000_sequences_is_fast() -> None:
     m = KVCacheManager(100_000, 16)
     prompts = [[rng.randrange(32_000) for _ in range(rng.randrange(1, 1200))] for _ in range(1000)]
     started = time.perf_counter()
-    out = m.step(
-        StepInput(
-            new_sequences=[NewSequence(i, p) for i, p in enumerate(prompts)], micro_batch_id=0
-        )
-    )
+    out = m.step(StepInput(new_sequences=[NewSequence(i, p) for i, p in enumerate(prompts)], micro_batch_id=0))
     assert all(isinstance(r, Allocated) for r in out.results.values())
     m.complete([0])
     order = list(range(1000))

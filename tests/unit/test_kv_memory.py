@@ -65,9 +65,14 @@ def test_the_parsers():
 
 
 def _info(stage, blocks, total=8 << 30, baseline=512 << 20, activation=64 << 20):
-    return SimpleNamespace(stage_index=stage, num_kv_blocks=blocks, kv_block_bytes=1 << 20,
-                           memory_total_bytes=total, memory_baseline_bytes=baseline,
-                           activation_peak_bytes=activation)
+    return SimpleNamespace(
+        stage_index=stage,
+        num_kv_blocks=blocks,
+        kv_block_bytes=1 << 20,
+        memory_total_bytes=total,
+        memory_baseline_bytes=baseline,
+        activation_peak_bytes=activation,
+    )
 
 
 def test_the_pool_is_the_smallest_stage_and_a_shortfall_says_what_would_fit():
@@ -102,15 +107,21 @@ def test_a_fixed_pool_given_with_a_memory_setting_is_checked_against_it(stages, 
 
     model = stages[1]
     block = kv_block_bytes(model.num_local_layers, 16, KVH, HD, torch.float32)
-    config = WorkerConfig(model=model_factory(arch="llama"), stage=1, num_stages=2, num_kv_blocks=40,
-                          kv_cache_memory=50 * block)
+    config = WorkerConfig(
+        model=model_factory(arch="llama"), stage=1, num_stages=2, num_kv_blocks=40, kv_cache_memory=50 * block
+    )
     blocks, sizing = stage_pool(config, model, "torch")
     assert blocks == sizing.num_blocks == 40
     with pytest.raises(MemoryError, match="--num-kv-blocks 60 does not fit .* room for 50 blocks"):
-        stage_pool(WorkerConfig(model=config.model, stage=1, num_stages=2, num_kv_blocks=60,
-                                kv_cache_memory=50 * block), model, "torch")
-    assert stage_pool(WorkerConfig(model=config.model, stage=1, num_stages=2, num_kv_blocks=60), model,
-                      "torch") == (60, None)
+        stage_pool(
+            WorkerConfig(model=config.model, stage=1, num_stages=2, num_kv_blocks=60, kv_cache_memory=50 * block),
+            model,
+            "torch",
+        )
+    assert stage_pool(WorkerConfig(model=config.model, stage=1, num_stages=2, num_kv_blocks=60), model, "torch") == (
+        60,
+        None,
+    )
 
 
 def test_a_container_memory_limit_caps_the_total(tmp_path):

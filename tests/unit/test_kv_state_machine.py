@@ -20,24 +20,9 @@ from collections import Counter
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from kvcache_svc.core import (
-    Allocated,
-    Append,
-    Fork,
-    KVCacheManager,
-    NewSequence,
-    NoBlocks,
-    StepInput,
-    StepOutput,
-)
+from kvcache_svc.core import Allocated, Append, Fork, KVCacheManager, NewSequence, NoBlocks, StepInput, StepOutput
 from services.kv_layout import NULL_PAGE
 
 KV_MACHINE_SETTINGS = settings(
@@ -52,13 +37,7 @@ NUM_BLOCKS = 16
 BLOCK_SIZE = 4
 # prompts start with one of a few shared prefixes over a tiny vocabulary, so that full
 # blocks, partial hits and whole-prompt hits really recur
-PREFIXES = (
-    (),
-    (1, 2, 3, 0),
-    (1, 2, 3, 0, 3, 3, 2, 1),
-    (1, 2, 3, 0, 3, 3, 2, 1, 0, 0, 1, 1),
-    (2, 2, 2, 2, 1),
-)
+PREFIXES = ((), (1, 2, 3, 0), (1, 2, 3, 0, 3, 3, 2, 1), (1, 2, 3, 0, 3, 3, 2, 1, 0, 0, 1, 1), (2, 2, 2, 2, 1))
 NAMESPACES = (None, "adapter-a")
 GARBAGE = -1
 
@@ -105,9 +84,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         bs = BLOCK_SIZE
         # copies read every source before any write, and before this step's tokens
         copied = {
-            (c.dst_block_id, off): self.slots.get(c.src_block_id * bs + off)
-            for c in out.copies
-            for off in range(bs)
+            (c.dst_block_id, off): self.slots.get(c.src_block_id * bs + off) for c in out.copies for off in range(bs)
         }
         for (block_id, off), value in copied.items():
             if value is None:
@@ -157,10 +134,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_seq_id += 1
         micro_batch_id = self._new_micro_batch()
         out = self._step(
-            StepInput(
-                new_sequences=[NewSequence(seq_id, prompt, namespace, chunk)],
-                micro_batch_id=micro_batch_id,
-            )
+            StepInput(new_sequences=[NewSequence(seq_id, prompt, namespace, chunk)], micro_batch_id=micro_batch_id)
         )
         self.in_flight.append((micro_batch_id, []))
         result = out.results[seq_id]
@@ -241,9 +215,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             token_ids = []
         before = (self.m.block_table(seq_id), self.m.num_tokens(seq_id))
         micro_batch_id = self._new_micro_batch()
-        out = self._step(
-            StepInput(appends=[Append(seq_id, token_ids, lookahead)], micro_batch_id=micro_batch_id)
-        )
+        out = self._step(StepInput(appends=[Append(seq_id, token_ids, lookahead)], micro_batch_id=micro_batch_id))
         self.in_flight.append((micro_batch_id, []))
         result = out.results[seq_id]
         if isinstance(result, NoBlocks):
@@ -393,10 +365,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         for block_id in range(self.NUM_BLOCKS):
             cached = self.m.cached_token_ids(block_id)
             if cached is not None:
-                held = [
-                    self.slots.get(block_id * BLOCK_SIZE + off, (GARBAGE, -1))[0]
-                    for off in range(BLOCK_SIZE)
-                ]
+                held = [self.slots.get(block_id * BLOCK_SIZE + off, (GARBAGE, -1))[0] for off in range(BLOCK_SIZE)]
                 assert tuple(held) == cached, (block_id, held, cached)
 
     @invariant()
@@ -439,6 +408,13 @@ class GroupedKVCacheMachine(KVCacheMachine):
 def test_grouped_kv_cache_state_machine() -> None:
     EVENTS.clear()
     run_state_machine_as_test(GroupedKVCacheMachine, settings=KV_MACHINE_SETTINGS)
-    for name in ("prefix hit", "whole-prompt hit", "eviction", "copy-on-write", "no blocks", "lookahead",
-                 "window slid"):
+    for name in (
+        "prefix hit",
+        "whole-prompt hit",
+        "eviction",
+        "copy-on-write",
+        "no blocks",
+        "lookahead",
+        "window slid",
+    ):
         assert EVENTS[name] > 0, (name, dict(EVENTS))

@@ -61,8 +61,7 @@ def test_transformers5_config_spelling(model_dir):
     assert config.rope.rope_type == "linear" and config.rope.factor == 2.0
     assert config.rope.theta == 5000.0 and config.torch_dtype == "float32"
     legacy = read_config(
-        {**raw, "rope_parameters": None, "rope_theta": 5000.0,
-         "rope_scaling": {"type": "linear", "factor": 2.0}}
+        {**raw, "rope_parameters": None, "rope_theta": 5000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
     )
     assert legacy.rope == config.rope
 
@@ -168,7 +167,10 @@ def test_shape_mismatch(model_dir):
     tensors = _tensors(model_dir / "model.safetensors")
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 64)
     save_file(tensors, str(model_dir / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \[8, 64\], expected \[32, 64\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \[8, 64\], expected \[32, 64\]",
+    ):
         load_stage(model_dir)
 
 
@@ -183,7 +185,10 @@ def test_corrupt_safetensors(model_dir):
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic' is not supported"),
-            ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope type 'longrope' needs a list 'short_factor'"),
+        (
+            {"rope_scaling": {"rope_type": "longrope", "factor": 2.0}},
+            "rope type 'longrope' needs a list 'short_factor'",
+        ),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],

@@ -31,12 +31,13 @@ def prompts():
 
 
 async def run(model_dir, options_list, prompt_list, num_kv_blocks=512, **cfg):
-    config = SchedulerConfig(block_size=16, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=128,
-                             **cfg)
+    config = SchedulerConfig(block_size=16, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=128, **cfg)
     engine = build_local_engine(model_dir, config, num_kv_blocks=num_kv_blocks)
     await engine.start()
     try:
-        requests = [Request(f"r{i}", tuple(p), o, 0.0) for i, (p, o) in enumerate(zip(prompt_list, options_list, strict=True))]
+        requests = [
+            Request(f"r{i}", tuple(p), o, 0.0) for i, (p, o) in enumerate(zip(prompt_list, options_list, strict=True))
+        ]
         streams = [engine.submit(r) for r in requests]
 
         async def collect(stream):
@@ -55,15 +56,17 @@ async def run(model_dir, options_list, prompt_list, num_kv_blocks=512, **cfg):
         await engine.stop()
 
 
-@pytest.mark.parametrize(("pp", "async_scheduling"), [(1, False), (1, True), (2, False), (2, True), (3, True)],
-                         ids=["pp1-sync", "pp1-async", "pp2-sync", "pp2-async", "pp3-async"])
+@pytest.mark.parametrize(
+    ("pp", "async_scheduling"),
+    [(1, False), (1, True), (2, False), (2, True), (3, True)],
+    ids=["pp1-sync", "pp1-async", "pp2-sync", "pp2-async", "pp3-async"],
+)
 def test_greedy_with_preemption_equals_transformers(model_dir, reference, pp, async_scheduling):
     ps = prompts()
     greedy = [SamplingOptions(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(ps)
     # 40 blocks of 16 = 640 slots for 8 prompts of up to 300 + 24 tokens: preemption must happen
     results, preemptions, stats = asyncio.run(
-        run(model_dir, greedy, ps, num_kv_blocks=40, pipeline_parallel_size=pp,
-            async_scheduling=async_scheduling)
+        run(model_dir, greedy, ps, num_kv_blocks=40, pipeline_parallel_size=pp, async_scheduling=async_scheduling)
     )
     assert preemptions > 0
     diverged = 0
@@ -78,8 +81,10 @@ def test_greedy_with_preemption_equals_transformers(model_dir, reference, pp, as
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_seeded_sampling_is_unchanged_by_preemption(model_dir, async_scheduling):
     ps = prompts()
-    seeded = [SamplingOptions(max_tokens=16, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True)
-              for i in range(len(ps))]
+    seeded = [
+        SamplingOptions(max_tokens=16, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True)
+        for i in range(len(ps))
+    ]
     roomy, p0, _ = asyncio.run(run(model_dir, seeded, ps, num_kv_blocks=512))
     tight, p1, _ = asyncio.run(run(model_dir, seeded, ps, num_kv_blocks=40, async_scheduling=async_scheduling))
     assert p0 == 0 and p1 > 0
@@ -89,8 +94,10 @@ def test_seeded_sampling_is_unchanged_by_preemption(model_dir, async_scheduling)
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_n_choices_share_and_differ(model_dir, async_scheduling):
     p = prompts()[5]
-    opts = [SamplingOptions(n=2, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
-            SamplingOptions(n=2, max_tokens=12, temperature=0.0, ignore_eos=True)]
+    opts = [
+        SamplingOptions(n=2, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
+        SamplingOptions(n=2, max_tokens=12, temperature=0.0, ignore_eos=True),
+    ]
     results, _, stats = asyncio.run(run(model_dir, opts, [p, p], async_scheduling=async_scheduling))
     sampled, greedy = results[0][0], results[1][0]
     assert sampled[0] != sampled[1]
@@ -113,8 +120,9 @@ def test_trace_shows_overlap_only_when_asynchronous(model_dir, tmp_path, async_s
     trace = tmp_path / "trace.jsonl"
     ps = prompts()
     greedy = [SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)] * len(ps)
-    asyncio.run(run(model_dir, greedy, ps, pipeline_parallel_size=2,
-                    async_scheduling=async_scheduling, trace_file=str(trace)))
+    asyncio.run(
+        run(model_dir, greedy, ps, pipeline_parallel_size=2, async_scheduling=async_scheduling, trace_file=str(trace))
+    )
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     order = [(e["event"], e["micro_batch_id"]) for e in events if e["event"] in ("dispatched", "result")]
     dispatched_before_previous_returned = 0
@@ -122,8 +130,10 @@ def test_trace_shows_overlap_only_when_asynchronous(model_dir, tmp_path, async_s
     for kind, mb_id in order:
         if kind == "result":
             returned.add(mb_id)
-        elif mb_id - 1 >= 1 and (mb_id - 1) not in returned and any(
-            k == "dispatched" and m == mb_id - 1 for k, m in order
+        elif (
+            mb_id - 1 >= 1
+            and (mb_id - 1) not in returned
+            and any(k == "dispatched" and m == mb_id - 1 for k, m in order)
         ):
             dispatched_before_previous_returned += 1
     assert any(e["event"] == "micro_batch" for e in events)  # the decisions are traced too
@@ -147,8 +157,14 @@ def test_async_runs_the_next_step_on_the_last_stages_own_token(model_dir, refere
     plans = []
 
     async def go():
-        config = SchedulerConfig(block_size=16, num_kv_blocks=512, max_num_batched_tokens=512,
-                                 async_scheduling=True, trace_file=str(trace), pipeline_parallel_size=pp)
+        config = SchedulerConfig(
+            block_size=16,
+            num_kv_blocks=512,
+            max_num_batched_tokens=512,
+            async_scheduling=True,
+            trace_file=str(trace),
+            pipeline_parallel_size=pp,
+        )
         engine = build_local_engine(model_dir, config, num_kv_blocks=512)
         submit = engine.transport.submit
 
@@ -159,8 +175,10 @@ def test_async_runs_the_next_step_on_the_last_stages_own_token(model_dir, refere
         engine.transport.submit = spy
         await engine.start()
         try:
-            streams = [engine.submit(Request(f"r{i}", tuple(p), o, 0.0))
-                       for i, (p, o) in enumerate(zip(ps, greedy, strict=True))]
+            streams = [
+                engine.submit(Request(f"r{i}", tuple(p), o, 0.0))
+                for i, (p, o) in enumerate(zip(ps, greedy, strict=True))
+            ]
 
             async def collect(stream):
                 return [t async for out in stream for d in out.deltas for t in d.token_ids]
@@ -218,8 +236,9 @@ def test_a_choice_ended_at_the_gateway_counts_as_a_stop(model_dir):
     assert summary["num_aborted"] == 1
 
 
-@pytest.mark.parametrize(("pp", "async_scheduling"), [(1, True), (2, True), (2, False)],
-                         ids=["pp1-async", "pp2-async", "pp2-sync"])
+@pytest.mark.parametrize(
+    ("pp", "async_scheduling"), [(1, True), (2, True), (2, False)], ids=["pp1-async", "pp2-async", "pp2-sync"]
+)
 def test_structured_output_conforms_through_preemption_and_forks(model_dir, pp, async_scheduling):
     """Each of 8 prompts under its own JSON schema, greedy, seeded, and n=3: every output
     validates, and a tight pool (preemption: grammar state rebuilt from the tokens) gives
@@ -233,14 +252,22 @@ def test_structured_output_conforms_through_preemption_and_forks(model_dir, pp, 
 
     ps = prompts()
     schemas = [SCHEMAS[i] for i in (0, 3, 5, 11, 13, 17, 18, 19)]
-    opts = [SamplingOptions(max_tokens=100, temperature=0.0 if i % 2 else 0.9, seed=40 + i,
-                            n=3 if i == 4 else 1,
-                            structured=StructuredOutput("json_schema", json.dumps(s)))
-            for i, s in enumerate(schemas)]
-    roomy, p0, _ = asyncio.run(run(model_dir, opts, ps, num_kv_blocks=512, pipeline_parallel_size=pp,
-                                   async_scheduling=async_scheduling))
-    tight, p1, stats = asyncio.run(run(model_dir, opts, ps, num_kv_blocks=40, pipeline_parallel_size=pp,
-                                       async_scheduling=async_scheduling))
+    opts = [
+        SamplingOptions(
+            max_tokens=100,
+            temperature=0.0 if i % 2 else 0.9,
+            seed=40 + i,
+            n=3 if i == 4 else 1,
+            structured=StructuredOutput("json_schema", json.dumps(s)),
+        )
+        for i, s in enumerate(schemas)
+    ]
+    roomy, p0, _ = asyncio.run(
+        run(model_dir, opts, ps, num_kv_blocks=512, pipeline_parallel_size=pp, async_scheduling=async_scheduling)
+    )
+    tight, p1, stats = asyncio.run(
+        run(model_dir, opts, ps, num_kv_blocks=40, pipeline_parallel_size=pp, async_scheduling=async_scheduling)
+    )
     assert p0 == 0 and p1 > 0
     from services.text import Tokenizer
 

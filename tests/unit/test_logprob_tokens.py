@@ -138,8 +138,9 @@ def byte_fallback_tok(tmp_path_factory) -> Tokenizer:
         vocab.setdefault(piece, len(vocab))
     backend = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
     path = tmp_path_factory.mktemp("byte-fallback")
     backend.save(str(path / "tokenizer.json"))
@@ -185,7 +186,7 @@ def _char_starts(raw: bytes) -> list[int]:
         if pos in replaced:
             pos = replaced[pos]
         else:  # a valid character: its length from its lead byte
-            pos += 1 if raw[pos] < 0x80 else 2 if raw[pos] < 0xe0 else 3 if raw[pos] < 0xf0 else 4
+            pos += 1 if raw[pos] < 0x80 else 2 if raw[pos] < 0xE0 else 3 if raw[pos] < 0xF0 else 4
     assert len(starts) == len(text)
     return starts
 
@@ -201,8 +202,26 @@ def _reference_offsets(tokens: list[bytes]) -> list[int]:
     return out
 
 
-_BYTES = st.sampled_from([b"a", b" ", b"\xe2", b"\x80", b"\x99", b"\xf0", b"\x9f", b"\x8e",
-                          b"\x89", b"\xc3", b"\xa9", b"\xe0", b"\xff", b"\xef", b"\xbf", b"\xbd"])
+_BYTES = st.sampled_from(
+    [
+        b"a",
+        b" ",
+        b"\xe2",
+        b"\x80",
+        b"\x99",
+        b"\xf0",
+        b"\x9f",
+        b"\x8e",
+        b"\x89",
+        b"\xc3",
+        b"\xa9",
+        b"\xe0",
+        b"\xff",
+        b"\xef",
+        b"\xbf",
+        b"\xbd",
+    ]
+)
 _TOKENS = st.lists(st.lists(_BYTES, min_size=1, max_size=3).map(b"".join), max_size=12)
 
 
@@ -259,17 +278,24 @@ def test_completion_top_logprobs_keep_every_alternative(tok) -> None:
     assert body["token_logprobs"] == [-1.5]  # the sampled token's own, as the scheduler sent it
 
     chat = fmt.chat_logprobs([lp])["content"]
-    assert chat == [{"token": "bytes:\\x80", "logprob": -1.5, "bytes": [0x80], "top_logprobs": [
-        {"token": "bytes:\\xe2", "logprob": -0.5, "bytes": [0xe2]},
-        {"token": "bytes:\\x80", "logprob": -1.0, "bytes": [0x80]},
-        {"token": "bytes:\\x99", "logprob": -1.5, "bytes": [0x99]},
-        {"token": "a", "logprob": -2.0, "bytes": [ord("a")]}]}]
+    assert chat == [
+        {
+            "token": "bytes:\\x80",
+            "logprob": -1.5,
+            "bytes": [0x80],
+            "top_logprobs": [
+                {"token": "bytes:\\xe2", "logprob": -0.5, "bytes": [0xE2]},
+                {"token": "bytes:\\x80", "logprob": -1.0, "bytes": [0x80]},
+                {"token": "bytes:\\x99", "logprob": -1.5, "bytes": [0x99]},
+                {"token": "a", "logprob": -2.0, "bytes": [ord("a")]},
+            ],
+        }
+    ]
 
 
 def test_alternatives_with_the_same_text_keep_the_likelier() -> None:
     # two ids that decode to the same valid text (different merges of one string)
-    lp = TokenLogprob(9, "ab", -3.0, [TopToken(7, "ab", -2.0), TopToken(8, "ab", -1.0),
-                                      TopToken(6, "c", -2.5)])
+    lp = TokenLogprob(9, "ab", -3.0, [TopToken(7, "ab", -2.0), TopToken(8, "ab", -1.0), TopToken(6, "c", -2.5)])
     assert fmt.completion_logprobs([lp])["top_logprobs"] == [{"ab": -1.0, "c": -2.5}]
 
 
@@ -298,9 +324,8 @@ def _script(chunks: list[list[int]], alternatives: list[int]):
                     continue
                 entry = resp.logprobs.add()
                 entry.sampled.token_id = token_id
-                entry.sampled.logprob = next((-0.25 * r for r, t in enumerate(alternatives, 1)
-                                              if t == token_id), -9.0)
-                for rank, t in enumerate(alternatives[:request.sampling_params.logprobs], 1):
+                entry.sampled.logprob = next((-0.25 * r for r, t in enumerate(alternatives, 1) if t == token_id), -9.0)
+                for rank, t in enumerate(alternatives[: request.sampling_params.logprobs], 1):
                     entry.top.add(token_id=t, logprob=-0.25 * rank, rank=rank)
             if i == len(chunks) - 1:
                 resp.finish_reason = common_pb2.FINISH_REASON_LENGTH
@@ -316,8 +341,9 @@ def _post_both(tok: Tokenizer, script, path: str, body: dict) -> tuple[dict, lis
     """(the whole response, the stream's chunks) of one request, over the scripted stream."""
     generator = TextGenerator("unused:1", tok, 256)
     script_scheduler(generator, _ScriptedScheduler(script))
-    config = GatewayConfig(model=str(tok.model_dir), scheduler_address="unused:1",
-                           served_model_names=("tiny",), max_model_len=256)
+    config = GatewayConfig(
+        model=str(tok.model_dir), scheduler_address="unused:1", served_model_names=("tiny",), max_model_len=256
+    )
     app = create_app(config, generator)
 
     async def go():
@@ -328,7 +354,7 @@ def _post_both(tok: Tokenizer, script, path: str, body: dict) -> tuple[dict, lis
 
     whole, stream = asyncio.run(go())
     assert whole.status_code == stream.status_code == 200, (whole.text, stream.text)
-    events = [e[len("data: "):] for e in stream.text.split("\n\n") if e]
+    events = [e[len("data: ") :] for e in stream.text.split("\n\n") if e]
     assert events[-1] == "[DONE]"
     return whole.json(), [json.loads(e) for e in events[:-1]]
 
@@ -349,8 +375,12 @@ def scripted(tok):
 
 def test_completions_whole_and_streamed_agree(tok, scripted) -> None:
     chunks, alternatives = scripted
-    whole, events = _post_both(tok, _script(chunks, alternatives), "/v1/completions",
-                               {"model": "tiny", "prompt": "hi", "max_tokens": 5, "logprobs": 5})
+    whole, events = _post_both(
+        tok,
+        _script(chunks, alternatives),
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "max_tokens": 5, "logprobs": 5},
+    )
     [choice] = whole["choices"]
     assert choice["text"] == "a’\ufffdb"
     lp = choice["logprobs"]
@@ -373,32 +403,51 @@ def test_completions_whole_and_streamed_agree(tok, scripted) -> None:
 
 def test_chat_whole_and_streamed_agree(tok, scripted) -> None:
     chunks, alternatives = scripted
-    whole, events = _post_both(tok, _script(chunks, alternatives), "/v1/chat/completions",
-                               {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                "max_tokens": 5, "logprobs": True, "top_logprobs": 4})
+    whole, events = _post_both(
+        tok,
+        _script(chunks, alternatives),
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "logprobs": True,
+            "top_logprobs": 4,
+        },
+    )
     [choice] = whole["choices"]
     content = choice["logprobs"]["content"]
-    assert [e["token"] for e in content] == ["a", "bytes:\\xe2", "bytes:\\x80", "bytes:\\x99",
-                                             "bytes:\\xe2", "b"]
-    assert [e["bytes"] for e in content] == [[0x61], [0xe2], [0x80], [0x99], [0xe2], [0x62]]
-    assert bytes(b for e in content for b in e["bytes"]).decode("utf-8", "replace") == \
-        choice["message"]["content"] == "a’\ufffdb"
+    assert [e["token"] for e in content] == ["a", "bytes:\\xe2", "bytes:\\x80", "bytes:\\x99", "bytes:\\xe2", "b"]
+    assert [e["bytes"] for e in content] == [[0x61], [0xE2], [0x80], [0x99], [0xE2], [0x62]]
+    assert (
+        bytes(b for e in content for b in e["bytes"]).decode("utf-8", "replace")
+        == choice["message"]["content"]
+        == "a’\ufffdb"
+    )
     for e in content:
         tops = e["top_logprobs"]
         assert [t["token"] for t in tops] == [label(tok, t) for t in alternatives[:4]]
         assert [bytes(t["bytes"]) for t in tops] == [tok.token_bytes(t) for t in alternatives[:4]]
         assert len({t["token"] for t in tops}) == 4
-    streamed = [e for event in events for c in event["choices"]
-                for e in ((c["logprobs"] or {}).get("content") or [])]
+    streamed = [e for event in events for c in event["choices"] for e in ((c["logprobs"] or {}).get("content") or [])]
     assert streamed == content
 
 
 def test_special_tokens_in_logprobs_are_spelled_out(tok) -> None:
     by_bytes = ids_by_bytes(tok)
     chunks = [[by_bytes[b"a"]], [IM_END_TOKEN_ID]]
-    whole, _ = _post_both(tok, _script(chunks, [IM_END_TOKEN_ID, by_bytes[b"a"]]), "/v1/chat/completions",
-                          {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                           "max_tokens": 2, "logprobs": True, "top_logprobs": 2})
+    whole, _ = _post_both(
+        tok,
+        _script(chunks, [IM_END_TOKEN_ID, by_bytes[b"a"]]),
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    )
     content = whole["choices"][0]["logprobs"]["content"]
     assert content[1]["token"] == "<|im_end|>" and bytes(content[1]["bytes"]) == b"<|im_end|>"
     assert [t["token"] for t in content[0]["top_logprobs"]] == ["<|im_end|>", "a"]
@@ -408,10 +457,14 @@ def test_grpc_api_keeps_the_decoded_text_and_the_ids(tok) -> None:
     """pagoda.v1.Generation names every token by id: its `token` stays the plain decode."""
     by_bytes = ids_by_bytes(tok)
     lead, cont = by_bytes[b"\xe2"], by_bytes[b"\x80"]
-    lp = TokenLogprob(cont, "\ufffd", -1.0, [TopToken(lead, "\ufffd", -0.5, b"\xe2"),
-                                             TopToken(cont, "\ufffd", -1.0, b"\x80")], b"\x80")
+    lp = TokenLogprob(
+        cont,
+        "\ufffd",
+        -1.0,
+        [TopToken(lead, "\ufffd", -0.5, b"\xe2"), TopToken(cont, "\ufffd", -1.0, b"\x80")],
+        b"\x80",
+    )
     msg = response_from_delta("r", ChoiceDelta(0, "", [cont], [lp]))
     [entry] = msg.choices[0].logprobs
     assert (entry.token_id, entry.token) == (cont, "\ufffd")
-    assert [(t.token_id, t.token, t.logprob) for t in entry.top] == [(lead, "\ufffd", -0.5),
-                                                                    (cont, "\ufffd", -1.0)]
+    assert [(t.token_id, t.token, t.logprob) for t in entry.top] == [(lead, "\ufffd", -0.5), (cont, "\ufffd", -1.0)]

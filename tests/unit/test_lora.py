@@ -37,14 +37,29 @@ MAX_RANK = 16
 BLOCK_SIZE = 4
 ADAPTERS = {  # name -> make_adapter's arguments
     "attn-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=1),
-    "mlp-r8": dict(r=8, lora_alpha=16, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"],
-                   rank_pattern={"down_proj": 4}, alpha_pattern={"o_proj": 32}, seed=2),
-    "all-r16-rslora": dict(r=16, lora_alpha=32, use_rslora=True, seed=3, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "mlp-r8": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"],
+        rank_pattern={"down_proj": 4},
+        alpha_pattern={"o_proj": 32},
+        seed=2,
+    ),
+    "all-r16-rslora": dict(
+        r=16,
+        lora_alpha=32,
+        use_rslora=True,
+        seed=3,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
 }
 NAMES = list(ADAPTERS)
-PROMPTS = [[17, 99, 5, 300, 42, 7, 250], [8, 8, 61, 400, 123, 9, 77, 31, 200, 15, 6, 88],
-           [301, 12, 44, 5, 90], [64, 128, 256, 11, 13, 17, 19, 23, 29]]
+PROMPTS = [
+    [17, 99, 5, 300, 42, 7, 250],
+    [8, 8, 61, 400, 123, 9, 77, 31, 200, 15, 6, 88],
+    [301, 12, 44, 5, 90],
+    [64, 128, 256, 11, 13, 17, 19, 23, 29],
+]
 ROW_ADAPTERS = ["attn-r4", None, "mlp-r8", "all-r16-rslora"]  # None: the base model
 NEXT_TOKENS = [33, 71, 150, 402]  # each sequence's token of the decode step
 
@@ -66,16 +81,21 @@ def references(model_dir, adapter_dirs):
     merged model for an adapter's rows, the base model for the others."""
     models = {name: merged_model(model_dir, path) for name, path in adapter_dirs.items()}
     models[None] = merged_model(model_dir)
-    return [reference_logits(models[name], prompt + [nxt])
-            for name, prompt, nxt in zip(ROW_ADAPTERS, PROMPTS, NEXT_TOKENS, strict=True)]
+    return [
+        reference_logits(models[name], prompt + [nxt])
+        for name, prompt, nxt in zip(ROW_ADAPTERS, PROMPTS, NEXT_TOKENS, strict=True)
+    ]
 
 
-def make_bank(model: StageModel, adapter_dirs, names=NAMES, tp_rank: int = 0, tp_size: int = 1,
-              max_loras: int = 4) -> LoraBank:
+def make_bank(
+    model: StageModel, adapter_dirs, names=NAMES, tp_rank: int = 0, tp_size: int = 1, max_loras: int = 4
+) -> LoraBank:
     bank = LoraBank(model.config, model.start, model.end, max_loras=max_loras, max_rank=MAX_RANK)
     for name in names:
-        bank.add(name, load_adapter(adapter_dirs[name], model.config, model.start, model.end,
-                                    tp_rank, tp_size, max_rank=MAX_RANK))
+        bank.add(
+            name,
+            load_adapter(adapter_dirs[name], model.config, model.start, model.end, tp_rank, tp_size, max_rank=MAX_RANK),
+        )
     return bank
 
 
@@ -86,8 +106,15 @@ class Batch:
     def __init__(self, model: StageModel, num_seqs: int = len(PROMPTS), max_len: int = 16) -> None:
         config = model.config
         self.model, self.blocks_per_seq = model, -(-max_len // BLOCK_SIZE)
-        self.cache = PagedKVCache(model.num_local_layers, num_seqs * self.blocks_per_seq, BLOCK_SIZE,
-                                  config.num_kv_heads, config.head_dim, torch.float32, "cpu")
+        self.cache = PagedKVCache(
+            model.num_local_layers,
+            num_seqs * self.blocks_per_seq,
+            BLOCK_SIZE,
+            config.num_kv_heads,
+            config.head_dim,
+            torch.float32,
+            "cpu",
+        )
 
     def metadata(self, spans: list[tuple[int, int]]) -> tuple[AttentionMetadata, torch.Tensor]:
         slots, positions, starts, table = [], [], [0], []
@@ -105,12 +132,12 @@ class Batch:
         )  # fmt: skip
         return metadata, torch.tensor(positions)
 
-    def run(self, inputs: torch.Tensor, spans: list[tuple[int, int]], lora: LoraStep | None,
-            logits_rows: bool = True) -> torch.Tensor:
+    def run(
+        self, inputs: torch.Tensor, spans: list[tuple[int, int]], lora: LoraStep | None, logits_rows: bool = True
+    ) -> torch.Tensor:
         metadata, positions = self.metadata(spans)
         rows = torch.arange(positions.shape[0]) if logits_rows and self.model.is_last else None
-        return self.model(inputs, positions, self.cache.pools, metadata, TorchAttentionBackend(),
-                          rows, lora=lora)
+        return self.model(inputs, positions, self.cache.pools, metadata, TorchAttentionBackend(), rows, lora=lora)
 
 
 def prefill_ids(prompts: list[list[int]] = PROMPTS) -> torch.Tensor:
@@ -130,8 +157,9 @@ def step_slots(bank: LoraBank, num_tokens: list[int]) -> torch.Tensor:
     return token_slots(row_slots, num_tokens)
 
 
-def run_prefill_and_decode(model: StageModel, bank: LoraBank | None,
-                           prompts: list[list[int]] = PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
+def run_prefill_and_decode(
+    model: StageModel, bank: LoraBank | None, prompts: list[list[int]] = PROMPTS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(prefill logits at every prompt position [sum(len), vocab], decode logits [4, vocab]);
     on a stage other than the last, its hidden states."""
     batch = Batch(model)
@@ -179,8 +207,9 @@ def test_a_step_without_adapter_tokens_is_bit_identical(model_dir, adapter_dirs)
     batch_a, batch_b = Batch(model), Batch(model)
     none = LoraStep(bank, torch.full((prefill_ids().shape[0],), -1))
     assert not none.active and none.groups == ()
-    assert torch.equal(batch_a.run(prefill_ids(), prefill_spans(), none),
-                       batch_b.run(prefill_ids(), prefill_spans(), None))
+    assert torch.equal(
+        batch_a.run(prefill_ids(), prefill_spans(), none), batch_b.run(prefill_ids(), prefill_spans(), None)
+    )
 
 
 def test_a_step_of_one_adapter_takes_every_token_at_once(model_dir, adapter_dirs, references):
@@ -191,8 +220,15 @@ def test_a_step_of_one_adapter_takes_every_token_at_once(model_dir, adapter_dirs
     metadata = batch.metadata([(0, len(prompt))])[0]
     lora = LoraStep(bank, torch.full((len(prompt),), bank.slot_of("all-r16-rslora")))
     assert [rows for _, rows in lora.groups] == [None]
-    got = model(torch.tensor(prompt), torch.arange(len(prompt)), batch.cache.pools, metadata,
-                TorchAttentionBackend(), torch.arange(len(prompt)), lora=lora)
+    got = model(
+        torch.tensor(prompt),
+        torch.arange(len(prompt)),
+        batch.cache.pools,
+        metadata,
+        TorchAttentionBackend(),
+        torch.arange(len(prompt)),
+        lora=lora,
+    )
     torch.testing.assert_close(got, references[3][: len(prompt)], atol=1e-4, rtol=1e-4)
 
 
@@ -206,8 +242,10 @@ def test_a_pipeline_split_equals_the_whole_model(model_dir, adapter_dirs):
     assert [(s.start, s.end) for s in stages] == [(0, 2), (2, 4)]
     banks = [make_bank(s, adapter_dirs) for s in stages]
     batches = [Batch(s) for s in stages]
-    for inputs, spans, want_logits in ((prefill_ids(), prefill_spans(), want[0]),
-                                       (torch.tensor(NEXT_TOKENS), decode_spans(), want[1])):
+    for inputs, spans, want_logits in (
+        (prefill_ids(), prefill_spans(), want[0]),
+        (torch.tensor(NEXT_TOKENS), decode_spans(), want[1]),
+    ):
         lengths = [end - start for start, end in spans]
         hidden = batches[0].run(inputs, spans, LoraStep(banks[0], step_slots(banks[0], lengths)))
         got = batches[1].run(hidden, spans, LoraStep(banks[1], step_slots(banks[1], lengths)))
@@ -228,6 +266,7 @@ class ThreadReduce:
             total = torch.stack(self.parts).sum(0)  # the same order on every rank
             self.barrier.wait()
             return total
+
         return reduce
 
 
@@ -255,8 +294,7 @@ def test_a_rank_holds_b_rows_of_column_and_a_columns_of_row_parallel_targets(mod
     config = whole.config
     full = load_adapter(adapter_dirs["all-r16-rslora"], config, 0, 4, max_rank=MAX_RANK)
     half = config.shard(2)
-    shares = [load_adapter(adapter_dirs["all-r16-rslora"], half, 0, 4, r, 2, max_rank=MAX_RANK)
-              for r in range(2)]
+    shares = [load_adapter(adapter_dirs["all-r16-rslora"], half, 0, 4, r, 2, max_rank=MAX_RANK) for r in range(2)]
     width = max(config.hidden_size, config.intermediate_size, config.q_size)
     x = torch.randn(5, width, generator=torch.Generator().manual_seed(0))
     for (layer, target), w in full.weights.items():
@@ -313,8 +351,10 @@ def test_packed_stage_adds_deltas_and_skips_the_native_decode_step(model_dir, ad
     batch_a.run(prefill_ids(short), prefill_spans(short), None)
     batch_b.run(prefill_ids(short), prefill_spans(short), LoraStep(bank, torch.full((sum(lengths),), -1)))
     none = LoraStep(bank, torch.full((len(short),), -1))
-    assert torch.equal(batch_a.run(torch.tensor(NEXT_TOKENS), decode_spans(short), None),
-                       batch_b.run(torch.tensor(NEXT_TOKENS), decode_spans(short), none))
+    assert torch.equal(
+        batch_a.run(torch.tensor(NEXT_TOKENS), decode_spans(short), None),
+        batch_b.run(torch.tensor(NEXT_TOKENS), decode_spans(short), none),
+    )
     if packed.fused_decode is not None:
         assert calls == [1, 1, 1]
 
@@ -395,8 +435,11 @@ def test_an_unsupported_target_module_is_refused(model_dir, tmp_path, targets):
 def test_an_unsupported_tensor_is_refused_under_a_regex_target(model_dir, tmp_path):
     folder = make_adapter(model_dir, tmp_path / "a", r=4, target_modules=r".*(q_proj|lm_head)")
     config = load_stage(model_dir, dtype="float32").config
-    with pytest.raises(ValueError, match=r"tensor 'base_model\.model\.lm_head\.[\w.]+' is not a LoRA "
-                                         r"weight of a supported target"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'base_model\.model\.lm_head\.[\w.]+' is not a LoRA "
+        r"weight of a supported target",
+    ):
         load_adapter(folder, config, 0, 4, max_rank=MAX_RANK)
 
 
@@ -409,14 +452,16 @@ def test_a_rank_above_max_rank_is_refused(model_dir, adapter_dirs):
         LoraBank(config, 0, 4, max_loras=1, max_rank=8).add("big", adapter)
 
 
-@pytest.mark.parametrize(("key", "value", "message"), [
-    ("use_dora", True, "use_dora=True is not supported"),
-    ("modules_to_save", ["lm_head"], "modules_to_save=\\['lm_head'\\] is not supported"),
-    ("fan_in_fan_out", True, "fan_in_fan_out=true is not supported"),
-    ("bias", "lora_only", "bias='lora_only' is not supported"),
-])
-def test_options_lora_serving_does_not_compute_are_refused(model_dir, adapter_dirs, tmp_path, key, value,
-                                                           message):
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("use_dora", True, "use_dora=True is not supported"),
+        ("modules_to_save", ["lm_head"], "modules_to_save=\\['lm_head'\\] is not supported"),
+        ("fan_in_fan_out", True, "fan_in_fan_out=true is not supported"),
+        ("bias", "lora_only", "bias='lora_only' is not supported"),
+    ],
+)
+def test_options_lora_serving_does_not_compute_are_refused(model_dir, adapter_dirs, tmp_path, key, value, message):
     import json
     import shutil
 

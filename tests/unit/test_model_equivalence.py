@@ -85,23 +85,34 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(5, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def run_runtime(model_dir: str, num_stages: int, block_size: int, chunk: int | None, prompts,
-                backend: str = "torch", dtype: str = "auto"):
+def run_runtime(
+    model_dir: str,
+    num_stages: int,
+    block_size: int,
+    chunk: int | None,
+    prompts,
+    backend: str = "torch",
+    dtype: str = "auto",
+):
     runners = [
-        StageRunner(load_stage(model_dir, k, num_stages, dtype=dtype), num_blocks=1024 // block_size * 8,
-                    block_size=block_size, backend=backend)
+        StageRunner(
+            load_stage(model_dir, k, num_stages, dtype=dtype),
+            num_blocks=1024 // block_size * 8,
+            block_size=block_size,
+            backend=backend,
+        )
         for k in range(num_stages)
     ]
     driver = PipelineDriver(runners, chunk_size=chunk, max_batched_tokens=512, seed=block_size)
     greedy = SamplingParams(temperature=0.0)
-    seqs = [
-        DriverSeq(i, p, NEW_TOKENS, greedy, arrival_step=i) for i, p in enumerate(prompts)
-    ]
+    seqs = [DriverSeq(i, p, NEW_TOKENS, greedy, arrival_step=i) for i, p in enumerate(prompts)]
     return driver.run(seqs), driver
 
 
-@pytest.mark.parametrize(("model", "num_stages", "block_size", "chunk", "backend"),
-                         [(*c, "torch") for c in CASES] + [(*c, "cpu") for c in CPU_CASES])
+@pytest.mark.parametrize(
+    ("model", "num_stages", "block_size", "chunk", "backend"),
+    [(*c, "torch") for c in CASES] + [(*c, "cpu") for c in CPU_CASES],
+)
 def test_greedy_equals_transformers(references, model, num_stages, block_size, chunk, backend):
     model_dir, ref = references(model)
     prompts = make_prompts(ref.model.config.vocab_size)

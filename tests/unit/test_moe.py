@@ -20,8 +20,22 @@ from worker_svc.models.registry import load_config
 
 
 def _config(renormalize: bool, shared: int) -> ModelConfig:
-    return ModelConfig("Qwen3MoeForCausalLM", "qwen3_moe", 100, 32, 64, 1, 4, 2, 8, 1e-6, 256, False, False,
-                       moe=MoEConfig(16, 4, 24, renormalize, shared))
+    return ModelConfig(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        100,
+        32,
+        64,
+        1,
+        4,
+        2,
+        8,
+        1e-6,
+        256,
+        False,
+        False,
+        moe=MoEConfig(16, 4, 24, renormalize, shared),
+    )
 
 
 def _per_token(block: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -72,8 +86,14 @@ def references(tmp_path_factory, tokenizer_dir):
     return reference_maker(tmp_path_factory, tokenizer_dir)
 
 
-CASES = [("qwen3_moe", 1, 16, None, "cpu"), ("qwen3_moe", 2, 8, 7, "torch"), ("mixtral", 1, 16, 7, "torch"),
-         ("mixtral", 2, 16, None, "cpu"), ("gpt_oss", 1, 16, None, "cpu"), ("gpt_oss", 2, 8, 7, "torch")]
+CASES = [
+    ("qwen3_moe", 1, 16, None, "cpu"),
+    ("qwen3_moe", 2, 8, 7, "torch"),
+    ("mixtral", 1, 16, 7, "torch"),
+    ("mixtral", 2, 16, None, "cpu"),
+    ("gpt_oss", 1, 16, None, "cpu"),
+    ("gpt_oss", 2, 8, 7, "torch"),
+]
 
 
 @pytest.mark.parametrize(("arch", "num_stages", "block_size", "chunk", "backend"), CASES)
@@ -115,8 +135,9 @@ def test_tensor_parallel_ranks_split_each_expert_like_a_dense_mlp(references):
     parts = [h.model.layers["0"].mlp.experts[3] for h in halves]
     assert torch.equal(torch.cat([p.gate_proj.weight for p in parts]), w.gate_proj.weight)
     assert torch.equal(torch.cat([p.down_proj.weight for p in parts], dim=1), w.down_proj.weight)
-    assert all(torch.equal(h.model.layers["0"].mlp.gate.weight, whole.model.layers["0"].mlp.gate.weight)
-               for h in halves)  # the router is replicated
+    assert all(
+        torch.equal(h.model.layers["0"].mlp.gate.weight, whole.model.layers["0"].mlp.gate.weight) for h in halves
+    )  # the router is replicated
 
 
 def test_gpt_oss_ranks_hold_their_heads_sinks_and_expert_columns_and_rank_0_the_biases(references):
@@ -159,8 +180,6 @@ def test_expert_parallel_ranks_hold_whole_experts_whose_outputs_sum_to_the_layer
     x = torch.randn(17, whole.config.hidden_size)
     with torch.no_grad():
         torch.testing.assert_close(parts[0](x) + parts[1](x), layer(x), rtol=1e-5, atol=1e-5)
-
-
 
 
 @pytest.fixture(scope="module")
@@ -266,14 +285,14 @@ def test_gpt_oss_mxfp4_experts_stay_packed_and_close(mxfp4):
     experts = packed.model.layers["0"].mlp.experts
     assert all(isinstance(e.gate_proj, PackedLinear) and e.gate_proj.qtype == "MXFP4" for e in experts)
     assert packed.weight_format == "mxfp4" and experts[2].down_proj.bias is not None
-    values = sum(p.numel() for m in exact.modules() if isinstance(m, MoE) for p in m.experts.parameters()
-                 if p.dim() == 2)
+    values = sum(
+        p.numel() for m in exact.modules() if isinstance(m, MoE) for p in m.experts.parameters() if p.dim() == 2
+    )
     assert expert_weight_bytes(packed) <= 1.2 * values * 17 / 32 < expert_weight_bytes(exact) / 6
     seqs = torch.randint(3, ref.model.config.vocab_size, (4, 40), generator=torch.Generator().manual_seed(5)).tolist()
     got, want = all_logits(packed, seqs), all_logits(exact, seqs)
     same = float((got.argmax(-1) == want.argmax(-1)).float().mean())
-    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
-                                    reduction="batchmean")
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean")
     # the same weights; only the activations' int8 rounding differs (measured: 1.0, KL 6e-8)
     assert same >= 0.99 and float(kl) < 1e-4, (same, float(kl))
 

@@ -44,8 +44,23 @@ def _tiny(qtype: str, shared: int, seed: int = 0) -> StageModel:
     """Layer 0 a mixture of 16 experts (top 4, renormalised), layer 1 dense; random weights,
     every linear but the router and the shared expert's gate packed as `qtype`."""
     moe = MoEConfig(NUM_EXPERTS, TOP_K, EXPERT, True, shared, (True, False))
-    config = ModelConfig("Qwen3MoeForCausalLM", "qwen3_moe", 512, HIDDEN, 512, 2, 4, 2, 64, 1e-6, 2048, True,
-                         False, qk_norm=True, moe=moe)
+    config = ModelConfig(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        512,
+        HIDDEN,
+        512,
+        2,
+        4,
+        2,
+        64,
+        1e-6,
+        2048,
+        True,
+        False,
+        qk_norm=True,
+        moe=moe,
+    )
     model = StageModel(config, 0, 2, True, True)
     model.model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(seed)
@@ -76,8 +91,12 @@ def _decode_logits(model: StageModel, batch: int, steps: int = 2) -> list[torch.
     g = torch.Generator().manual_seed(batch)
     prompts = [tuple(torch.randint(5, 500, (3 + i % 18,), generator=g).tolist()) for i in range(batch)]
     greedy = SamplingParams(temperature=0.0)
-    runner.execute(StepPlan(1, new_seqs=tuple(
-        NewSeq(i, p, len(p), 0, len(p), (2 * i, 2 * i + 1), greedy) for i, p in enumerate(prompts))))
+    runner.execute(
+        StepPlan(
+            1,
+            new_seqs=tuple(NewSeq(i, p, len(p), 0, len(p), (2 * i, 2 * i + 1), greedy) for i, p in enumerate(prompts)),
+        )
+    )
     captured = []
     original = model.forward
     model.forward = lambda *a, **kw: captured.append(original(*a, **kw).clone()) or captured[-1]
@@ -135,6 +154,7 @@ def test_native_moe_step_equals_the_module_path(models, qtype, shared, batch):
 
 def _reference_moe(block, x: torch.Tensor) -> torch.Tensor:
     """The block's formula, each row on its own in float64 over the dequantized weights."""
+
     def weight(m):
         return (m.dequantized() if isinstance(m, PackedLinear) else m.weight).double()
 
@@ -187,8 +207,15 @@ def _set_variant(block, router: str, act: int) -> None:
             e.down_proj.bias = 0.1 * torch.randn(HIDDEN, generator=g)
 
 
-VARIANTS = [("plain", 1, SHARED, 7), ("renorm", 2, 0, 64), ("topk-softmax", 2, 0, 1), ("topk-softmax", 2, 0, 7),
-            ("topk-softmax", 0, SHARED, 64), ("plain", 0, 0, 64), ("renorm", 1, 0, 1)]
+VARIANTS = [
+    ("plain", 1, SHARED, 7),
+    ("renorm", 2, 0, 64),
+    ("topk-softmax", 2, 0, 1),
+    ("topk-softmax", 2, 0, 7),
+    ("topk-softmax", 0, SHARED, 64),
+    ("plain", 0, 0, 64),
+    ("renorm", 1, 0, 1),
+]
 
 
 @pytest.mark.parametrize(("router", "act", "shared", "batch"), VARIANTS)
@@ -213,8 +240,9 @@ def _sink_reference(q, k_pool, v_pool, tables, ctx_lens, scale, window, sinks) -
     out = []
     for i, ctx in enumerate(ctx_lens.tolist()):
         first = max(0, ctx - window) if window else 0
-        slots = [tables[i, t // k_pool.shape[1]].item() * k_pool.shape[1] + t % k_pool.shape[1]
-                 for t in range(first, ctx)]
+        slots = [
+            tables[i, t // k_pool.shape[1]].item() * k_pool.shape[1] + t % k_pool.shape[1] for t in range(first, ctx)
+        ]
         k = k_pool.reshape(-1, k_pool.shape[2], d)[slots].double().repeat_interleave(group, dim=1)
         v = v_pool.reshape(-1, v_pool.shape[2], d)[slots].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", q[i].double(), k) * scale  # [heads, ctx]
@@ -229,7 +257,7 @@ def test_attention_sinks_equal_a_torch_reference(kv_dtype, window):
     torch.manual_seed(3)
     heads, kv_heads, d, block_size, num_blocks = 8, 2, 32, 4, 64
     ctx_lens = torch.tensor([1, 5, 13, 30], dtype=torch.long)
-    tables = torch.randperm(num_blocks)[:4 * 8].view(4, 8).contiguous()
+    tables = torch.randperm(num_blocks)[: 4 * 8].view(4, 8).contiguous()
     k_pool = torch.randn(num_blocks, block_size, kv_heads, d).to(kv_dtype)
     v_pool = torch.randn(num_blocks, block_size, kv_heads, d).to(kv_dtype)
     q = torch.randn(4, heads, d)
@@ -237,11 +265,11 @@ def test_attention_sinks_equal_a_torch_reference(kv_dtype, window):
     sinks[0] = 30.0  # a sink that outweighs every key: the max of the softmax is the sink's
     rows = torch.arange(4)
     out = torch.empty_like(q)
-    kernel(q, k_pool, v_pool, out, rows, tables, ctx_lens, d ** -0.5, window, sinks=sinks)
-    want = _sink_reference(q, k_pool, v_pool, tables, ctx_lens, d ** -0.5, window, sinks)
+    kernel(q, k_pool, v_pool, out, rows, tables, ctx_lens, d**-0.5, window, sinks=sinks)
+    want = _sink_reference(q, k_pool, v_pool, tables, ctx_lens, d**-0.5, window, sinks)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     plain = torch.empty_like(q)
-    kernel(q, k_pool, v_pool, plain, rows, tables, ctx_lens, d ** -0.5, window)
-    no_sink = _sink_reference(q, k_pool, v_pool, tables, ctx_lens, d ** -0.5, window, torch.full((heads,), -math.inf))
+    kernel(q, k_pool, v_pool, plain, rows, tables, ctx_lens, d**-0.5, window)
+    no_sink = _sink_reference(q, k_pool, v_pool, tables, ctx_lens, d**-0.5, window, torch.full((heads,), -math.inf))
     torch.testing.assert_close(plain.double(), no_sink, rtol=1e-5, atol=1e-5)  # None: the plain softmax
     assert out[:, 0].abs().max() < 1e-6  # all of head 0's weight went to its sink

@@ -183,15 +183,28 @@ def test_the_fused_steps_entry_point_takes_type_39(act_bits: int) -> None:
     """csrc/decode_layers.c multiplies through pagoda_quant_matmul_f32 by ggml's type id, with one
     scratch of scratch_bytes(T, max K): the same product as `matmul` on every path."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, i64,
-                          ptr, i64, ptr)(KERNELS.function_addresses()["quant_matmul_f32"])
+    fn = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr
+    )(KERNELS.function_addresses()["quant_matmul_f32"])
     rows, x = quantized_rows(N, 160, seed=12), activations(3, 160)
     for isa in KERNELS.available:
         k = kernels(isa)
         buf = torch.empty(k.scratch_bytes(3, 1536, act_bits=act_bits) + 64, dtype=torch.uint8)
         y = torch.full((3, N), float("nan"))
-        rc = fn(k.isa_id, qk.GGML_TYPES["MXFP4"][0], act_bits, x.data_ptr(), 160, 3, 160, rows.data_ptr(), N,
-                y.data_ptr(), N, (buf.data_ptr() + 63) & ~63)
+        rc = fn(
+            k.isa_id,
+            qk.GGML_TYPES["MXFP4"][0],
+            act_bits,
+            x.data_ptr(),
+            160,
+            3,
+            160,
+            rows.data_ptr(),
+            N,
+            y.data_ptr(),
+            N,
+            (buf.data_ptr() + 63) & ~63,
+        )
         assert rc == 0 and qk.GGML_TYPES["MXFP4"][0] == 39
         assert torch.equal(y, k.matmul(x, rows, "MXFP4", act_bits=act_bits))
 
@@ -281,8 +294,9 @@ def test_quantize_hf_mxfp4_is_the_ggml_quantizer_in_hf_layout() -> None:
     assert blocks.shape == (2, 6, 3, 16) and scales.shape == (2, 6, 3)
     ggml = mxfp4.quantize_mxfp4(w.reshape(12, 96))
     assert torch.equal(mxfp4.hf_to_ggml_mxfp4(blocks, scales).view(12, -1), ggml)
-    assert torch.equal(mxfp4.hf_mxfp4_dequantize(blocks, scales, torch.float32).view(12, 96),
-                       qk.dequantize(ggml, "MXFP4", 96))
+    assert torch.equal(
+        mxfp4.hf_mxfp4_dequantize(blocks, scales, torch.float32).view(12, 96), qk.dequantize(ggml, "MXFP4", 96)
+    )
 
 
 def test_hf_shapes_are_checked() -> None:

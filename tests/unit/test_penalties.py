@@ -32,9 +32,14 @@ CASES = [  # (presence, frequency, repetition, logit bias)
 def rows_and_states(g):
     rows, states = [], []
     for i, (presence, frequency, repetition, bias) in enumerate(CASES):
-        params = SamplingParams(temperature=0.0, presence_penalty=presence, frequency_penalty=frequency,
-                                repetition_penalty=repetition, logit_bias=tuple(bias.items()),
-                                num_logprobs=0)  # the sampled token's logprob only
+        params = SamplingParams(
+            temperature=0.0,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            logit_bias=tuple(bias.items()),
+            num_logprobs=0,
+        )  # the sampled token's logprob only
         prompt = torch.randint(0, VOCAB, (5,), generator=g).tolist()
         output = torch.randint(0, VOCAB, (i * 2,), generator=g).tolist()
         rows.append(SampleRow(i, params, 0, len(output), 1, (tuple(prompt), tuple(output))))
@@ -48,8 +53,15 @@ def test_bias_and_penalties_follow_the_definitions():
     logits = torch.randn(len(rows), VOCAB, generator=g) * 3
     got = apply_penalties(apply_logit_bias(logits, rows), rows, states)
     for i, (presence, frequency, repetition, bias) in enumerate(CASES):
-        want = processed(logits[i], list(states[i].prompt_token_ids), states[i].output_token_ids,
-                         presence=presence, frequency=frequency, repetition=repetition, logit_bias=bias)
+        want = processed(
+            logits[i],
+            list(states[i].prompt_token_ids),
+            states[i].output_token_ids,
+            presence=presence,
+            frequency=frequency,
+            repetition=repetition,
+            logit_bias=bias,
+        )
         torch.testing.assert_close(got[i].double(), want, rtol=1e-6, atol=1e-5)
 
 
@@ -63,12 +75,18 @@ def test_the_sampler_keeps_each_sequences_history():
         out = sampler.sample(logits, rows)
         for i, (presence, frequency, repetition, bias) in enumerate(CASES):
             prompt, output = history[i]
-            want = processed(logits[i], prompt, output, presence=presence, frequency=frequency,
-                             repetition=repetition, logit_bias=bias)
+            want = processed(
+                logits[i],
+                prompt,
+                output,
+                presence=presence,
+                frequency=frequency,
+                repetition=repetition,
+                logit_bias=bias,
+            )
             assert out.token_ids[i] == int(want.argmax()), (step, i)
             # reported logprobs stay those of the raw logits
-            assert out.logprobs[i] == pytest.approx(
-                float(torch.log_softmax(logits[i], -1)[out.token_ids[i]]), abs=1e-6)
+            assert out.logprobs[i] == pytest.approx(float(torch.log_softmax(logits[i], -1)[out.token_ids[i]]), abs=1e-6)
             output.append(out.token_ids[i])
         rows = [SampleRow(r.seq_id, r.params, 0, len(history[r.seq_id][1]), 1) for r in rows]
     # a re-sent history (a re-admitted sequence) replaces the state
@@ -85,10 +103,17 @@ def test_penalties_without_history_are_refused():
         SampleRow(4, params, 0, 0, 1, ((1,), (2,)))
 
 
-@pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("repetition_penalty", 0.0),
-    ("repetition_penalty", 2.01), ("logit_bias", ((3, 100.5),)), ("logit_bias", ((3, 1.0), (3, 2.0))),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.1),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 2.01),
+        ("logit_bias", ((3, 100.5),)),
+        ("logit_bias", ((3, 1.0), (3, 2.0))),
+    ],
+)
 def test_bad_params_are_refused(field, value):
     with pytest.raises(ValueError, match=field if field != "logit_bias" else "logit_bias"):
         SamplingParams(**{field: value})
@@ -114,14 +139,24 @@ ENGINE_CASES = [
 
 def options(case, **more):
     bias = tuple(sorted(case.get("logit_bias", {}).items()))
-    fields = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True, "logit_bias": bias,
-              **{k: v for k, v in case.items() if k != "logit_bias"}, **more}
+    fields = {
+        "max_tokens": 24,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logit_bias": bias,
+        **{k: v for k, v in case.items() if k != "logit_bias"},
+        **more,
+    }
     return SamplingOptions(**fields)
 
 
 def reference_kwargs(case):
-    return {"presence": case.get("presence_penalty", 0.0), "frequency": case.get("frequency_penalty", 0.0),
-            "repetition": case.get("repetition_penalty", 1.0), "logit_bias": case.get("logit_bias")}
+    return {
+        "presence": case.get("presence_penalty", 0.0),
+        "frequency": case.get("frequency_penalty", 0.0),
+        "repetition": case.get("repetition_penalty", 1.0),
+        "logit_bias": case.get("logit_bias"),
+    }
 
 
 @pytest.mark.parametrize(("pp", "num_kv_blocks"), [(1, 512), (2, 512), (1, 14)])
@@ -130,11 +165,14 @@ def test_greedy_with_penalties_equals_transformers(model_dir, hf_llama, pp, num_
     for sure) the batch is preempted and recomputed, so the sampler's history is re-sent
     under new sequence ids."""
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(5, 512, (int(n),), generator=g).tolist()
-               for n in torch.randint(3, 29, (2 * len(ENGINE_CASES),), generator=g)]
+    prompts = [
+        torch.randint(5, 512, (int(n),), generator=g).tolist()
+        for n in torch.randint(3, 29, (2 * len(ENGINE_CASES),), generator=g)
+    ]
     cases = ENGINE_CASES * 2
-    llm = LLM(model_dir, pipeline_parallel_size=pp, num_kv_blocks=num_kv_blocks, block_size=4,
-              max_num_batched_tokens=64)
+    llm = LLM(
+        model_dir, pipeline_parallel_size=pp, num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=64
+    )
     outs = llm.generate(prompts, [options(c) for c in cases], detokenize=False)
     for prompt, case, out in zip(prompts, cases, outs, strict=True):
         got = out.outputs[0].token_ids
@@ -151,20 +189,21 @@ def test_n_choices_each_keep_their_own_history(model_dir, hf_llama):
     prompt = list(range(30, 50))
     case = {"frequency_penalty": 1.0, "repetition_penalty": 1.2}
     out = LLM(model_dir, num_kv_blocks=256).generate(
-        [prompt], [options(case, n=3, temperature=0.8, seed=5)], detokenize=False)[0]
+        [prompt], [options(case, n=3, temperature=0.8, seed=5)], detokenize=False
+    )[0]
     assert len(out.outputs) == 3
     # sampled choices, but every one was drawn from the penalised distribution: replaying the
     # same seeds alone gives the same tokens
     again = LLM(model_dir, num_kv_blocks=256).generate(
-        [prompt, prompt[:5]], [options(case, n=3, temperature=0.8, seed=5), options({})],
-        detokenize=False)[0]
+        [prompt, prompt[:5]], [options(case, n=3, temperature=0.8, seed=5), options({})], detokenize=False
+    )[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
     # ...and the penalties took part in the draws: the same seeds without them differ
     unpenalised = LLM(model_dir, num_kv_blocks=256).generate(
-        [prompt], [options({}, n=3, temperature=0.8, seed=5)], detokenize=False)[0]
+        [prompt], [options({}, n=3, temperature=0.8, seed=5)], detokenize=False
+    )[0]
     assert [c.token_ids for c in unpenalised.outputs] != [c.token_ids for c in out.outputs]
-    greedy = LLM(model_dir, num_kv_blocks=256).generate(
-        [prompt], [options(case, n=2)], detokenize=False)[0]
+    greedy = LLM(model_dir, num_kv_blocks=256).generate([prompt], [options(case, n=2)], detokenize=False)[0]
     for choice in greedy.outputs:
         check_greedy(hf_llama, prompt, choice.token_ids, **reference_kwargs(case))
 
@@ -183,20 +222,31 @@ def test_the_wire_carries_penalties_bias_and_history():
     from services.step_codec import plan_from_pb, plan_to_pb
     from worker_svc.execution.batch import PersistentBatch, StageShape
 
-    o = options({"presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.5,
-                 "logit_bias": {3: -100.0, 9: 2.5}})
-    sent = StepPlan(3, (
-        NewSeq(11, (5, 6, 7, 8, 8), 3, 0, 5, (0, 1), sampling_params(o, (1,)), 0, 99),
-        NewSeq(12, (5,), 1, 0, 1, (2,), sampling_params(options({}), ()), 0, 1),
-    ))
+    o = options(
+        {
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.25,
+            "repetition_penalty": 1.5,
+            "logit_bias": {3: -100.0, 9: 2.5},
+        }
+    )
+    sent = StepPlan(
+        3,
+        (
+            NewSeq(11, (5, 6, 7, 8, 8), 3, 0, 5, (0, 1), sampling_params(o, (1,)), 0, 99),
+            NewSeq(12, (5,), 1, 0, 1, (2,), sampling_params(options({}), ()), 0, 1),
+        ),
+    )
     plan = plan_from_pb(plan_to_pb(sent))
     assert plan == sent
     stage = PersistentBatch(StageShape(True, True, 8, 4, 4096, VOCAB))
     row, other = stage.apply(plan)
     assert row.sample and other.sample
     state = row.state
-    assert (tuple(state.token_ids[:state.prompt_len]), tuple(state.token_ids[state.prompt_len:])) == (
-        (5, 6, 7), (8, 8))
+    assert (tuple(state.token_ids[: state.prompt_len]), tuple(state.token_ids[state.prompt_len :])) == (
+        (5, 6, 7),
+        (8, 8),
+    )
     p = state.sampling
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.5)
     assert p.logit_bias == ((3, -100.0), (9, 2.5)) and p.uses_penalties and p.eos_token_ids == (1,)
@@ -236,9 +286,14 @@ def test_a_long_history_is_penalised_as_the_definitions_say():
     g = torch.Generator().manual_seed(3)
     rows, history = [], {}
     for i, (presence, frequency, repetition, bias) in enumerate(CASES):
-        params = SamplingParams(temperature=0.0, presence_penalty=presence, frequency_penalty=frequency,
-                                repetition_penalty=repetition, logit_bias=tuple(bias.items()),
-                                num_logprobs=0)  # the sampled token's logprob only
+        params = SamplingParams(
+            temperature=0.0,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            logit_bias=tuple(bias.items()),
+            num_logprobs=0,
+        )  # the sampled token's logprob only
         prompt = torch.randint(0, VOCAB + 4, (300,), generator=g).tolist()
         output = torch.randint(0, VOCAB + 4, (5000,), generator=g).tolist()
         rows.append(SampleRow(i, params, 0, len(output), 1, (tuple(prompt), tuple(output))))
@@ -250,9 +305,17 @@ def test_a_long_history_is_penalised_as_the_definitions_say():
         wants = []
         for i, (presence, frequency, repetition, bias) in enumerate(CASES):
             prompt, output = history[i]
-            wants.append(processed(logits[i], [t for t in prompt if t < VOCAB],
-                                   [t for t in output if t < VOCAB], presence=presence,
-                                   frequency=frequency, repetition=repetition, logit_bias=bias))
+            wants.append(
+                processed(
+                    logits[i],
+                    [t for t in prompt if t < VOCAB],
+                    [t for t in output if t < VOCAB],
+                    presence=presence,
+                    frequency=frequency,
+                    repetition=repetition,
+                    logit_bias=bias,
+                )
+            )
         if step:  # the states the sampler has kept since the seeding step
             states = [sampler.state(row.seq_id) for row in rows]
             got = apply_penalties(apply_logit_bias(logits, rows), rows, states)

@@ -26,11 +26,11 @@ def next_token(tokens: list[int]) -> int:
 
 
 class Sim:
-    def __init__(self, num_blocks=256, block_size=4, policy="fcfs", weights=None, aging=0.0,
-                 prefix=True, **cfg):
+    def __init__(self, num_blocks=256, block_size=4, policy="fcfs", weights=None, aging=0.0, prefix=True, **cfg):
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
-        self.planner = Planner(PlannerConfig(block_size=block_size, **cfg),
-                               WaitingQueue(policy, weights, aging_rate=aging))
+        self.planner = Planner(
+            PlannerConfig(block_size=block_size, **cfg), WaitingQueue(policy, weights, aging_rate=aging)
+        )
         self.batches = []
         self.batches_planned = []
         self.now = 0.0
@@ -39,9 +39,16 @@ class Sim:
         self.shadow: dict[int, int] = {}  # slot -> the token whose K/V a worker wrote there
         # a stage's persistent batch, fed the plans as a one-stage pipeline would be: what it
         # computes comes from its own state (tokens, positions, block tables), not the planner's
-        self.stage = PersistentBatch(StageShape(is_first=True, is_last=True, num_blocks=num_blocks,
-                                                block_size=block_size, max_positions=1 << 20,
-                                                vocab_size=1 << 20))
+        self.stage = PersistentBatch(
+            StageShape(
+                is_first=True,
+                is_last=True,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_positions=1 << 20,
+                vocab_size=1 << 20,
+            )
+        )
         self.samples: dict[int, list[SampledToken]] = {}  # micro_batch_id -> the stage's samples
         # with several stages the first one does not sample: it learns tokens from the plans
         self.first_stage = None
@@ -49,8 +56,15 @@ class Sim:
             self.first_stage = PersistentBatch(dataclasses.replace(self.stage.shape, is_last=False))
 
     def add(self, rid, prompt, max_tokens=8, tenant="", priority=0, n=1, **opts):
-        r = Request(rid, tuple(prompt), SamplingOptions(n=n, max_tokens=max_tokens, **opts),
-                    arrival_s=self.now, tenant=tenant, priority=priority, eos_token_ids=())
+        r = Request(
+            rid,
+            tuple(prompt),
+            SamplingOptions(n=n, max_tokens=max_tokens, **opts),
+            arrival_s=self.now,
+            tenant=tenant,
+            priority=priority,
+            eos_token_ids=(),
+        )
         self.planner.add(r)
         return r
 
@@ -64,7 +78,9 @@ class Sim:
         if self.kv.enable_prefix_caching:  # the planner counts the KV service's lookups as they come
             stats = self.kv.stats()
             assert (self.planner.num_prefix_query_tokens, self.planner.num_prefix_hit_tokens) == (
-                stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens)
+                stats.num_prefix_query_tokens,
+                stats.num_prefix_hit_tokens,
+            )
         if mb is None:
             self.planner.check_integrity()
             return None
@@ -95,7 +111,8 @@ class Sim:
                     self.shadow.pop(dst * bs + off, None)
         records = {r.seq_id: r for r in mb.seqs}
         assert [r.seq_id for r in rows] == [n.seq_id for n in mb.plan.new_seqs] + [
-            c.seq_id for c in mb.plan.cached_seqs]
+            c.seq_id for c in mb.plan.cached_seqs
+        ]
         for row in rows:
             s, state = records[row.seq_id], row.state
             assert (row.start, row.num_tokens, row.sample) == (s.start, s.num_tokens, s.sample)
@@ -131,7 +148,7 @@ def expected_output(prompt, max_tokens):
     tokens = list(prompt)
     for _ in range(max_tokens):
         tokens.append(next_token(tokens))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def prompts(n, lo=1, hi=60, seed=0):
@@ -193,8 +210,7 @@ def test_preemption_by_recompute_gives_the_same_tokens():
 
 
 def test_weighted_fairness_3_to_1():
-    sim = Sim(num_blocks=512, policy="hybrid", weights={"a": 3.0, "b": 1.0},
-              max_num_batched_tokens=64, max_num_seqs=4)
+    sim = Sim(num_blocks=512, policy="hybrid", weights={"a": 3.0, "b": 1.0}, max_num_batched_tokens=64, max_num_seqs=4)
     served = {"a": 0, "b": 0}
     counter = 0
     for _ in range(1500):
@@ -322,10 +338,15 @@ def test_kv_contents_stay_right_under_preemption_with_prefix_caching(pp):
     for seed in seeds:
         rng = random.Random(seed)
         bs = rng.choice([2, 4])
-        sim = Sim(num_blocks=max(rng.choice([10, 12, 16, 24]), 32 // bs + 2), block_size=bs,
-                  pipeline_parallel_size=pp,
-                  max_num_batched_tokens=rng.choice([8, 16, 24, 64]), max_num_seqs=rng.choice([2, 4, 6]),
-                  prefix=rng.random() < 0.8, enable_chunked_prefill=rng.random() < 0.8)
+        sim = Sim(
+            num_blocks=max(rng.choice([10, 12, 16, 24]), 32 // bs + 2),
+            block_size=bs,
+            pipeline_parallel_size=pp,
+            max_num_batched_tokens=rng.choice([8, 16, 24, 64]),
+            max_num_seqs=rng.choice([2, 4, 6]),
+            prefix=rng.random() < 0.8,
+            enable_chunked_prefill=rng.random() < 0.8,
+        )
         shared = [rng.randrange(5, 500) for _ in range(12)]
         reqs = []
         for i in range(14):
@@ -398,8 +419,15 @@ def test_two_half_prefilled_requests_do_not_deadlock():
 
 
 def test_a_stale_result_after_failure_and_readmission_is_ignored():
-    sim = Sim(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8, max_in_flight=2,
-              pipeline_parallel_size=2, microbatch_size=1)
+    sim = Sim(
+        num_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_in_flight=2,
+        pipeline_parallel_size=2,
+        microbatch_size=1,
+    )
     r = sim.add("r", list(range(5, 13)), max_tokens=20, n=2)
     for _ in range(10):
         mb = _plan(sim)
@@ -535,16 +563,23 @@ def test_async_decode_keeps_kv_right_under_preemption_prefix_caching_and_forks()
         bs = rng.choice([2, 4])
         # room for both choices of an n=2 request unshared: after a preemption they come back
         # separately (a known limit of the admission bound, not of async scheduling)
-        sim = Sim(num_blocks=max(rng.choice([10, 12, 16, 24]), 2 * -(-27 // bs) + 2), block_size=bs,
-                  max_num_batched_tokens=rng.choice([8, 16, 24, 64]), max_num_seqs=rng.choice([2, 4, 6]),
-                  prefix=rng.random() < 0.8, max_in_flight=2, async_decode=True)
+        sim = Sim(
+            num_blocks=max(rng.choice([10, 12, 16, 24]), 2 * -(-27 // bs) + 2),
+            block_size=bs,
+            max_num_batched_tokens=rng.choice([8, 16, 24, 64]),
+            max_num_seqs=rng.choice([2, 4, 6]),
+            prefix=rng.random() < 0.8,
+            max_in_flight=2,
+            async_decode=True,
+        )
         shared = [rng.randrange(5, 500) for _ in range(12)]
         reqs = []
         for i in range(10):
             prompt = shared[: rng.choice([2, 4, 8, 12])] + [rng.randrange(5, 500) for _ in range(rng.randint(1, 7))]
             stop = (rng.randrange(5, 500),) if rng.random() < 0.3 else ()
-            reqs.append(sim.add(f"r{i}", prompt, max_tokens=rng.randint(2, 8), n=rng.choice([1, 1, 2]),
-                                stop_token_ids=stop))
+            reqs.append(
+                sim.add(f"r{i}", prompt, max_tokens=rng.randint(2, 8), n=rng.choice([1, 1, 2]), stop_token_ids=stop)
+            )
         run_pipelined(sim, max_steps=3000)
         for r in reqs:
             assert r.state == RequestState.FINISHED, (seed, r.request_id)
@@ -673,6 +708,7 @@ def test_a_step_token_cap_bounds_every_micro_batch_and_changes_no_output(chunked
     sim.run()
     assert all(mb.num_tokens <= 12 for mb in sim.batches[start:])
     assert {r.request_id: r.sequences[0].output for r in sim.finished} == {
-        rid: expected_output(p, 6) for rid, p in prompts.items()}
+        rid: expected_output(p, 6) for rid, p in prompts.items()
+    }
     sim.planner.cap_step_tokens(10_000)
     assert sim.planner.step_token_cap == 64

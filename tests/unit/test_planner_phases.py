@@ -24,13 +24,22 @@ def _snapshot(planner: Planner) -> str:
 def _drive(seed: int, counts: dict[str, int]) -> None:
     """A random workload, two steps in flight; every proposal is checked on the way."""
     rng = random.Random(seed)
-    planner = Planner(PlannerConfig(max_num_batched_tokens=rng.choice([8, 16, 32]), max_num_seqs=4,
-                                    block_size=4, max_in_flight=2, async_decode=seed % 2 == 1), WaitingQueue())
+    planner = Planner(
+        PlannerConfig(
+            max_num_batched_tokens=rng.choice([8, 16, 32]),
+            max_num_seqs=4,
+            block_size=4,
+            max_in_flight=2,
+            async_decode=seed % 2 == 1,
+        ),
+        WaitingQueue(),
+    )
     kv = KVCacheManager(rng.choice([14, 24]), 4)
     for i in range(8):
         prompt = tuple(rng.randrange(5, 500) for _ in range(rng.randint(1, 20)))
-        planner.add(Request(f"r{i}", prompt, SamplingOptions(n=rng.choice([1, 2]), max_tokens=rng.randint(1, 8)),
-                            arrival_s=0.0))
+        planner.add(
+            Request(f"r{i}", prompt, SamplingOptions(n=rng.choice([1, 2]), max_tokens=rng.randint(1, 8)), arrival_s=0.0)
+        )
     in_flight = []
     next_seq_id = None
     for step in range(500):

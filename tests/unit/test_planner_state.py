@@ -117,13 +117,16 @@ def test_reset_forgets_everything_in_flight():
     assert repr(flight) == repr(InFlight())
 
 
-@pytest.mark.parametrize("corrupt", [
-    lambda f: f.busy.__setitem__(1, 2),  # a count that no micro-batch backs
-    lambda f: f.busy.pop(1),
-    lambda f: f.kv_steps.add(9),  # a recorded step not in flight
-    lambda f: f.pending_completed.append(1),  # a step both in flight and ended
-    lambda f: f.last_record.__setitem__(1, f.record(_seq(1), 5, 1, True)),  # a record never dispatched
-])
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda f: f.busy.__setitem__(1, 2),  # a count that no micro-batch backs
+        lambda f: f.busy.pop(1),
+        lambda f: f.kv_steps.add(9),  # a recorded step not in flight
+        lambda f: f.pending_completed.append(1),  # a step both in flight and ended
+        lambda f: f.last_record.__setitem__(1, f.record(_seq(1), 5, 1, True)),  # a record never dispatched
+    ],
+)
 def test_in_flight_integrity_check_catches(corrupt):
     flight = InFlight()
     _dispatch(flight, 1, _seq(1))
@@ -205,11 +208,14 @@ def test_token_tracking_changes_only_while_nothing_is_held():
         stages.track_tokens(True)
 
 
-@pytest.mark.parametrize("corrupt", [
-    lambda s: s.stage_tokens.pop(1),  # a held sequence whose tokens are not tracked
-    lambda s: setattr(s, "release_all", True),  # a reset pending while the stages hold state
-    lambda s: s.pending_released.extend([4, 4]),  # one sequence released twice
-])
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda s: s.stage_tokens.pop(1),  # a held sequence whose tokens are not tracked
+        lambda s: setattr(s, "release_all", True),  # a reset pending while the stages hold state
+        lambda s: s.pending_released.extend([4, 4]),  # one sequence released twice
+    ],
+)
 def test_stage_view_integrity_check_catches(corrupt):
     stages = StageView(track_tokens=True)
     stages.send(_seq(1, block_table=(10,)), 0, 3)
@@ -271,14 +277,18 @@ def test_reset_all_forgets_what_is_in_flight_and_what_the_stages_hold():
 def test_both_pieces_hold_their_invariants_through_failures_and_resets(seed):
     rng = random.Random(seed)
     pp = 1 + seed % 2
-    planner, kv = _planner(max_num_batched_tokens=16, max_num_seqs=4, max_in_flight=3,
-                           pipeline_parallel_size=pp, async_decode=True)
+    planner, kv = _planner(
+        max_num_batched_tokens=16, max_num_seqs=4, max_in_flight=3, pipeline_parallel_size=pp, async_decode=True
+    )
     if pp > 1 and seed % 4 == 1:
         planner.set_feedback(True)
     for i in range(10):
         prompt = tuple(rng.randrange(5, 500) for _ in range(rng.randint(1, 12)))
-        planner.add(Request(f"r{i}", prompt, SamplingOptions(n=rng.choice([1, 2]), max_tokens=rng.randint(1, 6)),
-                            arrival_s=float(i)))
+        planner.add(
+            Request(
+                f"r{i}", prompt, SamplingOptions(n=rng.choice([1, 2]), max_tokens=rng.randint(1, 6)), arrival_s=float(i)
+            )
+        )
     fifo = []
     for step in range(300):
         if not planner.requests and not planner.has_pending_kv_work and not fifo:
@@ -323,15 +333,18 @@ def test_the_kv_lead_check_allows_deferred_decodes_and_one_lookahead_block():
     check_kv_lead(seq, 9, 3, 4)
 
 
-@pytest.mark.parametrize("kv_len, end, table, held, unsent", [
-    (6, 5, (10, 11), 2, None),  # the KV service told a token never scheduled
-    (5, 9, (10, 11), 2, None),  # a deferred decode beyond the table
-    (4, 4, (10, 11, 12), 3, None),  # more than one slot held ahead
-    (5, 5, (10,), 1, None),  # the table does not cover what the KV service was told
-    (5, 5, (10, 11), 2, (1, (11,))),  # the stages hold another table
-    (5, 5, (10, 11), 1, (1, (11,))),  # the stages miss a block with tokens
-    (5, 5, (10, 11), 1, None),  # the stages miss a block nobody will send them
-])
+@pytest.mark.parametrize(
+    "kv_len, end, table, held, unsent",
+    [
+        (6, 5, (10, 11), 2, None),  # the KV service told a token never scheduled
+        (5, 9, (10, 11), 2, None),  # a deferred decode beyond the table
+        (4, 4, (10, 11, 12), 3, None),  # more than one slot held ahead
+        (5, 5, (10,), 1, None),  # the table does not cover what the KV service was told
+        (5, 5, (10, 11), 2, (1, (11,))),  # the stages hold another table
+        (5, 5, (10, 11), 1, (1, (11,))),  # the stages miss a block with tokens
+        (5, 5, (10, 11), 1, None),  # the stages miss a block nobody will send them
+    ],
+)
 def test_the_kv_lead_check_catches(kv_len, end, table, held, unsent):
     from scheduler_svc.core.in_flight import check_kv_lead
 

@@ -42,8 +42,7 @@ def check(hf_llama, prompt, got, num_top):
 
 def prompts(n, seed=3):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 512, (int(k),), generator=g).tolist()
-            for k in torch.randint(2, 60, (n,), generator=g)]
+    return [torch.randint(5, 512, (int(k),), generator=g).tolist() for k in torch.randint(2, 60, (n,), generator=g)]
 
 
 @pytest.mark.parametrize(("pp", "budget"), [(1, 2048), (1, 7), (2, 16)])
@@ -62,8 +61,10 @@ def test_with_preemption_and_n(model_dir, hf_llama):
     """A pool too small for all: requests are preempted mid-prefill and recomputed; each
     position is still reported once, and n = 3 choices share one prompt scoring."""
     ps = prompts(6, seed=4)
-    opts = [SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=2,
-                            n=3 if i == 0 else 1) for i in range(len(ps))]
+    opts = [
+        SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=2, n=3 if i == 0 else 1)
+        for i in range(len(ps))
+    ]
     llm = LLM(model_dir, num_kv_blocks=24, block_size=4, max_num_batched_tokens=8)
     outs = llm.generate(ps, opts, detokenize=False)
     assert sum(o.num_preemptions for o in outs) > 0
@@ -83,8 +84,9 @@ def test_a_cached_prompt_is_still_scored_whole(model_dir, hf_llama):
         await engine.start()
         try:
             first = await _collect(engine.submit(Request("a", tuple(prompt), SamplingOptions(max_tokens=2), 0.0)))
-            second = await _collect(engine.submit(Request(
-                "b", tuple(prompt), SamplingOptions(max_tokens=2, prompt_logprobs=1), 0.0)))
+            second = await _collect(
+                engine.submit(Request("b", tuple(prompt), SamplingOptions(max_tokens=2, prompt_logprobs=1), 0.0))
+            )
             third = await _collect(engine.submit(Request("c", tuple(prompt), SamplingOptions(max_tokens=2), 0.0)))
             return first[1], second[1], third[1]
         finally:
@@ -105,8 +107,12 @@ def test_malformed_scoring_is_refused(model_dir):
     def plan(scoring):
         return StepPlan(1, (NewSeq(1, (5, 6, 7), 3, 0, 3, (0,), SamplingParams(), prompt_scoring=scoring),))
 
-    for bad in (PromptScoring(1, (6, 7, 8)), PromptScoring(1, (99999,)), PromptScoring(0, ()),
-                PromptScoring(0, (6,), num_top=21)):
+    for bad in (
+        PromptScoring(1, (6, 7, 8)),
+        PromptScoring(1, (99999,)),
+        PromptScoring(0, ()),
+        PromptScoring(0, (6,), num_top=21),
+    ):
         with pytest.raises(InvalidPlanError, match="prompt scoring"):
             runner.execute(plan(bad))
     assert runner.execute(plan(PromptScoring(0, (6, 7), 2))).prompt_logprobs[0][0] == 1
@@ -117,8 +123,14 @@ def test_the_wire_carries_scoring_both_ways():
     from services.step import PositionLogprobs, ScoredPrompt, StepResult
     from services.step_codec import plan_from_pb, plan_to_pb, result_to_pb
 
-    sent = StepPlan(1, (NewSeq(3, (5, 6, 7, 8), 4, 0, 3, (0,), SamplingParams(), 0, 1,
-                               prompt_scoring=PromptScoring(0, (6, 7, 8), 2)),))
+    sent = StepPlan(
+        1,
+        (
+            NewSeq(
+                3, (5, 6, 7, 8), 4, 0, 3, (0,), SamplingParams(), 0, 1, prompt_scoring=PromptScoring(0, (6, 7, 8), 2)
+            ),
+        ),
+    )
     plan = plan_from_pb(plan_to_pb(sent))
     assert plan.new_seqs[0].prompt_scoring == PromptScoring(0, (6, 7, 8), 2)
     done = worker_pb2.MicroBatchDone(micro_batch_id=1)
@@ -144,9 +156,13 @@ def test_only_a_sequence_still_scoring_keeps_out_of_the_prefix_cache():
 
 def test_offline_llm_returns_the_sampled_tokens_logprobs(model_dir, hf_llama):
     prompt = [5, 17, 99, 260, 31]
-    out = LLM(model_dir, num_kv_blocks=64).generate(
-        [prompt], [SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)],
-        detokenize=False)[0].outputs[0]
+    out = (
+        LLM(model_dir, num_kv_blocks=64)
+        .generate(
+            [prompt], [SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)], detokenize=False
+        )[0]
+        .outputs[0]
+    )
     assert out.logprobs is not None and len(out.logprobs) == 4
     with torch.no_grad():
         logits = hf_llama(input_ids=torch.tensor([prompt + out.token_ids])).logits[0].float()
@@ -154,6 +170,9 @@ def test_offline_llm_returns_the_sampled_tokens_logprobs(model_dir, hf_llama):
         want = torch.log_softmax(logits[len(prompt) - 1 + i], -1)
         assert logprob == pytest.approx(float(want[token]), abs=1e-4)
         assert len(top) == 3 and top[0][0] == token  # greedy: the most likely
-    plain = LLM(model_dir, num_kv_blocks=64).generate([prompt], SamplingOptions(max_tokens=2),
-                                                      detokenize=False)[0].outputs[0]
+    plain = (
+        LLM(model_dir, num_kv_blocks=64)
+        .generate([prompt], SamplingOptions(max_tokens=2), detokenize=False)[0]
+        .outputs[0]
+    )
     assert plain.logprobs is None

@@ -23,9 +23,7 @@ MODULES = (common_pb2, gateway_pb2, kvcache_pb2, scheduler_pb2, worker_pb2)
 
 
 def _load_gen_protos() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "gen_protos", REPO_ROOT / "scripts" / "gen_protos.py"
-    )
+    spec = importlib.util.spec_from_file_location("gen_protos", REPO_ROOT / "scripts" / "gen_protos.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -70,11 +68,7 @@ def test_check_reports_stale_missing_and_extra_files(tmp_path: Path) -> None:
     (out / "common_pb2.py").write_text("# edited\n", encoding="utf-8")
     (out / "worker_pb2_grpc.py").unlink()
     (out / "old_pb2.py").write_text("", encoding="utf-8")
-    assert gen_protos.check(out) == [
-        "missing: worker_pb2_grpc.py",
-        "extra: old_pb2.py",
-        "stale: common_pb2.py",
-    ]
+    assert gen_protos.check(out) == ["missing: worker_pb2_grpc.py", "extra: old_pb2.py", "stale: common_pb2.py"]
     assert gen_protos.main(["--check", str(out)]) == 1
 
 
@@ -110,14 +104,7 @@ def _sample_scalar(field: FieldDescriptor, salt: int) -> object:
         return f"{field.name}-{salt}"
     if field.type == t.TYPE_BYTES:
         return bytes([salt % 256, 1, 2, 3])
-    if field.type in (
-        t.TYPE_INT32,
-        t.TYPE_SINT32,
-        t.TYPE_SFIXED32,
-        t.TYPE_INT64,
-        t.TYPE_SINT64,
-        t.TYPE_SFIXED64,
-    ):
+    if field.type in (t.TYPE_INT32, t.TYPE_SINT32, t.TYPE_SFIXED32, t.TYPE_INT64, t.TYPE_SINT64, t.TYPE_SFIXED64):
         return -(salt + 1) if salt % 2 else salt + 7
     return salt + 3  # unsigned
 
@@ -136,9 +123,7 @@ def _fill(message: Message, depth: int = 0) -> Message:
                 field.message_type.fields_by_name["key"],
                 field.message_type.fields_by_name["value"],
             )
-            getattr(message, field.name)[_sample_scalar(key_field, i)] = _sample_scalar(
-                value_field, i
-            )
+            getattr(message, field.name)[_sample_scalar(key_field, i)] = _sample_scalar(value_field, i)
         elif field.message_type is not None:
             if depth > 3:
                 continue
@@ -150,9 +135,7 @@ def _fill(message: Message, depth: int = 0) -> Message:
                 if not message.HasField(field.name):
                     getattr(message, field.name).SetInParent()
         elif field.is_repeated:
-            getattr(message, field.name).extend(
-                [_sample_scalar(field, i), _sample_scalar(field, i + 1)]
-            )
+            getattr(message, field.name).extend([_sample_scalar(field, i), _sample_scalar(field, i + 1)])
         else:
             setattr(message, field.name, _sample_scalar(field, i))
     return message
@@ -181,9 +164,7 @@ def test_tensor_carries_float32_bytes() -> None:
     assert got.dtype == common_pb2.DTYPE_FLOAT32
     assert list(got.shape) == [3, 4]
     assert len(got.data) == array.size * 4
-    np.testing.assert_array_equal(
-        np.frombuffer(got.data, dtype="<f4").reshape(tuple(got.shape)), array
-    )
+    np.testing.assert_array_equal(np.frombuffer(got.data, dtype="<f4").reshape(tuple(got.shape)), array)
 
 
 def test_optional_fields_keep_presence() -> None:
@@ -239,20 +220,12 @@ def test_every_enum_starts_with_unspecified(enum: EnumDescriptor) -> None:
 
 
 def test_the_six_request_states_and_finish_reasons() -> None:
-    states = {v.name for v in common_pb2.RequestState.DESCRIPTOR.values} - {
-        "REQUEST_STATE_UNSPECIFIED"
-    }
+    states = {v.name for v in common_pb2.RequestState.DESCRIPTOR.values} - {"REQUEST_STATE_UNSPECIFIED"}
     assert states == {
-        f"REQUEST_STATE_{s}"
-        for s in ("WAITING", "PREFILLING", "DECODING", "PREEMPTED", "FINISHED", "ABORTED")
+        f"REQUEST_STATE_{s}" for s in ("WAITING", "PREFILLING", "DECODING", "PREEMPTED", "FINISHED", "ABORTED")
     }
     reasons = set(common_pb2.FinishReason.keys())
-    assert {
-        "FINISH_REASON_STOP",
-        "FINISH_REASON_LENGTH",
-        "FINISH_REASON_ABORT",
-        "FINISH_REASON_ERROR",
-    } <= reasons
+    assert {"FINISH_REASON_STOP", "FINISH_REASON_LENGTH", "FINISH_REASON_ABORT", "FINISH_REASON_ERROR"} <= reasons
     dtypes = set(common_pb2.DType.keys())
     assert {
         "DTYPE_FLOAT32",
@@ -341,10 +314,7 @@ _ENUM_VALUE, _SERVICE_METHOD = 2, 2
 
 
 def _enum_elements(
-    e: descriptor_pb2.EnumDescriptorProto,
-    path: tuple[int, ...],
-    scope: str,
-    commented: set[tuple[int, ...]],
+    e: descriptor_pb2.EnumDescriptorProto, path: tuple[int, ...], scope: str, commented: set[tuple[int, ...]]
 ) -> Iterator[tuple[str, bool]]:
     yield f"{scope}.{e.name}", path in commented
     for i, v in enumerate(e.value):
@@ -352,10 +322,7 @@ def _enum_elements(
 
 
 def _message_elements(
-    m: descriptor_pb2.DescriptorProto,
-    path: tuple[int, ...],
-    scope: str,
-    commented: set[tuple[int, ...]],
+    m: descriptor_pb2.DescriptorProto, path: tuple[int, ...], scope: str, commented: set[tuple[int, ...]]
 ) -> Iterator[tuple[str, bool]]:
     if m.options.map_entry:
         return
@@ -385,11 +352,7 @@ def _documented_elements(tmp_path: Path) -> Iterator[tuple[str, bool]]:
     assert gen_protos.protoc.main(args) == 0
     files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
     for file in files.file:
-        commented = {
-            tuple(loc.path)
-            for loc in file.source_code_info.location
-            if loc.leading_comments.strip()
-        }
+        commented = {tuple(loc.path) for loc in file.source_code_info.location if loc.leading_comments.strip()}
         for i, m in enumerate(file.message_type):
             yield from _message_elements(m, (_FILE_MESSAGE, i), file.package, commented)
         for i, e in enumerate(file.enum_type):

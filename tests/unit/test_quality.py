@@ -56,10 +56,14 @@ def test_a_uniform_model_has_the_vocabulary_size_as_perplexity() -> None:
 
 
 def test_summarize_averages_over_all_scored_positions() -> None:
-    a = q.TokenScores(torch.tensor([1.0, 3.0], dtype=torch.float64), torch.tensor([0.0, 0.2], dtype=torch.float64),
-                      torch.tensor([True, False]))
-    b = q.TokenScores(torch.tensor([2.0], dtype=torch.float64), torch.tensor([0.4], dtype=torch.float64),
-                      torch.tensor([True]))
+    a = q.TokenScores(
+        torch.tensor([1.0, 3.0], dtype=torch.float64),
+        torch.tensor([0.0, 0.2], dtype=torch.float64),
+        torch.tensor([True, False]),
+    )
+    b = q.TokenScores(
+        torch.tensor([2.0], dtype=torch.float64), torch.tensor([0.4], dtype=torch.float64), torch.tensor([True])
+    )
     out = q.summarize([a, b])
     assert out["num_scored"] == 3
     assert out["perplexity"] == pytest.approx(math.exp(2.0))
@@ -105,7 +109,7 @@ def test_window_logits_equal_transformers(model_factory, hf_llama) -> None:
     with torch.no_grad():
         want = hf_llama(torch.tensor([ids])).logits[0].float()
     assert got.shape == (len(ids) - 1 - first, model.config.vocab_size)
-    assert (got - want[first:len(ids) - 1]).abs().max().item() < 1e-4
+    assert (got - want[first : len(ids) - 1]).abs().max().item() < 1e-4
     assert (window_logits(model, ids, 0) - want[:-1]).abs().max().item() < 1e-4
 
 
@@ -135,6 +139,7 @@ def test_llama_cpp_logits_line_up_with_pagoda_on_the_same_file(gguf_factory, tmp
     logits, info = llama_logits(LLAMA_PYTHON, path, windows, first, tmp_path / "logits.npy")
     assert logits.shape == (2, 64 - 1 - first, 512) and info["eval_s"] > 0
     for k, ids in enumerate(windows):
-        s = q.score_tokens(window_logits(model, ids, first), torch.from_numpy(logits[k].copy()),
-                           torch.tensor(ids[first + 1:]))
+        s = q.score_tokens(
+            window_logits(model, ids, first), torch.from_numpy(logits[k].copy()), torch.tensor(ids[first + 1 :])
+        )
         assert s.kl.mean().item() < 0.05 and s.same_top.double().mean().item() > 0.8

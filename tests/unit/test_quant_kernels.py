@@ -77,8 +77,9 @@ def activations(T: int, K: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def dequantized_activations(k: qk.QuantKernels, x: torch.Tensor, act_bits: int = 8
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantized_activations(
+    k: qk.QuantKernels, x: torch.Tensor, act_bits: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 q * d of the kernel's int8 / int16 activations, and d per element."""
     q, d = k.quantize_activations(x, act_bits=act_bits)
     assert q.dtype == (torch.int16 if act_bits == 16 else torch.int8)
@@ -185,8 +186,9 @@ def test_dequantize_equals_gguf(qtype: str) -> None:
 
 @pytest.mark.parametrize("qtype", qk.BLOCK_TYPES)
 @pytest.mark.parametrize("threads", (1, 3))
-def test_native_dequantize_to_bf16_is_the_rounded_float32(qtype: str, threads: int,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_dequantize_to_bf16_is_the_rounded_float32(
+    qtype: str, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     for N, K in ((1, 32), (33, 576), (200, 96)):
         blocks, w = weights(qtype, N, K)
@@ -284,8 +286,10 @@ def test_result_does_not_depend_on_threads(qtype: str, T: int, monkeypatch: pyte
         runs = [functools.partial(kernels(isa).matmul_bf16, x, w) for isa in KERNELS.available]
     else:
         name, bits = qtype.split("/")
-        runs = [functools.partial(kernels(isa).matmul, x, weights(name, N, K)[0], name, act_bits=int(bits))
-                for isa in KERNELS.available]
+        runs = [
+            functools.partial(kernels(isa).matmul, x, weights(name, N, K)[0], name, act_bits=int(bits))
+            for isa in KERNELS.available
+        ]
     threads = torch.get_num_threads()
     try:
         for run in runs:
@@ -337,17 +341,55 @@ def test_native_entry_points_for_other_kernels() -> None:
     for bits in ACT_BITS:
         for isa in KERNELS.available:
             k = kernels(isa)
-            qmm = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)(
-                k.function_addresses()["quant_matmul_f32"])
+            qmm = ctypes.CFUNCTYPE(
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+            )(k.function_addresses()["quant_matmul_f32"])
             scratch = torch.zeros(k.scratch_bytes(2, 96, act_bits=bits) + 64, dtype=torch.uint8)
             y = torch.empty(2, 33)
-            rc = qmm(k.isa_id, 2, bits, x.data_ptr(), 96, 2, 96, blocks.data_ptr(), 33, y.data_ptr(), 33,
-                     scratch.data_ptr() + (-scratch.data_ptr()) % 64)
+            rc = qmm(
+                k.isa_id,
+                2,
+                bits,
+                x.data_ptr(),
+                96,
+                2,
+                96,
+                blocks.data_ptr(),
+                33,
+                y.data_ptr(),
+                33,
+                scratch.data_ptr() + (-scratch.data_ptr()) % 64,
+            )
             assert rc == 0 and torch.equal(y, k.matmul(x, blocks, "Q4_0", act_bits=bits))
-            assert qmm(k.isa_id, 2, 12, x.data_ptr(), 96, 2, 96, blocks.data_ptr(), 33, y.data_ptr(), 33,
-                       scratch.data_ptr()) == -3
+            assert (
+                qmm(
+                    k.isa_id,
+                    2,
+                    12,
+                    x.data_ptr(),
+                    96,
+                    2,
+                    96,
+                    blocks.data_ptr(),
+                    33,
+                    y.data_ptr(),
+                    33,
+                    scratch.data_ptr(),
+                )
+                == -3
+            )
     assert set(KERNELS.function_addresses()) == {"quant_matmul_f32", "bf16_matmul"}
 
 
@@ -373,10 +415,13 @@ def test_empty_shapes() -> None:
     assert KERNELS.matmul_bf16(torch.empty(0, 5), torch.zeros(3, 5, dtype=torch.bfloat16)).shape == (0, 3)
     for isa in KERNELS.available:  # K = 0: sums of nothing
         for bits in ACT_BITS:
-            assert torch.equal(KERNELS.matmul(torch.randn(2, 0), torch.empty(3, 0, dtype=torch.uint8), "Q8_0",
-                                              isa=isa, act_bits=bits), torch.zeros(2, 3))
-        assert torch.equal(KERNELS.matmul_bf16(torch.randn(2, 0), torch.empty(3, 0, dtype=torch.bfloat16), isa=isa),
-                           torch.zeros(2, 3))
+            assert torch.equal(
+                KERNELS.matmul(torch.randn(2, 0), torch.empty(3, 0, dtype=torch.uint8), "Q8_0", isa=isa, act_bits=bits),
+                torch.zeros(2, 3),
+            )
+        assert torch.equal(
+            KERNELS.matmul_bf16(torch.randn(2, 0), torch.empty(3, 0, dtype=torch.bfloat16), isa=isa), torch.zeros(2, 3)
+        )
 
 
 def test_bad_arguments_raise_value_error() -> None:

@@ -15,15 +15,7 @@ from gateway.app import create_app
 from gateway.config import ApiKey, GatewayConfig, load_api_keys
 from gateway.generation import ChoiceDelta, Finished, Usage
 from gateway.grpc_api import add_generation_service
-from gateway.ratelimit import (
-    ANONYMOUS,
-    InProcessBuckets,
-    RateLimit,
-    RateLimiter,
-    RateLimitExceeded,
-    key_id,
-    token_cost,
-)
+from gateway.ratelimit import ANONYMOUS, InProcessBuckets, RateLimit, RateLimiter, RateLimitExceeded, key_id, token_cost
 from services.grpc_utils import aio_channel, create_aio_server
 from services.pb import gateway_pb2, gateway_pb2_grpc
 from services.text import Tokenizer
@@ -44,14 +36,14 @@ def limiter(rpm=None, tpm=None) -> tuple[RateLimiter, Clock]:
     return RateLimiter(RateLimit(rpm, tpm), InProcessBuckets(clock)), clock
 
 
-async def refused(lim: RateLimiter, tokens: int, bucket: str = "k",
-                  own: RateLimit | None = None) -> RateLimitExceeded:
+async def refused(lim: RateLimiter, tokens: int, bucket: str = "k", own: RateLimit | None = None) -> RateLimitExceeded:
     with pytest.raises(RateLimitExceeded) as info:
         await lim.admit(bucket, own, tokens)
     return info.value
 
 
 # --- the buckets ----------------------------------------------------------------------------
+
 
 def test_a_full_bucket_bursts_then_refuses_with_the_wait():
     async def main():
@@ -153,8 +145,9 @@ def test_token_cost_and_key_ids():
 
 def test_config_and_keys_file_carry_the_limits(tmp_path):
     path = tmp_path / "keys.json"
-    path.write_text(json.dumps({"sk-a": {"tenant": "t", "requests_per_minute": 5,
-                                         "tokens_per_minute": 1000}, "sk-b": {}}))
+    path.write_text(
+        json.dumps({"sk-a": {"tenant": "t", "requests_per_minute": 5, "tokens_per_minute": 1000}, "sk-b": {}})
+    )
     keys = load_api_keys(path)
     assert keys["sk-a"].rate_limit == RateLimit(5, 1000)
     assert keys["sk-b"].rate_limit == RateLimit()
@@ -175,8 +168,9 @@ def test_config_and_keys_file_carry_the_limits(tmp_path):
 def test_cli_flags_and_environment(monkeypatch):
     from wiring.cli import build_parser
 
-    args = build_parser().parse_args(["gateway", "--model", "m", "--scheduler", "s:1",
-                                      "--rate-limit-rpm", "60", "--redis-url", "redis://r:6379/0"])
+    args = build_parser().parse_args(
+        ["gateway", "--model", "m", "--scheduler", "s:1", "--rate-limit-rpm", "60", "--redis-url", "redis://r:6379/0"]
+    )
     assert (args.rate_limit_rpm, args.rate_limit_tpm, args.redis_url) == (60, None, "redis://r:6379/0")
     monkeypatch.setenv("PAGODA_RATE_LIMIT_TPM", "5000")
     monkeypatch.setenv("PAGODA_RATE_LIMIT_RPM", "")  # compose's unset variable: no limit
@@ -185,6 +179,7 @@ def test_cli_flags_and_environment(monkeypatch):
 
 
 # --- the REST API ---------------------------------------------------------------------------
+
 
 class FakeGenerator:
     """`TextGenerator`'s interface: one delta per choice, then usage; records each call."""
@@ -211,8 +206,13 @@ def tokenizer(model_factory):
 
 def make_client(tokenizer, **config):
     generator, clock = FakeGenerator(tokenizer), Clock()
-    cfg = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
-                        served_model_names=("tiny",), max_model_len=MAX_MODEL_LEN, **config)
+    cfg = GatewayConfig(
+        model=str(tokenizer.model_dir),
+        scheduler_address="unused:1",
+        served_model_names=("tiny",),
+        max_model_len=MAX_MODEL_LEN,
+        **config,
+    )
     app = create_app(cfg, generator, rate_limit_clock=clock)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
     return client, generator, clock
@@ -227,8 +227,9 @@ COMPLETION = {"prompt": [1, 2, 3], "max_tokens": 5}
 
 
 def test_no_limits_no_limiter(tokenizer):
-    cfg = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
-                        api_keys={"sk-a": ApiKey(tenant="t")})
+    cfg = GatewayConfig(
+        model=str(tokenizer.model_dir), scheduler_address="unused:1", api_keys={"sk-a": ApiKey(tenant="t")}
+    )
     assert create_app(cfg, FakeGenerator(tokenizer)).state.gateway.limiter is None
 
 
@@ -236,16 +237,18 @@ def test_429_with_retry_after_and_openai_error(tokenizer):
     async def main():
         client, generator, clock = make_client(tokenizer, rate_limit_rpm=2)
         async with client:
-            for path, body in (("/v1/completions", COMPLETION),
-                               ("/v1/chat/completions",
-                                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})):
+            for path, body in (
+                ("/v1/completions", COMPLETION),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}),
+            ):
                 assert (await post(client, path, body)).status_code == 200
             calls = generator.calls
-            for path, body in (("/v1/completions", COMPLETION),
-                               ("/v1/completions", {**COMPLETION, "stream": True}),
-                               ("/generate", {"prompt": "hi", "max_tokens": 5}),
-                               ("/v1/chat/completions",
-                                {"messages": [{"role": "user", "content": "hi"}]})):
+            for path, body in (
+                ("/v1/completions", COMPLETION),
+                ("/v1/completions", {**COMPLETION, "stream": True}),
+                ("/generate", {"prompt": "hi", "max_tokens": 5}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+            ):
                 r = await post(client, path, body)
                 assert r.status_code == 429, (path, r.text)
                 assert r.headers["retry-after"] == "30"
@@ -269,16 +272,16 @@ def test_429_with_retry_after_and_openai_error(tokenizer):
 
 def test_one_key_limited_another_not(tokenizer):
     async def main():
-        keys = {"sk-small": ApiKey(tenant="a", tokens_per_minute=20),
-                "sk-free": ApiKey(tenant="b"),
-                "sk-default": ApiKey(tenant="c")}
+        keys = {
+            "sk-small": ApiKey(tenant="a", tokens_per_minute=20),
+            "sk-free": ApiKey(tenant="b"),
+            "sk-default": ApiKey(tenant="c"),
+        }
         client, _, _ = make_client(tokenizer, api_keys=keys)
         async with client:
-            ok = await post(client, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 10},
-                            "sk-small")
+            ok = await post(client, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 10}, "sk-small")
             assert ok.status_code == 200
-            r = await post(client, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 10},
-                           "sk-small")
+            r = await post(client, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 10}, "sk-small")
             assert r.status_code == 429 and r.headers["retry-after"] == "18"  # 9 tokens at 1/3 s
             assert "tokens per min (TPM): Limit 20" in r.json()["error"]["message"]
             assert "this API key" in r.json()["error"]["message"]
@@ -286,8 +289,9 @@ def test_one_key_limited_another_not(tokenizer):
                 r = await post(client, "/v1/completions", {"prompt": [1, 2, 3]}, "sk-free")
                 assert r.status_code == 200
             # chat's max_tokens unset costs the whole context: over this key's bucket, for good
-            r = await post(client, "/v1/chat/completions",
-                           {"messages": [{"role": "user", "content": "hi"}]}, "sk-small")
+            r = await post(
+                client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "sk-small"
+            )
             assert r.status_code == 429 and "retry-after" not in r.headers
             assert r.headers["x-should-retry"] == "false"
             assert "Request too large" in r.json()["error"]["message"]
@@ -298,13 +302,17 @@ def test_one_key_limited_another_not(tokenizer):
 def test_a_second_authorization_header_cannot_pick_another_bucket(tokenizer):
     """Found in review: the middleware authenticated the last Authorization header and the
     charge read the first, so junk first headers each got a fresh bucket."""
+
     async def main():
         client, _, _ = make_client(tokenizer, api_keys={"sk-a": ApiKey(requests_per_minute=1)})
         async with client:
             assert (await post(client, "/v1/completions", COMPLETION, "sk-a")).status_code == 200
             assert (await post(client, "/v1/completions", COMPLETION, "sk-a")).status_code == 429
-            two = await client.post("/v1/completions", json=COMPLETION, headers=[
-                ("Authorization", "Bearer junk0"), ("Authorization", "Bearer sk-a")])
+            two = await client.post(
+                "/v1/completions",
+                json=COMPLETION,
+                headers=[("Authorization", "Bearer junk0"), ("Authorization", "Bearer sk-a")],
+            )
             assert two.status_code == 400 and "more than one Authorization" in two.text
 
     asyncio.run(main())
@@ -334,12 +342,17 @@ def test_default_limits_apply_to_keys_without_their_own(tokenizer):
 
 # --- the public gRPC API --------------------------------------------------------------------
 
+
 def test_grpc_resource_exhausted(tokenizer):
     async def main():
         generator, clock = FakeGenerator(tokenizer), Clock()
-        config = GatewayConfig(model=str(tokenizer.model_dir), scheduler_address="unused:1",
-                               served_model_names=("tiny",), max_model_len=MAX_MODEL_LEN,
-                               api_keys={"sk-a": ApiKey(requests_per_minute=1)})
+        config = GatewayConfig(
+            model=str(tokenizer.model_dir),
+            scheduler_address="unused:1",
+            served_model_names=("tiny",),
+            max_model_len=MAX_MODEL_LEN,
+            api_keys={"sk-a": ApiKey(requests_per_minute=1)},
+        )
         lim = RateLimiter.create(config.default_rate_limit, clock=clock)
         server, port, _ = create_aio_server("127.0.0.1:0")
         add_generation_service(server, generator, config, lim)
@@ -351,8 +364,7 @@ def test_grpc_resource_exhausted(tokenizer):
                 req = gateway_pb2.TextGenerateRequest(text="hi")
                 req.options.sampling_params.max_tokens = 4
                 assert [m async for m in stub.Generate(req, metadata=meta)]
-                chat = gateway_pb2.ChatRequest(
-                    messages=[gateway_pb2.ChatMessage(role="user", content="hi")])
+                chat = gateway_pb2.ChatRequest(messages=[gateway_pb2.ChatMessage(role="user", content="hi")])
                 for call in (stub.Generate(req, metadata=meta), stub.Chat(chat, metadata=meta)):
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         _ = [m async for m in call]
@@ -374,8 +386,14 @@ def test_serve_refuses_a_zero_limit_and_bad_environment_values():
 
     def pagoda(*args, env=None):
         import os
-        return subprocess.run([sys.executable, "-m", "wiring.cli", *args], capture_output=True,
-                              text=True, timeout=60, env={**os.environ, **(env or {})})
+
+        return subprocess.run(
+            [sys.executable, "-m", "wiring.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **(env or {})},
+        )
 
     zero = pagoda("serve", "--rate-limit-rpm", "0")
     assert zero.returncode == 2 and "positive integer" in zero.stderr

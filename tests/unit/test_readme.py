@@ -38,7 +38,13 @@ def test_the_readme_python_example_runs(tmp_path):
     cache = private_cache_with_shared_kernels(tmp_path)
     env = {**os.environ, "PAGODA_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}
     for code in blocks:
-        done = subprocess.run([sys.executable, "-c", "import torch; torch.set_num_threads(1)\n" + code],
-                              cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", "import torch; torch.set_num_threads(1)\n" + code],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.strip(), "the example prints the generated text"

@@ -16,14 +16,15 @@ R1_REPLY = "<think>\nThe user asks for 2 + 2. That is 4.\n</think>\n\n2 + 2 = 4.
 
 # (reply, deepseek_r1's (reasoning, content), qwen3's)
 REPLIES = [
-    (R1_REPLY, ("\nThe user asks for 2 + 2. That is 4.\n", "\n\n2 + 2 = 4."),
-     ("\nThe user asks for 2 + 2. That is 4.\n", "\n\n2 + 2 = 4.")),
+    (
+        R1_REPLY,
+        ("\nThe user asks for 2 + 2. That is 4.\n", "\n\n2 + 2 = 4."),
+        ("\nThe user asks for 2 + 2. That is 4.\n", "\n\n2 + 2 = 4."),
+    ),
     # the template put <think> in the prompt
-    ("Okay, so 2 + 2.\n</think>\n\n4.", ("Okay, so 2 + 2.\n", "\n\n4."),
-     (None, "Okay, so 2 + 2.\n</think>\n\n4.")),
+    ("Okay, so 2 + 2.\n</think>\n\n4.", ("Okay, so 2 + 2.\n", "\n\n4."), (None, "Okay, so 2 + 2.\n</think>\n\n4.")),
     # cut short while thinking: no </think>
-    ("<think>\nLet me think about this", ("\nLet me think about this", None),
-     ("\nLet me think about this", None)),
+    ("<think>\nLet me think about this", ("\nLet me think about this", None), ("\nLet me think about this", None)),
     ("Let me think about this", ("Let me think about this", None), (None, "Let me think about this")),
     ("<think>\nDone.\n</think>", ("\nDone.\n", None), ("\nDone.\n", None)),
     ("<think>\n\n</think>\n\nHello!", ("\n\n", "\n\nHello!"), ("\n\n", "\n\nHello!")),
@@ -31,8 +32,11 @@ REPLIES = [
     ("\n<think>x</think>y", ("x", "y"), ("x", "y")),
     ("a <think>b</think>c", ("a <think>b", "c"), (None, "a <think>b</think>c")),
     ("<think>a</think>b</think>c", ("a", "b</think>c"), ("a", "b</think>c")),
-    ("<think>I could say </thought> here</think>ok", ("I could say </thought> here", "ok"),
-     ("I could say </thought> here", "ok")),
+    (
+        "<think>I could say </thought> here</think>ok",
+        ("I could say </thought> here", "ok"),
+        ("I could say </thought> here", "ok"),
+    ),
     ("<thinking>x", ("<thinking>x", None), (None, "<thinking>x")),
     ("<thi", ("<thi", None), (None, "<thi")),
     ("  ", ("  ", None), (None, "  ")),
@@ -87,10 +91,13 @@ def test_streaming_a_reply_cut_anywhere_gives_what_extract_gives(name, reply):
         assert streamed(name, random_chunks(cut, rng)) == reasoning_parser(name).extract(cut)
 
 
-@given(st.sampled_from(sorted(REASONING_PARSERS)),
-       st.lists(st.sampled_from(["<think>", "</think>", "<th", "ink>", "</", "<", ">", " ", "\n", "a",
-                                 "think"]), max_size=12),
-       st.randoms(use_true_random=False))
+@given(
+    st.sampled_from(sorted(REASONING_PARSERS)),
+    st.lists(
+        st.sampled_from(["<think>", "</think>", "<th", "ink>", "</", "<", ">", " ", "\n", "a", "think"]), max_size=12
+    ),
+    st.randoms(use_true_random=False),
+)
 def test_any_text_in_any_chunking_streams_as_extract_reads_it(name, fragments, rng):
     reply = "".join(fragments)
     assert streamed(name, random_chunks(reply, rng)) == reasoning_parser(name).extract(reply)

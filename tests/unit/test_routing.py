@@ -77,13 +77,15 @@ def test_leading_hits_stop_at_the_first_miss():
 
 
 def test_merged_statistics_sum_counts_and_recompute_the_hit_rate():
-    a = scheduler_pb2.GetStatsResponse(num_waiting=2, num_running=3, num_generated_tokens=100,
-                                       health=common_pb2.HEALTH_STATUS_NOT_SERVING)
+    a = scheduler_pb2.GetStatsResponse(
+        num_waiting=2, num_running=3, num_generated_tokens=100, health=common_pb2.HEALTH_STATUS_NOT_SERVING
+    )
     a.kv_cache.num_total_blocks, a.kv_cache.num_used_blocks = 100, 10
     a.kv_cache.num_prefix_query_tokens, a.kv_cache.num_prefix_hit_tokens = 100, 50
     a.config.block_size = 16
-    b = scheduler_pb2.GetStatsResponse(num_waiting=1, num_running=1, num_generated_tokens=20,
-                                       health=common_pb2.HEALTH_STATUS_SERVING)
+    b = scheduler_pb2.GetStatsResponse(
+        num_waiting=1, num_running=1, num_generated_tokens=20, health=common_pb2.HEALTH_STATUS_SERVING
+    )
     b.kv_cache.num_total_blocks, b.kv_cache.num_used_blocks = 100, 30
     b.kv_cache.num_prefix_query_tokens, b.kv_cache.num_prefix_hit_tokens = 300, 50
     m = merge_stats([a, b])

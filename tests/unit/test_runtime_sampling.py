@@ -24,14 +24,15 @@ def model_dir(model_factory):
 
 
 def runners(model_dir, num_stages, block_size=16, num_blocks=256):
-    return [StageRunner(load_stage(model_dir, k, num_stages), num_blocks, block_size)
-            for k in range(num_stages)]
+    return [StageRunner(load_stage(model_dir, k, num_stages), num_blocks, block_size) for k in range(num_stages)]
 
 
 def prompts(n: int, seed: int = 7) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 512, (int(length),), generator=g).tolist()
-            for length in torch.randint(1, 60, (n,), generator=g)]
+    return [
+        torch.randint(5, 512, (int(length),), generator=g).tolist()
+        for length in torch.randint(1, 60, (n,), generator=g)
+    ]
 
 
 def run(model_dir, num_stages, seqs, chunk=None):
@@ -47,8 +48,7 @@ def test_seed_is_independent_of_batch_position_and_split(model_dir):
     alone = run(model_dir, 1, [DriverSeq(0, target, NEW_TOKENS, seeded(42))])[0]
     # the same request at row 5 of a batch of 8, arriving later, others sampled differently
     others = prompts(7)
-    batch = [DriverSeq(i + 10, p, NEW_TOKENS, seeded(i), arrival_step=i % 3)
-             for i, p in enumerate(others)]
+    batch = [DriverSeq(i + 10, p, NEW_TOKENS, seeded(i), arrival_step=i % 3) for i, p in enumerate(others)]
     batch.insert(5, DriverSeq(3, target, NEW_TOKENS, seeded(42), arrival_step=2))
     in_batch = run(model_dir, 1, batch, chunk=5)[5]
     split = run(model_dir, 3, [DriverSeq(77, target, NEW_TOKENS, seeded(42))], chunk=7)[0]
@@ -59,8 +59,7 @@ def test_seed_is_independent_of_batch_position_and_split(model_dir):
 
 def test_choices_of_one_request_differ(model_dir):
     target = prompts(1, seed=5)[0]
-    seqs = [DriverSeq(i, target, NEW_TOKENS, seeded(1, temperature=1.2), choice_index=i)
-            for i in range(2)]
+    seqs = [DriverSeq(i, target, NEW_TOKENS, seeded(1, temperature=1.2), choice_index=i) for i in range(2)]
     a, b = run(model_dir, 2, seqs)
     assert a != b
 
@@ -74,16 +73,17 @@ def test_block_copy_then_fork_continues_like_transformers(model_dir):
     greedy = SamplingParams(temperature=0.0)
 
     parent_table = [3, 9, 4]
-    out = runner.execute(StepPlan(0, (NewSeq(1, tuple(prompt), 21, 0, 21, (3, 9, 4), greedy),)),
-                         keep_logits=True)
+    out = runner.execute(StepPlan(0, (NewSeq(1, tuple(prompt), 21, 0, 21, (3, 9, 4), greedy),)), keep_logits=True)
     first = out.sampled.token_ids[0]
     # fork: the child shares blocks 3 and 9; block 4 (partial) is copied into block 12
     child_table = [3, 9, 12]
     forced = [first, (first + 1) % 512]  # force the two children apart (sent whole again)
     plan = StepPlan(
         1,
-        (NewSeq(1, (*prompt, forced[0]), 21, 21, 1, tuple(parent_table), greedy),
-         NewSeq(2, (*prompt, forced[1]), 21, 21, 1, tuple(child_table), greedy)),
+        (
+            NewSeq(1, (*prompt, forced[0]), 21, 21, 1, tuple(parent_table), greedy),
+            NewSeq(2, (*prompt, forced[1]), 21, 21, 1, tuple(child_table), greedy),
+        ),
         block_copies=((4, 12),),
     )
     tokens = {1: [forced[0]], 2: [forced[1]]}
@@ -119,10 +119,16 @@ def _valid_plan(runner: StageRunner) -> StepPlan:
     [
         (lambda s: dataclasses.replace(s, block_ids=(999,)), "block id 999 out of range"),
         (lambda s: dataclasses.replace(s, block_ids=()), "block table has 0 blocks"),
-        (lambda s: dataclasses.replace(s, token_ids=(5, 6), prompt_len=2), "computes up to position 2 but knows 2 tokens"),
+        (
+            lambda s: dataclasses.replace(s, token_ids=(5, 6), prompt_len=2),
+            "computes up to position 2 but knows 2 tokens",
+        ),
         (lambda s: dataclasses.replace(s, token_ids=(5, 6, 100000)), "token id outside"),
         (lambda s: dataclasses.replace(s, num_scheduled=0), "need at least one"),
-        (lambda s: dataclasses.replace(s, num_computed=9999, token_ids=(5,) * 10003), "exceeds max_position_embeddings"),
+        (
+            lambda s: dataclasses.replace(s, num_computed=9999, token_ids=(5,) * 10003),
+            "exceeds max_position_embeddings",
+        ),
         (lambda s: dataclasses.replace(s, prompt_len=0), "prompt_len 0"),
     ],
 )

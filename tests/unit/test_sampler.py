@@ -26,13 +26,7 @@ MIN_P_VALUE = 1e-3
 
 
 def _row(seq_id: int, params: SamplingParams, position: int = 0, choice: int = 0, entropy: int = 7):
-    return SampleRow(
-        seq_id=seq_id,
-        params=params,
-        choice_index=choice,
-        output_position=position,
-        entropy_seed=entropy,
-    )
+    return SampleRow(seq_id=seq_id, params=params, choice_index=choice, output_position=position, entropy_seed=entropy)
 
 
 def _draw_positions(params: SamplingParams, logits: torch.Tensor, positions: range) -> list[int]:
@@ -143,9 +137,7 @@ def test_min_tokens_masks_stop_and_eos_until_reached() -> None:
 
 def test_min_tokens_masks_sampled_rows_too() -> None:
     logits = torch.tensor([0.0, 0.5, 4.0, 4.0, 4.0, 9.0])  # ids 3 and 5 are stop / eos
-    params = SamplingParams(
-        temperature=1.0, seed=3, min_tokens=10, stop_token_ids=(3,), eos_token_ids=(5, 99)
-    )
+    params = SamplingParams(temperature=1.0, seed=3, min_tokens=10, stop_token_ids=(3,), eos_token_ids=(5, 99))
     early = _draw_positions(params, logits, range(10))
     assert not {3, 5} & set(early)
     late = _draw_positions(params, logits, range(10, 20))
@@ -154,9 +146,7 @@ def test_min_tokens_masks_sampled_rows_too() -> None:
 
 def test_ignore_eos_leaves_eos_sampleable_but_still_masks_stops() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, 5.0, 6.0]])
-    params = SamplingParams(
-        temperature=0.0, min_tokens=3, stop_token_ids=(4,), eos_token_ids=(3,), ignore_eos=True
-    )
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(4,), eos_token_ids=(3,), ignore_eos=True)
     assert Sampler().sample(logits, [_row(0, params)]).token_ids == [3]
 
 
@@ -209,18 +199,13 @@ def test_same_seed_same_token_alone_or_anywhere_in_a_batch() -> None:
         batch_logits = torch.randn(8, 1000, generator=generator)
         batch_logits[5] = target_logits
         rows = [_row(10 + i, others[i % len(others)], position=i, entropy=i) for i in range(8)]
-        rows[5] = _row(
-            99, target, position
-        )  # another seq id and row, same (seed, choice, position)
+        rows[5] = _row(99, target, position)  # another seq id and row, same (seed, choice, position)
         assert Sampler().sample(batch_logits, rows).token_ids[5] == alone
 
 
 def test_seed_decides_and_entropy_seed_stands_in_for_none() -> None:
     logits = torch.zeros(1000)
-    by_seed = {
-        seed: _draw_positions(SamplingParams(seed=seed), logits, range(20))
-        for seed in (0, 1, 2**32, 2**64 - 1)
-    }
+    by_seed = {seed: _draw_positions(SamplingParams(seed=seed), logits, range(20)) for seed in (0, 1, 2**32, 2**64 - 1)}
     assert len({tuple(tokens) for tokens in by_seed.values()}) == 4
     # An explicit seed ignores entropy_seed; without one, entropy_seed plays its part.
     rows = [_row(i, SamplingParams(seed=1), position=i, entropy=1000 + i) for i in range(20)]
@@ -235,10 +220,7 @@ def test_choices_differ_and_resampling_after_release_repeats() -> None:
     sampler = Sampler()
 
     def run(choice: int) -> list[int]:
-        return [
-            sampler.sample(logits, [_row(choice, params, p, choice=choice)]).token_ids[0]
-            for p in range(20)
-        ]
+        return [sampler.sample(logits, [_row(choice, params, p, choice=choice)]).token_ids[0] for p in range(20)]
 
     first, second = run(0), run(1)
     assert first != second
@@ -283,9 +265,7 @@ def test_draws_over_seeds_follow_the_analytic_distribution() -> None:
 # Each filter is often off, so that the others are tested alone too.
 @settings(max_examples=80, deadline=None)
 @given(
-    logits=st.lists(
-        st.floats(min_value=-10, max_value=10, allow_nan=False, width=32), min_size=2, max_size=40
-    ),
+    logits=st.lists(st.floats(min_value=-10, max_value=10, allow_nan=False, width=32), min_size=2, max_size=40),
     temperature=st.floats(min_value=0.05, max_value=3.0),
     top_k=st.integers(min_value=0, max_value=12),
     top_p=st.one_of(st.just(1.0), st.floats(min_value=0.01, max_value=1.0)),
@@ -295,9 +275,7 @@ def test_draws_over_seeds_follow_the_analytic_distribution() -> None:
 def test_no_token_outside_top_k_nucleus_or_min_p(
     logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float, seed: int
 ) -> None:
-    params = SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
-    )
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     # Rank on the same float32 scaled logits the sampler sees; equal values rank by lower id.
     scaled = (torch.tensor(logits) / torch.tensor(temperature)).double()
     probs = torch.softmax(scaled, dim=0).tolist()
@@ -401,13 +379,10 @@ def test_bad_params_name_the_field(field: str, value: object) -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
-    [("choice_index", -1), ("output_position", 2**32), ("entropy_seed", 2**64), ("seq_id", None)],
+    ("field", "value"), [("choice_index", -1), ("output_position", 2**32), ("entropy_seed", 2**64), ("seq_id", None)]
 )
 def test_bad_rows_name_the_field(field: str, value: object) -> None:
-    kwargs = dict(
-        seq_id=0, params=SamplingParams(), choice_index=0, output_position=0, entropy_seed=0
-    )
+    kwargs = dict(seq_id=0, params=SamplingParams(), choice_index=0, output_position=0, entropy_seed=0)
     kwargs[field] = value
     with pytest.raises(ValueError, match=field):
         SampleRow(**kwargs)

@@ -15,10 +15,24 @@ from services.sampling_pb import options_from_pb, options_to_pb
 CASES = [
     SamplingOptions(),
     SamplingOptions(max_tokens=None),
-    SamplingOptions(n=3, max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.25, top_k=4, min_p=0.125,
-                    seed=2**64 - 1, logprobs=0, stop_token_ids=(3, 9), ignore_eos=True,
-                    presence_penalty=-2.0, frequency_penalty=1.5, repetition_penalty=0.5,
-                    logit_bias=((1, -100.0), (7, 2.5)), prompt_logprobs=20),
+    SamplingOptions(
+        n=3,
+        max_tokens=7,
+        min_tokens=2,
+        temperature=0.5,
+        top_p=0.25,
+        top_k=4,
+        min_p=0.125,
+        seed=2**64 - 1,
+        logprobs=0,
+        stop_token_ids=(3, 9),
+        ignore_eos=True,
+        presence_penalty=-2.0,
+        frequency_penalty=1.5,
+        repetition_penalty=0.5,
+        logit_bias=((1, -100.0), (7, 2.5)),
+        prompt_logprobs=20,
+    ),
     SamplingOptions(structured=StructuredOutput("json_schema", '{"type": "object"}')),
     SamplingOptions(structured=StructuredOutput("json_object")),
     SamplingOptions(structured=StructuredOutput("regex", "[a-z]+")),
@@ -41,10 +55,16 @@ def test_the_layers_share_the_type():
     assert sampling_params(CASES[2], (2,)).num_logprobs == 0
 
 
-@pytest.mark.parametrize(("field", "value", "where"), [
-    ("max_tokens", 0, "max_tokens"), ("top_p", 1.5, "top_p"), ("temperature", -1.0, "temperature"),
-    ("repetition_penalty", 3.0, "repetition_penalty"), ("logprobs", 21, "logprobs"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "where"),
+    [
+        ("max_tokens", 0, "max_tokens"),
+        ("top_p", 1.5, "top_p"),
+        ("temperature", -1.0, "temperature"),
+        ("repetition_penalty", 3.0, "repetition_penalty"),
+        ("logprobs", 21, "logprobs"),
+    ],
+)
 def test_a_bad_value_read_from_the_wire_names_its_field(field, value, where):
     msg = common_pb2.SamplingParams()
     setattr(msg, field, value)

@@ -14,12 +14,7 @@ from test_gateway_app import FakeGenerator, post, run
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from services.generation_config import (
-    GGUF_SOURCE_FILE,
-    LLAMA_CPP_DEFAULTS,
-    SamplingDefaults,
-    sampling_defaults,
-)
+from services.generation_config import GGUF_SOURCE_FILE, LLAMA_CPP_DEFAULTS, SamplingDefaults, sampling_defaults
 from services.text import Tokenizer
 
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 4}
@@ -48,10 +43,12 @@ def _sent(folder, bodies, **config):
 
     async def go():
         generator = FakeGenerator(Tokenizer(folder))
-        cfg = GatewayConfig(model=str(folder), scheduler_address="unused:1", max_model_len=64,
-                            served_model_names=("tiny",), **config)
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg, generator)),
-                                   base_url="http://gateway")
+        cfg = GatewayConfig(
+            model=str(folder), scheduler_address="unused:1", max_model_len=64, served_model_names=("tiny",), **config
+        )
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=create_app(cfg, generator)), base_url="http://gateway"
+        )
         async with client:
             for body in bodies:
                 resp = await post(client, "/v1/chat/completions", {**CHAT, **body})
@@ -71,20 +68,27 @@ def test_a_gguf_model_gets_llama_cpps_defaults_and_a_requests_fields_win(tiny, t
     sampling fields samples as llama.cpp's server and Ollama would (it got temperature 1 over
     the whole vocabulary, and the README's question answered noise)."""
     folder = _copy(tiny, tmp_path, gguf=True)
-    (plain, explicit, greedy, off), models = _sent(folder, [
-        {}, {"temperature": 1.0, "top_p": 0.5}, {"temperature": 0}, {"top_k": -1, "min_p": 0}])
+    (plain, explicit, greedy, off), models = _sent(
+        folder, [{}, {"temperature": 1.0, "top_p": 0.5}, {"temperature": 0}, {"top_k": -1, "min_p": 0}]
+    )
     assert _picked(plain) == (0.8, 0.95, 40, 0.05, 1.0)
     assert _picked(explicit) == (1.0, 0.5, 40, 0.05, 1.0)  # each field on its own
     assert greedy.temperature == 0.0
     assert (off.top_k, off.min_p, off.temperature) == (0, 0.0, 0.8)  # -1 and 0 are "off", and win
     card = models["data"][0]
-    assert card["sampling_defaults"] == {**LLAMA_CPP_DEFAULTS, "repetition_penalty": None,
-                                         "source": "llama.cpp's, for a GGUF file"}
+    assert card["sampling_defaults"] == {
+        **LLAMA_CPP_DEFAULTS,
+        "repetition_penalty": None,
+        "source": "llama.cpp's, for a GGUF file",
+    }
 
 
 def test_generation_config_sampling_fields_apply_as_vllm_applies_them(tiny, tmp_path):
-    folder = _copy(tiny, tmp_path, generation={
-        "temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True})
+    folder = _copy(
+        tiny,
+        tmp_path,
+        generation={"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True},
+    )
     (plain, mine), models = _sent(folder, [{}, {"temperature": 0.2, "repetition_penalty": 1.0}])
     assert _picked(plain) == (0.6, 0.9, 20, 0.0, 1.05)
     assert _picked(mine) == (0.2, 0.9, 20, 0.0, 1.0)
@@ -107,13 +111,16 @@ def test_generation_config_modes_and_the_override(tiny, tmp_path):
     assert sampling_defaults(tiny) == SamplingDefaults(source="none in the model's generation_config.json")
 
 
-@pytest.mark.parametrize("settings, says", [
-    ({"override_generation_config": '{"temperature": -1}'}, "temperature"),
-    ({"override_generation_config": '{"max_new_tokens": 5}'}, "max_new_tokens"),
-    ({"override_generation_config": "[1]"}, "JSON object"),
-    ({"override_generation_config": "{"}, "not JSON"),
-    ({"generation_config": ""}, "generation_config"),
-])
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        ({"override_generation_config": '{"temperature": -1}'}, "temperature"),
+        ({"override_generation_config": '{"max_new_tokens": 5}'}, "max_new_tokens"),
+        ({"override_generation_config": "[1]"}, "JSON object"),
+        ({"override_generation_config": "{"}, "not JSON"),
+        ({"generation_config": ""}, "generation_config"),
+    ],
+)
 def test_bad_generation_settings_are_refused_naming_them(tiny, settings, says):
     with pytest.raises(ValueError, match=says):
         GatewayConfig(model=tiny, scheduler_address="unused:1", **settings)

@@ -35,10 +35,25 @@ from services.sampling_pb import options_from_pb, options_to_pb, params_from_pb
 from services.step import NewSeq, StepPlan
 from services.step_codec import PlanDecodeError, plan_from_pb, plan_to_pb
 
-FULL = SamplingOptions(n=3, max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.25, top_k=4, min_p=0.125,
-                       seed=9, logprobs=3, stop_token_ids=(3, 9), ignore_eos=True, presence_penalty=-2.0,
-                       frequency_penalty=1.5, repetition_penalty=0.5, logit_bias=((1, -100.0), (7, 2.5)),
-                       prompt_logprobs=2, structured=StructuredOutput("regex", "[a-z]+"))
+FULL = SamplingOptions(
+    n=3,
+    max_tokens=7,
+    min_tokens=2,
+    temperature=0.5,
+    top_p=0.25,
+    top_k=4,
+    min_p=0.125,
+    seed=9,
+    logprobs=3,
+    stop_token_ids=(3, 9),
+    ignore_eos=True,
+    presence_penalty=-2.0,
+    frequency_penalty=1.5,
+    repetition_penalty=0.5,
+    logit_bias=((1, -100.0), (7, 2.5)),
+    prompt_logprobs=2,
+    structured=StructuredOutput("regex", "[a-z]+"),
+)
 
 
 # --- one type, a derived view ----------------------------------------------------------------
@@ -48,7 +63,8 @@ def test_the_stage_view_is_the_type_with_the_eos_ids_inside():
     view = sampling_params(FULL, (2, 5))
     assert isinstance(view, SamplingOptions) and view.eos_token_ids == (2, 5)
     assert {name: getattr(view, name) for name in CHOICE_FIELDS} == {
-        name: getattr(FULL, name) for name in CHOICE_FIELDS}
+        name: getattr(FULL, name) for name in CHOICE_FIELDS
+    }
     assert view.logprobs == view.num_logprobs == 3
     # what only the scheduler acts on is not the stages'
     assert (view.n, view.max_tokens, view.prompt_logprobs) == (1, None, None)
@@ -63,8 +79,16 @@ def test_one_convention_for_top_k():
 
 
 def test_one_validator_with_one_message_per_field():
-    for name, value in (("temperature", -1.0), ("top_p", 0.0), ("top_k", -1), ("min_p", 2.0), ("seed", -1),
-                        ("min_tokens", -1), ("presence_penalty", 3.0), ("repetition_penalty", 0.0)):
+    for name, value in (
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_k", -1),
+        ("min_p", 2.0),
+        ("seed", -1),
+        ("min_tokens", -1),
+        ("presence_penalty", 3.0),
+        ("repetition_penalty", 0.0),
+    ):
         with pytest.raises(ValueError) as options_error:
             SamplingOptions(**{name: value})
         with pytest.raises(ValueError) as view_error:
@@ -114,15 +138,18 @@ def test_the_step_codec_carries_the_view_and_names_a_bad_value():
 LIMITS = Limits(max_model_len=64, vocab_size=100, max_n=4, max_logprobs=5)
 
 
-@pytest.mark.parametrize(("options", "prompt_len", "field"), [
-    (SamplingOptions(n=5), 3, "n"),
-    (SamplingOptions(logprobs=6), 3, "logprobs"),
-    (SamplingOptions(prompt_logprobs=6), 3, "prompt_logprobs"),
-    (SamplingOptions(stop_token_ids=(5, 100)), 3, "stop_token_ids[1]"),
-    (SamplingOptions(logit_bias=((100, 1.0),)), 3, "logit_bias"),
-    (SamplingOptions(max_tokens=62), 3, "max_tokens"),
-    (SamplingOptions(), 64, "prompt"),
-])
+@pytest.mark.parametrize(
+    ("options", "prompt_len", "field"),
+    [
+        (SamplingOptions(n=5), 3, "n"),
+        (SamplingOptions(logprobs=6), 3, "logprobs"),
+        (SamplingOptions(prompt_logprobs=6), 3, "prompt_logprobs"),
+        (SamplingOptions(stop_token_ids=(5, 100)), 3, "stop_token_ids[1]"),
+        (SamplingOptions(logit_bias=((100, 1.0),)), 3, "logit_bias"),
+        (SamplingOptions(max_tokens=62), 3, "max_tokens"),
+        (SamplingOptions(), 64, "prompt"),
+    ],
+)
 def test_admit_names_the_field(options, prompt_len, field):
     with pytest.raises(AdmissionError) as err:
         admit(options, LIMITS, prompt_len)
@@ -152,13 +179,18 @@ def test_both_front_doors_and_the_scheduler_give_the_same_reason():
     scheduler = SchedulerConfig(max_model_len=64, max_num_seqs=4)
     for options, rest, grpc_field, scheduler_field in (
         (SamplingOptions(n=5, max_tokens=4), {"n": 5}, "n", "n"),
-        (SamplingOptions(logit_bias=((100, 1.0),), max_tokens=4), {"logit_bias": {"100": 1.0}},
-         "logit_bias", "logit_bias"),
+        (
+            SamplingOptions(logit_bias=((100, 1.0),), max_tokens=4),
+            {"logit_bias": {"100": 1.0}},
+            "logit_bias",
+            "logit_bias",
+        ),
     ):
         reason = _reason(options, gateway, len(prompt))
         with pytest.raises(ApiError) as rest_error:
-            validation.completion_params(CompletionRequest(prompt=prompt, max_tokens=4, **rest), [prompt],
-                                         model, config)
+            validation.completion_params(
+                CompletionRequest(prompt=prompt, max_tokens=4, **rest), [prompt], model, config
+            )
         assert rest_error.value.body()["error"]["message"] == f"{grpc_field}: {reason}"
         with pytest.raises(RequestError) as grpc_error:
             admit_prompt("text", len(prompt), GenerationParams(sampling=options), gateway)
@@ -174,8 +206,10 @@ def test_the_rest_api_names_the_field_as_the_endpoint_spells_it():
     model = validation.ModelLimits("m", max_model_len=64, vocab_size=100)
     config = GatewayConfig(model="m", scheduler_address="s:1", max_logprobs=5)
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    for body, param in (({**chat, "max_completion_tokens": 62}, "max_completion_tokens"),
-                        ({**chat, "logprobs": True, "top_logprobs": 6}, "top_logprobs")):
+    for body, param in (
+        ({**chat, "max_completion_tokens": 62}, "max_completion_tokens"),
+        ({**chat, "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+    ):
         with pytest.raises(ApiError) as err:
             validation.chat_params(ChatCompletionRequest(**body), [5, 6, 7], model, config)
         assert err.value.body()["error"]["param"] == param
@@ -184,16 +218,25 @@ def test_the_rest_api_names_the_field_as_the_endpoint_spells_it():
 # --- the REST model's bounds are the type's ---------------------------------------------------
 
 
-@pytest.mark.parametrize(("model", "field", "name"), [
-    (CompletionRequest, "temperature", "temperature"), (CompletionRequest, "top_p", "top_p"),
-    (CompletionRequest, "min_p", "min_p"), (CompletionRequest, "min_tokens", "min_tokens"),
-    (CompletionRequest, "presence_penalty", "presence_penalty"),
-    (CompletionRequest, "frequency_penalty", "frequency_penalty"),
-    (CompletionRequest, "repetition_penalty", "repetition_penalty"), (CompletionRequest, "n", "n"),
-    (CompletionRequest, "logprobs", "logprobs"), (CompletionRequest, "prompt_logprobs", "prompt_logprobs"),
-    (ChatCompletionRequest, "top_logprobs", "logprobs"), (ChatCompletionRequest, "max_tokens", "max_tokens"),
-    (ChatCompletionRequest, "max_completion_tokens", "max_tokens"), (GenerateRequest, "max_tokens", "max_tokens"),
-])
+@pytest.mark.parametrize(
+    ("model", "field", "name"),
+    [
+        (CompletionRequest, "temperature", "temperature"),
+        (CompletionRequest, "top_p", "top_p"),
+        (CompletionRequest, "min_p", "min_p"),
+        (CompletionRequest, "min_tokens", "min_tokens"),
+        (CompletionRequest, "presence_penalty", "presence_penalty"),
+        (CompletionRequest, "frequency_penalty", "frequency_penalty"),
+        (CompletionRequest, "repetition_penalty", "repetition_penalty"),
+        (CompletionRequest, "n", "n"),
+        (CompletionRequest, "logprobs", "logprobs"),
+        (CompletionRequest, "prompt_logprobs", "prompt_logprobs"),
+        (ChatCompletionRequest, "top_logprobs", "logprobs"),
+        (ChatCompletionRequest, "max_tokens", "max_tokens"),
+        (ChatCompletionRequest, "max_completion_tokens", "max_tokens"),
+        (GenerateRequest, "max_tokens", "max_tokens"),
+    ],
+)
 def test_the_rest_model_takes_its_bounds_from_the_type(model, field, name):
     r = RANGES[name]
     base = {"prompt": "a"} if model is not ChatCompletionRequest else {"messages": [{"role": "user", "content": "a"}]}

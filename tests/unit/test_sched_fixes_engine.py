@@ -45,8 +45,19 @@ class ScriptedTransport:
         hook = self.during_connect.get(len(self.callbacks))
         if hook is not None:
             hook(self.callbacks)
-        return [StageInfo(stage_index=0, num_stages=1, epoch=len(self.callbacks), layer_start=0,
-                          layer_end=2, num_layers=2, num_kv_blocks=64, block_size=16, vocab_size=32)]
+        return [
+            StageInfo(
+                stage_index=0,
+                num_stages=1,
+                epoch=len(self.callbacks),
+                layer_start=0,
+                layer_end=2,
+                num_layers=2,
+                num_kv_blocks=64,
+                block_size=16,
+                vocab_size=32,
+            )
+        ]
 
     async def submit(self, mb) -> None:
         raise AssertionError("nothing should be dispatched")
@@ -130,11 +141,18 @@ def test_outputs_a_consumer_missed_come_as_one():
 
     first = RequestOutput("r", [ChoiceDelta(0, [5], [None]), ChoiceDelta(1, [7], [None])])
     second = RequestOutput("r", [ChoiceDelta(1, [8], [None])], prompt_logprobs=[(5, -1.0, 1, [])])
-    last = RequestOutput("r", [ChoiceDelta(0, [6], [None], FinishReason.STOP, 6)], finished=True,
-                         num_prompt_tokens=3, num_completion_tokens=4)
+    last = RequestOutput(
+        "r",
+        [ChoiceDelta(0, [6], [None], FinishReason.STOP, 6)],
+        finished=True,
+        num_prompt_tokens=3,
+        num_completion_tokens=4,
+    )
     out = merge_outputs(merge_outputs(first, second), last)
     assert [(d.index, d.token_ids, d.finish_reason, d.stop_token_id) for d in out.deltas] == [
-        (0, [5, 6], FinishReason.STOP, 6), (1, [7, 8], None, None)]
+        (0, [5, 6], FinishReason.STOP, 6),
+        (1, [7, 8], None, None),
+    ]
     assert out.finished and (out.num_prompt_tokens, out.num_completion_tokens) == (3, 4)
     assert out.prompt_logprobs == [(5, -1.0, 1, [])]
     assert len(out.deltas[0].logprobs) == 2
@@ -154,4 +172,6 @@ def test_an_error_is_not_merged_into_the_tokens_before_it():
 
     outs = asyncio.run(go())
     assert [(o.deltas[0].token_ids if o.deltas else [], o.error) for o in outs] == [
-        ([11, 12], None), ([], ("INTERNAL", "boom"))]
+        ([11, 12], None),
+        ([], ("INTERNAL", "boom")),
+    ]

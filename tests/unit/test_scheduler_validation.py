@@ -62,8 +62,9 @@ def test_a_good_request_converts():
     default = request_from_pb(msg(), CONFIG, 512)
     assert default.options.max_tokens == 64 - 3  # the rest of the context
     assert not default.options.uses_penalties and default.options.logit_bias == ()
-    p = request_from_pb(msg(presence_penalty=0.5, repetition_penalty=1.25,
-                            logit_bias={9: -100.0, 7: 2.5}), CONFIG, 512).options
+    p = request_from_pb(
+        msg(presence_penalty=0.5, repetition_penalty=1.25, logit_bias={9: -100.0, 7: 2.5}), CONFIG, 512
+    ).options
     assert p.uses_penalties and p.presence_penalty == 0.5 and p.repetition_penalty == 1.25
     assert p.frequency_penalty == 0.0 and p.logit_bias == ((7, 2.5), (9, -100.0))
 

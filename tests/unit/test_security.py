@@ -40,11 +40,22 @@ def findings(path: Path) -> list[str]:
             out.append(f"{where}: from {node.module} import")
         elif isinstance(node, ast.Call):
             name = _dotted(node.func)
-            if name in ("eval", "exec", "compile", "__import__", "os.system", "os.popen", "torch.load",
-                        "pickle.loads", "numpy.load", "np.load"):
+            if name in (
+                "eval",
+                "exec",
+                "compile",
+                "__import__",
+                "os.system",
+                "os.popen",
+                "torch.load",
+                "pickle.loads",
+                "numpy.load",
+                "np.load",
+            ):
                 out.append(f"{where}: {name}(...)")
             if name in ("yaml.load", "yaml.load_all") and not any(
-                    k.arg == "Loader" and "Safe" in _dotted(k.value) for k in node.keywords):
+                k.arg == "Loader" and "Safe" in _dotted(k.value) for k in node.keywords
+            ):
                 out.append(f"{where}: {name} without a safe loader")
             for k in node.keywords:
                 if k.arg == "shell" and not (isinstance(k.value, ast.Constant) and k.value.value is False):
@@ -61,9 +72,11 @@ def test_no_pickle_eval_unsafe_yaml_or_shell_anywhere():
 
 def test_the_scan_finds_what_it_looks_for(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import pickle\nimport yaml, subprocess, torch\nx = eval('1')\ntorch.load('m.pt')\n"
-                   "yaml.load(s)\nsubprocess.run('ls', shell=True)\nmodel.eval()\n"
-                   "yaml.load(s, Loader=yaml.SafeLoader)\n")
+    bad.write_text(
+        "import pickle\nimport yaml, subprocess, torch\nx = eval('1')\ntorch.load('m.pt')\n"
+        "yaml.load(s)\nsubprocess.run('ls', shell=True)\nmodel.eval()\n"
+        "yaml.load(s, Loader=yaml.SafeLoader)\n"
+    )
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
@@ -71,15 +84,23 @@ def test_the_scan_finds_what_it_looks_for(tmp_path):
     finally:
         ROOT = saved
     assert [g.split(": ", 1)[1] for g in got] == [
-        "import pickle", "eval(...)", "torch.load(...)", "yaml.load without a safe loader",
-        "subprocess.run(..., shell=...)"]
+        "import pickle",
+        "eval(...)",
+        "torch.load(...)",
+        "yaml.load without a safe loader",
+        "subprocess.run(..., shell=...)",
+    ]
 
 
-@pytest.mark.parametrize(("command", "required"), [
-    ("worker", ["--model", "m"]), ("kvcache", []),
-    ("scheduler", ["--model", "m", "--kvcache", "127.0.0.1:1", "--stages", "127.0.0.1:2"]),
-    ("gateway", ["--model", "m", "--scheduler", "127.0.0.1:1"]),
-])
+@pytest.mark.parametrize(
+    ("command", "required"),
+    [
+        ("worker", ["--model", "m"]),
+        ("kvcache", []),
+        ("scheduler", ["--model", "m", "--kvcache", "127.0.0.1:1", "--stages", "127.0.0.1:2"]),
+        ("gateway", ["--model", "m", "--scheduler", "127.0.0.1:1"]),
+    ],
+)
 def test_services_bind_loopback_unless_told(command, required, monkeypatch):
     """Each service's listening address defaults to 127.0.0.1; a flag (or PAGODA_HOST) must
     ask for more."""

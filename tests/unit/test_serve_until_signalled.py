@@ -34,8 +34,7 @@ def test_a_signal_stops_it_after_the_ready_file_is_written(tmp_path, sig):
         loop = asyncio.get_running_loop()
         loop.call_later(0.05, lambda: seen.append(ready.read_text() == "1234\n"))
         loop.call_later(0.1, os.kill, os.getpid(), sig)
-        return await asyncio.wait_for(
-            serve_until_signalled(port=1234, ready_file=str(ready), starting=starting()), 5)
+        return await asyncio.wait_for(serve_until_signalled(port=1234, ready_file=str(ready), starting=starting()), 5)
 
     assert asyncio.run(main()) is True
     assert seen == [False, True]
@@ -67,8 +66,7 @@ def test_a_second_signal_calls_on_second_signal():
                 await asyncio.sleep(0.01)
 
         loop.call_later(5, stop.set)  # (a bound, should the signals go astray)
-        return await serve_until_signalled(stop=stop, on_second_signal=lambda: calls.append("now"),
-                                           starting=starting())
+        return await serve_until_signalled(stop=stop, on_second_signal=lambda: calls.append("now"), starting=starting())
 
     assert asyncio.run(main()) is True
     assert calls == ["now"]

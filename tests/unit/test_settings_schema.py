@@ -73,10 +73,19 @@ def sample(s: Setting) -> Any:
     if s.choices:
         return next((c for c in s.choices if c != s.default), None)
     return {
-        "int": lambda: (s.default or 0) + 3, "float": lambda: (s.default or 0.0) + 0.5, "fraction": lambda: 0.5,
-        "size": lambda: 2**30, "limit": lambda: 7, "str": lambda: f"x-{s.name}", "bool": lambda: not s.default,
-        "auto_bool": lambda: False, "switch": lambda: True, "weights": lambda: {"a": 2.0},
-        "names": lambda: ["n1", "n2"], "int_list": lambda: (1, 2), "port": lambda: (s.default or 0) + 3,
+        "int": lambda: (s.default or 0) + 3,
+        "float": lambda: (s.default or 0.0) + 0.5,
+        "fraction": lambda: 0.5,
+        "size": lambda: 2**30,
+        "limit": lambda: 7,
+        "str": lambda: f"x-{s.name}",
+        "bool": lambda: not s.default,
+        "auto_bool": lambda: False,
+        "switch": lambda: True,
+        "weights": lambda: {"a": 2.0},
+        "names": lambda: ["n1", "n2"],
+        "int_list": lambda: (1, 2),
+        "port": lambda: (s.default or 0) + 3,
         "nonzero_port": lambda: (s.default or 9000) + 3,
     }[s.kind]()
 
@@ -106,6 +115,7 @@ def parse(command: str, *argv: str) -> argparse.Namespace:
 
 
 # --- the subcommands: generated from the schema -------------------------------------------
+
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_each_setting_is_a_flag_of_its_subcommand_as_declared(command):
@@ -154,8 +164,12 @@ def test_a_setting_of_several_services_is_one_shared_declaration():
     for s in shared_settings():
         assert s.owner in (None, *s.services), s.name
     # the settings the issue names: one owner each, one flag everywhere
-    assert (shared.BLOCK_SIZE.owner, shared.NUM_KV_BLOCKS.owner, shared.MAX_MODEL_LEN.owner,
-            shared.MAX_NUM_BATCHED_TOKENS.owner) == ("kvcache", "kvcache", "scheduler", "scheduler")
+    assert (
+        shared.BLOCK_SIZE.owner,
+        shared.NUM_KV_BLOCKS.owner,
+        shared.MAX_MODEL_LEN.owner,
+        shared.MAX_NUM_BATCHED_TOKENS.owner,
+    ) == ("kvcache", "kvcache", "scheduler", "scheduler")
     assert shared.NUM_KV_BLOCKS.flag == "--num-kv-blocks"
     assert SchedulerConfig().max_num_batched_tokens == WorkerConfig(model="m").max_num_batched_tokens
 
@@ -183,18 +197,27 @@ def test_the_config_is_made_of_the_parsed_flags(command):
             continue
         argv += flag_args(b.setting, value)
         want[b.field] = tuple(value) if isinstance(value, list) else value
-    values = config_values(service_settings(command), build_parser().parse_args([command, *required_args(command),
-                                                                                 *argv]))
+    values = config_values(
+        service_settings(command), build_parser().parse_args([command, *required_args(command), *argv])
+    )
     assert {k: values[k] for k in want} == want
     assert set(values) <= {f for f in CONFIGS[command].__dataclass_fields__}
 
 
 # --- pagoda serve's pass-through ----------------------------------------------------------
 
+
 def test_serve_passes_each_setting_to_exactly_its_services():
     passed = [b.setting for b in serve_settings() if b.setting.serve == "pass"]
-    assert {s.name for s in passed} >= {"max_num_batched_tokens", "max_num_seqs", "max_model_len", "dtype",
-                                        "enable_prefix_caching", "grace_period", "scheduler_policy"}
+    assert {s.name for s in passed} >= {
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "max_model_len",
+        "dtype",
+        "enable_prefix_caching",
+        "grace_period",
+        "scheduler_policy",
+    }
     for s in passed:
         value = sample(s)
         if value is None:
@@ -280,6 +303,7 @@ def test_the_compose_files_variables_are_settings_of_the_services_given_them(mon
 
 # --- the Kubernetes manifests: declared variables and flags --------------------------------
 
+
 def _engine_settings() -> dict[str, str]:
     """A value for every setting a `--set` may carry (declared, read from a variable, not one
     the manifests set themselves)."""
@@ -292,16 +316,29 @@ def _engine_settings() -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("options", [
-    k8s_options.K8sOptions(),
-    k8s_options.K8sOptions(replicas=2, pipeline_parallel_size=3, tensor_parallel_size=2, gpus=True,
-                   gpu_memory_utilization=0.9, served_model_names=("a", "b"), engine=_engine_settings()),
-], ids=["default", "every-setting"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        k8s_options.K8sOptions(),
+        k8s_options.K8sOptions(
+            replicas=2,
+            pipeline_parallel_size=3,
+            tensor_parallel_size=2,
+            gpus=True,
+            gpu_memory_utilization=0.9,
+            served_model_names=("a", "b"),
+            engine=_engine_settings(),
+        ),
+    ],
+    ids=["default", "every-setting"],
+)
 def test_the_manifests_use_only_declared_variables_and_flags(options):
     manifests = k8s.render(options)
     config_maps = {m["metadata"]["name"]: m["data"] for m in manifests if m["kind"] == "ConfigMap"}
-    variables = {c: {b.setting.variable for b in service_settings(c) if b.setting.env or not b.setting.command_line}
-                 for c in SERVICES}
+    variables = {
+        c: {b.setting.variable for b in service_settings(c) if b.setting.env or not b.setting.command_line}
+        for c in SERVICES
+    }
     for m in manifests:
         if m["kind"] not in ("Deployment", "StatefulSet") or m["metadata"]["name"] == k8s_options.REDIS:
             continue
@@ -314,8 +351,11 @@ def test_the_manifests_use_only_declared_variables_and_flags(options):
                 assert any(name in v for v in variables.values()), name
         flags = {o for b in service_settings(command) for o in spellings(b.setting)}
         replica = m["metadata"]["labels"].get(k8s_objects.REPLICA_LABEL)
-        argvs = ([k8s.worker_args(options, replica, k) for k in range(options.pipeline_parallel_size)]
-                 if command == "worker" else [container["args"]])
+        argvs = (
+            [k8s.worker_args(options, replica, k) for k in range(options.pipeline_parallel_size)]
+            if command == "worker"
+            else [container["args"]]
+        )
         for argv in argvs:
             assert argv[0] == command
             assert {a for a in argv if a.startswith("-")} <= flags, command
@@ -330,8 +370,9 @@ PRODUCT = ("services", "wiring", "gateway", "scheduler_svc", "worker_svc", "kvca
 
 
 def _string_tokens(path: Path) -> list[str]:
-    return [t.string for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-            if t.type == tokenize.STRING]
+    return [
+        t.string for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline) if t.type == tokenize.STRING
+    ]
 
 
 def _setting_declarations(path: Path) -> list[str]:
@@ -354,12 +395,18 @@ def test_the_kv_pool_flag_block_size_and_max_model_len_are_declared_once():
             if "services/pb" in path.as_posix():
                 continue
             written += [f"{path.relative_to(ROOT)}: {t}" for t in _string_tokens(path) if t in flags]
-            declared += [f"{path.relative_to(ROOT)}: {n}" for n in _setting_declarations(path)
-                         if n in ("num_kv_blocks", "block_size", "max_model_len")]
+            declared += [
+                f"{path.relative_to(ROOT)}: {n}"
+                for n in _setting_declarations(path)
+                if n in ("num_kv_blocks", "block_size", "max_model_len")
+            ]
     # each flag is its declaration's `.flag` (the pool's old spelling: an alias in its declaration)
     assert written == ['services/settings.py: "--num-blocks"']
-    assert sorted(declared) == ["services/settings.py: block_size", "services/settings.py: max_model_len",
-                                "services/settings.py: num_kv_blocks"]
+    assert sorted(declared) == [
+        "services/settings.py: block_size",
+        "services/settings.py: max_model_len",
+        "services/settings.py: num_kv_blocks",
+    ]
     # a config field of a shared setting's name takes that declaration
     for config in CONFIGS.values():
         for f in config.__dataclass_fields__.values():
@@ -372,7 +419,9 @@ def test_the_kv_pool_flag_block_size_and_max_model_len_are_declared_once():
     from services import defaults
 
     assert (shared.BLOCK_SIZE.default, shared.MAX_NUM_BATCHED_TOKENS.default) == (
-        defaults.BLOCK_SIZE, defaults.MAX_NUM_BATCHED_TOKENS)
+        defaults.BLOCK_SIZE,
+        defaults.MAX_NUM_BATCHED_TOKENS,
+    )
     assert set(PARSERS) == set(shared.KINDS)
 
 
@@ -385,15 +434,20 @@ PROCESS_VARIABLES = {
     "CC": "the C compiler the native kernels are built with, as make takes it",
     "XDG_CACHE_HOME": "where the cache root lies when PAGODA_CACHE_DIR is unset (the XDG base directories)",
     "OTEL_EXPORTER_OTLP_ENDPOINT": "OpenTelemetry's own variable: the span exporter's endpoint when "
-                                   "PAGODA_OTLP_ENDPOINT is unset",
+    "PAGODA_OTLP_ENDPOINT is unset",
     "ONEDNN_MAX_CPU_ISA": "oneDNN's ISA cap: read to know which units its products will use",
     "ATEN_CPU_CAPABILITY": "torch's ISA cap, read for the same reason",
     "OUT": "the device machine's output folder (scripts/gpu_check.py)",
 }
 # set, never read: for libraries (tokenizers' fork warning, the hub's progress bars, gloo's
 # interface, OpenMP's threads) and for child processes (the stack's secret)
-SET_FOR_OTHERS = {"TOKENIZERS_PARALLELISM", "HF_HUB_DISABLE_PROGRESS_BARS", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS",
-                  "INTERNAL_TOKEN_ENV"}
+SET_FOR_OTHERS = {
+    "TOKENIZERS_PARALLELISM",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    "GLOO_SOCKET_IFNAME",
+    "OMP_NUM_THREADS",
+    "INTERNAL_TOKEN_ENV",
+}
 SCANNED = (*PRODUCT, "bench", "scripts")
 SCHEMA_MODULE = "services/settings.py"  # the one reader
 
@@ -419,8 +473,11 @@ def environment_uses(source: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "os":
             out += [f"{node.lineno}: imports os.{a.name}" for a in node.names if a.name in ("environ", "getenv")]
-        if not (isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "os"
-                and node.attr in ("environ", "getenv")):
+        if not (
+            isinstance(node, ast.Attribute)
+            and getattr(node.value, "id", None) == "os"
+            and node.attr in ("environ", "getenv")
+        ):
             continue
         up = parent.get(node)
         if node.attr == "getenv":
@@ -439,34 +496,47 @@ def environment_uses(source: str) -> list[str]:
                 out.append(f"{node.lineno}: reads {name}")
         elif isinstance(up, ast.Compare):
             out.append(f"{node.lineno}: reads {_name(up.left)}")
-        elif not (isinstance(up, ast.Dict) and None in up.keys  # {**os.environ, ...}: a child's
-                  or isinstance(up, ast.Call) and getattr(up.func, "id", None) == "dict"):  # dict(os.environ)
+        elif not (
+            isinstance(up, ast.Dict)
+            and None in up.keys  # {**os.environ, ...}: a child's
+            or isinstance(up, ast.Call)
+            and getattr(up.func, "id", None) == "dict"
+        ):  # dict(os.environ)
             out.append(f"{node.lineno}: hands os.environ on")
     return sorted(out, key=lambda use: int(use.split(":")[0]))
 
 
 def test_the_environment_check_finds_each_read_outside_the_schema():
-    source = "\n".join([
-        "import os",
-        "a = os.environ.get('PAGODA_FUSED_DECODE', '1')",  # 2: a switch read where it is used
-        "b = os.environ['PAGODA_CACHE_DIR']",  # 3
-        "c = os.getenv('PAGODA_TRACE_FILE')",  # 4
-        "d = 'PAGODA_X' in os.environ",  # 5
-        "e = os.environ if a else {}",  # 6: handed on, read elsewhere
-        "f = os.environ.get(SOME_ENV)",  # 7: through a name
-        "os.environ['PAGODA_X'] = '1'",  # 8: set: read by this process later
-        "g = os.environ.setdefault('PAGODA_Y', '1')",  # 9: set and read
-        "from os import environ",  # 10
-        "h = os.environ.get('CC') or os.environ.get('XDG_CACHE_HOME')",  # allowed: not Pagoda's
-        "i = {**os.environ, 'OMP_NUM_THREADS': '1'}",  # a child's environment
-        "j = dict(os.environ)",
-        "os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')",  # set for a library
-        "os.environ.setdefault(INTERNAL_TOKEN_ENV, 'x')",  # set for the children
-    ])
+    source = "\n".join(
+        [
+            "import os",
+            "a = os.environ.get('PAGODA_FUSED_DECODE', '1')",  # 2: a switch read where it is used
+            "b = os.environ['PAGODA_CACHE_DIR']",  # 3
+            "c = os.getenv('PAGODA_TRACE_FILE')",  # 4
+            "d = 'PAGODA_X' in os.environ",  # 5
+            "e = os.environ if a else {}",  # 6: handed on, read elsewhere
+            "f = os.environ.get(SOME_ENV)",  # 7: through a name
+            "os.environ['PAGODA_X'] = '1'",  # 8: set: read by this process later
+            "g = os.environ.setdefault('PAGODA_Y', '1')",  # 9: set and read
+            "from os import environ",  # 10
+            "h = os.environ.get('CC') or os.environ.get('XDG_CACHE_HOME')",  # allowed: not Pagoda's
+            "i = {**os.environ, 'OMP_NUM_THREADS': '1'}",  # a child's environment
+            "j = dict(os.environ)",
+            "os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')",  # set for a library
+            "os.environ.setdefault(INTERNAL_TOKEN_ENV, 'x')",  # set for the children
+        ]
+    )
     assert environment_uses(source) == [
-        "2: reads PAGODA_FUSED_DECODE", "3: reads PAGODA_CACHE_DIR", "4: reads PAGODA_TRACE_FILE",
-        "5: reads PAGODA_X", "6: hands os.environ on", "7: reads SOME_ENV", "8: reads PAGODA_X",
-        "9: reads PAGODA_Y", "10: imports os.environ"]
+        "2: reads PAGODA_FUSED_DECODE",
+        "3: reads PAGODA_CACHE_DIR",
+        "4: reads PAGODA_TRACE_FILE",
+        "5: reads PAGODA_X",
+        "6: hands os.environ on",
+        "7: reads SOME_ENV",
+        "8: reads PAGODA_X",
+        "9: reads PAGODA_Y",
+        "10: imports os.environ",
+    ]
 
 
 def test_no_environment_read_outside_the_schema():
@@ -495,8 +565,11 @@ def test_every_pagoda_variable_the_code_names_is_a_declared_setting():
     for package in SCANNED:
         for path in sorted((ROOT / package).rglob("*.py")):
             for text in _string_tokens(path):
-                named |= {f"{path.relative_to(ROOT)}: {v}" for v in re.findall(r"\bPAGODA_[A-Z0-9_]+", text)
-                          if v not in declared}
+                named |= {
+                    f"{path.relative_to(ROOT)}: {v}"
+                    for v in re.findall(r"\bPAGODA_[A-Z0-9_]+", text)
+                    if v not in declared
+                }
     assert sorted(named) == []
 
 
@@ -529,15 +602,17 @@ def test_one_boolean_parser():
     from wiring import flags
 
     assert flags.PARSERS["bool"] is flags.PARSERS["switch"] is shared.parse_bool
-    assert [shared.parse_bool(v) for v in ("1", "TRUE", " yes", "on", "0", "False", "no", "off ")] == [
-        True] * 4 + [False] * 4
+    assert [shared.parse_bool(v) for v in ("1", "TRUE", " yes", "on", "0", "False", "no", "off ")] == [True] * 4 + [
+        False
+    ] * 4
     with pytest.raises(ValueError):
         shared.parse_bool("2")
     copies = []
     for package in SCANNED:
         for path in sorted((ROOT / package).rglob("*.py")):
-            copies += [f"{path.relative_to(ROOT)}" for _ in re.finditer(r"[\"']no[\"'],\s*[\"']off[\"']",
-                                                                        path.read_text())]
+            copies += [
+                f"{path.relative_to(ROOT)}" for _ in re.finditer(r"[\"']no[\"'],\s*[\"']off[\"']", path.read_text())
+            ]
     assert copies == ["services/settings.py"]
 
 
@@ -548,5 +623,8 @@ def test_the_planners_defaults_are_the_settings_not_copies():
 
     planner, ngram = PlannerConfig(), SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
     assert planner.max_num_seqs == shared.MAX_NUM_SEQS.default == defaults.MAX_NUM_SEQS
-    assert (planner.prompt_lookup_min, planner.prompt_lookup_max) == (ngram.prompt_lookup_min, ngram.prompt_lookup_max) \
+    assert (
+        (planner.prompt_lookup_min, planner.prompt_lookup_max)
+        == (ngram.prompt_lookup_min, ngram.prompt_lookup_max)
         == (defaults.PROMPT_LOOKUP_MIN, defaults.PROMPT_LOOKUP_MAX)
+    )

@@ -30,8 +30,12 @@ def pair():
 def test_two_ranks_reduce_many_tensors_to_the_same_bits():
     a, b = pair()
     g = torch.Generator().manual_seed(0)
-    shapes = [((1, 64), torch.float32), ((7, 256), torch.float32), ((3, 64), torch.bfloat16),
-              ((64, 1024), torch.float32)] * 25
+    shapes = [
+        ((1, 64), torch.float32),
+        ((7, 256), torch.float32),
+        ((3, 64), torch.bfloat16),
+        ((64, 1024), torch.float32),
+    ] * 25
     inputs = [[torch.randn(s, generator=g).to(d) for s, d in shapes] for _ in range(2)]
     outputs: list[list[torch.Tensor]] = [[], []]
 

@@ -15,12 +15,37 @@ from gateway import routing
 from services.prefix_hash import block_keys
 
 # short prompts, small KV pools: 8 prefixes per replica, more than one replica's pool holds
-SMALL = sim.SimConfig(requests_per_replica=80, prefixes_per_replica=8, prefix_tokens=(256, 512),
-                      suffix_tokens=(16, 64), output_tokens=(8, 64), cache_blocks=512, max_num_seqs=16,
-                      max_batched_tokens=512, seed=1)
-SMALL_ARGS = ["--requests", "80", "--prefixes-per-replica", "8", "--prefix-tokens", "256-512",
-              "--suffix-tokens", "16-64", "--output-tokens", "8-64", "--cache-blocks", "512",
-              "--max-num-seqs", "16", "--max-batched-tokens", "512", "--seed", "1"]
+SMALL = sim.SimConfig(
+    requests_per_replica=80,
+    prefixes_per_replica=8,
+    prefix_tokens=(256, 512),
+    suffix_tokens=(16, 64),
+    output_tokens=(8, 64),
+    cache_blocks=512,
+    max_num_seqs=16,
+    max_batched_tokens=512,
+    seed=1,
+)
+SMALL_ARGS = [
+    "--requests",
+    "80",
+    "--prefixes-per-replica",
+    "8",
+    "--prefix-tokens",
+    "256-512",
+    "--suffix-tokens",
+    "16-64",
+    "--output-tokens",
+    "8-64",
+    "--cache-blocks",
+    "512",
+    "--max-num-seqs",
+    "16",
+    "--max-batched-tokens",
+    "512",
+    "--seed",
+    "1",
+]
 
 _results: dict[tuple[int, str], dict] = {}
 
@@ -118,7 +143,7 @@ def test_prefix_keys_are_the_leading_keys_of_every_prompt_that_starts_with_it():
         prompt = prefix + [rng.randrange(65536) for _ in range(request.prompt_tokens - len(prefix))]
         keys = block_keys(prompt, SMALL.block_size)
         assert len(keys) == request.prompt_blocks
-        assert keys[:request.prefix_blocks] == workload.prefix_keys[request.prefix][:request.prefix_blocks]
+        assert keys[: request.prefix_blocks] == workload.prefix_keys[request.prefix][: request.prefix_blocks]
 
 
 def test_workload_shape():
@@ -140,8 +165,17 @@ def test_metrics_helpers():
     assert sim.percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
 
 
-@pytest.mark.parametrize("bad", [dict(load=0), dict(index="lagging"), dict(cache_blocks=10),
-                                 dict(prefix_tokens=(10, 5)), dict(warmup=1.0), dict(tenants=0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(load=0),
+        dict(index="lagging"),
+        dict(cache_blocks=10),
+        dict(prefix_tokens=(10, 5)),
+        dict(warmup=1.0),
+        dict(tenants=0),
+    ],
+)
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         replace(SMALL, **bad)
@@ -158,12 +192,12 @@ def test_cli_prints_a_row_per_replicas_and_policy(capsys, tmp_path):
     assert sim.run(_parse([*SMALL_ARGS, "--replicas", "2,4", "--json", str(out)])) == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| replicas |"))
-    rows = [line.split("|")[1:3] for line in lines[header + 2:] if line.startswith("|")]
-    assert [(n.strip(), p.strip()) for n, p in rows] == [
-        (str(n), p) for n in (2, 4) for p in routing.POLICIES]
+    rows = [line.split("|")[1:3] for line in lines[header + 2 :] if line.startswith("|")]
+    assert [(n.strip(), p.strip()) for n, p in rows] == [(str(n), p) for n in (2, 4) for p in routing.POLICIES]
     saved = json.loads(out.read_text())
     assert [(m["replicas"], m["policy"]) for m in saved["results"]] == [
-        (n, p) for n in (2, 4) for p in routing.POLICIES]
+        (n, p) for n in (2, 4) for p in routing.POLICIES
+    ]
     assert saved["config"]["cache_blocks"] == 512
 
 

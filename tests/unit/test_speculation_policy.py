@@ -15,8 +15,7 @@ PROMPT = (1, 2, 3, 4, 5, 1, 2, 3)  # "1 2 3" was followed by "4 5"
 
 
 def _seq(prompt=PROMPT, max_tokens: int = 50, **request) -> Sequence:
-    return Sequence(1, Request("r", prompt, SamplingOptions(max_tokens=max_tokens), 0.0, **request), 0,
-                    entropy_seed=1)
+    return Sequence(1, Request("r", prompt, SamplingOptions(max_tokens=max_tokens), 0.0, **request), 0, entropy_seed=1)
 
 
 def test_ngram_drafts_follow_the_latest_match_within_every_bound():
@@ -71,9 +70,9 @@ def test_the_windowed_lookup_finds_what_a_scan_of_the_whole_context_finds():
 
     def scan(tokens, k, lo, hi):
         for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
-            starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[len(tokens) - n:]]
+            starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[len(tokens) - n :]]
             if starts:
-                return tuple(tokens[starts[-1] + n:starts[-1] + n + k])
+                return tuple(tokens[starts[-1] + n : starts[-1] + n + k])
         return ()
 
     def reader(tokens, reads):

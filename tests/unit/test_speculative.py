@@ -85,8 +85,11 @@ async def run(model_dir, options, prompts, num_kv_blocks=512, abort_after=None, 
 CASES = [(1, False, 512), (1, True, 512), (2, False, 512), (2, True, 512), (1, True, 14), (2, False, 14)]
 
 
-@pytest.mark.parametrize(("pp", "async_scheduling", "blocks"), CASES,
-                         ids=["pp1-sync", "pp1-async", "pp2-sync", "pp2-async", "pp1-async-small", "pp2-sync-small"])
+@pytest.mark.parametrize(
+    ("pp", "async_scheduling", "blocks"),
+    CASES,
+    ids=["pp1-sync", "pp1-async", "pp2-sync", "pp2-async", "pp1-async-small", "pp2-sync-small"],
+)
 def test_greedy_output_equals_output_without_speculation(model_dir, reference, pp, async_scheduling, blocks):
     ps = copy_prompts()
     greedy = [SamplingOptions(max_tokens=40, temperature=0.0, ignore_eos=True)] * len(ps)
@@ -107,11 +110,12 @@ def test_seeded_sampling_penalties_min_tokens_and_logprobs_are_unchanged(model_d
     """Verification draws each position exactly as one step at a time would: the same seeded
     tokens, penalties and min_tokens over the accepted drafts, the same logprobs; n = 2."""
     ps = copy_prompts()
-    opts = [SamplingOptions(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
-            SamplingOptions(max_tokens=24, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.2,
-                            ignore_eos=True),
-            SamplingOptions(max_tokens=24, temperature=0.0, min_tokens=20, logprobs=2),
-            SamplingOptions(max_tokens=24, temperature=0.7, seed=11, n=2, ignore_eos=True)]
+    opts = [
+        SamplingOptions(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
+        SamplingOptions(max_tokens=24, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.2, ignore_eos=True),
+        SamplingOptions(max_tokens=24, temperature=0.0, min_tokens=20, logprobs=2),
+        SamplingOptions(max_tokens=24, temperature=0.7, seed=11, n=2, ignore_eos=True),
+    ]
     plain, _, _ = asyncio.run(run(model_dir, opts, ps))
     spec, planner, stats = asyncio.run(run(model_dir, opts, ps, speculative_config=NGRAM))
     assert spec == plain
@@ -123,8 +127,17 @@ def test_seeded_sampling_penalties_min_tokens_and_logprobs_are_unchanged(model_d
 def test_no_block_is_left_after_aborts(model_dir, async_scheduling):
     ps = copy_prompts() * 2
     greedy = [SamplingOptions(max_tokens=40, temperature=0.0, ignore_eos=True)] * len(ps)
-    results, planner, stats = asyncio.run(run(model_dir, greedy, ps, num_kv_blocks=30, abort_after=6,
-                                              async_scheduling=async_scheduling, speculative_config=NGRAM))
+    results, planner, stats = asyncio.run(
+        run(
+            model_dir,
+            greedy,
+            ps,
+            num_kv_blocks=30,
+            abort_after=6,
+            async_scheduling=async_scheduling,
+            speculative_config=NGRAM,
+        )
+    )
     assert planner.spec.num_drafts > 0
     assert stats.num_used_blocks == 0 and stats.num_sequences == 0
     assert all(len(r[0]) == 40 for i, r in enumerate(results) if i % 2 == 0)
@@ -176,12 +189,15 @@ def test_speculative_config_reads_vllms_json():
     spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}')
     assert (spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (5, 3, 3)
     assert SpeculativeConfig.parse(None) is None
-    for bad, field in [('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
-                       ('{"method": "ngram"}', "num_speculative_tokens"),
-                       ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
-                       ('{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}', "foo"),
-                       ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
-                       ("[1]", "JSON object"), ("{", "not JSON")]:
+    for bad, field in [
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
+        ('{"method": "ngram"}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}', "foo"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
+        ("[1]", "JSON object"),
+        ("{", "not JSON"),
+    ]:
         with pytest.raises(ValueError, match=field):
             SpeculativeConfig.parse(bad)
     with pytest.raises(ValueError, match="speculative_config"):
@@ -195,17 +211,20 @@ def test_verify_fields_cross_the_wire_and_bad_ones_are_refused(model_dir):
     from worker_svc.errors import InvalidPlanError
     from worker_svc.execution.runner import StageRunner
 
-    plan = StepPlan(3, (), (CachedSeq(1, 3, 1, draft_token_ids=(7, 8)), CachedSeq(2, 1, 1, start=5),
-                            CachedSeq(4, 1, 2)))
+    plan = StepPlan(
+        3, (), (CachedSeq(1, 3, 1, draft_token_ids=(7, 8)), CachedSeq(2, 1, 1, start=5), CachedSeq(4, 1, 2))
+    )
     assert plan_from_pb(plan_to_pb(plan)) == plan
 
     runner = StageRunner(load_stage(model_dir, 0, 1, dtype="float32"), 16, 16)
     greedy = SamplingParams(temperature=0.0)
     runner.execute(StepPlan(1, (NewSeq(1, (5, 6, 7, 8), 4, 0, 4, (0,), greedy),)))
-    for bad, why in [(CachedSeq(1, 2, 1, draft_token_ids=(9, 10)), "at least one known token"),
-                     (CachedSeq(1, 3, 1, draft_token_ids=(9, 600)), "draft token id"),
-                     (CachedSeq(1, 2, 1, start=7), "start 7 beyond"),
-                     (CachedSeq(1, 2, 1, draft_token_ids=(9,), start=2), "drafts after position")]:
+    for bad, why in [
+        (CachedSeq(1, 2, 1, draft_token_ids=(9, 10)), "at least one known token"),
+        (CachedSeq(1, 3, 1, draft_token_ids=(9, 600)), "draft token id"),
+        (CachedSeq(1, 2, 1, start=7), "start 7 beyond"),
+        (CachedSeq(1, 2, 1, draft_token_ids=(9,), start=2), "drafts after position"),
+    ]:
         with pytest.raises(InvalidPlanError, match=why):
             runner.execute(StepPlan(2, (), (bad,)))
     # a verify step: known token 4's successor, then drafts; the stage keeps what it accepts
@@ -216,10 +235,14 @@ def test_verify_fields_cross_the_wire_and_bad_ones_are_refused(model_dir):
     assert result.sampled_positions == tuple(range(5, 6 + kept))
 
 
-@pytest.mark.parametrize(("pp", "async_scheduling", "blocks"), CASES,
-                         ids=["pp1-sync", "pp1-async", "pp2-sync", "pp2-async", "pp1-async-small", "pp2-sync-small"])
-def test_draft_model_greedy_output_equals_output_without(model_dir, model_factory, reference, pp,
-                                                         async_scheduling, blocks):
+@pytest.mark.parametrize(
+    ("pp", "async_scheduling", "blocks"),
+    CASES,
+    ids=["pp1-sync", "pp1-async", "pp2-sync", "pp2-async", "pp1-async-small", "pp2-sync-small"],
+)
+def test_draft_model_greedy_output_equals_output_without(
+    model_dir, model_factory, reference, pp, async_scheduling, blocks
+):
     """`{"method": "draft_model"}`: the last stage's draft model (a smaller tiny model with the
     same vocabulary) proposes drafts after each step; greedy output is unchanged. The target
     itself as its own draft model accepts every draft."""
@@ -256,12 +279,19 @@ def test_structured_output_cuts_refused_drafts_and_is_unchanged(model_dir, async
 
     ps = copy_prompts()
     schemas = [SCHEMAS[i] for i in (0, 3, 5, 11)]
-    opts = [SamplingOptions(max_tokens=80, temperature=0.0 if i % 2 else 0.8, seed=40 + i,
-                            structured=StructuredOutput("json_schema", json.dumps(sc)))
-            for i, sc in enumerate(schemas)]
+    opts = [
+        SamplingOptions(
+            max_tokens=80,
+            temperature=0.0 if i % 2 else 0.8,
+            seed=40 + i,
+            structured=StructuredOutput("json_schema", json.dumps(sc)),
+        )
+        for i, sc in enumerate(schemas)
+    ]
     plain, _, _ = asyncio.run(run(model_dir, opts, ps, async_scheduling=async_scheduling))
-    spec, planner, stats = asyncio.run(run(model_dir, opts, ps, async_scheduling=async_scheduling,
-                                           speculative_config=NGRAM))
+    spec, planner, stats = asyncio.run(
+        run(model_dir, opts, ps, async_scheduling=async_scheduling, speculative_config=NGRAM)
+    )
     assert spec == plain
     assert planner.spec.num_drafts > 0 and planner.spec.num_accepted_tokens < planner.spec.num_draft_tokens
     tokenizer = Tokenizer(model_dir)

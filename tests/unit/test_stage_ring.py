@@ -17,13 +17,7 @@ import torch
 from services.pb import worker_pb2
 from worker_svc.errors import InvalidPlanError
 from worker_svc.execution import stage_ring
-from worker_svc.execution.data_plane import (
-    DataPlaneError,
-    DataPlaneIn,
-    DataPlaneOut,
-    received,
-    ref_to_pb,
-)
+from worker_svc.execution.data_plane import DataPlaneError, DataPlaneIn, DataPlaneOut, received, ref_to_pb
 from worker_svc.execution.stage_ring import RingFullError, RingReader, RingWriter
 
 pytestmark = pytest.mark.skipif(not stage_ring.available(), reason="needs x86-64 and /dev/shm")
@@ -41,8 +35,9 @@ def pair(num_slots: int = 3) -> tuple[RingWriter, RingReader]:
 def test_hand_offs_are_read_in_place_with_the_bits_written():
     w, r = pair()
     g = torch.Generator().manual_seed(0)
-    for i, (shape, dtype) in enumerate([((1, 64), torch.float32), ((16, 64), torch.bfloat16),
-                                        ((0, 64), torch.float32), ((7, 100), torch.float16)] * 5):
+    for i, (shape, dtype) in enumerate(
+        [((1, 64), torch.float32), ((16, 64), torch.bfloat16), ((0, 64), torch.float32), ((7, 100), torch.float16)] * 5
+    ):
         x = torch.randn(shape, generator=g).to(dtype)
         ref = w.try_write(x)
         assert ref is not None and ref.seq == i + 1
@@ -178,8 +173,15 @@ def test_what_does_not_fit_a_slot_and_a_dropped_ring_go_in_the_message():
 def test_offers_a_receiver_cannot_or_must_not_take_fall_back_to_grpc():
     w = RingWriter(2, SLOT)
     try:
-        offer = worker_pb2.DataPlaneOffer(sender_stage=0, channel=worker_pb2.DATA_CHANNEL_SHM, path=w.path,
-                                          token=w.token, ring_id=w.ring_id, num_slots=2, slot_bytes=SLOT)
+        offer = worker_pb2.DataPlaneOffer(
+            sender_stage=0,
+            channel=worker_pb2.DATA_CHANNEL_SHM,
+            path=w.path,
+            token=w.token,
+            ring_id=w.ring_id,
+            num_slots=2,
+            slot_bytes=SLOT,
+        )
         refused = asyncio.run(DataPlaneIn("grpc").accept(offer))
         assert refused.channel == worker_pb2.DATA_CHANNEL_GRPC and "grpc" in refused.reason
         odd = worker_pb2.DataPlaneOffer()
@@ -281,8 +283,9 @@ def test_a_stage_too_old_to_know_the_offer_gets_its_hidden_states_in_the_message
 
     class OldStage:
         async def OpenDataPlane(self, offer, timeout=None):
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       details="Method not found!")
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(), details="Method not found!"
+            )
 
     out = DataPlaneOut("auto", 0, SLOT)
     asyncio.run(out.connect(OldStage()))

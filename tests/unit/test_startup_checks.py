@@ -26,8 +26,9 @@ def clean_environment(monkeypatch):
     """The flags' defaults read PAGODA_* when the parser is built: none but the test's."""
     import os
 
-    for name in [n for n in os.environ if n.startswith("PAGODA_") and n not in (
-            "PAGODA_INTERNAL_TOKEN", "PAGODA_AUTO_DTYPE")]:
+    for name in [
+        n for n in os.environ if n.startswith("PAGODA_") and n not in ("PAGODA_INTERNAL_TOKEN", "PAGODA_AUTO_DTYPE")
+    ]:
         monkeypatch.delenv(name)
 
 
@@ -48,6 +49,7 @@ def refused(capsys, model: str | Path, *flags: str) -> str:
 
 # --- 3: engine settings refused at start -------------------------------------------------------
 
+
 def test_a_max_model_len_past_the_models_positions_is_refused_naming_the_flag_and_the_limit(capsys, model):
     """(a) `--max-model-len 100000` on an 8,192-position model started ("max concurrency 0.01x")."""
     err = refused(capsys, model, "--max-model-len", "100000")
@@ -59,8 +61,10 @@ def test_a_max_model_len_past_the_models_positions_is_refused_naming_the_flag_an
 def test_a_pool_that_cannot_hold_one_sequence_is_refused_naming_both_settings(capsys, model):
     """(b) `--num-kv-blocks 64` with max_model_len 8,192 started: one sequence could not fit."""
     err = refused(capsys, model, "--num-kv-blocks", "64", "--max-model-len", "4096")
-    assert ("--max-model-len 4096 is larger than the KV cache can hold: --num-kv-blocks 64 x --block-size 16 "
-            "holds 1024 tokens, one sequence of 4096 needs 256 blocks") in err
+    assert (
+        "--max-model-len 4096 is larger than the KV cache can hold: --num-kv-blocks 64 x --block-size 16 "
+        "holds 1024 tokens, one sequence of 4096 needs 256 blocks"
+    ) in err
     assert "raise --num-kv-blocks to at least 256 or lower --max-model-len to at most 1024" in err
     # the model's length, not given: lowered to what the pool holds, and said
     length, note = preflight.serve_max_model_len(None, 8192, 64, 16, pool_given=True)
@@ -79,22 +83,29 @@ def test_a_prompt_larger_than_the_pool_is_refused_naming_the_prompt():
     with pytest.raises(AdmissionError) as err:
         admit(SamplingOptions(max_tokens=None), pool, 2001)
     assert err.value.field == "prompt" and err.value.context_length
-    assert err.value.reason == ("the prompt's 2001 tokens need 126 KV blocks of 16 tokens with one token to "
-                                "generate; the pool has 64 (1024 tokens)")
+    assert err.value.reason == (
+        "the prompt's 2001 tokens need 126 KV blocks of 16 tokens with one token to "
+        "generate; the pool has 64 (1024 tokens)"
+    )
     # n choices that together cannot fit: n is named
     with pytest.raises(AdmissionError, match=r"^n: 4 choices of the prompt's 1000 tokens need at least 71 KV"):
         admit(SamplingOptions(max_tokens=None, n=4), pool, 1000)
     # max_tokens asked for and too many: it is named, with what would fit
-    with pytest.raises(AdmissionError, match=r"^max_tokens: .* need up to 132 KV blocks; the pool has 64: ask "
-                                             r"for at most 924$"):
+    with pytest.raises(
+        AdmissionError,
+        match=r"^max_tokens: .* need up to 132 KV blocks; the pool has 64: ask "
+        r"for at most 924$",
+    ):
         admit(SamplingOptions(max_tokens=2000), pool, 100)
     # max_tokens unset: the rest of the context as far as the pool holds it
     assert admit(SamplingOptions(max_tokens=None), pool, 100).max_tokens == 924
     assert admit(SamplingOptions(max_tokens=None), Limits(8192), 100).max_tokens == 8092
 
 
-@pytest.mark.parametrize(("prompt_len", "n", "num_blocks"), [(1, 1, 1), (15, 1, 1), (16, 1, 2), (100, 1, 7),
-                                                             (1, 2, 5), (17, 3, 11), (40, 4, 12), (3, 2, 3)])
+@pytest.mark.parametrize(
+    ("prompt_len", "n", "num_blocks"),
+    [(1, 1, 1), (15, 1, 1), (16, 1, 2), (100, 1, 7), (1, 2, 5), (17, 3, 11), (40, 4, 12), (3, 2, 3)],
+)
 def test_max_tokens_that_fit_is_the_inverse_of_the_blocks_needed(prompt_len, n, num_blocks):
     fit = max_tokens_that_fit(prompt_len, n, num_blocks, 16)
     if fit >= 1:
@@ -106,16 +117,19 @@ def test_more_pipeline_stages_than_the_model_or_the_stack_takes_are_refused_in_o
     """(d) `--pipeline-parallel-size 31` launched the stack and failed after 47 s with a
     worker's whole usage text."""
     assert refused(capsys, model, "--pipeline-parallel-size", "31") == (
-        "error: --pipeline-parallel-size: must be 1..8, got 31")
+        "error: --pipeline-parallel-size: must be 1..8, got 31"
+    )
     assert refused(capsys, model, "-pp", "5") == (
         "error: --pipeline-parallel-size 5: the model has 4 layers (num_hidden_layers) and each stage holds at "
-        "least one: give at most 4")
+        "least one: give at most 4"
+    )
     err = refused(capsys, model, "--tensor-parallel-size", "3")
     assert "tensor_parallel_size: 3 does not divide num_attention_heads=4, num_key_value_heads=2" in err
     assert refused(capsys, model, "--max-num-seqs", "0") == "error: --max-num-seqs: must be positive, got 0"
 
 
 # --- 5: the flags, as vLLM's ---------------------------------------------------------------------
+
 
 def test_vllms_dtype_names_half_and_float_are_taken(monkeypatch):
     from wiring.serve import worker_flags
@@ -137,15 +151,25 @@ def _serve_help() -> str:
 
 def test_serve_help_documents_every_flag_with_its_default_and_takes_pp():
     text = _serve_help()
-    for flag, shown in (("--port PORT", "(default: 8000)"), ("--grpc-port GRPC_PORT", "(default: 50051)"),
-                        ("--max-body-bytes BYTES", "(default: 4194304)"), ("--grace-period SECONDS",
-                                                                          "(default: 30.0)"),
-                        ("--max-num-seqs MAX_NUM_SEQS", "(default: 256)"), ("-pp N", "(default: 1)")):
+    for flag, shown in (
+        ("--port PORT", "(default: 8000)"),
+        ("--grpc-port GRPC_PORT", "(default: 50051)"),
+        ("--max-body-bytes BYTES", "(default: 4194304)"),
+        ("--grace-period SECONDS", "(default: 30.0)"),
+        ("--max-num-seqs MAX_NUM_SEQS", "(default: 256)"),
+        ("-pp N", "(default: 1)"),
+    ):
         assert shown in text.split(flag, 1)[1].split(" --", 1)[0], flag
     assert "--dtype {auto,float32,bfloat16,float16}" in text and "None" not in text.split("--dtype", 1)[1][:200]
     assert "half and float: vLLM's names of float16 and float32; default: auto" in text
-    for flag in ("--host HOST", "--api-keys-file FILE", "--log-dir DIR", "--tokenizer DIR",
-                 "--chat-template TEMPLATE", "--seed N"):
+    for flag in (
+        "--host HOST",
+        "--api-keys-file FILE",
+        "--log-dir DIR",
+        "--tokenizer DIR",
+        "--chat-template TEMPLATE",
+        "--seed N",
+    ):
         assert text.split(flag, 1)[1].split(" --", 1)[0].strip(), f"{flag} has no help"
     assert build_parser().parse_args(["serve", "-pp", "2"]).pipeline_parallel_size == 2
 
@@ -197,6 +221,7 @@ def test_a_chat_template_from_a_file_or_inline_replaces_the_models(model, tmp_pa
 
 # --- 6: start-up errors said at once, in one line -----------------------------------------------
 
+
 def test_a_hub_id_says_there_is_no_hub_access_and_what_to_give(capsys):
     err = refused(capsys, "HuggingFaceTB/SmolLM2-135M-Instruct")
     assert "no model hub access" in err and "a local checkpoint folder" in err and ".gguf file" in err
@@ -212,8 +237,10 @@ def test_a_file_that_is_not_gguf_is_named_so(capsys, tmp_path):
 def test_a_missing_tokenizer_is_refused_up_front(capsys, model):
     (model / "tokenizer.json").unlink()
     err = refused(capsys, model)
-    assert err == f"error: {model / 'tokenizer.json'}: missing; Pagoda reads a model's tokenizer from " \
-                  "tokenizer.json (transformers' save_pretrained writes one)"
+    assert (
+        err == f"error: {model / 'tokenizer.json'}: missing; Pagoda reads a model's tokenizer from "
+        "tokenizer.json (transformers' save_pretrained writes one)"
+    )
 
 
 def test_an_unsupported_architecture_is_refused_up_front(capsys, model):
@@ -243,6 +270,7 @@ def test_a_memory_fraction_that_cannot_hold_the_weights_is_refused_up_front(caps
 
 # --- 8, 9: the banner's request, and a warning of too few cores ---------------------------------
 
+
 def test_the_ready_banners_request_carries_the_key_variable_not_the_key():
     from wiring.serve import ready_lines
 
@@ -262,8 +290,9 @@ def test_more_stage_processes_than_cores_are_warned_of_at_start(model, monkeypat
     assert warning.startswith("warning: 3 stage processes (--pipeline-parallel-size 3) on 2 core(s)")
     assert "--pipeline-parallel-size 1" in warning
     monkeypatch.setattr(preflight, "usable_cores", lambda: 2)
-    args = build_parser().parse_args(["serve", str(model), "--port", "0", "--grpc-port", "0", "-pp", "3",
-                                      "--num-kv-blocks", "64"])
+    args = build_parser().parse_args(
+        ["serve", str(model), "--port", "0", "--grpc-port", "0", "-pp", "3", "--num-kv-blocks", "64"]
+    )
     notes = serve._check_start(args, str(model))
     assert notes[1].startswith("warning: 3 stage processes") and args.max_model_len == 1024
     assert notes[0].startswith("max_model_len 1024, not the model's 4096: --num-kv-blocks 64 x --block-size 16")

@@ -37,8 +37,15 @@ def _run_decodes(pp: int, num_requests: int = 8, prompt_len: int = 40, max_token
     rng = random.Random(0)
     for i in range(num_requests):
         prompt = tuple(rng.randrange(5, 500) for _ in range(prompt_len))
-        options = SamplingOptions(max_tokens=max_tokens, temperature=0.7, top_p=0.9, seed=i,
-                                  presence_penalty=0.5, logit_bias=((7, 1.0),), stop_token_ids=(3, 4))
+        options = SamplingOptions(
+            max_tokens=max_tokens,
+            temperature=0.7,
+            top_p=0.9,
+            seed=i,
+            presence_penalty=0.5,
+            logit_bias=((7, 1.0),),
+            stop_token_ids=(3, 4),
+        )
         planner.add(Request(f"r{i}", prompt, options, 0.0, eos_token_ids=(2,)))
     plans = []
     kv_calls = []  # per step: whether the KV service was needed
@@ -87,9 +94,18 @@ def test_new_sequences_carry_their_sampling_parameters_once():
     plans = _run_decodes(pp=1)
     sent = [n.seq_id for p in plans for n in p.new_seqs]
     assert len(sent) == len(set(sent)) == 8
-    params = sampling_params(SamplingOptions(max_tokens=40, temperature=0.7, top_p=0.9, seed=0,
-                                             presence_penalty=0.5, logit_bias=((7, 1.0),),
-                                             stop_token_ids=(3, 4)), (2,))
+    params = sampling_params(
+        SamplingOptions(
+            max_tokens=40,
+            temperature=0.7,
+            top_p=0.9,
+            seed=0,
+            presence_penalty=0.5,
+            logit_bias=((7, 1.0),),
+            stop_token_ids=(3, 4),
+        ),
+        (2,),
+    )
     assert plans[0].new_seqs[0].sampling == params
 
 
@@ -100,22 +116,56 @@ _scoring = st.none() | st.builds(PromptScoring, _small, st.tuples(_small, _small
 
 @st.composite
 def _plans(draw):
-    params = sampling_params(SamplingOptions(
-        temperature=draw(st.sampled_from([0.0, 0.5, 1.0])), top_k=draw(st.integers(0, 50)),
-        seed=draw(st.none() | st.integers(0, 2**64 - 1)), logprobs=draw(st.none() | st.integers(0, 20)),
-        repetition_penalty=draw(st.sampled_from([1.0, 1.25])), min_tokens=draw(st.integers(0, 4)),
-        max_tokens=8), tuple(draw(st.lists(_small, max_size=2))))
-    new = draw(st.lists(st.builds(
-        lambda i, toks, k, b, sc: NewSeq(i, tuple(toks), max(1, len(toks) // 2), k, 1, tuple(b), params,
-                                         3, 77, "req", "", sc),
-        _ids, st.lists(_small, min_size=1, max_size=30), _small, st.lists(_small, max_size=5), _scoring),
-        max_size=4, unique_by=lambda n: n.seq_id))
-    cached = draw(st.lists(st.builds(
-        lambda i, n, off, b, t, sc: CachedSeq(i, n, off, tuple(b), tuple(t), sc),
-        _ids, st.integers(1, 64), _small, st.lists(_small, max_size=3), st.lists(_small, max_size=2),
-        _scoring), max_size=6))
-    return StepPlan(draw(_ids), tuple(new), tuple(cached), tuple(draw(st.lists(_ids, max_size=4))),
-                    tuple(draw(st.lists(st.tuples(_small, _small), max_size=3))), draw(st.booleans()))
+    params = sampling_params(
+        SamplingOptions(
+            temperature=draw(st.sampled_from([0.0, 0.5, 1.0])),
+            top_k=draw(st.integers(0, 50)),
+            seed=draw(st.none() | st.integers(0, 2**64 - 1)),
+            logprobs=draw(st.none() | st.integers(0, 20)),
+            repetition_penalty=draw(st.sampled_from([1.0, 1.25])),
+            min_tokens=draw(st.integers(0, 4)),
+            max_tokens=8,
+        ),
+        tuple(draw(st.lists(_small, max_size=2))),
+    )
+    new = draw(
+        st.lists(
+            st.builds(
+                lambda i, toks, k, b, sc: NewSeq(
+                    i, tuple(toks), max(1, len(toks) // 2), k, 1, tuple(b), params, 3, 77, "req", "", sc
+                ),
+                _ids,
+                st.lists(_small, min_size=1, max_size=30),
+                _small,
+                st.lists(_small, max_size=5),
+                _scoring,
+            ),
+            max_size=4,
+            unique_by=lambda n: n.seq_id,
+        )
+    )
+    cached = draw(
+        st.lists(
+            st.builds(
+                lambda i, n, off, b, t, sc: CachedSeq(i, n, off, tuple(b), tuple(t), sc),
+                _ids,
+                st.integers(1, 64),
+                _small,
+                st.lists(_small, max_size=3),
+                st.lists(_small, max_size=2),
+                _scoring,
+            ),
+            max_size=6,
+        )
+    )
+    return StepPlan(
+        draw(_ids),
+        tuple(new),
+        tuple(cached),
+        tuple(draw(st.lists(_ids, max_size=4))),
+        tuple(draw(st.lists(st.tuples(_small, _small), max_size=3))),
+        draw(st.booleans()),
+    )
 
 
 @settings(max_examples=200)

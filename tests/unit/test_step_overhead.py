@@ -20,16 +20,21 @@ ROPES = {
 
 
 def _model(head_dim: int, rope: RopeConfig) -> StageModel:
-    config = ModelConfig("LlamaForCausalLM", "llama", 64, 32, 64, 2, 2, 1, head_dim, 1e-6, 32768, False, False,
-                         rope=rope)
+    config = ModelConfig(
+        "LlamaForCausalLM", "llama", 64, 32, 64, 2, 2, 1, head_dim, 1e-6, 32768, False, False, rope=rope
+    )
     return StageModel(config, 0, 2, True, True)
 
 
 def _longrope(head_dim: int) -> RopeConfig:
     half = head_dim // 2
-    return RopeConfig("longrope", 10000.0, original_max_position_embeddings=4096,
-                      short_factor=tuple(1.0 + i / half for i in range(half)),
-                      long_factor=tuple(2.0 + i / half for i in range(half)))
+    return RopeConfig(
+        "longrope",
+        10000.0,
+        original_max_position_embeddings=4096,
+        short_factor=tuple(1.0 + i / half for i in range(half)),
+        long_factor=tuple(2.0 + i / half for i in range(half)),
+    )
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
@@ -38,9 +43,13 @@ def _longrope(head_dim: int) -> RopeConfig:
 def test_rotary_tables_equal_cos_sin_bit_for_bit(head_dim, rope, dtype):
     model = _model(head_dim, _longrope(head_dim) if rope == "longrope" else ROPES[rope])
     g = torch.Generator().manual_seed(head_dim)
-    cases = [torch.tensor([0]), torch.tensor([200]), torch.arange(300, 317),
-             torch.randint(0, ROPE_TABLE_POSITIONS, (64,), generator=g),
-             torch.tensor([ROPE_TABLE_POSITIONS + 5, 3])]  # beyond the tables: computed
+    cases = [
+        torch.tensor([0]),
+        torch.tensor([200]),
+        torch.arange(300, 317),
+        torch.randint(0, ROPE_TABLE_POSITIONS, (64,), generator=g),
+        torch.tensor([ROPE_TABLE_POSITIONS + 5, 3]),
+    ]  # beyond the tables: computed
     for positions in cases:
         got = model._cos_sin(positions, int(positions.max()) + 1, dtype)
         want = [r.cos_sin(positions, dtype) for r in model.rotaries]
@@ -70,9 +79,17 @@ def test_the_native_embedding_lookup_equals_packed_embeddings(qtype):
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("seq_id", True), ("output_position", False), ("choice_index", 2**32), ("entropy_seed", -1),
-    ("params", object()), ("output_position", 1.0)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("seq_id", True),
+        ("output_position", False),
+        ("choice_index", 2**32),
+        ("entropy_seed", -1),
+        ("params", object()),
+        ("output_position", 1.0),
+    ],
+)
 def test_sample_rows_quick_check_lets_no_bad_row_through(field, value):
     from services.sampling import SamplingParams
     from worker_svc.execution.sampler_types import SampleRow
@@ -90,8 +107,10 @@ def test_plain_greedy_rows_take_the_raw_argmax_and_masked_ones_do_not():
     from worker_svc.execution.sampler_types import SampleRow
 
     logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
-    rows = [SampleRow(0, SamplingParams(temperature=0.0), 0, 0, 1),
-            SampleRow(1, SamplingParams(temperature=0.0, logit_bias=[(2, 5.0)]), 0, 0, 1),
-            SampleRow(2, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1]), 0, 0, 1)]
+    rows = [
+        SampleRow(0, SamplingParams(temperature=0.0), 0, 0, 1),
+        SampleRow(1, SamplingParams(temperature=0.0, logit_bias=[(2, 5.0)]), 0, 0, 1),
+        SampleRow(2, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1]), 0, 0, 1),
+    ]
     assert Sampler().sample(logits, rows).token_ids == [1, 2, 2]
     assert Sampler().sample(logits[:1], rows[:1]).token_ids == [1]

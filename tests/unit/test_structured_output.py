@@ -36,52 +36,66 @@ def vocab(model_dir):
     return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
 
 
-@pytest.mark.parametrize("spec", [
-    StructuredOutput("json_object"),
-    StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})),
-    StructuredOutput("regex", r"\d{3}-[a-z]+"),
-    StructuredOutput("choice", choices=("yes", "no")),
-    StructuredOutput("grammar", 'root ::= "yes" | "no"'),  # GBNF
-    StructuredOutput("grammar", 'start: "a" "b"*'),  # Lark
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutput("json_object"),
+        StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})),
+        StructuredOutput("regex", r"\d{3}-[a-z]+"),
+        StructuredOutput("choice", choices=("yes", "no")),
+        StructuredOutput("grammar", 'root ::= "yes" | "no"'),  # GBNF
+        StructuredOutput("grammar", 'start: "a" "b"*'),  # Lark
+    ],
+)
 def test_valid_constraints_compile(spec):
     check(spec)
 
 
-@pytest.mark.parametrize(("spec", "says"), [
-    (StructuredOutput("json_schema", '{"type": 5}'), "type must be a string"),
-    (StructuredOutput("json_schema", "[1, 2]"), "must be a JSON object"),
-    (StructuredOutput("json_schema", "{not json"), "not valid JSON"),
-    (StructuredOutput("json_schema", '{"$ref": "#/$defs/missing"}'), "does not exist"),
-    (StructuredOutput("json_schema", '{"type": "string", "format": "bogus"}'), "Unknown format"),
-    (StructuredOutput("regex", "(abc"), "unclosed group"),
-    (StructuredOutput("regex", "(?<=a)b"), "look-around"),
-    (StructuredOutput("grammar", "start: undefined_rule"), "unknown name"),
-])
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (StructuredOutput("json_schema", '{"type": 5}'), "type must be a string"),
+        (StructuredOutput("json_schema", "[1, 2]"), "must be a JSON object"),
+        (StructuredOutput("json_schema", "{not json"), "not valid JSON"),
+        (StructuredOutput("json_schema", '{"$ref": "#/$defs/missing"}'), "does not exist"),
+        (StructuredOutput("json_schema", '{"type": "string", "format": "bogus"}'), "Unknown format"),
+        (StructuredOutput("regex", "(abc"), "unclosed group"),
+        (StructuredOutput("regex", "(?<=a)b"), "look-around"),
+        (StructuredOutput("grammar", "start: undefined_rule"), "unknown name"),
+    ],
+)
 def test_invalid_constraints_say_why(spec, says):
     with pytest.raises(GrammarError, match=says):
         check(spec)
 
 
-@pytest.mark.parametrize(("kwargs", "says"), [
-    ({"kind": "xml"}, "kind must be one of"),
-    ({"kind": "regex"}, "is empty"),
-    ({"kind": "choice"}, "needs 1 to"),
-    ({"kind": "choice", "choices": ("a", "")}, "non-empty strings"),
-    ({"kind": "choice", "choices": tuple(map(str, range(MAX_CHOICES + 1)))}, "needs 1 to"),
-    ({"kind": "regex", "spec": "a", "choices": ("a",)}, "only for kind 'choice'"),
-    ({"kind": "grammar", "spec": "x" * (MAX_STRUCTURED_CHARS + 1)}, "at most"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"kind": "xml"}, "kind must be one of"),
+        ({"kind": "regex"}, "is empty"),
+        ({"kind": "choice"}, "needs 1 to"),
+        ({"kind": "choice", "choices": ("a", "")}, "non-empty strings"),
+        ({"kind": "choice", "choices": tuple(map(str, range(MAX_CHOICES + 1)))}, "needs 1 to"),
+        ({"kind": "regex", "spec": "a", "choices": ("a",)}, "only for kind 'choice'"),
+        ({"kind": "grammar", "spec": "x" * (MAX_STRUCTURED_CHARS + 1)}, "at most"),
+    ],
+)
 def test_the_constraint_is_bounded(kwargs, says):
     with pytest.raises(ValueError, match=says) as err:
         StructuredOutput(**kwargs)
     assert str(err.value).startswith("structured_output: ")  # names the field
 
 
-@pytest.mark.parametrize("spec", [
-    StructuredOutput("json_object"), StructuredOutput("regex", "[0-9]+"),
-    StructuredOutput("choice", choices=("x", "y")), StructuredOutput("json_schema", '{"enum": [1]}'),
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutput("json_object"),
+        StructuredOutput("regex", "[0-9]+"),
+        StructuredOutput("choice", choices=("x", "y")),
+        StructuredOutput("json_schema", '{"enum": [1]}'),
+    ],
+)
 def test_step_codec_carries_the_constraint(spec):
     params = SamplingParams(temperature=0.0, eos_token_ids=(1,), structured=spec)
     msg = common_pb2.SamplingParams()
@@ -117,10 +131,20 @@ def test_sampled_tokens_follow_the_grammar(model_dir, tokenizer, vocab):
     cases = [
         (StructuredOutput("choice", choices=("alpha", "beta", "gamma")), lambda t: t in ("alpha", "beta", "gamma")),
         (StructuredOutput("regex", "[0-9]{3}-[a-z]{2}"), lambda t: len(t) == 6 and t[3] == "-" and t[:3].isdigit()),
-        (StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {
-            "k": {"enum": ["v", "w"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
-            "required": ["k", "n"], "additionalProperties": False})),
-         lambda t: set(json.loads(t)) == {"k", "n"}),
+        (
+            StructuredOutput(
+                "json_schema",
+                json.dumps(
+                    {
+                        "type": "object",
+                        "properties": {"k": {"enum": ["v", "w"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                        "required": ["k", "n"],
+                        "additionalProperties": False,
+                    }
+                ),
+            ),
+            lambda t: set(json.loads(t)) == {"k", "n"},
+        ),
     ]
     for spec, ok in cases:
         for temperature in (0.0, 1.0):
@@ -134,10 +158,20 @@ def test_sampled_tokens_follow_the_grammar(model_dir, tokenizer, vocab):
 def test_state_rebuilt_from_the_tokens_equals_the_live_state(model_dir, tokenizer, vocab):
     """What preemption and a stage's full resend rely on: a matcher rebuilt from the output
     so far allows exactly what the live one does, and sampling goes on identically."""
-    spec = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 12}, "tags": {"type": "array", "items": {"enum": ["a", "b"]},
-                                                              "maxItems": 4}},
-        "required": ["name", "tags"], "additionalProperties": False}))
+    spec = StructuredOutput(
+        "json_schema",
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 12},
+                    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 4},
+                },
+                "required": ["name", "tags"],
+                "additionalProperties": False,
+            }
+        ),
+    )
     params = SamplingParams(temperature=1.0, seed=11, eos_token_ids=tokenizer.eos_token_ids, structured=spec)
     bank = GrammarBank(model_dir, vocab)
     whole = _run(Sampler(bank), params, vocab, 60, seed=4)
@@ -152,8 +186,10 @@ def test_state_rebuilt_from_the_tokens_equals_the_live_state(model_dir, tokenize
     assert first == whole[:6]
     g = torch.Generator().manual_seed(99)
     logits = torch.randn(1, vocab, generator=g) * 5
-    assert (probe.sample(logits, [SampleRow(1, params, 0, 6, 7)]).token_ids
-            == live.sample(logits, [SampleRow(1, params, 0, 6, 7)]).token_ids)
+    assert (
+        probe.sample(logits, [SampleRow(1, params, 0, 6, 7)]).token_ids
+        == live.sample(logits, [SampleRow(1, params, 0, 6, 7)]).token_ids
+    )
 
 
 def test_the_grammar_wins_over_min_tokens(model_dir, tokenizer, vocab):
@@ -183,7 +219,7 @@ def test_applying_a_bitmask_natively_equals_unpacking_it(dtype, vocab_size):
 
     g = torch.Generator().manual_seed(vocab_size)
     words = -(-vocab_size // 32)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), dtype=torch.int32, generator=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), dtype=torch.int32, generator=g)
     bitmask[1] = -1  # every token allowed
     bitmask[2, 0] = 1 << 5  # one
     logits = torch.randn(5, vocab_size, generator=g, dtype=dtype)

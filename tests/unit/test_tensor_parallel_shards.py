@@ -27,15 +27,22 @@ def test_a_rank_holds_heads_kv_heads_and_mlp_columns(qwen):
     config = load_config(qwen)
     half = config.shard(2)
     assert (half.num_heads, half.num_kv_heads, half.intermediate_size) == (
-        config.num_heads // 2, config.num_kv_heads // 2, config.intermediate_size // 2)
-    assert (half.hidden_size, half.head_dim, half.vocab_size) == (config.hidden_size, config.head_dim,
-                                                                  config.vocab_size)
+        config.num_heads // 2,
+        config.num_kv_heads // 2,
+        config.intermediate_size // 2,
+    )
+    assert (half.hidden_size, half.head_dim, half.vocab_size) == (
+        config.hidden_size,
+        config.head_dim,
+        config.vocab_size,
+    )
     assert half.num_queries_per_kv == config.num_queries_per_kv  # groups stay whole
     assert config.shard(1) is config
 
 
-@pytest.mark.parametrize("size,named", [(3, "num_attention_heads=4, num_key_value_heads=2"),
-                                        (4, "num_key_value_heads=2")])
+@pytest.mark.parametrize(
+    "size,named", [(3, "num_attention_heads=4, num_key_value_heads=2"), (4, "num_key_value_heads=2")]
+)
 def test_shapes_that_do_not_divide_are_refused_naming_them(qwen, size, named):
     with pytest.raises(ValueError, match=rf"tensor_parallel_size: {size} does not divide {named}") as err:
         load_config(qwen).shard(size)
@@ -44,13 +51,26 @@ def test_shapes_that_do_not_divide_are_refused_naming_them(qwen, size, named):
 
 def test_shard_dimensions_follow_the_megatron_split():
     layer = "model.layers.3."
-    assert [shard_dim(layer + n) for n in ("self_attn.q_proj.weight", "self_attn.q_proj.bias",
-                                           "self_attn.k_proj.weight", "self_attn.v_proj.bias",
-                                           "mlp.gate_proj.weight", "mlp.up_proj.weight")] == [0] * 6
+    assert [
+        shard_dim(layer + n)
+        for n in (
+            "self_attn.q_proj.weight",
+            "self_attn.q_proj.bias",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.bias",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+        )
+    ] == [0] * 6
     assert shard_dim(layer + "self_attn.o_proj.weight") == 1
     assert shard_dim(layer + "mlp.down_proj.weight") == 1
-    for replicated in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-                       layer + "input_layernorm.weight", layer + "post_attention_layernorm.weight"):
+    for replicated in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        layer + "input_layernorm.weight",
+        layer + "post_attention_layernorm.weight",
+    ):
         assert shard_dim(replicated) is None
 
 
@@ -88,16 +108,28 @@ def test_a_stage_memory_setting_is_shared_by_its_ranks(qwen):
 
 
 def test_worker_config_travels_to_the_ranks_as_json():
-    config = WorkerConfig(model="/m", stage=1, num_stages=2, next_address=None, feedback_address="a:1",
-                          layer_partition=(1, 3), tensor_parallel_size=2, gpu_memory_utilization=0.5)
+    config = WorkerConfig(
+        model="/m",
+        stage=1,
+        num_stages=2,
+        next_address=None,
+        feedback_address="a:1",
+        layer_partition=(1, 3),
+        tensor_parallel_size=2,
+        gpu_memory_utilization=0.5,
+    )
     assert WorkerConfig.from_json(config.to_json()) == config
     with pytest.raises(ValueError, match="tensor_parallel_size: must be 1..8"):
         WorkerConfig(model="/m", tensor_parallel_size=0)
 
 
 def test_a_worker_refuses_a_size_that_does_not_divide(qwen):
-    done = subprocess.run(pagoda_command("worker", "--model", qwen, "--tensor-parallel-size", "4"),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        pagoda_command("worker", "--model", qwen, "--tensor-parallel-size", "4"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "tensor_parallel_size: 4 does not divide num_key_value_heads=2" in done.stderr
 

@@ -25,38 +25,59 @@ from services.text import (
     TextOutputProcessor,
     Tokenizer,
 )
-from wiring.tiny_model import (
-    BOS_TOKEN_ID,
-    EOS_TOKEN_ID,
-    IM_END_TOKEN_ID,
-    IM_START_TOKEN_ID,
-    PAD_TOKEN_ID,
-)
+from wiring.tiny_model import BOS_TOKEN_ID, EOS_TOKEN_ID, IM_END_TOKEN_ID, IM_START_TOKEN_ID, PAD_TOKEN_ID
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "config.json",
+)
 ARCHS = ("llama", "qwen2")
 TEXTS = [
-    "", "Hello world", " leading space", "trailing  ", "a\n\n b  c\r\n\tx",
-    "café naïve résumé", "🎉🚀 emoji 👩‍👩‍👧", "日本語のテキスト", "한국어", "e\u0301 (decomposed)",
-    "<|bos|>with<|im_end|> special <|im_start|>tokens", "<|im_end|>", "<|not special|>",
-    "def f(x):\n    return x ** 2  # comment", "1234567890 3.14159", "\ufffd literal",
+    "",
+    "Hello world",
+    " leading space",
+    "trailing  ",
+    "a\n\n b  c\r\n\tx",
+    "café naïve résumé",
+    "🎉🚀 emoji 👩‍👩‍👧",
+    "日本語のテキスト",
+    "한국어",
+    "e\u0301 (decomposed)",
+    "<|bos|>with<|im_end|> special <|im_start|>tokens",
+    "<|im_end|>",
+    "<|not special|>",
+    "def f(x):\n    return x ** 2  # comment",
+    "1234567890 3.14159",
+    "\ufffd literal",
 ]
 MULTIBYTE_TEXTS = ["café 🎉 日本語", "👩‍👩‍👧‍👦 family", "naïve Ωμέγα 中文 😀😃", "ñ" * 9, "€𝄞"]
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3? 日本 🎉"}],
-    [{"role": "user", "content": [{"type": "text", "text": "part one, "},
-                                  {"type": "image_url", "image_url": {"url": "x"}},
-                                  {"type": "text", "text": "part two"}]}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3? 日本 🎉"},
+    ],
+    [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "part one, "},
+                {"type": "image_url", "image_url": {"url": "x"}},
+                {"type": "text", "text": "part two"},
+            ],
+        }
+    ],
     [{"role": "user", "content": "<|im_end|> injected"}],
 ]
 
 
-def _copy_tokenizer(src: str | Path, dst: Path, *, config: dict | None = None,
-                    drop: tuple[str, ...] = ()) -> Path:
+def _copy_tokenizer(src: str | Path, dst: Path, *, config: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
     """The tokenizer files of a model, into `dst`, with tokenizer_config.json changes."""
     dst.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
@@ -90,28 +111,63 @@ def llama2_dir(tmp_path_factory) -> Path:
     fallback, a decoder that strips the first space, and a post-processor that adds BOS."""
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
-    merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "a"), ("▁", "o"), ("▁o", "n"),
-              ("▁", "w"), ("o", "r"), ("▁w", "or"), ("l", "d"), ("▁wor", "ld"), ("é", "t")]
-    for piece in ["▁", "t", "h", "e", "a", "o", "n", "w", "r", "l", "d", "s", "i", "é", "!",
-                  *(a + b for a, b in merges)]:
+    merges = [
+        ("▁", "t"),
+        ("h", "e"),
+        ("▁t", "he"),
+        ("▁", "a"),
+        ("▁", "o"),
+        ("▁o", "n"),
+        ("▁", "w"),
+        ("o", "r"),
+        ("▁w", "or"),
+        ("l", "d"),
+        ("▁wor", "ld"),
+        ("é", "t"),
+    ]
+    for piece in [
+        "▁",
+        "t",
+        "h",
+        "e",
+        "a",
+        "o",
+        "n",
+        "w",
+        "r",
+        "l",
+        "d",
+        "s",
+        "i",
+        "é",
+        "!",
+        *(a + b for a, b in merges),
+    ]:
         vocab.setdefault(piece, len(vocab))
-    tok = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True,
-                                          fuse_unk=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
-                                           normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in ("<unk>", "<s>", "</s>")])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", 1)])
+    tok = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
     path = tmp_path_factory.mktemp("llama2")
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "add_bos_token": True, "clean_up_tokenization_spaces": False,
-        "chat_template": "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}",
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": True,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}",
+            }
+        )
+    )
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     return path
 
@@ -120,11 +176,14 @@ def llama2_dir(tmp_path_factory) -> Path:
 
 
 def test_import_does_not_import_torch_or_transformers() -> None:
-    code = ("import sys, services.text; "
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
-            "assert not bad, f'services.text imported {bad}'")
-    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
-                   env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    code = (
+        "import sys, services.text; "
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+        "assert not bad, f'services.text imported {bad}'"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, check=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    )
 
 
 # --- Tokenizer: files, ids, encode and decode ----------------------------------------------
@@ -138,8 +197,11 @@ def test_special_ids_and_vocab(arch, toks, hf) -> None:
     # tokenizer_config's eos first, then generation_config's [eos, im_end], each once
     assert tok.eos_token_ids == (EOS_TOKEN_ID, IM_END_TOKEN_ID)
     assert tok.vocab_size == len(ref) == 512
-    assert tok.special_token_ids == frozenset(range(5)) == frozenset(ref.all_special_ids) | {
-        IM_START_TOKEN_ID, IM_END_TOKEN_ID}
+    assert (
+        tok.special_token_ids
+        == frozenset(range(5))
+        == frozenset(ref.all_special_ids) | {IM_START_TOKEN_ID, IM_END_TOKEN_ID}
+    )
     assert tok.special_tokens_map == ref.special_tokens_map
 
 
@@ -151,15 +213,13 @@ def test_encode_decode_match_transformers(arch, add_special_tokens, toks, hf) ->
         ids = tok.encode(text, add_special_tokens=add_special_tokens)
         assert ids == ref.encode(text, add_special_tokens=add_special_tokens), text
         for skip in (True, False):
-            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(
-                ids, skip_special_tokens=skip), (text, skip)
+            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), (text, skip)
     assert tok.encode("<|bos|>hi<|im_end|>") == [BOS_TOKEN_ID, *tok.encode("hi"), IM_END_TOKEN_ID]
     assert tok.decode([BOS_TOKEN_ID, *tok.encode("hi"), IM_END_TOKEN_ID]) == "hi"
 
 
 @settings(max_examples=40)
-@given(text=st.text(max_size=40), ids=st.lists(st.integers(0, 511), max_size=30),
-       skip=st.booleans())
+@given(text=st.text(max_size=40), ids=st.lists(st.integers(0, 511), max_size=30), skip=st.booleans())
 def test_random_text_and_ids_match_transformers(text, ids, skip, toks, hf) -> None:
     for arch in ARCHS:
         assert toks[arch].encode(text) == hf[arch].encode(text)
@@ -189,10 +249,15 @@ def test_add_bos_token_is_used_only_without_a_post_processor(model_dirs, tmp_pat
 
 
 def test_tokens_declared_only_in_the_config_are_added(model_dirs, tmp_path) -> None:
-    extra = {"content": "<|tool|>", "special": True, "lstrip": False, "rstrip": False,
-             "normalized": False, "single_word": False}
-    path = _copy_tokenizer(model_dirs["llama"], tmp_path / "m",
-                           config={"added_tokens_decoder": {"512": extra}})
+    extra = {
+        "content": "<|tool|>",
+        "special": True,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "single_word": False,
+    }
+    path = _copy_tokenizer(model_dirs["llama"], tmp_path / "m", config={"added_tokens_decoder": {"512": extra}})
     tok, ref = Tokenizer(path), AutoTokenizer.from_pretrained(path)
     assert tok.token_to_id("<|tool|>") == ref.convert_tokens_to_ids("<|tool|>") == 512
     assert tok.encode("a<|tool|>b") == ref.encode("a<|tool|>b")
@@ -200,10 +265,21 @@ def test_tokens_declared_only_in_the_config_are_added(model_dirs, tmp_path) -> N
 
 
 def test_eos_ids_union_and_spellings(model_dirs, tmp_path) -> None:
-    path = _copy_tokenizer(model_dirs["llama"], tmp_path / "m", drop=("special_tokens_map.json",),
-                           config={"eos_token": {"__type": "AddedToken", "content": "<|im_end|>",
-                                                 "lstrip": False, "rstrip": False,
-                                                 "normalized": False, "single_word": False}})
+    path = _copy_tokenizer(
+        model_dirs["llama"],
+        tmp_path / "m",
+        drop=("special_tokens_map.json",),
+        config={
+            "eos_token": {
+                "__type": "AddedToken",
+                "content": "<|im_end|>",
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
+        },
+    )
     assert AutoTokenizer.from_pretrained(path).eos_token_id == IM_END_TOKEN_ID
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     (path / "config.json").write_text(json.dumps({"eos_token_id": [1, 4]}))
@@ -214,8 +290,9 @@ def test_eos_ids_union_and_spellings(model_dirs, tmp_path) -> None:
 
 
 def test_only_tokenizer_json_is_required(model_dirs, tmp_path) -> None:
-    path = _copy_tokenizer(model_dirs["llama"], tmp_path / "m",
-                           drop=("tokenizer_config.json", "generation_config.json", "config.json"))
+    path = _copy_tokenizer(
+        model_dirs["llama"], tmp_path / "m", drop=("tokenizer_config.json", "generation_config.json", "config.json")
+    )
     tok, ref = Tokenizer(path), AutoTokenizer.from_pretrained(path)
     assert tok.eos_token_ids == (EOS_TOKEN_ID,)  # from special_tokens_map.json
     assert tok.encode(TEXTS[7]) == ref.encode(TEXTS[7])
@@ -225,15 +302,18 @@ def test_only_tokenizer_json_is_required(model_dirs, tmp_path) -> None:
     assert Tokenizer(path).eos_token_ids == () and Tokenizer(path).bos_token_id is None
 
 
-@pytest.mark.parametrize("case, match", [
-    ("no_dir", "not a directory"),
-    ("no_tokenizer_json", r"tokenizer\.json: missing"),
-    ("bad_tokenizer_json", r"tokenizer\.json: not a valid tokenizer file"),
-    ("bad_config_json", r"tokenizer_config\.json: not valid JSON"),
-    ("config_not_object", r"tokenizer_config\.json: must hold a JSON object"),
-    ("bad_chat_template", r"tokenizer_config\.json: chat_template must be"),
-    ("bad_token", r"tokenizer_config\.json: bos_token must be"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("no_dir", "not a directory"),
+        ("no_tokenizer_json", r"tokenizer\.json: missing"),
+        ("bad_tokenizer_json", r"tokenizer\.json: not a valid tokenizer file"),
+        ("bad_config_json", r"tokenizer_config\.json: not valid JSON"),
+        ("config_not_object", r"tokenizer_config\.json: must hold a JSON object"),
+        ("bad_chat_template", r"tokenizer_config\.json: chat_template must be"),
+        ("bad_token", r"tokenizer_config\.json: bos_token must be"),
+    ],
+)
 def test_invalid_files_name_the_file(case, match, model_dirs, tmp_path) -> None:
     path = _copy_tokenizer(model_dirs["llama"], tmp_path / "m")
     if case == "no_dir":
@@ -263,11 +343,10 @@ def test_chat_template_matches_transformers(arch, add_generation_prompt, toks, h
     tok, ref = toks[arch], hf[arch]
     for messages in CONVERSATIONS:
         text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        assert text == ref.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+        assert text == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         assert tok.encode_chat(messages, add_generation_prompt) == ref.apply_chat_template(
-            messages, tokenize=True, return_dict=False,
-            add_generation_prompt=add_generation_prompt)
+            messages, tokenize=True, return_dict=False, add_generation_prompt=add_generation_prompt
+        )
     assert tok.apply_chat_template(CONVERSATIONS[0]).endswith("<|im_start|>assistant\n")
 
 
@@ -296,27 +375,30 @@ FEATURE_TEMPLATE = """{{ bos_token }}
 
 
 def test_template_features_match_transformers(model_dirs, tmp_path) -> None:
-    path = _copy_tokenizer(model_dirs["llama"], tmp_path / "m",
-                           config={"chat_template": FEATURE_TEMPLATE})
+    path = _copy_tokenizer(model_dirs["llama"], tmp_path / "m", config={"chat_template": FEATURE_TEMPLATE})
     tok, ref = Tokenizer(path), AutoTokenizer.from_pretrained(path)
     messages = [
         {"role": "system", "content": "<b>&'\"</b> é"},
         {"role": "skip", "content": "dropped"},
         {"role": "user", "content": "weather?", "name": None},
-        {"role": "assistant", "content": None, "reasoning": "think",
-         "tool_calls": [{"function": {"name": "get", "arguments": {"city": "Zürich"}}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning": "think",
+            "tool_calls": [{"function": {"name": "get", "arguments": {"city": "Zürich"}}}],
+        },
     ]
     tools = [{"type": "function", "function": {"name": "get", "description": "<x> ü"}}]
     kwargs = {"extra": {"b": [1, 2], "a": "ß"}}
     for add in (True, False):
         assert tok.apply_chat_template(messages, add, tools, **kwargs) == ref.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add, **kwargs)
+            messages, tools=tools, tokenize=False, add_generation_prompt=add, **kwargs
+        )
     text = tok.apply_chat_template(messages, tools=tools, **kwargs)
     assert "NO CONTENT" in text and "<think>think</think>" in text and "Zürich" in text
     assert '"description": "<x> ü"' in text  # tojson escapes neither HTML nor non-ASCII
     with pytest.raises(ChatTemplateError, match="System message must come first, not 2"):
-        tok.apply_chat_template([{"role": "user", "content": "a"},
-                                 {"role": "system", "content": "b"}])
+        tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
 
 
 def test_encode_chat_never_doubles_bos(llama2_dir, tmp_path) -> None:
@@ -324,11 +406,13 @@ def test_encode_chat_never_doubles_bos(llama2_dir, tmp_path) -> None:
     messages = [{"role": "user", "content": "the world"}]
     # The template does not write the BOS: encode_chat adds the one encode adds.
     ids = tok.encode_chat(messages)
-    assert ids[0] == 1 and ids[1] != 1 and ids[1:] == tok.encode_chat(messages,
-                                                                     add_special_tokens=False)
+    assert ids[0] == 1 and ids[1] != 1 and ids[1:] == tok.encode_chat(messages, add_special_tokens=False)
     # A template that writes it: only that one, as transformers tokenizes it.
-    path = _copy_tokenizer(llama2_dir, tmp_path / "m", config={
-        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    path = _copy_tokenizer(
+        llama2_dir,
+        tmp_path / "m",
+        config={"chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"},
+    )
     tok, ref = Tokenizer(path), AutoTokenizer.from_pretrained(path)
     ids = tok.encode_chat(messages)
     assert ids[:2].count(1) == 1
@@ -337,14 +421,17 @@ def test_encode_chat_never_doubles_bos(llama2_dir, tmp_path) -> None:
 
 
 def test_chat_template_files_and_named_templates(model_dirs, tmp_path) -> None:
-    named = [{"name": "default", "template": "D{{ messages[0]['content'] }}"},
-             {"name": "tool_use", "template": "T{{ tools | length if tools else 0 }}"}]
+    named = [
+        {"name": "default", "template": "D{{ messages[0]['content'] }}"},
+        {"name": "tool_use", "template": "T{{ tools | length if tools else 0 }}"},
+    ]
     path = _copy_tokenizer(model_dirs["llama"], tmp_path / "m", config={"chat_template": named})
     tok, ref = Tokenizer(path), AutoTokenizer.from_pretrained(path)
     messages = [{"role": "user", "content": "x"}]
     for tools in (None, [{"name": "f"}]):
         assert tok.apply_chat_template(messages, tools=tools) == ref.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=True)
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
     assert tok.apply_chat_template(messages, chat_template="tool_use") == "T0"
     assert tok.apply_chat_template(messages, chat_template="I{{ 1 + 1 }}") == "I2"
     with pytest.raises(ValueError, match=r"'nope' names none of the model's templates"):
@@ -356,8 +443,7 @@ def test_chat_template_files_and_named_templates(model_dirs, tmp_path) -> None:
     (path / "chat_templates").mkdir()
     (path / "chat_templates" / "extra.jinja").write_text("E")
     tok, ref = Tokenizer(path), AutoTokenizer.from_pretrained(path)
-    assert tok.apply_chat_template(messages) == ref.apply_chat_template(
-        messages, tokenize=False) == "J1"
+    assert tok.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False) == "J1"
     assert tok.apply_chat_template(messages, chat_template="extra") == "E"
     assert tok.apply_chat_template(messages, tools=[{"name": "f"}]) == "J1"  # no tool_use now
 
@@ -380,37 +466,41 @@ def test_chat_errors(model_dirs, tmp_path, toks) -> None:
         tok.apply_chat_template([{"role": "user", "content": "x"}], tools=[print])
 
 
-@pytest.mark.parametrize("template", [
-    "{{ messages.__class__.__mro__ }}",
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ messages.append(1) }}",
-    "{% set ns = namespace(_x=1) %}",
-    "{{ raise_exception.__globals__['os'] }}",
-    "{{ strftime_now.__globals__.sys }}{{ raise_exception(1 / 0) }}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ messages.__class__.__mro__ }}",
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ messages.append(1) }}",
+        "{% set ns = namespace(_x=1) %}",
+        "{{ raise_exception.__globals__['os'] }}",
+        "{{ strftime_now.__globals__.sys }}{{ raise_exception(1 / 0) }}",
+    ],
+)
 def test_templates_run_in_a_sandbox(template, toks) -> None:
     with pytest.raises(ChatTemplateError):
-        toks["llama"].apply_chat_template([{"role": "user", "content": "x"}],
-                                          chat_template=template)
+        toks["llama"].apply_chat_template([{"role": "user", "content": "x"}], chat_template=template)
     # Unsafe attributes read as undefined: nothing leaks into the prompt.
-    assert toks["llama"].apply_chat_template(
-        [{"role": "user", "content": "x"}],
-        chat_template="{{ raise_exception.__globals__ }}{{ messages.__class__ }}") == ""
+    assert (
+        toks["llama"].apply_chat_template(
+            [{"role": "user", "content": "x"}],
+            chat_template="{{ raise_exception.__globals__ }}{{ messages.__class__ }}",
+        )
+        == ""
+    )
 
 
 # --- incremental detokenization ------------------------------------------------------------
 
 
 def _detokenize(tok, chunks, *, skip_special_tokens=True, prompt_token_ids=()) -> list[str]:
-    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens,
-                                   prompt_token_ids=prompt_token_ids)
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens, prompt_token_ids=prompt_token_ids)
     pieces = [detok.push(chunk) for chunk in chunks]
     return [*pieces, detok.flush()]
 
 
 @settings(max_examples=50)
-@given(data=st.data(), ids=st.lists(st.integers(0, 511), max_size=48), skip=st.booleans(),
-       arch=st.sampled_from(ARCHS))
+@given(data=st.data(), ids=st.lists(st.integers(0, 511), max_size=48), skip=st.booleans(), arch=st.sampled_from(ARCHS))
 def test_random_tokens_detokenize_to_the_full_decode(data, ids, skip, arch, toks) -> None:
     tok = toks[arch]
     cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=8)))
@@ -423,8 +513,7 @@ def test_random_tokens_detokenize_to_the_full_decode(data, ids, skip, arch, toks
 
 
 @settings(max_examples=40)
-@given(text=st.text(st.characters(exclude_characters="\ufffd"), max_size=30),
-       arch=st.sampled_from(ARCHS))
+@given(text=st.text(st.characters(exclude_characters="\ufffd"), max_size=30), arch=st.sampled_from(ARCHS))
 def test_text_one_token_at_a_time_never_splits_a_character(text, arch, toks) -> None:
     tok = toks[arch]
     ids = tok.encode(text)
@@ -458,8 +547,7 @@ def test_special_tokens_and_spaces(toks) -> None:
         pieces = _detokenize(tok, [[i] for i in ids], skip_special_tokens=skip)
         assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
     assert "".join(_detokenize(tok, [ids])) == " a b  c\n"
-    assert "".join(_detokenize(tok, [ids], skip_special_tokens=False)) == (
-        " a b<|im_end|>  c\n<|eos|>")
+    assert "".join(_detokenize(tok, [ids], skip_special_tokens=False)) == (" a b<|im_end|>  c\n<|eos|>")
 
 
 def test_prompt_context(toks, llama2_dir) -> None:
@@ -490,8 +578,9 @@ def test_sentencepiece_byte_fallback_detokenizes_whole_characters(text, llama2_d
 
 def test_invalid_bytes_are_released_after_a_bound(toks) -> None:
     tok = toks["llama"]
-    continuation = next(i for i in range(5, 512)
-                        if tok.decode([i, i]) == "\ufffd\ufffd" and tok.decode([i]) == "\ufffd")
+    continuation = next(
+        i for i in range(5, 512) if tok.decode([i, i]) == "\ufffd\ufffd" and tok.decode([i]) == "\ufffd"
+    )
     ids = [continuation] * 100
     pieces = _detokenize(tok, [[i] for i in ids])
     assert "".join(pieces) == tok.decode(ids) == "\ufffd" * 100
@@ -512,37 +601,39 @@ def _run_stops(stops, deltas, **kwargs) -> tuple[list[str], str | None, str]:
     return released, matched, matcher.finish()
 
 
-@pytest.mark.parametrize("stops, deltas, released, matched, rest", [
-    # a stop spanning two deltas
-    (["END"], ["abc E", "ND more"], ["abc ", ""], "END", ""),
-    # ... three deltas
-    (["STOP"], ["x S", "T", "OP y"], ["x ", "", ""], "STOP", ""),
-    # a held-back prefix that does not become a stop is released
-    (["END"], ["a EN", "x"], ["a ", "ENx"], None, ""),
-    (["END"], ["a EN"], ["a "], None, "EN"),
-    # overlapping prefixes: "ab" completes first
-    (["abc", "ab"], ["xa", "bc"], ["x", ""], "ab", ""),
-    (["abc", "ab"], ["xabc"], ["x"], "ab", ""),
-    # the stop whose end comes first wins, whatever the order given
-    (["bcd", "abcde"], ["abcdef"], ["a"], "bcd", ""),
-    (["world", "hello"], ["say hello world"], ["say "], "hello", ""),
-    # overlapping occurrences of one stop's prefix
-    (["aab"], ["aa", "a", "ab"], ["", "a", "a"], "aab", ""),
-    # unicode
-    (["日本"], ["こんにちは日", "本語"], ["こんにちは", ""], "日本", ""),
-    (["🎉!"], ["a🎉", "🎉", "!b"], ["a", "🎉", ""], "🎉!", ""),
-    # after a match nothing more is released
-    (["x"], ["axb", "cd"], ["a", ""], "x", ""),
-    # no stop strings: everything passes
-    ([], ["ab", "c"], ["ab", "c"], None, ""),
-])
+@pytest.mark.parametrize(
+    "stops, deltas, released, matched, rest",
+    [
+        # a stop spanning two deltas
+        (["END"], ["abc E", "ND more"], ["abc ", ""], "END", ""),
+        # ... three deltas
+        (["STOP"], ["x S", "T", "OP y"], ["x ", "", ""], "STOP", ""),
+        # a held-back prefix that does not become a stop is released
+        (["END"], ["a EN", "x"], ["a ", "ENx"], None, ""),
+        (["END"], ["a EN"], ["a "], None, "EN"),
+        # overlapping prefixes: "ab" completes first
+        (["abc", "ab"], ["xa", "bc"], ["x", ""], "ab", ""),
+        (["abc", "ab"], ["xabc"], ["x"], "ab", ""),
+        # the stop whose end comes first wins, whatever the order given
+        (["bcd", "abcde"], ["abcdef"], ["a"], "bcd", ""),
+        (["world", "hello"], ["say hello world"], ["say "], "hello", ""),
+        # overlapping occurrences of one stop's prefix
+        (["aab"], ["aa", "a", "ab"], ["", "a", "a"], "aab", ""),
+        # unicode
+        (["日本"], ["こんにちは日", "本語"], ["こんにちは", ""], "日本", ""),
+        (["🎉!"], ["a🎉", "🎉", "!b"], ["a", "🎉", ""], "🎉!", ""),
+        # after a match nothing more is released
+        (["x"], ["axb", "cd"], ["a", ""], "x", ""),
+        # no stop strings: everything passes
+        ([], ["ab", "c"], ["ab", "c"], None, ""),
+    ],
+)
 def test_stop_strings(stops, deltas, released, matched, rest) -> None:
     assert _run_stops(stops, deltas) == (released, matched, rest)
 
 
 def test_stop_string_included_on_request() -> None:
-    assert _run_stops(["END"], ["a E", "ND b"], include_stop_str_in_output=True) == (
-        ["a ", "END"], "END", "")
+    assert _run_stops(["END"], ["a E", "ND b"], include_stop_str_in_output=True) == (["a ", "END"], "END", "")
 
 
 @pytest.mark.parametrize("stops", [[""], ["ok", ""], [None]])
@@ -552,8 +643,11 @@ def test_empty_stop_strings_are_refused(stops) -> None:
 
 
 @settings(max_examples=60)
-@given(data=st.data(), text=st.text("abcé🎉", max_size=24),
-       stops=st.lists(st.text("abcé🎉", min_size=1, max_size=4), max_size=3))
+@given(
+    data=st.data(),
+    text=st.text("abcé🎉", max_size=24),
+    stops=st.lists(st.text("abcé🎉", min_size=1, max_size=4), max_size=3),
+)
 def test_stop_result_does_not_depend_on_how_text_is_split(data, text, stops) -> None:
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
     deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
@@ -564,7 +658,7 @@ def test_stop_result_does_not_depend_on_how_text_is_split(data, text, stops) -> 
         ending = [s for s in stops if text[:end].endswith(s)]
         if ending:
             expected_stop = max(ending, key=len)
-            expected = text[:end - len(expected_stop)]
+            expected = text[: end - len(expected_stop)]
             break
     assert (matched, "".join(released) + rest) == (expected_stop, expected)
 

@@ -43,16 +43,18 @@ def test_held_out_text_is_not_trained_on(trained_model_dir):
     assert windows == held_out_windows(trained_model_dir, 8, 64, seed=3)
     assert all(len(w) == 64 for w in windows)
     held_text = held.tolist()
-    assert all(any(held_text[i:i + 64] == w for i in range(len(held_text) - 63)) for w in windows)
+    assert all(any(held_text[i : i + 64] == w for i in range(len(held_text) - 63)) for w in windows)
 
 
 def test_training_is_deterministic_and_keeps_names_and_dtype(tmp_path):
-    spec = TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                         dtype="bfloat16", tie_word_embeddings=True)
+    spec = TinyModelSpec(
+        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, dtype="bfloat16", tie_word_embeddings=True
+    )
     recipe = TrainingRecipe(steps=3, batch_size=2, seq_len=32)
     random_dir = make_tiny_model(tmp_path / "random", spec)
-    dirs = [make_tiny_model(tmp_path / f"t{i}", spec,
-                            finish=lambda path: train_tiny_model(path, recipe)) for i in range(2)]
+    dirs = [
+        make_tiny_model(tmp_path / f"t{i}", spec, finish=lambda path: train_tiny_model(path, recipe)) for i in range(2)
+    ]
     assert tensor_dtypes(dirs[0]) == tensor_dtypes(random_dir)  # same names, all BF16
     assert set(tensor_dtypes(dirs[0]).values()) == {"BF16"}
     first, second = ((d / "model.safetensors").read_bytes() for d in dirs)
@@ -63,8 +65,15 @@ def test_training_is_deterministic_and_keeps_names_and_dtype(tmp_path):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("steps", 0), ("batch_size", -1), ("seq_len", 1.5), ("lr", 0.0), ("lr", float("nan")),
-     ("held_out_fraction", 1.0), ("warmup_steps", -1)],
+    [
+        ("steps", 0),
+        ("batch_size", -1),
+        ("seq_len", 1.5),
+        ("lr", 0.0),
+        ("lr", float("nan")),
+        ("held_out_fraction", 1.0),
+        ("warmup_steps", -1),
+    ],
 )
 def test_recipe_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -79,11 +88,11 @@ def test_sequence_longer_than_the_model_is_refused(tmp_path):
 
 def test_cli_train_steps(tmp_path):
     def pagoda(*args):
-        return subprocess.run([sys.executable, "-m", "wiring.cli", "tiny-model", *args],
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "wiring.cli", "tiny-model", *args], capture_output=True, text=True, timeout=120
+        )
 
-    done = pagoda(str(tmp_path / "m"), "--hidden-size", "32", "--num-layers", "1",
-                  "--train-steps", "2")
+    done = pagoda(str(tmp_path / "m"), "--hidden-size", "32", "--num-layers", "1", "--train-steps", "2")
     assert done.returncode == 0, done.stderr
     assert "trained for 2 steps" in done.stdout
     assert (tmp_path / "m" / "training.json").is_file()

@@ -16,14 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from support.harmony import RECORDED
 
-from gateway.parsers import (
-    TOOL_CALL_PARSERS,
-    StreamDelta,
-    ToolCall,
-    ToolCallDelta,
-    reasoning_parser,
-    tool_call_parser,
-)
+from gateway.parsers import TOOL_CALL_PARSERS, StreamDelta, ToolCall, ToolCallDelta, reasoning_parser, tool_call_parser
 
 # a call's arguments are passed through as the model wrote them (issue 35, item 14); the
 # pythonic format, which is not JSON, has them as compact JSON
@@ -81,24 +74,41 @@ def chunkings(text: str, seed: int = 0, num_random: int = 8):
 # (reply, expected content, expected calls as (name, arguments))
 
 HERMES = [
-    ('<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, '
-     'CA, USA", "unit": "celsius"}}\n</tool_call>',
-     None, [("get_current_temperature", '{"location": "San Francisco, CA, USA", "unit": "celsius"}')]),
-    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "London"}}\n</tool_call>',
-     None, [("get_weather", WEATHER), ("get_weather", '{"city": "London"}')]),
-    ("I'll look up the weather for you.\n\n<tool_call>\n{\"name\": \"get_weather\", "
-     "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
-     "I'll look up the weather for you.\n\n", [("get_weather", WEATHER)]),
-    ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-     '</tool_call>\nI will report back.',
-     "Checking.\n\nI will report back.", [("get_weather", WEATHER)]),
-    ('<tool_call>\n{"name": "get_time", "arguments": {}}\n',  # stopped before </tool_call>
-     None, [("get_time", "{}")]),
-    ('<tool_call>\n{"name": "translate", "arguments": {"text": "Grüße, 世界", "to": ["en", "fr"], '
-     '"options": {"formal": true, "n": 2.5}}}\n</tool_call>',
-     None, [("translate", '{"text": "Grüße, 世界", "to": ["en", "fr"], '
-                   '"options": {"formal": true, "n": 2.5}}')]),
+    (
+        '<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, '
+        'CA, USA", "unit": "celsius"}}\n</tool_call>',
+        None,
+        [("get_current_temperature", '{"location": "San Francisco, CA, USA", "unit": "celsius"}')],
+    ),
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "London"}}\n</tool_call>',
+        None,
+        [("get_weather", WEATHER), ("get_weather", '{"city": "London"}')],
+    ),
+    (
+        'I\'ll look up the weather for you.\n\n<tool_call>\n{"name": "get_weather", '
+        '"arguments": {"city": "Paris"}}\n</tool_call>',
+        "I'll look up the weather for you.\n\n",
+        [("get_weather", WEATHER)],
+    ),
+    (
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call>\nI will report back.",
+        "Checking.\n\nI will report back.",
+        [("get_weather", WEATHER)],
+    ),
+    (
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n',  # stopped before </tool_call>
+        None,
+        [("get_time", "{}")],
+    ),
+    (
+        '<tool_call>\n{"name": "translate", "arguments": {"text": "Grüße, 世界", "to": ["en", "fr"], '
+        '"options": {"formal": true, "n": 2.5}}}\n</tool_call>',
+        None,
+        [("translate", '{"text": "Grüße, 世界", "to": ["en", "fr"], "options": {"formal": true, "n": 2.5}}')],
+    ),
     ('<tool_call>\n{"name": "get_time"}\n</tool_call>', None, [("get_time", "{}")]),
     ('<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>', None, [("f", '{"a": 1}')]),
     ("The capital of France is Paris.", "The capital of France is Paris.", []),
@@ -116,19 +126,29 @@ HERMES_MALFORMED = [
 ]
 
 LLAMA3 = [
-    ('{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", '
-     '"unit": "Fahrenheit"}}',
-     None, [("get_current_conditions", '{"location": "San Francisco, CA", "unit": "Fahrenheit"}')]),
-    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
-     None, [("get_weather", WEATHER)]),
-    ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-     '{"name": "get_weather", "parameters": {"city": "London"}}',
-     None, [("get_weather", WEATHER), ("get_weather", '{"city": "London"}')]),
-    ('Let me look that up.<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}',
-     "Let me look that up.", [("get_weather", WEATHER)]),
+    (
+        '{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", "unit": "Fahrenheit"}}',
+        None,
+        [("get_current_conditions", '{"location": "San Francisco, CA", "unit": "Fahrenheit"}')],
+    ),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", WEATHER)]),
+    (
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "get_weather", "parameters": {"city": "London"}}',
+        None,
+        [("get_weather", WEATHER), ("get_weather", '{"city": "London"}')],
+    ),
+    (
+        'Let me look that up.<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        "Let me look that up.",
+        [("get_weather", WEATHER)],
+    ),
     ('\n\n{"type": "function", "name": "get_time", "parameters": {}}', None, [("get_time", "{}")]),
-    ('{"name": "get_weather", "parameters": {"city": "Paris"}}\nI will tell you soon.',
-     "\nI will tell you soon.", [("get_weather", WEATHER)]),
+    (
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}\nI will tell you soon.',
+        "\nI will tell you soon.",
+        [("get_weather", WEATHER)],
+    ),
     ('{"name": "get_weather", "parameters": {"city": "Paris"}};', None, [("get_weather", WEATHER)]),
     ("Paris is the capital {of France}.", "Paris is the capital {of France}.", []),
 ]
@@ -137,22 +157,34 @@ LLAMA3_MALFORMED = [
     '{"name": "Bob", "age": 3}',  # no parameters: not a call
     '{"name": "get_weather", "parameters": {"city": ',  # cut short
     '{"name": "get_weather", "parameters": {}}; {"name": ',  # the second cut short
-    '{x} is a set',
+    "{x} is a set",
     '<|python_tag|>brave_search.call(query="weather in Paris")',  # a built-in tool, not JSON
 ]
 
 MISTRAL = [
-    ('[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France", '
-     '"format": "celsius"}}]',
-     None, [("get_current_weather", '{"location": "Paris, France", "format": "celsius"}')]),
-    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-     '{"name": "get_time", "arguments": {}, "id": "ab12cd34e"}]',
-     None, [("get_weather", WEATHER), ("get_time", "{}")]),
-    ('Sure, let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
-     "Sure, let me check.", [("get_weather", WEATHER)]),
+    (
+        '[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France", '
+        '"format": "celsius"}}]',
+        None,
+        [("get_current_weather", '{"location": "Paris, France", "format": "celsius"}')],
+    ),
+    (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {}, "id": "ab12cd34e"}]',
+        None,
+        [("get_weather", WEATHER), ("get_time", "{}")],
+    ),
+    (
+        'Sure, let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        "Sure, let me check.",
+        [("get_weather", WEATHER)],
+    ),
     ('[TOOL_CALLS]get_weather{"city": "Paris"}', None, [("get_weather", WEATHER)]),
-    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
-     None, [("get_weather", WEATHER), ("get_time", "{}")]),
+    (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+        None,
+        [("get_weather", WEATHER), ("get_time", "{}")],
+    ),
     ("Bonjour ! [TOOL", "Bonjour ! [TOOL", []),
 ]
 MISTRAL_MALFORMED = [
@@ -163,18 +195,35 @@ MISTRAL_MALFORMED = [
 ]
 
 PYTHONIC = [
-    ('[get_weather(city="San Francisco", metric="celsius")]',
-     None, [("get_weather", '{"city":"San Francisco","metric":"celsius"}')]),
-    ("[get_weather(city='Paris'), get_time(timezone='Europe/Paris')]",
-     None, [("get_weather", WEATHER_COMPACT), ("get_time", '{"timezone":"Europe/Paris"}')]),
-    ("[search(query='x', limit=5, exact=True, cursor=None, tags=['a', 'b'], span=(1, 2), "
-     "filters={'lang': 'en', 'min': -0.5})]",
-     None, [("search", '{"query":"x","limit":5,"exact":true,"cursor":null,"tags":["a","b"],'
-                       '"span":[1,2],"filters":{"lang":"en","min":-0.5}}')]),
+    (
+        '[get_weather(city="San Francisco", metric="celsius")]',
+        None,
+        [("get_weather", '{"city":"San Francisco","metric":"celsius"}')],
+    ),
+    (
+        "[get_weather(city='Paris'), get_time(timezone='Europe/Paris')]",
+        None,
+        [("get_weather", WEATHER_COMPACT), ("get_time", '{"timezone":"Europe/Paris"}')],
+    ),
+    (
+        "[search(query='x', limit=5, exact=True, cursor=None, tags=['a', 'b'], span=(1, 2), "
+        "filters={'lang': 'en', 'min': -0.5})]",
+        None,
+        [
+            (
+                "search",
+                '{"query":"x","limit":5,"exact":true,"cursor":null,"tags":["a","b"],'
+                '"span":[1,2],"filters":{"lang":"en","min":-0.5}}',
+            )
+        ],
+    ),
     ('<|python_start|>[get_weather(city="Paris")]<|python_end|>', None, [("get_weather", WEATHER_COMPACT)]),
     ("Let me check. <|python_start|>[get_time()]<|python_end|>", "Let me check. ", [("get_time", "{}")]),
-    ("\n[\n  get_weather(city='Paris'),\n  get_time()\n]\n",
-     None, [("get_weather", WEATHER_COMPACT), ("get_time", "{}")]),
+    (
+        "\n[\n  get_weather(city='Paris'),\n  get_time()\n]\n",
+        None,
+        [("get_weather", WEATHER_COMPACT), ("get_time", "{}")],
+    ),
     ("get_weather(city='Paris')", "get_weather(city='Paris')", []),  # not in a list
 ]
 PYTHONIC_MALFORMED = [
@@ -241,14 +290,45 @@ def test_streaming_a_reply_cut_anywhere_gives_what_extract_gives(name, reply):
         assert streamed(name, deltas) == (expected.content, expected.calls), deltas
 
 
-_FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
-              "<|python_start|>", "<|python_end|>", "{", "}", "[", "]", "(", ")", ";", ",", "\n", " ",
-              '"name": "f"', '"arguments": {"a": 1}', '"parameters": {}', '{"name": "g", "arguments": {}}',
-              "f(x=1)", "g()", "hello", "'", '"', ":", "=", "NaN"]
+_FRAGMENTS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "<|python_tag|>",
+    "<|python_start|>",
+    "<|python_end|>",
+    "{",
+    "}",
+    "[",
+    "]",
+    "(",
+    ")",
+    ";",
+    ",",
+    "\n",
+    " ",
+    '"name": "f"',
+    '"arguments": {"a": 1}',
+    '"parameters": {}',
+    '{"name": "g", "arguments": {}}',
+    "f(x=1)",
+    "g()",
+    "hello",
+    "'",
+    '"',
+    ":",
+    "=",
+    "NaN",
+]
 
 
-@given(st.sampled_from(sorted(TOOL_CALL_PARSERS)), st.lists(st.sampled_from(_FRAGMENTS), max_size=14),
-       st.randoms(use_true_random=False))
+@given(
+    st.sampled_from(sorted(TOOL_CALL_PARSERS)),
+    st.lists(st.sampled_from(_FRAGMENTS), max_size=14),
+    st.randoms(use_true_random=False),
+)
 def test_any_text_in_any_chunking_streams_as_extract_reads_it(name, fragments, rng):
     reply = "".join(fragments)
     expected = parser(name).extract(reply)  # never raises
@@ -256,6 +336,7 @@ def test_any_text_in_any_chunking_streams_as_extract_reads_it(name, fragments, r
 
 
 # ----------------------------------------------------------------- what streaming gives, and when
+
 
 def test_text_before_a_call_streams_as_it_arrives_and_a_split_marker_is_held():
     stream = parser("hermes").stream()
@@ -283,7 +364,7 @@ def test_a_blank_start_is_held_and_dropped_before_a_call():
 def test_a_json_answer_streams_once_it_cannot_be_a_call():
     stream = parser("llama3_json").stream()
     assert stream.feed('{"answer": ') == StreamDelta()
-    assert stream.feed('42}') == StreamDelta('{"answer": 42}')
+    assert stream.feed("42}") == StreamDelta('{"answer": 42}')
     assert stream.feed(" is it.") == StreamDelta(" is it.")
     assert stream.finish() == StreamDelta()
     assert parser("llama3_json").stream().feed("{x") == StreamDelta("{x")
@@ -304,13 +385,15 @@ def test_each_call_comes_whole_in_the_openai_shape():
     stream.feed('{"name": "get_time", "arguments": {}}]')
     pieces = [piece.to_openai() for piece in stream.finish().tool_calls]
     assert pieces == [
-        {"index": 0, "id": "call-0", "type": "function",
-         "function": {"name": "get_weather", "arguments": WEATHER}},
+        {"index": 0, "id": "call-0", "type": "function", "function": {"name": "get_weather", "arguments": WEATHER}},
         {"index": 1, "id": "call-1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
     ]
     assert ToolCallDelta(0, arguments='{"a"').to_openai() == {"index": 0, "function": {"arguments": '{"a"'}}
-    assert ToolCall("x", "f", "{}").to_openai() == {"id": "x", "type": "function",
-                                                     "function": {"name": "f", "arguments": "{}"}}
+    assert ToolCall("x", "f", "{}").to_openai() == {
+        "id": "x",
+        "type": "function",
+        "function": {"name": "f", "arguments": "{}"},
+    }
 
 
 def test_feeding_or_finishing_a_finished_stream_is_a_bug():
@@ -323,8 +406,10 @@ def test_feeding_or_finishing_a_finished_stream_is_a_bug():
 
 
 def test_the_content_of_a_reasoning_stream_feeds_a_tool_call_stream():
-    reply = ('<think>\nThe user wants the weather in Paris.\n</think>\n\n<tool_call>\n'
-             '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    reply = (
+        "<think>\nThe user wants the weather in Paris.\n</think>\n\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
     thinking, calling = reasoning_parser("qwen3").stream(), parser("hermes").stream()
     reasoning, out = "", []
     for delta in [*reply[:40], reply[40:90], reply[90:]]:
@@ -339,6 +424,7 @@ def test_the_content_of_a_reasoning_stream_feeds_a_tool_call_stream():
 
 
 # ------------------------------------------------------------------------ options, ids, registry
+
 
 @pytest.mark.parametrize("name", sorted(TOOL_CALL_PARSERS))
 def test_parallel_tool_calls_false_keeps_the_first_call(name):
@@ -364,8 +450,10 @@ def test_the_registry_has_vllms_names_and_refuses_others():
 
 
 def test_the_parsers_are_pure_python():
-    code = ("import sys, gateway.parsers; bad = [m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'grpc', 'fastapi', 'scheduler_svc', 'kvcache_svc', 'worker_svc', 'wiring', "
-            "'services')]; print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, gateway.parsers; bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'grpc', 'fastapi', 'scheduler_svc', 'kvcache_svc', 'worker_svc', 'wiring', "
+        "'services')]; print(bad); sys.exit(1 if bad else 0)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -27,9 +27,7 @@ from worker_svc.execution.runner import StageRunner
 from worker_svc.kernels.attention import AttentionMetadata, TorchAttentionBackend, get_backend
 
 triton_attention = pytest.importorskip("worker_svc.kernels.triton_attention")
-DEVICE = torch.device(
-    os.environ.get("PAGODA_TEST_DEVICE") or ("cpu" if triton_attention.interpreting() else "cuda")
-)
+DEVICE = torch.device(os.environ.get("PAGODA_TEST_DEVICE") or ("cpu" if triton_attention.interpreting() else "cuda"))
 if DEVICE.type == "cpu" and not triton_attention.interpreting():
     pytest.skip("Triton runs on the CPU only under TRITON_INTERPRET=1", allow_module_level=True)
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -140,9 +138,7 @@ def test_forward_matches_reference(name):
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
     if case.dtype != torch.float32:
         # and no worse than the reference run in the input dtype itself, beyond rounding
-        ref_lowp = TorchAttentionBackend().forward(
-            q, k_pool, v_pool, metadata, scale, case.sliding_window
-        )
+        ref_lowp = TorchAttentionBackend().forward(q, k_pool, v_pool, metadata, scale, case.sliding_window)
         err, err_lowp = (out.float() - ref).abs().max(), (ref_lowp.float() - ref).abs().max()
         assert err <= err_lowp + atol
 
@@ -167,7 +163,7 @@ def reference_with_sinks(q, k_pool, v_pool, metadata, scale, sliding_window, sin
         slots = metadata.block_tables[i].cpu()[pos // block_size] * block_size + pos % block_size
         k = k_slots.cpu()[slots].double().repeat_interleave(group, dim=1)  # [ctx, H, D]
         v = v_slots.cpu()[slots].double().repeat_interleave(group, dim=1)
-        qi = q[starts[i]:starts[i + 1]].cpu().double()  # [n, H, D]
+        qi = q[starts[i] : starts[i + 1]].cpu().double()  # [n, H, D]
         scores = torch.einsum("nhd,chd->hnc", qi, k) * scale
         q_pos = torch.arange(ctx - num_new, ctx)[:, None]
         allowed = pos[None, :] <= q_pos
@@ -176,7 +172,7 @@ def reference_with_sinks(q, k_pool, v_pool, metadata, scale, sliding_window, sin
         scores = scores.masked_fill(~allowed, float("-inf"))
         sink = sinks.cpu().double().view(-1, 1, 1).expand(-1, num_new, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        out[starts[i]:starts[i + 1]] = torch.einsum("hnc,chd->nhd", probs, v)
+        out[starts[i] : starts[i + 1]] = torch.einsum("hnc,chd->nhd", probs, v)
     return out
 
 
@@ -197,8 +193,12 @@ def test_forward_with_sinks_matches_reference(name):
     assert not torch.allclose(out, plain, atol=10 * atol), "the sinks changed nothing: a vacuous test"
     # a sink at -inf takes no weight: the plain softmax, exactly as without sinks
     none = torch.full((case.num_heads,), float("-inf"), device=DEVICE)
-    torch.testing.assert_close(backend.forward(q, k_pool, v_pool, metadata, scale, case.sliding_window,
-                                               sinks=none), plain, atol=atol, rtol=rtol)
+    torch.testing.assert_close(
+        backend.forward(q, k_pool, v_pool, metadata, scale, case.sliding_window, sinks=none),
+        plain,
+        atol=atol,
+        rtol=rtol,
+    )
     with pytest.raises(ValueError, match="one logit per query head"):
         backend.forward(q, k_pool, v_pool, metadata, scale, None, sinks=sinks[:-1])
 

@@ -23,9 +23,7 @@ from worker_svc.layers.moe import MoE
 from worker_svc.model_config import ModelConfig, MoEConfig
 
 triton_moe = pytest.importorskip("worker_svc.kernels.triton_moe")
-DEVICE = torch.device(
-    os.environ.get("PAGODA_TEST_DEVICE") or ("cpu" if triton_moe.interpreting() else "cuda")
-)
+DEVICE = torch.device(os.environ.get("PAGODA_TEST_DEVICE") or ("cpu" if triton_moe.interpreting() else "cuda"))
 if DEVICE.type == "cpu" and not triton_moe.interpreting():
     pytest.skip("Triton runs on the CPU only under TRITON_INTERPRET=1", allow_module_level=True)
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -35,8 +33,9 @@ HIDDEN, INTER = 40, 24
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # relative to max |ref|
 
 
-def reference_moe(x, w_gate_up, w_down, topk_weights, topk_ids, act_kind=0, alpha=1.702, limit=7.0,
-                  b_gate_up=None, b_down=None) -> torch.Tensor:
+def reference_moe(
+    x, w_gate_up, w_down, topk_weights, topk_ids, act_kind=0, alpha=1.702, limit=7.0, b_gate_up=None, b_down=None
+) -> torch.Tensor:
     """Each token on its own, in float64: its k experts' gated MLPs, weighted and summed."""
     inter = w_gate_up.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64)
@@ -94,7 +93,8 @@ SHAPES = [(1, 16, 4), (5, 8, 2), (33, 16, 4), (33, 4, 2), (64, 2, 2)]
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), SHAPES[:3])
 def test_fused_moe_equals_a_per_token_reference(num_tokens, num_experts, top_k, act_kind, bias):
     x, w_gate_up, w_down, weights, ids, (b_gate_up, b_down) = make_inputs(
-        num_tokens, num_experts, top_k, bias=bias, seed=num_tokens + act_kind)
+        num_tokens, num_experts, top_k, bias=bias, seed=num_tokens + act_kind
+    )
     # a low limit, so that gpt-oss's clamps bite on these activations
     kwargs = {"act_kind": act_kind, "alpha": 1.702, "limit": 0.75, "b_gate_up": b_gate_up, "b_down": b_down}
     out = triton_moe.fused_moe(x, w_gate_up, w_down, weights, ids, **kwargs)
@@ -124,12 +124,36 @@ def test_half_precision_inputs(dtype):
 
 def _moe_config(hidden_act: str) -> ModelConfig:
     if hidden_act == "swiglu_oai":  # gpt-oss: biases everywhere, a limit low enough to bite
-        moe = MoEConfig(16, 4, INTER, False, softmax_after_topk=True, router_bias=True, expert_bias=True,
-                        activation="swiglu_oai", swiglu_limit=0.75)
+        moe = MoEConfig(
+            16,
+            4,
+            INTER,
+            False,
+            softmax_after_topk=True,
+            router_bias=True,
+            expert_bias=True,
+            activation="swiglu_oai",
+            swiglu_limit=0.75,
+        )
     else:
         moe = MoEConfig(16, 4, INTER, True, 0)
-    return ModelConfig("Qwen3MoeForCausalLM", "qwen3_moe", 100, HIDDEN, 64, 1, 4, 2, 8, 1e-6, 256, False, False,
-                       hidden_act="silu" if hidden_act == "swiglu_oai" else hidden_act, moe=moe)
+    return ModelConfig(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        100,
+        HIDDEN,
+        64,
+        1,
+        4,
+        2,
+        8,
+        1e-6,
+        256,
+        False,
+        False,
+        hidden_act="silu" if hidden_act == "swiglu_oai" else hidden_act,
+        moe=moe,
+    )
 
 
 @pytest.mark.parametrize("hidden_act", ["silu", "gelu_pytorch_tanh", "swiglu_oai"])
@@ -147,9 +171,18 @@ def test_fused_moe_equals_the_moe_block(hidden_act, num_tokens):
     weights, ids = block.route(x)
     act = block.experts[0].gated
     assert (stacked.b_down is not None) == (hidden_act == "swiglu_oai")
-    out = triton_moe.fused_moe(x, stacked.w_gate_up, stacked.w_down, weights, ids, act_kind=act.kind,
-                               alpha=act.alpha, limit=act.limit, b_gate_up=stacked.b_gate_up,
-                               b_down=stacked.b_down)
+    out = triton_moe.fused_moe(
+        x,
+        stacked.w_gate_up,
+        stacked.w_down,
+        weights,
+        ids,
+        act_kind=act.kind,
+        alpha=act.alpha,
+        limit=act.limit,
+        b_gate_up=stacked.b_gate_up,
+        b_down=stacked.b_down,
+    )
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     # the experts now read the stacks: the weights are held once, and the block is unchanged
     expert = block.experts[3]
@@ -235,17 +268,18 @@ def check_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> N
     assert len(ids) % block_m == 0 and len(experts) == len(ids) // block_m
     assert len(ids) >= num_padded
     assert all(i == num_slots for i in ids[num_padded:])  # padding past the end
-    assert experts[num_padded // block_m:] == [-1] * (len(experts) - num_padded // block_m)
+    assert experts[num_padded // block_m :] == [-1] * (len(experts) - num_padded // block_m)
     assert sorted(i for i in ids if i < num_slots) == list(range(num_slots))  # every slot once
-    used = experts[:num_padded // block_m]
+    used = experts[: num_padded // block_m]
     assert used == sorted(used) and len(set(used)) == sum(c > 0 for c in counts)
     for b, expert in enumerate(used):
-        real = [i for i in ids[b * block_m:(b + 1) * block_m] if i < num_slots]
+        real = [i for i in ids[b * block_m : (b + 1) * block_m] if i < num_slots]
         assert real, "a block of padding only"
         assert all(flat[i] == expert for i in real)
     for expert in set(used):  # stable: an expert's slots in step order
-        run = [i for b, e in enumerate(used) if e == expert for i in ids[b * block_m:(b + 1) * block_m]
-               if i < num_slots]
+        run = [
+            i for b, e in enumerate(used) if e == expert for i in ids[b * block_m : (b + 1) * block_m] if i < num_slots
+        ]
         assert run == [i for i, e in enumerate(flat) if e == expert]
 
 
@@ -253,8 +287,7 @@ def check_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> N
 def test_align_by_expert_invariants(num_tokens, num_experts, top_k, block_m, rnd):
     top_k = min(top_k, num_experts)
     skewed = rnd.random() < 0.5  # most slots on a few experts, as real routers do
-    rows = [rnd.sample(range(min(num_experts, top_k + 1) if skewed else num_experts), top_k)
-            for _ in range(num_tokens)]
+    rows = [rnd.sample(range(min(num_experts, top_k + 1) if skewed else num_experts), top_k) for _ in range(num_tokens)]
     check_alignment(torch.tensor(rows), num_experts, block_m)
 
 

@@ -40,7 +40,9 @@ def tensor_to_pb(t: torch.Tensor, out: common_pb2.Tensor | None = None) -> commo
 def dtype_from_pb(value: int) -> torch.dtype:
     """InvalidPlanError for a dtype a stage does not take."""
     if value not in _FROM_PB_DTYPE:
-        raise InvalidPlanError(f"tensor dtype {common_pb2.DType.Name(value) if value in common_pb2.DType.values() else value} is not supported")
+        raise InvalidPlanError(
+            f"tensor dtype {common_pb2.DType.Name(value) if value in common_pb2.DType.values() else value} is not supported"
+        )
     return _FROM_PB_DTYPE[value]
 
 

@@ -62,7 +62,10 @@ GGUF_SOURCE_FILE = "gguf_source.json"
 # ggml type id -> (name, elements per block, bytes per block) of the types served packed (the
 # native kernels multiply them as stored: worker_svc/kernels/quant_kernels.py)
 PACKED_TYPES: dict[int, tuple[str, int, int]] = {
-    8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 39: ("MXFP4", 32, 17),
+    8: ("Q8_0", 32, 34),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    39: ("MXFP4", 32, 17),
     **{tid: (name, block, size) for name, (tid, block, size) in KQUANT_TYPES.items()},
 }
 # ggml type id -> (name, elements per block, bytes per block) of the block types dequantized at
@@ -164,15 +167,17 @@ class GGUFCheckpoint:
             vocab = int(self._tensor_info("model.embed_tokens.weight").shape[1])
         head_dim = int(self.field(f"{a}.attention.key_length") or hidden // heads)
         if int(self.field(f"{a}.rope.dimension_count", head_dim)) != head_dim:
-            raise CheckpointError(f"{self.path}: {a}.rope.dimension_count other than the head size "
-                                  "(partial rotary) is not supported")
+            raise CheckpointError(
+                f"{self.path}: {a}.rope.dimension_count other than the head size (partial rotary) is not supported"
+            )
         config: dict[str, Any] = {
             "architectures": [self.arch.hf_names[0]],
             "model_type": self.arch.model_type,
             "hidden_size": hidden,
             # (a file of experts only has no dense width: llama.cpp omits it)
-            "intermediate_size": int(self.field(f"{a}.feed_forward_length")
-                                     or self._need(f"{a}.expert_feed_forward_length")),
+            "intermediate_size": int(
+                self.field(f"{a}.feed_forward_length") or self._need(f"{a}.expert_feed_forward_length")
+            ),
             "num_hidden_layers": int(self._need(f"{a}.block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
@@ -193,8 +198,10 @@ class GGUFCheckpoint:
         if window:
             config["sliding_window"] = int(window)
         self.arch.gguf_config(lambda key, default: self.field(f"{a}.{key}", default), config)
-        for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
-                          ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        for key, name in (
+            ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+            ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ):
             value = self.field(name)
             if value is not None:
                 config[key] = int(value)
@@ -212,10 +219,16 @@ class GGUFCheckpoint:
         if "rope_factors_long.weight" not in self._tensors:
             return None
         original = int(self.field(f"{a}.rope.scaling.original_context_length", max_positions))
-        factors = {key: np.asarray(self._tensors[f"rope_factors_{key}.weight"].data, dtype=np.float32).tolist()
-                   for key in ("long", "short")}
-        return {"rope_type": "longrope", "long_factor": factors["long"], "short_factor": factors["short"],
-                "original_max_position_embeddings": original}
+        factors = {
+            key: np.asarray(self._tensors[f"rope_factors_{key}.weight"].data, dtype=np.float32).tolist()
+            for key in ("long", "short")
+        }
+        return {
+            "rope_type": "longrope",
+            "long_factor": factors["long"],
+            "short_factor": factors["short"],
+            "original_max_position_embeddings": original,
+        }
 
     def _tensor_info(self, name: str):
         gname = self._by_hf.get(name)
@@ -243,8 +256,10 @@ class GGUFCheckpoint:
         if tid in PACKED_TYPES or tid in DEQUANTIZED_TYPES:
             qtype, block, block_bytes = PACKED_TYPES.get(tid) or DEQUANTIZED_TYPES[tid]
             if shape[-1] % block:
-                raise CheckpointError(f"{self.path}: tensor {info.name!r}: {shape[-1]} columns are not "
-                                      f"a multiple of {qtype}'s {block}-element block")
+                raise CheckpointError(
+                    f"{self.path}: tensor {info.name!r}: {shape[-1]} columns are not "
+                    f"a multiple of {qtype}'s {block}-element block"
+                )
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             array = np.asarray(info.data, dtype=np.uint8).reshape(rows, shape[-1] // block * block_bytes)
         elif tid in PLAIN_TYPES:
@@ -256,7 +271,8 @@ class GGUFCheckpoint:
         else:
             raise CheckpointError(
                 f"{self.path}: tensor {info.name!r} has ggml type {info.tensor_type.name}; served "
-                f"types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, MXFP4, {', '.join(KQUANT_TYPES)}")
+                f"types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, MXFP4, {', '.join(KQUANT_TYPES)}"
+            )
         data = torch.from_numpy(np.array(array, copy=True))
         if qtype == "BF16":
             data = data.view(torch.bfloat16)
@@ -267,8 +283,7 @@ class GGUFCheckpoint:
         return GGUFTensor(name=name, qtype=qtype, shape=shape, data=data)
 
     def _permuted(self, name: str) -> bool:
-        return self.arch.gguf_permuted_qk and (
-            ".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
+        return self.arch.gguf_permuted_qk and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
 
 
 def unpermute_rows(data: torch.Tensor, num_heads: int) -> torch.Tensor:

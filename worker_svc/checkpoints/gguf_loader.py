@@ -66,12 +66,17 @@ def load_gguf_stage(
     check_place(stage, num_stages, tp_rank, tp_size)
     start, end = partition_layers(config.num_layers, num_stages, partition)[stage]
     model = StageModel(
-        config.shard(tp_size, tp_rank if expert_parallel and config.moe else None), start, end,
-        is_first=stage == 0, is_last=stage == num_stages - 1 and tp_rank == 0, device=device,
+        config.shard(tp_size, tp_rank if expert_parallel and config.moe else None),
+        start,
+        end,
+        is_first=stage == 0,
+        is_last=stage == num_stages - 1 and tp_rank == 0,
+        device=device,
     )
     model.source_dir = str(model_dir)
-    state, packed_modules, dequantized = _gguf_state(model, ckpt, gguf_file, config, raw_config, packed,
-                                                     (tp_rank, tp_size), device, load_dtype)
+    state, packed_modules, dequantized = _gguf_state(
+        model, ckpt, gguf_file, config, raw_config, packed, (tp_rank, tp_size), device, load_dtype
+    )
     install_packed(model, packed_modules, state)
     load_state(model, state, gguf_file)
     del state
@@ -82,9 +87,13 @@ def load_gguf_stage(
     if kinds:
         model.weight_format = f"gguf:{'/'.join(kinds)}"
     if packed and dequantized:
-        log.info("stage %d: %s tensors of %s dequantized to float32 at load (no packed kernels for "
-                 "these types yet); %s", stage, "/".join(sorted(dequantized)), gguf_file.name,
-                 f"{'/'.join(kinds)} kept packed" if kinds else "none kept packed")
+        log.info(
+            "stage %d: %s tensors of %s dequantized to float32 at load (no packed kernels for these types yet); %s",
+            stage,
+            "/".join(sorted(dequantized)),
+            gguf_file.name,
+            f"{'/'.join(kinds)} kept packed" if kinds else "none kept packed",
+        )
     log.info(
         "stage %d of %d: layers [%d, %d) of %s, %s: %d bytes",
         stage, num_stages, start, end, gguf_file.name,
@@ -93,8 +102,17 @@ def load_gguf_stage(
     return model
 
 
-def _gguf_state(model: StageModel, ckpt: GGUFCheckpoint, gguf_file: Path, config: ModelConfig, raw_config,
-                packed: bool, tp: tuple[int, int], device, load_dtype: torch.dtype):
+def _gguf_state(
+    model: StageModel,
+    ckpt: GGUFCheckpoint,
+    gguf_file: Path,
+    config: ModelConfig,
+    raw_config,
+    packed: bool,
+    tp: tuple[int, int],
+    device,
+    load_dtype: torch.dtype,
+):
     """The stage's tensors from the GGUF file: (state dict of float tensors, module -> (qtype,
     data, in_features) of those kept packed, block types dequantized for want of kernels)."""
     state: dict[str, torch.Tensor] = {}
@@ -128,30 +146,38 @@ def _check_packed_gguf(quantization: str | None, device: str | torch.device, tp_
     if quantization is not None:
         raise ValueError(f"quantization {quantization!r} needs float weights: pass --dtype with a GGUF file")
     if device != "cpu" and torch.device(device).type != "cpu":
-        raise ValueError("a GGUF file's packed types run on the CPU: pass --dtype bfloat16 or float32 for "
-                         f"device {device}")
+        raise ValueError(
+            f"a GGUF file's packed types run on the CPU: pass --dtype bfloat16 or float32 for device {device}"
+        )
     if tp_size > 1:
-        raise ValueError("tensor parallelism over a GGUF file's packed types is not supported: pass "
-                         "--dtype to serve it dequantized")
+        raise ValueError(
+            "tensor parallelism over a GGUF file's packed types is not supported: pass --dtype to serve it dequantized"
+        )
 
 
-def _gguf_tensor(ckpt: GGUFCheckpoint, gguf_file: Path, name: str, want: Sequence[int], raw_config,
-                 tp_size: int):
+def _gguf_tensor(ckpt: GGUFCheckpoint, gguf_file: Path, name: str, want: Sequence[int], raw_config, tp_size: int):
     """Checkpoint tensor `name` from the GGUF file, its shape checked against `want` (the
     whole tensor's, for one split across `tp_size` ranks)."""
     if name == "lm_head.weight" and not ckpt.has(name):
-        raise CheckpointError(f"{gguf_file}: tensor 'output.weight' is missing (the model's "
-                              "embeddings are not tied)")
+        raise CheckpointError(f"{gguf_file}: tensor 'output.weight' is missing (the model's embeddings are not tied)")
     t = ckpt.tensor(name, raw_config)
     _, full = full_shape(name, want, tp_size)
     if t.shape != tuple(full):
-        raise CheckpointError(f"{gguf_file}: tensor {name!r} has shape {list(t.shape)}, expected "
-                              f"{full} from the file's metadata")
+        raise CheckpointError(
+            f"{gguf_file}: tensor {name!r} has shape {list(t.shape)}, expected {full} from the file's metadata"
+        )
     return t
 
 
-def _gguf_part(ckpt: GGUFCheckpoint, gguf_file: Path, source: tuple[str, int, int], want: Sequence[int],
-               raw_config, tp_size: int, cache: dict):
+def _gguf_part(
+    ckpt: GGUFCheckpoint,
+    gguf_file: Path,
+    source: tuple[str, int, int],
+    want: Sequence[int],
+    raw_config,
+    tp_size: int,
+    cache: dict,
+):
     """The rows of one part of a fused GGUF tensor (Phi-3's attn_qkv, ffn_up), its shape
     checked against `want` (the whole part's, for one split across `tp_size` ranks)."""
     stored, first, rows = source
@@ -161,8 +187,10 @@ def _gguf_part(ckpt: GGUFCheckpoint, gguf_file: Path, source: tuple[str, int, in
         cache[stored] = ckpt.tensor(stored, raw_config)
     t = cache[stored]
     if t.shape[0] < first + rows or tuple(t.shape[1:]) != tuple(want[1:]):
-        raise CheckpointError(f"{gguf_file}: tensor {stored!r} has shape {list(t.shape)}, too small for "
-                              f"rows {first}..{first + rows} of {want[1:]} columns")
+        raise CheckpointError(
+            f"{gguf_file}: tensor {stored!r} has shape {list(t.shape)}, too small for "
+            f"rows {first}..{first + rows} of {want[1:]} columns"
+        )
     if rows != want[0] * tp_size:
         raise CheckpointError(f"{gguf_file}: a part of {stored!r} has {rows} rows, expected {want[0] * tp_size}")
-    return GGUFTensor(name=stored, qtype=t.qtype, shape=(rows, *t.shape[1:]), data=t.data[first:first + rows])
+    return GGUFTensor(name=stored, qtype=t.qtype, shape=(rows, *t.shape[1:]), data=t.data[first : first + rows])

@@ -54,12 +54,12 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     if single.is_file():
         with _open(single) as f:
             return {name: single for name in f.keys()}
-    hint = " (pickled pytorch_model.bin is not loaded: convert it to safetensors)" if (
-        model_dir / "pytorch_model.bin"
-    ).exists() else ""
-    raise CheckpointError(
-        f"{model_dir}: no model.safetensors or model.safetensors.index.json found{hint}"
+    hint = (
+        " (pickled pytorch_model.bin is not loaded: convert it to safetensors)"
+        if (model_dir / "pytorch_model.bin").exists()
+        else ""
     )
+    raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json found{hint}")
 
 
 def _open(path: Path):
@@ -98,22 +98,38 @@ def load_stage(
         raise CheckpointError(f"{model_dir}: checkpoint directory not found")
     gguf_file = gguf_source(model_dir)
     if gguf_file is not None:
-        return load_gguf_stage(gguf_file, model_dir, stage, num_stages, partition, dtype, device,
-                               quantization, tp_rank, tp_size, expert_parallel)
+        return load_gguf_stage(
+            gguf_file,
+            model_dir,
+            stage,
+            num_stages,
+            partition,
+            dtype,
+            device,
+            quantization,
+            tp_rank,
+            tp_size,
+            expert_parallel,
+        )
     config = load_config(model_dir)
     check_place(stage, num_stages, tp_rank, tp_size)
     start, end = partition_layers(config.num_layers, num_stages, partition)[stage]
     torch_dtype = resolve_dtype(dtype, config, device)
     load_dtype = read_dtype(quantization, torch_dtype, device)
     model = StageModel(
-        config.shard(tp_size, tp_rank if expert_parallel and config.moe else None), start, end,
-        is_first=stage == 0, is_last=stage == num_stages - 1 and tp_rank == 0, device=device,
+        config.shard(tp_size, tp_rank if expert_parallel and config.moe else None),
+        start,
+        end,
+        is_first=stage == 0,
+        is_last=stage == num_stages - 1 and tp_rank == 0,
+        device=device,
     )
     model.source_dir = str(model_dir)  # the checkpoint folder (its tokenizer: structured output)
     # MXFP4 experts (gpt-oss) stay packed where a GGUF file's types would: --dtype auto on the CPU
     keep_mxfp4 = dtype == "auto" and quantization is None and tp_size == 1 and torch.device(device).type == "cpu"
-    state, packed_modules = _safetensors_state(model, config, model_dir, f"stage {stage} needs it for layers [{start}, "
-                                               f"{end})", (tp_rank, tp_size), keep_mxfp4)
+    state, packed_modules = _safetensors_state(
+        model, config, model_dir, f"stage {stage} needs it for layers [{start}, {end})", (tp_rank, tp_size), keep_mxfp4
+    )
     state = {name: t.to(device=device, dtype=load_dtype) for name, t in state.items()}
     install_packed(model, packed_modules, state)
     load_state(model, state, model_dir)
@@ -130,9 +146,9 @@ def load_stage(
     return model
 
 
-def _safetensors_state(model: StageModel, config: ModelConfig, model_dir: Path, needed_for: str,
-                       tp: tuple[int, int], keep_mxfp4: bool
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, torch.Tensor, int]]]:
+def _safetensors_state(
+    model: StageModel, config: ModelConfig, model_dir: Path, needed_for: str, tp: tuple[int, int], keep_mxfp4: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, torch.Tensor, int]]]:
     """The stage's tensors from a safetensors checkpoint (`config`: the whole model's): (float
     tensors by name, module -> (qtype, data, in_features) of those kept packed); a rank's own
     experts read whole."""
@@ -172,8 +188,9 @@ def _stored(source: tuple[str, int | None, int | None] | StackedSource) -> str:
     return source.stored if isinstance(source, StackedSource) else source[0]
 
 
-def _renamed_sources(config: ModelConfig, expected: Mapping[str, Sequence[int]],
-                     where: Mapping[str, Path]) -> dict[str, tuple[str, None, None]]:
+def _renamed_sources(
+    config: ModelConfig, expected: Mapping[str, Sequence[int]], where: Mapping[str, Path]
+) -> dict[str, tuple[str, None, None]]:
     """Tensors the checkpoint holds under another name (`Architecture.stored_names`: a
     multimodal checkpoint's language model)."""
     arch = architecture_of_model(config.model_type)
@@ -185,9 +202,13 @@ def _renamed_sources(config: ModelConfig, expected: Mapping[str, Sequence[int]],
     return found
 
 
-def _tensors_by_file(model_dir: Path, expected: Mapping[str, Sequence[int]], needed_for: str,
-                     sources: FusedSources | None = None,
-                     where: Mapping[str, Path] | None = None) -> dict[Path, list[str]]:
+def _tensors_by_file(
+    model_dir: Path,
+    expected: Mapping[str, Sequence[int]],
+    needed_for: str,
+    sources: FusedSources | None = None,
+    where: Mapping[str, Path] | None = None,
+) -> dict[Path, list[str]]:
     """The safetensors files holding the `expected` tensors, and which of them each holds."""
     where = weight_files(model_dir) if where is None else where
     by_file: dict[Path, list[str]] = {}
@@ -196,16 +217,18 @@ def _tensors_by_file(model_dir: Path, expected: Mapping[str, Sequence[int]], nee
         if stored not in where and f"{stored}_blocks" in where:  # MXFP4 (`_mxfp4_part`)
             stored = f"{stored}_blocks"
         if stored not in where:
-            raise CheckpointError(
-                f"{model_dir}: tensor {stored!r} is missing from the checkpoint ({needed_for})"
-            )
+            raise CheckpointError(f"{model_dir}: tensor {stored!r} is missing from the checkpoint ({needed_for})")
         by_file.setdefault(where[stored], []).append(name)
     return by_file
 
 
 def _read_safetensors(
-    by_file: Mapping[Path, list[str]], expected: Mapping[str, Sequence[int]], tp_rank: int, tp_size: int,
-    sources: FusedSources | None = None, keep_mxfp4: bool = False,
+    by_file: Mapping[Path, list[str]],
+    expected: Mapping[str, Sequence[int]],
+    tp_rank: int,
+    tp_size: int,
+    sources: FusedSources | None = None,
+    keep_mxfp4: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor | PackedRows]]:
     """Each tensor of `by_file` as the checkpoint holds it (rank `tp_rank`'s share of a split
     one; its rows of a fused one, `sources`), after checking its shape against `expected`
@@ -226,16 +249,17 @@ def _read_safetensors(
                 dim, full = full_shape(name, expected[name], tp_size)
                 if first is not None:  # one part's rows of a fused tensor
                     if len(shape) < 1 or shape[0] < first + rows or tuple(shape[1:]) != tuple(full[1:]):
-                        raise CheckpointError(f"{path}: tensor {stored!r} has shape {list(shape)}, too "
-                                              f"small for {name!r} (rows {first}..{first + rows})")
+                        raise CheckpointError(
+                            f"{path}: tensor {stored!r} has shape {list(shape)}, too "
+                            f"small for {name!r} (rows {first}..{first + rows})"
+                        )
                     size = expected[name][0] if dim == 0 else rows
                     offset = first + (tp_rank * size if dim == 0 else 0)
-                    yield name, part[offset:offset + size]
+                    yield name, part[offset : offset + size]
                     continue
                 if shape != tuple(full):
                     raise CheckpointError(
-                        f"{path}: tensor {stored!r} has shape {list(shape)}, "
-                        f"expected {full} from config.json"
+                        f"{path}: tensor {stored!r} has shape {list(shape)}, expected {full} from config.json"
                     )
                 if dim is None:
                     yield name, f.get_tensor(stored)
@@ -243,8 +267,9 @@ def _read_safetensors(
                     yield name, rank_share(part, dim, expected[name][dim], tp_rank)
 
 
-def _stacked_part(f, path: Path, source: StackedSource, name: str, want: Sequence[int], tp: tuple[int, int],
-                  keep_mxfp4: bool) -> torch.Tensor | PackedRows:
+def _stacked_part(
+    f, path: Path, source: StackedSource, name: str, want: Sequence[int], tp: tuple[int, int], keep_mxfp4: bool
+) -> torch.Tensor | PackedRows:
     """Rank `tp[0]`'s share of `name`, one expert's slice of a stacked tensor (`source`):
     only that expert is read. An MXFP4 checkpoint (`<stored>_blocks`, `_scales`) holds the
     weight as its transpose's rows: kept packed when `keep_mxfp4`, else dequantized."""
@@ -258,30 +283,36 @@ def _stacked_part(f, path: Path, source: StackedSource, name: str, want: Sequenc
     if not shape or shape[0] <= source.expert:
         raise CheckpointError(f"{path}: tensor {source.stored!r} has shape {list(shape)}: no expert {source.expert}")
     tensor = stacked[source.expert]
-    tensor = (tensor.T if source.transposed else tensor)[source.offset::source.step]
+    tensor = (tensor.T if source.transposed else tensor)[source.offset :: source.step]
     dim, full = full_shape(name, want, tp[1])
     if tuple(tensor.shape) != tuple(full):
-        raise CheckpointError(f"{path}: tensor {source.stored!r} has shape {list(shape)}: expert {source.expert}'s "
-                              f"{name!r} would be {list(tensor.shape)}, expected {full} from config.json")
+        raise CheckpointError(
+            f"{path}: tensor {source.stored!r} has shape {list(shape)}: expert {source.expert}'s "
+            f"{name!r} would be {list(tensor.shape)}, expected {full} from config.json"
+        )
     return (tensor if dim is None else rank_share(tensor, dim, want[dim], tp[0])).contiguous()
 
 
-def _mxfp4_part(f, path: Path, source: StackedSource, name: str, want: Sequence[int], tp: tuple[int, int],
-                keep: bool) -> torch.Tensor | PackedRows:
+def _mxfp4_part(
+    f, path: Path, source: StackedSource, name: str, want: Sequence[int], tp: tuple[int, int], keep: bool
+) -> torch.Tensor | PackedRows:
     """`_stacked_part` of an MXFP4 weight: blocks [experts, rows, K / 32, 16] and scales
     [experts, rows, K / 32], rows the outputs (the float layout's transpose); a rank's columns
     are whole blocks."""
     from worker_svc.weights.mxfp4 import BLOCK, hf_mxfp4_dequantize, hf_to_ggml_mxfp4
 
-    blocks = f.get_slice(f"{source.stored}_blocks")[source.expert][source.offset::source.step]
-    scales = f.get_slice(f"{source.stored}_scales")[source.expert][source.offset::source.step]
+    blocks = f.get_slice(f"{source.stored}_blocks")[source.expert][source.offset :: source.step]
+    scales = f.get_slice(f"{source.stored}_scales")[source.expert][source.offset :: source.step]
     dim, full = full_shape(name, want, tp[1])
     if not source.transposed or [blocks.shape[0], blocks.shape[1] * BLOCK] != full:
-        raise CheckpointError(f"{path}: MXFP4 tensor {source.stored!r}_blocks has expert {source.expert}'s {name!r} "
-                              f"as {list(blocks.shape[:2])} blocks, expected {full} values from config.json")
+        raise CheckpointError(
+            f"{path}: MXFP4 tensor {source.stored!r}_blocks has expert {source.expert}'s {name!r} "
+            f"as {list(blocks.shape[:2])} blocks, expected {full} values from config.json"
+        )
     if dim == 1 and want[1] % BLOCK:
-        raise CheckpointError(f"{path}: {name!r}: a tensor-parallel rank's {want[1]} columns are not whole "
-                              f"MXFP4 blocks of {BLOCK}")
+        raise CheckpointError(
+            f"{path}: {name!r}: a tensor-parallel rank's {want[1]} columns are not whole MXFP4 blocks of {BLOCK}"
+        )
     if dim is not None:
         size = want[dim] // (BLOCK if dim == 1 else 1)
         blocks, scales = (rank_share(t, dim, size, tp[0]) for t in (blocks, scales))

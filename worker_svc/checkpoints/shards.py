@@ -13,8 +13,15 @@ from worker_svc.model_config import ModelConfig
 # tensor parallelism: the dimension along which a rank takes its share of a tensor (rows of
 # the column-parallel q/k/v and gate/up projections and their biases, columns of the
 # row-parallel o_proj and down_proj); tensors not named here are replicated
-_SHARD_DIMS = {"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0,
-               "self_attn.o_proj": 1, ".gate_proj": 0, ".up_proj": 0, ".down_proj": 1}  # experts' too
+_SHARD_DIMS = {
+    "self_attn.q_proj": 0,
+    "self_attn.k_proj": 0,
+    "self_attn.v_proj": 0,
+    "self_attn.o_proj": 1,
+    ".gate_proj": 0,
+    ".up_proj": 0,
+    ".down_proj": 1,
+}  # experts' too
 
 
 def shard_dim(name: str) -> int | None:

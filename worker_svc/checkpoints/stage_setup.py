@@ -23,9 +23,7 @@ from worker_svc.weights.quantization import quantize_model
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def partition_layers(
-    num_layers: int, num_stages: int, partition: Sequence[int] | None = None
-) -> list[tuple[int, int]]:
+def partition_layers(num_layers: int, num_stages: int, partition: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """Layer ranges `[start, end)` per stage: the explicit partition, or an even split.
 
     With an even split the first `num_layers % num_stages` stages take one layer more.
@@ -39,10 +37,7 @@ def partition_layers(
         partition = [base + (1 if i < extra else 0) for i in range(num_stages)]
     partition = list(partition)
     if len(partition) != num_stages or any(n < 1 for n in partition) or sum(partition) != num_layers:
-        raise ValueError(
-            f"layer partition {partition} must have {num_stages} positive counts summing to "
-            f"{num_layers}"
-        )
+        raise ValueError(f"layer partition {partition} must have {num_stages} positive counts summing to {num_layers}")
     ranges, start = [], 0
     for n in partition:
         ranges.append((start, start + n))
@@ -79,8 +74,9 @@ def check_place(stage: int, num_stages: int, tp_rank: int, tp_size: int) -> None
         raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
 
 
-def fused_sources(config: ModelConfig, expected: Mapping[str, Sequence[int]],
-                   gguf: bool = False) -> dict[str, tuple[str, int, int]]:
+def fused_sources(
+    config: ModelConfig, expected: Mapping[str, Sequence[int]], gguf: bool = False
+) -> dict[str, tuple[str, int, int]]:
     arch = architecture_of_model(config.model_type)
     source_of = arch.gguf_source_of if gguf else arch.source_of
     return {name: src for name in expected if (src := source_of(name, config)) is not None}
@@ -96,8 +92,9 @@ def read_dtype(quantization: str | None, dtype: torch.dtype, device) -> torch.dt
     return torch.float32
 
 
-def install_packed(model: StageModel, packed_modules: Mapping[str, tuple[str, torch.Tensor, int]],
-                    state: dict[str, torch.Tensor]) -> None:
+def install_packed(
+    model: StageModel, packed_modules: Mapping[str, tuple[str, torch.Tensor, int]], state: dict[str, torch.Tensor]
+) -> None:
     """Replaces each packed module (module name -> (qtype, data, in_features)) of `model` with
     its PackedEmbedding or PackedLinear, taking a linear layer's bias out of `state`."""
     for module, (qtype, data, in_features) in packed_modules.items():
@@ -149,8 +146,12 @@ def _pack_cpu_bfloat16(model: StageModel, dtype: torch.dtype, device, quantizati
     step reads half of float32's bytes and computes in float32; oneDNN's bfloat16 GEMM takes
     the large prefill products. `PAGODA_PACKED_BF16=0` keeps torch's bfloat16 modules (bfloat16
     activations, as GPUs run it)."""
-    if (dtype != torch.bfloat16 or quantization not in (None, "int8") or torch.device(device).type != "cpu"
-            or not env_value(PACKED_BF16)):
+    if (
+        dtype != torch.bfloat16
+        or quantization not in (None, "int8")
+        or torch.device(device).type != "cpu"
+        or not env_value(PACKED_BF16)
+    ):
         return
     pack_bfloat16(model)
     if not model.weight_format:

@@ -92,7 +92,7 @@ class Row:
 
     def input_ids(self) -> list[int]:
         """The token ids this row computes (the first stage embeds them)."""
-        return self.state.token_ids[self.start:self.known_end] + list(self.drafts)
+        return self.state.token_ids[self.start : self.known_end] + list(self.drafts)
 
     @property
     def seq_id(self) -> int:
@@ -135,15 +135,26 @@ class PersistentBatch:
             self.seqs.pop(seq_id, None)
         shape, rows = self.shape, []
         for n in plan.new_seqs:
-            state = SeqState(n.seq_id, list(n.token_ids), n.prompt_len, n.num_computed, list(n.block_ids),
-                             n.sampling, n.choice_index, n.entropy_seed, n.request_id, n.trace_context,
-                             n.pooling, n.lora_name)
+            state = SeqState(
+                n.seq_id,
+                list(n.token_ids),
+                n.prompt_len,
+                n.num_computed,
+                list(n.block_ids),
+                n.sampling,
+                n.choice_index,
+                n.entropy_seed,
+                n.request_id,
+                n.trace_context,
+                n.pooling,
+                n.lora_name,
+            )
             self.seqs[n.seq_id] = state
             rows.append(self._row(state, n.num_scheduled, n.prompt_scoring))
         for c in plan.cached_seqs:
             state = self.seqs[c.seq_id]
             if c.block_ids or c.block_offset < len(state.block_ids):
-                del state.block_ids[c.block_offset:]
+                del state.block_ids[c.block_offset :]
                 state.block_ids.extend(c.block_ids)
                 state.table = None
             if c.start >= 0:  # back to where the accepted tokens end (after a verify step)
@@ -155,8 +166,9 @@ class PersistentBatch:
             rows.append(self._row(state, c.num_scheduled, c.prompt_scoring, c.draft_token_ids))
         return rows
 
-    def _row(self, state: SeqState, num_tokens: int, scoring: PromptScoring | None,
-             drafts: tuple[int, ...] = ()) -> Row:
+    def _row(
+        self, state: SeqState, num_tokens: int, scoring: PromptScoring | None, drafts: tuple[int, ...] = ()
+    ) -> Row:
         start = state.num_computed
         end = start + num_tokens
         state.num_computed = end
@@ -226,7 +238,8 @@ class PersistentBatch:
                 raise InvalidPlanError(f"{where}: not held by this stage (send it as a new sequence)")
             if not 0 <= c.block_offset <= len(state.block_ids):
                 raise InvalidPlanError(
-                    f"{where}: block_offset {c.block_offset} beyond its {len(state.block_ids)} blocks")
+                    f"{where}: block_offset {c.block_offset} beyond its {len(state.block_ids)} blocks"
+                )
             start = self._check_speculation(where, state, c)
             num_tokens = len(state.token_ids)
             if c.new_token_ids and not shape.is_last:
@@ -236,13 +249,21 @@ class PersistentBatch:
                 end = start + c.num_scheduled - len(c.draft_token_ids)
                 first = end - len(c.new_token_ids)
                 if not 0 <= first <= num_tokens or (
-                        state.token_ids[first:end] != list(c.new_token_ids[:num_tokens - first])):
+                    state.token_ids[first:end] != list(c.new_token_ids[: num_tokens - first])
+                ):
                     raise InvalidPlanError(
                         f"{where}: new tokens for positions {first}..{end - 1} do not continue the "
-                        f"{num_tokens} this stage knows")
+                        f"{num_tokens} this stage knows"
+                    )
                 num_tokens = max(num_tokens, end)
-            self._check_step(where, start, c.num_scheduled, num_tokens + len(c.draft_token_ids),
-                             c.block_offset + len(c.block_ids), c.prompt_scoring)
+            self._check_step(
+                where,
+                start,
+                c.num_scheduled,
+                num_tokens + len(c.draft_token_ids),
+                c.block_offset + len(c.block_ids),
+                c.prompt_scoring,
+            )
             if c.block_ids:  # (a decode step's usually come with none)
                 self._check_block_ids(where, start, c.block_offset, c.block_ids)
         for src, dst in plan.block_copies:
@@ -263,8 +284,10 @@ class PersistentBatch:
         if state.pooling is not None:
             raise InvalidPlanError(f"{where}: a pooling sequence takes no draft tokens")
         if len(drafts) >= c.num_scheduled:
-            raise InvalidPlanError(f"{where}: {len(drafts)} draft tokens in a step of {c.num_scheduled}: "
-                                   "a verify step computes at least one known token before them")
+            raise InvalidPlanError(
+                f"{where}: {len(drafts)} draft tokens in a step of {c.num_scheduled}: "
+                "a verify step computes at least one known token before them"
+            )
         if any(not 0 <= t < shape.vocab_size for t in drafts):
             raise InvalidPlanError(f"{where}: draft token id outside [0, {shape.vocab_size})")
         known_end = start + c.num_scheduled - len(drafts)
@@ -280,17 +303,19 @@ class PersistentBatch:
         if shape.is_first and any(not 0 <= t < shape.vocab_size for t in n.token_ids):
             raise InvalidPlanError(f"{where}: token id outside [0, {shape.vocab_size})")
         if n.pooling is not None and n.prompt_len != len(n.token_ids):
-            raise InvalidPlanError(f"{where}: a pooling sequence's tokens are its prompt ({n.prompt_len}), "
-                                   f"got {len(n.token_ids)}")
+            raise InvalidPlanError(
+                f"{where}: a pooling sequence's tokens are its prompt ({n.prompt_len}), got {len(n.token_ids)}"
+            )
         if n.pooling is not None and n.pooling.needs_every_position and n.num_computed:
-            raise InvalidPlanError(f"{where}: {n.pooling.value} pooling computes every position, yet "
-                                   f"{n.num_computed} come computed")
-        self._check_step(where, n.num_computed, n.num_scheduled, len(n.token_ids), len(n.block_ids),
-                         n.prompt_scoring)
+            raise InvalidPlanError(
+                f"{where}: {n.pooling.value} pooling computes every position, yet {n.num_computed} come computed"
+            )
+        self._check_step(where, n.num_computed, n.num_scheduled, len(n.token_ids), len(n.block_ids), n.prompt_scoring)
         self._check_block_ids(where, n.num_computed, 0, n.block_ids)
 
-    def _check_step(self, where: str, start: int, num_tokens: int, num_known: int, table_len: int,
-                    scoring: PromptScoring | None) -> None:
+    def _check_step(
+        self, where: str, start: int, num_tokens: int, num_known: int, table_len: int, scoring: PromptScoring | None
+    ) -> None:
         """One sequence's step; `table_len` the table's length (entries) after this step."""
         shape = self.shape
         end = start + num_tokens
@@ -304,14 +329,17 @@ class PersistentBatch:
         if table_len < needed:
             raise InvalidPlanError(f"{where}: block table has {table_len} blocks, context needs {needed}")
         if scoring is not None and (
-                not scoring.targets or scoring.first_position < start
-                or scoring.first_position + len(scoring.targets) > end
-                or not 0 <= scoring.num_top <= MAX_PROMPT_NUM_TOP
-                or any(not 0 <= t < shape.vocab_size for t in scoring.targets)):
+            not scoring.targets
+            or scoring.first_position < start
+            or scoring.first_position + len(scoring.targets) > end
+            or not 0 <= scoring.num_top <= MAX_PROMPT_NUM_TOP
+            or any(not 0 <= t < shape.vocab_size for t in scoring.targets)
+        ):
             raise InvalidPlanError(
                 f"{where}: prompt scoring of {len(scoring.targets)} targets from position "
                 f"{scoring.first_position} (top {scoring.num_top}) does not fit its new tokens "
-                f"{start}..{end - 1} and vocabulary")
+                f"{start}..{end - 1} and vocabulary"
+            )
 
     def _check_block_ids(self, where: str, start: int, offset: int, block_ids) -> None:
         """The table entries received now, from index `offset` on (those held were checked
@@ -337,12 +365,15 @@ class PersistentBatch:
         gone = [first_needed_block(start, w, shape.block_size) if w else 0 for w in windows]
         for k, entry in enumerate(entries, start=offset):
             if not isinstance(entry, tuple | list) or len(entry) != len(windows):
-                raise InvalidPlanError(f"{where}: block table entry {k} is {entry!r}: want one page id per KV "
-                                       f"sub-group ({len(windows)})")
+                raise InvalidPlanError(
+                    f"{where}: block table entry {k} is {entry!r}: want one page id per KV sub-group ({len(windows)})"
+                )
             for g, page in enumerate(entry):
                 if not isinstance(page, int) or not (
-                        0 <= page < shape.num_blocks or (page == NULL_PAGE and k < gone[g])):
+                    0 <= page < shape.num_blocks or (page == NULL_PAGE and k < gone[g])
+                ):
                     raise InvalidPlanError(
                         f"{where}: block table entry {k}, KV sub-group {g} (window {windows[g] or 'full'}): page "
                         f"{page!r} out of range [0, {shape.num_blocks})"
-                        + (" (NULL only where the window has left the block)" if page == NULL_PAGE else ""))
+                        + (" (NULL only where the window has left the block)" if page == NULL_PAGE else "")
+                    )

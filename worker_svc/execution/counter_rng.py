@@ -72,9 +72,7 @@ def position_key(prefix: tuple[int, int], output_position: int) -> tuple[int, in
     return _mix32_int(prefix[0] ^ output_position), _mix32_int(prefix[1] ^ output_position)
 
 
-def uniform_bits(
-    keys: Sequence[tuple[int, int]], vocab_size: int, device: torch.device | str
-) -> torch.Tensor:
+def uniform_bits(keys: Sequence[tuple[int, int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
     """[rows, vocab] int64 in [0, 2**32): the random word of each (row key, token id).
 
     bits = mix(mix(token_id ^ key_a) ^ key_b), a keyed two-round hash of the token id.
@@ -85,9 +83,7 @@ def uniform_bits(
     return _mix32(_mix32(token_ids ^ key_a) ^ key_b)
 
 
-def log_exponential_noise(
-    keys: Sequence[tuple[int, int]], vocab_size: int, device: torch.device | str
-) -> torch.Tensor:
+def log_exponential_noise(keys: Sequence[tuple[int, int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
     """[rows, vocab] float32 log E with E = -log U ~ Exp(1), U = (bits + 0.5) / 2**32 in (0, 1).
 
     Computed in float64 so that U keeps all 32 bits and never rounds to 0 or 1.

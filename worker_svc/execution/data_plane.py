@@ -73,9 +73,16 @@ class DataPlaneOut:
     current connection; `pack` (compute thread) and `place` (event loop) put a step's hidden
     states into the ring or the message."""
 
-    def __init__(self, setting: str, stage: int, slot_bytes: int,
-                 num_slots: int = stage_ring.DEFAULT_NUM_SLOTS, wait_s: float = RING_WAIT_S,
-                 device: torch.device | str = "cpu", host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        setting: str,
+        stage: int,
+        slot_bytes: int,
+        num_slots: int = stage_ring.DEFAULT_NUM_SLOTS,
+        wait_s: float = RING_WAIT_S,
+        device: torch.device | str = "cpu",
+        host: str = "127.0.0.1",
+    ) -> None:
         _check_setting(setting)
         self.setting, self.stage, self.slot_bytes, self.num_slots = setting, stage, slot_bytes, num_slots
         self.wait_s, self.device, self.host = wait_s, torch.device(device), host
@@ -107,8 +114,11 @@ class DataPlaneOut:
         if why:
             log.info("hidden states to the next stage go over gRPC: %s", why)
         else:
-            log.info("hidden states to the next stage go through shared memory (%d slots of %d bytes)",
-                     self.num_slots, self.slot_bytes)
+            log.info(
+                "hidden states to the next stage go through shared memory (%d slots of %d bytes)",
+                self.num_slots,
+                self.slot_bytes,
+            )
 
     async def _offer(self, stub, timeout_s: float) -> str:
         """The reason the ring was not taken, or "" when it was."""
@@ -119,8 +129,14 @@ class DataPlaneOut:
         except (OSError, ValueError) as exc:
             return f"no ring of {self.num_slots} x {self.slot_bytes} bytes: {exc}"
         offer = worker_pb2.DataPlaneOffer(
-            sender_stage=self.stage, channel=worker_pb2.DATA_CHANNEL_SHM, path=ring.path, token=ring.token,
-            ring_id=ring.ring_id, num_slots=ring.num_slots, slot_bytes=ring.slot_bytes)
+            sender_stage=self.stage,
+            channel=worker_pb2.DATA_CHANNEL_SHM,
+            path=ring.path,
+            token=ring.token,
+            ring_id=ring.ring_id,
+            num_slots=ring.num_slots,
+            slot_bytes=ring.slot_bytes,
+        )
         try:
             reply = await stub.OpenDataPlane(offer, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -140,8 +156,14 @@ class DataPlaneOut:
             return f"no store for a point-to-point group: {exc}"
         joined = asyncio.wrap_future(link.join())
         offer = worker_pb2.DataPlaneOffer(
-            sender_stage=self.stage, channel=worker_pb2.DATA_CHANNEL_NCCL, ring_id=link.link_id,
-            store_address=link.address, backend=link.backend, device=str(self.device), hostname=socket.gethostname())
+            sender_stage=self.stage,
+            channel=worker_pb2.DATA_CHANNEL_NCCL,
+            ring_id=link.link_id,
+            store_address=link.address,
+            backend=link.backend,
+            device=str(self.device),
+            hostname=socket.gethostname(),
+        )
         try:
             reply = await stub.OpenDataPlane(offer, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -219,8 +241,10 @@ class DataPlaneOut:
             if not waited:
                 self.num_full_waits, waited = self.num_full_waits + 1, True
             if time.monotonic() > deadline:
-                raise RingFullError(f"the next stage released no slot of its ring ({ring.num_slots} slots) "
-                                    f"within {self.wait_s:.0f} s: it stopped reading")
+                raise RingFullError(
+                    f"the next stage released no slot of its ring ({ring.num_slots} slots) "
+                    f"within {self.wait_s:.0f} s: it stopped reading"
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5e-3)
 
@@ -250,9 +274,13 @@ class DataPlaneIn:
         if why:
             log.info("refused stage %d's offer: %s", offer.sender_stage, why)
             return worker_pb2.DataPlaneReply(channel=worker_pb2.DATA_CHANNEL_GRPC, reason=why)
-        log.info("stage %d hands hidden states on %s", offer.sender_stage,
-                 f"point-to-point ({offer.backend})" if self.link else
-                 f"through shared memory ({offer.num_slots} slots of {offer.slot_bytes} bytes)")
+        log.info(
+            "stage %d hands hidden states on %s",
+            offer.sender_stage,
+            f"point-to-point ({offer.backend})"
+            if self.link
+            else f"through shared memory ({offer.num_slots} slots of {offer.slot_bytes} bytes)",
+        )
         return worker_pb2.DataPlaneReply(channel=offer.channel)
 
     def _map(self, offer: worker_pb2.DataPlaneOffer) -> str:
@@ -295,8 +323,11 @@ class DataPlaneIn:
             return f"this stage is set to --stage-channel {self.setting}"
         if offer.backend != backend_for(self.device):
             return f"a {offer.backend} group needs {'GPUs' if offer.backend == 'nccl' else 'CPUs'}, this stage is on {self.device}"
-        if offer.backend == "nccl" and offer.hostname == socket.gethostname() and \
-                torch.device(offer.device) == self.device:
+        if (
+            offer.backend == "nccl"
+            and offer.hostname == socket.gethostname()
+            and torch.device(offer.device) == self.device
+        ):
             return f"both stages are on {self.device}: NCCL needs a GPU per rank"
         return ""
 
@@ -323,8 +354,9 @@ class DataPlaneIn:
     def _view(self, mb: worker_pb2.MicroBatch, ref: RingRef) -> tuple[torch.Tensor, Callable[[], None]]:
         ring = self.ring
         if ring is None:
-            raise InvalidPlanError(f"micro-batch {mb.micro_batch_id}: hidden states in ring {ref.ring_id}, "
-                                   "but this stage took no ring")
+            raise InvalidPlanError(
+                f"micro-batch {mb.micro_batch_id}: hidden states in ring {ref.ring_id}, but this stage took no ring"
+            )
         try:
             t = ring.view(ref)
         except ValueError as exc:

@@ -140,14 +140,27 @@ class DraftProposer:
         config = self.model.config
         self.device = next(self.model.parameters()).device
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
-        self.kv_cache = PagedKVCache(config.num_layers, num_blocks, block_size, config.num_kv_heads,
-                                     config.head_dim, next(self.model.parameters()).dtype, self.device)
+        self.kv_cache = PagedKVCache(
+            config.num_layers,
+            num_blocks,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            next(self.model.parameters()).dtype,
+            self.device,
+        )
         self.blocks = DraftBlockPool(num_blocks)
         self._seqs: OrderedDict[int, _DraftSeq] = OrderedDict()  # least recently used first
         self.num_forward_tokens = 0  # rows run through the draft model, all calls together
-        log.info("draft model %s: %d layers, vocab %d, %d speculative tokens, %d KV blocks of %d",
-                 model_dir, config.num_layers, config.vocab_size, num_speculative_tokens, num_blocks,
-                 block_size)
+        log.info(
+            "draft model %s: %d layers, vocab %d, %d speculative tokens, %d KV blocks of %d",
+            model_dir,
+            config.num_layers,
+            config.vocab_size,
+            num_speculative_tokens,
+            num_blocks,
+            block_size,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -226,8 +239,9 @@ class DraftProposer:
                 raise ValueError(f"propose: seq_id {seq_id} appears twice")
             seen.add(seq_id)
             if not 0 <= k <= self.num_speculative_tokens:
-                raise ValueError(f"propose: seq {seq_id} asks for {k} drafts, "
-                                 f"not in [0, {self.num_speculative_tokens}]")
+                raise ValueError(
+                    f"propose: seq {seq_id} asks for {k} drafts, not in [0, {self.num_speculative_tokens}]"
+                )
             tokens = list(known)
             if not tokens:
                 raise ValueError(f"propose: seq {seq_id} has no tokens")
@@ -243,8 +257,9 @@ class DraftProposer:
         """Tokens the draft has not computed must be in its vocabulary (those it has were)."""
         if tokens and not 0 <= min(tokens) <= max(tokens) < self.vocab_size:
             bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
-            raise ValueError(f"propose: seq {seq_id} has token id {bad}, outside the draft's "
-                             f"vocabulary of {self.vocab_size}")
+            raise ValueError(
+                f"propose: seq {seq_id} has token id {bad}, outside the draft's vocabulary of {self.vocab_size}"
+            )
 
     def _blocks_for(self, num_positions: int) -> int:
         return -(-num_positions // self.block_size)
@@ -283,8 +298,7 @@ class DraftProposer:
             self.blocks.free(seq.block_ids[need:])
             del seq.block_ids[need:]
             states.append(seq)
-        missing = sum(self._blocks_for(r.num_positions) - len(s.block_ids)
-                      for r, s in zip(group, states, strict=True))
+        missing = sum(self._blocks_for(r.num_positions) - len(s.block_ids) for r, s in zip(group, states, strict=True))
         while self.blocks.num_free < missing:
             victim = next(seq_id for seq_id in self._seqs if seq_id not in members)
             self.release([victim])
@@ -297,8 +311,9 @@ class DraftProposer:
     def _run_group(self, group: list[_Request]) -> list[tuple[int, ...]]:
         """The group's drafts: one forward over the catch-up chunks, then single-token steps."""
         states = self._reserve(group)
-        chunks = [_Chunk(seq, len(seq.computed), r.tokens[len(seq.computed):])
-                  for r, seq in zip(group, states, strict=True)]
+        chunks = [
+            _Chunk(seq, len(seq.computed), r.tokens[len(seq.computed) :]) for r, seq in zip(group, states, strict=True)
+        ]
         drafts = [[token] for token in self._forward(chunks)]
         for step in range(1, max(r.num_drafts for r in group)):
             live = [i for i, r in enumerate(group) if r.num_drafts > step]
@@ -342,9 +357,18 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)} or 'auto', got {dtype}")
 
 
-def drafter_for(speculative_config: str | None, *, is_last: bool, vocab_size: int, max_model_len: int,
-                num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
-                backend: str | AttentionBackend) -> DraftProposer | None:
+def drafter_for(
+    speculative_config: str | None,
+    *,
+    is_last: bool,
+    vocab_size: int,
+    max_model_len: int,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    backend: str | AttentionBackend,
+) -> DraftProposer | None:
     """The last stage's draft model when `--speculative-config` names one (method
     draft_model), else None. Its vocabulary must be the target's (ValueError)."""
     from services.speculative import SpeculativeConfig
@@ -352,10 +376,19 @@ def drafter_for(speculative_config: str | None, *, is_last: bool, vocab_size: in
     spec = SpeculativeConfig.parse(speculative_config)
     if spec is None or spec.method != "draft_model" or not is_last:
         return None
-    drafter = DraftProposer(spec.model, spec.num_speculative_tokens, max_model_len=max_model_len,
-                            num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device,
-                            backend=backend)
+    drafter = DraftProposer(
+        spec.model,
+        spec.num_speculative_tokens,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        dtype=dtype,
+        device=device,
+        backend=backend,
+    )
     if drafter.vocab_size != vocab_size:
-        raise ValueError(f"speculative_config.model: the draft model's vocabulary ({drafter.vocab_size}) is "
-                         f"not the target's ({vocab_size})")
+        raise ValueError(
+            f"speculative_config.model: the draft model's vocabulary ({drafter.vocab_size}) is "
+            f"not the target's ({vocab_size})"
+        )
     return drafter

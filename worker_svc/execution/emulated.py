@@ -202,7 +202,7 @@ class EmulatedSampler:
             return state.entropy_seed
         known = self._seeds.get(state.seq_id)
         if known is None:
-            prompt = array("I", state.token_ids[:state.prompt_len]).tobytes()
+            prompt = array("I", state.token_ids[: state.prompt_len]).tobytes()
             digest = hashlib.blake2b(prompt, digest_size=8, key=seed.to_bytes(8, "little")).digest()
             known = self._seeds[state.seq_id] = int.from_bytes(digest, "little")
         return known
@@ -258,9 +258,16 @@ class EmulatedRunner:
     """Executes micro-batch plans as `StageRunner` does, its forward pass a wait of the
     profile's step time (module docstring). Owned by the stage's compute thread."""
 
-    def __init__(self, model: EmulatedSlice, profile: DeviceProfile, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, tensor_parallel_size: int = 1,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        model: EmulatedSlice,
+        profile: DeviceProfile,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        tensor_parallel_size: int = 1,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         config = model.config
@@ -274,11 +281,17 @@ class EmulatedRunner:
         self.weights_bytes = self.expert_weights_bytes = 0  # none loaded
         self.kv_block_bytes = device_block_bytes(model, block_size, dtype, tensor_parallel_size)
         self.sampler = EmulatedSampler(config.vocab_size, profile.eos_probability) if model.is_last else None
-        self.batch = PersistentBatch(StageShape(
-            is_first=model.is_first, is_last=model.is_last, num_blocks=num_blocks, block_size=block_size,
-            max_positions=config.max_position_embeddings, vocab_size=config.vocab_size,
-            kv_windows=config.kv_layout.windows,
-        ))
+        self.batch = PersistentBatch(
+            StageShape(
+                is_first=model.is_first,
+                is_last=model.is_last,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_positions=config.max_position_embeddings,
+                vocab_size=config.vocab_size,
+                kv_windows=config.kv_layout.windows,
+            )
+        )
         self._sleep = sleep
         self._zeros = torch.zeros(0, config.hidden_size, dtype=dtype)  # never written: shared by every step
         self.emulated_s = 0.0  # the waits so far
@@ -286,13 +299,16 @@ class EmulatedRunner:
     def step_time_s(self, shape: StepShape) -> float:
         """The profile's time for a step of this shape on this stage's layers."""
         return self.profile.step_time_s(
-            layer_fraction=self.model.layer_fraction, num_prefill_tokens=shape.num_prefill_tokens,
-            num_decode_rows=shape.num_decode_rows, num_context_tokens=shape.num_context_tokens,
-            tensor_parallel_size=self.tensor_parallel_size, is_last_stage=self.model.is_last,
-            num_sampled_rows=shape.num_sampled_rows)
+            layer_fraction=self.model.layer_fraction,
+            num_prefill_tokens=shape.num_prefill_tokens,
+            num_decode_rows=shape.num_decode_rows,
+            num_context_tokens=shape.num_context_tokens,
+            tensor_parallel_size=self.tensor_parallel_size,
+            is_last_stage=self.model.is_last,
+            num_sampled_rows=shape.num_sampled_rows,
+        )
 
-    def execute(self, plan: StepPlan, hidden: torch.Tensor | None = None,
-                keep_logits: bool = False) -> StageResult:
+    def execute(self, plan: StepPlan, hidden: torch.Tensor | None = None, keep_logits: bool = False) -> StageResult:
         """Validate the plan whole, apply it to the batch, wait the step's time, then hand on
         zeros (not last) or draw the samples (last). `keep_logits`: there are none."""
         check_stage_inputs(plan, hidden, self.model.is_first, self.model.config.hidden_size)
@@ -354,8 +370,10 @@ def emulated_num_blocks(config: WorkerConfig, block_bytes: int) -> int:
         return config.fixed_num_kv_blocks
     fits = config.kv_cache_memory // block_bytes
     if fits < 1 or (config.num_kv_blocks is not None and config.num_kv_blocks > fits):
-        raise MemoryError(f"stage {config.stage}: --kv-cache-memory {config.kv_cache_memory} holds {fits} "
-                          f"blocks of {block_bytes} bytes (emulated), fewer than the pool needs")
+        raise MemoryError(
+            f"stage {config.stage}: --kv-cache-memory {config.kv_cache_memory} holds {fits} "
+            f"blocks of {block_bytes} bytes (emulated), fewer than the pool needs"
+        )
     return config.num_kv_blocks if config.num_kv_blocks is not None else fits
 
 
@@ -390,4 +408,3 @@ def build_emulated_runner(config: WorkerConfig, sleep: Callable[[float], None] =
     tp = emulated_tensor_parallel_size(config.tensor_parallel_size, profile)
     num_blocks = emulated_num_blocks(config, device_block_bytes(model, config.block_size, dtype, tp))
     return EmulatedRunner(model, profile, num_blocks, config.block_size, dtype, tp, sleep)
-

@@ -47,11 +47,16 @@ class PagedKVCache:
             raise ValueError(f"{num_layers} layers, but {len(layers)} layer indices given")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.layout = layout if layout is not None and layout.grouped else None
-        slot_of = ([self.layout.layer_places[layer][1] for layer in layers] if self.layout is not None
-                   else list(range(num_layers)))
+        slot_of = (
+            [self.layout.layer_places[layer][1] for layer in layers]
+            if self.layout is not None
+            else list(range(num_layers))
+        )
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        by_slot = {s: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                   for s in sorted(set(slot_of))}
+        by_slot = {
+            s: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for s in sorted(set(slot_of))
+        }
         self.slot_pools: list[tuple[torch.Tensor, torch.Tensor]] = list(by_slot.values())
         self.pools: list[tuple[torch.Tensor, torch.Tensor]] = [by_slot[s] for s in slot_of]
 

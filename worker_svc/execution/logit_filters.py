@@ -15,8 +15,9 @@ from worker_svc.execution.counter_rng import log_exponential_noise
 from worker_svc.execution.sampler_types import SampleRow, SequenceSamplerState
 
 
-def row_logprobs(logits: torch.Tensor, rows: Sequence[SampleRow], token_ids: torch.Tensor,
-                 ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+def row_logprobs(
+    logits: torch.Tensor, rows: Sequence[SampleRow], token_ids: torch.Tensor
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
     """Per row, the sampled token's logprob under the raw logits and the top ones, only for
     the rows that ask (a vocabulary-wide pass per row); None for the others."""
     asking = [i for i, row in enumerate(rows) if row.params.num_logprobs is not None]
@@ -46,13 +47,17 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.T
         return logits
     biased = logits.clone()
     device = logits.device
-    biased.index_put_((torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)),
-                      torch.tensor(values, device=device), accumulate=True)
+    biased.index_put_(
+        (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)),
+        torch.tensor(values, device=device),
+        accumulate=True,
+    )
     return biased
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow],
-                    states: Sequence[SequenceSamplerState]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, rows: Sequence[SampleRow], states: Sequence[SequenceSamplerState]
+) -> torch.Tensor:
     """vLLM's penalties. Repetition (tokens in the prompt or the output so far): a positive
     logit is divided by the penalty, a negative one multiplied. Then, over the output only:
     logit -= frequency_penalty * count + presence_penalty * (count > 0).
@@ -81,18 +86,19 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow],
         counts.index_put_((table[0], table[1]), table[2].to(counts.dtype))
 
     # Only repetition reads the prompt, so rows without it skip their prompt tokens.
-    prompt_sets = [states[i].prompt_token_id_set if p.repetition_penalty != 1.0 else frozenset()
-                   for i, p in zip(penalised, params, strict=True)]
-    prompt = _row_token_table(
-        [len(t) for t in prompt_sets], chain.from_iterable(prompt_sets), vocab_size
-    ).to(device)  # [2, entries]: row, token id
+    prompt_sets = [
+        states[i].prompt_token_id_set if p.repetition_penalty != 1.0 else frozenset()
+        for i, p in zip(penalised, params, strict=True)
+    ]
+    prompt = _row_token_table([len(t) for t in prompt_sets], chain.from_iterable(prompt_sets), vocab_size).to(
+        device
+    )  # [2, entries]: row, token id
     seen = counts > 0  # [p, vocab]
     if prompt.shape[1]:
         seen.index_put_((prompt[0], prompt[1]), torch.ones((), dtype=torch.bool, device=device))
 
     factors = torch.tensor(
-        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
-        device=device,
+        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params], device=device
     )  # [p, 3]
     repetition, frequency, presence = factors[:, 0:1], factors[:, 1:2], factors[:, 2:3]
     penalty = torch.where(seen, repetition, torch.ones_like(repetition))
@@ -101,8 +107,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow],
     return logits.index_copy(0, index, sub)
 
 
-def _row_token_table(num_per_row: Sequence[int], token_ids: Iterable[int], vocab_size: int,
-                     *columns: Iterable[int]) -> torch.Tensor:
+def _row_token_table(
+    num_per_row: Sequence[int], token_ids: Iterable[int], vocab_size: int, *columns: Iterable[int]
+) -> torch.Tensor:
     """[2 + len(columns), entries] int64 on the CPU: row index, token id, then the extra columns,
     num_per_row[j] entries for row j in the order given; entries whose token id is outside the
     vocabulary are dropped."""
@@ -131,10 +138,9 @@ def apply_min_tokens_masks(logits: torch.Tensor, rows: Sequence[SampleRow]) -> t
     if not row_index:
         return logits
     masked = logits.clone()
-    masked[
-        torch.tensor(row_index, device=logits.device),
-        torch.tensor(token_index, device=logits.device),
-    ] = float("-inf")
+    masked[torch.tensor(row_index, device=logits.device), torch.tensor(token_index, device=logits.device)] = float(
+        "-inf"
+    )
     nothing_left = torch.isneginf(masked).all(dim=-1, keepdim=True)  # [num_rows, 1]
     return torch.where(nothing_left, logits, masked)
 
@@ -156,9 +162,7 @@ def sample_filtered(
     min_p = [p.min_p for p in params]
     if any(m > 0.0 for m in min_p):
         # p_i < min_p * p_max  <=>  x_i - x_max < log(min_p); renormalisation does not change it.
-        log_min_p = torch.tensor(
-            [math.log(m) if m > 0 else -math.inf for m in min_p], device=device
-        )
+        log_min_p = torch.tensor([math.log(m) if m > 0 else -math.inf for m in min_p], device=device)
         max_scaled = scaled.max(dim=-1, keepdim=True).values
         scaled = scaled.masked_fill(scaled - max_scaled < log_min_p.unsqueeze(1), float("-inf"))
 
@@ -197,9 +201,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return kernel.argmax(logits.contiguous())
 
 
-def _top_logprobs(
-    raw_logprobs: torch.Tensor, rows: Sequence[SampleRow]
-) -> list[list[tuple[int, float]] | None]:
+def _top_logprobs(raw_logprobs: torch.Tensor, rows: Sequence[SampleRow]) -> list[list[tuple[int, float]] | None]:
     wanted = [row.params.num_logprobs for row in rows]
     most = max((n for n in wanted if n is not None), default=0)
     most = min(most, raw_logprobs.shape[1])
@@ -208,6 +210,5 @@ def _top_logprobs(
     values, ids = torch.topk(raw_logprobs, most, dim=-1, sorted=True)  # [rows, most]
     values_list, ids_list = values.tolist(), ids.tolist()
     return [
-        None if n is None else list(zip(ids_list[i][:n], values_list[i][:n], strict=True))
-        for i, n in enumerate(wanted)
+        None if n is None else list(zip(ids_list[i][:n], values_list[i][:n], strict=True)) for i, n in enumerate(wanted)
     ]

@@ -67,19 +67,19 @@ class KVSizing:
     def describe(self, block_size: int) -> str:
         mib = 1 << 20
         if self.layout:
-            head = (f"{self.num_blocks} pages of {block_size} tokens ({self.kv_bytes / mib:.1f} MiB; "
-                    f"{self.layout})")
+            head = f"{self.num_blocks} pages of {block_size} tokens ({self.kv_bytes / mib:.1f} MiB; {self.layout})"
         else:
             head = f"{self.num_blocks} blocks ({self.num_blocks * block_size} tokens, {self.kv_bytes / mib:.1f} MiB)"
         if not self.total_bytes:
             return f"{head} from --kv-cache-memory"
-        return (f"{head}: {self.budget_bytes / mib:.0f} MiB of {self.total_bytes / mib:.0f} MiB, less "
-                f"{self.baseline_bytes / mib:.0f} MiB in use ({self.weights_bytes / mib:.1f} MiB weights) and "
-                f"{self.activation_bytes / mib:.1f} MiB peak activations")
+        return (
+            f"{head}: {self.budget_bytes / mib:.0f} MiB of {self.total_bytes / mib:.0f} MiB, less "
+            f"{self.baseline_bytes / mib:.0f} MiB in use ({self.weights_bytes / mib:.1f} MiB weights) and "
+            f"{self.activation_bytes / mib:.1f} MiB peak activations"
+        )
 
 
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype) -> int:
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """One block of one stage: K and V, for every local layer (with KV groups, one page:
     `num_layers` is the page slots the stage's layers use)."""
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -157,8 +157,9 @@ def _status_bytes(key: str) -> int:
     raise OSError(f"/proc/self/status has no {key}")
 
 
-def context_extra_bytes(max_model_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+def context_extra_bytes(
+    max_model_len: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """What a prefill chunk late in a long context needs beyond the profile step's (which has
     no context), as an upper bound: one layer's K and V gathered for the whole context, SDPA's
     contiguous copy of them and its expansion to every query head (grouped-query attention),
@@ -180,8 +181,10 @@ def kv_pool_dtype(config, model) -> torch.dtype:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.kv_cache_dtype]
     device = next(model.parameters()).device
     if dtype != activations and device.type != "cpu":
-        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: the {activations} activations of a "
-                         f"{device.type} stage need their own dtype's pools (pass --kv-cache-dtype auto)")
+        raise ValueError(
+            f"kv_cache_dtype {config.kv_cache_dtype}: the {activations} activations of a "
+            f"{device.type} stage need their own dtype's pools (pass --kv-cache-dtype auto)"
+        )
     return dtype
 
 
@@ -198,10 +201,18 @@ def stage_pool(config, model, backend, group=None, layout: KVLayout | None = Non
         return config.fixed_num_kv_blocks, None
     share = 1 if group is None else group.size
     with contextlib.nullcontext() if group is None else group.local():
-        sizing = size_kv_pool(model, config.block_size, backend, config.gpu_memory_utilization,
-                              config.kv_cache_memory, config.max_num_batched_tokens,
-                              kv_dtype=kv_pool_dtype(config, model), max_model_len=config.max_model_len,
-                              share=share, layout=layout)
+        sizing = size_kv_pool(
+            model,
+            config.block_size,
+            backend,
+            config.gpu_memory_utilization,
+            config.kv_cache_memory,
+            config.max_num_batched_tokens,
+            kv_dtype=kv_pool_dtype(config, model),
+            max_model_len=config.max_model_len,
+            share=share,
+            layout=layout,
+        )
     blocks = sizing.num_blocks if group is None else group.min_over_ranks(sizing.num_blocks)
     if blocks < 1:
         _no_block_fits(config, model, sizing, share)
@@ -211,7 +222,8 @@ def stage_pool(config, model, backend, group=None, layout: KVLayout | None = Non
             raise MemoryError(
                 f"stage {config.stage}: --num-kv-blocks {config.num_kv_blocks} does not fit in its memory "
                 f"setting, which leaves room for {blocks} {sizing.unit}: lower the pool or give the stage "
-                "more memory")
+                "more memory"
+            )
         return config.num_kv_blocks, replace(sizing, num_blocks=config.num_kv_blocks)
     return blocks, sizing
 
@@ -224,14 +236,26 @@ def _no_block_fits(config, model, sizing: KVSizing, share: int) -> None:
     unit = sizing.unit[:-1]
     raise MemoryError(
         f"stage {config.stage}: no KV {unit} fits: {sizing.describe(config.block_size)}; "
-        + (f"--gpu-memory-utilization must be above {floor:.3f} for this stage"
-           if sizing.total_bytes else
-           f"--kv-cache-memory must be at least {sizing.block_bytes * share} bytes"))
+        + (
+            f"--gpu-memory-utilization must be above {floor:.3f} for this stage"
+            if sizing.total_bytes
+            else f"--kv-cache-memory must be at least {sizing.block_bytes * share} bytes"
+        )
+    )
 
 
-def size_kv_pool(model, block_size: int, backend, utilization: float | None, kv_cache_bytes: int | None,
-                 max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None,
-                 max_model_len: int | None = None, share: int = 1, layout: KVLayout | None = None) -> KVSizing:
+def size_kv_pool(
+    model,
+    block_size: int,
+    backend,
+    utilization: float | None,
+    kv_cache_bytes: int | None,
+    max_num_batched_tokens: int,
+    kv_dtype: torch.dtype | None = None,
+    max_model_len: int | None = None,
+    share: int = 1,
+    layout: KVLayout | None = None,
+) -> KVSizing:
     """The pool for `model` (a loaded stage, or one tensor-parallel rank's share of it) under
     one of the two settings; with KV groups (`layout`) in pages. With `max_model_len`, the
     activations also count what a chunk at that context adds. `share`: the stage's ranks;
@@ -240,8 +264,7 @@ def size_kv_pool(model, block_size: int, backend, utilization: float | None, kv_
     config = model.config
     param = next(model.parameters())
     layout = layout if layout is not None and layout.grouped else None
-    num_pools = (model.num_local_layers if layout is None
-                 else len(layout.slots_of(range(model.start, model.end))))
+    num_pools = model.num_local_layers if layout is None else len(layout.slots_of(range(model.start, model.end)))
     block = kv_block_bytes(num_pools, block_size, config.num_kv_heads, config.head_dim, kv_dtype or param.dtype)
     described = layout.describe() if layout is not None else ""
     if kv_cache_bytes is not None:
@@ -259,20 +282,30 @@ def size_kv_pool(model, block_size: int, backend, utilization: float | None, kv_
     run = _profile_step(model, block_size, backend, tokens, kv_dtype, layout)
     activation = peak_above(device, run)
     if max_model_len:
-        activation += context_extra_bytes(max_model_len, config.num_heads, config.num_kv_heads, config.head_dim,
-                                          kv_dtype or param.dtype)
+        activation += context_extra_bytes(
+            max_model_len, config.num_heads, config.num_kv_heads, config.head_dim, kv_dtype or param.dtype
+        )
     del run
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     total = total_memory(device)
     budget = int(utilization * total / share)
-    return KVSizing(blocks_that_fit(budget, baseline, activation, block), block, total, budget, baseline,
-                    weights, activation, described)
+    return KVSizing(
+        blocks_that_fit(budget, baseline, activation, block),
+        block,
+        total,
+        budget,
+        baseline,
+        weights,
+        activation,
+        described,
+    )
 
 
-def _profile_step(model, block_size: int, backend, num_tokens: int, kv_dtype,
-                  layout: KVLayout | None = None) -> Callable[[], object]:
+def _profile_step(
+    model, block_size: int, backend, num_tokens: int, kv_dtype, layout: KVLayout | None = None
+) -> Callable[[], object]:
     """A dummy prefill of `num_tokens` tokens through the stage (one sequence), ready to run:
     its small KV pool is allocated here, outside the measurement (it is part of the pool).
     With KV groups each block position takes a page of every sub-group."""
@@ -283,16 +316,36 @@ def _profile_step(model, block_size: int, backend, num_tokens: int, kv_dtype,
     num_blocks = -(-num_tokens // block_size)
     groups = 1 if layout is None else layout.num_groups
     runner = StageRunner(model, num_blocks * groups, block_size, backend, kv_dtype, layout=layout)
-    entries = (tuple(range(num_blocks)) if groups == 1
-               else tuple(tuple(range(b * groups, (b + 1) * groups)) for b in range(num_blocks)))
+    entries = (
+        tuple(range(num_blocks))
+        if groups == 1
+        else tuple(tuple(range(b * groups, (b + 1) * groups)) for b in range(num_blocks))
+    )
     vocab = model.config.vocab_size
-    plan = StepPlan(step_id=1, new_seqs=(NewSeq(
-        seq_id=1, token_ids=tuple(i % vocab for i in range(num_tokens)), prompt_len=num_tokens,
-        num_computed=0, num_scheduled=num_tokens, block_ids=entries,
-        sampling=SamplingParams()),))
-    hidden = None if model.is_first else torch.zeros(
-        num_tokens, model.config.hidden_size, dtype=next(model.parameters()).dtype,
-        device=next(model.parameters()).device)
+    plan = StepPlan(
+        step_id=1,
+        new_seqs=(
+            NewSeq(
+                seq_id=1,
+                token_ids=tuple(i % vocab for i in range(num_tokens)),
+                prompt_len=num_tokens,
+                num_computed=0,
+                num_scheduled=num_tokens,
+                block_ids=entries,
+                sampling=SamplingParams(),
+            ),
+        ),
+    )
+    hidden = (
+        None
+        if model.is_first
+        else torch.zeros(
+            num_tokens,
+            model.config.hidden_size,
+            dtype=next(model.parameters()).dtype,
+            device=next(model.parameters()).device,
+        )
+    )
 
     def run() -> None:
         with torch.inference_mode():

@@ -44,7 +44,7 @@ def pool(normed: torch.Tensor, rows: list[Row]) -> list[PooledOutput]:
     for r in rows:
         state = r.state
         if state.pooling.needs_every_position:
-            part = normed[at:at + r.num_tokens].float().sum(dim=0)  # [hidden]
+            part = normed[at : at + r.num_tokens].float().sum(dim=0)  # [hidden]
             at += r.num_tokens
             state.pooled_sum = part if state.pooled_sum is None else state.pooled_sum + part
             if r.pool_done:

@@ -69,12 +69,19 @@ class StageResult:
         return tuple(
             SampledToken(seq_id, token, None if top is None else TokenLogprobs(logprob, top))
             for seq_id, token, logprob, top in zip(
-                self.sampled_seq_ids, out.token_ids, out.logprobs, out.top_logprobs, strict=True)
+                self.sampled_seq_ids, out.token_ids, out.logprobs, out.top_logprobs, strict=True
+            )
         )
 
     def step_result(self, timings: tuple[StageTiming, ...] = ()) -> StepResult:
-        return StepResult(self.step_id, self.sampled_tokens(), tuple(self.prompt_logprobs), timings,
-                          tuple(self.pooled), tuple(self.proposals))
+        return StepResult(
+            self.step_id,
+            self.sampled_tokens(),
+            tuple(self.prompt_logprobs),
+            timings,
+            tuple(self.pooled),
+            tuple(self.proposals),
+        )
 
 
 # Steps of at least this many tokens (prefill chunks, large batches) may take more threads
@@ -103,8 +110,10 @@ class StageRunner:
     ) -> None:
         config = model.config
         if layout is not None and layout.grouped and layout != model.kv_layout:
-            raise ValueError(f"KV layout {layout.spec()!r} is not the model's ({model.kv_layout.spec()!r}): "
-                             f"{model.kv_layout.describe()}")
+            raise ValueError(
+                f"KV layout {layout.spec()!r} is not the model's ({model.kv_layout.spec()!r}): "
+                f"{model.kv_layout.describe()}"
+            )
         # the step's KV sub-groups (1: one table for all layers)
         self.num_kv_groups = layout.num_groups if layout is not None else 1
         self.model = model
@@ -135,13 +144,18 @@ class StageRunner:
             layout=layout,
             layers=range(model.start, model.end),
         )
-        self.sampler = (Sampler(GrammarBank(model.source_dir, config.vocab_size))
-                        if model.is_last else None)
-        self.batch = PersistentBatch(StageShape(
-            is_first=model.is_first, is_last=model.is_last, num_blocks=num_blocks, block_size=block_size,
-            max_positions=config.max_position_embeddings, vocab_size=config.vocab_size,
-            kv_windows=layout.windows if layout is not None else (0,),
-        ))
+        self.sampler = Sampler(GrammarBank(model.source_dir, config.vocab_size)) if model.is_last else None
+        self.batch = PersistentBatch(
+            StageShape(
+                is_first=model.is_first,
+                is_last=model.is_last,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_positions=config.max_position_embeddings,
+                vocab_size=config.vocab_size,
+                kv_windows=layout.windows if layout is not None else (0,),
+            )
+        )
 
     @property
     def block_size(self) -> int:
@@ -186,17 +200,19 @@ class StageRunner:
         names = [(n.seq_id, n.lora_name) for n in plan.new_seqs if n.lora_name]
         if self.lora is not None:  # (an adapter unloaded under a sequence this stage holds)
             seqs = self.batch.seqs
-            names += [(c.seq_id, seqs[c.seq_id].lora_name) for c in plan.cached_seqs
-                      if c.seq_id in seqs and seqs[c.seq_id].lora_name]
+            names += [
+                (c.seq_id, seqs[c.seq_id].lora_name)
+                for c in plan.cached_seqs
+                if c.seq_id in seqs and seqs[c.seq_id].lora_name
+            ]
         for seq_id, name in names:
             if self.lora is None or self.lora.slot_of(name) is None:
                 have = "LoRA is off on this stage" if self.lora is None else f"it holds {list(self.lora.names)}"
-                raise LoraNotLoadedError(f"step {plan.step_id}, sequence {seq_id}: LoRA adapter {name!r} is "
-                                         f"not loaded ({have})")
+                raise LoraNotLoadedError(
+                    f"step {plan.step_id}, sequence {seq_id}: LoRA adapter {name!r} is not loaded ({have})"
+                )
 
-    def execute(
-        self, plan: StepPlan, hidden: torch.Tensor | None = None, keep_logits: bool = False
-    ) -> StageResult:
+    def execute(self, plan: StepPlan, hidden: torch.Tensor | None = None, keep_logits: bool = False) -> StageResult:
         """Validate the plan whole (against the persistent batch), apply it, run the layers."""
         self._check_inputs(plan, hidden)
         started = time.perf_counter_ns()
@@ -228,8 +244,15 @@ class StageRunner:
         result.compute_ns = time.perf_counter_ns() - started
         return result
 
-    def _run_last(self, plan: StepPlan, inputs: torch.Tensor, positions: torch.Tensor,
-                  metadata: AttentionMetadata, result: StageResult, keep_logits: bool) -> None:
+    def _run_last(
+        self,
+        plan: StepPlan,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        result: StageResult,
+        keep_logits: bool,
+    ) -> None:
         """The last stage: logits where rows sample or score the prompt, the final norm's
         output where pooling sequences pool; samples, scores and pooled vectors into `result`."""
         rows = result.rows
@@ -249,13 +272,19 @@ class StageRunner:
         every_row = not score_indices and not pooling and len(ends) == end
         indices = None if every_row else torch.tensor(ends + score_indices, dtype=torch.long, device=self.device)
         if pooling:
-            logits, normed = self._run_model(plan, inputs, positions, metadata, indices,
-                                             torch.tensor(pool_indices, dtype=torch.long, device=self.device))
+            logits, normed = self._run_model(
+                plan,
+                inputs,
+                positions,
+                metadata,
+                indices,
+                torch.tensor(pool_indices, dtype=torch.long, device=self.device),
+            )
             result.pooled = pool(normed, pooling)
         else:
             logits = self._run_model(plan, inputs, positions, metadata, indices)
         if scored:
-            result.prompt_logprobs = _score_prompts(logits[len(ends):], scored)
+            result.prompt_logprobs = _score_prompts(logits[len(ends) :], scored)
             logits = logits[: len(ends)]
         drafts = [r.drafts for r in sampled] if any(r.drafts for r in sampled) else None
         result.sampled = (
@@ -265,8 +294,9 @@ class StageRunner:
         )
         per_row = result.sampled.per_row()
         result.sampled_seq_ids = tuple(r.seq_id for r, tokens in zip(sampled, per_row, strict=True) for _ in tokens)
-        result.sampled_positions = tuple(r.known_end + j for r, tokens in zip(sampled, per_row, strict=True)
-                                         for j in range(len(tokens)))
+        result.sampled_positions = tuple(
+            r.known_end + j for r, tokens in zip(sampled, per_row, strict=True) for j in range(len(tokens))
+        )
         self.batch.record_sampled(rows, per_row)
         if self.drafter is not None and sampled:
             k = self.drafter.num_speculative_tokens
@@ -275,9 +305,15 @@ class StageRunner:
         if keep_logits:
             result.logits = logits
 
-    def _run_model(self, plan: StepPlan, inputs: torch.Tensor, positions: torch.Tensor,
-                   metadata: AttentionMetadata, logits_indices: torch.Tensor | None = None,
-                   pool_indices: torch.Tensor | None = None):
+    def _run_model(
+        self,
+        plan: StepPlan,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,
+        pool_indices: torch.Tensor | None = None,
+    ):
         """The model's output (`StageModel.forward`); with `pool_indices`, the last stage's
         (logits, final norm's output there) (`StageModel.forward_pooled`)."""
         if self.tp is None:
@@ -294,8 +330,14 @@ class StageRunner:
             self.tp.abort(f"step {plan.step_id} failed among the ranks: {type(exc).__name__}: {exc}")
             raise
 
-    def _forward(self, inputs: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                 logits_indices: torch.Tensor | None, pool_indices: torch.Tensor | None):
+    def _forward(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor | None,
+        pool_indices: torch.Tensor | None,
+    ):
         args = (inputs, positions, self.kv_cache.pools, metadata, self.backend)
         lora = self._lora_step
         if pool_indices is None:
@@ -315,7 +357,7 @@ class StageRunner:
         if s.sampling.needs_history:
             known = self.sampler.state(s.seq_id)
             if known is None or not known.has_history:
-                history = (tuple(s.token_ids[: s.prompt_len]), tuple(s.token_ids[s.prompt_len:]))
+                history = (tuple(s.token_ids[: s.prompt_len]), tuple(s.token_ids[s.prompt_len :]))
         return SampleRow(s.seq_id, s.sampling, s.choice_index, s.num_output_tokens, s.entropy_seed, history)
 
     def _metadata(self, rows: list[Row]) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -362,8 +404,9 @@ def _score_prompts(logits: torch.Tensor, scored: list[Row]) -> list[ScoredPrompt
     most likely alternatives; `logits` rows are the chunks' scored positions, in order.
     Computed a slice of rows at a time, so a long chunk with a large vocabulary does not
     hold [positions, vocab] float32 copies at once."""
-    targets = torch.tensor([t for s in scored for t in s.prompt_scoring.targets],
-                           dtype=torch.long, device=logits.device)
+    targets = torch.tensor(
+        [t for s in scored for t in s.prompt_scoring.targets], dtype=torch.long, device=logits.device
+    )
     most = min(max(s.prompt_scoring.num_top for s in scored), logits.shape[1])
     target_list, lp_list, rank_list, values_list, ids_list = targets.tolist(), [], [], [], []
     for start in range(0, logits.shape[0], SCORE_ROWS_PER_SLICE):
@@ -384,7 +427,7 @@ def _score_prompts(logits: torch.Tensor, scored: list[Row]) -> list[ScoredPrompt
         p = s.prompt_scoring
         positions = []
         for _ in p.targets:
-            top = list(zip(ids_list[row][:p.num_top], values_list[row][:p.num_top], strict=True))
+            top = list(zip(ids_list[row][: p.num_top], values_list[row][: p.num_top], strict=True))
             positions.append(PositionLogprobs(target_list[row], lp_list[row], rank_list[row], top))
             row += 1
         out.append(ScoredPrompt(s.seq_id, p.first_position, tuple(positions)))

@@ -35,31 +35,28 @@ class SampleRow:
     history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
-        if (type(self.seq_id) is type(self.choice_index) is type(self.output_position) is type(self.entropy_seed) is int
-                and 0 <= self.choice_index <= _MAX_COUNTER and 0 <= self.output_position <= _MAX_COUNTER
-                and 0 <= self.entropy_seed <= _MAX_SEED and self.history is None
-                and type(self.params) is SamplingParams):
+        if (
+            type(self.seq_id) is type(self.choice_index) is type(self.output_position) is type(self.entropy_seed) is int
+            and 0 <= self.choice_index <= _MAX_COUNTER
+            and 0 <= self.output_position <= _MAX_COUNTER
+            and 0 <= self.entropy_seed <= _MAX_SEED
+            and self.history is None
+            and type(self.params) is SamplingParams
+        ):
             return  # (every row a runner makes: the checks below, in one test)
         if not is_int(self.seq_id):
             raise ValueError(f"seq_id must be an int, got {self.seq_id!r}")
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(self.params).__name__}")
         if not is_int(self.choice_index) or not 0 <= self.choice_index <= _MAX_COUNTER:
-            raise ValueError(
-                f"choice_index must be an int in [0, 2**32 - 1], got {self.choice_index!r}"
-            )
+            raise ValueError(f"choice_index must be an int in [0, 2**32 - 1], got {self.choice_index!r}")
         if not is_int(self.output_position) or not 0 <= self.output_position <= _MAX_COUNTER:
-            raise ValueError(
-                f"output_position must be an int in [0, 2**32 - 1], got {self.output_position!r}"
-            )
+            raise ValueError(f"output_position must be an int in [0, 2**32 - 1], got {self.output_position!r}")
         if not is_int(self.entropy_seed) or not 0 <= self.entropy_seed <= _MAX_SEED:
-            raise ValueError(
-                f"entropy_seed must be an int in [0, 2**64 - 1], got {self.entropy_seed!r}"
-            )
+            raise ValueError(f"entropy_seed must be an int in [0, 2**64 - 1], got {self.entropy_seed!r}")
         if self.history is not None and len(self.history[1]) != self.output_position:
             raise ValueError(
-                f"history holds {len(self.history[1])} output tokens at output_position "
-                f"{self.output_position}"
+                f"history holds {len(self.history[1])} output tokens at output_position {self.output_position}"
             )
 
     @property
@@ -85,7 +82,7 @@ class SamplerOutput:
             return [[t] for t in self.token_ids]
         out, i = [], 0
         for n in self.counts:
-            out.append(self.token_ids[i:i + n])
+            out.append(self.token_ids[i : i + n])
             i += n
         return out
 

@@ -80,10 +80,11 @@ class ShmCollectives:
         self.rank, self.size, self.path, self.timeout_s = rank, size, path, timeout_s
         self.total = _FLAGS + 2 * size * SLOT_BYTES + PAYLOAD_BYTES
         self._map = map_file(path, self.total, create)
-        self._flag_list = memoryview(self._map)[:8 * size].cast("q")  # int64 flags, read in place
+        self._flag_list = memoryview(self._map)[: 8 * size].cast("q")  # int64 flags, read in place
         self._slots = torch.frombuffer(self._map, dtype=torch.uint8, offset=_FLAGS, count=2 * size * SLOT_BYTES)
-        self._payload = torch.frombuffer(self._map, dtype=torch.uint8, offset=_FLAGS + 2 * size * SLOT_BYTES,
-                                         count=PAYLOAD_BYTES)
+        self._payload = torch.frombuffer(
+            self._map, dtype=torch.uint8, offset=_FLAGS + 2 * size * SLOT_BYTES, count=PAYLOAD_BYTES
+        )
         self.seq = 0
         self._views: dict[tuple, list[torch.Tensor]] = {}
 
@@ -112,8 +113,9 @@ class ShmCollectives:
                 self._views.clear()
             nbytes, first = x.numel() * x.element_size(), parity * self.size
             slots = self._views[key] = [
-                self._slots[(first + r) * SLOT_BYTES:(first + r) * SLOT_BYTES + nbytes].view(x.dtype).view(x.shape)
-                for r in range(self.size)]
+                self._slots[(first + r) * SLOT_BYTES : (first + r) * SLOT_BYTES + nbytes].view(x.dtype).view(x.shape)
+                for r in range(self.size)
+            ]
         slots[self.rank].copy_(x)
         self._flag_list[self.rank] = self.seq  # after the data: a reader that sees it sees them
         self._wait(self.seq)
@@ -128,8 +130,10 @@ class ShmCollectives:
             if deadline is None:
                 deadline = time.monotonic() + self.timeout_s
             elif time.monotonic() > deadline:
-                raise TimeoutError(f"tensor-parallel ranks did not all reach all-reduce {seq} within "
-                                   f"{self.timeout_s:.0f} s (flags {flags.tolist()})")
+                raise TimeoutError(
+                    f"tensor-parallel ranks did not all reach all-reduce {seq} within "
+                    f"{self.timeout_s:.0f} s (flags {flags.tolist()})"
+                )
 
     # --- a step's inputs ---------------------------------------------------------------------
 
@@ -141,7 +145,7 @@ class ShmCollectives:
             return False
         offset = 0
         for p, n in zip(parts, sizes, strict=True):
-            self._payload[offset:offset + n].view(p.dtype).view(p.shape).copy_(p)
+            self._payload[offset : offset + n].view(p.dtype).view(p.shape).copy_(p)
             offset += n
         return True
 
@@ -150,6 +154,6 @@ class ShmCollectives:
         out, offset = [], 0
         for shape, dtype in shapes:
             n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            out.append(self._payload[offset:offset + n].view(dtype).view(shape).clone())
+            out.append(self._payload[offset : offset + n].view(dtype).view(shape).clone())
             offset += n
         return out

@@ -92,9 +92,10 @@ class _Ring:
         self.total_bytes = self._data_offset + num_slots * slot_bytes
         self._map = shm_collectives.map_file(path, self.total_bytes, create, reserve=create)
         # [published, released, pad x6] per slot, read and written in place
-        self._lines = memoryview(self._map)[_HEADER_BYTES:_HEADER_BYTES + num_slots * _LINE].cast("q")
-        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, offset=self._data_offset,
-                                       count=num_slots * slot_bytes)
+        self._lines = memoryview(self._map)[_HEADER_BYTES : _HEADER_BYTES + num_slots * _LINE].cast("q")
+        self._bytes = torch.frombuffer(
+            self._map, dtype=torch.uint8, offset=self._data_offset, count=num_slots * slot_bytes
+        )
         self._views: dict[tuple, torch.Tensor] = {}  # a step reuses a few shapes: views made once
 
     def published(self, slot: int) -> int:
@@ -110,7 +111,7 @@ class _Ring:
             if len(self._views) > 256:
                 self._views.clear()
             start = slot * self.slot_bytes
-            view = self._views[key] = self._bytes[start:start + nbytes].view(dtype).view(shape)
+            view = self._views[key] = self._bytes[start : start + nbytes].view(dtype).view(shape)
         return view
 
     def check(self) -> None:
@@ -136,7 +137,7 @@ class RingWriter(_Ring):
             raise
         self.token = secrets.token_bytes(16)
         self.ring_id = (os.getpid() << 20) + next(self._ids)
-        self._map[:_HEADER.size] = _HEADER.pack(MAGIC, num_slots, slot_bytes, self.token)
+        self._map[: _HEADER.size] = _HEADER.pack(MAGIC, num_slots, slot_bytes, self.token)
         self._seq = 0
         self._lock = threading.Lock()
 
@@ -172,7 +173,7 @@ class RingReader(_Ring):
     def __init__(self, path: str, ring_id: int, token: bytes, num_slots: int, slot_bytes: int) -> None:
         super().__init__(path, num_slots, slot_bytes, create=False)
         self.ring_id = ring_id
-        magic, slots, size, found = _HEADER.unpack(self._map[:_HEADER.size])
+        magic, slots, size, found = _HEADER.unpack(self._map[: _HEADER.size])
         if magic != MAGIC or slots != num_slots or size != slot_bytes:
             raise ValueError(f"{path} is not the offered ring (magic {magic:#x}, {slots} slots of {size} bytes)")
         if found != token:
@@ -189,9 +190,11 @@ class RingReader(_Ring):
             raise ValueError(f"hidden states of shape {list(ref.shape)} do not fit a {self.slot_bytes}-byte slot")
         published = self.published(ref.slot)
         if published != ref.seq or self.released(ref.slot) == published:
-            raise ValueError(f"ring slot {ref.slot} holds message {published} "
-                             f"({'released' if self.released(ref.slot) == published else 'unread'}), "
-                             f"not message {ref.seq}")
+            raise ValueError(
+                f"ring slot {ref.slot} holds message {published} "
+                f"({'released' if self.released(ref.slot) == published else 'unread'}), "
+                f"not message {ref.seq}"
+            )
         return self.slot_tensor(ref.slot, ref.dtype, ref.shape, ref.nbytes)
 
     def release(self, ref: RingRef) -> None:

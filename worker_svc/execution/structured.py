@@ -33,8 +33,10 @@ class GrammarBank:
         with self._lock:
             if self._tokenizer is None:
                 if self.tokenizer_dir is None:
-                    raise InvalidPlanError("structured output needs the checkpoint's tokenizer; "
-                                           "this stage was built without a checkpoint folder")
+                    raise InvalidPlanError(
+                        "structured output needs the checkpoint's tokenizer; "
+                        "this stage was built without a checkpoint folder"
+                    )
                 import llguidance
 
                 from services.text import Tokenizer
@@ -44,8 +46,8 @@ class GrammarBank:
                 except ValueError as exc:
                     raise InvalidPlanError(f"structured output: {exc}") from None
                 self._tokenizer = llguidance.LLTokenizer(
-                    tokenizer.backend_json(), n_vocab=self.vocab_size,
-                    eos_token=list(tokenizer.eos_token_ids) or None)
+                    tokenizer.backend_json(), n_vocab=self.vocab_size, eos_token=list(tokenizer.eos_token_ids) or None
+                )
             return self._tokenizer
 
     def matcher(self, spec: StructuredOutput, outputs: Sequence[int]):
@@ -63,8 +65,10 @@ class GrammarBank:
             if matcher.is_stopped():
                 break  # the grammar was complete (its EOS, ignored): the rest is free
             if not matcher.consume_token(token):
-                raise InvalidPlanError(f"structured output: the output so far does not follow the "
-                                       f"grammar at token {token}: {matcher.get_error()}")
+                raise InvalidPlanError(
+                    f"structured output: the output so far does not follow the "
+                    f"grammar at token {token}: {matcher.get_error()}"
+                )
         return matcher
 
     def bitmask(self, matchers: Sequence, eos_ids: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:

@@ -67,15 +67,22 @@ class StepInputs:
     metadata: AttentionMetadata
 
 
-def step_payload(block_copies, positions: torch.Tensor, metadata: AttentionMetadata,
-                 ids: torch.Tensor | None) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
+def step_payload(
+    block_copies, positions: torch.Tensor, metadata: AttentionMetadata, ids: torch.Tensor | None
+) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
     """A step's integer inputs as one int64 tensor, and its layout (tokens, sequences,
     block-table width, copies, KV groups) that `step_from_payload` reads it back by."""
     groups = metadata.num_groups
     tables = metadata.block_tables if groups == 1 else metadata.group_block_tables
     slots = metadata.slot_mapping if groups == 1 else metadata.group_slot_mapping
-    parts = [torch.tensor(block_copies, dtype=torch.long).reshape(-1), positions, slots.reshape(-1),
-             metadata.query_start_loc, metadata.context_lens, tables.reshape(-1)]
+    parts = [
+        torch.tensor(block_copies, dtype=torch.long).reshape(-1),
+        positions,
+        slots.reshape(-1),
+        metadata.query_start_loc,
+        metadata.context_lens,
+        tables.reshape(-1),
+    ]
     if ids is not None:
         parts.append(ids)
     payload = torch.cat([p.to("cpu", torch.long) for p in parts])
@@ -87,8 +94,9 @@ def _payload_sizes(layout: tuple[int, int, int, int, int], ids: bool) -> list[in
     return [2 * copies, tokens, groups * tokens, seqs + 1, seqs, groups * seqs * width] + ([tokens] if ids else [])
 
 
-def step_from_payload(payload: torch.Tensor, layout: tuple[int, int, int, int, int], ids: bool,
-                      device: torch.device) -> StepInputs:
+def step_from_payload(
+    payload: torch.Tensor, layout: tuple[int, int, int, int, int], ids: bool, device: torch.device
+) -> StepInputs:
     """`step_payload` read back on `device` (hidden states, when not ids, are the caller's
     to fill in: `inputs` is an empty tensor then)."""
     tokens, seqs, width, _, groups = layout
@@ -97,9 +105,14 @@ def step_from_payload(payload: torch.Tensor, layout: tuple[int, int, int, int, i
     positions, slots, starts, lens, tables = (p.to(device) for p in pieces[1:6])
     tables, slots = tables.view(groups, seqs, width), slots.view(groups, tokens)
     metadata = AttentionMetadata(
-        slot_mapping=slots[0], query_start_loc=starts, context_lens=lens, block_tables=tables[0],
-        query_start_loc_list=tuple(pieces[3].tolist()), context_lens_list=tuple(pieces[4].tolist()),
-        group_block_tables=tables if groups > 1 else None, group_slot_mapping=slots if groups > 1 else None,
+        slot_mapping=slots[0],
+        query_start_loc=starts,
+        context_lens=lens,
+        block_tables=tables[0],
+        query_start_loc_list=tuple(pieces[3].tolist()),
+        context_lens_list=tuple(pieces[4].tolist()),
+        group_block_tables=tables if groups > 1 else None,
+        group_slot_mapping=slots if groups > 1 else None,
     )
     inputs = pieces[6].to(device) if ids else torch.empty(0, device=device)
     return StepInputs([tuple(p) for p in copy_pairs], inputs, positions, metadata)
@@ -121,8 +134,7 @@ class TensorParallelGroup:
         self.store = store
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
         self.ops = dist.group.WORLD
-        self.compute = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                      timeout=COMPUTE_TIMEOUT)
+        self.compute = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=COMPUTE_TIMEOUT)
         self._local = False
         self.processes: list[subprocess.Popen] = []  # rank 0: ranks 1..size-1
         self.stopping = False
@@ -137,8 +149,9 @@ class TensorParallelGroup:
         try:
             if self.rank == 0:  # created before the others learn where
                 if shm_collectives.available():
-                    shm = shm_collectives.ShmCollectives(0, self.size, shm_collectives.ShmCollectives.new_path(),
-                                                         create=True)
+                    shm = shm_collectives.ShmCollectives(
+                        0, self.size, shm_collectives.ShmCollectives.new_path(), create=True
+                    )
                 self.store.set("pagoda/tp-shm", shm.path if shm else "")
             else:
                 path = self.store.get("pagoda/tp-shm").decode()
@@ -184,8 +197,9 @@ class TensorParallelGroup:
 
     # --- steps -----------------------------------------------------------------------------
 
-    def send_step(self, block_copies, inputs: torch.Tensor, positions: torch.Tensor,
-                  metadata: AttentionMetadata) -> None:
+    def send_step(
+        self, block_copies, inputs: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
         """Rank 0: hand one step's model inputs to the other ranks."""
         ids = inputs.dtype == torch.long
         payload, layout = step_payload(block_copies, positions, metadata, inputs if ids else None)
@@ -253,8 +267,7 @@ class TensorParallelGroup:
     def watch(self) -> None:
         """Rank 0: a rank that exits while the stage serves takes the stage down with it."""
         for rank, proc in enumerate(self.processes, start=1):
-            threading.Thread(target=self._wait_rank, args=(rank, proc), daemon=True,
-                             name=f"tp-rank{rank}").start()
+            threading.Thread(target=self._wait_rank, args=(rank, proc), daemon=True, name=f"tp-rank{rank}").start()
 
     def _wait_rank(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -289,10 +302,19 @@ def start_ranks(config: WorkerConfig, device: torch.device) -> TensorParallelGro
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     processes = []
     for rank in range(1, size):
-        command = [sys.executable, "-m", "worker_svc.execution.tensor_parallel", "--rank", str(rank),
-                   "--store-port", str(store.port), "--config", config.to_json()]
+        command = [
+            sys.executable,
+            "-m",
+            "worker_svc.execution.tensor_parallel",
+            "--rank",
+            str(rank),
+            "--store-port",
+            str(store.port),
+            "--config",
+            config.to_json(),
+        ]
         if split:
-            command += ["--cpus", ",".join(map(str, cores[rank * threads:(rank + 1) * threads]))]
+            command += ["--cpus", ",".join(map(str, cores[rank * threads : (rank + 1) * threads]))]
         processes.append(subprocess.Popen(command, env=env))
     if split:
         os.sched_setaffinity(0, cores[:threads])
@@ -307,8 +329,9 @@ def start_ranks(config: WorkerConfig, device: torch.device) -> TensorParallelGro
         raise
     group.processes = processes
     group.watch()
-    log.info("stage %d: tensor-parallel ranks 1..%d started (pids %s)", config.stage, size - 1,
-             [p.pid for p in processes])
+    log.info(
+        "stage %d: tensor-parallel ranks 1..%d started (pids %s)", config.stage, size - 1, [p.pid for p in processes]
+    )
     return group
 
 
@@ -350,9 +373,18 @@ def follow(config: WorkerConfig, rank: int, store_port: int) -> None:
     device = rank_device(resolve_device(config.device), rank)
     store = dist.TCPStore("127.0.0.1", store_port, config.tensor_parallel_size, False, timeout=STORE_TIMEOUT)
     group = TensorParallelGroup(rank, config.tensor_parallel_size, store, device)
-    model = load_stage(config.model, config.stage, config.num_stages, config.layer_partition, config.dtype,
-                       device, quantization=config.quantization, tp_rank=rank,
-                       tp_size=config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel)
+    model = load_stage(
+        config.model,
+        config.stage,
+        config.num_stages,
+        config.layer_partition,
+        config.dtype,
+        device,
+        quantization=config.quantization,
+        tp_rank=rank,
+        tp_size=config.tensor_parallel_size,
+        expert_parallel=config.enable_expert_parallel,
+    )
     model.set_reduce(group.all_reduce)
     backend_name = config.attention_backend or default_attention_backend(device)
     from worker_svc.kernels.attention import get_backend
@@ -364,11 +396,28 @@ def follow(config: WorkerConfig, rank: int, store_port: int) -> None:
     from worker_svc.execution.memory import kv_pool_dtype
 
     dtype = next(model.parameters()).dtype
-    kv = PagedKVCache(model.num_local_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                      kv_pool_dtype(config, model), device, layout=layout, layers=range(model.start, model.end))
-    log.info("stage %d tensor-parallel rank %d of %d: %d heads, %d KV heads, %d KV %s, %d threads",
-             config.stage, rank, config.tensor_parallel_size, mc.num_heads, mc.num_kv_heads, num_blocks,
-             "pages" if layout is not None else "blocks", torch.get_num_threads())
+    kv = PagedKVCache(
+        model.num_local_layers,
+        num_blocks,
+        config.block_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+        kv_pool_dtype(config, model),
+        device,
+        layout=layout,
+        layers=range(model.start, model.end),
+    )
+    log.info(
+        "stage %d tensor-parallel rank %d of %d: %d heads, %d KV heads, %d KV %s, %d threads",
+        config.stage,
+        rank,
+        config.tensor_parallel_size,
+        mc.num_heads,
+        mc.num_kv_heads,
+        num_blocks,
+        "pages" if layout is not None else "blocks",
+        torch.get_num_threads(),
+    )
     while True:
         step = group.recv_step(mc.hidden_size, dtype)
         kv.copy_blocks(step.block_copies)
@@ -395,8 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         follow(config, args.rank, args.store_port)
     except Exception as exc:  # noqa: BLE001 - said, then the stage's rank 0 sees this rank go
-        log.critical("tensor-parallel rank %d of stage %d stopped: %s: %s", args.rank, config.stage,
-                     type(exc).__name__, exc)
+        log.critical(
+            "tensor-parallel rank %d of stage %d stopped: %s: %s", args.rank, config.stage, type(exc).__name__, exc
+        )
         return 1
     return 0
 

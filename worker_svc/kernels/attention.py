@@ -33,6 +33,7 @@ MASK_BUDGET_BYTES = 64 << 20
 # (`--kv-cache-dtype`: float32, or bfloat16 for half the bytes)
 KV_POOL_DTYPES = (torch.float32, torch.bfloat16)
 
+
 @dataclass(frozen=True)
 class _DecodeGroup:
     """Single-token rows attended together: their K/V gathered into one padded batch."""
@@ -64,12 +65,7 @@ class TorchAttentionBackend:
     DECODE_GROUP_MAX_ELEMENTS = 262_144  # rows x longest context x kv heads x head dim
 
     def write_kv(
-        self,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         # pools: [num_blocks, block_size, num_kv_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
@@ -98,21 +94,34 @@ class TorchAttentionBackend:
             blocks = g.tables.shape[0] // n
             k = k_pool.index_select(0, g.tables).view(n, blocks * block_size, num_kv_heads, head_dim)
             v = v_pool.index_select(0, g.tables).view(n, blocks * block_size, num_kv_heads, head_dim)
-            k, v = k[:, :g.max_ctx].to(q.dtype), v[:, :g.max_ctx].to(q.dtype)  # a bfloat16 pool widens
+            k, v = k[:, : g.max_ctx].to(q.dtype), v[:, : g.max_ctx].to(q.dtype)  # a bfloat16 pool widens
             o = _attend(
                 q[g.token_rows].unsqueeze(2),  # [n, heads, 1, d]
                 k.transpose(1, 2),  # [n, kv_heads, max_ctx, d]
                 v.transpose(1, 2),
-                None if g.keep is None else g.keep.to(q.dtype), False, scale, softcap, sinks,
+                None if g.keep is None else g.keep.to(q.dtype),
+                False,
+                scale,
+                softcap,
+                sinks,
             )
             out[g.token_rows] = o.squeeze(2)
         self._prefill(q, k_pool, v_pool, metadata, prefills, scale, sliding_window, out, softcap, sinks)
         return out
 
     @staticmethod
-    def _prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, metadata: AttentionMetadata,
-                 prefills: list[int], scale: float, sliding_window: int | None, out: torch.Tensor,
-                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
+    def _prefill(
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        metadata: AttentionMetadata,
+        prefills: list[int],
+        scale: float,
+        sliding_window: int | None,
+        out: torch.Tensor,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
         """Rows with several new tokens, one sequence at a time (causal within the chunk)."""
         head_dim = q.shape[2]
         block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
@@ -136,15 +145,20 @@ class TorchAttentionBackend:
             for t in range(0, num_new, tile):
                 rows = min(tile, num_new - t)
                 o = _attend(
-                    q[q_start + t:q_start + t + rows].transpose(0, 1)[None],  # [1, heads, rows, d]
-                    keys, values,
+                    q[q_start + t : q_start + t + rows].transpose(0, 1)[None],  # [1, heads, rows, d]
+                    keys,
+                    values,
                     None if causal else _mask(rows, ctx, sliding_window, q.device, first=ctx - num_new + t),
-                    causal, scale, softcap, sinks,
+                    causal,
+                    scale,
+                    softcap,
+                    sinks,
                 )
-                out[q_start + t:q_start + t + rows] = o[0].transpose(0, 1)
+                out[q_start + t : q_start + t + rows] = o[0].transpose(0, 1)
 
-    def _plan(self, metadata: AttentionMetadata, block_size: int, kv_width: int,
-              sliding_window: int | None) -> tuple[list[_DecodeGroup], list[int]]:
+    def _plan(
+        self, metadata: AttentionMetadata, block_size: int, kv_width: int, sliding_window: int | None
+    ) -> tuple[list[_DecodeGroup], list[int]]:
         """The step's decode groups and prefill rows: made by the first layer, reused by the
         others (every layer of a step has the same layout)."""
         key = ("torch", block_size, kv_width, sliding_window)
@@ -166,15 +180,15 @@ class TorchAttentionBackend:
         return groups, prefills
 
     @staticmethod
-    def _group(rows: list[int], metadata: AttentionMetadata, block_size: int,
-               sliding_window: int | None) -> _DecodeGroup:
+    def _group(
+        rows: list[int], metadata: AttentionMetadata, block_size: int, sliding_window: int | None
+    ) -> _DecodeGroup:
         device = metadata.block_tables.device
         ctx_list = [metadata.context_lens_list[i] for i in rows]
         max_ctx = ctx_list[-1]
         index = torch.tensor(rows, dtype=torch.long, device=device)
-        tables = metadata.block_tables[index, :-(-max_ctx // block_size)].reshape(-1)
-        token_rows = torch.tensor([metadata.query_start_loc_list[i] for i in rows],
-                                  dtype=torch.long, device=device)
+        tables = metadata.block_tables[index, : -(-max_ctx // block_size)].reshape(-1)
+        token_rows = torch.tensor([metadata.query_start_loc_list[i] for i in rows], dtype=torch.long, device=device)
         keep = None
         if ctx_list[0] != max_ctx or (sliding_window is not None and max_ctx > sliding_window):
             ctx = torch.tensor(ctx_list, device=device)[:, None]
@@ -222,29 +236,58 @@ class CpuAttentionBackend(TorchAttentionBackend):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if (self.kernel is None or q.device.type != "cpu" or q.dtype != torch.float32
-                or k_pool.dtype not in KV_POOL_DTYPES or v_pool.dtype != k_pool.dtype):
+        if (
+            self.kernel is None
+            or q.device.type != "cpu"
+            or q.dtype != torch.float32
+            or k_pool.dtype not in KV_POOL_DTYPES
+            or v_pool.dtype != k_pool.dtype
+        ):
             return super().forward(q, k_pool, v_pool, metadata, scale, sliding_window, softcap, sinks)
         decode = self._decode_rows(metadata)
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows may be apart, heads not
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
         if decode.rows.shape[0]:
-            self.kernel(q, k_pool, v_pool, out, decode.rows, decode.tables, decode.ctx_lens, scale,
-                        sliding_window, softcap, sinks=sinks)
+            self.kernel(
+                q,
+                k_pool,
+                v_pool,
+                out,
+                decode.rows,
+                decode.tables,
+                decode.ctx_lens,
+                scale,
+                sliding_window,
+                softcap,
+                sinks=sinks,
+            )
         self._prefill(q, k_pool, v_pool, metadata, decode.prefills, scale, sliding_window, out, softcap, sinks)
         return out
 
-    def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-                   v_pool: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> bool:
+    def rope_write(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+    ) -> bool:
         """Rotate q and k of the fused `qkv` rows in place and write K/V to the pools, in
         one native call; False (nothing done) when the kernel or the layouts do not allow
         it, and the caller does it with torch (worker_svc/models/stage.py)."""
-        if (self.kernel is None or qkv.device.type != "cpu" or not qkv.is_contiguous()
-                or not qkv.dtype == cos.dtype == sin.dtype == torch.float32
-                or k_pool.dtype not in KV_POOL_DTYPES or v_pool.dtype != k_pool.dtype
-                or not (cos.is_contiguous() and sin.is_contiguous() and slot_mapping.is_contiguous())
-                or cos.shape[-1] % 2):
+        if (
+            self.kernel is None
+            or qkv.device.type != "cpu"
+            or not qkv.is_contiguous()
+            or not qkv.dtype == cos.dtype == sin.dtype == torch.float32
+            or k_pool.dtype not in KV_POOL_DTYPES
+            or v_pool.dtype != k_pool.dtype
+            or not (cos.is_contiguous() and sin.is_contiguous() and slot_mapping.is_contiguous())
+            or cos.shape[-1] % 2
+        ):
             return False
         self.kernel.rope_write(qkv, cos, sin, slot_mapping, k_pool, v_pool, num_heads)
         return True
@@ -269,16 +312,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return planned
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-            scale: float, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of q [b, H, n, D] over k, v [b, Hkv, ctx, D] (GQA: H a multiple of Hkv)
     under `mask` (boolean, True = attend; or additive float) or `causal`; soft-capped scores
     as transformers' eager attention computes them when `softcap` is set; `sinks` [H]: one
     more logit a head in the softmax's denominator, whose weight is dropped (gpt-oss)."""
     gqa = q.shape[1] != k.shape[1]
     if softcap is None and sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                              enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
     if gqa:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)

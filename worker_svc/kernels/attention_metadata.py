@@ -60,10 +60,14 @@ class AttentionMetadata:
         view = views.get(g)
         if view is None:
             view = views[g] = AttentionMetadata(
-                slot_mapping=self.group_slot_mapping[g], query_start_loc=self.query_start_loc,
-                context_lens=self.context_lens, block_tables=self.group_block_tables[g],
-                query_start_loc_list=self.query_start_loc_list, context_lens_list=self.context_lens_list,
-                derived={"split": self.split_rows()})
+                slot_mapping=self.group_slot_mapping[g],
+                query_start_loc=self.query_start_loc,
+                context_lens=self.context_lens,
+                block_tables=self.group_block_tables[g],
+                query_start_loc_list=self.query_start_loc_list,
+                context_lens_list=self.context_lens_list,
+                derived={"split": self.split_rows()},
+            )
         return view
 
     def layer_views(self, groups: Sequence[int]) -> list[AttentionMetadata]:
@@ -87,12 +91,7 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     def write_kv(
-        self,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None: ...
 
     def forward(
@@ -108,8 +107,9 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def paged_layout(spans: list[tuple[int, int, list]], block_size: int, device: torch.device | str,
-                 num_groups: int = 1) -> tuple[AttentionMetadata, torch.Tensor]:
+def paged_layout(
+    spans: list[tuple[int, int, list]], block_size: int, device: torch.device | str, num_groups: int = 1
+) -> tuple[AttentionMetadata, torch.Tensor]:
     """The metadata and positions of a flattened batch of sequences on paged KV, each span
     `(start, end, block_ids)`: positions `start ... end - 1`, the sequence's block table
     (slots: `block_ids[p // block_size] * block_size + p % block_size`). With KV groups
@@ -156,8 +156,9 @@ def entry_table(entries, num_groups: int) -> torch.Tensor:
     return table.masked_fill_(table == NULL_PAGE, 0)
 
 
-def _grouped_layout(spans: list[tuple[int, int, object]], block_size: int, device: torch.device | str,
-                    num_groups: int) -> tuple[AttentionMetadata, torch.Tensor]:
+def _grouped_layout(
+    spans: list[tuple[int, int, object]], block_size: int, device: torch.device | str, num_groups: int
+) -> tuple[AttentionMetadata, torch.Tensor]:
     """`paged_layout` of tables of entries (or their `entry_table`s): the tables padded into
     one [seqs, blocks, groups] tensor, then every sub-group's slots gathered from it at once."""
     bs = block_size

@@ -34,14 +34,25 @@ REPEATS = 3
 
 
 def packed_prefill_path(features: CpuFeatures) -> str:
-    """"integer" or "f32-gemm": the faster packed prefill path without BF16 units (cached)."""
+    """ "integer" or "f32-gemm": the faster packed prefill path without BF16 units (cached)."""
     kernels = quant_kernels()
     if kernels is None:
         return "f32-gemm"  # no native kernels: the torch fallback dequantizes anyway
-    key = hashlib.sha256("\0".join([
-        features.model_name, str(features.family), str(features.model), " ".join(sorted(features.host_flags)),
-        *features.caps, torch.__version__, kernels.isa, str(kernels.act_bits), repr(SHAPE),
-    ]).encode()).hexdigest()[:20]
+    key = hashlib.sha256(
+        "\0".join(
+            [
+                features.model_name,
+                str(features.family),
+                str(features.model),
+                " ".join(sorted(features.host_flags)),
+                *features.caps,
+                torch.__version__,
+                kernels.isa,
+                str(kernels.act_bits),
+                repr(SHAPE),
+            ]
+        ).encode()
+    ).hexdigest()[:20]
     path = cache_dir() / f"calibration-{key}.json"
     try:
         return json.loads(path.read_text())["packed_prefill"]
@@ -49,8 +60,12 @@ def packed_prefill_path(features: CpuFeatures) -> str:
         pass
     timings = time_packed_prefill(kernels)
     choice = "integer" if timings["integer"] < timings["f32-gemm"] else "f32-gemm"
-    log.info("calibrated the packed prefill on %s: %s (%s)", features.model_name, choice,
-             ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in timings.items()))
+    log.info(
+        "calibrated the packed prefill on %s: %s (%s)",
+        features.model_name,
+        choice,
+        ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in timings.items()),
+    )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -51,16 +51,30 @@ _LEVEL_FLAGS = {
 }
 # every cap's value -> the widest level it allows
 _ONEDNN_CAPS = {
-    "SSE41": "scalar", "AVX": "scalar", "AVX2": "avx2", "AVX2_VNNI": "avx2", "AVX2_VNNI_2": "avx2",
-    "AVX512_CORE": "avx512", "AVX512_CORE_VNNI": "avx512_vnni", "AVX512_CORE_BF16": "avx512_bf16",
-    "AVX512_CORE_FP16": "avx512_bf16", "AVX10_1_512": "avx512_bf16", "AVX512_CORE_AMX": "amx",
-    "AVX10_1_512_AMX": "amx", "AVX512_CORE_AMX_FP16": "amx", "AVX10_1_512_AMX_FP16": "amx", "ALL": "amx",
+    "SSE41": "scalar",
+    "AVX": "scalar",
+    "AVX2": "avx2",
+    "AVX2_VNNI": "avx2",
+    "AVX2_VNNI_2": "avx2",
+    "AVX512_CORE": "avx512",
+    "AVX512_CORE_VNNI": "avx512_vnni",
+    "AVX512_CORE_BF16": "avx512_bf16",
+    "AVX512_CORE_FP16": "avx512_bf16",
+    "AVX10_1_512": "avx512_bf16",
+    "AVX512_CORE_AMX": "amx",
+    "AVX10_1_512_AMX": "amx",
+    "AVX512_CORE_AMX_FP16": "amx",
+    "AVX10_1_512_AMX_FP16": "amx",
+    "ALL": "amx",
     "DEFAULT": "amx",
 }
 _ATEN_CAPS = {"default": "scalar", "avx2": "avx2", "avx512": "amx"}  # avx512: no cap on oneDNN's units
 _PAGODA_CAPS = {"scalar": "scalar", "avx2": "avx2", "avx512": "amx"}
-_CAP_ENVS = (("ONEDNN_MAX_CPU_ISA", _ONEDNN_CAPS), ("ATEN_CPU_CAPABILITY", _ATEN_CAPS),
-             (CPU_ISA.variable, _PAGODA_CAPS))
+_CAP_ENVS = (
+    ("ONEDNN_MAX_CPU_ISA", _ONEDNN_CAPS),
+    ("ATEN_CPU_CAPABILITY", _ATEN_CAPS),
+    (CPU_ISA.variable, _PAGODA_CAPS),
+)
 PACKED_PREFILL = ("bf16-gemm", "f32-gemm", "integer")
 BF16_PREFILL = ("bf16-gemm", "f32-gemm", "native")
 
@@ -90,8 +104,14 @@ class CpuFeatures:
         flags = frozenset(fields.get("flags", "").split())
         host = host_level(flags)
         level, caps = _capped(host, _process_caps() if environ is None else environ)
-        return cls(fields.get("model name", "unknown CPU"), _int(fields.get("cpu family")),
-                   _int(fields.get("model")), flags, level, caps)
+        return cls(
+            fields.get("model name", "unknown CPU"),
+            _int(fields.get("cpu family")),
+            _int(fields.get("model")),
+            flags,
+            level,
+            caps,
+        )
 
     @property
     def host_level(self) -> str:
@@ -103,8 +123,11 @@ class CpuFeatures:
 
     @property
     def bf16_units(self) -> bool:
-        return self.has("avx512_bf16") and "avx512_bf16" in self.host_flags or (
-            self.has("amx") and "amx_bf16" in self.host_flags)
+        return (
+            self.has("avx512_bf16")
+            and "avx512_bf16" in self.host_flags
+            or (self.has("amx") and "amx_bf16" in self.host_flags)
+        )
 
     @property
     def isa_flags(self) -> tuple[str, ...]:
@@ -114,8 +137,10 @@ class CpuFeatures:
 
     def describe(self) -> str:
         capped = f" (host {self.host_level}, capped by {', '.join(self.caps)})" if self.caps else ""
-        return (f"{self.model_name} (family {self.family} model {self.model}): {self.level}{capped}; "
-                f"flags {' '.join(self.isa_flags) or 'none'}")
+        return (
+            f"{self.model_name} (family {self.family} model {self.model}): {self.level}{capped}; "
+            f"flags {' '.join(self.isa_flags) or 'none'}"
+        )
 
 
 def host_level(flags: frozenset[str]) -> str:
@@ -148,9 +173,11 @@ def _capped(host: str, environ) -> tuple[str, tuple[str, ...]]:
 def _process_caps() -> dict[str, str]:
     """The caps this process was started with: oneDNN's and torch's own variables (read to know
     which units their products will use) and Pagoda's setting."""
-    return {"ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
-            "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY", ""),
-            CPU_ISA.variable: env_value(CPU_ISA) or ""}
+    return {
+        "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+        "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+        CPU_ISA.variable: env_value(CPU_ISA) or "",
+    }
 
 
 def _int(value: str | None) -> int:
@@ -183,8 +210,7 @@ class CpuPaths:
     forced: tuple[str, ...] = ()
 
     @classmethod
-    def choose(cls, features: CpuFeatures, calibrated: str | None = None,
-               forced: str | None = None) -> CpuPaths:
+    def choose(cls, features: CpuFeatures, calibrated: str | None = None, forced: str | None = None) -> CpuPaths:
         """The paths for `features`: `calibrated` is the faster packed prefill path without
         BF16 units ("f32-gemm" unless a calibration found "integer" faster); `forced` a
         PAGODA_CPU_PATHS value."""
@@ -207,21 +233,26 @@ class CpuPaths:
             key, value = key.strip(), value.strip()
             allowed = {"packed_prefill": PACKED_PREFILL, "bf16_prefill": BF16_PREFILL}.get(key)
             if allowed is None or value not in allowed:
-                raise ValueError(f"{PATHS_ENV}: {item!r}: expected packed_prefill=({'|'.join(PACKED_PREFILL)}) "
-                                 f"or bf16_prefill=({'|'.join(BF16_PREFILL)})")
+                raise ValueError(
+                    f"{PATHS_ENV}: {item!r}: expected packed_prefill=({'|'.join(PACKED_PREFILL)}) "
+                    f"or bf16_prefill=({'|'.join(BF16_PREFILL)})"
+                )
             changes[key] = value
         return replace(self, **changes, forced=tuple(sorted(changes)))
 
     def check(self, features: CpuFeatures) -> None:
         needs_units = self.packed_prefill == "bf16-gemm" or self.bf16_prefill == "bf16-gemm" or self.bf16_gemm
         if needs_units and not features.bf16_units:
-            raise ValueError(f"a bfloat16 GEMM needs BF16 units (AVX-512 BF16 or AMX), which this CPU lacks "
-                             f"({features.describe()})")
+            raise ValueError(
+                f"a bfloat16 GEMM needs BF16 units (AVX-512 BF16 or AMX), which this CPU lacks ({features.describe()})"
+            )
 
     def describe(self) -> str:
         forced = f" (forced: {', '.join(self.forced)})" if self.forced else ""
-        return (f"packed prefill {self.packed_prefill}, bf16 prefill {self.bf16_prefill}, "
-                f"bf16 gemm {'yes' if self.bf16_gemm else 'no'}, kernels -march={self.march}{forced}")
+        return (
+            f"packed prefill {self.packed_prefill}, bf16 prefill {self.bf16_prefill}, "
+            f"bf16 gemm {'yes' if self.bf16_gemm else 'no'}, kernels -march={self.march}{forced}"
+        )
 
 
 def march(features: CpuFeatures) -> str:

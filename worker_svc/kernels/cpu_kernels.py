@@ -35,8 +35,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 # -march: `native`, or the level an ISA cap leaves (worker_svc/kernels/cpu_features.py: an AVX2-only CPU
 # emulated on a wider one compiles no instruction the narrower one lacks)
-CFLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-std=c11",
-          "-shared", "-fPIC")
+CFLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -75,8 +74,7 @@ def build(compiler: str | None = None, source: Path = SOURCE) -> Path:
         raise RuntimeError(f"no C compiler ({cc!r} not found)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = (f"-march={march(cpu_features())}", *CFLAGS)
-    key = hashlib.sha256(
-        "\0".join([*_source_texts(source), *flags, version, _cpu_flags()]).encode()).hexdigest()[:20]
+    key = hashlib.sha256("\0".join([*_source_texts(source), *flags, version, _cpu_flags()]).encode()).hexdigest()[:20]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
@@ -84,8 +82,7 @@ def build(compiler: str | None = None, source: Path = SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -139,21 +136,52 @@ class PagedDecodeKernel:
         contiguous."""
         self._mask(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), bitmask.data_ptr(), bitmask.shape[1])
 
-    def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                   k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:
+    def rope_write(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        num_heads: int,
+    ) -> None:
         """Rotates the q and k heads of `qkv` ([num_tokens, (num_heads + 2 * num_kv_heads) *
         head_dim], contiguous) in place by `cos`/`sin` ([num_tokens, ..., head_dim]) and
         writes each token's k and v into the pools' row `slots[t]`. All float32 (slots
         int64) but the pools, float32 or bfloat16 (rounded to nearest even); contiguous, on
         the CPU."""
         num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
-        self._ropes[k_pool.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_pool.data_ptr(),
-                   v_pool.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, num_kv_heads, head_dim,
-                   num_blocks * block_size)
+        self._ropes[k_pool.dtype](
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            qkv.shape[0],
+            qkv.shape[1],
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            num_blocks * block_size,
+        )
 
-    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
-                 rows: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                 window: int | None, softcap: float | None = None, *, sinks: torch.Tensor | None = None) -> None:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        out: torch.Tensor,
+        rows: torch.Tensor,
+        tables: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        scale: float,
+        window: int | None,
+        softcap: float | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
         """Writes `out[rows[i]]` for every sequence i. All tensors on the CPU and contiguous,
         but q's rows may be apart (q: [num_rows, num_heads, head_dim] with its heads
         contiguous); q and out float32, the pools float32 or bfloat16; rows, tables ([n,
@@ -166,8 +194,16 @@ class PagedDecodeKernel:
             sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()  # kept alive until return
         fn = self._fns[k_pool.dtype]
         num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
-        args = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), rows.data_ptr(),
-                tables.data_ptr(), ctx_lens.data_ptr(), q.stride(0))
+        args = (
+            q.data_ptr(),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            out.data_ptr(),
+            rows.data_ptr(),
+            tables.data_ptr(),
+            ctx_lens.data_ptr(),
+            q.stride(0),
+        )
         shape = (tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size, num_blocks)
         sink_ptr = None if sinks is None else sinks.data_ptr()
 
@@ -208,9 +244,11 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = (libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
-              and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
-              and libc.mallopt(_M_TOP_PAD, 64 << 20) == 1)
+        ok = (
+            libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
+            and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
+            and libc.mallopt(_M_TOP_PAD, 64 << 20) == 1
+        )
     except (OSError, AttributeError):
         return False
     if ok:

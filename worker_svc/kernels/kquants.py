@@ -84,8 +84,9 @@ def check_row_length(qtype: str, K: int) -> None:
     """ValueError unless rows of K values are whole blocks of `qtype`."""
     block = KQUANT_TYPES[qtype][1]
     if not isinstance(K, int) or K <= 0 or K % block:
-        raise ValueError(f"{qtype} rows hold whole {block}-value blocks: K must be a positive "
-                         f"multiple of {block}, got {K}")
+        raise ValueError(
+            f"{qtype} rows hold whole {block}-value blocks: K must be a positive multiple of {block}, got {K}"
+        )
 
 
 # ---------------------------------------------------------------------------- dequantizers
@@ -98,15 +99,17 @@ def dequantize(w: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
     check_row_length(qtype, K)
     want = K // block * size
     if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != want:
-        raise ValueError(f"w must be uint8 [N, {want}] for {qtype} with K={K}, got "
-                         f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+        raise ValueError(
+            f"w must be uint8 [N, {want}] for {qtype} with K={K}, got "
+            f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}"
+        )
     w = w.contiguous()
     N = w.shape[0]
     out = torch.empty(N, K, dtype=torch.float32)
     step = max(1, _CHUNK_ELEMENTS // K)
     for start in range(0, N, step):  # whole rows at a time, all their blocks at once
-        rows = w[start:start + step]
-        out[start:start + step] = _DEQUANTIZERS[qtype](rows.reshape(-1, size)).view(rows.shape[0], K)
+        rows = w[start : start + step]
+        out[start : start + step] = _DEQUANTIZERS[qtype](rows.reshape(-1, size)).view(rows.shape[0], K)
     return out
 
 
@@ -210,6 +213,11 @@ def _dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 _DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "Q5_0": _dequant_q5_0, "Q5_1": _dequant_q5_1, "Q2_K": _dequant_q2_k, "Q3_K": _dequant_q3_k,
-    "Q4_K": _dequant_q4_k, "Q5_K": _dequant_q5_k, "Q6_K": _dequant_q6_k,
+    "Q5_0": _dequant_q5_0,
+    "Q5_1": _dequant_q5_1,
+    "Q2_K": _dequant_q2_k,
+    "Q3_K": _dequant_q3_k,
+    "Q4_K": _dequant_q4_k,
+    "Q5_K": _dequant_q5_k,
+    "Q6_K": _dequant_q6_k,
 }

@@ -143,13 +143,14 @@ def row_bytes(qtype: str, K: int) -> int:
 
 def _check_activations(x: torch.Tensor, what: str = "x") -> tuple[int, int]:
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2:
-        raise ValueError(f"{what} must be a 2-D float32 tensor [T, K], got "
-                         f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+        raise ValueError(
+            f"{what} must be a 2-D float32 tensor [T, K], got "
+            f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}"
+        )
     T, K = x.shape
     row_stride, col_stride = x.stride()
     if not x.is_cpu or (col_stride != 1 and K > 1) or (row_stride < K and T > 1):
-        raise ValueError(f"{what} must be on the CPU with contiguous rows, got {x.device} "
-                         f"strides {x.stride()}")
+        raise ValueError(f"{what} must be on the CPU with contiguous rows, got {x.device} strides {x.stride()}")
     return T, K
 
 
@@ -162,30 +163,40 @@ def check_row_length(qtype: str, K: int, N: int | None = None) -> None:
     block = GGML_TYPES[qtype][1]
     if not isinstance(K, int) or K < 0 or K % block:
         shape = f"[{N}, {K}]" if N is not None else f"[N, {K}]"
-        raise ValueError(f"a {qtype} weight {shape} needs rows of whole {block}-value blocks: K must be a "
-                         f"multiple of {block}, got {K}")
+        raise ValueError(
+            f"a {qtype} weight {shape} needs rows of whole {block}-value blocks: K must be a "
+            f"multiple of {block}, got {K}"
+        )
 
 
 def _check_block_weights(w: torch.Tensor, qtype: str, K: int) -> int:
     check_row_length(qtype, K, w.shape[0] if isinstance(w, torch.Tensor) and w.dim() == 2 else None)
     if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.dim() != 2:
-        raise ValueError(f"w must be a 2-D uint8 tensor [N, row_bytes], got "
-                         f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+        raise ValueError(
+            f"w must be a 2-D uint8 tensor [N, row_bytes], got "
+            f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}"
+        )
     if not w.is_cpu or not w.is_contiguous():
         raise ValueError(f"w must be a contiguous CPU tensor, got {w.device} strides {w.stride()}")
     if w.shape[1] != row_bytes(qtype, K):
-        raise ValueError(f"w has {w.shape[1]} bytes per row; {qtype} with K={K} has "
-                         f"{row_bytes(qtype, K)}")
+        raise ValueError(f"w has {w.shape[1]} bytes per row; {qtype} with K={K} has {row_bytes(qtype, K)}")
     return w.shape[0]
 
 
 def _check_out(out: torch.Tensor | None, T: int, N: int) -> torch.Tensor:
     if out is None:
         return torch.empty(T, N, dtype=torch.float32)
-    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.shape != (T, N)
-            or not out.is_cpu or (N > 1 and out.stride(1) != 1)):
-        raise ValueError(f"out must be a float32 CPU tensor [{T}, {N}] with contiguous rows, got "
-                         f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.dtype != torch.float32
+        or out.shape != (T, N)
+        or not out.is_cpu
+        or (N > 1 and out.stride(1) != 1)
+    ):
+        raise ValueError(
+            f"out must be a float32 CPU tensor [{T}, {N}] with contiguous rows, got "
+            f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}"
+        )
     return out
 
 
@@ -194,8 +205,12 @@ def dequantize(w: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
     ops over all blocks at once; equal to `gguf.quants.dequantize`. Also takes F32, F16 and
     BF16 rows (raw bytes)."""
     if qtype in _PLAIN_DTYPES:
-        if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.dim() != 2 \
-                or w.shape[1] != row_bytes(qtype, K):
+        if (
+            not isinstance(w, torch.Tensor)
+            or w.dtype != torch.uint8
+            or w.dim() != 2
+            or w.shape[1] != row_bytes(qtype, K)
+        ):
             raise ValueError(f"w must be uint8 [N, {row_bytes(qtype, K)}] for {qtype} with K={K}")
         return w.contiguous().view(_PLAIN_DTYPES[qtype]).to(torch.float32)
     if qtype in KQUANT_TYPES:
@@ -266,8 +281,7 @@ class QuantKernels:
     activation precision `matmul` uses unless a call names one, 8 or 16 (None:
     PAGODA_PACKED_ACT_BITS, else 16)."""
 
-    def __init__(self, path: Path, isa: str | None = None, bf16_dot: bool = False,
-                 act_bits: int | None = None) -> None:
+    def __init__(self, path: Path, isa: str | None = None, bf16_dot: bool = False, act_bits: int | None = None) -> None:
         self.path = path
         lib = self._lib = ctypes.CDLL(str(path))  # CDLL: the GIL is released during calls
         lib.pagoda_isa_supported.restype = _INT
@@ -280,23 +294,29 @@ class QuantKernels:
         if bf16_dot and not self.has_bf16_dot:
             raise ValueError("bf16_dot needs AVX-512 BF16, which this CPU lacks")
         self.bf16_dot = bf16_dot
-        self.act_bits = (select_act_bits(env_value(PACKED_ACT_BITS)) if act_bits is None
-                         else _valid_act_bits(act_bits))
+        self.act_bits = select_act_bits(env_value(PACKED_ACT_BITS)) if act_bits is None else _valid_act_bits(act_bits)
         quantize_args = [_INT, _PTR, _I64, _I64, _I64, _I64] + [_PTR] * 4
-        self._quantize = {8: self._bind(lib.pagoda_q8_quantize, quantize_args),
-                          16: self._bind(lib.pagoda_q16_quantize, quantize_args)}
+        self._quantize = {
+            8: self._bind(lib.pagoda_q8_quantize, quantize_args),
+            16: self._bind(lib.pagoda_q16_quantize, quantize_args),
+        }
         self._scratch_bytes = self._bind(lib.pagoda_quant_scratch_bytes, [_INT, _INT, _I64, _I64], _I64)
-        self._prepare = self._bind(lib.pagoda_quant_prepare, [_INT, _INT, _INT, _PTR, _I64, _I64, _I64, _I64, _I64,
-                                                              _PTR])
-        self._qmm = self._bind(lib.pagoda_quant_matmul, [_INT, _INT, _INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR,
-                                                         _I64])
-        self._qmm_f32 = self._bind(lib.pagoda_quant_matmul_f32, [_INT, _INT, _INT, _PTR, _I64, _I64, _I64, _PTR,
-                                                                 _I64, _PTR, _I64, _PTR])
+        self._prepare = self._bind(
+            lib.pagoda_quant_prepare, [_INT, _INT, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR]
+        )
+        self._qmm = self._bind(
+            lib.pagoda_quant_matmul, [_INT, _INT, _INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64]
+        )
+        self._qmm_f32 = self._bind(
+            lib.pagoda_quant_matmul_f32, [_INT, _INT, _INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR]
+        )
         self._bmm = self._bind(lib.pagoda_bf16_matmul, [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64])
         self._to_bf16 = self._bind(lib.pagoda_f32_to_bf16, [_PTR, _I64, _I64, _I64, _I64, _PTR])
         self._bmm_dp = self._bind(lib.pagoda_bf16_matmul_dp, [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64])
-        self._dequant = {dtype: self._bind(fn, [_INT, _PTR, _I64, _I64, _I64, _PTR]) for dtype, fn in (
-            (torch.bfloat16, lib.pagoda_dequant_bf16), (torch.float32, lib.pagoda_dequant_f32))}
+        self._dequant = {
+            dtype: self._bind(fn, [_INT, _PTR, _I64, _I64, _I64, _PTR])
+            for dtype, fn in ((torch.bfloat16, lib.pagoda_dequant_bf16), (torch.float32, lib.pagoda_dequant_f32))
+        }
         self._silu_mul = self._bind(lib.pagoda_silu_mul, [_INT, _PTR, _I64, _I64, _I64, _I64, _PTR])
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()  # each calling thread's scratch buffer
@@ -332,8 +352,10 @@ class QuantKernels:
         """Addresses of C entry points, for native callers: "quant_matmul_f32"
         (pagoda_quant_matmul_f32: isa, qtype, act_bits, x, x_stride, T, K, w, N, y, y_stride,
         scratch) and "bf16_matmul" (pagoda_bf16_matmul). Valid while this object lives."""
-        return {name: ctypes.cast(getattr(self._lib, f"pagoda_{name}"), _PTR).value
-                for name in ("quant_matmul_f32", "bf16_matmul")}
+        return {
+            name: ctypes.cast(getattr(self._lib, f"pagoda_{name}"), _PTR).value
+            for name in ("quant_matmul_f32", "bf16_matmul")
+        }
 
     def _parallel(self, run: Callable[[int, int], None], total: int, threads: int, align: int) -> None:
         """run(begin, end) over [0, total) split into `threads` ranges, this thread taking the first."""
@@ -359,8 +381,9 @@ class QuantKernels:
         if rc != 0:
             raise RuntimeError(f"{what}: native kernel returned {rc}")
 
-    def quantize_activations(self, x: torch.Tensor, isa: str | None = None, act_bits: int | None = None,
-                             block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_activations(
+        self, x: torch.Tensor, isa: str | None = None, act_bits: int | None = None, block: int = 32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The integer activations q [T, K] (int8, or int16 for act_bits 16) and their
         float32 block scales d [T, K / block] that `matmul` multiplies with (x ~ q * d per
         block): 32-blocks for Q8_0 ... Q5_1, 256-blocks for the K-quants (block=256)."""
@@ -374,8 +397,12 @@ class QuantKernels:
         q = torch.empty(T, K, dtype=torch.int16 if bits == 16 else torch.int8)
         d, s = torch.empty(T, K // 32), torch.empty(T, K // 32)
         isum = torch.empty(T, K // 32, dtype=torch.int32)
-        self._raise(self._quantize[bits](isa_id, x.data_ptr(), x.stride(0), K, 0, T, q.data_ptr(), d.data_ptr(),
-                                         isum.data_ptr(), s.data_ptr()), "quantize")
+        self._raise(
+            self._quantize[bits](
+                isa_id, x.data_ptr(), x.stride(0), K, 0, T, q.data_ptr(), d.data_ptr(), isum.data_ptr(), s.data_ptr()
+            ),
+            "quantize",
+        )
         return q, d
 
     def _quantize_super_blocks(self, x: torch.Tensor, isa_id: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,18 +412,27 @@ class QuantKernels:
         check_row_length("Q4_K", K, T)
         rec = 1408 if bits == 16 else 384
         buf = torch.empty(T, K // 256, rec, dtype=torch.uint8)
-        self._raise(self._prepare(isa_id, GGML_TYPES["Q4_K"][0], bits, x.data_ptr(), x.stride(0), T, K, 0, T,
-                                  buf.data_ptr()), "quantize")
+        self._raise(
+            self._prepare(isa_id, GGML_TYPES["Q4_K"][0], bits, x.data_ptr(), x.stride(0), T, K, 0, T, buf.data_ptr()),
+            "quantize",
+        )
         if bits == 16:  # q's low bytes at 512, high bytes at 768, in element order
-            q = (buf[..., 768:1024].view(torch.int8).to(torch.int16) * 256 + buf[..., 512:768].to(torch.int16))
+            q = buf[..., 768:1024].view(torch.int8).to(torch.int16) * 256 + buf[..., 512:768].to(torch.int16)
             d = buf[..., 1344:1348].contiguous().view(torch.float32).reshape(T, K // 256)
             return q.reshape(T, K), d
         q = buf[..., :256].contiguous().view(torch.int8).reshape(T, K)
         d = buf[..., 320:324].contiguous().view(torch.float32).reshape(T, K // 256)
         return q, d
 
-    def matmul(self, x: torch.Tensor, w: torch.Tensor, qtype: str, out: torch.Tensor | None = None,
-               isa: str | None = None, act_bits: int | None = None) -> torch.Tensor:
+    def matmul(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        qtype: str,
+        out: torch.Tensor | None = None,
+        isa: str | None = None,
+        act_bits: int | None = None,
+    ) -> torch.Tensor:
         """y = x @ dequantize(w, qtype, K).T, float32 [T, N] (written into `out` when
         given): x float32 [T, K] (rows contiguous), w uint8 [N, row_bytes] GGUF blocks;
         x quantized to int8 or int16 per 32-block (per 256-block for the K-quants; act_bits
@@ -412,17 +448,37 @@ class QuantKernels:
         scratch = self._scratch(self._scratch_bytes(isa_id, bits, T, K))
         threads = self._threads(T, N, K)
         if threads <= 1:
-            self._raise(self._qmm_f32(isa_id, type_id, bits, x.data_ptr(), x.stride(0), T, K, w.data_ptr(), N,
-                                      out.data_ptr(), out.stride(0), scratch), "matmul")
+            self._raise(
+                self._qmm_f32(
+                    isa_id,
+                    type_id,
+                    bits,
+                    x.data_ptr(),
+                    x.stride(0),
+                    T,
+                    K,
+                    w.data_ptr(),
+                    N,
+                    out.data_ptr(),
+                    out.stride(0),
+                    scratch,
+                ),
+                "matmul",
+            )
             return out
 
         def prepare(begin: int, end: int) -> None:
-            self._raise(self._prepare(isa_id, type_id, bits, x.data_ptr(), x.stride(0), T, K, begin, end, scratch),
-                        "quantize")
+            self._raise(
+                self._prepare(isa_id, type_id, bits, x.data_ptr(), x.stride(0), T, K, begin, end, scratch), "quantize"
+            )
 
         def rows(begin: int, end: int) -> None:
-            self._raise(self._qmm(isa_id, type_id, bits, scratch, T, K, w.data_ptr(), begin, end, out.data_ptr(),
-                                  out.stride(0)), "matmul")
+            self._raise(
+                self._qmm(
+                    isa_id, type_id, bits, scratch, T, K, w.data_ptr(), begin, end, out.data_ptr(), out.stride(0)
+                ),
+                "matmul",
+            )
 
         self._parallel(prepare, T, min(threads, T), 1)
         self._parallel(rows, N, threads, 4)
@@ -435,22 +491,21 @@ class QuantKernels:
             buf = self._local.buf = torch.empty(max(n_bytes, 1 << 16) + 64, dtype=torch.uint8)
         return (buf.data_ptr() + 63) & ~63
 
-    def dequantize_bf16(self, w: torch.Tensor, qtype: str, K: int, out: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+    def dequantize_bf16(self, w: torch.Tensor, qtype: str, K: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The weights of `w` (uint8 [N, row_bytes], any of KERNEL_TYPES) as bfloat16 [N, K]:
         `dequantize(w, qtype, K)` rounded to bfloat16 (nearest even), bit for bit, in one
         native pass (rows split over the threads). For a prefill's products on oneDNN's
         bfloat16 GEMM (worker_svc/weights/packed.py)."""
         return self._dequantize(w, qtype, K, out, torch.bfloat16)
 
-    def dequantize_f32(self, w: torch.Tensor, qtype: str, K: int, out: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+    def dequantize_f32(self, w: torch.Tensor, qtype: str, K: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """`dequantize(w, qtype, K)` (float32 [N, K]) bit for bit, in one native pass: for a
         prefill's products on the float32 GEMM of a CPU without BF16 units."""
         return self._dequantize(w, qtype, K, out, torch.float32)
 
-    def _dequantize(self, w: torch.Tensor, qtype: str, K: int, out: torch.Tensor | None,
-                    dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize(
+        self, w: torch.Tensor, qtype: str, K: int, out: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
         N = _check_block_weights(w, qtype, K)
         if out is None:
             out = torch.empty(N, K, dtype=dtype)
@@ -475,21 +530,26 @@ class QuantKernels:
         out = torch.empty(T, width // 2)
 
         def rows(begin: int, end: int) -> None:
-            self._raise(self._silu_mul(isa_id, gate_up.data_ptr(), gate_up.stride(0), width // 2, begin, end,
-                                       out.data_ptr()), "silu_mul")
+            self._raise(
+                self._silu_mul(isa_id, gate_up.data_ptr(), gate_up.stride(0), width // 2, begin, end, out.data_ptr()),
+                "silu_mul",
+            )
 
         self._parallel(rows, T, max(1, min(torch.get_num_threads(), T * width // (1 << 16))), 1)
         return out
 
-    def matmul_bf16(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                    isa: str | None = None) -> torch.Tensor:
+    def matmul_bf16(
+        self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, isa: str | None = None
+    ) -> torch.Tensor:
         """y = x @ w.T in float32 [T, N]: x float32 [T, K] (rows contiguous), w bfloat16
         [N, K] contiguous; any K and N."""
         isa = self._check_isa(isa)
         T, K = _check_activations(x)
         if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != K:
-            raise ValueError(f"w must be a 2-D bfloat16 tensor [N, {K}], got "
-                             f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+            raise ValueError(
+                f"w must be a 2-D bfloat16 tensor [N, {K}], got "
+                f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}"
+            )
         if not w.is_cpu or not w.is_contiguous():
             raise ValueError(f"w must be a contiguous CPU tensor, got {w.device} strides {w.stride()}")
         N = w.shape[0]
@@ -504,8 +564,10 @@ class QuantKernels:
                 self._raise(self._to_bf16(x.data_ptr(), x.stride(0), K, begin, end, xb.data_ptr()), "bf16")
 
             def rows_dp(begin: int, end: int) -> None:
-                self._raise(self._bmm_dp(xb.data_ptr(), T, K, w.data_ptr(), begin, end, out.data_ptr(),
-                                         out.stride(0)), "matmul_bf16")
+                self._raise(
+                    self._bmm_dp(xb.data_ptr(), T, K, w.data_ptr(), begin, end, out.data_ptr(), out.stride(0)),
+                    "matmul_bf16",
+                )
 
             self._parallel(convert, T, min(threads, T), 1)
             self._parallel(rows_dp, N, threads, 4)
@@ -513,8 +575,12 @@ class QuantKernels:
         isa_id = _ISA_IDS[isa]
 
         def rows(begin: int, end: int) -> None:
-            self._raise(self._bmm(isa_id, x.data_ptr(), x.stride(0), T, K, w.data_ptr(), begin, end,
-                                  out.data_ptr(), out.stride(0)), "matmul_bf16")
+            self._raise(
+                self._bmm(
+                    isa_id, x.data_ptr(), x.stride(0), T, K, w.data_ptr(), begin, end, out.data_ptr(), out.stride(0)
+                ),
+                "matmul_bf16",
+            )
 
         self._parallel(rows, N, threads, 4)
         return out
@@ -553,8 +619,13 @@ def quant_kernels() -> QuantKernels | None:
     isa = select_isa(env_value(CPU_ISA), allowed)
     if isa != kernels.isa:
         kernels = QuantKernels(path, isa)
-    log.info("native quantized matmul kernels (%s of %s, int%d activations): %s", kernels.isa, kernels.available,
-             kernels.act_bits, kernels.path)
+    log.info(
+        "native quantized matmul kernels (%s of %s, int%d activations): %s",
+        kernels.isa,
+        kernels.available,
+        kernels.act_bits,
+        kernels.path,
+    )
     return kernels
 
 

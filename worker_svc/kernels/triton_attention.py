@@ -228,11 +228,7 @@ def _paged_attention_kernel(
         )  # fmt: skip
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (q_start + q_idx) * stride_o_tok + head * stride_o_head
-        tl.store(
-            out_ptr + o_off[:, None] + offs_d[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=q_mask,
-        )
+        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def interpreting() -> bool:
@@ -266,12 +262,7 @@ class TritonAttentionBackend:
             )
 
     def write_kv(
-        self,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         # pools: [num_blocks, block_size, num_kv_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         self._check_device(k_pool)
@@ -304,8 +295,10 @@ class TritonAttentionBackend:
         """`sinks` [num_heads] (gpt-oss): one learned logit per head that joins each row's
         softmax denominator (its column then dropped), as transformers' eager attention."""
         if softcap is not None:
-            raise ValueError("attention logit soft-capping (Gemma 2) is not supported by the triton "
-                             "attention backend; use --attention-backend torch")
+            raise ValueError(
+                "attention logit soft-capping (Gemma 2) is not supported by the triton "
+                "attention backend; use --attention-backend torch"
+            )
         # q: [num_tokens, num_heads, head_dim] -> out: same shape
         self._check_device(q)
         num_tokens, num_heads, head_dim = q.shape

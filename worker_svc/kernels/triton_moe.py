@@ -194,30 +194,50 @@ def _launch(num_slots: int, num_experts: int, dtype: torch.dtype) -> _Launch:
     block_m = min(64, max(16, triton.next_power_of_2(per_expert)))
     block_n = 32 if block_m == 16 else 64
     interpret = interpreting()
-    return _Launch(block_m, block_n, 64 if block_m <= 32 else 32, interpret and dtype != torch.float32,
-                   "ieee" if dtype == torch.float32 else "tf32", 4)
+    return _Launch(
+        block_m,
+        block_n,
+        64 if block_m <= 32 else 32,
+        interpret and dtype != torch.float32,
+        "ieee" if dtype == torch.float32 else "tf32",
+        4,
+    )
 
 
-def _check(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> None:
+def _check(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> None:
     num_experts, two_i, hidden = w_gate_up.shape
     if x.dim() != 2 or x.shape[1] != hidden or two_i % 2:
         raise ValueError(f"x {tuple(x.shape)} and w_gate_up {tuple(w_gate_up.shape)} do not fit [T, H], [E, 2I, H]")
     if tuple(w_down.shape) != (num_experts, hidden, two_i // 2):
         raise ValueError(f"w_down {tuple(w_down.shape)}: expected {(num_experts, hidden, two_i // 2)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-                         f"must both be [{x.shape[0]}, k]")
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+            f"must both be [{x.shape[0]}, k]"
+        )
     if not x.dtype == w_gate_up.dtype == w_down.dtype:
         raise ValueError(f"x, w_gate_up and w_down differ in dtype: {x.dtype}, {w_gate_up.dtype}, {w_down.dtype}")
     if not interpreting() and x.device.type != "cuda":
-        raise ValueError(f"fused_moe needs CUDA tensors, got {x.device}; on the CPU set TRITON_INTERPRET=1 "
-                         "before triton is imported")
+        raise ValueError(
+            f"fused_moe needs CUDA tensors, got {x.device}; on the CPU set TRITON_INTERPRET=1 before triton is imported"
+        )
 
 
-def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, act_kind: int = ACT_SILU, alpha: float = 1.702, limit: float = 7.0,
-              b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    act_kind: int = ACT_SILU,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The experts' part of an MoE layer: [T, H] -> [T, H] in x's dtype (module docstring).
     x [T, H]; w_gate_up [E, 2I, H] (gate's rows then up's); w_down [E, H, I]; topk_weights
     [T, k] (float32, as the router gives them); topk_ids [T, k]; optional biases b_gate_up

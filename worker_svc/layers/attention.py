@@ -87,9 +87,15 @@ class Attention(nn.Module):
     def _norm(x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         return x if norm is None else rms_norm(x, norm.weight, norm.eps)
 
-    def _fused_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   kv: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
-                   backend: AttentionBackend, lora: LoraLayer | None) -> torch.Tensor:
+    def _fused_qkv(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        lora: LoraLayer | None,
+    ) -> torch.Tensor:
         """q [T, H, D] from one q/k/v product; k and v rotated and written to the pools."""
         num_tokens = x.shape[0]
         if self.qkv_packed is not None:

@@ -51,8 +51,10 @@ class DecoderLayer(nn.Module):
         if len(self.mlp.local) != self.mlp.num_experts:  # expert parallelism (under TP: no native step)
             return False
         shared = [] if self.mlp.shared_expert is None else [self.mlp.shared_expert]
-        return all(isinstance(e.gate_up_packed, PackedLinear) and isinstance(e.down_proj, PackedLinear)
-                   for e in [*self.mlp.held(), *shared])
+        return all(
+            isinstance(e.gate_up_packed, PackedLinear) and isinstance(e.down_proj, PackedLinear)
+            for e in [*self.mlp.held(), *shared]
+        )
 
     def forward(
         self,
@@ -66,8 +68,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         # Module calls cost more than a small decode step's arithmetic: call the forwards.
         norm = self.input_layernorm
-        out = self.self_attn.forward(rms_norm(h, norm.weight, norm.eps), rope, kv, metadata, backend,
-                                     lora=lora)
+        out = self.self_attn.forward(rms_norm(h, norm.weight, norm.eps), rope, kv, metadata, backend, lora=lora)
         h = h + (out if self.reduce is None else self.reduce(out))
         norm = self.post_attention_layernorm
         out = self.mlp.forward(rms_norm(h, norm.weight, norm.eps), lora=lora)
@@ -94,8 +95,7 @@ class SandwichDecoderLayer(DecoderLayer):
         lora: LoraLayer | None = None,
     ) -> torch.Tensor:
         norm = self.input_layernorm
-        out = self.self_attn.forward(rms_norm(h, norm.weight, norm.eps), rope, kv, metadata, backend,
-                                     lora=lora)
+        out = self.self_attn.forward(rms_norm(h, norm.weight, norm.eps), rope, kv, metadata, backend, lora=lora)
         out = out if self.reduce is None else self.reduce(out)
         norm = self.post_attention_layernorm
         h = h + rms_norm(out, norm.weight, norm.eps)

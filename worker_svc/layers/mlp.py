@@ -48,8 +48,14 @@ class GatedAct:
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, *,
-                 act: GatedAct | None = None, bias: bool = False) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        intermediate_size: int | None = None,
+        *,
+        act: GatedAct | None = None,
+        bias: bool = False,
+    ) -> None:
         """`intermediate_size`, `act`, `bias`: an expert's (worker_svc/layers/moe.py); by
         default the config's size and `hidden_act`, no biases."""
         super().__init__()

@@ -39,8 +39,10 @@ class MoE(nn.Module):
         # expert parallelism: the experts other ranks hold are empty places (no weights), so
         # every expert keeps its checkpoint name `experts.N`
         self.local = moe.local_experts
-        self.experts = nn.ModuleList(MLP(config, moe.intermediate_size, act=act, bias=moe.expert_bias)
-                                     if e in self.local else nn.Identity() for e in range(moe.num_experts))
+        self.experts = nn.ModuleList(
+            MLP(config, moe.intermediate_size, act=act, bias=moe.expert_bias) if e in self.local else nn.Identity()
+            for e in range(moe.num_experts)
+        )
         self.shared_expert = MLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if self.shared_expert else None
         self.stacked = None  # the experts stacked for the fused kernels (`stack`), or None: the loop
@@ -98,8 +100,18 @@ class MoE(nn.Module):
         from worker_svc.kernels.triton_moe import fused_moe
 
         s, act = self.stacked, self.experts[0].gated
-        return fused_moe(x, s.w_gate_up, s.w_down, weights, experts, act_kind=act.kind, alpha=act.alpha,
-                         limit=act.limit, b_gate_up=s.b_gate_up, b_down=s.b_down).float()
+        return fused_moe(
+            x,
+            s.w_gate_up,
+            s.w_down,
+            weights,
+            experts,
+            act_kind=act.kind,
+            alpha=act.alpha,
+            limit=act.limit,
+            b_gate_up=s.b_gate_up,
+            b_down=s.b_down,
+        ).float()
 
     def _loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] float32: each active expert over the rows routed to it."""
@@ -111,9 +123,9 @@ class MoE(nn.Module):
         start = 0
         for expert, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
             if count and expert in self.local:
-                sel = rows[start:start + count]
+                sel = rows[start : start + count]
                 y = self.experts[expert].forward(x.index_select(0, sel))
-                out.index_add_(0, sel, y.float() * slot_weights[start:start + count, None])
+                out.index_add_(0, sel, y.float() * slot_weights[start : start + count, None])
             start += count
         return out
 

@@ -25,8 +25,9 @@ class RMSNorm(nn.Module):
     def fold_offset(self, offset: float) -> None:
         """Scale by (offset + w) from now on (Gemma's norms: offset 1)."""
         if offset:
-            self.weight = nn.Parameter(self.weight.detach().float().add(offset).to(self.weight.dtype),
-                                       requires_grad=False)
+            self.weight = nn.Parameter(
+                self.weight.detach().float().add(offset).to(self.weight.dtype), requires_grad=False
+            )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -43,9 +43,7 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     high_freq_wavelen = old_context_len / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_context_len / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
+    smooth = (old_context_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)

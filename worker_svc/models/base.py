@@ -59,7 +59,6 @@ MOE_GGUF_LAYER_TENSORS = {
 EXPERT_TENSOR = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-
 @dataclass(frozen=True)
 class StackedSource:
     """A model tensor a checkpoint holds as one expert's slice of a stacked tensor
@@ -96,8 +95,15 @@ class Architecture:
     @classmethod
     def read_config(cls, raw: dict[str, Any], source: str) -> ModelConfig:
         arch = next((a for a in raw.get("architectures") or () if a in cls.hf_names), cls.hf_names[0])
-        config = base_config(raw, source, arch, cls.model_type, default_bias=cls.default_bias,
-                             activations=cls.activations, act_key=cls.act_key)
+        config = base_config(
+            raw,
+            source,
+            arch,
+            cls.model_type,
+            default_bias=cls.default_bias,
+            activations=cls.activations,
+            act_key=cls.act_key,
+        )
         return cls.configure(raw, config, source)
 
     @classmethod

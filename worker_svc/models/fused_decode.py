@@ -45,8 +45,14 @@ class _Linear(ctypes.Structure):
 
 
 # `next`: the following rows' part in another type (a PackedParts' chain), or NULL
-_Linear._fields_ = [("qtype", _I64), ("w", _PTR), ("bias", _PTR), ("n", _I64), ("k", _I64),
-                    ("next", ctypes.POINTER(_Linear))]
+_Linear._fields_ = [
+    ("qtype", _I64),
+    ("w", _PTR),
+    ("bias", _PTR),
+    ("n", _I64),
+    ("k", _I64),
+    ("next", ctypes.POINTER(_Linear)),
+]
 
 
 class _Expert(ctypes.Structure):
@@ -54,32 +60,77 @@ class _Expert(ctypes.Structure):
 
 
 class _MoE(ctypes.Structure):  # struct pagoda_moe
-    _fields_ = [("num_experts", _I64), ("top_k", _I64), ("renormalize", _I64), ("softmax_after_topk", _I64),
-                ("router", _Linear), ("experts", ctypes.POINTER(_Expert)), ("intermediate", _I64),
-                ("act", _I64), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
-                ("shared", ctypes.POINTER(_Expert)), ("shared_intermediate", _I64), ("shared_act", _I64),
-                ("shared_gate", _Linear)]
+    _fields_ = [
+        ("num_experts", _I64),
+        ("top_k", _I64),
+        ("renormalize", _I64),
+        ("softmax_after_topk", _I64),
+        ("router", _Linear),
+        ("experts", ctypes.POINTER(_Expert)),
+        ("intermediate", _I64),
+        ("act", _I64),
+        ("alpha", ctypes.c_float),
+        ("limit", ctypes.c_float),
+        ("shared", ctypes.POINTER(_Expert)),
+        ("shared_intermediate", _I64),
+        ("shared_act", _I64),
+        ("shared_gate", _Linear),
+    ]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("norm1", _PTR), ("norm2", _PTR), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_pool", _PTR), ("v_pool", _PTR),
-                ("q_norm", _PTR), ("k_norm", _PTR), ("post_attn_norm", _PTR), ("post_mlp_norm", _PTR),
-                ("window", _I64), ("softcap", ctypes.c_float), ("rope", _I64), ("act", _I64),
-                ("group", _I64), ("act_alpha", ctypes.c_float), ("act_limit", ctypes.c_float),
-                ("sinks", _PTR), ("moe", ctypes.POINTER(_MoE))]
+    _fields_ = [
+        ("norm1", _PTR),
+        ("norm2", _PTR),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("k_pool", _PTR),
+        ("v_pool", _PTR),
+        ("q_norm", _PTR),
+        ("k_norm", _PTR),
+        ("post_attn_norm", _PTR),
+        ("post_mlp_norm", _PTR),
+        ("window", _I64),
+        ("softcap", ctypes.c_float),
+        ("rope", _I64),
+        ("act", _I64),
+        ("group", _I64),
+        ("act_alpha", ctypes.c_float),
+        ("act_limit", ctypes.c_float),
+        ("sinks", _PTR),
+        ("moe", ctypes.POINTER(_MoE)),
+    ]
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [("qmm", _PTR), ("bf16mm", _PTR), ("rope", _PTR), ("attn", _PTR), ("isa", _I64),
-                ("act_bits", _I64), ("qscratch", _PTR)]
+    _fields_ = [
+        ("qmm", _PTR),
+        ("bf16mm", _PTR),
+        ("rope", _PTR),
+        ("attn", _PTR),
+        ("isa", _I64),
+        ("act_bits", _I64),
+        ("qscratch", _PTR),
+    ]
 
 
 class _Shape(ctypes.Structure):
-    _fields_ = [("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64),
-                ("intermediate", _I64), ("block_size", _I64), ("num_blocks", _I64), ("max_blocks", _I64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("group_slots", _I64),
-                ("group_tables", _I64)]
+    _fields_ = [
+        ("hidden", _I64),
+        ("num_heads", _I64),
+        ("num_kv_heads", _I64),
+        ("head_dim", _I64),
+        ("intermediate", _I64),
+        ("block_size", _I64),
+        ("num_blocks", _I64),
+        ("max_blocks", _I64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("group_slots", _I64),
+        ("group_tables", _I64),
+    ]
 
 
 def enabled() -> bool:
@@ -107,14 +158,14 @@ def _linear(m: PackedLinear, keep: list[_Linear]) -> _Linear:
     chained = None
     for part in reversed(parts[1:]):
         bias = part.bias.data_ptr() if part.bias is not None else None
-        node = _Linear(_QTYPE_IDS[part.qtype], part.qweight.data_ptr(), bias, part.out_features, part.in_features,
-                       chained)
+        node = _Linear(
+            _QTYPE_IDS[part.qtype], part.qweight.data_ptr(), bias, part.out_features, part.in_features, chained
+        )
         keep.append(node)
         chained = ctypes.pointer(node)
     head = parts[0]
     bias = head.bias.data_ptr() if head.bias is not None else None
-    return _Linear(_QTYPE_IDS[head.qtype], head.qweight.data_ptr(), bias, head.out_features, head.in_features,
-                   chained)
+    return _Linear(_QTYPE_IDS[head.qtype], head.qweight.data_ptr(), bias, head.out_features, head.in_features, chained)
 
 
 def _ptr(norm) -> int | None:
@@ -127,8 +178,11 @@ def _ffn_norms(layer) -> tuple[int, int | None, int | None]:
     post_mlp = getattr(layer, "post_feedforward_layernorm", None)
     if post_mlp is None:
         return layer.post_attention_layernorm.weight.data_ptr(), None, None
-    return (layer.pre_feedforward_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-            post_mlp.weight.data_ptr())
+    return (
+        layer.pre_feedforward_layernorm.weight.data_ptr(),
+        layer.post_attention_layernorm.weight.data_ptr(),
+        post_mlp.weight.data_ptr(),
+    )
 
 
 def _act(mlp) -> tuple[int, float, float]:
@@ -147,16 +201,14 @@ def _plain_or_packed(m, keep: list) -> _Linear:
     w = m.weight.detach().contiguous()
     bias = None if m.bias is None else m.bias.detach().float().contiguous()
     keep += [w, bias]  # (the same tensors unless a copy was needed)
-    return _Linear(0, w.data_ptr(), None if bias is None else bias.data_ptr(), m.out_features,
-                   m.in_features, None)
+    return _Linear(0, w.data_ptr(), None if bias is None else bias.data_ptr(), m.out_features, m.in_features, None)
 
 
 def _native_linear(m) -> bool:
     """Whether the native step reads `m`: packed, or a float32 linear on the CPU (a router)."""
     if isinstance(m, PackedLinear):
         return True
-    return (isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32
-            and m.weight.device.type == "cpu")
+    return isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
 
 
 def _native_mlp(mlp) -> bool:
@@ -165,8 +217,11 @@ def _native_mlp(mlp) -> bool:
     if not _is_moe(mlp):
         return isinstance(mlp.gate_up_packed, PackedLinear) and isinstance(mlp.down_proj, PackedLinear)
     shared = [] if mlp.shared_expert is None else [mlp.shared_expert]
-    return (_native_linear(mlp.gate) and all(_native_mlp(e) for e in [*mlp.experts, *shared])
-            and (mlp.shared_expert_gate is None or _native_linear(mlp.shared_expert_gate)))
+    return (
+        _native_linear(mlp.gate)
+        and all(_native_mlp(e) for e in [*mlp.experts, *shared])
+        and (mlp.shared_expert_gate is None or _native_linear(mlp.shared_expert_gate))
+    )
 
 
 def _moe(mlp, keep: list) -> _MoE:
@@ -184,17 +239,39 @@ def _moe(mlp, keep: list) -> _MoE:
         shared_gate = _plain_or_packed(mlp.shared_expert_gate, keep)
         keep.append(node)
     keep.append(experts)
-    return _MoE(len(mlp.experts), mlp.top_k, int(mlp.renormalize), int(getattr(mlp, "softmax_after_topk", False)),
-                _plain_or_packed(mlp.gate, keep), experts, mlp.experts[0].down_proj.in_features, act, alpha,
-                limit, shared, shared_size, shared_act, shared_gate)
+    return _MoE(
+        len(mlp.experts),
+        mlp.top_k,
+        int(mlp.renormalize),
+        int(getattr(mlp, "softmax_after_topk", False)),
+        _plain_or_packed(mlp.gate, keep),
+        experts,
+        mlp.experts[0].down_proj.in_features,
+        act,
+        alpha,
+        limit,
+        shared,
+        shared_size,
+        shared_act,
+        shared_gate,
+    )
 
 
 def _moe_dims(layers) -> tuple[int, int, int]:
     """(experts, top k, intermediate size) the MoE scratch is sized for: each the layers' largest
     (0s when no layer is one)."""
-    dims = [(m.num_experts, m.top_k, max(m.experts[0].down_proj.in_features,
-                                         0 if m.shared_expert is None else m.shared_expert.down_proj.in_features))
-            for m in (layer.mlp for layer in layers) if _is_moe(m)]
+    dims = [
+        (
+            m.num_experts,
+            m.top_k,
+            max(
+                m.experts[0].down_proj.in_features,
+                0 if m.shared_expert is None else m.shared_expert.down_proj.in_features,
+            ),
+        )
+        for m in (layer.mlp for layer in layers)
+        if _is_moe(m)
+    ]
     return tuple(max(d[i] for d in dims) for i in range(3)) if dims else (0, 0, 0)
 
 
@@ -230,15 +307,21 @@ class FusedDecoder:
         # the MoE layers' descriptions (built once: they do not move with the pools) and
         # everything they point to
         self._moe_keep: list = []
-        self._moes = [ctypes.pointer(_moe(layer.mlp, self._moe_keep)) if _is_moe(layer.mlp) else None
-                      for layer in self._layers]
+        self._moes = [
+            ctypes.pointer(_moe(layer.mlp, self._moe_keep)) if _is_moe(layer.mlp) else None for layer in self._layers
+        ]
         self._moe_dims = _moe_dims(self._layers)
         fns = kernels.function_addresses()
         # the rope/K-V write and attention kernels by pool dtype (float32, or bfloat16 pools)
-        self._kfns = {dtype: (fns["quant_matmul_f32"], fns["bf16_matmul"],
-                              ctypes.cast(getattr(paged.lib, f"pagoda_rope_write_{suffix}"), _PTR).value,
-                              ctypes.cast(getattr(paged.lib, f"pagoda_paged_decode_{suffix}"), _PTR).value)
-                      for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16kv"))}
+        self._kfns = {
+            dtype: (
+                fns["quant_matmul_f32"],
+                fns["bf16_matmul"],
+                ctypes.cast(getattr(paged.lib, f"pagoda_rope_write_{suffix}"), _PTR).value,
+                ctypes.cast(getattr(paged.lib, f"pagoda_paged_decode_{suffix}"), _PTR).value,
+            )
+            for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16kv"))
+        }
 
     @classmethod
     def for_model(cls, model) -> FusedDecoder | None:
@@ -251,25 +334,33 @@ class FusedDecoder:
             if not layer.native_decode:
                 return None
             att = layer.self_attn
-            if (layer.reduce is not None or not _native_mlp(layer.mlp)
-                    or not all(isinstance(p, PackedLinear) for p in (att.qkv_packed, att.o_proj))
-                    or layer.input_layernorm.weight.dtype != torch.float32
-                    or layer.input_layernorm.weight.device.type != "cpu"):
+            if (
+                layer.reduce is not None
+                or not _native_mlp(layer.mlp)
+                or not all(isinstance(p, PackedLinear) for p in (att.qkv_packed, att.o_proj))
+                or layer.input_layernorm.weight.dtype != torch.float32
+                or layer.input_layernorm.weight.device.type != "cpu"
+            ):
                 return None
         quant, paged = quant_kernels(), paged_decode()
         if quant is None or paged is None:
             return None
         return cls(model, quant, paged)
 
-    def applies(self, h: torch.Tensor, metadata: AttentionMetadata,
-                kv_pools: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    def applies(
+        self, h: torch.Tensor, metadata: AttentionMetadata, kv_pools: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> bool:
         """Whether this step can go through the native call: every row a decode, float32
         activations, float32 or bfloat16 pools, one torch thread."""
         decodes, _ = metadata.split_rows()
         if self._bf16 and h.shape[0] > BF16_GEMM_MIN_ROWS:  # oneDNN's bf16 GEMM is faster there
             return False
-        return (len(decodes) == metadata.num_seqs == h.shape[0] and h.dtype == torch.float32
-                and kv_pools[0][0].dtype in self._kfns and torch.get_num_threads() == 1)
+        return (
+            len(decodes) == metadata.num_seqs == h.shape[0]
+            and h.dtype == torch.float32
+            and kv_pools[0][0].dtype in self._kfns
+            and torch.get_num_threads() == 1
+        )
 
     def _layer_table(self, kv_pools):
         ptrs = tuple(p.data_ptr() for kv in kv_pools for p in kv)
@@ -287,17 +378,41 @@ class FusedDecoder:
         att, mlp = layer.self_attn, layer.mlp
         norm2, post_attn, post_mlp = _ffn_norms(layer)
         moe = self._moes[i]
-        gate_up, down = (_Linear(), _Linear()) if moe else (_linear(mlp.gate_up_packed, keep),
-                                                            _linear(mlp.down_proj, keep))
+        gate_up, down = (
+            (_Linear(), _Linear()) if moe else (_linear(mlp.gate_up_packed, keep), _linear(mlp.down_proj, keep))
+        )
         act, alpha, limit = (0, 0.0, 0.0) if moe else _act(mlp)
-        return _Layer(layer.input_layernorm.weight.data_ptr(), norm2, _linear(att.qkv_packed, keep),
-                      _linear(att.o_proj, keep), gate_up, down, kv[0].data_ptr(), kv[1].data_ptr(),
-                      _ptr(att.q_norm), _ptr(att.k_norm), post_attn, post_mlp, att.sliding_window or 0,
-                      att.softcap or 0.0, self.model.rope_index(i), act, self.model.kv_group_of(i), alpha, limit,
-                      _sinks(att, keep), moe)
+        return _Layer(
+            layer.input_layernorm.weight.data_ptr(),
+            norm2,
+            _linear(att.qkv_packed, keep),
+            _linear(att.o_proj, keep),
+            gate_up,
+            down,
+            kv[0].data_ptr(),
+            kv[1].data_ptr(),
+            _ptr(att.q_norm),
+            _ptr(att.k_norm),
+            post_attn,
+            post_mlp,
+            att.sliding_window or 0,
+            att.softcap or 0.0,
+            self.model.rope_index(i),
+            act,
+            self.model.kv_group_of(i),
+            alpha,
+            limit,
+            _sinks(att, keep),
+            moe,
+        )
 
-    def forward(self, h: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
-                kv_pools: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """The stage's layers over decode rows `h`; `ropes`: cos/sin per kind of layer
         (`StageModel.rope_index`)."""
         cfg = self.cfg
@@ -317,18 +432,44 @@ class FusedDecoder:
         qneed = self._quant.scratch_bytes(T, widest)
         if self._qscratch.numel() < qneed + 64:
             self._qscratch = torch.empty(qneed + 64, dtype=torch.uint8)
-        kernels = _Kernels(*self._kfns[kv_pools[0][0].dtype], self._quant.isa_id, self._quant.act_bits,
-                           self._qscratch.data_ptr() + (-self._qscratch.data_ptr()) % 64)
-        shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                       block_size, num_blocks, tables.shape[-1], cfg.rms_norm_eps, self._layers[0].self_attn.scale,
-                       group_slots, group_tables)
+        kernels = _Kernels(
+            *self._kfns[kv_pools[0][0].dtype],
+            self._quant.isa_id,
+            self._quant.act_bits,
+            self._qscratch.data_ptr() + (-self._qscratch.data_ptr()) % 64,
+        )
+        shape = _Shape(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            block_size,
+            num_blocks,
+            tables.shape[-1],
+            cfg.rms_norm_eps,
+            self._layers[0].self_attn.scale,
+            group_slots,
+            group_tables,
+        )
         rows = metadata.query_start_loc[:-1].contiguous()
         ctx = metadata.context_lens.contiguous()
         table = self._layer_table(kv_pools)
         rc = self._lib.pagoda_decode_layers(
-            ctypes.byref(kernels), ctypes.byref(shape), table, len(self._layers), h.data_ptr(), T,
-            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), rows.data_ptr(), tables.data_ptr(),
-            ctx.data_ptr(), self._scratch.data_ptr())
+            ctypes.byref(kernels),
+            ctypes.byref(shape),
+            table,
+            len(self._layers),
+            h.data_ptr(),
+            T,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            rows.data_ptr(),
+            tables.data_ptr(),
+            ctx.data_ptr(),
+            self._scratch.data_ptr(),
+        )
         if rc != 0:
             raise RuntimeError(f"native decode step failed (code {rc})")
         return h

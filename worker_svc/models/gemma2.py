@@ -56,8 +56,10 @@ def gemma_gguf_config(field: GGUFField, config: dict[str, Any], pattern: int, mo
     config["hidden_activation"] = "gelu_pytorch_tanh"
     config["query_pre_attn_scalar"] = gguf_query_pre_attn_scalar(model_type, config)
     config["sliding_window_pattern"] = pattern
-    for key, name in (("attn_logit_softcapping", "attn_logit_softcapping"),
-                      ("final_logit_softcapping", "final_logit_softcapping")):
+    for key, name in (
+        ("attn_logit_softcapping", "attn_logit_softcapping"),
+        ("final_logit_softcapping", "final_logit_softcapping"),
+    ):
         value = field(name, None)
         if value is not None:
             config[key] = float(value)

@@ -27,9 +27,11 @@ class Gemma3(Architecture):
     activations = ("gelu_pytorch_tanh",)
     act_key = "hidden_activation"
     layer = SandwichDecoderLayer
-    gguf_layer_tensors = {**GEMMA_GGUF_LAYER_TENSORS,
-                          "attn_q_norm.weight": "self_attn.q_norm.weight",
-                          "attn_k_norm.weight": "self_attn.k_norm.weight"}
+    gguf_layer_tensors = {
+        **GEMMA_GGUF_LAYER_TENSORS,
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+    }
     gguf_norm_offset_stored = True
 
     @classmethod
@@ -43,7 +45,7 @@ class Gemma3(Architecture):
     @classmethod
     def stored_names(cls, name: str) -> tuple[str, ...]:
         if name.startswith("model."):
-            rest = name[len("model."):]
+            rest = name[len("model.") :]
             return name, f"language_model.model.{rest}", f"model.language_model.{rest}"
         return name, f"language_model.{name}"
 
@@ -59,8 +61,9 @@ class Gemma3(Architecture):
         full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
         local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
         local.setdefault("rope_type", "default")
-        return replace(config, qk_norm=True, rope=parse_rope(raw, source, full),
-                       rope_local=parse_rope(raw, source, local))
+        return replace(
+            config, qk_norm=True, rope=parse_rope(raw, source, full), rope_local=parse_rope(raw, source, local)
+        )
 
     @classmethod
     def gguf_config(cls, field: GGUFField, config: dict[str, Any]) -> None:

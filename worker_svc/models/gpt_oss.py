@@ -34,11 +34,22 @@ class GptOss(Architecture):
         if not raw.get("layer_types"):
             raw = {**raw, "layer_types": [SLIDING if (i + 1) % 2 else FULL for i in range(config.num_layers)]}
         moe = moe_config(raw, source, size_key="intermediate_size", renormalize=False)
-        moe = replace(moe, softmax_after_topk=True, router_bias=True, expert_bias=True, activation=SWIGLU_OAI,
-                      swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
-                      swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
-        return replace(config, layer_types=layer_types(raw, source, config.num_layers), attention_sinks=True,
-                       o_proj_bias=config.attention_bias, moe=moe)
+        moe = replace(
+            moe,
+            softmax_after_topk=True,
+            router_bias=True,
+            expert_bias=True,
+            activation=SWIGLU_OAI,
+            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+        )
+        return replace(
+            config,
+            layer_types=layer_types(raw, source, config.num_layers),
+            attention_sinks=True,
+            o_proj_bias=config.attention_bias,
+            moe=moe,
+        )
 
     @classmethod
     def stored_names(cls, name: str) -> tuple[str, ...]:
@@ -53,5 +64,10 @@ class GptOss(Architecture):
         weight = leaf == "weight"
         if proj == "down":
             return StackedSource(f"{experts}.down_proj{'' if weight else '_bias'}", expert, transposed=weight)
-        return StackedSource(f"{experts}.gate_up_proj{'' if weight else '_bias'}", expert, transposed=weight,
-                             offset=0 if proj == "gate" else 1, step=2)
+        return StackedSource(
+            f"{experts}.gate_up_proj{'' if weight else '_bias'}",
+            expert,
+            transposed=weight,
+            offset=0 if proj == "gate" else 1,
+            step=2,
+        )

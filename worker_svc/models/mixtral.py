@@ -14,12 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from worker_svc.model_config import ModelConfig
-from worker_svc.models.base import (
-    LLAMA_GGUF_LAYER_TENSORS,
-    MOE_GGUF_LAYER_TENSORS,
-    Architecture,
-    GGUFField,
-)
+from worker_svc.models.base import LLAMA_GGUF_LAYER_TENSORS, MOE_GGUF_LAYER_TENSORS, Architecture, GGUFField
 from worker_svc.models.qwen3_moe import moe_config
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.")
@@ -32,8 +27,10 @@ class Mixtral(Architecture):
     gguf_names = ()
     gguf_expert_names = ("llama",)
     gguf_permuted_qk = True
-    gguf_layer_tensors = {**{g: hf for g, hf in LLAMA_GGUF_LAYER_TENSORS.items() if not hf.startswith("mlp.")},
-                          **MOE_GGUF_LAYER_TENSORS}
+    gguf_layer_tensors = {
+        **{g: hf for g, hf in LLAMA_GGUF_LAYER_TENSORS.items() if not hf.startswith("mlp.")},
+        **MOE_GGUF_LAYER_TENSORS,
+    }
 
     @classmethod
     def gguf_config(cls, field: GGUFField, config: dict[str, Any]) -> None:

@@ -21,8 +21,11 @@ class Phi3(Architecture):
         "mlp.up_proj": ("mlp.gate_up_proj", 1),
     }
     gguf_layer_tensors = {
-        **{k: v for k, v in LLAMA_GGUF_LAYER_TENSORS.items()
-           if not k.startswith(("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"))},
+        **{
+            k: v
+            for k, v in LLAMA_GGUF_LAYER_TENSORS.items()
+            if not k.startswith(("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"))
+        },
         "attn_qkv.weight": "self_attn.qkv_proj.weight",
         "ffn_up.weight": "mlp.gate_up_proj.weight",
     }

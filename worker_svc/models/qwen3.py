@@ -15,9 +15,11 @@ class Qwen3(Architecture):
     model_type = "qwen3"
     hf_names = ("Qwen3ForCausalLM",)
     gguf_names = ("qwen3",)
-    gguf_layer_tensors = {**LLAMA_GGUF_LAYER_TENSORS,
-                          "attn_q_norm.weight": "self_attn.q_norm.weight",
-                          "attn_k_norm.weight": "self_attn.k_norm.weight"}
+    gguf_layer_tensors = {
+        **LLAMA_GGUF_LAYER_TENSORS,
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+    }
 
     @classmethod
     def configure(cls, raw: dict[str, Any], config: ModelConfig, source: str) -> ModelConfig:

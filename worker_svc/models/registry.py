@@ -22,8 +22,18 @@ from worker_svc.models.qwen2 import Qwen2
 from worker_svc.models.qwen3 import Qwen3
 from worker_svc.models.qwen3_moe import Qwen3Moe
 
-ARCHITECTURES: tuple[type[Architecture], ...] = (Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3, Phi3, Qwen3Moe,
-                                                 Mixtral, GptOss)
+ARCHITECTURES: tuple[type[Architecture], ...] = (
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+    Gemma2,
+    Gemma3,
+    Phi3,
+    Qwen3Moe,
+    Mixtral,
+    GptOss,
+)
 BY_HF_NAME = {name: arch for arch in ARCHITECTURES for name in arch.hf_names}
 BY_GGUF_NAME = {name: arch for arch in ARCHITECTURES for name in arch.gguf_names}
 BY_GGUF_EXPERT_NAME = {name: arch for arch in ARCHITECTURES for name in arch.gguf_expert_names}
@@ -37,7 +47,8 @@ def architecture_of_config(raw: dict[str, Any], source: str = "config.json") -> 
     if arch is None:
         raise CheckpointError(
             f"{source}: architectures {names or raw.get('model_type')!r} is not supported; "
-            f"supported: {', '.join(BY_HF_NAME)}")
+            f"supported: {', '.join(BY_HF_NAME)}"
+        )
     return arch
 
 
@@ -47,8 +58,9 @@ def architecture_of_gguf(name: Any, source: str, experts: bool = False) -> type[
     if experts and name in BY_GGUF_EXPERT_NAME:
         return BY_GGUF_EXPERT_NAME[name]
     if name not in BY_GGUF_NAME:
-        raise CheckpointError(f"{source}: general.architecture {name!r} is not supported; "
-                              f"supported: {', '.join(BY_GGUF_NAME)}")
+        raise CheckpointError(
+            f"{source}: general.architecture {name!r} is not supported; supported: {', '.join(BY_GGUF_NAME)}"
+        )
     return BY_GGUF_NAME[name]
 
 

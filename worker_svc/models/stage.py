@@ -46,6 +46,7 @@ from worker_svc.weights.packed import PackedEmbedding, PackedLinear
 if TYPE_CHECKING:  # worker_svc.weights.lora imports the loader, which imports this module
     from worker_svc.weights.lora import LoraStep
 
+
 class _Body(nn.Module):
     """Holds what the checkpoint calls `model.*` for this stage."""
 
@@ -106,8 +107,9 @@ class StageModel(nn.Module):
         # reads its kind's cos/sin (`_rope_of`)
         ropes = [config.rope_for(i) for i in range(start, end)]
         kinds = list(dict.fromkeys(ropes))
-        self.rotaries = nn.ModuleList(RotaryEmbedding(r, config.head_dim, config.max_position_embeddings)
-                                      for r in kinds)
+        self.rotaries = nn.ModuleList(
+            RotaryEmbedding(r, config.head_dim, config.max_position_embeddings) for r in kinds
+        )
         self.rotaries.to(device)
         self._rope_of = [kinds.index(r) for r in ropes]
         # per (dtype, device), each rotary's (cos, sin) of positions 0 ... n - 1 (`_cos_sin`)
@@ -199,23 +201,32 @@ class StageModel(nn.Module):
         norm = self.model.norm
         return self._logits(norm(h[logits_indices])), norm(h[pool_indices])
 
-    def _layers(self, inputs: torch.Tensor, positions: torch.Tensor,
-                kv_pools: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata,
-                backend: AttentionBackend, *, lora: LoraStep | None = None) -> torch.Tensor:
+    def _layers(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pools: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        *,
+        lora: LoraStep | None = None,
+    ) -> torch.Tensor:
         """This stage's layers: the hidden states [T, hidden] they output (before the final norm).
         A step with no adapter tokens (`lora` None or not `active`) runs as any step does."""
         body = self.model
         h = self._embed(inputs) if self.is_first else inputs
         ropes = self._cos_sin(positions, max(metadata.context_lens_list), h.dtype)
         if metadata.num_groups != 1 and metadata.num_groups != self.kv_layout.num_groups:
-            raise ValueError(f"a step of {metadata.num_groups} KV groups; this model's layers form "
-                             f"{self.kv_layout.num_groups}")
+            raise ValueError(
+                f"a step of {metadata.num_groups} KV groups; this model's layers form {self.kv_layout.num_groups}"
+            )
         if lora is not None and lora.active:
             self._check_lora(lora, h.shape[0])
             metas = metadata.layer_views(self._kv_group_of)  # each layer's sub-group's
             for local, layer in enumerate(body.layers.values()):
-                h = layer.forward(h, ropes[self._rope_of[local]], kv_pools[local], metas[local], backend,
-                                  lora=lora.layer(local))
+                h = layer.forward(
+                    h, ropes[self._rope_of[local]], kv_pools[local], metas[local], backend, lora=lora.layer(local)
+                )
                 self.on_layer()
             return h
         if self.fused_decode is not None and self.fused_decode.applies(h, metadata, kv_pools):
@@ -226,7 +237,9 @@ class StageModel(nn.Module):
             self.on_layer()
         return h
 
-    def _cos_sin(self, positions: torch.Tensor, end: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _cos_sin(
+        self, positions: torch.Tensor, end: int, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each rotary's cos/sin ([T, 1, head_dim] each) at `positions`, all below `end`: rows
         of tables of every position kept per dtype and device (computed as `cos_sin` computes them, so
         equal bit for bit; tested), grown by doubling up to ROPE_TABLE_POSITIONS. A decode
@@ -248,8 +261,7 @@ class StageModel(nn.Module):
         if packed is not None and packed.kernels is not None and packed.qtype != "BF16" and ids.is_cpu:
             # the rows looked up, dequantized in one native pass, bit for bit the torch
             # dequantizer `PackedEmbedding` runs (a Q6_K row: 12 us against 90)
-            h = packed.kernels.dequantize_f32(packed.qweight.index_select(0, ids), packed.qtype,
-                                              embed.embedding_dim)
+            h = packed.kernels.dequantize_f32(packed.qweight.index_select(0, ids), packed.qtype, embed.embedding_dim)
         else:
             h = embed(ids)
         if self.config.embed_scale is not None:  # Gemma: times sqrt(hidden) in the model dtype
@@ -259,8 +271,10 @@ class StageModel(nn.Module):
     def _check_lora(self, lora: LoraStep, num_tokens: int) -> None:
         bank = lora.bank
         if (bank.start, bank.end) != (self.start, self.end) or lora.num_tokens != num_tokens:
-            raise ValueError(f"LoRA step of {lora.num_tokens} tokens over layers [{bank.start}, "
-                             f"{bank.end}); this stage runs {num_tokens} tokens over [{self.start}, {self.end})")
+            raise ValueError(
+                f"LoRA step of {lora.num_tokens} tokens over layers [{bank.start}, "
+                f"{bank.end}); this stage runs {num_tokens} tokens over [{self.start}, {self.end})"
+            )
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head over normed hidden states [N, hidden] -> [N, vocab] (soft-capped

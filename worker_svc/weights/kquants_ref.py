@@ -36,8 +36,9 @@ def quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:
     multiple of the type's block (32 or 256)."""
     _, block, size = block_layout(qtype)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"x must be a 2-D float tensor [N, K], got {getattr(x, 'dtype', type(x))} "
-                         f"{tuple(getattr(x, 'shape', ()))}")
+        raise ValueError(
+            f"x must be a 2-D float tensor [N, K], got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}"
+        )
     N, K = x.shape
     check_row_length(qtype, K)
     blocks = x.detach().to(device="cpu", dtype=_F32).reshape(-1, block)  # [num_blocks, block]
@@ -105,8 +106,9 @@ def _five_bit_bytes(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ------------------------------------------------------------------- sub-block scale fits
 
 
-def _affine_fit(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float, rdelta: float,
-                nstep: int, use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _affine_fit(
+    x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """llama.cpp's make_qkx2_quants on each row of x [B, n]: x ~ scale * L - offset with
     levels L in [0, nmax] and offset >= 0, fitted by weighted least squares for each of
     nstep + 1 candidate inverse scales, (rmin + rdelta * i + nmax) / (max - min), keeping the
@@ -167,8 +169,7 @@ def _symmetric_fit_q3(x: torch.Tensor, nmax: int = 4) -> torch.Tensor:
             sl2 = suml2 - wi * li * li
             new = torch.round(xi * sl2 / torch.where(slx > 0, slx, 1.0)).clamp(-nmax, nmax - 1)
             slx_new, sl2_new = slx + wi * xi * new, sl2 + wi * new * new
-            take = ((slx > 0) & (new != li) & (sl2_new > 0)
-                    & (slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new))
+            take = (slx > 0) & (new != li) & (sl2_new > 0) & (slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new)
             L[:, i] = torch.where(take, new, li)
             sumlx, suml2 = torch.where(take, slx_new, sumlx), torch.where(take, sl2_new, suml2)
     scale = torch.where(suml2 > 0, sumlx / torch.where(suml2 > 0, suml2, 1.0), 0.0)
@@ -207,8 +208,9 @@ def _codes(values: torch.Tensor, top: torch.Tensor, nmax: int) -> tuple[torch.Te
     return codes, _fp16_round(top / nmax)
 
 
-def _requantize(x: torch.Tensor, step: torch.Tensor, offset: torch.Tensor | float, default: torch.Tensor | int,
-                lo: int, hi: int) -> torch.Tensor:
+def _requantize(
+    x: torch.Tensor, step: torch.Tensor, offset: torch.Tensor | float, default: torch.Tensor | int, lo: int, hi: int
+) -> torch.Tensor:
     """The levels of x [B, m, n] under the stored sub-block steps [B, m] and offsets [B, m]
     (x ~ step * L - offset), clamped to [lo, hi]; a sub-block of step 0 (all its values
     decode to -offset whatever the level) takes `default`."""
@@ -222,8 +224,14 @@ def _pack_scale_min(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     """Q4_K/Q5_K's 8 six-bit (sc, m) [B, 8] -> 12 bytes [B, 12] (kquants.get_scale_min's
     inverse)."""
     sc, mn = sc.to(torch.uint8), mn.to(torch.uint8)
-    return torch.cat([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
-                      (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], dim=-1)
+    return torch.cat(
+        [
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+            mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4),
+        ],
+        dim=-1,
+    )
 
 
 # ------------------------------------------------------------------------ 256-value blocks
@@ -254,8 +262,7 @@ def _quant_q3_k(x: torch.Tensor) -> torch.Tensor:
     hmask = _pack_fields(high.view(B, 8, 32), 1)
     qs = _pack_fields((L - 4 * high).view(B, 2, 4, 32), 2).view(B, 64)
     c = codes.to(torch.uint8)
-    scales = torch.cat([(c[:, :8] & 0x0F) | ((c[:, 8:] & 0x0F) << 4), _pack_fields((c >> 4).view(B, 4, 4), 2)],
-                       dim=-1)
+    scales = torch.cat([(c[:, :8] & 0x0F) | ((c[:, 8:] & 0x0F) << 4), _pack_fields((c >> 4).view(B, 4, 4), 2)], dim=-1)
     return torch.cat([hmask, qs, scales, _fp16_bytes(d)], dim=-1)
 
 
@@ -305,6 +312,11 @@ def _quant_q6_k(x: torch.Tensor) -> torch.Tensor:
 
 
 _QUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "Q5_0": _quant_q5_0, "Q5_1": _quant_q5_1, "Q2_K": _quant_q2_k, "Q3_K": _quant_q3_k,
-    "Q4_K": _quant_q4_k, "Q5_K": _quant_q5_k, "Q6_K": _quant_q6_k,
+    "Q5_0": _quant_q5_0,
+    "Q5_1": _quant_q5_1,
+    "Q2_K": _quant_q2_k,
+    "Q3_K": _quant_q3_k,
+    "Q4_K": _quant_q4_k,
+    "Q5_K": _quant_q5_k,
+    "Q6_K": _quant_q6_k,
 }

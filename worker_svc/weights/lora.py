@@ -49,13 +49,19 @@ from worker_svc.model_config import ModelConfig
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QKV_TARGETS = ("q_proj", "k_proj", "v_proj")  # Attention.qkv's columns, in order
 GATE_UP_TARGETS = ("gate_proj", "up_proj")  # MLP.gate_up's columns, in order
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 # tensor parallelism: the dimension of a target's base weight [out, in] that the ranks split,
 # as worker_svc/loader.shard_dim splits the checkpoint (a test holds them equal; not imported
 # from there: the loader imports the model, which names this module's types)
-SHARD_DIMS = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 0, "up_proj": 0,
-              "down_proj": 1}
+SHARD_DIMS = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 0, "up_proj": 0, "down_proj": 1}
 # targets of checkpoints that hold several linears in one (Phi-3's, worker_svc/models/phi3.py):
 # an adapter of one is the adapters of its parts, B's rows split (delta = B @ A, row by row)
 FUSED_TARGETS = {"qkv_proj": QKV_TARGETS, "gate_up_proj": GATE_UP_TARGETS}
@@ -65,10 +71,21 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 # adapter_config.json options that change what the adapter computes beyond `scaling * B @ A`
 # on the seven targets: refused when set (any true, non-empty value)
-_REFUSED_OPTIONS = ("use_dora", "modules_to_save", "lora_bias", "layer_replication",
-                    "trainable_token_indices", "target_parameters", "alora_invocation_tokens",
-                    "use_qalora", "arrow_config", "velora_config", "monteclora_config", "use_bdlora",
-                    "kasa_config")
+_REFUSED_OPTIONS = (
+    "use_dora",
+    "modules_to_save",
+    "lora_bias",
+    "layer_replication",
+    "trainable_token_indices",
+    "target_parameters",
+    "alora_invocation_tokens",
+    "use_qalora",
+    "arrow_config",
+    "velora_config",
+    "monteclora_config",
+    "use_bdlora",
+    "kasa_config",
+)
 _TENSOR_NAME = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
 
 
@@ -128,22 +145,22 @@ def _pattern_key(patterns: Mapping[str, object], module: str) -> str | None:
 def module_shape(config: ModelConfig, target: str) -> tuple[int, int]:
     """(out, in) of a target's base weight in a model of `config` (a rank's share of it)."""
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}[target]
+    return {
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (inter, h),
+        "up_proj": (inter, h),
+        "down_proj": (h, inter),
+    }[target]
 
 
 # --- loading a PEFT folder -------------------------------------------------------------------
 
 
 def load_adapter(
-    folder: str | Path,
-    config: ModelConfig,
-    start: int,
-    end: int,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    *,
-    max_rank: int,
+    folder: str | Path, config: ModelConfig, start: int, end: int, tp_rank: int = 0, tp_size: int = 1, *, max_rank: int
 ) -> LoraAdapter:
     """The adapter in PEFT folder `folder`, for layers `[start, end)` of a model of `config`:
     the config the stage holds (`StageModel.config`: rank `tp_rank`'s share of the model
@@ -161,8 +178,10 @@ def load_adapter(
         raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
     options = _read_options(folder)
     if options.max_rank > max_rank:
-        raise ValueError(f"{folder}: LoRA rank {options.max_rank} is above max_rank={max_rank} "
-                         "(the bank's largest rank: raise it to serve this adapter)")
+        raise ValueError(
+            f"{folder}: LoRA rank {options.max_rank} is above max_rank={max_rank} "
+            "(the bank's largest rank: raise it to serve this adapter)"
+        )
     path = _weights_path(folder)
     weights: dict[tuple[int, str], LoraWeights] = {}
     with _open(path) as f:
@@ -173,8 +192,14 @@ def load_adapter(
             a, b = f.get_slice(a_name), f.get_slice(b_name)
             parts = FUSED_TARGETS.get(target, (target,))
             fulls = [_full_shape(config, part, tp_size) for part in parts]
-            _check_shapes(path, module, tuple(a.get_shape()), tuple(b.get_shape()),
-                          (sum(out for out, _ in fulls), fulls[0][1]), options.module_rank(module))
+            _check_shapes(
+                path,
+                module,
+                tuple(a.get_shape()),
+                tuple(b.get_shape()),
+                (sum(out for out, _ in fulls), fulls[0][1]),
+                options.module_rank(module),
+            )
             if target in FUSED_TARGETS and any((layer, part) in modules for part in parts):
                 raise ValueError(f"{path}: layer {layer} adapts {target} and one of its parts")
             if start <= layer < end:
@@ -198,21 +223,26 @@ def _read_options(folder: Path) -> _Options:
         raise ValueError(f"{path}: peft_type {raw['peft_type']!r} is not supported (LORA only)")
     refused = [key for key in _REFUSED_OPTIONS if raw.get(key)]
     if refused:
-        raise ValueError(f"{path}: {', '.join(f'{k}={raw[k]!r}' for k in refused)} is not supported "
-                         "by LoRA serving")
+        raise ValueError(f"{path}: {', '.join(f'{k}={raw[k]!r}' for k in refused)} is not supported by LoRA serving")
     if raw.get("fan_in_fan_out"):
         raise ValueError(f"{path}: fan_in_fan_out=true is not supported (Conv1D-style weights)")
     if raw.get("bias", "none") != "none":
-        raise ValueError(f"{path}: bias={raw['bias']!r} is not supported (bias must be \"none\")")
+        raise ValueError(f'{path}: bias={raw["bias"]!r} is not supported (bias must be "none")')
     _check_target_modules(path, raw.get("target_modules"))
     try:
-        options = _Options(int(raw["r"]), float(raw.get("lora_alpha", 8)), bool(raw.get("use_rslora")),
-                           dict(raw.get("rank_pattern") or {}), dict(raw.get("alpha_pattern") or {}))
+        options = _Options(
+            int(raw["r"]),
+            float(raw.get("lora_alpha", 8)),
+            bool(raw.get("use_rslora")),
+            dict(raw.get("rank_pattern") or {}),
+            dict(raw.get("alpha_pattern") or {}),
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: r, lora_alpha, rank_pattern, alpha_pattern: {exc!r}") from exc
     if options.r < 1 or any(int(r) < 1 for r in options.rank_pattern.values()):
-        raise ValueError(f"{path}: LoRA ranks must be positive, got r={options.r}, "
-                         f"rank_pattern={dict(options.rank_pattern)}")
+        raise ValueError(
+            f"{path}: LoRA ranks must be positive, got r={options.r}, rank_pattern={dict(options.rank_pattern)}"
+        )
     return options
 
 
@@ -223,8 +253,10 @@ def _check_target_modules(path: Path, target_modules: str | Sequence[str] | None
         return
     unsupported = sorted({t for t in target_modules if t.rsplit(".", 1)[-1] not in (*LORA_TARGETS, *FUSED_TARGETS)})
     if unsupported:
-        raise ValueError(f"{path}: target module(s) {', '.join(unsupported)} not supported; LoRA "
-                         f"serving adapts {', '.join(LORA_TARGETS)} of the decoder layers")
+        raise ValueError(
+            f"{path}: target module(s) {', '.join(unsupported)} not supported; LoRA "
+            f"serving adapts {', '.join(LORA_TARGETS)} of the decoder layers"
+        )
 
 
 def _weights_path(folder: Path) -> Path:
@@ -234,9 +266,11 @@ def _weights_path(folder: Path) -> Path:
         return path
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     if pickles:
-        raise CheckpointError(f"{folder}: {', '.join(pickles)} is a pickle, which is never loaded: "
-                              f"save the adapter as {WEIGHTS_FILE} (save_pretrained(..., "
-                              "safe_serialization=True))")
+        raise CheckpointError(
+            f"{folder}: {', '.join(pickles)} is a pickle, which is never loaded: "
+            f"save the adapter as {WEIGHTS_FILE} (save_pretrained(..., "
+            "safe_serialization=True))"
+        )
     raise CheckpointError(f"{folder}: {WEIGHTS_FILE} not found")
 
 
@@ -253,9 +287,11 @@ def _modules_of(path: Path, names: list[str], num_layers: int) -> dict[tuple[int
     for name in names:
         match = _TENSOR_NAME.fullmatch(name)
         if match is None or match[3] not in _PARENT or _PARENT[match[3]] != match[2]:
-            raise ValueError(f"{path}: tensor {name!r} is not a LoRA weight of a supported target; "
-                             f"LoRA serving adapts {', '.join(LORA_TARGETS)} of the decoder layers "
-                             "(not embed_tokens or lm_head)")
+            raise ValueError(
+                f"{path}: tensor {name!r} is not a LoRA weight of a supported target; "
+                f"LoRA serving adapts {', '.join(LORA_TARGETS)} of the decoder layers "
+                "(not embed_tokens or lm_head)"
+            )
         layer = int(match[1])
         if layer >= num_layers:
             raise ValueError(f"{path}: tensor {name!r} is for layer {layer}; the model has {num_layers}")
@@ -277,18 +313,22 @@ def _full_shape(config: ModelConfig, target: str, tp_size: int) -> tuple[int, in
     return shape[0], shape[1]
 
 
-def _check_shapes(path: Path, module: str, a: tuple[int, ...], b: tuple[int, ...],
-                  full: tuple[int, int], rank: int) -> None:
+def _check_shapes(
+    path: Path, module: str, a: tuple[int, ...], b: tuple[int, ...], full: tuple[int, int], rank: int
+) -> None:
     out_size, in_size = full
     want_a, want_b = (rank, in_size), (out_size, rank)
     if a != want_a or b != want_b:
-        raise ValueError(f"{path}: {module} has lora_A {list(a)} and lora_B {list(b)}, expected "
-                         f"{list(want_a)} and {list(want_b)} (rank {rank} from {CONFIG_FILE}, "
-                         "sizes from the model's config.json)")
+        raise ValueError(
+            f"{path}: {module} has lora_A {list(a)} and lora_B {list(b)}, expected "
+            f"{list(want_a)} and {list(want_b)} (rank {rank} from {CONFIG_FILE}, "
+            "sizes from the model's config.json)"
+        )
 
 
-def _rank_share(target: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int],
-                tp_rank: int, tp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rank_share(
+    target: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int], tp_rank: int, tp_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank `tp_rank`'s share of a target's A [r, in] and B [out, r], its base weight being
     `shape` (out, in) on the rank: B's rows where the base weight's rows are split (column
     parallel), A's columns where its columns are (row parallel)."""
@@ -329,8 +369,16 @@ class LoraBank:
     rank) and zeros elsewhere, and zeros for every (layer, target) the adapter does not
     adapt."""
 
-    def __init__(self, config: ModelConfig, start: int, end: int, max_loras: int, max_rank: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        start: int,
+        end: int,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if not 0 <= start < end <= config.num_layers:
             raise ValueError(f"layer range [{start}, {end}) outside 0..{config.num_layers}")
         if max_loras < 1 or max_rank < 1:
@@ -340,10 +388,14 @@ class LoraBank:
         self.dtype, self.device = dtype, torch.device(device)
         layers = end - start
         self.out_sizes = {t: module_shape(config, t)[0] for t in LORA_TARGETS}
-        self._a = {t: torch.zeros(layers, max_loras, max_rank, module_shape(config, t)[1], dtype=dtype,
-                                  device=self.device) for t in LORA_TARGETS}
-        self._bt = {t: torch.zeros(layers, max_loras, max_rank, self.out_sizes[t], dtype=dtype,
-                                   device=self.device) for t in LORA_TARGETS}
+        self._a = {
+            t: torch.zeros(layers, max_loras, max_rank, module_shape(config, t)[1], dtype=dtype, device=self.device)
+            for t in LORA_TARGETS
+        }
+        self._bt = {
+            t: torch.zeros(layers, max_loras, max_rank, self.out_sizes[t], dtype=dtype, device=self.device)
+            for t in LORA_TARGETS
+        }
         self._names: list[str | None] = [None] * max_loras
         self._ranks = [0] * max_loras
         self._targets: list[frozenset[str]] = [frozenset()] * max_loras
@@ -380,9 +432,11 @@ class LoraBank:
             raise ValueError(f"LoRA adapter {name!r} is already loaded (slot {self._names.index(name)})")
         self._check_fits(name, adapter)
         if None not in self._names:
-            raise LoraBankFullError(f"LoRA bank is full: max_loras={self.max_loras} adapters loaded "
-                                    f"({', '.join(self.names)}); unload one before adding {name!r}, or "
-                                    "serve with a larger --max-loras")
+            raise LoraBankFullError(
+                f"LoRA bank is full: max_loras={self.max_loras} adapters loaded "
+                f"({', '.join(self.names)}); unload one before adding {name!r}, or "
+                "serve with a larger --max-loras"
+            )
         slot = self._names.index(None)
         for target in LORA_TARGETS:
             self._a[target][:, slot].zero_()
@@ -422,17 +476,22 @@ class LoraBank:
 
     def _check_fits(self, name: str, adapter: LoraAdapter) -> None:
         if (adapter.start, adapter.end) != (self.start, self.end):
-            raise ValueError(f"LoRA adapter {name!r} was loaded for layers [{adapter.start}, "
-                             f"{adapter.end}), the bank holds [{self.start}, {self.end})")
+            raise ValueError(
+                f"LoRA adapter {name!r} was loaded for layers [{adapter.start}, "
+                f"{adapter.end}), the bank holds [{self.start}, {self.end})"
+            )
         if adapter.rank > self.max_rank:
-            raise ValueError(f"LoRA adapter {name!r} has rank {adapter.rank}, above the bank's "
-                             f"max_rank={self.max_rank}")
+            raise ValueError(
+                f"LoRA adapter {name!r} has rank {adapter.rank}, above the bank's max_rank={self.max_rank}"
+            )
         for (layer, target), w in adapter.weights.items():
             want = (self.out_sizes[target], self._a[target].shape[-1])
             if (w.b.shape[0], w.a.shape[1]) != want:
-                raise ValueError(f"LoRA adapter {name!r}: layer {layer} {target} is "
-                                 f"{w.b.shape[0]}x{w.a.shape[1]}, the bank's model {want[0]}x{want[1]} "
-                                 "(another tensor-parallel size?)")
+                raise ValueError(
+                    f"LoRA adapter {name!r}: layer {layer} {target} is "
+                    f"{w.b.shape[0]}x{w.a.shape[1]}, the bank's model {want[0]}x{want[1]} "
+                    "(another tensor-parallel size?)"
+                )
 
     def weights(self, target: str, local: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(A [r, in], scaled B^T [r, out]) of a slot at local layer `local`, r its rank."""
@@ -458,8 +517,10 @@ class LoraStep:
         used = torch.unique(slots).tolist()
         bad = [s for s in used if s != -1 and not (0 <= s < bank.max_loras and bank.rank_of(s))]
         if bad:
-            raise ValueError(f"token_slots name slots {bad} that hold no adapter "
-                             f"(bank of {bank.max_loras}, loaded: {', '.join(bank.names) or 'none'})")
+            raise ValueError(
+                f"token_slots name slots {bad} that hold no adapter "
+                f"(bank of {bank.max_loras}, loaded: {', '.join(bank.names) or 'none'})"
+            )
         groups: list[tuple[int, torch.Tensor | None]] = []
         for slot in (s for s in used if s >= 0):
             rows = torch.nonzero(slots == slot).flatten()
@@ -474,14 +535,17 @@ class LoraStep:
         # slots in a row (usually: every adapter loaded is in the step) are taken as a view
         # of the bank's stacked weights, not gathered (a copy of every B per layer)
         first = groups[0][0] if groups else 0
-        self.slot_range = (slice(first, first + len(groups))
-                           if [s for s, _ in groups] == list(range(first, first + len(groups))) else None)
+        self.slot_range = (
+            slice(first, first + len(groups))
+            if [s for s, _ in groups] == list(range(first, first + len(groups)))
+            else None
+        )
         self.longest = max((self.num_tokens if r is None else r.shape[0] for _, r in groups), default=0)
         self.gather = self.scatter = None
         if groups and not (len(groups) == 1 and groups[0][1] is None):
             gather = torch.full((len(groups), self.longest), self.num_tokens, dtype=torch.long)
             for i, (_, rows) in enumerate(groups):
-                gather[i, :rows.shape[0]] = rows.cpu()
+                gather[i, : rows.shape[0]] = rows.cpu()
             self.gather = gather.flatten().to(bank.device)
             self.scatter = torch.where(self.gather == self.num_tokens, 0, self.gather)
 
@@ -518,19 +582,23 @@ class LoraLayer(NamedTuple):
         else:
             xs = F.pad(x, (0, 0, 0, 1)).index_select(0, step.gather).view(groups, step.longest, x.shape[1])
         at, bts = bank.fused(targets)
-        take = ((lambda w: w[self.local, step.slot_range]) if step.slot_range is not None
-                else (lambda w: w[self.local].index_select(0, step.slots)))
+        take = (
+            (lambda w: w[self.local, step.slot_range])
+            if step.slot_range is not None
+            else (lambda w: w[self.local].index_select(0, step.slots))
+        )
         low = torch.bmm(xs.to(bank.dtype), take(at))  # [groups, longest, len(targets) * max_rank]
         r = bank.max_rank
-        deltas = [torch.bmm(low[:, :, i * r:(i + 1) * r].contiguous(), take(bt)) for i, bt in enumerate(bts)]
+        deltas = [torch.bmm(low[:, :, i * r : (i + 1) * r].contiguous(), take(bt)) for i, bt in enumerate(bts)]
         delta = (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=2)).to(out.dtype)
         if step.gather is None:
             return out.add_(delta[0])
         return out.index_add_(0, step.scatter, delta.view(-1, delta.shape[-1]))
 
 
-def token_slots(row_slots: Sequence[int], row_num_tokens: Sequence[int],
-                device: torch.device | str = "cpu") -> torch.Tensor:
+def token_slots(
+    row_slots: Sequence[int], row_num_tokens: Sequence[int], device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """A step's per-token slots (`torch.long [T]`) from its rows' slots (-1: base model) and
     token counts, rows in batch order."""
     counts = torch.tensor(row_num_tokens, dtype=torch.long)
@@ -538,8 +606,16 @@ def token_slots(row_slots: Sequence[int], row_num_tokens: Sequence[int],
     return torch.repeat_interleave(slots, counts).to(device)
 
 
-def bank_for(model, *, enable: bool, modules: Mapping[str, str], max_loras: int, max_rank: int,
-             tp_rank: int = 0, tp_size: int = 1) -> LoraBank | None:
+def bank_for(
+    model,
+    *,
+    enable: bool,
+    modules: Mapping[str, str],
+    max_loras: int,
+    max_rank: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> LoraBank | None:
     """A stage's bank (`--enable-lora`), holding the adapters of `--lora-modules` for its
     layers (`model`: its StageModel); None when LoRA is off. In the dtype of the stage's
     activations, on its device."""
@@ -548,6 +624,5 @@ def bank_for(model, *, enable: bool, modules: Mapping[str, str], max_loras: int,
     param = next(model.parameters())
     bank = LoraBank(model.config, model.start, model.end, max_loras, max_rank, param.dtype, param.device)
     for name, path in modules.items():
-        bank.add(name, load_adapter(path, model.config, model.start, model.end, tp_rank, tp_size,
-                                    max_rank=max_rank))
+        bank.add(name, load_adapter(path, model.config, model.start, model.end, tp_rank, tp_size, max_rank=max_rank))
     return bank

@@ -38,14 +38,22 @@ _CHUNK_BLOCKS = 1 << 14  # blocks quantized at once: bounds the [chunk, 32, 16] 
 
 
 def _check_hf(blocks: torch.Tensor, scales: torch.Tensor) -> None:
-    if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() < 2 \
-            or blocks.shape[-1] != 16:
-        raise ValueError(f"blocks must be uint8 [..., K / 32, 16], got {getattr(blocks, 'dtype', type(blocks))} "
-                         f"{tuple(getattr(blocks, 'shape', ()))}")
+    if (
+        not isinstance(blocks, torch.Tensor)
+        or blocks.dtype != torch.uint8
+        or blocks.dim() < 2
+        or blocks.shape[-1] != 16
+    ):
+        raise ValueError(
+            f"blocks must be uint8 [..., K / 32, 16], got {getattr(blocks, 'dtype', type(blocks))} "
+            f"{tuple(getattr(blocks, 'shape', ()))}"
+        )
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 or scales.shape != blocks.shape[:-1]:
-        raise ValueError(f"scales must be uint8 {tuple(blocks.shape[:-1])} (blocks' shape without the last "
-                         f"dimension), got {getattr(scales, 'dtype', type(scales))} "
-                         f"{tuple(getattr(scales, 'shape', ()))}")
+        raise ValueError(
+            f"scales must be uint8 {tuple(blocks.shape[:-1])} (blocks' shape without the last "
+            f"dimension), got {getattr(scales, 'dtype', type(scales))} "
+            f"{tuple(getattr(scales, 'shape', ()))}"
+        )
 
 
 def hf_to_ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -64,10 +72,16 @@ def hf_to_ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 def ggml_to_hf_mxfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ggml MXFP4 rows uint8 [..., row_bytes] (row_bytes = K / 32 * 17) as Hugging Face's
     (blocks uint8 [..., K / 32, 16], scales uint8 [..., K / 32]): `hf_to_ggml_mxfp4`'s inverse."""
-    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() < 1 \
-            or rows.shape[-1] % BLOCK_BYTES:
-        raise ValueError(f"rows must be uint8 [..., K / 32 * {BLOCK_BYTES}], got "
-                         f"{getattr(rows, 'dtype', type(rows))} {tuple(getattr(rows, 'shape', ()))}")
+    if (
+        not isinstance(rows, torch.Tensor)
+        or rows.dtype != torch.uint8
+        or rows.dim() < 1
+        or rows.shape[-1] % BLOCK_BYTES
+    ):
+        raise ValueError(
+            f"rows must be uint8 [..., K / 32 * {BLOCK_BYTES}], got "
+            f"{getattr(rows, 'dtype', type(rows))} {tuple(getattr(rows, 'shape', ()))}"
+        )
     g = rows.contiguous().view(*rows.shape[:-1], rows.shape[-1] // BLOCK_BYTES, BLOCK_BYTES)
     qs = g[..., 1:].reshape(*g.shape[:-1], 8, 2)
     even, odd = qs[..., 0], qs[..., 1]  # qs[2m], qs[2m + 1]
@@ -76,8 +90,9 @@ def ggml_to_hf_mxfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([lo, hi], dim=-1), g[..., 0].contiguous()
 
 
-def hf_mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor,
-                        dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def hf_mxfp4_dequantize(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """The values of Hugging Face MXFP4 weights as `dtype` [..., rows, K]: FP4_VALUES[q] *
     2^(s - 127), exact in float32 and then rounded to `dtype` (every value but overflows is
     exact in bfloat16 and float32). transformers' convert_moe_packed_tensors gives the same
@@ -93,8 +108,10 @@ def quantize_mxfp4(x: torch.Tensor) -> torch.Tensor:
     """ggml MXFP4 rows uint8 [N, K / 32 * 17] of float rows `x` [N, K] (K % 32 == 0), as ggml's
     quantize_row_mxfp4_ref (module docstring)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point() or x.shape[1] % BLOCK:
-        raise ValueError(f"x must be a 2-D float tensor [N, K] with K a multiple of {BLOCK}, got "
-                         f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+        raise ValueError(
+            f"x must be a 2-D float tensor [N, K] with K a multiple of {BLOCK}, got "
+            f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}"
+        )
     N, K = x.shape
     blocks = x.detach().to(device="cpu", dtype=torch.float32).reshape(-1, BLOCK)
     if not torch.isfinite(blocks).all():
@@ -102,14 +119,14 @@ def quantize_mxfp4(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(blocks.shape[0], BLOCK_BYTES, dtype=torch.uint8)
     kv = torch.tensor(MXFP4_KVALUES, dtype=torch.float32)
     for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
-        v = blocks[start:start + _CHUNK_BLOCKS]
+        v = blocks[start : start + _CHUNK_BLOCKS]
         amax = v.abs().amax(dim=-1)
         exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, torch.zeros_like(amax))
         e = exp.clamp(0, 255).to(torch.uint8)
         d = e8m0_half(e).unsqueeze(-1)  # [B, 1]
         q = ((d.unsqueeze(-1) * kv - v.unsqueeze(-1)).abs()).argmin(dim=-1).to(torch.uint8)  # [B, 32]
-        out[start:start + _CHUNK_BLOCKS, 0] = e
-        out[start:start + _CHUNK_BLOCKS, 1:] = q[:, :16] | (q[:, 16:] << 4)
+        out[start : start + _CHUNK_BLOCKS, 0] = e
+        out[start : start + _CHUNK_BLOCKS, 1:] = q[:, :16] | (q[:, 16:] << 4)
     return out.view(N, K // BLOCK * BLOCK_BYTES)
 
 
@@ -118,10 +135,11 @@ def quantize_hf_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the transpose) as Hugging Face MXFP4 (blocks uint8 [..., rows, K / 32, 16], scales uint8
     [..., rows, K / 32]), quantized as `quantize_mxfp4`."""
     if not isinstance(w, torch.Tensor) or w.dim() < 2:
-        raise ValueError(f"w must be a float tensor [..., rows, K], got {getattr(w, 'dtype', type(w))} "
-                         f"{tuple(getattr(w, 'shape', ()))}")
+        raise ValueError(
+            f"w must be a float tensor [..., rows, K], got {getattr(w, 'dtype', type(w))} "
+            f"{tuple(getattr(w, 'shape', ()))}"
+        )
     K = w.shape[-1]
     ggml = quantize_mxfp4(w.reshape(-1, K))
     blocks, scales = ggml_to_hf_mxfp4(ggml)
     return blocks.view(*w.shape[:-1], K // BLOCK, 16), scales.view(*w.shape[:-1], K // BLOCK)
-

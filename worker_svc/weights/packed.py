@@ -36,12 +36,7 @@ from torch import nn
 
 from services.settings import PACKED_PREFILL_GEMM, env_value
 from worker_svc.kernels.calibrate import cpu_paths
-from worker_svc.kernels.quant_kernels import (
-    KERNEL_TYPES,
-    check_row_length,
-    dequantize,
-    quant_kernels,
-)
+from worker_svc.kernels.quant_kernels import KERNEL_TYPES, check_row_length, dequantize, quant_kernels
 
 PACKED_QTYPES = KERNEL_TYPES  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 and the K-quants Q2_K ... Q6_K
 # bfloat16 weights: above this many rows a product runs as oneDNN's bfloat16 GEMM (activations
@@ -72,8 +67,7 @@ class PackedLinear(nn.Module):
     `[out_features, row_bytes]` of `qtype` (or bfloat16 `[out, in]` when qtype is "BF16");
     `bias` float32 or None."""
 
-    def __init__(self, qweight: torch.Tensor, qtype: str, in_features: int,
-                 bias: torch.Tensor | None = None) -> None:
+    def __init__(self, qweight: torch.Tensor, qtype: str, in_features: int, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         if qtype not in (*PACKED_QTYPES, "BF16"):
             raise ValueError(f"PackedLinear: unsupported type {qtype!r}")
@@ -88,8 +82,10 @@ class PackedLinear(nn.Module):
         self.paths = cpu_paths()  # which GEMM a prefill takes on this CPU
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"qtype={self.qtype}, native={self.kernels is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"qtype={self.qtype}, native={self.kernels is not None}"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -119,8 +115,7 @@ class PackedLinear(nn.Module):
         """GGUF block weights: integer kernels on the blocks, or a prefill dequantized to the
         GEMM this CPU runs fastest (bfloat16 only with BF16 units); into `out` when given."""
         path = self.paths.packed_prefill
-        if (x2.shape[0] < PACKED_GEMM_MIN_ROWS or self.float32_activations or not self.prefill_gemm
-                or path == "integer"):
+        if x2.shape[0] < PACKED_GEMM_MIN_ROWS or self.float32_activations or not self.prefill_gemm or path == "integer":
             return self.kernels.matmul(x2, self.qweight, self.qtype, out=out)
         if path == "bf16-gemm":
             w = self.kernels.dequantize_bf16(self.qweight, self.qtype, self.in_features)
@@ -175,8 +170,9 @@ class PackedParts(PackedLinear):
 
     def __init__(self, parts: list[PackedLinear]) -> None:
         first = parts[0]
-        super().__init__(torch.empty(sum(p.out_features for p in parts), 0, dtype=torch.uint8), first.qtype,
-                         first.in_features)
+        super().__init__(
+            torch.empty(sum(p.out_features for p in parts), 0, dtype=torch.uint8), first.qtype, first.in_features
+        )
         self.parts = nn.ModuleList(parts)
         self.qtype = "+".join(p.qtype for p in parts)
 

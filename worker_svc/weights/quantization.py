@@ -48,9 +48,7 @@ _MIN_SCALE = 1e-12  # an all-zero row still gets a finite, positive scale
 def check_quantization(method: str | None) -> None:
     """ValueError unless `method` is None (no quantization) or a supported method."""
     if method is not None and method not in QUANTIZATION_METHODS:
-        raise ValueError(
-            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or unset; got {method!r}"
-        )
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or unset; got {method!r}")
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,11 +116,7 @@ class Fp8Linear(nn.Module):
     """
 
     def __init__(
-        self,
-        qweight: torch.Tensor,
-        scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        act_dtype: torch.dtype,
+        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype
     ) -> None:
         super().__init__()
         if qweight.dtype != FP8_DTYPE or qweight.dim() != 2:
@@ -187,6 +181,7 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     """
     check_quantization(method)
     if method == "int8":
+
         def convert(linear: nn.Linear) -> nn.Module:
             bias = None if linear.bias is None else linear.bias.detach().float()
             return PackedLinear(quantize_int8_rows(linear.weight), "Q8_0", linear.in_features, bias)
