@@ -40,6 +40,12 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    _add_harness_arguments(p)
+    _add_serving_arguments(p)
+
+
+def _add_harness_arguments(p: argparse.ArgumentParser) -> None:
+    """The harness's own runs: which models and comparisons, how much load, where results go."""
     p.add_argument(
         "--quick", action="store_true", help="the `make bench` run: under 10 minutes on 2 cores, scaled-down lengths"
     )
@@ -105,6 +111,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         metavar="RESULTS_JSON",
         help="only render results.md (and plots with --plot) from a saved results.json",
     )
+
+
+def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
+    """With --base-url: the same workload against running OpenAI-compatible servers."""
     serving = p.add_argument_group(
         "any OpenAI-compatible server",
         "with --base-url: drive running servers (Pagoda, vLLM, ...) with the same "

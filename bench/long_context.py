@@ -63,7 +63,7 @@ async def run(address: str, prompt: list[int], new_tokens: int, on_first) -> dic
         return {"ttft_s": first, "e2e_s": time.perf_counter() - started, "tokens": tokens}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=131072)
     p.add_argument("--new-tokens", type=int, default=16)
@@ -76,7 +76,37 @@ def main() -> int:
         help="--gpu-memory-utilization (default: about 1.5 GiB per stage of this machine's memory)",
     )
     p.add_argument("--out", type=Path)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def stage_memory(infos, held_blocks: int, peaks: dict[str, int]) -> list[dict]:
+    """Each stage's peak resident memory against what the sizing predicts."""
+    mib = 1 << 20
+    stages = []
+    for info in infos:
+        kv = held_blocks * info.kv_block_bytes
+        pool = info.num_kv_blocks * info.kv_block_bytes  # resident whole: torch.zeros writes every page
+        predicted = info.memory_baseline_bytes + info.activation_peak_bytes + pool
+        peak = peaks[f"worker-{info.stage_index}"]
+        stages.append(
+            {
+                "stage": info.stage_index,
+                "baseline_mib": info.memory_baseline_bytes / mib,
+                "weights_mib": info.weights_bytes / mib,
+                "activation_mib": info.activation_peak_bytes / mib,
+                "kv_used_mib": kv / mib,
+                "pool_blocks": info.num_kv_blocks,
+                "pool_mib": pool / mib,
+                "predicted_mib": predicted / mib,
+                "peak_mib": peak / mib,
+                "peak_over_predicted": peak / predicted,
+            }
+        )
+    return stages
+
+
+def main() -> int:
+    args = parse_args()
     os.environ.setdefault(INTERNAL_TOKEN_ENV, "bench-long-context")
     work = Path(tempfile.mkdtemp(prefix="pagoda-long-"))
     max_len = args.tokens + args.new_tokens + 64
@@ -113,26 +143,7 @@ def main() -> int:
     finally:
         stack.stop()
     mib = 1 << 20
-    stages = []
-    for info in infos:
-        kv = held["blocks"] * info.kv_block_bytes
-        pool = info.num_kv_blocks * info.kv_block_bytes  # resident whole: torch.zeros writes every page
-        predicted = info.memory_baseline_bytes + info.activation_peak_bytes + pool
-        peak = peaks[f"worker-{info.stage_index}"]
-        stages.append(
-            {
-                "stage": info.stage_index,
-                "baseline_mib": info.memory_baseline_bytes / mib,
-                "weights_mib": info.weights_bytes / mib,
-                "activation_mib": info.activation_peak_bytes / mib,
-                "kv_used_mib": kv / mib,
-                "pool_blocks": info.num_kv_blocks,
-                "pool_mib": pool / mib,
-                "predicted_mib": predicted / mib,
-                "peak_mib": peak / mib,
-                "peak_over_predicted": peak / predicted,
-            }
-        )
+    stages = stage_memory(infos, held["blocks"], peaks)
     report = {
         "tokens": args.tokens,
         "new_tokens": args.new_tokens,

@@ -162,23 +162,55 @@ def table(servers: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def _check(args) -> tuple[list[Target], str]:
+    """The servers and the tokenizer's folder, or ValueError on a bad flag."""
+    targets = [Target.parse(t) for t in args.base_url]
+    if not args.model:
+        raise ValueError("--model: the name to send as `model` is required with --base-url")
+    tokenizer_dir = args.tokenizer or args.model
+    if (
+        not Path(tokenizer_dir, "tokenizer.json").is_file()
+        and not Path(tokenizer_dir, "tokenizer_config.json").is_file()
+    ):
+        raise ValueError(f"--tokenizer: {tokenizer_dir} holds no tokenizer (give the model's folder)")
+    if args.workload not in WORKLOAD_NAMES:
+        raise ValueError(f"--workload: one of {', '.join(WORKLOAD_NAMES)}")
+    if len({t.label for t in targets}) != len(targets):
+        raise ValueError("--base-url: two servers with the same label (use LABEL=URL)")
+    return targets, tokenizer_dir
+
+
+def _write(args, started: str, requests: list[BenchRequest], servers: list[dict[str, Any]]) -> str:
+    """serving.json and serving.md into --out; returns the table."""
+    md = table(servers)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serving.json").write_text(
+        json.dumps(
+            {
+                "started": started,
+                "workload": args.workload,
+                "num_prompts": len(requests),
+                "concurrency": args.concurrency,
+                "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+                "ignore_eos": args.ignore_eos,
+                "servers": servers,
+            },
+            indent=2,
+        )
+    )
+    (args.out / "serving.md").write_text(
+        f"# pagoda bench --base-url ({started})\n\nWorkload `{args.workload}`, {len(requests)} requests, "
+        f"{args.concurrency} clients, model `{args.model}`; goodput: TTFT <= {args.slo_ttft_ms:g} ms and "
+        f"TPOT <= {args.slo_tpot_ms:g} ms.\n\n{md}\n"
+    )
+    return md
+
+
 def run(args) -> int:
     from services.text import Tokenizer
 
     try:
-        targets = [Target.parse(t) for t in args.base_url]
-        if not args.model:
-            raise ValueError("--model: the name to send as `model` is required with --base-url")
-        tokenizer_dir = args.tokenizer or args.model
-        if (
-            not Path(tokenizer_dir, "tokenizer.json").is_file()
-            and not Path(tokenizer_dir, "tokenizer_config.json").is_file()
-        ):
-            raise ValueError(f"--tokenizer: {tokenizer_dir} holds no tokenizer (give the model's folder)")
-        if args.workload not in WORKLOAD_NAMES:
-            raise ValueError(f"--workload: one of {', '.join(WORKLOAD_NAMES)}")
-        if len({t.label for t in targets}) != len(targets):
-            raise ValueError("--base-url: two servers with the same label (use LABEL=URL)")
+        targets, tokenizer_dir = _check(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -211,27 +243,7 @@ def run(args) -> int:
         except Exception as exc:  # a server that cannot be reached or refuses: say which
             print(f"error: {target.label} ({target.base_url}): {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
-    md = table(servers)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serving.json").write_text(
-        json.dumps(
-            {
-                "started": started,
-                "workload": args.workload,
-                "num_prompts": len(requests),
-                "concurrency": args.concurrency,
-                "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
-                "ignore_eos": args.ignore_eos,
-                "servers": servers,
-            },
-            indent=2,
-        )
-    )
-    (args.out / "serving.md").write_text(
-        f"# pagoda bench --base-url ({started})\n\nWorkload `{args.workload}`, {len(requests)} requests, "
-        f"{args.concurrency} clients, model `{args.model}`; goodput: TTFT <= {args.slo_ttft_ms:g} ms and "
-        f"TPOT <= {args.slo_tpot_ms:g} ms.\n\n{md}\n"
-    )
+    md = _write(args, started, requests, servers)
     print("\n" + md)
     print(f"\nwrote {args.out / 'serving.json'} and {args.out / 'serving.md'}")
     failed = [s["label"] for s in servers if s["failed"]]

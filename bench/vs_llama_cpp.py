@@ -34,6 +34,7 @@ Run:
     .venv/bin/python -m bench.vs_llama_cpp --gguf A.gguf,B.gguf --streams 0 --repeats 1
 
 Figures of one run compare; across runs the shared machine drifts. Writes JSON to `--out`.
+llama.cpp's own commands (the single-stream script, its server) are in bench/vs_llama_cpp_anchor.py.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import platform
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -57,51 +57,15 @@ from typing import Any
 from bench.clients import sse_chunks
 from bench.machine import cpu_record, measure_bandwidth, run_json
 from bench.server_process import REPO_ROOT, Server, ServerRun, run_on_server
+from bench.vs_llama_cpp_anchor import health_wait_llama, llama_has_server, llama_server, run_llama
 from bench.vs_vllm import git_state
 from bench.vs_vllm_arms import DEFAULT_ANCHOR, ArmSpec, Paths, make_server
 from bench.vs_vllm_load import Client, LoadSpec
-from wiring.launcher import free_port
 
 DEFAULT_Q4_1 = Path.home() / ".cache" / "pagoda" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_Q8_0 = DEFAULT_ANCHOR / "smol135.Q8_0.gguf"
 SERVED = "tiny"
 
-
-LLAMA_SCRIPT = r"""
-import json, sys, time, statistics
-import llama_cpp
-from llama_cpp import Llama
-cfg = json.loads(sys.argv[1])
-t0 = time.perf_counter()
-llm = Llama(model_path=cfg["model"], n_ctx=1024, n_threads=1, n_threads_batch=1, verbose=False)
-load_s = time.perf_counter() - t0
-runs = []
-for i, prompt in enumerate(cfg["prompts"]):
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    t1 = time.perf_counter()
-    out = [llm.sample(temp=0.0)]
-    t2 = time.perf_counter()
-    for _ in range(cfg["n_out"] - 1):
-        llm.eval([out[-1]])
-        out.append(llm.sample(temp=0.0))
-    t3 = time.perf_counter()
-    runs.append({"warmup": i == 0, "prefill_s": t1 - t0, "first_token_s": t2 - t0,
-                 "decode_s": t3 - t2, "tokens": len(out),
-                 "prefill_tok_s": len(prompt) / (t1 - t0),
-                 "decode_tok_s": (len(out) - 1) / (t3 - t2), "head": out[:8]})
-meas = [r for r in runs if not r["warmup"]]
-print(json.dumps({
-    "llama_cpp_version": llama_cpp.__version__, "load_s": load_s,
-    "model_size_bytes": int(llama_cpp.llama_model_size(llm.model)),
-    "model_n_params": int(llama_cpp.llama_model_n_params(llm.model)),
-    "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
-    "runs": runs,
-    "decode_tok_s": statistics.median(r["decode_tok_s"] for r in meas),
-    "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in meas),
-}))
-"""
 
 INPROC_SCRIPT = r"""
 import asyncio, json, statistics, sys, time, uuid
@@ -158,18 +122,6 @@ asyncio.run(main())
 def prompts_for(seed: int, count: int, length: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, 8000) for _ in range(length)] for _ in range(count)]
-
-
-def llama_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("VIRTUAL_ENV", None)
-    env.pop("PYTHONPATH", None)
-    return env
-
-
-def run_llama(python: Path, model: Path, prompts: list[list[int]], n_out: int) -> dict[str, Any]:
-    cfg = json.dumps({"model": str(model), "prompts": prompts, "n_out": n_out})
-    return run_json([str(python), "-c", LLAMA_SCRIPT, cfg], 900, env=llama_env(), cwd=Path("/tmp"))
 
 
 def run_inproc(model: Path, prompts: list[list[int]], n_out: int) -> dict[str, Any]:
@@ -273,64 +225,6 @@ def with_server(
     """`run_on_server` with this benchmark's 300 s to start and its progress lines."""
     print(f"  starting {server.name}: {shlex.join(server.cmd)}", flush=True)
     return run_on_server(server, 300, work, wait_healthy=wait_healthy, error_chars=500, alive_note="stopped; ALIVE")
-
-
-def llama_server(python: Path, model: Path, run_dir: Path) -> Server:
-    port = free_port()
-    cmd = [
-        str(python),
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(model),
-        "--model_alias",
-        SERVED,
-        "--n_threads",
-        "1",
-        "--n_threads_batch",
-        "1",
-        "--n_ctx",
-        "4096",
-        "--interrupt_requests",
-        "False",  # its default: a new request cuts the streaming one
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    log = run_dir / f"llama-server-{model.stem}.log"
-    srv = Server(f"llama-server-{model.stem}", cmd, llama_env(), log, f"http://127.0.0.1:{port}", cwd=Path("/tmp"))
-    return srv
-
-
-def llama_has_server(python: Path) -> bool:
-    out = subprocess.run(
-        [str(python), "-c", "import llama_cpp.server.app, uvicorn, sse_starlette"],
-        capture_output=True,
-        env=llama_env(),
-        cwd="/tmp",
-    )
-    return out.returncode == 0
-
-
-def health_wait_llama(server: Server, timeout_s: float) -> float:
-    """llama_cpp.server has no /health: poll /v1/models."""
-    import httpx2
-
-    assert server.proc is not None
-    t0 = time.perf_counter()
-    with httpx2.Client(timeout=5.0) as http:
-        while time.perf_counter() - t0 < timeout_s:
-            server.track()
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"exited {server.proc.returncode}:\n{server.log_tail()}")
-            try:
-                if http.get(f"{server.base_url}/v1/models").status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx2.HTTPError:
-                pass
-            time.sleep(1.0)
-    raise RuntimeError(f"not up after {timeout_s:.0f}s:\n{server.log_tail()}")
 
 
 def share(tok_s: float | None, weight_bytes: int | None, bw_gb_s: float | None) -> float | None:
@@ -601,7 +495,7 @@ def serve_arm(f: dict[str, Any], model: Path, paths: Paths, pagoda_args: list[st
 
 def llama_streams_arm(f: dict[str, Any], python: Path, model: Path, run_dir: Path, load: Load) -> None:
     """llama-cpp-python's server, the concurrent streams: `f["llama_streams"]`."""
-    srv = llama_server(python, model, run_dir)
+    srv = llama_server(python, model, run_dir, SERVED)
     f["llama_server_command"] = srv.cmd
     n_out, texts = load.n_out, load.texts
 

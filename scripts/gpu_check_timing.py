@@ -10,10 +10,14 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_check_common import CheckFailed, GreedyBatch, check_no_grpc, device_for, environment, paged_batch, sync, timed
+
+if TYPE_CHECKING:
+    from wiring.tiny_model import TinyModelSpec
 
 # --- part 3: paged decode attention benchmark ----------------------------------------------
 
@@ -94,38 +98,97 @@ def part_attention_bench(smoke: bool) -> dict[str, Any]:
 # --- part 4: throughput of a ~1B model -----------------------------------------------------
 
 
-def part_throughput(smoke: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ThroughputLoad:
+    """The throughput part's batch: `batch` prompts of `prompt_len`, then `warmup` and `steps` decode steps."""
+
+    batch: int
+    prompt_len: int
+    warmup: int
+    steps: int
+    block_size: int = 16
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-(self.prompt_len + self.warmup + self.steps + 1) // self.block_size)
+
+
+def throughput_case(smoke: bool) -> tuple[TinyModelSpec, ThroughputLoad]:
+    """The model and load: a small stand-in for --smoke, else a ~1B model at batch 64."""
+    from wiring.tiny_model import TinyModelSpec
+
+    if smoke:
+        spec = TinyModelSpec(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, dtype="bfloat16")
+        return spec, ThroughputLoad(batch=4, prompt_len=16, warmup=1, steps=4)
+    # Llama 3.2 1B's shape, with the maker's largest vocabulary
+    spec = TinyModelSpec(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        vocab_size=8192,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+    )
+    return spec, ThroughputLoad(batch=64, prompt_len=128, warmup=4, steps=64)
+
+
+def time_weight_format(model_dir: Path, quant: str | None, device, prompts: list[list[int]], load: ThroughputLoad):
+    """One weight format (None: bfloat16, "fp8") loaded, prefilled and decoded greedily:
+    its figures and the first token's logits of each prompt."""
     import torch
 
-    from wiring.tiny_model import TinyModelSpec, make_tiny_model
     from worker_svc.checkpoints.loader import load_stage
     from worker_svc.execution.runner import StageRunner
     from worker_svc.weights.quantization import weight_bytes
 
+    started = time.perf_counter()
+    model = load_stage(model_dir, dtype="bfloat16", device=device, quantization=quant)
+    load_s = time.perf_counter() - started
+    runner = StageRunner(
+        model, num_blocks=load.batch * load.blocks_per_seq, block_size=load.block_size, backend="triton"
+    )
+    gb = GreedyBatch(runner, prompts, load.blocks_per_seq)
+    sync(device)
+    started = time.perf_counter()
+    prefill_tokens = gb.step(chunk=load.prompt_len, keep_logits=True)  # samples the 1st token
+    sync(device)
+    prefill_s = time.perf_counter() - started
+    first_logits = torch.stack([lg[0] for lg in gb.logits])
+    for _ in range(load.warmup):
+        gb.step(chunk=1)
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(load.steps):
+        gb.step(chunk=1)  # the sampler's .tolist() waits for the step's result
+    decode_s = time.perf_counter() - started
+    row = {
+        "weight_bytes": weight_bytes(model),
+        "load_s": round(load_s, 2),
+        "prefill_tokens_per_s": round(prefill_tokens / prefill_s, 1),
+        "decode_tokens_per_s": round(load.batch * load.steps / decode_s, 1),
+        "decode_step_ms": round(decode_s / load.steps * 1e3, 2),
+    }
+    if device.type == "cuda":
+        row["peak_memory_GiB"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        torch.cuda.reset_peak_memory_stats(device)
+    return row, first_logits
+
+
+def part_throughput(smoke: bool) -> dict[str, Any]:
+    import torch
+
+    from wiring.tiny_model import make_tiny_model
+
     device = device_for(smoke)
-    if smoke:
-        spec = TinyModelSpec(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, dtype="bfloat16")
-        batch, prompt_len, warmup, steps = 4, 16, 1, 4
-    else:  # Llama 3.2 1B's shape, with the maker's largest vocabulary
-        spec = TinyModelSpec(
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_layers=16,
-            num_heads=32,
-            num_kv_heads=8,
-            vocab_size=8192,
-            max_position_embeddings=4096,
-            dtype="bfloat16",
-        )
-        batch, prompt_len, warmup, steps = 64, 128, 4, 64
-    block_size = 16
-    blocks_per_seq = -(-(prompt_len + warmup + steps + 1) // block_size)
+    spec, load = throughput_case(smoke)
     figures: dict[str, Any] = {
         "device": str(device),
         "num_parameters": spec.num_parameters,
-        "batch": batch,
-        "prompt_len": prompt_len,
-        "decode_steps": steps,
+        "batch": load.batch,
+        "prompt_len": load.prompt_len,
+        "decode_steps": load.steps,
         "backend": "triton",
         "pipeline_parallel_size": 1,
     }
@@ -134,42 +197,14 @@ def part_throughput(smoke: bool) -> dict[str, Any]:
         model_dir = make_tiny_model(Path(tmp) / "model", spec)
         figures["make_model_s"] = round(time.perf_counter() - started, 1)
         g = torch.Generator().manual_seed(7)
-        prompts = torch.randint(5, spec.vocab_size, (batch, prompt_len), generator=g).tolist()
+        prompts = torch.randint(5, spec.vocab_size, (load.batch, load.prompt_len), generator=g).tolist()
         first_logits = {}
         for quant in (None, "fp8"):
             name = quant or "bfloat16"
-            started = time.perf_counter()
-            model = load_stage(model_dir, dtype="bfloat16", device=device, quantization=quant)
-            load_s = time.perf_counter() - started
-            runner = StageRunner(model, num_blocks=batch * blocks_per_seq, block_size=block_size, backend="triton")
-            gb = GreedyBatch(runner, prompts, blocks_per_seq)
-            sync(device)
-            started = time.perf_counter()
-            prefill_tokens = gb.step(chunk=prompt_len, keep_logits=True)  # samples the 1st token
-            sync(device)
-            prefill_s = time.perf_counter() - started
-            first_logits[name] = torch.stack([lg[0] for lg in gb.logits])
-            for _ in range(warmup):
-                gb.step(chunk=1)
-            sync(device)
-            started = time.perf_counter()
-            for _ in range(steps):
-                gb.step(chunk=1)  # the sampler's .tolist() waits for the step's result
-            decode_s = time.perf_counter() - started
-            row = {
-                "weight_bytes": weight_bytes(model),
-                "load_s": round(load_s, 2),
-                "prefill_tokens_per_s": round(prefill_tokens / prefill_s, 1),
-                "decode_tokens_per_s": round(batch * steps / decode_s, 1),
-                "decode_step_ms": round(decode_s / steps * 1e3, 2),
-            }
-            if device.type == "cuda":
-                row["peak_memory_GiB"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-                torch.cuda.reset_peak_memory_stats(device)
+            row, first_logits[name] = time_weight_format(model_dir, quant, device, prompts, load)
             print(name, json.dumps(row), flush=True)
             figures[name] = row
-            del gb, runner, model
-            if device.type == "cuda":
+            if device.type == "cuda":  # the format's model and pool went with time_weight_format's frame
                 torch.cuda.empty_cache()
     check_no_grpc()
     ref, got = first_logits["bfloat16"], first_logits["fp8"]
