@@ -14,6 +14,7 @@ health, metrics and the KV memory monitor, as one FastAPI app over a `TextGenera
     GET  /metrics               Prometheus (pagoda:*)
     GET  /debug/memory          the KV service's statistics, through the scheduler
     GET  /dashboard             the live dashboard (a page polling /dashboard/state)
+                                (these four and the like: gateway/operations_routes.py)
 
 Bad input is refused (400, naming the field) before anything reaches the scheduler. A
 client that goes away mid-request cancels it: the cancellation reaches the scheduler call,
@@ -33,14 +34,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import dashboard, embeddings, responses, streaming, validation
+from gateway import embeddings, responses, streaming, validation
 from gateway import openai_format as fmt
 from gateway.config import ApiKey, GatewayConfig
 from gateway.core import TextGenerator
@@ -49,6 +48,7 @@ from gateway.generation import ChoiceDelta, GenerationError, GenerationParams, U
 from gateway.lora_routes import add_lora_routes, refresh_loras
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayMiddleware
+from gateway.operations_routes import add_debug_routes, add_operations_routes
 from gateway.protocol import (
     BODY_UNION_TAGS,
     ChatCompletionRequest,
@@ -182,19 +182,20 @@ def create_app(
         metrics_require_key=config.metrics_require_key,
     )
     _add_error_handlers(app, gw)
-    _add_openai_routes(app, gw)
+    _add_model_routes(app, gw)
+    _add_completion_routes(app, gw)
     embeddings.add_routes(app, gw)
     responses.add_routes(app, gw)
     _add_vllm_routes(app, gw)
     _add_pagoda_routes(app, gw)
     add_lora_routes(app, gw)
-    _add_operations_routes(app, gw)
-    _add_debug_routes(app, gw)
+    add_operations_routes(app, gw)
+    add_debug_routes(app, gw)
     return app
 
 
-def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
-    """OpenAI's API: the models, completions and chat completions."""
+def _add_model_routes(app: FastAPI, gw: Gateway) -> None:
+    """OpenAI's models: the served model under each name it answers to, and the adapters."""
 
     @app.get("/v1/models", tags=["OpenAI"], responses={401: _ERRORS[401]})
     async def list_models() -> dict[str, Any]:
@@ -213,6 +214,30 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
             raise ApiError(404, f"model: the model {model!r} does not exist", "model", "model_not_found")
         return _model_card(gw, model)
 
+
+def _model_card(gw: Gateway, name: str) -> dict[str, Any]:
+    # root: the served name, not where the checkpoint lies on the server's disk; a LoRA
+    # adapter's root is its folder (as given to --lora-modules or the load call) and its parent
+    # the base model, as vLLM lists them
+    card = {
+        "id": name,
+        "object": "model",
+        "created": gw.created,
+        "owned_by": "pagoda",
+        "root": gw.limits.name,
+        "max_model_len": gw.limits.max_model_len,
+        # what a request that leaves a sampling field out gets (--generation-config)
+        "sampling_defaults": gw.limits.sampling_defaults.to_json(),
+    }
+    if name in gw.limits.loras:
+        card.update(root=gw.limits.loras[name], parent=gw.limits.name)
+    return card
+
+
+def _add_completion_routes(app: FastAPI, gw: Gateway) -> None:
+    """OpenAI's completions and chat completions: each request validated and charged, then
+    answered as one JSON body or as server-sent events (`_completion_reply`, `_chat_reply`)."""
+
     @app.post("/v1/completions", tags=["OpenAI"], responses={**_STREAMING, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Text completions of one or more prompts (strings or token ids); `n` choices each."""
@@ -226,43 +251,7 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
         )
         await gw.charge(request, prompts, params)
         items = gw.generation(request_id, prompts, params, request.headers.get("traceparent", ""))
-        model, created = gw.limits.served_name(body.model), int(time.time())
-        want_logprobs = body.logprobs is not None
-        echo_texts = _echo_texts(body.prompt, prompts, gw.tokenizer) if body.echo else None
-        if body.stream:
-            first = await streaming.first_item(request, items)
-            return streaming.EventStream(
-                streaming.completion_events(
-                    request_id,
-                    created,
-                    model,
-                    first,
-                    items,
-                    body.n,
-                    want_logprobs,
-                    body.return_token_ids,
-                    body.stream_options,
-                    sum(map(len, prompts)),
-                    echo_texts,
-                    body.logprobs,
-                ),
-                items,
-                request_id,
-            )
-        choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
-        payload = fmt.completion_response(
-            request_id,
-            created,
-            model,
-            choices,
-            usage,
-            want_logprobs,
-            prompts if body.return_token_ids else None,
-            echo_texts,
-            body.prompt_logprobs,
-            body.logprobs,
-        )
-        return JSONResponse(payload, headers={"X-Request-Id": request_id})
+        return await _completion_reply(gw, body, request, request_id, prompts, items)
 
     @app.post("/v1/chat/completions", tags=["OpenAI"], responses={**_STREAMING, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -277,41 +266,102 @@ def _add_openai_routes(app: FastAPI, gw: Gateway) -> None:
         )
         await gw.charge(request, [prompt], params)
         items = gw.generation(request_id, [prompt], params, request.headers.get("traceparent", ""))
-        model, created = gw.limits.served_name(body.model), int(time.time())
-        if body.stream:
-            first = await streaming.first_item(request, items)
-            return streaming.EventStream(
-                streaming.chat_events(
-                    request_id,
-                    created,
-                    model,
-                    first,
-                    items,
-                    body.n,
-                    body.logprobs,
-                    body.return_token_ids,
-                    body.stream_options,
-                    len(prompt),
-                    params.tool_calling,
-                    params.reply_parsing,
-                ),
-                items,
+        return await _chat_reply(gw, body, request, request_id, prompt, params, items)
+
+
+async def _completion_reply(
+    gw: Gateway,
+    body: CompletionRequest,
+    request: Request,
+    request_id: str,
+    prompts: Sequence[list[int]],
+    items: AsyncIterator[streaming.Item],
+) -> Response:
+    """A completion's answer: its events with `stream`, else its whole body."""
+    model, created = gw.limits.served_name(body.model), int(time.time())
+    want_logprobs = body.logprobs is not None
+    echo_texts = _echo_texts(body.prompt, prompts, gw.tokenizer) if body.echo else None
+    if body.stream:
+        first = await streaming.first_item(request, items)
+        return streaming.EventStream(
+            streaming.completion_events(
                 request_id,
-            )
-        choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
-        payload = fmt.chat_response(
+                created,
+                model,
+                first,
+                items,
+                body.n,
+                want_logprobs,
+                body.return_token_ids,
+                body.stream_options,
+                sum(map(len, prompts)),
+                echo_texts,
+                body.logprobs,
+            ),
+            items,
             request_id,
-            created,
-            model,
-            choices,
-            usage,
-            body.logprobs,
-            prompt if body.return_token_ids else None,
-            body.prompt_logprobs,
-            params.tool_calling,
-            params.reply_parsing,
         )
-        return JSONResponse(payload, headers={"X-Request-Id": request_id})
+    choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
+    payload = fmt.completion_response(
+        request_id,
+        created,
+        model,
+        choices,
+        usage,
+        want_logprobs,
+        prompts if body.return_token_ids else None,
+        echo_texts,
+        body.prompt_logprobs,
+        body.logprobs,
+    )
+    return JSONResponse(payload, headers={"X-Request-Id": request_id})
+
+
+async def _chat_reply(
+    gw: Gateway,
+    body: ChatCompletionRequest,
+    request: Request,
+    request_id: str,
+    prompt: list[int],
+    params: GenerationParams,
+    items: AsyncIterator[streaming.Item],
+) -> Response:
+    """A chat completion's answer: its events with `stream`, else its whole body."""
+    model, created = gw.limits.served_name(body.model), int(time.time())
+    if body.stream:
+        first = await streaming.first_item(request, items)
+        return streaming.EventStream(
+            streaming.chat_events(
+                request_id,
+                created,
+                model,
+                first,
+                items,
+                body.n,
+                body.logprobs,
+                body.return_token_ids,
+                body.stream_options,
+                len(prompt),
+                params.tool_calling,
+                params.reply_parsing,
+            ),
+            items,
+            request_id,
+        )
+    choices, usage, _ = await streaming.guarded(request, items, streaming.collect(items, body.n))
+    payload = fmt.chat_response(
+        request_id,
+        created,
+        model,
+        choices,
+        usage,
+        body.logprobs,
+        prompt if body.return_token_ids else None,
+        body.prompt_logprobs,
+        params.tool_calling,
+        params.reply_parsing,
+    )
+    return JSONResponse(payload, headers={"X-Request-Id": request_id})
 
 
 def _add_vllm_routes(app: FastAPI, gw: Gateway) -> None:
@@ -381,171 +431,6 @@ def _add_pagoda_routes(app: FastAPI, gw: Gateway) -> None:
             timeline = finished[0].timeline if finished else []
             payload["timeline"] = chrome_trace(request_id, timeline, spans)
         return JSONResponse(payload, headers={"X-Request-Id": request_id})
-
-
-def _add_operations_routes(app: FastAPI, gw: Gateway) -> None:
-    """What operators and probes ask: health, version and Prometheus metrics."""
-
-    @app.get("/health", tags=["Operations"], responses={503: {"description": "Some part of the chain is not serving."}})
-    async def health() -> JSONResponse:
-        """Ready only when the scheduler reports every stage and the KV service serving."""
-        if gw.draining:
-            return JSONResponse({"status": "draining", "detail": "the server is shutting down"}, 503)
-        serving, detail = await gw.generator.health()
-        if not serving:
-            return JSONResponse({"status": "unavailable", "detail": detail}, 503)
-        # an emulated stack says so: {"status": "ok", "device": "emulated:PROFILE"}
-        return JSONResponse({"status": "ok", "device": detail} if detail else {"status": "ok"})
-
-    @app.get("/version", tags=["Operations"])
-    async def version() -> dict[str, str]:
-        """The server's version, as vLLM's `/version` reports its own."""
-        return {"version": _version()}
-
-    @app.get(
-        "/metrics",
-        tags=["Operations"],
-        response_class=Response,
-        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
-    )
-    async def metrics() -> Response:
-        """Prometheus text, the one scrape target a dashboard needs (`pagoda:*`, after vLLM's
-        `vllm:*`): requests by finish reason, tokens, TTFT, inter-token, per-output-token and
-        end-to-end latency as clients see them, and the engine's running and waiting
-        requests, KV usage, prefix-cache and preemption counters (read from the scheduler)."""
-        try:
-            gw.metrics.engine.stats = await gw.generator.stats(timeout_s=1.0)
-        except Exception as exc:  # noqa: BLE001 - a scrape never fails: the engine shows as down
-            log.debug("metrics: no statistics from the scheduler: %s", exc)
-            gw.metrics.engine.stats = None
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def _add_debug_routes(app: FastAPI, gw: Gateway) -> None:
-    """What the scheduler and replicas hold, for people: the KV memory, the replicas and
-    the live dashboard."""
-
-    @app.get("/debug/memory", tags=["Operations"], responses={401: _ERRORS[401], 503: _ERRORS[503]})
-    async def debug_memory(include_sequences: bool = False) -> dict[str, Any]:
-        """The KV service's statistics as the scheduler last read them: used, free and
-        cached blocks, peak, fragmentation, prefix hits (and per-sequence layouts); each
-        stage's memory and the channel its hidden states take to the next stage."""
-        try:
-            stats = await gw.generator.stats(include_kv_sequences=include_sequences)
-        except grpc.aio.AioRpcError as exc:
-            raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
-        return {
-            "kv_address": stats.kv_address,
-            "kv_health": _enum_name(stats.kv_health),
-            "kv_cache": _plain(stats.kv_cache),
-            "stages": [
-                {
-                    "stage_index": s.stage_index,
-                    "layers": [s.load_info.layer_start, s.load_info.layer_end],
-                    "weights_bytes": s.load_info.weights_bytes,
-                    "quantization": s.load_info.quantization,
-                    "expert_weights_bytes": s.load_info.expert_weights_bytes,
-                    "kv_block_bytes": s.load_info.kv_block_bytes,
-                    "kv_cache_dtype": _dtype_name(s.load_info.kv_cache_dtype),
-                    "memory_budget_bytes": s.load_info.memory_budget_bytes,
-                    "kv_groups": s.load_info.kv_groups,
-                    "cpu": s.load_info.cpu,
-                    # how its hidden states go to the next stage (issue 37): shm, nccl, grpc
-                    "data_channel": s.stats.data_channel or s.load_info.data_channel,
-                }
-                for s in stats.stages
-            ],
-        }
-
-    @app.get("/debug/replicas", tags=["Operations"], responses={401: _ERRORS[401]})
-    async def debug_replicas() -> dict[str, Any]:
-        """Router mode (several schedulers): each replica's health, load and the requests
-        routed there, the routing policy, and how often it fell back to routing by load."""
-        rs = gw.generator.replicas
-        if rs is None:
-            return {"routing": None, "replicas": [{"name": "r0", "address": gw.generator.scheduler_address}]}
-        index = rs.index
-        return {
-            "routing": rs.policy,
-            "replicas": rs.describe(),
-            "fallbacks": rs.num_fallbacks,
-            "retries": rs.num_retries,
-            "index": None
-            if index is None
-            else {"failing": index.failing, "lookups": index.num_lookups, "failures": index.num_failures},
-        }
-
-    @app.get("/dashboard", tags=["Operations"], response_class=HTMLResponse)
-    async def dashboard_page() -> HTMLResponse:
-        """The live dashboard (docs/metrics.md): one page, no external assets, polling
-        /dashboard/state. With API keys on, the page asks for one (or takes `#key=...`)."""
-        return HTMLResponse(dashboard.page())
-
-    @app.get("/dashboard/state", tags=["Operations"], responses={401: _ERRORS[401], 503: _ERRORS[503]})
-    async def dashboard_state() -> dict[str, Any]:
-        """What the dashboard shows, as JSON: requests and queues by tenant and priority,
-        the KV block map, the stages' compute spans of the last seconds, token counters."""
-        try:
-            stats = await gw.generator.stats(include_kv_sequences=True, include_requests=True, include_timeline=True)
-        except grpc.aio.AioRpcError as exc:
-            raise GenerationError(exc.code(), exc.details() or exc.code().name) from exc
-        return dashboard.state(stats, gw.limits.name)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("pagoda")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "0+unknown"
-
-
-def _model_card(gw: Gateway, name: str) -> dict[str, Any]:
-    # root: the served name, not where the checkpoint lies on the server's disk; a LoRA
-    # adapter's root is its folder (as given to --lora-modules or the load call) and its parent
-    # the base model, as vLLM lists them
-    card = {
-        "id": name,
-        "object": "model",
-        "created": gw.created,
-        "owned_by": "pagoda",
-        "root": gw.limits.name,
-        "max_model_len": gw.limits.max_model_len,
-        # what a request that leaves a sampling field out gets (--generation-config)
-        "sampling_defaults": gw.limits.sampling_defaults.to_json(),
-    }
-    if name in gw.limits.loras:
-        card.update(root=gw.limits.loras[name], parent=gw.limits.name)
-    return card
-
-
-def _enum_name(value: int) -> str:
-    from services.pb import common_pb2
-
-    return common_pb2.HealthStatus.Name(value)
-
-
-def _dtype_name(value: int) -> str:
-    """A DType as the flags name it ("float32", "bfloat16"); "" when the stage did not say."""
-    from services.pb import common_pb2
-
-    name = common_pb2.DType.Name(value) if value in common_pb2.DType.values() else ""
-    return {"DTYPE_FLOAT32": "float32", "DTYPE_BFLOAT16": "bfloat16", "DTYPE_FLOAT16": "float16"}.get(name, "")
-
-
-def _plain(message: Any) -> dict[str, Any]:
-    """A protobuf message as JSON-ready values (64-bit integers stay numbers)."""
-    out: dict[str, Any] = {}
-    for fd in message.DESCRIPTOR.fields:
-        value = getattr(message, fd.name)
-        if fd.message_type is not None:
-            out[fd.name] = [_plain(v) for v in value] if fd.is_repeated else _plain(value)
-        elif fd.is_repeated or isinstance(value, bytes):  # bytes: one number per byte
-            out[fd.name] = list(value)
-        else:
-            out[fd.name] = value
-    return out
 
 
 def _without_union_tag(error: dict[str, Any]) -> dict[str, Any]:

@@ -284,6 +284,40 @@ class ParsedChoices:
         return payload
 
 
+class ForcedCalls:
+    """Chat chunks of forced tool calls: a named function's text is its arguments, streamed
+    as tool-call deltas; "required" calls are held until a choice's output is complete, then
+    sent in one chunk (`tools.message`). `chunk` makes a delta's chunk; `always`: send a chunk
+    for every delta (its tokens' logprobs or ids are asked)."""
+
+    def __init__(self, calling: ToolCalling, chunk: Callable[[ChoiceDelta], dict[str, Any]], always: bool) -> None:
+        self._calling = calling
+        self._chunk = chunk
+        self._always = always
+        self._held: dict[int, list[str]] = {}  # "required": each choice's output so far
+
+    def __call__(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        payload = self._chunk(delta)
+        choice = payload["choices"][0]
+        if self._calling.name is not None:  # a named function: the text is its arguments
+            choice["delta"] = (
+                {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]} if delta.text else {}
+            )
+            return payload
+        self._held.setdefault(delta.index, []).append(delta.text)
+        choice["delta"] = {}
+        if delta.finish_reason is not None:
+            message, choice["finish_reason"] = tools.message(
+                self._calling, "".join(self._held.pop(delta.index)), delta.finish_reason
+            )
+            choice["delta"] = {k: v for k, v in message.items() if k != "role" and v is not None}
+            for k, call in enumerate(choice["delta"].get("tool_calls", ())):
+                call["index"] = k
+        elif not self._always:
+            return None
+        return payload
+
+
 def chat_events(
     request_id: str,
     created: int,
@@ -334,52 +368,28 @@ def chat_chunks(
     """A chat stream's chunks (`chat.completion.chunk`; an error mid-stream ends it as an
     `{"error": ...}` chunk). `calling` (forced tool calls): a named function's arguments
     stream as tool-call deltas; "required" calls come in one chunk once a choice's output is
-    complete. `parsing`: each choice's output streams as the server's parsers read it
-    (reasoning, content and tool-call deltas: `ParsedChoices`). The Responses API
+    complete (`ForcedCalls`). `parsing`: each choice's output streams as the server's parsers
+    read it (reasoning, content and tool-call deltas: `ParsedChoices`). The Responses API
     (gateway/responses.py) reads these chunks too."""
-    opening = [fmt.chat_chunk(request_id, created, model, i, None, False, False) for i in range(n)]
-    held: dict[int, list[str]] = {}  # "required": each choice's output so far
-    parsed = (
-        None
-        if parsing is None
-        else ParsedChoices(
-            parsing,
-            lambda delta: fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs, want_token_ids),
-            want_logprobs or want_token_ids,
-        )
+    return _payloads(
+        request_id,
+        first,
+        items,
+        bool(options and options.include_usage),
+        bool(options and options.include_usage and options.continuous_usage_stats),
+        num_prompt_tokens,
+        _chat_opening(request_id, created, model, n, calling),
+        _chat_chunker(request_id, created, model, want_logprobs, want_token_ids, calling, parsing),
+        lambda usage: fmt.usage_chunk(request_id, created, model, "chat.completion.chunk", usage),
     )
 
-    def chunk(prompt_index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
-        if parsed is not None:
-            return parsed(delta)
-        if calling is not None:
-            return _tool_chunk(delta)
-        if not delta.text and delta.finish_reason is None and not (want_logprobs or want_token_ids):
-            return None
-        return fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs, want_token_ids)
 
-    def _tool_chunk(delta: ChoiceDelta) -> dict[str, Any] | None:
-        payload = fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs, want_token_ids)
-        choice = payload["choices"][0]
-        if calling.name is not None:  # a named function: the text is its arguments
-            choice["delta"] = (
-                {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]} if delta.text else {}
-            )
-        else:
-            held.setdefault(delta.index, []).append(delta.text)
-            choice["delta"] = {}
-            if delta.finish_reason is not None:
-                message, choice["finish_reason"] = tools.message(
-                    calling, "".join(held.pop(delta.index)), delta.finish_reason
-                )
-                choice["delta"] = {k: v for k, v in message.items() if k != "role" and v is not None}
-                for k, call in enumerate(choice["delta"].get("tool_calls", ())):
-                    call["index"] = k
-            elif not (want_logprobs or want_token_ids):
-                return None
-        return payload
-
-    if calling is not None and calling.name is not None:  # the call opens each choice
+def _chat_opening(
+    request_id: str, created: int, model: str, n: int, calling: ToolCalling | None
+) -> list[dict[str, Any]]:
+    """Each choice's first chunk (its role); a named function's call opens it."""
+    opening = [fmt.chat_chunk(request_id, created, model, i, None, False, False) for i in range(n)]
+    if calling is not None and calling.name is not None:
         for payload in opening:
             payload["choices"][0]["delta"] = {
                 "role": "assistant",
@@ -393,15 +403,35 @@ def chat_chunks(
                     }
                 ],
             }
+    return opening
 
-    return _payloads(
-        request_id,
-        first,
-        items,
-        bool(options and options.include_usage),
-        bool(options and options.include_usage and options.continuous_usage_stats),
-        num_prompt_tokens,
-        opening,
-        chunk,
-        lambda usage: fmt.usage_chunk(request_id, created, model, "chat.completion.chunk", usage),
-    )
+
+def _chat_chunker(
+    request_id: str,
+    created: int,
+    model: str,
+    want_logprobs: bool,
+    want_token_ids: bool,
+    calling: ToolCalling | None,
+    parsing: ReplyParsing | None,
+) -> Callable[[int, ChoiceDelta], dict[str, Any] | None]:
+    """What makes a delta's chunk: the server's parsers (`parsing`), else the forced calls
+    (`calling`), else the delta as it is; None: no chunk for it (its text is held back)."""
+    always = want_logprobs or want_token_ids
+
+    def plain(delta: ChoiceDelta) -> dict[str, Any]:
+        return fmt.chat_chunk(request_id, created, model, delta.index, delta, want_logprobs, want_token_ids)
+
+    if parsing is not None:
+        parsed = ParsedChoices(parsing, plain, always)
+        return lambda prompt_index, delta: parsed(delta)
+    if calling is not None:
+        forced = ForcedCalls(calling, plain, always)
+        return lambda prompt_index, delta: forced(delta)
+
+    def chunk(prompt_index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if not delta.text and delta.finish_reason is None and not always:
+            return None
+        return plain(delta)
+
+    return chunk
