@@ -9,6 +9,8 @@ wrong; whether a plan fits a stage's state is the stage's check.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from services.kv_layout import entries_of, flat_pages
 from services.pb import worker_pb2
 from services.pooling import PoolingType, embedding_from_pb, embedding_to_pb
@@ -116,8 +118,19 @@ def _cached_to_pb(cached: tuple[CachedSeq, ...], c: worker_pb2.CachedSequences) 
 def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
     """Raises PlanDecodeError when the message's fields disagree."""
     step, groups = msg.micro_batch_id, msg.kv_groups
+    return StepPlan(
+        step,
+        _new_seqs_from_pb(msg.new_seqs, step, groups),
+        _cached_from_pb(msg.cached, step, groups),
+        tuple(msg.finished_seq_ids),
+        tuple((x.src_block_id, x.dst_block_id) for x in msg.block_copies),
+        msg.reset,
+    )
+
+
+def _new_seqs_from_pb(seqs: Iterable[worker_pb2.StageNewSequence], step: int, groups: int) -> tuple[NewSeq, ...]:
     new_seqs = []
-    for m in msg.new_seqs:
+    for m in seqs:
         try:
             sampling = params_from_pb(m.params, m.eos_token_ids)
         except ValueError as exc:
@@ -145,37 +158,13 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
                 m.lora_name,
             )
         )
-    c = msg.cached
+    return tuple(new_seqs)
+
+
+def _cached_from_pb(c: worker_pb2.CachedSequences, step: int, groups: int) -> tuple[CachedSeq, ...]:
+    """The cached columns as sequences, once `_cached_counts` found them consistent."""
     n = len(c.seq_ids)
-    if not (len(c.num_scheduled) == len(c.block_offsets) == len(c.num_block_ids) == n):
-        raise PlanDecodeError(
-            f"step {step}: cached columns differ in length (seq_ids {n}, num_scheduled "
-            f"{len(c.num_scheduled)}, block_offsets {len(c.block_offsets)}, num_block_ids {len(c.num_block_ids)})"
-        )
-    block_counts = list(c.num_block_ids)
-    if sum(block_counts) * max(1, groups) != len(c.block_ids):
-        raise PlanDecodeError(
-            f"step {step}: num_block_ids sum to {sum(block_counts)} entries of {max(1, groups)}, "
-            f"block_ids holds {len(c.block_ids)}"
-        )
-    token_counts = list(c.num_new_token_ids)
-    if token_counts and len(token_counts) != n:
-        raise PlanDecodeError(f"step {step}: {len(token_counts)} num_new_token_ids for {n} cached sequences")
-    if sum(token_counts) != len(c.new_token_ids):
-        raise PlanDecodeError(
-            f"step {step}: num_new_token_ids sum to {sum(token_counts)}, new_token_ids holds {len(c.new_token_ids)}"
-        )
-    draft_counts = list(c.num_draft_token_ids)
-    if draft_counts and len(draft_counts) != n:
-        raise PlanDecodeError(f"step {step}: {len(draft_counts)} num_draft_token_ids for {n} cached sequences")
-    if sum(draft_counts) != len(c.draft_token_ids):
-        raise PlanDecodeError(
-            f"step {step}: num_draft_token_ids sum to {sum(draft_counts)}, draft_token_ids holds "
-            f"{len(c.draft_token_ids)}"
-        )
-    starts = list(c.starts)
-    if starts and len(starts) != n:
-        raise PlanDecodeError(f"step {step}: {len(starts)} starts for {n} cached sequences")
+    block_counts, token_counts, draft_counts, starts = _cached_counts(c, step, groups, n)
     scoring: dict[int, PromptScoring] = {}
     for entry in c.prompt_scoring:
         if entry.index >= n or entry.index in scoring:
@@ -205,14 +194,45 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
         b += nb
         t += nt
         d += nd
-    return StepPlan(
-        step,
-        tuple(new_seqs),
-        tuple(cached),
-        tuple(msg.finished_seq_ids),
-        tuple((x.src_block_id, x.dst_block_id) for x in msg.block_copies),
-        msg.reset,
-    )
+    return tuple(cached)
+
+
+def _cached_counts(
+    c: worker_pb2.CachedSequences, step: int, groups: int, n: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The per-sequence counts of the cached columns (blocks, new tokens, drafts) and their
+    starts, checked against the columns they count; PlanDecodeError naming the first that
+    disagrees."""
+    if not (len(c.num_scheduled) == len(c.block_offsets) == len(c.num_block_ids) == n):
+        raise PlanDecodeError(
+            f"step {step}: cached columns differ in length (seq_ids {n}, num_scheduled "
+            f"{len(c.num_scheduled)}, block_offsets {len(c.block_offsets)}, num_block_ids {len(c.num_block_ids)})"
+        )
+    block_counts = list(c.num_block_ids)
+    if sum(block_counts) * max(1, groups) != len(c.block_ids):
+        raise PlanDecodeError(
+            f"step {step}: num_block_ids sum to {sum(block_counts)} entries of {max(1, groups)}, "
+            f"block_ids holds {len(c.block_ids)}"
+        )
+    token_counts = list(c.num_new_token_ids)
+    if token_counts and len(token_counts) != n:
+        raise PlanDecodeError(f"step {step}: {len(token_counts)} num_new_token_ids for {n} cached sequences")
+    if sum(token_counts) != len(c.new_token_ids):
+        raise PlanDecodeError(
+            f"step {step}: num_new_token_ids sum to {sum(token_counts)}, new_token_ids holds {len(c.new_token_ids)}"
+        )
+    draft_counts = list(c.num_draft_token_ids)
+    if draft_counts and len(draft_counts) != n:
+        raise PlanDecodeError(f"step {step}: {len(draft_counts)} num_draft_token_ids for {n} cached sequences")
+    if sum(draft_counts) != len(c.draft_token_ids):
+        raise PlanDecodeError(
+            f"step {step}: num_draft_token_ids sum to {sum(draft_counts)}, draft_token_ids holds "
+            f"{len(c.draft_token_ids)}"
+        )
+    starts = list(c.starts)
+    if starts and len(starts) != n:
+        raise PlanDecodeError(f"step {step}: {len(starts)} starts for {n} cached sequences")
+    return block_counts, token_counts, draft_counts, starts
 
 
 # --- results ------------------------------------------------------------------------------
