@@ -146,7 +146,7 @@ def scheduler_config_from_args(args: argparse.Namespace, model: str):
 
     settings = {**config_values(service_settings("scheduler"), args), "model": model}
     if args.max_model_len is None:  # the flag unset: the checkpoint's
-        from wiring.launcher import model_max_len
+        from wiring.kv_pool import model_max_len
 
         settings["max_model_len"] = model_max_len(model)
     trace_file = env_value(TRACE_FILE) if env_value(TRACE_SCHEDULER) else None
@@ -223,7 +223,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     from services.logs import configure_logging
 
     configure_logging("gateway")
-    from wiring.launcher import model_max_len
+    from wiring.kv_pool import model_max_len
 
     values = config_values(service_settings("gateway"), args)
     values["max_model_len"] = args.max_model_len or model_max_len(args.model)

@@ -2,6 +2,7 @@
 
 Each service runs in its own process group, so stopping it stops whatever it started;
 `stop_all` sends SIGTERM, waits a grace period, then SIGKILL, leaving no orphans.
+`start_stack` starts a whole backend; the KV pool it gives it: wiring/kv_pool.py.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services import settings as shared
-from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, NUM_KV_BLOCKS
+from services.defaults import BLOCK_SIZE, NUM_KV_BLOCKS
 from services.grpc_utils import check_health
 from services.process import PARENT_ENV
 from wiring.flags import flag_args
+from wiring.kv_pool import MemorySetting, model_kv_groups, model_max_len, pool_from_stages
 
 
 def default_threads_per_stage(num_stages: int) -> int:
@@ -304,48 +306,6 @@ def worker_chain(
     return workers
 
 
-@dataclass(frozen=True)
-class MemorySetting:
-    """How `start_stack` sizes the KV pool when it is given no block count (one of the two):
-    `gpu_memory_utilization`, the fraction of the machine's (device's) memory the stages of
-    this stack use together (each stage gets an equal share); `kv_cache_memory`, bytes for
-    each stage's pool. `max_model_len`: one sequence of it must fit, or the start fails."""
-
-    gpu_memory_utilization: float | None = None
-    kv_cache_memory: int | None = None
-    max_model_len: int | None = None
-
-    def worker_args(self, num_stages: int) -> list[str]:
-        if self.kv_cache_memory is not None:
-            return flag_args(shared.KV_CACHE_MEMORY, self.kv_cache_memory)
-        return [
-            *flag_args(shared.GPU_MEMORY_UTILIZATION, self.gpu_memory_utilization / num_stages),
-            *flag_args(shared.MAX_MODEL_LEN, self.max_model_len or None),
-        ]
-
-
-def pool_from_stages(
-    infos: Sequence, block_size: int, max_model_len: int, setting: MemorySetting, num_stages: int
-) -> int:
-    """The one pool: the smallest stage's (each reported its StageLoadInfo). ValueError saying
-    what would fit when one sequence of `max_model_len` does not."""
-    smallest = min(infos, key=lambda i: i.num_kv_blocks)
-    blocks = smallest.num_kv_blocks
-    needed = -(-max_model_len // block_size)
-    if blocks >= needed:
-        return blocks
-    if setting.kv_cache_memory is not None:
-        raise_to = f"--kv-cache-memory to at least {needed * smallest.kv_block_bytes} bytes"
-    else:
-        want = smallest.memory_baseline_bytes + smallest.activation_peak_bytes + needed * smallest.kv_block_bytes
-        raise_to = f"--gpu-memory-utilization to at least {want / smallest.memory_total_bytes * num_stages:.3f}"
-    raise ValueError(
-        f"KV cache: stage {smallest.stage_index}'s memory leaves room for {blocks} blocks ({blocks * block_size} "
-        f"tokens), but one sequence of max_model_len={max_model_len} needs {needed} blocks: raise {raise_to}, "
-        f"or lower --max-model-len to at most {blocks * block_size}"
-    )
-
-
 def stage_load_infos(workers: Sequence[ServiceProcess], env: dict[str, str]) -> list:
     import grpc
 
@@ -369,37 +329,6 @@ def _with_blocks(command: Sequence[str], memory_args: Sequence[str], blocks: int
     command = list(command)
     at = next(i for i in range(len(command)) if command[i : i + len(memory_args)] == list(memory_args))
     return [*command[:at], *flag_args(shared.NUM_KV_BLOCKS, blocks), *command[at + len(memory_args) :]]
-
-
-def model_max_len(model_dir: str) -> int:
-    """The checkpoint's longest sequence as its architecture reads it (worker_svc/models/:
-    `ModelConfig.max_position_embeddings`); for a folder no architecture reads, config.json's
-    max_position_embeddings, or MAX_MODEL_LEN when it does not say."""
-    import json
-
-    from worker_svc.models.registry import load_config
-
-    try:
-        return load_config(model_dir).max_position_embeddings
-    except ValueError:  # CheckpointError: not a served architecture (the start refuses it)
-        pass
-    try:
-        return int(
-            json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", MAX_MODEL_LEN)
-        )
-    except (OSError, ValueError):
-        return MAX_MODEL_LEN
-
-
-def model_kv_groups(model_dir: str) -> str:
-    """The checkpoint's KV groups as the KV service takes them (`--kv-groups`,
-    services/kv_layout.py): "" for a model whose layers attend alike, or one not read here."""
-    from worker_svc.models.registry import load_config
-
-    try:
-        return load_config(model_dir).kv_layout.spec()
-    except (ValueError, OSError):  # not a served architecture, or no folder (the start says)
-        return ""
 
 
 def start_stack(
@@ -433,19 +362,12 @@ def start_stack(
     processes (its rank 0 starts the others), every one with `threads_per_worker` threads.
     """
     env = dict(env or {})
+    memory = _completed_memory(model_dir, num_kv_blocks, memory)
+    memory_args = memory.worker_args(num_stages) if num_kv_blocks is None else []
     tp = tensor_parallel_size
-    threads = threads_per_worker or default_threads_per_stage(num_stages * tp)
-    # no thread count given, one process a stage: each worker takes its default, whose large
-    # steps (prefill chunks) also use the services' core (WorkerConfig.step_threads); such a
-    # stage is not pinned to its own cores, the services still are
-    adaptive = threads_per_worker is None and tp == 1 and (os.cpu_count() or 1) // num_stages > threads
+    threads, adaptive = _stage_threads(threads_per_worker, num_stages, tp)
     tp_args = flag_args(shared.TENSOR_PARALLEL_SIZE, tp) if tp > 1 else []
     metrics_ports = _MetricsPorts(host, metrics)
-    if num_kv_blocks is None and memory is None:
-        raise ValueError("start_stack: give num_kv_blocks or a memory setting")
-    if num_kv_blocks is None and not memory.max_model_len:
-        memory = replace(memory, max_model_len=model_max_len(model_dir))
-    memory_args = memory.worker_args(num_stages) if num_kv_blocks is None else []
     workers = worker_chain(
         model_dir,
         num_stages,
@@ -475,10 +397,55 @@ def start_stack(
         for worker, cpus in zip(workers, plan[1], strict=True):
             worker.cpus = cpus
     starter = _Starter(plan[0] if plan is not None else None, die_with_parent)
+    kv, scheduler, num_kv_blocks = _start_in_order(starter, backend, num_kv_blocks, memory, memory_args, timeout_s)
+    stack = Stack(kv, workers, scheduler, metrics_ports.urls, num_kv_blocks=num_kv_blocks)
+    if plan is not None:
+        stack.service_cpus = plan[0]
+    return stack
+
+
+def _completed_memory(model_dir: str, num_kv_blocks: int | None, memory: MemorySetting | None) -> MemorySetting | None:
+    """`memory` as `start_stack` sizes the pool from it: without a block count, its
+    max_model_len the checkpoint's when not given (as passed with one). ValueError when
+    neither a block count nor a memory setting is given."""
+    if num_kv_blocks is None and memory is None:
+        raise ValueError("start_stack: give num_kv_blocks or a memory setting")
+    if num_kv_blocks is None and not memory.max_model_len:
+        memory = replace(memory, max_model_len=model_max_len(model_dir))
+    return memory
+
+
+def _stage_threads(threads_per_worker: int | None, num_stages: int, tensor_parallel_size: int) -> tuple[int, bool]:
+    """(torch threads per stage process, adaptive). Adaptive: no thread count given, one
+    process a stage, so each worker takes its default, whose large steps (prefill chunks)
+    also use the services' core (WorkerConfig.step_threads); such a stage is not pinned to
+    its own cores, the services still are."""
+    tp = tensor_parallel_size
+    threads = threads_per_worker or default_threads_per_stage(num_stages * tp)
+    adaptive = threads_per_worker is None and tp == 1 and (os.cpu_count() or 1) // num_stages > threads
+    return threads, adaptive
+
+
+def _start_in_order(
+    starter: _Starter,
+    backend: _Backend,
+    num_kv_blocks: int | None,
+    memory: MemorySetting | None,
+    memory_args: list[str],
+    timeout_s: float,
+) -> tuple[ServiceProcess, ServiceProcess, int]:
+    """Start the stack, each process once what it needs answers: with a block count, the KV
+    service and the stages together; without, the stages first (each sizes its pool from
+    `memory`), then the KV service with the smallest stage's pool; the scheduler last.
+    Returns (KV service, scheduler, the pool's blocks); on a failure, what was started is
+    killed and the error raised."""
+    workers = backend.workers
     try:
         if num_kv_blocks is None:  # the stages size their pools first; the smallest is the pool
             starter.start(list(reversed(workers)))
-            num_kv_blocks = _pool_of_started_stages(workers, env, memory, memory_args, block_size, timeout_s)
+            num_kv_blocks = _pool_of_started_stages(
+                workers, backend.env, memory, memory_args, backend.block_size, timeout_s
+            )
             kv, scheduler = backend.processes(num_kv_blocks)
             starter.start([kv])
             kv.wait_healthy(timeout_s)
@@ -493,10 +460,7 @@ def start_stack(
         for p in starter.started:
             p.kill()
         raise
-    stack = Stack(kv, workers, scheduler, metrics_ports.urls, num_kv_blocks=num_kv_blocks)
-    if plan is not None:
-        stack.service_cpus = plan[0]
-    return stack
+    return kv, scheduler, num_kv_blocks
 
 
 def _pool_of_started_stages(

@@ -28,7 +28,8 @@ from support.stack import children, start_serve
 
 from services.grpc_utils import aio_channel
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
-from wiring.launcher import MemorySetting, pagoda_command, stage_load_infos, start_stack
+from wiring.kv_pool import MemorySetting
+from wiring.launcher import pagoda_command, stage_load_infos, start_stack
 from worker_svc.execution.memory import kv_block_bytes
 from worker_svc.models.registry import load_config
 

@@ -11,7 +11,8 @@ from support.stack import kill_stack
 
 from services.grpc_utils import aio_channel
 from services.pb import scheduler_pb2, scheduler_pb2_grpc
-from wiring.launcher import MemorySetting, stage_load_infos, start_stack
+from wiring.kv_pool import MemorySetting
+from wiring.launcher import stage_load_infos, start_stack
 
 
 def test_a_stack_sized_from_memory(model_factory, tmp_path):

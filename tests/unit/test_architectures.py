@@ -120,7 +120,7 @@ def test_an_unknown_architecture_is_refused_naming_the_field(tmp_path):
 
 @pytest.mark.parametrize("arch", NEW_ARCHS)
 def test_max_model_len_is_the_architectures_own_field(references, arch):
-    from wiring.launcher import model_max_len
+    from wiring.kv_pool import model_max_len
 
     folder, ref = references(arch)
     assert model_max_len(folder) == ref.model.config.max_position_embeddings == 2048

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from wiring.flags import byte_size, fraction
-from wiring.launcher import MemorySetting, pool_from_stages
+from wiring.kv_pool import MemorySetting, pool_from_stages
 from worker_svc.execution.memory import blocks_that_fit, kv_block_bytes, size_kv_pool
 
 # the tiny model's shape (wiring.tiny_model defaults): 4 layers, hidden 64, 4 heads of 16,
