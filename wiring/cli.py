@@ -372,10 +372,10 @@ def _add_tool_commands(sub) -> None:
 
 def _add_k8s_manifests_command(sub) -> None:
     p = sub.add_parser("k8s-manifests", help="Kubernetes manifests for N replicas (docs/deploy.md)")
-    from wiring import k8s
+    from wiring import k8s_cli
 
-    k8s.add_arguments(p)
-    p.set_defaults(func=k8s.run, parser=p)
+    k8s_cli.add_arguments(p)
+    p.set_defaults(func=k8s_cli.run, parser=p)
 
 
 def _add_serve_command(sub) -> None:

@@ -26,7 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from wiring import k8s, k8s_objects, k8s_options
+from wiring import k8s, k8s_cli, k8s_objects, k8s_options
 from wiring.cli import build_parser
 
 KUBERNETES_VERSION = "1.30.0"
@@ -555,7 +555,7 @@ def test_every_engine_setting_is_read_by_a_service():
 
 def test_the_renderer_is_pure_python():
     code = (
-        "import sys, wiring.k8s; bad = [m for m in ('torch', 'grpc', 'gateway', 'scheduler_svc') "
+        "import sys, wiring.k8s, wiring.k8s_cli; bad = [m for m in ('torch', 'grpc', 'gateway', 'scheduler_svc') "
         "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -565,7 +565,7 @@ def test_the_renderer_is_pure_python():
 def test_routing_policies_are_the_gateways():
     from gateway.routing import POLICIES
 
-    assert k8s.ROUTING_POLICIES == POLICIES
+    assert k8s_cli.ROUTING_POLICIES == POLICIES
 
 
 # --- options and the command line ----------------------------------------------------------
@@ -603,7 +603,7 @@ def test_resources_refuse_bad_quantities():
 
 def _cli(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pagoda k8s-manifests")
-    k8s.add_arguments(parser)
+    k8s_cli.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -637,16 +637,16 @@ def test_run_writes_the_manifests(tmp_path, capsys):
             namespace="llm",
         )
     )
-    assert k8s.run(_cli(argv)) == 0
+    assert k8s_cli.run(_cli(argv)) == 0
     out = capsys.readouterr().out
     assert out.startswith("# Pagoda on Kubernetes")
     assert list(yaml.safe_load_all(out)) == expected
-    assert k8s.run(_cli([*argv, "--out", str(tmp_path / "pagoda.yaml")])) == 0
+    assert k8s_cli.run(_cli([*argv, "--out", str(tmp_path / "pagoda.yaml")])) == 0
     assert list(yaml.safe_load_all((tmp_path / "pagoda.yaml").read_text())) == expected
 
 
 def test_run_refuses_bad_options(capsys):
-    assert k8s.run(_cli(["--set", "port=1"])) == 2
+    assert k8s_cli.run(_cli(["--set", "port=1"])) == 2
     assert "error: engine setting 'port'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _cli(["--set", "max_num_seqs"])
@@ -679,12 +679,10 @@ def test_the_documented_examples_render_and_validate(tmp_path, name, argv):
 
     import yaml
 
-    from wiring import k8s
-
     parser = argparse.ArgumentParser()
-    k8s.add_arguments(parser)
+    k8s_cli.add_arguments(parser)
     out = tmp_path / name
-    assert k8s.run(parser.parse_args([*argv, "--out", str(out)])) == 0
+    assert k8s_cli.run(parser.parse_args([*argv, "--out", str(out)])) == 0
     manifests = [m for m in yaml.safe_load_all(out.read_text()) if m]
     assert by_kind(manifests, "Service") and workloads(manifests)
     for manifest in manifests:
