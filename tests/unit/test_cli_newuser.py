@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from services.settings import SERVICES
-from wiring import serve
+from wiring import serve, serve_checks
 from wiring.cli import build_parser, main
 from wiring.flags import service_settings
 
@@ -100,7 +100,7 @@ def test_a_draft_model_of_another_vocabulary_is_refused_naming_both(capsys, mode
         "tokenizer"
     )
     args = build_parser().parse_args(["serve", str(model), "--speculative-config", _draft(model)])
-    assert serve._check_start(args, str(model)) == []  # the same vocabulary: taken
+    assert serve_checks.check_start(args, str(model)) == []  # the same vocabulary: taken
 
 
 def _adapter(folder: Path, **config) -> Path:
@@ -125,7 +125,7 @@ def test_an_adapter_of_a_rank_above_max_lora_rank_is_refused_naming_both_flags(c
     args = build_parser().parse_args(
         ["serve", str(model), "--enable-lora", "--lora-modules", f"big={big}", "--max-lora-rank", "32"]
     )
-    assert serve._check_start(args, str(model)) == []
+    assert serve_checks.check_start(args, str(model)) == []
 
 
 def test_an_adapter_folder_that_is_not_one_is_refused_naming_it(capsys, model, tmp_path):

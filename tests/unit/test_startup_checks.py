@@ -283,7 +283,7 @@ def test_the_ready_banners_request_carries_the_key_variable_not_the_key():
 
 
 def test_more_stage_processes_than_cores_are_warned_of_at_start(model, monkeypatch):
-    from wiring import serve
+    from wiring import serve_checks
 
     assert preflight.cores_warning(2, 1, 1, 2) == ""
     warning = preflight.cores_warning(3, 1, 1, 2)
@@ -293,6 +293,6 @@ def test_more_stage_processes_than_cores_are_warned_of_at_start(model, monkeypat
     args = build_parser().parse_args(
         ["serve", str(model), "--port", "0", "--grpc-port", "0", "-pp", "3", "--num-kv-blocks", "64"]
     )
-    notes = serve._check_start(args, str(model))
+    notes = serve_checks.check_start(args, str(model))
     assert notes[1].startswith("warning: 3 stage processes") and args.max_model_len == 1024
     assert notes[0].startswith("max_model_len 1024, not the model's 4096: --num-kv-blocks 64 x --block-size 16")
