@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from worker_svc.kernels.quant_kernels import quant_kernels, row_bytes
+from worker_svc.kernels.block_formats import row_bytes
+from worker_svc.kernels.quant_kernels import quant_kernels
 from worker_svc.weights.kquants_ref import quantize
 
 HIDDEN, INTER, KV = 576, 1536, 192

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from worker_svc.kernels import block_formats  # noqa: E402
 from worker_svc.kernels import quant_kernels as qk  # noqa: E402
 
 SHAPES = {  # name -> (N, K)
@@ -83,7 +84,7 @@ def memory_bandwidth(min_time_s: float) -> dict[str, float]:
 def weights(fmt: str, N: int, K: int) -> tuple[torch.Tensor, int]:
     """A weight matrix of the format and its size in bytes."""
     w = torch.randn(N, K) * 0.05
-    if fmt in qk.BLOCK_TYPES:
+    if fmt in block_formats.BLOCK_TYPES:
         import gguf
 
         wq = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, fmt))
@@ -97,7 +98,7 @@ def weights(fmt: str, N: int, K: int) -> tuple[torch.Tensor, int]:
 def call(
     kernels: qk.QuantKernels, dot: qk.QuantKernels | None, fmt: str, isa: str | None, act_bits: int | None
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]:
-    if fmt in qk.BLOCK_TYPES:
+    if fmt in block_formats.BLOCK_TYPES:
         return lambda x, w, out: kernels.matmul(x, w, fmt, out=out, isa=isa, act_bits=act_bits)
     if fmt == "bf16":
         return lambda x, w, out: kernels.matmul_bf16(x, w, out=out, isa=isa)
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         for fmt in formats:
             w, n_bytes = weights(fmt, N, K)
             copies = [w] + [w.clone() for _ in range(max(0, math.ceil(args.cold_mib * 2**20 / n_bytes) - 1))]
-            precisions = act_bits if fmt in qk.BLOCK_TYPES else [None]
+            precisions = act_bits if fmt in block_formats.BLOCK_TYPES else [None]
             for T in [int(t) for t in args.tokens.split(",")]:
                 x = torch.randn(T, K)
                 out = torch.empty(T, N)

@@ -13,7 +13,7 @@ from torch import nn
 
 from wiring.tiny_train import held_out_windows
 from worker_svc.checkpoints.loader import load_stage
-from worker_svc.kernels.quant_kernels import dequantize
+from worker_svc.kernels.block_formats import dequantize
 from worker_svc.weights.packed import PackedLinear
 from worker_svc.weights.quantization import quantize_int8_rows, weight_bytes
 

@@ -20,6 +20,7 @@ import functools
 import pytest
 import torch
 
+from worker_svc.kernels import block_formats
 from worker_svc.kernels import quant_kernels as qk
 from worker_svc.kernels.kquants import KQUANT_TYPES, dequantize
 from worker_svc.weights.kquants_ref import quantize
@@ -181,7 +182,7 @@ def test_native_dequantize_is_kquants_bit_for_bit(qtype: str, threads: int, monk
         ref = dequantize(blocks, qtype, K)
         assert torch.equal(KERNELS.dequantize_f32(blocks, qtype, K), ref)
         assert torch.equal(KERNELS.dequantize_bf16(blocks, qtype, K), ref.to(torch.bfloat16))
-        assert torch.equal(qk.dequantize(blocks, qtype, K), ref)
+        assert torch.equal(block_formats.dequantize(blocks, qtype, K), ref)
 
 
 @pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K", "Q5_0"))

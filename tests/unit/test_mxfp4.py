@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from worker_svc.kernels import block_formats
 from worker_svc.kernels import quant_kernels as qk
 from worker_svc.weights import mxfp4
 
@@ -80,7 +81,7 @@ def test_dequantize_equals_gguf_for_every_scale_and_code() -> None:
     rows.view(-1, 17)[:256, 0] = torch.arange(256, dtype=torch.uint8)  # every scale byte once
     with np.errstate(over="ignore"):
         ref = torch.from_numpy(gguf.quants.dequantize(rows.numpy(), mx))
-    mine = qk.dequantize(rows, "MXFP4", 256)
+    mine = block_formats.dequantize(rows, "MXFP4", 256)
     assert torch.equal(mine, ref)
     if KERNELS is not None:
         assert torch.equal(KERNELS.dequantize_f32(rows, "MXFP4", 256), ref)
@@ -104,7 +105,7 @@ def test_round_trip_error_within_half_a_level() -> None:
     the clipping."""
     g = torch.Generator().manual_seed(4)
     x = torch.randn(16, 512, generator=g) * torch.logspace(-3, 2, 16).unsqueeze(1)
-    y = qk.dequantize(mxfp4.quantize_mxfp4(x), "MXFP4", 512)
+    y = block_formats.dequantize(mxfp4.quantize_mxfp4(x), "MXFP4", 512)
     b, yb = x.view(-1, 32), y.view(-1, 32)
     unit = torch.exp2(torch.floor(torch.log2(b.abs().amax(dim=-1, keepdim=True))) - 2)
     bound = torch.maximum(unit, b.abs() - 6 * unit)
@@ -124,7 +125,7 @@ def test_quantizer_refuses_bad_input() -> None:
 
 def check_product(k: qk.QuantKernels, rows: torch.Tensor, x: torch.Tensor, act_bits: int) -> None:
     K = x.shape[1]
-    w = qk.dequantize(rows, "MXFP4", K).double()
+    w = block_formats.dequantize(rows, "MXFP4", K).double()
     y = k.matmul(x, rows, "MXFP4", act_bits=act_bits)
     assert y.shape == (x.shape[0], rows.shape[0]) and y.dtype == torch.float32
     q, d = k.quantize_activations(x, act_bits=act_bits)
@@ -193,7 +194,7 @@ def test_the_fused_steps_entry_point_takes_type_39(act_bits: int) -> None:
         y = torch.full((3, N), float("nan"))
         rc = fn(
             k.isa_id,
-            qk.GGML_TYPES["MXFP4"][0],
+            block_formats.GGML_TYPES["MXFP4"][0],
             act_bits,
             x.data_ptr(),
             160,
@@ -205,7 +206,7 @@ def test_the_fused_steps_entry_point_takes_type_39(act_bits: int) -> None:
             N,
             (buf.data_ptr() + 63) & ~63,
         )
-        assert rc == 0 and qk.GGML_TYPES["MXFP4"][0] == 39
+        assert rc == 0 and block_formats.GGML_TYPES["MXFP4"][0] == 39
         assert torch.equal(y, k.matmul(x, rows, "MXFP4", act_bits=act_bits))
 
 
@@ -215,7 +216,7 @@ def test_packed_linear(T: int) -> None:
 
     rows = quantized_rows(N, 256, seed=6)
     layer = PackedLinear(rows, "MXFP4", 256, bias=torch.arange(N, dtype=torch.float32))
-    w = qk.dequantize(rows, "MXFP4", 256)
+    w = block_formats.dequantize(rows, "MXFP4", 256)
     x = activations(T, 256)
     want = x.double() @ w.double().T + layer.bias.double()
     scale = x.double().abs() @ w.double().abs().T
@@ -244,7 +245,7 @@ def test_gguf_reader_keeps_mxfp4_packed(tmp_path) -> None:
     t = GGUFCheckpoint(path).tensor("model.layers.0.mlp.down_proj.weight")
     assert (t.qtype, t.shape, t.packed) == ("MXFP4", (5, 64), True)
     assert torch.equal(t.data, rows)
-    assert torch.equal(t.to_float32(), qk.dequantize(rows, "MXFP4", 64))
+    assert torch.equal(t.to_float32(), block_formats.dequantize(rows, "MXFP4", 64))
 
 
 # ------------------------------------------------------------- gpt-oss's Hugging Face layout
@@ -269,7 +270,7 @@ def test_hf_dequantize_equals_transformers(dtype: torch.dtype) -> None:
     # the ggml rows hold the same values, bit for bit
     ggml = mxfp4.hf_to_ggml_mxfp4(blocks, scales)
     assert ggml.shape == (3, 5, 8 * 17)
-    assert torch.equal(qk.dequantize(ggml.view(15, -1), "MXFP4", 256).view(3, 5, 256).to(dtype), theirs)
+    assert torch.equal(block_formats.dequantize(ggml.view(15, -1), "MXFP4", 256).view(3, 5, 256).to(dtype), theirs)
 
 
 def test_hf_layout_round_trips() -> None:
@@ -295,7 +296,8 @@ def test_quantize_hf_mxfp4_is_the_ggml_quantizer_in_hf_layout() -> None:
     ggml = mxfp4.quantize_mxfp4(w.reshape(12, 96))
     assert torch.equal(mxfp4.hf_to_ggml_mxfp4(blocks, scales).view(12, -1), ggml)
     assert torch.equal(
-        mxfp4.hf_mxfp4_dequantize(blocks, scales, torch.float32).view(12, 96), qk.dequantize(ggml, "MXFP4", 96)
+        mxfp4.hf_mxfp4_dequantize(blocks, scales, torch.float32).view(12, 96),
+        block_formats.dequantize(ggml, "MXFP4", 96),
     )
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from worker_svc.kernels import block_formats
 from worker_svc.kernels import quant_kernels as qk
 
 gguf = pytest.importorskip("gguf")
@@ -102,7 +103,7 @@ def q16_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.parametrize("isa", qk.ISAS)
-@pytest.mark.parametrize("qtype", qk.BLOCK_TYPES)
+@pytest.mark.parametrize("qtype", block_formats.BLOCK_TYPES)
 @pytest.mark.parametrize("N", NS)
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("act_bits", ACT_BITS)
@@ -126,7 +127,7 @@ def test_quant_matmul_matches_float64(isa: str, qtype: str, N: int, K: int, act_
 
 
 @pytest.mark.parametrize("isa", qk.ISAS)
-@pytest.mark.parametrize("qtype", qk.BLOCK_TYPES)
+@pytest.mark.parametrize("qtype", block_formats.BLOCK_TYPES)
 def test_int16_activations_bound_is_258x_tighter(isa: str, qtype: str) -> None:
     """Against the float32 activations, act_bits 16 stays within the int8 bound / 256 (the
     rounding bound's ratio is 32767 / 127 = 258), and is that much closer in fact."""
@@ -177,14 +178,14 @@ def test_int16_activation_quantization_matches_numpy(isa: str) -> None:
     assert (q_ref[2, 64:96] == 0).all() and np.abs(q_ref).max() == 32767
 
 
-@pytest.mark.parametrize("qtype", qk.BLOCK_TYPES)
+@pytest.mark.parametrize("qtype", block_formats.BLOCK_TYPES)
 def test_dequantize_equals_gguf(qtype: str) -> None:
     blocks, w = weights(qtype, 33, 576)
-    got = qk.dequantize(blocks, qtype, 576)
+    got = block_formats.dequantize(blocks, qtype, 576)
     assert got.dtype == torch.float32 and torch.equal(got, w)
 
 
-@pytest.mark.parametrize("qtype", qk.BLOCK_TYPES)
+@pytest.mark.parametrize("qtype", block_formats.BLOCK_TYPES)
 @pytest.mark.parametrize("threads", (1, 3))
 def test_native_dequantize_to_bf16_is_the_rounded_float32(
     qtype: str, threads: int, monkeypatch: pytest.MonkeyPatch
@@ -198,7 +199,7 @@ def test_native_dequantize_to_bf16_is_the_rounded_float32(
         KERNELS.dequantize_bf16(blocks, qtype, 95)
 
 
-@pytest.mark.parametrize("qtype", qk.BLOCK_TYPES)
+@pytest.mark.parametrize("qtype", block_formats.BLOCK_TYPES)
 def test_packed_prefill_gemm_matches_float64(qtype: str) -> None:
     """A packed layer's product from PACKED_GEMM_MIN_ROWS rows: weights dequantized to
     bfloat16, x rounded to bfloat16, oneDNN's GEMM accumulating in float32: within
@@ -240,7 +241,7 @@ def test_dequantize_plain_types(qtype: str) -> None:
     w = torch.randn(3, 40)
     dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[qtype]
     raw = w.to(dtype).contiguous().view(torch.uint8)
-    assert torch.equal(qk.dequantize(raw, qtype, 40), w.to(dtype).float())
+    assert torch.equal(block_formats.dequantize(raw, qtype, 40), w.to(dtype).float())
 
 
 @pytest.mark.parametrize("isa", qk.ISAS)
@@ -275,7 +276,7 @@ def test_bf16_dot_path(K: int) -> None:
         assert ((y.double() - refb).abs() <= BF16_TOL * mag).all(), f"T={T}"
 
 
-@pytest.mark.parametrize("qtype", [*[f"{q}/{b}" for q in qk.BLOCK_TYPES for b in ACT_BITS], "bf16"])
+@pytest.mark.parametrize("qtype", [*[f"{q}/{b}" for q in block_formats.BLOCK_TYPES for b in ACT_BITS], "bf16"])
 @pytest.mark.parametrize("T", (9, 13))  # rows streamed one by one; 4-row tiles
 def test_result_does_not_depend_on_threads(qtype: str, T: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(qk, "MIN_MACS_PER_THREAD", 1)
@@ -443,7 +444,7 @@ def test_bad_arguments_raise_value_error() -> None:
         ("bfloat16 tensor", lambda: KERNELS.matmul_bf16(x, torch.zeros(3, 95, dtype=torch.bfloat16))),
         ("bfloat16 tensor", lambda: KERNELS.matmul_bf16(x, torch.zeros(3, 96))),
         ("float32", lambda: KERNELS.matmul_bf16(x.half(), torch.zeros(3, 96, dtype=torch.bfloat16))),
-        ("bytes per row", lambda: qk.dequantize(blocks, "Q8_0", 64)),
+        ("bytes per row", lambda: block_formats.dequantize(blocks, "Q8_0", 64)),
         ("K must be a multiple of 32", lambda: KERNELS.quantize_activations(torch.randn(1, 40))),
         ("act_bits must be one of", lambda: KERNELS.matmul(x, blocks, "Q8_0", act_bits=4)),
         ("act_bits must be one of", lambda: KERNELS.matmul(x, blocks, "Q8_0", act_bits=True)),
@@ -500,9 +501,9 @@ def test_available_isas() -> None:
 
 
 def test_ggml_types() -> None:
-    assert qk.GGML_TYPES["Q8_0"] == (8, 32, 34)
-    assert qk.GGML_TYPES["Q4_0"] == (2, 32, 18)
-    assert qk.GGML_TYPES["Q4_1"] == (3, 32, 20)
-    assert {name: v[0] for name, v in qk.GGML_TYPES.items() if v[1] == 1} == {"F32": 0, "F16": 1, "BF16": 30}
-    for name in qk.BLOCK_TYPES:
-        assert qk.GGML_TYPES[name][0] == int(ggml(name))
+    assert block_formats.GGML_TYPES["Q8_0"] == (8, 32, 34)
+    assert block_formats.GGML_TYPES["Q4_0"] == (2, 32, 18)
+    assert block_formats.GGML_TYPES["Q4_1"] == (3, 32, 20)
+    assert {name: v[0] for name, v in block_formats.GGML_TYPES.items() if v[1] == 1} == {"F32": 0, "F16": 1, "BF16": 30}
+    for name in block_formats.BLOCK_TYPES:
+        assert block_formats.GGML_TYPES[name][0] == int(ggml(name))

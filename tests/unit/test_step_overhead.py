@@ -63,7 +63,7 @@ def test_rotary_tables_equal_cos_sin_bit_for_bit(head_dim, rope, dtype):
 @pytest.mark.skipif(quant_kernels() is None, reason="native kernels not built")
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_the_native_embedding_lookup_equals_packed_embeddings(qtype):
-    from worker_svc.kernels.quant_kernels import row_bytes
+    from worker_svc.kernels.block_formats import row_bytes
 
     hidden, vocab = 256, 50
     g = torch.Generator().manual_seed(7)

@@ -49,9 +49,9 @@ import numpy as np
 import torch
 
 from worker_svc.errors import CheckpointError
+from worker_svc.kernels.block_formats import dequantize as dequantize_packed
 from worker_svc.kernels.kquants import KQUANT_TYPES
 from worker_svc.kernels.kquants import dequantize as dequantize_kquant
-from worker_svc.kernels.quant_kernels import dequantize as dequantize_packed
 from worker_svc.models.registry import architecture_of_gguf
 
 # A GGUF file is served from a folder prepared for it (wiring/model_source.py): the

@@ -1,32 +1,14 @@
 """Matrix products with GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 and
 the K-quants Q2_K ... Q6_K) and with bfloat16 weights on the CPU: native kernels
 (`csrc/quant_matmul.c` with `csrc/kquant_matmul.inc`, built and loaded as `cpu_kernels`
-does) and a pure-torch `dequantize`, the fallback.
+does) and a pure-torch `dequantize`, the fallback (worker_svc/kernels/block_formats.py).
 
-Layouts. A weight matrix of N output rows and K inputs is uint8 [N, row_bytes], rows
-contiguous, each row K / 32 blocks of 32 weights along K, as GGUF stores them:
-
-    Q8_0 (type 8, 34 bytes): fp16 d, int8 q[32]             w[j] = d * q[j]
-    Q4_0 (type 2, 18 bytes): fp16 d, uint8 qs[16]           w[j] = d * ((qs[j] & 15) - 8),
-                                                            w[j + 16] = d * ((qs[j] >> 4) - 8)
-    Q4_1 (type 3, 20 bytes): fp16 d, fp16 m, uint8 qs[16]   w[j] = d * (qs[j] & 15) + m,
-                                                            w[j + 16] = d * (qs[j] >> 4) + m
-
-    Q5_0 (type 6, 22 bytes), Q5_1 (type 7, 24 bytes): Q4_0 / Q4_1 with a fifth bit per
-                            value (qh, 32 bits), w = d * (q - 16) / d * q + m
-    MXFP4 (type 39, 17 bytes): E8M0 e, uint8 qs[16]  w[j] = d * KV[qs[j] & 15],
-                                                     w[j + 16] = d * KV[qs[j] >> 4]
-        KV = MXFP4_KVALUES (ggml's kvalues_mxfp4: the E2M1 values doubled), d = 2^(e - 128)
-        (GGML_E8M0_TO_FP32_HALF; e 0 and 1 give float32 subnormals). gpt-oss's Hugging Face
-        layout of the same values: worker_svc/weights/mxfp4.py. A decode step's product
-        (2880 x 2880, T = 1, one thread, weights from DRAM, AVX-512 on Zen 4) takes ~1.16x
-        Q4_0's time and ~0.83x Q8_0's: a 17-byte block's nibbles take a 16-byte load each where
-        Q4_0's 4-block groups take two loads and a word permute.
-
-row_bytes = K / 32 * block bytes. The K-quants (types 10-14, worker_svc/kernels/kquants.py has their
-layouts) hold 256-value super-blocks, so their rows must be whole super-blocks (K % 256 == 0,
-a ValueError naming the weight's shape otherwise; llama.cpp writes other rows in Q5_0, Q8_0
-and the like). bfloat16 weights are torch's bfloat16 [N, K].
+Layouts: worker_svc/kernels/block_formats.py. A weight matrix of N output rows and K inputs is
+uint8 [N, row_bytes] in GGUF's blocks, rows contiguous; a K-quant's rows must be whole 256-value
+super-blocks (a ValueError naming the weight's shape otherwise). bfloat16 weights are torch's
+bfloat16 [N, K]. MXFP4: a decode step's product (2880 x 2880, T = 1, one thread, weights from
+DRAM, AVX-512 on Zen 4) takes ~1.16x Q4_0's time and ~0.83x Q8_0's: a 17-byte block's nibbles
+take a 16-byte load each where Q4_0's 4-block groups take two loads and a word permute.
 
 Methods. Quantized weights: the float32 activations x [T, K] are quantized per 32-block to
 integers, then y[t, n] = sum over blocks of d_w * d_x * dot(q_w, q_x), the dot in integers,
@@ -97,29 +79,14 @@ from pathlib import Path
 import torch
 
 from services.settings import CPU_ISA, PACKED_ACT_BITS, env_value
-from worker_svc.kernels import cpu_kernels, kquants
+from worker_svc.kernels import cpu_kernels
+from worker_svc.kernels.block_formats import GGML_TYPES, check_block_weights, check_row_length
 from worker_svc.kernels.cpu_features import cpu_features
-from worker_svc.kernels.kquants import KQUANT_TYPES
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_matmul.c"
 
-# name -> (ggml type id, elements per block, bytes per block)
-GGML_TYPES: dict[str, tuple[int, int, int]] = {
-    "F32": (0, 1, 4),
-    "F16": (1, 1, 2),
-    "Q4_0": (2, 32, 18),
-    "Q4_1": (3, 32, 20),
-    "Q8_0": (8, 32, 34),
-    "BF16": (30, 1, 2),
-    "MXFP4": (39, 32, 17),
-    **KQUANT_TYPES,  # Q5_0, Q5_1 (32-blocks) and Q2_K ... Q6_K (256-value super-blocks)
-}
-BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the 32-block types gguf-py also quantizes
-SUPER_BLOCK_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # rows of K % 256 == 0 only
-KERNEL_TYPES = (*BLOCK_TYPES, "Q5_0", "Q5_1", "MXFP4", *SUPER_BLOCK_TYPES)  # every type `matmul` takes
-MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # ggml's kvalues_mxfp4
 ISAS = ("avx512", "avx2", "scalar")  # best first
 ISA_ENV = CPU_ISA.variable
 ACT_BITS = (8, 16)  # activation precisions of the quantized products
@@ -128,17 +95,10 @@ DEFAULT_ACT_BITS = int(PACKED_ACT_BITS.default)
 _ISA_IDS = {"scalar": 0, "avx2": 1, "avx512": 2}
 _ISA_AVX512_BF16 = 3
 _ISA_LEVELS = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512_vnni"}  # cpu_features' level each needs
-_PLAIN_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # one thread per this many multiply-adds at least: below it a thread hand-off costs more
 MIN_MACS_PER_THREAD = 1 << 20
 
 _INT, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-
-
-def row_bytes(qtype: str, K: int) -> int:
-    """Bytes of one weight row of K inputs in `qtype`."""
-    _, block, size = GGML_TYPES[qtype]
-    return K // block * size
 
 
 def _check_activations(x: torch.Tensor, what: str = "x") -> tuple[int, int]:
@@ -152,35 +112,6 @@ def _check_activations(x: torch.Tensor, what: str = "x") -> tuple[int, int]:
     if not x.is_cpu or (col_stride != 1 and K > 1) or (row_stride < K and T > 1):
         raise ValueError(f"{what} must be on the CPU with contiguous rows, got {x.device} strides {x.stride()}")
     return T, K
-
-
-def check_row_length(qtype: str, K: int, N: int | None = None) -> None:
-    """ValueError, naming the weight's shape and type, unless rows of K inputs are whole
-    blocks of `qtype` (32 values; 256 for the K-quants, whose packed kernels take no other
-    rows: llama.cpp writes such rows in Q5_0/Q8_0 and the like instead)."""
-    if qtype not in KERNEL_TYPES:
-        raise ValueError(f"qtype must be one of {KERNEL_TYPES}, got {qtype!r}")
-    block = GGML_TYPES[qtype][1]
-    if not isinstance(K, int) or K < 0 or K % block:
-        shape = f"[{N}, {K}]" if N is not None else f"[N, {K}]"
-        raise ValueError(
-            f"a {qtype} weight {shape} needs rows of whole {block}-value blocks: K must be a "
-            f"multiple of {block}, got {K}"
-        )
-
-
-def _check_block_weights(w: torch.Tensor, qtype: str, K: int) -> int:
-    check_row_length(qtype, K, w.shape[0] if isinstance(w, torch.Tensor) and w.dim() == 2 else None)
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.dim() != 2:
-        raise ValueError(
-            f"w must be a 2-D uint8 tensor [N, row_bytes], got "
-            f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}"
-        )
-    if not w.is_cpu or not w.is_contiguous():
-        raise ValueError(f"w must be a contiguous CPU tensor, got {w.device} strides {w.stride()}")
-    if w.shape[1] != row_bytes(qtype, K):
-        raise ValueError(f"w has {w.shape[1]} bytes per row; {qtype} with K={K} has {row_bytes(qtype, K)}")
-    return w.shape[0]
 
 
 def _check_out(out: torch.Tensor | None, T: int, N: int) -> torch.Tensor:
@@ -198,55 +129,6 @@ def _check_out(out: torch.Tensor | None, T: int, N: int) -> torch.Tensor:
             f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}"
         )
     return out
-
-
-def dequantize(w: torch.Tensor, qtype: str, K: int) -> torch.Tensor:
-    """The float32 [N, K] weights of `w` (uint8 [N, row_bytes] in GGUF layout), in torch
-    ops over all blocks at once; equal to `gguf.quants.dequantize`. Also takes F32, F16 and
-    BF16 rows (raw bytes)."""
-    if qtype in _PLAIN_DTYPES:
-        if (
-            not isinstance(w, torch.Tensor)
-            or w.dtype != torch.uint8
-            or w.dim() != 2
-            or w.shape[1] != row_bytes(qtype, K)
-        ):
-            raise ValueError(f"w must be uint8 [N, {row_bytes(qtype, K)}] for {qtype} with K={K}")
-        return w.contiguous().view(_PLAIN_DTYPES[qtype]).to(torch.float32)
-    if qtype in KQUANT_TYPES:
-        _check_block_weights(w, qtype, K)
-        return kquants.dequantize(w, qtype, K)
-    N = _check_block_weights(w, qtype, K)
-    _, _, size = GGML_TYPES[qtype]
-    blocks = w.view(N, K // 32, size)  # [N, num_blocks, block bytes]
-    if qtype == "MXFP4":
-        return _dequantize_mxfp4(blocks).view(N, K)
-    d = blocks[..., :2].contiguous().view(torch.float16).to(torch.float32)  # [N, num_blocks, 1]
-    if qtype == "Q8_0":
-        q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)  # [N, num_blocks, 32]
-        return (q * d).view(N, K)
-    qs = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]  # [N, num_blocks, 16]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, num_blocks, 32]: low nibbles first
-    if qtype == "Q4_0":
-        return (d * (q.to(torch.int8) - 8).to(torch.float32)).view(N, K)
-    m = blocks[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
-    return (d * q.to(torch.float32) + m).view(N, K)  # two roundings, as gguf-py's (d * q) + m
-
-
-def e8m0_half(e: torch.Tensor) -> torch.Tensor:
-    """ggml's GGML_E8M0_TO_FP32_HALF of E8M0 bytes (uint8): float32 2^(e - 128), exactly (the
-    float32 bits (e - 1) << 23, or for e 0 and 1 the subnormals 2^-128 and 2^-127)."""
-    e = e.to(torch.int32)
-    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e.clamp(max=1), (e - 1) << 23)
-    return bits.view(torch.float32)
-
-
-def _dequantize_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
-    """MXFP4 blocks [..., 17] -> float32 [..., 32]: d * KV[q] in float32, as gguf-py's."""
-    d = e8m0_half(blocks[..., :1])  # [..., 1]
-    qs = blocks[..., 1:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()  # [..., 32]: low nibbles first
-    return d * torch.tensor(MXFP4_KVALUES, dtype=torch.float32)[q]
 
 
 def _split(total: int, parts: int, align: int) -> list[int]:
@@ -440,7 +322,7 @@ class QuantKernels:
         isa_id = _ISA_IDS[self._check_isa(isa)]
         bits = self._check_act_bits(act_bits)
         T, K = _check_activations(x)
-        N = _check_block_weights(w, qtype, K)
+        N = check_block_weights(w, qtype, K)
         out = _check_out(out, T, N)
         if T == 0 or N == 0:
             return out
@@ -506,7 +388,7 @@ class QuantKernels:
     def _dequantize(
         self, w: torch.Tensor, qtype: str, K: int, out: torch.Tensor | None, dtype: torch.dtype
     ) -> torch.Tensor:
-        N = _check_block_weights(w, qtype, K)
+        N = check_block_weights(w, qtype, K)
         if out is None:
             out = torch.empty(N, K, dtype=dtype)
         elif out.dtype != dtype or tuple(out.shape) != (N, K) or not out.is_contiguous():

@@ -31,7 +31,7 @@ import torch
 
 from services.settings import FUSED_DECODE, env_value
 from worker_svc.kernels.attention import AttentionMetadata
-from worker_svc.kernels.quant_kernels import GGML_TYPES, KERNEL_TYPES
+from worker_svc.kernels.block_formats import GGML_TYPES, KERNEL_TYPES
 from worker_svc.weights.packed import BF16_GEMM_MIN_ROWS, PackedLinear, PackedParts
 
 log = logging.getLogger(__name__)

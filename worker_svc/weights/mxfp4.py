@@ -10,7 +10,7 @@ with e = s. Only where a value's nibble sits differs:
 
 - Hugging Face (`<name>_blocks` uint8 [..., rows, K / 32, 16], `<name>_scales` uint8
   [..., rows, K / 32]): byte i of a block holds elements 2i (low nibble) and 2i + 1 (high);
-- ggml (type 39, worker_svc/kernels/quant_kernels.py; rows uint8 [rows, K / 32 * 17], each
+- ggml (type 39, worker_svc/kernels/block_formats.py; rows uint8 [rows, K / 32 * 17], each
   block e then qs[16]): qs[j] holds elements j (low nibble) and j + 16 (high).
 
 So `hf_to_ggml_mxfp4` only moves nibbles within each block: the values are the same bits,
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.kernels.quant_kernels import MXFP4_KVALUES, dequantize, e8m0_half
+from worker_svc.kernels.block_formats import MXFP4_KVALUES, dequantize, e8m0_half
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 32  # values per block

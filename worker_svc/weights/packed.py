@@ -2,7 +2,7 @@
 the K-quants Q2_K ... Q6_K) or bfloat16.
 
 `PackedLinear` holds the packed rows (`uint8 [out, row_bytes]`, see
-worker_svc/kernels/quant_kernels.py for the block layouts; a K-quant's rows must be whole 256-value
+worker_svc/kernels/block_formats.py for the block layouts; a K-quant's rows must be whole 256-value
 super-blocks, a ValueError naming the weight's shape otherwise). A product of at least
 `PACKED_GEMM_MIN_ROWS` rows (a prefill) dequantizes the weights in one native pass for a
 GEMM: bfloat16 and oneDNN's bfloat16 GEMM on a CPU with BF16 units, else float32 and the
@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.settings import PACKED_PREFILL_GEMM, env_value
+from worker_svc.kernels.block_formats import KERNEL_TYPES, check_row_length, dequantize
 from worker_svc.kernels.calibrate import cpu_paths
-from worker_svc.kernels.quant_kernels import KERNEL_TYPES, check_row_length, dequantize, quant_kernels
+from worker_svc.kernels.quant_kernels import quant_kernels
 
 PACKED_QTYPES = KERNEL_TYPES  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 and the K-quants Q2_K ... Q6_K
 # bfloat16 weights: above this many rows a product runs as oneDNN's bfloat16 GEMM (activations
