@@ -115,7 +115,8 @@ def in_process(model_dir: Path, adapters: dict[str, str], rows: int = 32, contex
     from worker_svc.execution.kv_cache import PagedKVCache
     from worker_svc.kernels.attention import get_backend
     from worker_svc.kernels.attention_metadata import paged_layout
-    from worker_svc.weights.lora import LoraBank, LoraStep, load_adapter, token_slots
+    from worker_svc.weights.lora import LoraBank, LoraStep, token_slots
+    from worker_svc.weights.lora_adapter import load_adapter
 
     torch.set_num_threads(1)
     model = load_stage(str(model_dir), 0, 1, dtype="auto")

@@ -157,7 +157,8 @@ def test_a_phi3_adapter_of_its_fused_modules_equals_peft(references, tmp_path):
     from support.lora import make_adapter, merged_model, reference_logits
     from test_lora import MAX_RANK, Batch
 
-    from worker_svc.weights.lora import LoraBank, LoraStep, load_adapter, token_slots
+    from worker_svc.weights.lora import LoraBank, LoraStep, token_slots
+    from worker_svc.weights.lora_adapter import load_adapter
 
     folder = references("phi3")[0]
     adapter = make_adapter(

@@ -22,16 +22,8 @@ from worker_svc.errors import CheckpointError
 from worker_svc.execution.kv_cache import PagedKVCache
 from worker_svc.kernels.attention import AttentionMetadata, TorchAttentionBackend
 from worker_svc.models.stage import StageModel
-from worker_svc.weights.lora import (
-    LORA_TARGETS,
-    SHARD_DIMS,
-    LoraBank,
-    LoraBankFullError,
-    LoraStep,
-    load_adapter,
-    module_shape,
-    token_slots,
-)
+from worker_svc.weights.lora import LoraBank, LoraBankFullError, LoraStep, token_slots
+from worker_svc.weights.lora_adapter import LORA_TARGETS, SHARD_DIMS, load_adapter, module_shape
 
 MAX_RANK = 16
 BLOCK_SIZE = 4

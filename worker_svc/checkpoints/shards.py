@@ -1,6 +1,6 @@
 """A tensor-parallel rank's share of a checkpoint tensor: the dimension it is split along, the
 rank's rows or columns of it, and the tensors a rank holds whole or zeroed (both formats'
-loaders read through these; worker_svc/weights/lora.py shards adapters the same way)."""
+loaders read through these; worker_svc/weights/lora_adapter.py shards adapters the same way)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from worker_svc.weights.packed import PackedLinear
 if TYPE_CHECKING:  # worker_svc.weights.lora imports the loader, which imports the model
     from worker_svc.weights.lora import LoraLayer
 
-_QKV = ("q_proj", "k_proj", "v_proj")  # worker_svc.weights.lora.QKV_TARGETS
+_QKV = ("q_proj", "k_proj", "v_proj")  # worker_svc.weights.lora_adapter.QKV_TARGETS
 
 
 class Attention(nn.Module):

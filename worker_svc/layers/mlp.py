@@ -19,7 +19,7 @@ from worker_svc.weights.packed import PackedLinear
 if TYPE_CHECKING:  # worker_svc.weights.lora imports the loader, which imports the model
     from worker_svc.weights.lora import LoraLayer
 
-_GATE_UP = ("gate_proj", "up_proj")  # worker_svc.weights.lora.GATE_UP_TARGETS
+_GATE_UP = ("gate_proj", "up_proj")  # worker_svc.weights.lora_adapter.GATE_UP_TARGETS
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SWIGLU_OAI = "swiglu_oai"  # gpt-oss's experts' clamped SwiGLU (`GatedAct`)
 # the native kernels' numbering of the gating functions (csrc/decode_layers.c)
