@@ -359,7 +359,7 @@ def test_the_stage_reports_its_emulated_device(tmp_path):
     assert info.dtype == common_pb2.DTYPE_BFLOAT16 and info.num_kv_blocks == 32
     health = asyncio.run(service.Health(None, None))
     assert health.device == f"emulated:{PROFILE}"
-    samples = {s[0]: s for s in service.metric_samples()}
+    samples = {s[0]: s for s in service.stats.metric_samples()}
     assert samples["pagoda:device_info"][3:] == (1.0, {"device": f"emulated:{PROFILE}"})
 
 

@@ -192,6 +192,7 @@ WORKER_FLOORS = {
     "worker_svc.models": 4,
     "worker_svc.checkpoints": 5,
     "worker_svc.execution": 6,
+    "worker_svc.service": 7,
     "worker_svc.server": 7,
 }
 

@@ -1,0 +1,235 @@
+"""The stage's compute loop: micro-batches decoded as they arrive (overlapping the step computing
+now), run in arrival order on one executor thread (torch; on an emulated device that thread
+sleeps the step time the profile predicts instead: worker_svc/execution/emulated.py), and
+reported. A malformed plan fails that micro-batch only (an error event with a status code);
+whatever one plan raises fails that plan alone, never the loop; should the loop end anyway, the
+stage stops serving (`fatal`: the process exits and its supervisor restarts it)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from services import telemetry
+from services.pb import worker_pb2
+from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
+from worker_svc.config import WorkerConfig
+from worker_svc.errors import InvalidPlanError, LoraNotLoadedError
+from worker_svc.execution.data_plane import DataPlaneError, DataPlaneIn, DataPlaneOut, received
+from worker_svc.service.downstream import Downstream
+from worker_svc.service.feedback import FeedbackInbox, FeedbackOutbox
+from worker_svc.service.statistics import StageStatistics
+from worker_svc.service.work import Work, failed_done
+
+log = logging.getLogger(__name__)
+
+
+class ComputeLoop:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        runner,
+        stats: StageStatistics,
+        inbox: FeedbackInbox,
+        data_in: DataPlaneIn,
+        data_out: DataPlaneOut | None,
+        emit: Callable[[worker_pb2.MicroBatchDone], None],
+    ) -> None:
+        self.config, self.runner, self.stats, self.inbox = config, runner, stats, inbox
+        self.data_in, self.data_out = data_in, data_out
+        self.emit = emit  # a micro-batch's report to the Events subscribers
+        self.queue: asyncio.Queue[Work] = asyncio.Queue(maxsize=64)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{config.stage}")
+        self.downstream: Downstream | None = None  # set by the service (not the last stage)
+        self.outbox: FeedbackOutbox | None = None  # set by the service (the last stage of several)
+        self.fatal: BaseException | None = None  # why the loop ended, if it did
+        self.on_fatal: Callable[[], None] | None = None  # called then
+        self._tracing = telemetry.enabled()
+        self._tracer = telemetry.tracer("pagoda.worker")
+
+    # --- arrival (the Forward handler, on the event loop) --------------------------------
+
+    async def accept(self, mb: worker_pb2.MicroBatch) -> None:
+        """Takes a received micro-batch: counted, decoded while the plan before it computes,
+        queued in arrival order."""
+        work = Work(mb=mb, upstream_sent_ns=mb.sent_ns)
+        self.stats.received(mb)
+        self._decode(work)
+        work.received_ns = time.time_ns()
+        if work.plan is not None and work.plan.reset:
+            self.inbox.reset_received()
+        await self.queue.put(work)
+
+    def _decode(self, work: Work) -> None:
+        mb, cfg = work.mb, self.config
+        try:
+            if not cfg.is_first:  # first, whatever the plan: a link's receives pair with its sends in order
+                work.hidden, work.release = self.data_in.hidden(mb)  # released (a ring's slot) after compute
+            if mb.stage_index != cfg.stage:
+                raise InvalidPlanError(
+                    f"micro-batch {mb.micro_batch_id} is addressed to stage {mb.stage_index}, this is stage {cfg.stage}"
+                )
+            try:
+                plan = plan_from_pb(mb)
+            except PlanDecodeError as exc:
+                raise InvalidPlanError(str(exc)) from None
+            if plan.num_tokens > cfg.max_num_batched_tokens:
+                raise InvalidPlanError(
+                    f"micro-batch {mb.micro_batch_id} has {plan.num_tokens} tokens, over this stage's "
+                    f"max_num_batched_tokens={cfg.max_num_batched_tokens}"
+                )
+            work.plan = plan  # only a plan within limits is kept (its counts go into replies)
+        except InvalidPlanError as exc:
+            work.error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    # --- the loop ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            while True:
+                work = await self.queue.get()
+                try:
+                    await self._process(work)
+                except Exception as exc:  # a bug outside the model: this step fails, the loop goes on
+                    log.exception("micro-batch %d failed outside compute", work.mb.micro_batch_id)
+                    self._fail_alone(work, f"{type(exc).__name__}: {exc}")
+                finally:
+                    work.hidden = None
+                    if work.release is not None:  # done or failed: its ring slot goes back
+                        work.release()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.critical("the compute loop died: %s", exc)
+            self.fatal = exc
+            if self.on_fatal is not None:
+                self.on_fatal()
+            raise
+
+    def _fail_alone(self, work: Work, message: str) -> None:
+        self.stats.num_failed += 1
+        self.stats.num_in_flight = max(0, self.stats.num_in_flight - 1)
+        self.emit(failed_done(work.mb.micro_batch_id, grpc.StatusCode.INTERNAL, message))
+
+    async def _process(self, work: Work) -> None:
+        if work.error is None and self.config.is_first and not self.config.is_last:
+            why = await self.inbox.await_inputs(work.plan, self.runner.batch)
+            if why is not None:
+                self.inbox.num_abandoned += 1
+                work.error = (grpc.StatusCode.ABORTED, f"micro-batch {work.mb.micro_batch_id}: {why}")
+        if work.plan is not None:
+            self.inbox.plan_taken(work.plan)
+        if work.error is None:
+            await self._run_on_thread(work)
+        # the result goes back to the scheduler as soon as compute ends, before the
+        # hand-off downstream, so that it reaches the scheduler ahead of the later stages'
+        # (a failed hand-off is reported afterwards as an error for the micro-batch)
+        if work.error is None and self.outbox is not None:
+            self.outbox.send(work.feedback, work.mb.micro_batch_id)  # before the scheduler hears of it
+        self._finish(work)
+        if work.error is None and self.downstream is not None:
+            await self.downstream.queue.put(work)
+
+    async def _run_on_thread(self, work: Work) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.executor, self._compute, work)
+        except LoraNotLoadedError as exc:  # (the scheduler loads the stage's adapters again)
+            work.error = (grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except InvalidPlanError as exc:
+            work.error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except DataPlaneError as exc:  # the link's receive failed: the previous stage went
+            work.error = (grpc.StatusCode.UNAVAILABLE, str(exc))
+        except Exception as exc:  # a bug: report it, keep serving
+            log.exception("micro-batch %d failed", work.mb.micro_batch_id)
+            work.error = (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def _compute(self, work: Work) -> None:
+        """Runs on the executor thread: the only place this stage's tensors are touched.
+        What the step hands on is encoded here too, off the event loop and before the
+        thread hands back: the hidden states into the micro-batch (not last), the sampled
+        tokens into the first stage's feedback (last of several)."""
+        progress = self.stats.progress
+        work.compute_start_ns = time.time_ns()
+        progress.step_started(work.mb.micro_batch_id)
+        try:
+            work.result = self.runner.execute(work.plan, received(work.hidden))
+        finally:
+            progress.step_ended()
+        work.compute_end_ns = time.time_ns()
+        work.hidden = None
+        if work.result.hidden is not None and self.data_out is not None:
+            work.out_hidden = self.data_out.pack(work.result.hidden, work.mb)
+            work.result.hidden = None
+        if self.outbox is not None:
+            work.feedback = self.outbox.of(work.result, work.mb.micro_batch_id)
+
+    # --- reports -----------------------------------------------------------------------
+
+    def report_forward_failure(self, work: Work) -> None:
+        code, message = work.error
+        self.stats.num_failed += 1
+        log.warning("micro-batch %d not handed on: %s %s", work.mb.micro_batch_id, code.name, message)
+        self.emit(failed_done(work.mb.micro_batch_id, code, message))
+
+    def _finish(self, work: Work) -> None:
+        """Count the step and report it: a failure at once on Events; a success on Events
+        from the last stage only, with every stage's timing, which the others append to the
+        micro-batch they hand on (MicroBatch.upstream_timings): one event per step for the
+        scheduler to read, not one per stage."""
+        done = worker_pb2.MicroBatchDone(micro_batch_id=work.mb.micro_batch_id)
+        timing = done.timing
+        timing.stage_index = self.config.stage
+        timing.sent_ns = work.upstream_sent_ns
+        timing.received_ns = work.received_ns
+        timing.compute_start_ns = work.compute_start_ns
+        timing.compute_end_ns = work.compute_end_ns
+        timing.forwarded_ns = work.forwarded_ns
+        if work.plan is not None:
+            timing.num_seqs = work.plan.num_seqs
+            timing.num_tokens = work.plan.num_tokens
+        self.stats.num_in_flight -= 1
+        if work.error is not None:
+            code, message = work.error
+            done.error.code = code.value[0]
+            done.error.message = message
+            self.stats.num_failed += 1
+            log.warning("micro-batch %d failed: %s %s", work.mb.micro_batch_id, code.name, message)
+            self.emit(done)
+            return
+        copies = len(work.plan.block_copies)
+        self.stats.computed(timing.num_tokens, work.compute_end_ns - work.compute_start_ns, copies)
+        done.num_block_copies_applied = copies
+        if self._tracing:
+            self._trace_spans(work)
+        if not self.config.is_last:
+            work.mb.upstream_timings.append(timing)
+            return
+        done.upstream_timings.extend(work.mb.upstream_timings)
+        if work.result.sampled is not None:
+            result_to_pb(work.result.step_result(), done)
+        self.emit(done)
+
+    def _trace_spans(self, work: Work) -> None:
+        """One span per traced sequence of the micro-batch, under its request's scheduler span."""
+        mb_id, num_tokens = work.mb.micro_batch_id, work.plan.num_tokens
+        for row in work.result.rows:
+            parent = telemetry.context_from(row.state.trace_context)
+            if parent is None:
+                continue
+            span = self._tracer.start_span(
+                f"stage{self.config.stage}.compute",
+                context=parent,
+                start_time=work.compute_start_ns,
+                attributes={
+                    "pagoda.stage": self.config.stage,
+                    "pagoda.micro_batch_id": mb_id,
+                    "pagoda.seq_id": row.seq_id,
+                    "pagoda.num_tokens": num_tokens,
+                },
+            )
+            span.end(end_time=work.compute_end_ns)

@@ -1,0 +1,191 @@
+"""Sampled-token feedback between the last stage and the first (stages started with `--feedback`).
+
+The last stage streams each step's sampled tokens straight to the first (`FeedbackOutbox`); the
+first stage's compute loop waits, before a step, until it knows every token the step computes (a
+placeholder step planned before its input was sampled), and fails it instead when the scheduler
+says that input will never come (`Abandon`) or resets the pipeline (`FeedbackInbox`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from services.grpc_utils import aio_channel
+from services.pb import worker_pb2, worker_pb2_grpc
+from services.step import StepPlan
+from worker_svc.execution.batch import PersistentBatch
+from worker_svc.execution.runner import StageResult
+from worker_svc.service.work import describe
+
+log = logging.getLogger(__name__)
+
+
+class FeedbackInbox:
+    """The first stage's side: tokens fed by the last stage, not applied yet; sequences whose
+    awaited tokens will not come; reset plans received and not computed; open streams.
+
+    Invariants (`check_integrity`): the counts are never negative; every fed entry is a
+    (seq_id, position, token) triple of integers; abandoned ids are integers.
+    """
+
+    def __init__(self) -> None:
+        self.fed: list[tuple[int, int, int]] = []  # (seq_id, position, token) not applied yet
+        self.event = asyncio.Event()  # set whenever a waiting step may go on or give up
+        self.abandoned: set[int] = set()  # sequences whose awaited tokens will not come
+        self.resets_queued = 0  # reset plans received, not yet computed
+        self.num_streams = 0  # Feedback streams open now
+        self.num_fed_tokens = 0  # tokens that came by feedback, not in a plan
+        self.num_feedback_waits = 0  # steps that waited for a fed token
+        self.num_abandoned = 0  # steps failed because their input never came
+
+    # --- what comes in -----------------------------------------------------------------
+
+    def reset_received(self) -> None:
+        """A reset plan arrived: a step waiting for its tokens gives up (`await_inputs`)."""
+        self.resets_queued += 1
+        self.event.set()
+
+    def stream_opened(self) -> None:
+        self.num_streams += 1
+
+    def stream_closed(self) -> None:
+        self.num_streams -= 1
+        self.event.set()  # a step waiting for tokens from this stream gives up
+
+    def add(self, fb: worker_pb2.SampledFeedback) -> None:
+        self.fed.extend(zip(fb.seq_ids, fb.positions, fb.token_ids, strict=True))
+        self.event.set()
+
+    def abandon(self, seq_ids) -> None:
+        self.abandoned.update(seq_ids)
+        self.event.set()
+
+    # --- the compute loop's side -------------------------------------------------------
+
+    def plan_taken(self, plan: StepPlan) -> None:
+        """A plan is about to run (or fail): a reset is consumed and forgets every abandoned
+        sequence; otherwise sequences dropped or sent whole await nothing now."""
+        if plan.reset:
+            self.resets_queued -= 1
+            self.abandoned.clear()
+        elif self.abandoned:
+            self.abandoned.difference_update(plan.finished_seq_ids)
+            self.abandoned.difference_update(n.seq_id for n in plan.new_seqs)
+
+    async def await_inputs(self, plan: StepPlan, batch: PersistentBatch) -> str | None:
+        """Wait until this stage knows every token the step computes (fed by the last stage);
+        None when it does, else why they will not come."""
+        waited = False
+        while True:
+            if self.fed:
+                fed, self.fed = self.fed, []
+                self.num_fed_tokens += batch.feed(fed)
+            awaiting = batch.awaiting(plan)
+            if not awaiting:
+                self.num_feedback_waits += waited
+                return None
+            lost = awaiting & self.abandoned
+            if lost:
+                return f"its input tokens of sequences {sorted(lost)} will not come (their step failed)"
+            if self.resets_queued > (1 if plan.reset else 0):
+                return "the pipeline was reset before its input tokens came"
+            if not self.num_streams:
+                return "no feedback stream from the last stage is open to bring its input tokens"
+            waited = True
+            self.event.clear()
+            await self.event.wait()
+
+    def check_integrity(self) -> None:
+        assert self.resets_queued >= 0, self.resets_queued
+        assert self.num_streams >= 0, self.num_streams
+        assert min(self.num_fed_tokens, self.num_feedback_waits, self.num_abandoned) >= 0
+        assert all(len(t) == 3 and all(isinstance(v, int) for v in t) for t in self.fed), self.fed[:4]
+        assert all(isinstance(s, int) for s in self.abandoned), self.abandoned
+
+
+class FeedbackOutbox:
+    """The last stage's side: one Feedback stream kept open to the first stage (from start, so
+    that the scheduler finds it open), each step's sampled tokens written to it; it reconnects
+    when the stream breaks (tokens lost with it are the scheduler's to recover: the first stage
+    restarted, and its new epoch resets the pipeline)."""
+
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        self.address = address
+        self.max_message_bytes = max_message_bytes
+        # tokens to write, or a stream's end (`_wake_writer`)
+        self.queue: asyncio.Queue[worker_pb2.SampledFeedback | asyncio.Future] = asyncio.Queue(maxsize=1024)
+        self.channel: grpc.aio.Channel | None = None
+
+    @staticmethod
+    def of(result: StageResult | None, micro_batch_id: int) -> worker_pb2.SampledFeedback | None:
+        """A step's sampled tokens as the first stage reads them (None: it sampled none)."""
+        if result is None or result.sampled is None or not result.sampled_seq_ids:
+            return None
+        fb = worker_pb2.SampledFeedback(micro_batch_id=micro_batch_id)
+        fb.seq_ids.extend(result.sampled_seq_ids)
+        fb.positions.extend(result.sampled_positions)
+        fb.token_ids.extend(result.sampled.token_ids)
+        return fb
+
+    def start(self) -> asyncio.Task:
+        self.channel = aio_channel(self.address, self.max_message_bytes)
+        return asyncio.create_task(self._write_loop(), name="feedback")
+
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+    def send(self, fb: worker_pb2.SampledFeedback | None, micro_batch_id: int) -> None:
+        if fb is None:
+            return
+        try:
+            self.queue.put_nowait(fb)
+        except asyncio.QueueFull:
+            log.error(
+                "feedback queue full: the first stage at %s is not reading; dropping step %d's tokens",
+                self.address,
+                micro_batch_id,
+            )
+
+    async def _write_loop(self) -> None:
+        stub = worker_pb2_grpc.StageWorkerStub(self.channel)
+        while True:
+            call = None
+            try:
+                await asyncio.wait_for(self.channel.channel_ready(), timeout=2.0)
+                call = stub.Feedback()
+                await self._write_until_broken(call)
+            except asyncio.CancelledError:
+                if call is not None:
+                    call.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure of the stream means the same
+                log.warning("feedback to the first stage at %s failed: %s", self.address, describe(exc))
+            if call is not None:
+                call.cancel()
+            await asyncio.sleep(0.2)
+
+    async def _write_until_broken(self, call) -> None:
+        await call.write(worker_pb2.SampledFeedback())  # opens the stream on the first stage
+        ended = asyncio.ensure_future(call)  # done only when the stream breaks
+        ended.add_done_callback(self._wake_writer)
+        log.info("feedback stream to the first stage at %s open", self.address)
+        while True:
+            fb = await self.queue.get()
+            if fb is ended:  # the stream broke while nothing was to be written
+                break
+            if isinstance(fb, asyncio.Future):  # a stream before this one
+                continue
+            await call.write(fb)
+        reason = describe(ended.exception()) if ended.exception() else "closed"
+        log.warning("feedback stream to %s ended: %s", self.address, reason)
+
+    def _wake_writer(self, ended: asyncio.Future) -> None:
+        """The stream broke: its writer, waiting for tokens, reconnects now (one `get` per
+        write, no per-write wait on the stream's end)."""
+        with contextlib.suppress(asyncio.QueueFull):
+            self.queue.put_nowait(ended)
