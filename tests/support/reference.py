@@ -59,8 +59,10 @@ class HFReference:
             self._cache[key] = (tokens, [step[0].float() for step in out.logits])
         return self._cache[key]
 
-    def compare(self, prompt: list[int], got: list[int]) -> Comparison:
-        """Assert `got` is transformers' greedy continuation of `prompt` under the tie rule."""
+    def compare(self, prompt: list[int], got: list[int], tolerance: float = TIE_TOLERANCE) -> Comparison:
+        """Assert `got` is transformers' greedy continuation of `prompt` under the tie rule,
+        with ties within `tolerance` (a path whose logits are known to move by more than
+        float32 rounding, such as packed weights' integer kernels, states its own)."""
         divergences = 0
         prefix = list(prompt)
         i = 0
@@ -71,9 +73,9 @@ class HFReference:
                     continue
                 step = logits[j]
                 gap = float(step.max() - step[g])
-                assert gap <= TIE_TOLERANCE, (
+                assert gap <= tolerance, (
                     f"prompt of {len(prompt)} tokens, output position {i + j}: Pagoda gave {g}, "
-                    f"transformers {w}; logit gap {gap:.3g} > {TIE_TOLERANCE}"
+                    f"transformers {w}; logit gap {gap:.3g} > {tolerance}"
                 )
                 divergences += 1
                 prefix = prefix + got[i : i + j + 1]

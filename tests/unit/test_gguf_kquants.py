@@ -146,12 +146,25 @@ def test_auto_logits_stay_close_to_float32(q4_k_m_of_each):
     assert (got - want).abs().max() <= 0.02
 
 
-def test_greedy_auto_equals_float32_with_and_without_the_fused_step(q4_k_m, monkeypatch):
+# a greedy tie at "auto": the packed kernels' logits are within ~2e-3 of float32's (measured
+# 1.7e-3 to 2.1e-3 over test_auto_logits_stay_close_to_float32's rows on every ISA path), so
+# top two that close may swap; 5e-3 leaves room for both to move
+AUTO_TIE = 5e-3
+
+
+def test_greedy_auto_follows_float32_with_and_without_the_fused_step(q4_k_m, monkeypatch):
     """Decode steps through the native fused step (mixed Q4_K+Q6_K q/k/v chained) and through
-    the modules give float32's greedy tokens (measured: 5 prompts x 24 tokens all equal;
-    with int8 activations one of them parts at its 14th token, as llama.cpp's may)."""
+    the modules give transformers' float32 greedy tokens of the same file, but where its top
+    two logits are within AUTO_TIE. (Was: equal to Pagoda's float32 tokens, which held on the
+    AMD EPYC Zen 4 runners by luck. Measured on an Intel Xeon, family 6 model 167: prompt 2's
+    second token is a near-tie, logits 12.70683 (420) and 12.70665 (328) at float32, a gap of
+    1.8e-4, while "auto" moves them by up to 8.6e-4 there; the modules path's AVX-512 and
+    scalar kernels take 328, its AVX2 kernels and the fused step 420. With int8 activations
+    one of 5 prompts x 24 tokens parts at its 14th token, as llama.cpp's may.)"""
+    ref = HFReference(None, gguf_file=q4_k_m)
     prompts = _prompts()
-    want = _greedy(str(q4_k_m), prompts, 12, dtype="float32")
-    assert _greedy(str(q4_k_m), prompts, 12, dtype="auto") == want
-    monkeypatch.setenv("PAGODA_FUSED_DECODE", "0")
-    assert _greedy(str(q4_k_m), prompts, 12, dtype="auto") == want
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PAGODA_FUSED_DECODE", fused)
+        got = _greedy(str(q4_k_m), prompts, 12, dtype="auto")
+        ties = sum(ref.compare(p, t, tolerance=AUTO_TIE).tie_divergences for p, t in zip(prompts, got, strict=True))
+        assert ties <= 1, (fused, ties)  # measured: 0 fused, 1 through the modules (above)
