@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
-from gateway.routing import leading_hits
+from gateway.routing import leading_hits_with_tier
 from services.kv_index_schema import replica_keys
 from services.prefix_hash import block_keys
 
@@ -48,8 +48,9 @@ class KVIndex:
         token_ids: Sequence[int],
         block_size: int,
         known: Mapping[str | None, list[bytes]] | None = None,
-    ) -> tuple[dict[str, int], int, dict[str, int]] | None:
-        """({replica: leading blocks of the prompt it holds}, the prompt's full blocks,
+    ) -> tuple[dict[str, float], int, dict[str, int]] | None:
+        """({replica: leading blocks of the prompt it holds, those only in its KV tier counted
+        at `TIER_HIT_WEIGHT`}, the prompt's full blocks,
         {replica: blocks in its prefix cache}) for the replicas (name, namespace) whose
         heartbeat is live (0 for the others); None when Redis cannot say now. `known`: the
         prompt's block keys (up to MAX_BLOCKS) the caller already has, by namespace."""
@@ -71,6 +72,7 @@ class KVIndex:
             pipe.scard(blocks)
             if prompt_blocks:
                 pipe.smismember(blocks, by_namespace[namespace])
+                pipe.smismember(keys.tier, by_namespace[namespace])
         self.num_lookups += 1
         try:
             replies = await pipe.execute()
@@ -88,10 +90,11 @@ class KVIndex:
         if self.failing:
             log.info("prefix index in Redis reachable again: routing by prefix")
         self.failing = False
-        out, sizes, per = {}, {}, 3 if prompt_blocks else 2
+        out, sizes, per = {}, {}, 4 if prompt_blocks else 2
         for i, (name, _) in enumerate(replicas):
             alive, size = replies[per * i], replies[per * i + 1]
-            flags = replies[per * i + 2] if prompt_blocks else []
-            out[name] = leading_hits([bool(f) for f in flags]) if alive else 0
+            pool = [bool(f) for f in replies[per * i + 2]] if prompt_blocks else []
+            tier = [bool(f) for f in replies[per * i + 3]] if prompt_blocks else []
+            out[name] = leading_hits_with_tier(pool, tier) if alive else 0
             sizes[name] = size if alive else 0
         return out, prompt_blocks, sizes

@@ -162,6 +162,24 @@ class RoutedBlocks:
         return {name: n} if name is not None else {}
 
 
+TIER_HIT_WEIGHT = 0.5  # a block in a replica's KV tier (a load) counts half a pool hit (no work at all)
+
+
+def leading_hits_with_tier(pool: Sequence[bool], tier: Sequence[bool]) -> float:
+    """A prompt's leading blocks a replica holds, those only in its KV tier weighted
+    `TIER_HIT_WEIGHT`: the chain goes on through either, the pool's hits first."""
+    n, hits = 0, 0.0
+    for in_pool, in_tier in zip(pool, tier, strict=True):
+        if in_pool:
+            hits += 1.0
+        elif in_tier:
+            hits += TIER_HIT_WEIGHT
+        else:
+            break
+        n += 1
+    return hits
+
+
 def leading_hits(flags: Sequence[bool]) -> int:
     """How many of a prompt's blocks, from the first, a replica holds (a chain: a block is
     usable only after all before it)."""

@@ -32,17 +32,21 @@ SUBSCRIBER_QUEUE = 16_384  # events a live subscriber may fall behind before it 
 
 @dataclass(frozen=True)
 class Stored:
-    """Full blocks entered the cache, a chain: `keys[0]`'s parent is `parent_key`."""
+    """Full blocks entered the cache, a chain: `keys[0]`'s parent is `parent_key`. `medium`
+    "" is the pool; "host" or "disk" the KV tier below it (kvcache_svc/core/tier.py), whose
+    blocks are named by key only (no parent, no tokens)."""
 
     keys: tuple[bytes, ...]
     parent_key: bytes
     token_ids: tuple[int, ...]  # block_size per block
     namespace: str | None
+    medium: str = ""
 
 
 @dataclass(frozen=True)
 class Removed:
     keys: tuple[bytes, ...]
+    medium: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,20 +84,36 @@ class EventLog:
     def stored(self, key: bytes, parent_key: bytes, namespace: str | None, token_bytes: bytes) -> None:
         last = self._pending[-1] if self._pending else None
         tokens = unpack_token_ids(token_bytes)
-        if isinstance(last, Stored) and last.keys[-1] == parent_key and last.namespace == namespace:
+        if isinstance(last, Stored) and not last.medium and last.keys[-1] == parent_key and last.namespace == namespace:
             self._pending[-1] = Stored((*last.keys, key), last.parent_key, last.token_ids + tokens, namespace)
         else:
             self._pending.append(Stored((key,), parent_key, tokens, namespace))
 
     def removed(self, key: bytes) -> None:
         last = self._pending[-1] if self._pending else None
-        if isinstance(last, Removed):
+        if isinstance(last, Removed) and not last.medium:
             self._pending[-1] = Removed((*last.keys, key))
         else:
             self._pending.append(Removed((key,)))
 
     def cleared(self) -> None:
         self._pending = [Cleared()]  # what came before it in this operation is moot
+
+    # --- what the KV tier reports (kvcache_svc/core/tier.py `TierListener`) -------------
+
+    def tier_stored(self, key: bytes, medium: str) -> None:
+        last = self._pending[-1] if self._pending else None
+        if isinstance(last, Stored) and last.medium == medium:
+            self._pending[-1] = Stored((*last.keys, key), b"", (), None, medium)
+        else:
+            self._pending.append(Stored((key,), b"", (), None, medium))
+
+    def tier_removed(self, key: bytes, medium: str) -> None:
+        last = self._pending[-1] if self._pending else None
+        if isinstance(last, Removed) and last.medium == medium:
+            self._pending[-1] = Removed((*last.keys, key), medium)
+        else:
+            self._pending.append(Removed((key,), medium))
 
     # --- numbering and delivery --------------------------------------------------------
 

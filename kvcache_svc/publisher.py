@@ -106,11 +106,13 @@ class RedisPublisher:
         """Rewrite the block set from the cache as it is; returns the sequence number it
         reflects (later events in the queue are applied on top)."""
         seq = self._log.last_sequence_number
-        keys = [k for s in self._snapshot() for k in s.keys]
+        snapshot = self._snapshot()
         pipe = self._client.pipeline(transaction=True)
-        pipe.delete(self.keys.blocks)
-        for i in range(0, len(keys), _CHUNK):
-            pipe.sadd(self.keys.blocks, *keys[i : i + _CHUNK])
+        pipe.delete(self.keys.blocks, self.keys.tier)
+        for name, tier in ((self.keys.blocks, False), (self.keys.tier, True)):
+            keys = [k for s in snapshot if bool(s.medium) == tier for k in s.keys]
+            for i in range(0, len(keys), _CHUNK):
+                pipe.sadd(name, *keys[i : i + _CHUNK])
         self._heartbeat(pipe, seq)
         await pipe.execute()
         self.num_resyncs += 1
@@ -120,6 +122,7 @@ class RedisPublisher:
         alive = json.dumps({"epoch": self._log.epoch, "sequence_number": seq, "block_size": self._block_size})
         pipe.set(self.keys.alive, alive, ex=ALIVE_TTL_S)
         pipe.expire(self.keys.blocks, INDEX_TTL_S)
+        pipe.expire(self.keys.tier, INDEX_TTL_S)
 
     async def _follow(self, queue: asyncio.Queue, synced: int) -> None:
         seq = synced
@@ -154,14 +157,16 @@ class RedisPublisher:
         change, blocks = event.change, self.keys.blocks
         fields: dict[str, str | bytes] = {"seq": str(event.sequence_number), "epoch": str(event.epoch)}
         if isinstance(change, Stored):
-            pipe.sadd(blocks, *change.keys)
+            pipe.sadd(self.keys.tier if change.medium else blocks, *change.keys)
             fields.update(
                 type="stored", keys=b"".join(change.keys), parent=change.parent_key, tokens=len(change.token_ids)
             )
         elif isinstance(change, Removed):
-            pipe.srem(blocks, *change.keys)
+            pipe.srem(self.keys.tier if change.medium else blocks, *change.keys)
             fields.update(type="removed", keys=b"".join(change.keys))
         elif isinstance(change, Cleared):
-            pipe.delete(blocks)
+            pipe.delete(blocks, self.keys.tier)
             fields.update(type="cleared")
+        if isinstance(change, (Stored, Removed)) and change.medium:
+            fields["medium"] = change.medium
         pipe.xadd(self.keys.events, fields, maxlen=STREAM_MAXLEN, approximate=True)

@@ -30,6 +30,7 @@ from grpc_health.v1 import health
 
 from kvcache_svc.config import KVCacheConfig
 from kvcache_svc.core import InvalidStepError, KVCacheError, KVCacheManager, SequenceNotFound, StepInput
+from kvcache_svc.core.tier import tier_for
 from kvcache_svc.events import Event, EventLog, Gone, Removed, Stored, chains
 from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
 from services.kv_codec import (
@@ -74,6 +75,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             enable_prefix_caching=config.enable_prefix_caching,
             group_windows=config.group_windows,
             listener=self.events,
+            tier=tier_for(config.kv_offload, self.events),
         )
         self.publisher = None  # kvcache_svc.publisher.RedisPublisher with --redis-url
         self.broken: str | None = None
@@ -102,8 +104,10 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         await self._set_serving(True)
 
     def snapshot(self) -> list[Stored]:
-        """Every cached block as a one-block `Stored` (as of `events.last_sequence_number`)."""
-        return chains(self.manager.cached_blocks())
+        """Every cached block as a one-block `Stored` (as of `events.last_sequence_number`),
+        then every block of the KV tier with its medium."""
+        tier = [Stored((key,), b"", (), None, medium) for key, medium in self.manager.tier_keys()]
+        return chains(self.manager.cached_blocks()) + tier
 
     async def stop(self) -> None:
         await self._set_serving(False)
@@ -288,6 +292,7 @@ def stored_to_pb(stored: Stored, block_size: int, out: kvcache_pb2.BlocksStored)
     out.block_size = block_size
     if stored.namespace is not None:
         out.namespace = stored.namespace
+    out.medium = stored.medium
 
 
 def event_to_pb(event: Event, block_size: int) -> kvcache_pb2.KVEvent:
@@ -297,6 +302,7 @@ def event_to_pb(event: Event, block_size: int) -> kvcache_pb2.KVEvent:
         stored_to_pb(change, block_size, msg.blocks_stored)
     elif isinstance(change, Removed):
         msg.blocks_removed.block_keys.extend(change.keys)
+        msg.blocks_removed.medium = change.medium
     else:
         msg.all_blocks_cleared.SetInParent()
     return msg

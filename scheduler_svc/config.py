@@ -60,6 +60,7 @@ class SchedulerConfig:
     num_kv_blocks: int | None = uses(shared.NUM_KV_BLOCKS)
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps", "bool")
     enable_prefix_caching: bool = uses(shared.ENABLE_PREFIX_CACHING)
+    kv_offload: str = uses(shared.KV_OFFLOAD)
     kv_groups: str = uses(shared.KV_GROUPS)  # the KV service's, when not given
     preemption_mode: str = _arg("recompute", "how a request gives its KV back", "str", choices=("recompute",))
     scheduler_timeout_ms: int = _arg(50, "longest idle wait of the scheduler loop")

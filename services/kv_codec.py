@@ -27,6 +27,7 @@ from services.kv_layout import entries_of, flat_pages
 from services.kv_stats import KVCacheStats, SequenceBlockStats
 from services.kv_types import Allocated, Append, BlockCopy, Fork, NewSequence, NoBlocks, StepInput, StepOutput
 from services.pb import common_pb2, kvcache_pb2
+from services.step_codec import tier_ops_from_pb, tier_ops_to_pb
 
 # The seq_id of a NOT_FOUND travels in the trailing metadata, so the client can rebuild the
 # exception without parsing its message.
@@ -182,6 +183,7 @@ def step_output_to_pb(
             common_pb2.BlockCopy(src_block_id=c.src_block_id, dst_block_id=c.dst_block_id) for c in output.copies
         ],
         capacity=capacity,
+        tier_ops=tier_ops_to_pb(output.tier_ops),
     )
 
 
@@ -213,7 +215,11 @@ def step_output_from_pb(response: kvcache_pb2.StepResponse) -> StepOutput:
         )
     if num_matched != len(copies):
         raise BlockCopyMismatch("a block copy belongs to no allocation")
-    return StepOutput(results=results, copies=copies)
+    try:
+        tier_ops = tier_ops_from_pb(response.tier_ops)
+    except ValueError as e:
+        raise BlockCopyMismatch(str(e)) from None
+    return StepOutput(results=results, copies=copies, tier_ops=tier_ops)
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -273,6 +279,15 @@ def stats_to_pb(
         group_windows=stats.group_windows,
         num_window_blocks=stats.num_window_blocks,
         num_slid_blocks=stats.num_slid_blocks,
+        tier_host_capacity_blocks=stats.tier_host_capacity,
+        tier_host_blocks=stats.tier_host_blocks,
+        tier_disk_capacity_blocks=stats.tier_disk_capacity,
+        tier_disk_blocks=stats.tier_disk_blocks,
+        num_tier_hit_tokens=stats.num_tier_hit_tokens,
+        num_tier_saves=stats.num_tier_saves,
+        num_tier_loads=stats.num_tier_loads,
+        num_tier_demotions=stats.num_tier_demotions,
+        num_tier_drops=stats.num_tier_drops,
     )
 
 
@@ -302,6 +317,15 @@ def stats_from_pb(msg: kvcache_pb2.KVCacheStats) -> KVCacheStats:
         group_windows=tuple(msg.group_windows) or (0,),
         num_window_blocks=msg.num_window_blocks,
         num_slid_blocks=msg.num_slid_blocks,
+        tier_host_capacity=msg.tier_host_capacity_blocks,
+        tier_host_blocks=msg.tier_host_blocks,
+        tier_disk_capacity=msg.tier_disk_capacity_blocks,
+        tier_disk_blocks=msg.tier_disk_blocks,
+        num_tier_hit_tokens=msg.num_tier_hit_tokens,
+        num_tier_saves=msg.num_tier_saves,
+        num_tier_loads=msg.num_tier_loads,
+        num_tier_demotions=msg.num_tier_demotions,
+        num_tier_drops=msg.num_tier_drops,
     )
 
 

@@ -20,8 +20,9 @@ class ReplicaKeys:
     blocks: str
     events: str
     alive: str
+    tier: str  # the KV tier's blocks (host and disk): hits that cost a load, not a recompute
 
 
 def replica_keys(replica: str) -> ReplicaKeys:
     tag = f"pagoda:kv:{{{replica}}}"
-    return ReplicaKeys(blocks=f"{tag}:blocks", events=f"{tag}:events", alive=f"{tag}:alive")
+    return ReplicaKeys(blocks=f"{tag}:blocks", events=f"{tag}:events", alive=f"{tag}:alive", tier=f"{tag}:tier")

@@ -92,3 +92,14 @@ class KVCacheStats:
     group_windows: tuple[int, ...] = (0,)
     num_window_blocks: int = 0
     num_slid_blocks: int = 0
+    # the KV tier below the pool (--kv-offload; kvcache_svc/core/tier.py): capacity and
+    # blocks held per medium, prompt tokens loaded from it, and its moves (cumulative)
+    tier_host_capacity: int = 0
+    tier_host_blocks: int = 0
+    tier_disk_capacity: int = 0
+    tier_disk_blocks: int = 0
+    num_tier_hit_tokens: int = 0
+    num_tier_saves: int = 0
+    num_tier_loads: int = 0
+    num_tier_demotions: int = 0
+    num_tier_drops: int = 0

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from services.step import TierOp
+
 
 @dataclass(frozen=True, slots=True)
 class NewSequence:
@@ -141,3 +143,4 @@ class StepOutput:
 
     results: Mapping[int, Allocated | NoBlocks]
     copies: tuple[BlockCopy, ...]
+    tier_ops: tuple[TierOp, ...] = ()  # moves to and from the KV tier, applied before `copies`

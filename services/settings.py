@@ -128,6 +128,20 @@ KV_GROUPS = Setting(
     serve="own",
     group="cache",
 )
+KV_OFFLOAD = Setting(
+    "kv_offload",
+    "a KV tier below the pool (services/kv_offload.py): prefixes evicted from it are kept in host "
+    "memory, then on disk, and loaded instead of recomputed: host:GiB[,disk:PATH:GiB] (`pagoda "
+    "serve`), or in blocks of the pipeline, host:512b[,disk:PATH:4096b] (every service alike); "
+    "needs prefix caching, one KV group and tensor parallelism 1",
+    "str",
+    default="",
+    metavar="host:SIZE[,disk:PATH:SIZE]",
+    owner="kvcache",
+    services=("worker", "kvcache", "scheduler"),
+    serve="pass",
+    group="cache",
+)
 ENABLE_PREFIX_CACHING = Setting(
     "enable_prefix_caching",
     "share KV blocks of common prefixes (the KV service caches, the scheduler plans with it)",

@@ -102,10 +102,28 @@ class CachedSeq:
     start: int = -1
 
 
+class TierOp(NamedTuple):
+    """One move between a stage's KV pool and its KV tier (the host memory and disk below the
+    pool, `--kv-offload`), decided by the KV manager and carried out by every stage in order,
+    before the step's block copies. `key` is the block's prefix key (the hash chain of the KV
+    events); each stage moves its own layers' part of the block."""
+
+    kind: int  # TIER_SAVE, TIER_LOAD, TIER_DEMOTE or TIER_DROP
+    key: bytes
+    block_id: int = -1  # SAVE: the pool block written to the host tier; LOAD: the block read into
+
+
+TIER_SAVE = 1  # pool block -> host tier (the block is about to be reused)
+TIER_LOAD = 2  # host or disk tier -> pool block (a prefix hit below the pool)
+TIER_DEMOTE = 3  # host tier -> disk tier (the host tier is full)
+TIER_DROP = 4  # forgotten (its tier is full, or a step that loaded it failed)
+
+
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """One step (micro-batch): applied as `reset`, `finished_seq_ids`, `block_copies`, then
-    new and cached sequences; the batch's token order is `new_seqs` then `cached_seqs`."""
+    """One step (micro-batch): applied as `reset`, `finished_seq_ids`, `tier_ops`,
+    `block_copies`, then new and cached sequences; the batch's token order is `new_seqs` then
+    `cached_seqs`."""
 
     step_id: int
     new_seqs: tuple[NewSeq, ...] = ()
@@ -113,6 +131,7 @@ class StepPlan:
     finished_seq_ids: tuple[int, ...] = ()
     block_copies: tuple[tuple[int, int], ...] = ()
     reset: bool = False
+    tier_ops: tuple[TierOp, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -9,13 +9,17 @@ wrong; whether a plan fits a stage's state is the stage's check.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from services.kv_layout import entries_of, flat_pages
-from services.pb import worker_pb2
+from services.pb import common_pb2, worker_pb2
 from services.pooling import PoolingType, embedding_from_pb, embedding_to_pb
 from services.sampling_pb import options_to_pb, params_from_pb, set_top_logprobs
 from services.step import (
+    TIER_DEMOTE,
+    TIER_DROP,
+    TIER_LOAD,
+    TIER_SAVE,
     CachedSeq,
     NewSeq,
     PooledOutput,
@@ -26,6 +30,7 @@ from services.step import (
     StageTiming,
     StepPlan,
     StepResult,
+    TierOp,
     TokenLogprobs,
 )
 
@@ -53,6 +58,8 @@ def plan_to_pb(plan: StepPlan, stage_index: int = 0) -> worker_pb2.MicroBatch:
     )
     for src, dst in plan.block_copies:
         msg.block_copies.add(src_block_id=src, dst_block_id=dst)
+    if plan.tier_ops:
+        msg.tier_ops.extend(tier_ops_to_pb(plan.tier_ops))
     for n in plan.new_seqs:
         _new_seq_to_pb(n, msg.new_seqs.add())
     if plan.cached_seqs:
@@ -125,7 +132,29 @@ def plan_from_pb(msg: worker_pb2.MicroBatch) -> StepPlan:
         tuple(msg.finished_seq_ids),
         tuple((x.src_block_id, x.dst_block_id) for x in msg.block_copies),
         msg.reset,
+        _tier_ops_of(msg) if msg.tier_ops else (),
     )
+
+
+def _tier_ops_of(msg: worker_pb2.MicroBatch) -> tuple[TierOp, ...]:
+    try:
+        return tier_ops_from_pb(msg.tier_ops)
+    except ValueError as e:
+        raise PlanDecodeError(f"micro-batch {msg.micro_batch_id}: {e}") from None
+
+
+def tier_ops_to_pb(ops: Sequence[TierOp]) -> list[common_pb2.TierOp]:
+    return [common_pb2.TierOp(kind=op.kind, key=op.key, block_id=max(op.block_id, 0)) for op in ops]
+
+
+def tier_ops_from_pb(ops: Iterable[common_pb2.TierOp]) -> tuple[TierOp, ...]:
+    """Decode tier moves; an unknown kind or a move without its key is refused (ValueError)."""
+    out = []
+    for op in ops:
+        if op.kind not in (TIER_SAVE, TIER_LOAD, TIER_DEMOTE, TIER_DROP) or not op.key:
+            raise ValueError(f"tier_ops: a move of kind {op.kind} with a {len(op.key)}-byte key")
+        out.append(TierOp(op.kind, op.key, op.block_id if op.kind in (TIER_SAVE, TIER_LOAD) else -1))
+    return tuple(out)
 
 
 def _new_seqs_from_pb(seqs: Iterable[worker_pb2.StageNewSequence], step: int, groups: int) -> tuple[NewSeq, ...]:

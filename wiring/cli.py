@@ -199,6 +199,7 @@ def kv_client(config, kv_address: str):
     if kv_address == "in-process":
         from kvcache_svc.client import InProcessKVCacheClient
         from kvcache_svc.core import KVCacheManager
+        from kvcache_svc.core.tier import tier_for
         from services.defaults import NUM_KV_BLOCKS
         from services.kv_layout import parse_spec
 
@@ -208,6 +209,7 @@ def kv_client(config, kv_address: str):
                 config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
                 group_windows=parse_spec(config.kv_groups),
+                tier=tier_for(config.kv_offload),
             )
         )
     from services.kv_client import GrpcKVCacheClient

@@ -85,3 +85,20 @@ def model_kv_groups(model_dir: str) -> str:
         return load_config(model_dir).kv_layout.spec()
     except (ValueError, OSError):  # not a served architecture, or no folder (the start says)
         return ""
+
+
+def kv_offload_in_blocks(spec: str, model_dir: str, block_size: int, kv_cache_dtype: str = "auto") -> str:
+    """`--kv-offload` in blocks of the whole pipeline (every layer's K and V of one block), the
+    form every service takes. A block is counted at the pools' dtype when it is given
+    (`--kv-cache-dtype bfloat16`: 2 bytes a value), else at 4 bytes a value, the most a pool
+    takes on the CPU: the tier then never holds more than the GiB given."""
+    from services.kv_offload import parse_kv_offload
+    from worker_svc.models.registry import load_config
+
+    offload = parse_kv_offload(spec)
+    if offload is None or offload.in_blocks:
+        return offload.spec() if offload else ""
+    cfg = load_config(model_dir)
+    value_bytes = 2 if kv_cache_dtype == "bfloat16" else 4
+    block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * value_bytes
+    return offload.in_blocks_of(block_bytes).spec()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from kvcache_svc.client import InProcessKVCacheClient
 from kvcache_svc.core import KVCacheManager
+from kvcache_svc.core.tier import tier_for
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.request import Request, SamplingOptions
 from scheduler_svc.engine import Engine
@@ -155,6 +156,7 @@ def build_local_engine(
             runners.append(
                 StageRunner(model, num_kv_blocks, config.block_size, attention_backend, drafter=drafter, layout=layout)
             )
+            _attach_kv_tier(runners[-1], model_dir, k, n, config.kv_offload)
     model_config = load_config(model_dir)
     layout = model_config.kv_layout
     kv = InProcessKVCacheClient(
@@ -163,10 +165,25 @@ def build_local_engine(
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             group_windows=layout.windows,
+            tier=tier_for(config.kv_offload),
         )
     )
     config = replace(config, kv_groups=layout.spec())
     return Engine(config, kv, LocalStageTransport(runners), eos_token_ids=model_config.eos_token_ids)
+
+
+def _attach_kv_tier(runner, model_dir: str, stage: int, num_stages: int, kv_offload: str) -> None:
+    """Each stage's part of the KV tier (`--kv-offload`, in blocks), as a stage process makes it."""
+    if not kv_offload:
+        return
+    from worker_svc.config import WorkerConfig
+    from worker_svc.service.loading import attach_kv_tier
+
+    next_address = None if stage == num_stages - 1 else "in-process"
+    config = WorkerConfig(
+        model=model_dir, stage=stage, num_stages=num_stages, next_address=next_address, kv_offload=kv_offload
+    )
+    attach_kv_tier(runner, config)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 
 from wiring.flags import config_values, service_settings
+from wiring.kv_pool import model_kv_groups
 from wiring.launcher import port_taken
 
 
@@ -60,9 +61,24 @@ def check_start(args: argparse.Namespace, model_dir: str) -> list[str]:
     if not 1 <= args.replicas <= 64:
         raise Refused(f"--replicas must be 1..64, got {args.replicas}")
     try:
+        _check_kv_offload(args, model_dir)
         return _check_model_and_settings(args, model_dir)
     except ValueError as exc:
         raise Refused(str(exc)) from exc
+
+
+def _check_kv_offload(args: argparse.Namespace, model_dir: str) -> None:
+    """A KV tier needs prefix caching, one process per stage and one KV group; ValueError."""
+    from services.kv_offload import parse_kv_offload
+
+    if parse_kv_offload(args.kv_offload) is None:
+        return
+    if not args.enable_prefix_caching:
+        raise ValueError("--kv-offload keeps evicted prefixes: it needs prefix caching (drop --no-prefix-caching)")
+    if args.tensor_parallel_size > 1:
+        raise ValueError("--kv-offload: a KV tier needs --tensor-parallel-size 1")
+    if "," in model_kv_groups(model_dir):
+        raise ValueError("--kv-offload: a KV tier needs one KV group (this model has sliding-window sub-groups)")
 
 
 def _check_model_and_settings(args: argparse.Namespace, model_dir: str) -> list[str]:

@@ -108,6 +108,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         if self.compute.outbox is not None:
             await self.compute.outbox.stop()
         self.compute.executor.shutdown(wait=False, cancel_futures=True)
+        if getattr(self.runner, "kv_tier", None) is not None:
+            self.runner.kv_tier.close()  # its files go with it
 
     # --- rpcs --------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from kvcache_svc.core.block_pool import BlockPool
 from kvcache_svc.core.groups import sliding_groups
 from kvcache_svc.core.prefix_cache import TOKEN_BYTES, PrefixCache
 from kvcache_svc.core.sequence import SequenceState
+from kvcache_svc.core.tier import TierIndex
 from kvcache_svc.core.validation import MAX_LOOKAHEAD_SLOTS
 from services.kv_errors import IntegrityError
 from services.kv_layout import NULL_PAGE
@@ -39,6 +40,7 @@ class Counters:
     num_copy_on_write: int = 0
     num_resets: int = 0
     num_slid_pages: int = 0  # pages sliding windows gave back
+    num_tier_hit_tokens: int = 0  # prompt tokens loaded from the KV tier
 
 
 def sequence_stats(seq: SequenceState, pool: BlockPool, windows: tuple[int, ...]) -> SequenceBlockStats:
@@ -65,6 +67,7 @@ def kv_stats(
     block_size: int,
     windows: tuple[int, ...],
     watermark_blocks: int,
+    tier: TierIndex | None = None,
 ) -> KVCacheStats:
     bs = block_size
     num_free = pool.num_free_blocks
@@ -109,7 +112,22 @@ def kv_stats(
         group_windows=windows,
         num_window_blocks=len(window_pages),
         num_slid_blocks=counters.num_slid_pages,
+        num_tier_hit_tokens=counters.num_tier_hit_tokens,
+        **(_tier_stats(tier) if tier is not None else {}),
     )
+
+
+def _tier_stats(tier: TierIndex) -> dict[str, int]:
+    return {
+        "tier_host_capacity": tier.host_blocks,
+        "tier_host_blocks": tier.num_host,
+        "tier_disk_capacity": tier.disk_blocks,
+        "tier_disk_blocks": tier.num_disk,
+        "num_tier_saves": tier.num_saves,
+        "num_tier_loads": tier.num_loads,
+        "num_tier_demotions": tier.num_demotions,
+        "num_tier_drops": tier.num_drops,
+    }
 
 
 def _check_entries(seq: SequenceState, windows: tuple[int, ...], block_size: int) -> list[int]:

@@ -17,12 +17,14 @@ from kvcache_svc.core.prefix_cache import (
     unpack_token_ids,
 )
 from kvcache_svc.core.sequence import MicroBatchRecord, SequenceState
+from kvcache_svc.core.tier import TierIndex
 from kvcache_svc.core.validation import ValidAppend, ValidNewSequence, validate_step
 from services.defaults import BLOCK_SIZE
 from services.kv_errors import SequenceNotFound
 from services.kv_layout import NULL_PAGE, first_needed_block
 from services.kv_stats import KVCacheStats, SequenceBlockStats
 from services.kv_types import Allocated, BlockCopy, Fork, NoBlocks, StepInput, StepOutput
+from services.step import TierOp
 
 
 class _NumTokensView(Mapping[int, int]):
@@ -84,6 +86,7 @@ class KVCacheManager:
         hash_fn: HashFn = hash_block,
         listener: CacheListener | None = None,
         group_windows: tuple[int, ...] = (0,),
+        tier: TierIndex | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -102,6 +105,11 @@ class KVCacheManager:
         self._seqs: dict[int, SequenceState] = {}
         self._in_flight: dict[int, MicroBatchRecord] = {}
         self._counters = audit.Counters()
+        if tier is not None and (not enable_prefix_caching or self._num_groups > 1):
+            raise ValueError("a KV tier needs prefix caching and one KV group (no sliding-window sub-groups)")
+        self._tier = tier  # the KV tier below the pool (kvcache_svc/core/tier.py), or None
+        self._tier_ops: list[TierOp] = []  # this step's moves (`step`)
+        self._record: MicroBatchRecord | None = None  # this step's micro-batch (`step`)
 
     # ---- configuration and queries -------------------------------------------------------
 
@@ -168,6 +176,10 @@ class KVCacheManager:
         entry = self._cache.entry(block_id)
         return None if entry is None else unpack_token_ids(entry.token_bytes)
 
+    def tier_keys(self) -> list[tuple[bytes, str]]:
+        """The KV tier's blocks (key, "host" or "disk"); none without a tier."""
+        return self._tier.keys() if self._tier is not None else []
+
     def cached_blocks(self) -> list[CachedBlock]:
         """Every block in the prefix cache with its key's input (a KV-event snapshot)."""
         return self._cache.entries()
@@ -204,8 +216,11 @@ class KVCacheManager:
             self._pool.num_blocks // (self._num_groups - len(self._sliding)) * self._block_size,
         )
         for micro_batch_id in valid.failed_micro_batch_ids:
-            for seq in self._in_flight.pop(micro_batch_id).seqs:
+            failed = self._in_flight.pop(micro_batch_id)
+            for seq in failed.seqs:
                 seq.cacheable = False
+            if self._tier is not None:  # a stage may lack what it saved or loaded
+                self._tier.forget(failed.tier_keys)
         for micro_batch_id in valid.completed_micro_batch_ids:
             self._complete(self._in_flight.pop(micro_batch_id))
         for seq_id in valid.frees:
@@ -221,6 +236,9 @@ class KVCacheManager:
 
         # validation made sure a step that writes names its micro-batch
         micro_batch = MicroBatchRecord()
+        self._record, self._tier_ops = micro_batch, []
+        if self._tier is not None and valid.micro_batch_id is not None:
+            self._tier.take_pending(self._tier_ops)
         results: dict[int, Allocated | NoBlocks] = {}
         for append in valid.appends:
             results[append.seq_id] = self._append(append, micro_batch)
@@ -230,7 +248,8 @@ class KVCacheManager:
             self._in_flight[valid.micro_batch_id] = micro_batch
         copies = [c for r in results.values() if isinstance(r, Allocated) for c in r.copies]
         self._counters.num_copy_on_write += len(copies)
-        return StepOutput(results=results, copies=tuple(copies))
+        ops, self._tier_ops, self._record = tuple(self._tier_ops), [], None
+        return StepOutput(results=results, copies=tuple(copies), tier_ops=ops)
 
     def free(self, seq_id: int) -> None:
         self.step(StepInput(frees=(seq_id,)))
@@ -254,6 +273,8 @@ class KVCacheManager:
         self._cache.clear()
         self._seqs.clear()
         self._in_flight.clear()
+        if self._tier is not None:  # the stages clear theirs with their pools
+            self._tier.clear()
         self._counters.num_resets += 1
 
     # ---- allocation ----------------------------------------------------------------------
@@ -268,7 +289,9 @@ class KVCacheManager:
         from_pool = min(num_blocks, self._pool.num_free_blocks)
         block_ids = self._pool.allocate(from_pool)
         for _ in range(num_blocks - from_pool):
-            block_id = self._cache.evict()
+            block_id, entry = self._cache.evict()
+            if self._tier is not None and self._tier.save(entry.key, block_id, self._tier_ops):
+                self._record.tier_keys.append(entry.key)
             self._pool.acquire_parked(block_id)
             block_ids.append(block_id)
         self._counters.num_evictions += num_blocks - from_pool
@@ -373,7 +396,8 @@ class KVCacheManager:
         )
         hit_entries = groups.hit_entries(self._cache, new, hits, self._windows, bs)
         whole_prompt_hit = bool(hit_entries) and len(hit_entries) * bs == new.num_tokens
-        num_computed = new.num_tokens - 1 if whole_prompt_hit else len(hit_entries) * bs
+        below = self._tier_hits(new, hits[: len(hit_entries)]) if self._tier is not None and hits is not None else []
+        num_computed = new.num_tokens - 1 if whole_prompt_hit else (len(hit_entries) + len(below)) * bs
         num_new_tokens = new.num_tokens - num_computed
         if new.max_num_new_tokens is not None:
             num_new_tokens = min(num_new_tokens, new.max_num_new_tokens)
@@ -394,8 +418,13 @@ class KVCacheManager:
             if self._cache.is_evictable(page):
                 self._cache.unpark(page)
             self._pool.incref(page)
+        if below:  # this allocation's saves must not move what it loads
+            self._tier.pin(e.key for e in below)
         new_entries = self._allocate_entries(num_new_entries)
         seq = SequenceState(new.seq_id, new.namespace)
+        if below:
+            self._load_from_tier(seq, below, new_entries, micro_batch)
+            self._tier.unpin()
         seq.cacheable = not new.skip_prefix_cache
         seq.block_ids = hit_entries[:num_shared]
         seq.num_slid = groups.num_slid(hit_entries, num_shared, self._sliding)
@@ -411,7 +440,7 @@ class KVCacheManager:
             copies = tuple(BlockCopy(a, b) for a, b in zip(src, dst, strict=True))
             seq.last_full_key = hits[num_shared - 1].key if num_shared else ROOT_KEY
             seq.partial_token_bytes = new.token_bytes[num_shared * bs * TOKEN_BYTES : num_computed * TOKEN_BYTES]
-        elif hit_entries:
+        elif hit_entries and not below:
             seq.last_full_key = hits[num_shared - 1].key
         seq.num_tokens = num_computed
         self._seqs[new.seq_id] = seq
@@ -422,9 +451,38 @@ class KVCacheManager:
             self._counters.num_prefix_queries += 1
             self._counters.num_prefix_hits += num_computed > 0
             self._counters.num_prefix_query_tokens += new.num_tokens
-            self._counters.num_prefix_hit_tokens += num_computed
+            self._counters.num_prefix_hit_tokens += num_computed - len(below) * bs
+            self._counters.num_tier_hit_tokens += len(below) * bs
         seq.answer_offset()  # its first answer: the whole table
         return Allocated(new.seq_id, self._answer(seq.block_ids), num_new_tokens, num_computed, copies)
+
+    def _tier_hits(self, new: ValidNewSequence, hits: list) -> list[CachedBlock]:
+        """The prompt's full blocks past the pool's hits found in the KV tier, in order (the
+        block holding the prompt's last token is always computed: its logits are needed)."""
+        if new.skip_prefix_cache:
+            return []
+        bs, stride = self._block_size, self._block_size * TOKEN_BYTES
+        parent = hits[-1].key if hits else ROOT_KEY
+        found: list[CachedBlock] = []
+        for j in range(len(hits), (new.num_tokens - 1) // bs):
+            block_tokens = new.token_bytes[j * stride : (j + 1) * stride]
+            key = self._cache.key_of(parent, new.namespace, block_tokens)
+            if key not in self._tier:
+                break
+            found.append(CachedBlock(key, parent, new.namespace, block_tokens, 0))
+            parent = key
+        return found
+
+    def _load_from_tier(
+        self, seq: SequenceState, below: list[CachedBlock], new_entries: list[tuple[int, ...]], micro_batch
+    ) -> None:
+        """The tier's blocks are read into the first fresh entries (after this step's saves,
+        which may have freed those very blocks); they become findable when the step completes."""
+        for entry, (page,) in zip(below, new_entries, strict=False):
+            self._tier.load(entry.key, page, self._tier_ops)
+            micro_batch.tier_keys.append(entry.key)
+            micro_batch.filled.append((seq, page, self._pool.generation(page), entry))
+        seq.last_full_key = below[-1].key
 
     def _write(
         self,
@@ -487,6 +545,7 @@ class KVCacheManager:
             block_size=self._block_size,
             windows=self._windows,
             watermark_blocks=self._watermark_blocks,
+            tier=self._tier,
         )
 
     def check_integrity(self) -> None:
@@ -503,3 +562,5 @@ class KVCacheManager:
             windows=self._windows,
             enable_prefix_caching=self._enable_prefix_caching,
         )
+        if self._tier is not None:
+            self._tier.check_integrity()

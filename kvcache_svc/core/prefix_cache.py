@@ -132,14 +132,14 @@ class PrefixCache:
     def unpark(self, block_id: int) -> None:
         del self._lru[block_id]
 
-    def evict(self) -> int:
-        """Forget the least recently used evictable block and return its id (still parked)."""
+    def evict(self) -> tuple[int, CachedBlock]:
+        """Forget the least recently used evictable block; its id (still parked) and what it held."""
         block_id, _ = self._lru.popitem(last=False)
         entry = self._entry_by_block.pop(block_id)
         del self._block_by_key[_index_key(entry.key, entry.group)]
         if self.listener is not None and not entry.group:
             self.listener.removed(entry.key)
-        return block_id
+        return block_id, entry
 
     def evictable_block_ids(self) -> tuple[int, ...]:
         """Evictable blocks, next to be evicted first."""

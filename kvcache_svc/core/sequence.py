@@ -67,8 +67,9 @@ class MicroBatchRecord:
     """What a micro-batch in flight wrote: blocks it filled (to cache on completion, if the
     block still belongs to the same allocation) and the sequences it wrote."""
 
-    __slots__ = ("filled", "seqs")
+    __slots__ = ("filled", "seqs", "tier_keys")
 
     def __init__(self) -> None:
         self.filled: list[tuple[SequenceState, int, int, CachedBlock]] = []
         self.seqs: list[SequenceState] = []
+        self.tier_keys: list[bytes] = []  # keys saved to or loaded from the KV tier (forgotten if it fails)

@@ -232,6 +232,28 @@ class BlockCopy(_message.Message):
     dst_block_id: int
     def __init__(self, src_block_id: _Optional[int] = ..., dst_block_id: _Optional[int] = ...) -> None: ...
 
+class TierOp(_message.Message):
+    __slots__ = ("kind", "key", "block_id")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[TierOp.Kind]
+        KIND_SAVE: _ClassVar[TierOp.Kind]
+        KIND_LOAD: _ClassVar[TierOp.Kind]
+        KIND_DEMOTE: _ClassVar[TierOp.Kind]
+        KIND_DROP: _ClassVar[TierOp.Kind]
+    KIND_UNSPECIFIED: TierOp.Kind
+    KIND_SAVE: TierOp.Kind
+    KIND_LOAD: TierOp.Kind
+    KIND_DEMOTE: TierOp.Kind
+    KIND_DROP: TierOp.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    kind: TierOp.Kind
+    key: bytes
+    block_id: int
+    def __init__(self, kind: _Optional[_Union[TierOp.Kind, str]] = ..., key: _Optional[bytes] = ..., block_id: _Optional[int] = ...) -> None: ...
+
 class ErrorStatus(_message.Message):
     __slots__ = ("code", "message")
     CODE_FIELD_NUMBER: _ClassVar[int]

@@ -102,16 +102,18 @@ class KVCapacity(_message.Message):
     def __init__(self, num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("allocations", "block_copies", "capacity", "kv_groups")
+    __slots__ = ("allocations", "block_copies", "capacity", "kv_groups", "tier_ops")
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TIER_OPS_FIELD_NUMBER: _ClassVar[int]
     allocations: _containers.RepeatedCompositeFieldContainer[SequenceAllocation]
     block_copies: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockCopy]
     capacity: KVCapacity
     kv_groups: int
-    def __init__(self, allocations: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., capacity: _Optional[_Union[KVCapacity, _Mapping]] = ..., kv_groups: _Optional[int] = ...) -> None: ...
+    tier_ops: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierOp]
+    def __init__(self, allocations: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., capacity: _Optional[_Union[KVCapacity, _Mapping]] = ..., kv_groups: _Optional[int] = ..., tier_ops: _Optional[_Iterable[_Union[_common_pb2.TierOp, _Mapping]]] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("forks",)
@@ -166,7 +168,7 @@ class SequenceBlocks(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_shared_blocks: _Optional[int] = ..., num_extents: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_window_blocks: _Optional[int] = ...) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("epoch", "block_size", "num_total_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_evictable_blocks", "num_peak_used_blocks", "num_used_slots", "internal_fragmentation", "external_fragmentation", "largest_free_extent_blocks", "num_prefix_queries", "num_prefix_query_tokens", "num_prefix_hit_tokens", "prefix_hit_rate", "num_evictions", "num_copy_on_writes", "num_sequences", "enable_prefix_caching", "num_steps", "sequences", "watermark_blocks", "num_free_extents", "num_prefix_hits", "num_resets", "block_map", "group_windows", "num_window_blocks", "num_slid_blocks")
+    __slots__ = ("epoch", "block_size", "num_total_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "num_evictable_blocks", "num_peak_used_blocks", "num_used_slots", "internal_fragmentation", "external_fragmentation", "largest_free_extent_blocks", "num_prefix_queries", "num_prefix_query_tokens", "num_prefix_hit_tokens", "prefix_hit_rate", "num_evictions", "num_copy_on_writes", "num_sequences", "enable_prefix_caching", "num_steps", "sequences", "watermark_blocks", "num_free_extents", "num_prefix_hits", "num_resets", "block_map", "group_windows", "num_window_blocks", "num_slid_blocks", "tier_host_capacity_blocks", "tier_host_blocks", "tier_disk_capacity_blocks", "tier_disk_blocks", "num_tier_hit_tokens", "num_tier_saves", "num_tier_loads", "num_tier_demotions", "num_tier_drops")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +199,15 @@ class KVCacheStats(_message.Message):
     GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     NUM_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SLID_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_HOST_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_DISK_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_SAVES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TIER_DROPS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     block_size: int
     num_total_blocks: int
@@ -227,7 +238,16 @@ class KVCacheStats(_message.Message):
     group_windows: _containers.RepeatedScalarFieldContainer[int]
     num_window_blocks: int
     num_slid_blocks: int
-    def __init__(self, epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_peak_used_blocks: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., external_fragmentation: _Optional[float] = ..., largest_free_extent_blocks: _Optional[int] = ..., num_prefix_queries: _Optional[int] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_evictions: _Optional[int] = ..., num_copy_on_writes: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_steps: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceBlocks, _Mapping]]] = ..., watermark_blocks: _Optional[int] = ..., num_free_extents: _Optional[int] = ..., num_prefix_hits: _Optional[int] = ..., num_resets: _Optional[int] = ..., block_map: _Optional[bytes] = ..., group_windows: _Optional[_Iterable[int]] = ..., num_window_blocks: _Optional[int] = ..., num_slid_blocks: _Optional[int] = ...) -> None: ...
+    tier_host_capacity_blocks: int
+    tier_host_blocks: int
+    tier_disk_capacity_blocks: int
+    tier_disk_blocks: int
+    num_tier_hit_tokens: int
+    num_tier_saves: int
+    num_tier_loads: int
+    num_tier_demotions: int
+    num_tier_drops: int
+    def __init__(self, epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_evictable_blocks: _Optional[int] = ..., num_peak_used_blocks: _Optional[int] = ..., num_used_slots: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., external_fragmentation: _Optional[float] = ..., largest_free_extent_blocks: _Optional[int] = ..., num_prefix_queries: _Optional[int] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., num_evictions: _Optional[int] = ..., num_copy_on_writes: _Optional[int] = ..., num_sequences: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_steps: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceBlocks, _Mapping]]] = ..., watermark_blocks: _Optional[int] = ..., num_free_extents: _Optional[int] = ..., num_prefix_hits: _Optional[int] = ..., num_resets: _Optional[int] = ..., block_map: _Optional[bytes] = ..., group_windows: _Optional[_Iterable[int]] = ..., num_window_blocks: _Optional[int] = ..., num_slid_blocks: _Optional[int] = ..., tier_host_capacity_blocks: _Optional[int] = ..., tier_host_blocks: _Optional[int] = ..., tier_disk_capacity_blocks: _Optional[int] = ..., tier_disk_blocks: _Optional[int] = ..., num_tier_hit_tokens: _Optional[int] = ..., num_tier_saves: _Optional[int] = ..., num_tier_loads: _Optional[int] = ..., num_tier_demotions: _Optional[int] = ..., num_tier_drops: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("keep_prefix_cache",)
@@ -298,24 +318,28 @@ class KVEvent(_message.Message):
     def __init__(self, sequence_number: _Optional[int] = ..., epoch: _Optional[int] = ..., blocks_stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., blocks_removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
-    __slots__ = ("block_keys", "parent_block_key", "token_ids", "block_size", "namespace")
+    __slots__ = ("block_keys", "parent_block_key", "token_ids", "block_size", "namespace", "medium")
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent_block_key: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     namespace: str
-    def __init__(self, block_keys: _Optional[_Iterable[bytes]] = ..., parent_block_key: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+    medium: str
+    def __init__(self, block_keys: _Optional[_Iterable[bytes]] = ..., parent_block_key: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class BlocksRemoved(_message.Message):
-    __slots__ = ("block_keys",)
+    __slots__ = ("block_keys", "medium")
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    medium: str
+    def __init__(self, block_keys: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()

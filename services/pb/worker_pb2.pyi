@@ -126,7 +126,7 @@ class AbandonReply(_message.Message):
     def __init__(self) -> None: ...
 
 class MicroBatch(_message.Message):
-    __slots__ = ("micro_batch_id", "stage_index", "block_copies", "finished_seq_ids", "reset", "hidden_states", "sent_ns", "new_seqs", "cached", "upstream_timings", "kv_groups", "hidden_ref")
+    __slots__ = ("micro_batch_id", "stage_index", "block_copies", "finished_seq_ids", "reset", "hidden_states", "sent_ns", "new_seqs", "cached", "upstream_timings", "kv_groups", "hidden_ref", "tier_ops")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class MicroBatch(_message.Message):
     UPSTREAM_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_REF_FIELD_NUMBER: _ClassVar[int]
+    TIER_OPS_FIELD_NUMBER: _ClassVar[int]
     micro_batch_id: int
     stage_index: int
     block_copies: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockCopy]
@@ -151,7 +152,8 @@ class MicroBatch(_message.Message):
     upstream_timings: _containers.RepeatedCompositeFieldContainer[StepTiming]
     kv_groups: int
     hidden_ref: HiddenRef
-    def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[StageNewSequence, _Mapping]]] = ..., cached: _Optional[_Union[CachedSequences, _Mapping]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., kv_groups: _Optional[int] = ..., hidden_ref: _Optional[_Union[HiddenRef, _Mapping]] = ...) -> None: ...
+    tier_ops: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierOp]
+    def __init__(self, micro_batch_id: _Optional[int] = ..., stage_index: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[_common_pb2.BlockCopy, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sent_ns: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[StageNewSequence, _Mapping]]] = ..., cached: _Optional[_Union[CachedSequences, _Mapping]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., kv_groups: _Optional[int] = ..., hidden_ref: _Optional[_Union[HiddenRef, _Mapping]] = ..., tier_ops: _Optional[_Iterable[_Union[_common_pb2.TierOp, _Mapping]]] = ...) -> None: ...
 
 class StageNewSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "prompt_len", "num_computed", "num_scheduled", "block_ids", "params", "eos_token_ids", "choice_index", "entropy_seed", "request_id", "traceparent", "prompt_scoring", "pooling", "lora_name")

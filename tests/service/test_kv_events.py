@@ -29,6 +29,7 @@ class Subscriber:
     def __init__(self, stub) -> None:
         self.stub = stub
         self.index: dict[bytes, tuple[bytes, tuple[int, ...]]] = {}  # key -> (parent, tokens)
+        self.tier: dict[bytes, str] = {}  # the KV tier's blocks: key -> medium
         self.last = 0
         self.epoch = 0
         self.seen: list[int] = []
@@ -36,13 +37,18 @@ class Subscriber:
 
     async def snapshot(self) -> None:
         snap = await self.stub.EventsSnapshot(kvcache_pb2.EventsSnapshotRequest())
-        self.index = {}
+        self.index, self.tier = {}, {}
         for chain in snap.blocks:
             self._store(chain)
         self.last, self.epoch = snap.sequence_number, snap.epoch
         self.snapshots += 1
 
     def _store(self, chain) -> None:
+        if chain.medium:  # the KV tier below the pool: keys only
+            for key in chain.block_keys:
+                assert key not in self.tier, "stored in the tier twice"
+                self.tier[key] = chain.medium
+            return
         parent = chain.parent_block_key or ROOT_KEY
         tokens = list(chain.token_ids)
         for i, key in enumerate(chain.block_keys):
@@ -72,11 +78,15 @@ class Subscriber:
                 kind = event.WhichOneof("event")
                 if kind == "blocks_stored":
                     self._store(event.blocks_stored)
+                elif kind == "blocks_removed" and event.blocks_removed.medium:
+                    for key in event.blocks_removed.block_keys:
+                        assert self.tier.pop(key) == event.blocks_removed.medium
                 elif kind == "blocks_removed":
                     for key in event.blocks_removed.block_keys:
                         self.index.pop(key)  # (KeyError: a removal of a block never stored)
                 else:
                     self.index.clear()
+                    self.tier.clear()
         finally:
             call.cancel()
 
@@ -224,3 +234,86 @@ def test_subscribing_from_another_epoch_is_out_of_range():
         await server.stop(grace=None)
 
     asyncio.run(go())
+
+
+def test_a_subscriber_follows_the_kv_tier_by_medium():
+    """With a KV tier (--kv-offload), blocks evicted from the pool are announced as stored in
+    the "host" medium, demoted ones move to "disk", dropped ones leave: a subscriber's view of
+    the tier equals the service's, through the events and through a snapshot."""
+
+    async def scenario():
+        config = KVCacheConfig(num_blocks=16, block_size=BLOCK, watermark=0.0, kv_offload="host:3b,disk:/unused:4b")
+        server, port, service = create_server(config)
+        await server.start()
+        channel = aio_channel(f"127.0.0.1:{port}")
+        try:
+            stub = kvcache_pb2_grpc.KVCacheStub(channel)
+            sub = Subscriber(stub)
+            done = asyncio.Event()
+            follower = asyncio.create_task(sub.follow(done))
+            await drive(stub, random.Random(4), 80, {})  # (a seed whose run never runs out of blocks)
+            done.set()
+            await follower
+            want = dict(service.manager.tier_keys())
+            assert sub.tier == want and {"host", "disk"} <= set(want.values())
+            assert sub.index == cache_of(service)
+            fresh = Subscriber(stub)
+            await fresh.snapshot()
+            assert fresh.tier == want and fresh.index == cache_of(service)
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_the_tier_is_published_to_redis_and_weighted_by_the_router(tmp_path):
+    """The publisher keeps the tier's keys in their own Redis set; the router's index counts a
+    prompt's blocks found only there at `TIER_HIT_WEIGHT` (a load, not a recompute)."""
+    from support.redis_server import RedisServer
+
+    from gateway.kv_index import KVIndex
+    from gateway.routing import TIER_HIT_WEIGHT
+    from services.kv_index_schema import replica_keys
+
+    redis = RedisServer(tmp_path)
+
+    async def scenario():
+        config = KVCacheConfig(
+            num_blocks=16, block_size=BLOCK, watermark=0.0, kv_offload="host:8b", redis_url=redis.url, replica_id="r0"
+        )
+        server, port, service = create_server(config)
+        await server.start()
+        await service.start()
+        channel = aio_channel(f"127.0.0.1:{port}")
+        index = KVIndex(redis.url)
+        try:
+            stub = kvcache_pb2_grpc.KVCacheStub(channel)
+            a = list(range(1, 1 + 3 * BLOCK))  # three full blocks (the last token's is computed)
+            await stub.Step(kvcache_pb2.StepRequest(micro_batch_id=1, new_sequences=[{"seq_id": 1, "token_ids": a}]))
+            await stub.Step(kvcache_pb2.StepRequest(micro_batch_id=2, completed_micro_batch_ids=[1], free_seq_ids=[1]))
+            b = list(range(100, 100 + 16 * BLOCK))  # the whole pool: a's blocks go to the tier
+            await stub.Step(
+                kvcache_pb2.StepRequest(
+                    micro_batch_id=3, completed_micro_batch_ids=[2], new_sequences=[{"seq_id": 2, "token_ids": b}]
+                )
+            )
+            keys = replica_keys("r0")
+            for _ in range(50):  # the publisher follows asynchronously
+                held = redis.client.smembers(keys.tier)
+                if len(held) == 3:
+                    break
+                await asyncio.sleep(0.1)
+            assert held == {k for k, _ in service.manager.tier_keys()} and len(held) == 3
+            found = await index.cached_blocks([("r0", None)], a + [7], BLOCK)
+            assert found is not None and found[0]["r0"] == 3 * TIER_HIT_WEIGHT
+        finally:
+            await index.close()
+            await channel.close()
+            await service.stop()
+            await server.stop(None)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        redis.stop()

@@ -19,7 +19,8 @@ import torch
 
 from services.step import TIER_DEMOTE, TIER_DROP, TIER_LOAD, TIER_SAVE, TierOp
 from worker_svc.execution.kv_cache import PagedKVCache
-from worker_svc.execution.kv_tier import MAGIC, KVTierStore, TierIntegrityError, TierMissError
+from worker_svc.execution.kv_tier import KVTierStore, TierIntegrityError, TierMissError
+from worker_svc.execution.kv_tier_files import MAGIC
 
 NUM_BLOCKS = 8
 
@@ -286,13 +287,41 @@ def test_a_write_that_fails_makes_its_load_miss(
 
 
 @pytest.mark.parametrize(
+    "ops, held, refitted",
+    [
+        ([save(1, 0), save(2, 1), save(3, 2)], (2, 0), 1),  # host full: its oldest dropped first
+        ([save(1, 0), save(2, 1), demote(1), demote(2)], (0, 1), 1),  # disk full: its oldest dropped
+        ([save(1, 0), save(1, 1)], (1, 0), 1),  # held already: replaced
+        ([save(1, 0), demote(1), save(1, 1)], (1, 0), 1),
+        ([demote(4)], (0, 0), 1),  # not in host memory: skipped
+    ],
+)
+def test_a_plan_out_of_step_with_the_store_is_fitted_never_past_a_bound(
+    ops: list[TierOp], held: tuple[int, int], refitted: int, cache: PagedKVCache, tmp_path: Path
+) -> None:
+    """A stage that missed an earlier plan's moves (the plan failed before reaching it) holds
+    other keys than the manager thinks: its plans are fitted to what it holds, within bounds;
+    what it then lacks is a LOAD miss (recomputed), never an error loop."""
+    store = KVTierStore(cache, host_blocks=2, disk_dir=tmp_path, disk_blocks=1)
+    store.apply(ops)
+    assert (store.num_host_blocks, store.num_disk_blocks, store.num_refitted) == (*held, refitted)
+    store.check_integrity()
+    store.close()
+
+
+def test_a_load_of_what_a_fit_dropped_misses(cache: PagedKVCache, tmp_path: Path) -> None:
+    store = KVTierStore(cache, host_blocks=1, disk_dir=None, disk_blocks=0)
+    store.apply([save(1, 0)])
+    store.apply([save(2, 1)])  # the manager thought key 1 was gone: this store drops it to fit
+    with pytest.raises(TierMissError):
+        store.apply([load(1, 3)])
+    store.check_integrity()
+    store.close()
+
+
+@pytest.mark.parametrize(
     "ops, message",
     [
-        ([save(1, 0), save(2, 1), save(3, 2)], "host tier is full"),
-        ([save(1, 0), save(2, 1), demote(1), demote(2)], "disk tier is full"),
-        ([save(1, 0), save(1, 1)], "held already"),
-        ([save(1, 0), demote(1), save(1, 1)], "held already"),
-        ([demote(4)], "not in the host tier"),
         ([save(1, NUM_BLOCKS)], "out of range"),
         ([load(1, -1)], "out of range"),
         ([save(1, 0), load(1, 3), load(1, 3)], "loaded twice"),
@@ -300,7 +329,7 @@ def test_a_write_that_fails_makes_its_load_miss(
         ([TierOp(TIER_DROP, b"")], "key is 1 to"),
     ],
 )
-def test_a_plan_past_a_bound_or_against_the_store_is_refused_whole(
+def test_a_plan_against_the_store_is_refused_whole(
     ops: list[TierOp], message: str, cache: PagedKVCache, tmp_path: Path
 ) -> None:
     store = KVTierStore(cache, host_blocks=2, disk_dir=tmp_path, disk_blocks=1)

@@ -76,6 +76,15 @@ def test_leading_hits_stop_at_the_first_miss():
     assert leading_hits([]) == 0
 
 
+def test_tier_hits_carry_the_chain_at_their_weight():
+    from gateway.routing import TIER_HIT_WEIGHT, leading_hits_with_tier
+
+    pool, tier = [True, False, False, True], [False, True, True, False]
+    assert leading_hits_with_tier(pool, tier) == 1 + 2 * TIER_HIT_WEIGHT + 1
+    assert leading_hits_with_tier([False, True], [False, True]) == 0  # the chain breaks at the first miss
+    assert leading_hits_with_tier([], []) == 0
+
+
 def test_merged_statistics_sum_counts_and_recompute_the_hit_rate():
     a = scheduler_pb2.GetStatsResponse(
         num_waiting=2, num_running=3, num_generated_tokens=100, health=common_pb2.HEALTH_STATUS_NOT_SERVING

@@ -19,13 +19,7 @@ When a plan arrives, `prefetch` queues the reads of its disk LOADs on the same t
 hit overlaps the steps ahead of it. A file is served only if its magic, version, key, dtype,
 shapes, length and checksum all match; anything else is a miss (`TierMissError`), never data.
 
-File format (version 1, little-endian)::
-
-    8s magic b"PAGODAKV" | H format version | H key length | I meta length | I crc32 of payload
-    key bytes
-    meta: UTF-8 JSON {"dtype": "float32", "shapes": [[block_size, heads, head_dim], ... one per
-          pool], "payload_bytes": n}
-    payload: each pool's block, raw, in pool order (K0, V0, K1, V1 ...)
+The file format: worker_svc/execution/kv_tier_files.py.
 
 Measured on a SmolLM2-135M-sized block (30 layers, 3 KV heads, head_dim 64, block 16, float32:
 737 KB per block), one torch thread on a 2-core machine, per block on the compute thread: SAVE
@@ -35,12 +29,9 @@ Measured on a SmolLM2-135M-sized block (30 layers, 3 KV heads, head_dim 64, bloc
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import struct
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,16 +44,12 @@ import torch
 
 from services.step import TIER_DEMOTE, TIER_DROP, TIER_LOAD, TIER_SAVE, TierOp
 from worker_svc.execution.kv_cache import PagedKVCache
+from worker_svc.execution.kv_tier_files import BlockFiles, Unreadable
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"PAGODAKV"
-FORMAT_VERSION = 1
-SUFFIX = ".kv"
-TMP_SUFFIX = SUFFIX + ".tmp"
 MAX_KEY_BYTES = 120  # the file name is the key in hex: under the usual 255-byte name limit
 SPARE_BUFFERS = 16  # written blocks' buffers kept for the next DEMOTEs (fresh memory costs page faults)
-_PREFIX = struct.Struct("<8sHHII")  # magic, version, key length, meta length, payload crc32
 _KIND_NAMES = {TIER_SAVE: "SAVE", TIER_LOAD: "LOAD", TIER_DEMOTE: "DEMOTE", TIER_DROP: "DROP"}
 
 
@@ -83,87 +70,6 @@ class TierMissError(Exception):
 
 class TierIntegrityError(AssertionError):
     """`KVTierStore.check_integrity()` found the store's bookkeeping inconsistent (a bug)."""
-
-
-class _Unreadable(Exception):
-    """A tier file that must not be served; the message says why."""
-
-
-class BlockFiles:
-    """The disk format of one stage's blocks: one file per key in `directory` (module docstring).
-
-    Stateless apart from its directory: safe to call from any thread, as long as one thread
-    writes and removes (the store's I/O thread).
-    """
-
-    def __init__(self, directory: Path, dtype: torch.dtype, block_shape: tuple[int, ...]) -> None:
-        self.directory, self.dtype, self.block_shape = directory, dtype, block_shape
-        self.payload_bytes = prod(block_shape) * dtype.itemsize
-        shapes = [list(block_shape[1:])] * block_shape[0]
-        meta = {"dtype": str(dtype).removeprefix("torch."), "shapes": shapes, "payload_bytes": self.payload_bytes}
-        self.meta = json.dumps(meta, separators=(",", ":")).encode()
-
-    def path(self, key: bytes) -> Path:
-        return self.directory / (key.hex() + SUFFIX)
-
-    def file_bytes(self, key: bytes) -> int:
-        return _PREFIX.size + len(key) + len(self.meta) + self.payload_bytes
-
-    def write(self, key: bytes, block: torch.Tensor) -> None:
-        """`block` ([num_pools, block_size, heads, head_dim], contiguous, on the CPU) -> its file."""
-        payload = block.reshape(-1).view(torch.uint8).numpy()
-        header = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(key), len(self.meta), zlib.crc32(payload))
-        path = self.path(key)
-        tmp = path.with_name(path.name.removesuffix(SUFFIX) + TMP_SUFFIX)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(header + key + self.meta)
-                f.write(payload)
-            os.replace(tmp, path)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
-
-    def read(self, key: bytes, pin: bool = False) -> torch.Tensor:
-        """The block stored under `key`, checked whole; `_Unreadable` (or OSError) if not servable."""
-        try:
-            f = open(self.path(key), "rb")
-        except FileNotFoundError:
-            raise _Unreadable("its file is missing") from None
-        with f:
-            prefix = f.read(_PREFIX.size)
-            if len(prefix) != _PREFIX.size:
-                raise _Unreadable("truncated header")
-            magic, version, key_len, meta_len, crc = _PREFIX.unpack(prefix)
-            if magic != MAGIC:
-                raise _Unreadable("not a KV tier file (magic)")
-            if version != FORMAT_VERSION:
-                raise _Unreadable(f"format version {version}, expected {FORMAT_VERSION}")
-            if f.read(key_len) != key:
-                raise _Unreadable("its header names another key")
-            if f.read(meta_len) != self.meta:
-                raise _Unreadable("its dtype or shapes differ from this stage's pools")
-            raw = torch.empty(self.payload_bytes, dtype=torch.uint8, pin_memory=pin)
-            got = f.readinto(raw.numpy())
-            if got != self.payload_bytes:
-                raise _Unreadable(f"truncated: {got} of {self.payload_bytes} payload bytes")
-            if f.read(1):
-                raise _Unreadable("bytes past the payload")
-        if zlib.crc32(raw.numpy()) != crc:
-            raise _Unreadable("checksum mismatch")
-        return raw.view(self.dtype).view(self.block_shape)
-
-    def remove(self, key: bytes) -> None:
-        self.path(key).unlink(missing_ok=True)
-
-    def listing(self) -> dict[str, int]:
-        """The tier's files (finished and temporary) in the directory: name -> size."""
-        names = (p for p in self.directory.iterdir() if p.name.endswith((SUFFIX, TMP_SUFFIX)))
-        return {p.name: p.stat().st_size for p in names}
-
-    def remove_all(self) -> None:
-        for name in self.listing():
-            (self.directory / name).unlink(missing_ok=True)
 
 
 @dataclass(eq=False)
@@ -253,6 +159,7 @@ class KVTierStore:
         self._closed = False
         self.num_saved = self.num_loaded_host = self.num_loaded_disk = self.num_demoted = self.num_dropped = 0
         self.num_corrupt = self.num_missed = self.num_prefetched = self.num_write_errors = 0
+        self.num_refitted = 0  # moves added or skipped to fit a plan to what this store holds (`_fit`)
 
     # ------------------------------------------------------------------ statistics
 
@@ -300,12 +207,15 @@ class KVTierStore:
                 self.num_prefetched += 1
 
     def apply(self, ops: Sequence[TierOp]) -> None:
-        """Carry out a plan's tier ops in order (module docstring). The whole list is checked
-        first: a bound exceeded or an op that contradicts the store (a manager bug) raises
-        ValueError and changes nothing. A LOAD that cannot be served raises `TierMissError` after
-        every other op was applied. Consecutive SAVEs, and consecutive LOADs, go as one batch."""
+        """Carry out a plan's tier ops in order (module docstring). First the list is fitted to
+        what this store holds (`_fit`: a stage that missed an earlier plan's moves, one that
+        failed before reaching this stage, holds other keys than the manager thinks); then it is
+        checked whole: what still contradicts the store raises ValueError and changes nothing. A
+        LOAD that cannot be served raises `TierMissError` after every other op was applied.
+        Consecutive SAVEs, and consecutive LOADs, go as one batch."""
         if not ops:
             return
+        ops = self._fit(ops)
         self._validate(ops)
         misses: list[tuple[bytes, str]] = []
         for kind, run in groupby(ops, key=lambda op: op.kind):
@@ -355,6 +265,49 @@ class KVTierStore:
         self._io.shutdown(wait=True)
 
     # ------------------------------------------------------------------ validation
+
+    def _fit(self, ops: Sequence[TierOp]) -> list[TierOp]:
+        """`ops` made applicable here, never past a bound: a SAVE of a key held already replaces
+        it, a SAVE into a full host tier (or a DEMOTE into a full disk) first drops this store's
+        oldest key no later LOAD of the plan reads, a DEMOTE of a key not in host memory is
+        skipped. Counted in `num_refitted`; what the manager then asks for and this store lacks
+        is a LOAD miss (the step is recomputed), never a wrong block."""
+        host, disk = _Overlay(self._host), _Overlay(self._disk)
+        wanted = {op.key for op in ops if op.kind == TIER_LOAD}
+        out: list[TierOp] = []
+        for op in ops:
+            extra: list[TierOp] = []
+            if op.kind == TIER_SAVE:
+                if op.key in host or op.key in disk:
+                    extra.append(TierOp(TIER_DROP, op.key))
+                elif len(host) >= self.host_blocks:
+                    extra += self._oldest_drop(host, wanted)
+            elif op.kind == TIER_DEMOTE:
+                if op.key not in host:
+                    self.num_refitted += 1
+                    continue
+                if len(disk) >= self.disk_blocks:
+                    extra += self._oldest_drop(disk, wanted)
+            for fix in extra:
+                host.discard(fix.key)
+                disk.discard(fix.key)
+            self.num_refitted += len(extra)
+            out += extra
+            out.append(op)
+            if op.kind == TIER_SAVE:
+                host.add(op.key)
+            elif op.kind == TIER_DEMOTE:
+                host.discard(op.key)
+                disk.add(op.key)
+            elif op.kind == TIER_DROP:
+                host.discard(op.key)
+                disk.discard(op.key)
+        return out
+
+    @staticmethod
+    def _oldest_drop(level: _Overlay, keep: set[bytes]) -> list[TierOp]:
+        oldest = next((k for k in (*level.base, *level.added) if k in level and k not in keep), None)
+        return [] if oldest is None else [TierOp(TIER_DROP, oldest)]
 
     def _validate(self, ops: Sequence[TierOp]) -> None:
         """ValueError unless every op fits the store as the ops before it leave it."""
@@ -449,7 +402,7 @@ class KVTierStore:
                 block = read.result()
             else:
                 block = self._files.read(key, self._pin)
-        except (_Unreadable, OSError) as e:
+        except (Unreadable, OSError) as e:
             self.num_corrupt += 1
             log.warning("kv tier: block %s not served: %s", key.hex(), e)
             return None, str(e)

@@ -145,6 +145,9 @@ class StageRunner:
             layers=range(model.start, model.end),
         )
         self.sampler = Sampler(GrammarBank(model.source_dir, config.vocab_size)) if model.is_last else None
+        # the KV tier below the pool (--kv-offload; worker_svc/execution/kv_tier.py): the KV
+        # manager's moves between it and the pool, applied before each step's block copies
+        self.kv_tier = None
         self.batch = PersistentBatch(
             StageShape(
                 is_first=model.is_first,
@@ -228,6 +231,11 @@ class StageRunner:
             if plan.reset:
                 self.drafter.reset()
             self.drafter.release(plan.finished_seq_ids)  # (a new one catches up by itself)
+        if self.kv_tier is not None:
+            if plan.reset:
+                self.kv_tier.clear()
+            if plan.tier_ops:  # a load that cannot be served raises TierMissError: the step fails
+                self.kv_tier.apply(plan.tier_ops)
         self.kv_cache.copy_blocks(plan.block_copies)
         metadata, positions = self._metadata(rows)
         if self.model.is_first:

@@ -21,6 +21,7 @@ from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
 from worker_svc.config import WorkerConfig
 from worker_svc.errors import InvalidPlanError, LoraNotLoadedError
 from worker_svc.execution.data_plane import DataPlaneError, DataPlaneIn, DataPlaneOut, received
+from worker_svc.execution.kv_tier import TierMissError
 from worker_svc.service.downstream import Downstream
 from worker_svc.service.feedback import FeedbackInbox, FeedbackOutbox
 from worker_svc.service.statistics import StageStatistics
@@ -63,6 +64,9 @@ class ComputeLoop:
         work.received_ns = time.time_ns()
         if work.plan is not None and work.plan.reset:
             self.inbox.reset_received()
+        tier = getattr(self.runner, "kv_tier", None)
+        if tier is not None and work.plan is not None and work.plan.tier_ops:
+            tier.prefetch(work.plan.tier_ops)  # its disk reads overlap the steps ahead of it
         await self.queue.put(work)
 
     def _decode(self, work: Work) -> None:
@@ -144,6 +148,8 @@ class ComputeLoop:
             work.error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except DataPlaneError as exc:  # the link's receive failed: the previous stage went
             work.error = (grpc.StatusCode.UNAVAILABLE, str(exc))
+        except TierMissError as exc:  # a tier block lost or corrupt: the KV manager forgets it, the step is recomputed
+            work.error = (grpc.StatusCode.DATA_LOSS, str(exc))
         except Exception as exc:  # a bug: report it, keep serving
             log.exception("micro-batch %d failed", work.mb.micro_batch_id)
             work.error = (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")

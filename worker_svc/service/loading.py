@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from services.kv_offload import parse_kv_offload
 from services.settings import lora_modules
 from worker_svc.config import WorkerConfig
 from worker_svc.execution.drafter import drafter_for
+from worker_svc.execution.kv_tier import KVTierStore
 from worker_svc.execution.runner import StageRunner
 from worker_svc.weights.lora import bank_for
 
@@ -76,6 +78,7 @@ def load_runner(config: WorkerConfig):
         lora=lora,
         layout=layout,
     )
+    attach_kv_tier(runner, config)
     return runner, sizing, group
 
 
@@ -87,3 +90,24 @@ def emulated_runner(config: WorkerConfig):
 
     torch.set_num_threads(1)
     return build_emulated_runner(config)
+
+
+def attach_kv_tier(runner: StageRunner, config: WorkerConfig) -> None:
+    """The stage's part of the KV tier (`--kv-offload`, in blocks of the pipeline: `pagoda serve`
+    converts GiB), bounded by the same block counts as the KV manager's index. ValueError when
+    the stage cannot hold one (tensor parallelism, KV groups)."""
+    offload = parse_kv_offload(config.kv_offload)
+    if offload is None:
+        return
+    if config.tensor_parallel_size > 1:
+        raise ValueError("kv_offload: a KV tier needs --tensor-parallel-size 1")
+    if runner.num_kv_groups > 1:
+        raise ValueError("kv_offload: a KV tier needs one KV group (this model has sliding-window sub-groups)")
+    runner.kv_tier = KVTierStore(
+        runner.kv_cache,
+        offload.host_blocks,
+        offload.disk_path or None,
+        offload.disk_blocks if offload.disk_path else 0,
+        # one folder per stage process: replicas (and restarts on other ports) never share one
+        name=f"stage{config.stage}-of-{config.num_stages}-port{config.port}",
+    )

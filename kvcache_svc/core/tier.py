@@ -1,0 +1,163 @@
+"""The KV tier's index: which evicted prefix blocks the stages hold below the pool (host memory,
+then disk), kept by the KV manager, which decides every move (`services.step.TierOp`) and sends
+it to every stage in the plan of the step that makes it.
+
+A cached block evicted from the pool is saved to the host tier (unless the tier holds its key
+already); a full host tier demotes its least recently used block to the disk tier, and a full
+disk tier drops its own. A prefix lookup that runs past the pool's hits continues here: each
+key found is loaded into a fresh pool block before the step that needs it computes. A step that
+saved or loaded a key and failed forgets that key (a stage may not hold it, or held it corrupt);
+the next writing step carries the drops. Both tiers are bounded in blocks (every stage's part of
+a block together: `--kv-offload host:GiB,disk:PATH:GiB` over the pipeline's bytes per block).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from services.kv_offload import parse_kv_offload
+from services.step import TIER_DEMOTE, TIER_DROP, TIER_LOAD, TIER_SAVE, TierOp
+
+HOST, DISK = "host", "disk"
+
+
+class TierListener:
+    """Told of the tier's contents (the KV events: a router counts a tier hit as a cheaper one)."""
+
+    def tier_stored(self, key: bytes, medium: str) -> None: ...
+
+    def tier_removed(self, key: bytes, medium: str) -> None: ...
+
+
+class TierIndex:
+    def __init__(self, host_blocks: int, disk_blocks: int = 0, listener: TierListener | None = None) -> None:
+        if host_blocks < 1 or disk_blocks < 0:
+            raise ValueError(
+                f"kv tier: host_blocks must be >= 1 and disk_blocks >= 0, got {host_blocks}, {disk_blocks}"
+            )
+        self.host_blocks, self.disk_blocks = host_blocks, disk_blocks
+        self._host: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        self._disk: OrderedDict[bytes, None] = OrderedDict()
+        self._pending: list[TierOp] = []  # drops decided outside a writing step (a failure)
+        self._pinned: set[bytes] = set()  # keys this step loads: never moved before their load
+        self.listener = listener
+        self.num_saves = self.num_loads = self.num_demotions = self.num_drops = 0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._host or key in self._disk
+
+    @property
+    def num_host(self) -> int:
+        return len(self._host)
+
+    @property
+    def num_disk(self) -> int:
+        return len(self._disk)
+
+    def medium(self, key: bytes) -> str | None:
+        return HOST if key in self._host else DISK if key in self._disk else None
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        """Keys the step being planned will load: they stay where they are until `unpin`."""
+        self._pinned.update(keys)
+
+    def unpin(self) -> None:
+        self._pinned.clear()
+
+    def save(self, key: bytes, block_id: int, ops: list[TierOp]) -> bool:
+        """Pool block `block_id`, about to be reused, holds `key`: keep it in the host tier
+        (False: the tier holds it already, or has no room that is not pinned)."""
+        for level in (self._host, self._disk):
+            if key in level:
+                level.move_to_end(key)
+                return False
+        if len(self._host) >= self.host_blocks and not self._make_room(ops):
+            return False
+        self._host[key] = None
+        ops.append(TierOp(TIER_SAVE, key, block_id))
+        self.num_saves += 1
+        self._told("stored", key, HOST)
+        return True
+
+    def load(self, key: bytes, block_id: int, ops: list[TierOp]) -> None:
+        """A prefix hit below the pool: `key` is read into fresh pool block `block_id`."""
+        level = self._host if key in self._host else self._disk
+        level.move_to_end(key)
+        ops.append(TierOp(TIER_LOAD, key, block_id))
+        self.num_loads += 1
+
+    def forget(self, keys: Iterable[bytes]) -> None:
+        """Keys a failed step saved or loaded: no stage may be trusted to hold them."""
+        for key in keys:
+            for level, medium in ((self._host, HOST), (self._disk, DISK)):
+                if level.pop(key, False) is None:
+                    self._pending.append(TierOp(TIER_DROP, key))
+                    self.num_drops += 1
+                    self._told("removed", key, medium)
+
+    def take_pending(self, ops: list[TierOp]) -> None:
+        """The drops decided since the last writing step go first in this one."""
+        if self._pending:
+            ops[:0] = self._pending
+            self._pending = []
+
+    def clear(self) -> None:
+        """A pipeline reset: the stages clear their tiers with their pools (the KV events' one
+        `AllBlocksCleared` covers the tier too)."""
+        self._host.clear()
+        self._disk.clear()
+        self._pending.clear()
+
+    def _oldest(self, level: OrderedDict[bytes, None]) -> bytes | None:
+        """The least recently used key of `level` not pinned, or None."""
+        return next((k for k in level if k not in self._pinned), None)
+
+    def _make_room(self, ops: list[TierOp]) -> bool:
+        """One host slot freed: its oldest block demoted to disk (the disk's oldest dropped
+        when full) or, without room on disk, dropped. False when every candidate is pinned."""
+        old = self._oldest(self._host)
+        if old is None:
+            return False
+        if self.disk_blocks and len(self._disk) >= self.disk_blocks:
+            dropped = self._oldest(self._disk)
+            if dropped is not None:
+                self._drop(dropped, self._disk, DISK, ops)
+        if not self.disk_blocks or len(self._disk) >= self.disk_blocks:
+            self._drop(old, self._host, HOST, ops)
+            return True
+        del self._host[old]
+        self._told("removed", old, HOST)
+        self._disk[old] = None
+        ops.append(TierOp(TIER_DEMOTE, old))
+        self.num_demotions += 1
+        self._told("stored", old, DISK)
+        return True
+
+    def _drop(self, key: bytes, level: OrderedDict[bytes, None], medium: str, ops: list[TierOp]) -> None:
+        del level[key]
+        ops.append(TierOp(TIER_DROP, key))
+        self.num_drops += 1
+        self._told("removed", key, medium)
+
+    def _told(self, what: str, key: bytes, medium: str) -> None:
+        if self.listener is not None:
+            getattr(self.listener, f"tier_{what}")(key, medium)
+
+    def keys(self) -> list[tuple[bytes, str]]:
+        """Every key held, with its medium (a snapshot for KV-event subscribers)."""
+        return [(k, HOST) for k in self._host] + [(k, DISK) for k in self._disk]
+
+    def check_integrity(self) -> None:
+        assert len(self._host) <= self.host_blocks, (len(self._host), self.host_blocks)
+        assert len(self._disk) <= self.disk_blocks, (len(self._disk), self.disk_blocks)
+        assert not self._host.keys() & self._disk.keys(), "a key in both tiers"
+        assert all(op.kind == TIER_DROP for op in self._pending), self._pending
+
+
+def tier_for(kv_offload: str, listener: TierListener | None = None) -> TierIndex | None:
+    """The index for a `--kv-offload` given in blocks (services/kv_offload.py); None without one."""
+    offload = parse_kv_offload(kv_offload)
+    if offload is None:
+        return None
+    return TierIndex(offload.host_blocks, offload.disk_blocks if offload.disk_path else 0, listener)
