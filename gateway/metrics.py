@@ -235,10 +235,21 @@ class EngineView:
             "pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.num_prefix_query_tokens
         )
         yield counter("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.num_prefix_hit_tokens)
+        yield from self._kv_tier(kv, gauge, counter)
         yield counter("pagoda:num_preemptions", "Requests preempted by recompute.", s.num_preemptions)
         yield from self._speculation(s, labels, value)
         yield self._device_info(s)
         yield from self._endpoint_picker(s, gauge)
+
+    def _kv_tier(self, kv, gauge, counter):
+        """The KV tier below the pool (--kv-offload): blocks held per medium, and its traffic."""
+        if not kv.tier_host_capacity_blocks:
+            return
+        yield gauge("pagoda:kv_tier_host_blocks", "Blocks in the KV tier's host memory.", kv.tier_host_blocks)
+        yield gauge("pagoda:kv_tier_disk_blocks", "Blocks in the KV tier's disk files.", kv.tier_disk_blocks)
+        yield counter("pagoda:kv_tier_hits", "Prompt tokens loaded from the KV tier.", kv.num_tier_hit_tokens)
+        yield counter("pagoda:kv_tier_saves", "Blocks saved to the KV tier (evicted).", kv.num_tier_saves)
+        yield counter("pagoda:kv_tier_loads", "Blocks loaded from the KV tier.", kv.num_tier_loads)
 
     def _endpoint_picker(self, s, gauge):
         """The figures an endpoint picker scrapes (the Gateway API Inference Extension's model
