@@ -1,0 +1,144 @@
+"""A multi-turn chat workload whose working set is several times the KV pool, with and without
+the KV tier below it (`--kv-offload`, issue 39), on the real model, in one run.
+
+C conversations take turns: each turn sends the whole history (a system prompt of its own, then
+every user message and answer so far) plus a new user message, and appends the greedy answer.
+Conversations go round-robin, one request at a time, so by the time a conversation comes back
+the pool has been filled by the others: without a tier its prefix is gone (recomputed); with
+one it is loaded from host memory or disk. Token ids are random (the KV work is the same as a
+chat's). Per arm it reports the time to first token of the turns after the first (mean, p50,
+p90), the prompt tokens computed, those found in the pool and in the tier, and the tier's
+hit rate. Arms run in the same process, one after the other, each on a fresh engine.
+
+    python -m bench.kv_tier [--model GGUF_OR_DIR] [--conversations 8] [--turns 6] [--ratio 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+BLOCK = 16
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="default: the real model's GGUF (SmolLM2-135M Q4_1)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--system-tokens", type=int, default=192)
+    ap.add_argument("--user-tokens", type=int, default=48)
+    ap.add_argument("--answer-tokens", type=int, default=24)
+    ap.add_argument("--ratio", type=float, default=4.0, help="the working set over the pool")
+    ap.add_argument("--arms", default="none,host,host+disk")
+    ap.add_argument("--disk-dir", default="/tmp/pagoda-kv-tier-bench")
+    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    return ap.parse_args()
+
+
+def working_set_blocks(args) -> int:
+    history = args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens)
+    return args.conversations * -(-history // BLOCK)
+
+
+def offload_of(arm: str, args, blocks: int) -> str:
+    if arm == "none":
+        return ""
+    if arm == "host":
+        return f"host:{blocks}b"
+    return f"host:{max(1, blocks // 4)}b,disk:{args.disk_dir}:{blocks}b"  # most of it on disk
+
+
+async def run_arm(model_dir: str, args, arm: str, pool: int, tier_blocks: int) -> dict:
+    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.core.request import Request, SamplingOptions
+    from wiring.local_engine import build_local_engine
+
+    config = SchedulerConfig(
+        block_size=BLOCK,
+        num_kv_blocks=pool,
+        max_num_batched_tokens=512,
+        kv_offload=offload_of(arm, args, tier_blocks),
+        async_scheduling=False,
+    )
+    engine = build_local_engine(model_dir, config, num_kv_blocks=pool, dtype=args.dtype)
+    rng = random.Random(0)
+    histories = [[rng.randrange(100, 40000) for _ in range(args.system_tokens)] for _ in range(args.conversations)]
+    answer = SamplingOptions(max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True)
+    ttfts, computed, prompt_tokens, n = [], 0, 0, 0
+    await engine.start()
+    try:
+        for turn in range(args.turns):
+            for c, history in enumerate(histories):
+                history += [rng.randrange(100, 40000) for _ in range(args.user_tokens)]
+                n += 1
+                began, first, tokens, final = time.perf_counter(), None, [], None
+                async for out in engine.submit(Request(f"c{c}t{turn}", tuple(history), answer, 0.0)):
+                    if first is None and any(d.token_ids for d in out.deltas):
+                        first = time.perf_counter() - began
+                    for d in out.deltas:
+                        tokens.extend(d.token_ids)
+                    final = out
+                assert final.error is None, final.error
+                history += tokens
+                if turn:
+                    ttfts.append(first)
+                    prompt_tokens += len(history) - len(tokens)
+                    computed += len(history) - len(tokens) - final.num_cached_tokens
+        kv = await engine.kv.stats()
+    finally:
+        await engine.stop()
+    ttfts.sort()
+    return {
+        "arm": arm,
+        "kv_offload": config.kv_offload,
+        "ttft_mean_ms": 1e3 * sum(ttfts) / len(ttfts),
+        "ttft_p50_ms": 1e3 * ttfts[len(ttfts) // 2],
+        "ttft_p90_ms": 1e3 * ttfts[int(len(ttfts) * 0.9)],
+        "prompt_tokens": prompt_tokens,
+        "prefill_tokens_computed": computed,
+        "pool_hit_tokens": kv.num_prefix_hit_tokens,
+        "tier_hit_tokens": kv.num_tier_hit_tokens,
+        "tier_hit_rate": kv.num_tier_hit_tokens / kv.num_prefix_query_tokens if kv.num_prefix_query_tokens else 0.0,
+        "tier_saves": kv.num_tier_saves,
+        "tier_demotions": kv.num_tier_demotions,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from wiring.model_source import default_model, prepare_gguf
+
+    path = args.model or str(default_model(log=lambda line: None))
+    model_dir = str(prepare_gguf(path)) if path.endswith(".gguf") else path
+    blocks = working_set_blocks(args)
+    pool = max(-(-(args.system_tokens + args.turns * 80) // BLOCK) + 4, int(blocks / args.ratio))
+    print(f"model {path}; {args.conversations} conversations x {args.turns} turns; working set {blocks} blocks,")
+    print(f"pool {pool} blocks of {BLOCK} ({blocks / pool:.1f}x); torch threads {torch.get_num_threads()}")
+    results = [asyncio.run(run_arm(model_dir, args, arm, pool, blocks)) for arm in args.arms.split(",")]
+    base = results[0]
+    print(
+        f"{'arm':<10} {'TTFT mean':>10} {'p50':>8} {'p90':>8} {'computed':>9} {'pool hit':>9} {'tier hit':>9} "
+        f"{'tier rate':>9} {'TTFT vs ' + base['arm']:>14}"
+    )
+    for r in results:
+        print(
+            f"{r['arm']:<10} {r['ttft_mean_ms']:>8.1f}ms {r['ttft_p50_ms']:>6.1f}ms {r['ttft_p90_ms']:>6.1f}ms "
+            f"{r['prefill_tokens_computed']:>9} {r['pool_hit_tokens']:>9} {r['tier_hit_tokens']:>9} "
+            f"{r['tier_hit_rate']:>9.2f} {base['ttft_mean_ms'] / r['ttft_mean_ms']:>13.2f}x"
+        )
+    if args.out:
+        args.out.write_text(json.dumps({"pool_blocks": pool, "working_set_blocks": blocks, "arms": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
