@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
+from scheduler_svc.core.planner_config import parse_microbatch_size
 from scheduler_svc.core.queue import POLICIES
 from services import settings as shared
 from services.defaults import MAX_MODEL_LEN
@@ -21,20 +22,6 @@ def _arg(default, help: str, kind: str = "int", **kw):
 
 
 _process = partial(Setting, owner="scheduler", services=("scheduler",), group="network")
-
-
-def parse_microbatch_size(value: str | int) -> str | int:
-    """A micro-batch size as given (a flag's text or a number): "auto", or the positive int it
-    names. Raises ValueError otherwise."""
-    if value == "auto":
-        return value
-    try:
-        size = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"microbatch_size: 'auto' or a positive int, got {value!r}") from None
-    if size < 1:
-        raise ValueError(f"microbatch_size: 'auto' or a positive int, got {value!r}")
-    return size
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,20 @@ from services import defaults
 from services.defaults import BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS
 
 
+def parse_microbatch_size(value: str | int) -> str | int:
+    """A micro-batch size as given (a flag's text or a number): "auto", or the positive int it
+    names. Raises ValueError otherwise."""
+    if value == "auto":
+        return value
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"microbatch_size: 'auto' or a positive int, got {value!r}") from None
+    if size < 1:
+        raise ValueError(f"microbatch_size: 'auto' or a positive int, got {value!r}")
+    return size
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
@@ -40,5 +54,4 @@ class PlannerConfig:
             raise ValueError("max_num_seqs: must be positive")
         if self.max_in_flight < 1:
             raise ValueError("max_in_flight: must be positive")
-        if self.microbatch_size != "auto" and (not isinstance(self.microbatch_size, int) or self.microbatch_size < 1):
-            raise ValueError(f"microbatch_size: must be 'auto' or a positive int, got {self.microbatch_size!r}")
+        object.__setattr__(self, "microbatch_size", parse_microbatch_size(self.microbatch_size))
