@@ -50,6 +50,8 @@ class KVOffload:
         host, disk = int(self.host * GIB // block_bytes), int(self.disk * GIB // block_bytes)
         if host < 1:
             raise ValueError(f"kv_offload: host:{self.host} GiB holds no block of {block_bytes} bytes")
+        if self.disk_path and disk < 1:
+            raise ValueError(f"kv_offload: disk:{self.disk} GiB holds no block of {block_bytes} bytes")
         return KVOffload(host, disk, self.disk_path, in_blocks=True)
 
     def spec(self) -> str:

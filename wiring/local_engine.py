@@ -94,6 +94,9 @@ class LocalStageTransport:
 
     async def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=False)
+        for runner in self.runners:
+            if getattr(runner, "kv_tier", None) is not None:
+                runner.kv_tier.close()  # its files go with it
 
 
 def build_local_engine(

@@ -26,7 +26,7 @@ from services.defaults import MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS
 from services.grpc_utils import INTERNAL_TOKEN_ENV
 from services.settings import Bound, Setting
 from wiring.flags import add_environment_help, add_settings, flag_args, flag_default, service_settings
-from wiring.kv_pool import MemorySetting, kv_offload_in_blocks, model_kv_groups, model_max_len
+from wiring.kv_pool import MemorySetting, model_kv_groups, model_max_len
 from wiring.launcher import (
     RestartBudget,
     ServiceProcess,
@@ -171,10 +171,7 @@ def run(args: argparse.Namespace) -> int:
         memory = MemorySetting(args.gpu_memory_utilization, args.kv_cache_memory, args.max_model_len)
     for r in range(args.replicas if args.replicas > 1 else 0):
         (log_dir / f"r{r}").mkdir(exist_ok=True)
-    if args.kv_offload:  # every service bounds the tier by the same block counts
-        args.kv_offload = kv_offload_in_blocks(
-            args.kv_offload, model_dir, args.block_size, getattr(args, "kv_cache_dtype", "auto")
-        )
+    if args.kv_offload:  # (in blocks since check_start: every service bounds the tier alike)
         print(f"  KV tier below the pool: {args.kv_offload} (blocks of the whole pipeline)")
     redis, redis_url = _prefix_index(args, log_dir)
     try:

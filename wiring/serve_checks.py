@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 
 from wiring.flags import config_values, service_settings
-from wiring.kv_pool import model_kv_groups
+from wiring.kv_pool import kv_offload_in_blocks, model_kv_groups
 from wiring.launcher import port_taken
 
 
@@ -68,11 +68,15 @@ def check_start(args: argparse.Namespace, model_dir: str) -> list[str]:
 
 
 def _check_kv_offload(args: argparse.Namespace, model_dir: str) -> None:
-    """A KV tier needs prefix caching, one process per stage and one KV group; ValueError."""
+    """A KV tier needs prefix caching, one process per stage and one KV group; ValueError.
+    `args.kv_offload` becomes the block form every service takes."""
     from services.kv_offload import parse_kv_offload
 
     if parse_kv_offload(args.kv_offload) is None:
         return
+    args.kv_offload = kv_offload_in_blocks(
+        args.kv_offload, model_dir, args.block_size, getattr(args, "kv_cache_dtype", "auto")
+    )
     if not args.enable_prefix_caching:
         raise ValueError("--kv-offload keeps evicted prefixes: it needs prefix caching (drop --no-prefix-caching)")
     if args.tensor_parallel_size > 1:

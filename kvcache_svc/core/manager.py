@@ -109,7 +109,10 @@ class KVCacheManager:
             raise ValueError("a KV tier needs prefix caching and one KV group (no sliding-window sub-groups)")
         self._tier = tier  # the KV tier below the pool (kvcache_svc/core/tier.py), or None
         self._tier_ops: list[TierOp] = []  # this step's moves (`step`)
-        self._record: MicroBatchRecord | None = None  # this step's micro-batch (`step`)
+        # sources of this step's whole-prompt-hit copies: parked (evictable) only once every
+        # allocation of the step is made, so none is evicted, saved over or loaded into before
+        # the stages copy it
+        self._park_after_step: list[int] = []
 
     # ---- configuration and queries -------------------------------------------------------
 
@@ -236,7 +239,7 @@ class KVCacheManager:
 
         # validation made sure a step that writes names its micro-batch
         micro_batch = MicroBatchRecord()
-        self._record, self._tier_ops = micro_batch, []
+        self._tier_ops = []
         if self._tier is not None and valid.micro_batch_id is not None:
             self._tier.take_pending(self._tier_ops)
         results: dict[int, Allocated | NoBlocks] = {}
@@ -248,8 +251,18 @@ class KVCacheManager:
             self._in_flight[valid.micro_batch_id] = micro_batch
         copies = [c for r in results.values() if isinstance(r, Allocated) for c in r.copies]
         self._counters.num_copy_on_write += len(copies)
-        ops, self._tier_ops, self._record = tuple(self._tier_ops), [], None
-        return StepOutput(results=results, copies=tuple(copies), tier_ops=ops)
+        return StepOutput(results=results, copies=tuple(copies), tier_ops=self._end_tier_step(micro_batch))
+
+    def _end_tier_step(self, micro_batch: MicroBatchRecord) -> tuple[TierOp, ...]:
+        """The step's KV tier moves; the keys they name are the micro-batch's (forgotten if it
+        fails); whole-prompt hits' sources become evictable now (`_add`)."""
+        for page in self._park_after_step:
+            if self._pool.decref(page) == 0:
+                self._cache.park(page)
+        self._park_after_step = []
+        ops, self._tier_ops = tuple(self._tier_ops), []
+        micro_batch.tier_keys = list(dict.fromkeys(op.key for op in ops))
+        return ops
 
     def free(self, seq_id: int) -> None:
         self.step(StepInput(frees=(seq_id,)))
@@ -290,8 +303,8 @@ class KVCacheManager:
         block_ids = self._pool.allocate(from_pool)
         for _ in range(num_blocks - from_pool):
             block_id, entry = self._cache.evict()
-            if self._tier is not None and self._tier.save(entry.key, block_id, self._tier_ops):
-                self._record.tier_keys.append(entry.key)
+            if self._tier is not None:
+                self._tier.save(entry.key, block_id, self._tier_ops)
             self._pool.acquire_parked(block_id)
             block_ids.append(block_id)
         self._counters.num_evictions += num_blocks - from_pool
@@ -434,9 +447,12 @@ class KVCacheManager:
             # evicted into it; the copy gets the recomputed last token, never the original
             src, dst = hit_entries[-1], new_entries.pop(0)
             seq.block_ids.append(dst)
-            for page in src:
-                if self._pool.decref(page) == 0:
-                    self._cache.park(page)
+            if self._tier is not None:  # a later allocation of this step must not load into it
+                self._park_after_step.extend(src)
+            else:  # (evicted for a later sequence of this step, it is written only after the copy)
+                for page in src:
+                    if self._pool.decref(page) == 0:
+                        self._cache.park(page)
             copies = tuple(BlockCopy(a, b) for a, b in zip(src, dst, strict=True))
             seq.last_full_key = hits[num_shared - 1].key if num_shared else ROOT_KEY
             seq.partial_token_bytes = new.token_bytes[num_shared * bs * TOKEN_BYTES : num_computed * TOKEN_BYTES]
@@ -480,7 +496,6 @@ class KVCacheManager:
         which may have freed those very blocks); they become findable when the step completes."""
         for entry, (page,) in zip(below, new_entries, strict=False):
             self._tier.load(entry.key, page, self._tier_ops)
-            micro_batch.tier_keys.append(entry.key)
             micro_batch.filled.append((seq, page, self._pool.generation(page), entry))
         seq.last_full_key = below[-1].key
 

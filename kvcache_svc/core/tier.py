@@ -88,13 +88,15 @@ class TierIndex:
         self.num_loads += 1
 
     def forget(self, keys: Iterable[bytes]) -> None:
-        """Keys a failed step saved or loaded: no stage may be trusted to hold them."""
+        """Every key a failed step moved (saved, loaded, demoted, dropped): some stages made
+        the moves and some did not, so none is trusted; each is dropped on every stage (by the
+        next writing step), held or not."""
         for key in keys:
             for level, medium in ((self._host, HOST), (self._disk, DISK)):
                 if level.pop(key, False) is None:
-                    self._pending.append(TierOp(TIER_DROP, key))
                     self.num_drops += 1
                     self._told("removed", key, medium)
+            self._pending.append(TierOp(TIER_DROP, key))
 
     def take_pending(self, ops: list[TierOp]) -> None:
         """The drops decided since the last writing step go first in this one."""

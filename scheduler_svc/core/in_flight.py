@@ -168,6 +168,13 @@ class InFlight:
             self.kv_steps.discard(mb_id)
             self.pending_completed.append(mb_id)
 
+    def fail_at_kv(self, mb_id: int) -> None:
+        """A step dropped before it was sent, whose KV tier moves no stage will make: the KV
+        service hears of it as failed (it forgets every key the step moved)."""
+        if mb_id in self.kv_steps:
+            self.kv_steps.discard(mb_id)
+            self.pending_failed.append(mb_id)
+
     def free_at_kv(self, seq_ids: Iterable[int]) -> None:
         self.pending_frees.extend(seq_ids)
 

@@ -52,7 +52,7 @@ from scheduler_svc.core.speculation_policy import SpeculationPolicy
 from scheduler_svc.core.stage_view import StageView
 from services.kv_types import Allocated, Append, NoBlocks, StepInput, StepOutput
 from services.pooling import Embedding
-from services.step import CachedSeq, NewSeq, PooledOutput, SampledToken, ScoredPrompt, StepPlan, TierOp
+from services.step import CachedSeq, NewSeq, PooledOutput, SampledToken, ScoredPrompt, StepPlan
 
 
 @dataclass
@@ -102,7 +102,6 @@ class Planner:
             config.max_model_len,
         )
         self.spec = self._speculation.stats  # speculative decoding's counters, as verify steps come back
-        self._tier_carry: tuple[TierOp, ...] = ()  # KV tier moves of a step not sent
         self._placeholders = PlaceholderPolicy(
             config.async_decode,
             config.pipeline_parallel_size,
@@ -349,17 +348,17 @@ class Planner:
         self.num_placeholder_steps += len(placeholders)
         steps += self._allocated_steps(proposal, scheduled)
         records, new_seqs, cached_seqs = self._record_steps(steps, now)
-        tier_ops = self._tier_carry + output.tier_ops
         if not records:
-            # the KV service holds this id in flight even with nothing written; its tier moves
-            # go first in the next plan sent (nothing touches their blocks before it)
-            self._tier_carry = tier_ops
-            self._flight.complete_at_kv(mb_id)
+            # the KV service holds this id in flight even with nothing written; a step whose KV
+            # tier moves no stage will make is failed there instead (its keys forgotten)
+            if output.tier_ops:
+                self._flight.fail_at_kv(mb_id)
+            else:
+                self._flight.complete_at_kv(mb_id)
             return None
-        self._tier_carry = ()
         released, release_all = self._stages.take_releases()
         plan = StepPlan(
-            mb_id, tuple(new_seqs), tuple(cached_seqs), released, tuple(output.copies), release_all, tier_ops
+            mb_id, tuple(new_seqs), tuple(cached_seqs), released, tuple(output.copies), release_all, output.tier_ops
         )
         mb = self._flight.dispatch(plan, records)
         self._requests.trace(
@@ -528,7 +527,6 @@ class Planner:
         """
         self._flight.reset()
         self._stages.reset()
-        self._tier_carry = ()  # the KV service forgets its tier with the rest
         hit = list(self.running)
         for request in hit:
             self._requests.preempt(request, now, free=False)

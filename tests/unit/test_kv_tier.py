@@ -364,10 +364,12 @@ def test_host_only_store(cache: PagedKVCache) -> None:
     a = block_of(cache, 0)
     store.prefetch([load(1, 2)])  # nothing on disk: nothing to read
     store.apply([save(1, 0)])
-    with pytest.raises(ValueError, match="disk tier is full"):
-        store.apply([demote(1)])
     store.apply([load(1, 2)])
     assert same(block_of(cache, 2), a)
+    store.apply([demote(1)])  # no disk (the manager drops instead): fitted to a drop
+    assert (store.num_host_blocks, store.num_refitted) == (0, 1)
+    with pytest.raises(TierMissError):
+        store.apply([load(1, 3)])
     store.check_integrity()
     store.close()
 

@@ -126,3 +126,16 @@ def test_a_corrupt_tier_file_is_detected_and_the_prompt_recomputed(model_dir, re
     assert again == first  # recomputed: never served from a corrupt block
     assert reference.compare(a, again).tie_divergences == 0
     assert corrupt > 0 and stats.num_tier_drops > 0
+
+
+def test_a_stage_without_a_tier_refuses_a_plan_that_moves_blocks(model_dir):
+    """A KV service with a tier and a stage without one (a flag forgotten): the stage refuses
+    the plan before changing anything, rather than take unloaded blocks for computed KV."""
+    from services.step import TIER_DROP, StepPlan, TierOp
+    from worker_svc.errors import InvalidPlanError
+
+    config = SchedulerConfig(block_size=BS, num_kv_blocks=8)
+    engine = build_local_engine(model_dir, config, num_kv_blocks=8, dtype="float32")
+    runner = engine.transport.runners[0]
+    with pytest.raises(InvalidPlanError, match="has none"):
+        runner.execute(StepPlan(1, tier_ops=(TierOp(TIER_DROP, b"k"),)))

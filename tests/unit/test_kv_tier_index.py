@@ -20,16 +20,22 @@ BS = 4
 
 
 class Pipeline:
-    """What the stages hold: each pool block's tokens and each tier key's tokens."""
+    """What the stages hold, slot by slot: each pool block's slots (the token whose KV each holds,
+    or None) and each tier key's. A step applies its tier moves, then its block copies, checks
+    that every slot its sequences read (the tokens before the ones they compute) holds their
+    own token, then writes only the slots it computes."""
 
     def __init__(self, m: KVCacheManager) -> None:
         self.m = m
-        self.pool: dict[int, tuple[int, ...]] = {}
-        self.host: dict[bytes, tuple[int, ...]] = {}
-        self.disk: dict[bytes, tuple[int, ...]] = {}
+        self.pool: dict[int, list] = {}
+        self.host: dict[bytes, list] = {}
+        self.disk: dict[bytes, list] = {}
         self.tokens: dict[int, list[int]] = {}  # each live sequence's tokens
         self.ops: list = []
         self.next_mb = 1
+
+    def block(self, block_id: int) -> list:
+        return self.pool.setdefault(block_id, [None] * BS)
 
     def step(self, news=(), appends=(), fail=False, frees=()):
         mb, self.next_mb = self.next_mb, self.next_mb + 1
@@ -38,25 +44,28 @@ class Pipeline:
         for op in out.tier_ops:
             if op.kind == TIER_SAVE:
                 assert op.key not in self.host and op.key not in self.disk
-                self.host[op.key] = self.pool[op.block_id]
+                self.host[op.key] = list(self.block(op.block_id))
             elif op.kind == TIER_LOAD:
-                self.pool[op.block_id] = self.host[op.key] if op.key in self.host else self.disk[op.key]
+                self.pool[op.block_id] = list(self.host[op.key] if op.key in self.host else self.disk[op.key])
             elif op.kind == TIER_DEMOTE:
                 self.disk[op.key] = self.host.pop(op.key)
             elif op.kind == TIER_DROP:
                 self.host.pop(op.key, None)
                 self.disk.pop(op.key, None)
         for c in out.copies:
-            self.pool[c.dst_block_id] = self.pool[c.src_block_id]
+            self.pool[c.dst_block_id] = list(self.block(c.src_block_id))
         for seq_id, result in out.results.items():
-            assert isinstance(result, Allocated), result
-            table = self.m.block_table(seq_id)
-            toks = self.tokens[seq_id]
+            if not isinstance(result, Allocated):
+                if seq_id in self.tokens and not self.m.has_sequence(seq_id):
+                    del self.tokens[seq_id]  # a new sequence refused: not admitted
+                continue
+            table, toks = self.m.block_table(seq_id), self.tokens[seq_id]
             start, end = result.num_computed_tokens, result.num_computed_tokens + result.num_new_tokens
-            for j in range(start // BS, -(-end // BS)):  # the blocks this step writes
-                self.pool[table[j]] = tuple(toks[j * BS : min((j + 1) * BS, end)])
-            for j in range(-(-end // BS)):  # every block up to here holds the sequence's own tokens
-                assert self.pool[table[j]][: min(BS, end - j * BS)] == tuple(toks[j * BS : min((j + 1) * BS, end)])
+            for pos in range(start):  # what the step's attention reads
+                got = self.block(table[pos // BS])[pos % BS]
+                assert got == toks[pos], (seq_id, pos, got, toks[pos])
+            for pos in range(start, end):
+                self.block(table[pos // BS])[pos % BS] = toks[pos]
         assert len(self.host) <= self.m.stats().tier_host_capacity
         assert len(self.disk) <= self.m.stats().tier_disk_capacity
         if fail:
@@ -175,3 +184,22 @@ def test_a_tier_needs_prefix_caching_and_one_kv_group():
         KVCacheManager(8, BS, group_windows=(0, 8), tier=TierIndex(2))
     with pytest.raises(ValueError, match="host_blocks"):
         TierIndex(0)
+
+
+def test_a_whole_prompt_hits_copy_source_is_never_loaded_into_in_the_same_step():
+    """Two whole-prompt hits and a tier hit in one step with no free block: the copies' sources
+    stay held until the step's allocations are made, so no load lands in one before it is
+    copied (found in review: the third sequence then gets NoBlocks, as it should)."""
+    p = Pipeline(KVCacheManager(8, BS, watermark=0.0, tier=TierIndex(8, 0)))
+    b, e, a, a2, h = [1, 2, 3, 4, 5], list(range(10, 18)), list(range(20, 28)), list(range(30, 38)), list(range(40, 48))
+    for seq_id, tokens in ((1, b), (2, e), (3, a), (4, a2)):
+        p.add(seq_id, tokens)
+        p.free(seq_id)
+    p.add(5, h)  # held; evicts b's first block into the tier
+    for seq_id, tokens in ((6, a), (7, a2), (8, b[:4] + [6, 7, 8, 9])):
+        p.tokens[seq_id] = tokens
+    p.step(news=[NewSequence(6, a), NewSequence(7, a2), NewSequence(8, b[:4] + [6, 7, 8, 9])])
+    for seq_id in (5, 6, 7, 8):
+        if seq_id in p.tokens:
+            p.free(seq_id)
+    p.add(9, a + [99])  # a later request on a's prefix reads a's blocks, not another's

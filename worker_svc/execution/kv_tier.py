@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +49,7 @@ from worker_svc.execution.kv_tier_files import BlockFiles, Unreadable
 log = logging.getLogger(__name__)
 
 MAX_KEY_BYTES = 120  # the file name is the key in hex: under the usual 255-byte name limit
+MAX_QUEUED_WRITES = 32  # demoted blocks waiting for the disk, at most (their buffers' memory)
 SPARE_BUFFERS = 16  # written blocks' buffers kept for the next DEMOTEs (fresh memory costs page faults)
 _KIND_NAMES = {TIER_SAVE: "SAVE", TIER_LOAD: "LOAD", TIER_DEMOTE: "DEMOTE", TIER_DROP: "DROP"}
 
@@ -154,6 +155,7 @@ class KVTierStore:
         self._disk: dict[bytes, _DiskEntry] = {}
         self._prefetched: OrderedDict[bytes, Future[torch.Tensor]] = OrderedDict()  # oldest first
         self._spare: list[torch.Tensor] = []  # buffers of written blocks, for the next DEMOTEs
+        self._writes: deque[Future[None]] = deque()  # queued DEMOTE writes, oldest first
         self._disk_bytes = 0
         self._saves_pending: torch.cuda.Event | None = None  # device -> slab copies not yet waited on
         self._closed = False
@@ -282,12 +284,18 @@ class KVTierStore:
                     extra.append(TierOp(TIER_DROP, op.key))
                 elif len(host) >= self.host_blocks:
                     extra += self._oldest_drop(host, wanted)
+                    if not extra:  # every block held is loaded by this plan: this one is not kept
+                        self.num_refitted += 1
+                        continue
             elif op.kind == TIER_DEMOTE:
                 if op.key not in host:
                     self.num_refitted += 1
                     continue
                 if len(disk) >= self.disk_blocks:
                     extra += self._oldest_drop(disk, wanted)
+                    if not extra:  # no room on disk that no LOAD of this plan needs: dropped
+                        self.num_refitted += 1
+                        op = TierOp(TIER_DROP, op.key)
             for fix in extra:
                 host.discard(fix.key)
                 disk.discard(fix.key)
@@ -437,7 +445,11 @@ class KVTierStore:
             self._free_slots.append(slot)
             self._disk[key] = entry
         self._disk_bytes += self._files.file_bytes(key)
-        self._io.submit(self._write, key, entry)
+        self._writes.append(self._io.submit(self._write, key, entry))
+        while len(self._writes) > MAX_QUEUED_WRITES:  # a slow disk: wait, do not hold ever more buffers
+            self._writes.popleft().result()
+        while self._writes and self._writes[0].done():
+            self._writes.popleft()
         self.num_demoted += 1
 
     def _write(self, key: bytes, entry: _DiskEntry) -> None:

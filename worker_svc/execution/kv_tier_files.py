@@ -106,3 +106,40 @@ class BlockFiles:
     def remove_all(self) -> None:
         for name in self.listing():
             (self.directory / name).unlink(missing_ok=True)
+
+
+def process_folder_name(stage: int, num_stages: int) -> str:
+    """A stage process's own folder under the disk tier's directory: no two live processes share
+    one (replicas, restarts, in-process engines), and `sweep_dead_folders` finds the dead's."""
+    return f"stage{stage}-of-{num_stages}-pid{os.getpid()}"
+
+
+def sweep_dead_folders(directory: Path) -> list[str]:
+    """Remove the tier folders of processes that are gone (killed before they could clean up);
+    returns their names. A folder whose process lives, or that is not a tier folder, stays."""
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for folder in directory.iterdir():
+        _, sep, pid = folder.name.rpartition("-pid")
+        if not sep or not pid.isdigit() or not folder.is_dir() or _alive(int(pid)):
+            continue
+        for f in folder.iterdir():
+            if f.name.endswith((SUFFIX, TMP_SUFFIX)):
+                f.unlink(missing_ok=True)
+        try:
+            folder.rmdir()
+            removed.append(folder.name)
+        except OSError:  # something else lives there: left alone
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

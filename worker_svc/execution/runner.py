@@ -200,6 +200,11 @@ class StageRunner:
 
     def _check_inputs(self, plan: StepPlan, hidden: torch.Tensor | None) -> None:
         check_stage_inputs(plan, hidden, self.model.is_first, self.model.config.hidden_size)
+        if plan.tier_ops and self.kv_tier is None:  # its loads would leave garbage taken for computed KV
+            raise InvalidPlanError(
+                f"micro-batch {plan.step_id} moves KV blocks to or from a KV tier, but this stage has "
+                "none: start every stage with the KV service's --kv-offload"
+            )
         names = [(n.seq_id, n.lora_name) for n in plan.new_seqs if n.lora_name]
         if self.lora is not None:  # (an adapter unloaded under a sequence this stage holds)
             seqs = self.batch.seqs
@@ -236,6 +241,7 @@ class StageRunner:
                 self.kv_tier.clear()
             if plan.tier_ops:  # a load that cannot be served raises TierMissError: the step fails
                 self.kv_tier.apply(plan.tier_ops)
+
         self.kv_cache.copy_blocks(plan.block_copies)
         metadata, positions = self._metadata(rows)
         if self.model.is_first:

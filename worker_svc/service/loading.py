@@ -3,6 +3,8 @@ allocated, or an emulated device (worker_svc/execution/emulated.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from services.kv_offload import parse_kv_offload
@@ -10,6 +12,7 @@ from services.settings import lora_modules
 from worker_svc.config import WorkerConfig
 from worker_svc.execution.drafter import drafter_for
 from worker_svc.execution.kv_tier import KVTierStore
+from worker_svc.execution.kv_tier_files import process_folder_name, sweep_dead_folders
 from worker_svc.execution.runner import StageRunner
 from worker_svc.weights.lora import bank_for
 
@@ -103,11 +106,12 @@ def attach_kv_tier(runner: StageRunner, config: WorkerConfig) -> None:
         raise ValueError("kv_offload: a KV tier needs --tensor-parallel-size 1")
     if runner.num_kv_groups > 1:
         raise ValueError("kv_offload: a KV tier needs one KV group (this model has sliding-window sub-groups)")
+    if offload.disk_path:  # the folders of stage processes killed before they cleaned up
+        sweep_dead_folders(Path(offload.disk_path))
     runner.kv_tier = KVTierStore(
         runner.kv_cache,
         offload.host_blocks,
         offload.disk_path or None,
         offload.disk_blocks if offload.disk_path else 0,
-        # one folder per stage process: replicas (and restarts on other ports) never share one
-        name=f"stage{config.stage}-of-{config.num_stages}-port{config.port}",
+        name=process_folder_name(config.stage, config.num_stages),
     )
