@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -113,9 +112,7 @@ async def run_arm(model_dir: str, args, arm: str, pool: int, tier_blocks: int) -
 
 def main() -> None:
     args = parse_args()
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import torch  # (its threads as OMP_NUM_THREADS sets them: run with 1)
     from wiring.model_source import default_model, prepare_gguf
 
     path = args.model or str(default_model(log=lambda line: None))
