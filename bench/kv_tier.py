@@ -113,6 +113,7 @@ async def run_arm(model_dir: str, args, arm: str, pool: int, tier_blocks: int) -
 def main() -> None:
     args = parse_args()
     import torch  # (its threads as OMP_NUM_THREADS sets them: run with 1)
+
     from wiring.model_source import default_model, prepare_gguf
 
     path = args.model or str(default_model(log=lambda line: None))
