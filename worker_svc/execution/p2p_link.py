@@ -86,11 +86,20 @@ class _Link:
     def __init__(self, link_id: int, backend: str, device: torch.device) -> None:
         self.link_id, self.backend, self.device = link_id, backend, device
         self.group = None
+        self.store = None  # the sender's TCPStore (the receiver's lives in its group)
         self._thread = _Thread(f"p2p-{link_id}")
         self.seq = 0
 
     def close(self) -> None:
+        """Let go of the group (and the store) on the link's own thread, after its queued
+        operations: torch's c10d objects must not outlive the process's last moments (a store's
+        thread destroyed at interpreter exit aborts it)."""
+        self._thread.submit(self._release)
         self._thread.close()
+
+    def _release(self) -> None:
+        self.group = None
+        self.store = None
 
 
 class SendLink(_Link):
