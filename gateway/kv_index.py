@@ -95,6 +95,8 @@ class KVIndex:
             alive, size = replies[per * i], replies[per * i + 1]
             pool = [bool(f) for f in replies[per * i + 2]] if prompt_blocks else []
             tier = [bool(f) for f in replies[per * i + 3]] if prompt_blocks else []
+            # the block holding the prompt's last token is computed, never loaded from a tier
+            tier = [f and j < (len(token_ids) - 1) // block_size for j, f in enumerate(tier)]
             out[name] = leading_hits_with_tier(pool, tier) if alive else 0
             sizes[name] = size if alive else 0
         return out, prompt_blocks, sizes

@@ -70,10 +70,17 @@ def check_start(args: argparse.Namespace, model_dir: str) -> list[str]:
 def _check_kv_offload(args: argparse.Namespace, model_dir: str) -> None:
     """A KV tier needs prefix caching, one process per stage and one KV group; ValueError.
     `args.kv_offload` becomes the block form every service takes."""
-    from services.kv_offload import parse_kv_offload
+    from services.kv_offload import GIB, parse_kv_offload
+    from wiring.preflight import machine_memory_bytes
 
     if parse_kv_offload(args.kv_offload) is None:
         return
+    spec = parse_kv_offload(args.kv_offload)
+    if not spec.in_blocks and spec.host * GIB > 0.8 * machine_memory_bytes():  # (a slab filled mid-serving)
+        raise ValueError(
+            f"--kv-offload host:{spec.host:g} GiB is over 80% of this machine's memory "
+            f"({machine_memory_bytes() / GIB:.1f} GiB), beside the pool and the weights: give less"
+        )
     args.kv_offload = kv_offload_in_blocks(
         args.kv_offload, model_dir, args.block_size, getattr(args, "kv_cache_dtype", "auto")
     )

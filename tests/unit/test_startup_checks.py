@@ -296,3 +296,34 @@ def test_more_stage_processes_than_cores_are_warned_of_at_start(model, monkeypat
     notes = serve_checks.check_start(args, str(model))
     assert notes[1].startswith("warning: 3 stage processes") and args.max_model_len == 1024
     assert notes[0].startswith("max_model_len 1024, not the model's 4096: --num-kv-blocks 64 x --block-size 16")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--kv-offload", "host:1", "--no-prefix-caching"], "needs prefix caching"),
+        (["--kv-offload", "host:1", "--tensor-parallel-size", "2"], "tensor-parallel-size 1"),
+        (["--kv-offload", "host:100000"], "over 80% of this machine's memory"),
+        (["--kv-offload", "host:1,disk:/tmp/x:0.0000001"], "holds no block"),
+        (["--kv-offload", "disk:/x:1"], "host tier"),
+    ],
+)
+def test_a_kv_tier_serve_cannot_keep_is_refused_before_start(model, flags, message):
+    from wiring import serve_checks
+
+    args = build_parser().parse_args(["serve", str(model), "--port", "0", "--grpc-port", "0", *flags])
+    with pytest.raises(serve_checks.Refused, match=message):
+        serve_checks.check_start(args, str(model))
+
+
+def test_serve_hands_the_kv_tier_on_in_blocks_of_the_pipeline(model):
+    from wiring import serve_checks
+    from worker_svc.models.registry import load_config
+
+    args = build_parser().parse_args(
+        ["serve", str(model), "--port", "0", "--grpc-port", "0", "--kv-offload", "host:1,disk:/tmp/t:2"]
+    )
+    serve_checks.check_start(args, str(model))
+    cfg = load_config(str(model))
+    block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * args.block_size * 4  # float32 at most
+    assert args.kv_offload == f"host:{(1 << 30) // block}b,disk:/tmp/t:{(2 << 30) // block}b"
