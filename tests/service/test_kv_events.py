@@ -317,3 +317,28 @@ def test_the_tier_is_published_to_redis_and_weighted_by_the_router(tmp_path):
         asyncio.run(scenario())
     finally:
         redis.stop()
+
+
+def test_the_gateway_exports_the_kv_tier_per_medium():
+    """`/metrics` shows the tier's blocks per medium and its traffic when there is one, and
+    nothing of it when there is none."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gateway.metrics import EngineView
+    from services.pb import scheduler_pb2
+
+    def scrape(**kv) -> str:
+        view = EngineView("m")
+        view.stats = scheduler_pb2.GetStatsResponse()
+        view.stats.kv_cache.num_total_blocks = 8
+        for name, v in kv.items():
+            setattr(view.stats.kv_cache, name, v)
+        registry = CollectorRegistry()
+        registry.register(view)
+        return generate_latest(registry).decode()
+
+    text = scrape(tier_host_capacity_blocks=4, tier_host_blocks=3, tier_disk_blocks=5, num_tier_hit_tokens=64)
+    assert 'pagoda:kv_tier_host_blocks{model_name="m"} 3.0' in text
+    assert 'pagoda:kv_tier_disk_blocks{model_name="m"} 5.0' in text
+    assert 'pagoda:kv_tier_hits_total{model_name="m"} 64.0' in text
+    assert "pagoda:kv_tier" not in scrape()
