@@ -8,7 +8,9 @@ the pool has been filled by the others: without a tier its prefix is gone (recom
 one it is loaded from host memory or disk. Token ids are random (the KV work is the same as a
 chat's). Per arm it reports the time to first token of the turns after the first (mean, p50,
 p90), the prompt tokens computed, those found in the pool and in the tier, and the tier's
-hit rate. Arms run in the same process, one after the other, each on a fresh engine.
+hit rate, and how many answers equal the first arm's (greedy: with `--dtype float32` a tier arm
+changes no answer but at a near-tie). Arms run in the same process, one after the other, each on
+a fresh engine.
 
     python -m bench.kv_tier [--model GGUF_OR_DIR] [--conversations 8] [--turns 6] [--ratio 4]
 """
@@ -70,7 +72,7 @@ async def run_arm(model_dir: str, args, arm: str, pool: int, tier_blocks: int) -
     rng = random.Random(0)
     histories = [[rng.randrange(100, 40000) for _ in range(args.system_tokens)] for _ in range(args.conversations)]
     answer = SamplingOptions(max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True)
-    ttfts, computed, prompt_tokens, n = [], 0, 0, 0
+    ttfts, computed, prompt_tokens, n, answers = [], 0, 0, 0, []
     await engine.start()
     try:
         for turn in range(args.turns):
@@ -86,6 +88,7 @@ async def run_arm(model_dir: str, args, arm: str, pool: int, tier_blocks: int) -
                     final = out
                 assert final.error is None, final.error
                 history += tokens
+                answers.append(tokens)
                 if turn:
                     ttfts.append(first)
                     prompt_tokens += len(history) - len(tokens)
@@ -107,6 +110,7 @@ async def run_arm(model_dir: str, args, arm: str, pool: int, tier_blocks: int) -
         "tier_hit_rate": kv.num_tier_hit_tokens / kv.num_prefix_query_tokens if kv.num_prefix_query_tokens else 0.0,
         "tier_saves": kv.num_tier_saves,
         "tier_demotions": kv.num_tier_demotions,
+        "answers": answers,
     }
 
 
@@ -129,10 +133,13 @@ def main() -> None:
         f"{'tier rate':>9} {'TTFT vs ' + base['arm']:>14}"
     )
     for r in results:
+        same = sum(a == b for a, b in zip(r["answers"], base["answers"], strict=True))
+        r["answers_equal_to_" + base["arm"]] = f"{same}/{len(base['answers'])}"
         print(
             f"{r['arm']:<10} {r['ttft_mean_ms']:>8.1f}ms {r['ttft_p50_ms']:>6.1f}ms {r['ttft_p90_ms']:>6.1f}ms "
             f"{r['prefill_tokens_computed']:>9} {r['pool_hit_tokens']:>9} {r['tier_hit_tokens']:>9} "
             f"{r['tier_hit_rate']:>9.2f} {base['ttft_mean_ms'] / r['ttft_mean_ms']:>13.2f}x"
+            f"  answers equal to {base['arm']}: {r['answers_equal_to_' + base['arm']]}"
         )
     if args.out:
         args.out.write_text(json.dumps({"pool_blocks": pool, "working_set_blocks": blocks, "arms": results}, indent=1))
