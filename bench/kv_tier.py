@@ -13,6 +13,11 @@ changes no answer but at a near-tie). Arms run in the same process, one after th
 a fresh engine.
 
     python -m bench.kv_tier [--model GGUF_OR_DIR] [--conversations 8] [--turns 6] [--ratio 4]
+
+`--preempt` measures the other use instead: a burst of long requests on a pool too small for
+them, so the scheduler preempts (recompute); with a tier, a preempted sequence's evicted full
+blocks come back as loads when it is re-admitted (swap instead of recompute). It reports the
+burst's wall time, the prompt tokens computed, preemptions and tier hits per arm.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--arms", default="none,host,host+disk")
     ap.add_argument("--disk-dir", default="/tmp/pagoda-kv-tier-bench")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    ap.add_argument("--preempt", action="store_true", help="the preemption burst instead of the chats")
+    ap.add_argument("--requests", type=int, default=16, help="--preempt: requests in the burst")
+    ap.add_argument("--prompt-tokens", type=int, default=320, help="--preempt: each prompt")
+    ap.add_argument("--max-tokens", type=int, default=96, help="--preempt: each answer")
     return ap.parse_args()
 
 
@@ -114,6 +123,74 @@ async def run_arm(model_dir: str, args, arm: str, pool: int, tier_blocks: int) -
     }
 
 
+async def run_burst(model_dir: str, args, arm: str, pool: int, tier_blocks: int) -> dict:
+    """Every request at once on `pool` blocks: preemption by recompute, with or without a tier."""
+    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.core.request import Request, SamplingOptions
+    from wiring.local_engine import build_local_engine
+
+    config = SchedulerConfig(
+        block_size=BLOCK,
+        num_kv_blocks=pool,
+        max_num_batched_tokens=512,
+        kv_offload=offload_of(arm, args, tier_blocks),
+        async_scheduling=False,
+    )
+    engine = build_local_engine(model_dir, config, num_kv_blocks=pool, dtype=args.dtype)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
+    options = SamplingOptions(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def collect(stream):
+        tokens, final = [], None
+        async for out in stream:
+            for d in out.deltas:
+                tokens.extend(d.token_ids)
+            final = out
+        assert final.error is None, final.error
+        return tokens
+
+    await engine.start()
+    try:
+        began = time.perf_counter()
+        answers = await asyncio.gather(
+            *(collect(engine.submit(Request(f"b{i}", tuple(p), options, 0.0))) for i, p in enumerate(prompts))
+        )
+        wall = time.perf_counter() - began
+        kv, preemptions = await engine.kv.stats(), engine.planner.num_preemptions
+    finally:
+        await engine.stop()
+    return {
+        "arm": arm,
+        "kv_offload": config.kv_offload,
+        "wall_s": wall,
+        "preemptions": preemptions,
+        "prompt_tokens_computed": kv.num_prefix_query_tokens - kv.num_prefix_hit_tokens - kv.num_tier_hit_tokens,
+        "pool_hit_tokens": kv.num_prefix_hit_tokens,
+        "tier_hit_tokens": kv.num_tier_hit_tokens,
+        "answers": answers,
+    }
+
+
+def burst_main(args, model_dir: str) -> None:
+    need = args.requests * -(-(args.prompt_tokens + args.max_tokens) // BLOCK)
+    pool = max(-(-(args.prompt_tokens + args.max_tokens) // BLOCK) + 2, need // 4)
+    print(
+        f"{args.requests} requests of {args.prompt_tokens} -> {args.max_tokens} at once on {pool} blocks ({need} needed)"
+    )
+    results = [asyncio.run(run_burst(model_dir, args, arm, pool, need)) for arm in args.arms.split(",")]
+    base = results[0]
+    for r in results:
+        same = sum(a == b for a, b in zip(r["answers"], base["answers"], strict=True))
+        print(
+            f"{r['arm']:<10} wall {r['wall_s']:>7.2f} s ({base['wall_s'] / r['wall_s']:.2f}x)  preemptions "
+            f"{r['preemptions']:>4}  prompt tokens computed {r['prompt_tokens_computed']:>7}  pool hits "
+            f"{r['pool_hit_tokens']:>6}  tier hits {r['tier_hit_tokens']:>6}  answers equal: {same}/{len(r['answers'])}"
+        )
+    if args.out:
+        args.out.write_text(json.dumps({"pool_blocks": pool, "arms": results}, indent=1))
+
+
 def main() -> None:
     args = parse_args()
     import torch  # (its threads as OMP_NUM_THREADS sets them: run with 1)
@@ -122,6 +199,9 @@ def main() -> None:
 
     path = args.model or str(default_model(log=lambda line: None))
     model_dir = str(prepare_gguf(path)) if path.endswith(".gguf") else path
+    if args.preempt:
+        burst_main(args, model_dir)
+        return
     blocks = working_set_blocks(args)
     pool = max(-(-(args.system_tokens + args.turns * 80) // BLOCK) + 4, int(blocks / args.ratio))
     print(f"model {path}; {args.conversations} conversations x {args.turns} turns; working set {blocks} blocks,")
