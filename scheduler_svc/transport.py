@@ -21,7 +21,7 @@ from scheduler_svc.events import ErrorEvent, StageDownEvent, StageInfo
 from services.grpc_utils import aio_channel
 from services.pb import worker_pb2, worker_pb2_grpc
 from services.step import StageTiming, StepPlan
-from services.step_codec import plan_to_pb, result_from_pb
+from services.step_codec import PlanDecodeError, plan_to_pb, result_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,12 @@ class GrpcStageTransport:
             StageTiming(t.stage_index, t.received_ns, t.compute_start_ns, t.compute_end_ns)
             for t in (*done.upstream_timings, done.timing)
         )
-        on_event(result_from_pb(done, timings))
+        try:
+            result = result_from_pb(done, timings)
+        except PlanDecodeError as exc:  # a malformed report fails its step, not the connection
+            on_event(ErrorEvent(mb_id, index, grpc.StatusCode.INTERNAL.name, str(exc)))
+            return
+        on_event(result)
 
     async def _watch_forward(self, call, on_event) -> None:
         """The stream into stage 0 answers only when it ends: an end that is not ours is a

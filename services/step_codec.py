@@ -10,6 +10,7 @@ wrong; whether a plan fits a stage's state is the stage's check.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 from services.kv_layout import entries_of, flat_pages
 from services.pb import common_pb2, worker_pb2
@@ -269,11 +270,15 @@ def _cached_counts(
 
 def result_to_pb(result: StepResult, done: worker_pb2.MicroBatchDone) -> None:
     """The last stage's samples, scored prompt positions and pooled vectors into its
-    MicroBatchDone."""
-    for s in result.sampled:
-        entry = done.sampled.add(seq_id=s.seq_id, token_id=s.token_id)
-        if s.logprobs is not None:  # (rank 0: a sampled token's rank is not computed)
-            set_top_logprobs(entry.logprobs, s.token_id, s.logprobs.logprob, 0, s.logprobs.top)
+    MicroBatchDone; the samples as two columns when none carries logprobs."""
+    if all(s.logprobs is None for s in result.sampled):
+        done.sampled_seq_ids.extend([s.seq_id for s in result.sampled])
+        done.sampled_token_ids.extend([s.token_id for s in result.sampled])
+    else:
+        for s in result.sampled:
+            entry = done.sampled.add(seq_id=s.seq_id, token_id=s.token_id)
+            if s.logprobs is not None:  # (rank 0: a sampled token's rank is not computed)
+                set_top_logprobs(entry.logprobs, s.token_id, s.logprobs.logprob, 0, s.logprobs.top)
     for p in result.prompt_logprobs:
         entry = done.prompt_logprobs.add(seq_id=p.seq_id, first_position=p.first_position)
         for pos in p.positions:
@@ -287,16 +292,8 @@ def result_to_pb(result: StepResult, done: worker_pb2.MicroBatchDone) -> None:
 
 
 def result_from_pb(done: worker_pb2.MicroBatchDone, timings: tuple[StageTiming, ...] = ()) -> StepResult:
-    sampled = tuple(
-        SampledToken(
-            s.seq_id,
-            s.token_id,
-            TokenLogprobs(s.logprobs.sampled.logprob, [(t.token_id, t.logprob) for t in s.logprobs.top])
-            if s.HasField("logprobs")
-            else None,
-        )
-        for s in done.sampled
-    )
+    """Raises PlanDecodeError when the sampled columns disagree (a buggy stage)."""
+    sampled = _sampled_from_pb(done)
     prompt = tuple(
         ScoredPrompt(
             p.seq_id,
@@ -312,6 +309,27 @@ def result_from_pb(done: worker_pb2.MicroBatchDone, timings: tuple[StageTiming, 
     )
     pooled = tuple(PooledOutput(p.seq_id, embedding_from_pb(p.embedding)) for p in done.pooled)
     return StepResult(done.micro_batch_id, sampled, prompt, timings, pooled, _proposals_from_pb(done))
+
+
+def _sampled_from_pb(done: worker_pb2.MicroBatchDone) -> tuple[SampledToken, ...]:
+    if done.sampled_seq_ids or done.sampled_token_ids:
+        ids, tokens = done.sampled_seq_ids, done.sampled_token_ids
+        if len(ids) != len(tokens) or done.sampled:
+            raise PlanDecodeError(
+                f"micro-batch {done.micro_batch_id}: {len(ids)} sampled sequences, {len(tokens)} tokens"
+                + (", and sampled rows beside them" if done.sampled else "")
+            )
+        return tuple(map(SampledToken, list(ids), list(tokens), repeat(None, len(ids))))
+    return tuple(
+        SampledToken(
+            s.seq_id,
+            s.token_id,
+            TokenLogprobs(s.logprobs.sampled.logprob, [(t.token_id, t.logprob) for t in s.logprobs.top])
+            if s.HasField("logprobs")
+            else None,
+        )
+        for s in done.sampled
+    )
 
 
 def _proposals_from_pb(done: worker_pb2.MicroBatchDone) -> tuple[tuple[int, tuple[int, ...]], ...]:

@@ -258,7 +258,7 @@ class StageEvent(_message.Message):
     def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., ready: _Optional[_Union[StageLoadInfo, _Mapping]] = ..., done: _Optional[_Union[MicroBatchDone, _Mapping]] = ...) -> None: ...
 
 class MicroBatchDone(_message.Message):
-    __slots__ = ("micro_batch_id", "error", "timing", "sampled", "num_block_copies_applied", "prompt_logprobs", "pooled", "upstream_timings", "proposal_seq_ids", "num_proposal_tokens", "proposal_token_ids")
+    __slots__ = ("micro_batch_id", "error", "timing", "sampled", "num_block_copies_applied", "prompt_logprobs", "pooled", "upstream_timings", "proposal_seq_ids", "num_proposal_tokens", "proposal_token_ids", "sampled_seq_ids", "sampled_token_ids")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,8 @@ class MicroBatchDone(_message.Message):
     PROPOSAL_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROPOSAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     micro_batch_id: int
     error: _common_pb2.ErrorStatus
     timing: StepTiming
@@ -281,7 +283,9 @@ class MicroBatchDone(_message.Message):
     proposal_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_proposal_tokens: _containers.RepeatedScalarFieldContainer[int]
     proposal_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, micro_batch_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_block_copies_applied: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., proposal_seq_ids: _Optional[_Iterable[int]] = ..., num_proposal_tokens: _Optional[_Iterable[int]] = ..., proposal_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    sampled_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, micro_batch_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., timing: _Optional[_Union[StepTiming, _Mapping]] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_block_copies_applied: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ..., upstream_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., proposal_seq_ids: _Optional[_Iterable[int]] = ..., num_proposal_tokens: _Optional[_Iterable[int]] = ..., proposal_token_ids: _Optional[_Iterable[int]] = ..., sampled_seq_ids: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PooledOutput(_message.Message):
     __slots__ = ("seq_id", "embedding")

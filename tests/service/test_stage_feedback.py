@@ -16,7 +16,7 @@ from support.workers import start_chain
 from services.pb import worker_pb2
 from services.sampling import SamplingParams
 from services.step import CachedSeq, NewSeq, StepPlan
-from services.step_codec import plan_to_pb
+from services.step_codec import plan_to_pb, result_from_pb
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 128
@@ -94,7 +94,7 @@ def test_placeholder_steps_are_fed_by_the_last_stage_and_equal_transformers(chai
                 result = await driver.next_result()
                 assert not isinstance(result, StageFailure), result
                 assert result.micro_batch_id == step
-                for t in result.sampled:
+                for t in result_from_pb(result).sampled:
                     outputs[t.seq_id].append(t.token_id)
                 if step + 2 <= NEW_TOKENS:
                     await driver.send(plan_to_pb(StepPlan(step + 2, cached_seqs=tuple(decode))))
@@ -153,5 +153,5 @@ def test_a_step_whose_input_never_comes_fails_on_abandon_or_reset(chain, model_d
     assert abandoned.stage == 0 and "will not come" in abandoned.message
     assert three.micro_batch_id == 3
     assert isinstance(four, StageFailure) and four.micro_batch_id == 4 and "reset" in four.message
-    assert five.micro_batch_id == 5 and len(five.sampled) == 1  # the stage kept serving
+    assert five.micro_batch_id == 5 and len(result_from_pb(five).sampled) == 1  # the stage kept serving
     assert stats.num_abandoned >= 2

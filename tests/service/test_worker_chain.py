@@ -23,7 +23,7 @@ from support.workers import start_chain
 from services.pb import worker_pb2
 from services.sampling import SamplingParams
 from services.step import CachedSeq, NewSeq, StepPlan
-from services.step_codec import plan_to_pb
+from services.step_codec import plan_to_pb, result_from_pb
 
 PROMPT_LENGTHS = (1, 3, 16, 17, 45, 100, 177, 300)
 NEW_TOKENS = 24
@@ -185,7 +185,7 @@ def test_malformed_plans_fail_alone(chain):
         assert failure.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert expect in failure.message
     assert isinstance(ok, worker_pb2.MicroBatchDone) and ok.micro_batch_id == 1004
-    assert len(ok.sampled) == 1
+    assert len(result_from_pb(ok).sampled) == 1
 
 
 @pytest.mark.parametrize("channel", ["auto", "grpc"], ids=["shm", "grpc"])
@@ -241,7 +241,7 @@ def test_killed_worker_is_seen_promptly_and_restart_shows_new_epoch(model_dir, t
 
         new_epoch, result, stats = asyncio.run(after_restart())
         assert new_epoch != epoch
-        assert isinstance(result, worker_pb2.MicroBatchDone) and len(result.sampled) == 1
+        assert isinstance(result, worker_pb2.MicroBatchDone) and len(result_from_pb(result).sampled) == 1
         expect = "grpc" if channel == "grpc" else "shm"
         assert (stats[0].data_channel, stats[1].upstream_channel) == (expect, expect)
     finally:
@@ -288,6 +288,8 @@ def test_a_full_ring_holds_the_stage_back_and_loses_nothing(model_dir, reference
     assert held.num_micro_batches == len(ps) + 1  # the stage computed them all; the hand-offs waited
     assert sorted(r.micro_batch_id for r in results) == [10 + i for i in range(len(ps))]
     for r in results:
-        assert isinstance(r, worker_pb2.MicroBatchDone) and len(r.sampled) == 1
-        assert reference.compare(ps[r.micro_batch_id - 10], [r.sampled[0].token_id]).tie_divergences == 0
+        assert isinstance(r, worker_pb2.MicroBatchDone) and len(result_from_pb(r).sampled) == 1
+        assert (
+            reference.compare(ps[r.micro_batch_id - 10], [result_from_pb(r).sampled[0].token_id]).tie_divergences == 0
+        )
     assert after[0].num_shm_sent == len(ps) + 1 and after[1].num_failed_micro_batches == 0

@@ -15,7 +15,7 @@ import grpc
 
 from services.grpc_utils import aio_channel
 from services.pb import worker_pb2, worker_pb2_grpc
-from services.step_codec import plan_to_pb
+from services.step_codec import plan_to_pb, result_from_pb
 from support.driver import Chunks, DriverSeq, PlanBuilder
 
 
@@ -119,12 +119,13 @@ class GrpcPipelineDriver:
                 busy |= {s.seq_id for s, _ in chunks}
                 await self.send(plan_to_pb(plan))
             self.peak_in_flight = max(self.peak_in_flight, len(in_flight))
-            if not in_flight:
-                continue
+            if not in_flight:  # nothing to wait for and nothing to send: it would spin for ever
+                raise AssertionError("no step in flight and none can be formed, yet sequences are not done")
             result = await self.next_result(max(0.1, deadline - time.monotonic()))
             if isinstance(result, StageFailure):
                 self.failures.append(result)
                 raise result
             chunks = in_flight.pop(result.micro_batch_id)
-            self.builder.complete(chunks, [t.seq_id for t in result.sampled], [t.token_id for t in result.sampled])
+            sampled = result_from_pb(result).sampled  # (rows or columns, as the stage sent them)
+            self.builder.complete(chunks, [t.seq_id for t in sampled], [t.token_id for t in sampled])
         return [s.outputs for s in (seqs or self.builder.seqs)]

@@ -139,3 +139,11 @@ def test_the_transport_takes_results_only_of_steps_in_flight():
     assert events[0].step_id == 5 and [t.stage_index for t in events[0].timings] == [0, 1]
     assert events[1].micro_batch_id == 6 and events[1].code == "INVALID_ARGUMENT"
     assert not transport._in_flight
+    transport._in_flight.add(7)
+    transport._last_sent = 7
+    bad = done(7)
+    bad.sampled_seq_ids.extend([1, 2])
+    bad.sampled_token_ids.append(9)  # columns of unequal length: that step fails, not the stream
+    transport._handle_done(1, bad, events.append)
+    assert isinstance(events[2], ErrorEvent) and events[2].micro_batch_id == 7 and events[2].code == "INTERNAL"
+    assert not transport._in_flight

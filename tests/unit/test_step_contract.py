@@ -195,3 +195,31 @@ def test_a_decode_step_inside_its_blocks_needs_no_kv_round_trip():
     assert len(with_kv) <= len(decodes) // 16 + 2, (len(with_kv), len(decodes))
     for i in with_kv:
         assert any(c.block_ids for c in plans[i].cached_seqs)
+
+
+def test_sampled_tokens_travel_as_columns_unless_one_carries_logprobs():
+    """A step's sampled tokens go as two columns (no message per row); with logprobs on any
+    row, as rows. Either way they decode to the same result; columns that disagree are refused
+    (the transport fails that step alone)."""
+    import pytest
+
+    from services.pb import worker_pb2
+    from services.step import SampledToken, StepResult, TokenLogprobs
+    from services.step_codec import PlanDecodeError, result_from_pb, result_to_pb
+
+    plain = StepResult(4, tuple(SampledToken(s, 100 + s, None) for s in (7, 3, 9)))
+    done = worker_pb2.MicroBatchDone(micro_batch_id=4)
+    result_to_pb(plain, done)
+    assert list(done.sampled_seq_ids) == [7, 3, 9] and not done.sampled
+    assert result_from_pb(done).sampled == plain.sampled
+    with_logprobs = StepResult(
+        4, (SampledToken(7, 107, None), SampledToken(3, 103, TokenLogprobs(-0.5, [(103, -0.5), (8, -1.5)])))
+    )
+    rows = worker_pb2.MicroBatchDone(micro_batch_id=4)
+    result_to_pb(with_logprobs, rows)
+    assert not rows.sampled_seq_ids and len(rows.sampled) == 2
+    got = result_from_pb(rows).sampled
+    assert got[0] == with_logprobs.sampled[0] and got[1].logprobs.logprob == -0.5
+    done.sampled_token_ids.append(5)
+    with pytest.raises(PlanDecodeError, match="3 sampled sequences, 4 tokens"):
+        result_from_pb(done)
