@@ -256,6 +256,8 @@ class KVCacheManager:
     def _end_tier_step(self, micro_batch: MicroBatchRecord) -> tuple[TierOp, ...]:
         """The step's KV tier moves; the keys they name are the micro-batch's (forgotten if it
         fails); whole-prompt hits' sources become evictable now (`_add`)."""
+        if self._tier is None:  # (nothing moves: no work on the step's path)
+            return ()
         for page in self._park_after_step:
             if self._pool.decref(page) == 0:
                 self._cache.park(page)
@@ -409,7 +411,7 @@ class KVCacheManager:
         )
         hit_entries = groups.hit_entries(self._cache, new, hits, self._windows, bs)
         whole_prompt_hit = bool(hit_entries) and len(hit_entries) * bs == new.num_tokens
-        below = self._tier_hits(new, hits[: len(hit_entries)]) if self._tier is not None and hits is not None else []
+        below = self._tier_hits(new, hits[: len(hit_entries)]) if self._tier is not None else []
         num_computed = new.num_tokens - 1 if whole_prompt_hit else (len(hit_entries) + len(below)) * bs
         num_new_tokens = new.num_tokens - num_computed
         if new.max_num_new_tokens is not None:

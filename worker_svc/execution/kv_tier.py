@@ -318,8 +318,8 @@ class KVTierStore:
         return [] if oldest is None else [TierOp(TIER_DROP, oldest)]
 
     def _validate(self, ops: Sequence[TierOp]) -> None:
-        """ValueError unless every op fits the store as the ops before it leave it."""
-        host, disk = _Overlay(self._host), _Overlay(self._disk)
+        """ValueError unless every op is well formed: a known kind, a key, a block in range, no
+        block loaded twice (the bounds and what the store holds are `_fit`'s)."""
         load_targets: set[int] = set()
         for i, op in enumerate(ops):
             where = f"kv tier op {i} ({_KIND_NAMES.get(op.kind, op.kind)} {op.key.hex()[:16]})"
@@ -329,33 +329,10 @@ class KVTierStore:
                 raise ValueError(f"{where}: a key is 1 to {MAX_KEY_BYTES} bytes, got {len(op.key)}")
             if op.kind in (TIER_SAVE, TIER_LOAD) and not 0 <= op.block_id < self.num_pool_blocks:
                 raise ValueError(f"{where}: block {op.block_id} out of range [0, {self.num_pool_blocks})")
-            problem = self._check_move(op, host, disk, load_targets)
-            if problem:
-                raise ValueError(f"{where}: {problem}")
-
-    def _check_move(self, op: TierOp, host: _Overlay, disk: _Overlay, load_targets: set[int]) -> str:
-        """What is wrong with `op` against the overlaid tiers ("" if nothing), which it updates."""
-        if op.kind == TIER_SAVE:
-            if op.key in host or op.key in disk:
-                return "the key is held already"
-            if len(host) >= self.host_blocks:
-                return f"the host tier is full ({self.host_blocks} blocks)"
-            host.add(op.key)
-        elif op.kind == TIER_LOAD:
-            if op.block_id in load_targets:
-                return f"block {op.block_id} is loaded twice"
-            load_targets.add(op.block_id)
-        elif op.kind == TIER_DEMOTE:
-            if op.key not in host:
-                return "the key is not in the host tier"
-            if len(disk) >= self.disk_blocks:
-                return f"the disk tier is full ({self.disk_blocks} blocks)"
-            host.discard(op.key)
-            disk.add(op.key)
-        else:
-            host.discard(op.key)
-            disk.discard(op.key)
-        return ""
+            if op.kind == TIER_LOAD:
+                if op.block_id in load_targets:
+                    raise ValueError(f"{where}: block {op.block_id} is loaded twice")
+                load_targets.add(op.block_id)
 
     # ------------------------------------------------------------------ SAVE and LOAD
 
