@@ -113,19 +113,20 @@ def trace_events(path, since_line: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()[since_line:] if line.strip()]
 
 
-def test_a_throttled_stage_finishes_every_request_with_no_preemption_loop(stack):
-    assert all(kind == "ok" for kind, _ in run_all(stack, "warm-up"))  # the scheduler learns the step rate
+def throttled_round(stack, tag: str) -> list[dict]:
+    """Runs the requests with the worker throttled; checks what must hold every time and returns
+    the scheduler's trace events of the round."""
     mark = len(stack.trace_path.read_text().splitlines())
     worker = stack.service_pid("worker", 0)
     began = time.time()
     with Throttle(worker):
-        outcomes = run_all(stack, "throttled")
+        outcomes = run_all(stack, tag)
     took = time.time() - began
     events = trace_events(stack.trace_path, mark)
-    baseline = run_all(stack, "throttled")  # the same prompts at full speed (prefix hits: exact too)
+    baseline = run_all(stack, tag)  # the same prompts at full speed (prefix hits: exact too)
     late = [e for e in events if e.get("event") == "late"]
     print(
-        f"\n[chaos] worker throttled to 1/20: {len(outcomes)} requests, "
+        f"\n[chaos] {tag}: worker throttled to 1/20: {len(outcomes)} requests, "
         f"{sum(o[0] == 'ok' for o in outcomes)} completed in {took:.1f} s; {len(late)} late steps "
         f"(blamed {[b for e in late for b in e['blamed']]}, caps {[e['token_cap'] for e in late]})"
     )
@@ -134,8 +135,21 @@ def test_a_throttled_stage_finishes_every_request_with_no_preemption_loop(stack)
     assert late, "the throttled prefill steps should pass their deadline"
     assert all(e["working"] for e in late), late
     assert not [e for e in events if e.get("event") == "reset"], "a slow stage was taken for a hung one"
-    blamed = [size for e in late for _, size in e["blamed"]]
-    assert blamed, "the late steps' stage was computing one of them"
+    return events
+
+
+def test_a_throttled_stage_finishes_every_request_with_no_preemption_loop(stack):
+    assert all(kind == "ok" for kind, _ in run_all(stack, "warm-up"))  # the scheduler learns the step rate
+    events: list[dict] = []
+    for attempt in range(3):
+        # A late step is blamed when the stage, asked, is computing it. On a loaded machine the
+        # question can land while the stage computes a newer, not yet late step (the late one's
+        # result is on its way back): nothing is blamed then, rightly, and the round is repeated.
+        events += throttled_round(stack, f"throttled {attempt}")
+        if any(e.get("event") == "late" and e["blamed"] for e in events):
+            break
+    blamed = [size for e in events if e.get("event") == "late" for _, size in e["blamed"]]
+    assert blamed, "in no round was a late step's stage computing it"
     smallest = None
     for e in events:  # no step planned again at a size that was late
         if e.get("event") == "late" and e["blamed"]:
