@@ -32,6 +32,7 @@ class KVCacheConfig:
     watermark: float = _setting(0.01, "fraction of blocks a new sequence must leave free", "float", group="cache")
     enable_prefix_caching: bool = uses(shared.ENABLE_PREFIX_CACHING)
     kv_offload: str = uses(shared.KV_OFFLOAD)
+    kv_import_blocks: int = uses(shared.KV_IMPORT_BLOCKS)
     kv_groups: str = uses(shared.KV_GROUPS)
     host: str = uses(shared.HOST)
     port: int = uses(shared.PORT)

@@ -142,6 +142,20 @@ KV_OFFLOAD = Setting(
     serve="pass",
     group="cache",
 )
+KV_IMPORT_BLOCKS = Setting(
+    "kv_import_blocks",
+    "P/D disaggregation (issue 39), on a decode replica: room for this many blocks pulled from a "
+    "prefill replica and not yet loaded into the pool (host memory, taken as blocks arrive, given "
+    "back when loaded or after a while); 0: no import (a prompt is computed here). Needs prefix "
+    "caching, one KV group and tensor parallelism 1 (`pagoda serve --decode-replicas` sets it)",
+    "int",
+    default=0,
+    metavar="N",
+    owner="kvcache",
+    services=("worker", "kvcache"),
+    serve="own",
+    group="cache",
+)
 ENABLE_PREFIX_CACHING = Setting(
     "enable_prefix_caching",
     "share KV blocks of common prefixes (the KV service caches, the scheduler plans with it)",

@@ -55,6 +55,7 @@ class WorkerConfig:
     )  # of the device's memory (system memory on the CPU)
     kv_cache_memory: int | None = uses(shared.KV_CACHE_MEMORY)  # bytes for the KV pool itself
     kv_offload: str = uses(shared.KV_OFFLOAD)  # the KV tier below the pool, in blocks
+    kv_import_blocks: int = uses(shared.KV_IMPORT_BLOCKS)  # P/D: room for pulled blocks (issue 39)
     max_model_len: int | None = uses(shared.MAX_MODEL_LEN)  # the longest context (counted in the memory profile)
     speculative_config: str | None = uses(shared.SPECULATIVE_CONFIG)  # the last stage's draft model
     layer_partition: tuple[int, ...] | None = _setting(

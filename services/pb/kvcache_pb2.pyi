@@ -17,6 +17,40 @@ ALLOCATION_STATUS_UNSPECIFIED: AllocationStatus
 ALLOCATION_STATUS_OK: AllocationStatus
 ALLOCATION_STATUS_NO_BLOCKS: AllocationStatus
 
+class ImportPrefixRequest(_message.Message):
+    __slots__ = ("phase", "namespace", "token_ids", "num_blocks", "keys")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PHASE_UNSPECIFIED: _ClassVar[ImportPrefixRequest.Phase]
+        PHASE_PLAN: _ClassVar[ImportPrefixRequest.Phase]
+        PHASE_COMMIT: _ClassVar[ImportPrefixRequest.Phase]
+        PHASE_FORGET: _ClassVar[ImportPrefixRequest.Phase]
+    PHASE_UNSPECIFIED: ImportPrefixRequest.Phase
+    PHASE_PLAN: ImportPrefixRequest.Phase
+    PHASE_COMMIT: ImportPrefixRequest.Phase
+    PHASE_FORGET: ImportPrefixRequest.Phase
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    phase: ImportPrefixRequest.Phase
+    namespace: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_blocks: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, phase: _Optional[_Union[ImportPrefixRequest.Phase, str]] = ..., namespace: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ImportPrefixResponse(_message.Message):
+    __slots__ = ("block_indices", "keys", "num_present")
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    num_present: int
+    def __init__(self, block_indices: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., num_present: _Optional[int] = ...) -> None: ...
+
 class StepRequest(_message.Message):
     __slots__ = ("micro_batch_id", "completed_micro_batch_ids", "failed_micro_batch_ids", "free_seq_ids", "forks", "new_sequences", "appends", "watermark_blocks")
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]

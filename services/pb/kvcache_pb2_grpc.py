@@ -75,6 +75,11 @@ class KVCacheStub:
                 request_serializer=pagoda_dot_v1_dot_kvcache__pb2.EventsSnapshotRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_kvcache__pb2.EventsSnapshotResponse.FromString,
                 _registered_method=True)
+        self.ImportPrefix = channel.unary_unary(
+                '/pagoda.v1.KVCache/ImportPrefix',
+                request_serializer=pagoda_dot_v1_dot_kvcache__pb2.ImportPrefixRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_kvcache__pb2.ImportPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -146,6 +151,18 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportPrefix(self, request, context):
+        """P/D disaggregation (issue 39), on a decode replica's KV service (started with
+        --kv-import-blocks): PLAN names which of a prompt's first full blocks to pull (those
+        neither in the pool's prefix cache nor in the tier); COMMIT, once every stage holds
+        them, adds their keys to the tier's import level (found as tier hits and loaded by the
+        step that admits the prompt, or dropped after a while); FORGET drops keys some stage
+        may hold. FAILED_PRECONDITION without an import level.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +205,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.EventsSnapshot,
                     request_deserializer=pagoda_dot_v1_dot_kvcache__pb2.EventsSnapshotRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_kvcache__pb2.EventsSnapshotResponse.SerializeToString,
+            ),
+            'ImportPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportPrefix,
+                    request_deserializer=pagoda_dot_v1_dot_kvcache__pb2.ImportPrefixRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_kvcache__pb2.ImportPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -407,6 +429,33 @@ class KVCache:
             '/pagoda.v1.KVCache/EventsSnapshot',
             pagoda_dot_v1_dot_kvcache__pb2.EventsSnapshotRequest.SerializeToString,
             pagoda_dot_v1_dot_kvcache__pb2.EventsSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.KVCache/ImportPrefix',
+            pagoda_dot_v1_dot_kvcache__pb2.ImportPrefixRequest.SerializeToString,
+            pagoda_dot_v1_dot_kvcache__pb2.ImportPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "tenant", "debug_timeline", "trace_context", "arrival_time_ns", "pooling", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "tenant", "debug_timeline", "trace_context", "arrival_time_ns", "pooling", "lora_name", "kv_export", "kv_import")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,8 @@ class GenerateRequest(_message.Message):
     ARRIVAL_TIME_NS_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_EXPORT_FIELD_NUMBER: _ClassVar[int]
+    KV_IMPORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -31,10 +33,24 @@ class GenerateRequest(_message.Message):
     arrival_time_ns: int
     pooling: _common_pb2.PoolingType
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., debug_timeline: _Optional[bool] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., arrival_time_ns: _Optional[int] = ..., pooling: _Optional[_Union[_common_pb2.PoolingType, str]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    kv_export: bool
+    kv_import: KVTransfer
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., debug_timeline: _Optional[bool] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., arrival_time_ns: _Optional[int] = ..., pooling: _Optional[_Union[_common_pb2.PoolingType, str]] = ..., lora_name: _Optional[str] = ..., kv_export: _Optional[bool] = ..., kv_import: _Optional[_Union[KVTransfer, _Mapping]] = ...) -> None: ...
+
+class KVTransfer(_message.Message):
+    __slots__ = ("stage_addresses", "seq_id", "num_blocks", "block_size")
+    STAGE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    stage_addresses: _containers.RepeatedScalarFieldContainer[str]
+    seq_id: int
+    num_blocks: int
+    block_size: int
+    def __init__(self, stage_addresses: _Optional[_Iterable[str]] = ..., seq_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "error_message", "usage", "timeline", "prompt_logprobs", "embedding")
+    __slots__ = ("request_id", "index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "error_message", "usage", "timeline", "prompt_logprobs", "embedding", "kv_export")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +62,7 @@ class GenerateResponse(_message.Message):
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    KV_EXPORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -57,7 +74,8 @@ class GenerateResponse(_message.Message):
     timeline: _containers.RepeatedCompositeFieldContainer[_common_pb2.TimelineEvent]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     embedding: _common_pb2.Tensor
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., error_message: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timeline: _Optional[_Iterable[_Union[_common_pb2.TimelineEvent, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., embedding: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    kv_export: KVTransfer
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., error_message: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timeline: _Optional[_Iterable[_Union[_common_pb2.TimelineEvent, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., embedding: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., kv_export: _Optional[_Union[KVTransfer, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "index")

@@ -19,6 +19,56 @@ DATA_CHANNEL_GRPC: DataChannel
 DATA_CHANNEL_SHM: DataChannel
 DATA_CHANNEL_NCCL: DataChannel
 
+class ExportBlocksRequest(_message.Message):
+    __slots__ = ("seq_id", "block_indices")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockChunk(_message.Message):
+    __slots__ = ("block_index", "data", "crc32", "dtype", "shape", "layer_start", "layer_end")
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    block_index: int
+    data: bytes
+    crc32: int
+    dtype: _common_pb2.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    layer_start: int
+    layer_end: int
+    def __init__(self, block_index: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class PullBlocksRequest(_message.Message):
+    __slots__ = ("source_address", "seq_id", "block_indices", "keys", "timeout_s")
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    source_address: str
+    seq_id: int
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    timeout_s: float
+    def __init__(self, source_address: _Optional[str] = ..., seq_id: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class PullBlocksReply(_message.Message):
+    __slots__ = ("num_blocks", "num_bytes", "elapsed_ns")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_NS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_bytes: int
+    elapsed_ns: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., elapsed_ns: _Optional[int] = ...) -> None: ...
+
 class DataPlaneOffer(_message.Message):
     __slots__ = ("sender_stage", "channel", "path", "token", "ring_id", "num_slots", "slot_bytes", "store_address", "backend", "device", "hostname")
     SENDER_STAGE_FIELD_NUMBER: _ClassVar[int]

@@ -85,6 +85,16 @@ class StageWorkerStub:
                 request_serializer=pagoda_dot_v1_dot_worker__pb2.DataPlaneOffer.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_worker__pb2.DataPlaneReply.FromString,
                 _registered_method=True)
+        self.ExportBlocks = channel.unary_stream(
+                '/pagoda.v1.StageWorker/ExportBlocks',
+                request_serializer=pagoda_dot_v1_dot_worker__pb2.ExportBlocksRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_worker__pb2.BlockChunk.FromString,
+                _registered_method=True)
+        self.PullBlocks = channel.unary_unary(
+                '/pagoda.v1.StageWorker/PullBlocks',
+                request_serializer=pagoda_dot_v1_dot_worker__pb2.PullBlocksRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_worker__pb2.PullBlocksReply.FromString,
+                _registered_method=True)
 
 
 class StageWorkerServicer:
@@ -179,6 +189,29 @@ class StageWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportBlocks(self, request, context):
+        """P/D disaggregation (issue 39), on a prefill replica's stage: its layers' part of blocks
+        of a sequence it holds (the scheduler keeps an exported sequence's state on the stages
+        until released), one block per message, in the order asked. NOT_FOUND: no such
+        sequence here; OUT_OF_RANGE: an index past its block table.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullBlocks(self, request, context):
+        """P/D disaggregation, on a decode replica's stage (started with --kv-import-blocks): pull
+        blocks from the same stage of a prefill replica (ExportBlocks) and keep each under its
+        prefix key in the stage's import area, where a TIER_LOAD of that key reads it (once).
+        FAILED_PRECONDITION: no import area; RESOURCE_EXHAUSTED: the area has no room;
+        INVALID_ARGUMENT: bad request or a layout that is not this stage's; DATA_LOSS: a
+        checksum or length mismatch; UNAVAILABLE / DEADLINE_EXCEEDED: the source. On any error
+        nothing of the request is kept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +264,16 @@ def add_StageWorkerServicer_to_server(servicer, server):
                     servicer.OpenDataPlane,
                     request_deserializer=pagoda_dot_v1_dot_worker__pb2.DataPlaneOffer.FromString,
                     response_serializer=pagoda_dot_v1_dot_worker__pb2.DataPlaneReply.SerializeToString,
+            ),
+            'ExportBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportBlocks,
+                    request_deserializer=pagoda_dot_v1_dot_worker__pb2.ExportBlocksRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_worker__pb2.BlockChunk.SerializeToString,
+            ),
+            'PullBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBlocks,
+                    request_deserializer=pagoda_dot_v1_dot_worker__pb2.PullBlocksRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_worker__pb2.PullBlocksReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -504,6 +547,60 @@ class StageWorker:
             '/pagoda.v1.StageWorker/OpenDataPlane',
             pagoda_dot_v1_dot_worker__pb2.DataPlaneOffer.SerializeToString,
             pagoda_dot_v1_dot_worker__pb2.DataPlaneReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagoda.v1.StageWorker/ExportBlocks',
+            pagoda_dot_v1_dot_worker__pb2.ExportBlocksRequest.SerializeToString,
+            pagoda_dot_v1_dot_worker__pb2.BlockChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.StageWorker/PullBlocks',
+            pagoda_dot_v1_dot_worker__pb2.PullBlocksRequest.SerializeToString,
+            pagoda_dot_v1_dot_worker__pb2.PullBlocksReply.FromString,
             options,
             channel_credentials,
             insecure,
