@@ -6,9 +6,10 @@ wiring builds it (`pagoda scheduler --kvcache in-process`, the in-process engine
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvcache_svc.core import KVCacheManager
+from kvcache_svc.core.tier import plan_import
 from services.kv_client import KVCacheClient, check_num_blocks
 from services.kv_codec import stats_to_pb
 from services.kv_stats import KVCacheStats, SequenceBlockStats
@@ -71,6 +72,18 @@ class InProcessKVCacheClient(KVCacheClient):
             sequences=sequences,
             block_map=block_map,
         )
+
+    async def import_plan(
+        self, namespace: str | None, token_ids: Sequence[int], num_blocks: int
+    ) -> tuple[list[int], list[bytes], int]:
+        cache, tier = self._manager.import_level()
+        return plan_import(cache, tier, namespace, tuple(token_ids), num_blocks, self._manager.block_size)
+
+    async def commit_import(self, keys: Sequence[bytes]) -> None:
+        self._manager.import_level()[1].commit_import(keys)
+
+    async def forget_import(self, keys: Sequence[bytes]) -> None:
+        self._manager.import_level()[1].forget(keys)
 
     async def reset(self) -> int:
         num_dropped = len(self._manager.seq_ids())

@@ -30,7 +30,7 @@ from grpc_health.v1 import health
 
 from kvcache_svc.config import KVCacheConfig
 from kvcache_svc.core import InvalidStepError, KVCacheError, KVCacheManager, SequenceNotFound, StepInput
-from kvcache_svc.core.tier import tier_for
+from kvcache_svc.core.tier import plan_import, tier_for
 from kvcache_svc.events import Event, EventLog, Gone, Removed, Stored, chains
 from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
 from services.kv_codec import (
@@ -75,7 +75,7 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
             enable_prefix_caching=config.enable_prefix_caching,
             group_windows=config.group_windows,
             listener=self.events,
-            tier=tier_for(config.kv_offload, self.events),
+            tier=tier_for(config.kv_offload, self.events, config.kv_import_blocks),
         )
         self.publisher = None  # kvcache_svc.publisher.RedisPublisher with --redis-url
         self.broken: str | None = None
@@ -249,6 +249,29 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         else:
             can_allocate = m.num_available_blocks - request.num_blocks >= request.watermark_blocks
         return kvcache_pb2.CheckCapacityResponse(can_allocate=can_allocate, capacity=self._capacity())
+
+    async def ImportPrefix(self, request: kvcache_pb2.ImportPrefixRequest, context):
+        """P/D disaggregation's three moves on the import level (kvcache.proto)."""
+        m, phase, Phase = self.manager, request.phase, kvcache_pb2.ImportPrefixRequest
+        if self.broken is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV state not trusted, Reset it: {self.broken}")
+        try:
+            if phase == Phase.PHASE_PLAN:
+                namespace = request.namespace if request.HasField("namespace") else None
+                cache, tier = m.import_level()
+                indices, keys, present = plan_import(
+                    cache, tier, namespace, tuple(request.token_ids), request.num_blocks, m.block_size
+                )
+                return kvcache_pb2.ImportPrefixResponse(block_indices=indices, keys=keys, num_present=present)
+            if phase not in (Phase.PHASE_COMMIT, Phase.PHASE_FORGET):
+                raise InvalidStepError(f"phase: {phase} is not PLAN, COMMIT or FORGET")
+            if len(request.keys) > max(1, m.num_blocks):
+                raise InvalidStepError(f"keys: {len(request.keys)} is more than the pool's {m.num_blocks} blocks")
+            tier = m.import_level()[1]
+            (tier.commit_import if phase == Phase.PHASE_COMMIT else tier.forget)(list(request.keys))
+            return kvcache_pb2.ImportPrefixResponse()
+        except KVCacheError as exc:
+            await _abort_for(context, exc)
 
     async def SubscribeEvents(self, request: kvcache_pb2.SubscribeEventsRequest, context):
         queue = self.events.subscribe()  # before the backlog is read: nothing falls between

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -30,7 +30,7 @@ from services.kv_codec import (
     step_input_to_pb,
     step_output_from_pb,
 )
-from services.kv_errors import InvalidStepError, KVCacheError, SequenceNotFound
+from services.kv_errors import ImportUnavailable, InvalidStepError, KVCacheError, SequenceNotFound
 from services.kv_stats import KVCacheStats, SequenceBlockStats
 from services.kv_types import StepInput, StepOutput
 from services.pb import kvcache_pb2, kvcache_pb2_grpc
@@ -117,6 +117,24 @@ class KVCacheClient(abc.ABC):
     async def close(self) -> None:
         """Release the connection, if any; the client is unusable afterwards."""
 
+    # P/D disaggregation, on a decode replica (the KV service's import level, issue 39); each
+    # raises ImportUnavailable without one
+
+    async def import_plan(
+        self, namespace: str | None, token_ids: Sequence[int], num_blocks: int
+    ) -> tuple[list[int], list[bytes], int]:
+        """(indices, keys) of the prompt's first `num_blocks` full blocks to pull, and how
+        many leading blocks are found without pulling."""
+        raise ImportUnavailable("this KV client has no import level")
+
+    async def commit_import(self, keys: Sequence[bytes]) -> None:
+        """Every stage holds these keys' blocks now: they are found as tier hits."""
+        raise ImportUnavailable("this KV client has no import level")
+
+    async def forget_import(self, keys: Sequence[bytes]) -> None:
+        """A pull failed: whatever a stage kept of these keys is dropped."""
+        raise ImportUnavailable("this KV client has no import level")
+
 
 class GrpcKVCacheClient(KVCacheClient):
     """`pagoda.v1.KVCache` over one channel. Create it inside the event loop that uses it.
@@ -164,6 +182,8 @@ class GrpcKVCacheClient(KVCacheClient):
             return error
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidStepError(details)
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            return ImportUnavailable(details)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return KVServiceUnavailable(f"{self.address}: {code.name}: {details}")
         return KVServiceError(code, details)
@@ -235,6 +255,28 @@ class GrpcKVCacheClient(KVCacheClient):
 
     async def epoch(self) -> int:
         return (await self._stats(include_sequences=False)).epoch
+
+    async def import_plan(
+        self, namespace: str | None, token_ids: Sequence[int], num_blocks: int
+    ) -> tuple[list[int], list[bytes], int]:
+        request = kvcache_pb2.ImportPrefixRequest(
+            phase=kvcache_pb2.ImportPrefixRequest.PHASE_PLAN,
+            namespace=namespace,
+            token_ids=token_ids,
+            num_blocks=num_blocks,
+        )
+        reply = await self._call(self._stub.ImportPrefix, request)
+        return list(reply.block_indices), list(reply.keys), reply.num_present
+
+    async def commit_import(self, keys: Sequence[bytes]) -> None:
+        request = kvcache_pb2.ImportPrefixRequest(phase=kvcache_pb2.ImportPrefixRequest.PHASE_COMMIT, keys=keys)
+        async with self._mutating:  # ordered with the steps
+            await self._call(self._stub.ImportPrefix, request)
+
+    async def forget_import(self, keys: Sequence[bytes]) -> None:
+        request = kvcache_pb2.ImportPrefixRequest(phase=kvcache_pb2.ImportPrefixRequest.PHASE_FORGET, keys=keys)
+        async with self._mutating:
+            await self._call(self._stub.ImportPrefix, request)
 
     async def close(self) -> None:
         await self._channel.close()

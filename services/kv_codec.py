@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import grpc
 
-from services.kv_errors import InvalidStepError, KVCacheError, SequenceNotFound
+from services.kv_errors import ImportUnavailable, InvalidStepError, KVCacheError, SequenceNotFound
 from services.kv_layout import entries_of, flat_pages
 from services.kv_stats import KVCacheStats, SequenceBlockStats
 from services.kv_types import Allocated, Append, BlockCopy, Fork, NewSequence, NoBlocks, StepInput, StepOutput
@@ -36,6 +36,7 @@ SEQ_ID_METADATA_KEY = "pagoda-seq-id"
 STATUS_CODE_BY_ERROR: Mapping[type[KVCacheError], grpc.StatusCode] = {
     SequenceNotFound: grpc.StatusCode.NOT_FOUND,
     InvalidStepError: grpc.StatusCode.INVALID_ARGUMENT,
+    ImportUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

@@ -25,5 +25,9 @@ class InvalidStepError(KVCacheError):
     """A step is malformed: duplicate or conflicting ids, bad counts or token ids."""
 
 
+class ImportUnavailable(KVCacheError):
+    """P/D import asked of a KV service without an import level (`--kv-import-blocks`)."""
+
+
 class IntegrityError(AssertionError):
     """`check_integrity()` found the manager's bookkeeping inconsistent (a bug, not input)."""

@@ -20,7 +20,7 @@ from kvcache_svc.core.sequence import MicroBatchRecord, SequenceState
 from kvcache_svc.core.tier import TierIndex
 from kvcache_svc.core.validation import ValidAppend, ValidNewSequence, validate_step
 from services.defaults import BLOCK_SIZE
-from services.kv_errors import SequenceNotFound
+from services.kv_errors import ImportUnavailable, SequenceNotFound
 from services.kv_layout import NULL_PAGE, first_needed_block
 from services.kv_stats import KVCacheStats, SequenceBlockStats
 from services.kv_types import Allocated, BlockCopy, Fork, NoBlocks, StepInput, StepOutput
@@ -204,6 +204,13 @@ class KVCacheManager:
             raise SequenceNotFound(seq_id)
         return seq
 
+    def import_level(self) -> tuple[PrefixCache, TierIndex]:
+        """P/D: the prefix cache and the tier with an import level (tier.py `plan_import`,
+        `commit_import`, `forget`); ImportUnavailable without one."""
+        if self._tier is None or not self._tier.import_blocks or not self._enable_prefix_caching:
+            raise ImportUnavailable("this KV service has no import level (--kv-import-blocks)")
+        return self._cache, self._tier
+
     # ---- the step ------------------------------------------------------------------------
 
     def step(self, step_input: StepInput) -> StepOutput:
@@ -241,6 +248,7 @@ class KVCacheManager:
         micro_batch = MicroBatchRecord()
         self._tier_ops = []
         if self._tier is not None and valid.micro_batch_id is not None:
+            self._tier.expire_imports()
             self._tier.take_pending(self._tier_ops)
         results: dict[int, Allocated | NoBlocks] = {}
         for append in valid.appends:

@@ -9,17 +9,26 @@ key found is loaded into a fresh pool block before the step that needs it comput
 saved or loaded a key and failed forgets that key (a stage may not hold it, or held it corrupt);
 the next writing step carries the drops. Both tiers are bounded in blocks (every stage's part of
 a block together: `--kv-offload host:GiB,disk:PATH:GiB` over the pipeline's bytes per block).
+
+P/D disaggregation adds an import level (`--kv-import-blocks`, on a decode replica): blocks every
+stage pulled from a prefill replica (`StageWorker.PullBlocks`) under the keys `import_plan` named,
+added by `commit_import`. A lookup finds them as tier hits; their LOAD consumes them (the stages
+let go of the bytes). Unloaded ones are dropped after `IMPORT_TTL_S` (the stages keep theirs
+longer, so a key the index holds is always held below). Never saved to, demoted or evicted.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from kvcache_svc.core.prefix_cache import ROOT_KEY, TOKEN_BYTES, PrefixCache, pack_token_ids
 from services.kv_offload import parse_kv_offload
 from services.step import TIER_DEMOTE, TIER_DROP, TIER_LOAD, TIER_SAVE, TierOp
 
-HOST, DISK = "host", "disk"
+HOST, DISK, IMPORT = "host", "disk", "import"
+IMPORT_TTL_S = 60.0  # an imported block not loaded by then is dropped (the stages keep theirs 120 s)
 
 
 class TierListener:
@@ -31,12 +40,25 @@ class TierListener:
 
 
 class TierIndex:
-    def __init__(self, host_blocks: int, disk_blocks: int = 0, listener: TierListener | None = None) -> None:
-        if host_blocks < 1 or disk_blocks < 0:
+    def __init__(
+        self,
+        host_blocks: int,
+        disk_blocks: int = 0,
+        listener: TierListener | None = None,
+        import_blocks: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if host_blocks < (0 if import_blocks > 0 else 1) or disk_blocks < 0 or import_blocks < 0:
             raise ValueError(
-                f"kv tier: host_blocks must be >= 1 and disk_blocks >= 0, got {host_blocks}, {disk_blocks}"
+                "kv tier: host_blocks must be >= 1 (or 0 with an import level) and disk_blocks, "
+                f"import_blocks >= 0, got {host_blocks}, {disk_blocks}, {import_blocks}"
             )
-        self.host_blocks, self.disk_blocks = host_blocks, disk_blocks
+        if disk_blocks and not host_blocks:
+            raise ValueError("kv tier: a disk tier needs a host tier above it")
+        self.host_blocks, self.disk_blocks, self.import_blocks = host_blocks, disk_blocks, import_blocks
+        self._imported: OrderedDict[bytes, float] = OrderedDict()  # key -> when committed, oldest first
+        self._clock = clock
+        self.num_imported = self.num_import_loads = self.num_import_expired = 0
         self._host: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
         self._disk: OrderedDict[bytes, None] = OrderedDict()
         self._pending: list[TierOp] = []  # drops decided outside a writing step (a failure)
@@ -45,7 +67,7 @@ class TierIndex:
         self.num_saves = self.num_loads = self.num_demotions = self.num_drops = 0
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._host or key in self._disk
+        return key in self._host or key in self._disk or key in self._imported
 
     @property
     def num_host(self) -> int:
@@ -55,7 +77,13 @@ class TierIndex:
     def num_disk(self) -> int:
         return len(self._disk)
 
+    @property
+    def num_import(self) -> int:
+        return len(self._imported)
+
     def medium(self, key: bytes) -> str | None:
+        if key in self._imported:
+            return IMPORT
         return HOST if key in self._host else DISK if key in self._disk else None
 
     def pin(self, keys: Iterable[bytes]) -> None:
@@ -81,11 +109,46 @@ class TierIndex:
         return True
 
     def load(self, key: bytes, block_id: int, ops: list[TierOp]) -> None:
-        """A prefix hit below the pool: `key` is read into fresh pool block `block_id`."""
-        level = self._host if key in self._host else self._disk
-        level.move_to_end(key)
+        """A prefix hit below the pool: `key` is read into fresh pool block `block_id` (an
+        imported key is consumed: the stages let go of it as they load it)."""
+        if self._imported.pop(key, None) is not None:
+            self.num_import_loads += 1
+        else:
+            level = self._host if key in self._host else self._disk
+            level.move_to_end(key)
         ops.append(TierOp(TIER_LOAD, key, block_id))
         self.num_loads += 1
+
+    def commit_import(self, keys: Iterable[bytes]) -> int:
+        """Keys every stage now holds in its import area (P/D: pulled from a prefill replica);
+        returns how many were added. A key found in another level already stays there (the
+        stages' copy is dropped by the next writing step); past the import bound, the oldest
+        imported keys are dropped."""
+        added = 0
+        for key in keys:
+            if key in self._host or key in self._disk:
+                continue  # (a DROP would take the tier's copy too: the stages' import expires)
+            self._imported.pop(key, None)
+            self._imported[key] = self._clock()
+            added += 1
+        while len(self._imported) > self.import_blocks:
+            old, _ = self._imported.popitem(last=False)
+            self._pending.append(TierOp(TIER_DROP, old))
+        self.num_imported += added
+        return added
+
+    def expire_imports(self) -> None:
+        """Imported keys not loaded within IMPORT_TTL_S are dropped (by the next writing step)."""
+        if not self._imported:
+            return
+        now = self._clock()
+        while self._imported:
+            key, when = next(iter(self._imported.items()))
+            if now - when < IMPORT_TTL_S or key in self._pinned:
+                return
+            del self._imported[key]
+            self._pending.append(TierOp(TIER_DROP, key))
+            self.num_import_expired += 1
 
     def forget(self, keys: Iterable[bytes]) -> None:
         """Every key a failed step moved (saved, loaded, demoted, dropped): some stages made
@@ -96,6 +159,7 @@ class TierIndex:
                 if level.pop(key, False) is None:
                     self.num_drops += 1
                     self._told("removed", key, medium)
+            self._imported.pop(key, None)
             self._pending.append(TierOp(TIER_DROP, key))
 
     def take_pending(self, ops: list[TierOp]) -> None:
@@ -109,6 +173,7 @@ class TierIndex:
         `AllBlocksCleared` covers the tier too)."""
         self._host.clear()
         self._disk.clear()
+        self._imported.clear()
         self._pending.clear()
 
     def _oldest(self, level: OrderedDict[bytes, None]) -> bytes | None:
@@ -153,13 +218,45 @@ class TierIndex:
     def check_integrity(self) -> None:
         assert len(self._host) <= self.host_blocks, (len(self._host), self.host_blocks)
         assert len(self._disk) <= self.disk_blocks, (len(self._disk), self.disk_blocks)
+        assert len(self._imported) <= self.import_blocks, (len(self._imported), self.import_blocks)
         assert not self._host.keys() & self._disk.keys(), "a key in both tiers"
+        assert not self._imported.keys() & (self._host.keys() | self._disk.keys()), "an imported key in a tier"
         assert all(op.kind == TIER_DROP for op in self._pending), self._pending
 
 
-def tier_for(kv_offload: str, listener: TierListener | None = None) -> TierIndex | None:
-    """The index for a `--kv-offload` given in blocks (services/kv_offload.py); None without one."""
+def plan_import(
+    cache: PrefixCache,
+    tier: TierIndex,
+    namespace: str | None,
+    token_ids: tuple[int, ...],
+    num_blocks: int,
+    block_size: int,
+) -> tuple[list[int], list[bytes], int]:
+    """P/D: which of a prompt's first `num_blocks` full blocks a decode replica pulls: those
+    neither in the pool's cached prefix nor in the tier (the block holding the last token is
+    always computed). Returns (their indices, their keys, the leading blocks found)."""
+    stride = block_size * TOKEN_BYTES
+    count = max(0, min(num_blocks, (len(token_ids) - 1) // block_size, tier.import_blocks))
+    token_bytes = pack_token_ids(token_ids[: count * block_size])
+    hits = cache.lookup(namespace, token_bytes, block_size)
+    parent, present = (hits[-1].key if hits else ROOT_KEY), len(hits)
+    indices: list[int] = []
+    keys: list[bytes] = []
+    for j in range(len(hits), count):
+        key = cache.key_of(parent, namespace, token_bytes[j * stride : (j + 1) * stride])
+        if key not in tier:
+            indices.append(j)
+            keys.append(key)
+        elif not indices:
+            present += 1
+        parent = key
+    return indices, keys, present
+
+
+def tier_for(kv_offload: str, listener: TierListener | None = None, import_blocks: int = 0) -> TierIndex | None:
+    """The index for a `--kv-offload` given in blocks (services/kv_offload.py) and an import
+    level of `import_blocks` (P/D); None without either."""
     offload = parse_kv_offload(kv_offload)
     if offload is None:
-        return None
-    return TierIndex(offload.host_blocks, offload.disk_blocks if offload.disk_path else 0, listener)
+        return TierIndex(0, 0, listener, import_blocks) if import_blocks > 0 else None
+    return TierIndex(offload.host_blocks, offload.disk_blocks if offload.disk_path else 0, listener, import_blocks)
