@@ -18,6 +18,13 @@ publish in Redis. The layout is docker-compose.yml's, one copy per replica:
           stage K is pagoda-rN-worker-K.pagoda-rN-worker:50070
     pagoda-backend (PDB over every replica's pods: one disrupted at a time)
 
+With P/D disaggregation (issue 39, `--prefill-replicas N --decode-replicas M`) the replicas are
+p0..pN-1 and d0..dM-1 (label pagoda.dev/role: prefill|decode), the same stack each; the gateway
+gets the decode schedulers as --scheduler and the prefill ones as --prefill-scheduler (every
+KV service publishes to Redis as before: each pool is routed from its own replicas' entries);
+the decode KV services and stages take --kv-import-blocks, and decode stage k pulls a prompt's
+blocks from prefill stage k (pagoda-pK-worker-k.pagoda-pK-worker:50070).
+
 The operator creates the namespace, the Secrets (the internal token, the API keys) and the
 models' PersistentVolumeClaim; nothing secret is ever rendered. docs/deploy.md walks through
 it. Pure Python: no torch, no grpc. The options and names: wiring/k8s_options.py; the command
@@ -48,6 +55,7 @@ from wiring.k8s_options import (
     API_KEYS_DIR,
     API_KEYS_FILE,
     BACKEND_PDB,
+    DECODE,
     ENGINE_CONFIG,
     ENGINE_CONFIG_HASH,
     GATEWAY,
@@ -75,8 +83,24 @@ def _listen(port: int) -> list[str]:
     return [shared.HOST.flag, "0.0.0.0", shared.PORT.flag, str(port)]
 
 
+def _import_args(options: K8sOptions, replica: str) -> list[str]:
+    """A decode replica's KV service and stages: room for the blocks they pull (issue 39)."""
+    if options.role_of(replica) != DECODE:
+        return []
+    return [shared.KV_IMPORT_BLOCKS.flag, str(options.import_blocks)]
+
+
 def kvcache_args(options: K8sOptions, replica: str) -> list[str]:
-    return ["kvcache", *_listen(KV_PORT), "--replica-id", replica, shared.REDIS_URL.flag, redis_url()]
+    """Every KV service publishes its prefix index (a P/D gateway routes each pool by its own)."""
+    return [
+        "kvcache",
+        *_listen(KV_PORT),
+        "--replica-id",
+        replica,
+        shared.REDIS_URL.flag,
+        redis_url(),
+        *_import_args(options, replica),
+    ]
 
 
 def scheduler_args(options: K8sOptions, replica: str) -> list[str]:
@@ -108,6 +132,7 @@ def worker_args(options: K8sOptions, replica: str, stage: int) -> list[str]:
         str(stage),
         "--num-stages",
         str(n),
+        *_import_args(options, replica),
     ]
     if stage < n - 1:
         args += ["--next", stage_address(replica, stage + 1)]
@@ -124,7 +149,8 @@ def worker_script(options: K8sOptions, replica: str) -> str:
         'stage="${HOSTNAME##*-}"',
         'case "$stage" in ""|*[!0-9]*) echo "cannot read the stage from HOSTNAME=$HOSTNAME" >&2; exit 1;; esac',
         f"set -- worker {shared.HOST.flag} 0.0.0.0 {shared.PORT.flag} {port} {shared.MODEL.flag} "
-        f'{shlex.quote(options.model_path)} --stage "$stage" --num-stages {n}',
+        f'{shlex.quote(options.model_path)} --stage "$stage" --num-stages {n}'
+        + "".join(f" {a}" for a in _import_args(options, replica)),
     ]
     if n > 1:
         lines += [
@@ -135,11 +161,19 @@ def worker_script(options: K8sOptions, replica: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _targets(replicas: list[str]) -> str:
+    """The gateway's NAME=HOST:PORT,... list of schedulers (gateway/replicas.py parse_targets)."""
+    return ",".join(f"{r}={scheduler_name(r)}:{SCHEDULER_PORT}" for r in replicas)
+
+
 def gateway_args(options: K8sOptions, replica: str | None = None) -> list[str]:
     """The router gateway's arguments, or with `replica` that replica's own gateway's (a model
     server of an InferencePool: one scheduler, no routing)."""
-    if replica is None:
-        schedulers = ",".join(f"{r}={scheduler_name(r)}:{SCHEDULER_PORT}" for r in options.replica_names)
+    if replica is None and options.disaggregated:  # requests go to a decode replica once prefilled
+        schedulers = _targets(options.decode_names)
+        routing = ["--prefill-scheduler", _targets(options.prefill_names), "--routing", options.routing]
+    elif replica is None:
+        schedulers = _targets(options.replica_names)
         routing = ["--routing", options.routing]
     else:
         schedulers, routing = f"{scheduler_name(replica)}:{SCHEDULER_PORT}", []
@@ -280,7 +314,7 @@ _SINGLETON = {"type": "Recreate"}  # never two schedulers (or KV services) of on
 
 
 def _kvcache(options: K8sOptions, replica: str) -> list[dict]:
-    labels = labels_of("kvcache", replica)
+    labels = labels_of("kvcache", replica, options.role_of(replica))
     volumes, mounts = _writable(False, options)
     container = _pagoda_container(
         options, "kvcache", "kvcache", KV_PORT, args=kvcache_args(options, replica), mounts=mounts
@@ -293,7 +327,7 @@ def _kvcache(options: K8sOptions, replica: str) -> list[dict]:
 
 
 def _scheduler(options: K8sOptions, replica: str) -> list[dict]:
-    labels = labels_of("scheduler", replica)
+    labels = labels_of("scheduler", replica, options.role_of(replica))
     volumes, mounts = _writable(True, options)
     container = _pagoda_container(
         options, "scheduler", "scheduler", SCHEDULER_PORT, args=scheduler_args(options, replica), mounts=mounts
@@ -326,7 +360,7 @@ def _scheduler(options: K8sOptions, replica: str) -> list[dict]:
 
 
 def _workers(options: K8sOptions, replica: str) -> list[dict]:
-    labels = labels_of("worker", replica)
+    labels = labels_of("worker", replica, options.role_of(replica))
     name, tp = worker_name(replica), options.tensor_parallel_size
     volumes, mounts = _writable(True, options)
     f = options.gpu_memory_utilization

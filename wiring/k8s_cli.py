@@ -11,7 +11,7 @@ from pathlib import Path
 from services import settings as shared
 from services.defaults import ROUTING_POLICIES
 from wiring.k8s import render, to_yaml
-from wiring.k8s_options import API_KEYS_FILE, COMPONENTS, MODELS_MOUNT, K8sOptions, Resources
+from wiring.k8s_options import API_KEYS_FILE, COMPONENTS, DEFAULT_KV_IMPORT_BLOCKS, MODELS_MOUNT, K8sOptions, Resources
 
 
 def _setting(text: str) -> tuple[str, str]:
@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags, in the order `--help` lists them; each default is `K8sOptions`'."""
     d = K8sOptions()
     _add_shape_arguments(p, d)
+    _add_disaggregation_arguments(p)
     _add_model_arguments(p, d)
     _add_cluster_arguments(p, d)
     _add_inference_pool_arguments(p)
@@ -55,9 +56,9 @@ def _add_shape_arguments(p: argparse.ArgumentParser, d: K8sOptions) -> None:
     p.add_argument(
         "--replicas",
         type=int,
-        default=d.replicas,
         metavar="N",
-        help="replicas (a scheduler, a KV service and its stages each), named r0..rN-1",
+        help=f"replicas (a scheduler, a KV service and its stages each), named r0..rN-1 "
+        f"(default: {d.replicas}); not with --prefill-replicas and --decode-replicas",
     )
     p.add_argument(
         shared.PIPELINE_PARALLEL_SIZE.flag,
@@ -100,6 +101,31 @@ def _add_shape_arguments(p: argparse.ArgumentParser, d: K8sOptions) -> None:
         metavar="NAME=VALUE",
         help="another engine setting, as PAGODA_<NAME> in the ConfigMap (e.g. max_num_seqs=64, "
         "max_model_len=32768, dtype=bfloat16); repeatable",
+    )
+
+
+def _add_disaggregation_arguments(p: argparse.ArgumentParser) -> None:
+    """P/D disaggregation (issue 39): prefill replicas and decode replicas instead of --replicas."""
+    p.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="P/D disaggregation: N replicas that compute prompts, named p0..pN-1 (with --decode-replicas)",
+    )
+    p.add_argument(
+        "--decode-replicas",
+        type=int,
+        default=0,
+        metavar="M",
+        help="P/D disaggregation: M replicas that generate, named d0..dM-1, pulling each prompt's "
+        "KV blocks from the prefill replica that computed it (with --prefill-replicas)",
+    )
+    p.add_argument(
+        shared.KV_IMPORT_BLOCKS.flag,
+        type=int,
+        metavar="N",
+        help=f"the decode replicas' room for pulled blocks not yet in their pool (default: {DEFAULT_KV_IMPORT_BLOCKS})",
     )
 
 
@@ -186,8 +212,14 @@ def _add_inference_pool_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> K8sOptions:
+    """The options the flags give; ValueError naming the flag or field that is wrong."""
+    if args.replicas is not None and (args.prefill_replicas or args.decode_replicas):
+        raise ValueError("--replicas: not with --prefill-replicas and --decode-replicas (those are the replicas)")
     return K8sOptions(
-        replicas=args.replicas,
+        replicas=1 if args.replicas is None else args.replicas,
+        prefill_replicas=args.prefill_replicas,
+        decode_replicas=args.decode_replicas,
+        kv_import_blocks=args.kv_import_blocks,
         pipeline_parallel_size=args.pipeline_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -215,8 +247,13 @@ def options_from_args(args: argparse.Namespace) -> K8sOptions:
 
 def _header(options: K8sOptions) -> str:
     f = options.gpu_memory_utilization
+    replicas = (
+        f"{options.prefill_replicas} prefill + {options.decode_replicas} decode replica(s)"
+        if options.disaggregated
+        else f"{options.replicas} replica(s)"
+    )
     return (
-        f"# Pagoda on Kubernetes (pagoda k8s-manifests; docs/deploy.md): {options.replicas} replica(s) of "
+        f"# Pagoda on Kubernetes (pagoda k8s-manifests; docs/deploy.md): {replicas} of "
         f"{options.pipeline_parallel_size} stage pod(s) x {options.tensor_parallel_size} process(es)"
         f"{', GPUs' if options.gpus else ', CPU'}"
         f"{f', gpu_memory_utilization {f}' if f is not None else ''}, in namespace {options.namespace}.\n"

@@ -8,10 +8,11 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 UID = 10001  # the image's user (Dockerfile)
-NAME_LABEL, COMPONENT_LABEL, REPLICA_LABEL = (
+NAME_LABEL, COMPONENT_LABEL, REPLICA_LABEL, ROLE_LABEL = (
     "app.kubernetes.io/name",
     "app.kubernetes.io/component",
     "pagoda.dev/replica",
+    "pagoda.dev/role",  # prefill or decode, on a disaggregated replica's pods (issue 39)
 )
 
 
@@ -21,10 +22,12 @@ class HasNamespace(Protocol):
     namespace: str
 
 
-def labels_of(component: str, replica: str | None = None) -> dict[str, str]:
+def labels_of(component: str, replica: str | None = None, role: str | None = None) -> dict[str, str]:
     labels = {NAME_LABEL: "pagoda", COMPONENT_LABEL: component}
     if replica is not None:
         labels[REPLICA_LABEL] = replica
+    if role is not None:
+        labels[ROLE_LABEL] = role
     return labels
 
 

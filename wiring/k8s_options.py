@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.defaults import BLOCK_SIZE, NUM_KV_BLOCKS, ROUTING_POLICIES
+from services.settings import parse_bool
 
 KV_PORT = 50060
 SCHEDULER_PORT = 50052
@@ -26,6 +27,8 @@ GATEWAY = "pagoda-gateway"
 BACKEND_PDB = "pagoda-backend"
 ENGINE_CONFIG_HASH = "pagoda.dev/engine-config-hash"  # pods restart when the ConfigMap changes
 COMPONENTS = ("gateway", "scheduler", "kvcache", "worker", "redis")
+PREFILL, DECODE = "prefill", "decode"  # the replicas' roles with P/D disaggregation (issue 39)
+DEFAULT_KV_IMPORT_BLOCKS = 512  # a decode replica's room for pulled blocks, unless --kv-import-blocks
 # Flags the manifests set themselves, per component: not engine settings (--set).
 RESERVED_SETTINGS = frozenset(
     {
@@ -55,6 +58,8 @@ RESERVED_SETTINGS = frozenset(
         "device",
         "served_model_name",
         "ready_file",
+        "kv_import_blocks",
+        "prefill_scheduler",
     }
 )
 
@@ -125,11 +130,18 @@ class K8sOptions:
     # extension's endpoint picker routing between them; "" : Pagoda's router gateway
     inference_pool: str = ""
     objectives: tuple[tuple[str, int], ...] = ()  # InferenceObjectives: (name, priority)
+    # P/D disaggregation (issue 39): prefill replicas p0.., decode replicas d0.. instead of r0..;
+    # 0 and 0: every replica does both. kv_import_blocks: the decode replicas' room for pulled
+    # blocks (None: DEFAULT_KV_IMPORT_BLOCKS)
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+    kv_import_blocks: int | None = None
 
     def __post_init__(self) -> None:
         self._check_sizes()
         self._check_names()
         self._check_choices()
+        self._check_disaggregation()
 
     def _check_sizes(self) -> None:
         for name in (
@@ -210,9 +222,77 @@ class K8sOptions:
         if self.objectives and not self.inference_pool:
             raise ValueError("objectives: need --inference-pool (an InferenceObjective names its pool)")
 
+    def _check_disaggregation(self) -> None:
+        """Prefill and decode pools: both or neither, instead of --replicas, split alike (the
+        decode stage k pulls from the prefill stage k), one process per stage, prefix caching
+        on and one KV group (a decode replica imports into its prefix cache)."""
+        p, d, n = self.prefill_replicas, self.decode_replicas, self.kv_import_blocks
+        for name, value in (("prefill_replicas", p), ("decode_replicas", d), ("kv_import_blocks", n)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
+        if not (p or d):
+            if n is not None:
+                raise ValueError("kv_import_blocks: only for decode replicas (--prefill-replicas, --decode-replicas)")
+            return
+        if not (p and d):
+            raise ValueError("prefill_replicas and decode_replicas: give both (at least one of each) or neither")
+        if max(p, d) > 100:
+            raise ValueError(f"prefill_replicas, decode_replicas: at most 100 each, got {p} and {d}")
+        if self.replicas != 1:
+            raise ValueError("replicas: not with prefill_replicas and decode_replicas (those are the replicas)")
+        if n is not None and n < 1:
+            raise ValueError(f"kv_import_blocks: must be a positive integer, got {n}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size: prefill/decode replicas need 1 (blocks move stage to stage, "
+                f"one process each), got {self.tensor_parallel_size}"
+            )
+        if self.inference_pool:
+            raise ValueError(
+                "inference_pool: not with prefill/decode replicas (one InferencePool per role is not "
+                "rendered); serve them behind Pagoda's router gateway"
+            )
+        caching = self.engine.get("enable_prefix_caching", True)
+        try:
+            caching = caching if isinstance(caching, bool) else parse_bool(str(caching))
+        except ValueError as exc:
+            raise ValueError(f"engine setting 'enable_prefix_caching': {exc}") from None
+        if not caching:
+            raise ValueError(
+                "enable_prefix_caching: prefill/decode replicas need it (a decode replica imports "
+                "a prompt's blocks into its prefix cache)"
+            )
+        if "," in str(self.engine.get("kv_groups", "")):
+            raise ValueError("kv_groups: prefill/decode replicas need one KV group (no sliding-window sub-groups)")
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill and decode replicas (issue 39) rather than replicas that do both."""
+        return self.prefill_replicas > 0
+
+    @property
+    def prefill_names(self) -> list[str]:
+        return [f"p{i}" for i in range(self.prefill_replicas)]
+
+    @property
+    def decode_names(self) -> list[str]:
+        return [f"d{i}" for i in range(self.decode_replicas)]
+
     @property
     def replica_names(self) -> list[str]:
+        """Every replica's stack: r0..rN-1, or the prefill then the decode replicas."""
+        if self.disaggregated:
+            return self.prefill_names + self.decode_names
         return [f"r{i}" for i in range(self.replicas)]
+
+    def role_of(self, replica: str) -> str | None:
+        """PREFILL, DECODE, or None for a replica that does both."""
+        return {"p": PREFILL, "d": DECODE}.get(replica[0]) if self.disaggregated else None
+
+    @property
+    def import_blocks(self) -> int:
+        """The decode replicas' --kv-import-blocks."""
+        return DEFAULT_KV_IMPORT_BLOCKS if self.kv_import_blocks is None else self.kv_import_blocks
 
     def resources(self, component: str) -> Resources:
         return self.requests.get(component, DEFAULT_REQUESTS[component])

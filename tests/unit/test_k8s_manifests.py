@@ -45,6 +45,8 @@ CONFIGS = {
         model_path="/models/Meta-Llama-3.1-8B-Instruct",
     ),
     "two-pp3": k8s_options.K8sOptions(replicas=2, pipeline_parallel_size=3, block_size=32, namespace="llm"),
+    # P/D disaggregation (issue 39): prefill replica p0, decode replicas d0 and d1
+    "pd-1p-2d-pp2": k8s_options.K8sOptions(prefill_replicas=1, decode_replicas=2, pipeline_parallel_size=2),
 }
 SECRET = "<from a Secret>"
 GRPC_PORT_FLAG = {"kvcache": "--port", "scheduler": "--port", "worker": "--port", "gateway": "--grpc-port"}
@@ -172,6 +174,12 @@ def parse(argv: list[str], env: dict[str, str]) -> argparse.Namespace:
         return build_parser().parse_args(argv)
 
 
+def gateway_takes(option: str) -> bool:
+    """Whether `pagoda gateway` has this flag (the P/D gateway is built beside the renderer)."""
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return option in sub.choices["gateway"]._option_string_actions
+
+
 def reached(manifests: list[dict], address: str) -> list[tuple[dict, int | None]]:
     """The workloads (and the StatefulSet ordinal, if a pod is named) that HOST:PORT reaches
     inside the namespace; fails unless it names a Service with that port whose target pods
@@ -243,15 +251,17 @@ def test_objects_are_named_labelled_and_namespaced(config):
             labels[k8s_objects.NAME_LABEL] == "pagoda" and labels[k8s_objects.COMPONENT_LABEL] in k8s_options.COMPONENTS
         )
         assert (k8s_objects.REPLICA_LABEL in labels) == (component(w) in ("kvcache", "scheduler", "worker"))
+        role = options.role_of(labels[k8s_objects.REPLICA_LABEL]) if k8s_objects.REPLICA_LABEL in labels else None
+        assert labels.get(k8s_objects.ROLE_LABEL) == role  # only a disaggregated replica's pods have one
         assert w["spec"]["selector"]["matchLabels"] == labels
         if w["kind"] == "StatefulSet":  # its pods' names must be DNS labels, with a revision hash to spare
             assert len(w["metadata"]["name"]) <= 52
     expected = {
         "gateway": 1,
         "redis": 1,
-        "kvcache": options.replicas,
-        "scheduler": options.replicas,
-        "worker": options.replicas,
+        "kvcache": len(options.replica_names),
+        "scheduler": len(options.replica_names),
+        "worker": len(options.replica_names),
     }
     assert {c: sum(component(w) == c for w in workloads(manifests)) for c in expected} == expected
     gateway = by_kind(manifests, "Deployment")[k8s_options.GATEWAY]
@@ -297,7 +307,7 @@ def test_disruption_budgets_select_existing_pods(config):
     backend = [
         w for w in workloads(manifests) if selects(budgets[k8s_options.BACKEND_PDB]["spec"]["selector"], pod_labels(w))
     ]
-    assert len(backend) == 3 * options.replicas  # every replica's pods: at most one disrupted
+    assert len(backend) == 3 * len(options.replica_names)  # every replica's pods: at most one disrupted
     assert all(pdb["spec"]["maxUnavailable"] == 1 for pdb in budgets.values())
 
 
@@ -332,10 +342,16 @@ def test_every_address_names_a_service_with_that_port(config, fake_pagoda):
             else:
                 assert "--feedback" not in argv
     ((_, argv),) = argv_of(manifests, deployments[k8s_options.GATEWAY], fake_pagoda)
-    routes = [part.split("=", 1) for part in flag(argv, "--scheduler").split(",")]
-    assert [name for name, _ in routes] == options.replica_names
-    for name, address in routes:
-        reaches_one(manifests, address, "scheduler", name)
+    pools = {"--scheduler": options.decode_names if options.disaggregated else options.replica_names}
+    if options.disaggregated:
+        pools["--prefill-scheduler"] = options.prefill_names
+    else:
+        assert "--prefill-scheduler" not in argv
+    for pool_flag, names in pools.items():
+        routes = [part.split("=", 1) for part in flag(argv, pool_flag).split(",")]
+        assert [name for name, _ in routes] == names
+        for name, address in routes:
+            reaches_one(manifests, address, "scheduler", name)
     reaches_one(manifests, flag(argv, "--redis-url").removeprefix("redis://").removesuffix("/0"), "redis", None)
 
 
@@ -507,6 +523,8 @@ def test_the_scheduler_and_workers_parse_with_their_pods_environment(config, fak
                 assert args.num_stages == options.pipeline_parallel_size
                 assert args.device == ("cuda" if options.gpus else "cpu")
                 assert args.num_threads == options.worker_threads
+                decode = options.role_of(pod_labels(w)[k8s_objects.REPLICA_LABEL]) == k8s_options.DECODE
+                assert args.kv_import_blocks == (options.import_blocks if decode else 0)
             else:
                 assert args.pipeline_parallel_size == options.pipeline_parallel_size
 
@@ -518,13 +536,17 @@ def test_the_kv_service_parses(config, fake_pagoda):
         w = by_kind(manifests, "Deployment")[k8s_options.kvcache_name(r)]
         args = parse(main_container(w)["args"], container_env(manifests, main_container(w)))
         assert (args.num_blocks, args.block_size) == (options.num_kv_blocks, options.block_size)
+        decode = options.role_of(r) == k8s_options.DECODE
         assert args.replica_id == r and args.redis_url == k8s_options.redis_url()
+        assert args.kv_import_blocks == (options.import_blocks if decode else 0)
 
 
 def test_the_gateway_parses_in_router_mode(config):
     """Needs `pagoda gateway --routing` and `--scheduler NAME=ADDR,...` (issue 13)."""
     options, manifests = config
     gateway = main_container(by_kind(manifests, "Deployment")[k8s_options.GATEWAY])
+    if options.disaggregated and not gateway_takes("--prefill-scheduler"):
+        pytest.skip("`pagoda gateway --prefill-scheduler` (issue 39) is not in this tree yet")
     args = parse(gateway["args"], container_env(manifests, gateway))
     assert args.routing == options.routing and args.redis_url == k8s_options.redis_url()
     assert args.max_model_len == options.engine.get("max_model_len")
@@ -566,6 +588,139 @@ def test_routing_policies_are_the_gateways():
     from gateway.routing import POLICIES
 
     assert k8s_cli.ROUTING_POLICIES == POLICIES
+
+
+# --- P/D disaggregation (issue 39) ---------------------------------------------------------
+
+PD = CONFIGS["pd-1p-2d-pp2"]
+
+
+def test_disaggregated_replicas_are_a_prefill_and_a_decode_pool_of_stacks():
+    manifests = k8s.render(PD)
+    assert PD.replica_names == ["p0", "d0", "d1"]
+    kinds = {
+        k8s_options.kvcache_name: "Deployment",
+        k8s_options.scheduler_name: "Deployment",
+        k8s_options.worker_name: "StatefulSet",
+    }
+    for r, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        for name_of, kind in kinds.items():
+            w = by_kind(manifests, kind)[name_of(r)]
+            labels = pod_labels(w)
+            assert (labels[k8s_objects.REPLICA_LABEL], labels[k8s_objects.ROLE_LABEL]) == (r, role)
+            assert by_kind(manifests, "Service")[name_of(r)]["spec"]["selector"] == labels
+        assert by_kind(manifests, "StatefulSet")[k8s_options.worker_name(r)]["spec"]["replicas"] == 2
+    assert not [m["metadata"]["name"] for m in manifests if "-r0-" in m["metadata"]["name"]]
+
+
+def test_the_gateway_sends_prompts_to_the_prefill_pool_and_generation_to_the_decode_pool():
+    from gateway.replicas import parse_targets
+
+    args = k8s.gateway_args(PD)
+    assert main_container(by_kind(k8s.render(PD), "Deployment")[k8s_options.GATEWAY])["args"] == args
+    assert parse_targets(flag(args, "--scheduler")) == [
+        ("d0", "pagoda-d0-scheduler:50052"),
+        ("d1", "pagoda-d1-scheduler:50052"),
+    ]
+    assert parse_targets(flag(args, "--prefill-scheduler")) == [("p0", "pagoda-p0-scheduler:50052")]
+    assert flag(args, "--routing") == "prefix" and flag(args, "--redis-url") == k8s_options.redis_url()
+    assert "--prefill-scheduler" not in k8s.gateway_args(k8s_options.K8sOptions(replicas=3))
+
+
+@pytest.mark.parametrize(("blocks", "expected"), [(None, "512"), (2048, "2048")])
+def test_decode_kv_services_and_stages_take_kv_import_blocks(blocks, expected, fake_pagoda):
+    options = k8s_options.K8sOptions(
+        prefill_replicas=1, decode_replicas=2, pipeline_parallel_size=2, kv_import_blocks=blocks
+    )
+    manifests = k8s.render(options)
+    deployments, statefulsets = by_kind(manifests, "Deployment"), by_kind(manifests, "StatefulSet")
+    for r in options.replica_names:
+        want = expected if r.startswith("d") else None  # a prefill replica needs nothing new
+        ((_, kv),) = argv_of(manifests, deployments[k8s_options.kvcache_name(r)], fake_pagoda)
+        assert flag(kv, "--kv-import-blocks") == want
+        assert flag(kv, "--redis-url") == k8s_options.redis_url()  # each pool routed from its own entries
+        for _, argv in argv_of(manifests, statefulsets[k8s_options.worker_name(r)], fake_pagoda):
+            assert flag(argv, "--kv-import-blocks") == want
+        ((_, scheduler),) = argv_of(manifests, deployments[k8s_options.scheduler_name(r)], fake_pagoda)
+        assert "--kv-import-blocks" not in scheduler
+    (config_map,) = by_kind(manifests, "ConfigMap").values()
+    assert "PAGODA_KV_IMPORT_BLOCKS" not in config_map["data"]  # the decode pods' own, never shared
+
+
+def test_decode_stages_reach_the_prefill_stages_they_pull_from(fake_pagoda):
+    """A prefilled request carries its prefill replica's stages (KVTransfer.stage_addresses,
+    that scheduler's --stages); decode stage k pulls from the k-th (StageWorker.ExportBlocks on
+    the worker port): each must name prefill stage k, through its headless Service."""
+    manifests = k8s.render(PD)
+    deployments, statefulsets = by_kind(manifests, "Deployment"), by_kind(manifests, "StatefulSet")
+    for p in PD.prefill_names:
+        ((_, argv),) = argv_of(manifests, deployments[k8s_options.scheduler_name(p)], fake_pagoda)
+        stages = flag(argv, "--stages").split(",")
+        for k, address in enumerate(stages):
+            assert address.endswith(f":{k8s_options.WORKER_PORT}")
+            ((w, ordinal),) = reached(manifests, address)
+            assert (pod_labels(w)[k8s_objects.ROLE_LABEL], pod_labels(w)[k8s_objects.REPLICA_LABEL]) == ("prefill", p)
+            assert ordinal == k
+        for d in PD.decode_names:  # the same split: decode stage k exists for every prefill stage k
+            pods = argv_of(manifests, statefulsets[k8s_options.worker_name(d)], fake_pagoda)
+            assert [int(flag(a, "--stage")) for _, a in pods] == list(range(len(stages)))
+    # No NetworkPolicy is rendered, so nothing stands between the pools; a renderer that adds
+    # policies must let decode workers reach prefill workers on the worker port (and check it here).
+    assert not by_kind(manifests, "NetworkPolicy")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"prefill_replicas": 2}, "give both (at least one of each) or neither"),
+        ({"decode_replicas": 2}, "give both"),
+        ({"prefill_replicas": -1, "decode_replicas": 1}, "prefill_replicas: must be a non-negative integer"),
+        ({"prefill_replicas": 101, "decode_replicas": 1}, "at most 100 each"),
+        ({"prefill_replicas": 1, "decode_replicas": 1, "replicas": 2}, "replicas: not with prefill_replicas"),
+        ({"prefill_replicas": 1, "decode_replicas": 1, "tensor_parallel_size": 2}, "tensor_parallel_size: prefill/"),
+        ({"prefill_replicas": 1, "decode_replicas": 1, "inference_pool": "pool"}, "inference_pool: not with"),
+        (
+            {"prefill_replicas": 1, "decode_replicas": 1, "engine": {"enable_prefix_caching": "false"}},
+            "enable_prefix_caching: prefill/decode replicas need it",
+        ),
+        (
+            {"prefill_replicas": 1, "decode_replicas": 1, "engine": {"enable_prefix_caching": "maybe"}},
+            "engine setting 'enable_prefix_caching': expected one of",
+        ),
+        (
+            {"prefill_replicas": 1, "decode_replicas": 1, "engine": {"kv_groups": "0,512"}},
+            "kv_groups: prefill/decode replicas need one KV group",
+        ),
+        ({"prefill_replicas": 1, "decode_replicas": 1, "kv_import_blocks": 0}, "kv_import_blocks: must be a positive"),
+        ({"kv_import_blocks": 64}, "kv_import_blocks: only for decode replicas"),
+        ({"engine": {"kv_import_blocks": 64}}, "set by the manifests themselves"),
+        ({"engine": {"prefill_scheduler": "p0=x:1"}}, "set by the manifests themselves"),
+    ],
+)
+def test_bad_disaggregation_options_are_refused(fields, message):
+    with pytest.raises(ValueError) as caught:
+        k8s_options.K8sOptions(**fields)
+    assert message in str(caught.value)
+
+
+def test_run_renders_and_refuses_prefill_and_decode_replicas(capsys):
+    argv = ["--prefill-replicas", "1", "--decode-replicas", "2", "--pipeline-parallel-size", "2"]
+    assert k8s_cli.run(_cli([*argv, "--kv-import-blocks", "1024"])) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# Pagoda on Kubernetes (pagoda k8s-manifests; docs/deploy.md): 1 prefill + 2 decode")
+    options = k8s_options.K8sOptions(
+        prefill_replicas=1, decode_replicas=2, pipeline_parallel_size=2, kv_import_blocks=1024
+    )
+    assert list(yaml.safe_load_all(out)) == k8s.render(options)
+    for extra, message in [
+        (["--replicas", "1"], "error: --replicas: not with --prefill-replicas and --decode-replicas"),
+        (["--tensor-parallel-size", "2"], "error: tensor_parallel_size: prefill/decode replicas need 1"),
+        (["--inference-pool", "pool"], "error: inference_pool: not with prefill/decode replicas"),
+    ]:
+        assert k8s_cli.run(_cli([*argv, *extra])) == 2
+        assert message in capsys.readouterr().err
+    assert k8s_cli.run(_cli(["--decode-replicas", "2"])) == 2
+    assert "give both" in capsys.readouterr().err
 
 
 # --- options and the command line ----------------------------------------------------------
@@ -657,6 +812,10 @@ def test_run_refuses_bad_options(capsys):
     [
         ("pagoda-1-replica.yaml", ["--replicas", "1"]),
         (
+            "pagoda-pd-1p-2d-pp2.yaml",
+            ["--prefill-replicas", "1", "--decode-replicas", "2", "--pipeline-parallel-size", "2"],
+        ),
+        (
             "pagoda-4-replicas-pp2-tp2-gpu.yaml",
             [
                 "--replicas",
@@ -673,7 +832,7 @@ def test_run_refuses_bad_options(capsys):
     ],
 )
 def test_the_documented_examples_render_and_validate(tmp_path, name, argv):
-    """docs/deploy.md's two examples, rendered on demand (never committed) by the command the
+    """docs/deploy.md's three examples, rendered on demand (never committed) by the command the
     page gives: each file parses and every object validates strictly."""
     import argparse
 
