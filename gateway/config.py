@@ -64,6 +64,14 @@ class GatewayConfig:
         required=True,
         group="network",
     )
+    prefill_scheduler: str = _setting(
+        "",
+        "P/D disaggregation (gateway/disaggregation.py): the prefill replicas' schedulers, "
+        "NAME=HOST:PORT,...; prompts are computed there and the --scheduler replicas decode, "
+        "pulling the prompts' KV blocks (their KV services and stages need --kv-import-blocks)",
+        name="prefill_scheduler",
+        group="network",
+    )
     # (vLLM's --served-model-name)
     served_model_names: tuple[str, ...] = _passed(
         (),
@@ -226,6 +234,8 @@ class GatewayConfig:
         from gateway.routing import POLICIES
 
         parse_targets(self.scheduler_address)  # ValueError naming what is wrong
+        if self.prefill_scheduler:
+            parse_targets(self.prefill_scheduler)
         if self.routing not in POLICIES:
             raise ValueError(f"routing: must be one of {', '.join(POLICIES)}, got {self.routing!r}")
         for name in ("port", "grpc_port"):

@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from gateway.disaggregation import PrefillPool
 from gateway.generation import ChoiceDelta, Finished, GenerationError, GenerationParams, TokenLogprob, TopToken, Usage
 from gateway.read_ahead import ConsumerStalled, read_ahead
 from gateway.replicas import NoReplica, Replica, ReplicaSet, emulated_device, merge_stats, parse_targets
@@ -137,6 +138,7 @@ class TextGenerator:
         routing: str = "prefix",
         redis_url: str = "",
         default_seed: int | None = None,
+        prefill_address: str = "",
     ) -> None:
         self.retry_unavailable_s = retry_unavailable_s
         self.default_seed = default_seed  # the seed of a request that sends none (--seed)
@@ -145,6 +147,8 @@ class TextGenerator:
         self._tracer = telemetry.tracer("pagoda.gateway")
         targets = parse_targets(scheduler_address)
         self._replicas = ReplicaSet(targets, routing, redis_url)
+        # P/D disaggregation: the prefill replicas (gateway/disaggregation.py); None: aggregated
+        self.prefill = PrefillPool(parse_targets(prefill_address), redis_url) if prefill_address else None
         self._placed: dict[str, Replica] = {}  # request id -> the replica it runs on
         self.scheduler_address = scheduler_address if self._replicas.routes else targets[0][1]
         self.tokenizer = tokenizer
@@ -160,6 +164,8 @@ class TextGenerator:
 
     async def close(self) -> None:
         await self._replicas.close()
+        if self.prefill is not None:
+            await self.prefill.close()
 
     async def lora_adapter(self, load: bool, name: str, path: str, timeout_s: float = 180.0) -> dict[str, str]:
         """Loads (unloads) a LoRA adapter on every replica's stages, through its scheduler;
@@ -191,6 +197,8 @@ class TextGenerator:
     def start(self) -> None:
         """In the event loop that serves: start watching the replicas (router mode)."""
         self._replicas.start()
+        if self.prefill is not None:
+            self.prefill.start()
 
     async def stats(
         self,
@@ -283,9 +291,7 @@ class TextGenerator:
         request = self._request(request_id, prompt_ids, params, traceparent)
         # read ahead of the client, within bounds: a client that stops reading for good is
         # aborted with finish reason "abort" (what it owed is then final)
-        responses = read_ahead(
-            self.scheduler_responses(request, metadata, params.session), READ_AHEAD, self.stall_timeout_s
-        )
+        responses = read_ahead(self._responses(request, metadata, params.session), READ_AHEAD, self.stall_timeout_s)
         choices = _Choices(len(prompt_ids))
         try:
             async for resp in responses:
@@ -380,6 +386,24 @@ class TextGenerator:
                 # a stop string matched: end this choice downstream now
                 self._in_background(self.abort(request.request_id, index))
         return delta
+
+    async def _responses(self, request, metadata, session: str) -> AsyncIterator:
+        """The decode (or only) replicas' responses; with P/D, the prompt computed on a prefill
+        replica first, whose hold on its blocks ends once the decode side has answered."""
+        held = None
+        if self.prefill is not None and self.prefill.wanted(request):
+            held = await self.prefill.prefill(request, metadata, session)
+            if held is not None:
+                request.kv_import.CopyFrom(held[1])
+        try:
+            async for resp in self.scheduler_responses(request, metadata, session):
+                if held is not None:
+                    self._in_background(self.prefill.release(held[0], request.request_id))
+                    held = None
+                yield resp
+        finally:
+            if held is not None:
+                self._in_background(self.prefill.release(held[0], request.request_id))
 
     async def scheduler_responses(self, request, metadata, session: str = "") -> AsyncIterator:
         """The scheduler's responses to `request`; closing this iterator cancels the call

@@ -158,6 +158,7 @@ async def serve(config: GatewayConfig) -> None:
         routing=config.routing,
         redis_url=config.redis_url,
         default_seed=config.seed,
+        prefill_address=config.prefill_scheduler,
     )
     generator.start()
     app = create_app(config, generator)

@@ -293,8 +293,11 @@ class Engine(FailureHandling):
         """Abort a request, or with `index` end just that choice (a stop string matched at the
         gateway: counted as a stop, as the gateway counts it)."""
         live = self._live.get(request_id)
-        if live is None:
-            return False
+        if live is None:  # ended: maybe its KV is held for a decode replica (P/D), now released
+            released = index is None and self.planner.release_export(request_id)
+            if released:
+                self._wake()
+            return released
         if index is not None and live.request.options.n > 1:
             if self.planner.finish_choice(request_id, index, self.clock()) is not None:
                 self._live.pop(request_id, None)
@@ -349,6 +352,8 @@ class Engine(FailureHandling):
                 while not self._events.empty():
                     self._handle(self._events.get_nowait())
                 self._check_step_deadline()
+                if len(self.planner.exports):
+                    self.planner.expire_exports(self.clock())
                 if not self.healthy:
                     await self._recover()
             except asyncio.CancelledError:
@@ -448,6 +453,7 @@ class Engine(FailureHandling):
                 out = self._final(live, reason.value if reason else "stop", "finished")
                 out.deltas = deltas
                 out.embedding = request.embedding
+                out.kv_export = request.exported
                 if request.pooling is not None and request.embedding is None:
                     out.error = ("INTERNAL", "the last stage returned no pooled vector")
             else:

@@ -40,6 +40,9 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     # on a pooling request's last output, when it finished: its pooled vector
     embedding: Embedding | None = None
+    # on the last output of a request whose KV is held for a decode replica (P/D): (its
+    # sequence id, how many of its first blocks may be pulled)
+    kv_export: tuple[int, int] | None = None
 
 
 @dataclass

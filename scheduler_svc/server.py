@@ -22,6 +22,7 @@ from scheduler_svc.core.lora import AdapterNotServed, LoraAdapter, new_load_id
 from scheduler_svc.core.queue import QueueFull
 from scheduler_svc.core.request import FinishReason, Request, RequestState
 from scheduler_svc.engine import Engine, admission_limits
+from scheduler_svc.kv_transfer import KVImporter, disaggregation_to_pb, export_to_pb
 from scheduler_svc.outputs import RequestOutput
 from services import grammar
 from services.admission import AdmissionError, admit, admit_pooling
@@ -125,6 +126,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.kv_address = kv_address
         self.epoch = secrets.randbits(63) | 1
         self.started_ns = time.time_ns()
+        cfg = engine.config
+        self.importer = KVImporter(engine.kv, engine.transport, cfg.block_size, cfg.model or None)
 
     async def Generate(self, request, context):
         if not self.engine.stages:  # (the gateway retries UNAVAILABLE before anything streamed)
@@ -137,6 +140,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await asyncio.to_thread(check_structured, req.options.structured)
             if not req.trace_context:  # per-request calls may carry it in metadata instead
                 req.trace_context = dict(context.invocation_metadata() or ()).get("traceparent", "")
+            req.export_kv = request.kv_export and bool(getattr(self.engine.transport, "addresses", None))
+            if request.HasField("kv_import"):  # P/D: the prompt's blocks first (kv_transfer.py)
+                await self.importer.run(req, request.kv_import)
             stream = self.engine.submit(req)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -175,6 +181,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if not msgs:
                 msgs.append(scheduler_pb2.GenerateResponse(request_id=req.request_id))
             _finish_to_pb(out, msgs[-1])
+            stages = getattr(self.engine.transport, "addresses", None) or []
+            export_to_pb(out.kv_export, stages, self.engine.config.block_size, msgs[-1])
         return msgs
 
     async def Abort(self, request, context):
@@ -287,6 +295,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         )
         _config_to_pb(cfg, resp.config)
         _tenants_to_pb(engine, s, resp)
+        disaggregation_to_pb(engine.planner.exports, self.importer.stats, resp.disaggregation)
         # the stages and the KV service are asked at once, each bounded well inside the
         # gateway's 2 s deadline: a hung stage shows as not serving instead of a 504
         kv_reply = asyncio.ensure_future(asyncio.wait_for(engine.kv.stats_message(request.include_kv_sequences), 1.5))

@@ -319,6 +319,22 @@ class GrpcStageTransport:
 
         return list(await asyncio.gather(*(one(i, stub) for i, stub in enumerate(self._stubs))))
 
+    async def pull_blocks(
+        self, sources: list[str], seq_id: int, indices: list[int], keys: list[bytes], timeout_s: float
+    ) -> list[worker_pb2.PullBlocksReply | BaseException]:
+        """P/D: stage k pulls blocks `indices` of sequence `seq_id` from `sources[k]` (the
+        prefill replica's stage k) under `keys`, every stage at once; each stage's reply or
+        its error, once every stage answered (so a failure's clean-up follows every pull)."""
+
+        async def one(stub, source: str):
+            request = worker_pb2.PullBlocksRequest(
+                source_address=source, seq_id=seq_id, block_indices=indices, keys=keys, timeout_s=timeout_s
+            )
+            return await stub.PullBlocks(request, timeout=timeout_s + 5.0)
+
+        pulls = (one(stub, source) for stub, source in zip(self._stubs, sources, strict=True))
+        return list(await asyncio.gather(*pulls, return_exceptions=True))
+
     async def close(self) -> None:
         self._in_flight.clear()
         if self._forward is not None:

@@ -53,6 +53,24 @@ SERVE_SETTINGS = (
         group="parallelism",
     ),
     _own(
+        "prefill_replicas",
+        "P/D disaggregation (issue 39): run N prefill replicas (p0...) beside --decode-replicas: prompts are "
+        "computed there and their KV blocks pulled by a decode replica (default 0: aggregated)",
+        "int",
+        default=0,
+        metavar="N",
+        group="parallelism",
+    ),
+    _own(
+        "decode_replicas",
+        "P/D disaggregation: run M decode replicas (d0...), each pulling prompts' KV from the prefill replicas "
+        "(its KV service and stages get --kv-import-blocks, default 512)",
+        "int",
+        default=0,
+        metavar="M",
+        group="parallelism",
+    ),
+    _own(
         "cpu_affinity",
         "pin each stage to cores of its own and the services to another, when the machine has enough (default: on)",
         "bool",
@@ -169,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
     memory = None
     if args.num_kv_blocks is None and (args.gpu_memory_utilization or args.kv_cache_memory):
         memory = MemorySetting(args.gpu_memory_utilization, args.kv_cache_memory, args.max_model_len)
-    for r in range(args.replicas if args.replicas > 1 else 0):
-        (log_dir / f"r{r}").mkdir(exist_ok=True)
+    for name, _ in args.replica_roles if args.replicas > 1 else ():
+        (log_dir / name).mkdir(exist_ok=True)
     if args.kv_offload:  # (in blocks since check_start: every service bounds the tier alike)
         print(f"  KV tier below the pool: {args.kv_offload} (blocks of the whole pipeline)")
     redis, redis_url = _prefix_index(args, log_dir)
@@ -235,10 +253,13 @@ def _start_stacks(
     replicas = args.replicas
     stacks: list[Stack] = []
     try:
-        for r in range(replicas):
-            kv_args = passed_flags(args, "kvcache")
+        for name, role in args.replica_roles:
+            kv_args, worker_args = passed_flags(args, "kvcache"), passed_flags(args, "worker")
             if replicas > 1:
-                kv_args += ["--replica-id", f"r{r}", *flag_args(shared.REDIS_URL, redis_url or None)]
+                kv_args += ["--replica-id", name, *flag_args(shared.REDIS_URL, redis_url or None)]
+            if role == "decode":  # room for the prompts' blocks it pulls (scheduler_svc/kv_transfer.py)
+                kv_args += flag_args(shared.KV_IMPORT_BLOCKS, args.kv_import_blocks)
+                worker_args += flag_args(shared.KV_IMPORT_BLOCKS, args.kv_import_blocks)
             stacks.append(
                 start_stack(
                     model_dir,
@@ -246,9 +267,9 @@ def _start_stacks(
                     block_size=args.block_size,
                     memory=memory,
                     num_kv_blocks=None if memory else (args.num_kv_blocks or NUM_KV_BLOCKS),
-                    log_dir=log_dir if replicas == 1 else log_dir / f"r{r}",
+                    log_dir=log_dir if replicas == 1 else log_dir / name,
                     scheduler_args=passed_flags(args, "scheduler"),
-                    worker_args=passed_flags(args, "worker"),
+                    worker_args=worker_args,
                     kvcache_args=kv_args,
                     threads_per_worker=args.num_threads,
                     metrics=args.metrics,
@@ -270,17 +291,20 @@ def _gateway(
     """The gateway's process (not started), in front of every replica's scheduler."""
     from gateway.config import API_KEY
 
+    named = [(name, role, s.scheduler_address) for (name, role), s in zip(args.replica_roles, stacks, strict=True)]
     targets = (
         stacks[0].scheduler_address
         if args.replicas == 1
-        else ",".join(f"r{r}={s.scheduler_address}" for r, s in enumerate(stacks))
+        else ",".join(f"{name}={address}" for name, role, address in named if role != "prefill")
     )
+    prefill = ",".join(f"{name}={address}" for name, role, address in named if role == "prefill")
     # the gateway drains within the grace period (passed on); it is killed only well after that
     gateway_args = [
         "gateway",
         *flag_args(shared.MODEL, model_dir),
         "--scheduler",
         targets,
+        *(["--prefill-scheduler", prefill] if prefill else []),
         *passed_flags(args, "gateway"),
         *flag_args(shared.REDIS_URL, redis_url or None),
     ]
@@ -374,7 +398,8 @@ def _write_ready_file(
                 "workers": [w.health_address for w in stack.workers],
                 "replicas": [
                     {
-                        "name": f"r{r}",
+                        "name": args.replica_roles[r][0],
+                        "role": args.replica_roles[r][1] or "both",
                         "scheduler": s.scheduler_address,
                         "kvcache": s.kvcache.health_address,
                         "workers": [w.health_address for w in s.workers],
@@ -448,7 +473,8 @@ def _restart_what_died(
 ) -> None:
     for r, s in enumerate(stacks):
         for name in s.supervise_once():
-            _say(f"pagoda serve: restarted {name}" + (f" of replica r{r}" if args.replicas > 1 else ""))
+            replica = args.replica_roles[r][0]
+            _say(f"pagoda serve: restarted {name}" + (f" of replica {replica}" if args.replicas > 1 else ""))
     if restart_if_due(gateway, 120):
         _say("pagoda serve: restarted gateway")
     if redis is not None and redis.restart_if_dead():

@@ -51,6 +51,9 @@ def describe_sampling_defaults(args: argparse.Namespace, model_dir: str) -> str:
         raise Refused(str(exc)) from exc
 
 
+DEFAULT_IMPORT_BLOCKS = 512  # a decode replica's room for pulled blocks not yet loaded
+
+
 def check_start(args: argparse.Namespace, model_dir: str) -> list[str]:
     """What would make the stack die after starting, refused before anything starts
     (wiring/preflight.py); returns what to say before starting (a max_model_len lowered to
@@ -60,11 +63,36 @@ def check_start(args: argparse.Namespace, model_dir: str) -> list[str]:
             raise Refused(f"{name} {port} is taken on {args.host}: stop what holds it or choose another port")
     if not 1 <= args.replicas <= 64:
         raise Refused(f"--replicas must be 1..64, got {args.replicas}")
+    args.replica_roles = replica_roles(args)
+    args.replicas = len(args.replica_roles)
     try:
+        if args.decode_replicas and "," in model_kv_groups(model_dir):
+            raise ValueError("P/D disaggregation needs one KV group (this model has sliding-window sub-groups)")
         _check_kv_offload(args, model_dir)
         return _check_model_and_settings(args, model_dir)
     except ValueError as exc:
         raise Refused(str(exc)) from exc
+
+
+def replica_roles(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(name, role) of every replica: r0, r1 ... ("" role: aggregated), or with P/D
+    disaggregation p0 ... ("prefill") then d0 ... ("decode"). Refused: what P/D cannot serve."""
+    n, m = getattr(args, "prefill_replicas", 0), getattr(args, "decode_replicas", 0)
+    if not n and not m:
+        return [(f"r{r}", "") for r in range(args.replicas)]
+    if not (1 <= n <= 32 and 1 <= m <= 32):
+        raise Refused(f"--prefill-replicas and --decode-replicas go together, 1..32 each; got {n} and {m}")
+    if args.replicas != 1:
+        raise Refused("--replicas with --prefill-replicas/--decode-replicas: give the two pools' sizes only")
+    if args.tensor_parallel_size > 1:
+        raise Refused("P/D disaggregation moves KV blocks stage by stage: it needs --tensor-parallel-size 1")
+    if not args.enable_prefix_caching:
+        raise Refused(
+            "P/D disaggregation: the decode side finds pulled blocks as prefix hits: drop --no-prefix-caching"
+        )
+    if not args.kv_import_blocks:
+        args.kv_import_blocks = DEFAULT_IMPORT_BLOCKS
+    return [(f"p{i}", "prefill") for i in range(n)] + [(f"d{i}", "decode") for i in range(m)]
 
 
 def _check_kv_offload(args: argparse.Namespace, model_dir: str) -> None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.core import admissions, forks, pooling, stops
 from scheduler_svc.core.admissions import Allocations
+from scheduler_svc.core.exports import HeldExports
 from scheduler_svc.core.in_flight import InFlight, MicroBatch, ScheduledSeq, check_kv_lead
 from scheduler_svc.core.placeholders import PlaceholderPolicy
 from scheduler_svc.core.planner_config import PlannerConfig
@@ -83,6 +84,7 @@ class Planner:
         # sample: plans carry the tokens it lacks, unless the last stage feeds it)
         self._stages = StageView(track_tokens=config.pipeline_parallel_size > 1)
         self._requests = RunningSet(queue, self._flight, self._stages)
+        self.exports = HeldExports()  # P/D: finished prompts' KV held for a decode replica
         # its containers, shared (never rebound): the running set, live requests, decisions
         self.queue, self.running, self.requests = queue, self._requests.running, self._requests.requests
         self.decisions = self._requests.decisions  # for scheduler tracing; drained by the engine
@@ -136,6 +138,17 @@ class Planner:
     def finish_choice(self, request_id: str, index: int, now: float = 0.0) -> Request | None:
         """End one choice early; the request when that finished it (`RunningSet.finish_choice`)."""
         return self._requests.finish_choice(request_id, index, now)
+
+    def release_export(self, request_id: str) -> bool:
+        """End the hold on a finished request's KV (`core/exports.py`); False: none held."""
+        seq = self.exports.release(request_id)
+        if seq is not None:
+            self._requests.drop_kv(seq)
+        return seq is not None
+
+    def expire_exports(self, now: float) -> None:
+        for seq in self.exports.expired(now):
+            self._requests.drop_kv(seq)
 
     @property
     def in_flight(self) -> dict[int, MicroBatch]:
@@ -465,7 +478,9 @@ class Planner:
                 self._speculation.offer(seq, offered[seq.seq_id])
             if new_tokens and request.state == RequestState.PREFILLING:
                 request.transition(RequestState.DECODING, now)
-            if seq.is_finished:
+            if seq.is_finished and HeldExports.wanted(request):
+                self.exports.hold(seq, self.config.block_size, now)
+            elif seq.is_finished:
                 self._requests.drop_kv(seq)
             if new_tokens or seq.is_finished:
                 updates.append(SeqUpdate(seq, new_tokens, new_logprobs, seq.is_finished))
@@ -527,6 +542,7 @@ class Planner:
         """
         self._flight.reset()
         self._stages.reset()
+        self.exports.clear()
         hit = list(self.running)
         for request in hit:
             self._requests.preempt(request, now, free=False)
@@ -540,6 +556,7 @@ class Planner:
         self._requests.check_integrity()
         self._flight.check_integrity()
         self._stages.check_integrity()
+        self.exports.check_integrity()
         self.queue.check_integrity()
         for request in self.running:
             for seq in request.sequences:

@@ -166,6 +166,10 @@ class Request:
     # requests of the same adapter, loaded the same time
     lora_name: str = ""
     lora_load_id: int = 0
+    # P/D disaggregation on a prefill replica (core/exports.py): hold the finished prompt's
+    # KV for a decode replica; `exported` is then (its sequence id, the blocks it may pull)
+    export_kv: bool = False
+    exported: tuple[int, int] | None = None
 
     def transition(self, new: RequestState, now: float = 0.0) -> None:
         if new not in LEGAL_TRANSITIONS[self.state]:

@@ -204,7 +204,7 @@ class RequestSummary(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.RequestState, str]] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., arrival_time_ns: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("health", "health_detail", "epoch", "uptime_ns", "config", "num_waiting", "num_running", "num_preempted", "tenants", "num_preemptions", "num_finished_requests", "num_aborted_requests", "num_prompt_tokens", "num_generated_tokens", "num_micro_batches", "num_in_flight", "stages", "kv_address", "kv_health", "kv_cache", "requests", "timeline", "now_ns", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_accepted_per_position")
+    __slots__ = ("health", "health_detail", "epoch", "uptime_ns", "config", "num_waiting", "num_running", "num_preempted", "tenants", "num_preemptions", "num_finished_requests", "num_aborted_requests", "num_prompt_tokens", "num_generated_tokens", "num_micro_batches", "num_in_flight", "stages", "kv_address", "kv_health", "kv_cache", "requests", "timeline", "now_ns", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens", "num_spec_accepted_per_position", "disaggregation")
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     HEALTH_DETAIL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class GetStatsResponse(_message.Message):
     NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATION_FIELD_NUMBER: _ClassVar[int]
     health: _common_pb2.HealthStatus
     health_detail: str
     epoch: int
@@ -259,4 +260,29 @@ class GetStatsResponse(_message.Message):
     num_spec_draft_tokens: int
     num_spec_accepted_tokens: int
     num_spec_accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, health: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., health_detail: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[PipelineStageStats, _Mapping]]] = ..., kv_address: _Optional[str] = ..., kv_health: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., kv_cache: _Optional[_Union[_kvcache_pb2.KVCacheStats, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestSummary, _Mapping]]] = ..., timeline: _Optional[_Iterable[_Union[StageSpan, _Mapping]]] = ..., now_ns: _Optional[int] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    disaggregation: DisaggregationStats
+    def __init__(self, health: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., health_detail: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., config: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preempted: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., num_preemptions: _Optional[int] = ..., num_finished_requests: _Optional[int] = ..., num_aborted_requests: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[PipelineStageStats, _Mapping]]] = ..., kv_address: _Optional[str] = ..., kv_health: _Optional[_Union[_common_pb2.HealthStatus, str]] = ..., kv_cache: _Optional[_Union[_kvcache_pb2.KVCacheStats, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestSummary, _Mapping]]] = ..., timeline: _Optional[_Iterable[_Union[StageSpan, _Mapping]]] = ..., now_ns: _Optional[int] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., num_spec_accepted_per_position: _Optional[_Iterable[int]] = ..., disaggregation: _Optional[_Union[DisaggregationStats, _Mapping]] = ...) -> None: ...
+
+class DisaggregationStats(_message.Message):
+    __slots__ = ("num_held", "num_exports", "num_released", "num_expired", "num_import_requests", "num_imported", "num_import_failures", "num_imported_blocks", "num_imported_bytes", "import_seconds")
+    NUM_HELD_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPORTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMPORT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMPORT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMPORTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IMPORTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_held: int
+    num_exports: int
+    num_released: int
+    num_expired: int
+    num_import_requests: int
+    num_imported: int
+    num_import_failures: int
+    num_imported_blocks: int
+    num_imported_bytes: int
+    import_seconds: float
+    def __init__(self, num_held: _Optional[int] = ..., num_exports: _Optional[int] = ..., num_released: _Optional[int] = ..., num_expired: _Optional[int] = ..., num_import_requests: _Optional[int] = ..., num_imported: _Optional[int] = ..., num_import_failures: _Optional[int] = ..., num_imported_blocks: _Optional[int] = ..., num_imported_bytes: _Optional[int] = ..., import_seconds: _Optional[float] = ...) -> None: ...
