@@ -236,6 +236,7 @@ class EngineView:
         )
         yield counter("pagoda:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.num_prefix_hit_tokens)
         yield from self._kv_tier(kv, gauge, counter)
+        yield from self._disaggregation(s.disaggregation, gauge, counter)
         yield counter("pagoda:num_preemptions", "Requests preempted by recompute.", s.num_preemptions)
         yield from self._speculation(s, labels, value)
         yield self._device_info(s)
@@ -250,6 +251,21 @@ class EngineView:
         yield counter("pagoda:kv_tier_hits", "Prompt tokens loaded from the KV tier.", kv.num_tier_hit_tokens)
         yield counter("pagoda:kv_tier_saves", "Blocks saved to the KV tier (evicted).", kv.num_tier_saves)
         yield counter("pagoda:kv_tier_loads", "Blocks loaded from the KV tier.", kv.num_tier_loads)
+
+    def _disaggregation(self, d, gauge, counter):
+        """P/D disaggregation (issue 39): prompts' KV held for decode replicas, and pulled."""
+        if not (d.num_exports or d.num_import_requests):
+            return
+        yield gauge("pagoda:pd_exports_held", "Finished prompts whose KV a prefill replica holds.", d.num_held)
+        yield counter("pagoda:pd_exports", "Prompts computed and held for a decode replica.", d.num_exports)
+        yield counter(
+            "pagoda:pd_import_requests", "Requests that came with a prefill replica's KV.", d.num_import_requests
+        )
+        yield counter("pagoda:pd_imports", "Requests whose prompt KV was pulled (not computed).", d.num_imported)
+        yield counter("pagoda:pd_import_failures", "Pulls that failed: the prompt was computed.", d.num_import_failures)
+        yield counter("pagoda:pd_imported_blocks", "KV blocks pulled from prefill replicas.", d.num_imported_blocks)
+        yield counter("pagoda:pd_imported_bytes", "KV bytes pulled, every stage's part.", d.num_imported_bytes)
+        yield counter("pagoda:pd_import_seconds", "Seconds requests waited on their pulls.", d.import_seconds)
 
     def _endpoint_picker(self, s, gauge):
         """The figures an endpoint picker scrapes (the Gateway API Inference Extension's model

@@ -297,6 +297,7 @@ def merge_stats(replies: Sequence[scheduler_pb2.GetStatsResponse]) -> scheduler_
     for other in replies[1:]:
         _add_counts(out, other)
         _add_counts(out.kv_cache, other.kv_cache)
+        _add_counts(out.disaggregation, other.disaggregation)
         out.tenants.extend(other.tenants)
         out.requests.extend(other.requests)
     kv = out.kv_cache
