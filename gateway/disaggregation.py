@@ -111,8 +111,11 @@ class PrefillPool:
                 exc.code().name,
                 exc.details(),
             )
-        if transfer is None or not transfer.num_blocks:
-            self.stats.num_failed += transfer is None
+        if transfer is None:
+            self.stats.num_failed += 1
+            return None
+        if not transfer.num_blocks:  # (nothing to pull after all: let go at once)
+            await self.release(replica, request.request_id)
             return None
         self.stats.num_prefilled += 1
         return replica, transfer
