@@ -14,6 +14,7 @@ Inside a stage three things overlap, each with one owner:
 With several stages started with `--feedback` (on the last), the last stage streams each
 step's sampled tokens straight to the first (`service/feedback.py`), whose steps wait for them.
 LoRA administration (`service/lora_admin.py`) runs between steps on the compute thread;
+P/D disaggregation's KV transfer (`ExportBlocks`, `PullBlocks`) is `service/kv_transfer.py`;
 the counters live in `service/statistics.py`.
 """
 
@@ -38,6 +39,7 @@ from worker_svc.models.stage import StageModel
 from worker_svc.service.compute import ComputeLoop
 from worker_svc.service.downstream import Downstream
 from worker_svc.service.feedback import FeedbackInbox, FeedbackOutbox
+from worker_svc.service.kv_transfer import KVTransfer
 from worker_svc.service.loading import emulated_runner, load_runner
 from worker_svc.service.lora_admin import LoraAdmin
 from worker_svc.service.statistics import StageStatistics
@@ -85,6 +87,7 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         if config.feedback_address:
             self.compute.outbox = FeedbackOutbox(config.feedback_address, self.max_message_bytes)
         self.lora = LoraAdmin(runner, self.compute.executor)
+        self.kv_transfer = KVTransfer(runner, self.compute.executor, self.stats, self.max_message_bytes)
 
     @property
     def fatal(self) -> BaseException | None:
@@ -152,6 +155,13 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
 
     async def UnloadLoraAdapter(self, request, context):
         return await self.lora.call(context, "unload", request.lora_name, "")
+
+    async def ExportBlocks(self, request, context):
+        async for chunk in self.kv_transfer.export(request, context):
+            yield chunk
+
+    async def PullBlocks(self, request, context):
+        return await self.kv_transfer.pull(request, context)
 
     async def Events(self, request, context):
         queue: asyncio.Queue = asyncio.Queue(maxsize=100_000)

@@ -1,11 +1,13 @@
-"""A stage's KV tier: host memory, then disk, below its KV pool (issue 39, `--kv-offload`).
+"""A stage's KV tier: host memory, then disk, below its KV pool (issue 39, `--kv-offload`), and
+the import area of P/D disaggregation (`--kv-import-blocks`).
 
 The KV manager (`kvcache_svc/core/tier.py`) decides every move and sends it in the plan as
 `StepPlan.tier_ops`; each stage carries them out in order on its own layers' part of each block
 (`KVTierStore.apply`, on the compute thread, before the step's block copies):
 
 - SAVE: pool block `block_id` -> the host tier under `key` (the block is about to be reused);
-- LOAD: the key's bytes (host, or disk) -> pool block `block_id` (a prefix hit below the pool);
+- LOAD: the key's bytes (the import area, host, or disk) -> pool block `block_id` (a prefix hit
+  below the pool);
 - DEMOTE: host tier -> a disk file; DROP: forget the key (missing is fine).
 
 The host tier is one slab of `host_blocks` blocks allocated up front (pinned on a CUDA pool, so
@@ -21,6 +23,12 @@ shapes, length and checksum all match; anything else is a miss (`TierMissError`)
 
 The file format: worker_svc/execution/kv_tier_files.py.
 
+The import area (worker_svc/execution/kv_import.py; `import_blocks`, which works with no host or
+disk tier at all) holds blocks a decode stage pulled from a prefill replica (`put_imported`, from
+the event loop), under the decode KV manager's keys, which it counts as tier hits: a LOAD of such
+a key is served from the area first and consumes the entry; a DROP, a miss or `clear` forgets
+it; entries older than `IMPORT_TTL_S` are swept on each `put_imported` and `apply`.
+
 Measured on a SmolLM2-135M-sized block (30 layers, 3 KV heads, head_dim 64, block 16, float32:
 737 KB per block), one torch thread on a 2-core machine, per block on the compute thread: SAVE
 0.12 ms; LOAD from the host 0.20 ms (0.17 in a batch of 8); DEMOTE 0.25 ms (a copy; its write,
@@ -32,8 +40,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import groupby
@@ -44,6 +53,7 @@ import torch
 
 from services.step import TIER_DEMOTE, TIER_DROP, TIER_LOAD, TIER_SAVE, TierOp
 from worker_svc.execution.kv_cache import PagedKVCache
+from worker_svc.execution.kv_import import IMPORT_TTL_S, ImportArea, ImportAreaFullError, ImportIntegrityError
 from worker_svc.execution.kv_tier_files import BlockFiles, Unreadable
 
 log = logging.getLogger(__name__)
@@ -52,6 +62,7 @@ MAX_KEY_BYTES = 120  # the file name is the key in hex: under the usual 255-byte
 MAX_QUEUED_WRITES = 32  # demoted blocks waiting for the disk, at most (their buffers' memory)
 SPARE_BUFFERS = 16  # written blocks' buffers kept for the next DEMOTEs (fresh memory costs page faults)
 _KIND_NAMES = {TIER_SAVE: "SAVE", TIER_LOAD: "LOAD", TIER_DEMOTE: "DEMOTE", TIER_DROP: "DROP"}
+__all__ = ["IMPORT_TTL_S", "ImportAreaFullError", "KVTierStore", "TierIntegrityError", "TierMissError"]
 
 
 class TierMissError(Exception):
@@ -105,16 +116,18 @@ class _Overlay:
 
 
 class KVTierStore:
-    """One stage's host and disk tiers, carrying out the KV manager's `TierOp`s.
+    """One stage's host and disk tiers and import area, carrying out the KV manager's `TierOp`s.
 
     Invariants (`check_integrity`): at most `host_blocks` keys in host memory, each in its own
     slab slot, the free slots the rest; at most `disk_blocks` keys on disk; no key in both; each
     disk key whose write has landed has one file of the expected size, and the directory holds no
-    other tier file; prefetched keys are disk keys, at most `prefetch_blocks` of them.
+    other tier file; prefetched keys are disk keys, at most `prefetch_blocks` of them; at most
+    `import_blocks` imported keys (`ImportArea`'s invariants).
 
     Threads: `apply`, `clear` and `close` on the compute thread (the owner of the pools);
-    `prefetch` from any thread (the event loop), concurrently with `apply` of earlier plans. The
-    indexes are shared under one lock, held only for bookkeeping, never across a copy or I/O.
+    `prefetch` and `put_imported` from any thread (the event loop), concurrently with `apply` of
+    earlier plans. The indexes are shared under locks (the store's, the import area's), held only
+    for bookkeeping, never across a copy or I/O.
     Counters (`num_*`) are cumulative across `clear`.
     """
 
@@ -127,9 +140,14 @@ class KVTierStore:
         *,
         name: str = "stage0",
         prefetch_blocks: int = 64,  # disk blocks read ahead and held, at most
+        import_blocks: int = 0,  # P/D: blocks pulled from a prefill replica held, at most (0: no import area)
+        import_ttl_s: float = IMPORT_TTL_S,
+        clock: Callable[[], float] = time.monotonic,  # the import area's (tests step it)
     ) -> None:
-        if min(host_blocks, disk_blocks, prefetch_blocks) < 0:
-            raise ValueError(f"kv tier: negative bound: {host_blocks=}, {disk_blocks=}, {prefetch_blocks=}")
+        if min(host_blocks, disk_blocks, prefetch_blocks, import_blocks) < 0:
+            raise ValueError(
+                f"kv tier: negative bound: {host_blocks=}, {disk_blocks=}, {prefetch_blocks=}, {import_blocks=}"
+            )
         if disk_blocks and disk_dir is None:
             raise ValueError(f"kv tier: {disk_blocks} disk blocks but no disk directory")
         if not name or name in (".", "..") or "/" in name or os.sep in name:
@@ -142,6 +160,8 @@ class KVTierStore:
         self.block_shape: tuple[int, ...] = (len(self._pools), *first.shape[1:])
         self.num_pool_blocks = first.shape[0]
         self.host_blocks, self.disk_blocks, self.prefetch_blocks = host_blocks, disk_blocks, prefetch_blocks
+        self.dtype: torch.dtype = first.dtype
+        self.imports = ImportArea(import_blocks, self.block_shape, first.dtype, ttl_s=import_ttl_s, clock=clock)
         self._slab = torch.empty((host_blocks, *self.block_shape), dtype=first.dtype, pin_memory=self._pin)
         self._files: BlockFiles | None = None
         if disk_dir is not None:
@@ -160,6 +180,7 @@ class KVTierStore:
         self._saves_pending: torch.cuda.Event | None = None  # device -> slab copies not yet waited on
         self._closed = False
         self.num_saved = self.num_loaded_host = self.num_loaded_disk = self.num_demoted = self.num_dropped = 0
+        self.num_loaded_import = 0  # LOADs served from the import area
         self.num_corrupt = self.num_missed = self.num_prefetched = self.num_write_errors = 0
         self.num_refitted = 0  # moves added or skipped to fit a plan to what this store holds (`_fit`)
 
@@ -186,6 +207,27 @@ class KVTierStore:
     def disk_bytes(self) -> int:
         """The files' bytes, counting a file from its DEMOTE (before its write lands)."""
         return self._disk_bytes
+
+    @property
+    def import_blocks(self) -> int:
+        """The import area's bound (0: none)."""
+        return self.imports.max_blocks
+
+    @property
+    def num_import_blocks(self) -> int:
+        return len(self.imports)
+
+    # ------------------------------------------------------------------ the import area
+
+    def put_imported(self, entries: Sequence[tuple[bytes, torch.Tensor]]) -> None:
+        """Keep pulled blocks (`(key, block)`, each `block_shape` of `dtype` on the CPU) in the
+        import area, where a LOAD of the key takes it; all or nothing. `ImportAreaFullError`
+        when the area (`import_blocks`, after sweeping expired entries) has no room for them;
+        ValueError for a key of the wrong length or a block of another layout."""
+        for key, _ in entries:
+            if not 0 < len(key) <= MAX_KEY_BYTES:
+                raise ValueError(f"kv import: a key is 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+        self.imports.put(entries)
 
     # ------------------------------------------------------------------ the moves
 
@@ -215,6 +257,7 @@ class KVTierStore:
         checked whole: what still contradicts the store raises ValueError and changes nothing. A
         LOAD that cannot be served raises `TierMissError` after every other op was applied.
         Consecutive SAVEs, and consecutive LOADs, go as one batch."""
+        self.imports.sweep()
         if not ops:
             return
         ops = self._fit(ops)
@@ -247,6 +290,7 @@ class KVTierStore:
             self._host.clear()
             self._disk.clear()
             self._prefetched.clear()
+            self.imports.clear()
             self._free_slots = list(range(self.host_blocks - 1, -1, -1))
             self._disk_bytes = 0
             if self._files is not None and not self._closed:
@@ -269,24 +313,27 @@ class KVTierStore:
     # ------------------------------------------------------------------ validation
 
     def _fit(self, ops: Sequence[TierOp]) -> list[TierOp]:
-        """`ops` made applicable here, never past a bound: a SAVE of a key held already replaces
-        it, a SAVE into a full host tier (or a DEMOTE into a full disk) first drops this store's
-        oldest key no later LOAD of the plan reads, a DEMOTE of a key not in host memory is
-        skipped. Counted in `num_refitted`; what the manager then asks for and this store lacks
-        is a LOAD miss (the step is recomputed), never a wrong block."""
+        """`ops` made applicable here, never past a bound: a SAVE of a key held already (in a tier
+        or the import area) replaces it, a SAVE into a full host tier (or a DEMOTE into a full
+        disk) first drops this store's oldest key no later LOAD of the plan reads (no room: the
+        SAVE is skipped), a DEMOTE of a key not in host memory is skipped. LOADs are kept as they
+        are (an imported key is held: no drop here takes it). Counted in `num_refitted`; what the
+        manager then asks for and this store lacks is a LOAD miss (the step is recomputed), never
+        a wrong block."""
         host, disk = _Overlay(self._host), _Overlay(self._disk)
         wanted = {op.key for op in ops if op.kind == TIER_LOAD}
         out: list[TierOp] = []
         for op in ops:
             extra: list[TierOp] = []
             if op.kind == TIER_SAVE:
-                if op.key in host or op.key in disk:
+                if op.key in host or op.key in disk or op.key in self.imports:
                     extra.append(TierOp(TIER_DROP, op.key))
-                elif len(host) >= self.host_blocks:
-                    extra += self._oldest_drop(host, wanted)
-                    if not extra:  # every block held is loaded by this plan: this one is not kept
+                if op.key not in host and len(host) >= self.host_blocks:  # (a copy elsewhere frees no slot)
+                    room = self._oldest_drop(host, wanted)
+                    if not room:  # every block held is loaded by this plan (or no host tier): not kept
                         self.num_refitted += 1
                         continue
+                    extra += room
             elif op.kind == TIER_DEMOTE:
                 if op.key not in host:
                     self.num_refitted += 1
@@ -368,8 +415,12 @@ class KVTierStore:
         return misses
 
     def _source(self, key: bytes) -> tuple[torch.Tensor | None, str]:
-        """The key's block on the CPU, from the host slab, a queued write, a prefetch or its file
-        (read now); or None and why not."""
+        """The key's block on the CPU, from the import area (consumed), the host slab, a queued
+        write, a prefetch or its file (read now); or None and why not."""
+        imported = self.imports.pop(key)
+        if imported is not None:
+            self.num_loaded_import += 1
+            return imported, ""
         with self._lock:
             slot, entry, read = self._host.get(key), self._disk.get(key), self._prefetched.pop(key, None)
             pending = entry.data if entry is not None else None
@@ -450,7 +501,9 @@ class KVTierStore:
             self.num_dropped += 1
 
     def _forget(self, key: bytes) -> bool:
-        """Remove `key` from both tiers (its file on the I/O thread); whether it was held."""
+        """Remove `key` from both tiers (its file on the I/O thread) and the import area;
+        whether it was held."""
+        imported = self.imports.discard(key)
         with self._lock:
             slot = self._host.pop(key, None)
             if slot is not None:
@@ -464,7 +517,7 @@ class KVTierStore:
         if entry is not None and self._files is not None:
             self._disk_bytes -= self._files.file_bytes(key)
             self._io.submit(self._files.remove, key)
-        return slot is not None or entry is not None
+        return imported or slot is not None or entry is not None
 
     # ------------------------------------------------------------------ invariants
 
@@ -472,6 +525,10 @@ class KVTierStore:
         """`TierIntegrityError` unless the invariants (class docstring) hold; waits for the I/O
         thread first (call it while the stage is idle)."""
         self.flush()
+        try:
+            self.imports.check_integrity()
+        except ImportIntegrityError as e:
+            raise TierIntegrityError(str(e)) from None
         with self._lock:
             host, disk, free = dict(self._host), dict(self._disk), list(self._free_slots)
             prefetched = set(self._prefetched)

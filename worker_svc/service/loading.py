@@ -97,21 +97,26 @@ def emulated_runner(config: WorkerConfig):
 
 def attach_kv_tier(runner: StageRunner, config: WorkerConfig) -> None:
     """The stage's part of the KV tier (`--kv-offload`, in blocks of the pipeline: `pagoda serve`
-    converts GiB), bounded by the same block counts as the KV manager's index. ValueError when
-    the stage cannot hold one (tensor parallelism, KV groups)."""
+    converts GiB), bounded by the same block counts as the KV manager's index, and its import
+    area (`--kv-import-blocks`, P/D disaggregation's decode side; with no --kv-offload, a store
+    of no host and no disk blocks). ValueError when the stage cannot hold one (tensor
+    parallelism, KV groups)."""
     offload = parse_kv_offload(config.kv_offload)
-    if offload is None:
+    if offload is None and not config.kv_import_blocks:
         return
+    what = "kv_offload: a KV tier" if offload is not None else "kv_import_blocks: an import area"
     if config.tensor_parallel_size > 1:
-        raise ValueError("kv_offload: a KV tier needs --tensor-parallel-size 1")
+        raise ValueError(f"{what} needs --tensor-parallel-size 1")
     if runner.num_kv_groups > 1:
-        raise ValueError("kv_offload: a KV tier needs one KV group (this model has sliding-window sub-groups)")
-    if offload.disk_path:  # the folders of stage processes killed before they cleaned up
-        sweep_dead_folders(Path(offload.disk_path))
+        raise ValueError(f"{what} needs one KV group (this model has sliding-window sub-groups)")
+    disk_path = offload.disk_path if offload is not None else ""
+    if disk_path:  # the folders of stage processes killed before they cleaned up
+        sweep_dead_folders(Path(disk_path))
     runner.kv_tier = KVTierStore(
         runner.kv_cache,
-        offload.host_blocks,
-        offload.disk_path or None,
-        offload.disk_blocks if offload.disk_path else 0,
+        offload.host_blocks if offload is not None else 0,
+        disk_path or None,
+        offload.disk_blocks if disk_path else 0,
         name=process_folder_name(config.stage, config.num_stages),
+        import_blocks=config.kv_import_blocks,
     )

@@ -37,6 +37,9 @@ class StageStatistics:
         self.num_block_copies = 0
         self.num_received_bytes = 0
         self.num_sent_bytes = 0
+        # P/D disaggregation's KV transfer (service/kv_transfer.py); on /metrics only
+        self.num_exported_blocks = self.num_exported_bytes = 0
+        self.num_imported_blocks = self.num_imported_bytes = 0
 
     def received(self, mb: worker_pb2.MicroBatch) -> None:
         self.num_received_bytes += mb.ByteSize() + shared_bytes(mb)  # the message, and what it refers to
@@ -48,6 +51,14 @@ class StageStatistics:
         self.num_tokens += num_tokens
         self.busy_ns += busy_ns
         self.num_block_copies += num_block_copies
+
+    def exported(self, num_bytes: int) -> None:
+        self.num_exported_blocks += 1
+        self.num_exported_bytes += num_bytes
+
+    def imported(self, num_blocks: int, num_bytes: int) -> None:
+        self.num_imported_blocks += num_blocks
+        self.num_imported_bytes += num_bytes
 
     def stats(self) -> worker_pb2.StageStats:
         uptime, out, inbox, progress = time.time_ns() - self.started_ns, self.data_out, self.inbox, self.progress
@@ -94,6 +105,10 @@ class StageStatistics:
             ("pagoda:stage_block_copies", "KV block copies applied.", "counter", self.num_block_copies),
             ("pagoda:stage_received_bytes", "Bytes received.", "counter", self.num_received_bytes),
             ("pagoda:stage_sent_bytes", "Bytes sent downstream.", "counter", self.num_sent_bytes),
+            ("pagoda:stage_kv_exported_blocks", "KV blocks exported (P/D).", "counter", self.num_exported_blocks),
+            ("pagoda:stage_kv_exported_bytes", "KV bytes exported (P/D).", "counter", self.num_exported_bytes),
+            ("pagoda:stage_kv_imported_blocks", "KV blocks pulled (P/D).", "counter", self.num_imported_blocks),
+            ("pagoda:stage_kv_imported_bytes", "KV bytes pulled (P/D).", "counter", self.num_imported_bytes),
             (
                 "pagoda:stage_ring_full_waits",
                 "Hand-offs that waited for a free slot of the ring to the next stage (back-pressure).",
