@@ -176,6 +176,15 @@ class FailureHandling:
         hit = self.planner.reset_all(self.clock())
         self._deadlines.clear()
         self.observer.pipeline_reset(detail, hit)
+        self._fail_exports(f"pipeline unavailable: {detail}")
+
+    def _fail_exports(self, message: str) -> None:
+        """P/D: a prefill replica's requests (kv_export) fail at once when its pipeline goes
+        (their gateway has the decode replica compute the prompt), not after recovery."""
+        for live in [live for live in self._live.values() if live.request.export_kv]:
+            self.planner.abort(live.request.request_id, self.clock())
+            self._live.pop(live.request.request_id, None)
+            self._finish(live, "error", "error", ("UNAVAILABLE", message))
 
     async def _recover(self) -> None:
         """Wait until the chain and the KV service answer again (new epochs), then continue.

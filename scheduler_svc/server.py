@@ -141,6 +141,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if not req.trace_context:  # per-request calls may carry it in metadata instead
                 req.trace_context = dict(context.invocation_metadata() or ()).get("traceparent", "")
             req.export_kv = request.kv_export and bool(getattr(self.engine.transport, "addresses", None))
+            if req.export_kv and not self.engine.healthy:  # (its gateway has the decode side compute it)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv_export: {self.engine.health_detail}")
             if request.HasField("kv_import"):  # P/D: the prompt's blocks first (kv_transfer.py)
                 await self.importer.run(req, request.kv_import)
             stream = self.engine.submit(req)
