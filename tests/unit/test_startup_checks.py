@@ -327,3 +327,31 @@ def test_serve_hands_the_kv_tier_on_in_blocks_of_the_pipeline(model):
     cfg = load_config(str(model))
     block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * args.block_size * 4  # float32 at most
     assert args.kv_offload == f"host:{(1 << 30) // block}b,disk:/tmp/t:{(2 << 30) // block}b"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prefill-replicas", "1"], "go together"),
+        (["--prefill-replicas", "1", "--decode-replicas", "1", "--replicas", "2"], "two pools' sizes only"),
+        (["--prefill-replicas", "1", "--decode-replicas", "1", "--tensor-parallel-size", "2"], "tensor-parallel"),
+        (["--prefill-replicas", "1", "--decode-replicas", "1", "--no-prefix-caching"], "prefix-caching"),
+    ],
+)
+def test_a_pd_split_serve_cannot_run_is_refused_before_start(model, flags, message):
+    from wiring import serve_checks
+
+    args = build_parser().parse_args(["serve", str(model), "--port", "0", "--grpc-port", "0", *flags])
+    with pytest.raises(serve_checks.Refused, match=message):
+        serve_checks.check_start(args, str(model))
+
+
+def test_serve_names_the_pd_pools_and_gives_the_decode_side_room_for_pulled_blocks(model):
+    from wiring import serve_checks
+
+    args = build_parser().parse_args(
+        ["serve", str(model), "--port", "0", "--grpc-port", "0", "--prefill-replicas", "1", "--decode-replicas", "2"]
+    )
+    serve_checks.check_start(args, str(model))
+    assert args.replica_roles == [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]
+    assert args.replicas == 3 and args.kv_import_blocks == serve_checks.DEFAULT_IMPORT_BLOCKS
