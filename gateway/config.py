@@ -139,7 +139,7 @@ class GatewayConfig:
         "prefix",
         "with several replicas: prefix (the replica holding most of the prompt's prefix, weighed "
         "against load; needs --redis-url, else by load), least-loaded or round-robin (default "
-        "prefix)",
+        "prefix); with --prefill-scheduler it routes the prefill replicas, and the decode ones go by load",
         choices=ROUTING_POLICIES,
         group="parallelism",
     )

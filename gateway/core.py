@@ -146,9 +146,10 @@ class TextGenerator:
         self._tracing = telemetry.enabled()
         self._tracer = telemetry.tracer("pagoda.gateway")
         targets = parse_targets(scheduler_address)
-        self._replicas = ReplicaSet(targets, routing, redis_url)
-        # P/D disaggregation: the prefill replicas (gateway/disaggregation.py); None: aggregated
-        self.prefill = PrefillPool(parse_targets(prefill_address), redis_url) if prefill_address else None
+        # P/D disaggregation: the prefill replicas (gateway/disaggregation.py), routed by
+        # `routing`, and the decode replicas by load; None: aggregated
+        self.prefill = PrefillPool(parse_targets(prefill_address), routing, redis_url) if prefill_address else None
+        self._replicas = ReplicaSet(targets, "least-loaded" if prefill_address else routing, redis_url)
         self._placed: dict[str, Replica] = {}  # request id -> the replica it runs on
         self.scheduler_address = scheduler_address if self._replicas.routes else targets[0][1]
         self.tokenizer = tokenizer

@@ -2,8 +2,9 @@
 then decoded on a decode replica that pulls its KV blocks instead of computing them.
 
 `pagoda gateway --scheduler d0=HOST:PORT,... --prefill-scheduler p0=HOST:PORT,...`: the
-`--scheduler` replicas decode (routed as always, `--routing`), the `--prefill-scheduler` ones
-prefill (routed by prefix: the prefill replica holding most of the prompt computes least).
+`--scheduler` replicas decode, routed by load (what they hold matters little: the prompt's
+blocks are pulled), the `--prefill-scheduler` ones prefill, routed by `--routing` (by default
+prefix: the prefill replica holding most of the prompt computes least).
 For a request whose prompt has at least `min_prompt_tokens` tokens (and no prompt logprobs,
 LoRA adapter or pooling, which the decode side computes itself), `PrefillPool.prefill` sends
 the prompt to a prefill replica with max_tokens 1 and `kv_export`: that scheduler computes it
@@ -47,9 +48,13 @@ class PrefillPool:
     """The prefill replicas (a `ReplicaSet` routed by prefix) and the calls P/D makes of them."""
 
     def __init__(
-        self, targets: Sequence[tuple[str, str]], redis_url: str = "", min_prompt_tokens: int = MIN_PROMPT_TOKENS
+        self,
+        targets: Sequence[tuple[str, str]],
+        routing: str = "prefix",
+        redis_url: str = "",
+        min_prompt_tokens: int = MIN_PROMPT_TOKENS,
     ) -> None:
-        self.replicas = ReplicaSet(targets, "prefix", redis_url)
+        self.replicas = ReplicaSet(targets, routing, redis_url)
         self.min_prompt_tokens = min_prompt_tokens
         self.stats = PrefillStats()
 
