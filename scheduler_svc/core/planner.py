@@ -53,7 +53,7 @@ from scheduler_svc.core.speculation_policy import SpeculationPolicy
 from scheduler_svc.core.stage_view import StageView
 from services.kv_types import Allocated, Append, NoBlocks, StepInput, StepOutput
 from services.pooling import Embedding
-from services.step import CachedSeq, NewSeq, PooledOutput, SampledToken, ScoredPrompt, StepPlan
+from services.step import TIER_LOAD, CachedSeq, NewSeq, PooledOutput, SampledToken, ScoredPrompt, StepPlan
 
 
 @dataclass
@@ -298,6 +298,8 @@ class Planner:
             if isinstance(result, Allocated) and not new.skip_prefix_cache:
                 self.num_prefix_query_tokens += len(new.token_ids)
                 self.num_prefix_hit_tokens += result.num_computed_tokens
+        # (blocks loaded from the KV tier count as its hits, as the KV service counts them)
+        self.num_prefix_hit_tokens -= self.config.block_size * sum(op.kind == TIER_LOAD for op in output.tier_ops)
 
     # --- finalize, phase 1: the KV service's allocations ---------------------------------
     # An abort or a stop string may have ended sequences while the KV service answered: what

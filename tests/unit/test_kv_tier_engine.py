@@ -85,6 +85,8 @@ def test_an_evicted_prefix_is_served_from_the_host_and_disk_tiers_exactly(model_
             for store in s.stores():
                 store.check_integrity()
                 assert store.num_host_blocks <= 3 and store.num_disk_blocks <= 8
+            # the scheduler counts prefix hits as the KV service does: tier loads apart
+            assert s.engine.planner.num_prefix_hit_tokens == stats.num_prefix_hit_tokens
             return first, again, stats, [(st.num_loaded_host, st.num_loaded_disk) for st in s.stores()]
         finally:
             await s.engine.stop()
