@@ -13,6 +13,7 @@ gateway drains (`/health` says it is draining).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -108,19 +109,27 @@ def add_debug_routes(app: FastAPI, gw: Any) -> None:
     async def debug_replicas() -> dict[str, Any]:
         """Router mode (several schedulers): each replica's health, load and the requests
         routed there, the routing policy, and how often it fell back to routing by load."""
-        rs = gw.generator.replicas
-        if rs is None:
-            return {"routing": None, "replicas": [{"name": "r0", "address": gw.generator.scheduler_address}]}
-        index = rs.index
-        return {
-            "routing": rs.policy,
-            "replicas": rs.describe(),
-            "fallbacks": rs.num_fallbacks,
-            "retries": rs.num_retries,
-            "index": None
-            if index is None
-            else {"failing": index.failing, "lookups": index.num_lookups, "failures": index.num_failures},
-        }
+        rs, prefill = gw.generator.replicas, gw.generator.prefill
+        out: dict[str, Any] = (
+            {"routing": None, "replicas": [{"name": "r0", "address": gw.generator.scheduler_address}]}
+            if rs is None
+            else {
+                "routing": rs.policy,
+                "replicas": rs.describe(),
+                "fallbacks": rs.num_fallbacks,
+                "retries": rs.num_retries,
+                "index": None
+                if rs.index is None
+                else {"failing": rs.index.failing, "lookups": rs.index.num_lookups, "failures": rs.index.num_failures},
+            }
+        )
+        if prefill is not None:  # P/D disaggregation (gateway/disaggregation.py): the prefill pool
+            out["prefill"] = {
+                "routing": prefill.replicas.policy,
+                "replicas": prefill.replicas.describe(),
+                **dataclasses.asdict(prefill.stats),
+            }
+        return out
 
     @app.get("/dashboard", tags=["Operations"], response_class=HTMLResponse)
     async def dashboard_page() -> HTMLResponse:

@@ -13,7 +13,9 @@ with `--scheduler d0=... --prefill-scheduler p0=...`.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -161,6 +163,11 @@ def test_disaggregated_output_equals_the_aggregated_stack_and_nothing_leaks(repl
         assert reference.compare(p, out).tie_divergences == 0
     assert wait_no_blocks(replicas["p0"]) == 0
     assert wait_no_blocks(replicas["d0"]) == 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{gateway.port}/debug/replicas", timeout=10) as r:
+        prefill = json.loads(r.read())["prefill"]
+    long_prompts = sum(len(p) >= 33 for p in batch)
+    assert prefill["num_prefilled"] == long_prompts and prefill["num_local"] == len(batch) - long_prompts
+    assert prefill["num_released"] == long_prompts and prefill["replicas"][0]["name"] == "p0"
 
 
 def test_the_prefill_replica_killed_mid_transfer_leaves_every_request_answered_and_no_block_held(
