@@ -429,7 +429,7 @@ class TextGenerator:
                 tried.clear()  # those the health poll saw come back (a set of one's: its one) again
                 continue
             self._placed[request.request_id] = replica
-            call = replica.connect().Generate(request, metadata=metadata)
+            call = replica.generate(request, metadata)
             received = False
             try:
                 with self._replicas.in_flight(replica):

@@ -39,6 +39,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from gateway.kv_index import MAX_BLOCKS
 from gateway.routing import POLICIES, Choice, NoReplica, ReplicaState, RoutedBlocks, choose
+from gateway.scheduler_stream import SchedulerStream
 from services.defaults import BLOCK_SIZE
 from services.grpc_utils import aio_channel
 from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -87,6 +88,7 @@ class Replica:
     last_stats: scheduler_pb2.GetStatsResponse | None = None
     why_down: str = "not polled yet"
     num_routed: int = 0
+    stream: SchedulerStream | None = None  # every request to it rides one stream (issue 37)
 
     def __post_init__(self) -> None:
         self.state = ReplicaState(self.name, healthy=False)
@@ -96,6 +98,16 @@ class Replica:
             self.channel = aio_channel(self.address)
             self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         return self.stub
+
+    def generate(self, request: scheduler_pb2.GenerateRequest, metadata=None):
+        """`request` on this replica: on its one stream (gateway/scheduler_stream.py), or as a
+        `Generate` call of its own where the scheduler has no stream (or a stand-in stub)."""
+        stub = self.connect()
+        if not hasattr(stub, "GenerateStream") or (self.stream is not None and self.stream.unsupported):
+            return stub.Generate(request, metadata=metadata)
+        if self.stream is None:
+            self.stream = SchedulerStream(stub)
+        return self.stream.generate(request)
 
 
 class ReplicaSet:
@@ -137,6 +149,8 @@ class ReplicaSet:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         for r in self.replicas:
+            if r.stream is not None:
+                await r.stream.close()
             if r.channel is not None:
                 await r.channel.close()
         if self.index is not None:

@@ -24,6 +24,7 @@ from scheduler_svc.core.request import FinishReason, Request, RequestState
 from scheduler_svc.engine import Engine, admission_limits
 from scheduler_svc.kv_transfer import KVImporter, disaggregation_to_pb, export_to_pb
 from scheduler_svc.outputs import RequestOutput
+from scheduler_svc.request_stream import Refused, RequestStream
 from services import grammar
 from services.admission import AdmissionError, admit, admit_pooling
 from services.grpc_utils import (
@@ -61,6 +62,9 @@ _STATE = {
 
 class InvalidRequest(ValueError):
     pass
+
+
+_STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
 
 
 def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig, vocab_size: int) -> Request:
@@ -130,8 +134,35 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.importer = KVImporter(engine.kv, engine.transport, cfg.block_size, cfg.model or None)
 
     async def Generate(self, request, context):
+        traceparent = dict(context.invocation_metadata() or ()).get("traceparent", "")
+        try:
+            req, stream = await self.admit(request, traceparent)
+        except Refused as exc:
+            await context.abort(exc.code, exc.message)
+        try:
+            async for out in stream:
+                if out.error is not None:
+                    failure = self.failure(req.request_id, out.error)
+                    await context.abort(
+                        _STATUS_BY_VALUE[failure.code],
+                        failure.message,
+                        trailing_metadata=((UNAVAILABLE_REASON_KEY, PIPELINE_DOWN),) if failure.pipeline_down else (),
+                    )
+                for msg in self.responses(req, out):
+                    yield msg
+        finally:
+            await stream.aclose()  # a cancelled client aborts the request here
+
+    async def GenerateStream(self, request_iterator, context):
+        """Many requests on one stream (scheduler_svc/request_stream.py)."""
+        async for events in RequestStream(self).run(request_iterator):
+            yield events
+
+    async def admit(self, request: scheduler_pb2.GenerateRequest, traceparent: str = ""):
+        """A GenerateRequest validated and queued: (the request, its outputs). Refused with
+        the status Generate ends with."""
         if not self.engine.stages:  # (the gateway retries UNAVAILABLE before anything streamed)
-            await context.abort(
+            raise Refused(
                 grpc.StatusCode.UNAVAILABLE, "the scheduler is starting: its stages are not connected yet; retry"
             )
         try:
@@ -139,37 +170,32 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if req.options.structured is not None:  # (a compile: off the event loop)
                 await asyncio.to_thread(check_structured, req.options.structured)
             if not req.trace_context:  # per-request calls may carry it in metadata instead
-                req.trace_context = dict(context.invocation_metadata() or ()).get("traceparent", "")
+                req.trace_context = traceparent
             req.export_kv = request.kv_export and bool(getattr(self.engine.transport, "addresses", None))
             if req.export_kv and not self.engine.healthy:  # (its gateway has the decode side compute it)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv_export: {self.engine.health_detail}")
+                raise Refused(grpc.StatusCode.UNAVAILABLE, f"kv_export: {self.engine.health_detail}")
             if request.HasField("kv_import"):  # P/D: the prompt's blocks first (kv_transfer.py)
                 await self.importer.run(req, request.kv_import)
-            stream = self.engine.submit(req)
+            return req, self.engine.submit(req)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except AdapterNotServed as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            raise Refused(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         except ValueError as exc:  # a duplicate request id
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
-        try:
-            async for out in stream:
-                if out.error is not None:
-                    code, message = out.error
-                    down = code == "UNAVAILABLE" and not self.engine.healthy  # (not a shutdown)
-                    await context.abort(
-                        getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL),
-                        message,
-                        trailing_metadata=((UNAVAILABLE_REASON_KEY, PIPELINE_DOWN),) if down else (),
-                    )
-                for msg in self._responses(req, out):
-                    yield msg
-        finally:
-            await stream.aclose()  # a cancelled client aborts the request here
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}") from None
 
-    def _responses(self, req: Request, out: RequestOutput) -> list[scheduler_pb2.GenerateResponse]:
+    def failure(self, request_id: str, error: tuple[str, str]) -> scheduler_pb2.RequestFailure:
+        """An engine output's error as the status its request ends with."""
+        code, message = error
+        status = getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
+        down = code == "UNAVAILABLE" and not self.engine.healthy  # (not a shutdown)
+        return scheduler_pb2.RequestFailure(
+            request_id=request_id, code=status.value[0], message=message, pipeline_down=down
+        )
+
+    def responses(self, req: Request, out: RequestOutput) -> list[scheduler_pb2.GenerateResponse]:
         """One engine output as responses: one per choice's delta; the prompt's logprobs ride
         on the first, the usage and timeline of a finished request on the last (an empty
         response carries them when there is no delta)."""

@@ -49,6 +49,34 @@ class KVTransfer(_message.Message):
     block_size: int
     def __init__(self, stage_addresses: _Optional[_Iterable[str]] = ..., seq_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
+class StreamCommand(_message.Message):
+    __slots__ = ("generate", "abort")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    generate: GenerateRequest
+    abort: AbortRequest
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+
+class StreamEvents(_message.Message):
+    __slots__ = ("responses", "failures")
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    failures: _containers.RepeatedCompositeFieldContainer[RequestFailure]
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ...) -> None: ...
+
+class RequestFailure(_message.Message):
+    __slots__ = ("request_id", "code", "message", "pipeline_down")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_DOWN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    pipeline_down: bool
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., pipeline_down: _Optional[bool] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "logprobs", "finish_reason", "stop_token_id", "error_message", "usage", "timeline", "prompt_logprobs", "embedding", "kv_export")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

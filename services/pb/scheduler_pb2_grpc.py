@@ -41,6 +41,11 @@ class SchedulerStub:
                 request_serializer=pagoda_dot_v1_dot_scheduler__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_scheduler__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/pagoda.v1.Scheduler/GenerateStream',
+                request_serializer=pagoda_dot_v1_dot_scheduler__pb2.StreamCommand.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_scheduler__pb2.StreamEvents.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pagoda.v1.Scheduler/Abort',
                 request_serializer=pagoda_dot_v1_dot_scheduler__pb2.AbortRequest.SerializeToString,
@@ -77,6 +82,16 @@ class SchedulerServicer:
         Cancelling the stream aborts the request and frees its blocks. Bad input ->
         INVALID_ARGUMENT naming the field; queue full -> RESOURCE_EXHAUSTED; chain down longer
         than the recovery bound -> UNAVAILABLE; duplicate live request_id -> ALREADY_EXISTS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """The gateway's one stream to this scheduler (issue 37): many requests multiplexed on it,
+        each with Generate's semantics, and the responses of one step sent as one message. A
+        request ends with its last response (the one carrying `usage`) or with a failure naming
+        it; an abort command, or the stream ending, aborts what still runs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,6 +147,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     request_deserializer=pagoda_dot_v1_dot_scheduler__pb2.GenerateRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_scheduler__pb2.GenerateResponse.SerializeToString,
             ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=pagoda_dot_v1_dot_scheduler__pb2.StreamCommand.FromString,
+                    response_serializer=pagoda_dot_v1_dot_scheduler__pb2.StreamEvents.SerializeToString,
+            ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=pagoda_dot_v1_dot_scheduler__pb2.AbortRequest.FromString,
@@ -186,6 +206,33 @@ class Scheduler:
             '/pagoda.v1.Scheduler/Generate',
             pagoda_dot_v1_dot_scheduler__pb2.GenerateRequest.SerializeToString,
             pagoda_dot_v1_dot_scheduler__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagoda.v1.Scheduler/GenerateStream',
+            pagoda_dot_v1_dot_scheduler__pb2.StreamCommand.SerializeToString,
+            pagoda_dot_v1_dot_scheduler__pb2.StreamEvents.FromString,
             options,
             channel_credentials,
             insecure,

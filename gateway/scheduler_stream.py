@@ -1,0 +1,178 @@
+"""The gateway's one stream per scheduler (`Scheduler.GenerateStream`, issue 37).
+
+Every request this gateway sends to a replica rides one long-lived bidirectional stream
+instead of a `Generate` call of its own: a request (or an abort) goes out as a
+`StreamCommand`, and each step's responses for all requests come back as one `StreamEvents`
+message, which one reader task hands out to the requests' queues. `SchedulerStream.generate`
+returns a `StreamedCall` that behaves as the `Generate` call it stands for (what
+`TextGenerator.scheduler_responses` uses of one): iterated for the request's responses, ended
+by the one carrying `usage`; its failure raised as the `grpc.aio.AioRpcError` the call would
+have raised (code, details, the pipeline-down trailing metadata); `cancel()` aborts the
+request downstream; `done()`.
+
+The stream breaking (the scheduler died, or restarted) fails every request on it UNAVAILABLE,
+as their own calls would have failed; the next request opens a new stream. A scheduler that
+does not know the call (UNIMPLEMENTED) is sent `Generate` calls from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from services.grpc_utils import PIPELINE_DOWN, UNAVAILABLE_REASON_KEY
+from services.pb import scheduler_pb2
+
+log = logging.getLogger(__name__)
+
+_STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
+_END = object()
+
+
+def call_error(code: grpc.StatusCode, details: str, pipeline_down: bool = False) -> grpc.aio.AioRpcError:
+    trailing = grpc.aio.Metadata((UNAVAILABLE_REASON_KEY, PIPELINE_DOWN)) if pipeline_down else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
+
+
+class SchedulerStream:
+    """One scheduler's stream, opened on first use and again after it broke."""
+
+    def __init__(self, stub) -> None:
+        self._stub = stub
+        self._call = None  # the open GenerateStream call
+        self._reader: asyncio.Task | None = None
+        self._queues: dict[str, tuple[object, asyncio.Queue]] = {}  # request id -> (its call, its queue)
+        self._write_lock = asyncio.Lock()
+        self.unsupported = False  # the scheduler answered UNIMPLEMENTED: Generate calls instead
+        self.num_streams = 0  # streams opened (1 while nothing broke)
+
+    def generate(self, request: scheduler_pb2.GenerateRequest) -> StreamedCall:
+        return StreamedCall(self, request)
+
+    def _open(self):
+        if self._call is None:
+            self._call = self._stub.GenerateStream()
+            self.num_streams += 1
+            self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
+        return self._call
+
+    async def send(self, request: scheduler_pb2.GenerateRequest) -> asyncio.Queue:
+        """Start `request` on the stream: the queue its responses (and end) arrive on."""
+        rid = request.request_id
+        if rid in self._queues:
+            raise call_error(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already live on this stream")
+        call = self._open()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = (call, queue)
+        try:
+            async with self._write_lock:
+                await call.write(scheduler_pb2.StreamCommand(generate=request))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError) as exc:
+            self._queues.pop(rid, None)
+            await self._broken(call)
+            if isinstance(exc, grpc.aio.AioRpcError):
+                raise
+            raise call_error(grpc.StatusCode.UNAVAILABLE, f"the scheduler's stream broke: {exc}") from None
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """The caller stopped reading `request_id`: abort it downstream (in the background)."""
+        entry = self._queues.pop(request_id, None)
+        if entry is None or entry[0] is not self._call:
+            return
+        command = scheduler_pb2.StreamCommand(abort=scheduler_pb2.AbortRequest(request_id=request_id))
+        asyncio.get_running_loop().create_task(self._write(entry[0], command))
+
+    def finished(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def _write(self, call, command) -> None:
+        try:
+            async with self._write_lock:
+                await call.write(command)
+        except Exception as exc:  # noqa: BLE001 - a broken stream aborts everything on it anyway
+            log.debug("abort on the scheduler's stream: %s", exc)
+
+    async def _read(self, call) -> None:
+        error = call_error(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the stream")
+        try:
+            async for events in call:
+                for resp in events.responses:
+                    entry = self._queues.get(resp.request_id)
+                    if entry is not None:
+                        entry[1].put_nowait(resp)
+                for failure in events.failures:
+                    entry = self._queues.pop(failure.request_id, None)
+                    if entry is not None:
+                        code = _STATUS_BY_VALUE.get(failure.code, grpc.StatusCode.UNKNOWN)
+                        entry[1].put_nowait(call_error(code, failure.message, failure.pipeline_down))
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.unsupported = True
+        except asyncio.CancelledError:
+            error = call_error(grpc.StatusCode.CANCELLED, "the gateway closed the stream")
+            raise
+        finally:
+            self._fail_all(call, error)
+
+    def _fail_all(self, call, error: grpc.aio.AioRpcError) -> None:
+        if self._call is call:
+            self._call = None
+        for rid, (c, queue) in list(self._queues.items()):
+            if c is call:
+                del self._queues[rid]
+                queue.put_nowait(error)
+
+    async def _broken(self, call) -> None:
+        if self._call is call:
+            self._call = None
+            call.cancel()
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+
+class StreamedCall:
+    """One request on a `SchedulerStream`, as its `Generate` call would behave."""
+
+    def __init__(self, stream: SchedulerStream, request: scheduler_pb2.GenerateRequest) -> None:
+        self._stream, self._request = stream, request
+        self._queue: asyncio.Queue | None = None
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._stream.abort(self._request.request_id)
+
+    def __aiter__(self):
+        return self._responses()
+
+    async def _responses(self):
+        if self._done:
+            return
+        self._queue = await self._stream.send(self._request)
+        try:
+            while True:
+                item = await self._queue.get()
+                if isinstance(item, grpc.aio.AioRpcError):
+                    self._done = True
+                    raise item
+                if item.HasField("usage"):  # the request's last response
+                    self._done = True
+                    self._stream.finished(self._request.request_id)
+                    yield item
+                    return
+                yield item
+        finally:
+            self.cancel()  # a caller that stopped early aborts the request
