@@ -31,7 +31,12 @@ file is loaded by its path. The form, which `save_profile` writes and `load_prof
      "eos_probability": float in [0, 1],
      "tensor_parallel_size": int >= 1,                              # optional, default 1
      "host_compute": bool,                                          # optional, default false
+     "kv_transfer_bytes_per_s": float,                              # optional, default 0 (not modelled)
      "model": {"hidden_size": int, "num_layers": int, ...}}         # optional, informational
+
+`kv_transfer_bytes_per_s` is the KV link between two replicas' devices (P/D disaggregation, issue
+39): the bytes per second one pipeline stage's devices together move to the same stage of another
+replica; an emulated stage's pull of N bytes waits `kv_transfer_time_s(N)` (0 when not modelled).
 
 `per_step_s`, the `last_stage_*` costs and `tensor_parallel_size` may be left out (0.0 and 1); the other keys of "model"
 are for readers and are not loaded. Unknown keys elsewhere are refused, so a misspelt cost is
@@ -60,7 +65,17 @@ STEP_FIELDS = (
     "last_stage_per_row_s",
 )
 OPTIONAL_STEP_FIELDS = ("per_step_s", "last_stage_fixed_s", "last_stage_per_row_s")
-TOP_LEVEL_KEYS = ("name", "source", "notes", "step", "eos_probability", "tensor_parallel_size", "host_compute", "model")
+TOP_LEVEL_KEYS = (
+    "name",
+    "source",
+    "notes",
+    "step",
+    "eos_probability",
+    "tensor_parallel_size",
+    "host_compute",
+    "kv_transfer_bytes_per_s",
+    "model",
+)
 MODEL_FIELDS = ("hidden_size", "num_layers")
 
 
@@ -68,10 +83,11 @@ MODEL_FIELDS = ("hidden_size", "num_layers")
 class DeviceProfile:
     """A linear step-time model of one pipeline stage on one kind of device (see the module doc).
 
-    Invariants (checked at construction): every cost is a finite number >= 0, eos_probability is
-    in [0, 1], tensor_parallel_size >= 1, hidden_size and num_layers are None or >= 1. Costs are
-    for all of the model's layers; `tensor_parallel_size` is the tensor-parallel degree the costs
-    were made for (pass it to `step_time_s` unless emulating another degree).
+    Invariants (checked at construction): every cost and kv_transfer_bytes_per_s is a finite
+    number >= 0, eos_probability is in [0, 1], tensor_parallel_size >= 1, hidden_size and
+    num_layers are None or >= 1. Costs are for all of the model's layers; `tensor_parallel_size`
+    is the tensor-parallel degree the costs were made for (pass it to `step_time_s` unless
+    emulating another degree).
     """
 
     name: str
@@ -91,6 +107,9 @@ class DeviceProfile:
     # the device is this machine's own CPU: an emulated step keeps a core busy for its time, as
     # the real stage would, instead of sleeping (the other services meet the same contention)
     host_compute: bool = False
+    # P/D: the KV link from one stage's devices (all of them together) to the same stage of
+    # another replica, bytes per second; 0: not modelled (an emulated pull costs no time)
+    kv_transfer_bytes_per_s: float = 0.0
     notes: tuple[str, ...] = ()  # free-text lines explaining every number
 
     def __post_init__(self) -> None:
@@ -139,6 +158,13 @@ class DeviceProfile:
         head = (self.last_stage_fixed_s + num_sampled_rows * self.last_stage_per_row_s) if is_last_stage else 0.0
         return self.fixed_s + layer_fraction * per_layers + head
 
+    def kv_transfer_time_s(self, num_bytes: int) -> float:
+        """Seconds the KV link takes to move `num_bytes` of one stage's blocks to the same stage
+        of another replica (P/D disaggregation); 0 when the profile does not model the link."""
+        if num_bytes < 0:
+            raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
+        return num_bytes / self.kv_transfer_bytes_per_s if self.kv_transfer_bytes_per_s else 0.0
+
 
 def _check_profile(profile: DeviceProfile) -> None:
     where = f"device profile {profile.name!r}"
@@ -148,6 +174,7 @@ def _check_profile(profile: DeviceProfile) -> None:
     for field in STEP_FIELDS:
         _non_negative(getattr(profile, field), f"{where}: {field}")
     _non_negative(profile.eos_probability, f"{where}: eos_probability")
+    _non_negative(profile.kv_transfer_bytes_per_s, f"{where}: kv_transfer_bytes_per_s")
     if profile.eos_probability > 1:
         raise ValueError(f"{where}: eos_probability must be in [0, 1], got {profile.eos_probability}")
     _positive_int(profile.tensor_parallel_size, f"{where}: tensor_parallel_size")
@@ -245,6 +272,7 @@ def profile_to_dict(profile: DeviceProfile) -> dict[str, Any]:
         "eos_probability": profile.eos_probability,
         "tensor_parallel_size": profile.tensor_parallel_size,
         "host_compute": profile.host_compute,
+        "kv_transfer_bytes_per_s": profile.kv_transfer_bytes_per_s,
         "model": model,
     }
 
@@ -278,6 +306,7 @@ def profile_from_dict(data: Any, origin: str = "device profile") -> DeviceProfil
             eos_probability=data["eos_probability"],
             tensor_parallel_size=data.get("tensor_parallel_size", 1),
             host_compute=data.get("host_compute", False),
+            kv_transfer_bytes_per_s=data.get("kv_transfer_bytes_per_s", 0.0),
             hidden_size=model.get("hidden_size"),
             num_layers=model.get("num_layers"),
             **{key: step.get(key, 0.0) for key in STEP_FIELDS},

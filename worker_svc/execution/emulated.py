@@ -19,7 +19,11 @@ reports timings as any stage does. What it does not do:
 - Hold KV memory. No tensor is allocated for the pool; the KV service does the block
   accounting as always and the batch keeps the block tables (block copies are validated,
   then have nothing to copy). The pool's size is what the stage is told (`--num-kv-blocks`,
-  or `--kv-cache-memory` over what a real block of these layers would take).
+  or `--kv-cache-memory` over what a real block of these layers would take). P/D
+  disaggregation's transfers move no bytes either: a decode stage's pull waits the time the
+  profile's KV link takes (`kv_transfer_bytes_per_s`, worker_svc/service/kv_transfer.py) and
+  keeps the keys (`--kv-import-blocks`: worker_svc/execution/emulated_kv.py), which the plan's
+  TIER_LOADs take; no host or disk tier is modelled (`--kv-offload` is refused).
 - Sample from logits. `EmulatedSampler` draws a pseudo-random token per (seed, choice,
   output position) from the emulated model's distribution: EOS with the profile's
   probability, every other token equally likely.
@@ -44,8 +48,10 @@ import torch
 from services.sampling import SamplingParams
 from services.step import PooledOutput, PositionLogprobs, ScoredPrompt, StepPlan
 from worker_svc.config import EMULATED_PREFIX, WorkerConfig
+from worker_svc.errors import InvalidPlanError
 from worker_svc.execution.batch import PersistentBatch, Row, SeqState, StageShape
 from worker_svc.execution.counter_rng import row_key
+from worker_svc.execution.emulated_kv import EmulatedKVTier
 from worker_svc.execution.memory import kv_block_bytes
 from worker_svc.execution.pooler import normalized_bytes
 from worker_svc.execution.runner import StageResult, check_stage_inputs
@@ -267,6 +273,7 @@ class EmulatedRunner:
         dtype: torch.dtype = torch.float32,
         tensor_parallel_size: int = 1,
         sleep: Callable[[float], None] = time.sleep,
+        import_blocks: int = 0,  # P/D: the import area's bound (--kv-import-blocks; 0: none)
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
@@ -294,6 +301,8 @@ class EmulatedRunner:
         )
         self._sleep = sleep
         self._zeros = torch.zeros(0, config.hidden_size, dtype=dtype)  # never written: shared by every step
+        # P/D: the pulled blocks' keys, which the plans' TIER_LOADs take (emulated_kv.py)
+        self.kv_tier = EmulatedKVTier(num_blocks, import_blocks) if import_blocks else None
         self.emulated_s = 0.0  # the waits so far
 
     def step_time_s(self, shape: StepShape) -> float:
@@ -312,10 +321,16 @@ class EmulatedRunner:
         """Validate the plan whole, apply it to the batch, wait the step's time, then hand on
         zeros (not last) or draw the samples (last). `keep_logits`: there are none."""
         check_stage_inputs(plan, hidden, self.model.is_first, self.model.config.hidden_size)
+        self._check_tier_ops(plan)
         started = time.perf_counter_ns()
         rows = self.batch.apply(plan)  # validates the plan whole before it changes anything
         if self.sampler is not None:
             self.sampler.release(plan)
+        if self.kv_tier is not None:
+            if plan.reset:
+                self.kv_tier.clear()
+            if plan.tier_ops:  # a LOAD of a key not held raises TierMissError: the step fails
+                self.kv_tier.apply(plan.tier_ops)
         wait_s = max(0.0, self.step_time_s(StepShape.of(rows)))
         self._sleep(wait_s)  # the forward pass: no CPU (module docstring)
         self.emulated_s += wait_s
@@ -326,6 +341,18 @@ class EmulatedRunner:
             self._finish_last(rows, result)
         result.compute_ns = time.perf_counter_ns() - started
         return result
+
+    def _check_tier_ops(self, plan: StepPlan) -> None:
+        """InvalidPlanError for tier ops this stage cannot carry out (as a real stage with no
+        tier): any without an import area; SAVE and DEMOTE always (emulated_kv.py)."""
+        if not plan.tier_ops:
+            return
+        if self.kv_tier is None:
+            raise InvalidPlanError(
+                f"micro-batch {plan.step_id} moves KV blocks to or from a KV tier, but this emulated stage "
+                "has no import area (--kv-import-blocks)"
+            )
+        self.kv_tier.check(plan.tier_ops, plan.step_id)
 
     def _hidden(self, num_tokens: int) -> torch.Tensor:
         """[num_tokens, hidden_size] zeros in the stage's dtype: the model's output as far as
@@ -389,7 +416,8 @@ def compute_for(seconds: float) -> None:
 
 def build_emulated_runner(config: WorkerConfig, sleep: Callable[[float], None] = time.sleep) -> EmulatedRunner:
     """The stage `config` describes, on the emulated device it names: config.json read, no
-    weights, no KV tensors. ValueError for an unknown profile or a layer split that does not fit.
+    weights, no KV tensors. ValueError for an unknown profile, a layer split that does not fit,
+    or a KV tier (`--kv-offload`).
     A profile of this machine's CPU (`host_compute`) computes for the step's time instead of
     sleeping (`compute_for`)."""
     from services.device_profile import load_profile
@@ -398,6 +426,11 @@ def build_emulated_runner(config: WorkerConfig, sleep: Callable[[float], None] =
     spec = config.emulated_profile
     if spec is None:
         raise ValueError(f"device: {config.device!r} is not an emulated device ({EMULATED_PREFIX}PROFILE)")
+    if config.kv_offload:
+        raise ValueError(
+            "kv_offload: an emulated device models no KV tier below its pool (only P/D's import area, "
+            "--kv-import-blocks)"
+        )
     profile = load_profile(spec)
     if profile.host_compute and sleep is time.sleep:
         sleep = compute_for
@@ -407,4 +440,4 @@ def build_emulated_runner(config: WorkerConfig, sleep: Callable[[float], None] =
     dtype = resolve_dtype(config.dtype, model_config, "meta")  # as configured: no CPU-only swap
     tp = emulated_tensor_parallel_size(config.tensor_parallel_size, profile)
     num_blocks = emulated_num_blocks(config, device_block_bytes(model, config.block_size, dtype, tp))
-    return EmulatedRunner(model, profile, num_blocks, config.block_size, dtype, tp, sleep)
+    return EmulatedRunner(model, profile, num_blocks, config.block_size, dtype, tp, sleep, config.kv_import_blocks)

@@ -14,26 +14,40 @@ the pools on the compute thread, which owns the pools and the batch (so a step n
 block while it is read, and the table read is the one the steps see), a few at a time
 (`EXPORT_READ_BYTES` per visit), then serialized and checksummed off it.
 
+An emulated stage (`--device emulated:PROFILE`, worker_svc/execution/emulated.py) holds no KV
+tensors, so its transfer moves no bytes and models their time instead: its export streams one
+chunk per block with empty `data` (crc32 of b"") and the layout a real stage of the model's
+layers would send (`emulated_layout`: every KV head, a tensor-parallel stage's ranks together),
+after the same checks of the sequence and the indices; its pull takes only such chunks, of its
+own layout (a real stage refuses them: DATA_LOSS, their length), then waits what the profile's
+KV link takes for the blocks' bytes (`DeviceProfile.kv_transfer_time_s`, asyncio: the compute
+thread never waits on it) and keeps the keys (worker_svc/execution/emulated_kv.py). Bytes
+counted (the stage's statistics, the reply) are the modelled ones.
+
 Pull, the status of each failure (nothing of a failed pull is kept):
 - FAILED_PRECONDITION: no import area here (--kv-import-blocks 0); or the source cannot export
-  (its FAILED_PRECONDITION: emulated, tensor parallel, KV groups; UNIMPLEMENTED: an older stage);
+  (its FAILED_PRECONDITION: tensor parallel, KV groups; UNIMPLEMENTED: an older stage);
 - INVALID_ARGUMENT: a malformed request, or a chunk whose dtype, shape or layers are not this
   stage's (the two replicas' layouts differ);
 - RESOURCE_EXHAUSTED: the import area has no room (try later);
-- DATA_LOSS: a chunk out of order, of the wrong length or checksum, or too few or too many;
+- DATA_LOSS: a chunk out of order, of the wrong length or checksum, or too few or too many (an
+  emulated source's empty chunks on a real stage, a real source's bytes on an emulated one);
 - NOT_FOUND, OUT_OF_RANGE: the source's, passed through (it holds no such sequence, e.g.
   released or restarted; an index past its table): compute the prompt here instead;
-- DEADLINE_EXCEEDED: the pull took longer than `timeout_s` (`DEFAULT_PULL_TIMEOUT_S`);
+- DEADLINE_EXCEEDED: the pull (on an emulated stage, with its modelled wait) took longer than
+  `timeout_s` (`DEFAULT_PULL_TIMEOUT_S`);
 - UNAVAILABLE: the source is down or unreachable, or failed in any other way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 import zlib
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from typing import NamedTuple
 
@@ -43,6 +57,7 @@ import torch
 from services.grpc_utils import DEFAULT_MAX_MESSAGE_BYTES, aio_channel
 from services.pb import worker_pb2, worker_pb2_grpc
 from worker_svc.checkpoints.convert import dtype_to_pb
+from worker_svc.execution.emulated import EmulatedRunner
 from worker_svc.execution.kv_tier import MAX_KEY_BYTES, ImportAreaFullError
 from worker_svc.service.statistics import StageStatistics
 
@@ -106,6 +121,18 @@ def stage_layout(runner) -> BlockLayout:
     return BlockLayout(pools[0].dtype, tuple(int(n) for n in shape), runner.model.start, runner.model.end)
 
 
+def emulated_layout(runner: EmulatedRunner) -> BlockLayout:
+    """The block a real stage of the emulated stage's layers would send: K and V of each layer,
+    every KV head (a tensor-parallel stage's ranks together), the stage's dtype; TransferError
+    for a model with KV groups (as on a real stage)."""
+    model = runner.model
+    config = model.config
+    if config.kv_layout.grouped:
+        raise TransferError(Code.FAILED_PRECONDITION, "KV transfer needs one KV group")
+    shape = (2 * model.num_local_layers, runner.block_size, config.num_kv_heads, config.head_dim)
+    return BlockLayout(runner.kv_dtype, shape, model.start, model.end)
+
+
 def encode_block(index: int, block: torch.Tensor, layout: BlockLayout) -> worker_pb2.BlockChunk:
     """A block copied out of the pools (on the CPU) -> its chunk."""
     data = block.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -120,10 +147,45 @@ def encode_block(index: int, block: torch.Tensor, layout: BlockLayout) -> worker
     )
 
 
+def empty_chunk(index: int, layout: BlockLayout) -> worker_pb2.BlockChunk:
+    """An emulated stage's chunk: the block's layout, no bytes."""
+    return worker_pb2.BlockChunk(
+        block_index=index,
+        data=b"",
+        crc32=zlib.crc32(b""),
+        dtype=dtype_to_pb(layout.dtype),
+        shape=layout.shape,
+        layer_start=layout.layer_start,
+        layer_end=layout.layer_end,
+    )
+
+
 def decode_chunk(chunk: worker_pb2.BlockChunk, index: int, layout: BlockLayout) -> torch.Tensor:
     """The chunk's block (a CPU tensor of `layout`, its own memory), after every check: the
     index asked for next, this stage's layout (else INVALID_ARGUMENT), its length and checksum
     (else DATA_LOSS)."""
+    check_chunk_header(chunk, index, layout)
+    where = f"block {index}"
+    if len(chunk.data) != layout.nbytes:
+        raise TransferError(Code.DATA_LOSS, f"{where}: {len(chunk.data)} bytes, expected {layout.nbytes}")
+    if zlib.crc32(chunk.data) != chunk.crc32:
+        raise TransferError(Code.DATA_LOSS, f"{where}: checksum mismatch")
+    return torch.frombuffer(bytearray(chunk.data), dtype=layout.dtype).view(layout.shape)
+
+
+def check_empty_chunk(chunk: worker_pb2.BlockChunk, index: int, layout: BlockLayout) -> None:
+    """An emulated stage's check of a chunk: as `decode_chunk`'s, but of an emulated source's
+    chunk, no bytes and the checksum of none (else DATA_LOSS)."""
+    check_chunk_header(chunk, index, layout)
+    if chunk.data or chunk.crc32 != zlib.crc32(b""):
+        raise TransferError(
+            Code.DATA_LOSS,
+            f"block {index}: {len(chunk.data)} bytes: an emulated stage takes an emulated source's empty blocks only",
+        )
+
+
+def check_chunk_header(chunk: worker_pb2.BlockChunk, index: int, layout: BlockLayout) -> None:
+    """The index asked for next (else DATA_LOSS) and this stage's layout (else INVALID_ARGUMENT)."""
     where = f"block {index}"
     if chunk.block_index != index:
         raise TransferError(Code.DATA_LOSS, f"{where}: the source sent block {chunk.block_index} in its place")
@@ -134,11 +196,6 @@ def decode_chunk(chunk: worker_pb2.BlockChunk, index: int, layout: BlockLayout) 
             f"{where}: the source's block is dtype {chunk.dtype} {list(chunk.shape)} of layers "
             f"[{chunk.layer_start}, {chunk.layer_end}), this stage's {layout.describe()}",
         )
-    if len(chunk.data) != layout.nbytes:
-        raise TransferError(Code.DATA_LOSS, f"{where}: {len(chunk.data)} bytes, expected {layout.nbytes}")
-    if zlib.crc32(chunk.data) != chunk.crc32:
-        raise TransferError(Code.DATA_LOSS, f"{where}: checksum mismatch")
-    return torch.frombuffer(bytearray(chunk.data), dtype=layout.dtype).view(layout.shape)
 
 
 def check_pull(request: worker_pb2.PullBlocksRequest, import_blocks: int) -> float:
@@ -174,25 +231,40 @@ class KVTransfer:
 
     async def export(self, request: worker_pb2.ExportBlocksRequest, context):
         """The chunks of the blocks asked for, in order (an async generator)."""
+        emulated = isinstance(self.runner, EmulatedRunner)
         try:
-            layout = stage_layout(self.runner)
-            if layout.nbytes + CHUNK_OVERHEAD_BYTES > self.max_message_bytes:
-                raise TransferError(
-                    Code.FAILED_PRECONDITION,
-                    f"a block ({layout.nbytes} bytes) is over this stage's message limit ({self.max_message_bytes})",
-                )
-            loop, indices = asyncio.get_running_loop(), list(request.block_indices)
-            await loop.run_in_executor(self.executor, self._read_blocks, request.seq_id, indices, True)
-            per_visit = max(1, EXPORT_READ_BYTES // layout.nbytes)
-            for at in range(0, len(indices), per_visit):
-                group = indices[at : at + per_visit]
-                blocks = await loop.run_in_executor(self.executor, self._read_blocks, request.seq_id, group, False)
-                for index, block in zip(group, blocks, strict=True):
-                    chunk = await asyncio.to_thread(encode_block, index, block, layout)
-                    self.stats.exported(len(chunk.data))
-                    yield chunk
+            async for chunk in self._emulated_chunks(request) if emulated else self._chunks(request):
+                yield chunk
         except TransferError as exc:
             await context.abort(exc.code, exc.message)
+
+    async def _chunks(self, request: worker_pb2.ExportBlocksRequest) -> AsyncIterator[worker_pb2.BlockChunk]:
+        layout = stage_layout(self.runner)
+        if layout.nbytes + CHUNK_OVERHEAD_BYTES > self.max_message_bytes:
+            raise TransferError(
+                Code.FAILED_PRECONDITION,
+                f"a block ({layout.nbytes} bytes) is over this stage's message limit ({self.max_message_bytes})",
+            )
+        loop, indices = asyncio.get_running_loop(), list(request.block_indices)
+        await loop.run_in_executor(self.executor, self._read_blocks, request.seq_id, indices, True)
+        per_visit = max(1, EXPORT_READ_BYTES // layout.nbytes)
+        for at in range(0, len(indices), per_visit):
+            group = indices[at : at + per_visit]
+            blocks = await loop.run_in_executor(self.executor, self._read_blocks, request.seq_id, group, False)
+            for index, block in zip(group, blocks, strict=True):
+                chunk = await asyncio.to_thread(encode_block, index, block, layout)
+                self.stats.exported(len(chunk.data))
+                yield chunk
+
+    async def _emulated_chunks(self, request: worker_pb2.ExportBlocksRequest) -> AsyncIterator[worker_pb2.BlockChunk]:
+        """An emulated stage's export: the same checks, then one empty chunk per block."""
+        layout, indices = emulated_layout(self.runner), list(request.block_indices)
+        await asyncio.get_running_loop().run_in_executor(
+            self.executor, self._read_blocks, request.seq_id, indices, True
+        )
+        for index in indices:
+            self.stats.exported(layout.nbytes)  # (the modelled bytes)
+            yield empty_chunk(index, layout)
 
     def _read_blocks(self, seq_id: int, indices: list[int], check_only: bool) -> list[torch.Tensor]:
         """On the compute thread: the blocks at `indices` of the sequence's table, copied to the
@@ -228,17 +300,40 @@ class KVTransfer:
             raise TransferError(Code.FAILED_PRECONDITION, "this stage has no import area (--kv-import-blocks)")
         timeout_s = check_pull(request, tier.import_blocks)
         self._check_room(tier, list(request.keys))
-        layout = stage_layout(self.runner)
-        blocks = await self._fetch(request, layout, timeout_s)
+        keys = list(request.keys)
         try:
-            tier.put_imported(list(zip(request.keys, blocks, strict=True)))
+            if isinstance(self.runner, EmulatedRunner):
+                layout = emulated_layout(self.runner)
+                await self._pull_emulated(request, layout, timeout_s)
+                tier.put_keys(keys)
+            else:
+                layout = stage_layout(self.runner)
+                blocks = await self._fetch(request, layout, timeout_s)
+                tier.put_imported(list(zip(keys, blocks, strict=True)))
         except ImportAreaFullError as exc:
             raise TransferError(Code.RESOURCE_EXHAUSTED, str(exc)) from None
-        num_bytes = len(blocks) * layout.nbytes
-        self.stats.imported(len(blocks), num_bytes)
+        num_bytes = len(keys) * layout.nbytes
+        self.stats.imported(len(keys), num_bytes)
         return worker_pb2.PullBlocksReply(
-            num_blocks=len(blocks), num_bytes=num_bytes, elapsed_ns=time.perf_counter_ns() - started
+            num_blocks=len(keys), num_bytes=num_bytes, elapsed_ns=time.perf_counter_ns() - started
         )
+
+    async def _pull_emulated(self, request: worker_pb2.PullBlocksRequest, layout: BlockLayout, timeout_s: float):
+        """An emulated stage's pull: the source's empty chunks checked, then the wait the
+        profile's KV link takes for their modelled bytes (DEADLINE_EXCEEDED past `timeout_s`)."""
+        began = time.monotonic()
+        indices = list(request.block_indices)
+        async with contextlib.aclosing(self._source_chunks(request, layout, timeout_s)) as chunks:
+            async for at, chunk in chunks:
+                check_empty_chunk(chunk, indices[at], layout)
+        wait_s = self.runner.profile.kv_transfer_time_s(len(indices) * layout.nbytes)
+        left_s = timeout_s - (time.monotonic() - began)
+        if wait_s > left_s:
+            await asyncio.sleep(max(0.0, left_s))
+            raise TransferError(
+                Code.DEADLINE_EXCEEDED, f"the modelled transfer takes {wait_s:.3f} s, past the pull's {timeout_s} s"
+            )
+        await asyncio.sleep(wait_s)
 
     @staticmethod
     def _check_room(tier, keys: list[bytes]) -> None:
@@ -257,22 +352,33 @@ class KVTransfer:
         self, request: worker_pb2.PullBlocksRequest, layout: BlockLayout, timeout_s: float
     ) -> list[torch.Tensor]:
         """Every block asked for from the source, checked (`decode_chunk`)."""
+        indices, blocks = list(request.block_indices), []
+        async with contextlib.aclosing(self._source_chunks(request, layout, timeout_s)) as chunks:
+            async for at, chunk in chunks:
+                blocks.append(await asyncio.to_thread(decode_chunk, chunk, indices[at], layout))
+        return blocks
+
+    async def _source_chunks(
+        self, request: worker_pb2.PullBlocksRequest, layout: BlockLayout, timeout_s: float
+    ) -> AsyncIterator[tuple[int, worker_pb2.BlockChunk]]:
+        """(position, chunk) of each chunk the source streams, exactly as many as asked (else
+        DATA_LOSS); the source's failures mapped (`_SOURCE_STATUS`)."""
         indices, address = list(request.block_indices), request.source_address
         channel = aio_channel(address, max(DEFAULT_MAX_MESSAGE_BYTES, layout.nbytes + CHUNK_OVERHEAD_BYTES))
         ask = worker_pb2.ExportBlocksRequest(seq_id=request.seq_id, block_indices=indices)
         call = worker_pb2_grpc.StageWorkerStub(channel).ExportBlocks(ask, timeout=timeout_s)
-        blocks: list[torch.Tensor] = []
+        received = 0
         try:
             async for chunk in call:
-                if len(blocks) == len(indices):
+                if received == len(indices):
                     raise TransferError(Code.DATA_LOSS, f"the source sent more than the {len(indices)} blocks asked")
-                blocks.append(await asyncio.to_thread(decode_chunk, chunk, indices[len(blocks)], layout))
+                yield received, chunk
+                received += 1
         except grpc.aio.AioRpcError as exc:
             code = _SOURCE_STATUS.get(exc.code(), Code.UNAVAILABLE)
             raise TransferError(code, f"source {address}: {exc.code().name}: {exc.details()}") from None
         finally:
             call.cancel()
             await channel.close()
-        if len(blocks) != len(indices):
-            raise TransferError(Code.DATA_LOSS, f"the source sent {len(blocks)} of the {len(indices)} blocks asked")
-        return blocks
+        if received != len(indices):
+            raise TransferError(Code.DATA_LOSS, f"the source sent {received} of the {len(indices)} blocks asked")
