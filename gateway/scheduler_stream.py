@@ -69,12 +69,14 @@ class SchedulerStream:
         try:
             async with self._write_lock:
                 await call.write(scheduler_pb2.StreamCommand(generate=request))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError) as exc:
+        except Exception as exc:  # (a call that ended meanwhile: asyncio.InvalidStateError, UsageError...)
             self._queues.pop(rid, None)
-            await self._broken(call)
-            if isinstance(exc, grpc.aio.AioRpcError):
-                raise
-            raise call_error(grpc.StatusCode.UNAVAILABLE, f"the scheduler's stream broke: {exc}") from None
+            error = exc if isinstance(exc, grpc.aio.AioRpcError) else None
+            if error is None or error.code() == grpc.StatusCode.CANCELLED:
+                error = call_error(grpc.StatusCode.UNAVAILABLE, f"the scheduler's stream broke: {exc}")
+            self._fail_all(call, error)  # (its other requests too: each is retried as unstreamed)
+            call.cancel()
+            raise error from None
         return queue
 
     def abort(self, request_id: str) -> None:
@@ -125,11 +127,6 @@ class SchedulerStream:
             if c is call:
                 del self._queues[rid]
                 queue.put_nowait(error)
-
-    async def _broken(self, call) -> None:
-        if self._call is call:
-            self._call = None
-            call.cancel()
 
     async def close(self) -> None:
         if self._call is not None:

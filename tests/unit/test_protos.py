@@ -250,6 +250,7 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
     },
     (scheduler_pb2, "Scheduler"): {
         "Generate": (False, True),
+        "GenerateStream": (True, True),  # the gateway's one stream per scheduler (issue 37)
         "Abort": (False, False),
         "GetStats": (False, False),
         "LoadLoraAdapter": (False, False),
@@ -265,6 +266,7 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
         "CheckCapacity": (False, False),
         "SubscribeEvents": (False, True),
         "EventsSnapshot": (False, False),
+        "ImportPrefix": (False, False),  # P/D disaggregation, the decode side (issue 39)
     },
     (worker_pb2, "StageWorker"): {
         "Forward": (True, False),
@@ -277,6 +279,8 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
         "LoadLoraAdapter": (False, False),
         "UnloadLoraAdapter": (False, False),
         "OpenDataPlane": (False, False),  # the data plane's offer at connect (issue 37)
+        "ExportBlocks": (False, True),  # P/D disaggregation (issue 39)
+        "PullBlocks": (False, False),
     },
 }
 
