@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 from kvcache_svc.core import KVCacheManager
 from kvcache_svc.core.tier import plan_import
-from services.kv_client import KVCacheClient, check_num_blocks
+from services.kv_client import ImportPlan, KVCacheClient, check_num_blocks
 from services.kv_codec import stats_to_pb
 from services.kv_stats import KVCacheStats, SequenceBlockStats
 from services.kv_types import Fork, StepInput, StepOutput
@@ -73,11 +73,10 @@ class InProcessKVCacheClient(KVCacheClient):
             block_map=block_map,
         )
 
-    async def import_plan(
-        self, namespace: str | None, token_ids: Sequence[int], num_blocks: int
-    ) -> tuple[list[int], list[bytes], int]:
+    async def import_plan(self, namespace: str | None, token_ids: Sequence[int], num_blocks: int) -> ImportPlan:
         cache, tier = self._manager.import_level()
-        return plan_import(cache, tier, namespace, tuple(token_ids), num_blocks, self._manager.block_size)
+        plan = plan_import(cache, tier, namespace, tuple(token_ids), num_blocks, self._manager.block_size)
+        return ImportPlan(*plan, tier.num_import, tier.import_blocks)
 
     async def commit_import(self, keys: Sequence[bytes]) -> None:
         self._manager.import_level()[1].commit_import(keys)

@@ -262,7 +262,13 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
                 indices, keys, present = plan_import(
                     cache, tier, namespace, tuple(request.token_ids), request.num_blocks, m.block_size
                 )
-                return kvcache_pb2.ImportPrefixResponse(block_indices=indices, keys=keys, num_present=present)
+                return kvcache_pb2.ImportPrefixResponse(
+                    block_indices=indices,
+                    keys=keys,
+                    num_present=present,
+                    num_held=tier.num_import,
+                    capacity=tier.import_blocks,
+                )
             if phase not in (Phase.PHASE_COMMIT, Phase.PHASE_FORGET):
                 raise InvalidStepError(f"phase: {phase} is not PLAN, COMMIT or FORGET")
             if len(request.keys) > max(1, m.num_blocks):

@@ -24,12 +24,16 @@ import time
 from dataclasses import dataclass
 
 from scheduler_svc.core.request import Request
-from services.kv_client import KVCacheClient
+from services.kv_client import ImportPlan, KVCacheClient
 from services.pb import scheduler_pb2
 
 log = logging.getLogger(__name__)
 
 PULL_TIMEOUT_S = 30.0
+# how long a request waits for room in the import level (blocks pulled for requests ahead of it
+# are loaded as those are admitted) before its prompt is computed here instead
+ROOM_WAIT_S = 30.0
+ROOM_POLL_S = 0.02
 
 
 def export_to_pb(
@@ -54,6 +58,7 @@ class ImportStats:
     num_blocks: int = 0  # blocks pulled, every stage's part together
     num_bytes: int = 0
     pull_s: float = 0.0  # time spent pulling (the requests' own wait)
+    num_waited: int = 0  # requests that waited for room in the import level first
 
 
 def disaggregation_to_pb(exports, imports: ImportStats, out: scheduler_pb2.DisaggregationStats) -> None:
@@ -71,6 +76,7 @@ class KVImporter:
     def __init__(self, kv: KVCacheClient, transport, block_size: int, namespace: str | None) -> None:
         self.kv, self.transport, self.block_size, self.namespace = kv, transport, block_size, namespace
         self.stats = ImportStats()
+        self._pulling = 0  # blocks being pulled now: not in the import level yet, its room taken
 
     def skip_reason(self, request: Request, transfer: scheduler_pb2.KVTransfer) -> str:
         """Why `transfer` cannot serve `request` here ("" when it can)."""
@@ -95,10 +101,15 @@ class KVImporter:
             self.stats.num_failed += 1
             return 0
         keys: list[bytes] = []
-        began = time.perf_counter()
+        began, reserved = time.perf_counter(), 0
         try:
-            indices, keys, present = await self.kv.import_plan(self.namespace, request.prompt, transfer.num_blocks)
+            plan = await self._plan_with_room(request, transfer)
+            if plan is None:
+                raise RuntimeError(f"no room in the import level within {ROOM_WAIT_S:.0f} s")
+            indices, keys, present = plan.indices, plan.keys, plan.num_present
             if indices:
+                reserved = len(indices)
+                self._pulling += reserved
                 await self._pull(transfer, indices, keys)
                 await self.kv.commit_import(keys)
         except (Exception, asyncio.CancelledError) as exc:
@@ -109,9 +120,28 @@ class KVImporter:
                 raise
             log.warning("request %s: KV import failed (%s): its prompt is computed here", request.request_id, exc)
             return 0
+        finally:
+            self._pulling -= reserved
         self.stats.num_imported += 1
         self.stats.pull_s += time.perf_counter() - began
         return present + len(indices)
+
+    async def _plan_with_room(self, request: Request, transfer: scheduler_pb2.KVTransfer) -> ImportPlan | None:
+        """The blocks to pull, once the import level has room for them beside what it holds
+        and what is being pulled (None after ROOM_WAIT_S): a burst of long prompts waits its
+        turn instead of overflowing the stages' import areas into recomputation."""
+        deadline, waited = time.monotonic() + ROOM_WAIT_S, False
+        while True:
+            plan = await self.kv.import_plan(self.namespace, request.prompt, transfer.num_blocks)
+            need = len(plan.indices)
+            if not need or not plan.capacity or plan.num_held + self._pulling + need <= plan.capacity:
+                return plan
+            if time.monotonic() > deadline:
+                return None
+            if not waited:
+                waited = True
+                self.stats.num_waited += 1
+            await asyncio.sleep(ROOM_POLL_S)
 
     async def _pull(self, transfer: scheduler_pb2.KVTransfer, indices: list[int], keys: list[bytes]) -> None:
         replies = await self.transport.pull_blocks(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import grpc
 
@@ -58,6 +58,16 @@ def check_num_blocks(num_blocks: int) -> None:
         raise InvalidStepError(f"num_blocks must be an int, got {num_blocks!r}")
     if not 0 <= num_blocks < 2**32:
         raise InvalidStepError(f"num_blocks must be in [0, 2**32), got {num_blocks}")
+
+
+class ImportPlan(NamedTuple):
+    """What a decode replica pulls for a prompt (`KVCacheClient.import_plan`)."""
+
+    indices: list[int]  # the prompt's blocks to pull
+    keys: list[bytes]  # their prefix keys
+    num_present: int  # leading blocks found without pulling
+    num_held: int = 0  # blocks in the import level now, not loaded yet
+    capacity: int = 0  # how many it holds
 
 
 class KVCacheClient(abc.ABC):
@@ -120,11 +130,9 @@ class KVCacheClient(abc.ABC):
     # P/D disaggregation, on a decode replica (the KV service's import level, issue 39); each
     # raises ImportUnavailable without one
 
-    async def import_plan(
-        self, namespace: str | None, token_ids: Sequence[int], num_blocks: int
-    ) -> tuple[list[int], list[bytes], int]:
-        """(indices, keys) of the prompt's first `num_blocks` full blocks to pull, and how
-        many leading blocks are found without pulling."""
+    async def import_plan(self, namespace: str | None, token_ids: Sequence[int], num_blocks: int) -> ImportPlan:
+        """The prompt's first `num_blocks` full blocks to pull, how many leading blocks are
+        found without pulling, and the import level's fill."""
         raise ImportUnavailable("this KV client has no import level")
 
     async def commit_import(self, keys: Sequence[bytes]) -> None:
@@ -256,9 +264,7 @@ class GrpcKVCacheClient(KVCacheClient):
     async def epoch(self) -> int:
         return (await self._stats(include_sequences=False)).epoch
 
-    async def import_plan(
-        self, namespace: str | None, token_ids: Sequence[int], num_blocks: int
-    ) -> tuple[list[int], list[bytes], int]:
+    async def import_plan(self, namespace: str | None, token_ids: Sequence[int], num_blocks: int) -> ImportPlan:
         request = kvcache_pb2.ImportPrefixRequest(
             phase=kvcache_pb2.ImportPrefixRequest.PHASE_PLAN,
             namespace=namespace,
@@ -266,7 +272,9 @@ class GrpcKVCacheClient(KVCacheClient):
             num_blocks=num_blocks,
         )
         reply = await self._call(self._stub.ImportPrefix, request)
-        return list(reply.block_indices), list(reply.keys), reply.num_present
+        return ImportPlan(
+            list(reply.block_indices), list(reply.keys), reply.num_present, reply.num_held, reply.capacity
+        )
 
     async def commit_import(self, keys: Sequence[bytes]) -> None:
         request = kvcache_pb2.ImportPrefixRequest(phase=kvcache_pb2.ImportPrefixRequest.PHASE_COMMIT, keys=keys)

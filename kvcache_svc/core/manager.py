@@ -353,6 +353,8 @@ class KVCacheManager:
         self._let_go([page for _, _, page in out])
 
     def _complete(self, micro_batch: MicroBatchRecord) -> None:
+        if self._tier is not None:
+            self._tier.settled(micro_batch.tier_keys)
         for seq, block_id, generation, entry in micro_batch.filled:
             if seq.cacheable and self._pool.ref_count(block_id) > 0 and self._pool.generation(block_id) == generation:
                 self._cache.register(block_id, entry)

@@ -57,6 +57,8 @@ class TierIndex:
             raise ValueError("kv tier: a disk tier needs a host tier above it")
         self.host_blocks, self.disk_blocks, self.import_blocks = host_blocks, disk_blocks, import_blocks
         self._imported: OrderedDict[bytes, float] = OrderedDict()  # key -> when committed, oldest first
+        # imported keys a step in flight loads: the stages hold them until they apply it
+        self._loading: set[bytes] = set()
         self._clock = clock
         self.num_imported = self.num_import_loads = self.num_import_expired = 0
         self._host: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
@@ -79,7 +81,8 @@ class TierIndex:
 
     @property
     def num_import(self) -> int:
-        return len(self._imported)
+        """Imported blocks the stages hold: not loaded yet, or loaded by a step in flight."""
+        return len(self._imported) + len(self._loading)
 
     def medium(self, key: bytes) -> str | None:
         if key in self._imported:
@@ -112,6 +115,7 @@ class TierIndex:
         """A prefix hit below the pool: `key` is read into fresh pool block `block_id` (an
         imported key is consumed: the stages let go of it as they load it)."""
         if self._imported.pop(key, None) is not None:
+            self._loading.add(key)
             self.num_import_loads += 1
         else:
             level = self._host if key in self._host else self._disk
@@ -131,11 +135,17 @@ class TierIndex:
             self._imported.pop(key, None)
             self._imported[key] = self._clock()
             added += 1
-        while len(self._imported) > self.import_blocks:
+        while self._imported and self.num_import > self.import_blocks:
             old, _ = self._imported.popitem(last=False)
             self._pending.append(TierOp(TIER_DROP, old))
         self.num_imported += added
         return added
+
+    def settled(self, keys: Iterable[bytes]) -> None:
+        """A step that moved `keys` completed: every stage has applied it (its imported LOADs
+        let go of their blocks)."""
+        if self._loading:
+            self._loading.difference_update(keys)
 
     def expire_imports(self) -> None:
         """Imported keys not loaded within IMPORT_TTL_S are dropped (by the next writing step)."""
@@ -160,6 +170,7 @@ class TierIndex:
                     self.num_drops += 1
                     self._told("removed", key, medium)
             self._imported.pop(key, None)
+            self._loading.discard(key)
             self._pending.append(TierOp(TIER_DROP, key))
 
     def take_pending(self, ops: list[TierOp]) -> None:
@@ -174,6 +185,7 @@ class TierIndex:
         self._host.clear()
         self._disk.clear()
         self._imported.clear()
+        self._loading.clear()
         self._pending.clear()
 
     def _oldest(self, level: OrderedDict[bytes, None]) -> bytes | None:
@@ -218,7 +230,7 @@ class TierIndex:
     def check_integrity(self) -> None:
         assert len(self._host) <= self.host_blocks, (len(self._host), self.host_blocks)
         assert len(self._disk) <= self.disk_blocks, (len(self._disk), self.disk_blocks)
-        assert len(self._imported) <= self.import_blocks, (len(self._imported), self.import_blocks)
+        assert self.num_import <= self.import_blocks, (self.num_import, self.import_blocks)
         assert not self._host.keys() & self._disk.keys(), "a key in both tiers"
         assert not self._imported.keys() & (self._host.keys() | self._disk.keys()), "an imported key in a tier"
         assert all(op.kind == TIER_DROP for op in self._pending), self._pending

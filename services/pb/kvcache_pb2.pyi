@@ -42,14 +42,18 @@ class ImportPrefixRequest(_message.Message):
     def __init__(self, phase: _Optional[_Union[ImportPrefixRequest.Phase, str]] = ..., namespace: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ImportPrefixResponse(_message.Message):
-    __slots__ = ("block_indices", "keys", "num_present")
+    __slots__ = ("block_indices", "keys", "num_present", "num_held", "capacity")
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     block_indices: _containers.RepeatedScalarFieldContainer[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_present: int
-    def __init__(self, block_indices: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., num_present: _Optional[int] = ...) -> None: ...
+    num_held: int
+    capacity: int
+    def __init__(self, block_indices: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[bytes]] = ..., num_present: _Optional[int] = ..., num_held: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("micro_batch_id", "completed_micro_batch_ids", "failed_micro_batch_ids", "free_seq_ids", "forks", "new_sequences", "appends", "watermark_blocks")

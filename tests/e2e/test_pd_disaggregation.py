@@ -170,6 +170,19 @@ def test_disaggregated_output_equals_the_aggregated_stack_and_nothing_leaks(repl
     assert prefill["num_released"] == long_prompts and prefill["replicas"][0]["name"] == "p0"
 
 
+def test_a_burst_larger_than_the_import_area_waits_its_turn_instead_of_recomputing(replicas, gateway, reference):
+    batch = prompts(3, [300] * 8)  # 18 blocks each to pull: 144 against an area of 64
+    before = asyncio.run(stats(replicas["d0"].scheduler_address)).disaggregation
+    got = complete_all(gateway.port, batch)
+    after = asyncio.run(stats(replicas["d0"].scheduler_address)).disaggregation
+    assert after.num_imported - before.num_imported == len(batch)
+    assert after.num_import_failures == before.num_import_failures
+    assert after.num_imported_blocks - before.num_imported_blocks == len(batch) * (299 // BLOCK)
+    for p, out in zip(batch, got, strict=True):
+        assert reference.compare(p, out).tie_divergences == 0
+    assert wait_no_blocks(replicas["d0"]) == 0
+
+
 def test_the_prefill_replica_killed_mid_transfer_leaves_every_request_answered_and_no_block_held(
     replicas, gateway, reference
 ):

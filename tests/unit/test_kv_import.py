@@ -121,11 +121,31 @@ async def _client_round():
     m = manager()
     client = InProcessKVCacheClient(m)
     prompt = list(range(2 * BS + 3))
-    indices, keys, present = await client.import_plan(None, prompt, 5)
-    assert indices == [0, 1] and present == 0
+    indices, keys, present, held, capacity = await client.import_plan(None, prompt, 5)
+    assert indices == [0, 1] and present == 0 and (held, capacity) == (0, 8)
     await client.commit_import(keys)
-    assert (await client.import_plan(None, prompt, 5)) == ([], [], 2)
+    assert (await client.import_plan(None, prompt, 5)) == ([], [], 2, 2, 8)  # (the level holds 2 now)
     await client.forget_import(keys)
     assert (await client.import_plan(None, prompt, 5))[0] == [0, 1]
     with pytest.raises(ImportUnavailable):
         await InProcessKVCacheClient(KVCacheManager(8, BS)).import_plan(None, prompt, 5)
+
+
+def test_a_loaded_import_keeps_its_room_until_the_step_that_loads_it_completes():
+    m = manager(import_blocks=4)
+    prompt = list(range(30, 30 + 3 * BS + 1))
+    _, keys, _ = plan(m, prompt, 9)
+    tier = m.import_level()[1]
+    tier.commit_import(keys)
+    m.step(StepInput(new_sequences=[NewSequence(1, prompt)], micro_batch_id=1))
+    assert tier.num_import == 3  # the stages free the blocks as they apply the step, not before
+    m.complete([1])
+    assert tier.num_import == 0
+    other = list(range(80, 80 + 3 * BS + 1))
+    _, keys2, _ = plan(m, other, 9)
+    tier.commit_import(keys2)  # a failed step: its keys are dropped from the stages
+    m.step(StepInput(new_sequences=[NewSequence(2, other)], micro_batch_id=2))
+    assert tier.num_import == 3
+    m.fail([2])
+    assert tier.num_import == 0
+    m.check_integrity()
