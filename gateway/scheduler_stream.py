@@ -22,12 +22,11 @@ import logging
 
 import grpc
 
-from services.grpc_utils import PIPELINE_DOWN, UNAVAILABLE_REASON_KEY
+from services.grpc_utils import PIPELINE_DOWN, UNAVAILABLE_REASON_KEY, status_from_value
 from services.pb import scheduler_pb2
 
 log = logging.getLogger(__name__)
 
-_STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
 _END = object()
 
 
@@ -108,7 +107,7 @@ class SchedulerStream:
                 for failure in events.failures:
                     entry = self._queues.pop(failure.request_id, None)
                     if entry is not None:
-                        code = _STATUS_BY_VALUE.get(failure.code, grpc.StatusCode.UNKNOWN)
+                        code = status_from_value(failure.code)
                         entry[1].put_nowait(call_error(code, failure.message, failure.pipeline_down))
         except grpc.aio.AioRpcError as exc:
             error = exc

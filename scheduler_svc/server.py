@@ -33,6 +33,7 @@ from services.grpc_utils import (
     create_aio_server,
     serve_until_signalled,
     set_serving,
+    status_from_value,
 )
 from services.kv_client import KVCacheClient
 from services.kv_layout import parse_spec
@@ -62,9 +63,6 @@ _STATE = {
 
 class InvalidRequest(ValueError):
     pass
-
-
-_STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
 
 
 def request_from_pb(msg: scheduler_pb2.GenerateRequest, config: SchedulerConfig, vocab_size: int) -> Request:
@@ -144,7 +142,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if out.error is not None:
                     failure = self.failure(req.request_id, out.error)
                     await context.abort(
-                        _STATUS_BY_VALUE[failure.code],
+                        status_from_value(failure.code),
                         failure.message,
                         trailing_metadata=((UNAVAILABLE_REASON_KEY, PIPELINE_DOWN),) if failure.pipeline_down else (),
                     )

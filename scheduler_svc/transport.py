@@ -18,7 +18,7 @@ import grpc
 
 from scheduler_svc.core.lora import LoraAdapter, LoraRegistry
 from scheduler_svc.events import ErrorEvent, StageDownEvent, StageInfo
-from services.grpc_utils import aio_channel
+from services.grpc_utils import aio_channel, status_from_value
 from services.pb import worker_pb2, worker_pb2_grpc
 from services.step import StageTiming, StepPlan
 from services.step_codec import PlanDecodeError, plan_to_pb, result_from_pb
@@ -261,10 +261,7 @@ class GrpcStageTransport:
                 log.warning("stage %d reported micro-batch %d, which was never sent: ignored", index, mb_id)
             return
         if done.HasField("error") and done.error.code:
-            code = grpc.StatusCode.UNKNOWN.name
-            for c in grpc.StatusCode:
-                if c.value[0] == done.error.code:
-                    code = c.name
+            code = status_from_value(done.error.code).name
             self._in_flight.discard(mb_id)
             on_event(ErrorEvent(mb_id, index, code, done.error.message))
             return

@@ -31,6 +31,14 @@ INTERNAL_TOKEN_HEADER = "x-pagoda-internal-token"
 # decides to retry by this, never by the message's words. PIPELINE_DOWN: the scheduler is up
 # but its pipeline stayed down past its recovery timeout (another replica may serve; a lone
 # scheduler's answer is final).
+_STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
+
+
+def status_from_value(value: int) -> grpc.StatusCode:
+    """A status code carried as its number (google.rpc.Code) in a message; UNKNOWN if none."""
+    return _STATUS_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
+
+
 UNAVAILABLE_REASON_KEY = "pagoda-unavailable"
 PIPELINE_DOWN = "pipeline"
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes need no secret
