@@ -44,6 +44,7 @@ class SchedulerStream:
         self._reader: asyncio.Task | None = None
         self._queues: dict[str, tuple[object, asyncio.Queue]] = {}  # request id -> (its call, its queue)
         self._write_lock = asyncio.Lock()
+        self._aborts: set[asyncio.Task] = set()  # abort commands being written (held: the loop keeps weak refs)
         self.unsupported = False  # the scheduler answered UNIMPLEMENTED: Generate calls instead
         self.num_streams = 0  # streams opened (1 while nothing broke)
 
@@ -84,7 +85,9 @@ class SchedulerStream:
         if entry is None or entry[0] is not self._call:
             return
         command = scheduler_pb2.StreamCommand(abort=scheduler_pb2.AbortRequest(request_id=request_id))
-        asyncio.get_running_loop().create_task(self._write(entry[0], command))
+        task = asyncio.get_running_loop().create_task(self._write(entry[0], command))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     def finished(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
