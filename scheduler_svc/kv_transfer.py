@@ -33,7 +33,7 @@ PULL_TIMEOUT_S = 30.0
 # how long a request waits for room in the import level (blocks pulled for requests ahead of it
 # are loaded as those are admitted) before its prompt is computed here instead
 ROOM_WAIT_S = 30.0
-ROOM_POLL_S = 0.02
+ROOM_POLL_S = (0.02, 0.25)  # the first and the longest wait between two asks of the KV service
 
 
 def export_to_pb(
@@ -77,6 +77,7 @@ class KVImporter:
         self.kv, self.transport, self.block_size, self.namespace = kv, transport, block_size, namespace
         self.stats = ImportStats()
         self._pulling = 0  # blocks being pulled now: not in the import level yet, its room taken
+        self._room_turn = asyncio.Lock()  # requests short of room wait their turn, in arrival order
 
     def skip_reason(self, request: Request, transfer: scheduler_pb2.KVTransfer) -> str:
         """Why `transfer` cannot serve `request` here ("" when it can)."""
@@ -106,10 +107,8 @@ class KVImporter:
             plan = await self._plan_with_room(request, transfer)
             if plan is None:
                 raise RuntimeError(f"no room in the import level within {ROOM_WAIT_S:.0f} s")
-            indices, keys, present = plan.indices, plan.keys, plan.num_present
+            indices, keys, present, reserved = plan.indices, plan.keys, plan.num_present, len(plan.indices)
             if indices:
-                reserved = len(indices)
-                self._pulling += reserved
                 await self._pull(transfer, indices, keys)
                 await self.kv.commit_import(keys)
         except (Exception, asyncio.CancelledError) as exc:
@@ -127,21 +126,38 @@ class KVImporter:
         return present + len(indices)
 
     async def _plan_with_room(self, request: Request, transfer: scheduler_pb2.KVTransfer) -> ImportPlan | None:
-        """The blocks to pull, once the import level has room for them beside what it holds
-        and what is being pulled (None after ROOM_WAIT_S): a burst of long prompts waits its
-        turn instead of overflowing the stages' import areas into recomputation."""
-        deadline, waited = time.monotonic() + ROOM_WAIT_S, False
-        while True:
-            plan = await self.kv.import_plan(self.namespace, request.prompt, transfer.num_blocks)
-            need = len(plan.indices)
-            if not need or not plan.capacity or plan.num_held + self._pulling + need <= plan.capacity:
-                return plan
-            if time.monotonic() > deadline:
-                return None
-            if not waited:
-                waited = True
-                self.stats.num_waited += 1
-            await asyncio.sleep(ROOM_POLL_S)
+        """The blocks to pull, their room taken (`_pulling`), once the import level has it beside
+        what it holds and what is being pulled; None after ROOM_WAIT_S. A burst of long prompts
+        waits its turn instead of overflowing the stages' import areas into recomputation: one
+        request at a time asks again, less often the longer it waits."""
+        deadline = time.monotonic() + ROOM_WAIT_S
+        plan = await self._plan_if_room(request, transfer)
+        if plan is not None:
+            return plan
+        self.stats.num_waited += 1
+        try:
+            await asyncio.wait_for(self._room_turn.acquire(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return None
+        try:
+            pause = ROOM_POLL_S[0]
+            while time.monotonic() < deadline:
+                await asyncio.sleep(pause)
+                plan = await self._plan_if_room(request, transfer)
+                if plan is not None:
+                    return plan
+                pause = min(2 * pause, ROOM_POLL_S[1])
+            return None
+        finally:
+            self._room_turn.release()
+
+    async def _plan_if_room(self, request: Request, transfer: scheduler_pb2.KVTransfer) -> ImportPlan | None:
+        plan = await self.kv.import_plan(self.namespace, request.prompt, transfer.num_blocks)
+        need = len(plan.indices)
+        if need and plan.capacity and plan.num_held + self._pulling + need > plan.capacity:
+            return None
+        self._pulling += need
+        return plan
 
     async def _pull(self, transfer: scheduler_pb2.KVTransfer, indices: list[int], keys: list[bytes]) -> None:
         replies = await self.transport.pull_blocks(
