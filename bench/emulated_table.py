@@ -139,7 +139,7 @@ def stage_gaps(spans: list[tuple[int, int, int, int]], window: tuple[int, int]) 
     start_ns, end_ns) whose next span starts inside `window` (wall-clock ns)."""
     by_stage: dict[int, list[tuple[int, int, int]]] = {}
     ends: dict[tuple[int, int], int] = {}
-    for stage, mb, start, end in spans:
+    for stage, mb, start, end, *_ in spans:
         by_stage.setdefault(stage, []).append((start, end, mb))
         ends[(stage, mb)] = end
     ready, first = [], []
@@ -160,8 +160,8 @@ def stage_gaps(spans: list[tuple[int, int, int, int]], window: tuple[int, int]) 
 def max_at_once(spans: list[tuple[int, int, int, int]], window: tuple[int, int]) -> int:
     """The most micro-batches computing at one instant (each on its own stage) in `window`."""
     events = sorted(
-        [(s, 1) for _, _, s, e in spans if window[0] <= s <= window[1]]
-        + [(e, -1) for _, _, s, e in spans if window[0] <= s <= window[1]]
+        [(s, 1) for _, _, s, e, *_ in spans if window[0] <= s <= window[1]]
+        + [(e, -1) for _, _, s, e, *_ in spans if window[0] <= s <= window[1]]
     )
     live = best = 0
     for _, kind in events:  # ends sort before starts at the same instant
@@ -183,7 +183,7 @@ class TimelinePoller:
 
         self._channel = aio_channel(address)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        self.spans: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+        self.spans: dict[tuple[int, int], tuple[int, ...]] = {}
         self.feedback_waits = 0  # stage 0's num_feedback_waits at the last poll
         self.kv_steps = 0  # the KV service's Step calls at the last poll (0: not reported)
         self._task: asyncio.Task | None = None
@@ -197,7 +197,13 @@ class TimelinePoller:
         self.kv_steps = resp.kv_cache.num_steps if resp.HasField("kv_cache") else 0
         before = len(self.spans)
         for s in resp.timeline:
-            self.spans[(s.stage_index, s.micro_batch_id)] = (s.stage_index, s.micro_batch_id, s.start_ns, s.end_ns)
+            self.spans[(s.stage_index, s.micro_batch_id)] = (
+                s.stage_index,
+                s.micro_batch_id,
+                s.start_ns,
+                s.end_ns,
+                s.received_ns,
+            )
         return len(self.spans) - before
 
     async def _loop(self) -> None:

@@ -192,7 +192,9 @@ def emulated_busy(results: dict, path: Path, window_s: float = 0.25, load: str =
             if not cell or not cell.get("spans"):
                 ax.set_axis_off()
                 continue
-            spans = [{"stage": st, "micro_batch_id": mb, "start_ns": a, "end_ns": b} for st, mb, a, b in cell["spans"]]
+            spans = [
+                {"stage": st, "micro_batch_id": mb, "start_ns": a, "end_ns": b} for st, mb, a, b, *_ in cell["spans"]
+            ]
             events, lo, hi = gantt_window(spans, window_s)
             _stage_bars(ax, events, lo, hi, list(range(pp)), label_ids=False)
             ax.set_title(

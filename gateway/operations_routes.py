@@ -100,6 +100,8 @@ def add_debug_routes(app: FastAPI, gw: Any) -> None:
                     "cpu": s.load_info.cpu,
                     # how its hidden states go to the next stage (issue 37): shm, nccl, grpc
                     "data_channel": s.stats.data_channel or s.load_info.data_channel,
+                    # how its step messages go on: "unix" (a local socket) or "grpc"
+                    "control_channel": s.stats.control_channel,
                 }
                 for s in stats.stages
             ],

@@ -234,7 +234,7 @@ class Engine(FailureHandling):
         self.observer.metrics = metrics
 
     @property
-    def recent_spans(self) -> deque[tuple[int, int, int, int]]:
+    def recent_spans(self) -> deque[tuple[int, int, int, int, int]]:
         """(stage index, micro-batch id, compute start ns, end ns) of the last steps."""
         return self.observer.recent_spans
 

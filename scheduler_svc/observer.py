@@ -76,7 +76,7 @@ class EngineObserver:
         self._planner = planner
         # (stage index, micro-batch id, compute start ns, end ns) of the last steps: the
         # pipeline's timeline for the dashboard (GetStats include_timeline)
-        self.recent_spans: deque[tuple[int, int, int, int]] = deque(maxlen=RECENT_SPANS)
+        self.recent_spans: deque[tuple[int, int, int, int, int]] = deque(maxlen=RECENT_SPANS)
         # counts for GetStats
         self.num_micro_batches = 0
         self.num_finished = 0
@@ -224,7 +224,7 @@ class EngineObserver:
         now_ns = time.time_ns()
         computed = [t for t in result.timings if t.compute_start_ns]
         for t in computed:
-            self.recent_spans.append((t.stage_index, mb_id, t.compute_start_ns, t.compute_end_ns))
+            self.recent_spans.append((t.stage_index, mb_id, t.compute_start_ns, t.compute_end_ns, t.received_ns))
         for request_id in self._mb_requests.pop(mb_id, ()):
             watched = self._requests.get(request_id)
             if watched is not None and watched.span is not None and mb_id in watched.step_spans:

@@ -334,8 +334,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             resp.kv_health = common_pb2.HEALTH_STATUS_NOT_SERVING
             resp.health_detail += f"; KV service: {exc}"
         if request.include_timeline:
-            for stage_index, mb_id, start_ns, end_ns in list(engine.recent_spans):
-                resp.timeline.add(stage_index=stage_index, micro_batch_id=mb_id, start_ns=start_ns, end_ns=end_ns)
+            for stage_index, mb_id, start_ns, end_ns, received_ns in list(engine.recent_spans):
+                resp.timeline.add(
+                    stage_index=stage_index,
+                    micro_batch_id=mb_id,
+                    start_ns=start_ns,
+                    end_ns=end_ns,
+                    received_ns=received_ns,
+                )
         resp.now_ns = time.time_ns()
         if request.include_requests:
             _requests_to_pb(engine, resp)

@@ -27,7 +27,7 @@ import secrets
 import grpc
 import torch
 
-from services import telemetry
+from services import local_stream, telemetry
 from services.grpc_utils import create_aio_server, drain_requests, serve_until_signalled, set_serving
 from services.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc.checkpoints.convert import dtype_to_pb
@@ -85,7 +85,17 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
                 self.compute.report_forward_failure,
             )
         if config.feedback_address:
-            self.compute.outbox = FeedbackOutbox(config.feedback_address, self.max_message_bytes)
+            self.compute.outbox = FeedbackOutbox(
+                config.feedback_address, self.max_message_bytes, self.stats, local=config.stage_channel != "grpc"
+            )
+        # the step's streams on this host (services/local_stream.py), unless set to gRPC only
+        self.listener = None
+        if config.stage_channel != "grpc":
+            self.listener = local_stream.LocalListener(
+                {"Forward": self._local_forward, "Feedback": self._local_feedback, "Events": self._local_events},
+                self.max_message_bytes,
+            )
+            self.stats.listener = self.listener
         self.lora = LoraAdmin(runner, self.compute.executor)
         self.kv_transfer = KVTransfer(runner, self.compute.executor, self.stats, self.max_message_bytes)
 
@@ -97,6 +107,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
     # --- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.listener is not None:
+            await self.listener.start()
         self._tasks.append(asyncio.create_task(self.compute.run(), name="compute"))
         if self.compute.downstream is not None:
             self._tasks.append(self.compute.downstream.start())
@@ -104,6 +116,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             self._tasks.append(self.compute.outbox.start())
 
     async def stop(self) -> None:
+        if self.listener is not None:
+            await self.listener.close()
         for task in self._tasks:
             task.cancel()
         if self.compute.downstream is not None:
@@ -174,6 +188,17 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
         finally:
             self._subscribers.discard(queue)
 
+    # the same three streams on the local socket (services/local_stream.py)
+
+    async def _local_forward(self, stream: local_stream.ServerStream) -> None:
+        await self.Forward(stream.messages(worker_pb2.MicroBatch), stream.context)
+
+    async def _local_feedback(self, stream: local_stream.ServerStream) -> None:
+        await self.Feedback(stream.messages(worker_pb2.SampledFeedback), stream.context)
+
+    async def _local_events(self, stream: local_stream.ServerStream) -> None:
+        await stream.respond(worker_pb2.EventsRequest, self.Events)
+
     async def OpenDataPlane(self, request, context):
         if self.config.is_first:
             return worker_pb2.DataPlaneReply(
@@ -235,6 +260,8 @@ class StageService(worker_pb2_grpc.StageWorkerServicer):
             cpu=self.stats.cpu,
             kv_groups=model.config.kv_layout.spec(),
             data_channel=self.data_out.channel if self.data_out else "",
+            local_socket=self.listener.address if self.listener else "",
+            local_token=self.listener.token if self.listener else b"",
         )
 
     def _emit(self, done: worker_pb2.MicroBatchDone) -> None:

@@ -134,16 +134,18 @@ class GetStatsRequest(_message.Message):
     def __init__(self, include_kv_sequences: _Optional[bool] = ..., include_requests: _Optional[bool] = ..., include_timeline: _Optional[bool] = ...) -> None: ...
 
 class StageSpan(_message.Message):
-    __slots__ = ("stage_index", "micro_batch_id", "start_ns", "end_ns")
+    __slots__ = ("stage_index", "micro_batch_id", "start_ns", "end_ns", "received_ns")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     START_NS_FIELD_NUMBER: _ClassVar[int]
     END_NS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     micro_batch_id: int
     start_ns: int
     end_ns: int
-    def __init__(self, stage_index: _Optional[int] = ..., micro_batch_id: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ...) -> None: ...
+    received_ns: int
+    def __init__(self, stage_index: _Optional[int] = ..., micro_batch_id: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., received_ns: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "num_waiting", "num_running", "num_served_tokens", "weight")

@@ -390,7 +390,7 @@ class LoadInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageLoadInfo(_message.Message):
-    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "num_kv_blocks", "block_size", "dtype", "kv_cache_dtype", "model", "epoch", "max_num_batched_tokens", "hidden_size", "vocab_size", "max_message_bytes", "next_address", "num_threads", "device", "quantization", "feedback_address", "feedback_connected", "kv_block_bytes", "memory_total_bytes", "memory_budget_bytes", "memory_baseline_bytes", "weights_bytes", "activation_peak_bytes", "tensor_parallel_size", "cpu", "lora_adapters", "kv_groups", "expert_weights_bytes", "data_channel")
+    __slots__ = ("stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "num_kv_blocks", "block_size", "dtype", "kv_cache_dtype", "model", "epoch", "max_num_batched_tokens", "hidden_size", "vocab_size", "max_message_bytes", "next_address", "num_threads", "device", "quantization", "feedback_address", "feedback_connected", "kv_block_bytes", "memory_total_bytes", "memory_budget_bytes", "memory_baseline_bytes", "weights_bytes", "activation_peak_bytes", "tensor_parallel_size", "cpu", "lora_adapters", "kv_groups", "expert_weights_bytes", "data_channel", "local_socket", "local_token")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -424,6 +424,8 @@ class StageLoadInfo(_message.Message):
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     num_stages: int
     layer_start: int
@@ -457,14 +459,16 @@ class StageLoadInfo(_message.Message):
     kv_groups: str
     expert_weights_bytes: int
     data_channel: str
-    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., kv_cache_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., next_address: _Optional[str] = ..., num_threads: _Optional[int] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., feedback_address: _Optional[str] = ..., feedback_connected: _Optional[bool] = ..., kv_block_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., memory_baseline_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., cpu: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., kv_groups: _Optional[str] = ..., expert_weights_bytes: _Optional[int] = ..., data_channel: _Optional[str] = ...) -> None: ...
+    local_socket: str
+    local_token: bytes
+    def __init__(self, stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., kv_cache_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., next_address: _Optional[str] = ..., num_threads: _Optional[int] = ..., device: _Optional[str] = ..., quantization: _Optional[str] = ..., feedback_address: _Optional[str] = ..., feedback_connected: _Optional[bool] = ..., kv_block_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., memory_baseline_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., cpu: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., kv_groups: _Optional[str] = ..., expert_weights_bytes: _Optional[int] = ..., data_channel: _Optional[str] = ..., local_socket: _Optional[str] = ..., local_token: _Optional[bytes] = ...) -> None: ...
 
 class StageStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("stage_index", "epoch", "busy_ns", "idle_ns", "num_micro_batches", "num_failed_micro_batches", "num_tokens", "num_in_flight", "peak_in_flight", "num_block_copies", "num_received_bytes", "num_sent_bytes", "uptime_ns", "num_fed_tokens", "num_feedback_waits", "num_abandoned", "num_progress_ticks", "progress_age_ns", "computing_micro_batch_id", "cpu", "data_channel", "upstream_channel", "num_ring_full_waits", "num_shm_sent", "num_grpc_sent", "num_p2p_sent")
+    __slots__ = ("stage_index", "epoch", "busy_ns", "idle_ns", "num_micro_batches", "num_failed_micro_batches", "num_tokens", "num_in_flight", "peak_in_flight", "num_block_copies", "num_received_bytes", "num_sent_bytes", "uptime_ns", "num_fed_tokens", "num_feedback_waits", "num_abandoned", "num_progress_ticks", "progress_age_ns", "computing_micro_batch_id", "cpu", "data_channel", "upstream_channel", "num_ring_full_waits", "num_shm_sent", "num_grpc_sent", "num_p2p_sent", "control_channel", "num_local_streams")
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BUSY_NS_FIELD_NUMBER: _ClassVar[int]
@@ -491,6 +495,8 @@ class StageStats(_message.Message):
     NUM_SHM_SENT_FIELD_NUMBER: _ClassVar[int]
     NUM_GRPC_SENT_FIELD_NUMBER: _ClassVar[int]
     NUM_P2P_SENT_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOCAL_STREAMS_FIELD_NUMBER: _ClassVar[int]
     stage_index: int
     epoch: int
     busy_ns: int
@@ -517,7 +523,9 @@ class StageStats(_message.Message):
     num_shm_sent: int
     num_grpc_sent: int
     num_p2p_sent: int
-    def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., busy_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_failed_micro_batches: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_received_bytes: _Optional[int] = ..., num_sent_bytes: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., num_fed_tokens: _Optional[int] = ..., num_feedback_waits: _Optional[int] = ..., num_abandoned: _Optional[int] = ..., num_progress_ticks: _Optional[int] = ..., progress_age_ns: _Optional[int] = ..., computing_micro_batch_id: _Optional[int] = ..., cpu: _Optional[str] = ..., data_channel: _Optional[str] = ..., upstream_channel: _Optional[str] = ..., num_ring_full_waits: _Optional[int] = ..., num_shm_sent: _Optional[int] = ..., num_grpc_sent: _Optional[int] = ..., num_p2p_sent: _Optional[int] = ...) -> None: ...
+    control_channel: str
+    num_local_streams: int
+    def __init__(self, stage_index: _Optional[int] = ..., epoch: _Optional[int] = ..., busy_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_failed_micro_batches: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., num_block_copies: _Optional[int] = ..., num_received_bytes: _Optional[int] = ..., num_sent_bytes: _Optional[int] = ..., uptime_ns: _Optional[int] = ..., num_fed_tokens: _Optional[int] = ..., num_feedback_waits: _Optional[int] = ..., num_abandoned: _Optional[int] = ..., num_progress_ticks: _Optional[int] = ..., progress_age_ns: _Optional[int] = ..., computing_micro_batch_id: _Optional[int] = ..., cpu: _Optional[str] = ..., data_channel: _Optional[str] = ..., upstream_channel: _Optional[str] = ..., num_ring_full_waits: _Optional[int] = ..., num_shm_sent: _Optional[int] = ..., num_grpc_sent: _Optional[int] = ..., num_p2p_sent: _Optional[int] = ..., control_channel: _Optional[str] = ..., num_local_streams: _Optional[int] = ...) -> None: ...
 
 class StageHealthRequest(_message.Message):
     __slots__ = ()

@@ -149,7 +149,10 @@ def test_killed_worker_or_kv_service_changes_no_output(stack, baseline, kind):
     # the stages hand hidden states on through their shared-memory ring (issue 37; another
     # channel when the run forces one), a new one offered after a stage's restart
     channel = {"grpc": "grpc", "nccl": "gloo"}.get(os.environ.get("PAGODA_STAGE_CHANNEL", ""), "shm")
-    assert [st["data_channel"] for st in stack.get("/debug/memory")["stages"]] == [channel, ""]
+    stages = stack.get("/debug/memory")["stages"]
+    assert [st["data_channel"] for st in stages] == [channel, ""]
+    # and the micro-batches through the next stage's local socket, reopened after the restart
+    assert stages[0]["control_channel"] == ("grpc" if channel == "grpc" else "unix")
 
 
 def restarted(stack, service, stage, victim, timeout_s):

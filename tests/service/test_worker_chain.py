@@ -108,6 +108,10 @@ def test_chain_equals_transformers(chain, reference):
     # every hand-off took the chosen channel, and the stages say which
     assert [s.data_channel for s in stats] == [chain.channel] * (len(stats) - 1) + [""]
     assert [s.upstream_channel for s in stats] == [""] + [chain.channel] * (len(stats) - 1)
+    # the micro-batch messages took the next stage's local socket, unless gRPC was forced
+    control = "grpc" if chain.channel == "grpc" else "unix"
+    assert [s.control_channel for s in stats[:-1]] == [control] * (len(stats) - 1)
+    assert [s.num_local_streams > 0 for s in stats[1:]] == [control == "unix"] * (len(stats) - 1)
     sent = [{"shm": s.num_shm_sent, "grpc": s.num_grpc_sent, "gloo": s.num_p2p_sent} for s in stats[:-1]]
     assert all(n[chain.channel] > 0 and sum(n.values()) == n[chain.channel] for n in sent), sent
     mixed = [r for r in driver.builder.records if r.mixes_prefill_and_decode and len(r.entries) >= 3]

@@ -175,9 +175,9 @@ def test_a_timeline_has_queued_steps_and_stage_compute_when_asked_for():
     observer.request_admitted(other)
     observer.micro_batch_planned(micro_batch(1, (asked, 0, 3), (asked, 1, 3), (other, 0, 3)))
     observer.micro_batch_planned(micro_batch(2, (asked, 0, 1)))
-    timings = (StageTiming(0, 0, 10, 20), StageTiming(1, 0, 0, 0), StageTiming(2, 0, 30, 40))
+    timings = (StageTiming(0, 5, 10, 20), StageTiming(1, 0, 0, 0), StageTiming(2, 25, 30, 40))
     observer.micro_batch_returned(StepResult(1, timings=timings), now=0.0)
-    assert list(observer.recent_spans) == [(0, 1, 10, 20), (2, 1, 30, 40)]
+    assert list(observer.recent_spans) == [(0, 1, 10, 20, 5), (2, 1, 30, 40, 25)]
     timeline = observer.request_finished(asked, "stop", "finished")
     assert [(e["name"], e.get("micro_batch_id"), e.get("choice_index"), e["end_ns"] > 0) for e in timeline] == [
         ("queued", None, None, True),

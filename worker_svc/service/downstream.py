@@ -1,5 +1,6 @@
 """The sender: hands each computed micro-batch (its plan, and its hidden states on the data plane)
-to the next stage while the following one computes. A broken stream fails the micro-batches it
+to the next stage while the following one computes; the message goes on the next stage's local
+socket when it is on this host (services/local_stream.py), else on a gRPC Forward stream. A broken stream fails the micro-batches it
 could not take with UNAVAILABLE, and the next one opens another (a restarted stage has a new
 epoch)."""
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 import grpc
 
+from services import local_stream
 from services.grpc_utils import aio_channel
 from services.pb import worker_pb2_grpc
 from worker_svc.execution.data_plane import DataPlaneOut
@@ -90,7 +92,11 @@ class Downstream:
             await asyncio.wait_for(self._channel.channel_ready(), timeout=2.0)
             stub = worker_pb2_grpc.StageWorkerStub(self._channel)
             await self.data_out.connect(stub)  # the channel for hidden states: a ring offered anew
-            self._call = stub.Forward()
+            local = None
+            if self.data_out.setting != "grpc":  # the step messages on the next stage's socket, on this host
+                local = await local_stream.try_open(stub, "Forward", max_message_bytes=self.max_message_bytes)
+            self._call = local or stub.Forward()
+            self.stats.control_channel = "unix" if local else "grpc"
             self._watch_task = asyncio.create_task(self._watch(self._call), name="downstream")
             self.connected = True
         return self._call

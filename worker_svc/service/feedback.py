@@ -14,6 +14,7 @@ import logging
 
 import grpc
 
+from services import local_stream
 from services.grpc_utils import aio_channel
 from services.pb import worker_pb2, worker_pb2_grpc
 from services.step import StepPlan
@@ -113,9 +114,11 @@ class FeedbackOutbox:
     when the stream breaks (tokens lost with it are the scheduler's to recover: the first stage
     restarted, and its new epoch resets the pipeline)."""
 
-    def __init__(self, address: str, max_message_bytes: int) -> None:
+    def __init__(self, address: str, max_message_bytes: int, stats=None, local: bool = True) -> None:
         self.address = address
         self.max_message_bytes = max_message_bytes
+        self.stats = stats  # its control_channel: how the tokens go (worker_svc/service/statistics.py)
+        self.local = local  # the first stage's local socket taken when it offers one (on this host)
         # tokens to write, or a stream's end (`_wake_writer`)
         self.queue: asyncio.Queue[worker_pb2.SampledFeedback | asyncio.Future] = asyncio.Queue(maxsize=1024)
         self.channel: grpc.aio.Channel | None = None
@@ -157,7 +160,12 @@ class FeedbackOutbox:
             call = None
             try:
                 await asyncio.wait_for(self.channel.channel_ready(), timeout=2.0)
-                call = stub.Feedback()
+                if self.local:
+                    call = await local_stream.try_open(stub, "Feedback", max_message_bytes=self.max_message_bytes)
+                if call is None:
+                    call = stub.Feedback()
+                if self.stats is not None:
+                    self.stats.control_channel = "unix" if isinstance(call, local_stream.LocalCall) else "grpc"
                 await self._write_until_broken(call)
             except asyncio.CancelledError:
                 if call is not None:

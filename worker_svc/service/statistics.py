@@ -37,6 +37,8 @@ class StageStatistics:
         self.num_block_copies = 0
         self.num_received_bytes = 0
         self.num_sent_bytes = 0
+        self.control_channel = ""  # how step messages go on: "unix" or "grpc" (downstream.py, feedback.py)
+        self.listener = None  # the local socket (services/local_stream.py), when the stage has one
         # P/D disaggregation's KV transfer (service/kv_transfer.py); on /metrics only
         self.num_exported_blocks = self.num_exported_bytes = 0
         self.num_imported_blocks = self.num_imported_bytes = 0
@@ -89,6 +91,8 @@ class StageStatistics:
             num_shm_sent=out.num_shm_sent if out else 0,
             num_grpc_sent=out.num_grpc_sent if out else 0,
             num_p2p_sent=out.num_p2p_sent if out else 0,
+            control_channel=self.control_channel,
+            num_local_streams=self.listener.num_open if self.listener else 0,
         )
 
     def metric_samples(self):

@@ -1,0 +1,380 @@
+"""The step's messages between processes on one host, over a Unix socket (issue 37).
+
+A step crosses the pipeline as a handful of protobuf messages: the plan into stage 0, the
+micro-batch from stage to stage, the result back to the scheduler and the sampled tokens
+back to stage 0. Over gRPC aio each costs ~0.15 ms of CPU to send and as much to receive
+here, and ~0.5 ms one way; over a Unix socket ~0.01 and ~0.04 ms (`python -m
+bench.stage_handoff --control`). On one host those streams take a socket instead, carrying
+the same protobuf messages, framed; gRPC stays for everything else (loading, statistics,
+LoRA, KV transfer) and is the fallback: another host, a stage set to `--stage-channel grpc`,
+a socket that does not answer.
+
+- A stage listens on an abstract Unix socket (`LocalListener`: Linux's abstract namespace,
+  so nothing is left in the file system however the process ends), a random name and a
+  random 16-byte token; both are in its `StageLoadInfo` (`local_socket`, `local_token`), read
+  over the authenticated gRPC connection. The dialer opens a stream with a hello (the token
+  and the method: "Forward", "Feedback" or "Events"); a wrong token, an unknown method or an
+  oversized hello closes the socket.
+- The stream then carries frames: a 4-byte little-endian length, a kind byte (a message, or
+  the end with a status code and its details) and the body. A message over the limit ends
+  the stream (RESOURCE_EXHAUSTED), so does one that does not decode (INVALID_ARGUMENT).
+- `LocalCall` is the dialer's side and reads like a gRPC aio call (`write`, `async for`,
+  `await call`, `cancel`); its errors are `grpc.aio.AioRpcError`s, so the callers treat a
+  socket's end as a stream's end: a peer gone is UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from services.pb import worker_pb2
+
+log = logging.getLogger(__name__)
+
+_FRAME = struct.Struct("<IB")  # body length, kind
+_MESSAGE, _END = 0, 1
+_END_BODY = struct.Struct("<B")  # the status code's value, then its details (utf-8)
+_TOKEN_BYTES = 16
+_MAX_HELLO = 256
+_HIGH_WATER = 4 << 20  # a writer waits (`drain`) once this much is unsent: back-pressure
+METHODS = ("Forward", "Feedback", "Events")
+
+
+class LocalStreamError(grpc.aio.AioRpcError):
+    """A local stream ended with an error (or its peer went): read as a gRPC call's error."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+class LocalAbort(Exception):
+    """A handler's `context.abort`: ends the stream with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def _frame(kind: int, body: bytes) -> bytes:
+    return _FRAME.pack(len(body), kind) + body
+
+
+def _end_frame(code: grpc.StatusCode, details: str) -> bytes:
+    return _frame(_END, _END_BODY.pack(code.value[0]) + details.encode()[:4096])
+
+
+def _status(value: int) -> grpc.StatusCode:
+    return next((c for c in grpc.StatusCode if c.value[0] == value), grpc.StatusCode.UNKNOWN)
+
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int) -> tuple[int, bytes]:
+    """(kind, body); LocalStreamError when the peer went or the frame is over `limit`."""
+    try:
+        size, kind = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+        if size > limit:
+            raise LocalStreamError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"a {size}-byte message, over the {limit}-byte limit"
+            )
+        return kind, await reader.readexactly(size)
+    except (asyncio.IncompleteReadError, ConnectionError) as exc:
+        raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"the local stream's peer went ({exc})") from None
+
+
+def _decode(message_type, body: bytes):
+    try:
+        return message_type.FromString(body)
+    except Exception:  # noqa: BLE001 - protobuf raises DecodeError or others on garbage
+        raise LocalStreamError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"a message that does not decode as {message_type.DESCRIPTOR.name}"
+        ) from None
+
+
+# --- the listening side (a stage) -----------------------------------------------------------
+
+
+class LocalContext:
+    """What a servicer's handler uses of a gRPC context."""
+
+    def peer(self) -> str:
+        return "unix:local"
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise LocalAbort(code, details)
+
+
+class ServerStream:
+    """One accepted stream, as its handler sees it: the messages that come in, and `write`."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: int) -> None:
+        self._reader, self._writer, self._limit = reader, writer, limit
+        self.context = LocalContext()
+
+    async def messages(self, message_type) -> AsyncIterator:
+        """The messages the dialer writes, until it ends the stream or goes (both end the
+        iteration, as a gRPC request iterator ends)."""
+        while True:
+            try:
+                kind, body = await _read_frame(self._reader, self._limit)
+            except LocalStreamError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise LocalAbort(exc.code(), exc.details()) from None
+                return
+            if kind != _MESSAGE:
+                return
+            try:
+                yield _decode(message_type, body)
+            except LocalStreamError as exc:
+                raise LocalAbort(exc.code(), exc.details()) from None
+
+    async def write(self, message) -> None:
+        self._writer.write(_frame(_MESSAGE, message.SerializeToString()))
+        if self._writer.transport.get_write_buffer_size() > _HIGH_WATER:
+            await self._writer.drain()
+
+    async def respond(self, request_type, serve: Callable) -> None:
+        """A server-streaming method: its one request, then every message of
+        `serve(request, context)` written, until the dialer goes (the responses are then
+        stopped and closed, as gRPC cancels a stream whose client went)."""
+        requests = self.messages(request_type)
+        request = await anext(requests, None)
+        if request is None:
+            return
+        responding = asyncio.current_task()
+        watch = asyncio.create_task(self._cancel_when_gone(requests, responding), name="local-stream-watch")
+        try:
+            async with contextlib.aclosing(serve(request, self.context)) as responses:
+                async for message in responses:
+                    await self.write(message)
+        finally:
+            watch.cancel()
+
+    @staticmethod
+    async def _cancel_when_gone(requests, responding: asyncio.Task) -> None:
+        with contextlib.suppress(LocalAbort):
+            async for _ in requests:
+                pass
+        responding.cancel()
+
+
+Handler = Callable[[ServerStream], Awaitable[None]]
+
+
+class LocalListener:
+    """A stage's abstract Unix socket: streams opened by the dialers of this host, each to
+    one of `handlers` (a method name's coroutine)."""
+
+    def __init__(self, handlers: dict[str, Handler], max_message_bytes: int) -> None:
+        self.handlers, self.max_message_bytes = handlers, max_message_bytes
+        self.name = f"\0pagoda-{secrets.token_hex(12)}"
+        self.token = secrets.token_bytes(_TOKEN_BYTES)
+        self.num_open = 0  # streams open now
+        self.num_refused = 0  # hellos refused (a wrong token or method)
+        self._server: asyncio.AbstractServer | None = None
+        self._open: set[asyncio.StreamWriter] = set()
+
+    @property
+    def address(self) -> str:
+        """The socket's name as StageLoadInfo carries it ("@" for the leading NUL, as `ss` shows)."""
+        return "@" + self.name[1:]
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._accept, self.name, limit=1 << 16)
+
+    async def close(self) -> None:
+        """No more streams; those open are cut (their dialers see the stage gone)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for writer in list(self._open):
+            writer.transport.abort()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            kind, hello = await asyncio.wait_for(_read_frame(reader, _MAX_HELLO), 5.0)
+            token, method = hello[:_TOKEN_BYTES], hello[_TOKEN_BYTES:].decode(errors="replace")
+            handler = self.handlers.get(method)
+            if kind != _MESSAGE or not hmac.compare_digest(token, self.token) or handler is None:
+                self.num_refused += 1
+                log.warning("a local stream was refused (wrong token or method %r)", method[:32])
+                writer.write(_end_frame(grpc.StatusCode.UNAUTHENTICATED, "wrong token or method"))
+                return
+            writer.write(_frame(_MESSAGE, b""))  # accepted
+        except (TimeoutError, LocalStreamError):
+            return await self._close(writer)
+        self.num_open += 1
+        self._open.add(writer)
+        end = _end_frame(grpc.StatusCode.OK, "")
+        try:
+            await handler(ServerStream(reader, writer, self.max_message_bytes))
+        except LocalAbort as exc:
+            end = _end_frame(exc.code, exc.details)
+        except (ConnectionError, asyncio.CancelledError):
+            end = b""
+        except Exception as exc:  # a handler's bug ends its stream, not the listener
+            log.exception("local %s stream failed", method)
+            end = _end_frame(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.num_open -= 1
+            self._open.discard(writer)
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                writer.write(end)
+            await self._close(writer)
+
+    @staticmethod
+    async def _close(writer: asyncio.StreamWriter) -> None:
+        writer.close()
+        with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
+            await writer.wait_closed()
+
+
+# --- the dialing side (the scheduler, a stage upstream) -------------------------------------
+
+
+class LocalCall:
+    """One stream opened on a stage's socket, used as a gRPC aio streaming call: `write`
+    messages (Forward, Feedback), iterate the responses (Events), `await` its end, `cancel`.
+    Made by `open_call`."""
+
+    def __init__(self, reader, writer, response_type, limit: int) -> None:
+        self._reader, self._writer, self._limit = reader, writer, limit
+        self._response_type = response_type
+        self._ended: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._reader_task = None
+        if response_type is None:  # nothing comes back but the end: watched from the start
+            self._reader_task = asyncio.create_task(self._await_end(), name="local-stream-end")
+
+    async def write(self, message) -> None:
+        if self._ended.done():
+            raise self._error()
+        self._writer.write(_frame(_MESSAGE, message.SerializeToString()))
+        if self._writer.transport.get_write_buffer_size() > _HIGH_WATER:
+            await self._writer.drain()
+
+    async def done_writing(self) -> None:
+        if not self._ended.done():
+            self._writer.write(_frame(_END, _END_BODY.pack(0)))
+
+    def cancel(self) -> bool:
+        if self._ended.done():
+            return False
+        self._finish(LocalStreamError(grpc.StatusCode.CANCELLED, "cancelled by this side"))
+        return True
+
+    def __await__(self):
+        return self._wait().__await__()
+
+    async def _wait(self) -> None:
+        await asyncio.shield(self._ended)
+        if self._ended.exception() is not None:
+            raise self._ended.exception()
+
+    def __aiter__(self):
+        return self._responses()
+
+    async def _responses(self):
+        while not self._ended.done():
+            try:
+                kind, body = await _read_frame(self._reader, self._limit)
+            except LocalStreamError as exc:
+                self._finish(exc)
+                break
+            if kind == _END:
+                self._finish(self._end_of(body))
+                break
+            yield _decode(self._response_type, body)
+        await self._wait()
+
+    async def _await_end(self) -> None:
+        try:
+            while True:
+                kind, body = await _read_frame(self._reader, self._limit)
+                if kind == _END:
+                    self._finish(self._end_of(body))
+                    return
+        except LocalStreamError as exc:
+            self._finish(exc)
+
+    @staticmethod
+    def _end_of(body: bytes) -> LocalStreamError | None:
+        code = _status(body[0]) if body else grpc.StatusCode.UNKNOWN
+        if code == grpc.StatusCode.OK:
+            return None
+        return LocalStreamError(code, body[1:].decode(errors="replace"))
+
+    def _finish(self, error: LocalStreamError | None) -> None:
+        if self._ended.done():
+            return
+        if error is None:
+            self._ended.set_result(None)
+        else:
+            self._ended.set_exception(error)
+            self._ended.exception()  # (retrieved: no "never retrieved" warning when nobody awaits)
+        self._writer.close()
+        if self._reader_task is not None and self._reader_task is not asyncio.current_task():
+            self._reader_task.cancel()
+
+    def _error(self) -> LocalStreamError:
+        exc = self._ended.exception()
+        return exc or LocalStreamError(grpc.StatusCode.UNAVAILABLE, "the local stream ended")
+
+
+async def open_call(
+    address: str,
+    token: bytes,
+    method: str,
+    request=None,
+    response_type=None,
+    max_message_bytes: int = 64 << 20,
+    timeout_s: float = 2.0,
+) -> LocalCall:
+    """A stream of `method` on the socket `address` ("@name"); `request` is written first
+    (Events' subscription). LocalStreamError (UNAVAILABLE) when the socket does not answer,
+    (UNAUTHENTICATED) when it refuses the token."""
+    if not address.startswith("@") or len(token) != _TOKEN_BYTES:
+        raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"no local socket at {address!r}")
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_unix_connection("\0" + address[1:], limit=1 << 16), timeout_s
+        )
+    except (OSError, TimeoutError) as exc:
+        raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"local socket {address}: {exc}") from None
+    try:
+        writer.write(_frame(_MESSAGE, token + method.encode()))
+        kind, _ = await asyncio.wait_for(_read_frame(reader, 4096), timeout_s)
+        if kind != _MESSAGE:
+            raise LocalStreamError(grpc.StatusCode.UNAUTHENTICATED, f"local socket {address} refused the stream")
+    except TimeoutError:
+        writer.close()
+        raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"local socket {address} did not answer") from None
+    except LocalStreamError:
+        writer.close()
+        raise
+    call = LocalCall(reader, writer, response_type, max_message_bytes)
+    if request is not None:
+        await call.write(request)
+    return call
+
+
+async def try_open(stub, method: str, request=None, response_type=None, max_message_bytes: int = 64 << 20):
+    """A stream of `method` on the local socket of the stage behind `stub` (a StageWorker
+    stub), or None where there is none to take: the stage offers none (set to grpc), it is
+    on another host, or it does not answer (the caller opens the gRPC stream instead)."""
+    try:
+        info = await stub.LoadInfo(worker_pb2.LoadInfoRequest(), timeout=2.0)
+    except grpc.aio.AioRpcError:
+        return None
+    if not info.local_socket:
+        return None
+    try:
+        return await open_call(info.local_socket, info.local_token, method, request, response_type, max_message_bytes)
+    except LocalStreamError as exc:
+        log.info("no local %s stream to stage %d (%s): it goes over gRPC", method, info.stage_index, exc.details())
+        return None
