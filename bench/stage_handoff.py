@@ -1,5 +1,7 @@
 """One hop of the data plane (issue 37): a stage's hidden states handed to the next stage
-through the pair's shared-memory ring against inside the gRPC message, in the same run.
+through the pair's shared-memory ring against inside the gRPC message, in the same run; and
+the ring with the message on the next stage's local socket instead of gRPC ("unix":
+services/local_stream.py, what stages on one host take).
 
     .venv/bin/python -m bench.stage_handoff [--iters 300] [--hidden 4096 576] [--rows 1 16 64]
 
@@ -42,6 +44,7 @@ async def _receive(port_file: str, out_file: str) -> None:
     import grpc
     import torch
 
+    from services.local_stream import LocalListener
     from services.pb import worker_pb2, worker_pb2_grpc
     from worker_svc.execution.data_plane import DataPlaneIn
 
@@ -53,12 +56,12 @@ async def _receive(port_file: str, out_file: str) -> None:
         async def OpenDataPlane(self, request, context):
             return await inbound.accept(request)
 
-        async def Forward(self, request_iterator, context):
+        async def Forward(self, request_iterator, context, via: str = ""):
             n = 0
             async for mb in request_iterator:
                 t, release = inbound.hidden(mb)
                 held = time.monotonic_ns()
-                latencies.append((f"{inbound.channel} {t.shape[0]}x{t.shape[1]}", held - mb.sent_ns))
+                latencies.append((f"{via or inbound.channel} {t.shape[0]}x{t.shape[1]}", held - mb.sent_ns))
                 if release is not None:
                     release()
                 n += 1
@@ -68,29 +71,41 @@ async def _receive(port_file: str, out_file: str) -> None:
 
     options = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
     server = grpc.aio.server(options=options)
-    worker_pb2_grpc.add_StageWorkerServicer_to_server(Receiver(), server)
+    receiver = Receiver()
+    worker_pb2_grpc.add_StageWorkerServicer_to_server(receiver, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    Path(port_file).write_text(str(port))
+
+    async def local_forward(stream) -> None:
+        await receiver.Forward(stream.messages(worker_pb2.MicroBatch), stream.context, via="unix")
+
+    listener = LocalListener({"Forward": local_forward}, 256 << 20)
+    await listener.start()
+    Path(port_file).write_text(json.dumps([port, listener.address, listener.token.hex()]))
     await server.wait_for_termination()
 
 
 async def _send(
-    port: int, channel: str, hidden: int, rows_list: list[int], iters: int, out_file: str, pause_s: float
+    port: tuple, channel: str, hidden: int, rows_list: list[int], iters: int, out_file: str, pause_s: float
 ) -> dict[str, list[float]]:
     import grpc
     import torch
 
+    from services.local_stream import open_call
     from services.pb import worker_pb2, worker_pb2_grpc
     from worker_svc.execution.data_plane import DataPlaneOut
     from worker_svc.execution.stage_ring import slot_bytes_for
 
     options = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as ch:
+    grpc_port, local_address, local_token = port
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}", options=options) as ch:
         stub = worker_pb2_grpc.StageWorkerStub(ch)
-        out = DataPlaneOut(channel, 0, slot_bytes_for(MAX_TOKENS, hidden))
+        out = DataPlaneOut("shm" if channel == "unix" else channel, 0, slot_bytes_for(MAX_TOKENS, hidden))
         await out.connect(stub)
-        call = stub.Forward()
+        if channel == "unix":
+            call = await open_call(local_address, bytes.fromhex(local_token), "Forward", max_message_bytes=256 << 20)
+        else:
+            call = stub.Forward()
         for rows in rows_list:
             x = torch.randn(rows, hidden)
             for i in range(iters + 20):  # the first 20: warm-up, dropped below
@@ -133,10 +148,10 @@ def main() -> int:
                 if time.monotonic() > deadline or receiver.poll() is not None:
                     raise SystemExit("the receiver did not start")
                 time.sleep(0.05)
-            port = int(Path(port_file).read_text())
+            port = tuple(json.loads(Path(port_file).read_text()))
             results: dict[str, list[float]] = {}
             for hidden in args.hidden:
-                for channel in ("shm", "grpc"):
+                for channel in ("shm", "grpc", "unix"):
                     results.update(
                         asyncio.run(_send(port, channel, hidden, args.rows, args.iters, out_file, args.pause_ms / 1e3))
                     )
@@ -148,7 +163,10 @@ def main() -> int:
 
 def _report(results: dict[str, list[float]], args) -> int:
     print(f"stage hand-off latency, one hop, microseconds ({args.iters} hand-offs each, float32 hidden states)")
-    print(f"{'shape':>10} {'shm p50':>9} {'shm p99':>9} {'grpc p50':>9} {'grpc p99':>9} {'p50 ratio':>9}")
+    print(
+        f"{'shape':>10} {'shm p50':>9} {'shm p99':>9} {'grpc p50':>9} {'grpc p99':>9} {'p50 ratio':>9}"
+        f" {'unix p50':>9} {'unix p99':>9} {'shm/unix':>9}"
+    )
     table = []
     for hidden in args.hidden:
         for rows in args.rows:
@@ -165,10 +183,14 @@ def _report(results: dict[str, list[float]], args) -> int:
                 "grpc_p99_us": _percentile(grpc_, 0.99),
             }
             row["ratio_p50"] = row["grpc_p50_us"] / row["shm_p50_us"]
+            unix = results.get(f"unix {shape}") or [float("nan")]
+            row["unix_p50_us"], row["unix_p99_us"] = _percentile(unix, 0.5), _percentile(unix, 0.99)
+            row["shm_over_unix_p50"] = row["shm_p50_us"] / row["unix_p50_us"]
             table.append(row)
             print(
                 f"{shape:>10} {row['shm_p50_us']:9.1f} {row['shm_p99_us']:9.1f} {row['grpc_p50_us']:9.1f} "
-                f"{row['grpc_p99_us']:9.1f} {row['ratio_p50']:8.2f}x"
+                f"{row['grpc_p99_us']:9.1f} {row['ratio_p50']:8.2f}x {row['unix_p50_us']:9.1f} "
+                f"{row['unix_p99_us']:9.1f} {row['shm_over_unix_p50']:8.2f}x"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))

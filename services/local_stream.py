@@ -3,8 +3,10 @@
 A step crosses the pipeline as a handful of protobuf messages: the plan into stage 0, the
 micro-batch from stage to stage, the result back to the scheduler and the sampled tokens
 back to stage 0. Over gRPC aio each costs ~0.15 ms of CPU to send and as much to receive
-here, and ~0.5 ms one way; over a Unix socket ~0.01 and ~0.04 ms (`python -m
-bench.stage_handoff --control`). On one host those streams take a socket instead, carrying
+on these cores; over a Unix socket ~0.01 and ~0.04 ms. One hop of the pipeline (the ring for
+the hidden states, the message beside it) takes 0.09-0.32 ms p50 with the message on the
+socket, 0.38-0.58 ms on gRPC (`python -m bench.stage_handoff`, docs/benchmarks.md). On one
+host those streams take a socket instead, carrying
 the same protobuf messages, framed; gRPC stays for everything else (loading, statistics,
 LoRA, KV transfer) and is the fallback: another host, a stage set to `--stage-channel grpc`,
 a socket that does not answer.
