@@ -121,6 +121,39 @@ def test_64_concurrent_requests_equal_transformers_with_preemption(stack, refere
     assert s.stages[0].load_info.feedback_connected
     assert s.stages[0].stats.num_fed_tokens > 0 and s.stages[0].stats.num_feedback_waits > 0
     assert s.stages[0].stats.num_failed_micro_batches == 0
+    # on one host every step stream took a stage's local socket: the plans and results (the
+    # scheduler's Forward and Events), the hand-off, the fed tokens
+    assert [st.stats.control_channel for st in s.stages] == ["unix", "unix"]
+    assert s.stages[0].stats.num_local_streams >= 3 and s.stages[1].stats.num_local_streams >= 2
+
+
+def test_the_grpc_streams_serve_the_same_when_forced(model_dir, reference, tmp_path_factory):
+    """`--stage-channel grpc` (here PAGODA_STAGE_CHANNEL): the stages offer no local socket,
+    and the scheduler's and the stages' streams are gRPC's, with the same outputs."""
+    logs = tmp_path_factory.mktemp("grpc-stack-logs")
+    s = start_stack(
+        model_dir,
+        num_stages=2,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        block_size=BLOCK_SIZE,
+        log_dir=logs,
+        env={"PAGODA_STAGE_CHANNEL": "grpc"},
+        threads_per_worker=1,
+    )
+    try:
+        work = workload(16, seed=5)
+        results = run_many(s.scheduler_address, work)
+        diverged = sum(
+            reference.compare(prompt, tokens[0]).tie_divergences > 0
+            for (prompt, _), (tokens, _) in zip(work, results, strict=True)
+        )
+        assert diverged <= 2
+        st = asyncio.run(stats(s.scheduler_address))
+        assert [x.stats.control_channel for x in st.stages] == ["grpc", "grpc"]
+        assert [x.stats.num_local_streams for x in st.stages] == [0, 0]  # (no socket was offered)
+        assert st.stages[0].stats.num_fed_tokens > 0 and st.stages[0].stats.num_failed_micro_batches == 0
+    finally:
+        kill_stack(s)
 
 
 def test_abort_by_cancel_frees_blocks_and_spares_others(stack, reference):
