@@ -11,7 +11,6 @@ messages at a fraction of gRPC's cost; everything else stays on gRPC.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -77,6 +76,7 @@ class GrpcStageTransport:
         # how the step's streams go: "unix" (services/local_stream.py) or "grpc"
         self.forward_channel = ""
         self.events_channels: list[str] = []  # one per stage
+        self._connection = 0  # counts closes: a stream opened for an older connection is dropped
 
     async def connect(self, on_event: Callable[[object], None], timeout_s: float = 30.0) -> list[StageInfo]:
         await self.close()
@@ -235,12 +235,14 @@ class GrpcStageTransport:
             log.warning("unloading LoRA adapter %r from a stage failed: %s %s", name, exc.code().name, exc.details())
 
     async def _read_events(self, index: int, on_event, ready: asyncio.Future) -> None:
-        last = index == len(self.addresses) - 1
+        last, connection, stream = index == len(self.addresses) - 1, self._connection, None
         try:
             request = worker_pb2.EventsRequest(subscriber="scheduler")
             stream = await local_stream.try_open(
                 self._stubs[index], "Events", request, worker_pb2.StageEvent, self.max_message_bytes
             )
+            if connection != self._connection:  # closed meanwhile (a cancellation lost in the open)
+                return
             self.events_channels[index] = "grpc" if stream is None else "unix"
             if stream is None:
                 stream = self._stubs[index].Events(request, wait_for_ready=False)
@@ -260,6 +262,9 @@ class GrpcStageTransport:
                 return
             on_event(StageDownEvent(index, f"{exc.code().name}: {exc.details()}"))
             return
+        finally:
+            if stream is not None:
+                stream.cancel()  # (the stage sees its subscriber go)
         if not ready.done():
             ready.set_exception(ConnectionError(f"stage {index} closed its event stream"))
         else:
@@ -348,15 +353,17 @@ class GrpcStageTransport:
         return list(await asyncio.gather(*pulls, return_exceptions=True))
 
     async def close(self) -> None:
+        self._connection += 1
         self._in_flight.clear()
         if self._forward is not None:
             self._forward.cancel()
             self._forward = None
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if self._tasks:  # (bounded: a task that lost its cancellation must not hold the reconnect)
+            _, stuck = await asyncio.wait(self._tasks, timeout=5.0)
+            for task in stuck:
+                log.warning("a stage stream's task did not end when cancelled: %s", task.get_name())
         self._tasks = []
         for channel in self._channels:
             await channel.close()

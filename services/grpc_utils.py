@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import inspect
+import io
 import logging
 import os
 import signal
@@ -355,6 +356,15 @@ def write_ready_file(path: str, port: int) -> None:
     os.replace(partial, path)
 
 
+def log_tasks() -> None:
+    """SIGUSR1 on any service: every asyncio task's stack to the log, to see what a process
+    that answers nothing waits for (`kill -USR1 PID`)."""
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        task.print_stack(limit=12, file=out)
+    log.warning("asyncio tasks (SIGUSR1):\n%s", out.getvalue())
+
+
 async def serve_until_signalled(
     *,
     port: int | None = None,
@@ -387,6 +397,7 @@ async def serve_until_signalled(
     loop = asyncio.get_running_loop()
     for sig in SHUTDOWN_SIGNALS:
         loop.add_signal_handler(sig, on_signal)
+    loop.add_signal_handler(signal.SIGUSR1, log_tasks)
     if starting is not None:
         await starting
     if ready_file:

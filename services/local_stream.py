@@ -31,8 +31,12 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import secrets
+import select
+import socket
 import struct
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -48,6 +52,7 @@ _TOKEN_BYTES = 16
 _MAX_HELLO = 256
 _HIGH_WATER = 4 << 20  # a writer waits (`drain`) once this much is unsent: back-pressure
 METHODS = ("Forward", "Feedback", "Events")
+_TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11's timeout context; None on 3.10
 
 
 class LocalStreamError(grpc.aio.AioRpcError):
@@ -200,7 +205,7 @@ class LocalListener:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            kind, hello = await asyncio.wait_for(_read_frame(reader, _MAX_HELLO), 5.0)
+            kind, hello = await _within(5.0, _read_frame(reader, _MAX_HELLO))
             token, method = hello[:_TOKEN_BYTES], hello[_TOKEN_BYTES:].decode(errors="replace")
             handler = self.handlers.get(method)
             if kind != _MESSAGE or not hmac.compare_digest(token, self.token) or handler is None:
@@ -248,6 +253,7 @@ class LocalCall:
     def __init__(self, reader, writer, response_type, limit: int) -> None:
         self._reader, self._writer, self._limit = reader, writer, limit
         self._response_type = response_type
+        self._raw: socket.socket | None = None  # `send_now`'s own handle on the socket
         self._ended: asyncio.Future = asyncio.get_running_loop().create_future()
         self._reader_task = None
         if response_type is None:  # nothing comes back but the end: watched from the start
@@ -259,6 +265,35 @@ class LocalCall:
         self._writer.write(_frame(_MESSAGE, message.SerializeToString()))
         if self._writer.transport.get_write_buffer_size() > _HIGH_WATER:
             await self._writer.drain()
+
+    def idle(self) -> bool:
+        """Nothing of this stream's is waiting in the event loop's buffer: a `send_now` goes
+        out after everything written before it."""
+        return not self._ended.done() and self._writer.transport.get_write_buffer_size() == 0
+
+    def send_now(self, message, timeout_s: float = 60.0) -> None:
+        """Another thread's write (the stage's step thread), straight to the socket: for a
+        caller that writes nothing on the event loop meanwhile (it checks `idle` first).
+        Waits while the socket's buffer is full (back-pressure), up to `timeout_s`;
+        LocalStreamError (UNAVAILABLE) when the peer went or never made room."""
+        if self._raw is None:
+            fd = self._writer.transport.get_extra_info("socket").fileno()
+            self._raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(fd))
+        view = memoryview(_frame(_MESSAGE, message.SerializeToString()))
+        deadline = None
+        try:
+            while view:
+                try:
+                    view = view[self._raw.send(view) :]
+                except BlockingIOError:
+                    deadline = deadline or time.monotonic() + timeout_s
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([], [self._raw], [], left)[1]:
+                        raise LocalStreamError(
+                            grpc.StatusCode.UNAVAILABLE, f"the local stream's peer took nothing for {timeout_s:.0f} s"
+                        ) from None
+        except OSError as exc:
+            raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"the local stream's peer went ({exc})") from None
 
     async def done_writing(self) -> None:
         if not self._ended.done():
@@ -320,12 +355,39 @@ class LocalCall:
             self._ended.set_exception(error)
             self._ended.exception()  # (retrieved: no "never retrieved" warning when nobody awaits)
         self._writer.close()
+        if self._raw is not None:  # (a thread may be in `send_now`: it fails; the handle closes with the call)
+            with contextlib.suppress(OSError):
+                self._raw.shutdown(socket.SHUT_RDWR)
         if self._reader_task is not None and self._reader_task is not asyncio.current_task():
             self._reader_task.cancel()
 
     def _error(self) -> LocalStreamError:
         exc = self._ended.exception()
         return exc or LocalStreamError(grpc.StatusCode.UNAVAILABLE, "the local stream ended")
+
+
+async def _within(timeout_s: float, coro):
+    """`coro` under a deadline: asyncio.timeout where there is one, not wait_for (Python
+    3.11's wait_for can swallow a cancellation that lands as the connection completes, and a
+    transport's reconnect then waits forever on a task that never ends); wait_for on 3.10."""
+    if _TIMEOUT is None:
+        return await asyncio.wait_for(coro, timeout_s)
+    async with _TIMEOUT(timeout_s):
+        return await coro
+
+
+async def _dial(address: str, token: bytes, method: str):
+    """Connect and say hello: (reader, writer) once the stage took the stream."""
+    reader, writer = await asyncio.open_unix_connection("\0" + address[1:], limit=1 << 16)
+    try:
+        writer.write(_frame(_MESSAGE, token + method.encode()))
+        kind, _ = await _read_frame(reader, 4096)
+        if kind != _MESSAGE:
+            raise LocalStreamError(grpc.StatusCode.UNAUTHENTICATED, f"local socket {address} refused the stream")
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer
 
 
 async def open_call(
@@ -343,22 +405,9 @@ async def open_call(
     if not address.startswith("@") or len(token) != _TOKEN_BYTES:
         raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"no local socket at {address!r}")
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection("\0" + address[1:], limit=1 << 16), timeout_s
-        )
+        reader, writer = await _within(timeout_s, _dial(address, token, method))
     except (OSError, TimeoutError) as exc:
-        raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"local socket {address}: {exc}") from None
-    try:
-        writer.write(_frame(_MESSAGE, token + method.encode()))
-        kind, _ = await asyncio.wait_for(_read_frame(reader, 4096), timeout_s)
-        if kind != _MESSAGE:
-            raise LocalStreamError(grpc.StatusCode.UNAUTHENTICATED, f"local socket {address} refused the stream")
-    except TimeoutError:
-        writer.close()
-        raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"local socket {address} did not answer") from None
-    except LocalStreamError:
-        writer.close()
-        raise
+        raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"local socket {address}: {exc!r}") from None
     call = LocalCall(reader, writer, response_type, max_message_bytes)
     if request is not None:
         await call.write(request)

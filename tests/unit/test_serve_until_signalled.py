@@ -86,3 +86,25 @@ def test_a_ready_file_needs_a_port(tmp_path):
     with pytest.raises(ValueError, match="port"):
         asyncio.run(serve_until_signalled(ready_file=str(tmp_path / "ready")))
     assert not (tmp_path / "ready").exists()
+
+
+def test_sigusr1_logs_every_task_and_serves_on(caplog):
+    """`kill -USR1` on a service: what each of its asyncio tasks waits on, in the log."""
+
+    async def waiting_for_something() -> None:
+        await asyncio.Event().wait()
+
+    async def main() -> bool:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        waiter = asyncio.create_task(waiting_for_something(), name="the-waiter")
+        loop.call_later(0.05, os.kill, os.getpid(), signal.SIGUSR1)
+        loop.call_later(0.2, stop.set)
+        stopped = await asyncio.wait_for(serve_until_signalled(stop=stop), 5)
+        waiter.cancel()
+        return stopped
+
+    with caplog.at_level("WARNING", logger="services.grpc_utils"):
+        assert asyncio.run(main()) is True
+    dumped = "\n".join(r.getMessage() for r in caplog.records if "SIGUSR1" in r.getMessage())
+    assert "waiting_for_something" in dumped and "the-waiter" in dumped
