@@ -8,7 +8,7 @@ on `Events` streams that the scheduler holds from every stage.
 Inside a stage three things overlap, each with one owner:
 - the `Forward` handler (event loop) receives and decodes the next micro-batch
   (`ComputeLoop.accept`),
-- the compute loop (`service/compute.py`) runs plans in arrival order on one executor thread,
+- the compute loop (`service/compute.py`) runs plans in arrival order on the step thread,
 - the sender (`service/downstream.py`, not on the last stage) hands hidden states downstream
   while the next micro-batch computes.
 With several stages started with `--feedback` (on the last), the last stage streams each
@@ -286,8 +286,8 @@ async def serve(config: WorkerConfig, ready_file: str | None = None, metrics_por
     service.kv_sizing = sizing
     server, port, health = create_aio_server(config.address, service.max_message_bytes)
     worker_pb2_grpc.add_StageWorkerServicer_to_server(service, server)
+    await service.start()  # (its local socket listens before LoadInfo can name it)
     await server.start()
-    await service.start()
     await set_serving(health, SERVICE_NAME, True)
     if metrics_port is not None:
         from services.metrics import serve_metrics
