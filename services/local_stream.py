@@ -36,6 +36,7 @@ import secrets
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -364,6 +365,31 @@ class LocalCall:
     def _error(self) -> LocalStreamError:
         exc = self._ended.exception()
         return exc or LocalStreamError(grpc.StatusCode.UNAVAILABLE, "the local stream ended")
+
+
+class DirectWrites:
+    """A thread's own writes on a stream (`LocalCall.send_now`) kept in order with the writes
+    the event loop still has to make on it: a thread writes itself only while the loop holds
+    none (`take`); otherwise its message goes to the loop too, and counts until written
+    (`written`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending = 0  # messages handed to the event loop, not yet written
+
+    def take(self, call, ready: Callable[[], bool] | None = None) -> bool:
+        """Whether the calling thread writes on `call` itself now (a LocalCall the loop has
+        nothing of, and `ready()` when given); when not, one more message is the loop's."""
+        with self._lock:
+            direct = not self._pending and isinstance(call, LocalCall) and call.idle() and (ready is None or ready())
+            if not direct:
+                self._pending += 1
+            return direct
+
+    def written(self) -> None:
+        """The event loop wrote (or dropped) one of the messages handed to it."""
+        with self._lock:
+            self._pending -= 1
 
 
 async def _within(timeout_s: float, coro):

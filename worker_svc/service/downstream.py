@@ -1,8 +1,8 @@
 """The sender: hands each computed micro-batch (its plan, and its hidden states on the data plane)
 to the next stage while the following one computes; the message goes on the next stage's local
-socket when it is on this host (services/local_stream.py), else on a gRPC Forward stream. A broken stream fails the micro-batches it
-could not take with UNAVAILABLE, and the next one opens another (a restarted stage has a new
-epoch)."""
+socket when it is on this host (services/local_stream.py), else on a gRPC Forward stream. A
+broken stream fails the micro-batches it could not take with UNAVAILABLE, and the next one opens
+another (a restarted stage has a new epoch)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ class Downstream:
         self.report_failure = report_failure  # a micro-batch not handed on: its error event
         self.queue: asyncio.Queue[Work] = asyncio.Queue()
         self._room = threading.Semaphore(64)  # micro-batches handed to the sender, not yet sent
-        self._lock = threading.Lock()
-        self._pending = 0  # ... counted under the lock: while any, the step thread sends nothing itself
+        self._direct = local_stream.DirectWrites()  # the step thread's own sends, in order with the loop's
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the compute loop starts
         self.connected = False
         self._channel: grpc.aio.Channel | None = None
@@ -66,16 +65,7 @@ class Downstream:
         for, gRPC), waiting while 64 are there (back-pressure: the stage computes no further
         ahead)."""
         call = self._call
-        with self._lock:
-            direct = (
-                not self._pending
-                and isinstance(call, LocalCall)
-                and call.idle()
-                and self.data_out.placed(work.out_hidden, work.mb)
-            )
-            if not direct:
-                self._pending += 1
-        if direct:
+        if self._direct.take(call, lambda: self.data_out.placed(work.out_hidden, work.mb)):
             self._send_now(call, work)
             return
         self._room.acquire()
@@ -94,10 +84,7 @@ class Downstream:
         try:
             call.send_now(mb)
         except LocalStreamError as exc:
-            work.error = (
-                grpc.StatusCode.UNAVAILABLE,
-                f"next stage at {self.next_address} is unavailable: {describe(exc)}",
-            )
+            work.error = self._unavailable(exc)
             self.loop.call_soon_threadsafe(self._failed_now, call, work)
             return
         work.forwarded_ns = time.time_ns()
@@ -107,6 +94,9 @@ class Downstream:
         if self._call is call:
             self._drop_call()
         self.report_failure(work)
+
+    def _unavailable(self, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        return grpc.StatusCode.UNAVAILABLE, f"next stage at {self.next_address} is unavailable: {describe(exc)}"
 
     def _too_large(self, mb, size: int) -> tuple[grpc.StatusCode, str]:
         return (
@@ -121,8 +111,7 @@ class Downstream:
             try:
                 await self._send_one(work)
             finally:
-                with self._lock:
-                    self._pending -= 1
+                self._direct.written()
                 self._room.release()
 
     async def _send_one(self, work: Work) -> None:
@@ -132,10 +121,7 @@ class Downstream:
         except Exception as exc:  # noqa: BLE001 - any failure of the stream (or its ring) means the same
             self._drop_call()
             work.out_hidden = None
-            work.error = (
-                grpc.StatusCode.UNAVAILABLE,
-                f"next stage at {self.next_address} is unavailable: {describe(exc)}",
-            )
+            work.error = self._unavailable(exc)
         if work.error is not None:
             self.report_failure(work)
 

@@ -139,8 +139,7 @@ class FeedbackOutbox:
         self.channel: grpc.aio.Channel | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the compute loop starts
         self._call = None  # the stream open now
-        self._lock = threading.Lock()
-        self._pending = 0  # tokens handed to the writer, not yet written: the step thread then queues too
+        self._direct = local_stream.DirectWrites()  # the step thread's own writes, in order with the loop's
 
     @staticmethod
     def of(result: StageResult | None, micro_batch_id: int) -> worker_pb2.SampledFeedback | None:
@@ -167,11 +166,7 @@ class FeedbackOutbox:
         if fb is None:
             return
         call = self._call
-        with self._lock:
-            direct = not self._pending and isinstance(call, local_stream.LocalCall) and call.idle()
-            if not direct:
-                self._pending += 1
-        if not direct:
+        if not self._direct.take(call):
             self.loop.call_soon_threadsafe(self._put, fb, micro_batch_id)
             return
         try:
@@ -179,15 +174,11 @@ class FeedbackOutbox:
         except local_stream.LocalStreamError as exc:  # the stream broke: its writer reconnects
             log.warning("step %d's tokens lost with the feedback stream: %s", micro_batch_id, describe(exc))
 
-    def _written(self) -> None:
-        with self._lock:
-            self._pending -= 1
-
     def _put(self, fb: worker_pb2.SampledFeedback, micro_batch_id: int) -> None:
         try:
             self.queue.put_nowait(fb)
         except asyncio.QueueFull:
-            self._written()
+            self._direct.written()
             log.error(
                 "feedback queue full: the first stage at %s is not reading; dropping step %d's tokens",
                 self.address,
@@ -234,7 +225,7 @@ class FeedbackOutbox:
             try:
                 await call.write(fb)
             finally:
-                self._written()
+                self._direct.written()
         reason = describe(ended.exception()) if ended.exception() else "closed"
         log.warning("feedback stream to %s ended: %s", self.address, reason)
 
