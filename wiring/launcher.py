@@ -88,6 +88,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def reserve_ports(*ports: int) -> None:
+    """Ports this process will not hand out (`free_port`): the ones it was told to bind, and
+    not yet bound (`pagoda serve`'s gateway ports, chosen by its caller: CI once saw the KV
+    service given the gateway's gRPC port, and the gateway then could not start)."""
+    _handed_out.update(p for p in ports if p)
+
+
 def port_taken(host: str, port: int) -> bool:
     """Whether `port` cannot be bound on `host` now (another process holds it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -33,6 +33,7 @@ from wiring.launcher import (
     Stack,
     free_port,
     pagoda_command,
+    reserve_ports,
     restart_if_due,
     stage_load_infos,
     start_stack,
@@ -174,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     # the stack's secret: every internal call carries it, so nothing else on the machine can
     # drive the scheduler, the KV service or a stage (set it yourself to call them directly)
     os.environ.setdefault(INTERNAL_TOKEN_ENV, secrets.token_urlsafe(32))
+    reserve_ports(args.port, args.grpc_port)  # the gateway binds them last: no service may get one before
     log_dir = Path(args.log_dir or Path.home() / ".cache" / "pagoda" / "logs" / time.strftime("%Y%m%d-%H%M%S"))
     log_dir.mkdir(parents=True, exist_ok=True)
     n, tp = args.pipeline_parallel_size, args.tensor_parallel_size

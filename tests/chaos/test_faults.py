@@ -269,21 +269,25 @@ def test_a_burst_of_2000_requests_completes_without_cancellations(stack):
 def test_hung_worker_is_noticed_by_the_step_deadline(stack, baseline):
     victim = stack.service_pid("worker", 1)
 
-    answered = []
-
-    def hang():
+    def hang(answered: list) -> None:
         os.kill(victim, signal.SIGSTOP)
         threading.Timer(10.0, os.kill, (victim, signal.SIGCONT)).start()
         time.sleep(0.5)
-        # the statistics still answer while a stage is hung (its call is bounded, not serial)
-        stack.kv_used_blocks(retry_s=0)
-        answered.append(time.time())
+        # the statistics still answer while a stage is hung (its call is bounded, not serial);
+        # blocks held then: the burst was under way when the stage stopped
+        answered.append(stack.kv_used_blocks(retry_s=0))
 
-    began = time.time()
-    outcomes = run_all(stack, during=hang)
-    assert answered, "/debug/memory answered during the hang"
-    report("SIGSTOP worker-1 for 10 s", outcomes, time.time() - began, stack.kv_used_blocks())
-    assert [o[0] for o in outcomes] == ["ok"] * NUM_REQUESTS, outcomes
-    assert [o[1] for o in outcomes] == baseline
+    for _ in range(3):  # (a fast machine can end the burst before the stop lands: again then)
+        answered: list[int] = []
+        began = time.time()
+        outcomes = run_all(stack, during=lambda answered=answered: hang(answered))
+        assert answered, "/debug/memory answered during the hang"
+        report("SIGSTOP worker-1 for 10 s", outcomes, time.time() - began, stack.kv_used_blocks())
+        assert [o[0] for o in outcomes] == ["ok"] * NUM_REQUESTS, outcomes
+        assert [o[1] for o in outcomes] == baseline
+        if answered[0]:
+            break
+        time.sleep(10.0)  # (the stage resumes before the next round)
+    assert answered[0], "the stage was stopped mid-burst in one of 3 rounds"
     log = (stack.logs / "scheduler.log").read_text()
     assert "step deadline" in log, "the scheduler noticed the hung stage by its deadline"
