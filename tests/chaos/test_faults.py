@@ -66,9 +66,11 @@ def client(stack):
 
 
 def run_all(stack, during=None, delay_s: float = 0.3, stream: bool = False):
-    """All requests at once (greedy); `during()` runs `delay_s` into them. Returns each
-    outcome: ("ok", token ids) or ("error", what, tokens streamed before it)."""
+    """All requests at once (greedy); `during()` runs `delay_s` into them, once they run: the
+    first token streamed (`stream`), else the stack holding KV blocks. Returns each outcome:
+    ("ok", token ids) or ("error", what, tokens streamed before it)."""
     c = client(stack)
+    streamed = threading.Event()
 
     def one(prompt):
         got = []
@@ -84,6 +86,8 @@ def run_all(stack, during=None, delay_s: float = 0.3, stream: bool = False):
                 ):
                     for choice in chunk.choices:
                         got += getattr(choice, "token_ids", None) or []
+                    if got:
+                        streamed.set()
                 return ("ok", got)
             r = c.completions.create(
                 model="tiny",
@@ -100,7 +104,10 @@ def run_all(stack, during=None, delay_s: float = 0.3, stream: bool = False):
         futures = [pool.submit(one, p) for p in prompts()]
         if during is not None:
             time.sleep(delay_s)
-            wait_running(stack, futures)
+            if stream:  # a token out: the burst runs (statistics can lag a loaded machine)
+                assert streamed.wait(60), "no token streamed within 60 s"
+            else:
+                wait_running(stack, futures)
             during()
         return [f.result(timeout=300) for f in futures]
 
@@ -138,7 +145,9 @@ def test_killed_worker_or_kv_service_changes_no_output(stack, baseline, kind):
     service, stage = (kind.split("-")[0], int(kind.split("-")[1])) if kind.startswith("worker") else (kind, None)
     victim = stack.service_pid(service, stage)
     killed = []
-    outcomes = run_all(stack, during=lambda: (os.kill(victim, signal.SIGKILL), killed.append(time.time())))
+    # killed once a token has streamed: mid-burst however fast or loaded the machine
+    kill = lambda: (os.kill(victim, signal.SIGKILL), killed.append(time.time()))  # noqa: E731
+    outcomes = run_all(stack, during=kill, delay_s=0.0, stream=True)
     stack.wait_serving(60)
     recovery = time.time() - killed[0]
     report(f"SIGKILL {kind}", outcomes, recovery, stack.kv_used_blocks())
@@ -190,23 +199,13 @@ def test_killed_scheduler_retries_what_had_not_streamed(stack, baseline):
 
 def test_killed_scheduler_mid_stream_fails_cleanly_and_frees_blocks(stack):
     victim = stack.service_pid("scheduler")
-    started = threading.Event()
-
-    def kill_when_streaming():
-        deadline = time.time() + 30
-        while stack.kv_used_blocks() == 0 and time.time() < deadline:
-            time.sleep(0.02)
-        started.set()
-        os.kill(victim, signal.SIGKILL)
-
     began = time.time()
-    outcomes = run_all(stack, during=kill_when_streaming, delay_s=0.0, stream=True)
+    outcomes = run_all(stack, during=lambda: os.kill(victim, signal.SIGKILL), delay_s=0.0, stream=True)
     elapsed = time.time() - began
     stack.wait_serving(60)
     recovery = time.time() - began
     leaked = stack.kv_used_blocks()
     report("SIGKILL scheduler mid-stream", outcomes, recovery, leaked)
-    assert started.is_set()
     assert any(o[0] == "error" for o in outcomes)  # those that had streamed: a clean error
     assert elapsed < 120  # nothing hung
     assert leaked == 0  # the restarted scheduler released the dead one's sequences
@@ -269,25 +268,25 @@ def test_a_burst_of_2000_requests_completes_without_cancellations(stack):
 def test_hung_worker_is_noticed_by_the_step_deadline(stack, baseline):
     victim = stack.service_pid("worker", 1)
 
-    def hang(answered: list) -> None:
+    def hang(seen: list) -> None:
         os.kill(victim, signal.SIGSTOP)
         threading.Timer(10.0, os.kill, (victim, signal.SIGCONT)).start()
         time.sleep(0.5)
         # the statistics still answer while a stage is hung (its call is bounded, not serial);
         # blocks held then: the burst was under way when the stage stopped
-        answered.append(stack.kv_used_blocks(retry_s=0))
+        seen.append(stack.get("/debug/memory"))
 
-    for _ in range(3):  # (a fast machine can end the burst before the stop lands: again then)
-        answered: list[int] = []
-        began = time.time()
-        outcomes = run_all(stack, during=lambda answered=answered: hang(answered))
-        assert answered, "/debug/memory answered during the hang"
-        report("SIGSTOP worker-1 for 10 s", outcomes, time.time() - began, stack.kv_used_blocks())
-        assert [o[0] for o in outcomes] == ["ok"] * NUM_REQUESTS, outcomes
-        assert [o[1] for o in outcomes] == baseline
-        if answered[0]:
-            break
-        time.sleep(10.0)  # (the stage resumes before the next round)
-    assert answered[0], "the stage was stopped mid-burst in one of 3 rounds"
+    seen: list[dict] = []
+    began = time.time()
+    # stopped once a token has streamed: mid-burst however fast the machine (in a CI run, the
+    # statistics polled for held blocks read none in three bursts until each had ended)
+    outcomes = run_all(stack, during=lambda: hang(seen), delay_s=0.0, stream=True)
+    assert seen, "/debug/memory answered during the hang"
+    report("SIGSTOP worker-1 for 10 s", outcomes, time.time() - began, stack.kv_used_blocks())
+    assert [o[0] for o in outcomes] == ["ok"] * NUM_REQUESTS, outcomes
+    assert [o[1] for o in outcomes] == baseline
+    assert seen[0]["kv_health"] == "HEALTH_STATUS_SERVING", seen[0]
+    assert seen[0]["kv_cache"].get("num_used_blocks"), f"KV blocks held mid-burst: {seen[0]['kv_cache']}"
+    assert time.time() - began > 9.0, "the burst waited for the stopped stage"
     log = (stack.logs / "scheduler.log").read_text()
     assert "step deadline" in log, "the scheduler noticed the hung stage by its deadline"
