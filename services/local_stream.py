@@ -31,8 +31,13 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import secrets
+import select
+import socket
 import struct
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -249,6 +254,7 @@ class LocalCall:
     def __init__(self, reader, writer, response_type, limit: int) -> None:
         self._reader, self._writer, self._limit = reader, writer, limit
         self._response_type = response_type
+        self._raw: socket.socket | None = None  # `send_now`'s own handle on the socket
         self._ended: asyncio.Future = asyncio.get_running_loop().create_future()
         self._reader_task = None
         if response_type is None:  # nothing comes back but the end: watched from the start
@@ -260,6 +266,35 @@ class LocalCall:
         self._writer.write(_frame(_MESSAGE, message.SerializeToString()))
         if self._writer.transport.get_write_buffer_size() > _HIGH_WATER:
             await self._writer.drain()
+
+    def idle(self) -> bool:
+        """Nothing of this stream's is waiting in the event loop's buffer: a `send_now` goes
+        out after everything written before it."""
+        return not self._ended.done() and self._writer.transport.get_write_buffer_size() == 0
+
+    def send_now(self, message, timeout_s: float = 60.0) -> None:
+        """Another thread's write (the stage's step thread), straight to the socket: for a
+        caller that writes nothing on the event loop meanwhile (it checks `idle` first).
+        Waits while the socket's buffer is full (back-pressure), up to `timeout_s`;
+        LocalStreamError (UNAVAILABLE) when the peer went or never made room."""
+        if self._raw is None:
+            fd = self._writer.transport.get_extra_info("socket").fileno()
+            self._raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(fd))
+        view = memoryview(_frame(_MESSAGE, message.SerializeToString()))
+        deadline = None
+        try:
+            while view:
+                try:
+                    view = view[self._raw.send(view) :]
+                except BlockingIOError:
+                    deadline = deadline or time.monotonic() + timeout_s
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([], [self._raw], [], left)[1]:
+                        raise LocalStreamError(
+                            grpc.StatusCode.UNAVAILABLE, f"the local stream's peer took nothing for {timeout_s:.0f} s"
+                        ) from None
+        except OSError as exc:
+            raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"the local stream's peer went ({exc})") from None
 
     async def done_writing(self) -> None:
         if not self._ended.done():
@@ -321,12 +356,40 @@ class LocalCall:
             self._ended.set_exception(error)
             self._ended.exception()  # (retrieved: no "never retrieved" warning when nobody awaits)
         self._writer.close()
+        if self._raw is not None:  # (a thread may be in `send_now`: it fails; the handle closes with the call)
+            with contextlib.suppress(OSError):
+                self._raw.shutdown(socket.SHUT_RDWR)
         if self._reader_task is not None and self._reader_task is not asyncio.current_task():
             self._reader_task.cancel()
 
     def _error(self) -> LocalStreamError:
         exc = self._ended.exception()
         return exc or LocalStreamError(grpc.StatusCode.UNAVAILABLE, "the local stream ended")
+
+
+class DirectWrites:
+    """A thread's own writes on a stream (`LocalCall.send_now`) kept in order with the writes
+    the event loop still has to make on it: a thread writes itself only while the loop holds
+    none (`take`); otherwise its message goes to the loop too, and counts until written
+    (`written`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending = 0  # messages handed to the event loop, not yet written
+
+    def take(self, call, ready: Callable[[], bool] | None = None) -> bool:
+        """Whether the calling thread writes on `call` itself now (a LocalCall the loop has
+        nothing of, and `ready()` when given); when not, one more message is the loop's."""
+        with self._lock:
+            direct = not self._pending and isinstance(call, LocalCall) and call.idle() and (ready is None or ready())
+            if not direct:
+                self._pending += 1
+            return direct
+
+    def written(self) -> None:
+        """The event loop wrote (or dropped) one of the messages handed to it."""
+        with self._lock:
+            self._pending -= 1
 
 
 async def _within(timeout_s: float, coro):

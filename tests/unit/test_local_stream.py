@@ -189,3 +189,38 @@ def test_the_socket_is_abstract_and_leaves_no_file():
         await stage.listener.close()
 
     run(go())
+
+
+def test_a_threads_own_writes_arrive_in_order_with_the_loops():
+    """`send_now` from another thread, interleaved with the event loop's writes under
+    `DirectWrites`: every message arrives once, in the order written."""
+
+    async def go():
+        stage = Stage()
+        await stage.listener.start()
+        call = await stage.call("Forward")
+        turns = local_stream.DirectWrites()
+        loop = asyncio.get_running_loop()
+
+        def thread_writes() -> None:
+            for i in range(1, 201):
+                mb = worker_pb2.MicroBatch(micro_batch_id=i)
+                if i % 7 and turns.take(call):
+                    call.send_now(mb)
+                else:  # (every 7th, and whenever the loop holds one: the loop writes it)
+                    asyncio.run_coroutine_threadsafe(loop_write(mb), loop).result()
+
+        async def loop_write(mb) -> None:
+            await call.write(mb)
+            if mb.micro_batch_id % 7:
+                turns.written()
+
+        await asyncio.to_thread(thread_writes)
+        assert not turns.take(object())  # not a local stream: the loop's (one more pending)
+        assert not turns.take(call)  # ... so the loop holds one: the thread waits its turn
+        await call.done_writing()
+        await call
+        assert [mb.micro_batch_id for mb in stage.received] == list(range(1, 201))
+        await stage.listener.close()
+
+    run(go())
