@@ -8,7 +8,7 @@ on `Events` streams that the scheduler holds from every stage.
 Inside a stage three things overlap, each with one owner:
 - the `Forward` handler (event loop) receives and decodes the next micro-batch
   (`ComputeLoop.accept`),
-- the compute loop (`service/compute.py`) runs plans in arrival order on one executor thread,
+- the compute loop (`service/compute.py`) runs plans in arrival order on the step thread,
 - the sender (`service/downstream.py`, not on the last stage) hands hidden states downstream
   while the next micro-batch computes.
 With several stages started with `--feedback` (on the last), the last stage streams each

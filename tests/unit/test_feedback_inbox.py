@@ -1,10 +1,12 @@
 """The first stage's feedback inbox (worker_svc/service/feedback.py): a step waits until every token
 it computes is known, and gives up with a reason when they will not come; the inbox's invariants
-hold through it all (`check_integrity`). Runs on a real `PersistentBatch`."""
+hold through it all (`check_integrity`). Runs on a real `PersistentBatch`; the step waits on a
+thread of its own, as on the stage's step thread."""
 
 from __future__ import annotations
 
-import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from test_feedback_batch import held
 
@@ -24,46 +26,47 @@ def fed(*triples) -> worker_pb2.SampledFeedback:
     return fb
 
 
-def test_a_step_waits_for_its_fed_token_then_runs():
-    async def scenario():
-        inbox, batch = FeedbackInbox(), held()
-        inbox.stream_opened()
-        waiting = asyncio.ensure_future(inbox.await_inputs(STEP, batch))
-        await asyncio.sleep(0)
-        assert not waiting.done()
-        inbox.add(fed((1, 3, 42)))
-        assert await asyncio.wait_for(waiting, 1.0) is None
-        assert batch.seqs[1].token_ids == [5, 6, 7, 42]
-        assert (inbox.num_fed_tokens, inbox.num_feedback_waits) == (1, 1)
-        inbox.check_integrity()
+def waiting(pool, inbox, batch):
+    """`wait_inputs` on the pool's thread, checked to be waiting."""
+    future = pool.submit(inbox.wait_inputs, STEP, batch)
+    time.sleep(0.05)
+    assert not future.done()
+    return future
 
-    asyncio.run(scenario())
+
+def test_a_step_waits_for_its_fed_token_then_runs():
+    inbox, batch = FeedbackInbox(), held()
+    inbox.stream_opened()
+    with ThreadPoolExecutor(1) as pool:
+        step = waiting(pool, inbox, batch)
+        inbox.add(fed((1, 3, 42)))
+        assert step.result(timeout=5) is None
+    assert batch.seqs[1].token_ids == [5, 6, 7, 42]
+    assert (inbox.num_fed_tokens, inbox.num_feedback_waits) == (1, 1)
+    inbox.check_integrity()
 
 
 def test_a_step_gives_up_when_its_input_is_abandoned_reset_or_unreachable():
-    async def scenario():
-        inbox, batch = FeedbackInbox(), held()
-        assert "no feedback stream" in await inbox.await_inputs(STEP, batch)
-        inbox.stream_opened()
-        waiting = asyncio.ensure_future(inbox.await_inputs(STEP, batch))
-        await asyncio.sleep(0)
+    inbox, batch = FeedbackInbox(), held()
+    assert "no feedback stream" in inbox.wait_inputs(STEP, batch)
+    inbox.stream_opened()
+    with ThreadPoolExecutor(1) as pool:
+        step = waiting(pool, inbox, batch)
         inbox.abandon([1])
-        assert "sequences [1] will not come" in await asyncio.wait_for(waiting, 1.0)
+        assert "sequences [1] will not come" in step.result(timeout=5)
         # a sequence sent whole or dropped awaits nothing: it is forgotten
         inbox.plan_taken(StepPlan(3, finished_seq_ids=(1,)))
         assert inbox.abandoned == set()
         inbox.reset_received()
-        assert "reset before its input tokens came" in await inbox.await_inputs(STEP, batch)
+        assert "reset before its input tokens came" in inbox.wait_inputs(STEP, batch)
         inbox.abandon([1])
         inbox.plan_taken(StepPlan(4, reset=True))  # the reset computes: counted off, abandoned cleared
         assert (inbox.resets_queued, inbox.abandoned) == (0, set())
-        waiting = asyncio.ensure_future(inbox.await_inputs(STEP, batch))
-        await asyncio.sleep(0)
+        step = waiting(pool, inbox, batch)
         inbox.stream_closed()
-        assert "no feedback stream" in await asyncio.wait_for(waiting, 1.0)
-        inbox.check_integrity()
-
-    asyncio.run(scenario())
+        assert "no feedback stream" in step.result(timeout=5)
+    assert inbox.num_abandoned == 4
+    inbox.check_integrity()
 
 
 def test_check_integrity_names_a_broken_invariant():

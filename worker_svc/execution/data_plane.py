@@ -203,6 +203,20 @@ class DataPlaneOut:
             ref_to_pb(ref, mb.hidden_ref)
         return t
 
+    def placed(self, t: torch.Tensor | None, mb: worker_pb2.MicroBatch) -> bool:
+        """The step thread: whether `pack` left nothing for `place` to do (the hidden states
+        in this ring's slot, or in the message); counted as sent when so."""
+        ring = self.ring
+        if self.link is not None:
+            return False
+        if t is None:
+            self.num_grpc_sent += 1
+            return True
+        if ring is not None and mb.HasField("hidden_ref") and mb.hidden_ref.ring_id == ring.ring_id:
+            self.num_shm_sent += 1
+            return True
+        return False
+
     async def place(self, t: torch.Tensor | None, mb: worker_pb2.MicroBatch) -> None:
         """Event loop, on the connection the message goes out on: what `pack` left undone (a
         full ring: wait for a slot), or done on a connection since dropped (again, here)."""

@@ -1,9 +1,11 @@
-"""The stage's compute loop: micro-batches decoded as they arrive (overlapping the step computing
-now), run in arrival order on one executor thread (torch; on an emulated device that thread
-sleeps the step time the profile predicts instead: worker_svc/execution/emulated.py), and
-reported. A malformed plan fails that micro-batch only (an error event with a status code);
-whatever one plan raises fails that plan alone, never the loop; should the loop end anyway, the
-stage stops serving (`fatal`: the process exits and its supervisor restarts it)."""
+"""The stage's compute loop: micro-batches decoded on the event loop as they arrive (overlapping
+the step computing now), then run in arrival order on the step thread (service/step_thread.py;
+torch; on an emulated device that thread sleeps the step time the profile predicts instead:
+worker_svc/execution/emulated.py), which also builds what the step hands on — the next stage's
+micro-batch, the first stage's fed tokens, the scheduler's report — so the event loop only
+counts and routes. A malformed plan fails that micro-batch only (an error event with a status
+code); whatever one plan raises fails that plan alone, never the thread; should the thread end
+anyway, the stage stops serving (`fatal`: the process exits and its supervisor restarts it)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from services import telemetry
+from services.grpc_utils import status_from_value
 from services.pb import worker_pb2
 from services.step_codec import PlanDecodeError, plan_from_pb, result_to_pb
 from worker_svc.config import WorkerConfig
@@ -25,9 +27,11 @@ from worker_svc.execution.kv_tier import TierMissError
 from worker_svc.service.downstream import Downstream
 from worker_svc.service.feedback import FeedbackInbox, FeedbackOutbox
 from worker_svc.service.statistics import StageStatistics
+from worker_svc.service.step_thread import StepThread
 from worker_svc.service.work import Work, failed_done
 
 log = logging.getLogger(__name__)
+MAX_QUEUED = 64  # micro-batches accepted and not yet taken by the step thread: then Forward waits
 
 
 class ComputeLoop:
@@ -44,20 +48,24 @@ class ComputeLoop:
         self.config, self.runner, self.stats, self.inbox = config, runner, stats, inbox
         self.data_in, self.data_out = data_in, data_out
         self.emit = emit  # a micro-batch's report to the Events subscribers
-        self.queue: asyncio.Queue[Work] = asyncio.Queue(maxsize=64)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{config.stage}")
+        self.thread = StepThread(f"stage{config.stage}", on_death=self._died)
+        self.executor = self.thread  # LoRA loads and KV reads run there too, between steps
         self.downstream: Downstream | None = None  # set by the service (not the last stage)
         self.outbox: FeedbackOutbox | None = None  # set by the service (the last stage of several)
-        self.fatal: BaseException | None = None  # why the loop ended, if it did
+        self.fatal: BaseException | None = None  # why the step thread ended, if it did
         self.on_fatal: Callable[[], None] | None = None  # called then
         self._tracing = telemetry.enabled()
         self._tracer = telemetry.tracer("pagoda.worker")
+        self._posted = 0  # micro-batches posted to the step thread (the event loop counts)
+        self._taken = 0  # ... and done there (the step thread counts)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._death: asyncio.Future | None = None
 
     # --- arrival (the Forward handler, on the event loop) --------------------------------
 
     async def accept(self, mb: worker_pb2.MicroBatch) -> None:
         """Takes a received micro-batch: counted, decoded while the plan before it computes,
-        queued in arrival order."""
+        posted to the step thread in arrival order (waits while MAX_QUEUED are there)."""
         work = Work(mb=mb, upstream_sent_ns=mb.sent_ns)
         self.stats.received(mb)
         self._decode(work)
@@ -67,7 +75,11 @@ class ComputeLoop:
         tier = getattr(self.runner, "kv_tier", None)
         if tier is not None and work.plan is not None and work.plan.tier_ops:
             tier.prefetch(work.plan.tier_ops)  # its disk reads overlap the steps ahead of it
-        await self.queue.put(work)
+        self._loop = self._loop or asyncio.get_running_loop()
+        while self._posted - self._taken >= MAX_QUEUED:  # back-pressure on the stream
+            await asyncio.sleep(0.002)
+        self._posted += 1
+        self.thread.post(self._step, work)
 
     def _decode(self, work: Work) -> None:
         mb, cfg = work.mb, self.config
@@ -94,54 +106,61 @@ class ComputeLoop:
     # --- the loop ----------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Waits, on the event loop, until the step thread dies (it should not): then the
+        stage stops serving."""
+        self._loop = asyncio.get_running_loop()
+        self._death = self._loop.create_future()
+        if self.downstream is not None:
+            self.downstream.loop = self._loop
+        if self.outbox is not None:
+            self.outbox.loop = self._loop
+        exc = await self._death
+        log.critical("the compute loop died: %s", exc)
+        self.fatal = exc
+        if self.on_fatal is not None:
+            self.on_fatal()
+        raise exc
+
+    def _died(self, exc: BaseException) -> None:  # (the step thread)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: self._death.done() or self._death.set_result(exc))
+
+    # --- the step thread ---------------------------------------------------------------
+
+    def _step(self, work: Work) -> None:
         try:
-            while True:
-                work = await self.queue.get()
-                try:
-                    await self._process(work)
-                except Exception as exc:  # a bug outside the model: this step fails, the loop goes on
-                    log.exception("micro-batch %d failed outside compute", work.mb.micro_batch_id)
-                    self._fail_alone(work, f"{type(exc).__name__}: {exc}")
-                finally:
-                    work.hidden = None
-                    if work.release is not None:  # done or failed: its ring slot goes back
-                        work.release()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            log.critical("the compute loop died: %s", exc)
-            self.fatal = exc
-            if self.on_fatal is not None:
-                self.on_fatal()
-            raise
+            self._process(work)
+        except Exception as exc:  # a bug outside the model: this step fails, the thread goes on
+            log.exception("micro-batch %d failed outside compute", work.mb.micro_batch_id)
+            done = failed_done(work.mb.micro_batch_id, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            self._loop.call_soon_threadsafe(self._report_alone, done)
+        finally:
+            work.hidden = None
+            if work.release is not None:  # done or failed: its ring slot goes back
+                work.release()
+            self._taken += 1
 
-    def _fail_alone(self, work: Work, message: str) -> None:
-        self.stats.num_failed += 1
-        self.stats.num_in_flight = max(0, self.stats.num_in_flight - 1)
-        self.emit(failed_done(work.mb.micro_batch_id, grpc.StatusCode.INTERNAL, message))
-
-    async def _process(self, work: Work) -> None:
+    def _process(self, work: Work) -> None:
         if work.error is None and self.config.is_first and not self.config.is_last:
-            why = await self.inbox.await_inputs(work.plan, self.runner.batch)
+            why = self.inbox.wait_inputs(work.plan, self.runner.batch)
             if why is not None:
-                self.inbox.num_abandoned += 1
                 work.error = (grpc.StatusCode.ABORTED, f"micro-batch {work.mb.micro_batch_id}: {why}")
         if work.plan is not None:
             self.inbox.plan_taken(work.plan)
         if work.error is None:
-            await self._run_on_thread(work)
-        # the result goes back to the scheduler as soon as compute ends, before the
-        # hand-off downstream, so that it reaches the scheduler ahead of the later stages'
-        # (a failed hand-off is reported afterwards as an error for the micro-batch)
+            self._compute_guarded(work)
+        # the fed tokens go to the first stage as soon as compute ends, before the scheduler
+        # hears of the step (a failed hand-off is reported afterwards as an error for it)
         if work.error is None and self.outbox is not None:
-            self.outbox.send(work.feedback, work.mb.micro_batch_id)  # before the scheduler hears of it
-        self._finish(work)
+            self.outbox.send(work.feedback, work.mb.micro_batch_id)
+        done = self._done(work)
+        self._loop.call_soon_threadsafe(self._report, done)
         if work.error is None and self.downstream is not None:
-            await self.downstream.queue.put(work)
+            self.downstream.submit(work)
 
-    async def _run_on_thread(self, work: Work) -> None:
+    def _compute_guarded(self, work: Work) -> None:
         try:
-            await asyncio.get_running_loop().run_in_executor(self.executor, self._compute, work)
+            self._compute(work)
         except LoraNotLoadedError as exc:  # (the scheduler loads the stage's adapters again)
             work.error = (grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except InvalidPlanError as exc:
@@ -155,9 +174,8 @@ class ComputeLoop:
             work.error = (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _compute(self, work: Work) -> None:
-        """Runs on the executor thread: the only place this stage's tensors are touched.
-        What the step hands on is encoded here too, off the event loop and before the
-        thread hands back: the hidden states into the micro-batch (not last), the sampled
+        """The only place this stage's tensors are touched. What the step hands on is
+        encoded here too: the hidden states into the micro-batch (not last), the sampled
         tokens into the first stage's feedback (last of several)."""
         progress = self.stats.progress
         work.compute_start_ns = time.time_ns()
@@ -174,19 +192,12 @@ class ComputeLoop:
         if self.outbox is not None:
             work.feedback = self.outbox.of(work.result, work.mb.micro_batch_id)
 
-    # --- reports -----------------------------------------------------------------------
-
-    def report_forward_failure(self, work: Work) -> None:
-        code, message = work.error
-        self.stats.num_failed += 1
-        log.warning("micro-batch %d not handed on: %s %s", work.mb.micro_batch_id, code.name, message)
-        self.emit(failed_done(work.mb.micro_batch_id, code, message))
-
-    def _finish(self, work: Work) -> None:
-        """Count the step and report it: a failure at once on Events; a success on Events
-        from the last stage only, with every stage's timing, which the others append to the
-        micro-batch they hand on (MicroBatch.upstream_timings): one event per step for the
-        scheduler to read, not one per stage."""
+    def _done(self, work: Work) -> worker_pb2.MicroBatchDone:
+        """The step's report, built on the step thread (the result it reads is the thread's
+        until the next step): its timing; on the last stage every stage's timing and the
+        sampled tokens, elsewhere the timing appended to the micro-batch handed on
+        (MicroBatch.upstream_timings): one event per step for the scheduler to read, not one
+        per stage."""
         done = worker_pb2.MicroBatchDone(micro_batch_id=work.mb.micro_batch_id)
         timing = done.timing
         timing.stage_index = self.config.stage
@@ -194,31 +205,52 @@ class ComputeLoop:
         timing.received_ns = work.received_ns
         timing.compute_start_ns = work.compute_start_ns
         timing.compute_end_ns = work.compute_end_ns
-        timing.forwarded_ns = work.forwarded_ns
         if work.plan is not None:
             timing.num_seqs = work.plan.num_seqs
             timing.num_tokens = work.plan.num_tokens
-        self.stats.num_in_flight -= 1
         if work.error is not None:
             code, message = work.error
             done.error.code = code.value[0]
             done.error.message = message
-            self.stats.num_failed += 1
-            log.warning("micro-batch %d failed: %s %s", work.mb.micro_batch_id, code.name, message)
-            self.emit(done)
-            return
-        copies = len(work.plan.block_copies)
-        self.stats.computed(timing.num_tokens, work.compute_end_ns - work.compute_start_ns, copies)
-        done.num_block_copies_applied = copies
+            return done
+        done.num_block_copies_applied = len(work.plan.block_copies)
         if self._tracing:
             self._trace_spans(work)
         if not self.config.is_last:
             work.mb.upstream_timings.append(timing)
-            return
+            return done
         done.upstream_timings.extend(work.mb.upstream_timings)
         if work.result.sampled is not None:
             result_to_pb(work.result.step_result(), done)
+        return done
+
+    # --- reports (the event loop) ------------------------------------------------------
+
+    def _report_alone(self, done: worker_pb2.MicroBatchDone) -> None:
+        self.stats.num_failed += 1
+        self.stats.num_in_flight = max(0, self.stats.num_in_flight - 1)
         self.emit(done)
+
+    def report_forward_failure(self, work: Work) -> None:
+        code, message = work.error
+        self.stats.num_failed += 1
+        log.warning("micro-batch %d not handed on: %s %s", work.mb.micro_batch_id, code.name, message)
+        self.emit(failed_done(work.mb.micro_batch_id, code, message))
+
+    def _report(self, done: worker_pb2.MicroBatchDone) -> None:
+        """Count the step and report it: a failure at once on Events; a success on Events
+        from the last stage only (with every stage's timing)."""
+        self.stats.num_in_flight -= 1
+        if done.error.code:
+            self.stats.num_failed += 1
+            code = status_from_value(done.error.code)
+            log.warning("micro-batch %d failed: %s %s", done.micro_batch_id, code.name, done.error.message)
+            self.emit(done)
+            return
+        t = done.timing
+        self.stats.computed(t.num_tokens, t.compute_end_ns - t.compute_start_ns, done.num_block_copies_applied)
+        if self.config.is_last:
+            self.emit(done)
 
     def _trace_spans(self, work: Work) -> None:
         """One span per traced sequence of the micro-batch, under its request's scheduler span."""
