@@ -256,8 +256,9 @@ def test_killed_worker_is_seen_promptly_and_restart_shows_new_epoch(model_dir, t
 def test_a_full_ring_holds_the_stage_back_and_loses_nothing(model_dir, reference, tmp_path):
     """The next stage stopped (SIGSTOP) while eight steps come: the first stage fills its
     ring's four slots, waits for a free one instead of growing it, and once the next stage
-    runs again every step arrives, each with transformers' token."""
-    procs = start_chain(model_dir, 2, tmp_path, NUM_BLOCKS, BLOCK_SIZE)
+    runs again every step arrives, each with transformers' token. (The ring asked for by
+    name: a run that forces another channel, PAGODA_STAGE_CHANNEL, has none to fill.)"""
+    procs = start_chain(model_dir, 2, tmp_path, NUM_BLOCKS, BLOCK_SIZE, extra=("--stage-channel", "shm"))
     ps = [p[:20] for p in prompts()[2:]] + [p[:9] for p in prompts()[4:6]]  # eight prompts
 
     async def go():
