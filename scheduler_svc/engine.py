@@ -43,7 +43,7 @@ from scheduler_svc.events import (
 )
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.observer import EngineObserver, Outcome
-from scheduler_svc.outputs import ChoiceDelta, LiveRequest, RequestOutput, final_output, stream_outputs
+from scheduler_svc.outputs import ChoiceDelta, LiveRequest, OutputSink, RequestOutput, final_output, stream_outputs
 from scheduler_svc.recovery import FailureHandling
 from services.admission import Limits, admit, admit_pooling
 from services.kv_layout import entries_that_fit, parse_spec
@@ -255,6 +255,13 @@ class Engine(FailureHandling):
 
     def submit(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Queue a request; iterate the result for its outputs. Raises QueueFull, ValueError."""
+        live = self.submit_to(request, asyncio.Queue())
+        return stream_outputs(live, self.abort)
+
+    def submit_to(self, request: Request, sink: OutputSink) -> LiveRequest:
+        """Queue a request whose outputs the engine puts into `sink` as it makes them (no task
+        per request reads them: `scheduler_svc/request_stream.py`); its consumer aborts it
+        if it goes first. Raises QueueFull, ValueError."""
         request.eos_token_ids = request.eos_token_ids or self.eos_token_ids
         request.arrival_s = self.clock()
         if request.request_id in self._live:
@@ -276,11 +283,11 @@ class Engine(FailureHandling):
                     ),
                 )
         self.update_active_time()  # the time before this arrival counts as idle if nothing was live
-        live = LiveRequest(request, asyncio.Queue())
+        live = LiveRequest(request, sink)
         self._live[request.request_id] = live
         self.observer.request_admitted(request)
         self._wake()
-        return stream_outputs(live, self.abort)
+        return live
 
     def _fit_to_context(self, request: Request) -> None:
         """Admit the request's options (`services.admission`, as the server does at its edge),

@@ -7,9 +7,9 @@ ended yet: the request and the queue its outputs go out through.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from scheduler_svc.core.request import FinishReason, Request
 from services.pooling import Embedding
@@ -45,10 +45,18 @@ class RequestOutput:
     kv_export: tuple[int, int] | None = None
 
 
+class OutputSink(Protocol):
+    """Where a request's outputs go as the engine makes them: an asyncio.Queue that a task
+    reads (`stream_outputs`), or a consumer that takes each at once (put_nowait must not
+    block or raise)."""
+
+    def put_nowait(self, out: RequestOutput) -> None: ...
+
+
 @dataclass
 class LiveRequest:
     request: Request
-    outputs: asyncio.Queue
+    outputs: OutputSink
     failures: int = 0  # micro-batches of it that failed on a stage
 
 

@@ -156,9 +156,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         async for events in RequestStream(self).run(request_iterator):
             yield events
 
-    async def admit(self, request: scheduler_pb2.GenerateRequest, traceparent: str = ""):
-        """A GenerateRequest validated and queued: (the request, its outputs). Refused with
-        the status Generate ends with."""
+    async def admit(self, request: scheduler_pb2.GenerateRequest, traceparent: str = "", sink=None):
+        """A GenerateRequest validated and queued: (the request, its outputs to iterate), or
+        with `sink` (the engine puts each output there) (the request, its LiveRequest).
+        Refused with the status Generate ends with."""
         if not self.engine.stages:  # (the gateway retries UNAVAILABLE before anything streamed)
             raise Refused(
                 grpc.StatusCode.UNAVAILABLE, "the scheduler is starting: its stages are not connected yet; retry"
@@ -174,7 +175,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"kv_export: {self.engine.health_detail}")
             if request.HasField("kv_import"):  # P/D: the prompt's blocks first (kv_transfer.py)
                 await self.importer.run(req, request.kv_import)
-            return req, self.engine.submit(req)
+            return req, (self.engine.submit(req) if sink is None else self.engine.submit_to(req, sink))
         except InvalidRequest as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except AdapterNotServed as exc:

@@ -141,3 +141,33 @@ def test_a_scheduler_that_dies_fails_its_streams_requests_unavailable(model_dir,
         assert codes == [grpc.StatusCode.UNAVAILABLE] * 4
     finally:
         kill_stack(s)
+
+
+def test_a_stream_that_ends_aborts_its_running_requests_and_a_live_id_is_refused(stack):
+    """The engine puts each admitted request's outputs into the stream itself (no task per
+    request): the gateway's stream ending must still end every request on it, and a second
+    request under a running one's id is refused on the stream, the first one unharmed."""
+
+    async def go():
+        async with aio_channel(stack.scheduler_address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            stream = SchedulerStream(stub)
+            calls = [aiter(stream.generate(request(300 + i, max_tokens=400))) for i in range(3)]
+            for it in calls:
+                await anext(it)  # each is running
+            with pytest.raises(grpc.aio.AioRpcError) as twice:
+                await collect(stream.generate(request(300, max_tokens=4)))
+            await anext(calls[0])  # the first one goes on
+            running = (await stub.GetStats(scheduler_pb2.GetStatsRequest())).num_running
+            await stream.close()
+            for _ in range(100):
+                stats = await stub.GetStats(scheduler_pb2.GetStatsRequest())
+                if not stats.num_running and not stats.kv_cache.num_used_blocks:
+                    break
+                await asyncio.sleep(0.05)
+            return twice.value, running, stats
+
+    twice, running, stats = asyncio.run(go())
+    assert twice.code() == grpc.StatusCode.INVALID_ARGUMENT and "already live" in twice.details()
+    assert running == 3
+    assert stats.num_running == 0 and stats.kv_cache.num_used_blocks == 0
