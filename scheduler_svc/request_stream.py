@@ -167,10 +167,10 @@ class RequestStream:
             return
         task = self._pumps.pop(abort.request_id, None)
         outputs = self._outputs.get(abort.request_id)
-        if task is not None:
-            task.cancel()  # admitted or not, nothing more is sent for it
-        elif outputs is not None:
+        if outputs is not None:  # admitted (its task may be done, its entry not yet gone)
             outputs.abort()  # nothing more is sent for it
+        elif task is not None and not task.done():
+            task.cancel()  # its admission goes no further
         else:
             self.service.engine.abort(abort.request_id)
 

@@ -94,3 +94,21 @@ def test_an_abort_sends_nothing_more_and_aborts_a_live_request_once():
 
     service, items = asyncio.run(go())
     assert service.aborted == ["r1"] and items == []
+
+
+def test_an_abort_command_reaches_a_request_admitted_just_now():
+    """Its admission task is done but its entry not yet dropped (a done callback runs a loop
+    turn later): the abort still ends the request, not the finished task."""
+
+    async def go():
+        service = FakeService()
+        stream, outputs = admitted(service)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        stream._pumps["r1"] = done
+        stream._abort(scheduler_pb2.AbortRequest(request_id="r1"))
+        outputs.put_nowait(output([1]))
+        return service, drained(stream)
+
+    service, items = asyncio.run(go())
+    assert service.aborted == ["r1"] and items == []
