@@ -163,6 +163,12 @@ class TextGenerator:
         (a set of one: nothing to route)."""
         return self._replicas if self._replicas.routes else None
 
+    def replica_views(self) -> list[dict]:
+        """The one scheduler this gateway sends to (not routed, not polled), as /debug/replicas
+        lists it: its address and how its request stream goes."""
+        r = self._replicas.replicas[0]
+        return [{"name": r.name, "address": r.address, "stream": r.stream.channel if r.stream is not None else ""}]
+
     async def close(self) -> None:
         await self._replicas.close()
         if self.prefill is not None:

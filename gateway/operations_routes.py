@@ -113,7 +113,7 @@ def add_debug_routes(app: FastAPI, gw: Any) -> None:
         routed there, the routing policy, and how often it fell back to routing by load."""
         rs, prefill = gw.generator.replicas, gw.generator.prefill
         out: dict[str, Any] = (
-            {"routing": None, "replicas": [{"name": "r0", "address": gw.generator.scheduler_address}]}
+            {"routing": None, "replicas": gw.generator.replica_views()}
             if rs is None
             else {
                 "routing": rs.policy,

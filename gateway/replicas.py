@@ -280,6 +280,8 @@ class ReplicaSet:
                 "in_flight": r.state.in_flight,
                 "kv_usage": round(r.state.kv_usage, 4),
                 "routed": r.num_routed,
+                # its request stream: "unix" (the scheduler's local socket), "grpc", or "" (none opened yet)
+                "stream": r.stream.channel if r.stream is not None else "",
             }
             for r in self.replicas
         ]

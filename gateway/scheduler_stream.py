@@ -10,6 +10,11 @@ by the one carrying `usage`; its failure raised as the `grpc.aio.AioRpcError` th
 have raised (code, details, the pipeline-down trailing metadata); `cancel()` aborts the
 request downstream; `done()`.
 
+On one host the stream takes the scheduler's local socket (`LocalEndpoint`,
+services/local_stream.py): the same messages, framed, at a fraction of gRPC's CPU per step
+at both ends; a scheduler that offers none (`--request-channel grpc`, or another host) gets
+the gRPC call.
+
 The stream breaking (the scheduler died, or restarted) fails every request on it UNAVAILABLE,
 as their own calls would have failed; the next request opens a new stream. A scheduler that
 does not know the call (UNIMPLEMENTED) is sent `Generate` calls from then on.
@@ -22,7 +27,8 @@ import logging
 
 import grpc
 
-from services.grpc_utils import PIPELINE_DOWN, UNAVAILABLE_REASON_KEY, status_from_value
+from services import local_stream
+from services.grpc_utils import DEFAULT_MAX_MESSAGE_BYTES, PIPELINE_DOWN, UNAVAILABLE_REASON_KEY, status_from_value
 from services.pb import scheduler_pb2
 
 log = logging.getLogger(__name__)
@@ -38,9 +44,12 @@ def call_error(code: grpc.StatusCode, details: str, pipeline_down: bool = False)
 class SchedulerStream:
     """One scheduler's stream, opened on first use and again after it broke."""
 
-    def __init__(self, stub) -> None:
+    def __init__(self, stub, max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self._stub = stub
-        self._call = None  # the open GenerateStream call
+        self._max_message_bytes = max_message_bytes  # None: gRPC only
+        self._call = None  # the open GenerateStream call (a gRPC call, or a local_stream.LocalCall)
+        self._open_lock = asyncio.Lock()
+        self.channel = ""  # how the last stream opened went: "unix" (the scheduler's local socket) or "grpc"
         self._reader: asyncio.Task | None = None
         self._queues: dict[str, tuple[object, asyncio.Queue]] = {}  # request id -> (its call, its queue)
         self._write_lock = asyncio.Lock()
@@ -51,19 +60,42 @@ class SchedulerStream:
     def generate(self, request: scheduler_pb2.GenerateRequest) -> StreamedCall:
         return StreamedCall(self, request)
 
-    def _open(self):
-        if self._call is None:
-            self._call = self._stub.GenerateStream()
-            self.num_streams += 1
-            self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
+    async def _open(self):
+        if self._call is not None:
+            return self._call
+        async with self._open_lock:  # (the first requests all wait for the one stream)
+            if self._call is None:
+                local = await self._open_local()
+                self._call = local or self._stub.GenerateStream()
+                self.channel = "unix" if local is not None else "grpc"
+                self.num_streams += 1
+                self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
         return self._call
+
+    async def _open_local(self):
+        """The stream on the scheduler's local socket, when it offers one and it answers
+        (this host); None: the gRPC call instead."""
+        if self._max_message_bytes is None or not hasattr(self._stub, "LocalEndpoint"):
+            return None
+        try:
+            info = await self._stub.LocalEndpoint(scheduler_pb2.LocalEndpointRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:  # (an older scheduler: UNIMPLEMENTED)
+            return None
+        return await local_stream.open_offered(
+            info.local_socket,
+            info.local_token,
+            "GenerateStream",
+            "the scheduler",
+            response_type=scheduler_pb2.StreamEvents,
+            max_message_bytes=self._max_message_bytes,
+        )
 
     async def send(self, request: scheduler_pb2.GenerateRequest) -> asyncio.Queue:
         """Start `request` on the stream: the queue its responses (and end) arrive on."""
         rid = request.request_id
         if rid in self._queues:
             raise call_error(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already live on this stream")
-        call = self._open()
+        call = await self._open()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (call, queue)
         try:

@@ -65,6 +65,15 @@ class SchedulerConfig:
         "float",
     )
     speculative_config: str | None = uses(shared.SPECULATIVE_CONFIG)
+    # the gateway's GenerateStream (services/local_stream.py)
+    request_channel: str = _arg(
+        "auto",
+        "how a gateway's request stream reaches this scheduler: auto (a local socket offered to a "
+        "gateway on this host, gRPC from elsewhere) or grpc (gRPC only)",
+        "str",
+        choices=("auto", "grpc"),
+        group="network",
+    )
     max_request_failures: int = 3
     trace_file: str | None = None
 

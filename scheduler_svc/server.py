@@ -25,9 +25,10 @@ from scheduler_svc.engine import Engine, admission_limits
 from scheduler_svc.kv_transfer import KVImporter, disaggregation_to_pb, export_to_pb
 from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.request_stream import Refused, RequestStream
-from services import grammar
+from services import grammar, local_stream
 from services.admission import AdmissionError, admit, admit_pooling
 from services.grpc_utils import (
+    DEFAULT_MAX_MESSAGE_BYTES,
     PIPELINE_DOWN,
     UNAVAILABLE_REASON_KEY,
     create_aio_server,
@@ -123,13 +124,21 @@ def check_structured(structured) -> None:
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, kv_address: str = "in-process") -> None:
+    def __init__(
+        self, engine: Engine, kv_address: str = "in-process", max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    ) -> None:
         self.engine = engine
         self.kv_address = kv_address
         self.epoch = secrets.randbits(63) | 1
         self.started_ns = time.time_ns()
         cfg = engine.config
         self.importer = KVImporter(engine.kv, engine.transport, cfg.block_size, cfg.model or None)
+        # GenerateStream on this host's local socket too (services/local_stream.py), unless set to gRPC only
+        self.listener: local_stream.LocalListener | None = None
+        if cfg.request_channel != "grpc":
+            self.listener = local_stream.LocalListener(
+                {"GenerateStream": self._local_generate_stream}, max_message_bytes
+            )
 
     async def Generate(self, request, context):
         traceparent = dict(context.invocation_metadata() or ()).get("traceparent", "")
@@ -155,6 +164,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """Many requests on one stream (scheduler_svc/request_stream.py)."""
         async for events in RequestStream(self).run(request_iterator):
             yield events
+
+    async def _local_generate_stream(self, stream: local_stream.ServerStream) -> None:
+        """GenerateStream opened on the local socket: the same commands and events, framed."""
+        async for events in RequestStream(self).run(stream.messages(scheduler_pb2.StreamCommand)):
+            await stream.write(events)
+
+    async def LocalEndpoint(self, request, context):
+        if self.listener is None:
+            return scheduler_pb2.LocalEndpointReply()
+        return scheduler_pb2.LocalEndpointReply(local_socket=self.listener.address, local_token=self.listener.token)
 
     async def admit(self, request: scheduler_pb2.GenerateRequest, traceparent: str = "", sink=None):
         """A GenerateRequest validated and queued: (the request, its outputs to iterate), or
@@ -482,6 +501,8 @@ async def serve(
     service = SchedulerService(engine, kv_address)
     server, bound, health = create_aio_server(f"{host}:{port}")
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
+    if service.listener is not None:
+        await service.listener.start()
     await server.start()
     await _start_pipeline(engine, kv, config, startup_timeout_s)
     await set_serving(health, SERVICE_NAME, True)
@@ -507,6 +528,8 @@ async def serve(
         task.cancel()
     await set_serving(health, SERVICE_NAME, False)
     await server.stop(grace=5.0)
+    if service.listener is not None:  # (its streams cut after gRPC's calls had their grace)
+        await service.listener.close()
     await engine.stop()
     await kv.close()
 

@@ -1,5 +1,9 @@
 """The step's messages between processes on one host, over a Unix socket (issue 37).
 
+The stages' step streams (below), and the gateway's one GenerateStream to a scheduler on
+its host (scheduler_svc/server.py offers it, gateway/scheduler_stream.py opens it): each
+step's outputs reach the gateway as one framed message, not a gRPC one.
+
 A step crosses the pipeline as a handful of protobuf messages: the plan into stage 0, the
 micro-batch from stage to stage, the result back to the scheduler and the sampled tokens
 back to stage 0. Over gRPC aio each costs ~0.15 ms of CPU to send and as much to receive
@@ -15,7 +19,7 @@ a socket that does not answer.
   so nothing is left in the file system however the process ends), a random name and a
   random 16-byte token; both are in its `StageLoadInfo` (`local_socket`, `local_token`), read
   over the authenticated gRPC connection. The dialer opens a stream with a hello (the token
-  and the method: "Forward", "Feedback" or "Events"); a wrong token, an unknown method or an
+  and the method: "Forward", "Feedback" or "Events"; a scheduler's "GenerateStream"); a wrong token, an unknown method or an
   oversized hello closes the socket.
 - The stream then carries frames: a 4-byte little-endian length, a kind byte (a message, or
   the end with a status code and its details) and the body. A message over the limit ends
@@ -52,7 +56,6 @@ _END_BODY = struct.Struct("<B")  # the status code's value, then its details (ut
 _TOKEN_BYTES = 16
 _MAX_HELLO = 256
 _HIGH_WATER = 4 << 20  # a writer waits (`drain`) once this much is unsent: back-pressure
-METHODS = ("Forward", "Feedback", "Events")
 _TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11's timeout context; None on 3.10
 
 
@@ -448,10 +451,28 @@ async def try_open(stub, method: str, request=None, response_type=None, max_mess
         info = await stub.LoadInfo(worker_pb2.LoadInfoRequest(), timeout=2.0)
     except grpc.aio.AioRpcError:
         return None
-    if not info.local_socket:
+    label = f"stage {info.stage_index}"
+    return await open_offered(
+        info.local_socket, info.local_token, method, label, request, response_type, max_message_bytes
+    )
+
+
+async def open_offered(
+    address: str,
+    token: bytes,
+    method: str,
+    label: str,
+    request=None,
+    response_type=None,
+    max_message_bytes: int = 64 << 20,
+) -> LocalCall | None:
+    """A stream of `method` on the socket a peer (`label`, for the log) offered over gRPC, or
+    None: it offers none (`address` empty), or the socket does not answer (another host, or
+    the peer went): the caller takes gRPC instead."""
+    if not address:
         return None
     try:
-        return await open_call(info.local_socket, info.local_token, method, request, response_type, max_message_bytes)
+        return await open_call(address, token, method, request, response_type, max_message_bytes)
     except LocalStreamError as exc:
-        log.info("no local %s stream to stage %d (%s): it goes over gRPC", method, info.stage_index, exc.details())
+        log.info("no local %s stream to %s (%s): it goes over gRPC", method, label, exc.details())
         return None

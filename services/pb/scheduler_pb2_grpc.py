@@ -71,6 +71,11 @@ class SchedulerStub:
                 request_serializer=pagoda_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_scheduler__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.LocalEndpoint = channel.unary_unary(
+                '/pagoda.v1.Scheduler/LocalEndpoint',
+                request_serializer=pagoda_dot_v1_dot_scheduler__pb2.LocalEndpointRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_scheduler__pb2.LocalEndpointReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -139,6 +144,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LocalEndpoint(self, request, context):
+        """Where GenerateStream can also be opened on this host (issue 37): an abstract Unix
+        socket and the token a stream opened there must present (services/local_stream.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +189,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pagoda_dot_v1_dot_scheduler__pb2.GetStatsRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_scheduler__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'LocalEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocalEndpoint,
+                    request_deserializer=pagoda_dot_v1_dot_scheduler__pb2.LocalEndpointRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_scheduler__pb2.LocalEndpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -368,6 +386,33 @@ class Scheduler:
             '/pagoda.v1.Scheduler/GetStats',
             pagoda_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
             pagoda_dot_v1_dot_scheduler__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocalEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.Scheduler/LocalEndpoint',
+            pagoda_dot_v1_dot_scheduler__pb2.LocalEndpointRequest.SerializeToString,
+            pagoda_dot_v1_dot_scheduler__pb2.LocalEndpointReply.FromString,
             options,
             channel_credentials,
             insecure,
