@@ -29,7 +29,7 @@ import grpc
 
 from services import local_stream
 from services.grpc_utils import DEFAULT_MAX_MESSAGE_BYTES, PIPELINE_DOWN, UNAVAILABLE_REASON_KEY, status_from_value
-from services.pb import scheduler_pb2
+from services.pb import common_pb2, scheduler_pb2
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class SchedulerStream:
         if self._max_message_bytes is None or not hasattr(self._stub, "LocalEndpoint"):
             return None
         try:
-            info = await self._stub.LocalEndpoint(scheduler_pb2.LocalEndpointRequest(), timeout=2.0)
+            info = await self._stub.LocalEndpoint(common_pb2.LocalEndpointRequest(), timeout=2.0)
         except grpc.aio.AioRpcError:  # (an older scheduler: UNIMPLEMENTED)
             return None
         return await local_stream.open_offered(

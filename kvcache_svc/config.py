@@ -48,6 +48,16 @@ class KVCacheConfig:
         "r0", "this replica's name in the prefix index (routers: gateway --scheduler NAME=...)", group="parallelism"
     )
     redis_url: str = uses(shared.REDIS_URL, "")
+    # the scheduler's Step calls on this host's local socket (services/local_stream.py)
+    step_channel: str = _setting(
+        "auto",
+        "how the scheduler's Step calls reach this KV service: auto (a local socket offered to a "
+        "scheduler on this host, gRPC from elsewhere) or grpc (gRPC only)",
+        "str",
+        choices=("auto", "grpc"),
+        serve="pass",
+        group="network",
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_blocks <= MAX_NUM_BLOCKS:

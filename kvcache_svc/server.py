@@ -32,6 +32,7 @@ from kvcache_svc.config import KVCacheConfig
 from kvcache_svc.core import InvalidStepError, KVCacheError, KVCacheManager, SequenceNotFound, StepInput
 from kvcache_svc.core.tier import plan_import, tier_for
 from kvcache_svc.events import Event, EventLog, Gone, Removed, Stored, chains
+from services import local_stream
 from services.grpc_utils import create_aio_server, serve_until_signalled, set_serving
 from services.kv_codec import (
     SEQ_ID_METADATA_KEY,
@@ -42,7 +43,7 @@ from services.kv_codec import (
     step_input_from_pb,
     step_output_to_pb,
 )
-from services.pb import kvcache_pb2, kvcache_pb2_grpc
+from services.pb import common_pb2, kvcache_pb2, kvcache_pb2_grpc
 from services.prefix_hash import ROOT_KEY
 
 log = logging.getLogger(__name__)
@@ -87,11 +88,14 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         self._changed_since_check = False
         self._last_change_s = time.monotonic()
         self._checker: asyncio.Task | None = None
+        self.listener: local_stream.LocalListener | None = None  # Step on the local socket (create_server)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
         """Report SERVING and start the idle integrity checks (and the Redis publisher)."""
+        if self.listener is not None:
+            await self.listener.start()
         if self.config.integrity_check_idle_s > 0:
             self._checker = asyncio.create_task(self._idle_checks(), name="integrity-check")
         if self.config.redis_url:
@@ -111,6 +115,8 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
 
     async def stop(self) -> None:
         await self._set_serving(False)
+        if self.listener is not None:
+            await self.listener.close()
         if self.publisher is not None:
             await self.publisher.stop()
         if self._checker is not None:
@@ -196,6 +202,17 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         output = await self._apply(context, "Step", step)
         self.num_steps += 1
         return step_output_to_pb(output, self._capacity(), len(self.manager.group_windows))
+
+    async def local_step(self, stream: local_stream.ServerStream) -> None:
+        """Step calls on the local socket: each StepRequest's StepResponse, in order; an
+        error ends the stream with Step's status (the caller opens another)."""
+        async for request in stream.messages(kvcache_pb2.StepRequest):
+            await stream.write(await self.Step(request, stream.context))
+
+    async def LocalEndpoint(self, request, context) -> common_pb2.LocalEndpointReply:
+        if self.listener is None:
+            return common_pb2.LocalEndpointReply()
+        return common_pb2.LocalEndpointReply(local_socket=self.listener.address, local_token=self.listener.token)
 
     async def Fork(self, request: kvcache_pb2.ForkRequest, context) -> kvcache_pb2.ForkResponse:
         await self._apply(context, "Fork", StepInput(forks=forks_from_pb(request.forks)))
@@ -343,6 +360,8 @@ def create_server(config: KVCacheConfig) -> tuple[grpc.aio.Server, int, KVCacheS
     `await server.start()` and `await service.start()`."""
     server, port, health_servicer = create_aio_server(config.address, config.max_message_bytes)
     service = KVCacheService(config, health_servicer)
+    if config.step_channel != "grpc":  # Step on this host's local socket too
+        service.listener = local_stream.LocalListener({"Step": service.local_step}, config.max_message_bytes)
     kvcache_pb2_grpc.add_KVCacheServicer_to_server(service, server)
     return server, port, service
 

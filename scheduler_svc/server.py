@@ -172,8 +172,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def LocalEndpoint(self, request, context):
         if self.listener is None:
-            return scheduler_pb2.LocalEndpointReply()
-        return scheduler_pb2.LocalEndpointReply(local_socket=self.listener.address, local_token=self.listener.token)
+            return common_pb2.LocalEndpointReply()
+        return common_pb2.LocalEndpointReply(local_socket=self.listener.address, local_token=self.listener.token)
 
     async def admit(self, request: scheduler_pb2.GenerateRequest, traceparent: str = "", sink=None):
         """A GenerateRequest validated and queued: (the request, its outputs to iterate), or

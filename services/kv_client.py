@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
+import logging
+import math
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import NamedTuple, TypeVar
 
@@ -33,8 +37,10 @@ from services.kv_codec import (
 from services.kv_errors import ImportUnavailable, InvalidStepError, KVCacheError, SequenceNotFound
 from services.kv_stats import KVCacheStats, SequenceBlockStats
 from services.kv_types import StepInput, StepOutput
-from services.pb import kvcache_pb2, kvcache_pb2_grpc
+from services.local_stream import LocalStreamError, LocalUnary, open_call
+from services.pb import common_pb2, kvcache_pb2, kvcache_pb2_grpc
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -164,6 +170,11 @@ class GrpcKVCacheClient(KVCacheClient):
         self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
         self._out_of_step: str | None = None
         self._mutating = asyncio.Lock()  # one mutating call at a time, in order
+        self._max_message_bytes = max_message_bytes
+        # Step on the service's local socket when it offers one on this host (issue 37)
+        self._local_step: LocalUnary | None = None
+        self._local_ask_at = 0.0  # when to ask for it (again); inf: never (not offered)
+        self.step_channel = "grpc"  # how the last Step went: "unix" or "grpc"
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Wait until the channel connects; `KVServiceUnavailable` if it does not in time."""
@@ -206,10 +217,43 @@ class GrpcKVCacheClient(KVCacheClient):
             self._out_of_step = str(exc)  # applied or not: unknown
             raise
 
+    async def _step_rpc(self) -> Callable[..., Awaitable[kvcache_pb2.StepResponse]]:
+        """Step's call: on the service's local socket once one answers (this host), else gRPC.
+        Asked for once, again after a `reset()`; a socket offered that does not answer is
+        tried again 5 s later."""
+        if self._local_step is None and time.monotonic() >= self._local_ask_at:
+            self._local_ask_at = time.monotonic() + 5.0
+            try:
+                offer = await self._stub.LocalEndpoint(common_pb2.LocalEndpointRequest(), timeout=2.0)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older service
+                    self._local_ask_at = math.inf
+                offer = None
+            if offer is not None and not offer.local_socket:
+                self._local_ask_at = math.inf  # it takes Step over gRPC only
+            elif offer is not None:
+                unary = LocalUnary(
+                    functools.partial(
+                        open_call,
+                        offer.local_socket,
+                        offer.local_token,
+                        "Step",
+                        response_type=kvcache_pb2.StepResponse,
+                        max_message_bytes=self._max_message_bytes,
+                    )
+                )
+                try:
+                    await unary.connect()
+                    self._local_step = unary
+                except LocalStreamError as exc:  # (another host): gRPC
+                    log.info("no local Step stream to the KV service at %s: %s", self.address, exc.details())
+        self.step_channel = "grpc" if self._local_step is None else "unix"
+        return self._local_step or self._stub.Step
+
     async def step(self, step_input: StepInput) -> StepOutput:
         request = step_input_to_pb(step_input)
         async with self._mutating:
-            response = await self._mutate(self._stub.Step, request)
+            response = await self._mutate(await self._step_rpc(), request)
             try:
                 return step_output_from_pb(response)
             except BlockCopyMismatch as exc:
@@ -254,6 +298,9 @@ class GrpcKVCacheClient(KVCacheClient):
         async with self._mutating:
             response = await self._call(self._stub.Reset, kvcache_pb2.ResetRequest())
             self._out_of_step = None
+            if self._local_step is not None:  # (the service may be another process now: ask again)
+                self._local_step.close()
+                self._local_step, self._local_ask_at = None, 0.0
             return response.num_dropped_sequences
 
     async def check_capacity(self, num_blocks: int) -> bool:
@@ -287,4 +334,6 @@ class GrpcKVCacheClient(KVCacheClient):
             await self._call(self._stub.ImportPrefix, request)
 
     async def close(self) -> None:
+        if self._local_step is not None:
+            self._local_step.close()
         await self._channel.close()

@@ -60,26 +60,31 @@ _TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11's timeout context; N
 
 
 class LocalStreamError(grpc.aio.AioRpcError):
-    """A local stream ended with an error (or its peer went): read as a gRPC call's error."""
+    """A local stream ended with an error (or its peer went): read as a gRPC call's error,
+    with the trailing metadata the handler aborted with."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details=details)
 
 
 class LocalAbort(Exception):
-    """A handler's `context.abort`: ends the stream with this status."""
+    """A handler's `context.abort`: ends the stream with this status (and trailing metadata)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(details)
-        self.code, self.details = code, details
+        self.code, self.details, self.trailing = code, details, tuple(trailing)
 
 
 def _frame(kind: int, body: bytes) -> bytes:
     return _FRAME.pack(len(body), kind) + body
 
 
-def _end_frame(code: grpc.StatusCode, details: str) -> bytes:
-    return _frame(_END, _END_BODY.pack(code.value[0]) + details.encode()[:4096])
+def _end_frame(code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> bytes:
+    """The end: the status code's value, its details, then each trailing "key=value", all
+    NUL-separated (details and metadata hold no NUL)."""
+    parts = [details.replace("\0", " ").encode()[:4096]]
+    parts += [f"{k}={v}".replace("\0", " ").encode()[:1024] for k, v in trailing[:16]]
+    return _frame(_END, _END_BODY.pack(code.value[0]) + b"\0".join(parts))
 
 
 def _status(value: int) -> grpc.StatusCode:
@@ -117,8 +122,8 @@ class LocalContext:
     def peer(self) -> str:
         return "unix:local"
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise LocalAbort(code, details)
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        raise LocalAbort(code, details, tuple(trailing_metadata))
 
 
 class ServerStream:
@@ -226,7 +231,7 @@ class LocalListener:
         try:
             await handler(ServerStream(reader, writer, self.max_message_bytes))
         except LocalAbort as exc:
-            end = _end_frame(exc.code, exc.details)
+            end = _end_frame(exc.code, exc.details, exc.trailing)
         except (ConnectionError, asyncio.CancelledError):
             end = b""
         except Exception as exc:  # a handler's bug ends its stream, not the listener
@@ -348,7 +353,8 @@ class LocalCall:
         code = _status(body[0]) if body else grpc.StatusCode.UNKNOWN
         if code == grpc.StatusCode.OK:
             return None
-        return LocalStreamError(code, body[1:].decode(errors="replace"))
+        details, *pairs = body[1:].decode(errors="replace").split("\0")
+        return LocalStreamError(code, details, tuple(tuple(p.split("=", 1)) for p in pairs if "=" in p))
 
     def _finish(self, error: LocalStreamError | None) -> None:
         if self._ended.done():
@@ -368,6 +374,49 @@ class LocalCall:
     def _error(self) -> LocalStreamError:
         exc = self._ended.exception()
         return exc or LocalStreamError(grpc.StatusCode.UNAVAILABLE, "the local stream ended")
+
+
+class LocalUnary:
+    """One method's unary calls on a local stream (the KV service's Step): each request
+    written gets the one response the peer writes back, in order; the caller makes one call
+    at a time. An error ends the stream (the peer's status, as the gRPC call's), and so does a
+    call that timed out or was cancelled (its answer could still come): the next call opens
+    a new one. Made on an opened stream by `open_stream`, a coroutine giving a LocalCall."""
+
+    def __init__(self, open_stream: Callable[[], Awaitable[LocalCall]]) -> None:
+        self._open_stream = open_stream
+        self._call: LocalCall | None = None
+        self._responses = None
+        self.num_streams = 0  # streams opened (1 while no call failed)
+
+    async def connect(self) -> None:
+        """Open the stream now if none is (LocalStreamError when the socket does not answer)."""
+        if self._call is None:
+            self._call = await self._open_stream()
+            self._responses = aiter(self._call)
+            self.num_streams += 1
+
+    async def __call__(self, request, timeout: float | None = None):
+        await self.connect()
+        try:
+            await self._call.write(request)
+            if timeout is None:
+                return await anext(self._responses)
+            try:
+                return await _within(timeout, anext(self._responses))
+            except TimeoutError:
+                raise LocalStreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout} s") from None
+        except StopAsyncIteration:
+            self.close()
+            raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, "the local stream ended") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = self._responses = None
 
 
 class DirectWrites:

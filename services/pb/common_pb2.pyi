@@ -261,3 +261,15 @@ class ErrorStatus(_message.Message):
     code: int
     message: str
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LocalEndpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LocalEndpointReply(_message.Message):
+    __slots__ = ("local_socket", "local_token")
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    local_socket: str
+    local_token: bytes
+    def __init__(self, local_socket: _Optional[str] = ..., local_token: _Optional[bytes] = ...) -> None: ...

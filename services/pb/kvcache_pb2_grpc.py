@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from services.pb import common_pb2 as pagoda_dot_v1_dot_common__pb2
 from services.pb import kvcache_pb2 as pagoda_dot_v1_dot_kvcache__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -79,6 +80,11 @@ class KVCacheStub:
                 '/pagoda.v1.KVCache/ImportPrefix',
                 request_serializer=pagoda_dot_v1_dot_kvcache__pb2.ImportPrefixRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_kvcache__pb2.ImportPrefixResponse.FromString,
+                _registered_method=True)
+        self.LocalEndpoint = channel.unary_unary(
+                '/pagoda.v1.KVCache/LocalEndpoint',
+                request_serializer=pagoda_dot_v1_dot_common__pb2.LocalEndpointRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_common__pb2.LocalEndpointReply.FromString,
                 _registered_method=True)
 
 
@@ -163,6 +169,15 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LocalEndpoint(self, request, context):
+        """Where Step can also be called on this host (issue 37): an abstract Unix socket and its
+        token (services/local_stream.py). There, a stream of StepRequests gets one StepResponse
+        each, in order; an error ends the stream with the status Step would have ended with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +225,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.ImportPrefix,
                     request_deserializer=pagoda_dot_v1_dot_kvcache__pb2.ImportPrefixRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_kvcache__pb2.ImportPrefixResponse.SerializeToString,
+            ),
+            'LocalEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocalEndpoint,
+                    request_deserializer=pagoda_dot_v1_dot_common__pb2.LocalEndpointRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_common__pb2.LocalEndpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -456,6 +476,33 @@ class KVCache:
             '/pagoda.v1.KVCache/ImportPrefix',
             pagoda_dot_v1_dot_kvcache__pb2.ImportPrefixRequest.SerializeToString,
             pagoda_dot_v1_dot_kvcache__pb2.ImportPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocalEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.KVCache/LocalEndpoint',
+            pagoda_dot_v1_dot_common__pb2.LocalEndpointRequest.SerializeToString,
+            pagoda_dot_v1_dot_common__pb2.LocalEndpointReply.FromString,
             options,
             channel_credentials,
             insecure,

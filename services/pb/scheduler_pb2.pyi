@@ -123,18 +123,6 @@ class ListLoraAdaptersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class LocalEndpointRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class LocalEndpointReply(_message.Message):
-    __slots__ = ("local_socket", "local_token")
-    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    local_socket: str
-    local_token: bytes
-    def __init__(self, local_socket: _Optional[str] = ..., local_token: _Optional[bytes] = ...) -> None: ...
-
 class GetStatsRequest(_message.Message):
     __slots__ = ("include_kv_sequences", "include_requests", "include_timeline")
     INCLUDE_KV_SEQUENCES_FIELD_NUMBER: _ClassVar[int]

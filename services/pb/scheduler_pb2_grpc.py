@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from services.pb import common_pb2 as pagoda_dot_v1_dot_common__pb2
 from services.pb import scheduler_pb2 as pagoda_dot_v1_dot_scheduler__pb2
 from services.pb import worker_pb2 as pagoda_dot_v1_dot_worker__pb2
 
@@ -73,8 +74,8 @@ class SchedulerStub:
                 _registered_method=True)
         self.LocalEndpoint = channel.unary_unary(
                 '/pagoda.v1.Scheduler/LocalEndpoint',
-                request_serializer=pagoda_dot_v1_dot_scheduler__pb2.LocalEndpointRequest.SerializeToString,
-                response_deserializer=pagoda_dot_v1_dot_scheduler__pb2.LocalEndpointReply.FromString,
+                request_serializer=pagoda_dot_v1_dot_common__pb2.LocalEndpointRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_common__pb2.LocalEndpointReply.FromString,
                 _registered_method=True)
 
 
@@ -192,8 +193,8 @@ def add_SchedulerServicer_to_server(servicer, server):
             ),
             'LocalEndpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.LocalEndpoint,
-                    request_deserializer=pagoda_dot_v1_dot_scheduler__pb2.LocalEndpointRequest.FromString,
-                    response_serializer=pagoda_dot_v1_dot_scheduler__pb2.LocalEndpointReply.SerializeToString,
+                    request_deserializer=pagoda_dot_v1_dot_common__pb2.LocalEndpointRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_common__pb2.LocalEndpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -411,8 +412,8 @@ class Scheduler:
             request,
             target,
             '/pagoda.v1.Scheduler/LocalEndpoint',
-            pagoda_dot_v1_dot_scheduler__pb2.LocalEndpointRequest.SerializeToString,
-            pagoda_dot_v1_dot_scheduler__pb2.LocalEndpointReply.FromString,
+            pagoda_dot_v1_dot_common__pb2.LocalEndpointRequest.SerializeToString,
+            pagoda_dot_v1_dot_common__pb2.LocalEndpointReply.FromString,
             options,
             channel_credentials,
             insecure,

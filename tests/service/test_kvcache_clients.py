@@ -1,8 +1,9 @@
 """One suite for the KV-cache client interface, run against every implementation.
 
 `in-process` is `InProcessKVCacheClient` over a `KVCacheManager`; `grpc` is
-`GrpcKVCacheClient` against a `KVCache` grpc.aio server on port 0 in the test's event loop;
-`process` is `GrpcKVCacheClient` against a real `pagoda kvcache` process started through
+`GrpcKVCacheClient` against a `KVCache` grpc.aio server on port 0 in the test's event loop
+(its Step calls on the service's local socket, as on one host), `grpc-only` the same server
+set to take Step over gRPC only (`--step-channel grpc`); `process` is `GrpcKVCacheClient` against a real `pagoda kvcache` process started through
 the CLI. Every test asserts the same exact values for all three.
 """
 
@@ -39,7 +40,7 @@ from services.kv_client import GrpcKVCacheClient, KVCacheClient
 from wiring.launcher import ServiceProcess, free_port, pagoda_command
 
 BS = 4  # block size of every test: small, so block boundaries are easy to hit
-KINDS = ("in-process", "grpc", "process")
+KINDS = ("in-process", "grpc", "grpc-only", "process")
 
 
 @contextlib.asynccontextmanager
@@ -50,8 +51,9 @@ async def open_client(
         client: KVCacheClient = InProcessKVCacheClient(KVCacheManager(num_blocks, BS, watermark=watermark))
         yield client
         await client.close()
-    elif kind == "grpc":
-        config = KVCacheConfig(num_blocks=num_blocks, block_size=BS, watermark=watermark)
+    elif kind in ("grpc", "grpc-only"):
+        channel = "grpc" if kind == "grpc-only" else "auto"
+        config = KVCacheConfig(num_blocks=num_blocks, block_size=BS, watermark=watermark, step_channel=channel)
         server, port, service = create_server(config)
         await server.start()
         await service.start()
@@ -446,4 +448,30 @@ def test_the_same_calls_give_the_same_numbers_on_every_client(tmp_path):
         isinstance(r, NoBlocks) for t in traces["in-process"] if isinstance(t, StepOutput) for r in t.results.values()
     )
     assert traces["grpc"] == traces["in-process"]
+    assert traces["grpc-only"] == traces["in-process"]
     assert traces["process"] == traces["in-process"]
+
+
+@pytest.mark.parametrize("kind,channel", [("grpc", "unix"), ("grpc-only", "grpc"), ("process", "unix")])
+def test_step_takes_the_local_socket_where_the_service_offers_one(tmp_path, kind, channel):
+    """On one host Step goes on the KV service's local socket (issue 37), unless the service
+    is set to gRPC only; a Step that fails there (a sequence not found) ends that stream and
+    the next call opens another; after a reset the client asks for the socket again."""
+
+    async def scenario(c: GrpcKVCacheClient):
+        await c.step(StepInput(new_sequences=[NewSequence(1, [1, 2, 3, 4, 5])], micro_batch_id=1))
+        went = [c.step_channel]
+        with pytest.raises(SequenceNotFound) as missing:
+            await c.step(StepInput(appends=[Append(99, [1])], micro_batch_id=2))
+        out = await c.step(StepInput(appends=[Append(1, [6])], completed_micro_batch_ids=[1], micro_batch_id=3))
+        went.append(c.step_channel)
+        await c.reset()
+        await c.step(StepInput(new_sequences=[NewSequence(2, [1, 2])], micro_batch_id=4))
+        went.append(c.step_channel)
+        streams = c._local_step.num_streams if c._local_step is not None else 0
+        return went, missing.value.seq_id, out, streams
+
+    went, missing, out, streams = run(kind, tmp_path, scenario)
+    assert went == [channel] * 3 and missing == 99
+    assert isinstance(out.results[1], Allocated)
+    assert streams == (1 if channel == "unix" else 0)  # (a fresh one after the reset)

@@ -17,7 +17,7 @@ from support.stack import kill_stack, kill_tree
 from gateway.scheduler_stream import SchedulerStream
 from services import local_stream
 from services.grpc_utils import aio_channel
-from services.pb import scheduler_pb2, scheduler_pb2_grpc
+from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from wiring.launcher import start_stack
 
 MAX_TOKENS = 12
@@ -202,7 +202,7 @@ def test_a_scheduler_set_to_grpc_offers_no_local_socket_and_its_stream_takes_grp
         async def go():
             async with aio_channel(s.scheduler_address) as grpc_channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(grpc_channel)
-                offered = await stub.LocalEndpoint(scheduler_pb2.LocalEndpointRequest())
+                offered = await stub.LocalEndpoint(common_pb2.LocalEndpointRequest())
                 stream = SchedulerStream(stub)
                 tokens = await collect(stream.generate(request(400)))
                 opened = stream.channel
@@ -220,7 +220,7 @@ def test_the_local_socket_refuses_a_wrong_token(stack):
     async def go():
         async with aio_channel(stack.scheduler_address) as grpc_channel:
             stub = scheduler_pb2_grpc.SchedulerStub(grpc_channel)
-            offered = await stub.LocalEndpoint(scheduler_pb2.LocalEndpointRequest())
+            offered = await stub.LocalEndpoint(common_pb2.LocalEndpointRequest())
             with pytest.raises(local_stream.LocalStreamError) as refused:
                 await local_stream.open_call(offered.local_socket, bytes(16), "GenerateStream")
             return offered, refused.value
