@@ -253,6 +253,7 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
         "GenerateStream": (True, True),  # the gateway's one stream per scheduler (issue 37)
         "Abort": (False, False),
         "GetStats": (False, False),
+        "LocalEndpoint": (False, False),  # its GenerateStream on a local socket (issue 37)
         "LoadLoraAdapter": (False, False),
         "UnloadLoraAdapter": (False, False),
         "ListLoraAdapters": (False, False),
@@ -267,6 +268,7 @@ EXPECTED_SERVICES: dict[tuple[ModuleType, str], dict[str, tuple[bool, bool]]] = 
         "SubscribeEvents": (False, True),
         "EventsSnapshot": (False, False),
         "ImportPrefix": (False, False),  # P/D disaggregation, the decode side (issue 39)
+        "LocalEndpoint": (False, False),  # Step on a local socket (issue 37)
     },
     (worker_pb2, "StageWorker"): {
         "Forward": (True, False),
