@@ -2,8 +2,9 @@
 the step computing now), then run in arrival order on the step thread (service/step_thread.py;
 torch; on an emulated device that thread sleeps the step time the profile predicts instead:
 worker_svc/execution/emulated.py), which also builds what the step hands on — the next stage's
-micro-batch, the first stage's fed tokens, the scheduler's report — so the event loop only
-counts and routes. A malformed plan fails that micro-batch only (an error event with a status
+micro-batch, the first stage's fed tokens, the scheduler's report — and counts a step handed
+on, so the event loop only routes what must go through it (the last stage's report, a
+failure). A malformed plan fails that micro-batch only (an error event with a status
 code); whatever one plan raises fails that plan alone, never the thread; should the thread end
 anyway, the stage stops serving (`fatal`: the process exits and its supervisor restarts it)."""
 
@@ -154,7 +155,10 @@ class ComputeLoop:
         if work.error is None and self.outbox is not None:
             self.outbox.send(work.feedback, work.mb.micro_batch_id)
         done = self._done(work)
-        self._loop.call_soon_threadsafe(self._report, done)
+        if done.error.code or self.config.is_last:
+            self._loop.call_soon_threadsafe(self._report, done)
+        else:  # a step handed on: only counted, here (no event-loop wake-up per step)
+            self._count(done)
         if work.error is None and self.downstream is not None:
             self.downstream.submit(work)
 
@@ -227,8 +231,7 @@ class ComputeLoop:
     # --- reports (the event loop) ------------------------------------------------------
 
     def _report_alone(self, done: worker_pb2.MicroBatchDone) -> None:
-        self.stats.num_failed += 1
-        self.stats.num_in_flight = max(0, self.stats.num_in_flight - 1)
+        self.stats.finished(failed=True)
         self.emit(done)
 
     def report_forward_failure(self, work: Work) -> None:
@@ -239,18 +242,20 @@ class ComputeLoop:
 
     def _report(self, done: worker_pb2.MicroBatchDone) -> None:
         """Count the step and report it: a failure at once on Events; a success on Events
-        from the last stage only (with every stage's timing)."""
-        self.stats.num_in_flight -= 1
+        from the last stage only (with every stage's timing; the others count theirs on the
+        step thread)."""
         if done.error.code:
-            self.stats.num_failed += 1
+            self.stats.finished(failed=True)
             code = status_from_value(done.error.code)
             log.warning("micro-batch %d failed: %s %s", done.micro_batch_id, code.name, done.error.message)
             self.emit(done)
             return
+        self._count(done)
+        self.emit(done)
+
+    def _count(self, done: worker_pb2.MicroBatchDone) -> None:
         t = done.timing
-        self.stats.computed(t.num_tokens, t.compute_end_ns - t.compute_start_ns, done.num_block_copies_applied)
-        if self.config.is_last:
-            self.emit(done)
+        self.stats.finished(t.num_tokens, t.compute_end_ns - t.compute_start_ns, done.num_block_copies_applied)
 
     def _trace_spans(self, work: Work) -> None:
         """One span per traced sequence of the micro-batch, under its request's scheduler span."""

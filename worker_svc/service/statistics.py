@@ -3,6 +3,7 @@ scheduler's `LoadInfo` and `/metrics`."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 from services.pb import worker_pb2
@@ -27,6 +28,7 @@ class StageStatistics:
         self.stage, self.epoch, self.device_name = stage, epoch, device_name
         self.progress, self.inbox, self.data_in, self.data_out = progress, inbox, data_in, data_out
         self.started_ns = time.time_ns()
+        self._lock = threading.Lock()  # the counts written by both the event loop and the step thread
         self.cpu = describe_cpu(device_name)
         self.busy_ns = 0
         self.num_micro_batches = 0
@@ -44,15 +46,24 @@ class StageStatistics:
         self.num_imported_blocks = self.num_imported_bytes = 0
 
     def received(self, mb: worker_pb2.MicroBatch) -> None:
-        self.num_received_bytes += mb.ByteSize() + shared_bytes(mb)  # the message, and what it refers to
-        self.num_in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.num_in_flight)
+        size = mb.ByteSize() + shared_bytes(mb)  # the message, and what it refers to
+        with self._lock:
+            self.num_received_bytes += size
+            self.num_in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.num_in_flight)
 
-    def computed(self, num_tokens: int, busy_ns: int, num_block_copies: int) -> None:
-        self.num_micro_batches += 1
-        self.num_tokens += num_tokens
-        self.busy_ns += busy_ns
-        self.num_block_copies += num_block_copies
+    def finished(self, num_tokens: int = 0, busy_ns: int = 0, num_block_copies: int = 0, failed: bool = False) -> None:
+        """A received micro-batch is done (on the event loop, or on the step thread for a step
+        handed on: hence the lock)."""
+        with self._lock:
+            self.num_in_flight = max(0, self.num_in_flight - 1)
+            if failed:
+                self.num_failed += 1
+                return
+            self.num_micro_batches += 1
+            self.num_tokens += num_tokens
+            self.busy_ns += busy_ns
+            self.num_block_copies += num_block_copies
 
     def exported(self, num_bytes: int) -> None:
         self.num_exported_blocks += 1
