@@ -299,6 +299,7 @@ async def measure_cell(arm: StackArm, poller: TimelinePoller, requests, concurre
     return {
         "num_requests": client.num_requests,
         "num_failed": client.num_failed,
+        "errors": sorted({str(r.error) for r in res.records if not r.ok})[:5],  # (what failed, when any did)
         "duration_s": client.duration_s,
         "qps": client.requests_per_s,
         "output_tok_s": client.output_tokens_per_s,
@@ -349,6 +350,8 @@ def _log_cell(settings: EngineSettings, load: str, c: dict) -> None:
         f"gaps ready p50 {_ms(c['ready_gap']['p50_ms'])} stage0 p50 {_ms(c['stage0_gap']['p50_ms'])}",
         flush=True,
     )
+    if c.get("errors"):
+        print(f"    failed: {'; '.join(c['errors'])}", flush=True)
     print(
         f"    CPU ms per micro-batch ({c['stage0_steps']} micro-batches, "
         f"{_num(c.get('kv_steps_per_micro_batch'))} KV round trips each): {_cpu_line(c)}",

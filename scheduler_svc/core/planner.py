@@ -207,7 +207,7 @@ class Planner:
         chunked = self.config.enable_chunked_prefill or self.step_token_cap < self.config.max_num_batched_tokens
         admissions.propose_admissions(draft, self.queue, self.running, self.config.max_num_seqs, chunked, namespace)
         if placeholders.last:
-            placeholders.propose(draft, self.running)
+            placeholders.propose(draft, self.running, self._next_mb_id)
         mb_id = self._next_mb_id if draft.has_tokens else None
         flight = self._flight
         if not (
