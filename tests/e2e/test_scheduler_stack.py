@@ -118,9 +118,12 @@ def test_64_concurrent_requests_equal_transformers_with_preemption(stack, refere
     assert all(st.busy_fraction > 0 for st in s.stages) and len(s.stages) == 2
     assert all(0 < st.bubble_ns for st in s.stages)
     # asynchronous scheduling with two stages: the last stage fed the first its sampled
-    # tokens (the plans carried none), and steps were planned before their input existed
+    # tokens (the plans carried none), and steps were planned before their input existed:
+    # more micro-batches in flight than stages (whether stage 0 then waited for a fed token
+    # is timing: the planner groups rows so that it need not)
     assert s.stages[0].load_info.feedback_connected
-    assert s.stages[0].stats.num_fed_tokens > 0 and s.stages[0].stats.num_feedback_waits > 0
+    assert s.stages[0].stats.num_fed_tokens > 0
+    assert max(e["in_flight"] for e in events if e["event"] == "dispatched") > 2
     assert s.stages[0].stats.num_failed_micro_batches == 0
     # on one host every step stream took a stage's local socket: the plans and results (the
     # scheduler's Forward and Events), the hand-off, the fed tokens (unless a run forces gRPC)
