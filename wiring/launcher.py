@@ -160,6 +160,9 @@ class ServiceProcess:
     # children never outlive the supervisor). Only for a starter whose starting thread
     # lives as long as it does: the kernel ties this to the thread.
     die_with_parent: bool = False
+    # the gRPC health service asked (""): the server's overall health; a named one proves the
+    # process at that port is this service, not another that took the port
+    health_service: str = ""
 
     def start(self) -> None:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
@@ -185,7 +188,7 @@ class ServiceProcess:
         while time.monotonic() < deadline:
             if not self.alive:
                 raise RuntimeError(f"{self.name} exited with code {self.process.returncode}{self._log_tail()}")
-            if check_health(self.health_address, timeout_s=0.5):
+            if check_health(self.health_address, self.health_service, timeout_s=0.5):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not healthy at {self.health_address} after {timeout_s}s{self._log_tail()}")

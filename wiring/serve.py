@@ -24,6 +24,7 @@ from pathlib import Path
 from services import settings as shared
 from services.defaults import MAX_NUM_BATCHED_TOKENS, NUM_KV_BLOCKS
 from services.grpc_utils import INTERNAL_TOKEN_ENV
+from services.pb import gateway_pb2
 from services.settings import Bound, Setting
 from wiring.flags import add_environment_help, add_settings, flag_args, flag_default, service_settings
 from wiring.kv_pool import MemorySetting, model_kv_groups, model_max_len
@@ -319,6 +320,9 @@ def _gateway(
         # keys by environment, not on a command line others can read
         env={API_KEY.variable: " ".join(args.api_key)} if args.api_key else {},
         die_with_parent=True,
+        # its own service's health: "ready" only once this gateway answers (a session 22 CI run
+        # printed it with the gateway dead: another service had its port then, and said SERVING)
+        health_service=gateway_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
     )
 
 
