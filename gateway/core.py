@@ -27,7 +27,7 @@ from gateway.disaggregation import PrefillPool
 from gateway.generation import ChoiceDelta, Finished, GenerationError, GenerationParams, TokenLogprob, TopToken, Usage
 from gateway.read_ahead import ConsumerStalled, read_ahead
 from gateway.replicas import NoReplica, Replica, ReplicaSet, emulated_device, merge_stats, parse_targets
-from services import telemetry
+from services import local_stream, telemetry
 from services.grpc_utils import PIPELINE_DOWN, UNAVAILABLE_REASON_KEY
 from services.pb import common_pb2, scheduler_pb2, worker_pb2
 from services.sampling_pb import options_to_pb
@@ -52,7 +52,9 @@ _FINISH_NAMES = {
 
 
 # how gRPC words a connection that ended under a call: the scheduler's process went away
+# (and how a local stream words it: the gateway's stream on the scheduler's socket)
 _CONNECTION_LOST = (
+    local_stream.PEER_GONE,
     "Stream removed",
     "Socket closed",
     "Connection reset",

@@ -57,6 +57,7 @@ _TOKEN_BYTES = 16
 _MAX_HELLO = 256
 _HIGH_WATER = 4 << 20  # a writer waits (`drain`) once this much is unsent: back-pressure
 _TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11's timeout context; None on 3.10
+PEER_GONE = "the local stream's peer went"  # the details of a stream whose peer went (a caller matches it)
 
 
 class LocalStreamError(grpc.aio.AioRpcError):
@@ -101,7 +102,7 @@ async def _read_frame(reader: asyncio.StreamReader, limit: int) -> tuple[int, by
             )
         return kind, await reader.readexactly(size)
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
-        raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"the local stream's peer went ({exc})") from None
+        raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"{PEER_GONE} ({exc})") from None
 
 
 def _decode(message_type, body: bytes):
@@ -302,7 +303,7 @@ class LocalCall:
                             grpc.StatusCode.UNAVAILABLE, f"the local stream's peer took nothing for {timeout_s:.0f} s"
                         ) from None
         except OSError as exc:
-            raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"the local stream's peer went ({exc})") from None
+            raise LocalStreamError(grpc.StatusCode.UNAVAILABLE, f"{PEER_GONE} ({exc})") from None
 
     async def done_writing(self) -> None:
         if not self._ended.done():
