@@ -145,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             "n_batch": min(args.chunk, 2048),
             "repeats": args.repeats,
         }
+        from bench.vs_llama_cpp_anchor import llama_script
+
         done = subprocess.run(
-            [str(LLAMA_PYTHON), "-c", _LLAMA_PROMPT_EVAL, json.dumps(cfg)],
+            [str(LLAMA_PYTHON), "-c", llama_script(_LLAMA_PROMPT_EVAL), json.dumps(cfg)],
             capture_output=True,
             text=True,
             timeout=1800,

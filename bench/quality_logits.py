@@ -78,7 +78,9 @@ def llama_logits(
     """llama.cpp's logits [windows, n_ctx - 1 - first, vocab] (memory-mapped from `out`) and
     {"eval_s", "version"}, from a subprocess in the llama-cpp-python environment."""
     script = out.with_suffix(".py")
-    script.write_text(_LLAMA_SCRIPT)
+    from bench.vs_llama_cpp_anchor import llama_script
+
+    script.write_text(llama_script(_LLAMA_SCRIPT))
     ids_file = out.with_suffix(".ids.json")
     ids_file.write_text(json.dumps([list(map(int, w)) for w in windows]))
     done = subprocess.run(

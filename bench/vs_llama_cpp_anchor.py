@@ -24,11 +24,6 @@ import json, sys, time, statistics
 import llama_cpp
 from llama_cpp import Llama
 cfg = json.loads(sys.argv[1])
-if cfg.get("no_extra_bufts"):  # (an AMX CPU: ggml's repacked AMX buffers crash on the first eval)
-    _defaults = llama_cpp.llama_cpp.llama_model_default_params
-    def _params():
-        p = _defaults(); p.use_extra_bufts = False; return p
-    llama_cpp.llama_cpp.llama_model_default_params = _params
 t0 = time.perf_counter()
 llm = Llama(model_path=cfg["model"], n_ctx=1024, n_threads=1, n_threads_batch=1, verbose=False)
 load_s = time.perf_counter() - t0
@@ -54,7 +49,7 @@ print(json.dumps({
     "model_size_bytes": int(llama_cpp.llama_model_size(llm.model)),
     "model_n_params": int(llama_cpp.llama_model_n_params(llm.model)),
     "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
-    "runs": runs, "extra_bufts": not cfg.get("no_extra_bufts"),
+    "runs": runs,
     "decode_tok_s": statistics.median(r["decode_tok_s"] for r in meas),
     "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in meas),
 }))
@@ -70,17 +65,34 @@ def llama_env() -> dict[str, str]:
 
 def cpu_has_amx() -> bool:
     """An Intel CPU with AMX: llama.cpp 0.3.36's AMX buffer types segfault on the first eval
-    there (SmolLM2 Q4_1, Xeon family 6 model 167), so the anchor runs without extra buffer
-    types (`use_extra_bufts` off: its AVX-512 kernels), as shared/anchors/llama-cpp.md says."""
+    there (SmolLM2 Q4_1 and a tiny Q8_0, Xeon family 6 model 167), so the anchor runs without
+    extra buffer types (`use_extra_bufts` off: its AVX-512 kernels), as
+    shared/anchors/llama-cpp.md says."""
     try:
         return " amx_tile" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
 
 
+_NO_EXTRA_BUFTS = r"""
+import llama_cpp as _llama_cpp
+_defaults = _llama_cpp.llama_cpp.llama_model_default_params
+def _params():
+    p = _defaults(); p.use_extra_bufts = False; return p
+_llama_cpp.llama_cpp.llama_model_default_params = _params
+"""
+
+
+def llama_script(body: str) -> str:
+    """A llama-cpp-python script as this CPU runs it: without extra buffer types on an AMX CPU."""
+    return (_NO_EXTRA_BUFTS if cpu_has_amx() else "") + body
+
+
 def run_llama(python: Path, model: Path, prompts: list[list[int]], n_out: int) -> dict[str, Any]:
-    cfg = json.dumps({"model": str(model), "prompts": prompts, "n_out": n_out, "no_extra_bufts": cpu_has_amx()})
-    return run_json([str(python), "-c", LLAMA_SCRIPT, cfg], 900, env=llama_env(), cwd=Path("/tmp"))
+    cfg = json.dumps({"model": str(model), "prompts": prompts, "n_out": n_out})
+    out = run_json([str(python), "-c", llama_script(LLAMA_SCRIPT), cfg], 900, env=llama_env(), cwd=Path("/tmp"))
+    out["extra_bufts"] = not cpu_has_amx()
+    return out
 
 
 def llama_server(python: Path, model: Path, run_dir: Path, served: str) -> Server:
