@@ -287,6 +287,9 @@ def test_a_slow_consumer_stalls_nobody_and_is_cut_off(stack):
         ],
     )
     req = gateway_pb2.TextGenerateRequest(text="slow grpc")
+    # (2 choices, as the REST ones: ~1 MB in all, well past what gRPC's own buffers take in
+    # besides the gateway's read-ahead; with one choice a fast run could finish within them)
+    req.options.sampling_params.n = 2
     req.options.sampling_params.max_tokens = 480
     req.options.sampling_params.ignore_eos = True
     req.options.sampling_params.logprobs = 20
@@ -327,7 +330,7 @@ def test_a_slow_consumer_stalls_nobody_and_is_cut_off(stack):
         for b in bodies
     ]
     print(
-        f"\n[chaos] slow consumers: 2 REST (n=2) and 1 gRPC streams unread, 8 other requests done in "
+        f"\n[chaos] slow consumers: 2 REST and 1 gRPC streams (n=2 each) unread, 8 other requests done in "
         f"{elapsed:.1f} s; gateway RSS {rss_before >> 20} -> {rss_after >> 20} MB; unread requests aborted, "
         f"blocks freed after {freed_after:.1f} s; REST bodies {[len(b) >> 10 for b in bodies]} KiB, finish "
         f"reasons {reasons}, gRPC {grpc_reasons}"
@@ -338,4 +341,4 @@ def test_a_slow_consumer_stalls_nobody_and_is_cut_off(stack):
     assert used == 0
     assert reasons == [["abort", "abort"]] * 2
     assert all(b"data: [DONE]" in b for b in bodies)
-    assert grpc_reasons == [common_pb2.FINISH_REASON_ABORT]
+    assert grpc_reasons == [common_pb2.FINISH_REASON_ABORT] * 2
