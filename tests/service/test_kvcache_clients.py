@@ -78,6 +78,8 @@ async def open_client(
                 str(BS),
                 "--watermark",
                 str(watermark),
+                "--step-channel",  # (whatever the environment says: a run forcing gRPC has grpc-only)
+                "auto",
             ),
             health_address=f"127.0.0.1:{port}",
             log_path=log_dir / f"kvcache-{port}.log",

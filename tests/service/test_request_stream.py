@@ -21,6 +21,9 @@ from services.pb import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from wiring.launcher import start_stack
 
 MAX_TOKENS = 12
+# the schedulers here offer their socket whatever the environment says (a run forcing gRPC
+# everywhere, PAGODA_REQUEST_CHANNEL=grpc, still tests both channels of the stream)
+LOCAL = ["--request-channel", "auto"]
 CHANNELS = {"unix": {}, "grpc": {"max_message_bytes": None}}  # SchedulerStream's settings: local first, gRPC only
 channels = pytest.mark.parametrize("channel", list(CHANNELS))
 
@@ -43,6 +46,7 @@ def stack(model_dir, tmp_path_factory):
         block_size=16,
         log_dir=tmp_path_factory.mktemp("rs"),
         threads_per_worker=1,
+        scheduler_args=LOCAL,
     )
     yield s
     kill_stack(s)
@@ -127,6 +131,7 @@ def test_a_scheduler_that_dies_fails_its_streams_requests_unavailable(model_dir,
         block_size=16,
         log_dir=tmp_path_factory.mktemp("rs2"),
         threads_per_worker=1,
+        scheduler_args=LOCAL,
     )
     try:
 
