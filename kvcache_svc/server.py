@@ -43,7 +43,7 @@ from services.kv_codec import (
     step_input_from_pb,
     step_output_to_pb,
 )
-from services.pb import common_pb2, kvcache_pb2, kvcache_pb2_grpc
+from services.pb import kvcache_pb2, kvcache_pb2_grpc
 from services.prefix_hash import ROOT_KEY
 
 log = logging.getLogger(__name__)
@@ -209,10 +209,8 @@ class KVCacheService(kvcache_pb2_grpc.KVCacheServicer):
         async for request in stream.messages(kvcache_pb2.StepRequest):
             await stream.write(await self.Step(request, stream.context))
 
-    async def LocalEndpoint(self, request, context) -> common_pb2.LocalEndpointReply:
-        if self.listener is None:
-            return common_pb2.LocalEndpointReply()
-        return common_pb2.LocalEndpointReply(local_socket=self.listener.address, local_token=self.listener.token)
+    async def LocalEndpoint(self, request, context):
+        return local_stream.endpoint(self.listener)
 
     async def Fork(self, request: kvcache_pb2.ForkRequest, context) -> kvcache_pb2.ForkResponse:
         await self._apply(context, "Fork", StepInput(forks=forks_from_pb(request.forks)))

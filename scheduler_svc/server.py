@@ -171,9 +171,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await stream.write(events)
 
     async def LocalEndpoint(self, request, context):
-        if self.listener is None:
-            return common_pb2.LocalEndpointReply()
-        return common_pb2.LocalEndpointReply(local_socket=self.listener.address, local_token=self.listener.token)
+        return local_stream.endpoint(self.listener)
 
     async def admit(self, request: scheduler_pb2.GenerateRequest, traceparent: str = "", sink=None):
         """A GenerateRequest validated and queued: (the request, its outputs to iterate), or

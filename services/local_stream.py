@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from services.pb import worker_pb2
+from services.pb import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -491,6 +491,14 @@ async def open_call(
     if request is not None:
         await call.write(request)
     return call
+
+
+def endpoint(listener: LocalListener | None) -> common_pb2.LocalEndpointReply:
+    """A service's `LocalEndpoint` answer: its listener's name and token, or empty when it
+    has none (set to gRPC only)."""
+    if listener is None:
+        return common_pb2.LocalEndpointReply()
+    return common_pb2.LocalEndpointReply(local_socket=listener.address, local_token=listener.token)
 
 
 async def try_open(stub, method: str, request=None, response_type=None, max_message_bytes: int = 64 << 20):
